@@ -1,0 +1,62 @@
+"""Shared fixtures: one real WebGPU device for the session (no adapter = failure, never a skip),
+the default models from the cache, and the golden reference data."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("XDG_RUNTIME_DIR", "/tmp")
+
+ROOT = Path(__file__).resolve().parent.parent
+REFERENCE = Path(__file__).resolve().parent / "reference"
+
+
+@pytest.fixture(scope="session")
+def device():
+    """The real adapter's device. Fails loudly when WebGPU is missing."""
+    from webgpu_engine.gpu import request_device_sync
+    dev = request_device_sync()
+    assert dev is not None
+    yield dev
+
+
+@pytest.fixture
+def fresh_device():
+    """A device of its own, for tests that destroy it."""
+    from webgpu_engine.gpu import request_device_sync
+    dev = request_device_sync()
+    yield dev
+    if not dev.lost:
+        dev.close()
+
+
+def _default_model(model_id: str) -> Path:
+    from webgpu_engine import cache
+    return Path(cache.default_model_path(model_id))
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    p = _default_model("SmolLM2-135M-Instruct-Q4_1")
+    assert p.is_file(), f"default chat model missing at {p}: run `make setup`"
+    return p
+
+
+@pytest.fixture(scope="session")
+def minilm_dir() -> Path:
+    p = _default_model("all-MiniLM-L6-v2")
+    assert (p / "model.safetensors").is_file(), f"default embedder missing at {p}: run `make setup`"
+    return p
+
+
+@pytest.fixture(scope="session")
+def smollm2_reference() -> dict:
+    return json.loads((REFERENCE / "smollm2_q4_1_transformers.json").read_text())
+
+
+@pytest.fixture(scope="session")
+def minilm_reference() -> dict:
+    return json.loads((REFERENCE / "minilm_sentence_transformers.json").read_text())

@@ -1,0 +1,66 @@
+"""Configuration types shared by pipelines and the engine (plain dataclasses: they run in Pyodide too).
+
+`ModelRecord` says what to load, `ChatConfig` how to run it (per load), `GenerationConfig` how to
+sample one request — the same split as WebLLM's config.ts.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+
+@dataclass
+class GenerationConfig:
+    """Per-request sampling settings (OpenAI / WebLLM field names)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0                     # 0: off
+    max_tokens: int | None = None      # None: until EOS or the context window is full
+    stop: list[str] = field(default_factory=list)
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    logprobs: bool = False
+    top_logprobs: int = 0
+    seed: int | None = None
+    ignore_eos: bool = False
+    n: int = 1
+
+    def merged(self, **overrides: Any) -> "GenerationConfig":
+        return replace(self, **{k: v for k, v in overrides.items() if v is not None})
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass
+class ChatConfig:
+    """Per-load settings, merged as: file config ← record overrides ← chat_opts."""
+
+    context_window_size: int = 4096
+    prefill_chunk_size: int = 256
+    sliding_window_size: int = -1
+    attention_sink_size: int = 0
+    dtype: str = "auto"                # "auto" | "f32" | "f16": activation precision
+    temperature: float = 0.7
+    top_p: float = 0.95
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop_str: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    system_message: str | None = None
+    max_batch_size: int = 32           # embeddings: sequences per forward pass
+    max_seq_length: int | None = None  # embeddings: truncation length (None: the model's)
+
+    def updated(self, opts: dict | None) -> "ChatConfig":
+        if not opts:
+            return self
+        names = {f.name for f in fields(self)}
+        unknown = set(opts) - names
+        if unknown:
+            raise ValueError(f"Unknown chat_opts fields {sorted(unknown)}; known: {sorted(names)}")
+        return replace(self, **opts)

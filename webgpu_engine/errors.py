@@ -1,0 +1,168 @@
+"""Typed errors of webgpu_engine, named after WebLLM's error.ts; each carries an HTTP status."""
+from __future__ import annotations
+
+
+class WebGPUEngineError(Exception):
+    """Base class. `http_status` is what the server answers; `error_type` goes into OpenAI error JSON."""
+
+    http_status = 500
+    error_type = "server_error"
+    param: str | None = None
+
+    def __init__(self, message: str, *, param: str | None = None):
+        super().__init__(message)
+        if param is not None:
+            self.param = param
+
+    @property
+    def message(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+# --------------------------------------------------------------------------- request validation (400)
+class InvalidRequestError(WebGPUEngineError):
+    """A request field has a value the engine cannot accept; the message says what to change."""
+
+    http_status = 400
+    error_type = "invalid_request_error"
+
+
+class UnclearModelToUseError(InvalidRequestError):
+    def __init__(self, loaded: list[str], request_name: str = "request"):
+        super().__init__(
+            f"Multiple models are loaded in engine ({', '.join(loaded)}). Please specify the model "
+            f"in {request_name}.model.", param="model")
+
+
+class IncorrectPipelineLoadedError(InvalidRequestError):
+    def __init__(self, model_id: str, expected: str, request_name: str):
+        super().__init__(
+            f"{request_name} expects a model of type {expected}, but {model_id} is not one. "
+            f"Load a {expected} model or choose another `model`.", param="model")
+
+
+class EmbeddingUnsupportedModelError(InvalidRequestError):
+    def __init__(self, model_id: str):
+        super().__init__(f"Model {model_id} is not an embedding model; embeddings.create needs one.",
+                         param="model")
+
+
+class ReloadArgumentSizeUnmatchedError(InvalidRequestError):
+    def __init__(self, n_models: int, n_opts: int):
+        super().__init__(
+            f"Expect chat_opts, if specified, to match the size of model_id. Got {n_models} model ids "
+            f"and {n_opts} chat_opts.")
+
+
+class ReloadModelIdNotUniqueError(InvalidRequestError):
+    def __init__(self, model_ids: list[str]):
+        super().__init__(f"Need to make model_id unique when loading several models; got {model_ids}.")
+
+
+# --------------------------------------------------------------------------- models (404 / 409)
+class ModelNotFoundError(WebGPUEngineError):
+    http_status = 404
+    error_type = "invalid_request_error"
+
+
+class SpecifiedModelNotFoundError(ModelNotFoundError):
+    def __init__(self, loaded: list[str], requested: str):
+        super().__init__(
+            f"Specified model {requested} is not loaded. Loaded models: {loaded}. "
+            f"Call engine.reload() with it first.", param="model")
+
+
+class ModelNotInAppConfigError(ModelNotFoundError):
+    def __init__(self, model_id: str, known: list[str]):
+        super().__init__(f"Cannot find model record for {model_id} in the app config. Known: {known}.",
+                         param="model")
+
+
+class ModelNotLoadedError(WebGPUEngineError):
+    http_status = 503
+    error_type = "model_not_loaded"
+
+    def __init__(self, request_name: str = "request"):
+        super().__init__(f"Model not loaded before {request_name}. Call engine.reload(model_id) first.")
+
+
+# --------------------------------------------------------------------------- device and GPU
+class WebGPUNotAvailableError(WebGPUEngineError):
+    http_status = 503
+    error_type = "webgpu_unavailable"
+
+    def __init__(self, detail: str = ""):
+        super().__init__(
+            "WebGPU is not available: no adapter was found. Install a Vulkan/Metal/DX12 driver "
+            "(on Debian: apt-get install mesa-vulkan-drivers)" + (f". {detail}" if detail else "."))
+
+
+class DeviceLostError(WebGPUEngineError):
+    http_status = 503
+    error_type = "device_lost"
+
+    def __init__(self, detail: str = ""):
+        super().__init__(
+            "The WebGPU device was lost (driver reset, out of memory or destroyed)"
+            + (f": {detail}" if detail else "")
+            + ". Loaded models were dropped; call engine.reload() (or enable auto_recover) to continue, "
+            "and try a smaller context window if it ran out of memory.")
+
+
+class GPUOutOfMemoryError(WebGPUEngineError):
+    """An allocation exceeds the device's limits or its memory; nothing of it stays allocated."""
+
+    http_status = 507
+    error_type = "out_of_memory"
+
+
+class ShaderCompileError(WebGPUEngineError):
+    """A WGSL file failed to compile; the message names the file and the line."""
+
+    error_type = "shader_error"
+
+
+class GPUValidationError(WebGPUEngineError):
+    """A WebGPU validation error: a bug in a kernel's host code or shader. The message names the kernel."""
+
+    error_type = "gpu_validation_error"
+
+
+class FeatureSupportError(WebGPUEngineError):
+    http_status = 400
+    error_type = "feature_unsupported"
+
+    def __init__(self, feature: str):
+        super().__init__(
+            f"This model requires WebGPU feature {feature}, which this device does not support. "
+            f"Choose a model or variant that does not need it.")
+
+
+class ShaderF16SupportError(FeatureSupportError):
+    def __init__(self):
+        WebGPUEngineError.__init__(
+            self, "This model requires the WebGPU feature shader-f16, which this device does not "
+            "support. Use the f32 variant of the model (e.g. a *-f32 model id or chat_opts "
+            "{'dtype': 'f32'}) instead.")
+
+
+class ContextWindowTooLargeError(GPUOutOfMemoryError):
+    http_status = 400
+    error_type = "invalid_request_error"
+
+
+# --------------------------------------------------------------------------- artifacts
+class ArtifactError(WebGPUEngineError):
+    error_type = "artifact_error"
+
+
+class ArtifactFetchError(ArtifactError):
+    http_status = 502
+
+
+class IntegrityError(ArtifactError):
+    http_status = 502
+
+
+class NetworkForbiddenError(ArtifactError):
+    http_status = 503

@@ -1,0 +1,350 @@
+"""The gpu layer's backend-neutral interface: device, buffers, pipelines, batches, readback.
+
+Two backends implement it: `native` (wgpu-py: Vulkan, Metal, DX12) and `browser` (Pyodide's FFI on
+navigator.gpu). Nothing above `gpu/` imports wgpu or js. Only device creation and readback are async.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+from ..errors import (DeviceLostError, GPUOutOfMemoryError, GPUValidationError,
+                      ShaderCompileError)
+from .shaders import load_shader_source
+
+STORAGE = "storage"
+UNIFORM = "uniform"
+
+
+def round_up4(n: int) -> int:
+    return max(4, (int(n) + 3) & ~3)
+
+
+@dataclass(frozen=True)
+class AdapterInfo:
+    vendor: str
+    architecture: str
+    description: str
+    backend: str
+    adapter_type: str = ""
+    device: str = ""
+
+    @property
+    def name(self) -> str:
+        return self.device or self.description or self.vendor
+
+
+@dataclass(frozen=True)
+class PipelineKey:
+    file: str
+    entry: str
+    constants: tuple = ()
+    header: str = ""
+
+
+class Buffer:
+    """A GPU buffer (storage or uniform) of `size` bytes (a multiple of 4), counted against `owner`."""
+
+    __slots__ = ("raw", "size", "nbytes", "usage", "owner", "label", "device", "alive")
+
+    def __init__(self, device: "Device", raw: Any, size: int, nbytes: int, usage: str, owner: str,
+                 label: str):
+        self.device, self.raw, self.size, self.nbytes = device, raw, size, nbytes
+        self.usage, self.owner, self.label, self.alive = usage, owner, label, True
+
+    def release(self) -> None:
+        """Free the GPU memory now (idempotent)."""
+        if self.alive:
+            self.alive = False
+            self.device._forget(self)
+
+    def __repr__(self) -> str:
+        return f"Buffer({self.label!r}, {self.size} B, {self.usage}, owner={self.owner!r})"
+
+
+@dataclass
+class Pipeline:
+    key: PipelineKey
+    raw: Any
+    header_lines: int = 0
+
+    @property
+    def name(self) -> str:
+        return f"{self.key.file}:{self.key.entry}"
+
+
+@dataclass
+class BindGroup:
+    raw: Any
+    pipeline: Pipeline
+    buffers: tuple = ()
+
+
+@dataclass
+class Batch:
+    """Dispatches and copies recorded in order, submitted together as one command buffer."""
+
+    ops: list = field(default_factory=list)
+
+    def dispatch(self, pipeline: Pipeline, bind_group: BindGroup, x: int, y: int = 1, z: int = 1):
+        self.ops.append(("d", pipeline, bind_group, int(x), int(y), int(z)))
+        return self
+
+    def copy(self, src: Buffer, dst: Buffer, size: int | None = None, src_offset: int = 0,
+             dst_offset: int = 0):
+        n = src.size - src_offset if size is None else size
+        self.ops.append(("c", src, src_offset, dst, dst_offset, round_up4(n)))
+        return self
+
+    def __len__(self) -> int:
+        return len(self.ops)
+
+
+class Device:
+    """One logical GPU device. Subclasses implement the `_raw_*` hooks and `read`.
+
+    Errors: validation → GPUValidationError naming the kernel; allocation beyond limits or memory →
+    GPUOutOfMemoryError; a lost/destroyed device → DeviceLostError, and every later call fails fast
+    with it (wgpu-py never delivers `device.lost`, so loss is detected from failing calls).
+    """
+
+    backend_name = "abstract"
+
+    def __init__(self, info: AdapterInfo, features: frozenset[str], limits: Mapping[str, int]):
+        self.info, self.features, self.limits = info, frozenset(features), dict(limits)
+        self.lost_reason: str | None = None
+        self._allocated: dict[str, int] = {}
+        self._buffers: set = set()
+        self._pipelines: dict[PipelineKey, Pipeline] = {}
+        self.compile_count = 0
+
+    # ------------------------------------------------------------------ facts
+    @property
+    def has_f16(self) -> bool:
+        return "shader-f16" in self.features
+
+    @property
+    def max_storage_binding(self) -> int:
+        return int(self.limits.get("max-storage-buffer-binding-size", 128 << 20))
+
+    @property
+    def max_buffer_size(self) -> int:
+        return int(self.limits.get("max-buffer-size", 256 << 20))
+
+    @property
+    def lost(self) -> bool:
+        return self.lost_reason is not None
+
+    def describe(self) -> dict:
+        return {"backend": self.backend_name, "adapter": self.info.__dict__,
+                "features": sorted(self.features), "limits": dict(sorted(self.limits.items()))}
+
+    # ------------------------------------------------------------------ memory accounting
+    def allocated_bytes(self, owner: str | None = None) -> int:
+        if owner is None:
+            return sum(self._allocated.values())
+        return self._allocated.get(owner, 0)
+
+    def allocations(self) -> dict[str, int]:
+        return {k: v for k, v in self._allocated.items() if v}
+
+    def release_owner(self, owner: str) -> None:
+        """Free every buffer of `owner` (e.g. one model) at once."""
+        for b in [b for b in self._buffers if b.owner == owner]:
+            b.release()
+
+    def _forget(self, buf: Buffer) -> None:
+        self._buffers.discard(buf)
+        self._allocated[buf.owner] = self._allocated.get(buf.owner, 0) - buf.size
+        try:
+            self._raw_destroy_buffer(buf.raw)
+        except Exception:  # a lost device has nothing left to free
+            pass
+        buf.raw = None
+
+    # ------------------------------------------------------------------ buffers
+    def buffer(self, nbytes: int, *, usage: str = STORAGE, owner: str = "misc", label: str = "") -> Buffer:
+        """A zero-filled buffer of at least `nbytes` (rounded up to 4)."""
+        self.check_alive()
+        size = round_up4(nbytes)
+        if size > self.max_buffer_size:
+            raise GPUOutOfMemoryError(
+                f"Buffer {label or owner!r} needs {size} bytes, more than this device's max buffer size "
+                f"({self.max_buffer_size} bytes).")
+        raw = self._guard(lambda: self._raw_create_buffer(size, usage, label), f"buffer {label!r}")
+        buf = Buffer(self, raw, size, int(nbytes), usage, owner, label)
+        self._buffers.add(buf)
+        self._allocated[owner] = self._allocated.get(owner, 0) + size
+        return buf
+
+    def upload(self, data, *, usage: str = STORAGE, owner: str = "misc", label: str = "") -> Buffer:
+        """A new buffer holding `data` (bytes, memoryview or numpy array), written without host copies."""
+        mv = _as_bytes_view(data)
+        buf = self.buffer(mv.nbytes, usage=usage, owner=owner, label=label)
+        try:
+            self.write(buf, mv)
+        except BaseException:
+            buf.release()
+            raise
+        return buf
+
+    def write(self, buf: Buffer, data, offset: int = 0) -> None:
+        self.check_alive()
+        mv = _as_bytes_view(data)
+        n = mv.nbytes
+        if n % 4:
+            # WebGPU writes must be 4-byte multiples: copy only the short tail.
+            head = n & ~3
+            if head:
+                self._guard(lambda: self._raw_write(buf.raw, offset, mv[:head]), f"write {buf.label!r}")
+            tail = bytes(mv[head:]) + b"\0" * (4 - n % 4)
+            self._guard(lambda: self._raw_write(buf.raw, offset + head, memoryview(tail)),
+                        f"write {buf.label!r}")
+            return
+        self._guard(lambda: self._raw_write(buf.raw, offset, mv), f"write {buf.label!r}")
+
+    async def read(self, buf: Buffer, offset: int = 0, size: int | None = None) -> bytes:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ pipelines
+    def pipeline(self, file: str, entry: str, constants: Mapping[str, float] | None = None,
+                 header: str = "") -> Pipeline:
+        """The compute pipeline for `entry` in `shaders/<file>`, compiled once per
+        (file, entry, constants, header). `header` is WGSL prepended to the file (e.g. `enable f16;`
+        and type aliases for a variant); `constants` set pipeline-overridable constants."""
+        self.check_alive()
+        key = PipelineKey(file, entry, tuple(sorted((constants or {}).items())), header)
+        p = self._pipelines.get(key)
+        if p is None:
+            src = load_shader_source(file)
+            code = header + ("\n" if header and not header.endswith("\n") else "") + src
+            hl = code.count("\n") - src.count("\n")
+            try:
+                raw = self._raw_create_pipeline(code, entry, dict(key.constants), f"{file}:{entry}")
+            except Exception as e:  # noqa: BLE001 - translated right here
+                raise self._translate(e, f"{file}:{entry}", shader=(file, hl)) from None
+            p = Pipeline(key, raw, hl)
+            self._pipelines[key] = p
+            self.compile_count += 1
+        return p
+
+    def bind(self, pipeline: Pipeline, buffers: Sequence) -> BindGroup:
+        """A bind group for group 0: `buffers[i]` goes to binding i; an item may be a Buffer or
+        (Buffer, offset, size) for a window of it."""
+        self.check_alive()
+        entries = []
+        for i, b in enumerate(buffers):
+            if isinstance(b, tuple):
+                buf, off, sz = b
+            else:
+                buf, off, sz = b, 0, b.size
+            if not buf.alive:
+                raise GPUValidationError(f"{pipeline.name}: binding {i} uses a released buffer {buf.label!r}")
+            entries.append((i, buf.raw, off, sz))
+        raw = self._guard(lambda: self._raw_bind(pipeline.raw, entries, pipeline.name), pipeline.name)
+        return BindGroup(raw, pipeline, tuple(buffers))
+
+    # ------------------------------------------------------------------ submission
+    def batch(self) -> Batch:
+        return Batch()
+
+    def submit(self, batch: Batch) -> None:
+        self.check_alive()
+        if batch.ops:
+            self._guard(lambda: self._raw_submit(batch.ops), _batch_names(batch))
+
+    def run(self, pipeline: Pipeline, buffers: Sequence, x: int, y: int = 1, z: int = 1) -> None:
+        """Bind, dispatch and submit one kernel (convenient for tests and one-off work)."""
+        self.submit(self.batch().dispatch(pipeline, self.bind(pipeline, buffers), x, y, z))
+
+    # ------------------------------------------------------------------ life and errors
+    def check_alive(self) -> None:
+        if self.lost_reason is not None:
+            raise DeviceLostError(self.lost_reason)
+
+    def mark_lost(self, reason: str) -> None:
+        if self.lost_reason is None:
+            self.lost_reason = reason
+
+    def destroy(self) -> None:
+        """Destroy the device (what a driver reset does). Later calls raise DeviceLostError."""
+        try:
+            self._raw_destroy_device()
+        finally:
+            self.mark_lost("the device was destroyed")
+
+    def close(self) -> None:
+        """Intentional shutdown: release every buffer; not reported as a loss."""
+        for b in list(self._buffers):
+            b.release()
+        self._pipelines.clear()
+
+    def _guard(self, fn, what: str):
+        self.check_alive()
+        try:
+            return fn()
+        except Exception as e:  # noqa: BLE001 - translated right here
+            raise self._translate(e, what) from None
+
+    def _translate(self, e: Exception, what: str, shader: tuple[str, int] | None = None) -> Exception:
+        msg = str(e)
+        low = msg.lower()
+        if "lost" in low or "destroyed" in low and "device" in low:
+            self.mark_lost(f"{what}: device lost")
+            return DeviceLostError(f"while running {what}")
+        if "out of memory" in low or "outofmemory" in low or "greater than the maximum" in low \
+                or "exceeds" in low and "limit" in low:
+            return GPUOutOfMemoryError(f"{what}: {_first_cause(msg)}")
+        if shader is not None:
+            file, hl = shader
+            m = re.search(r"wgsl:(\d+):(\d+)", msg)
+            where = f"shaders/{file}"
+            if m:
+                where += f":{int(m.group(1)) - hl}:{m.group(2)}"
+            return ShaderCompileError(f"{where}: failed to compile entry point "
+                                      f"{what.split(':')[-1]!r}: {_first_cause(msg)}")
+        return GPUValidationError(f"WebGPU validation error in {what} (a bug in this kernel's host code "
+                                  f"or shader): {_first_cause(msg)}")
+
+    # ------------------------------------------------------------------ backend hooks
+    def _raw_create_buffer(self, size: int, usage: str, label: str):
+        raise NotImplementedError
+
+    def _raw_destroy_buffer(self, raw) -> None:
+        raise NotImplementedError
+
+    def _raw_write(self, raw, offset: int, mv: memoryview) -> None:
+        raise NotImplementedError
+
+    def _raw_create_pipeline(self, code: str, entry: str, constants: dict, label: str):
+        raise NotImplementedError
+
+    def _raw_bind(self, raw_pipeline, entries, label: str):
+        raise NotImplementedError
+
+    def _raw_submit(self, ops: list) -> None:
+        raise NotImplementedError
+
+    def _raw_destroy_device(self) -> None:
+        raise NotImplementedError
+
+
+def _batch_names(batch: Batch) -> str:
+    names = sorted({op[1].name for op in batch.ops if op[0] == "d"})
+    return "submit of [" + ", ".join(names[:8]) + (", ..." if len(names) > 8 else "") + "]"
+
+
+def _first_cause(msg: str) -> str:
+    lines = [ln.strip() for ln in msg.splitlines() if ln.strip()]
+    lines = [ln for ln in lines if ln not in ("Validation Error", "Caused by:") and not ln.startswith("In wgpu")]
+    return " | ".join(lines[:6]) or msg
+
+
+def _as_bytes_view(data) -> memoryview:
+    mv = data if isinstance(data, memoryview) else memoryview(data)
+    if not mv.c_contiguous:
+        raise ValueError("GPU uploads need C-contiguous data")
+    if mv.format != "B" or mv.ndim != 1:
+        mv = mv.cast("B")
+    return mv

@@ -1,0 +1,183 @@
+"""Native gpu backend over wgpu-py (Vulkan, Metal, DX12)."""
+from __future__ import annotations
+
+import os
+
+import wgpu
+
+from ..errors import WebGPUNotAvailableError
+from .base import STORAGE, AdapterInfo, Buffer, Device, round_up4
+
+_OPTIONAL_FEATURES = ("shader-f16", "subgroups", "subgroup", "timestamp-query")
+_MAX_LIMITS = ("max-storage-buffer-binding-size", "max-buffer-size", "max-compute-workgroup-storage-size",
+               "max-compute-invocations-per-workgroup", "max-compute-workgroup-size-x",
+               "max-storage-buffers-per-shader-stage")
+
+_U = wgpu.BufferUsage
+_USAGE = {
+    "storage": _U.STORAGE | _U.COPY_SRC | _U.COPY_DST,
+    "uniform": _U.UNIFORM | _U.COPY_DST,
+}
+
+
+class NativeDevice(Device):
+    backend_name = "wgpu-native"
+
+    def __init__(self, adapter, raw_device):
+        info = adapter.info
+        super().__init__(
+            AdapterInfo(vendor=str(info.get("vendor", "")), architecture=str(info.get("architecture", "")),
+                        description=str(info.get("description", "")), backend=str(info.get("backend_type", "")),
+                        adapter_type=str(info.get("adapter_type", "")), device=str(info.get("device", ""))),
+            frozenset(raw_device.features), dict(raw_device.limits))
+        self.adapter, self.raw = adapter, raw_device
+        self.queue = raw_device.queue
+        self._staging: dict[int, object] = {}
+
+    # ------------------------------------------------------------------ hooks
+    def _raw_create_buffer(self, size: int, usage: str, label: str):
+        return self.raw.create_buffer(size=size, usage=_USAGE[usage], label=label)
+
+    def _raw_destroy_buffer(self, raw) -> None:
+        raw.destroy()
+
+    def _raw_write(self, raw, offset: int, mv: memoryview) -> None:
+        self.queue.write_buffer(raw, offset, mv)
+
+    def _raw_create_pipeline(self, code: str, entry: str, constants: dict, label: str):
+        module = self.raw.create_shader_module(code=code, label=label)
+        stage = {"module": module, "entry_point": entry}
+        if constants:
+            stage["constants"] = constants
+        return self.raw.create_compute_pipeline(layout="auto", compute=stage, label=label)
+
+    def _raw_bind(self, raw_pipeline, entries, label: str):
+        layout = raw_pipeline.get_bind_group_layout(0)
+        return self.raw.create_bind_group(layout=layout, label=label, entries=[
+            {"binding": i, "resource": {"buffer": raw, "offset": off, "size": size}}
+            for i, raw, off, size in entries])
+
+    def _raw_submit(self, ops: list) -> None:
+        enc = self.raw.create_command_encoder()
+        cpass = None
+        last_pipe = None
+        for op in ops:
+            if op[0] == "d":
+                if cpass is None:
+                    cpass, last_pipe = enc.begin_compute_pass(), None
+                _, pipe, bg, x, y, z = op
+                if pipe.raw is not last_pipe:
+                    cpass.set_pipeline(pipe.raw)
+                    last_pipe = pipe.raw
+                cpass.set_bind_group(0, bg.raw)
+                cpass.dispatch_workgroups(x, y, z)
+            else:
+                if cpass is not None:
+                    cpass.end()
+                    cpass = None
+                _, src, so, dst, do, n = op
+                enc.copy_buffer_to_buffer(src.raw, so, dst.raw, do, n)
+        if cpass is not None:
+            cpass.end()
+        self.queue.submit([enc.finish()])
+
+    def _raw_destroy_device(self) -> None:
+        self.raw.destroy()
+
+    # ------------------------------------------------------------------ readback
+    async def read(self, buf: Buffer, offset: int = 0, size: int | None = None) -> bytes:
+        """Copy `size` bytes at `offset` of `buf` to the host (awaits the GPU)."""
+        n = buf.size - offset if size is None else size
+        n4 = round_up4(n)
+        staging = self._guard(lambda: self._staging_buffer(n4), f"readback of {buf.label!r}")
+
+        def _copy():
+            enc = self.raw.create_command_encoder()
+            enc.copy_buffer_to_buffer(buf.raw, offset, staging, 0, n4)
+            self.queue.submit([enc.finish()])
+        self._guard(_copy, f"readback of {buf.label!r}")
+        try:
+            await staging.map_async(wgpu.MapMode.READ, 0, n4)
+            data = bytes(staging.read_mapped(0, n4, copy=False))[:n]
+            staging.unmap()
+        except Exception as e:  # noqa: BLE001
+            raise self._translate(e, f"readback of {buf.label!r}") from None
+        return data
+
+    def read_sync(self, buf: Buffer, offset: int = 0, size: int | None = None) -> bytes:
+        """Blocking readback for scripts and tests (native backend only)."""
+        n = buf.size - offset if size is None else size
+        return bytes(self._guard(lambda: self.queue.read_buffer(buf.raw, offset, round_up4(n)),
+                                 f"readback of {buf.label!r}"))[:n]
+
+    def _staging_buffer(self, n: int):
+        # Reuse one staging buffer per power-of-two size class: per-token readbacks allocate nothing.
+        cls = 1 << max(8, (n - 1).bit_length())
+        s = self._staging.get(cls)
+        if s is None:
+            s = self.raw.create_buffer(size=cls, usage=_U.MAP_READ | _U.COPY_DST, label=f"staging{cls}")
+            self._staging[cls] = s
+        return s
+
+    def close(self) -> None:
+        super().close()
+        for s in self._staging.values():
+            try:
+                s.destroy()
+            except Exception:
+                pass
+        self._staging.clear()
+
+
+def list_adapters() -> list[AdapterInfo]:
+    out = []
+    for a in wgpu.gpu.enumerate_adapters_sync():
+        i = a.info
+        out.append(AdapterInfo(str(i.get("vendor", "")), str(i.get("architecture", "")),
+                               str(i.get("description", "")), str(i.get("backend_type", "")),
+                               str(i.get("adapter_type", "")), str(i.get("device", ""))))
+    return out
+
+
+def _pick_adapter(name: str | None, power_preference: str):
+    if name:
+        for a in wgpu.gpu.enumerate_adapters_sync():
+            i = a.info
+            text = " ".join(str(i.get(k, "")) for k in ("vendor", "device", "description", "backend_type"))
+            if name.lower() in text.lower():
+                return a
+        raise WebGPUNotAvailableError(f"No adapter matches WEBGPU_ENGINE_ADAPTER={name!r}; "
+                                      f"adapters: {[a.name for a in list_adapters()]}")
+    a = wgpu.gpu.request_adapter_sync(power_preference=power_preference)
+    if a is None:
+        raise WebGPUNotAvailableError()
+    return a
+
+
+async def request_device(adapter_name: str | None = None, power_preference: str = "high-performance",
+                         required_features: tuple[str, ...] = ()) -> NativeDevice:
+    """Create a device on the chosen adapter with every optional feature it has and its maximum
+    buffer limits. `adapter_name` (or env WEBGPU_ENGINE_ADAPTER) picks an adapter by substring."""
+    os.environ.setdefault("XDG_RUNTIME_DIR", "/tmp")
+    name = adapter_name or os.environ.get("WEBGPU_ENGINE_ADAPTER")
+    try:
+        adapter = _pick_adapter(name, power_preference)
+    except WebGPUNotAvailableError:
+        raise
+    except Exception as e:  # noqa: BLE001 - no driver at all
+        raise WebGPUNotAvailableError(str(e)) from None
+    feats = set(adapter.features)
+    wanted = [f for f in _OPTIONAL_FEATURES if f in feats]
+    from ..errors import FeatureSupportError, ShaderF16SupportError
+    for f in required_features:
+        if f not in feats:
+            raise ShaderF16SupportError() if f == "shader-f16" else FeatureSupportError(f)
+        if f not in wanted:
+            wanted.append(f)
+    limits = {k: adapter.limits[k] for k in _MAX_LIMITS if k in adapter.limits}
+    raw = await adapter.request_device_async(required_features=wanted, required_limits=limits,
+                                             label="webgpu_engine")
+    return NativeDevice(adapter, raw)
+
+
+__all__ = ["NativeDevice", "request_device", "list_adapters", "STORAGE"]

@@ -1,0 +1,112 @@
+"""Conventions shared by every kernel host function: tensors, prebuilt ops, params, variants.
+
+A kernel host function checks shapes, writes its static parameters into a small uniform buffer once,
+builds the bind group once, and returns an `Op` (a prebuilt list of dispatches). The model records
+`Op`s into a `Batch` each step (`op.record(batch)`) without creating anything: per-step values
+(position, kv length) live in a `step` storage buffer (u32[4] = pos0, n_new, kv_len, 0) that the
+pipeline writes once per step and that kernels needing them bind.
+"""
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from ..gpu import UNIFORM, Batch, Buffer, Device, Pipeline
+
+ACT_DTYPES = ("f32", "f16")
+DTYPE_SIZE = {"f32": 4, "f16": 2, "u32": 4, "i32": 4}
+
+
+@dataclass
+class Tensor:
+    """A view of a GPU buffer as a dense row-major array. `offset` is in bytes."""
+
+    buf: Buffer
+    shape: tuple
+    dtype: str = "f32"
+    offset: int = 0
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= int(s)
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * DTYPE_SIZE[self.dtype]
+
+    def binding(self):
+        """(buffer, offset, size) for a bind group entry, size rounded up to 4 bytes."""
+        return (self.buf, self.offset, (self.nbytes + 3) & ~3)
+
+    def view(self, shape: tuple, offset_elems: int = 0) -> "Tensor":
+        return Tensor(self.buf, tuple(shape), self.dtype, self.offset + offset_elems * DTYPE_SIZE[self.dtype])
+
+
+def new_tensor(dev: Device, shape: Sequence[int], dtype: str = "f32", *, owner: str, label: str = "") -> Tensor:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return Tensor(dev.buffer(n * DTYPE_SIZE[dtype], owner=owner, label=label), tuple(int(s) for s in shape), dtype)
+
+
+@dataclass
+class Op:
+    """Prebuilt dispatches (pipeline, bind group, workgroups) plus the params buffers they own."""
+
+    dispatches: list = field(default_factory=list)
+    buffers: list = field(default_factory=list)
+    name: str = ""
+
+    def add(self, pipeline: Pipeline, bind_group, x: int, y: int = 1, z: int = 1) -> "Op":
+        self.dispatches.append((pipeline, bind_group, int(x), int(y), int(z)))
+        return self
+
+    def record(self, batch: Batch) -> Batch:
+        for p, bg, x, y, z in self.dispatches:
+            batch.dispatch(p, bg, x, y, z)
+        return batch
+
+    def __add__(self, other: "Op") -> "Op":
+        return Op(self.dispatches + other.dispatches, self.buffers + other.buffers, self.name)
+
+    def release(self) -> None:
+        for b in self.buffers:
+            b.release()
+        self.buffers.clear()
+
+
+def run_ops(dev: Device, *ops: Op) -> None:
+    """Record and submit ops at once (tests, one-off work)."""
+    b = dev.batch()
+    for op in ops:
+        op.record(b)
+    dev.submit(b)
+
+
+def act_header(dtype: str) -> str:
+    """WGSL header for an activation-dtype variant: `act`/`act4` aliases (f32 accumulation always)."""
+    if dtype == "f16":
+        return "enable f16;\nalias act = f16;\nalias act4 = vec4<f16>;\n"
+    if dtype == "f32":
+        return "alias act = f32;\nalias act4 = vec4<f32>;\n"
+    raise ValueError(f"activation dtype must be f32 or f16, got {dtype!r}")
+
+
+def params(dev: Device, fields: Sequence, *, owner: str, label: str = "params") -> Buffer:
+    """A uniform buffer with the given scalars packed as 4-byte words (int → u32/i32, float → f32),
+    padded to 16 bytes as WGSL uniform structs require."""
+    raw = b"".join(struct.pack("<f", v) if isinstance(v, float)
+                   else struct.pack("<i" if v < 0 else "<I", v) for v in fields)
+    raw += b"\0" * (-len(raw) % 16 or 0)
+    if not raw:
+        raw = b"\0" * 16
+    return dev.upload(raw, usage=UNIFORM, owner=owner, label=label)
+
+
+def check(cond: bool, kernel: str, msg: str) -> None:
+    if not cond:
+        raise ValueError(f"{kernel}: {msg}")
