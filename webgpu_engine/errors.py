@@ -166,3 +166,12 @@ class IntegrityError(ArtifactError):
 
 class NetworkForbiddenError(ArtifactError):
     http_status = 503
+
+
+# --------------------------------------------------------------------------- model formats
+class UnsupportedModelError(WebGPUEngineError):
+    """A model folder or file uses a layout/feature this engine does not implement; the message
+    names it (e.g. a sentence-transformers Dense module, a pooling mode, an activation)."""
+
+    http_status = 400
+    error_type = "invalid_request_error"

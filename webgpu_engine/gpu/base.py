@@ -190,6 +190,8 @@ class Device:
         return buf
 
     def write(self, buf: Buffer, data, offset: int = 0) -> None:
+        """Write `data` at `offset` (a multiple of 4). A length that is not a multiple of 4 is
+        zero-filled up to the next 4-byte boundary, as WebGPU writes whole words."""
         self.check_alive()
         mv = _as_bytes_view(data)
         n = mv.nbytes

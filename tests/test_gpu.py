@@ -1,0 +1,175 @@
+"""The gpu layer on the real adapter: device facts, buffers, pipeline cache, batching, typed errors."""
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from webgpu_engine.errors import DeviceLostError, GPUOutOfMemoryError, ShaderCompileError
+from webgpu_engine.gpu import request_device_sync
+from webgpu_engine.gpu import shaders as shader_lookup
+
+SCALE_WGSL = """
+// scale: y[i] = x[i] * p.k   dispatch (ceil(n/64),1,1), workgroup 64
+struct P { k: f32, n: u32 }
+@group(0) @binding(0) var<storage, read> x: array<f32>;        // (n)
+@group(0) @binding(1) var<storage, read_write> y: array<f32>;  // (n)
+@group(0) @binding(2) var<uniform> p: P;
+@compute @workgroup_size(64) fn scale(@builtin(global_invocation_id) g: vec3<u32>) {
+    if (g.x < p.n) { y[g.x] = x[g.x] * p.k; }
+}
+"""
+
+BROKEN_WGSL = """
+@group(0) @binding(0) var<storage, read_write> y: array<f32>;
+@compute @workgroup_size(64) fn broken(@builtin(global_invocation_id) g: vec3<u32>) {
+    y[g.x] = undefined_symbol * 2.0;
+}
+"""
+
+
+@pytest.fixture
+def shader_dir(tmp_path):
+    (tmp_path / "scale.wgsl").write_text(SCALE_WGSL)
+    (tmp_path / "broken.wgsl").write_text(BROKEN_WGSL)
+    shader_lookup.set_shader_dir(tmp_path)
+    yield tmp_path
+    shader_lookup.set_shader_dir(None)
+
+
+def test_device_facts(device):
+    assert device.info.backend
+    assert device.max_storage_binding >= 128 << 20
+    assert device.max_buffer_size >= device.max_storage_binding
+    d = device.describe()
+    assert d["features"] == sorted(device.features)
+    assert "max-storage-buffer-binding-size" in d["limits"]
+
+
+@pytest.mark.parametrize("nbytes", [4, 12, 1000, 4096 + 4, 1 << 20, 64 << 20])
+def test_buffer_round_trip_exact(device, nbytes):
+    rng = np.random.default_rng(nbytes)
+    data = rng.integers(0, 256, nbytes, dtype=np.uint8)
+    buf = device.upload(data, owner="test-roundtrip")
+    try:
+        back = asyncio.run(device.read(buf))
+        assert back == data.tobytes()
+    finally:
+        buf.release()
+    assert device.allocated_bytes("test-roundtrip") == 0
+
+
+def test_odd_sizes_round_up_and_partial_write(device):
+    buf = device.buffer(7, owner="test-odd")
+    assert buf.size == 8 and buf.nbytes == 7
+    device.write(buf, b"abcdefg")
+    assert device.read_sync(buf, size=7) == b"abcdefg"
+    device.write(buf, b"WXYZ", offset=4)
+    assert device.read_sync(buf) == b"abcdWXYZ"
+    # A write whose length is not a multiple of 4 zero-fills up to the next 4-byte boundary.
+    device.write(buf, b"XY", offset=4)
+    assert device.read_sync(buf) == b"abcdXY\0\0"
+    buf.release()
+
+
+def test_allocation_accounting_per_owner(device):
+    base = device.allocated_bytes()
+    bufs = [device.buffer(1000, owner="acct-a") for _ in range(3)] + [device.buffer(64, owner="acct-b")]
+    assert device.allocated_bytes("acct-a") == 3 * 1000
+    assert device.allocated_bytes("acct-b") == 64
+    assert device.allocated_bytes() == base + 3064
+    device.release_owner("acct-a")
+    assert device.allocated_bytes("acct-a") == 0 and not bufs[0].alive
+    bufs[3].release()
+    bufs[3].release()  # idempotent
+    assert device.allocated_bytes() == base
+
+
+def test_pipeline_cache_compiles_once_and_batch_runs(device, shader_dir):
+    from webgpu_engine.kernels.common import params
+    n = 1000
+    x = np.arange(n, dtype=np.float32)
+    xb = device.upload(x, owner="t")
+    yb = device.buffer(4 * n, owner="t")
+    before = device.compile_count
+    p1 = device.pipeline("scale.wgsl", "scale")
+    p2 = device.pipeline("scale.wgsl", "scale")
+    assert p1 is p2 and device.compile_count == before + 1
+    # A different header is a different variant.
+    p3 = device.pipeline("scale.wgsl", "scale", header="// variant\n")
+    assert p3 is not p1 and device.compile_count == before + 2
+    # Many dispatches in one batch, one submit: y = x*2, then y2 = y*3.
+    y2 = device.buffer(4 * n, owner="t")
+    u2, u3 = params(device, [2.0, n], owner="t"), params(device, [3.0, n], owner="t")
+    batch = device.batch()
+    batch.dispatch(p1, device.bind(p1, [xb, yb, u2]), (n + 63) // 64)
+    batch.dispatch(p1, device.bind(p1, [yb, y2, u3]), (n + 63) // 64)
+    batch.copy(y2, xb)
+    assert len(batch) == 3
+    device.submit(batch)
+    np.testing.assert_array_equal(np.frombuffer(device.read_sync(xb), np.float32), x * 6)
+    device.release_owner("t")
+
+
+def test_broken_shader_names_file_and_line(device, shader_dir):
+    with pytest.raises(ShaderCompileError) as ei:
+        device.pipeline("broken.wgsl", "broken")
+    msg = str(ei.value)
+    assert "broken.wgsl:4" in msg and "undefined_symbol" in msg
+
+
+def test_broken_shader_line_accounts_for_header(device, shader_dir):
+    with pytest.raises(ShaderCompileError) as ei:
+        device.pipeline("broken.wgsl", "broken", header="alias act = f32;\nalias act4 = vec4<f32>;\n")
+    assert "broken.wgsl:4" in str(ei.value)
+
+
+def test_missing_shader_file(device, shader_dir):
+    with pytest.raises(FileNotFoundError, match="nope.wgsl"):
+        device.pipeline("nope.wgsl", "x")
+
+
+def test_buffer_over_max_size_is_typed_error(device):
+    before = device.allocated_bytes()
+    with pytest.raises(GPUOutOfMemoryError, match="max buffer size"):
+        device.buffer(device.max_buffer_size + 4, owner="too-big")
+    assert device.allocated_bytes() == before
+
+
+def test_device_lost_after_destroy(fresh_device, shader_dir):
+    dev = fresh_device
+    p = dev.pipeline("scale.wgsl", "scale")
+    buf = dev.upload(np.ones(64, np.float32), owner="lost")
+    dev.destroy()
+    assert dev.lost
+    with pytest.raises(DeviceLostError):
+        dev.submit(dev.batch().copy(buf, buf, 16, 0, 16))
+    with pytest.raises(DeviceLostError):
+        asyncio.run(dev.read(buf))
+    with pytest.raises(DeviceLostError):
+        dev.buffer(16)
+    with pytest.raises(DeviceLostError):
+        dev.pipeline("scale.wgsl", "scale", header="// other\n")
+    assert p is not None
+
+
+def test_lost_detected_from_failing_call(fresh_device):
+    """A loss the layer did not cause itself (raw destroy) is detected from the next failing call."""
+    dev = fresh_device
+    buf = dev.upload(np.ones(64, np.float32), owner="lost2")
+    dev.raw.destroy()            # bypass Device.destroy: the layer must notice by itself
+    assert not dev.lost
+    with pytest.raises(DeviceLostError):
+        dev.submit(dev.batch().copy(buf, buf, 16, 0, 16))
+    assert dev.lost
+    with pytest.raises(DeviceLostError):
+        dev.buffer(16)
+
+
+def test_second_device_is_independent():
+    d = request_device_sync()
+    b = d.upload(b"\1\2\3\4", owner="x")
+    assert d.read_sync(b) == b"\1\2\3\4"
+    d.close()
+    assert d.allocated_bytes() == 0

@@ -1,0 +1,5 @@
+"""`python -m webgpu_engine ...`: the command line (see cli.py)."""
+from .cli import main
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,357 @@
+"""The command line: `python -m webgpu_engine info|chat|complete|embed|serve|download|cache|bench`.
+
+Every subcommand imports what it needs lazily, so `--help` and `info` stay fast and work even when
+a heavier layer (the engine, the server, the cache) is broken or missing.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+DEFAULT_CHAT_MODEL = "SmolLM2-135M-Instruct-Q4_1"
+DEFAULT_EMBED_MODEL = "all-MiniLM-L6-v2"
+
+
+# --------------------------------------------------------------------------- info
+def cmd_info(args) -> int:
+    from . import gpu
+    try:
+        dev = gpu.request_device_sync(adapter_name=args.adapter)
+    except Exception as e:  # noqa: BLE001 - shown to the user as is
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    d = dev.describe()
+    if args.json:
+        print(json.dumps(d, indent=2))
+        return 0
+    a = d["adapter"]
+    print(f"adapter:   {dev.info.name}")
+    print(f"vendor:    {a.get('vendor', '')}   type: {a.get('adapter_type', '')}   "
+          f"backend: {a.get('backend', '')} ({d['backend']})")
+    if a.get("description"):
+        print(f"driver:    {a['description']}")
+    print(f"features:  {', '.join(d['features']) or '(none)'}")
+    print(f"shader-f16: {'yes' if dev.has_f16 else 'no (f32 kernels will be used)'}")
+    keys = ("max-storage-buffer-binding-size", "max-buffer-size", "max-compute-workgroup-storage-size",
+            "max-compute-invocations-per-workgroup", "max-storage-buffers-per-shader-stage",
+            "max-compute-workgroups-per-dimension")
+    print("limits:")
+    for k in keys:
+        if k in d["limits"]:
+            v = d["limits"][k]
+            extra = f"  ({v / (1 << 20):.0f} MiB)" if "size" in k and v >= 1 << 20 else ""
+            print(f"  {k:40s} {v}{extra}")
+    if args.all:
+        for k, v in d["limits"].items():
+            if k not in keys:
+                print(f"  {k:40s} {v}")
+    try:
+        from .engine.records import default_app_config
+        print("models (built-in app config):")
+        for r in default_app_config().model_list:
+            print(f"  {r.model_id:32s} {r.model_type:9s} {r.model}")
+    except Exception:  # noqa: BLE001 - info must work even when the engine layer is broken
+        pass
+    dev.close()
+    return 0
+
+
+# --------------------------------------------------------------------------- engine helpers
+def _engine_config(args):
+    from .engine.records import EngineConfig
+
+    def progress(report):
+        if not getattr(args, "quiet", False):
+            print(f"\r[{report['progress'] * 100:5.1f}%] {report['text'][:100]:100s}", end="",
+                  file=sys.stderr, flush=True)
+            if report["progress"] >= 1.0:
+                print(file=sys.stderr)
+    return EngineConfig(init_progress_callback=progress, log_level=args.log_level.upper())
+
+
+def _create(args, model_ids: list[str]):
+    from .engine import create_mlc_engine
+    return create_mlc_engine(model_ids if len(model_ids) > 1 else model_ids[0],
+                             engine_config=_engine_config(args))
+
+
+# --------------------------------------------------------------------------- chat
+async def _chat(args) -> int:
+    engine = await _create(args, [args.model])
+    messages = []
+    if args.system:
+        messages.append({"role": "system", "content": args.system})
+    one_shot = args.prompt is not None
+    try:
+        while True:
+            if one_shot:
+                text = " ".join(args.prompt)
+            else:
+                try:
+                    text = input(">>> ")
+                except EOFError:
+                    print()
+                    break
+                if text.strip() in ("/exit", "/quit"):
+                    break
+                if text.strip() == "/reset":
+                    messages = messages[:1] if args.system else []
+                    await engine.reset_chat()
+                    continue
+                if text.strip() == "/stats":
+                    print(await engine.runtime_stats_text())
+                    continue
+                if not text.strip():
+                    continue
+            messages.append({"role": "user", "content": text})
+            stream = await engine.chat.completions.create(
+                messages=messages, stream=True, max_tokens=args.max_tokens,
+                temperature=args.temperature, seed=args.seed)
+            answer = []
+            async for chunk in stream:
+                if chunk.choices and chunk.choices[0].delta.content:
+                    answer.append(chunk.choices[0].delta.content)
+                    print(chunk.choices[0].delta.content, end="", flush=True)
+            print()
+            messages.append({"role": "assistant", "content": "".join(answer)})
+            if one_shot:
+                break
+    finally:
+        await engine.unload()
+    return 0
+
+
+def cmd_chat(args) -> int:
+    return asyncio.run(_chat(args))
+
+
+# --------------------------------------------------------------------------- complete
+async def _complete(args) -> int:
+    engine = await _create(args, [args.model])
+    try:
+        stream = await engine.completions.create(
+            prompt=" ".join(args.prompt), stream=True, max_tokens=args.max_tokens,
+            temperature=args.temperature, seed=args.seed, echo=args.echo)
+        async for chunk in stream:
+            if chunk.choices:
+                print(chunk.choices[0].text, end="", flush=True)
+        print()
+    finally:
+        await engine.unload()
+    return 0
+
+
+def cmd_complete(args) -> int:
+    return asyncio.run(_complete(args))
+
+
+# --------------------------------------------------------------------------- embed
+async def _embed(args) -> int:
+    engine = await _create(args, [args.model])
+    try:
+        res = await engine.embeddings.create(input=list(args.text))
+    finally:
+        await engine.unload()
+    vecs = [d.embedding for d in res.data]
+    if args.similarity:
+        if len(vecs) < 2:
+            print("error: --similarity needs at least two texts", file=sys.stderr)
+            return 2
+        sims = [[_cosine(a, b) for b in vecs] for a in vecs]
+        width = max(len(t[:30]) for t in args.text)
+        for t, row in zip(args.text, sims):
+            print(f"{t[:30]:{width}s}  " + "  ".join(f"{s:6.3f}" for s in row))
+    else:
+        for t, v in zip(args.text, vecs):
+            print(json.dumps({"text": t, "dim": len(v), "embedding": [round(x, 6) for x in v]}))
+    return 0
+
+
+def _cosine(a, b) -> float:
+    num = sum(x * y for x, y in zip(a, b))
+    den = (sum(x * x for x in a) ** 0.5) * (sum(y * y for y in b) ** 0.5)
+    return num / den if den else 0.0
+
+
+def cmd_embed(args) -> int:
+    return asyncio.run(_embed(args))
+
+
+# --------------------------------------------------------------------------- serve
+def cmd_serve(args) -> int:
+    from .server.app import ServerOptions, run_server
+    models = args.model or [DEFAULT_CHAT_MODEL, DEFAULT_EMBED_MODEL]
+    opts = ServerOptions(models=models, host=args.host, port=args.port, api_key=args.api_key,
+                         max_body_bytes=int(args.max_body_mb * (1 << 20)),
+                         cors_origins=args.cors_origin or ["*"], log_level=args.log_level.upper(),
+                         auto_recover=args.auto_recover)
+    run_server(opts)
+    return 0
+
+
+# --------------------------------------------------------------------------- bench
+def cmd_bench(args) -> int:
+    import runpy
+    bench_dir = Path(args.dir)
+    scripts = sorted(p for p in bench_dir.glob("*.py") if not p.name.startswith("_"))
+    if args.list or not scripts:
+        if not scripts:
+            print(f"no benchmark scripts in {bench_dir}/", file=sys.stderr)
+        for p in scripts:
+            print(p.stem)
+        return 0 if scripts else 1
+    chosen = [p for p in scripts if not args.name or p.stem in args.name]
+    if args.name and len(chosen) != len(set(args.name)):
+        known = ", ".join(p.stem for p in scripts)
+        print(f"error: unknown benchmark in {args.name}; known: {known}", file=sys.stderr)
+        return 2
+    for p in chosen:
+        print(f"== {p.stem}", flush=True)
+        old = sys.argv
+        sys.argv = [str(p), *args.extra]
+        try:
+            runpy.run_path(str(p), run_name="__main__")
+        except SystemExit as e:
+            if e.code not in (0, None):
+                return int(e.code) if isinstance(e.code, int) else 1
+        finally:
+            sys.argv = old
+    return 0
+
+
+# --------------------------------------------------------------------------- parser
+def _missing_cache_cli(name: str):
+    def run(args) -> int:
+        print(f"error: `{name}` needs the artifact cache layer (webgpu_engine.cache.cli), which is not "
+              f"available in this installation.", file=sys.stderr)
+        return 1
+    return run
+
+
+def _add_cache_commands(sub) -> None:
+    """`download` and `cache` belong to the cache layer; it registers them when present."""
+    try:
+        from .cache import cli as cache_cli
+        cache_cli.add_subcommands(sub)
+        return
+    except (ImportError, AttributeError):
+        pass
+    for name, text in (("download", "fetch a model's artifacts into the local cache"),
+                       ("cache", "list or delete cached artifacts")):
+        p = sub.add_parser(name, help=text + " (needs webgpu_engine.cache.cli)",
+                           description=text + ".")
+        p.add_argument("rest", nargs=argparse.REMAINDER)
+        p.set_defaults(func=_missing_cache_cli(name))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="python -m webgpu_engine",
+        description="LLM and embedding engine on any WebGPU device, with WebLLM's MLCEngine API and "
+                    "an OpenAI-compatible server.")
+    ap.add_argument("--log-level", default=os.environ.get("WEBGPU_ENGINE_LOG_LEVEL", "WARNING"),
+                    help="logging level: DEBUG, INFO, WARNING (default), ERROR")
+    sub = ap.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser("info", help="show the WebGPU adapter, its features and limits",
+                       description="Show the WebGPU adapter this machine offers, its features "
+                                   "(shader-f16 ...) and limits, and the built-in models.")
+    p.add_argument("--json", action="store_true", help="print the full description as JSON")
+    p.add_argument("--all", action="store_true", help="print every limit")
+    p.add_argument("--adapter", default=None, help="pick an adapter by name substring")
+    p.set_defaults(func=cmd_info)
+
+    def sampling(p, max_tokens):
+        p.add_argument("--max-tokens", type=int, default=max_tokens, help=f"default {max_tokens}")
+        p.add_argument("--temperature", type=float, default=None,
+                       help="sampling temperature (0 = greedy; default: the model's)")
+        p.add_argument("--seed", type=int, default=None, help="random seed for reproducible sampling")
+        p.add_argument("--quiet", action="store_true", help="no load progress on stderr")
+
+    p = sub.add_parser("chat", help="interactive streaming chat with an LLM",
+                       description="Chat with an LLM, streaming its answers. Multi-turn; /reset starts "
+                                   "over, /stats prints speed, /exit (or Ctrl-D) quits. With PROMPT, "
+                                   "answers once and exits.")
+    p.add_argument("--model", default=DEFAULT_CHAT_MODEL, help=f"model id (default {DEFAULT_CHAT_MODEL})")
+    p.add_argument("--system", default=None, help="system message")
+    sampling(p, 256)
+    p.add_argument("prompt", nargs="*", default=None, help="one-shot prompt (optional)")
+    p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser("complete", help="raw text completion (no chat template)",
+                       description="Continue PROMPT with the model (no chat template) and print it.")
+    p.add_argument("--model", default=DEFAULT_CHAT_MODEL, help=f"model id (default {DEFAULT_CHAT_MODEL})")
+    p.add_argument("--echo", action="store_true", help="print the prompt before the completion")
+    sampling(p, 64)
+    p.add_argument("prompt", nargs="+", help="text to continue")
+    p.set_defaults(func=cmd_complete)
+
+    p = sub.add_parser("embed", help="embed texts (vectors or cosine similarities)",
+                       description="Embed each TEXT and print its vector as JSON lines, or with "
+                                   "--similarity the matrix of cosine similarities.")
+    p.add_argument("--model", default=DEFAULT_EMBED_MODEL, help=f"model id (default {DEFAULT_EMBED_MODEL})")
+    p.add_argument("--similarity", "-s", action="store_true", help="print cosine similarities")
+    p.add_argument("--quiet", action="store_true", help="no load progress on stderr")
+    p.add_argument("text", nargs="+", help="texts to embed")
+    p.set_defaults(func=cmd_embed)
+
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server",
+                       description="Serve /v1/chat/completions, /v1/completions, /v1/embeddings, "
+                                   "/v1/models, /health and /metrics over HTTP.")
+    p.add_argument("--model", action="append", default=None,
+                   help=f"model id to load (repeatable; default {DEFAULT_CHAT_MODEL} and "
+                        f"{DEFAULT_EMBED_MODEL})")
+    p.add_argument("--host", default="127.0.0.1", help="default 127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="default 8000")
+    p.add_argument("--api-key", default=os.environ.get("WEBGPU_ENGINE_API_KEY"),
+                   help="require `Authorization: Bearer KEY` (env WEBGPU_ENGINE_API_KEY)")
+    p.add_argument("--max-body-mb", type=float, default=4.0, help="request body size limit (MiB)")
+    p.add_argument("--cors-origin", action="append", default=None,
+                   help="allowed CORS origin (repeatable; default *)")
+    p.add_argument("--auto-recover", action="store_true",
+                   help="after a device loss, reload the models on the next request")
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("bench", help="run benchmark scripts from bench/",
+                       description="Run the benchmark scripts in bench/ (each prints a table and "
+                                   "writes JSON). Arguments after -- go to the scripts.")
+    p.add_argument("name", nargs="*", help="benchmarks to run (default: all)")
+    p.add_argument("--list", action="store_true", help="list the benchmarks")
+    p.add_argument("--dir", default="bench", help="folder of the scripts (default bench/)")
+    p.add_argument("extra", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    p.set_defaults(func=cmd_bench)
+
+    _add_cache_commands(sub)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("XDG_RUNTIME_DIR", "/tmp")
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.WARNING),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not getattr(args, "func", None):
+        ap.print_help()
+        return 0
+    if getattr(args, "extra", None) and args.extra[:1] == ["--"]:
+        args.extra = args.extra[1:]
+    try:
+        return args.func(args) or 0
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:  # noqa: BLE001 - typed engine errors carry a message meant for users
+        from .errors import WebGPUEngineError
+        if isinstance(e, WebGPUEngineError):
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        raise
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,138 @@
+"""numpy references for the weight layouts the matmul kernels read (tests and benchmarks only).
+
+Written from ggml's block layouts (ggml-common.h), not from the gguf package, so tests can check
+one against the other. f16 is IEEE half. Every function takes the raw bytes of a weight of n rows
+by k columns and returns float64 (n, k). This module imports numpy: never import it in page code.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+# bytes per block and elements per block
+BLOCK = {"q4_0": (18, 32), "q4_1": (20, 32), "q8_0": (34, 32), "q4_k": (144, 256), "q6_k": (210, 256)}
+ELEM = {"f32": 4, "f16": 2, "bf16": 2}
+
+
+def row_bytes(qtype: str, k: int) -> int:
+    """Bytes of one row of k weights in the file layout."""
+    if qtype in ELEM:
+        return k * ELEM[qtype]
+    bs, qk = BLOCK[qtype]
+    if k % qk:
+        raise ValueError(f"{qtype} rows need a multiple of {qk} columns, got {k}")
+    return k // qk * bs
+
+
+def _blocks(raw, qtype: str, n: int, k: int) -> np.ndarray:
+    bs, _ = BLOCK[qtype]
+    a = np.frombuffer(raw, dtype=np.uint8, count=n * row_bytes(qtype, k))
+    return a.reshape(-1, bs)
+
+
+def _f16(b: np.ndarray) -> np.ndarray:
+    # (nb, 2) uint8 → (nb, 1) float64
+    return np.ascontiguousarray(b).view(np.float16).astype(np.float64)
+
+
+def dequantize(raw, qtype: str, n: int, k: int) -> np.ndarray:
+    """(n, k) float64 values of a weight stored as `qtype`."""
+    if qtype == "f32":
+        return np.frombuffer(raw, np.float32, n * k).reshape(n, k).astype(np.float64)
+    if qtype == "f16":
+        return np.frombuffer(raw, np.float16, n * k).reshape(n, k).astype(np.float64)
+    if qtype == "bf16":
+        u = np.frombuffer(raw, np.uint16, n * k).astype(np.uint32) << 16
+        return u.view(np.float32).reshape(n, k).astype(np.float64)
+    b = _blocks(raw, qtype, n, k)
+    out = {"q4_0": _q4_0, "q4_1": _q4_1, "q8_0": _q8_0, "q4_k": _q4_k, "q6_k": _q6_k}[qtype](b)
+    return out.reshape(n, k)
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    # qs (nb, 16): low nibbles are elements 0..15, high nibbles 16..31
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=1).astype(np.float64)
+
+
+def _q4_0(b):   # d f16, qs[16]; (q - 8) * d
+    return (_nibbles(b[:, 2:18]) - 8.0) * _f16(b[:, 0:2])
+
+
+def _q4_1(b):   # d f16, m f16, qs[16]; q * d + m
+    return _nibbles(b[:, 4:20]) * _f16(b[:, 0:2]) + _f16(b[:, 2:4])
+
+
+def _q8_0(b):   # d f16, qs int8[32]; q * d
+    return b[:, 2:34].view(np.int8).astype(np.float64) * _f16(b[:, 0:2])
+
+
+def scale_min_k4(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """ggml's get_scale_min_k4 for all j: scales (nb, 12) → six-bit (sc, m), each (nb, 8)."""
+    s = scales.astype(np.int64)
+    sc = np.empty((s.shape[0], 8), np.int64)
+    mn = np.empty_like(sc)
+    for j in range(8):
+        if j < 4:
+            sc[:, j] = s[:, j] & 63
+            mn[:, j] = s[:, j + 4] & 63
+        else:
+            sc[:, j] = (s[:, j + 4] & 0x0F) | ((s[:, j - 4] >> 6) << 4)
+            mn[:, j] = (s[:, j + 4] >> 4) | ((s[:, j] >> 6) << 4)
+    return sc, mn
+
+
+def _q4_k(b):   # d, dmin f16, scales[12], qs[128]; d*sc*q - dmin*m per 32-element sub-block
+    d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
+    sc, mn = scale_min_k4(b[:, 4:16])
+    qs = b[:, 16:144].reshape(-1, 4, 32)              # 4 groups of 32 bytes = 64 elements each
+    q = np.stack([qs & 0x0F, qs >> 4], axis=2)        # (nb, 4, 2, 32): low nibbles first
+    q = q.reshape(-1, 8, 32).astype(np.float64)        # sub-block j = 2*group + (high nibble)
+    out = d[:, :, None] * sc[:, :, None] * q - dmin[:, :, None] * mn[:, :, None]
+    return out.reshape(-1, 256)
+
+
+def _q6_k(b):   # ql[128], qh[64], scales int8[16], d f16; d*sc*(q - 32) per 16 elements
+    ql, qh = b[:, 0:128].astype(np.int64), b[:, 128:192].astype(np.int64)
+    sc = b[:, 192:208].view(np.int8).astype(np.float64)
+    d = _f16(b[:, 208:210])
+    out = np.empty((b.shape[0], 256), np.float64)
+    for h in range(2):                 # two halves of 128 elements
+        l_ = ql[:, 64 * h:64 * h + 64]
+        hh = qh[:, 32 * h:32 * h + 32]
+        for quarter in range(4):       # elements 32*quarter .. +32 of this half
+            lo = l_[:, 32 * (quarter & 1):32 * (quarter & 1) + 32]
+            lo = (lo >> 4) if quarter >= 2 else (lo & 0x0F)
+            q = lo | (((hh >> (2 * quarter)) & 3) << 4)
+            for half16 in range(2):
+                s = sc[:, 8 * h + 2 * quarter + half16][:, None]
+                e0 = 128 * h + 32 * quarter + 16 * half16
+                out[:, e0:e0 + 16] = d * s * (q[:, 16 * half16:16 * half16 + 16] - 32.0)
+    return out
+
+
+def random_weight(qtype: str, n: int, k: int, rng: np.random.Generator) -> bytes:
+    """Raw bytes of a random (n, k) weight in `qtype`'s file layout: random payload bits with
+    finite, moderate f16 scales (so tests cover every bit pattern of the quants)."""
+    if qtype == "f32":
+        return rng.standard_normal((n, k)).astype(np.float32).tobytes()
+    if qtype == "f16":
+        return rng.standard_normal((n, k)).astype(np.float16).tobytes()
+    if qtype == "bf16":
+        f = rng.standard_normal((n, k)).astype(np.float32)
+        return (f.view(np.uint32) >> 16).astype(np.uint16).tobytes()
+    bs, qk = BLOCK[qtype]
+    nb = n * k // qk
+    b = rng.integers(0, 256, size=(nb, bs), dtype=np.uint8)
+
+    def put_f16(col, lo, hi):
+        b[:, col:col + 2] = rng.uniform(lo, hi, (nb, 1)).astype(np.float16).view(np.uint8).reshape(nb, 2)
+    if qtype in ("q4_0", "q8_0"):
+        put_f16(0, 0.001, 0.05)
+    elif qtype == "q4_1":
+        put_f16(0, 0.001, 0.05)
+        put_f16(2, -0.2, 0.0)
+    elif qtype == "q4_k":
+        put_f16(0, 0.0005, 0.005)
+        put_f16(2, 0.0005, 0.005)
+    elif qtype == "q6_k":
+        put_f16(208, 0.0005, 0.005)
+    return b.tobytes()
