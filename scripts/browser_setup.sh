@@ -29,15 +29,15 @@ if [ ! -f "$VENDOR/pyodide/pyodide.mjs" ]; then
 fi
 
 # 4. Pure-Python wheels the page installs from the same origin (the chat template needs jinja2).
+#    markupsafe publishes only compiled wheels; built from its sdist with the C speedups disabled
+#    (CC=false makes the optional extension fail) it is a py3-none-any wheel that runs in Pyodide.
 mkdir -p "$VENDOR/wheels"
 if ! ls "$VENDOR"/wheels/jinja2-*.whl >/dev/null 2>&1; then
-    "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.13 \
-        --platform any -d "$VENDOR/wheels" "jinja2>=3.1"
+    "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.13 --platform any \
+        -d "$VENDOR/wheels" "jinja2==3.1.6"
 fi
-if ! ls "$VENDOR"/wheels/[Mm]arkup[Ss]afe-*.whl "$VENDOR"/wheels/markupsafe-*.whl >/dev/null 2>&1; then
-    # markupsafe ships a pure-Python fallback in its sdist only; build a py3-none-any wheel from it.
-    "$PY" -m pip wheel -q --no-deps --no-binary=markupsafe -w "$VENDOR/wheels" "markupsafe>=2.0" \
-        || true
+if ! ls "$VENDOR"/wheels/markupsafe-*-py3-none-any.whl >/dev/null 2>&1; then
+    CC=false "$PY" -m pip wheel -q --no-deps --no-binary=markupsafe -w "$VENDOR/wheels" "markupsafe==3.0.4"
 fi
 
 # 5. The project wheel (pure Python: the same package the page imports).

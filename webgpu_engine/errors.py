@@ -175,3 +175,20 @@ class UnsupportedModelError(WebGPUEngineError):
 
     http_status = 400
     error_type = "invalid_request_error"
+
+
+# --------------------------------------------------------------------------- model files
+class ModelFormatError(ArtifactError):
+    """A model file (GGUF, safetensors, config.json, tokenizer) is malformed or uses something we do
+    not support; the message names the file part and what is supported."""
+
+    http_status = 422
+    error_type = "model_format_error"
+
+
+# --------------------------------------------------------------------------- artifact cache
+class CacheQuotaError(ArtifactError):
+    """The cache's disk has too little free space for a download; the message says how much is needed."""
+
+    http_status = 507
+    error_type = "insufficient_storage"

@@ -1,0 +1,147 @@
+"""Kernel benchmark: effective GB/s and GFLOP/s of each matmul variant at the default models' shapes
+(T = 1 decode, T = 128 prefill) on the current adapter, against a plain copy kernel's GB/s.
+
+    python bench/kernels.py [--quick] [--act f32] [--runs 5] [--tm 8] [--wg 64]
+
+Prints a table and writes bench/results/kernels.json. Timing: many dispatches recorded into one
+submit, then a blocking readback; best of --runs (the machine may be shared, so take the best).
+GB/s counts the bytes a kernel must move at least once: weight (GPU layout) + x + y for matmul,
+read + write for the copy.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+os.environ.setdefault("XDG_RUNTIME_DIR", "/tmp")
+
+from webgpu_engine.gpu import request_device_sync  # noqa: E402
+from webgpu_engine.kernels import quant_ref as qr  # noqa: E402
+from webgpu_engine.kernels.common import DTYPE_SIZE, Op, Tensor, new_tensor, params  # noqa: E402
+from webgpu_engine.kernels.matmul import (MatmulConfig, _grid, matmul, upload_weight)  # noqa: E402
+
+OWNER = "bench"
+# (name, n, k, weight types): SmolLM2 (GGUF) and MiniLM (safetensors) shapes
+SHAPES = [
+    ("smollm2.gate_up", 1536, 576, ["q4_1", "q4_0", "q8_0", "q4_k", "q6_k", "f16"]),
+    ("smollm2.down", 576, 1536, ["q4_1", "q4_0", "q8_0", "q4_k", "q6_k", "f16"]),
+    ("smollm2.k", 192, 576, ["q4_1"]),
+    ("smollm2.qkv", 960, 576, ["q4_1"]),
+    ("smollm2.lm_head", 49152, 576, ["q8_0"]),
+    ("minilm.ffn_up", 1536, 384, ["f32", "f16", "bf16"]),
+    ("minilm.ffn_down", 384, 1536, ["f32", "f16", "bf16"]),
+    ("minilm.qkv", 1152, 384, ["f32", "f16"]),
+]
+QUICK = {("smollm2.down", "q4_1"), ("smollm2.gate_up", "q4_1"), ("smollm2.lm_head", "q8_0"),
+         ("minilm.ffn_up", "f32")}
+
+
+def time_op(dev, op: Op, sync_buf, min_s: float, runs: int) -> tuple[float, float]:
+    """Best (wall seconds, process CPU seconds) per execution of `op`. On a CPU adapter (lavapipe)
+    the driver's threads belong to this process, so CPU time is a load-independent second measure."""
+    def run(n: int) -> tuple[float, float]:
+        b = dev.batch()
+        for _ in range(n):
+            op.record(b)
+        t0, c0 = time.perf_counter(), time.process_time()
+        dev.submit(b)
+        dev.read_sync(sync_buf, 0, 4)
+        return time.perf_counter() - t0, time.process_time() - c0
+    run(1)                                   # compile / warm caches
+    n = 1
+    while True:
+        dt = run(n)[0]
+        if dt >= min_s or n >= 4096:
+            break
+        n = min(4096, max(n * 2, int(n * min_s / max(dt, 1e-6))))
+    rs = [run(n) for _ in range(runs)]
+    return min(r[0] for r in rs) / n, min(r[1] for r in rs) / n
+
+
+def bench_copy(dev, nbytes: int, min_s: float, runs: int) -> dict:
+    src = dev.upload(np.random.default_rng(0).integers(0, 2 ** 31, nbytes // 4, dtype=np.uint32), owner=OWNER)
+    dst = dev.buffer(nbytes, owner=OWNER)
+    n4 = nbytes // 16
+    p = params(dev, [n4, 0, 0, 0], owner=OWNER)
+    pipe = dev.pipeline("copy.wgsl", "copy_vec4")
+    gx, gy = _grid(-(-n4 // 64))
+    op = Op().add(pipe, dev.bind(pipe, [p, src, dst]), gx, gy)
+    t, cpu = time_op(dev, op, dst, min_s, runs)
+    src.release()
+    dst.release()
+    return {"kernel": "copy_vec4", "bytes": nbytes, "ms": t * 1e3, "cpu_ms": cpu * 1e3,
+            "GB/s": 2 * nbytes / t / 1e9}
+
+
+def bench_matmul(dev, name, n, k, qtype, T, act, cfg, min_s, runs) -> dict:
+    rng = np.random.default_rng(0)
+    w = upload_weight(dev, qr.random_weight(qtype, n, k, rng), qtype, n, k, owner=OWNER, label=name)
+    x = Tensor(dev.upload(rng.standard_normal((T, k)).astype(np.float32 if act == "f32" else np.float16),
+                          owner=OWNER), (T, k), act)
+    y = new_tensor(dev, (T, n), act, owner=OWNER)
+    op = matmul(dev, x, w, y, config=cfg)
+    t, cpu = time_op(dev, op, y.buf, min_s, runs)
+    moved = w.nbytes + (T * k + T * n) * DTYPE_SIZE[act]
+    w.release()
+    return {"shape": name, "n": n, "k": k, "qtype": qtype, "T": T, "act": act, "ms": t * 1e3,
+            "cpu_ms": cpu * 1e3,
+            "GB/s": moved / t / 1e9, "GFLOP/s": 2 * T * n * k / t / 1e9}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="a few key variants only")
+    ap.add_argument("--act", default="f32", choices=["f32", "f16"])
+    ap.add_argument("--T", default="1,128", help="comma-separated activation row counts")
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--min-s", type=float, default=0.25, help="seconds per timed run")
+    ap.add_argument("--tm", type=int, default=None)
+    ap.add_argument("--wg", type=int, default=None)
+    ap.add_argument("--only", default="", help="substring filter on shape name / qtype")
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "kernels.json"))
+    a = ap.parse_args(argv)
+    dev = request_device_sync()
+    cfg = MatmulConfig()
+    if a.tm:
+        cfg.tm = a.tm
+    if a.wg:
+        cfg.wg = a.wg
+    # two copies: one far larger than caches (DRAM), one the size of a decode weight (cache)
+    copies = [bench_copy(dev, nb, a.min_s, a.runs) for nb in (64 << 20, 1 << 20)]
+    copy = max(copies, key=lambda c: c["GB/s"])
+    print(f"adapter: {dev.info.name} ({dev.info.backend}); config {cfg}")
+    for c in copies:
+        print(f"copy_vec4 {c['bytes'] >> 20:>3} MiB: {c['GB/s']:.2f} GB/s (read + write), "
+              f"{c['ms']:.3f} ms wall, {c['cpu_ms']:.3f} ms cpu")
+    rows = []
+    print(f"{'shape':18} {'n x k':>11} {'qtype':6} {'T':>4} {'ms':>9} {'cpu ms':>9} {'GB/s':>7} "
+          f"{'GFLOP/s':>8} {'%copy':>6}")
+    for name, n, k, qtypes in SHAPES:
+        for q in qtypes:
+            if a.quick and (name, q) not in QUICK:
+                continue
+            if a.only and a.only not in f"{name}:{q}":
+                continue
+            for T in (int(v) for v in a.T.split(",")):
+                r = bench_matmul(dev, name, n, k, q, T, a.act, cfg, a.min_s, a.runs)
+                r["pct_copy"] = 100 * r["GB/s"] / copy["GB/s"]
+                rows.append(r)
+                print(f"{name:18} {n:>5}x{k:<5} {q:6} {T:>4} {r['ms']:9.3f} {r['cpu_ms']:9.3f} {r['GB/s']:7.2f} "
+                      f"{r['GFLOP/s']:8.2f} {r['pct_copy']:5.0f}%", flush=True)
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"adapter": dev.info.__dict__, "config": cfg.__dict__, "act": a.act,
+                               "copy": copy, "copies": copies, "matmul": rows}, indent=1))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,85 @@
+// The demo page: boots Pyodide, loads the default chat model and embedder through the Python engine
+// (weights from this origin, kept in Cache Storage), streams a chat answer and runs an embedding search.
+// `window.demo` exposes the same calls to the browser test.
+import { bootPython } from "./boot.js";
+
+export const CHAT_MODEL = "SmolLM2-135M-Instruct-Q4_1";
+export const EMBED_MODEL = "all-MiniLM-L6-v2";
+const DOCS = [
+  "The cat sleeps on the warm windowsill in the afternoon sun.",
+  "Paris is the capital and largest city of France.",
+  "WebGPU exposes modern GPU compute to web pages.",
+  "A good espresso needs finely ground coffee and hot water under pressure.",
+  "Dogs enjoy long walks in the park.",
+];
+const $ = (id) => document.getElementById(id);
+const params = new URLSearchParams(location.search);
+
+function setProgress(frac, text) {
+  $("progress-fill").style.width = `${Math.round(100 * Math.max(0, Math.min(1, frac)))}%`;
+  if (text) $("status").textContent = text;
+}
+
+async function main() {
+  const py = await bootPython((t) => setProgress(0.02, t));
+  const app = py.pyimport("webgpu_engine.browser.app");
+  const dev = JSON.parse(await app.start(location.href, setProgress));
+  $("device").textContent = `adapter: ${dev.adapter.vendor} ${dev.adapter.architecture}` +
+    ` (${dev.backend}; shader-f16: ${dev.features.includes("shader-f16") ? "yes" : "no — f32 kernels"})`;
+  const t0 = performance.now();
+  // ?models=a,b loads a subset (e.g. only the embedder); chat runs greedy, as the tests compare ids.
+  const models = params.get("models") ? params.get("models").split(",") : [CHAT_MODEL, EMBED_MODEL];
+  const opts = models.map((m) => (m === CHAT_MODEL ? { temperature: 0.0, top_p: 1.0 } : null));
+  const loaded = JSON.parse(await app.load(JSON.stringify(models), JSON.stringify(opts)));
+  const fetched = Object.values(loaded.fetch).reduce((a, s) => a + s.fetched_bytes, 0);
+  const cached = Object.values(loaded.fetch).reduce((a, s) => a + s.cached_bytes, 0);
+  setProgress(1, `models ready in ${((performance.now() - t0) / 1000).toFixed(1)} s ` +
+    `(${(fetched / 2 ** 20).toFixed(0)} MiB fetched, ${(cached / 2 ** 20).toFixed(0)} MiB from the browser cache)`);
+  $("chat-model").textContent = CHAT_MODEL;
+  $("embed-model").textContent = EMBED_MODEL;
+
+  const demo = {
+    loaded,
+    device: dev,
+    async chat(prompt, request = {}) {
+      $("answer").textContent = "";
+      const r = JSON.parse(await app.chat(JSON.stringify([{ role: "user", content: prompt }]),
+        (piece) => { $("answer").textContent += piece; }, JSON.stringify(request)));
+      const tps = r.decode_tokens_per_s;
+      $("chat-stats").textContent = `decode: ${tps ? tps.toFixed(2) : "?"} tokens/s · ` +
+        `${r.usage ? r.usage.completion_tokens : "?"} tokens · first token after ${(r.time_to_first_token_s ?? 0).toFixed(2)} s`;
+      return r;
+    },
+    async greedyIds(promptIds, n) { return JSON.parse(await app.greedy_ids(JSON.stringify(promptIds), n)); },
+    async embed(texts) { return JSON.parse(await app.embed(JSON.stringify(texts))); },
+    async search(query) {
+      const t = performance.now();
+      const ranked = JSON.parse(await app.search(query, JSON.stringify(DOCS)));
+      $("results").innerHTML = "";
+      for (const r of ranked) {
+        const li = document.createElement("li");
+        li.innerHTML = `<span>${r.score.toFixed(3)}</span>`;
+        li.append(r.doc);
+        $("results").append(li);
+      }
+      $("search-stats").textContent = `${DOCS.length + 1} texts embedded in ${((performance.now() - t) / 1000).toFixed(2)} s`;
+      return ranked;
+    },
+  };
+  window.demo = demo;
+  $("send").disabled = $("find").disabled = false;
+  $("chat-form").onsubmit = (e) => { e.preventDefault(); demo.chat($("prompt").value); };
+  $("search-form").onsubmit = (e) => { e.preventDefault(); demo.search($("query").value); };
+  if (params.get("auto") !== "0") {          // the page shows both features without a click
+    if (models.includes(CHAT_MODEL)) await demo.chat($("prompt").value);
+    if (models.includes(EMBED_MODEL)) await demo.search($("query").value);
+  }
+  window.demoReady = true;
+}
+
+main().catch((e) => {
+  console.error(e);
+  $("status").textContent = "error: " + (e.message || e);
+  $("status").className = "error";
+  window.demoError = String(e.message || e);
+});

@@ -1,0 +1,162 @@
+// matmul: y[t, n0 + r] (+)= sum_k x[t, k] * W[r, k] (+ bias[n0 + r]), f32 accumulation.
+// Generic body shared by every weight type: the pipeline is built from the activation header, the
+// consts WG (invocations per workgroup) and RR (weight rows per invocation, 1/2/4), this text, and
+// one `matmul_<qtype>.wgsl` file that declares the weight binding (2) and `wchunk` (32 weights of
+// a row as quants q and affine scales) / `wvec4` (4 plain weights, float types' K % 32 tails).
+// Strategy (tuned for CPU Vulkan, kept as parameters): one invocation owns RR weight rows, no
+// barriers; x words are the same for every invocation of a workgroup (uniform loads) and are
+// shared by the RR rows; the affine form d*dot(q, x) + m*sum(x) saves a multiply per weight.
+
+// 32 weights: value[i] = q[i] * s.x + s.z for i < 4 (the first 16), q[i] * s.y + s.w for i >= 4
+struct WChunk { q: array<vec4<f32>, 8>, s: vec4<f32> }
+// 32 activations and the sums of their two halves
+struct XChunk { v: array<vec4<f32>, 8>, s: vec2<f32> }
+
+struct MatmulParams {
+    K: u32,          // columns of W and x
+    rows: u32,       // rows of W in this part (buffer)
+    T: u32,          // rows of x and y
+    row_words: u32,  // u32 words per weight row in the GPU layout
+    x_off4: u32,     // offset of x in its binding, in act4 units
+    y_off: u32,      // offset of y in its binding, in elements
+    y_stride: u32,   // N: elements per row of y
+    n0: u32,         // first output column of this part
+    b_off: u32,      // offset of bias in its binding, in elements
+    flags: u32,      // bit 0: add bias, bit 1: accumulate into y
+    nchunks: u32,    // K / 32 whole chunks
+    k4: u32,         // K / 4
+}
+
+@group(0) @binding(0) var<uniform> P: MatmulParams;
+@group(0) @binding(1) var<storage, read> x: array<act4>;        // (T, K/4)
+@group(0) @binding(3) var<storage, read_write> y: array<act>;   // (T, N)
+@group(0) @binding(4) var<storage, read> bias: array<f32>;      // (N)
+
+fn xchunk(xb: u32) -> XChunk {
+    var v: array<vec4<f32>, 8>;
+    v[0] = vec4<f32>(x[xb]);
+    v[1] = vec4<f32>(x[xb + 1u]);
+    v[2] = vec4<f32>(x[xb + 2u]);
+    v[3] = vec4<f32>(x[xb + 3u]);
+    v[4] = vec4<f32>(x[xb + 4u]);
+    v[5] = vec4<f32>(x[xb + 5u]);
+    v[6] = vec4<f32>(x[xb + 6u]);
+    v[7] = vec4<f32>(x[xb + 7u]);
+    let lo = (v[0] + v[1]) + (v[2] + v[3]);
+    let hi = (v[4] + v[5]) + (v[6] + v[7]);
+    return XChunk(v, vec2<f32>(dot(lo, vec4<f32>(1.0)), dot(hi, vec4<f32>(1.0))));
+}
+
+fn cdot(w: WChunk, a: XChunk) -> f32 {
+    var lo = w.q[0] * a.v[0];
+    lo = fma(w.q[1], a.v[1], lo);
+    lo = fma(w.q[2], a.v[2], lo);
+    lo = fma(w.q[3], a.v[3], lo);
+    var hi = w.q[4] * a.v[4];
+    hi = fma(w.q[5], a.v[5], hi);
+    hi = fma(w.q[6], a.v[6], hi);
+    hi = fma(w.q[7], a.v[7], hi);
+    let one = vec4<f32>(1.0);
+    return dot(w.s, vec4<f32>(dot(lo, one), dot(hi, one), a.s.x, a.s.y));
+}
+
+// the K % 32 tail of float weights: 4 weights at a time
+fn tail(base: u32, xr: u32) -> f32 {
+    var acc = vec4<f32>(0.0);
+    for (var k4 = P.nchunks * 8u; k4 < P.k4; k4++) {
+        acc = fma(wvec4(base, k4), vec4<f32>(x[xr + k4]), acc);
+    }
+    return dot(acc, vec4<f32>(1.0));
+}
+
+fn store(t: u32, r: u32, sum: f32) {
+    if (t >= P.T || r >= P.rows) { return; }
+    let n = P.n0 + r;
+    var v = sum;
+    if ((P.flags & 1u) != 0u) { v += bias[P.b_off + n]; }
+    let o = P.y_off + t * P.y_stride + n;
+    if ((P.flags & 2u) != 0u) { v += f32(y[o]); }
+    y[o] = act(v);
+}
+
+// matmul: RR weight rows r0.. of one activation row t (decode: T = 1).
+// dispatch (ceil(rows / (WG * RR)), T, 1), workgroup WG
+@compute @workgroup_size(WG)
+fn matmul(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    let r0 = (wid.x * WG + lid) * RR;
+    if (r0 >= P.rows) { return; }   // no barriers anywhere: early exit is safe
+    let t = wid.y;
+    let last = P.rows - 1u;         // rows past the end re-read the last row and are not written
+    let b0 = r0 * P.row_words;
+    let b1 = min(r0 + 1u, last) * P.row_words;
+    let b2 = min(r0 + 2u, last) * P.row_words;
+    let b3 = min(r0 + 3u, last) * P.row_words;
+    let xr = P.x_off4 + t * (P.K / 4u);
+    var a0 = 0.0;
+    var a1 = 0.0;
+    var a2 = 0.0;
+    var a3 = 0.0;
+    for (var c = 0u; c < P.nchunks; c++) {
+        let xc = xchunk(xr + c * 8u);
+        a0 += cdot(wchunk(b0, c), xc);
+        if (RR > 1u) { a1 += cdot(wchunk(b1, c), xc); }
+        if (RR > 2u) {
+            a2 += cdot(wchunk(b2, c), xc);
+            a3 += cdot(wchunk(b3, c), xc);
+        }
+    }
+    if (P.k4 > P.nchunks * 8u) {
+        a0 += tail(b0, xr);
+        if (RR > 1u) { a1 += tail(b1, xr); }
+        if (RR > 2u) { a2 += tail(b2, xr); a3 += tail(b3, xr); }
+    }
+    store(t, r0, a0);
+    if (RR > 1u) { store(t, r0 + 1u, a1); }
+    if (RR > 2u) { store(t, r0 + 2u, a2); store(t, r0 + 3u, a3); }
+}
+
+// matmul_tile: RR (1 or 2) weight rows x 4 activation rows t0..t0+3 (prefill): each weight chunk
+// is decoded once per 4 rows of x. dispatch (ceil(rows / (WG * RR)), ceil(T / 4), 1), workgroup WG
+@compute @workgroup_size(WG)
+fn matmul_tile(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    let r0 = (wid.x * WG + lid) * RR;
+    if (r0 >= P.rows) { return; }
+    let t0 = wid.y * 4u;
+    let b0 = r0 * P.row_words;
+    let b1 = min(r0 + 1u, P.rows - 1u) * P.row_words;
+    let xk4 = P.K / 4u;
+    let lt = P.T - 1u;      // x rows past T re-read row T-1 and are not written
+    let x0 = P.x_off4 + t0 * xk4;
+    let x1 = P.x_off4 + min(t0 + 1u, lt) * xk4;
+    let x2 = P.x_off4 + min(t0 + 2u, lt) * xk4;
+    let x3 = P.x_off4 + min(t0 + 3u, lt) * xk4;
+    var a00 = 0.0; var a01 = 0.0; var a02 = 0.0; var a03 = 0.0;   // row r0, x rows t0..t0+3
+    var a10 = 0.0; var a11 = 0.0; var a12 = 0.0; var a13 = 0.0;   // row r0 + 1
+    for (var c = 0u; c < P.nchunks; c++) {
+        let o = c * 8u;
+        let w0 = wchunk(b0, c);
+        var w1: WChunk;
+        if (RR > 1u) { w1 = wchunk(b1, c); }
+        var xc = xchunk(x0 + o);
+        a00 += cdot(w0, xc);
+        if (RR > 1u) { a10 += cdot(w1, xc); }
+        xc = xchunk(x1 + o);
+        a01 += cdot(w0, xc);
+        if (RR > 1u) { a11 += cdot(w1, xc); }
+        xc = xchunk(x2 + o);
+        a02 += cdot(w0, xc);
+        if (RR > 1u) { a12 += cdot(w1, xc); }
+        xc = xchunk(x3 + o);
+        a03 += cdot(w0, xc);
+        if (RR > 1u) { a13 += cdot(w1, xc); }
+    }
+    if (P.k4 > P.nchunks * 8u) {
+        a00 += tail(b0, x0); a01 += tail(b0, x1); a02 += tail(b0, x2); a03 += tail(b0, x3);
+        if (RR > 1u) { a10 += tail(b1, x0); a11 += tail(b1, x1); a12 += tail(b1, x2); a13 += tail(b1, x3); }
+    }
+    store(t0, r0, a00); store(t0 + 1u, r0, a01); store(t0 + 2u, r0, a02); store(t0 + 3u, r0, a03);
+    if (RR > 1u) {
+        store(t0, r0 + 1u, a10); store(t0 + 1u, r0 + 1u, a11);
+        store(t0 + 2u, r0 + 1u, a12); store(t0 + 3u, r0 + 1u, a13);
+    }
+}

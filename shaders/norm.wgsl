@@ -1,0 +1,95 @@
+// Row normalisations over the last axis, f32 accumulation, one invocation per row
+// (lavapipe runs row-per-invocation faster than cooperative reductions with barriers).
+//   rms_norm:       y[t,:] = x[t,:] / sqrt(mean(x[t,:]^2) + eps) * w
+//   layer_norm:     y[t,:] = (x[t,:] - mean) / sqrt(var + eps) * w + b
+//   layer_norm_res: the same on h = x + r (fused residual add); y may alias x or r.
+// dispatch (ceil(T/64) split over x,y), workgroup 64. `act` is f32 or f16 (host header).
+// Every activation binding is read_write so that the host may alias y with x or r.
+
+struct Params {
+    rows: u32,   // T
+    cols: u32,   // C
+    x_off: u32,  // element offsets of the tensors inside their bindings
+    y_off: u32,
+    r_off: u32,
+    eps: f32,
+    _p0: u32,
+    _p1: u32,
+}
+
+@group(0) @binding(0) var<uniform> p: Params;
+@group(0) @binding(1) var<storage, read_write> x: array<act>;  // (T, C)
+@group(0) @binding(2) var<storage, read> w: array<f32>;        // (C)
+@group(0) @binding(3) var<storage, read_write> y: array<act>;  // (T, C)
+@group(0) @binding(4) var<storage, read> b: array<f32>;        // (C)
+@group(0) @binding(5) var<storage, read_write> r: array<act>;  // (T, C)
+
+const WG: u32 = 64u;
+
+fn row_index(wid: vec3<u32>, nwg: vec3<u32>, lid: u32) -> u32 {
+    return (wid.y * nwg.x + wid.x) * WG + lid;
+}
+
+@compute @workgroup_size(64)
+fn rms_norm(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+            @builtin(local_invocation_index) lid: u32) {
+    let t = row_index(wid, nwg, lid);
+    if (t >= p.rows) { return; }
+    let xb = p.x_off + t * p.cols;
+    let yb = p.y_off + t * p.cols;
+    var ss = 0.0;
+    for (var c = 0u; c < p.cols; c++) {
+        let v = f32(x[xb + c]);
+        ss += v * v;
+    }
+    let inv = inverseSqrt(ss / f32(p.cols) + p.eps);
+    for (var c = 0u; c < p.cols; c++) {
+        y[yb + c] = act(f32(x[xb + c]) * inv * w[c]);
+    }
+}
+
+@compute @workgroup_size(64)
+fn layer_norm(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+              @builtin(local_invocation_index) lid: u32) {
+    let t = row_index(wid, nwg, lid);
+    if (t >= p.rows) { return; }
+    let xb = p.x_off + t * p.cols;
+    let yb = p.y_off + t * p.cols;
+    var s = 0.0;
+    for (var c = 0u; c < p.cols; c++) { s += f32(x[xb + c]); }
+    let mean = s / f32(p.cols);
+    // two-pass variance: no cancellation when |mean| >> std
+    var vs = 0.0;
+    for (var c = 0u; c < p.cols; c++) {
+        let d = f32(x[xb + c]) - mean;
+        vs += d * d;
+    }
+    let inv = inverseSqrt(vs / f32(p.cols) + p.eps);
+    for (var c = 0u; c < p.cols; c++) {
+        y[yb + c] = act((f32(x[xb + c]) - mean) * inv * w[c] + b[c]);
+    }
+}
+
+@compute @workgroup_size(64)
+fn layer_norm_res(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                  @builtin(local_invocation_index) lid: u32) {
+    let t = row_index(wid, nwg, lid);
+    if (t >= p.rows) { return; }
+    let xb = p.x_off + t * p.cols;
+    let rb = p.r_off + t * p.cols;
+    let yb = p.y_off + t * p.cols;
+    var s = 0.0;
+    for (var c = 0u; c < p.cols; c++) { s += f32(x[xb + c]) + f32(r[rb + c]); }
+    let mean = s / f32(p.cols);
+    var vs = 0.0;
+    for (var c = 0u; c < p.cols; c++) {
+        let d = f32(x[xb + c]) + f32(r[rb + c]) - mean;
+        vs += d * d;
+    }
+    let inv = inverseSqrt(vs / f32(p.cols) + p.eps);
+    // element c is read before it is written, so y may alias x or r
+    for (var c = 0u; c < p.cols; c++) {
+        let h = f32(x[xb + c]) + f32(r[rb + c]);
+        y[yb + c] = act((h - mean) * inv * w[c] + b[c]);
+    }
+}

@@ -1,0 +1,84 @@
+// Sequence pooling over the valid tokens of each padded sequence, and L2 normalisation.
+//   x (B*S, C) act; lengths (B) u32 (token s of sequence b is valid iff s < lengths[b]);
+//   y (B, C) `outt` (f32 or f16, may differ from act).
+//   mean_pool: y[b,c] = mean_{s < len} x[b*S+s, c]   (0 for an empty sequence)
+//   max_pool:  y[b,c] = max_{s < len} x[b*S+s, c]    (0 for an empty sequence)
+//   cls_pool:  y[b,c] = x[b*S, c]
+//   invocation per (b, c); dispatch ceil(B*C / 64) split over x,y.
+//   l2_normalize: y[b,:] = x[b,:] / max(||x[b,:]||, 1e-12) (torch F.normalize); invocation per row.
+
+struct Params {
+    batch: u32,   // B (rows for l2_normalize)
+    seq: u32,     // S
+    cols: u32,    // C
+    x_off: u32,
+    y_off: u32,
+    eps: f32,
+    _p0: u32,
+    _p1: u32,
+}
+
+@group(0) @binding(0) var<uniform> p: Params;
+@group(0) @binding(1) var<storage, read_write> x: array<act>;     // (B*S, C)
+@group(0) @binding(2) var<storage, read> lengths: array<u32>;     // (B)
+@group(0) @binding(3) var<storage, read_write> y: array<outt>;    // (B, C)
+@group(0) @binding(2) var<storage, read_write> yn: array<outt>;   // l2_normalize output
+
+const WG: u32 = 64u;
+
+fn flat(wid: vec3<u32>, nwg: vec3<u32>, lid: u32) -> u32 {
+    return (wid.y * nwg.x + wid.x) * WG + lid;
+}
+
+@compute @workgroup_size(64)
+fn mean_pool(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+             @builtin(local_invocation_index) lid: u32) {
+    let i = flat(wid, nwg, lid);
+    if (i >= p.batch * p.cols) { return; }
+    let b = i / p.cols;
+    let c = i % p.cols;
+    let n = min(lengths[b], p.seq);
+    var s = 0.0;
+    for (var t = 0u; t < n; t++) { s += f32(x[p.x_off + (b * p.seq + t) * p.cols + c]); }
+    y[p.y_off + i] = outt(s / f32(max(n, 1u)));
+}
+
+@compute @workgroup_size(64)
+fn max_pool(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+            @builtin(local_invocation_index) lid: u32) {
+    let i = flat(wid, nwg, lid);
+    if (i >= p.batch * p.cols) { return; }
+    let b = i / p.cols;
+    let c = i % p.cols;
+    let n = min(lengths[b], p.seq);
+    var m = select(0.0, -3.0e38, n > 0u);
+    for (var t = 0u; t < n; t++) { m = max(m, f32(x[p.x_off + (b * p.seq + t) * p.cols + c])); }
+    y[p.y_off + i] = outt(m);
+}
+
+@compute @workgroup_size(64)
+fn cls_pool(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+            @builtin(local_invocation_index) lid: u32) {
+    let i = flat(wid, nwg, lid);
+    if (i >= p.batch * p.cols) { return; }
+    let b = i / p.cols;
+    let c = i % p.cols;
+    // lengths is bound so that every pooling op shares one signature
+    let keep = select(0.0, 1.0, lengths[b] > 0u);
+    y[p.y_off + i] = outt(f32(x[p.x_off + b * p.seq * p.cols + c]) * keep);
+}
+
+@compute @workgroup_size(64)
+fn l2_normalize(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                @builtin(local_invocation_index) lid: u32) {
+    let b = flat(wid, nwg, lid);
+    if (b >= p.batch) { return; }
+    let xb = p.x_off + b * p.cols;
+    var ss = 0.0;
+    for (var c = 0u; c < p.cols; c++) {
+        let v = f32(x[xb + c]);
+        ss += v * v;
+    }
+    let inv = 1.0 / max(sqrt(ss), p.eps);
+    for (var c = 0u; c < p.cols; c++) { yn[p.y_off + b * p.cols + c] = outt(f32(x[xb + c]) * inv); }
+}

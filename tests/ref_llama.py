@@ -1,0 +1,122 @@
+"""numpy reference forward pass of a Llama-family decoder (Llama, Qwen2, Mistral), for tests.
+
+Independent of the GPU code: it takes dequantized float weights under our tensor names
+(loaders' GGUF_TO_OURS names: embed, norm, lm_head, layers.{i}.{attn_norm,q,k,v,q_bias,...}) and a
+LlamaConfig, and computes all positions at once in float64 (or float32):
+
+    x = embed[ids]
+    for layer: x += o(attn(rope(q(norm(x))), rope(k(norm(x))), v(norm(x))))   (GQA, causal)
+               x += down(silu(gate(norm(x))) * up(norm(x)))
+    logits = lm_head(norm(x))                                                 (lm_head = embed if tied)
+"""
+from __future__ import annotations
+
+import numpy as np
+
+
+def weights_from_infos(infos: dict, dtype=np.float64) -> dict:
+    """{our name: TensorInfo} (bytes as stored) -> {our name: float array}, dequantized on the host."""
+    from webgpu_engine.kernels.quant_ref import dequantize
+    out = {}
+    for name, t in infos.items():
+        if len(t.shape) == 1:
+            out[name] = dequantize(t.data, t.qtype, 1, t.shape[0]).reshape(-1).astype(dtype)
+        else:
+            n = int(np.prod(t.shape[:-1]))
+            out[name] = dequantize(t.data, t.qtype, n, t.shape[-1]).reshape(t.shape).astype(dtype)
+    return out
+
+
+def rms_norm(x, w, eps):
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
+
+
+def rope(x, pos, rot_dim, base, neox):
+    """x (T, H, D): rotate the first rot_dim dims of each head; pairs are (i, i + rot/2) when neox,
+    else (2i, 2i + 1)."""
+    half = rot_dim // 2
+    inv = base ** (-np.arange(half, dtype=np.float64) * 2.0 / rot_dim)           # (half,)
+    ang = pos[:, None].astype(np.float64) * inv[None, :]                          # (T, half)
+    cos, sin = np.cos(ang)[:, None, :].astype(x.dtype), np.sin(ang)[:, None, :].astype(x.dtype)
+    y = x.copy()
+    if neox:
+        a, b = x[..., :half], x[..., half:rot_dim]
+        y[..., :half] = a * cos - b * sin
+        y[..., half:rot_dim] = a * sin + b * cos
+    else:
+        a, b = x[..., 0:rot_dim:2], x[..., 1:rot_dim:2]
+        y[..., 0:rot_dim:2] = a * cos - b * sin
+        y[..., 1:rot_dim:2] = a * sin + b * cos
+    return y
+
+
+def silu(x):
+    return x / (1.0 + np.exp(-x))
+
+
+class RefLlama:
+    """Keeps a KV cache so it can also check incremental (prefill then decode) use."""
+
+    def __init__(self, cfg, weights: dict, dtype=np.float64):
+        self.cfg, self.dtype = cfg, dtype
+        self.w = {k: np.asarray(v, dtype) for k, v in weights.items()}
+        self.reset()
+
+    def reset(self):
+        L = self.cfg.n_layers
+        self.k_cache = [None] * L        # (n_kv, S, D)
+        self.v_cache = [None] * L
+        self.pos = 0
+
+    def forward(self, ids, all_logits: bool = True):
+        """Logits (T, V) for tokens `ids` appended at positions pos..pos+T-1."""
+        c, w = self.cfg, self.w
+        ids = np.asarray(ids, np.int64)
+        T = ids.size
+        pos = np.arange(self.pos, self.pos + T)
+        H, Hkv, D = c.n_heads, c.n_kv_heads, c.head_dim
+        x = w["embed"][ids]                                                        # (T, C)
+        for i in range(c.n_layers):
+            p = f"layers.{i}."
+            h = rms_norm(x, w[p + "attn_norm"], c.rms_eps)
+            q = h @ w[p + "q"].T                                                   # (T, H*D)
+            k = h @ w[p + "k"].T                                                   # (T, Hkv*D)
+            v = h @ w[p + "v"].T
+            if p + "q_bias" in w:
+                q, k, v = q + w[p + "q_bias"], k + w[p + "k_bias"], v + w[p + "v_bias"]
+            q = rope(q.reshape(T, H, D), pos, c.rot_dim, c.rope_base, c.rope_neox)
+            k = rope(k.reshape(T, Hkv, D), pos, c.rot_dim, c.rope_base, c.rope_neox)
+            v = v.reshape(T, Hkv, D)
+            kc = k.transpose(1, 0, 2) if self.k_cache[i] is None else \
+                np.concatenate([self.k_cache[i], k.transpose(1, 0, 2)], axis=1)    # (Hkv, S, D)
+            vc = v.transpose(1, 0, 2) if self.v_cache[i] is None else \
+                np.concatenate([self.v_cache[i], v.transpose(1, 0, 2)], axis=1)
+            self.k_cache[i], self.v_cache[i] = kc, vc
+            S = kc.shape[1]
+            kq = np.repeat(kc, c.n_rep, axis=0)                                     # (H, S, D)
+            vq = np.repeat(vc, c.n_rep, axis=0)
+            att = np.einsum("thd,hsd->hts", q, kq) / np.sqrt(D)                    # (H, T, S)
+            mask = np.arange(S)[None, :] > pos[:, None]                            # (T, S) causal
+            att = np.where(mask[None], -np.inf, att)
+            att = np.exp(att - att.max(-1, keepdims=True))
+            att /= att.sum(-1, keepdims=True)
+            o = np.einsum("hts,hsd->thd", att, vq).reshape(T, H * D)
+            x = x + o @ w[p + "o"].T + (w[p + "o_bias"] if p + "o_bias" in w else 0.0)
+            h = rms_norm(x, w[p + "ffn_norm"], c.rms_eps)
+            x = x + (silu(h @ w[p + "gate"].T) * (h @ w[p + "up"].T)) @ w[p + "down"].T
+        self.pos += T
+        x = rms_norm(x if all_logits else x[-1:], w["norm"], c.rms_eps)
+        head = w.get("lm_head", w["embed"])
+        return x @ head.T                                                          # (T, V)
+
+
+def greedy(cfg, weights, prompt_ids, n: int, dtype=np.float64) -> list[int]:
+    """n greedy tokens after prompt_ids (no stop)."""
+    m = RefLlama(cfg, weights, dtype)
+    logits = m.forward(prompt_ids, all_logits=False)[-1]
+    out = []
+    for _ in range(n):
+        t = int(np.argmax(logits))
+        out.append(t)
+        logits = m.forward([t])[-1]
+    return out

@@ -1,0 +1,182 @@
+"""The engine in the browser: Pyodide + navigator.gpu in headless Debian Chromium, driven by Playwright.
+
+Two pages from demo/browser, served on 127.0.0.1 by demo/browser/serve.py:
+- selftest.html runs the gpu backend's self-test (kernels, JS/Python writes, readback, typed errors,
+  device loss) on the browser's adapter (SwiftShader here: no shader-f16, so f32 kernels);
+- index.html loads the default chat model and embedder from the same origin and is checked against the
+  golden data: greedy ids, streamed text, embeddings, and a reload served from the Cache API.
+A missing Chromium, Playwright or Pyodide is a failure with the command that installs it, never a skip.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import re
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.browser
+
+ROOT = Path(__file__).resolve().parent.parent
+DEMO = ROOT / "demo" / "browser"
+ARTIFACTS = ROOT / "test-artifacts"
+CHROMIUM = "/usr/bin/chromium"
+# Verified on Debian Chromium: without --enable-unsafe-webgpu requestAdapter() returns null.
+FLAGS = ["--headless=new", "--no-sandbox", "--disable-background-networking", "--disable-component-update",
+         "--disable-sync", "--no-first-run", "--disable-quic", "--enable-unsafe-webgpu"]
+SETUP = "run `bash scripts/browser_setup.sh` (or `make browser-setup`)"
+N_IDS = 16
+CHAT_MODEL, EMBED_MODEL = "SmolLM2-135M-Instruct-Q4_1", "all-MiniLM-L6-v2"
+
+
+@pytest.fixture(scope="module")
+def browser_env():
+    """Chromium, Playwright and Pyodide present; the project wheel rebuilt from this checkout."""
+    os.environ.setdefault("XDG_RUNTIME_DIR", "/tmp")
+    assert Path(CHROMIUM).is_file(), f"{CHROMIUM} is missing: {SETUP}"
+    try:
+        import playwright.async_api  # noqa: F401
+    except ImportError:
+        pytest.fail(f"the playwright pip package is missing: {SETUP}")
+    assert (DEMO / "vendor" / "pyodide" / "pyodide.mjs").is_file(), f"Pyodide is missing: {SETUP}"
+    sys.path.insert(0, str(DEMO))
+    try:
+        import build_wheel
+        build_wheel.build()
+    finally:
+        sys.path.remove(str(DEMO))
+    ARTIFACTS.mkdir(exist_ok=True)
+
+
+@pytest.fixture(scope="module")
+def server(browser_env, tmp_path_factory):
+    """(base URL, request log path) of the demo server on a free port of 127.0.0.1."""
+    sys.path.insert(0, str(DEMO))
+    try:
+        import serve
+    finally:
+        sys.path.remove(str(DEMO))
+    log = tmp_path_factory.mktemp("server") / "requests.log"
+    log.write_text("")
+    httpd = serve.serve(0, str(log))
+    t = threading.Thread(target=httpd.serve_forever, daemon=True)
+    t.start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}/", log
+    httpd.shutdown()
+    httpd.server_close()
+
+
+@contextlib.asynccontextmanager
+async def chromium(user_data_dir: Path):
+    """A headless Chromium with WebGPU and a fresh profile (so the Cache API starts empty)."""
+    from playwright.async_api import async_playwright
+    async with async_playwright() as p:
+        ctx = await p.chromium.launch_persistent_context(str(user_data_dir), executable_path=CHROMIUM,
+                                                         headless=True, args=FLAGS)
+        try:
+            yield ctx
+        finally:
+            await ctx.close()
+
+
+def _console(page, sink: list) -> None:
+    page.on("console", lambda m: sink.append(f"{m.type}: {m.text}"))
+    page.on("pageerror", lambda e: sink.append(f"pageerror: {e}"))
+
+
+async def test_gpu_backend_selftest(server, tmp_path):
+    base, _ = server
+    logs: list[str] = []
+    async with chromium(tmp_path / "profile") as ctx:
+        page = await ctx.new_page()
+        _console(page, logs)
+        await page.goto(base + "selftest.html")
+        await page.wait_for_function("window.selftestResult !== undefined", timeout=240_000, polling=250)
+        r = await page.evaluate("window.selftestResult")
+        await page.screenshot(path=str(ARTIFACTS / "browser_selftest.png"), full_page=True)
+    print(json.dumps({k: r.get(k) for k in ("adapter", "has_f16", "timings_ms")}, indent=1))
+    assert "error" not in r, f"{r.get('error')}\n{r.get('traceback', '')}\n" + "\n".join(logs[-20:])
+    failed = [k for k, ok in r["checks"].items() if not ok]
+    assert not failed, f"failed checks: {failed}\n{json.dumps(r, indent=1)}"
+    assert len(r["checks"]) >= 14 and r["ok"]
+    assert r["backend"] == "browser-webgpu"
+    # The kernel variant follows the adapter: f32 where shader-f16 is missing (SwiftShader).
+    assert r["has_f16"] == ("shader-f16" in r["features"])
+    assert re.match(r"shaders/broken\.wgsl:3:\d+: ", r["shader_error"]), r["shader_error"]
+
+
+def _cos(a: list[float], b: list[float]) -> float:
+    dot = sum(x * y for x, y in zip(a, b))
+    return dot / (math.sqrt(sum(x * x for x in a)) * math.sqrt(sum(y * y for y in b)))
+
+
+async def _open_demo(ctx, base: str, logs: list):
+    page = await ctx.new_page()
+    _console(page, logs)
+    await page.goto(base + "index.html?auto=0")
+    await page.wait_for_function("window.demo !== undefined || window.demoError !== undefined",
+                                 timeout=600_000, polling=500)
+    err = await page.evaluate("window.demoError")
+    assert err is None, f"demo page failed: {err}\n" + "\n".join(logs[-30:])
+    return page
+
+
+async def test_demo_page_chat_embeddings_and_cache(server, tmp_path, smollm2_reference, minilm_reference):
+    base, log = server
+    logs: list[str] = []
+    g = smollm2_reference["greedy"][0]
+    want_ids = g["greedy_ids_no_eos_stop"][:N_IDS]
+    items = minilm_reference["items"][:3]
+    async with chromium(tmp_path / "profile") as ctx:
+        mark = len(log.read_text().splitlines())
+        page = await _open_demo(ctx, base, logs)
+        first_load = log.read_text().splitlines()[mark:]
+        loaded = await page.evaluate("window.demo.loaded")
+        assert all(s["fetched_files"] > 0 for s in loaded["fetch"].values()), loaded
+        assert any("/models/" + CHAT_MODEL in ln for ln in first_load)
+
+        # Greedy ids after the reference prompt: the f32 path reproduces transformers' ids.
+        got = await page.evaluate(f"window.demo.greedyIds({json.dumps(g['prompt_ids'])}, {N_IDS})")
+        print(f"\nbrowser greedy decode: {got['decode_tokens_per_s']:.2f} tokens/s "
+              f"(prefill of {len(g['prompt_ids'])} tokens: {got['prefill_seconds']:.2f} s)")
+        assert got["ids"] == want_ids, f"browser ids {got['ids']} != reference {want_ids}"
+
+        # A streamed chat answer appears in the page as it is generated.
+        content = g["messages"][0]["content"]
+        r = await page.evaluate(f"window.demo.chat({json.dumps(content)}, {{max_tokens: 32}})")
+        answer = await page.inner_text("#answer")
+        expected = g["greedy_text"].split("<|im_end|>")[0]
+        print(f"browser chat: {r['text']!r}, decode {r['decode_tokens_per_s']:.2f} tokens/s")
+        assert r["text"] == expected and answer.strip() == expected.strip()
+        assert r["finish_reason"] == "stop"
+        stats = await page.inner_text("#chat-stats")
+        assert "tokens/s" in stats
+
+        # MiniLM embeddings match sentence-transformers.
+        e = await page.evaluate(f"window.demo.embed({json.dumps([it['text'] for it in items])})")
+        coss = [_cos(v, it["embedding"]) for v, it in zip(e["embeddings"], items)]
+        print(f"browser embeddings: cosine vs sentence-transformers {[round(c, 6) for c in coss]}")
+        assert len(coss) == 3 and min(coss) >= 0.999, coss
+
+        # The embedding search ranks the matching document first.
+        ranked = await page.evaluate("window.demo.search('Where do cats like to sleep?')")
+        assert "cat" in ranked[0]["doc"].lower(), ranked
+        assert len(await page.query_selector_all("#results li")) == len(ranked)
+        await page.screenshot(path=str(ARTIFACTS / "browser_demo.png"), full_page=True)
+
+        # A reload reads every model file from the Cache API: no weight request reaches the server.
+        mark = len(log.read_text().splitlines())
+        await page.close()
+        page = await _open_demo(ctx, base, logs)
+        second = log.read_text().splitlines()[mark:]
+        loaded = await page.evaluate("window.demo.loaded")
+        model_requests = [ln for ln in second if "/models/" in ln]
+        assert not model_requests, model_requests
+        assert all(s["fetched_files"] == 0 and s["cached_files"] > 0 for s in loaded["fetch"].values()), loaded
+        again = await page.evaluate(f"window.demo.greedyIds({json.dumps(g['prompt_ids'])}, 4)")
+        assert again["ids"] == want_ids[:4]

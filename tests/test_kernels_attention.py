@@ -1,0 +1,133 @@
+"""Attention kernels on the real adapter against nn_ref: causal prefill (also chunked, pos0 > 0),
+split-key decode reused across steps, grouped-query heads, BERT's bidirectional masked attention."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from webgpu_engine.kernels import nn, nn_ref
+
+from _nn_util import TOL, empty, get, put, rounded, run, set_step, step_buf
+
+SMOL = dict(hq=9, hkv=3, d=64)          # SmolLM2-135M
+
+
+@pytest.fixture(autouse=True)
+def _free(device):
+    yield
+    device.release_owner("test:nn")
+
+
+def _setup(device, rng, dtype, t, ctx, hq, hkv, d, fill_keys):
+    """qkv (T, Hq+2Hkv, D) and caches (Hkv, ctx, D) whose first fill_keys rows are random."""
+    qkv = rng.standard_normal((t, hq + 2 * hkv, d))
+    kc = np.zeros((hkv, ctx, d))
+    vc = np.zeros((hkv, ctx, d))
+    kc[:, :fill_keys] = rng.standard_normal((hkv, fill_keys, d)) * 1.5
+    vc[:, :fill_keys] = rng.standard_normal((hkv, fill_keys, d))
+    return (qkv, kc, vc), (put(device, qkv, dtype, lead=4), put(device, kc, dtype), put(device, vc, dtype, lead=8))
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16"])
+@pytest.mark.parametrize("t,pos0,shape", [(37, 0, SMOL), (20, 50, SMOL), (5, 3, dict(hq=4, hkv=4, d=32)),
+                                          (3, 200, dict(hq=6, hkv=1, d=16))])
+def test_causal_prefill(device, dtype, t, pos0, shape):
+    rng = np.random.default_rng(t + pos0)
+    hq, hkv, d = shape["hq"], shape["hkv"], shape["d"]
+    ctx = pos0 + t + 9
+    (qkv, kc, vc), (qt, kt, vt) = _setup(device, rng, dtype, t, ctx, hq, hkv, d, pos0 + t)
+    out = empty(device, (t, hq * d), dtype, lead=12)
+    scale = d ** -0.5
+    run(device, nn.attention(device, qt, kt, vt, out, step_buf(device, pos0, t), n_q_heads=hq,
+                             n_kv_heads=hkv, head_dim=d, ctx=ctx, scale=scale))
+    ref = nn_ref.causal_attention(rounded(qkv, dtype)[:, :hq], rounded(kc, dtype), rounded(vc, dtype),
+                                  pos0, scale)
+    np.testing.assert_allclose(get(device, out), ref, **TOL[dtype])
+
+
+def test_causal_prefill_256_rows_and_short_final_chunk(device):
+    """T = 256 dispatched; then the same op with n_new = 100 leaves rows >= 100 alone."""
+    rng = np.random.default_rng(11)
+    t, ctx = 256, 512
+    (qkv, kc, vc), (qt, kt, vt) = _setup(device, rng, "f32", t, ctx, 9, 3, 64, 300)
+    out = empty(device, (t, 9 * 64))
+    step = step_buf(device, 0, t)
+    op = nn.attention(device, qt, kt, vt, out, step, n_q_heads=9, n_kv_heads=3, head_dim=64, ctx=ctx,
+                      scale=0.125)
+    run(device, op)
+    ref = nn_ref.causal_attention(qkv[:, :9], kc, vc, 0, 0.125)
+    np.testing.assert_allclose(get(device, out), ref, **TOL["f32"])
+    set_step(device, step, 44, 100)
+    device.write(out.buf, np.full((t, 9 * 64), 7.0, np.float32))
+    run(device, op)
+    got = get(device, out)
+    ref = nn_ref.causal_attention(qkv[:100, :9], kc, vc, 44, 0.125)
+    np.testing.assert_allclose(got[:100], ref, **TOL["f32"])
+    assert (got[100:] == 7.0).all()
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16"])
+def test_split_decode_reused_across_steps(device, dtype):
+    """One decode op built for a 4096-row cache, recorded at kv_len 1, 31, 33, 100 and 3000."""
+    rng = np.random.default_rng(12)
+    hq, hkv, d, ctx = 9, 3, 64, 4096
+    (qkv, kc, vc), (qt, kt, vt) = _setup(device, rng, dtype, 1, ctx, hq, hkv, d, 3000)
+    out = empty(device, (1, hq * d), dtype)
+    step = step_buf(device, 0, 1)
+    op = nn.attention(device, qt, kt, vt, out, step, n_q_heads=hq, n_kv_heads=hkv, head_dim=d, ctx=ctx,
+                      scale=0.125)
+    assert len(op.dispatches) == 2
+    q, k, v = rounded(qkv, dtype)[:, :hq], rounded(kc, dtype), rounded(vc, dtype)
+    for kv_len in (1, 31, 33, 100, 3000):
+        set_step(device, step, kv_len - 1, 1)
+        run(device, op)
+        ref = nn_ref.causal_attention(q, k, v, kv_len - 1, 0.125)
+        np.testing.assert_allclose(get(device, out), ref, **TOL[dtype], err_msg=f"kv_len={kv_len}")
+
+
+def test_decode_end_to_end_with_rope_kv(device):
+    """rope_kv + attention per step, as the model records them: keys written by earlier steps are
+    the ones attended; the result matches full-sequence reference attention over rotated q/k."""
+    rng = np.random.default_rng(13)
+    hq, hkv, d, ctx, n = 9, 3, 64, 256, 6
+    xs = rng.standard_normal((n, hq + 2 * hkv, d))
+    qt = put(device, xs[:1])
+    kt, vt = empty(device, (hkv, ctx, d), fill=0), empty(device, (hkv, ctx, d), fill=0)
+    out, step = empty(device, (1, hq * d)), step_buf(device, 0, 1)
+    ops = [nn.rope_kv(device, qt, kt, vt, step, n_q_heads=hq, n_kv_heads=hkv, head_dim=d, ctx=ctx,
+                      base=100000.0),
+           nn.attention(device, qt, kt, vt, out, step, n_q_heads=hq, n_kv_heads=hkv, head_dim=d,
+                        ctx=ctx, scale=0.125)]
+    rot = nn_ref.rope(xs, np.arange(n), n_heads=hq + hkv, rot_dim=d, base=100000.0, neox=False)
+    k_all, v_all = rot[:, hq:hq + hkv].transpose(1, 0, 2), xs[:, hq + hkv:].transpose(1, 0, 2)
+    full = nn_ref.causal_attention(rot[:, :hq], k_all, v_all, 0, 0.125)
+    for i in range(n):
+        device.write(qt.buf, xs[i].astype(np.float32), qt.offset)
+        set_step(device, step, i, 1)
+        run(device, *ops)
+        np.testing.assert_allclose(get(device, out)[0], full[i], **TOL["f32"], err_msg=f"step {i}")
+
+
+def test_decode_split_count_is_bounded():
+    assert nn.decode_splits(4096) == (32, 128)
+    chunk, splits = nn.decode_splits(32768)
+    assert chunk * splits >= 32768 and splits <= 128
+    assert nn.decode_splits(5) == (32, 1)
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16"])
+@pytest.mark.parametrize("b,s,h,d,lengths", [(3, 17, 12, 32, [17, 5, 1]),   # MiniLM heads
+                                             (2, 9, 3, 4, [0, 9])])
+def test_attention_bidir(device, dtype, b, s, h, d, lengths):
+    rng = np.random.default_rng(b * s)
+    qkv = rng.standard_normal((b * s, 3 * h * d))
+    lens = np.array(lengths, np.uint32)
+    qt, lt = put(device, qkv, dtype, lead=4), put(device, lens, "u32")
+    out = empty(device, (b * s, h * d), dtype)
+    scale = d ** -0.5
+    run(device, nn.attention_bidir(device, qt, lt, out, batch=b, seq=s, n_heads=h, head_dim=d, scale=scale))
+    got = get(device, out)
+    assert np.isfinite(got).all()
+    ref = nn_ref.bidir_attention(rounded(qkv, dtype), lens, b, s, h, d, scale)
+    valid = np.concatenate([np.arange(s) < n for n in lens])
+    np.testing.assert_allclose(got[valid], ref[valid], **TOL[dtype])

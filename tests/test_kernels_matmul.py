@@ -1,0 +1,256 @@
+"""matmul / embedding / upload_weight / upload_vector on the real adapter against float64 numpy.
+
+Error measure: max |y - ref| / max |ref| (per test), ref = x · dequant(W)ᵀ in float64 with x as
+the kernel sees it (f16-rounded for f16 activations). f32 activations: 1e-4; f16: 1e-2.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGUFReader
+
+from webgpu_engine.kernels import quant_ref as qr
+from webgpu_engine.kernels.common import Tensor, new_tensor, run_ops
+from webgpu_engine.kernels.matmul import (QTYPES, MatmulConfig, _grid, embedding, file_row_bytes,
+                                          matmul, upload_vector, upload_weight)
+
+OWNER = "test:matmul"
+TOL = {"f32": 1e-4, "f16": 1e-2}
+NP = {"f32": np.float32, "f16": np.float16}
+
+
+@pytest.fixture(autouse=True)
+def _free(device):
+    yield
+    device.release_owner(OWNER)
+
+
+def _tensor(dev, a: np.ndarray, dtype: str, pad_elems: int = 0) -> Tensor:
+    """Upload `a` as `dtype`, optionally after `pad_elems` leading elements (a view at an offset
+    that is not 256-byte aligned, as model code makes of shared buffers)."""
+    flat = np.concatenate([np.full(pad_elems, 7, NP[dtype]), a.astype(NP[dtype]).ravel()])
+    buf = dev.upload(flat, owner=OWNER)
+    return Tensor(buf, a.shape, dtype, pad_elems * flat.itemsize)
+
+
+def _read(dev, t: Tensor) -> np.ndarray:
+    start = t.offset & ~3    # readbacks start at a multiple of 4 bytes
+    raw = dev.read_sync(t.buf, start, t.offset - start + t.nbytes)[t.offset - start:]
+    return np.frombuffer(raw, NP[t.dtype]).reshape(t.shape).astype(np.float64)
+
+
+def _err(y, ref):
+    return np.abs(y - ref).max() / np.abs(ref).max()
+
+
+def check_matmul(dev, qtype, n, k, T, act, *, parts=1, bias=False, accumulate=False, rng=None,
+                 max_binding=None, pad=0, raw=None, config=None):
+    rng = rng or np.random.default_rng(n * 7 + k + T)
+    raw = raw if raw is not None else qr.random_weight(qtype, n, k, rng)
+    W = qr.dequantize(raw, qtype, n, k)
+    rb = file_row_bytes(qtype, k)
+    cuts = np.linspace(0, n, parts + 1).astype(int)
+    pieces = [memoryview(raw)[a * rb:b * rb] for a, b in zip(cuts[:-1], cuts[1:])]
+    w = upload_weight(dev, pieces, qtype, n, k, owner=OWNER, label=f"{qtype}{n}x{k}",
+                      max_binding=max_binding)
+    x = rng.standard_normal((T, k)).astype(NP[act])
+    xt = _tensor(dev, x, act, pad)
+    ref = x.astype(np.float64) @ W.T
+    if accumulate:
+        y0 = rng.standard_normal((T, n)).astype(NP[act])
+        yt = _tensor(dev, y0, act, pad + 3)
+        ref = ref + y0.astype(np.float64)
+    else:
+        yt = new_tensor(dev, (T, n), act, owner=OWNER)
+    bt = None
+    if bias:
+        b = rng.standard_normal(n).astype(np.float32)
+        bt = _tensor(dev, b, "f32", 5)
+        ref = ref + b
+    run_ops(dev, matmul(dev, xt, w, yt, bias=bt, accumulate=accumulate, config=config))
+    y = _read(dev, yt)
+    e = _err(y, ref)
+    assert e < TOL[act], f"{qtype} {act} T={T} ({n}x{k}): error {e:.3g}"
+    return w
+
+
+# --------------------------------------------------------------------------- every type, small odd shapes
+@pytest.mark.parametrize("act", ["f32", "f16"])
+@pytest.mark.parametrize("T", [1, 7, 67])
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_types_odd_rows(device, qtype, act, T):
+    """N = 100 rows: not a multiple of the workgroup size; T = 67 is not a multiple of the tile."""
+    check_matmul(device, qtype, 100, 512, T, act)
+
+
+@pytest.mark.parametrize("qtype", ["f32", "f16", "bf16"])
+@pytest.mark.parametrize("k", [36, 100])
+def test_float_k_not_multiple_of_32(device, qtype, k):
+    check_matmul(device, qtype, 33, k, 5, "f32")
+    check_matmul(device, qtype, 33, k, 1, "f16")
+
+
+# --------------------------------------------------------------------------- model shapes
+@pytest.mark.parametrize("qtype,n,k,T,act", [
+    ("q4_1", 1536, 576, 1, "f32"),    # SmolLM2 gate / up
+    ("q4_1", 1536, 576, 67, "f16"),
+    ("q4_1", 576, 1536, 7, "f32"),    # down
+    ("q4_1", 576, 1536, 1, "f16"),
+    ("q4_1", 192, 576, 7, "f32"),     # k / v
+    ("q4_0", 576, 1536, 1, "f32"),
+    ("q8_0", 576, 1536, 7, "f16"),
+    ("q4_k", 1536, 768, 7, "f32"),    # K-quants need K % 256 == 0
+    ("q6_k", 576, 1536, 7, "f32"),
+])
+def test_llm_shapes(device, qtype, n, k, T, act):
+    check_matmul(device, qtype, n, k, T, act)
+
+
+@pytest.mark.parametrize("act", ["f32", "f16"])
+def test_fused_qkv_parts(device, act):
+    """Q (576), K (192), V (192) rows uploaded as three parts: one 960-row matrix."""
+    check_matmul(device, "q4_1", 960, 576, 7, act, parts=3)
+    check_matmul(device, "q4_0", 960, 576, 1, act, parts=3)
+
+
+@pytest.mark.parametrize("qtype,n,k,T,act", [
+    ("f32", 1536, 384, 67, "f32"),    # MiniLM intermediate
+    ("f32", 384, 1536, 7, "f32"),     # MiniLM output
+    ("f16", 1152, 384, 67, "f16"),    # fused QKV
+    ("f16", 384, 1536, 1, "f32"),
+])
+def test_bert_shapes_with_bias(device, qtype, n, k, T, act):
+    check_matmul(device, qtype, n, k, T, act, bias=True)
+
+
+def test_lm_head_q8_0(device):
+    """Tied embeddings: 49152 x 576 Q8_0, decode and a short prefill."""
+    rng = np.random.default_rng(3)
+    raw = qr.random_weight("q8_0", 49152, 576, rng)
+    check_matmul(device, "q8_0", 49152, 576, 1, "f32", raw=raw, rng=rng)
+    check_matmul(device, "q8_0", 49152, 576, 7, "f16", raw=raw, rng=rng)
+
+
+# --------------------------------------------------------------------------- options
+@pytest.mark.parametrize("act", ["f32", "f16"])
+@pytest.mark.parametrize("qtype", ["q4_1", "q8_0", "f32"])
+def test_accumulate_and_bias(device, qtype, act):
+    """y += x·Wᵀ (the fused residual add), with and without bias, at unaligned tensor offsets."""
+    check_matmul(device, qtype, 70, 256, 1, act, accumulate=True, pad=1 * 4)
+    check_matmul(device, qtype, 70, 256, 9, act, accumulate=True, bias=True, pad=12)
+
+
+@pytest.mark.parametrize("qtype", ["q4_0", "q4_1", "q6_k", "f16"])
+def test_split_weight(device, qtype):
+    """A weight above the binding limit is split by rows; force it with a small limit. Parts of the
+    upload straddle the buffer boundaries."""
+    k = 512
+    limit = 37 * (k // 256 * 212 if qtype == "q6_k" else k * 2 if qtype == "f16" else k // 32 * 20)
+    w = check_matmul(device, qtype, 150, k, 7, "f32", parts=2, max_binding=limit)
+    assert len(w.bufs) == 5 and w.rows_per_buf == 37 and w.parts[-1] == (148, 2)
+    check_matmul(device, qtype, 150, k, 1, "f16", parts=3, max_binding=limit, bias=True)
+
+
+@pytest.mark.parametrize("cfg", [MatmulConfig(wg=32, rr=1, tm=1), MatmulConfig(wg=64, rr=2, tm=4, prr=1),
+                                 MatmulConfig(wg=128, rr=4, tm=4, prr=2)])
+def test_strategy_parameters(device, cfg):
+    """Every strategy gives the same answer, with row counts that leave partial row groups."""
+    for T in (1, 19):
+        check_matmul(device, "q4_1", 130, 256, T, "f32", config=cfg)
+        check_matmul(device, "f32", 131, 100, T, "f16", config=cfg)
+    with pytest.raises(ValueError, match="strategy"):
+        check_matmul(device, "q4_1", 130, 256, 2, "f32", config=MatmulConfig(tm=3))
+
+
+def test_real_smollm2_weights(device, smollm2_gguf):
+    """Real Q4_1 and Q8_0 blocks straight from the GGUF file (as the model loader passes them)."""
+    r = GGUFReader(str(smollm2_gguf))
+    ts = {t.name: t for t in r.tensors}
+    for name, qtype in [("blk.0.ffn_down.weight", "q4_1"), ("blk.0.attn_k.weight", "q4_1")]:
+        t = ts[name]
+        k, n = int(t.shape[0]), int(t.shape[1])
+        check_matmul(device, qtype, n, k, 7, "f32", raw=np.ascontiguousarray(t.data).tobytes())
+    emb = ts["token_embd.weight"]
+    raw = np.ascontiguousarray(emb.data[:4096]).tobytes()
+    check_matmul(device, "q8_0", 4096, 576, 1, "f32", raw=raw)
+
+
+# --------------------------------------------------------------------------- embedding
+@pytest.mark.parametrize("act", ["f32", "f16"])
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_embedding(device, qtype, act):
+    rng = np.random.default_rng(4)
+    V, C = 300, 256 if qtype not in ("f32", "f16", "bf16") else 100
+    raw = qr.random_weight(qtype, V, C, rng)
+    ref = qr.dequantize(raw, qtype, V, C)
+    table = upload_weight(device, raw, qtype, V, C, owner=OWNER, label="emb")
+    ids = np.array([0, 299, 5, 5, 123, 77, 1], np.uint32)
+    it = Tensor(device.upload(np.concatenate([[9, 9, 9], ids]).astype(np.uint32), owner=OWNER),
+                (len(ids),), "u32", 12)
+    out = new_tensor(device, (len(ids), C), act, owner=OWNER)
+    run_ops(device, embedding(device, it, table, out))
+    e = _err(_read(device, out), ref[ids])
+    assert e < (1e-7 if act == "f32" else 1e-3)
+
+
+def test_embedding_split_table(device):
+    rng = np.random.default_rng(5)
+    V, C = 1000, 576
+    raw = qr.random_weight("q8_0", V, C, rng)
+    table = upload_weight(device, [raw[:400 * 612], raw[400 * 612:]], "q8_0", V, C, owner=OWNER,
+                          label="emb", max_binding=300 * 648)
+    assert len(table.bufs) == 4
+    ids = rng.integers(0, V, 40).astype(np.uint32)
+    it = Tensor(device.upload(ids, owner=OWNER), (40,), "u32")
+    out = new_tensor(device, (40, C), "f32", owner=OWNER)
+    run_ops(device, embedding(device, it, table, out))
+    np.testing.assert_allclose(_read(device, out), qr.dequantize(raw, "q8_0", V, C)[ids], rtol=1e-6)
+
+
+# --------------------------------------------------------------------------- vectors, errors, limits
+@pytest.mark.parametrize("dtype", ["f32", "f16", "bf16"])
+def test_upload_vector(device, dtype):
+    v = np.random.default_rng(6).standard_normal(37).astype(np.float32)
+    raw = qr.random_weight(dtype, 1, 36, np.random.default_rng(6)) if dtype != "f32" else v.tobytes()
+    want = qr.dequantize(raw, dtype, 1, len(raw) // (4 if dtype == "f32" else 2))[0]
+    t = upload_vector(device, raw, dtype=dtype, owner=OWNER, label="v")
+    assert t.dtype == "f32" and t.shape == (len(want),)
+    np.testing.assert_array_equal(_read(device, t), want)
+
+
+def test_shape_errors(device):
+    raw = qr.random_weight("q4_1", 64, 256, np.random.default_rng(7))
+    with pytest.raises(ValueError, match="bytes given"):
+        upload_weight(device, raw[:-20], "q4_1", 64, 256, owner=OWNER)
+    with pytest.raises(ValueError, match="k % 32"):
+        upload_weight(device, raw, "q4_1", 64 * 256 // 100, 100, owner=OWNER)
+    with pytest.raises(ValueError, match="unsupported weight type"):
+        upload_weight(device, raw, "q5_0", 64, 256, owner=OWNER)
+    w = upload_weight(device, raw, "q4_1", 64, 256, owner=OWNER)
+    x = new_tensor(device, (2, 128), "f32", owner=OWNER)
+    y = new_tensor(device, (2, 64), "f32", owner=OWNER)
+    with pytest.raises(ValueError, match="columns"):
+        matmul(device, x, w, y)
+    x = new_tensor(device, (2, 256), "f32", owner=OWNER)
+    with pytest.raises(ValueError, match="expected"):
+        matmul(device, x, w, new_tensor(device, (3, 64), "f32", owner=OWNER))
+    with pytest.raises(ValueError, match="f16"):
+        matmul(device, x, w, new_tensor(device, (2, 64), "f16", owner=OWNER))
+
+
+def test_grid_respects_dispatch_limit():
+    for g in (1, 65535, 65536, 10 ** 6):
+        x, y = _grid(g)
+        assert x <= 65535 and y <= 65535 and x * y >= g
+
+
+def test_embedding_many_ids_folds_grid(device):
+    """T * C / 32 / 64 > 65535 workgroups: the dispatch is folded into two dimensions."""
+    V, C, T = 64, 32 * 64, 2100    # 2100 * 64 chunks / 64 per workgroup... x 64 = 134400 groups
+    raw = qr.random_weight("q4_1", V, C, np.random.default_rng(8))
+    table = upload_weight(device, raw, "q4_1", V, C, owner=OWNER, label="emb")
+    ids = (np.arange(T) * 7 % V).astype(np.uint32)
+    it = Tensor(device.upload(ids, owner=OWNER), (T,), "u32")
+    out = new_tensor(device, (T, C), "f16", owner=OWNER)
+    run_ops(device, embedding(device, it, table, out, wg=1))
+    assert _err(_read(device, out), qr.dequantize(raw, "q4_1", V, C)[ids]) < 1e-3

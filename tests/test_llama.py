@@ -1,0 +1,133 @@
+"""Llama-family forward pass on the real adapter: golden greedy tokens and logprobs of SmolLM2 (f32 and
+f16 activations), and agreement with the numpy reference on tiny random Llama / Qwen2 models
+(GGUF and safetensors)."""
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import pytest
+
+from ref_llama import RefLlama, weights_from_infos
+from webgpu_engine.config import ChatConfig, GenerationConfig
+from webgpu_engine.errors import ContextWindowTooLargeError, GPUOutOfMemoryError
+from webgpu_engine.kernels.sampling import Sampler
+from webgpu_engine.models.llama import LlamaModel
+from webgpu_engine.pipelines.llm import LLMChatPipeline
+
+
+# --------------------------------------------------------------------------- golden SmolLM2
+async def _greedy_run(pipe, messages, n):
+    gen = GenerationConfig(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=True, top_logprobs=5)
+    pipe.reset_chat()
+    await pipe.prefill_step(messages, gen)
+    while not pipe.stopped:
+        await pipe.decode_step(gen)
+    return list(pipe.output_ids), pipe.token_logprobs[0]["top_logprobs"]
+
+
+@pytest.mark.parametrize("dtype,n_tokens,lp_tol", [("f32", 32, 0.01), ("f16", 16, 0.05)])
+async def test_smollm2_golden_greedy(device, smollm2_gguf, smollm2_reference, dtype, n_tokens, lp_tol):
+    pipe = await LLMChatPipeline.load(device, smollm2_gguf,
+                                      ChatConfig(dtype=dtype, context_window_size=256, prefill_chunk_size=64))
+    try:
+        assert pipe.model.dtype == dtype
+        for case in smollm2_reference["greedy"]:
+            ids, top = await _greedy_run(pipe, case["messages"], n_tokens)
+            assert pipe.kv_ids[:len(case["prompt_ids"])] == case["prompt_ids"]
+            assert ids == case["greedy_ids_no_eos_stop"][:n_tokens], case["messages"]
+            ref = case["first_step_top5"]
+            assert [t["token"] for t in top] == [pipe.tokenizer.token_bytes(i).decode("utf-8", "replace")
+                                                 for i in ref["ids"]]
+            np.testing.assert_allclose([t["logprob"] for t in top], ref["logprobs"], atol=lp_tol)
+    finally:
+        owner = pipe.owner
+        pipe.dispose()
+        assert device.allocated_bytes(owner) == 0
+
+
+# --------------------------------------------------------------------------- tiny random models
+def _tiny_cases():
+    import tinymodels
+    return tinymodels
+
+
+def _gpu_logits(device, cfg, infos, ids, dtype="f32", chunk=8):
+    """Logits (len(ids), V) from the GPU model: prefill in chunks of `chunk` tokens, each row via
+    its own forward of length 1 after a prefix, plus the all-at-once last row."""
+    m = LlamaModel(device, cfg, infos, owner="test:llama", context_window=64, prefill_chunk=chunk,
+                   dtype=dtype)
+    try:
+        V = cfg.vocab_size
+        fmt = "<%de" % V if dtype == "f16" else "<%df" % V
+        out = []
+        pos = 0
+        # prefill the first chunk, then decode the rest one token at a time (both paths checked)
+        first = ids[:chunk]
+        b = device.batch()
+        m.record_prefill(b, first, 0)
+        device.submit(b)
+        out.append(struct.unpack(fmt, device.read_sync(m.logits.buf, 0, m.logits.nbytes)))
+        pos = len(first)
+        for t in ids[chunk:]:
+            device.write(m.ids.buf, struct.pack("<I", t))
+            b = device.batch()
+            m.record_decode(b, pos)
+            device.submit(b)
+            out.append(struct.unpack(fmt, device.read_sync(m.logits.buf, 0, m.logits.nbytes)))
+            pos += 1
+        return np.array(out)
+    finally:
+        m.release()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("fmt", ["gguf", "safetensors"])
+def test_tiny_model_matches_numpy(device, tmp_path, arch, fmt):
+    tm = _tiny_cases()
+    cfg, infos, closer = tm.open_tiny(tmp_path, arch=arch, fmt=fmt)
+    try:
+        ids = [int(i) for i in np.random.default_rng(0).integers(0, cfg.vocab_size, 12)]
+        got = _gpu_logits(device, cfg, infos, ids, chunk=8)             # rows 7, 8, 9, 10, 11
+        ref = RefLlama(cfg, weights_from_infos(infos), np.float64)
+        want = ref.forward(ids)                                          # (12, V)
+        np.testing.assert_allclose(got, want[7:], atol=1e-3, rtol=0)
+    finally:
+        closer()
+
+
+def test_memory_errors_name_bytes(device, smollm2_gguf):
+    from webgpu_engine.loaders.gguf import GGUFFile
+    g = GGUFFile(smollm2_gguf)
+    cfg = g.model_config()
+    with pytest.raises(GPUOutOfMemoryError, match=r"\d+ bytes"):
+        LlamaModel(device, cfg, g.weights(), owner="test:llama-oom", context_window=8192,
+                   max_total_bytes=50 << 20)
+    assert device.allocated_bytes("test:llama-oom") == 0
+    cfg.context_length = 1 << 22
+    with pytest.raises(ContextWindowTooLargeError, match="bytes per layer"):
+        LlamaModel(device, cfg, g.weights(), owner="test:llama-oom", context_window=1 << 22)
+    assert device.allocated_bytes("test:llama-oom") == 0
+    g.close()
+
+
+def test_sampler_on_model_logits_keeps_next_id(device, smollm2_gguf):
+    """The decode step's input id comes from the sampler on the GPU (no host write of ids)."""
+    from webgpu_engine.loaders.gguf import GGUFFile
+    g = GGUFFile(smollm2_gguf)
+    cfg = g.model_config()
+    m = LlamaModel(device, cfg, g.weights(), owner="test:llama-ids", context_window=64, prefill_chunk=16)
+    try:
+        s = Sampler(device, cfg.vocab_size, owner="test:llama-ids")
+        op = s.op(m.logits.view((cfg.vocab_size,)), m.ids)
+        s.configure(temperature=0.0)
+        s.reset_history()
+        b = device.batch()
+        m.record_prefill(b, [1, 4093, 198, 6004], 0)
+        op.record(b)
+        device.submit(b)
+        tok = s.read_sync().token
+        assert struct.unpack("<I", device.read_sync(m.ids.buf, 0, 4))[0] == tok
+    finally:
+        m.release()
+        g.close()

@@ -1,0 +1,178 @@
+"""LLMChatPipeline behaviour on the real adapter (SmolLM2): stop rules, finish reasons, KV reuse,
+logprobs, usage, seeds, interrupt, dispose; and the incremental detokenizer (no GPU)."""
+from __future__ import annotations
+
+import pytest
+
+from webgpu_engine.config import ChatConfig, GenerationConfig
+from webgpu_engine.errors import ContextWindowTooLargeError
+from webgpu_engine.pipelines.detokenizer import StreamDetokenizer
+from webgpu_engine.pipelines.llm import LLMChatPipeline
+
+Q = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+# --------------------------------------------------------------------------- detokenizer
+def _stream(d, ids):
+    deltas = []
+    for t in ids:
+        d.add(t)
+        deltas.append(d.take_delta())
+    deltas.append(d.finish())
+    return deltas
+
+
+def test_detokenizer_utf8_split_across_tokens():
+    text = "Emoji 😀👍🏽 and CJK 你好，世界"
+    raw = text.encode()
+    table = {i: raw[i:i + 1] for i in range(len(raw))}          # one byte per token: worst case
+    d = StreamDetokenizer(table.__getitem__)
+    deltas = _stream(d, range(len(raw)))
+    assert "".join(deltas) == text == d.text
+    assert all("\ufffd" not in x for x in deltas)
+    # a truncated tail is not lost: it becomes one U+FFFD at the end
+    d = StreamDetokenizer(table.__getitem__)
+    deltas = _stream(d, range(len("Emoji ") + 2))
+    assert "".join(deltas) == "Emoji \ufffd"
+
+
+def test_detokenizer_real_tokenizer(smollm2_gguf):
+    from webgpu_engine.loaders.gguf import GGUFFile
+    from webgpu_engine.loaders.tokenizer import load_tokenizer
+    tok = load_tokenizer(GGUFFile(smollm2_gguf), native=False)
+    text = "Emoji 😀👍🏽 and CJK 你好，世界 — café"
+    ids = tok.encode(text)
+    d = StreamDetokenizer(tok.token_bytes)
+    deltas = _stream(d, ids)
+    assert "".join(deltas) == text
+    assert all("\ufffd" not in x for x in deltas)
+
+
+@pytest.mark.parametrize("pieces,stop,shown", [
+    (["Hel", "lo ", "wor", "ld", "!"], ["o w"], "Hell"),              # stop across token boundaries
+    (["ab", "c", "d", "e"], ["cd", "bcx"], "ab"),                       # earliest match wins
+    (["x", "EN", "Dy", "z"], ["END"], "x"),
+    (["a", "b", "<", "/s", "x"], ["</s>"], "ab</sx"),                  # a partial match is released
+])
+def test_detokenizer_stop_strings(pieces, stop, shown):
+    table = {i: p.encode() for i, p in enumerate(pieces)}
+    d = StreamDetokenizer(table.__getitem__, stop)
+    out = []
+    for i in range(len(pieces)):
+        stopped = d.add(i)
+        out.append(d.take_delta())
+        for s in stop:                               # never shows a stop string, even in part... at the end
+            assert s not in "".join(out)
+        if stopped:
+            break
+    out.append(d.finish())
+    assert "".join(out) == shown == d.text
+
+
+# --------------------------------------------------------------------------- pipeline
+@pytest.fixture(scope="module")
+async def pipe(device, smollm2_gguf):
+    p = await LLMChatPipeline.load(device, smollm2_gguf,
+                                   ChatConfig(context_window_size=96, prefill_chunk_size=32, dtype="f32"))
+    yield p
+    owner = p.owner
+    p.dispose()
+    assert device.allocated_bytes(owner) == 0
+
+
+async def _generate(p, gen, messages=Q, prompt=None):
+    await p.prefill_step(messages, gen, prompt=prompt)
+    text = p.take_delta()
+    while not p.stopped:
+        await p.decode_step(gen)
+        text += p.take_delta()
+    return text + p.take_delta()
+
+
+async def test_eos_stop_and_streamed_text(pipe):
+    pipe.reset_chat()
+    text = await _generate(pipe, GenerationConfig(temperature=0.0, max_tokens=20))
+    assert text == "The capital of France is Paris." == pipe.get_message()
+    assert pipe.finish_reason == "stop" and pipe.output_ids[-1] in pipe.eos_ids
+    u = pipe.usage()
+    assert u["prompt_tokens"] == 37 and u["completion_tokens"] == len(pipe.output_ids)
+    assert u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"]
+    for k in ("e2e_latency_s", "prefill_tokens_per_s", "decode_tokens_per_s", "time_to_first_token_s",
+              "time_per_output_token_s"):
+        assert u["extra"][k] > 0
+    assert "prefill" in pipe.runtime_stats_text()
+
+
+async def test_stop_string_max_tokens_and_ignore_eos(pipe):
+    pipe.reset_chat()
+    text = await _generate(pipe, GenerationConfig(temperature=0.0, stop=["of Fr"]))
+    assert text == "The capital " and pipe.finish_reason == "stop"
+    pipe.reset_chat()
+    await _generate(pipe, GenerationConfig(temperature=0.0, max_tokens=3))
+    assert pipe.finish_reason == "length" and len(pipe.output_ids) == 3
+    pipe.reset_chat()
+    text = await _generate(pipe, GenerationConfig(temperature=0.0, max_tokens=10, ignore_eos=True))
+    assert text.startswith("The capital of France is Paris.<|im_end|>") and pipe.finish_reason == "length"
+
+
+async def test_context_window_full_is_length(pipe):
+    pipe.reset_chat()
+    await _generate(pipe, GenerationConfig(temperature=0.0, ignore_eos=True))
+    assert pipe.finish_reason == "length"
+    assert len(pipe.kv_ids) == pipe.model.ctx == 96
+    with pytest.raises(ContextWindowTooLargeError):
+        await pipe.prefill_step([{"role": "user", "content": "word " * 200}], GenerationConfig())
+
+
+async def test_kv_reuse_when_conversation_extends(pipe):
+    pipe.reset_chat()
+    gen = GenerationConfig(temperature=0.0, max_tokens=12)
+    first = await _generate(pipe, gen)
+    conv = Q + [{"role": "assistant", "content": first},
+                {"role": "user", "content": "And of Italy?"}]
+    await pipe.prefill_step(conv, gen)
+    u = pipe.usage()
+    reused = u["prompt_tokens"] - pipe._req.prefill_tokens
+    assert reused >= 37 + 5                     # the first prompt and the answer were not recomputed
+    while not pipe.stopped:
+        await pipe.decode_step(gen)
+    reused_answer = pipe.get_message()
+    pipe.reset_chat()                           # same conversation from scratch: same tokens
+    await _generate(pipe, gen, messages=conv)
+    assert pipe.get_message() == reused_answer
+
+
+async def test_logprobs_shape(pipe):
+    pipe.reset_chat()
+    await _generate(pipe, GenerationConfig(temperature=0.0, max_tokens=4, logprobs=True, top_logprobs=3))
+    assert len(pipe.token_logprobs) == 4
+    e = pipe.token_logprobs[0]
+    assert set(e) == {"token", "logprob", "bytes", "top_logprobs"} and e["token"] == "The"
+    assert len(e["top_logprobs"]) == 3 and e["top_logprobs"][0]["logprob"] == e["logprob"] < 0
+    assert abs(e["logprob"] - (-1.8827)) < 0.01
+
+
+async def test_seeded_sampling_is_reproducible(pipe):
+    gen = GenerationConfig(temperature=1.0, top_p=0.9, max_tokens=8, seed=11, ignore_eos=True)
+    outs = []
+    for seed in (11, 11, 12):
+        pipe.reset_chat()
+        await _generate(pipe, gen.merged(seed=seed))
+        outs.append(list(pipe.output_ids))
+    assert outs[0] == outs[1] and outs[0] != outs[2]
+
+
+async def test_interrupt_raw_prompt_and_forward_tokens(pipe):
+    pipe.reset_chat()
+    gen = GenerationConfig(temperature=0.0, max_tokens=30, ignore_eos=True)
+    await pipe.prefill_step(None, gen, prompt="The capital of France is")
+    await pipe.decode_step(gen)
+    pipe.interrupt()
+    await pipe.decode_step(gen)
+    assert pipe.stopped and pipe.finish_reason == "abort" and len(pipe.output_ids) == 2
+    # the low-level path gives the same first token as a raw-prompt prefill
+    ids = pipe.tokenizer.encode("The capital of France is", add_special_tokens=True)
+    tok = await pipe.forward_tokens_and_sample(ids, True, GenerationConfig(temperature=0.0))
+    assert tok == pipe.output_ids[0]
+    nxt = await pipe.forward_tokens_and_sample([tok], False, GenerationConfig(temperature=0.0))
+    assert nxt == pipe.output_ids[1]

@@ -1,0 +1,195 @@
+"""Protocol tests: every validation rule raises its typed error (with param and an actionable message)
+through both the plain-dict rules (what the browser runs) and the pydantic models; responses parse."""
+from __future__ import annotations
+
+import pytest
+
+from webgpu_engine.errors import InvalidRequestError
+from webgpu_engine.protocol import errors as E
+from webgpu_engine.protocol import models as M
+from webgpu_engine.protocol import rules, to_dict, to_object
+from webgpu_engine.protocol.objects import AttrDict
+
+U = [{"role": "user", "content": "hi"}]
+
+
+def chat(**kw):
+    return {"messages": U, **kw}
+
+
+def comp(**kw):
+    return {"prompt": "Once upon", **kw}
+
+
+# (kind, request, error type, param, a fragment of the message that says what to do)
+CASES = [
+    # WebLLM's rules
+    ("chat", chat(stream=True, n=2), E.StreamingCountError, "n", "Set stream=false"),
+    ("chat", chat(seed=1.5), E.SeedTypeError, "seed", "must be an integer"),
+    ("chat", chat(seed="7"), E.SeedTypeError, "seed", "whole number"),
+    ("chat", chat(stream_options={"include_usage": True}), E.InvalidStreamOptionsError,
+     "stream_options", "only allowed when `stream` is true"),
+    ("chat", chat(stream=False, stream_options={"include_usage": True}), E.InvalidStreamOptionsError,
+     "stream_options", "Set stream=true"),
+    ("chat", {"messages": [*U, {"role": "system", "content": "s"}, *U]}, E.SystemMessageOrderError,
+     "messages", "messages[1]"),
+    ("chat", chat(frequency_penalty=2.5), E.RangeError, "frequency_penalty", "[-2, 2]"),
+    ("chat", chat(presence_penalty=-3), E.RangeError, "presence_penalty", "[-2, 2]"),
+    ("chat", chat(logit_bias={"abc": 1}), E.InvalidNumberStringError, "logit_bias", "token ids"),
+    ("chat", chat(logit_bias={"-5": 1}), E.InvalidNumberStringError, "logit_bias", "strings of digits"),
+    ("chat", chat(logit_bias={"42": 101}), E.RangeError, "logit_bias", "[-100, 100]"),
+    ("chat", chat(logit_bias={"42": -100.5}), E.RangeError, "logit_bias", "token 42"),
+    ("chat", chat(logprobs=True, top_logprobs=6), E.RangeError, "top_logprobs", "[0, 5]"),
+    ("chat", chat(logprobs=True, top_logprobs=-1), E.RangeError, "top_logprobs", "[0, 5]"),
+    ("chat", chat(top_logprobs=2), E.DependencyError, "top_logprobs", "requires `logprobs`"),
+    ("chat", chat(logprobs=False, top_logprobs=2), E.DependencyError, "top_logprobs", "Set `logprobs`"),
+    # OpenAI ranges
+    ("chat", chat(temperature=2.1), E.RangeError, "temperature", "[0, 2]"),
+    ("chat", chat(temperature=-0.1), E.RangeError, "temperature", "greedy"),
+    ("chat", chat(top_p=0), E.RangeError, "top_p", "(0, 1]"),
+    ("chat", chat(top_p=1.2), E.RangeError, "top_p", "(0, 1]"),
+    ("chat", chat(max_tokens=0), E.MinValueError, "max_tokens", "at least 1"),
+    ("chat", chat(max_completion_tokens=0), E.MinValueError, "max_tokens", "at least 1"),
+    ("chat", chat(n=0), E.MinValueError, "n", "at least 1"),
+    ("chat", chat(n=1.5), E.FieldTypeError, "n", "an integer"),
+    ("chat", chat(temperature="hot"), E.FieldTypeError, "temperature", "a number"),
+    ("chat", chat(stream="yes"), E.FieldTypeError, "stream", "true or false"),
+    ("chat", chat(repetition_penalty=0), E.RangeError, "repetition_penalty", "1.0 means no penalty"),
+    ("chat", chat(stop=["a", 3]), E.FieldTypeError, "stop", "list of strings"),
+    ("chat", chat(stop=""), E.FieldTypeError, "stop", "non-empty"),
+    # messages
+    ("chat", {"messages": []}, E.EmptyMessagesError, "messages", "non-empty list"),
+    ("chat", {}, E.EmptyMessagesError, "messages", "non-empty list"),
+    ("chat", {"messages": [{"role": "robot", "content": "x"}]}, E.UnsupportedRoleError, "messages",
+     "system, user, assistant, tool"),
+    ("chat", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     E.ContentTypeError, "messages", "text-only"),
+    ("chat", {"messages": [{"role": "user", "content": 5}]}, E.ContentTypeError, "messages",
+     "string or a list of text parts"),
+    ("chat", {"messages": [{"role": "user"}]}, E.ContentTypeError, "messages", "needs text content"),
+    ("chat", {"messages": [*U, {"role": "assistant", "content": "a"}]}, E.MessageOrderError,
+     "messages", "last message"),
+    ("chat", chat(response_format={"type": "json_object"}), E.UnsupportedFieldsError,
+     "response_format", "ask for JSON in the prompt"),
+    ("chat", chat(tools=[{"type": "function", "function": {"name": "f"}}]), E.UnsupportedFieldsError,
+     "tools", "remove `tools`"),
+    # completions
+    ("comp", {"prompt": 5}, E.PromptTypeError, "prompt", "must be a string"),
+    ("comp", {"prompt": ["a", "b"]}, E.PromptTypeError, "prompt", "one prompt per request"),
+    ("comp", comp(suffix=3), E.FieldTypeError, "suffix", "a string"),
+    ("comp", comp(echo="no"), E.FieldTypeError, "echo", "true or false"),
+    ("comp", comp(best_of=3), E.UnsupportedFieldsError, "best_of", "n choices"),
+    ("comp", comp(logprobs=9), E.RangeError, "logprobs", "[0, 5]"),
+    ("comp", comp(stream=True, n=3), E.StreamingCountError, "n", "n=1 to stream"),
+    # embeddings
+    ("emb", {"input": []}, E.EmbeddingInputEmptyError, "input", "must not be empty"),
+    ("emb", {"input": ""}, E.EmbeddingInputEmptyError, "input", "empty string"),
+    ("emb", {}, E.EmbeddingInputEmptyError, "input", "no `input` field"),
+    ("emb", {"input": [[1, 2], []]}, E.EmbeddingInputEmptyError, "input", "empty token-id list"),
+    ("emb", {"input": ["a", 1]}, E.FieldTypeError, "input", "not a mix"),
+    ("emb", {"input": {"a": 1}}, E.FieldTypeError, "input", "list of token-id lists"),
+    ("emb", {"input": "a", "dimensions": 64}, E.UnsupportedFieldsError, "dimensions",
+     "remove `dimensions`"),
+    ("emb", {"input": "a", "encoding_format": "base64"}, E.EmbeddingUnsupportedEncodingFormatError,
+     "encoding_format", "use \"float\""),
+]
+
+RULE = {"chat": rules.check_chat_request, "comp": rules.check_completion_request,
+        "emb": rules.check_embedding_request}
+MODEL = {"chat": M.ChatCompletionRequest, "comp": M.CompletionRequest, "emb": M.EmbeddingRequest}
+
+
+@pytest.mark.parametrize("kind,req,err,param,fragment", CASES,
+                         ids=[f"{c[0]}-{c[2].__name__}-{i}" for i, c in enumerate(CASES)])
+def test_rule_raises_typed_error(kind, req, err, param, fragment):
+    with pytest.raises(err) as ei:
+        RULE[kind](req)
+    e = ei.value
+    assert isinstance(e, InvalidRequestError)
+    assert e.http_status == 400 and e.error_type == "invalid_request_error"
+    assert e.param == param
+    assert fragment in e.message, e.message
+
+
+@pytest.mark.parametrize("kind,req,err,param,fragment", CASES,
+                         ids=[f"{c[0]}-{c[2].__name__}-{i}" for i, c in enumerate(CASES)])
+def test_pydantic_model_raises_the_same_error(kind, req, err, param, fragment):
+    with pytest.raises(err) as ei:
+        MODEL[kind](**req)
+    assert ei.value.param == param and fragment in ei.value.message
+
+
+def test_valid_chat_request_is_normalised():
+    req = {"messages": [{"role": "system", "content": "be brief"},
+                        {"role": "user", "content": [{"type": "text", "text": "a"},
+                                                     {"type": "text", "text": "b"}]}],
+           "stop": "END", "seed": 3.0, "max_completion_tokens": 7, "presence_penalty": 0.5,
+           "logit_bias": {"12": -100, 7: 5}, "logprobs": True, "top_logprobs": 0,
+           "stream": True, "stream_options": {"include_usage": True}}
+    out = rules.check_chat_request(req)
+    assert out["messages"][1]["content"] == "a\nb"
+    assert out["stop"] == ["END"] and out["seed"] == 3 and isinstance(out["seed"], int)
+    assert out["max_tokens"] == 7 and "max_completion_tokens" not in out
+    assert out["frequency_penalty"] == 0.0  # WebLLM: the other penalty defaults to 0
+    assert out["logit_bias"] == {"12": -100.0, "7": 5.0}
+    assert req["stop"] == "END"  # the caller's dict is not modified
+    m = M.ChatCompletionRequest(**req)
+    assert m.messages[1].content == "a\nb" and m.max_tokens == 7 and m.stop == ["END"]
+
+
+def test_valid_edge_values_pass():
+    rules.check_chat_request(chat(temperature=0, top_p=1, frequency_penalty=-2, presence_penalty=2,
+                                  logit_bias={"0": 100}, n=5, logprobs=True, top_logprobs=5))
+    rules.check_chat_request({"messages": [*U, {"role": "assistant", "content": None,
+                                                "tool_calls": [{"id": "1"}]},
+                                           {"role": "tool", "content": "42", "tool_call_id": "1"}]})
+    out = rules.check_completion_request(comp(prompt=["only one"], echo=True, suffix="!", logprobs=2))
+    assert out["prompt"] == "only one" and out["logprobs"] is True and out["top_logprobs"] == 2
+    for inp in ("a", ["a", "b"], [1, 2, 3], [[1, 2], [3]]):
+        assert M.EmbeddingRequest(input=inp).input == inp
+    rules.check_embedding_request({"input": "a", "encoding_format": "float"})
+
+
+def test_responses_parse_as_openai_objects():
+    d = {"id": "chatcmpl-1", "object": "chat.completion", "created": 1, "model": "m",
+         "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"},
+                      "finish_reason": "stop",
+                      "logprobs": {"content": [{"token": "hi", "logprob": -0.1, "bytes": [104, 105],
+                                                "top_logprobs": [{"token": "hi", "logprob": -0.1}]}]}}],
+         "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4,
+                   "extra": {"e2e_latency_s": 0.5, "decode_tokens_per_s": 10.0}}}
+    obj = to_object(d)
+    assert isinstance(obj, M.ChatCompletion)
+    assert obj.choices[0].message.content == "hi" and obj.usage.extra.e2e_latency_s == 0.5
+    assert to_dict(obj) == d
+    chunk = to_object({"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "m",
+                       "choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": 2,
+                                                "total_tokens": 3}})
+    assert isinstance(chunk, M.ChatCompletionChunk) and chunk.usage.total_tokens == 3
+    # the official client's types accept our JSON
+    from openai.types.chat import ChatCompletion as OAChat
+    assert OAChat.model_validate(to_dict(obj)).choices[0].message.content == "hi"
+
+
+def test_attrdict_fallback_reads_like_the_models():
+    a = AttrDict({"x": 1})
+    assert a.x == 1 and a.to_dict() == {"x": 1}
+    from webgpu_engine.protocol.objects import _wrap
+    w = _wrap({"choices": [{"delta": {"content": "t"}}]})
+    assert w.choices[0].delta.content == "t"
+    with pytest.raises(AttributeError):
+        _ = w.missing
+
+
+def test_rules_module_imports_only_the_standard_library():
+    import ast
+    import inspect
+    import sys
+    for mod in (rules, E, sys.modules["webgpu_engine.protocol.objects"]):
+        tree = ast.parse(inspect.getsource(mod))
+        top = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+        for n in top:
+            names = [a.name for a in n.names] if isinstance(n, ast.Import) else [n.module or ""]
+            for name in names:
+                assert n.__dict__.get("level", 0) > 0 or name.split(".")[0] in sys.stdlib_module_names, \
+                    f"{mod.__name__} imports {name} at module level"

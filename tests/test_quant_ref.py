@@ -1,0 +1,78 @@
+"""quant_ref (our numpy dequantization, written from ggml's layouts) against the gguf package's
+`gguf.quants.dequantize`, on quantized random data and on real blocks of the SmolLM2 GGUF file."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as GT
+from gguf import GGUFReader
+from gguf import quants as gq
+
+from webgpu_engine.kernels import quant_ref as qr
+
+GGUF_TYPE = {"f16": GT.F16, "bf16": GT.BF16, "q4_0": GT.Q4_0, "q4_1": GT.Q4_1, "q8_0": GT.Q8_0,
+             "q4_k": GT.Q4_K, "q6_k": GT.Q6_K}
+
+
+def _theirs(raw: bytes, qtype: str, n: int) -> np.ndarray:
+    return gq.dequantize(np.frombuffer(raw, np.uint8).reshape(n, -1), GGUF_TYPE[qtype]).astype(np.float64)
+
+
+@pytest.mark.parametrize("qtype", ["q4_0", "q4_1", "q8_0", "bf16", "f16"])
+def test_quantized_random_data(qtype):
+    """gguf quantizes a random matrix; both dequantizations must agree exactly."""
+    rng = np.random.default_rng(1)
+    n, k = 24, 512
+    x = (rng.standard_normal((n, k)) * rng.uniform(0.01, 3, (n, 1))).astype(np.float32)
+    if qtype == "f16":
+        raw = x.astype(np.float16).tobytes()
+    else:
+        raw = gq.quantize(x, GGUF_TYPE[qtype]).tobytes()
+    assert len(raw) == n * qr.row_bytes(qtype, k)
+    ours = qr.dequantize(raw, qtype, n, k)
+    np.testing.assert_array_equal(ours, _theirs(raw, qtype, n))
+    # and the quantization is a close approximation of the data (sanity of the whole chain)
+    assert np.abs(ours - x).max() < 0.2 * np.abs(x).max()
+
+
+@pytest.mark.parametrize("qtype", ["q4_0", "q4_1", "q8_0", "q4_k", "q6_k"])
+def test_random_blocks(qtype):
+    """gguf cannot quantize K-quants from Python: random block bytes (every bit pattern of the
+    quants and packed scales) with finite f16 scales test the layouts instead."""
+    rng = np.random.default_rng(2)
+    n, k = 16, 1024
+    raw = qr.random_weight(qtype, n, k, rng)
+    ours = qr.dequantize(raw, qtype, n, k)
+    assert ours.shape == (n, k) and np.isfinite(ours).all()
+    np.testing.assert_array_equal(ours, _theirs(raw, qtype, n))
+
+
+def test_scale_min_k4_matches_ggml_rule():
+    """get_scale_min_k4 by hand for one block of scale bytes."""
+    s = np.arange(12, dtype=np.uint8)[None, :] * np.uint8(23)
+    sc, mn = qr.scale_min_k4(s)
+    q = [int(v) for v in s[0]]
+    for j in range(8):
+        if j < 4:
+            want = (q[j] & 63, q[j + 4] & 63)
+        else:
+            want = ((q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4), (q[j + 4] >> 4) | ((q[j] >> 6) << 4))
+        assert (sc[0, j], mn[0, j]) == want
+
+
+@pytest.fixture(scope="module")
+def smollm2_reader(smollm2_gguf):
+    return GGUFReader(str(smollm2_gguf))
+
+
+@pytest.mark.parametrize("name,qtype", [("blk.0.ffn_down.weight", "q4_1"), ("blk.3.attn_q.weight", "q4_1"),
+                                        ("token_embd.weight", "q8_0")])
+def test_real_smollm2_blocks(smollm2_reader, name, qtype):
+    t = next(t for t in smollm2_reader.tensors if t.name == name)
+    assert t.tensor_type == GGUF_TYPE[qtype]
+    k = int(t.shape[0])
+    n = min(int(t.shape[1]), 512)   # the first rows are enough (token_embd has 49152)
+    raw = np.ascontiguousarray(t.data[:n]).tobytes()
+    ours = qr.dequantize(raw, qtype, n, k)
+    np.testing.assert_array_equal(ours, _theirs(raw, qtype, n))
+    assert np.abs(ours).max() > 0

@@ -1,0 +1,251 @@
+"""Server tests: the real aiohttp server on 127.0.0.1 (free port) driven by the official openai client.
+
+The first part runs over stub pipelines (protocol, errors, SSE, disconnects, FIFO, metrics); the
+`slow` part serves the real default models on the adapter.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+
+from stub_pipelines import StubLLM, stub_config
+from webgpu_engine.server.app import ServerOptions, ServerThread
+
+U = [{"role": "user", "content": "one two three"}]
+
+
+@pytest.fixture(scope="module")
+def server(device):
+    StubLLM.step_delay, StubLLM.lose_device_at_step = 0.002, None
+    s = ServerThread(ServerOptions(models=["stub-llm", "stub-emb"], port=0, max_body_bytes=64 << 10,
+                                   engine_config=stub_config(device)))
+    yield s
+    s.stop()
+
+
+def _client(server, **kw):
+    return openai.OpenAI(base_url=server.url, api_key="none", max_retries=0, **kw)
+
+
+def _http(url, data=None, headers=None, method=None):
+    req = urllib.request.Request(url, data=data, headers=headers or {}, method=method)
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, dict(r.headers), r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), e.read()
+
+
+def _assert_openai_error(body: bytes, etype: str | None = None):
+    err = json.loads(body)["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert "Traceback" not in err["message"]
+    if etype:
+        assert err["type"] == etype
+    return err
+
+
+# --------------------------------------------------------------------------- happy paths (stub)
+def test_sync_client_chat_completions_embeddings_models(server):
+    c = _client(server)
+    r = c.chat.completions.create(model="stub-llm", messages=U, temperature=0)
+    assert r.choices[0].message.content == "three two one alpha beta gamma delta epsilon zeta"
+    assert r.choices[0].finish_reason == "stop" and r.usage.total_tokens == 3 + 9
+    chunks = list(c.chat.completions.create(model="stub-llm", messages=U, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == \
+        r.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == 9
+    t = c.completions.create(model="stub-llm", prompt="a b", max_tokens=2, temperature=0, echo=True)
+    assert t.choices[0].text == "a bb a" and t.choices[0].finish_reason == "length"
+    e = c.embeddings.create(model="stub-emb", input=["ab", "abc"])           # base64 on the wire
+    assert [d.embedding[0] for d in e.data] == [2.0, 3.0] and len(e.data[0].embedding) == 3
+    e = c.embeddings.create(model="stub-emb", input="abcd", encoding_format="float")
+    assert e.data[0].embedding == [4.0, 1.0, 0.0]
+    assert sorted(m.id for m in c.models.list()) == ["stub-emb", "stub-llm"]
+
+
+def test_sse_wire_format(server):
+    body = json.dumps({"model": "stub-llm", "messages": U, "stream": True, "max_tokens": 2}).encode()
+    st, headers, raw = _http(server.url + "/chat/completions", body, {"Content-Type": "application/json"})
+    assert st == 200 and headers["Content-Type"].startswith("text/event-stream")
+    events = raw.decode().split("\n\n")
+    assert events[-1] == "" and events[-2] == "data: [DONE]"
+    for ev in events[:-2]:
+        assert ev.startswith("data: {")
+        assert json.loads(ev[6:])["object"] == "chat.completion.chunk"
+
+
+async def test_async_clients_fifo_uninterleaved_with_embeddings_between(server):
+    StubLLM.step_delay = 0.01
+    c = openai.AsyncOpenAI(base_url=server.url, api_key="none", max_retries=0)
+    done = []
+
+    async def chat(i):
+        s = await c.chat.completions.create(model="stub-llm", temperature=0, stream=True,
+                                            messages=[{"role": "user", "content": f"req{i} z{i}"}])
+        text = "".join([ch.choices[0].delta.content or "" async for ch in s if ch.choices])
+        done.append(f"chat{i}")
+        return text
+
+    async def emb(i):
+        await asyncio.sleep(0.05 * i)
+        r = await c.embeddings.create(model="stub-emb", input=f"x{i}", encoding_format="float")
+        done.append(f"emb{i}")
+        return r
+    try:
+        tasks = []
+        for i in range(8):
+            tasks.append(asyncio.create_task(chat(i)))
+            await asyncio.sleep(0.005)      # fixes the arrival order
+        embs = [asyncio.create_task(emb(i)) for i in range(3)]
+        outs = await asyncio.gather(*tasks)
+        await asyncio.gather(*embs)
+    finally:
+        StubLLM.step_delay = 0.002
+        await c.close()
+    for i, out in enumerate(outs):
+        assert out == f"z{i} req{i} alpha beta gamma delta epsilon zeta"
+    assert [d for d in done if d.startswith("chat")] == [f"chat{i}" for i in range(8)]
+    assert max(done.index(f"emb{i}") for i in range(3)) < done.index("chat7")
+
+
+async def test_disconnect_mid_stream_frees_the_model(server):
+    import aiohttp
+    StubLLM.step_delay = 0.05
+    lm = server.engine.models["stub-llm"]
+    try:
+        async with aiohttp.ClientSession() as s:
+            resp = await s.post(server.url + "/chat/completions",
+                                json={"model": "stub-llm", "messages": U, "stream": True})
+            await resp.content.readline()           # the first event arrived: generating now
+            assert lm.lock.locked
+            resp.close()                            # hang up mid-stream
+        t0 = time.perf_counter()
+        c = openai.AsyncOpenAI(base_url=server.url, api_key="none", max_retries=0)
+        s2 = await c.chat.completions.create(model="stub-llm", messages=U, stream=True, max_tokens=1)
+        first = time.perf_counter() - t0
+        [x async for x in s2]
+        await c.close()
+    finally:
+        StubLLM.step_delay = 0.002
+    assert first < 1.0, f"next request waited {first:.2f}s for the lock"
+
+
+def test_health_and_metrics_move(server):
+    from prometheus_client.parser import text_string_to_metric_families
+    st, _, body = _http(server.base + "/health")
+    assert st == 200 and json.loads(body)["status"] == "ready"
+
+    def sample(name, **labels):
+        _, h, raw = _http(server.base + "/metrics")
+        assert h["Content-Type"].startswith("text/plain")
+        for fam in text_string_to_metric_families(raw.decode()):
+            for s in fam.samples:
+                if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                    return s.value
+        return 0.0
+    before = sample("webgpu_engine_requests_total", endpoint="/v1/chat/completions", status="200")
+    toks = sample("webgpu_engine_completion_tokens_total", model="stub-llm")
+    _client(server).chat.completions.create(model="stub-llm", messages=U, max_tokens=3)
+    assert sample("webgpu_engine_requests_total", endpoint="/v1/chat/completions", status="200") == before + 1
+    assert sample("webgpu_engine_completion_tokens_total", model="stub-llm") == toks + 3
+    assert sample("webgpu_engine_time_to_first_token_seconds_count", model="stub-llm") >= 1
+    assert sample("webgpu_engine_gpu_allocated_bytes", owner="model:stub-llm") > 0
+    assert sample("webgpu_engine_queue_length", model="stub-llm") == 0
+
+
+# --------------------------------------------------------------------------- errors (stub)
+def test_error_statuses_and_shapes(server):
+    c = _client(server)
+    with pytest.raises(openai.BadRequestError) as ei:
+        c.chat.completions.create(model="stub-llm", messages=U, temperature=3)
+    assert ei.value.status_code == 400 and ei.value.body["param"] == "temperature"
+    assert ei.value.body["code"] == "RangeError" and "[0, 2]" in ei.value.body["message"]
+    with pytest.raises(openai.BadRequestError):
+        c.chat.completions.create(model="stub-llm", messages=U, stream=True, n=2)
+    with pytest.raises(openai.NotFoundError) as ei:
+        c.chat.completions.create(model="no-such-model", messages=U)
+    assert ei.value.body["param"] == "model"
+    with pytest.raises(openai.BadRequestError) as ei:       # an embedder asked to chat
+        c.chat.completions.create(model="stub-emb", messages=U)
+    st, _, body = _http(server.url + "/chat/completions", b"{not json", {"Content-Type": "application/json"})
+    assert st == 400 and "not valid JSON" in _assert_openai_error(body, "invalid_request_error")["message"]
+    big = json.dumps({"model": "stub-llm", "messages": [{"role": "user", "content": "x" * (80 << 10)}]})
+    st, _, body = _http(server.url + "/chat/completions", big.encode(), {"Content-Type": "application/json"})
+    assert st == 413 and "limit" in _assert_openai_error(body)["message"]
+    st, _, body = _http(server.url + "/nope")
+    assert st == 404 and "Unknown route" in _assert_openai_error(body)["message"]
+    # the server survives all of that
+    assert c.chat.completions.create(model="stub-llm", messages=U, max_tokens=1).choices
+
+
+def test_unexpected_error_is_500_without_internals(server, monkeypatch):
+    async def boom(*a, **kw):
+        raise RuntimeError("secret internal detail")
+    monkeypatch.setattr(StubLLM, "prefill_step", boom)
+    with pytest.raises(openai.InternalServerError) as ei:
+        _client(server).chat.completions.create(model="stub-llm", messages=U)
+    assert ei.value.status_code == 500 and "secret" not in json.dumps(ei.value.body)
+    monkeypatch.undo()
+    assert not server.engine.models["stub-llm"].lock.locked
+    assert _client(server).chat.completions.create(model="stub-llm", messages=U, max_tokens=1).choices
+
+
+def test_cors_preflight(server):
+    st, h, _ = _http(server.url + "/chat/completions", method="OPTIONS",
+                     headers={"Origin": "http://example.org", "Access-Control-Request-Method": "POST"})
+    assert st == 204 and h["Access-Control-Allow-Origin"] == "*"
+    assert "Authorization" in h["Access-Control-Allow-Headers"]
+
+
+def test_api_key_and_device_lost(fresh_device):
+    s = ServerThread(ServerOptions(models=["stub-llm"], port=0, api_key="sekret",
+                                   engine_config=stub_config(fresh_device)))
+    try:
+        bad = openai.OpenAI(base_url=s.url, api_key="wrong", max_retries=0)
+        with pytest.raises(openai.AuthenticationError) as ei:
+            bad.chat.completions.create(model="stub-llm", messages=U)
+        assert ei.value.status_code == 401 and ei.value.body["code"] == "invalid_api_key"
+        st, _, body = _http(s.url + "/models")
+        assert st == 401
+        _assert_openai_error(body)
+        st, _, _ = _http(s.base + "/health")             # health needs no key
+        assert st == 200
+        good = openai.OpenAI(base_url=s.url, api_key="sekret", max_retries=0)
+        assert good.chat.completions.create(model="stub-llm", messages=U, max_tokens=1).choices
+        StubLLM.lose_device_at_step = 1
+        with pytest.raises(openai.APIStatusError) as ei:
+            good.chat.completions.create(model="stub-llm", messages=U)
+        assert ei.value.status_code == 503 and ei.value.body["type"] == "device_lost"
+        with pytest.raises(openai.APIStatusError) as ei:
+            good.chat.completions.create(model="stub-llm", messages=U)
+        assert ei.value.status_code == 503
+        st, _, body = _http(s.base + "/health")
+        assert st == 503 and json.loads(body)["status"] == "device_lost"
+    finally:
+        StubLLM.lose_device_at_step = None
+        s.stop()
+
+
+def test_503_while_loading(device):
+    StubLLM.load_delay = 0.5
+    try:
+        s = ServerThread(ServerOptions(models=["stub-llm"], port=0, engine_config=stub_config(device)),
+                         wait_ready=None)
+        st, _, body = _http(s.base + "/health")
+        assert st == 503 and json.loads(body)["status"] == "loading"
+        with pytest.raises(openai.APIStatusError) as ei:
+            _client(s).chat.completions.create(model="stub-llm", messages=U)
+        assert ei.value.status_code == 503 and "loading" in ei.value.body["message"]
+        s.wait_ready()
+        assert _http(s.base + "/health")[0] == 200
+    finally:
+        StubLLM.load_delay = 0.0
+        s.stop()

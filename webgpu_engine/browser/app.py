@@ -1,0 +1,169 @@
+"""The entry point the demo page calls: load models through the Cache API, chat (streamed), embed, search.
+
+Runs inside Pyodide; standard library plus the project only (no numpy, pydantic or tokenizers).
+Model files come from the page's own origin (`<base>/models/<model id>/<file>`), are kept in Cache
+Storage (scope "model") so a reload of the page fetches nothing, and are staged into Pyodide's
+in-memory file system, where the ordinary engine (`AsyncMLCEngine`) loads them as local records.
+Values cross to JavaScript as JSON strings, so the page holds no Python proxies.
+
+    app = pyodide.pyimport("webgpu_engine.browser.app")
+    await app.start(location.href, progress)              // progress(fraction, text)
+    await app.load(JSON.stringify(["SmolLM2-135M-Instruct-Q4_1", "all-MiniLM-L6-v2"]))
+    await app.chat(JSON.stringify(messages), onDelta)    // onDelta(text) per streamed piece
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+
+from ..cache.defaults import model_artifacts
+from ..engine.engine import AsyncMLCEngine
+from ..engine.records import EMBEDDING, LLM, AppConfig, EngineConfig, ModelRecord
+from .artifact_cache import BrowserArtifactCache, stage_files
+
+STAGE_ROOT = "/models"
+_TYPES = {"SmolLM2-135M-Instruct-Q4_1": LLM, "all-MiniLM-L6-v2": EMBEDDING}
+
+_state: dict = {"engine": None, "base": "", "progress": None, "loaded": {}, "fetch_stats": {}}
+
+
+def _progress(frac: float, text: str) -> None:
+    cb = _state["progress"]
+    if cb is not None:
+        cb(float(frac), str(text))
+
+
+async def start(base_url: str, progress=None) -> str:
+    """Create the engine on this browser's WebGPU device; returns the device description (JSON)."""
+    os.environ["WEBGPU_ENGINE_OFFLINE"] = "1"    # the page never lets Python reach the network itself
+    _state["base"] = base_url.rsplit("/", 1)[0] + "/"
+    _state["progress"] = progress
+    engine = AsyncMLCEngine(EngineConfig(app_config=AppConfig([]),
+                                         init_progress_callback=lambda r: _progress(r["progress"], r["text"])))
+    dev = await engine.get_device()
+    _state["engine"] = engine
+    return json.dumps(dev.describe())
+
+
+async def load(model_ids_json: str, chat_opts_json: str = "null") -> str:
+    """Fetch (or find in Cache Storage) the files of each model, stage them, and load them all."""
+    engine = _state["engine"]
+    ids = json.loads(model_ids_json)
+    opts = json.loads(chat_opts_json)
+    cache = BrowserArtifactCache("model")
+    records, stats = [], {}
+    for k, mid in enumerate(ids):
+        arts = [a for a in (model_artifacts(mid) or []) if a.scope == "model"]
+        if not arts:
+            raise ValueError(f"No file list known for model {mid!r}")
+        urls = [f"{_state['base']}models/{mid}/{a.filename}" for a in arts]
+
+        def prog(frac, text, k=k):
+            _progress(0.5 * (k + frac) / len(ids), text)
+        arrays, st = await cache.fetch_all(urls, prog)
+        stage_files(f"{STAGE_ROOT}/{mid}", {a.filename: arr for a, arr in zip(arts, arrays)})
+        stats[mid] = st.__dict__
+        single = len(arts) == 1
+        # A local record is used in place: the .gguf itself for one-file models, else the folder.
+        where = f"{STAGE_ROOT}/{mid}" + (f"/{arts[0].filename}" if single else "")
+        records.append(ModelRecord(model_id=mid, model=where, model_type=_TYPES.get(mid, LLM),
+                                   overrides={"context_window_size": 2048} if single else {}))
+    engine.set_app_config(AppConfig(records))
+    t0 = time.perf_counter()
+    await engine.reload(ids, opts)
+    _state["loaded"] = {mid: _TYPES.get(mid, LLM) for mid in ids}
+    _state["fetch_stats"] = stats
+    return json.dumps({"fetch": stats, "load_seconds": time.perf_counter() - t0})
+
+
+def _model(kind: str) -> str:
+    for mid, t in _state["loaded"].items():
+        if t == kind:
+            return mid
+    raise ValueError(f"no {kind} model loaded")
+
+
+async def chat(messages_json: str, on_delta=None, request_json: str = "{}") -> str:
+    """Stream a chat answer; `on_delta(text)` gets each piece. Returns text, usage and speeds (JSON)."""
+    engine = _state["engine"]
+    req = {"temperature": 0.0, "max_tokens": 64, **json.loads(request_json)}
+    t0 = time.perf_counter()
+    first = None
+    parts, usage, finish = [], None, None
+    stream = await engine.chat.completions.create(messages=json.loads(messages_json), model=_model(LLM),
+                                                  stream=True, stream_options={"include_usage": True}, **req)
+    n_pieces = 0
+    async for chunk in stream:
+        for choice in chunk.choices or []:
+            delta = choice.delta.content if choice.delta else None
+            if delta:
+                if first is None:
+                    first = time.perf_counter()
+                n_pieces += 1
+                parts.append(delta)
+                if on_delta is not None:
+                    on_delta(delta)
+            if choice.finish_reason:
+                finish = choice.finish_reason
+        if getattr(chunk, "usage", None):
+            usage = _plain(chunk.usage)
+    t1 = time.perf_counter()
+    extra = (usage or {}).get("extra") or {}
+    completion = (usage or {}).get("completion_tokens") or n_pieces
+    decode_tps = extra.get("decode_tokens_per_s")
+    if decode_tps is None and first is not None and completion > 1:
+        decode_tps = (completion - 1) / max(t1 - first, 1e-9)
+    return json.dumps({"text": "".join(parts), "finish_reason": finish, "usage": usage,
+                       "decode_tokens_per_s": decode_tps, "seconds": t1 - t0,
+                       "time_to_first_token_s": None if first is None else first - t0})
+
+
+async def greedy_ids(prompt_ids_json: str, n: int) -> str:
+    """`n` tokens after the given prompt ids, one forward step at a time (WebLLM's
+    forwardTokensAndSample), not stopping at end-of-sequence tokens. Needs a greedy chat config."""
+    engine = _state["engine"]
+    ids = json.loads(prompt_ids_json)
+    mid = _model(LLM)
+    t0 = time.perf_counter()
+    out = [await engine.forward_tokens_and_sample(ids, True, model=mid)]
+    t1 = time.perf_counter()
+    for _ in range(int(n) - 1):
+        out.append(await engine.forward_tokens_and_sample([out[-1]], False, model=mid))
+    t2 = time.perf_counter()
+    return json.dumps({"ids": out, "prefill_seconds": t1 - t0,
+                       "decode_tokens_per_s": (len(out) - 1) / max(t2 - t1, 1e-9)})
+
+
+async def embed(texts_json: str) -> str:
+    engine = _state["engine"]
+    t0 = time.perf_counter()
+    res = await engine.embeddings.create(input=json.loads(texts_json), model=_model(EMBEDDING))
+    vecs = [list(d.embedding) for d in res.data]
+    return json.dumps({"embeddings": vecs, "seconds": time.perf_counter() - t0})
+
+
+async def search(query: str, docs_json: str) -> str:
+    """Rank documents by cosine similarity to the query (vectors are L2-normalised by the model)."""
+    docs = json.loads(docs_json)
+    vecs = json.loads(await embed(json.dumps([query] + docs)))["embeddings"]
+    q = vecs[0]
+    scores = [sum(a * b for a, b in zip(q, v)) / (math.sqrt(sum(b * b for b in v)) or 1.0) for v in vecs[1:]]
+    order = sorted(range(len(docs)), key=lambda i: -scores[i])
+    return json.dumps([{"doc": docs[i], "score": scores[i]} for i in order])
+
+
+async def runtime_stats() -> str:
+    return await _state["engine"].runtime_stats_text(model=_model(LLM))
+
+
+def _plain(obj):
+    """A response object (attribute dict or dataclass) as plain JSON-able values."""
+    if isinstance(obj, dict):
+        return {k: _plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_plain(v) for v in obj]
+    if hasattr(obj, "__dict__") and not isinstance(obj, type):
+        return {k: _plain(v) for k, v in vars(obj).items() if not k.startswith("_")}
+    return obj

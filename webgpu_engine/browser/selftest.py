@@ -1,0 +1,180 @@
+"""In-page self-test of the browser gpu backend: writes, kernels, readback, typed errors, device loss.
+
+The demo's selftest page calls `await run_selftest(saxpy_wgsl)` and shows the JSON it returns; the
+browser test asserts on it. Standard library only (the page has no numpy): values travel as
+`array('f')`, and the expected results are computed in plain Python.
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+from array import array
+
+from ..errors import DeviceLostError, GPUOutOfMemoryError, GPUValidationError, ShaderCompileError
+from ..gpu import request_device
+from ..gpu.shaders import set_shader_dir
+from ..kernels.common import act_header
+
+SHADER_DIR = "/tmp/webgpu_engine_selftest"
+# A WGSL file with an error on line 3 (an unknown identifier), to check file:line reporting.
+BROKEN_WGSL = "@group(0) @binding(0) var<storage, read_write> y: array<f32>;\n" \
+              "@compute @workgroup_size(1) fn broken() {\n    y[0] = not_declared;\n}\n"
+
+
+def _floats(n: int, f) -> array:
+    return array("f", (f(i) for i in range(n)))
+
+
+async def _expect(kind: type, coro_or_fn) -> str:
+    """Run and return the message of the `kind` error it raises (anything else is a failure)."""
+    try:
+        r = coro_or_fn()
+        if hasattr(r, "__await__"):
+            await r
+    except kind as e:
+        return str(e)
+    except Exception as e:  # noqa: BLE001 - reported as a failed check
+        raise AssertionError(f"expected {kind.__name__}, got {type(e).__name__}: {e}") from None
+    raise AssertionError(f"expected {kind.__name__}, nothing was raised")
+
+
+async def run_selftest(saxpy_wgsl: str) -> dict:
+    os.makedirs(SHADER_DIR, exist_ok=True)
+    with open(f"{SHADER_DIR}/selftest.wgsl", "w") as f:
+        f.write(saxpy_wgsl)
+    with open(f"{SHADER_DIR}/broken.wgsl", "w") as f:
+        f.write(BROKEN_WGSL)
+    set_shader_dir(SHADER_DIR)
+    out: dict = {"checks": {}, "timings_ms": {}}
+    checks, times = out["checks"], out["timings_ms"]
+    try:
+        dev = await request_device()
+        out["adapter"] = dict(dev.info.__dict__)
+        out["backend"] = dev.backend_name
+        out["has_f16"] = dev.has_f16
+        out["features"] = sorted(dev.features)
+        out["max_storage_binding"] = dev.max_storage_binding
+
+        # 1. A kernel on 1M floats written from Python bytes (zero-copy heap view), read back.
+        n = 1 << 20
+        x = _floats(n, lambda i: (i % 1000) * 0.5)
+        y0 = _floats(n, lambda i: 1.0 - (i % 7))
+        t = time.perf_counter()
+        bx = dev.upload(x, owner="selftest", label="x")
+        by = dev.upload(y0, owner="selftest", label="y")
+        pipe = dev.pipeline("selftest.wgsl", "saxpy", constants={"A": 3.0}, header=act_header("f32"))
+        dev.run(pipe, [bx, by], math.ceil(n / 64))
+        got = array("f", await dev.read(by))
+        times["saxpy_1M_upload_run_read"] = (time.perf_counter() - t) * 1e3
+        bad = sum(1 for i in range(0, n, 997) if abs(got[i] - (3.0 * x[i] + y0[i])) > 1e-5)
+        checks["saxpy_python_bytes"] = bad == 0 and len(got) == n
+
+        # 2. The pipeline cache: the same (file, entry, constants, header) compiles once.
+        c0 = dev.compile_count
+        again = dev.pipeline("selftest.wgsl", "saxpy", constants={"A": 3.0}, header=act_header("f32"))
+        checks["pipeline_cached"] = again is pipe and dev.compile_count == c0
+
+        # 3. Writes straight from JS memory (what fetched weights use), with an odd tail and a window.
+        from js import Float32Array, Uint8Array  # noqa: PLC0415 - page-only module
+        from pyodide.ffi import to_js  # noqa: PLC0415
+        from ..gpu.browser import JsBytes  # noqa: PLC0415
+        js_x = Float32Array.new(to_js(list(range(64))))
+        bj = dev.upload(JsBytes(js_x), owner="selftest", label="js_x")
+        got = array("f", await dev.read(bj))
+        checks["write_from_js_arraybuffer"] = list(got) == [float(i) for i in range(64)]
+        raw = Uint8Array.new(to_js(list(range(1, 12))))        # 11 bytes: 8 + a 3-byte tail
+        bt = dev.buffer(16, owner="selftest", label="tail")
+        dev.write(bt, JsBytes(raw)[1:])                          # bytes 2..11 (10 bytes)
+        checks["js_window_and_tail"] = await dev.read(bt, 0, 10) == bytes(range(2, 12))
+
+        # 4. A batch mixing a dispatch and a copy, submitted as one command buffer; partial readback.
+        bz = dev.buffer(n * 4, owner="selftest", label="z")
+        by2 = dev.upload(y0, owner="selftest", label="y2")
+        b = dev.batch()
+        b.dispatch(pipe, dev.bind(pipe, [bx, by2]), math.ceil(n / 64))
+        b.copy(by2, bz, 4096 * 4, src_offset=1024 * 4)
+        dev.submit(b)
+        part = array("f", await dev.read(bz, 0, 4096 * 4))
+        checks["batch_dispatch_copy"] = all(abs(part[j] - (3.0 * x[1024 + j] + y0[1024 + j])) < 1e-5
+                                            for j in range(4096))
+
+        # 4b. Host cost of encoding a decode-step-sized batch (400 dispatches) through the FFI.
+        small_x = dev.upload(x[:256], owner="selftest", label="sx")
+        small_y = dev.upload(y0[:256], owner="selftest", label="sy")
+        bg = dev.bind(pipe, [small_x, small_y])
+        b = dev.batch()
+        for _ in range(400):
+            b.dispatch(pipe, bg, 4)
+        t = time.perf_counter()
+        dev.submit(b)
+        times["encode_submit_400_dispatches"] = (time.perf_counter() - t) * 1e3
+        got = array("f", await dev.read(small_y))
+        checks["400_dispatches_applied"] = all(abs(got[i] - (y0[i] + 400 * 3.0 * x[i])) <= 1e-3 * abs(got[i]) + 1e-3
+                                               for i in range(256))
+
+        # 5. A 64 MiB upload from the Python heap.
+        big = bytearray(64 << 20)
+        t = time.perf_counter()
+        bb = dev.upload(big, owner="selftest", label="big")
+        await dev.sync()
+        times["upload_64MiB"] = (time.perf_counter() - t) * 1e3
+        bb.release()
+
+        # 6. Typed errors, raised at the next await as the native backend raises them at once.
+        msg = await _expect(ShaderCompileError, lambda: _compile_broken(dev))
+        checks["shader_compile_error_names_file_line"] = "shaders/broken.wgsl:3" in msg
+        out["shader_error"] = msg
+        bad_bg = dev.bind(pipe, [bx, (by, 0, n * 8)])            # window past the end of y
+        msg = await _expect(GPUValidationError, lambda: dev.read(by, 0, 16))
+        checks["validation_error_names_kernel"] = "selftest.wgsl:saxpy" in msg
+        out["validation_error"] = msg
+        dev.submit(dev.batch().dispatch(pipe, dev.bind(pipe, [bx, by]), 1 << 24))   # > 65535 groups
+        msg = await _expect(GPUValidationError, dev.sync)
+        checks["submit_error_names_kernel"] = "submit of [selftest.wgsl:saxpy]" in msg
+        msg = await _expect(GPUOutOfMemoryError, lambda: dev.buffer(dev.max_buffer_size + 4, label="huge"))
+        checks["oversized_buffer_is_oom"] = "huge" in msg
+        del bad_bg
+        # An error outside any scope arrives as an uncapturederror event and is raised by the next call.
+        from js import GPUBufferUsage, Object  # noqa: PLC0415
+        dev.raw.createBuffer(to_js({"size": 16, "usage": GPUBufferUsage.MAP_READ | GPUBufferUsage.STORAGE},
+                                   dict_converter=Object.fromEntries))
+        await dev.raw.queue.onSubmittedWorkDone()
+        await _sleep(50)
+        msg = await _expect(GPUValidationError, lambda: dev.buffer(16, label="after"))
+        checks["uncaptured_error_raised"] = bool(msg)
+        checks["device_usable_after_errors"] = array("f", await dev.read(bx, 4, 8)) == array("f", x[1:3])
+
+        # 7. Memory accounting and release by owner.
+        before = dev.allocated_bytes("selftest")
+        dev.release_owner("selftest")
+        checks["release_owner"] = before > 0 and dev.allocated_bytes("selftest") == 0
+
+        # 8. Device loss: the browser's lost promise marks the device, later calls raise DeviceLostError.
+        dev2 = await request_device()
+        b2 = dev2.upload(bytes(64), label="b2")
+        dev2.raw.destroy()                                       # behind the gpu layer's back
+        await dev2.raw.lost
+        await _sleep(0)
+        checks["lost_promise_marks_device"] = dev2.lost
+        msg = await _expect(DeviceLostError, lambda: dev2.read(b2))
+        checks["lost_device_raises"] = "lost" in msg.lower()
+        dev.close()
+    except Exception as e:  # noqa: BLE001 - the page shows what broke
+        import traceback  # noqa: PLC0415
+        out["error"] = f"{type(e).__name__}: {e}"
+        out["traceback"] = traceback.format_exc()
+    finally:
+        set_shader_dir(None)
+    out["ok"] = "error" not in out and bool(checks) and all(checks.values())
+    return out
+
+
+async def _compile_broken(dev) -> None:
+    dev.pipeline("broken.wgsl", "broken")
+    await dev.sync()
+
+
+async def _sleep(ms: int) -> None:
+    import asyncio  # noqa: PLC0415
+    await asyncio.sleep(ms / 1000)

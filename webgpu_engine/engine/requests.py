@@ -1,0 +1,330 @@
+"""The OpenAI request paths of the engine: chat.completions, completions and embeddings `create`.
+
+Each request: validate (protocol rules) → pick the model → build the GenerationConfig → take the
+model's FIFO lock → prefill + decode steps → release in `finally`. Streaming requests take the lock
+and run the prefill inside `create` (so errors surface there, and arrival order is service order),
+then return an `AsyncStream` of chunks that releases the lock when iteration ends, fails, is
+cancelled or is closed early. Standard library only at module level.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+from ..config import GenerationConfig
+from ..protocol.errors import RangeError
+from ..protocol.objects import to_object
+from ..protocol.rules import check_chat_request, check_completion_request, check_embedding_request
+from .records import EMBEDDING, LLM
+
+
+def _as_dict(request: Any, fields: dict) -> dict:
+    if request is None:
+        d = {}
+    elif isinstance(request, dict):
+        d = dict(request)
+    elif hasattr(request, "model_dump"):
+        d = request.model_dump(exclude_none=True)
+    else:
+        d = dict(vars(request))
+    d.update({k: v for k, v in fields.items() if v is not None})
+    return {k: v for k, v in d.items() if v is not None}
+
+
+def _gen_config(lm, req: dict) -> GenerationConfig:
+    """Per-request sampling: the model's chat-config defaults, overridden by the request's fields."""
+    cc = lm.chat_config
+
+    def pick(name):
+        v = req.get(name)
+        return getattr(cc, name) if v is None else v
+    bias = {}
+    lb = req.get("logit_bias") or {}
+    if lb:
+        vocab = _vocab_size(lm.pipeline)
+        for k, v in lb.items():
+            tid = int(k)
+            if vocab is not None and tid >= vocab:
+                raise RangeError("logit_bias", 0, vocab - 1, tid,
+                                 extra=f"token ids of {lm.model_id} are below {vocab}")
+            bias[tid] = float(v)
+    return GenerationConfig(
+        temperature=float(pick("temperature")), top_p=float(pick("top_p")),
+        max_tokens=req.get("max_tokens"), stop=list(req.get("stop") or []),
+        frequency_penalty=float(pick("frequency_penalty")),
+        presence_penalty=float(pick("presence_penalty")),
+        repetition_penalty=float(pick("repetition_penalty")),
+        logit_bias=bias, logprobs=bool(req.get("logprobs")), top_logprobs=int(req.get("top_logprobs") or 0),
+        seed=req.get("seed"), ignore_eos=bool(req.get("ignore_eos")), n=int(req.get("n") or 1))
+
+
+def _vocab_size(pipe) -> int | None:
+    for obj in (getattr(pipe, "model_config", None), getattr(pipe, "tokenizer", None)):
+        v = getattr(obj, "vocab_size", None)
+        if isinstance(v, int):
+            return v
+    return None
+
+
+def _choice_gen(gen: GenerationConfig, i: int) -> GenerationConfig:
+    # One seed covers the whole request: choice i samples with seed + i, so the n choices differ
+    # while the request stays reproducible; nothing of it outlives the request.
+    if gen.seed is None or i == 0:
+        return gen
+    from dataclasses import replace
+    return replace(gen, seed=gen.seed + i)
+
+
+async def _steps(engine, lm, gen: GenerationConfig, messages=None, prompt=None) -> AsyncIterator[tuple[str, list]]:
+    """One choice: prefill then decode until the pipeline stops. Yields (text delta, new logprob
+    entries) after each step. Each step yields to the event loop (other requests, disconnects)."""
+    pipe = lm.pipeline
+    await engine.guard(pipe.prefill_step(messages, gen, prompt=prompt))
+    seen = 0
+    while True:
+        delta = pipe.take_delta()
+        entries = []
+        if gen.logprobs:
+            lps = pipe.token_logprobs or []
+            entries, seen = list(lps[seen:]), len(lps)
+        if delta or entries:
+            yield delta, entries
+        if pipe.stopped:
+            break
+        await engine.guard(pipe.decode_step(gen))
+        await asyncio.sleep(0)
+    tail = pipe.take_delta()   # held-back text (a partial stop string that was not one)
+    if tail:
+        yield tail, []
+
+
+def _usage(usages: list[dict], t0: float) -> dict:
+    if not usages:
+        return {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+    prompt = int(usages[0].get("prompt_tokens", 0))
+    completion = sum(int(u.get("completion_tokens", 0)) for u in usages)
+    extra = dict(usages[-1].get("extra") or {})
+    extra["e2e_latency_s"] = time.perf_counter() - t0
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion, "extra": extra}
+
+
+class AsyncStream:
+    """Async iterator of chunk objects. Holds the model's lock until iteration ends; `aclose()` (or
+    leaving an `async with`) stops the generation and frees the lock at once. `usage` is filled when
+    the stream ends (also when the client did not ask for a usage chunk)."""
+
+    def __init__(self, lm, agen_factory):
+        self._lm = lm
+        self._released = False
+        self.usage: dict | None = None
+        self.finish_reason: str | None = None
+        self._agen = agen_factory(self)
+        self._started = False
+
+    def _release(self) -> None:
+        if not self._released:
+            self._released = True
+            self._lm.lock.release()
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        self._started = True
+        return await self._agen.__anext__()
+
+    async def aclose(self) -> None:
+        if self._started:
+            await self._agen.aclose()
+        self._release()
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.aclose()
+
+    def __del__(self):
+        if not self._released:
+            # Dropped without being consumed: hand the lock on (from the loop's thread).
+            try:
+                loop = asyncio.get_running_loop()
+                loop.call_soon(self._release)
+            except RuntimeError:
+                self._release()
+
+
+# --------------------------------------------------------------------------- chat
+class ChatCompletions:
+    def __init__(self, engine):
+        self.engine = engine
+
+    async def create(self, request: Any = None, **fields):
+        """OpenAI chat.completions.create: a ChatCompletion, or an AsyncStream of chunks when stream."""
+        return await _create_text(self.engine, _as_dict(request, fields), chat=True)
+
+
+class Chat:
+    def __init__(self, engine):
+        self.completions = ChatCompletions(engine)
+
+
+class Completions:
+    def __init__(self, engine):
+        self.engine = engine
+
+    async def create(self, request: Any = None, **fields):
+        """OpenAI completions.create (echo and suffix supported; no chat template)."""
+        return await _create_text(self.engine, _as_dict(request, fields), chat=False)
+
+
+async def _create_text(engine, req: dict, chat: bool):
+    name = "ChatCompletionRequest" if chat else "CompletionCreateParams"
+    req = check_chat_request(req) if chat else check_completion_request(req)
+    lm = await engine.select(req.get("model"), LLM, name)
+    gen = _gen_config(lm, req)
+    kind = "chat.completion" if chat else "text_completion"
+    rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+    created = int(time.time())
+    messages = req["messages"] if chat else None
+    prompt = None if chat else req["prompt"]
+    if req.get("stream"):
+        return await _stream(engine, lm, req, gen, rid, created, kind, messages, prompt)
+    t0 = time.perf_counter()
+    await engine.acquire(lm, name)
+    try:
+        choices, usages = [], []
+        for i in range(gen.n):
+            g = _choice_gen(gen, i)
+            parts, lps = [], []
+            async for delta, entries in _steps(engine, lm, g, messages, prompt):
+                parts.append(delta)
+                lps.extend(entries)
+            finish = lm.pipeline.finish_reason or "stop"
+            usages.append(lm.pipeline.usage())
+            text = "".join(parts)
+            if chat:
+                c = {"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
+                if gen.logprobs:
+                    c["logprobs"] = {"content": lps}
+            else:
+                if req.get("echo"):
+                    text = prompt + text
+                text += req.get("suffix") or ""
+                c = {"index": i, "text": text, "finish_reason": finish}
+                if gen.logprobs:
+                    c["logprobs"] = _legacy_logprobs(lps, len(prompt) if req.get("echo") else 0)
+            choices.append(c)
+    finally:
+        lm.lock.release()
+    return to_object({"id": rid, "object": kind, "created": created, "model": lm.model_id,
+                      "choices": choices, "usage": _usage(usages, t0)})
+
+
+def _legacy_logprobs(entries: list[dict], offset0: int) -> dict:
+    """OpenAI chat logprob entries → the legacy completions layout (parallel lists)."""
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    off = offset0
+    for e in entries:
+        out["tokens"].append(e["token"])
+        out["token_logprobs"].append(e["logprob"])
+        out["top_logprobs"].append({t["token"]: t["logprob"] for t in e.get("top_logprobs", [])})
+        out["text_offset"].append(off)
+        off += len(e["token"])
+    return out
+
+
+async def _stream(engine, lm, req, gen, rid, created, kind, messages, prompt):
+    chat = kind == "chat.completion"
+    name = "ChatCompletionRequest" if chat else "CompletionCreateParams"
+    include_usage = bool((req.get("stream_options") or {}).get("include_usage"))
+    t0 = time.perf_counter()
+    await engine.acquire(lm, name)
+    chunk_kind = "chat.completion.chunk" if chat else "text_completion"
+
+    def chunk(choices, usage=None):
+        d = {"id": rid, "object": chunk_kind, "created": created, "model": lm.model_id, "choices": choices}
+        if usage is not None:
+            d["usage"] = usage
+        return to_object(d)
+
+    def piece(text, entries=None, finish=None, first=False):
+        if chat:
+            delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+            c = {"index": 0, "delta": delta, "finish_reason": finish}
+            if entries:
+                c["logprobs"] = {"content": entries}
+        else:
+            c = {"index": 0, "text": text, "finish_reason": finish}
+            if entries:
+                c["logprobs"] = _legacy_logprobs(entries, 0)
+        return chunk([c])
+
+    def make(stream: AsyncStream):
+        async def agen():
+            try:
+                first = True
+                if not chat and req.get("echo"):
+                    yield piece(prompt)
+                    first = False
+                async for delta, entries in steps:
+                    yield piece(delta, entries, first=first and chat)
+                    first = False
+                if not chat and req.get("suffix"):
+                    yield piece(req["suffix"])
+                stream.finish_reason = lm.pipeline.finish_reason or "stop"
+                stream.usage = _usage([lm.pipeline.usage()], t0)
+                yield piece("", finish=stream.finish_reason)
+                if include_usage:
+                    yield chunk([], stream.usage)
+            finally:
+                await steps.aclose()
+                stream._release()
+        return agen()
+
+    try:
+        steps = _steps(engine, lm, gen, messages, prompt)
+        # Run the prefill now, under the lock: its errors (context too long, device lost) raise
+        # from create() and become proper HTTP errors instead of a broken stream.
+        first_item = await steps.__anext__()
+    except StopAsyncIteration:
+        first_item = None
+    except BaseException:
+        lm.lock.release()
+        raise
+    steps = _prepend(first_item, steps)
+    return AsyncStream(lm, make)
+
+
+async def _prepend(first, rest):
+    try:
+        if first is not None:
+            yield first
+        async for x in rest:
+            yield x
+    finally:
+        await rest.aclose()
+
+
+# --------------------------------------------------------------------------- embeddings
+class Embeddings:
+    def __init__(self, engine):
+        self.engine = engine
+
+    async def create(self, request: Any = None, **fields):
+        """OpenAI embeddings.create: input as str, list[str], list[int] or list[list[int]]."""
+        engine = self.engine
+        req = check_embedding_request(_as_dict(request, fields))
+        lm = await engine.select(req.get("model"), EMBEDDING, "EmbeddingCreateParams")
+        await engine.acquire(lm, "EmbeddingCreateParams")
+        try:
+            res = await engine.guard(lm.pipeline.embed_step(req["input"]))
+        finally:
+            lm.lock.release()
+        data = [{"object": "embedding", "index": i, "embedding": list(v)} for i, v in enumerate(res.embeddings)]
+        return to_object({"object": "list", "data": data, "model": lm.model_id,
+                          "usage": {"prompt_tokens": res.prompt_tokens, "total_tokens": res.prompt_tokens,
+                                    "extra": {"prefill_tokens_per_s": res.prefill_tokens_per_s}}})

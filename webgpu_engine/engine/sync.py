@@ -1,0 +1,166 @@
+"""MLCEngine: a synchronous facade over AsyncMLCEngine for scripts (MLC-LLM's MLCEngine/AsyncMLCEngine pair).
+
+The async engine lives on an event loop in a background thread; each call is submitted there and
+waited for. Streams come back as plain iterators that pull chunks across the thread boundary;
+breaking out of one (or closing it) stops the generation and frees the model's lock.
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any, Iterator
+
+from .engine import AsyncMLCEngine
+from .records import EngineConfig
+
+
+class _Loop:
+    def __init__(self):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="webgpu-engine", daemon=True)
+        self.thread.start()
+
+    def run(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    def stop(self):
+        if self.loop.is_running():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(timeout=5)
+        if not self.loop.is_running() and not self.loop.is_closed():
+            self.loop.close()
+
+
+class SyncStream:
+    """A blocking iterator over an AsyncStream living on the engine's loop."""
+
+    def __init__(self, loop: _Loop, astream):
+        self._loop, self._astream = loop, astream
+
+    def __iter__(self) -> Iterator[Any]:
+        return self
+
+    def __next__(self):
+        async def nxt():
+            try:
+                return True, await self._astream.__anext__()
+            except StopAsyncIteration:
+                return False, None
+        ok, item = self._loop.run(nxt())
+        if not ok:
+            raise StopIteration
+        return item
+
+    def close(self) -> None:
+        self._loop.run(self._astream.aclose())
+
+    @property
+    def usage(self):
+        return self._astream.usage
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            if not self._astream._released:
+                self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+
+class _Create:
+    def __init__(self, engine: "MLCEngine", target):
+        self._engine, self._target = engine, target
+
+    def create(self, request: Any = None, **fields):
+        res = self._engine._loop.run(self._target.create(request, **fields))
+        if hasattr(res, "__anext__"):
+            return SyncStream(self._engine._loop, res)
+        return res
+
+
+class _Chat:
+    def __init__(self, engine: "MLCEngine"):
+        self.completions = _Create(engine, engine.async_engine.chat.completions)
+
+
+class MLCEngine:
+    """Blocking engine: same methods as AsyncMLCEngine, without `await`."""
+
+    def __init__(self, engine_config: EngineConfig | None = None):
+        self._loop = _Loop()
+        self.async_engine: AsyncMLCEngine = self._loop.run(_make(engine_config))
+        self.chat = _Chat(self)
+        self.completions = _Create(self, self.async_engine.completions)
+        self.embeddings = _Create(self, self.async_engine.embeddings)
+
+    def reload(self, model_id, chat_opts=None) -> None:
+        self._loop.run(self.async_engine.reload(model_id, chat_opts))
+
+    def unload(self) -> None:
+        self._loop.run(self.async_engine.unload())
+
+    def interrupt_generate(self) -> None:
+        self._loop.loop.call_soon_threadsafe(self.async_engine.interrupt_generate)
+
+    def reset_chat(self, keep_stats: bool = False, model: str | None = None) -> None:
+        self._loop.run(self.async_engine.reset_chat(keep_stats, model))
+
+    def get_message(self, model: str | None = None) -> str:
+        return self._loop.run(self.async_engine.get_message(model))
+
+    def runtime_stats_text(self, model: str | None = None) -> str:
+        return self._loop.run(self.async_engine.runtime_stats_text(model))
+
+    def forward_tokens_and_sample(self, input_ids, is_prefill: bool, model: str | None = None) -> int:
+        return self._loop.run(self.async_engine.forward_tokens_and_sample(input_ids, is_prefill, model))
+
+    def get_max_storage_buffer_binding_size(self) -> int:
+        return self._loop.run(self.async_engine.get_max_storage_buffer_binding_size())
+
+    def get_gpu_vendor(self) -> str:
+        return self._loop.run(self.async_engine.get_gpu_vendor())
+
+    def set_app_config(self, app_config) -> None:
+        self.async_engine.set_app_config(app_config)
+
+    def set_init_progress_callback(self, cb) -> None:
+        self.async_engine.set_init_progress_callback(cb)
+
+    def set_log_level(self, level: str) -> None:
+        self.async_engine.set_log_level(level)
+
+    @property
+    def models(self):
+        return self.async_engine.models
+
+    def close(self) -> None:
+        """Unload every model and stop the background loop."""
+        if self._loop.loop.is_running():
+            self._loop.run(self.async_engine.unload())
+            self._loop.stop()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+async def _make(cfg):
+    return AsyncMLCEngine(cfg)
+
+
+def create_mlc_engine_sync(model_id, engine_config: EngineConfig | None = None, chat_opts=None) -> MLCEngine:
+    """The blocking CreateMLCEngine."""
+    eng = MLCEngine(engine_config)
+    try:
+        eng.reload(model_id, chat_opts)
+    except BaseException:
+        eng.close()
+        raise
+    return eng

@@ -1,0 +1,284 @@
+"""Weights on the GPU (GGUF blocks or HF float rows), y = x·Wᵀ matmul, embedding gather, vectors.
+
+Weights keep their file layout: the host never dequantizes. Block types whose size is not a multiple
+of 4 bytes (Q4_0 18 B, Q8_0 34 B, Q6_K 210 B) get a one-off GPU repack at upload that inserts 2 zero
+bytes per block so that kernels read whole u32 words. A weight above the device's max storage
+binding size is split by rows across several buffers; matmul and embedding dispatch once per buffer.
+
+Kernels: `shaders/matmul.wgsl` (generic loop) and `shaders/embedding.wgsl`, each compiled together
+with one `shaders/matmul_<qtype>.wgsl` (the weight binding and its dequantization of 32 weights).
+Page code: standard library only.
+"""
+from __future__ import annotations
+
+import struct
+import weakref
+from array import array
+from dataclasses import dataclass, field
+
+from ..gpu import Buffer, Device
+from ..gpu.shaders import load_shader_source
+from .common import DTYPE_SIZE, Op, Tensor, act_header, check, params
+
+QTYPES = ("f32", "f16", "bf16", "q4_0", "q4_1", "q8_0", "q4_k", "q6_k")
+
+# qtype → (file bytes per block, weights per block, GPU bytes per block, byte where the repack
+# inserts zero padding or None when the file layout is used as it is)
+_BLOCKS = {
+    "q4_0": (18, 32, 20, 2),      # d | pad | qs[16]
+    "q4_1": (20, 32, 20, None),
+    "q8_0": (34, 32, 36, 2),      # d | pad | qs[32]
+    "q4_k": (144, 256, 144, None),
+    "q6_k": (210, 256, 212, 210),  # ql | qh | scales | d | pad
+}
+_FLOAT_BYTES = {"f32": 4, "f16": 2, "bf16": 2}
+_BIND_ALIGN = 256          # WebGPU's default minStorageBufferOffsetAlignment
+_STAGE_BYTES = 32 << 20    # most file bytes staged at once for a GPU repack
+_MAX_GROUPS = 65535
+
+
+@dataclass
+class MatmulConfig:
+    """Per-device kernel strategy: `wg` invocations per workgroup, each owning `rr` weight rows
+    (1, 2 or 4) of one activation row; for T > 1 with `tm` = 4, the tile kernel gives each
+    invocation `prr` weight rows (1 or 2) x 4 activation rows so a weight chunk is decoded once
+    per 4 rows of x (`tm` = 1: the row kernel over every t). No barriers anywhere: on CPU Vulkan
+    (lavapipe) barriers are expensive, and several rows per invocation share each x load."""
+
+    wg: int = 64
+    rr: int = 4
+    tm: int = 4
+    prr: int = 2
+
+
+def default_config(dev: Device) -> MatmulConfig:
+    return MatmulConfig()
+
+
+@dataclass
+class QWeight:
+    """A (n, k) weight on the GPU. `bufs[i]` holds rows [i*rows_per_buf, (i+1)*rows_per_buf)."""
+
+    bufs: list
+    rows_per_buf: int
+    n: int
+    k: int
+    qtype: str
+    nbytes: int                  # bytes on the GPU (all buffers)
+    row_words: int = 0           # u32 words per row in the GPU layout
+    label: str = ""
+    parts: list = field(default_factory=list)   # (first row, rows) per buffer
+
+    def release(self) -> None:
+        for b in self.bufs:
+            b.release()
+
+
+def file_row_bytes(qtype: str, k: int) -> int:
+    """Bytes of one row of k weights in the file (GGUF / safetensors) layout."""
+    if qtype in _FLOAT_BYTES:
+        return k * _FLOAT_BYTES[qtype]
+    fb, qk, _, _ = _BLOCKS[qtype]
+    return k // qk * fb
+
+
+def gpu_row_bytes(qtype: str, k: int) -> int:
+    if qtype in _FLOAT_BYTES:
+        return k * _FLOAT_BYTES[qtype]
+    _, qk, gb, _ = _BLOCKS[qtype]
+    return k // qk * gb
+
+
+def _check_shape(qtype: str, n: int, k: int, what: str) -> None:
+    check(qtype in QTYPES, what, f"unsupported weight type {qtype!r}; supported: {', '.join(QTYPES)}")
+    check(n > 0 and k > 0, what, f"empty weight ({n}, {k})")
+    qk = _BLOCKS[qtype][1] if qtype in _BLOCKS else 4
+    check(k % qk == 0, what, f"{qtype} weights need k % {qk} == 0, got k={k}")
+
+
+def _grid(groups: int) -> tuple[int, int]:
+    """Fold a 1-D workgroup count into (x, y) within the 65535-per-dimension limit."""
+    x = min(groups, _MAX_GROUPS)
+    return max(x, 1), max(1, -(-groups // _MAX_GROUPS))
+
+
+def upload_weight(dev: Device, parts, qtype: str, n: int, k: int, *, owner: str, label: str = "",
+                  max_binding: int | None = None) -> QWeight:
+    """Upload a (n, k) weight given as one or several byte buffers of whole rows concatenated along
+    n (fused QKV or gate+up). `max_binding` (default: the device's limit) caps bytes per buffer."""
+    _check_shape(qtype, n, k, "upload_weight")
+    if isinstance(parts, (bytes, bytearray, memoryview)) or hasattr(parts, "__array_interface__"):
+        parts = [parts]
+    views = [_bytes_view(p) for p in parts]
+    frow, grow = file_row_bytes(qtype, k), gpu_row_bytes(qtype, k)
+    total = sum(v.nbytes for v in views)
+    check(total == n * frow, "upload_weight",
+          f"{label}: {total} bytes given, a ({n}, {k}) {qtype} weight has {n * frow}")
+    for v in views:
+        check(v.nbytes % frow == 0, "upload_weight", f"{label}: a part is not a whole number of rows")
+    limit = min(max_binding or dev.max_storage_binding, dev.max_buffer_size)
+    rows_per_buf = min(n, limit // grow)
+    check(rows_per_buf > 0, "upload_weight", f"{label}: one row ({grow} B) exceeds the binding limit")
+    bufs, spans = [], []
+    try:
+        for r0 in range(0, n, rows_per_buf):
+            rows = min(rows_per_buf, n - r0)
+            bufs.append(dev.buffer(rows * grow, owner=owner, label=f"{label}[{len(bufs)}]"))
+            spans.append((r0, rows))
+        w = QWeight(bufs, rows_per_buf, n, k, qtype, sum(b.size for b in bufs), grow // 4, label, spans)
+        row = 0
+        for v in views:
+            prow = v.nbytes // frow
+            done = 0
+            while done < prow:
+                # the rows of this part that land in one destination buffer (and one staging chunk)
+                g = row + done
+                bi, local = divmod(g, rows_per_buf)
+                cnt = min(prow - done, rows_per_buf - local, max(1, _STAGE_BYTES // frow))
+                seg = v[done * frow:(done + cnt) * frow]
+                _store_rows(dev, bufs[bi], local * grow, seg, qtype, owner, label)
+                done += cnt
+            row += prow
+        return w
+    except BaseException:
+        for b in bufs:
+            b.release()
+        raise
+
+
+def _store_rows(dev: Device, dst: Buffer, offset: int, seg: memoryview, qtype: str, owner: str,
+                label: str) -> None:
+    pad_at = _BLOCKS[qtype][3] if qtype in _BLOCKS else None
+    if pad_at is None:
+        dev.write(dst, seg, offset)
+        return
+    fb, _, gb, _ = _BLOCKS[qtype]
+    nblocks = seg.nbytes // fb
+    stage = dev.upload(seg, owner=owner, label=f"{label}:staging")
+    p = params(dev, [nblocks, fb, gb // 4, pad_at, gb - fb, offset // 4, 0, 0], owner=owner,
+               label=f"{label}:repack")
+    try:
+        pipe = dev.pipeline("copy.wgsl", "repack_blocks")
+        gx, gy = _grid(-(-nblocks * (gb // 4) // 64))
+        dev.run(pipe, [p, stage, dst], gx, gy)
+    finally:
+        # WebGPU keeps destroyed buffers alive until the submitted work that uses them completes.
+        stage.release()
+        p.release()
+
+
+def _bytes_view(data) -> memoryview:
+    mv = data if isinstance(data, memoryview) else memoryview(data)
+    if mv.format != "B" or mv.ndim != 1:
+        mv = mv.cast("B")
+    return mv
+
+
+# --------------------------------------------------------------------------- kernels
+_dummies: "weakref.WeakKeyDictionary[Device, Buffer]" = weakref.WeakKeyDictionary()
+
+
+def _dummy(dev: Device) -> Buffer:
+    """A 16-byte storage buffer bound where a kernel's optional input (bias) is absent."""
+    b = _dummies.get(dev)
+    if b is None or not b.alive:
+        b = dev.buffer(16, owner="kernels", label="unused-binding")
+        _dummies[dev] = b
+    return b
+
+
+def _window(t: Tensor, unit: int, kernel: str, name: str):
+    """(binding, offset in `unit`-byte elements) of a tensor: binding offsets must be 256-aligned,
+    so bind from the aligned offset below and pass the rest to the kernel."""
+    base = t.offset & ~(_BIND_ALIGN - 1)
+    rest = t.offset - base
+    check(rest % unit == 0, kernel, f"{name} offset {t.offset} is not a multiple of {unit} bytes")
+    size = (rest + t.nbytes + 3) & ~3
+    return (t.buf, base, size), rest // unit
+
+
+def _pipeline(dev: Device, entry: str, qtype: str, dtype: str, wg: int, rr: int = 1):
+    generic = load_shader_source("embedding.wgsl" if entry == "embedding" else "matmul.wgsl")
+    header = f"{act_header(dtype)}const WG: u32 = {wg}u;\nconst RR: u32 = {rr}u;\n{generic}"
+    return dev.pipeline(f"matmul_{qtype}.wgsl", entry, header=header)
+
+
+def matmul(dev: Device, x: Tensor, w: QWeight, y: Tensor, *, bias: Tensor | None = None,
+           accumulate: bool = False, config: MatmulConfig | None = None) -> Op:
+    """y = x·Wᵀ (+ bias); with `accumulate`, y += x·Wᵀ (+ bias). x (T, K), W (N, K), y (T, N)."""
+    cfg = config or default_config(dev)
+    check(len(x.shape) == 2 and len(y.shape) == 2, "matmul", f"x {x.shape} and y {y.shape} must be 2-D")
+    T, K = x.shape
+    check(K == w.k, "matmul", f"x has {K} columns, the weight {w.label!r} has {w.k}")
+    check(tuple(y.shape) == (T, w.n), "matmul", f"y is {y.shape}, expected ({T}, {w.n})")
+    check(x.dtype == y.dtype, "matmul", f"x is {x.dtype} but y is {y.dtype}")
+    check(T > 0, "matmul", "empty input")
+    check(K % 4 == 0, "matmul", f"K={K} must be a multiple of 4")
+    esz = DTYPE_SIZE[x.dtype]
+    xb, x_off = _window(x, 4 * esz, "matmul", "x")
+    yb, y_off = _window(y, esz, "matmul", "y")
+    if bias is not None:
+        check(bias.dtype == "f32" and bias.numel == w.n, "matmul", f"bias must be f32 ({w.n},)")
+        bb, b_off = _window(bias, 4, "matmul", "bias")
+    else:
+        bb, b_off = _dummy(dev), 0
+    check(cfg.rr in (1, 2, 4) and cfg.prr in (1, 2) and cfg.tm in (1, 4), "matmul",
+          f"unsupported strategy {cfg}")
+    if T > 1 and cfg.tm == 4:
+        entry, rr, tiles = "matmul_tile", cfg.prr, -(-T // 4)
+    else:
+        entry, rr, tiles = "matmul", cfg.rr, T
+    check(tiles <= _MAX_GROUPS, "matmul", f"T={T} needs more than 65535 tiles")
+    pipe = _pipeline(dev, entry, w.qtype, x.dtype, cfg.wg, rr)
+    flags = (1 if bias is not None else 0) | (2 if accumulate else 0)
+    op = Op(name=f"matmul[{w.label}]")
+    for buf, (r0, rows) in zip(w.bufs, w.parts):
+        groups = -(-rows // (cfg.wg * rr))
+        check(groups <= _MAX_GROUPS, "matmul", f"{rows} rows need more than 65535 workgroups")
+        p = params(dev, [K, rows, T, w.row_words, x_off, y_off, w.n, r0, b_off, flags, K // 32, K // 4],
+                   owner=y.buf.owner, label=f"matmul[{w.label}]")
+        op.buffers.append(p)
+        op.add(pipe, dev.bind(pipe, [p, xb, buf, yb, bb]), groups, tiles)
+    return op
+
+
+def embedding(dev: Device, ids: Tensor, table: QWeight, out: Tensor, *, wg: int = 64) -> Op:
+    """out[t, :] = table[ids[t], :] as activations. ids (T,) u32, table (V, C), out (T, C) f32/f16."""
+    check(ids.dtype in ("u32", "i32") and len(ids.shape) == 1, "embedding", "ids must be a (T,) u32 tensor")
+    T = ids.shape[0]
+    C = table.k
+    check(tuple(out.shape) == (T, C), "embedding", f"out is {out.shape}, expected ({T}, {C})")
+    ib, i_off = _window(ids, 4, "embedding", "ids")
+    ob, o_off = _window(out, DTYPE_SIZE[out.dtype], "embedding", "out")
+    nchunks = C // 32
+    units = nchunks + (C // 4 - 8 * nchunks)
+    gx, gy = _grid(-(-T * units // wg))
+    pipe = _pipeline(dev, "embedding", table.qtype, out.dtype, wg)
+    op = Op(name=f"embedding[{table.label}]")
+    for buf, (r0, rows) in zip(table.bufs, table.parts):
+        p = params(dev, [C, T, table.row_words, o_off, i_off, r0, rows, nchunks, units],
+                   owner=out.buf.owner, label=f"embedding[{table.label}]")
+        op.buffers.append(p)
+        op.add(pipe, dev.bind(pipe, [p, ib, buf, ob]), gx, gy)
+    return op
+
+
+def upload_vector(dev: Device, data, *, dtype: str = "f32", owner: str, label: str = "") -> Tensor:
+    """A 1-D f32 tensor from f32/f16/bf16 bytes (norm weights, biases); small, so converted here."""
+    mv = _bytes_view(data)
+    if dtype == "f32":
+        raw = mv
+    elif dtype == "f16":
+        n = mv.nbytes // 2
+        raw = array("f", struct.unpack(f"<{n}e", mv)).tobytes()
+    elif dtype == "bf16":
+        h = array("H", mv.tobytes())
+        raw = array("I", (v << 16 for v in h)).tobytes()
+    else:
+        raise ValueError(f"upload_vector: dtype must be f32, f16 or bf16, got {dtype!r}")
+    n = len(raw) // 4 if isinstance(raw, bytes) else raw.nbytes // 4
+    return Tensor(dev.upload(raw, owner=owner, label=label), (n,), "f32")
+
+
+__all__ = ["QTYPES", "QWeight", "MatmulConfig", "default_config", "upload_weight", "matmul",
+           "embedding", "upload_vector", "file_row_bytes", "gpu_row_bytes"]

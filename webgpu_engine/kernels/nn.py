@@ -1,0 +1,370 @@
+"""Host functions for the transformer's non-matmul kernels: norms, elementwise ops, RoPE, KV-cache
+writes, attention (causal prefill, split-key decode, bidirectional) and pooling.
+
+Each function checks shapes, writes its parameters into a uniform buffer once, builds its bind
+group once and returns an `Op`; per-step values (pos0, n_new) come from the `step` buffer, so a
+decode op built once stays right while the context grows. Tensors may sit at any element offset
+of their buffer: bindings start at the offset rounded down to the device's alignment and the kernel
+gets the remainder. Every activation binding is read_write so that an output may alias an input
+(WebGPU forbids one buffer bound read-only and read_write in the same dispatch).
+
+Decode dispatches per Llama layer from this module: rms_norm 1 + rope_kv 1 + attention 2
+(split + combine) + rms_norm 1 + silu_mul 1 (+ add 1 per residual when the matmul does not
+accumulate) = 6 (8).
+"""
+from __future__ import annotations
+
+import struct
+
+from ..gpu import Buffer, Device
+from .common import DTYPE_SIZE, Op, Tensor, act_header, check, params
+
+WG = 64
+MAX_WG = 65535
+
+__all__ = ["rms_norm", "layer_norm", "add", "bias_add", "silu_mul", "gelu", "rope", "rope_kv",
+           "kv_write", "attention", "attention_bidir", "mean_pool", "cls_pool", "max_pool",
+           "l2_normalize", "decode_splits"]
+
+
+# ----------------------------------------------------------------------------- helpers
+def _grid(n: int, kernel: str) -> tuple[int, int]:
+    """Workgroups (x, y) covering n invocations of WG each, within 65535 per dimension."""
+    groups = max(1, -(-int(n) // WG))
+    x = min(groups, MAX_WG)
+    y = -(-groups // x)
+    check(y <= MAX_WG, kernel, f"{n} invocations exceed the dispatch limit")
+    return x, y
+
+
+def _window(dev: Device, t: Tensor, kernel: str, vec: int = 1) -> tuple[tuple, int]:
+    """(bind-group entry, element offset in units of `vec` elements) for tensor t."""
+    align = int(dev.limits.get("min-storage-buffer-offset-alignment", 256))
+    base = t.offset - t.offset % align
+    unit = DTYPE_SIZE[t.dtype] * vec
+    check((t.offset - base) % unit == 0, kernel,
+          f"tensor offset {t.offset} B is not a multiple of {unit} B (needed for {vec}-wide loads)")
+    end = min(t.buf.size, (t.offset + t.nbytes + 3) & ~3)
+    check(t.offset + t.nbytes <= t.buf.size, kernel,
+          f"tensor {t.shape} at offset {t.offset} overruns its {t.buf.size} B buffer")
+    return (t.buf, base, end - base), (t.offset - base) // unit
+
+
+def _step_entry(step) -> tuple:
+    if isinstance(step, Tensor):
+        return (step.buf, step.offset, 16)
+    check(isinstance(step, Buffer) and step.size >= 16, "step", "step must be a Buffer of >= 16 bytes")
+    return (step, 0, 16)
+
+
+def _vec_entry(t: Tensor) -> tuple:
+    """An f32/u32 vector that is bound read-only (norm weights, biases, lengths)."""
+    return (t.buf, t.offset, (t.nbytes + 3) & ~3)
+
+
+def _act(kernel: str, *ts: Tensor) -> str:
+    dt = ts[0].dtype
+    for t in ts:
+        check(t.dtype == dt, kernel, f"activation dtypes differ: {[x.dtype for x in ts]}")
+    check(dt in ("f32", "f16"), kernel, f"activation dtype must be f32 or f16, got {dt}")
+    return dt
+
+
+def _rows_cols(t: Tensor) -> tuple[int, int]:
+    cols = int(t.shape[-1])
+    return t.numel // max(cols, 1), cols
+
+
+def _op(dev: Device, name: str, file: str, entry: str, header: str, par: Buffer, entries: list,
+        n_inv: int, constants=None) -> Op:
+    pipe = dev.pipeline(file, entry, constants, header=header)
+    op = Op(name=name)
+    op.buffers.append(par)
+    x, y = _grid(n_inv, name)
+    op.add(pipe, dev.bind(pipe, [par] + entries), x, y)
+    return op
+
+
+# ----------------------------------------------------------------------------- norms
+def rms_norm(dev: Device, x: Tensor, w: Tensor, y: Tensor, *, eps: float) -> Op:
+    """y[t,:] = x[t,:] / sqrt(mean(x[t,:]^2) + eps) * w.   x, y (T, C) act; w (C,) f32."""
+    k = "rms_norm"
+    dt = _act(k, x, y)
+    rows, cols = _rows_cols(x)
+    check(y.numel == x.numel and w.numel == cols and w.dtype == "f32", k,
+          f"shapes x{x.shape} w{w.shape}/{w.dtype} y{y.shape}")
+    xe, xo = _window(dev, x, k)
+    ye, yo = _window(dev, y, k)
+    par = params(dev, [rows, cols, xo, yo, 0, float(eps), 0, 0], owner=y.buf.owner, label=k)
+    return _op(dev, k, "norm.wgsl", k, act_header(dt), par, [xe, _vec_entry(w), ye], rows)
+
+
+def layer_norm(dev: Device, x: Tensor, w: Tensor, b: Tensor, y: Tensor, *, eps: float,
+               residual: Tensor | None = None) -> Op:
+    """y = LayerNorm(x + residual) * w + b over the last axis.  x, residual, y (T, C) act; w, b (C,) f32.
+    y may be the same tensor as x or residual."""
+    k = "layer_norm"
+    ts = (x, y) if residual is None else (x, y, residual)
+    dt = _act(k, *ts)
+    rows, cols = _rows_cols(x)
+    check(all(t.numel == x.numel for t in ts) and w.numel == cols and b.numel == cols
+          and w.dtype == "f32" and b.dtype == "f32", k,
+          f"shapes x{x.shape} w{w.shape} b{b.shape} y{y.shape}")
+    xe, xo = _window(dev, x, k)
+    ye, yo = _window(dev, y, k)
+    entries = [xe, _vec_entry(w), ye, _vec_entry(b)]
+    ro = 0
+    if residual is not None:
+        re, ro = _window(dev, residual, k)
+        entries.append(re)
+    par = params(dev, [rows, cols, xo, yo, ro, float(eps), 0, 0], owner=y.buf.owner, label=k)
+    entry = "layer_norm" if residual is None else "layer_norm_res"
+    return _op(dev, k, "norm.wgsl", entry, act_header(dt), par, entries, rows)
+
+
+# ----------------------------------------------------------------------------- elementwise
+def add(dev: Device, a: Tensor, b: Tensor, y: Tensor) -> Op:
+    """y = a + b (same shape; y may alias a or b)."""
+    k = "add"
+    dt = _act(k, a, b, y)
+    check(a.numel == b.numel == y.numel, k, f"shapes a{a.shape} b{b.shape} y{y.shape}")
+    (ae, ao), (be, bo), (ye, yo) = (_window(dev, t, k) for t in (a, b, y))
+    par = params(dev, [a.numel, 1, ao, bo, yo, 0, 0, 0], owner=y.buf.owner, label=k)
+    return _op(dev, k, "elementwise.wgsl", k, act_header(dt), par, [ae, be, ye], a.numel)
+
+
+def bias_add(dev: Device, x: Tensor, b: Tensor, y: Tensor) -> Op:
+    """y[t,n] = x[t,n] + b[n].  x, y (T, N) act; b (N,) f32."""
+    k = "bias_add"
+    dt = _act(k, x, y)
+    n = int(x.shape[-1])
+    check(x.numel == y.numel and b.numel == n and b.dtype == "f32", k,
+          f"shapes x{x.shape} b{b.shape}/{b.dtype} y{y.shape}")
+    (xe, xo), (ye, yo) = (_window(dev, t, k) for t in (x, y))
+    par = params(dev, [x.numel, n, xo, 0, yo, 0, 0, 0], owner=y.buf.owner, label=k)
+    return _op(dev, k, "elementwise.wgsl", k, act_header(dt), par, [xe, _vec_entry(b), ye], x.numel)
+
+
+def silu_mul(dev: Device, gate_up: Tensor, y: Tensor) -> Op:
+    """y[t,f] = silu(gate_up[t,f]) * gate_up[t,F+f].  gate_up (T, 2F) rows [gate | up]; y (T, F)."""
+    k = "silu_mul"
+    dt = _act(k, gate_up, y)
+    f = int(y.shape[-1])
+    check(int(gate_up.shape[-1]) == 2 * f and gate_up.numel == 2 * y.numel, k,
+          f"gate_up{gate_up.shape} must be (T, 2F) for y{y.shape}")
+    (ae, ao), (ye, yo) = (_window(dev, t, k) for t in (gate_up, y))
+    par = params(dev, [y.numel, f, ao, 0, yo, 0, 0, 0], owner=y.buf.owner, label=k)
+    return _op(dev, k, "elementwise.wgsl", k, act_header(dt), par, [ae, ye], y.numel)
+
+
+def gelu(dev: Device, x: Tensor, y: Tensor) -> Op:
+    """y = 0.5 x (1 + erf(x / sqrt 2)) (the exact, erf form of GELU, as BERT uses)."""
+    k = "gelu"
+    dt = _act(k, x, y)
+    check(x.numel == y.numel, k, f"shapes x{x.shape} y{y.shape}")
+    (xe, xo), (ye, yo) = (_window(dev, t, k) for t in (x, y))
+    par = params(dev, [x.numel, 1, xo, 0, yo, 0, 0, 0], owner=y.buf.owner, label=k)
+    return _op(dev, k, "elementwise.wgsl", k, act_header(dt), par, [xe, ye], x.numel)
+
+
+# ----------------------------------------------------------------------------- rope and kv cache
+def _inv_freq(dev: Device, rot_dim: int, base: float, owner: str) -> Buffer:
+    # Computed on the host in float64 and rounded once, so every device (and the numpy reference)
+    # multiplies the same f32 frequencies: at pos ~4000 a 1-ulp frequency error moves the angle 2e-4.
+    half = rot_dim // 2
+    vals = [float(base) ** (-(2.0 * i) / rot_dim) for i in range(half)] or [0.0]
+    return dev.upload(struct.pack(f"<{len(vals)}f", *vals), owner=owner, label="rope.inv_freq")
+
+
+def _qkv_heads(k: str, qkv: Tensor, head_dim: int) -> tuple[int, int]:
+    check(len(qkv.shape) in (2, 3), k, f"qkv must be (T, H_all, D) or (T, H_all*D), got {qkv.shape}")
+    rows = int(qkv.shape[0])
+    width = qkv.numel // max(rows, 1)
+    check(width % head_dim == 0, k, f"qkv row of {width} is not a whole number of {head_dim}-wide heads")
+    return rows, width // head_dim
+
+
+def _rope_op(dev, k, entry, qkv, step, *, h_lo, n_h, n_rot, head_dim, rot_dim, base, neox,
+             k_lo=0, n_kv=0, ctx=0, caches=None) -> Op:
+    dt = _act(k, qkv, *(caches or ()))
+    rows, heads = _qkv_heads(k, qkv, head_dim)
+    check(head_dim % 2 == 0 and rot_dim % 2 == 0 and 0 <= rot_dim <= head_dim, k,
+          f"need even rot_dim <= head_dim, got rot_dim={rot_dim} head_dim={head_dim}")
+    check(h_lo + n_h <= heads, k, f"heads [{h_lo}, {h_lo + n_h}) exceed the {heads} heads of a qkv row")
+    owner = qkv.buf.owner
+    qe, qo = _window(dev, qkv, k)
+    entries = [_step_entry(step), qe]
+    kco = vco = 0
+    if entry != "kv_write":
+        freq = _inv_freq(dev, rot_dim, base, owner)
+        entries.append((freq, 0, freq.size))
+    if caches is not None:
+        kc, vc = caches
+        for c in caches:
+            check(c.numel == n_kv * ctx * head_dim, k,
+                  f"cache {c.shape} must be (Hkv={n_kv}, ctx={ctx}, D={head_dim})")
+        (ke, kco), (ve, vco) = _window(dev, kc, k), _window(dev, vc, k)
+        entries += [ke, ve]
+    par = params(dev, [rows, heads, head_dim, rot_dim // 2, h_lo, n_h, n_rot, int(bool(neox)),
+                       k_lo, n_kv, ctx, qo, kco, vco, 0, 0], owner=owner, label=k)
+    op = _op(dev, k, "rope.wgsl", entry, act_header(dt), par, entries, rows * n_h * (head_dim // 2))
+    if entry != "kv_write":
+        op.buffers.append(freq)
+    return op
+
+
+def rope(dev: Device, qkv: Tensor, step, *, n_heads: int, head_dim: int, rot_dim: int | None = None,
+         base: float = 10000.0, neox: bool = False) -> Op:
+    """Rotates, in place, the first `n_heads` heads (q then k) of each row of qkv (T, H_all, D);
+    row t has position step.pos0 + t. neox=False: adjacent pairs (GGUF llama layout); True: half split."""
+    rot = head_dim if rot_dim is None else rot_dim
+    return _rope_op(dev, "rope", "rope", qkv, step, h_lo=0, n_h=n_heads, n_rot=n_heads,
+                    head_dim=head_dim, rot_dim=rot, base=base, neox=neox)
+
+
+def kv_write(dev: Device, qkv: Tensor, k_cache: Tensor, v_cache: Tensor, step, *, n_q_heads: int,
+             n_kv_heads: int, head_dim: int, ctx: int) -> Op:
+    """Copies the k and v heads of qkv rows (T, Hq+2Hkv, D) into caches (Hkv, ctx, D) at rows pos0+t."""
+    return _rope_op(dev, "kv_write", "kv_write", qkv, step, h_lo=n_q_heads, n_h=2 * n_kv_heads,
+                    n_rot=0, head_dim=head_dim, rot_dim=0, base=1.0, neox=False, k_lo=n_q_heads,
+                    n_kv=n_kv_heads, ctx=ctx, caches=(k_cache, v_cache))
+
+
+def rope_kv(dev: Device, qkv: Tensor, k_cache: Tensor, v_cache: Tensor, step, *, n_q_heads: int,
+            n_kv_heads: int, head_dim: int, ctx: int, rot_dim: int | None = None,
+            base: float = 10000.0, neox: bool = False) -> Op:
+    """rope on the q and k heads followed by kv_write, fused into one dispatch (the decode path)."""
+    rot = head_dim if rot_dim is None else rot_dim
+    n_rot = n_q_heads + n_kv_heads
+    return _rope_op(dev, "rope_kv", "rope_kv", qkv, step, h_lo=0, n_h=n_q_heads + 2 * n_kv_heads,
+                    n_rot=n_rot, head_dim=head_dim, rot_dim=rot, base=base, neox=neox,
+                    k_lo=n_q_heads, n_kv=n_kv_heads, ctx=ctx, caches=(k_cache, v_cache))
+
+
+# ----------------------------------------------------------------------------- attention
+def decode_splits(ctx: int, *, min_chunk: int = 32, max_splits: int = 128) -> tuple[int, int]:
+    """(keys per split, number of splits) of the decode path for a cache of ctx rows: chunks of at
+    least `min_chunk` keys (per-device tuning), at most `max_splits` partials to combine."""
+    chunk = max(min_chunk, -(-ctx // max_splits))
+    return chunk, -(-ctx // chunk)
+
+
+def _attn_header(dt: str, head_dim: int, heads_per_invocation: int) -> str:
+    return act_header(dt) + f"const D4: u32 = {head_dim // 4}u;\nconst G: u32 = {heads_per_invocation}u;\n"
+
+
+def attention(dev: Device, qkv: Tensor, k_cache: Tensor, v_cache: Tensor, out: Tensor, step, *,
+              n_q_heads: int, n_kv_heads: int, head_dim: int, ctx: int, scale: float,
+              max_t: int | None = None, min_chunk: int = 32, max_splits: int = 128,
+              heads_per_invocation: int | None = None) -> Op:
+    """Causal attention of the q heads of qkv (T, Hq+2Hkv, D) over the caches (Hkv, ctx, D), which
+    already hold this step's keys: query t (position pos0+t) sees keys 0..pos0+t; head h reads kv
+    head h // (Hq/Hkv). out (T, Hq*D). Rows t >= step.n_new are skipped (n_new 0: all T rows).
+    max_t (default T) rows are dispatched; max_t == 1 takes the split-key decode path (2 dispatches),
+    sized once for ctx: splits past the live context exit at once.
+    Per-device tuning: min_chunk / max_splits (decode split size), heads_per_invocation (q heads
+    sharing one kv head that one invocation serves; default all Hq/Hkv, so K and V load once)."""
+    k = "attention"
+    dt = _act(k, qkv, k_cache, v_cache, out)
+    rows, heads = _qkv_heads(k, qkv, head_dim)
+    t_max = rows if max_t is None else int(max_t)
+    check(0 < t_max <= rows, k, f"max_t={max_t} must be in 1..{rows}")
+    check(head_dim % 4 == 0, k, f"head_dim {head_dim} must be a multiple of 4")
+    check(n_kv_heads > 0 and n_q_heads % n_kv_heads == 0, k,
+          f"n_q_heads {n_q_heads} must be a multiple of n_kv_heads {n_kv_heads}")
+    check(heads >= n_q_heads + 2 * n_kv_heads, k, f"qkv rows have {heads} heads, need {n_q_heads}+2*{n_kv_heads}")
+    check(out.numel >= t_max * n_q_heads * head_dim, k, f"out {out.shape} is smaller than (T, Hq*D)")
+    for c in (k_cache, v_cache):
+        check(c.numel == n_kv_heads * ctx * head_dim, k,
+              f"cache {c.shape} must be (Hkv={n_kv_heads}, ctx={ctx}, D={head_dim})")
+    owner = out.buf.owner
+    group = n_q_heads // n_kv_heads
+    gi = group if heads_per_invocation is None else int(heads_per_invocation)
+    check(gi > 0 and group % gi == 0, k, f"heads_per_invocation {gi} must divide Hq/Hkv = {group}")
+    header = _attn_header(dt, head_dim, gi)
+    (qe, qo), (ke, ko), (ve, vo), (oe, oo) = (_window(dev, t, k, 4) for t in (qkv, k_cache, v_cache, out))
+    if t_max > 1:
+        par = params(dev, [t_max, n_q_heads, group, heads, ctx, 0, 0, float(scale), qo, ko, vo, oo,
+                           0, 0, 0, 0], owner=owner, label=k)
+        return _op(dev, k, "attention.wgsl", "attn_causal", header, par,
+                   [_step_entry(step), qe, ke, ve, oe], t_max * n_q_heads // gi)
+    chunk, n_splits = decode_splits(ctx, min_chunk=min_chunk, max_splits=max_splits)
+    part = dev.buffer(n_q_heads * n_splits * (head_dim // 4 + 1) * 16, owner=owner, label="attention.partials")
+    par = params(dev, [1, n_q_heads, group, heads, ctx, chunk, n_splits, float(scale), qo, ko, vo, oo,
+                       0, 0, 0, 0], owner=owner, label=k)
+    op = _op(dev, k, "attention.wgsl", "attn_split", header, par,
+             [_step_entry(step), qe, ke, ve, (part, 0, part.size)], n_splits * n_q_heads // gi)
+    comb = dev.pipeline("attention.wgsl", "attn_combine", header=header)
+    x, y = _grid(n_q_heads * head_dim // 4, k)
+    op.add(comb, dev.bind(comb, [par, _step_entry(step), (part, 0, part.size), oe]), x, y)
+    op.buffers.append(part)
+    return op
+
+
+def attention_bidir(dev: Device, qkv: Tensor, lengths: Tensor, out: Tensor, *, batch: int, seq: int,
+                    n_heads: int, head_dim: int, scale: float) -> Op:
+    """BERT self-attention over B sequences padded to S: qkv (B*S, 3*H*D) rows [q | k | v];
+    key j of sequence b is visible iff j < lengths[b] (u32). out (B*S, H*D); padded query rows
+    get finite values."""
+    k = "attention_bidir"
+    dt = _act(k, qkv, out)
+    rows = batch * seq
+    check(head_dim % 4 == 0, k, f"head_dim {head_dim} must be a multiple of 4")
+    check(qkv.numel == rows * 3 * n_heads * head_dim, k,
+          f"qkv {qkv.shape} must be (B*S={rows}, 3*H*D={3 * n_heads * head_dim})")
+    check(out.numel == rows * n_heads * head_dim, k, f"out {out.shape} must be (B*S, H*D)")
+    check(lengths.numel >= batch, k, f"lengths {lengths.shape} must hold B={batch} entries")
+    (qe, qo), (oe, oo) = _window(dev, qkv, k, 4), _window(dev, out, k, 4)
+    par = params(dev, [rows, n_heads, 1, 3 * n_heads, seq, 0, 0, float(scale), qo, qo, qo, oo,
+                       0, 0, 0, 0], owner=out.buf.owner, label=k)
+    # the qkv window is bound as q, k and v source alike (the kernel shares code with attn_causal)
+    return _op(dev, k, "attention.wgsl", "attn_bidir", _attn_header(dt, head_dim, 1), par,
+               [_vec_entry(lengths), qe, qe, qe, oe], rows * n_heads)
+
+
+# ----------------------------------------------------------------------------- pooling
+def _pool_header(x: Tensor, y: Tensor) -> str:
+    check(y.dtype in ("f32", "f16"), "pooling", f"output dtype must be f32 or f16, got {y.dtype}")
+    h = act_header(x.dtype)
+    if y.dtype == "f16" and x.dtype != "f16":
+        h = "enable f16;\n" + h
+    return h + f"alias outt = {y.dtype};\n"
+
+
+def _pool(dev: Device, entry: str, x: Tensor, lengths: Tensor, y: Tensor) -> Op:
+    _act(entry, x)
+    b, c = int(y.shape[0]), int(y.shape[-1])
+    check(y.numel == b * c and x.shape[-1] == c and x.numel % (b * c) == 0, entry,
+          f"x {x.shape} must be (B*S, C) for y {y.shape}")
+    check(lengths.numel >= b, entry, f"lengths {lengths.shape} must hold B={b} entries")
+    seq = x.numel // (b * c)
+    (xe, xo), (ye, yo) = _window(dev, x, entry), _window(dev, y, entry)
+    par = params(dev, [b, seq, c, xo, yo, 0.0, 0, 0], owner=y.buf.owner, label=entry)
+    return _op(dev, entry, "pooling.wgsl", entry, _pool_header(x, y), par,
+               [xe, _vec_entry(lengths), ye], b * c)
+
+
+def mean_pool(dev: Device, x: Tensor, lengths: Tensor, y: Tensor) -> Op:
+    """y[b,:] = mean of x[b*S + s, :] over s < lengths[b].  x (B*S, C); lengths (B,) u32; y (B, C)."""
+    return _pool(dev, "mean_pool", x, lengths, y)
+
+
+def max_pool(dev: Device, x: Tensor, lengths: Tensor, y: Tensor) -> Op:
+    """y[b,:] = elementwise max of x[b*S + s, :] over s < lengths[b]."""
+    return _pool(dev, "max_pool", x, lengths, y)
+
+
+def cls_pool(dev: Device, x: Tensor, lengths: Tensor, y: Tensor) -> Op:
+    """y[b,:] = x[b*S, :] (the first, [CLS], token of each sequence)."""
+    return _pool(dev, "cls_pool", x, lengths, y)
+
+
+def l2_normalize(dev: Device, x: Tensor, y: Tensor, *, eps: float = 1e-12) -> Op:
+    """y[b,:] = x[b,:] / max(||x[b,:]||_2, eps).  x, y (B, C); y may be f32 when x is f16."""
+    k = "l2_normalize"
+    _act(k, x)
+    rows, cols = _rows_cols(x)
+    check(y.numel == x.numel, k, f"shapes x{x.shape} y{y.shape}")
+    (xe, xo), (ye, yo) = _window(dev, x, k), _window(dev, y, k)
+    par = params(dev, [rows, 1, cols, xo, yo, float(eps), 0, 0], owner=y.buf.owner, label=k)
+    return _op(dev, k, "pooling.wgsl", k, _pool_header(x, y), par, [xe, ye], rows)

@@ -1,0 +1,114 @@
+"""numpy references for the kernels of nn.py (tests and debugging only; imports numpy)."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+
+def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    x = x.astype(np.float64)
+    return (x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w).astype(np.float32)
+
+
+def layer_norm(x, w, b, eps, residual=None) -> np.ndarray:
+    h = x.astype(np.float64) + (0 if residual is None else residual.astype(np.float64))
+    mu = h.mean(-1, keepdims=True)
+    var = ((h - mu) ** 2).mean(-1, keepdims=True)
+    return ((h - mu) / np.sqrt(var + eps) * w + b).astype(np.float32)
+
+
+def silu_mul(gate_up: np.ndarray) -> np.ndarray:
+    f = gate_up.shape[-1] // 2
+    g, u = gate_up[..., :f].astype(np.float64), gate_up[..., f:].astype(np.float64)
+    return (g / (1 + np.exp(-g)) * u).astype(np.float32)
+
+
+def gelu(x: np.ndarray) -> np.ndarray:
+    # 1 + erf(x/sqrt2) written as erfc(-x/sqrt2): no cancellation in the negative tail
+    erfc = np.vectorize(math.erfc)
+    x = x.astype(np.float64)
+    return (0.5 * x * erfc(-x / math.sqrt(2))).astype(np.float32)
+
+
+def inv_freq(rot_dim: int, base: float) -> np.ndarray:
+    """f32 frequencies base^(-2i/rot_dim), rounded once from float64 (what the kernel binds)."""
+    return np.array([base ** (-(2.0 * i) / rot_dim) for i in range(rot_dim // 2)], np.float32)
+
+
+def rope(x: np.ndarray, positions: np.ndarray, *, n_heads: int, rot_dim: int, base: float,
+         neox: bool) -> np.ndarray:
+    """x (T, H_all, D): rotates heads [0, n_heads); angle = f32(pos) * f32 inv_freq, as the kernel."""
+    y = x.astype(np.float64).copy()
+    half = rot_dim // 2
+    ang = (positions.astype(np.float32)[:, None] * inv_freq(rot_dim, base)[None, :]).astype(np.float64)
+    c, s = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]   # (T, 1, half)
+    if neox:
+        i0, i1 = np.arange(half), np.arange(half) + half
+    else:
+        i0, i1 = np.arange(half) * 2, np.arange(half) * 2 + 1
+    a, b = y[:, :n_heads, i0].copy(), y[:, :n_heads, i1].copy()
+    y[:, :n_heads, i0] = a * c - b * s
+    y[:, :n_heads, i1] = a * s + b * c
+    return y.astype(np.float32)
+
+
+def softmax_attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.ndarray:
+    """q (D,), k/v (n, D) → (D,) in float64."""
+    s = k.astype(np.float64) @ q.astype(np.float64) * scale
+    p = np.exp(s - s.max())
+    return (p / p.sum()) @ v.astype(np.float64)
+
+
+def causal_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, pos0: int,
+                     scale: float) -> np.ndarray:
+    """q (T, Hq, D); caches (Hkv, ctx, D) → (T, Hq*D): query t sees keys 0..pos0+t of kv head h//G."""
+    t_n, hq, d = q.shape
+    g = hq // k_cache.shape[0]
+    out = np.zeros((t_n, hq, d))
+    for t in range(t_n):
+        n = pos0 + t + 1
+        for h in range(hq):
+            out[t, h] = softmax_attend(q[t, h], k_cache[h // g, :n], v_cache[h // g, :n], scale)
+    return out.reshape(t_n, hq * d).astype(np.float32)
+
+
+def bidir_attention(qkv: np.ndarray, lengths, batch: int, seq: int, n_heads: int, head_dim: int,
+                    scale: float) -> np.ndarray:
+    """qkv (B*S, 3*H*D) rows [q | k | v] → (B*S, H*D); key j of sequence b visible iff j < lengths[b].
+    Padded query rows (s >= lengths[b]) also attend over the valid keys (the kernel's choice)."""
+    hd = n_heads * head_dim
+    x = qkv.reshape(batch, seq, 3, n_heads, head_dim).astype(np.float64)
+    out = np.zeros((batch, seq, n_heads, head_dim))
+    for b in range(batch):
+        n = int(lengths[b])
+        if n == 0:
+            continue
+        s = np.einsum("qhd,khd->hqk", x[b, :, 0], x[b, :n, 1]) * scale
+        p = np.exp(s - s.max(-1, keepdims=True))
+        p /= p.sum(-1, keepdims=True)
+        out[b] = np.einsum("hqk,khd->qhd", p, x[b, :n, 2])
+    return out.reshape(batch * seq, hd).astype(np.float32)
+
+
+def mean_pool(x: np.ndarray, lengths, batch: int) -> np.ndarray:
+    s = x.shape[0] // batch
+    x = x.reshape(batch, s, -1).astype(np.float64)
+    return np.stack([x[b, :lengths[b]].sum(0) / max(int(lengths[b]), 1) for b in range(batch)]).astype(np.float32)
+
+
+def max_pool(x: np.ndarray, lengths, batch: int) -> np.ndarray:
+    s = x.shape[0] // batch
+    x = x.reshape(batch, s, -1)
+    return np.stack([x[b, :lengths[b]].max(0) if lengths[b] else np.zeros(x.shape[-1])
+                     for b in range(batch)]).astype(np.float32)
+
+
+def cls_pool(x: np.ndarray, lengths, batch: int) -> np.ndarray:
+    s = x.shape[0] // batch
+    return x.reshape(batch, s, -1)[:, 0].astype(np.float32)
+
+
+def l2_normalize(x: np.ndarray, eps: float = 1e-12) -> np.ndarray:
+    x = x.astype(np.float64)
+    return (x / np.maximum(np.linalg.norm(x, axis=-1, keepdims=True), eps)).astype(np.float32)

@@ -1,0 +1,169 @@
+"""GPU sampling: one token id per step from a logits row (penalties, logit_bias, temperature, top-k,
+top-p, seeded counter-based RNG, logprobs), so the host reads back 4 bytes per decode step.
+
+Usage (one `Sampler` per loaded model; buffers belong to the model's owner):
+
+    s = Sampler(dev, vocab_size, owner="model:X")
+    op = s.op(logits, next_ids)            # prebuilt once: logits (V,) f32|f16, next_ids (>=1,) u32
+    s.configure(temperature=0.7, top_p=0.95, seed=1, ...)   # once per request (uniform write)
+    s.reset_history(prompt_ids)            # once per request: counts := 0, seen := prompt tokens
+    op.record(batch); dev.submit(batch)    # every step, after the LM head
+    res = await s.read(with_logprobs)      # SampleResult(token, logprob, top)
+
+The kernel (shaders/sampling.wgsl) also writes the token into `next_ids[0]`, bumps the generated
+count of the token (frequency/presence penalties), marks it seen (repetition penalty), and advances
+the RNG counter, all on the GPU. The RNG is a PCG hash of (seed, counter): the same seed and the same
+logits give the same tokens. Exactness of top-k/top-p: see the header of the WGSL file.
+"""
+from __future__ import annotations
+
+import random
+import struct
+from dataclasses import dataclass, field
+
+from ..gpu import UNIFORM, Device
+from .common import Op, Tensor, act_header, check
+
+MAX_TOP_LOGPROBS = 5
+CANDIDATES = 1024          # CAP in the shader: top-k/top-p candidate set size
+IO_WORDS = 32
+
+
+@dataclass
+class SampleResult:
+    token: int
+    logprob: float = 0.0                      # log-softmax of the raw logits at `token`
+    top: list = field(default_factory=list)   # [(token, logprob)] best first, len n_top
+
+
+def pcg_hash(v: int) -> int:
+    """The shader's PCG hash (for references and tests)."""
+    s = (v * 747796405 + 2891336453) & 0xFFFFFFFF
+    w = (((s >> ((s >> 28) + 4)) ^ s) * 277803737) & 0xFFFFFFFF
+    return ((w >> 22) ^ w) & 0xFFFFFFFF
+
+
+def uniform_draw(seed: int, counter: int) -> float:
+    """The shader's u in [0, 1) for (seed, counter), exactly (24-bit)."""
+    lo, hi = seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF
+    x = pcg_hash((counter & 0xFFFFFFFF) ^ pcg_hash(lo ^ pcg_hash(hi)))
+    return (x >> 8) / 16777216.0
+
+
+class Sampler:
+    """GPU state of the sampler for one model: params, dense bias, history, scratch, io."""
+
+    def __init__(self, dev: Device, vocab_size: int, *, owner: str, label: str = "sampler"):
+        check(vocab_size > 0, "sampling", "vocab_size must be positive")
+        self.dev, self.vocab, self.owner = dev, int(vocab_size), owner
+        v = self.vocab
+        self.seen_words = (v + 31) // 32
+        self.params = dev.buffer(64, usage=UNIFORM, owner=owner, label=f"{label}.params")
+        self.bias = dev.buffer(v * 4, owner=owner, label=f"{label}.bias")
+        self.hist = dev.buffer((v + self.seen_words) * 4, owner=owner, label=f"{label}.hist")
+        self.scratch = dev.buffer(v * 4, owner=owner, label=f"{label}.scratch")
+        self.io = dev.buffer(IO_WORDS * 4, owner=owner, label=f"{label}.io")
+        self._dummy_ids = None
+        self._bias_ids: list[int] = []
+        self.want_logprobs = False
+        self.n_top = 0
+        self.configure(temperature=0.0)
+
+    # ------------------------------------------------------------------ per request
+    def configure(self, *, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
+                  repetition_penalty: float = 1.0, frequency_penalty: float = 0.0,
+                  presence_penalty: float = 0.0, logit_bias: dict | None = None,
+                  logprobs: bool = False, top_logprobs: int = 0, seed: int | None = None) -> None:
+        """Write the request's settings (one small uniform write; dense bias only when it changes)
+        and restart the RNG stream at (seed, 0). temperature 0 means greedy."""
+        check(temperature >= 0.0, "sampling", f"temperature must be >= 0, got {temperature}")
+        check(0.0 < top_p <= 1.0 or temperature == 0.0, "sampling", f"top_p must be in (0, 1], got {top_p}")
+        check(top_k >= 0, "sampling", f"top_k must be >= 0, got {top_k}")
+        check(repetition_penalty > 0.0, "sampling", "repetition_penalty must be > 0")
+        check(0 <= top_logprobs <= MAX_TOP_LOGPROBS, "sampling",
+              f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs}")
+        greedy = temperature == 0.0
+        use_pen = repetition_penalty != 1.0 or frequency_penalty != 0.0 or presence_penalty != 0.0
+        bias = {int(k): float(v) for k, v in (logit_bias or {}).items()}
+        for k in bias:
+            check(0 <= k < self.vocab, "sampling", f"logit_bias token {k} outside the vocabulary")
+        self.want_logprobs = bool(logprobs or top_logprobs)
+        self.n_top = int(top_logprobs) if self.want_logprobs else 0
+        raw = struct.pack("<4I5f3I", self.vocab, 0 if greedy else 1,
+                          0 if greedy else int(top_k), self.n_top,
+                          0.0 if greedy else 1.0 / temperature, 1.0 if greedy else float(top_p),
+                          float(repetition_penalty), float(frequency_penalty), float(presence_penalty),
+                          int(self.want_logprobs), int(use_pen), int(bool(bias)))
+        self.dev.write(self.params, raw + b"\0" * (64 - len(raw)))
+        self._write_bias(bias)
+        if seed is None:
+            seed = random.getrandbits(64)
+        seed = int(seed) & 0xFFFFFFFFFFFFFFFF
+        self.seed = seed
+        self.dev.write(self.io, struct.pack("<3I", seed & 0xFFFFFFFF, seed >> 32, 0), offset=16 * 4)
+
+    def _write_bias(self, bias: dict) -> None:
+        # Sparse updates of the dense bias row: clear the previous request's entries, set the new.
+        for k in self._bias_ids:
+            if k not in bias:
+                self.dev.write(self.bias, b"\0\0\0\0", offset=4 * k)
+        for k, v in bias.items():
+            self.dev.write(self.bias, struct.pack("<f", v), offset=4 * k)
+        self._bias_ids = list(bias)
+
+    def reset_history(self, seen_ids=()) -> None:
+        """Generated counts := 0 and seen := `seen_ids` (the prompt), at the start of a request."""
+        self.dev.write(self.hist, bytes(4 * self.vocab))
+        self.dev.write(self.hist, self._seen_bits(seen_ids), offset=4 * self.vocab)
+
+    def _seen_bits(self, ids) -> bytes:
+        words = [0] * self.seen_words
+        for t in ids:
+            t = int(t)
+            if 0 <= t < self.vocab:
+                words[t >> 5] |= 1 << (t & 31)
+        return struct.pack(f"<{self.seen_words}I", *words)
+
+    # ------------------------------------------------------------------ per step
+    def op(self, logits: Tensor, next_ids: Tensor | None = None) -> Op:
+        """Prebuilt dispatch sampling from `logits` (V,) (f32 or f16); writes the token into
+        `next_ids[0]` (u32) when given."""
+        check(logits.numel == self.vocab, "sampling", f"logits has {logits.numel} entries, vocab is {self.vocab}")
+        if next_ids is None:
+            if self._dummy_ids is None:
+                self._dummy_ids = self.dev.buffer(16, owner=self.owner, label="sampler.next_ids")
+            ids_binding = self._dummy_ids
+        else:
+            check(next_ids.dtype == "u32", "sampling", "next_ids must be u32")
+            ids_binding = (next_ids.buf, next_ids.offset, 4)
+        pipe = self.dev.pipeline("sampling.wgsl", "sample", header=act_header(logits.dtype))
+        bg = self.dev.bind(pipe, [self.params, logits.binding(), self.bias, self.hist, self.scratch,
+                                  self.io, ids_binding])
+        return Op(name="sample").add(pipe, bg, 1)
+
+    async def read(self, with_logprobs: bool | None = None) -> SampleResult:
+        """Read the last step's result: 4 bytes, or 56 with logprobs."""
+        lp = self.want_logprobs if with_logprobs is None else with_logprobs
+        if not lp:
+            (tok,) = struct.unpack("<I", await self.dev.read(self.io, 0, 4))
+            return SampleResult(tok)
+        return self._parse(await self.dev.read(self.io, 0, 14 * 4))
+
+    def read_sync(self, with_logprobs: bool | None = None) -> SampleResult:
+        lp = self.want_logprobs if with_logprobs is None else with_logprobs
+        if not lp:
+            return SampleResult(struct.unpack("<I", self.dev.read_sync(self.io, 0, 4))[0])
+        return self._parse(self.dev.read_sync(self.io, 0, 14 * 4))
+
+    def _parse(self, raw: bytes) -> SampleResult:
+        w = struct.unpack("<4I", raw[:16])
+        (lp,) = struct.unpack("<f", raw[4:8])
+        ids = struct.unpack("<5I", raw[16:36])
+        lps = struct.unpack("<5f", raw[36:56])
+        n = min(w[2], MAX_TOP_LOGPROBS)
+        return SampleResult(w[0], lp, [(ids[i], lps[i]) for i in range(n)])
+
+    def release(self) -> None:
+        for b in (self.params, self.bias, self.hist, self.scratch, self.io, self._dummy_ids):
+            if b is not None:
+                b.release()

@@ -1,0 +1,107 @@
+"""Chat templates: render a model's own Jinja template the way Hugging Face transformers does.
+
+Same environment as transformers' `apply_chat_template`: an ImmutableSandboxedEnvironment with
+trim_blocks and lstrip_blocks, the loopcontrols extension, `raise_exception`, `strftime_now`, a
+`tojson` that keeps non-ASCII text, and `bos_token`/`eos_token`/`add_generation_prompt` variables.
+jinja2 is pure Python, so this runs in the browser too (imported lazily).
+"""
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from typing import Any
+
+from ..errors import InvalidRequestError, ModelFormatError
+
+
+class TemplateError(InvalidRequestError):
+    """The template rejected the conversation (its `raise_exception`), e.g. roles not alternating."""
+
+
+def _raise_exception(message: str):
+    raise TemplateError(f"The model's chat template rejected the messages: {message}", param="messages")
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    # transformers' version: Jinja's own tojson escapes HTML characters, which templates do not expect
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def _environment():
+    import jinja2
+    from jinja2.ext import Extension
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class _Generation(Extension):
+        """`{% generation %}...{% endgeneration %}` (assistant-mask markers): render the body only."""
+
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.Scope(body, lineno=lineno)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[_Generation, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+class ChatTemplate:
+    """A compiled chat template. `render(messages, add_generation_prompt=True)` -> prompt text."""
+
+    def __init__(self, source: str, *, bos_token: str = "", eos_token: str = ""):
+        if not source:
+            raise ModelFormatError("The model has no chat template (tokenizer.chat_template is empty)")
+        self.source = source
+        self.bos_token, self.eos_token = bos_token, eos_token
+        try:
+            self._template = _environment().from_string(source)
+        except Exception as e:                     # jinja2.TemplateSyntaxError, but jinja2 is lazy
+            raise ModelFormatError(f"The model's chat template does not compile: {e}") from e
+
+    def render(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
+               tools: list[dict] | None = None, documents: list[dict] | None = None, **kwargs) -> str:
+        variables = dict(bos_token=self.bos_token, eos_token=self.eos_token)
+        variables.update(kwargs)
+        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                     tools=tools, documents=documents, **variables)
+
+    @classmethod
+    def from_tokenizer_config(cls, config: dict, name: str = "default") -> "ChatTemplate | None":
+        """From a `tokenizer_config.json` dict (its chat_template may be a list of named templates)."""
+        src = config.get("chat_template")
+        if isinstance(src, list):
+            by_name = {t.get("name"): t.get("template") for t in src}
+            src = by_name.get(name) or next(iter(by_name.values()), None)
+        if not src:
+            return None
+        return cls(src, bos_token=_token_text(config.get("bos_token")),
+                   eos_token=_token_text(config.get("eos_token")))
+
+
+def _token_text(tok) -> str:
+    """tokenizer_config.json writes special tokens either as text or as an AddedToken dict."""
+    if isinstance(tok, dict):
+        return str(tok.get("content", ""))
+    return str(tok) if tok else ""
+
+
+def from_gguf_metadata(md: dict) -> ChatTemplate | None:
+    """The GGUF's `tokenizer.chat_template`, with bos/eos token texts from its vocabulary."""
+    src = md.get("tokenizer.chat_template")
+    if not src:
+        return None
+    tokens = md.get("tokenizer.ggml.tokens") or []
+
+    def text(key):
+        i = md.get(f"tokenizer.ggml.{key}_token_id")
+        return tokens[int(i)] if i is not None and 0 <= int(i) < len(tokens) else ""
+    return ChatTemplate(str(src), bos_token=text("bos"), eos_token=text("eos"))

@@ -1,0 +1,164 @@
+"""Hugging Face `config.json` -> LlamaConfig / BertConfig, and the one table of HF tensor names -> ours.
+
+Llama-family safetensors keep q/k rows unpermuted, so rope pairs halves of each head (rope_neox=True);
+GGUF llama files differ there (see loaders.gguf). Plain JSON parsing: runs in the browser too.
+"""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from ..errors import ModelFormatError, UnsupportedModelError
+from ..models.config import BertConfig, LlamaConfig
+from .tensor_info import TensorInfo
+
+# HF architectures -> our LlamaConfig.arch
+LLAMA_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "mistral"}
+BERT_ARCHITECTURES = ("BertModel", "BertForMaskedLM", "BertForPreTraining", "BertForSequenceClassification")
+
+# Llama / Qwen2 / Mistral names (LlamaForCausalLM) -> ours; ours are the names loaders.gguf also gives.
+HF_LLAMA_TO_OURS = {
+    "model.embed_tokens.weight": "embed",
+    "model.norm.weight": "norm",
+    "lm_head.weight": "lm_head",
+    "model.layers.{i}.input_layernorm.weight": "layers.{i}.attn_norm",
+    "model.layers.{i}.self_attn.q_proj.weight": "layers.{i}.q",
+    "model.layers.{i}.self_attn.k_proj.weight": "layers.{i}.k",
+    "model.layers.{i}.self_attn.v_proj.weight": "layers.{i}.v",
+    "model.layers.{i}.self_attn.q_proj.bias": "layers.{i}.q_bias",
+    "model.layers.{i}.self_attn.k_proj.bias": "layers.{i}.k_bias",
+    "model.layers.{i}.self_attn.v_proj.bias": "layers.{i}.v_bias",
+    "model.layers.{i}.self_attn.o_proj.weight": "layers.{i}.o",
+    "model.layers.{i}.post_attention_layernorm.weight": "layers.{i}.ffn_norm",
+    "model.layers.{i}.mlp.gate_proj.weight": "layers.{i}.gate",
+    "model.layers.{i}.mlp.up_proj.weight": "layers.{i}.up",
+    "model.layers.{i}.mlp.down_proj.weight": "layers.{i}.down",
+}
+# BertModel names ("bert." prefix of BertForX stripped) -> ours
+HF_BERT_TO_OURS = {
+    "embeddings.word_embeddings.weight": "embed",                       # (V, C)
+    "embeddings.position_embeddings.weight": "pos_embed",               # (P, C)
+    "embeddings.token_type_embeddings.weight": "type_embed",            # (2, C)
+    "embeddings.LayerNorm.weight": "embed_norm",
+    "embeddings.LayerNorm.bias": "embed_norm_bias",
+    "encoder.layer.{i}.attention.self.query.weight": "layers.{i}.q",
+    "encoder.layer.{i}.attention.self.query.bias": "layers.{i}.q_bias",
+    "encoder.layer.{i}.attention.self.key.weight": "layers.{i}.k",
+    "encoder.layer.{i}.attention.self.key.bias": "layers.{i}.k_bias",
+    "encoder.layer.{i}.attention.self.value.weight": "layers.{i}.v",
+    "encoder.layer.{i}.attention.self.value.bias": "layers.{i}.v_bias",
+    "encoder.layer.{i}.attention.output.dense.weight": "layers.{i}.o",
+    "encoder.layer.{i}.attention.output.dense.bias": "layers.{i}.o_bias",
+    "encoder.layer.{i}.attention.output.LayerNorm.weight": "layers.{i}.attn_norm",
+    "encoder.layer.{i}.attention.output.LayerNorm.bias": "layers.{i}.attn_norm_bias",
+    "encoder.layer.{i}.intermediate.dense.weight": "layers.{i}.up",     # (F, C)
+    "encoder.layer.{i}.intermediate.dense.bias": "layers.{i}.up_bias",
+    "encoder.layer.{i}.output.dense.weight": "layers.{i}.down",         # (C, F)
+    "encoder.layer.{i}.output.dense.bias": "layers.{i}.down_bias",
+    "encoder.layer.{i}.output.LayerNorm.weight": "layers.{i}.ffn_norm",
+    "encoder.layer.{i}.output.LayerNorm.bias": "layers.{i}.ffn_norm_bias",
+}
+_LAYER = re.compile(r"^(model\.layers|encoder\.layer)\.(\d+)\.(.+)$")
+
+
+def map_hf_names(tensors: dict[str, TensorInfo], kind: str = "llama") -> dict[str, TensorInfo]:
+    """{our name: TensorInfo} of the HF tensors the model uses; kind "llama" or "bert"."""
+    table = {"llama": HF_LLAMA_TO_OURS, "bert": HF_BERT_TO_OURS}[kind]
+    out = {}
+    for name, t in tensors.items():
+        key = name[5:] if kind == "bert" and name.startswith("bert.") else name
+        m = _LAYER.match(key)
+        ours = table.get(f"{m.group(1)}.{{i}}.{m.group(3)}") if m else table.get(key)
+        if ours is not None:
+            out[ours.replace("{i}", m.group(2)) if m else ours] = t
+    return out
+
+
+def _read(folder_or_file) -> tuple[dict, Path]:
+    p = Path(folder_or_file)
+    p = p / "config.json" if p.is_dir() else p
+    try:
+        return json.loads(p.read_text(encoding="utf-8")), p
+    except FileNotFoundError as e:
+        raise ModelFormatError(f"{p} is missing: a Hugging Face model folder needs config.json") from e
+    except json.JSONDecodeError as e:
+        raise ModelFormatError(f"{p} is not valid JSON: {e}") from e
+
+
+def llama_config_from_dict(c: dict, where: str = "config.json") -> LlamaConfig:
+    archs = c.get("architectures") or []
+    arch = next((LLAMA_ARCHITECTURES[a] for a in archs if a in LLAMA_ARCHITECTURES), None)
+    if arch is None:
+        arch = {"llama": "llama", "qwen2": "qwen2", "mistral": "mistral"}.get(c.get("model_type", ""))
+    if arch is None:
+        raise UnsupportedModelError(f"{where}: architectures {archs} / model_type {c.get('model_type')!r} "
+                                    f"is not supported; supported: {sorted(LLAMA_ARCHITECTURES)}")
+    scaling = c.get("rope_scaling") or {}
+    if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
+        raise UnsupportedModelError(f"{where}: rope_scaling {scaling} is not implemented")
+    try:
+        n_heads = int(c["num_attention_heads"])
+        hidden = int(c["hidden_size"])
+        head_dim = int(c.get("head_dim") or hidden // n_heads)
+        eos = c.get("eos_token_id")
+        sliding = c.get("sliding_window") if c.get("use_sliding_window", arch == "mistral") else None
+        return LlamaConfig(
+            arch=arch, vocab_size=int(c["vocab_size"]), hidden_size=hidden,
+            n_layers=int(c["num_hidden_layers"]), n_heads=n_heads,
+            n_kv_heads=int(c.get("num_key_value_heads") or n_heads), head_dim=head_dim,
+            ffn_size=int(c["intermediate_size"]), rope_base=float(c.get("rope_theta", 10000.0)),
+            rot_dim=int(head_dim * float(c.get("partial_rotary_factor", 1.0))),
+            rope_neox=True,                     # HF weights: rotate_half pairs (i, i + d/2)
+            rms_eps=float(c.get("rms_norm_eps", 1e-6)),
+            context_length=int(c.get("max_position_embeddings", 4096)),
+            tie_embeddings=bool(c.get("tie_word_embeddings", False)),
+            qkv_bias=bool(c.get("attention_bias", arch == "qwen2")),
+            bos_id=c.get("bos_token_id"),
+            eos_ids=eos if isinstance(eos, list) else ([eos] if eos is not None else []),
+            sliding_window=int(sliding) if sliding else None,
+            name=str(c.get("_name_or_path", "")),
+        )
+    except KeyError as e:
+        raise ModelFormatError(f"{where} lacks {e.args[0]}") from e
+
+
+def load_llama_config(folder) -> LlamaConfig:
+    """LlamaConfig of an HF LlamaForCausalLM / Qwen2ForCausalLM / MistralForCausalLM folder."""
+    c, p = _read(folder)
+    cfg = llama_config_from_dict(c, str(p))
+    gen = p.parent / "generation_config.json"       # often lists more stop ids than config.json
+    if gen.is_file():
+        eos = json.loads(gen.read_text(encoding="utf-8")).get("eos_token_id")
+        extra = eos if isinstance(eos, list) else ([eos] if eos is not None else [])
+        cfg.eos_ids = list(dict.fromkeys([*cfg.eos_ids, *(int(i) for i in extra)]))
+    return cfg
+
+
+def bert_config_from_dict(c: dict, where: str = "config.json") -> BertConfig:
+    archs = c.get("architectures") or []
+    if c.get("model_type") != "bert" and not any(a in BERT_ARCHITECTURES for a in archs):
+        raise UnsupportedModelError(f"{where}: model_type {c.get('model_type')!r} / architectures {archs} "
+                                    "is not a BERT model")
+    if c.get("position_embedding_type", "absolute") != "absolute":
+        raise UnsupportedModelError(f"{where}: position_embedding_type {c['position_embedding_type']!r} "
+                                    "is not supported (absolute only)")
+    try:
+        return BertConfig(
+            vocab_size=int(c["vocab_size"]), hidden_size=int(c["hidden_size"]),
+            n_layers=int(c["num_hidden_layers"]), n_heads=int(c["num_attention_heads"]),
+            intermediate_size=int(c["intermediate_size"]),
+            max_position=int(c.get("max_position_embeddings", 512)),
+            type_vocab_size=int(c.get("type_vocab_size", 2)),
+            layer_norm_eps=float(c.get("layer_norm_eps", 1e-12)),
+            hidden_act=str(c.get("hidden_act", "gelu")), pad_id=int(c.get("pad_token_id") or 0),
+            name=str(c.get("_name_or_path", "")),
+        )
+    except KeyError as e:
+        raise ModelFormatError(f"{where} lacks {e.args[0]}") from e
+
+
+def load_bert_config(folder) -> BertConfig:
+    """BertConfig of an HF BertModel folder (config.json)."""
+    c, p = _read(folder)
+    return bert_config_from_dict(c, str(p))

@@ -1,0 +1,111 @@
+"""Reads a sentence-transformers model folder's module stack: pooling mode, normalisation, max length.
+
+A sentence-transformers folder holds `modules.json` (the module stack: Transformer → Pooling →
+optional Normalize), `1_Pooling/config.json` (which pooling), and `sentence_bert_config.json`
+(`max_seq_length`, `do_lower_case`). A bare Hugging Face BERT folder (no `modules.json`) gets what
+sentence-transformers itself would build for it: mean pooling, no normalisation, the model's own
+maximum length. Plain stdlib JSON parsing: this runs in the browser too.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import ModelFormatError, UnsupportedModelError
+
+POOLING_MODES = ("mean", "cls", "max")
+
+# Pooling config keys → our mode names. Modes we cannot run are listed so the error can name them.
+_POOL_KEYS = {
+    "pooling_mode_mean_tokens": "mean",
+    "pooling_mode_cls_token": "cls",
+    "pooling_mode_max_tokens": "max",
+    "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len",
+    "pooling_mode_weightedmean_tokens": "weightedmean",
+    "pooling_mode_lasttoken": "lasttoken",
+}
+
+
+@dataclass(frozen=True)
+class SentenceTransformerConfig:
+    """How to turn the encoder's hidden states into one vector per input."""
+
+    model_folder: Path                  # where config.json / model.safetensors / tokenizer.json live
+    pooling: str = "mean"               # "mean" | "cls" | "max"
+    normalize: bool = False             # an L2 Normalize module follows pooling
+    max_seq_length: int | None = None   # truncation length incl. [CLS]/[SEP]; None: the model's
+    do_lower_case: bool = False         # sentence-transformers lower-cases the text before tokenizing
+    is_sentence_transformers: bool = False
+
+
+def _read_json(path: Path) -> object:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ModelFormatError(f"{path.name} in {path.parent} is not valid JSON: {e}") from None
+
+
+def pooling_mode(pool_cfg: dict, where: str = "1_Pooling/config.json") -> str:
+    """The single pooling mode of a sentence-transformers Pooling config."""
+    if isinstance(pool_cfg.get("pooling_mode"), str):       # newer configs may name it directly
+        on = [pool_cfg["pooling_mode"].replace("_tokens", "").replace("_token", "")]
+    else:
+        on = [mode for key, mode in _POOL_KEYS.items() if pool_cfg.get(key)]
+    if len(on) != 1:
+        raise UnsupportedModelError(
+            f"{where}: expected exactly one pooling mode, found {on or 'none'}; this engine runs one of "
+            f"{list(POOLING_MODES)} (concatenated pooling modes are not supported).")
+    if on[0] not in POOLING_MODES:
+        raise UnsupportedModelError(
+            f"{where}: pooling mode {on[0]!r} is not supported; this engine runs {list(POOLING_MODES)}.")
+    return on[0]
+
+
+def load_sentence_transformer_config(folder: str | Path) -> SentenceTransformerConfig:
+    """Parse the module stack of `folder`; see the module docstring for the defaults."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise UnsupportedModelError(f"Embedding model folder {folder} does not exist or is not a folder.")
+    modules_path = folder / "modules.json"
+    if not modules_path.is_file():
+        return SentenceTransformerConfig(model_folder=folder)
+
+    modules = _read_json(modules_path)
+    if not isinstance(modules, list) or not modules:
+        raise UnsupportedModelError(f"{modules_path} should be a non-empty JSON list of modules.")
+    modules = sorted(modules, key=lambda m: m.get("idx", 0))
+    kinds = [str(m.get("type", "")).rsplit(".", 1)[-1] for m in modules]
+    if kinds[0] != "Transformer":
+        raise UnsupportedModelError(f"{modules_path}: the first module must be a Transformer, got {kinds[0]!r}.")
+    model_folder = folder / modules[0].get("path", "")
+
+    pooling, normalize = "mean", False
+    for m, kind in zip(modules[1:], kinds[1:]):
+        if kind == "Pooling":
+            cfg_path = folder / m.get("path", "") / "config.json"
+            pooling = pooling_mode(_read_json(cfg_path) if cfg_path.is_file() else {"pooling_mode_mean_tokens": True},
+                                   f"{m.get('path', '')}/config.json")
+        elif kind == "Normalize":
+            # Normalize has no parameters; its folder is often absent from downloads.
+            normalize = True
+        else:
+            raise UnsupportedModelError(
+                f"{modules_path}: module {kind!r} is not supported; this engine runs "
+                f"Transformer → Pooling → optional Normalize.")
+    if normalize and kinds.index("Normalize") != len(kinds) - 1:
+        raise UnsupportedModelError(f"{modules_path}: Normalize must be the last module.")
+
+    max_len, lower = None, False
+    # The Transformer module's own settings live next to its weights (or at the top for path "").
+    for sb in (model_folder / "sentence_bert_config.json", folder / "sentence_bert_config.json"):
+        if sb.is_file():
+            sbc = _read_json(sb)
+            if sbc.get("max_seq_length") is not None:
+                max_len = int(sbc["max_seq_length"])
+            lower = bool(sbc.get("do_lower_case", False))
+            break
+    return SentenceTransformerConfig(model_folder=model_folder, pooling=pooling, normalize=normalize,
+                                     max_seq_length=max_len, do_lower_case=lower,
+                                     is_sentence_transformers=True)
+

@@ -1,0 +1,58 @@
+"""TensorInfo: one weight tensor of a model file, as loaders hand it to the model (bytes untouched)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# qtype -> (elements per block, bytes per block); the qtypes our kernels read come first.
+QTYPE_BLOCK = {
+    "f32": (1, 4), "f16": (1, 2), "bf16": (1, 2),
+    "q4_0": (32, 18), "q4_1": (32, 20), "q8_0": (32, 34), "q4_k": (256, 144), "q6_k": (256, 210),
+    # parsed so that the error can name them, but no kernel reads them
+    "q5_0": (32, 22), "q5_1": (32, 24), "q8_1": (32, 36), "q2_k": (256, 84), "q3_k": (256, 110),
+    "q5_k": (256, 176), "q8_k": (256, 292), "f64": (1, 8), "i8": (1, 1), "i16": (1, 2),
+    "i32": (1, 4), "i64": (1, 8),
+}
+SUPPORTED_QTYPES = ("f32", "f16", "bf16", "q4_0", "q4_1", "q8_0", "q4_k", "q6_k")
+
+
+def tensor_nbytes(qtype: str, shape: tuple[int, ...]) -> int:
+    """Bytes of a tensor of `shape` (rows..., k) in `qtype`; k must be a whole number of blocks."""
+    block, size = QTYPE_BLOCK[qtype]
+    n = 1
+    for d in shape:
+        n *= d
+    if shape and shape[-1] % block:
+        raise ValueError(f"{qtype} row length {shape[-1]} is not a multiple of its block {block}")
+    return n // block * size
+
+
+@dataclass
+class TensorInfo:
+    """`shape` is row-major, outermost first: a matrix is (n rows, k cols) (GGUF's ne reversed), so
+    y = x·Wᵀ maps k -> n. `data` is a zero-copy memoryview of the file's bytes (quant blocks as stored);
+    `name` is the name in the file; `offset` is where `data` starts in the file."""
+
+    name: str
+    qtype: str
+    shape: tuple[int, ...]
+    data: memoryview
+    offset: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes
+
+    @property
+    def n(self) -> int:
+        return self.shape[0] if len(self.shape) > 1 else 1
+
+    @property
+    def k(self) -> int:
+        return self.shape[-1]
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n

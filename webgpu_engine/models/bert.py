@@ -1,0 +1,294 @@
+"""BERT encoder forward (sentence-transformers embedders) as a readable sequence of kernel calls.
+
+A batch of B sequences is padded to S tokens and flattened to T = B*S rows; `lengths` (B,) says how
+many rows of each sequence are real. Attention masks keys j >= lengths[b]; pooling reads only real
+rows, so what padded rows hold never reaches an output.
+
+    x = LN(word[ids] + pos[s] + type[0])                                   (T, C)
+    for each layer:
+        qkv = x·Wqkvᵀ + bqkv                                               (T, 3C)  [q | k | v]
+        x1  = LN(attn(qkv, lengths)·Woᵀ + bo + x)                          (T, C)
+        x   = LN(gelu(x1·W1ᵀ + b1)·W2ᵀ + b2 + x1)                          (T, C)
+    pooled = pool(x, lengths) (mean | cls | max), then L2-normalised if asked    (B, C)
+
+Activation buffers live in an arena sized for the largest (B, S) bucket seen; the kernel ops of each
+bucket are built once (bind groups, params) and replayed, so a forward creates nothing on the GPU.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from ..errors import UnsupportedModelError
+from ..kernels import matmul as mm
+from ..kernels import nn
+from ..kernels.common import Op, Tensor, new_tensor
+from ..loaders.tensor_info import TensorInfo
+from .config import BertConfig
+
+# Our weight names → Hugging Face BertModel names ({i}: layer). One table, not scattered.
+WEIGHT_NAMES = {
+    "word": "embeddings.word_embeddings.weight",               # (V, C)
+    "pos": "embeddings.position_embeddings.weight",            # (P, C)
+    "type": "embeddings.token_type_embeddings.weight",         # (2, C)
+    "emb_ln.w": "embeddings.LayerNorm.weight",                 # (C,)
+    "emb_ln.b": "embeddings.LayerNorm.bias",
+    "q.w": "encoder.layer.{i}.attention.self.query.weight",    # (C, C)
+    "q.b": "encoder.layer.{i}.attention.self.query.bias",
+    "k.w": "encoder.layer.{i}.attention.self.key.weight",
+    "k.b": "encoder.layer.{i}.attention.self.key.bias",
+    "v.w": "encoder.layer.{i}.attention.self.value.weight",
+    "v.b": "encoder.layer.{i}.attention.self.value.bias",
+    "o.w": "encoder.layer.{i}.attention.output.dense.weight",  # (C, C)
+    "o.b": "encoder.layer.{i}.attention.output.dense.bias",
+    "attn_ln.w": "encoder.layer.{i}.attention.output.LayerNorm.weight",
+    "attn_ln.b": "encoder.layer.{i}.attention.output.LayerNorm.bias",
+    "ff1.w": "encoder.layer.{i}.intermediate.dense.weight",     # (F, C)
+    "ff1.b": "encoder.layer.{i}.intermediate.dense.bias",
+    "ff2.w": "encoder.layer.{i}.output.dense.weight",           # (C, F)
+    "ff2.b": "encoder.layer.{i}.output.dense.bias",
+    "ffn_ln.w": "encoder.layer.{i}.output.LayerNorm.weight",
+    "ffn_ln.b": "encoder.layer.{i}.output.LayerNorm.bias",
+}
+_PREFIXES = ("", "bert.", "model.")           # BertForX checkpoints nest the encoder under "bert."
+POOLINGS = ("mean", "cls", "max")
+MAX_CACHED_BUCKETS = 8
+
+
+def _find(tensors: dict[str, TensorInfo], name: str) -> TensorInfo:
+    for p in _PREFIXES:
+        t = tensors.get(p + name)
+        if t is None and name.endswith("LayerNorm.weight"):   # TF-era checkpoints: gamma / beta
+            t = tensors.get(p + name[:-len("weight")] + "gamma")
+        if t is None and name.endswith("LayerNorm.bias"):
+            t = tensors.get(p + name[:-len("bias")] + "beta")
+        if t is not None:
+            return t
+    raise UnsupportedModelError(f"BERT weight {name!r} is missing from the model file; is this a BERT "
+                                f"(BertModel) checkpoint?")
+
+
+@dataclass
+class _Layer:
+    qkv: mm.QWeight                 # (3C, C) rows [q | k | v]
+    qkv_b: Tensor                   # (3C,)
+    o: mm.QWeight                   # (C, C)
+    o_b: Tensor
+    attn_ln_w: Tensor
+    attn_ln_b: Tensor
+    ff1: mm.QWeight                 # (F, C)
+    ff1_b: Tensor
+    ff2: mm.QWeight                 # (C, F)
+    ff2_b: Tensor
+    ffn_ln_w: Tensor
+    ffn_ln_b: Tensor
+
+
+@dataclass
+class _Arena:
+    """Activation buffers for up to `t_cap` token rows and `b_cap` sequences."""
+
+    t_cap: int
+    b_cap: int
+    ids: Tensor                     # (T,) u32 token ids, pad id in padded rows
+    pos: Tensor                     # (T,) u32 position of each row inside its sequence
+    lengths: Tensor                 # (B,) u32
+    x: Tensor                       # (T, C) hidden state between layers
+    x1: Tensor                      # (T, C) after the attention block
+    tmp: Tensor                     # (T, C) projection outputs
+    ctx: Tensor                     # (T, C) attention output
+    qkv: Tensor                     # (T, 3C)
+    ff: Tensor                      # (T, F)
+    ffg: Tensor                     # (T, F) gelu(ff)
+    pooled: Tensor                  # (B, C) f32
+    out: Tensor                     # (B, C) f32 pooled or normalised: what the pipeline copies out
+
+    def tensors(self):
+        return [self.ids, self.pos, self.lengths, self.x, self.x1, self.tmp, self.ctx, self.qkv, self.ff,
+                self.ffg, self.pooled, self.out]
+
+
+class BertModel:
+    """A BERT encoder's weights on the GPU plus its pooling head; `run` embeds one padded batch."""
+
+    def __init__(self, dev, cfg: BertConfig, tensors: dict[str, TensorInfo], *, act_dtype: str = "f32",
+                 pooling: str = "mean", normalize: bool = False, owner: str = "model:bert", progress=None):
+        if cfg.hidden_act != "gelu":
+            raise UnsupportedModelError(f"BERT hidden_act {cfg.hidden_act!r} is not supported (erf 'gelu' only).")
+        if pooling not in POOLINGS:
+            raise UnsupportedModelError(f"pooling {pooling!r} is not supported; use one of {POOLINGS}.")
+        if act_dtype not in ("f32", "f16"):
+            raise ValueError(f"act_dtype must be f32 or f16, got {act_dtype!r}")
+        self.dev, self.cfg, self.owner = dev, cfg, owner
+        self.act_dtype, self.pooling, self.normalize = act_dtype, pooling, normalize
+        self._arena: _Arena | None = None
+        self._ops: OrderedDict[tuple[int, int], Op] = OrderedDict()
+        try:
+            self._upload(tensors, progress)
+        except BaseException:
+            dev.release_owner(owner)
+            raise
+
+    # ------------------------------------------------------------------ weights
+    def _upload(self, tensors: dict[str, TensorInfo], progress) -> None:
+        dev, cfg, own = self.dev, self.cfg, self.owner
+        C, F = cfg.hidden_size, cfg.intermediate_size
+
+        def get(key: str, i: int = 0, shape: tuple | None = None) -> TensorInfo:
+            t = _find(tensors, WEIGHT_NAMES[key].format(i=i))
+            if shape is not None and tuple(t.shape) != shape:
+                raise UnsupportedModelError(f"BERT weight {t.name!r} has shape {tuple(t.shape)}, expected {shape} "
+                                            f"from config.json.")
+            return t
+
+        def weight(parts: list[TensorInfo], label: str) -> mm.QWeight:
+            n = sum(p.shape[0] for p in parts)
+            return mm.upload_weight(dev, [p.data for p in parts], parts[0].qtype, n, parts[0].shape[1],
+                                    owner=own, label=label)
+
+        def vector(parts: list[TensorInfo], label: str) -> Tensor:
+            data = parts[0].data if len(parts) == 1 else b"".join(bytes(p.data) for p in parts)
+            return mm.upload_vector(dev, data, dtype=parts[0].qtype, owner=own, label=label)
+
+        self.word = weight([get("word", shape=(cfg.vocab_size, C))], "word_embeddings")
+        pos = get("pos")
+        if pos.shape[1] != C:
+            raise UnsupportedModelError(f"position embeddings have width {pos.shape[1]}, expected {C}")
+        self.max_position = pos.shape[0]
+        self.pos_table = weight([pos], "position_embeddings")
+        # Token type is always 0 for single-sentence embedding: only that row is needed, added as a bias.
+        tt = get("type")
+        row = tt.data[:tt.nbytes // tt.shape[0]]
+        self.type0 = mm.upload_vector(dev, row, dtype=tt.qtype, owner=own, label="token_type_0")
+        self.emb_ln_w = vector([get("emb_ln.w", shape=(C,))], "emb_ln.w")
+        self.emb_ln_b = vector([get("emb_ln.b", shape=(C,))], "emb_ln.b")
+        self.layers: list[_Layer] = []
+        for i in range(cfg.n_layers):
+            g = lambda key, shape=None: get(key, i, shape)  # noqa: E731
+            self.layers.append(_Layer(
+                qkv=weight([g("q.w", (C, C)), g("k.w", (C, C)), g("v.w", (C, C))], f"l{i}.qkv"),
+                qkv_b=vector([g("q.b"), g("k.b"), g("v.b")], f"l{i}.qkv_b"),
+                o=weight([g("o.w", (C, C))], f"l{i}.o"), o_b=vector([g("o.b")], f"l{i}.o_b"),
+                attn_ln_w=vector([g("attn_ln.w")], f"l{i}.attn_ln.w"),
+                attn_ln_b=vector([g("attn_ln.b")], f"l{i}.attn_ln.b"),
+                ff1=weight([g("ff1.w", (F, C))], f"l{i}.ff1"), ff1_b=vector([g("ff1.b")], f"l{i}.ff1_b"),
+                ff2=weight([g("ff2.w", (C, F))], f"l{i}.ff2"), ff2_b=vector([g("ff2.b")], f"l{i}.ff2_b"),
+                ffn_ln_w=vector([g("ffn_ln.w")], f"l{i}.ffn_ln.w"),
+                ffn_ln_b=vector([g("ffn_ln.b")], f"l{i}.ffn_ln.b")))
+            if progress:
+                progress((i + 1) / cfg.n_layers, f"uploading BERT layer {i + 1}/{cfg.n_layers}")
+
+    @property
+    def max_seq_length(self) -> int:
+        return min(self.max_position, self.cfg.max_position)
+
+    # ------------------------------------------------------------------ activations and ops
+    def _ensure_arena(self, B: int, S: int) -> _Arena:
+        a = self._arena
+        if a is not None and a.t_cap >= B * S and a.b_cap >= B:
+            return a
+        # Grow (never shrink within a load): every cached op binds the old buffers, so drop them all.
+        t_cap = max(B * S, a.t_cap if a else 0)
+        b_cap = max(B, a.b_cap if a else 0)
+        self._drop_ops()
+        if a is not None:
+            for t in a.tensors():
+                t.buf.release()
+        C, F, d, own = self.cfg.hidden_size, self.cfg.intermediate_size, self.act_dtype, self.owner
+
+        def act(shape, label, dtype=d):
+            return new_tensor(self.dev, shape, dtype, owner=own, label=label)
+        self._arena = _Arena(t_cap, b_cap, ids=act((t_cap,), "ids", "u32"), pos=act((t_cap,), "pos_ids", "u32"),
+                             lengths=act((b_cap,), "lengths", "u32"), x=act((t_cap, C), "x"),
+                             x1=act((t_cap, C), "x1"), tmp=act((t_cap, C), "tmp"), ctx=act((t_cap, C), "ctx"),
+                             qkv=act((t_cap, 3 * C), "qkv"), ff=act((t_cap, F), "ff"), ffg=act((t_cap, F), "ffg"),
+                             # pooled vectors are f32 even for f16 activations: they are read back
+                             pooled=act((b_cap, C), "pooled", "f32"), out=act((b_cap, C), "out", "f32"))
+        return self._arena
+
+    def _drop_ops(self) -> None:
+        for op in self._ops.values():
+            op.release()
+        self._ops.clear()
+
+    def _bucket_ops(self, B: int, S: int) -> Op:
+        """All dispatches of one forward for a (B, S) bucket, built once and replayed."""
+        key = (B, S)
+        op = self._ops.get(key)
+        if op is not None:
+            self._ops.move_to_end(key)
+            return op
+        a = self._ensure_arena(B, S)
+        dev, cfg = self.dev, self.cfg
+        T, C, F, H, D = B * S, cfg.hidden_size, cfg.intermediate_size, cfg.n_heads, cfg.head_dim
+        eps = float(cfg.layer_norm_eps)
+        ids, pos, lengths = a.ids.view((T,)), a.pos.view((T,)), a.lengths.view((B,))
+        x, x1, tmp, ctx = (t.view((T, C)) for t in (a.x, a.x1, a.tmp, a.ctx))
+        qkv, ff, ffg = a.qkv.view((T, 3 * C)), a.ff.view((T, F)), a.ffg.view((T, F))
+        pooled, out = a.pooled.view((B, C)), a.out.view((B, C))
+
+        # x = LN(word[ids] + type[0] + pos[s])                                      (T, C)
+        op = mm.embedding(dev, ids, self.word, tmp)
+        op += mm.embedding(dev, pos, self.pos_table, ctx)
+        op += nn.bias_add(dev, tmp, self.type0, x1)
+        op += nn.layer_norm(dev, x1, self.emb_ln_w, self.emb_ln_b, x, eps=eps, residual=ctx)
+        for L in self.layers:
+            # self-attention block: x1 = LN(attn(x)·Woᵀ + bo + x)
+            op += mm.matmul(dev, x, L.qkv, qkv, bias=L.qkv_b)                       # (T, 3C)
+            op += nn.attention_bidir(dev, qkv, lengths, ctx, batch=B, seq=S, n_heads=H, head_dim=D,
+                                     scale=D ** -0.5)                                # (T, C)
+            op += mm.matmul(dev, ctx, L.o, tmp, bias=L.o_b)                          # (T, C)
+            op += nn.layer_norm(dev, tmp, L.attn_ln_w, L.attn_ln_b, x1, eps=eps, residual=x)
+            # feed-forward block: x = LN(gelu(x1·W1ᵀ + b1)·W2ᵀ + b2 + x1)
+            op += mm.matmul(dev, x1, L.ff1, ff, bias=L.ff1_b)                        # (T, F)
+            op += nn.gelu(dev, ff, ffg)
+            op += mm.matmul(dev, ffg, L.ff2, tmp, bias=L.ff2_b)                      # (T, C)
+            op += nn.layer_norm(dev, tmp, L.ffn_ln_w, L.ffn_ln_b, x, eps=eps, residual=x1)
+        pool = {"mean": nn.mean_pool, "cls": nn.cls_pool, "max": nn.max_pool}[self.pooling]
+        if self.normalize:
+            op += pool(dev, x, lengths, pooled)                                      # (B, C)
+            op += nn.l2_normalize(dev, pooled, out)
+        else:
+            op += pool(dev, x, lengths, out)
+        op.name = f"bert[{B}x{S}]"
+        self._ops[key] = op
+        while len(self._ops) > MAX_CACHED_BUCKETS:
+            self._ops.popitem(last=False)[1].release()
+        return op
+
+    # ------------------------------------------------------------------ forward
+    def run(self, seqs: list[list[int]], B: int, S: int, dst, dst_offset: int = 0) -> None:
+        """Embed `seqs` (each 1..S ids, len(seqs) <= B) padded into the (B, S) bucket and copy the
+        (len(seqs), C) f32 vectors into buffer `dst` at byte `dst_offset`. Submits;
+        the caller reads `dst` back. Padding sequences get length 1 so no row divides by zero."""
+        if not 0 < len(seqs) <= B:
+            raise ValueError(f"BertModel.run: {len(seqs)} sequences for a batch of {B}")
+        if any(not 0 < len(s) <= S for s in seqs) or S > self.max_seq_length:
+            raise ValueError(f"BertModel.run: every sequence needs 1..{S} ids (S <= {self.max_seq_length})")
+        op = self._bucket_ops(B, S)
+        a = self._arena
+        pad = self.cfg.pad_id
+        ids: list[int] = []
+        for s in seqs:
+            ids.extend(s)
+            ids.extend([pad] * (S - len(s)))
+        ids.extend([pad] * (S * (B - len(seqs))))
+        lengths = [len(s) for s in seqs] + [1] * (B - len(seqs))
+        self.dev.write(a.ids.buf, _u32(ids))
+        self.dev.write(a.pos.buf, _u32(list(range(S)) * B))
+        self.dev.write(a.lengths.buf, _u32(lengths))
+        batch = op.record(self.dev.batch())
+        batch.copy(a.out.buf, dst, len(seqs) * self.cfg.hidden_size * 4, 0, dst_offset)
+        self.dev.submit(batch)
+
+    def dispose(self) -> None:
+        """Free every GPU buffer of the model (weights, activations, params)."""
+        self._drop_ops()
+        self._arena = None
+        self.dev.release_owner(self.owner)
+
+
+def _u32(values: list[int]) -> bytes:
+    from array import array
+    arr = array("I", values)
+    return arr.tobytes()

@@ -1,0 +1,88 @@
+"""Architecture hyper-parameters of the model families (Llama-style decoders, BERT encoders).
+
+Plain dataclasses (they run in Pyodide too). Loaders fill them from GGUF metadata or an HF
+`config.json`; models read them. Derived sizes are computed once in `__post_init__`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+LLAMA_ARCHS = ("llama", "qwen2", "mistral")
+
+
+@dataclass
+class LlamaConfig:
+    """A Llama-family decoder (Llama, Qwen2 = Llama + q/k/v bias, Mistral = Llama (+ sliding window)).
+
+    `rope_neox` says which dimensions rope rotates together in a head of size `rot_dim`:
+    False: adjacent pairs (2i, 2i+1) — GGUF llama/mistral, whose q/k rows llama.cpp's converter
+    permuted for exactly that; True: halves (i, i + rot_dim/2) — HF safetensors of every family,
+    and GGUF qwen2 (stored unpermuted).
+    """
+
+    arch: str = "llama"
+    vocab_size: int = 32000
+    hidden_size: int = 4096
+    n_layers: int = 32
+    n_heads: int = 32
+    n_kv_heads: int = 0                # 0: same as n_heads
+    head_dim: int = 0                  # 0: hidden_size // n_heads
+    ffn_size: int = 11008
+    rope_base: float = 10000.0
+    rot_dim: int = 0                   # 0: head_dim (partial rotary otherwise)
+    rope_neox: bool = False
+    rms_eps: float = 1e-5
+    context_length: int = 4096
+    tie_embeddings: bool = False       # lm_head shares the token embedding table
+    qkv_bias: bool = False             # Qwen2
+    bos_id: int | None = None
+    eos_ids: list[int] = field(default_factory=list)
+    sliding_window: int | None = None  # Mistral v0.1; informative (the pipeline may use it)
+    name: str = ""
+    # derived (set in __post_init__)
+    q_dim: int = field(init=False)     # n_heads * head_dim
+    kv_dim: int = field(init=False)    # n_kv_heads * head_dim
+    qkv_dim: int = field(init=False)   # rows of the fused q|k|v matrix
+    n_rep: int = field(init=False)     # query heads per kv head (GQA)
+
+    def __post_init__(self) -> None:
+        if self.arch not in LLAMA_ARCHS:
+            raise ValueError(f"LlamaConfig.arch must be one of {LLAMA_ARCHS}, got {self.arch!r}")
+        if self.n_kv_heads <= 0:
+            self.n_kv_heads = self.n_heads
+        if self.head_dim <= 0:
+            self.head_dim = self.hidden_size // self.n_heads
+        if self.rot_dim <= 0:
+            self.rot_dim = self.head_dim
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}")
+        if self.rot_dim % 2 or self.rot_dim > self.head_dim:
+            raise ValueError(f"rot_dim {self.rot_dim} must be even and <= head_dim {self.head_dim}")
+        self.eos_ids = list(dict.fromkeys(int(i) for i in self.eos_ids))
+        self.q_dim = self.n_heads * self.head_dim
+        self.kv_dim = self.n_kv_heads * self.head_dim
+        self.qkv_dim = self.q_dim + 2 * self.kv_dim
+        self.n_rep = self.n_heads // self.n_kv_heads
+
+
+@dataclass
+class BertConfig:
+    """A BERT encoder (sentence-transformers embedders such as all-MiniLM-L6-v2)."""
+
+    vocab_size: int = 30522
+    hidden_size: int = 768
+    n_layers: int = 12
+    n_heads: int = 12
+    intermediate_size: int = 3072
+    max_position: int = 512
+    type_vocab_size: int = 2
+    layer_norm_eps: float = 1e-12
+    hidden_act: str = "gelu"           # erf GELU; "gelu_new"/"gelu_pytorch_tanh" would need tanh
+    pad_id: int = 0
+    name: str = ""
+    head_dim: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        if self.hidden_size % self.n_heads:
+            raise ValueError(f"hidden_size {self.hidden_size} is not a multiple of n_heads {self.n_heads}")
+        self.head_dim = self.hidden_size // self.n_heads

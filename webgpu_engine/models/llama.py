@@ -1,0 +1,216 @@
+"""The Llama-family decoder (Llama, Qwen2, Mistral) on WebGPU: weights, KV cache, prefill and decode.
+
+    x = embed(ids)                                             # (T, C)
+    for each layer:
+        h = rms_norm(x)                                        # (T, C)
+        qkv = h · Wqkvᵀ (+ bias)                               # (T, Hq + 2 Hkv, D), Q|K|V fused
+        rope(q, k); k, v -> cache rows pos0 .. pos0+T-1        # caches (Hkv, ctx, D)
+        x += attention(q, cache) · Woᵀ                         # causal GQA; residual fused in matmul
+        h = rms_norm(x)
+        x += (silu(h · Wgateᵀ) * (h · Wupᵀ)) · Wdownᵀ          # gate|up fused: (T, 2F)
+    logits = rms_norm(x[T-1]) · Wheadᵀ                          # (1, V); head = embed when tied
+
+Weights go to the GPU as stored (GGUF blocks, HF float rows). Activations are allocated once for
+`prefill_chunk` rows. The ops of a forward of T rows are built once per T and replayed; the decode
+ops (T = 1) read their input id from `ids`, which the sampler fills on the GPU, so a decode step
+writes only the 16-byte step buffer (pos0, n_new, kv_len, 0). Standard library only (runs in the page).
+"""
+from __future__ import annotations
+
+import struct
+from collections import OrderedDict
+
+from ..errors import ContextWindowTooLargeError, GPUOutOfMemoryError, UnsupportedModelError
+from ..gpu import Device
+from ..kernels import matmul as mm
+from ..kernels import nn
+from ..kernels.common import DTYPE_SIZE, Op, Tensor, new_tensor
+from .config import LlamaConfig
+
+# Above this, a model + cache is almost surely a mistake (e.g. a 128k context on a small GPU).
+DEFAULT_MAX_TOTAL_BYTES = 12 << 30
+_MAX_CACHED_SHAPES = 8
+
+
+class LlamaModel:
+    """One loaded decoder: weights, KV cache and activations, all owned by `owner`."""
+
+    def __init__(self, dev: Device, cfg: LlamaConfig, weights: dict, *, owner: str,
+                 context_window: int = 4096, prefill_chunk: int = 256, dtype: str = "f32",
+                 max_total_bytes: int = DEFAULT_MAX_TOTAL_BYTES, progress=None):
+        self.dev, self.cfg, self.owner, self.dtype = dev, cfg, owner, dtype
+        limit = cfg.context_length if cfg.context_length > 0 else context_window
+        self.ctx = min(context_window, limit) if context_window > 0 else limit
+        self.chunk = max(1, min(prefill_chunk, self.ctx))
+        self._check_memory(weights, max_total_bytes)
+        try:
+            self._upload(weights, progress)
+            self._allocate()
+        except BaseException:
+            dev.release_owner(owner)
+            raise
+        self._ops: OrderedDict = OrderedDict()      # (T, with_head) -> list[Op]
+        self.decode_ops = self._build(1, True)       # built once, replayed every decode step
+
+    # ------------------------------------------------------------------ memory plan
+    def memory_plan(self, weights: dict) -> dict:
+        """Bytes the model will hold on the GPU: weights, KV cache, activations (+ largest tensor)."""
+        c, esz, P = self.cfg, DTYPE_SIZE[self.dtype], self.chunk
+        w = sum(int(t.nbytes * 1.07) for t in weights.values())       # + repack padding of Q8_0/Q6_K
+        kv_layer = c.n_kv_heads * self.ctx * c.head_dim * esz
+        act = esz * P * (3 * c.hidden_size + c.qkv_dim + c.q_dim + 3 * c.ffn_size) + 4 * c.vocab_size * 5
+        return {"weights": w, "kv_cache": 2 * c.n_layers * kv_layer, "kv_per_layer": kv_layer,
+                "activations": act, "total": w + 2 * c.n_layers * kv_layer + act}
+
+    def _check_memory(self, weights: dict, max_total: int) -> None:
+        plan = self.memory_plan(weights)
+        self.plan = plan
+        lim = min(self.dev.max_buffer_size, self.dev.max_storage_binding)
+        if plan["kv_per_layer"] > lim:
+            raise ContextWindowTooLargeError(
+                f"A KV cache of {self.ctx} tokens needs {plan['kv_per_layer']} bytes per layer and "
+                f"tensor, more than this device's limit of {lim} bytes per buffer. Use a smaller "
+                f"context_window_size.", param="context_window_size")
+        if plan["total"] > max_total:
+            raise GPUOutOfMemoryError(
+                f"The model needs about {plan['total']} bytes on the GPU (weights {plan['weights']}, "
+                f"KV cache {plan['kv_cache']} for {self.ctx} tokens, activations {plan['activations']}), "
+                f"more than the {max_total} bytes allowed. Use a smaller context_window_size or model.")
+
+    # ------------------------------------------------------------------ weights
+    def _upload(self, weights: dict, progress) -> None:
+        c, dev, own = self.cfg, self.dev, self.owner
+
+        def get(name):
+            t = weights.get(name)
+            if t is None:
+                raise UnsupportedModelError(f"model weights lack tensor {name!r}")
+            return t
+
+        def mat(names, label):
+            parts = [get(n) for n in names]
+            qt = {p.qtype for p in parts}
+            if len(qt) != 1:
+                raise UnsupportedModelError(f"{label}: fused tensors {names} have different types {qt}")
+            return mm.upload_weight(dev, [p.data for p in parts], parts[0].qtype,
+                                    sum(p.n for p in parts), parts[0].k, owner=own, label=label)
+
+        def vec(names, label):
+            parts = [get(n) for n in names]
+            data = b"".join(bytes(p.data) for p in parts) if len(parts) > 1 else parts[0].data
+            return mm.upload_vector(dev, data, dtype=parts[0].qtype, owner=own, label=label)
+
+        self.embed = mat(["embed"], "embed")                                      # (V, C)
+        self.lm_head = self.embed if c.tie_embeddings or "lm_head" not in weights \
+            else mat(["lm_head"], "lm_head")                                     # (V, C)
+        self.final_norm = vec(["norm"], "norm")                                   # (C,)
+        self.layers = []
+        for i in range(c.n_layers):
+            p = f"layers.{i}."
+            L = {
+                "attn_norm": vec([p + "attn_norm"], p + "attn_norm"),            # (C,)
+                "qkv": mat([p + "q", p + "k", p + "v"], p + "qkv"),               # (Hq*D + 2*Hkv*D, C)
+                "o": mat([p + "o"], p + "o"),                                     # (C, Hq*D)
+                "ffn_norm": vec([p + "ffn_norm"], p + "ffn_norm"),                # (C,)
+                "gate_up": mat([p + "gate", p + "up"], p + "gate_up"),            # (2F, C)
+                "down": mat([p + "down"], p + "down"),                            # (C, F)
+                "qkv_bias": None, "o_bias": None,
+            }
+            if p + "q_bias" in weights:
+                L["qkv_bias"] = vec([p + "q_bias", p + "k_bias", p + "v_bias"], p + "qkv_bias")
+            if p + "o_bias" in weights:
+                L["o_bias"] = vec([p + "o_bias"], p + "o_bias")
+            self.layers.append(L)
+            if progress:
+                progress((i + 1) / c.n_layers, f"uploaded layer {i + 1}/{c.n_layers}")
+
+    # ------------------------------------------------------------------ activations and cache
+    def _allocate(self) -> None:
+        c, dev, own, dt, P = self.cfg, self.dev, self.owner, self.dtype, self.chunk
+        self.step = dev.buffer(16, owner=own, label="step")                 # u32 (pos0, n_new, kv_len, 0)
+        self.ids = new_tensor(dev, (P,), "u32", owner=own, label="ids")      # (P,)
+        self.x = new_tensor(dev, (P, c.hidden_size), dt, owner=own, label="x")            # residual
+        self.h = new_tensor(dev, (P, c.hidden_size), dt, owner=own, label="h")            # normed
+        self.qkv = new_tensor(dev, (P, c.qkv_dim), dt, owner=own, label="qkv")
+        self.attn = new_tensor(dev, (P, c.q_dim), dt, owner=own, label="attn")
+        self.gate_up = new_tensor(dev, (P, 2 * c.ffn_size), dt, owner=own, label="gate_up")
+        self.ffn = new_tensor(dev, (P, c.ffn_size), dt, owner=own, label="ffn")
+        self.last = new_tensor(dev, (1, c.hidden_size), dt, owner=own, label="last")      # normed last row
+        self.logits = new_tensor(dev, (1, c.vocab_size), dt, owner=own, label="logits")
+        shape = (c.n_kv_heads, self.ctx, c.head_dim)
+        self.k_cache = [new_tensor(dev, shape, dt, owner=own, label=f"k_cache.{i}") for i in range(c.n_layers)]
+        self.v_cache = [new_tensor(dev, shape, dt, owner=own, label=f"v_cache.{i}") for i in range(c.n_layers)]
+
+    # ------------------------------------------------------------------ the forward pass as ops
+    def _build(self, T: int, with_head: bool) -> list[Op]:
+        c, dev, step = self.cfg, self.dev, self.step
+        H, Hkv, D, C = c.n_heads, c.n_kv_heads, c.head_dim, c.hidden_size
+        x, h = self.x.view((T, C)), self.h.view((T, C))
+        qkv = self.qkv.view((T, H + 2 * Hkv, D))
+        qkv2 = self.qkv.view((T, c.qkv_dim))
+        attn, gu, ffn = self.attn.view((T, H * D)), self.gate_up.view((T, 2 * c.ffn_size)), \
+            self.ffn.view((T, c.ffn_size))
+        rope_kw = dict(rot_dim=c.rot_dim, base=c.rope_base, neox=c.rope_neox)
+        ops = [mm.embedding(dev, self.ids.view((T,)), self.embed, x)]              # x (T, C)
+        for i, L in enumerate(self.layers):
+            kc, vc = self.k_cache[i], self.v_cache[i]
+            ops.append(nn.rms_norm(dev, x, L["attn_norm"], h, eps=c.rms_eps))     # h (T, C)
+            ops.append(mm.matmul(dev, h, L["qkv"], qkv2, bias=L["qkv_bias"]))     # qkv (T, H+2Hkv, D)
+            ops.append(nn.rope_kv(dev, qkv, kc, vc, step, n_q_heads=H, n_kv_heads=Hkv,
+                                  head_dim=D, ctx=self.ctx, **rope_kw))             # rotate q,k; cache k,v
+            ops.append(nn.attention(dev, qkv, kc, vc, attn, step, n_q_heads=H, n_kv_heads=Hkv,
+                                    head_dim=D, ctx=self.ctx, scale=D ** -0.5, max_t=T))  # (T, H*D)
+            ops.append(mm.matmul(dev, attn, L["o"], x, bias=L["o_bias"], accumulate=True))  # x += o
+            ops.append(nn.rms_norm(dev, x, L["ffn_norm"], h, eps=c.rms_eps))
+            ops.append(mm.matmul(dev, h, L["gate_up"], gu))                        # (T, 2F)
+            ops.append(nn.silu_mul(dev, gu, ffn))                                  # (T, F)
+            ops.append(mm.matmul(dev, ffn, L["down"], x, accumulate=True))         # x += down
+        if with_head:
+            ops.append(nn.rms_norm(dev, self.x.view((1, C), (T - 1) * C), self.final_norm, self.last,
+                                   eps=c.rms_eps))                                 # last row only
+            ops.append(mm.matmul(dev, self.last, self.lm_head, self.logits))       # (1, V)
+        return ops
+
+    def ops_for(self, T: int, with_head: bool = True) -> list[Op]:
+        """The forward ops for T rows (1 <= T <= prefill chunk), built once per (T, with_head)."""
+        if T == 1 and with_head:
+            return self.decode_ops
+        key = (T, with_head)
+        ops = self._ops.get(key)
+        if ops is None:
+            if len(self._ops) >= _MAX_CACHED_SHAPES:
+                _, old = self._ops.popitem(last=False)
+                for op in old:
+                    op.release()
+            ops = self._ops[key] = self._build(T, with_head)
+        else:
+            self._ops.move_to_end(key)
+        return ops
+
+    def set_step(self, pos0: int, n_new: int) -> None:
+        self.dev.write(self.step, struct.pack("<4I", pos0, n_new, pos0 + n_new, 0))
+
+    def record_prefill(self, batch, ids: list[int], pos0: int, with_head: bool = True) -> None:
+        """Write ids (T <= chunk) and the step, record the forward of those rows into `batch`."""
+        T = len(ids)
+        if not 0 < T <= self.chunk:
+            raise ValueError(f"prefill of {T} tokens: chunks must have 1..{self.chunk} tokens")
+        if pos0 + T > self.ctx:
+            raise ContextWindowTooLargeError(f"positions up to {pos0 + T} exceed the context window {self.ctx}")
+        self.dev.write(self.ids.buf, struct.pack(f"<{T}I", *ids))
+        self.set_step(pos0, T)
+        for op in self.ops_for(T, with_head):
+            op.record(batch)
+
+    def record_decode(self, batch, pos0: int) -> None:
+        """Record one decode step at position pos0; its input id is already in `ids[0]`."""
+        if pos0 + 1 > self.ctx:
+            raise ContextWindowTooLargeError(f"position {pos0} is outside the context window {self.ctx}")
+        self.set_step(pos0, 1)
+        for op in self.decode_ops:
+            op.record(batch)
+
+    def release(self) -> None:
+        self.dev.release_owner(self.owner)
+        self._ops.clear()
+        self.decode_ops = []

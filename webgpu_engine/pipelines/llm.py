@@ -1,0 +1,290 @@
+"""LLMChatPipeline: a loaded Llama-family chat model — conversation, KV reuse, prefill/decode steps,
+GPU sampling, stop rules, logprobs and stats (modelled on WebLLM's llm_chat.ts).
+
+One request: `prefill_step(messages | prompt)` computes the prompt (only the tokens after the
+longest prefix already in the KV cache) and samples the first token; `decode_step` feeds the last
+token and samples the next, until EOS (unless ignore_eos), a stop string, max_tokens ("length"),
+a full context window ("length") or `interrupt()` ("abort"). Page code: standard library only.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import struct
+from array import array
+from pathlib import Path
+
+from ..config import ChatConfig, GenerationConfig
+from ..errors import ContextWindowTooLargeError, InvalidRequestError, ModelFormatError
+from ..gpu import Device
+from ..kernels.sampling import Sampler
+from ..models.llama import LlamaModel
+from .detokenizer import StreamDetokenizer
+from .stats import CumulativeStats, RequestStats, now
+
+_ids = itertools.count()
+
+
+def _open_model(path: Path):
+    """(LlamaConfig, {our name: TensorInfo}, tokenizer, chat template or None, closer) of a GGUF file
+    or a Hugging Face folder."""
+    from ..loaders.tokenizer import load_tokenizer
+    if path.is_dir():
+        from ..loaders.chat_template import ChatTemplate
+        from ..loaders.hf_config import load_llama_config
+        from ..loaders.safetensors import SafetensorsFolder
+        folder = SafetensorsFolder(path)
+        cfg = load_llama_config(path)
+        tc = path / "tokenizer_config.json"
+        template = ChatTemplate.from_tokenizer_config(json.loads(tc.read_text(encoding="utf-8"))) \
+            if tc.is_file() else None
+        return cfg, folder.weights("llama"), load_tokenizer(path), template, folder.close
+    if not path.is_file():
+        raise ModelFormatError(f"No model at {path}: expected a .gguf file or a Hugging Face folder")
+    from ..loaders.gguf import GGUFFile
+    g = GGUFFile(path)
+    return g.model_config(), g.weights(), load_tokenizer(g), g.template(), g.close
+
+
+class LLMChatPipeline:
+    def __init__(self, dev: Device, model: LlamaModel, tokenizer, template, chat_config: ChatConfig,
+                 owner: str):
+        self.dev, self.model, self.tokenizer, self.template = dev, model, tokenizer, template
+        self.model_config, self.chat_config, self.owner = model.cfg, chat_config, owner
+        cfg = model.cfg
+        self.sampler = Sampler(dev, cfg.vocab_size, owner=owner)
+        # The sampler writes its token into the model's ids[0]: the next decode step's input.
+        self._sample_op = self.sampler.op(model.logits.view((cfg.vocab_size,)), model.ids)
+        eos = set(cfg.eos_ids) | set(getattr(tokenizer, "eos_ids", None) or [])
+        self.eos_ids = eos | set(chat_config.stop_token_ids)
+        self.logit_processor = None
+        self.kv_ids: list[int] = []          # tokens whose K/V sit in the cache, positions 0..n-1
+        self.stats = CumulativeStats()
+        self._req = RequestStats()
+        self._new_request_state()
+
+    # ------------------------------------------------------------------ loading
+    @classmethod
+    async def load(cls, dev: Device, path, chat_config: ChatConfig | None = None, progress=None,
+                   model_id: str | None = None) -> "LLMChatPipeline":
+        chat_config = chat_config or ChatConfig()
+        path = Path(path)
+        owner = f"model:{model_id}" if model_id else f"model:llm{next(_ids)}"
+        cfg, weights, tokenizer, template, close = _open_model(path)
+        dtype = chat_config.dtype
+        if dtype == "auto":
+            # f16 activations reproduce the f32 greedy tokens on the golden prompts for 16+ tokens
+            # and halve activation/KV traffic; f32 where the device lacks shader-f16.
+            dtype = "f16" if dev.has_f16 else "f32"
+        if dtype == "f16" and not dev.has_f16:
+            from ..errors import ShaderF16SupportError
+            raise ShaderF16SupportError()
+        try:
+            model = LlamaModel(dev, cfg, weights, owner=owner,
+                               context_window=chat_config.context_window_size,
+                               prefill_chunk=chat_config.prefill_chunk_size, dtype=dtype,
+                               progress=progress)
+            pipe = cls(dev, model, tokenizer, template, chat_config, owner)
+        except BaseException:
+            dev.release_owner(owner)
+            raise
+        finally:
+            close()
+        if progress:
+            progress(1.0, f"loaded {cfg.name or path.name} ({dtype}, context {model.ctx})")
+        return pipe
+
+    def set_logit_processor(self, proc) -> None:
+        """A WebLLM-style processor: process_logits(list[float]) -> list[float] (host round trip
+        per step), optional process_sampled_token(id) and reset_state()."""
+        self.logit_processor = proc
+
+    # ------------------------------------------------------------------ request state
+    def _new_request_state(self, gen: GenerationConfig | None = None) -> None:
+        stop = list(self.chat_config.stop_str) + list(gen.stop if gen else [])
+        self.detok = StreamDetokenizer(self.tokenizer.token_bytes, stop)
+        self.output_ids: list[int] = []
+        self.token_logprobs: list[dict] = []
+        self.stopped, self.finish_reason = False, None
+        self._interrupted = False
+        self._last_token: int | None = None
+        self._max_tokens = gen.max_tokens if gen else None
+        self._ignore_eos = bool(gen.ignore_eos) if gen else False
+
+    def _configure_sampler(self, gen: GenerationConfig, seen_ids) -> None:
+        self.sampler.configure(
+            temperature=gen.temperature, top_p=gen.top_p, top_k=gen.top_k,
+            repetition_penalty=gen.repetition_penalty, frequency_penalty=gen.frequency_penalty,
+            presence_penalty=gen.presence_penalty, logit_bias=gen.logit_bias,
+            logprobs=gen.logprobs, top_logprobs=gen.top_logprobs if gen.logprobs else 0, seed=gen.seed)
+        self.sampler.reset_history(seen_ids)
+        if self.logit_processor is not None and hasattr(self.logit_processor, "reset_state"):
+            self.logit_processor.reset_state()
+
+    def _prompt_ids(self, messages, prompt) -> list[int]:
+        if prompt is not None:
+            return list(self.tokenizer.encode(prompt, add_special_tokens=True))
+        if self.template is None:
+            raise ModelFormatError("This model has no chat template; use a completion prompt instead.")
+        msgs = list(messages or [])
+        if self.chat_config.system_message and not any(m.get("role") == "system" for m in msgs):
+            msgs = [{"role": "system", "content": self.chat_config.system_message}] + msgs
+        text = self.template.render(msgs, add_generation_prompt=True)
+        return list(self.tokenizer.encode(text))
+
+    # ------------------------------------------------------------------ steps
+    async def prefill_step(self, messages: list[dict] | None, gen: GenerationConfig,
+                           prompt: str | None = None) -> None:
+        """Compute the prompt (reusing the cached prefix of the conversation) and sample the first token."""
+        self._req = RequestStats(t_start=now())
+        self._new_request_state(gen)
+        ids = self._prompt_ids(messages, prompt)
+        ctx = self.model.ctx
+        if len(ids) >= ctx:
+            raise ContextWindowTooLargeError(
+                f"The prompt has {len(ids)} tokens; the context window holds {ctx} (one more is needed "
+                f"to answer). Shorten the conversation or load with a larger context_window_size.",
+                param="messages")
+        if not ids:
+            raise InvalidRequestError("The prompt is empty.", param="prompt")
+        # KV reuse: keep the longest common prefix with what the cache holds (at least one new token
+        # must be computed to get logits); a raw prompt reuses only if it extends the cache too.
+        keep = 0
+        for a, b in zip(self.kv_ids, ids):
+            if a != b:
+                break
+            keep += 1
+        keep = min(keep, len(ids) - 1)
+        self.kv_ids = ids[:keep]
+        self._req.prompt_tokens, self._req.prefill_tokens = len(ids), len(ids) - keep
+        self._configure_sampler(gen, ids)
+        t0 = now()
+        res = await self._forward(ids[keep:], keep)
+        self._req.prefill_s = now() - t0
+        self._req.t_first_token = now()
+        self._accept(res)
+
+    async def decode_step(self, gen: GenerationConfig | None = None) -> None:
+        """Feed the last sampled token and sample the next one."""
+        if self.stopped:
+            return
+        if self._interrupted:
+            return self._finish("abort")
+        t0 = now()
+        res = await self._forward([self._last_token], len(self.kv_ids), decode=True)
+        self._req.decode_s += now() - t0
+        self._req.decode_tokens += 1
+        self._accept(res)
+
+    async def _forward(self, ids: list[int], pos0: int, decode: bool = False):
+        """Run ids at positions pos0.. through the model (in prefill chunks) and sample from the logits
+        of the last one. In decode the input id is already on the GPU (written by the sampler)."""
+        m, dev = self.model, self.dev
+        if decode:
+            batch = dev.batch()
+            m.record_decode(batch, pos0)
+        else:
+            P = m.chunk
+            for i in range(0, len(ids), P):
+                part = ids[i:i + P]
+                batch = dev.batch()
+                m.record_prefill(batch, part, pos0 + i, with_head=i + P >= len(ids))
+                if i + P < len(ids):
+                    dev.submit(batch)
+        self.kv_ids.extend(ids)
+        if self.logit_processor is not None:
+            dev.submit(batch)
+            await self._process_logits()
+            batch = dev.batch()
+        self._sample_op.record(batch)
+        dev.submit(batch)
+        res = await self.sampler.read()
+        if self.logit_processor is not None and hasattr(self.logit_processor, "process_sampled_token"):
+            self.logit_processor.process_sampled_token(res.token)
+        return res
+
+    async def _process_logits(self) -> None:
+        lg = self.model.logits
+        raw = await self.dev.read(lg.buf, lg.offset, lg.nbytes)
+        vals = array("f", raw) if lg.dtype == "f32" else array("f", struct.unpack(f"<{lg.numel}e", raw))
+        out = self.logit_processor.process_logits(list(vals))
+        data = array("f", [float(v) for v in out])
+        self.dev.write(lg.buf, data.tobytes() if lg.dtype == "f32" else
+                       struct.pack(f"<{len(data)}e", *data), lg.offset)
+
+    def _accept(self, res) -> None:
+        tok = res.token
+        self._last_token = tok
+        if self.sampler.want_logprobs:
+            self.token_logprobs.append(self._logprob_entry(tok, res.logprob, res.top))
+        if tok in self.eos_ids and not self._ignore_eos:
+            self.output_ids.append(tok)
+            return self._finish("stop")
+        self.output_ids.append(tok)
+        if self.detok.add(tok):
+            return self._finish("stop")
+        if self._max_tokens is not None and len(self.output_ids) >= self._max_tokens:
+            return self._finish("length")
+        if len(self.kv_ids) >= self.model.ctx:     # no room to feed this token back
+            return self._finish("length")
+
+    def _finish(self, reason: str) -> None:
+        self.stopped, self.finish_reason = True, reason
+        self.detok.finish()
+        self._req.t_end = now()
+        self.stats.add(self._req)
+
+    def _logprob_entry(self, tok: int, lp: float, top) -> dict:
+        def ent(t, v):
+            b = self.tokenizer.token_bytes(t)
+            return {"token": b.decode("utf-8", "replace"), "logprob": float(v), "bytes": list(b)}
+        e = ent(tok, lp)
+        e["top_logprobs"] = [ent(t, v) for t, v in top]
+        return e
+
+    # ------------------------------------------------------------------ results
+    def take_delta(self) -> str:
+        return self.detok.take_delta()
+
+    def get_message(self) -> str:
+        return self.detok.text
+
+    def usage(self) -> dict:
+        r = self._req
+        n = len(self.output_ids)
+        return {"prompt_tokens": r.prompt_tokens, "completion_tokens": n,
+                "total_tokens": r.prompt_tokens + n, "extra": r.extra()}
+
+    def interrupt(self) -> None:
+        self._interrupted = True
+
+    def reset_chat(self, keep_stats: bool = False) -> None:
+        self.kv_ids = []
+        self._new_request_state()
+        self.stopped = True
+        if not keep_stats:
+            self.stats = CumulativeStats()
+
+    def runtime_stats_text(self) -> str:
+        return self.stats.text()
+
+    async def forward_tokens_and_sample(self, ids, is_prefill: bool, gen: GenerationConfig) -> int:
+        """Low-level: is_prefill starts a new sequence with `ids`; otherwise appends them to the cache.
+        Returns the sampled token (nothing is detokenized)."""
+        ids = [int(i) for i in ids]
+        if is_prefill:
+            self.kv_ids = []
+            self._configure_sampler(gen, ids)
+        if len(self.kv_ids) + len(ids) > self.model.ctx:
+            raise ContextWindowTooLargeError(
+                f"{len(self.kv_ids) + len(ids)} tokens exceed the context window of {self.model.ctx}.")
+        res = await self._forward(ids, len(self.kv_ids))
+        self._last_token = res.token
+        return res.token
+
+    def dispose(self) -> None:
+        """Free every GPU buffer of the model (weights, KV cache, activations, sampler)."""
+        self.model.release()
+        self.sampler.release()
+        self.dev.release_owner(self.owner)
+        self.kv_ids = []

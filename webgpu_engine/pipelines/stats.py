@@ -1,0 +1,55 @@
+"""Timing statistics of the LLM pipeline: per request (usage extra) and cumulative (runtime_stats_text)."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+
+def now() -> float:
+    return time.perf_counter()
+
+
+@dataclass
+class RequestStats:
+    """One request: prefill of `prompt_tokens` (the part actually computed: `prefill_tokens`),
+    then `decode_tokens` decode steps."""
+
+    t_start: float = 0.0
+    prompt_tokens: int = 0
+    prefill_tokens: int = 0          # prompt tokens computed (the rest came from the reused KV cache)
+    prefill_s: float = 0.0
+    decode_tokens: int = 0
+    decode_s: float = 0.0
+    t_first_token: float | None = None
+    t_end: float | None = None
+
+    def extra(self) -> dict:
+        end = self.t_end if self.t_end is not None else now()
+        ttft = (self.t_first_token - self.t_start) if self.t_first_token is not None else 0.0
+        return {
+            "e2e_latency_s": end - self.t_start,
+            "prefill_tokens_per_s": self.prefill_tokens / self.prefill_s if self.prefill_s else 0.0,
+            "decode_tokens_per_s": self.decode_tokens / self.decode_s if self.decode_s else 0.0,
+            "time_to_first_token_s": ttft,
+            "time_per_output_token_s": self.decode_s / self.decode_tokens if self.decode_tokens else 0.0,
+        }
+
+
+@dataclass
+class CumulativeStats:
+    prefill_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_tokens: int = 0
+    decode_s: float = 0.0
+
+    def add(self, r: RequestStats) -> None:
+        self.prefill_tokens += r.prefill_tokens
+        self.prefill_s += r.prefill_s
+        self.decode_tokens += r.decode_tokens
+        self.decode_s += r.decode_s
+
+    def text(self) -> str:
+        """WebLLM's runtimeStatsText format."""
+        pf = self.prefill_tokens / self.prefill_s if self.prefill_s else 0.0
+        dc = self.decode_tokens / self.decode_s if self.decode_s else 0.0
+        return f"prefill: {pf:.1f} tokens/sec, decoding: {dc:.1f} tokens/sec"

@@ -1,0 +1,299 @@
+"""The OpenAI request validation rules, written once over plain dicts (WebLLM's checks + OpenAI ranges).
+
+Both the pydantic models (native) and the engine (also in the browser, where pydantic is missing)
+call these functions, so a request is judged the same everywhere. Each `check_*` raises a typed
+`InvalidRequestError` naming the field, or returns a normalised copy of the request: stop as a list,
+message content as plain strings, `max_completion_tokens` folded into `max_tokens`. Standard library only.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from .errors import (ContentTypeError, DependencyError, EmbeddingInputEmptyError,
+                     EmbeddingUnsupportedEncodingFormatError, EmptyMessagesError, FieldTypeError,
+                     InvalidNumberStringError, InvalidStreamOptionsError, MessageOrderError,
+                     MinValueError, PromptTypeError, RangeError, SeedTypeError, StreamingCountError,
+                     SystemMessageOrderError, UnsupportedFieldsError, UnsupportedRoleError)
+
+ROLES = ("system", "user", "assistant", "tool")
+MAX_TOP_LOGPROBS = 5
+
+
+def _is_num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _num(req: dict, name: str) -> float | None:
+    v = req.get(name)
+    if v is None:
+        return None
+    if not _is_num(v):
+        raise FieldTypeError(name, "a number", v)
+    return v
+
+
+def _int(req: dict, name: str) -> int | None:
+    v = req.get(name)
+    if v is None:
+        return None
+    if not _is_int(v):
+        raise FieldTypeError(name, "an integer", v)
+    return v
+
+
+def _bool(req: dict, name: str) -> bool | None:
+    v = req.get(name)
+    if v is not None and not isinstance(v, bool):
+        raise FieldTypeError(name, "true or false", v)
+    return v
+
+
+# --------------------------------------------------------------------------- sampling fields
+def check_sampling(req: dict) -> dict:
+    """Rules shared by chat and text completions. Returns a normalised copy."""
+    out = dict(req)
+    if out.get("max_completion_tokens") is not None:
+        if out.get("max_tokens") is None:
+            out["max_tokens"] = out["max_completion_tokens"]
+        out.pop("max_completion_tokens")
+    model = out.get("model")
+    if model is not None and not isinstance(model, str):
+        raise FieldTypeError("model", "a model id string", model)
+
+    stream = _bool(out, "stream")
+    n = _int(out, "n")
+    if n is not None and n < 1:
+        raise MinValueError("n", 1, n)
+    if stream and n is not None and n > 1:
+        raise StreamingCountError(n)
+    if out.get("stream_options") is not None:
+        if not stream:
+            raise InvalidStreamOptionsError()
+        so = out["stream_options"]
+        if not isinstance(so, dict):
+            raise FieldTypeError("stream_options", "an object like {\"include_usage\": true}", so)
+        unknown = set(so) - {"include_usage"}
+        if unknown:
+            raise UnsupportedFieldsError("stream_options", f"unknown keys {sorted(unknown)}; only "
+                                         f"include_usage is supported.")
+        _bool(so, "include_usage")
+
+    seed = out.get("seed")
+    if seed is not None and not _is_int(seed):
+        # JSON has one number type; 42.0 is still a whole number.
+        if isinstance(seed, float) and seed.is_integer():
+            out["seed"] = int(seed)
+        else:
+            raise SeedTypeError(seed)
+
+    t = _num(out, "temperature")
+    if t is not None and not 0 <= t <= 2:
+        raise RangeError("temperature", 0, 2, t, extra="0 means greedy decoding")
+    p = _num(out, "top_p")
+    if p is not None and not 0 < p <= 1:
+        raise RangeError("top_p", 0, 1, p, lo_open=True)
+    mt = _int(out, "max_tokens")
+    if mt is not None and mt < 1:
+        raise MinValueError("max_tokens", 1, mt)
+
+    for name in ("frequency_penalty", "presence_penalty"):
+        v = _num(out, name)
+        if v is not None and not -2 <= v <= 2:
+            raise RangeError(name, -2, 2, v)
+    # WebLLM: when one penalty is set the other defaults to 0 (not to the model's default).
+    if (out.get("frequency_penalty") is None) != (out.get("presence_penalty") is None):
+        for name in ("frequency_penalty", "presence_penalty"):
+            if out.get(name) is None:
+                out[name] = 0.0
+    rp = _num(out, "repetition_penalty")
+    if rp is not None and rp <= 0:
+        raise RangeError("repetition_penalty", 0, 10, rp, lo_open=True,
+                         extra="1.0 means no penalty")
+
+    lb = out.get("logit_bias")
+    if lb is not None:
+        if not isinstance(lb, dict):
+            raise FieldTypeError("logit_bias", "an object mapping token-id strings to numbers", lb)
+        norm = {}
+        for k, v in lb.items():
+            ks = str(k) if _is_int(k) else k
+            if not isinstance(ks, str) or not ks.isdigit():
+                raise InvalidNumberStringError("logit_bias", k)
+            if not _is_num(v):
+                raise FieldTypeError(f"logit_bias[\"{ks}\"]", "a number", v)
+            if not -100 <= v <= 100:
+                raise RangeError("logit_bias", -100, 100, v, extra=f"value of token {ks}")
+            norm[ks] = float(v)
+        out["logit_bias"] = norm
+
+    logprobs = out.get("logprobs")
+    top = out.get("top_logprobs")
+    if top is not None:
+        if not _is_int(top):
+            raise FieldTypeError("top_logprobs", "an integer", top)
+        if not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise RangeError("top_logprobs", 0, MAX_TOP_LOGPROBS, top)
+        if logprobs is not True:
+            raise DependencyError("top_logprobs", "logprobs", True)
+
+    stop = out.get("stop")
+    if stop is not None:
+        if isinstance(stop, str):
+            stop = [stop]
+        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+            raise FieldTypeError("stop", "a string or a list of strings", stop)
+        if any(s == "" for s in stop):
+            raise FieldTypeError("stop", "non-empty strings", stop)
+        if len(stop) > 16:
+            raise UnsupportedFieldsError("stop", f"at most 16 stop strings, got {len(stop)}.")
+        out["stop"] = stop
+    _bool(out, "ignore_eos")
+    return out
+
+
+# --------------------------------------------------------------------------- chat
+def _content_text(i: int, role: str, content: Any) -> str | None:
+    if content is None:
+        if role == "assistant":
+            return None
+        raise ContentTypeError(i, f"is missing; a {role} message needs text content.")
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise ContentTypeError(i, f"[{j}] must be a text part {{\"type\": \"text\", \"text\": "
+                                          f"\"...\"}}, got type {kind!r}: this engine serves text-only "
+                                          f"models (no images or audio).")
+            texts.append(part["text"])
+        return "\n".join(texts)
+    raise ContentTypeError(i, f"must be a string or a list of text parts, got {type(content).__name__}.")
+
+
+def check_chat_request(req: dict) -> dict:
+    """Validate a chat completion request; returns a normalised copy (messages with string content)."""
+    if not isinstance(req, dict):
+        raise FieldTypeError("body", "a JSON object", req)
+    out = check_sampling(req)
+    msgs = out.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise EmptyMessagesError()
+    norm = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict):
+            raise FieldTypeError(f"messages[{i}]", "an object with role and content", m)
+        role = m.get("role")
+        if role not in ROLES:
+            raise UnsupportedRoleError(i, role)
+        if role == "system" and i != 0:
+            raise SystemMessageOrderError(i)
+        nm = {"role": role, "content": _content_text(i, role, m.get("content"))}
+        for key in ("name", "tool_call_id", "tool_calls"):
+            if m.get(key) is not None:
+                nm[key] = m[key]
+        if role == "assistant" and nm["content"] is None and not nm.get("tool_calls"):
+            raise ContentTypeError(i, "is missing; an assistant message needs content or tool_calls.")
+        norm.append(nm)
+    if norm[-1]["role"] not in ("user", "tool"):
+        raise MessageOrderError(norm[-1]["role"])
+    out["messages"] = norm
+
+    rf = out.get("response_format")
+    if rf is not None:
+        if not isinstance(rf, dict) or rf.get("type") not in ("text", "json_object", "json_schema"):
+            raise FieldTypeError("response_format", "an object like {\"type\": \"text\"}", rf)
+        if rf["type"] != "text":
+            raise UnsupportedFieldsError("response_format", f"type {rf['type']!r} needs grammar-"
+                                         f"constrained decoding, which this engine does not have; "
+                                         f"use {{\"type\": \"text\"}} and ask for JSON in the prompt.")
+    if out.get("tools"):
+        tc = out.get("tool_choice")
+        if tc != "none":
+            raise UnsupportedFieldsError("tools", "function calling is not available for the loaded "
+                                         "models; remove `tools` (or set tool_choice to \"none\").")
+    return out
+
+
+# --------------------------------------------------------------------------- completions
+def check_completion_request(req: dict) -> dict:
+    """Validate a text completion request (prompt, echo, suffix + sampling fields)."""
+    if not isinstance(req, dict):
+        raise FieldTypeError("body", "a JSON object", req)
+    out = check_sampling(req)
+    prompt = out.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if not isinstance(prompt, str):
+        raise PromptTypeError(prompt)
+    out["prompt"] = prompt
+    _bool(out, "echo")
+    sfx = out.get("suffix")
+    if sfx is not None and not isinstance(sfx, str):
+        raise FieldTypeError("suffix", "a string", sfx)
+    bo = out.get("best_of")
+    if bo is not None and bo != 1:
+        raise UnsupportedFieldsError("best_of", "ask for n choices instead (best_of must be 1).")
+    lp = out.get("logprobs")
+    # Legacy completions take logprobs as an integer count of top entries (OpenAI: 0..5).
+    if lp is not None and not isinstance(lp, bool):
+        if not _is_int(lp) or not 0 <= lp <= MAX_TOP_LOGPROBS:
+            raise RangeError("logprobs", 0, MAX_TOP_LOGPROBS, lp,
+                             extra="completions take the number of top logprobs per token")
+        out["logprobs"] = True
+        out["top_logprobs"] = lp
+    return out
+
+
+# --------------------------------------------------------------------------- embeddings
+def check_embedding_request(req: dict) -> dict:
+    """Validate an embedding request: input as str / list[str] / list[int] / list[list[int]]."""
+    if not isinstance(req, dict):
+        raise FieldTypeError("body", "a JSON object", req)
+    out = dict(req)
+    model = out.get("model")
+    if model is not None and not isinstance(model, str):
+        raise FieldTypeError("model", "a model id string", model)
+    inp = out.get("input")
+    if inp is None:
+        raise EmbeddingInputEmptyError("no `input` field")
+    if isinstance(inp, str):
+        if inp == "":
+            raise EmbeddingInputEmptyError("an empty string")
+    elif isinstance(inp, list):
+        if not inp:
+            raise EmbeddingInputEmptyError()
+        if all(isinstance(x, str) for x in inp):
+            if any(x == "" for x in inp):
+                raise EmbeddingInputEmptyError("an empty string in the list")
+        elif all(_is_int(x) for x in inp):
+            if any(x < 0 for x in inp):
+                raise FieldTypeError("input", "non-negative token ids", inp)
+        elif all(isinstance(x, list) for x in inp):
+            for x in inp:
+                if not x:
+                    raise EmbeddingInputEmptyError("an empty token-id list")
+                if not all(_is_int(t) and t >= 0 for t in x):
+                    raise FieldTypeError("input", "lists of non-negative integer token ids", x)
+        else:
+            raise FieldTypeError("input", "a string, a list of strings, a list of token ids or a "
+                                 "list of token-id lists (not a mix)", inp)
+    else:
+        raise FieldTypeError("input", "a string, a list of strings, a list of token ids or a list "
+                             "of token-id lists", inp)
+    if out.get("dimensions") is not None:
+        raise UnsupportedFieldsError("dimensions", "the embedding size is fixed by the model; remove "
+                                     "`dimensions` (truncate the vectors yourself if needed).")
+    ef = out.get("encoding_format")
+    if ef is not None and ef != "float":
+        raise EmbeddingUnsupportedEncodingFormatError(ef)
+    return out
+
+
+__all__ = ["check_sampling", "check_chat_request", "check_completion_request",
+           "check_embedding_request", "ROLES", "MAX_TOP_LOGPROBS"]

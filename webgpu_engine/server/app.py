@@ -1,0 +1,405 @@
+"""OpenAI-compatible HTTP server on aiohttp over AsyncMLCEngine (native only).
+
+Routes: POST /v1/chat/completions, /v1/completions, /v1/embeddings; GET /v1/models, /health,
+/metrics. Streaming is Server-Sent Events exactly as OpenAI sends them (`data: {json}\\n\\n`, then
+`data: [DONE]\\n\\n`). Every error is OpenAI error JSON with its HTTP status; unexpected ones are
+logged and answered 500 without internals. Handlers are cancelled when the client disconnects
+(aiohttp handler_cancellation): the engine then stops after the decode step in flight and frees
+the model's lock. GPU steps await their readbacks, so the loop keeps serving /health meanwhile.
+"""
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import logging
+import struct
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from ..engine import AsyncMLCEngine, EngineConfig
+from ..errors import WebGPUEngineError
+from ..protocol.objects import to_dict
+from .metrics import CONTENT_TYPE, ServerMetrics
+
+log = logging.getLogger("webgpu_engine.server")
+
+ENGINE = web.AppKey("engine", AsyncMLCEngine)
+OPTS = web.AppKey("opts", object)
+METRICS = web.AppKey("metrics", ServerMetrics)
+STATE = web.AppKey("state", dict)
+
+
+@dataclass
+class ServerOptions:
+    models: list[str] = field(default_factory=lambda: ["SmolLM2-135M-Instruct-Q4_1", "all-MiniLM-L6-v2"])
+    chat_opts: list[dict | None] | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    max_body_bytes: int = 4 << 20
+    cors_origins: list[str] = field(default_factory=lambda: ["*"])
+    log_level: str = "INFO"
+    auto_recover: bool = False
+    engine_config: EngineConfig | None = None     # tests inject stub pipelines / a device here
+
+
+# --------------------------------------------------------------------------- errors
+def error_response(status: int, message: str, etype: str, param: str | None = None,
+                   code: str | None = None) -> web.Response:
+    body = {"error": {"message": message, "type": etype, "param": param, "code": code}}
+    return web.json_response(body, status=status)
+
+
+def _engine_error(e: WebGPUEngineError) -> web.Response:
+    return error_response(e.http_status, e.message, e.error_type, e.param, type(e).__name__)
+
+
+@web.middleware
+async def errors_middleware(request: web.Request, handler):
+    try:
+        return await handler(request)
+    except WebGPUEngineError as e:
+        return _engine_error(e)
+    except web.HTTPRequestEntityTooLarge as e:
+        return error_response(413, f"Request body too large: {e.text or ''} Send at most "
+                              f"{request.app[OPTS].max_body_bytes} bytes.".replace("  ", " "),
+                              "invalid_request_error", code="request_too_large")
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        return error_response(e.status, e.reason if e.status != 404 else
+                              f"Unknown route {request.method} {request.path}.",
+                              "invalid_request_error" if e.status < 500 else "server_error")
+    except asyncio.CancelledError:
+        raise
+    except Exception:  # noqa: BLE001 - logged here, never sent to the client
+        log.exception("unexpected error in %s %s", request.method, request.path)
+        return error_response(500, "Internal server error; see the server log.", "server_error")
+
+
+@web.middleware
+async def auth_and_limits_middleware(request: web.Request, handler):
+    opts: ServerOptions = request.app[OPTS]
+    if opts.api_key and request.path.startswith("/v1/") and request.method != "OPTIONS":
+        auth = request.headers.get("Authorization", "")
+        if auth != f"Bearer {opts.api_key}":
+            return error_response(401, "Incorrect or missing API key. Send `Authorization: Bearer "
+                                  "<key>` with the key given to the server's --api-key.",
+                                  "invalid_request_error", code="invalid_api_key")
+    cl = request.content_length
+    if cl is not None and cl > opts.max_body_bytes:
+        return error_response(413, f"Request body too large ({cl} bytes); the limit is "
+                              f"{opts.max_body_bytes} bytes.", "invalid_request_error",
+                              code="request_too_large")
+    return await handler(request)
+
+
+@web.middleware
+async def metrics_middleware(request: web.Request, handler):
+    t0 = time.perf_counter()
+    status = 500
+    try:
+        resp = await handler(request)
+        status = resp.status
+        return resp
+    except asyncio.CancelledError:
+        status = 499      # client closed the request (nginx's convention)
+        raise
+    finally:
+        m = request.app[METRICS]
+        route = request.match_info.route.resource
+        endpoint = route.canonical if route is not None else "unknown"
+        m.requests.inc(endpoint=endpoint, status=status)
+        m.latency.observe(time.perf_counter() - t0, endpoint=endpoint)
+
+
+def cors_middleware_factory(origins: list[str]):
+    @web.middleware
+    async def cors(request: web.Request, handler):
+        origin = request.headers.get("Origin")
+        allow = "*" if "*" in origins else (origin if origin in origins else None)
+        if request.method == "OPTIONS" and "Access-Control-Request-Method" in request.headers:
+            resp = web.Response(status=204)
+        else:
+            resp = await handler(request)
+        if allow and not resp.prepared:
+            resp.headers["Access-Control-Allow-Origin"] = allow
+            resp.headers["Access-Control-Allow-Headers"] = "Authorization, Content-Type"
+            resp.headers["Access-Control-Allow-Methods"] = "GET, POST, OPTIONS"
+            if allow != "*":
+                resp.headers["Vary"] = "Origin"
+        return resp
+    return cors
+
+
+# --------------------------------------------------------------------------- handlers
+async def _json_body(request: web.Request) -> dict:
+    try:
+        body = await request.json()
+    except web.HTTPRequestEntityTooLarge:
+        raise
+    except (json.JSONDecodeError, UnicodeDecodeError, ValueError):
+        raise _BadRequest("The request body is not valid JSON.")
+    if not isinstance(body, dict):
+        raise _BadRequest("The request body must be a JSON object.")
+    return body
+
+
+class _BadRequest(WebGPUEngineError):
+    http_status = 400
+    error_type = "invalid_request_error"
+
+
+class _Unavailable(WebGPUEngineError):
+    http_status = 503
+    error_type = "service_unavailable"
+
+
+def _ready_engine(request: web.Request) -> AsyncMLCEngine:
+    engine = request.app[ENGINE]
+    state = request.app[STATE]
+    if state.get("error"):
+        raise _Unavailable(f"Model loading failed: {state['error']}")
+    if engine.state == "loading" or not state.get("loaded"):
+        raise _Unavailable("Models are still loading; retry shortly (GET /health says when ready).")
+    if engine.state == "device_lost" and not engine.config.auto_recover:
+        raise _Unavailable("The GPU device was lost; restart the server or run it with --auto-recover.")
+    return engine
+
+
+async def _sse(request: web.Request, stream, model_for_metrics: str) -> web.StreamResponse:
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                       "X-Accel-Buffering": "no"})
+    await _cors_headers(request, resp)
+    await resp.prepare(request)
+    try:
+        async for chunk in stream:
+            await resp.write(b"data: " + json.dumps(to_dict(chunk), separators=(",", ":")).encode() + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+    except (ConnectionResetError, asyncio.CancelledError):
+        # The client went away: stop generating now (frees the model's lock).
+        await stream.aclose()
+        raise
+    except WebGPUEngineError as e:
+        # Headers are gone already: report in-band as OpenAI-compatible servers do.
+        err = {"error": {"message": e.message, "type": e.error_type, "param": e.param,
+                         "code": type(e).__name__}}
+        await resp.write(b"data: " + json.dumps(err).encode() + b"\n\n")
+    except Exception:  # noqa: BLE001
+        log.exception("stream failed")
+        err = {"error": {"message": "Internal server error; see the server log.", "type": "server_error",
+                         "param": None, "code": None}}
+        await resp.write(b"data: " + json.dumps(err).encode() + b"\n\n")
+    finally:
+        await stream.aclose()
+    request.app[METRICS].observe_usage(model_for_metrics, stream.usage)
+    await resp.write_eof()
+    return resp
+
+
+async def _cors_headers(request: web.Request, resp: web.StreamResponse) -> None:
+    origins = request.app[OPTS].cors_origins
+    origin = request.headers.get("Origin")
+    allow = "*" if "*" in origins else (origin if origin in origins else None)
+    if allow:
+        resp.headers["Access-Control-Allow-Origin"] = allow
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    body = await _json_body(request)
+    engine = _ready_engine(request)
+    res = await engine.chat.completions.create(body)
+    if body.get("stream"):
+        return await _sse(request, res, res._lm.model_id)
+    request.app[METRICS].observe_usage(res.model, to_dict(res).get("usage"))
+    return web.json_response(to_dict(res))
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    body = await _json_body(request)
+    engine = _ready_engine(request)
+    res = await engine.completions.create(body)
+    if body.get("stream"):
+        return await _sse(request, res, res._lm.model_id)
+    request.app[METRICS].observe_usage(res.model, to_dict(res).get("usage"))
+    return web.json_response(to_dict(res))
+
+
+async def embeddings(request: web.Request) -> web.Response:
+    body = await _json_body(request)
+    engine = _ready_engine(request)
+    # The engine speaks floats (as WebLLM); the official client asks for base64 by default.
+    fmt = body.pop("encoding_format", None)
+    if fmt not in (None, "float", "base64"):
+        raise _BadRequest(f"encoding_format must be \"float\" or \"base64\", got {fmt!r}.",
+                          param="encoding_format")
+    res = to_dict(await engine.embeddings.create(body))
+    if fmt == "base64":
+        for d in res["data"]:
+            v = d["embedding"]
+            d["embedding"] = base64.b64encode(struct.pack(f"<{len(v)}f", *v)).decode()
+    request.app[METRICS].prompt_tokens.inc(res["usage"]["prompt_tokens"], model=res["model"])
+    return web.json_response(res)
+
+
+async def list_models(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE]
+    created = request.app[STATE].get("created", int(time.time()))
+    data = [{"id": m, "object": "model", "created": created, "owned_by": "webgpu_engine",
+             "model_type": lm.model_type} for m, lm in engine.models.items()]
+    return web.json_response({"object": "list", "data": data})
+
+
+async def health(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE]
+    state = request.app[STATE]
+    if state.get("error"):
+        status = "error"
+    elif engine.state == "device_lost":
+        status = "device_lost"
+    elif engine.state == "loading" or not state.get("loaded"):
+        status = "loading"
+    else:
+        status = "ready"
+    body: dict[str, Any] = {"status": status, "models": list(engine.models)}
+    if state.get("error"):
+        body["error"] = state["error"]
+    if engine.device is not None:
+        body["adapter"] = engine.device.info.name
+    return web.json_response(body, status=200 if status == "ready" else 503)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    return web.Response(body=request.app[METRICS].render().encode(), headers={"Content-Type": CONTENT_TYPE})
+
+
+# --------------------------------------------------------------------------- app
+def create_app(opts: ServerOptions) -> web.Application:
+    cfg = opts.engine_config or EngineConfig(log_level=opts.log_level, auto_recover=opts.auto_recover)
+    if opts.auto_recover:
+        cfg.auto_recover = True
+    engine = AsyncMLCEngine(cfg)
+    app = web.Application(client_max_size=opts.max_body_bytes, middlewares=[
+        cors_middleware_factory(opts.cors_origins), metrics_middleware, errors_middleware,
+        auth_and_limits_middleware])
+    app[ENGINE], app[OPTS], app[STATE] = engine, opts, {"created": int(time.time())}
+
+    def gpu_bytes() -> dict:
+        dev = engine.device
+        return dev.allocations() if dev is not None and not dev.lost else {}
+    app[METRICS] = ServerMetrics(engine.queue_lengths, gpu_bytes)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/embeddings", embeddings)
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    app.on_startup.append(_start_loading)
+    app.on_cleanup.append(_shutdown)
+    return app
+
+
+async def _start_loading(app: web.Application) -> None:
+    async def load():
+        opts, state = app[OPTS], app[STATE]
+        try:
+            await app[ENGINE].reload(opts.models, opts.chat_opts)
+            state["loaded"] = True
+            log.info("serving %s", ", ".join(opts.models))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - reported by /health
+            log.exception("loading %s failed", opts.models)
+            state["error"] = str(e)
+    app[STATE]["load_task"] = asyncio.create_task(load())
+
+
+async def _shutdown(app: web.Application) -> None:
+    t = app[STATE].get("load_task")
+    if t is not None and not t.done():
+        t.cancel()
+    await app[ENGINE].unload()
+
+
+def run_server(opts: ServerOptions) -> None:
+    """Serve until interrupted (the `serve` command)."""
+    logging.getLogger("webgpu_engine").setLevel(opts.log_level)
+    web.run_app(create_app(opts), host=opts.host, port=opts.port, handler_cancellation=True,
+                print=lambda s: log.warning("%s", s), access_log=log if opts.log_level == "DEBUG" else None)
+
+
+class ServerThread:
+    """The server on its own loop in a background thread (tests, notebooks, the demo).
+    `port=0` picks a free port; `url` is the OpenAI base_url ("http://host:port/v1")."""
+
+    def __init__(self, opts: ServerOptions, wait_ready: float | None = 300.0):
+        self.opts = opts
+        self.loop = asyncio.new_event_loop()
+        self._started = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="webgpu-engine-server", daemon=True)
+        self.thread.start()
+        self._started.wait()
+        if self.error:
+            raise self.error
+        if wait_ready:
+            self.wait_ready(wait_ready)
+
+    def _run(self):
+        asyncio.set_event_loop(self.loop)
+        self.error = None
+        try:
+            self.app = create_app(self.opts)
+            self.runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
+            self.loop.run_until_complete(self.runner.setup())
+            site = web.TCPSite(self.runner, self.opts.host, self.opts.port)
+            self.loop.run_until_complete(site.start())
+            self.port = site._server.sockets[0].getsockname()[1]
+        except Exception as e:  # noqa: BLE001 - re-raised in the caller's thread
+            self.error = e
+            self._started.set()
+            return
+        self._started.set()
+        self.loop.run_forever()
+        self.loop.run_until_complete(self.runner.cleanup())
+        self.loop.close()
+
+    @property
+    def engine(self) -> AsyncMLCEngine:
+        return self.app[ENGINE]
+
+    @property
+    def base(self) -> str:
+        return f"http://{self.opts.host}:{self.port}"
+
+    @property
+    def url(self) -> str:
+        return self.base + "/v1"
+
+    def call(self, coro, timeout: float | None = None):
+        """Run a coroutine on the server's loop and wait for it."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def wait_ready(self, timeout: float = 300.0) -> None:
+        async def wait():
+            while self.app[STATE].get("load_task") is None:
+                await asyncio.sleep(0.01)
+            await asyncio.shield(self.app[STATE]["load_task"])
+        self.call(wait(), timeout)
+        if self.app[STATE].get("error"):
+            raise RuntimeError(f"server failed to load models: {self.app[STATE]['error']}")
+
+    def stop(self) -> None:
+        if self.loop.is_running():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(timeout=30)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
