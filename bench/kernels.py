@@ -104,6 +104,8 @@ def main(argv=None) -> int:
     ap.add_argument("--min-s", type=float, default=0.25, help="seconds per timed run")
     ap.add_argument("--tm", type=int, default=None)
     ap.add_argument("--wg", type=int, default=None)
+    ap.add_argument("--rr", type=int, default=None)
+    ap.add_argument("--prr", type=int, default=None)
     ap.add_argument("--only", default="", help="substring filter on shape name / qtype")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "kernels.json"))
     a = ap.parse_args(argv)
@@ -111,8 +113,9 @@ def main(argv=None) -> int:
     cfg = MatmulConfig()
     if a.tm:
         cfg.tm = a.tm
-    if a.wg:
-        cfg.wg = a.wg
+    for f in ("wg", "rr", "prr"):
+        if getattr(a, f):
+            setattr(cfg, f, getattr(a, f))
     # two copies: one far larger than caches (DRAM), one the size of a decode weight (cache)
     copies = [bench_copy(dev, nb, a.min_s, a.runs) for nb in (64 << 20, 1 << 20)]
     copy = max(copies, key=lambda c: c["GB/s"])

@@ -1,16 +1,18 @@
-// Scaled dot-product attention with an f32 online softmax (running max subtracted), one query
-// head per invocation (lavapipe runs row-per-invocation faster than barrier-heavy tiles).
-// Vectors are act4 (D4 = head_dim / 4 is a header constant so the loops unroll).
-//   attn_causal:  prefill. qkv (T, H_all, D): q head h of row t; caches (Hkv, ctx, D) hold keys
-//                 0..pos0+T-1 already; query t (position pos0 + t) sees keys 0..pos0+t; grouped
-//                 query: head h reads kv head h / (Hq / Hkv). out (T, Hq*D).
-//                 Invocation per (t, head group); dispatch ceil(T*Hq/G / 64) split over x,y.
-//   attn_split:   decode (T == 1), flash-decoding: invocation per (split s, head group) attends keys
-//                 [s*chunk, (s+1)*chunk) ∩ [0, pos0] and writes (acc, max, sum) partials; splits
-//                 past the live context exit at once, so the op is built once for ctx.
-//   attn_combine: out[h] = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s; invocation per (h, d4).
-//   attn_bidir:   BERT. qkv (B*S, 3*H*D) rows [q | k | v]; key j of sequence b visible iff
-//                 j < lengths[b]; invocation per (b, s, h). Binds the qkv buffer as kc and vc too.
+// Scaled dot-product attention with an f32 online softmax (running max subtracted). Vectors are
+// act4; D4 = head_dim / 4 and G are header constants. In prefill and BERT the 64 lanes of a
+// workgroup are consecutive queries of one head and walk the same keys in lockstep.
+//   attn_causal:   prefill. qkv (T, H_all, D): q head h of row t; caches (Hkv, ctx, D) already
+//                  hold keys 0..pos0+T-1; query t (position pos0 + t) sees keys 0..pos0+t; head h
+//                  reads kv head h / (Hq/Hkv). out (T, Hq*D). Rows t >= n_new are skipped.
+//                  Workgroup per (block of 64 queries, head), lane per query; dispatch (nblk*Hq).
+//   attn_split:    decode (T == 1), flash-decoding: lane per (split s, G heads of one kv head)
+//                  attends keys [s*chunk, (s+1)*chunk) ∩ [0, pos0] and writes (acc, max, sum)
+//                  partials. Splits past the live context exit at once, so the op is built once
+//                  for ctx. dispatch ceil(n_splits*Hq/G / SWG) (SWG: a header constant).
+//   attn_combine:  out[h] = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s; lane per (h, d4).
+//   attn_bidir:    BERT. qkv (B*S, 3*H*D) rows [q | k | v]; key j of sequence b visible iff
+//                  j < lengths[b]. Workgroup per (b, block of 64 queries, h). Binds the qkv
+//                  window as kc and vc too.
 
 struct Params {
     rows: u32,      // T (causal) or B*S (bidir)
@@ -25,7 +27,7 @@ struct Params {
     kc_off: u32,
     vc_off: u32,
     out_off: u32,
-    _p0: u32,
+    n_blk: u32,     // query blocks of 64 per sequence (attn_causal, attn_bidir)
     _p1: u32,
     _p2: u32,
     _p3: u32,
@@ -43,82 +45,68 @@ struct Params {
 @group(0) @binding(3) var<storage, read_write> out_c: array<act4>;
 
 const WG: u32 = 64u;
-const BLK: u32 = 16u;   // keys scored per rescale of the accumulators
+const BLK: u32 = 16u;   // keys scored per rescale of the accumulator
+const MASKED: f32 = -1.0e30;
 
-// One invocation attends for G query heads that share one kv head (header constant G, a divisor
-// of Hq/Hkv; 1 for BERT), so each key and value vector is loaded once for G heads.
-// Below, g numbers these head groups: q heads g*G .. g*G+G-1, kv head g*G / (Hq/Hkv).
-var<private> qv: array<vec4<f32>, G * D4>;
-var<private> acc: array<vec4<f32>, G * D4>;
-var<private> m_run: array<f32, G>;
-var<private> l_run: array<f32, G>;
+// The host header supplies the state of G query heads that share one kv head (G = 1 except in
+// attn_split) as separate vec4 registers plus unrolled helpers over them (loops over private
+// arrays spill to per-lane scratch on lavapipe); scores are `sv` (f32 or vecG<f32>, one per head):
+//   load_q(qb)      q_g = qkv[qb + g*D4 ..] * scale; acc = 0; m_run = -inf; l_run = 0
+//   qk(kr) -> sv    q_g . kc[kr..kr+D4): each key vector is loaded once for the G heads
+//   acc_scale(c)    acc_g *= c_g
+//   acc_add(w, vr)  acc_g += w_g * vc[vr..vr+D4)
+//   acc_get(g, d)   acc_g[d];  sv_get(v, g): component g of v
+var<private> m_run: sv;
+var<private> l_run: sv;
 
 fn flat(wid: vec3<u32>, nwg: vec3<u32>, lid: u32) -> u32 {
     return (wid.y * nwg.x + wid.x) * WG + lid;
 }
 
-// q heads h0..h0+G-1 start at qkv[qb], qkv[qb + D4], ...
-fn load_q(qb: u32) {
-    for (var i = 0u; i < G * D4; i++) {
-        qv[i] = vec4<f32>(qkv[qb + i]) * p.scale;
-        acc[i] = vec4<f32>(0.0);
-    }
-    for (var g = 0u; g < G; g++) {
-        m_run[g] = -3.0e38;
-        l_run[g] = 0.0;
-    }
-}
-
-// Folds keys [0, n) (key j at kc[kb + j*ks], value at vc[vb + j*vs]) into (m_run, l_run, acc).
-fn attend(kb: u32, ks: u32, vb: u32, vs: u32, n: u32) {
+// Folds keys [0, n) (key j at kc[kb + j*ks], value at vc[vb + j*vs]) into (m_run, l_run, acc);
+// keys j >= lim are masked out. n is the same for all lanes where the caller wants uniform loads.
+fn attend(kb: u32, ks: u32, vb: u32, vs: u32, n: u32, lim: u32) {
     var j0 = 0u;
     loop {
         if (j0 >= n) { break; }
         let nb = min(BLK, n - j0);
-        var sc: array<f32, BLK * G>;
-        var mb: array<f32, G>;
-        for (var g = 0u; g < G; g++) { mb[g] = m_run[g]; }
+        var sc: array<sv, BLK>;
+        var mb = m_run;
         for (var j = 0u; j < nb; j++) {
             let kr = kb + (j0 + j) * ks;
-            var s: array<f32, G>;
-            // zeroed explicitly: a loop-local var is not re-initialised on each pass everywhere
-            for (var g = 0u; g < G; g++) { s[g] = 0.0; }
-            for (var i = 0u; i < D4; i++) {
-                let kv = vec4<f32>(kc[kr + i]);
-                for (var g = 0u; g < G; g++) { s[g] += dot(qv[g * D4 + i], kv); }
-            }
-            for (var g = 0u; g < G; g++) {
-                sc[j * G + g] = s[g];
-                mb[g] = max(mb[g], s[g]);
-            }
+            let s = select(sv(MASKED), qk(kr), j0 + j < lim);
+            sc[j] = s;
+            mb = max(mb, s);
         }
-        for (var g = 0u; g < G; g++) {
-            let corr = exp(m_run[g] - mb[g]);
-            l_run[g] *= corr;
-            for (var i = 0u; i < D4; i++) { acc[g * D4 + i] *= corr; }
-            m_run[g] = mb[g];
-        }
+        let corr = exp(m_run - mb);
+        l_run *= corr;
+        acc_scale(corr);
         for (var j = 0u; j < nb; j++) {
-            var pj: array<f32, G>;
-            for (var g = 0u; g < G; g++) {
-                pj[g] = exp(sc[j * G + g] - mb[g]);
-                l_run[g] += pj[g];
-            }
-            let vr = vb + (j0 + j) * vs;
-            for (var i = 0u; i < D4; i++) {
-                let vv = vec4<f32>(vc[vr + i]);
-                for (var g = 0u; g < G; g++) { acc[g * D4 + i] += pj[g] * vv; }
-            }
+            let pj = exp(sc[j] - mb);
+            l_run += pj;
+            acc_add(pj, vb + (j0 + j) * vs);
         }
+        m_run = mb;
         j0 += nb;
     }
 }
 
-// out[ob + g*D4 + d] = acc / l for the G heads (zeros for an empty key range)
+// out rows of the G heads start at ob, ob + D4, ...
 fn store_out(ob: u32) {
     for (var g = 0u; g < G; g++) {
-        let inv = select(0.0, 1.0 / l_run[g], l_run[g] > 0.0);
-        for (var d = 0u; d < D4; d++) { out[ob + g * D4 + d] = act4(acc[g * D4 + d] * inv); }
+        // an empty key range (a length-0 sequence) gives zeros rather than 0/0
+        let l = sv_get(l_run, g);
+        let inv = select(0.0, 1.0 / l, l > 0.0);
+        for (var d = 0u; d < D4; d++) { out[ob + g * D4 + d] = act4(acc_get(g, d) * inv); }
+    }
+}
+
+// partials of heads h0 .. h0+G-1 for split s
+fn store_partial(h0: u32, s: u32) {
+    for (var g = 0u; g < G; g++) {
+        let pb = ((h0 + g) * p.n_splits + s) * (D4 + 1u);
+        for (var d = 0u; d < D4; d++) { part[pb + d] = acc_get(g, d); }
+        part[pb + D4] = vec4<f32>(sv_get(m_run, g), sv_get(l_run, g), 0.0, 0.0);
     }
 }
 
@@ -130,36 +118,35 @@ fn live_rows() -> u32 {
 @compute @workgroup_size(64)
 fn attn_causal(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                @builtin(local_invocation_index) lid: u32) {
-    let i = flat(wid, nwg, lid);
-    let n_kv = p.hq / G;
-    let t = i / n_kv;
-    let g = i % n_kv;
-    if (t >= live_rows()) { return; }
-    let n_keys = min(step[0] + t + 1u, p.ctx);
-    load_q(p.qkv_off + (t * p.heads + g * G) * D4);
-    let cb = (g * G / p.group) * p.ctx * D4;
-    attend(p.kc_off + cb, D4, p.vc_off + cb, D4, n_keys);
-    store_out(p.out_off + (t * p.hq + g * G) * D4);
+    let wg = wid.y * nwg.x + wid.x;
+    let h = wg % p.hq;
+    let t0 = (wg / p.hq) * WG;
+    let rows = live_rows();
+    if (t0 >= rows) { return; }
+    let t = min(t0 + lid, rows - 1u);            // spare lanes redo the last row, never store
+    let pos0 = step[0];
+    let n_wg = min(pos0 + min(t0 + WG, rows), p.ctx);   // keys of the block's last query
+    load_q(p.qkv_off + (t * p.heads + h) * D4);
+    let cb = (h / p.group) * p.ctx * D4;
+    attend(p.kc_off + cb, D4, p.vc_off + cb, D4, n_wg, min(pos0 + t + 1u, p.ctx));
+    if (t0 + lid < rows) { store_out(p.out_off + (t * p.hq + h) * D4); }
 }
 
-@compute @workgroup_size(64)
+@compute @workgroup_size(SWG)
 fn attn_split(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
               @builtin(local_invocation_index) lid: u32) {
-    let i = flat(wid, nwg, lid);
-    let n_kv = p.hq / G;
-    let s = i / n_kv;
-    let g = i % n_kv;
+    let i = (wid.y * nwg.x + wid.x) * SWG + lid;
+    let n_hg = p.hq / G;                     // head groups of G
+    let s = i / n_hg;
+    let h0 = (i % n_hg) * G;
     let n_keys = min(step[0] + 1u, p.ctx);
     let k0 = s * p.chunk;
     if (s >= p.n_splits || k0 >= n_keys) { return; }
-    load_q(p.qkv_off + g * G * D4);
-    let cb = ((g * G / p.group) * p.ctx + k0) * D4;
-    attend(p.kc_off + cb, D4, p.vc_off + cb, D4, min(p.chunk, n_keys - k0));
-    for (var gg = 0u; gg < G; gg++) {
-        let pb = ((g * G + gg) * p.n_splits + s) * (D4 + 1u);
-        for (var d = 0u; d < D4; d++) { part[pb + d] = acc[gg * D4 + d]; }
-        part[pb + D4] = vec4<f32>(m_run[gg], l_run[gg], 0.0, 0.0);
-    }
+    load_q(p.qkv_off + h0 * D4);
+    let cb = ((h0 / p.group) * p.ctx + k0) * D4;
+    let n = min(p.chunk, n_keys - k0);
+    attend(p.kc_off + cb, D4, p.vc_off + cb, D4, n, n);
+    store_partial(h0, s);
 }
 
 @compute @workgroup_size(64)
@@ -189,15 +176,17 @@ fn attn_combine(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
 @compute @workgroup_size(64)
 fn attn_bidir(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
               @builtin(local_invocation_index) lid: u32) {
-    let i = flat(wid, nwg, lid);
-    let r = i / p.hq;          // row b*S + s
-    let h = i % p.hq;
-    if (r >= p.rows) { return; }
-    let b = r / p.ctx;
+    let wg = wid.y * nwg.x + wid.x;
+    let h = wg % p.hq;
+    let sb = wg / p.hq;                          // b * n_blk + query block
+    let b = sb / p.n_blk;
+    let q = (sb % p.n_blk) * WG + lid;           // query position in the sequence
+    if (b * p.ctx >= p.rows) { return; }
+    let r = b * p.ctx + min(q, p.ctx - 1u);
     let n_keys = min(lengths[b], p.ctx);
-    let rs = p.heads * D4;     // row stride (3*H*D / 4)
+    let rs = p.heads * D4;                       // row stride (3*H*D / 4)
     load_q(p.qkv_off + r * rs + h * D4);
     let kb = p.qkv_off + b * p.ctx * rs + (p.hq + h) * D4;
-    attend(kb, rs, kb + p.hq * D4, rs, n_keys);
-    store_out(p.out_off + (r * p.hq + h) * D4);   // G == 1 here
+    attend(kb, rs, kb + p.hq * D4, rs, n_keys, n_keys);
+    if (q < p.ctx) { store_out(p.out_off + (r * p.hq + h) * D4); }
 }

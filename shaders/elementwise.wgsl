@@ -4,6 +4,8 @@
 //   silu_mul: y[t,f] = silu(a[t,f]) * a[t,F+f]           (a is (T, 2F) = [gate | up], cols = F)
 //   gelu:     y[i] = 0.5 * a[i] * (1 + erf(a[i] / sqrt(2)))
 // dispatch (ceil(n/64) split over x,y), workgroup 64. y may alias an input (all read_write).
+// The host header sets the storage type `av` (act or act4) and its f32 twin `fv`: one invocation
+// handles W = 1 or 4 elements, and every size and offset below counts W-element units.
 
 struct Params {
     n: u32,      // output elements
@@ -17,11 +19,11 @@ struct Params {
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
-@group(0) @binding(1) var<storage, read_write> a: array<act>;
-@group(0) @binding(2) var<storage, read_write> b: array<act>;     // add
-@group(0) @binding(2) var<storage, read> bias: array<f32>;        // bias_add: (N)
-@group(0) @binding(2) var<storage, read_write> yu: array<act>;    // unary ops' output
-@group(0) @binding(3) var<storage, read_write> y: array<act>;     // add, bias_add output
+@group(0) @binding(1) var<storage, read_write> a: array<av>;
+@group(0) @binding(2) var<storage, read_write> b: array<av>;     // add
+@group(0) @binding(2) var<storage, read> bias: array<fv>;        // bias_add: (N)
+@group(0) @binding(2) var<storage, read_write> yu: array<av>;    // unary ops' output
+@group(0) @binding(3) var<storage, read_write> y: array<av>;     // add, bias_add output
 
 const WG: u32 = 64u;
 
@@ -34,7 +36,7 @@ fn add(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3
        @builtin(local_invocation_index) lid: u32) {
     let i = elem_index(wid, nwg, lid);
     if (i >= p.n) { return; }
-    y[p.y_off + i] = act(f32(a[p.a_off + i]) + f32(b[p.b_off + i]));
+    y[p.y_off + i] = av(fv(a[p.a_off + i]) + fv(b[p.b_off + i]));
 }
 
 @compute @workgroup_size(64)
@@ -42,7 +44,7 @@ fn bias_add(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg:
             @builtin(local_invocation_index) lid: u32) {
     let i = elem_index(wid, nwg, lid);
     if (i >= p.n) { return; }
-    y[p.y_off + i] = act(f32(a[p.a_off + i]) + bias[i % p.cols]);
+    y[p.y_off + i] = av(fv(a[p.a_off + i]) + bias[p.b_off + i % p.cols]);
 }
 
 @compute @workgroup_size(64)
@@ -53,15 +55,15 @@ fn silu_mul(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg:
     let t = i / p.cols;
     let f = i - t * p.cols;
     let base = p.a_off + t * 2u * p.cols;
-    let g = f32(a[base + f]);
-    let u = f32(a[base + p.cols + f]);
+    let g = fv(a[base + f]);
+    let u = fv(a[base + p.cols + f]);
     // exp(-g) overflows to inf for g < -88: g / inf = -0, the right limit
-    yu[p.y_off + i] = act(g / (1.0 + exp(-g)) * u);
+    yu[p.y_off + i] = av(g / (1.0 + exp(-g)) * u);
 }
 
 // erfc(z) for z >= 0 with fractional error < 1.2e-7 everywhere (Numerical Recipes' Chebyshev
 // fit); the erf form of GELU needs ~1e-6, which Abramowitz-Stegun 7.1.26 (2.5e-5) does not give.
-fn erfc_pos(z: f32) -> f32 {
+fn erfc_pos(z: fv) -> fv {
     let t = 1.0 / (1.0 + 0.5 * z);
     let poly = -1.26551223 + t * (1.00002368 + t * (0.37409196 + t * (0.09678418 +
         t * (-0.18628806 + t * (0.27886807 + t * (-1.13520398 + t * (1.48851587 +
@@ -74,9 +76,9 @@ fn gelu(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
         @builtin(local_invocation_index) lid: u32) {
     let i = elem_index(wid, nwg, lid);
     if (i >= p.n) { return; }
-    let v = f32(a[p.a_off + i]);
+    let v = fv(a[p.a_off + i]);
     let e = erfc_pos(abs(v) * 0.70710678118654752);
     // 1 + erf(v/sqrt2) = erfc(-v/sqrt2): taken directly for v < 0, so no cancellation there
-    let one_plus_erf = select(2.0 - e, e, v < 0.0);
-    yu[p.y_off + i] = act(0.5 * v * one_plus_erf);
+    let one_plus_erf = select(2.0 - e, e, v < fv(0.0));
+    yu[p.y_off + i] = av(0.5 * v * one_plus_erf);
 }

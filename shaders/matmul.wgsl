@@ -115,48 +115,65 @@ fn matmul(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index
     if (RR > 2u) { store(t, r0 + 2u, a2); store(t, r0 + 3u, a3); }
 }
 
-// matmul_tile: RR (1 or 2) weight rows x 4 activation rows t0..t0+3 (prefill): each weight chunk
-// is decoded once per 4 rows of x. dispatch (ceil(rows / (WG * RR)), ceil(T / 4), 1), workgroup WG
+// one activation row's contribution to RR weight rows: a[i] += w_i . x
+fn rows4(w0: WChunk, w1: WChunk, w2: WChunk, w3: WChunk, xc: XChunk, a: vec4<f32>) -> vec4<f32> {
+    var r = a;
+    r.x += cdot(w0, xc);
+    if (RR > 1u) { r.y += cdot(w1, xc); }
+    if (RR > 2u) { r.z += cdot(w2, xc); r.w += cdot(w3, xc); }
+    return r;
+}
+
+fn store4(t: u32, r0: u32, a: vec4<f32>) {
+    store(t, r0, a.x);
+    if (RR > 1u) { store(t, r0 + 1u, a.y); }
+    if (RR > 2u) { store(t, r0 + 2u, a.z); store(t, r0 + 3u, a.w); }
+}
+
+// matmul_tile: RR weight rows x 4 activation rows t0..t0+3 (prefill): each weight chunk is decoded
+// once per 4 rows of x and each x chunk loaded once per RR rows.
+// dispatch (ceil(rows / (WG * RR)), ceil(T / 4), 1), workgroup WG
 @compute @workgroup_size(WG)
 fn matmul_tile(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
     let r0 = (wid.x * WG + lid) * RR;
     if (r0 >= P.rows) { return; }
     let t0 = wid.y * 4u;
+    let last = P.rows - 1u;
     let b0 = r0 * P.row_words;
-    let b1 = min(r0 + 1u, P.rows - 1u) * P.row_words;
+    let b1 = min(r0 + 1u, last) * P.row_words;
+    let b2 = min(r0 + 2u, last) * P.row_words;
+    let b3 = min(r0 + 3u, last) * P.row_words;
     let xk4 = P.K / 4u;
     let lt = P.T - 1u;      // x rows past T re-read row T-1 and are not written
     let x0 = P.x_off4 + t0 * xk4;
     let x1 = P.x_off4 + min(t0 + 1u, lt) * xk4;
     let x2 = P.x_off4 + min(t0 + 2u, lt) * xk4;
     let x3 = P.x_off4 + min(t0 + 3u, lt) * xk4;
-    var a00 = 0.0; var a01 = 0.0; var a02 = 0.0; var a03 = 0.0;   // row r0, x rows t0..t0+3
-    var a10 = 0.0; var a11 = 0.0; var a12 = 0.0; var a13 = 0.0;   // row r0 + 1
+    var a0 = vec4<f32>(0.0);   // x row t0 with weight rows r0..r0+3
+    var a1 = vec4<f32>(0.0);
+    var a2 = vec4<f32>(0.0);
+    var a3 = vec4<f32>(0.0);
     for (var c = 0u; c < P.nchunks; c++) {
         let o = c * 8u;
         let w0 = wchunk(b0, c);
-        var w1: WChunk;
+        var w1 = w0;
+        var w2 = w0;
+        var w3 = w0;
         if (RR > 1u) { w1 = wchunk(b1, c); }
-        var xc = xchunk(x0 + o);
-        a00 += cdot(w0, xc);
-        if (RR > 1u) { a10 += cdot(w1, xc); }
-        xc = xchunk(x1 + o);
-        a01 += cdot(w0, xc);
-        if (RR > 1u) { a11 += cdot(w1, xc); }
-        xc = xchunk(x2 + o);
-        a02 += cdot(w0, xc);
-        if (RR > 1u) { a12 += cdot(w1, xc); }
-        xc = xchunk(x3 + o);
-        a03 += cdot(w0, xc);
-        if (RR > 1u) { a13 += cdot(w1, xc); }
+        if (RR > 2u) { w2 = wchunk(b2, c); w3 = wchunk(b3, c); }
+        a0 = rows4(w0, w1, w2, w3, xchunk(x0 + o), a0);
+        a1 = rows4(w0, w1, w2, w3, xchunk(x1 + o), a1);
+        a2 = rows4(w0, w1, w2, w3, xchunk(x2 + o), a2);
+        a3 = rows4(w0, w1, w2, w3, xchunk(x3 + o), a3);
     }
     if (P.k4 > P.nchunks * 8u) {
-        a00 += tail(b0, x0); a01 += tail(b0, x1); a02 += tail(b0, x2); a03 += tail(b0, x3);
-        if (RR > 1u) { a10 += tail(b1, x0); a11 += tail(b1, x1); a12 += tail(b1, x2); a13 += tail(b1, x3); }
+        a0 += vec4<f32>(tail(b0, x0), tail(b1, x0), tail(b2, x0), tail(b3, x0));
+        a1 += vec4<f32>(tail(b0, x1), tail(b1, x1), tail(b2, x1), tail(b3, x1));
+        a2 += vec4<f32>(tail(b0, x2), tail(b1, x2), tail(b2, x2), tail(b3, x2));
+        a3 += vec4<f32>(tail(b0, x3), tail(b1, x3), tail(b2, x3), tail(b3, x3));
     }
-    store(t0, r0, a00); store(t0 + 1u, r0, a01); store(t0 + 2u, r0, a02); store(t0 + 3u, r0, a03);
-    if (RR > 1u) {
-        store(t0, r0 + 1u, a10); store(t0 + 1u, r0 + 1u, a11);
-        store(t0 + 2u, r0 + 1u, a12); store(t0 + 3u, r0 + 1u, a13);
-    }
+    store4(t0, r0, a0);
+    store4(t0 + 1u, r0, a1);
+    store4(t0 + 2u, r0, a2);
+    store4(t0 + 3u, r0, a3);
 }

@@ -3,7 +3,9 @@
 //   rms_norm:       y[t,:] = x[t,:] / sqrt(mean(x[t,:]^2) + eps) * w
 //   layer_norm:     y[t,:] = (x[t,:] - mean) / sqrt(var + eps) * w + b
 //   layer_norm_res: the same on h = x + r (fused residual add); y may alias x or r.
-// dispatch (ceil(T/64) split over x,y), workgroup 64. `act` is f32 or f16 (host header).
+// dispatch (ceil(T/64) split over x,y), workgroup 64. The host header sets the storage type `av`
+// (act or act4), its f32 twin `fv` and `hsum(fv)`: rows move W = 1 or 4 elements per load, and
+// every size and offset below counts W-element units.
 // Every activation binding is read_write so that the host may alias y with x or r.
 
 struct Params {
@@ -13,16 +15,16 @@ struct Params {
     y_off: u32,
     r_off: u32,
     eps: f32,
-    _p0: u32,
-    _p1: u32,
+    w_off: u32,
+    b_off: u32,
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
-@group(0) @binding(1) var<storage, read_write> x: array<act>;  // (T, C)
-@group(0) @binding(2) var<storage, read> w: array<f32>;        // (C)
-@group(0) @binding(3) var<storage, read_write> y: array<act>;  // (T, C)
-@group(0) @binding(4) var<storage, read> b: array<f32>;        // (C)
-@group(0) @binding(5) var<storage, read_write> r: array<act>;  // (T, C)
+@group(0) @binding(1) var<storage, read_write> x: array<av>;  // (T, C)
+@group(0) @binding(2) var<storage, read> w: array<fv>;        // (C)
+@group(0) @binding(3) var<storage, read_write> y: array<av>;  // (T, C)
+@group(0) @binding(4) var<storage, read> b: array<fv>;        // (C)
+@group(0) @binding(5) var<storage, read_write> r: array<av>;  // (T, C)
 
 const WG: u32 = 64u;
 
@@ -37,14 +39,14 @@ fn rms_norm(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg:
     if (t >= p.rows) { return; }
     let xb = p.x_off + t * p.cols;
     let yb = p.y_off + t * p.cols;
-    var ss = 0.0;
+    var ss = fv(0.0);
     for (var c = 0u; c < p.cols; c++) {
-        let v = f32(x[xb + c]);
+        let v = fv(x[xb + c]);
         ss += v * v;
     }
-    let inv = inverseSqrt(ss / f32(p.cols) + p.eps);
+    let inv = inverseSqrt(hsum(ss) / f32(p.cols * W) + p.eps);
     for (var c = 0u; c < p.cols; c++) {
-        y[yb + c] = act(f32(x[xb + c]) * inv * w[c]);
+        y[yb + c] = av(fv(x[xb + c]) * inv * w[p.w_off + c]);
     }
 }
 
@@ -55,18 +57,18 @@ fn layer_norm(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nw
     if (t >= p.rows) { return; }
     let xb = p.x_off + t * p.cols;
     let yb = p.y_off + t * p.cols;
-    var s = 0.0;
-    for (var c = 0u; c < p.cols; c++) { s += f32(x[xb + c]); }
-    let mean = s / f32(p.cols);
+    var s = fv(0.0);
+    for (var c = 0u; c < p.cols; c++) { s += fv(x[xb + c]); }
+    let mean = hsum(s) / f32(p.cols * W);
     // two-pass variance: no cancellation when |mean| >> std
-    var vs = 0.0;
+    var vs = fv(0.0);
     for (var c = 0u; c < p.cols; c++) {
-        let d = f32(x[xb + c]) - mean;
+        let d = fv(x[xb + c]) - mean;
         vs += d * d;
     }
-    let inv = inverseSqrt(vs / f32(p.cols) + p.eps);
+    let inv = inverseSqrt(hsum(vs) / f32(p.cols * W) + p.eps);
     for (var c = 0u; c < p.cols; c++) {
-        y[yb + c] = act((f32(x[xb + c]) - mean) * inv * w[c] + b[c]);
+        y[yb + c] = av((fv(x[xb + c]) - mean) * inv * w[p.w_off + c] + b[p.b_off + c]);
     }
 }
 
@@ -78,18 +80,18 @@ fn layer_norm_res(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups
     let xb = p.x_off + t * p.cols;
     let rb = p.r_off + t * p.cols;
     let yb = p.y_off + t * p.cols;
-    var s = 0.0;
-    for (var c = 0u; c < p.cols; c++) { s += f32(x[xb + c]) + f32(r[rb + c]); }
-    let mean = s / f32(p.cols);
-    var vs = 0.0;
+    var s = fv(0.0);
+    for (var c = 0u; c < p.cols; c++) { s += fv(x[xb + c]) + fv(r[rb + c]); }
+    let mean = hsum(s) / f32(p.cols * W);
+    var vs = fv(0.0);
     for (var c = 0u; c < p.cols; c++) {
-        let d = f32(x[xb + c]) + f32(r[rb + c]) - mean;
+        let d = fv(x[xb + c]) + fv(r[rb + c]) - mean;
         vs += d * d;
     }
-    let inv = inverseSqrt(vs / f32(p.cols) + p.eps);
+    let inv = inverseSqrt(hsum(vs) / f32(p.cols * W) + p.eps);
     // element c is read before it is written, so y may alias x or r
     for (var c = 0u; c < p.cols; c++) {
-        let h = f32(x[xb + c]) + f32(r[rb + c]);
-        y[yb + c] = act((h - mean) * inv * w[c] + b[c]);
+        let h = fv(x[xb + c]) + fv(r[rb + c]);
+        y[yb + c] = av((h - mean) * inv * w[p.w_off + c] + b[p.b_off + c]);
     }
 }

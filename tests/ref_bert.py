@@ -15,13 +15,32 @@ import numpy as np
 def load_weights(folder: Path) -> dict[str, np.ndarray]:
     """Every tensor of `model.safetensors` as float64, with any `bert.` prefix stripped."""
     from safetensors import safe_open
+    path = Path(folder) / "model.safetensors"
     out = {}
-    with safe_open(str(Path(folder) / "model.safetensors"), "np") as f:
+    with safe_open(str(path), "np") as f:
+        bf16 = {k for k, v in _header(path).items() if isinstance(v, dict) and v.get("dtype") == "BF16"}
         for k in f.keys():
-            t = f.get_tensor(k)
+            # numpy has no bfloat16: take the raw bits as the top half of an f32
+            t = _bf16_tensor(path, k) if k in bf16 else f.get_tensor(k)
             name = k[len("bert."):] if k.startswith("bert.") else k
             out[name] = t.astype(np.float64) if t.dtype.kind == "f" else t
     return out
+
+
+def _header(path: Path) -> dict:
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        return json.loads(f.read(n))
+
+
+def _bf16_tensor(path: Path, name: str) -> np.ndarray:
+    meta = _header(path)[name]
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        a, b = meta["data_offsets"]
+        f.seek(8 + n + a)
+        bits = np.frombuffer(f.read(b - a), dtype="<u2")
+    return (bits.astype(np.uint32) << 16).view(np.float32).reshape(meta["shape"])
 
 
 def load_config(folder: Path) -> dict:
@@ -34,11 +53,10 @@ def _layer_norm(x: np.ndarray, w: np.ndarray, b: np.ndarray, eps: float) -> np.n
     return (x - mu) / np.sqrt(var + eps) * w + b
 
 
-_erf = np.vectorize(math.erf)
-
-
 def _gelu(x: np.ndarray) -> np.ndarray:
-    return 0.5 * x * (1.0 + _erf(x / math.sqrt(2.0)))
+    """Exact (erf) GELU; math.erf per element keeps the reference free of approximations."""
+    e = np.fromiter(map(math.erf, (x / math.sqrt(2.0)).ravel().tolist()), np.float64, x.size)
+    return 0.5 * x * (1.0 + e.reshape(x.shape))
 
 
 def encode_hidden(W: dict, cfg: dict, ids: list[int]) -> np.ndarray:
@@ -93,3 +111,14 @@ def embed(W: dict, cfg: dict, ids: list[int], *, pooling: str = "mean", normaliz
 def cosine(a, b) -> float:
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b) + 1e-30))
+
+
+SEP = 102   # [SEP] of the uncased BERT vocabulary (all-MiniLM-L6-v2)
+
+
+def reference_ids(item: dict, max_len: int) -> list[int]:
+    """The ids sentence-transformers embedded. The golden file lists the first `max_len` ids of the
+    untruncated encoding for over-long texts, but its embedding comes from the truncated encoding,
+    which keeps [SEP] last (checked by test_numpy_reference_matches_sentence_transformers)."""
+    ids = item["token_ids"]
+    return ids if ids[-1] == SEP else ids[:max_len - 1] + [SEP]

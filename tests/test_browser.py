@@ -133,50 +133,58 @@ async def test_demo_page_chat_embeddings_and_cache(server, tmp_path, smollm2_ref
     want_ids = g["greedy_ids_no_eos_stop"][:N_IDS]
     items = minilm_reference["items"][:3]
     async with chromium(tmp_path / "profile") as ctx:
-        mark = len(log.read_text().splitlines())
-        page = await _open_demo(ctx, base, logs)
-        first_load = log.read_text().splitlines()[mark:]
-        loaded = await page.evaluate("window.demo.loaded")
-        assert all(s["fetched_files"] > 0 for s in loaded["fetch"].values()), loaded
-        assert any("/models/" + CHAT_MODEL in ln for ln in first_load)
+        pages: list = []
+        try:
+            mark = len(log.read_text().splitlines())
+            page = await _open_demo(ctx, base, logs)
+            pages.append(page)
+            first_load = log.read_text().splitlines()[mark:]
+            loaded = await page.evaluate("window.demo.loaded")
+            assert all(s["fetched_files"] > 0 for s in loaded["fetch"].values()), loaded
+            assert any("/models/" + CHAT_MODEL in ln for ln in first_load)
 
-        # Greedy ids after the reference prompt: the f32 path reproduces transformers' ids.
-        got = await page.evaluate(f"window.demo.greedyIds({json.dumps(g['prompt_ids'])}, {N_IDS})")
-        print(f"\nbrowser greedy decode: {got['decode_tokens_per_s']:.2f} tokens/s "
-              f"(prefill of {len(g['prompt_ids'])} tokens: {got['prefill_seconds']:.2f} s)")
-        assert got["ids"] == want_ids, f"browser ids {got['ids']} != reference {want_ids}"
+            # Greedy ids after the reference prompt: the f32 path reproduces transformers' ids.
+            got = await page.evaluate(f"window.demo.greedyIds({json.dumps(g['prompt_ids'])}, {N_IDS})")
+            print(f"\nbrowser greedy decode: {got['decode_tokens_per_s']:.2f} tokens/s "
+                  f"(prefill of {len(g['prompt_ids'])} tokens: {got['prefill_seconds']:.2f} s)")
+            assert got["ids"] == want_ids, f"browser ids {got['ids']} != reference {want_ids}"
 
-        # A streamed chat answer appears in the page as it is generated.
-        content = g["messages"][0]["content"]
-        r = await page.evaluate(f"window.demo.chat({json.dumps(content)}, {{max_tokens: 32}})")
-        answer = await page.inner_text("#answer")
-        expected = g["greedy_text"].split("<|im_end|>")[0]
-        print(f"browser chat: {r['text']!r}, decode {r['decode_tokens_per_s']:.2f} tokens/s")
-        assert r["text"] == expected and answer.strip() == expected.strip()
-        assert r["finish_reason"] == "stop"
-        stats = await page.inner_text("#chat-stats")
-        assert "tokens/s" in stats
+            # A streamed chat answer appears in the page as it is generated.
+            content = g["messages"][0]["content"]
+            r = await page.evaluate(f"window.demo.chat({json.dumps(content)}, {{max_tokens: 32}})")
+            answer = await page.inner_text("#answer")
+            expected = g["greedy_text"].split("<|im_end|>")[0]
+            print(f"browser chat: {r['text']!r}, decode {r['decode_tokens_per_s']:.2f} tokens/s, "
+                  f"first token after {r['time_to_first_token_s']:.2f} s")
+            assert r["text"] == expected and answer.strip() == expected.strip()
+            assert r["finish_reason"] == "stop"
+            stats = await page.inner_text("#chat-stats")
+            assert "tokens/s" in stats
 
-        # MiniLM embeddings match sentence-transformers.
-        e = await page.evaluate(f"window.demo.embed({json.dumps([it['text'] for it in items])})")
-        coss = [_cos(v, it["embedding"]) for v, it in zip(e["embeddings"], items)]
-        print(f"browser embeddings: cosine vs sentence-transformers {[round(c, 6) for c in coss]}")
-        assert len(coss) == 3 and min(coss) >= 0.999, coss
+            # A reload reads every model file from the Cache API: no weight request reaches the server.
+            mark = len(log.read_text().splitlines())
+            await page.close()
+            page = await _open_demo(ctx, base, logs)
+            pages.append(page)
+            second = log.read_text().splitlines()[mark:]
+            loaded = await page.evaluate("window.demo.loaded")
+            model_requests = [ln for ln in second if "/models/" in ln]
+            assert not model_requests, model_requests
+            assert all(s["fetched_files"] == 0 and s["cached_files"] > 0 for s in loaded["fetch"].values()), loaded
+            again = await page.evaluate(f"window.demo.greedyIds({json.dumps(g['prompt_ids'])}, 4)")
+            assert again["ids"] == want_ids[:4]
 
-        # The embedding search ranks the matching document first.
-        ranked = await page.evaluate("window.demo.search('Where do cats like to sleep?')")
-        assert "cat" in ranked[0]["doc"].lower(), ranked
-        assert len(await page.query_selector_all("#results li")) == len(ranked)
-        await page.screenshot(path=str(ARTIFACTS / "browser_demo.png"), full_page=True)
+            # MiniLM embeddings match sentence-transformers.
+            e = await page.evaluate(f"window.demo.embed({json.dumps([it['text'] for it in items])})")
+            coss = [_cos(v, it["embedding"]) for v, it in zip(e["embeddings"], items)]
+            print(f"browser embeddings: cosine vs sentence-transformers {[round(c, 6) for c in coss]}")
+            assert len(coss) == 3 and min(coss) >= 0.999, coss
 
-        # A reload reads every model file from the Cache API: no weight request reaches the server.
-        mark = len(log.read_text().splitlines())
-        await page.close()
-        page = await _open_demo(ctx, base, logs)
-        second = log.read_text().splitlines()[mark:]
-        loaded = await page.evaluate("window.demo.loaded")
-        model_requests = [ln for ln in second if "/models/" in ln]
-        assert not model_requests, model_requests
-        assert all(s["fetched_files"] == 0 and s["cached_files"] > 0 for s in loaded["fetch"].values()), loaded
-        again = await page.evaluate(f"window.demo.greedyIds({json.dumps(g['prompt_ids'])}, 4)")
-        assert again["ids"] == want_ids[:4]
+            # The embedding search ranks the matching document first.
+            ranked = await page.evaluate("window.demo.search('Where do cats like to sleep?')")
+            assert "cat" in ranked[0]["doc"].lower(), ranked
+            assert len(await page.query_selector_all("#results li")) == len(ranked)
+            await page.evaluate(f"window.demo.chat({json.dumps(content)}, {{max_tokens: 32}})")   # for the picture
+        finally:
+            if pages and not pages[-1].is_closed():   # the page as it was, also when a check failed
+                await pages[-1].screenshot(path=str(ARTIFACTS / "browser_demo.png"), full_page=True)

@@ -60,3 +60,17 @@ def test_tokenizer_config_forms():
     assert ChatTemplate.from_tokenizer_config(cfg, "tool_use").render([]) == "B"
     assert ChatTemplate.from_tokenizer_config({}) is None
     assert from_gguf_metadata({}) is None
+
+
+def test_from_folder(tmp_path):
+    from tinymodels import CHATML_TEMPLATE, write_tiny_llama_safetensors
+
+    from webgpu_engine.loaders.chat_template import from_folder
+    info = write_tiny_llama_safetensors(tmp_path / "m")
+    tpl = from_folder(info["folder"])
+    assert tpl.source == CHATML_TEMPLATE and tpl.bos_token == "<|im_start|>" and tpl.eos_token == "<|im_end|>"
+    assert tpl.render([{"role": "user", "content": "hi"}]).endswith("<|im_start|>user\nhi<|im_end|>\n"
+                                                                    "<|im_start|>assistant\n")
+    (info["folder"] / "chat_template.jinja").write_text("{{ eos_token }}!")
+    assert from_folder(info["folder"]).render([]) == "<|im_end|>!"
+    assert from_folder(tmp_path) is None

@@ -23,9 +23,14 @@ def smol(smollm2_gguf):
     return GGUFFile(smollm2_gguf)
 
 
-def test_metadata_equals_gguf_package(smol, smollm2_gguf):
+@pytest.fixture(scope="module")
+def reader(smollm2_gguf):
     from gguf import GGUFReader
-    ref = _reference_metadata(GGUFReader(smollm2_gguf))
+    return GGUFReader(smollm2_gguf)             # slow (seconds): built once
+
+
+def test_metadata_equals_gguf_package(smol, reader):
+    ref = _reference_metadata(reader)
     assert set(smol.metadata) == set(ref)
     for key, value in ref.items():
         if isinstance(value, list):
@@ -36,9 +41,7 @@ def test_metadata_equals_gguf_package(smol, smollm2_gguf):
     assert smol.version == 3 and smol.alignment == 32
 
 
-def test_tensors_equal_gguf_package(smol, smollm2_gguf):
-    from gguf import GGUFReader
-    reader = GGUFReader(smollm2_gguf)
+def test_tensors_equal_gguf_package(smol, reader):
     assert [t.name for t in reader.tensors] == list(smol.tensors)
     for t in reader.tensors:
         ours = smol.tensors[t.name]
@@ -198,3 +201,25 @@ def test_tiny_gguf_same_model_as_safetensors(tmp_path):
     for name, hf in b["weights"].items():
         heads = {"q": 4, "k": 2}.get(name.split(".")[-1])
         np.testing.assert_array_equal(a["weights"][name], permute_qk(hf, heads) if heads else hf, err_msg=name)
+
+
+@pytest.mark.parametrize("qtype,tol", [("q4_k", 0.25), ("q6_k", 0.07)])
+def test_tiny_gguf_k_quants(tmp_path, qtype, tol):
+    """Our K-quant encoders write blocks that gguf dequantizes close to the weights they encode."""
+    from tinymodels import write_tiny_llama_gguf
+    info = write_tiny_llama_gguf(tmp_path / "k.gguf", qtype=qtype, embed_qtype="q8_0", seed=1,
+                                 hidden_size=256, ffn_size=512, n_layers=1)
+    g = GGUFFile(info["path"])
+    w = g.weights()
+    assert w["layers.0.down"].qtype == qtype and w["layers.0.down"].shape == (256, 512)
+    assert w["embed"].qtype == "q8_0" and g.model_config() == info["config"]
+    for name, t in w.items():
+        np.testing.assert_array_equal(_dequant(t), info["weights"][name], err_msg=name)
+    # the same seed and dims in f32: the quantized model is within one step of it
+    exact = write_tiny_llama_gguf(tmp_path / "f.gguf", qtype="f32", seed=1, hidden_size=256, ffn_size=512,
+                                  n_layers=1)["weights"]
+    for name in ("layers.0.q", "layers.0.down", "layers.0.gate"):
+        err = np.abs(info["weights"][name] - exact[name]).max() / np.abs(exact[name]).max()
+        assert 0 < err < tol, (name, err)
+    with pytest.raises(ValueError, match="multiple of the q4_k block"):
+        write_tiny_llama_gguf(tmp_path / "bad.gguf", qtype="q4_k")

@@ -66,16 +66,17 @@ def test_causal_prefill_256_rows_and_short_final_chunk(device):
     assert (got[100:] == 7.0).all()
 
 
-@pytest.mark.parametrize("dtype", ["f32", "f16"])
-def test_split_decode_reused_across_steps(device, dtype):
-    """One decode op built for a 4096-row cache, recorded at kv_len 1, 31, 33, 100 and 3000."""
+@pytest.mark.parametrize("dtype,heads_per_lane", [("f32", 1), ("f32", 3), ("f16", None)])
+def test_split_decode_reused_across_steps(device, dtype, heads_per_lane):
+    """One decode op built for a 4096-row cache, recorded at kv_len 1, 31, 33, 100 and 3000
+    (a lane per (split, head), or per (split, the 3 heads sharing a kv head))."""
     rng = np.random.default_rng(12)
     hq, hkv, d, ctx = 9, 3, 64, 4096
     (qkv, kc, vc), (qt, kt, vt) = _setup(device, rng, dtype, 1, ctx, hq, hkv, d, 3000)
     out = empty(device, (1, hq * d), dtype)
     step = step_buf(device, 0, 1)
     op = nn.attention(device, qt, kt, vt, out, step, n_q_heads=hq, n_kv_heads=hkv, head_dim=d, ctx=ctx,
-                      scale=0.125)
+                      scale=0.125, heads_per_lane=heads_per_lane)
     assert len(op.dispatches) == 2
     q, k, v = rounded(qkv, dtype)[:, :hq], rounded(kc, dtype), rounded(vc, dtype)
     for kv_len in (1, 31, 33, 100, 3000):

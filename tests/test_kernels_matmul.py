@@ -152,7 +152,8 @@ def test_split_weight(device, qtype):
 
 
 @pytest.mark.parametrize("cfg", [MatmulConfig(wg=32, rr=1, tm=1), MatmulConfig(wg=64, rr=2, tm=4, prr=1),
-                                 MatmulConfig(wg=128, rr=4, tm=4, prr=2)])
+                                 MatmulConfig(wg=128, rr=4, tm=4, prr=2),
+                                 MatmulConfig(wg=16, rr=2, tm=4, prr=4)])
 def test_strategy_parameters(device, cfg):
     """Every strategy gives the same answer, with row counts that leave partial row groups."""
     for T in (1, 19):

@@ -11,6 +11,10 @@ from _nn_util import TOL, empty, get, put, rounded, run, set_step, step_buf
 DTYPES = ["f32", "f16"]
 
 
+def _width(op) -> int:
+    return 4 if "const W: u32 = 4u" in op.dispatches[0][0].key.header else 1
+
+
 @pytest.fixture(autouse=True)
 def _free(device):
     yield
@@ -24,8 +28,10 @@ def test_rms_norm(device, dtype, rows, cols):
     rng = np.random.default_rng(rows * cols)
     x = rng.standard_normal((rows, cols)) * 3 + 0.5
     w = rng.standard_normal(cols)
-    xt, wt, yt = put(device, x, dtype, lead=3), put(device, w), empty(device, (rows, cols), dtype, lead=5)
-    run(device, nn.rms_norm(device, xt, wt, yt, eps=1e-5))
+    xt, wt, yt = put(device, x, dtype, lead=4), put(device, w), empty(device, (rows, cols), dtype, lead=8)
+    op = nn.rms_norm(device, xt, wt, yt, eps=1e-5)
+    assert _width(op) == (4 if cols % 4 == 0 else 1)
+    run(device, op)
     np.testing.assert_allclose(get(device, yt), nn_ref.rms_norm(rounded(x, dtype), w, 1e-5), **TOL[dtype])
 
 
@@ -36,7 +42,7 @@ def test_layer_norm(device, dtype, rows, cols, res):
     x = rng.standard_normal((rows, cols)) + 4.0      # a large mean checks the two-pass variance
     r = rng.standard_normal((rows, cols))
     w, b = rng.standard_normal(cols), rng.standard_normal(cols)
-    xt, rt = put(device, x, dtype), put(device, r, dtype, lead=1)
+    xt, rt = put(device, x, dtype), put(device, r, dtype, lead=4)
     yt = empty(device, (rows, cols), dtype)
     run(device, nn.layer_norm(device, xt, put(device, w), put(device, b), yt, eps=1e-12,
                               residual=rt if res else None))
@@ -56,17 +62,21 @@ def test_layer_norm_in_place_on_residual(device):
 
 # ----------------------------------------------------------------------------- elementwise
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_add_in_place(device, dtype):
+@pytest.mark.parametrize("lead,width", [(0, 4), (2, 1)])
+def test_add_in_place(device, dtype, lead, width):
+    """4-wide loads when sizes and offsets allow; one element per invocation otherwise."""
     rng = np.random.default_rng(2)
     a, b = rng.standard_normal((7, 576)), rng.standard_normal((7, 576))
-    at, bt = put(device, a, dtype, lead=2), put(device, b, dtype)
-    run(device, nn.add(device, at, bt, at))
+    at, bt = put(device, a, dtype, lead=lead), put(device, b, dtype)
+    op = nn.add(device, at, bt, at)
+    assert _width(op) == width
+    run(device, op)
     np.testing.assert_allclose(get(device, at), rounded(a, dtype) + rounded(b, dtype), **TOL[dtype])
 
 
 def test_add_beyond_one_dispatch_dimension(device):
-    """More than 65535 workgroups of 64: the grid folds into y."""
-    n = 65535 * 64 + 1000
+    """More than 65535 workgroups of 64: the grid folds into y (an odd n: one element per invocation)."""
+    n = 65535 * 64 + 1001
     a = np.arange(n, dtype=np.float32) % 1000
     at, bt, yt = put(device, a), put(device, -2 * a), empty(device, (n,))
     op = nn.add(device, at, bt, yt)
@@ -90,7 +100,7 @@ def test_silu_mul(device, dtype, rows, f):
     rng = np.random.default_rng(f + rows)
     gu = rng.standard_normal((rows, 2 * f)) * 4
     gu[0, :4] = [-100.0, 100.0, 0.0, -30.0]          # saturation of exp
-    gt, yt = put(device, gu, dtype, lead=7), empty(device, (rows, f), dtype)
+    gt, yt = put(device, gu, dtype, lead=8), empty(device, (rows, f), dtype)
     run(device, nn.silu_mul(device, gt, yt))
     out = get(device, yt)
     assert np.isfinite(out).all()

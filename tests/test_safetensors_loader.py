@@ -125,3 +125,12 @@ def test_tiny_bert_reads_back(tmp_path, dtype):
     modules = json.loads((info["folder"] / "modules.json").read_text())
     assert [m["type"].split(".")[-1] for m in modules] == ["Transformer", "Pooling"]
     assert len(map_hf_names(tensors, "bert")) == 5 + 16 * info["config"].n_layers
+
+
+@pytest.mark.parametrize("fmt", ["gguf", "safetensors"])
+def test_open_tiny(tmp_path, fmt):
+    from tinymodels import open_tiny
+    cfg, infos, close = open_tiny(tmp_path, arch="qwen2", fmt=fmt, n_layers=1)
+    assert cfg.n_layers == 1 and cfg.qkv_bias and infos["layers.0.q_bias"].shape == (cfg.q_dim,)
+    assert infos["layers.0.k"].shape == (cfg.kv_dim, cfg.hidden_size) and "layers.1.q" not in infos
+    close()

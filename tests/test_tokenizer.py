@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import random
 import zlib
+from pathlib import Path
 
 import pytest
 
@@ -158,3 +159,58 @@ def test_tiny_model_tokenizers_agree(tmp_path):
     pure, native = (load_tokenizer(b["folder"], native=n) for n in (False, True))
     assert pure.max_length == b["max_seq_length"]
     assert pure.encode_batch(texts) == native.encode_batch(texts)
+
+
+def test_unicode_tables_match_unicodedata():
+    """The stored \\p{L} / \\p{N} ranges are this Python's Unicode categories (regenerate if not)."""
+    import unicodedata
+
+    from webgpu_engine.loaders import unicode_tables as ut
+    assert ut.UNIDATA_VERSION == unicodedata.unidata_version, "run python -m webgpu_engine.loaders.unicode_tables"
+    assert ut.compute_ranges("L") == ut.LETTER_RANGES and ut.compute_ranges("N") == ut.NUMBER_RANGES
+
+
+def test_loaders_run_with_stdlib_only(smollm2_gguf, minilm_dir):
+    """The browser constraint: with numpy / tokenizers / gguf / safetensors unimportable, the loaders
+    import, parse both default models and tokenize on the pure-Python paths."""
+    import subprocess
+    import sys
+    code = f"""
+import sys
+class Block:
+    def find_spec(self, name, path=None, target=None):
+        if name.split('.')[0] in ('numpy', 'tokenizers', 'gguf', 'safetensors', 'pydantic', 'wgpu'):
+            raise ImportError('blocked ' + name)
+sys.meta_path.insert(0, Block())
+from webgpu_engine.loaders import gguf, safetensors, hf_config, bpe, wordpiece, tokenizer, chat_template
+from webgpu_engine.models import config
+g = gguf.GGUFFile({str(smollm2_gguf)!r})
+tok = tokenizer.load_tokenizer(g)
+assert type(tok).__name__ == 'BPETokenizer', tok
+assert tok.encode('Hello world') == [19556, 905]
+wp = tokenizer.load_tokenizer({str(minilm_dir)!r})
+assert type(wp).__name__ == 'WordPieceTokenizer' and wp.encode('hello')[0] == 101
+assert safetensors.SafetensorsFolder({str(minilm_dir)!r}).tensors
+print('ok', g.model_config().n_layers)
+"""
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=root)
+    assert out.returncode == 0 and out.stdout.strip() == "ok 30", out.stderr
+
+
+def test_long_pieces_use_heap_merge_with_same_result(smol_md):
+    """Pieces above 48 bytes merge with a heap (O(n log n)); it agrees with the scan and the library."""
+    import string
+
+    from webgpu_engine.loaders.bpe import _merge_heap, _merge_scan
+    base = BPETokenizer.from_gguf_metadata(smol_md)
+    enc = base._byte_enc
+    rng = random.Random(11)
+    words = ["".join(rng.choice(string.ascii_letters + "éß中") for _ in range(rng.randint(2, 120)))
+             for _ in range(200)] + ["a" * 97, "ab" * 60, "internationalization" * 5]
+    for w in words:
+        parts = [enc[b] for b in w.encode()]
+        assert _merge_heap(parts, base.ranks) == _merge_scan(parts, base.ranks), w
+    native = native_bpe(base)
+    long_text = "".join(rng.choice(string.ascii_letters) for _ in range(6000))
+    assert base.encode(long_text) == native.encode(long_text, add_special_tokens=False).ids

@@ -148,11 +148,59 @@ def _llama_config(d: dict, arch: str, neox: bool, eos_ids=(EOS_ID, 0)) -> LlamaC
                        qkv_bias=arch == "qwen2", bos_id=BOS_ID, eos_ids=list(eos_ids), name=f"tiny-{arch}")
 
 
+# ============================================================================ K-quant encoders
+# gguf-py can dequantize K-quants but not quantize them: these simple (not error-optimal) encoders
+# write valid Q4_K / Q6_K blocks; what the GPU sees is then gguf.dequantize of those bytes.
+def quantize_q4_k(w: np.ndarray) -> np.ndarray:
+    """(n, k) f32 -> (n, k/256*144) u8: d, dmin f16; 6-bit scale/min per 32; 4-bit q (x = d*sc*q - dmin*m)."""
+    n, k = w.shape
+    x = w.reshape(-1, 8, 32).astype(np.float32)                        # (blocks, sub, 32)
+    lo = np.minimum(x.min(-1), 0.0)
+    scale = (x.max(-1) - lo) / 15.0                                    # (blocks, 8)
+    d = (scale.max(-1) / 63.0).astype(np.float16)
+    dmin = ((-lo).max(-1) / 63.0).astype(np.float16)
+    df, mf = d.astype(np.float32)[:, None], dmin.astype(np.float32)[:, None]
+    sc = np.clip(np.round(np.divide(scale, df, out=np.zeros_like(scale), where=df > 0)), 0, 63).astype(np.uint8)
+    mn = np.clip(np.round(np.divide(-lo, mf, out=np.zeros_like(lo), where=mf > 0)), 0, 63).astype(np.uint8)
+    step, off = (df * sc)[..., None], (mf * mn)[..., None]
+    q = np.clip(np.round(np.divide(x + off, step, out=np.zeros_like(x), where=step > 0)), 0, 15).astype(np.uint8)
+    scales = np.zeros((x.shape[0], 12), np.uint8)
+    scales[:, 0:4] = sc[:, 0:4] | ((sc[:, 4:8] >> 4) << 6)
+    scales[:, 4:8] = mn[:, 0:4] | ((mn[:, 4:8] >> 4) << 6)
+    scales[:, 8:12] = (sc[:, 4:8] & 0xF) | ((mn[:, 4:8] & 0xF) << 4)
+    q = q.reshape(-1, 4, 2, 32)                                        # 64-element chunks: low | high nibble
+    qs = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(-1, 128)
+    out = np.concatenate([d[:, None].view(np.uint8), dmin[:, None].view(np.uint8), scales, qs], axis=1)
+    return out.reshape(n, k // 256 * 144)
+
+
+def quantize_q6_k(w: np.ndarray) -> np.ndarray:
+    """(n, k) f32 -> (n, k/256*210) u8: ql[128], qh[64], int8 scales[16] (per 16), d f16; x = d*sc*(q-32)."""
+    n, k = w.shape
+    x = w.reshape(-1, 16, 16).astype(np.float32)
+    scale = np.abs(x).max(-1) / 31.0                                   # (blocks, 16)
+    d = (scale.max(-1) / 127.0).astype(np.float16)
+    df = d.astype(np.float32)[:, None]
+    sc = np.clip(np.round(np.divide(scale, df, out=np.zeros_like(scale), where=df > 0)), 0, 127).astype(np.int8)
+    step = (df * sc)[..., None]
+    q = np.clip(np.round(np.divide(x, step, out=np.zeros_like(x), where=step > 0)) + 32, 0, 63).astype(np.uint8)
+    q = q.reshape(-1, 2, 4, 32)                                        # halves of 128, quarters of 32
+    ql = np.concatenate([q[:, :, 0] & 0xF | (q[:, :, 2] & 0xF) << 4,
+                         q[:, :, 1] & 0xF | (q[:, :, 3] & 0xF) << 4], axis=2).reshape(-1, 128)
+    qh = (q[:, :, 0] >> 4 | (q[:, :, 1] >> 4) << 2 | (q[:, :, 2] >> 4) << 4 | (q[:, :, 3] >> 4) << 6).reshape(-1, 64)
+    out = np.concatenate([ql, qh, sc.view(np.uint8), d[:, None].view(np.uint8)], axis=1)
+    return out.reshape(n, k // 256 * 210)
+
+
+_K_QUANTIZERS = {"q4_k": quantize_q4_k, "q6_k": quantize_q6_k}
+
+
 # ============================================================================ GGUF
 def write_tiny_llama_gguf(path, arch: str = "llama", qtype: str = "f32", seed: int = 0, *,
                           embed_qtype: str | None = None, **dims) -> dict:
-    """Write a tiny llama/qwen2 GGUF. Matrices in `qtype` (f32 f16 q8_0 q4_0 q4_1; the embedding in
-    `embed_qtype`, default the same), norms and biases f32. Returns
+    """Write a tiny llama/qwen2 GGUF. Matrices in `qtype` (f32 f16 q8_0 q4_0 q4_1, or q4_k q6_k with
+    hidden_size/ffn_size multiples of 256; the embedding in `embed_qtype`, default the same), norms and
+    biases f32. Returns
     {path, arch, config (LlamaConfig our loader must produce), rope_neox, qtypes {our name: qtype},
     weights {our name: f32 array as stored and dequantized: what the GPU sees, q/k in file layout},
     hf_weights {same, q/k in HF layout}, tokens, merges, chat_template}."""
@@ -173,9 +221,11 @@ def write_tiny_llama_gguf(path, arch: str = "llama", qtype: str = "f32", seed: i
             deq = raw.astype(np.float32)
         else:
             gq = gguf.GGMLQuantizationType[qt.upper()]
-            if w.shape[-1] % 32:
-                raise ValueError(f"{name}: k={w.shape[-1]} is not a multiple of the {qt} block (32)")
-            raw = gguf.quantize(w, gq)
+            block = 256 if qt in _K_QUANTIZERS else 32
+            if w.shape[-1] % block:
+                raise ValueError(f"{name}: k={w.shape[-1]} is not a multiple of the {qt} block ({block}); "
+                                 f"K-quants need hidden_size and ffn_size multiples of 256")
+            raw = _K_QUANTIZERS[qt](w) if qt in _K_QUANTIZERS else gguf.quantize(w, gq)
             deq = gguf.dequantize(raw, gq).astype(np.float32).reshape(w.shape)
         heads = {"q": d["n_heads"], "k": d["n_kv_heads"]}.get(name.split(".")[-1])
         if heads and not neox:          # stored permuted; row permutation commutes with row-wise blocks
@@ -290,7 +340,8 @@ def write_tiny_llama_safetensors(folder, arch: str = "llama", dtype: str = "f32"
     _write_folder_tensors(folder, tensors, sharded)
     cls = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}[arch]
     config = {
-        "_name_or_path": f"tiny-{arch}", "architectures": [cls], "model_type": arch, "vocab_size": len(tokens), "hidden_size": d["hidden_size"],
+        "_name_or_path": f"tiny-{arch}", "architectures": [cls], "model_type": arch,
+        "vocab_size": len(tokens), "hidden_size": d["hidden_size"],
         "intermediate_size": d["ffn_size"], "num_hidden_layers": d["n_layers"],
         "num_attention_heads": d["n_heads"], "num_key_value_heads": d["n_kv_heads"], "head_dim": d["head_dim"],
         "rms_norm_eps": d["rms_eps"], "rope_theta": d["rope_base"], "max_position_embeddings": d["context_length"],
@@ -352,9 +403,11 @@ def write_tiny_bert(folder, pooling: str = "mean", normalize: bool = True, dtype
 
     def vec(n, center=0.0, scale=0.1):
         return (center + scale * rng.standard_normal(n)).astype(np.float32)
-    w = {"embeddings.word_embeddings.weight": rng.standard_normal((d["vocab_size"], C)).astype(np.float32),
-         "embeddings.position_embeddings.weight": (0.5 * rng.standard_normal((d["max_position"], C))).astype(np.float32),
-         "embeddings.token_type_embeddings.weight": (0.5 * rng.standard_normal((d["type_vocab_size"], C))).astype(np.float32),
+    def table(n, std):
+        return (std * rng.standard_normal((n, C))).astype(np.float32)
+    w = {"embeddings.word_embeddings.weight": table(d["vocab_size"], 1.0),
+         "embeddings.position_embeddings.weight": table(d["max_position"], 0.5),
+         "embeddings.token_type_embeddings.weight": table(d["type_vocab_size"], 0.5),
          "embeddings.LayerNorm.weight": vec(C, 1.0), "embeddings.LayerNorm.bias": vec(C)}
     for i in range(L):
         p = f"encoder.layer.{i}."
@@ -407,3 +460,24 @@ def write_tiny_bert(folder, pooling: str = "mean", normalize: bool = True, dtype
                      layer_norm_eps=d["layer_norm_eps"])
     return dict(folder=folder, config=cfg, weights=seen, pooling=pooling, normalize=normalize,
                 max_seq_length=max_seq_length, vocab=vocab)
+
+
+# ============================================================================ opened through our loaders
+def open_tiny(tmp_path, arch: str = "llama", fmt: str = "gguf", *, qtype: str = "f32", dtype: str = "f32",
+              seed: int = 0, **dims):
+    """Write a tiny llama-family model and open it with our loaders: (LlamaConfig as the loader builds
+    it, {our name: TensorInfo}, close()). fmt "gguf" uses `qtype`, "safetensors" uses `dtype`."""
+    tmp_path = Path(tmp_path)
+    if fmt == "gguf":
+        from webgpu_engine.loaders.gguf import GGUFFile
+        info = write_tiny_llama_gguf(tmp_path / f"tiny-{arch}-{qtype}.gguf", arch=arch, qtype=qtype, seed=seed, **dims)
+        f = GGUFFile(info["path"])
+        return f.model_config(), f.weights(), f.close
+    if fmt == "safetensors":
+        from webgpu_engine.loaders.hf_config import load_llama_config
+        from webgpu_engine.loaders.safetensors import SafetensorsFolder
+        info = write_tiny_llama_safetensors(tmp_path / f"tiny-{arch}-{dtype}", arch=arch, dtype=dtype, seed=seed,
+                                            **dims)
+        f = SafetensorsFolder(info["folder"])
+        return load_llama_config(info["folder"]), f.weights("llama"), f.close
+    raise ValueError(f"fmt must be 'gguf' or 'safetensors', got {fmt!r}")

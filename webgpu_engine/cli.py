@@ -86,7 +86,7 @@ async def _chat(args) -> int:
     messages = []
     if args.system:
         messages.append({"role": "system", "content": args.system})
-    one_shot = args.prompt is not None
+    one_shot = bool(args.prompt)
     try:
         while True:
             if one_shot:
@@ -323,8 +323,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("name", nargs="*", help="benchmarks to run (default: all)")
     p.add_argument("--list", action="store_true", help="list the benchmarks")
     p.add_argument("--dir", default="bench", help="folder of the scripts (default bench/)")
-    p.add_argument("extra", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
-    p.set_defaults(func=cmd_bench)
+    p.set_defaults(func=cmd_bench, extra=[])
 
     _add_cache_commands(sub)
     return ap
@@ -333,14 +332,17 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("XDG_RUNTIME_DIR", "/tmp")
     ap = build_parser()
-    args = ap.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # Everything after a bare `--` goes to the benchmark scripts untouched.
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    args = ap.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    if extra:
+        args.extra = extra
     logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.WARNING),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not getattr(args, "func", None):
         ap.print_help()
         return 0
-    if getattr(args, "extra", None) and args.extra[:1] == ["--"]:
-        args.extra = args.extra[1:]
     try:
         return args.func(args) or 0
     except KeyboardInterrupt:

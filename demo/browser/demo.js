@@ -68,8 +68,10 @@ async function main() {
   };
   window.demo = demo;
   $("send").disabled = $("find").disabled = false;
-  $("chat-form").onsubmit = (e) => { e.preventDefault(); demo.chat($("prompt").value); };
-  $("search-form").onsubmit = (e) => { e.preventDefault(); demo.search($("query").value); };
+  // Errors of a click (typed engine errors arrive as PythonError) are shown where the result would be.
+  const shown = (el, p) => p.catch((e) => { $(el).textContent = "error: " + (e.message || e).split("\n").at(-2); });
+  $("chat-form").onsubmit = (e) => { e.preventDefault(); shown("chat-stats", demo.chat($("prompt").value)); };
+  $("search-form").onsubmit = (e) => { e.preventDefault(); shown("search-stats", demo.search($("query").value)); };
   if (params.get("auto") !== "0") {          // the page shows both features without a click
     if (models.includes(CHAT_MODEL)) await demo.chat($("prompt").value);
     if (models.includes(EMBED_MODEL)) await demo.search($("query").value);

@@ -58,11 +58,18 @@ class Artifact:
 
 
 def cache_root(root: str | os.PathLike | None = None) -> Path:
-    """The cache root: `root` if given, else $WEBGPU_ENGINE_CACHE, else `model_cache/` at the repo root."""
+    """The cache root: `root` if given, else $WEBGPU_ENGINE_CACHE, else `model_cache/` of a source
+    checkout (editable install), else the user's cache folder (installed package)."""
     if root is not None:
         return Path(root)
     env = os.environ.get(ROOT_ENV)
-    return Path(env) if env else Path(__file__).resolve().parents[2] / "model_cache"
+    if env:
+        return Path(env)
+    checkout = Path(__file__).resolve().parents[2]
+    if (checkout / "pyproject.toml").is_file() and (checkout / "model_cache").is_dir():
+        return checkout / "model_cache"
+    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(xdg) / "webgpu_engine"
 
 
 def model_dir(scope: str, model_id: str, root: str | os.PathLike | None = None) -> Path:

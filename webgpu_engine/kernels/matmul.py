@@ -41,14 +41,14 @@ _MAX_GROUPS = 65535
 class MatmulConfig:
     """Per-device kernel strategy: `wg` invocations per workgroup, each owning `rr` weight rows
     (1, 2 or 4) of one activation row; for T > 1 with `tm` = 4, the tile kernel gives each
-    invocation `prr` weight rows (1 or 2) x 4 activation rows so a weight chunk is decoded once
+    invocation `prr` weight rows (1, 2 or 4) x 4 activation rows so a weight chunk is decoded once
     per 4 rows of x (`tm` = 1: the row kernel over every t). No barriers anywhere: on CPU Vulkan
     (lavapipe) barriers are expensive, and several rows per invocation share each x load."""
 
     wg: int = 64
     rr: int = 4
     tm: int = 4
-    prr: int = 2
+    prr: int = 4
 
 
 def default_config(dev: Device) -> MatmulConfig:
@@ -222,7 +222,7 @@ def matmul(dev: Device, x: Tensor, w: QWeight, y: Tensor, *, bias: Tensor | None
         bb, b_off = _window(bias, 4, "matmul", "bias")
     else:
         bb, b_off = _dummy(dev), 0
-    check(cfg.rr in (1, 2, 4) and cfg.prr in (1, 2) and cfg.tm in (1, 4), "matmul",
+    check(cfg.rr in (1, 2, 4) and cfg.prr in (1, 2, 4) and cfg.tm in (1, 4), "matmul",
           f"unsupported strategy {cfg}")
     if T > 1 and cfg.tm == 4:
         entry, rr, tiles = "matmul_tile", cfg.prr, -(-T // 4)

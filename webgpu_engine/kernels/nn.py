@@ -57,8 +57,10 @@ def _step_entry(step) -> tuple:
     return (step, 0, 16)
 
 
-def _vec_entry(t: Tensor) -> tuple:
-    """An f32/u32 vector that is bound read-only (norm weights, biases, lengths)."""
+def _vec_entry(dev: Device, t: Tensor, kernel: str) -> tuple:
+    """A u32 vector bound read-only from its own offset (sequence lengths)."""
+    align = int(dev.limits.get("min-storage-buffer-offset-alignment", 256))
+    check(t.offset % align == 0, kernel, f"lengths must start at a multiple of {align} B, not {t.offset}")
     return (t.buf, t.offset, (t.nbytes + 3) & ~3)
 
 
@@ -68,6 +70,23 @@ def _act(kernel: str, *ts: Tensor) -> str:
         check(t.dtype == dt, kernel, f"activation dtypes differ: {[x.dtype for x in ts]}")
     check(dt in ("f32", "f16"), kernel, f"activation dtype must be f32 or f16, got {dt}")
     return dt
+
+
+def _vec_header(dt: str, w: int) -> str:
+    """Storage type `av` moving w (1 or 4) elements per load, its f32 twin `fv`, and `hsum`."""
+    if w == 4:
+        return act_header(dt) + ("const W: u32 = 4u;\nalias av = act4;\nalias fv = vec4<f32>;\n"
+                                 "fn hsum(v: fv) -> f32 { return v.x + v.y + v.z + v.w; }\n")
+    return act_header(dt) + ("const W: u32 = 1u;\nalias av = act;\nalias fv = f32;\n"
+                             "fn hsum(v: fv) -> f32 { return v; }\n")
+
+
+def _width(dev: Device, k: str, sizes, tensors) -> int:
+    """4 when every size and tensor offset allows 4-wide loads (lavapipe runs them much faster), else 1."""
+    align = int(dev.limits.get("min-storage-buffer-offset-alignment", 256))
+    ok = all(int(n) % 4 == 0 for n in sizes) and all(
+        (t.offset % align) % (4 * DTYPE_SIZE[t.dtype]) == 0 for t in tensors)
+    return 4 if ok else 1
 
 
 def _rows_cols(t: Tensor) -> tuple[int, int]:
@@ -93,10 +112,10 @@ def rms_norm(dev: Device, x: Tensor, w: Tensor, y: Tensor, *, eps: float) -> Op:
     rows, cols = _rows_cols(x)
     check(y.numel == x.numel and w.numel == cols and w.dtype == "f32", k,
           f"shapes x{x.shape} w{w.shape}/{w.dtype} y{y.shape}")
-    xe, xo = _window(dev, x, k)
-    ye, yo = _window(dev, y, k)
-    par = params(dev, [rows, cols, xo, yo, 0, float(eps), 0, 0], owner=y.buf.owner, label=k)
-    return _op(dev, k, "norm.wgsl", k, act_header(dt), par, [xe, _vec_entry(w), ye], rows)
+    v = _width(dev, k, [cols], [x, y, w])
+    (xe, xo), (ye, yo), (we, wo) = (_window(dev, t, k, v) for t in (x, y, w))
+    par = params(dev, [rows, cols // v, xo, yo, 0, float(eps), wo, 0], owner=y.buf.owner, label=k)
+    return _op(dev, k, "norm.wgsl", k, _vec_header(dt, v), par, [xe, we, ye], rows)
 
 
 def layer_norm(dev: Device, x: Tensor, w: Tensor, b: Tensor, y: Tensor, *, eps: float,
@@ -110,16 +129,16 @@ def layer_norm(dev: Device, x: Tensor, w: Tensor, b: Tensor, y: Tensor, *, eps: 
     check(all(t.numel == x.numel for t in ts) and w.numel == cols and b.numel == cols
           and w.dtype == "f32" and b.dtype == "f32", k,
           f"shapes x{x.shape} w{w.shape} b{b.shape} y{y.shape}")
-    xe, xo = _window(dev, x, k)
-    ye, yo = _window(dev, y, k)
-    entries = [xe, _vec_entry(w), ye, _vec_entry(b)]
+    v = _width(dev, k, [cols], list(ts) + [w, b])
+    (xe, xo), (ye, yo), (we, wo), (be, bo) = (_window(dev, t, k, v) for t in (x, y, w, b))
+    entries = [xe, we, ye, be]
     ro = 0
     if residual is not None:
-        re, ro = _window(dev, residual, k)
+        re, ro = _window(dev, residual, k, v)
         entries.append(re)
-    par = params(dev, [rows, cols, xo, yo, ro, float(eps), 0, 0], owner=y.buf.owner, label=k)
+    par = params(dev, [rows, cols // v, xo, yo, ro, float(eps), wo, bo], owner=y.buf.owner, label=k)
     entry = "layer_norm" if residual is None else "layer_norm_res"
-    return _op(dev, k, "norm.wgsl", entry, act_header(dt), par, entries, rows)
+    return _op(dev, k, "norm.wgsl", entry, _vec_header(dt, v), par, entries, rows)
 
 
 # ----------------------------------------------------------------------------- elementwise
@@ -128,9 +147,10 @@ def add(dev: Device, a: Tensor, b: Tensor, y: Tensor) -> Op:
     k = "add"
     dt = _act(k, a, b, y)
     check(a.numel == b.numel == y.numel, k, f"shapes a{a.shape} b{b.shape} y{y.shape}")
-    (ae, ao), (be, bo), (ye, yo) = (_window(dev, t, k) for t in (a, b, y))
-    par = params(dev, [a.numel, 1, ao, bo, yo, 0, 0, 0], owner=y.buf.owner, label=k)
-    return _op(dev, k, "elementwise.wgsl", k, act_header(dt), par, [ae, be, ye], a.numel)
+    v = _width(dev, k, [a.numel], [a, b, y])
+    (ae, ao), (be, bo), (ye, yo) = (_window(dev, t, k, v) for t in (a, b, y))
+    par = params(dev, [a.numel // v, 1, ao, bo, yo, 0, 0, 0], owner=y.buf.owner, label=k)
+    return _op(dev, k, "elementwise.wgsl", k, _vec_header(dt, v), par, [ae, be, ye], a.numel // v)
 
 
 def bias_add(dev: Device, x: Tensor, b: Tensor, y: Tensor) -> Op:
@@ -140,9 +160,10 @@ def bias_add(dev: Device, x: Tensor, b: Tensor, y: Tensor) -> Op:
     n = int(x.shape[-1])
     check(x.numel == y.numel and b.numel == n and b.dtype == "f32", k,
           f"shapes x{x.shape} b{b.shape}/{b.dtype} y{y.shape}")
-    (xe, xo), (ye, yo) = (_window(dev, t, k) for t in (x, y))
-    par = params(dev, [x.numel, n, xo, 0, yo, 0, 0, 0], owner=y.buf.owner, label=k)
-    return _op(dev, k, "elementwise.wgsl", k, act_header(dt), par, [xe, _vec_entry(b), ye], x.numel)
+    v = _width(dev, k, [n], [x, y, b])
+    (xe, xo), (ye, yo), (be, bo) = (_window(dev, t, k, v) for t in (x, y, b))
+    par = params(dev, [x.numel // v, n // v, xo, bo, yo, 0, 0, 0], owner=y.buf.owner, label=k)
+    return _op(dev, k, "elementwise.wgsl", k, _vec_header(dt, v), par, [xe, be, ye], x.numel // v)
 
 
 def silu_mul(dev: Device, gate_up: Tensor, y: Tensor) -> Op:
@@ -152,9 +173,10 @@ def silu_mul(dev: Device, gate_up: Tensor, y: Tensor) -> Op:
     f = int(y.shape[-1])
     check(int(gate_up.shape[-1]) == 2 * f and gate_up.numel == 2 * y.numel, k,
           f"gate_up{gate_up.shape} must be (T, 2F) for y{y.shape}")
-    (ae, ao), (ye, yo) = (_window(dev, t, k) for t in (gate_up, y))
-    par = params(dev, [y.numel, f, ao, 0, yo, 0, 0, 0], owner=y.buf.owner, label=k)
-    return _op(dev, k, "elementwise.wgsl", k, act_header(dt), par, [ae, ye], y.numel)
+    v = _width(dev, k, [f], [gate_up, y])
+    (ae, ao), (ye, yo) = (_window(dev, t, k, v) for t in (gate_up, y))
+    par = params(dev, [y.numel // v, f // v, ao, 0, yo, 0, 0, 0], owner=y.buf.owner, label=k)
+    return _op(dev, k, "elementwise.wgsl", k, _vec_header(dt, v), par, [ae, ye], y.numel // v)
 
 
 def gelu(dev: Device, x: Tensor, y: Tensor) -> Op:
@@ -162,9 +184,10 @@ def gelu(dev: Device, x: Tensor, y: Tensor) -> Op:
     k = "gelu"
     dt = _act(k, x, y)
     check(x.numel == y.numel, k, f"shapes x{x.shape} y{y.shape}")
-    (xe, xo), (ye, yo) = (_window(dev, t, k) for t in (x, y))
-    par = params(dev, [x.numel, 1, xo, 0, yo, 0, 0, 0], owner=y.buf.owner, label=k)
-    return _op(dev, k, "elementwise.wgsl", k, act_header(dt), par, [xe, ye], x.numel)
+    v = _width(dev, k, [x.numel], [x, y])
+    (xe, xo), (ye, yo) = (_window(dev, t, k, v) for t in (x, y))
+    par = params(dev, [x.numel // v, 1, xo, 0, yo, 0, 0, 0], owner=y.buf.owner, label=k)
+    return _op(dev, k, "elementwise.wgsl", k, _vec_header(dt, v), par, [xe, ye], x.numel // v)
 
 
 # ----------------------------------------------------------------------------- rope and kv cache
@@ -249,21 +272,45 @@ def decode_splits(ctx: int, *, min_chunk: int = 32, max_splits: int = 128) -> tu
     return chunk, -(-ctx // chunk)
 
 
-def _attn_header(dt: str, head_dim: int, heads_per_invocation: int) -> str:
-    return act_header(dt) + f"const D4: u32 = {head_dim // 4}u;\nconst G: u32 = {heads_per_invocation}u;\n"
+def _attn_header(dt: str, head_dim: int, g: int = 1, split_wg: int = WG) -> str:
+    """Constants plus the state of g heads unrolled into vec4 registers (see attention.wgsl)."""
+    n = head_dim // 4
+    r, gs = range(n), range(g)
+    sv = "f32" if g == 1 else f"vec{g}<f32>"
+    comp = (lambda v, j: v) if g == 1 else (lambda v, j: f"{v}[{j}]")
+    out = [act_header(dt), f"const D4: u32 = {n}u;", f"const G: u32 = {g}u;", f"const SWG: u32 = {split_wg}u;",
+           f"alias sv = {sv};",
+           "fn sv_get(v: sv, g: u32) -> f32 { return " + ("v" if g == 1 else "v[g]") + "; }"]
+    out += [f"var<private> q{j}_{i}: vec4<f32>;\nvar<private> a{j}_{i}: vec4<f32>;" for j in gs for i in r]
+    out.append("fn load_q(qb: u32) {\n" + "".join(
+        f"  q{j}_{i} = vec4<f32>(qkv[qb + {j * n + i}u]) * p.scale; a{j}_{i} = vec4<f32>(0.0);\n"
+        for j in gs for i in r) + "  m_run = sv(-3.0e38); l_run = sv(0.0);\n}")
+    out.append("fn qk(kr: u32) -> sv {\n" + "".join(f"  let k{i} = vec4<f32>(kc[kr + {i}u]);\n" for i in r)
+               + "  return sv(" + ", ".join(" + ".join(f"dot(q{j}_{i}, k{i})" for i in r) for j in gs)
+               + ");\n}")
+    out.append("fn acc_scale(c: sv) {\n" + "".join(f"  a{j}_{i} *= {comp('c', j)};\n" for j in gs for i in r)
+               + "}")
+    out.append("fn acc_add(w: sv, vr: u32) {\n" + "".join(f"  let v{i} = vec4<f32>(vc[vr + {i}u]);\n" for i in r)
+               + "".join(f"  a{j}_{i} += {comp('w', j)} * v{i};\n" for j in gs for i in r) + "}")
+    cases = [(j * n + i, f"a{j}_{i}") for j in gs for i in r]
+    out.append("fn acc_get(g: u32, d: u32) -> vec4<f32> {\n  switch g * D4 + d {\n" + "".join(
+        f"    case {c}u: {{ return {v}; }}\n" for c, v in cases[:-1])
+        + f"    default: {{ return {cases[-1][1]}; }}\n  }}\n}}")
+    return "\n".join(out) + "\n"
 
 
 def attention(dev: Device, qkv: Tensor, k_cache: Tensor, v_cache: Tensor, out: Tensor, step, *,
               n_q_heads: int, n_kv_heads: int, head_dim: int, ctx: int, scale: float,
               max_t: int | None = None, min_chunk: int = 32, max_splits: int = 128,
-              heads_per_invocation: int | None = None) -> Op:
+              heads_per_lane: int | None = None, split_wg: int | None = None) -> Op:
     """Causal attention of the q heads of qkv (T, Hq+2Hkv, D) over the caches (Hkv, ctx, D), which
     already hold this step's keys: query t (position pos0+t) sees keys 0..pos0+t; head h reads kv
     head h // (Hq/Hkv). out (T, Hq*D). Rows t >= step.n_new are skipped (n_new 0: all T rows).
     max_t (default T) rows are dispatched; max_t == 1 takes the split-key decode path (2 dispatches),
     sized once for ctx: splits past the live context exit at once.
-    Per-device tuning: min_chunk / max_splits (decode split size), heads_per_invocation (q heads
-    sharing one kv head that one invocation serves; default all Hq/Hkv, so K and V load once)."""
+    Per-device tuning: min_chunk / max_splits (decode split size); heads_per_lane (decode: q heads
+    of one kv head served by one lane, which loads each key once for them; default the largest
+    divisor of Hq/Hkv up to 4)."""
     k = "attention"
     dt = _act(k, qkv, k_cache, v_cache, out)
     rows, heads = _qkv_heads(k, qkv, head_dim)
@@ -279,21 +326,26 @@ def attention(dev: Device, qkv: Tensor, k_cache: Tensor, v_cache: Tensor, out: T
               f"cache {c.shape} must be (Hkv={n_kv_heads}, ctx={ctx}, D={head_dim})")
     owner = out.buf.owner
     group = n_q_heads // n_kv_heads
-    gi = group if heads_per_invocation is None else int(heads_per_invocation)
-    check(gi > 0 and group % gi == 0, k, f"heads_per_invocation {gi} must divide Hq/Hkv = {group}")
-    header = _attn_header(dt, head_dim, gi)
     (qe, qo), (ke, ko), (ve, vo), (oe, oo) = (_window(dev, t, k, 4) for t in (qkv, k_cache, v_cache, out))
     if t_max > 1:
+        n_blk = -(-t_max // WG)
         par = params(dev, [t_max, n_q_heads, group, heads, ctx, 0, 0, float(scale), qo, ko, vo, oo,
-                           0, 0, 0, 0], owner=owner, label=k)
-        return _op(dev, k, "attention.wgsl", "attn_causal", header, par,
-                   [_step_entry(step), qe, ke, ve, oe], t_max * n_q_heads // gi)
+                           n_blk, 0, 0, 0], owner=owner, label=k)
+        return _op(dev, k, "attention.wgsl", "attn_causal", _attn_header(dt, head_dim), par,
+                   [_step_entry(step), qe, ke, ve, oe], n_blk * n_q_heads * WG)
     chunk, n_splits = decode_splits(ctx, min_chunk=min_chunk, max_splits=max_splits)
     part = dev.buffer(n_q_heads * n_splits * (head_dim // 4 + 1) * 16, owner=owner, label="attention.partials")
     par = params(dev, [1, n_q_heads, group, heads, ctx, chunk, n_splits, float(scale), qo, ko, vo, oo,
                        0, 0, 0, 0], owner=owner, label=k)
-    op = _op(dev, k, "attention.wgsl", "attn_split", header, par,
-             [_step_entry(step), qe, ke, ve, (part, 0, part.size)], n_splits * n_q_heads // gi)
+    g = heads_per_lane or max(d for d in (1, 2, 3, 4) if group % d == 0)
+    check(group % g == 0, k, f"heads_per_lane {g} must divide Hq/Hkv = {group}")
+    swg = split_wg or WG
+    header = _attn_header(dt, head_dim, g, swg)
+    entries = [_step_entry(step), qe, ke, ve, (part, 0, part.size)]
+    pipe = dev.pipeline("attention.wgsl", "attn_split", header=header)
+    op = Op(name=k, buffers=[par])
+    x, y = _grid(-(-n_splits * n_q_heads // g // swg) * WG, k)
+    op.add(pipe, dev.bind(pipe, [par] + entries), x, y)
     comb = dev.pipeline("attention.wgsl", "attn_combine", header=header)
     x, y = _grid(n_q_heads * head_dim // 4, k)
     op.add(comb, dev.bind(comb, [par, _step_entry(step), (part, 0, part.size), oe]), x, y)
@@ -315,11 +367,12 @@ def attention_bidir(dev: Device, qkv: Tensor, lengths: Tensor, out: Tensor, *, b
     check(out.numel == rows * n_heads * head_dim, k, f"out {out.shape} must be (B*S, H*D)")
     check(lengths.numel >= batch, k, f"lengths {lengths.shape} must hold B={batch} entries")
     (qe, qo), (oe, oo) = _window(dev, qkv, k, 4), _window(dev, out, k, 4)
+    n_blk = -(-seq // WG)
     par = params(dev, [rows, n_heads, 1, 3 * n_heads, seq, 0, 0, float(scale), qo, qo, qo, oo,
-                       0, 0, 0, 0], owner=out.buf.owner, label=k)
+                       n_blk, 0, 0, 0], owner=out.buf.owner, label=k)
     # the qkv window is bound as q, k and v source alike (the kernel shares code with attn_causal)
-    return _op(dev, k, "attention.wgsl", "attn_bidir", _attn_header(dt, head_dim, 1), par,
-               [_vec_entry(lengths), qe, qe, qe, oe], rows * n_heads)
+    return _op(dev, k, "attention.wgsl", "attn_bidir", _attn_header(dt, head_dim), par,
+               [_vec_entry(dev, lengths, k), qe, qe, qe, oe], batch * n_blk * n_heads * WG)
 
 
 # ----------------------------------------------------------------------------- pooling
@@ -341,7 +394,7 @@ def _pool(dev: Device, entry: str, x: Tensor, lengths: Tensor, y: Tensor) -> Op:
     (xe, xo), (ye, yo) = _window(dev, x, entry), _window(dev, y, entry)
     par = params(dev, [b, seq, c, xo, yo, 0.0, 0, 0], owner=y.buf.owner, label=entry)
     return _op(dev, entry, "pooling.wgsl", entry, _pool_header(x, y), par,
-               [xe, _vec_entry(lengths), ye], b * c)
+               [xe, _vec_entry(dev, lengths, entry), ye], b * c)
 
 
 def mean_pool(dev: Device, x: Tensor, lengths: Tensor, y: Tensor) -> Op:

@@ -3,16 +3,16 @@
 Matches Hugging Face `tokenizers` / llama.cpp: control and user-defined tokens are matched whole in
 the text; the rest is split by the model's pre-tokenizer regex (chosen by `tokenizer.ggml.pre`), each
 piece's UTF-8 bytes are mapped to GPT-2's printable byte alphabet and merged by merge rank.
-The stdlib `re` has no \\p{L} / \\p{N}, so those classes are built once from `unicodedata`.
+The stdlib `re` has no \\p{L} / \\p{N}, so those classes come from stored ranges (unicode_tables).
 """
 from __future__ import annotations
 
 import functools
+import heapq
 import re
-import sys
-import unicodedata
 
 from ..errors import ModelFormatError, UnsupportedModelError
+from .unicode_tables import LETTER_RANGES, NUMBER_RANGES
 
 # GGUF token types (llama.cpp's llama_token_type)
 TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 1, 2, 3, 4, 5, 6
@@ -47,19 +47,8 @@ PRE_TOKENIZERS = {
 @functools.lru_cache(maxsize=None)
 def _unicode_class(prefix: str) -> str:
     """Regex class body of every code point whose general category starts with `prefix` ('L', 'N')."""
-    ranges, start, prev = [], None, None
-    cat = unicodedata.category
-    for cp in range(sys.maxunicode + 1):
-        if cat(chr(cp))[0] == prefix:
-            if start is None:
-                start = cp
-            prev = cp
-        elif start is not None:
-            ranges.append((start, prev))
-            start = None
-    if start is not None:
-        ranges.append((start, prev))
-    return "".join(f"\\U{a:08x}" if a == b else f"\\U{a:08x}-\\U{b:08x}" for a, b in ranges)
+    r = {"L": LETTER_RANGES, "N": NUMBER_RANGES}[prefix]
+    return "".join(f"\\U{a:08x}" if a == b else f"\\U{a:08x}-\\U{b:08x}" for a, b in zip(r[::2], r[1::2]))
 
 
 def to_python_regex(pattern: str) -> str:
@@ -165,6 +154,62 @@ def eog_ids(metadata: dict) -> list[int]:
     return list(dict.fromkeys(out))
 
 
+def _merge_scan(parts: list[str], ranks: dict) -> list[str]:
+    """GPT-2's loop: merge every occurrence of the best-ranked pair, left to right, until none is left.
+    O(n^2) in the piece length, fastest for the short pieces of ordinary text."""
+    while len(parts) > 1:
+        best, best_rank = -1, None
+        for i in range(len(parts) - 1):
+            r = ranks.get((parts[i], parts[i + 1]))
+            if r is not None and (best_rank is None or r < best_rank):
+                best, best_rank = i, r
+        if best_rank is None:
+            break
+        a, b = parts[best], parts[best + 1]
+        merged, i = [], 0
+        while i < len(parts):
+            if i < len(parts) - 1 and parts[i] == a and parts[i + 1] == b:
+                merged.append(a + b)
+                i += 2
+            else:
+                merged.append(parts[i])
+                i += 1
+        parts = merged
+    return parts
+
+
+def _merge_heap(parts: list[str], ranks: dict) -> list[str]:
+    """The same merges in `tokenizers`' order (lowest rank, then leftmost) with a heap and a linked
+    list: O(n log n), so one long run of letters (pasted data) cannot stall encoding."""
+    sym: list[str | None] = list(parts)
+    n = len(sym)
+    nxt = list(range(1, n + 1))
+    nxt[-1] = -1
+    prv = list(range(-1, n - 1))
+    heap = [(r, i, sym[i], sym[i + 1]) for i in range(n - 1)
+            if (r := ranks.get((sym[i], sym[i + 1]))) is not None]
+    heapq.heapify(heap)
+    while heap:
+        _, i, a, b = heapq.heappop(heap)
+        j = nxt[i]
+        if sym[i] != a or j < 0 or sym[j] != b:      # stale: a neighbour was merged meanwhile
+            continue
+        sym[i], sym[j] = a + b, None
+        k = nxt[j]
+        nxt[i] = k
+        if k >= 0:
+            prv[k] = i
+            r = ranks.get((sym[i], sym[k]))
+            if r is not None:
+                heapq.heappush(heap, (r, i, sym[i], sym[k]))
+        p = prv[i]
+        if p >= 0:
+            r = ranks.get((sym[p], sym[i]))
+            if r is not None:
+                heapq.heappush(heap, (r, p, sym[p], sym[i]))
+    return [t for t in sym if t is not None]
+
+
 class BPETokenizer:
     """Byte-level BPE. `encode(text)` adds no BOS (see `add_bos_token`); special tokens in the text
     are matched whole. `token_bytes(id)` gives the raw bytes of one token (a token may hold part of
@@ -249,8 +294,8 @@ class BPETokenizer:
         bos = tid("bos_token")
         post = spec.get("post_processor") or {}
         single = post.get("single") or []      # TemplateProcessing that starts with a special token
-        add_bos = bool(tok_cfg.get("add_bos_token", False)) or bool(
-            single and "SpecialToken" in single[0] and single[0]["SpecialToken"]["id"] == (tokens[bos] if bos is not None else None))
+        first = single[0].get("SpecialToken", {}).get("id") if single else None
+        add_bos = bool(tok_cfg.get("add_bos_token", False)) or (bos is not None and first == tokens[bos])
         unk = model.get("unk_token")
         return cls(tokens, model.get("merges") or [], types, pre="tokenizer.json", pattern=pattern,
                    split_digits=split_digits, bos_id=bos, eos_ids=[i for i in eos if i is not None],
@@ -287,25 +332,7 @@ class BPETokenizer:
             i = self.vocab.get("".join(parts))
             if i is not None:
                 return (i,)
-        ranks = self.ranks
-        while len(parts) > 1:
-            best, best_rank = -1, None
-            for i in range(len(parts) - 1):
-                r = ranks.get((parts[i], parts[i + 1]))
-                if r is not None and (best_rank is None or r < best_rank):
-                    best, best_rank = i, r
-            if best_rank is None:
-                break
-            a, b = parts[best], parts[best + 1]
-            merged, i = [], 0
-            while i < len(parts):                # merge every occurrence of the pair, left to right
-                if i < len(parts) - 1 and parts[i] == a and parts[i + 1] == b:
-                    merged.append(a + b)
-                    i += 2
-                else:
-                    merged.append(parts[i])
-                    i += 1
-            parts = merged
+        parts = _merge_heap(parts, self.ranks) if len(parts) > 48 else _merge_scan(parts, self.ranks)
         ids = []
         for p in parts:
             i = self.vocab.get(p)

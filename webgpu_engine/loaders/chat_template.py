@@ -105,3 +105,15 @@ def from_gguf_metadata(md: dict) -> ChatTemplate | None:
         i = md.get(f"tokenizer.ggml.{key}_token_id")
         return tokens[int(i)] if i is not None and 0 <= int(i) < len(tokens) else ""
     return ChatTemplate(str(src), bos_token=text("bos"), eos_token=text("eos"))
+
+
+def from_folder(folder) -> ChatTemplate | None:
+    """An HF folder's template: `chat_template.jinja` (newer transformers) or tokenizer_config.json's."""
+    from pathlib import Path
+    folder = Path(folder)
+    cfg_path = folder / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text(encoding="utf-8")) if cfg_path.is_file() else {}
+    jinja = folder / "chat_template.jinja"
+    if jinja.is_file():
+        cfg = {**cfg, "chat_template": jinja.read_text(encoding="utf-8")}
+    return ChatTemplate.from_tokenizer_config(cfg)

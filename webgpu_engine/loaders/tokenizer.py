@@ -31,6 +31,8 @@ class NativeTokenizer:
         self._tk, self.base = tk, base
 
     def __getattr__(self, name):           # bos_id, eos_ids, vocab_size, token_bytes, ... from base
+        if name in ("base", "_tk") or name.startswith("__"):   # not set yet (copy/pickle): no recursion
+            raise AttributeError(name)
         return getattr(self.base, name)
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:

@@ -11,8 +11,8 @@ final [SEP] (what sentence-transformers does), token ids keep their first `max_s
 """
 from __future__ import annotations
 
-import struct
 import time
+from array import array
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +25,7 @@ from ..loaders.tokenizer import load_tokenizer
 from ..models.bert import BertModel
 
 S_GRANULE = 16      # padded lengths are multiples of this: few distinct buckets, little padding
+BATCH_COST = 64     # a forward's fixed cost (dispatches, one pass over the weights) in padded tokens
 
 
 @dataclass
@@ -48,8 +49,7 @@ class EmbeddingPipeline:
         self.dim = model.cfg.hidden_size
         self._dst = None                # (N, C) f32 buffer the batches copy into
         self._stats = {"requests": 0, "tokens": 0, "seconds": 0.0}
-        self._cls_id = _special_id(tokenizer, "[CLS]")
-        self._sep_id = _special_id(tokenizer, "[SEP]")
+        self._sep_id = tokenizer.token_to_id("[SEP]")
 
     @classmethod
     async def load(cls, dev, folder: str | Path, chat_config: ChatConfig | None = None,
@@ -59,11 +59,17 @@ class EmbeddingPipeline:
         chat_config.dtype picks the activation precision: "f32", "f16" (needs shader-f16) or "auto"
         (f32: on the adapters we measured f16 buys little for this small model and costs accuracy)."""
         chat_config = chat_config or ChatConfig()
+        if chat_config.max_batch_size < 1:
+            raise InvalidRequestError("chat_opts max_batch_size must be at least 1.", param="max_batch_size")
+        if chat_config.max_seq_length is not None and chat_config.max_seq_length < 2:
+            raise InvalidRequestError("chat_opts max_seq_length must be at least 2 ([CLS] and [SEP]).",
+                                      param="max_seq_length")
         st = load_sentence_transformer_config(folder)
         if progress:
             progress(0.0, f"reading {Path(folder).name}")
         cfg = hf_config.load_bert_config(st.model_folder)
-        tokenizer = load_tokenizer(st.model_folder)
+        max_len = min(chat_config.max_seq_length or st.max_seq_length or cfg.max_position, cfg.max_position)
+        tokenizer = load_tokenizer(st.model_folder, max_length=max_len)
         dtype = chat_config.dtype
         if dtype == "auto":
             dtype = "f32"
@@ -81,10 +87,7 @@ class EmbeddingPipeline:
                 progress(0.05 + 0.95 * frac, text)
         model = BertModel(dev, cfg, tensors, act_dtype=dtype, pooling=st.pooling, normalize=st.normalize,
                           owner=owner, progress=up)
-        limit = model.max_seq_length
-        max_len = min(chat_config.max_seq_length or st.max_seq_length or limit, limit)
-        if chat_config.max_batch_size < 1:
-            raise InvalidRequestError("chat_opts max_batch_size must be at least 1.", param="max_batch_size")
+        max_len = min(max_len, model.max_seq_length)
         if progress:
             progress(1.0, "embedding model ready")
         return cls(dev, model, tokenizer, st, chat_config, max_len, owner)
@@ -94,18 +97,11 @@ class EmbeddingPipeline:
         """Text → ids with [CLS]/[SEP], truncated to max_seq_length keeping the final [SEP]."""
         if self.st_config.do_lower_case:
             texts = [t.lower() for t in texts]
-        enc = getattr(self.tokenizer, "encode_batch", None)
-        seqs = enc(texts) if enc is not None else [self.tokenizer.encode(t) for t in texts]
-        out = []
-        for ids in seqs:
-            ids = list(ids)
-            if self._cls_id is not None and (not ids or ids[0] != self._cls_id):
-                ids.insert(0, self._cls_id)
-            if self._sep_id is not None and ids[-1] != self._sep_id:
-                ids.append(self._sep_id)
-            if len(ids) > self.max_seq_length:
-                tail = [ids[-1]] if ids[-1] == self._sep_id else []
-                ids = ids[:self.max_seq_length - len(tail)] + tail
+        L, out = self.max_seq_length, []
+        for text in texts:
+            ids = list(self.tokenizer.encode(text, add_special_tokens=True, max_length=L))
+            if len(ids) > L:        # a tokenizer that ignores max_length: truncate as it should have
+                ids = ids[:L - 1] + [ids[-1]] if ids[-1] == self._sep_id else ids[:L]
             out.append(ids)
         return out
 
@@ -143,17 +139,12 @@ class EmbeddingPipeline:
         N, C = len(seqs), self.dim
         esize = 4                       # the model hands out f32 vectors for either activation dtype
         dst = self._result_buffer(N * C * esize)
-        # Longest first: each batch pads to its own longest member, and order is restored below.
+        # Longest first, cut into batches that pad little; order is restored below.
         order = sorted(range(N), key=lambda i: -len(seqs[i]))
-        bmax = self.chat_config.max_batch_size
-        for start in range(0, N, bmax):
-            idx = order[start:start + bmax]
-            chunk = [seqs[i] for i in idx]
-            S = min(_round_up(max(len(s) for s in chunk), S_GRANULE), self.max_seq_length)
-            B = min(_pow2(len(chunk)), bmax)
-            self.model.run(chunk, B, S, dst, start * C * esize)
+        for start, end, B, S in self.plan_batches([len(seqs[i]) for i in order]):
+            self.model.run([seqs[i] for i in order[start:end]], B, S, dst, start * C * esize)
         raw = await self.dev.read(dst, 0, N * C * esize)
-        flat = struct.unpack(f"<{N * C}f", raw)
+        flat = array("f", raw)
         vecs: list[list[float]] = [[]] * N
         for j, i in enumerate(order):
             vecs[i] = list(flat[j * C:(j + 1) * C])
@@ -163,6 +154,26 @@ class EmbeddingPipeline:
         self._stats["tokens"] += n_tok
         self._stats["seconds"] += dt
         return EmbeddingResult(vecs, n_tok, n_tok / dt if dt > 0 else 0.0)
+
+    def plan_batches(self, lengths: list[int]) -> list[tuple[int, int, int, int]]:
+        """Cut `lengths` (sorted longest first) into batches (start, end, B, S): B sequences padded to
+        S tokens, B a power of two up to max_batch_size, S a multiple of S_GRANULE. Minimises the padded
+        tokens computed plus BATCH_COST per forward (weights are re-read once per forward), so a long
+        outlier gets a batch of its own instead of padding 31 short sentences to its length."""
+        bmax, L, n = self.chat_config.max_batch_size, self.max_seq_length, len(lengths)
+        best = [0.0] + [float("inf")] * n          # best[j]: cost of the first j sequences
+        cut = [0] * (n + 1)
+        for j in range(1, n + 1):
+            for i in range(max(0, j - bmax), j):   # batch = lengths[i:j]; its longest is lengths[i]
+                c = best[i] + BATCH_COST + min(_pow2(j - i), bmax) * min(_round_up(lengths[i], S_GRANULE), L)
+                if c < best[j]:
+                    best[j], cut[j] = c, i
+        plan, j = [], n
+        while j > 0:
+            i = cut[j]
+            plan.append((i, j, min(_pow2(j - i), bmax), min(_round_up(lengths[i], S_GRANULE), L)))
+            j = i
+        return plan[::-1]
 
     def _result_buffer(self, nbytes: int):
         if self._dst is None or self._dst.size < nbytes:
@@ -184,14 +195,6 @@ class EmbeddingPipeline:
         self.model.dispose()
         self._dst = None
         self.dev.release_owner(self.owner)
-
-
-def _special_id(tokenizer, token: str) -> int | None:
-    for name in ("token_to_id", "piece_to_id"):
-        f = getattr(tokenizer, name, None)
-        if f is not None:
-            return f(token)
-    return None
 
 
 def _round_up(n: int, m: int) -> int:

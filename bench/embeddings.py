@@ -1,0 +1,193 @@
+"""Embedding throughput: sentences/s and tokens/s of EmbeddingPipeline (f32 and f16 activations) on
+the current adapter, a per-kernel time breakdown of one batch, and sentence-transformers when present.
+
+    python bench/embeddings.py [--n 256] [--words 32] [--batch 32] [--dtypes f32,f16] [--model DIR]
+                               [--st-python PYTHON_WITH_SENTENCE_TRANSFORMERS]
+
+Prints a table and writes bench/results/embeddings.json. The workload: `n` sentences of about `words`
+English words each (fixed seed), embedded in one request with max_batch_size `batch`.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("XDG_RUNTIME_DIR", "/tmp")
+
+WORDS = ("the of and to in is was for on that with as by at from his her they this which be are an "
+         "not or have one had were their but all there can been has more when who will would up out "
+         "into about time only new some could these two may first then do any like other than now "
+         "people over such city world years made after system music river history between school "
+         "government during university number company water under family known game model engine "
+         "light network language computer science energy market report study north south village "
+         "embedding vector graphics browser kernel memory shader device quantum bread garden").split()
+
+
+def sentences(n: int, words: int, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        k = max(1, words + rng.randint(-4, 4))
+        s = " ".join(rng.choice(WORDS) for _ in range(k))
+        out.append(s[0].upper() + s[1:] + ".")
+    return out
+
+
+def kernel_breakdown(pipe, seqs: list[list[int]]) -> list[dict]:
+    """Time each dispatch of one forward alone (submit + wait), summed per kernel: where time goes."""
+    model, dev = pipe.model, pipe.dev
+    B = len(seqs)
+    S = -(-max(len(s) for s in seqs) // 16) * 16
+    dst = dev.buffer(B * pipe.dim * 4, owner=pipe.owner, label="bench_dst")
+    model.run(seqs, B, S, dst)
+    dev.read_sync(dst, 0, 4)
+    agg: dict[str, list] = {}
+    for p, bg, x, y, z in model._bucket_ops(B, S).dispatches:
+        b = dev.batch().dispatch(p, bg, x, y, z)
+        t = time.perf_counter()
+        dev.submit(b)
+        dev.read_sync(dst, 0, 4)
+        a = agg.setdefault(p.name, [0, 0.0])
+        a[0] += 1
+        a[1] += time.perf_counter() - t
+    dst.release()
+    total = sum(v[1] for v in agg.values())
+    return [{"kernel": k, "dispatches": n, "ms": round(1e3 * s, 2), "share": round(s / total, 3)}
+            for k, (n, s) in sorted(agg.items(), key=lambda kv: -kv[1][1])] + \
+           [{"kernel": "(sum)", "dispatches": sum(v[0] for v in agg.values()), "ms": round(1e3 * total, 2),
+             "share": 1.0, "B": B, "S": S}]
+
+
+async def bench_engine(dev, folder: Path, dtype: str, texts: list[str], batch: int, repeats: int) -> dict:
+    from webgpu_engine.config import ChatConfig
+    from webgpu_engine.pipelines.embedding import EmbeddingPipeline
+    t = time.perf_counter()
+    pipe = await EmbeddingPipeline.load(dev, folder, ChatConfig(dtype=dtype, max_batch_size=batch))
+    load_s = time.perf_counter() - t
+    try:
+        t = time.perf_counter()
+        ids = pipe.tokenize(texts)
+        tok_s = time.perf_counter() - t
+        n_tok = sum(len(i) for i in ids)
+        await pipe.embed_step(texts[:batch])                  # compiles pipelines, builds one bucket
+        runs = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            res = await pipe.embed_step(texts)
+            runs.append(time.perf_counter() - t)
+        best = min(runs)
+        plan = pipe.plan_batches(sorted((len(i) for i in ids), reverse=True))
+        breakdown = kernel_breakdown(pipe, ids[:batch])
+        return {"engine": "webgpu_engine", "dtype": dtype, "load_s": round(load_s, 2),
+                "sentences": len(texts), "tokens": n_tok, "prompt_tokens": res.prompt_tokens,
+                "seconds": round(best, 3), "runs_s": [round(r, 3) for r in runs],
+                "sentences_per_s": round(len(texts) / best, 2), "tokens_per_s": round(n_tok / best, 1),
+                "tokenize_s": round(tok_s, 3), "batches": [(e - s, B, S) for s, e, B, S in plan],
+                "kernels": breakdown}
+    finally:
+        pipe.dispose()
+
+
+_ST_SCRIPT = r"""
+import json, sys, time
+import torch
+from sentence_transformers import SentenceTransformer
+folder, batch, repeats = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+texts = json.load(sys.stdin)
+model = SentenceTransformer(folder, device="cpu")
+model.encode(texts[:batch], batch_size=batch)
+runs = []
+for _ in range(repeats):
+    t = time.perf_counter()
+    model.encode(texts, batch_size=batch)
+    runs.append(time.perf_counter() - t)
+n_tok = sum(len(model.tokenize([s])["input_ids"][0]) for s in texts)
+print(json.dumps({"seconds": min(runs), "tokens": n_tok, "torch": torch.__version__,
+                  "torch_threads": torch.get_num_threads()}))
+"""
+
+
+def bench_sentence_transformers(folder: Path, texts: list[str], batch: int, repeats: int,
+                                python: str | None) -> dict | None:
+    """sentence-transformers on the CPU, in this interpreter when it imports it, else in `python`
+    (a separate environment with torch, so this project's environment stays free of it)."""
+    import subprocess
+    if python is None:
+        try:
+            import sentence_transformers  # noqa: F401
+        except ImportError:
+            return None
+        python = sys.executable
+    p = subprocess.run([python, "-c", _ST_SCRIPT, str(folder), str(batch), str(repeats)],
+                       input=json.dumps(texts), capture_output=True, text=True, check=True)
+    r = json.loads(p.stdout.strip().splitlines()[-1])
+    best = r["seconds"]
+    return {"engine": "sentence-transformers", "dtype": "f32", "torch": r["torch"],
+            "torch_threads": r["torch_threads"], "sentences": len(texts), "tokens": r["tokens"],
+            "seconds": round(best, 3), "sentences_per_s": round(len(texts) / best, 2),
+            "tokens_per_s": round(r["tokens"] / best, 1)}
+
+
+async def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--n", type=int, default=256)
+    ap.add_argument("--words", type=int, default=32)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--dtypes", default="f32,f16")
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--model", type=Path, default=None)
+    ap.add_argument("--st-python", default=None,
+                    help="python of an environment with sentence-transformers, when this one lacks it")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "embeddings.json")
+    a = ap.parse_args()
+    from webgpu_engine import cache
+    from webgpu_engine.gpu import request_device
+    folder = a.model or Path(cache.default_model_path("all-MiniLM-L6-v2"))
+    texts = sentences(a.n, a.words)
+    dev = await request_device()
+    rows = []
+    for dt in a.dtypes.split(","):
+        if dt == "f16" and not dev.has_f16:
+            print("skipping f16: this adapter lacks shader-f16")
+            continue
+        rows.append(await bench_engine(dev, folder, dt, texts, a.batch, a.repeats))
+    st = bench_sentence_transformers(folder, texts, a.batch, a.repeats, a.st_python)
+    if st:
+        rows.append(st)
+        for r in rows[:-1]:
+            r["ratio_vs_sentence_transformers"] = round(r["sentences_per_s"] / st["sentences_per_s"], 3)
+
+    print(f"\nadapter: {dev.info.name} ({dev.info.backend}); {a.n} sentences of ~{a.words} words, "
+          f"batch {a.batch}; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+    print(f"{'engine':24s} {'dtype':5s} {'sent/s':>8s} {'tok/s':>9s} {'seconds':>8s} {'vs ST':>6s}")
+    for r in rows:
+        ratio = r.get("ratio_vs_sentence_transformers")
+        print(f"{r['engine']:24s} {r['dtype']:5s} {r['sentences_per_s']:8.2f} {r['tokens_per_s']:9.1f} "
+              f"{r['seconds']:8.2f} {'' if ratio is None else f'{ratio:6.3f}'}")
+    for r in rows:
+        if "kernels" in r:
+            k = r["kernels"]
+            print(f"\nper-kernel time of one {k[-1]['B']}x{k[-1]['S']} forward, {r['dtype']} "
+                  f"(each dispatch submitted alone):")
+            for e in k:
+                print(f"  {e['kernel']:36s} {e['dispatches']:4d} {e['ms']:10.1f} ms {100 * e['share']:5.1f}%")
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps({
+        "adapter": dev.info.__dict__, "host": platform.platform(), "cpus": os.cpu_count(),
+        "load_average_1m": os.getloadavg()[0], "workload": {"sentences": a.n, "words": a.words,
+                                                            "batch": a.batch},
+        "sentence_transformers_available": st is not None, "results": rows}, indent=2))
+    print(f"\nwrote {a.out.relative_to(ROOT) if a.out.is_relative_to(ROOT) else a.out}")
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
