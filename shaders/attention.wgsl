@@ -1,18 +1,19 @@
 // Scaled dot-product attention with an f32 online softmax (running max subtracted). Vectors are
 // act4; D4 = head_dim / 4 and G are header constants. In prefill and BERT the 64 lanes of a
-// workgroup are consecutive queries of one head and walk the same keys in lockstep.
+// workgroup are consecutive queries and walk the same keys in lockstep.
 //   attn_causal:   prefill. qkv (T, H_all, D): q head h of row t; caches (Hkv, ctx, D) already
 //                  hold keys 0..pos0+T-1; query t (position pos0 + t) sees keys 0..pos0+t; head h
 //                  reads kv head h / (Hq/Hkv). out (T, Hq*D). Rows t >= n_new are skipped.
-//                  Workgroup per (block of 64 queries, head), lane per query; dispatch (nblk*Hq).
+//                  Workgroup per (block of 64 queries, G heads of one kv head), lane per query;
+//                  dispatch nblk*Hq/G workgroups.
 //   attn_split:    decode (T == 1), flash-decoding: lane per (split s, G heads of one kv head)
 //                  attends keys [s*chunk, (s+1)*chunk) ∩ [0, pos0] and writes (acc, max, sum)
 //                  partials. Splits past the live context exit at once, so the op is built once
 //                  for ctx. dispatch ceil(n_splits*Hq/G / SWG) (SWG: a header constant).
 //   attn_combine:  out[h] = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s; lane per (h, d4).
 //   attn_bidir:    BERT. qkv (B*S, 3*H*D) rows [q | k | v]; key j of sequence b visible iff
-//                  j < lengths[b]. Workgroup per (b, block of 64 queries, h). Binds the qkv
-//                  window as kc and vc too.
+//                  j < lengths[b]. Workgroup per (b, block of 64*G queries, h), lane per G
+//                  consecutive queries. Binds the qkv window as kc and vc too.
 
 struct Params {
     rows: u32,      // T (causal) or B*S (bidir)
@@ -36,9 +37,9 @@ struct Params {
 @group(0) @binding(0) var<uniform> p: Params;
 @group(0) @binding(1) var<storage, read> step: array<u32>;          // (4): pos0, n_new, kv_len, 0
 @group(0) @binding(1) var<storage, read> lengths: array<u32>;       // bidir: (B)
-@group(0) @binding(2) var<storage, read_write> qkv: array<act4>;
-@group(0) @binding(3) var<storage, read_write> kc: array<act4>;     // (Hkv, ctx, D)
-@group(0) @binding(4) var<storage, read_write> vc: array<act4>;     // (Hkv, ctx, D)
+@group(0) @binding(2) var<storage, read> qkv: array<act4>;
+@group(0) @binding(3) var<storage, read> kc: array<act4>;     // (Hkv, ctx, D)
+@group(0) @binding(4) var<storage, read> vc: array<act4>;     // (Hkv, ctx, D)
 @group(0) @binding(5) var<storage, read_write> out: array<act4>;    // (T, Hq*D)
 @group(0) @binding(5) var<storage, read_write> part: array<vec4<f32>>;   // (Hq, n_splits, D4+1)
 @group(0) @binding(2) var<storage, read_write> part_in: array<vec4<f32>>;
@@ -48,10 +49,10 @@ const WG: u32 = 64u;
 const BLK: u32 = 16u;   // keys scored per rescale of the accumulator
 const MASKED: f32 = -1.0e30;
 
-// The host header supplies the state of G query heads that share one kv head (G = 1 except in
-// attn_split) as separate vec4 registers plus unrolled helpers over them (loops over private
+// The host header supplies the state of G queries that read the same keys (heads sharing one kv
+// head, or consecutive BERT queries) as separate vec4 registers plus unrolled helpers over them (loops over private
 // arrays spill to per-lane scratch on lavapipe); scores are `sv` (f32 or vecG<f32>, one per head):
-//   load_q(qb)      q_g = qkv[qb + g*D4 ..] * scale; acc = 0; m_run = -inf; l_run = 0
+//   load_q(qb, qs)  q_g = qkv[qb + g*qs ..] * scale; acc = 0; m_run = -inf; l_run = 0
 //   qk(kr) -> sv    q_g . kc[kr..kr+D4): each key vector is loaded once for the G heads
 //   acc_scale(c)    acc_g *= c_g
 //   acc_add(w, vr)  acc_g += w_g * vc[vr..vr+D4)
@@ -91,13 +92,13 @@ fn attend(kb: u32, ks: u32, vb: u32, vs: u32, n: u32, lim: u32) {
     }
 }
 
-// out rows of the G heads start at ob, ob + D4, ...
-fn store_out(ob: u32) {
-    for (var g = 0u; g < G; g++) {
+// outputs g in [g_lo, G) are stored at ob + g*os
+fn store_out(ob: u32, os: u32, g_lo: u32) {
+    for (var g = g_lo; g < G; g++) {
         // an empty key range (a length-0 sequence) gives zeros rather than 0/0
         let l = sv_get(l_run, g);
         let inv = select(0.0, 1.0 / l, l > 0.0);
-        for (var d = 0u; d < D4; d++) { out[ob + g * D4 + d] = act4(acc_get(g, d) * inv); }
+        for (var d = 0u; d < D4; d++) { out[ob + g * os + d] = act4(acc_get(g, d) * inv); }
     }
 }
 
@@ -119,17 +120,18 @@ fn live_rows() -> u32 {
 fn attn_causal(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                @builtin(local_invocation_index) lid: u32) {
     let wg = wid.y * nwg.x + wid.x;
-    let h = wg % p.hq;
-    let t0 = (wg / p.hq) * WG;
+    let n_hg = p.hq / G;                         // head groups of G
+    let h0 = (wg % n_hg) * G;
+    let t0 = (wg / n_hg) * WG;
     let rows = live_rows();
     if (t0 >= rows) { return; }
     let t = min(t0 + lid, rows - 1u);            // spare lanes redo the last row, never store
     let pos0 = step[0];
     let n_wg = min(pos0 + min(t0 + WG, rows), p.ctx);   // keys of the block's last query
-    load_q(p.qkv_off + (t * p.heads + h) * D4);
-    let cb = (h / p.group) * p.ctx * D4;
+    load_q(p.qkv_off + (t * p.heads + h0) * D4, D4);
+    let cb = (h0 / p.group) * p.ctx * D4;
     attend(p.kc_off + cb, D4, p.vc_off + cb, D4, n_wg, min(pos0 + t + 1u, p.ctx));
-    if (t0 + lid < rows) { store_out(p.out_off + (t * p.hq + h) * D4); }
+    if (t0 + lid < rows) { store_out(p.out_off + (t * p.hq + h0) * D4, D4, 0u); }
 }
 
 @compute @workgroup_size(SWG)
@@ -142,7 +144,7 @@ fn attn_split(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nw
     let n_keys = min(step[0] + 1u, p.ctx);
     let k0 = s * p.chunk;
     if (s >= p.n_splits || k0 >= n_keys) { return; }
-    load_q(p.qkv_off + h0 * D4);
+    load_q(p.qkv_off + h0 * D4, D4);
     let cb = ((h0 / p.group) * p.ctx + k0) * D4;
     let n = min(p.chunk, n_keys - k0);
     attend(p.kc_off + cb, D4, p.vc_off + cb, D4, n, n);
@@ -180,13 +182,15 @@ fn attn_bidir(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nw
     let h = wg % p.hq;
     let sb = wg / p.hq;                          // b * n_blk + query block
     let b = sb / p.n_blk;
-    let q = (sb % p.n_blk) * WG + lid;           // query position in the sequence
+    let q = ((sb % p.n_blk) * WG + lid) * G;     // first of the lane's G queries
     if (b * p.ctx >= p.rows) { return; }
-    let r = b * p.ctx + min(q, p.ctx - 1u);
+    let q_lo = min(q, p.ctx - G);                // spare lanes redo the last queries, never store
+    let r = b * p.ctx + q_lo;
     let n_keys = min(lengths[b], p.ctx);
     let rs = p.heads * D4;                       // row stride (3*H*D / 4)
-    load_q(p.qkv_off + r * rs + h * D4);
+    load_q(p.qkv_off + r * rs + h * D4, rs);
     let kb = p.qkv_off + b * p.ctx * rs + (p.hq + h) * D4;
     attend(kb, rs, kb + p.hq * D4, rs, n_keys, n_keys);
-    if (q < p.ctx) { store_out(p.out_off + (r * p.hq + h) * D4); }
+    // a clamped lane stores only the queries from q on (those below belong to the previous lane)
+    if (q < p.ctx) { store_out(p.out_off + (r * p.hq + h) * D4, p.hq * D4, q - q_lo); }
 }

@@ -2,19 +2,22 @@
 // family (fused so a decode layer needs one dispatch for both).
 //   qkv (T, H_all, D) with H_all = Hq + 2*Hkv heads per row: q heads, then k heads, then v heads.
 //   Row t has position pos0 + t (pos0 = step[0]); rows t >= n_new (step[1], 0 = all) are skipped.
-//   Pair j < rot_dim/2 of a rotated head, angle = pos * inv_freq[j]:
-//     adjacent (GGUF llama layout): (x[2j], x[2j+1]);  neox (HF half split): (x[j], x[j + rot_dim/2])
+//   Pair i < rot_dim/2 of a rotated head, angle = pos * inv_freq[i]:
+//     adjacent (GGUF llama layout): (x[2i], x[2i+1]);  neox (HF half split): (x[i], x[i + rot_dim/2])
 //     (a, b) -> (a*cos - b*sin, a*sin + b*cos)
 //   rope:     rotates heads [0, n_rot)
 //   rope_kv:  rotates heads [0, n_rot) and copies (rotated) k heads and v heads into the caches
 //   kv_write: copies k heads and v heads into the caches
 //   caches (Hkv, ctx, D), row pos0 + t.
-// One invocation per (t, head, pair j < D/2); dispatch ceil(T*n_h*D/2 / 64) split over x,y.
+// Storage is read as vec2<act> (2-byte scalar accesses are slow on some drivers), so sizes and
+// offsets count element pairs. One invocation per (t, head, unit): a unit is one vec2 — or, in the
+// rotated part of a neox head, the two vec2 at pairs (2u, 2u+1) and (2u + half, 2u+1 + half).
+// dispatch ceil(T * n_h * units / 64) split over x,y.
 
 struct Params {
     rows: u32,    // T dispatched
     heads: u32,   // heads per qkv row (H_all)
-    hd: u32,      // D
+    hd2: u32,     // D / 2
     half: u32,    // rot_dim / 2
     h_lo: u32,    // heads [h_lo, h_lo + n_h) are visited
     n_h: u32,
@@ -23,22 +26,22 @@ struct Params {
     k_lo: u32,    // first k head (= Hq); v heads start at k_lo + n_kv
     n_kv: u32,
     ctx: u32,
-    qkv_off: u32,
+    qkv_off: u32, // offsets in vec2 units
     kc_off: u32,
     vc_off: u32,
+    units: u32,   // units per head
     _p0: u32,
-    _p1: u32,
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
-@group(0) @binding(1) var<storage, read> step: array<u32>;        // (4): pos0, n_new, kv_len, 0
-@group(0) @binding(2) var<storage, read_write> qkv: array<act>;   // (T, H_all, D)
-@group(0) @binding(3) var<storage, read> inv_freq: array<f32>;    // (rot_dim/2), host-computed
-@group(0) @binding(4) var<storage, read_write> kc: array<act>;    // (Hkv, ctx, D)
-@group(0) @binding(5) var<storage, read_write> vc: array<act>;    // (Hkv, ctx, D)
+@group(0) @binding(1) var<storage, read> step: array<u32>;              // (4): pos0, n_new, kv_len, 0
+@group(0) @binding(2) var<storage, read_write> qkv: array<vec2<act>>;   // (T, H_all, D/2)
+@group(0) @binding(3) var<storage, read> inv_freq: array<f32>;          // (rot_dim/2), host-computed
+@group(0) @binding(4) var<storage, read_write> kc: array<vec2<act>>;    // (Hkv, ctx, D/2)
+@group(0) @binding(5) var<storage, read_write> vc: array<vec2<act>>;    // (Hkv, ctx, D/2)
 // kv_write binds no frequency table, so its caches sit one binding lower
-@group(0) @binding(3) var<storage, read_write> kc_w: array<act>;
-@group(0) @binding(4) var<storage, read_write> vc_w: array<act>;
+@group(0) @binding(3) var<storage, read_write> kc_w: array<vec2<act>>;
+@group(0) @binding(4) var<storage, read_write> vc_w: array<vec2<act>>;
 
 const WG: u32 = 64u;
 
@@ -59,42 +62,67 @@ fn sincos(a: f32) -> vec2<f32> {
     return vec2<f32>(-c, s);
 }
 
-struct Pair {
+// (a, b) rotated by angle pos * inv_freq[i]
+fn rot(a: f32, b: f32, pos: u32, i: u32) -> vec2<f32> {
+    let sc = sincos(f32(pos) * inv_freq[i]);
+    return vec2<f32>(a * sc.y - b * sc.x, a * sc.x + b * sc.y);
+}
+
+struct Unit {
     t: u32,
     h: u32,
-    j: u32,
-    e0: u32,   // element indices of the pair inside the head
-    e1: u32,
+    v0: u32,    // vec2 index inside the head
+    v1: u32,    // second vec2 (neox rotated quads only)
+    quad: bool,
+    turn: bool, // rotated
     ok: bool,
 }
 
-fn locate(wid: vec3<u32>, nwg: vec3<u32>, lid: u32) -> Pair {
-    var r: Pair;
+fn locate(wid: vec3<u32>, nwg: vec3<u32>, lid: u32) -> Unit {
+    var r: Unit;
     let i = (wid.y * nwg.x + wid.x) * WG + lid;
-    let hp = p.hd / 2u;
-    r.j = i % hp;
-    let th = i / hp;
+    let u = i % p.units;
+    let th = i / p.units;
     r.h = p.h_lo + th % p.n_h;
     r.t = th / p.n_h;
     let n_new = step[1];
     let rows = select(p.rows, min(p.rows, n_new), n_new != 0u);
     r.ok = r.t < rows;
-    // neox pairs (j, j + half) inside the rotated part; every other pair is adjacent (2j, 2j+1)
-    let split = p.neox != 0u && r.j < p.half;
-    r.e0 = select(2u * r.j, r.j, split);
-    r.e1 = select(2u * r.j + 1u, r.j + p.half, split);
+    let rotated_head = r.h < p.n_rot;
+    if (p.neox != 0u) {
+        let hq = p.half / 2u;              // quads in the rotated part
+        r.quad = u < hq;
+        r.v0 = select(p.half + (u - hq), u, r.quad);
+        r.v1 = u + hq;
+        r.turn = rotated_head && r.quad;
+    } else {
+        r.quad = false;
+        r.v0 = u;
+        r.v1 = u;
+        r.turn = rotated_head && u < p.half;
+    }
     return r;
 }
 
-fn rotate(q: Pair, pos: u32, base: u32) -> vec2<f32> {
-    var v = vec2<f32>(f32(qkv[base + q.e0]), f32(qkv[base + q.e1]));
-    if (q.h < p.n_rot && q.j < p.half) {
-        let sc = sincos(f32(pos) * inv_freq[q.j]);
-        v = vec2<f32>(v.x * sc.y - v.y * sc.x, v.x * sc.x + v.y * sc.y);
-        qkv[base + q.e0] = act(v.x);
-        qkv[base + q.e1] = act(v.y);
+// Rotates the unit in place (when it is in the rotated part) and returns its values (a, b[, c, d]).
+fn rotate(q: Unit, pos: u32, base: u32) -> vec4<f32> {
+    var a = vec2<f32>(qkv[base + q.v0]);
+    var b = vec2<f32>(0.0);
+    if (q.quad) { b = vec2<f32>(qkv[base + q.v1]); }
+    if (q.turn) {
+        if (q.quad) {
+            // pairs 2u and 2u+1: (a.x, b.x) and (a.y, b.y)
+            let r0 = rot(a.x, b.x, pos, 2u * q.v0);
+            let r1 = rot(a.y, b.y, pos, 2u * q.v0 + 1u);
+            a = vec2<f32>(r0.x, r1.x);
+            b = vec2<f32>(r0.y, r1.y);
+            qkv[base + q.v1] = vec2<act>(b);
+        } else {
+            a = rot(a.x, a.y, pos, q.v0);
+        }
+        qkv[base + q.v0] = vec2<act>(a);
     }
-    return v;
+    return vec4<f32>(a, b);
 }
 
 @compute @workgroup_size(64)
@@ -102,8 +130,7 @@ fn rope(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
         @builtin(local_invocation_index) lid: u32) {
     let q = locate(wid, nwg, lid);
     if (!q.ok) { return; }
-    let pos = step[0] + q.t;
-    _ = rotate(q, pos, p.qkv_off + (q.t * p.heads + q.h) * p.hd);
+    _ = rotate(q, step[0] + q.t, p.qkv_off + (q.t * p.heads + q.h) * p.hd2);
 }
 
 @compute @workgroup_size(64)
@@ -112,36 +139,32 @@ fn rope_kv(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: 
     let q = locate(wid, nwg, lid);
     if (!q.ok) { return; }
     let pos = step[0] + q.t;
-    let v = rotate(q, pos, p.qkv_off + (q.t * p.heads + q.h) * p.hd);
+    let v = rotate(q, pos, p.qkv_off + (q.t * p.heads + q.h) * p.hd2);
     if (pos >= p.ctx || q.h < p.k_lo) { return; }
     let g = q.h - p.k_lo;
     if (g < p.n_kv) {
-        let cb = p.kc_off + (g * p.ctx + pos) * p.hd;
-        kc[cb + q.e0] = act(v.x);
-        kc[cb + q.e1] = act(v.y);
+        let cb = p.kc_off + (g * p.ctx + pos) * p.hd2;
+        kc[cb + q.v0] = vec2<act>(v.xy);
+        if (q.quad) { kc[cb + q.v1] = vec2<act>(v.zw); }
     } else if (g < 2u * p.n_kv) {
-        let cb = p.vc_off + ((g - p.n_kv) * p.ctx + pos) * p.hd;
-        vc[cb + q.e0] = act(v.x);
-        vc[cb + q.e1] = act(v.y);
+        let cb = p.vc_off + ((g - p.n_kv) * p.ctx + pos) * p.hd2;
+        vc[cb + q.v0] = vec2<act>(v.xy);
+        if (q.quad) { vc[cb + q.v1] = vec2<act>(v.zw); }
     }
 }
 
 @compute @workgroup_size(64)
 fn kv_write(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
             @builtin(local_invocation_index) lid: u32) {
-    let q = locate(wid, nwg, lid);
+    let q = locate(wid, nwg, lid);            // neox = 0: one vec2 per unit
     if (!q.ok) { return; }
     let pos = step[0] + q.t;
     if (pos >= p.ctx || q.h < p.k_lo) { return; }
-    let base = p.qkv_off + (q.t * p.heads + q.h) * p.hd;
+    let base = p.qkv_off + (q.t * p.heads + q.h) * p.hd2;
     let g = q.h - p.k_lo;
     if (g < p.n_kv) {
-        let cb = p.kc_off + (g * p.ctx + pos) * p.hd;
-        kc_w[cb + q.e0] = qkv[base + q.e0];
-        kc_w[cb + q.e1] = qkv[base + q.e1];
+        kc_w[p.kc_off + (g * p.ctx + pos) * p.hd2 + q.v0] = qkv[base + q.v0];
     } else if (g < 2u * p.n_kv) {
-        let cb = p.vc_off + ((g - p.n_kv) * p.ctx + pos) * p.hd;
-        vc_w[cb + q.e0] = qkv[base + q.e0];
-        vc_w[cb + q.e1] = qkv[base + q.e1];
+        vc_w[p.vc_off + ((g - p.n_kv) * p.ctx + pos) * p.hd2 + q.v0] = qkv[base + q.v0];
     }
 }

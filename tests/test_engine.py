@@ -202,3 +202,25 @@ async def test_forward_tokens_and_sample_and_stats(engine):
     assert (await engine.runtime_stats_text(LLM_ID)).startswith("prefill: ")
     await engine.reset_chat(model=LLM_ID)
     assert await engine.get_message(LLM_ID) == ""
+
+
+async def test_device_loss_on_the_real_adapter(fresh_device, minilm_dir):
+    from webgpu_engine import errors as E
+    for auto in (False, True):
+        dev = fresh_device if not auto else None
+        eng = await create_mlc_engine(EMB_ID, EngineConfig(device=dev, auto_recover=auto))
+        first = eng.device
+        assert len((await eng.embeddings.create(input="hello")).data) == 1
+        first.destroy()                                  # what a driver reset does
+        with pytest.raises(E.DeviceLostError):
+            await eng.embeddings.create(input="hello")
+        assert eng.models == {} and eng.state == "device_lost"
+        assert eng.device_lost_reason is not None
+        if not auto:
+            with pytest.raises(E.ModelNotLoadedError):
+                await eng.embeddings.create(input="hello")
+        else:                                            # reloaded on a new device from the cache
+            r = await eng.embeddings.create(input="hello")
+            assert len(r.data[0].embedding) == 384 and eng.device is not first and not eng.device.lost
+            await eng.unload()
+            eng.device.close()

@@ -336,3 +336,25 @@ def test_sync_facade(device):
         assert eng.get_gpu_vendor() == device.info.vendor
     finally:
         eng.close()
+
+
+def test_engine_core_imports_only_the_standard_library():
+    """The engine runs in the page too (Pyodide): no numpy/pydantic/aiohttp at module level."""
+    import ast
+    import inspect
+    import sys
+
+    import webgpu_engine.engine.engine as m1
+    import webgpu_engine.engine.lock as m2
+    import webgpu_engine.engine.records as m3
+    import webgpu_engine.engine.requests as m4
+    for mod in (m1, m2, m3, m4, sys.modules["webgpu_engine.engine"]):
+        for n in ast.parse(inspect.getsource(mod)).body:
+            if isinstance(n, ast.Import):
+                names = [a.name for a in n.names]
+            elif isinstance(n, ast.ImportFrom) and not n.level:
+                names = [n.module]
+            else:
+                continue
+            for name in names:
+                assert name.split(".")[0] in sys.stdlib_module_names, f"{mod.__name__} imports {name}"

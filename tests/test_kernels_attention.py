@@ -30,8 +30,10 @@ def _setup(device, rng, dtype, t, ctx, hq, hkv, d, fill_keys):
 
 @pytest.mark.parametrize("dtype", ["f32", "f16"])
 @pytest.mark.parametrize("t,pos0,shape", [(37, 0, SMOL), (20, 50, SMOL), (5, 3, dict(hq=4, hkv=4, d=32)),
-                                          (3, 200, dict(hq=6, hkv=1, d=16))])
+                                          (3, 200, dict(hq=6, hkv=1, d=16)), (70, 1, dict(hq=8, hkv=1, d=8)),
+                                          (9, 4, dict(hq=9, hkv=3, d=64, g=1))])
 def test_causal_prefill(device, dtype, t, pos0, shape):
+    """Grouped query heads (1, 2, 3 or 4 per lane), partial blocks of 64 queries, pos0 > 0."""
     rng = np.random.default_rng(t + pos0)
     hq, hkv, d = shape["hq"], shape["hkv"], shape["d"]
     ctx = pos0 + t + 9
@@ -39,7 +41,8 @@ def test_causal_prefill(device, dtype, t, pos0, shape):
     out = empty(device, (t, hq * d), dtype, lead=12)
     scale = d ** -0.5
     run(device, nn.attention(device, qt, kt, vt, out, step_buf(device, pos0, t), n_q_heads=hq,
-                             n_kv_heads=hkv, head_dim=d, ctx=ctx, scale=scale))
+                             n_kv_heads=hkv, head_dim=d, ctx=ctx, scale=scale,
+                             heads_per_lane=shape.get("g")))
     ref = nn_ref.causal_attention(rounded(qkv, dtype)[:, :hq], rounded(kc, dtype), rounded(vc, dtype),
                                   pos0, scale)
     np.testing.assert_allclose(get(device, out), ref, **TOL[dtype])
@@ -66,20 +69,22 @@ def test_causal_prefill_256_rows_and_short_final_chunk(device):
     assert (got[100:] == 7.0).all()
 
 
-@pytest.mark.parametrize("dtype,heads_per_lane", [("f32", 1), ("f32", 3), ("f16", None)])
-def test_split_decode_reused_across_steps(device, dtype, heads_per_lane):
-    """One decode op built for a 4096-row cache, recorded at kv_len 1, 31, 33, 100 and 3000
-    (a lane per (split, head), or per (split, the 3 heads sharing a kv head))."""
+@pytest.mark.parametrize("dtype,heads_per_lane,chunk,split_wg", [("f32", 1, 32, 64), ("f32", 3, 128, 8),
+                                                                 ("f16", None, None, None)])
+def test_split_decode_reused_across_steps(device, dtype, heads_per_lane, chunk, split_wg):
+    """One decode op built for a 4096-row cache, recorded at kv_len 1 .. 3000 (split boundaries
+    included), with a lane per (split, head) or per (split, the 3 heads sharing a kv head)."""
     rng = np.random.default_rng(12)
     hq, hkv, d, ctx = 9, 3, 64, 4096
     (qkv, kc, vc), (qt, kt, vt) = _setup(device, rng, dtype, 1, ctx, hq, hkv, d, 3000)
     out = empty(device, (1, hq * d), dtype)
     step = step_buf(device, 0, 1)
     op = nn.attention(device, qt, kt, vt, out, step, n_q_heads=hq, n_kv_heads=hkv, head_dim=d, ctx=ctx,
-                      scale=0.125, heads_per_lane=heads_per_lane)
+                      scale=0.125, heads_per_lane=heads_per_lane,
+                      min_chunk=chunk, split_wg=split_wg)
     assert len(op.dispatches) == 2
     q, k, v = rounded(qkv, dtype)[:, :hq], rounded(kc, dtype), rounded(vc, dtype)
-    for kv_len in (1, 31, 33, 100, 3000):
+    for kv_len in (1, 31, 33, 127, 129, 3000):
         set_step(device, step, kv_len - 1, 1)
         run(device, op)
         ref = nn_ref.causal_attention(q, k, v, kv_len - 1, 0.125)
@@ -117,16 +122,19 @@ def test_decode_split_count_is_bounded():
 
 
 @pytest.mark.parametrize("dtype", ["f32", "f16"])
-@pytest.mark.parametrize("b,s,h,d,lengths", [(3, 17, 12, 32, [17, 5, 1]),   # MiniLM heads
-                                             (2, 9, 3, 4, [0, 9])])
-def test_attention_bidir(device, dtype, b, s, h, d, lengths):
+@pytest.mark.parametrize("b,s,h,d,lengths,qpl", [(3, 17, 12, 32, [17, 5, 1], 2),   # MiniLM heads
+                                                 (2, 9, 3, 4, [0, 9], 4), (2, 1, 2, 8, [1, 1], 2),
+                                                 (2, 150, 2, 32, [150, 77], 3), (1, 70, 1, 16, [66], 1)])
+def test_attention_bidir(device, dtype, b, s, h, d, lengths, qpl):
+    """Several queries per lane (with a clamped last lane), blocks of queries, empty sequences."""
     rng = np.random.default_rng(b * s)
     qkv = rng.standard_normal((b * s, 3 * h * d))
     lens = np.array(lengths, np.uint32)
     qt, lt = put(device, qkv, dtype, lead=4), put(device, lens, "u32")
     out = empty(device, (b * s, h * d), dtype)
     scale = d ** -0.5
-    run(device, nn.attention_bidir(device, qt, lt, out, batch=b, seq=s, n_heads=h, head_dim=d, scale=scale))
+    run(device, nn.attention_bidir(device, qt, lt, out, batch=b, seq=s, n_heads=h, head_dim=d, scale=scale,
+                                   queries_per_lane=qpl))
     got = get(device, out)
     assert np.isfinite(got).all()
     ref = nn_ref.bidir_attention(rounded(qkv, dtype), lens, b, s, h, d, scale)

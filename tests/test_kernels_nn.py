@@ -129,7 +129,8 @@ def _qkv(rng, t, hq, hkv, d):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("neox,rot_dim,pos0,t", [(False, 64, 0, 5), (True, 64, 7, 5),
-                                                 (False, 32, 3000, 3), (True, 48, 4090, 6)])
+                                                 (False, 32, 3000, 3), (True, 48, 4090, 6),
+                                                 (False, 64, 32760, 2)])
 def test_rope(device, dtype, neox, rot_dim, pos0, t):
     rng = np.random.default_rng(pos0 + rot_dim)
     hq, hkv, d, base = 9, 3, 64, 100000.0
@@ -156,8 +157,9 @@ def test_rope_skips_rows_past_n_new(device):
     np.testing.assert_array_equal(out[3:], x[3:].astype(np.float32))
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_kv_write_and_fused_rope_kv(device, dtype):
+@pytest.mark.parametrize("dtype,neox,rot_dim", [("f32", False, 64), ("f16", False, 64), ("f32", True, 32),
+                                                ("f16", True, 64)])
+def test_kv_write_and_fused_rope_kv(device, dtype, neox, rot_dim):
     rng = np.random.default_rng(6)
     hq, hkv, d, ctx, t, pos0 = 9, 3, 64, 40, 6, 30
     x = _qkv(rng, t, hq, hkv, d)
@@ -176,10 +178,10 @@ def test_kv_write_and_fused_rope_kv(device, dtype):
     xt2, kc2, vc2 = put(device, x, dtype), empty(device, (hkv, ctx, d), dtype, fill=0), \
         empty(device, (hkv, ctx, d), dtype, fill=0)
     op = nn.rope_kv(device, xt2, kc2, vc2, step, n_q_heads=hq, n_kv_heads=hkv, head_dim=d, ctx=ctx,
-                    base=100000.0)
+                    base=100000.0, rot_dim=rot_dim, neox=neox)
     assert len(op.dispatches) == 1
     run(device, op)
-    rot = nn_ref.rope(xr, pos0 + np.arange(t), n_heads=hq + hkv, rot_dim=d, base=100000.0, neox=False)
+    rot = nn_ref.rope(xr, pos0 + np.arange(t), n_heads=hq + hkv, rot_dim=rot_dim, base=100000.0, neox=neox)
     np.testing.assert_allclose(get(device, xt2), rot, **TOL[dtype])
     np.testing.assert_allclose(get(device, kc2)[:, pos0:pos0 + t], rot[:, hq:hq + hkv].transpose(1, 0, 2),
                                **TOL[dtype])

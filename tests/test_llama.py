@@ -81,19 +81,43 @@ def _gpu_logits(device, cfg, infos, ids, dtype="f32", chunk=8):
         m.release()
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-@pytest.mark.parametrize("fmt", ["gguf", "safetensors"])
-def test_tiny_model_matches_numpy(device, tmp_path, arch, fmt):
+@pytest.mark.parametrize("arch,fmt,wtype,act,tol", [
+    ("llama", "gguf", "f32", "f32", 1e-3),
+    ("qwen2", "gguf", "f32", "f32", 1e-3),          # q/k/v bias, neox rope
+    ("llama", "gguf", "q8_0", "f32", 1e-3),
+    ("llama", "gguf", "q4_1", "f32", 1e-3),
+    ("llama", "safetensors", "f32", "f32", 1e-3),   # HF layout: neox rope
+    ("qwen2", "safetensors", "bf16", "f32", 1e-3),
+    ("llama", "gguf", "f32", "f16", 3e-2),          # f16 activations and KV cache
+])
+def test_tiny_model_matches_numpy(device, tmp_path, arch, fmt, wtype, act, tol):
     tm = _tiny_cases()
-    cfg, infos, closer = tm.open_tiny(tmp_path, arch=arch, fmt=fmt)
+    kw = {"qtype": wtype} if fmt == "gguf" else {"dtype": wtype}
+    cfg, infos, closer = tm.open_tiny(tmp_path, arch=arch, fmt=fmt, **kw)
     try:
         ids = [int(i) for i in np.random.default_rng(0).integers(0, cfg.vocab_size, 12)]
-        got = _gpu_logits(device, cfg, infos, ids, chunk=8)             # rows 7, 8, 9, 10, 11
+        got = _gpu_logits(device, cfg, infos, ids, dtype=act, chunk=8)   # rows 7, 8, 9, 10, 11
         ref = RefLlama(cfg, weights_from_infos(infos), np.float64)
         want = ref.forward(ids)                                          # (12, V)
-        np.testing.assert_allclose(got, want[7:], atol=1e-3, rtol=0)
+        np.testing.assert_allclose(got, want[7:], atol=tol, rtol=0)
     finally:
         closer()
+
+
+async def test_pipeline_loads_hf_folder_and_matches_numpy_greedy(device, tmp_path):
+    from ref_llama import greedy
+    tm = _tiny_cases()
+    info = tm.write_tiny_llama_safetensors(tmp_path / "tiny-qwen2", arch="qwen2")
+    pipe = await LLMChatPipeline.load(device, info["folder"], ChatConfig(dtype="f32", context_window_size=64))
+    try:
+        gen = GenerationConfig(temperature=0.0, max_tokens=6, ignore_eos=True)
+        await pipe.prefill_step([{"role": "user", "content": "Hello world!"}], gen)
+        while not pipe.stopped:
+            await pipe.decode_step(gen)
+        prompt = pipe.kv_ids[:pipe.usage()["prompt_tokens"]]
+        assert pipe.output_ids == greedy(info["config"], info["weights"], prompt, 6)
+    finally:
+        pipe.dispose()
 
 
 def test_memory_errors_name_bytes(device, smollm2_gguf):

@@ -117,8 +117,9 @@ async def test_stop_string_max_tokens_and_ignore_eos(pipe):
 
 async def test_context_window_full_is_length(pipe):
     pipe.reset_chat()
-    await _generate(pipe, GenerationConfig(temperature=0.0, ignore_eos=True))
-    assert pipe.finish_reason == "length"
+    long_q = [{"role": "user", "content": "word " * 50}]         # leaves room for a few tokens only
+    await _generate(pipe, GenerationConfig(temperature=0.0, ignore_eos=True), messages=long_q)
+    assert pipe.finish_reason == "length" and len(pipe.output_ids) < 20
     assert len(pipe.kv_ids) == pipe.model.ctx == 96
     with pytest.raises(ContextWindowTooLargeError):
         await pipe.prefill_step([{"role": "user", "content": "word " * 200}], GenerationConfig())
@@ -176,3 +177,27 @@ async def test_interrupt_raw_prompt_and_forward_tokens(pipe):
     assert tok == pipe.output_ids[0]
     nxt = await pipe.forward_tokens_and_sample([tok], False, GenerationConfig(temperature=0.0))
     assert nxt == pipe.output_ids[1]
+
+
+async def test_logit_processor_round_trip(pipe):
+    class Ban:
+        def __init__(self):
+            self.sampled = []
+
+        def process_logits(self, logits):
+            logits[504] = -1e9                   # "The": the greedy first token
+            return logits
+
+        def process_sampled_token(self, t):
+            self.sampled.append(t)
+
+        def reset_state(self):
+            self.sampled = []
+    proc = Ban()
+    pipe.set_logit_processor(proc)
+    try:
+        pipe.reset_chat()
+        await _generate(pipe, GenerationConfig(temperature=0.0, max_tokens=3))
+        assert pipe.output_ids[0] == 60 and proc.sampled == pipe.output_ids   # the runner-up
+    finally:
+        pipe.set_logit_processor(None)

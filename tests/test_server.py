@@ -249,3 +249,90 @@ def test_503_while_loading(device):
     finally:
         StubLLM.load_delay = 0.0
         s.stop()
+
+
+# --------------------------------------------------------------------------- the real default models
+LLM_ID, EMB_ID = "SmolLM2-135M-Instruct-Q4_1", "all-MiniLM-L6-v2"
+Q = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def real_server(device, smollm2_gguf, minilm_dir):
+    from webgpu_engine.engine import EngineConfig
+    s = ServerThread(ServerOptions(models=[LLM_ID, EMB_ID], port=0, engine_config=EngineConfig(device=device)))
+    yield s
+    s.stop()
+
+
+@pytest.mark.slow
+def test_real_models_over_http(real_server):
+    c = _client(real_server, timeout=300)
+    r = c.chat.completions.create(model=LLM_ID, messages=Q, temperature=0, max_tokens=8)
+    assert "Paris" in r.choices[0].message.content and r.usage.completion_tokens <= 8
+    s = c.chat.completions.create(model=LLM_ID, messages=Q, temperature=0, max_tokens=8, stream=True)
+    assert "".join(ch.choices[0].delta.content or "" for ch in s if ch.choices) == r.choices[0].message.content
+    t = c.completions.create(model=LLM_ID, prompt="One, two, three,", temperature=0, max_tokens=3)
+    assert t.choices[0].text and t.usage.completion_tokens == 3 and t.choices[0].finish_reason == "length"
+    e = c.embeddings.create(model=EMB_ID, input=["a cat", "a kitten", "tax law"])
+    v = [d.embedding for d in e.data]
+    dot = lambda a, b: sum(x * y for x, y in zip(a, b))  # noqa: E731
+    assert len(v[0]) == 384 and dot(v[0], v[1]) > dot(v[0], v[2])
+    assert sorted(m.id for m in c.models.list()) == sorted([LLM_ID, EMB_ID])
+
+
+@pytest.mark.slow
+def test_real_health_answers_during_generation_and_disconnect_frees(real_server):
+    c = _client(real_server, timeout=300)
+    lm = real_server.engine.models[LLM_ID]
+    stream = c.chat.completions.create(model=LLM_ID, messages=Q, temperature=0, max_tokens=64,
+                                       stream=True, extra_body={"ignore_eos": True})
+    it = iter(stream)
+    next(it)                                   # generating now
+    worst = 0.0
+    for _ in range(5):
+        t0 = time.perf_counter()
+        assert _http(real_server.base + "/health")[0] == 200
+        worst = max(worst, time.perf_counter() - t0)
+    assert lm.lock.locked
+    stream.close()                             # the client hangs up mid-generation
+    t0 = time.perf_counter()
+    while lm.lock.locked and time.perf_counter() - t0 < 5:
+        time.sleep(0.01)
+    freed = time.perf_counter() - t0
+    assert freed < 1.0, f"lock held {freed:.2f}s after the disconnect"
+    assert worst < 1.0, f"/health took {worst:.2f}s during a generation"
+
+
+@pytest.mark.slow
+async def test_real_concurrent_streams_fifo_with_embeddings(real_server):
+    c = openai.AsyncOpenAI(base_url=real_server.url, api_key="none", max_retries=0, timeout=300)
+    prompts = ["Name a fruit.", "Name a color."]
+    refs = []
+    for p in prompts:
+        r = await c.chat.completions.create(model=LLM_ID, messages=[{"role": "user", "content": p}],
+                                            temperature=0, max_tokens=3)
+        refs.append(r.choices[0].message.content)
+    done = []
+
+    async def chat(i):
+        s = await c.chat.completions.create(model=LLM_ID, temperature=0, max_tokens=3, stream=True,
+                                            messages=[{"role": "user", "content": prompts[i % 2]}])
+        text = "".join([ch.choices[0].delta.content or "" async for ch in s if ch.choices])
+        done.append(f"chat{i}")
+        return text
+
+    async def emb(i):
+        r = await c.embeddings.create(model=EMB_ID, input=f"passage {i}")
+        done.append(f"emb{i}")
+        return r
+    tasks = []
+    for i in range(8):
+        tasks.append(asyncio.create_task(chat(i)))
+        await asyncio.sleep(0.02)
+    embs = [asyncio.create_task(emb(i)) for i in range(2)]
+    outs = await asyncio.gather(*tasks)
+    await asyncio.gather(*embs)
+    await c.close()
+    assert outs == [refs[i % 2] for i in range(8)]
+    assert [d for d in done if d.startswith("chat")] == [f"chat{i}" for i in range(8)]
+    assert max(done.index("emb0"), done.index("emb1")) < done.index("chat7")

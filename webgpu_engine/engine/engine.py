@@ -257,8 +257,10 @@ class AsyncMLCEngine:
         self.state = "device_lost"
 
     async def _maybe_recover(self) -> None:
-        if self._recovering is not None:      # another request is already reloading: wait for it
-            await asyncio.shield(self._recovering)
+        if self._recovering is not None:
+            # Another request is already reloading: wait for it (its failure is reported to it;
+            # here the model lookup that follows says what is loaded).
+            await asyncio.wait([self._recovering])
             return
         if self.state != "device_lost" or not self.config.auto_recover or self._last_reload is None:
             return
@@ -267,12 +269,8 @@ class AsyncMLCEngine:
             ids, opts = self._last_reload
             log.warning("recovering from device loss: new device, reloading %s", ids)
             await self.reload(ids, opts)
-            self._recovering.set_result(None)
-        except BaseException as e:
-            self._recovering.set_exception(e)
-            self._recovering.exception()      # mark retrieved
-            raise
         finally:
+            self._recovering.set_result(None)
             self._recovering = None
 
     # ------------------------------------------------------------------ model selection

@@ -5,12 +5,13 @@ Each function checks shapes, writes its parameters into a uniform buffer once, b
 group once and returns an `Op`; per-step values (pos0, n_new) come from the `step` buffer, so a
 decode op built once stays right while the context grows. Tensors may sit at any element offset
 of their buffer: bindings start at the offset rounded down to the device's alignment and the kernel
-gets the remainder. Every activation binding is read_write so that an output may alias an input
-(WebGPU forbids one buffer bound read-only and read_write in the same dispatch).
+gets the remainder. Norm, elementwise, rope and pooling bind activations read_write so that an
+output may alias an input (WebGPU forbids one buffer bound read-only and read_write in the same
+dispatch); attention binds qkv and the caches read-only, so its `out` must live in another buffer.
 
-Decode dispatches per Llama layer from this module: rms_norm 1 + rope_kv 1 + attention 2
-(split + combine) + rms_norm 1 + silu_mul 1 (+ add 1 per residual when the matmul does not
-accumulate) = 6 (8).
+Decode dispatches per Llama layer from this module: rms_norm 1 + rope_kv 1 (rope and kv_write
+fused) + attention 2 (split + combine) + rms_norm 1 + silu_mul 1 = 6 (+1 per residual `add` when
+the matmul does not accumulate).
 """
 from __future__ import annotations
 
@@ -213,24 +214,27 @@ def _rope_op(dev, k, entry, qkv, step, *, h_lo, n_h, n_rot, head_dim, rot_dim, b
     rows, heads = _qkv_heads(k, qkv, head_dim)
     check(head_dim % 2 == 0 and rot_dim % 2 == 0 and 0 <= rot_dim <= head_dim, k,
           f"need even rot_dim <= head_dim, got rot_dim={rot_dim} head_dim={head_dim}")
+    check(not neox or rot_dim % 4 == 0, k, f"neox rope needs rot_dim % 4 == 0, got {rot_dim}")
     check(h_lo + n_h <= heads, k, f"heads [{h_lo}, {h_lo + n_h}) exceed the {heads} heads of a qkv row")
     owner = qkv.buf.owner
-    qe, qo = _window(dev, qkv, k)
+    qe, qo = _window(dev, qkv, k, 2)
     entries = [_step_entry(step), qe]
     kco = vco = 0
     if entry != "kv_write":
         freq = _inv_freq(dev, rot_dim, base, owner)
         entries.append((freq, 0, freq.size))
     if caches is not None:
-        kc, vc = caches
         for c in caches:
             check(c.numel == n_kv * ctx * head_dim, k,
                   f"cache {c.shape} must be (Hkv={n_kv}, ctx={ctx}, D={head_dim})")
-        (ke, kco), (ve, vco) = _window(dev, kc, k), _window(dev, vc, k)
+        (ke, kco), (ve, vco) = _window(dev, caches[0], k, 2), _window(dev, caches[1], k, 2)
         entries += [ke, ve]
-    par = params(dev, [rows, heads, head_dim, rot_dim // 2, h_lo, n_h, n_rot, int(bool(neox)),
-                       k_lo, n_kv, ctx, qo, kco, vco, 0, 0], owner=owner, label=k)
-    op = _op(dev, k, "rope.wgsl", entry, act_header(dt), par, entries, rows * n_h * (head_dim // 2))
+    half = rot_dim // 2
+    # units per head: vec2 pairs, except that a neox head's rotated part goes in quads
+    units = half // 2 + (head_dim - rot_dim) // 2 if neox else head_dim // 2
+    par = params(dev, [rows, heads, head_dim // 2, half, h_lo, n_h, n_rot, int(bool(neox)),
+                       k_lo, n_kv, ctx, qo, kco, vco, units, 0], owner=owner, label=k)
+    op = _op(dev, k, "rope.wgsl", entry, act_header(dt), par, entries, rows * n_h * units)
     if entry != "kv_write":
         op.buffers.append(freq)
     return op
@@ -282,8 +286,8 @@ def _attn_header(dt: str, head_dim: int, g: int = 1, split_wg: int = WG) -> str:
            f"alias sv = {sv};",
            "fn sv_get(v: sv, g: u32) -> f32 { return " + ("v" if g == 1 else "v[g]") + "; }"]
     out += [f"var<private> q{j}_{i}: vec4<f32>;\nvar<private> a{j}_{i}: vec4<f32>;" for j in gs for i in r]
-    out.append("fn load_q(qb: u32) {\n" + "".join(
-        f"  q{j}_{i} = vec4<f32>(qkv[qb + {j * n + i}u]) * p.scale; a{j}_{i} = vec4<f32>(0.0);\n"
+    out.append("fn load_q(qb: u32, qs: u32) {\n" + "".join(
+        f"  q{j}_{i} = vec4<f32>(qkv[qb + {j}u * qs + {i}u]) * p.scale; a{j}_{i} = vec4<f32>(0.0);\n"
         for j in gs for i in r) + "  m_run = sv(-3.0e38); l_run = sv(0.0);\n}")
     out.append("fn qk(kr: u32) -> sv {\n" + "".join(f"  let k{i} = vec4<f32>(kc[kr + {i}u]);\n" for i in r)
                + "  return sv(" + ", ".join(" + ".join(f"dot(q{j}_{i}, k{i})" for i in r) for j in gs)
@@ -301,16 +305,17 @@ def _attn_header(dt: str, head_dim: int, g: int = 1, split_wg: int = WG) -> str:
 
 def attention(dev: Device, qkv: Tensor, k_cache: Tensor, v_cache: Tensor, out: Tensor, step, *,
               n_q_heads: int, n_kv_heads: int, head_dim: int, ctx: int, scale: float,
-              max_t: int | None = None, min_chunk: int = 32, max_splits: int = 128,
+              max_t: int | None = None, min_chunk: int | None = None, max_splits: int = 128,
               heads_per_lane: int | None = None, split_wg: int | None = None) -> Op:
     """Causal attention of the q heads of qkv (T, Hq+2Hkv, D) over the caches (Hkv, ctx, D), which
     already hold this step's keys: query t (position pos0+t) sees keys 0..pos0+t; head h reads kv
     head h // (Hq/Hkv). out (T, Hq*D). Rows t >= step.n_new are skipped (n_new 0: all T rows).
     max_t (default T) rows are dispatched; max_t == 1 takes the split-key decode path (2 dispatches),
     sized once for ctx: splits past the live context exit at once.
-    Per-device tuning: min_chunk / max_splits (decode split size); heads_per_lane (decode: q heads
-    of one kv head served by one lane, which loads each key once for them; default the largest
-    divisor of Hq/Hkv up to 4)."""
+    Per-device tuning: heads_per_lane (q heads of one kv head served by one lane, which loads each
+    key once for them; default the largest divisor of Hq/Hkv up to 4); decode: min_chunk /
+    max_splits (keys per split) and split_wg (workgroup size). CPU adapters (lavapipe) default to
+    128-key splits in workgroups of 8 (fewer partials, spread over cores), others to 32 and 64."""
     k = "attention"
     dt = _act(k, qkv, k_cache, v_cache, out)
     rows, heads = _qkv_heads(k, qkv, head_dim)
@@ -321,25 +326,29 @@ def attention(dev: Device, qkv: Tensor, k_cache: Tensor, v_cache: Tensor, out: T
           f"n_q_heads {n_q_heads} must be a multiple of n_kv_heads {n_kv_heads}")
     check(heads >= n_q_heads + 2 * n_kv_heads, k, f"qkv rows have {heads} heads, need {n_q_heads}+2*{n_kv_heads}")
     check(out.numel >= t_max * n_q_heads * head_dim, k, f"out {out.shape} is smaller than (T, Hq*D)")
+    check(all(out.buf is not t.buf for t in (qkv, k_cache, v_cache)), k,
+          "out must not share a buffer with qkv or the caches (they are bound read-only)")
     for c in (k_cache, v_cache):
         check(c.numel == n_kv_heads * ctx * head_dim, k,
               f"cache {c.shape} must be (Hkv={n_kv_heads}, ctx={ctx}, D={head_dim})")
     owner = out.buf.owner
     group = n_q_heads // n_kv_heads
     (qe, qo), (ke, ko), (ve, vo), (oe, oo) = (_window(dev, t, k, 4) for t in (qkv, k_cache, v_cache, out))
+    g = heads_per_lane or max(d for d in (1, 2, 3, 4) if group % d == 0)
+    check(group % g == 0, k, f"heads_per_lane {g} must divide Hq/Hkv = {group}")
+    cpu = dev.info.adapter_type.upper() == "CPU"
     if t_max > 1:
         n_blk = -(-t_max // WG)
         par = params(dev, [t_max, n_q_heads, group, heads, ctx, 0, 0, float(scale), qo, ko, vo, oo,
                            n_blk, 0, 0, 0], owner=owner, label=k)
-        return _op(dev, k, "attention.wgsl", "attn_causal", _attn_header(dt, head_dim), par,
-                   [_step_entry(step), qe, ke, ve, oe], n_blk * n_q_heads * WG)
+        return _op(dev, k, "attention.wgsl", "attn_causal", _attn_header(dt, head_dim, g), par,
+                   [_step_entry(step), qe, ke, ve, oe], n_blk * (n_q_heads // g) * WG)
+    min_chunk = min_chunk or (128 if cpu else 32)
     chunk, n_splits = decode_splits(ctx, min_chunk=min_chunk, max_splits=max_splits)
     part = dev.buffer(n_q_heads * n_splits * (head_dim // 4 + 1) * 16, owner=owner, label="attention.partials")
     par = params(dev, [1, n_q_heads, group, heads, ctx, chunk, n_splits, float(scale), qo, ko, vo, oo,
                        0, 0, 0, 0], owner=owner, label=k)
-    g = heads_per_lane or max(d for d in (1, 2, 3, 4) if group % d == 0)
-    check(group % g == 0, k, f"heads_per_lane {g} must divide Hq/Hkv = {group}")
-    swg = split_wg or WG
+    swg = split_wg or (8 if cpu else WG)
     header = _attn_header(dt, head_dim, g, swg)
     entries = [_step_entry(step), qe, ke, ve, (part, 0, part.size)]
     pipe = dev.pipeline("attention.wgsl", "attn_split", header=header)
@@ -354,10 +363,11 @@ def attention(dev: Device, qkv: Tensor, k_cache: Tensor, v_cache: Tensor, out: T
 
 
 def attention_bidir(dev: Device, qkv: Tensor, lengths: Tensor, out: Tensor, *, batch: int, seq: int,
-                    n_heads: int, head_dim: int, scale: float) -> Op:
+                    n_heads: int, head_dim: int, scale: float, queries_per_lane: int = 2) -> Op:
     """BERT self-attention over B sequences padded to S: qkv (B*S, 3*H*D) rows [q | k | v];
     key j of sequence b is visible iff j < lengths[b] (u32). out (B*S, H*D); padded query rows
-    get finite values."""
+    get finite values. queries_per_lane (1..4, per-device tuning): consecutive queries one lane
+    serves, loading each key once for them."""
     k = "attention_bidir"
     dt = _act(k, qkv, out)
     rows = batch * seq
@@ -365,13 +375,16 @@ def attention_bidir(dev: Device, qkv: Tensor, lengths: Tensor, out: Tensor, *, b
     check(qkv.numel == rows * 3 * n_heads * head_dim, k,
           f"qkv {qkv.shape} must be (B*S={rows}, 3*H*D={3 * n_heads * head_dim})")
     check(out.numel == rows * n_heads * head_dim, k, f"out {out.shape} must be (B*S, H*D)")
+    check(out.buf is not qkv.buf, k, "out must not share a buffer with qkv (bound read-only)")
     check(lengths.numel >= batch, k, f"lengths {lengths.shape} must hold B={batch} entries")
+    check(1 <= queries_per_lane <= 4, k, f"queries_per_lane must be 1..4, got {queries_per_lane}")
+    queries_per_lane = min(queries_per_lane, seq)     # the kernel needs S >= queries per lane
     (qe, qo), (oe, oo) = _window(dev, qkv, k, 4), _window(dev, out, k, 4)
-    n_blk = -(-seq // WG)
+    n_blk = -(-seq // (WG * queries_per_lane))
     par = params(dev, [rows, n_heads, 1, 3 * n_heads, seq, 0, 0, float(scale), qo, qo, qo, oo,
                        n_blk, 0, 0, 0], owner=out.buf.owner, label=k)
     # the qkv window is bound as q, k and v source alike (the kernel shares code with attn_causal)
-    return _op(dev, k, "attention.wgsl", "attn_bidir", _attn_header(dt, head_dim), par,
+    return _op(dev, k, "attention.wgsl", "attn_bidir", _attn_header(dt, head_dim, queries_per_lane), par,
                [_vec_entry(dev, lengths, k), qe, qe, qe, oe], batch * n_blk * n_heads * WG)
 
 
