@@ -40,6 +40,8 @@ struct Params {
 @group(0) @binding(2) var<storage, read> qkv: array<act4>;
 @group(0) @binding(3) var<storage, read> kc: array<act4>;     // (Hkv, ctx, D)
 @group(0) @binding(4) var<storage, read> vc: array<act4>;     // (Hkv, ctx, D)
+@group(0) @binding(3) var<storage, read> kcp: array<vec4<u32>>;      // f16 caches read 8 halves a load
+@group(0) @binding(4) var<storage, read> vcp: array<vec4<u32>>;
 @group(0) @binding(5) var<storage, read_write> out: array<act4>;    // (T, Hq*D)
 @group(0) @binding(5) var<storage, read_write> part: array<vec4<f32>>;   // (Hq, n_splits, D4+1)
 @group(0) @binding(2) var<storage, read_write> part_in: array<vec4<f32>>;
@@ -54,6 +56,7 @@ const MASKED: f32 = -1.0e30;
 // arrays spill to per-lane scratch on lavapipe); scores are `sv` (f32 or vecG<f32>, one per head):
 //   load_q(qb, qs)  q_g = qkv[qb + g*qs ..] * scale; acc = 0; m_run = -inf; l_run = 0
 //   qk(kr) -> sv    q_g . kc[kr..kr+D4): each key vector is loaded once for the G heads
+//                   (f16: through kcp, two act4 per vec4<u32> load, when D4 and offsets are even)
 //   acc_scale(c)    acc_g *= c_g
 //   acc_add(w, vr)  acc_g += w_g * vc[vr..vr+D4)
 //   acc_get(g, d)   acc_g[d];  sv_get(v, g): component g of v

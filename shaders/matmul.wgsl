@@ -9,6 +9,8 @@
 
 // 32 weights: value[i] = q[i] * s.x + s.z for i < 4 (the first 16), q[i] * s.y + s.w for i >= 4
 struct WChunk { q: array<vec4<f32>, 8>, s: vec4<f32> }
+// f16 activations are read as u32 pairs (`xword` = vec2<u32>, unpacked in `xget`): CPU drivers
+// load storage buffers one component per invocation, so 2 words beat 4 halves.
 // 32 activations and the sums of their two halves
 struct XChunk { v: array<vec4<f32>, 8>, s: vec2<f32> }
 
@@ -28,20 +30,20 @@ struct MatmulParams {
 }
 
 @group(0) @binding(0) var<uniform> P: MatmulParams;
-@group(0) @binding(1) var<storage, read> x: array<act4>;        // (T, K/4)
+@group(0) @binding(1) var<storage, read> x: array<xword>;       // (T, K/4) as xword (see xget)
 @group(0) @binding(3) var<storage, read_write> y: array<act>;   // (T, N)
 @group(0) @binding(4) var<storage, read> bias: array<f32>;      // (N)
 
 fn xchunk(xb: u32) -> XChunk {
     var v: array<vec4<f32>, 8>;
-    v[0] = vec4<f32>(x[xb]);
-    v[1] = vec4<f32>(x[xb + 1u]);
-    v[2] = vec4<f32>(x[xb + 2u]);
-    v[3] = vec4<f32>(x[xb + 3u]);
-    v[4] = vec4<f32>(x[xb + 4u]);
-    v[5] = vec4<f32>(x[xb + 5u]);
-    v[6] = vec4<f32>(x[xb + 6u]);
-    v[7] = vec4<f32>(x[xb + 7u]);
+    v[0] = xget(xb);
+    v[1] = xget(xb + 1u);
+    v[2] = xget(xb + 2u);
+    v[3] = xget(xb + 3u);
+    v[4] = xget(xb + 4u);
+    v[5] = xget(xb + 5u);
+    v[6] = xget(xb + 6u);
+    v[7] = xget(xb + 7u);
     let lo = (v[0] + v[1]) + (v[2] + v[3]);
     let hi = (v[4] + v[5]) + (v[6] + v[7]);
     return XChunk(v, vec2<f32>(dot(lo, vec4<f32>(1.0)), dot(hi, vec4<f32>(1.0))));
@@ -64,7 +66,7 @@ fn cdot(w: WChunk, a: XChunk) -> f32 {
 fn tail(base: u32, xr: u32) -> f32 {
     var acc = vec4<f32>(0.0);
     for (var k4 = P.nchunks * 8u; k4 < P.k4; k4++) {
-        acc = fma(wvec4(base, k4), vec4<f32>(x[xr + k4]), acc);
+        acc = fma(wvec4(base, k4), xget(xr + k4), acc);
     }
     return dot(acc, vec4<f32>(1.0));
 }

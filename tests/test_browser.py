@@ -141,7 +141,8 @@ async def test_demo_page_chat_embeddings_and_cache(server, tmp_path, smollm2_ref
             first_load = log.read_text().splitlines()[mark:]
             loaded = await page.evaluate("window.demo.loaded")
             assert all(s["fetched_files"] > 0 for s in loaded["fetch"].values()), loaded
-            assert any("/models/" + CHAT_MODEL in ln for ln in first_load)
+            for mid in (CHAT_MODEL, EMBED_MODEL):
+                assert any(f"/models/{mid}/" in ln for ln in first_load), f"{mid} was not fetched"
 
             # Greedy ids after the reference prompt: the f32 path reproduces transformers' ids.
             got = await page.evaluate(f"window.demo.greedyIds({json.dumps(g['prompt_ids'])}, {N_IDS})")

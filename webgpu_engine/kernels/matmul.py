@@ -200,9 +200,18 @@ def _window(t: Tensor, unit: int, kernel: str, name: str):
     return (t.buf, base, size), rest // unit
 
 
+# how matmul.wgsl reads 4 activations: f16 as a pair of u32 words (fewer loads), f32 as a vec4
+_XREAD = {
+    "f32": "alias xword = vec4<f32>;\nfn xget(i: u32) -> vec4<f32> { return x[i]; }\n",
+    "f16": "alias xword = vec2<u32>;\nfn xget(i: u32) -> vec4<f32> {\n    let p = x[i];\n"
+           "    return vec4<f32>(unpack2x16float(p.x), unpack2x16float(p.y));\n}\n",
+}
+
+
 def _pipeline(dev: Device, entry: str, qtype: str, dtype: str, wg: int, rr: int = 1):
     generic = load_shader_source("embedding.wgsl" if entry == "embedding" else "matmul.wgsl")
-    header = f"{act_header(dtype)}const WG: u32 = {wg}u;\nconst RR: u32 = {rr}u;\n{generic}"
+    xread = _XREAD[dtype] if entry != "embedding" else ""
+    header = f"{act_header(dtype)}const WG: u32 = {wg}u;\nconst RR: u32 = {rr}u;\n{xread}{generic}"
     return dev.pipeline(f"matmul_{qtype}.wgsl", entry, header=header)
 
 

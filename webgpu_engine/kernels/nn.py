@@ -276,8 +276,9 @@ def decode_splits(ctx: int, *, min_chunk: int = 32, max_splits: int = 128) -> tu
     return chunk, -(-ctx // chunk)
 
 
-def _attn_header(dt: str, head_dim: int, g: int = 1, split_wg: int = WG) -> str:
-    """Constants plus the state of g heads unrolled into vec4 registers (see attention.wgsl)."""
+def _attn_header(dt: str, head_dim: int, g: int = 1, split_wg: int = WG, packed: bool = False) -> str:
+    """Constants plus the state of g heads unrolled into vec4 registers (see attention.wgsl).
+    packed: f16 keys and values are read as vec4<u32> (8 halves per load; kr, vr even)."""
     n = head_dim // 4
     r, gs = range(n), range(g)
     sv = "f32" if g == 1 else f"vec{g}<f32>"
@@ -289,13 +290,20 @@ def _attn_header(dt: str, head_dim: int, g: int = 1, split_wg: int = WG) -> str:
     out.append("fn load_q(qb: u32, qs: u32) {\n" + "".join(
         f"  q{j}_{i} = vec4<f32>(qkv[qb + {j}u * qs + {i}u]) * p.scale; a{j}_{i} = vec4<f32>(0.0);\n"
         for j in gs for i in r) + "  m_run = sv(-3.0e38); l_run = sv(0.0);\n}")
-    out.append("fn qk(kr: u32) -> sv {\n" + "".join(f"  let k{i} = vec4<f32>(kc[kr + {i}u]);\n" for i in r)
+    def loads(name, buf, base):
+        if not packed:
+            return "".join(f"  let {name}{i} = vec4<f32>({buf}[{base} + {i}u]);\n" for i in r)
+        return "".join(f"  let w{i} = {buf}p[{base} / 2u + {i}u];\n"
+                       f"  let {name}{2 * i} = vec4<f32>(unpack2x16float(w{i}.x), unpack2x16float(w{i}.y));\n"
+                       f"  let {name}{2 * i + 1} = vec4<f32>(unpack2x16float(w{i}.z), unpack2x16float(w{i}.w));\n"
+                       for i in range(n // 2))
+    out.append("fn qk(kr: u32) -> sv {\n" + loads("k", "kc", "kr")
                + "  return sv(" + ", ".join(" + ".join(f"dot(q{j}_{i}, k{i})" for i in r) for j in gs)
                + ");\n}")
     out.append("fn acc_scale(c: sv) {\n" + "".join(f"  a{j}_{i} *= {comp('c', j)};\n" for j in gs for i in r)
                + "}")
-    out.append("fn acc_add(w: sv, vr: u32) {\n" + "".join(f"  let v{i} = vec4<f32>(vc[vr + {i}u]);\n" for i in r)
-               + "".join(f"  a{j}_{i} += {comp('w', j)} * v{i};\n" for j in gs for i in r) + "}")
+    out.append("fn acc_add(wt: sv, vr: u32) {\n" + loads("v", "vc", "vr")
+               + "".join(f"  a{j}_{i} += {comp('wt', j)} * v{i};\n" for j in gs for i in r) + "}")
     cases = [(j * n + i, f"a{j}_{i}") for j in gs for i in r]
     out.append("fn acc_get(g: u32, d: u32) -> vec4<f32> {\n  switch g * D4 + d {\n" + "".join(
         f"    case {c}u: {{ return {v}; }}\n" for c, v in cases[:-1])
@@ -311,7 +319,8 @@ def attention(dev: Device, qkv: Tensor, k_cache: Tensor, v_cache: Tensor, out: T
     already hold this step's keys: query t (position pos0+t) sees keys 0..pos0+t; head h reads kv
     head h // (Hq/Hkv). out (T, Hq*D). Rows t >= step.n_new are skipped (n_new 0: all T rows).
     max_t (default T) rows are dispatched; max_t == 1 takes the split-key decode path (2 dispatches),
-    sized once for ctx: splits past the live context exit at once.
+    sized once for ctx: splits past the live context exit at once. f16 caches are read 8 halves
+    per load when head_dim % 8 == 0 and the cache offsets are 16-byte aligned.
     Per-device tuning: heads_per_lane (q heads of one kv head served by one lane, which loads each
     key once for them; default the largest divisor of Hq/Hkv up to 4); decode: min_chunk /
     max_splits (keys per split) and split_wg (workgroup size). CPU adapters (lavapipe) default to
@@ -337,19 +346,21 @@ def attention(dev: Device, qkv: Tensor, k_cache: Tensor, v_cache: Tensor, out: T
     g = heads_per_lane or max(d for d in (1, 2, 3, 4) if group % d == 0)
     check(group % g == 0, k, f"heads_per_lane {g} must divide Hq/Hkv = {group}")
     cpu = dev.info.adapter_type.upper() == "CPU"
+    # f16 caches are read 8 halves per load when head rows and cache offsets are 16-byte aligned
+    packed = dt == "f16" and head_dim % 8 == 0 and ko % 2 == 0 and vo % 2 == 0
     if t_max > 1:
         n_blk = -(-t_max // WG)
         par = params(dev, [t_max, n_q_heads, group, heads, ctx, 0, 0, float(scale), qo, ko, vo, oo,
                            n_blk, 0, 0, 0], owner=owner, label=k)
-        return _op(dev, k, "attention.wgsl", "attn_causal", _attn_header(dt, head_dim, g), par,
-                   [_step_entry(step), qe, ke, ve, oe], n_blk * (n_q_heads // g) * WG)
+        return _op(dev, k, "attention.wgsl", "attn_causal", _attn_header(dt, head_dim, g, packed=packed),
+                   par, [_step_entry(step), qe, ke, ve, oe], n_blk * (n_q_heads // g) * WG)
     min_chunk = min_chunk or (128 if cpu else 32)
     chunk, n_splits = decode_splits(ctx, min_chunk=min_chunk, max_splits=max_splits)
     part = dev.buffer(n_q_heads * n_splits * (head_dim // 4 + 1) * 16, owner=owner, label="attention.partials")
     par = params(dev, [1, n_q_heads, group, heads, ctx, chunk, n_splits, float(scale), qo, ko, vo, oo,
                        0, 0, 0, 0], owner=owner, label=k)
     swg = split_wg or (8 if cpu else WG)
-    header = _attn_header(dt, head_dim, g, swg)
+    header = _attn_header(dt, head_dim, g, swg, packed)
     entries = [_step_entry(step), qe, ke, ve, (part, 0, part.size)]
     pipe = dev.pipeline("attention.wgsl", "attn_split", header=header)
     op = Op(name=k, buffers=[par])
