@@ -128,6 +128,9 @@ def estimate_llm(cfg, tensors: dict, *, context_window: int, prefill_chunk: int,
     act = esz * P * (2 * C + cfg.qkv_dim + cfg.q_dim + 3 * F) + 4 * P + esz * (C + V)
     act += 4 * V * 3 + 4 * (V + 31) // 32 + 1024          # sampler: bias, history, scratch, io, params
     act += 64 * 1024                                         # per-op params uniforms (~16 B x ops)
+    # split-key decode attention: per layer (Hq, splits, D/4 + 1) vec4 partials, at most 128 splits
+    # of at least 32 keys (kernels/nn.attention; CPU adapters use fewer): grows with the context.
+    act += cfg.n_layers * cfg.n_heads * min(128, -(-ctx // 32)) * (cfg.head_dim // 4 + 1) * 16
     for size, what in ((kv_buf, f"KV cache of one layer ({ctx} tokens)"), (esz * P * 2 * F, "gate_up activations"),
                        (4 * V, "logits")):
         if size > largest:
