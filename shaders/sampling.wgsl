@@ -101,8 +101,7 @@ fn sample(@builtin(local_invocation_index) tid: u32) {
   var ti = array<u32, 5>(0xffffffffu, 0xffffffffu, 0xffffffffu, 0xffffffffu, 0xffffffffu);
   for (var i = tid; i < V; i += WG) {
     var z = penalized(i);
-    if (sampling) { z *= p.inv_temperature; }
-    scratch[i] = z;
+    if (sampling) { z *= p.inv_temperature; scratch[i] = z; }   // greedy needs only the argmax
     if (z > m) { m = z; mi = i; }
     if (want_lp) {
       let r = f32(logits[i]);

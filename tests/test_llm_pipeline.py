@@ -61,7 +61,7 @@ def test_detokenizer_stop_strings(pieces, stop, shown):
     for i in range(len(pieces)):
         stopped = d.add(i)
         out.append(d.take_delta())
-        for s in stop:                               # never shows a stop string, even in part... at the end
+        for s in stop:                               # a completed stop string is never shown
             assert s not in "".join(out)
         if stopped:
             break
