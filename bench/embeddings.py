@@ -153,6 +153,7 @@ async def main() -> None:
     from webgpu_engine.gpu import request_device
     folder = a.model or Path(cache.default_model_path("all-MiniLM-L6-v2"))
     texts = sentences(a.n, a.words)
+    load_start = os.getloadavg()[0]       # the CPU may be shared: lavapipe timings scale with it
     dev = await request_device()
     rows = []
     for dt in a.dtypes.split(","):
@@ -167,7 +168,7 @@ async def main() -> None:
             r["ratio_vs_sentence_transformers"] = round(r["sentences_per_s"] / st["sentences_per_s"], 3)
 
     print(f"\nadapter: {dev.info.name} ({dev.info.backend}); {a.n} sentences of ~{a.words} words, "
-          f"batch {a.batch}; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+          f"batch {a.batch}; load average {load_start:.1f} -> {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     print(f"{'engine':24s} {'dtype':5s} {'sent/s':>8s} {'tok/s':>9s} {'seconds':>8s} {'vs ST':>6s}")
     for r in rows:
         ratio = r.get("ratio_vs_sentence_transformers")
@@ -183,7 +184,7 @@ async def main() -> None:
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps({
         "adapter": dev.info.__dict__, "host": platform.platform(), "cpus": os.cpu_count(),
-        "load_average_1m": os.getloadavg()[0], "workload": {"sentences": a.n, "words": a.words,
+        "load_average_1m": [load_start, os.getloadavg()[0]], "workload": {"sentences": a.n, "words": a.words,
                                                             "batch": a.batch},
         "sentence_transformers_available": st is not None, "results": rows}, indent=2))
     print(f"\nwrote {a.out.relative_to(ROOT) if a.out.is_relative_to(ROOT) else a.out}")

@@ -110,6 +110,7 @@ def main(argv=None) -> int:
     ap.add_argument("--wg", type=int, default=None)
     ap.add_argument("--rr", type=int, default=None)
     ap.add_argument("--prr", type=int, default=None)
+    ap.add_argument("--no-unroll", action="store_true", help="T = 1: the loop kernel, not matmul_decode")
     ap.add_argument("--only", default="", help="substring filter on shape name / qtype")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "kernels.json"))
     a = ap.parse_args(argv)
@@ -120,6 +121,8 @@ def main(argv=None) -> int:
     for f in ("wg", "rr", "prr"):
         if getattr(a, f):
             setattr(cfg, f, getattr(a, f))
+    if a.no_unroll:
+        cfg.unroll = False
     # two copies: one far larger than caches (DRAM), one the size of a decode weight (cache)
     copies = [bench_copy(dev, nb, a.min_s, a.runs) for nb in (64 << 20, 1 << 20)]
     copy = max(copies, key=lambda c: c["GB/s"])

@@ -86,6 +86,16 @@ class ModelNotLoadedError(WebGPUEngineError):
         super().__init__(f"Model not loaded before {request_name}. Call engine.reload(model_id) first.")
 
 
+class ModelUnloadedError(ModelNotLoadedError):
+    """The model was dropped by an intentional unload()/reload() while a request ran or waited on it
+    (never reported as a device loss)."""
+
+    def __init__(self, model_id: str, request_name: str = "request"):
+        WebGPUEngineError.__init__(
+            self, f"Model {model_id} was unloaded (engine.unload() or reload()) while {request_name} was "
+            f"running or waiting for it. Reload the model and send the request again.")
+
+
 # --------------------------------------------------------------------------- device and GPU
 class WebGPUNotAvailableError(WebGPUEngineError):
     http_status = 503

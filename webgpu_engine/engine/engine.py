@@ -5,7 +5,11 @@ a lock; every request goes validate → select model → lock → generate → r
 One gpu Device is shared by all loaded models. Device loss: the request in flight fails with
 DeviceLostError, every model is dropped, and later requests get ModelNotLoadedError — unless
 `EngineConfig.auto_recover`, in which case the next request re-creates the device and reloads the
-same models from the cache. Standard library only at module level (this runs in the browser too).
+same models from the cache. A loss during reload() is handled the same way. An intentional unload()
+(or reload()) is never a loss: requests running on a dropped model get ModelUnloadedError.
+Before anything is allocated, reload() fetches every model and checks its memory estimate against the
+device (memory.py), so a model or context window that cannot fit fails fast and allocates nothing.
+Standard library only at module level (this runs in the browser too).
 """
 from __future__ import annotations
 
@@ -20,9 +24,11 @@ from typing import Any
 from .. import gpu
 from ..config import ChatConfig, GenerationConfig
 from ..errors import (DeviceLostError, FeatureSupportError, IncorrectPipelineLoadedError,
-                      InvalidRequestError, ModelNotLoadedError, ReloadArgumentSizeUnmatchedError,
+                      InvalidRequestError, ModelNotLoadedError, ModelUnloadedError,
+                      ReloadArgumentSizeUnmatchedError,
                       ReloadModelIdNotUniqueError, ShaderF16SupportError, SpecifiedModelNotFoundError,
                       UnclearModelToUseError, EmbeddingUnsupportedModelError)
+from . import memory
 from .lock import FIFOLock
 from .records import EMBEDDING, LLM, AppConfig, EngineConfig, ModelRecord
 
@@ -39,6 +45,19 @@ class LoadedModel:
     lock: FIFOLock
     epoch: int                     # which load generation; requests queued on a dropped one fail
     owners: set = field(default_factory=set)   # gpu buffer owners created by this model's load
+    estimate: memory.MemoryEstimate | None = None   # what the pre-load memory check assumed
+
+
+@dataclass
+class _Plan:
+    """One model of a reload, ready to load: nothing of it is on the GPU yet."""
+
+    model_id: str
+    record: ModelRecord
+    chat_config: ChatConfig
+    path: Path
+    factory: Any
+    estimate: memory.MemoryEstimate | None = None
 
 
 class AsyncMLCEngine:
@@ -108,18 +127,35 @@ class AsyncMLCEngine:
         self._last_reload = (ids, opts)
         self.state = "loading"
         t0 = time.perf_counter()
+        n = len(ids)
+        dev, current, stage = None, None, "preparing the load"
         try:
             dev = await self.get_device()
+            # Phase 1 (the first tenth of the progress): features, configs, files and memory, for
+            # every model before anything is allocated, so a model that cannot fit fails fast.
+            plans = []
+            for k, (mid, rec, opt) in enumerate(zip(ids, records, opts)):
+                current = mid
+                plans.append(await self._prepare(dev, mid, rec, opt, k, n, t0))
+            self._check_memory(dev, plans)
+            stage = "loading (weight upload)"
             loaded: dict[str, LoadedModel] = {}
             try:
-                for k, (mid, rec, opt) in enumerate(zip(ids, records, opts)):
-                    loaded[mid] = await self._load_one(dev, mid, rec, opt, k, len(ids), t0)
+                for k, plan in enumerate(plans):
+                    current = plan.model_id
+                    loaded[plan.model_id] = await self._load_one(dev, plan, k, n, t0)
             except BaseException:
                 for lm in loaded.values():
                     self._dispose(lm)
                 raise
-        except BaseException:
+        except BaseException as e:
             self.state = "idle" if self.state == "loading" else self.state
+            if isinstance(e, Exception) and (isinstance(e, DeviceLostError) or (dev is not None and dev.lost)):
+                # The same policy as a loss during a request: drop everything; auto_recover retries
+                # this reload on the next request.
+                err = self._lost_error(e, dev, f"{stage} of model {current}")
+                self.on_device_lost(err)
+                raise err from e
             raise
         self._epoch += 1
         for lm in loaded.values():
@@ -129,34 +165,63 @@ class AsyncMLCEngine:
         self.device_lost_reason = None
         self._report(1.0, t0, f"Finish loading on WebGPU - {dev.info.name}")
 
-    async def _load_one(self, dev, model_id: str, rec: ModelRecord, opts: dict | None, k: int, n: int,
-                        t0: float) -> LoadedModel:
+    async def _prepare(self, dev, model_id: str, rec: ModelRecord, opts: dict | None, k: int, n: int,
+                       t0: float) -> _Plan:
+        """Check features, build the chat config, fetch the files (progress 0..0.1) and estimate memory."""
         rec = self._check_features(dev, rec, opts)
         try:
             chat_config = ChatConfig().updated(rec.overrides).updated(opts)
         except (ValueError, TypeError) as e:
             raise InvalidRequestError(str(e), param="chat_opts") from None
 
-        def stage(lo: float, hi: float):
-            # Fetching fills the first tenth of this model's share, loading the rest; the overall
-            # fraction never goes backwards and 1.0 is left for the final "Finish loading" report.
-            def progress(frac: float, text: str) -> None:
-                f = lo + (hi - lo) * max(0.0, min(1.0, frac))
-                self._report((k + f) / n * 0.99, t0, f"[{model_id}] {text}")
-            return progress
+        def progress(frac: float, text: str) -> None:
+            f = (k + max(0.0, min(1.0, frac))) / n
+            self._report(0.1 * f * 0.99, t0, f"[{model_id}] {text}")
+        path = await self._model_path(rec, progress)
+        factory = self._factory(rec.model_type)
+        plan = _Plan(model_id, rec, chat_config, path, factory)
+        builtin = (self.config.pipeline_factories or {}).get(rec.model_type) is None
+        plan.estimate = memory.estimate_model(factory, builtin, rec, path, chat_config, dev)
+        return plan
 
-        self._report(k / n * 0.99, t0, f"Loading model {model_id} ({k + 1}/{n})")
+    def memory_budget(self, dev=None) -> tuple[int, str]:
+        """(bytes this engine may hold on the device, where the number comes from)."""
+        return memory.memory_budget(dev or self.device, self.config.max_memory_bytes)
+
+    def _check_memory(self, dev, plans: list[_Plan]) -> None:
+        """Fail before any allocation when a model (after the ones before it in this reload) does not fit."""
+        budget, source = self.memory_budget(dev)
+        in_use = dev.allocated_bytes()
+        for plan in plans:
+            est = plan.estimate
+            if est is None:
+                continue
+            cw = plan.chat_config.context_window_size
+            if est.context_window and cw > est.context_window:
+                log.warning("%s: context_window_size %d is above the model's trained context; using %d",
+                            plan.model_id, cw, est.context_window)
+            memory.check_fits(plan.model_id, est, dev, budget, source, in_use)
+            in_use += est.total
+
+    async def _load_one(self, dev, plan: _Plan, k: int, n: int, t0: float) -> LoadedModel:
+        model_id, rec, chat_config, factory = plan.model_id, plan.record, plan.chat_config, plan.factory
+
+        def progress(frac: float, text: str) -> None:
+            # Loads fill 0.1..0.99 of the overall progress; it never goes backwards and 1.0 is left
+            # for the final "Finish loading" report.
+            f = (k + max(0.0, min(1.0, frac))) / n
+            self._report((0.1 + 0.9 * f) * 0.99, t0, f"[{model_id}] {text}")
+
+        self._report((0.1 + 0.9 * k / n) * 0.99, t0, f"Loading model {model_id} ({k + 1}/{n})")
         before = set(dev.allocations())
         try:
-            path = await self._model_path(rec, stage(0.0, 0.1))
-            factory = self._factory(rec.model_type)
             kw = {}
             params = inspect.signature(factory.load).parameters
             if "model_id" in params:
                 kw["model_id"] = model_id
             if "logit_processor" in params and model_id in self.logit_processor_registry:
                 kw["logit_processor"] = self.logit_processor_registry[model_id]
-            pipe = await factory.load(dev, path, chat_config, progress=stage(0.1, 1.0), **kw)
+            pipe = await factory.load(dev, plan.path, chat_config, progress=progress, **kw)
         except BaseException:
             # Cancelled or failed mid-load: free whatever this load allocated.
             for owner in set(dev.allocations()) - before:
@@ -172,7 +237,7 @@ class AsyncMLCEngine:
             setter(proc)
         owners = (set(dev.allocations()) - before) | {f"model:{model_id}"}
         return LoadedModel(model_id, rec, pipe, getattr(pipe, "chat_config", chat_config),
-                           rec.model_type, FIFOLock(model_id), 0, owners)
+                           rec.model_type, FIFOLock(model_id), 0, owners, plan.estimate)
 
     def _check_features(self, dev, rec: ModelRecord, opts: dict | None) -> ModelRecord:
         if (opts or {}).get("dtype") == "f16" and not dev.has_f16:
@@ -247,7 +312,7 @@ class AsyncMLCEngine:
             return
         log.error("%s (dropping all loaded models%s)", err,
                   "; they reload on the next request" if self.config.auto_recover else "")
-        self.device_lost_reason = str(err)
+        self.device_lost_reason = getattr(err, "detail", None) or str(err)
         models, self.models = self.models, {}
         for lm in models.values():
             self._dispose(lm)
@@ -255,6 +320,32 @@ class AsyncMLCEngine:
             self.device.mark_lost(str(err))
         self.device = None           # dead; get_device() requests a fresh one on the next reload
         self.state = "device_lost"
+
+    def _lost_error(self, e: BaseException, dev, what: str) -> DeviceLostError:
+        """A DeviceLostError saying what was lost and during what (the class adds what to try)."""
+        reason = (dev.lost_reason if dev is not None else None) or self.device_lost_reason
+        if not reason:
+            reason = getattr(e, "detail", None) or str(e) or type(e).__name__
+        detail = f"{reason}, during {what}"
+        if self.config.auto_recover and self._last_reload:
+            detail += (f" (auto_recover is on: the next request reloads "
+                       f"{', '.join(self._last_reload[0])} on a new device)")
+        err = DeviceLostError(detail)
+        err.detail = detail
+        return err
+
+    def _dropped_error(self, lm: LoadedModel, request_name: str) -> Exception:
+        """Why a request's model is gone: a device loss, or an intentional unload/reload (never a loss)."""
+        if self.state == "device_lost":
+            err = DeviceLostError(self.device_lost_reason or "")
+            err.detail = self.device_lost_reason
+            return err
+        return ModelUnloadedError(lm.model_id, request_name)
+
+    def check_loaded(self, lm: LoadedModel, request_name: str) -> None:
+        """Raise when `lm` was dropped (unload, reload, device loss) since the request picked it."""
+        if self.models.get(lm.model_id) is not lm:
+            raise self._dropped_error(lm, request_name)
 
     async def _maybe_recover(self) -> None:
         if self._recovering is not None:
@@ -299,9 +390,7 @@ class AsyncMLCEngine:
         await lm.lock.acquire()
         if self.models.get(lm.model_id) is not lm:
             lm.lock.release()
-            if self.state == "device_lost":
-                raise DeviceLostError(self.device_lost_reason or "")
-            raise ModelNotLoadedError(request_name)
+            raise self._dropped_error(lm, request_name)
 
     # ------------------------------------------------------------------ misc WebLLM methods
     def _llm(self, model: str | None) -> LoadedModel:
@@ -349,13 +438,18 @@ class AsyncMLCEngine:
         gen = GenerationConfig(temperature=cc.temperature, top_p=cc.top_p)
         await self.acquire(lm, "forward_tokens_and_sample")
         try:
-            return await self.guard(lm.pipeline.forward_tokens_and_sample(list(input_ids), is_prefill, gen))
+            return await self.guard(lm.pipeline.forward_tokens_and_sample(list(input_ids), is_prefill, gen),
+                                    lm, "forward_tokens_and_sample")
         finally:
             lm.lock.release()
 
-    async def guard(self, awaitable):
-        """Await one pipeline step; on device loss drop all GPU state, then re-raise.
+    async def guard(self, awaitable, lm: LoadedModel | None = None, what: str = "a GPU step"):
+        """Await one pipeline step (`what` of model `lm`, e.g. "decode"); on device loss drop all GPU
+        state and raise a DeviceLostError that says during what it happened.
 
+        A failure of a model that an intentional unload()/reload() dropped while the step ran is
+        reported as ModelUnloadedError, never as a device loss. Any error while the device is lost
+        counts as the loss (a destroyed device fails calls in many ways).
         A cancelled caller (client gone, consumer stopped) still lets the step in flight finish:
         abandoning a readback half-way would leave the pipeline's buffers in an unusable state, and
         one decode step is short."""
@@ -364,12 +458,26 @@ class AsyncMLCEngine:
             return await asyncio.shield(task)
         except asyncio.CancelledError:
             await asyncio.wait([task])
-            if not task.cancelled() and isinstance(task.exception(), DeviceLostError):
-                self.on_device_lost(task.exception())
+            if not task.cancelled() and task.exception() is not None:
+                self._classify(task.exception(), lm, what)
             raise
-        except DeviceLostError as e:
-            self.on_device_lost(e)
-            raise
+        except Exception as e:
+            err = self._classify(e, lm, what)
+            if err is e:
+                raise
+            raise err from e
+
+    def _classify(self, e: Exception, lm: LoadedModel | None, what: str) -> Exception:
+        """The error a request sees for a failed step (see guard); handles a device loss on the way."""
+        if lm is not None and self.models.get(lm.model_id) is not lm and self.state != "device_lost":
+            return ModelUnloadedError(lm.model_id, what)
+        dev = getattr(lm.pipeline, "dev", None) if lm is not None else None
+        dev = dev if dev is not None else self.device
+        if isinstance(e, DeviceLostError) or (dev is not None and dev.lost) or self.state == "device_lost":
+            err = self._lost_error(e, dev, f"{what} of model {lm.model_id}" if lm is not None else what)
+            self.on_device_lost(err)
+            return err
+        return e
 
     def queue_lengths(self) -> dict[str, int]:
         """Waiting requests per loaded model (+1 for the one running), for /metrics."""

@@ -82,6 +82,7 @@ class MemoryEstimate:
     activations: int = 0
     context_window: int = 0
     kv_per_token: int = 0
+    ctx_activations: int = 0         # the part of `activations` that grows with the context window
     largest_buffer: int = 0
     largest_label: str = ""
     source: str = "estimate"         # "estimate" (from the model's headers) | "record" (vram_required_MB)
@@ -130,12 +131,13 @@ def estimate_llm(cfg, tensors: dict, *, context_window: int, prefill_chunk: int,
     act += 64 * 1024                                         # per-op params uniforms (~16 B x ops)
     # split-key decode attention: per layer (Hq, splits, D/4 + 1) vec4 partials, at most 128 splits
     # of at least 32 keys (kernels/nn.attention; CPU adapters use fewer): grows with the context.
-    act += cfg.n_layers * cfg.n_heads * min(128, -(-ctx // 32)) * (cfg.head_dim // 4 + 1) * 16
+    partials = cfg.n_layers * cfg.n_heads * min(128, -(-ctx // 32)) * (cfg.head_dim // 4 + 1) * 16
+    act += partials
     for size, what in ((kv_buf, f"KV cache of one layer ({ctx} tokens)"), (esz * P * 2 * F, "gate_up activations"),
                        (4 * V, "logits")):
         if size > largest:
             largest, label = size, what
-    return MemoryEstimate(weights, kv_tok * ctx, act, ctx, kv_tok, largest, label)
+    return MemoryEstimate(weights, kv_tok * ctx, act, ctx, kv_tok, partials, largest, label)
 
 
 def estimate_bert(cfg, tensors: dict, *, max_batch_size: int, max_seq_length: int, act_dtype: str,
@@ -162,7 +164,68 @@ def estimate_bert(cfg, tensors: dict, *, max_batch_size: int, max_seq_length: in
     for size, what in ((esz * T * F, f"FFN activations of a {B}x{max_seq_length} batch"),):
         if size > largest:
             largest, label = size, what
-    return MemoryEstimate(weights, 0, act, 0, 0, largest, label)
+    return MemoryEstimate(weights, 0, act, 0, 0, 0, largest, label)
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """What an estimate needs of a tensor (no bytes: keeping a TensorInfo would keep its file mapped)."""
+
+    qtype: str
+    shape: tuple
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+_HEADERS: dict = {}          # (kind, path, size, mtime) -> (config, extra, {name: _Shape}); parsed once
+_MAX_HEADERS = 8
+
+
+def _file_key(kind: str, path: Path) -> tuple:
+    files = sorted(path.rglob("*")) if path.is_dir() else [path]
+    return (kind, str(path)) + tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns)
+                                     for f in files if f.is_file())
+
+
+def _headers(kind: str, path: Path):
+    """(model config, extra, {name: _Shape}) of a model on disk, cached by path, sizes and mtimes so
+    that reloads (and auto-recovery) do not parse the headers again."""
+    key = _file_key(kind, path)
+    hit = _HEADERS.get(key)
+    if hit is not None:
+        return hit
+    extra = None
+    if kind == "llm" and path.is_dir():
+        from ..loaders.hf_config import load_llama_config
+        from ..loaders.safetensors import SafetensorsFolder
+        f = SafetensorsFolder(path)
+        cfg, tensors, close = load_llama_config(path), f.weights("llama"), f.close
+    elif kind == "llm":
+        from ..loaders.gguf import GGUFFile
+        g = GGUFFile(path)
+        cfg, tensors, close = g.model_config(), g.weights(), g.close
+    else:
+        from ..loaders import hf_config
+        from ..loaders.safetensors import load_safetensors_folder
+        from ..loaders.sentence_transformers import load_sentence_transformer_config
+        extra = load_sentence_transformer_config(path)
+        cfg = hf_config.load_bert_config(extra.model_folder)
+        tensors, close = load_safetensors_folder(extra.model_folder), None
+    try:
+        shapes = {n: _Shape(t.qtype, tuple(t.shape)) for n, t in tensors.items()}
+    finally:
+        tensors = None
+        if close is not None:
+            close()
+    if len(_HEADERS) >= _MAX_HEADERS:
+        _HEADERS.pop(next(iter(_HEADERS)))
+    _HEADERS[key] = (cfg, extra, shapes)
+    return cfg, extra, shapes
 
 
 def estimate_for(model_type: str, path, chat_config, dev) -> MemoryEstimate:
@@ -170,38 +233,36 @@ def estimate_for(model_type: str, path, chat_config, dev) -> MemoryEstimate:
     it cannot read (the caller falls back to the record's number)."""
     path = Path(path)
     limit = min(dev.max_storage_binding, dev.max_buffer_size)
+    cfg, st, shapes = _headers("llm" if model_type == "llm" else "bert", path)
     if model_type == "llm":
         dtype = chat_config.dtype if chat_config.dtype != "auto" else ("f16" if dev.has_f16 else "f32")
-        if path.is_dir():
-            from ..loaders.hf_config import load_llama_config
-            from ..loaders.safetensors import SafetensorsFolder
-            f = SafetensorsFolder(path)
-            cfg, tensors, close = load_llama_config(path), f.weights("llama"), f.close
-        else:
-            from ..loaders.gguf import GGUFFile
-            g = GGUFFile(path)
-            cfg, tensors, close = g.model_config(), g.weights(), g.close
-        try:
-            return estimate_llm(cfg, tensors, context_window=chat_config.context_window_size,
-                                prefill_chunk=chat_config.prefill_chunk_size, act_dtype=dtype,
-                                max_binding=limit)
-        finally:
-            tensors = None
-            close()
-    from ..loaders import hf_config
-    from ..loaders.safetensors import load_safetensors_folder
-    from ..loaders.sentence_transformers import load_sentence_transformer_config
-    st = load_sentence_transformer_config(path)
-    cfg = hf_config.load_bert_config(st.model_folder)
+        return estimate_llm(cfg, shapes, context_window=chat_config.context_window_size,
+                            prefill_chunk=chat_config.prefill_chunk_size, act_dtype=dtype, max_binding=limit)
     max_len = min(chat_config.max_seq_length or st.max_seq_length or cfg.max_position, cfg.max_position)
     dtype = "f32" if chat_config.dtype == "auto" else chat_config.dtype
-    return estimate_bert(cfg, load_safetensors_folder(st.model_folder),
-                         max_batch_size=chat_config.max_batch_size, max_seq_length=max_len,
+    return estimate_bert(cfg, shapes, max_batch_size=chat_config.max_batch_size, max_seq_length=max_len,
                          act_dtype=dtype, max_binding=limit)
 
 
 def from_record(vram_required_MB: float) -> MemoryEstimate:
     return MemoryEstimate(int(vram_required_MB * MiB), source="record")
+
+
+def estimate_model(factory, builtin: bool, record, path, chat_config, dev) -> MemoryEstimate | None:
+    """A model's estimate for the pre-load check: the pipeline class's own (`estimate_memory(path,
+    chat_config, dev)`), ours for the built-in pipelines, else the record's vram_required_MB; None
+    when nothing is known (then only the pipeline's own checks apply)."""
+    f = getattr(factory, "estimate_memory", None)
+    try:
+        if f is not None:
+            return f(path, chat_config, dev)
+        if builtin:
+            return estimate_for(record.model_type, path, chat_config, dev)
+    except Exception as e:  # noqa: BLE001 - the pipeline's own load reports a bad file properly
+        log.debug("no memory estimate for %s: %s", record.model_id, e)
+    if record.vram_required_MB:
+        return from_record(record.vram_required_MB)
+    return None
 
 
 def _mb(n: int) -> str:
@@ -235,14 +296,18 @@ def check_fits(model_id: str, est: MemoryEstimate, dev, budget: int, budget_sour
     if est.kv_per_token:
         parts += f", KV cache {_mb(est.kv_cache)} for {est.context_window} tokens"
     where = (f"{_mb(available)} available (budget {_mb(budget)} from {budget_source}"
-             + (f", {_mb(in_use)} already in use" if in_use else "") + ")")
+             + (f", {_mb(in_use)} already in use or reserved for the models loaded before it"
+                if in_use else "") + ")")
     if est.source == "record":
         raise GPUOutOfMemoryError(
             f"{what} needs about {_mb(est.total)} on the GPU (its record's vram_required_MB), more than "
             f"the {where}. Unload other models or choose a smaller model.")
     if est.kv_per_token:
-        room = available - est.weights - est.activations
-        fit = room // est.kv_per_token // CTX_STEP * CTX_STEP if room > 0 else 0
+        # what a smaller window still costs; context-bound activations are taken as linear in the
+        # window (they grow slower), so the suggested window surely fits
+        per_tok = est.kv_per_token + -(-est.ctx_activations // max(1, est.context_window))
+        room = available - est.weights - (est.activations - est.ctx_activations)
+        fit = room // per_tok // CTX_STEP * CTX_STEP if room > 0 else 0
         if fit >= CTX_STEP:
             raise ContextWindowTooLargeError(
                 f"{what} with a context window of {est.context_window} tokens needs {_mb(est.total)} on "
@@ -255,5 +320,5 @@ def check_fits(model_id: str, est: MemoryEstimate, dev, budget: int, budget_sour
         f"other models, choose a smaller model or raise the budget.")
 
 
-__all__ = ["MemoryEstimate", "estimate_llm", "estimate_bert", "estimate_for", "from_record", "check_fits",
-           "memory_budget", "default_budget", "parse_bytes", "ENV_MAX_MEMORY"]
+__all__ = ["MemoryEstimate", "estimate_llm", "estimate_bert", "estimate_for", "estimate_model", "from_record",
+           "check_fits", "memory_budget", "default_budget", "parse_bytes", "ENV_MAX_MEMORY"]

@@ -91,8 +91,12 @@ class EngineConfig:
     auto_recover: after a device loss, re-create the device and reload the same models on the next
         request (otherwise the engine reports no model loaded until reload()).
     device: use this gpu Device instead of requesting one (shared by every loaded model).
-    pipeline_factories: model type -> pipeline class with `async load(dev, path, chat_config, ...)`;
+    pipeline_factories: model type -> pipeline class with `async load(dev, path, chat_config, ...)`
+        (and optionally `estimate_memory(path, chat_config, dev) -> memory.MemoryEstimate`);
         None uses the real LLMChatPipeline / EmbeddingPipeline.
+    max_memory_bytes: GPU bytes all loaded models may hold together (int, or text such as "6G");
+        None: env WEBGPU_ENGINE_MAX_MEMORY, else a default for the adapter (engine/memory.py).
+        A load that would exceed it fails before allocating anything.
     """
 
     app_config: AppConfig | None = None
@@ -103,6 +107,7 @@ class EngineConfig:
     adapter_name: str | None = None
     device: Any = None
     pipeline_factories: dict[str, Any] | None = None
+    max_memory_bytes: int | str | None = None
 
     def __post_init__(self):
         if self.app_config is None:

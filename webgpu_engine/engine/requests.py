@@ -81,7 +81,10 @@ async def _steps(engine, lm, gen: GenerationConfig, messages=None, prompt=None) 
     """One choice: prefill then decode until the pipeline stops. Yields (text delta, new logprob
     entries) after each step. Each step yields to the event loop (other requests, disconnects)."""
     pipe = lm.pipeline
-    await engine.guard(pipe.prefill_step(messages, gen, prompt=prompt))
+    # Before each step: was the model dropped meanwhile (unload, reload, a loss seen by another
+    # request)? Then stop here instead of touching its freed buffers.
+    engine.check_loaded(lm, "prefill")
+    await engine.guard(pipe.prefill_step(messages, gen, prompt=prompt), lm, "prefill")
     seen = 0
     while True:
         delta = pipe.take_delta()
@@ -93,7 +96,8 @@ async def _steps(engine, lm, gen: GenerationConfig, messages=None, prompt=None) 
             yield delta, entries
         if pipe.stopped:
             break
-        await engine.guard(pipe.decode_step(gen))
+        engine.check_loaded(lm, "decode")
+        await engine.guard(pipe.decode_step(gen), lm, "decode")
         await asyncio.sleep(0)
     tail = pipe.take_delta()   # held-back text (a partial stop string that was not one)
     if tail:
@@ -321,7 +325,7 @@ class Embeddings:
         lm = await engine.select(req.get("model"), EMBEDDING, "EmbeddingCreateParams")
         await engine.acquire(lm, "EmbeddingCreateParams")
         try:
-            res = await engine.guard(lm.pipeline.embed_step(req["input"]))
+            res = await engine.guard(lm.pipeline.embed_step(req["input"]), lm, "embedding")
         finally:
             lm.lock.release()
         data = [{"object": "embedding", "index": i, "embedding": list(v)} for i, v in enumerate(res.embeddings)]

@@ -49,6 +49,8 @@ class MatmulConfig:
     rr: int = 4
     tm: int = 4
     prr: int = 4
+    unroll: bool = True   # T = 1: the K loop unrolled by the host (matmul_decode.wgsl)
+    fuse: bool = True     # models fuse RMSNorm / SiLU·up into the decode matmuls (needs unroll)
 
 
 def default_config(dev: Device) -> MatmulConfig:
@@ -208,18 +210,50 @@ _XREAD = {
 }
 
 
-def _pipeline(dev: Device, entry: str, qtype: str, dtype: str, wg: int, rr: int = 1):
+def _pipeline(dev: Device, entry: str, qtype: str, dtype: str, wg: int, rr: int = 1, extra: str = ""):
     generic = load_shader_source("embedding.wgsl" if entry == "embedding" else "matmul.wgsl")
     xread = _XREAD[dtype] if entry != "embedding" else ""
-    header = f"{act_header(dtype)}const WG: u32 = {wg}u;\nconst RR: u32 = {rr}u;\n{xread}{generic}"
+    header = f"{act_header(dtype)}const WG: u32 = {wg}u;\nconst RR: u32 = {rr}u;\n{xread}{generic}{extra}"
     return dev.pipeline(f"matmul_{qtype}.wgsl", entry, header=header)
 
 
+def _decode_source(nchunks: int, k: int, x_off4: int, mode: str, nf4: int, g_off4: int, eps: float) -> str:
+    """matmul_decode.wgsl plus its generated entry point: the K loop unrolled (see that file)."""
+    xfn = {"plain": "dec_x", "norm": "dec_xn", "silu": "dec_xs"}[mode]
+    lines = [load_shader_source("matmul_decode.wgsl"),
+             f"const XOFF: u32 = {x_off4}u;\nconst NF: u32 = {nf4}u;\nconst GOFF: u32 = {g_off4}u;",
+             f"const EPS: f32 = {float(eps)!r};",
+             "@compute @workgroup_size(WG)",
+             "fn matmul_decode(@builtin(workgroup_id) wid: vec3<u32>, "
+             "@builtin(local_invocation_index) lid: u32) {",
+             "    let rows = dec_rows(wid, lid);",
+             "    var acc = DecAcc(vec4<f32>(0.0), 0.0);"]
+    for c in range(nchunks):
+        lines.append(f"    acc = dec_step(acc, rows, {c}u, {xfn}({c}u));")
+        if mode == "norm":
+            lines.append(f"    acc.ss += dec_sq({c}u);")
+    scale = f"inverseSqrt(acc.ss / {float(k)!r} + EPS)" if mode == "norm" else "1.0"
+    lines += [f"    dec_end(rows, acc, {scale});", "}", ""]
+    return "\n".join(lines)
+
+
 def matmul(dev: Device, x: Tensor, w: QWeight, y: Tensor, *, bias: Tensor | None = None,
-           accumulate: bool = False, config: MatmulConfig | None = None) -> Op:
-    """y = x·Wᵀ (+ bias); with `accumulate`, y += x·Wᵀ (+ bias). x (T, K), W (N, K), y (T, N)."""
+           accumulate: bool = False, config: MatmulConfig | None = None,
+           norm: tuple | None = None, silu: bool = False) -> Op:
+    """y = x·Wᵀ (+ bias); with `accumulate`, y += x·Wᵀ (+ bias). x (T, K), W (N, K), y (T, N).
+
+    Fused inputs (T = 1 only, see `fusable`): `norm=(g (K,) f32, eps)` multiplies by RMSNorm(x)
+    instead of x; `silu=True` takes x (1, 2K) = [gate | up] and multiplies by silu(gate) * up."""
     cfg = config or default_config(dev)
     check(len(x.shape) == 2 and len(y.shape) == 2, "matmul", f"x {x.shape} and y {y.shape} must be 2-D")
+    x_in = x                      # what is bound: (T, 2K) [gate | up] when silu
+    if silu:
+        check(x.shape[1] % 2 == 0, "matmul", f"silu needs x = [gate | up], got {x.shape}")
+        x = Tensor(x.buf, (x.shape[0], x.shape[1] // 2), x.dtype, x.offset)
+    if norm is not None or silu:
+        check(norm is None or not silu, "matmul", "norm and silu cannot both be fused")
+        check(fusable(dev, x.shape[0], w, cfg), "matmul",
+              f"fused norm/silu needs T = 1 and a weight with K % 32 == 0 on the decode path")
     T, K = x.shape
     check(K == w.k, "matmul", f"x has {K} columns, the weight {w.label!r} has {w.k}")
     check(tuple(y.shape) == (T, w.n), "matmul", f"y is {y.shape}, expected ({T}, {w.n})")
@@ -227,7 +261,7 @@ def matmul(dev: Device, x: Tensor, w: QWeight, y: Tensor, *, bias: Tensor | None
     check(T > 0, "matmul", "empty input")
     check(K % 4 == 0, "matmul", f"K={K} must be a multiple of 4")
     esz = DTYPE_SIZE[x.dtype]
-    xb, x_off = _window(x, 4 * esz, "matmul", "x")
+    xb, x_off = _window(x_in, 4 * esz, "matmul", "x")
     yb, y_off = _window(y, esz, "matmul", "y")
     if bias is not None:
         check(bias.dtype == "f32" and bias.numel == w.n, "matmul", f"bias must be f32 ({w.n},)")
@@ -236,6 +270,9 @@ def matmul(dev: Device, x: Tensor, w: QWeight, y: Tensor, *, bias: Tensor | None
         bb, b_off = _dummy(dev), 0
     check(cfg.rr in (1, 2, 4) and cfg.prr in (1, 2, 4) and cfg.tm in (1, 4), "matmul",
           f"unsupported strategy {cfg}")
+    if T == 1 and cfg.unroll and K % 32 == 0:
+        return _matmul_decode(dev, x, w, y, xb, x_off, yb, y_off, bb, b_off, bias is not None,
+                              accumulate, cfg, norm, silu)
     if T > 1 and cfg.tm == 4:
         entry, rr, tiles = "matmul_tile", cfg.prr, -(-T // 4)
     else:
@@ -251,6 +288,37 @@ def matmul(dev: Device, x: Tensor, w: QWeight, y: Tensor, *, bias: Tensor | None
                    owner=y.buf.owner, label=f"matmul[{w.label}]")
         op.buffers.append(p)
         op.add(pipe, dev.bind(pipe, [p, xb, buf, yb, bb]), groups, tiles)
+    return op
+
+
+def fusable(dev: Device, T: int, w: QWeight, config: MatmulConfig | None = None) -> bool:
+    """Whether matmul(..., norm=...) / (..., silu=True) is available for T rows of x and weight w."""
+    cfg = config or default_config(dev)
+    return T == 1 and cfg.unroll and cfg.fuse and w.k % 32 == 0
+
+
+def _matmul_decode(dev, x, w, y, xb, x_off, yb, y_off, bb, b_off, has_bias, accumulate, cfg, norm,
+                   silu) -> Op:
+    K = w.k
+    mode, g_off4, eps, extra = "plain", 0, 0.0, []
+    if norm is not None:
+        g, eps = norm
+        check(g.dtype == "f32" and g.numel == K, "matmul", f"norm weight must be f32 ({K},)")
+        gb, g_off4 = _window(g, 16, "matmul", "norm weight")
+        mode, extra = "norm", [gb]
+    elif silu:
+        mode = "silu"
+    src = _decode_source(K // 32, K, x_off, mode, K // 4, g_off4, eps)
+    pipe = _pipeline(dev, "matmul_decode", w.qtype, x.dtype, cfg.wg, cfg.rr, src)
+    flags = (1 if has_bias else 0) | (2 if accumulate else 0)
+    op = Op(name=f"matmul[{w.label}]")
+    for buf, (r0, rows) in zip(w.bufs, w.parts):
+        groups = -(-rows // (cfg.wg * cfg.rr))
+        check(groups <= _MAX_GROUPS, "matmul", f"{rows} rows need more than 65535 workgroups")
+        p = params(dev, [K, rows, 1, w.row_words, x_off, y_off, w.n, r0, b_off, flags, K // 32, K // 4],
+                   owner=y.buf.owner, label=f"matmul[{w.label}]")
+        op.buffers.append(p)
+        op.add(pipe, dev.bind(pipe, [p, xb, buf, yb, bb] + extra), groups, 1)
     return op
 
 
@@ -292,5 +360,5 @@ def upload_vector(dev: Device, data, *, dtype: str = "f32", owner: str, label: s
     return Tensor(dev.upload(raw, owner=owner, label=label), (n,), "f32")
 
 
-__all__ = ["QTYPES", "QWeight", "MatmulConfig", "default_config", "upload_weight", "matmul",
+__all__ = ["QTYPES", "QWeight", "MatmulConfig", "default_config", "upload_weight", "matmul", "fusable",
            "embedding", "upload_vector", "file_row_bytes", "gpu_row_bytes"]

@@ -1,0 +1,103 @@
+// matmul_decode: the T = 1 (decode) matmul with the K loop unrolled into straight-line code, with
+// optional fused inputs:
+//   plain:  y[r] (+)= sum_k x[k] * W[r, k]                         (+ bias[r])
+//   norm:   y[r] (+)= sum_k x[k] g[k] W[r, k] / sqrt(mean(x^2) + eps)   (RMSNorm fused in)
+//   silu:   y[r] (+)= sum_k silu(a[k]) a[F + k] W[r, k]             (a = [gate | up], SiLU·up fused in)
+// Why unrolled: on CPU Vulkan (lavapipe) a storage load runs one SIMD lane at a time unless the
+// driver can see the address is the same for every lane, which it only does for constant addresses
+// outside any control flow. With the loop unrolled by the host and every x offset a constant, each x
+// word is one scalar load broadcast to all lanes, so only the weight words cost per-lane loads.
+// Built after matmul.wgsl (WChunk, XChunk, xget, cdot, store, P, x/y/bias bindings) and before one
+// `matmul_<qtype>.wgsl`. The host header adds the consts XOFF (x offset in xword units), NF (F / 4
+// for silu), GOFF (g offset in vec4 units), EPS, and the generated entry point `matmul_decode`,
+// which calls dec_rows, then dec_step(..., dec_x*(c)) for c = 0 .. K/32 - 1, then dec_end.
+// dispatch (ceil(rows / (WG * RR)), 1, 1), workgroup WG
+
+@group(0) @binding(5) var<storage, read> g: array<vec4<f32>>;   // (K/4) RMSNorm weight (norm mode)
+
+struct DecRows { b: vec4<u32>, r0: u32 }
+struct DecAcc { a: vec4<f32>, ss: f32 }
+
+fn dec_rows(wid: vec3<u32>, lid: u32) -> DecRows {
+    // No early return (it would put every load below inside control flow): rows past the end
+    // re-read the last row and are not stored.
+    let r0 = (wid.x * WG + lid) * RR;
+    let last = P.rows - 1u;
+    return DecRows(vec4<u32>(min(r0, last), min(r0 + 1u, last), min(r0 + 2u, last),
+                             min(r0 + 3u, last)) * P.row_words, r0);
+}
+
+fn xc_of(v: array<vec4<f32>, 8>) -> XChunk {
+    let lo = (v[0] + v[1]) + (v[2] + v[3]);
+    let hi = (v[4] + v[5]) + (v[6] + v[7]);
+    return XChunk(v, vec2<f32>(dot(lo, vec4<f32>(1.0)), dot(hi, vec4<f32>(1.0))));
+}
+
+fn dec_x(c: u32) -> XChunk {
+    return xchunk(XOFF + c * 8u);
+}
+
+fn dec_xn(c: u32) -> XChunk {   // x * g (the 1/rms factor is applied to the sums in dec_end)
+    let o = XOFF + c * 8u;
+    let q = GOFF + c * 8u;
+    var v: array<vec4<f32>, 8>;
+    v[0] = xget(o) * g[q];
+    v[1] = xget(o + 1u) * g[q + 1u];
+    v[2] = xget(o + 2u) * g[q + 2u];
+    v[3] = xget(o + 3u) * g[q + 3u];
+    v[4] = xget(o + 4u) * g[q + 4u];
+    v[5] = xget(o + 5u) * g[q + 5u];
+    v[6] = xget(o + 6u) * g[q + 6u];
+    v[7] = xget(o + 7u) * g[q + 7u];
+    return xc_of(v);
+}
+
+fn dec_sq(c: u32) -> f32 {      // sum of x^2 over chunk c (norm mode)
+    let o = XOFF + c * 8u;
+    let v0 = xget(o);
+    let v1 = xget(o + 1u);
+    let v2 = xget(o + 2u);
+    let v3 = xget(o + 3u);
+    let v4 = xget(o + 4u);
+    let v5 = xget(o + 5u);
+    let v6 = xget(o + 6u);
+    let v7 = xget(o + 7u);
+    let s = (v0 * v0 + v1 * v1) + (v2 * v2 + v3 * v3) + (v4 * v4 + v5 * v5) + (v6 * v6 + v7 * v7);
+    return dot(s, vec4<f32>(1.0));
+}
+
+fn silu4(a: vec4<f32>, u: vec4<f32>) -> vec4<f32> {
+    return a / (1.0 + exp(-a)) * u;
+}
+
+fn dec_xs(c: u32) -> XChunk {   // silu(gate) * up
+    let o = XOFF + c * 8u;
+    var v: array<vec4<f32>, 8>;
+    v[0] = silu4(xget(o), xget(o + NF));
+    v[1] = silu4(xget(o + 1u), xget(o + NF + 1u));
+    v[2] = silu4(xget(o + 2u), xget(o + NF + 2u));
+    v[3] = silu4(xget(o + 3u), xget(o + NF + 3u));
+    v[4] = silu4(xget(o + 4u), xget(o + NF + 4u));
+    v[5] = silu4(xget(o + 5u), xget(o + NF + 5u));
+    v[6] = silu4(xget(o + 6u), xget(o + NF + 6u));
+    v[7] = silu4(xget(o + 7u), xget(o + NF + 7u));
+    return xc_of(v);
+}
+
+fn dec_step(acc: DecAcc, rows: DecRows, c: u32, xc: XChunk) -> DecAcc {
+    var a = acc.a;
+    a.x += cdot(wchunk(rows.b.x, c), xc);
+    if (RR > 1u) { a.y += cdot(wchunk(rows.b.y, c), xc); }
+    if (RR > 2u) {
+        a.z += cdot(wchunk(rows.b.z, c), xc);
+        a.w += cdot(wchunk(rows.b.w, c), xc);
+    }
+    return DecAcc(a, acc.ss);
+}
+
+fn dec_end(rows: DecRows, acc: DecAcc, scale: f32) {
+    let a = acc.a * scale;
+    store(0u, rows.r0, a.x);
+    if (RR > 1u) { store(0u, rows.r0 + 1u, a.y); }
+    if (RR > 2u) { store(0u, rows.r0 + 2u, a.z); store(0u, rows.r0 + 3u, a.w); }
+}

@@ -1,0 +1,278 @@
+"""Device loss on the real adapter with the real default models, through the engine API.
+
+The device is destroyed (gpu `Device.destroy`, what a driver reset does) at four points: during
+reload (weight upload), during prefill, mid-stream in decode, during an embedding batch. Each time:
+the request fails with DeviceLostError saying what happened and what to try, no lock is held, the
+other model's requests get ModelNotLoadedError, and a manual reload — then, after a second loss at
+the same point, auto_recover — serves the same greedy answer and embeddings as before the loss.
+An intentional unload() is never reported as a loss. To hit a precise point, a pipeline or device
+method is wrapped to destroy the device and then call through; the GPU work itself is real.
+"""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from webgpu_engine import errors as E
+from webgpu_engine.engine import DEFAULT_CHAT_MODEL as LLM_ID
+from webgpu_engine.engine import DEFAULT_EMBED_MODEL as EMB_ID
+from webgpu_engine.engine import AsyncMLCEngine, EngineConfig, create_mlc_engine
+
+pytestmark = pytest.mark.slow
+
+Q = [{"role": "user", "content": "What is the capital of France?"}]
+TEXTS = ["The cat sits on the mat.", "Stock markets fell sharply today."]
+MAX_TOKENS = 6
+BOTH = [LLM_ID, EMB_ID]
+
+
+async def greedy(eng) -> str:
+    r = await eng.chat.completions.create(model=LLM_ID, messages=Q, temperature=0, max_tokens=MAX_TOKENS)
+    return r.choices[0].message.content
+
+
+async def embed(eng) -> list[list[float]]:
+    r = await eng.embeddings.create(model=EMB_ID, input=TEXTS)
+    return [d.embedding for d in r.data]
+
+
+@pytest.fixture(scope="module")
+async def reference(device, smollm2_gguf, minilm_dir):
+    """Greedy answer and embeddings of the default models before any loss (session device)."""
+    eng = await create_mlc_engine(BOTH, EngineConfig(device=device))
+    ref = (await greedy(eng), await embed(eng))
+    await eng.unload()
+    assert ref[0].strip() and len(ref[1]) == 2
+    return ref
+
+
+async def new_engine(**kw) -> AsyncMLCEngine:
+    """An engine with both models on a device of its own (the test destroys it)."""
+    from webgpu_engine import gpu
+    return await create_mlc_engine(BOTH, EngineConfig(device=await gpu.request_device(), **kw))
+
+
+def destroy_on_next(dev, method: str, fired: list):
+    """Make the next call of `dev.<method>` destroy the device first, then call through (so the call
+    meets a destroyed device, as when a driver resets in the middle of GPU work)."""
+    orig = getattr(dev, method)
+
+    def wrapper(*a, **kw):
+        delattr(dev, method)           # one shot: back to the class method
+        fired.append(method)
+        dev.destroy()
+        return orig(*a, **kw)
+    setattr(dev, method, wrapper)
+
+
+def wrap_step(eng, model_id: str, step: str, dev_method: str, fired: list) -> None:
+    """Wrap the pipeline's `step` (prefill_step, embed_step) to arm a destroy on the device's next
+    `dev_method` call inside that step."""
+    pipe = eng.models[model_id].pipeline
+    orig = getattr(pipe, step)
+
+    async def wrapped(*a, **kw):
+        destroy_on_next(eng.device, dev_method, fired)
+        return await orig(*a, **kw)
+    setattr(pipe, step, wrapped)
+
+
+def check_lost(eng, exc: BaseException, phase: str, locks, lost_dev) -> None:
+    """The typed error, its message, the freed locks and the dropped state after a loss."""
+    assert isinstance(exc, E.DeviceLostError), repr(exc)
+    msg = str(exc)
+    assert "device was lost" in msg and "destroyed" in msg        # what happened
+    assert phase in msg                                         # ... during what
+    assert "reload()" in msg                                    # what to try
+    assert all(not lk.locked for lk in locks)
+    assert eng.models == {} and eng.state == "device_lost" and lost_dev.lost
+    assert eng.device is None or eng.device is not lost_dev
+
+
+async def check_not_loaded(eng) -> None:
+    """Without auto_recover, every model's requests report that nothing is loaded."""
+    with pytest.raises(E.ModelNotLoadedError):
+        await eng.embeddings.create(model=EMB_ID, input=TEXTS)
+    with pytest.raises(E.ModelNotLoadedError):
+        await eng.chat.completions.create(model=LLM_ID, messages=Q, max_tokens=2)
+
+
+def same_vectors(got, want) -> None:
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert g == pytest.approx(w, abs=1e-5)
+
+
+async def check_served(eng, ref, lost_dev, first: str) -> None:
+    """Both models answer as before the loss, on a new device; `first` says which request goes first
+    (with auto_recover, that one triggers the reload)."""
+    if first == "embed":
+        same_vectors(await embed(eng), ref[1])
+        assert await greedy(eng) == ref[0]
+    else:
+        assert await greedy(eng) == ref[0]
+        same_vectors(await embed(eng), ref[1])
+    assert set(eng.models) == set(BOTH) and eng.state == "ready"
+    assert eng.device is not lost_dev and not eng.device.lost
+
+
+async def run_point(ref, lose, phase: str, other_first: str) -> None:
+    """Lose the device with `lose(eng)` (returns the exception the request got), then recover by a
+    manual reload; lose it again the same way and recover with auto_recover."""
+    eng = await new_engine()
+    try:
+        for auto in (False, True):
+            eng.config.auto_recover = auto
+            dev = eng.device
+            locks = [lm.lock for lm in eng.models.values()]
+            exc = await lose(eng)
+            check_lost(eng, exc, phase, locks, dev)
+            if auto:
+                assert "auto_recover is on" in str(exc)
+                await check_served(eng, ref, dev, other_first)    # the next request reloads
+            else:
+                await check_not_loaded(eng)
+                assert eng.state == "device_lost"
+                await eng.reload(BOTH)
+                await check_served(eng, ref, dev, other_first)
+    finally:
+        await eng.unload()
+        if eng.device is not None and not eng.device.lost:
+            eng.device.close()
+
+
+# --------------------------------------------------------------------------- the four points
+async def test_loss_during_reload_weight_upload(reference):
+    async def lose(eng):
+        dev = eng.device
+        fired = []
+
+        def cb(report):
+            # the LLM's weight upload is under way (phase 1 — files, memory check — is done)
+            if not fired and report["text"].startswith(f"[{LLM_ID}]") and report["progress"] > 0.1:
+                fired.append(report["text"])
+                dev.destroy()
+        eng.set_init_progress_callback(cb)
+        try:
+            with pytest.raises(E.DeviceLostError) as ei:
+                await eng.reload(BOTH)
+        finally:
+            eng.set_init_progress_callback(None)
+        assert fired and dev.allocated_bytes() == 0      # the partial load was freed
+        return ei.value
+    await run_point(reference, lose, f"loading (weight upload) of model {LLM_ID}", "embed")
+
+
+async def test_loss_during_prefill(reference):
+    async def lose(eng):
+        fired = []
+        # destroyed at the prefill's readback: its forward was already submitted to the GPU
+        wrap_step(eng, LLM_ID, "prefill_step", "read", fired)
+        with pytest.raises(E.DeviceLostError) as ei:
+            await eng.chat.completions.create(model=LLM_ID, messages=Q, temperature=0, max_tokens=MAX_TOKENS)
+        assert fired == ["read"]
+        return ei.value
+    await run_point(reference, lose, f"prefill of model {LLM_ID}", "embed")
+
+
+async def test_loss_mid_stream_in_decode(reference):
+    async def lose(eng):
+        stream = await eng.chat.completions.create(model=LLM_ID, messages=Q, temperature=0,
+                                                   max_tokens=MAX_TOKENS, stream=True)
+        chunks = []
+        with pytest.raises(E.DeviceLostError) as ei:
+            async for ch in stream:
+                chunks.append(ch)
+                if len(chunks) == 1:
+                    eng.device.destroy()          # after the first streamed chunk
+        assert len(chunks) == 1 and chunks[0].choices[0].delta.content
+        return ei.value
+    await run_point(reference, lose, f"decode of model {LLM_ID}", "embed")
+
+
+async def test_loss_during_embedding_batch(reference):
+    async def lose(eng):
+        fired = []
+        # destroyed as the batch's forward is submitted
+        wrap_step(eng, EMB_ID, "embed_step", "submit", fired)
+        with pytest.raises(E.DeviceLostError) as ei:
+            await eng.embeddings.create(model=EMB_ID, input=TEXTS)
+        assert fired == ["submit"]
+        return ei.value
+    await run_point(reference, lose, f"embedding of model {EMB_ID}", "chat")
+
+
+async def test_loss_seen_by_one_request_fails_the_queued_ones(reference):
+    """Requests waiting on the lost model's lock (and on the other model) fail with DeviceLostError,
+    not with a hang or a stale answer; every lock ends free."""
+    eng = await new_engine()
+    try:
+        dev = eng.device
+        lm = eng.models[LLM_ID]
+        stream = await eng.chat.completions.create(model=LLM_ID, messages=Q, temperature=0,
+                                                   max_tokens=MAX_TOKENS, stream=True)
+        queued = asyncio.create_task(eng.chat.completions.create(model=LLM_ID, messages=Q, max_tokens=2))
+        await asyncio.sleep(0)
+        assert lm.lock.queue_length == 1
+        dev.destroy()
+        with pytest.raises(E.DeviceLostError):
+            async for _ in stream:
+                pass
+        with pytest.raises(E.DeviceLostError, match="destroyed"):
+            await queued
+        assert not lm.lock.locked and eng.state == "device_lost"
+    finally:
+        await eng.unload()
+
+
+# --------------------------------------------------------------------------- intentional unload
+async def test_unload_is_never_a_device_loss(device, reference):
+    eng = await create_mlc_engine(BOTH, EngineConfig(device=device, auto_recover=True))
+    baseline_after = None
+    try:
+        lm = eng.models[LLM_ID]
+        # a stream in flight when the model is unloaded
+        stream = await eng.chat.completions.create(model=LLM_ID, messages=Q, temperature=0,
+                                                   max_tokens=MAX_TOKENS, stream=True)
+        queued = asyncio.create_task(eng.chat.completions.create(model=LLM_ID, messages=Q, max_tokens=2))
+        first = await stream.__anext__()
+        assert first.choices[0].delta.content
+        await eng.unload()
+        baseline_after = device.allocated_bytes()
+        with pytest.raises(E.ModelUnloadedError, match="unloaded") as ei:
+            async for _ in stream:
+                pass
+        assert not isinstance(ei.value, E.DeviceLostError)
+        with pytest.raises(E.ModelNotLoadedError) as ei:
+            await queued
+        assert not isinstance(ei.value, E.DeviceLostError)
+        assert not lm.lock.locked
+        assert eng.state == "idle" and eng.device_lost_reason is None
+        assert not device.lost and eng.device is device
+        # not a loss, so auto_recover does not bring the models back
+        with pytest.raises(E.ModelNotLoadedError):
+            await eng.embeddings.create(model=EMB_ID, input=TEXTS)
+        assert eng.models == {} and eng.state == "idle"
+        assert device.allocated_bytes() == baseline_after
+        # a non-streaming request running when reload() replaces the models
+        await eng.reload(BOTH)
+        started = asyncio.Event()
+        pipe = eng.models[LLM_ID].pipeline
+        orig = pipe.decode_step
+
+        async def decode_step(*a, **kw):
+            started.set()
+            return await orig(*a, **kw)
+        pipe.decode_step = decode_step
+        task = asyncio.create_task(eng.chat.completions.create(model=LLM_ID, messages=Q, temperature=0,
+                                                               max_tokens=MAX_TOKENS))
+        await started.wait()
+        await eng.reload(BOTH)
+        with pytest.raises(E.ModelUnloadedError):
+            await task
+        assert eng.state == "ready" and not device.lost
+        assert await greedy(eng) == reference[0]          # the same device still serves
+    finally:
+        await eng.unload()
+    assert not device.lost
