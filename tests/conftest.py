@@ -60,3 +60,13 @@ def smollm2_reference() -> dict:
 @pytest.fixture(scope="session")
 def minilm_reference() -> dict:
     return json.loads((REFERENCE / "minilm_sentence_transformers.json").read_text())
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A skipped test is a failure here: a skip would hide a missing adapter, browser or model."""
+    outcome = yield
+    rep = outcome.get_result()
+    if rep.skipped and not hasattr(rep, "wasxfail"):
+        rep.outcome = "failed"
+        rep.longrepr = f"test skipped, which this suite treats as a failure: {rep.longrepr}"
