@@ -23,7 +23,8 @@ def _prompt_ids(tok, n: int) -> list[int]:
     return tok.encode(text)[:n]
 
 
-async def bench_engine(path: Path, dtype: str, prompts: list[int], n_decode: int, reps: int) -> dict:
+async def bench_engine(path: Path, dtype: str, prompts: list[int], n_decode: int, reps: int,
+                       skip_prefill: bool = False) -> dict:
     from webgpu_engine.config import ChatConfig, GenerationConfig
     from webgpu_engine.gpu import request_device
     from webgpu_engine.pipelines.llm import LLMChatPipeline
@@ -36,6 +37,8 @@ async def bench_engine(path: Path, dtype: str, prompts: list[int], n_decode: int
     out = {"adapter": dev.info.name, "dtype": pipe.model.dtype, "load_s": time.perf_counter() - t0,
            "dispatches_per_decode_step": sum(len(op.dispatches) for op in pipe.model.decode_ops) + 1}
     gen = GenerationConfig(temperature=0.0, ignore_eos=True)
+    if skip_prefill:
+        prompts = []
     # warm-up: compiles every pipeline of the shapes used below
     for n in prompts:
         await pipe.forward_tokens_and_sample(_prompt_ids(pipe.tokenizer, n), True, gen)
@@ -54,7 +57,7 @@ async def bench_engine(path: Path, dtype: str, prompts: list[int], n_decode: int
     m, s = pipe.model, pipe.sampler
     enc = sub = wait = 0.0
     pos = len(pipe.kv_ids)
-    t_all = time.perf_counter()
+    t_all, c_all = time.perf_counter(), time.process_time()
     for i in range(n_decode):
         t = time.perf_counter()
         b = dev.batch()
@@ -66,8 +69,11 @@ async def bench_engine(path: Path, dtype: str, prompts: list[int], n_decode: int
         await s.read(False)
         t3 = time.perf_counter()
         enc, sub, wait = enc + t1 - t, sub + t2 - t1, wait + t3 - t2
-    total = time.perf_counter() - t_all
+    total, cpu = time.perf_counter() - t_all, time.process_time() - c_all
+    # process CPU time: on a CPU adapter the driver's threads are ours, so this does not depend on
+    # what else the machine runs (wall time does)
     out.update({"decode_tokens_per_s": n_decode / total, "decode_step_ms": 1e3 * total / n_decode,
+                "decode_step_cpu_ms": 1e3 * cpu / n_decode,
                 "host_record_ms": 1e3 * enc / n_decode, "host_submit_encode_ms": 1e3 * sub / n_decode,
                 "gpu_wait_and_readback_ms": 1e3 * wait / n_decode})
     # readback alone (a 4-byte read after an empty submit)
@@ -75,29 +81,84 @@ async def bench_engine(path: Path, dtype: str, prompts: list[int], n_decode: int
     for _ in range(20):
         await dev.read(s.io, 0, 4)
     out["readback_only_ms"] = 1e3 * (time.perf_counter() - t) / 20
-    out["gpu_ms_by_kernel_decode"] = _by_kind(dev, m.decode_ops + [pipe._sample_op], m.step)
-    out["gpu_ms_by_kernel_prefill_128"] = _by_kind(dev, m.ops_for(min(128, m.chunk), True), m.step)
+    out["gpu_ms_by_kernel_decode"], out["cpu_ms_by_kernel_decode"] = \
+        _by_kind(dev, m.decode_ops + [pipe._sample_op], m.step)
+    if not skip_prefill:
+        out["gpu_ms_by_kernel_prefill_128"], out["cpu_ms_by_kernel_prefill_128"] = \
+            _by_kind(dev, m.ops_for(min(128, m.chunk), True), m.step)
     pipe.dispose()
     return out
 
 
-def _by_kind(dev, ops, sync_buf) -> dict:
-    """GPU time per kernel kind: each kind's dispatches submitted alone (best of 3)."""
+def _by_kind(dev, ops, sync_buf) -> tuple[dict, dict]:
+    """GPU time per kernel kind: each kind's dispatches submitted alone (best of 3), as wall and as
+    process CPU milliseconds."""
     kinds = defaultdict(list)
     for op in ops:
         kinds[(op.name or "op").split("[")[0]].append(op)
-    res = {}
+    res, cpu = {}, {}
     for name, group in kinds.items():
-        best = 1e9
+        best, best_c = 1e9, 1e9
         for _ in range(3):
             b = dev.batch()
             for op in group:
                 op.record(b)
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.process_time()
             dev.submit(b)
             dev.read_sync(sync_buf, 0, 4)
-            best = min(best, time.perf_counter() - t)
-        res[name] = round(1e3 * best, 2)
+            best, best_c = min(best, time.perf_counter() - t), min(best_c, time.process_time() - c)
+        res[name], cpu[name] = round(1e3 * best, 2), round(1e3 * best_c, 2)
+    return res, cpu
+
+
+async def bench_ab(path: Path, dtype: str, variants: list[str], n_steps: int, rounds: int) -> dict:
+    """Interleaved A/B of matmul strategies on whole decode steps: one pipeline per variant (ops are
+    built under that variant's overrides), then rounds of `n_steps` steps per variant in turn; reports
+    the best round's wall and process-CPU ms per step (the machine may be shared: interleaving and
+    taking the best keep the comparison fair)."""
+    from webgpu_engine.config import ChatConfig, GenerationConfig
+    from webgpu_engine.gpu import request_device
+    from webgpu_engine.kernels import matmul as mm
+    from webgpu_engine.pipelines.llm import LLMChatPipeline
+
+    dev = await request_device()
+    gen = GenerationConfig(temperature=0.0, ignore_eos=True)
+    pipes = []
+    for v in variants:
+        mm.CONFIG_OVERRIDES.clear()
+        ov = _overrides(v)
+        dt = ov.pop("dtype", dtype)
+        mm.CONFIG_OVERRIDES.update(ov)
+        pipe = await LLMChatPipeline.load(dev, path, ChatConfig(dtype=dt, context_window_size=
+                                                                64 + rounds * n_steps + 8))
+        await pipe.forward_tokens_and_sample(_prompt_ids(pipe.tokenizer, 32), True, gen)
+        pipes.append(pipe)
+    mm.CONFIG_OVERRIDES.clear()
+    best = {v: [1e9, 1e9] for v in variants}
+    for _ in range(rounds):
+        for v, pipe in zip(variants, pipes):
+            t, c = time.perf_counter(), time.process_time()
+            for _ in range(n_steps):     # T = 1 forwards: the decode ops, plus a 4-byte id write
+                await pipe.forward_tokens_and_sample([pipe._last_token], False, gen)
+            dt, dc = (time.perf_counter() - t) / n_steps, (time.process_time() - c) / n_steps
+            best[v] = [min(best[v][0], 1e3 * dt), min(best[v][1], 1e3 * dc)]
+    out = {"adapter": dev.info.name}
+    for v, pipe in zip(variants, pipes):
+        out[v or "default"] = {"dtype": pipe.model.dtype, "step_ms": round(best[v][0], 2),
+                               "step_cpu_ms": round(best[v][1], 2),
+                               "dispatches": sum(len(op.dispatches) for op in pipe.model.decode_ops) + 1}
+        pipe.dispose()
+    return out
+
+
+def _overrides(spec: str) -> dict:
+    """"fuse=0,unroll=1" -> {"fuse": False, "unroll": True} (fields of MatmulConfig); "dtype=f32"
+    sets the activation dtype of that variant."""
+    from webgpu_engine.kernels import matmul as mm
+    res = {}
+    for item in filter(None, spec.split(",")):
+        k, v = item.split("=")
+        res[k] = v if k == "dtype" else type(getattr(mm.MatmulConfig(), k))(int(v))
     return res
 
 
@@ -136,7 +197,26 @@ def main() -> None:
     ap.add_argument("--prompts", default="128,512")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "llm.json"))
+    ap.add_argument("--decode-only", action="store_true", help="skip the prefill measurements")
+    ap.add_argument("--matmul", default="", help="matmul strategy overrides for A/B runs, e.g. "
+                    "fuse=0,unroll=0 (fields of kernels.matmul.MatmulConfig)")
+    ap.add_argument("--ab", nargs="+", default=None, metavar="SPEC",
+                    help="interleaved A/B of decode steps between matmul strategies, e.g. "
+                         "--ab unroll=0,fuse=0 fuse=1 (prints per-step wall and CPU ms)")
+    ap.add_argument("--rounds", type=int, default=6)
     a = ap.parse_args()
+    os.environ.setdefault("XDG_RUNTIME_DIR", "/tmp")
+    if a.ab:
+        from webgpu_engine import cache
+        path = Path(a.model or cache.default_model_path("SmolLM2-135M-Instruct-Q4_1"))
+        res = asyncio.run(bench_ab(path, a.dtype, [v if v != "default" else "" for v in a.ab], 8,
+                                   a.rounds))
+        for k, v in res.items():
+            print(f"{k:24} {v}")
+        return
+    if a.matmul:
+        from webgpu_engine.kernels import matmul as mm
+        mm.CONFIG_OVERRIDES.update(_overrides(a.matmul))
     os.environ.setdefault("XDG_RUNTIME_DIR", "/tmp")
     if a.model:
         path = Path(a.model)
@@ -144,7 +224,8 @@ def main() -> None:
         from webgpu_engine import cache
         path = Path(cache.default_model_path("SmolLM2-135M-Instruct-Q4_1"))
     prompts = [int(x) for x in a.prompts.split(",")]
-    res = {"model": path.name, "engine": asyncio.run(bench_engine(path, a.dtype, prompts, a.decode, a.reps))}
+    res = {"model": path.name, "engine": asyncio.run(bench_engine(path, a.dtype, prompts, a.decode, a.reps,
+                                                                     a.decode_only))}
     ref = bench_llama_cpp(path, prompts, a.decode)
     if ref:
         res["llama_cpp"] = ref
@@ -156,8 +237,10 @@ def main() -> None:
     print(f"{'metric':<{w}}  webgpu_engine ({e['dtype']}, {e['adapter']})" + ("  llama.cpp" if ref else ""))
     for k, v in rows:
         print(f"{k:<{w}}  {v:>12.2f}" + (f"  {ref[k]:>10.2f}" if ref and k in ref else ""))
-    for kind in ("gpu_ms_by_kernel_decode", "gpu_ms_by_kernel_prefill_128"):
-        print(kind + ": " + ", ".join(f"{k} {v}" for k, v in e[kind].items()))
+    for kind in ("gpu_ms_by_kernel_decode", "cpu_ms_by_kernel_decode", "gpu_ms_by_kernel_prefill_128",
+                 "cpu_ms_by_kernel_prefill_128"):
+        if kind in e:
+            print(kind + ": " + ", ".join(f"{k} {v}" for k, v in e[kind].items()))
     if not ref:
         print("llama.cpp: not measured (llama_cpp does not import)")
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)

@@ -29,7 +29,7 @@ from webgpu_engine.gpu import request_device_sync  # noqa: E402
 from webgpu_engine.kernels import matmul_tiled as mt  # noqa: E402
 from webgpu_engine.kernels import quant_ref as qr  # noqa: E402
 from webgpu_engine.kernels.common import Op, Tensor, new_tensor  # noqa: E402
-from webgpu_engine.kernels.matmul import matmul, upload_weight  # noqa: E402
+from webgpu_engine.kernels.matmul import MatmulConfig, matmul, upload_weight  # noqa: E402
 
 OWNER = "bench:prefill"
 # (model, name, n, k, qtype, bias, T values): SmolLM2-135M Q4_1 per layer (30 layers) and
@@ -77,7 +77,7 @@ def bench_shape(dev, model, name, n, k, qtype, has_bias, T, act, cfg, min_s, run
     x = Tensor(dev.upload(rng.standard_normal((T, k)).astype(npt), owner=OWNER), (T, k), act)
     y = new_tensor(dev, (T, n), act, owner=OWNER)
     bias = Tensor(dev.upload(rng.standard_normal(n).astype(np.float32), owner=OWNER), (n,)) if has_bias else None
-    old = matmul(dev, x, w, y, bias=bias)
+    old = matmul(dev, x, w, y, bias=bias, config=MatmulConfig())   # a config: no delegation to ours
     t0 = time.perf_counter()
     new = mt.matmul(dev, x, w, y, bias=bias, config=cfg)   # builds (compiles) its pipeline
     build_s = time.perf_counter() - t0

@@ -24,52 +24,90 @@ struct TiledParams {
     n0: u32,         // first output column of this part
     b_off: u32,      // offset of bias in its binding, in elements
     flags: u32,      // bit 0: add bias, bit 1: accumulate into y
-    nchunks: u32,    // ceil(K / 32): chunks of 32 columns (the last one zero-padded in x)
+    w_off: u32,      // u32 words from a row's start to this K block's first chunk
     k4: u32,         // K / 4
+    k0_4: u32,       // first column of this K block / 4
 }
 
 @group(0) @binding(0) var<uniform> P: TiledParams;
 @group(0) @binding(1) var<storage, read> x: array<xword>;       // (T, K/4) as xword (see xget)
-@group(0) @binding(2) var<storage, read> W: array<u32>;         // (rows, row_words) GPU layout
+@group(0) @binding(2) var<storage, read> W: array<vec4<u32>>;   // (rows, row_words u32) GPU layout
 @group(0) @binding(3) var<storage, read_write> y: array<act>;   // (T, N)
 @group(0) @binding(4) var<storage, read> bias: array<f32>;      // (N)
 
-var<workgroup> xs: array<vec4<f32>, TM * 16u>;  // 2 x (TM, 32): x tiles of two K chunks
-var<private> a: array<f32, 16>;                 // accumulators: a[t] for activation row t0 + t
+var<workgroup> xs: array<vec4<f32>, 2u * TM * XR>;  // 2 x (TM, 32 KB): x tiles of two chunk groups
+var<private> a: array<f32, 32>;                 // accumulators: a[t] for activation row t0 + t
 
 // ---------------------------------------------------------------- weight decoders: 32 weights of
-// one row starting at column 32 c, as plain values. `base` = row * row_words.
+// one row starting at column 32 c, as plain values. `base` = row * row_words (in u32 words). W is
+// read in vec4 words: a CPU driver loads storage one lane at a time, and one vec4 load costs
+// about as much as two scalar ones, so spans of words are read as vec4s and shifted into place.
 
-fn wb_f32(base: u32, c: u32) -> array<vec4<f32>, 8> {
-    // the last chunk of a K % 32 != 0 row reads into the next row (x is zero there);
-    // the last row's overrun is clamped by WebGPU's bounds checks
-    let b = base + c * 32u;
-    var v: array<vec4<f32>, 8>;
-    for (var i = 0u; i < 8u; i++) {
-        let j = b + 4u * i;
-        v[i] = bitcast<vec4<f32>>(vec4<u32>(W[j], W[j + 1u], W[j + 2u], W[j + 3u]));
-    }
-    return v;
+// the 4 words at offset s (0..3) of the 8 words (a, b)
+fn shift4(a: vec4<u32>, b: vec4<u32>, s: u32) -> vec4<u32> {
+    let v1 = vec4<u32>(a.yzw, b.x);
+    let v2 = vec4<u32>(a.zw, b.xy);
+    let v3 = vec4<u32>(a.w, b.xyz);
+    return select(select(a, v1, s == 1u), select(v2, v3, s == 3u), s >= 2u);
 }
 
+// word s (0..3) of a
+fn pick(a: vec4<u32>, s: u32) -> u32 {
+    return select(select(a.x, a.y, s == 1u), select(a.z, a.w, s == 3u), s >= 2u);
+}
+
+// the 8 words at word offset b (any alignment)
+fn words8(b: u32) -> array<vec4<u32>, 2> {
+    let i = b / 4u;
+    let s = b % 4u;
+    let v0 = W[i];
+    let v1 = W[i + 1u];
+    let v2 = W[i + 2u];   // past the end of the binding at the last row: clamped, unused
+    return array<vec4<u32>, 2>(shift4(v0, v1, s), shift4(v1, v2, s));
+}
+
+fn f32x4(v: vec4<u32>) -> vec4<f32> { return bitcast<vec4<f32>>(v); }
+
+// f32 rows: row_words = K, a multiple of 4, so every chunk is vec4-aligned. The last chunk of a
+// K % 32 != 0 row reads into the next row (x is zero there; the last row's overrun is clamped).
+fn wb_f32(base: u32, c: u32) -> array<vec4<f32>, 8> {
+    let i = (base + c * 32u) / 4u;
+    return array<vec4<f32>, 8>(f32x4(W[i]), f32x4(W[i + 1u]), f32x4(W[i + 2u]), f32x4(W[i + 3u]),
+                               f32x4(W[i + 4u]), f32x4(W[i + 5u]), f32x4(W[i + 6u]), f32x4(W[i + 7u]));
+}
+
+// the 16 words of a 2-byte float chunk (row_words = K / 2: vec4-aligned when K % 8 == 0, WA)
+fn words16(b: u32) -> array<vec4<u32>, 4> {
+    let i = b / 4u;
+    if (WA) { return array<vec4<u32>, 4>(W[i], W[i + 1u], W[i + 2u], W[i + 3u]); }
+    let s = b % 4u;
+    let v0 = W[i];
+    let v1 = W[i + 1u];
+    let v2 = W[i + 2u];
+    let v3 = W[i + 3u];
+    let v4 = W[i + 4u];
+    return array<vec4<u32>, 4>(shift4(v0, v1, s), shift4(v1, v2, s), shift4(v2, v3, s), shift4(v3, v4, s));
+}
+
+fn h2x4(p: u32, q: u32) -> vec4<f32> { return vec4<f32>(unpack2x16float(p), unpack2x16float(q)); }
+
 fn wb_f16(base: u32, c: u32) -> array<vec4<f32>, 8> {
-    let b = base + c * 16u;
-    var v: array<vec4<f32>, 8>;
-    for (var i = 0u; i < 8u; i++) {
-        v[i] = vec4<f32>(unpack2x16float(W[b + 2u * i]), unpack2x16float(W[b + 2u * i + 1u]));
-    }
-    return v;
+    let v = words16(base + c * 16u);
+    return array<vec4<f32>, 8>(h2x4(v[0].x, v[0].y), h2x4(v[0].z, v[0].w), h2x4(v[1].x, v[1].y),
+                               h2x4(v[1].z, v[1].w), h2x4(v[2].x, v[2].y), h2x4(v[2].z, v[2].w),
+                               h2x4(v[3].x, v[3].y), h2x4(v[3].z, v[3].w));
+}
+
+// a bf16 is the high half of an f32
+fn b2x4(p: u32, q: u32) -> vec4<f32> {
+    return bitcast<vec4<f32>>(vec4<u32>(p << 16u, p & 0xFFFF0000u, q << 16u, q & 0xFFFF0000u));
 }
 
 fn wb_bf16(base: u32, c: u32) -> array<vec4<f32>, 8> {
-    let b = base + c * 16u;
-    var v: array<vec4<f32>, 8>;
-    for (var i = 0u; i < 8u; i++) {
-        let p = W[b + 2u * i];
-        let q = W[b + 2u * i + 1u];
-        v[i] = bitcast<vec4<f32>>(vec4<u32>(p << 16u, p & 0xFFFF0000u, q << 16u, q & 0xFFFF0000u));
-    }
-    return v;
+    let v = words16(base + c * 16u);
+    return array<vec4<f32>, 8>(b2x4(v[0].x, v[0].y), b2x4(v[0].z, v[0].w), b2x4(v[1].x, v[1].y),
+                               b2x4(v[1].z, v[1].w), b2x4(v[2].x, v[2].y), b2x4(v[2].z, v[2].w),
+                               b2x4(v[3].x, v[3].y), b2x4(v[3].z, v[3].w));
 }
 
 // 4 quants from the low (sh = 0) or high (sh = 4) nibbles of one word
@@ -77,32 +115,28 @@ fn nib4(q: u32, sh: u32) -> vec4<f32> {
     return vec4<f32>((vec4<u32>(q, q >> 8u, q >> 16u, q >> 24u) >> vec4<u32>(sh)) & vec4<u32>(15u));
 }
 
-// 32 values q * d + m from 4 words of nibbles (low nibbles: elements 0..15, high: 16..31)
-fn nibbles32(b: u32, d: f32, m: f32) -> array<vec4<f32>, 8> {
-    let q0 = W[b];
-    let q1 = W[b + 1u];
-    let q2 = W[b + 2u];
-    let q3 = W[b + 3u];
+// 32 values q * d + m from the words of qs[16] (low nibbles: elements 0..15, high: 16..31)
+fn nibbles32(q: vec4<u32>, d: f32, m: f32) -> array<vec4<f32>, 8> {
     let dv = vec4<f32>(d);
     let mv = vec4<f32>(m);
-    return array<vec4<f32>, 8>(fma(nib4(q0, 0u), dv, mv), fma(nib4(q1, 0u), dv, mv),
-                               fma(nib4(q2, 0u), dv, mv), fma(nib4(q3, 0u), dv, mv),
-                               fma(nib4(q0, 4u), dv, mv), fma(nib4(q1, 4u), dv, mv),
-                               fma(nib4(q2, 4u), dv, mv), fma(nib4(q3, 4u), dv, mv));
+    return array<vec4<f32>, 8>(fma(nib4(q.x, 0u), dv, mv), fma(nib4(q.y, 0u), dv, mv),
+                               fma(nib4(q.z, 0u), dv, mv), fma(nib4(q.w, 0u), dv, mv),
+                               fma(nib4(q.x, 4u), dv, mv), fma(nib4(q.y, 4u), dv, mv),
+                               fma(nib4(q.z, 4u), dv, mv), fma(nib4(q.w, 4u), dv, mv));
 }
 
 // Q4_0 after the upload repack: 5 words per block = (d f16, pad), qs[16]; value = (q - 8) * d
 fn wb_q4_0(base: u32, c: u32) -> array<vec4<f32>, 8> {
-    let b = base + c * 5u;
-    let d = unpack2x16float(W[b]).x;
-    return nibbles32(b + 1u, d, -8.0 * d);
+    let v = words8(base + c * 5u);
+    let d = unpack2x16float(v[0].x).x;
+    return nibbles32(vec4<u32>(v[0].yzw, v[1].x), d, -8.0 * d);
 }
 
 // Q4_1 as in GGUF: 5 words per block = (d f16, m f16), qs[16]; value = q * d + m
 fn wb_q4_1(base: u32, c: u32) -> array<vec4<f32>, 8> {
-    let b = base + c * 5u;
-    let dm = unpack2x16float(W[b]);
-    return nibbles32(b + 1u, dm.x, dm.y);
+    let v = words8(base + c * 5u);
+    let dm = unpack2x16float(v[0].x);
+    return nibbles32(vec4<u32>(v[0].yzw, v[1].x), dm.x, dm.y);
 }
 
 // 4 sign-extended int8 of one word, as f32
@@ -110,46 +144,58 @@ fn i8x4(q: u32) -> vec4<f32> {
     return vec4<f32>(bitcast<vec4<i32>>(vec4<u32>(q << 24u, q << 16u, q << 8u, q)) >> vec4<u32>(24u));
 }
 
-// Q8_0 after the upload repack: 9 words per block = (d f16, pad), qs int8[32]; value = q * d
+// Q8_0 after the upload repack: 9 words per block = (d f16, pad), qs int8[32]; value = q * d.
+// The block's words sit at offsets s..s+8 of the 12 words (v0, v1, v2).
 fn wb_q8_0(base: u32, c: u32) -> array<vec4<f32>, 8> {
     let b = base + c * 9u;
-    let d = unpack2x16float(W[b]).x;
-    var v: array<vec4<f32>, 8>;
-    for (var i = 0u; i < 8u; i++) {
-        v[i] = i8x4(W[b + 1u + i]) * d;
-    }
-    return v;
+    let i = b / 4u;
+    let s = b % 4u;
+    let v0 = W[i];
+    let v1 = W[i + 1u];
+    let v2 = W[i + 2u];
+    let q0 = select(shift4(v0, v1, (s + 1u) % 4u), v1, s == 3u);   // qs words 0..3
+    let q1 = select(shift4(v1, v2, (s + 1u) % 4u), v2, s == 3u);   // qs words 4..7
+    let d = unpack2x16float(pick(v0, s)).x;
+    return array<vec4<f32>, 8>(i8x4(q0.x) * d, i8x4(q0.y) * d, i8x4(q0.z) * d, i8x4(q0.w) * d,
+                               i8x4(q1.x) * d, i8x4(q1.y) * d, i8x4(q1.z) * d, i8x4(q1.w) * d);
 }
+
+// one word at word offset b
+fn word1(b: u32) -> u32 { return pick(W[b / 4u], b % 4u); }
 
 // Q4_K (GGUF): 36 words per 256 = (d, dmin f16), scales[12] (six-bit scale/min pairs, ggml's
 // get_scale_min_k4), qs[128] in 4 groups of 32 bytes holding sub-blocks 2g (low nibbles) and
 // 2g+1 (high). Chunk c is sub-block j = c % 8 of super-block c / 8: value = d*sc*q - dmin*m.
-fn sbyte(b: u32, i: u32) -> u32 {   // byte i of scales[12]
-    return (W[b + 1u + i / 4u] >> ((i % 4u) * 8u)) & 0xFFu;
+// row_words is a multiple of 36, so super-blocks are vec4-aligned; c is a constant at every call
+// site, so the scale bytes' positions fold.
+fn sbyte(h: vec4<u32>, i: u32) -> u32 {   // byte i of scales[12] = bytes 4.. of the head
+    return (h[1u + i / 4u] >> ((i % 4u) * 8u)) & 0xFFu;
 }
 
 fn wb_q4_k(base: u32, c: u32) -> array<vec4<f32>, 8> {
-    let b = base + (c / 8u) * 36u;
+    let i = (base + (c / 8u) * 36u) / 4u;
     let j = c % 8u;
-    let dd = unpack2x16float(W[b]);
+    let h = W[i];
+    let dd = unpack2x16float(h.x);
     var sc: u32;
     var mn: u32;
     if (j < 4u) {
-        sc = sbyte(b, j) & 63u;
-        mn = sbyte(b, j + 4u) & 63u;
+        sc = sbyte(h, j) & 63u;
+        mn = sbyte(h, j + 4u) & 63u;
     } else {
-        sc = (sbyte(b, j + 4u) & 15u) | ((sbyte(b, j - 4u) >> 6u) << 4u);
-        mn = (sbyte(b, j + 4u) >> 4u) | ((sbyte(b, j) >> 6u) << 4u);
+        sc = (sbyte(h, j + 4u) & 15u) | ((sbyte(h, j - 4u) >> 6u) << 4u);
+        mn = (sbyte(h, j + 4u) >> 4u) | ((sbyte(h, j) >> 6u) << 4u);
     }
     let d = vec4<f32>(dd.x * f32(sc));
     let m = vec4<f32>(-dd.y * f32(mn));
-    let q = b + 4u + (j / 2u) * 8u;          // first word of this sub-block's 32 qs bytes
+    let q = i + 1u + (j / 2u) * 2u;          // this sub-block's 32 qs bytes: 2 vec4 words
+    let qa = W[q];
+    let qb = W[q + 1u];
     let sh = (j % 2u) * 4u;
-    var v: array<vec4<f32>, 8>;
-    for (var i = 0u; i < 8u; i++) {
-        v[i] = fma(nib4(W[q + i], sh), d, m);
-    }
-    return v;
+    return array<vec4<f32>, 8>(fma(nib4(qa.x, sh), d, m), fma(nib4(qa.y, sh), d, m),
+                               fma(nib4(qa.z, sh), d, m), fma(nib4(qa.w, sh), d, m),
+                               fma(nib4(qb.x, sh), d, m), fma(nib4(qb.y, sh), d, m),
+                               fma(nib4(qb.z, sh), d, m), fma(nib4(qb.w, sh), d, m));
 }
 
 // Q6_K after the upload repack: 53 words per 256 = ql[128], qh[64], scales int8[16], d f16, pad.
@@ -167,43 +213,63 @@ fn wb_q6_k(base: u32, c: u32) -> array<vec4<f32>, 8> {
     let j = c % 8u;
     let h = j / 4u;
     let qd = j % 4u;
-    let d = unpack2x16float(W[b + 52u]).x;
-    let sb = 192u + 8u * h + 2u * qd;                    // both scales lie in one word
-    let sw = W[b + sb / 4u] >> ((sb % 4u) * 8u);
+    let d = unpack2x16float(word1(b + 52u)).x;
+    let sw = word1(b + 48u + 2u * h + qd / 2u) >> (16u * (qd % 2u));   // both scales in one word
     let s0 = d * f32(bitcast<i32>(sw << 24u) >> 24u);    // first 16 weights
     let s1 = d * f32(bitcast<i32>(sw << 16u) >> 24u);    // next 16
-    let ql = b + 16u * h + 8u * (qd & 1u);
-    let qh = b + 32u + 8u * h;
+    let l = words8(b + 16u * h + 8u * (qd & 1u));
+    let q = words8(b + 32u + 8u * h);
     let shl = 4u * (qd >> 1u);
     let shh = 2u * qd;
-    var v: array<vec4<f32>, 8>;
-    for (var i = 0u; i < 8u; i++) {
-        v[i] = q6x4(W[ql + i], W[qh + i], shl, shh) * select(s1, s0, i < 4u);
-    }
-    return v;
+    return array<vec4<f32>, 8>(
+        q6x4(l[0].x, q[0].x, shl, shh) * s0, q6x4(l[0].y, q[0].y, shl, shh) * s0,
+        q6x4(l[0].z, q[0].z, shl, shh) * s0, q6x4(l[0].w, q[0].w, shl, shh) * s0,
+        q6x4(l[1].x, q[1].x, shl, shh) * s1, q6x4(l[1].y, q[1].y, shl, shh) * s1,
+        q6x4(l[1].z, q[1].z, shl, shh) * s1, q6x4(l[1].w, q[1].w, shl, shh) * s1);
 }
 
 // ---------------------------------------------------------------- the tile
 
-// 4 K steps of every activation row: a[t] += w . xs[t, k4]. `k4` is a constant at every call site,
+// acc + w . x as 4 fused multiply-adds (dot() then + would round twice and chain 5 operations)
+fn mac(w: vec4<f32>, x: vec4<f32>, acc: f32) -> f32 {
+    return fma(w.w, x.w, fma(w.z, x.z, fma(w.y, x.y, fma(w.x, x.x, acc))));
+}
+
+// 4 K steps of every activation row: a[t] += w . xs[o + t XR]. `o` is a constant at every call site,
 // so after inlining each xs index is a constant (a uniform load, broadcast to the SIMD lanes).
-fn kstep(w: vec4<f32>, k4: u32) {
-    a[0] = dot(w, xs[k4]) + a[0];
-    if (TM > 1u) { a[1] = dot(w, xs[8u + k4]) + a[1]; }
-    if (TM > 2u) { a[2] = dot(w, xs[16u + k4]) + a[2]; }
-    if (TM > 3u) { a[3] = dot(w, xs[24u + k4]) + a[3]; }
-    if (TM > 4u) { a[4] = dot(w, xs[32u + k4]) + a[4]; }
-    if (TM > 5u) { a[5] = dot(w, xs[40u + k4]) + a[5]; }
-    if (TM > 6u) { a[6] = dot(w, xs[48u + k4]) + a[6]; }
-    if (TM > 7u) { a[7] = dot(w, xs[56u + k4]) + a[7]; }
-    if (TM > 8u) { a[8] = dot(w, xs[64u + k4]) + a[8]; }
-    if (TM > 9u) { a[9] = dot(w, xs[72u + k4]) + a[9]; }
-    if (TM > 10u) { a[10] = dot(w, xs[80u + k4]) + a[10]; }
-    if (TM > 11u) { a[11] = dot(w, xs[88u + k4]) + a[11]; }
-    if (TM > 12u) { a[12] = dot(w, xs[96u + k4]) + a[12]; }
-    if (TM > 13u) { a[13] = dot(w, xs[104u + k4]) + a[13]; }
-    if (TM > 14u) { a[14] = dot(w, xs[112u + k4]) + a[14]; }
-    if (TM > 15u) { a[15] = dot(w, xs[120u + k4]) + a[15]; }
+fn kstep(w: vec4<f32>, o: u32) {
+    { a[0] = mac(w, xs[o + 0u * XR], a[0]); }
+    if (TM > 1u) { a[1] = mac(w, xs[o + 1u * XR], a[1]); }
+    if (TM > 2u) { a[2] = mac(w, xs[o + 2u * XR], a[2]); }
+    if (TM > 3u) { a[3] = mac(w, xs[o + 3u * XR], a[3]); }
+    if (TM > 4u) { a[4] = mac(w, xs[o + 4u * XR], a[4]); }
+    if (TM > 5u) { a[5] = mac(w, xs[o + 5u * XR], a[5]); }
+    if (TM > 6u) { a[6] = mac(w, xs[o + 6u * XR], a[6]); }
+    if (TM > 7u) { a[7] = mac(w, xs[o + 7u * XR], a[7]); }
+    if (TM > 8u) { a[8] = mac(w, xs[o + 8u * XR], a[8]); }
+    if (TM > 9u) { a[9] = mac(w, xs[o + 9u * XR], a[9]); }
+    if (TM > 10u) { a[10] = mac(w, xs[o + 10u * XR], a[10]); }
+    if (TM > 11u) { a[11] = mac(w, xs[o + 11u * XR], a[11]); }
+    if (TM > 12u) { a[12] = mac(w, xs[o + 12u * XR], a[12]); }
+    if (TM > 13u) { a[13] = mac(w, xs[o + 13u * XR], a[13]); }
+    if (TM > 14u) { a[14] = mac(w, xs[o + 14u * XR], a[14]); }
+    if (TM > 15u) { a[15] = mac(w, xs[o + 15u * XR], a[15]); }
+    if (TM > 16u) { a[16] = mac(w, xs[o + 16u * XR], a[16]); }
+    if (TM > 17u) { a[17] = mac(w, xs[o + 17u * XR], a[17]); }
+    if (TM > 18u) { a[18] = mac(w, xs[o + 18u * XR], a[18]); }
+    if (TM > 19u) { a[19] = mac(w, xs[o + 19u * XR], a[19]); }
+    if (TM > 20u) { a[20] = mac(w, xs[o + 20u * XR], a[20]); }
+    if (TM > 21u) { a[21] = mac(w, xs[o + 21u * XR], a[21]); }
+    if (TM > 22u) { a[22] = mac(w, xs[o + 22u * XR], a[22]); }
+    if (TM > 23u) { a[23] = mac(w, xs[o + 23u * XR], a[23]); }
+    if (TM > 24u) { a[24] = mac(w, xs[o + 24u * XR], a[24]); }
+    if (TM > 25u) { a[25] = mac(w, xs[o + 25u * XR], a[25]); }
+    if (TM > 26u) { a[26] = mac(w, xs[o + 26u * XR], a[26]); }
+    if (TM > 27u) { a[27] = mac(w, xs[o + 27u * XR], a[27]); }
+    if (TM > 28u) { a[28] = mac(w, xs[o + 28u * XR], a[28]); }
+    if (TM > 29u) { a[29] = mac(w, xs[o + 29u * XR], a[29]); }
+    if (TM > 30u) { a[30] = mac(w, xs[o + 30u * XR], a[30]); }
+    if (TM > 31u) { a[31] = mac(w, xs[o + 31u * XR], a[31]); }
 }
 
 fn store(t: u32, r: u32, sum: f32) {
@@ -216,26 +282,21 @@ fn store(t: u32, r: u32, sum: f32) {
     y[o] = act(v);
 }
 
-// Stage the (TM, 32) x tile of chunk c into half `buf` of xs (f32; zero past K, rows past T repeat
-// row T-1 and are never written).
-fn stage(c: u32, buf: u32, t0: u32, lid: u32) {
-    for (var i = lid; i < TM * 8u; i += WG) {
-        let t = min(t0 + i / 8u, P.T - 1u);
-        let k4 = c * 8u + i % 8u;
+// Stage the (TM, 32 KB) x tile of chunk group g into half `buf` of xs (f32; zero past K; rows past
+// T repeat row T-1 and are never written).
+fn stage(g: u32, buf: u32, t0: u32, lid: u32) {
+    for (var i = lid; i < TM * XR; i += WG) {
+        let t = min(t0 + i / XR, P.T - 1u);
+        let k4 = P.k0_4 + g * XR + i % XR;
         var v = vec4<f32>(0.0);
         if (k4 < P.k4) { v = xget(P.x_off4 + t * P.k4 + k4); }
-        xs[buf * TM * 8u + i] = v;
+        xs[buf * TM * XR + i] = v;
     }
 }
 
-// One K chunk, double-buffered: stage chunk c + 1 into the other half while computing chunk c from
-// half `buf`, then one barrier. Called by the generated `chunks` (see the host) with constant c and
-// buf, so that the x reads below sit outside any loop or branch: CPU drivers broadcast a load only
-// when its address is a constant and no lane may be masked off.
-fn step(c: u32, buf: u32, base: u32, t0: u32, lid: u32) {
-    if (c + 1u < NCH) { stage(c + 1u, 1u - buf, t0, lid); }
+// One 32-wide K chunk c from the tile at xs[o..]: this invocation's 32 weights, decoded once.
+fn chunk(base: u32, c: u32, o: u32) {
     let w = wblock(base, c);
-    let o = buf * TM * 8u;
     kstep(w[0], o);
     kstep(w[1], o + 1u);
     kstep(w[2], o + 2u);
@@ -244,7 +305,27 @@ fn step(c: u32, buf: u32, base: u32, t0: u32, lid: u32) {
     kstep(w[5], o + 5u);
     kstep(w[6], o + 6u);
     kstep(w[7], o + 7u);
-    workgroupBarrier();   // chunk c's reads of half buf are done; chunk c + 1 is staged
+}
+
+// Chunk group g (its first nj of KB chunks), double-buffered: stage group g + 1 into the other half
+// of xs while computing group g from half `buf`, then one barrier. The host's generated `chunks`
+// calls this with constant arguments, so the xs reads sit outside any loop or branch: CPU drivers
+// broadcast a load only when its address is a constant and no lane may be masked off. Barriers
+// are costly there (every SIMD group of the workgroup is suspended and resumed), hence KB chunks
+// per barrier.
+fn step(g: u32, buf: u32, nj: u32, base: u32, t0: u32, lid: u32) {
+    if (g + 1u < NG) { stage(g + 1u, 1u - buf, t0, lid); }
+    let o = buf * TM * XR;
+    let c = g * KB;
+    chunk(base, c, o);
+    if (nj > 1u) { chunk(base, c + 1u, o + 8u); }
+    if (nj > 2u) { chunk(base, c + 2u, o + 16u); }
+    if (nj > 3u) { chunk(base, c + 3u, o + 24u); }
+    if (nj > 4u) { chunk(base, c + 4u, o + 32u); }
+    if (nj > 5u) { chunk(base, c + 5u, o + 40u); }
+    if (nj > 6u) { chunk(base, c + 6u, o + 48u); }
+    if (nj > 7u) { chunk(base, c + 7u, o + 56u); }
+    workgroupBarrier();   // group g's reads of half buf are done; group g + 1 is staged
 }
 
 @compute @workgroup_size(WG)
@@ -252,11 +333,11 @@ fn matmul_tiled(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation
     // no early return: every invocation takes part in the barriers; rows past the end re-read the
     // last row and are not written
     let r = wid.x * WG + lid;
-    let base = min(r, P.rows - 1u) * P.row_words;
+    let base = min(r, P.rows - 1u) * P.row_words + P.w_off;
     let t0 = wid.y * TM;
     stage(0u, 0u, t0, lid);
     workgroupBarrier();
-    chunks(base, t0, lid);   // step(c, c % 2, ...) for c = 0 .. NCH-1, written out by the host
+    chunks(base, t0, lid);   // step(g, g % 2, ...) for g = 0 .. NG-1, written out by the host
     // constant indices only: a dynamically indexed `a` would live in memory, not registers
     store(t0, r, a[0]);
     if (TM > 1u) { store(t0 + 1u, r, a[1]); }
@@ -274,4 +355,20 @@ fn matmul_tiled(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation
     if (TM > 13u) { store(t0 + 13u, r, a[13]); }
     if (TM > 14u) { store(t0 + 14u, r, a[14]); }
     if (TM > 15u) { store(t0 + 15u, r, a[15]); }
+    if (TM > 16u) { store(t0 + 16u, r, a[16]); }
+    if (TM > 17u) { store(t0 + 17u, r, a[17]); }
+    if (TM > 18u) { store(t0 + 18u, r, a[18]); }
+    if (TM > 19u) { store(t0 + 19u, r, a[19]); }
+    if (TM > 20u) { store(t0 + 20u, r, a[20]); }
+    if (TM > 21u) { store(t0 + 21u, r, a[21]); }
+    if (TM > 22u) { store(t0 + 22u, r, a[22]); }
+    if (TM > 23u) { store(t0 + 23u, r, a[23]); }
+    if (TM > 24u) { store(t0 + 24u, r, a[24]); }
+    if (TM > 25u) { store(t0 + 25u, r, a[25]); }
+    if (TM > 26u) { store(t0 + 26u, r, a[26]); }
+    if (TM > 27u) { store(t0 + 27u, r, a[27]); }
+    if (TM > 28u) { store(t0 + 28u, r, a[28]); }
+    if (TM > 29u) { store(t0 + 29u, r, a[29]); }
+    if (TM > 30u) { store(t0 + 30u, r, a[30]); }
+    if (TM > 31u) { store(t0 + 31u, r, a[31]); }
 }

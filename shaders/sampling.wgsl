@@ -323,3 +323,47 @@ fn sample(@builtin(local_invocation_index) tid: u32) {
     next_ids[0] = token;
   }
 }
+
+// ---- greedy without logprobs, barrier-free (the common decode case). On CPU Vulkan a kernel with
+// barriers runs its invocations as coroutines, which cost milliseconds per dispatch here; these two
+// passes have no barriers. Same result as `sample` in mode 0 without logprobs (ties: lowest index).
+const NPART: u32 = 1024u;   // pass-1 invocations (16 workgroups of 64)
+
+// argmax_partial: scratch[2g], scratch[2g+1] = max z and its index over i = g, g + NPART, ...
+// dispatch (NPART / 64, 1, 1), workgroup 64
+@compute @workgroup_size(64)
+fn argmax_partial(@builtin(global_invocation_id) gid: vec3<u32>) {
+  var m = NEG_INF;
+  var mi = 0xffffffffu;
+  for (var i = gid.x; i < p.vocab; i += NPART) {
+    let z = penalized(i);
+    if (z > m) { m = z; mi = i; }
+  }
+  scratch[2u * gid.x] = m;
+  scratch[2u * gid.x + 1u] = bitcast<f32>(mi);
+}
+
+// argmax_final: one invocation merges the partials and records the token as `sample` does.
+// dispatch (1, 1, 1), workgroup 1
+@compute @workgroup_size(1)
+fn argmax_final() {
+  var m = NEG_INF;
+  var token = 0u;
+  var found = false;
+  for (var g = 0u; g < NPART; g++) {
+    let v = scratch[2u * g];
+    let i = bitcast<u32>(scratch[2u * g + 1u]);
+    if (i != 0xffffffffu && (!found || v > m || (v == m && i < token))) { m = v; token = i; found = true; }
+  }
+  io[0] = token;
+  io[1] = 0u;
+  io[2] = 0u;
+  io[3] = io[18];
+  io[18] = io[18] + 1u;
+  let V = p.vocab;
+  hist[token] = hist[token] + 1u;
+  hist[V + (token >> 5u)] = hist[V + (token >> 5u)] | (1u << (token & 31u));
+  next_ids[0] = token;
+  _ = bias[0];
+  _ = logits[0];
+}

@@ -4,7 +4,8 @@ The device is destroyed (gpu `Device.destroy`, what a driver reset does) at four
 reload (weight upload), during prefill, mid-stream in decode, during an embedding batch. Each time:
 the request fails with DeviceLostError saying what happened and what to try, no lock is held, the
 other model's requests get ModelNotLoadedError, and a manual reload — then, after a second loss at
-the same point, auto_recover — serves the same greedy answer and embeddings as before the loss.
+the same point, auto_recover — brings both models back and the model that was hit answers exactly
+as before the loss (the same greedy text, the same embeddings).
 An intentional unload() is never reported as a loss. To hit a precise point, a pipeline or device
 method is wrapped to destroy the device and then call through; the GPU work itself is real.
 """
@@ -78,6 +79,14 @@ def wrap_step(eng, model_id: str, step: str, dev_method: str, fired: list) -> No
     setattr(pipe, step, wrapped)
 
 
+async def until_queued(lock, n: int = 1) -> None:
+    for _ in range(1000):
+        if lock.queue_length >= n:
+            return
+        await asyncio.sleep(0.001)
+    raise AssertionError("the request never queued on the lock")
+
+
 def check_lost(eng, exc: BaseException, phase: str, locks, lost_dev) -> None:
     """The typed error, its message, the freed locks and the dropped state after a loss."""
     assert isinstance(exc, E.DeviceLostError), repr(exc)
@@ -104,22 +113,22 @@ def same_vectors(got, want) -> None:
         assert g == pytest.approx(w, abs=1e-5)
 
 
-async def check_served(eng, ref, lost_dev, first: str) -> None:
-    """Both models answer as before the loss, on a new device; `first` says which request goes first
-    (with auto_recover, that one triggers the reload)."""
-    if first == "embed":
+async def check_served(eng, ref, lost_dev, which: str) -> None:
+    """The model that lost the device answers as before the loss, on a new device, with the other
+    model loaded again too. (Each point checks the answers of the model it hit: a first request on
+    a new device compiles that model's kernels, which costs seconds on a CPU adapter.)"""
+    if which == "embed":
         same_vectors(await embed(eng), ref[1])
-        assert await greedy(eng) == ref[0]
     else:
         assert await greedy(eng) == ref[0]
-        same_vectors(await embed(eng), ref[1])
     assert set(eng.models) == set(BOTH) and eng.state == "ready"
     assert eng.device is not lost_dev and not eng.device.lost
 
 
-async def run_point(ref, lose, phase: str, other_first: str) -> None:
+async def run_point(ref, lose, phase: str, which: str) -> None:
     """Lose the device with `lose(eng)` (returns the exception the request got), then recover by a
-    manual reload; lose it again the same way and recover with auto_recover."""
+    manual reload; lose it again the same way and recover with auto_recover (the next request — to
+    the model `which` — reloads both models)."""
     eng = await new_engine()
     try:
         for auto in (False, True):
@@ -130,12 +139,12 @@ async def run_point(ref, lose, phase: str, other_first: str) -> None:
             check_lost(eng, exc, phase, locks, dev)
             if auto:
                 assert "auto_recover is on" in str(exc)
-                await check_served(eng, ref, dev, other_first)    # the next request reloads
+                await check_served(eng, ref, dev, which)    # the next request reloads
             else:
                 await check_not_loaded(eng)
                 assert eng.state == "device_lost"
                 await eng.reload(BOTH)
-                await check_served(eng, ref, dev, other_first)
+                await check_served(eng, ref, dev, which)
     finally:
         await eng.unload()
         if eng.device is not None and not eng.device.lost:
@@ -159,9 +168,9 @@ async def test_loss_during_reload_weight_upload(reference):
                 await eng.reload(BOTH)
         finally:
             eng.set_init_progress_callback(None)
-        assert fired and dev.allocated_bytes() == 0      # the partial load was freed
+        assert fired and set(dev.allocations()) <= {"kernels"}     # the partial load was freed
         return ei.value
-    await run_point(reference, lose, f"loading (weight upload) of model {LLM_ID}", "embed")
+    await run_point(reference, lose, f"loading (weight upload) of model {LLM_ID}", "chat")
 
 
 async def test_loss_during_prefill(reference):
@@ -173,7 +182,7 @@ async def test_loss_during_prefill(reference):
             await eng.chat.completions.create(model=LLM_ID, messages=Q, temperature=0, max_tokens=MAX_TOKENS)
         assert fired == ["read"]
         return ei.value
-    await run_point(reference, lose, f"prefill of model {LLM_ID}", "embed")
+    await run_point(reference, lose, f"prefill of model {LLM_ID}", "chat")
 
 
 async def test_loss_mid_stream_in_decode(reference):
@@ -188,7 +197,7 @@ async def test_loss_mid_stream_in_decode(reference):
                     eng.device.destroy()          # after the first streamed chunk
         assert len(chunks) == 1 and chunks[0].choices[0].delta.content
         return ei.value
-    await run_point(reference, lose, f"decode of model {LLM_ID}", "embed")
+    await run_point(reference, lose, f"decode of model {LLM_ID}", "chat")
 
 
 async def test_loss_during_embedding_batch(reference):
@@ -200,7 +209,7 @@ async def test_loss_during_embedding_batch(reference):
             await eng.embeddings.create(model=EMB_ID, input=TEXTS)
         assert fired == ["submit"]
         return ei.value
-    await run_point(reference, lose, f"embedding of model {EMB_ID}", "chat")
+    await run_point(reference, lose, f"embedding of model {EMB_ID}", "embed")
 
 
 async def test_loss_seen_by_one_request_fails_the_queued_ones(reference):
@@ -213,8 +222,7 @@ async def test_loss_seen_by_one_request_fails_the_queued_ones(reference):
         stream = await eng.chat.completions.create(model=LLM_ID, messages=Q, temperature=0,
                                                    max_tokens=MAX_TOKENS, stream=True)
         queued = asyncio.create_task(eng.chat.completions.create(model=LLM_ID, messages=Q, max_tokens=2))
-        await asyncio.sleep(0)
-        assert lm.lock.queue_length == 1
+        await until_queued(lm.lock)
         dev.destroy()
         with pytest.raises(E.DeviceLostError):
             async for _ in stream:
@@ -228,23 +236,24 @@ async def test_loss_seen_by_one_request_fails_the_queued_ones(reference):
 
 # --------------------------------------------------------------------------- intentional unload
 async def test_unload_is_never_a_device_loss(device, reference):
+    before = device.allocated_bytes()
     eng = await create_mlc_engine(BOTH, EngineConfig(device=device, auto_recover=True))
-    baseline_after = None
     try:
         lm = eng.models[LLM_ID]
         # a stream in flight when the model is unloaded
         stream = await eng.chat.completions.create(model=LLM_ID, messages=Q, temperature=0,
                                                    max_tokens=MAX_TOKENS, stream=True)
         queued = asyncio.create_task(eng.chat.completions.create(model=LLM_ID, messages=Q, max_tokens=2))
+        await until_queued(lm.lock)
         first = await stream.__anext__()
         assert first.choices[0].delta.content
         await eng.unload()
-        baseline_after = device.allocated_bytes()
+        assert device.allocated_bytes() == before
         with pytest.raises(E.ModelUnloadedError, match="unloaded") as ei:
             async for _ in stream:
                 pass
         assert not isinstance(ei.value, E.DeviceLostError)
-        with pytest.raises(E.ModelNotLoadedError) as ei:
+        with pytest.raises(E.ModelUnloadedError) as ei:      # it was waiting for the lock
             await queued
         assert not isinstance(ei.value, E.DeviceLostError)
         assert not lm.lock.locked
@@ -254,7 +263,7 @@ async def test_unload_is_never_a_device_loss(device, reference):
         with pytest.raises(E.ModelNotLoadedError):
             await eng.embeddings.create(model=EMB_ID, input=TEXTS)
         assert eng.models == {} and eng.state == "idle"
-        assert device.allocated_bytes() == baseline_after
+        assert device.allocated_bytes() == before
         # a non-streaming request running when reload() replaces the models
         await eng.reload(BOTH)
         started = asyncio.Event()
@@ -275,4 +284,4 @@ async def test_unload_is_never_a_device_loss(device, reference):
         assert await greedy(eng) == reference[0]          # the same device still serves
     finally:
         await eng.unload()
-    assert not device.lost
+    assert not device.lost and device.allocated_bytes() == before

@@ -255,3 +255,43 @@ def test_embedding_many_ids_folds_grid(device):
     out = new_tensor(device, (T, C), "f16", owner=OWNER)
     run_ops(device, embedding(device, it, table, out, wg=1))
     assert _err(_read(device, out), qr.dequantize(raw, "q4_1", V, C)[ids]) < 1e-3
+
+
+# --------------------------------------------------------------------------- decode path, fused inputs
+@pytest.mark.parametrize("act", ["f32", "f16"])
+@pytest.mark.parametrize("qtype,n,k", [("q4_1", 130, 576), ("q8_0", 70, 256), ("f16", 33, 64),
+                                       ("q6_k", 20, 512)])
+def test_decode_fused_norm_and_silu(device, qtype, n, k, act):
+    """T = 1 with RMSNorm fused in (norm=(g, eps)) and with SiLU·up fused in (silu=True), against
+    numpy; bias and accumulate on top, x at an unaligned offset."""
+    rng = np.random.default_rng(n + k)
+    raw = qr.random_weight(qtype, n, k, rng)
+    W = qr.dequantize(raw, qtype, n, k)
+    w = upload_weight(device, raw, qtype, n, k, owner=OWNER, label="w")
+    x = rng.standard_normal((1, k)).astype(NP[act])
+    g = rng.standard_normal(k).astype(np.float32)
+    b = rng.standard_normal(n).astype(np.float32)
+    y0 = rng.standard_normal((1, n)).astype(NP[act])
+    xd = x.astype(np.float64)
+    h = xd / np.sqrt((xd ** 2).mean() + 1e-5) * g
+    yt = _tensor(device, y0, act, 3)
+    run_ops(device, matmul(device, _tensor(device, x, act, 8), w, yt, norm=(_tensor(device, g, "f32", 4), 1e-5),
+                           bias=_tensor(device, b, "f32", 1), accumulate=True))
+    assert _err(_read(device, yt), h @ W.T + b + y0) < TOL[act]
+    gu = rng.standard_normal((1, 2 * k)).astype(NP[act])
+    a = gu.astype(np.float64)[0]
+    yt = new_tensor(device, (1, n), act, owner=OWNER)
+    run_ops(device, matmul(device, _tensor(device, gu, act, 4), w, yt, silu=True))
+    assert _err(_read(device, yt), (a[:k] / (1 + np.exp(-a[:k])) * a[k:]) @ W.T) < TOL[act]
+    with pytest.raises(ValueError, match="T = 1"):
+        matmul(device, new_tensor(device, (2, k), act, owner=OWNER), w,
+               new_tensor(device, (2, n), act, owner=OWNER), silu=False, norm=(_tensor(device, g, "f32"), 1e-5))
+
+
+@pytest.mark.parametrize("qtype", ["q4_1", "q8_0", "q4_k"])
+def test_decode_loop_and_unrolled_agree(device, qtype):
+    """T = 1 through the loop kernel (unroll off, or K / N above the unroll limits) and the unrolled
+    kernel (matmul_decode.wgsl): both match the reference."""
+    for cfg in (MatmulConfig(unroll=False), MatmulConfig(), MatmulConfig(unroll_max_k=128),
+                MatmulConfig(unroll_max_n=64)):
+        check_matmul(device, qtype, 100, 512, 1, "f16", config=cfg, bias=True)

@@ -230,3 +230,41 @@ def test_logit_bias(device):
     # sampled, a huge bias concentrates everything on its token
     s.configure(temperature=1.0, top_p=0.9, logit_bias={42: 50.0}, seed=1)
     assert set(draws(device, s, t, 20).tolist()) == {42}
+
+
+@pytest.mark.parametrize("v", [49152, 300, 7])
+def test_greedy_without_logprobs_barrier_free_path(device, v):
+    """Greedy without logprobs takes the two-pass argmax (argmax_partial + argmax_final): the same
+    token as numpy.argmax of the penalised, biased logits (ties to the lower index), the same
+    history, counter and next-id updates as the full kernel; vocabularies smaller than its 1024
+    partials included. Switching to logprobs on the same op switches to the full kernel."""
+    x = rand_logits(v, seed=v)
+    top = int(np.argmax(x))
+    x[v - 1] = x[top]                      # a tie with a higher index: the lower one wins
+    s, t = make(device, x)
+    nxt = Tensor(device.buffer(16, owner="test:sampling"), (4,), "u32")
+    op = s.op(t, nxt)
+    s.configure(temperature=0.0)
+    s.reset_history()
+    assert s.greedy_fast and len(op.greedy.dispatches) == 2
+    run_ops(device, op)
+    assert s.read_sync().token == top == np.frombuffer(device.read_sync(nxt.buf), np.uint32)[0]
+    if v > 8:
+        # bias and repetition penalty on the winner move the argmax (a second step: counter 1)
+        cfg = dict(temperature=0.0, repetition_penalty=1.5, logit_bias={top: -5.0, 3: 1.0})
+        s.configure(**cfg)
+        s.reset_history([top, 5])
+        run_ops(device, op)
+        seen = np.zeros(v, bool)
+        seen[[top, 5]] = True
+        want = int(np.argmax(ref_z(x, cfg, seen=seen).astype(np.float32)))
+        r = s.read_sync()
+        assert r.token == want
+        hist = np.frombuffer(device.read_sync(s.hist), np.uint32)
+        assert hist[want] == 1 and (hist[v + (want >> 5)] >> (want & 31)) & 1
+        io = np.frombuffer(device.read_sync(s.io), np.uint32)
+        assert io[3] == 0 and io[18] == 1      # the RNG counter advances as in the full kernel
+        s.configure(temperature=0.0, logprobs=True, top_logprobs=1)
+        run_ops(device, op)
+        r = s.read_sync()
+        assert r.top and r.top[0][0] == int(np.argmax(x))

@@ -34,6 +34,11 @@ from .records import EMBEDDING, LLM, AppConfig, EngineConfig, ModelRecord
 
 log = logging.getLogger("webgpu_engine.engine")
 
+# Owners of per-device kernel state (e.g. the 16-byte placeholder bound where an optional operand is
+# absent): shared by every model, other engines and direct pipeline users on the same device, so a
+# load never claims them and an unload never frees them (they live as long as the device).
+SHARED_OWNERS = frozenset({"kernels"})
+
 
 @dataclass
 class LoadedModel:
@@ -224,7 +229,7 @@ class AsyncMLCEngine:
             pipe = await factory.load(dev, plan.path, chat_config, progress=progress, **kw)
         except BaseException:
             # Cancelled or failed mid-load: free whatever this load allocated.
-            for owner in set(dev.allocations()) - before:
+            for owner in set(dev.allocations()) - before - SHARED_OWNERS:
                 dev.release_owner(owner)
             dev.release_owner(f"model:{model_id}")
             raise
@@ -235,7 +240,9 @@ class AsyncMLCEngine:
                 pipe.dispose()
                 raise FeatureSupportError(f"logit processors (model {model_id})")
             setter(proc)
-        owners = (set(dev.allocations()) - before) | {f"model:{model_id}"}
+        owners = (set(dev.allocations()) - before - SHARED_OWNERS) | {f"model:{model_id}"}
+        if isinstance(getattr(pipe, "owner", None), str):
+            owners.add(pipe.owner)
         return LoadedModel(model_id, rec, pipe, getattr(pipe, "chat_config", chat_config),
                            rec.model_type, FIFOLock(model_id), 0, owners, plan.estimate)
 

@@ -49,15 +49,25 @@ class MatmulConfig:
     rr: int = 4
     tm: int = 4
     prr: int = 4
-    unroll: bool = True   # T = 1: the K loop unrolled by the host (matmul_decode.wgsl)
-    fuse: bool = True     # models fuse RMSNorm / SiLU·up into the decode matmuls (needs unroll)
+    unroll: bool = True   # T = 1: the K loop unrolled by the host (matmul_decode.wgsl) ...
+    unroll_max_k: int = 1024   # ... up to this K and N rows (longer straight-line code and the
+    unroll_max_n: int = 16384  # 49152-row LM head ran slower unrolled on lavapipe)
+    fuse: bool = False    # models fuse RMSNorm into the decode matmul after it (measured: a loss
+    fuse_silu: bool = False    # on lavapipe) / SiLU·up into down (its exp per lane: a larger loss)
 
 
 def default_config(dev: Device) -> MatmulConfig:
     """The strategy for `dev`. Measured on lavapipe (bench/kernels.py): 4 rows per invocation
     halves decode cost against 1 (each x load serves 4 rows), and the 4x4 tile beats the row
     kernel for prefill. Other adapters use the same until measured there."""
-    return MatmulConfig()
+    # the unrolled decode kernel exists for CPU drivers' uniform-load detection (matmul_decode.wgsl)
+    info = dev.info
+    cpu = "cpu" in info.adapter_type.lower() or "llvmpipe" in info.name.lower()
+    return MatmulConfig(**{"unroll": cpu, **CONFIG_OVERRIDES})
+
+
+# field -> value applied by default_config (benchmarks' A/B switches, e.g. {"fuse": False})
+CONFIG_OVERRIDES: dict = {}
 
 
 @dataclass
@@ -252,7 +262,7 @@ def matmul(dev: Device, x: Tensor, w: QWeight, y: Tensor, *, bias: Tensor | None
         x = Tensor(x.buf, (x.shape[0], x.shape[1] // 2), x.dtype, x.offset)
     if norm is not None or silu:
         check(norm is None or not silu, "matmul", "norm and silu cannot both be fused")
-        check(fusable(dev, x.shape[0], w, cfg), "matmul",
+        check(fusable(dev, x.shape[0], w, cfg, force=True), "matmul",
               f"fused norm/silu needs T = 1 and a weight with K % 32 == 0 on the decode path")
     T, K = x.shape
     check(K == w.k, "matmul", f"x has {K} columns, the weight {w.label!r} has {w.k}")
@@ -270,7 +280,12 @@ def matmul(dev: Device, x: Tensor, w: QWeight, y: Tensor, *, bias: Tensor | None
         bb, b_off = _dummy(dev), 0
     check(cfg.rr in (1, 2, 4) and cfg.prr in (1, 2, 4) and cfg.tm in (1, 4), "matmul",
           f"unsupported strategy {cfg}")
-    if T == 1 and cfg.unroll and K % 32 == 0:
+    if T > 1 and config is None and (tiled := _tiled_module()) is not None:
+        op = tiled.matmul(dev, x, w, y, bias=bias, accumulate=accumulate)   # prefill tiles
+        if op is not None:
+            return op
+    if T == 1 and K % 32 == 0 and (norm is not None or silu or cfg.unroll and K <= cfg.unroll_max_k
+                                   and w.n <= cfg.unroll_max_n):
         return _matmul_decode(dev, x, w, y, xb, x_off, yb, y_off, bb, b_off, bias is not None,
                               accumulate, cfg, norm, silu)
     if T > 1 and cfg.tm == 4:
@@ -291,10 +306,29 @@ def matmul(dev: Device, x: Tensor, w: QWeight, y: Tensor, *, bias: Tensor | None
     return op
 
 
-def fusable(dev: Device, T: int, w: QWeight, config: MatmulConfig | None = None) -> bool:
-    """Whether matmul(..., norm=...) / (..., silu=True) is available for T rows of x and weight w."""
+_TILED: list = []
+
+
+def _tiled_module():
+    """kernels/matmul_tiled.py when present (the tiled prefill matmul), else None."""
+    if not _TILED:
+        try:
+            from . import matmul_tiled
+        except ModuleNotFoundError:
+            matmul_tiled = None
+        _TILED.append(matmul_tiled)
+    return _TILED[0]
+
+
+def fusable(dev: Device, T: int, w: QWeight, config: MatmulConfig | None = None, *,
+            silu: bool = False, force: bool = False) -> bool:
+    """Whether the model should use matmul(..., norm=...) (or, with `silu`, (..., silu=True)) for T
+    rows of x and weight w: possible when T = 1 and K % 32 == 0 (`force`: possible at all), chosen
+    when this device's strategy says fusing wins."""
     cfg = config or default_config(dev)
-    return T == 1 and cfg.unroll and cfg.fuse and w.k % 32 == 0
+    if T != 1 or w.k % 32:
+        return False
+    return force or cfg.unroll and (cfg.fuse_silu if silu else cfg.fuse)
 
 
 def _matmul_decode(dev, x, w, y, xb, x_off, yb, y_off, bb, b_off, has_bias, accumulate, cfg, norm,

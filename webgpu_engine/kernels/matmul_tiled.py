@@ -23,23 +23,34 @@ QTYPES = ("f32", "f16", "bf16", "q4_0", "q4_1", "q8_0", "q4_k", "q6_k")
 _QK = {"q4_0": 32, "q4_1": 32, "q8_0": 32, "q4_k": 256, "q6_k": 256}   # weights per block
 _BIND_ALIGN = 256          # WebGPU's default minStorageBufferOffsetAlignment
 _MAX_GROUPS = 65535
-_MAX_TM = 16               # accumulators written out in the shader
+_MAX_TM = 32               # accumulators written out in the shader
+_WG_BYTES = 32768          # workgroup memory WebGPU guarantees (and lavapipe's maximum)
 
 
 @dataclass
 class TiledConfig:
     """Per-device tile: `tm` activation rows per workgroup (the accumulators each invocation keeps
-    in registers, 1..16) and `wg` invocations per workgroup, each owning one weight row. A larger
-    `tm` reads the weights fewer times; a larger `wg` amortises the staging of each x tile (and its
-    two barriers) over more rows but leaves fewer workgroups for the driver's threads."""
+    in registers, 1..32), `wg` invocations per workgroup (each owns one weight row), `kb` 32-wide K
+    chunks staged per barrier (1..8; the two x tiles take 2 x tm x kb x 128 B of the 32 KiB of
+    workgroup memory), and `kmax` chunks per pipeline: the K loop is written out, so longer K is
+    split into blocks of at most `kmax` chunks, one dispatch each, the later ones accumulating.
+    A larger `tm` reads the weights fewer times; a larger `wg` amortises the staging of each x
+    tile over more rows; `kmax` trades compile time (superlinear in the code length) against one
+    extra read-modify-write of y per block."""
 
-    tm: int = 8
-    wg: int = 64
+    tm: int = 16
+    wg: int = 192    # SmolLM2 and MiniLM row counts (576, 960, 1152, 1536, 3072) are multiples
+    kb: int = 6
+    kmax: int = 18
 
 
-def default_config(dev: Device) -> TiledConfig:
-    """The tile for `dev`. lavapipe (CPU, 8-wide SIMD, a workgroup per thread): 8 accumulators fit
-    the 16 AVX2 registers with the decoded weight and the broadcast x (bench/prefill.py)."""
+def default_config(dev: Device, qtype: str = "q4_1") -> TiledConfig:
+    """The tile for `dev` and a weight type. lavapipe (8-wide SIMD, 32 vector registers with
+    AVX-512VL, a workgroup per thread, costly barriers), measured with bench/prefill.py: 16 rows
+    for block-quantized weights, whose loads are few; float weights load one word per weight per
+    lane, so 32 rows (with 4 chunks per barrier to fit workgroup memory) amortise them better."""
+    if qtype in ("f32", "f16", "bf16"):
+        return TiledConfig(tm=32, kb=4, kmax=12)
     return TiledConfig()
 
 
@@ -75,23 +86,40 @@ _XREAD = {
 }
 
 
-def _pipeline(dev: Device, qtype: str, dtype: str, k: int, cfg: TiledConfig):
-    nch = -(-k // 32)
-    # the K loop written out (one pipeline per K): see `step` in the shader for why
-    steps = "".join(f"    step({c}u, {c % 2}u, base, t0, lid);\n" for c in range(nch))
+# u32 words of one 32-wide chunk of a row; K-quants: words per 256-wide super-block (8 chunks)
+_CHUNK_WORDS = {"f32": 32, "f16": 16, "bf16": 16, "q4_0": 5, "q4_1": 5, "q8_0": 9}
+_SUPER_WORDS = {"q4_k": 36, "q6_k": 53}
+
+
+def _k_blocks(qtype: str, nch: int, kmax: int) -> int:
+    """Chunks per K block (one pipeline): blocks as even as possible, whole super-blocks."""
+    kblk = -(-nch // -(-nch // kmax))
+    if qtype in _SUPER_WORDS:
+        kblk = -(-kblk // 8) * 8
+    return kblk
+
+
+def _pipeline(dev: Device, qtype: str, dtype: str, kblk: int, row_words: int, cfg: TiledConfig):
+    kb = min(cfg.kb, kblk)
+    ng = -(-kblk // kb)
+    # the K loop written out (see `step` in the shader for why)
+    steps = "".join(f"    step({g}u, {g % 2}u, {min(kb, kblk - g * kb)}u, base, t0, lid);\n" for g in range(ng))
     header = (f"{act_header(dtype)}const TM: u32 = {cfg.tm}u;\nconst WG: u32 = {cfg.wg}u;\n"
-              f"const NCH: u32 = {nch}u;\n{_XREAD[dtype]}"
+              f"const KB: u32 = {kb}u;\nconst XR: u32 = {8 * kb}u;\nconst NG: u32 = {ng}u;\n"
+              f"const WA: bool = {'true' if row_words % 4 == 0 else 'false'};\n{_XREAD[dtype]}"
               f"fn wblock(base: u32, c: u32) -> array<vec4<f32>, 8> {{ return wb_{qtype}(base, c); }}\n"
               f"fn chunks(base: u32, t0: u32, lid: u32) {{\n{steps}}}\n")
     return dev.pipeline("matmul_tiled.wgsl", "matmul_tiled", header=header)
 
 
 def supports(w: "QWeight", T: int) -> bool:
-    """Whether `matmul` below handles this weight at T activation rows (else it returns None)."""
+    """Whether `matmul` below handles this weight at T activation rows (else it returns None).
+    The kernel reads weights as vec4 words, so it needs buffers of whole 16-byte words (true of
+    f32 and Q4_K weights, and of other types when rows x row bytes is a multiple of 16)."""
     if T <= 1 or w.qtype not in QTYPES:
         return False
     qk = _QK.get(w.qtype, 4)
-    return w.k % qk == 0
+    return w.k % qk == 0 and all(b.size % 16 == 0 for b in w.bufs)
 
 
 def matmul(dev: Device, x: Tensor, w: "QWeight", y: Tensor, *, bias: Tensor | None = None,
@@ -102,8 +130,9 @@ def matmul(dev: Device, x: Tensor, w: "QWeight", y: Tensor, *, bias: Tensor | No
     T, K = x.shape
     if not supports(w, T):
         return None
-    cfg = config or default_config(dev)
-    check(1 <= cfg.tm <= _MAX_TM and 1 <= cfg.wg <= 1024, "matmul_tiled", f"unsupported tile {cfg}")
+    cfg = config or default_config(dev, w.qtype)
+    check(1 <= cfg.tm <= _MAX_TM and 1 <= cfg.wg <= 1024 and 1 <= cfg.kb <= 8 and cfg.kmax >= 1
+          and cfg.tm * cfg.kb * 256 <= _WG_BYTES, "matmul_tiled", f"unsupported tile {cfg}")
     check(K == w.k, "matmul_tiled", f"x has {K} columns, the weight {w.label!r} has {w.k}")
     check(tuple(y.shape) == (T, w.n), "matmul_tiled", f"y is {y.shape}, expected ({T}, {w.n})")
     check(x.dtype == y.dtype, "matmul_tiled", f"x is {x.dtype} but y is {y.dtype}")
@@ -118,16 +147,22 @@ def matmul(dev: Device, x: Tensor, w: "QWeight", y: Tensor, *, bias: Tensor | No
         bb, b_off = _dummy(dev), 0
     tiles = -(-T // cfg.tm)
     check(tiles <= _MAX_GROUPS, "matmul_tiled", f"T={T} needs more than 65535 tiles of {cfg.tm} rows")
-    pipe = _pipeline(dev, w.qtype, x.dtype, K, cfg)
-    flags = (1 if bias is not None else 0) | (2 if accumulate else 0)
+    nch = -(-K // 32)
+    kblk = _k_blocks(w.qtype, nch, cfg.kmax)
+    pipe = _pipeline(dev, w.qtype, x.dtype, kblk, w.row_words, cfg)
     op = Op(name=f"matmul_tiled[{w.label}]")
     for buf, (r0, rows) in zip(w.bufs, w.parts):
         groups = -(-rows // cfg.wg)
         check(groups <= _MAX_GROUPS, "matmul_tiled", f"{rows} rows need more than 65535 workgroups")
-        p = params(dev, [K, rows, T, w.row_words, x_off, y_off, w.n, r0, b_off, flags, -(-K // 32), K // 4],
-                   owner=y.buf.owner, label=f"matmul_tiled[{w.label}]")
-        op.buffers.append(p)
-        op.add(pipe, dev.bind(pipe, [p, xb, buf, yb, bb]), groups, tiles)
+        for c0 in range(0, nch, kblk):
+            # block 0 applies bias and the caller's accumulate; later blocks add to y
+            first = c0 == 0
+            flags = (1 if bias is not None and first else 0) | (2 if accumulate or not first else 0)
+            w_off = c0 // 8 * _SUPER_WORDS[w.qtype] if w.qtype in _SUPER_WORDS else c0 * _CHUNK_WORDS[w.qtype]
+            p = params(dev, [K, rows, T, w.row_words, x_off, y_off, w.n, r0, b_off, flags, w_off, K // 4,
+                             c0 * 8], owner=y.buf.owner, label=f"matmul_tiled[{w.label}]")
+            op.buffers.append(p)
+            op.add(pipe, dev.bind(pipe, [p, xb, buf, yb, bb]), groups, tiles)
     return op
 
 

@@ -27,6 +27,22 @@ from .common import Op, Tensor, act_header, check
 MAX_TOP_LOGPROBS = 5
 CANDIDATES = 1024          # CAP in the shader: top-k/top-p candidate set size
 IO_WORDS = 32
+NPART = 1024               # NPART in the shader: partial argmaxes of the barrier-free greedy path
+
+
+class _SampleOp(Op):
+    """The sampler's prebuilt op: records the barrier-free greedy pair (argmax_partial +
+    argmax_final) when the current request is greedy without logprobs, else the full kernel, so the
+    pipeline records one op per step whatever the request asks."""
+
+    def __init__(self, sampler: "Sampler", full: Op, greedy: Op):
+        super().__init__(full.dispatches, [], "sample")
+        self.sampler, self.full, self.greedy = sampler, full, greedy
+
+    def record(self, batch):
+        op = self.greedy if self.sampler.greedy_fast else self.full
+        self.dispatches = op.dispatches
+        return op.record(batch)
 
 
 @dataclass
@@ -61,12 +77,13 @@ class Sampler:
         self.params = dev.buffer(64, usage=UNIFORM, owner=owner, label=f"{label}.params")
         self.bias = dev.buffer(v * 4, owner=owner, label=f"{label}.bias")
         self.hist = dev.buffer((v + self.seen_words) * 4, owner=owner, label=f"{label}.hist")
-        self.scratch = dev.buffer(v * 4, owner=owner, label=f"{label}.scratch")
+        self.scratch = dev.buffer(max(v, 2 * NPART) * 4, owner=owner, label=f"{label}.scratch")
         self.io = dev.buffer(IO_WORDS * 4, owner=owner, label=f"{label}.io")
         self._dummy_ids = None
         self._bias_ids: list[int] = []
         self.want_logprobs = False
         self.n_top = 0
+        self.greedy_fast = True     # greedy without logprobs: the barrier-free two-pass argmax
         self.configure(temperature=0.0)
 
     # ------------------------------------------------------------------ per request
@@ -89,6 +106,7 @@ class Sampler:
             check(0 <= k < self.vocab, "sampling", f"logit_bias token {k} outside the vocabulary")
         self.want_logprobs = bool(logprobs or top_logprobs)
         self.n_top = int(top_logprobs) if self.want_logprobs else 0
+        self.greedy_fast = greedy and not self.want_logprobs
         raw = struct.pack("<4I5f3I", self.vocab, 0 if greedy else 1,
                           0 if greedy else int(top_k), self.n_top,
                           0.0 if greedy else 1.0 / temperature, 1.0 if greedy else float(top_p),
@@ -136,10 +154,15 @@ class Sampler:
         else:
             check(next_ids.dtype == "u32", "sampling", "next_ids must be u32")
             ids_binding = (next_ids.buf, next_ids.offset, 4)
-        pipe = self.dev.pipeline("sampling.wgsl", "sample", header=act_header(logits.dtype))
-        bg = self.dev.bind(pipe, [self.params, logits.binding(), self.bias, self.hist, self.scratch,
-                                  self.io, ids_binding])
-        return Op(name="sample").add(pipe, bg, 1)
+        hdr = act_header(logits.dtype)
+        binds = [self.params, logits.binding(), self.bias, self.hist, self.scratch, self.io, ids_binding]
+        pipe = self.dev.pipeline("sampling.wgsl", "sample", header=hdr)
+        full = Op(name="sample").add(pipe, self.dev.bind(pipe, binds), 1)
+        p1 = self.dev.pipeline("sampling.wgsl", "argmax_partial", header=hdr)
+        p2 = self.dev.pipeline("sampling.wgsl", "argmax_final", header=hdr)
+        greedy = Op(name="sample").add(p1, self.dev.bind(p1, binds[:5]), NPART // 64) \
+            .add(p2, self.dev.bind(p2, binds), 1)
+        return _SampleOp(self, full, greedy)
 
     async def read(self, with_logprobs: bool | None = None) -> SampleResult:
         """Read the last step's result: 4 bytes, or 56 with logprobs."""

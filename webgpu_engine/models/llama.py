@@ -151,24 +151,41 @@ class LlamaModel:
         attn, gu, ffn = self.attn.view((T, H * D)), self.gate_up.view((T, 2 * c.ffn_size)), \
             self.ffn.view((T, c.ffn_size))
         rope_kw = dict(rot_dim=c.rot_dim, base=c.rope_base, neox=c.rope_neox)
+        eps = c.rms_eps
+        # decode (T = 1) may fuse RMSNorm into the matmul after it (60 fewer dispatches per token)
+        # and SiLU·up into the down matmul, as the device's matmul strategy chooses (kernels/matmul.py)
+        fuse = all(mm.fusable(dev, T, L[n]) for L in self.layers for n in ("qkv", "gate_up"))
+        fuse_silu = all(mm.fusable(dev, T, L["down"], silu=True) for L in self.layers)
         ops = [mm.embedding(dev, self.ids.view((T,)), self.embed, x)]              # x (T, C)
         for i, L in enumerate(self.layers):
             kc, vc = self.k_cache[i], self.v_cache[i]
-            ops.append(nn.rms_norm(dev, x, L["attn_norm"], h, eps=c.rms_eps))     # h (T, C)
-            ops.append(mm.matmul(dev, h, L["qkv"], qkv2, bias=L["qkv_bias"]))     # qkv (T, H+2Hkv, D)
+            if fuse:                                                               # qkv = norm(x) · Wqkvᵀ
+                ops.append(mm.matmul(dev, x, L["qkv"], qkv2, bias=L["qkv_bias"], norm=(L["attn_norm"], eps)))
+            else:
+                ops.append(nn.rms_norm(dev, x, L["attn_norm"], h, eps=eps))       # h (T, C)
+                ops.append(mm.matmul(dev, h, L["qkv"], qkv2, bias=L["qkv_bias"]))  # qkv (T, H+2Hkv, D)
             ops.append(nn.rope_kv(dev, qkv, kc, vc, step, n_q_heads=H, n_kv_heads=Hkv,
                                   head_dim=D, ctx=self.ctx, **rope_kw))             # rotate q,k; cache k,v
             ops.append(nn.attention(dev, qkv, kc, vc, attn, step, n_q_heads=H, n_kv_heads=Hkv,
                                     head_dim=D, ctx=self.ctx, scale=D ** -0.5, max_t=T))  # (T, H*D)
             ops.append(mm.matmul(dev, attn, L["o"], x, bias=L["o_bias"], accumulate=True))  # x += o
-            ops.append(nn.rms_norm(dev, x, L["ffn_norm"], h, eps=c.rms_eps))
-            ops.append(mm.matmul(dev, h, L["gate_up"], gu))                        # (T, 2F)
-            ops.append(nn.silu_mul(dev, gu, ffn))                                  # (T, F)
-            ops.append(mm.matmul(dev, ffn, L["down"], x, accumulate=True))         # x += down
+            if fuse:                                                               # (1, 2F)
+                ops.append(mm.matmul(dev, x, L["gate_up"], gu, norm=(L["ffn_norm"], eps)))
+            else:
+                ops.append(nn.rms_norm(dev, x, L["ffn_norm"], h, eps=eps))
+                ops.append(mm.matmul(dev, h, L["gate_up"], gu))                    # (T, 2F)
+            if fuse_silu:                                                          # x += down
+                ops.append(mm.matmul(dev, gu, L["down"], x, accumulate=True, silu=True))
+            else:
+                ops.append(nn.silu_mul(dev, gu, ffn))                              # (T, F)
+                ops.append(mm.matmul(dev, ffn, L["down"], x, accumulate=True))     # x += down
         if with_head:
-            ops.append(nn.rms_norm(dev, self.x.view((1, C), (T - 1) * C), self.final_norm, self.last,
-                                   eps=c.rms_eps))                                 # last row only
-            ops.append(mm.matmul(dev, self.last, self.lm_head, self.logits))       # (1, V)
+            if T == 1 and mm.fusable(dev, 1, self.lm_head):
+                ops.append(mm.matmul(dev, x, self.lm_head, self.logits, norm=(self.final_norm, eps)))
+            else:
+                ops.append(nn.rms_norm(dev, self.x.view((1, C), (T - 1) * C), self.final_norm, self.last,
+                                       eps=eps))                                   # last row only
+                ops.append(mm.matmul(dev, self.last, self.lm_head, self.logits))   # (1, V)
         return ops
 
     def ops_for(self, T: int, with_head: bool = True) -> list[Op]:
