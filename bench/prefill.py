@@ -8,6 +8,8 @@ into one submit and waits on a readback; the best of --runs rounds is kept, and 
 two kernels run one right after the other so that they see the same machine load. On a CPU adapter
 (lavapipe) the driver's threads belong to this process, so CPU time does not depend on what else
 the machine runs; "GFLOP/cpu-s" is FLOPs per second of that CPU time (at most cores x wall rate).
+"build s" is the time to build the tiled op, mostly compiling its pipeline (0 when an earlier shape
+already compiled the same one): the kernel's K loop is written out, which costs compile time.
 The smollm2 rows also give the matmul-only prefill bound: tokens/s if a layer's four matmuls
 (qkv, o, gate_up, down) x 30 layers were all a prefill did.
 """
@@ -70,13 +72,18 @@ def time_ops(dev, ops: list[Op], sync_buf, min_s: float, runs: int) -> list[tupl
     return best
 
 
-def bench_shape(dev, model, name, n, k, qtype, has_bias, T, act, cfg, min_s, runs) -> dict:
+def bench_shape(dev, model, name, n, k, qtype, has_bias, T, act, over, min_s, runs) -> dict:
+    cfg = mt.default_config(dev, qtype)
+    for f, v in over.items():
+        setattr(cfg, f, v)
     rng = np.random.default_rng(0)
     w = upload_weight(dev, qr.random_weight(qtype, n, k, rng), qtype, n, k, owner=OWNER, label=name)
     npt = np.float32 if act == "f32" else np.float16
     x = Tensor(dev.upload(rng.standard_normal((T, k)).astype(npt), owner=OWNER), (T, k), act)
     y = new_tensor(dev, (T, n), act, owner=OWNER)
-    bias = Tensor(dev.upload(rng.standard_normal(n).astype(np.float32), owner=OWNER), (n,)) if has_bias else None
+    bias = None
+    if has_bias:
+        bias = Tensor(dev.upload(rng.standard_normal(n).astype(np.float32), owner=OWNER), (n,))
     old = matmul(dev, x, w, y, bias=bias, config=MatmulConfig())   # a config: no delegation to ours
     t0 = time.perf_counter()
     new = mt.matmul(dev, x, w, y, bias=bias, config=cfg)   # builds (compiles) its pipeline
@@ -86,6 +93,7 @@ def bench_shape(dev, model, name, n, k, qtype, has_bias, T, act, cfg, min_s, run
     flop = 2 * T * n * k
     dev.release_owner(OWNER)
     return {"model": model, "shape": name, "n": n, "k": k, "qtype": qtype, "T": T, "act": act,
+            "config": dict(cfg.__dict__),
             "bias": has_bias, "new_build_s": build_s, "old_ms": old_w * 1e3, "old_cpu_ms": old_c * 1e3,
             "new_ms": new_w * 1e3, "new_cpu_ms": new_c * 1e3,
             "old_GFLOPs": flop / old_w / 1e9, "new_GFLOPs": flop / new_w / 1e9,
@@ -100,21 +108,17 @@ def main(argv=None) -> int:
     ap.add_argument("--T", default="128,512", help="SmolLM2 prefill lengths (MiniLM uses 32 x 40)")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--min-s", type=float, default=0.2, help="seconds per timed run")
-    ap.add_argument("--tm", type=int, default=None)
-    ap.add_argument("--wg", type=int, default=None)
+    for f in ("tm", "wg", "kb", "kmax"):
+        ap.add_argument(f"--{f}", type=int, default=None, help=f"override the tiled config's {f}")
     ap.add_argument("--only", default="", help="substring filter on model.shape")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "prefill.json"))
     a = ap.parse_args(argv)
     dev = request_device_sync()
-    cfg = mt.default_config(dev)
-    if a.tm:
-        cfg.tm = a.tm
-    if a.wg:
-        cfg.wg = a.wg
-    print(f"adapter: {dev.info.name} ({dev.info.backend}); tiled config {cfg}; act {a.act}; "
+    over = {f: getattr(a, f) for f in ("tm", "wg", "kb", "kmax") if getattr(a, f)}
+    print(f"adapter: {dev.info.name} ({dev.info.backend}); tiled config overrides {over}; act {a.act}; "
           f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
     print(f"{'shape':16} {'n x k':>11} {'qtype':5} {'T':>5} | {'old ms':>8} {'cpu':>8} {'GF/s':>6} | "
-          f"{'new ms':>8} {'cpu':>8} {'GF/s':>6} {'GF/cpu-s':>8} | {'x wall':>6} {'x cpu':>6}")
+          f"{'new ms':>8} {'cpu':>8} {'GF/s':>6} {'GF/cpu-s':>8} | {'x wall':>6} {'x cpu':>6} | {'build s':>7}")
     rows = []
     for model, name, n, k, qtype, has_bias, Ts in SHAPES:
         if a.quick and (model, name) not in QUICK:
@@ -122,12 +126,12 @@ def main(argv=None) -> int:
         if a.only and a.only not in f"{model}.{name}":
             continue
         for T in Ts or [int(v) for v in a.T.split(",")]:
-            r = bench_shape(dev, model, name, n, k, qtype, has_bias, T, a.act, cfg, a.min_s, a.runs)
+            r = bench_shape(dev, model, name, n, k, qtype, has_bias, T, a.act, over, a.min_s, a.runs)
             rows.append(r)
             print(f"{model + '.' + name:16} {n:>5}x{k:<5} {qtype:5} {T:>5} | {r['old_ms']:8.2f} "
                   f"{r['old_cpu_ms']:8.2f} {r['old_GFLOPs']:6.2f} | {r['new_ms']:8.2f} {r['new_cpu_ms']:8.2f} "
                   f"{r['new_GFLOPs']:6.2f} {r['new_GFLOP_per_cpu_s']:8.2f} | {r['speedup']:6.1f} "
-                  f"{r['cpu_speedup']:6.1f}", flush=True)
+                  f"{r['cpu_speedup']:6.1f} | {r['new_build_s']:7.2f}", flush=True)
     bounds = {}
     for model in LAYERS:
         for T in sorted({r["T"] for r in rows if r["model"] == model}):
@@ -147,7 +151,7 @@ def main(argv=None) -> int:
                           f"-> matmul-only bound {32 / s:.0f} sentences/s")
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"adapter": dev.info.__dict__, "tiled_config": cfg.__dict__, "act": a.act,
+    out.write_text(json.dumps({"adapter": dev.info.__dict__, "config_overrides": over, "act": a.act,
                                "load_average": os.getloadavg()[0], "rows": rows, "bounds": bounds},
                               indent=1))
     print(f"wrote {out}")

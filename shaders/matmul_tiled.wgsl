@@ -1,17 +1,22 @@
-// matmul_tiled: y[t, n0 + r] (+)= sum_k x[t, k] * W[r, k] (+ bias[n0 + r]) for T > 1 (prefill,
-// BERT encoders), f32 accumulation. dispatch (ceil(rows / WG), ceil(T / TM), 1), workgroup WG.
+// matmul_tiled: y[t, n0 + r] (+)= sum_k x[t, k0 + k] * W[r, k0 + k] (+ bias[n0 + r]) over one K block
+// [k0, k0 + 32 KBLK), for T > 1 (prefill, BERT encoders), f32 accumulation.
+// dispatch (ceil(rows / WG), ceil(T / TM), 1) per weight buffer and K block, workgroup WG.
 //
-// The host prepends: the activation header (`act`), consts TM (activation rows per workgroup, at
-// most 16) and WG (invocations = weight rows per workgroup), `xword` / `xget` (how 4 activations
-// are read) and `fn wblock(base, c)` calling one of the `wb_<qtype>` decoders below.
+// The host prepends: the activation header (`act`); consts TM (activation rows per workgroup, at
+// most 32), WG (invocations = weight rows per workgroup), KB (32-wide chunks staged per barrier),
+// XR = 8 KB, NG (chunk groups per K block) and WA (weight rows are whole vec4 words);
+// `xword` / `xget` (how 4 activations are read); `fn wblock(base, c)` calling one of the
+// `wb_<qtype>` decoders below; and `fn chunks(...)`, the K loop written out as NG `step` calls.
 //
 // Strategy (tuned for CPU Vulkan, kept as parameters): invocation i owns weight row r = i and keeps
-// TM accumulators (one per activation row of the tile) in registers. Per 32-wide K chunk the
-// workgroup stages the (TM, 32) x tile in workgroup memory (two barriers), then each invocation
-// decodes its own 32 weights ONCE into registers and does TM x 32 FMAs, reading x from workgroup
-// memory at addresses that are compile-time constants after inlining: a CPU driver then loads each
-// x value once and broadcasts it to all SIMD lanes instead of gathering per lane. Each weight block
-// is read and decoded once per TM activation rows, each staged x value serves WG weight rows.
+// TM accumulators (one per activation row of the tile) in registers. The workgroup stages (TM, 32 KB)
+// tiles of x in workgroup memory, double-buffered with one barrier per KB chunks; per chunk each
+// invocation decodes its own 32 weights ONCE and does TM x 32 FMAs, reading x from workgroup memory
+// at addresses that are compile-time constants after inlining, outside any loop or branch: a CPU
+// driver (lavapipe) then loads each x value once and broadcasts it to the SIMD lanes instead of
+// gathering it lane by lane. Each weight is read and decoded once per TM activation rows; each
+// staged x value serves WG weight rows. The price of the written-out loop is compile time, which
+// grows faster than the code, so the host splits long K into blocks (later blocks accumulate).
 
 struct TiledParams {
     K: u32,          // columns of W and x

@@ -48,7 +48,8 @@ def check(dev, qtype, n, k, T, act, *, parts=1, bias=False, accumulate=False, ma
     rb = file_row_bytes(qtype, k)
     cuts = np.linspace(0, n, parts + 1).astype(int)
     pieces = [memoryview(raw)[a * rb:b * rb] for a, b in zip(cuts[:-1], cuts[1:])]
-    w = upload_weight(dev, pieces, qtype, n, k, owner=OWNER, label=f"{qtype}{n}x{k}", max_binding=max_binding)
+    w = upload_weight(dev, pieces, qtype, n, k, owner=OWNER, label=f"{qtype}{n}x{k}",
+                      max_binding=max_binding)
     x = rng.standard_normal((T, k)).astype(NP[act])
     xt = _tensor(dev, x, act, pad)
     ref = x.astype(np.float64) @ W.T
@@ -63,6 +64,9 @@ def check(dev, qtype, n, k, T, act, *, parts=1, bias=False, accumulate=False, ma
         b = rng.standard_normal(n).astype(np.float32)
         bt = _tensor(dev, b, "f32", 5)
         ref = ref + b
+    if config is None:   # the device's tile, also below its min_t (where the model would fall back)
+        config = mt.default_config(dev, qtype)
+        config.min_t = 2
     op = mt.matmul(dev, xt, w, yt, bias=bt, accumulate=accumulate, config=config)
     assert op is not None, f"{qtype} T={T} ({n}x{k}) should be supported"
     run_ops(dev, op)
@@ -89,13 +93,15 @@ def test_float_k_not_multiple_of_32(device, qtype):
 
 
 def test_not_applicable_returns_none(device):
-    """T == 1 is the decode kernel's job: None tells the caller to fall back."""
+    """T == 1 is the decode kernel's job, and short T below the config's min_t runs faster in the
+    row kernels: None tells the caller to fall back."""
     rng = np.random.default_rng(0)
     w = upload_weight(device, qr.random_weight("q4_1", 64, 64, rng), "q4_1", 64, 64, owner=OWNER)
-    x = new_tensor(device, (1, 64), owner=OWNER)
-    y = new_tensor(device, (1, 64), owner=OWNER)
-    assert mt.matmul(device, x, w, y) is None
-    assert not mt.supports(w, 1) and mt.supports(w, 2)
+    for T in (1, mt.default_config(device).min_t - 1):
+        x = new_tensor(device, (T, 64), owner=OWNER)
+        assert mt.matmul(device, x, w, new_tensor(device, (T, 64), owner=OWNER)) is None
+    assert not mt.supports(w, 1, mt.TiledConfig(min_t=1)) and mt.supports(w, 2, mt.TiledConfig(min_t=2))
+    assert mt.supports(w, mt.default_config(device).min_t)
 
 
 def test_unaligned_weight_buffer_returns_none(device):
@@ -103,22 +109,23 @@ def test_unaligned_weight_buffer_returns_none(device):
     of 36 f16 = 2376 B) is left to the fallback kernel."""
     rng = np.random.default_rng(0)
     w = upload_weight(device, qr.random_weight("f16", 33, 36, rng), "f16", 33, 36, owner=OWNER)
-    x = new_tensor(device, (5, 36), owner=OWNER)
-    assert mt.matmul(device, x, w, new_tensor(device, (5, 33), owner=OWNER)) is None
+    x = new_tensor(device, (16, 36), owner=OWNER)
+    assert mt.matmul(device, x, w, new_tensor(device, (16, 33), owner=OWNER)) is None
 
 
 def test_bad_arguments(device):
     rng = np.random.default_rng(0)
     w = upload_weight(device, qr.random_weight("q4_1", 64, 64, rng), "q4_1", 64, 64, owner=OWNER)
-    x = new_tensor(device, (4, 64), owner=OWNER)
+    x = new_tensor(device, (16, 64), owner=OWNER)
     with pytest.raises(ValueError, match="expected"):
-        mt.matmul(device, x, w, new_tensor(device, (4, 65), owner=OWNER))
+        mt.matmul(device, x, w, new_tensor(device, (16, 65), owner=OWNER))
     with pytest.raises(ValueError, match="f16"):
-        mt.matmul(device, x, w, new_tensor(device, (4, 64), "f16", owner=OWNER))
+        mt.matmul(device, x, w, new_tensor(device, (16, 64), "f16", owner=OWNER))
     with pytest.raises(ValueError, match="tile"):
-        mt.matmul(device, x, w, new_tensor(device, (4, 64), owner=OWNER), config=mt.TiledConfig(tm=33))
+        mt.matmul(device, x, w, new_tensor(device, (16, 64), owner=OWNER), config=mt.TiledConfig(tm=33))
     with pytest.raises(ValueError, match="tile"):   # 2 x 32 rows x 6 chunks x 128 B > 32 KiB
-        mt.matmul(device, x, w, new_tensor(device, (4, 64), owner=OWNER), config=mt.TiledConfig(tm=32, kb=6))
+        mt.matmul(device, x, w, new_tensor(device, (16, 64), owner=OWNER),
+                  config=mt.TiledConfig(tm=32, kb=6))
 
 
 # --------------------------------------------------------------------------- model shapes
@@ -168,8 +175,10 @@ def test_split_weight(device, qtype):
     check(device, qtype, 150, k, 18, "f16", parts=3, max_binding=limit, bias=True, accumulate=True)
 
 
-@pytest.mark.parametrize("cfg", [mt.TiledConfig(tm=1, wg=8, kb=1, kmax=64), mt.TiledConfig(tm=5, wg=40, kb=3),
-                                 mt.TiledConfig(tm=16, wg=256, kb=8), mt.TiledConfig(tm=3, wg=200, kb=5, kmax=5),
+@pytest.mark.parametrize("cfg", [mt.TiledConfig(tm=1, wg=8, kb=1, kmax=64),
+                                 mt.TiledConfig(tm=5, wg=40, kb=3),
+                                 mt.TiledConfig(tm=16, wg=256, kb=8),
+                                 mt.TiledConfig(tm=3, wg=200, kb=5, kmax=5),
                                  mt.TiledConfig(tm=32, wg=64, kb=4, kmax=4)])
 def test_tile_parameters(device, cfg):
     """Every tile gives the same answer, with partial row groups, partial T tiles, a last chunk

@@ -1,10 +1,12 @@
-"""Tiled matmul for T > 1 (prefill, BERT encoders): y = x·Wᵀ with each weight block decoded once per tile.
+"""Tiled matmul for T > 1 (prefill, BERT encoders): y = x·Wᵀ, each weight decoded once per tile.
 
 `matmul(dev, x, w, y, bias=, accumulate=)` has the semantics of `matmul.matmul` and returns None
-where it does not apply (T == 1, unsupported weight type or shape) so that the caller falls back.
-The kernel (`shaders/matmul_tiled.wgsl`) stages a (TM, 32) tile of x in workgroup memory per K chunk
-and lets every invocation own one weight row: the row's 32 weights are decoded once into registers
-and multiplied with all TM activation rows. Tile sizes are per-device parameters (`TiledConfig`).
+where it does not apply (T == 1, a weight buffer that is not whole 16-byte words) so that the
+caller falls back. The kernel (`shaders/matmul_tiled.wgsl`) stages tiles of TM rows of x in
+workgroup memory and lets every invocation own one weight row: each 32-weight chunk of the row is
+decoded once into registers and multiplied with all TM activation rows. The K loop is written out
+in the pipeline (one pipeline per K block length), so long K runs as several dispatches. Tile sizes
+are per-device parameters (`TiledConfig`).
 Page code: standard library only; `matmul.py` is not imported here (it delegates to this module).
 """
 from __future__ import annotations
@@ -36,19 +38,23 @@ class TiledConfig:
     split into blocks of at most `kmax` chunks, one dispatch each, the later ones accumulating.
     A larger `tm` reads the weights fewer times; a larger `wg` amortises the staging of each x
     tile over more rows; `kmax` trades compile time (superlinear in the code length) against one
-    extra read-modify-write of y per block."""
+    extra read-modify-write of y per block. Below `min_t` activation rows `matmul` returns None:
+    a tile mostly of padding rows loses to the row kernels of matmul.py."""
 
     tm: int = 16
     wg: int = 192    # SmolLM2 and MiniLM row counts (576, 960, 1152, 1536, 3072) are multiples
     kb: int = 6
     kmax: int = 18
+    min_t: int = 8   # lavapipe, 3072x576 Q4_1: 1.6x slower than matmul.py at T = 4, even at 8
 
 
 def default_config(dev: Device, qtype: str = "q4_1") -> TiledConfig:
-    """The tile for `dev` and a weight type. lavapipe (8-wide SIMD, 32 vector registers with
-    AVX-512VL, a workgroup per thread, costly barriers), measured with bench/prefill.py: 16 rows
-    for block-quantized weights, whose loads are few; float weights load one word per weight per
-    lane, so 32 rows (with 4 chunks per barrier to fit workgroup memory) amortise them better."""
+    """The tile for `dev` and a weight type, measured on lavapipe (8-wide SIMD, a workgroup per
+    thread, costly barriers) with bench/prefill.py: 16 activation rows for block-quantized weights,
+    whose loads are few (24 or 32 rows ran 10-15% slower); float weights load one word per weight
+    per lane, so 32 rows (4 chunks per barrier to fit workgroup memory) amortise them better
+    (about 15% faster than 16), and shorter K blocks keep their longer code's compile time near
+    that of the quantized kernels. Other adapters get the same until measured there."""
     if qtype in ("f32", "f16", "bf16"):
         return TiledConfig(tm=32, kb=4, kmax=12)
     return TiledConfig()
@@ -103,7 +109,8 @@ def _pipeline(dev: Device, qtype: str, dtype: str, kblk: int, row_words: int, cf
     kb = min(cfg.kb, kblk)
     ng = -(-kblk // kb)
     # the K loop written out (see `step` in the shader for why)
-    steps = "".join(f"    step({g}u, {g % 2}u, {min(kb, kblk - g * kb)}u, base, t0, lid);\n" for g in range(ng))
+    steps = "".join(f"    step({g}u, {g % 2}u, {min(kb, kblk - g * kb)}u, base, t0, lid);\n"
+                    for g in range(ng))
     header = (f"{act_header(dtype)}const TM: u32 = {cfg.tm}u;\nconst WG: u32 = {cfg.wg}u;\n"
               f"const KB: u32 = {kb}u;\nconst XR: u32 = {8 * kb}u;\nconst NG: u32 = {ng}u;\n"
               f"const WA: bool = {'true' if row_words % 4 == 0 else 'false'};\n{_XREAD[dtype]}"
@@ -112,11 +119,12 @@ def _pipeline(dev: Device, qtype: str, dtype: str, kblk: int, row_words: int, cf
     return dev.pipeline("matmul_tiled.wgsl", "matmul_tiled", header=header)
 
 
-def supports(w: "QWeight", T: int) -> bool:
-    """Whether `matmul` below handles this weight at T activation rows (else it returns None).
-    The kernel reads weights as vec4 words, so it needs buffers of whole 16-byte words (true of
-    f32 and Q4_K weights, and of other types when rows x row bytes is a multiple of 16)."""
-    if T <= 1 or w.qtype not in QTYPES:
+def supports(w: "QWeight", T: int, config: TiledConfig | None = None) -> bool:
+    """Whether `matmul` below handles this weight at T activation rows (else it returns None):
+    T >= the config's min_t (default: 8), and weight buffers of whole 16-byte words, as the kernel
+    reads weights as vec4 words (true of f32 and Q4_K weights, and of other types when rows x row
+    bytes is a multiple of 16)."""
+    if T < max(2, (config or TiledConfig()).min_t) or w.qtype not in QTYPES:
         return False
     qk = _QK.get(w.qtype, 4)
     return w.k % qk == 0 and all(b.size % 16 == 0 for b in w.bufs)
@@ -125,12 +133,13 @@ def supports(w: "QWeight", T: int) -> bool:
 def matmul(dev: Device, x: Tensor, w: "QWeight", y: Tensor, *, bias: Tensor | None = None,
            accumulate: bool = False, config: TiledConfig | None = None) -> Op | None:
     """y = x·Wᵀ (+ bias); with `accumulate`, y += x·Wᵀ (+ bias). x (T, K), W (N, K), y (T, N).
-    None when the tiled kernel does not apply (T == 1, or a weight it cannot read)."""
-    check(len(x.shape) == 2 and len(y.shape) == 2, "matmul_tiled", f"x {x.shape} and y {y.shape} must be 2-D")
+    None when the tiled kernel does not apply (T < min_t, or a weight it cannot read)."""
+    check(len(x.shape) == 2 and len(y.shape) == 2, "matmul_tiled",
+          f"x {x.shape} and y {y.shape} must be 2-D")
     T, K = x.shape
-    if not supports(w, T):
-        return None
     cfg = config or default_config(dev, w.qtype)
+    if not supports(w, T, cfg):
+        return None
     check(1 <= cfg.tm <= _MAX_TM and 1 <= cfg.wg <= 1024 and 1 <= cfg.kb <= 8 and cfg.kmax >= 1
           and cfg.tm * cfg.kb * 256 <= _WG_BYTES, "matmul_tiled", f"unsupported tile {cfg}")
     check(K == w.k, "matmul_tiled", f"x has {K} columns, the weight {w.label!r} has {w.k}")
@@ -158,7 +167,8 @@ def matmul(dev: Device, x: Tensor, w: "QWeight", y: Tensor, *, bias: Tensor | No
             # block 0 applies bias and the caller's accumulate; later blocks add to y
             first = c0 == 0
             flags = (1 if bias is not None and first else 0) | (2 if accumulate or not first else 0)
-            w_off = c0 // 8 * _SUPER_WORDS[w.qtype] if w.qtype in _SUPER_WORDS else c0 * _CHUNK_WORDS[w.qtype]
+            w_off = (c0 // 8 * _SUPER_WORDS[w.qtype] if w.qtype in _SUPER_WORDS
+                     else c0 * _CHUNK_WORDS[w.qtype])   # u32 words into each row
             p = params(dev, [K, rows, T, w.row_words, x_off, y_off, w.n, r0, b_off, flags, w_off, K // 4,
                              c0 * 8], owner=y.buf.owner, label=f"matmul_tiled[{w.label}]")
             op.buffers.append(p)
