@@ -1,7 +1,7 @@
 """Kernel benchmark: effective GB/s and GFLOP/s of each matmul variant at the default models' shapes
 (T = 1 decode, T = 128 prefill) on the current adapter, against a plain copy kernel's GB/s.
 
-    python bench/kernels.py [--quick] [--act f32] [--runs 5] [--tm 8] [--wg 64]
+    python bench/kernels.py [--quick] [--act f32] [--runs 5] [--tm 8] [--wg 64] [--set v4=0]
 
 Prints a table and writes bench/results/kernels.json. Timing: many dispatches recorded into one
 submit, then a blocking readback; best of --runs (the machine may be shared, so take the best).
@@ -111,6 +111,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rr", type=int, default=None)
     ap.add_argument("--prr", type=int, default=None)
     ap.add_argument("--no-unroll", action="store_true", help="T = 1: the loop kernel, not matmul_decode")
+    ap.add_argument("--set", default="", help="MatmulConfig fields, e.g. v4=0,v4_max_k=2048")
     ap.add_argument("--only", default="", help="substring filter on shape name / qtype")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "kernels.json"))
     a = ap.parse_args(argv)
@@ -123,6 +124,9 @@ def main(argv=None) -> int:
             setattr(cfg, f, getattr(a, f))
     if a.no_unroll:
         cfg.unroll = False
+    for item in filter(None, a.set.split(",")):
+        f, v = item.split("=")
+        setattr(cfg, f, type(getattr(cfg, f))(int(v)))
     # two copies: one far larger than caches (DRAM), one the size of a decode weight (cache)
     copies = [bench_copy(dev, nb, a.min_s, a.runs) for nb in (64 << 20, 1 << 20)]
     copy = max(copies, key=lambda c: c["GB/s"])

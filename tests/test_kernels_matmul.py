@@ -295,3 +295,27 @@ def test_decode_loop_and_unrolled_agree(device, qtype):
     for cfg in (MatmulConfig(unroll=False), MatmulConfig(), MatmulConfig(unroll_max_k=128),
                 MatmulConfig(unroll_max_n=64)):
         check_matmul(device, qtype, 100, 512, 1, "f16", config=cfg, bias=True)
+
+
+@pytest.mark.parametrize("act", ["f32", "f16"])
+@pytest.mark.parametrize("qtype", ["q4_1", "q4_0", "q8_0"])
+def test_decode_vec4_weights(device, qtype, act):
+    """T = 1 through matmul_decode_v4.wgsl (weights read as vec4<u32> spans of 4 rows): rows not a
+    multiple of 4 (the last span runs past the weight), rows 4 bytes (K = 544: 85 words for the
+    4-bit types) and 8 bytes (K = 576) off 16-byte alignment, a weight split over buffers at a row
+    count not a multiple of 4, x at an offset that is not 256-byte aligned, bias + accumulate: all
+    match the reference."""
+    cfg = MatmulConfig(v4=True)
+    for n, k, rows_per_buf, pad in ((101, 544, None, 4), (50, 576, 13, 0)):
+        mb = rows_per_buf and rows_per_buf * k // 32 * {"q4_1": 20, "q4_0": 20, "q8_0": 36}[qtype]
+        w = check_matmul(device, qtype, n, k, 1, act, config=cfg, bias=True, accumulate=True, pad=pad,
+                         max_binding=mb)
+        assert len(w.bufs) == (1 if mb is None else 4)
+    # the v4 kernel is the one that ran: its source declares W4
+    x = new_tensor(device, (1, 576), act, owner=OWNER)
+    w = upload_weight(device, qr.random_weight(qtype, 8, 576, np.random.default_rng(0)), qtype, 8, 576,
+                      owner=OWNER, label="w")
+    for on in (True, False):
+        op = matmul(device, x, w, new_tensor(device, (1, 8), act, owner=OWNER),
+                    config=MatmulConfig(v4=on))
+        assert ("W4" in op.dispatches[0][0].key.header) == on

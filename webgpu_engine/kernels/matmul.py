@@ -7,6 +7,8 @@ binding size is split by rows across several buffers; matmul and embedding dispa
 
 Kernels: `shaders/matmul.wgsl` (generic loop) and `shaders/embedding.wgsl`, each compiled together
 with one `shaders/matmul_<qtype>.wgsl` (the weight binding and its dequantization of 32 weights).
+T = 1 on CPU adapters: `shaders/matmul_decode.wgsl` (the K loop unrolled by the host) and, for
+Q4_0/Q4_1/Q8_0, `shaders/matmul_decode_v4.wgsl` (the same, weights read as vec4<u32>).
 Page code: standard library only.
 """
 from __future__ import annotations
@@ -54,6 +56,11 @@ class MatmulConfig:
     unroll_max_n: int = 16384  # 49152-row LM head ran slower unrolled on lavapipe)
     fuse: bool = False    # models fuse RMSNorm into the decode matmul after it (measured: a loss
     fuse_silu: bool = False    # on lavapipe) / SiLU·up into down (its exp per lane: a larger loss)
+    v4: bool = True       # T = 1 with rr = 4 and a _V4_BLOCK type: weights read as vec4<u32> from
+    v4_max_k: int = 1024  # the GGUF layout (matmul_decode_v4.wgsl), up to this K and N (the K loop
+    v4_max_n: int = 1 << 30   # unrolled as in matmul_decode); only where `unroll` is on. lavapipe:
+    # 1.2-1.5x per matmul, the 49152-row LM head too. Uncached compile (Mesa caches on disk): K = 576
+    # 1.8 s (3.2 s for matmul_decode), K = 1536 9 s for ~0.07 ms per matmul: not worth it
 
 
 def default_config(dev: Device) -> MatmulConfig:
@@ -227,6 +234,58 @@ def _pipeline(dev: Device, entry: str, qtype: str, dtype: str, wg: int, rr: int 
     return dev.pipeline(f"matmul_{qtype}.wgsl", entry, header=header)
 
 
+# qtype -> u32 words per 32-weight block in the GPU layout, for matmul_decode_v4.wgsl's wblock_<qtype>
+_V4_BLOCK = {"q4_1": 5, "q4_0": 5, "q8_0": 9}
+_V4_XS = ("q4_1", "q4_0")      # their quants come scaled by 256^j: x is scaled by v4_xs
+
+
+def _use_v4(cfg: MatmulConfig, w: "QWeight") -> bool:
+    return (cfg.unroll and cfg.v4 and cfg.rr == 4 and w.qtype in _V4_BLOCK and w.k % 32 == 0
+            and w.k <= cfg.v4_max_k and w.n <= cfg.v4_max_n)
+
+
+def _decode_v4_source(qtype: str, nchunks: int, k: int, x_off4: int, mode: str, nf4: int, g_off4: int,
+                      eps: float) -> str:
+    """matmul_decode.wgsl + matmul_decode_v4.wgsl plus the generated entry point: 4 rows per
+    invocation read as one span of vec4<u32> (every index a constant offset from the invocation's
+    base), each vec4 loaded once, at its first use; x chunk c is loaded once for the 4 rows."""
+    bw = _V4_BLOCK[qtype]
+    rw = nchunks * bw                  # row_words
+    xfn = {"plain": "dec_x", "norm": "dec_xn", "silu": "dec_xs"}[mode]
+    lines = [load_shader_source("matmul_decode.wgsl"), load_shader_source("matmul_decode_v4.wgsl"),
+             f"const XOFF: u32 = {x_off4}u;\nconst NF: u32 = {nf4}u;\nconst GOFF: u32 = {g_off4}u;",
+             f"const EPS: f32 = {float(eps)!r};",
+             "@compute @workgroup_size(WG)",
+             "fn matmul_decode(@builtin(workgroup_id) wid: vec3<u32>, "
+             "@builtin(local_invocation_index) lid: u32) {",
+             "    let i4 = wid.x * WG + lid;   // rows 4 * i4 .. 4 * i4 + 3",
+             f"    let wb = i4 * {rw}u;         // their first vec4 (4 rows = {rw} vec4)",
+             "    var a = vec4<f32>(0.0);",
+             "    var ss = 0.0;"]
+    loaded = set()
+    comp = "xyzw"
+    for c in range(nchunks):
+        xs = f"v4_xs({xfn}({c}u))" if qtype in _V4_XS else f"{xfn}({c}u)"
+        lines.append(f"    let x{c} = {xs};")
+        if mode == "norm":
+            lines.append(f"    ss += dec_sq({c}u);")
+        for j in range(4):
+            words = []
+            for t in range(bw):
+                i = j * rw + c * bw + t
+                v, e = divmod(i, 4)
+                if v not in loaded:
+                    lines.append(f"    let v{v} = W4[wb + {v}u];")
+                    loaded.add(v)
+                words.append(f"v{v}.{comp[e]}")
+            lines.append(f"    a.{comp[j]} += cdot(wblock_{qtype}({', '.join(words)}), x{c});")
+    scale = f"inverseSqrt(ss / {float(k)!r} + EPS)" if mode == "norm" else "1.0"
+    lines += [f"    let r = a * {scale};",
+              "    store(0u, 4u * i4, r.x);", "    store(0u, 4u * i4 + 1u, r.y);",
+              "    store(0u, 4u * i4 + 2u, r.z);", "    store(0u, 4u * i4 + 3u, r.w);", "}", ""]
+    return "\n".join(lines)
+
+
 def _decode_source(nchunks: int, k: int, x_off4: int, mode: str, nf4: int, g_off4: int, eps: float) -> str:
     """matmul_decode.wgsl plus its generated entry point: the K loop unrolled (see that file)."""
     xfn = {"plain": "dec_x", "norm": "dec_xn", "silu": "dec_xs"}[mode]
@@ -284,8 +343,8 @@ def matmul(dev: Device, x: Tensor, w: QWeight, y: Tensor, *, bias: Tensor | None
         op = tiled.matmul(dev, x, w, y, bias=bias, accumulate=accumulate)   # prefill tiles
         if op is not None:
             return op
-    if T == 1 and K % 32 == 0 and (norm is not None or silu or cfg.unroll and K <= cfg.unroll_max_k
-                                   and w.n <= cfg.unroll_max_n):
+    if T == 1 and K % 32 == 0 and (norm is not None or silu or _use_v4(cfg, w) or cfg.unroll
+                                   and K <= cfg.unroll_max_k and w.n <= cfg.unroll_max_n):
         return _matmul_decode(dev, x, w, y, xb, x_off, yb, y_off, bb, b_off, bias is not None,
                               accumulate, cfg, norm, silu)
     if T > 1 and cfg.tm == 4:
@@ -342,7 +401,10 @@ def _matmul_decode(dev, x, w, y, xb, x_off, yb, y_off, bb, b_off, has_bias, accu
         mode, extra = "norm", [gb]
     elif silu:
         mode = "silu"
-    src = _decode_source(K // 32, K, x_off, mode, K // 4, g_off4, eps)
+    if _use_v4(cfg, w):
+        src = _decode_v4_source(w.qtype, K // 32, K, x_off, mode, K // 4, g_off4, eps)
+    else:
+        src = _decode_source(K // 32, K, x_off, mode, K // 4, g_off4, eps)
     pipe = _pipeline(dev, "matmul_decode", w.qtype, x.dtype, cfg.wg, cfg.rr, src)
     flags = (1 if has_bias else 0) | (2 if accumulate else 0)
     op = Op(name=f"matmul[{w.label}]")
