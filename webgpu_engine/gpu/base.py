@@ -292,11 +292,11 @@ class Device:
     def _translate(self, e: Exception, what: str, shader: tuple[str, int] | None = None) -> Exception:
         msg = str(e)
         low = msg.lower()
-        if "lost" in low or "destroyed" in low and "device" in low:
+        if "lost" in low or ("destroyed" in low and "device" in low):
             self.mark_lost(f"{what}: device lost")
             return DeviceLostError(f"while running {what}")
         if "out of memory" in low or "outofmemory" in low or "greater than the maximum" in low \
-                or "exceeds" in low and "limit" in low:
+                or ("exceeds" in low and "limit" in low):
             return GPUOutOfMemoryError(f"{what}: {_first_cause(msg)}")
         if shader is not None:
             file, hl = shader

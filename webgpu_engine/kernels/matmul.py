@@ -56,6 +56,9 @@ class MatmulConfig:
     unroll_max_n: int = 16384  # 49152-row LM head ran slower unrolled on lavapipe)
     fuse: bool = False    # models fuse RMSNorm into the decode matmul after it (measured: a loss
     fuse_silu: bool = False    # on lavapipe) / SiLU·up into down (its exp per lane: a larger loss)
+    tiled: bool = True    # T > 1: kernels/matmul_tiled.py (host-unrolled K, shared-memory x tiles);
+    # measured 3-4x on lavapipe, but its unrolled pipelines compile so slowly on SwiftShader (the
+    # browser) that the first prefill there took minutes: on only where measured to win
     v4: bool = True       # T = 1 with rr = 4 and a _V4_BLOCK type: weights read as vec4<u32> from
     v4_max_k: int = 1024  # the GGUF layout (matmul_decode_v4.wgsl), up to this K and N (the K loop
     v4_max_n: int = 1 << 30   # unrolled as in matmul_decode); only where `unroll` is on. lavapipe:
@@ -70,7 +73,7 @@ def default_config(dev: Device) -> MatmulConfig:
     # the unrolled decode kernel exists for CPU drivers' uniform-load detection (matmul_decode.wgsl)
     info = dev.info
     cpu = "cpu" in info.adapter_type.lower() or "llvmpipe" in info.name.lower()
-    return MatmulConfig(**{"unroll": cpu, **CONFIG_OVERRIDES})
+    return MatmulConfig(**{"unroll": cpu, "tiled": cpu, **CONFIG_OVERRIDES})
 
 
 # field -> value applied by default_config (benchmarks' A/B switches, e.g. {"fuse": False})
@@ -339,7 +342,7 @@ def matmul(dev: Device, x: Tensor, w: QWeight, y: Tensor, *, bias: Tensor | None
         bb, b_off = _dummy(dev), 0
     check(cfg.rr in (1, 2, 4) and cfg.prr in (1, 2, 4) and cfg.tm in (1, 4), "matmul",
           f"unsupported strategy {cfg}")
-    if T > 1 and config is None and (tiled := _tiled_module()) is not None:
+    if T > 1 and config is None and cfg.tiled and (tiled := _tiled_module()) is not None:
         op = tiled.matmul(dev, x, w, y, bias=bias, accumulate=accumulate)   # prefill tiles
         if op is not None:
             return op
