@@ -13,11 +13,11 @@ from gguf import GGUFReader
 from webgpu_engine.kernels import matmul_tiled as mt
 from webgpu_engine.kernels import quant_ref as qr
 from webgpu_engine.kernels.common import Tensor, new_tensor, run_ops
-from webgpu_engine.kernels.matmul import file_row_bytes, upload_weight
+
+from _matmul_util import TOL, matmul_case, read_tensor, upload_tensor
+from webgpu_engine.kernels.matmul import upload_weight
 
 OWNER = "test:matmul_tiled"
-TOL = {"f32": 1e-4, "f16": 1e-2}
-NP = {"f32": np.float32, "f16": np.float16}
 
 
 @pytest.fixture(autouse=True)
@@ -27,43 +27,19 @@ def _free(device):
 
 
 def _tensor(dev, a: np.ndarray, dtype: str, pad_elems: int = 0) -> Tensor:
-    """Upload `a` as `dtype` after `pad_elems` leading elements (a view at an offset that is not
-    256-byte aligned, as model code makes of shared buffers)."""
-    flat = np.concatenate([np.full(pad_elems, 7, NP[dtype]), a.astype(NP[dtype]).ravel()])
-    return Tensor(dev.upload(flat, owner=OWNER), a.shape, dtype, pad_elems * flat.itemsize)
+    return upload_tensor(dev, a, dtype, pad_elems, owner=OWNER)
 
 
 def _read(dev, t: Tensor) -> np.ndarray:
-    start = t.offset & ~3    # readbacks start at a multiple of 4 bytes
-    raw = dev.read_sync(t.buf, start, t.offset - start + t.nbytes)[t.offset - start:]
-    return np.frombuffer(raw, NP[t.dtype]).reshape(t.shape).astype(np.float64)
+    return read_tensor(dev, t)
 
 
 def check(dev, qtype, n, k, T, act, *, parts=1, bias=False, accumulate=False, max_binding=None,
           pad=0, raw=None, config=None, seed=None):
     """Run matmul_tiled on a random (or given) weight and compare with numpy; returns the QWeight."""
     rng = np.random.default_rng(seed if seed is not None else n * 7 + k + T)
-    raw = raw if raw is not None else qr.random_weight(qtype, n, k, rng)
-    W = qr.dequantize(raw, qtype, n, k)
-    rb = file_row_bytes(qtype, k)
-    cuts = np.linspace(0, n, parts + 1).astype(int)
-    pieces = [memoryview(raw)[a * rb:b * rb] for a, b in zip(cuts[:-1], cuts[1:])]
-    w = upload_weight(dev, pieces, qtype, n, k, owner=OWNER, label=f"{qtype}{n}x{k}",
-                      max_binding=max_binding)
-    x = rng.standard_normal((T, k)).astype(NP[act])
-    xt = _tensor(dev, x, act, pad)
-    ref = x.astype(np.float64) @ W.T
-    if accumulate:
-        y0 = rng.standard_normal((T, n)).astype(NP[act])
-        yt = _tensor(dev, y0, act, pad + 3)
-        ref = ref + y0.astype(np.float64)
-    else:
-        yt = new_tensor(dev, (T, n), act, owner=OWNER)
-    bt = None
-    if bias:
-        b = rng.standard_normal(n).astype(np.float32)
-        bt = _tensor(dev, b, "f32", 5)
-        ref = ref + b
+    w, xt, yt, bt, ref = matmul_case(dev, qtype, n, k, T, act, rng, owner=OWNER, parts=parts, bias=bias,
+                                     accumulate=accumulate, max_binding=max_binding, pad=pad, raw=raw)
     if config is None:   # the device's tile, also below its min_t (where the model would fall back)
         config = mt.default_config(dev, qtype)
         config.min_t = 2
