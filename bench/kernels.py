@@ -47,17 +47,22 @@ QUICK = {("smollm2.down", "q4_1"), ("smollm2.gate_up", "q4_1"), ("smollm2.lm_hea
          ("minilm.ffn_up", "f32")}
 
 
+def run_n(dev, op: Op, n: int, sync_buf) -> tuple[float, float]:
+    """(wall s, process CPU s) for `n` executions of `op` in one submit, waited for by a readback."""
+    b = dev.batch()
+    for _ in range(n):
+        op.record(b)
+    t0, c0 = time.perf_counter(), time.process_time()
+    dev.submit(b)
+    dev.read_sync(sync_buf, 0, 4)
+    return time.perf_counter() - t0, time.process_time() - c0
+
+
 def time_op(dev, op: Op, sync_buf, min_s: float, runs: int) -> tuple[float, float]:
     """Best (wall seconds, process CPU seconds) per execution of `op`. On a CPU adapter (lavapipe)
     the driver's threads belong to this process, so CPU time is a load-independent second measure."""
     def run(n: int) -> tuple[float, float]:
-        b = dev.batch()
-        for _ in range(n):
-            op.record(b)
-        t0, c0 = time.perf_counter(), time.process_time()
-        dev.submit(b)
-        dev.read_sync(sync_buf, 0, 4)
-        return time.perf_counter() - t0, time.process_time() - c0
+        return run_n(dev, op, n, sync_buf)
     run(1)                                   # compile / warm caches
     n = 1
     while True:

@@ -32,6 +32,7 @@ from webgpu_engine.kernels import matmul_tiled as mt  # noqa: E402
 from webgpu_engine.kernels import quant_ref as qr  # noqa: E402
 from webgpu_engine.kernels.common import Op, Tensor, new_tensor  # noqa: E402
 from webgpu_engine.kernels.matmul import MatmulConfig, matmul, upload_weight  # noqa: E402
+from kernels import run_n  # noqa: E402  (bench/kernels.py, beside this script)
 
 OWNER = "bench:prefill"
 # (model, name, n, k, qtype, bias, T values): SmolLM2-135M Q4_1 per layer (30 layers) and
@@ -53,13 +54,7 @@ LAYERS = {"smollm2": 30, "minilm": 6}
 def time_ops(dev, ops: list[Op], sync_buf, min_s: float, runs: int) -> list[tuple[float, float]]:
     """Best (wall s, CPU s) per execution of each op; the ops alternate within each round."""
     def run(op: Op, n: int) -> tuple[float, float]:
-        b = dev.batch()
-        for _ in range(n):
-            op.record(b)
-        t0, c0 = time.perf_counter(), time.process_time()
-        dev.submit(b)
-        dev.read_sync(sync_buf, 0, 4)
-        return time.perf_counter() - t0, time.process_time() - c0
+        return run_n(dev, op, n, sync_buf)
     counts = []
     for op in ops:
         dt = run(op, 1)[0]                   # compiles and warms caches
