@@ -12,7 +12,7 @@
 // Storage is read as vec2<act> (2-byte scalar accesses are slow on some drivers), so sizes and
 // offsets count element pairs. One invocation per (t, head, unit): a unit is one vec2 — or, in the
 // rotated part of a neox head, the two vec2 at pairs (2u, 2u+1) and (2u + half, 2u+1 + half).
-// dispatch ceil(T * n_h * units / 64) split over x,y.
+// dispatch ceil(T * n_h * units / 64) split over x,y. Built after sincos.wgsl (the host prepends it).
 
 struct Params {
     rows: u32,    // T dispatched
@@ -44,23 +44,6 @@ struct Params {
 @group(0) @binding(4) var<storage, read_write> vc_w: array<vec2<act>>;
 
 const WG: u32 = 64u;
-
-// sin and cos of an f32 angle, accurate to ~1e-7 for angles up to ~1e5 (long contexts): a
-// three-part Cody-Waite reduction by pi/2 and minimax polynomials on [-pi/4, pi/4]. Builtin
-// sin/cos only promise ~2^-11 absolute error on [-pi, pi] and nothing outside it.
-fn sincos(a: f32) -> vec2<f32> {
-    let k = round(a * 0.63661977236758134);
-    let r = ((a - k * 1.5703125) - k * 4.837512969970703125e-4) - k * 7.54978995489188216e-8;
-    let z = r * r;
-    let s = r + r * z * (-1.6666654611e-1 + z * (8.3321608736e-3 + z * -1.9515295891e-4));
-    let c = 1.0 - 0.5 * z + z * z * (4.166664568298827e-2 + z * (-1.388731625493765e-3 +
-        z * 2.443315711809948e-5));
-    let q = u32(i32(k)) & 3u;
-    if (q == 0u) { return vec2<f32>(s, c); }
-    if (q == 1u) { return vec2<f32>(c, -s); }
-    if (q == 2u) { return vec2<f32>(-s, -c); }
-    return vec2<f32>(-c, s);
-}
 
 // (a, b) rotated by angle pos * inv_freq[i]
 fn rot(a: f32, b: f32, pos: u32, i: u32) -> vec2<f32> {

@@ -11,8 +11,9 @@ from gguf import GGUFReader
 
 from webgpu_engine.kernels import quant_ref as qr
 from webgpu_engine.kernels.common import Tensor, new_tensor, run_ops
-from webgpu_engine.kernels.matmul import (QTYPES, MatmulConfig, _grid, embedding, matmul, upload_vector,
-                                          upload_weight)
+from webgpu_engine.kernels import nn, nn_ref
+from webgpu_engine.kernels.matmul import (QTYPES, MatmulConfig, RopeKV, _grid, embedding, epilogue_ok,
+                                          interleave_pairs, matmul, upload_vector, upload_weight)
 
 from _matmul_util import NP, TOL, matmul_case, read_tensor, upload_tensor
 
@@ -294,3 +295,89 @@ def test_decode_vec4_weights(device, qtype, act):
         op = matmul(device, x, w, new_tensor(device, (1, 8), act, owner=OWNER),
                     config=MatmulConfig(v4=on))
         assert ("W4" in op.dispatches[0][0].key.header) == on
+
+
+# --------------------------------------------------------------------------- decode path, fused epilogues
+@pytest.mark.parametrize("act", ["f32", "f16"])
+@pytest.mark.parametrize("qtype,f,k,cfg", [("q4_1", 66, 576, MatmulConfig()),       # v4 kernel
+                                           ("q8_0", 34, 256, MatmulConfig(v4=False)),  # unrolled
+                                           ("f16", 18, 64, MatmulConfig()),
+                                           ("q4_k", 10, 256, MatmulConfig())])
+def test_silu_epilogue_and_pairs(device, qtype, f, k, cfg, act):
+    """A gate + up weight uploaded with interleave_pairs: T = 1 with silu_out stores
+    silu(x·Gᵀ) * (x·Uᵀ) (F outputs, F not a multiple of 4 rows per invocation x 2); T = 5 through
+    the prefill path + silu_mul(pairs=True) gives the same; both against numpy."""
+    rng = np.random.default_rng(f + k)
+    rg, ru = qr.random_weight(qtype, f, k, rng), qr.random_weight(qtype, f, k, rng)
+    G, U = qr.dequantize(rg, qtype, f, k), qr.dequantize(ru, qtype, f, k)
+    w = upload_weight(device, interleave_pairs(rg, ru, qtype, k), qtype, 2 * f, k, owner=OWNER, label="gu")
+    assert epilogue_ok(device, qtype, 2 * f, k, cfg, force=True)
+    for T in (1, 5):
+        x = rng.standard_normal((T, k)).astype(NP[act])
+        xd = x.astype(np.float64)
+        g, u = xd @ G.T, xd @ U.T
+        ref = g / (1 + np.exp(-g)) * u
+        y = new_tensor(device, (T, f), act, owner=OWNER)
+        xt = _tensor(device, x, act, 4)
+        if T == 1:
+            op = matmul(device, xt, w, y, silu_out=True, config=cfg)
+            assert len(op.dispatches) == 1 and "ep_silu(" in op.dispatches[0][0].key.header
+            run_ops(device, op)
+        else:
+            gu = new_tensor(device, (T, 2 * f), act, owner=OWNER)
+            run_ops(device, matmul(device, xt, w, gu), nn.silu_mul(device, gu, y, pairs=True))
+        assert _err(_read(device, y), ref) < TOL[act], f"T={T}"
+    with pytest.raises(ValueError, match="T = 1"):
+        matmul(device, new_tensor(device, (2, k), act, owner=OWNER), w,
+               new_tensor(device, (2, f), act, owner=OWNER), silu_out=True)
+    with pytest.raises(ValueError, match="accumulate"):
+        matmul(device, new_tensor(device, (1, k), act, owner=OWNER), w,
+               new_tensor(device, (1, f), act, owner=OWNER), silu_out=True, accumulate=True)
+
+
+@pytest.mark.parametrize("act", ["f32", "f16"])
+@pytest.mark.parametrize("qtype,rot_dim,bias", [("q4_1", 32, False), ("q8_0", 16, True), ("f16", 32, True)])
+def test_rope_kv_epilogue(device, qtype, rot_dim, bias, act):
+    """The qkv projection with rope_kv at T = 1 equals matmul + nn.rope_kv (the unfused decode
+    path) and numpy: q and k rows rotated at position pos (partial rotary dims too), k and v
+    written to cache row pos and nothing else in the caches changed; bias added before rotating."""
+    Hq, Hkv, D, K, ctx, pos = 4, 2, 32, 128, 12, 9
+    n = (Hq + 2 * Hkv) * D
+    rng = np.random.default_rng(rot_dim + K)
+    raw = qr.random_weight(qtype, n, K, rng)
+    W = qr.dequantize(raw, qtype, n, K)
+    w = upload_weight(device, raw, qtype, n, K, owner=OWNER, label="qkv")
+    x = rng.standard_normal((1, K)).astype(NP[act])
+    b = rng.standard_normal(n).astype(np.float32) if bias else None
+    bt = _tensor(device, b, "f32", 2) if bias else None
+    step = device.upload(np.array([pos, 1, pos + 1, 0], np.uint32), owner=OWNER)
+    freq = nn.rope_frequencies(device, rot_dim, 10000.0, owner=OWNER)
+    c0 = rng.standard_normal((Hkv, ctx, D)).astype(NP[act])
+    outs = []
+    for fused in (True, False):
+        kc, vc = _tensor(device, c0, act, 8), _tensor(device, c0, act, 0)
+        qkv = new_tensor(device, (1, n), act, owner=OWNER)
+        xt = _tensor(device, x, act, 4)
+        if fused:
+            rope = RopeKV(step, freq, kc, vc, Hq, Hkv, D, rot_dim, ctx)
+            run_ops(device, matmul(device, xt, w, qkv, bias=bt, rope_kv=rope))
+        else:
+            run_ops(device, matmul(device, xt, w, qkv, bias=bt),
+                    nn.rope_kv(device, qkv.view((1, Hq + 2 * Hkv, D)), kc, vc, step, n_q_heads=Hq,
+                               n_kv_heads=Hkv, head_dim=D, ctx=ctx, rot_dim=rot_dim))
+        outs.append([_read(device, t) for t in (qkv, kc, vc)])
+    # numpy: projection (+ bias), rotation of q and k heads, cache rows
+    yref = x.astype(np.float64) @ W.T + (b if bias else 0.0)
+    heads = yref.reshape(Hq + 2 * Hkv, D)
+    rot = nn_ref.rope(heads[None], np.array([pos]), n_heads=Hq + Hkv, rot_dim=rot_dim, base=10000.0,
+                      neox=False)[0, :Hq + Hkv].astype(np.float64)
+    qkv_ref = np.concatenate([rot, heads[Hq + Hkv:]]).reshape(1, n)
+    kc_ref, vc_ref = c0.astype(np.float64).copy(), c0.astype(np.float64).copy()
+    kc_ref[:, pos] = rot[Hq:]
+    vc_ref[:, pos] = heads[Hq + Hkv:]
+    for got, name in zip(outs, ("fused", "unfused")):
+        assert _err(got[0], qkv_ref) < TOL[act], name
+        assert np.abs(got[1] - kc_ref).max() < TOL[act] * np.abs(kc_ref).max(), name
+        assert np.abs(got[2] - vc_ref).max() < TOL[act] * np.abs(vc_ref).max(), name
+    for a, b_ in zip(*outs):
+        assert np.abs(a - b_).max() <= (1e-6 if act == "f32" else 2e-3) * max(1.0, np.abs(b_).max())

@@ -231,12 +231,13 @@ class Device:
             self.compile_count += 1
         return p
 
-    def bind(self, pipeline: Pipeline, buffers: Sequence) -> BindGroup:
-        """A bind group for group 0: `buffers[i]` goes to binding i; an item may be a Buffer or
-        (Buffer, offset, size) for a window of it."""
+    def bind(self, pipeline: Pipeline, buffers: Sequence | Mapping) -> BindGroup:
+        """A bind group for group 0: `buffers[i]` goes to binding i (or, given a mapping,
+        `buffers[b]` to binding b); an item may be a Buffer or (Buffer, offset, size) for a window."""
         self.check_alive()
         entries = []
-        for i, b in enumerate(buffers):
+        items = sorted(buffers.items()) if isinstance(buffers, Mapping) else enumerate(buffers)
+        for i, b in items:
             if isinstance(b, tuple):
                 buf, off, sz = b
             else:
@@ -245,7 +246,8 @@ class Device:
                 raise GPUValidationError(f"{pipeline.name}: binding {i} uses a released buffer {buf.label!r}")
             entries.append((i, buf.raw, off, sz))
         raw = self._guard(lambda: self._raw_bind(pipeline.raw, entries, pipeline.name), pipeline.name)
-        return BindGroup(raw, pipeline, tuple(buffers))
+        return BindGroup(raw, pipeline, tuple(b for _, b in sorted(buffers.items())) if isinstance(
+            buffers, Mapping) else tuple(buffers))
 
     # ------------------------------------------------------------------ submission
     def batch(self) -> Batch:

@@ -59,6 +59,8 @@ class MatmulConfig:
     tiled: bool = True    # T > 1: kernels/matmul_tiled.py (host-unrolled K, shared-memory x tiles);
     # measured 3-4x on lavapipe, but its unrolled pipelines compile so slowly on SwiftShader (the
     # browser) that the first prefill there took minutes: on only where measured to win
+    epilogue: bool = True   # T = 1 with rr = 4: models may fold SiLU·up and RoPE + KV-cache write
+    # into the decode matmul's stores (matmul_epilogue.wgsl): 60 fewer dispatches per token
     v4: bool = True       # T = 1 with rr = 4 and a _V4_BLOCK type: weights read as vec4<u32> from
     v4_max_k: int = 1024  # the GGUF layout (matmul_decode_v4.wgsl), up to this K and N (the K loop
     v4_max_n: int = 1 << 30   # unrolled as in matmul_decode); only where `unroll` is on. lavapipe:
@@ -248,7 +250,7 @@ def _use_v4(cfg: MatmulConfig, w: "QWeight") -> bool:
 
 
 def _decode_v4_source(qtype: str, nchunks: int, k: int, x_off4: int, mode: str, nf4: int, g_off4: int,
-                      eps: float) -> str:
+                      eps: float, ep: str = "store") -> str:
     """matmul_decode.wgsl + matmul_decode_v4.wgsl plus the generated entry point: 4 rows per
     invocation read as one span of vec4<u32> (every index a constant offset from the invocation's
     base), each vec4 loaded once, at its first use; x chunk c is loaded once for the 4 rows."""
@@ -283,13 +285,21 @@ def _decode_v4_source(qtype: str, nchunks: int, k: int, x_off4: int, mode: str, 
                 words.append(f"v{v}.{comp[e]}")
             lines.append(f"    a.{comp[j]} += cdot(wblock_{qtype}({', '.join(words)}), x{c});")
     scale = f"inverseSqrt(ss / {float(k)!r} + EPS)" if mode == "norm" else "1.0"
-    lines += [f"    let r = a * {scale};",
-              "    store(0u, 4u * i4, r.x);", "    store(0u, 4u * i4 + 1u, r.y);",
-              "    store(0u, 4u * i4 + 2u, r.z);", "    store(0u, 4u * i4 + 3u, r.w);", "}", ""]
+    lines += [f"    let r = a * {scale};", _EPILOGUE_CALL[ep].format(i4="i4"), "}", ""]
     return "\n".join(lines)
 
 
-def _decode_source(nchunks: int, k: int, x_off4: int, mode: str, nf4: int, g_off4: int, eps: float) -> str:
+# how the generated entry points end: store the 4 sums, or hand them to an epilogue
+_EPILOGUE_CALL = {
+    "store": "    store(0u, 4u * {i4}, r.x);\n    store(0u, 4u * {i4} + 1u, r.y);\n"
+             "    store(0u, 4u * {i4} + 2u, r.z);\n    store(0u, 4u * {i4} + 3u, r.w);",
+    "silu": "    ep_silu({i4}, r);",
+    "rope_kv": "    ep_rope_kv({i4}, r);",
+}
+
+
+def _decode_source(nchunks: int, k: int, x_off4: int, mode: str, nf4: int, g_off4: int, eps: float,
+                   ep: str = "store") -> str:
     """matmul_decode.wgsl plus its generated entry point: the K loop unrolled (see that file)."""
     xfn = {"plain": "dec_x", "norm": "dec_xn", "silu": "dec_xs"}[mode]
     lines = [load_shader_source("matmul_decode.wgsl"),
@@ -305,18 +315,53 @@ def _decode_source(nchunks: int, k: int, x_off4: int, mode: str, nf4: int, g_off
         if mode == "norm":
             lines.append(f"    acc.ss += dec_sq({c}u);")
     scale = f"inverseSqrt(acc.ss / {float(k)!r} + EPS)" if mode == "norm" else "1.0"
-    lines += [f"    dec_end(rows, acc, {scale});", "}", ""]
+    if ep == "store":
+        lines.append(f"    dec_end(rows, acc, {scale});")
+    else:                                   # RR = 4: rows.r0 = 4 * i4
+        lines += [f"    let r = acc.a * {scale};", _EPILOGUE_CALL[ep].format(i4="(rows.r0 / 4u)")]
+    lines += ["}", ""]
     return "\n".join(lines)
+
+
+@dataclass
+class RopeKV:
+    """The rope + KV-cache write that matmul(..., rope_kv=...) folds into a decode qkv projection
+    (matmul_epilogue.wgsl): `step` holds pos0 (u32) first, `freq` the rot_dim/2 f32 frequencies
+    (nn.rope_frequencies), caches (n_kv_heads, ctx, head_dim) in the activation dtype."""
+
+    step: Buffer
+    freq: Buffer
+    k_cache: Tensor
+    v_cache: Tensor
+    n_q_heads: int
+    n_kv_heads: int
+    head_dim: int
+    rot_dim: int
+    ctx: int
 
 
 def matmul(dev: Device, x: Tensor, w: QWeight, y: Tensor, *, bias: Tensor | None = None,
            accumulate: bool = False, config: MatmulConfig | None = None,
-           norm: tuple | None = None, silu: bool = False) -> Op:
+           norm: tuple | None = None, silu: bool = False, silu_out: bool = False,
+           rope_kv: RopeKV | None = None) -> Op:
     """y = x·Wᵀ (+ bias); with `accumulate`, y += x·Wᵀ (+ bias). x (T, K), W (N, K), y (T, N).
 
     Fused inputs (T = 1 only, see `fusable`): `norm=(g (K,) f32, eps)` multiplies by RMSNorm(x)
-    instead of x; `silu=True` takes x (1, 2K) = [gate | up] and multiplies by silu(gate) * up."""
+    instead of x; `silu=True` takes x (1, 2K) = [gate | up] and multiplies by silu(gate) * up.
+    Fused outputs (T = 1 only, see `epilogue_ok`): `silu_out=True` for a weight from
+    `interleave_pairs` (gate and up rows in pairs) stores y (1, N/2) = silu(gate) * up;
+    `rope_kv` rotates the q and k rows of a fused qkv projection and writes k and v to the caches."""
     cfg = config or default_config(dev)
+    ep = "silu" if silu_out else "rope_kv" if rope_kv is not None else "store"
+    if ep != "store":
+        check(not (silu_out and rope_kv is not None), "matmul", "silu_out and rope_kv cannot both be set")
+        check(epilogue_ok(dev, w.qtype, w.n, w.k, cfg, force=True) and len(w.bufs) == 1
+              and x.shape[0] == 1, "matmul",
+              f"a fused epilogue needs T = 1, a single-buffer weight with K % 32 == 0 and 4 rows per invocation")
+        check(bias is None or not silu_out, "matmul", "silu_out takes no bias")
+        check(not accumulate, "matmul", "a fused epilogue cannot accumulate")
+        n_out = w.n // 2 if silu_out else w.n
+        check(tuple(y.shape) == (1, n_out), "matmul", f"y is {y.shape}, expected (1, {n_out})")
     check(len(x.shape) == 2 and len(y.shape) == 2, "matmul", f"x {x.shape} and y {y.shape} must be 2-D")
     x_in = x                      # what is bound: (T, 2K) [gate | up] when silu
     if silu:
@@ -328,7 +373,7 @@ def matmul(dev: Device, x: Tensor, w: QWeight, y: Tensor, *, bias: Tensor | None
               f"fused norm/silu needs T = 1 and a weight with K % 32 == 0 on the decode path")
     T, K = x.shape
     check(K == w.k, "matmul", f"x has {K} columns, the weight {w.label!r} has {w.k}")
-    check(tuple(y.shape) == (T, w.n), "matmul", f"y is {y.shape}, expected ({T}, {w.n})")
+    check(silu_out or tuple(y.shape) == (T, w.n), "matmul", f"y is {y.shape}, expected ({T}, {w.n})")
     check(x.dtype == y.dtype, "matmul", f"x is {x.dtype} but y is {y.dtype}")
     check(T > 0, "matmul", "empty input")
     check(K % 4 == 0, "matmul", f"K={K} must be a multiple of 4")
@@ -346,10 +391,10 @@ def matmul(dev: Device, x: Tensor, w: QWeight, y: Tensor, *, bias: Tensor | None
         op = tiled.matmul(dev, x, w, y, bias=bias, accumulate=accumulate)   # prefill tiles
         if op is not None:
             return op
-    if T == 1 and K % 32 == 0 and (norm is not None or silu or _use_v4(cfg, w) or cfg.unroll
-                                   and K <= cfg.unroll_max_k and w.n <= cfg.unroll_max_n):
+    if T == 1 and K % 32 == 0 and (norm is not None or silu or ep != "store" or _use_v4(cfg, w)
+                                   or cfg.unroll and K <= cfg.unroll_max_k and w.n <= cfg.unroll_max_n):
         return _matmul_decode(dev, x, w, y, xb, x_off, yb, y_off, bb, b_off, bias is not None,
-                              accumulate, cfg, norm, silu)
+                              accumulate, cfg, norm, silu, ep, rope_kv)
     if T > 1 and cfg.tm == 4:
         entry, rr, tiles = "matmul_tile", cfg.prr, -(-T // 4)
     else:
@@ -394,20 +439,25 @@ def fusable(dev: Device, T: int, w: QWeight, config: MatmulConfig | None = None,
 
 
 def _matmul_decode(dev, x, w, y, xb, x_off, yb, y_off, bb, b_off, has_bias, accumulate, cfg, norm,
-                   silu) -> Op:
+                   silu, ep="store", rope: RopeKV | None = None) -> Op:
     K = w.k
-    mode, g_off4, eps, extra = "plain", 0, 0.0, []
+    mode, g_off4, eps, extra = "plain", 0, 0.0, {}
     if norm is not None:
         g, eps = norm
         check(g.dtype == "f32" and g.numel == K, "matmul", f"norm weight must be f32 ({K},)")
         gb, g_off4 = _window(g, 16, "matmul", "norm weight")
-        mode, extra = "norm", [gb]
+        mode, extra = "norm", {5: gb}
     elif silu:
         mode = "silu"
     if _use_v4(cfg, w):
-        src = _decode_v4_source(w.qtype, K // 32, K, x_off, mode, K // 4, g_off4, eps)
+        src = _decode_v4_source(w.qtype, K // 32, K, x_off, mode, K // 4, g_off4, eps, ep)
     else:
-        src = _decode_source(K // 32, K, x_off, mode, K // 4, g_off4, eps)
+        src = _decode_source(K // 32, K, x_off, mode, K // 4, g_off4, eps, ep)
+    if ep != "store":
+        src += _epilogue_source(y.dtype, rope)
+        if rope is not None:
+            extra.update({6: rope.step, 7: rope.freq, 8: _window(rope.k_cache, 1, "matmul", "k cache")[0],
+                          9: _window(rope.v_cache, 1, "matmul", "v cache")[0]})
     pipe = _pipeline(dev, "matmul_decode", w.qtype, x.dtype, cfg.wg, cfg.rr, src)
     flags = (1 if has_bias else 0) | (2 if accumulate else 0)
     op = Op(name=f"matmul[{w.label}]")
@@ -417,8 +467,57 @@ def _matmul_decode(dev, x, w, y, xb, x_off, yb, y_off, bb, b_off, has_bias, accu
         p = params(dev, [K, rows, 1, w.row_words, x_off, y_off, w.n, r0, b_off, flags, K // 32, K // 4],
                    owner=y.buf.owner, label=f"matmul[{w.label}]")
         op.buffers.append(p)
-        op.add(pipe, dev.bind(pipe, [p, xb, buf, yb, bb] + extra), groups, 1)
+        entries = {0: p, 1: xb, 2: buf, 3: yb, 4: bb, **extra}
+        if ep == "silu":
+            del entries[4]          # ep_silu reads no bias, so the pipeline's layout has no binding 4
+        op.add(pipe, dev.bind(pipe, entries), groups, 1)
     return op
+
+
+def _epilogue_source(dtype: str, rope: RopeKV | None) -> str:
+    """sincos.wgsl + matmul_epilogue.wgsl and its consts (zeros when no rope: ep_rope_kv unused)."""
+    c = dict(EP_D=1, EP_ROT=0, EP_KLO=0, EP_VLO=0, EP_CTX=0, EP_KC=0, EP_VC=0)
+    if rope is not None:
+        D = rope.head_dim
+        check(D % 4 == 0 and rope.rot_dim % 2 == 0 and 0 <= rope.rot_dim <= D, "matmul",
+              f"rope epilogue needs head_dim % 4 == 0 and an even rot_dim <= head_dim")
+        for t in (rope.k_cache, rope.v_cache):
+            check(t.dtype == dtype and t.numel == rope.n_kv_heads * rope.ctx * D, "matmul",
+                  f"cache {t.shape} {t.dtype} must be (Hkv={rope.n_kv_heads}, ctx={rope.ctx}, D={D}) {dtype}")
+        esz = DTYPE_SIZE[dtype]
+        c = dict(EP_D=D, EP_ROT=rope.rot_dim, EP_KLO=rope.n_q_heads * D,
+                 EP_VLO=(rope.n_q_heads + rope.n_kv_heads) * D, EP_CTX=rope.ctx,
+                 EP_KC=_window(rope.k_cache, esz, "matmul", "k cache")[1],
+                 EP_VC=_window(rope.v_cache, esz, "matmul", "v cache")[1])
+    consts = "".join(f"const {k}: u32 = {v}u;\n" for k, v in c.items())
+    return consts + load_shader_source("sincos.wgsl") + load_shader_source("matmul_epilogue.wgsl")
+
+
+def epilogue_ok(dev: Device, qtype: str, n: int, k: int, config: MatmulConfig | None = None, *,
+                force: bool = False) -> bool:
+    """Whether a (n, k) `qtype` weight's T = 1 matmul can take a fused epilogue (silu_out /
+    rope_kv): the decode kernel with 4 rows per invocation and whole 4-row groups (`force`:
+    possible at all); chosen when this device's strategy says so (`epilogue` with `unroll`)."""
+    cfg = config or default_config(dev)
+    if k % 32 or n % 4 or cfg.rr != 4 or qtype not in QTYPES:
+        return False
+    return force or cfg.unroll and cfg.epilogue
+
+
+def interleave_pairs(gate, up, qtype: str, k: int) -> bytes:
+    """The rows of two (F, k) weights (file layout bytes) as one (2F, k) weight whose rows are
+    gate and up interleaved in pairs: g0 g1 u0 u1 g2 g3 u2 u3 ... (for matmul(..., silu_out=True)
+    and nn.silu_mul(..., pairs=True)). F must be even."""
+    g, u = _bytes_view(gate), _bytes_view(up)
+    rb = file_row_bytes(qtype, k)
+    check(g.nbytes == u.nbytes and g.nbytes % (2 * rb) == 0, "interleave_pairs",
+          f"gate and up must be equal whole, even row counts of {rb} B rows")
+    out = bytearray(2 * g.nbytes)
+    step = 2 * rb
+    for i in range(0, g.nbytes, step):
+        out[2 * i:2 * i + step] = g[i:i + step]
+        out[2 * i + step:2 * i + 2 * step] = u[i:i + step]
+    return bytes(out)
 
 
 def embedding(dev: Device, ids: Tensor, table: QWeight, out: Tensor, *, wg: int = 64) -> Op:
@@ -459,5 +558,6 @@ def upload_vector(dev: Device, data, *, dtype: str = "f32", owner: str, label: s
     return Tensor(dev.upload(raw, owner=owner, label=label), (n,), "f32")
 
 
-__all__ = ["QTYPES", "QWeight", "MatmulConfig", "default_config", "upload_weight", "matmul", "fusable",
+__all__ = ["QTYPES", "QWeight", "MatmulConfig", "RopeKV", "default_config", "upload_weight", "matmul", "fusable",
+           "epilogue_ok", "interleave_pairs",
            "embedding", "upload_vector", "file_row_bytes", "gpu_row_bytes"]

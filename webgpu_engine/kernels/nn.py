@@ -18,6 +18,7 @@ from __future__ import annotations
 import struct
 
 from ..gpu import Buffer, Device
+from ..gpu.shaders import load_shader_source
 from .common import DTYPE_SIZE, Op, Tensor, act_header, check, params
 
 WG = 64
@@ -74,7 +75,10 @@ def _act(kernel: str, *ts: Tensor) -> str:
 
 
 def _vec_header(dt: str, w: int) -> str:
-    """Storage type `av` moving w (1 or 4) elements per load, its f32 twin `fv`, and `hsum`."""
+    """Storage type `av` moving w (1, 2 or 4) elements per load, its f32 twin `fv`, and `hsum`."""
+    if w == 2:
+        return act_header(dt) + ("const W: u32 = 2u;\nalias av = vec2<act>;\nalias fv = vec2<f32>;\n"
+                                 "fn hsum(v: fv) -> f32 { return v.x + v.y; }\n")
     if w == 4:
         return act_header(dt) + ("const W: u32 = 4u;\nalias av = act4;\nalias fv = vec4<f32>;\n"
                                  "fn hsum(v: fv) -> f32 { return v.x + v.y + v.z + v.w; }\n")
@@ -167,17 +171,24 @@ def bias_add(dev: Device, x: Tensor, b: Tensor, y: Tensor) -> Op:
     return _op(dev, k, "elementwise.wgsl", k, _vec_header(dt, v), par, [xe, be, ye], x.numel // v)
 
 
-def silu_mul(dev: Device, gate_up: Tensor, y: Tensor) -> Op:
-    """y[t,f] = silu(gate_up[t,f]) * gate_up[t,F+f].  gate_up (T, 2F) rows [gate | up]; y (T, F)."""
+def silu_mul(dev: Device, gate_up: Tensor, y: Tensor, *, pairs: bool = False) -> Op:
+    """y[t,f] = silu(gate_up[t,f]) * gate_up[t,F+f].  gate_up (T, 2F) rows [gate | up]; y (T, F).
+    pairs: gate_up rows are gate and up interleaved in pairs (g 2j, g 2j+1, u 2j, u 2j+1, ...),
+    the layout of a weight uploaded for the decode matmul's silu epilogue (kernels/matmul.py)."""
     k = "silu_mul"
     dt = _act(k, gate_up, y)
     f = int(y.shape[-1])
     check(int(gate_up.shape[-1]) == 2 * f and gate_up.numel == 2 * y.numel, k,
           f"gate_up{gate_up.shape} must be (T, 2F) for y{y.shape}")
-    v = _width(dev, k, [f], [gate_up, y])
+    if pairs:
+        check(f % 2 == 0, k, f"pairs need an even F, got {f}")
+        v = 2
+    else:
+        v = _width(dev, k, [f], [gate_up, y])
     (ae, ao), (ye, yo) = (_window(dev, t, k, v) for t in (gate_up, y))
     par = params(dev, [y.numel // v, f // v, ao, 0, yo, 0, 0, 0], owner=y.buf.owner, label=k)
-    return _op(dev, k, "elementwise.wgsl", k, _vec_header(dt, v), par, [ae, ye], y.numel // v)
+    return _op(dev, k, "elementwise.wgsl", "silu_mul_pairs" if pairs else k, _vec_header(dt, v), par,
+               [ae, ye], y.numel // v)
 
 
 def gelu(dev: Device, x: Tensor, y: Tensor) -> Op:
@@ -192,7 +203,8 @@ def gelu(dev: Device, x: Tensor, y: Tensor) -> Op:
 
 
 # ----------------------------------------------------------------------------- rope and kv cache
-def _inv_freq(dev: Device, rot_dim: int, base: float, owner: str) -> Buffer:
+def rope_frequencies(dev: Device, rot_dim: int, base: float, *, owner: str) -> Buffer:
+    """The f32 table of rot_dim/2 RoPE frequencies base^(-2i/rot_dim) that rope kernels bind."""
     # Computed on the host in float64 and rounded once, so every device (and the numpy reference)
     # multiplies the same f32 frequencies: at pos ~4000 a 1-ulp frequency error moves the angle 2e-4.
     half = rot_dim // 2
@@ -221,7 +233,7 @@ def _rope_op(dev, k, entry, qkv, step, *, h_lo, n_h, n_rot, head_dim, rot_dim, b
     entries = [_step_entry(step), qe]
     kco = vco = 0
     if entry != "kv_write":
-        freq = _inv_freq(dev, rot_dim, base, owner)
+        freq = rope_frequencies(dev, rot_dim, base, owner=owner)
         entries.append((freq, 0, freq.size))
     if caches is not None:
         for c in caches:
@@ -234,7 +246,8 @@ def _rope_op(dev, k, entry, qkv, step, *, h_lo, n_h, n_rot, head_dim, rot_dim, b
     units = half // 2 + (head_dim - rot_dim) // 2 if neox else head_dim // 2
     par = params(dev, [rows, heads, head_dim // 2, half, h_lo, n_h, n_rot, int(bool(neox)),
                        k_lo, n_kv, ctx, qo, kco, vco, units, 0], owner=owner, label=k)
-    op = _op(dev, k, "rope.wgsl", entry, act_header(dt), par, entries, rows * n_h * units)
+    op = _op(dev, k, "rope.wgsl", entry, act_header(dt) + load_shader_source("sincos.wgsl"), par, entries,
+             rows * n_h * units)
     if entry != "kv_write":
         op.buffers.append(freq)
     return op

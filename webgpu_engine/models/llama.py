@@ -95,6 +95,15 @@ class LlamaModel:
             return mm.upload_weight(dev, [p.data for p in parts], parts[0].qtype,
                                     sum(p.n for p in parts), parts[0].k, owner=own, label=label)
 
+        def gate_up(p):
+            # rows interleaved in pairs when the decode matmul can store silu(gate) * up itself
+            g, u = get(p + "gate"), get(p + "up")
+            if g.qtype == u.qtype and g.n == u.n and g.n % 2 == 0 and \
+                    mm.epilogue_ok(dev, g.qtype, 2 * g.n, g.k):
+                data = mm.interleave_pairs(g.data, u.data, g.qtype, g.k)
+                return mm.upload_weight(dev, data, g.qtype, 2 * g.n, g.k, owner=own, label=p + "gate_up"), True
+            return mat([p + "gate", p + "up"], p + "gate_up"), False
+
         def vec(names, label):
             parts = [get(n) for n in names]
             data = b"".join(bytes(p.data) for p in parts) if len(parts) > 1 else parts[0].data
@@ -112,10 +121,13 @@ class LlamaModel:
                 "qkv": mat([p + "q", p + "k", p + "v"], p + "qkv"),               # (Hq*D + 2*Hkv*D, C)
                 "o": mat([p + "o"], p + "o"),                                     # (C, Hq*D)
                 "ffn_norm": vec([p + "ffn_norm"], p + "ffn_norm"),                # (C,)
-                "gate_up": mat([p + "gate", p + "up"], p + "gate_up"),            # (2F, C)
                 "down": mat([p + "down"], p + "down"),                            # (C, F)
                 "qkv_bias": None, "o_bias": None,
             }
+            L["gate_up"], L["silu_pairs"] = gate_up(p)                           # (2F, C)
+            # decode: rope + KV-cache write done by the qkv matmul's stores (adjacent pairs only)
+            L["rope_fused"] = (not c.rope_neox and c.head_dim % 4 == 0 and len(L["qkv"].bufs) == 1
+                               and mm.epilogue_ok(dev, L["qkv"].qtype, L["qkv"].n, L["qkv"].k))
             if p + "q_bias" in weights:
                 L["qkv_bias"] = vec([p + "q_bias", p + "k_bias", p + "v_bias"], p + "qkv_bias")
             if p + "o_bias" in weights:
@@ -128,6 +140,7 @@ class LlamaModel:
     def _allocate(self) -> None:
         c, dev, own, dt, P = self.cfg, self.dev, self.owner, self.dtype, self.chunk
         self.step = dev.buffer(16, owner=own, label="step")                 # u32 (pos0, n_new, kv_len, 0)
+        self.rope_freq = nn.rope_frequencies(dev, c.rot_dim, c.rope_base, owner=own)
         self.ids = new_tensor(dev, (P,), "u32", owner=own, label="ids")      # (P,)
         self.x = new_tensor(dev, (P, c.hidden_size), dt, owner=own, label="x")            # residual
         self.h = new_tensor(dev, (P, c.hidden_size), dt, owner=own, label="h")            # normed
@@ -155,29 +168,39 @@ class LlamaModel:
         # decode (T = 1) may fuse RMSNorm into the matmul after it (60 fewer dispatches per token)
         # and SiLU·up into the down matmul, as the device's matmul strategy chooses (kernels/matmul.py)
         fuse = all(mm.fusable(dev, T, L[n]) for L in self.layers for n in ("qkv", "gate_up"))
-        fuse_silu = all(mm.fusable(dev, T, L["down"], silu=True) for L in self.layers)
+        fuse_silu = all(mm.fusable(dev, T, L["down"], silu=True) and not L["silu_pairs"] for L in self.layers)
         ops = [mm.embedding(dev, self.ids.view((T,)), self.embed, x)]              # x (T, C)
         for i, L in enumerate(self.layers):
             kc, vc = self.k_cache[i], self.v_cache[i]
+            # decode: the qkv matmul rotates q, k and writes k, v to the caches itself
+            rope = mm.RopeKV(step, self.rope_freq, kc, vc, H, Hkv, D, c.rot_dim, self.ctx) \
+                if T == 1 and L["rope_fused"] else None
             if fuse:                                                               # qkv = norm(x) · Wqkvᵀ
-                ops.append(mm.matmul(dev, x, L["qkv"], qkv2, bias=L["qkv_bias"], norm=(L["attn_norm"], eps)))
+                ops.append(mm.matmul(dev, x, L["qkv"], qkv2, bias=L["qkv_bias"], norm=(L["attn_norm"], eps),
+                                     rope_kv=rope))
             else:
                 ops.append(nn.rms_norm(dev, x, L["attn_norm"], h, eps=eps))       # h (T, C)
-                ops.append(mm.matmul(dev, h, L["qkv"], qkv2, bias=L["qkv_bias"]))  # qkv (T, H+2Hkv, D)
-            ops.append(nn.rope_kv(dev, qkv, kc, vc, step, n_q_heads=H, n_kv_heads=Hkv,
-                                  head_dim=D, ctx=self.ctx, **rope_kw))             # rotate q,k; cache k,v
+                ops.append(mm.matmul(dev, h, L["qkv"], qkv2, bias=L["qkv_bias"], rope_kv=rope))  # (T, H+2Hkv, D)
+            if rope is None:
+                ops.append(nn.rope_kv(dev, qkv, kc, vc, step, n_q_heads=H, n_kv_heads=Hkv,
+                                      head_dim=D, ctx=self.ctx, **rope_kw))         # rotate q,k; cache k,v
             ops.append(nn.attention(dev, qkv, kc, vc, attn, step, n_q_heads=H, n_kv_heads=Hkv,
                                     head_dim=D, ctx=self.ctx, scale=D ** -0.5, max_t=T))  # (T, H*D)
             ops.append(mm.matmul(dev, attn, L["o"], x, bias=L["o_bias"], accumulate=True))  # x += o
+            # decode with pair-interleaved gate|up rows: the matmul stores silu(gate) * up (T = 1, F)
+            silu_out = T == 1 and L["silu_pairs"]
             if fuse:                                                               # (1, 2F)
-                ops.append(mm.matmul(dev, x, L["gate_up"], gu, norm=(L["ffn_norm"], eps)))
+                ops.append(mm.matmul(dev, x, L["gate_up"], ffn if silu_out else gu,
+                                     norm=(L["ffn_norm"], eps), silu_out=silu_out))
             else:
                 ops.append(nn.rms_norm(dev, x, L["ffn_norm"], h, eps=eps))
-                ops.append(mm.matmul(dev, h, L["gate_up"], gu))                    # (T, 2F)
+                ops.append(mm.matmul(dev, h, L["gate_up"], ffn if silu_out else gu,
+                                     silu_out=silu_out))                           # (T, 2F)
             if fuse_silu:                                                          # x += down
                 ops.append(mm.matmul(dev, gu, L["down"], x, accumulate=True, silu=True))
             else:
-                ops.append(nn.silu_mul(dev, gu, ffn))                              # (T, F)
+                if not silu_out:
+                    ops.append(nn.silu_mul(dev, gu, ffn, pairs=L["silu_pairs"]))   # (T, F)
                 ops.append(mm.matmul(dev, ffn, L["down"], x, accumulate=True))     # x += down
         if with_head:
             if T == 1 and mm.fusable(dev, 1, self.lm_head):

@@ -1,0 +1,72 @@
+// matmul_epilogue: what the T = 1 decode matmul (matmul_decode.wgsl) may do with the sums of one
+// invocation — rows 4 i4 .. 4 i4 + 3 of its weight part (RR = 4) — instead of storing them, so
+// that the small op after the matmul needs no dispatch of its own (on CPU Vulkan a dispatch costs
+// ~30 us, more than these ops' work):
+//   ep_silu:    the weight is gate and up with rows interleaved in pairs (g 2j, g 2j+1, u 2j,
+//               u 2j+1, ...; see upload_gate_up in kernels/matmul.py), so an invocation holds
+//               (g 2i4, g 2i4+1, u 2i4, u 2i4+1) and stores y[2 i4 + j] = silu(g) * u, j = 0, 1:
+//               y is (1, F) while the weight has 2F rows. Same formula as silu_mul.
+//   ep_rope_kv: the weight is the fused [q | k | v] projection of a model with adjacent rotary
+//               pairs (GGUF llama layout; D % 4 == 0, so the 4 rows lie in one head). Adds the bias,
+//               rotates q and k rows by position step[0] exactly as rope.wgsl does, stores the 4
+//               values into y (qkv) and k and v rows also into row step[0] of the caches.
+// Built after matmul.wgsl, matmul_decode.wgsl and sincos.wgsl; the host adds the consts EP_D (head
+// dim), EP_ROT (rotated dims of a head), EP_KLO / EP_VLO (first k / v row), EP_CTX (cache rows),
+// EP_KC / EP_VC (cache offsets in elements) for ep_rope_kv.
+
+@group(0) @binding(6) var<storage, read> ep_step: array<u32>;       // (4): pos0, n_new, kv_len, 0
+@group(0) @binding(7) var<storage, read> ep_freq: array<f32>;       // (rot_dim / 2)
+@group(0) @binding(8) var<storage, read_write> ep_kc: array<act>;   // (Hkv, ctx, D)
+@group(0) @binding(9) var<storage, read_write> ep_vc: array<act>;   // (Hkv, ctx, D)
+
+fn ep_silu(i4: u32, r: vec4<f32>) {
+    if (4u * i4 >= P.rows) { return; }
+    let g = r.xy;
+    // exp(-g) overflows to inf for g < -88: g / inf = -0, the right limit
+    let s = g / (1.0 + exp(-g)) * r.zw;
+    let o = P.y_off + P.n0 / 2u + 2u * i4;
+    y[o] = act(s.x);
+    y[o + 1u] = act(s.y);
+}
+
+fn ep_rot(a: f32, b: f32, pos: u32, i: u32) -> vec2<f32> {
+    let sc = sincos(f32(pos) * ep_freq[i]);
+    return vec2<f32>(a * sc.y - b * sc.x, a * sc.x + b * sc.y);
+}
+
+fn ep_rope_kv(i4: u32, sums: vec4<f32>) {
+    if (4u * i4 >= P.rows) { return; }
+    let n = P.n0 + 4u * i4;
+    var r = sums;
+    if ((P.flags & 1u) != 0u) {
+        let b = P.b_off + n;
+        r += vec4<f32>(bias[b], bias[b + 1u], bias[b + 2u], bias[b + 3u]);
+    }
+    let pos = ep_step[0];
+    let d = n % EP_D;
+    if (n < EP_VLO && d < EP_ROT) {          // a q or k row in the rotated part
+        let lo = ep_rot(r.x, r.y, pos, d / 2u);
+        var hi = r.zw;
+        if (d + 2u < EP_ROT) { hi = ep_rot(r.z, r.w, pos, d / 2u + 1u); }
+        r = vec4<f32>(lo, hi);
+    }
+    let o = P.y_off + n;
+    y[o] = act(r.x);
+    y[o + 1u] = act(r.y);
+    y[o + 2u] = act(r.z);
+    y[o + 3u] = act(r.w);
+    if (n < EP_KLO || pos >= EP_CTX) { return; }
+    if (n < EP_VLO) {
+        let c = EP_KC + ((n - EP_KLO) / EP_D * EP_CTX + pos) * EP_D + d;
+        ep_kc[c] = act(r.x);
+        ep_kc[c + 1u] = act(r.y);
+        ep_kc[c + 2u] = act(r.z);
+        ep_kc[c + 3u] = act(r.w);
+    } else {
+        let c = EP_VC + ((n - EP_VLO) / EP_D * EP_CTX + pos) * EP_D + d;
+        ep_vc[c] = act(r.x);
+        ep_vc[c + 1u] = act(r.y);
+        ep_vc[c + 2u] = act(r.z);
+        ep_vc[c + 3u] = act(r.w);
+    }
+}
