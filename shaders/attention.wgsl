@@ -11,6 +11,7 @@
 //                  partials. Splits past the live context exit at once, so the op is built once
 //                  for ctx. dispatch ceil(n_splits*Hq/G / SWG) (SWG: a header constant).
 //   attn_combine:  out[h] = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s; lane per (h, d4).
+//   attn_decode1:  decode over few keys: lane per G heads, all keys, output stored directly.
 //   attn_bidir:    BERT. qkv (B*S, 3*H*D) rows [q | k | v]; key j of sequence b visible iff
 //                  j < lengths[b]. Workgroup per (b, block of 64*G queries, h), lane per G
 //                  consecutive queries. Binds the qkv window as kc and vc too.
@@ -152,6 +153,22 @@ fn attn_split(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nw
     let n = min(p.chunk, n_keys - k0);
     attend(p.kc_off + cb, D4, p.vc_off + cb, D4, n, n);
     store_partial(h0, s);
+}
+
+// attn_decode1: decode (T == 1) while the live keys are few (the host picks it over attn_split +
+// attn_combine up to a key count it sets): lane per G heads of one kv head attends keys [0, pos0]
+// and stores the output itself, so the step needs one dispatch. dispatch ceil(Hq/G / SWG).
+@compute @workgroup_size(SWG)
+fn attn_decode1(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                @builtin(local_invocation_index) lid: u32) {
+    let i = (wid.y * nwg.x + wid.x) * SWG + lid;
+    let h0 = i * G;
+    if (h0 >= p.hq) { return; }
+    let n_keys = min(step[0] + 1u, p.ctx);
+    load_q(p.qkv_off + h0 * D4, D4);
+    let cb = (h0 / p.group) * p.ctx * D4;
+    attend(p.kc_off + cb, D4, p.vc_off + cb, D4, n_keys, n_keys);
+    store_out(p.out_off + h0 * D4, D4, 0u);
 }
 
 @compute @workgroup_size(64)

@@ -84,11 +84,23 @@ def test_split_decode_reused_across_steps(device, dtype, heads_per_lane, chunk, 
                       min_chunk=chunk, split_wg=split_wg)
     assert len(op.dispatches) == 2
     q, k, v = rounded(qkv, dtype)[:, :hq], rounded(kc, dtype), rounded(vc, dtype)
+    assert len(op.short) == 1
     for kv_len in (1, 31, 33, 127, 129, 3000):
         set_step(device, step, kv_len - 1, 1)
-        run(device, op)
         ref = nn_ref.causal_attention(q, k, v, kv_len - 1, 0.125)
-        np.testing.assert_allclose(get(device, out), ref, **TOL[dtype], err_msg=f"kv_len={kv_len}")
+        # the split + combine form always; the one-dispatch form (attn_decode1) where the op says
+        # it serves this many keys, recorded as a decode step does (n_keys)
+        forms = [None] + ([kv_len] if kv_len <= op.max_keys else [])
+        for n_keys in forms:
+            device.write(out.buf, np.full(hq * d, 7.0, np.float32 if dtype == "f32" else np.float16),
+                         out.offset)
+            b = device.batch()
+            op.record(b, n_keys=n_keys)
+            assert len(b) == (1 if n_keys else 2)
+            device.submit(b)
+            np.testing.assert_allclose(get(device, out), ref, **TOL[dtype],
+                                       err_msg=f"kv_len={kv_len} n_keys={n_keys}")
+    assert op.max_keys >= 128       # 1, 31, 33 and 127 took the short form above
 
 
 def test_decode_end_to_end_with_rope_kv(device):

@@ -60,13 +60,19 @@ class Op:
     dispatches: list = field(default_factory=list)
     buffers: list = field(default_factory=list)
     name: str = ""
+    short: list = field(default_factory=list)    # see record
+    max_keys: int = 0
 
     def add(self, pipeline: Pipeline, bind_group, x: int, y: int = 1, z: int = 1) -> "Op":
         self.dispatches.append((pipeline, bind_group, int(x), int(y), int(z)))
         return self
 
-    def record(self, batch: Batch) -> Batch:
-        for p, bg, x, y, z in self.dispatches:
+    def record(self, batch: Batch, n_keys: int | None = None) -> Batch:
+        """Append the dispatches to `batch`. `n_keys` (the live KV length of a decode step, when
+        the caller knows it) lets an op with a short form (`short`, used up to `max_keys` keys)
+        record that instead."""
+        use_short = self.short and n_keys is not None and n_keys <= self.max_keys
+        for p, bg, x, y, z in (self.short if use_short else self.dispatches):
             batch.dispatch(p, bg, x, y, z)
         return batch
 

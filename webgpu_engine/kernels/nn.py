@@ -383,6 +383,14 @@ def attention(dev: Device, qkv: Tensor, k_cache: Tensor, v_cache: Tensor, out: T
     x, y = _grid(n_q_heads * head_dim // 4, k)
     op.add(comb, dev.bind(comb, [par, _step_entry(step), (part, 0, part.size), oe]), x, y)
     op.buffers.append(part)
+    # the short form for steps whose live keys fit the splits one workgroup holds (one split on a
+    # GPU, where the lanes of a workgroup run in parallel; on a CPU adapter a workgroup's lanes take
+    # turns, so several splits in one workgroup gain nothing): one dispatch, no partials
+    n_hg = n_q_heads // g
+    one = dev.pipeline("attention.wgsl", "attn_decode1", header=header)
+    x, y = _grid(-(-n_hg // swg) * WG, k)
+    op.short = [(one, dev.bind(one, [par, _step_entry(step), qe, ke, ve, oe]), x, y, 1)]
+    op.max_keys = chunk * (max(1, swg // n_hg) if cpu else 1)
     return op
 
 

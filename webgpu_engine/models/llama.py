@@ -50,6 +50,9 @@ class LlamaModel:
             dev.release_owner(owner)
             raise
         self._ops: OrderedDict = OrderedDict()      # (T, with_head) -> list[Op]
+        # decode steps record an op's short form when the live keys allow (nn.attention's
+        # one-dispatch attention); a switch for A/B benchmarks
+        self.short_attention = True
         self.decode_ops = self._build(1, True)       # built once, replayed every decode step
 
     # ------------------------------------------------------------------ memory plan
@@ -240,7 +243,7 @@ class LlamaModel:
         self.dev.write(self.ids.buf, struct.pack(f"<{T}I", *ids))
         self.set_step(pos0, T)
         for op in self.ops_for(T, with_head):
-            op.record(batch)
+            op.record(batch, n_keys=pos0 + T if T == 1 and self.short_attention else None)
 
     def record_decode(self, batch, pos0: int) -> None:
         """Record one decode step at position pos0; its input id is already in `ids[0]`."""
@@ -248,7 +251,7 @@ class LlamaModel:
             raise ContextWindowTooLargeError(f"position {pos0} is outside the context window {self.ctx}")
         self.set_step(pos0, 1)
         for op in self.decode_ops:
-            op.record(batch)
+            op.record(batch, n_keys=pos0 + 1 if self.short_attention else None)
 
     def release(self) -> None:
         self.dev.release_owner(self.owner)
