@@ -242,16 +242,19 @@ class LlamaModel:
             raise ContextWindowTooLargeError(f"positions up to {pos0 + T} exceed the context window {self.ctx}")
         self.dev.write(self.ids.buf, struct.pack(f"<{T}I", *ids))
         self.set_step(pos0, T)
-        for op in self.ops_for(T, with_head):
-            op.record(batch, n_keys=pos0 + T if T == 1 and self.short_attention else None)
+        self._record(batch, self.ops_for(T, with_head), pos0 + T if T == 1 else None)
 
     def record_decode(self, batch, pos0: int) -> None:
         """Record one decode step at position pos0; its input id is already in `ids[0]`."""
         if pos0 + 1 > self.ctx:
             raise ContextWindowTooLargeError(f"position {pos0} is outside the context window {self.ctx}")
         self.set_step(pos0, 1)
-        for op in self.decode_ops:
-            op.record(batch, n_keys=pos0 + 1 if self.short_attention else None)
+        self._record(batch, self.decode_ops, pos0 + 1)
+
+    def _record(self, batch, ops: list[Op], n_keys: int | None) -> None:
+        """Record ops into batch; a T = 1 step (n_keys: its live KV length) may take ops' short forms."""
+        for op in ops:
+            op.record(batch, n_keys=n_keys if self.short_attention else None)
 
     def release(self) -> None:
         self.dev.release_owner(self.owner)
