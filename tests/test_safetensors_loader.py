@@ -134,3 +134,26 @@ def test_open_tiny(tmp_path, fmt):
     assert cfg.n_layers == 1 and cfg.qkv_bias and infos["layers.0.q_bias"].shape == (cfg.q_dim,)
     assert infos["layers.0.k"].shape == (cfg.kv_dim, cfg.hidden_size) and "layers.1.q" not in infos
     close()
+
+
+def test_bert_names_prefixes_and_gamma_beta(tmp_path):
+    """One name table serves plain BertModel names, "bert."/"model." prefixed ones and TF-era
+    LayerNorm gamma / beta; a missing tensor is reported by its Hugging Face name."""
+    from tinymodels import write_tiny_bert
+    from webgpu_engine.loaders.hf_config import hf_name
+    info = write_tiny_bert(tmp_path / "b", dtype="f32", seed=3)
+    tensors = load_safetensors_folder(info["folder"])
+    plain = map_hf_names(tensors, "bert")
+    renamed = {}
+    for i, (k, t) in enumerate(tensors.items()):
+        k2 = ("bert.", "model.")[i % 2] + k
+        if k2.endswith("LayerNorm.weight"):
+            k2 = k2[:-len("weight")] + "gamma"
+        elif k2.endswith("LayerNorm.bias"):
+            k2 = k2[:-len("bias")] + "beta"
+        renamed[k2] = t
+    mapped = map_hf_names(renamed, "bert")
+    assert mapped.keys() == plain.keys() and all(mapped[k] is plain[k] for k in plain)
+    assert plain["layers.1.ffn_norm_bias"].name == "encoder.layer.1.output.LayerNorm.bias"
+    assert hf_name("layers.1.ffn_norm_bias", "bert") == "encoder.layer.1.output.LayerNorm.bias"
+    assert hf_name("embed", "bert") == "embeddings.word_embeddings.weight"

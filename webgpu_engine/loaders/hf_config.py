@@ -62,17 +62,46 @@ HF_BERT_TO_OURS = {
 _LAYER = re.compile(r"^(model\.layers|encoder\.layer)\.(\d+)\.(.+)$")
 
 
+_BERT_PREFIXES = ("bert.", "model.")       # BertForX checkpoints nest the encoder under "bert."
+
+
+def _bert_key(name: str) -> str:
+    """A BERT tensor name as HF_BERT_TO_OURS spells it: no "bert."/"model." prefix, and TF-era
+    LayerNorm gamma / beta as weight / bias."""
+    for p in _BERT_PREFIXES:
+        if name.startswith(p):
+            name = name[len(p):]
+            break
+    if ".LayerNorm." in name:
+        if name.endswith(".gamma"):
+            name = name[:-len("gamma")] + "weight"
+        elif name.endswith(".beta"):
+            name = name[:-len("beta")] + "bias"
+    return name
+
+
 def map_hf_names(tensors: dict[str, TensorInfo], kind: str = "llama") -> dict[str, TensorInfo]:
     """{our name: TensorInfo} of the HF tensors the model uses; kind "llama" or "bert"."""
     table = {"llama": HF_LLAMA_TO_OURS, "bert": HF_BERT_TO_OURS}[kind]
     out = {}
     for name, t in tensors.items():
-        key = name[5:] if kind == "bert" and name.startswith("bert.") else name
+        key = _bert_key(name) if kind == "bert" else name
         m = _LAYER.match(key)
         ours = table.get(f"{m.group(1)}.{{i}}.{m.group(3)}") if m else table.get(key)
         if ours is not None:
-            out[ours.replace("{i}", m.group(2)) if m else ours] = t
+            out.setdefault(ours.replace("{i}", m.group(2)) if m else ours, t)
     return out
+
+
+def hf_name(ours: str, kind: str = "llama") -> str:
+    """The Hugging Face tensor name of one of our names (for error messages)."""
+    table = {"llama": HF_LLAMA_TO_OURS, "bert": HF_BERT_TO_OURS}[kind]
+    m = re.match(r"^layers\.(\d+)\.(.+)$", ours)
+    generic = f"layers.{{i}}.{m.group(2)}" if m else ours
+    for hf, o in table.items():
+        if o == generic:
+            return hf.replace("{i}", m.group(1)) if m else hf
+    return ours
 
 
 def _read(folder_or_file) -> tuple[dict, Path]:

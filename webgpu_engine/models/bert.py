@@ -23,49 +23,12 @@ from ..errors import UnsupportedModelError
 from ..kernels import matmul as mm
 from ..kernels import nn
 from ..kernels.common import Op, Tensor, new_tensor
+from ..loaders.hf_config import hf_name, map_hf_names
 from ..loaders.tensor_info import TensorInfo
 from .config import BertConfig
 
-# Our weight names → Hugging Face BertModel names ({i}: layer). One table, not scattered.
-WEIGHT_NAMES = {
-    "word": "embeddings.word_embeddings.weight",               # (V, C)
-    "pos": "embeddings.position_embeddings.weight",            # (P, C)
-    "type": "embeddings.token_type_embeddings.weight",         # (2, C)
-    "emb_ln.w": "embeddings.LayerNorm.weight",                 # (C,)
-    "emb_ln.b": "embeddings.LayerNorm.bias",
-    "q.w": "encoder.layer.{i}.attention.self.query.weight",    # (C, C)
-    "q.b": "encoder.layer.{i}.attention.self.query.bias",
-    "k.w": "encoder.layer.{i}.attention.self.key.weight",
-    "k.b": "encoder.layer.{i}.attention.self.key.bias",
-    "v.w": "encoder.layer.{i}.attention.self.value.weight",
-    "v.b": "encoder.layer.{i}.attention.self.value.bias",
-    "o.w": "encoder.layer.{i}.attention.output.dense.weight",  # (C, C)
-    "o.b": "encoder.layer.{i}.attention.output.dense.bias",
-    "attn_ln.w": "encoder.layer.{i}.attention.output.LayerNorm.weight",
-    "attn_ln.b": "encoder.layer.{i}.attention.output.LayerNorm.bias",
-    "ff1.w": "encoder.layer.{i}.intermediate.dense.weight",     # (F, C)
-    "ff1.b": "encoder.layer.{i}.intermediate.dense.bias",
-    "ff2.w": "encoder.layer.{i}.output.dense.weight",           # (C, F)
-    "ff2.b": "encoder.layer.{i}.output.dense.bias",
-    "ffn_ln.w": "encoder.layer.{i}.output.LayerNorm.weight",
-    "ffn_ln.b": "encoder.layer.{i}.output.LayerNorm.bias",
-}
-_PREFIXES = ("", "bert.", "model.")           # BertForX checkpoints nest the encoder under "bert."
 POOLINGS = ("mean", "cls", "max")
 MAX_CACHED_BUCKETS = 8
-
-
-def _find(tensors: dict[str, TensorInfo], name: str) -> TensorInfo:
-    for p in _PREFIXES:
-        t = tensors.get(p + name)
-        if t is None and name.endswith("LayerNorm.weight"):   # TF-era checkpoints: gamma / beta
-            t = tensors.get(p + name[:-len("weight")] + "gamma")
-        if t is None and name.endswith("LayerNorm.bias"):
-            t = tensors.get(p + name[:-len("bias")] + "beta")
-        if t is not None:
-            return t
-    raise UnsupportedModelError(f"BERT weight {name!r} is missing from the model file; is this a BERT "
-                                f"(BertModel) checkpoint?")
 
 
 @dataclass
@@ -134,8 +97,14 @@ class BertModel:
         dev, cfg, own = self.dev, self.cfg, self.owner
         C, F = cfg.hidden_size, cfg.intermediate_size
 
+        named = map_hf_names(tensors, "bert")      # our names (loaders/hf_config.py's one table)
+
         def get(key: str, i: int = 0, shape: tuple | None = None) -> TensorInfo:
-            t = _find(tensors, WEIGHT_NAMES[key].format(i=i))
+            ours = key.format(i=i)
+            t = named.get(ours)
+            if t is None:
+                raise UnsupportedModelError(f"BERT weight {hf_name(ours, 'bert')!r} is missing from the model "
+                                            f"file; is this a BERT (BertModel) checkpoint?")
             if shape is not None and tuple(t.shape) != shape:
                 raise UnsupportedModelError(f"BERT weight {t.name!r} has shape {tuple(t.shape)}, expected {shape} "
                                             f"from config.json.")
@@ -150,31 +119,32 @@ class BertModel:
             data = parts[0].data if len(parts) == 1 else b"".join(bytes(p.data) for p in parts)
             return mm.upload_vector(dev, data, dtype=parts[0].qtype, owner=own, label=label)
 
-        self.word = weight([get("word", shape=(cfg.vocab_size, C))], "word_embeddings")
-        pos = get("pos")
+        self.word = weight([get("embed", shape=(cfg.vocab_size, C))], "word_embeddings")
+        pos = get("pos_embed")
         if pos.shape[1] != C:
             raise UnsupportedModelError(f"position embeddings have width {pos.shape[1]}, expected {C}")
         self.max_position = pos.shape[0]
         self.pos_table = weight([pos], "position_embeddings")
         # Token type is always 0 for single-sentence embedding: only that row is needed, added as a bias.
-        tt = get("type")
+        tt = get("type_embed")
         row = tt.data[:tt.nbytes // tt.shape[0]]
         self.type0 = mm.upload_vector(dev, row, dtype=tt.qtype, owner=own, label="token_type_0")
-        self.emb_ln_w = vector([get("emb_ln.w", shape=(C,))], "emb_ln.w")
-        self.emb_ln_b = vector([get("emb_ln.b", shape=(C,))], "emb_ln.b")
+        self.emb_ln_w = vector([get("embed_norm", shape=(C,))], "emb_ln.w")
+        self.emb_ln_b = vector([get("embed_norm_bias", shape=(C,))], "emb_ln.b")
         self.layers: list[_Layer] = []
         for i in range(cfg.n_layers):
-            g = lambda key, shape=None: get(key, i, shape)  # noqa: E731
+            g = lambda key, shape=None: get("layers.{i}." + key, i, shape)  # noqa: E731
             self.layers.append(_Layer(
-                qkv=weight([g("q.w", (C, C)), g("k.w", (C, C)), g("v.w", (C, C))], f"l{i}.qkv"),
-                qkv_b=vector([g("q.b"), g("k.b"), g("v.b")], f"l{i}.qkv_b"),
-                o=weight([g("o.w", (C, C))], f"l{i}.o"), o_b=vector([g("o.b")], f"l{i}.o_b"),
-                attn_ln_w=vector([g("attn_ln.w")], f"l{i}.attn_ln.w"),
-                attn_ln_b=vector([g("attn_ln.b")], f"l{i}.attn_ln.b"),
-                ff1=weight([g("ff1.w", (F, C))], f"l{i}.ff1"), ff1_b=vector([g("ff1.b")], f"l{i}.ff1_b"),
-                ff2=weight([g("ff2.w", (C, F))], f"l{i}.ff2"), ff2_b=vector([g("ff2.b")], f"l{i}.ff2_b"),
-                ffn_ln_w=vector([g("ffn_ln.w")], f"l{i}.ffn_ln.w"),
-                ffn_ln_b=vector([g("ffn_ln.b")], f"l{i}.ffn_ln.b")))
+                qkv=weight([g("q", (C, C)), g("k", (C, C)), g("v", (C, C))], f"l{i}.qkv"),
+                qkv_b=vector([g("q_bias"), g("k_bias"), g("v_bias")], f"l{i}.qkv_b"),
+                o=weight([g("o", (C, C))], f"l{i}.o"), o_b=vector([g("o_bias")], f"l{i}.o_b"),
+                attn_ln_w=vector([g("attn_norm")], f"l{i}.attn_ln.w"),
+                attn_ln_b=vector([g("attn_norm_bias")], f"l{i}.attn_ln.b"),
+                ff1=weight([g("up", (F, C))], f"l{i}.ff1"), ff1_b=vector([g("up_bias")], f"l{i}.ff1_b"),
+                ff2=weight([g("down", (C, F))], f"l{i}.ff2"),
+                ff2_b=vector([g("down_bias")], f"l{i}.ff2_b"),
+                ffn_ln_w=vector([g("ffn_norm")], f"l{i}.ffn_ln.w"),
+                ffn_ln_b=vector([g("ffn_norm_bias")], f"l{i}.ffn_ln.b")))
             if progress:
                 progress((i + 1) / cfg.n_layers, f"uploading BERT layer {i + 1}/{cfg.n_layers}")
 
