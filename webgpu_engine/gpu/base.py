@@ -334,6 +334,42 @@ class Device:
         raise NotImplementedError
 
 
+@dataclass(frozen=True)
+class PassApi:
+    """A backend's spelling of the command-encoding calls that `encode_ops` makes."""
+
+    begin: Any            # (encoder) -> compute pass
+    set_pipeline: Any     # (pass, raw pipeline)
+    set_bind_group: Any   # (pass, raw bind group), group 0
+    dispatch: Any         # (pass, x, y, z)
+    end: Any              # (pass)
+    copy: Any             # (encoder, src raw, src offset, dst raw, dst offset, size)
+
+
+def encode_ops(ops: list, enc, api: PassApi) -> None:
+    """Encode a batch's ops in order: consecutive dispatches share one compute pass (the pipeline is
+    set only when it changes); a buffer copy ends the pass."""
+    cpass = last_pipe = None
+    for op in ops:
+        if op[0] == "d":
+            if cpass is None:
+                cpass, last_pipe = api.begin(enc), None
+            _, pipe, bg, x, y, z = op
+            if pipe.raw is not last_pipe:
+                api.set_pipeline(cpass, pipe.raw)
+                last_pipe = pipe.raw
+            api.set_bind_group(cpass, bg.raw)
+            api.dispatch(cpass, x, y, z)
+        else:
+            if cpass is not None:
+                api.end(cpass)
+                cpass = None
+            _, src, so, dst, do, n = op
+            api.copy(enc, src.raw, so, dst.raw, do, n)
+    if cpass is not None:
+        api.end(cpass)
+
+
 def _batch_names(batch: Batch) -> str:
     names = sorted({op[1].name for op in batch.ops if op[0] == "d"})
     return "submit of [" + ", ".join(names[:8]) + (", ..." if len(names) > 8 else "") + "]"

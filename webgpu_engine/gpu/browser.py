@@ -19,7 +19,7 @@ from pyodide.ffi import JsException, JsProxy, create_proxy, jsnull, to_js
 
 from ..errors import (FeatureSupportError, GPUOutOfMemoryError, GPUValidationError, ShaderF16SupportError,
                       WebGPUNotAvailableError)
-from .base import STORAGE, AdapterInfo, Batch, Buffer, Device, _batch_names, round_up4
+from .base import STORAGE, AdapterInfo, Batch, Buffer, Device, PassApi, _batch_names, encode_ops, round_up4
 
 _OPTIONAL_FEATURES = ("shader-f16", "subgroups", "timestamp-query")
 # JS limit names -> the kebab-case names the gpu layer uses (as wgpu-py reports them).
@@ -40,6 +40,14 @@ _USAGE = {
 # Python-heap writes go in chunks; the heap view is re-taken per chunk because it is invalidated
 # whenever the wasm heap grows.
 _WRITE_CHUNK = 16 << 20
+
+_PASS_API = PassApi(
+    begin=lambda enc: enc.beginComputePass(),
+    set_pipeline=lambda p, raw: p.setPipeline(raw),
+    set_bind_group=lambda p, raw: p.setBindGroup(0, raw),
+    dispatch=lambda p, x, y, z: p.dispatchWorkgroups(x, y, z),
+    end=lambda p: p.end(),
+    copy=lambda enc, src, so, dst, do, n: enc.copyBufferToBuffer(src, so, dst, do, n))
 
 
 def _js(d):
@@ -226,25 +234,7 @@ class BrowserDevice(Device):
     def _raw_submit(self, ops: list) -> None:
         def run():
             enc = self.raw.createCommandEncoder()
-            cpass = last_pipe = None
-            for op in ops:
-                if op[0] == "d":
-                    if cpass is None:
-                        cpass, last_pipe = enc.beginComputePass(), None
-                    _, pipe, bg, x, y, z = op
-                    if pipe.raw is not last_pipe:
-                        cpass.setPipeline(pipe.raw)
-                        last_pipe = pipe.raw
-                    cpass.setBindGroup(0, bg.raw)
-                    cpass.dispatchWorkgroups(x, y, z)
-                else:
-                    if cpass is not None:
-                        cpass.end()
-                        cpass = None
-                    _, src, so, dst, do, n = op
-                    enc.copyBufferToBuffer(src.raw, so, dst.raw, do, n)
-            if cpass is not None:
-                cpass.end()
+            encode_ops(ops, enc, _PASS_API)
             self.queue.submit(_js([enc.finish()]))
         self._scoped(run, lambda: _batch_names(Batch(ops)))
 

@@ -6,7 +6,7 @@ import os
 import wgpu
 
 from ..errors import WebGPUNotAvailableError
-from .base import STORAGE, AdapterInfo, Buffer, Device, round_up4
+from .base import STORAGE, AdapterInfo, Buffer, Device, PassApi, encode_ops, round_up4
 
 _OPTIONAL_FEATURES = ("shader-f16", "subgroups", "subgroup", "timestamp-query")
 _MAX_LIMITS = ("max-storage-buffer-binding-size", "max-buffer-size", "max-compute-workgroup-storage-size",
@@ -18,6 +18,13 @@ _USAGE = {
     "storage": _U.STORAGE | _U.COPY_SRC | _U.COPY_DST,
     "uniform": _U.UNIFORM | _U.COPY_DST,
 }
+_PASS_API = PassApi(
+    begin=lambda enc: enc.begin_compute_pass(),
+    set_pipeline=lambda p, raw: p.set_pipeline(raw),
+    set_bind_group=lambda p, raw: p.set_bind_group(0, raw),
+    dispatch=lambda p, x, y, z: p.dispatch_workgroups(x, y, z),
+    end=lambda p: p.end(),
+    copy=lambda enc, src, so, dst, do, n: enc.copy_buffer_to_buffer(src, so, dst, do, n))
 
 
 class NativeDevice(Device):
@@ -59,26 +66,7 @@ class NativeDevice(Device):
 
     def _raw_submit(self, ops: list) -> None:
         enc = self.raw.create_command_encoder()
-        cpass = None
-        last_pipe = None
-        for op in ops:
-            if op[0] == "d":
-                if cpass is None:
-                    cpass, last_pipe = enc.begin_compute_pass(), None
-                _, pipe, bg, x, y, z = op
-                if pipe.raw is not last_pipe:
-                    cpass.set_pipeline(pipe.raw)
-                    last_pipe = pipe.raw
-                cpass.set_bind_group(0, bg.raw)
-                cpass.dispatch_workgroups(x, y, z)
-            else:
-                if cpass is not None:
-                    cpass.end()
-                    cpass = None
-                _, src, so, dst, do, n = op
-                enc.copy_buffer_to_buffer(src.raw, so, dst.raw, do, n)
-        if cpass is not None:
-            cpass.end()
+        encode_ops(ops, enc, _PASS_API)
         self.queue.submit([enc.finish()])
 
     def _raw_destroy_device(self) -> None:
