@@ -30,7 +30,7 @@ async def bench_engine(path: Path, dtype: str, prompts: list[int], n_decode: int
     from webgpu_engine.pipelines.llm import LLMChatPipeline
 
     dev = await request_device()
-    ctx = max(prompts) + n_decode + 8
+    ctx = max(prompts + [32]) + n_decode + 8     # the decode run follows a 32-token prompt
     t0 = time.perf_counter()
     pipe = await LLMChatPipeline.load(dev, path, ChatConfig(dtype=dtype, context_window_size=ctx,
                                                             prefill_chunk_size=256))
@@ -167,10 +167,26 @@ def _overrides(spec: str) -> dict:
 
 
 def bench_llama_cpp(path: Path, prompts: list[int], n_decode: int) -> dict | None:
+    """llama.cpp's figures (llama-cpp-python, CPU) on the same GGUF, measured in a child process so
+    that a crash of the native library is reported instead of ending this benchmark; None when
+    llama_cpp does not import."""
+    import subprocess
+    import sys
     try:
-        import llama_cpp
+        import llama_cpp  # noqa: F401
     except ImportError:
         return None
+    cmd = [sys.executable, __file__, "--llama-cpp-child", "--model", str(path),
+           "--prompts", ",".join(map(str, prompts)), "--decode", str(n_decode)]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        why = f"signal {-r.returncode}" if r.returncode < 0 else f"exit status {r.returncode}"
+        return {"error": f"llama.cpp failed ({why}): {r.stderr.strip()[-300:]}"}
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def _llama_cpp_figures(path: Path, prompts: list[int], n_decode: int) -> dict:
+    import llama_cpp
     llm = llama_cpp.Llama(model_path=str(path), n_ctx=max(prompts) + n_decode + 8, n_threads=2,
                           verbose=False)
     out = {"version": getattr(llama_cpp, "__version__", "?")}
@@ -208,7 +224,12 @@ def main() -> None:
                     help="interleaved A/B of decode steps between matmul strategies, e.g. "
                          "--ab unroll=0,fuse=0 fuse=1 (prints per-step wall and CPU ms)")
     ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--llama-cpp-child", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.llama_cpp_child:       # see bench_llama_cpp
+        print(json.dumps(_llama_cpp_figures(Path(a.model), [int(x) for x in a.prompts.split(",")],
+                                            a.decode)))
+        return
     os.environ.setdefault("XDG_RUNTIME_DIR", "/tmp")
     if a.ab:
         from webgpu_engine import cache
@@ -231,8 +252,12 @@ def main() -> None:
     res = {"model": path.name, "engine": asyncio.run(bench_engine(path, a.dtype, prompts, a.decode, a.reps,
                                                                      a.decode_only))}
     ref = bench_llama_cpp(path, prompts, a.decode)
+    failed = ref.pop("error", None) if ref else None
+    if ref is not None:
+        res["llama_cpp"] = ref if not failed else {"error": failed}
+    if failed:
+        ref = None
     if ref:
-        res["llama_cpp"] = ref
         res["ratio_engine_over_llama_cpp"] = {k: res["engine"][k] / ref[k] for k in ref
                                              if k.endswith("_per_s") and k in res["engine"]}
     e = res["engine"]
@@ -245,7 +270,9 @@ def main() -> None:
                  "cpu_ms_by_kernel_prefill_128"):
         if kind in e:
             print(kind + ": " + ", ".join(f"{k} {v}" for k, v in e[kind].items()))
-    if not ref:
+    if failed:
+        print(f"llama.cpp: not measured: {failed}")
+    elif not ref:
         print("llama.cpp: not measured (llama_cpp does not import)")
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(res, indent=2))
