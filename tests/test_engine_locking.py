@@ -9,6 +9,7 @@ import pytest
 from stub_pipelines import StubEmbedder, StubLLM, stub_config
 from webgpu_engine import errors as E
 from webgpu_engine.engine import AsyncMLCEngine, FIFOLock, create_mlc_engine
+from webgpu_engine.gpu import request_device
 from webgpu_engine.protocol import errors as PE
 
 U = [{"role": "user", "content": "one two three"}]
@@ -358,3 +359,26 @@ def test_engine_core_imports_only_the_standard_library():
                 continue
             for name in names:
                 assert name.split(".")[0] in sys.stdlib_module_names, f"{mod.__name__} imports {name}"
+
+
+async def test_auto_recover_serves_requests_queued_at_the_loss(fresh_device):
+    """With auto_recover, a request queued behind the one that lost the device started no GPU
+    work: it waits for the reload and completes on the reloaded model (FIFO kept); without
+    auto_recover the queued request fails with DeviceLostError."""
+    for auto in (True, False):
+        dev = fresh_device if auto else await request_device()
+        engine = await create_mlc_engine("stub-llm", stub_config(dev, auto_recover=auto))
+        StubLLM.lose_device_at_step = 2
+        first = asyncio.ensure_future(engine.chat.completions.create(messages=U, temperature=0))
+        await asyncio.sleep(0)
+        queued = asyncio.ensure_future(engine.chat.completions.create(messages=U, temperature=0))
+        res = await asyncio.gather(first, queued, return_exceptions=True)
+        assert isinstance(res[0], E.DeviceLostError)
+        if auto:
+            assert res[1].choices[0].finish_reason == "stop"
+            assert engine.state == "ready" and engine.device is not dev and set(engine.models) == {"stub-llm"}
+        else:
+            assert isinstance(res[1], E.DeviceLostError) and engine.state == "device_lost"
+        await engine.unload()
+        if engine.device is not None:
+            engine.device.close()

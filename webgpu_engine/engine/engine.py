@@ -5,7 +5,8 @@ a lock; every request goes validate → select model → lock → generate → r
 One gpu Device is shared by all loaded models. Device loss: the request in flight fails with
 DeviceLostError, every model is dropped, and later requests get ModelNotLoadedError — unless
 `EngineConfig.auto_recover`, in which case the next request re-creates the device and reloads the
-same models from the cache. A loss during reload() is handled the same way. An intentional unload()
+same models from the cache (requests that were queued at the loss had started no GPU work: they wait
+for that reload and run on the reloaded model). A loss during reload() is handled the same way. An intentional unload()
 (or reload()) is never a loss: requests running on a dropped model get ModelUnloadedError.
 Before anything is allocated, reload() fetches every model and checks its memory estimate against the
 device (memory.py), so a model or context window that cannot fit fails fast and allocates nothing.
@@ -51,6 +52,7 @@ class LoadedModel:
     epoch: int                     # which load generation; requests queued on a dropped one fail
     owners: set = field(default_factory=set)   # gpu buffer owners created by this model's load
     estimate: memory.MemoryEstimate | None = None   # what the pre-load memory check assumed
+    dropped_by_loss: bool = False  # dropped because the device was lost (not unloaded)
 
 
 @dataclass
@@ -322,6 +324,7 @@ class AsyncMLCEngine:
         self.device_lost_reason = getattr(err, "detail", None) or str(err)
         models, self.models = self.models, {}
         for lm in models.values():
+            lm.dropped_by_loss = True
             self._dispose(lm)
         if self.device is not None and not self.device.lost:
             self.device.mark_lost(str(err))
@@ -392,12 +395,22 @@ class AsyncMLCEngine:
             raise IncorrectPipelineLoadedError(lm.model_id, kind, request_name)
         return lm
 
-    async def acquire(self, lm: LoadedModel, request_name: str) -> None:
-        """Take the model's lock; fail if the model was dropped (device loss, unload) while queued."""
+    async def acquire(self, lm: LoadedModel, request_name: str) -> LoadedModel:
+        """Take the model's lock and return the model to use. A request that was still queued when
+        the device was lost started no GPU work, so with auto_recover it waits for the reload and
+        queues on the reloaded model; otherwise (or after an unload) it fails with the reason."""
         await lm.lock.acquire()
-        if self.models.get(lm.model_id) is not lm:
-            lm.lock.release()
+        if self.models.get(lm.model_id) is lm:
+            return lm
+        lm.lock.release()
+        if not (self.config.auto_recover and lm.dropped_by_loss):
             raise self._dropped_error(lm, request_name)
+        new = await self.select(lm.model_id, lm.model_type, request_name)   # recovers first
+        await new.lock.acquire()
+        if self.models.get(new.model_id) is not new:
+            new.lock.release()
+            raise self._dropped_error(new, request_name)
+        return new
 
     # ------------------------------------------------------------------ misc WebLLM methods
     def _llm(self, model: str | None) -> LoadedModel:
@@ -443,7 +456,7 @@ class AsyncMLCEngine:
         lm = await self.select(model, LLM, "forward_tokens_and_sample")
         cc = lm.chat_config
         gen = GenerationConfig(temperature=cc.temperature, top_p=cc.top_p)
-        await self.acquire(lm, "forward_tokens_and_sample")
+        lm = await self.acquire(lm, "forward_tokens_and_sample")
         try:
             return await self.guard(lm.pipeline.forward_tokens_and_sample(list(input_ids), is_prefill, gen),
                                     lm, "forward_tokens_and_sample")

@@ -198,7 +198,7 @@ async def _create_text(engine, req: dict, chat: bool):
     if req.get("stream"):
         return await _stream(engine, lm, req, gen, rid, created, kind, messages, prompt)
     t0 = time.perf_counter()
-    await engine.acquire(lm, name)
+    lm = await engine.acquire(lm, name)
     try:
         choices, usages = [], []
         for i in range(gen.n):
@@ -246,7 +246,7 @@ async def _stream(engine, lm, req, gen, rid, created, kind, messages, prompt):
     name = "ChatCompletionRequest" if chat else "CompletionCreateParams"
     include_usage = bool((req.get("stream_options") or {}).get("include_usage"))
     t0 = time.perf_counter()
-    await engine.acquire(lm, name)
+    lm = await engine.acquire(lm, name)
     chunk_kind = "chat.completion.chunk" if chat else "text_completion"
 
     def chunk(choices, usage=None):
@@ -323,7 +323,7 @@ class Embeddings:
         engine = self.engine
         req = check_embedding_request(_as_dict(request, fields))
         lm = await engine.select(req.get("model"), EMBEDDING, "EmbeddingCreateParams")
-        await engine.acquire(lm, "EmbeddingCreateParams")
+        lm = await engine.acquire(lm, "EmbeddingCreateParams")
         try:
             res = await engine.guard(lm.pipeline.embed_step(req["input"]), lm, "embedding")
         finally:
