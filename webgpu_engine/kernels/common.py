@@ -9,6 +9,7 @@ pipeline writes once per step and that kernels needing them bind.
 from __future__ import annotations
 
 import struct
+import weakref
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -16,6 +17,15 @@ from ..gpu import UNIFORM, Batch, Buffer, Device, Pipeline
 
 ACT_DTYPES = ("f32", "f16")
 DTYPE_SIZE = {"f32": 4, "f16": 2, "u32": 4, "i32": 4}
+BIND_ALIGN = 256          # WebGPU's default minStorageBufferOffsetAlignment
+
+# how the matmul kernels read 4 activations (`xword` / `xget`): f16 as a pair of u32 words (CPU
+# drivers load storage one component per invocation, so 2 words beat 4 halves), f32 as a vec4
+XREAD = {
+    "f32": "alias xword = vec4<f32>;\nfn xget(i: u32) -> vec4<f32> { return x[i]; }\n",
+    "f16": "alias xword = vec2<u32>;\nfn xget(i: u32) -> vec4<f32> {\n    let p = x[i];\n"
+           "    return vec4<f32>(unpack2x16float(p.x), unpack2x16float(p.y));\n}\n",
+}
 
 
 @dataclass
@@ -116,3 +126,25 @@ def params(dev: Device, fields: Sequence, *, owner: str, label: str = "params") 
 def check(cond: bool, kernel: str, msg: str) -> None:
     if not cond:
         raise ValueError(f"{kernel}: {msg}")
+
+
+def window(t: Tensor, unit: int, kernel: str, name: str):
+    """(binding, offset in `unit`-byte elements) of a tensor: binding offsets must be BIND_ALIGN-
+    aligned, so bind from the aligned offset below and pass the rest to the kernel."""
+    base = t.offset & ~(BIND_ALIGN - 1)
+    rest = t.offset - base
+    check(rest % unit == 0, kernel, f"{name} offset {t.offset} is not a multiple of {unit} bytes")
+    size = (rest + t.nbytes + 3) & ~3
+    return (t.buf, base, size), rest // unit
+
+
+_placeholders: "weakref.WeakKeyDictionary[Device, Buffer]" = weakref.WeakKeyDictionary()
+
+
+def placeholder(dev: Device) -> Buffer:
+    """The device's one 16-byte storage buffer bound where a kernel's optional input (a bias) is absent."""
+    b = _placeholders.get(dev)
+    if b is None or not b.alive:
+        b = dev.buffer(16, owner="kernels", label="unused-binding")
+        _placeholders[dev] = b
+    return b

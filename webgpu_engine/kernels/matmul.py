@@ -14,13 +14,13 @@ Page code: standard library only.
 from __future__ import annotations
 
 import struct
-import weakref
 from array import array
 from dataclasses import dataclass, field
 
 from ..gpu import Buffer, Device
 from ..gpu.shaders import load_shader_source
-from .common import DTYPE_SIZE, Op, Tensor, act_header, check, params
+from .common import DTYPE_SIZE, XREAD, Op, Tensor, act_header, check, params, placeholder
+from .common import window as _window
 
 QTYPES = ("f32", "f16", "bf16", "q4_0", "q4_1", "q8_0", "q4_k", "q6_k")
 
@@ -34,7 +34,6 @@ _BLOCKS = {
     "q6_k": (210, 256, 212, 210),  # ql | qh | scales | d | pad
 }
 _FLOAT_BYTES = {"f32": 4, "f16": 2, "bf16": 2}
-_BIND_ALIGN = 256          # WebGPU's default minStorageBufferOffsetAlignment
 _STAGE_BYTES = 32 << 20    # most file bytes staged at once for a GPU repack
 _MAX_GROUPS = 65535
 
@@ -202,39 +201,9 @@ def _bytes_view(data) -> memoryview:
 
 
 # --------------------------------------------------------------------------- kernels
-_dummies: "weakref.WeakKeyDictionary[Device, Buffer]" = weakref.WeakKeyDictionary()
-
-
-def _dummy(dev: Device) -> Buffer:
-    """A 16-byte storage buffer bound where a kernel's optional input (bias) is absent."""
-    b = _dummies.get(dev)
-    if b is None or not b.alive:
-        b = dev.buffer(16, owner="kernels", label="unused-binding")
-        _dummies[dev] = b
-    return b
-
-
-def _window(t: Tensor, unit: int, kernel: str, name: str):
-    """(binding, offset in `unit`-byte elements) of a tensor: binding offsets must be 256-aligned,
-    so bind from the aligned offset below and pass the rest to the kernel."""
-    base = t.offset & ~(_BIND_ALIGN - 1)
-    rest = t.offset - base
-    check(rest % unit == 0, kernel, f"{name} offset {t.offset} is not a multiple of {unit} bytes")
-    size = (rest + t.nbytes + 3) & ~3
-    return (t.buf, base, size), rest // unit
-
-
-# how matmul.wgsl reads 4 activations: f16 as a pair of u32 words (fewer loads), f32 as a vec4
-_XREAD = {
-    "f32": "alias xword = vec4<f32>;\nfn xget(i: u32) -> vec4<f32> { return x[i]; }\n",
-    "f16": "alias xword = vec2<u32>;\nfn xget(i: u32) -> vec4<f32> {\n    let p = x[i];\n"
-           "    return vec4<f32>(unpack2x16float(p.x), unpack2x16float(p.y));\n}\n",
-}
-
-
 def _pipeline(dev: Device, entry: str, qtype: str, dtype: str, wg: int, rr: int = 1, extra: str = ""):
     generic = load_shader_source("embedding.wgsl" if entry == "embedding" else "matmul.wgsl")
-    xread = _XREAD[dtype] if entry != "embedding" else ""
+    xread = XREAD[dtype] if entry != "embedding" else ""
     header = f"{act_header(dtype)}const WG: u32 = {wg}u;\nconst RR: u32 = {rr}u;\n{xread}{generic}{extra}"
     return dev.pipeline(f"matmul_{qtype}.wgsl", entry, header=header)
 
@@ -357,7 +326,8 @@ def matmul(dev: Device, x: Tensor, w: QWeight, y: Tensor, *, bias: Tensor | None
         check(not (silu_out and rope_kv is not None), "matmul", "silu_out and rope_kv cannot both be set")
         check(epilogue_ok(dev, w.qtype, w.n, w.k, cfg, force=True) and len(w.bufs) == 1
               and x.shape[0] == 1, "matmul",
-              f"a fused epilogue needs T = 1, a single-buffer weight with K % 32 == 0 and 4 rows per invocation")
+              "a fused epilogue needs T = 1, a single-buffer weight with K % 32 == 0 and 4 rows per "
+              "invocation")
         check(bias is None or not silu_out, "matmul", "silu_out takes no bias")
         check(not accumulate, "matmul", "a fused epilogue cannot accumulate")
         n_out = w.n // 2 if silu_out else w.n
@@ -370,7 +340,7 @@ def matmul(dev: Device, x: Tensor, w: QWeight, y: Tensor, *, bias: Tensor | None
     if norm is not None or silu:
         check(norm is None or not silu, "matmul", "norm and silu cannot both be fused")
         check(fusable(dev, x.shape[0], w, cfg, force=True), "matmul",
-              f"fused norm/silu needs T = 1 and a weight with K % 32 == 0 on the decode path")
+              "fused norm/silu needs T = 1 and a weight with K % 32 == 0 on the decode path")
     T, K = x.shape
     check(K == w.k, "matmul", f"x has {K} columns, the weight {w.label!r} has {w.k}")
     check(silu_out or tuple(y.shape) == (T, w.n), "matmul", f"y is {y.shape}, expected ({T}, {w.n})")
@@ -384,7 +354,7 @@ def matmul(dev: Device, x: Tensor, w: QWeight, y: Tensor, *, bias: Tensor | None
         check(bias.dtype == "f32" and bias.numel == w.n, "matmul", f"bias must be f32 ({w.n},)")
         bb, b_off = _window(bias, 4, "matmul", "bias")
     else:
-        bb, b_off = _dummy(dev), 0
+        bb, b_off = placeholder(dev), 0
     check(cfg.rr in (1, 2, 4) and cfg.prr in (1, 2, 4) and cfg.tm in (1, 4), "matmul",
           f"unsupported strategy {cfg}")
     if T > 1 and config is None and cfg.tiled and (tiled := _tiled_module()) is not None:
@@ -480,7 +450,7 @@ def _epilogue_source(dtype: str, rope: RopeKV | None) -> str:
     if rope is not None:
         D = rope.head_dim
         check(D % 4 == 0 and rope.rot_dim % 2 == 0 and 0 <= rope.rot_dim <= D, "matmul",
-              f"rope epilogue needs head_dim % 4 == 0 and an even rot_dim <= head_dim")
+              "rope epilogue needs head_dim % 4 == 0 and an even rot_dim <= head_dim")
         for t in (rope.k_cache, rope.v_cache):
             check(t.dtype == dtype and t.numel == rope.n_kv_heads * rope.ctx * D, "matmul",
                   f"cache {t.shape} {t.dtype} must be (Hkv={rope.n_kv_heads}, ctx={rope.ctx}, D={D}) {dtype}")

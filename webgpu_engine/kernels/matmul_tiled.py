@@ -11,19 +11,17 @@ Page code: standard library only; `matmul.py` is not imported here (it delegates
 """
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..gpu import Buffer, Device
-from .common import DTYPE_SIZE, Op, Tensor, act_header, check, params
+from ..gpu import Device
+from .common import DTYPE_SIZE, XREAD, Op, Tensor, act_header, check, params, placeholder, window
 
 if TYPE_CHECKING:  # pragma: no cover
     from .matmul import QWeight
 
 QTYPES = ("f32", "f16", "bf16", "q4_0", "q4_1", "q8_0", "q4_k", "q6_k")
 _QK = {"q4_0": 32, "q4_1": 32, "q8_0": 32, "q4_k": 256, "q6_k": 256}   # weights per block
-_BIND_ALIGN = 256          # WebGPU's default minStorageBufferOffsetAlignment
 _MAX_GROUPS = 65535
 _MAX_TM = 32               # accumulators written out in the shader
 _WG_BYTES = 32768          # workgroup memory WebGPU guarantees (and lavapipe's maximum)
@@ -61,37 +59,6 @@ def default_config(dev: Device, qtype: str = "q4_1") -> TiledConfig:
 
 
 # --------------------------------------------------------------------------- helpers
-_dummies: "weakref.WeakKeyDictionary[Device, Buffer]" = weakref.WeakKeyDictionary()
-
-
-def _dummy(dev: Device) -> Buffer:
-    """A 16-byte storage buffer bound where the optional bias is absent."""
-    b = _dummies.get(dev)
-    if b is None or not b.alive:
-        b = dev.buffer(16, owner="kernels", label="unused-binding")
-        _dummies[dev] = b
-    return b
-
-
-def _window(t: Tensor, unit: int, name: str):
-    """(binding, offset in `unit`-byte elements) of a tensor: binding offsets must be 256-aligned,
-    so bind from the aligned offset below and pass the rest to the kernel."""
-    base = t.offset & ~(_BIND_ALIGN - 1)
-    rest = t.offset - base
-    check(rest % unit == 0, "matmul_tiled", f"{name} offset {t.offset} is not a multiple of {unit} bytes")
-    size = (rest + t.nbytes + 3) & ~3
-    return (t.buf, base, size), rest // unit
-
-
-# how the kernel reads 4 activations: f16 as a pair of u32 words (CPU drivers load storage one
-# component at a time, so 2 words beat 4 halves), f32 as a vec4
-_XREAD = {
-    "f32": "alias xword = vec4<f32>;\nfn xget(i: u32) -> vec4<f32> { return x[i]; }\n",
-    "f16": "alias xword = vec2<u32>;\nfn xget(i: u32) -> vec4<f32> {\n    let p = x[i];\n"
-           "    return vec4<f32>(unpack2x16float(p.x), unpack2x16float(p.y));\n}\n",
-}
-
-
 # u32 words of one 32-wide chunk of a row; K-quants: words per 256-wide super-block (8 chunks)
 _CHUNK_WORDS = {"f32": 32, "f16": 16, "bf16": 16, "q4_0": 5, "q4_1": 5, "q8_0": 9}
 _SUPER_WORDS = {"q4_k": 36, "q6_k": 53}
@@ -113,7 +80,7 @@ def _pipeline(dev: Device, qtype: str, dtype: str, kblk: int, row_words: int, cf
                     for g in range(ng))
     header = (f"{act_header(dtype)}const TM: u32 = {cfg.tm}u;\nconst WG: u32 = {cfg.wg}u;\n"
               f"const KB: u32 = {kb}u;\nconst XR: u32 = {8 * kb}u;\nconst NG: u32 = {ng}u;\n"
-              f"const WA: bool = {'true' if row_words % 4 == 0 else 'false'};\n{_XREAD[dtype]}"
+              f"const WA: bool = {'true' if row_words % 4 == 0 else 'false'};\n{XREAD[dtype]}"
               f"fn wblock(base: u32, c: u32) -> array<vec4<f32>, 8> {{ return wb_{qtype}(base, c); }}\n"
               f"fn chunks(base: u32, t0: u32, lid: u32) {{\n{steps}}}\n")
     return dev.pipeline("matmul_tiled.wgsl", "matmul_tiled", header=header)
@@ -147,13 +114,13 @@ def matmul(dev: Device, x: Tensor, w: "QWeight", y: Tensor, *, bias: Tensor | No
     check(x.dtype == y.dtype, "matmul_tiled", f"x is {x.dtype} but y is {y.dtype}")
     check(K % 4 == 0, "matmul_tiled", f"K={K} must be a multiple of 4")
     esz = DTYPE_SIZE[x.dtype]
-    xb, x_off = _window(x, 4 * esz, "x")
-    yb, y_off = _window(y, esz, "y")
+    xb, x_off = window(x, 4 * esz, "matmul_tiled", "x")
+    yb, y_off = window(y, esz, "matmul_tiled", "y")
     if bias is not None:
         check(bias.dtype == "f32" and bias.numel == w.n, "matmul_tiled", f"bias must be f32 ({w.n},)")
-        bb, b_off = _window(bias, 4, "bias")
+        bb, b_off = window(bias, 4, "matmul_tiled", "bias")
     else:
-        bb, b_off = _dummy(dev), 0
+        bb, b_off = placeholder(dev), 0
     tiles = -(-T // cfg.tm)
     check(tiles <= _MAX_GROUPS, "matmul_tiled", f"T={T} needs more than 65535 tiles of {cfg.tm} rows")
     nch = -(-K // 32)

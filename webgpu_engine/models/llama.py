@@ -24,7 +24,7 @@ from ..errors import ContextWindowTooLargeError, GPUOutOfMemoryError, Unsupporte
 from ..gpu import Device
 from ..kernels import matmul as mm
 from ..kernels import nn
-from ..kernels.common import DTYPE_SIZE, Op, Tensor, new_tensor
+from ..kernels.common import DTYPE_SIZE, Op, new_tensor
 from .config import LlamaConfig
 
 # Above this, a model + cache is almost surely a mistake (e.g. a 128k context on a small GPU).
