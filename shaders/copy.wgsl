@@ -55,3 +55,24 @@ fn repack_blocks(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups)
     }
     rdst[RP.dst_off + w] = word;
 }
+
+// Interleaved 4-row spans (the T = 1 matmul's weight layout on CPU adapters, kernels/matmul.py):
+// a weight whose rows hold a whole number of vec4 words per 4 rows (`rw` vec4 per 4-row span) is
+// cut into groups of 8 spans (32 rows); in each whole group, vec4 v of span j is stored at
+// v * 8 + j, so the 8 SIMD lanes of the decode kernel, each owning one span, read one contiguous
+// 128-byte run per load instead of 8 runs rw * 16 bytes apart. Words past the last whole group
+// (`full` vec4 words) keep the row layout.
+fn span_map(i: u32, rw: u32, full: u32) -> u32 {
+    if (i >= full) { return i; }
+    let r = i % (8u * rw);
+    return i - r + (r % rw) * 8u + r / rw;
+}
+
+// interleave_spans: dst4[span_map(i)] = src4[i]; CP = (n vec4 words, rw, full, 0).
+// dispatch folded over ceil(n / 64) like copy_vec4
+@compute @workgroup_size(64)
+fn interleave_spans(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                    @builtin(local_invocation_index) lid: u32) {
+    let i = (wid.x + wid.y * nwg.x) * 64u + lid;
+    if (i < CP.n) { dst4[span_map(i, CP._a, CP._b)] = src4[i]; }
+}

@@ -37,6 +37,9 @@ struct TiledParams {
 @group(0) @binding(0) var<uniform> P: TiledParams;
 @group(0) @binding(1) var<storage, read> x: array<xword>;       // (T, K/4) as xword (see xget)
 @group(0) @binding(2) var<storage, read> W: array<vec4<u32>>;   // (rows, row_words u32) GPU layout
+// vec4 word i of the row layout wherever the weight is stored (wmap4 from the host header: the
+// interleaved-span layout of copy.wgsl span_map, or identity)
+fn wv(i: u32) -> vec4<u32> { return W[wmap4(i)]; }
 @group(0) @binding(3) var<storage, read_write> y: array<act>;   // (T, N)
 @group(0) @binding(4) var<storage, read> bias: array<f32>;      // (N)
 
@@ -65,9 +68,9 @@ fn pick(a: vec4<u32>, s: u32) -> u32 {
 fn words8(b: u32) -> array<vec4<u32>, 2> {
     let i = b / 4u;
     let s = b % 4u;
-    let v0 = W[i];
-    let v1 = W[i + 1u];
-    let v2 = W[i + 2u];   // past the end of the binding at the last row: clamped, unused
+    let v0 = wv(i);
+    let v1 = wv(i + 1u);
+    let v2 = wv(i + 2u);   // past the end of the binding at the last row: clamped, unused
     return array<vec4<u32>, 2>(shift4(v0, v1, s), shift4(v1, v2, s));
 }
 
@@ -77,20 +80,20 @@ fn f32x4(v: vec4<u32>) -> vec4<f32> { return bitcast<vec4<f32>>(v); }
 // K % 32 != 0 row reads into the next row (x is zero there; the last row's overrun is clamped).
 fn wb_f32(base: u32, c: u32) -> array<vec4<f32>, 8> {
     let i = (base + c * 32u) / 4u;
-    return array<vec4<f32>, 8>(f32x4(W[i]), f32x4(W[i + 1u]), f32x4(W[i + 2u]), f32x4(W[i + 3u]),
-                               f32x4(W[i + 4u]), f32x4(W[i + 5u]), f32x4(W[i + 6u]), f32x4(W[i + 7u]));
+    return array<vec4<f32>, 8>(f32x4(wv(i)), f32x4(wv(i + 1u)), f32x4(wv(i + 2u)), f32x4(wv(i + 3u)),
+                               f32x4(wv(i + 4u)), f32x4(wv(i + 5u)), f32x4(wv(i + 6u)), f32x4(wv(i + 7u)));
 }
 
 // the 16 words of a 2-byte float chunk (row_words = K / 2: vec4-aligned when K % 8 == 0, WA)
 fn words16(b: u32) -> array<vec4<u32>, 4> {
     let i = b / 4u;
-    if (WA) { return array<vec4<u32>, 4>(W[i], W[i + 1u], W[i + 2u], W[i + 3u]); }
+    if (WA) { return array<vec4<u32>, 4>(wv(i), wv(i + 1u), wv(i + 2u), wv(i + 3u)); }
     let s = b % 4u;
-    let v0 = W[i];
-    let v1 = W[i + 1u];
-    let v2 = W[i + 2u];
-    let v3 = W[i + 3u];
-    let v4 = W[i + 4u];
+    let v0 = wv(i);
+    let v1 = wv(i + 1u);
+    let v2 = wv(i + 2u);
+    let v3 = wv(i + 3u);
+    let v4 = wv(i + 4u);
     return array<vec4<u32>, 4>(shift4(v0, v1, s), shift4(v1, v2, s), shift4(v2, v3, s), shift4(v3, v4, s));
 }
 
@@ -155,9 +158,9 @@ fn wb_q8_0(base: u32, c: u32) -> array<vec4<f32>, 8> {
     let b = base + c * 9u;
     let i = b / 4u;
     let s = b % 4u;
-    let v0 = W[i];
-    let v1 = W[i + 1u];
-    let v2 = W[i + 2u];
+    let v0 = wv(i);
+    let v1 = wv(i + 1u);
+    let v2 = wv(i + 2u);
     let q0 = select(shift4(v0, v1, (s + 1u) % 4u), v1, s == 3u);   // qs words 0..3
     let q1 = select(shift4(v1, v2, (s + 1u) % 4u), v2, s == 3u);   // qs words 4..7
     let d = unpack2x16float(pick(v0, s)).x;
@@ -166,7 +169,7 @@ fn wb_q8_0(base: u32, c: u32) -> array<vec4<f32>, 8> {
 }
 
 // one word at word offset b
-fn word1(b: u32) -> u32 { return pick(W[b / 4u], b % 4u); }
+fn word1(b: u32) -> u32 { return pick(wv(b / 4u), b % 4u); }
 
 // Q4_K (GGUF): 36 words per 256 = (d, dmin f16), scales[12] (six-bit scale/min pairs, ggml's
 // get_scale_min_k4), qs[128] in 4 groups of 32 bytes holding sub-blocks 2g (low nibbles) and
@@ -180,7 +183,7 @@ fn sbyte(h: vec4<u32>, i: u32) -> u32 {   // byte i of scales[12] = bytes 4.. of
 fn wb_q4_k(base: u32, c: u32) -> array<vec4<f32>, 8> {
     let i = (base + (c / 8u) * 36u) / 4u;
     let j = c % 8u;
-    let h = W[i];
+    let h = wv(i);
     let dd = unpack2x16float(h.x);
     var sc: u32;
     var mn: u32;
@@ -194,8 +197,8 @@ fn wb_q4_k(base: u32, c: u32) -> array<vec4<f32>, 8> {
     let d = vec4<f32>(dd.x * f32(sc));
     let m = vec4<f32>(-dd.y * f32(mn));
     let q = i + 1u + (j / 2u) * 2u;          // this sub-block's 32 qs bytes: 2 vec4 words
-    let qa = W[q];
-    let qb = W[q + 1u];
+    let qa = wv(q);
+    let qb = wv(q + 1u);
     let sh = (j % 2u) * 4u;
     return array<vec4<f32>, 8>(fma(nib4(qa.x, sh), d, m), fma(nib4(qa.y, sh), d, m),
                                fma(nib4(qa.z, sh), d, m), fma(nib4(qa.w, sh), d, m),

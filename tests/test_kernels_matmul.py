@@ -381,3 +381,32 @@ def test_rope_kv_epilogue(device, qtype, rot_dim, bias, act):
         assert np.abs(got[2] - vc_ref).max() < TOL[act] * np.abs(vc_ref).max(), name
     for a, b_ in zip(*outs):
         assert np.abs(a - b_).max() <= (1e-6 if act == "f32" else 2e-3) * max(1.0, np.abs(b_).max())
+
+
+@pytest.mark.parametrize("qtype", ["q4_1", "q4_0", "q8_0"])
+def test_interleaved_spans_every_reader(device, qtype):
+    """A weight stored in interleaved 4-row spans (n = 75: two whole 32-row groups and an 11-row
+    tail; the default on CPU adapters) gives what the row layout gives through every kernel that
+    reads it: the T = 1 vec4 and unrolled decode kernels, the loop kernel, the tiled and the 4-row
+    tile prefill kernels, and the embedding gather."""
+    n, k = 75, 256
+    rng = np.random.default_rng(21)
+    raw = qr.random_weight(qtype, n, k, rng)
+    W = qr.dequantize(raw, qtype, n, k)
+    wi = upload_weight(device, raw, qtype, n, k, owner=OWNER, label="wi", interleave=True)
+    wr = upload_weight(device, raw, qtype, n, k, owner=OWNER, label="wr", interleave=False)
+    assert wi.inter_full == 2 * 8 * wi.row_words and wr.inter_full == 0
+    assert device.read_sync(wi.bufs[0]) != device.read_sync(wr.bufs[0])     # the layouts differ
+    for cfg, T in ((MatmulConfig(), 1), (MatmulConfig(v4=False), 1), (MatmulConfig(unroll=False), 1),
+                   (None, 40), (MatmulConfig(), 5)):
+        x = rng.standard_normal((T, k)).astype(np.float32)
+        ref = x.astype(np.float64) @ W.T
+        for w in (wi, wr):
+            y = new_tensor(device, (T, n), "f32", owner=OWNER)
+            run_ops(device, matmul(device, _tensor(device, x, "f32"), w, y, config=cfg))
+            assert _err(_read(device, y), ref) < TOL["f32"], (cfg, T, w.label)
+    ids = np.array([0, 31, 32, 74, 64, 5], np.uint32)
+    it = Tensor(device.upload(ids, owner=OWNER), (len(ids),), "u32")
+    out = new_tensor(device, (len(ids), k), "f32", owner=OWNER)
+    run_ops(device, embedding(device, it, wi, out))
+    assert _err(_read(device, out), W[ids]) < 1e-7

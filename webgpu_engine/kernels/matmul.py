@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from ..gpu import Buffer, Device
 from ..gpu.shaders import load_shader_source
-from .common import DTYPE_SIZE, XREAD, Op, Tensor, act_header, check, params, placeholder
+from .common import DTYPE_SIZE, XREAD, Op, Tensor, act_header, check, params, placeholder, wmap_header
 from .common import window as _window
 
 QTYPES = ("f32", "f16", "bf16", "q4_0", "q4_1", "q8_0", "q4_k", "q6_k")
@@ -60,6 +60,9 @@ class MatmulConfig:
     # browser) that the first prefill there took minutes: on only where measured to win
     epilogue: bool = True   # T = 1 with rr = 4: models may fold SiLU·up and RoPE + KV-cache write
     # into the decode matmul's stores (matmul_epilogue.wgsl): 60 fewer dispatches per token
+    interleave: bool = True   # with v4: single-buffer _V4_BLOCK weights stored in interleaved
+    # 4-row spans (copy.wgsl span_map) so a SIMD group's lanes read contiguous memory (lavapipe,
+    # streaming a decode step's weights: ~10% per matmul); every kernel reads them through wmap4
     v4: bool = True       # T = 1 with rr = 4 and a _V4_BLOCK type: weights read as vec4<u32> from
     v4_max_k: int = 1024  # the GGUF layout (matmul_decode_v4.wgsl), up to this K and N (the K loop
     v4_max_n: int = 1 << 30   # unrolled as in matmul_decode); only where `unroll` is on. lavapipe:
@@ -94,6 +97,7 @@ class QWeight:
     row_words: int = 0           # u32 words per row in the GPU layout
     label: str = ""
     parts: list = field(default_factory=list)   # (first row, rows) per buffer
+    inter_full: int = 0          # interleaved layout: vec4 words in whole 32-row groups (0: rows)
 
     def release(self) -> None:
         for b in self.bufs:
@@ -129,9 +133,11 @@ def _grid(groups: int) -> tuple[int, int]:
 
 
 def upload_weight(dev: Device, parts, qtype: str, n: int, k: int, *, owner: str, label: str = "",
-                  max_binding: int | None = None) -> QWeight:
+                  max_binding: int | None = None, interleave: bool | None = None) -> QWeight:
     """Upload a (n, k) weight given as one or several byte buffers of whole rows concatenated along
-    n (fused QKV or gate+up). `max_binding` (default: the device's limit) caps bytes per buffer."""
+    n (fused QKV or gate+up). `max_binding` (default: the device's limit) caps bytes per buffer.
+    `interleave` (default: as the device's MatmulConfig says) stores a single-buffer Q4_0/Q4_1/Q8_0
+    weight in interleaved 4-row spans (see MatmulConfig.interleave)."""
     _check_shape(qtype, n, k, "upload_weight")
     if isinstance(parts, (bytes, bytearray, memoryview)) or hasattr(parts, "__array_interface__"):
         parts = [parts]
@@ -152,6 +158,10 @@ def upload_weight(dev: Device, parts, qtype: str, n: int, k: int, *, owner: str,
             bufs.append(dev.buffer(rows * grow, owner=owner, label=f"{label}[{len(bufs)}]"))
             spans.append((r0, rows))
         w = QWeight(bufs, rows_per_buf, n, k, qtype, sum(b.size for b in bufs), grow // 4, label, spans)
+        if interleave is None:
+            cfg = default_config(dev)
+            interleave = cfg.interleave and cfg.unroll and cfg.v4 and _use_v4(cfg, w)
+        interleave = interleave and len(bufs) == 1 and qtype in _V4_BLOCK and n >= 32
         row = 0
         for v in views:
             prow = v.nbytes // frow
@@ -165,11 +175,39 @@ def upload_weight(dev: Device, parts, qtype: str, n: int, k: int, *, owner: str,
                 _store_rows(dev, bufs[bi], local * grow, seg, qtype, owner, label)
                 done += cnt
             row += prow
+        if interleave:
+            _interleave(dev, w, owner, label)
         return w
     except BaseException:
         for b in bufs:
             b.release()
         raise
+
+
+def _interleave(dev: Device, w: QWeight, owner: str, label: str) -> None:
+    """Re-lay w's single buffer in interleaved 4-row spans (copy.wgsl interleave_spans)."""
+    rw = w.row_words                      # vec4 words per 4-row span (4 * row_words / 4)
+    full = (w.n // 32) * 8 * rw           # vec4 words in whole 32-row groups
+    src = w.bufs[0]
+    n4 = src.size // 16
+    dst = dev.buffer(src.size, owner=owner, label=label)
+    p = params(dev, [n4, rw, full, 0], owner=owner, label=f"{label}:interleave")
+    try:
+        pipe = dev.pipeline("copy.wgsl", "interleave_spans")
+        gx, gy = _grid(-(-n4 // 64))
+        b = dev.batch()
+        b.dispatch(pipe, dev.bind(pipe, [p, (src, 0, n4 * 16), (dst, 0, n4 * 16)]), gx, gy)
+        if src.size > n4 * 16:            # a last partial vec4 lies past the whole groups: as it is
+            b.copy(src, dst, src.size - n4 * 16, n4 * 16, n4 * 16)
+        dev.submit(b)
+    except BaseException:
+        dst.release()
+        raise
+    finally:
+        p.release()
+    src.release()
+    w.bufs[0] = dst
+    w.inter_full = full
 
 
 def _store_rows(dev: Device, dst: Buffer, offset: int, seg: memoryview, qtype: str, owner: str,
@@ -201,10 +239,12 @@ def _bytes_view(data) -> memoryview:
 
 
 # --------------------------------------------------------------------------- kernels
-def _pipeline(dev: Device, entry: str, qtype: str, dtype: str, wg: int, rr: int = 1, extra: str = ""):
+def _pipeline(dev: Device, entry: str, w: QWeight, dtype: str, wg: int, rr: int = 1, extra: str = ""):
     generic = load_shader_source("embedding.wgsl" if entry == "embedding" else "matmul.wgsl")
     xread = XREAD[dtype] if entry != "embedding" else ""
-    header = f"{act_header(dtype)}const WG: u32 = {wg}u;\nconst RR: u32 = {rr}u;\n{xread}{generic}{extra}"
+    qtype = w.qtype
+    header = (f"{act_header(dtype)}const WG: u32 = {wg}u;\nconst RR: u32 = {rr}u;\n{wmap_header(w)}"
+              f"{xread}{generic}{extra}")
     return dev.pipeline(f"matmul_{qtype}.wgsl", entry, header=header)
 
 
@@ -219,7 +259,7 @@ def _use_v4(cfg: MatmulConfig, w: "QWeight") -> bool:
 
 
 def _decode_v4_source(qtype: str, nchunks: int, k: int, x_off4: int, mode: str, nf4: int, g_off4: int,
-                      eps: float, ep: str = "store") -> str:
+                      eps: float, ep: str = "store", inter_full: int = 0) -> str:
     """matmul_decode.wgsl + matmul_decode_v4.wgsl plus the generated entry point: 4 rows per
     invocation read as one span of vec4<u32> (every index a constant offset from the invocation's
     base), each vec4 loaded once, at its first use; x chunk c is loaded once for the 4 rows."""
@@ -232,8 +272,15 @@ def _decode_v4_source(qtype: str, nchunks: int, k: int, x_off4: int, mode: str, 
              "@compute @workgroup_size(WG)",
              "fn matmul_decode(@builtin(workgroup_id) wid: vec3<u32>, "
              "@builtin(local_invocation_index) lid: u32) {",
-             "    let i4 = wid.x * WG + lid;   // rows 4 * i4 .. 4 * i4 + 3",
-             f"    let wb = i4 * {rw}u;         // their first vec4 (4 rows = {rw} vec4)",
+             "    let i4 = wid.x * WG + lid;   // rows 4 * i4 .. 4 * i4 + 3"]
+    if inter_full:
+        # interleaved spans (copy.wgsl span_map): vec4 v of span i4 is at wb + 8 v in whole groups
+        lines += [f"    let inter = i4 < {inter_full // rw}u;",
+                  f"    let wb = select(i4 * {rw}u, (i4 / 8u) * {8 * rw}u + i4 % 8u, inter);",
+                  "    let ws = select(1u, 8u, inter);"]
+    else:
+        lines.append(f"    let wb = i4 * {rw}u;         // their first vec4 (4 rows = {rw} vec4)")
+    lines += [
              "    var a = vec4<f32>(0.0);",
              "    var ss = 0.0;"]
     loaded = set()
@@ -249,7 +296,8 @@ def _decode_v4_source(qtype: str, nchunks: int, k: int, x_off4: int, mode: str, 
                 i = j * rw + c * bw + t
                 v, e = divmod(i, 4)
                 if v not in loaded:
-                    lines.append(f"    let v{v} = W4[wb + {v}u];")
+                    lines.append(f"    let v{v} = W4[wb + {v}u * ws];" if inter_full else
+                                 f"    let v{v} = W4[wb + {v}u];")
                     loaded.add(v)
                 words.append(f"v{v}.{comp[e]}")
             lines.append(f"    a.{comp[j]} += cdot(wblock_{qtype}({', '.join(words)}), x{c});")
@@ -370,7 +418,7 @@ def matmul(dev: Device, x: Tensor, w: QWeight, y: Tensor, *, bias: Tensor | None
     else:
         entry, rr, tiles = "matmul", cfg.rr, T
     check(tiles <= _MAX_GROUPS, "matmul", f"T={T} needs more than 65535 tiles")
-    pipe = _pipeline(dev, entry, w.qtype, x.dtype, cfg.wg, rr)
+    pipe = _pipeline(dev, entry, w, x.dtype, cfg.wg, rr)
     flags = (1 if bias is not None else 0) | (2 if accumulate else 0)
     op = Op(name=f"matmul[{w.label}]")
     for buf, (r0, rows) in zip(w.bufs, w.parts):
@@ -420,7 +468,7 @@ def _matmul_decode(dev, x, w, y, xb, x_off, yb, y_off, bb, b_off, has_bias, accu
     elif silu:
         mode = "silu"
     if _use_v4(cfg, w):
-        src = _decode_v4_source(w.qtype, K // 32, K, x_off, mode, K // 4, g_off4, eps, ep)
+        src = _decode_v4_source(w.qtype, K // 32, K, x_off, mode, K // 4, g_off4, eps, ep, w.inter_full)
     else:
         src = _decode_source(K // 32, K, x_off, mode, K // 4, g_off4, eps, ep)
     if ep != "store":
@@ -428,7 +476,7 @@ def _matmul_decode(dev, x, w, y, xb, x_off, yb, y_off, bb, b_off, has_bias, accu
         if rope is not None:
             extra.update({6: rope.step, 7: rope.freq, 8: _window(rope.k_cache, 1, "matmul", "k cache")[0],
                           9: _window(rope.v_cache, 1, "matmul", "v cache")[0]})
-    pipe = _pipeline(dev, "matmul_decode", w.qtype, x.dtype, cfg.wg, cfg.rr, src)
+    pipe = _pipeline(dev, "matmul_decode", w, x.dtype, cfg.wg, cfg.rr, src)
     flags = (1 if has_bias else 0) | (2 if accumulate else 0)
     op = Op(name=f"matmul[{w.label}]")
     for buf, (r0, rows) in zip(w.bufs, w.parts):
@@ -501,7 +549,7 @@ def embedding(dev: Device, ids: Tensor, table: QWeight, out: Tensor, *, wg: int 
     nchunks = C // 32
     units = nchunks + (C // 4 - 8 * nchunks)
     gx, gy = _grid(-(-T * units // wg))
-    pipe = _pipeline(dev, "embedding", table.qtype, out.dtype, wg)
+    pipe = _pipeline(dev, "embedding", table, out.dtype, wg)
     op = Op(name=f"embedding[{table.label}]")
     for buf, (r0, rows) in zip(table.bufs, table.parts):
         p = params(dev, [C, T, table.row_words, o_off, i_off, r0, rows, nchunks, units],

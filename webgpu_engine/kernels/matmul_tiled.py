@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..gpu import Device
-from .common import DTYPE_SIZE, XREAD, Op, Tensor, act_header, check, params, placeholder, window
+from .common import DTYPE_SIZE, XREAD, Op, Tensor, act_header, check, params, placeholder, window, wmap_header
 
 if TYPE_CHECKING:  # pragma: no cover
     from .matmul import QWeight
@@ -72,7 +72,8 @@ def _k_blocks(qtype: str, nch: int, kmax: int) -> int:
     return kblk
 
 
-def _pipeline(dev: Device, qtype: str, dtype: str, kblk: int, row_words: int, cfg: TiledConfig):
+def _pipeline(dev: Device, w: "QWeight", dtype: str, kblk: int, cfg: TiledConfig):
+    qtype, row_words = w.qtype, w.row_words
     kb = min(cfg.kb, kblk)
     ng = -(-kblk // kb)
     # the K loop written out (see `step` in the shader for why)
@@ -80,7 +81,7 @@ def _pipeline(dev: Device, qtype: str, dtype: str, kblk: int, row_words: int, cf
                     for g in range(ng))
     header = (f"{act_header(dtype)}const TM: u32 = {cfg.tm}u;\nconst WG: u32 = {cfg.wg}u;\n"
               f"const KB: u32 = {kb}u;\nconst XR: u32 = {8 * kb}u;\nconst NG: u32 = {ng}u;\n"
-              f"const WA: bool = {'true' if row_words % 4 == 0 else 'false'};\n{XREAD[dtype]}"
+              f"const WA: bool = {'true' if row_words % 4 == 0 else 'false'};\n{XREAD[dtype]}{wmap_header(w)}"
               f"fn wblock(base: u32, c: u32) -> array<vec4<f32>, 8> {{ return wb_{qtype}(base, c); }}\n"
               f"fn chunks(base: u32, t0: u32, lid: u32) {{\n{steps}}}\n")
     return dev.pipeline("matmul_tiled.wgsl", "matmul_tiled", header=header)
@@ -125,7 +126,7 @@ def matmul(dev: Device, x: Tensor, w: "QWeight", y: Tensor, *, bias: Tensor | No
     check(tiles <= _MAX_GROUPS, "matmul_tiled", f"T={T} needs more than 65535 tiles of {cfg.tm} rows")
     nch = -(-K // 32)
     kblk = _k_blocks(w.qtype, nch, cfg.kmax)
-    pipe = _pipeline(dev, w.qtype, x.dtype, kblk, w.row_words, cfg)
+    pipe = _pipeline(dev, w, x.dtype, kblk, cfg)
     op = Op(name=f"matmul_tiled[{w.label}]")
     for buf, (r0, rows) in zip(w.bufs, w.parts):
         groups = -(-rows // cfg.wg)
