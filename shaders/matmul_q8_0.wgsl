@@ -15,8 +15,9 @@ fn i8x4(q: u32) -> vec4<f32> {
 fn wchunk(base: u32, c: u32) -> WChunk {
     let b = base + c * 9u;
     let d = unpack2x16float(wld(b)).x;
-    return WChunk(array<vec4<f32>, 8>(i8x4(wld(b + 1u)), i8x4(wld(b + 2u)), i8x4(wld(b + 3u)), i8x4(wld(b + 4u)),
-                                      i8x4(wld(b + 5u)), i8x4(wld(b + 6u)), i8x4(wld(b + 7u)), i8x4(wld(b + 8u))),
+    return WChunk(array<vec4<f32>, 8>(i8x4(wld(b + 1u)), i8x4(wld(b + 2u)), i8x4(wld(b + 3u)),
+                                      i8x4(wld(b + 4u)), i8x4(wld(b + 5u)), i8x4(wld(b + 6u)),
+                                      i8x4(wld(b + 7u)), i8x4(wld(b + 8u))),
                   vec4<f32>(d, d, 0.0, 0.0));
 }
 

@@ -5,9 +5,10 @@ a lock; every request goes validate → select model → lock → generate → r
 One gpu Device is shared by all loaded models. Device loss: the request in flight fails with
 DeviceLostError, every model is dropped, and later requests get ModelNotLoadedError — unless
 `EngineConfig.auto_recover`, in which case the next request re-creates the device and reloads the
-same models from the cache (requests that were queued at the loss had started no GPU work: they wait
-for that reload and run on the reloaded model). A loss during reload() is handled the same way. An intentional unload()
-(or reload()) is never a loss: requests running on a dropped model get ModelUnloadedError.
+same models from the cache (requests that were queued at the loss had started no GPU work: they
+wait for that reload and run on the reloaded model). A loss during reload() is handled alike.
+An intentional unload() (or reload()) is never a loss: requests running on a dropped model get
+ModelUnloadedError.
 Before anything is allocated, reload() fetches every model and checks its memory estimate against the
 device (memory.py), so a model or context window that cannot fit fails fast and allocates nothing.
 Standard library only at module level (this runs in the browser too).

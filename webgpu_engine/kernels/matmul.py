@@ -576,6 +576,6 @@ def upload_vector(dev: Device, data, *, dtype: str = "f32", owner: str, label: s
     return Tensor(dev.upload(raw, owner=owner, label=label), (n,), "f32")
 
 
-__all__ = ["QTYPES", "QWeight", "MatmulConfig", "RopeKV", "default_config", "upload_weight", "matmul", "fusable",
-           "epilogue_ok", "interleave_pairs",
-           "embedding", "upload_vector", "file_row_bytes", "gpu_row_bytes"]
+__all__ = ["QTYPES", "QWeight", "MatmulConfig", "RopeKV", "default_config", "upload_weight", "matmul",
+           "fusable", "epilogue_ok", "interleave_pairs", "embedding", "upload_vector", "file_row_bytes",
+           "gpu_row_bytes"]

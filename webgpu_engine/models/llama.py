@@ -183,7 +183,8 @@ class LlamaModel:
                                      rope_kv=rope))
             else:
                 ops.append(nn.rms_norm(dev, x, L["attn_norm"], h, eps=eps))       # h (T, C)
-                ops.append(mm.matmul(dev, h, L["qkv"], qkv2, bias=L["qkv_bias"], rope_kv=rope))  # (T, H+2Hkv, D)
+                ops.append(mm.matmul(dev, h, L["qkv"], qkv2, bias=L["qkv_bias"],
+                                     rope_kv=rope))                                # (T, H+2Hkv, D)
             if rope is None:
                 ops.append(nn.rope_kv(dev, qkv, kc, vc, step, n_q_heads=H, n_kv_heads=Hkv,
                                       head_dim=D, ctx=self.ctx, **rope_kw))         # rotate q,k; cache k,v
