@@ -1,10 +1,10 @@
 // Elementwise kernels, one invocation per output element, f32 math, `act` storage (f32 or f16).
 //   add:      y[i] = a[i] + b[i]                         (n = numel)
 //   bias_add: y[t,n] = a[t,n] + bias[n]                  (cols = N)
-//   silu_mul: y[t,f] = silu(a[t,f]) * a[t,F+f]           (a is (T, 2F) = [gate | up], cols = F)
-//   silu_mul_pairs: the same for a whose gate and up columns are interleaved in pairs, as the
-//             decode matmul's silu epilogue wants its weight rows (matmul_epilogue.wgsl): with
-//             vec2 elements (fv = vec2), y[t,f] = silu(a[t,2f]) * a[t,2f+1]   (cols = F/2)
+//   silu_mul: y[t,f] = silu(a[t,f*g_step]) * a[t,f*g_step+u_off]   (a is (T, 2F), cols = F):
+//             [gate | up] with (g_step, u_off) = (1, F); gate and up columns interleaved in pairs
+//             (the decode matmul's silu epilogue layout, matmul_epilogue.wgsl) with vec2 elements
+//             (fv = vec2, cols = F/2) and (g_step, u_off) = (2, 1)
 //   gelu:     y[i] = 0.5 * a[i] * (1 + erf(a[i] / sqrt(2)))
 // dispatch (ceil(n/64) split over x,y), workgroup 64. y may alias an input (all read_write).
 // The host header sets the storage type `av` (act or act4) and its f32 twin `fv`: one invocation
@@ -16,8 +16,8 @@ struct Params {
     a_off: u32,
     b_off: u32,
     y_off: u32,
-    _p0: u32,
-    _p1: u32,
+    g_step: u32, // silu_mul: where gate and up columns lie (see above)
+    u_off: u32,
     _p2: u32,
 }
 
@@ -57,23 +57,10 @@ fn silu_mul(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg:
     if (i >= p.n) { return; }
     let t = i / p.cols;
     let f = i - t * p.cols;
-    let base = p.a_off + t * 2u * p.cols;
-    let g = fv(a[base + f]);
-    let u = fv(a[base + p.cols + f]);
+    let gi = p.a_off + t * 2u * p.cols + f * p.g_step;   // gate of output f; its up is p.u_off later
+    let g = fv(a[gi]);
+    let u = fv(a[gi + p.u_off]);
     // exp(-g) overflows to inf for g < -88: g / inf = -0, the right limit
-    yu[p.y_off + i] = av(g / (1.0 + exp(-g)) * u);
-}
-
-@compute @workgroup_size(64)
-fn silu_mul_pairs(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
-                  @builtin(local_invocation_index) lid: u32) {
-    let i = elem_index(wid, nwg, lid);
-    if (i >= p.n) { return; }
-    let t = i / p.cols;
-    let f = i - t * p.cols;
-    let base = p.a_off + t * 2u * p.cols + 2u * f;
-    let g = fv(a[base]);
-    let u = fv(a[base + 1u]);
     yu[p.y_off + i] = av(g / (1.0 + exp(-g)) * u);
 }
 

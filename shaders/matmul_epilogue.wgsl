@@ -30,8 +30,7 @@ fn ep_silu(i4: u32, r: vec4<f32>) {
 }
 
 fn ep_rot(a: f32, b: f32, pos: u32, i: u32) -> vec2<f32> {
-    let sc = sincos(f32(pos) * ep_freq[i]);
-    return vec2<f32>(a * sc.y - b * sc.x, a * sc.x + b * sc.y);
+    return rotate_by(a, b, f32(pos) * ep_freq[i]);
 }
 
 fn ep_rope_kv(i4: u32, sums: vec4<f32>) {

@@ -47,8 +47,7 @@ const WG: u32 = 64u;
 
 // (a, b) rotated by angle pos * inv_freq[i]
 fn rot(a: f32, b: f32, pos: u32, i: u32) -> vec2<f32> {
-    let sc = sincos(f32(pos) * inv_freq[i]);
-    return vec2<f32>(a * sc.y - b * sc.x, a * sc.x + b * sc.y);
+    return rotate_by(a, b, f32(pos) * inv_freq[i]);
 }
 
 struct Unit {

@@ -1,5 +1,5 @@
-// sincos: shared by rope.wgsl and the decode matmul's rope epilogue (matmul_epilogue.wgsl), so
-// both rotate by exactly the same values.
+// sincos / rotate_by: shared by rope.wgsl and the decode matmul's rope epilogue
+// (matmul_epilogue.wgsl), so both rotate by exactly the same values.
 
 // sin and cos of an f32 angle, accurate to ~1e-7 for angles up to ~1e5 (long contexts): a
 // three-part Cody-Waite reduction by pi/2 and minimax polynomials on [-pi/4, pi/4]. Builtin
@@ -16,4 +16,10 @@ fn sincos(a: f32) -> vec2<f32> {
     if (q == 1u) { return vec2<f32>(c, -s); }
     if (q == 2u) { return vec2<f32>(-s, -c); }
     return vec2<f32>(-c, s);
+}
+
+// (a, b) rotated by angle `ang`: (a cos - b sin, a sin + b cos)
+fn rotate_by(a: f32, b: f32, ang: f32) -> vec2<f32> {
+    let sc = sincos(ang);
+    return vec2<f32>(a * sc.y - b * sc.x, a * sc.x + b * sc.y);
 }

@@ -186,9 +186,9 @@ def silu_mul(dev: Device, gate_up: Tensor, y: Tensor, *, pairs: bool = False) ->
     else:
         v = _width(dev, k, [f], [gate_up, y])
     (ae, ao), (ye, yo) = (_window(dev, t, k, v) for t in (gate_up, y))
-    par = params(dev, [y.numel // v, f // v, ao, 0, yo, 0, 0, 0], owner=y.buf.owner, label=k)
-    return _op(dev, k, "elementwise.wgsl", "silu_mul_pairs" if pairs else k, _vec_header(dt, v), par,
-               [ae, ye], y.numel // v)
+    g_step, u_off = (2, 1) if pairs else (1, f // v)
+    par = params(dev, [y.numel // v, f // v, ao, 0, yo, g_step, u_off, 0], owner=y.buf.owner, label=k)
+    return _op(dev, k, "elementwise.wgsl", k, _vec_header(dt, v), par, [ae, ye], y.numel // v)
 
 
 def gelu(dev: Device, x: Tensor, y: Tensor) -> Op:
