@@ -154,7 +154,7 @@ def wmap_header(w) -> str:
     """WGSL `wmap4(v)`: where vec4 word v of a weight's row layout is stored — identity, or for a
     weight in interleaved 4-row spans (QWeight.inter_full > 0) copy.wgsl's span_map. The identity
     header is the same text for every weight, so those pipelines stay shared."""
-    full = getattr(w, "inter_full", 0)
+    full = w.inter_full
     rw = w.row_words if full else 1
     return (f"const WI_RW: u32 = {rw}u;\nconst WI_FULL: u32 = {full}u;\n"
             "fn wmap4(v: u32) -> u32 {\n    if (v >= WI_FULL) { return v; }\n"

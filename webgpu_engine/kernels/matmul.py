@@ -21,6 +21,7 @@ from ..gpu import Buffer, Device
 from ..gpu.shaders import load_shader_source
 from .common import DTYPE_SIZE, XREAD, Op, Tensor, act_header, check, params, placeholder, wmap_header
 from .common import window as _window
+from . import matmul_tiled
 
 QTYPES = ("f32", "f16", "bf16", "q4_0", "q4_1", "q8_0", "q4_k", "q6_k")
 
@@ -405,8 +406,8 @@ def matmul(dev: Device, x: Tensor, w: QWeight, y: Tensor, *, bias: Tensor | None
         bb, b_off = placeholder(dev), 0
     check(cfg.rr in (1, 2, 4) and cfg.prr in (1, 2, 4) and cfg.tm in (1, 4), "matmul",
           f"unsupported strategy {cfg}")
-    if T > 1 and config is None and cfg.tiled and (tiled := _tiled_module()) is not None:
-        op = tiled.matmul(dev, x, w, y, bias=bias, accumulate=accumulate)   # prefill tiles
+    if T > 1 and config is None and cfg.tiled:
+        op = matmul_tiled.matmul(dev, x, w, y, bias=bias, accumulate=accumulate)   # prefill tiles
         if op is not None:
             return op
     if T == 1 and K % 32 == 0 and (norm is not None or silu or ep != "store" or _use_v4(cfg, w)
@@ -429,20 +430,6 @@ def matmul(dev: Device, x: Tensor, w: QWeight, y: Tensor, *, bias: Tensor | None
         op.buffers.append(p)
         op.add(pipe, dev.bind(pipe, [p, xb, buf, yb, bb]), groups, tiles)
     return op
-
-
-_TILED: list = []
-
-
-def _tiled_module():
-    """kernels/matmul_tiled.py when present (the tiled prefill matmul), else None."""
-    if not _TILED:
-        try:
-            from . import matmul_tiled
-        except ModuleNotFoundError:
-            matmul_tiled = None
-        _TILED.append(matmul_tiled)
-    return _TILED[0]
 
 
 def fusable(dev: Device, T: int, w: QWeight, config: MatmulConfig | None = None, *,
@@ -472,10 +459,13 @@ def _matmul_decode(dev, x, w, y, xb, x_off, yb, y_off, bb, b_off, has_bias, accu
     else:
         src = _decode_source(K // 32, K, x_off, mode, K // 4, g_off4, eps, ep)
     if ep != "store":
-        src += _epilogue_source(y.dtype, rope)
+        caches = None
         if rope is not None:
-            extra.update({6: rope.step, 7: rope.freq, 8: _window(rope.k_cache, 1, "matmul", "k cache")[0],
-                          9: _window(rope.v_cache, 1, "matmul", "v cache")[0]})
+            esz = DTYPE_SIZE[y.dtype]
+            caches = [_window(rope.k_cache, esz, "matmul", "k cache"),
+                      _window(rope.v_cache, esz, "matmul", "v cache")]     # (binding, offset) each
+            extra.update({6: rope.step, 7: rope.freq, 8: caches[0][0], 9: caches[1][0]})
+        src += _epilogue_source(y.dtype, rope, caches)
     pipe = _pipeline(dev, "matmul_decode", w, x.dtype, cfg.wg, cfg.rr, src)
     flags = (1 if has_bias else 0) | (2 if accumulate else 0)
     op = Op(name=f"matmul[{w.label}]")
@@ -492,8 +482,9 @@ def _matmul_decode(dev, x, w, y, xb, x_off, yb, y_off, bb, b_off, has_bias, accu
     return op
 
 
-def _epilogue_source(dtype: str, rope: RopeKV | None) -> str:
-    """sincos.wgsl + matmul_epilogue.wgsl and its consts (zeros when no rope: ep_rope_kv unused)."""
+def _epilogue_source(dtype: str, rope: RopeKV | None, caches: list | None) -> str:
+    """sincos.wgsl + matmul_epilogue.wgsl and its consts (zeros when no rope: ep_rope_kv unused);
+    `caches`: the k and v caches' (binding, element offset)."""
     c = dict(EP_D=1, EP_ROT=0, EP_KLO=0, EP_VLO=0, EP_CTX=0, EP_KC=0, EP_VC=0)
     if rope is not None:
         D = rope.head_dim
@@ -502,11 +493,9 @@ def _epilogue_source(dtype: str, rope: RopeKV | None) -> str:
         for t in (rope.k_cache, rope.v_cache):
             check(t.dtype == dtype and t.numel == rope.n_kv_heads * rope.ctx * D, "matmul",
                   f"cache {t.shape} {t.dtype} must be (Hkv={rope.n_kv_heads}, ctx={rope.ctx}, D={D}) {dtype}")
-        esz = DTYPE_SIZE[dtype]
         c = dict(EP_D=D, EP_ROT=rope.rot_dim, EP_KLO=rope.n_q_heads * D,
                  EP_VLO=(rope.n_q_heads + rope.n_kv_heads) * D, EP_CTX=rope.ctx,
-                 EP_KC=_window(rope.k_cache, esz, "matmul", "k cache")[1],
-                 EP_VC=_window(rope.v_cache, esz, "matmul", "v cache")[1])
+                 EP_KC=caches[0][1], EP_VC=caches[1][1])
     consts = "".join(f"const {k}: u32 = {v}u;\n" for k, v in c.items())
     return consts + load_shader_source("sincos.wgsl") + load_shader_source("matmul_epilogue.wgsl")
 
@@ -514,10 +503,13 @@ def _epilogue_source(dtype: str, rope: RopeKV | None) -> str:
 def epilogue_ok(dev: Device, qtype: str, n: int, k: int, config: MatmulConfig | None = None, *,
                 force: bool = False) -> bool:
     """Whether a (n, k) `qtype` weight's T = 1 matmul can take a fused epilogue (silu_out /
-    rope_kv): the decode kernel with 4 rows per invocation and whole 4-row groups (`force`:
-    possible at all); chosen when this device's strategy says so (`epilogue` with `unroll`)."""
+    rope_kv): the decode kernel with 4 rows per invocation, whole 4-row groups and the weight in
+    one buffer as upload_weight lays it out (`force`: possible at all); chosen when this device's
+    strategy says so (`epilogue` with `unroll`)."""
     cfg = config or default_config(dev)
     if k % 32 or n % 4 or cfg.rr != 4 or qtype not in QTYPES:
+        return False
+    if n * gpu_row_bytes(qtype, k) > min(dev.max_storage_binding, dev.max_buffer_size):
         return False
     return force or cfg.unroll and cfg.epilogue
 

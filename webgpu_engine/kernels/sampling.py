@@ -39,10 +39,10 @@ class _SampleOp(Op):
         super().__init__(full.dispatches, [], "sample")
         self.sampler, self.full, self.greedy = sampler, full, greedy
 
-    def record(self, batch):
+    def record(self, batch, n_keys: int | None = None):
         op = self.greedy if self.sampler.greedy_fast else self.full
         self.dispatches = op.dispatches
-        return op.record(batch)
+        return op.record(batch, n_keys)
 
 
 @dataclass

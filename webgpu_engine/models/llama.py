@@ -129,7 +129,7 @@ class LlamaModel:
             }
             L["gate_up"], L["silu_pairs"] = gate_up(p)                           # (2F, C)
             # decode: rope + KV-cache write done by the qkv matmul's stores (adjacent pairs only)
-            L["rope_fused"] = (not c.rope_neox and c.head_dim % 4 == 0 and len(L["qkv"].bufs) == 1
+            L["rope_fused"] = (not c.rope_neox and c.head_dim % 4 == 0
                                and mm.epilogue_ok(dev, L["qkv"].qtype, L["qkv"].n, L["qkv"].k))
             if p + "q_bias" in weights:
                 L["qkv_bias"] = vec([p + "q_bias", p + "k_bias", p + "v_bias"], p + "qkv_bias")
