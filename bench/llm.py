@@ -273,9 +273,9 @@ def main() -> None:
     res = {"model": path.name, "engine": asyncio.run(bench_engine(path, a.dtype, prompts, a.decode, a.reps,
                                                                      a.decode_only))}
     ref = bench_llama_cpp(path, prompts, a.decode)
-    failed = ref.pop("error", None) if ref else None
     if ref is not None:
-        res["llama_cpp"] = ref if not failed else {"error": failed}
+        res["llama_cpp"] = ref
+    failed = ref.get("error") if ref else None
     if failed:
         ref = None
     if ref:

@@ -11,6 +11,11 @@ TOL = {"f32": 1e-4, "f16": 1e-2}
 NP = {"f32": np.float32, "f16": np.float16}
 
 
+def rel_err(y, ref) -> float:
+    """max |y - ref| / max |ref|: the error measure of the matmul tests."""
+    return np.abs(y - ref).max() / np.abs(ref).max()
+
+
 def upload_tensor(dev, a: np.ndarray, dtype: str, pad_elems: int = 0, *, owner: str) -> Tensor:
     """Upload `a` as `dtype` after `pad_elems` leading elements (a view at an offset that is not
     256-byte aligned, as model code makes of shared buffers)."""

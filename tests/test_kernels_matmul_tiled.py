@@ -14,7 +14,7 @@ from webgpu_engine.kernels import matmul_tiled as mt
 from webgpu_engine.kernels import quant_ref as qr
 from webgpu_engine.kernels.common import Tensor, new_tensor, run_ops
 
-from _matmul_util import TOL, matmul_case, read_tensor, upload_tensor
+from _matmul_util import TOL, matmul_case, read_tensor, rel_err, upload_tensor
 from webgpu_engine.kernels.matmul import upload_weight
 
 OWNER = "test:matmul_tiled"
@@ -47,7 +47,7 @@ def check(dev, qtype, n, k, T, act, *, parts=1, bias=False, accumulate=False, ma
     assert op is not None, f"{qtype} T={T} ({n}x{k}) should be supported"
     run_ops(dev, op)
     y = _read(dev, yt)
-    e = np.abs(y - ref).max() / np.abs(ref).max()
+    e = rel_err(y, ref)
     assert e < TOL[act], f"{qtype} {act} T={T} ({n}x{k}): error {e:.3g}"
     return w
 
