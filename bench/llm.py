@@ -35,7 +35,8 @@ async def bench_engine(path: Path, dtype: str, prompts: list[int], n_decode: int
     pipe = await LLMChatPipeline.load(dev, path, ChatConfig(dtype=dtype, context_window_size=ctx,
                                                             prefill_chunk_size=256))
     out = {"adapter": dev.info.name, "dtype": pipe.model.dtype, "load_s": time.perf_counter() - t0,
-           "dispatches_per_decode_step": sum(len(op.dispatches) for op in pipe.model.decode_ops) + 1}
+           # the forms a step at this context records (attention's short form up to its max_keys)
+           "dispatches_per_decode_step": _n_dispatches(pipe.model.decode_ops, 33) + 1}
     gen = GenerationConfig(temperature=0.0, ignore_eos=True)
     if skip_prefill:
         prompts = []
@@ -82,7 +83,7 @@ async def bench_engine(path: Path, dtype: str, prompts: list[int], n_decode: int
         await dev.read(s.io, 0, 4)
     out["readback_only_ms"] = 1e3 * (time.perf_counter() - t) / 20
     out["gpu_ms_by_kernel_decode"], out["cpu_ms_by_kernel_decode"] = \
-        _by_kind(dev, m.decode_ops + [pipe._sample_op], m.step)
+        _by_kind(dev, m.decode_ops + [pipe._sample_op], m.step, n_keys=pos + n_decode)
     if not skip_prefill:
         out["gpu_ms_by_kernel_prefill_128"], out["cpu_ms_by_kernel_prefill_128"] = \
             _by_kind(dev, m.ops_for(min(128, m.chunk), True), m.step)
@@ -90,9 +91,14 @@ async def bench_engine(path: Path, dtype: str, prompts: list[int], n_decode: int
     return out
 
 
-def _by_kind(dev, ops, sync_buf) -> tuple[dict, dict]:
+def _n_dispatches(ops, n_keys: int) -> int:
+    """Dispatches a decode step with n_keys live keys records (ops' short forms where they apply)."""
+    return sum(len(op.short if op.short and n_keys <= op.max_keys else op.dispatches) for op in ops)
+
+
+def _by_kind(dev, ops, sync_buf, n_keys: int | None = None) -> tuple[dict, dict]:
     """GPU time per kernel kind: each kind's dispatches submitted alone (best of 3), as wall and as
-    process CPU milliseconds."""
+    process CPU milliseconds; `n_keys`: record the forms a decode step with that many keys takes."""
     kinds = defaultdict(list)
     for op in ops:
         kinds[(op.name or "op").split("[")[0]].append(op)
@@ -102,7 +108,7 @@ def _by_kind(dev, ops, sync_buf) -> tuple[dict, dict]:
         for _ in range(3):
             b = dev.batch()
             for op in group:
-                op.record(b)
+                op.record(b, n_keys=n_keys)
             t, c = time.perf_counter(), time.process_time()
             dev.submit(b)
             dev.read_sync(sync_buf, 0, 4)
@@ -148,7 +154,7 @@ async def bench_ab(path: Path, dtype: str, variants: list[str], n_steps: int, ro
     for v, pipe in zip(variants, pipes):
         out[v or "default"] = {"dtype": pipe.model.dtype, "step_ms": round(best[v][0], 2),
                                "step_cpu_ms": round(best[v][1], 2),
-                               "dispatches": sum(len(op.dispatches) for op in pipe.model.decode_ops) + 1}
+                               "dispatches": _n_dispatches(pipe.model.decode_ops, 33) + 1}
         pipe.dispose()
     return out
 

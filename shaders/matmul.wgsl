@@ -81,13 +81,8 @@ fn store(t: u32, r: u32, sum: f32) {
     y[o] = act(v);
 }
 
-// matmul: RR weight rows r0.. of one activation row t (decode: T = 1).
-// dispatch (ceil(rows / (WG * RR)), T, 1), workgroup WG
-@compute @workgroup_size(WG)
-fn matmul(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
-    let r0 = (wid.x * WG + lid) * RR;
-    if (r0 >= P.rows) { return; }   // no barriers anywhere: early exit is safe
-    let t = wid.y;
+// The sums of RR weight rows r0.. (r0 < rows) with activation row t.
+fn row_sums(r0: u32, t: u32) -> vec4<f32> {
     let last = P.rows - 1u;         // rows past the end re-read the last row and are not written
     let b0 = r0 * P.row_words;
     let b1 = min(r0 + 1u, last) * P.row_words;
@@ -112,9 +107,16 @@ fn matmul(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index
         if (RR > 1u) { a1 += tail(b1, xr); }
         if (RR > 2u) { a2 += tail(b2, xr); a3 += tail(b3, xr); }
     }
-    store(t, r0, a0);
-    if (RR > 1u) { store(t, r0 + 1u, a1); }
-    if (RR > 2u) { store(t, r0 + 2u, a2); store(t, r0 + 3u, a3); }
+    return vec4<f32>(a0, a1, a2, a3);
+}
+
+// matmul: RR weight rows r0.. of one activation row t (decode: T = 1).
+// dispatch (ceil(rows / (WG * RR)), T, 1), workgroup WG
+@compute @workgroup_size(WG)
+fn matmul(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    let r0 = (wid.x * WG + lid) * RR;
+    if (r0 >= P.rows) { return; }   // no barriers anywhere: early exit is safe
+    store4(wid.y, r0, row_sums(r0, wid.y));
 }
 
 // one activation row's contribution to RR weight rows: a[i] += w_i . x

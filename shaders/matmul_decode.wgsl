@@ -3,6 +3,8 @@
 //   plain:  y[r] (+)= sum_k x[k] * W[r, k]                         (+ bias[r])
 //   norm:   y[r] (+)= sum_k x[k] g[k] W[r, k] / sqrt(mean(x^2) + eps)   (RMSNorm fused in)
 //   silu:   y[r] (+)= sum_k silu(a[k]) a[F + k] W[r, k]             (a = [gate | up], SiLU·up fused in)
+//   pnorm:  y[r] (+)= sum_k x[k] W[r, k] / sqrt(sum_i p[i] / K + eps)  (x = x0 * g and p = partial
+//           sums of x0^2 from the matmul before: matmul_epilogue.wgsl ep_res_norm)
 // Why unrolled: on CPU Vulkan (lavapipe) a storage load runs one SIMD lane at a time unless the
 // driver can see the address is the same for every lane, which it only does for constant addresses
 // outside any control flow. With the loop unrolled by the host and every x offset a constant, each x
@@ -13,7 +15,8 @@
 // which calls dec_rows, then dec_step(..., dec_x*(c)) for c = 0 .. K/32 - 1, then dec_end.
 // dispatch (ceil(rows / (WG * RR)), 1, 1), workgroup WG
 
-@group(0) @binding(5) var<storage, read> g: array<vec4<f32>>;   // (K/4) RMSNorm weight (norm mode)
+@group(0) @binding(5) var<storage, read> g: array<vec4<f32>>;   // (K/4) RMSNorm weight (norm mode);
+                                                                // (K/16) partial sums (pnorm mode)
 
 struct DecRows { b: vec4<u32>, r0: u32 }
 struct DecAcc { a: vec4<f32>, ss: f32 }
@@ -64,6 +67,10 @@ fn dec_sq(c: u32) -> f32 {      // sum of x^2 over chunk c (norm mode)
     let v7 = xget(o + 7u);
     let s = (v0 * v0 + v1 * v1) + (v2 * v2 + v3 * v3) + (v4 * v4 + v5 * v5) + (v6 * v6 + v7 * v7);
     return dot(s, vec4<f32>(1.0));
+}
+
+fn dec_pss(i: u32) -> f32 {     // 4 of the partial sums (pnorm mode)
+    return dot(g[GOFF + i], vec4<f32>(1.0));
 }
 
 fn silu4(a: vec4<f32>, u: vec4<f32>) -> vec4<f32> {

@@ -29,6 +29,21 @@ fn v4_xs(a: XChunk) -> XChunk {
                                       a.v[4] * f, a.v[5] * f, a.v[6] * f, a.v[7] * f), a.s);
 }
 
+// cdot for quants scaled by 256^j (v4_nib4) against unscaled x: the per-component partial sums
+// are scaled when reduced (4 multiplies per row and chunk instead of 32 per chunk on x)
+fn cdot_xs(w: WChunk, a: XChunk) -> f32 {
+    var lo = w.q[0] * a.v[0];
+    lo = fma(w.q[1], a.v[1], lo);
+    lo = fma(w.q[2], a.v[2], lo);
+    lo = fma(w.q[3], a.v[3], lo);
+    var hi = w.q[4] * a.v[4];
+    hi = fma(w.q[5], a.v[5], hi);
+    hi = fma(w.q[6], a.v[6], hi);
+    hi = fma(w.q[7], a.v[7], hi);
+    let f = vec4<f32>(1.0, 0.00390625, 1.52587890625e-05, 5.9604644775390625e-08);
+    return dot(w.s, vec4<f32>(dot(lo, f), dot(hi, f), a.s.x, a.s.y));
+}
+
 // 4 sign-extended int8 of one word
 fn v4_i8x4(q: u32) -> vec4<f32> {
     return vec4<f32>(bitcast<vec4<i32>>(vec4<u32>(q << 24u, q << 16u, q << 8u, q)) >> vec4<u32>(24u));

@@ -10,14 +10,24 @@
 //               pairs (GGUF llama layout; D % 4 == 0, so the 4 rows lie in one head). Adds the bias,
 //               rotates q and k rows by position step[0] exactly as rope.wgsl does, stores the 4
 //               values into y (qkv) and k and v rows also into row step[0] of the caches.
+//   ep_res_norm: the first half of the RMSNorm that follows a residual matmul (x += o·W, the
+//               output y being the whole row x): adds the bias and y's old values (accumulate),
+//               stores y, y * g into ep_yg and the sum of the 4 squares into ep_part[i4]. The
+//               next matmul reads ep_yg and scales its sums by 1 / rms from the partials
+//               (matmul_decode.wgsl dec_pss), so the norm needs no dispatch and no barrier.
+//               matmul_res_norm is the loop kernel (matmul.wgsl row_sums) ending with it.
 // Built after matmul.wgsl, matmul_decode.wgsl and sincos.wgsl; the host adds the consts EP_D (head
 // dim), EP_ROT (rotated dims of a head), EP_KLO / EP_VLO (first k / v row), EP_CTX (cache rows),
-// EP_KC / EP_VC (cache offsets in elements) for ep_rope_kv.
+// EP_KC / EP_VC (cache offsets in elements) for ep_rope_kv; EP_G, EP_YG, EP_PART (offsets in
+// elements) for ep_res_norm.
 
 @group(0) @binding(6) var<storage, read> ep_step: array<u32>;       // (4): pos0, n_new, kv_len, 0
 @group(0) @binding(7) var<storage, read> ep_freq: array<f32>;       // (rot_dim / 2)
 @group(0) @binding(8) var<storage, read_write> ep_kc: array<act>;   // (Hkv, ctx, D)
 @group(0) @binding(9) var<storage, read_write> ep_vc: array<act>;   // (Hkv, ctx, D)
+@group(0) @binding(10) var<storage, read> ep_g: array<f32>;         // (N) next norm's weight
+@group(0) @binding(11) var<storage, read_write> ep_yg: array<act>;  // (N) y * g
+@group(0) @binding(12) var<storage, read_write> ep_part: array<f32>;   // (N / 4) sums of y^2
 
 fn ep_silu(i4: u32, r: vec4<f32>) {
     if (4u * i4 >= P.rows) { return; }
@@ -68,4 +78,39 @@ fn ep_rope_kv(i4: u32, sums: vec4<f32>) {
         ep_vc[c + 2u] = act(r.z);
         ep_vc[c + 3u] = act(r.w);
     }
+}
+
+fn ep_res_norm(i4: u32, sums: vec4<f32>) {
+    if (4u * i4 >= P.rows) { return; }
+    let n = P.n0 + 4u * i4;
+    var r = sums;
+    if ((P.flags & 1u) != 0u) {
+        let b = P.b_off + n;
+        r += vec4<f32>(bias[b], bias[b + 1u], bias[b + 2u], bias[b + 3u]);
+    }
+    let o = P.y_off + n;
+    if ((P.flags & 2u) != 0u) { r += vec4<f32>(f32(y[o]), f32(y[o + 1u]), f32(y[o + 2u]), f32(y[o + 3u])); }
+    // the norm sees y as stored (rounded to act), as a separate rms_norm would read it
+    let v = vec4<f32>(f32(act(r.x)), f32(act(r.y)), f32(act(r.z)), f32(act(r.w)));
+    y[o] = act(v.x);
+    y[o + 1u] = act(v.y);
+    y[o + 2u] = act(v.z);
+    y[o + 3u] = act(v.w);
+    let gb = EP_G + n;
+    let yg = v * vec4<f32>(ep_g[gb], ep_g[gb + 1u], ep_g[gb + 2u], ep_g[gb + 3u]);
+    let q = EP_YG + n;
+    ep_yg[q] = act(yg.x);
+    ep_yg[q + 1u] = act(yg.y);
+    ep_yg[q + 2u] = act(yg.z);
+    ep_yg[q + 3u] = act(yg.w);
+    ep_part[EP_PART + n / 4u] = dot(v, v);
+}
+
+// the loop kernel (K too long to unroll) ending with ep_res_norm; RR = 4
+// dispatch (ceil(rows / (WG * 4)), 1, 1), workgroup WG
+@compute @workgroup_size(WG)
+fn matmul_res_norm(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    let i4 = wid.x * WG + lid;
+    if (4u * i4 >= P.rows) { return; }
+    ep_res_norm(i4, row_sums(4u * i4, 0u));
 }

@@ -12,8 +12,9 @@ from gguf import GGUFReader
 from webgpu_engine.kernels import quant_ref as qr
 from webgpu_engine.kernels.common import Tensor, new_tensor, run_ops
 from webgpu_engine.kernels import nn, nn_ref
-from webgpu_engine.kernels.matmul import (QTYPES, MatmulConfig, RopeKV, _grid, embedding, epilogue_ok,
-                                          interleave_pairs, matmul, upload_vector, upload_weight)
+from webgpu_engine.kernels.matmul import (QTYPES, MatmulConfig, NormOut, RopeKV, _grid, embedding,
+                                          epilogue_ok, interleave_pairs, matmul, upload_vector,
+                                          upload_weight)
 
 from _matmul_util import NP, TOL, matmul_case, read_tensor, rel_err, upload_tensor
 
@@ -377,6 +378,54 @@ def test_rope_kv_epilogue(device, qtype, rot_dim, bias, act):
         assert np.abs(got[2] - vc_ref).max() < TOL[act] * np.abs(vc_ref).max(), name
     for a, b_ in zip(*outs):
         assert np.abs(a - b_).max() <= (1e-6 if act == "f32" else 2e-3) * max(1.0, np.abs(b_).max())
+
+
+@pytest.mark.parametrize("act", ["f32", "f16"])
+@pytest.mark.parametrize("qtype,k,cfg,entry", [
+    ("q4_1", 576, MatmulConfig(), "matmul_decode"),                    # v4 kernel
+    ("q8_0", 256, MatmulConfig(v4=False), "matmul_decode"),            # unrolled
+    ("q4_1", 1536, MatmulConfig(), "matmul_res_norm"),                 # K too long: loop kernel
+    ("f16", 64, MatmulConfig(unroll_max_k=32), "matmul_res_norm")])
+def test_res_norm_epilogue_and_rms_from(device, qtype, k, cfg, entry, act):
+    """x += a·Wᵀ + b with norm_out stores x, x * g and the sums of x^2 per 4 rows; the next matmul
+    with rms_from on x * g gives RMSNorm(x) · W2ᵀ — both against numpy, run twice (the partials
+    are overwritten, not accumulated)."""
+    n, n2, eps = 96, 40, 1e-5
+    rng = np.random.default_rng(k + n)
+    raw = qr.random_weight(qtype, n, k, rng)
+    W = qr.dequantize(raw, qtype, n, k)
+    w = upload_weight(device, raw, qtype, n, k, owner=OWNER, label="o")
+    raw2 = qr.random_weight("q4_1", n2, n, rng)
+    W2 = qr.dequantize(raw2, "q4_1", n2, n)
+    w2 = upload_weight(device, raw2, "q4_1", n2, n, owner=OWNER, label="qkv")
+    a = rng.standard_normal((1, k)).astype(NP[act])
+    x0 = rng.standard_normal((1, n)).astype(NP[act])
+    b = rng.standard_normal(n).astype(np.float32)
+    g = (1 + 0.5 * rng.standard_normal(n)).astype(np.float32)
+    at, gt, bt = _tensor(device, a, act, 4), _tensor(device, g, "f32", 8), _tensor(device, b, "f32", 4)
+    xt = _tensor(device, x0, act, 12)
+    h = new_tensor(device, (1, n), act, owner=OWNER)
+    part = _tensor(device, np.full(n // 4, 7.0, np.float32), "f32", 16)
+    y2 = new_tensor(device, (1, n2), act, owner=OWNER)
+    op = matmul(device, at, w, xt, bias=bt, accumulate=True, config=cfg, norm_out=NormOut(gt, h, part))
+    assert len(op.dispatches) == 1 and op.dispatches[0][0].key.entry == entry
+    op2 = matmul(device, h, w2, y2, rms_from=(part, eps), config=cfg)
+    assert len(op2.dispatches) == 1 and "dec_pss(" in op2.dispatches[0][0].key.header
+    run_ops(device, op, op2)
+    xr = x0.astype(np.float64) + a.astype(np.float64) @ W.T + b                     # (1, n)
+    xs = xr.astype(NP[act]).astype(np.float64)                                      # as stored
+    normed = xs / np.sqrt((xs ** 2).mean() + eps) * g
+    assert rel_err(_read(device, xt), xr) < TOL[act]
+    assert rel_err(_read(device, h), xs * g) < TOL[act]
+    assert rel_err(_read(device, part), (xs ** 2).reshape(-1, 4).sum(1)) < TOL[act]
+    assert rel_err(_read(device, y2), normed @ W2.T) < TOL[act]
+    run_ops(device, op)                       # x grows again; the partials follow it
+    xs2 = (xs + a.astype(np.float64) @ W.T + b).astype(NP[act]).astype(np.float64)
+    assert rel_err(_read(device, part), (xs2 ** 2).reshape(-1, 4).sum(1)) < TOL[act]
+    with pytest.raises(ValueError, match="only one"):
+        matmul(device, at, w, xt, silu_out=True, norm_out=NormOut(gt, h, part))
+    with pytest.raises(ValueError, match="partial sums"):
+        matmul(device, h, w2, y2, rms_from=(gt, eps))
 
 
 @pytest.mark.parametrize("qtype", ["q4_1", "q4_0", "q8_0"])

@@ -61,9 +61,13 @@ class MatmulConfig:
     # browser) that the first prefill there took minutes: on only where measured to win
     epilogue: bool = True   # T = 1 with rr = 4: models may fold SiLU·up and RoPE + KV-cache write
     # into the decode matmul's stores (matmul_epilogue.wgsl): 60 fewer dispatches per token
+    res_norm: bool = True   # with epilogue: models fold the RMSNorm after a residual matmul into its
+    # stores (norm_out) and the next matmul (rms_from): 60 fewer dispatches per token
     interleave: bool = True   # with v4: single-buffer _V4_BLOCK weights stored in interleaved
     # 4-row spans (copy.wgsl span_map) so a SIMD group's lanes read contiguous memory (lavapipe,
     # streaming a decode step's weights: ~10% per matmul); every kernel reads them through wmap4
+    xs_fold: bool = True   # v4 Q4_0/Q4_1: quants masked in place (scaled by 256^j) are dotted with
+    # unscaled x and the partial sums scaled when reduced, instead of scaling x per chunk (v4_xs)
     v4: bool = True       # T = 1 with rr = 4 and a _V4_BLOCK type: weights read as vec4<u32> from
     v4_max_k: int = 1024  # the GGUF layout (matmul_decode_v4.wgsl), up to this K and N (the K loop
     v4_max_n: int = 1 << 30   # unrolled as in matmul_decode); only where `unroll` is on. lavapipe:
@@ -260,13 +264,13 @@ def _use_v4(cfg: MatmulConfig, w: "QWeight") -> bool:
 
 
 def _decode_v4_source(qtype: str, nchunks: int, k: int, x_off4: int, mode: str, nf4: int, g_off4: int,
-                      eps: float, ep: str = "store", inter_full: int = 0) -> str:
+                      eps: float, ep: str = "store", inter_full: int = 0, xs_fold: bool = True) -> str:
     """matmul_decode.wgsl + matmul_decode_v4.wgsl plus the generated entry point: 4 rows per
     invocation read as one span of vec4<u32> (every index a constant offset from the invocation's
     base), each vec4 loaded once, at its first use; x chunk c is loaded once for the 4 rows."""
     bw = _V4_BLOCK[qtype]
     rw = nchunks * bw                  # row_words
-    xfn = {"plain": "dec_x", "norm": "dec_xn", "silu": "dec_xs"}[mode]
+    xfn = _X_FN[mode]
     lines = [load_shader_source("matmul_decode.wgsl"), load_shader_source("matmul_decode_v4.wgsl"),
              f"const XOFF: u32 = {x_off4}u;\nconst NF: u32 = {nf4}u;\nconst GOFF: u32 = {g_off4}u;",
              f"const EPS: f32 = {float(eps)!r};",
@@ -287,7 +291,8 @@ def _decode_v4_source(qtype: str, nchunks: int, k: int, x_off4: int, mode: str, 
     loaded = set()
     comp = "xyzw"
     for c in range(nchunks):
-        xs = f"v4_xs({xfn}({c}u))" if qtype in _V4_XS else f"{xfn}({c}u)"
+        xs = f"v4_xs({xfn}({c}u))" if qtype in _V4_XS and not xs_fold else f"{xfn}({c}u)"
+        cd = "cdot_xs" if qtype in _V4_XS and xs_fold else "cdot"
         lines.append(f"    let x{c} = {xs};")
         if mode == "norm":
             lines.append(f"    ss += dec_sq({c}u);")
@@ -301,10 +306,22 @@ def _decode_v4_source(qtype: str, nchunks: int, k: int, x_off4: int, mode: str, 
                                  f"    let v{v} = W4[wb + {v}u];")
                     loaded.add(v)
                 words.append(f"v{v}.{comp[e]}")
-            lines.append(f"    a.{comp[j]} += cdot(wblock_{qtype}({', '.join(words)}), x{c});")
-    scale = f"inverseSqrt(ss / {float(k)!r} + EPS)" if mode == "norm" else "1.0"
+            lines.append(f"    a.{comp[j]} += {cd}(wblock_{qtype}({', '.join(words)}), x{c});")
+    lines += _pnorm_lines(mode, k, "ss")
+    scale = f"inverseSqrt(ss / {float(k)!r} + EPS)" if mode in ("norm", "pnorm") else "1.0"
     lines += [f"    let r = a * {scale};", _EPILOGUE_CALL[ep].format(i4="i4"), "}", ""]
     return "\n".join(lines)
+
+
+# mode -> the x chunk reader of matmul_decode.wgsl (pnorm reads x as is: it is x0 * g already)
+_X_FN = {"plain": "dec_x", "norm": "dec_xn", "silu": "dec_xs", "pnorm": "dec_x"}
+
+
+def _pnorm_lines(mode: str, k: int, ss: str) -> list:
+    """pnorm: the sum of squares from the K/4 partial sums, 4 per constant-offset (uniform) load."""
+    if mode != "pnorm":
+        return []
+    return [f"    {ss} += dec_pss({i}u);" for i in range(k // 16)]
 
 
 # how the generated entry points end: store the 4 sums, or hand them to an epilogue
@@ -313,13 +330,14 @@ _EPILOGUE_CALL = {
              "    store(0u, 4u * {i4} + 2u, r.z);\n    store(0u, 4u * {i4} + 3u, r.w);",
     "silu": "    ep_silu({i4}, r);",
     "rope_kv": "    ep_rope_kv({i4}, r);",
+    "res_norm": "    ep_res_norm({i4}, r);",
 }
 
 
 def _decode_source(nchunks: int, k: int, x_off4: int, mode: str, nf4: int, g_off4: int, eps: float,
                    ep: str = "store") -> str:
     """matmul_decode.wgsl plus its generated entry point: the K loop unrolled (see that file)."""
-    xfn = {"plain": "dec_x", "norm": "dec_xn", "silu": "dec_xs"}[mode]
+    xfn = _X_FN[mode]
     lines = [load_shader_source("matmul_decode.wgsl"),
              f"const XOFF: u32 = {x_off4}u;\nconst NF: u32 = {nf4}u;\nconst GOFF: u32 = {g_off4}u;",
              f"const EPS: f32 = {float(eps)!r};",
@@ -332,13 +350,23 @@ def _decode_source(nchunks: int, k: int, x_off4: int, mode: str, nf4: int, g_off
         lines.append(f"    acc = dec_step(acc, rows, {c}u, {xfn}({c}u));")
         if mode == "norm":
             lines.append(f"    acc.ss += dec_sq({c}u);")
-    scale = f"inverseSqrt(acc.ss / {float(k)!r} + EPS)" if mode == "norm" else "1.0"
+    lines += _pnorm_lines(mode, k, "acc.ss")
+    scale = f"inverseSqrt(acc.ss / {float(k)!r} + EPS)" if mode in ("norm", "pnorm") else "1.0"
     if ep == "store":
         lines.append(f"    dec_end(rows, acc, {scale});")
     else:                                   # RR = 4: rows.r0 = 4 * i4
         lines += [f"    let r = acc.a * {scale};", _EPILOGUE_CALL[ep].format(i4="(rows.r0 / 4u)")]
     lines += ["}", ""]
     return "\n".join(lines)
+
+
+@dataclass
+class NormOut:
+    """matmul(..., norm_out=): the next RMSNorm's weight g (N,) f32; where y * g goes (N elements,
+    y's dtype); the partial sums of y^2 (N/4,) f32, 4 rows each."""
+    g: Tensor
+    out: Tensor
+    partials: Tensor
 
 
 @dataclass
@@ -361,24 +389,30 @@ class RopeKV:
 def matmul(dev: Device, x: Tensor, w: QWeight, y: Tensor, *, bias: Tensor | None = None,
            accumulate: bool = False, config: MatmulConfig | None = None,
            norm: tuple | None = None, silu: bool = False, silu_out: bool = False,
-           rope_kv: RopeKV | None = None) -> Op:
+           rope_kv: RopeKV | None = None, norm_out: "NormOut | None" = None,
+           rms_from: tuple | None = None) -> Op:
     """y = x·Wᵀ (+ bias); with `accumulate`, y += x·Wᵀ (+ bias). x (T, K), W (N, K), y (T, N).
 
     Fused inputs (T = 1 only, see `fusable`): `norm=(g (K,) f32, eps)` multiplies by RMSNorm(x)
     instead of x; `silu=True` takes x (1, 2K) = [gate | up] and multiplies by silu(gate) * up.
     Fused outputs (T = 1 only, see `epilogue_ok`): `silu_out=True` for a weight from
     `interleave_pairs` (gate and up rows in pairs) stores y (1, N/2) = silu(gate) * up;
-    `rope_kv` rotates the q and k rows of a fused qkv projection and writes k and v to the caches."""
+    `rope_kv` rotates the q and k rows of a fused qkv projection and writes k and v to the caches;
+    `norm_out` (y (1, N) the whole row, usually accumulate=True on a residual) also stores y * g
+    and the partial sums of y^2 that a following matmul(..., rms_from=(partials, eps)) turns into
+    1 / rms: that matmul takes x = y * g and gives RMSNorm(y) · Wᵀ with no norm dispatch between."""
     cfg = config or default_config(dev)
-    ep = "silu" if silu_out else "rope_kv" if rope_kv is not None else "store"
+    eps_set = [silu_out, rope_kv is not None, norm_out is not None]
+    ep = "silu" if silu_out else "rope_kv" if rope_kv is not None else \
+        "res_norm" if norm_out is not None else "store"
     if ep != "store":
-        check(not (silu_out and rope_kv is not None), "matmul", "silu_out and rope_kv cannot both be set")
+        check(sum(eps_set) == 1, "matmul", "only one of silu_out, rope_kv and norm_out can be set")
         check(epilogue_ok(dev, w.qtype, w.n, w.k, cfg, force=True) and len(w.bufs) == 1
               and x.shape[0] == 1, "matmul",
               "a fused epilogue needs T = 1, a single-buffer weight with K % 32 == 0 and 4 rows per "
               "invocation")
         check(bias is None or not silu_out, "matmul", "silu_out takes no bias")
-        check(not accumulate, "matmul", "a fused epilogue cannot accumulate")
+        check(not accumulate or ep == "res_norm", "matmul", "this fused epilogue cannot accumulate")
         n_out = w.n // 2 if silu_out else w.n
         check(tuple(y.shape) == (1, n_out), "matmul", f"y is {y.shape}, expected (1, {n_out})")
     check(len(x.shape) == 2 and len(y.shape) == 2, "matmul", f"x {x.shape} and y {y.shape} must be 2-D")
@@ -386,6 +420,10 @@ def matmul(dev: Device, x: Tensor, w: QWeight, y: Tensor, *, bias: Tensor | None
     if silu:
         check(x.shape[1] % 2 == 0, "matmul", f"silu needs x = [gate | up], got {x.shape}")
         x = Tensor(x.buf, (x.shape[0], x.shape[1] // 2), x.dtype, x.offset)
+    if rms_from is not None:
+        check(norm is None and not silu, "matmul", "rms_from cannot be combined with norm or silu")
+        check(x.shape[0] == 1 and x.shape[1] % 32 == 0, "matmul",
+              "rms_from needs T = 1 and K % 32 == 0 (the decode path)")
     if norm is not None or silu:
         check(norm is None or not silu, "matmul", "norm and silu cannot both be fused")
         check(fusable(dev, x.shape[0], w, cfg, force=True), "matmul",
@@ -410,10 +448,14 @@ def matmul(dev: Device, x: Tensor, w: QWeight, y: Tensor, *, bias: Tensor | None
         op = matmul_tiled.matmul(dev, x, w, y, bias=bias, accumulate=accumulate)   # prefill tiles
         if op is not None:
             return op
-    if T == 1 and K % 32 == 0 and (norm is not None or silu or ep != "store" or _use_v4(cfg, w)
-                                   or cfg.unroll and K <= cfg.unroll_max_k and w.n <= cfg.unroll_max_n):
+    unrolled = _use_v4(cfg, w) or cfg.unroll and K <= cfg.unroll_max_k and w.n <= cfg.unroll_max_n
+    if T == 1 and K % 32 == 0 and (norm is not None or silu or rms_from is not None or unrolled
+                                   or ep in ("silu", "rope_kv")):
         return _matmul_decode(dev, x, w, y, xb, x_off, yb, y_off, bb, b_off, bias is not None,
-                              accumulate, cfg, norm, silu, ep, rope_kv)
+                              accumulate, cfg, norm, silu, ep, rope_kv, norm_out, rms_from)
+    if ep == "res_norm":          # K too long to unroll: the loop kernel with the epilogue
+        return _matmul_res_norm_loop(dev, x, w, y, xb, x_off, yb, y_off, bb, b_off, bias is not None,
+                                     accumulate, cfg, norm_out)
     if T > 1 and cfg.tm == 4:
         entry, rr, tiles = "matmul_tile", cfg.prr, -(-T // 4)
     else:
@@ -444,10 +486,17 @@ def fusable(dev: Device, T: int, w: QWeight, config: MatmulConfig | None = None,
 
 
 def _matmul_decode(dev, x, w, y, xb, x_off, yb, y_off, bb, b_off, has_bias, accumulate, cfg, norm,
-                   silu, ep="store", rope: RopeKV | None = None) -> Op:
+                   silu, ep="store", rope: RopeKV | None = None, norm_out: "NormOut | None" = None,
+                   rms_from: tuple | None = None) -> Op:
     K = w.k
     mode, g_off4, eps, extra = "plain", 0, 0.0, {}
-    if norm is not None:
+    if rms_from is not None:
+        part, eps = rms_from
+        check(part.dtype == "f32" and part.numel == K // 4 and K % 16 == 0, "matmul",
+              f"rms_from partial sums must be f32 ({K // 4},) with K % 16 == 0")
+        pb, g_off4 = _window(part, 16, "matmul", "partial sums")
+        mode, extra = "pnorm", {5: pb}
+    elif norm is not None:
         g, eps = norm
         check(g.dtype == "f32" and g.numel == K, "matmul", f"norm weight must be f32 ({K},)")
         gb, g_off4 = _window(g, 16, "matmul", "norm weight")
@@ -455,17 +504,12 @@ def _matmul_decode(dev, x, w, y, xb, x_off, yb, y_off, bb, b_off, has_bias, accu
     elif silu:
         mode = "silu"
     if _use_v4(cfg, w):
-        src = _decode_v4_source(w.qtype, K // 32, K, x_off, mode, K // 4, g_off4, eps, ep, w.inter_full)
+        src = _decode_v4_source(w.qtype, K // 32, K, x_off, mode, K // 4, g_off4, eps, ep, w.inter_full,
+                                cfg.xs_fold)
     else:
         src = _decode_source(K // 32, K, x_off, mode, K // 4, g_off4, eps, ep)
     if ep != "store":
-        caches = None
-        if rope is not None:
-            esz = DTYPE_SIZE[y.dtype]
-            caches = [_window(rope.k_cache, esz, "matmul", "k cache"),
-                      _window(rope.v_cache, esz, "matmul", "v cache")]     # (binding, offset) each
-            extra.update({6: rope.step, 7: rope.freq, 8: caches[0][0], 9: caches[1][0]})
-        src += _epilogue_source(y.dtype, rope, caches)
+        src += _epilogue_binds(y, rope, norm_out, extra)
     pipe = _pipeline(dev, "matmul_decode", w, x.dtype, cfg.wg, cfg.rr, src)
     flags = (1 if has_bias else 0) | (2 if accumulate else 0)
     op = Op(name=f"matmul[{w.label}]")
@@ -482,9 +526,45 @@ def _matmul_decode(dev, x, w, y, xb, x_off, yb, y_off, bb, b_off, has_bias, accu
     return op
 
 
-def _epilogue_source(dtype: str, rope: RopeKV | None, caches: list | None) -> str:
-    """sincos.wgsl + matmul_epilogue.wgsl and its consts (zeros when no rope: ep_rope_kv unused);
-    `caches`: the k and v caches' (binding, element offset)."""
+def _epilogue_binds(y: Tensor, rope: RopeKV | None, norm_out: "NormOut | None", extra: dict) -> str:
+    """The epilogue's bindings (added to `extra`) and source."""
+    esz = DTYPE_SIZE[y.dtype]
+    caches = offs = None
+    if rope is not None:
+        caches = [_window(rope.k_cache, esz, "matmul", "k cache"),
+                  _window(rope.v_cache, esz, "matmul", "v cache")]     # (binding, offset) each
+        extra.update({6: rope.step, 7: rope.freq, 8: caches[0][0], 9: caches[1][0]})
+    if norm_out is not None:
+        n = y.numel
+        g, out, part = norm_out.g, norm_out.out, norm_out.partials
+        check(g.dtype == "f32" and g.numel == n and out.dtype == y.dtype and out.numel == n
+              and part.dtype == "f32" and part.numel == n // 4 and n % 4 == 0, "matmul",
+              f"norm_out needs g f32 ({n},), out {y.dtype} ({n},) and partials f32 ({n // 4},)")
+        wins = [_window(g, 4, "matmul", "norm weight"), _window(out, esz, "matmul", "norm output"),
+                _window(part, 4, "matmul", "partial sums")]
+        extra.update({10: wins[0][0], 11: wins[1][0], 12: wins[2][0]})
+        offs = [o for _, o in wins]
+    return _epilogue_source(y.dtype, rope, caches, offs)
+
+
+def _matmul_res_norm_loop(dev, x, w, y, xb, x_off, yb, y_off, bb, b_off, has_bias, accumulate, cfg,
+                          norm_out) -> Op:
+    """T = 1 with norm_out where K is too long to unroll: matmul.wgsl's loop over K, RR = 4."""
+    K, extra = w.k, {}
+    src = _epilogue_binds(y, None, norm_out, extra)
+    pipe = _pipeline(dev, "matmul_res_norm", w, x.dtype, cfg.wg, 4, src)
+    flags = (1 if has_bias else 0) | (2 if accumulate else 0)
+    (buf,), ((r0, rows),) = w.bufs, w.parts
+    p = params(dev, [K, rows, 1, w.row_words, x_off, y_off, w.n, r0, b_off, flags, K // 32, K // 4],
+               owner=y.buf.owner, label=f"matmul[{w.label}]")
+    op = Op(name=f"matmul[{w.label}]", buffers=[p])
+    return op.add(pipe, dev.bind(pipe, {0: p, 1: xb, 2: buf, 3: yb, 4: bb, **extra}),
+                  -(-rows // (cfg.wg * 4)), 1)
+
+
+def _epilogue_source(dtype: str, rope: RopeKV | None, caches: list | None, norm_offs: list | None = None) -> str:
+    """sincos.wgsl + matmul_epilogue.wgsl and its consts (zeros where unused); `caches`: the k and v
+    caches' (binding, element offset); `norm_offs`: ep_res_norm's g, out and partials offsets."""
     c = dict(EP_D=1, EP_ROT=0, EP_KLO=0, EP_VLO=0, EP_CTX=0, EP_KC=0, EP_VC=0)
     if rope is not None:
         D = rope.head_dim
@@ -496,6 +576,7 @@ def _epilogue_source(dtype: str, rope: RopeKV | None, caches: list | None) -> st
         c = dict(EP_D=D, EP_ROT=rope.rot_dim, EP_KLO=rope.n_q_heads * D,
                  EP_VLO=(rope.n_q_heads + rope.n_kv_heads) * D, EP_CTX=rope.ctx,
                  EP_KC=caches[0][1], EP_VC=caches[1][1])
+    c.update(zip(("EP_G", "EP_YG", "EP_PART"), norm_offs or (0, 0, 0)))
     consts = "".join(f"const {k}: u32 = {v}u;\n" for k, v in c.items())
     return consts + load_shader_source("sincos.wgsl") + load_shader_source("matmul_epilogue.wgsl")
 
