@@ -9,9 +9,10 @@ gets the remainder. Norm, elementwise, rope and pooling bind activations read_wr
 output may alias an input (WebGPU forbids one buffer bound read-only and read_write in the same
 dispatch); attention binds qkv and the caches read-only, so its `out` must live in another buffer.
 
-Decode dispatches per Llama layer from this module: rms_norm 1 + rope_kv 1 (rope and kv_write
-fused) + attention 2 (split + combine) + rms_norm 1 + silu_mul 1 = 6 (+1 per residual `add` when
-the matmul does not accumulate).
+Decode dispatches per Llama layer from this module, where the matmuls take no epilogues (GPU
+adapters): rms_norm 1 + rope_kv 1 (rope and kv_write fused) + attention 2 (split + combine; 1 while
+the context is short) + rms_norm 1 + silu_mul 1 = 6. On CPU adapters the decode matmuls absorb
+rope_kv, silu_mul and both norms (kernels/matmul.py epilogues), leaving attention alone.
 """
 from __future__ import annotations
 
