@@ -49,7 +49,8 @@ fn xchunk(xb: u32) -> XChunk {
     return XChunk(v, vec2<f32>(dot(lo, vec4<f32>(1.0)), dot(hi, vec4<f32>(1.0))));
 }
 
-fn cdot(w: WChunk, a: XChunk) -> f32 {
+// w . a, the partial sums of the two halves reduced with weights f (1 for plain quants)
+fn cdot_by(w: WChunk, a: XChunk, f: vec4<f32>) -> f32 {
     var lo = w.q[0] * a.v[0];
     lo = fma(w.q[1], a.v[1], lo);
     lo = fma(w.q[2], a.v[2], lo);
@@ -58,9 +59,10 @@ fn cdot(w: WChunk, a: XChunk) -> f32 {
     hi = fma(w.q[5], a.v[5], hi);
     hi = fma(w.q[6], a.v[6], hi);
     hi = fma(w.q[7], a.v[7], hi);
-    let one = vec4<f32>(1.0);
-    return dot(w.s, vec4<f32>(dot(lo, one), dot(hi, one), a.s.x, a.s.y));
+    return dot(w.s, vec4<f32>(dot(lo, f), dot(hi, f), a.s.x, a.s.y));
 }
+
+fn cdot(w: WChunk, a: XChunk) -> f32 { return cdot_by(w, a, vec4<f32>(1.0)); }
 
 // the K % 32 tail of float weights: 4 weights at a time
 fn tail(base: u32, xr: u32) -> f32 {

@@ -22,27 +22,19 @@ fn v4_nib4(q: u32) -> vec4<f32> {
     return vec4<f32>(bitcast<vec4<i32>>(vec4<u32>(q) & vec4<u32>(0xFu, 0xF00u, 0xF0000u, 0xF000000u)));
 }
 
+// 256^-j for component j: undoes v4_nib4's in-place scaling (powers of 2, so exact)
+const V4_UNSCALE = vec4<f32>(1.0, 0.00390625, 1.52587890625e-05, 5.9604644775390625e-08);
+
 // x chunk with component j of every vec4 scaled by 256^-j (the partial sums s stay unscaled)
 fn v4_xs(a: XChunk) -> XChunk {
-    let f = vec4<f32>(1.0, 0.00390625, 1.52587890625e-05, 5.9604644775390625e-08);
+    let f = V4_UNSCALE;
     return XChunk(array<vec4<f32>, 8>(a.v[0] * f, a.v[1] * f, a.v[2] * f, a.v[3] * f,
                                       a.v[4] * f, a.v[5] * f, a.v[6] * f, a.v[7] * f), a.s);
 }
 
 // cdot for quants scaled by 256^j (v4_nib4) against unscaled x: the per-component partial sums
 // are scaled when reduced (4 multiplies per row and chunk instead of 32 per chunk on x)
-fn cdot_xs(w: WChunk, a: XChunk) -> f32 {
-    var lo = w.q[0] * a.v[0];
-    lo = fma(w.q[1], a.v[1], lo);
-    lo = fma(w.q[2], a.v[2], lo);
-    lo = fma(w.q[3], a.v[3], lo);
-    var hi = w.q[4] * a.v[4];
-    hi = fma(w.q[5], a.v[5], hi);
-    hi = fma(w.q[6], a.v[6], hi);
-    hi = fma(w.q[7], a.v[7], hi);
-    let f = vec4<f32>(1.0, 0.00390625, 1.52587890625e-05, 5.9604644775390625e-08);
-    return dot(w.s, vec4<f32>(dot(lo, f), dot(hi, f), a.s.x, a.s.y));
-}
+fn cdot_xs(w: WChunk, a: XChunk) -> f32 { return cdot_by(w, a, V4_UNSCALE); }
 
 // 4 sign-extended int8 of one word
 fn v4_i8x4(q: u32) -> vec4<f32> {

@@ -39,6 +39,13 @@ fn ep_silu(i4: u32, r: vec4<f32>) {
     y[o + 1u] = act(s.y);
 }
 
+// sums of rows n .. n + 3 plus their bias where the op has one
+fn ep_bias(n: u32, sums: vec4<f32>) -> vec4<f32> {
+    if ((P.flags & 1u) == 0u) { return sums; }
+    let b = P.b_off + n;
+    return sums + vec4<f32>(bias[b], bias[b + 1u], bias[b + 2u], bias[b + 3u]);
+}
+
 fn ep_rot(a: f32, b: f32, pos: u32, i: u32) -> vec2<f32> {
     return rotate_by(a, b, f32(pos) * ep_freq[i]);
 }
@@ -46,11 +53,7 @@ fn ep_rot(a: f32, b: f32, pos: u32, i: u32) -> vec2<f32> {
 fn ep_rope_kv(i4: u32, sums: vec4<f32>) {
     if (4u * i4 >= P.rows) { return; }
     let n = P.n0 + 4u * i4;
-    var r = sums;
-    if ((P.flags & 1u) != 0u) {
-        let b = P.b_off + n;
-        r += vec4<f32>(bias[b], bias[b + 1u], bias[b + 2u], bias[b + 3u]);
-    }
+    var r = ep_bias(n, sums);
     let pos = ep_step[0];
     let d = n % EP_D;
     if (n < EP_VLO && d < EP_ROT) {          // a q or k row in the rotated part
@@ -83,11 +86,7 @@ fn ep_rope_kv(i4: u32, sums: vec4<f32>) {
 fn ep_res_norm(i4: u32, sums: vec4<f32>) {
     if (4u * i4 >= P.rows) { return; }
     let n = P.n0 + 4u * i4;
-    var r = sums;
-    if ((P.flags & 1u) != 0u) {
-        let b = P.b_off + n;
-        r += vec4<f32>(bias[b], bias[b + 1u], bias[b + 2u], bias[b + 3u]);
-    }
+    var r = ep_bias(n, sums);
     let o = P.y_off + n;
     if ((P.flags & 2u) != 0u) { r += vec4<f32>(f32(y[o]), f32(y[o + 1u]), f32(y[o + 2u]), f32(y[o + 3u])); }
     // the norm sees y as stored (rounded to act), as a separate rms_norm would read it

@@ -313,6 +313,14 @@ def _decode_v4_source(qtype: str, nchunks: int, k: int, x_off4: int, mode: str, 
     return "\n".join(lines)
 
 
+def _params(dev, w, y, T, rows, r0, x_off, y_off, b_off, has_bias, accumulate):
+    """matmul.wgsl's MatmulParams for the weight part of `rows` rows starting at row r0."""
+    K = w.k
+    flags = (1 if has_bias else 0) | (2 if accumulate else 0)
+    return params(dev, [K, rows, T, w.row_words, x_off, y_off, w.n, r0, b_off, flags, K // 32, K // 4],
+                  owner=y.buf.owner, label=f"matmul[{w.label}]")
+
+
 # mode -> the x chunk reader of matmul_decode.wgsl (pnorm reads x as is: it is x0 * g already)
 _X_FN = {"plain": "dec_x", "norm": "dec_xn", "silu": "dec_xs", "pnorm": "dec_x"}
 
@@ -454,21 +462,19 @@ def matmul(dev: Device, x: Tensor, w: QWeight, y: Tensor, *, bias: Tensor | None
         return _matmul_decode(dev, x, w, y, xb, x_off, yb, y_off, bb, b_off, bias is not None,
                               accumulate, cfg, norm, silu, ep, rope_kv, norm_out, rms_from)
     if ep == "res_norm":          # K too long to unroll: the loop kernel with the epilogue
-        return _matmul_res_norm_loop(dev, x, w, y, xb, x_off, yb, y_off, bb, b_off, bias is not None,
-                                     accumulate, cfg, norm_out)
+        return _matmul_decode(dev, x, w, y, xb, x_off, yb, y_off, bb, b_off, bias is not None,
+                              accumulate, cfg, None, False, ep, None, norm_out, loop=True)
     if T > 1 and cfg.tm == 4:
         entry, rr, tiles = "matmul_tile", cfg.prr, -(-T // 4)
     else:
         entry, rr, tiles = "matmul", cfg.rr, T
     check(tiles <= _MAX_GROUPS, "matmul", f"T={T} needs more than 65535 tiles")
     pipe = _pipeline(dev, entry, w, x.dtype, cfg.wg, rr)
-    flags = (1 if bias is not None else 0) | (2 if accumulate else 0)
     op = Op(name=f"matmul[{w.label}]")
     for buf, (r0, rows) in zip(w.bufs, w.parts):
         groups = -(-rows // (cfg.wg * rr))
         check(groups <= _MAX_GROUPS, "matmul", f"{rows} rows need more than 65535 workgroups")
-        p = params(dev, [K, rows, T, w.row_words, x_off, y_off, w.n, r0, b_off, flags, K // 32, K // 4],
-                   owner=y.buf.owner, label=f"matmul[{w.label}]")
+        p = _params(dev, w, y, T, rows, r0, x_off, y_off, b_off, bias is not None, accumulate)
         op.buffers.append(p)
         op.add(pipe, dev.bind(pipe, [p, xb, buf, yb, bb]), groups, tiles)
     return op
@@ -487,7 +493,9 @@ def fusable(dev: Device, T: int, w: QWeight, config: MatmulConfig | None = None,
 
 def _matmul_decode(dev, x, w, y, xb, x_off, yb, y_off, bb, b_off, has_bias, accumulate, cfg, norm,
                    silu, ep="store", rope: RopeKV | None = None, norm_out: "NormOut | None" = None,
-                   rms_from: tuple | None = None) -> Op:
+                   rms_from: tuple | None = None, loop: bool = False) -> Op:
+    """T = 1: the host-unrolled decode kernel, or with `loop` (an epilogue, K too long to unroll)
+    matmul.wgsl's loop over K ending with the epilogue (matmul_epilogue.wgsl matmul_<ep>)."""
     K = w.k
     mode, g_off4, eps, extra = "plain", 0, 0.0, {}
     if rms_from is not None:
@@ -503,21 +511,22 @@ def _matmul_decode(dev, x, w, y, xb, x_off, yb, y_off, bb, b_off, has_bias, accu
         mode, extra = "norm", {5: gb}
     elif silu:
         mode = "silu"
-    if _use_v4(cfg, w):
+    entry = "matmul_decode"
+    if loop:
+        src, entry = "", f"matmul_{ep}"
+    elif _use_v4(cfg, w):
         src = _decode_v4_source(w.qtype, K // 32, K, x_off, mode, K // 4, g_off4, eps, ep, w.inter_full,
                                 cfg.xs_fold)
     else:
         src = _decode_source(K // 32, K, x_off, mode, K // 4, g_off4, eps, ep)
     if ep != "store":
         src += _epilogue_binds(y, rope, norm_out, extra)
-    pipe = _pipeline(dev, "matmul_decode", w, x.dtype, cfg.wg, cfg.rr, src)
-    flags = (1 if has_bias else 0) | (2 if accumulate else 0)
+    pipe = _pipeline(dev, entry, w, x.dtype, cfg.wg, cfg.rr, src)
     op = Op(name=f"matmul[{w.label}]")
     for buf, (r0, rows) in zip(w.bufs, w.parts):
         groups = -(-rows // (cfg.wg * cfg.rr))
         check(groups <= _MAX_GROUPS, "matmul", f"{rows} rows need more than 65535 workgroups")
-        p = params(dev, [K, rows, 1, w.row_words, x_off, y_off, w.n, r0, b_off, flags, K // 32, K // 4],
-                   owner=y.buf.owner, label=f"matmul[{w.label}]")
+        p = _params(dev, w, y, 1, rows, r0, x_off, y_off, b_off, has_bias, accumulate)
         op.buffers.append(p)
         entries = {0: p, 1: xb, 2: buf, 3: yb, 4: bb, **extra}
         if ep == "silu":
@@ -545,21 +554,6 @@ def _epilogue_binds(y: Tensor, rope: RopeKV | None, norm_out: "NormOut | None", 
         extra.update({10: wins[0][0], 11: wins[1][0], 12: wins[2][0]})
         offs = [o for _, o in wins]
     return _epilogue_source(y.dtype, rope, caches, offs)
-
-
-def _matmul_res_norm_loop(dev, x, w, y, xb, x_off, yb, y_off, bb, b_off, has_bias, accumulate, cfg,
-                          norm_out) -> Op:
-    """T = 1 with norm_out where K is too long to unroll: matmul.wgsl's loop over K, RR = 4."""
-    K, extra = w.k, {}
-    src = _epilogue_binds(y, None, norm_out, extra)
-    pipe = _pipeline(dev, "matmul_res_norm", w, x.dtype, cfg.wg, 4, src)
-    flags = (1 if has_bias else 0) | (2 if accumulate else 0)
-    (buf,), ((r0, rows),) = w.bufs, w.parts
-    p = params(dev, [K, rows, 1, w.row_words, x_off, y_off, w.n, r0, b_off, flags, K // 32, K // 4],
-               owner=y.buf.owner, label=f"matmul[{w.label}]")
-    op = Op(name=f"matmul[{w.label}]", buffers=[p])
-    return op.add(pipe, dev.bind(pipe, {0: p, 1: xb, 2: buf, 3: yb, 4: bb, **extra}),
-                  -(-rows // (cfg.wg * 4)), 1)
 
 
 def _epilogue_source(dtype: str, rope: RopeKV | None, caches: list | None, norm_offs: list | None = None) -> str:
