@@ -322,6 +322,68 @@ def test_cli_download_ls_rm(srv, tmp_path):
     assert r.returncode == 1 and "no-such-model" in r.stderr
 
 
+# --------------------------------------------------------------------------- deletions stay inside the cache
+def _outside_and_cache(tmp_path: Path) -> tuple[Path, Path, Path]:
+    """A cache root with one cached model, and a victim folder beside the root (outside it)."""
+    root = tmp_path / "root"
+    (root / "model" / "kept").mkdir(parents=True)
+    (root / "model" / "kept" / "w.bin").write_bytes(b"cached")
+    victim = tmp_path / "x"
+    victim.mkdir()
+    (victim / "precious.txt").write_text("keep me")
+    return root, victim, root / "model" / "kept" / "w.bin"
+
+
+@pytest.mark.parametrize("helper", ["delete_model_in_cache", "delete_chat_config_in_cache",
+                                    "delete_model_all_info_in_cache"])
+def test_delete_helpers_refuse_ids_outside_the_cache(tmp_path, helper):
+    from webgpu_engine.errors import CachePathError
+    root, victim, kept = _outside_and_cache(tmp_path)
+    for scope in ("model", "config"):         # a link inside the cache that leads out of it
+        (root / scope).mkdir(exist_ok=True)
+        (root / scope / "link").symlink_to(victim, target_is_directory=True)
+    fn = getattr(cache, helper)
+    for bad in ("../../x", "../x", "kept/../../../x", str(victim), "/", "", ".", "..", "model/..", "link"):
+        with pytest.raises(CachePathError):
+            fn(bad, root=root)
+    assert (victim / "precious.txt").read_text() == "keep me"
+    assert kept.read_bytes() == b"cached" and (root / "model" / "link").is_symlink()
+    assert fn("kept", root=root) == (helper != "delete_chat_config_in_cache")   # a real id still works
+
+
+def test_cli_cache_rm_refuses_ids_outside_the_cache(tmp_path):
+    root, victim, kept = _outside_and_cache(tmp_path)
+    for argv in (["rm", "../../x"], ["rm", str(victim)], ["rm", "--scope", "model", "../../x"]):
+        r = subprocess.run([sys.executable, "-m", "webgpu_engine.cache", *argv, "--root", str(root)],
+                           cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2, (argv, r.stdout, r.stderr)
+        assert "inside the cache root" in r.stderr and "deleted" not in r.stdout
+    # The main CLI's `cache rm` goes through the same command.
+    r = subprocess.run([sys.executable, "-m", "webgpu_engine", "cache", "rm", "../../x", "kept",
+                        "--root", str(root)], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert "inside the cache root" in r.stderr and "deleted kept (all)" in r.stdout, (r.stdout, r.stderr)
+    assert r.returncode != 0
+    assert (victim / "precious.txt").read_text() == "keep me"
+    assert not kept.exists()
+
+
+def test_pip_download_ends_options_and_has_a_timeout(tmp_path, monkeypatch):
+    from webgpu_engine.cache import sources
+    seen = {}
+
+    def fake_run(cmd, **kw):
+        seen["cmd"], seen["kw"] = cmd, kw
+        raise subprocess.TimeoutExpired(cmd, kw.get("timeout"))
+    monkeypatch.setattr(sources.subprocess, "run", fake_run)
+    ws = sources.WheelSource(tmp_path / "tmp", offline=False, note=lambda text: None)
+    with pytest.raises(ArtifactFetchError, match="did not finish"):
+        ws.wheel("--index-url=http://evil.invalid/ pkg==1.0")
+    cmd = seen["cmd"]
+    assert cmd[-2:] == ["--", "--index-url=http://evil.invalid/ pkg==1.0"]
+    assert 0 < seen["kw"]["timeout"] <= 3600
+    ws.cleanup()
+
+
 # --------------------------------------------------------------------------- shader bundles
 async def test_shader_bundle_is_fetched_unpacked_and_selected(srv, tmp_path):
     from webgpu_engine.gpu import shaders
@@ -341,6 +403,20 @@ async def test_shader_bundle_is_fetched_unpacked_and_selected(srv, tmp_path):
     finally:
         default = await cache.use_shader_bundle(None)
     assert shaders.load_shader_source("copy.wgsl") == (default / "copy.wgsl").read_text()
+
+
+def test_oversized_shader_zip_member_is_refused(tmp_path, monkeypatch):
+    from webgpu_engine.cache import shaders as cache_shaders
+    from webgpu_engine.errors import ArtifactError
+    monkeypatch.setattr(cache_shaders, "MAX_WGSL_BYTES", 1000)
+    zpath = tmp_path / "bundle.zip"
+    with zipfile.ZipFile(zpath, "w", zipfile.ZIP_DEFLATED) as z:
+        z.writestr("shaders/ok.wgsl", "// small\n")
+        z.writestr("shaders/big.wgsl", "/" * 5000)       # compresses to a few bytes: a tiny bomb
+    out = tmp_path / "out"
+    with pytest.raises(ArtifactError, match="limit"):
+        cache_shaders._unpack(zpath, out, tmp_path / "partial")
+    assert not out.exists()
 
 
 # --------------------------------------------------------------------------- the real default models

@@ -197,6 +197,19 @@ class ModelFormatError(ArtifactError):
 
 
 # --------------------------------------------------------------------------- artifact cache
+class CachePathError(ArtifactError):
+    """A model id names a place outside the cache (an absolute path, `..`, a link leading out); the
+    cache refuses to touch it."""
+
+    http_status = 400
+    error_type = "invalid_request_error"
+
+    def __init__(self, model_id: str, root: str):
+        super().__init__(
+            f"Model id {model_id!r} does not name a folder inside the cache root {root}; give a cached "
+            f"model id as `cache ls` lists it (no absolute paths, no '..').", param="model")
+
+
 class CacheQuotaError(ArtifactError):
     """The cache's disk has too little free space for a download; the message says how much is needed."""
 

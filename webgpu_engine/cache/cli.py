@@ -57,13 +57,20 @@ def cmd_rm(args) -> int:
     from . import delete_chat_config_in_cache, delete_model_all_info_in_cache, delete_model_in_cache
     fn = {"all": delete_model_all_info_in_cache, "model": delete_model_in_cache,
           "config": delete_chat_config_in_cache}[args.scope]
+    from ..errors import CachePathError
     rc = 0
     for mid in args.model_id:
-        if fn(mid, root=args.root):
+        try:
+            hit = fn(mid, root=args.root)
+        except CachePathError as e:
+            print(f"error: {e}", file=sys.stderr)
+            rc = 2
+            continue
+        if hit:
             print(f"deleted {mid} ({args.scope})")
         else:
             print(f"{mid}: nothing cached ({args.scope})", file=sys.stderr)
-            rc = 1
+            rc = max(rc, 1)
     return rc
 
 

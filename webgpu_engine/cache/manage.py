@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import os
 import shutil
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
-from ..errors import IntegrityError
+from ..errors import CachePathError, IntegrityError
 from .artifact import SCOPES, Artifact, cache_root, model_dir
 from .defaults import model_artifacts
 
@@ -27,11 +27,28 @@ def has_model_in_cache(model_id: str, artifacts: list[Artifact] | None = None, *
         return False
 
 
+def confined_dir(parent: Path, model_id: str, root) -> Path:
+    """`parent / model_id`, checked to lie strictly inside `parent` once links and `..` are resolved;
+    raises CachePathError otherwise (before anything is deleted)."""
+    if not isinstance(model_id, str) or not model_id or "\x00" in model_id:
+        raise CachePathError(str(model_id), str(cache_root(root)))
+    pure = PurePosixPath(model_id.replace("\\", "/"))
+    if pure.is_absolute() or os.path.isabs(model_id) or ".." in pure.parts or pure.parts in ((), (".",)):
+        raise CachePathError(model_id, str(cache_root(root)))
+    d = parent / model_id
+    inside, real = parent.resolve(), d.resolve()
+    if real == inside or inside not in real.parents:
+        raise CachePathError(model_id, str(cache_root(root)))
+    return d
+
+
 def _rm(scope: str, model_id: str, root) -> bool:
-    """Delete one model's folder in `scope` and its unfinished downloads; True if anything was there."""
+    """Delete one model's folder in `scope` and its unfinished downloads; True if anything was there.
+    Both folders are checked to lie inside the cache before either is touched."""
     base = cache_root(root)
+    dirs = [confined_dir(base / scope, model_id, root), confined_dir(base / ".partial" / scope, model_id, root)]
     hit = False
-    for d in (base / scope / model_id, base / ".partial" / scope / model_id):
+    for d in dirs:
         if d.exists():
             shutil.rmtree(d)
             hit = True

