@@ -60,6 +60,28 @@ def test_buffer_round_trip_exact(device, nbytes):
     assert device.allocated_bytes("test-roundtrip") == 0
 
 
+async def test_concurrent_reads_of_two_owners_get_their_own_data(device):
+    """Two models reading back at the same time (same size class, so the same staging pool) must each
+    get their own bytes: a shared staging buffer would be mapped twice or overwritten mid-read."""
+    rng = np.random.default_rng(7)
+    owners = ("model:a", "model:b")
+    payloads = {o: [rng.integers(0, 256, 3000 + 4 * i, dtype=np.uint8).tobytes() for i in range(4)]
+                for o in owners}
+    bufs = {o: [device.upload(d, owner=o, label=f"{o}:{i}") for i, d in enumerate(ds)]
+            for o, ds in payloads.items()}
+    try:
+        for _ in range(3):
+            jobs = [(o, i) for i in range(4) for o in owners]
+            got = await asyncio.gather(*(device.read(bufs[o][i], 4, len(payloads[o][i]) - 8)
+                                         for o, i in jobs))
+            for (o, i), data in zip(jobs, got):
+                assert data == payloads[o][i][4:-4], (o, i)
+    finally:
+        for o in owners:
+            device.release_owner(o)
+    assert device.allocated_bytes(owners[0]) == device.allocated_bytes(owners[1]) == 0
+
+
 def test_odd_sizes_round_up_and_partial_write(device):
     buf = device.buffer(7, owner="test-odd")
     assert buf.size == 8 and buf.nbytes == 7

@@ -21,6 +21,11 @@ def round_up4(n: int) -> int:
     return max(4, (int(n) + 3) & ~3)
 
 
+def staging_class(n: int) -> int:
+    """The size class (a power of two, at least 256 bytes) of the staging buffer a readback of n uses."""
+    return 1 << max(8, (int(n) - 1).bit_length())
+
+
 @dataclass(frozen=True)
 class AdapterInfo:
     vendor: str

@@ -19,7 +19,8 @@ from pyodide.ffi import JsException, JsProxy, create_proxy, jsnull, to_js
 
 from ..errors import (FeatureSupportError, GPUOutOfMemoryError, GPUValidationError, ShaderF16SupportError,
                       WebGPUNotAvailableError)
-from .base import STORAGE, AdapterInfo, Batch, Buffer, Device, PassApi, _batch_names, encode_ops, round_up4
+from .base import (STORAGE, AdapterInfo, Batch, Buffer, Device, PassApi, _batch_names, encode_ops, round_up4,
+                   staging_class)
 
 _OPTIONAL_FEATURES = ("shader-f16", "subgroups", "timestamp-query")
 # JS limit names -> the kebab-case names the gpu layer uses (as wgpu-py reports them).
@@ -279,6 +280,7 @@ class BrowserDevice(Device):
         n4 = round_up4(n)
         what = f"readback of {buf.label!r}"
         staging = self._take_staging(n4)
+        ok = False
         try:
             def copy():
                 enc = self.raw.createCommandEncoder()
@@ -295,8 +297,9 @@ class BrowserDevice(Device):
                 data = Uint8Array.new(staging.getMappedRange(0, n4), 0, n).to_bytes()
             finally:
                 staging.unmap()
+            ok = True
         finally:
-            self._give_staging(staging, n4)
+            self._give_staging(staging, n4, reuse=ok)
         await self._flush()
         return data
 
@@ -305,8 +308,8 @@ class BrowserDevice(Device):
 
     def _take_staging(self, n: int):
         # One pool per power-of-two size class; a staging buffer still being mapped by an overlapping
-        # read is not in the pool, so concurrent reads each get their own.
-        cls = 1 << max(8, (n - 1).bit_length())
+        # read is not in the pool, so concurrent reads (of any owners) each get their own.
+        cls = staging_class(n)
         pool = self._staging.setdefault(cls, [])
         if pool:
             return pool.pop()
@@ -315,9 +318,14 @@ class BrowserDevice(Device):
             lambda: self.raw.createBuffer(_js({"size": cls, "usage": usage, "label": f"staging{cls}"})),
             f"staging buffer of {cls} bytes", oom=True), "readback")
 
-    def _give_staging(self, staging, n: int) -> None:
-        cls = 1 << max(8, (n - 1).bit_length())
-        self._staging.setdefault(cls, []).append(staging)
+    def _give_staging(self, staging, n: int, *, reuse: bool = True) -> None:
+        if reuse and not self.lost:
+            self._staging.setdefault(staging_class(n), []).append(staging)
+            return
+        try:             # a failed read may leave it mapped or pending: never hand it out again
+            staging.destroy()
+        except Exception:  # noqa: BLE001 - a lost device has nothing left to free
+            pass
 
     def close(self) -> None:
         super().close()

@@ -6,7 +6,7 @@ import os
 import wgpu
 
 from ..errors import WebGPUNotAvailableError
-from .base import STORAGE, AdapterInfo, Buffer, Device, PassApi, encode_ops, round_up4
+from .base import STORAGE, AdapterInfo, Buffer, Device, PassApi, encode_ops, round_up4, staging_class
 
 _OPTIONAL_FEATURES = ("shader-f16", "subgroups", "subgroup", "timestamp-query")
 _MAX_LIMITS = ("max-storage-buffer-binding-size", "max-buffer-size", "max-compute-workgroup-storage-size",
@@ -39,7 +39,7 @@ class NativeDevice(Device):
             frozenset(raw_device.features), dict(raw_device.limits))
         self.adapter, self.raw = adapter, raw_device
         self.queue = raw_device.queue
-        self._staging: dict[int, object] = {}
+        self._staging: dict[int, list] = {}   # size class -> idle staging buffers
 
     # ------------------------------------------------------------------ hooks
     def _raw_create_buffer(self, size: int, usage: str, label: str):
@@ -74,22 +74,27 @@ class NativeDevice(Device):
 
     # ------------------------------------------------------------------ readback
     async def read(self, buf: Buffer, offset: int = 0, size: int | None = None) -> bytes:
-        """Copy `size` bytes at `offset` of `buf` to the host (awaits the GPU)."""
+        """Copy `size` bytes at `offset` of `buf` to the host (awaits the GPU). Each read in flight
+        has a staging buffer of its own, so models reading back at the same time never share one."""
         n = buf.size - offset if size is None else size
         n4 = round_up4(n)
-        staging = self._guard(lambda: self._staging_buffer(n4), f"readback of {buf.label!r}")
-
-        def _copy():
-            enc = self.raw.create_command_encoder()
-            enc.copy_buffer_to_buffer(buf.raw, offset, staging, 0, n4)
-            self.queue.submit([enc.finish()])
-        self._guard(_copy, f"readback of {buf.label!r}")
+        staging = self._guard(lambda: self._take_staging(n4), f"readback of {buf.label!r}")
+        ok = False
         try:
-            await staging.map_async(wgpu.MapMode.READ, 0, n4)
-            data = bytes(staging.read_mapped(0, n4, copy=False))[:n]
-            staging.unmap()
-        except Exception as e:  # noqa: BLE001
-            raise self._translate(e, f"readback of {buf.label!r}") from None
+            def _copy():
+                enc = self.raw.create_command_encoder()
+                enc.copy_buffer_to_buffer(buf.raw, offset, staging, 0, n4)
+                self.queue.submit([enc.finish()])
+            self._guard(_copy, f"readback of {buf.label!r}")
+            try:
+                await staging.map_async(wgpu.MapMode.READ, 0, n4)
+                data = bytes(staging.read_mapped(0, n4, copy=False))[:n]
+                staging.unmap()
+            except Exception as e:  # noqa: BLE001
+                raise self._translate(e, f"readback of {buf.label!r}") from None
+            ok = True
+        finally:
+            self._give_staging(staging, n4, reuse=ok)
         return data
 
     def read_sync(self, buf: Buffer, offset: int = 0, size: int | None = None) -> bytes:
@@ -98,22 +103,32 @@ class NativeDevice(Device):
         return bytes(self._guard(lambda: self.queue.read_buffer(buf.raw, offset, round_up4(n)),
                                  f"readback of {buf.label!r}"))[:n]
 
-    def _staging_buffer(self, n: int):
-        # Reuse one staging buffer per power-of-two size class: per-token readbacks allocate nothing.
-        cls = 1 << max(8, (n - 1).bit_length())
-        s = self._staging.get(cls)
-        if s is None:
-            s = self.raw.create_buffer(size=cls, usage=_U.MAP_READ | _U.COPY_DST, label=f"staging{cls}")
-            self._staging[cls] = s
-        return s
+    def _take_staging(self, n: int):
+        # A pool per power-of-two size class: per-token readbacks allocate nothing, and a buffer
+        # being mapped by one read is out of the pool, so an overlapping read takes another.
+        pool = self._staging.setdefault(staging_class(n), [])
+        if pool:
+            return pool.pop()
+        cls = staging_class(n)
+        return self.raw.create_buffer(size=cls, usage=_U.MAP_READ | _U.COPY_DST, label=f"staging{cls}")
+
+    def _give_staging(self, staging, n: int, *, reuse: bool = True) -> None:
+        if reuse and not self.lost:
+            self._staging.setdefault(staging_class(n), []).append(staging)
+            return
+        try:             # a failed read may leave it mapped or pending: never hand it out again
+            staging.destroy()
+        except Exception:  # noqa: BLE001 - a lost device has nothing left to free
+            pass
 
     def close(self) -> None:
         super().close()
-        for s in self._staging.values():
-            try:
-                s.destroy()
-            except Exception:
-                pass
+        for pool in self._staging.values():
+            for s in pool:
+                try:
+                    s.destroy()
+                except Exception:  # noqa: BLE001 - a lost device has nothing left to free
+                    pass
         self._staging.clear()
 
 
