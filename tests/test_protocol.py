@@ -57,6 +57,39 @@ CASES = [
     ("chat", chat(repetition_penalty=0), E.RangeError, "repetition_penalty", "1.0 means no penalty"),
     ("chat", chat(stop=["a", 3]), E.FieldTypeError, "stop", "list of strings"),
     ("chat", chat(stop=""), E.FieldTypeError, "stop", "non-empty"),
+    # total validation: non-finite numbers, ranges the float32 sampler can hold, unicode, limits
+    ("chat", chat(temperature=float("nan")), E.FieldTypeError, "temperature", "finite number"),
+    ("chat", chat(top_p=float("inf")), E.FieldTypeError, "top_p", "finite number"),
+    ("chat", chat(repetition_penalty=float("nan")), E.FieldTypeError, "repetition_penalty", "finite"),
+    ("chat", chat(repetition_penalty=float("inf")), E.FieldTypeError, "repetition_penalty", "finite"),
+    ("chat", chat(repetition_penalty=1e300), E.RangeError, "repetition_penalty", "[0.01, 10]"),
+    ("chat", chat(repetition_penalty=1e-300), E.RangeError, "repetition_penalty", "no penalty"),
+    ("chat", chat(logit_bias={"42": float("nan")}), E.RangeError, "logit_bias", "[-100, 100]"),
+    ("chat", chat(logit_bias={"\u00b2": 1}), E.InvalidNumberStringError, "logit_bias", "digits"),
+    ("chat", chat(logit_bias={"\u0663": 1}), E.InvalidNumberStringError, "logit_bias", "digits"),
+    ("chat", chat(logit_bias={"9" * 5000: 1}), E.InvalidNumberStringError, "logit_bias", "digits"),
+    ("chat", chat(logit_bias={10 ** 5000: 1}), E.InvalidNumberStringError, "logit_bias", "bits"),
+    ("chat", chat(logit_bias={str(i): 1 for i in range(301)}), E.LimitExceededError, "logit_bias",
+     "at most 300"),
+    ("chat", chat(n=17), E.RangeError, "n", "[1, 16]"),
+    ("chat", chat(n=10 ** 6), E.RangeError, "n", "limit on choices"),
+    ("chat", chat(stop=["a", "b", "c", "d", "e"]), E.LimitExceededError, "stop", "at most 4"),
+    ("chat", chat(stop="x" * 257), E.LimitExceededError, "stop", "at most 256"),
+    ("chat", chat(stop=["ok", "\ud800"]), E.InvalidTextError, "stop", "stop[1]"),
+    ("chat", {"messages": [{"role": "user", "content": "a\udc00b"}]}, E.InvalidTextError, "messages",
+     "messages[0].content"),
+    ("chat", {"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]},
+     E.InvalidTextError, "messages", "content[0].text"),
+    ("chat", {"messages": [{"role": "user", "content": "a", "name": "\ud800"}]}, E.InvalidTextError,
+     "messages", "messages[0].name"),
+    ("chat", {"messages": [{"role": "user", "content": "a", "name": 5}]}, E.FieldTypeError,
+     "messages[0].name", "a string"),
+    ("chat", chat(model="m\udfff"), E.InvalidTextError, "model", "surrogate"),
+    ("chat", {"messages": [*U, {"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]},
+                           {"role": "tool", "content": "42", "tool_call_id": "1"}]},
+     E.UnsupportedFieldsError, "messages", "messages[1].tool_calls"),
+    ("chat", {"messages": [*U, {"role": "assistant", "content": None}, *U]}, E.ContentTypeError,
+     "messages", "needs text content"),
     # messages
     ("chat", {"messages": []}, E.EmptyMessagesError, "messages", "non-empty list"),
     ("chat", {}, E.EmptyMessagesError, "messages", "non-empty list"),
@@ -81,6 +114,8 @@ CASES = [
     ("comp", comp(best_of=3), E.UnsupportedFieldsError, "best_of", "n choices"),
     ("comp", comp(logprobs=9), E.RangeError, "logprobs", "[0, 5]"),
     ("comp", comp(stream=True, n=3), E.StreamingCountError, "n", "n=1 to stream"),
+    ("comp", {"prompt": "\ud800"}, E.InvalidTextError, "prompt", "`prompt` contains"),
+    ("comp", comp(suffix="\udbff"), E.InvalidTextError, "suffix", "U+DBFF"),
     # embeddings
     ("emb", {"input": []}, E.EmbeddingInputEmptyError, "input", "must not be empty"),
     ("emb", {"input": ""}, E.EmbeddingInputEmptyError, "input", "empty string"),
@@ -90,6 +125,12 @@ CASES = [
     ("emb", {"input": {"a": 1}}, E.FieldTypeError, "input", "list of token-id lists"),
     ("emb", {"input": "a", "dimensions": 64}, E.UnsupportedFieldsError, "dimensions",
      "remove `dimensions`"),
+    ("emb", {"input": ["a"] * 2049}, E.LimitExceededError, "input", "at most 2048"),
+    ("emb", {"input": [[1]] * 2049}, E.LimitExceededError, "input", "at most 2048"),
+    ("emb", {"input": [1] * 300_001}, E.LimitExceededError, "input", "at most 300000 allowed"),
+    ("emb", {"input": [[1] * 1000] * 301}, E.LimitExceededError, "input", "tokens"),
+    ("emb", {"input": ["ok", "\ud800"]}, E.InvalidTextError, "input", "input[1]"),
+    ("emb", {"input": "\udc00"}, E.InvalidTextError, "input", "surrogate"),
     ("emb", {"input": "a", "encoding_format": "base64"}, E.EmbeddingUnsupportedEncodingFormatError,
      "encoding_format", "use \"float\""),
 ]
@@ -140,9 +181,24 @@ def test_valid_chat_request_is_normalised():
 def test_valid_edge_values_pass():
     rules.check_chat_request(chat(temperature=0, top_p=1, frequency_penalty=-2, presence_penalty=2,
                                   logit_bias={"0": 100}, n=5, logprobs=True, top_logprobs=5))
-    rules.check_chat_request({"messages": [*U, {"role": "assistant", "content": None,
-                                                "tool_calls": [{"id": "1"}]},
+    rules.check_chat_request({"messages": [*U, {"role": "assistant", "content": "a"},
                                            {"role": "tool", "content": "42", "tool_call_id": "1"}]})
+    rules.check_chat_request(chat(n=16, stop=["a", "b", "c", "x" * 256], repetition_penalty=10,
+                                  logit_bias={str(i): 1 for i in range(300)}))
+    rules.check_chat_request(chat(logit_bias={"0" * 10: 1, 10 ** 10 - 1: 2}, model="caf\u00e9 \U0001f600"))
+    # temperatures too small for the float32 sampler are greedy, as in vLLM
+    for t in (1e-300, 1e-39, 5e-324, 1e-6):
+        assert rules.check_chat_request(chat(temperature=t))["temperature"] == 0.0
+    assert rules.check_chat_request(chat(temperature=1e-5))["temperature"] == 1e-5
+    tight = rules.RequestLimits(max_n=2, max_stop=1, max_logit_bias=1, max_embedding_inputs=2,
+                                max_embedding_tokens=3)
+    with pytest.raises(E.RangeError):
+        rules.check_chat_request(chat(n=3), tight)
+    with pytest.raises(E.LimitExceededError):
+        rules.check_completion_request(comp(stop=["a", "b"]), tight)
+    with pytest.raises(E.LimitExceededError):
+        rules.check_embedding_request({"input": [[1, 2], [3, 4]]}, tight)
+    rules.check_embedding_request({"input": ["a", "\U0001f600"]}, tight)
     out = rules.check_completion_request(comp(prompt=["only one"], echo=True, suffix="!", logprobs=2))
     assert out["prompt"] == "only one" and out["logprobs"] is True and out["top_logprobs"] == 2
     for inp in ("a", ["a", "b"], [1, 2, 3], [[1, 2], [3]]):

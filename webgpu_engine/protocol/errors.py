@@ -5,6 +5,8 @@ turn them into OpenAI error JSON unchanged. Standard library only: they run in t
 """
 from __future__ import annotations
 
+import reprlib
+
 from ..errors import InvalidRequestError
 
 
@@ -36,6 +38,24 @@ class InvalidNumberStringError(InvalidRequestError):
     def __init__(self, param: str, got: object):
         super().__init__(f"`{param}` keys must be token ids written as strings of digits (e.g. "
                          f"{{\"50256\": -100}}), got key {_show(got)}.", param=param)
+
+
+class LimitExceededError(InvalidRequestError):
+    """A request asks for more work than the server's per-request limits allow (RequestLimits)."""
+
+    def __init__(self, param: str, what: str, limit: int, got: int, hint: str = ""):
+        super().__init__(f"Too many {what} in `{param}`: at most {limit} allowed, got {got}."
+                         f"{' ' + hint if hint else ''}", param=param)
+
+
+class InvalidTextError(InvalidRequestError):
+    """Text that is not valid Unicode (a lone UTF-16 surrogate such as "\\ud800" from JSON escapes):
+    no tokenizer can encode it."""
+
+    def __init__(self, param: str, where: str, pos: int, char: str):
+        super().__init__(f"`{where}` contains a lone UTF-16 surrogate U+{ord(char):04X} at character "
+                         f"{pos}; send valid Unicode text (a surrogate must be paired, or replace it).",
+                         param=param)
 
 
 class DependencyError(InvalidRequestError):
@@ -119,6 +139,19 @@ class PromptTypeError(InvalidRequestError):
                          param="prompt")
 
 
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother = 3, 60, 60
+
+
 def _show(v: object) -> str:
-    s = repr(v) if not isinstance(v, str) else f'"{v}"'
+    """A short, bounded rendering of a client's value (never the whole of a huge or deep one)."""
+    if isinstance(v, str):
+        s = f'"{v[:60]}"'
+    elif isinstance(v, int) and not isinstance(v, bool) and v.bit_length() > 128:
+        s = f"an integer of {v.bit_length()} bits"
+    else:
+        try:
+            s = _REPR.repr(v)
+        except (ValueError, RecursionError):   # e.g. huge ints inside a list
+            s = f"a {type(v).__name__}"
     return s if len(s) <= 60 else s[:57] + "..."

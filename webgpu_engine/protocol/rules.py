@@ -3,24 +3,71 @@
 Both the pydantic models (native) and the engine (also in the browser, where pydantic is missing)
 call these functions, so a request is judged the same everywhere. Each `check_*` raises a typed
 `InvalidRequestError` naming the field, or returns a normalised copy of the request: stop as a list,
-message content as plain strings, `max_completion_tokens` folded into `max_tokens`. Standard library only.
+message content as plain strings, `max_completion_tokens` folded into `max_tokens`, temperatures
+below GREEDY_TEMPERATURE set to 0.
+
+Validation is total: every number that reaches the GPU is finite and inside its documented range,
+every text is valid Unicode, and the amount of work one request may ask for is bounded by
+`RequestLimits` (the engine passes its own; the defaults follow OpenAI's limits). Standard library only.
 """
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import Any
 
 from .errors import (ContentTypeError, DependencyError, EmbeddingInputEmptyError,
                      EmbeddingUnsupportedEncodingFormatError, EmptyMessagesError, FieldTypeError,
-                     InvalidNumberStringError, InvalidStreamOptionsError, MessageOrderError,
-                     MinValueError, PromptTypeError, RangeError, SeedTypeError, StreamingCountError,
-                     SystemMessageOrderError, UnsupportedFieldsError, UnsupportedRoleError)
+                     InvalidNumberStringError, InvalidStreamOptionsError, InvalidTextError,
+                     LimitExceededError, MessageOrderError, MinValueError, PromptTypeError,
+                     RangeError, SeedTypeError, StreamingCountError, SystemMessageOrderError,
+                     UnsupportedFieldsError, UnsupportedRoleError)
 
 ROLES = ("system", "user", "assistant", "tool")
 MAX_TOP_LOGPROBS = 5
+# Temperatures in (0, 1e-5) mean greedy decoding (as vLLM treats them): the sampler divides logits
+# by the temperature in float32, where 1/1e-39 overflows, and such a temperature is greedy anyway.
+GREEDY_TEMPERATURE = 1e-5
+MAX_REPETITION_PENALTY = 10.0
+MIN_REPETITION_PENALTY = 0.01
+MAX_TOKEN_ID_DIGITS = 10          # logit_bias keys: token ids below 10^10 (every vocabulary fits)
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """How much work one request may ask for. Defaults follow OpenAI's API limits where it has one.
+
+    max_n: choices per request (`n`).
+    max_stop / max_stop_chars: stop strings per request (OpenAI: 4) and characters in each.
+    max_logit_bias: logit_bias entries (OpenAI: 300).
+    max_embedding_inputs: inputs of one embeddings request (OpenAI: 2048).
+    max_embedding_tokens: tokens summed over one embeddings request's inputs (OpenAI: 300 000);
+        token-id inputs are counted here, text inputs where the embedding pipeline tokenises them.
+    """
+
+    max_n: int = 16
+    max_stop: int = 4
+    max_stop_chars: int = 256
+    max_logit_bias: int = 300
+    max_embedding_inputs: int = 2048
+    max_embedding_tokens: int = 300_000
+
+
+DEFAULT_LIMITS = RequestLimits()
 
 
 def _is_num(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _text(param: str, where: str, s: str) -> str:
+    """`s` unchanged when it is valid Unicode; a lone surrogate (from a JSON \\ud800 escape) raises."""
+    if not s.isascii():
+        try:
+            s.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise InvalidTextError(param, where, e.start, s[e.start]) from None
+    return s
 
 
 def _is_int(v: Any) -> bool:
@@ -33,6 +80,8 @@ def _num(req: dict, name: str) -> float | None:
         return None
     if not _is_num(v):
         raise FieldTypeError(name, "a number", v)
+    if isinstance(v, float) and not math.isfinite(v):
+        raise FieldTypeError(name, "a finite number", v)
     return v
 
 
@@ -53,8 +102,9 @@ def _bool(req: dict, name: str) -> bool | None:
 
 
 # --------------------------------------------------------------------------- sampling fields
-def check_sampling(req: dict) -> dict:
+def check_sampling(req: dict, limits: RequestLimits | None = None) -> dict:
     """Rules shared by chat and text completions. Returns a normalised copy."""
+    lim = limits or DEFAULT_LIMITS
     out = dict(req)
     if out.get("max_completion_tokens") is not None:
         if out.get("max_tokens") is None:
@@ -63,11 +113,15 @@ def check_sampling(req: dict) -> dict:
     model = out.get("model")
     if model is not None and not isinstance(model, str):
         raise FieldTypeError("model", "a model id string", model)
+    if model is not None:
+        _text("model", "model", model)
 
     stream = _bool(out, "stream")
     n = _int(out, "n")
     if n is not None and n < 1:
         raise MinValueError("n", 1, n)
+    if n is not None and n > lim.max_n:
+        raise RangeError("n", 1, lim.max_n, n, extra="the server's limit on choices per request")
     if stream and n is not None and n > 1:
         raise StreamingCountError(n)
     if out.get("stream_options") is not None:
@@ -93,6 +147,8 @@ def check_sampling(req: dict) -> dict:
     t = _num(out, "temperature")
     if t is not None and not 0 <= t <= 2:
         raise RangeError("temperature", 0, 2, t, extra="0 means greedy decoding")
+    if t is not None and t < GREEDY_TEMPERATURE:
+        out["temperature"] = 0.0
     p = _num(out, "top_p")
     if p is not None and not 0 < p <= 1:
         raise RangeError("top_p", 0, 1, p, lo_open=True)
@@ -110,18 +166,25 @@ def check_sampling(req: dict) -> dict:
             if out.get(name) is None:
                 out[name] = 0.0
     rp = _num(out, "repetition_penalty")
-    if rp is not None and rp <= 0:
-        raise RangeError("repetition_penalty", 0, 10, rp, lo_open=True,
+    if rp is not None and not MIN_REPETITION_PENALTY <= rp <= MAX_REPETITION_PENALTY:
+        raise RangeError("repetition_penalty", MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY, rp,
                          extra="1.0 means no penalty")
 
     lb = out.get("logit_bias")
     if lb is not None:
         if not isinstance(lb, dict):
             raise FieldTypeError("logit_bias", "an object mapping token-id strings to numbers", lb)
+        if len(lb) > lim.max_logit_bias:
+            raise LimitExceededError("logit_bias", "entries", lim.max_logit_bias, len(lb))
         norm = {}
         for k, v in lb.items():
-            ks = str(k) if _is_int(k) else k
-            if not isinstance(ks, str) or not ks.isdigit():
+            if _is_int(k):
+                ks = str(k) if 0 <= k < 10 ** MAX_TOKEN_ID_DIGITS else None
+            else:
+                ks = k
+            # Only plain ASCII digits: str.isdigit() also accepts "²" and other digits int() rejects.
+            if (not isinstance(ks, str) or not ks.isascii() or not ks.isdigit()
+                    or len(ks) > MAX_TOKEN_ID_DIGITS):
                 raise InvalidNumberStringError("logit_bias", k)
             if not _is_num(v):
                 raise FieldTypeError(f"logit_bias[\"{ks}\"]", "a number", v)
@@ -148,8 +211,14 @@ def check_sampling(req: dict) -> dict:
             raise FieldTypeError("stop", "a string or a list of strings", stop)
         if any(s == "" for s in stop):
             raise FieldTypeError("stop", "non-empty strings", stop)
-        if len(stop) > 16:
-            raise UnsupportedFieldsError("stop", f"at most 16 stop strings, got {len(stop)}.")
+        if len(stop) > lim.max_stop:
+            raise LimitExceededError("stop", "stop strings", lim.max_stop, len(stop))
+        longest = max(len(s) for s in stop)
+        if longest > lim.max_stop_chars:
+            raise LimitExceededError("stop", "characters in one stop string", lim.max_stop_chars,
+                                     longest)
+        for j, s in enumerate(stop):
+            _text("stop", f"stop[{j}]", s)
         out["stop"] = stop
     _bool(out, "ignore_eos")
     return out
@@ -162,7 +231,7 @@ def _content_text(i: int, role: str, content: Any) -> str | None:
             return None
         raise ContentTypeError(i, f"is missing; a {role} message needs text content.")
     if isinstance(content, str):
-        return content
+        return _text("messages", f"messages[{i}].content", content)
     if isinstance(content, list):
         texts = []
         for j, part in enumerate(content):
@@ -171,16 +240,16 @@ def _content_text(i: int, role: str, content: Any) -> str | None:
                 raise ContentTypeError(i, f"[{j}] must be a text part {{\"type\": \"text\", \"text\": "
                                           f"\"...\"}}, got type {kind!r}: this engine serves text-only "
                                           f"models (no images or audio).")
-            texts.append(part["text"])
+            texts.append(_text("messages", f"messages[{i}].content[{j}].text", part["text"]))
         return "\n".join(texts)
     raise ContentTypeError(i, f"must be a string or a list of text parts, got {type(content).__name__}.")
 
 
-def check_chat_request(req: dict) -> dict:
+def check_chat_request(req: dict, limits: RequestLimits | None = None) -> dict:
     """Validate a chat completion request; returns a normalised copy (messages with string content)."""
     if not isinstance(req, dict):
         raise FieldTypeError("body", "a JSON object", req)
-    out = check_sampling(req)
+    out = check_sampling(req, limits)
     msgs = out.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise EmptyMessagesError()
@@ -194,11 +263,20 @@ def check_chat_request(req: dict) -> dict:
         if role == "system" and i != 0:
             raise SystemMessageOrderError(i)
         nm = {"role": role, "content": _content_text(i, role, m.get("content"))}
-        for key in ("name", "tool_call_id", "tool_calls"):
-            if m.get(key) is not None:
-                nm[key] = m[key]
-        if role == "assistant" and nm["content"] is None and not nm.get("tool_calls"):
-            raise ContentTypeError(i, "is missing; an assistant message needs content or tool_calls.")
+        for key in ("name", "tool_call_id"):
+            v = m.get(key)
+            if v is not None:
+                if not isinstance(v, str):
+                    raise FieldTypeError(f"messages[{i}].{key}", "a string", v)
+                nm[key] = _text("messages", f"messages[{i}].{key}", v)
+        if m.get("tool_calls"):
+            # Chat templates render tool calls in model-specific ways (and fail on content null):
+            # without function calling there is nothing sound to render them as.
+            raise UnsupportedFieldsError("messages", f"messages[{i}].tool_calls: function calling is "
+                                         f"not available for the loaded models; send the assistant's "
+                                         f"earlier reply as text `content` instead.")
+        if role == "assistant" and nm["content"] is None:
+            raise ContentTypeError(i, "is missing; an assistant message needs text content.")
         norm.append(nm)
     if norm[-1]["role"] not in ("user", "tool"):
         raise MessageOrderError(norm[-1]["role"])
@@ -221,21 +299,23 @@ def check_chat_request(req: dict) -> dict:
 
 
 # --------------------------------------------------------------------------- completions
-def check_completion_request(req: dict) -> dict:
+def check_completion_request(req: dict, limits: RequestLimits | None = None) -> dict:
     """Validate a text completion request (prompt, echo, suffix + sampling fields)."""
     if not isinstance(req, dict):
         raise FieldTypeError("body", "a JSON object", req)
-    out = check_sampling(req)
+    out = check_sampling(req, limits)
     prompt = out.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
     if not isinstance(prompt, str):
         raise PromptTypeError(prompt)
-    out["prompt"] = prompt
+    out["prompt"] = _text("prompt", "prompt", prompt)
     _bool(out, "echo")
     sfx = out.get("suffix")
     if sfx is not None and not isinstance(sfx, str):
         raise FieldTypeError("suffix", "a string", sfx)
+    if sfx is not None:
+        _text("suffix", "suffix", sfx)
     bo = out.get("best_of")
     if bo is not None and bo != 1:
         raise UnsupportedFieldsError("best_of", "ask for n choices instead (best_of must be 1).")
@@ -251,35 +331,49 @@ def check_completion_request(req: dict) -> dict:
 
 
 # --------------------------------------------------------------------------- embeddings
-def check_embedding_request(req: dict) -> dict:
+def check_embedding_request(req: dict, limits: RequestLimits | None = None) -> dict:
     """Validate an embedding request: input as str / list[str] / list[int] / list[list[int]]."""
+    lim = limits or DEFAULT_LIMITS
     if not isinstance(req, dict):
         raise FieldTypeError("body", "a JSON object", req)
     out = dict(req)
     model = out.get("model")
     if model is not None and not isinstance(model, str):
         raise FieldTypeError("model", "a model id string", model)
+    if model is not None:
+        _text("model", "model", model)
     inp = out.get("input")
     if inp is None:
         raise EmbeddingInputEmptyError("no `input` field")
     if isinstance(inp, str):
         if inp == "":
             raise EmbeddingInputEmptyError("an empty string")
+        _text("input", "input", inp)
     elif isinstance(inp, list):
         if not inp:
             raise EmbeddingInputEmptyError()
         if all(isinstance(x, str) for x in inp):
-            if any(x == "" for x in inp):
-                raise EmbeddingInputEmptyError("an empty string in the list")
+            if len(inp) > lim.max_embedding_inputs:
+                raise LimitExceededError("input", "inputs", lim.max_embedding_inputs, len(inp),
+                                         "Split the inputs over several requests.")
+            for j, x in enumerate(inp):
+                if x == "":
+                    raise EmbeddingInputEmptyError("an empty string in the list")
+                _text("input", f"input[{j}]", x)
         elif all(_is_int(x) for x in inp):
             if any(x < 0 for x in inp):
                 raise FieldTypeError("input", "non-negative token ids", inp)
+            _token_budget(len(inp), lim)
         elif all(isinstance(x, list) for x in inp):
+            if len(inp) > lim.max_embedding_inputs:
+                raise LimitExceededError("input", "inputs", lim.max_embedding_inputs, len(inp),
+                                         "Split the inputs over several requests.")
             for x in inp:
                 if not x:
                     raise EmbeddingInputEmptyError("an empty token-id list")
                 if not all(_is_int(t) and t >= 0 for t in x):
                     raise FieldTypeError("input", "lists of non-negative integer token ids", x)
+            _token_budget(sum(len(x) for x in inp), lim)
         else:
             raise FieldTypeError("input", "a string, a list of strings, a list of token ids or a "
                                  "list of token-id lists (not a mix)", inp)
@@ -295,5 +389,11 @@ def check_embedding_request(req: dict) -> dict:
     return out
 
 
-__all__ = ["check_sampling", "check_chat_request", "check_completion_request",
+def _token_budget(n_tokens: int, lim: RequestLimits) -> None:
+    if n_tokens > lim.max_embedding_tokens:
+        raise LimitExceededError("input", "tokens", lim.max_embedding_tokens, n_tokens,
+                                 "Split the inputs over several requests.")
+
+
+__all__ = ["RequestLimits", "DEFAULT_LIMITS", "GREEDY_TEMPERATURE", "check_sampling", "check_chat_request", "check_completion_request",
            "check_embedding_request", "ROLES", "MAX_TOP_LOGPROBS"]
