@@ -382,3 +382,42 @@ async def test_auto_recover_serves_requests_queued_at_the_loss(fresh_device):
         await engine.unload()
         if engine.device is not None:
             engine.device.close()
+
+
+# --------------------------------------------------------------------------- admission control
+async def test_bounded_queue_refuses_with_retry_after_and_deadline_times_out(device):
+    engine = await create_mlc_engine(["stub-llm", "stub-emb"],
+                                     stub_config(device, max_queue_length=2, request_timeout_s=0.5))
+    StubLLM.step_delay = 0.03
+    lm = engine.models["stub-llm"]
+    try:
+        chats = [asyncio.create_task(engine.chat.completions.create(model="stub-llm", messages=U,
+                                                                     max_tokens=4))
+                 for _ in range(3)]          # one runs, two wait: the queue is full
+        await asyncio.sleep(0.01)
+        assert lm.lock.locked and lm.lock.queue_length == 2
+        with pytest.raises(E.ModelBusyError) as ei:
+            await engine.chat.completions.create(model="stub-llm", messages=U)
+        assert ei.value.http_status == 429 and ei.value.retry_after >= 1
+        assert "busy" in ei.value.message and "--max-queue" in ei.value.message
+        # the other model is not affected by this model's queue
+        assert (await engine.embeddings.create(model="stub-emb", input="a")).data
+        assert all(r.choices for r in await asyncio.gather(*chats))
+        assert lm.lock.mean_hold_s > 0
+        # a generation past the deadline stops at a step boundary and frees the model
+        StubLLM.step_delay = 0.1              # 9 words: 0.9 s > 0.5 s
+        with pytest.raises(E.RequestTimeoutError) as ei:
+            await engine.chat.completions.create(model="stub-llm", messages=U, max_tokens=100,
+                                                 ignore_eos=True)
+        assert ei.value.http_status == 504 and "decode" in ei.value.message
+        assert not lm.lock.locked
+        # a request that waits for the model past its deadline leaves the queue
+        await lm.lock.acquire()
+        with pytest.raises(E.RequestTimeoutError, match="wait for stub-llm"):
+            await engine.chat.completions.create(model="stub-llm", messages=U, stream=True)
+        assert lm.lock.queue_length == 0
+        lm.lock.release()
+        assert not lm.lock.locked
+    finally:
+        StubLLM.step_delay = 0.002
+        await engine.unload()

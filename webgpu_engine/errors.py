@@ -8,6 +8,7 @@ class WebGPUEngineError(Exception):
     http_status = 500
     error_type = "server_error"
     param: str | None = None
+    retry_after: int | None = None     # seconds; the server sends it as a Retry-After header
 
     def __init__(self, message: str, *, param: str | None = None):
         super().__init__(message)
@@ -94,6 +95,35 @@ class ModelUnloadedError(ModelNotLoadedError):
         WebGPUEngineError.__init__(
             self, f"Model {model_id} was unloaded (engine.unload() or reload()) while {request_name} was "
             f"running or waiting for it. Reload the model and send the request again.")
+
+
+# --------------------------------------------------------------------------- admission (429 / 504)
+class ModelBusyError(WebGPUEngineError):
+    """The model's queue is full (EngineConfig.max_queue_length requests already wait for it)."""
+
+    http_status = 429
+    error_type = "rate_limit_exceeded"
+
+    def __init__(self, model_id: str, queued: int, retry_after: int):
+        super().__init__(
+            f"Model {model_id} is busy: {queued} requests are already waiting for it, the most this "
+            f"server queues. Retry after {retry_after} s (the Retry-After header), or raise the "
+            f"server's --max-queue.")
+        self.retry_after = retry_after
+
+
+class RequestTimeoutError(WebGPUEngineError):
+    """The request ran past the engine's per-request deadline (EngineConfig.request_timeout_s),
+    waiting for its model or generating; it stopped at the next step boundary and freed the model."""
+
+    http_status = 504
+    error_type = "timeout"
+
+    def __init__(self, timeout_s: float, during: str):
+        super().__init__(
+            f"The request took longer than the server's request timeout of {timeout_s:g} s "
+            f"(during {during}) and was stopped. Ask for fewer tokens or inputs, or retry when the "
+            f"server is less busy.")
 
 
 # --------------------------------------------------------------------------- device and GPU

@@ -26,8 +26,8 @@ from typing import Any
 from .. import gpu
 from ..config import ChatConfig, GenerationConfig
 from ..errors import (DeviceLostError, FeatureSupportError, IncorrectPipelineLoadedError,
-                      InvalidRequestError, ModelNotLoadedError, ModelUnloadedError,
-                      ReloadArgumentSizeUnmatchedError,
+                      InvalidRequestError, ModelBusyError, ModelNotLoadedError, ModelUnloadedError,
+                      ReloadArgumentSizeUnmatchedError, RequestTimeoutError,
                       ReloadModelIdNotUniqueError, ShaderF16SupportError, SpecifiedModelNotFoundError,
                       UnclearModelToUseError, EmbeddingUnsupportedModelError)
 from . import memory
@@ -396,18 +396,42 @@ class AsyncMLCEngine:
             raise IncorrectPipelineLoadedError(lm.model_id, kind, request_name)
         return lm
 
-    async def acquire(self, lm: LoadedModel, request_name: str) -> LoadedModel:
+    def deadline(self) -> float | None:
+        """The loop time by which a request arriving now must be done (request_timeout_s), or None."""
+        t = self.config.request_timeout_s
+        return None if t is None else asyncio.get_running_loop().time() + t
+
+    def check_deadline(self, deadline: float | None, during: str) -> None:
+        if deadline is not None and asyncio.get_running_loop().time() >= deadline:
+            raise RequestTimeoutError(self.config.request_timeout_s, during)
+
+    async def _enter(self, lm: LoadedModel, deadline: float | None) -> None:
+        """Queue for `lm`'s lock: refused at once when the queue is full (ModelBusyError), given up
+        at the deadline (RequestTimeoutError)."""
+        limit = self.config.max_queue_length
+        if limit is not None and lm.lock.locked and lm.lock.queue_length >= limit:
+            raise ModelBusyError(lm.model_id, lm.lock.queue_length, lm.lock.retry_after())
+        if deadline is None:
+            await lm.lock.acquire()
+            return
+        try:
+            await asyncio.wait_for(lm.lock.acquire(), deadline - asyncio.get_running_loop().time())
+        except asyncio.TimeoutError:
+            raise RequestTimeoutError(self.config.request_timeout_s, f"the wait for {lm.model_id}") from None
+
+    async def acquire(self, lm: LoadedModel, request_name: str, deadline: float | None = None) -> LoadedModel:
         """Take the model's lock and return the model to use. A request that was still queued when
         the device was lost started no GPU work, so with auto_recover it waits for the reload and
-        queues on the reloaded model; otherwise (or after an unload) it fails with the reason."""
-        await lm.lock.acquire()
+        queues on the reloaded model; otherwise (or after an unload) it fails with the reason.
+        Admission: see _enter (bounded queue, deadline)."""
+        await self._enter(lm, deadline)
         if self.models.get(lm.model_id) is lm:
             return lm
         lm.lock.release()
         if not (self.config.auto_recover and lm.dropped_by_loss):
             raise self._dropped_error(lm, request_name)
         new = await self.select(lm.model_id, lm.model_type, request_name)   # recovers first
-        await new.lock.acquire()
+        await self._enter(new, deadline)
         if self.models.get(new.model_id) is not new:
             new.lock.release()
             raise self._dropped_error(new, request_name)

@@ -10,6 +10,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from ..protocol.rules import RequestLimits
+
 LLM = "llm"
 EMBEDDING = "embedding"
 MODEL_TYPES = (LLM, EMBEDDING)
@@ -97,6 +99,13 @@ class EngineConfig:
     max_memory_bytes: GPU bytes all loaded models may hold together (int, or text such as "6G");
         None: env WEBGPU_ENGINE_MAX_MEMORY, else a default for the adapter (engine/memory.py).
         A load that would exceed it fails before allocating anything.
+    limits: how much work one request may ask for (choices, stop strings, logit_bias entries,
+        embedding inputs and tokens); see protocol.rules.RequestLimits for the defaults.
+    max_queue_length: requests that may wait for one model while it serves another; the next one is
+        refused at once with ModelBusyError (HTTP 429 with Retry-After). None: unbounded.
+    request_timeout_s: a deadline per request, from its arrival to its last token, covering the
+        wait for the model; past it the request stops at the next step boundary with
+        RequestTimeoutError (HTTP 504). None: no deadline.
     """
 
     app_config: AppConfig | None = None
@@ -108,6 +117,9 @@ class EngineConfig:
     device: Any = None
     pipeline_factories: dict[str, Any] | None = None
     max_memory_bytes: int | str | None = None
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    max_queue_length: int | None = 32
+    request_timeout_s: float | None = None
 
     def __post_init__(self):
         if self.app_config is None:

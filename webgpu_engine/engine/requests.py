@@ -77,13 +77,16 @@ def _choice_gen(gen: GenerationConfig, i: int) -> GenerationConfig:
     return replace(gen, seed=gen.seed + i)
 
 
-async def _steps(engine, lm, gen: GenerationConfig, messages=None, prompt=None) -> AsyncIterator[tuple[str, list]]:
+async def _steps(engine, lm, gen: GenerationConfig, messages=None, prompt=None,
+                 deadline: float | None = None) -> AsyncIterator[tuple[str, list]]:
     """One choice: prefill then decode until the pipeline stops. Yields (text delta, new logprob
-    entries) after each step. Each step yields to the event loop (other requests, disconnects)."""
+    entries) after each step. Each step yields to the event loop (other requests, disconnects).
+    Past `deadline` (loop time) the next step raises RequestTimeoutError instead."""
     pipe = lm.pipeline
     # Before each step: was the model dropped meanwhile (unload, reload, a loss seen by another
     # request)? Then stop here instead of touching its freed buffers.
     engine.check_loaded(lm, "prefill")
+    engine.check_deadline(deadline, "prefill")
     await engine.guard(pipe.prefill_step(messages, gen, prompt=prompt), lm, "prefill")
     seen = 0
     while True:
@@ -97,6 +100,7 @@ async def _steps(engine, lm, gen: GenerationConfig, messages=None, prompt=None) 
         if pipe.stopped:
             break
         engine.check_loaded(lm, "decode")
+        engine.check_deadline(deadline, "decode")
         await engine.guard(pipe.decode_step(gen), lm, "decode")
         await asyncio.sleep(0)
     tail = pipe.take_delta()   # held-back text (a partial stop string that was not one)
@@ -187,7 +191,9 @@ class Completions:
 
 async def _create_text(engine, req: dict, chat: bool):
     name = "ChatCompletionRequest" if chat else "CompletionCreateParams"
-    req = check_chat_request(req) if chat else check_completion_request(req)
+    deadline = engine.deadline()
+    limits = engine.config.limits
+    req = check_chat_request(req, limits) if chat else check_completion_request(req, limits)
     lm = await engine.select(req.get("model"), LLM, name)
     gen = _gen_config(lm, req)
     kind = "chat.completion" if chat else "text_completion"
@@ -196,15 +202,15 @@ async def _create_text(engine, req: dict, chat: bool):
     messages = req["messages"] if chat else None
     prompt = None if chat else req["prompt"]
     if req.get("stream"):
-        return await _stream(engine, lm, req, gen, rid, created, kind, messages, prompt)
+        return await _stream(engine, lm, req, gen, rid, created, kind, messages, prompt, deadline)
     t0 = time.perf_counter()
-    lm = await engine.acquire(lm, name)
+    lm = await engine.acquire(lm, name, deadline)
     try:
         choices, usages = [], []
         for i in range(gen.n):
             g = _choice_gen(gen, i)
             parts, lps = [], []
-            async for delta, entries in _steps(engine, lm, g, messages, prompt):
+            async for delta, entries in _steps(engine, lm, g, messages, prompt, deadline):
                 parts.append(delta)
                 lps.extend(entries)
             finish = lm.pipeline.finish_reason or "stop"
@@ -241,12 +247,12 @@ def _legacy_logprobs(entries: list[dict], offset0: int) -> dict:
     return out
 
 
-async def _stream(engine, lm, req, gen, rid, created, kind, messages, prompt):
+async def _stream(engine, lm, req, gen, rid, created, kind, messages, prompt, deadline=None):
     chat = kind == "chat.completion"
     name = "ChatCompletionRequest" if chat else "CompletionCreateParams"
     include_usage = bool((req.get("stream_options") or {}).get("include_usage"))
     t0 = time.perf_counter()
-    lm = await engine.acquire(lm, name)
+    lm = await engine.acquire(lm, name, deadline)
     chunk_kind = "chat.completion.chunk" if chat else "text_completion"
 
     def chunk(choices, usage=None):
@@ -290,7 +296,7 @@ async def _stream(engine, lm, req, gen, rid, created, kind, messages, prompt):
         return agen()
 
     try:
-        steps = _steps(engine, lm, gen, messages, prompt)
+        steps = _steps(engine, lm, gen, messages, prompt, deadline)
         # Run the prefill now, under the lock: its errors (context too long, device lost) raise
         # from create() and become proper HTTP errors instead of a broken stream.
         first_item = await steps.__anext__()
@@ -321,10 +327,12 @@ class Embeddings:
     async def create(self, request: Any = None, **fields):
         """OpenAI embeddings.create: input as str, list[str], list[int] or list[list[int]]."""
         engine = self.engine
-        req = check_embedding_request(_as_dict(request, fields))
+        deadline = engine.deadline()
+        req = check_embedding_request(_as_dict(request, fields), engine.config.limits)
         lm = await engine.select(req.get("model"), EMBEDDING, "EmbeddingCreateParams")
-        lm = await engine.acquire(lm, "EmbeddingCreateParams")
+        lm = await engine.acquire(lm, "EmbeddingCreateParams", deadline)
         try:
+            engine.check_deadline(deadline, "embedding")
             res = await engine.guard(lm.pipeline.embed_step(req["input"]), lm, "embedding")
         finally:
             lm.lock.release()
