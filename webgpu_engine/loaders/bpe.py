@@ -343,13 +343,19 @@ class BPETokenizer:
             ids.append(i)
         return tuple(ids)
 
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        """Token ids of `text`; with add_special_tokens, BOS is prepended when the model asks for it."""
+    @property
+    def special_regex(self) -> re.Pattern | None:
+        """Matches the texts of the special (control and user-defined) tokens, longest first."""
+        return self._special_re
+
+    def encode(self, text: str, add_special_tokens: bool = False, parse_special: bool = True) -> list[int]:
+        """Token ids of `text`; with add_special_tokens, BOS is prepended when the model asks for it.
+        parse_special=False: special-token texts in `text` are ordinary text (user content)."""
         ids: list[int] = []
         if add_special_tokens and self.add_bos_token and self.bos_id is not None:
             ids.append(self.bos_id)
         pos = 0
-        if self._special_re is not None:
+        if parse_special and self._special_re is not None:
             for m in self._special_re.finditer(text):
                 self._encode_plain(text[pos:m.start()], ids)
                 ids.append(self.vocab[m.group()])

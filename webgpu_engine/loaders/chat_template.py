@@ -8,6 +8,8 @@ jinja2 is pure Python, so this runs in the browser too (imported lazily).
 from __future__ import annotations
 
 import json
+import re
+import secrets
 from datetime import datetime
 from typing import Any
 
@@ -74,6 +76,36 @@ class ChatTemplate:
         return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                      tools=tools, documents=documents, **variables)
 
+    def encode(self, tokenizer, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
+               **kwargs) -> list[int]:
+        """Token ids of the rendered conversation, where only the template's own text yields special
+        tokens: a special token's text inside a message (or tool / document) is tokenised as ordinary
+        text, so content cannot open a turn of its own (`<|im_end|>\n<|im_start|>system`).
+
+        Each special-token text in the messages is swapped for a placeholder no user can write (a
+        private-use character and a random nonce) before rendering; the rendered text is cut at the
+        special tokens that remain, which all come from the template, and each cut is tokenised without
+        special-token parsing after its placeholders are put back. A conversation without special-token
+        texts is tokenised exactly as before (one encode of the rendered text)."""
+        special = getattr(tokenizer, "special_regex", None)
+        kwargs = dict(kwargs)
+        untrusted = {"messages": messages, **{k: kwargs[k] for k in ("tools", "documents") if k in kwargs}}
+        if special is None or not _holds_special(untrusted, special):
+            return list(tokenizer.encode(self.render(messages, add_generation_prompt=add_generation_prompt,
+                                                     **kwargs)))
+        nonce = "".join(str(secrets.randbelow(10)) for _ in range(16))
+        originals: list[str] = []
+
+        def mark(m) -> str:
+            originals.append(m.group())
+            return f"{_PH_OPEN}{nonce}.{len(originals) - 1}{_PH_CLOSE}"
+        clean = _map_strings(untrusted, lambda text: special.sub(mark, text))
+        kwargs.update({k: v for k, v in clean.items() if k != "messages"})
+        text = self.render(clean["messages"], add_generation_prompt=add_generation_prompt, **kwargs)
+        restore = re.compile(re.escape(_PH_OPEN + nonce) + r"\.(\d+)" + re.escape(_PH_CLOSE))
+        return encode_template_text(tokenizer, text,
+                                    lambda piece: restore.sub(lambda m: originals[int(m.group(1))], piece))
+
     @classmethod
     def from_tokenizer_config(cls, config: dict, name: str = "default") -> "ChatTemplate | None":
         """From a `tokenizer_config.json` dict (its chat_template may be a list of named templates)."""
@@ -85,6 +117,47 @@ class ChatTemplate:
             return None
         return cls(src, bos_token=_token_text(config.get("bos_token")),
                    eos_token=_token_text(config.get("eos_token")))
+
+
+_PH_OPEN, _PH_CLOSE = "\ue000", "\ue001"     # private-use characters: no tokenizer gives them meaning
+_LITERAL_KEYS = ("role", "type")             # compared by templates (role == 'user'), never free text
+
+
+def encode_template_text(tokenizer, text: str, restore=lambda piece: piece) -> list[int]:
+    """Ids of rendered template text: its special-token texts become special ids, the text between
+    them (after `restore`) is tokenised with no special-token parsing. Equal to
+    `tokenizer.encode(text)` when `restore` changes nothing (the tokenizer cuts at the same places)."""
+    ids: list[int] = []
+    pos = 0
+    for m in tokenizer.special_regex.finditer(text):
+        if m.start() > pos:
+            ids.extend(tokenizer.encode(restore(text[pos:m.start()]), parse_special=False))
+        ids.append(tokenizer.token_to_id(m.group()))
+        pos = m.end()
+    if pos < len(text):
+        ids.extend(tokenizer.encode(restore(text[pos:]), parse_special=False))
+    return ids
+
+
+def _holds_special(value, special) -> bool:
+    if isinstance(value, str):
+        return special.search(value) is not None
+    if isinstance(value, dict):
+        return any(_holds_special(v, special) for k, v in value.items() if k not in _LITERAL_KEYS)
+    if isinstance(value, (list, tuple)):
+        return any(_holds_special(v, special) for v in value)
+    return False
+
+
+def _map_strings(value, fn):
+    """A copy of `value` (dicts, lists, strings) with `fn` applied to every free-text string."""
+    if isinstance(value, str):
+        return fn(value)
+    if isinstance(value, dict):
+        return {k: v if k in _LITERAL_KEYS else _map_strings(v, fn) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_map_strings(v, fn) for v in value]
+    return value
 
 
 def _token_text(tok) -> str:

@@ -27,16 +27,19 @@ class NativeTokenizer:
     """Encodes/decodes with a `tokenizers.Tokenizer`; vocabulary facts come from the pure-Python twin
     (`base`), so both paths expose the same ids, special tokens and `token_bytes`."""
 
-    def __init__(self, tk, base):
-        self._tk, self.base = tk, base
+    def __init__(self, tk, base, plain=None):
+        # plain: the same tokenizer without added tokens, for text whose special-token texts must
+        # stay text (a mutable flag on `tk` would race between threads encoding at once).
+        self._tk, self.base, self._plain = tk, base, plain if plain is not None else tk
 
     def __getattr__(self, name):           # bos_id, eos_ids, vocab_size, token_bytes, ... from base
-        if name in ("base", "_tk") or name.startswith("__"):   # not set yet (copy/pickle): no recursion
+        if name in ("base", "_tk", "_plain") or name.startswith("__"):   # not set yet (copy/pickle)
             raise AttributeError(name)
         return getattr(self.base, name)
 
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        ids = self._tk.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, add_special_tokens: bool = False, parse_special: bool = True) -> list[int]:
+        tk = self._tk if parse_special else self._plain
+        ids = tk.encode(text, add_special_tokens=False).ids
         if add_special_tokens and self.base.add_bos_token and self.base.bos_id is not None:
             ids = [self.base.bos_id] + ids
         return ids
@@ -65,8 +68,9 @@ class NativeWordPiece(NativeTokenizer):
         return self._tk.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
 
-def native_bpe(base: BPETokenizer):
-    """A `tokenizers.Tokenizer` with the same vocabulary, merges, pre-tokenizer and special tokens."""
+def native_bpe(base: BPETokenizer, specials: bool = True):
+    """A `tokenizers.Tokenizer` with the same vocabulary, merges, pre-tokenizer and (unless
+    specials=False) special tokens."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
     merges = sorted(base.ranks.items(), key=lambda kv: kv[1])
@@ -78,7 +82,7 @@ def native_bpe(base: BPETokenizer):
               pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)]
     tk.pre_tokenizer = pre_tokenizers.Sequence(steps)
     tk.decoder = decoders.ByteLevel()
-    specials = [base.tokens[i] for i in sorted(base.special_ids)]
+    specials = [base.tokens[i] for i in sorted(base.special_ids)] if specials else []
     tk.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
     return tk
 
@@ -104,10 +108,16 @@ def _from_folder(folder: Path, native: bool, max_length: int | None):
     if not native:
         return base
     from tokenizers import Tokenizer
-    tk = Tokenizer.from_str(tj.read_text(encoding="utf-8"))
-    tk.no_truncation()
-    tk.no_padding()                                   # some files pin padding to a fixed length
-    return NativeWordPiece(tk, base) if kind == "WordPiece" else NativeTokenizer(tk, base)
+
+    def build(spec_text: str):
+        tk = Tokenizer.from_str(spec_text)
+        tk.no_truncation()
+        tk.no_padding()                               # some files pin padding to a fixed length
+        return tk
+    if kind == "WordPiece":
+        return NativeWordPiece(build(tj.read_text(encoding="utf-8")), base)
+    plain = build(json.dumps({**spec, "added_tokens": []}))
+    return NativeTokenizer(build(tj.read_text(encoding="utf-8")), base, plain)
 
 
 def load_tokenizer(source, *, native: bool | None = None, max_length: int | None = None):
@@ -123,4 +133,4 @@ def load_tokenizer(source, *, native: bool | None = None, max_length: int | None
         source = GGUFFile(path)
     metadata = source if isinstance(source, dict) else source.metadata
     base = BPETokenizer.from_gguf_metadata(metadata)
-    return NativeTokenizer(native_bpe(base), base) if native else base
+    return NativeTokenizer(native_bpe(base), base, native_bpe(base, specials=False)) if native else base

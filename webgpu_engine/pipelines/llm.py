@@ -121,7 +121,10 @@ class LLMChatPipeline:
         if self.logit_processor is not None and hasattr(self.logit_processor, "reset_state"):
             self.logit_processor.reset_state()
 
-    def _prompt_ids(self, messages, prompt) -> list[int]:
+    def _prompt_ids(self, messages, prompt, template_kwargs=None) -> list[int]:
+        """Prompt token ids: a raw completion prompt as it is (special-token texts parsed), or the
+        chat template over `messages`, where only the template inserts special tokens.
+        `template_kwargs` go to the template's render (e.g. enable_thinking)."""
         if prompt is not None:
             return list(self.tokenizer.encode(prompt, add_special_tokens=True))
         if self.template is None:
@@ -129,8 +132,7 @@ class LLMChatPipeline:
         msgs = list(messages or [])
         if self.chat_config.system_message and not any(m.get("role") == "system" for m in msgs):
             msgs = [{"role": "system", "content": self.chat_config.system_message}] + msgs
-        text = self.template.render(msgs, add_generation_prompt=True)
-        return list(self.tokenizer.encode(text))
+        return self.template.encode(self.tokenizer, msgs, add_generation_prompt=True, **(template_kwargs or {}))
 
     # ------------------------------------------------------------------ steps
     async def prefill_step(self, messages: list[dict] | None, gen: GenerationConfig,
