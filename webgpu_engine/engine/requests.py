@@ -61,7 +61,8 @@ def _gen_config(lm, req: dict) -> GenerationConfig:
 
 
 def _vocab_size(pipe) -> int | None:
-    for obj in (getattr(pipe, "model_config", None), getattr(pipe, "tokenizer", None)):
+    # the pipeline's own count first: the ids its sampler may give (a padded vocabulary is cut)
+    for obj in (pipe, getattr(pipe, "model_config", None), getattr(pipe, "tokenizer", None)):
         v = getattr(obj, "vocab_size", None)
         if isinstance(v, int):
             return v

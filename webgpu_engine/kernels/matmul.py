@@ -398,7 +398,7 @@ def matmul(dev: Device, x: Tensor, w: QWeight, y: Tensor, *, bias: Tensor | None
            accumulate: bool = False, config: MatmulConfig | None = None,
            norm: tuple | None = None, silu: bool = False, silu_out: bool = False,
            rope_kv: RopeKV | None = None, norm_out: "NormOut | None" = None,
-           rms_from: tuple | None = None) -> Op:
+           rms_from: tuple | None = None, row_invariant: bool = False) -> Op:
     """y = x·Wᵀ (+ bias); with `accumulate`, y += x·Wᵀ (+ bias). x (T, K), W (N, K), y (T, N).
 
     Fused inputs (T = 1 only, see `fusable`): `norm=(g (K,) f32, eps)` multiplies by RMSNorm(x)
@@ -408,7 +408,13 @@ def matmul(dev: Device, x: Tensor, w: QWeight, y: Tensor, *, bias: Tensor | None
     `rope_kv` rotates the q and k rows of a fused qkv projection and writes k and v to the caches;
     `norm_out` (y (1, N) the whole row, usually accumulate=True on a residual) also stores y * g
     and the partial sums of y^2 that a following matmul(..., rms_from=(partials, eps)) turns into
-    1 / rms: that matmul takes x = y * g and gives RMSNorm(y) · Wᵀ with no norm dispatch between."""
+    1 / rms: that matmul takes x = y * g and gives RMSNorm(y) · Wᵀ with no norm dispatch between.
+
+    `row_invariant`: each row of y comes out bit for bit the same whatever T is (prefill: a
+    position's logits must not depend on how the prompt was chunked or cached): the kernel is
+    chosen by the weight and the device alone — the tiled kernel for every T where the device's
+    strategy tiles and the weight allows, else matmul.wgsl, whose row kernel and 4-row tile do the
+    same sums per row. No fused input or epilogue."""
     cfg = config or default_config(dev)
     eps_set = [silu_out, rope_kv is not None, norm_out is not None]
     ep = "silu" if silu_out else "rope_kv" if rope_kv is not None else \
@@ -452,11 +458,16 @@ def matmul(dev: Device, x: Tensor, w: QWeight, y: Tensor, *, bias: Tensor | None
         bb, b_off = placeholder(dev), 0
     check(cfg.rr in (1, 2, 4) and cfg.prr in (1, 2, 4) and cfg.tm in (1, 4), "matmul",
           f"unsupported strategy {cfg}")
-    if T > 1 and config is None and cfg.tiled:
-        op = matmul_tiled.matmul(dev, x, w, y, bias=bias, accumulate=accumulate)   # prefill tiles
+    if row_invariant:
+        check(ep == "store" and norm is None and not silu and rms_from is None, "matmul",
+              "row_invariant takes no fused input or epilogue")
+    if (T > 1 or row_invariant) and config is None and cfg.tiled:
+        op = matmul_tiled.matmul(dev, x, w, y, bias=bias, accumulate=accumulate,   # prefill tiles
+                                 any_t=row_invariant)
         if op is not None:
             return op
-    unrolled = _use_v4(cfg, w) or cfg.unroll and K <= cfg.unroll_max_k and w.n <= cfg.unroll_max_n
+    unrolled = not row_invariant and (_use_v4(cfg, w) or cfg.unroll and K <= cfg.unroll_max_k
+                                      and w.n <= cfg.unroll_max_n)
     if T == 1 and K % 32 == 0 and (norm is not None or silu or rms_from is not None or unrolled
                                    or ep in ("silu", "rope_kv")):
         return _matmul_decode(dev, x, w, y, xb, x_off, yb, y_off, bb, b_off, bias is not None,

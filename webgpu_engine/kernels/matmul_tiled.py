@@ -87,26 +87,29 @@ def _pipeline(dev: Device, w: "QWeight", dtype: str, kblk: int, cfg: TiledConfig
     return dev.pipeline("matmul_tiled.wgsl", "matmul_tiled", header=header)
 
 
-def supports(w: "QWeight", T: int, config: TiledConfig | None = None) -> bool:
+def supports(w: "QWeight", T: int, config: TiledConfig | None = None, any_t: bool = False) -> bool:
     """Whether `matmul` below handles this weight at T activation rows (else it returns None):
     T >= the config's min_t (default: 8), and weight buffers of whole 16-byte words, as the kernel
     reads weights as vec4 words (true of f32 and Q4_K weights, and of other types when rows x row
-    bytes is a multiple of 16)."""
-    if T < max(2, (config or TiledConfig()).min_t) or w.qtype not in QTYPES:
+    bytes is a multiple of 16). `any_t`: every T >= 1 (callers that need the same kernel for every
+    T, so that a row's sums do not depend on T)."""
+    if T < (1 if any_t else max(2, (config or TiledConfig()).min_t)) or w.qtype not in QTYPES:
         return False
     qk = _QK.get(w.qtype, 4)
     return w.k % qk == 0 and all(b.size % 16 == 0 for b in w.bufs)
 
 
 def matmul(dev: Device, x: Tensor, w: "QWeight", y: Tensor, *, bias: Tensor | None = None,
-           accumulate: bool = False, config: TiledConfig | None = None) -> Op | None:
+           accumulate: bool = False, config: TiledConfig | None = None,
+           any_t: bool = False) -> Op | None:
     """y = x·Wᵀ (+ bias); with `accumulate`, y += x·Wᵀ (+ bias). x (T, K), W (N, K), y (T, N).
-    None when the tiled kernel does not apply (T < min_t, or a weight it cannot read)."""
+    None when the tiled kernel does not apply (T < min_t unless `any_t`, or a weight it cannot
+    read)."""
     check(len(x.shape) == 2 and len(y.shape) == 2, "matmul_tiled",
           f"x {x.shape} and y {y.shape} must be 2-D")
     T, K = x.shape
     cfg = config or default_config(dev, w.qtype)
-    if not supports(w, T, cfg):
+    if not supports(w, T, cfg, any_t):
         return None
     check(1 <= cfg.tm <= _MAX_TM and 1 <= cfg.wg <= 1024 and 1 <= cfg.kb <= 8 and cfg.kmax >= 1
           and cfg.tm * cfg.kb * 256 <= _WG_BYTES, "matmul_tiled", f"unsupported tile {cfg}")

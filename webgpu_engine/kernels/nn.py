@@ -328,12 +328,15 @@ def _attn_header(dt: str, head_dim: int, g: int = 1, split_wg: int = WG, packed:
 def attention(dev: Device, qkv: Tensor, k_cache: Tensor, v_cache: Tensor, out: Tensor, step, *,
               n_q_heads: int, n_kv_heads: int, head_dim: int, ctx: int, scale: float,
               max_t: int | None = None, min_chunk: int | None = None, max_splits: int = 128,
-              heads_per_lane: int | None = None, split_wg: int | None = None) -> Op:
+              heads_per_lane: int | None = None, split_wg: int | None = None,
+              causal: bool = False) -> Op:
     """Causal attention of the q heads of qkv (T, Hq+2Hkv, D) over the caches (Hkv, ctx, D), which
     already hold this step's keys: query t (position pos0+t) sees keys 0..pos0+t; head h reads kv
     head h // (Hq/Hkv). out (T, Hq*D). Rows t >= step.n_new are skipped (n_new 0: all T rows).
     max_t (default T) rows are dispatched; max_t == 1 takes the split-key decode path (2 dispatches),
-    sized once for ctx: splits past the live context exit at once. f16 caches are read 8 halves
+    sized once for ctx: splits past the live context exit at once; `causal` keeps the prefill
+    kernel for one row too (a query's result then does not depend on how many rows run with it:
+    every query folds its keys in the same 16-key blocks from key 0). f16 caches are read 8 halves
     per load when head_dim % 8 == 0 and the cache offsets are 16-byte aligned.
     Per-device tuning: heads_per_lane (q heads of one kv head served by one lane, which loads each
     key once for them; default the largest divisor of Hq/Hkv up to 4); decode: min_chunk /
@@ -362,7 +365,7 @@ def attention(dev: Device, qkv: Tensor, k_cache: Tensor, v_cache: Tensor, out: T
     cpu = dev.info.adapter_type.upper() == "CPU"
     # f16 caches are read 8 halves per load when head rows and cache offsets are 16-byte aligned
     packed = dt == "f16" and head_dim % 8 == 0 and ko % 2 == 0 and vo % 2 == 0
-    if t_max > 1:
+    if t_max > 1 or causal:
         n_blk = -(-t_max // WG)
         par = params(dev, [t_max, n_q_heads, group, heads, ctx, 0, 0, float(scale), qo, ko, vo, oo,
                            n_blk, 0, 0, 0], owner=owner, label=k)

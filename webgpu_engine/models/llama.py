@@ -53,7 +53,7 @@ class LlamaModel:
         # decode steps record an op's short form when the live keys allow (nn.attention's
         # one-dispatch attention); a switch for A/B benchmarks
         self.short_attention = True
-        self.decode_ops = self._build(1, True)       # built once, replayed every decode step
+        self.decode_ops = self._build(1, True, decode=True)   # built once, replayed every step
 
     # ------------------------------------------------------------------ memory plan
     def memory_plan(self, weights: dict) -> dict:
@@ -160,8 +160,13 @@ class LlamaModel:
         self.v_cache = [new_tensor(dev, shape, dt, owner=own, label=f"v_cache.{i}") for i in range(c.n_layers)]
 
     # ------------------------------------------------------------------ the forward pass as ops
-    def _build(self, T: int, with_head: bool) -> list[Op]:
+    def _build(self, T: int, with_head: bool, decode: bool = False) -> list[Op]:
+        """The forward of T rows. Prefill (`decode` False) computes every row with kernels whose
+        per-row sums do not depend on T (row-invariant matmuls, the causal attention kernel even
+        for one row), so a position's logits are the same however the prompt was chunked or how
+        much of it was cached. Decode (T = 1) takes the fused, split-key kernels."""
         c, dev, step = self.cfg, self.dev, self.step
+        ri = not decode                        # prefill: row-invariant matmuls
         H, Hkv, D, C = c.n_heads, c.n_kv_heads, c.head_dim, c.hidden_size
         x, h = self.x.view((T, C)), self.h.view((T, C))
         qkv = self.qkv.view((T, H + 2 * Hkv, D))
@@ -172,12 +177,13 @@ class LlamaModel:
         eps = c.rms_eps
         # decode (T = 1) may fuse RMSNorm into the matmul after it (60 fewer dispatches per token)
         # and SiLU·up into the down matmul, as the device's matmul strategy chooses (kernels/matmul.py)
-        fuse = all(mm.fusable(dev, T, L[n]) for L in self.layers for n in ("qkv", "gate_up"))
-        fuse_silu = all(mm.fusable(dev, T, L["down"], silu=True) and not L["silu_pairs"] for L in self.layers)
+        fuse = decode and all(mm.fusable(dev, T, L[n]) for L in self.layers for n in ("qkv", "gate_up"))
+        fuse_silu = decode and all(mm.fusable(dev, T, L["down"], silu=True) and not L["silu_pairs"]
+                                   for L in self.layers)
         # decode on CPU adapters: the residual matmuls (o, down) store x, x * g of the next RMSNorm
         # (into h) and partial sums of x^2; the matmul after reads h and scales by 1 / rms from the
         # sums: 60 fewer norm dispatches per token (the first layer's norm stays)
-        pn = T == 1 and C % 32 == 0 and mm.default_config(dev).res_norm and all(
+        pn = decode and C % 32 == 0 and mm.default_config(dev).res_norm and all(
             mm.epilogue_ok(dev, L[n].qtype, L[n].n, L[n].k) and len(L[n].bufs) == 1
             for L in self.layers for n in ("o", "down"))
         rms = (self.part, eps)
@@ -187,7 +193,7 @@ class LlamaModel:
             kc, vc = self.k_cache[i], self.v_cache[i]
             # decode: the qkv matmul rotates q, k and writes k, v to the caches itself
             rope = mm.RopeKV(step, self.rope_freq, kc, vc, H, Hkv, D, c.rot_dim, self.ctx) \
-                if T == 1 and L["rope_fused"] else None
+                if decode and L["rope_fused"] else None
             if pn and i > 0:                                                       # h = x * g: (1, C)
                 ops.append(mm.matmul(dev, h, L["qkv"], qkv2, bias=L["qkv_bias"], rms_from=rms,
                                      rope_kv=rope))
@@ -197,16 +203,18 @@ class LlamaModel:
             else:
                 ops.append(nn.rms_norm(dev, x, L["attn_norm"], h, eps=eps))       # h (T, C)
                 ops.append(mm.matmul(dev, h, L["qkv"], qkv2, bias=L["qkv_bias"],
-                                     rope_kv=rope))                                # (T, H+2Hkv, D)
+                                     rope_kv=rope, row_invariant=ri))              # (T, H+2Hkv, D)
             if rope is None:
                 ops.append(nn.rope_kv(dev, qkv, kc, vc, step, n_q_heads=H, n_kv_heads=Hkv,
                                       head_dim=D, ctx=self.ctx, **rope_kw))         # rotate q,k; cache k,v
             ops.append(nn.attention(dev, qkv, kc, vc, attn, step, n_q_heads=H, n_kv_heads=Hkv,
-                                    head_dim=D, ctx=self.ctx, scale=D ** -0.5, max_t=T))  # (T, H*D)
+                                    head_dim=D, ctx=self.ctx, scale=D ** -0.5, max_t=T,
+                                    causal=ri))                                    # (T, H*D)
             ops.append(mm.matmul(dev, attn, L["o"], x, bias=L["o_bias"], accumulate=True,   # x += o
-                                 norm_out=mm.NormOut(L["ffn_norm"], h, self.part) if pn else None))
+                                 norm_out=mm.NormOut(L["ffn_norm"], h, self.part) if pn else None,
+                                 row_invariant=ri))
             # decode with pair-interleaved gate|up rows: the matmul stores silu(gate) * up (T = 1, F)
-            silu_out = T == 1 and L["silu_pairs"]
+            silu_out = decode and L["silu_pairs"]
             if pn:                                                                 # (1, 2F) or (1, F)
                 ops.append(mm.matmul(dev, h, L["gate_up"], ffn if silu_out else gu, rms_from=rms,
                                      silu_out=silu_out))
@@ -216,29 +224,29 @@ class LlamaModel:
             else:
                 ops.append(nn.rms_norm(dev, x, L["ffn_norm"], h, eps=eps))
                 ops.append(mm.matmul(dev, h, L["gate_up"], ffn if silu_out else gu,
-                                     silu_out=silu_out))                           # (T, 2F)
+                                     silu_out=silu_out, row_invariant=ri))         # (T, 2F)
             nxt = mm.NormOut(norms_after[i], h, self.part) if pn else None       # next layer's / final norm
             if fuse_silu:                                                          # x += down
                 ops.append(mm.matmul(dev, gu, L["down"], x, accumulate=True, silu=True, norm_out=nxt))
             else:
                 if not silu_out:
                     ops.append(nn.silu_mul(dev, gu, ffn, pairs=L["silu_pairs"]))   # (T, F)
-                ops.append(mm.matmul(dev, ffn, L["down"], x, accumulate=True, norm_out=nxt))  # x += down
+                ops.append(mm.matmul(dev, ffn, L["down"], x, accumulate=True, norm_out=nxt,
+                                     row_invariant=ri))                            # x += down
         if with_head:
             if pn:                                                                 # h = x * g_final
                 ops.append(mm.matmul(dev, h, self.lm_head, self.logits, rms_from=rms))
-            elif T == 1 and mm.fusable(dev, 1, self.lm_head):
+            elif decode and mm.fusable(dev, 1, self.lm_head):
                 ops.append(mm.matmul(dev, x, self.lm_head, self.logits, norm=(self.final_norm, eps)))
             else:
                 ops.append(nn.rms_norm(dev, self.x.view((1, C), (T - 1) * C), self.final_norm, self.last,
                                        eps=eps))                                   # last row only
+                # one row whatever T: the same kernel for every prefill
                 ops.append(mm.matmul(dev, self.last, self.lm_head, self.logits))   # (1, V)
         return ops
 
     def ops_for(self, T: int, with_head: bool = True) -> list[Op]:
-        """The forward ops for T rows (1 <= T <= prefill chunk), built once per (T, with_head)."""
-        if T == 1 and with_head:
-            return self.decode_ops
+        """The prefill ops for T rows (1 <= T <= prefill chunk), built once per (T, with_head)."""
         key = (T, with_head)
         ops = self._ops.get(key)
         if ops is None:
@@ -263,7 +271,7 @@ class LlamaModel:
             raise ContextWindowTooLargeError(f"positions up to {pos0 + T} exceed the context window {self.ctx}")
         self.dev.write(self.ids.buf, struct.pack(f"<{T}I", *ids))
         self.set_step(pos0, T)
-        self._record(batch, self.ops_for(T, with_head), pos0 + T if T == 1 else None)
+        self._record(batch, self.ops_for(T, with_head), None)
 
     def record_decode(self, batch, pos0: int) -> None:
         """Record one decode step at position pos0; its input id is already in `ids[0]`."""

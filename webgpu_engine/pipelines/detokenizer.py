@@ -5,6 +5,7 @@ never show a stop string (held back while it may still be forming, cut when it c
     d.add(token_id)            # -> True once a stop string completed (the text ends before it)
     d.take_delta()             # new text that is safe to show
     d.finish()                 # end of generation: flush held bytes / held stop-string prefixes
+                               # and return the last delta (`flush()` alone leaves it for take_delta)
     d.text                     # the whole answer (stop string removed)
 
 Bytes of a character split across tokens (emoji, CJK in byte-level BPE) wait until the character is
@@ -17,9 +18,20 @@ import codecs
 from typing import Callable, Iterable
 
 
+def safe_token_bytes(token_bytes: Callable[[int], bytes]) -> Callable[[int], bytes]:
+    """token_bytes that gives b"" for an id the tokenizer cannot decode (a padding row of the
+    model's vocabulary) instead of raising: a reply never fails on one token's text."""
+    def get(token_id: int) -> bytes:
+        try:
+            return token_bytes(int(token_id))
+        except (ValueError, IndexError, KeyError, TypeError):
+            return b""
+    return get
+
+
 class StreamDetokenizer:
     def __init__(self, token_bytes: Callable[[int], bytes], stop: Iterable[str] = ()):
-        self._token_bytes = token_bytes
+        self._token_bytes = safe_token_bytes(token_bytes)
         self.stop = [s for s in dict.fromkeys(stop) if s]
         self._max_stop = max((len(s) for s in self.stop), default=0)
         self._dec = codecs.getincrementaldecoder("utf-8")("replace")
@@ -44,12 +56,17 @@ class StreamDetokenizer:
                 break
         return self.stopped
 
-    def finish(self) -> str:
-        """End of generation: decode any truncated tail (as U+FFFD) and release held text."""
+    def flush(self) -> None:
+        """End of generation: decode any truncated tail (as U+FFFD) and release held text, which
+        the next `take_delta` returns."""
         if not self.stopped:
             self._append(self._dec.decode(b"", final=True))
             if not self.stopped:
                 self._safe = len(self.text)
+
+    def finish(self) -> str:
+        """`flush`, then the remaining delta."""
+        self.flush()
         return self.take_delta()
 
     def take_delta(self) -> str:

@@ -19,7 +19,7 @@ from ..errors import ContextWindowTooLargeError, InvalidRequestError, ModelForma
 from ..gpu import Device
 from ..kernels.sampling import Sampler
 from ..models.llama import LlamaModel
-from .detokenizer import StreamDetokenizer
+from .detokenizer import StreamDetokenizer, safe_token_bytes
 from .stats import CumulativeStats, RequestStats, now
 
 _ids = itertools.count()
@@ -46,15 +46,25 @@ def _open_model(path: Path):
     return g.model_config(), g.weights(), load_tokenizer(g), g.template(), g.close
 
 
+def _valid_vocab(rows: int, tokenizer) -> int:
+    """The ids worth sampling: the model's logit rows, cut to the tokenizer's size when smaller."""
+    n = getattr(tokenizer, "vocab_size", None)
+    return min(rows, n) if isinstance(n, int) and n > 0 else rows
+
+
 class LLMChatPipeline:
     def __init__(self, dev: Device, model: LlamaModel, tokenizer, template, chat_config: ChatConfig,
                  owner: str):
         self.dev, self.model, self.tokenizer, self.template = dev, model, tokenizer, template
         self.model_config, self.chat_config, self.owner = model.cfg, chat_config, owner
         cfg = model.cfg
-        self.sampler = Sampler(dev, cfg.vocab_size, owner=owner)
+        # Checkpoints often pad the embedding / LM-head rows past the tokenizer (Qwen2.5: 151936
+        # rows for 151665 tokens): the sampler reads only the ids the tokenizer can decode, so a
+        # padding id is never sampled (as if its logit were -inf) and logprobs are over real tokens.
+        self.vocab_size = _valid_vocab(cfg.vocab_size, tokenizer)
+        self.sampler = Sampler(dev, self.vocab_size, owner=owner)
         # The sampler writes its token into the model's ids[0]: the next decode step's input.
-        self._sample_op = self.sampler.op(model.logits.view((cfg.vocab_size,)), model.ids)
+        self._sample_op = self.sampler.op(model.logits.view((self.vocab_size,)), model.ids)
         eos = set(cfg.eos_ids) | set(getattr(tokenizer, "eos_ids", None) or [])
         self.eos_ids = eos | set(chat_config.stop_token_ids)
         self.logit_processor = None
@@ -232,13 +242,15 @@ class LLMChatPipeline:
 
     def _finish(self, reason: str) -> None:
         self.stopped, self.finish_reason = True, reason
-        self.detok.finish()
+        self.detok.flush()         # the last delta stays for take_delta
         self._req.t_end = now()
         self.stats.add(self._req)
 
     def _logprob_entry(self, tok: int, lp: float, top) -> dict:
+        token_bytes = safe_token_bytes(self.tokenizer.token_bytes)
+
         def ent(t, v):
-            b = self.tokenizer.token_bytes(t)
+            b = token_bytes(t)
             return {"token": b.decode("utf-8", "replace"), "logprob": float(v), "bytes": list(b)}
         e = ent(tok, lp)
         e["top_logprobs"] = [ent(t, v) for t, v in top]
