@@ -198,11 +198,82 @@ def test_unexpected_error_is_500_without_internals(server, monkeypatch):
     assert _client(server).chat.completions.create(model="stub-llm", messages=U, max_tokens=1).choices
 
 
-def test_cors_preflight(server):
-    st, h, _ = _http(server.url + "/chat/completions", method="OPTIONS",
-                     headers={"Origin": "http://example.org", "Access-Control-Request-Method": "POST"})
-    assert st == 204 and h["Access-Control-Allow-Origin"] == "*"
-    assert "Authorization" in h["Access-Control-Allow-Headers"]
+def _preflight(s, origin):
+    return _http(s.url + "/chat/completions", method="OPTIONS",
+                 headers={"Origin": origin, "Access-Control-Request-Method": "POST"})
+
+
+def test_cors_only_for_configured_origins(server, device):
+    st, h, _ = _preflight(server, "http://example.org")       # default: no origin is allowed
+    assert st != 204 and "Access-Control-Allow-Origin" not in h
+    body = json.dumps({"model": "stub-llm", "messages": U, "max_tokens": 1}).encode()
+    st, h, _ = _http(server.url + "/chat/completions", body,
+                     {"Content-Type": "application/json", "Origin": "http://example.org"})
+    assert st == 200 and "Access-Control-Allow-Origin" not in h
+    s = ServerThread(ServerOptions(models=["stub-llm"], port=0, cors_origins=["http://example.org"],
+                                   engine_config=stub_config(device)))
+    try:
+        st, h, _ = _preflight(s, "http://example.org")
+        assert st == 204 and h["Access-Control-Allow-Origin"] == "http://example.org"
+        assert "Authorization" in h["Access-Control-Allow-Headers"] and h["Vary"] == "Origin"
+        st, h, _ = _preflight(s, "http://evil.example")
+        assert st != 204 and "Access-Control-Allow-Origin" not in h
+        st, h, _ = _http(s.url + "/chat/completions", body,
+                         {"Content-Type": "application/json", "Origin": "http://example.org"})
+        assert st == 200 and h["Access-Control-Allow-Origin"] == "http://example.org"
+    finally:
+        s.stop()
+
+
+def test_body_parser_refuses_what_is_not_utf8_json(server):
+    body = json.dumps({"model": "stub-llm", "messages": U, "max_tokens": 1}).encode()
+    url = server.url + "/chat/completions"
+    for ctype in (None, "text/plain", "application/x-www-form-urlencoded", "multipart/form-data"):
+        st, _, raw = _http(url, body, {"Content-Type": ctype} if ctype else {})
+        assert st == 415 and "application/json" in _assert_openai_error(raw)["message"], ctype
+    st, _, raw = _http(url, body, {"Content-Type": "application/json; charset=bogus"})
+    assert st == 400 and "charset" in _assert_openai_error(raw)["message"]
+    st, _, raw = _http(url, body, {"Content-Type": "application/json; charset=latin-1"})
+    assert st == 400 and "UTF-8" in _assert_openai_error(raw)["message"]
+    st, _, _ = _http(url, body, {"Content-Type": "application/json; charset=UTF-8"})
+    assert st == 200
+    st, _, raw = _http(url, b'{"messages": "\xff\xfe"}', {"Content-Type": "application/json"})
+    assert st == 400 and "UTF-8" in _assert_openai_error(raw)["message"]
+    for depth in (65, 20_000):          # the deepest fits the 64 KiB body limit of this server
+        deep = b'{"model": ' + b"[" * depth + b"]" * depth + b"}"
+        st, _, raw = _http(url, deep, {"Content-Type": "application/json"})
+        assert st == 400 and "nested too deeply" in _assert_openai_error(raw)["message"], depth
+    st, _, raw = _http(url, b'{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}',
+                       {"Content-Type": "application/json"})
+    err = _assert_openai_error(raw)
+    assert st == 400 and err["param"] == "temperature" and "finite" in err["message"]
+    assert _http(url, body, {"Content-Type": "application/json"})[0] == 200
+
+
+def test_full_queue_is_429_with_retry_after(device):
+    from webgpu_engine.engine import EngineConfig  # noqa: F401 - the stub config is one
+    s = ServerThread(ServerOptions(models=["stub-llm"], port=0,
+                                   engine_config=stub_config(device, max_queue_length=1)))
+    StubLLM.step_delay = 0.05
+    try:
+        async def run():
+            c = openai.AsyncOpenAI(base_url=s.url, api_key="none", max_retries=0)
+            try:
+                busy = [asyncio.create_task(c.chat.completions.create(model="stub-llm", messages=U))
+                        for _ in range(2)]
+                await asyncio.sleep(0.2)          # one generating, one waiting: the queue is full
+                with pytest.raises(openai.RateLimitError) as ei:
+                    await c.chat.completions.create(model="stub-llm", messages=U)
+                assert [r.choices[0].finish_reason for r in await asyncio.gather(*busy)] == ["stop"] * 2
+                return ei.value
+            finally:
+                await c.close()
+        err = asyncio.run(run())
+        assert err.status_code == 429 and int(err.response.headers["Retry-After"]) >= 1
+        assert err.body["type"] == "rate_limit_exceeded" and err.body["code"] == "ModelBusyError"
+    finally:
+        StubLLM.step_delay = 0.002
+        s.stop()
 
 
 def test_api_key_and_device_lost(fresh_device):
@@ -218,6 +289,11 @@ def test_api_key_and_device_lost(fresh_device):
         _assert_openai_error(body)
         st, _, _ = _http(s.base + "/health")             # health needs no key
         assert st == 200
+        st, _, body = _http(s.base + "/metrics")         # metrics do
+        assert st == 401 and _assert_openai_error(body)["code"] == "invalid_api_key"
+        for auth in ("Bearer sekre", "Bearer sekrett", "sekret", "Bearer s\u00e9kret".encode().decode("latin-1")):
+            assert _http(s.base + "/metrics", headers={"Authorization": auth})[0] == 401
+        assert _http(s.base + "/metrics", headers={"Authorization": "Bearer sekret"})[0] == 200
         good = openai.OpenAI(base_url=s.url, api_key="sekret", max_retries=0)
         assert good.chat.completions.create(model="stub-llm", messages=U, max_tokens=1).choices
         StubLLM.lose_device_at_step = 1
@@ -244,6 +320,7 @@ def test_503_while_loading(device):
         with pytest.raises(openai.APIStatusError) as ei:
             _client(s).chat.completions.create(model="stub-llm", messages=U)
         assert ei.value.status_code == 503 and "loading" in ei.value.body["message"]
+        assert ei.value.response.headers["Retry-After"] == "5"
         s.wait_ready()
         assert _http(s.base + "/health")[0] == 200
     finally:

@@ -184,12 +184,21 @@ def cmd_embed(args) -> int:
 
 # --------------------------------------------------------------------------- serve
 def cmd_serve(args) -> int:
+    from .engine.records import EngineConfig
+    from .protocol.rules import RequestLimits
     from .server.app import ServerOptions, run_server
     models = args.model or [DEFAULT_CHAT_MODEL, DEFAULT_EMBED_MODEL]
+    given = {k: getattr(args, k) for k in ("max_n", "max_stop", "max_logit_bias",
+                                           "max_embedding_inputs", "max_embedding_tokens")}
+    limits = RequestLimits(**{k: v for k, v in given.items() if v is not None})
+    cfg = EngineConfig(log_level=args.log_level.upper(), auto_recover=args.auto_recover, limits=limits,
+                       max_queue_length=args.max_queue if args.max_queue > 0 else None,
+                       request_timeout_s=args.request_timeout if args.request_timeout > 0 else None)
     opts = ServerOptions(models=models, host=args.host, port=args.port, api_key=args.api_key,
                          max_body_bytes=int(args.max_body_mb * (1 << 20)),
-                         cors_origins=args.cors_origin or ["*"], log_level=args.log_level.upper(),
-                         auto_recover=args.auto_recover)
+                         cors_origins=args.cors_origin or [], log_level=args.log_level.upper(),
+                         auto_recover=args.auto_recover, shutdown_grace_s=args.shutdown_grace,
+                         engine_config=cfg)
     run_server(opts)
     return 0
 
@@ -312,9 +321,29 @@ def build_parser() -> argparse.ArgumentParser:
                    help="require `Authorization: Bearer KEY` (env WEBGPU_ENGINE_API_KEY)")
     p.add_argument("--max-body-mb", type=float, default=4.0, help="request body size limit (MiB)")
     p.add_argument("--cors-origin", action="append", default=None,
-                   help="allowed CORS origin (repeatable; default *)")
+                   help="a browser origin allowed to call the server, e.g. http://localhost:3000 "
+                        "(repeatable; `*` allows any; default: none)")
     p.add_argument("--auto-recover", action="store_true",
                    help="after a device loss, reload the models on the next request")
+    p.add_argument("--max-queue", type=int, default=32,
+                   help="requests that may wait for one model; more get HTTP 429 with Retry-After "
+                        "(default 32; 0: unbounded)")
+    p.add_argument("--request-timeout", type=float, default=0.0,
+                   help="seconds a request may take, queueing included; past it HTTP 504 "
+                        "(default 0: no limit)")
+    p.add_argument("--shutdown-grace", type=float, default=30.0,
+                   help="on SIGTERM, seconds requests in flight may finish before the server exits "
+                        "(default 30)")
+    # Defaults live in protocol.rules.RequestLimits (not imported here: --help stays light).
+    p.add_argument("--max-n", type=int, default=None, help="most choices (`n`) per request (default 16)")
+    p.add_argument("--max-stop", type=int, default=None,
+                   help="most stop strings per request (default 4, as OpenAI)")
+    p.add_argument("--max-logit-bias", type=int, default=None,
+                   help="most logit_bias entries per request (default 300, as OpenAI)")
+    p.add_argument("--max-embedding-inputs", type=int, default=None,
+                   help="most inputs per embeddings request (default 2048, as OpenAI)")
+    p.add_argument("--max-embedding-tokens", type=int, default=None,
+                   help="most tokens over all inputs of an embeddings request (default 300000, as OpenAI)")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("bench", help="run benchmark scripts from bench/",

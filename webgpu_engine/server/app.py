@@ -6,11 +6,19 @@ Routes: POST /v1/chat/completions, /v1/completions, /v1/embeddings; GET /v1/mode
 logged and answered 500 without internals. Handlers are cancelled when the client disconnects
 (aiohttp handler_cancellation): the engine then stops after the decode step in flight and frees
 the model's lock. GPU steps await their readbacks, so the loop keeps serving /health meanwhile.
+
+Safe by default: POST bodies must be `application/json` in UTF-8 (415 otherwise), no CORS origin is
+allowed unless configured, the API key (when set) guards /v1/* and /metrics and is compared in
+constant time; /health stays open. A full model queue answers 429 with Retry-After, a request past
+the engine's deadline 504, a server still loading (or shutting down) 503 with Retry-After. On
+SIGTERM the server stops accepting, lets requests in flight finish for `shutdown_grace_s`, then
+cancels what is left and exits.
 """
 from __future__ import annotations
 
 import asyncio
 import base64
+import hmac
 import json
 import logging
 import struct
@@ -42,10 +50,15 @@ class ServerOptions:
     port: int = 8000
     api_key: str | None = None
     max_body_bytes: int = 4 << 20
-    cors_origins: list[str] = field(default_factory=lambda: ["*"])
+    cors_origins: list[str] = field(default_factory=list)   # none: browsers on other origins are refused
     log_level: str = "INFO"
     auto_recover: bool = False
-    engine_config: EngineConfig | None = None     # tests inject stub pipelines / a device here
+    shutdown_grace_s: float = 30.0                 # SIGTERM: how long requests in flight may finish
+    engine_config: EngineConfig | None = None     # limits, queue, timeout; tests inject stubs here
+
+
+MAX_JSON_DEPTH = 64        # nesting of a request body; OpenAI's own schemas need fewer than 10
+LOADING_RETRY_AFTER = 5    # seconds, sent with 503 while the models load or the server drains
 
 
 # --------------------------------------------------------------------------- errors
@@ -56,7 +69,15 @@ def error_response(status: int, message: str, etype: str, param: str | None = No
 
 
 def _engine_error(e: WebGPUEngineError) -> web.Response:
-    return error_response(e.http_status, e.message, e.error_type, e.param, type(e).__name__)
+    resp = error_response(e.http_status, e.message, e.error_type, e.param, type(e).__name__)
+    if e.retry_after is not None:
+        resp.headers["Retry-After"] = str(int(e.retry_after))
+    return resp
+
+
+# Request data reaching library code it should not (validation is meant to stop it first) surfaces
+# as one of these: the client's fault, so a 400, never a 500.
+_CLIENT_FAULTS = (ValueError, TypeError, LookupError, RecursionError, UnicodeError, OverflowError)
 
 
 @web.middleware
@@ -65,6 +86,12 @@ async def errors_middleware(request: web.Request, handler):
         return await handler(request)
     except WebGPUEngineError as e:
         return _engine_error(e)
+    except _CLIENT_FAULTS as e:
+        log.warning("request data failed past validation in %s %s (%s)", request.method,
+                    request.path, type(e).__name__, exc_info=True)
+        return error_response(400, f"The request could not be processed ({type(e).__name__}); check "
+                              f"its fields against the API reference.", "invalid_request_error",
+                              code="invalid_request")
     except web.HTTPRequestEntityTooLarge as e:
         return error_response(413, f"Request body too large: {e.text or ''} Send at most "
                               f"{request.app[OPTS].max_body_bytes} bytes.".replace("  ", " "),
@@ -85,9 +112,10 @@ async def errors_middleware(request: web.Request, handler):
 @web.middleware
 async def auth_and_limits_middleware(request: web.Request, handler):
     opts: ServerOptions = request.app[OPTS]
-    if opts.api_key and request.path.startswith("/v1/") and request.method != "OPTIONS":
-        auth = request.headers.get("Authorization", "")
-        if auth != f"Bearer {opts.api_key}":
+    guarded = request.path.startswith("/v1/") or request.path == "/metrics"
+    if opts.api_key and guarded and request.method != "OPTIONS":
+        auth = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+        if not hmac.compare_digest(auth, f"Bearer {opts.api_key}".encode("utf-8", "surrogateescape")):
             return error_response(401, "Incorrect or missing API key. Send `Authorization: Bearer "
                                   "<key>` with the key given to the server's --api-key.",
                                   "invalid_request_error", code="invalid_api_key")
@@ -121,9 +149,8 @@ async def metrics_middleware(request: web.Request, handler):
 def cors_middleware_factory(origins: list[str]):
     @web.middleware
     async def cors(request: web.Request, handler):
-        origin = request.headers.get("Origin")
-        allow = "*" if "*" in origins else (origin if origin in origins else None)
-        if request.method == "OPTIONS" and "Access-Control-Request-Method" in request.headers:
+        allow = _allowed_origin(origins, request.headers.get("Origin"))
+        if allow and request.method == "OPTIONS" and "Access-Control-Request-Method" in request.headers:
             resp = web.Response(status=204)
         else:
             resp = await handler(request)
@@ -137,17 +164,52 @@ def cors_middleware_factory(origins: list[str]):
     return cors
 
 
+def _allowed_origin(origins: list[str], origin: str | None) -> str | None:
+    if "*" in origins:
+        return "*"
+    return origin if origin is not None and origin in origins else None
+
+
 # --------------------------------------------------------------------------- handlers
 async def _json_body(request: web.Request) -> dict:
+    """The body as a JSON object: `application/json` (415 otherwise), UTF-8, nested at most
+    MAX_JSON_DEPTH deep. NaN and Infinity parse (as Python's json does) and are refused by the
+    protocol rules with the field named."""
+    if request.content_type != "application/json":
+        raise _UnsupportedMediaType(f"Content-Type must be application/json, got "
+                                    f"{request.content_type[:60] or 'none'!r}. Send the body as JSON.")
+    charset = request.charset
+    if charset is not None and charset.lower().replace("_", "-") not in ("utf-8", "utf8"):
+        raise _BadRequest(f"Unsupported charset {charset[:40]!r}: JSON bodies must be UTF-8 "
+                          f"(send `Content-Type: application/json`).", param="Content-Type")
+    raw = await request.read()
     try:
-        body = await request.json()
-    except web.HTTPRequestEntityTooLarge:
-        raise
-    except (json.JSONDecodeError, UnicodeDecodeError, ValueError):
-        raise _BadRequest("The request body is not valid JSON.")
+        body = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise _BadRequest("The request body is not valid UTF-8.") from None
+    except RecursionError:
+        raise _BadRequest(f"The request body is nested too deeply; at most {MAX_JSON_DEPTH} levels "
+                          f"are accepted.") from None
+    except ValueError:
+        raise _BadRequest("The request body is not valid JSON.") from None
     if not isinstance(body, dict):
         raise _BadRequest("The request body must be a JSON object.")
+    if _depth_exceeds(body, MAX_JSON_DEPTH):
+        raise _BadRequest(f"The request body is nested too deeply; at most {MAX_JSON_DEPTH} levels "
+                          f"are accepted.")
     return body
+
+
+def _depth_exceeds(value: Any, limit: int) -> bool:
+    """Whether JSON `value` nests deeper than `limit` (iterative: any depth is safe to check)."""
+    stack = [(value, 1)]
+    while stack:
+        v, d = stack.pop()
+        if d > limit:
+            return True
+        items = v.values() if isinstance(v, dict) else v
+        stack.extend((x, d + 1) for x in items if isinstance(x, (dict, list)))
+    return False
 
 
 class _BadRequest(WebGPUEngineError):
@@ -155,9 +217,18 @@ class _BadRequest(WebGPUEngineError):
     error_type = "invalid_request_error"
 
 
+class _UnsupportedMediaType(WebGPUEngineError):
+    http_status = 415
+    error_type = "invalid_request_error"
+
+
 class _Unavailable(WebGPUEngineError):
     http_status = 503
     error_type = "service_unavailable"
+
+    def __init__(self, message: str, retry_after: int | None = None):
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 def _ready_engine(request: web.Request) -> AsyncMLCEngine:
@@ -165,8 +236,12 @@ def _ready_engine(request: web.Request) -> AsyncMLCEngine:
     state = request.app[STATE]
     if state.get("error"):
         raise _Unavailable(f"Model loading failed: {state['error']}")
+    if state.get("draining"):
+        raise _Unavailable("The server is shutting down; send the request to another instance or "
+                           "retry when it is back.", LOADING_RETRY_AFTER)
     if engine.state == "loading" or not state.get("loaded"):
-        raise _Unavailable("Models are still loading; retry shortly (GET /health says when ready).")
+        raise _Unavailable("Models are still loading; retry shortly (GET /health says when ready).",
+                           LOADING_RETRY_AFTER)
     if engine.state == "device_lost" and not engine.config.auto_recover:
         raise _Unavailable("The GPU device was lost; restart the server or run it with --auto-recover.")
     return engine
@@ -203,9 +278,7 @@ async def _sse(request: web.Request, stream, model_for_metrics: str) -> web.Stre
 
 
 async def _cors_headers(request: web.Request, resp: web.StreamResponse) -> None:
-    origins = request.app[OPTS].cors_origins
-    origin = request.headers.get("Origin")
-    allow = "*" if "*" in origins else (origin if origin in origins else None)
+    allow = _allowed_origin(request.app[OPTS].cors_origins, request.headers.get("Origin"))
     if allow:
         resp.headers["Access-Control-Allow-Origin"] = allow
 
@@ -260,6 +333,8 @@ async def health(request: web.Request) -> web.Response:
     state = request.app[STATE]
     if state.get("error"):
         status = "error"
+    elif state.get("draining"):
+        status = "draining"
     elif engine.state == "device_lost":
         status = "device_lost"
     elif engine.state == "loading" or not state.get("loaded"):
@@ -300,6 +375,7 @@ def create_app(opts: ServerOptions) -> web.Application:
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.on_startup.append(_start_loading)
+    app.on_shutdown.append(_drain)
     app.on_cleanup.append(_shutdown)
     return app
 
@@ -319,6 +395,12 @@ async def _start_loading(app: web.Application) -> None:
     app[STATE]["load_task"] = asyncio.create_task(load())
 
 
+async def _drain(app: web.Application) -> None:
+    """Shutdown began (SIGTERM): refuse new work; requests in flight get the grace period."""
+    app[STATE]["draining"] = True
+    log.warning("shutting down: finishing requests in flight (grace %.0f s)", app[OPTS].shutdown_grace_s)
+
+
 async def _shutdown(app: web.Application) -> None:
     t = app[STATE].get("load_task")
     if t is not None and not t.done():
@@ -330,6 +412,7 @@ def run_server(opts: ServerOptions) -> None:
     """Serve until interrupted (the `serve` command)."""
     logging.getLogger("webgpu_engine").setLevel(opts.log_level)
     web.run_app(create_app(opts), host=opts.host, port=opts.port, handler_cancellation=True,
+                shutdown_timeout=opts.shutdown_grace_s,
                 print=lambda s: log.warning("%s", s), access_log=log if opts.log_level == "DEBUG" else None)
 
 
