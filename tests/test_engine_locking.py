@@ -421,3 +421,86 @@ async def test_bounded_queue_refuses_with_retry_after_and_deadline_times_out(dev
     finally:
         StubLLM.step_delay = 0.002
         await engine.unload()
+
+
+# --------------------------------------------------------------------------- WebLLM behaviours
+async def test_interrupt_stops_every_choice_of_the_request(device):
+    """WebLLM: one interruptGenerate() stops all n choices; the ones not yet begun come back empty
+    with finish_reason "abort" (engine.ts, chatCompletion's loop over n)."""
+    StubLLM.step_delay = 0.01
+    engine = await create_mlc_engine("stub-llm", stub_config(device))
+    task = asyncio.create_task(engine.chat.completions.create(messages=U, temperature=0, n=3))
+    await asyncio.sleep(0.03)
+    engine.interrupt_generate()
+    r = await task
+    assert [c.finish_reason for c in r.choices] == ["abort"] * 3
+    assert [c.message.content for c in r.choices[1:]] == ["", ""]
+    assert len(StubLLM.instances[0].prefills) == 1          # choices 1 and 2 never started
+    # the next request is not interrupted
+    r = await engine.chat.completions.create(messages=U, temperature=0, n=2)
+    assert [c.finish_reason for c in r.choices] == ["stop", "stop"]
+    await engine.unload()
+
+
+async def test_unload_aborts_a_reload_in_progress(device):
+    StubLLM.load_delay = 0.05
+    engine = AsyncMLCEngine(stub_config(device))
+    task = asyncio.create_task(engine.reload(["stub-emb", "stub-llm", "stub-llm-2"]))
+    await asyncio.sleep(0.12)             # inside stub-llm's load; stub-emb is done
+    await engine.unload()
+    with pytest.raises(E.ReloadAbortedError, match="unload"):
+        await task
+    assert engine.models == {} and engine.state == "idle"
+    assert _owners_bytes(device, ["stub-emb", "stub-llm", "stub-llm-2"]) == 0
+    assert len(StubLLM.instances) == 0    # stub-llm's load stopped at its next progress report
+    # a newer reload aborts an older one the same way, and then loads
+    StubLLM.load_delay = 0.02
+    old = asyncio.create_task(engine.reload(["stub-llm", "stub-llm-2"]))
+    await asyncio.sleep(0.03)
+    await engine.reload("stub-emb")
+    with pytest.raises(E.ReloadAbortedError):
+        await old
+    assert list(engine.models) == ["stub-emb"]
+    assert _owners_bytes(device, ["stub-llm", "stub-llm-2"]) == 0
+    await engine.unload()
+
+
+@pytest.mark.parametrize("level", ["TRACE", "DEBUG", "INFO", "WARN", "ERROR", "SILENT", "warning", "trace"])
+def test_set_log_level_accepts_webllm_levels(level):
+    import logging
+    from webgpu_engine.logs import LOG_LEVELS
+    engine = AsyncMLCEngine(EngineConfig_with(log_level="WARN"))
+    try:
+        engine.set_log_level(level)
+        assert logging.getLogger("webgpu_engine").level == LOG_LEVELS[level.upper()]
+        if level.upper() == "SILENT":
+            assert not logging.getLogger("webgpu_engine").isEnabledFor(logging.CRITICAL)
+    finally:
+        engine.set_log_level("WARN")
+    with pytest.raises(E.InvalidRequestError, match="Unknown log level 'LOUD'"):
+        engine.set_log_level("LOUD")
+
+
+def EngineConfig_with(**kw):
+    from webgpu_engine.engine import EngineConfig
+    return EngineConfig(**kw)
+
+
+async def test_extra_body_fields_work_or_are_refused(device):
+    engine = await create_mlc_engine("stub-llm", stub_config(device))
+    await engine.chat.completions.create(messages=U, extra_body={"enable_thinking": False,
+                                                                 "enable_latency_breakdown": True,
+                                                                 "ignore_eos": True})
+    gen = StubLLM.instances[0].prefills[-1]["gen"]
+    assert gen.enable_thinking is False and gen.latency_breakdown and gen.ignore_eos
+    await engine.chat.completions.create(messages=U, enable_thinking=True)     # the OpenAI client's way
+    assert StubLLM.instances[0].prefills[-1]["gen"].enable_thinking is True
+    with pytest.raises(PE.UnsupportedFieldsError, match="no_such_option"):
+        await engine.chat.completions.create(messages=U, extra_body={"no_such_option": 1})
+    with pytest.raises(PE.FieldTypeError, match="enable_thinking"):
+        await engine.chat.completions.create(messages=U, extra_body={"enable_thinking": "yes"})
+    with pytest.raises(PE.UnsupportedFieldsError, match="enable_thinking"):
+        await engine.completions.create(prompt="a b", extra_body={"enable_thinking": True})
+    with pytest.raises(PE.UnsupportedFieldsError, match="twice"):
+        await engine.chat.completions.create(messages=U, temperature=0.5, extra_body={"temperature": 1.0})
+    await engine.unload()

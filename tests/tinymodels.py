@@ -197,10 +197,12 @@ _K_QUANTIZERS = {"q4_k": quantize_q4_k, "q6_k": quantize_q6_k}
 
 # ============================================================================ GGUF
 def write_tiny_llama_gguf(path, arch: str = "llama", qtype: str = "f32", seed: int = 0, *,
-                          embed_qtype: str | None = None, **dims) -> dict:
+                          embed_qtype: str | None = None, pad_rows: int = 0, **dims) -> dict:
     """Write a tiny llama/qwen2 GGUF. Matrices in `qtype` (f32 f16 q8_0 q4_0 q4_1, or q4_k q6_k with
     hidden_size/ffn_size multiples of 256; the embedding in `embed_qtype`, default the same), norms and
-    biases f32. Returns
+    biases f32. `pad_rows`: embedding / LM-head rows past the tokenizer's vocabulary (as Qwen2.5 pads
+    151665 tokens to 151936 rows), their LM-head rows scaled up so that they would win the sampling
+    if they were not masked. Returns
     {path, arch, config (LlamaConfig our loader must produce), rope_neox, qtypes {our name: qtype},
     weights {our name: f32 array as stored and dequantized: what the GPU sees, q/k in file layout},
     hf_weights {same, q/k in HF layout}, tokens, merges, chat_template}."""
@@ -210,8 +212,12 @@ def write_tiny_llama_gguf(path, arch: str = "llama", qtype: str = "f32", seed: i
     d = _dims(**dims)
     d["rms_eps"], d["rope_base"] = (float(np.float32(d[k])) for k in ("rms_eps", "rope_base"))  # GGUF keeps f32
     tokens, merges = tiny_bpe_vocab(d["vocab_size"], "qwen2" if arch == "qwen2" else "smollm")
-    d["vocab_size"] = len(tokens)
+    d["vocab_size"] = len(tokens) + pad_rows
     hf = _hf_weights(d, arch, seed)
+    if pad_rows:
+        if d["tie_embeddings"]:
+            raise ValueError("pad_rows needs an untied LM head")
+        hf["lm_head"][len(tokens):] *= 40.0
     neox = arch == "qwen2"
     qtypes, stored, gpu, hf_deq = {}, {}, {}, {}
     for name, w in hf.items():
@@ -241,7 +247,7 @@ def write_tiny_llama_gguf(path, arch: str = "llama", qtype: str = "f32", seed: i
     w.add_block_count(d["n_layers"]); w.add_feed_forward_length(d["ffn_size"])
     w.add_head_count(d["n_heads"]); w.add_head_count_kv(d["n_kv_heads"])
     w.add_rope_freq_base(d["rope_base"]); w.add_layer_norm_rms_eps(d["rms_eps"])
-    w.add_rope_dimension_count(d["head_dim"]); w.add_vocab_size(len(tokens))
+    w.add_rope_dimension_count(d["head_dim"]); w.add_vocab_size(d["vocab_size"])
     if d["head_dim"] != d["hidden_size"] // d["n_heads"]:
         w.add_key_length(d["head_dim"]); w.add_value_length(d["head_dim"])
     w.add_tokenizer_model("gpt2"); w.add_tokenizer_pre("qwen2" if arch == "qwen2" else "smollm")

@@ -27,6 +27,8 @@ class GenerationConfig:
     seed: int | None = None
     ignore_eos: bool = False
     n: int = 1
+    enable_thinking: bool | None = None    # passed to the chat template (None: the template's default)
+    latency_breakdown: bool = False        # usage.extra.latency_breakdown: per-step times
 
     def merged(self, **overrides: Any) -> "GenerationConfig":
         return replace(self, **{k: v for k, v in overrides.items() if v is not None})

@@ -48,6 +48,15 @@ class EmbeddingUnsupportedModelError(InvalidRequestError):
                          param="model")
 
 
+class EmbeddingTokenLimitError(InvalidRequestError):
+    """An embeddings request holds more tokens, summed over its inputs, than one request may embed."""
+
+    def __init__(self, limit: int):
+        super().__init__(
+            f"`input` holds more than {limit} tokens in all, the most one embeddings request may embed. "
+            f"Send fewer or shorter inputs, or split them over several requests.", param="input")
+
+
 class ReloadArgumentSizeUnmatchedError(InvalidRequestError):
     def __init__(self, n_models: int, n_opts: int):
         super().__init__(
@@ -95,6 +104,25 @@ class ModelUnloadedError(ModelNotLoadedError):
         WebGPUEngineError.__init__(
             self, f"Model {model_id} was unloaded (engine.unload() or reload()) while {request_name} was "
             f"running or waiting for it. Reload the model and send the request again.")
+
+
+class ReloadAbortedError(WebGPUEngineError):
+    """reload() stopped because unload() (or a newer reload()) was called while it ran (WebLLM's
+    reload controller): the partial load was freed and nothing is loaded."""
+
+    http_status = 503
+    error_type = "server_error"
+
+    def __init__(self, detail: str = "engine.unload() was called"):
+        super().__init__(f"The model load was aborted: {detail} while it ran. Nothing is loaded; "
+                         f"call reload() again.")
+
+
+class UnsupportedChatOptionError(InvalidRequestError):
+    """A ChatConfig / chat_opts setting this engine does not implement (never silently ignored)."""
+
+    def __init__(self, name: str, value, why: str):
+        super().__init__(f"chat_opts {name}={value!r} is not supported: {why}", param=name)
 
 
 # --------------------------------------------------------------------------- admission (429 / 504)

@@ -26,7 +26,7 @@ from typing import Any
 from .. import gpu
 from ..config import ChatConfig, GenerationConfig
 from ..errors import (DeviceLostError, FeatureSupportError, IncorrectPipelineLoadedError,
-                      InvalidRequestError, ModelBusyError, ModelNotLoadedError, ModelUnloadedError,
+                      InvalidRequestError, ReloadAbortedError, UnsupportedChatOptionError, ModelBusyError, ModelNotLoadedError, ModelUnloadedError,
                       ReloadArgumentSizeUnmatchedError, RequestTimeoutError,
                       ReloadModelIdNotUniqueError, ShaderF16SupportError, SpecifiedModelNotFoundError,
                       UnclearModelToUseError, EmbeddingUnsupportedModelError)
@@ -68,6 +68,22 @@ class _Plan:
     estimate: memory.MemoryEstimate | None = None
 
 
+def _check_chat_options(cc: ChatConfig) -> None:
+    """Settings of WebLLM's ChatConfig that the built-in pipelines do not implement are refused by
+    name rather than ignored: a sliding KV window with attention sinks (the cache holds the whole
+    context window; a conversation longer than it ends with finish_reason "length")."""
+    if cc.sliding_window_size not in (-1, 0, None):
+        raise UnsupportedChatOptionError(
+            "sliding_window_size", cc.sliding_window_size,
+            "the KV cache holds the whole context window; leave it at -1 and set "
+            "context_window_size instead.")
+    if cc.attention_sink_size not in (0, -1, None):
+        raise UnsupportedChatOptionError(
+            "attention_sink_size", cc.attention_sink_size,
+            "attention sinks only apply to a sliding window, which this engine does not have; leave "
+            "it at 0.")
+
+
 class AsyncMLCEngine:
     """Async engine. `await engine.reload(ids)`, then `engine.chat.completions.create(...)` etc."""
 
@@ -84,6 +100,8 @@ class AsyncMLCEngine:
         self._epoch = 0
         self._last_reload: tuple[list[str], list[dict | None]] | None = None
         self._recovering: asyncio.Future | None = None
+        self._load_token: object | None = None    # the reload in progress; unload() clears it
+        self.interrupts = 0             # interrupt_generate() calls: a request stops all its choices
         self.chat = Chat(self)
         self.completions = Completions(self)
         self.embeddings = Embeddings(self)
@@ -99,7 +117,12 @@ class AsyncMLCEngine:
         return self.init_progress_callback
 
     def set_log_level(self, level: str) -> None:
-        logging.getLogger("webgpu_engine").setLevel(level.upper())
+        """WebLLM's levels: TRACE, DEBUG, INFO, WARN, ERROR, SILENT (and Python's WARNING, CRITICAL)."""
+        from ..logs import set_log_level
+        try:
+            set_log_level(level)
+        except ValueError as e:
+            raise InvalidRequestError(str(e), param="log_level") from None
 
     def set_logit_processor_registry(self, registry: dict[str, Any] | None) -> None:
         self.logit_processor_registry = dict(registry or {})
@@ -131,7 +154,8 @@ class AsyncMLCEngine:
         if len(set(ids)) != len(ids):
             raise ReloadModelIdNotUniqueError(ids)
         records = [self.app_config.get(i) for i in ids]   # unknown ids fail before anything unloads
-        await self.unload()
+        await self.unload()                 # also aborts a reload still in progress
+        token = self._load_token = object()
         self._last_reload = (ids, opts)
         self.state = "loading"
         t0 = time.perf_counter()
@@ -139,24 +163,29 @@ class AsyncMLCEngine:
         dev, current, stage = None, None, "preparing the load"
         try:
             dev = await self.get_device()
+            self._check_aborted(token)
             # Phase 1 (the first tenth of the progress): features, configs, files and memory, for
             # every model before anything is allocated, so a model that cannot fit fails fast.
             plans = []
             for k, (mid, rec, opt) in enumerate(zip(ids, records, opts)):
                 current = mid
-                plans.append(await self._prepare(dev, mid, rec, opt, k, n, t0))
+                plans.append(await self._prepare(dev, mid, rec, opt, k, n, t0, token))
+                self._check_aborted(token)
             self._check_memory(dev, plans)
             stage = "loading (weight upload)"
             loaded: dict[str, LoadedModel] = {}
             try:
                 for k, plan in enumerate(plans):
                     current = plan.model_id
-                    loaded[plan.model_id] = await self._load_one(dev, plan, k, n, t0)
+                    loaded[plan.model_id] = await self._load_one(dev, plan, k, n, t0, token)
+                    self._check_aborted(token)
             except BaseException:
                 for lm in loaded.values():
                     self._dispose(lm)
                 raise
         except BaseException as e:
+            if self._load_token is token:
+                self._load_token = None
             self.state = "idle" if self.state == "loading" else self.state
             if isinstance(e, Exception) and (isinstance(e, DeviceLostError) or (dev is not None and dev.lost)):
                 # The same policy as a loss during a request: drop everything; auto_recover retries
@@ -165,6 +194,7 @@ class AsyncMLCEngine:
                 self.on_device_lost(err)
                 raise err from e
             raise
+        self._load_token = None
         self._epoch += 1
         for lm in loaded.values():
             lm.epoch = self._epoch
@@ -173,22 +203,31 @@ class AsyncMLCEngine:
         self.device_lost_reason = None
         self._report(1.0, t0, f"Finish loading on WebGPU - {dev.info.name}")
 
+    def _check_aborted(self, token: object) -> None:
+        """Raise ReloadAbortedError when unload() (or a newer reload()) ended the load `token`."""
+        if self._load_token is not token:
+            raise ReloadAbortedError()
+
     async def _prepare(self, dev, model_id: str, rec: ModelRecord, opts: dict | None, k: int, n: int,
-                       t0: float) -> _Plan:
+                       t0: float, token: object = None) -> _Plan:
         """Check features, build the chat config, fetch the files (progress 0..0.1) and estimate memory."""
         rec = self._check_features(dev, rec, opts)
         try:
             chat_config = ChatConfig().updated(rec.overrides).updated(opts)
         except (ValueError, TypeError) as e:
             raise InvalidRequestError(str(e), param="chat_opts") from None
+        builtin = (self.config.pipeline_factories or {}).get(rec.model_type) is None
+        if builtin:
+            _check_chat_options(chat_config)
 
         def progress(frac: float, text: str) -> None:
+            if token is not None:
+                self._check_aborted(token)        # an unload() stops the fetch at its next report
             f = (k + max(0.0, min(1.0, frac))) / n
             self._report(0.1 * f * 0.99, t0, f"[{model_id}] {text}")
         path = await self._model_path(rec, progress)
         factory = self._factory(rec.model_type)
         plan = _Plan(model_id, rec, chat_config, path, factory)
-        builtin = (self.config.pipeline_factories or {}).get(rec.model_type) is None
         plan.estimate = memory.estimate_model(factory, builtin, rec, path, chat_config, dev)
         return plan
 
@@ -211,12 +250,15 @@ class AsyncMLCEngine:
             memory.check_fits(plan.model_id, est, dev, budget, source, in_use)
             in_use += est.total
 
-    async def _load_one(self, dev, plan: _Plan, k: int, n: int, t0: float) -> LoadedModel:
+    async def _load_one(self, dev, plan: _Plan, k: int, n: int, t0: float, token: object = None) -> LoadedModel:
         model_id, rec, chat_config, factory = plan.model_id, plan.record, plan.chat_config, plan.factory
 
         def progress(frac: float, text: str) -> None:
             # Loads fill 0.1..0.99 of the overall progress; it never goes backwards and 1.0 is left
-            # for the final "Finish loading" report.
+            # for the final "Finish loading" report. An unload() stops the load at its next report
+            # (a layer's upload, a shader module): the partial load is freed below.
+            if token is not None:
+                self._check_aborted(token)
             f = (k + max(0.0, min(1.0, frac))) / n
             self._report((0.1 + 0.9 * f) * 0.99, t0, f"[{model_id}] {text}")
 
@@ -298,7 +340,10 @@ class AsyncMLCEngine:
             cb({"progress": float(progress), "time_elapsed": time.perf_counter() - t0, "text": text})
 
     async def unload(self) -> None:
-        """Free every loaded model (an intentional unload is never reported as a device loss)."""
+        """Free every loaded model (an intentional unload is never reported as a device loss) and
+        abort a reload() in progress: it stops at its next step, frees what it allocated and raises
+        ReloadAbortedError (WebLLM's reload controller)."""
+        self._load_token = None
         models, self.models = self.models, {}
         for lm in models.values():
             self._dispose(lm)
@@ -453,7 +498,9 @@ class AsyncMLCEngine:
         return lm
 
     def interrupt_generate(self) -> None:
-        """Stop every generation in flight after its current decode step (finish_reason "abort")."""
+        """Stop every generation in flight after its current decode step (finish_reason "abort");
+        a request with n > 1 generates none of its remaining choices (WebLLM)."""
+        self.interrupts += 1
         for lm in self.models.values():
             f = getattr(lm.pipeline, "interrupt", None)
             if f is not None:

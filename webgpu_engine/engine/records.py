@@ -124,7 +124,8 @@ class EngineConfig:
     def __post_init__(self):
         if self.app_config is None:
             self.app_config = default_app_config()
-        logging.getLogger("webgpu_engine").setLevel(self.log_level.upper())
+        from ..logs import set_log_level
+        set_log_level(self.log_level)
 
 
 def default_app_config() -> AppConfig:

@@ -57,7 +57,47 @@ def _gen_config(lm, req: dict) -> GenerationConfig:
         presence_penalty=float(pick("presence_penalty")),
         repetition_penalty=float(pick("repetition_penalty")),
         logit_bias=bias, logprobs=bool(req.get("logprobs")), top_logprobs=int(req.get("top_logprobs") or 0),
-        seed=req.get("seed"), ignore_eos=bool(req.get("ignore_eos")), n=int(req.get("n") or 1))
+        seed=req.get("seed"), ignore_eos=bool(req.get("ignore_eos")), n=int(req.get("n") or 1),
+        enable_thinking=req.get("enable_thinking"),
+        latency_breakdown=bool(req.get("enable_latency_breakdown")))
+
+
+# WebLLM's `extra_body` (ChatCompletionRequest.extra_body) and fields the OpenAI client sends from
+# its `extra_body` at the top level of the JSON body
+EXTRA_FIELDS = {"enable_thinking": "chat", "enable_latency_breakdown": "any"}
+# request fields that may also come inside extra_body (the OpenAI client merges them the same way)
+_SAMPLING_FIELDS = {"temperature", "top_p", "max_tokens", "max_completion_tokens", "stop", "n",
+                    "frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias",
+                    "logprobs", "top_logprobs", "seed", "ignore_eos", "stream", "stream_options",
+                    "response_format", "tools", "tool_choice", "user", "echo", "suffix", "model"}
+
+
+def _extra_body(req: dict, chat: bool) -> dict:
+    """Fold `extra_body` into the request, as the OpenAI client does, and check the extra fields:
+    each one works or is refused by name, never ignored."""
+    from ..protocol.errors import FieldTypeError, UnsupportedFieldsError
+    eb = req.pop("extra_body", None)
+    if eb is not None:
+        if not isinstance(eb, dict):
+            raise FieldTypeError("extra_body", "an object", eb)
+        unknown = sorted(k for k in eb if k not in EXTRA_FIELDS and k not in _SAMPLING_FIELDS)
+        if unknown:
+            raise UnsupportedFieldsError("extra_body", f"unknown keys {unknown}; supported: "
+                                         f"{sorted(EXTRA_FIELDS)} and the request's own fields.")
+        for k, v in eb.items():
+            if k in req and req[k] != v:
+                raise UnsupportedFieldsError("extra_body", f"{k} is given twice with different values "
+                                             f"(in extra_body and in the request).")
+            req[k] = v
+    for k, where in EXTRA_FIELDS.items():
+        v = req.get(k)
+        if v is None:
+            continue
+        if not isinstance(v, bool):
+            raise FieldTypeError(k, "true or false", v)
+        if where == "chat" and not chat:
+            raise UnsupportedFieldsError(k, f"{k} applies to the chat template; completions use none.")
+    return req
 
 
 def _vocab_size(pipe) -> int | None:
@@ -194,6 +234,7 @@ async def _create_text(engine, req: dict, chat: bool):
     name = "ChatCompletionRequest" if chat else "CompletionCreateParams"
     deadline = engine.deadline()
     limits = engine.config.limits
+    req = _extra_body(req, chat)
     req = check_chat_request(req, limits) if chat else check_completion_request(req, limits)
     lm = await engine.select(req.get("model"), LLM, name)
     gen = _gen_config(lm, req)
@@ -208,14 +249,20 @@ async def _create_text(engine, req: dict, chat: bool):
     lm = await engine.acquire(lm, name, deadline)
     try:
         choices, usages = [], []
+        interrupts = engine.interrupts
         for i in range(gen.n):
             g = _choice_gen(gen, i)
             parts, lps = [], []
-            async for delta, entries in _steps(engine, lm, g, messages, prompt, deadline):
-                parts.append(delta)
-                lps.extend(entries)
-            finish = lm.pipeline.finish_reason or "stop"
-            usages.append(lm.pipeline.usage())
+            if engine.interrupts != interrupts:
+                # as WebLLM: one interrupt_generate() stops the whole request; the choices after
+                # the interrupted one are empty, with finish_reason "abort"
+                finish = "abort"
+            else:
+                async for delta, entries in _steps(engine, lm, g, messages, prompt, deadline):
+                    parts.append(delta)
+                    lps.extend(entries)
+                finish = lm.pipeline.finish_reason or "stop"
+                usages.append(lm.pipeline.usage())
             text = "".join(parts)
             if chat:
                 c = {"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": finish}

@@ -226,6 +226,12 @@ class BertModel:
             self._ops.popitem(last=False)[1].release()
         return op
 
+    def compile(self) -> None:
+        """Create every pipeline a forward uses now, at load, instead of on the first request: the
+        ops of the smallest bucket. Every bucket has S a multiple of 16 (so B * S >= 16 rows: the
+        same tiled matmuls and attention variant), so they share these pipelines."""
+        self._bucket_ops(1, min(16, self.max_seq_length))
+
     # ------------------------------------------------------------------ forward
     def run(self, seqs: list[list[int]], B: int, S: int, dst, dst_offset: int = 0) -> None:
         """Embed `seqs` (each 1..S ids, len(seqs) <= B) padded into the (B, S) bucket and copy the

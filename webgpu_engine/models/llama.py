@@ -259,6 +259,14 @@ class LlamaModel:
             self._ops.move_to_end(key)
         return ops
 
+    def compile(self) -> None:
+        """Create every pipeline a request uses now, at load, instead of on the first prompt: the
+        prefill ops of a full chunk and of one row (every T between uses the same kernels: the
+        row-invariant matmuls pick them by weight and device, not by T), besides the decode ops
+        built in __init__."""
+        for T in sorted({1, self.chunk}, reverse=True):
+            self.ops_for(T, True)
+
     def set_step(self, pos0: int, n_new: int) -> None:
         self.dev.write(self.step, struct.pack("<4I", pos0, n_new, pos0 + n_new, 0))
 

@@ -94,6 +94,9 @@ class LLMChatPipeline:
                                context_window=chat_config.context_window_size,
                                prefill_chunk=chat_config.prefill_chunk_size, dtype=dtype,
                                progress=progress)
+            if progress:
+                progress(1.0, "Loading GPU shader modules")
+            model.compile()          # so the first request compiles nothing
             pipe = cls(dev, model, tokenizer, template, chat_config, owner)
         except BaseException:
             dev.release_owner(owner)
@@ -148,9 +151,10 @@ class LLMChatPipeline:
     async def prefill_step(self, messages: list[dict] | None, gen: GenerationConfig,
                            prompt: str | None = None) -> None:
         """Compute the prompt (reusing the cached prefix of the conversation) and sample the first token."""
-        self._req = RequestStats(t_start=now())
+        self._req = RequestStats(t_start=now(), breakdown=gen.latency_breakdown)
         self._new_request_state(gen)
-        ids = self._prompt_ids(messages, prompt)
+        kw = None if gen.enable_thinking is None else {"enable_thinking": gen.enable_thinking}
+        ids = self._prompt_ids(messages, prompt, kw)
         ctx = self.model.ctx
         if len(ids) >= ctx:
             raise ContextWindowTooLargeError(
@@ -173,6 +177,7 @@ class LLMChatPipeline:
         t0 = now()
         res = await self._forward(ids[keep:], keep)
         self._req.prefill_s = now() - t0
+        self._req.step_s.append(self._req.prefill_s)
         self._req.t_first_token = now()
         self._accept(res)
 
@@ -184,7 +189,9 @@ class LLMChatPipeline:
             return self._finish("abort")
         t0 = now()
         res = await self._forward([self._last_token], len(self.kv_ids), decode=True)
-        self._req.decode_s += now() - t0
+        dt = now() - t0
+        self._req.decode_s += dt
+        self._req.step_s.append(dt)
         self._req.decode_tokens += 1
         self._accept(res)
 
@@ -204,10 +211,14 @@ class LLMChatPipeline:
                 if i + P < len(ids):
                     dev.submit(batch)
         self.kv_ids.extend(ids)
+        t_lp = 0.0
         if self.logit_processor is not None:
             dev.submit(batch)
+            t0 = now()
             await self._process_logits()
+            t_lp = now() - t0
             batch = dev.batch()
+        self._req.logit_processor_s.append(t_lp)
         self._sample_op.record(batch)
         dev.submit(batch)
         res = await self.sampler.read()
@@ -283,16 +294,30 @@ class LLMChatPipeline:
         return self.stats.text()
 
     async def forward_tokens_and_sample(self, ids, is_prefill: bool, gen: GenerationConfig) -> int:
-        """Low-level: is_prefill starts a new sequence with `ids`; otherwise appends them to the cache.
-        Returns the sampled token (nothing is detokenized)."""
+        """Low-level (WebLLM's forwardTokensAndSample): append `ids` to the KV cache, run them and
+        sample one token (nothing is detokenized). As in WebLLM `is_prefill` only says which
+        statistics the time counts towards (prefill: every id; decode: one token); it never clears
+        the cache (`reset_chat` does)."""
         ids = [int(i) for i in ids]
-        if is_prefill:
-            self.kv_ids = []
-            self._configure_sampler(gen, ids)
+        if not ids:
+            raise InvalidRequestError("input_ids is empty.", param="input_ids")
         if len(self.kv_ids) + len(ids) > self.model.ctx:
             raise ContextWindowTooLargeError(
                 f"{len(self.kv_ids) + len(ids)} tokens exceed the context window of {self.model.ctx}.")
+        rows = self.model.cfg.vocab_size
+        bad = next((i for i in ids if not 0 <= i < rows), None)
+        if bad is not None:
+            raise InvalidRequestError(f"input id {bad} is outside the model's vocabulary (0..{rows - 1}).",
+                                      param="input_ids")
+        self._configure_sampler(gen, self.kv_ids + ids)
+        t0 = now()
         res = await self._forward(ids, len(self.kv_ids))
+        r = RequestStats()
+        if is_prefill:
+            r.prefill_tokens, r.prefill_s = len(ids), now() - t0
+        else:
+            r.decode_tokens, r.decode_s = 1, now() - t0
+        self.stats.add(r)
         self._last_token = res.token
         return res.token
 

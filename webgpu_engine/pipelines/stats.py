@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 def now() -> float:
@@ -22,6 +22,9 @@ class RequestStats:
     decode_s: float = 0.0
     t_first_token: float | None = None
     t_end: float | None = None
+    breakdown: bool = False          # enable_latency_breakdown: keep the per-step times below
+    step_s: list = field(default_factory=list)             # each forward + sample (prefill first)
+    logit_processor_s: list = field(default_factory=list)  # host logit-processor round trip per step
 
     def extra(self) -> dict:
         end = self.t_end if self.t_end is not None else now()
@@ -32,7 +35,14 @@ class RequestStats:
             "decode_tokens_per_s": self.decode_tokens / self.decode_s if self.decode_s else 0.0,
             "time_to_first_token_s": ttft,
             "time_per_output_token_s": self.decode_s / self.decode_tokens if self.decode_tokens else 0.0,
+            **({"latency_breakdown": self.latency_breakdown()} if self.breakdown else {}),
         }
+
+    def latency_breakdown(self) -> dict:
+        """WebLLM's latencyBreakdown (seconds per step) for what runs on the host: penalties,
+        logit_bias, sampling and the forward run in one GPU submission per step, so their time is
+        part of `total_time` (what the step cost from recording to the token on the host)."""
+        return {"total_time": list(self.step_s), "logit_processor_time": list(self.logit_processor_s)}
 
 
 @dataclass
