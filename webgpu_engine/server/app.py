@@ -62,8 +62,13 @@ LOADING_RETRY_AFTER = 5    # seconds, sent with 503 while the models load or the
 
 
 # --------------------------------------------------------------------------- errors
+MAX_ERROR_MESSAGE = 1000   # characters: messages quote client values, which may be huge
+
+
 def error_response(status: int, message: str, etype: str, param: str | None = None,
                    code: str | None = None) -> web.Response:
+    if len(message) > MAX_ERROR_MESSAGE:
+        message = message[:MAX_ERROR_MESSAGE - 3] + "..."
     body = {"error": {"message": message, "type": etype, "param": param, "code": code}}
     return web.json_response(body, status=status)
 
