@@ -166,7 +166,7 @@ class StubEmbedder:
             progress(1.0, "stub embedder loaded")
         return cls(dev, model_id, chat_config)
 
-    async def embed_step(self, inp):
+    async def embed_step(self, inp, **limits):      # deadline, cancelled, max_total_tokens, timeout_s
         self.dev.check_alive()
         self.calls += 1
         await asyncio.sleep(self.step_delay)

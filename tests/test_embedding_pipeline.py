@@ -162,3 +162,180 @@ async def test_bad_chat_config_is_rejected_before_allocating(device, tmp_path):
         with pytest.raises(InvalidRequestError):
             await EmbeddingPipeline.load(device, tmp_path, cc)
     assert device.allocated_bytes() == before
+
+
+# --------------------------------------------------------------------------- result buffer, limits, the event loop
+TEXTS = ["the cat sat on the mat", "hello world", "a dog", "the quick brown fox is fast",
+         "paris is the capital of france", "web gpu engine", "cat", "the dog was at the mat with a cat"]
+
+
+@pytest.fixture
+async def tiny(device, tmp_path):
+    write_tiny_bert(tmp_path / "tiny", max_seq_length=32)
+    pipe = await EmbeddingPipeline.load(device, tmp_path / "tiny", ChatConfig(dtype="f32", max_batch_size=2))
+    yield pipe
+    pipe.dispose()
+    assert device.allocated_bytes(pipe.owner) == 0
+
+
+def _count_runs(pipe) -> list:
+    runs, orig = [], pipe.model.run
+
+    def run(seqs, B, S, dst, off=0):
+        runs.append((len(seqs), B, S))
+        return orig(seqs, B, S, dst, off)
+    pipe.model.run = run
+    return runs
+
+
+async def test_result_buffer_allocates_before_release_and_caps_growth(tiny, device, monkeypatch):
+    from webgpu_engine.errors import GPUOutOfMemoryError
+    row = tiny.dim * 4
+    want = {t: v for t, v in zip(TEXTS, (await tiny.embed_step(TEXTS)).embeddings)}
+    tiny._dst.release()
+    tiny._dst = None
+    await tiny.embed_step(TEXTS[:2])
+    assert tiny._dst.size == 2 * row
+    tiny._max_result_bytes = 5 * row                 # as if the device's largest buffer were 5 rows
+    old, alive_at_allocation = tiny._dst, []
+    real_buffer = device.buffer
+
+    def logged_buffer(*a, **kw):
+        if kw.get("label") == "embeddings":          # the result buffer (buckets allocate their own)
+            alive_at_allocation.append(old.alive)
+        return real_buffer(*a, **kw)
+    monkeypatch.setattr(device, "buffer", logged_buffer)
+    await tiny.embed_step(TEXTS[:3])                 # doubles: 4 rows
+    assert alive_at_allocation == [True] and tiny._dst.size == 4 * row and not old.alive
+    res = await tiny.embed_step(TEXTS[:5])           # doubling (8 rows) is over the limit: exactly 5
+    assert tiny._dst.size == 5 * row
+    assert np.allclose(res.embeddings, [want[t] for t in TEXTS[:5]], atol=1e-5)
+    kept = tiny._dst
+    with pytest.raises(InvalidRequestError) as ei:   # 6 rows cannot fit on this "device"
+        await tiny.embed_step(TEXTS[:6])
+    assert ei.value.param == "input" and tiny._dst is kept and kept.alive
+
+    # A failed allocation leaves the old buffer in place and working.
+    tiny._max_result_bytes = device.max_buffer_size
+
+    def failing_buffer(*a, **kw):
+        if kw.get("label") == "embeddings":
+            raise GPUOutOfMemoryError("no memory left (test)")
+        return real_buffer(*a, **kw)
+    monkeypatch.setattr(device, "buffer", failing_buffer)
+    with pytest.raises(GPUOutOfMemoryError):
+        await tiny.embed_step(TEXTS)
+    assert tiny._dst is kept and kept.alive
+    res = await tiny.embed_step(TEXTS[3:5])
+    assert np.allclose(res.embeddings, [want[t] for t in TEXTS[3:5]], atol=1e-5)
+
+
+async def test_oversized_result_buffer_is_given_back(tiny, device):
+    row = tiny.dim * 4
+    tiny._keep_result_bytes = 4 * row
+    await tiny.embed_step(TEXTS[:3])
+    kept = device.allocated_bytes(tiny.owner)
+    assert tiny._dst is not None and tiny._dst.size == 3 * row
+    res = await tiny.embed_step(TEXTS)               # 8 rows: over what the pipeline keeps
+    assert len(res.embeddings) == 8 and tiny._dst is None
+    assert device.allocated_bytes(tiny.owner) == kept - 3 * row
+    await tiny.embed_step(TEXTS[:2])                 # small again: a small buffer, kept
+    assert tiny._dst is not None and tiny._dst.size == 2 * row
+
+
+async def test_total_token_budget(tiny):
+    from webgpu_engine.errors import EmbeddingTokenLimitError
+    total = sum(len(s) for s in tiny.tokenize(TEXTS))
+    runs = _count_runs(tiny)
+    assert (await tiny.embed_step(TEXTS, max_total_tokens=total)).prompt_tokens == total
+    n_runs = len(runs)
+    for kw, inp in (({"max_total_tokens": total - 1}, TEXTS), ({"max_total_tokens": 5}, [[5, 6, 7]] * 2),
+                    ({"max_total_tokens": 10}, ["x"] * 6)):                # 6 texts need 12 tokens at least
+        with pytest.raises(EmbeddingTokenLimitError) as ei:
+            await tiny.embed_step(inp, **kw)
+        assert ei.value.http_status == 400 and ei.value.param == "input"
+    assert len(runs) == n_runs                       # refused before any GPU work
+    tiny.max_total_tokens = total - 1                # the pipeline's own default applies too
+    with pytest.raises(EmbeddingTokenLimitError):
+        await tiny.embed_step(TEXTS)
+
+
+async def test_deadline_stops_at_the_next_batch(tiny):
+    import asyncio
+    import time
+
+    from webgpu_engine.errors import RequestTimeoutError
+    loop = asyncio.get_running_loop()
+    runs = _count_runs(tiny)
+    with pytest.raises(RequestTimeoutError):         # already past: nothing runs
+        await tiny.embed_step(TEXTS, deadline=loop.time() - 1, timeout_s=1)
+    assert runs == []
+    orig = tiny.model.run
+    deadline = loop.time() + 0.5
+
+    def slow_run(*a):                                # the first batch lasts past the deadline
+        while loop.time() < deadline:
+            time.sleep(0.01)
+        return orig(*a)
+    tiny.model.run = slow_run
+    with pytest.raises(RequestTimeoutError, match="batch 2 of"):
+        await tiny.embed_step(TEXTS, deadline=deadline, timeout_s=0.5)
+    assert len(runs) == 1                            # 4 batches planned, 1 ran
+
+
+async def test_cancelled_caller_stops_the_shielded_step(tiny):
+    """The engine runs a step shielded from its caller's cancellation (finishing a readback it began);
+    the step polls the caller and stops at the next batch boundary instead of embedding everything."""
+    import asyncio
+    runs = _count_runs(tiny)
+    started = asyncio.Event()
+    orig = tiny.model.run
+
+    def run(*a):
+        started.set()
+        return orig(*a)
+    tiny.model.run = run
+
+    async def caller():
+        me = asyncio.current_task()
+        step = asyncio.ensure_future(tiny.embed_step(TEXTS * 4, cancelled=lambda: me.cancelling() > 0))
+        try:
+            return await asyncio.shield(step)
+        except asyncio.CancelledError:
+            await asyncio.wait([step])
+            assert step.cancelled()
+            raise
+    task = asyncio.create_task(caller())
+    await started.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert 1 <= len(runs) <= 2 < 16                  # 16 batches planned
+    assert len((await tiny.embed_step(TEXTS)).embeddings) == 8     # and the pipeline still works
+
+
+async def test_event_loop_keeps_running_during_a_request(minilm):
+    """Tokenising runs in a worker thread and the loop is free while each batch computes: a ticker on
+    the loop never waits long, however long the request takes."""
+    import asyncio
+    import time
+    texts = [f"sentence {i} about the weather, cats and dogs " * (1 + i % 4) for i in range(40)]
+    await minilm.embed_step(texts[:16])              # buckets compiled
+    gaps, done = [], False
+
+    async def ticker():
+        last = time.perf_counter()
+        while not done:
+            await asyncio.sleep(0.005)
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+    t = asyncio.create_task(ticker())
+    t0 = time.perf_counter()
+    res = await minilm.embed_step(texts)
+    took = time.perf_counter() - t0
+    done = True
+    await t
+    assert len(res.embeddings) == 40
+    assert len(gaps) >= took / 0.5 - 1, (len(gaps), took)     # the loop ran throughout
+    assert max(gaps) < 0.5, (max(gaps), took)

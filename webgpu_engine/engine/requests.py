@@ -381,7 +381,12 @@ class Embeddings:
         lm = await engine.acquire(lm, "EmbeddingCreateParams", deadline)
         try:
             engine.check_deadline(deadline, "embedding")
-            res = await engine.guard(lm.pipeline.embed_step(req["input"]), lm, "embedding")
+            # The step runs shielded (guard); it polls the caller's cancellation between batches.
+            caller = asyncio.current_task()
+            res = await engine.guard(lm.pipeline.embed_step(
+                req["input"], deadline=deadline, timeout_s=engine.config.request_timeout_s,
+                max_total_tokens=engine.config.limits.max_embedding_tokens,
+                cancelled=lambda: caller is not None and caller.cancelling() > 0), lm, "embedding")
         finally:
             lm.lock.release()
         data = [{"object": "embedding", "index": i, "embedding": list(v)} for i, v in enumerate(res.embeddings)]

@@ -214,6 +214,10 @@ class Device:
     async def read(self, buf: Buffer, offset: int = 0, size: int | None = None) -> bytes:
         raise NotImplementedError
 
+    async def sync(self) -> None:
+        """Wait (without blocking the event loop) until the GPU has finished all submitted work."""
+        raise NotImplementedError
+
     # ------------------------------------------------------------------ pipelines
     def pipeline(self, file: str, entry: str, constants: Mapping[str, float] | None = None,
                  header: str = "") -> Pipeline:

@@ -1,6 +1,7 @@
 """Native gpu backend over wgpu-py (Vulkan, Metal, DX12)."""
 from __future__ import annotations
 
+import asyncio
 import os
 
 import wgpu
@@ -40,6 +41,7 @@ class NativeDevice(Device):
         self.adapter, self.raw = adapter, raw_device
         self.queue = raw_device.queue
         self._staging: dict[int, list] = {}   # size class -> idle staging buffers
+        self._sync_src = None                 # 4 bytes that sync() reads back
 
     # ------------------------------------------------------------------ hooks
     def _raw_create_buffer(self, size: int, usage: str, label: str):
@@ -77,21 +79,40 @@ class NativeDevice(Device):
         """Copy `size` bytes at `offset` of `buf` to the host (awaits the GPU). Each read in flight
         has a staging buffer of its own, so models reading back at the same time never share one."""
         n = buf.size - offset if size is None else size
+        return await self._read_raw(buf.raw, offset, n, f"readback of {buf.label!r}")
+
+    async def sync(self) -> None:
+        """Wait until the GPU has finished all submitted work, without blocking the event loop.
+
+        A 4-byte readback queued after that work: its map completes only when everything before it
+        has run (wgpu-py's on_submitted_work_done_async does not bind to every wgpu-native build).
+        Its submit goes through a worker thread, because a submit while the GPU is busy can block
+        until the queue drains (lavapipe), and the map is awaited on wgpu-native's polling thread."""
+        self.check_alive()
+        if self._sync_src is None:
+            self._sync_src = self._guard(lambda: self.raw.create_buffer(size=4, usage=_U.COPY_SRC,
+                                                                        label="sync"), "sync")
+        await self._read_raw(self._sync_src, 0, 4, "sync", threaded_submit=True)
+
+    async def _read_raw(self, raw, offset: int, n: int, what: str, threaded_submit: bool = False) -> bytes:
         n4 = round_up4(n)
-        staging = self._guard(lambda: self._take_staging(n4), f"readback of {buf.label!r}")
+        staging = self._guard(lambda: self._take_staging(n4), what)
         ok = False
         try:
             def _copy():
                 enc = self.raw.create_command_encoder()
-                enc.copy_buffer_to_buffer(buf.raw, offset, staging, 0, n4)
+                enc.copy_buffer_to_buffer(raw, offset, staging, 0, n4)
                 self.queue.submit([enc.finish()])
-            self._guard(_copy, f"readback of {buf.label!r}")
+            if threaded_submit:
+                await asyncio.to_thread(self._guard, _copy, what)
+            else:
+                self._guard(_copy, what)
             try:
                 await staging.map_async(wgpu.MapMode.READ, 0, n4)
                 data = bytes(staging.read_mapped(0, n4, copy=False))[:n]
                 staging.unmap()
             except Exception as e:  # noqa: BLE001
-                raise self._translate(e, f"readback of {buf.label!r}") from None
+                raise self._translate(e, what) from None
             ok = True
         finally:
             self._give_staging(staging, n4, reuse=ok)
@@ -130,6 +151,12 @@ class NativeDevice(Device):
                 except Exception:  # noqa: BLE001 - a lost device has nothing left to free
                     pass
         self._staging.clear()
+        if self._sync_src is not None:
+            try:
+                self._sync_src.destroy()
+            except Exception:  # noqa: BLE001 - a lost device has nothing left to free
+                pass
+            self._sync_src = None
 
 
 def list_adapters() -> list[AdapterInfo]:

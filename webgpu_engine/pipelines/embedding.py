@@ -8,16 +8,26 @@ Token-id inputs (`list[int]`, `list[list[int]]`) are the whole sequence, as Open
 (vLLM, text-embeddings-inference) treat them: no [CLS]/[SEP] is added, so pass the ids a tokenizer
 produced with its special tokens. Over-long inputs are truncated, never rejected: text keeps its
 final [SEP] (what sentence-transformers does), token ids keep their first `max_seq_length` ids.
+
+A request never holds the event loop for long: tokenising, batch planning and turning the vectors into
+lists run in a worker thread (inline in chunks under Pyodide, which has no threads), the loop is free
+while the GPU computes each batch, and between batches the step stops when its caller is gone or its
+deadline has passed. The tokens of one request are capped (`max_total_tokens`).
 """
 from __future__ import annotations
 
+import asyncio
+import sys
+import threading
 import time
 from array import array
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from ..config import ChatConfig
-from ..errors import InvalidRequestError, ShaderF16SupportError
+from ..errors import (EmbeddingTokenLimitError, GPUOutOfMemoryError, InvalidRequestError, RequestTimeoutError,
+                      ShaderF16SupportError)
 from ..loaders import hf_config
 from ..loaders.safetensors import load_safetensors_folder
 from ..loaders.sentence_transformers import SentenceTransformerConfig, load_sentence_transformer_config
@@ -26,6 +36,10 @@ from ..models.bert import BertModel
 
 S_GRANULE = 16      # padded lengths are multiples of this: few distinct buckets, little padding
 BATCH_COST = 64     # a forward's fixed cost (dispatches, one pass over the weights) in padded tokens
+MAX_TOTAL_TOKENS = 300_000      # tokens one request may embed, summed over its inputs (OpenAI's limit)
+TOKENIZE_CHUNK = 128            # inputs tokenised per worker call: the step checks its limits between
+RESULT_KEEP_BYTES = 4 << 20     # a result buffer above this is freed after its request
+_THREADS = sys.platform != "emscripten"     # Pyodide: no worker threads
 
 
 @dataclass
@@ -41,13 +55,20 @@ class EmbeddingPipeline:
     _next_id = 0
 
     def __init__(self, dev, model: BertModel, tokenizer, st_config: SentenceTransformerConfig,
-                 chat_config: ChatConfig, max_seq_length: int, owner: str):
+                 chat_config: ChatConfig, max_seq_length: int, owner: str, *,
+                 max_total_tokens: int = MAX_TOTAL_TOKENS):
         self.dev, self.model, self.tokenizer = dev, model, tokenizer
         self.st_config, self.chat_config = st_config, chat_config
         self.model_config = model.cfg
         self.max_seq_length, self.owner = max_seq_length, owner
+        self.max_total_tokens = max_total_tokens
         self.dim = model.cfg.hidden_size
         self._dst = None                # (N, C) f32 buffer the batches copy into
+        self._max_result_bytes = dev.max_buffer_size
+        self._keep_result_bytes = RESULT_KEEP_BYTES
+        # One tokenisation at a time: a worker thread of a cancelled request may still be running, and
+        # the `tokenizers` library refuses a call that reconfigures truncation while another encodes.
+        self._tokenize_lock = threading.Lock()
         self._stats = {"requests": 0, "tokens": 0, "seconds": 0.0}
         self._sep_id = tokenizer.token_to_id("[SEP]")
 
@@ -90,6 +111,9 @@ class EmbeddingPipeline:
                           owner=owner, progress=up)
         max_len = min(max_len, model.max_seq_length)
         if progress:
+            progress(1.0, "Loading GPU shader modules")
+        model.compile()        # the first request then compiles nothing
+        if progress:
             progress(1.0, "embedding model ready")
         return cls(dev, model, tokenizer, st, chat_config, max_len, owner)
 
@@ -99,27 +123,23 @@ class EmbeddingPipeline:
         if self.st_config.do_lower_case:
             texts = [t.lower() for t in texts]
         L, out = self.max_seq_length, []
-        for text in texts:
-            ids = list(self.tokenizer.encode(text, add_special_tokens=True, max_length=L))
-            if len(ids) > L:        # a tokenizer that ignores max_length: truncate as it should have
-                ids = ids[:L - 1] + [ids[-1]] if ids[-1] == self._sep_id else ids[:L]
-            out.append(ids)
+        with self._tokenize_lock:
+            for text in texts:
+                ids = list(self.tokenizer.encode(text, add_special_tokens=True, max_length=L))
+                if len(ids) > L:        # a tokenizer that ignores max_length: truncate as it should have
+                    ids = ids[:L - 1] + [ids[-1]] if ids[-1] == self._sep_id else ids[:L]
+                out.append(ids)
         return out
 
     def _inputs_to_ids(self, inp) -> list[list[int]]:
-        if isinstance(inp, str):
-            return self.tokenize([inp])
-        if not isinstance(inp, (list, tuple)) or len(inp) == 0:
-            raise InvalidRequestError("`input` must be a non-empty string, list of strings, list of token "
-                                      "ids or list of token-id lists.", param="input")
-        if all(isinstance(x, str) for x in inp):
-            return self.tokenize(list(inp))
-        if all(isinstance(x, int) and not isinstance(x, bool) for x in inp):
-            return [self._check_ids(list(inp))]
-        if all(isinstance(x, (list, tuple)) for x in inp):
-            return [self._check_ids(list(x)) for x in inp]
-        raise InvalidRequestError("`input` mixes types; give one string, a list of strings, a list of token "
-                                  "ids or a list of token-id lists.", param="input")
+        """All of `input` as id lists, at once (no limits, no yielding: for scripts and tests)."""
+        kind, items = _input_kind(inp)
+        return self._ids_of(kind, items)
+
+    def _ids_of(self, kind: str, items: list) -> list[list[int]]:
+        if kind == "text":
+            return self.tokenize(items)
+        return [self._check_ids(list(x)) for x in items]
 
     def _check_ids(self, ids: list) -> list[int]:
         V = self.model_config.vocab_size
@@ -133,28 +153,65 @@ class EmbeddingPipeline:
         return ids[:self.max_seq_length]
 
     # ------------------------------------------------------------------ forward
-    async def embed_step(self, input) -> EmbeddingResult:  # noqa: A002 - OpenAI's field name
-        """Embed an OpenAI `input` (str | list[str] | list[int] | list[list[int]])."""
-        seqs = self._inputs_to_ids(input)
-        t0 = time.perf_counter()
+    async def embed_step(self, input, *, deadline: float | None = None,  # noqa: A002 - OpenAI's name
+                         cancelled: Callable[[], bool] | None = None, max_total_tokens: int | None = None,
+                         timeout_s: float | None = None) -> EmbeddingResult:
+        """Embed an OpenAI `input` (str | list[str] | list[int] | list[list[int]]).
+
+        deadline: event-loop time (time.monotonic natively) by which the step must be done; past it,
+        the step stops at the next chunk or batch boundary with RequestTimeoutError (`timeout_s`, the
+        timeout the deadline came from, goes into its message). cancelled: polled at the same
+        boundaries; when it returns True the step stops with asyncio.CancelledError (the engine runs a
+        step shielded, so its caller's cancellation reaches the step this way). max_total_tokens: the
+        most tokens the inputs may hold in all (default: the pipeline's `max_total_tokens`);
+        EmbeddingTokenLimitError (400) beyond it, raised before any GPU work."""
+        t_begin = time.perf_counter()
+
+        def check(during: str) -> None:
+            if cancelled is not None and cancelled():
+                raise asyncio.CancelledError()
+            if deadline is not None and asyncio.get_running_loop().time() >= deadline:
+                raise RequestTimeoutError(timeout_s if timeout_s is not None else time.perf_counter() - t_begin,
+                                          f"embedding ({during})")
+        budget = self.max_total_tokens if max_total_tokens is None else max_total_tokens
+        kind, items = _input_kind(input)
+        if kind == "text" and 2 * len(items) > budget:        # [CLS] and [SEP] at least, per text
+            raise EmbeddingTokenLimitError(budget)
+        seqs: list[list[int]] = []
+        n_tok = 0
+        for i in range(0, len(items), TOKENIZE_CHUNK):
+            check("tokenising")
+            part = await _offload(self._ids_of, kind, items[i:i + TOKENIZE_CHUNK])
+            n_tok += sum(len(s) for s in part)
+            if n_tok > budget:
+                raise EmbeddingTokenLimitError(budget)
+            seqs.extend(part)
+        check("planning")
         N, C = len(seqs), self.dim
+        order, plan = await _offload(self._plan, seqs)
         esize = 4                       # the model hands out f32 vectors for either activation dtype
+        t0 = time.perf_counter()
         dst = self._result_buffer(N * C * esize)
-        # Longest first, cut into batches that pad little; order is restored below.
-        order = sorted(range(N), key=lambda i: -len(seqs[i]))
-        for start, end, B, S in self.plan_batches([len(seqs[i]) for i in order]):
-            self.model.run([seqs[i] for i in order[start:end]], B, S, dst, start * C * esize)
-        raw = await self.dev.read(dst, 0, N * C * esize)
-        flat = array("f", raw)
-        vecs: list[list[float]] = [[]] * N
-        for j, i in enumerate(order):
-            vecs[i] = list(flat[j * C:(j + 1) * C])
+        try:
+            for k, (start, end, B, S) in enumerate(plan):
+                if k:
+                    check(f"batch {k + 1} of {len(plan)}")
+                self.model.run([seqs[i] for i in order[start:end]], B, S, dst, start * C * esize)
+                await self.dev.sync()       # the loop serves others while the GPU computes this batch
+            raw = await self.dev.read(dst, 0, N * C * esize)
+        finally:
+            self._trim_result_buffer()
         dt = time.perf_counter() - t0
-        n_tok = sum(len(s) for s in seqs)
+        vecs = await _offload(_unpack_vectors, raw, order, C)
         self._stats["requests"] += 1
         self._stats["tokens"] += n_tok
         self._stats["seconds"] += dt
         return EmbeddingResult(vecs, n_tok, n_tok / dt if dt > 0 else 0.0)
+
+    def _plan(self, seqs: list[list[int]]) -> tuple[list[int], list[tuple[int, int, int, int]]]:
+        # Longest first, cut into batches that pad little; input order is restored when unpacking.
+        order = sorted(range(len(seqs)), key=lambda i: -len(seqs[i]))
+        return order, self.plan_batches([len(seqs[i]) for i in order])
 
     def plan_batches(self, lengths: list[int]) -> list[tuple[int, int, int, int]]:
         """Cut `lengths` (sorted longest first) into batches (start, end, B, S): B sequences padded to
@@ -177,13 +234,33 @@ class EmbeddingPipeline:
         return plan[::-1]
 
     def _result_buffer(self, nbytes: int):
-        if self._dst is None or self._dst.size < nbytes:
-            if self._dst is not None:
-                self._dst.release()
-            # Grow geometrically so a stream of slightly larger requests does not reallocate each time.
-            size = max(nbytes, 2 * self._dst.size if self._dst is not None else 0)
-            self._dst = self.dev.buffer(size, owner=self.owner, label="embeddings")
-        return self._dst
+        """The (N, C) result buffer, at least `nbytes`. Growth allocates the new buffer before the old one
+        is released (a failed allocation leaves the old one valid) and doubles, up to the device's
+        largest buffer, so a stream of slightly larger requests does not reallocate each time."""
+        cur, limit = self._dst, self._max_result_bytes
+        if cur is not None and cur.alive and cur.size >= nbytes:
+            return cur
+        if nbytes > limit:
+            raise InvalidRequestError(
+                f"`input` has too many inputs for this device: their vectors need {nbytes} bytes, more "
+                f"than its largest buffer ({limit} bytes). Split them over several requests.", param="input")
+        grown = min(max(nbytes, 2 * cur.size if cur is not None and cur.alive else 0), limit)
+        try:
+            new = self.dev.buffer(grown, owner=self.owner, label="embeddings")
+        except GPUOutOfMemoryError:
+            if grown == nbytes:
+                raise
+            new = self.dev.buffer(nbytes, owner=self.owner, label="embeddings")
+        if cur is not None:
+            cur.release()
+        self._dst = new
+        return new
+
+    def _trim_result_buffer(self) -> None:
+        """After an oversized request, give its result buffer back rather than hold it."""
+        if self._dst is not None and self._dst.size > self._keep_result_bytes:
+            self._dst.release()
+            self._dst = None
 
     # ------------------------------------------------------------------ stats and life
     def runtime_stats_text(self) -> str:
@@ -196,6 +273,41 @@ class EmbeddingPipeline:
         self.model.dispose()
         self._dst = None
         self.dev.release_owner(self.owner)
+
+
+def _input_kind(inp) -> tuple[str, list]:
+    """("text", texts) or ("ids", id lists) of an OpenAI `input`; element checks come later, in chunks."""
+    if isinstance(inp, str):
+        return "text", [inp]
+    if not isinstance(inp, (list, tuple)) or len(inp) == 0:
+        raise InvalidRequestError("`input` must be a non-empty string, list of strings, list of token "
+                                  "ids or list of token-id lists.", param="input")
+    if all(isinstance(x, str) for x in inp):
+        return "text", list(inp)
+    if all(isinstance(x, int) and not isinstance(x, bool) for x in inp):
+        return "ids", [inp]
+    if all(isinstance(x, (list, tuple)) for x in inp):
+        return "ids", list(inp)
+    raise InvalidRequestError("`input` mixes types; give one string, a list of strings, a list of token "
+                              "ids or a list of token-id lists.", param="input")
+
+
+def _unpack_vectors(raw: bytes, order: list[int], C: int) -> list[list[float]]:
+    """Row j of `raw` (f32, sorted order) is the vector of input order[j]."""
+    flat = array("f", raw)
+    vecs: list[list[float]] = [[]] * len(order)
+    for j, i in enumerate(order):
+        vecs[i] = flat[j * C:(j + 1) * C].tolist()
+    return vecs
+
+
+async def _offload(fn, *args):
+    """Run `fn(*args)` in a worker thread; where there are none (Pyodide) inline, then yield once."""
+    if _THREADS:
+        return await asyncio.to_thread(fn, *args)
+    result = fn(*args)
+    await asyncio.sleep(0)
+    return result
 
 
 def _round_up(n: int, m: int) -> int:
