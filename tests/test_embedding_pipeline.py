@@ -339,3 +339,35 @@ async def test_event_loop_keeps_running_during_a_request(minilm):
     assert len(res.embeddings) == 40
     assert len(gaps) >= took / 0.5 - 1, (len(gaps), took)     # the loop ran throughout
     assert max(gaps) < 0.5, (max(gaps), took)
+
+
+async def test_without_threads_the_step_runs_inline_and_yields(tiny, monkeypatch):
+    """Pyodide has no worker threads: the same work runs inline, chunk by chunk, yielding to the loop
+    between chunks, with the same vectors."""
+    import asyncio
+
+    from webgpu_engine.pipelines import embedding
+    texts = TEXTS * 40                               # 320 inputs: 3 tokenising chunks
+    want = (await tiny.embed_step(texts)).embeddings
+
+    real_to_thread = asyncio.to_thread
+
+    async def no_pipeline_threads(fn, *a, **kw):     # (the native device's own waits may use one)
+        assert getattr(fn, "__module__", None) != embedding.__name__, f"{fn} sent to a thread"
+        return await real_to_thread(fn, *a, **kw)
+    monkeypatch.setattr(embedding, "_THREADS", False)
+    monkeypatch.setattr(asyncio, "to_thread", no_pipeline_threads)
+    ticks = 0
+
+    async def ticker():
+        nonlocal ticks
+        while True:
+            await asyncio.sleep(0)
+            ticks += 1
+    t = asyncio.create_task(ticker())
+    try:
+        got = (await tiny.embed_step(texts)).embeddings
+    finally:
+        t.cancel()
+    assert np.allclose(got, want, atol=1e-6)
+    assert ticks >= 3 + 160                          # yielded between chunks and during each of 160 batches
