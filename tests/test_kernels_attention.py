@@ -152,3 +152,27 @@ def test_attention_bidir(device, dtype, b, s, h, d, lengths, qpl):
     ref = nn_ref.bidir_attention(rounded(qkv, dtype), lens, b, s, h, d, scale)
     valid = np.concatenate([np.arange(s) < n for n in lens])
     np.testing.assert_allclose(got[valid], ref[valid], **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16"])
+def test_causal_kernel_rows_do_not_depend_on_T(device, dtype):
+    """attention(..., causal=True) keeps the prefill kernel for one row: a query gives bit for bit the
+    same output alone (T = 1, pos0 = its position) as inside a longer prefill (what a warm KV prefix
+    and any prefill chunking need), and matches numpy."""
+    rng = np.random.default_rng(3)
+    hq, hkv, d, t, ctx = 9, 3, 64, 40, 64
+    (qkv, kc, vc), (qt, kt, vt) = _setup(device, rng, dtype, t, ctx, hq, hkv, d, t)
+    out = empty(device, (t, hq * d), dtype)
+    run(device, nn.attention(device, qt, kt, vt, out, step_buf(device, 0, t), n_q_heads=hq, n_kv_heads=hkv,
+                             head_dim=d, ctx=ctx, scale=d ** -0.5, causal=True))
+    full = get(device, out)
+    for row in (0, 17, 39):
+        one = put(device, qkv[row:row + 1], dtype, lead=4)
+        o1 = empty(device, (1, hq * d), dtype)
+        run(device, nn.attention(device, one, kt, vt, o1, step_buf(device, row, 1), n_q_heads=hq,
+                                 n_kv_heads=hkv, head_dim=d, ctx=ctx, scale=d ** -0.5, causal=True))
+        got = get(device, o1)
+        assert np.array_equal(got[0], full[row])
+        ref = nn_ref.causal_attention(rounded(qkv[row:row + 1], dtype)[:, :hq], rounded(kc, dtype),
+                                      rounded(vc, dtype), row, d ** -0.5)
+        np.testing.assert_allclose(got, ref, **TOL[dtype])

@@ -465,3 +465,32 @@ def test_epilogue_ok_needs_one_buffer(device):
     n_fit = limit // (k * 4) // 4 * 4
     assert epilogue_ok(device, "f32", n_fit, k, force=True)
     assert not epilogue_ok(device, "f32", n_fit + 4, k, force=True)
+
+
+# --------------------------------------------------------------------------- row-invariant (prefill)
+@pytest.mark.parametrize("qtype,act", [("q4_1", "f32"), ("q8_0", "f16"), ("q4_k", "f32"), ("f16", "f32"),
+                                       ("q6_k", "f16")])
+def test_row_invariant_rows_do_not_depend_on_T(device, qtype, act):
+    """matmul(..., row_invariant=True): each row against numpy, and bit for bit the same whether it
+    runs alone (T = 1), in a short batch (below the tiled kernel's min_t) or in a long one."""
+    n, k, T = 96, 256, 21
+    rng = np.random.default_rng(5)
+    raw = qr.random_weight(qtype, n, k, rng)
+    W = qr.dequantize(raw, qtype, n, k)
+    w = upload_weight(device, raw, qtype, n, k, owner=OWNER, label="ri")
+    x = rng.standard_normal((T, k)).astype(NP[act])
+    rows = {}
+    for t0, t1 in [(0, T), (0, 1), (5, 6), (3, 7), (8, 21), (20, 21)]:
+        xt = _tensor(device, x[t0:t1], act)
+        yt = new_tensor(device, (t1 - t0, n), act, owner=OWNER)
+        run_ops(device, matmul(device, xt, w, yt, row_invariant=True))
+        y = _read(device, yt)
+        assert rel_err(y, x[t0:t1].astype(np.float64) @ W.T) < TOL[act]
+        for i, t in enumerate(range(t0, t1)):
+            if t in rows:
+                assert np.array_equal(rows[t], y[i]), f"row {t} differs between batches"
+            rows[t] = y[i]
+    g = _tensor(device, np.ones(k, np.float32), "f32")
+    with pytest.raises(Exception, match="row_invariant"):
+        matmul(device, _tensor(device, x[:1], act), w, new_tensor(device, (1, n), act, owner=OWNER),
+               row_invariant=True, norm=(g, 1e-5))

@@ -172,6 +172,7 @@ async def test_interrupt_raw_prompt_and_forward_tokens(pipe):
     await pipe.decode_step(gen)
     assert pipe.stopped and pipe.finish_reason == "abort" and len(pipe.output_ids) == 2
     # the low-level path gives the same first token as a raw-prompt prefill
+    pipe.reset_chat()                      # forward_tokens_and_sample appends to the cache
     ids = pipe.tokenizer.encode("The capital of France is", add_special_tokens=True)
     tok = await pipe.forward_tokens_and_sample(ids, True, GenerationConfig(temperature=0.0))
     assert tok == pipe.output_ids[0]
