@@ -172,7 +172,7 @@ class EmbeddingPipeline:
                 raise asyncio.CancelledError()
             if deadline is not None and asyncio.get_running_loop().time() >= deadline:
                 raise RequestTimeoutError(timeout_s if timeout_s is not None else time.perf_counter() - t_begin,
-                                          f"embedding ({during})")
+                                          f"embedding, {during}")
         budget = self.max_total_tokens if max_total_tokens is None else max_total_tokens
         kind, items = _input_kind(input)
         if kind == "text" and 2 * len(items) > budget:        # [CLS] and [SEP] at least, per text
