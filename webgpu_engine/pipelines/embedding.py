@@ -66,8 +66,8 @@ class EmbeddingPipeline:
         self._dst = None                # (N, C) f32 buffer the batches copy into
         self._max_result_bytes = dev.max_buffer_size
         self._keep_result_bytes = RESULT_KEEP_BYTES
-        # One tokenisation at a time: a worker thread of a cancelled request may still be running, and
-        # the `tokenizers` library refuses a call that reconfigures truncation while another encodes.
+        # One tokenisation at a time: a worker thread of a cancelled request may still be running when
+        # the next request starts, and the native tokenizer's truncation setting is shared state.
         self._tokenize_lock = threading.Lock()
         self._stats = {"requests": 0, "tokens": 0, "seconds": 0.0}
         self._sep_id = tokenizer.token_to_id("[SEP]")
