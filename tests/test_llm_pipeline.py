@@ -172,12 +172,13 @@ async def test_interrupt_raw_prompt_and_forward_tokens(pipe):
     await pipe.decode_step(gen)
     assert pipe.stopped and pipe.finish_reason == "abort" and len(pipe.output_ids) == 2
     # the low-level path gives the same first token as a raw-prompt prefill
+    out = list(pipe.output_ids)
     pipe.reset_chat()                      # forward_tokens_and_sample appends to the cache
     ids = pipe.tokenizer.encode("The capital of France is", add_special_tokens=True)
     tok = await pipe.forward_tokens_and_sample(ids, True, GenerationConfig(temperature=0.0))
-    assert tok == pipe.output_ids[0]
+    assert tok == out[0]
     nxt = await pipe.forward_tokens_and_sample([tok], False, GenerationConfig(temperature=0.0))
-    assert nxt == pipe.output_ids[1]
+    assert nxt == out[1]
 
 
 async def test_logit_processor_round_trip(pipe):
