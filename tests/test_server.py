@@ -6,6 +6,7 @@ The first part runs over stub pipelines (protocol, errors, SSE, disconnects, FIF
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
 import time
 import urllib.error
@@ -413,3 +414,80 @@ async def test_real_concurrent_streams_fifo_with_embeddings(real_server):
     assert outs == [refs[i % 2] for i in range(8)]
     assert [d for d in done if d.startswith("chat")] == [f"chat{i}" for i in range(8)]
     assert max(done.index("emb0"), done.index("emb1")) < done.index("chat7")
+
+
+# --------------------------------------------------------------------------- SIGTERM (stub)
+_SERVE = """
+import sys
+sys.path.insert(0, {tests!r})
+from stub_pipelines import StubLLM, stub_config
+from webgpu_engine.gpu import request_device_sync
+from webgpu_engine.server.app import ServerOptions, run_server
+StubLLM.step_delay = {step}
+run_server(ServerOptions(models=["stub-llm"], port={port}, shutdown_grace_s={grace}, log_level="WARNING",
+                         engine_config=stub_config(request_device_sync())))
+"""
+
+
+def _serve_stub(step: float, grace: float):
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    code = _SERVE.format(tests=str(Path(__file__).parent), step=step, port=port, grace=grace)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    t0 = time.time()
+    while True:
+        try:
+            if _http(base + "/health")[0] == 200:
+                return proc, base
+        except OSError:
+            pass
+        assert proc.poll() is None, proc.stdout.read().decode()
+        assert time.time() - t0 < 60, "stub server did not start"
+        time.sleep(0.1)
+
+
+def _stream_then_sigterm(proc, base):
+    """Start a stream, SIGTERM the server after its first event; (events, seconds until exit)."""
+    import signal
+    body = json.dumps({"model": "stub-llm", "messages": U, "stream": True}).encode()
+    req = urllib.request.Request(base + "/v1/chat/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
+    events = []
+    with urllib.request.urlopen(req, timeout=30) as r:
+        events.append(r.readline())
+        proc.send_signal(signal.SIGTERM)
+        t0 = time.perf_counter()
+        try:
+            for line in r:
+                if line.strip():
+                    events.append(line)
+        except (ConnectionError, http.client.IncompleteRead):
+            pass                              # cut off at the end of the grace period
+    proc.wait(timeout=30)
+    return events, time.perf_counter() - t0
+
+
+def test_sigterm_drains_in_flight_requests_then_exits():
+    # 9 words at 0.15 s each finish well inside a 10 s grace: the stream completes, then the exit
+    proc, base = _serve_stub(step=0.15, grace=10)
+    try:
+        events, took = _stream_then_sigterm(proc, base)
+    finally:
+        proc.kill()
+    assert events[-1].strip() == b"data: [DONE]"
+    assert b'"finish_reason":"stop"' in events[-2]
+    assert proc.returncode == 0 and took < 5, (proc.returncode, took)
+    # 9 words at 1 s each outlast a 1 s grace: the server exits soon after it, cutting the stream
+    proc, base = _serve_stub(step=1.0, grace=1.0)
+    try:
+        events, took = _stream_then_sigterm(proc, base)
+    finally:
+        proc.kill()
+    assert b"data: [DONE]" not in b"".join(events)
+    assert took < 5, took
