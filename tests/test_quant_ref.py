@@ -11,14 +11,15 @@ from gguf import quants as gq
 from webgpu_engine.kernels import quant_ref as qr
 
 GGUF_TYPE = {"f16": GT.F16, "bf16": GT.BF16, "q4_0": GT.Q4_0, "q4_1": GT.Q4_1, "q8_0": GT.Q8_0,
-             "q4_k": GT.Q4_K, "q6_k": GT.Q6_K}
+             "q4_k": GT.Q4_K, "q6_k": GT.Q6_K, "q5_0": GT.Q5_0, "q5_1": GT.Q5_1, "iq4_nl": GT.IQ4_NL,
+             "q5_k": GT.Q5_K, "q3_k": GT.Q3_K, "q2_k": GT.Q2_K, "iq4_xs": GT.IQ4_XS}
 
 
 def _theirs(raw: bytes, qtype: str, n: int) -> np.ndarray:
     return gq.dequantize(np.frombuffer(raw, np.uint8).reshape(n, -1), GGUF_TYPE[qtype]).astype(np.float64)
 
 
-@pytest.mark.parametrize("qtype", ["q4_0", "q4_1", "q8_0", "bf16", "f16"])
+@pytest.mark.parametrize("qtype", ["q4_0", "q4_1", "q8_0", "q5_0", "q5_1", "bf16", "f16"])
 def test_quantized_random_data(qtype):
     """gguf quantizes a random matrix; both dequantizations must agree exactly."""
     rng = np.random.default_rng(1)
@@ -35,10 +36,11 @@ def test_quantized_random_data(qtype):
     assert np.abs(ours - x).max() < 0.2 * np.abs(x).max()
 
 
-@pytest.mark.parametrize("qtype", ["q4_0", "q4_1", "q8_0", "q4_k", "q6_k"])
+@pytest.mark.parametrize("qtype", ["q4_0", "q4_1", "q8_0", "q4_k", "q6_k", "q5_0", "q5_1", "iq4_nl",
+                                   "q5_k", "q3_k", "q2_k", "iq4_xs"])
 def test_random_blocks(qtype):
-    """gguf cannot quantize K-quants from Python: random block bytes (every bit pattern of the
-    quants and packed scales) with finite f16 scales test the layouts instead."""
+    """gguf cannot quantize K-quants or IQ4 from Python: random block bytes (every bit pattern of
+    the quants and packed scales) with finite f16 scales test the layouts instead."""
     rng = np.random.default_rng(2)
     n, k = 16, 1024
     raw = qr.random_weight(qtype, n, k, rng)
@@ -58,6 +60,21 @@ def test_scale_min_k4_matches_ggml_rule():
         else:
             want = ((q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4), (q[j + 4] >> 4) | ((q[j] >> 6) << 4))
         assert (sc[0, j], mn[0, j]) == want
+
+
+def test_q3_k_scales_by_hand():
+    """Q3_K's 6-bit scales: scale i has low 4 bits from byte i % 8 (low nibble for i < 8, else
+    high) and high 2 bits from byte 8 + i % 4 at bit 2 (i // 4); stored plus 32."""
+    s = (np.arange(12, dtype=np.uint8)[None, :] * np.uint8(37) + np.uint8(11))
+    got = qr.q3_k_scales(s)
+    q = [int(v) for v in s[0]]
+    for i in range(16):
+        low = q[i] & 0xF if i < 8 else q[i - 8] >> 4
+        assert got[0, i] == (low | (((q[8 + i % 4] >> (2 * (i // 4))) & 3) << 4)) - 32
+
+
+def test_iq4_table_is_ggml_table():
+    assert qr.KVALUES_IQ4NL.tolist() == list(gq.IQ4_NL.kvalues)
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,12 @@ from __future__ import annotations
 import numpy as np
 
 # bytes per block and elements per block
-BLOCK = {"q4_0": (18, 32), "q4_1": (20, 32), "q8_0": (34, 32), "q4_k": (144, 256), "q6_k": (210, 256)}
+BLOCK = {"q4_0": (18, 32), "q4_1": (20, 32), "q8_0": (34, 32), "q4_k": (144, 256), "q6_k": (210, 256),
+         "q5_0": (22, 32), "q5_1": (24, 32), "iq4_nl": (18, 32), "q5_k": (176, 256), "q3_k": (110, 256),
+         "q2_k": (84, 256), "iq4_xs": (136, 256)}
+# IQ4_NL / IQ4_XS: a 4-bit index into this non-linear table (ggml's kvalues_iq4nl)
+KVALUES_IQ4NL = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113],
+                         np.float64)
 ELEM = {"f32": 4, "f16": 2, "bf16": 2}
 
 
@@ -44,7 +49,9 @@ def dequantize(raw, qtype: str, n: int, k: int) -> np.ndarray:
         u = np.frombuffer(raw, np.uint16, n * k).astype(np.uint32) << 16
         return u.view(np.float32).reshape(n, k).astype(np.float64)
     b = _blocks(raw, qtype, n, k)
-    out = {"q4_0": _q4_0, "q4_1": _q4_1, "q8_0": _q8_0, "q4_k": _q4_k, "q6_k": _q6_k}[qtype](b)
+    out = {"q4_0": _q4_0, "q4_1": _q4_1, "q8_0": _q8_0, "q4_k": _q4_k, "q6_k": _q6_k, "q5_0": _q5_0,
+           "q5_1": _q5_1, "iq4_nl": _iq4_nl, "q5_k": _q5_k, "q3_k": _q3_k, "q2_k": _q2_k,
+           "iq4_xs": _iq4_xs}[qtype](b)
     return out.reshape(n, k)
 
 
@@ -63,6 +70,24 @@ def _q4_1(b):   # d f16, m f16, qs[16]; q * d + m
 
 def _q8_0(b):   # d f16, qs int8[32]; q * d
     return b[:, 2:34].view(np.int8).astype(np.float64) * _f16(b[:, 0:2])
+
+
+def _high_bits(qh: np.ndarray) -> np.ndarray:
+    # qh (nb, 4) little-endian u32 → (nb, 32): bit e is the fifth bit of element e
+    bits = np.unpackbits(np.ascontiguousarray(qh), axis=1, bitorder="little")
+    return bits.astype(np.float64)
+
+
+def _q5_0(b):   # d f16, qh u32, qs[16]; (q - 16) * d with q = nibble | high bit << 4
+    return (_nibbles(b[:, 6:22]) + 16.0 * _high_bits(b[:, 2:6]) - 16.0) * _f16(b[:, 0:2])
+
+
+def _q5_1(b):   # d f16, m f16, qh u32, qs[16]; q * d + m
+    return (_nibbles(b[:, 8:24]) + 16.0 * _high_bits(b[:, 4:8])) * _f16(b[:, 0:2]) + _f16(b[:, 2:4])
+
+
+def _iq4_nl(b):   # d f16, qs[16]; d * kvalues[nibble]
+    return KVALUES_IQ4NL[_nibbles(b[:, 2:18]).astype(np.int64)] * _f16(b[:, 0:2])
 
 
 def scale_min_k4(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -109,6 +134,70 @@ def _q6_k(b):   # ql[128], qh[64], scales int8[16], d f16; d*sc*(q - 32) per 16 
     return out
 
 
+def _q5_k(b):   # d, dmin f16, scales[12], qh[32], qs[128]; d*sc*q - dmin*m per 32, q 5 bits
+    d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
+    sc, mn = scale_min_k4(b[:, 4:16])
+    qs = b[:, 48:176].reshape(-1, 4, 32)
+    lo = np.stack([qs & 0x0F, qs >> 4], axis=2).reshape(-1, 8, 32).astype(np.int64)
+    qh = b[:, 16:48].astype(np.int64)                 # bit j of qh[l]: element l of sub-block j
+    hi = np.stack([(qh >> j) & 1 for j in range(8)], axis=1)
+    q = (lo | (hi << 4)).astype(np.float64)
+    out = d[:, :, None] * sc[:, :, None] * q - dmin[:, :, None] * mn[:, :, None]
+    return out.reshape(-1, 256)
+
+
+def q3_k_scales(s: np.ndarray) -> np.ndarray:
+    """Q3_K's 16 six-bit scales (signed, minus 32) from scales[12] (nb, 12) → (nb, 16): low nibbles
+    in bytes 0..7 (scales 0..7 low, 8..15 high nibble), the top two bits in bytes 8..11."""
+    s = s.astype(np.int64)
+    out = np.empty((s.shape[0], 16), np.int64)
+    for i in range(16):
+        low = s[:, i] & 0xF if i < 8 else s[:, i - 8] >> 4
+        out[:, i] = (low | (((s[:, 8 + i % 4] >> (2 * (i // 4))) & 3) << 4)) - 32
+    return out
+
+
+def _q3_k(b):   # hmask[32], qs[64], scales[12], d f16; d*sc*(q - 4) per 16, q = 2 bits | hmask bit << 2
+    hm, qs = b[:, 0:32].astype(np.int64), b[:, 32:96].astype(np.int64)
+    sc = q3_k_scales(b[:, 96:108]).astype(np.float64)
+    d = _f16(b[:, 108:110])
+    out = np.empty((b.shape[0], 256), np.float64)
+    for j in range(8):              # 32 elements: half h = j // 4 of qs, bits 2 (j % 4) of its bytes
+        h, jj = divmod(j, 4)
+        q = ((qs[:, 32 * h:32 * h + 32] >> (2 * jj)) & 3) | (((hm >> j) & 1) << 2)
+        for half16 in range(2):
+            s = sc[:, 2 * j + half16][:, None]
+            out[:, 32 * j + 16 * half16:32 * j + 16 * half16 + 16] = \
+                d * s * (q[:, 16 * half16:16 * half16 + 16] - 4.0)
+    return out
+
+
+def _q2_k(b):   # scales[16] (low nibble scale, high min), qs[64], d, dmin f16; d*sc*q - dmin*m per 16
+    sc, qs = b[:, 0:16].astype(np.int64), b[:, 16:80].astype(np.int64)
+    d, dmin = _f16(b[:, 80:82]), _f16(b[:, 82:84])
+    out = np.empty((b.shape[0], 256), np.float64)
+    for j in range(8):              # as Q3_K: 32 elements from 2 bits of half j // 4 of qs
+        h, jj = divmod(j, 4)
+        q = ((qs[:, 32 * h:32 * h + 32] >> (2 * jj)) & 3).astype(np.float64)
+        for half16 in range(2):
+            s = sc[:, 2 * j + half16][:, None]
+            out[:, 32 * j + 16 * half16:32 * j + 16 * half16 + 16] = \
+                d * (s & 0xF) * q[:, 16 * half16:16 * half16 + 16] - dmin * (s >> 4)
+    return out
+
+
+def _iq4_xs(b):   # d f16, scales_h u16, scales_l[4], qs[128]; d*(ls - 32)*kvalues[nibble] per 32
+    d = _f16(b[:, 0:2])
+    sh = b[:, 2].astype(np.int64) | (b[:, 3].astype(np.int64) << 8)
+    sl = b[:, 4:8].astype(np.int64)
+    out = np.empty((b.shape[0], 256), np.float64)
+    for j in range(8):
+        ls = ((sl[:, j // 2] >> (4 * (j % 2))) & 0xF) | (((sh >> (2 * j)) & 3) << 4)
+        q = _nibbles(b[:, 8 + 16 * j:24 + 16 * j]).astype(np.int64)
+        out[:, 32 * j:32 * j + 32] = d * (ls - 32.0)[:, None] * KVALUES_IQ4NL[q]
+    return out
+
+
 def random_weight(qtype: str, n: int, k: int, rng: np.random.Generator) -> bytes:
     """Raw bytes of a random (n, k) weight in `qtype`'s file layout: random payload bits with
     finite, moderate f16 scales (so tests cover every bit pattern of the quants)."""
@@ -125,11 +214,23 @@ def random_weight(qtype: str, n: int, k: int, rng: np.random.Generator) -> bytes
 
     def put_f16(col, lo, hi):
         b[:, col:col + 2] = rng.uniform(lo, hi, (nb, 1)).astype(np.float16).view(np.uint8).reshape(nb, 2)
-    if qtype in ("q4_0", "q8_0"):
+    if qtype in ("q4_0", "q8_0", "q5_0"):
         put_f16(0, 0.001, 0.05)
-    elif qtype == "q4_1":
+    elif qtype in ("q4_1", "q5_1"):
         put_f16(0, 0.001, 0.05)
         put_f16(2, -0.2, 0.0)
+    elif qtype == "iq4_nl":
+        put_f16(0, 0.0002, 0.005)
+    elif qtype == "q5_k":
+        put_f16(0, 0.0005, 0.005)
+        put_f16(2, 0.0005, 0.005)
+    elif qtype == "q3_k":
+        put_f16(108, 0.0005, 0.005)
+    elif qtype == "q2_k":
+        put_f16(80, 0.0005, 0.005)
+        put_f16(82, 0.0005, 0.005)
+    elif qtype == "iq4_xs":
+        put_f16(0, 0.00002, 0.0005)
     elif qtype == "q4_k":
         put_f16(0, 0.0005, 0.005)
         put_f16(2, 0.0005, 0.005)
