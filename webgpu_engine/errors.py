@@ -273,3 +273,45 @@ class CacheQuotaError(ArtifactError):
 
     http_status = 507
     error_type = "insufficient_storage"
+
+
+# --------------------------------------------------------------------------- model references
+class ModelReferenceError(ModelNotInAppConfigError):
+    """A model reference (app-config id, .gguf path, model folder, URL, Hugging Face `ORG/REPO[:QUANT]`)
+    that names no loadable model. `reference` is what was given; `tried` says, per reading of it,
+    why it did not lead to a model."""
+
+    def __init__(self, reference: str, tried: list[str], hint: str = ""):
+        self.reference = reference
+        self.tried = list(tried)
+        self.hint = hint
+        lines = "; ".join(self.tried) if self.tried else "nothing matched"
+        WebGPUEngineError.__init__(
+            self, f"Cannot load model {reference!r}: {lines}. "
+            + (hint or "Give an app-config model id, a .gguf file, a Hugging Face model folder, an "
+                       "https:// URL, or a Hugging Face repo id ORG/REPO[:QUANT]."), param="model")
+
+
+class AmbiguousModelReferenceError(ModelReferenceError):
+    """A repo or selector matches several model files; the message lists them."""
+
+    http_status = 400
+
+    def __init__(self, reference: str, candidates: list[str], how: str):
+        self.candidates = list(candidates)
+        ModelReferenceError.__init__(
+            self, reference, [f"it matches {len(candidates)} files: {', '.join(candidates)}"],
+            hint=f"Pick one: {how}.")
+
+
+class ModelAccessError(ModelReferenceError):
+    """The repo exists but refuses us (gated or private): a token is needed."""
+
+    http_status = 403
+    error_type = "permission_error"
+
+    def __init__(self, reference: str, detail: str):
+        ModelReferenceError.__init__(
+            self, reference, [detail],
+            hint="Accept the model's licence on its Hugging Face page and set HF_TOKEN to a token of "
+                 "that account (or run `huggingface-cli login`).")

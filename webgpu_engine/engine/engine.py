@@ -153,7 +153,13 @@ class AsyncMLCEngine:
                 raise ReloadArgumentSizeUnmatchedError(len(ids), len(opts))
         if len(set(ids)) != len(ids):
             raise ReloadModelIdNotUniqueError(ids)
-        records = [self.app_config.get(i) for i in ids]   # unknown ids fail before anything unloads
+        # Ids the app config lacks are model references (a .gguf, a folder, a URL, a Hugging Face
+        # repo): resolved into records, and registered, before anything unloads (references.py).
+        from .references import records_for
+        self.app_config, records = await records_for(self.app_config, ids)
+        ids = [r.model_id for r in records]
+        if len(set(ids)) != len(ids):
+            raise ReloadModelIdNotUniqueError(ids)
         await self.unload()                 # also aborts a reload still in progress
         token = self._load_token = object()
         self._last_reload = (ids, opts)

@@ -33,6 +33,8 @@ class ModelRecord:
     required_features: WebGPU features the model cannot run without (e.g. "shader-f16").
     f32_variant: the id of a record that runs without shader-f16, offered instead when it is missing.
     integrity: sha256 per file name, checked by the cache.
+    reference: the model reference this record was resolved from (engine/references.py), e.g.
+        "ORG/REPO:Q4_K_M" or a URL; None for records written by hand.
     """
 
     model_id: str
@@ -48,6 +50,7 @@ class ModelRecord:
     required_features: list[str] = field(default_factory=list)
     f32_variant: str | None = None
     integrity: dict[str, str] = field(default_factory=dict)
+    reference: str | None = None
 
     def __post_init__(self):
         if self.model_type not in MODEL_TYPES:

@@ -1,0 +1,180 @@
+"""Model references resolved into records and loaded through the engine: a local GGUF, an HF folder, a
+sentence-transformers folder, URLs (a local HTTP server), Hugging Face repo ids from a pre-filled
+Hugging Face cache (offline), and the typed errors of bad references. Tiny models written here."""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from cache_server import FileServer
+from tinymodels import write_tiny_bert, write_tiny_llama_gguf, write_tiny_llama_safetensors
+from webgpu_engine import errors as E
+from webgpu_engine.engine import EngineConfig, create_mlc_engine, default_app_config
+from webgpu_engine.engine.records import EMBEDDING, LLM
+from webgpu_engine.engine.references import resolve_model_reference
+
+REV = "0123456789abcdef0123456789abcdef01234567"
+U = [{"role": "user", "content": "Hello world"}]
+
+
+def fake_hf_repo(hub: Path, repo: str, files: dict[str, Path]) -> Path:
+    """A repo as huggingface_hub caches it: models--ORG--REPO/{refs/main, snapshots/<rev>/...}."""
+    d = hub / ("models--" + repo.replace("/", "--"))
+    (d / "refs").mkdir(parents=True, exist_ok=True)
+    (d / "refs" / "main").write_text(REV)
+    snap = d / "snapshots" / REV
+    for name, src in files.items():
+        (snap / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(src, snap / name)
+    return snap
+
+
+def _folder_files(folder: Path) -> dict[str, Path]:
+    return {p.relative_to(folder).as_posix(): p for p in folder.rglob("*") if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """Tiny models on disk, a pre-filled Hugging Face cache and an artifact cache root, with the
+    environment pointing at them (HF_HUB_OFFLINE=1: nothing may reach a hub)."""
+    root = tmp_path_factory.mktemp("refs")
+    m = {"root": root}
+    m["gguf"] = write_tiny_llama_gguf(root / "tiny-llama.gguf", qtype="q8_0")["path"]
+    (root / "other").mkdir()
+    q4 = write_tiny_llama_gguf(root / "other" / "tiny-llama-Q4_0.gguf", qtype="q4_0")["path"]
+    m["hf"] = write_tiny_llama_safetensors(root / "tiny-hf")["folder"]
+    m["bert"] = write_tiny_bert(root / "tiny-bert")["folder"]
+    hub = root / "hub"
+    m["snap_gguf"] = fake_hf_repo(hub, "test-org/tiny-GGUF", {"tiny-llama-Q8_0.gguf": m["gguf"],
+                                                              "tiny-llama-Q4_0.gguf": q4})
+    fake_hf_repo(hub, "test-org/tiny-llama", _folder_files(m["hf"]))
+    fake_hf_repo(hub, "test-org/tiny-minilm", _folder_files(m["bert"]))
+    mp = pytest.MonkeyPatch()
+    mp.setenv("HF_HUB_CACHE", str(hub))
+    mp.setenv("HF_HUB_OFFLINE", "1")
+    mp.setenv("WEBGPU_ENGINE_CACHE", str(root / "artifacts"))
+    yield m
+    mp.undo()
+
+
+@pytest.fixture(scope="module")
+def server(models):
+    with FileServer() as srv:
+        srv.add("files/tiny-llama.gguf", models["gguf"].read_bytes())
+        for name, p in _folder_files(models["bert"]).items():
+            srv.add(f"st/tiny-minilm/{name}", p.read_bytes())
+        yield srv
+
+
+# --------------------------------------------------------------------------- each kind of reference
+def test_local_gguf_file_and_folders(models):
+    rec = resolve_model_reference(str(models["gguf"]))
+    assert (rec.model_id, rec.model_type, Path(rec.model)) == ("tiny-llama", LLM, models["gguf"])
+    assert rec.is_local and rec.overrides["context_window_size"] == 256     # the tiny model's trained context
+    rec = resolve_model_reference(str(models["hf"]))
+    assert (rec.model_id, rec.model_type, Path(rec.model)) == ("tiny-hf", LLM, models["hf"])
+    rec = resolve_model_reference(str(models["bert"]), model_id="my-embedder")
+    assert (rec.model_id, rec.model_type) == ("my-embedder", EMBEDDING)
+    rec = resolve_model_reference(str(models["root"] / "other"))        # a folder holding one .gguf
+    assert rec.model_id == "tiny-llama-Q4_0" and rec.model.endswith("tiny-llama-Q4_0.gguf")
+
+
+def test_app_config_ids_win(models):
+    cfg = default_app_config()
+    assert resolve_model_reference("all-MiniLM-L6-v2", app_config=cfg) is cfg.get("all-MiniLM-L6-v2")
+
+
+def test_hugging_face_repo_ids_from_the_hf_cache(models):
+    rec = resolve_model_reference("test-org/tiny-GGUF:Q8_0")
+    assert (rec.model_id, rec.model_type) == ("test-org/tiny-GGUF:Q8_0", LLM)
+    assert Path(rec.model) == models["snap_gguf"] / "tiny-llama-Q8_0.gguf"
+    assert rec.reference == "hf://test-org/tiny-GGUF/tiny-llama-Q8_0.gguf"
+    rec = resolve_model_reference("hf.co/test-org/tiny-GGUF:q4_0")          # Ollama's spelling, any case
+    assert rec.model.endswith("tiny-llama-Q4_0.gguf") and rec.model_id == "test-org/tiny-GGUF:q4_0"
+    rec = resolve_model_reference("test-org/tiny-GGUF:tiny-llama-Q4_0.gguf")    # a file name
+    assert rec.model.endswith("tiny-llama-Q4_0.gguf")
+    rec = resolve_model_reference("test-org/tiny-llama")                   # safetensors repo: a folder
+    assert (rec.model_id, rec.model_type) == ("test-org/tiny-llama", LLM) and Path(rec.model).is_dir()
+    rec = resolve_model_reference("https://huggingface.co/test-org/tiny-minilm")
+    assert (rec.model_id, rec.model_type) == ("test-org/tiny-minilm", EMBEDDING)
+    assert (Path(rec.model) / "1_Pooling" / "config.json").is_file()
+
+
+def test_urls_of_a_file_and_of_a_folder(models, server):
+    rec = resolve_model_reference(server.url("files/tiny-llama.gguf"))
+    assert (rec.model_id, rec.model_type) == ("tiny-llama", LLM)
+    assert Path(rec.model).read_bytes() == models["gguf"].read_bytes()
+    assert Path(rec.model).is_relative_to(models["root"] / "artifacts")
+    n = server.count("files/tiny-llama.gguf")
+    resolve_model_reference(server.url("files/tiny-llama.gguf"))            # cached: no second download
+    assert server.count("files/tiny-llama.gguf") == n
+    rec = resolve_model_reference(server.url("st/tiny-minilm/"))
+    assert (rec.model_id, rec.model_type) == ("tiny-minilm", EMBEDDING)
+    assert (Path(rec.model) / "1_Pooling" / "config.json").is_file()
+
+
+# --------------------------------------------------------------------------- bad references
+def test_bad_references_fail_with_what_was_tried(models, tmp_path):
+    cfg = default_app_config()
+    with pytest.raises(E.ModelReferenceError) as ei:
+        resolve_model_reference(str(tmp_path / "missing.gguf"), app_config=cfg)
+    assert "no file or folder at" in str(ei.value) and "SmolLM2-135M-Instruct-Q4_1" in str(ei.value)
+    with pytest.raises(E.ModelReferenceError) as ei:
+        resolve_model_reference("no-org/no-repo:Q4_K_M", app_config=cfg)
+    assert len(ei.value.tried) == 3 and "Hugging Face cache" in ei.value.tried[-1]
+    assert ei.value.http_status == 404
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "notes.txt").write_text("x")
+    with pytest.raises(E.ModelReferenceError, match="lacks config.json, tokenizer.json"):
+        resolve_model_reference(str(tmp_path / "empty"))
+    with pytest.raises(E.AmbiguousModelReferenceError) as ei:
+        resolve_model_reference("test-org/tiny-GGUF")           # two GGUFs, none of them Q4_K_M
+    assert sorted(ei.value.candidates) == ["tiny-llama-Q4_0.gguf", "tiny-llama-Q8_0.gguf"]
+    assert ei.value.http_status == 400
+    with pytest.raises(E.ModelReferenceError, match=r"no GGUF in test-org/tiny-GGUF matches 'Q6_K'.*Q4_0"):
+        resolve_model_reference("test-org/tiny-GGUF:Q6_K")
+    with pytest.raises(E.ModelReferenceError, match="matches 'Q4' .*Choose one of its files"):
+        resolve_model_reference("test-org/tiny-GGUF:Q4", app_config=cfg)    # Q4 is not Q4_0
+
+
+def test_unsupported_files_are_refused_by_name(models, tmp_path):
+    import gguf
+    import numpy as np
+    w = gguf.GGUFWriter(str(tmp_path / "tiny-gpt2.gguf"), "gpt2")
+    w.add_tensor("token_embd.weight", np.zeros((4, 32), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(E.UnsupportedModelError, match="architecture 'gpt2' is not supported"):
+        resolve_model_reference(str(tmp_path / "tiny-gpt2.gguf"))
+    shutil.copytree(models["hf"], tmp_path / "phi")
+    cfg = (tmp_path / "phi" / "config.json")
+    cfg.write_text(cfg.read_text().replace("LlamaForCausalLM", "PhiForCausalLM").replace('"llama"', '"phi"'))
+    with pytest.raises(E.UnsupportedModelError, match="PhiForCausalLM"):
+        resolve_model_reference(str(tmp_path / "phi"))
+
+
+# --------------------------------------------------------------------------- through the engine
+async def test_every_kind_loads_and_answers_in_one_engine(device, models, server):
+    refs = [str(models["gguf"]), str(models["hf"]), "test-org/tiny-GGUF:Q4_0", "test-org/tiny-minilm",
+            server.url("st/tiny-minilm/")]
+    engine = await create_mlc_engine(refs, EngineConfig(device=device))
+    try:
+        ids = ["tiny-llama", "tiny-hf", "test-org/tiny-GGUF:Q4_0", "test-org/tiny-minilm", "tiny-minilm"]
+        assert list(engine.models) == ids
+        for mid in ids[:3]:
+            r = await engine.chat.completions.create(model=mid, messages=U, max_tokens=3, temperature=0,
+                                                     ignore_eos=True)
+            assert r.model == mid and r.usage.completion_tokens == 3
+        a = await engine.embeddings.create(model=ids[3], input=["a cat", "the dog"])
+        b = await engine.embeddings.create(model=ids[4], input=["a cat", "the dog"])
+        assert len(a.data[0].embedding) == 64
+        assert a.data[1].embedding == pytest.approx(b.data[1].embedding, abs=1e-5)   # the same model twice
+        assert engine.app_config.get("tiny-llama").reference == str(models["gguf"])
+    finally:
+        await engine.unload()
+    with pytest.raises(E.ModelReferenceError):
+        await engine.reload(str(models["root"] / "nope.gguf"))

@@ -1,0 +1,122 @@
+"""Hugging Face hub files through `huggingface_hub`: the user's HF cache, HF_TOKEN, HF_ENDPOINT, offline mode.
+
+Models named by a Hugging Face repo id live in the Hugging Face cache (`HF_HUB_CACHE`, else
+`$HF_HOME/hub`, else `~/.cache/huggingface/hub`), shared with transformers, llama.cpp and
+huggingface-cli, so a model any of them fetched loads without network access. The settings are read
+from the environment on every call (not when huggingface_hub is first imported), so a process can
+change them. Offline (`HF_HUB_OFFLINE=1` or `WEBGPU_ENGINE_OFFLINE=1`, or `offline=True`) lists and
+opens only what the HF cache holds; online, a hub that cannot be reached falls back to the cache too.
+huggingface_hub is imported lazily: module level is the standard library only.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from ..errors import ArtifactFetchError, ModelAccessError, ModelReferenceError, NetworkForbiddenError
+from .artifact import OFFLINE_ENV
+
+_TRUE = ("1", "true", "yes", "on")
+
+
+def hf_offline(offline: bool | None = None) -> bool:
+    if offline is not None:
+        return offline
+    return any(os.environ.get(k, "").strip().lower() in _TRUE for k in ("HF_HUB_OFFLINE", OFFLINE_ENV))
+
+
+def hf_cache_dir() -> Path:
+    """The Hugging Face hub cache folder, as huggingface_hub resolves it, read from the environment now."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    if os.environ.get("HF_HOME"):
+        return Path(os.environ["HF_HOME"]).expanduser() / "hub"
+    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(xdg) / "huggingface" / "hub"
+
+
+def hf_endpoint() -> str | None:
+    return os.environ.get("HF_ENDPOINT") or None
+
+
+def cached_snapshot(repo_id: str, revision: str | None = None) -> Path | None:
+    """The snapshot folder of `repo_id` at `revision` (a branch, tag or commit; default main) in the
+    HF cache, or None when the cache does not hold it."""
+    repo_dir = hf_cache_dir() / ("models--" + repo_id.replace("/", "--"))
+    rev = revision or "main"
+    ref = repo_dir / "refs" / rev
+    commit = ref.read_text().strip() if ref.is_file() else rev
+    snap = repo_dir / "snapshots" / commit
+    return snap if snap.is_dir() else None
+
+
+def _cached_files(snapshot: Path) -> list[str]:
+    return sorted(p.relative_to(snapshot).as_posix() for p in snapshot.rglob("*") if p.is_file())
+
+
+def _translate(e: Exception, reference: str, what: str) -> Exception:
+    """huggingface_hub's exceptions as our typed errors (the message names the reference)."""
+    from huggingface_hub import errors as hf
+    endpoint = hf_endpoint() or "https://huggingface.co"
+    if isinstance(e, hf.GatedRepoError):
+        return ModelAccessError(reference, f"{what}: the repo is gated ({endpoint})")
+    if isinstance(e, hf.RepositoryNotFoundError):
+        # The hub answers 401/404 alike for a private repo without a token and a missing one.
+        return ModelReferenceError(
+            reference, [f"{what}: no such Hugging Face repo at {endpoint} (or it is private: set HF_TOKEN)"])
+    if isinstance(e, hf.RevisionNotFoundError):
+        return ModelReferenceError(reference, [f"{what}: the repo has no such revision"])
+    if isinstance(e, hf.LocalEntryNotFoundError):
+        return NetworkForbiddenError(
+            f"{reference}: {what} is not in the Hugging Face cache ({hf_cache_dir()}) and the hub is "
+            f"offline or unreachable. Fetch it once online (`python -m webgpu_engine download "
+            f"{reference}`), or unset HF_HUB_OFFLINE / WEBGPU_ENGINE_OFFLINE.")
+    if isinstance(e, hf.EntryNotFoundError):
+        return ModelReferenceError(reference, [f"{what}: the repo has no such file"])
+    return ArtifactFetchError(f"{reference}: {what} failed: {type(e).__name__}: {e}")
+
+
+def repo_files(repo_id: str, revision: str | None = None, *, offline: bool | None = None,
+               reference: str | None = None) -> tuple[list[str], str]:
+    """(every file path in the repo, where the list came from: "hub" or "cache")."""
+    reference = reference or repo_id
+    snap = cached_snapshot(repo_id, revision)
+    if hf_offline(offline):
+        if snap is None:
+            raise NetworkForbiddenError(
+                f"the Hugging Face cache ({hf_cache_dir()}) holds no snapshot of {repo_id} and offline "
+                f"mode (HF_HUB_OFFLINE / WEBGPU_ENGINE_OFFLINE) forbids asking the hub")
+        return _cached_files(snap), "cache"
+    from huggingface_hub import HfApi
+    from huggingface_hub import errors as hf
+    try:
+        return sorted(HfApi(endpoint=hf_endpoint()).list_repo_files(repo_id, revision=revision)), "hub"
+    except (hf.RepositoryNotFoundError, hf.RevisionNotFoundError) as e:
+        raise _translate(e, reference, f"listing {repo_id}") from None
+    except Exception as e:  # noqa: BLE001 - unreachable hub (connection, timeout, 5xx): use the cache
+        if snap is not None:
+            return _cached_files(snap), "cache"
+        raise _translate(e, reference, f"listing {repo_id}") from None
+
+
+def download_file(repo_id: str, filename: str, revision: str | None = None, *, offline: bool | None = None,
+                  reference: str | None = None) -> Path:
+    """The local path of one repo file (from the HF cache, else downloaded into it)."""
+    from huggingface_hub import hf_hub_download
+    try:
+        return Path(hf_hub_download(repo_id, filename, revision=revision, cache_dir=hf_cache_dir(),
+                                    local_files_only=hf_offline(offline), endpoint=hf_endpoint()))
+    except Exception as e:  # noqa: BLE001 - translated into typed errors
+        raise _translate(e, reference or repo_id, f"fetching {filename}") from None
+
+
+def download_folder(repo_id: str, allow_patterns: list[str], revision: str | None = None, *,
+                    offline: bool | None = None, reference: str | None = None) -> Path:
+    """The local snapshot folder holding the repo files that match `allow_patterns`."""
+    from huggingface_hub import snapshot_download
+    try:
+        return Path(snapshot_download(repo_id, revision=revision, cache_dir=hf_cache_dir(),
+                                      allow_patterns=allow_patterns, local_files_only=hf_offline(offline),
+                                      endpoint=hf_endpoint()))
+    except Exception as e:  # noqa: BLE001 - translated into typed errors
+        raise _translate(e, reference or repo_id, f"fetching the files of {repo_id}") from None

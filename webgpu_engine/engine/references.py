@@ -1,0 +1,292 @@
+"""Model references: one string (or a ModelRecord) naming a model, resolved once into a `ModelRecord`.
+
+    resolve_model_reference("SmolLM2-135M-Instruct-Q4_1")          # an app-config id
+    resolve_model_reference("./Qwen2.5-0.5B-Instruct-Q4_K_M.gguf")   # a local GGUF file
+    resolve_model_reference("~/models/all-MiniLM-L6-v2")            # an HF or sentence-transformers folder
+    resolve_model_reference("https://host/models/tiny.gguf")         # a URL of a file (or of a folder, '/')
+    resolve_model_reference("Qwen/Qwen2.5-0.5B-Instruct-GGUF:Q4_K_M")  # a Hugging Face repo [+ quant]
+
+Tried in that order. What kind of model it is comes from the files: a GGUF's general.architecture (a
+chat LLM), config.json's `architectures` (…ForCausalLM: a chat LLM; BERT: an embedder), a
+sentence-transformers modules.json (an embedder). The id served (and listed by /v1/models) is the
+file or folder name, the repo id (with its selector) for Hugging Face, unless `model_id` names one.
+Resolved records point at files on disk: Hugging Face files in the HF cache (cache/hf.py), URLs in
+our artifact cache, local paths in place; the engine then loads them without further fetching.
+Explicit records (an app config) win over everything. Standard library only at module level.
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import re
+from dataclasses import replace
+from pathlib import Path, PurePosixPath
+from urllib.parse import unquote, urlparse
+
+from ..errors import (AmbiguousModelReferenceError, InvalidRequestError, ModelFormatError, ModelReferenceError,
+                      NetworkForbiddenError, UnsupportedModelError)
+from .records import EMBEDDING, LLM, AppConfig, ModelRecord
+
+DEFAULT_QUANT = "Q4_K_M"        # what llama.cpp's -hf picks in a repo of several GGUFs
+_HF_HOSTS = ("huggingface.co", "hf.co")
+_REPO_RE = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+?)(?:@(?P<rev>[\w./-]+?))?(?::(?P<sel>[^:/]+))?$")
+_SHARD_RE = re.compile(r"-\d{5}-of-\d{5}\.gguf$")
+# The files of an HF or sentence-transformers folder the loaders read (weights, configs, tokenizer).
+FOLDER_PATTERNS = ["*.json", "*.safetensors", "vocab.txt", "merges.txt", "tokenizer*"]
+
+
+# --------------------------------------------------------------------------- inspecting files
+def _gguf_record(path: Path, reference: str) -> dict:
+    """Type and trained context of a GGUF, refused when no model here can run it."""
+    from ..loaders.gguf import LLAMA_ARCHS, GGUFFile
+    from ..loaders.tensor_info import SUPPORTED_QTYPES
+    if _SHARD_RE.search(path.name):
+        raise UnsupportedModelError(f"{reference}: {path.name} is one part of a split GGUF; merge the parts "
+                                    f"into one file (llama-gguf-split --merge) and load that.")
+    with GGUFFile(path) as g:
+        arch = g.architecture
+        if arch not in LLAMA_ARCHS:
+            raise UnsupportedModelError(f"{reference}: GGUF architecture {arch!r} is not supported; "
+                                        f"supported: {', '.join(LLAMA_ARCHS)}.")
+        odd = sorted({t.qtype for t in g.weights().values()} - set(SUPPORTED_QTYPES))
+        if odd:
+            raise UnsupportedModelError(
+                f"{reference}: GGUF tensors of type {', '.join(odd)} cannot be run; use a GGUF quantized "
+                f"to {', '.join(SUPPORTED_QTYPES)} (e.g. Q4_K_M, Q4_0, Q8_0).")
+        ctx = g.metadata.get(f"{arch}.context_length")
+    return {"model_type": LLM, "context": int(ctx) if ctx else None}
+
+
+def _folder_record(folder: Path, reference: str) -> dict:
+    """Type and trained context of a Hugging Face or sentence-transformers folder."""
+    from ..loaders.hf_config import BERT_ARCHITECTURES, LLAMA_ARCHITECTURES
+    modules, config = folder / "modules.json", folder / "config.json"
+    missing = [n for n in ("config.json", "tokenizer.json") if not (folder / n).is_file()]
+    if not any(folder.glob("*.safetensors")):
+        missing.append("*.safetensors weights")
+    if missing:
+        raise ModelReferenceError(reference, [
+            f"{folder} is not a Hugging Face model folder nor a sentence-transformers one: it lacks "
+            f"{', '.join(missing)}"], hint="Point at a folder with config.json, model.safetensors and "
+                                           "tokenizer.json, or at a .gguf file.")
+    try:
+        c = json.loads(config.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ModelFormatError(f"{config} is not valid JSON: {e}") from None
+    archs, mtype = c.get("architectures") or [], c.get("model_type")
+    if any(a in LLAMA_ARCHITECTURES for a in archs) or mtype in ("llama", "qwen2", "mistral"):
+        if modules.is_file():
+            raise UnsupportedModelError(f"{reference}: a sentence-transformers model over a decoder "
+                                        f"({', '.join(archs)}) is not supported; embedders are BERT models.")
+        ctx = c.get("max_position_embeddings")
+        return {"model_type": LLM, "context": int(ctx) if ctx else None}
+    if any(a in BERT_ARCHITECTURES for a in archs) or mtype == "bert":
+        return {"model_type": EMBEDDING, "context": None}
+    raise UnsupportedModelError(
+        f"{reference}: config.json names architectures {archs} (model_type {mtype!r}); supported: "
+        f"{', '.join(sorted(LLAMA_ARCHITECTURES))} (chat) and {', '.join(BERT_ARCHITECTURES)} (embeddings).")
+
+
+def _record(path: Path, reference: str, model_id: str, origin: str | None = None) -> ModelRecord:
+    info = _gguf_record(path, reference) if path.is_file() else _folder_record(path, reference)
+    overrides = {}
+    if info["model_type"] == LLM and info["context"]:
+        from ..config import ChatConfig
+        default = ChatConfig().context_window_size
+        if info["context"] < default:          # never ask for more than the model was trained on
+            overrides["context_window_size"] = info["context"]
+    return ModelRecord(model_id=model_id, model=str(path), model_type=info["model_type"],
+                       overrides=overrides, reference=origin or reference)
+
+
+def _local(path: Path, reference: str, model_id: str | None) -> ModelRecord:
+    path = path.expanduser().resolve()
+    if path.is_dir() and not (path / "config.json").is_file():
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            path = ggufs[0]
+        elif ggufs:
+            raise AmbiguousModelReferenceError(reference, [g.name for g in ggufs], "name the .gguf file itself")
+    if path.is_file() and path.suffix.lower() != ".gguf":
+        raise ModelReferenceError(reference, [f"{path} is a file but not a .gguf"],
+                                  hint="Give a .gguf file, or the folder holding config.json and the weights.")
+    name = path.stem if path.is_file() else path.name
+    return _record(path, reference, model_id or name)
+
+
+# --------------------------------------------------------------------------- Hugging Face repos
+def _matches(name: str, selector: str) -> bool:
+    base = PurePosixPath(name).name
+    if selector.lower() in (name.lower(), base.lower()):
+        return True
+    return re.search(rf"(?<![A-Za-z0-9_]){re.escape(selector)}(?![A-Za-z0-9_])", base, re.I) is not None
+
+
+def _pick_gguf(reference: str, repo: str, files: list[str], selector: str | None) -> str | None:
+    """The GGUF of the repo the selector names (None: the repo is a folder model)."""
+    ggufs = [f for f in files if f.lower().endswith(".gguf") and not PurePosixPath(f).name.startswith("mmproj")]
+    folder = "config.json" in files and any(f.endswith(".safetensors") for f in files)
+    if selector is None:
+        if folder or not ggufs:
+            return None
+        if len(ggufs) == 1:
+            return ggufs[0]
+        default = [f for f in ggufs if _matches(f, DEFAULT_QUANT)]
+        if len(default) == 1:
+            return default[0]
+        raise AmbiguousModelReferenceError(reference, ggufs, f"append :QUANT to the repo id, e.g. {repo}:Q4_0")
+    hits = [f for f in ggufs if _matches(f, selector)]
+    if len(hits) == 1:
+        return hits[0]
+    if hits:
+        raise AmbiguousModelReferenceError(reference, hits, f"name the file itself: {repo}:{PurePosixPath(hits[0]).name}")
+    have = ", ".join(PurePosixPath(f).name for f in ggufs) or "no .gguf files"
+    raise ModelReferenceError(reference, [f"no GGUF in {repo} matches {selector!r} (the repo has {have})"],
+                              hint=f"Choose one of its files, or drop the selector{' (it is a folder model)' if folder else ''}.")
+
+
+def _hugging_face(reference: str, repo: str, revision: str | None, selector: str | None,
+                  model_id: str | None, offline: bool | None) -> ModelRecord:
+    from ..cache import hf
+    files, _ = hf.repo_files(repo, revision, offline=offline, reference=reference)
+    if not files:
+        raise ModelReferenceError(reference, [f"the Hugging Face repo {repo} holds no files"])
+    shown = model_id or (f"{repo}:{selector}" if selector else repo)
+    gguf = _pick_gguf(reference, repo, files, selector)
+    if gguf is not None:
+        path = hf.download_file(repo, gguf, revision, offline=offline, reference=reference)
+        return _record(path, reference, shown, f"hf://{repo}/{gguf}")
+    if "config.json" not in files:
+        raise ModelReferenceError(reference, [f"the Hugging Face repo {repo} holds neither a .gguf nor a "
+                                              f"config.json (files: {', '.join(files[:12])})"])
+    patterns = list(FOLDER_PATTERNS)
+    if "modules.json" in files:
+        patterns += [f"{p.parent.as_posix()}/*" for p in map(PurePosixPath, files)
+                     if p.name == "config.json" and len(p.parts) == 2]      # 1_Pooling/config.json
+    path = hf.download_folder(repo, patterns, revision, offline=offline, reference=reference)
+    return _record(path, reference, shown, f"hf://{repo}")
+
+
+# --------------------------------------------------------------------------- URLs
+def _url(reference: str, model_id: str | None, offline: bool | None) -> ModelRecord:
+    """A URL of a .gguf file or of a model folder (ending in '/'), fetched through the artifact cache."""
+    from .. import cache
+    u = urlparse(reference)
+    parts = [unquote(p) for p in u.path.split("/") if p]
+    host = (u.hostname or "").lower()
+    if host in _HF_HOSTS and len(parts) >= 2:
+        repo = "/".join(parts[:2])
+        if len(parts) >= 5 and parts[2] in ("resolve", "blob"):         # ORG/REPO/resolve/REV/FILE
+            return _hugging_face(reference, repo, parts[3], "/".join(parts[4:]), model_id, offline)
+        if len(parts) == 2:
+            return _hugging_face(reference, repo, None, None, model_id, offline)
+    if not parts:
+        raise ModelReferenceError(reference, ["the URL names no file or folder"])
+    cache_id = f"{Path(parts[-1]).stem}-{hashlib.sha1(reference.encode()).hexdigest()[:10]}"
+    if not u.path.endswith("/"):
+        if not parts[-1].lower().endswith(".gguf"):
+            raise ModelReferenceError(reference, [f"the URL names {parts[-1]}, which is not a .gguf"],
+                                      hint="Give the URL of a .gguf file, or of a model folder ending in '/'.")
+        base = reference.rsplit("/", 1)[0] + "/"
+        arts = cache.artifacts_from_bases(cache_id, {parts[-1]: (None, None)}, [base])
+        path = cache.fetch_model_sync(cache_id, arts, offline=offline, bar=False)
+        return _record(Path(path), reference, model_id or Path(parts[-1]).stem)
+    return _record(_fetch_folder(reference, cache_id, offline), reference, model_id or parts[-1])
+
+
+def _fetch_folder(base: str, cache_id: str, offline: bool | None) -> Path:
+    """Fetch a model folder by URL: its configs first, then what they name (weights, pooling config)."""
+    from .. import cache
+    from ..errors import ArtifactFetchError
+
+    def get(names: list[str], required: bool) -> list[Path]:
+        got = []
+        for name in names:
+            arts = cache.artifacts_from_bases(cache_id, {name: (None, None)}, [base])
+            try:
+                got.append(cache.fetch_model_sync(cache_id, arts, offline=offline, bar=False))
+            except ArtifactFetchError:
+                if required:
+                    raise
+        return got
+    get(["config.json", "tokenizer.json"], True)
+    get(["tokenizer_config.json", "special_tokens_map.json", "vocab.txt", "modules.json",
+         "sentence_bert_config.json", "config_sentence_transformers.json", "model.safetensors.index.json"], False)
+    folder = cache.model_dir("model", cache_id)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        get(sorted(set(json.loads(index.read_text())["weight_map"].values())), True)
+    else:
+        get(["model.safetensors"], True)
+    if (folder / "modules.json").is_file():
+        for m in json.loads((folder / "modules.json").read_text()):
+            if m.get("path"):
+                get([f"{m['path']}/config.json"], False)
+    return folder
+
+
+# --------------------------------------------------------------------------- entry points
+def resolve_model_reference(reference: str, *, model_id: str | None = None, app_config: AppConfig | None = None,
+                            offline: bool | None = None) -> ModelRecord:
+    """The ModelRecord `reference` names (see the module docstring); blocking (it may download).
+    Raises ModelReferenceError (with what was tried), AmbiguousModelReferenceError, ModelAccessError,
+    UnsupportedModelError, NetworkForbiddenError."""
+    ref = reference.strip()
+    if app_config is not None and ref in app_config.ids():
+        rec = app_config.get(ref)
+        if model_id in (None, rec.model_id):
+            return rec
+        if not rec.is_local:        # the artifact cache keeps a remote record's files under its id
+            raise InvalidRequestError(f"Model {ref} comes from the app config and keeps its id; a "
+                                      f"model_id alias applies to files, folders, URLs and repos.",
+                                      param="model_id")
+        return replace(rec, model_id=model_id)
+    tried = [f"not a model id of the app config ({', '.join(app_config.ids())})"] if app_config else []
+    if re.match(r"^https?://", ref, re.I):
+        return _url(ref, model_id, offline)
+    low = ref.lower()
+    for prefix in ("hf://", "hf.co/", "huggingface.co/"):
+        if low.startswith(prefix):
+            return _hf_repo_id(ref, ref[len(prefix):], model_id, offline, tried)
+    path = Path(ref).expanduser()
+    if path.exists():
+        return _local(path, ref, model_id)
+    tried.append(f"no file or folder at {path.resolve()}")
+    if ref.startswith((".", "/", "~")) or "\\" in ref or not _REPO_RE.match(ref):
+        raise ModelReferenceError(ref, tried)
+    return _hf_repo_id(ref, ref, model_id, offline, tried)
+
+
+def _hf_repo_id(reference: str, spec: str, model_id: str | None, offline: bool | None,
+                tried: list[str]) -> ModelRecord:
+    m = _REPO_RE.match(spec)
+    if m is None:
+        raise ModelReferenceError(reference, tried + ["not a Hugging Face repo id ORG/REPO[:QUANT]"])
+    try:
+        return _hugging_face(reference, m["repo"], m["rev"], m["sel"], model_id, offline)
+    except NetworkForbiddenError as e:      # offline, and the HF cache lacks it: say what else was tried
+        raise ModelReferenceError(reference, tried + [f"as a Hugging Face repo: {e}"]) from e
+    except ModelReferenceError as e:
+        if type(e) is ModelReferenceError and tried:
+            raise ModelReferenceError(reference, tried + e.tried, e.hint) from e
+        raise
+
+
+async def records_for(app_config: AppConfig, refs: list) -> tuple[AppConfig, list[ModelRecord]]:
+    """The records of `refs` (app-config ids or model references) and the app config with
+    the resolved ones added. App-config ids cost nothing; other references resolve in a worker thread
+    (they may read headers or download)."""
+    records: list[ModelRecord] = []
+    new: list[ModelRecord] = []
+    for item in refs:
+        if item in app_config.ids():
+            records.append(app_config.get(item))
+        else:
+            rec = await asyncio.to_thread(resolve_model_reference, item, app_config=app_config)
+            new.append(rec)
+            records.append(rec)
+    return (app_config.with_records(*new) if new else app_config), records
+
+
+__all__ = ["resolve_model_reference", "records_for", "DEFAULT_QUANT", "FOLDER_PATTERNS"]
