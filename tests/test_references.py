@@ -178,3 +178,91 @@ async def test_every_kind_loads_and_answers_in_one_engine(device, models, server
         await engine.unload()
     with pytest.raises(E.ModelReferenceError):
         await engine.reload(str(models["root"] / "nope.gguf"))
+
+
+# --------------------------------------------------------------------------- the command line
+def test_cli_resolves_references_and_aliases(models, tmp_path):
+    from webgpu_engine.cli import _models, build_parser
+    args = build_parser().parse_args(["serve", "--model", str(models["gguf"]), "--model", "test-org/tiny-minilm",
+                                      "--model-id", "chat"])
+    app, ids = _models(args, args.model)
+    assert ids == ["chat", "test-org/tiny-minilm"]
+    assert app.get("chat").model == str(models["gguf"]) and app.get("test-org/tiny-minilm").model_type == EMBEDDING
+    assert "SmolLM2-135M-Instruct-Q4_1" in app.ids()                   # the built-in records stay known
+    args = build_parser().parse_args(["chat", "--model", str(models["gguf"]), "--model-id", "a", "hi"])
+    assert _models(args, [args.model])[1] == ["a"]
+    args = build_parser().parse_args(["serve", "--model", str(models["gguf"]), "--model-id", "a", "--model-id", "b"])
+    with pytest.raises(E.InvalidRequestError, match="2 --model-id given for 1 --model"):
+        _models(args, args.model)
+
+
+def test_cli_app_config_json(models, tmp_path):
+    import json
+    from webgpu_engine.cli import _models, build_parser
+    shutil.copyfile(models["gguf"], tmp_path / "chat.gguf")
+    (tmp_path / "app_config.json").write_text(json.dumps({"model_list": [
+        {"model_id": "my-chat", "model": "chat.gguf", "model_type": 0, "overrides": {"context_window_size": 128}},
+        {"model_id": "my-embedder", "model": str(models["bert"]), "model_type": "embedding"}]}))
+    args = build_parser().parse_args(["serve", "--config", str(tmp_path / "app_config.json")])
+    app, ids = _models(args, args.model or [])
+    assert ids == [] and app.ids() == ["my-chat", "my-embedder"]
+    assert app.get("my-chat").model == str(tmp_path / "chat.gguf")         # relative to the JSON file
+    assert app.get("my-chat").overrides == {"context_window_size": 128}
+    (tmp_path / "bad.json").write_text(json.dumps({"model_list": [{"model_id": "x", "model": "y", "model_type": 2}]}))
+    args = build_parser().parse_args(["serve", "--config", str(tmp_path / "bad.json")])
+    with pytest.raises(E.InvalidRequestError, match="model_type 2 has no pipeline"):
+        _models(args, [])
+
+
+def test_cli_download_and_info_take_references(models, capsys):
+    from webgpu_engine.cli import main
+    assert main(["download", "--quiet", "test-org/tiny-GGUF:Q8_0"]) == 0
+    assert capsys.readouterr().out.strip() == \
+        f"test-org/tiny-GGUF:Q8_0: {models['snap_gguf'] / 'tiny-llama-Q8_0.gguf'}"
+    assert main(["download", "--quiet", "no-org/none"]) == 1
+    assert "no-org/none" in capsys.readouterr().err
+    assert main(["info", "--model", "test-org/tiny-minilm"]) == 0
+    out = capsys.readouterr().out
+    assert "model:     test-org/tiny-minilm   type: embedding" in out and "MiB on the GPU" in out
+
+
+def test_serve_two_references_through_the_openai_client(models):
+    import os
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    import openai
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "XDG_RUNTIME_DIR": os.environ.get("XDG_RUNTIME_DIR", "/tmp")}
+    proc = subprocess.Popen([sys.executable, "-m", "webgpu_engine", "serve", "--model", str(models["gguf"]),
+                             "--model", "test-org/tiny-minilm", "--model-id", "tiny-chat", "--port", str(port)],
+                            cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+                    if b'"ready"' in r.read():
+                        break
+            except OSError:
+                pass
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.time() < deadline, "server did not become ready"
+            time.sleep(0.3)
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+        assert sorted(m.id for m in c.models.list()) == ["test-org/tiny-minilm", "tiny-chat"]
+        r = c.chat.completions.create(model="tiny-chat", messages=U, max_tokens=2, temperature=0)
+        assert r.model == "tiny-chat" and r.usage.completion_tokens >= 1
+        assert len(c.embeddings.create(model="test-org/tiny-minilm", input="a cat").data[0].embedding) == 64
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    bad = subprocess.run([sys.executable, "-m", "webgpu_engine", "serve", "--model", "./no-such.gguf",
+                          "--port", str(port)], cwd=root, env=env, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 1 and bad.stderr.startswith("error: Cannot load model './no-such.gguf'")

@@ -15,6 +15,7 @@ from pathlib import Path
 
 DEFAULT_CHAT_MODEL = "SmolLM2-135M-Instruct-Q4_1"
 DEFAULT_EMBED_MODEL = "all-MiniLM-L6-v2"
+REF = "a model: an app-config id, a .gguf file, a model folder, a URL or a Hugging Face ORG/REPO[:QUANT]"
 
 
 # --------------------------------------------------------------------------- info
@@ -50,6 +51,10 @@ def cmd_info(args) -> int:
         for k, v in d["limits"].items():
             if k not in keys:
                 print(f"  {k:40s} {v}")
+    if args.model:
+        _print_model(args, dev)
+        dev.close()
+        return 0
     try:
         from .engine.records import default_app_config
         print("models (built-in app config):")
@@ -59,6 +64,26 @@ def cmd_info(args) -> int:
         pass
     dev.close()
     return 0
+
+
+def _print_model(args, dev) -> None:
+    """What `--model` resolves to: its record, files and (for files on disk) the memory it would take."""
+    from .config import ChatConfig
+    from .engine import memory
+    app, ids = _models(args, [args.model])
+    rec = app.get(ids[0])
+    print(f"model:     {rec.model_id}   type: {rec.model_type}")
+    origin = rec.reference if rec.reference not in (None, rec.model) else None
+    print(f"files:     {rec.model}" + (f"   (from {origin})" if origin else ""))
+    if rec.overrides:
+        print(f"overrides: {json.dumps(rec.overrides)}")
+    print(f"needs:     {', '.join(rec.required_features) or 'no optional WebGPU feature'}")
+    if rec.is_local:
+        cc = ChatConfig().updated(rec.overrides)
+        est = memory.estimate_for(rec.model_type, rec.model, cc, dev)
+        budget, source = memory.memory_budget(dev)
+        print(f"memory:    {est.total / (1 << 20):.1f} MiB on the GPU "
+              f"(budget {budget / (1 << 20):.0f} MiB, {source})")
 
 
 # --------------------------------------------------------------------------- engine helpers
@@ -74,10 +99,31 @@ def _engine_config(args):
     return EngineConfig(init_progress_callback=progress, log_level=args.log_level.upper())
 
 
-def _create(args, model_ids: list[str]):
+def _models(args, refs: list[str]):
+    """(app config, model ids) for the model references given on the command line: the records of
+    --config (else the built-in ones), plus one record resolved per reference that is not an id there
+    (a .gguf, a model folder, a URL, a Hugging Face ORG/REPO[:QUANT]), named by --model-id when given
+    (in order). A bad reference fails here, before any engine or server starts."""
+    from .engine.records import default_app_config, load_app_config
+    from .engine.references import resolve_model_reference
+    from .errors import InvalidRequestError
+    app = load_app_config(args.config) if getattr(args, "config", None) else default_app_config()
+    aliases = getattr(args, "model_id", None) or []
+    aliases = [aliases] if isinstance(aliases, str) else list(aliases)
+    if len(aliases) > len(refs):
+        raise InvalidRequestError(f"{len(aliases)} --model-id given for {len(refs)} --model; give at "
+                                  f"most one alias per model, in the same order.", param="model_id")
+    aliases += [None] * (len(refs) - len(aliases))
+    records = [resolve_model_reference(r, model_id=a, app_config=app) for r, a in zip(refs, aliases)]
+    return app.with_records(*records), [r.model_id for r in records]
+
+
+def _create(args, refs: list[str]):
     from .engine import create_mlc_engine
-    return create_mlc_engine(model_ids if len(model_ids) > 1 else model_ids[0],
-                             engine_config=_engine_config(args))
+    app, ids = _models(args, refs)
+    cfg = _engine_config(args)
+    cfg.app_config = app
+    return create_mlc_engine(ids if len(ids) > 1 else ids[0], engine_config=cfg)
 
 
 # --------------------------------------------------------------------------- chat
@@ -187,11 +233,15 @@ def cmd_serve(args) -> int:
     from .engine.records import EngineConfig
     from .protocol.rules import RequestLimits
     from .server.app import ServerOptions, run_server
-    models = args.model or [DEFAULT_CHAT_MODEL, DEFAULT_EMBED_MODEL]
+    # --config alone serves every record of the file; otherwise --model (default: the two defaults).
+    refs = args.model or ([] if args.config else [DEFAULT_CHAT_MODEL, DEFAULT_EMBED_MODEL])
+    app, models = _models(args, refs)
+    models = models or app.ids()
     given = {k: getattr(args, k) for k in ("max_n", "max_stop", "max_logit_bias",
                                            "max_embedding_inputs", "max_embedding_tokens")}
     limits = RequestLimits(**{k: v for k, v in given.items() if v is not None})
-    cfg = EngineConfig(log_level=args.log_level.upper(), auto_recover=args.auto_recover, limits=limits,
+    cfg = EngineConfig(app_config=app, log_level=args.log_level.upper(), auto_recover=args.auto_recover,
+                       limits=limits,
                        max_queue_length=args.max_queue if args.max_queue > 0 else None,
                        request_timeout_s=args.request_timeout if args.request_timeout > 0 else None)
     opts = ServerOptions(models=models, host=args.host, port=args.port, api_key=args.api_key,
@@ -242,11 +292,36 @@ def _missing_cache_cli(name: str):
     return run
 
 
+def _download_references(p) -> None:
+    """`download` takes model references too: what the artifact cache does not know is resolved, which
+    fetches it (a Hugging Face repo into the Hugging Face cache, a URL into the artifact cache)."""
+    cache_download = p.get_default("func")
+    p.description += (" A MODEL_ID may also be any model reference: a URL or a Hugging Face "
+                      "ORG/REPO[:QUANT] (fetched into the Hugging Face cache).")
+
+    def run(args) -> int:
+        from .cache import known_models
+        from .engine.references import resolve_model_reference
+        known = known_models()
+        refs = [m for m in args.model_id if m not in known]
+        if len(refs) < len(args.model_id) or not refs:
+            args.model_id = [m for m in args.model_id if m in known]
+            rc = cache_download(args)
+            if rc:
+                return rc
+        for ref in refs:
+            rec = resolve_model_reference(ref, offline=args.offline or None)
+            print(f"{ref}: {rec.model}")
+        return 0
+    p.set_defaults(func=run)
+
+
 def _add_cache_commands(sub) -> None:
     """`download` and `cache` belong to the cache layer; it registers them when present."""
     try:
         from .cache import cli as cache_cli
         cache_cli.add_subcommands(sub)
+        _download_references(sub.choices["download"])
         return
     except (ImportError, AttributeError):
         pass
@@ -256,6 +331,15 @@ def _add_cache_commands(sub) -> None:
                            description=text + ".")
         p.add_argument("rest", nargs=argparse.REMAINDER)
         p.set_defaults(func=_missing_cache_cli(name))
+
+
+def _model_options(p, many: bool = False):
+    p.add_argument("--model-id", action="append" if many else "store", default=None, metavar="ALIAS",
+                   help="the id the model is known by (default: the file, folder or repo name)"
+                        + ("; repeatable, one per --model in order" if many else ""))
+    p.add_argument("--config", default=None, metavar="APP_CONFIG_JSON",
+                   help="WebLLM AppConfig JSON ({\"model_list\": [...]}): its records replace the "
+                        "built-in ones" + (" and, without --model, are all served" if many else ""))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -273,6 +357,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the full description as JSON")
     p.add_argument("--all", action="store_true", help="print every limit")
     p.add_argument("--adapter", default=None, help="pick an adapter by name substring")
+    p.add_argument("--model", default=None, help=REF + ": show what it resolves to and its memory estimate")
+    _model_options(p)
     p.set_defaults(func=cmd_info)
 
     def sampling(p, max_tokens):
@@ -286,7 +372,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Chat with an LLM, streaming its answers. Multi-turn; /reset starts "
                                    "over, /stats prints speed, /exit (or Ctrl-D) quits. With PROMPT, "
                                    "answers once and exits.")
-    p.add_argument("--model", default=DEFAULT_CHAT_MODEL, help=f"model id (default {DEFAULT_CHAT_MODEL})")
+    p.add_argument("--model", default=DEFAULT_CHAT_MODEL, help=f"{REF} (default {DEFAULT_CHAT_MODEL})")
+    _model_options(p)
     p.add_argument("--system", default=None, help="system message")
     sampling(p, 256)
     p.add_argument("prompt", nargs="*", default=None, help="one-shot prompt (optional)")
@@ -294,7 +381,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("complete", help="raw text completion (no chat template)",
                        description="Continue PROMPT with the model (no chat template) and print it.")
-    p.add_argument("--model", default=DEFAULT_CHAT_MODEL, help=f"model id (default {DEFAULT_CHAT_MODEL})")
+    p.add_argument("--model", default=DEFAULT_CHAT_MODEL, help=f"{REF} (default {DEFAULT_CHAT_MODEL})")
+    _model_options(p)
     p.add_argument("--echo", action="store_true", help="print the prompt before the completion")
     sampling(p, 64)
     p.add_argument("prompt", nargs="+", help="text to continue")
@@ -303,7 +391,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("embed", help="embed texts (vectors or cosine similarities)",
                        description="Embed each TEXT and print its vector as JSON lines, or with "
                                    "--similarity the matrix of cosine similarities.")
-    p.add_argument("--model", default=DEFAULT_EMBED_MODEL, help=f"model id (default {DEFAULT_EMBED_MODEL})")
+    p.add_argument("--model", default=DEFAULT_EMBED_MODEL, help=f"{REF} (default {DEFAULT_EMBED_MODEL})")
+    _model_options(p)
     p.add_argument("--similarity", "-s", action="store_true", help="print cosine similarities")
     p.add_argument("--quiet", action="store_true", help="no load progress on stderr")
     p.add_argument("text", nargs="+", help="texts to embed")
@@ -313,8 +402,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Serve /v1/chat/completions, /v1/completions, /v1/embeddings, "
                                    "/v1/models, /health and /metrics over HTTP.")
     p.add_argument("--model", action="append", default=None,
-                   help=f"model id to load (repeatable; default {DEFAULT_CHAT_MODEL} and "
-                        f"{DEFAULT_EMBED_MODEL})")
+                   help=f"{REF} (repeatable; default {DEFAULT_CHAT_MODEL} and {DEFAULT_EMBED_MODEL})")
+    _model_options(p, many=True)
     p.add_argument("--host", default="127.0.0.1", help="default 127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="default 8000")
     p.add_argument("--api-key", default=os.environ.get("WEBGPU_ENGINE_API_KEY"),

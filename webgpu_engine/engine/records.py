@@ -131,6 +131,56 @@ class EngineConfig:
         set_log_level(self.log_level)
 
 
+# WebLLM's ModelType enum as numbers in JSON: 0 LLM, 1 embedding (2, VLM, has no pipeline here).
+_WEBLLM_TYPES = {0: LLM, 1: EMBEDDING, "LLM": LLM, "embedding": EMBEDDING, LLM: LLM, EMBEDDING: EMBEDDING}
+_RECORD_FIELDS = ("model_id", "model", "model_type", "model_file", "sources", "model_lib", "overrides",
+                  "vram_required_MB", "low_resource_required", "buffer_size_required_bytes",
+                  "required_features", "f32_variant", "integrity")
+
+
+def app_config_from_dict(d: dict, base_dir: str | None = None) -> AppConfig:
+    """An AppConfig from WebLLM's JSON form ({"model_list": [ModelRecord...], "useIndexedDBCache": ...}).
+    A relative local `model` path is taken relative to `base_dir` (the JSON file's folder); keys this
+    engine does not use are ignored with a log line."""
+    import os
+    from ..errors import InvalidRequestError
+    if not isinstance(d, dict) or not isinstance(d.get("model_list"), list):
+        raise InvalidRequestError('an app config is a JSON object with a "model_list" array of model records')
+    records = []
+    for i, item in enumerate(d["model_list"]):
+        if not isinstance(item, dict) or not item.get("model_id") or not item.get("model"):
+            raise InvalidRequestError(f"model_list[{i}] needs at least model_id and model")
+        unknown = sorted(set(item) - set(_RECORD_FIELDS))
+        if unknown:
+            logging.getLogger("webgpu_engine.engine").info("model_list[%d] (%s): ignoring %s", i,
+                                                           item["model_id"], ", ".join(unknown))
+        kw = {k: item[k] for k in _RECORD_FIELDS if k in item}
+        if "model_type" in kw:
+            if kw["model_type"] not in _WEBLLM_TYPES:
+                raise InvalidRequestError(f"model_list[{i}] ({item['model_id']}): model_type "
+                                          f"{kw['model_type']!r} has no pipeline here; use {LLM!r} (0) or "
+                                          f"{EMBEDDING!r} (1)")
+            kw["model_type"] = _WEBLLM_TYPES[kw["model_type"]]
+        if base_dir and "://" not in kw["model"] and not os.path.isabs(os.path.expanduser(kw["model"])):
+            kw["model"] = os.path.join(base_dir, kw["model"])
+        records.append(ModelRecord(**kw))
+    use_cache = d.get("use_cache", d.get("useIndexedDBCache", True)) is not False
+    return AppConfig(records, use_cache)
+
+
+def load_app_config(path) -> AppConfig:
+    """Read an AppConfig JSON file (see app_config_from_dict)."""
+    import json
+    import os
+    from ..errors import InvalidRequestError
+    with open(path, encoding="utf-8") as f:
+        try:
+            d = json.load(f)
+        except json.JSONDecodeError as e:
+            raise InvalidRequestError(f"{path} is not valid JSON: {e}") from None
+    return app_config_from_dict(d, os.path.dirname(os.path.abspath(path)))
+
+
 def default_app_config() -> AppConfig:
     """The built-in models: the default chat LLM (GGUF) and the default embedder."""
     return AppConfig([
@@ -160,5 +210,6 @@ def default_app_config() -> AppConfig:
     ])
 
 
-__all__ = ["ModelRecord", "AppConfig", "EngineConfig", "default_app_config", "LLM", "EMBEDDING",
+__all__ = ["ModelRecord", "AppConfig", "EngineConfig", "default_app_config", "app_config_from_dict",
+           "load_app_config", "LLM", "EMBEDDING",
            "DEFAULT_CHAT_MODEL", "DEFAULT_EMBED_MODEL"]

@@ -140,10 +140,12 @@ def _pick_gguf(reference: str, repo: str, files: list[str], selector: str | None
     if len(hits) == 1:
         return hits[0]
     if hits:
-        raise AmbiguousModelReferenceError(reference, hits, f"name the file itself: {repo}:{PurePosixPath(hits[0]).name}")
+        raise AmbiguousModelReferenceError(reference, hits,
+                                           f"name the file itself: {repo}:{PurePosixPath(hits[0]).name}")
     have = ", ".join(PurePosixPath(f).name for f in ggufs) or "no .gguf files"
+    why = " (it is a folder model)" if folder else ""
     raise ModelReferenceError(reference, [f"no GGUF in {repo} matches {selector!r} (the repo has {have})"],
-                              hint=f"Choose one of its files, or drop the selector{' (it is a folder model)' if folder else ''}.")
+                              hint=f"Choose one of its files, or drop the selector{why}.")
 
 
 def _hugging_face(reference: str, repo: str, revision: str | None, selector: str | None,
