@@ -4,7 +4,8 @@
 //
 // The host prepends: the activation header (`act`); consts TM (activation rows per workgroup, at
 // most 32), WG (invocations = weight rows per workgroup), KB (32-wide chunks staged per barrier),
-// XR = 8 KB, NG (chunk groups per K block) and WA (weight rows are whole vec4 words);
+// XR = 8 KB, NG (chunk groups per K block), WA (weight rows are whole vec4 words) and BA (blocks
+// of a dequant.wgsl type are whole vec4 words);
 // `xword` / `xget` (how 4 activations are read); `fn wblock(base, c)` calling one of the
 // `wb_<qtype>` decoders below; and `fn chunks(...)`, the K loop written out as NG `step` calls.
 //
@@ -234,6 +235,29 @@ fn wb_q6_k(base: u32, c: u32) -> array<vec4<f32>, 8> {
         q6x4(l[0].z, q[0].z, shl, shh) * s0, q6x4(l[0].w, q[0].w, shl, shh) * s0,
         q6x4(l[1].x, q[1].x, shl, shh) * s1, q6x4(l[1].y, q[1].y, shl, shh) * s1,
         q6x4(l[1].z, q[1].z, shl, shh) * s1, q6x4(l[1].w, q[1].w, shl, shh) * s1);
+}
+
+// The types decoded by dequant.wgsl (the host adds it and `wblock` = wvalues(dq_<qtype>(...))):
+// its word readers and the expansion of its (quants, scales) form to plain values.
+struct WChunk { q: array<vec4<f32>, 8>, s: vec4<f32> }
+
+fn wword(a: u32) -> u32 { return word1(a); }
+
+// words a..a+3: one vec4 load where blocks and rows are whole vec4 words (BA, a host const: then
+// dequant.wgsl asks only at offsets that are multiples of 4), else two, shifted into place
+fn wquad(a: u32) -> vec4<u32> {
+    if (BA) { return wv(a / 4u); }
+    return shift4(wv(a / 4u), wv(a / 4u + 1u), a % 4u);
+}
+
+fn wvalues(w: WChunk) -> array<vec4<f32>, 8> {
+    let d0 = vec4<f32>(w.s.x);
+    let m0 = vec4<f32>(w.s.z);
+    let d1 = vec4<f32>(w.s.y);
+    let m1 = vec4<f32>(w.s.w);
+    return array<vec4<f32>, 8>(fma(w.q[0], d0, m0), fma(w.q[1], d0, m0), fma(w.q[2], d0, m0),
+                               fma(w.q[3], d0, m0), fma(w.q[4], d1, m1), fma(w.q[5], d1, m1),
+                               fma(w.q[6], d1, m1), fma(w.q[7], d1, m1));
 }
 
 // ---------------------------------------------------------------- the tile

@@ -199,7 +199,7 @@ def test_shape_errors(device):
     with pytest.raises(ValueError, match="k % 32"):
         upload_weight(device, raw, "q4_1", 64 * 256 // 100, 100, owner=OWNER)
     with pytest.raises(ValueError, match="unsupported weight type"):
-        upload_weight(device, raw, "q5_0", 64, 256, owner=OWNER)
+        upload_weight(device, raw, "q8_1", 64, 256, owner=OWNER)
     w = upload_weight(device, raw, "q4_1", 64, 256, owner=OWNER)
     x = new_tensor(device, (2, 128), "f32", owner=OWNER)
     y = new_tensor(device, (2, 64), "f32", owner=OWNER)

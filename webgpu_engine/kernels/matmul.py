@@ -1,12 +1,14 @@
 """Weights on the GPU (GGUF blocks or HF float rows), y = x·Wᵀ matmul, embedding gather, vectors.
 
 Weights keep their file layout: the host never dequantizes. Block types whose size is not a multiple
-of 4 bytes (Q4_0 18 B, Q8_0 34 B, Q6_K 210 B) get a one-off GPU repack at upload that inserts 2 zero
-bytes per block so that kernels read whole u32 words. A weight above the device's max storage
-binding size is split by rows across several buffers; matmul and embedding dispatch once per buffer.
+of 4 bytes (Q4_0 / IQ4_NL 18 B, Q5_0 22 B, Q8_0 34 B, Q3_K 110 B, Q6_K 210 B) get a one-off GPU
+repack at upload that inserts 2 zero bytes per block so that kernels read whole u32 words. A weight
+above the device's max storage binding size is split by rows across several buffers; matmul and
+embedding dispatch once per buffer.
 
 Kernels: `shaders/matmul.wgsl` (generic loop) and `shaders/embedding.wgsl`, each compiled together
-with one `shaders/matmul_<qtype>.wgsl` (the weight binding and its dequantization of 32 weights).
+with one `shaders/matmul_<qtype>.wgsl` (the weight binding and its dequantization of 32 weights),
+or for the types in DEQUANT_WGSL `shaders/matmul_words.wgsl` plus the shared `shaders/dequant.wgsl`.
 T = 1 on CPU adapters: `shaders/matmul_decode.wgsl` (the K loop unrolled by the host) and, for
 Q4_0/Q4_1/Q8_0, `shaders/matmul_decode_v4.wgsl` (the same, weights read as vec4<u32>).
 Page code: standard library only.
@@ -23,7 +25,8 @@ from .common import DTYPE_SIZE, XREAD, Op, Tensor, act_header, check, params, pl
 from .common import window as _window
 from . import matmul_tiled
 
-QTYPES = ("f32", "f16", "bf16", "q4_0", "q4_1", "q8_0", "q4_k", "q6_k")
+QTYPES = ("f32", "f16", "bf16", "q4_0", "q4_1", "q8_0", "q4_k", "q6_k", "q5_0", "q5_1", "iq4_nl", "q5_k",
+          "q3_k", "q2_k", "iq4_xs")
 
 # qtype → (file bytes per block, weights per block, GPU bytes per block, byte where the repack
 # inserts zero padding or None when the file layout is used as it is)
@@ -33,7 +36,17 @@ _BLOCKS = {
     "q8_0": (34, 32, 36, 2),      # d | pad | qs[32]
     "q4_k": (144, 256, 144, None),
     "q6_k": (210, 256, 212, 210),  # ql | qh | scales | d | pad
+    "q5_0": (22, 32, 24, 2),      # d | pad | qh | qs[16]
+    "q5_1": (24, 32, 24, None),
+    "iq4_nl": (18, 32, 20, 2),    # d | pad | qs[16]
+    "q5_k": (176, 256, 176, None),
+    "q3_k": (110, 256, 112, 110),  # hmask | qs | scales | d | pad
+    "q2_k": (84, 256, 84, None),
+    "iq4_xs": (136, 256, 136, None),
 }
+# types decoded by shaders/dequant.wgsl (one decode for every kernel; the others have their own
+# matmul_<qtype>.wgsl and matmul_tiled.wgsl wb_<qtype>)
+DEQUANT_WGSL = ("q5_0", "q5_1", "iq4_nl", "q5_k", "q3_k", "q2_k", "iq4_xs")
 _FLOAT_BYTES = {"f32": 4, "f16": 2, "bf16": 2}
 _STAGE_BYTES = 32 << 20    # most file bytes staged at once for a GPU repack
 _MAX_GROUPS = 65535
@@ -250,6 +263,10 @@ def _pipeline(dev: Device, entry: str, w: QWeight, dtype: str, wg: int, rr: int 
     qtype = w.qtype
     header = (f"{act_header(dtype)}const WG: u32 = {wg}u;\nconst RR: u32 = {rr}u;\n{wmap_header(w)}"
               f"{xread}{generic}{extra}")
+    if qtype in DEQUANT_WGSL:     # matmul_words.wgsl reads the words, dequant.wgsl decodes them
+        header += (f"{load_shader_source('dequant.wgsl')}\n"
+                   f"fn wchunk(base: u32, c: u32) -> WChunk {{ return dq_{qtype}(base, c); }}\n")
+        return dev.pipeline("matmul_words.wgsl", entry, header=header)
     return dev.pipeline(f"matmul_{qtype}.wgsl", entry, header=header)
 
 

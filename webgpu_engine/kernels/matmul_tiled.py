@@ -15,13 +15,18 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..gpu import Device
+from ..gpu.shaders import load_shader_source
 from .common import DTYPE_SIZE, XREAD, Op, Tensor, act_header, check, params, placeholder, window, wmap_header
 
 if TYPE_CHECKING:  # pragma: no cover
     from .matmul import QWeight
 
-QTYPES = ("f32", "f16", "bf16", "q4_0", "q4_1", "q8_0", "q4_k", "q6_k")
-_QK = {"q4_0": 32, "q4_1": 32, "q8_0": 32, "q4_k": 256, "q6_k": 256}   # weights per block
+QTYPES = ("f32", "f16", "bf16", "q4_0", "q4_1", "q8_0", "q4_k", "q6_k", "q5_0", "q5_1", "iq4_nl", "q5_k",
+          "q3_k", "q2_k", "iq4_xs")
+_QK = {"q4_0": 32, "q4_1": 32, "q8_0": 32, "q4_k": 256, "q6_k": 256, "q5_0": 32, "q5_1": 32,
+       "iq4_nl": 32, "q5_k": 256, "q3_k": 256, "q2_k": 256, "iq4_xs": 256}   # weights per block
+# types decoded by shaders/dequant.wgsl (as matmul.DEQUANT_WGSL; this module does not import matmul)
+_DEQUANT_WGSL = ("q5_0", "q5_1", "iq4_nl", "q5_k", "q3_k", "q2_k", "iq4_xs")
 _MAX_GROUPS = 65535
 _MAX_TM = 32               # accumulators written out in the shader
 _WG_BYTES = 32768          # workgroup memory WebGPU guarantees (and lavapipe's maximum)
@@ -60,8 +65,9 @@ def default_config(dev: Device, qtype: str = "q4_1") -> TiledConfig:
 
 # --------------------------------------------------------------------------- helpers
 # u32 words of one 32-wide chunk of a row; K-quants: words per 256-wide super-block (8 chunks)
-_CHUNK_WORDS = {"f32": 32, "f16": 16, "bf16": 16, "q4_0": 5, "q4_1": 5, "q8_0": 9}
-_SUPER_WORDS = {"q4_k": 36, "q6_k": 53}
+_CHUNK_WORDS = {"f32": 32, "f16": 16, "bf16": 16, "q4_0": 5, "q4_1": 5, "q8_0": 9, "q5_0": 6, "q5_1": 6,
+                "iq4_nl": 5}
+_SUPER_WORDS = {"q4_k": 36, "q6_k": 53, "q5_k": 44, "q3_k": 28, "q2_k": 21, "iq4_xs": 34}
 
 
 def _k_blocks(qtype: str, nch: int, kmax: int) -> int:
@@ -79,11 +85,20 @@ def _pipeline(dev: Device, w: "QWeight", dtype: str, kblk: int, cfg: TiledConfig
     # the K loop written out (see `step` in the shader for why)
     steps = "".join(f"    step({g}u, {g % 2}u, {min(kb, kblk - g * kb)}u, base, t0, lid);\n"
                     for g in range(ng))
+    if qtype in _DEQUANT_WGSL:
+        # dequant.wgsl's decode, expanded to plain values; its blocks are vec4-aligned (BA) when both
+        # the block and the row are whole vec4 words
+        block_words = _SUPER_WORDS.get(qtype) or _CHUNK_WORDS[qtype]
+        aligned = block_words % 4 == 0 and row_words % 4 == 0
+        decode = (f"const BA: bool = {'true' if aligned else 'false'};\n{load_shader_source('dequant.wgsl')}\n"
+                  f"fn wblock(base: u32, c: u32) -> array<vec4<f32>, 8> {{ return wvalues(dq_{qtype}(base, c)); }}\n")
+    else:
+        decode = ("const BA: bool = false;\n"
+                  f"fn wblock(base: u32, c: u32) -> array<vec4<f32>, 8> {{ return wb_{qtype}(base, c); }}\n")
     header = (f"{act_header(dtype)}const TM: u32 = {cfg.tm}u;\nconst WG: u32 = {cfg.wg}u;\n"
               f"const KB: u32 = {kb}u;\nconst XR: u32 = {8 * kb}u;\nconst NG: u32 = {ng}u;\n"
               f"const WA: bool = {'true' if row_words % 4 == 0 else 'false'};\n{XREAD[dtype]}{wmap_header(w)}"
-              f"fn wblock(base: u32, c: u32) -> array<vec4<f32>, 8> {{ return wb_{qtype}(base, c); }}\n"
-              f"fn chunks(base: u32, t0: u32, lid: u32) {{\n{steps}}}\n")
+              f"{decode}fn chunks(base: u32, t0: u32, lid: u32) {{\n{steps}}}\n")
     return dev.pipeline("matmul_tiled.wgsl", "matmul_tiled", header=header)
 
 
