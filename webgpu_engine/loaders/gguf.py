@@ -13,7 +13,7 @@ import struct
 
 from ..errors import ModelFormatError, UnsupportedModelError
 from ..models.config import LLAMA_ARCHS, LlamaConfig
-from .tensor_info import QTYPE_BLOCK, TensorInfo, tensor_nbytes
+from .tensor_info import QTYPE_BLOCK, SUPPORTED_QTYPES, TensorInfo, tensor_nbytes
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
@@ -21,7 +21,7 @@ DEFAULT_ALIGNMENT = 32
 # ggml_type enum -> our qtype names (only the ones QTYPE_BLOCK knows can be sized)
 GGML_TYPES = {
     0: "f32", 1: "f16", 2: "q4_0", 3: "q4_1", 6: "q5_0", 7: "q5_1", 8: "q8_0", 9: "q8_1",
-    10: "q2_k", 11: "q3_k", 12: "q4_k", 13: "q5_k", 14: "q6_k", 15: "q8_k",
+    10: "q2_k", 11: "q3_k", 12: "q4_k", 13: "q5_k", 14: "q6_k", 15: "q8_k", 20: "iq4_nl", 23: "iq4_xs",
     24: "i8", 25: "i16", 26: "i32", 27: "i64", 28: "f64", 30: "bf16",
 }
 QTYPE_TO_GGML = {v: k for k, v in GGML_TYPES.items()}
@@ -150,7 +150,7 @@ class GGUFFile:
             if qtype is None:
                 raise UnsupportedModelError(
                     f"{self.where}: tensor {name} has ggml type {ggml_type}, which this engine cannot "
-                    f"read; use a GGUF quantized to one of f32 f16 bf16 q4_0 q4_1 q8_0 q4_k q6_k")
+                    f"read; use a GGUF quantized to one of {' '.join(SUPPORTED_QTYPES)}")
             shape = tuple(int(d) for d in reversed(ne))     # (n rows, k cols)
             try:
                 nbytes = tensor_nbytes(qtype, shape)
