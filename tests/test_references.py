@@ -161,10 +161,13 @@ def test_unsupported_files_are_refused_by_name(models, tmp_path):
 async def test_every_kind_loads_and_answers_in_one_engine(device, models, server):
     refs = [str(models["gguf"]), str(models["hf"]), "test-org/tiny-GGUF:Q4_0", "test-org/tiny-minilm",
             server.url("st/tiny-minilm/")]
-    engine = await create_mlc_engine(refs, EngineConfig(device=device))
+    engine = await create_mlc_engine(refs, EngineConfig(device=device),
+                                     [{"context_window_size": 128}, None, None, None, None])
     try:
         ids = ["tiny-llama", "tiny-hf", "test-org/tiny-GGUF:Q4_0", "test-org/tiny-minilm", "tiny-minilm"]
         assert list(engine.models) == ids
+        assert engine.models["tiny-llama"].chat_config.context_window_size == 128        # chat_opts win
+        assert engine.models["tiny-hf"].chat_config.context_window_size == 256           # trained context
         for mid in ids[:3]:
             r = await engine.chat.completions.create(model=mid, messages=U, max_tokens=3, temperature=0,
                                                      ignore_eos=True)
@@ -194,6 +197,20 @@ def test_cli_resolves_references_and_aliases(models, tmp_path):
     args = build_parser().parse_args(["serve", "--model", str(models["gguf"]), "--model-id", "a", "--model-id", "b"])
     with pytest.raises(E.InvalidRequestError, match="2 --model-id given for 1 --model"):
         _models(args, args.model)
+
+
+def test_cli_load_options_per_model():
+    from webgpu_engine.cli import _chat_opts, build_parser
+    args = build_parser().parse_args(["serve", "--model", "a", "--model", "b", "--context-window", "512",
+                                      "--dtype", "f32", "--dtype", "auto", "--chat-opts", '{"temperature": 0.2}'])
+    assert _chat_opts(args, 2) == [{"temperature": 0.2, "context_window_size": 512, "dtype": "f32"},
+                                   {"temperature": 0.2, "context_window_size": 512, "dtype": "auto"}]
+    assert _chat_opts(build_parser().parse_args(["serve"]), 2) is None
+    args = build_parser().parse_args(["serve", "--prefill-chunk", "1", "--prefill-chunk", "2", "--prefill-chunk", "3"])
+    with pytest.raises(E.InvalidRequestError, match="given 3 times for 2 models"):
+        _chat_opts(args, 2)
+    with pytest.raises(E.InvalidRequestError, match="must be a JSON object"):
+        _chat_opts(build_parser().parse_args(["chat", "--chat-opts", "[1]"]), 1)
 
 
 def test_cli_app_config_json(models, tmp_path):

@@ -79,7 +79,7 @@ def _print_model(args, dev) -> None:
         print(f"overrides: {json.dumps(rec.overrides)}")
     print(f"needs:     {', '.join(rec.required_features) or 'no optional WebGPU feature'}")
     if rec.is_local:
-        cc = ChatConfig().updated(rec.overrides)
+        cc = ChatConfig().updated(rec.overrides).updated((_chat_opts(args, 1) or [None])[0])
         est = memory.estimate_for(rec.model_type, rec.model, cc, dev)
         budget, source = memory.memory_budget(dev)
         print(f"memory:    {est.total / (1 << 20):.1f} MiB on the GPU "
@@ -118,12 +118,43 @@ def _models(args, refs: list[str]):
     return app.with_records(*records), [r.model_id for r in records]
 
 
+def _chat_opts(args, n: int) -> list[dict | None] | None:
+    """Per-model chat_opts from --chat-opts and the load flags: a flag given once applies to all n
+    models, given n times one value per model in order."""
+    from .errors import InvalidRequestError
+    flags = {"chat_opts": None, "context_window": "context_window_size",
+             "prefill_chunk": "prefill_chunk_size", "dtype": "dtype"}
+    opts: list[dict] = [{} for _ in range(n)]
+    for flag, key in flags.items():
+        values = getattr(args, flag, None) or []
+        if not values:
+            continue
+        if len(values) not in (1, n):
+            raise InvalidRequestError(f"--{flag.replace('_', '-')} is given {len(values)} times for {n} "
+                                      f"models: give it once for all, or once per model.", param=flag)
+        for k, o in enumerate(opts):
+            v = values[0] if len(values) == 1 else values[k]
+            if key is not None:
+                o[key] = v
+                continue
+            try:
+                d = json.loads(v)
+            except json.JSONDecodeError as e:
+                raise InvalidRequestError(f"--chat-opts {v!r} is not JSON: {e}", param="chat_opts") from None
+            if not isinstance(d, dict):
+                raise InvalidRequestError(f"--chat-opts must be a JSON object, got {v!r}", param="chat_opts")
+            o.update(d)
+    return [o or None for o in opts] if any(opts) else None
+
+
 def _create(args, refs: list[str]):
     from .engine import create_mlc_engine
     app, ids = _models(args, refs)
     cfg = _engine_config(args)
     cfg.app_config = app
-    return create_mlc_engine(ids if len(ids) > 1 else ids[0], engine_config=cfg)
+    opts = _chat_opts(args, len(ids))
+    return create_mlc_engine(ids if len(ids) > 1 else ids[0], engine_config=cfg,
+                             chat_opts=opts if opts is None or len(ids) > 1 else opts[0])
 
 
 # --------------------------------------------------------------------------- chat
@@ -237,6 +268,7 @@ def cmd_serve(args) -> int:
     refs = args.model or ([] if args.config else [DEFAULT_CHAT_MODEL, DEFAULT_EMBED_MODEL])
     app, models = _models(args, refs)
     models = models or app.ids()
+    chat_opts = _chat_opts(args, len(models))
     given = {k: getattr(args, k) for k in ("max_n", "max_stop", "max_logit_bias",
                                            "max_embedding_inputs", "max_embedding_tokens")}
     limits = RequestLimits(**{k: v for k, v in given.items() if v is not None})
@@ -248,7 +280,7 @@ def cmd_serve(args) -> int:
                          max_body_bytes=int(args.max_body_mb * (1 << 20)),
                          cors_origins=args.cors_origin or [], log_level=args.log_level.upper(),
                          auto_recover=args.auto_recover, shutdown_grace_s=args.shutdown_grace,
-                         engine_config=cfg)
+                         engine_config=cfg, chat_opts=chat_opts)
     run_server(opts)
     return 0
 
@@ -340,6 +372,16 @@ def _model_options(p, many: bool = False):
     p.add_argument("--config", default=None, metavar="APP_CONFIG_JSON",
                    help="WebLLM AppConfig JSON ({\"model_list\": [...]}): its records replace the "
                         "built-in ones" + (" and, without --model, are all served" if many else ""))
+    each = "; once for every model, or once per --model in order" if many else ""
+    g = p.add_argument_group("load options (WebLLM ChatConfig)")
+    g.add_argument("--context-window", type=int, action="append", default=None, metavar="TOKENS",
+                   help="KV cache length (default: the model's trained context, at most 4096)" + each)
+    g.add_argument("--prefill-chunk", type=int, action="append", default=None, metavar="TOKENS",
+                   help="prompt tokens per prefill step (default 256)" + each)
+    g.add_argument("--dtype", choices=("auto", "f16", "f32"), action="append", default=None,
+                   help="activation precision (auto: f16 where the adapter has shader-f16)" + each)
+    g.add_argument("--chat-opts", action="append", default=None, metavar="JSON",
+                   help="WebLLM ChatOptions as JSON, e.g. '{\"temperature\": 0.2}'" + each)
 
 
 def build_parser() -> argparse.ArgumentParser:
