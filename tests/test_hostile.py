@@ -33,7 +33,7 @@ HEALTH_BUDGET = 0.1           # /health latency while a heavy case runs
 @pytest.fixture(scope="module")
 def server(device, smollm2_gguf, minilm_dir):
     from webgpu_engine.engine import EngineConfig
-    cfg = EngineConfig(device=device, max_queue_length=8, request_timeout_s=60.0)
+    cfg = EngineConfig(device=device, max_queue_length=8, request_timeout_s=CASE_TIMEOUT - 10)
     s = ServerThread(ServerOptions(models=[LLM_ID, EMB_ID], port=0, engine_config=cfg))
     yield s
     s.stop()
@@ -295,9 +295,9 @@ HEAVY = [
     chat("prompt of 3.9 MB", (200, 400), heavy=True,
          messages=[{"role": "user", "content": "word " * 780_000}]),
     comp("completion prompt of 1 MB", (200, 400), heavy=True, prompt="token " * 200_000),
-    emb("512 short inputs", 200, heavy=True, input=["a b c"] * 512),
-    emb("32 inputs of 96 KB each (truncated)", 200, heavy=True, input=["lorem ipsum " * 8_000] * 32),
-    emb("64 token lists of 512 ids", 200, heavy=True, input=[[101] + [1000] * 510 + [102]] * 64),
+    emb("256 short inputs", 200, heavy=True, input=["a b c"] * 256),
+    emb("8 inputs of 96 KB each (truncated)", 200, heavy=True, input=["lorem ipsum " * 8_000] * 8),
+    emb("16 token lists of 512 ids", 200, heavy=True, input=[[101] + [1000] * 510 + [102]] * 16),
     chat("n 16", 200, heavy=True, n=16, max_tokens=3),
     chat("stream 32 tokens", 200, heavy=True, stream=True, max_tokens=32, ignore_eos=True),
 ]
