@@ -115,6 +115,38 @@ def test_urls_of_a_file_and_of_a_folder(models, server):
     assert (Path(rec.model) / "1_Pooling" / "config.json").is_file()
 
 
+def test_hugging_face_hub_through_hf_endpoint(models, tmp_path, monkeypatch):
+    """Online: the repo listing and the files come from the hub (HF_ENDPOINT) into the HF cache, once;
+    later the cache answers alone, offline and with the hub unreachable alike."""
+    from hf_hub_server import HubServer
+    bert = {name: p.read_bytes() for name, p in _folder_files(models["bert"]).items()}
+    with HubServer() as hub:
+        hub.add_repo("hub-org/tiny-GGUF", {"tiny-llama-Q8_0.gguf": models["gguf"].read_bytes(), "README.md": b"x"})
+        hub.add_repo("hub-org/tiny-minilm", {**bert, "pytorch_model.bin": b"not wanted", "onnx/model.onnx": b"no"})
+        hub.gate("hub-org/gated")
+        monkeypatch.setenv("HF_ENDPOINT", hub.endpoint)
+        monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub-cache"))
+        monkeypatch.delenv("HF_HUB_OFFLINE")
+        rec = resolve_model_reference("hub-org/tiny-GGUF")             # the repo's only GGUF
+        assert rec.model_type == LLM and Path(rec.model).read_bytes() == models["gguf"].read_bytes()
+        assert Path(rec.model).is_relative_to(tmp_path / "hub-cache")
+        assert resolve_model_reference("hub-org/tiny-GGUF:Q8_0").model == rec.model
+        assert hub.downloads("hub-org/tiny-GGUF", "tiny-llama-Q8_0.gguf") == 1
+        st = resolve_model_reference("hub-org/tiny-minilm")
+        assert st.model_type == EMBEDDING and (Path(st.model) / "1_Pooling" / "config.json").is_file()
+        assert not (Path(st.model) / "pytorch_model.bin").exists() and not (Path(st.model) / "onnx").exists()
+        with pytest.raises(E.ModelAccessError, match="gated.*HF_TOKEN") as ei:
+            resolve_model_reference("hub-org/gated")
+        assert ei.value.http_status == 403
+        with pytest.raises(E.ModelReferenceError, match="no such Hugging Face repo"):
+            resolve_model_reference("hub-org/missing")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert resolve_model_reference("hub-org/tiny-GGUF:Q8_0").model == rec.model
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{hub.port}")   # stopped: nothing answers
+    assert resolve_model_reference("hub-org/tiny-minilm").model == st.model
+
+
 # --------------------------------------------------------------------------- bad references
 def test_bad_references_fail_with_what_was_tried(models, tmp_path):
     cfg = default_app_config()

@@ -17,12 +17,21 @@ from ..errors import ArtifactFetchError, ModelAccessError, ModelReferenceError, 
 from .artifact import OFFLINE_ENV
 
 _TRUE = ("1", "true", "yes", "on")
+LIST_TIMEOUT_S = 10.0
 
 
 def hf_offline(offline: bool | None = None) -> bool:
     if offline is not None:
         return offline
     return any(os.environ.get(k, "").strip().lower() in _TRUE for k in ("HF_HUB_OFFLINE", OFFLINE_ENV))
+
+
+def _sync_offline(offline: bool | None) -> bool:
+    """Our offline setting, also given to huggingface_hub, which reads HF_HUB_OFFLINE only once, at
+    import (so a process that changes it, as tests do, would otherwise keep the first value)."""
+    from huggingface_hub import constants
+    constants.HF_HUB_OFFLINE = hf_offline(offline)
+    return constants.HF_HUB_OFFLINE
 
 
 def hf_cache_dir() -> Path:
@@ -89,8 +98,12 @@ def repo_files(repo_id: str, revision: str | None = None, *, offline: bool | Non
         return _cached_files(snap), "cache"
     from huggingface_hub import HfApi
     from huggingface_hub import errors as hf
+    _sync_offline(offline)
     try:
-        return sorted(HfApi(endpoint=hf_endpoint()).list_repo_files(repo_id, revision=revision)), "hub"
+        # model_info, not list_repo_files: it fails at once when the hub is unreachable (the tree
+        # listing retries with backoff for ~20 s), and the cache can then answer.
+        info = HfApi(endpoint=hf_endpoint()).model_info(repo_id, revision=revision, timeout=LIST_TIMEOUT_S)
+        return sorted(s.rfilename for s in info.siblings or []), "hub"
     except (hf.RepositoryNotFoundError, hf.RevisionNotFoundError) as e:
         raise _translate(e, reference, f"listing {repo_id}") from None
     except Exception as e:  # noqa: BLE001 - unreachable hub (connection, timeout, 5xx): use the cache
@@ -105,7 +118,7 @@ def download_file(repo_id: str, filename: str, revision: str | None = None, *, o
     from huggingface_hub import hf_hub_download
     try:
         return Path(hf_hub_download(repo_id, filename, revision=revision, cache_dir=hf_cache_dir(),
-                                    local_files_only=hf_offline(offline), endpoint=hf_endpoint()))
+                                    local_files_only=_sync_offline(offline), endpoint=hf_endpoint()))
     except Exception as e:  # noqa: BLE001 - translated into typed errors
         raise _translate(e, reference or repo_id, f"fetching {filename}") from None
 
@@ -116,7 +129,7 @@ def download_folder(repo_id: str, allow_patterns: list[str], revision: str | Non
     from huggingface_hub import snapshot_download
     try:
         return Path(snapshot_download(repo_id, revision=revision, cache_dir=hf_cache_dir(),
-                                      allow_patterns=allow_patterns, local_files_only=hf_offline(offline),
+                                      allow_patterns=allow_patterns, local_files_only=_sync_offline(offline),
                                       endpoint=hf_endpoint()))
     except Exception as e:  # noqa: BLE001 - translated into typed errors
         raise _translate(e, reference or repo_id, f"fetching the files of {repo_id}") from None
