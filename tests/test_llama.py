@@ -104,6 +104,32 @@ def test_tiny_model_matches_numpy(device, tmp_path, arch, fmt, wtype, act, tol):
         closer()
 
 
+@pytest.mark.parametrize("wtype,embed_qtype", [
+    ("q5_k", "q6_k"),      # as in Q5_K_M files
+    ("iq4_xs", "iq4_nl"),  # IQ4_XS
+    ("q3_k", "q2_k"),      # Q3_K_M / Q2_K
+    ("q5_0", "q5_1"),
+])
+def test_tiny_model_k_and_iq_quants_match_numpy(device, tmp_path, wtype, embed_qtype):
+    """Every matrix (the untied LM head too) in `wtype`, the embedding table in `embed_qtype`: the
+    GPU forward (tiled prefill, fused decode) against numpy on the same dequantized weights."""
+    from webgpu_engine.loaders.gguf import GGUFFile
+    tm = _tiny_cases()
+    info = tm.write_tiny_llama_gguf(tmp_path / f"tiny-{wtype}.gguf", qtype=wtype, embed_qtype=embed_qtype,
+                                    seed=2, hidden_size=256, ffn_size=512)
+    f = GGUFFile(info["path"])
+    try:
+        cfg, infos = f.model_config(), f.weights()
+        assert infos["layers.1.down"].qtype == wtype and infos["embed"].qtype == embed_qtype
+        ids = [int(i) for i in np.random.default_rng(1).integers(0, cfg.vocab_size, 12)]
+        got = _gpu_logits(device, cfg, infos, ids, dtype="f32", chunk=8)   # rows 7, 8, 9, 10, 11
+        want = RefLlama(cfg, weights_from_infos(infos), np.float64).forward(ids)
+        assert np.abs(want[7:]).max() > 0.1
+        np.testing.assert_allclose(got, want[7:], atol=1e-3, rtol=0)
+    finally:
+        f.close()
+
+
 async def test_pipeline_loads_hf_folder_and_matches_numpy_greedy(device, tmp_path):
     from ref_llama import greedy
     tm = _tiny_cases()

@@ -149,8 +149,8 @@ def _llama_config(d: dict, arch: str, neox: bool, eos_ids=(EOS_ID, 0)) -> LlamaC
 
 
 # ============================================================================ K-quant encoders
-# gguf-py can dequantize K-quants but not quantize them: these simple (not error-optimal) encoders
-# write valid Q4_K / Q6_K blocks; what the GPU sees is then gguf.dequantize of those bytes.
+# gguf-py can dequantize K-quants and IQ4 but not quantize them: these simple (not error-optimal)
+# encoders write valid blocks; what the GPU sees is then gguf.dequantize of those bytes.
 def quantize_q4_k(w: np.ndarray) -> np.ndarray:
     """(n, k) f32 -> (n, k/256*144) u8: d, dmin f16; 6-bit scale/min per 32; 4-bit q (x = d*sc*q - dmin*m)."""
     n, k = w.shape
@@ -192,14 +192,132 @@ def quantize_q6_k(w: np.ndarray) -> np.ndarray:
     return out.reshape(n, k // 256 * 210)
 
 
-_K_QUANTIZERS = {"q4_k": quantize_q4_k, "q6_k": quantize_q6_k}
+def _div(a, b):
+    return np.divide(a, b, out=np.zeros(np.broadcast_shapes(np.shape(a), np.shape(b)), np.float32), where=b > 0)
+
+
+def quantize_q5_k(w: np.ndarray) -> np.ndarray:
+    """(n, k) f32 -> (n, k/256*176) u8: Q4_K's d, dmin and scales, qh[32] (bit j: fifth bit of
+    sub-block j), qs[128] low nibbles; x = d*sc*q - dmin*m with q 0..31."""
+    n, k = w.shape
+    x = w.reshape(-1, 8, 32).astype(np.float32)
+    lo = np.minimum(x.min(-1), 0.0)
+    scale = (x.max(-1) - lo) / 31.0
+    d = (scale.max(-1) / 63.0).astype(np.float16)
+    dmin = ((-lo).max(-1) / 63.0).astype(np.float16)
+    df, mf = d.astype(np.float32)[:, None], dmin.astype(np.float32)[:, None]
+    sc = np.clip(np.round(_div(scale, df)), 0, 63).astype(np.uint8)
+    mn = np.clip(np.round(_div(-lo, mf)), 0, 63).astype(np.uint8)
+    q = np.clip(np.round(_div(x + (mf * mn)[..., None], (df * sc)[..., None])), 0, 31).astype(np.uint8)
+    scales = np.zeros((x.shape[0], 12), np.uint8)
+    scales[:, 0:4] = sc[:, 0:4] | ((sc[:, 4:8] >> 4) << 6)
+    scales[:, 4:8] = mn[:, 0:4] | ((mn[:, 4:8] >> 4) << 6)
+    scales[:, 8:12] = (sc[:, 4:8] & 0xF) | ((mn[:, 4:8] & 0xF) << 4)
+    qh = np.zeros((x.shape[0], 32), np.uint8)
+    for j in range(8):
+        qh |= ((q[:, j] >> 4) & 1) << j
+    low = (q & 0xF).reshape(-1, 4, 2, 32)
+    qs = (low[:, :, 0] | (low[:, :, 1] << 4)).reshape(-1, 128)
+    out = np.concatenate([d[:, None].view(np.uint8), dmin[:, None].view(np.uint8), scales, qh, qs], axis=1)
+    return out.reshape(n, k // 256 * 176)
+
+
+def quantize_q3_k(w: np.ndarray) -> np.ndarray:
+    """(n, k) f32 -> (n, k/256*110) u8: hmask[32], qs[64], 16 six-bit scales (+32), d f16;
+    x = d*sc*(q - 4) with q 0..7, one scale per 16."""
+    n, k = w.shape
+    x = w.reshape(-1, 16, 16).astype(np.float32)
+    scale = np.abs(x).max(-1) / 4.0
+    d = (scale.max(-1) / 31.0).astype(np.float16)
+    df = d.astype(np.float32)[:, None]
+    sc = np.clip(np.round(_div(scale, df)), -32, 31).astype(np.int64)            # (blocks, 16)
+    q = np.clip(np.round(_div(x, (df * sc)[..., None])) + 4, 0, 7).astype(np.uint8)
+    q = q.reshape(-1, 8, 32)                        # chunk j = 32 weights
+    hmask = np.zeros((x.shape[0], 32), np.uint8)
+    qs = np.zeros((x.shape[0], 2, 32), np.uint8)
+    for j in range(8):
+        hmask |= (q[:, j] >> 2) << j
+        qs[:, j // 4] |= (q[:, j] & 3) << (2 * (j % 4))
+    s = (sc + 32).astype(np.uint8)
+    scales = np.zeros((x.shape[0], 12), np.uint8)
+    scales[:, 0:8] = (s[:, 0:8] & 0xF) | ((s[:, 8:16] & 0xF) << 4)
+    for i in range(16):
+        scales[:, 8 + i % 4] |= (s[:, i] >> 4) << (2 * (i // 4))
+    out = np.concatenate([hmask, qs.reshape(-1, 64), scales, d[:, None].view(np.uint8)], axis=1)
+    return out.reshape(n, k // 256 * 110)
+
+
+def quantize_q2_k(w: np.ndarray) -> np.ndarray:
+    """(n, k) f32 -> (n, k/256*84) u8: scales[16] (4-bit scale | 4-bit min << 4), qs[64], d, dmin f16;
+    x = d*sc*q - dmin*m with q 0..3, one pair per 16."""
+    n, k = w.shape
+    x = w.reshape(-1, 16, 16).astype(np.float32)
+    lo = np.minimum(x.min(-1), 0.0)
+    scale = (x.max(-1) - lo) / 3.0
+    d = (scale.max(-1) / 15.0).astype(np.float16)
+    dmin = ((-lo).max(-1) / 15.0).astype(np.float16)
+    df, mf = d.astype(np.float32)[:, None], dmin.astype(np.float32)[:, None]
+    sc = np.clip(np.round(_div(scale, df)), 0, 15).astype(np.uint8)
+    mn = np.clip(np.round(_div(-lo, mf)), 0, 15).astype(np.uint8)
+    q = np.clip(np.round(_div(x + (mf * mn)[..., None], (df * sc)[..., None])), 0, 3).astype(np.uint8)
+    q = q.reshape(-1, 8, 32)
+    qs = np.zeros((x.shape[0], 2, 32), np.uint8)
+    for j in range(8):
+        qs[:, j // 4] |= q[:, j] << (2 * (j % 4))
+    out = np.concatenate([sc | (mn << 4), qs.reshape(-1, 64), d[:, None].view(np.uint8),
+                          dmin[:, None].view(np.uint8)], axis=1)
+    return out.reshape(n, k // 256 * 84)
+
+
+def _iq4_index(x: np.ndarray, step: np.ndarray) -> np.ndarray:
+    """Nearest kvalues_iq4nl entry of x / step (u8 indices)."""
+    import gguf
+    kv = np.array(gguf.quants.IQ4_NL.kvalues, np.float32)
+    return np.abs(_div(x, step)[..., None] - kv).argmin(-1).astype(np.uint8)
+
+
+def _iq4_pack(idx: np.ndarray) -> np.ndarray:
+    # (..., 32) indices -> (..., 16) bytes: low nibbles elements 0..15, high 16..31
+    return idx[..., :16] | (idx[..., 16:] << 4)
+
+
+def quantize_iq4_nl(w: np.ndarray) -> np.ndarray:
+    """(n, k) f32 -> (n, k/32*18) u8: d f16, qs[16]; x = d * kvalues_iq4nl[q]."""
+    n, k = w.shape
+    x = w.reshape(-1, 32).astype(np.float32)
+    d = (np.abs(x).max(-1) / 127.0).astype(np.float16)
+    idx = _iq4_index(x, d.astype(np.float32)[:, None])
+    return np.concatenate([d[:, None].view(np.uint8), _iq4_pack(idx)], axis=1).reshape(n, k // 32 * 18)
+
+
+def quantize_iq4_xs(w: np.ndarray) -> np.ndarray:
+    """(n, k) f32 -> (n, k/256*136) u8: d f16, scales_h u16, scales_l[4], qs[128]; x = d * (ls - 32) *
+    kvalues_iq4nl[q] with a six-bit ls per 32."""
+    n, k = w.shape
+    x = w.reshape(-1, 8, 32).astype(np.float32)
+    scale = np.abs(x).max(-1) / 127.0
+    d = (scale.max(-1) / 31.0).astype(np.float16)
+    df = d.astype(np.float32)[:, None]
+    ls = np.clip(np.round(_div(scale, df)) + 32, 0, 63).astype(np.uint16)      # (blocks, 8)
+    idx = _iq4_index(x, (df * (ls.astype(np.float32) - 32))[..., None])
+    sh = np.zeros(x.shape[0], np.uint16)
+    for j in range(8):
+        sh |= (ls[:, j] >> 4) << (2 * j)
+    sl = ((ls[:, 0::2] & 0xF) | ((ls[:, 1::2] & 0xF) << 4)).astype(np.uint8)
+    out = np.concatenate([d[:, None].view(np.uint8), sh[:, None].view(np.uint8), sl,
+                          _iq4_pack(idx).reshape(-1, 128)], axis=1)
+    return out.reshape(n, k // 256 * 136)
+
+
+_K_QUANTIZERS = {"q4_k": quantize_q4_k, "q6_k": quantize_q6_k, "q5_k": quantize_q5_k, "q3_k": quantize_q3_k,
+                 "q2_k": quantize_q2_k, "iq4_nl": quantize_iq4_nl, "iq4_xs": quantize_iq4_xs}
 
 
 # ============================================================================ GGUF
 def write_tiny_llama_gguf(path, arch: str = "llama", qtype: str = "f32", seed: int = 0, *,
                           embed_qtype: str | None = None, pad_rows: int = 0, **dims) -> dict:
-    """Write a tiny llama/qwen2 GGUF. Matrices in `qtype` (f32 f16 q8_0 q4_0 q4_1, or q4_k q6_k with
-    hidden_size/ffn_size multiples of 256; the embedding in `embed_qtype`, default the same), norms and
+    """Write a tiny llama/qwen2 GGUF. Matrices in `qtype` (f32 f16 q8_0 q4_0 q4_1 q5_0 q5_1 iq4_nl, or
+    q4_k q5_k q6_k q3_k q2_k iq4_xs with hidden_size/ffn_size multiples of 256; the embedding in `embed_qtype`, default the same), norms and
     biases f32. `pad_rows`: embedding / LM-head rows past the tokenizer's vocabulary (as Qwen2.5 pads
     151665 tokens to 151936 rows), their LM-head rows scaled up so that they would win the sampling
     if they were not masked. Returns
@@ -227,7 +345,7 @@ def write_tiny_llama_gguf(path, arch: str = "llama", qtype: str = "f32", seed: i
             deq = raw.astype(np.float32)
         else:
             gq = gguf.GGMLQuantizationType[qt.upper()]
-            block = 256 if qt in _K_QUANTIZERS else 32
+            block = gguf.GGML_QUANT_SIZES[gq][0]
             if w.shape[-1] % block:
                 raise ValueError(f"{name}: k={w.shape[-1]} is not a multiple of the {qt} block ({block}); "
                                  f"K-quants need hidden_size and ffn_size multiples of 256")
