@@ -6,7 +6,7 @@ import pytest
 
 from webgpu_engine.errors import ModelFormatError, UnsupportedModelError
 from webgpu_engine.loaders.gguf import GGML_TYPES, GGUFFile, our_name
-from webgpu_engine.models.config import LlamaConfig
+from webgpu_engine.loaders.model_config import LlamaConfig
 
 
 def _reference_metadata(reader) -> dict:
@@ -203,9 +203,11 @@ def test_tiny_gguf_same_model_as_safetensors(tmp_path):
         np.testing.assert_array_equal(a["weights"][name], permute_qk(hf, heads) if heads else hf, err_msg=name)
 
 
-@pytest.mark.parametrize("qtype,tol", [("q4_k", 0.25), ("q6_k", 0.07)])
+@pytest.mark.parametrize("qtype,tol", [("q4_k", 0.25), ("q6_k", 0.07), ("q5_k", 0.12), ("q3_k", 0.5),
+                                      ("q2_k", 0.6), ("iq4_nl", 0.25), ("iq4_xs", 0.25)])
 def test_tiny_gguf_k_quants(tmp_path, qtype, tol):
-    """Our K-quant encoders write blocks that gguf dequantizes close to the weights they encode."""
+    """Our K-quant and IQ4 encoders write blocks that gguf dequantizes close to the weights they
+    encode."""
     from tinymodels import write_tiny_llama_gguf
     info = write_tiny_llama_gguf(tmp_path / "k.gguf", qtype=qtype, embed_qtype="q8_0", seed=1,
                                  hidden_size=256, ffn_size=512, n_layers=1)

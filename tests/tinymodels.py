@@ -16,7 +16,7 @@ import numpy as np
 from webgpu_engine.loaders.bpe import QWEN2_PATTERN, BPETokenizer, bytes_to_unicode
 from webgpu_engine.loaders.hf_config import HF_LLAMA_TO_OURS
 from webgpu_engine.loaders.safetensors import write_safetensors
-from webgpu_engine.models.config import BertConfig, LlamaConfig
+from webgpu_engine.loaders.model_config import BertConfig, LlamaConfig
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import ContextWindowTooLargeError, GPUOutOfMemoryError
+from ..models.memory import MemoryEstimate, estimate_bert, estimate_llm  # noqa: F401 - re-exported
 
 log = logging.getLogger("webgpu_engine.engine")
 
@@ -71,102 +72,6 @@ def memory_budget(dev, option: int | str | None = None) -> tuple[int, str]:
                                 f"(set {ENV_MAX_MEMORY} or max_memory_bytes to change it)"
 
 
-@dataclass
-class MemoryEstimate:
-    """Bytes one model will hold on the GPU. `kv_per_token`: KV-cache bytes per token of context
-    window (0 for encoders); `largest_buffer`: the biggest single allocation, checked against the
-    device's per-buffer limits."""
-
-    weights: int
-    kv_cache: int = 0
-    activations: int = 0
-    context_window: int = 0
-    kv_per_token: int = 0
-    ctx_activations: int = 0         # the part of `activations` that grows with the context window
-    largest_buffer: int = 0
-    largest_label: str = ""
-    source: str = "estimate"         # "estimate" (from the model's headers) | "record" (vram_required_MB)
-
-    @property
-    def total(self) -> int:
-        return self.weights + self.kv_cache + self.activations
-
-
-def _r4(n: int) -> int:
-    return max(4, (int(n) + 3) & ~3)
-
-
-def _weight_bytes(t, max_binding: int) -> tuple[int, int]:
-    """(bytes on the GPU, largest buffer) of one tensor: matrices in the GPU row layout (split across
-    buffers at the binding limit, as upload_weight does), vectors as f32."""
-    from ..kernels.matmul import gpu_row_bytes
-    if len(t.shape) < 2:
-        return _r4(4 * t.numel), _r4(4 * t.numel)
-    n, k = t.shape[0], t.shape[-1]
-    row = gpu_row_bytes(t.qtype, k)
-    per_buf = max(1, min(n, max_binding // row)) * row
-    return _r4(n * row), _r4(min(per_buf, n * row))
-
-
-def estimate_llm(cfg, tensors: dict, *, context_window: int, prefill_chunk: int, act_dtype: str,
-                 max_binding: int) -> MemoryEstimate:
-    """A Llama-family decoder as models/llama.py + the sampler allocate it. `tensors`: our weight names
-    → TensorInfo (only names, qtypes and shapes are used). The context window is clamped to the
-    model's trained length, as the model does."""
-    esz = 2 if act_dtype == "f16" else 4
-    limit = cfg.context_length if cfg.context_length > 0 else context_window
-    ctx = min(context_window, limit) if context_window > 0 else limit
-    P = max(1, min(prefill_chunk, ctx))
-    weights, largest, label = 0, 0, ""
-    for name, t in tensors.items():
-        nb, big = _weight_bytes(t, max_binding)
-        weights += nb
-        if big > largest:
-            largest, label = big, f"weight {name}"
-    kv_tok = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * esz       # K and V, every layer
-    kv_buf = cfg.n_kv_heads * ctx * cfg.head_dim * esz                     # one (Hkv, ctx, D) cache
-    C, F, V = cfg.hidden_size, cfg.ffn_size, cfg.vocab_size
-    act = esz * P * (2 * C + cfg.qkv_dim + cfg.q_dim + 3 * F) + 4 * P + esz * (C + V)
-    act += 4 * V * 3 + 4 * (V + 31) // 32 + 1024          # sampler: bias, history, scratch, io, params
-    act += 64 * 1024                                         # per-op params uniforms (~16 B x ops)
-    # split-key decode attention: per layer (Hq, splits, D/4 + 1) vec4 partials, at most 128 splits
-    # of at least 32 keys (kernels/nn.attention; CPU adapters use fewer): grows with the context.
-    partials = cfg.n_layers * cfg.n_heads * min(128, -(-ctx // 32)) * (cfg.head_dim // 4 + 1) * 16
-    act += partials
-    for size, what in ((kv_buf, f"KV cache of one layer ({ctx} tokens)"), (esz * P * 2 * F, "gate_up activations"),
-                       (4 * V, "logits")):
-        if size > largest:
-            largest, label = size, what
-    return MemoryEstimate(weights, kv_tok * ctx, act, ctx, kv_tok, partials, largest, label)
-
-
-def estimate_bert(cfg, tensors: dict, *, max_batch_size: int, max_seq_length: int, act_dtype: str,
-                  max_binding: int) -> MemoryEstimate:
-    """A BERT encoder as models/bert.py allocates it, with the activation arena of the largest batch
-    (max_batch_size sequences of max_seq_length tokens) and the pipeline's result buffer."""
-    esz = 2 if act_dtype == "f16" else 4
-    weights, largest, label = 0, 0, ""
-    for name, t in tensors.items():
-        if "token_type" in name and len(t.shape) == 2:       # only row 0 is uploaded
-            nb = big = _r4(4 * t.shape[1])
-        elif "position_ids" in name:                           # a buffer of some checkpoints, not a weight
-            continue
-        else:
-            nb, big = _weight_bytes(t, max_binding)
-        weights += nb
-        if big > largest:
-            largest, label = big, f"weight {name}"
-    C, F = cfg.hidden_size, cfg.intermediate_size
-    B = max(1, max_batch_size)                 # batches are min(pow2, max_batch_size) sequences
-    T = B * max_seq_length
-    act = esz * T * (4 * C + 3 * C + 2 * F) + 4 * (2 * T + B) + 2 * 4 * B * C
-    act += 2 * 4 * B * C + 64 * 1024                          # result buffer (grows x2), op params
-    for size, what in ((esz * T * F, f"FFN activations of a {B}x{max_seq_length} batch"),):
-        if size > largest:
-            largest, label = size, what
-    return MemoryEstimate(weights, 0, act, 0, 0, 0, largest, label)
-
-
 @dataclass(frozen=True)
 class _Shape:
     """What an estimate needs of a tensor (no bytes: keeping a TensorInfo would keep its file mapped)."""
@@ -193,54 +98,38 @@ def _file_key(kind: str, path: Path) -> tuple:
 
 
 def _headers(kind: str, path: Path):
-    """(model config, extra, {name: _Shape}) of a model on disk, cached by path, sizes and mtimes so
-    that reloads (and auto-recovery) do not parse the headers again."""
+    """(architecture, model config, extra, {name: _Shape}) of a model on disk, cached by path, sizes
+    and mtimes so that reloads (and auto-recovery) do not parse the headers again."""
     key = _file_key(kind, path)
     hit = _HEADERS.get(key)
     if hit is not None:
         return hit
-    extra = None
-    if kind == "llm" and path.is_dir():
-        from ..loaders.hf_config import load_llama_config
-        from ..loaders.safetensors import SafetensorsFolder
-        f = SafetensorsFolder(path)
-        cfg, tensors, close = load_llama_config(path), f.weights("llama"), f.close
-    elif kind == "llm":
-        from ..loaders.gguf import GGUFFile
-        g = GGUFFile(path)
-        cfg, tensors, close = g.model_config(), g.weights(), g.close
-    else:
-        from ..loaders import hf_config
-        from ..loaders.safetensors import load_safetensors_folder
-        from ..loaders.sentence_transformers import load_sentence_transformer_config
-        extra = load_sentence_transformer_config(path)
-        cfg = hf_config.load_bert_config(extra.model_folder)
-        tensors, close = load_safetensors_folder(extra.model_folder), None
+    from ..models.registry import open_model
+    m = open_model(path, kind)
     try:
-        shapes = {n: _Shape(t.qtype, tuple(t.shape)) for n, t in tensors.items()}
+        shapes = {n: _Shape(t.qtype, tuple(t.shape)) for n, t in m.weights.items()}
     finally:
-        tensors = None
-        if close is not None:
-            close()
+        m.close()
     if len(_HEADERS) >= _MAX_HEADERS:
         _HEADERS.pop(next(iter(_HEADERS)))
-    _HEADERS[key] = (cfg, extra, shapes)
-    return cfg, extra, shapes
+    _HEADERS[key] = (m.arch, m.config, m.extra, shapes)
+    return _HEADERS[key]
 
 
 def estimate_for(model_type: str, path, chat_config, dev) -> MemoryEstimate:
-    """Estimate a model on disk from its headers (GGUF / safetensors + config.json); raises on files
-    it cannot read (the caller falls back to the record's number)."""
+    """Estimate a model on disk from its headers (GGUF / safetensors + config.json) with its family's
+    estimate (models/registry.py); raises on files it cannot read (the caller falls back to the
+    record's number)."""
     path = Path(path)
     limit = min(dev.max_storage_binding, dev.max_buffer_size)
-    cfg, st, shapes = _headers("llm" if model_type == "llm" else "bert", path)
-    if model_type == "llm":
+    arch, cfg, st, shapes = _headers(model_type, path)
+    if arch.kind == "llm":
         dtype = chat_config.dtype if chat_config.dtype != "auto" else ("f16" if dev.has_f16 else "f32")
-        return estimate_llm(cfg, shapes, context_window=chat_config.context_window_size,
-                            prefill_chunk=chat_config.prefill_chunk_size, act_dtype=dtype, max_binding=limit)
+        return arch.estimate(cfg, shapes, context_window=chat_config.context_window_size,
+                             prefill_chunk=chat_config.prefill_chunk_size, act_dtype=dtype, max_binding=limit)
     max_len = min(chat_config.max_seq_length or st.max_seq_length or cfg.max_position, cfg.max_position)
     dtype = "f32" if chat_config.dtype == "auto" else chat_config.dtype
-    return estimate_bert(cfg, shapes, max_batch_size=chat_config.max_batch_size, max_seq_length=max_len,
+    return arch.estimate(cfg, shapes, max_batch_size=chat_config.max_batch_size, max_seq_length=max_len,
                          act_dtype=dtype, max_binding=limit)
 
 

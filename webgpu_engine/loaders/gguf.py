@@ -12,7 +12,7 @@ import re
 import struct
 
 from ..errors import ModelFormatError, UnsupportedModelError
-from ..models.config import LLAMA_ARCHS, LlamaConfig
+from .model_config import LLAMA_ARCHS, LlamaConfig
 from .tensor_info import QTYPE_BLOCK, SUPPORTED_QTYPES, TensorInfo, tensor_nbytes
 
 GGUF_MAGIC = b"GGUF"

@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 
 from ..errors import ModelFormatError, UnsupportedModelError
-from ..models.config import BertConfig, LlamaConfig
+from .model_config import BertConfig, LlamaConfig
 from .tensor_info import TensorInfo
 
 # HF architectures -> our LlamaConfig.arch

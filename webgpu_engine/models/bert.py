@@ -25,7 +25,7 @@ from ..kernels import nn
 from ..kernels.common import Op, Tensor, new_tensor
 from ..loaders.hf_config import hf_name, map_hf_names
 from ..loaders.tensor_info import TensorInfo
-from .config import BertConfig
+from ..loaders.model_config import BertConfig
 
 POOLINGS = ("mean", "cls", "max")
 MAX_CACHED_BUCKETS = 8

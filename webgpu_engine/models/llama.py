@@ -25,7 +25,7 @@ from ..gpu import Device
 from ..kernels import matmul as mm
 from ..kernels import nn
 from ..kernels.common import DTYPE_SIZE, Op, new_tensor
-from .config import LlamaConfig
+from ..loaders.model_config import LlamaConfig
 
 # Above this, a model + cache is almost surely a mistake (e.g. a 128k context on a small GPU).
 DEFAULT_MAX_TOTAL_BYTES = 12 << 30

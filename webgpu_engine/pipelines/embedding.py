@@ -28,11 +28,8 @@ from typing import Callable
 from ..config import ChatConfig
 from ..errors import (EmbeddingTokenLimitError, GPUOutOfMemoryError, InvalidRequestError, RequestTimeoutError,
                       ShaderF16SupportError)
-from ..loaders import hf_config
-from ..loaders.safetensors import load_safetensors_folder
-from ..loaders.sentence_transformers import SentenceTransformerConfig, load_sentence_transformer_config
-from ..loaders.tokenizer import load_tokenizer
-from ..models.bert import BertModel
+from ..loaders.sentence_transformers import SentenceTransformerConfig
+from ..models.registry import EMBEDDING, open_model
 
 S_GRANULE = 16      # padded lengths are multiples of this: few distinct buckets, little padding
 BATCH_COST = 64     # a forward's fixed cost (dispatches, one pass over the weights) in padded tokens
@@ -54,7 +51,7 @@ class EmbeddingPipeline:
 
     _next_id = 0
 
-    def __init__(self, dev, model: BertModel, tokenizer, st_config: SentenceTransformerConfig,
+    def __init__(self, dev, model, tokenizer, st_config: SentenceTransformerConfig,
                  chat_config: ChatConfig, max_seq_length: int, owner: str, *,
                  max_total_tokens: int = MAX_TOTAL_TOKENS):
         self.dev, self.model, self.tokenizer = dev, model, tokenizer
@@ -86,12 +83,6 @@ class EmbeddingPipeline:
         if chat_config.max_seq_length is not None and chat_config.max_seq_length < 2:
             raise InvalidRequestError("chat_opts max_seq_length must be at least 2 ([CLS] and [SEP]).",
                                       param="max_seq_length")
-        st = load_sentence_transformer_config(folder)
-        if progress:
-            progress(0.0, f"reading {Path(folder).name}")
-        cfg = hf_config.load_bert_config(st.model_folder)
-        max_len = min(chat_config.max_seq_length or st.max_seq_length or cfg.max_position, cfg.max_position)
-        tokenizer = load_tokenizer(st.model_folder, max_length=max_len)
         dtype = chat_config.dtype
         if dtype == "auto":
             dtype = "f32"
@@ -100,15 +91,27 @@ class EmbeddingPipeline:
         if dtype not in ("f32", "f16"):
             raise InvalidRequestError(f"chat_opts dtype must be 'auto', 'f32' or 'f16', got {dtype!r}.",
                                       param="dtype")
+        m = open_model(folder, EMBEDDING)
+        try:
+            if progress:
+                progress(0.0, f"reading {Path(folder).name}")
+            st, cfg, tensors = m.extra, m.config, m.weights
+            max_len = min(chat_config.max_seq_length or st.max_seq_length or cfg.max_position, cfg.max_position)
+            tokenizer = m.tokenizer(max_length=max_len)
+        except BaseException:
+            m.close()
+            raise
         cls._next_id += 1
         owner = f"embedding:{Path(folder).name}:{cls._next_id}"
-        tensors = load_safetensors_folder(st.model_folder)
 
         def up(frac, text):
             if progress:
                 progress(0.05 + 0.95 * frac, text)
-        model = BertModel(dev, cfg, tensors, act_dtype=dtype, pooling=st.pooling, normalize=st.normalize,
-                          owner=owner, progress=up)
+        try:
+            model = m.arch.model_class()(dev, cfg, tensors, act_dtype=dtype, pooling=st.pooling,
+                                         normalize=st.normalize, owner=owner, progress=up)
+        finally:
+            m.close()                # the weights are on the GPU: release the files
         max_len = min(max_len, model.max_seq_length)
         if progress:
             progress(1.0, "Loading GPU shader modules")

@@ -9,7 +9,6 @@ a full context window ("length") or `interrupt()` ("abort"). Page code: standard
 from __future__ import annotations
 
 import itertools
-import json
 import struct
 from array import array
 from pathlib import Path
@@ -18,32 +17,11 @@ from ..config import ChatConfig, GenerationConfig
 from ..errors import ContextWindowTooLargeError, InvalidRequestError, ModelFormatError
 from ..gpu import Device
 from ..kernels.sampling import Sampler
-from ..models.llama import LlamaModel
+from ..models.registry import LLM, open_model
 from .detokenizer import StreamDetokenizer, safe_token_bytes
 from .stats import CumulativeStats, RequestStats, now
 
 _ids = itertools.count()
-
-
-def _open_model(path: Path):
-    """(LlamaConfig, {our name: TensorInfo}, tokenizer, chat template or None, closer) of a GGUF file
-    or a Hugging Face folder."""
-    from ..loaders.tokenizer import load_tokenizer
-    if path.is_dir():
-        from ..loaders.chat_template import ChatTemplate
-        from ..loaders.hf_config import load_llama_config
-        from ..loaders.safetensors import SafetensorsFolder
-        folder = SafetensorsFolder(path)
-        cfg = load_llama_config(path)
-        tc = path / "tokenizer_config.json"
-        template = ChatTemplate.from_tokenizer_config(json.loads(tc.read_text(encoding="utf-8"))) \
-            if tc.is_file() else None
-        return cfg, folder.weights("llama"), load_tokenizer(path), template, folder.close
-    if not path.is_file():
-        raise ModelFormatError(f"No model at {path}: expected a .gguf file or a Hugging Face folder")
-    from ..loaders.gguf import GGUFFile
-    g = GGUFFile(path)
-    return g.model_config(), g.weights(), load_tokenizer(g), g.template(), g.close
 
 
 def _valid_vocab(rows: int, tokenizer) -> int:
@@ -53,7 +31,7 @@ def _valid_vocab(rows: int, tokenizer) -> int:
 
 
 class LLMChatPipeline:
-    def __init__(self, dev: Device, model: LlamaModel, tokenizer, template, chat_config: ChatConfig,
+    def __init__(self, dev: Device, model, tokenizer, template, chat_config: ChatConfig,
                  owner: str):
         self.dev, self.model, self.tokenizer, self.template = dev, model, tokenizer, template
         self.model_config, self.chat_config, self.owner = model.cfg, chat_config, owner
@@ -80,7 +58,13 @@ class LLMChatPipeline:
         chat_config = chat_config or ChatConfig()
         path = Path(path)
         owner = f"model:{model_id}" if model_id else f"model:llm{next(_ids)}"
-        cfg, weights, tokenizer, template, close = _open_model(path)
+        m = open_model(path, LLM)
+        cfg, weights, close = m.config, m.weights, m.close
+        try:
+            tokenizer, template = m.tokenizer(), m.template()
+        except BaseException:
+            close()
+            raise
         dtype = chat_config.dtype
         if dtype == "auto":
             # f16 activations reproduce the f32 greedy tokens on the golden prompts for 16+ tokens
@@ -90,7 +74,7 @@ class LLMChatPipeline:
             from ..errors import ShaderF16SupportError
             raise ShaderF16SupportError()
         try:
-            model = LlamaModel(dev, cfg, weights, owner=owner,
+            model = m.arch.model_class()(dev, cfg, weights, owner=owner,
                                context_window=chat_config.context_window_size,
                                prefill_chunk=chat_config.prefill_chunk_size, dtype=dtype,
                                progress=progress)
@@ -210,6 +194,9 @@ class LLMChatPipeline:
                 m.record_prefill(batch, part, pos0 + i, with_head=i + P >= len(ids))
                 if i + P < len(ids):
                     dev.submit(batch)
+                    # a submit while the GPU is busy can block until it drains (lavapipe): wait for
+                    # the chunk off the event loop, so other requests and /health go on meanwhile
+                    await dev.sync()
         self.kv_ids.extend(ids)
         t_lp = 0.0
         if self.logit_processor is not None:
@@ -221,6 +208,8 @@ class LLMChatPipeline:
         self._req.logit_processor_s.append(t_lp)
         self._sample_op.record(batch)
         dev.submit(batch)
+        if not decode:
+            await dev.sync()          # the prefill's last chunk, off the event loop (see above)
         res = await self.sampler.read()
         if self.logit_processor is not None and hasattr(self.logit_processor, "process_sampled_token"):
             self.logit_processor.process_sampled_token(res.token)

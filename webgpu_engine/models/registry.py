@@ -1,0 +1,181 @@
+"""The model families the engine runs, in one table, and one way to open any model on disk.
+
+    arch = architecture("qwen2")          # -> Architecture (UnsupportedModelError names the supported)
+    m = open_model(path)                  # a .gguf file, an HF folder or a sentence-transformers folder
+    m.arch, m.kind, m.config, m.weights   # weights: {our name: TensorInfo}, bytes still in the file
+    m.tokenizer(); m.template(); m.close()
+
+Each `Architecture` says how its config is read (from GGUF metadata and from an HF config.json),
+which model class runs it, which pipeline serves it (`kind`) and what it will hold on the GPU (its
+memory estimate, computed from the headers alone). The pipelines and the engine's memory check
+look a family up here; nothing else names families. A new family is one module in `models/` and
+one line below. Model classes are imported on first use (a page loads only what it runs).
+Standard library only (runs in the page).
+"""
+from __future__ import annotations
+
+import importlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from ..errors import ModelFormatError, UnsupportedModelError
+from . import memory
+
+LLM, EMBEDDING = "llm", "embedding"      # the engine's model types (engine/records.py)
+
+
+@dataclass(frozen=True)
+class Architecture:
+    name: str
+    kind: str                                  # LLM or EMBEDDING: the pipeline that serves it
+    model: str                                 # "module:Class" under webgpu_engine.models
+    gguf_config: Callable | None               # GGUFFile -> config (None: no GGUF form)
+    hf_config: Callable | None                 # HF folder -> config
+    hf_names: str                              # safetensors name table (loaders.hf_config); "": HF names
+    estimate: Callable                         # (config, {name: shape}, **options) -> MemoryEstimate
+
+    def model_class(self) -> type:
+        mod, cls = self.model.split(":")
+        return getattr(importlib.import_module(f"{__package__}.{mod}"), cls)
+
+
+def _gguf_llama(g):
+    return g.model_config()
+
+
+def _hf_llama(folder):
+    from ..loaders.hf_config import load_llama_config
+    return load_llama_config(folder)
+
+
+def _hf_bert(folder):
+    from ..loaders.hf_config import load_bert_config
+    return load_bert_config(folder)
+
+
+def _decoder(name: str) -> Architecture:
+    return Architecture(name, LLM, "llama:LlamaModel", _gguf_llama, _hf_llama, "llama", memory.estimate_llm)
+
+
+ARCHITECTURES: dict[str, Architecture] = {
+    "llama": _decoder("llama"),
+    "qwen2": _decoder("qwen2"),          # llama + q/k/v bias
+    "mistral": _decoder("mistral"),      # llama (+ sliding window in its config)
+    "bert": Architecture("bert", EMBEDDING, "bert:BertModel", None, _hf_bert, "", memory.estimate_bert),
+}
+
+# HF config.json `architectures` / `model_type` -> our architecture name
+HF_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "mistral",
+    "BertModel": "bert", "BertForMaskedLM": "bert", "BertForPreTraining": "bert",
+}
+HF_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "mistral": "mistral", "bert": "bert"}
+
+
+def architecture(name: str, where: str = "") -> Architecture:
+    """The family `name` (GGUF general.architecture or ours), or UnsupportedModelError."""
+    arch = ARCHITECTURES.get(name)
+    if arch is None:
+        raise UnsupportedModelError(f"{where + ': ' if where else ''}architecture {name!r} is not "
+                                    f"supported; supported: {sorted(ARCHITECTURES)}")
+    return arch
+
+
+def hf_architecture(config: dict, where: str = "config.json") -> Architecture:
+    """The family of an HF config.json (its `architectures`, else its `model_type`)."""
+    archs = config.get("architectures") or []
+    name = next((HF_ARCHITECTURES[a] for a in archs if a in HF_ARCHITECTURES), None) \
+        or HF_MODEL_TYPES.get(config.get("model_type", ""))
+    if name is None:
+        raise UnsupportedModelError(f"{where}: architectures {archs} / model_type "
+                                    f"{config.get('model_type')!r} is not supported; supported: "
+                                    f"{sorted(HF_ARCHITECTURES)}")
+    return ARCHITECTURES[name]
+
+
+@dataclass
+class OpenedModel:
+    """A model on disk, opened: its family, config and weights (TensorInfo views into the files;
+    nothing is read until the model uploads them). `close()` releases the files."""
+
+    arch: Architecture
+    config: Any
+    weights: dict
+    path: Path
+    close: Callable[[], None]
+    tokenizer: Callable[..., Any]          # (**options) -> tokenizer, built on demand
+    template: Callable[[], Any]            # () -> ChatTemplate | None
+    extra: Any = None                      # sentence-transformers settings (pooling, ...)
+
+    @property
+    def kind(self) -> str:
+        return self.arch.kind
+
+
+def open_model(path, kind: str | None = None) -> OpenedModel:
+    """Open a GGUF file, an HF folder (config.json + safetensors + tokenizer) or a sentence-transformers
+    folder (modules.json). `kind` (LLM / EMBEDDING), when given, must match what the files are."""
+    from ..loaders.tokenizer import load_tokenizer
+    path = Path(path)
+    if path.is_file():
+        from ..loaders.gguf import GGUFFile
+        g = GGUFFile(path)
+        try:
+            arch = architecture(g.architecture, str(path))
+            if arch.gguf_config is None:
+                raise UnsupportedModelError(f"{path}: {arch.name} models are not read from GGUF files")
+            m = OpenedModel(arch, arch.gguf_config(g), g.weights(), path, g.close,
+                            lambda **kw: load_tokenizer(g, **kw), g.template)
+        except BaseException:
+            g.close()
+            raise
+    elif path.is_dir():
+        m = _open_folder(path)
+    else:
+        raise ModelFormatError(f"No model at {path}: expected a .gguf file or a Hugging Face folder")
+    if kind is not None and m.kind != kind:
+        m.close()
+        raise ModelFormatError(f"{path} holds a {m.arch.name} model ({m.kind}), not an {kind} model")
+    return m
+
+
+def _open_folder(path: Path) -> OpenedModel:
+    from ..loaders.safetensors import SafetensorsFolder
+    from ..loaders.sentence_transformers import load_sentence_transformer_config
+    from ..loaders.tokenizer import load_tokenizer
+    st = None
+    folder = path
+    if (path / "modules.json").is_file():              # sentence-transformers: the encoder may sit deeper
+        st = load_sentence_transformer_config(path)
+        folder = Path(st.model_folder)
+    cfg_file = folder / "config.json"
+    if not cfg_file.is_file():
+        raise ModelFormatError(f"{folder} has no config.json: not a Hugging Face model folder")
+    try:
+        raw = json.loads(cfg_file.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ModelFormatError(f"{cfg_file} is not valid JSON: {e}") from e
+    arch = hf_architecture(raw, str(cfg_file))
+    if arch.kind == EMBEDDING and st is None:
+        st = load_sentence_transformer_config(path)      # a bare HF encoder: the defaults
+    config = arch.hf_config(folder)
+    files = SafetensorsFolder(folder)
+    try:
+        weights = files.weights(arch.hf_names) if arch.hf_names else dict(files.tensors)
+    except BaseException:
+        files.close()
+        raise
+
+    def template():
+        from ..loaders.chat_template import ChatTemplate
+        tc = folder / "tokenizer_config.json"
+        return ChatTemplate.from_tokenizer_config(json.loads(tc.read_text(encoding="utf-8"))) \
+            if tc.is_file() else None
+    return OpenedModel(arch, config, weights, path, files.close,
+                       lambda **kw: load_tokenizer(folder, **kw), template, st)
+
+
+__all__ = ["ARCHITECTURES", "Architecture", "EMBEDDING", "LLM", "OpenedModel", "architecture",
+           "hf_architecture", "open_model"]
