@@ -78,9 +78,14 @@ def _print_model(args, dev) -> None:
     if rec.overrides:
         print(f"overrides: {json.dumps(rec.overrides)}")
     print(f"needs:     {', '.join(rec.required_features) or 'no optional WebGPU feature'}")
-    if rec.is_local:
+    path = Path(rec.model) if rec.is_local else None
+    if path is None:            # an app-config record: its files, once in the artifact cache
+        from .cache import default_model_path
+        path = default_model_path(rec.model_id)
+        print(f"cached:    {path if path.exists() else 'no (python -m webgpu_engine download ' + rec.model_id + ')'}")
+    if path.exists():
         cc = ChatConfig().updated(rec.overrides).updated((_chat_opts(args, 1) or [None])[0])
-        est = memory.estimate_for(rec.model_type, rec.model, cc, dev)
+        est = memory.estimate_for(rec.model_type, path, cc, dev)
         budget, source = memory.memory_budget(dev)
         print(f"memory:    {est.total / (1 << 20):.1f} MiB on the GPU "
               f"(budget {budget / (1 << 20):.0f} MiB, {source})")
@@ -341,6 +346,8 @@ def _download_references(p) -> None:
             rc = cache_download(args)
             if rc:
                 return rc
+        if args.root:           # URLs go to the artifact cache: the one --root names
+            os.environ["WEBGPU_ENGINE_CACHE"] = args.root
         for ref in refs:
             rec = resolve_model_reference(ref, offline=args.offline or None)
             print(f"{ref}: {rec.model}")
