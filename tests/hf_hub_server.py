@@ -58,7 +58,8 @@ class HubServer:
             parts = name.split("/")
             for i in range(1, len(parts)):
                 dirs.add("/".join(parts[:i]))
-            entries.append({"type": "file", "oid": hashlib.sha1(data).hexdigest(), "size": len(data), "path": name})
+            entries.append({"type": "file", "oid": hashlib.sha1(data).hexdigest(), "size": len(data),
+                            "path": name})
         entries += [{"type": "directory", "oid": "0" * 40, "size": 0, "path": d} for d in sorted(dirs)]
         return web.json_response(entries)
 

@@ -113,6 +113,9 @@ def test_urls_of_a_file_and_of_a_folder(models, server):
     rec = resolve_model_reference(server.url("st/tiny-minilm/"))
     assert (rec.model_id, rec.model_type) == ("tiny-minilm", EMBEDDING)
     assert (Path(rec.model) / "1_Pooling" / "config.json").is_file()
+    served = server.total_requests()
+    assert resolve_model_reference(server.url("st/tiny-minilm/"), offline=True).model == rec.model
+    assert server.total_requests() == served                            # offline: the cache alone
 
 
 def test_hugging_face_hub_through_hf_endpoint(models, tmp_path, monkeypatch):
@@ -226,7 +229,8 @@ def test_cli_resolves_references_and_aliases(models, tmp_path):
     assert "SmolLM2-135M-Instruct-Q4_1" in app.ids()                   # the built-in records stay known
     args = build_parser().parse_args(["chat", "--model", str(models["gguf"]), "--model-id", "a", "hi"])
     assert _models(args, [args.model])[1] == ["a"]
-    args = build_parser().parse_args(["serve", "--model", str(models["gguf"]), "--model-id", "a", "--model-id", "b"])
+    args = build_parser().parse_args(["serve", "--model", str(models["gguf"]),
+                                      "--model-id", "a", "--model-id", "b"])
     with pytest.raises(E.InvalidRequestError, match="2 --model-id given for 1 --model"):
         _models(args, args.model)
 
@@ -238,7 +242,8 @@ def test_cli_load_options_per_model():
     assert _chat_opts(args, 2) == [{"temperature": 0.2, "context_window_size": 512, "dtype": "f32"},
                                    {"temperature": 0.2, "context_window_size": 512, "dtype": "auto"}]
     assert _chat_opts(build_parser().parse_args(["serve"]), 2) is None
-    args = build_parser().parse_args(["serve", "--prefill-chunk", "1", "--prefill-chunk", "2", "--prefill-chunk", "3"])
+    args = build_parser().parse_args(["serve", "--prefill-chunk", "1", "--prefill-chunk", "2",
+                                      "--prefill-chunk", "3"])
     with pytest.raises(E.InvalidRequestError, match="given 3 times for 2 models"):
         _chat_opts(args, 2)
     with pytest.raises(E.InvalidRequestError, match="must be a JSON object"):
@@ -257,7 +262,8 @@ def test_cli_app_config_json(models, tmp_path):
     assert ids == [] and app.ids() == ["my-chat", "my-embedder"]
     assert app.get("my-chat").model == str(tmp_path / "chat.gguf")         # relative to the JSON file
     assert app.get("my-chat").overrides == {"context_window_size": 128}
-    (tmp_path / "bad.json").write_text(json.dumps({"model_list": [{"model_id": "x", "model": "y", "model_type": 2}]}))
+    bad = {"model_list": [{"model_id": "x", "model": "y", "model_type": 2}]}       # 2: WebLLM's VLM
+    (tmp_path / "bad.json").write_text(json.dumps(bad))
     args = build_parser().parse_args(["serve", "--config", str(tmp_path / "bad.json")])
     with pytest.raises(E.InvalidRequestError, match="model_type 2 has no pipeline"):
         _models(args, [])

@@ -208,7 +208,7 @@ def _fetch_folder(base: str, cache_id: str, offline: bool | None) -> Path:
             arts = cache.artifacts_from_bases(cache_id, {name: (None, None)}, [base])
             try:
                 got.append(cache.fetch_model_sync(cache_id, arts, offline=offline, bar=False))
-            except ArtifactFetchError:
+            except (ArtifactFetchError, NetworkForbiddenError):     # an optional file the folder lacks
                 if required:
                     raise
         return got
