@@ -74,6 +74,12 @@ def test_float_k_not_multiple_of_32(device, qtype, k):
     ("q8_0", 576, 1536, 7, "f16"),
     ("q4_k", 1536, 768, 7, "f32"),    # K-quants need K % 256 == 0
     ("q6_k", 576, 1536, 7, "f32"),
+    ("q5_k", 1536, 768, 1, "f32"),    # decode, unrolled K
+    ("q3_k", 576, 1536, 1, "f16"),    # decode, K past the unrolled limit: the loop kernel
+    ("iq4_xs", 576, 1536, 1, "f32"),
+    ("q2_k", 1536, 768, 7, "f32"),    # the 4-row tile
+    ("q5_0", 576, 1536, 1, "f32"),
+    ("iq4_nl", 1536, 576, 7, "f16"),
 ])
 def test_llm_shapes(device, qtype, n, k, T, act):
     check_matmul(device, qtype, n, k, T, act)
@@ -233,7 +239,7 @@ def test_embedding_many_ids_folds_grid(device):
 # --------------------------------------------------------------------------- decode path, fused inputs
 @pytest.mark.parametrize("act", ["f32", "f16"])
 @pytest.mark.parametrize("qtype,n,k", [("q4_1", 130, 576), ("q8_0", 70, 256), ("f16", 33, 64),
-                                       ("q6_k", 20, 512)])
+                                       ("q6_k", 20, 512), ("q3_k", 20, 512), ("iq4_nl", 36, 96)])
 def test_decode_fused_norm_and_silu(device, qtype, n, k, act):
     """T = 1 with RMSNorm fused in (norm=(g, eps)) and with SiLU·up fused in (silu=True), against
     numpy; bias and accumulate on top, x at an unaligned offset."""
@@ -299,7 +305,9 @@ def test_decode_vec4_weights(device, qtype, act):
 @pytest.mark.parametrize("qtype,f,k,cfg", [("q4_1", 66, 576, MatmulConfig()),       # v4 kernel
                                            ("q8_0", 34, 256, MatmulConfig(v4=False)),  # unrolled
                                            ("f16", 18, 64, MatmulConfig()),
-                                           ("q4_k", 10, 256, MatmulConfig())])
+                                           ("q4_k", 10, 256, MatmulConfig()),
+                                           ("q5_k", 10, 256, MatmulConfig()),
+                                           ("q5_1", 18, 64, MatmulConfig())])
 def test_silu_epilogue_and_pairs(device, qtype, f, k, cfg, act):
     """A gate + up weight uploaded with interleave_pairs: T = 1 with silu_out stores
     silu(x·Gᵀ) * (x·Uᵀ) (F outputs, F not a multiple of 4 rows per invocation x 2); T = 5 through
@@ -469,7 +477,7 @@ def test_epilogue_ok_needs_one_buffer(device):
 
 # --------------------------------------------------------------------------- row-invariant (prefill)
 @pytest.mark.parametrize("qtype,act", [("q4_1", "f32"), ("q8_0", "f16"), ("q4_k", "f32"), ("f16", "f32"),
-                                       ("q6_k", "f16")])
+                                       ("q6_k", "f16"), ("q5_k", "f32"), ("iq4_xs", "f16"), ("q5_0", "f32")])
 def test_row_invariant_rows_do_not_depend_on_T(device, qtype, act):
     """matmul(..., row_invariant=True): each row against numpy, and bit for bit the same whether it
     runs alone (T = 1), in a short batch (below the tiled kernel's min_t) or in a long one."""
