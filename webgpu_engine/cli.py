@@ -13,8 +13,8 @@ import os
 import sys
 from pathlib import Path
 
-DEFAULT_CHAT_MODEL = "SmolLM2-135M-Instruct-Q4_1"
-DEFAULT_EMBED_MODEL = "all-MiniLM-L6-v2"
+from .catalogue import DEFAULT_CHAT_MODEL, DEFAULT_EMBED_MODEL
+
 REF = "a model: an app-config id, a .gguf file, a model folder, a URL or a Hugging Face ORG/REPO[:QUANT]"
 
 

