@@ -127,6 +127,10 @@ def test_hugging_face_hub_through_hf_endpoint(models, tmp_path, monkeypatch):
         hub.add_repo("hub-org/tiny-GGUF", {"tiny-llama-Q8_0.gguf": models["gguf"].read_bytes(), "README.md": b"x"})
         hub.add_repo("hub-org/tiny-minilm", {**bert, "pytorch_model.bin": b"not wanted", "onnx/model.onnx": b"no"})
         hub.gate("hub-org/gated")
+        phi = {**bert, "config.json": b'{"architectures": ["PhiForCausalLM"], "model_type": "phi"}'}
+        hub.add_repo("hub-org/tiny-phi", phi)
+        hub.add_repo("hub-org/torch-only", {"config.json": bert["config.json"], "tokenizer.json": b"{}",
+                                            "pytorch_model.bin": b"x"})
         monkeypatch.setenv("HF_ENDPOINT", hub.endpoint)
         monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub-cache"))
         monkeypatch.delenv("HF_HUB_OFFLINE")
@@ -143,6 +147,12 @@ def test_hugging_face_hub_through_hf_endpoint(models, tmp_path, monkeypatch):
         assert ei.value.http_status == 403
         with pytest.raises(E.ModelReferenceError, match="no such Hugging Face repo"):
             resolve_model_reference("hub-org/missing")
+        with pytest.raises(E.UnsupportedModelError, match="PhiForCausalLM"):
+            resolve_model_reference("hub-org/tiny-phi")
+        assert hub.downloads("hub-org/tiny-phi", "model.safetensors") == 0       # refused on config.json
+        with pytest.raises(E.ModelReferenceError, match="lacks safetensors weights"):
+            resolve_model_reference("hub-org/torch-only")
+        assert hub.downloads("hub-org/torch-only", "config.json") == 0
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     assert resolve_model_reference("hub-org/tiny-GGUF:Q8_0").model == rec.model
     monkeypatch.delenv("HF_HUB_OFFLINE")

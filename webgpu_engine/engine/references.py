@@ -58,25 +58,16 @@ def _gguf_record(path: Path, reference: str) -> dict:
     return {"model_type": LLM, "context": int(ctx) if ctx else None}
 
 
-def _folder_record(folder: Path, reference: str) -> dict:
-    """Type and trained context of a Hugging Face or sentence-transformers folder."""
+def _config_record(config: Path, reference: str, sentence_transformers: bool) -> dict:
+    """Type and trained context from a config.json, refused when no model here runs it."""
     from ..loaders.hf_config import BERT_ARCHITECTURES, LLAMA_ARCHITECTURES
-    modules, config = folder / "modules.json", folder / "config.json"
-    missing = [n for n in ("config.json", "tokenizer.json") if not (folder / n).is_file()]
-    if not any(folder.glob("*.safetensors")):
-        missing.append("*.safetensors weights")
-    if missing:
-        raise ModelReferenceError(reference, [
-            f"{folder} is not a Hugging Face model folder nor a sentence-transformers one: it lacks "
-            f"{', '.join(missing)}"], hint="Point at a folder with config.json, model.safetensors and "
-                                           "tokenizer.json, or at a .gguf file.")
     try:
         c = json.loads(config.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
         raise ModelFormatError(f"{config} is not valid JSON: {e}") from None
     archs, mtype = c.get("architectures") or [], c.get("model_type")
     if any(a in LLAMA_ARCHITECTURES for a in archs) or mtype in ("llama", "qwen2", "mistral"):
-        if modules.is_file():
+        if sentence_transformers:
             raise UnsupportedModelError(f"{reference}: a sentence-transformers model over a decoder "
                                         f"({', '.join(archs)}) is not supported; embedders are BERT models.")
         ctx = c.get("max_position_embeddings")
@@ -86,6 +77,19 @@ def _folder_record(folder: Path, reference: str) -> dict:
     raise UnsupportedModelError(
         f"{reference}: config.json names architectures {archs} (model_type {mtype!r}); supported: "
         f"{', '.join(sorted(LLAMA_ARCHITECTURES))} (chat) and {', '.join(BERT_ARCHITECTURES)} (embeddings).")
+
+
+def _folder_record(folder: Path, reference: str) -> dict:
+    """Type and trained context of a Hugging Face or sentence-transformers folder."""
+    missing = [n for n in ("config.json", "tokenizer.json") if not (folder / n).is_file()]
+    if not any(folder.glob("*.safetensors")):
+        missing.append("*.safetensors weights")
+    if missing:
+        raise ModelReferenceError(reference, [
+            f"{folder} is not a Hugging Face model folder nor a sentence-transformers one: it lacks "
+            f"{', '.join(missing)}"], hint="Point at a folder with config.json, model.safetensors and "
+                                           "tokenizer.json, or at a .gguf file.")
+    return _config_record(folder / "config.json", reference, (folder / "modules.json").is_file())
 
 
 def _record(path: Path, reference: str, model_id: str, origin: str | None = None) -> ModelRecord:
@@ -162,6 +166,15 @@ def _hugging_face(reference: str, repo: str, revision: str | None, selector: str
     if "config.json" not in files:
         raise ModelReferenceError(reference, [f"the Hugging Face repo {repo} holds neither a .gguf nor a "
                                               f"config.json (files: {', '.join(files[:12])})"])
+    top = [f for f in files if "/" not in f]
+    if not any(f.endswith(".safetensors") for f in top) or "tokenizer.json" not in top:
+        raise ModelReferenceError(reference, [
+            f"the Hugging Face repo {repo} lacks safetensors weights or tokenizer.json at its top level "
+            f"(this engine reads no pytorch_model.bin)"], hint="Choose a repo with model.safetensors and "
+                                                              "tokenizer.json, or a GGUF repo.")
+    # The architecture is checked on config.json alone, before any weight is downloaded.
+    config = hf.download_file(repo, "config.json", revision, offline=offline, reference=reference)
+    _config_record(config, reference, "modules.json" in files)
     patterns = list(FOLDER_PATTERNS)
     if "modules.json" in files:
         patterns += [f"{p.parent.as_posix()}/*" for p in map(PurePosixPath, files)
