@@ -34,8 +34,9 @@ OWNER = "bench"
 SHAPES = [
     ("smollm2.gate_up", 1536, 576, ["q4_1", "q4_0", "q8_0", "f16"]),
     ("smollm2.down", 576, 1536, ["q4_1", "q4_0", "q8_0", "f16"]),
-    ("kquant.up", 1536, 768, ["q4_k", "q6_k"]),       # K-quants need K % 256 == 0
-    ("kquant.down", 768, 1536, ["q4_k", "q6_k"]),
+    ("kquant.up", 1536, 768, ["q4_k", "q5_k", "q6_k", "q3_k", "q2_k", "iq4_xs"]),   # K % 256 == 0
+    ("kquant.down", 768, 1536, ["q4_k", "q5_k", "q6_k", "q3_k", "q2_k", "iq4_xs"]),
+    ("quant32.up", 1536, 576, ["q5_0", "q5_1", "iq4_nl"]),
     ("smollm2.k", 192, 576, ["q4_1"]),
     ("smollm2.qkv", 960, 576, ["q4_1"]),
     ("smollm2.lm_head", 49152, 576, ["q8_0"]),
