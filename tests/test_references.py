@@ -129,6 +129,7 @@ def test_hugging_face_hub_through_hf_endpoint(models, tmp_path, monkeypatch):
         hub.gate("hub-org/gated")
         phi = {**bert, "config.json": b'{"architectures": ["PhiForCausalLM"], "model_type": "phi"}'}
         hub.add_repo("hub-org/tiny-phi", phi)
+        hub.add_repo("hub-org/split-GGUF", {f"Q8_0/m-Q8_0-0000{i}-of-00002.gguf": b"GGUF" for i in (1, 2)})
         hub.add_repo("hub-org/torch-only", {"config.json": bert["config.json"], "tokenizer.json": b"{}",
                                             "pytorch_model.bin": b"x"})
         monkeypatch.setenv("HF_ENDPOINT", hub.endpoint)
@@ -153,6 +154,8 @@ def test_hugging_face_hub_through_hf_endpoint(models, tmp_path, monkeypatch):
         with pytest.raises(E.ModelReferenceError, match="lacks safetensors weights"):
             resolve_model_reference("hub-org/torch-only")
         assert hub.downloads("hub-org/torch-only", "config.json") == 0
+        with pytest.raises(E.UnsupportedModelError, match="split into 2 files"):
+            resolve_model_reference("hub-org/split-GGUF:Q8_0")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     assert resolve_model_reference("hub-org/tiny-GGUF:Q8_0").model == rec.model
     monkeypatch.delenv("HF_HUB_OFFLINE")

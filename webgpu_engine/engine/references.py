@@ -143,6 +143,10 @@ def _pick_gguf(reference: str, repo: str, files: list[str], selector: str | None
     hits = [f for f in ggufs if _matches(f, selector)]
     if len(hits) == 1:
         return hits[0]
+    if hits and all(_SHARD_RE.search(f) for f in hits):
+        raise UnsupportedModelError(f"{reference}: the {selector} GGUF of {repo} is split into {len(hits)} "
+                                    f"files, which this engine cannot load; merge them (llama-gguf-split "
+                                    f"--merge) and load the merged file, or choose a smaller quant.")
     if hits:
         raise AmbiguousModelReferenceError(reference, hits,
                                            f"name the file itself: {repo}:{PurePosixPath(hits[0]).name}")
