@@ -229,6 +229,14 @@ async def test_every_kind_loads_and_answers_in_one_engine(device, models, server
         await engine.unload()
     with pytest.raises(E.ModelReferenceError):
         await engine.reload(str(models["root"] / "nope.gguf"))
+    rec = resolve_model_reference(str(models["gguf"]), model_id="alias")      # aliasing from Python
+    engine.set_app_config(engine.app_config.with_records(rec))
+    await engine.reload("alias")
+    try:
+        r = await engine.chat.completions.create(messages=U, max_tokens=1)
+        assert list(engine.models) == ["alias"] and r.model == "alias"
+    finally:
+        await engine.unload()
 
 
 # --------------------------------------------------------------------------- the command line
