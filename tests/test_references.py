@@ -63,6 +63,7 @@ def models(tmp_path_factory):
 def server(models):
     with FileServer() as srv:
         srv.add("files/tiny-llama.gguf", models["gguf"].read_bytes())
+        srv.add("files/tiny-by-url.gguf", models["gguf"].read_bytes())
         for name, p in _folder_files(models["bert"]).items():
             srv.add(f"st/tiny-minilm/{name}", p.read_bytes())
         yield srv
@@ -207,21 +208,26 @@ def test_unsupported_files_are_refused_by_name(models, tmp_path):
 
 # --------------------------------------------------------------------------- through the engine
 async def test_every_kind_loads_and_answers_in_one_engine(device, models, server):
-    refs = [str(models["gguf"]), str(models["hf"]), "test-org/tiny-GGUF:Q4_0", "test-org/tiny-minilm",
+    refs = [str(models["gguf"]), str(models["hf"]), "test-org/tiny-GGUF:Q4_0",
+            server.url("files/tiny-by-url.gguf"), "test-org/tiny-llama", "test-org/tiny-minilm",
             server.url("st/tiny-minilm/")]
     engine = await create_mlc_engine(refs, EngineConfig(device=device),
-                                     [{"context_window_size": 128}, None, None, None, None])
+                                     [{"context_window_size": 128}] + [None] * 6)
     try:
-        ids = ["tiny-llama", "tiny-hf", "test-org/tiny-GGUF:Q4_0", "test-org/tiny-minilm", "tiny-minilm"]
+        ids = ["tiny-llama", "tiny-hf", "test-org/tiny-GGUF:Q4_0", "tiny-by-url", "test-org/tiny-llama",
+               "test-org/tiny-minilm", "tiny-minilm"]
         assert list(engine.models) == ids
         assert engine.models["tiny-llama"].chat_config.context_window_size == 128        # chat_opts win
         assert engine.models["tiny-hf"].chat_config.context_window_size == 256           # trained context
-        for mid in ids[:3]:
+        answers = {}
+        for mid in ids[:5]:
             r = await engine.chat.completions.create(model=mid, messages=U, max_tokens=3, temperature=0,
                                                      ignore_eos=True)
             assert r.model == mid and r.usage.completion_tokens == 3
-        a = await engine.embeddings.create(model=ids[3], input=["a cat", "the dog"])
-        b = await engine.embeddings.create(model=ids[4], input=["a cat", "the dog"])
+            answers[mid] = r.choices[0].message.content
+        assert answers["tiny-by-url"] == answers["tiny-llama"]          # the same file, by URL and by path
+        a = await engine.embeddings.create(model=ids[5], input=["a cat", "the dog"])
+        b = await engine.embeddings.create(model=ids[6], input=["a cat", "the dog"])
         assert len(a.data[0].embedding) == 64
         assert a.data[1].embedding == pytest.approx(b.data[1].embedding, abs=1e-5)   # the same model twice
         assert engine.app_config.get("tiny-llama").reference == str(models["gguf"])
