@@ -13,8 +13,8 @@ from webgpu_engine.kernels import quant_ref as qr
 from webgpu_engine.kernels.common import Tensor, new_tensor, run_ops
 from webgpu_engine.kernels import nn, nn_ref
 from webgpu_engine.kernels.matmul import (QTYPES, MatmulConfig, NormOut, RopeKV, _grid, embedding,
-                                          epilogue_ok, interleave_pairs, matmul, upload_vector,
-                                          upload_weight)
+                                          epilogue_ok, gpu_row_bytes, interleave_pairs, matmul,
+                                          upload_vector, upload_weight)
 
 from _matmul_util import NP, TOL, matmul_case, read_tensor, rel_err, upload_tensor
 
@@ -119,12 +119,12 @@ def test_accumulate_and_bias(device, qtype, act):
     check_matmul(device, qtype, 70, 256, 9, act, accumulate=True, bias=True, pad=12)
 
 
-@pytest.mark.parametrize("qtype", ["q4_0", "q4_1", "q6_k", "f16"])
+@pytest.mark.parametrize("qtype", ["q4_0", "q4_1", "q6_k", "f16", "q5_0", "q3_k"])   # q5_0, q3_k: repacked
 def test_split_weight(device, qtype):
     """A weight above the binding limit is split by rows; force it with a small limit. Parts of the
     upload straddle the buffer boundaries."""
     k = 512
-    limit = 37 * (k // 256 * 212 if qtype == "q6_k" else k * 2 if qtype == "f16" else k // 32 * 20)
+    limit = 37 * gpu_row_bytes(qtype, k)
     w = check_matmul(device, qtype, 150, k, 7, "f32", parts=2, max_binding=limit)
     assert len(w.bufs) == 5 and w.rows_per_buf == 37 and w.parts[-1] == (148, 2)
     check_matmul(device, qtype, 150, k, 1, "f16", parts=3, max_binding=limit, bias=True)

@@ -15,7 +15,7 @@ from webgpu_engine.kernels import quant_ref as qr
 from webgpu_engine.kernels.common import Tensor, new_tensor, run_ops
 
 from _matmul_util import TOL, matmul_case, read_tensor, rel_err, upload_tensor
-from webgpu_engine.kernels.matmul import upload_weight
+from webgpu_engine.kernels.matmul import gpu_row_bytes, upload_weight
 
 OWNER = "test:matmul_tiled"
 
@@ -139,13 +139,13 @@ def test_accumulate_and_bias(device, qtype, act):
     check(device, qtype, 70, 256, 21, act, accumulate=True, bias=True, pad=12)
 
 
-@pytest.mark.parametrize("qtype", ["q4_0", "q4_1", "q6_k", "f16"])
+@pytest.mark.parametrize("qtype", ["q4_0", "q4_1", "q6_k", "f16", "q5_0", "q3_k"])   # q5_0, q3_k: repacked
 def test_split_weight(device, qtype):
     """A weight above the binding limit is split by rows (one dispatch per buffer); force it with a
     small limit (38 rows: whole 16-byte words per buffer). The upload's parts straddle the buffer
     boundaries."""
     k = 512
-    limit = 38 * (k // 256 * 212 if qtype == "q6_k" else k * 2 if qtype == "f16" else k // 32 * 20)
+    limit = 38 * gpu_row_bytes(qtype, k)
     w = check(device, qtype, 150, k, 7, "f32", parts=2, max_binding=limit)
     assert len(w.bufs) == 4 and w.rows_per_buf == 38 and w.parts[-1] == (114, 36)
     check(device, qtype, 150, k, 18, "f16", parts=3, max_binding=limit, bias=True, accumulate=True)

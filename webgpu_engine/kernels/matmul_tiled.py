@@ -90,8 +90,10 @@ def _pipeline(dev: Device, w: "QWeight", dtype: str, kblk: int, cfg: TiledConfig
         # the block and the row are whole vec4 words
         block_words = _SUPER_WORDS.get(qtype) or _CHUNK_WORDS[qtype]
         aligned = block_words % 4 == 0 and row_words % 4 == 0
-        decode = (f"const BA: bool = {'true' if aligned else 'false'};\n{load_shader_source('dequant.wgsl')}\n"
-                  f"fn wblock(base: u32, c: u32) -> array<vec4<f32>, 8> {{ return wvalues(dq_{qtype}(base, c)); }}\n")
+        decode = (f"const BA: bool = {'true' if aligned else 'false'};\n"
+                  f"{load_shader_source('dequant.wgsl')}\n"
+                  f"fn wblock(base: u32, c: u32) -> array<vec4<f32>, 8> {{\n"
+                  f"    return wvalues(dq_{qtype}(base, c));\n}}\n")
     else:
         decode = ("const BA: bool = false;\n"
                   f"fn wblock(base: u32, c: u32) -> array<vec4<f32>, 8> {{ return wb_{qtype}(base, c); }}\n")
