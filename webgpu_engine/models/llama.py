@@ -19,17 +19,65 @@ from __future__ import annotations
 
 import struct
 from collections import OrderedDict
+from dataclasses import dataclass
 
 from ..errors import ContextWindowTooLargeError, GPUOutOfMemoryError, UnsupportedModelError
 from ..gpu import Device
 from ..kernels import matmul as mm
 from ..kernels import nn
-from ..kernels.common import DTYPE_SIZE, Op, new_tensor
+from ..kernels.common import DTYPE_SIZE, Op, Tensor, new_tensor
 from ..loaders.model_config import LlamaConfig
 
 # Above this, a model + cache is almost surely a mistake (e.g. a 128k context on a small GPU).
 DEFAULT_MAX_TOTAL_BYTES = 12 << 30
 _MAX_CACHED_SHAPES = 8
+
+
+@dataclass
+class LlamaLayer:
+    """One decoder layer's weights on the GPU (C hidden, F ffn, D head dim, Hq / Hkv heads)."""
+
+    attn_norm: Tensor                  # (C,) f32
+    qkv: mm.QWeight                    # (Hq*D + 2*Hkv*D, C): q | k | v rows
+    o: mm.QWeight                      # (C, Hq*D)
+    ffn_norm: Tensor                   # (C,) f32
+    gate_up: mm.QWeight                # (2F, C): gate | up, or their rows in pairs (silu_pairs)
+    silu_pairs: bool                   # gate / up rows interleaved: a decode matmul can store silu(g)*u
+    down: mm.QWeight                   # (C, F)
+    qkv_bias: Tensor | None = None     # (Hq*D + 2*Hkv*D,) f32: Qwen2
+    o_bias: Tensor | None = None       # (C,) f32
+
+
+@dataclass(frozen=True)
+class FusionPlan:
+    """Which fused kernels one forward uses, chosen once per op list from the device's matmul
+    strategy (kernels/matmul.py: fusable, epilogue_ok, default_config) and the layers' weights. Only
+    a decode step (T = 1) fuses; prefill runs every position through the row-invariant kernels."""
+
+    norm_in_matmul: bool = False       # RMSNorm folded into the qkv / gate_up matmuls' input
+    silu_in_down: bool = False         # silu(gate) * up folded into the down matmul's input
+    res_norm: bool = False             # o / down store x, x * g of the next norm and sums of x^2;
+    #                                    the matmul after scales by 1 / rms (layer 0 keeps its norm)
+    head_norm_in_matmul: bool = False  # the final norm folded into the LM head (without res_norm)
+    rope_kv: tuple = ()                # per layer: the qkv matmul rotates q, k and writes the caches
+    silu_out: tuple = ()               # per layer: the gate_up matmul stores silu(gate) * up
+
+    @classmethod
+    def choose(cls, dev, cfg: LlamaConfig, layers: list[LlamaLayer], lm_head, decode: bool) -> "FusionPlan":
+        n = len(layers)
+        if not decode:
+            return cls(rope_kv=(False,) * n, silu_out=(False,) * n)
+        return cls(
+            norm_in_matmul=all(mm.fusable(dev, 1, w) for L in layers for w in (L.qkv, L.gate_up)),
+            silu_in_down=all(mm.fusable(dev, 1, L.down, silu=True) and not L.silu_pairs for L in layers),
+            res_norm=cfg.hidden_size % 32 == 0 and mm.default_config(dev).res_norm and all(
+                mm.epilogue_ok(dev, w.qtype, w.n, w.k) and len(w.bufs) == 1
+                for L in layers for w in (L.o, L.down)),
+            head_norm_in_matmul=mm.fusable(dev, 1, lm_head),
+            # adjacent-pair rope only, and a head of whole vec4s
+            rope_kv=tuple(not cfg.rope_neox and cfg.head_dim % 4 == 0
+                          and mm.epilogue_ok(dev, L.qkv.qtype, L.qkv.n, L.qkv.k) for L in layers),
+            silu_out=tuple(L.silu_pairs for L in layers))
 
 
 class LlamaModel:
@@ -116,26 +164,20 @@ class LlamaModel:
         self.lm_head = self.embed if c.tie_embeddings or "lm_head" not in weights \
             else mat(["lm_head"], "lm_head")                                     # (V, C)
         self.final_norm = vec(["norm"], "norm")                                   # (C,)
-        self.layers = []
+        self.layers: list[LlamaLayer] = []
         for i in range(c.n_layers):
             p = f"layers.{i}."
-            L = {
-                "attn_norm": vec([p + "attn_norm"], p + "attn_norm"),            # (C,)
-                "qkv": mat([p + "q", p + "k", p + "v"], p + "qkv"),               # (Hq*D + 2*Hkv*D, C)
-                "o": mat([p + "o"], p + "o"),                                     # (C, Hq*D)
-                "ffn_norm": vec([p + "ffn_norm"], p + "ffn_norm"),                # (C,)
-                "down": mat([p + "down"], p + "down"),                            # (C, F)
-                "qkv_bias": None, "o_bias": None,
-            }
-            L["gate_up"], L["silu_pairs"] = gate_up(p)                           # (2F, C)
-            # decode: rope + KV-cache write done by the qkv matmul's stores (adjacent pairs only)
-            L["rope_fused"] = (not c.rope_neox and c.head_dim % 4 == 0
-                               and mm.epilogue_ok(dev, L["qkv"].qtype, L["qkv"].n, L["qkv"].k))
-            if p + "q_bias" in weights:
-                L["qkv_bias"] = vec([p + "q_bias", p + "k_bias", p + "v_bias"], p + "qkv_bias")
-            if p + "o_bias" in weights:
-                L["o_bias"] = vec([p + "o_bias"], p + "o_bias")
-            self.layers.append(L)
+            gu, pairs = gate_up(p)
+            self.layers.append(LlamaLayer(
+                attn_norm=vec([p + "attn_norm"], p + "attn_norm"),
+                qkv=mat([p + "q", p + "k", p + "v"], p + "qkv"),
+                o=mat([p + "o"], p + "o"),
+                ffn_norm=vec([p + "ffn_norm"], p + "ffn_norm"),
+                gate_up=gu, silu_pairs=pairs,
+                down=mat([p + "down"], p + "down"),
+                qkv_bias=vec([p + "q_bias", p + "k_bias", p + "v_bias"], p + "qkv_bias")
+                if p + "q_bias" in weights else None,
+                o_bias=vec([p + "o_bias"], p + "o_bias") if p + "o_bias" in weights else None))
             if progress:
                 progress((i + 1) / c.n_layers, f"uploaded layer {i + 1}/{c.n_layers}")
 
@@ -166,7 +208,6 @@ class LlamaModel:
         for one row), so a position's logits are the same however the prompt was chunked or how
         much of it was cached. Decode (T = 1) takes the fused, split-key kernels."""
         c, dev, step = self.cfg, self.dev, self.step
-        ri = not decode                        # prefill: row-invariant matmuls
         H, Hkv, D, C = c.n_heads, c.n_kv_heads, c.head_dim, c.hidden_size
         x, h = self.x.view((T, C)), self.h.view((T, C))
         qkv = self.qkv.view((T, H + 2 * Hkv, D))
@@ -174,75 +215,59 @@ class LlamaModel:
         attn, gu, ffn = self.attn.view((T, H * D)), self.gate_up.view((T, 2 * c.ffn_size)), \
             self.ffn.view((T, c.ffn_size))
         rope_kw = dict(rot_dim=c.rot_dim, base=c.rope_base, neox=c.rope_neox)
-        eps = c.rms_eps
-        # decode (T = 1) may fuse RMSNorm into the matmul after it (60 fewer dispatches per token)
-        # and SiLU·up into the down matmul, as the device's matmul strategy chooses (kernels/matmul.py)
-        fuse = decode and all(mm.fusable(dev, T, L[n]) for L in self.layers for n in ("qkv", "gate_up"))
-        fuse_silu = decode and all(mm.fusable(dev, T, L["down"], silu=True) and not L["silu_pairs"]
-                                   for L in self.layers)
-        # decode on CPU adapters: the residual matmuls (o, down) store x, x * g of the next RMSNorm
-        # (into h) and partial sums of x^2; the matmul after reads h and scales by 1 / rms from the
-        # sums: 60 fewer norm dispatches per token (the first layer's norm stays)
-        pn = decode and C % 32 == 0 and mm.default_config(dev).res_norm and all(
-            mm.epilogue_ok(dev, L[n].qtype, L[n].n, L[n].k) and len(L[n].bufs) == 1
-            for L in self.layers for n in ("o", "down"))
+        eps, ri = c.rms_eps, not decode         # prefill: row-invariant matmuls
+        plan = FusionPlan.choose(dev, c, self.layers, self.lm_head, decode)
         rms = (self.part, eps)
-        norms_after = [L["attn_norm"] for L in self.layers[1:]] + [self.final_norm]
+        norms_after = [L.attn_norm for L in self.layers[1:]] + [self.final_norm]
         ops = [mm.embedding(dev, self.ids.view((T,)), self.embed, x)]              # x (T, C)
         for i, L in enumerate(self.layers):
             kc, vc = self.k_cache[i], self.v_cache[i]
-            # decode: the qkv matmul rotates q, k and writes k, v to the caches itself
+            # h = rms_norm(x); qkv = h · Wqkvᵀ (+ bias)                             (T, H+2Hkv, D)
             rope = mm.RopeKV(step, self.rope_freq, kc, vc, H, Hkv, D, c.rot_dim, self.ctx) \
-                if decode and L["rope_fused"] else None
-            if pn and i > 0:                                                       # h = x * g: (1, C)
-                ops.append(mm.matmul(dev, h, L["qkv"], qkv2, bias=L["qkv_bias"], rms_from=rms,
-                                     rope_kv=rope))
-            elif fuse:                                                             # qkv = norm(x) · Wqkvᵀ
-                ops.append(mm.matmul(dev, x, L["qkv"], qkv2, bias=L["qkv_bias"], norm=(L["attn_norm"], eps),
+                if plan.rope_kv[i] else None
+            if plan.res_norm and i > 0:          # h = x * g from the last residual matmul
+                ops.append(mm.matmul(dev, h, L.qkv, qkv2, bias=L.qkv_bias, rms_from=rms, rope_kv=rope))
+            elif plan.norm_in_matmul:
+                ops.append(mm.matmul(dev, x, L.qkv, qkv2, bias=L.qkv_bias, norm=(L.attn_norm, eps),
                                      rope_kv=rope))
             else:
-                ops.append(nn.rms_norm(dev, x, L["attn_norm"], h, eps=eps))       # h (T, C)
-                ops.append(mm.matmul(dev, h, L["qkv"], qkv2, bias=L["qkv_bias"],
-                                     rope_kv=rope, row_invariant=ri))              # (T, H+2Hkv, D)
+                ops.append(nn.rms_norm(dev, x, L.attn_norm, h, eps=eps))
+                ops.append(mm.matmul(dev, h, L.qkv, qkv2, bias=L.qkv_bias, rope_kv=rope, row_invariant=ri))
+            # rope(q, k); k, v -> caches; x += attention(q, caches) · Woᵀ
             if rope is None:
                 ops.append(nn.rope_kv(dev, qkv, kc, vc, step, n_q_heads=H, n_kv_heads=Hkv,
-                                      head_dim=D, ctx=self.ctx, **rope_kw))         # rotate q,k; cache k,v
+                                      head_dim=D, ctx=self.ctx, **rope_kw))
             ops.append(nn.attention(dev, qkv, kc, vc, attn, step, n_q_heads=H, n_kv_heads=Hkv,
-                                    head_dim=D, ctx=self.ctx, scale=D ** -0.5, max_t=T,
-                                    causal=ri))                                    # (T, H*D)
-            ops.append(mm.matmul(dev, attn, L["o"], x, bias=L["o_bias"], accumulate=True,   # x += o
-                                 norm_out=mm.NormOut(L["ffn_norm"], h, self.part) if pn else None,
-                                 row_invariant=ri))
-            # decode with pair-interleaved gate|up rows: the matmul stores silu(gate) * up (T = 1, F)
-            silu_out = decode and L["silu_pairs"]
-            if pn:                                                                 # (1, 2F) or (1, F)
-                ops.append(mm.matmul(dev, h, L["gate_up"], ffn if silu_out else gu, rms_from=rms,
-                                     silu_out=silu_out))
-            elif fuse:                                                             # (1, 2F)
-                ops.append(mm.matmul(dev, x, L["gate_up"], ffn if silu_out else gu,
-                                     norm=(L["ffn_norm"], eps), silu_out=silu_out))
+                                    head_dim=D, ctx=self.ctx, scale=D ** -0.5, max_t=T, causal=ri))
+            ops.append(mm.matmul(dev, attn, L.o, x, bias=L.o_bias, accumulate=True, row_invariant=ri,
+                                 norm_out=mm.NormOut(L.ffn_norm, h, self.part) if plan.res_norm else None))
+            # h = rms_norm(x); gu = h · [Wgate | Wup]ᵀ, or silu(gate) * up stored by the matmul
+            out = ffn if plan.silu_out[i] else gu
+            if plan.res_norm:
+                ops.append(mm.matmul(dev, h, L.gate_up, out, rms_from=rms, silu_out=plan.silu_out[i]))
+            elif plan.norm_in_matmul:
+                ops.append(mm.matmul(dev, x, L.gate_up, out, norm=(L.ffn_norm, eps), silu_out=plan.silu_out[i]))
             else:
-                ops.append(nn.rms_norm(dev, x, L["ffn_norm"], h, eps=eps))
-                ops.append(mm.matmul(dev, h, L["gate_up"], ffn if silu_out else gu,
-                                     silu_out=silu_out, row_invariant=ri))         # (T, 2F)
-            nxt = mm.NormOut(norms_after[i], h, self.part) if pn else None       # next layer's / final norm
-            if fuse_silu:                                                          # x += down
-                ops.append(mm.matmul(dev, gu, L["down"], x, accumulate=True, silu=True, norm_out=nxt))
+                ops.append(nn.rms_norm(dev, x, L.ffn_norm, h, eps=eps))
+                ops.append(mm.matmul(dev, h, L.gate_up, out, silu_out=plan.silu_out[i], row_invariant=ri))
+            # x += (silu(gate) * up) · Wdownᵀ (the next layer's norm stored beside when res_norm)
+            nxt = mm.NormOut(norms_after[i], h, self.part) if plan.res_norm else None
+            if plan.silu_in_down:
+                ops.append(mm.matmul(dev, gu, L.down, x, accumulate=True, silu=True, norm_out=nxt))
             else:
-                if not silu_out:
-                    ops.append(nn.silu_mul(dev, gu, ffn, pairs=L["silu_pairs"]))   # (T, F)
-                ops.append(mm.matmul(dev, ffn, L["down"], x, accumulate=True, norm_out=nxt,
-                                     row_invariant=ri))                            # x += down
-        if with_head:
-            if pn:                                                                 # h = x * g_final
+                if not plan.silu_out[i]:
+                    ops.append(nn.silu_mul(dev, gu, ffn, pairs=L.silu_pairs))      # (T, F)
+                ops.append(mm.matmul(dev, ffn, L.down, x, accumulate=True, norm_out=nxt, row_invariant=ri))
+        if with_head:                            # logits = rms_norm(x[T-1]) · Wheadᵀ      (1, V)
+            if plan.res_norm:                    # h = x * g_final
                 ops.append(mm.matmul(dev, h, self.lm_head, self.logits, rms_from=rms))
-            elif decode and mm.fusable(dev, 1, self.lm_head):
+            elif plan.head_norm_in_matmul:
                 ops.append(mm.matmul(dev, x, self.lm_head, self.logits, norm=(self.final_norm, eps)))
             else:
                 ops.append(nn.rms_norm(dev, self.x.view((1, C), (T - 1) * C), self.final_norm, self.last,
                                        eps=eps))                                   # last row only
                 # one row whatever T: the same kernel for every prefill
-                ops.append(mm.matmul(dev, self.last, self.lm_head, self.logits))   # (1, V)
+                ops.append(mm.matmul(dev, self.last, self.lm_head, self.logits))
         return ops
 
     def ops_for(self, T: int, with_head: bool = True) -> list[Op]:
