@@ -27,11 +27,12 @@ def hf_offline(offline: bool | None = None) -> bool:
 
 
 def _sync_offline(offline: bool | None) -> bool:
-    """Our offline setting, also given to huggingface_hub, which reads HF_HUB_OFFLINE only once, at
-    import (so a process that changes it, as tests do, would otherwise keep the first value)."""
+    """Whether this call is offline. huggingface_hub reads HF_HUB_OFFLINE only once, at import, so it
+    is given the environment's current value (a process may change it, as tests do); an explicit
+    `offline` applies to this call alone (local_files_only)."""
     from huggingface_hub import constants
-    constants.HF_HUB_OFFLINE = hf_offline(offline)
-    return constants.HF_HUB_OFFLINE
+    constants.HF_HUB_OFFLINE = hf_offline(None)
+    return hf_offline(offline)
 
 
 def hf_cache_dir() -> Path:
