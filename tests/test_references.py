@@ -171,6 +171,9 @@ def test_bad_references_fail_with_what_was_tried(models, tmp_path):
         resolve_model_reference(str(tmp_path / "missing.gguf"), app_config=cfg)
     assert "no file or folder at" in str(ei.value) and "SmolLM2-135M-Instruct-Q4_1" in str(ei.value)
     with pytest.raises(E.ModelReferenceError) as ei:
+        resolve_model_reference("nope", app_config=cfg)
+    assert len(ei.value.tried) == 3 and "not a Hugging Face repo id" in ei.value.tried[-1]
+    with pytest.raises(E.ModelReferenceError) as ei:
         resolve_model_reference("no-org/no-repo:Q4_K_M", app_config=cfg)
     assert len(ei.value.tried) == 3 and "Hugging Face cache" in ei.value.tried[-1]
     assert ei.value.http_status == 404

@@ -1,4 +1,4 @@
-"""Model references: one string (or a ModelRecord) naming a model, resolved once into a `ModelRecord`.
+"""Model references: one string naming a model, resolved once into a `ModelRecord`.
 
     resolve_model_reference("SmolLM2-135M-Instruct-Q4_1")          # an app-config id
     resolve_model_reference("./Qwen2.5-0.5B-Instruct-Q4_K_M.gguf")   # a local GGUF file
@@ -272,8 +272,10 @@ def resolve_model_reference(reference: str, *, model_id: str | None = None, app_
     if path.exists():
         return _local(path, ref, model_id)
     tried.append(f"no file or folder at {path.resolve()}")
-    if ref.startswith((".", "/", "~")) or "\\" in ref or not _REPO_RE.match(ref):
+    if ref.startswith((".", "/", "~")) or "\\" in ref:
         raise ModelReferenceError(ref, tried)
+    if not _REPO_RE.match(ref):
+        raise ModelReferenceError(ref, tried + ["not a Hugging Face repo id ORG/REPO[:QUANT]"])
     return _hf_repo_id(ref, ref, model_id, offline, tried)
 
 
