@@ -26,7 +26,7 @@ from urllib.parse import unquote, urlparse
 
 from ..errors import (AmbiguousModelReferenceError, InvalidRequestError, ModelFormatError, ModelReferenceError,
                       NetworkForbiddenError, UnsupportedModelError)
-from .records import EMBEDDING, LLM, AppConfig, ModelRecord
+from .records import LLM, AppConfig, ModelRecord
 
 DEFAULT_QUANT = "Q4_K_M"        # what llama.cpp's -hf picks in a repo of several GGUFs
 _HF_HOSTS = ("huggingface.co", "hf.co")
@@ -39,44 +39,41 @@ FOLDER_PATTERNS = ["*.json", "*.safetensors", "vocab.txt", "merges.txt", "tokeni
 # --------------------------------------------------------------------------- inspecting files
 def _gguf_record(path: Path, reference: str) -> dict:
     """Type and trained context of a GGUF, refused when no model here can run it."""
-    from ..loaders.gguf import LLAMA_ARCHS, GGUFFile
+    from ..loaders.gguf import GGUFFile
     from ..loaders.tensor_info import SUPPORTED_QTYPES
+    from ..models.registry import ARCHITECTURES, architecture
     if _SHARD_RE.search(path.name):
         raise UnsupportedModelError(f"{reference}: {path.name} is one part of a split GGUF; merge the parts "
                                     f"into one file (llama-gguf-split --merge) and load that.")
     with GGUFFile(path) as g:
-        arch = g.architecture
-        if arch not in LLAMA_ARCHS:
-            raise UnsupportedModelError(f"{reference}: GGUF architecture {arch!r} is not supported; "
-                                        f"supported: {', '.join(LLAMA_ARCHS)}.")
+        name = g.architecture
+        arch = architecture(name, reference)
+        if arch.gguf_config is None:
+            runs = sorted(n for n, a in ARCHITECTURES.items() if a.gguf_config is not None)
+            raise UnsupportedModelError(f"{reference}: a {name} GGUF is not supported (the {name} family "
+                                        f"loads from a Hugging Face folder); GGUF architectures: {runs}")
         odd = sorted({t.qtype for t in g.weights().values()} - set(SUPPORTED_QTYPES))
         if odd:
             raise UnsupportedModelError(
                 f"{reference}: GGUF tensors of type {', '.join(odd)} cannot be run; use a GGUF quantized "
-                f"to {', '.join(SUPPORTED_QTYPES)} (e.g. Q4_K_M, Q4_0, Q8_0).")
-        ctx = g.metadata.get(f"{arch}.context_length")
-    return {"model_type": LLM, "context": int(ctx) if ctx else None}
+                f"to one of {', '.join(SUPPORTED_QTYPES)}.")
+        ctx = g.metadata.get(f"{name}.context_length")
+    return {"model_type": arch.kind, "context": int(ctx) if ctx else None}
 
 
 def _config_record(config: Path, reference: str, sentence_transformers: bool) -> dict:
     """Type and trained context from a config.json, refused when no model here runs it."""
-    from ..loaders.hf_config import BERT_ARCHITECTURES, LLAMA_ARCHITECTURES
+    from ..models.registry import hf_architecture
     try:
         c = json.loads(config.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
         raise ModelFormatError(f"{config} is not valid JSON: {e}") from None
-    archs, mtype = c.get("architectures") or [], c.get("model_type")
-    if any(a in LLAMA_ARCHITECTURES for a in archs) or mtype in ("llama", "qwen2", "mistral"):
-        if sentence_transformers:
-            raise UnsupportedModelError(f"{reference}: a sentence-transformers model over a decoder "
-                                        f"({', '.join(archs)}) is not supported; embedders are BERT models.")
-        ctx = c.get("max_position_embeddings")
-        return {"model_type": LLM, "context": int(ctx) if ctx else None}
-    if any(a in BERT_ARCHITECTURES for a in archs) or mtype == "bert":
-        return {"model_type": EMBEDDING, "context": None}
-    raise UnsupportedModelError(
-        f"{reference}: config.json names architectures {archs} (model_type {mtype!r}); supported: "
-        f"{', '.join(sorted(LLAMA_ARCHITECTURES))} (chat) and {', '.join(BERT_ARCHITECTURES)} (embeddings).")
+    arch = hf_architecture(c, f"{reference}: config.json")
+    if arch.kind == LLM and sentence_transformers:
+        raise UnsupportedModelError(f"{reference}: a sentence-transformers model over a {arch.name} decoder "
+                                    f"is not supported; embedders here are BERT models.")
+    ctx = c.get("max_position_embeddings") if arch.kind == LLM else None
+    return {"model_type": arch.kind, "context": int(ctx) if ctx else None}
 
 
 def _folder_record(folder: Path, reference: str) -> dict:
