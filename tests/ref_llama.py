@@ -31,11 +31,13 @@ def rms_norm(x, w, eps):
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
 
 
-def rope(x, pos, rot_dim, base, neox):
+def rope(x, pos, rot_dim, base, neox, factors=None):
     """x (T, H, D): rotate the first rot_dim dims of each head; pairs are (i, i + rot/2) when neox,
-    else (2i, 2i + 1)."""
+    else (2i, 2i + 1). `factors`: RoPE scaling, frequency i divided by factors[i]."""
     half = rot_dim // 2
     inv = base ** (-np.arange(half, dtype=np.float64) * 2.0 / rot_dim)           # (half,)
+    if factors is not None:
+        inv = inv / np.asarray(factors, np.float64)
     ang = pos[:, None].astype(np.float64) * inv[None, :]                          # (T, half)
     cos, sin = np.cos(ang)[:, None, :].astype(x.dtype), np.sin(ang)[:, None, :].astype(x.dtype)
     y = x.copy()
@@ -84,8 +86,8 @@ class RefLlama:
             v = h @ w[p + "v"].T
             if p + "q_bias" in w:
                 q, k, v = q + w[p + "q_bias"], k + w[p + "k_bias"], v + w[p + "v_bias"]
-            q = rope(q.reshape(T, H, D), pos, c.rot_dim, c.rope_base, c.rope_neox)
-            k = rope(k.reshape(T, Hkv, D), pos, c.rot_dim, c.rope_base, c.rope_neox)
+            q = rope(q.reshape(T, H, D), pos, c.rot_dim, c.rope_base, c.rope_neox, c.rope_freq_factors)
+            k = rope(k.reshape(T, Hkv, D), pos, c.rot_dim, c.rope_base, c.rope_neox, c.rope_freq_factors)
             v = v.reshape(T, Hkv, D)
             kc = k.transpose(1, 0, 2) if self.k_cache[i] is None else \
                 np.concatenate([self.k_cache[i], k.transpose(1, 0, 2)], axis=1)    # (Hkv, S, D)

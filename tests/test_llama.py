@@ -181,3 +181,58 @@ def test_sampler_on_model_logits_keeps_next_id(device, smollm2_gguf):
     finally:
         m.release()
         g.close()
+
+
+LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 64}
+
+
+@pytest.mark.parametrize("fmt,scaling", [("gguf", LLAMA3_SCALING), ("safetensors", LLAMA3_SCALING),
+                                         ("safetensors", {"rope_type": "linear", "factor": 4.0})])
+def test_rope_scaling_over_300_positions(device, tmp_path, fmt, scaling):
+    """Llama 3.1+ RoPE scaling (GGUF rope_freqs.weight as llama.cpp's converter writes it; HF
+    rope_scaling "llama3") and linear scaling: the loaded factors, and the GPU forward over 300
+    positions (prefill chunks, then decode) against numpy with the same scaling; without the scaling
+    the logits would differ."""
+    import dataclasses
+
+    from webgpu_engine.loaders.gguf import GGUFFile
+    from webgpu_engine.loaders.hf_config import load_llama_config
+    from webgpu_engine.loaders.safetensors import SafetensorsFolder
+    tm = _tiny_cases()
+    dims = dict(context_length=512, seed=4)
+    if fmt == "gguf":
+        info = tm.write_tiny_llama_gguf(tmp_path / "scaled.gguf", rope_scaling=scaling, **dims)
+        f = GGUFFile(info["path"])
+        cfg, infos = f.model_config(), f.weights()
+    else:
+        info = tm.write_tiny_llama_safetensors(tmp_path / "scaled", rope_scaling=scaling, **dims)
+        f = SafetensorsFolder(info["folder"])
+        cfg, infos = load_llama_config(info["folder"]), f.weights("llama")
+    try:
+        assert cfg.rope_freq_factors == pytest.approx(info["config"].rope_freq_factors, rel=1e-6)
+        assert cfg.rope_scaling == scaling["rope_type"] and max(cfg.rope_freq_factors) == scaling["factor"]
+        ids = [int(i) for i in np.random.default_rng(5).integers(3, cfg.vocab_size, 303)]
+        m = LlamaModel(device, cfg, infos, owner="test:llama", context_window=512, prefill_chunk=128)
+        try:
+            got = []
+            for p0 in range(0, 300, 128):
+                b = device.batch()
+                m.record_prefill(b, ids[p0:min(p0 + 128, 300)], p0)
+                device.submit(b)
+            got.append(np.frombuffer(device.read_sync(m.logits.buf, 0, m.logits.nbytes), np.float32))
+            for pos in range(300, 303):
+                device.write(m.ids.buf, struct.pack("<I", ids[pos]))
+                b = device.batch()
+                m.record_decode(b, pos)
+                device.submit(b)
+                got.append(np.frombuffer(device.read_sync(m.logits.buf, 0, m.logits.nbytes), np.float32))
+        finally:
+            m.release()
+        weights = weights_from_infos(infos)
+        want = RefLlama(cfg, weights, np.float64).forward(ids)[299:]
+        np.testing.assert_allclose(np.array(got), want, atol=2e-3, rtol=0)
+        plain = RefLlama(dataclasses.replace(cfg, rope_freq_factors=None), weights, np.float64).forward(ids)[299:]
+        assert np.abs(plain - want).max() > 50 * 2e-3
+    finally:
+        f.close()

@@ -16,7 +16,7 @@ import numpy as np
 from webgpu_engine.loaders.bpe import QWEN2_PATTERN, BPETokenizer, bytes_to_unicode
 from webgpu_engine.loaders.hf_config import HF_LLAMA_TO_OURS
 from webgpu_engine.loaders.safetensors import write_safetensors
-from webgpu_engine.loaders.model_config import BertConfig, LlamaConfig
+from webgpu_engine.loaders.model_config import BertConfig, LlamaConfig, llama3_rope_factors
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
@@ -139,13 +139,28 @@ def _is_matrix(name: str) -> bool:
     return name.split(".")[-1] in ("embed", "lm_head", "q", "k", "v", "o", "gate", "up", "down")
 
 
-def _llama_config(d: dict, arch: str, neox: bool, eos_ids=(EOS_ID, 0)) -> LlamaConfig:
+def _rope_factors(d: dict, rope_scaling: dict | None, f32: bool = False):
+    """The frequency divisors of an HF-style rope_scaling dict (llama3 or linear), or None."""
+    if not rope_scaling:
+        return None
+    rs, half = rope_scaling, d["head_dim"] // 2
+    if rs["rope_type"] == "linear":
+        f = (float(rs["factor"]),) * half
+    else:
+        f = llama3_rope_factors(d["head_dim"], d["rope_base"], rs["factor"], rs["low_freq_factor"],
+                                rs["high_freq_factor"], rs["original_max_position_embeddings"])
+    return tuple(float(v) for v in np.asarray(f, np.float32)) if f32 else f
+
+
+def _llama_config(d: dict, arch: str, neox: bool, eos_ids=(EOS_ID, 0), factors=None) -> LlamaConfig:
     return LlamaConfig(arch=arch, vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
                        n_layers=d["n_layers"], n_heads=d["n_heads"], n_kv_heads=d["n_kv_heads"],
                        head_dim=d["head_dim"], ffn_size=d["ffn_size"], rope_base=d["rope_base"],
                        rot_dim=d["head_dim"], rope_neox=neox, rms_eps=d["rms_eps"],
                        context_length=d["context_length"], tie_embeddings=d["tie_embeddings"],
-                       qkv_bias=arch == "qwen2", bos_id=BOS_ID, eos_ids=list(eos_ids), name=f"tiny-{arch}")
+                       qkv_bias=arch == "qwen2", bos_id=BOS_ID, eos_ids=list(eos_ids), name=f"tiny-{arch}",
+                       rope_freq_factors=factors,
+                       rope_scaling="" if factors is None else ("linear" if len(set(factors)) == 1 else "llama3"))
 
 
 # ============================================================================ K-quant encoders
@@ -315,7 +330,8 @@ _K_QUANTIZERS = {"q4_k": quantize_q4_k, "q6_k": quantize_q6_k, "q5_k": quantize_
 
 # ============================================================================ GGUF
 def write_tiny_llama_gguf(path, arch: str = "llama", qtype: str = "f32", seed: int = 0, *,
-                          embed_qtype: str | None = None, pad_rows: int = 0, **dims) -> dict:
+                          embed_qtype: str | None = None, pad_rows: int = 0, rope_scaling: dict | None = None,
+                          **dims) -> dict:
     """Write a tiny llama/qwen2 GGUF. Matrices in `qtype` (f32 f16 q8_0 q4_0 q4_1 q5_0 q5_1 iq4_nl, or
     q4_k q5_k q6_k q3_k q2_k iq4_xs with hidden_size/ffn_size multiples of 256; the embedding in
     `embed_qtype`, default the same), norms and biases f32. `pad_rows`: embedding / LM-head rows past
@@ -373,6 +389,9 @@ def write_tiny_llama_gguf(path, arch: str = "llama", qtype: str = "f32", seed: i
     w.add_token_merges(merges)
     w.add_bos_token_id(BOS_ID); w.add_eos_token_id(EOS_ID); w.add_add_bos_token(False)
     w.add_chat_template(CHATML_TEMPLATE)
+    factors = _rope_factors(d, rope_scaling, f32=True)
+    if factors is not None:               # llama.cpp's converter writes Llama 3.1's factors so
+        w.add_tensor("rope_freqs.weight", np.asarray(factors, np.float32))
     for name, raw in stored.items():
         file_name = _gguf_name(name, gguf_names)
         if qtypes[name] in ("f32", "f16"):
@@ -380,7 +399,7 @@ def write_tiny_llama_gguf(path, arch: str = "llama", qtype: str = "f32", seed: i
         else:
             w.add_tensor(file_name, raw, raw_dtype=gguf.GGMLQuantizationType[qtypes[name].upper()])
     w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
-    return dict(path=Path(path), arch=arch, config=_llama_config(d, arch, neox), rope_neox=neox,
+    return dict(path=Path(path), arch=arch, config=_llama_config(d, arch, neox, factors=factors), rope_neox=neox,
                 qtypes=qtypes, weights=gpu, hf_weights=hf_deq, tokens=tokens, merges=merges,
                 chat_template=CHATML_TEMPLATE)
 
@@ -440,7 +459,7 @@ def _write_folder_tensors(folder: Path, tensors: dict, sharded: bool) -> None:
 
 
 def write_tiny_llama_safetensors(folder, arch: str = "llama", dtype: str = "f32", sharded: bool = False,
-                                 seed: int = 0, **dims) -> dict:
+                                 seed: int = 0, rope_scaling: dict | None = None, **dims) -> dict:
     """Write an HF folder (config.json, safetensors, tokenizer.json, tokenizer_config.json with the
     ChatML template) of a tiny llama/qwen2/mistral. Returns {folder, arch, config, rope_neox (True),
     weights {our name: f32 as the GPU sees it}, hf_names {our name: HF name}, tokens, merges, chat_template}."""
@@ -474,13 +493,16 @@ def write_tiny_llama_safetensors(folder, arch: str = "llama", dtype: str = "f32"
     }
     if arch == "mistral":
         config["sliding_window"] = None
+    if rope_scaling:
+        config["rope_scaling"] = dict(rope_scaling)
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     (folder / "tokenizer.json").write_text(_hf_bpe_tokenizer_json(tokens, merges, arch))
     (folder / "tokenizer_config.json").write_text(json.dumps({
         "chat_template": CHATML_TEMPLATE, "bos_token": SPECIAL_TOKENS[BOS_ID], "eos_token": SPECIAL_TOKENS[EOS_ID],
         "pad_token": SPECIAL_TOKENS[EOS_ID], "add_bos_token": False, "model_max_length": d["context_length"],
         "tokenizer_class": "GPT2Tokenizer"}, indent=2))
-    return dict(folder=folder, arch=arch, config=_llama_config(d, arch, True, [EOS_ID]), rope_neox=True, weights=gpu,
+    return dict(folder=folder, arch=arch, config=_llama_config(d, arch, True, [EOS_ID], _rope_factors(d, rope_scaling)),
+                rope_neox=True, weights=gpu,
                 hf_names={k: v for k, v in ours_to_hf.items() if k in hf}, tokens=tokens, merges=merges,
                 chat_template=CHATML_TEMPLATE)
 

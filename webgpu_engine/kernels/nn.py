@@ -204,12 +204,15 @@ def gelu(dev: Device, x: Tensor, y: Tensor) -> Op:
 
 
 # ----------------------------------------------------------------------------- rope and kv cache
-def rope_frequencies(dev: Device, rot_dim: int, base: float, *, owner: str) -> Buffer:
-    """The f32 table of rot_dim/2 RoPE frequencies base^(-2i/rot_dim) that rope kernels bind."""
+def rope_frequencies(dev: Device, rot_dim: int, base: float, *, owner: str, factors=None) -> Buffer:
+    """The f32 table of rot_dim/2 RoPE frequencies base^(-2i/rot_dim) that rope kernels bind, each
+    divided by `factors[i]` when given (RoPE scaling: Llama 3.1+'s rope_freqs, linear scaling)."""
     # Computed on the host in float64 and rounded once, so every device (and the numpy reference)
     # multiplies the same f32 frequencies: at pos ~4000 a 1-ulp frequency error moves the angle 2e-4.
     half = rot_dim // 2
-    vals = [float(base) ** (-(2.0 * i) / rot_dim) for i in range(half)] or [0.0]
+    check(factors is None or len(factors) == half, "rope", f"need {half} frequency factors")
+    vals = [float(base) ** (-(2.0 * i) / rot_dim) / (float(factors[i]) if factors else 1.0)
+            for i in range(half)] or [0.0]
     return dev.upload(struct.pack(f"<{len(vals)}f", *vals), owner=owner, label="rope.inv_freq")
 
 
@@ -222,7 +225,7 @@ def _qkv_heads(k: str, qkv: Tensor, head_dim: int) -> tuple[int, int]:
 
 
 def _rope_op(dev, k, entry, qkv, step, *, h_lo, n_h, n_rot, head_dim, rot_dim, base, neox,
-             k_lo=0, n_kv=0, ctx=0, caches=None) -> Op:
+             k_lo=0, n_kv=0, ctx=0, caches=None, factors=None) -> Op:
     dt = _act(k, qkv, *(caches or ()))
     rows, heads = _qkv_heads(k, qkv, head_dim)
     check(head_dim % 2 == 0 and rot_dim % 2 == 0 and 0 <= rot_dim <= head_dim, k,
@@ -234,7 +237,7 @@ def _rope_op(dev, k, entry, qkv, step, *, h_lo, n_h, n_rot, head_dim, rot_dim, b
     entries = [_step_entry(step), qe]
     kco = vco = 0
     if entry != "kv_write":
-        freq = rope_frequencies(dev, rot_dim, base, owner=owner)
+        freq = rope_frequencies(dev, rot_dim, base, owner=owner, factors=factors)
         entries.append((freq, 0, freq.size))
     if caches is not None:
         for c in caches:
@@ -255,12 +258,13 @@ def _rope_op(dev, k, entry, qkv, step, *, h_lo, n_h, n_rot, head_dim, rot_dim, b
 
 
 def rope(dev: Device, qkv: Tensor, step, *, n_heads: int, head_dim: int, rot_dim: int | None = None,
-         base: float = 10000.0, neox: bool = False) -> Op:
+         base: float = 10000.0, neox: bool = False, factors=None) -> Op:
     """Rotates, in place, the first `n_heads` heads (q then k) of each row of qkv (T, H_all, D);
-    row t has position step.pos0 + t. neox=False: adjacent pairs (GGUF llama layout); True: half split."""
+    row t has position step.pos0 + t. neox=False: adjacent pairs (GGUF llama layout); True: half split.
+    `factors`: RoPE scaling, frequency i divided by factors[i] (see rope_frequencies)."""
     rot = head_dim if rot_dim is None else rot_dim
     return _rope_op(dev, "rope", "rope", qkv, step, h_lo=0, n_h=n_heads, n_rot=n_heads,
-                    head_dim=head_dim, rot_dim=rot, base=base, neox=neox)
+                    head_dim=head_dim, rot_dim=rot, base=base, neox=neox, factors=factors)
 
 
 def kv_write(dev: Device, qkv: Tensor, k_cache: Tensor, v_cache: Tensor, step, *, n_q_heads: int,
@@ -273,13 +277,13 @@ def kv_write(dev: Device, qkv: Tensor, k_cache: Tensor, v_cache: Tensor, step, *
 
 def rope_kv(dev: Device, qkv: Tensor, k_cache: Tensor, v_cache: Tensor, step, *, n_q_heads: int,
             n_kv_heads: int, head_dim: int, ctx: int, rot_dim: int | None = None,
-            base: float = 10000.0, neox: bool = False) -> Op:
+            base: float = 10000.0, neox: bool = False, factors=None) -> Op:
     """rope on the q and k heads followed by kv_write, fused into one dispatch (the decode path)."""
     rot = head_dim if rot_dim is None else rot_dim
     n_rot = n_q_heads + n_kv_heads
     return _rope_op(dev, "rope_kv", "rope_kv", qkv, step, h_lo=0, n_h=n_q_heads + 2 * n_kv_heads,
                     n_rot=n_rot, head_dim=head_dim, rot_dim=rot, base=base, neox=neox,
-                    k_lo=n_q_heads, n_kv=n_kv_heads, ctx=ctx, caches=(k_cache, v_cache))
+                    k_lo=n_q_heads, n_kv=n_kv_heads, ctx=ctx, caches=(k_cache, v_cache), factors=factors)
 
 
 # ----------------------------------------------------------------------------- attention

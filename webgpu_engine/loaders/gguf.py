@@ -221,11 +221,8 @@ class GGUFFile:
             n_kv = n_kv[0]
         hidden = int(self._meta("embedding_length", required=True))
         head_dim = int(self._meta("attention.key_length", hidden // n_heads))
-        scaling = self._meta("rope.scaling.type", "none")
-        factor = float(self._meta("rope.scaling.factor", 1.0) or 1.0)
-        if scaling not in ("none", "") and factor != 1.0:
-            raise UnsupportedModelError(f"{self.where}: rope scaling {scaling!r} (factor {factor}) "
-                                        "is not implemented")
+        rot_dim = int(self._meta("rope.dimension_count", head_dim))
+        factors, scaling = self._rope_factors(rot_dim)
         tokens = self.metadata.get("tokenizer.ggml.tokens") or []
         embd = self.tensors.get("token_embd.weight")
         vocab = self._meta("vocab_size") or len(tokens) or (embd.shape[0] if embd else 0)
@@ -242,7 +239,7 @@ class GGUFFile:
             head_dim=head_dim,
             ffn_size=int(self._meta("feed_forward_length", required=True)),
             rope_base=float(self._meta("rope.freq_base", 10000.0)),
-            rot_dim=int(self._meta("rope.dimension_count", head_dim)),
+            rot_dim=rot_dim, rope_freq_factors=factors, rope_scaling=scaling,
             # llama.cpp's converter permutes llama/mistral q,k rows to adjacent-pair rope; qwen2 is NEOX
             rope_neox=arch == "qwen2",
             rms_eps=float(self._meta("attention.layer_norm_rms_epsilon", 1e-5)),
@@ -254,6 +251,24 @@ class GGUFFile:
             sliding_window=int(sliding) if sliding else None,
             name=str(self.metadata.get("general.name", "")),
         )
+
+    def _rope_factors(self, rot_dim: int) -> tuple:
+        """(per-frequency divisors or None, scaling name): `rope_freqs.weight` (Llama 3.1+: llama.cpp's
+        converter stores the llama3 factors there) or `rope.scaling.type` linear with its factor."""
+        scaling = str(self._meta("rope.scaling.type", "none") or "none")
+        factor = float(self._meta("rope.scaling.factor", 1.0) or 1.0)
+        t = self.tensors.get("rope_freqs.weight")
+        if t is not None:
+            if t.qtype != "f32" or t.numel != rot_dim // 2:
+                raise ModelFormatError(f"{self.where}: rope_freqs.weight must be f32 ({rot_dim // 2},), "
+                                       f"got {t.qtype} {t.shape}")
+            return struct.unpack(f"<{rot_dim // 2}f", bytes(t.data)), "llama3"
+        if scaling in ("none", "") or factor == 1.0:
+            return None, ""
+        if scaling == "linear":
+            return (factor,) * (rot_dim // 2), "linear"
+        raise UnsupportedModelError(f"{self.where}: rope scaling {scaling!r} (factor {factor}) is not "
+                                    f"implemented; supported: linear, llama3 (rope_freqs)")
 
     def template(self):
         """The chat template as a renderer (loaders.chat_template.ChatTemplate), or None."""

@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 
 from ..errors import ModelFormatError, UnsupportedModelError
-from .model_config import BertConfig, LlamaConfig
+from .model_config import BertConfig, LlamaConfig, llama3_rope_factors
 from .tensor_info import TensorInfo
 
 # HF architectures -> our LlamaConfig.arch
@@ -123,21 +123,20 @@ def llama_config_from_dict(c: dict, where: str = "config.json") -> LlamaConfig:
     if arch is None:
         raise UnsupportedModelError(f"{where}: architectures {archs} / model_type {c.get('model_type')!r} "
                                     f"is not supported; supported: {sorted(LLAMA_ARCHITECTURES)}")
-    scaling = c.get("rope_scaling") or {}
-    if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
-        raise UnsupportedModelError(f"{where}: rope_scaling {scaling} is not implemented")
     try:
         n_heads = int(c["num_attention_heads"])
         hidden = int(c["hidden_size"])
         head_dim = int(c.get("head_dim") or hidden // n_heads)
         eos = c.get("eos_token_id")
         sliding = c.get("sliding_window") if c.get("use_sliding_window", arch == "mistral") else None
+        rot_dim = int(head_dim * float(c.get("partial_rotary_factor", 1.0)))
+        factors, scaling = _rope_scaling(c, rot_dim, where)
         return LlamaConfig(
             arch=arch, vocab_size=int(c["vocab_size"]), hidden_size=hidden,
             n_layers=int(c["num_hidden_layers"]), n_heads=n_heads,
             n_kv_heads=int(c.get("num_key_value_heads") or n_heads), head_dim=head_dim,
             ffn_size=int(c["intermediate_size"]), rope_base=float(c.get("rope_theta", 10000.0)),
-            rot_dim=int(head_dim * float(c.get("partial_rotary_factor", 1.0))),
+            rot_dim=rot_dim, rope_freq_factors=factors, rope_scaling=scaling,
             rope_neox=True,                     # HF weights: rotate_half pairs (i, i + d/2)
             rms_eps=float(c.get("rms_norm_eps", 1e-6)),
             context_length=int(c.get("max_position_embeddings", 4096)),
@@ -150,6 +149,27 @@ def llama_config_from_dict(c: dict, where: str = "config.json") -> LlamaConfig:
         )
     except KeyError as e:
         raise ModelFormatError(f"{where} lacks {e.args[0]}") from e
+
+
+def _rope_scaling(c: dict, rot_dim: int, where: str) -> tuple:
+    """(per-frequency divisors or None, name) of config.json's `rope_scaling`: "llama3" (Llama 3.1+)
+    and "linear"; others are refused by name."""
+    rs = c.get("rope_scaling") or {}
+    kind = rs.get("rope_type", rs.get("type")) if rs else None
+    if kind in (None, "default"):
+        return None, ""
+    try:
+        factor = float(rs["factor"])
+        if kind == "linear":
+            return (factor,) * (rot_dim // 2), "linear"
+        if kind == "llama3":
+            return llama3_rope_factors(rot_dim, float(c.get("rope_theta", 10000.0)), factor,
+                                       float(rs["low_freq_factor"]), float(rs["high_freq_factor"]),
+                                       int(rs["original_max_position_embeddings"])), "llama3"
+    except KeyError as e:
+        raise ModelFormatError(f"{where}: rope_scaling {rs} lacks {e.args[0]}") from e
+    raise UnsupportedModelError(f"{where}: rope_scaling type {kind!r} is not implemented; supported: "
+                                f"linear, llama3")
 
 
 def load_llama_config(folder) -> LlamaConfig:

@@ -38,6 +38,10 @@ class LlamaConfig:
     bos_id: int | None = None
     eos_ids: list[int] = field(default_factory=list)
     sliding_window: int | None = None  # Mistral v0.1; informative (the pipeline may use it)
+    # RoPE scaling: frequency i is divided by rope_freq_factors[i] (rot_dim/2 values; None: all 1):
+    # Llama 3.1+ ("llama3": GGUF rope_freqs.weight or HF rope_scaling) and "linear" scaling
+    rope_freq_factors: tuple | None = None
+    rope_scaling: str = ""             # the scaling's name, for messages ("", "llama3", "linear")
     name: str = ""
     # derived (set in __post_init__)
     q_dim: int = field(init=False)     # n_heads * head_dim
@@ -59,6 +63,11 @@ class LlamaConfig:
         if self.rot_dim % 2 or self.rot_dim > self.head_dim:
             raise ValueError(f"rot_dim {self.rot_dim} must be even and <= head_dim {self.head_dim}")
         self.eos_ids = list(dict.fromkeys(int(i) for i in self.eos_ids))
+        if self.rope_freq_factors is not None:
+            self.rope_freq_factors = tuple(float(f) for f in self.rope_freq_factors)
+            if len(self.rope_freq_factors) != self.rot_dim // 2 or min(self.rope_freq_factors) <= 0:
+                raise ValueError(f"rope_freq_factors needs rot_dim/2 = {self.rot_dim // 2} positive values, "
+                                 f"got {len(self.rope_freq_factors)}")
         self.q_dim = self.n_heads * self.head_dim
         self.kv_dim = self.n_kv_heads * self.head_dim
         self.qkv_dim = self.q_dim + 2 * self.kv_dim
@@ -86,3 +95,25 @@ class BertConfig:
         if self.hidden_size % self.n_heads:
             raise ValueError(f"hidden_size {self.hidden_size} is not a multiple of n_heads {self.n_heads}")
         self.head_dim = self.hidden_size // self.n_heads
+
+
+def llama3_rope_factors(rot_dim: int, base: float, factor: float, low_freq_factor: float,
+                        high_freq_factor: float, original_context: int) -> tuple:
+    """Llama 3.1's RoPE scaling as divisors of the rot_dim/2 frequencies base^(-2i/rot_dim): long
+    wavelengths (beyond original_context / low_freq_factor) slowed by `factor`, short ones (below
+    original_context / high_freq_factor) kept, the band between blended smoothly. The numbers
+    llama.cpp's converter writes as rope_freqs.weight, and transformers' `llama3` rope type."""
+    import math
+    low_wl, high_wl = original_context / low_freq_factor, original_context / high_freq_factor
+    out = []
+    for i in range(rot_dim // 2):
+        wavelen = 2 * math.pi / (float(base) ** (-(2.0 * i) / rot_dim))
+        if wavelen < high_wl:
+            out.append(1.0)
+        elif wavelen > low_wl:
+            out.append(float(factor))
+        else:
+            smooth = (original_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+            out.append(1.0 / ((1 - smooth) / factor + smooth))
+    return tuple(out)
+

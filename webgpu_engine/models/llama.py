@@ -185,7 +185,8 @@ class LlamaModel:
     def _allocate(self) -> None:
         c, dev, own, dt, P = self.cfg, self.dev, self.owner, self.dtype, self.chunk
         self.step = dev.buffer(16, owner=own, label="step")                 # u32 (pos0, n_new, kv_len, 0)
-        self.rope_freq = nn.rope_frequencies(dev, c.rot_dim, c.rope_base, owner=own)
+        self.rope_freq = nn.rope_frequencies(dev, c.rot_dim, c.rope_base, owner=own,
+                                             factors=c.rope_freq_factors)
         self.ids = new_tensor(dev, (P,), "u32", owner=own, label="ids")      # (P,)
         self.x = new_tensor(dev, (P, c.hidden_size), dt, owner=own, label="x")            # residual
         self.h = new_tensor(dev, (P, c.hidden_size), dt, owner=own, label="h")            # normed
@@ -214,7 +215,7 @@ class LlamaModel:
         qkv2 = self.qkv.view((T, c.qkv_dim))
         attn, gu, ffn = self.attn.view((T, H * D)), self.gate_up.view((T, 2 * c.ffn_size)), \
             self.ffn.view((T, c.ffn_size))
-        rope_kw = dict(rot_dim=c.rot_dim, base=c.rope_base, neox=c.rope_neox)
+        rope_kw = dict(rot_dim=c.rot_dim, base=c.rope_base, neox=c.rope_neox, factors=c.rope_freq_factors)
         eps, ri = c.rms_eps, not decode         # prefill: row-invariant matmuls
         plan = FusionPlan.choose(dev, c, self.layers, self.lm_head, decode)
         rms = (self.part, eps)
