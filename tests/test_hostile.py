@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import urllib.error
 import urllib.request
@@ -374,7 +375,8 @@ async def _normal_requests(session, base: str) -> None:
         assert len((await r.json())["data"][0]["embedding"]) == 384
 
 
-async def test_hostile_corpus(server):
+async def test_hostile_corpus(server, caplog):
+    caplog.set_level(logging.WARNING, logger="webgpu_engine")
     base = server.base
     timeout = aiohttp.ClientTimeout(total=CASE_TIMEOUT)
     rss_after_first = None
@@ -398,10 +400,17 @@ async def test_hostile_corpus(server):
                 rss_after_first = _rss_bytes()
         assert not any(lm.lock.locked for lm in server.engine.models.values())
     rss_end = _rss_bytes()
+    problems = []
+    # Validation is meant to be total: the server's last-resort 400 (and any 500) never triggers.
+    problems += [f"log: {r.getMessage()}" for r in caplog.records
+                 if "failed past validation" in r.getMessage() or "unexpected error" in r.getMessage()]
     slow = {k: round(v, 3) for k, v in worst_health.items() if v > HEALTH_BUDGET}
-    assert not slow, f"/health slower than {HEALTH_BUDGET * 1e3:.0f} ms during: {slow}"
-    assert rss_end <= rss_after_first * 1.10, \
-        f"RSS grew from {rss_after_first >> 20} MiB to {rss_end >> 20} MiB over the corpus"
+    if slow:
+        problems.append(f"/health slower than {HEALTH_BUDGET * 1e3:.0f} ms during: {slow}")
+    if rss_end > rss_after_first * 1.10:
+        problems.append(f"RSS grew from {rss_after_first >> 20} MiB after the first batch to "
+                        f"{rss_end >> 20} MiB after the corpus (over 10%)")
+    assert not problems, "\n".join(problems)
 
 
 # --------------------------------------------------------------------------- property-based fuzz
