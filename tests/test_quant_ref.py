@@ -73,6 +73,21 @@ def test_q3_k_scales_by_hand():
         assert got[0, i] == (low | (((q[8 + i % 4] >> (2 * (i // 4))) & 3) << 4)) - 32
 
 
+def test_type_tables_agree():
+    """Every weight type the kernels read: the loader, the kernels' table, this reference and ggml
+    agree on its block (weights, file bytes); a quantized GPU block is whole u32 words."""
+    from webgpu_engine.kernels.qtypes import QTYPE
+    from webgpu_engine.loaders.tensor_info import QTYPE_BLOCK, SUPPORTED_QTYPES
+    assert set(SUPPORTED_QTYPES) == set(QTYPE)
+    for name, t in QTYPE.items():
+        assert QTYPE_BLOCK[name] == (t.block, t.file_bytes), name
+        assert (t.pad_at is None) == (t.gpu_bytes == t.file_bytes), name
+        if t.quantized:
+            assert t.gpu_bytes % 4 == 0, name
+            assert qr.BLOCK[name] == (t.file_bytes, t.block), name
+            assert gq.GGML_QUANT_SIZES[GGUF_TYPE[name]] == (t.block, t.file_bytes), name
+
+
 def test_iq4_table_is_ggml_table():
     assert qr.KVALUES_IQ4NL.tolist() == list(gq.IQ4_NL.kvalues)
 

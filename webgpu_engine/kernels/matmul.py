@@ -9,6 +9,7 @@ embedding dispatch once per buffer.
 Kernels: `shaders/matmul.wgsl` (generic loop) and `shaders/embedding.wgsl`, each compiled together
 with one `shaders/matmul_<qtype>.wgsl` (the weight binding and its dequantization of 32 weights),
 or for the types in DEQUANT_WGSL `shaders/matmul_words.wgsl` plus the shared `shaders/dequant.wgsl`.
+Weight types and their block geometry: `kernels/qtypes.py`.
 T = 1 on CPU adapters: `shaders/matmul_decode.wgsl` (the K loop unrolled by the host) and, for
 Q4_0/Q4_1/Q8_0, `shaders/matmul_decode_v4.wgsl` (the same, weights read as vec4<u32>).
 Page code: standard library only.
@@ -24,30 +25,14 @@ from ..gpu.shaders import load_shader_source
 from .common import DTYPE_SIZE, XREAD, Op, Tensor, act_header, check, params, placeholder, wmap_header
 from .common import window as _window
 from . import matmul_tiled
+from .qtypes import QTYPE, QTYPES
 
-QTYPES = ("f32", "f16", "bf16", "q4_0", "q4_1", "q8_0", "q4_k", "q6_k", "q5_0", "q5_1", "iq4_nl", "q5_k",
-          "q3_k", "q2_k", "iq4_xs")
-
-# qtype → (file bytes per block, weights per block, GPU bytes per block, byte where the repack
-# inserts zero padding or None when the file layout is used as it is)
-_BLOCKS = {
-    "q4_0": (18, 32, 20, 2),      # d | pad | qs[16]
-    "q4_1": (20, 32, 20, None),
-    "q8_0": (34, 32, 36, 2),      # d | pad | qs[32]
-    "q4_k": (144, 256, 144, None),
-    "q6_k": (210, 256, 212, 210),  # ql | qh | scales | d | pad
-    "q5_0": (22, 32, 24, 2),      # d | pad | qh | qs[16]
-    "q5_1": (24, 32, 24, None),
-    "iq4_nl": (18, 32, 20, 2),    # d | pad | qs[16]
-    "q5_k": (176, 256, 176, None),
-    "q3_k": (110, 256, 112, 110),  # hmask | qs | scales | d | pad
-    "q2_k": (84, 256, 84, None),
-    "iq4_xs": (136, 256, 136, None),
-}
-# types decoded by shaders/dequant.wgsl (one decode for every kernel; the others have their own
-# matmul_<qtype>.wgsl and matmul_tiled.wgsl wb_<qtype>)
-DEQUANT_WGSL = ("q5_0", "q5_1", "iq4_nl", "q5_k", "q3_k", "q2_k", "iq4_xs")
-_FLOAT_BYTES = {"f32": 4, "f16": 2, "bf16": 2}
+# from the one table of weight types (kernels/qtypes.py): qtype → (file bytes per block, weights per
+# block, GPU bytes per block, byte where the repack inserts zero padding or None)
+_BLOCKS = {t.name: (t.file_bytes, t.block, t.gpu_bytes, t.pad_at) for t in QTYPE.values() if t.quantized}
+# types decoded by shaders/dequant.wgsl (one decode for every kernel)
+DEQUANT_WGSL = tuple(t.name for t in QTYPE.values() if t.decode == "dequant")
+_FLOAT_BYTES = {t.name: t.file_bytes for t in QTYPE.values() if not t.quantized}
 _STAGE_BYTES = 32 << 20    # most file bytes staged at once for a GPU repack
 _MAX_GROUPS = 65535
 

@@ -17,16 +17,12 @@ from typing import TYPE_CHECKING
 from ..gpu import Device
 from ..gpu.shaders import load_shader_source
 from .common import DTYPE_SIZE, XREAD, Op, Tensor, act_header, check, params, placeholder, window, wmap_header
+from .qtypes import QTYPE, QTYPES
 
 if TYPE_CHECKING:  # pragma: no cover
     from .matmul import QWeight
 
-QTYPES = ("f32", "f16", "bf16", "q4_0", "q4_1", "q8_0", "q4_k", "q6_k", "q5_0", "q5_1", "iq4_nl", "q5_k",
-          "q3_k", "q2_k", "iq4_xs")
-_QK = {"q4_0": 32, "q4_1": 32, "q8_0": 32, "q4_k": 256, "q6_k": 256, "q5_0": 32, "q5_1": 32,
-       "iq4_nl": 32, "q5_k": 256, "q3_k": 256, "q2_k": 256, "iq4_xs": 256}   # weights per block
-# types decoded by shaders/dequant.wgsl (as matmul.DEQUANT_WGSL; this module does not import matmul)
-_DEQUANT_WGSL = ("q5_0", "q5_1", "iq4_nl", "q5_k", "q3_k", "q2_k", "iq4_xs")
+_QK = {t.name: t.block for t in QTYPE.values() if t.quantized}   # weights per block
 _MAX_GROUPS = 65535
 _MAX_TM = 32               # accumulators written out in the shader
 _WG_BYTES = 32768          # workgroup memory WebGPU guarantees (and lavapipe's maximum)
@@ -65,9 +61,8 @@ def default_config(dev: Device, qtype: str = "q4_1") -> TiledConfig:
 
 # --------------------------------------------------------------------------- helpers
 # u32 words of one 32-wide chunk of a row; K-quants: words per 256-wide super-block (8 chunks)
-_CHUNK_WORDS = {"f32": 32, "f16": 16, "bf16": 16, "q4_0": 5, "q4_1": 5, "q8_0": 9, "q5_0": 6, "q5_1": 6,
-                "iq4_nl": 5}
-_SUPER_WORDS = {"q4_k": 36, "q6_k": 53, "q5_k": 44, "q3_k": 28, "q2_k": 21, "iq4_xs": 34}
+_CHUNK_WORDS = {t.name: t.chunk_words for t in QTYPE.values() if t.block <= 32}
+_SUPER_WORDS = {t.name: t.block_words for t in QTYPE.values() if t.block == 256}
 
 
 def _k_blocks(qtype: str, nch: int, kmax: int) -> int:
@@ -85,7 +80,7 @@ def _pipeline(dev: Device, w: "QWeight", dtype: str, kblk: int, cfg: TiledConfig
     # the K loop written out (see `step` in the shader for why)
     steps = "".join(f"    step({g}u, {g % 2}u, {min(kb, kblk - g * kb)}u, base, t0, lid);\n"
                     for g in range(ng))
-    if qtype in _DEQUANT_WGSL:
+    if QTYPE[qtype].decode == "dequant":
         # dequant.wgsl's decode, expanded to plain values; its blocks are vec4-aligned (BA) when both
         # the block and the row are whole vec4 words
         block_words = _SUPER_WORDS.get(qtype) or _CHUNK_WORDS[qtype]

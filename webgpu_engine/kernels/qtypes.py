@@ -1,0 +1,60 @@
+"""The weight types the matmul and embedding kernels read: one row per type, the rest derived.
+
+A quantised type is stored in blocks of `block` weights: `file_bytes` per block in the GGUF file,
+`gpu_bytes` on the GPU. Where they differ, the upload repack (copy.wgsl repack_blocks) inserts
+gpu_bytes - file_bytes zero bytes at byte `pad_at` of each block so that kernels read whole u32
+words. `decode` says where the WGSL decode of 32 weights lives: "dequant" — `shaders/dequant.wgsl`
+`dq_<qtype>`, shared by every kernel family; "own" — `shaders/matmul_<qtype>.wgsl` `wchunk` for the
+row kernels and `shaders/matmul_tiled.wgsl` `wb_<qtype>` for the tiled one. Float rows (f32, f16,
+bf16) are blocks of one weight. Page code: standard library only.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class QType:
+    name: str
+    block: int                # weights per block
+    file_bytes: int           # bytes per block in the file
+    gpu_bytes: int            # bytes per block on the GPU
+    pad_at: int | None = None  # byte where the upload repack inserts the padding
+    decode: str = "own"       # "own" | "dequant" (see the module docstring)
+
+    @property
+    def quantized(self) -> bool:
+        return self.block > 1
+
+    @property
+    def chunk_words(self) -> int:
+        """u32 words per 32 weights (types with 32-weight or smaller blocks)."""
+        return 32 * self.gpu_bytes // self.block // 4
+
+    @property
+    def block_words(self) -> int:
+        """u32 words per block on the GPU."""
+        return self.gpu_bytes // 4
+
+
+_TYPES = [
+    QType("f32", 1, 4, 4),
+    QType("f16", 1, 2, 2),
+    QType("bf16", 1, 2, 2),
+    QType("q4_0", 32, 18, 20, 2),          # d | pad | qs[16]
+    QType("q4_1", 32, 20, 20),
+    QType("q8_0", 32, 34, 36, 2),          # d | pad | qs[32]
+    QType("q4_k", 256, 144, 144),
+    QType("q6_k", 256, 210, 212, 210),     # ql | qh | scales | d | pad
+    QType("q5_0", 32, 22, 24, 2, "dequant"),       # d | pad | qh | qs[16]
+    QType("q5_1", 32, 24, 24, None, "dequant"),
+    QType("iq4_nl", 32, 18, 20, 2, "dequant"),     # d | pad | qs[16]
+    QType("q5_k", 256, 176, 176, None, "dequant"),
+    QType("q3_k", 256, 110, 112, 110, "dequant"),  # hmask | qs | scales | d | pad
+    QType("q2_k", 256, 84, 84, None, "dequant"),
+    QType("iq4_xs", 256, 136, 136, None, "dequant"),
+]
+QTYPE = {t.name: t for t in _TYPES}
+QTYPES = tuple(QTYPE)
+
+__all__ = ["QType", "QTYPE", "QTYPES"]
