@@ -236,3 +236,45 @@ def test_rope_scaling_over_300_positions(device, tmp_path, fmt, scaling):
         assert np.abs(plain - want).max() > 50 * 2e-3
     finally:
         f.close()
+
+
+def test_llama3_rope_scaling_matches_transformers(device, tmp_path):
+    """The tiny Llama with rope_type llama3 of tests/fixtures/make_llama3_rope.py: our logits at
+    positions up to 319 (five times the scaling's original context) within 1e-3 of transformers'
+    (relative to the largest logit), and the same 16 greedy tokens after 300."""
+    import json
+    from pathlib import Path
+
+    from webgpu_engine.loaders.hf_config import load_llama_config
+    from webgpu_engine.loaders.safetensors import SafetensorsFolder
+    ref = json.loads((Path(__file__).parent / "fixtures" / "llama3_rope_transformers.json").read_text())
+    tm = _tiny_cases()
+    info = tm.write_tiny_llama_safetensors(tmp_path / "llama3", rope_scaling=ref["scaling"], **ref["dims"])
+    cfg = load_llama_config(info["folder"])
+    ids = [int(i) for i in np.random.default_rng(ref["seq_seed"]).integers(3, cfg.vocab_size, ref["seq_len"])]
+    f = SafetensorsFolder(info["folder"])
+    m = LlamaModel(device, cfg, f.weights("llama"), owner="test:llama", context_window=512, prefill_chunk=128)
+
+    def prefill(n):
+        for p0 in range(0, n, 128):
+            b = device.batch()
+            m.record_prefill(b, ids[p0:min(p0 + 128, n)], p0)
+            device.submit(b)
+        return np.frombuffer(device.read_sync(m.logits.buf, 0, m.logits.nbytes), np.float32)
+    try:
+        for r, want in zip(ref["rows"], ref["logits"]):
+            got, want = prefill(r + 1), np.asarray(want)
+            assert np.abs(got - want).max() <= 1e-3 * np.abs(want).max(), f"position {r}"
+        logits, pos, greedy = prefill(ref["prompt_len"]), ref["prompt_len"], []
+        for _ in range(len(ref["greedy"])):
+            greedy.append(int(np.argmax(logits)))
+            device.write(m.ids.buf, struct.pack("<I", greedy[-1]))
+            b = device.batch()
+            m.record_decode(b, pos)
+            device.submit(b)
+            logits = np.frombuffer(device.read_sync(m.logits.buf, 0, m.logits.nbytes), np.float32)
+            pos += 1
+        assert greedy == ref["greedy"]
+    finally:
+        m.release()
+        f.close()
