@@ -142,6 +142,7 @@ SAMPLING = [
     chat("max_tokens 0", param="max_tokens", max_tokens=0),
     chat("max_tokens -1", param="max_tokens", max_tokens=-1),
     chat("max_tokens float", param="max_tokens", max_tokens=1e30),
+    chat("max_tokens 10^30 (the context bounds it)", 200, max_tokens=10 ** 30, temperature=0),
     chat("max_tokens string", param="max_tokens", max_tokens="5"),
     chat("max_tokens bool", param="max_tokens", max_tokens=True),
     chat("max_completion_tokens 0", param="max_tokens", max_completion_tokens=0, max_tokens=None),
