@@ -199,6 +199,18 @@ def test_unexpected_error_is_500_without_internals(server, monkeypatch):
     assert _client(server).chat.completions.create(model="stub-llm", messages=U, max_tokens=1).choices
 
 
+def test_client_faults_past_validation_are_400_not_500(server, monkeypatch):
+    async def bad_value(*a, **kw):
+        raise ValueError("a value no rule caught")
+    monkeypatch.setattr(StubLLM, "prefill_step", bad_value)
+    with pytest.raises(openai.BadRequestError) as ei:
+        _client(server).chat.completions.create(model="stub-llm", messages=U)
+    assert ei.value.body["code"] == "invalid_request" and "ValueError" in ei.value.body["message"]
+    assert "a value no rule caught" not in ei.value.body["message"]
+    monkeypatch.undo()
+    assert not server.engine.models["stub-llm"].lock.locked
+
+
 def _preflight(s, origin):
     return _http(s.url + "/chat/completions", method="OPTIONS",
                  headers={"Origin": origin, "Access-Control-Request-Method": "POST"})

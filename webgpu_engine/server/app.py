@@ -270,6 +270,12 @@ async def _sse(request: web.Request, stream, model_for_metrics: str) -> web.Stre
         err = {"error": {"message": e.message, "type": e.error_type, "param": e.param,
                          "code": type(e).__name__}}
         await resp.write(b"data: " + json.dumps(err).encode() + b"\n\n")
+    except _CLIENT_FAULTS as e:
+        log.warning("request data failed past validation in a stream (%s)", type(e).__name__,
+                    exc_info=True)
+        err = {"error": {"message": f"The request could not be processed ({type(e).__name__}).",
+                         "type": "invalid_request_error", "param": None, "code": "invalid_request"}}
+        await resp.write(b"data: " + json.dumps(err).encode() + b"\n\n")
     except Exception:  # noqa: BLE001
         log.exception("stream failed")
         err = {"error": {"message": "Internal server error; see the server log.", "type": "server_error",
