@@ -12,7 +12,7 @@ from gguf import GGUFReader
 from webgpu_engine.kernels import quant_ref as qr
 from webgpu_engine.kernels.common import Tensor, new_tensor, run_ops
 from webgpu_engine.kernels import nn, nn_ref
-from webgpu_engine.kernels.matmul import (QTYPES, MatmulConfig, NormOut, RopeKV, _grid, embedding,
+from webgpu_engine.kernels.matmul import (MIXED, QTYPES, MatmulConfig, NormOut, RopeKV, _grid, embedding,
                                           epilogue_ok, gpu_row_bytes, interleave_pairs, matmul,
                                           upload_vector, upload_weight)
 
@@ -473,6 +473,44 @@ def test_epilogue_ok_needs_one_buffer(device):
     n_fit = limit // (k * 4) // 4 * 4
     assert epilogue_ok(device, "f32", n_fit, k, force=True)
     assert not epilogue_ok(device, "f32", n_fit + 4, k, force=True)
+
+
+# --------------------------------------------------------------------------- parts of different types
+@pytest.mark.parametrize("act", ["f32", "f16"])
+def test_mixed_type_parts(device, act):
+    """A fused projection whose parts differ in type (Q4_K_M files store attn_v in Q6_K beside
+    Q4_K attn_q / attn_k): one MIXED weight whose rows keep their places. Against numpy at T = 1
+    (decode; also with the RMSNorm fused in), 7, 37 and row-invariant, with bias and accumulate;
+    fused epilogues are refused."""
+    rng = np.random.default_rng(11)
+    k = 512
+    spec = [("q4_k", 64), ("q4_k", 32), ("q6_k", 32), ("q5_0", 8)]
+    raws = [qr.random_weight(qt, rows, k, rng) for qt, rows in spec]
+    W = np.concatenate([qr.dequantize(r, qt, rows, k) for r, (qt, rows) in zip(raws, spec)])
+    n = W.shape[0]
+    w = upload_weight(device, raws, [qt for qt, _ in spec], n, k, owner=OWNER, label="qkv")
+    assert w.qtype == MIXED and [s.qtype for s in w.subs] == ["q4_k", "q6_k", "q5_0"]
+    assert not epilogue_ok(device, w.qtype, n, k, force=True)
+    b = rng.standard_normal(n).astype(np.float32)
+    for T, kw in [(1, {}), (7, {}), (37, {}), (5, {"row_invariant": True})]:
+        x = rng.standard_normal((T, k)).astype(NP[act])
+        y0 = rng.standard_normal((T, n)).astype(NP[act])
+        yt = _tensor(device, y0, act, 3)
+        run_ops(device, matmul(device, _tensor(device, x, act, 8), w, yt, bias=_tensor(device, b, "f32", 1),
+                               accumulate=True, **kw))
+        ref = x.astype(np.float64) @ W.T + b + y0.astype(np.float64)
+        assert rel_err(_read(device, yt), ref) < TOL[act], f"T={T} {kw}"
+    x = rng.standard_normal((1, k)).astype(NP[act])
+    g = rng.standard_normal(k).astype(np.float32)
+    xd = x.astype(np.float64)
+    yt = new_tensor(device, (1, n), act, owner=OWNER)
+    run_ops(device, matmul(device, _tensor(device, x, act), w, yt, norm=(_tensor(device, g, "f32"), 1e-5)))
+    assert rel_err(_read(device, yt), (xd / np.sqrt((xd ** 2).mean() + 1e-5) * g) @ W.T) < TOL[act]
+    with pytest.raises(ValueError, match="fused epilogue"):
+        matmul(device, _tensor(device, x, act), w, new_tensor(device, (1, n // 2), act, owner=OWNER),
+               silu_out=True)
+    with pytest.raises(ValueError, match="rows"):
+        upload_weight(device, raws, [qt for qt, _ in spec], n + 4, k, owner=OWNER)
 
 
 # --------------------------------------------------------------------------- row-invariant (prefill)

@@ -101,6 +101,7 @@ class QWeight:
     label: str = ""
     parts: list = field(default_factory=list)   # (first row, rows) per buffer
     inter_full: int = 0          # interleaved layout: vec4 words in whole 32-row groups (0: rows)
+    subs: list = field(default_factory=list)   # qtype MIXED: one QWeight per run of same-type parts
 
     def release(self) -> None:
         for b in self.bufs:
@@ -135,12 +136,18 @@ def _grid(groups: int) -> tuple[int, int]:
     return max(x, 1), max(1, -(-groups // _MAX_GROUPS))
 
 
-def upload_weight(dev: Device, parts, qtype: str, n: int, k: int, *, owner: str, label: str = "",
+def upload_weight(dev: Device, parts, qtype, n: int, k: int, *, owner: str, label: str = "",
                   max_binding: int | None = None, interleave: bool | None = None) -> QWeight:
     """Upload a (n, k) weight given as one or several byte buffers of whole rows concatenated along
     n (fused QKV or gate+up). `max_binding` (default: the device's limit) caps bytes per buffer.
     `interleave` (default: as the device's MatmulConfig says) stores a single-buffer Q4_0/Q4_1/Q8_0
-    weight in interleaved 4-row spans (see MatmulConfig.interleave)."""
+    weight in interleaved 4-row spans (see MatmulConfig.interleave). `qtype`: the type of every
+    part, or a list with one type per part — K-quant files store some tensors of a fused matrix in
+    a wider type (Q4_K_M: attn_v in Q6_K beside Q4_K attn_q / attn_k); parts of different types
+    make a MIXED weight (see _upload_mixed)."""
+    if not isinstance(qtype, str):
+        return _upload_mixed(dev, parts, list(qtype), n, k, owner=owner, label=label,
+                             max_binding=max_binding, interleave=interleave)
     _check_shape(qtype, n, k, "upload_weight")
     if isinstance(parts, (bytes, bytearray, memoryview)) or hasattr(parts, "__array_interface__"):
         parts = [parts]
@@ -185,6 +192,50 @@ def upload_weight(dev: Device, parts, qtype: str, n: int, k: int, *, owner: str,
         for b in bufs:
             b.release()
         raise
+
+
+MIXED = "mixed"   # QWeight.qtype of a weight whose parts have different types
+
+
+def _upload_mixed(dev: Device, parts, qtypes: list, n: int, k: int, *, owner: str, label: str,
+                  max_binding: int | None, interleave: bool | None) -> QWeight:
+    """Parts of one weight in different types: each run of same-type parts is its own QWeight
+    (`subs`) whose rows keep their place in the whole (its parts' first rows and `n` are those of
+    the whole weight, so its kernels write its rows of y); matmul runs one matmul per sub-weight.
+    Every type alike: an ordinary weight."""
+    if isinstance(parts, (bytes, bytearray, memoryview)) or hasattr(parts, "__array_interface__"):
+        parts = [parts]
+    check(len(qtypes) == len(parts), "upload_weight", f"{label}: {len(qtypes)} types for {len(parts)} parts")
+    if len(set(qtypes)) == 1:
+        return upload_weight(dev, parts, qtypes[0], n, k, owner=owner, label=label, max_binding=max_binding,
+                             interleave=interleave)
+    runs: list = []                          # [qtype, [views], rows]
+    for qt, p in zip(qtypes, parts):
+        _check_shape(qt, n, k, "upload_weight")
+        v, frow = _bytes_view(p), file_row_bytes(qt, k)
+        check(v.nbytes % frow == 0, "upload_weight", f"{label}: a {qt} part is not a whole number of rows")
+        if runs and runs[-1][0] == qt:
+            runs[-1][1].append(v)
+            runs[-1][2] += v.nbytes // frow
+        else:
+            runs.append([qt, [v], v.nbytes // frow])
+    check(sum(r[2] for r in runs) == n, "upload_weight",
+          f"{label}: the parts hold {sum(r[2] for r in runs)} rows, a ({n}, {k}) weight has {n}")
+    subs: list = []
+    try:
+        r0 = 0
+        for qt, views, rows in runs:
+            s = upload_weight(dev, views, qt, rows, k, owner=owner, label=f"{label}:{qt}",
+                              max_binding=max_binding, interleave=False)
+            s.n, s.parts = n, [(r0 + a, c) for a, c in s.parts]
+            subs.append(s)
+            r0 += rows
+    except BaseException:
+        for s in subs:
+            s.release()
+        raise
+    return QWeight([b for s in subs for b in s.bufs], 0, n, k, MIXED, sum(s.nbytes for s in subs), 0, label,
+                   [p for s in subs for p in s.parts], subs=subs)
 
 
 def _interleave(dev: Device, w: QWeight, owner: str, label: str) -> None:
@@ -417,6 +468,10 @@ def matmul(dev: Device, x: Tensor, w: QWeight, y: Tensor, *, bias: Tensor | None
     chosen by the weight and the device alone — the tiled kernel for every T where the device's
     strategy tiles and the weight allows, else matmul.wgsl, whose row kernel and 4-row tile do the
     same sums per row. No fused input or epilogue."""
+    if w.subs:       # parts of different types (upload_weight): one matmul per sub-weight
+        return _matmul_parts(dev, x, w, y, bias=bias, accumulate=accumulate, config=config, norm=norm,
+                             silu=silu, rms_from=rms_from, row_invariant=row_invariant,
+                             epilogue=silu_out or rope_kv is not None or norm_out is not None)
     cfg = config or default_config(dev)
     eps_set = [silu_out, rope_kv is not None, norm_out is not None]
     ep = "silu" if silu_out else "rope_kv" if rope_kv is not None else \
@@ -490,6 +545,18 @@ def matmul(dev: Device, x: Tensor, w: QWeight, y: Tensor, *, bias: Tensor | None
         p = _params(dev, w, y, T, rows, r0, x_off, y_off, b_off, bias is not None, accumulate)
         op.buffers.append(p)
         op.add(pipe, dev.bind(pipe, [p, xb, buf, yb, bb]), groups, tiles)
+    return op
+
+
+def _matmul_parts(dev: Device, x: Tensor, w: QWeight, y: Tensor, *, epilogue: bool, **kw) -> Op:
+    """A MIXED weight: each sub-weight writes its own rows of y with the same inputs and options
+    (fused inputs apply per row; bias and accumulate per output). Fused epilogues need every row
+    of a projection in one kernel, so they are refused (epilogue_ok is False for MIXED)."""
+    check(not epilogue, "matmul", f"{w.label}: a weight whose parts have different types "
+          f"({', '.join(s.qtype for s in w.subs)}) takes no fused epilogue")
+    op = Op(name=f"matmul[{w.label}]")
+    for s in w.subs:
+        op = op + matmul(dev, x, s, y, **kw)
     return op
 
 
@@ -621,6 +688,7 @@ def interleave_pairs(gate, up, qtype: str, k: int) -> bytes:
 def embedding(dev: Device, ids: Tensor, table: QWeight, out: Tensor, *, wg: int = 64) -> Op:
     """out[t, :] = table[ids[t], :] as activations. ids (T,) u32, table (V, C), out (T, C) f32/f16."""
     check(ids.dtype in ("u32", "i32") and len(ids.shape) == 1, "embedding", "ids must be a (T,) u32 tensor")
+    check(not table.subs, "embedding", f"{table.label}: a table whose parts have different types")
     T = ids.shape[0]
     C = table.k
     check(tuple(out.shape) == (T, C), "embedding", f"out is {out.shape}, expected ({T}, {C})")
@@ -656,6 +724,6 @@ def upload_vector(dev: Device, data, *, dtype: str = "f32", owner: str, label: s
     return Tensor(dev.upload(raw, owner=owner, label=label), (n,), "f32")
 
 
-__all__ = ["QTYPES", "QWeight", "MatmulConfig", "RopeKV", "default_config", "upload_weight", "matmul",
+__all__ = ["QTYPES", "MIXED", "QWeight", "MatmulConfig", "RopeKV", "default_config", "upload_weight", "matmul",
            "fusable", "epilogue_ok", "interleave_pairs", "embedding", "upload_vector", "file_row_bytes",
            "gpu_row_bytes"]
