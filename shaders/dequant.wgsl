@@ -3,7 +3,7 @@
 // decode kernel and its epilogues, embedding.wgsl, matmul_tiled.wgsl).
 //
 // `dq_<qtype>(base, c) -> WChunk` decodes chunk c (32 weights, columns 32c..32c+31) of the row whose
-// first u32 word is `base` (GPU layout: kernels/matmul.py _BLOCKS), as quants q and affine scales s:
+// first u32 word is `base` (GPU layout: kernels/qtypes.py), as quants q and affine scales s:
 // value[i] = q[i] * s.x + s.z for the first 16 weights (i < 4), q[i] * s.y + s.w for the next 16.
 // The including kernel provides the struct WChunk and the weight readers
 //   wword(a) -> u32         word a of the row layout

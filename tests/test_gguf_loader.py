@@ -225,3 +225,18 @@ def test_tiny_gguf_k_quants(tmp_path, qtype, tol):
         assert 0 < err < tol, (name, err)
     with pytest.raises(ValueError, match="multiple of the q4_k block"):
         write_tiny_llama_gguf(tmp_path / "bad.gguf", qtype="q4_k")
+
+
+def test_tiny_gguf_k_quant_mix(tmp_path):
+    """A Q4_K_M-style mix (v and down in Q6_K, the rest Q4_K): the loader reports each tensor's type
+    and its bytes dequantize to the weights the writer encoded."""
+    from tinymodels import write_tiny_llama_gguf
+    info = write_tiny_llama_gguf(tmp_path / "mix.gguf", qtype="q4_k", embed_qtype="q6_k", seed=1,
+                                 tensor_qtypes={"v": "q6_k", "down": "q6_k"}, hidden_size=256,
+                                 ffn_size=512, n_layers=1)
+    w = GGUFFile(info["path"]).weights()
+    assert {n.split(".")[-1]: t.qtype for n, t in w.items() if n.startswith("layers.0.") and len(t.shape) == 2} \
+        == {"q": "q4_k", "k": "q4_k", "v": "q6_k", "o": "q4_k", "gate": "q4_k", "up": "q4_k", "down": "q6_k"}
+    assert w["embed"].qtype == "q6_k" and w["lm_head"].qtype == "q4_k"
+    for name, t in w.items():
+        np.testing.assert_array_equal(_dequant(t), info["weights"][name], err_msg=name)

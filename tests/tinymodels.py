@@ -331,12 +331,14 @@ _K_QUANTIZERS = {"q4_k": quantize_q4_k, "q6_k": quantize_q6_k, "q5_k": quantize_
 # ============================================================================ GGUF
 def write_tiny_llama_gguf(path, arch: str = "llama", qtype: str = "f32", seed: int = 0, *,
                           embed_qtype: str | None = None, pad_rows: int = 0, rope_scaling: dict | None = None,
-                          **dims) -> dict:
+                          tensor_qtypes: dict | None = None, **dims) -> dict:
     """Write a tiny llama/qwen2 GGUF. Matrices in `qtype` (f32 f16 q8_0 q4_0 q4_1 q5_0 q5_1 iq4_nl, or
     q4_k q5_k q6_k q3_k q2_k iq4_xs with hidden_size/ffn_size multiples of 256; the embedding in
     `embed_qtype`, default the same), norms and biases f32. `pad_rows`: embedding / LM-head rows past
     the tokenizer's vocabulary (as Qwen2.5 pads 151665 tokens to 151936 rows), their LM-head rows
-    scaled up so that they would win the sampling if they were not masked. Returns
+    scaled up so that they would win the sampling if they were not masked. `tensor_qtypes`: per
+    matrix (our last name part: q k v o gate up down lm_head) a type other than `qtype`, for mixes
+    such as Q4_K_M's ({"v": "q6_k", "down": "q6_k"}). Returns
     {path, arch, config (LlamaConfig our loader must produce), rope_neox, qtypes {our name: qtype},
     weights {our name: f32 array as stored and dequantized: what the GPU sees, q/k in file layout},
     hf_weights {same, q/k in HF layout}, tokens, merges, chat_template}."""
@@ -356,6 +358,8 @@ def write_tiny_llama_gguf(path, arch: str = "llama", qtype: str = "f32", seed: i
     qtypes, stored, gpu, hf_deq = {}, {}, {}, {}
     for name, w in hf.items():
         qt = (embed_qtype or qtype) if name == "embed" else (qtype if _is_matrix(name) else "f32")
+        if _is_matrix(name) and name != "embed":       # a K-quant mix: e.g. {"v": "q6_k", "down": "q6_k"}
+            qt = (tensor_qtypes or {}).get(name.split(".")[-1], qt)
         if qt in ("f32", "f16"):
             raw = w.astype(np.float32 if qt == "f32" else np.float16)
             deq = raw.astype(np.float32)
