@@ -42,8 +42,8 @@ JSON = {"Content-Type": "application/json"}
 OVER_LIMIT = [
     ("n=17", "/v1/chat/completions", {"model": LLM_ID, "messages": [{"role": "user", "content": "hi"}],
                                       "n": 17, "max_tokens": 2}, JSON),
-    ("5 stop strings", "/v1/chat/completions", {"model": LLM_ID, "messages": [{"role": "user", "content": "hi"}],
-                                                "stop": list("abcde")}, JSON),
+    ("5 stop strings", "/v1/chat/completions",
+     {"model": LLM_ID, "messages": [{"role": "user", "content": "hi"}], "stop": list("abcde")}, JSON),
     ("301 logit_bias", "/v1/completions", {"model": LLM_ID, "prompt": "a",
                                            "logit_bias": {str(i): 1 for i in range(301)}}, JSON),
     ("2049 inputs", "/v1/embeddings", {"model": EMB_ID, "input": ["x"] * 2049}, JSON),
@@ -140,7 +140,8 @@ async def client(i: int, base: str, stop_at: float, stats: Stats, seed: int) -> 
 
 def _chat_body(rng: random.Random, lo: int, hi: int, **kw) -> dict:
     return {"model": LLM_ID, "max_tokens": rng.randint(lo, hi), "temperature": rng.choice([0, 0.7, 1.0]),
-            "messages": [{"role": "user", "content": f"Write one sentence about {rng.choice(TOPICS)}."}], **kw}
+            "messages": [{"role": "user", "content": f"Write one sentence about {rng.choice(TOPICS)}."}],
+            **kw}
 
 
 async def _post(s, base: str, path: str, body, headers=None) -> tuple[str, str | None]:
@@ -214,7 +215,8 @@ async def main() -> None:
     ap.add_argument("--request-timeout", type=float, default=120.0)
     ap.add_argument("--rss-every", type=float, default=10.0)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--url", default=None, help="a server already running on 127.0.0.1 (its RSS is not sampled)")
+    ap.add_argument("--url", default=None,
+                    help="a server already running on 127.0.0.1 (its RSS is not sampled)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "soak.json")
     a = ap.parse_args()
     proc = None
@@ -268,7 +270,8 @@ async def main() -> None:
           + (f" ({Counter(stats.unexpected).most_common(5)})" if stats.unexpected else ""))
     if rss:
         first = rss[0][1]
-        print("server RSS (MiB) over time: " + ", ".join(f"{t:.0f}s {m:.0f}" for t, m in rss if m is not None))
+        print("server RSS (MiB) over time: "
+              + ", ".join(f"{t:.0f}s {m:.0f}" for t, m in rss if m is not None))
         last = rss[-1][1]
         if first and last:
             print(f"RSS {first:.0f} -> {last:.0f} MiB ({100 * (last / first - 1):+.1f}%)")
@@ -276,7 +279,8 @@ async def main() -> None:
         print(f"exit after SIGTERM: {exit_s:.1f} s")
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps({
-        "host": platform.platform(), "cpus": os.cpu_count(), "load_average_1m": [load_start, os.getloadavg()[0]],
+        "host": platform.platform(), "cpus": os.cpu_count(),
+        "load_average_1m": [load_start, os.getloadavg()[0]],
         "config": {"duration_s": a.duration, "clients": a.clients, "max_queue": a.max_queue,
                    "request_timeout_s": a.request_timeout, "seed": a.seed},
         "wall_s": wall, "served": served, "unexpected": len(stats.unexpected),

@@ -304,7 +304,8 @@ def test_api_key_and_device_lost(fresh_device):
         assert st == 200
         st, _, body = _http(s.base + "/metrics")         # metrics do
         assert st == 401 and _assert_openai_error(body)["code"] == "invalid_api_key"
-        for auth in ("Bearer sekre", "Bearer sekrett", "sekret", "Bearer s\u00e9kret".encode().decode("latin-1")):
+        wrong = ("Bearer sekre", "Bearer sekrett", "sekret", "Bearer s\u00e9kret".encode().decode("latin-1"))
+        for auth in wrong:
             assert _http(s.base + "/metrics", headers={"Authorization": auth})[0] == 401
         assert _http(s.base + "/metrics", headers={"Authorization": "Bearer sekret"})[0] == 200
         good = openai.OpenAI(base_url=s.url, api_key="sekret", max_retries=0)

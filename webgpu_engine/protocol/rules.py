@@ -395,5 +395,6 @@ def _token_budget(n_tokens: int, lim: RequestLimits) -> None:
                                  "Split the inputs over several requests.")
 
 
-__all__ = ["RequestLimits", "DEFAULT_LIMITS", "GREEDY_TEMPERATURE", "check_sampling", "check_chat_request", "check_completion_request",
-           "check_embedding_request", "ROLES", "MAX_TOP_LOGPROBS"]
+__all__ = ["RequestLimits", "DEFAULT_LIMITS", "GREEDY_TEMPERATURE", "check_sampling",
+           "check_chat_request", "check_completion_request", "check_embedding_request", "ROLES",
+           "MAX_TOP_LOGPROBS"]
