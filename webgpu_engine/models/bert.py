@@ -226,11 +226,19 @@ class BertModel:
             self._ops.popitem(last=False)[1].release()
         return op
 
-    def compile(self) -> None:
-        """Create every pipeline a forward uses now, at load, instead of on the first request: the
-        ops of the smallest bucket. Every bucket has S a multiple of 16 (so B * S >= 16 rows: the
-        same tiled matmuls and attention variant), so they share these pipelines."""
-        self._bucket_ops(1, min(16, self.max_seq_length))
+    def compile(self, batch) -> None:
+        """Build the ops of the smallest bucket and record one run of them into `batch`, so that
+        nothing compiles on the first request (pipelines are created here; drivers that compile on
+        first dispatch, such as lavapipe, do so when the batch runs). Every bucket has S a multiple
+        of 16 (so B * S >= 16 rows: the same tiled matmuls and attention variant): they share these
+        pipelines."""
+        S = min(16, self.max_seq_length)
+        op = self._bucket_ops(1, S)
+        a = self._arena
+        self.dev.write(a.ids.buf, _u32([self.cfg.pad_id] * S))
+        self.dev.write(a.pos.buf, _u32(list(range(S))))
+        self.dev.write(a.lengths.buf, _u32([1]))
+        op.record(batch)
 
     # ------------------------------------------------------------------ forward
     def run(self, seqs: list[list[int]], B: int, S: int, dst, dst_offset: int = 0) -> None:

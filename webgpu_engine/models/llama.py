@@ -285,13 +285,19 @@ class LlamaModel:
             self._ops.move_to_end(key)
         return ops
 
-    def compile(self) -> None:
-        """Create every pipeline a request uses now, at load, instead of on the first prompt: the
-        prefill ops of a full chunk and of one row (every T between uses the same kernels: the
-        row-invariant matmuls pick them by weight and device, not by T), besides the decode ops
-        built in __init__."""
-        for T in sorted({1, self.chunk}, reverse=True):
-            self.ops_for(T, True)
+    def compile(self, batch) -> None:
+        """Build every op list a request uses and record one run of each pipeline into `batch`, so
+        that nothing compiles on the first prompt: pipelines are created here, and drivers that
+        compile on first dispatch (lavapipe's llvmpipe) do so when the batch runs. The prefill ops
+        of a full chunk and of one and two rows (every T uses these kernels: the row-invariant
+        matmuls pick them by weight and device, not by T) and the decode ops in both forms of the
+        attention. The runs write KV rows 0..1, which the first prompt overwrites."""
+        self.ops_for(self.chunk, True)
+        for T in sorted({1, min(2, self.chunk)}):
+            self.record_prefill(batch, [0] * T, 0)
+        self.set_step(0, 1)
+        self._record(batch, self.decode_ops, 1)             # the short attention form
+        self._record(batch, self.decode_ops, None)          # the split-key form
 
     def set_step(self, pos0: int, n_new: int) -> None:
         self.dev.write(self.step, struct.pack("<4I", pos0, n_new, pos0 + n_new, 0))

@@ -115,7 +115,10 @@ class EmbeddingPipeline:
         max_len = min(max_len, model.max_seq_length)
         if progress:
             progress(1.0, "Loading GPU shader modules")
-        model.compile()        # the first request then compiles nothing
+        batch = dev.batch()
+        model.compile(batch)   # the first request then compiles nothing
+        dev.submit(batch)
+        await dev.sync()
         if progress:
             progress(1.0, "embedding model ready")
         return cls(dev, model, tokenizer, st, chat_config, max_len, owner)

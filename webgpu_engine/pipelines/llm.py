@@ -78,10 +78,10 @@ class LLMChatPipeline:
                                context_window=chat_config.context_window_size,
                                prefill_chunk=chat_config.prefill_chunk_size, dtype=dtype,
                                progress=progress)
+            pipe = cls(dev, model, tokenizer, template, chat_config, owner)
             if progress:
                 progress(1.0, "Loading GPU shader modules")
-            model.compile()          # so the first request compiles nothing
-            pipe = cls(dev, model, tokenizer, template, chat_config, owner)
+            await pipe._compile()    # so the first request compiles nothing
         except BaseException:
             dev.release_owner(owner)
             raise
@@ -90,6 +90,16 @@ class LLMChatPipeline:
         if progress:
             progress(1.0, f"loaded {cfg.name or path.name} ({dtype}, context {model.ctx})")
         return pipe
+
+    async def _compile(self) -> None:
+        """Create and run once every pipeline of the model and the sampler (see LlamaModel.compile)."""
+        batch = self.dev.batch()
+        self.model.compile(batch)
+        self.sampler.configure(temperature=0.0)
+        self._sample_op.greedy.record(batch)
+        self._sample_op.full.record(batch)
+        self.dev.submit(batch)
+        await self.dev.sync()
 
     def set_logit_processor(self, proc) -> None:
         """A WebLLM-style processor: process_logits(list[float]) -> list[float] (host round trip
