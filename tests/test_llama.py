@@ -278,3 +278,25 @@ def test_llama3_rope_scaling_matches_transformers(device, tmp_path):
     finally:
         m.release()
         f.close()
+
+
+@pytest.mark.parametrize("mix", [{"v": "q6_k", "down": "q6_k"},            # as in Q4_K_M files
+                                 {"v": "q8_0", "up": "q5_k"}])
+def test_tiny_model_with_a_k_quant_mix_matches_numpy(device, tmp_path, mix):
+    """K-quant mixes store some tensors of a fused matrix wider (Q4_K_M: attn_v in Q6_K beside Q4_K
+    attn_q / attn_k): the model uploads those as one weight of several types (decode falls back from
+    the fused RoPE epilogue) and matches numpy through prefill and decode."""
+    from webgpu_engine.loaders.gguf import GGUFFile
+    tm = _tiny_cases()
+    info = tm.write_tiny_llama_gguf(tmp_path / "mix.gguf", qtype="q4_k", tensor_qtypes=mix, seed=3,
+                                    hidden_size=256, ffn_size=512)
+    f = GGUFFile(info["path"])
+    try:
+        cfg, infos = f.model_config(), f.weights()
+        assert {infos["layers.0." + n].qtype for n in ("q", "k", "v")} == {"q4_k", mix["v"]}
+        ids = [int(i) for i in np.random.default_rng(2).integers(0, cfg.vocab_size, 12)]
+        got = _gpu_logits(device, cfg, infos, ids, dtype="f32", chunk=8)
+        want = RefLlama(cfg, weights_from_infos(infos), np.float64).forward(ids)
+        np.testing.assert_allclose(got, want[7:], atol=1e-3, rtol=0)
+    finally:
+        f.close()

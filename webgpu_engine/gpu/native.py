@@ -79,7 +79,9 @@ class NativeDevice(Device):
         """Copy `size` bytes at `offset` of `buf` to the host (awaits the GPU). Each read in flight
         has a staging buffer of its own, so models reading back at the same time never share one."""
         n = buf.size - offset if size is None else size
-        return await self._read_raw(buf.raw, offset, n, f"readback of {buf.label!r}")
+        # the copy's submit goes through a worker thread: right after a step it would wait for the
+        # step to finish (lavapipe) and hold the event loop that long
+        return await self._read_raw(buf.raw, offset, n, f"readback of {buf.label!r}", threaded_submit=True)
 
     async def sync(self) -> None:
         """Wait until the GPU has finished all submitted work, without blocking the event loop.

@@ -140,10 +140,10 @@ class LlamaModel:
 
         def mat(names, label):
             parts = [get(n) for n in names]
-            qt = {p.qtype for p in parts}
-            if len(qt) != 1:
-                raise UnsupportedModelError(f"{label}: fused tensors {names} have different types {qt}")
-            return mm.upload_weight(dev, [p.data for p in parts], parts[0].qtype,
+            # K-quant mixes store some parts wider (Q4_K_M: attn_v in Q6_K beside Q4_K q and k):
+            # those fused matrices upload as one weight of several types
+            qt = [p.qtype for p in parts]
+            return mm.upload_weight(dev, [p.data for p in parts], qt[0] if len(set(qt)) == 1 else qt,
                                     sum(p.n for p in parts), parts[0].k, owner=own, label=label)
 
         def gate_up(p):

@@ -8,8 +8,10 @@ a full context window ("length") or `interrupt()` ("abort"). Page code: standard
 """
 from __future__ import annotations
 
+import asyncio
 import itertools
 import struct
+import sys
 from array import array
 from pathlib import Path
 
@@ -22,6 +24,8 @@ from .detokenizer import StreamDetokenizer, safe_token_bytes
 from .stats import CumulativeStats, RequestStats, now
 
 _ids = itertools.count()
+_THREADS = sys.platform != "emscripten"     # Pyodide: no worker threads
+_INLINE_CHARS = 20_000                      # longer prompts are tokenised in a worker thread
 
 
 def _valid_vocab(rows: int, tokenizer) -> int:
@@ -47,6 +51,7 @@ class LLMChatPipeline:
         self.eos_ids = eos | set(chat_config.stop_token_ids)
         self.logit_processor = None
         self.kv_ids: list[int] = []          # tokens whose K/V sit in the cache, positions 0..n-1
+        self._longest_token: int | None = None
         self.stats = CumulativeStats()
         self._req = RequestStats()
         self._new_request_state()
@@ -118,6 +123,14 @@ class LLMChatPipeline:
         self._max_tokens = gen.max_tokens if gen else None
         self._ignore_eos = bool(gen.ignore_eos) if gen else False
 
+    def _max_token_chars(self) -> int:
+        """Bytes of the longest token (>= its characters): a text of n characters has at least
+        n / this many tokens."""
+        if self._longest_token is None:
+            tb = safe_token_bytes(self.tokenizer.token_bytes)
+            self._longest_token = max((len(tb(i)) for i in range(self.vocab_size)), default=1) or 1
+        return self._longest_token
+
     def _configure_sampler(self, gen: GenerationConfig, seen_ids) -> None:
         self.sampler.configure(
             temperature=gen.temperature, top_p=gen.top_p, top_k=gen.top_k,
@@ -148,8 +161,20 @@ class LLMChatPipeline:
         self._req = RequestStats(t_start=now(), breakdown=gen.latency_breakdown)
         self._new_request_state(gen)
         kw = None if gen.enable_thinking is None else {"enable_thinking": gen.enable_thinking}
-        ids = self._prompt_ids(messages, prompt, kw)
         ctx = self.model.ctx
+        chars = len(prompt) if prompt is not None else \
+            sum(len(str(m.get("content") or "")) for m in messages or [] if isinstance(m, dict))
+        if chars > ctx * self._max_token_chars():
+            # no token spans more characters than the longest one: too long without tokenising it
+            raise ContextWindowTooLargeError(
+                f"The prompt has {chars} characters, more than the {ctx} tokens the context window "
+                f"holds. Shorten the conversation or load with a larger context_window_size.",
+                param="prompt" if prompt is not None else "messages")
+        if chars > _INLINE_CHARS and _THREADS:
+            # a long prompt is tokenised in a worker thread: the event loop serves others meanwhile
+            ids = await asyncio.to_thread(self._prompt_ids, messages, prompt, kw)
+        else:
+            ids = self._prompt_ids(messages, prompt, kw)
         if len(ids) >= ctx:
             raise ContextWindowTooLargeError(
                 f"The prompt has {len(ids)} tokens; the context window holds {ctx} (one more is needed "
@@ -218,9 +243,7 @@ class LLMChatPipeline:
         self._req.logit_processor_s.append(t_lp)
         self._sample_op.record(batch)
         dev.submit(batch)
-        if not decode:
-            await dev.sync()          # the prefill's last chunk, off the event loop (see above)
-        res = await self.sampler.read()
+        res = await self.sampler.read()   # waits for the step off the event loop
         if self.logit_processor is not None and hasattr(self.logit_processor, "process_sampled_token"):
             self.logit_processor.process_sampled_token(res.token)
         return res
