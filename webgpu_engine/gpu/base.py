@@ -123,6 +123,9 @@ class Device:
         self._buffers: set = set()
         self._pipelines: dict[PipelineKey, Pipeline] = {}
         self.compile_count = 0
+        # pipelines that models have run once on this device at load (drivers such as lavapipe
+        # compile on first dispatch): a later load that uses only these records no warm-up run
+        self.warmed_pipelines: set[PipelineKey] = set()
 
     # ------------------------------------------------------------------ facts
     @property

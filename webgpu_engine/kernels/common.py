@@ -159,3 +159,8 @@ def wmap_header(w) -> str:
     return (f"const WI_RW: u32 = {rw}u;\nconst WI_FULL: u32 = {full}u;\n"
             "fn wmap4(v: u32) -> u32 {\n    if (v >= WI_FULL) { return v; }\n"
             "    let r = v % (8u * WI_RW);\n    return v - r + (r % WI_RW) * 8u + r / WI_RW;\n}\n")
+
+
+def pipeline_keys(ops) -> set:
+    """The pipelines (their keys) that `ops` dispatch, short forms included."""
+    return {d[0].key for op in ops for d in list(op.dispatches) + list(op.short)}

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from ..errors import UnsupportedModelError
 from ..kernels import matmul as mm
 from ..kernels import nn
-from ..kernels.common import Op, Tensor, new_tensor
+from ..kernels.common import Op, Tensor, new_tensor, pipeline_keys
 from ..loaders.hf_config import hf_name, map_hf_names
 from ..loaders.tensor_info import TensorInfo
 from ..loaders.model_config import BertConfig
@@ -226,19 +226,23 @@ class BertModel:
             self._ops.popitem(last=False)[1].release()
         return op
 
-    def compile(self, batch) -> None:
+    def compile(self, batch, warmed=frozenset()) -> set:
         """Build the ops of the smallest bucket and record one run of them into `batch`, so that
         nothing compiles on the first request (pipelines are created here; drivers that compile on
         first dispatch, such as lavapipe, do so when the batch runs). Every bucket has S a multiple
         of 16 (so B * S >= 16 rows: the same tiled matmuls and attention variant): they share these
-        pipelines."""
+        pipelines. Nothing is recorded when every pipeline is in `warmed`; returns their keys."""
         S = min(16, self.max_seq_length)
         op = self._bucket_ops(1, S)
+        keys = pipeline_keys([op])
+        if keys <= warmed:                  # already run on this device
+            return keys
         a = self._arena
         self.dev.write(a.ids.buf, _u32([self.cfg.pad_id] * S))
         self.dev.write(a.pos.buf, _u32(list(range(S))))
         self.dev.write(a.lengths.buf, _u32([1]))
         op.record(batch)
+        return keys
 
     # ------------------------------------------------------------------ forward
     def run(self, seqs: list[list[int]], B: int, S: int, dst, dst_offset: int = 0) -> None:

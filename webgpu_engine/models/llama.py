@@ -25,7 +25,7 @@ from ..errors import ContextWindowTooLargeError, GPUOutOfMemoryError, Unsupporte
 from ..gpu import Device
 from ..kernels import matmul as mm
 from ..kernels import nn
-from ..kernels.common import DTYPE_SIZE, Op, Tensor, new_tensor
+from ..kernels.common import DTYPE_SIZE, Op, Tensor, new_tensor, pipeline_keys
 from ..loaders.model_config import LlamaConfig
 
 # Above this, a model + cache is almost surely a mistake (e.g. a 128k context on a small GPU).
@@ -285,19 +285,27 @@ class LlamaModel:
             self._ops.move_to_end(key)
         return ops
 
-    def compile(self, batch) -> None:
+    def compile(self, batch, warmed=frozenset()) -> set:
         """Build every op list a request uses and record one run of each pipeline into `batch`, so
         that nothing compiles on the first prompt: pipelines are created here, and drivers that
         compile on first dispatch (lavapipe's llvmpipe) do so when the batch runs. The prefill ops
         of a full chunk and of one and two rows (every T uses these kernels: the row-invariant
         matmuls pick them by weight and device, not by T) and the decode ops in both forms of the
-        attention. The runs write KV rows 0..1, which the first prompt overwrites."""
+        attention. The runs write KV rows 0..1, which the first prompt overwrites. Nothing is
+        recorded when every pipeline is in `warmed` (already run on this device). Returns the
+        pipeline keys."""
         self.ops_for(self.chunk, True)
+        for T in sorted({1, min(2, self.chunk)}):
+            self.ops_for(T, True)
+        keys = pipeline_keys([op for ops in self._ops.values() for op in ops] + self.decode_ops)
+        if keys <= warmed:
+            return keys
         for T in sorted({1, min(2, self.chunk)}):
             self.record_prefill(batch, [0] * T, 0)
         self.set_step(0, 1)
         self._record(batch, self.decode_ops, 1)             # the short attention form
         self._record(batch, self.decode_ops, None)          # the split-key form
+        return keys
 
     def set_step(self, pos0: int, n_new: int) -> None:
         self.dev.write(self.step, struct.pack("<4I", pos0, n_new, pos0 + n_new, 0))

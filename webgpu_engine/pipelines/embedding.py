@@ -115,10 +115,12 @@ class EmbeddingPipeline:
         max_len = min(max_len, model.max_seq_length)
         if progress:
             progress(1.0, "Loading GPU shader modules")
+        warmed = dev.warmed_pipelines              # pipelines already run once on this device
         batch = dev.batch()
-        model.compile(batch)   # the first request then compiles nothing
+        keys = model.compile(batch, warmed)   # the first request then compiles nothing
         dev.submit(batch)
         await dev.sync()
+        warmed |= keys
         if progress:
             progress(1.0, "embedding model ready")
         return cls(dev, model, tokenizer, st, chat_config, max_len, owner)

@@ -18,6 +18,7 @@ from pathlib import Path
 from ..config import ChatConfig, GenerationConfig
 from ..errors import ContextWindowTooLargeError, InvalidRequestError, ModelFormatError
 from ..gpu import Device
+from ..kernels.common import pipeline_keys
 from ..kernels.sampling import Sampler
 from ..models.registry import LLM, open_model
 from .detokenizer import StreamDetokenizer, safe_token_bytes
@@ -98,13 +99,19 @@ class LLMChatPipeline:
 
     async def _compile(self) -> None:
         """Create and run once every pipeline of the model and the sampler (see LlamaModel.compile)."""
-        batch = self.dev.batch()
-        self.model.compile(batch)
-        self.sampler.configure(temperature=0.0)
-        self._sample_op.greedy.record(batch)
-        self._sample_op.full.record(batch)
-        self.dev.submit(batch)
-        await self.dev.sync()
+        dev = self.dev
+        warmed = dev.warmed_pipelines              # pipelines already run once on this device
+        batch = dev.batch()
+        keys = self.model.compile(batch, warmed)
+        samplers = [self._sample_op.greedy, self._sample_op.full]
+        skeys = pipeline_keys(samplers)
+        if not skeys <= warmed:
+            self.sampler.configure(temperature=0.0)
+            for op in samplers:
+                op.record(batch)
+        dev.submit(batch)
+        await dev.sync()
+        warmed |= keys | skeys
 
     def set_logit_processor(self, proc) -> None:
         """A WebLLM-style processor: process_logits(list[float]) -> list[float] (host round trip
