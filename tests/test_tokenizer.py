@@ -183,7 +183,11 @@ class Block:
             raise ImportError('blocked ' + name)
 sys.meta_path.insert(0, Block())
 from webgpu_engine.loaders import gguf, safetensors, hf_config, bpe, wordpiece, tokenizer, chat_template
-from webgpu_engine.models import config
+from webgpu_engine.loaders import model_config
+from webgpu_engine.models import registry
+m = registry.open_model({str(smollm2_gguf)!r})
+assert m.arch.name == 'llama' and m.kind == 'llm' and m.config.n_layers == 30
+m.close()
 g = gguf.GGUFFile({str(smollm2_gguf)!r})
 tok = tokenizer.load_tokenizer(g)
 assert type(tok).__name__ == 'BPETokenizer', tok
