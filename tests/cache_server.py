@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
+from threaded_server import ThreadedServer
+
 
 @dataclass
 class Fault:
@@ -26,16 +28,15 @@ class Fault:
     ignore_range: bool = False       # answer 200 with the whole file even to a Range request
 
 
-class FileServer:
+class FileServer(ThreadedServer):
+    name = "cache-test-server"
+
     def __init__(self):
+        super().__init__()
         self.files: dict[str, bytes] = {}
         self.faults: dict[str, Fault] = {}
         self.requests: dict[str, list[dict]] = {}
         self._lock = threading.Lock()
-        self.port = 0
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._runner: web.AppRunner | None = None
 
     # ------------------------------------------------------------------ setup
     def add(self, path: str, data: bytes, **fault) -> str:
@@ -101,41 +102,6 @@ class FileServer:
         await resp.write_eof()
         return resp
 
-    # ------------------------------------------------------------------ lifecycle
-    def start(self) -> "FileServer":
-        ready = threading.Event()
-
-        async def boot():
-            app = web.Application()
-            app.router.add_get("/{path:.*}", self._handle)
-            self._runner = web.AppRunner(app, handle_signals=False, access_log=None)
-            await self._runner.setup()
-            site = web.TCPSite(self._runner, "127.0.0.1", 0)
-            await site.start()
-            self.port = site._server.sockets[0].getsockname()[1]
-
-        def run():
-            self._loop = asyncio.new_event_loop()
-            self._loop.run_until_complete(boot())
-            ready.set()
-            self._loop.run_forever()
-            self._loop.run_until_complete(self._runner.cleanup())
-            self._loop.close()
-
-        self._thread = threading.Thread(target=run, name="cache-test-server", daemon=True)
-        self._thread.start()
-        if not ready.wait(10):
-            raise RuntimeError("test file server did not start")
-        return self
-
-    def stop(self) -> None:
-        if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(10)
-            self._loop = None
-
-    def __enter__(self) -> "FileServer":
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
+    # ------------------------------------------------------------------ routes
+    def routes(self, app: web.Application) -> None:
+        app.router.add_get("/{path:.*}", self._handle)

@@ -7,23 +7,23 @@ through HF_ENDPOINT: the routes huggingface_hub uses to list a repo and download
 """
 from __future__ import annotations
 
-import asyncio
 import hashlib
-import threading
 
 from aiohttp import web
+
+from threaded_server import ThreadedServer
 
 COMMIT = "fedcba9876543210fedcba9876543210fedcba98"
 
 
-class HubServer:
+class HubServer(ThreadedServer):
+    name = "hf-hub-test-server"
+
     def __init__(self):
+        super().__init__()
         self.repos: dict[str, dict[str, bytes]] = {}
         self.gated: set[str] = set()
         self.gets: list[str] = []         # paths of file bodies served
-        self.port = 0
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
 
     def add_repo(self, repo: str, files: dict[str, bytes]) -> None:
         self.repos[repo] = dict(files)
@@ -88,46 +88,10 @@ class HubServer:
         self.gets.append(f"{repo}/{name}")
         return web.Response(status=200, body=data, headers=headers)
 
-    # ------------------------------------------------------------------ lifecycle
-    def start(self) -> "HubServer":
-        ready = threading.Event()
-
-        async def boot():
-            app = web.Application()
-            base = "/api/models/{org}/{name}"
-            app.router.add_get(base + "/tree/{rev}", self._tree)
-            app.router.add_get(base + "/tree/{rev}/{sub:.*}", self._tree)
-            app.router.add_get(base + "/revision/{rev}", self._info)
-            app.router.add_get(base, self._info)
-            app.router.add_route("*", "/{org}/{name}/resolve/{rev}/{path:.*}", self._resolve)
-            self._runner = web.AppRunner(app, handle_signals=False, access_log=None)
-            await self._runner.setup()
-            site = web.TCPSite(self._runner, "127.0.0.1", 0)
-            await site.start()
-            self.port = site._server.sockets[0].getsockname()[1]
-
-        def run():
-            self._loop = asyncio.new_event_loop()
-            self._loop.run_until_complete(boot())
-            ready.set()
-            self._loop.run_forever()
-            self._loop.run_until_complete(self._runner.cleanup())
-            self._loop.close()
-
-        self._thread = threading.Thread(target=run, name="hf-hub-test-server", daemon=True)
-        self._thread.start()
-        if not ready.wait(10):
-            raise RuntimeError("test hub server did not start")
-        return self
-
-    def stop(self) -> None:
-        if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(10)
-            self._loop = None
-
-    def __enter__(self) -> "HubServer":
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
+    def routes(self, app: web.Application) -> None:
+        base = "/api/models/{org}/{name}"
+        app.router.add_get(base + "/tree/{rev}", self._tree)
+        app.router.add_get(base + "/tree/{rev}/{sub:.*}", self._tree)
+        app.router.add_get(base + "/revision/{rev}", self._info)
+        app.router.add_get(base, self._info)
+        app.router.add_route("*", "/{org}/{name}/resolve/{rev}/{path:.*}", self._resolve)

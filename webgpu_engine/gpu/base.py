@@ -126,6 +126,7 @@ class Device:
         # pipelines that models have run once on this device at load (drivers such as lavapipe
         # compile on first dispatch): a later load that uses only these records no warm-up run
         self.warmed_pipelines: set[PipelineKey] = set()
+        self._staging: dict[int, list] = {}   # readback staging buffers: size class -> idle ones
 
     # ------------------------------------------------------------------ facts
     @property
@@ -295,6 +296,26 @@ class Device:
         for b in list(self._buffers):
             b.release()
         self._pipelines.clear()
+        for pool in self._staging.values():
+            for s in pool:
+                try:
+                    s.destroy()
+                except Exception:  # noqa: BLE001 - a lost device has nothing left to free
+                    pass
+        self._staging.clear()
+
+    # ------------------------------------------------------------------ readback staging buffers
+    # A pool per power-of-two size class (backends' _take_staging): per-token readbacks allocate
+    # nothing, and a buffer being mapped by one read is out of the pool, so an overlapping read
+    # takes another.
+    def _give_staging(self, staging, n: int, *, reuse: bool = True) -> None:
+        if reuse and not self.lost:
+            self._staging.setdefault(staging_class(n), []).append(staging)
+            return
+        try:             # a failed read may leave it mapped or pending: never hand it out again
+            staging.destroy()
+        except Exception:  # noqa: BLE001 - a lost device has nothing left to free
+            pass
 
     def _guard(self, fn, what: str):
         self.check_alive()

@@ -105,7 +105,6 @@ class BrowserDevice(Device):
         self.adapter, self.raw, self.queue = adapter, raw_device, raw_device.queue
         self._scopes: list = []        # (popErrorScope promise, what, context) not yet examined
         self._errors: list = []        # typed errors waiting to be raised
-        self._staging: dict[int, list] = {}
         self._on_uncaptured = create_proxy(self._uncaptured)
         raw_device.addEventListener("uncapturederror", self._on_uncaptured)
         raw_device.lost.then(self._on_lost)
@@ -317,25 +316,6 @@ class BrowserDevice(Device):
         return self._guard(lambda: self._scoped(
             lambda: self.raw.createBuffer(_js({"size": cls, "usage": usage, "label": f"staging{cls}"})),
             f"staging buffer of {cls} bytes", oom=True), "readback")
-
-    def _give_staging(self, staging, n: int, *, reuse: bool = True) -> None:
-        if reuse and not self.lost:
-            self._staging.setdefault(staging_class(n), []).append(staging)
-            return
-        try:             # a failed read may leave it mapped or pending: never hand it out again
-            staging.destroy()
-        except Exception:  # noqa: BLE001 - a lost device has nothing left to free
-            pass
-
-    def close(self) -> None:
-        super().close()
-        for pool in self._staging.values():
-            for s in pool:
-                try:
-                    s.destroy()
-                except Exception:  # noqa: BLE001 - a lost device has nothing left to free
-                    pass
-        self._staging.clear()
 
 
 def _adapter_info(adapter) -> AdapterInfo:

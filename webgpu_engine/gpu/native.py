@@ -40,7 +40,6 @@ class NativeDevice(Device):
             frozenset(raw_device.features), dict(raw_device.limits))
         self.adapter, self.raw = adapter, raw_device
         self.queue = raw_device.queue
-        self._staging: dict[int, list] = {}   # size class -> idle staging buffers
         self._sync_src = None                 # 4 bytes that sync() reads back
 
     # ------------------------------------------------------------------ hooks
@@ -135,24 +134,9 @@ class NativeDevice(Device):
         cls = staging_class(n)
         return self.raw.create_buffer(size=cls, usage=_U.MAP_READ | _U.COPY_DST, label=f"staging{cls}")
 
-    def _give_staging(self, staging, n: int, *, reuse: bool = True) -> None:
-        if reuse and not self.lost:
-            self._staging.setdefault(staging_class(n), []).append(staging)
-            return
-        try:             # a failed read may leave it mapped or pending: never hand it out again
-            staging.destroy()
-        except Exception:  # noqa: BLE001 - a lost device has nothing left to free
-            pass
 
     def close(self) -> None:
         super().close()
-        for pool in self._staging.values():
-            for s in pool:
-                try:
-                    s.destroy()
-                except Exception:  # noqa: BLE001 - a lost device has nothing left to free
-                    pass
-        self._staging.clear()
         if self._sync_src is not None:
             try:
                 self._sync_src.destroy()
