@@ -26,6 +26,9 @@ Q = [{"role": "user", "content": "What is the capital of France?"}]
 TEXTS = ["The cat sits on the mat.", "Stock markets fell sharply today."]
 MAX_TOKENS = 6
 BOTH = [LLM_ID, EMB_ID]
+# these tests lose devices on purpose: a model on a fresh device skips the load-time warm-up run
+# (tests/test_correctness.py checks it), which would otherwise dominate their time
+FAST = [{"compile_at_load": False}] * 2
 
 
 async def greedy(eng) -> str:
@@ -51,7 +54,7 @@ async def reference(device, smollm2_gguf, minilm_dir):
 async def new_engine(**kw) -> AsyncMLCEngine:
     """An engine with both models on a device of its own (the test destroys it)."""
     from webgpu_engine import gpu
-    return await create_mlc_engine(BOTH, EngineConfig(device=await gpu.request_device(), **kw))
+    return await create_mlc_engine(BOTH, EngineConfig(device=await gpu.request_device(), **kw), FAST)
 
 
 def destroy_on_next(dev, method: str, fired: list):
@@ -143,7 +146,7 @@ async def run_point(ref, lose, phase: str, which: str) -> None:
             else:
                 await check_not_loaded(eng)
                 assert eng.state == "device_lost"
-                await eng.reload(BOTH)
+                await eng.reload(BOTH, FAST)
                 await check_served(eng, ref, dev, which)
     finally:
         await eng.unload()
@@ -165,7 +168,7 @@ async def test_loss_during_reload_weight_upload(reference):
         eng.set_init_progress_callback(cb)
         try:
             with pytest.raises(E.DeviceLostError) as ei:
-                await eng.reload(BOTH)
+                await eng.reload(BOTH, FAST)
         finally:
             eng.set_init_progress_callback(None)
         assert fired and set(dev.allocations()) <= {"kernels"}     # the partial load was freed
@@ -265,7 +268,7 @@ async def test_unload_is_never_a_device_loss(device, reference):
         assert eng.models == {} and eng.state == "idle"
         assert device.allocated_bytes() == before
         # a non-streaming request running when reload() replaces the models
-        await eng.reload(BOTH)
+        await eng.reload(BOTH, FAST)
         started = asyncio.Event()
         pipe = eng.models[LLM_ID].pipeline
         orig = pipe.decode_step
@@ -277,7 +280,7 @@ async def test_unload_is_never_a_device_loss(device, reference):
         task = asyncio.create_task(eng.chat.completions.create(model=LLM_ID, messages=Q, temperature=0,
                                                                max_tokens=MAX_TOKENS))
         await started.wait()
-        await eng.reload(BOTH)
+        await eng.reload(BOTH, FAST)
         with pytest.raises(E.ModelUnloadedError):
             await task
         assert eng.state == "ready" and not device.lost

@@ -57,6 +57,9 @@ class ChatConfig:
     system_message: str | None = None
     max_batch_size: int = 32           # embeddings: sequences per forward pass
     max_seq_length: int | None = None  # embeddings: truncation length (None: the model's)
+    compile_at_load: bool = True       # create and run every pipeline once while loading, so the
+    #                                    first request compiles nothing; False: a faster load, the
+    #                                    first requests compile what they use
 
     def updated(self, opts: dict | None) -> "ChatConfig":
         if not opts:

@@ -113,14 +113,15 @@ class EmbeddingPipeline:
         finally:
             m.close()                # the weights are on the GPU: release the files
         max_len = min(max_len, model.max_seq_length)
-        if progress:
-            progress(1.0, "Loading GPU shader modules")
-        warmed = dev.warmed_pipelines              # pipelines already run once on this device
-        batch = dev.batch()
-        keys = model.compile(batch, warmed)   # the first request then compiles nothing
-        dev.submit(batch)
-        await dev.sync()
-        warmed |= keys
+        if chat_config.compile_at_load:
+            if progress:
+                progress(1.0, "Loading GPU shader modules")
+            warmed = dev.warmed_pipelines              # pipelines already run once on this device
+            batch = dev.batch()
+            keys = model.compile(batch, warmed)   # the first request then compiles nothing
+            dev.submit(batch)
+            await dev.sync()
+            warmed |= keys
         if progress:
             progress(1.0, "embedding model ready")
         return cls(dev, model, tokenizer, st, chat_config, max_len, owner)

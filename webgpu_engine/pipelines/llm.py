@@ -85,9 +85,10 @@ class LLMChatPipeline:
                                prefill_chunk=chat_config.prefill_chunk_size, dtype=dtype,
                                progress=progress)
             pipe = cls(dev, model, tokenizer, template, chat_config, owner)
-            if progress:
-                progress(1.0, "Loading GPU shader modules")
-            await pipe._compile()    # so the first request compiles nothing
+            if chat_config.compile_at_load:
+                if progress:
+                    progress(1.0, "Loading GPU shader modules")
+                await pipe._compile()    # so the first request compiles nothing
         except BaseException:
             dev.release_owner(owner)
             raise
