@@ -164,3 +164,15 @@ def wmap_header(w) -> str:
 def pipeline_keys(ops) -> set:
     """The pipelines (their keys) that `ops` dispatch, short forms included."""
     return {d[0].key for op in ops for d in list(op.dispatches) + list(op.short)}
+
+
+async def warm_up(dev, record) -> None:
+    """Run once, at load, the pipelines `record(batch, warmed) -> keys` records into `batch` (it
+    records nothing when every key is in `warmed`, the pipelines already run on this device), and
+    remember them: drivers such as lavapipe compile a pipeline on its first dispatch."""
+    batch = dev.batch()
+    keys = record(batch, dev.warmed_pipelines)
+    dev.submit(batch)
+    await dev.sync()
+    dev.warmed_pipelines |= keys
+

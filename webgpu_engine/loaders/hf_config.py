@@ -15,6 +15,7 @@ from .tensor_info import TensorInfo
 
 # HF architectures -> our LlamaConfig.arch
 LLAMA_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "mistral"}
+LLAMA_MODEL_TYPES = ("llama", "qwen2", "mistral")          # config.json model_type, when architectures is absent
 BERT_ARCHITECTURES = ("BertModel", "BertForMaskedLM", "BertForPreTraining", "BertForSequenceClassification")
 
 # Llama / Qwen2 / Mistral names (LlamaForCausalLM) -> ours; ours are the names loaders.gguf also gives.
@@ -119,7 +120,7 @@ def llama_config_from_dict(c: dict, where: str = "config.json") -> LlamaConfig:
     archs = c.get("architectures") or []
     arch = next((LLAMA_ARCHITECTURES[a] for a in archs if a in LLAMA_ARCHITECTURES), None)
     if arch is None:
-        arch = {"llama": "llama", "qwen2": "qwen2", "mistral": "mistral"}.get(c.get("model_type", ""))
+        arch = c.get("model_type") if c.get("model_type") in LLAMA_MODEL_TYPES else None
     if arch is None:
         raise UnsupportedModelError(f"{where}: architectures {archs} / model_type {c.get('model_type')!r} "
                                     f"is not supported; supported: {sorted(LLAMA_ARCHITECTURES)}")

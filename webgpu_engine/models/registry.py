@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..errors import ModelFormatError, UnsupportedModelError
+from ..loaders import hf_config
 from . import memory
 
 LLM, EMBEDDING = "llm", "embedding"      # the engine's model types (engine/records.py)
@@ -45,33 +46,22 @@ def _gguf_llama(g):
     return g.model_config()
 
 
-def _hf_llama(folder):
-    from ..loaders.hf_config import load_llama_config
-    return load_llama_config(folder)
-
-
-def _hf_bert(folder):
-    from ..loaders.hf_config import load_bert_config
-    return load_bert_config(folder)
-
-
 def _decoder(name: str) -> Architecture:
-    return Architecture(name, LLM, "llama:LlamaModel", _gguf_llama, _hf_llama, "llama", memory.estimate_llm)
+    return Architecture(name, LLM, "llama:LlamaModel", _gguf_llama, hf_config.load_llama_config, "llama",
+                        memory.estimate_llm)
 
 
 ARCHITECTURES: dict[str, Architecture] = {
     "llama": _decoder("llama"),
     "qwen2": _decoder("qwen2"),          # llama + q/k/v bias
     "mistral": _decoder("mistral"),      # llama (+ sliding window in its config)
-    "bert": Architecture("bert", EMBEDDING, "bert:BertModel", None, _hf_bert, "", memory.estimate_bert),
+    "bert": Architecture("bert", EMBEDDING, "bert:BertModel", None, hf_config.load_bert_config, "",
+                         memory.estimate_bert),
 }
 
-# HF config.json `architectures` / `model_type` -> our architecture name
-HF_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "mistral",
-    "BertModel": "bert", "BertForMaskedLM": "bert", "BertForPreTraining": "bert",
-}
-HF_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "mistral": "mistral", "bert": "bert"}
+# HF config.json `architectures` / `model_type` -> our architecture name (the loaders' tables)
+HF_ARCHITECTURES = {**hf_config.LLAMA_ARCHITECTURES, **{a: "bert" for a in hf_config.BERT_ARCHITECTURES}}
+HF_MODEL_TYPES = {**{t: t for t in hf_config.LLAMA_MODEL_TYPES}, "bert": "bert"}
 
 
 def architecture(name: str, where: str = "") -> Architecture:

@@ -29,6 +29,7 @@ from ..config import ChatConfig
 from ..errors import (EmbeddingTokenLimitError, GPUOutOfMemoryError, InvalidRequestError, RequestTimeoutError,
                       ShaderF16SupportError)
 from ..loaders.sentence_transformers import SentenceTransformerConfig
+from ..kernels.common import warm_up
 from ..models.registry import EMBEDDING, open_model
 
 S_GRANULE = 16      # padded lengths are multiples of this: few distinct buckets, little padding
@@ -116,12 +117,7 @@ class EmbeddingPipeline:
         if chat_config.compile_at_load:
             if progress:
                 progress(1.0, "Loading GPU shader modules")
-            warmed = dev.warmed_pipelines              # pipelines already run once on this device
-            batch = dev.batch()
-            keys = model.compile(batch, warmed)   # the first request then compiles nothing
-            dev.submit(batch)
-            await dev.sync()
-            warmed |= keys
+            await warm_up(dev, model.compile)         # the first request then compiles nothing
         if progress:
             progress(1.0, "embedding model ready")
         return cls(dev, model, tokenizer, st, chat_config, max_len, owner)

@@ -18,7 +18,7 @@ from pathlib import Path
 from ..config import ChatConfig, GenerationConfig
 from ..errors import ContextWindowTooLargeError, InvalidRequestError, ModelFormatError
 from ..gpu import Device
-from ..kernels.common import pipeline_keys
+from ..kernels.common import pipeline_keys, warm_up
 from ..kernels.sampling import Sampler
 from ..models.registry import LLM, open_model
 from .detokenizer import StreamDetokenizer, safe_token_bytes
@@ -100,19 +100,17 @@ class LLMChatPipeline:
 
     async def _compile(self) -> None:
         """Create and run once every pipeline of the model and the sampler (see LlamaModel.compile)."""
-        dev = self.dev
-        warmed = dev.warmed_pipelines              # pipelines already run once on this device
-        batch = dev.batch()
-        keys = self.model.compile(batch, warmed)
         samplers = [self._sample_op.greedy, self._sample_op.full]
-        skeys = pipeline_keys(samplers)
-        if not skeys <= warmed:
-            self.sampler.configure(temperature=0.0)
-            for op in samplers:
-                op.record(batch)
-        dev.submit(batch)
-        await dev.sync()
-        warmed |= keys | skeys
+
+        def record(batch, warmed):
+            keys = self.model.compile(batch, warmed)
+            skeys = pipeline_keys(samplers)
+            if not skeys <= warmed:
+                self.sampler.configure(temperature=0.0)
+                for op in samplers:
+                    op.record(batch)
+            return keys | skeys
+        await warm_up(self.dev, record)
 
     def set_logit_processor(self, proc) -> None:
         """A WebLLM-style processor: process_logits(list[float]) -> list[float] (host round trip
@@ -204,7 +202,8 @@ class LLMChatPipeline:
         t0 = now()
         res = await self._forward(ids[keep:], keep)
         self._req.prefill_s = now() - t0
-        self._req.step_s.append(self._req.prefill_s)
+        if self._req.breakdown:
+            self._req.step_s.append(self._req.prefill_s)
         self._req.t_first_token = now()
         self._accept(res)
 
@@ -218,7 +217,8 @@ class LLMChatPipeline:
         res = await self._forward([self._last_token], len(self.kv_ids), decode=True)
         dt = now() - t0
         self._req.decode_s += dt
-        self._req.step_s.append(dt)
+        if self._req.breakdown:
+            self._req.step_s.append(dt)
         self._req.decode_tokens += 1
         self._accept(res)
 
@@ -248,7 +248,8 @@ class LLMChatPipeline:
             await self._process_logits()
             t_lp = now() - t0
             batch = dev.batch()
-        self._req.logit_processor_s.append(t_lp)
+        if self._req.breakdown:          # kept only when the request asked for the breakdown
+            self._req.logit_processor_s.append(t_lp)
         self._sample_op.record(batch)
         dev.submit(batch)
         res = await self.sampler.read()   # waits for the step off the event loop
