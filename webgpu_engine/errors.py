@@ -57,6 +57,17 @@ class EmbeddingTokenLimitError(InvalidRequestError):
             f"Send fewer or shorter inputs, or split them over several requests.", param="input")
 
 
+class EmbeddingDimensionsUnsupportedError(InvalidRequestError):
+    """`dimensions` asked of a model not trained to be truncated (Matryoshka), or beyond its width."""
+
+    def __init__(self, model_id: str, dim: int, asked: int, matryoshka: bool):
+        why = (f"`dimensions` must be between 1 and {dim}, the model's width, got {asked}." if matryoshka else
+               f"Model {model_id} does not support `dimensions` (it was not trained for truncated, "
+               f"Matryoshka vectors; its vectors have {dim} dimensions). Remove `dimensions`, or use a "
+               f"Matryoshka model.")
+        super().__init__(why, param="dimensions")
+
+
 class ReloadArgumentSizeUnmatchedError(InvalidRequestError):
     def __init__(self, n_models: int, n_opts: int):
         super().__init__(
@@ -200,10 +211,12 @@ class FeatureSupportError(WebGPUEngineError):
     http_status = 400
     error_type = "feature_unsupported"
 
-    def __init__(self, feature: str):
-        super().__init__(
+    def __init__(self, feature: str, message: str | None = None):
+        # `message`: a missing piece that is not a WebGPU feature (e.g. a library absent in the browser)
+        super().__init__(message or (
             f"This model requires WebGPU feature {feature}, which this device does not support. "
-            f"Choose a model or variant that does not need it.")
+            f"Choose a model or variant that does not need it."))
+        self.feature = feature
 
 
 class ShaderF16SupportError(FeatureSupportError):
