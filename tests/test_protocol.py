@@ -7,6 +7,7 @@ import pytest
 from webgpu_engine.errors import InvalidRequestError
 from webgpu_engine.protocol import errors as E
 from webgpu_engine.protocol import models as M
+from webgpu_engine.protocol import structured as S
 from webgpu_engine.protocol import rules, to_dict, to_object
 from webgpu_engine.protocol.objects import AttrDict
 
@@ -87,7 +88,7 @@ CASES = [
     ("chat", chat(model="m\udfff"), E.InvalidTextError, "model", "surrogate"),
     ("chat", {"messages": [*U, {"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]},
                            {"role": "tool", "content": "42", "tool_call_id": "1"}]},
-     E.UnsupportedFieldsError, "messages", "messages[1].tool_calls"),
+     E.FieldTypeError, "messages[1].tool_calls[0]", "function: {name, arguments}"),
     ("chat", {"messages": [*U, {"role": "assistant", "content": None}, *U]}, E.ContentTypeError,
      "messages", "needs text content"),
     # messages
@@ -102,10 +103,26 @@ CASES = [
     ("chat", {"messages": [{"role": "user"}]}, E.ContentTypeError, "messages", "needs text content"),
     ("chat", {"messages": [*U, {"role": "assistant", "content": "a"}]}, E.MessageOrderError,
      "messages", "last message"),
-    ("chat", chat(response_format={"type": "json_object"}), E.UnsupportedFieldsError,
-     "response_format", "ask for JSON in the prompt"),
-    ("chat", chat(tools=[{"type": "function", "function": {"name": "f"}}]), E.UnsupportedFieldsError,
-     "tools", "remove `tools`"),
+    # structured output and tools (WebLLM's error types)
+    ("chat", chat(response_format={"type": "xml"}), E.FieldTypeError, "response_format", "json_schema"),
+    ("chat", chat(response_format={"type": "grammar"}), S.InvalidResponseFormatGrammarError,
+     "response_format", "needs to be specified"),
+    ("chat", chat(response_format={"type": "json_schema", "json_schema": {"name": "x"}}),
+     S.InvalidResponseFormatError, "response_format", "with a `schema`"),
+    ("chat", chat(response_format={"type": "json_object", "schema": "{not json"}),
+     S.InvalidResponseFormatError, "response_format", "not valid JSON"),
+    ("chat", chat(response_format={"type": "regex"}), S.InvalidResponseFormatRegexError,
+     "response_format", "non-empty `regex`"),
+    ("chat", chat(tools=[{"type": "retrieval"}]), S.UnsupportedToolTypeError, "tools", "'function'"),
+    ("chat", chat(tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="always"),
+     S.UnsupportedToolChoiceTypeError, "tool_choice", "required"),
+    ("chat", chat(tools=[{"type": "function", "function": {"name": "f"}}],
+                  tool_choice={"type": "function", "function": {"name": "g"}}),
+     S.FunctionNotFoundError, "tool_choice", "'g'"),
+    ("chat", chat(tool_choice="required"), S.UnsupportedToolChoiceTypeError, "tool_choice", "required"),
+    ("chat", chat(tools=[{"type": "function", "function": {"name": "f"}}],
+                  response_format={"type": "json_object"}), E.UnsupportedFieldsError, "response_format",
+     "cannot be combined"),
     # completions
     ("comp", {"prompt": 5}, E.PromptTypeError, "prompt", "must be a string"),
     ("comp", {"prompt": ["a", "b"]}, E.PromptTypeError, "prompt", "one prompt per request"),
@@ -123,8 +140,9 @@ CASES = [
     ("emb", {"input": [[1, 2], []]}, E.EmbeddingInputEmptyError, "input", "empty token-id list"),
     ("emb", {"input": ["a", 1]}, E.FieldTypeError, "input", "not a mix"),
     ("emb", {"input": {"a": 1}}, E.FieldTypeError, "input", "list of token-id lists"),
-    ("emb", {"input": "a", "dimensions": 64}, E.UnsupportedFieldsError, "dimensions",
-     "remove `dimensions`"),
+    ("emb", {"input": "a", "dimensions": 0}, E.MinValueError, "dimensions", "at least 1"),
+    ("emb", {"input": "a", "dimensions": "64"}, E.FieldTypeError, "dimensions", "a positive integer"),
+    ("emb", {"input": "a", "dimensions": True}, E.FieldTypeError, "dimensions", "a positive integer"),
     ("emb", {"input": ["a"] * 2049}, E.LimitExceededError, "input", "at most 2048"),
     ("emb", {"input": [[1]] * 2049}, E.LimitExceededError, "input", "at most 2048"),
     ("emb", {"input": [1] * 300_001}, E.LimitExceededError, "input", "at most 300000 allowed"),

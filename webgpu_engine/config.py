@@ -29,6 +29,8 @@ class GenerationConfig:
     n: int = 1
     enable_thinking: bool | None = None    # passed to the chat template (None: the template's default)
     latency_breakdown: bool = False        # usage.extra.latency_breakdown: per-step times
+    grammar: Any = None                    # a compiled grammar (pipelines.grammar.Grammar): constrained
+    grammar_init_s: float = 0.0            # time the request spent compiling it (0 when cached)
 
     def merged(self, **overrides: Any) -> "GenerationConfig":
         return replace(self, **{k: v for k, v in overrides.items() if v is not None})
@@ -57,6 +59,8 @@ class ChatConfig:
     system_message: str | None = None
     max_batch_size: int = 32           # embeddings: sequences per forward pass
     max_seq_length: int | None = None  # embeddings: truncation length (None: the model's)
+    matryoshka: bool | None = None     # embeddings: may `dimensions` truncate the vectors? (None: as
+    #                                    the model card says; a record's overrides may set it)
     compile_at_load: bool = True       # create and run every pipeline once while loading, so the
     #                                    first request compiles nothing; False: a faster load, the
     #                                    first requests compile what they use

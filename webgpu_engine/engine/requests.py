@@ -383,10 +383,12 @@ class Embeddings:
             engine.check_deadline(deadline, "embedding")
             # The step runs shielded (guard); it polls the caller's cancellation between batches.
             caller = asyncio.current_task()
+            # `dimensions` only when asked: whether the model may be truncated is the pipeline's call
+            dims = {"dimensions": req["dimensions"]} if req.get("dimensions") is not None else {}
             res = await engine.guard(lm.pipeline.embed_step(
                 req["input"], deadline=deadline, timeout_s=engine.config.request_timeout_s,
                 max_total_tokens=engine.config.limits.max_embedding_tokens,
-                cancelled=lambda: caller is not None and caller.cancelling() > 0), lm, "embedding")
+                cancelled=lambda: caller is not None and caller.cancelling() > 0, **dims), lm, "embedding")
         finally:
             lm.lock.release()
         data = [{"object": "embedding", "index": i, "embedding": list(v)} for i, v in enumerate(res.embeddings)]

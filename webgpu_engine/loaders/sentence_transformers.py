@@ -37,6 +37,26 @@ class SentenceTransformerConfig:
     max_seq_length: int | None = None   # truncation length incl. [CLS]/[SEP]; None: the model's
     do_lower_case: bool = False         # sentence-transformers lower-cases the text before tokenizing
     is_sentence_transformers: bool = False
+    matryoshka: bool = False            # trained so that the first k dimensions are an embedding too
+
+
+def model_card_says_matryoshka(folder: Path) -> bool:
+    """Whether the model card (README.md front matter: `tags`, `loss:MatryoshkaLoss` as
+    sentence-transformers' trainer writes it) says the model was trained for truncated vectors.
+    Only the front matter counts: prose that merely mentions Matryoshka models does not."""
+    card = Path(folder) / "README.md"
+    if not card.is_file():
+        return False
+    lines = card.read_text(encoding="utf-8", errors="replace").splitlines()
+    if not lines or lines[0].strip() != "---":
+        return False
+    for line in lines[1:]:
+        if line.strip() == "---":
+            break
+        item = line.strip().lstrip("-").strip().strip("'\"").lower()
+        if item in ("matryoshka", "mrl", "loss:matryoshkaloss", "loss:matryoshka2dloss"):
+            return True
+    return False
 
 
 def _read_json(path: Path) -> object:
@@ -69,7 +89,7 @@ def load_sentence_transformer_config(folder: str | Path) -> SentenceTransformerC
         raise UnsupportedModelError(f"Embedding model folder {folder} does not exist or is not a folder.")
     modules_path = folder / "modules.json"
     if not modules_path.is_file():
-        return SentenceTransformerConfig(model_folder=folder)
+        return SentenceTransformerConfig(model_folder=folder, matryoshka=model_card_says_matryoshka(folder))
 
     modules = _read_json(modules_path)
     if not isinstance(modules, list) or not modules:
@@ -107,5 +127,6 @@ def load_sentence_transformer_config(folder: str | Path) -> SentenceTransformerC
             break
     return SentenceTransformerConfig(model_folder=model_folder, pooling=pooling, normalize=normalize,
                                      max_seq_length=max_len, do_lower_case=lower,
-                                     is_sentence_transformers=True)
+                                     is_sentence_transformers=True,
+                                     matryoshka=model_card_says_matryoshka(folder))
 

@@ -17,6 +17,7 @@ deadline has passed. The tokens of one request are capped (`max_total_tokens`).
 from __future__ import annotations
 
 import asyncio
+import math
 import sys
 import threading
 import time
@@ -26,8 +27,8 @@ from pathlib import Path
 from typing import Callable
 
 from ..config import ChatConfig
-from ..errors import (EmbeddingTokenLimitError, GPUOutOfMemoryError, InvalidRequestError, RequestTimeoutError,
-                      ShaderF16SupportError)
+from ..errors import (EmbeddingDimensionsUnsupportedError, EmbeddingTokenLimitError, GPUOutOfMemoryError,
+                      InvalidRequestError, RequestTimeoutError, ShaderF16SupportError)
 from ..loaders.sentence_transformers import SentenceTransformerConfig
 from ..kernels.common import warm_up
 from ..models.registry import EMBEDDING, open_model
@@ -69,6 +70,8 @@ class EmbeddingPipeline:
         self._tokenize_lock = threading.Lock()
         self._stats = {"requests": 0, "tokens": 0, "seconds": 0.0}
         self._sep_id = tokenizer.token_to_id("[SEP]")
+        self.name = Path(st_config.model_folder).name
+        self.matryoshka = st_config.matryoshka if chat_config.matryoshka is None else chat_config.matryoshka
 
     @classmethod
     async def load(cls, dev, folder: str | Path, chat_config: ChatConfig | None = None,
@@ -160,7 +163,7 @@ class EmbeddingPipeline:
     # ------------------------------------------------------------------ forward
     async def embed_step(self, input, *, deadline: float | None = None,  # noqa: A002 - OpenAI's name
                          cancelled: Callable[[], bool] | None = None, max_total_tokens: int | None = None,
-                         timeout_s: float | None = None) -> EmbeddingResult:
+                         timeout_s: float | None = None, dimensions: int | None = None) -> EmbeddingResult:
         """Embed an OpenAI `input` (str | list[str] | list[int] | list[list[int]]).
 
         deadline: event-loop time (time.monotonic natively) by which the step must be done; past it,
@@ -169,8 +172,12 @@ class EmbeddingPipeline:
         boundaries; when it returns True the step stops with asyncio.CancelledError (the engine runs a
         step shielded, so its caller's cancellation reaches the step this way). max_total_tokens: the
         most tokens the inputs may hold in all (default: the pipeline's `max_total_tokens`);
-        EmbeddingTokenLimitError (400) beyond it, raised before any GPU work."""
+        EmbeddingTokenLimitError (400) beyond it, raised before any GPU work. dimensions: OpenAI's
+        field for Matryoshka models: keep the first `dimensions` of each vector, renormalised when the
+        model normalises; EmbeddingDimensionsUnsupportedError (400) for other models (unless it equals
+        the model's width) and beyond the width."""
         t_begin = time.perf_counter()
+        keep = self._check_dimensions(dimensions)
 
         def check(during: str) -> None:
             if cancelled is not None and cancelled():
@@ -207,11 +214,19 @@ class EmbeddingPipeline:
         finally:
             self._trim_result_buffer()
         dt = time.perf_counter() - t0
-        vecs = await _offload(_unpack_vectors, raw, order, C)
+        vecs = await _offload(_unpack_vectors, raw, order, C, keep, self.st_config.normalize)
         self._stats["requests"] += 1
         self._stats["tokens"] += n_tok
         self._stats["seconds"] += dt
         return EmbeddingResult(vecs, n_tok, n_tok / dt if dt > 0 else 0.0)
+
+    def _check_dimensions(self, dimensions: int | None) -> int:
+        """How many leading dimensions of each vector a request keeps (see embed_step)."""
+        if dimensions is None or dimensions == self.dim:
+            return self.dim
+        if not self.matryoshka or not 0 < dimensions <= self.dim:
+            raise EmbeddingDimensionsUnsupportedError(self.name, self.dim, dimensions, self.matryoshka)
+        return dimensions
 
     def _plan(self, seqs: list[list[int]]) -> tuple[list[int], list[tuple[int, int, int, int]]]:
         # Longest first, cut into batches that pad little; input order is restored when unpacking.
@@ -297,12 +312,19 @@ def _input_kind(inp) -> tuple[str, list]:
                               "ids or a list of token-id lists.", param="input")
 
 
-def _unpack_vectors(raw: bytes, order: list[int], C: int) -> list[list[float]]:
-    """Row j of `raw` (f32, sorted order) is the vector of input order[j]."""
+def _unpack_vectors(raw: bytes, order: list[int], C: int, keep: int | None = None,
+                    renormalize: bool = False) -> list[list[float]]:
+    """Row j of `raw` (f32, sorted order) is the vector of input order[j]; only its first `keep`
+    values are kept (Matryoshka truncation), L2-renormalised when `renormalize` and keep < C."""
     flat = array("f", raw)
+    keep = C if keep is None else keep
     vecs: list[list[float]] = [[]] * len(order)
     for j, i in enumerate(order):
-        vecs[i] = flat[j * C:(j + 1) * C].tolist()
+        v = flat[j * C:j * C + keep].tolist()
+        if renormalize and keep < C:
+            norm = math.sqrt(math.fsum(x * x for x in v))
+            v = [x / max(norm, 1e-12) for x in v]        # torch F.normalize's eps, as the model's own
+        vecs[i] = v
     return vecs
 
 

@@ -16,6 +16,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from .structured import check_response_format, check_tool_calls, check_tools
 from .errors import (ContentTypeError, DependencyError, EmbeddingInputEmptyError,
                      EmbeddingUnsupportedEncodingFormatError, EmptyMessagesError, FieldTypeError,
                      InvalidNumberStringError, InvalidStreamOptionsError, InvalidTextError,
@@ -270,11 +271,12 @@ def check_chat_request(req: dict, limits: RequestLimits | None = None) -> dict:
                     raise FieldTypeError(f"messages[{i}].{key}", "a string", v)
                 nm[key] = _text("messages", f"messages[{i}].{key}", v)
         if m.get("tool_calls"):
-            # Chat templates render tool calls in model-specific ways (and fail on content null):
-            # without function calling there is nothing sound to render them as.
-            raise UnsupportedFieldsError("messages", f"messages[{i}].tool_calls: function calling is "
-                                         f"not available for the loaded models; send the assistant's "
-                                         f"earlier reply as text `content` instead.")
+            if role != "assistant":
+                raise UnsupportedFieldsError("messages", f"messages[{i}].tool_calls: only assistant "
+                                             f"messages carry tool calls.")
+            nm["tool_calls"] = check_tool_calls(i, m["tool_calls"])
+            if nm["content"] is None:
+                nm["content"] = ""       # templates concatenate content: a call without text is ""
         if role == "assistant" and nm["content"] is None:
             raise ContentTypeError(i, "is missing; an assistant message needs text content.")
         norm.append(nm)
@@ -282,19 +284,17 @@ def check_chat_request(req: dict, limits: RequestLimits | None = None) -> dict:
         raise MessageOrderError(norm[-1]["role"])
     out["messages"] = norm
 
-    rf = out.get("response_format")
-    if rf is not None:
-        if not isinstance(rf, dict) or rf.get("type") not in ("text", "json_object", "json_schema"):
-            raise FieldTypeError("response_format", "an object like {\"type\": \"text\"}", rf)
-        if rf["type"] != "text":
-            raise UnsupportedFieldsError("response_format", f"type {rf['type']!r} needs grammar-"
-                                         f"constrained decoding, which this engine does not have; "
-                                         f"use {{\"type\": \"text\"}} and ask for JSON in the prompt.")
-    if out.get("tools"):
-        tc = out.get("tool_choice")
-        if tc != "none":
-            raise UnsupportedFieldsError("tools", "function calling is not available for the loaded "
-                                         "models; remove `tools` (or set tool_choice to \"none\").")
+    rf = check_response_format(out.get("response_format"))
+    if rf is None or rf["type"] == "text":
+        out.pop("response_format", None)
+    else:
+        out["response_format"] = rf
+    tools, tool_choice = check_tools(out.pop("tools", None), out.pop("tool_choice", None))
+    if tools:
+        out["tools"], out["tool_choice"] = tools, tool_choice
+    if tools and rf is not None and rf["type"] != "text" and tool_choice != "none":
+        raise UnsupportedFieldsError("response_format", "a response_format cannot be combined with "
+                                     "`tools` (tool calls have their own format); use one or the other.")
     return out
 
 
@@ -380,9 +380,13 @@ def check_embedding_request(req: dict, limits: RequestLimits | None = None) -> d
     else:
         raise FieldTypeError("input", "a string, a list of strings, a list of token ids or a list "
                              "of token-id lists", inp)
-    if out.get("dimensions") is not None:
-        raise UnsupportedFieldsError("dimensions", "the embedding size is fixed by the model; remove "
-                                     "`dimensions` (truncate the vectors yourself if needed).")
+    dims = out.get("dimensions")
+    if dims is not None:
+        # whether the model may be truncated, and to how many, is the pipeline's to say
+        if not _is_int(dims):
+            raise FieldTypeError("dimensions", "a positive integer", dims)
+        if dims < 1:
+            raise MinValueError("dimensions", 1, dims)
     ef = out.get("encoding_format")
     if ef is not None and ef != "float":
         raise EmbeddingUnsupportedEncodingFormatError(ef)
