@@ -3,6 +3,9 @@
 //   rms_norm:       y[t,:] = x[t,:] / sqrt(mean(x[t,:]^2) + eps) * w
 //   layer_norm:     y[t,:] = (x[t,:] - mean) / sqrt(var + eps) * w + b
 //   layer_norm_res: the same on h = x + r (fused residual add); y may alias x or r.
+//   head_rms_norm:  in place on a fused qkv row (T, H_all, D): rms_norm of each of the first
+//                   n_norm heads over its D values, heads < n_q with weight w[0..D), the rest
+//                   with w[D..2D) (Qwen3 / Gemma 3 q and k norms); one invocation per (t, head).
 // dispatch (ceil(T/64) split over x,y), workgroup 64. The host header sets the storage type `av`
 // (act or act4), its f32 twin `fv` and `hsum(fv)`: rows move W = 1 or 4 elements per load, and
 // every size and offset below counts W-element units.
@@ -19,7 +22,19 @@ struct Params {
     b_off: u32,
 }
 
+struct HeadParams {
+    items: u32,  // T * n_norm
+    cols: u32,   // D
+    x_off: u32,
+    heads: u32,  // H_all: heads per qkv row
+    n_norm: u32, // heads [0, n_norm) are normalised
+    n_q: u32,    // heads [0, n_q) take the first weight row
+    eps: f32,
+    w_off: u32,
+}
+
 @group(0) @binding(0) var<uniform> p: Params;
+@group(0) @binding(0) var<uniform> hp: HeadParams;
 @group(0) @binding(1) var<storage, read_write> x: array<av>;  // (T, C)
 @group(0) @binding(2) var<storage, read> w: array<fv>;        // (C)
 @group(0) @binding(3) var<storage, read_write> y: array<av>;  // (T, C)
@@ -93,5 +108,24 @@ fn layer_norm_res(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups
     for (var c = 0u; c < p.cols; c++) {
         let h = fv(x[xb + c]) + fv(r[rb + c]);
         y[yb + c] = av((h - mean) * inv * w[p.w_off + c] + b[p.b_off + c]);
+    }
+}
+
+@compute @workgroup_size(64)
+fn head_rms_norm(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                 @builtin(local_invocation_index) lid: u32) {
+    let i = row_index(wid, nwg, lid);
+    if (i >= hp.items) { return; }
+    let h = i % hp.n_norm;
+    let xb = hp.x_off + ((i / hp.n_norm) * hp.heads + h) * hp.cols;
+    let wb = hp.w_off + select(hp.cols, 0u, h < hp.n_q);
+    var ss = fv(0.0);
+    for (var c = 0u; c < hp.cols; c++) {
+        let v = fv(x[xb + c]);
+        ss += v * v;
+    }
+    let inv = inverseSqrt(hsum(ss) / f32(hp.cols * W) + hp.eps);
+    for (var c = 0u; c < hp.cols; c++) {
+        x[xb + c] = av(fv(x[xb + c]) * inv * w[wb + c]);
     }
 }

@@ -1,4 +1,4 @@
-"""numpy reference forward pass of a Llama-family decoder (Llama, Qwen2, Mistral), for tests.
+"""numpy reference forward pass of a Llama-family decoder (Llama, Qwen2/3, Mistral), for tests.
 
 Independent of the GPU code: it takes dequantized float weights under our tensor names
 (loaders' GGUF_TO_OURS names: embed, norm, lm_head, layers.{i}.{attn_norm,q,k,v,q_bias,...}) and a
@@ -86,6 +86,9 @@ class RefLlama:
             v = h @ w[p + "v"].T
             if p + "q_bias" in w:
                 q, k, v = q + w[p + "q_bias"], k + w[p + "k_bias"], v + w[p + "v_bias"]
+            if p + "q_norm" in w:                                                  # Qwen3
+                q = rms_norm(q.reshape(T, H, D), w[p + "q_norm"], c.rms_eps)
+                k = rms_norm(k.reshape(T, Hkv, D), w[p + "k_norm"], c.rms_eps)
             q = rope(q.reshape(T, H, D), pos, c.rot_dim, c.rope_base, c.rope_neox, c.rope_freq_factors)
             k = rope(k.reshape(T, Hkv, D), pos, c.rot_dim, c.rope_base, c.rope_neox, c.rope_freq_factors)
             v = v.reshape(T, Hkv, D)

@@ -36,6 +36,22 @@ def test_rms_norm(device, dtype, rows, cols):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,hq,hkv,d", [(1, 4, 2, 64), (5, 6, 2, 32), (3, 2, 1, 6)])
+def test_head_rms_norm(device, dtype, rows, hq, hkv, d):
+    """Qwen3's q/k norms in place on a fused qkv row: q heads with w[:D], k heads with w[D:], v kept."""
+    rng = np.random.default_rng(rows * hq * d)
+    qkv = rng.standard_normal((rows, hq + 2 * hkv, d)) * 2 + 0.3
+    w = rng.standard_normal(2 * d)
+    xt = put(device, qkv, dtype, lead=4)
+    op = nn.head_rms_norm(device, xt, put(device, w, lead=4), n_q_heads=hq, n_k_heads=hkv, head_dim=d, eps=1e-6)
+    assert _width(op) == (4 if d % 4 == 0 else 1)
+    run(device, op)
+    want = nn_ref.head_rms_norm(rounded(qkv, dtype), w, hq, hkv, 1e-6)
+    assert np.abs(want[:, :hq] - rounded(qkv, dtype)[:, :hq]).max() > 0.1
+    np.testing.assert_allclose(get(device, xt), want, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows,cols,res", [(5, 384, False), (5, 384, True), (3, 37, True)])
 def test_layer_norm(device, dtype, rows, cols, res):
     rng = np.random.default_rng(cols)

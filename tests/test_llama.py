@@ -84,6 +84,8 @@ def _gpu_logits(device, cfg, infos, ids, dtype="f32", chunk=8):
 @pytest.mark.parametrize("arch,fmt,wtype,act,tol", [
     ("llama", "gguf", "f32", "f32", 1e-3),
     ("qwen2", "gguf", "f32", "f32", 1e-3),          # q/k/v bias, neox rope
+    ("qwen3", "gguf", "q8_0", "f32", 1e-3),         # per-head q/k norms before rope
+    ("qwen3", "safetensors", "bf16", "f32", 1e-3),
     ("llama", "gguf", "q8_0", "f32", 1e-3),
     ("llama", "gguf", "q4_1", "f32", 1e-3),
     ("llama", "safetensors", "f32", "f32", 1e-3),   # HF layout: neox rope

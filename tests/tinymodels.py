@@ -1,4 +1,4 @@
-"""Writers of tiny random-weight models (GGUF llama/qwen2, HF safetensors llama/qwen2/mistral, BERT
+"""Writers of tiny random-weight models (GGUF llama/qwen2/qwen3, HF safetensors llama/qwen2/qwen3/mistral, BERT
 sentence-transformers folders) for tests, returning the exact float32 weights the GPU will see.
 
 Every writer is deterministic in `seed`. Llama-family writers draw the same HF-layout weights for the
@@ -77,7 +77,7 @@ def _hf_bpe_tokenizer_json(tokens: list[str], merges: list[str], arch: str) -> s
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
     tk = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)},
                               merges=[tuple(m.split(" ")) for m in merges]))
-    if arch == "qwen2":
+    if arch in ("qwen2", "qwen3"):
         tk.pre_tokenizer = pre_tokenizers.Sequence([
             pre_tokenizers.Split(Regex(QWEN2_PATTERN), behavior="isolated", invert=False),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
@@ -120,6 +120,8 @@ def _hf_weights(d: dict, arch: str, seed: int) -> dict[str, np.ndarray]:
         w[p + "q"], w[p + "k"], w[p + "v"] = mat(Hq * D, C), mat(Hkv * D, C), mat(Hkv * D, C)
         if arch == "qwen2":
             w[p + "q_bias"], w[p + "k_bias"], w[p + "v_bias"] = vec(Hq * D, 0.0), vec(Hkv * D, 0.0), vec(Hkv * D, 0.0)
+        if arch == "qwen3":
+            w[p + "q_norm"], w[p + "k_norm"] = vec(D, 1.0), vec(D, 1.0)
         w[p + "o"] = mat(C, Hq * D)
         w[p + "ffn_norm"] = vec(C, 1.0)
         w[p + "gate"], w[p + "up"], w[p + "down"] = mat(F, C), mat(F, C), mat(C, F)
@@ -158,7 +160,8 @@ def _llama_config(d: dict, arch: str, neox: bool, eos_ids=(EOS_ID, 0), factors=N
                        head_dim=d["head_dim"], ffn_size=d["ffn_size"], rope_base=d["rope_base"],
                        rot_dim=d["head_dim"], rope_neox=neox, rms_eps=d["rms_eps"],
                        context_length=d["context_length"], tie_embeddings=d["tie_embeddings"],
-                       qkv_bias=arch == "qwen2", bos_id=BOS_ID, eos_ids=list(eos_ids), name=f"tiny-{arch}",
+                       qkv_bias=arch == "qwen2", qk_norm=arch == "qwen3", bos_id=BOS_ID, eos_ids=list(eos_ids),
+                       name=f"tiny-{arch}",
                        rope_freq_factors=factors,
                        rope_scaling="" if factors is None else ("linear" if len(set(factors)) == 1 else "llama3"))
 
@@ -343,18 +346,19 @@ def write_tiny_llama_gguf(path, arch: str = "llama", qtype: str = "f32", seed: i
     weights {our name: f32 array as stored and dequantized: what the GPU sees, q/k in file layout},
     hf_weights {same, q/k in HF layout}, tokens, merges, chat_template}."""
     import gguf
-    if arch not in ("llama", "qwen2"):
-        raise ValueError("GGUF tiny models: arch 'llama' or 'qwen2'")
+    if arch not in ("llama", "qwen2", "qwen3"):
+        raise ValueError("GGUF tiny models: arch 'llama', 'qwen2' or 'qwen3'")
     d = _dims(**dims)
     d["rms_eps"], d["rope_base"] = (float(np.float32(d[k])) for k in ("rms_eps", "rope_base"))  # GGUF keeps f32
-    tokens, merges = tiny_bpe_vocab(d["vocab_size"], "qwen2" if arch == "qwen2" else "smollm")
+    qwen = arch in ("qwen2", "qwen3")
+    tokens, merges = tiny_bpe_vocab(d["vocab_size"], "qwen2" if qwen else "smollm")
     d["vocab_size"] = len(tokens) + pad_rows
     hf = _hf_weights(d, arch, seed)
     if pad_rows:
         if d["tie_embeddings"]:
             raise ValueError("pad_rows needs an untied LM head")
         hf["lm_head"][len(tokens):] *= 40.0
-    neox = arch == "qwen2"
+    neox = qwen
     qtypes, stored, gpu, hf_deq = {}, {}, {}, {}
     for name, w in hf.items():
         qt = (embed_qtype or qtype) if name == "embed" else (qtype if _is_matrix(name) else "f32")
@@ -388,7 +392,7 @@ def write_tiny_llama_gguf(path, arch: str = "llama", qtype: str = "f32", seed: i
     w.add_rope_dimension_count(d["head_dim"]); w.add_vocab_size(d["vocab_size"])
     if d["head_dim"] != d["hidden_size"] // d["n_heads"]:
         w.add_key_length(d["head_dim"]); w.add_value_length(d["head_dim"])
-    w.add_tokenizer_model("gpt2"); w.add_tokenizer_pre("qwen2" if arch == "qwen2" else "smollm")
+    w.add_tokenizer_model("gpt2"); w.add_tokenizer_pre("qwen2" if qwen else "smollm")
     w.add_token_list(tokens); w.add_token_types([3, 3, 3] + [1] * (len(tokens) - 3))
     w.add_token_merges(merges)
     w.add_bos_token_id(BOS_ID); w.add_eos_token_id(EOS_ID); w.add_add_bos_token(False)
@@ -467,12 +471,12 @@ def write_tiny_llama_safetensors(folder, arch: str = "llama", dtype: str = "f32"
     """Write an HF folder (config.json, safetensors, tokenizer.json, tokenizer_config.json with the
     ChatML template) of a tiny llama/qwen2/mistral. Returns {folder, arch, config, rope_neox (True),
     weights {our name: f32 as the GPU sees it}, hf_names {our name: HF name}, tokens, merges, chat_template}."""
-    if arch not in ("llama", "qwen2", "mistral"):
-        raise ValueError("arch must be llama, qwen2 or mistral")
+    if arch not in ("llama", "qwen2", "qwen3", "mistral"):
+        raise ValueError("arch must be llama, qwen2, qwen3 or mistral")
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     d = _dims(**dims)
-    tokens, merges = tiny_bpe_vocab(d["vocab_size"], "qwen2" if arch == "qwen2" else "smollm")
+    tokens, merges = tiny_bpe_vocab(d["vocab_size"], "qwen2" if arch in ("qwen2", "qwen3") else "smollm")
     d["vocab_size"] = len(tokens)
     hf = _hf_weights(d, arch, seed)
     ours_to_hf = {}
@@ -485,7 +489,8 @@ def write_tiny_llama_safetensors(folder, arch: str = "llama", dtype: str = "f32"
         tensors[ours_to_hf[name]] = (dtype, w.shape, raw)
         gpu[name] = seen
     _write_folder_tensors(folder, tensors, sharded)
-    cls = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}[arch]
+    cls = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+           "mistral": "MistralForCausalLM"}[arch]
     config = {
         "_name_or_path": f"tiny-{arch}", "architectures": [cls], "model_type": arch,
         "vocab_size": len(tokens), "hidden_size": d["hidden_size"],

@@ -25,7 +25,7 @@ from .common import DTYPE_SIZE, Op, Tensor, act_header, check, params
 WG = 64
 MAX_WG = 65535
 
-__all__ = ["rms_norm", "layer_norm", "add", "bias_add", "silu_mul", "gelu", "rope", "rope_kv",
+__all__ = ["rms_norm", "head_rms_norm", "layer_norm", "add", "bias_add", "silu_mul", "gelu", "rope", "rope_kv",
            "kv_write", "attention", "attention_bidir", "mean_pool", "cls_pool", "max_pool",
            "l2_normalize", "decode_splits"]
 
@@ -122,6 +122,23 @@ def rms_norm(dev: Device, x: Tensor, w: Tensor, y: Tensor, *, eps: float) -> Op:
     (xe, xo), (ye, yo), (we, wo) = (_window(dev, t, k, v) for t in (x, y, w))
     par = params(dev, [rows, cols // v, xo, yo, 0, float(eps), wo, 0], owner=y.buf.owner, label=k)
     return _op(dev, k, "norm.wgsl", k, _vec_header(dt, v), par, [xe, we, ye], rows)
+
+
+def head_rms_norm(dev: Device, qkv: Tensor, w: Tensor, *, n_q_heads: int, n_k_heads: int,
+                  head_dim: int, eps: float) -> Op:
+    """In place on qkv (T, H_all, D): rms_norm over each q head with w[:D] and each following k head
+    with w[D:] (Qwen3's and Gemma 3's q_norm / k_norm, applied before RoPE); v heads untouched."""
+    k = "head_rms_norm"
+    dt = _act(k, qkv)
+    rows, heads = _qkv_heads(k, qkv, head_dim)
+    n = n_q_heads + n_k_heads
+    check(n <= heads and w.numel == 2 * head_dim and w.dtype == "f32", k,
+          f"qkv{qkv.shape} with {n} normed heads of {head_dim}, w{w.shape}/{w.dtype}")
+    v = _width(dev, k, [head_dim], [qkv, w])
+    (xe, xo), (we, wo) = (_window(dev, t, k, v) for t in (qkv, w))
+    par = params(dev, [rows * n, head_dim // v, xo, heads, n, n_q_heads, float(eps), wo],
+                 owner=qkv.buf.owner, label=k)
+    return _op(dev, k, "norm.wgsl", k, _vec_header(dt, v), par, [xe, we], rows * n)
 
 
 def layer_norm(dev: Device, x: Tensor, w: Tensor, b: Tensor, y: Tensor, *, eps: float,

@@ -11,6 +11,15 @@ def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     return (x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w).astype(np.float32)
 
 
+def head_rms_norm(qkv: np.ndarray, w: np.ndarray, n_q: int, n_k: int, eps: float) -> np.ndarray:
+    """qkv (T, H_all, D): heads [0, n_q) rms-normed with w[:D], heads [n_q, n_q+n_k) with w[D:]."""
+    y = qkv.astype(np.float64).copy()
+    D = qkv.shape[-1]
+    y[:, :n_q] = rms_norm(y[:, :n_q], w[:D], eps)
+    y[:, n_q:n_q + n_k] = rms_norm(y[:, n_q:n_q + n_k], w[D:], eps)
+    return y.astype(np.float32)
+
+
 def layer_norm(x, w, b, eps, residual=None) -> np.ndarray:
     h = x.astype(np.float64) + (0 if residual is None else residual.astype(np.float64))
     mu = h.mean(-1, keepdims=True)

@@ -42,6 +42,8 @@ GGUF_TO_OURS = {
     "blk.{i}.attn_q.bias": "layers.{i}.q_bias",      # Qwen2
     "blk.{i}.attn_k.bias": "layers.{i}.k_bias",
     "blk.{i}.attn_v.bias": "layers.{i}.v_bias",
+    "blk.{i}.attn_q_norm.weight": "layers.{i}.q_norm",  # Qwen3 (head_dim,)
+    "blk.{i}.attn_k_norm.weight": "layers.{i}.k_norm",
     "blk.{i}.attn_output.weight": "layers.{i}.o",    # (hidden, n_heads*head_dim)
     "blk.{i}.attn_output.bias": "layers.{i}.o_bias",
     "blk.{i}.ffn_norm.weight": "layers.{i}.ffn_norm",
@@ -208,7 +210,7 @@ class GGUFFile:
         return default
 
     def model_config(self) -> LlamaConfig:
-        """LlamaConfig from `<arch>.*` metadata (the names llama.cpp writes for llama/qwen2/mistral)."""
+        """LlamaConfig from `<arch>.*` metadata (the names llama.cpp writes for llama/qwen2/qwen3/mistral)."""
         arch = self.architecture
         if arch not in LLAMA_ARCHS:
             raise UnsupportedModelError(
@@ -240,12 +242,13 @@ class GGUFFile:
             ffn_size=int(self._meta("feed_forward_length", required=True)),
             rope_base=float(self._meta("rope.freq_base", 10000.0)),
             rot_dim=rot_dim, rope_freq_factors=factors, rope_scaling=scaling,
-            # llama.cpp's converter permutes llama/mistral q,k rows to adjacent-pair rope; qwen2 is NEOX
-            rope_neox=arch == "qwen2",
+            # llama.cpp's converter permutes llama/mistral q,k rows to adjacent-pair rope; qwen2/3 are NEOX
+            rope_neox=arch in ("qwen2", "qwen3"),
             rms_eps=float(self._meta("attention.layer_norm_rms_epsilon", 1e-5)),
             context_length=int(self._meta("context_length", 4096)),
             tie_embeddings="output.weight" not in self.tensors,
             qkv_bias="blk.0.attn_q.bias" in self.tensors,
+            qk_norm="blk.0.attn_q_norm.weight" in self.tensors,
             bos_id=int(bos) if bos is not None else None,
             eos_ids=eog_ids(self.metadata),
             sliding_window=int(sliding) if sliding else None,

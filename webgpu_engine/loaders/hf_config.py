@@ -14,8 +14,9 @@ from .model_config import BertConfig, LlamaConfig, llama3_rope_factors
 from .tensor_info import TensorInfo
 
 # HF architectures -> our LlamaConfig.arch
-LLAMA_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "mistral"}
-LLAMA_MODEL_TYPES = ("llama", "qwen2", "mistral")          # config.json model_type, when architectures is absent
+LLAMA_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+                       "MistralForCausalLM": "mistral"}
+LLAMA_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")         # config.json model_type, when architectures is absent
 BERT_ARCHITECTURES = ("BertModel", "BertForMaskedLM", "BertForPreTraining", "BertForSequenceClassification")
 
 # Llama / Qwen2 / Mistral names (LlamaForCausalLM) -> ours; ours are the names loaders.gguf also gives.
@@ -30,6 +31,8 @@ HF_LLAMA_TO_OURS = {
     "model.layers.{i}.self_attn.q_proj.bias": "layers.{i}.q_bias",
     "model.layers.{i}.self_attn.k_proj.bias": "layers.{i}.k_bias",
     "model.layers.{i}.self_attn.v_proj.bias": "layers.{i}.v_bias",
+    "model.layers.{i}.self_attn.q_norm.weight": "layers.{i}.q_norm",      # Qwen3 (D,)
+    "model.layers.{i}.self_attn.k_norm.weight": "layers.{i}.k_norm",
     "model.layers.{i}.self_attn.o_proj.weight": "layers.{i}.o",
     "model.layers.{i}.post_attention_layernorm.weight": "layers.{i}.ffn_norm",
     "model.layers.{i}.mlp.gate_proj.weight": "layers.{i}.gate",
@@ -143,6 +146,7 @@ def llama_config_from_dict(c: dict, where: str = "config.json") -> LlamaConfig:
             context_length=int(c.get("max_position_embeddings", 4096)),
             tie_embeddings=bool(c.get("tie_word_embeddings", False)),
             qkv_bias=bool(c.get("attention_bias", arch == "qwen2")),
+            qk_norm=arch == "qwen3",
             bos_id=c.get("bos_token_id"),
             eos_ids=eos if isinstance(eos, list) else ([eos] if eos is not None else []),
             sliding_window=int(sliding) if sliding else None,

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-LLAMA_ARCHS = ("llama", "qwen2", "mistral")
+LLAMA_ARCHS = ("llama", "qwen2", "qwen3", "mistral")
 
 
 @dataclass
 class LlamaConfig:
-    """A Llama-family decoder (Llama, Qwen2 = Llama + q/k/v bias, Mistral = Llama (+ sliding window)).
+    """A Llama-family decoder (Llama, Qwen2 = Llama + q/k/v bias, Qwen3 = Llama + per-head q/k
+    RMSNorm before RoPE, Mistral = Llama (+ sliding window)).
 
     `rope_neox` says which dimensions rope rotates together in a head of size `rot_dim`:
     False: adjacent pairs (2i, 2i+1) — GGUF llama/mistral, whose q/k rows llama.cpp's converter
@@ -35,6 +36,7 @@ class LlamaConfig:
     context_length: int = 4096
     tie_embeddings: bool = False       # lm_head shares the token embedding table
     qkv_bias: bool = False             # Qwen2
+    qk_norm: bool = False              # Qwen3: rms_norm of each q and k head (weights q_norm, k_norm (D,))
     bos_id: int | None = None
     eos_ids: list[int] = field(default_factory=list)
     sliding_window: int | None = None  # Mistral v0.1; informative (the pipeline may use it)

@@ -1,9 +1,10 @@
-"""The Llama-family decoder (Llama, Qwen2, Mistral) on WebGPU: weights, KV cache, prefill and decode.
+"""The Llama-family decoder (Llama, Qwen2/3, Mistral) on WebGPU: weights, KV cache, prefill and decode.
 
     x = embed(ids)                                             # (T, C)
     for each layer:
         h = rms_norm(x)                                        # (T, C)
         qkv = h · Wqkvᵀ (+ bias)                               # (T, Hq + 2 Hkv, D), Q|K|V fused
+        q, k = rms_norm(q head), rms_norm(k head)              # Qwen3 only
         rope(q, k); k, v -> cache rows pos0 .. pos0+T-1        # caches (Hkv, ctx, D)
         x += attention(q, cache) · Woᵀ                         # causal GQA; residual fused in matmul
         h = rms_norm(x)
@@ -46,6 +47,7 @@ class LlamaLayer:
     down: mm.QWeight                   # (C, F)
     qkv_bias: Tensor | None = None     # (Hq*D + 2*Hkv*D,) f32: Qwen2
     o_bias: Tensor | None = None       # (C,) f32
+    qk_norm: Tensor | None = None      # (2D,) f32: q_norm | k_norm, per head before RoPE (Qwen3)
 
 
 @dataclass(frozen=True)
@@ -74,8 +76,9 @@ class FusionPlan:
                 mm.epilogue_ok(dev, w.qtype, w.n, w.k) and len(w.bufs) == 1
                 for L in layers for w in (L.o, L.down)),
             head_norm_in_matmul=mm.fusable(dev, 1, lm_head),
-            # adjacent-pair rope only, and a head of whole vec4s
-            rope_kv=tuple(not cfg.rope_neox and cfg.head_dim % 4 == 0
+            # adjacent-pair rope only, and a head of whole vec4s; q/k norms come between the
+            # matmul and RoPE, so those layers keep the separate rope_kv kernel
+            rope_kv=tuple(not cfg.rope_neox and cfg.head_dim % 4 == 0 and L.qk_norm is None
                           and mm.epilogue_ok(dev, L.qkv.qtype, L.qkv.n, L.qkv.k) for L in layers),
             silu_out=tuple(L.silu_pairs for L in layers))
 
@@ -177,7 +180,8 @@ class LlamaModel:
                 down=mat([p + "down"], p + "down"),
                 qkv_bias=vec([p + "q_bias", p + "k_bias", p + "v_bias"], p + "qkv_bias")
                 if p + "q_bias" in weights else None,
-                o_bias=vec([p + "o_bias"], p + "o_bias") if p + "o_bias" in weights else None))
+                o_bias=vec([p + "o_bias"], p + "o_bias") if p + "o_bias" in weights else None,
+                qk_norm=vec([p + "q_norm", p + "k_norm"], p + "qk_norm") if c.qk_norm else None))
             if progress:
                 progress((i + 1) / c.n_layers, f"uploaded layer {i + 1}/{c.n_layers}")
 
@@ -234,6 +238,9 @@ class LlamaModel:
             else:
                 ops.append(nn.rms_norm(dev, x, L.attn_norm, h, eps=eps))
                 ops.append(mm.matmul(dev, h, L.qkv, qkv2, bias=L.qkv_bias, rope_kv=rope, row_invariant=ri))
+            if L.qk_norm is not None:            # q, k = rms_norm per head (before RoPE)
+                ops.append(nn.head_rms_norm(dev, qkv, L.qk_norm, n_q_heads=H, n_k_heads=Hkv, head_dim=D,
+                                            eps=eps))
             # rope(q, k); k, v -> caches; x += attention(q, caches) · Woᵀ
             if rope is None:
                 ops.append(nn.rope_kv(dev, qkv, kc, vc, step, n_q_heads=H, n_kv_heads=Hkv,

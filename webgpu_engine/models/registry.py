@@ -54,6 +54,7 @@ def _decoder(name: str) -> Architecture:
 ARCHITECTURES: dict[str, Architecture] = {
     "llama": _decoder("llama"),
     "qwen2": _decoder("qwen2"),          # llama + q/k/v bias
+    "qwen3": _decoder("qwen3"),          # llama + per-head q/k RMSNorm
     "mistral": _decoder("mistral"),      # llama (+ sliding window in its config)
     "bert": Architecture("bert", EMBEDDING, "bert:BertModel", None, hf_config.load_bert_config, "",
                          memory.estimate_bert),

@@ -1,0 +1,101 @@
+"""The chat families beyond Llama against transformers: for each, a tiny random model that
+tests/fixtures/make_<family>.py ran through transformers once (its JSON committed). The same tiny
+model is written here (tests/tinymodels.py, deterministic) as HF safetensors and as GGUF, opened
+through models.registry.open_model like any user file, and must give transformers' token ids for
+a non-ASCII text, its logits at positions up to 319 within 1e-3 (relative to the largest logit)
+and its 16 greedy tokens after 300."""
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import tinymodels
+from webgpu_engine.loaders.tokenizer import load_tokenizer
+from webgpu_engine.models.llama import LlamaModel
+from webgpu_engine.models.registry import open_model
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+def _ref(name: str) -> dict:
+    return json.loads((FIXTURES / f"{name}_transformers.json").read_text())
+
+
+def _logits(device, m) -> np.ndarray:
+    return np.frombuffer(device.read_sync(m.logits.buf, 0, m.logits.nbytes), np.float32).copy()
+
+
+def run_golden(device, cfg, weights, ref: dict, chunk: int = 128) -> tuple[dict, list]:
+    """({row: logits}, greedy) of our model over ref's sequence: one chunked prefill up to
+    prompt_len (chunks end at the rows kept, so each of those logits is a prefill's last row), 16
+    greedy decode steps, then the sequence's own tokens decoded from prompt_len on (rows past it
+    through the fused decode path; each step rewrites the cache row it reads last)."""
+    ids, P = ref["text_ids"][:ref["seq_len"]], ref["prompt_len"]
+    m = LlamaModel(device, cfg, weights, owner="test:families", context_window=512, prefill_chunk=chunk)
+    rows, greedy = {}, []
+
+    def decode(tok, pos):
+        device.write(m.ids.buf, struct.pack("<I", tok))
+        b = device.batch()
+        m.record_decode(b, pos)
+        device.submit(b)
+        return _logits(device, m)
+    try:
+        ends = sorted({r + 1 for r in ref["rows"] if r < P} | {P})
+        p0 = 0
+        for end in ends:
+            while p0 < end:
+                n = min(chunk, end - p0)
+                b = device.batch()
+                m.record_prefill(b, ids[p0:p0 + n], p0, with_head=p0 + n == end)
+                device.submit(b)
+                p0 += n
+            rows[end - 1] = _logits(device, m)
+        logits = rows[P - 1]
+        for pos in range(P, P + len(ref["greedy"])):
+            greedy.append(int(np.argmax(logits)))
+            logits = decode(greedy[-1], pos)
+        for pos in range(P, len(ids)):
+            rows[pos] = decode(ids[pos], pos)
+    finally:
+        m.release()
+    return rows, greedy
+
+
+def check_golden(device, path, ref: dict) -> None:
+    """Open `path` (HF folder or GGUF) as a user would, compare tokens, logits and greedy with ref."""
+    opened = open_model(path)
+    try:
+        assert opened.arch.name == ref["arch"]
+        for native in (True, False):
+            tok = load_tokenizer(path if Path(path).is_dir() else str(path), native=native)
+            assert tok.encode(ref["text"]) == ref["text_ids"], f"native={native}"
+        rows, greedy = run_golden(device, opened.config, opened.weights, ref)
+        for r, want in zip(ref["rows"], ref["logits"]):
+            want = np.asarray(want)
+            err = np.abs(rows[r] - want).max() / np.abs(want).max()
+            assert err <= 1e-3, f"position {r}: relative error {err:.2e}"
+        assert greedy == ref["greedy"]
+    finally:
+        opened.close()
+
+
+# --------------------------------------------------------------------------- Qwen3
+@pytest.fixture(scope="module")
+def qwen3_ref():
+    return _ref("qwen3")
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "gguf"])
+def test_qwen3_matches_transformers(device, tmp_path, qwen3_ref, fmt):
+    """Per-head q/k RMSNorm before RoPE, explicit head_dim (32, with hidden 64 / 4 heads), no bias."""
+    dims = qwen3_ref["dims"]
+    if fmt == "safetensors":
+        path = tinymodels.write_tiny_llama_safetensors(tmp_path / "qwen3", arch="qwen3", **dims)["folder"]
+    else:
+        path = tinymodels.write_tiny_llama_gguf(tmp_path / "qwen3.gguf", arch="qwen3", **dims)["path"]
+    check_golden(device, path, qwen3_ref)
