@@ -31,6 +31,7 @@ class GenerationConfig:
     latency_breakdown: bool = False        # usage.extra.latency_breakdown: per-step times
     grammar: Any = None                    # a compiled grammar (pipelines.grammar.Grammar): constrained
     grammar_init_s: float = 0.0            # time the request spent compiling it (0 when cached)
+    tools: list | None = None              # function definitions for the chat template
 
     def merged(self, **overrides: Any) -> "GenerationConfig":
         return replace(self, **{k: v for k, v in overrides.items() if v is not None})

@@ -18,6 +18,7 @@ from ..protocol.errors import RangeError
 from ..protocol.objects import to_object
 from ..protocol.rules import check_chat_request, check_completion_request, check_embedding_request
 from .records import EMBEDDING, LLM
+from .tools import prepare_chat
 
 
 def _as_dict(request: Any, fields: dict) -> dict:
@@ -241,10 +242,12 @@ async def _create_text(engine, req: dict, chat: bool):
     kind = "chat.completion" if chat else "text_completion"
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     created = int(time.time())
-    messages = req["messages"] if chat else None
+    messages, tools = (req["messages"], None) if chat else (None, None)
+    if chat:      # tools offered to the template; the grammar compiled before the lock
+        messages, gen, tools = await prepare_chat(lm, req, gen)
     prompt = None if chat else req["prompt"]
     if req.get("stream"):
-        return await _stream(engine, lm, req, gen, rid, created, kind, messages, prompt, deadline)
+        return await _stream(engine, lm, req, gen, rid, created, kind, messages, prompt, deadline, tools)
     t0 = time.perf_counter()
     lm = await engine.acquire(lm, name, deadline)
     try:
@@ -265,7 +268,10 @@ async def _create_text(engine, req: dict, chat: bool):
                 usages.append(lm.pipeline.usage())
             text = "".join(parts)
             if chat:
-                c = {"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
+                msg = {"role": "assistant", "content": text}
+                if tools is not None:
+                    finish = tools.finish(msg, finish)
+                c = {"index": i, "message": msg, "finish_reason": finish}
                 if gen.logprobs:
                     c["logprobs"] = {"content": lps}
             else:
@@ -295,7 +301,7 @@ def _legacy_logprobs(entries: list[dict], offset0: int) -> dict:
     return out
 
 
-async def _stream(engine, lm, req, gen, rid, created, kind, messages, prompt, deadline=None):
+async def _stream(engine, lm, req, gen, rid, created, kind, messages, prompt, deadline=None, tools=None):
     chat = kind == "chat.completion"
     name = "ChatCompletionRequest" if chat else "CompletionCreateParams"
     include_usage = bool((req.get("stream_options") or {}).get("include_usage"))
@@ -328,12 +334,23 @@ async def _stream(engine, lm, req, gen, rid, created, kind, messages, prompt, de
                 if not chat and req.get("echo"):
                     yield piece(prompt)
                     first = False
+                held = None if tools is None else []    # text that may still turn out a tool call
                 async for delta, entries in steps:
+                    if held is not None:
+                        held.append(delta)
+                        if tools.may_be_call("".join(held)):
+                            continue
+                        delta, held = "".join(held), None
                     yield piece(delta, entries, first=first and chat)
                     first = False
+                stream.finish_reason = lm.pipeline.finish_reason or "stop"
+                if held is not None:
+                    msg = {"content": "".join(held)}
+                    stream.finish_reason = tools.finish(msg, stream.finish_reason)
+                    for c in tool_call_deltas(msg):
+                        yield chunk([{"index": 0, "delta": c, "finish_reason": None}])
                 if not chat and req.get("suffix"):
                     yield piece(req["suffix"])
-                stream.finish_reason = lm.pipeline.finish_reason or "stop"
                 stream.usage = _usage([lm.pipeline.usage()], t0)
                 yield piece("", finish=stream.finish_reason)
                 if include_usage:
@@ -355,6 +372,21 @@ async def _stream(engine, lm, req, gen, rid, created, kind, messages, prompt, de
         raise
     steps = _prepend(first_item, steps)
     return AsyncStream(lm, make)
+
+
+def tool_call_deltas(msg: dict) -> list[dict]:
+    """The deltas OpenAI streams for a finished answer: its text, or per call one delta with id,
+    type and name (arguments "") and one with the arguments."""
+    if not msg.get("tool_calls"):
+        return [{"role": "assistant", "content": msg.get("content") or ""}]
+    out = [{"content": msg["content"]}] if msg.get("content") else []
+    for i, c in enumerate(msg["tool_calls"]):
+        f = c["function"]
+        out.append({"tool_calls": [{"index": i, "id": c["id"], "type": "function",
+                                    "function": {"name": f["name"], "arguments": ""}}]})
+        out.append({"tool_calls": [{"index": i, "function": {"arguments": f["arguments"]}}]})
+    out[0] = {"role": "assistant", **out[0]}
+    return out
 
 
 async def _prepend(first, rest):

@@ -19,9 +19,11 @@ from ..config import ChatConfig, GenerationConfig
 from ..errors import ContextWindowTooLargeError, InvalidRequestError, ModelFormatError
 from ..gpu import Device
 from ..kernels.common import pipeline_keys, warm_up
+from ..kernels.logit_mask import LogitMask
 from ..kernels.sampling import Sampler
 from ..models.registry import LLM, open_model
 from .detokenizer import StreamDetokenizer, safe_token_bytes
+from .grammar import GrammarCompiler
 from .stats import CumulativeStats, RequestStats, now
 
 _ids = itertools.count()
@@ -51,6 +53,11 @@ class LLMChatPipeline:
         eos = set(cfg.eos_ids) | set(getattr(tokenizer, "eos_ids", None) or [])
         self.eos_ids = eos | set(chat_config.stop_token_ids)
         self.logit_processor = None
+        # constrained decoding: grammars compiled per model (cached); the GPU mask made on first use
+        self.grammars = GrammarCompiler(tokenizer, self.vocab_size, self.eos_ids)
+        self._mask: LogitMask | None = None
+        self._mask_op = None
+        self._matcher = None
         self.kv_ids: list[int] = []          # tokens whose K/V sit in the cache, positions 0..n-1
         self._longest_token: int | None = None
         self.stats = CumulativeStats()
@@ -128,6 +135,15 @@ class LLMChatPipeline:
         self._last_token: int | None = None
         self._max_tokens = gen.max_tokens if gen else None
         self._ignore_eos = bool(gen.ignore_eos) if gen else False
+        self._matcher = None
+        if gen is not None and gen.grammar is not None:
+            t0 = now()
+            self._matcher = gen.grammar.matcher()
+            if self._mask is None:
+                self._mask = LogitMask(self.dev, self.vocab_size, owner=self.owner)
+                self._mask_op = self._mask.op(self.model.logits.view((self.vocab_size,)))
+            self._req.grammar = True
+            self._req.grammar_init_s = gen.grammar_init_s + (now() - t0)
 
     def _max_token_chars(self) -> int:
         """Bytes of the longest token (>= its characters): a text of n characters has at least
@@ -166,7 +182,9 @@ class LLMChatPipeline:
         """Compute the prompt (reusing the cached prefix of the conversation) and sample the first token."""
         self._req = RequestStats(t_start=now(), breakdown=gen.latency_breakdown)
         self._new_request_state(gen)
-        kw = None if gen.enable_thinking is None else {"enable_thinking": gen.enable_thinking}
+        kw = {} if gen.enable_thinking is None else {"enable_thinking": gen.enable_thinking}
+        if gen.tools:
+            kw["tools"] = gen.tools
         ctx = self.model.ctx
         chars = len(prompt) if prompt is not None else \
             sum(len(str(m.get("content") or "")) for m in messages or [] if isinstance(m, dict))
@@ -250,12 +268,31 @@ class LLMChatPipeline:
             batch = dev.batch()
         if self._req.breakdown:          # kept only when the request asked for the breakdown
             self._req.logit_processor_s.append(t_lp)
+        if self._matcher is not None:
+            batch = await self._apply_mask(batch)
         self._sample_op.record(batch)
         dev.submit(batch)
         res = await self.sampler.read()   # waits for the step off the event loop
         if self.logit_processor is not None and hasattr(self.logit_processor, "process_sampled_token"):
             self.logit_processor.process_sampled_token(res.token)
         return res
+
+    async def _apply_mask(self, batch):
+        """Submit the model's step and compute the grammar's allowed tokens meanwhile (a worker
+        thread: llguidance releases the GIL), upload them and start a batch that masks the logits
+        (the sampler's op follows in it)."""
+        m = self._matcher
+        if _THREADS:
+            job = asyncio.ensure_future(asyncio.to_thread(m.mask))
+            self.dev.submit(batch)
+            bits = await job
+        else:
+            self.dev.submit(batch)
+            bits = m.mask()
+        self._mask.write(bits)
+        batch = self.dev.batch()
+        self._mask_op.record(batch)
+        return batch
 
     async def _process_logits(self) -> None:
         lg = self.model.logits
@@ -271,11 +308,17 @@ class LLMChatPipeline:
         self._last_token = tok
         if self.sampler.want_logprobs:
             self.token_logprobs.append(self._logprob_entry(tok, res.logprob, res.top))
-        if tok in self.eos_ids and not self._ignore_eos:
+        m = self._matcher
+        # under a grammar, an end token is only allowed where the grammar is complete: it ends the answer
+        if tok in self.eos_ids and (not self._ignore_eos or m is not None):
             self.output_ids.append(tok)
             return self._finish("stop")
         self.output_ids.append(tok)
+        if m is not None and not m.consume(tok):
+            raise RuntimeError(f"the sampler gave token {tok}, which the grammar does not allow: {m.error}")
         if self.detok.add(tok):
+            return self._finish("stop")
+        if m is not None and m.stopped:          # the grammar allows nothing more
             return self._finish("stop")
         if self._max_tokens is not None and len(self.output_ids) >= self._max_tokens:
             return self._finish("length")
@@ -284,6 +327,9 @@ class LLMChatPipeline:
 
     def _finish(self, reason: str) -> None:
         self.stopped, self.finish_reason = True, reason
+        if self._matcher is not None:
+            self._req.grammar_mask_s, self._req.grammar_steps = self._matcher.mask_s, self._matcher.steps
+            self._matcher = None
         self.detok.flush()         # the last delta stays for take_delta
         self._req.t_end = now()
         self.stats.add(self._req)
@@ -341,6 +387,7 @@ class LLMChatPipeline:
             raise InvalidRequestError(f"input id {bad} is outside the model's vocabulary (0..{rows - 1}).",
                                       param="input_ids")
         self._configure_sampler(gen, self.kv_ids + ids)
+        self._matcher = None                     # the low-level path samples unconstrained
         t0 = now()
         res = await self._forward(ids, len(self.kv_ids))
         r = RequestStats()
@@ -356,5 +403,7 @@ class LLMChatPipeline:
         """Free every GPU buffer of the model (weights, KV cache, activations, sampler)."""
         self.model.release()
         self.sampler.release()
+        if self._mask is not None:
+            self._mask.release()
         self.dev.release_owner(self.owner)
         self.kv_ids = []

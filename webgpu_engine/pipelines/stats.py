@@ -25,6 +25,10 @@ class RequestStats:
     breakdown: bool = False          # enable_latency_breakdown: keep the per-step times below
     step_s: list = field(default_factory=list)             # each forward + sample (prefill first)
     logit_processor_s: list = field(default_factory=list)  # host logit-processor round trip per step
+    grammar: bool = False            # a constrained request: report the grammar times below
+    grammar_init_s: float = 0.0      # compiling (or copying the cached) grammar for this request
+    grammar_mask_s: float = 0.0      # computing the allowed-token masks, summed over the steps
+    grammar_steps: int = 0
 
     def extra(self) -> dict:
         end = self.t_end if self.t_end is not None else now()
@@ -36,6 +40,9 @@ class RequestStats:
             "time_to_first_token_s": ttft,
             "time_per_output_token_s": self.decode_s / self.decode_tokens if self.decode_tokens else 0.0,
             **({"latency_breakdown": self.latency_breakdown()} if self.breakdown else {}),
+            **({"grammar_init_s": self.grammar_init_s,
+                "grammar_per_token_s": self.grammar_mask_s / self.grammar_steps if self.grammar_steps
+                else 0.0} if self.grammar else {}),
         }
 
     def latency_breakdown(self) -> dict:

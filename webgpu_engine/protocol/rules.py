@@ -289,6 +289,7 @@ def check_chat_request(req: dict, limits: RequestLimits | None = None) -> dict:
         out.pop("response_format", None)
     else:
         out["response_format"] = rf
+    _bool(out, "parallel_tool_calls")
     tools, tool_choice = check_tools(out.pop("tools", None), out.pop("tool_choice", None))
     if tools:
         out["tools"], out["tool_choice"] = tools, tool_choice
