@@ -6,6 +6,7 @@
 //             (the decode matmul's silu epilogue layout, matmul_epilogue.wgsl) with vec2 elements
 //             (fv = vec2, cols = F/2) and (g_step, u_off) = (2, 1)
 //   gelu:     y[i] = 0.5 * a[i] * (1 + erf(a[i] / sqrt(2)))
+//   tanh_act: y[i] = tanh(a[i])   (the pooler / classification head of BERT cross-encoders)
 // dispatch (ceil(n/64) split over x,y), workgroup 64. y may alias an input (all read_write).
 // The host header sets the storage type `av` (act or act4) and its f32 twin `fv`: one invocation
 // handles W = 1 or 4 elements, and every size and offset below counts W-element units.
@@ -84,4 +85,15 @@ fn gelu(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
     // 1 + erf(v/sqrt2) = erfc(-v/sqrt2): taken directly for v < 0, so no cancellation there
     let one_plus_erf = select(2.0 - e, e, v < fv(0.0));
     yu[p.y_off + i] = av(0.5 * v * one_plus_erf);
+}
+
+@compute @workgroup_size(64)
+fn tanh_act(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+            @builtin(local_invocation_index) lid: u32) {
+    let i = elem_index(wid, nwg, lid);
+    if (i >= p.n) { return; }
+    let v = fv(a[p.a_off + i]);
+    // from exp(-2|v|) <= 1: no overflow for large |v|, where some drivers' tanh gives NaN
+    let t = exp(-2.0 * abs(v));
+    yu[p.y_off + i] = av(sign(v) * (1.0 - t) / (1.0 + t));
 }

@@ -124,6 +124,17 @@ def test_silu_mul(device, dtype, rows, f):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_tanh(device, dtype):
+    rng = np.random.default_rng(5)
+    x = np.concatenate([rng.standard_normal(3000) * 2, np.linspace(-100, 100, 2001), [0.0, 1e-8, -1e-8]])
+    xt, yt = put(device, x, dtype), empty(device, x.shape, dtype)
+    run(device, nn.tanh(device, xt, yt))
+    out = get(device, yt)
+    assert np.isfinite(out).all() and out.max() <= 1.0 and out.min() >= -1.0
+    np.testing.assert_allclose(out, nn_ref.tanh(rounded(x, dtype)), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_gelu_erf_form(device, dtype):
     rng = np.random.default_rng(4)
     x = np.concatenate([rng.standard_normal(3000) * 3, np.linspace(-12, 12, 2001),

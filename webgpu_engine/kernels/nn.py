@@ -220,6 +220,17 @@ def gelu(dev: Device, x: Tensor, y: Tensor) -> Op:
     return _op(dev, k, "elementwise.wgsl", k, _vec_header(dt, v), par, [xe, ye], x.numel // v)
 
 
+def tanh(dev: Device, x: Tensor, y: Tensor) -> Op:
+    """y = tanh(x) (BERT's pooler, RoBERTa's classification head)."""
+    k = "tanh_act"
+    dt = _act(k, x, y)
+    check(x.numel == y.numel, k, f"shapes x{x.shape} y{y.shape}")
+    v = _width(dev, k, [x.numel], [x, y])
+    (xe, xo), (ye, yo) = (_window(dev, t, k, v) for t in (x, y))
+    par = params(dev, [x.numel // v, 1, xo, 0, yo, 0, 0, 0], owner=y.buf.owner, label=k)
+    return _op(dev, k, "elementwise.wgsl", k, _vec_header(dt, v), par, [xe, ye], x.numel // v)
+
+
 # ----------------------------------------------------------------------------- rope and kv cache
 def rope_frequencies(dev: Device, rot_dim: int, base: float, *, owner: str, factors=None) -> Buffer:
     """The f32 table of rot_dim/2 RoPE frequencies base^(-2i/rot_dim) that rope kernels bind, each

@@ -33,6 +33,10 @@ def silu_mul(gate_up: np.ndarray) -> np.ndarray:
     return (g / (1 + np.exp(-g)) * u).astype(np.float32)
 
 
+def tanh(x: np.ndarray) -> np.ndarray:
+    return np.tanh(x.astype(np.float64)).astype(np.float32)
+
+
 def gelu(x: np.ndarray) -> np.ndarray:
     # 1 + erf(x/sqrt2) written as erfc(-x/sqrt2): no cancellation in the negative tail
     erfc = np.vectorize(math.erfc)
