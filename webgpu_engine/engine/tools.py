@@ -87,7 +87,9 @@ def tool_grammar(tools: list[dict], tool_choice, fmt: str, parallel: bool = True
     variants = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]},
                                                   key: t["function"]["parameters"]},
                  "required": ["name", key], "additionalProperties": False} for t in tools]
-    schema = variants[0] if len(variants) == 1 else {"anyOf": variants}
+    schema = dict(variants[0]) if len(variants) == 1 else {"anyOf": variants}
+    # compact JSON as in response_format (pipelines.grammar.JSON_OPTIONS): no free whitespace
+    schema["x-guidance"] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
     call = f"call: %json {json.dumps(schema)}\n"
     many = parallel and not isinstance(tool_choice, dict)
     if fmt == HERMES:

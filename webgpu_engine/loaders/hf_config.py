@@ -18,6 +18,7 @@ LLAMA_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                        "MistralForCausalLM": "mistral"}
 LLAMA_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")         # config.json model_type, when architectures is absent
 BERT_ARCHITECTURES = ("BertModel", "BertForMaskedLM", "BertForPreTraining", "BertForSequenceClassification")
+XLMR_ARCHITECTURES = ("XLMRobertaModel", "XLMRobertaForMaskedLM", "XLMRobertaForSequenceClassification")
 
 # Llama / Qwen2 / Mistral names (LlamaForCausalLM) -> ours; ours are the names loaders.gguf also gives.
 HF_LLAMA_TO_OURS = {
@@ -62,11 +63,22 @@ HF_BERT_TO_OURS = {
     "encoder.layer.{i}.output.dense.bias": "layers.{i}.down_bias",
     "encoder.layer.{i}.output.LayerNorm.weight": "layers.{i}.ffn_norm",
     "encoder.layer.{i}.output.LayerNorm.bias": "layers.{i}.ffn_norm_bias",
+    # cross-encoders' head on the first token: dense + tanh, then the labels
+    # (BertForSequenceClassification: pooler + classifier; XLMRobertaForSequenceClassification:
+    # classifier.dense + classifier.out_proj)
+    "pooler.dense.weight": "head_dense",                                # (C, C)
+    "pooler.dense.bias": "head_dense_bias",
+    "classifier.dense.weight": "head_dense",
+    "classifier.dense.bias": "head_dense_bias",
+    "classifier.weight": "head_out",                                    # (num_labels, C)
+    "classifier.bias": "head_out_bias",
+    "classifier.out_proj.weight": "head_out",
+    "classifier.out_proj.bias": "head_out_bias",
 }
 _LAYER = re.compile(r"^(model\.layers|encoder\.layer)\.(\d+)\.(.+)$")
 
 
-_BERT_PREFIXES = ("bert.", "model.")       # BertForX checkpoints nest the encoder under "bert."
+_BERT_PREFIXES = ("bert.", "roberta.", "model.")   # BertForX / XLMRobertaForX nest the encoder
 
 
 def _bert_key(name: str) -> str:
@@ -189,23 +201,45 @@ def load_llama_config(folder) -> LlamaConfig:
     return cfg
 
 
+def _classifier(c: dict, archs: list) -> tuple[int, str]:
+    """(num_labels, activation) of a cross-encoder's config; (0, "identity") for an encoder."""
+    if not any(a.endswith("ForSequenceClassification") for a in archs):
+        return 0, "identity"
+    n = len(c["id2label"]) if isinstance(c.get("id2label"), dict) else int(c.get("num_labels", 2))
+    st = c.get("sentence_transformers") or {}
+    path = str(st.get("activation_fn") or c.get("sbert_ce_default_activation_function") or "")
+    name = path.rsplit(".", 1)[-1]
+    if name in ("Sigmoid", "Identity"):
+        return n, name.lower()
+    if path:
+        raise UnsupportedModelError(f"cross-encoder activation {path!r} is not supported (Sigmoid, Identity)")
+    return n, "sigmoid" if n == 1 else "identity"      # CrossEncoder's default
+
+
 def bert_config_from_dict(c: dict, where: str = "config.json") -> BertConfig:
     archs = c.get("architectures") or []
-    if c.get("model_type") != "bert" and not any(a in BERT_ARCHITECTURES for a in archs):
+    xlmr = c.get("model_type") == "xlm-roberta" or any(a in XLMR_ARCHITECTURES for a in archs)
+    if c.get("model_type") != "bert" and not xlmr and not any(a in BERT_ARCHITECTURES for a in archs):
         raise UnsupportedModelError(f"{where}: model_type {c.get('model_type')!r} / architectures {archs} "
                                     "is not a BERT model")
     if c.get("position_embedding_type", "absolute") != "absolute":
         raise UnsupportedModelError(f"{where}: position_embedding_type {c['position_embedding_type']!r} "
                                     "is not supported (absolute only)")
     try:
+        pad = int(c.get("pad_token_id") or (1 if xlmr else 0))
+        num_labels, activation = _classifier(c, archs)
         return BertConfig(
+            arch="xlm-roberta" if xlmr else "bert",
             vocab_size=int(c["vocab_size"]), hidden_size=int(c["hidden_size"]),
             n_layers=int(c["num_hidden_layers"]), n_heads=int(c["num_attention_heads"]),
             intermediate_size=int(c["intermediate_size"]),
             max_position=int(c.get("max_position_embeddings", 512)),
             type_vocab_size=int(c.get("type_vocab_size", 2)),
             layer_norm_eps=float(c.get("layer_norm_eps", 1e-12)),
-            hidden_act=str(c.get("hidden_act", "gelu")), pad_id=int(c.get("pad_token_id") or 0),
+            hidden_act=str(c.get("hidden_act", "gelu")), pad_id=pad,
+            # RoBERTa numbers positions from padding_idx + 1 (its position table has those rows)
+            position_offset=pad + 1 if xlmr else 0,
+            num_labels=num_labels, classifier_activation=activation,
             name=str(c.get("_name_or_path", "")),
         )
     except KeyError as e:

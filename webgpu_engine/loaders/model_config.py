@@ -78,8 +78,11 @@ class LlamaConfig:
 
 @dataclass
 class BertConfig:
-    """A BERT encoder (sentence-transformers embedders such as all-MiniLM-L6-v2)."""
+    """A BERT encoder (sentence-transformers embedders such as all-MiniLM-L6-v2), XLM-RoBERTa (the
+    same encoder; positions count from `position_offset` = padding_idx + 1), and their cross-encoders
+    (`num_labels` > 0: a classification head on the first token gives the scores)."""
 
+    arch: str = "bert"                 # "bert" | "xlm-roberta"
     vocab_size: int = 30522
     hidden_size: int = 768
     n_layers: int = 12
@@ -91,6 +94,11 @@ class BertConfig:
     hidden_act: str = "gelu"           # erf GELU; "gelu_new"/"gelu_pytorch_tanh" would need tanh
     pad_id: int = 0
     name: str = ""
+    position_offset: int = 0           # position id of the first token (XLM-RoBERTa: pad_id + 1)
+    num_labels: int = 0                # 0: an embedder; > 0: a cross-encoder's classifier outputs
+    # what CrossEncoder.predict applies to the logits: "sigmoid" | "identity" (config.json's
+    # sentence_transformers.activation_fn, else sigmoid for one label, identity for more)
+    classifier_activation: str = "identity"
     head_dim: int = field(init=False)
 
     def __post_init__(self) -> None:

@@ -58,11 +58,15 @@ ARCHITECTURES: dict[str, Architecture] = {
     "mistral": _decoder("mistral"),      # llama (+ sliding window in its config)
     "bert": Architecture("bert", EMBEDDING, "bert:BertModel", None, hf_config.load_bert_config, "",
                          memory.estimate_bert),
+    # BERT with positions offset by padding_idx + 1 and a SentencePiece tokenizer (bge-m3, multilingual-e5)
+    "xlm-roberta": Architecture("xlm-roberta", EMBEDDING, "bert:BertModel", None, hf_config.load_bert_config,
+                                "", memory.estimate_bert),
 }
 
 # HF config.json `architectures` / `model_type` -> our architecture name (the loaders' tables)
-HF_ARCHITECTURES = {**hf_config.LLAMA_ARCHITECTURES, **{a: "bert" for a in hf_config.BERT_ARCHITECTURES}}
-HF_MODEL_TYPES = {**{t: t for t in hf_config.LLAMA_MODEL_TYPES}, "bert": "bert"}
+HF_ARCHITECTURES = {**hf_config.LLAMA_ARCHITECTURES, **{a: "bert" for a in hf_config.BERT_ARCHITECTURES},
+                    **{a: "xlm-roberta" for a in hf_config.XLMR_ARCHITECTURES}}
+HF_MODEL_TYPES = {**{t: t for t in hf_config.LLAMA_MODEL_TYPES}, "bert": "bert", "xlm-roberta": "xlm-roberta"}
 
 
 def architecture(name: str, where: str = "") -> Architecture:
