@@ -1,0 +1,115 @@
+"""Structured output and tool calling through the server with the official `openai` client (tiny
+random model: only the grammar makes its answers parse): response_format json_schema,
+`chat.completions.parse` with a pydantic model, forced tool calls and their streamed deltas, 400s
+for bad grammars; and the browser case (no llguidance) as FeatureSupportError."""
+from __future__ import annotations
+
+import json
+import sys
+from typing import Literal
+
+import jsonschema
+import openai
+import pytest
+from pydantic import BaseModel, Field
+
+from tinymodels import write_tiny_llama_gguf
+from webgpu_engine.engine import EngineConfig
+from webgpu_engine.server.app import ServerOptions, ServerThread
+
+U = [{"role": "user", "content": "Answer in JSON."}]
+CITY = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome", "Oslo"]},
+                                         "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+        "required": ["city", "days"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "forecast", "description": "Weather forecast",
+                                           "parameters": CITY}},
+         {"type": "function", "function": {"name": "noop", "parameters": {"type": "object", "properties": {},
+                                                                          "additionalProperties": False}}}]
+
+
+class Step(BaseModel):
+    action: Literal["go", "stop", "wait"]
+    count: int = Field(ge=0, le=9)
+
+
+class Plan(BaseModel):
+    steps: list[Step] = Field(min_length=1, max_length=2)
+    done: bool
+
+
+@pytest.fixture(scope="module")
+def server(device, tmp_path_factory):
+    path = tmp_path_factory.mktemp("structured-server") / "tiny-served.gguf"
+    write_tiny_llama_gguf(path, context_length=1024, seed=3)
+    s = ServerThread(ServerOptions(models=[str(path)], port=0, engine_config=EngineConfig(device=device)))
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    c = openai.OpenAI(base_url=server.url, api_key="none", max_retries=0, timeout=120)
+    return c, c.models.list().data[0].id
+
+
+def test_json_schema_and_parse_with_pydantic(client):
+    c, model = client
+    for seed in range(3):
+        r = c.chat.completions.create(model=model, messages=U, temperature=1.0, seed=seed, max_tokens=60,
+                                      response_format={"type": "json_schema", "json_schema": {
+                                          "name": "trip", "schema": CITY, "strict": True}})
+        jsonschema.validate(json.loads(r.choices[0].message.content), CITY)
+        assert r.usage.model_extra["extra"]["grammar_per_token_s"] > 0
+    p = c.chat.completions.parse(model=model, messages=U, response_format=Plan, temperature=1.0, seed=1,
+                                 max_tokens=100)
+    plan = p.choices[0].message.parsed
+    assert isinstance(plan, Plan) and 1 <= len(plan.steps) <= 2
+
+
+def test_forced_tool_calls_through_the_client(client):
+    c, model = client
+    r = c.chat.completions.create(model=model, messages=U, tools=TOOLS, tool_choice="required",
+                                  temperature=0.8, seed=2, max_tokens=200)
+    ch = r.choices[0]
+    assert ch.finish_reason == "tool_calls" and ch.message.tool_calls
+    for call in ch.message.tool_calls:
+        assert call.type == "function" and call.id
+        schema = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}[call.function.name]
+        jsonschema.validate(json.loads(call.function.arguments), schema)
+    named = {"type": "function", "function": {"name": "forecast"}}
+    s = c.chat.completions.create(model=model, messages=U, tools=TOOLS, tool_choice=named, temperature=0,
+                                  max_tokens=100, stream=True)
+    calls: dict[int, dict] = {}
+    finish = None
+    for chunk in s:                    # accumulate deltas as OpenAI's docs show
+        for tc in chunk.choices[0].delta.tool_calls or []:
+            acc = calls.setdefault(tc.index, {"name": "", "arguments": ""})
+            acc["name"] += tc.function.name or ""
+            acc["arguments"] += tc.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert finish == "tool_calls" and list(calls) == [0] and calls[0]["name"] == "forecast"
+    jsonschema.validate(json.loads(calls[0]["arguments"]), CITY)
+
+
+def test_bad_grammars_are_400(client):
+    c, model = client
+    for rf in ({"type": "grammar", "grammar": "root ::= nothing"},
+               {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}},
+               {"type": "regex", "regex": "(("}):
+        with pytest.raises(openai.BadRequestError) as e:
+            c.chat.completions.create(model=model, messages=U, response_format=rf)
+        assert "response_format" in str(e.value)
+    with pytest.raises(openai.BadRequestError):
+        c.chat.completions.create(model=model, messages=U, tools=TOOLS,
+                                  tool_choice={"type": "function", "function": {"name": "missing"}})
+    r = c.chat.completions.create(model=model, messages=U, max_tokens=3)     # still serving
+    assert r.usage.completion_tokens <= 3
+
+
+def test_without_llguidance_constrained_fields_are_feature_support_errors(monkeypatch):
+    from webgpu_engine.errors import FeatureSupportError
+    from webgpu_engine.pipelines.grammar import GrammarCompiler
+    monkeypatch.setitem(sys.modules, "llguidance", None)     # as in the browser: the import fails
+    with pytest.raises(FeatureSupportError) as e:
+        GrammarCompiler(None, 10, [0]).compile({"type": "json_object"})
+    assert "llguidance" in str(e.value) and e.value.http_status == 400 and e.value.feature == "llguidance"
