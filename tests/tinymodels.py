@@ -23,6 +23,11 @@ CHATML_TEMPLATE = (
     "{{ '<|im_start|>system\nYou are a tiny test model.<|im_end|>\n' }}{% endif %}"
     "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+# Mistral v0.1's template (its [INST] markers are plain text of a SentencePiece vocabulary)
+INST_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{% if message['role'] == 'user' %}"
+    "{{ '[INST] ' + message['content'] + ' [/INST]' }}{% else %}{{ message['content'] + eos_token }}"
+    "{% endif %}{% endfor %}")
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]        # ids 0, 1, 2
 BOS_ID, EOS_ID = 1, 2
 _CORPUS = ("Hello world! The quick brown fox jumps over the lazy dog. user assistant system "
@@ -334,14 +339,16 @@ _K_QUANTIZERS = {"q4_k": quantize_q4_k, "q6_k": quantize_q6_k, "q5_k": quantize_
 # ============================================================================ GGUF
 def write_tiny_llama_gguf(path, arch: str = "llama", qtype: str = "f32", seed: int = 0, *,
                           embed_qtype: str | None = None, pad_rows: int = 0, rope_scaling: dict | None = None,
-                          tensor_qtypes: dict | None = None, **dims) -> dict:
+                          tensor_qtypes: dict | None = None, spm: dict | None = None, **dims) -> dict:
     """Write a tiny llama/qwen2 GGUF. Matrices in `qtype` (f32 f16 q8_0 q4_0 q4_1 q5_0 q5_1 iq4_nl, or
     q4_k q5_k q6_k q3_k q2_k iq4_xs with hidden_size/ffn_size multiples of 256; the embedding in
     `embed_qtype`, default the same), norms and biases f32. `pad_rows`: embedding / LM-head rows past
     the tokenizer's vocabulary (as Qwen2.5 pads 151665 tokens to 151936 rows), their LM-head rows
     scaled up so that they would win the sampling if they were not masked. `tensor_qtypes`: per
     matrix (our last name part: q k v o gate up down lm_head) a type other than `qtype`, for mixes
-    such as Q4_K_M's ({"v": "q6_k", "down": "q6_k"}). Returns
+    such as Q4_K_M's ({"v": "q6_k", "down": "q6_k"}). `spm`: a SentencePiece vocabulary ({tokens,
+    scores, token_types}, tests/fixtures/spm_vocab.json) written as llama.cpp's converter does instead
+    of the byte-level BPE one (Llama-2 / Mistral files, with INST_TEMPLATE). Returns
     {path, arch, config (LlamaConfig our loader must produce), rope_neox, qtypes {our name: qtype},
     weights {our name: f32 array as stored and dequantized: what the GPU sees, q/k in file layout},
     hf_weights {same, q/k in HF layout}, tokens, merges, chat_template}."""
@@ -351,7 +358,7 @@ def write_tiny_llama_gguf(path, arch: str = "llama", qtype: str = "f32", seed: i
     d = _dims(**dims)
     d["rms_eps"], d["rope_base"] = (float(np.float32(d[k])) for k in ("rms_eps", "rope_base"))  # GGUF keeps f32
     qwen = arch in ("qwen2", "qwen3")
-    tokens, merges = tiny_bpe_vocab(d["vocab_size"], "qwen2" if qwen else "smollm")
+    tokens, merges = (spm["tokens"], []) if spm else tiny_bpe_vocab(d["vocab_size"], "qwen2" if qwen else "smollm")
     d["vocab_size"] = len(tokens) + pad_rows
     hf = _hf_weights(d, arch, seed)
     if pad_rows:
@@ -392,11 +399,17 @@ def write_tiny_llama_gguf(path, arch: str = "llama", qtype: str = "f32", seed: i
     w.add_rope_dimension_count(d["head_dim"]); w.add_vocab_size(d["vocab_size"])
     if d["head_dim"] != d["hidden_size"] // d["n_heads"]:
         w.add_key_length(d["head_dim"]); w.add_value_length(d["head_dim"])
-    w.add_tokenizer_model("gpt2"); w.add_tokenizer_pre("qwen2" if qwen else "smollm")
-    w.add_token_list(tokens); w.add_token_types([3, 3, 3] + [1] * (len(tokens) - 3))
-    w.add_token_merges(merges)
-    w.add_bos_token_id(BOS_ID); w.add_eos_token_id(EOS_ID); w.add_add_bos_token(False)
-    w.add_chat_template(CHATML_TEMPLATE)
+    if spm:
+        w.add_tokenizer_model("llama"); w.add_tokenizer_pre("default")
+        w.add_token_list(tokens); w.add_token_scores(spm["scores"]); w.add_token_types(spm["token_types"])
+        w.add_bos_token_id(1); w.add_eos_token_id(2); w.add_unk_token_id(0)
+        w.add_add_bos_token(True); w.add_add_space_prefix(True); w.add_chat_template(INST_TEMPLATE)
+    else:
+        w.add_tokenizer_model("gpt2"); w.add_tokenizer_pre("qwen2" if qwen else "smollm")
+        w.add_token_list(tokens); w.add_token_types([3, 3, 3] + [1] * (len(tokens) - 3))
+        w.add_token_merges(merges)
+        w.add_bos_token_id(BOS_ID); w.add_eos_token_id(EOS_ID); w.add_add_bos_token(False)
+        w.add_chat_template(CHATML_TEMPLATE)
     factors = _rope_factors(d, rope_scaling, f32=True)
     if factors is not None:               # llama.cpp's converter writes Llama 3.1's factors so
         w.add_tensor("rope_freqs.weight", np.asarray(factors, np.float32))

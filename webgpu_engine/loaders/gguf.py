@@ -279,7 +279,11 @@ class GGUFFile:
         return from_gguf_metadata(self.metadata)
 
     def tokenizer(self):
-        """The pure-Python byte-level BPE tokenizer from `tokenizer.ggml.*` (see loaders.bpe)."""
+        """The pure-Python tokenizer from `tokenizer.ggml.*`: byte-level BPE (loaders.bpe) or
+        SentencePiece (loaders.spm, tokenizer.ggml.model "llama")."""
+        if self.metadata.get("tokenizer.ggml.model") == "llama":
+            from .spm import SPMTokenizer
+            return SPMTokenizer.from_gguf_metadata(self.metadata)
         from .bpe import BPETokenizer
         return BPETokenizer.from_gguf_metadata(self.metadata)
 

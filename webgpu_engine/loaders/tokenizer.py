@@ -135,5 +135,9 @@ def load_tokenizer(source, *, native: bool | None = None, max_length: int | None
         from .gguf import GGUFFile
         source = GGUFFile(path)
     metadata = source if isinstance(source, dict) else source.metadata
+    if metadata.get("tokenizer.ggml.model") == "llama":        # SentencePiece (Llama-2, Mistral, Gemma)
+        from .spm import SPMTokenizer, native_spm
+        spm = SPMTokenizer.from_gguf_metadata(metadata)
+        return NativeTokenizer(native_spm(spm), spm, native_spm(spm, specials=False)) if native else spm
     base = BPETokenizer.from_gguf_metadata(metadata)
     return NativeTokenizer(native_bpe(base), base, native_bpe(base, specials=False)) if native else base

@@ -1,0 +1,201 @@
+"""Pure-Python SentencePiece BPE tokenizer of GGUF vocabularies (`tokenizer.ggml.model == "llama"`:
+Llama-2, Mistral, Phi-3, Gemma), as used in the browser; `native_spm` builds its `tokenizers` twin.
+
+llama.cpp's algorithm (llm_tokenizer_spm), which follows sentencepiece: control and user-defined
+token texts are matched whole first; each run of text between them gets a leading space when the
+vocabulary asks for one (`add_space_prefix`: at the start and after every special token), spaces
+become `▁`, and the UTF-8 characters are merged pairwise, always the adjacent pair whose joined text
+is the highest-scored piece (ties: the leftmost). A character that no piece holds is spelt with its
+bytes' `<0xNN>` pieces (byte fallback), else `unk`. Only normal pieces are merge targets, as in
+sentencepiece: text never turns into a control or byte token. Standard library only.
+"""
+from __future__ import annotations
+
+import heapq
+import re
+
+from ..errors import ModelFormatError, UnsupportedModelError
+from .bpe import TOKEN_BYTE, TOKEN_CONTROL, TOKEN_NORMAL, TOKEN_USER_DEFINED, eog_ids
+
+SPACE = "\u2581"          # ▁
+
+
+class SPMTokenizer:
+    """Same interface as loaders.bpe.BPETokenizer (encode, decode, token_bytes, special ids)."""
+
+    def __init__(self, tokens: list[str], scores: list[float], token_types: list[int] | None = None, *,
+                 bos_id: int | None = 1, eos_ids: list[int] | None = None, unk_id: int | None = 0,
+                 pad_id: int | None = None, add_bos_token: bool = True, add_space_prefix: bool = True):
+        if len(scores) != len(tokens):
+            raise ModelFormatError(f"SentencePiece vocabulary: {len(tokens)} tokens but {len(scores)} scores")
+        self.tokens = list(tokens)
+        self.scores = [float(s) for s in scores]
+        self.token_types = list(token_types) if token_types else [TOKEN_NORMAL] * len(self.tokens)
+        self.vocab: dict[str, int] = {}
+        for i, t in enumerate(self.tokens):
+            self.vocab.setdefault(t, i)
+        # joined texts the merge loop may form: normal pieces (type 0: files that leave types out)
+        self._merge_score = {t: self.scores[i] for t, i in self.vocab.items()
+                             if self.token_types[i] in (TOKEN_NORMAL, 0)}
+        self._bytes = [self.vocab.get(f"<0x{b:02X}>") for b in range(256)]
+        self.bos_id, self.unk_id, self.pad_id = bos_id, unk_id, pad_id
+        self.eos_ids = list(eos_ids or [])
+        self.add_bos_token, self.add_space_prefix = add_bos_token, add_space_prefix
+        self.pre = "spm"
+        specials = [t for t, ty in zip(self.tokens, self.token_types)
+                    if ty in (TOKEN_CONTROL, TOKEN_USER_DEFINED) and t]
+        self.special_ids = {self.vocab[t] for t in specials}
+        # longest first, so that a special token that prefixes another does not win
+        self._special_re = (re.compile("|".join(re.escape(t) for t in sorted(set(specials), key=len, reverse=True)))
+                            if specials else None)
+        self._token_bytes: dict[int, bytes] = {}
+
+    @classmethod
+    def from_gguf_metadata(cls, md: dict) -> "SPMTokenizer":
+        if md.get("tokenizer.ggml.model") != "llama":
+            raise UnsupportedModelError(f"not a SentencePiece vocabulary: {md.get('tokenizer.ggml.model')!r}")
+        tokens, scores = md.get("tokenizer.ggml.tokens"), md.get("tokenizer.ggml.scores")
+        if not tokens or scores is None:
+            raise ModelFormatError("GGUF metadata lacks tokenizer.ggml.tokens / tokenizer.ggml.scores")
+
+        def opt(key, default):
+            v = md.get(f"tokenizer.ggml.{key}")
+            return int(v) if v is not None and int(v) >= 0 else default
+        # llama.cpp's defaults for SPM vocabularies: bos 1, eos 2, unk 0, BOS added, space prefix on
+        eos = eog_ids(md) or [2]
+        return cls(tokens, scores, md.get("tokenizer.ggml.token_type"), bos_id=opt("bos_token_id", 1),
+                   eos_ids=eos, unk_id=opt("unknown_token_id", 0), pad_id=opt("padding_token_id", None),
+                   add_bos_token=bool(md.get("tokenizer.ggml.add_bos_token", True)),
+                   add_space_prefix=bool(md.get("tokenizer.ggml.add_space_prefix", True)))
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def eos_id(self) -> int | None:
+        return self.eos_ids[0] if self.eos_ids else None
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.vocab.get(token)
+
+    @property
+    def special_regex(self) -> re.Pattern | None:
+        """Matches the texts of the special (control and user-defined) tokens, longest first."""
+        return self._special_re
+
+    # ------------------------------------------------------------------ encode
+    def encode(self, text: str, add_special_tokens: bool = False, parse_special: bool = True) -> list[int]:
+        """Token ids of `text`; with add_special_tokens, BOS is prepended when the model asks for it.
+        parse_special=False: special-token texts in `text` are ordinary text (user content)."""
+        ids: list[int] = []
+        if add_special_tokens and self.add_bos_token and self.bos_id is not None:
+            ids.append(self.bos_id)
+        pos = 0
+        if parse_special and self._special_re is not None:
+            for m in self._special_re.finditer(text):
+                if m.start() > pos:
+                    self._encode_run(text[pos:m.start()], ids)
+                ids.append(self.vocab[m.group()])
+                pos = m.end()
+        if pos < len(text):
+            self._encode_run(text[pos:], ids)
+        return ids
+
+    def _encode_run(self, text: str, ids: list[int]) -> None:
+        """One run of text between special tokens (llama.cpp: a space before each such run)."""
+        if self.add_space_prefix:
+            text = " " + text
+        sym = list(text.replace(" ", SPACE))     # symbols: one per character, merged in place
+        n = len(sym)
+        nxt, prv = list(range(1, n + 1)), list(range(-1, n - 1))
+        score = self._merge_score
+        heap: list = []
+
+        def push(a: int, b: int) -> None:
+            if a >= 0 and b < n:
+                s = score.get(sym[a] + sym[b])
+                if s is not None:
+                    heapq.heappush(heap, (-s, a, sym[a], sym[b]))
+        for i in range(n - 1):
+            push(i, i + 1)
+        while heap:
+            _, a, left, right = heapq.heappop(heap)
+            b = nxt[a]
+            if b >= n or sym[a] != left or sym[b] != right:     # stale: one side has merged since
+                continue
+            sym[a], sym[b] = left + right, ""
+            nxt[a] = nxt[b]
+            if nxt[b] < n:
+                prv[nxt[b]] = a
+            push(prv[a], a)
+            push(a, nxt[a])
+        i = 0
+        while i < n:
+            piece = sym[i]
+            t = self.vocab.get(piece)
+            if t is not None and self.token_types[t] not in (TOKEN_CONTROL, TOKEN_BYTE):
+                ids.append(t)
+            else:                                  # byte fallback
+                for byte in piece.encode("utf-8"):
+                    b = self._bytes[byte]
+                    if b is None:
+                        if self.unk_id is None:
+                            raise ModelFormatError(f"SentencePiece: {piece!r} has no piece, byte or unk token")
+                        b = self.unk_id
+                    ids.append(b)
+            i = nxt[i]
+
+    # ------------------------------------------------------------------ decode
+    def token_bytes(self, token_id: int) -> bytes:
+        """Raw bytes of one token: `▁` as a space, `<0xNN>` as its byte, special tokens as their text."""
+        b = self._token_bytes.get(token_id)
+        if b is None:
+            if not 0 <= token_id < len(self.tokens):
+                raise ValueError(f"token id {token_id} is outside the vocabulary (size {len(self.tokens)})")
+            tok, ty = self.tokens[token_id], self.token_types[token_id]
+            if ty == TOKEN_BYTE and len(tok) == 6 and tok.startswith("<0x"):
+                b = bytes([int(tok[3:5], 16)])
+            elif ty in (TOKEN_NORMAL, 0):
+                b = tok.replace(SPACE, " ").encode("utf-8")
+            else:
+                b = tok.encode("utf-8")
+            self._token_bytes[token_id] = b
+        return b
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        """Text of ids; the space the encoder put in front is dropped again (as sentencepiece does)."""
+        parts = [self.token_bytes(int(i)) for i in ids
+                 if not (skip_special_tokens and int(i) in self.special_ids)]
+        text = b"".join(parts).decode("utf-8", "replace")
+        return text[1:] if self.add_space_prefix and text.startswith(" ") else text
+
+    def id_to_token(self, token_id: int) -> str:
+        return self.tokens[token_id]
+
+    def __repr__(self) -> str:
+        return f"SPMTokenizer(vocab={self.vocab_size}, add_space_prefix={self.add_space_prefix})"
+
+
+def native_spm(base: SPMTokenizer, specials: bool = True):
+    """A `tokenizers.Tokenizer` giving the same ids: BPE with byte fallback whose merges are every
+    split of a normal piece into two pieces, ranked by the joined piece's score (highest first)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers
+
+    merges = []
+    for t, s in base._merge_score.items():
+        for k in range(1, len(t)):
+            a, b = t[:k], t[k:]
+            if a in base.vocab and b in base.vocab:
+                merges.append((-s, base.vocab[t], a, b))
+    merges.sort()
+    unk = base.tokens[base.unk_id] if base.unk_id is not None else None
+    tk = Tokenizer(models.BPE(vocab=dict(base.vocab), merges=[(a, b) for _, _, a, b in merges], unk_token=unk,
+                              fuse_unk=True, byte_fallback=True))
+    steps = [normalizers.Prepend(SPACE)] if base.add_space_prefix else []
+    tk.normalizer = normalizers.Sequence(steps + [normalizers.Replace(" ", SPACE)])
+    tk.decoder = decoders.Sequence([decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+                                   + ([decoders.Strip(" ", 1, 0)] if base.add_space_prefix else []))
+    specials = [base.tokens[i] for i in sorted(base.special_ids)] if specials else []
+    tk.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+    return tk
