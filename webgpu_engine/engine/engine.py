@@ -105,6 +105,13 @@ class AsyncMLCEngine:
         self.chat = Chat(self)
         self.completions = Completions(self)
         self.embeddings = Embeddings(self)
+        from .rerank import Rerank
+        self._rerank = Rerank(self)
+
+    async def rerank(self, request: Any = None, **fields):
+        """Rerank `documents` by relevance to `query` with a cross-encoder (the shape of Jina's,
+        Cohere's and vLLM's rerank APIs): `top_n`, `return_documents`, `model` optional."""
+        return await self._rerank.create(request, **fields)
 
     # ------------------------------------------------------------------ settings (WebLLM setters)
     def set_app_config(self, app_config: AppConfig) -> None:

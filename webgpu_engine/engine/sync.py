@@ -101,6 +101,9 @@ class MLCEngine:
     def reload(self, model_id, chat_opts=None) -> None:
         self._loop.run(self.async_engine.reload(model_id, chat_opts))
 
+    def rerank(self, request: Any = None, **fields):
+        return self._loop.run(self.async_engine.rerank(request, **fields))
+
     def unload(self) -> None:
         self._loop.run(self.async_engine.unload())
 

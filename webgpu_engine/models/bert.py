@@ -1,15 +1,21 @@
-"""BERT encoder forward (sentence-transformers embedders) as a readable sequence of kernel calls.
+"""BERT / XLM-RoBERTa encoder forward (embedders and cross-encoders) as a readable sequence of kernel calls.
 
 A batch of B sequences is padded to S tokens and flattened to T = B*S rows; `lengths` (B,) says how
 many rows of each sequence are real. Attention masks keys j >= lengths[b]; pooling reads only real
 rows, so what padded rows hold never reaches an output.
 
-    x = LN(word[ids] + pos[s] + type[0])                                   (T, C)
+    x = LN(word[ids] + pos[offset + s] + type[types])                      (T, C)
     for each layer:
         qkv = x·Wqkvᵀ + bqkv                                               (T, 3C)  [q | k | v]
         x1  = LN(attn(qkv, lengths)·Woᵀ + bo + x)                          (T, C)
         x   = LN(gelu(x1·W1ᵀ + b1)·W2ᵀ + b2 + x1)                          (T, C)
-    pooled = pool(x, lengths) (mean | cls | max), then L2-normalised if asked    (B, C)
+    embedder:      out = pool(x, lengths) (mean | cls | max), L2-normalised if asked     (B, C)
+    cross-encoder: out = tanh(x[b, 0]·Wdᵀ + bd)·Woutᵀ + bout                            (B, num_labels)
+
+XLM-RoBERTa is the same encoder: its positions start at padding_idx + 1 (`position_offset`) and it
+has one token type. A cross-encoder's head (BERT's pooler + classifier, RoBERTa's classifier.dense +
+out_proj) is the same dense-tanh-dense on the first token; the activation CrossEncoder applies to
+the logits (sigmoid for one label) is the pipeline's.
 
 Activation buffers live in an arena sized for the largest (B, S) bucket seen; the kernel ops of each
 bucket are built once (bind groups, params) and replayed, so a forward creates nothing on the GPU.
@@ -54,7 +60,8 @@ class _Arena:
     t_cap: int
     b_cap: int
     ids: Tensor                     # (T,) u32 token ids, pad id in padded rows
-    pos: Tensor                     # (T,) u32 position of each row inside its sequence
+    pos: Tensor                     # (T,) u32 position id of each row (offset + place in its sequence)
+    types: Tensor                   # (T,) u32 token type of each row (the second text of a pair: 1)
     lengths: Tensor                 # (B,) u32
     x: Tensor                       # (T, C) hidden state between layers
     x1: Tensor                      # (T, C) after the attention block
@@ -63,12 +70,13 @@ class _Arena:
     qkv: Tensor                     # (T, 3C)
     ff: Tensor                      # (T, F)
     ffg: Tensor                     # (T, F) gelu(ff)
-    pooled: Tensor                  # (B, C) f32
-    out: Tensor                     # (B, C) f32 pooled or normalised: what the pipeline copies out
+    pooled: Tensor                  # (B, C) f32 (cross-encoders: the first token's row)
+    head: Tensor                    # (B, C) f32 tanh(dense) of a cross-encoder's head (1 row otherwise)
+    out: Tensor                     # (B, out_dim) f32 pooled, normalised or scored: what is copied out
 
     def tensors(self):
-        return [self.ids, self.pos, self.lengths, self.x, self.x1, self.tmp, self.ctx, self.qkv, self.ff,
-                self.ffg, self.pooled, self.out]
+        return [self.ids, self.pos, self.types, self.lengths, self.x, self.x1, self.tmp, self.ctx, self.qkv,
+                self.ff, self.ffg, self.pooled, self.head, self.out]
 
 
 class BertModel:
@@ -82,6 +90,9 @@ class BertModel:
             raise UnsupportedModelError(f"pooling {pooling!r} is not supported; use one of {POOLINGS}.")
         if act_dtype not in ("f32", "f16"):
             raise ValueError(f"act_dtype must be f32 or f16, got {act_dtype!r}")
+        if cfg.num_labels and act_dtype != "f32":
+            # the head reads its pooled row as f32 (scores are compared to 1e-4 and cost nothing)
+            raise UnsupportedModelError("cross-encoders run with f32 activations; load with dtype 'f32' or 'auto'")
         self.dev, self.cfg, self.owner = dev, cfg, owner
         self.act_dtype, self.pooling, self.normalize = act_dtype, pooling, normalize
         self._arena: _Arena | None = None
@@ -125,10 +136,17 @@ class BertModel:
             raise UnsupportedModelError(f"position embeddings have width {pos.shape[1]}, expected {C}")
         self.max_position = pos.shape[0]
         self.pos_table = weight([pos], "position_embeddings")
-        # Token type is always 0 for single-sentence embedding: only that row is needed, added as a bias.
         tt = get("type_embed")
-        row = tt.data[:tt.nbytes // tt.shape[0]]
-        self.type0 = mm.upload_vector(dev, row, dtype=tt.qtype, owner=own, label="token_type_0")
+        if tt.shape[1] != C:
+            raise UnsupportedModelError(f"token type embeddings have width {tt.shape[1]}, expected {C}")
+        self.n_types = tt.shape[0]
+        self.type_table = weight([tt], "token_type_embeddings")
+        if cfg.num_labels:
+            L = cfg.num_labels
+            self.head_dense = weight([get("head_dense", shape=(C, C))], "head.dense")
+            self.head_dense_b = vector([get("head_dense_bias", shape=(C,))], "head.dense_b")
+            self.head_out = weight([get("head_out", shape=(L, C))], "head.out")
+            self.head_out_b = vector([get("head_out_bias", shape=(L,))], "head.out_b")
         self.emb_ln_w = vector([get("embed_norm", shape=(C,))], "emb_ln.w")
         self.emb_ln_b = vector([get("embed_norm_bias", shape=(C,))], "emb_ln.b")
         self.layers: list[_Layer] = []
@@ -150,7 +168,12 @@ class BertModel:
 
     @property
     def max_seq_length(self) -> int:
-        return min(self.max_position, self.cfg.max_position)
+        return min(self.max_position, self.cfg.max_position) - self.cfg.position_offset
+
+    @property
+    def out_dim(self) -> int:
+        """Values per sequence that `run` hands out: the labels' scores or the vector's width."""
+        return self.cfg.num_labels or self.cfg.hidden_size
 
     # ------------------------------------------------------------------ activations and ops
     def _ensure_arena(self, B: int, S: int) -> _Arena:
@@ -165,15 +188,18 @@ class BertModel:
             for t in a.tensors():
                 t.buf.release()
         C, F, d, own = self.cfg.hidden_size, self.cfg.intermediate_size, self.act_dtype, self.owner
+        O, Hr = self.out_dim, b_cap if self.cfg.num_labels else 1
 
         def act(shape, label, dtype=d):
             return new_tensor(self.dev, shape, dtype, owner=own, label=label)
         self._arena = _Arena(t_cap, b_cap, ids=act((t_cap,), "ids", "u32"), pos=act((t_cap,), "pos_ids", "u32"),
+                             types=act((t_cap,), "type_ids", "u32"),
                              lengths=act((b_cap,), "lengths", "u32"), x=act((t_cap, C), "x"),
                              x1=act((t_cap, C), "x1"), tmp=act((t_cap, C), "tmp"), ctx=act((t_cap, C), "ctx"),
                              qkv=act((t_cap, 3 * C), "qkv"), ff=act((t_cap, F), "ff"), ffg=act((t_cap, F), "ffg"),
                              # pooled vectors are f32 even for f16 activations: they are read back
-                             pooled=act((b_cap, C), "pooled", "f32"), out=act((b_cap, C), "out", "f32"))
+                             pooled=act((b_cap, C), "pooled", "f32"), head=act((Hr, C), "head", "f32"),
+                             out=act((b_cap, O), "out", "f32"))
         return self._arena
 
     def _drop_ops(self) -> None:
@@ -192,15 +218,16 @@ class BertModel:
         dev, cfg = self.dev, self.cfg
         T, C, F, H, D = B * S, cfg.hidden_size, cfg.intermediate_size, cfg.n_heads, cfg.head_dim
         eps = float(cfg.layer_norm_eps)
-        ids, pos, lengths = a.ids.view((T,)), a.pos.view((T,)), a.lengths.view((B,))
+        ids, pos, types, lengths = a.ids.view((T,)), a.pos.view((T,)), a.types.view((T,)), a.lengths.view((B,))
         x, x1, tmp, ctx = (t.view((T, C)) for t in (a.x, a.x1, a.tmp, a.ctx))
         qkv, ff, ffg = a.qkv.view((T, 3 * C)), a.ff.view((T, F)), a.ffg.view((T, F))
-        pooled, out = a.pooled.view((B, C)), a.out.view((B, C))
+        pooled, out = a.pooled.view((B, C)), a.out.view((B, self.out_dim))
 
-        # x = LN(word[ids] + type[0] + pos[s])                                      (T, C)
+        # x = LN(word[ids] + type[types] + pos[offset + s])                         (T, C)
         op = mm.embedding(dev, ids, self.word, tmp)
         op += mm.embedding(dev, pos, self.pos_table, ctx)
-        op += nn.bias_add(dev, tmp, self.type0, x1)
+        op += mm.embedding(dev, types, self.type_table, x1)
+        op += nn.add(dev, tmp, x1, x1)
         op += nn.layer_norm(dev, x1, self.emb_ln_w, self.emb_ln_b, x, eps=eps, residual=ctx)
         for L in self.layers:
             # self-attention block: x1 = LN(attn(x)·Woᵀ + bo + x)
@@ -215,7 +242,14 @@ class BertModel:
             op += mm.matmul(dev, ffg, L.ff2, tmp, bias=L.ff2_b)                      # (T, C)
             op += nn.layer_norm(dev, tmp, L.ffn_ln_w, L.ffn_ln_b, x, eps=eps, residual=x1)
         pool = {"mean": nn.mean_pool, "cls": nn.cls_pool, "max": nn.max_pool}[self.pooling]
-        if self.normalize:
+        if self.cfg.num_labels:
+            # cross-encoder head on the first token: out = tanh(x0·Wdᵀ + bd)·Woutᵀ + bout     (B, L)
+            head = a.head.view((B, C))
+            op += nn.cls_pool(dev, x, lengths, pooled)
+            op += mm.matmul(dev, pooled, self.head_dense, head, bias=self.head_dense_b)
+            op += nn.tanh(dev, head, head)
+            op += mm.matmul(dev, head, self.head_out, out, bias=self.head_out_b)
+        elif self.normalize:
             op += pool(dev, x, lengths, pooled)                                      # (B, C)
             op += nn.l2_normalize(dev, pooled, out)
         else:
@@ -239,16 +273,19 @@ class BertModel:
             return keys
         a = self._arena
         self.dev.write(a.ids.buf, _u32([self.cfg.pad_id] * S))
-        self.dev.write(a.pos.buf, _u32(list(range(S))))
+        self.dev.write(a.pos.buf, _u32([self.cfg.position_offset + s for s in range(S)]))
+        self.dev.write(a.types.buf, _u32([0] * S))
         self.dev.write(a.lengths.buf, _u32([1]))
         op.record(batch)
         return keys
 
     # ------------------------------------------------------------------ forward
-    def run(self, seqs: list[list[int]], B: int, S: int, dst, dst_offset: int = 0) -> None:
+    def run(self, seqs: list[list[int]], B: int, S: int, dst, dst_offset: int = 0,
+            types: list[list[int]] | None = None) -> None:
         """Embed `seqs` (each 1..S ids, len(seqs) <= B) padded into the (B, S) bucket and copy the
-        (len(seqs), C) f32 vectors into buffer `dst` at byte `dst_offset`. Submits;
-        the caller reads `dst` back. Padding sequences get length 1 so no row divides by zero."""
+        (len(seqs), out_dim) f32 vectors (or scores) into buffer `dst` at byte `dst_offset`. `types`:
+        each sequence's token types (a cross-encoder's pairs; None: all 0). Submits; the caller reads
+        `dst` back. Padding sequences get length 1 so no row divides by zero."""
         if not 0 < len(seqs) <= B:
             raise ValueError(f"BertModel.run: {len(seqs)} sequences for a batch of {B}")
         if any(not 0 < len(s) <= S for s in seqs) or S > self.max_seq_length:
@@ -262,11 +299,19 @@ class BertModel:
             ids.extend([pad] * (S - len(s)))
         ids.extend([pad] * (S * (B - len(seqs))))
         lengths = [len(s) for s in seqs] + [1] * (B - len(seqs))
+        tt = [0] * (S * B)
+        for b, t in enumerate(types or ()):
+            if len(t) != len(seqs[b]) or any(not 0 <= v < self.n_types for v in t):
+                raise ValueError(f"BertModel.run: token types of sequence {b} must be {len(seqs[b])} values "
+                                 f"in [0, {self.n_types})")
+            tt[b * S:b * S + len(t)] = t
+        off = self.cfg.position_offset
         self.dev.write(a.ids.buf, _u32(ids))
-        self.dev.write(a.pos.buf, _u32(list(range(S)) * B))
+        self.dev.write(a.pos.buf, _u32([off + s for s in range(S)] * B))
+        self.dev.write(a.types.buf, _u32(tt))
         self.dev.write(a.lengths.buf, _u32(lengths))
         batch = op.record(self.dev.batch())
-        batch.copy(a.out.buf, dst, len(seqs) * self.cfg.hidden_size * 4, 0, dst_offset)
+        batch.copy(a.out.buf, dst, len(seqs) * self.out_dim * 4, 0, dst_offset)
         self.dev.submit(batch)
 
     def dispose(self) -> None:

@@ -1,4 +1,5 @@
-"""EmbeddingPipeline: OpenAI-style embedding inputs → tokens → batched BERT forward → vectors.
+"""EmbeddingPipeline: OpenAI-style embedding inputs → tokens → batched BERT forward → vectors, and
+for cross-encoders (a classification head on the encoder): (query, document) pairs → relevance scores.
 
 Modelled on WebLLM's embedding.ts. Per request: tokenize (or take token ids as given), truncate to
 `max_seq_length`, sort by length so each forward pads little, run batches of at most
@@ -29,6 +30,7 @@ from typing import Callable
 from ..config import ChatConfig
 from ..errors import (EmbeddingDimensionsUnsupportedError, EmbeddingTokenLimitError, GPUOutOfMemoryError,
                       InvalidRequestError, RequestTimeoutError, ShaderF16SupportError)
+from ..loaders.pairs import PairTemplate
 from ..loaders.sentence_transformers import SentenceTransformerConfig
 from ..kernels.common import warm_up
 from ..models.registry import EMBEDDING, open_model
@@ -39,6 +41,12 @@ MAX_TOTAL_TOKENS = 300_000      # tokens one request may embed, summed over its 
 TOKENIZE_CHUNK = 128            # inputs tokenised per worker call: the step checks its limits between
 RESULT_KEEP_BYTES = 4 << 20     # a result buffer above this is freed after its request
 _THREADS = sys.platform != "emscripten"     # Pyodide: no worker threads
+
+
+@dataclass
+class RerankResult:
+    scores: list[float]                # relevance of each document, in input order
+    prompt_tokens: int                 # tokens of every (query, document) pair after truncation
 
 
 @dataclass
@@ -55,13 +63,16 @@ class EmbeddingPipeline:
 
     def __init__(self, dev, model, tokenizer, st_config: SentenceTransformerConfig,
                  chat_config: ChatConfig, max_seq_length: int, owner: str, *,
-                 max_total_tokens: int = MAX_TOTAL_TOKENS):
+                 max_total_tokens: int = MAX_TOTAL_TOKENS, pair_template: PairTemplate | None = None):
         self.dev, self.model, self.tokenizer = dev, model, tokenizer
         self.st_config, self.chat_config = st_config, chat_config
         self.model_config = model.cfg
         self.max_seq_length, self.owner = max_seq_length, owner
         self.max_total_tokens = max_total_tokens
         self.dim = model.cfg.hidden_size
+        # a cross-encoder scores pairs (rerank_step) and has no sentence vectors to give
+        self.pair_template = pair_template
+        self.is_reranker = model.cfg.num_labels > 0
         self._dst = None                # (N, C) f32 buffer the batches copy into
         self._max_result_bytes = dev.max_buffer_size
         self._keep_result_bytes = RESULT_KEEP_BYTES
@@ -100,8 +111,13 @@ class EmbeddingPipeline:
             if progress:
                 progress(0.0, f"reading {Path(folder).name}")
             st, cfg, tensors = m.extra, m.config, m.weights
-            max_len = min(chat_config.max_seq_length or st.max_seq_length or cfg.max_position, cfg.max_position)
+            tok_dir = Path(st.model_folder)
+            # sentence-transformers' length: its config's, else min(tokenizer's model_max_length, positions)
+            max_len = min(chat_config.max_seq_length or st.max_seq_length or _model_max_length(tok_dir)
+                          or cfg.max_position, cfg.max_position)
             tokenizer = m.tokenizer(max_length=max_len)
+            pairs = PairTemplate.from_tokenizer_json(_read_json(tok_dir / "tokenizer.json"), str(tok_dir)) \
+                if cfg.num_labels else None
         except BaseException:
             m.close()
             raise
@@ -123,7 +139,7 @@ class EmbeddingPipeline:
             await warm_up(dev, model.compile)         # the first request then compiles nothing
         if progress:
             progress(1.0, "embedding model ready")
-        return cls(dev, model, tokenizer, st, chat_config, max_len, owner)
+        return cls(dev, model, tokenizer, st, chat_config, max_len, owner, pair_template=pairs)
 
     # ------------------------------------------------------------------ tokens
     def tokenize(self, texts: list[str]) -> list[list[int]]:
@@ -176,15 +192,12 @@ class EmbeddingPipeline:
         field for Matryoshka models: keep the first `dimensions` of each vector, renormalised when the
         model normalises; EmbeddingDimensionsUnsupportedError (400) for other models (unless it equals
         the model's width) and beyond the width."""
-        t_begin = time.perf_counter()
+        if self.is_reranker:
+            raise InvalidRequestError(f"Model {self.name} is a reranker (cross-encoder): it scores (query, "
+                                      f"document) pairs and gives no embeddings; call rerank instead.",
+                                      param="model")
         keep = self._check_dimensions(dimensions)
-
-        def check(during: str) -> None:
-            if cancelled is not None and cancelled():
-                raise asyncio.CancelledError()
-            if deadline is not None and asyncio.get_running_loop().time() >= deadline:
-                raise RequestTimeoutError(timeout_s if timeout_s is not None else time.perf_counter() - t_begin,
-                                          f"embedding, {during}")
+        check = _checker(cancelled, deadline, timeout_s, "embedding")
         budget = self.max_total_tokens if max_total_tokens is None else max_total_tokens
         kind, items = _input_kind(input)
         if kind == "text" and 2 * len(items) > budget:        # [CLS] and [SEP] at least, per text
@@ -198,27 +211,82 @@ class EmbeddingPipeline:
             if n_tok > budget:
                 raise EmbeddingTokenLimitError(budget)
             seqs.extend(part)
+        raw, order, dt = await self._forward(seqs, None, check)
+        vecs = await _offload(_unpack_vectors, raw, order, self.dim, keep, self.st_config.normalize)
+        self._count(n_tok, dt)
+        return EmbeddingResult(vecs, n_tok, n_tok / dt if dt > 0 else 0.0)
+
+    async def rerank_step(self, query: str, documents: list[str], *, deadline: float | None = None,
+                          cancelled: Callable[[], bool] | None = None, max_total_tokens: int | None = None,
+                          timeout_s: float | None = None) -> RerankResult:
+        """Score each document's relevance to `query` with a cross-encoder: the pair is tokenised as
+        the model's tokenizer joins two texts (truncated `longest_first` to max_seq_length), and the
+        score is the first label's logit under CrossEncoder's activation (sigmoid for one label).
+        Limits, deadline and cancellation as in embed_step."""
+        if not self.is_reranker:
+            raise InvalidRequestError(f"Model {self.name} is an embedding model, not a reranker "
+                                      f"(cross-encoder); load one to rerank.", param="model")
+        check = _checker(cancelled, deadline, timeout_s, "rerank")
+        budget = self.max_total_tokens if max_total_tokens is None else max_total_tokens
+        if self.pair_template.n_special * len(documents) > budget:
+            raise EmbeddingTokenLimitError(budget)
+        q = (await _offload(self._plain_ids, [query]))[0]
+        seqs: list[list[int]] = []
+        types: list[list[int]] = []
+        n_tok = 0
+        for i in range(0, len(documents), TOKENIZE_CHUNK):
+            check("tokenising")
+            part = await _offload(self._pairs, q, documents[i:i + TOKENIZE_CHUNK])
+            n_tok += sum(len(ids) for ids, _ in part)
+            if n_tok > budget:
+                raise EmbeddingTokenLimitError(budget)
+            seqs += [ids for ids, _ in part]
+            types += [t for _, t in part]
+        raw, order, dt = await self._forward(seqs, types, check)
+        logits = await _offload(_unpack_vectors, raw, order, self.model.out_dim)
+        sigmoid = self.model_config.classifier_activation == "sigmoid"
+        self._count(n_tok, dt)
+        return RerankResult([_sigmoid(v[0]) if sigmoid else v[0] for v in logits], n_tok)
+
+    def _plain_ids(self, texts: list[str]) -> list[list[int]]:
+        """Ids of each text alone, without special tokens or truncation (a pair's parts)."""
+        with self._tokenize_lock:
+            return [list(self.tokenizer.encode(t, add_special_tokens=False, max_length=1 << 30)) for t in texts]
+
+    def _pairs(self, q: list[int], docs: list[str]) -> list[tuple[list[int], list[int]]]:
+        types_ok = self.model.n_types > 1        # RoBERTa-style models have one token type
+        out = []
+        for d in self._plain_ids(docs):
+            ids, types = self.pair_template.encode(q, d, self.max_seq_length)
+            out.append((ids, types if types_ok else [0] * len(ids)))
+        return out
+
+    async def _forward(self, seqs: list[list[int]], types: list[list[int]] | None, check):
+        """Run every batch of `seqs` and read their outputs back: (raw f32 rows in sorted order, the
+        order, seconds)."""
         check("planning")
-        N, C = len(seqs), self.dim
+        N, C = len(seqs), self.model.out_dim
         order, plan = await _offload(self._plan, seqs)
-        esize = 4                       # the model hands out f32 vectors for either activation dtype
+        esize = 4                       # the model hands out f32 values for either activation dtype
         t0 = time.perf_counter()
         dst = self._result_buffer(N * C * esize)
         try:
             for k, (start, end, B, S) in enumerate(plan):
                 if k:
                     check(f"batch {k + 1} of {len(plan)}")
-                self.model.run([seqs[i] for i in order[start:end]], B, S, dst, start * C * esize)
+                idx = order[start:end]
+                pair_types = {"types": [types[i] for i in idx]} if types is not None else {}
+                self.model.run([seqs[i] for i in idx], B, S, dst, start * C * esize, **pair_types)
                 await self.dev.sync()       # the loop serves others while the GPU computes this batch
             raw = await self.dev.read(dst, 0, N * C * esize)
         finally:
             self._trim_result_buffer()
-        dt = time.perf_counter() - t0
-        vecs = await _offload(_unpack_vectors, raw, order, C, keep, self.st_config.normalize)
+        return raw, order, time.perf_counter() - t0
+
+    def _count(self, n_tok: int, seconds: float) -> None:
         self._stats["requests"] += 1
         self._stats["tokens"] += n_tok
-        self._stats["seconds"] += dt
-        return EmbeddingResult(vecs, n_tok, n_tok / dt if dt > 0 else 0.0)
+        self._stats["seconds"] += seconds
 
     def _check_dimensions(self, dimensions: int | None) -> int:
         """How many leading dimensions of each vector a request keeps (see embed_step)."""
@@ -293,6 +361,35 @@ class EmbeddingPipeline:
         self.model.dispose()
         self._dst = None
         self.dev.release_owner(self.owner)
+
+
+def _checker(cancelled, deadline, timeout_s, what: str):
+    """check(during): CancelledError once `cancelled()`, RequestTimeoutError past `deadline`."""
+    t_begin = time.perf_counter()
+
+    def check(during: str) -> None:
+        if cancelled is not None and cancelled():
+            raise asyncio.CancelledError()
+        if deadline is not None and asyncio.get_running_loop().time() >= deadline:
+            raise RequestTimeoutError(timeout_s if timeout_s is not None else time.perf_counter() - t_begin,
+                                      f"{what}, {during}")
+    return check
+
+
+def _sigmoid(x: float) -> float:
+    return 1.0 / (1.0 + math.exp(-x)) if x >= 0 else math.exp(x) / (1.0 + math.exp(x))
+
+
+def _read_json(path: Path) -> dict:
+    import json
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def _model_max_length(folder: Path) -> int | None:
+    """tokenizer_config.json's model_max_length (None when absent or HF's "no limit" sentinel)."""
+    p = folder / "tokenizer_config.json"
+    n = _read_json(p).get("model_max_length") if p.is_file() else None
+    return int(n) if isinstance(n, (int, float)) and 0 < n <= 1 << 20 else None
 
 
 def _input_kind(inp) -> tuple[str, list]:

@@ -1,6 +1,6 @@
 """OpenAI-compatible HTTP server on aiohttp over AsyncMLCEngine (native only).
 
-Routes: POST /v1/chat/completions, /v1/completions, /v1/embeddings; GET /v1/models, /health,
+Routes: POST /v1/chat/completions, /v1/completions, /v1/embeddings, /v1/rerank; GET /v1/models, /health,
 /metrics. Streaming is Server-Sent Events exactly as OpenAI sends them (`data: {json}\\n\\n`, then
 `data: [DONE]\\n\\n`). Every error is OpenAI error JSON with its HTTP status; unexpected ones are
 logged and answered 500 without internals. Handlers are cancelled when the client disconnects
@@ -331,6 +331,13 @@ async def embeddings(request: web.Request) -> web.Response:
     return web.json_response(res)
 
 
+async def rerank(request: web.Request) -> web.Response:
+    body = await _json_body(request)
+    res = to_dict(await _ready_engine(request).rerank(body))
+    request.app[METRICS].prompt_tokens.inc(res["usage"]["prompt_tokens"], model=res["model"])
+    return web.json_response(res)
+
+
 async def list_models(request: web.Request) -> web.Response:
     engine = request.app[ENGINE]
     created = request.app[STATE].get("created", int(time.time()))
@@ -382,6 +389,7 @@ def create_app(opts: ServerOptions) -> web.Application:
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/embeddings", embeddings)
+    app.router.add_post("/v1/rerank", rerank)         # the Jina / Cohere / vLLM rerank shape
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
