@@ -103,8 +103,15 @@ def _from_folder(folder: Path, native: bool, max_length: int | None):
         base = WordPieceTokenizer.from_tokenizer_json(spec, tok_cfg, max_length=max_length)
     elif kind == "BPE":
         base = BPETokenizer.from_tokenizer_json(spec, tok_cfg)
+    elif kind == "Unigram":                               # SentencePiece (XLM-RoBERTa): `tokenizers` only
+        from .unigram import UnigramVocab
+        base = UnigramVocab.from_tokenizer_json(spec, tok_cfg, max_length=max_length)
+        if not native:
+            raise UnsupportedModelError(f"{tj}: SentencePiece-Unigram tokenizers need the `tokenizers` "
+                                        f"library (there is no pure-Python Unigram encoder yet)")
     else:
-        raise UnsupportedModelError(f"{tj}: tokenizer model {kind!r} is not supported (BPE, WordPiece are)")
+        raise UnsupportedModelError(f"{tj}: tokenizer model {kind!r} is not supported (BPE, WordPiece, "
+                                    f"Unigram are)")
     if not native:
         return base
     from tokenizers import Tokenizer
@@ -114,7 +121,7 @@ def _from_folder(folder: Path, native: bool, max_length: int | None):
         tk.no_truncation()
         tk.no_padding()                               # some files pin padding to a fixed length
         return tk
-    if kind == "WordPiece":
+    if kind in ("WordPiece", "Unigram"):                 # encoders: the file's post-processor, truncation
         return NativeWordPiece(build(tj.read_text(encoding="utf-8")), base)
     try:
         plain = build(json.dumps({**spec, "added_tokens": []}))
