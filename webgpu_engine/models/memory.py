@@ -84,9 +84,7 @@ def estimate_bert(cfg, tensors: dict, *, max_batch_size: int, max_seq_length: in
     esz = 2 if act_dtype == "f16" else 4
     weights, largest, label = 0, 0, ""
     for name, t in tensors.items():
-        if "token_type" in name and len(t.shape) == 2:       # only row 0 is uploaded
-            nb = big = _r4(4 * t.shape[1])
-        elif "position_ids" in name:                           # a buffer of some checkpoints, not a weight
+        if "position_ids" in name:                             # a buffer of some checkpoints, not a weight
             continue
         else:
             nb, big = _weight_bytes(t, max_binding)
