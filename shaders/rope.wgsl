@@ -4,7 +4,7 @@
 //   Row t has position pos0 + t (pos0 = step[0]); rows t >= n_new (step[1], 0 = all) are skipped.
 //   Pair i < rot_dim/2 of a rotated head, angle = pos * inv_freq[i]:
 //     adjacent (GGUF llama layout): (x[2i], x[2i+1]);  neox (HF half split): (x[i], x[i + rot_dim/2])
-//     (a, b) -> (a*cos - b*sin, a*sin + b*cos)
+//     (a, b) -> (a*cos - b*sin, a*sin + b*cos) * mscale
 //   rope:     rotates heads [0, n_rot)
 //   rope_kv:  rotates heads [0, n_rot) and copies (rotated) k heads and v heads into the caches
 //   kv_write: copies k heads and v heads into the caches
@@ -30,7 +30,7 @@ struct Params {
     kc_off: u32,
     vc_off: u32,
     units: u32,   // units per head
-    _p0: u32,
+    mscale: f32,  // rotated values are scaled by this (Phi-3 longrope's attention factor; else 1)
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
@@ -47,7 +47,7 @@ const WG: u32 = 64u;
 
 // (a, b) rotated by angle pos * inv_freq[i]
 fn rot(a: f32, b: f32, pos: u32, i: u32) -> vec2<f32> {
-    return rotate_by(a, b, f32(pos) * inv_freq[i]);
+    return rotate_by(a, b, f32(pos) * inv_freq[i]) * p.mscale;
 }
 
 struct Unit {

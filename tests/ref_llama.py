@@ -1,4 +1,4 @@
-"""numpy reference forward pass of a Llama-family decoder (Llama, Qwen2/3, Mistral), for tests.
+"""numpy reference forward pass of a Llama-family decoder (Llama, Qwen2/3, Mistral, Phi-3), for tests.
 
 Independent of the GPU code: it takes dequantized float weights under our tensor names
 (loaders' GGUF_TO_OURS names: embed, norm, lm_head, layers.{i}.{attn_norm,q,k,v,q_bias,...}) and a
@@ -31,15 +31,17 @@ def rms_norm(x, w, eps):
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
 
 
-def rope(x, pos, rot_dim, base, neox, factors=None):
+def rope(x, pos, rot_dim, base, neox, factors=None, mscale=1.0):
     """x (T, H, D): rotate the first rot_dim dims of each head; pairs are (i, i + rot/2) when neox,
-    else (2i, 2i + 1). `factors`: RoPE scaling, frequency i divided by factors[i]."""
+    else (2i, 2i + 1). `factors`: RoPE scaling, frequency i divided by factors[i]; the rotated
+    dims are multiplied by `mscale` (longrope's attention factor)."""
     half = rot_dim // 2
     inv = base ** (-np.arange(half, dtype=np.float64) * 2.0 / rot_dim)           # (half,)
     if factors is not None:
         inv = inv / np.asarray(factors, np.float64)
     ang = pos[:, None].astype(np.float64) * inv[None, :]                          # (T, half)
-    cos, sin = np.cos(ang)[:, None, :].astype(x.dtype), np.sin(ang)[:, None, :].astype(x.dtype)
+    cos = (np.cos(ang) * mscale)[:, None, :].astype(x.dtype)
+    sin = (np.sin(ang) * mscale)[:, None, :].astype(x.dtype)
     y = x.copy()
     if neox:
         a, b = x[..., :half], x[..., half:rot_dim]
@@ -59,9 +61,18 @@ def silu(x):
 class RefLlama:
     """Keeps a KV cache so it can also check incremental (prefill then decode) use."""
 
-    def __init__(self, cfg, weights: dict, dtype=np.float64):
+    def __init__(self, cfg, weights: dict, dtype=np.float64, context: int | None = None):
+        """`context`: the context window, which picks longrope's long or short factors."""
         self.cfg, self.dtype = cfg, dtype
         self.w = {k: np.asarray(v, dtype) for k, v in weights.items()}
+        for name in list(self.w):                  # Phi-3's fused q|k|v and gate|up
+            p, _, part = name.rpartition(".")
+            if part == "qkv":
+                self.w[p + ".q"], self.w[p + ".k"], self.w[p + ".v"] = np.split(
+                    self.w.pop(name), [cfg.q_dim, cfg.q_dim + cfg.kv_dim])
+            elif part in ("gate_up", "up") and p + ".gate" not in self.w and len(self.w[name]) == 2 * cfg.ffn_size:
+                self.w[p + ".gate"], self.w[p + ".up"] = np.split(self.w.pop(name), 2)
+        self.factors = cfg.rope_freq_factors if context is None else cfg.rope_factors_for(context)
         self.reset()
 
     def reset(self):
@@ -89,8 +100,8 @@ class RefLlama:
             if p + "q_norm" in w:                                                  # Qwen3
                 q = rms_norm(q.reshape(T, H, D), w[p + "q_norm"], c.rms_eps)
                 k = rms_norm(k.reshape(T, Hkv, D), w[p + "k_norm"], c.rms_eps)
-            q = rope(q.reshape(T, H, D), pos, c.rot_dim, c.rope_base, c.rope_neox, c.rope_freq_factors)
-            k = rope(k.reshape(T, Hkv, D), pos, c.rot_dim, c.rope_base, c.rope_neox, c.rope_freq_factors)
+            rk = (c.rot_dim, c.rope_base, c.rope_neox, self.factors, c.rope_attn_factor)
+            q, k = rope(q.reshape(T, H, D), pos, *rk), rope(k.reshape(T, Hkv, D), pos, *rk)
             v = v.reshape(T, Hkv, D)
             kc = k.transpose(1, 0, 2) if self.k_cache[i] is None else \
                 np.concatenate([self.k_cache[i], k.transpose(1, 0, 2)], axis=1)    # (Hkv, S, D)

@@ -99,3 +99,47 @@ def test_qwen3_matches_transformers(device, tmp_path, qwen3_ref, fmt):
     else:
         path = tinymodels.write_tiny_llama_gguf(tmp_path / "qwen3.gguf", arch="qwen3", **dims)["path"]
     check_golden(device, path, qwen3_ref)
+
+
+# --------------------------------------------------------------------------- Phi-3 / Phi-4-mini
+@pytest.mark.parametrize("fmt", ["safetensors", "gguf"])
+def test_phi3_matches_transformers(device, tmp_path, fmt):
+    """Fused q|k|v and gate|up split on load, longrope (long factors and the attention factor: the
+    context window 512 exceeds the original 64) and partial rotary 0.75 (12 of 16 dims)."""
+    import tinyfamilies
+    ref = _ref("phi3")
+    if fmt == "safetensors":
+        path = tinyfamilies.write_tiny_phi3_safetensors(tmp_path / "phi3", **ref["dims"])["folder"]
+    else:
+        path = tinyfamilies.write_tiny_phi3_gguf(tmp_path / "phi3.gguf", **ref["dims"])["path"]
+    check_golden(device, path, ref)
+
+
+def test_phi3_short_factors_below_the_original_context(device, tmp_path):
+    """A context window within the original context rotates by the short factors (numpy reference),
+    through prefill and decode."""
+    import tinyfamilies
+    from ref_llama import RefLlama, weights_from_infos
+    info = tinyfamilies.write_tiny_phi3_gguf(tmp_path / "phi3.gguf", seed=6, context_length=512)
+    opened = open_model(info["path"])
+    try:
+        cfg, ids = opened.config, [int(i) for i in np.random.default_rng(3).integers(3, 300, 40)]
+        m = LlamaModel(device, cfg, opened.weights, owner="test:families", context_window=64, prefill_chunk=32)
+        try:
+            assert m.rope_factors == cfg.rope_freq_factors != cfg.rope_long_factors
+            b = device.batch()
+            m.record_prefill(b, ids[:32], 0)
+            device.submit(b)
+            got = [_logits(device, m)]
+            for pos in range(32, 40):
+                device.write(m.ids.buf, struct.pack("<I", ids[pos]))
+                b = device.batch()
+                m.record_decode(b, pos)
+                device.submit(b)
+                got.append(_logits(device, m))
+        finally:
+            m.release()
+        want = RefLlama(cfg, weights_from_infos(opened.weights), context=64).forward(ids)[31:]
+        np.testing.assert_allclose(np.array(got), want, atol=1e-3, rtol=0)
+    finally:
+        opened.close()

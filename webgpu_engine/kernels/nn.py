@@ -253,7 +253,7 @@ def _qkv_heads(k: str, qkv: Tensor, head_dim: int) -> tuple[int, int]:
 
 
 def _rope_op(dev, k, entry, qkv, step, *, h_lo, n_h, n_rot, head_dim, rot_dim, base, neox,
-             k_lo=0, n_kv=0, ctx=0, caches=None, factors=None) -> Op:
+             k_lo=0, n_kv=0, ctx=0, caches=None, factors=None, mscale=1.0) -> Op:
     dt = _act(k, qkv, *(caches or ()))
     rows, heads = _qkv_heads(k, qkv, head_dim)
     check(head_dim % 2 == 0 and rot_dim % 2 == 0 and 0 <= rot_dim <= head_dim, k,
@@ -277,7 +277,7 @@ def _rope_op(dev, k, entry, qkv, step, *, h_lo, n_h, n_rot, head_dim, rot_dim, b
     # units per head: vec2 pairs, except that a neox head's rotated part goes in quads
     units = half // 2 + (head_dim - rot_dim) // 2 if neox else head_dim // 2
     par = params(dev, [rows, heads, head_dim // 2, half, h_lo, n_h, n_rot, int(bool(neox)),
-                       k_lo, n_kv, ctx, qo, kco, vco, units, 0], owner=owner, label=k)
+                       k_lo, n_kv, ctx, qo, kco, vco, units, float(mscale)], owner=owner, label=k)
     op = _op(dev, k, "rope.wgsl", entry, act_header(dt) + load_shader_source("sincos.wgsl"), par, entries,
              rows * n_h * units)
     if entry != "kv_write":
@@ -286,13 +286,14 @@ def _rope_op(dev, k, entry, qkv, step, *, h_lo, n_h, n_rot, head_dim, rot_dim, b
 
 
 def rope(dev: Device, qkv: Tensor, step, *, n_heads: int, head_dim: int, rot_dim: int | None = None,
-         base: float = 10000.0, neox: bool = False, factors=None) -> Op:
+         base: float = 10000.0, neox: bool = False, factors=None, mscale: float = 1.0) -> Op:
     """Rotates, in place, the first `n_heads` heads (q then k) of each row of qkv (T, H_all, D);
     row t has position step.pos0 + t. neox=False: adjacent pairs (GGUF llama layout); True: half split.
-    `factors`: RoPE scaling, frequency i divided by factors[i] (see rope_frequencies)."""
+    `factors`: RoPE scaling, frequency i divided by factors[i] (see rope_frequencies); `mscale`:
+    the rotated values multiplied by it (longrope's attention factor)."""
     rot = head_dim if rot_dim is None else rot_dim
     return _rope_op(dev, "rope", "rope", qkv, step, h_lo=0, n_h=n_heads, n_rot=n_heads,
-                    head_dim=head_dim, rot_dim=rot, base=base, neox=neox, factors=factors)
+                    head_dim=head_dim, rot_dim=rot, base=base, neox=neox, factors=factors, mscale=mscale)
 
 
 def kv_write(dev: Device, qkv: Tensor, k_cache: Tensor, v_cache: Tensor, step, *, n_q_heads: int,
@@ -305,13 +306,14 @@ def kv_write(dev: Device, qkv: Tensor, k_cache: Tensor, v_cache: Tensor, step, *
 
 def rope_kv(dev: Device, qkv: Tensor, k_cache: Tensor, v_cache: Tensor, step, *, n_q_heads: int,
             n_kv_heads: int, head_dim: int, ctx: int, rot_dim: int | None = None,
-            base: float = 10000.0, neox: bool = False, factors=None) -> Op:
+            base: float = 10000.0, neox: bool = False, factors=None, mscale: float = 1.0) -> Op:
     """rope on the q and k heads followed by kv_write, fused into one dispatch (the decode path)."""
     rot = head_dim if rot_dim is None else rot_dim
     n_rot = n_q_heads + n_kv_heads
     return _rope_op(dev, "rope_kv", "rope_kv", qkv, step, h_lo=0, n_h=n_q_heads + 2 * n_kv_heads,
                     n_rot=n_rot, head_dim=head_dim, rot_dim=rot, base=base, neox=neox,
-                    k_lo=n_q_heads, n_kv=n_kv_heads, ctx=ctx, caches=(k_cache, v_cache), factors=factors)
+                    k_lo=n_q_heads, n_kv=n_kv_heads, ctx=ctx, caches=(k_cache, v_cache), factors=factors,
+                    mscale=mscale)
 
 
 # ----------------------------------------------------------------------------- attention

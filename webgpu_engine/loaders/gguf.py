@@ -42,13 +42,14 @@ GGUF_TO_OURS = {
     "blk.{i}.attn_q.bias": "layers.{i}.q_bias",      # Qwen2
     "blk.{i}.attn_k.bias": "layers.{i}.k_bias",
     "blk.{i}.attn_v.bias": "layers.{i}.v_bias",
+    "blk.{i}.attn_qkv.weight": "layers.{i}.qkv",     # Phi-3: q|k|v rows (split on load)
     "blk.{i}.attn_q_norm.weight": "layers.{i}.q_norm",  # Qwen3 (head_dim,)
     "blk.{i}.attn_k_norm.weight": "layers.{i}.k_norm",
     "blk.{i}.attn_output.weight": "layers.{i}.o",    # (hidden, n_heads*head_dim)
     "blk.{i}.attn_output.bias": "layers.{i}.o_bias",
     "blk.{i}.ffn_norm.weight": "layers.{i}.ffn_norm",
     "blk.{i}.ffn_gate.weight": "layers.{i}.gate",    # (ffn, hidden)
-    "blk.{i}.ffn_up.weight": "layers.{i}.up",        # (ffn, hidden)
+    "blk.{i}.ffn_up.weight": "layers.{i}.up",        # (ffn, hidden); Phi-3: gate|up (2 ffn, hidden)
     "blk.{i}.ffn_down.weight": "layers.{i}.down",    # (hidden, ffn)
 }
 _LAYER_NAME = re.compile(r"^blk\.(\d+)\.(.+)$")
@@ -225,6 +226,9 @@ class GGUFFile:
         head_dim = int(self._meta("attention.key_length", hidden // n_heads))
         rot_dim = int(self._meta("rope.dimension_count", head_dim))
         factors, scaling = self._rope_factors(rot_dim)
+        long = self._longrope(rot_dim) if "rope_factors_long.weight" in self.tensors else {}
+        if long:
+            factors, scaling = self._f32_vector("rope_factors_short.weight", rot_dim // 2), "longrope"
         tokens = self.metadata.get("tokenizer.ggml.tokens") or []
         embd = self.tensors.get("token_embd.weight")
         vocab = self._meta("vocab_size") or len(tokens) or (embd.shape[0] if embd else 0)
@@ -241,9 +245,9 @@ class GGUFFile:
             head_dim=head_dim,
             ffn_size=int(self._meta("feed_forward_length", required=True)),
             rope_base=float(self._meta("rope.freq_base", 10000.0)),
-            rot_dim=rot_dim, rope_freq_factors=factors, rope_scaling=scaling,
-            # llama.cpp's converter permutes llama/mistral q,k rows to adjacent-pair rope; qwen2/3 are NEOX
-            rope_neox=arch in ("qwen2", "qwen3"),
+            rot_dim=rot_dim, rope_freq_factors=factors, rope_scaling=scaling, **long,
+            # llama.cpp's converter permutes llama/mistral q,k rows to adjacent-pair rope; the rest are NEOX
+            rope_neox=arch in ("qwen2", "qwen3", "phi3"),
             rms_eps=float(self._meta("attention.layer_norm_rms_epsilon", 1e-5)),
             context_length=int(self._meta("context_length", 4096)),
             tie_embeddings="output.weight" not in self.tensors,
@@ -254,6 +258,20 @@ class GGUFFile:
             sliding_window=int(sliding) if sliding else None,
             name=str(self.metadata.get("general.name", "")),
         )
+
+    def _f32_vector(self, name: str, n: int) -> tuple:
+        t = self.tensors.get(name)
+        if t is None or t.qtype != "f32" or t.numel != n:
+            raise ModelFormatError(f"{self.where}: {name} must be f32 ({n},), got "
+                                   f"{(t.qtype, t.shape) if t else 'nothing'}")
+        return struct.unpack(f"<{n}f", bytes(t.data))
+
+    def _longrope(self, rot_dim: int) -> dict:
+        """Phi-3's longrope as llama.cpp's converter writes it: rope_factors_long/short.weight, the
+        original context and the attention factor."""
+        return dict(rope_long_factors=self._f32_vector("rope_factors_long.weight", rot_dim // 2),
+                    rope_original_context=int(self._meta("rope.scaling.original_context_length", 0)),
+                    rope_attn_factor=float(self._meta("rope.scaling.attn_factor", 1.0)))
 
     def _rope_factors(self, rot_dim: int) -> tuple:
         """(per-frequency divisors or None, scaling name): `rope_freqs.weight` (Llama 3.1+: llama.cpp's

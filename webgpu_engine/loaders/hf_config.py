@@ -15,8 +15,8 @@ from .tensor_info import TensorInfo
 
 # HF architectures -> our LlamaConfig.arch
 LLAMA_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
-                       "MistralForCausalLM": "mistral"}
-LLAMA_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")         # config.json model_type, when architectures is absent
+                       "MistralForCausalLM": "mistral", "Phi3ForCausalLM": "phi3"}
+LLAMA_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "phi3")    # config.json model_type, when architectures is absent
 BERT_ARCHITECTURES = ("BertModel", "BertForMaskedLM", "BertForPreTraining", "BertForSequenceClassification")
 XLMR_ARCHITECTURES = ("XLMRobertaModel", "XLMRobertaForMaskedLM", "XLMRobertaForSequenceClassification")
 
@@ -34,10 +34,12 @@ HF_LLAMA_TO_OURS = {
     "model.layers.{i}.self_attn.v_proj.bias": "layers.{i}.v_bias",
     "model.layers.{i}.self_attn.q_norm.weight": "layers.{i}.q_norm",      # Qwen3 (D,)
     "model.layers.{i}.self_attn.k_norm.weight": "layers.{i}.k_norm",
+    "model.layers.{i}.self_attn.qkv_proj.weight": "layers.{i}.qkv",      # Phi-3: q|k|v rows (split on load)
     "model.layers.{i}.self_attn.o_proj.weight": "layers.{i}.o",
     "model.layers.{i}.post_attention_layernorm.weight": "layers.{i}.ffn_norm",
     "model.layers.{i}.mlp.gate_proj.weight": "layers.{i}.gate",
     "model.layers.{i}.mlp.up_proj.weight": "layers.{i}.up",
+    "model.layers.{i}.mlp.gate_up_proj.weight": "layers.{i}.gate_up",     # Phi-3: gate|up rows
     "model.layers.{i}.mlp.down_proj.weight": "layers.{i}.down",
 }
 # BertModel names ("bert." prefix of BertForX stripped) -> ours
@@ -147,12 +149,13 @@ def llama_config_from_dict(c: dict, where: str = "config.json") -> LlamaConfig:
         sliding = c.get("sliding_window") if c.get("use_sliding_window", arch == "mistral") else None
         rot_dim = int(head_dim * float(c.get("partial_rotary_factor", 1.0)))
         factors, scaling = _rope_scaling(c, rot_dim, where)
+        long = _longrope(c, rot_dim, where) if scaling == "longrope" else {}
         return LlamaConfig(
             arch=arch, vocab_size=int(c["vocab_size"]), hidden_size=hidden,
             n_layers=int(c["num_hidden_layers"]), n_heads=n_heads,
             n_kv_heads=int(c.get("num_key_value_heads") or n_heads), head_dim=head_dim,
             ffn_size=int(c["intermediate_size"]), rope_base=float(c.get("rope_theta", 10000.0)),
-            rot_dim=rot_dim, rope_freq_factors=factors, rope_scaling=scaling,
+            rot_dim=rot_dim, rope_freq_factors=factors, rope_scaling=scaling, **long,
             rope_neox=True,                     # HF weights: rotate_half pairs (i, i + d/2)
             rms_eps=float(c.get("rms_norm_eps", 1e-6)),
             context_length=int(c.get("max_position_embeddings", 4096)),
@@ -176,6 +179,8 @@ def _rope_scaling(c: dict, rot_dim: int, where: str) -> tuple:
     if kind in (None, "default"):
         return None, ""
     try:
+        if kind in ("longrope", "su"):          # Phi-3: short factors here, long ones in _longrope
+            return tuple(float(f) for f in rs["short_factor"]), "longrope"
         factor = float(rs["factor"])
         if kind == "linear":
             return (factor,) * (rot_dim // 2), "linear"
@@ -186,7 +191,23 @@ def _rope_scaling(c: dict, rot_dim: int, where: str) -> tuple:
     except KeyError as e:
         raise ModelFormatError(f"{where}: rope_scaling {rs} lacks {e.args[0]}") from e
     raise UnsupportedModelError(f"{where}: rope_scaling type {kind!r} is not implemented; supported: "
-                                f"linear, llama3")
+                                f"linear, llama3, longrope (su)")
+
+
+def _longrope(c: dict, rot_dim: int, where: str) -> dict:
+    """LlamaConfig fields of Phi-3's longrope: long factors, original context and the attention
+    factor transformers computes (sqrt(1 + ln(s) / ln(original)), s = max positions / original)."""
+    import math
+    rs = c["rope_scaling"]
+    original = int(rs.get("original_max_position_embeddings") or c.get("original_max_position_embeddings") or 0)
+    if original <= 0 or "long_factor" not in rs:
+        raise ModelFormatError(f"{where}: longrope needs long_factor and original_max_position_embeddings")
+    attn = rs.get("attention_factor")
+    if attn is None:
+        s = int(c.get("max_position_embeddings", original)) / original
+        attn = math.sqrt(1 + math.log(s) / math.log(original)) if s > 1 else 1.0
+    return dict(rope_long_factors=tuple(float(f) for f in rs["long_factor"]), rope_original_context=original,
+                rope_attn_factor=float(attn))
 
 
 def load_llama_config(folder) -> LlamaConfig:

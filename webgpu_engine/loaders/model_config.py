@@ -7,13 +7,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-LLAMA_ARCHS = ("llama", "qwen2", "qwen3", "mistral")
+LLAMA_ARCHS = ("llama", "qwen2", "qwen3", "mistral", "phi3")
 
 
 @dataclass
 class LlamaConfig:
     """A Llama-family decoder (Llama, Qwen2 = Llama + q/k/v bias, Qwen3 = Llama + per-head q/k
-    RMSNorm before RoPE, Mistral = Llama (+ sliding window)).
+    RMSNorm before RoPE, Mistral = Llama (+ sliding window), Phi-3 = Llama with fused q|k|v and
+    gate|up in its files, longrope scaling and partial rotary).
 
     `rope_neox` says which dimensions rope rotates together in a head of size `rot_dim`:
     False: adjacent pairs (2i, 2i+1) — GGUF llama/mistral, whose q/k rows llama.cpp's converter
@@ -43,7 +44,13 @@ class LlamaConfig:
     # RoPE scaling: frequency i is divided by rope_freq_factors[i] (rot_dim/2 values; None: all 1):
     # Llama 3.1+ ("llama3": GGUF rope_freqs.weight or HF rope_scaling) and "linear" scaling
     rope_freq_factors: tuple | None = None
-    rope_scaling: str = ""             # the scaling's name, for messages ("", "llama3", "linear")
+    rope_scaling: str = ""             # the scaling's name, for messages ("", "llama3", "linear", "longrope")
+    # Phi-3 "longrope" / "su": rope_freq_factors are the short factors; a model whose context window
+    # exceeds rope_original_context rotates by these long ones instead (llama.cpp's choice); the
+    # rotated dimensions of q and k are also scaled by rope_attn_factor
+    rope_long_factors: tuple | None = None
+    rope_original_context: int = 0
+    rope_attn_factor: float = 1.0
     name: str = ""
     # derived (set in __post_init__)
     q_dim: int = field(init=False)     # n_heads * head_dim
@@ -70,10 +77,20 @@ class LlamaConfig:
             if len(self.rope_freq_factors) != self.rot_dim // 2 or min(self.rope_freq_factors) <= 0:
                 raise ValueError(f"rope_freq_factors needs rot_dim/2 = {self.rot_dim // 2} positive values, "
                                  f"got {len(self.rope_freq_factors)}")
+        if self.rope_long_factors is not None:
+            self.rope_long_factors = tuple(float(f) for f in self.rope_long_factors)
+            if len(self.rope_long_factors) != self.rot_dim // 2:
+                raise ValueError(f"rope_long_factors needs rot_dim/2 = {self.rot_dim // 2} values")
         self.q_dim = self.n_heads * self.head_dim
         self.kv_dim = self.n_kv_heads * self.head_dim
         self.qkv_dim = self.q_dim + 2 * self.kv_dim
         self.n_rep = self.n_heads // self.n_kv_heads
+
+    def rope_factors_for(self, context: int) -> tuple | None:
+        """The frequency divisors a model with this context window rotates by."""
+        if self.rope_long_factors is not None and context > self.rope_original_context:
+            return self.rope_long_factors
+        return self.rope_freq_factors
 
 
 @dataclass

@@ -58,3 +58,36 @@ class TensorInfo:
         for d in self.shape:
             n *= d
         return n
+
+
+def split_rows(t: TensorInfo, sizes: list[int], names: list[str]) -> list[TensorInfo]:
+    """Row slices of a matrix (n, k) as TensorInfos of sizes[i] rows each: zero-copy views, since a
+    row of any qtype is a whole number of blocks."""
+    if sum(sizes) != t.n or len(t.shape) != 2:
+        raise ValueError(f"{t.name}: {t.shape} does not split into {sizes} rows")
+    row = tensor_nbytes(t.qtype, (1, t.k))
+    out, r0 = [], 0
+    for n, name in zip(sizes, names):
+        out.append(TensorInfo(name, t.qtype, (n, t.k), t.data[r0 * row:(r0 + n) * row], t.offset + r0 * row))
+        r0 += n
+    return out
+
+
+def split_fused(weights: dict, q_rows: int, kv_rows: int, ffn: int) -> dict:
+    """Our names with fused matrices split (Phi-3 files store q|k|v as `layers.i.qkv` and gate|up as
+    `layers.i.gate_up`, in GGUF as an `up` of 2*ffn rows without a `gate`): the model sees the
+    separate q, k, v, gate and up every family has."""
+    out = dict(weights)
+    for name, t in weights.items():
+        parts = name.split(".")
+        if len(parts) != 3 or parts[0] != "layers":
+            continue
+        p = f"layers.{parts[1]}."
+        if parts[2] == "qkv":
+            del out[name]
+            out.update(zip((p + "q", p + "k", p + "v"),
+                           split_rows(t, [q_rows, kv_rows, kv_rows], [name + ".q", name + ".k", name + ".v"])))
+        elif parts[2] == "gate_up" or (parts[2] == "up" and p + "gate" not in weights and t.n == 2 * ffn):
+            del out[name]
+            out.update(zip((p + "gate", p + "up"), split_rows(t, [ffn, ffn], [name + ".gate", name + ".up"])))
+    return out

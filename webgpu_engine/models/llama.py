@@ -28,6 +28,7 @@ from ..kernels import matmul as mm
 from ..kernels import nn
 from ..kernels.common import DTYPE_SIZE, Op, Tensor, new_tensor, pipeline_keys
 from ..loaders.model_config import LlamaConfig
+from ..loaders.tensor_info import split_fused
 
 # Above this, a model + cache is almost surely a mistake (e.g. a 128k context on a small GPU).
 DEFAULT_MAX_TOTAL_BYTES = 12 << 30
@@ -79,6 +80,7 @@ class FusionPlan:
             # adjacent-pair rope only, and a head of whole vec4s; q/k norms come between the
             # matmul and RoPE, so those layers keep the separate rope_kv kernel
             rope_kv=tuple(not cfg.rope_neox and cfg.head_dim % 4 == 0 and L.qk_norm is None
+                          and cfg.rope_attn_factor == 1.0
                           and mm.epilogue_ok(dev, L.qkv.qtype, L.qkv.n, L.qkv.k) for L in layers),
             silu_out=tuple(L.silu_pairs for L in layers))
 
@@ -93,6 +95,8 @@ class LlamaModel:
         limit = cfg.context_length if cfg.context_length > 0 else context_window
         self.ctx = min(context_window, limit) if context_window > 0 else limit
         self.chunk = max(1, min(prefill_chunk, self.ctx))
+        self.rope_factors = cfg.rope_factors_for(self.ctx)
+        weights = split_fused(weights, cfg.q_dim, cfg.kv_dim, cfg.ffn_size)
         self._check_memory(weights, max_total_bytes)
         try:
             self._upload(weights, progress)
@@ -190,7 +194,7 @@ class LlamaModel:
         c, dev, own, dt, P = self.cfg, self.dev, self.owner, self.dtype, self.chunk
         self.step = dev.buffer(16, owner=own, label="step")                 # u32 (pos0, n_new, kv_len, 0)
         self.rope_freq = nn.rope_frequencies(dev, c.rot_dim, c.rope_base, owner=own,
-                                             factors=c.rope_freq_factors)
+                                             factors=self.rope_factors)
         self.ids = new_tensor(dev, (P,), "u32", owner=own, label="ids")      # (P,)
         self.x = new_tensor(dev, (P, c.hidden_size), dt, owner=own, label="x")            # residual
         self.h = new_tensor(dev, (P, c.hidden_size), dt, owner=own, label="h")            # normed
@@ -219,7 +223,8 @@ class LlamaModel:
         qkv2 = self.qkv.view((T, c.qkv_dim))
         attn, gu, ffn = self.attn.view((T, H * D)), self.gate_up.view((T, 2 * c.ffn_size)), \
             self.ffn.view((T, c.ffn_size))
-        rope_kw = dict(rot_dim=c.rot_dim, base=c.rope_base, neox=c.rope_neox, factors=c.rope_freq_factors)
+        rope_kw = dict(rot_dim=c.rot_dim, base=c.rope_base, neox=c.rope_neox, factors=self.rope_factors,
+                       mscale=c.rope_attn_factor)
         eps, ri = c.rms_eps, not decode         # prefill: row-invariant matmuls
         plan = FusionPlan.choose(dev, c, self.layers, self.lm_head, decode)
         rms = (self.part, eps)

@@ -56,6 +56,7 @@ ARCHITECTURES: dict[str, Architecture] = {
     "qwen2": _decoder("qwen2"),          # llama + q/k/v bias
     "qwen3": _decoder("qwen3"),          # llama + per-head q/k RMSNorm
     "mistral": _decoder("mistral"),      # llama (+ sliding window in its config)
+    "phi3": _decoder("phi3"),            # llama with fused q|k|v, gate|up; longrope, partial rotary
     "bert": Architecture("bert", EMBEDDING, "bert:BertModel", None, hf_config.load_bert_config, "",
                          memory.estimate_bert),
     # BERT with positions offset by padding_idx + 1 and a SentencePiece tokenizer (bge-m3, multilingual-e5)

@@ -1,0 +1,140 @@
+"""Writers of tiny random-weight models of the families beyond Llama (Phi-3, ...), as HF folders and
+GGUF files, deterministic in `seed`; they reuse tests/tinymodels.py's weights, tokenizer and config.
+Each returns what the loader must produce: {path or folder, config (LlamaConfig), weights}."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+import tinymodels as tm
+from webgpu_engine.loaders.model_config import LlamaConfig
+
+
+def _tokenizer_files(folder: Path, tokens, merges, d: dict) -> None:
+    (folder / "tokenizer.json").write_text(tm._hf_bpe_tokenizer_json(tokens, merges, "llama"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "chat_template": tm.CHATML_TEMPLATE, "bos_token": tm.SPECIAL_TOKENS[tm.BOS_ID],
+        "eos_token": tm.SPECIAL_TOKENS[tm.EOS_ID], "pad_token": tm.SPECIAL_TOKENS[tm.EOS_ID],
+        "add_bos_token": False, "model_max_length": d["context_length"], "tokenizer_class": "GPT2Tokenizer"}))
+
+
+def _write_hf(folder: Path, tensors: dict, config: dict, tokens, merges, d: dict) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    tm.write_safetensors(folder / "model.safetensors",
+                         {n: ("f32", a.shape, a.astype(np.float32).tobytes()) for n, a in tensors.items()},
+                         {"format": "pt"})
+    base = {"vocab_size": len(tokens), "hidden_size": d["hidden_size"], "intermediate_size": d["ffn_size"],
+            "num_hidden_layers": d["n_layers"], "num_attention_heads": d["n_heads"],
+            "num_key_value_heads": d["n_kv_heads"], "rms_norm_eps": d["rms_eps"], "rope_theta": d["rope_base"],
+            "max_position_embeddings": d["context_length"], "tie_word_embeddings": d["tie_embeddings"],
+            "bos_token_id": tm.BOS_ID, "eos_token_id": tm.EOS_ID, "pad_token_id": tm.EOS_ID,
+            "torch_dtype": "float32"}
+    (folder / "config.json").write_text(json.dumps({**base, **config}, indent=2))
+    _tokenizer_files(folder, tokens, merges, d)
+
+
+def _gguf_writer(path, arch: str, d: dict, tokens, merges, rot_dim: int):
+    import gguf
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name(f"tiny-{arch}")
+    w.add_context_length(d["context_length"]); w.add_embedding_length(d["hidden_size"])
+    w.add_block_count(d["n_layers"]); w.add_feed_forward_length(d["ffn_size"])
+    w.add_head_count(d["n_heads"]); w.add_head_count_kv(d["n_kv_heads"])
+    w.add_rope_freq_base(d["rope_base"]); w.add_layer_norm_rms_eps(d["rms_eps"])
+    w.add_rope_dimension_count(rot_dim); w.add_vocab_size(len(tokens))
+    w.add_tokenizer_model("gpt2"); w.add_tokenizer_pre("smollm")
+    w.add_token_list(tokens); w.add_token_types([3, 3, 3] + [1] * (len(tokens) - 3))
+    w.add_token_merges(merges)
+    w.add_bos_token_id(tm.BOS_ID); w.add_eos_token_id(tm.EOS_ID); w.add_add_bos_token(False)
+    w.add_chat_template(tm.CHATML_TEMPLATE)
+    return w
+
+
+def _finish(w) -> None:
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+
+
+# ============================================================================ Phi-3
+def _phi3(seed: int, partial_rotary: float, longrope: bool, dims: dict):
+    d = tm._dims(**dims)
+    tokens, merges = tm.tiny_bpe_vocab(d["vocab_size"], "smollm")
+    d["vocab_size"] = len(tokens)
+    w = tm._hf_weights(d, "llama", seed)
+    rot = int(d["head_dim"] * partial_rotary)
+    rng = np.random.default_rng(seed + 100)
+    # factors in f32, as both file formats keep them
+    short = tuple(float(v) for v in np.float32(1.0 + 0.5 * rng.random(rot // 2))) if longrope else None
+    long = tuple(float(v) for v in np.float32(2.0 + 6.0 * rng.random(rot // 2))) if longrope else None
+    return d, tokens, merges, w, rot, short, long
+
+
+PHI3_ORIGINAL_CONTEXT = 64
+
+
+def phi3_config(d, rot, short, long, attn) -> LlamaConfig:
+    return LlamaConfig(arch="phi3", vocab_size=d["vocab_size"], hidden_size=d["hidden_size"], n_layers=d["n_layers"],
+                       n_heads=d["n_heads"], n_kv_heads=d["n_kv_heads"], head_dim=d["head_dim"],
+                       ffn_size=d["ffn_size"], rope_base=d["rope_base"], rot_dim=rot, rope_neox=True,
+                       rms_eps=d["rms_eps"], context_length=d["context_length"], bos_id=tm.BOS_ID,
+                       eos_ids=[tm.EOS_ID], rope_freq_factors=short, rope_long_factors=long,
+                       rope_original_context=PHI3_ORIGINAL_CONTEXT if long else 0,
+                       rope_attn_factor=attn, rope_scaling="longrope" if long else "")
+
+
+def phi3_attn_factor(d) -> float:
+    import math
+    s = d["context_length"] / PHI3_ORIGINAL_CONTEXT
+    return math.sqrt(1 + math.log(s) / math.log(PHI3_ORIGINAL_CONTEXT))
+
+
+def write_tiny_phi3_safetensors(folder, seed: int = 0, partial_rotary: float = 0.75, longrope: bool = True,
+                                **dims) -> dict:
+    """An HF Phi3ForCausalLM folder: fused qkv_proj and gate_up_proj, `longrope` scaling (short and
+    long factors, original context 64) and partial rotary (Phi-4-mini's 0.75)."""
+    folder = Path(folder)
+    d, tokens, merges, w, rot, short, long = _phi3(seed, partial_rotary, longrope, dims)
+    hf = {"model.embed_tokens.weight": w["embed"], "model.norm.weight": w["norm"], "lm_head.weight": w["lm_head"]}
+    for i in range(d["n_layers"]):
+        p, q = f"layers.{i}.", f"model.layers.{i}."
+        hf[q + "input_layernorm.weight"] = w[p + "attn_norm"]
+        hf[q + "self_attn.qkv_proj.weight"] = np.concatenate([w[p + "q"], w[p + "k"], w[p + "v"]])
+        hf[q + "self_attn.o_proj.weight"] = w[p + "o"]
+        hf[q + "post_attention_layernorm.weight"] = w[p + "ffn_norm"]
+        hf[q + "mlp.gate_up_proj.weight"] = np.concatenate([w[p + "gate"], w[p + "up"]])
+        hf[q + "mlp.down_proj.weight"] = w[p + "down"]
+    config = {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "hidden_act": "silu",
+              "partial_rotary_factor": partial_rotary, "sliding_window": None,
+              "original_max_position_embeddings": PHI3_ORIGINAL_CONTEXT,
+              "attention_dropout": 0.0, "embd_pdrop": 0.0, "resid_pdrop": 0.0}
+    if longrope:
+        config["rope_scaling"] = {"type": "longrope", "short_factor": list(short), "long_factor": list(long)}
+    _write_hf(folder, hf, config, tokens, merges, d)
+    return dict(folder=folder, config=phi3_config(d, rot, short, long, phi3_attn_factor(d) if long else 1.0),
+                weights=w)
+
+
+def write_tiny_phi3_gguf(path, seed: int = 0, partial_rotary: float = 0.75, longrope: bool = True, **dims) -> dict:
+    """The same model as llama.cpp's converter writes it (arch phi3): attn_qkv, ffn_up holding gate|up,
+    rope_factors_long/short.weight, rope.scaling.attn_factor and original_context_length."""
+    d, tokens, merges, w, rot, short, long = _phi3(seed, partial_rotary, longrope, dims)
+    attn = phi3_attn_factor(d) if long else 1.0
+    g = _gguf_writer(path, "phi3", d, tokens, merges, rot)
+    if long:
+        g.add_float32("phi3.rope.scaling.attn_factor", attn)
+        g.add_uint32("phi3.rope.scaling.original_context_length", PHI3_ORIGINAL_CONTEXT)
+        g.add_tensor("rope_factors_long.weight", np.asarray(long, np.float32))
+        g.add_tensor("rope_factors_short.weight", np.asarray(short, np.float32))
+    g.add_tensor("token_embd.weight", w["embed"]); g.add_tensor("output_norm.weight", w["norm"])
+    g.add_tensor("output.weight", w["lm_head"])
+    for i in range(d["n_layers"]):
+        p, b = f"layers.{i}.", f"blk.{i}."
+        g.add_tensor(b + "attn_norm.weight", w[p + "attn_norm"])
+        g.add_tensor(b + "attn_qkv.weight", np.concatenate([w[p + "q"], w[p + "k"], w[p + "v"]]))
+        g.add_tensor(b + "attn_output.weight", w[p + "o"])
+        g.add_tensor(b + "ffn_norm.weight", w[p + "ffn_norm"])
+        g.add_tensor(b + "ffn_up.weight", np.concatenate([w[p + "gate"], w[p + "up"]]))
+        g.add_tensor(b + "ffn_down.weight", w[p + "down"])
+    _finish(g)
+    return dict(path=Path(path), config=phi3_config(d, rot, short, long, float(np.float32(attn))), weights=w)
