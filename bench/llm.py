@@ -3,6 +3,8 @@ goes (host encoding vs GPU wait vs readback, GPU time per kernel kind), and llam
 when `llama_cpp` imports. Prints a table and writes bench/results/llm.json.
 
     python bench/llm.py [--model PATH] [--dtype f32|f16|auto] [--decode 128] [--prompts 128,512]
+                        [--sampling temperature=0.7,top_p=0.95]
+    python bench/llm.py --json-schema [SCHEMA_JSON] [--decode 128] [--rounds 3]
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ def _prompt_ids(tok, n: int) -> list[int]:
 
 
 async def bench_engine(path: Path, dtype: str, prompts: list[int], n_decode: int, reps: int,
-                       skip_prefill: bool = False) -> dict:
+                       skip_prefill: bool = False, sampling: dict | None = None) -> dict:
     from webgpu_engine.config import ChatConfig, GenerationConfig
     from webgpu_engine.gpu import request_device
     from webgpu_engine.pipelines.llm import LLMChatPipeline
@@ -37,7 +39,7 @@ async def bench_engine(path: Path, dtype: str, prompts: list[int], n_decode: int
     out = {"adapter": dev.info.name, "dtype": pipe.model.dtype, "load_s": time.perf_counter() - t0,
            # the forms a step at this context records (attention's short form up to its max_keys)
            "dispatches_per_decode_step": _n_dispatches(pipe.model.decode_ops, 33) + 1}
-    gen = GenerationConfig(temperature=0.0, ignore_eos=True)
+    gen = GenerationConfig(**{"temperature": 0.0, **(sampling or {})}, ignore_eos=True)
     if skip_prefill:
         prompts = []
     # warm-up: compiles every pipeline of the shapes used below
@@ -89,6 +91,50 @@ async def bench_engine(path: Path, dtype: str, prompts: list[int], n_decode: int
             _by_kind(dev, m.ops_for(min(128, m.chunk), True), m.step)
     pipe.dispose()
     return out
+
+
+BENCH_SCHEMA = {"type": "array", "items": {"type": "object", "properties": {
+    "name": {"type": "string"}, "age": {"type": "integer"}, "city": {"type": "string"}},
+    "required": ["name", "age", "city"], "additionalProperties": False}}
+
+
+async def bench_grammar(path: Path, dtype: str, n_decode: int, rounds: int, schema: dict) -> dict:
+    """Decode speed with and without a JSON Schema on the same pipeline: rounds alternate a free and
+    a constrained answer of up to `n_decode` tokens to one chat prompt; best round of each (the
+    machine may be shared). The constrained rate includes the per-step mask (computed on the host
+    while the GPU runs the model, then uploaded and applied before sampling)."""
+    from webgpu_engine.config import ChatConfig, GenerationConfig
+    from webgpu_engine.gpu import request_device
+    from webgpu_engine.pipelines.llm import LLMChatPipeline
+
+    dev = await request_device()
+    pipe = await LLMChatPipeline.load(dev, path, ChatConfig(dtype=dtype, context_window_size=n_decode + 128))
+    msgs = [{"role": "user", "content": "List five people with their name, age and city as a JSON array."}]
+    t0 = time.perf_counter()
+    grammar = pipe.grammars.compile({"type": "json_schema", "schema": schema})
+    compile_s = time.perf_counter() - t0
+    best = {"free": [0.0, 0], "json_schema": [0.0, 0]}
+    mask_s = []
+    for _ in range(rounds + 1):                   # the first round warms up (not counted)
+        for name, g in (("free", None), ("json_schema", grammar)):
+            gen = GenerationConfig(temperature=0.0, max_tokens=n_decode, ignore_eos=True, grammar=g)
+            pipe.reset_chat()
+            await pipe.prefill_step(msgs, gen)
+            while not pipe.stopped:
+                await pipe.decode_step(gen)
+            r = pipe._req
+            rate = r.decode_tokens / r.decode_s if r.decode_s else 0.0
+            if _ > 0 and rate > best[name][0]:
+                best[name] = [rate, r.decode_tokens]
+            if g is not None and _ > 0:
+                mask_s.append(r.grammar_mask_s / max(r.grammar_steps, 1))
+    pipe.dispose()
+    free, con = best["free"][0], best["json_schema"][0]
+    return {"adapter": dev.info.name, "dtype": pipe.model.dtype, "rounds": rounds,
+            "decode_tokens_per_s_free": free, "decode_tokens_per_s_json_schema": con,
+            "decode_tokens_free": best["free"][1], "decode_tokens_json_schema": best["json_schema"][1],
+            "constrained_over_free": con / free if free else 0.0, "grammar_compile_s": compile_s,
+            "grammar_mask_ms_per_token": 1e3 * min(mask_s) if mask_s else 0.0}
 
 
 def _n_dispatches(ops, n_keys: int) -> int:
@@ -244,12 +290,17 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "llm.json"))
     ap.add_argument("--decode-only", action="store_true", help="skip the prefill measurements")
+    ap.add_argument("--sampling", default="", help="GenerationConfig fields for the runs, e.g. "
+                    "temperature=0.7,top_p=0.95 (default: greedy)")
     ap.add_argument("--matmul", default="", help="matmul strategy overrides for A/B runs, e.g. "
                     "fuse=0,unroll=0 (fields of kernels.matmul.MatmulConfig)")
     ap.add_argument("--ab", nargs="+", default=None, metavar="SPEC",
                     help="interleaved A/B of decode steps between matmul strategies, e.g. "
                          "--ab unroll=0,fuse=0 fuse=1 (prints per-step wall and CPU ms)")
     ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--json-schema", nargs="?", const="default", default=None, metavar="SCHEMA_JSON",
+                    help="decode tok/s with and without a JSON Schema (default: an array of people) "
+                         "in one run; writes bench/results/llm_grammar.json")
     ap.add_argument("--llama-cpp-child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--no-extra-bufts", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -266,6 +317,19 @@ def main() -> None:
         for k, v in res.items():
             print(f"{k:24} {v}")
         return
+    if a.json_schema:
+        from webgpu_engine import cache
+        path = Path(a.model or cache.default_model_path("SmolLM2-135M-Instruct-Q4_1"))
+        schema = BENCH_SCHEMA if a.json_schema == "default" else json.loads(a.json_schema)
+        res = {"model": path.name, "schema": schema,
+               "engine": asyncio.run(bench_grammar(path, a.dtype, a.decode, min(a.rounds, 3), schema))}
+        for k, v in res["engine"].items():
+            print(f"{k:34} {v:.4g}" if isinstance(v, float) else f"{k:34} {v}")
+        out = Path(a.out).with_name("llm_grammar.json")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(res, indent=2))
+        print(f"wrote {out}")
+        return
     if a.matmul:
         from webgpu_engine.kernels import matmul as mm
         mm.CONFIG_OVERRIDES.update(_overrides(a.matmul))
@@ -276,8 +340,11 @@ def main() -> None:
         from webgpu_engine import cache
         path = Path(cache.default_model_path("SmolLM2-135M-Instruct-Q4_1"))
     prompts = [int(x) for x in a.prompts.split(",")]
-    res = {"model": path.name, "engine": asyncio.run(bench_engine(path, a.dtype, prompts, a.decode, a.reps,
-                                                                     a.decode_only))}
+    sampling = {k: float(v) if "." in v else int(v) for k, v in
+                (kv.split("=", 1) for kv in a.sampling.split(",") if kv)}
+    res = {"model": path.name, "sampling": sampling,
+           "engine": asyncio.run(bench_engine(path, a.dtype, prompts, a.decode, a.reps, a.decode_only,
+                                              sampling))}
     ref = bench_llama_cpp(path, prompts, a.decode)
     if ref is not None:
         res["llama_cpp"] = ref

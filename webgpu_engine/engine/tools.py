@@ -62,9 +62,17 @@ def prepare_messages(messages: list[dict], tools: list[dict] | None, template) -
             text = (m.get("content") or "")
             out.append({"role": "assistant", "content": (text + "\n" if text else "") + calls})
         elif m.get("role") == "tool":
-            out.append({"role": "user", "content": f"<tool_response>\n{m.get('content') or ''}\n</tool_response>"})
+            # consecutive results share one user turn (as Qwen's template does); models not
+            # trained on tools need the last line to answer from them instead of echoing them
+            block = f"<tool_response>\n{m.get('content') or ''}\n</tool_response>"
+            if out and out[-1].get("_tool"):
+                prev = out[-1]["content"][:-len(_USE_RESULTS)]
+                out[-1]["content"] = prev + "\n" + block + _USE_RESULTS
+            else:
+                out.append({"role": "user", "content": block + _USE_RESULTS, "_tool": True})
         else:
             out.append({k: v for k, v in m.items() if k in ("role", "content", "name")})
+    out = [{k: v for k, v in m.items() if k != "_tool"} for m in out]
     if tools:
         sys_text = _system_prompt(tools)
         if out and out[0]["role"] == "system":
@@ -102,6 +110,7 @@ def tool_grammar(tools: list[dict], tool_choice, fmt: str, parallel: bool = True
     return {"type": "lark", "grammar": start + "\n" + call}
 
 
+_USE_RESULTS = "\nAnswer the question with these results."
 _HERMES_RE = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
 
 
@@ -125,7 +134,10 @@ def parse_tool_calls(text: str, fmt: str, names: set[str]) -> tuple[str | None, 
     try:
         if fmt == HERMES and "<tool_call>" in text:
             content = text[:text.index("<tool_call>")].strip() or None
-            for block in _HERMES_RE.findall(text):
+            blocks = _HERMES_RE.findall(text)
+            if blocks and not text.rstrip().endswith("</tool_call>") and len(blocks) > 1:
+                blocks = blocks[:-1]          # an answer cut short: the calls before the cut one
+            for block in blocks:
                 raw.extend(_objects(block))
         elif fmt == MISTRAL and "[TOOL_CALLS]" in text:
             content = text[:text.index("[TOOL_CALLS]")].strip() or None
@@ -193,7 +205,9 @@ async def prepare_chat(lm, req: dict, gen):
         messages, kw = prepare_messages(messages, tools, template)
         gen = replace(gen, tools=kw.get("tools"))
         ctx = ToolContext(style, {t["function"]["name"] for t in tools}, tc != "auto")
-        fmt = tool_grammar(tools, tc, style, parallel=req.get("parallel_tool_calls", True) is not False)
+        # A forced answer holds one call unless parallel calls are asked for explicitly: small models
+        # repeat a finished call until max_tokens when the grammar lets them go on.
+        fmt = tool_grammar(tools, tc, style, parallel=req.get("parallel_tool_calls") is True)
     elif any(m.get("tool_calls") or m.get("role") == "tool" for m in messages):
         messages, _ = prepare_messages(messages, None, getattr(pipe, "template", None))
     if fmt is not None:
