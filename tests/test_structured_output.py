@@ -4,6 +4,7 @@ greedy and sampled; JSON mode; GBNF, Lark and regex grammars re-parsed; typed er
 lock; forced tool calls whose arguments validate; the grammar times in usage.extra."""
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 
@@ -124,12 +125,11 @@ async def test_gbnf_lark_and_regex_constrain_exactly(engine):
     ({"type": "json_object", "schema": {"$ref": "#/nowhere"}}, S.InvalidResponseFormatError),
 ])
 async def test_invalid_grammars_fail_before_the_lock_and_engine_stays_usable(engine, rf, err):
-    lm = next(iter(engine._models.values())) if hasattr(engine, "_models") else None
-    with pytest.raises(err) as e:
-        await chat(engine, response_format=rf)
-    assert e.value.http_status == 400
-    if lm is not None and hasattr(lm, "lock"):
-        assert not lm.lock.locked()
+    lm = next(iter(engine.models.values()))
+    async with lm.lock:                # the model is busy: a bad grammar fails without waiting for it
+        with pytest.raises(err) as e:
+            await asyncio.wait_for(chat(engine, response_format=rf), 10)
+    assert e.value.http_status == 400 and not lm.lock.locked
     r = await chat(engine, response_format={"type": "json_schema", "json_schema": {"schema": SCHEMAS[2]}},
                    temperature=0)
     jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMAS[2])
@@ -173,3 +173,75 @@ async def test_tool_calls_stream_as_deltas_and_results_feed_back(engine):
     r = await chat(engine, messages=msgs, tools=[WEATHER], tool_choice="none",
                    response_format={"type": "regex", "regex": "It is [0-9]{2} degrees"}, temperature=0)
     assert re.fullmatch("It is [0-9]{2} degrees", r.choices[0].message.content)
+
+
+# --------------------------------------------------------------------------- tool formats (no GPU)
+from webgpu_engine.engine import tools as T  # noqa: E402
+from webgpu_engine.loaders.chat_template import ChatTemplate  # noqa: E402
+
+NAMES = {"get_weather", "get_time"}
+
+
+@pytest.mark.parametrize("fmt,text,content,calls", [
+    (T.HERMES, 'Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>\n'
+               '<tool_call>\n{"name": "get_time", "arguments": {"tz": 1}}\n</tool_call>', "Sure.",
+     [("get_weather", {"city": "Rome"}), ("get_time", {"tz": 1})]),
+    (T.HERMES, '<tool_call>\n{"name": "get_time", "arguments": {"tz": 2}}\n</tool_call>\n<tool_call>\n{"na',
+     None, [("get_time", {"tz": 2})]),                                    # cut short: the whole calls
+    (T.LLAMA3, '{"name": "get_time", "parameters": {"tz": 3}}; {"name": "get_weather", "parameters": {}}',
+     None, [("get_time", {"tz": 3}), ("get_weather", {})]),
+    (T.LLAMA3, '<|python_tag|>{"name": "get_time", "parameters": "{\\"tz\\": 4}"}', None, [("get_time", {"tz": 4})]),
+    (T.MISTRAL, '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Oslo"}}, '
+                '{"name": "get_time", "arguments": {"tz": 5}}]', None,
+     [("get_weather", {"city": "Oslo"}), ("get_time", {"tz": 5})]),
+    (T.HERMES, "No tools needed: 42.", "No tools needed: 42.", []),
+    (T.LLAMA3, '{"answer": 42}', '{"answer": 42}', []),                   # JSON, but not a call
+    (T.HERMES, '<tool_call>\n{"name": "rm_rf", "arguments": {}}\n</tool_call>',
+     '<tool_call>\n{"name": "rm_rf", "arguments": {}}\n</tool_call>', []),   # unknown function
+    (T.MISTRAL, "[TOOL_CALLS][{broken", "[TOOL_CALLS][{broken", []),
+])
+def test_tool_call_parsing(fmt, text, content, calls):
+    got_content, got = T.parse_tool_calls(text, fmt, NAMES)
+    assert got_content == content
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in got] == calls
+    assert len({c["id"] for c in got}) == len(got)
+
+
+def test_tool_grammars_of_every_format_constrain_the_text(engine):
+    pipe = next(iter(engine.models.values())).pipeline
+    tools = [WEATHER, TIME]
+    for fmt, good, bad in [
+        (T.HERMES, '<tool_call>\n{"name": "get_time", "arguments": {"tz": 3}}\n</tool_call>',
+         '<tool_call>\n{"name": "get_time", "arguments": {"tz": 99}}\n</tool_call>'),
+        (T.LLAMA3, '{"name": "get_weather", "parameters": {"city": "Rome", "unit": "C"}}; '
+                   '{"name": "get_time", "parameters": {"tz": 0}}',
+         '{"name": "get_weather", "arguments": {"city": "Rome", "unit": "C"}}'),
+        (T.MISTRAL, '[TOOL_CALLS][{"name": "get_time", "arguments": {"tz": -4}}]',
+         '[TOOL_CALLS][{"name": "get_time", "arguments": {"tz": "x"}}]'),
+    ]:
+        g = pipe.grammars.compile(T.tool_grammar(tools, "required", fmt, parallel=True))
+        tok = pipe.tokenizer
+        for text, ok in ((good, True), (bad, False)):
+            m = g.matcher()
+            accepted = all(m.consume(t) for t in tok.encode(text, parse_special=False))
+            assert (accepted and m.accepting) == ok, (fmt, text)
+
+
+def test_templates_that_render_tools_get_them_and_others_get_a_system_prompt():
+    msgs = [{"role": "user", "content": "weather?"},
+            {"role": "assistant", "content": "", "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Rome"}}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+            {"role": "tool", "tool_call_id": "c2", "content": "windy"}]
+    aware = ChatTemplate("{% for t in tools %}{{ t.function.name }};{% endfor %}"
+                         "{% for m in messages %}{{ m.role }}:{{ m.content }}|{% endfor %}")
+    out, kw = T.prepare_messages(msgs, [WEATHER], aware)
+    assert out == msgs and kw == {"tools": [WEATHER]}
+    assert aware.render(out, **kw).startswith("get_weather;user:weather?|")
+    plain = ChatTemplate("{% for m in messages %}{{ m.role }}:{{ m.content }}|{% endfor %}")
+    out, kw = T.prepare_messages(msgs, [WEATHER], plain)
+    assert kw == {} and [m["role"] for m in out] == ["system", "user", "assistant", "user"]
+    assert "<tools>" in out[0]["content"] and '"get_weather"' in out[0]["content"]
+    assert out[2]["content"] == ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}'
+                                 '\n</tool_call>')
+    assert out[3]["content"].count("<tool_response>") == 2 and "sunny" in out[3]["content"]

@@ -19,6 +19,7 @@ LLAMA_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
 LLAMA_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "phi3")    # config.json model_type, when architectures is absent
 BERT_ARCHITECTURES = ("BertModel", "BertForMaskedLM", "BertForPreTraining", "BertForSequenceClassification")
 XLMR_ARCHITECTURES = ("XLMRobertaModel", "XLMRobertaForMaskedLM", "XLMRobertaForSequenceClassification")
+NOMIC_ARCHITECTURES = ("NomicBertModel",)                   # nomic-embed-text v1 / v1.5 (remote code on the hub)
 
 # Llama / Qwen2 / Mistral names (LlamaForCausalLM) -> ours; ours are the names loaders.gguf also gives.
 HF_LLAMA_TO_OURS = {
@@ -77,7 +78,31 @@ HF_BERT_TO_OURS = {
     "classifier.out_proj.weight": "head_out",
     "classifier.out_proj.bias": "head_out_bias",
 }
-_LAYER = re.compile(r"^(model\.layers|encoder\.layer)\.(\d+)\.(.+)$")
+# NomicBertModel names -> ours (its HF code lives on the hub as remote code)
+HF_NOMIC_TO_OURS = {
+    "embeddings.word_embeddings.weight": "embed",
+    "embeddings.token_type_embeddings.weight": "type_embed",
+    "emb_ln.weight": "embed_norm",
+    "emb_ln.bias": "embed_norm_bias",
+    "encoder.layers.{i}.attn.Wqkv.weight": "layers.{i}.qkv",           # (3C, C) rows [q | k | v]
+    "encoder.layers.{i}.attn.Wqkv.bias": "layers.{i}.qkv_bias",
+    "encoder.layers.{i}.attn.out_proj.weight": "layers.{i}.o",
+    "encoder.layers.{i}.attn.out_proj.bias": "layers.{i}.o_bias",
+    "encoder.layers.{i}.norm1.weight": "layers.{i}.attn_norm",
+    "encoder.layers.{i}.norm1.bias": "layers.{i}.attn_norm_bias",
+    "encoder.layers.{i}.mlp.fc11.weight": "layers.{i}.up",               # SwiGLU: fc11(x) * silu(fc12(x))
+    "encoder.layers.{i}.mlp.fc11.bias": "layers.{i}.up_bias",
+    "encoder.layers.{i}.mlp.fc12.weight": "layers.{i}.gate",
+    "encoder.layers.{i}.mlp.fc12.bias": "layers.{i}.gate_bias",
+    "encoder.layers.{i}.mlp.fc1.weight": "layers.{i}.up",                # the GELU variant
+    "encoder.layers.{i}.mlp.fc1.bias": "layers.{i}.up_bias",
+    "encoder.layers.{i}.mlp.fc2.weight": "layers.{i}.down",
+    "encoder.layers.{i}.mlp.fc2.bias": "layers.{i}.down_bias",
+    "encoder.layers.{i}.norm2.weight": "layers.{i}.ffn_norm",
+    "encoder.layers.{i}.norm2.bias": "layers.{i}.ffn_norm_bias",
+}
+_TABLES = {"llama": HF_LLAMA_TO_OURS, "bert": HF_BERT_TO_OURS, "nomic": HF_NOMIC_TO_OURS}
+_LAYER = re.compile(r"^(model\.layers|encoder\.layers?)\.(\d+)\.(.+)$")
 
 
 _BERT_PREFIXES = ("bert.", "roberta.", "model.")   # BertForX / XLMRobertaForX nest the encoder
@@ -99,11 +124,11 @@ def _bert_key(name: str) -> str:
 
 
 def map_hf_names(tensors: dict[str, TensorInfo], kind: str = "llama") -> dict[str, TensorInfo]:
-    """{our name: TensorInfo} of the HF tensors the model uses; kind "llama" or "bert"."""
-    table = {"llama": HF_LLAMA_TO_OURS, "bert": HF_BERT_TO_OURS}[kind]
+    """{our name: TensorInfo} of the HF tensors the model uses; kind "llama", "bert" or "nomic"."""
+    table = _TABLES[kind]
     out = {}
     for name, t in tensors.items():
-        key = _bert_key(name) if kind == "bert" else name
+        key = _bert_key(name) if kind in ("bert", "nomic") else name
         m = _LAYER.match(key)
         ours = table.get(f"{m.group(1)}.{{i}}.{m.group(3)}") if m else table.get(key)
         if ours is not None:
@@ -113,7 +138,7 @@ def map_hf_names(tensors: dict[str, TensorInfo], kind: str = "llama") -> dict[st
 
 def hf_name(ours: str, kind: str = "llama") -> str:
     """The Hugging Face tensor name of one of our names (for error messages)."""
-    table = {"llama": HF_LLAMA_TO_OURS, "bert": HF_BERT_TO_OURS}[kind]
+    table = _TABLES[kind]
     m = re.match(r"^layers\.(\d+)\.(.+)$", ours)
     generic = f"layers.{{i}}.{m.group(2)}" if m else ours
     for hf, o in table.items():
@@ -237,8 +262,38 @@ def _classifier(c: dict, archs: list) -> tuple[int, str]:
     return n, "sigmoid" if n == 1 else "identity"      # CrossEncoder's default
 
 
+def nomic_config_from_dict(c: dict, where: str = "config.json") -> BertConfig:
+    """NomicBert's GPT-2-style config (n_embd, n_head, ...): post-norm encoder, rotary positions."""
+    for key, ok in (("prenorm", False), ("parallel_block", False), ("use_rms_norm", False), ("causal", False),
+                    ("rotary_emb_interleaved", False), ("rotary_emb_scale_base", None)):
+        if c.get(key, ok) != ok:
+            raise UnsupportedModelError(f"{where}: NomicBert with {key}={c[key]!r} is not supported")
+    act = c.get("activation_function", "swiglu")
+    if act not in ("swiglu", "gelu"):
+        raise UnsupportedModelError(f"{where}: NomicBert activation {act!r} is not supported (swiglu, gelu)")
+    if float(c.get("rotary_emb_fraction", 0.0)) <= 0:
+        raise UnsupportedModelError(f"{where}: NomicBert without rotary positions is not supported")
+    try:
+        C, H = int(c["n_embd"]), int(c["n_head"])
+        vocab, mult = int(c["vocab_size"]), int(c.get("pad_vocab_size_multiple") or 1)
+        positions = int(c.get("n_positions", 2048))
+        if c.get("rotary_scaling_factor"):
+            # dynamic NTK scaling changes the base past max_trained_positions: stay below it
+            positions = min(positions, int(c.get("max_trained_positions", 2048)))
+        return BertConfig(
+            arch="nomic_bert", vocab_size=-(-vocab // mult) * mult, hidden_size=C, n_layers=int(c["n_layer"]),
+            n_heads=H, intermediate_size=int(c.get("n_inner") or 4 * C), max_position=positions,
+            type_vocab_size=int(c.get("type_vocab_size", 2)), layer_norm_eps=float(c.get("layer_norm_epsilon", 1e-12)),
+            hidden_act="gelu", pad_id=int(c.get("pad_token_id") or 0), rope_base=float(c.get("rotary_emb_base", 10000)),
+            rot_dim=int(C // H * float(c["rotary_emb_fraction"])), ffn=act, name=str(c.get("_name_or_path", "")))
+    except KeyError as e:
+        raise ModelFormatError(f"{where} lacks {e.args[0]}") from e
+
+
 def bert_config_from_dict(c: dict, where: str = "config.json") -> BertConfig:
     archs = c.get("architectures") or []
+    if c.get("model_type") == "nomic_bert" or any(a in NOMIC_ARCHITECTURES for a in archs):
+        return nomic_config_from_dict(c, where)
     xlmr = c.get("model_type") == "xlm-roberta" or any(a in XLMR_ARCHITECTURES for a in archs)
     if c.get("model_type") != "bert" and not xlmr and not any(a in BERT_ARCHITECTURES for a in archs):
         raise UnsupportedModelError(f"{where}: model_type {c.get('model_type')!r} / architectures {archs} "

@@ -96,10 +96,11 @@ class LlamaConfig:
 @dataclass
 class BertConfig:
     """A BERT encoder (sentence-transformers embedders such as all-MiniLM-L6-v2), XLM-RoBERTa (the
-    same encoder; positions count from `position_offset` = padding_idx + 1), and their cross-encoders
-    (`num_labels` > 0: a classification head on the first token gives the scores)."""
+    same encoder; positions count from `position_offset` = padding_idx + 1), their cross-encoders
+    (`num_labels` > 0: a classification head on the first token gives the scores), and NomicBert
+    (rotary positions instead of a position table, SwiGLU feed-forward, no linear biases)."""
 
-    arch: str = "bert"                 # "bert" | "xlm-roberta"
+    arch: str = "bert"                 # "bert" | "xlm-roberta" | "nomic_bert"
     vocab_size: int = 30522
     hidden_size: int = 768
     n_layers: int = 12
@@ -116,12 +117,17 @@ class BertConfig:
     # what CrossEncoder.predict applies to the logits: "sigmoid" | "identity" (config.json's
     # sentence_transformers.activation_fn, else sigmoid for one label, identity for more)
     classifier_activation: str = "identity"
+    rope_base: float = 0.0             # > 0: rotary positions (half-split pairs) instead of a position table
+    rot_dim: int = 0                   # rotated dimensions of each head (0: all, when rope_base > 0)
+    ffn: str = "gelu"                  # "gelu": gelu(x·W1ᵀ)·W2ᵀ; "swiglu": (silu(x·Wgᵀ) * x·Wuᵀ)·W2ᵀ
     head_dim: int = field(init=False)
 
     def __post_init__(self) -> None:
         if self.hidden_size % self.n_heads:
             raise ValueError(f"hidden_size {self.hidden_size} is not a multiple of n_heads {self.n_heads}")
         self.head_dim = self.hidden_size // self.n_heads
+        if self.rope_base > 0 and self.rot_dim <= 0:
+            self.rot_dim = self.head_dim
 
 
 def llama3_rope_factors(rot_dim: int, base: float, factor: float, low_freq_factor: float,

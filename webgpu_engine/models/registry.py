@@ -62,12 +62,17 @@ ARCHITECTURES: dict[str, Architecture] = {
     # BERT with positions offset by padding_idx + 1 and a SentencePiece tokenizer (bge-m3, multilingual-e5)
     "xlm-roberta": Architecture("xlm-roberta", EMBEDDING, "bert:BertModel", None, hf_config.load_bert_config,
                                 "", memory.estimate_bert),
+    # nomic-embed-text v1 / v1.5: rotary positions, SwiGLU, no biases (a BertModel plan)
+    "nomic_bert": Architecture("nomic_bert", EMBEDDING, "bert:BertModel", None, hf_config.load_bert_config,
+                               "", memory.estimate_bert),
 }
 
 # HF config.json `architectures` / `model_type` -> our architecture name (the loaders' tables)
 HF_ARCHITECTURES = {**hf_config.LLAMA_ARCHITECTURES, **{a: "bert" for a in hf_config.BERT_ARCHITECTURES},
-                    **{a: "xlm-roberta" for a in hf_config.XLMR_ARCHITECTURES}}
-HF_MODEL_TYPES = {**{t: t for t in hf_config.LLAMA_MODEL_TYPES}, "bert": "bert", "xlm-roberta": "xlm-roberta"}
+                    **{a: "xlm-roberta" for a in hf_config.XLMR_ARCHITECTURES},
+                    **{a: "nomic_bert" for a in hf_config.NOMIC_ARCHITECTURES}}
+HF_MODEL_TYPES = {**{t: t for t in hf_config.LLAMA_MODEL_TYPES}, "bert": "bert", "xlm-roberta": "xlm-roberta",
+                  "nomic_bert": "nomic_bert"}
 
 
 def architecture(name: str, where: str = "") -> Architecture:
