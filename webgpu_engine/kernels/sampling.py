@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import random
 import struct
+from array import array
 from dataclasses import dataclass, field
 
 from ..gpu import UNIFORM, Device
@@ -28,19 +29,25 @@ MAX_TOP_LOGPROBS = 5
 CANDIDATES = 1024          # CAP in the shader: top-k/top-p candidate set size
 IO_WORDS = 32
 NPART = 1024               # NPART in the shader: partial argmaxes of the barrier-free greedy path
+NS = 256                   # NS in the shader: vocabulary slices of the sampling passes
+WORK_WORDS = 8464          # WORK in the shader: state carried between the sampling passes
+COUNT_WORDS = 512 + 1      # NB + 1 in the shader: the cut histogram, then the candidate count
+SEEN = 0x80000000          # SEEN in the shader: the top bit of a token's history word
 
 
 class _SampleOp(Op):
     """The sampler's prebuilt op: records the barrier-free greedy pair (argmax_partial +
-    argmax_final) when the current request is greedy without logprobs, else the full kernel, so the
+    argmax_final) when the current request is greedy without logprobs, the sampling passes without
+    the candidate sort when it asks for neither top-k nor top-p, else all of them (`full`), so the
     pipeline records one op per step whatever the request asks."""
 
-    def __init__(self, sampler: "Sampler", full: Op, greedy: Op):
+    def __init__(self, sampler: "Sampler", full: Op, uncut: Op, greedy: Op):
         super().__init__(full.dispatches, [], "sample")
-        self.sampler, self.full, self.greedy = sampler, full, greedy
+        self.sampler, self.full, self.uncut, self.greedy = sampler, full, uncut, greedy
 
     def record(self, batch, n_keys: int | None = None):
-        op = self.greedy if self.sampler.greedy_fast else self.full
+        s = self.sampler
+        op = self.greedy if s.greedy_fast else self.full if s.needs_cut else self.uncut
         self.dispatches = op.dispatches
         return op.record(batch, n_keys)
 
@@ -73,17 +80,19 @@ class Sampler:
         check(vocab_size > 0, "sampling", "vocab_size must be positive")
         self.dev, self.vocab, self.owner = dev, int(vocab_size), owner
         v = self.vocab
-        self.seen_words = (v + 31) // 32
         self.params = dev.buffer(64, usage=UNIFORM, owner=owner, label=f"{label}.params")
         self.bias = dev.buffer(v * 4, owner=owner, label=f"{label}.bias")
-        self.hist = dev.buffer((v + self.seen_words) * 4, owner=owner, label=f"{label}.hist")
+        self.hist = dev.buffer(v * 4, owner=owner, label=f"{label}.hist")   # SEEN bit | count per token
         self.scratch = dev.buffer(max(v, 2 * NPART) * 4, owner=owner, label=f"{label}.scratch")
         self.io = dev.buffer(IO_WORDS * 4, owner=owner, label=f"{label}.io")
+        self.work = dev.buffer(WORK_WORDS * 4, owner=owner, label=f"{label}.work")
+        self.counts = dev.buffer(COUNT_WORDS * 4, owner=owner, label=f"{label}.counts")
         self._dummy_ids = None
         self._bias_ids: list[int] = []
         self.want_logprobs = False
         self.n_top = 0
-        self.greedy_fast = True     # greedy without logprobs: the barrier-free two-pass argmax
+        self.greedy_fast = True     # greedy without logprobs: the two-pass argmax
+        self.needs_cut = False      # sampled with top-k or top-p: the candidate passes too
         self.configure(temperature=0.0)
 
     # ------------------------------------------------------------------ per request
@@ -107,6 +116,7 @@ class Sampler:
         self.want_logprobs = bool(logprobs or top_logprobs)
         self.n_top = int(top_logprobs) if self.want_logprobs else 0
         self.greedy_fast = greedy and not self.want_logprobs
+        self.needs_cut = not greedy and (int(top_k) > 0 or float(top_p) < 1.0)
         raw = struct.pack("<4I5f3I", self.vocab, 0 if greedy else 1,
                           0 if greedy else int(top_k), self.n_top,
                           0.0 if greedy else 1.0 / temperature, 1.0 if greedy else float(top_p),
@@ -131,16 +141,12 @@ class Sampler:
 
     def reset_history(self, seen_ids=()) -> None:
         """Generated counts := 0 and seen := `seen_ids` (the prompt), at the start of a request."""
-        self.dev.write(self.hist, bytes(4 * self.vocab))
-        self.dev.write(self.hist, self._seen_bits(seen_ids), offset=4 * self.vocab)
-
-    def _seen_bits(self, ids) -> bytes:
-        words = [0] * self.seen_words
-        for t in ids:
+        words = array("I", bytes(4 * self.vocab))
+        for t in seen_ids:
             t = int(t)
             if 0 <= t < self.vocab:
-                words[t >> 5] |= 1 << (t & 31)
-        return struct.pack(f"<{self.seen_words}I", *words)
+                words[t] = SEEN
+        self.dev.write(self.hist, words.tobytes())
 
     # ------------------------------------------------------------------ per step
     def op(self, logits: Tensor, next_ids: Tensor | None = None) -> Op:
@@ -155,14 +161,31 @@ class Sampler:
             check(next_ids.dtype == "u32", "sampling", "next_ids must be u32")
             ids_binding = (next_ids.buf, next_ids.offset, 4)
         hdr = act_header(logits.dtype)
-        binds = [self.params, logits.binding(), self.bias, self.hist, self.scratch, self.io, ids_binding]
-        pipe = self.dev.pipeline("sampling.wgsl", "sample", header=hdr)
-        full = Op(name="sample").add(pipe, self.dev.bind(pipe, binds), 1)
-        p1 = self.dev.pipeline("sampling.wgsl", "argmax_partial", header=hdr)
-        p2 = self.dev.pipeline("sampling.wgsl", "argmax_final", header=hdr)
-        greedy = Op(name="sample").add(p1, self.dev.bind(p1, binds[:5]), NPART // 64) \
-            .add(p2, self.dev.bind(p2, binds), 1)
-        return _SampleOp(self, full, greedy)
+        # binding -> buffer; each pass binds the ones it uses (pipelines get automatic layouts)
+        b = {0: self.params, 1: logits.binding(), 2: self.bias, 3: self.hist, 4: self.scratch,
+             5: self.io, 6: ids_binding, 7: self.work, 8: self.counts}
+
+        def step(entry: str, uses: tuple, groups: int):
+            pipe = self.dev.pipeline("sampling.wgsl", entry, header=hdr)
+            return pipe, self.dev.bind(pipe, {k: b[k] for k in uses}), groups
+
+        scan = step("sample_scan", (0, 1, 2, 3, 4, 7, 8), NS // 64)
+        merge = step("sample_merge", (0, 5, 7), 1)
+        sums = step("sample_sums", (0, 1, 4, 7, 8), NS // 64)
+        cut = step("sample_cut", (0, 4, 5, 7, 8), 1)
+        collect = step("sample_collect", (0, 4, 7, 8), NS // 64)
+        rank = step("sample_rank", (7, 8), CANDIDATES // 64)
+        finish = step("sample_finish", (0, 1, 3, 5, 6, 7, 8), 1)
+        full, uncut = Op(name="sample"), Op(name="sample")
+        for d in (scan, merge, sums, cut, collect, rank, finish):
+            full.add(*d)
+        for d in (scan, merge, sums, cut, finish):
+            uncut.add(*d)
+        greedy = Op(name="sample")
+        for d in (step("argmax_partial", (0, 1, 2, 3, 4), NPART // 64),
+                  step("argmax_final", (3, 4, 5, 6), 1)):
+            greedy.add(*d)
+        return _SampleOp(self, full, uncut, greedy)
 
     async def read(self, with_logprobs: bool | None = None) -> SampleResult:
         """Read the last step's result: 4 bytes, or 56 with logprobs."""
@@ -187,6 +210,7 @@ class Sampler:
         return SampleResult(w[0], lp, [(ids[i], lps[i]) for i in range(n)])
 
     def release(self) -> None:
-        for b in (self.params, self.bias, self.hist, self.scratch, self.io, self._dummy_ids):
+        for b in (self.params, self.bias, self.hist, self.scratch, self.io, self.work, self.counts,
+                  self._dummy_ids):
             if b is not None:
                 b.release()
