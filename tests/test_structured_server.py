@@ -113,3 +113,41 @@ def test_without_llguidance_constrained_fields_are_feature_support_errors(monkey
     with pytest.raises(FeatureSupportError) as e:
         GrammarCompiler(None, 10, [0]).compile({"type": "json_object"})
     assert "llguidance" in str(e.value) and e.value.http_status == 400 and e.value.feature == "llguidance"
+
+
+# --------------------------------------------------------------------------- the default chat model
+SMOL = "SmolLM2-135M-Instruct-Q4_1"
+WEATHER = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Get the current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40}},
+                   "required": ["city"], "additionalProperties": False}}}]
+
+
+@pytest.fixture(scope="module")
+def smol(device, smollm2_gguf):
+    s = ServerThread(ServerOptions(models=[SMOL], port=0, engine_config=EngineConfig(device=device)))
+    yield openai.OpenAI(base_url=s.url, api_key="none", max_retries=0, timeout=300)
+    s.stop()
+
+
+@pytest.mark.slow
+def test_smollm2_json_mode_and_tool_round_trip(smol):
+    q = [{"role": "user", "content": "Give the capital of France and its population as JSON with keys "
+                                     "city and population."}]
+    r = smol.chat.completions.create(model=SMOL, messages=q, temperature=0, max_tokens=60,
+                                     response_format={"type": "json_object"})
+    answer = json.loads(r.choices[0].message.content)
+    assert isinstance(answer, dict) and answer.get("city") == "Paris", answer
+    # call → tool message → final answer
+    q = [{"role": "user", "content": "What is the weather in Paris?"}]
+    r = smol.chat.completions.create(model=SMOL, messages=q, tools=WEATHER, tool_choice="required",
+                                     temperature=0, max_tokens=40)
+    (call,) = r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+    q += [r.choices[0].message.model_dump(exclude_none=True),
+          {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature_c": 18, "sky": "sunny"})}]
+    r = smol.chat.completions.create(model=SMOL, messages=q, tools=WEATHER, temperature=0, max_tokens=40)
+    final = r.choices[0].message
+    assert r.choices[0].finish_reason == "stop" and not final.tool_calls
+    assert "sunny" in final.content.lower() or "18" in final.content, final.content
