@@ -12,6 +12,8 @@
 //                  for ctx. dispatch ceil(n_splits*Hq/G / SWG) (SWG: a header constant).
 //   attn_combine:  out[h] = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s; lane per (h, d4).
 //   attn_decode1:  decode over few keys: lane per G heads, all keys, output stored directly.
+//   Sliding windows (p.window > 0) mask keys at or below p - window in the causal kernels; whole
+//   blocks and splits before a query's window are skipped.
 //   attn_bidir:    BERT. qkv (B*S, 3*H*D) rows [q | k | v]; key j of sequence b visible iff
 //                  j < lengths[b]. Workgroup per (b, block of 64*G queries, h), lane per G
 //                  consecutive queries. Binds the qkv window as kc and vc too.
@@ -30,8 +32,8 @@ struct Params {
     vc_off: u32,
     out_off: u32,
     n_blk: u32,     // query blocks of 64 per sequence (attn_causal, attn_bidir)
-    _p1: u32,
-    _p2: u32,
+    window: u32,    // sliding window: query at position p sees keys > p - window (0: all keys)
+    softcap: f32,   // scores s -> softcap * tanh(s / softcap) (Gemma 2; 0: none)
     _p3: u32,
 }
 
@@ -68,10 +70,23 @@ fn flat(wid: vec3<u32>, nwg: vec3<u32>, lid: u32) -> u32 {
     return (wid.y * nwg.x + wid.x) * WG + lid;
 }
 
-// Folds keys [0, n) (key j at kc[kb + j*ks], value at vc[vb + j*vs]) into (m_run, l_run, acc);
-// keys j >= lim are masked out. n is the same for all lanes where the caller wants uniform loads.
-fn attend(kb: u32, ks: u32, vb: u32, vs: u32, n: u32, lim: u32) {
-    var j0 = 0u;
+// The first key a query at position `pos` sees.
+fn window_lo(pos: u32) -> u32 {
+    return select(0u, pos + 1u - p.window, p.window > 0u && pos + 1u > p.window);
+}
+
+fn score(kr: u32) -> sv {
+    let s = qk(kr);
+    if (p.softcap > 0.0) { return p.softcap * tanh(s / p.softcap); }
+    return s;
+}
+
+// Folds keys [j_start, n) (key j at kc[kb + j*ks], value at vc[vb + j*vs]) into (m_run, l_run, acc);
+// keys j < lo or j >= lim are masked out. j_start and n are the same for all lanes where the caller
+// wants uniform loads; j_start is a multiple of BLK, so a query folds the same key blocks however
+// many queries run with it (masked blocks before its first key are wiped by the first real one).
+fn attend(kb: u32, ks: u32, vb: u32, vs: u32, j_start: u32, n: u32, lo: u32, lim: u32) {
+    var j0 = j_start;
     loop {
         if (j0 >= n) { break; }
         let nb = min(BLK, n - j0);
@@ -79,7 +94,7 @@ fn attend(kb: u32, ks: u32, vb: u32, vs: u32, n: u32, lim: u32) {
         var mb = m_run;
         for (var j = 0u; j < nb; j++) {
             let kr = kb + (j0 + j) * ks;
-            let s = select(sv(MASKED), qk(kr), j0 + j < lim);
+            let s = select(sv(MASKED), score(kr), j0 + j < lim && j0 + j >= lo);
             sc[j] = s;
             mb = max(mb, s);
         }
@@ -134,7 +149,9 @@ fn attn_causal(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
     let n_wg = min(pos0 + min(t0 + WG, rows), p.ctx);   // keys of the block's last query
     load_q(p.qkv_off + (t * p.heads + h0) * D4, D4);
     let cb = (h0 / p.group) * p.ctx * D4;
-    attend(p.kc_off + cb, D4, p.vc_off + cb, D4, n_wg, min(pos0 + t + 1u, p.ctx));
+    let j_start = (window_lo(pos0 + t0) / BLK) * BLK;      // the block's first query sees the most
+    let lim = min(pos0 + t + 1u, p.ctx);
+    attend(p.kc_off + cb, D4, p.vc_off + cb, D4, j_start, n_wg, window_lo(pos0 + t), lim);
     if (t0 + lid < rows) { store_out(p.out_off + (t * p.hq + h0) * D4, D4, 0u); }
 }
 
@@ -146,12 +163,13 @@ fn attn_split(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nw
     let s = i / n_hg;
     let h0 = (i % n_hg) * G;
     let n_keys = min(step[0] + 1u, p.ctx);
+    let lo = window_lo(step[0]);
     let k0 = s * p.chunk;
-    if (s >= p.n_splits || k0 >= n_keys) { return; }
+    if (s >= p.n_splits || k0 >= n_keys || k0 + p.chunk <= lo) { return; }
     load_q(p.qkv_off + h0 * D4, D4);
     let cb = ((h0 / p.group) * p.ctx + k0) * D4;
     let n = min(p.chunk, n_keys - k0);
-    attend(p.kc_off + cb, D4, p.vc_off + cb, D4, n, n);
+    attend(p.kc_off + cb, D4, p.vc_off + cb, D4, 0u, n, max(lo, k0) - k0, n);
     store_partial(h0, s);
 }
 
@@ -165,9 +183,10 @@ fn attn_decode1(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
     let h0 = i * G;
     if (h0 >= p.hq) { return; }
     let n_keys = min(step[0] + 1u, p.ctx);
+    let lo = window_lo(step[0]);
     load_q(p.qkv_off + h0 * D4, D4);
     let cb = (h0 / p.group) * p.ctx * D4;
-    attend(p.kc_off + cb, D4, p.vc_off + cb, D4, n_keys, n_keys);
+    attend(p.kc_off + cb, D4, p.vc_off + cb, D4, (lo / BLK) * BLK, n_keys, lo, n_keys);
     store_out(p.out_off + h0 * D4, D4, 0u);
 }
 
@@ -180,13 +199,14 @@ fn attn_combine(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
     if (h >= p.hq) { return; }
     let n_keys = min(step[0] + 1u, p.ctx);
     let n_act = (n_keys + p.chunk - 1u) / p.chunk;
+    let s_lo = window_lo(step[0]) / p.chunk;     // splits before the window wrote nothing
     let stride = D4 + 1u;
     let hb = h * p.n_splits * stride;
     var mx = -3.0e38;
-    for (var s = 0u; s < n_act; s++) { mx = max(mx, part_in[hb + s * stride + D4].x); }
+    for (var s = s_lo; s < n_act; s++) { mx = max(mx, part_in[hb + s * stride + D4].x); }
     var l = 0.0;
     var o = vec4<f32>(0.0);
-    for (var s = 0u; s < n_act; s++) {
+    for (var s = s_lo; s < n_act; s++) {
         let ml = part_in[hb + s * stride + D4];
         let w = exp(ml.x - mx);
         l += w * ml.y;
@@ -210,7 +230,7 @@ fn attn_bidir(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nw
     let rs = p.heads * D4;                       // row stride (3*H*D / 4)
     load_q(p.qkv_off + r * rs + h * D4, rs);
     let kb = p.qkv_off + b * p.ctx * rs + (p.hq + h) * D4;
-    attend(kb, rs, kb + p.hq * D4, rs, n_keys, n_keys);
+    attend(kb, rs, kb + p.hq * D4, rs, 0u, n_keys, 0u, n_keys);
     // a clamped lane stores only the queries from q on (those below belong to the previous lane)
     if (q < p.ctx) { store_out(p.out_off + (r * p.hq + h) * D4, p.hq * D4, q - q_lo); }
 }

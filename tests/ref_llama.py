@@ -113,6 +113,8 @@ class RefLlama:
             vq = np.repeat(vc, c.n_rep, axis=0)
             att = np.einsum("thd,hsd->hts", q, kq) / np.sqrt(D)                    # (H, T, S)
             mask = np.arange(S)[None, :] > pos[:, None]                            # (T, S) causal
+            if c.window_of(i):                                                     # sliding window
+                mask |= np.arange(S)[None, :] <= pos[:, None] - c.window_of(i)
             att = np.where(mask[None], -np.inf, att)
             att = np.exp(att - att.max(-1, keepdims=True))
             att /= att.sum(-1, keepdims=True)

@@ -143,3 +143,28 @@ def test_phi3_short_factors_below_the_original_context(device, tmp_path):
         np.testing.assert_allclose(np.array(got), want, atol=1e-3, rtol=0)
     finally:
         opened.close()
+
+
+# --------------------------------------------------------------------------- Mistral
+def test_mistral_sliding_window_matches_transformers(device, tmp_path):
+    """A real sliding window (48 keys, every layer) over 320 positions, prefill and decode; without
+    it the logits differ (numpy reference with the window removed)."""
+    import dataclasses
+
+    from ref_llama import RefLlama, weights_from_infos
+    ref = _ref("mistral")
+    info = tinymodels.write_tiny_llama_safetensors(tmp_path / "mistral", arch="mistral",
+                                                   sliding_window=ref["sliding_window"], **ref["dims"])
+    check_golden(device, info["folder"], ref)
+    opened = open_model(info["folder"])
+    try:
+        assert opened.config.window_of(0) == ref["sliding_window"]
+        assert ref["rows"][3] == 150
+        w = weights_from_infos(opened.weights)
+        ids = ref["text_ids"][:151]
+        want = np.asarray(ref["logits"][3])
+        with_window = RefLlama(opened.config, w).forward(ids)[-1]
+        no_window = RefLlama(dataclasses.replace(opened.config, sliding_window=None), w).forward(ids)[-1]
+        assert np.abs(with_window - want).max() < 1e-3 < 0.05 < np.abs(no_window - want).max()
+    finally:
+        opened.close()

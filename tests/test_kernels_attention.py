@@ -176,3 +176,44 @@ def test_causal_kernel_rows_do_not_depend_on_T(device, dtype):
         ref = nn_ref.causal_attention(rounded(qkv[row:row + 1], dtype)[:, :hq], rounded(kc, dtype),
                                       rounded(vc, dtype), row, d ** -0.5)
         np.testing.assert_allclose(got, ref, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16"])
+@pytest.mark.parametrize("t,pos0,window,softcap", [(70, 0, 16, 0.0), (40, 100, 37, 0.0), (5, 300, 64, 0.0),
+                                                    (20, 50, 0, 2.0), (33, 90, 20, 1.5)])
+def test_causal_prefill_sliding_window_and_softcap(device, dtype, t, pos0, window, softcap):
+    """Keys at or below p - window masked (whole 16-key blocks before the first query's window
+    skipped); soft-capped scores (Gemma 2)."""
+    rng = np.random.default_rng(t + window)
+    hq, hkv, d, ctx = 4, 2, 32, pos0 + t + 5
+    (qkv, kc, vc), (qt, kt, vt) = _setup(device, rng, dtype, t, ctx, hq, hkv, d, pos0 + t)
+    qkv[:, :hq] *= 3.0                   # scores well past the cap
+    qt = put(device, qkv, dtype, lead=4)
+    out = empty(device, (t, hq * d), dtype, lead=12)
+    run(device, nn.attention(device, qt, kt, vt, out, step_buf(device, pos0, t), n_q_heads=hq, n_kv_heads=hkv,
+                             head_dim=d, ctx=ctx, scale=d ** -0.5, window=window, softcap=softcap))
+    args = (rounded(qkv, dtype)[:, :hq], rounded(kc, dtype), rounded(vc, dtype), pos0, d ** -0.5)
+    ref = nn_ref.causal_attention(*args, window=window, softcap=softcap)
+    assert np.abs(ref - nn_ref.causal_attention(*args)).max() > 0.05     # the window / cap matter
+    np.testing.assert_allclose(get(device, out), ref, **TOL[dtype])
+
+
+@pytest.mark.parametrize("softcap", [0.0, 2.0])
+def test_split_decode_sliding_window(device, softcap):
+    """Decode with a 100-key window over a 1024-row cache: splits wholly before the window are
+    skipped by both the split and the combine kernels; the one-dispatch form agrees."""
+    rng = np.random.default_rng(21)
+    hq, hkv, d, ctx, window = 6, 2, 32, 1024, 100
+    (qkv, kc, vc), (qt, kt, vt) = _setup(device, rng, "f32", 1, ctx, hq, hkv, d, 700)
+    out, step = empty(device, (1, hq * d)), step_buf(device, 0, 1)
+    op = nn.attention(device, qt, kt, vt, out, step, n_q_heads=hq, n_kv_heads=hkv, head_dim=d, ctx=ctx,
+                      scale=d ** -0.5, min_chunk=32, window=window, softcap=softcap)
+    q, k, v = qkv[:, :hq], kc, vc
+    for kv_len in (1, 99, 100, 101, 130, 333, 700):
+        set_step(device, step, kv_len - 1, 1)
+        ref = nn_ref.causal_attention(q, k, v, kv_len - 1, d ** -0.5, window=window, softcap=softcap)
+        for n_keys in [None] + ([kv_len] if kv_len <= op.max_keys else []):
+            b = device.batch()
+            op.record(b, n_keys=n_keys)
+            device.submit(b)
+            np.testing.assert_allclose(get(device, out), ref, **TOL["f32"], err_msg=f"kv_len={kv_len} {n_keys}")

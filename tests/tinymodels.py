@@ -480,7 +480,8 @@ def _write_folder_tensors(folder: Path, tensors: dict, sharded: bool) -> None:
 
 
 def write_tiny_llama_safetensors(folder, arch: str = "llama", dtype: str = "f32", sharded: bool = False,
-                                 seed: int = 0, rope_scaling: dict | None = None, **dims) -> dict:
+                                 seed: int = 0, rope_scaling: dict | None = None, sliding_window: int | None = None,
+                                 **dims) -> dict:
     """Write an HF folder (config.json, safetensors, tokenizer.json, tokenizer_config.json with the
     ChatML template) of a tiny llama/qwen2/mistral. Returns {folder, arch, config, rope_neox (True),
     weights {our name: f32 as the GPU sees it}, hf_names {our name: HF name}, tokens, merges, chat_template}."""
@@ -514,7 +515,7 @@ def write_tiny_llama_safetensors(folder, arch: str = "llama", dtype: str = "f32"
         "hidden_act": "silu", "torch_dtype": {"f32": "float32", "f16": "float16", "bf16": "bfloat16"}[dtype],
     }
     if arch == "mistral":
-        config["sliding_window"] = None
+        config["sliding_window"] = sliding_window
     if rope_scaling:
         config["rope_scaling"] = dict(rope_scaling)
     (folder / "config.json").write_text(json.dumps(config, indent=2))
@@ -523,8 +524,9 @@ def write_tiny_llama_safetensors(folder, arch: str = "llama", dtype: str = "f32"
         "chat_template": CHATML_TEMPLATE, "bos_token": SPECIAL_TOKENS[BOS_ID], "eos_token": SPECIAL_TOKENS[EOS_ID],
         "pad_token": SPECIAL_TOKENS[EOS_ID], "add_bos_token": False, "model_max_length": d["context_length"],
         "tokenizer_class": "GPT2Tokenizer"}, indent=2))
-    return dict(folder=folder, arch=arch, config=_llama_config(d, arch, True, [EOS_ID], _rope_factors(d, rope_scaling)),
-                rope_neox=True, weights=gpu,
+    cfg = _llama_config(d, arch, True, [EOS_ID], _rope_factors(d, rope_scaling))
+    cfg.sliding_window = sliding_window if arch == "mistral" else None
+    return dict(folder=folder, arch=arch, config=cfg, rope_neox=True, weights=gpu,
                 hf_names={k: v for k, v in ours_to_hf.items() if k in hf}, tokens=tokens, merges=merges,
                 chat_template=CHATML_TEMPLATE)
 

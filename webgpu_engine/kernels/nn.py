@@ -363,14 +363,16 @@ def attention(dev: Device, qkv: Tensor, k_cache: Tensor, v_cache: Tensor, out: T
               n_q_heads: int, n_kv_heads: int, head_dim: int, ctx: int, scale: float,
               max_t: int | None = None, min_chunk: int | None = None, max_splits: int = 128,
               heads_per_lane: int | None = None, split_wg: int | None = None,
-              causal: bool = False) -> Op:
+              causal: bool = False, window: int = 0, softcap: float = 0.0) -> Op:
     """Causal attention of the q heads of qkv (T, Hq+2Hkv, D) over the caches (Hkv, ctx, D), which
     already hold this step's keys: query t (position pos0+t) sees keys 0..pos0+t; head h reads kv
     head h // (Hq/Hkv). out (T, Hq*D). Rows t >= step.n_new are skipped (n_new 0: all T rows).
     max_t (default T) rows are dispatched; max_t == 1 takes the split-key decode path (2 dispatches),
     sized once for ctx: splits past the live context exit at once; `causal` keeps the prefill
     kernel for one row too (a query's result then does not depend on how many rows run with it:
-    every query folds its keys in the same 16-key blocks from key 0). f16 caches are read 8 halves
+    every query folds its keys in the same 16-key blocks from key 0). `window` > 0: a sliding
+    window, query at position p sees keys p-window+1..p only (Mistral, Gemma's local layers);
+    `softcap` > 0: scores s become softcap*tanh(s/softcap) (Gemma 2). f16 caches are read 8 halves
     per load when head_dim % 8 == 0 and the cache offsets are 16-byte aligned.
     Per-device tuning: heads_per_lane (q heads of one kv head served by one lane, which loads each
     key once for them; default the largest divisor of Hq/Hkv up to 4); decode: min_chunk /
@@ -382,6 +384,7 @@ def attention(dev: Device, qkv: Tensor, k_cache: Tensor, v_cache: Tensor, out: T
     t_max = rows if max_t is None else int(max_t)
     check(0 < t_max <= rows, k, f"max_t={max_t} must be in 1..{rows}")
     check(head_dim % 4 == 0, k, f"head_dim {head_dim} must be a multiple of 4")
+    check(window >= 0 and softcap >= 0, k, f"window {window} and softcap {softcap} must be >= 0")
     check(n_kv_heads > 0 and n_q_heads % n_kv_heads == 0, k,
           f"n_q_heads {n_q_heads} must be a multiple of n_kv_heads {n_kv_heads}")
     check(heads >= n_q_heads + 2 * n_kv_heads, k, f"qkv rows have {heads} heads, need {n_q_heads}+2*{n_kv_heads}")
@@ -402,14 +405,14 @@ def attention(dev: Device, qkv: Tensor, k_cache: Tensor, v_cache: Tensor, out: T
     if t_max > 1 or causal:
         n_blk = -(-t_max // WG)
         par = params(dev, [t_max, n_q_heads, group, heads, ctx, 0, 0, float(scale), qo, ko, vo, oo,
-                           n_blk, 0, 0, 0], owner=owner, label=k)
+                           n_blk, int(window), float(softcap), 0], owner=owner, label=k)
         return _op(dev, k, "attention.wgsl", "attn_causal", _attn_header(dt, head_dim, g, packed=packed),
                    par, [_step_entry(step), qe, ke, ve, oe], n_blk * (n_q_heads // g) * WG)
     min_chunk = min_chunk or (128 if cpu else 32)
     chunk, n_splits = decode_splits(ctx, min_chunk=min_chunk, max_splits=max_splits)
     part = dev.buffer(n_q_heads * n_splits * (head_dim // 4 + 1) * 16, owner=owner, label="attention.partials")
     par = params(dev, [1, n_q_heads, group, heads, ctx, chunk, n_splits, float(scale), qo, ko, vo, oo,
-                       0, 0, 0, 0], owner=owner, label=k)
+                       0, int(window), float(softcap), 0], owner=owner, label=k)
     swg = split_wg or (8 if cpu else WG)
     header = _attn_header(dt, head_dim, g, swg, packed)
     entries = [_step_entry(step), qe, ke, ve, (part, 0, part.size)]

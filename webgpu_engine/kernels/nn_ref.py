@@ -66,23 +66,27 @@ def rope(x: np.ndarray, positions: np.ndarray, *, n_heads: int, rot_dim: int, ba
     return y.astype(np.float32)
 
 
-def softmax_attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.ndarray:
+def softmax_attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, softcap: float = 0.0) -> np.ndarray:
     """q (D,), k/v (n, D) → (D,) in float64."""
     s = k.astype(np.float64) @ q.astype(np.float64) * scale
+    if softcap:
+        s = softcap * np.tanh(s / softcap)
     p = np.exp(s - s.max())
     return (p / p.sum()) @ v.astype(np.float64)
 
 
 def causal_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, pos0: int,
-                     scale: float) -> np.ndarray:
-    """q (T, Hq, D); caches (Hkv, ctx, D) → (T, Hq*D): query t sees keys 0..pos0+t of kv head h//G."""
+                     scale: float, window: int = 0, softcap: float = 0.0) -> np.ndarray:
+    """q (T, Hq, D); caches (Hkv, ctx, D) → (T, Hq*D): query t sees keys 0..pos0+t of kv head h//G
+    (keys pos0+t-window+1.. only when window > 0); scores soft-capped when softcap > 0."""
     t_n, hq, d = q.shape
     g = hq // k_cache.shape[0]
     out = np.zeros((t_n, hq, d))
     for t in range(t_n):
         n = pos0 + t + 1
+        lo = max(0, n - window) if window else 0
         for h in range(hq):
-            out[t, h] = softmax_attend(q[t, h], k_cache[h // g, :n], v_cache[h // g, :n], scale)
+            out[t, h] = softmax_attend(q[t, h], k_cache[h // g, lo:n], v_cache[h // g, lo:n], scale, softcap)
     return out.reshape(t_n, hq * d).astype(np.float32)
 
 

@@ -171,7 +171,8 @@ def llama_config_from_dict(c: dict, where: str = "config.json") -> LlamaConfig:
         hidden = int(c["hidden_size"])
         head_dim = int(c.get("head_dim") or hidden // n_heads)
         eos = c.get("eos_token_id")
-        sliding = c.get("sliding_window") if c.get("use_sliding_window", arch == "mistral") else None
+        # Mistral and Phi-3 apply `sliding_window` when set; Qwen2/3 only with use_sliding_window
+        sliding = c.get("sliding_window") if c.get("use_sliding_window", arch in ("mistral", "phi3")) else None
         rot_dim = int(head_dim * float(c.get("partial_rotary_factor", 1.0)))
         factors, scaling = _rope_scaling(c, rot_dim, where)
         long = _longrope(c, rot_dim, where) if scaling == "longrope" else {}

@@ -40,7 +40,10 @@ class LlamaConfig:
     qk_norm: bool = False              # Qwen3: rms_norm of each q and k head (weights q_norm, k_norm (D,))
     bos_id: int | None = None
     eos_ids: list[int] = field(default_factory=list)
-    sliding_window: int | None = None  # Mistral v0.1; informative (the pipeline may use it)
+    # sliding-window attention: a query at position p sees keys p-sliding_window+1..p (Mistral v0.1,
+    # Phi-3-mini), in every layer or, when `window_layers` is set, in the layers it marks True
+    sliding_window: int | None = None
+    window_layers: tuple | None = None
     # RoPE scaling: frequency i is divided by rope_freq_factors[i] (rot_dim/2 values; None: all 1):
     # Llama 3.1+ ("llama3": GGUF rope_freqs.weight or HF rope_scaling) and "linear" scaling
     rope_freq_factors: tuple | None = None
@@ -85,6 +88,12 @@ class LlamaConfig:
         self.kv_dim = self.n_kv_heads * self.head_dim
         self.qkv_dim = self.q_dim + 2 * self.kv_dim
         self.n_rep = self.n_heads // self.n_kv_heads
+
+    def window_of(self, layer: int) -> int:
+        """The sliding window of one layer (0: it attends to every earlier key)."""
+        if not self.sliding_window or (self.window_layers is not None and not self.window_layers[layer]):
+            return 0
+        return int(self.sliding_window)
 
     def rope_factors_for(self, context: int) -> tuple | None:
         """The frequency divisors a model with this context window rotates by."""

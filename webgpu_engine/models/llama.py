@@ -6,7 +6,8 @@
         qkv = h · Wqkvᵀ (+ bias)                               # (T, Hq + 2 Hkv, D), Q|K|V fused
         q, k = rms_norm(q head), rms_norm(k head)              # Qwen3 only
         rope(q, k); k, v -> cache rows pos0 .. pos0+T-1        # caches (Hkv, ctx, D)
-        x += attention(q, cache) · Woᵀ                         # causal GQA; residual fused in matmul
+        x += attention(q, cache) · Woᵀ                         # causal GQA (sliding window where the
+                                                               # layer has one); residual fused in matmul
         h = rms_norm(x)
         x += (silu(h · Wgateᵀ) * (h · Wupᵀ)) · Wdownᵀ          # gate|up fused: (T, 2F)
     logits = rms_norm(x[T-1]) · Wheadᵀ                          # (1, V); head = embed when tied
@@ -251,7 +252,8 @@ class LlamaModel:
                 ops.append(nn.rope_kv(dev, qkv, kc, vc, step, n_q_heads=H, n_kv_heads=Hkv,
                                       head_dim=D, ctx=self.ctx, **rope_kw))
             ops.append(nn.attention(dev, qkv, kc, vc, attn, step, n_q_heads=H, n_kv_heads=Hkv,
-                                    head_dim=D, ctx=self.ctx, scale=D ** -0.5, max_t=T, causal=ri))
+                                    head_dim=D, ctx=self.ctx, scale=D ** -0.5, max_t=T, causal=ri,
+                                    window=c.window_of(i)))
             ops.append(mm.matmul(dev, attn, L.o, x, bias=L.o_bias, accumulate=True, row_invariant=ri,
                                  norm_out=mm.NormOut(L.ffn_norm, h, self.part) if plan.res_norm else None))
             # h = rms_norm(x); gu = h · [Wgate | Wup]ᵀ, or silu(gate) * up stored by the matmul
