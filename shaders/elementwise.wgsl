@@ -5,6 +5,10 @@
 //             [gate | up] with (g_step, u_off) = (1, F); gate and up columns interleaved in pairs
 //             (the decode matmul's silu epilogue layout, matmul_epilogue.wgsl) with vec2 elements
 //             (fv = vec2, cols = F/2) and (g_step, u_off) = (2, 1)
+//   gelu_tanh_mul: silu_mul with gelu_tanh(g) = 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3)))
+//             in place of silu (GeGLU: Gemma)
+//   scale:    y[i] = a[i] * f            (f: the float in p.f0; Gemma's embedding times sqrt(C))
+//   softcap:  y[i] = f * tanh(a[i] / f)  (Gemma 2's final logit soft-capping)
 //   gelu:     y[i] = 0.5 * a[i] * (1 + erf(a[i] / sqrt(2)))
 //   tanh_act: y[i] = tanh(a[i])   (the pooler / classification head of BERT cross-encoders)
 // dispatch (ceil(n/64) split over x,y), workgroup 64. y may alias an input (all read_write).
@@ -19,7 +23,7 @@ struct Params {
     y_off: u32,
     g_step: u32, // silu_mul: where gate and up columns lie (see above)
     u_off: u32,
-    _p2: u32,
+    f0: u32,     // scale, softcap: their float, as bits
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
@@ -63,6 +67,42 @@ fn silu_mul(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg:
     let u = fv(a[gi + p.u_off]);
     // exp(-g) overflows to inf for g < -88: g / inf = -0, the right limit
     yu[p.y_off + i] = av(g / (1.0 + exp(-g)) * u);
+}
+
+// tanh(z) + 1 without cancellation for z < 0 and without overflow for large |z|
+fn one_plus_tanh(z: fv) -> fv {
+    let t = exp(-2.0 * abs(z));
+    return select(2.0 / (1.0 + t), 2.0 * t / (1.0 + t), z < fv(0.0));
+}
+
+@compute @workgroup_size(64)
+fn gelu_tanh_mul(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                 @builtin(local_invocation_index) lid: u32) {
+    let i = elem_index(wid, nwg, lid);
+    if (i >= p.n) { return; }
+    let t = i / p.cols;
+    let f = i - t * p.cols;
+    let gi = p.a_off + t * 2u * p.cols + f * p.g_step;
+    let g = fv(a[gi]);
+    let u = fv(a[gi + p.u_off]);
+    yu[p.y_off + i] = av(0.5 * g * one_plus_tanh(0.7978845608028654 * (g + 0.044715 * g * g * g)) * u);
+}
+
+@compute @workgroup_size(64)
+fn scale(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+         @builtin(local_invocation_index) lid: u32) {
+    let i = elem_index(wid, nwg, lid);
+    if (i >= p.n) { return; }
+    yu[p.y_off + i] = av(fv(a[p.a_off + i]) * bitcast<f32>(p.f0));
+}
+
+@compute @workgroup_size(64)
+fn softcap(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+           @builtin(local_invocation_index) lid: u32) {
+    let i = elem_index(wid, nwg, lid);
+    if (i >= p.n) { return; }
+    let c = bitcast<f32>(p.f0);
+    yu[p.y_off + i] = av(c * (one_plus_tanh(fv(a[p.a_off + i]) / c) - 1.0));
 }
 
 // erfc(z) for z >= 0 with fractional error < 1.2e-7 everywhere (Numerical Recipes' Chebyshev

@@ -111,6 +111,30 @@ def test_bias_add(device, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,f", [(1, 64), (5, 37)])
+def test_gelu_tanh_mul(device, dtype, rows, f):
+    """GeGLU (Gemma): GELU's tanh form of the gate times up, finite far out in both tails."""
+    rng = np.random.default_rng(f + rows)
+    gu = rng.standard_normal((rows, 2 * f)) * 4
+    gu[0, :4] = [-100.0, 100.0, 0.0, -30.0]
+    gt, yt = put(device, gu, dtype, lead=8), empty(device, (rows, f), dtype)
+    run(device, nn.silu_mul(device, gt, yt, act="gelu_tanh"))
+    out = get(device, yt)
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out, nn_ref.gelu_tanh_mul(rounded(gu, dtype)), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_scale_and_softcap_in_place(device, dtype):
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal(1001) * 40
+    xt = put(device, x, dtype, lead=4)
+    run(device, nn.scale(device, xt, xt, 8.0), nn.softcap(device, xt, xt, 30.0))
+    want = 30.0 * np.tanh(rounded(x, dtype).astype(np.float64) * 8.0 / 30.0)
+    np.testing.assert_allclose(get(device, xt), want, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows,f", [(1, 1536), (3, 1536), (5, 37)])
 def test_silu_mul(device, dtype, rows, f):
     rng = np.random.default_rng(f + rows)

@@ -25,7 +25,8 @@ from .common import DTYPE_SIZE, Op, Tensor, act_header, check, params
 WG = 64
 MAX_WG = 65535
 
-__all__ = ["rms_norm", "head_rms_norm", "layer_norm", "add", "bias_add", "silu_mul", "gelu", "rope", "rope_kv",
+__all__ = ["rms_norm", "head_rms_norm", "layer_norm", "add", "bias_add", "silu_mul", "scale", "softcap",
+           "gelu", "rope", "rope_kv",
            "kv_write", "attention", "attention_bidir", "mean_pool", "cls_pool", "max_pool",
            "l2_normalize", "decode_splits"]
 
@@ -189,11 +190,13 @@ def bias_add(dev: Device, x: Tensor, b: Tensor, y: Tensor) -> Op:
     return _op(dev, k, "elementwise.wgsl", k, _vec_header(dt, v), par, [xe, be, ye], x.numel // v)
 
 
-def silu_mul(dev: Device, gate_up: Tensor, y: Tensor, *, pairs: bool = False) -> Op:
+def silu_mul(dev: Device, gate_up: Tensor, y: Tensor, *, pairs: bool = False, act: str = "silu") -> Op:
     """y[t,f] = silu(gate_up[t,f]) * gate_up[t,F+f].  gate_up (T, 2F) rows [gate | up]; y (T, F).
     pairs: gate_up rows are gate and up interleaved in pairs (g 2j, g 2j+1, u 2j, u 2j+1, ...),
-    the layout of a weight uploaded for the decode matmul's silu epilogue (kernels/matmul.py)."""
-    k = "silu_mul"
+    the layout of a weight uploaded for the decode matmul's silu epilogue (kernels/matmul.py).
+    act "gelu_tanh": GeGLU, GELU's tanh form in place of silu (Gemma)."""
+    check(act in ("silu", "gelu_tanh"), "silu_mul", f"act must be silu or gelu_tanh, got {act!r}")
+    k = "silu_mul" if act == "silu" else "gelu_tanh_mul"
     dt = _act(k, gate_up, y)
     f = int(y.shape[-1])
     check(int(gate_up.shape[-1]) == 2 * f and gate_up.numel == 2 * y.numel, k,
@@ -207,6 +210,26 @@ def silu_mul(dev: Device, gate_up: Tensor, y: Tensor, *, pairs: bool = False) ->
     g_step, u_off = (2, 1) if pairs else (1, f // v)
     par = params(dev, [y.numel // v, f // v, ao, 0, yo, g_step, u_off, 0], owner=y.buf.owner, label=k)
     return _op(dev, k, "elementwise.wgsl", k, _vec_header(dt, v), par, [ae, ye], y.numel // v)
+
+
+def _unary_f(dev: Device, k: str, x: Tensor, y: Tensor, f: float) -> Op:
+    dt = _act(k, x, y)
+    check(x.numel == y.numel, k, f"shapes x{x.shape} y{y.shape}")
+    v = _width(dev, k, [x.numel], [x, y])
+    (xe, xo), (ye, yo) = (_window(dev, t, k, v) for t in (x, y))
+    par = params(dev, [x.numel // v, 1, xo, 0, yo, 0, 0, float(f)], owner=y.buf.owner, label=k)
+    return _op(dev, k, "elementwise.wgsl", k, _vec_header(dt, v), par, [xe, ye], x.numel // v)
+
+
+def scale(dev: Device, x: Tensor, y: Tensor, factor: float) -> Op:
+    """y = x * factor (y may alias x)."""
+    return _unary_f(dev, "scale", x, y, factor)
+
+
+def softcap(dev: Device, x: Tensor, y: Tensor, cap: float) -> Op:
+    """y = cap * tanh(x / cap) (y may alias x; cap > 0)."""
+    check(cap > 0, "softcap", f"cap must be > 0, got {cap}")
+    return _unary_f(dev, "softcap", x, y, cap)
 
 
 def gelu(dev: Device, x: Tensor, y: Tensor) -> Op:

@@ -37,6 +37,12 @@ def tanh(x: np.ndarray) -> np.ndarray:
     return np.tanh(x.astype(np.float64)).astype(np.float32)
 
 
+def gelu_tanh_mul(gate_up: np.ndarray) -> np.ndarray:
+    f = gate_up.shape[-1] // 2
+    g, u = gate_up[..., :f].astype(np.float64), gate_up[..., f:].astype(np.float64)
+    return (0.5 * g * (1 + np.tanh(math.sqrt(2 / math.pi) * (g + 0.044715 * g ** 3))) * u).astype(np.float32)
+
+
 def gelu(x: np.ndarray) -> np.ndarray:
     # 1 + erf(x/sqrt2) written as erfc(-x/sqrt2): no cancellation in the negative tail
     erfc = np.vectorize(math.erfc)
