@@ -13,7 +13,9 @@ rows, so what padded rows hold never reaches an output.
     cross-encoder: out = tanh(x[b, 0]·Wdᵀ + bd)·Woutᵀ + bout                            (B, num_labels)
 
 XLM-RoBERTa is the same encoder: its positions start at padding_idx + 1 (`position_offset`) and it
-has one token type. A cross-encoder's head (BERT's pooler + classifier, RoBERTa's classifier.dense +
+has one token type. NomicBert (nomic-embed-text) is too, with three changes: no position table but
+rotary positions on q and k (half-split pairs, position s inside each sequence), a SwiGLU
+feed-forward x1 = LN((silu(x1·Wgᵀ) * x1·Wuᵀ)·W2ᵀ + x1), and no biases on its linear layers. A cross-encoder's head (BERT's pooler + classifier, RoBERTa's classifier.dense +
 out_proj) is the same dense-tanh-dense on the first token; the activation CrossEncoder applies to
 the logits (sigmoid for one label) is the pipeline's.
 
@@ -40,15 +42,15 @@ MAX_CACHED_BUCKETS = 8
 @dataclass
 class _Layer:
     qkv: mm.QWeight                 # (3C, C) rows [q | k | v]
-    qkv_b: Tensor                   # (3C,)
+    qkv_b: Tensor | None            # (3C,); None: no bias (NomicBert)
     o: mm.QWeight                   # (C, C)
-    o_b: Tensor
+    o_b: Tensor | None
     attn_ln_w: Tensor
     attn_ln_b: Tensor
-    ff1: mm.QWeight                 # (F, C)
-    ff1_b: Tensor
+    ff1: mm.QWeight                 # (F, C); SwiGLU: (2F, C) rows [gate | up]
+    ff1_b: Tensor | None
     ff2: mm.QWeight                 # (C, F)
-    ff2_b: Tensor
+    ff2_b: Tensor | None
     ffn_ln_w: Tensor
     ffn_ln_b: Tensor
 
@@ -68,7 +70,7 @@ class _Arena:
     tmp: Tensor                     # (T, C) projection outputs
     ctx: Tensor                     # (T, C) attention output
     qkv: Tensor                     # (T, 3C)
-    ff: Tensor                      # (T, F)
+    ff: Tensor                      # (T, F); SwiGLU: (T, 2F) [gate | up]
     ffg: Tensor                     # (T, F) gelu(ff)
     pooled: Tensor                  # (B, C) f32 (cross-encoders: the first token's row)
     head: Tensor                    # (B, C) f32 tanh(dense) of a cross-encoder's head (1 row otherwise)
@@ -84,7 +86,7 @@ class BertModel:
 
     def __init__(self, dev, cfg: BertConfig, tensors: dict[str, TensorInfo], *, act_dtype: str = "f32",
                  pooling: str = "mean", normalize: bool = False, owner: str = "model:bert", progress=None):
-        if cfg.hidden_act != "gelu":
+        if cfg.hidden_act != "gelu" or cfg.ffn not in ("gelu", "swiglu"):
             raise UnsupportedModelError(f"BERT hidden_act {cfg.hidden_act!r} is not supported (erf 'gelu' only).")
         if pooling not in POOLINGS:
             raise UnsupportedModelError(f"pooling {pooling!r} is not supported; use one of {POOLINGS}.")
@@ -108,14 +110,15 @@ class BertModel:
         dev, cfg, own = self.dev, self.cfg, self.owner
         C, F = cfg.hidden_size, cfg.intermediate_size
 
-        named = map_hf_names(tensors, "bert")      # our names (loaders/hf_config.py's one table)
+        table = "nomic" if cfg.arch == "nomic_bert" else "bert"
+        named = map_hf_names(tensors, table)       # our names (loaders/hf_config.py's one table)
 
         def get(key: str, i: int = 0, shape: tuple | None = None) -> TensorInfo:
             ours = key.format(i=i)
             t = named.get(ours)
             if t is None:
-                raise UnsupportedModelError(f"BERT weight {hf_name(ours, 'bert')!r} is missing from the model "
-                                            f"file; is this a BERT (BertModel) checkpoint?")
+                raise UnsupportedModelError(f"BERT weight {hf_name(ours, table)!r} is missing from the model "
+                                            f"file; is this a {cfg.arch} checkpoint?")
             if shape is not None and tuple(t.shape) != shape:
                 raise UnsupportedModelError(f"BERT weight {t.name!r} has shape {tuple(t.shape)}, expected {shape} "
                                             f"from config.json.")
@@ -130,12 +133,22 @@ class BertModel:
             data = parts[0].data if len(parts) == 1 else b"".join(bytes(p.data) for p in parts)
             return mm.upload_vector(dev, data, dtype=parts[0].qtype, owner=own, label=label)
 
+        def bias(keys: list[str], i: int, label: str) -> Tensor | None:
+            # NomicBert's linear layers have no biases (qkv_proj_bias / mlp_fc*_bias false)
+            if cfg.arch == "nomic_bert" and not all(f"layers.{i}.{k}" in named for k in keys):
+                return None
+            return vector([get("layers.{i}." + k, i) for k in keys], label)
+
         self.word = weight([get("embed", shape=(cfg.vocab_size, C))], "word_embeddings")
-        pos = get("pos_embed")
-        if pos.shape[1] != C:
-            raise UnsupportedModelError(f"position embeddings have width {pos.shape[1]}, expected {C}")
-        self.max_position = pos.shape[0]
-        self.pos_table = weight([pos], "position_embeddings")
+        if cfg.rope_base > 0:
+            self.max_position, self.pos_table = cfg.max_position, None
+            self.rope_step = dev.upload(bytes(16), owner=own, label="rope.step")   # pos0 0: position = row
+        else:
+            pos = get("pos_embed")
+            if pos.shape[1] != C:
+                raise UnsupportedModelError(f"position embeddings have width {pos.shape[1]}, expected {C}")
+            self.max_position = pos.shape[0]
+            self.pos_table = weight([pos], "position_embeddings")
         tt = get("type_embed")
         if tt.shape[1] != C:
             raise UnsupportedModelError(f"token type embeddings have width {tt.shape[1]}, expected {C}")
@@ -152,15 +165,19 @@ class BertModel:
         self.layers: list[_Layer] = []
         for i in range(cfg.n_layers):
             g = lambda key, shape=None: get("layers.{i}." + key, i, shape)  # noqa: E731
+            fused = f"layers.{i}.qkv" in named
+            swiglu = cfg.ffn == "swiglu"
             self.layers.append(_Layer(
-                qkv=weight([g("q", (C, C)), g("k", (C, C)), g("v", (C, C))], f"l{i}.qkv"),
-                qkv_b=vector([g("q_bias"), g("k_bias"), g("v_bias")], f"l{i}.qkv_b"),
-                o=weight([g("o", (C, C))], f"l{i}.o"), o_b=vector([g("o_bias")], f"l{i}.o_b"),
+                qkv=weight([g("qkv", (3 * C, C))] if fused else [g("q", (C, C)), g("k", (C, C)), g("v", (C, C))],
+                           f"l{i}.qkv"),
+                qkv_b=bias(["qkv_bias"] if fused else ["q_bias", "k_bias", "v_bias"], i, f"l{i}.qkv_b"),
+                o=weight([g("o", (C, C))], f"l{i}.o"), o_b=bias(["o_bias"], i, f"l{i}.o_b"),
                 attn_ln_w=vector([g("attn_norm")], f"l{i}.attn_ln.w"),
                 attn_ln_b=vector([g("attn_norm_bias")], f"l{i}.attn_ln.b"),
-                ff1=weight([g("up", (F, C))], f"l{i}.ff1"), ff1_b=vector([g("up_bias")], f"l{i}.ff1_b"),
+                ff1=weight([g("gate", (F, C)), g("up", (F, C))] if swiglu else [g("up", (F, C))], f"l{i}.ff1"),
+                ff1_b=bias(["gate_bias", "up_bias"] if swiglu else ["up_bias"], i, f"l{i}.ff1_b"),
                 ff2=weight([g("down", (C, F))], f"l{i}.ff2"),
-                ff2_b=vector([g("down_bias")], f"l{i}.ff2_b"),
+                ff2_b=bias(["down_bias"], i, f"l{i}.ff2_b"),
                 ffn_ln_w=vector([g("ffn_norm")], f"l{i}.ffn_ln.w"),
                 ffn_ln_b=vector([g("ffn_norm_bias")], f"l{i}.ffn_ln.b")))
             if progress:
@@ -189,6 +206,7 @@ class BertModel:
                 t.buf.release()
         C, F, d, own = self.cfg.hidden_size, self.cfg.intermediate_size, self.act_dtype, self.owner
         O, Hr = self.out_dim, b_cap if self.cfg.num_labels else 1
+        G = 2 if self.cfg.ffn == "swiglu" else 1            # SwiGLU: gate and up side by side
 
         def act(shape, label, dtype=d):
             return new_tensor(self.dev, shape, dtype, owner=own, label=label)
@@ -196,7 +214,7 @@ class BertModel:
                              types=act((t_cap,), "type_ids", "u32"),
                              lengths=act((b_cap,), "lengths", "u32"), x=act((t_cap, C), "x"),
                              x1=act((t_cap, C), "x1"), tmp=act((t_cap, C), "tmp"), ctx=act((t_cap, C), "ctx"),
-                             qkv=act((t_cap, 3 * C), "qkv"), ff=act((t_cap, F), "ff"), ffg=act((t_cap, F), "ffg"),
+                             qkv=act((t_cap, 3 * C), "qkv"), ff=act((t_cap, G * F), "ff"), ffg=act((t_cap, F), "ffg"),
                              # pooled vectors are f32 even for f16 activations: they are read back
                              pooled=act((b_cap, C), "pooled", "f32"), head=act((Hr, C), "head", "f32"),
                              out=act((b_cap, O), "out", "f32"))
@@ -220,25 +238,33 @@ class BertModel:
         eps = float(cfg.layer_norm_eps)
         ids, pos, types, lengths = a.ids.view((T,)), a.pos.view((T,)), a.types.view((T,)), a.lengths.view((B,))
         x, x1, tmp, ctx = (t.view((T, C)) for t in (a.x, a.x1, a.tmp, a.ctx))
-        qkv, ff, ffg = a.qkv.view((T, 3 * C)), a.ff.view((T, F)), a.ffg.view((T, F))
+        G = 2 if cfg.ffn == "swiglu" else 1
+        qkv, ff, ffg = a.qkv.view((T, 3 * C)), a.ff.view((T, G * F)), a.ffg.view((T, F))
         pooled, out = a.pooled.view((B, C)), a.out.view((B, self.out_dim))
 
-        # x = LN(word[ids] + type[types] + pos[offset + s])                         (T, C)
+        # x = LN(word[ids] + type[types] + pos[offset + s])   (rotary models: no pos)   (T, C)
         op = mm.embedding(dev, ids, self.word, tmp)
-        op += mm.embedding(dev, pos, self.pos_table, ctx)
         op += mm.embedding(dev, types, self.type_table, x1)
         op += nn.add(dev, tmp, x1, x1)
-        op += nn.layer_norm(dev, x1, self.emb_ln_w, self.emb_ln_b, x, eps=eps, residual=ctx)
+        if self.pos_table is not None:
+            op += mm.embedding(dev, pos, self.pos_table, ctx)
+        op += nn.layer_norm(dev, x1, self.emb_ln_w, self.emb_ln_b, x, eps=eps,
+                            residual=ctx if self.pos_table is not None else None)
         for L in self.layers:
             # self-attention block: x1 = LN(attn(x)·Woᵀ + bo + x)
             op += mm.matmul(dev, x, L.qkv, qkv, bias=L.qkv_b)                       # (T, 3C)
+            if cfg.rope_base > 0:
+                # q and k heads of each sequence rotated by their place in it: one op per sequence
+                for b in range(B):
+                    op += nn.rope(dev, a.qkv.view((S, 3 * H, D), b * S * 3 * C), self.rope_step, n_heads=2 * H,
+                                  head_dim=D, rot_dim=cfg.rot_dim, base=cfg.rope_base, neox=True)
             op += nn.attention_bidir(dev, qkv, lengths, ctx, batch=B, seq=S, n_heads=H, head_dim=D,
                                      scale=D ** -0.5)                                # (T, C)
             op += mm.matmul(dev, ctx, L.o, tmp, bias=L.o_b)                          # (T, C)
             op += nn.layer_norm(dev, tmp, L.attn_ln_w, L.attn_ln_b, x1, eps=eps, residual=x)
-            # feed-forward block: x = LN(gelu(x1·W1ᵀ + b1)·W2ᵀ + b2 + x1)
-            op += mm.matmul(dev, x1, L.ff1, ff, bias=L.ff1_b)                        # (T, F)
-            op += nn.gelu(dev, ff, ffg)
+            # feed-forward block: x = LN(gelu(x1·W1ᵀ + b1)·W2ᵀ + b2 + x1)   (SwiGLU: silu(gate) * up)
+            op += mm.matmul(dev, x1, L.ff1, ff, bias=L.ff1_b)                        # (T, F) | (T, 2F)
+            op += nn.silu_mul(dev, ff, ffg) if cfg.ffn == "swiglu" else nn.gelu(dev, ff, ffg)
             op += mm.matmul(dev, ffg, L.ff2, tmp, bias=L.ff2_b)                      # (T, C)
             op += nn.layer_norm(dev, tmp, L.ffn_ln_w, L.ffn_ln_b, x, eps=eps, residual=x1)
         pool = {"mean": nn.mean_pool, "cls": nn.cls_pool, "max": nn.max_pool}[self.pooling]
