@@ -151,3 +151,28 @@ def test_smollm2_json_mode_and_tool_round_trip(smol):
     final = r.choices[0].message
     assert r.choices[0].finish_reason == "stop" and not final.tool_calls
     assert "sunny" in final.content.lower() or "18" in final.content, final.content
+
+
+def test_cli_json_schema_and_tool_round_trip(tmp_path_factory):
+    import os
+    import subprocess
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    path = tmp_path_factory.mktemp("structured-cli") / "tiny-cli.gguf"
+    write_tiny_llama_gguf(path, context_length=1024, seed=4)
+    env = {**os.environ, "XDG_RUNTIME_DIR": os.environ.get("XDG_RUNTIME_DIR", "/tmp")}
+
+    def run(*args, stdin=""):
+        r = subprocess.run([sys.executable, "-m", "webgpu_engine", "chat", "--quiet", "--model", str(path),
+                            "--max-tokens", "150", "--temperature", "0", *args], cwd=root, env=env,
+                           input=stdin, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+        return r.stdout
+    out = run("--json-schema", json.dumps(CITY), "Plan a trip.")
+    jsonschema.validate(json.loads(out), CITY)
+    out = run("--tools", json.dumps(TOOLS[:1]), "--tool-choice", "required", "Weather?",
+              stdin='{"sky": "sunny"}\n')
+    lines = out.splitlines()
+    call = next(ln for ln in lines if ln.startswith("[tool call] forecast("))
+    jsonschema.validate(json.loads(call[len("[tool call] forecast("):-1]), CITY)
+    assert any(ln.startswith("result of forecast> ") and "sunny" in ln for ln in lines)

@@ -13,6 +13,8 @@ import os
 import sys
 from pathlib import Path
 
+from .cli_structured import add_options as add_structured_options
+from .cli_structured import run_turn
 from .catalogue import DEFAULT_CHAT_MODEL, DEFAULT_EMBED_MODEL
 
 REF = "a model: an app-config id, a .gguf file, a model folder, a URL or a Hugging Face ORG/REPO[:QUANT]"
@@ -191,16 +193,7 @@ async def _chat(args) -> int:
                 if not text.strip():
                     continue
             messages.append({"role": "user", "content": text})
-            stream = await engine.chat.completions.create(
-                messages=messages, stream=True, max_tokens=args.max_tokens,
-                temperature=args.temperature, seed=args.seed)
-            answer = []
-            async for chunk in stream:
-                if chunk.choices and chunk.choices[0].delta.content:
-                    answer.append(chunk.choices[0].delta.content)
-                    print(chunk.choices[0].delta.content, end="", flush=True)
-            print()
-            messages.append({"role": "assistant", "content": "".join(answer)})
+            await run_turn(engine, messages, args)      # streams; runs tool calls via stdin
             if one_shot:
                 break
     finally:
@@ -425,6 +418,7 @@ def build_parser() -> argparse.ArgumentParser:
     _model_options(p)
     p.add_argument("--system", default=None, help="system message")
     sampling(p, 256)
+    add_structured_options(p)
     p.add_argument("prompt", nargs="*", default=None, help="one-shot prompt (optional)")
     p.set_defaults(func=cmd_chat)
 
