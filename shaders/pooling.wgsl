@@ -4,6 +4,8 @@
 //   mean_pool: y[b,c] = mean_{s < len} x[b*S+s, c]   (0 for an empty sequence)
 //   max_pool:  y[b,c] = max_{s < len} x[b*S+s, c]    (0 for an empty sequence)
 //   cls_pool:  y[b,c] = x[b*S, c]
+//   last_pool: y[b,c] = x[b*S + len-1, c]                              (sentence-transformers' lasttoken)
+//   weighted_mean_pool: y[b,c] = sum_{s < len} (s+1) x[b*S+s, c] / sum_{s < len} (s+1)   (weightedmean)
 //   invocation per (b, c); dispatch ceil(B*C / 64) split over x,y.
 //   l2_normalize: y[b,:] = x[b,:] / max(||x[b,:]||, 1e-12) (torch F.normalize); invocation per row.
 
@@ -66,6 +68,32 @@ fn cls_pool(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg:
     // lengths is bound so that every pooling op shares one signature
     let keep = select(0.0, 1.0, lengths[b] > 0u);
     y[p.y_off + i] = outt(f32(x[p.x_off + b * p.seq * p.cols + c]) * keep);
+}
+
+@compute @workgroup_size(64)
+fn last_pool(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+             @builtin(local_invocation_index) lid: u32) {
+    let i = flat(wid, nwg, lid);
+    if (i >= p.batch * p.cols) { return; }
+    let b = i / p.cols;
+    let c = i % p.cols;
+    let n = min(lengths[b], p.seq);
+    let keep = select(0.0, 1.0, n > 0u);
+    y[p.y_off + i] = outt(f32(x[p.x_off + (b * p.seq + max(n, 1u) - 1u) * p.cols + c]) * keep);
+}
+
+@compute @workgroup_size(64)
+fn weighted_mean_pool(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                      @builtin(local_invocation_index) lid: u32) {
+    let i = flat(wid, nwg, lid);
+    if (i >= p.batch * p.cols) { return; }
+    let b = i / p.cols;
+    let c = i % p.cols;
+    let n = min(lengths[b], p.seq);
+    var s = 0.0;
+    for (var t = 0u; t < n; t++) { s += f32(t + 1u) * f32(x[p.x_off + (b * p.seq + t) * p.cols + c]); }
+    // weights 1..n sum to n(n+1)/2
+    y[p.y_off + i] = outt(s / max(0.5 * f32(n) * f32(n + 1u), 1.0));
 }
 
 @compute @workgroup_size(64)

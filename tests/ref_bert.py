@@ -97,6 +97,11 @@ def pool(h: np.ndarray, mode: str) -> np.ndarray:
         return h[0]
     if mode == "max":
         return h.max(0)
+    if mode == "lasttoken":
+        return h[-1]
+    if mode == "weightedmean":                     # sentence-transformers: weights 1..S
+        w = np.arange(1, h.shape[0] + 1, dtype=np.float64)[:, None]
+        return (h * w).sum(0) / w.sum()
     raise ValueError(mode)
 
 

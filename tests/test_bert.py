@@ -34,7 +34,7 @@ def test_sentence_transformers_config_of_minilm(minilm_dir):
     assert st.is_sentence_transformers and st.model_folder == minilm_dir
 
 
-@pytest.mark.parametrize("pooling", ["mean", "cls", "max"])
+@pytest.mark.parametrize("pooling", ["mean", "cls", "max", "lasttoken", "weightedmean"])
 @pytest.mark.parametrize("normalize", [True, False])
 def test_sentence_transformers_config_of_tiny(tmp_path, pooling, normalize):
     write_tiny_bert(tmp_path, pooling=pooling, normalize=normalize, max_seq_length=40)
@@ -90,7 +90,8 @@ def _embed_gpu(device, folder, seqs, B, S, *, act_dtype="f32", pooling, normaliz
 
 
 @pytest.mark.parametrize("wdtype", ["f32", "f16", "bf16"])
-@pytest.mark.parametrize("pooling,normalize", [("mean", True), ("cls", False), ("max", True)])
+@pytest.mark.parametrize("pooling,normalize", [("mean", True), ("cls", False), ("max", True),
+                                                ("lasttoken", True), ("weightedmean", False)])
 def test_tiny_bert_matches_numpy(device, tmp_path, wdtype, pooling, normalize):
     info = write_tiny_bert(tmp_path, pooling=pooling, normalize=normalize, dtype=wdtype)
     V = info["config"].vocab_size
@@ -143,3 +144,25 @@ def test_checkpoint_with_bert_prefix(device, tmp_path):
     a = _embed_gpu(device, tmp_path / "a", seqs, 1, 16, pooling="mean", normalize=True)
     b = _embed_gpu(device, tmp_path / "b", seqs, 1, 16, pooling="mean", normalize=True)
     assert np.array_equal(a, b)
+
+
+# --------------------------------------------------------------------------- pooling vs sentence-transformers
+@pytest.mark.parametrize("pooling", ["lasttoken", "weightedmean"])
+async def test_pooling_modes_equal_sentence_transformers(device, tmp_path, pooling):
+    """tests/fixtures/make_pooling.py: SentenceTransformer.encode of the same tiny BERT, batches of 3."""
+    from pathlib import Path
+
+    from webgpu_engine.config import ChatConfig
+    from webgpu_engine.pipelines.embedding import EmbeddingPipeline
+    ref = json.loads((Path(__file__).parent / "fixtures" / "pooling_reference.json").read_text())
+    mode = ref["modes"][pooling]
+    write_tiny_bert(tmp_path, pooling=pooling, normalize=mode["normalize"], seed=ref["seed"],
+                    max_seq_length=ref["max_seq_length"])
+    pipe = await EmbeddingPipeline.load(device, tmp_path, ChatConfig(max_batch_size=2))
+    try:
+        assert pipe.tokenize(ref["texts"]) == mode["token_ids"]
+        res = await pipe.embed_step(ref["texts"])
+    finally:
+        pipe.dispose()
+    for got, want in zip(res.embeddings, mode["embeddings"]):
+        assert R.cosine(got, want) > 0.9999 and np.abs(np.asarray(got) - want).max() < 1e-4

@@ -271,7 +271,8 @@ def test_pooling(device, xdt, ydt):
     xr = rounded(x, xdt)
     tol = TOL["f16" if "f16" in (xdt, ydt) else "f32"]
     for fn, ref in [(nn.mean_pool, nn_ref.mean_pool), (nn.max_pool, nn_ref.max_pool),
-                    (nn.cls_pool, nn_ref.cls_pool)]:
+                    (nn.cls_pool, nn_ref.cls_pool), (nn.last_pool, nn_ref.last_pool),
+                    (nn.weighted_mean_pool, nn_ref.weighted_mean_pool)]:
         yt = empty(device, (b, c), ydt)
         run(device, fn(device, xt, lt, yt))
         np.testing.assert_allclose(get(device, yt), ref(xr, lengths, b), **tol)

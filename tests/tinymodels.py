@@ -553,8 +553,8 @@ def write_tiny_bert(folder, pooling: str = "mean", normalize: bool = True, dtype
     {folder, config (BertConfig), weights {HF name: f32 as the GPU sees it}, pooling, normalize,
     max_seq_length, vocab}."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
-    if pooling not in ("mean", "cls", "max"):
-        raise ValueError("pooling must be mean, cls or max")
+    if pooling not in ("mean", "cls", "max", "lasttoken", "weightedmean"):
+        raise ValueError("pooling must be mean, cls, max, lasttoken or weightedmean")
     folder = Path(folder)
     (folder / "1_Pooling").mkdir(parents=True, exist_ok=True)
     d = dict(BERT_DIMS)
@@ -622,7 +622,8 @@ def write_tiny_bert(folder, pooling: str = "mean", normalize: bool = True, dtype
     (folder / "1_Pooling" / "config.json").write_text(json.dumps({
         "word_embedding_dimension": C, "pooling_mode_cls_token": pooling == "cls",
         "pooling_mode_mean_tokens": pooling == "mean", "pooling_mode_max_tokens": pooling == "max",
-        "pooling_mode_mean_sqrt_len_tokens": False}, indent=2))
+        "pooling_mode_mean_sqrt_len_tokens": False, "pooling_mode_lasttoken": pooling == "lasttoken",
+        "pooling_mode_weightedmean_tokens": pooling == "weightedmean"}, indent=2))
     (folder / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": max_seq_length,
                                                                   "do_lower_case": False}))
     cfg = BertConfig(vocab_size=d["vocab_size"], hidden_size=C, n_layers=L, n_heads=d["n_heads"],

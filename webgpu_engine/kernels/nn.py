@@ -521,6 +521,17 @@ def cls_pool(dev: Device, x: Tensor, lengths: Tensor, y: Tensor) -> Op:
     return _pool(dev, "cls_pool", x, lengths, y)
 
 
+def last_pool(dev: Device, x: Tensor, lengths: Tensor, y: Tensor) -> Op:
+    """y[b,:] = x[b*S + lengths[b] - 1, :] (the last real token: decoder embedders' pooling)."""
+    return _pool(dev, "last_pool", x, lengths, y)
+
+
+def weighted_mean_pool(dev: Device, x: Tensor, lengths: Tensor, y: Tensor) -> Op:
+    """y[b,:] = sum_s (s+1) x[b*S + s, :] / sum_s (s+1) over s < lengths[b] (sentence-transformers'
+    weightedmean: later tokens weigh more)."""
+    return _pool(dev, "weighted_mean_pool", x, lengths, y)
+
+
 def l2_normalize(dev: Device, x: Tensor, y: Tensor, *, eps: float = 1e-12) -> Op:
     """y[b,:] = x[b,:] / max(||x[b,:]||_2, eps).  x, y (B, C); y may be f32 when x is f16."""
     k = "l2_normalize"

@@ -132,6 +132,18 @@ def cls_pool(x: np.ndarray, lengths, batch: int) -> np.ndarray:
     return x.reshape(batch, s, -1)[:, 0].astype(np.float32)
 
 
+def last_pool(x: np.ndarray, lengths, batch: int) -> np.ndarray:
+    s = x.shape[0] // batch
+    return np.stack([x.reshape(batch, s, -1)[b, max(int(lengths[b]), 1) - 1] for b in range(batch)]).astype(np.float32)
+
+
+def weighted_mean_pool(x: np.ndarray, lengths, batch: int) -> np.ndarray:
+    s = x.shape[0] // batch
+    x = x.reshape(batch, s, -1).astype(np.float64)
+    w = [np.arange(1, int(n) + 1, dtype=np.float64)[:, None] for n in lengths]
+    return np.stack([(x[b, :lengths[b]] * w[b]).sum(0) / max(w[b].sum(), 1.0) for b in range(batch)]).astype(np.float32)
+
+
 def l2_normalize(x: np.ndarray, eps: float = 1e-12) -> np.ndarray:
     x = x.astype(np.float64)
     return (x / np.maximum(np.linalg.norm(x, axis=-1, keepdims=True), eps)).astype(np.float32)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from ..errors import ModelFormatError, UnsupportedModelError
 
-POOLING_MODES = ("mean", "cls", "max")
+POOLING_MODES = ("mean", "cls", "max", "lasttoken", "weightedmean")
 
 # Pooling config keys → our mode names. Modes we cannot run are listed so the error can name them.
 _POOL_KEYS = {
@@ -32,7 +32,7 @@ class SentenceTransformerConfig:
     """How to turn the encoder's hidden states into one vector per input."""
 
     model_folder: Path                  # where config.json / model.safetensors / tokenizer.json live
-    pooling: str = "mean"               # "mean" | "cls" | "max"
+    pooling: str = "mean"               # one of POOLING_MODES (sentence-transformers' names)
     normalize: bool = False             # an L2 Normalize module follows pooling
     max_seq_length: int | None = None   # truncation length incl. [CLS]/[SEP]; None: the model's
     do_lower_case: bool = False         # sentence-transformers lower-cases the text before tokenizing

@@ -9,7 +9,8 @@ rows, so what padded rows hold never reaches an output.
         qkv = x·Wqkvᵀ + bqkv                                               (T, 3C)  [q | k | v]
         x1  = LN(attn(qkv, lengths)·Woᵀ + bo + x)                          (T, C)
         x   = LN(gelu(x1·W1ᵀ + b1)·W2ᵀ + b2 + x1)                          (T, C)
-    embedder:      out = pool(x, lengths) (mean | cls | max), L2-normalised if asked     (B, C)
+    embedder:      out = pool(x, lengths) (mean | cls | max | lasttoken | weightedmean),
+                   L2-normalised if asked                                                (B, C)
     cross-encoder: out = tanh(x[b, 0]·Wdᵀ + bd)·Woutᵀ + bout                            (B, num_labels)
 
 XLM-RoBERTa is the same encoder: its positions start at padding_idx + 1 (`position_offset`) and it
@@ -35,7 +36,7 @@ from ..loaders.hf_config import hf_name, map_hf_names
 from ..loaders.tensor_info import TensorInfo
 from ..loaders.model_config import BertConfig
 
-POOLINGS = ("mean", "cls", "max")
+POOLINGS = ("mean", "cls", "max", "lasttoken", "weightedmean")     # sentence-transformers' names
 MAX_CACHED_BUCKETS = 8
 
 
@@ -267,7 +268,8 @@ class BertModel:
             op += nn.silu_mul(dev, ff, ffg) if cfg.ffn == "swiglu" else nn.gelu(dev, ff, ffg)
             op += mm.matmul(dev, ffg, L.ff2, tmp, bias=L.ff2_b)                      # (T, C)
             op += nn.layer_norm(dev, tmp, L.ffn_ln_w, L.ffn_ln_b, x, eps=eps, residual=x1)
-        pool = {"mean": nn.mean_pool, "cls": nn.cls_pool, "max": nn.max_pool}[self.pooling]
+        pool = {"mean": nn.mean_pool, "cls": nn.cls_pool, "max": nn.max_pool, "lasttoken": nn.last_pool,
+                "weightedmean": nn.weighted_mean_pool}[self.pooling]
         if self.cfg.num_labels:
             # cross-encoder head on the first token: out = tanh(x0·Wdᵀ + bd)·Woutᵀ + bout     (B, L)
             head = a.head.view((B, C))
