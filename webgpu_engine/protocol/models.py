@@ -111,6 +111,8 @@ class UsageExtra(_Model):
     decode_tokens_per_s: Optional[float] = None
     time_to_first_token_s: Optional[float] = None
     time_per_output_token_s: Optional[float] = None
+    grammar_init_s: Optional[float] = None          # constrained requests (response_format, forced tools)
+    grammar_per_token_s: Optional[float] = None
 
 
 class CompletionUsage(_Model):
@@ -176,6 +178,7 @@ class ChatCompletion(_Model):
 class ChoiceDelta(_Model):
     role: Optional[Literal["assistant"]] = None
     content: Optional[str] = None
+    tool_calls: Optional[list[dict]] = None      # OpenAI's deltas: {index, id, type, function}
 
 
 class ChatCompletionChunkChoice(_Model):
