@@ -1,4 +1,4 @@
-"""numpy reference forward pass of a Llama-family decoder (Llama, Qwen2/3, Mistral, Phi-3), for tests.
+"""numpy reference forward pass of a Llama-family decoder (Llama, Qwen, Mistral, Phi-3, Gemma), for tests.
 
 Independent of the GPU code: it takes dequantized float weights under our tensor names
 (loaders' GGUF_TO_OURS names: embed, norm, lm_head, layers.{i}.{attn_norm,q,k,v,q_bias,...}) and a
@@ -58,6 +58,10 @@ def silu(x):
     return x / (1.0 + np.exp(-x))
 
 
+def gelu_tanh(x):
+    return 0.5 * x * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (x + 0.044715 * x ** 3)))
+
+
 class RefLlama:
     """Keeps a KV cache so it can also check incremental (prefill then decode) use."""
 
@@ -73,6 +77,10 @@ class RefLlama:
             elif part in ("gate_up", "up") and p + ".gate" not in self.w and len(self.w[name]) == 2 * cfg.ffn_size:
                 self.w[p + ".gate"], self.w[p + ".up"] = np.split(self.w.pop(name), 2)
         self.factors = cfg.rope_freq_factors if context is None else cfg.rope_factors_for(context)
+        if cfg.norm_plus_one:                      # HF Gemma: x * (1 + w)
+            for name in self.w:
+                if name == "norm" or name.endswith("norm"):
+                    self.w[name] = self.w[name] + 1.0
         self.reset()
 
     def reset(self):
@@ -88,7 +96,8 @@ class RefLlama:
         T = ids.size
         pos = np.arange(self.pos, self.pos + T)
         H, Hkv, D = c.n_heads, c.n_kv_heads, c.head_dim
-        x = w["embed"][ids]                                                        # (T, C)
+        x = w["embed"][ids] * np.float32(c.embed_scale)                            # (T, C)
+        act = silu if c.act == "silu" else gelu_tanh
         for i in range(c.n_layers):
             p = f"layers.{i}."
             h = rms_norm(x, w[p + "attn_norm"], c.rms_eps)
@@ -100,7 +109,8 @@ class RefLlama:
             if p + "q_norm" in w:                                                  # Qwen3
                 q = rms_norm(q.reshape(T, H, D), w[p + "q_norm"], c.rms_eps)
                 k = rms_norm(k.reshape(T, Hkv, D), w[p + "k_norm"], c.rms_eps)
-            rk = (c.rot_dim, c.rope_base, c.rope_neox, self.factors, c.rope_attn_factor)
+            base, factors = c.rope_of(i, self.factors)
+            rk = (c.rot_dim, base, c.rope_neox, factors, c.rope_attn_factor)
             q, k = rope(q.reshape(T, H, D), pos, *rk), rope(k.reshape(T, Hkv, D), pos, *rk)
             v = v.reshape(T, Hkv, D)
             kc = k.transpose(1, 0, 2) if self.k_cache[i] is None else \
@@ -111,7 +121,9 @@ class RefLlama:
             S = kc.shape[1]
             kq = np.repeat(kc, c.n_rep, axis=0)                                     # (H, S, D)
             vq = np.repeat(vc, c.n_rep, axis=0)
-            att = np.einsum("thd,hsd->hts", q, kq) / np.sqrt(D)                    # (H, T, S)
+            att = np.einsum("thd,hsd->hts", q, kq) * (c.attn_scale or D ** -0.5)   # (H, T, S)
+            if c.attn_softcap:
+                att = c.attn_softcap * np.tanh(att / c.attn_softcap)
             mask = np.arange(S)[None, :] > pos[:, None]                            # (T, S) causal
             if c.window_of(i):                                                     # sliding window
                 mask |= np.arange(S)[None, :] <= pos[:, None] - c.window_of(i)
@@ -119,13 +131,16 @@ class RefLlama:
             att = np.exp(att - att.max(-1, keepdims=True))
             att /= att.sum(-1, keepdims=True)
             o = np.einsum("hts,hsd->thd", att, vq).reshape(T, H * D)
-            x = x + o @ w[p + "o"].T + (w[p + "o_bias"] if p + "o_bias" in w else 0.0)
+            a = o @ w[p + "o"].T + (w[p + "o_bias"] if p + "o_bias" in w else 0.0)
+            x = x + (rms_norm(a, w[p + "post_attn_norm"], c.rms_eps) if c.post_norms else a)
             h = rms_norm(x, w[p + "ffn_norm"], c.rms_eps)
-            x = x + (silu(h @ w[p + "gate"].T) * (h @ w[p + "up"].T)) @ w[p + "down"].T
+            f = (act(h @ w[p + "gate"].T) * (h @ w[p + "up"].T)) @ w[p + "down"].T
+            x = x + (rms_norm(f, w[p + "post_ffn_norm"], c.rms_eps) if c.post_norms else f)
         self.pos += T
         x = rms_norm(x if all_logits else x[-1:], w["norm"], c.rms_eps)
         head = w.get("lm_head", w["embed"])
-        return x @ head.T                                                          # (T, V)
+        logits = x @ head.T                                                        # (T, V)
+        return c.final_softcap * np.tanh(logits / c.final_softcap) if c.final_softcap else logits
 
 
 def greedy(cfg, weights, prompt_ids, n: int, dtype=np.float64) -> list[int]:

@@ -168,3 +168,47 @@ def test_mistral_sliding_window_matches_transformers(device, tmp_path):
         assert np.abs(with_window - want).max() < 1e-3 < 0.05 < np.abs(no_window - want).max()
     finally:
         opened.close()
+
+
+# --------------------------------------------------------------------------- Gemma 2 / 3
+def _gemma_files(tmp_path, arch: str, fmt: str, dims: dict):
+    import tinyfamilies
+    if fmt == "safetensors":
+        return tinyfamilies.write_tiny_gemma_safetensors(tmp_path / arch, arch=arch, **dims)["folder"]
+    return tinyfamilies.write_tiny_gemma_gguf(tmp_path / f"{arch}.gguf", arch=arch, **dims)["path"]
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "gguf"])
+def test_gemma2_matches_transformers(device, tmp_path, fmt):
+    """GeGLU, (1 + w) norms (HF stores w, GGUF 1 + w), sqrt(C) embeddings, post norms, soft-capped
+    scores and logits, a 48-key window on layer 0 only, over 320 positions."""
+    ref = _ref("gemma2")
+    check_golden(device, _gemma_files(tmp_path, "gemma2", fmt, ref["dims"]), ref)
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "gguf"])
+def test_gemma3_matches_transformers(device, tmp_path, fmt):
+    """Gemma 2's layer plus q/k norms; five sliding layers (local rope base) and one global."""
+    ref = _ref("gemma3")
+    check_golden(device, _gemma_files(tmp_path, "gemma3", fmt, ref["dims"]), ref)
+
+
+def test_gemma_features_each_matter(tmp_path):
+    """The golden tests would notice each Gemma feature missing: the numpy reference without it
+    (caps, window, local rope base, query scale) moves row 150 past the tolerance."""
+    import dataclasses
+
+    from ref_llama import RefLlama, weights_from_infos
+    for arch, changes in [("gemma2", [dict(attn_softcap=0.0), dict(final_softcap=0.0), dict(sliding_window=None)]),
+                          ("gemma3", [dict(rope_local_base=0.0), dict(sliding_window=None),
+                                      dict(attn_scale=0.1)])]:
+        ref = _ref(arch)
+        opened = open_model(_gemma_files(tmp_path, arch, "safetensors", ref["dims"]))
+        try:
+            w, ids, want = weights_from_infos(opened.weights), ref["text_ids"][:151], np.asarray(ref["logits"][3])
+            assert np.abs(RefLlama(opened.config, w).forward(ids)[-1] - want).max() < 1e-3 * np.abs(want).max()
+            for change in changes:
+                got = RefLlama(dataclasses.replace(opened.config, **change), w).forward(ids)[-1]
+                assert np.abs(got - want).max() > 5e-3 * np.abs(want).max(), (arch, change)
+        finally:
+            opened.close()

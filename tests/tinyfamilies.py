@@ -138,3 +138,85 @@ def write_tiny_phi3_gguf(path, seed: int = 0, partial_rotary: float = 0.75, long
         g.add_tensor(b + "ffn_down.weight", w[p + "down"])
     _finish(g)
     return dict(path=Path(path), config=phi3_config(d, rot, short, long, float(np.float32(attn))), weights=w)
+
+
+# ============================================================================ Gemma 2 / 3
+GEMMA_DIMS = dict(tie_embeddings=True, rope_base=10000.0, rms_eps=1e-6)
+
+
+def _gemma(arch: str, seed: int, dims: dict):
+    d = tm._dims(**{**GEMMA_DIMS, **({"n_layers": 6, "rope_base": 1e6} if arch == "gemma3" else {}), **dims})
+    tokens, merges = tm.tiny_bpe_vocab(d["vocab_size"], "smollm")
+    d["vocab_size"] = len(tokens)
+    w = tm._hf_weights(d, "llama", seed)
+    w["embed"] = (w["embed"] / np.sqrt(d["hidden_size"])).astype(np.float32)   # O(1) once times sqrt(C)
+    rng = np.random.default_rng(seed + 200)
+    for name in list(w):                # Gemma's norms hold w of x * (1 + w): values around 0
+        if name.endswith("norm"):
+            w[name] = (0.2 * rng.standard_normal(w[name].shape)).astype(np.float32)
+    for i in range(d["n_layers"]):
+        p = f"layers.{i}."
+        for n in ("post_attn_norm", "post_ffn_norm"):
+            w[p + n] = (0.2 * rng.standard_normal(d["hidden_size"])).astype(np.float32)
+        if arch == "gemma3":
+            for n in ("q_norm", "k_norm"):
+                w[p + n] = (0.2 * rng.standard_normal(d["head_dim"])).astype(np.float32)
+    return d, tokens, merges, w
+
+
+def _gemma_local(arch: str, n: int) -> list[bool]:
+    return [i % 2 == 0 if arch == "gemma2" else (i + 1) % 6 != 0 for i in range(n)]
+
+
+def write_tiny_gemma_safetensors(folder, arch: str = "gemma2", seed: int = 0, sliding_window: int = 48,
+                                 attn_softcap: float = 0.0, final_softcap: float = 0.0, **dims) -> dict:
+    """An HF Gemma2ForCausalLM / Gemma3ForCausalLM folder (norm weights w of x * (1 + w); tied
+    embeddings): Gemma 2 slides every other layer from the first, Gemma 3 all but every sixth
+    (rope_local_base_freq 10000 there, rope_theta 1e6 on the global ones)."""
+    folder = Path(folder)
+    d, tokens, merges, w = _gemma(arch, seed, dims)
+    names = {"attn_norm": "input_layernorm", "post_attn_norm": "post_attention_layernorm",
+             "ffn_norm": "pre_feedforward_layernorm", "post_ffn_norm": "post_feedforward_layernorm",
+             "q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
+             "q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm",
+             "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
+    hf = {"model.embed_tokens.weight": w["embed"], "model.norm.weight": w["norm"]}
+    for name, a in w.items():
+        if name.startswith("layers."):
+            _, i, part = name.split(".")
+            hf[f"model.layers.{i}.{names[part]}.weight"] = a
+    local = _gemma_local(arch, d["n_layers"])
+    config = {"architectures": ["Gemma2ForCausalLM" if arch == "gemma2" else "Gemma3ForCausalLM"],
+              "model_type": "gemma2" if arch == "gemma2" else "gemma3_text", "head_dim": d["head_dim"],
+              "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": d["head_dim"],
+              "sliding_window": sliding_window, "attention_bias": False,
+              "layer_types": ["sliding_attention" if x else "full_attention" for x in local],
+              "final_logit_softcapping": final_softcap or None, "attn_logit_softcapping": attn_softcap or None}
+    if arch == "gemma3":
+        config.update(rope_local_base_freq=10000.0, sliding_window_pattern=6, rope_scaling=None)
+    _write_hf(folder, hf, config, tokens, merges, d)
+    return dict(folder=folder, weights=w)
+
+
+def write_tiny_gemma_gguf(path, arch: str = "gemma2", seed: int = 0, sliding_window: int = 48,
+                          attn_softcap: float = 0.0, final_softcap: float = 0.0, **dims) -> dict:
+    """The same model as llama.cpp's converter writes it: norm weights stored as 1 + w, no output
+    matrix (tied), gemma2/gemma3 keys for the window and the caps."""
+    d, tokens, merges, w = _gemma(arch, seed, dims)
+    g = _gguf_writer(path, arch, d, tokens, merges, d["head_dim"])
+    g.add_key_length(d["head_dim"]); g.add_value_length(d["head_dim"])
+    g.add_sliding_window(sliding_window)
+    if arch == "gemma2":
+        g.add_float32("gemma2.attn_logit_softcapping", attn_softcap or 0.0)
+        g.add_float32("gemma2.final_logit_softcapping", final_softcap or 0.0)
+    table = {"attn_norm": "attn_norm", "post_attn_norm": "post_attention_norm", "ffn_norm": "ffn_norm",
+             "post_ffn_norm": "post_ffw_norm", "q": "attn_q", "k": "attn_k", "v": "attn_v", "o": "attn_output",
+             "q_norm": "attn_q_norm", "k_norm": "attn_k_norm", "gate": "ffn_gate", "up": "ffn_up",
+             "down": "ffn_down"}
+    g.add_tensor("token_embd.weight", w["embed"]); g.add_tensor("output_norm.weight", w["norm"] + 1.0)
+    for name, a in w.items():
+        if name.startswith("layers."):
+            _, i, part = name.split(".")
+            g.add_tensor(f"blk.{i}.{table[part]}.weight", a + 1.0 if part.endswith("norm") else a)
+    _finish(g)
+    return dict(path=Path(path), weights=w)

@@ -48,6 +48,8 @@ GGUF_TO_OURS = {
     "blk.{i}.attn_output.weight": "layers.{i}.o",    # (hidden, n_heads*head_dim)
     "blk.{i}.attn_output.bias": "layers.{i}.o_bias",
     "blk.{i}.ffn_norm.weight": "layers.{i}.ffn_norm",
+    "blk.{i}.post_attention_norm.weight": "layers.{i}.post_attn_norm",  # Gemma 2/3 (1 + w stored)
+    "blk.{i}.post_ffw_norm.weight": "layers.{i}.post_ffn_norm",
     "blk.{i}.ffn_gate.weight": "layers.{i}.gate",    # (ffn, hidden)
     "blk.{i}.ffn_up.weight": "layers.{i}.up",        # (ffn, hidden); Phi-3: gate|up (2 ffn, hidden)
     "blk.{i}.ffn_down.weight": "layers.{i}.down",    # (hidden, ffn)
@@ -235,6 +237,7 @@ class GGUFFile:
         bos = self.metadata.get("tokenizer.ggml.bos_token_id")
         from .bpe import eog_ids                     # lazy: bpe imports nothing heavy, but is big
         sliding = self._meta("attention.sliding_window")
+        gemma = self._gemma(hidden, n_heads, head_dim) if arch in ("gemma2", "gemma3") else {}
         return LlamaConfig(
             arch=arch,
             vocab_size=int(vocab),
@@ -245,9 +248,9 @@ class GGUFFile:
             head_dim=head_dim,
             ffn_size=int(self._meta("feed_forward_length", required=True)),
             rope_base=float(self._meta("rope.freq_base", 10000.0)),
-            rot_dim=rot_dim, rope_freq_factors=factors, rope_scaling=scaling, **long,
+            rot_dim=rot_dim, rope_freq_factors=factors, rope_scaling=scaling, **long, **gemma,
             # llama.cpp's converter permutes llama/mistral q,k rows to adjacent-pair rope; the rest are NEOX
-            rope_neox=arch in ("qwen2", "qwen3", "phi3"),
+            rope_neox=arch in ("qwen2", "qwen3", "phi3", "gemma2", "gemma3"),
             rms_eps=float(self._meta("attention.layer_norm_rms_epsilon", 1e-5)),
             context_length=int(self._meta("context_length", 4096)),
             tie_embeddings="output.weight" not in self.tensors,
@@ -258,6 +261,25 @@ class GGUFFile:
             sliding_window=int(sliding) if sliding else None,
             name=str(self.metadata.get("general.name", "")),
         )
+
+    def _gemma(self, hidden: int, n_heads: int, head_dim: int) -> dict:
+        """Gemma 2 / 3 settings as llama.cpp reads them: the norms hold 1 + w already; sliding
+        layers every other one from the first (Gemma 2) or all but every sixth (Gemma 3, local
+        rope base 10000 unless the file says); scores scaled by head_dim^-0.5, except for the 27B
+        models (46 / 62 layers), whose query_pre_attn_scalar is hidden / heads."""
+        arch, n = self.architecture, int(self._meta("block_count", required=True))
+        pattern = self._meta("attention.sliding_window_pattern", 2 if arch == "gemma2" else 6)
+        if isinstance(pattern, list):           # per-layer flags, as newer converters write them
+            local = tuple(bool(x) for x in pattern)
+        else:
+            local = tuple(i % 2 == 0 if arch == "gemma2" else (i + 1) % int(pattern) != 0 for i in range(n))
+        big = n == (46 if arch == "gemma2" else 62)
+        return dict(act="gelu_tanh", embed_scale=float(hidden) ** 0.5, post_norms=True,
+                    attn_scale=float(hidden // n_heads if big else head_dim) ** -0.5,
+                    attn_softcap=float(self._meta("attn_logit_softcapping", 0.0) or 0.0),
+                    final_softcap=float(self._meta("final_logit_softcapping", 0.0) or 0.0),
+                    window_layers=local if self._meta("attention.sliding_window") else None,
+                    rope_local_base=float(self._meta("rope.freq_base_swa", 10000.0)) if arch == "gemma3" else 0.0)
 
     def _f32_vector(self, name: str, n: int) -> tuple:
         t = self.tensors.get(name)

@@ -15,8 +15,11 @@ from .tensor_info import TensorInfo
 
 # HF architectures -> our LlamaConfig.arch
 LLAMA_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
-                       "MistralForCausalLM": "mistral", "Phi3ForCausalLM": "phi3"}
-LLAMA_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "phi3")    # config.json model_type, when architectures is absent
+                       "MistralForCausalLM": "mistral", "Phi3ForCausalLM": "phi3", "Gemma2ForCausalLM": "gemma2",
+                       "Gemma3ForCausalLM": "gemma3"}
+# config.json model_type, when architectures is absent -> our arch
+LLAMA_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral", "phi3": "phi3",
+                     "gemma2": "gemma2", "gemma3_text": "gemma3"}
 BERT_ARCHITECTURES = ("BertModel", "BertForMaskedLM", "BertForPreTraining", "BertForSequenceClassification")
 XLMR_ARCHITECTURES = ("XLMRobertaModel", "XLMRobertaForMaskedLM", "XLMRobertaForSequenceClassification")
 NOMIC_ARCHITECTURES = ("NomicBertModel",)                   # nomic-embed-text v1 / v1.5 (remote code on the hub)
@@ -43,6 +46,11 @@ HF_LLAMA_TO_OURS = {
     "model.layers.{i}.mlp.gate_up_proj.weight": "layers.{i}.gate_up",     # Phi-3: gate|up rows
     "model.layers.{i}.mlp.down_proj.weight": "layers.{i}.down",
 }
+# Gemma 2 / 3: post_attention_layernorm is the norm of the attention output; the FFN has pre and post norms
+HF_GEMMA_TO_OURS = {**{k: v for k, v in HF_LLAMA_TO_OURS.items() if v != "layers.{i}.ffn_norm"},
+                    "model.layers.{i}.post_attention_layernorm.weight": "layers.{i}.post_attn_norm",
+                    "model.layers.{i}.pre_feedforward_layernorm.weight": "layers.{i}.ffn_norm",
+                    "model.layers.{i}.post_feedforward_layernorm.weight": "layers.{i}.post_ffn_norm"}
 # BertModel names ("bert." prefix of BertForX stripped) -> ours
 HF_BERT_TO_OURS = {
     "embeddings.word_embeddings.weight": "embed",                       # (V, C)
@@ -101,7 +109,7 @@ HF_NOMIC_TO_OURS = {
     "encoder.layers.{i}.norm2.weight": "layers.{i}.ffn_norm",
     "encoder.layers.{i}.norm2.bias": "layers.{i}.ffn_norm_bias",
 }
-_TABLES = {"llama": HF_LLAMA_TO_OURS, "bert": HF_BERT_TO_OURS, "nomic": HF_NOMIC_TO_OURS}
+_TABLES = {"llama": HF_LLAMA_TO_OURS, "bert": HF_BERT_TO_OURS, "nomic": HF_NOMIC_TO_OURS, "gemma": HF_GEMMA_TO_OURS}
 _LAYER = re.compile(r"^(model\.layers|encoder\.layers?)\.(\d+)\.(.+)$")
 
 
@@ -162,7 +170,7 @@ def llama_config_from_dict(c: dict, where: str = "config.json") -> LlamaConfig:
     archs = c.get("architectures") or []
     arch = next((LLAMA_ARCHITECTURES[a] for a in archs if a in LLAMA_ARCHITECTURES), None)
     if arch is None:
-        arch = c.get("model_type") if c.get("model_type") in LLAMA_MODEL_TYPES else None
+        arch = LLAMA_MODEL_TYPES.get(c.get("model_type"))
     if arch is None:
         raise UnsupportedModelError(f"{where}: architectures {archs} / model_type {c.get('model_type')!r} "
                                     f"is not supported; supported: {sorted(LLAMA_ARCHITECTURES)}")
@@ -171,23 +179,25 @@ def llama_config_from_dict(c: dict, where: str = "config.json") -> LlamaConfig:
         hidden = int(c["hidden_size"])
         head_dim = int(c.get("head_dim") or hidden // n_heads)
         eos = c.get("eos_token_id")
-        # Mistral and Phi-3 apply `sliding_window` when set; Qwen2/3 only with use_sliding_window
-        sliding = c.get("sliding_window") if c.get("use_sliding_window", arch in ("mistral", "phi3")) else None
+        # Mistral, Phi-3 and Gemma apply `sliding_window` when set; Qwen2/3 only with use_sliding_window
+        always = arch in ("mistral", "phi3", "gemma2", "gemma3")
+        sliding = c.get("sliding_window") if c.get("use_sliding_window", always) else None
         rot_dim = int(head_dim * float(c.get("partial_rotary_factor", 1.0)))
         factors, scaling = _rope_scaling(c, rot_dim, where)
         long = _longrope(c, rot_dim, where) if scaling == "longrope" else {}
+        gemma = _gemma(c, arch, hidden, where) if arch in ("gemma2", "gemma3") else {}
         return LlamaConfig(
             arch=arch, vocab_size=int(c["vocab_size"]), hidden_size=hidden,
             n_layers=int(c["num_hidden_layers"]), n_heads=n_heads,
             n_kv_heads=int(c.get("num_key_value_heads") or n_heads), head_dim=head_dim,
             ffn_size=int(c["intermediate_size"]), rope_base=float(c.get("rope_theta", 10000.0)),
-            rot_dim=rot_dim, rope_freq_factors=factors, rope_scaling=scaling, **long,
+            rot_dim=rot_dim, rope_freq_factors=factors, rope_scaling=scaling, **long, **gemma,
             rope_neox=True,                     # HF weights: rotate_half pairs (i, i + d/2)
             rms_eps=float(c.get("rms_norm_eps", 1e-6)),
             context_length=int(c.get("max_position_embeddings", 4096)),
-            tie_embeddings=bool(c.get("tie_word_embeddings", False)),
+            tie_embeddings=bool(c.get("tie_word_embeddings", arch in ("gemma2", "gemma3"))),
             qkv_bias=bool(c.get("attention_bias", arch == "qwen2")),
-            qk_norm=arch == "qwen3",
+            qk_norm=arch in ("qwen3", "gemma3"),
             bos_id=c.get("bos_token_id"),
             eos_ids=eos if isinstance(eos, list) else ([eos] if eos is not None else []),
             sliding_window=int(sliding) if sliding else None,
@@ -218,6 +228,36 @@ def _rope_scaling(c: dict, rot_dim: int, where: str) -> tuple:
         raise ModelFormatError(f"{where}: rope_scaling {rs} lacks {e.args[0]}") from e
     raise UnsupportedModelError(f"{where}: rope_scaling type {kind!r} is not implemented; supported: "
                                 f"linear, llama3, longrope (su)")
+
+
+_ACTS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh",
+         "gelu_new": "gelu_tanh"}
+
+
+def _gemma(c: dict, arch: str, hidden: int, where: str) -> dict:
+    """LlamaConfig fields of Gemma 2 / 3: GeGLU, (1 + w) norms, sqrt(C) embeddings, post norms,
+    query_pre_attn_scalar, soft-capping, which layers slide (layer_types, else Gemma 2 every
+    other layer from the first, Gemma 3 all but every sliding_window_pattern-th) and Gemma 3's
+    local rope base."""
+    act = c.get("hidden_activation") or c.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in _ACTS:
+        raise UnsupportedModelError(f"{where}: activation {act!r} is not implemented; supported: {sorted(_ACTS)}")
+    n = int(c["num_hidden_layers"])
+    types = c.get("layer_types")
+    if types:
+        local = tuple(t == "sliding_attention" for t in types)
+    elif arch == "gemma2":
+        local = tuple(i % 2 == 0 for i in range(n))
+    else:
+        pattern = int(c.get("sliding_window_pattern", 6))
+        local = tuple((i + 1) % pattern != 0 for i in range(n))
+    scalar = c.get("query_pre_attn_scalar")
+    return dict(act=_ACTS[act], embed_scale=float(hidden) ** 0.5, post_norms=True, norm_plus_one=True,
+                attn_scale=float(scalar) ** -0.5 if scalar else 0.0,
+                attn_softcap=float(c.get("attn_logit_softcapping") or 0.0),
+                final_softcap=float(c.get("final_logit_softcapping") or 0.0),
+                window_layers=local if c.get("sliding_window") else None,
+                rope_local_base=float(c.get("rope_local_base_freq") or 0.0) if arch == "gemma3" else 0.0)
 
 
 def _longrope(c: dict, rot_dim: int, where: str) -> dict:

@@ -7,14 +7,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-LLAMA_ARCHS = ("llama", "qwen2", "qwen3", "mistral", "phi3")
+LLAMA_ARCHS = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3")
 
 
 @dataclass
 class LlamaConfig:
     """A Llama-family decoder (Llama, Qwen2 = Llama + q/k/v bias, Qwen3 = Llama + per-head q/k
     RMSNorm before RoPE, Mistral = Llama (+ sliding window), Phi-3 = Llama with fused q|k|v and
-    gate|up in its files, longrope scaling and partial rotary).
+    gate|up in its files, longrope scaling and partial rotary; Gemma 2 = GeGLU, (1 + w) norms,
+    embeddings times sqrt(C), norms after attention and FFN too, soft-capped scores and logits,
+    sliding windows on every other layer; Gemma 3 = Gemma 2 + q/k norms, 5 local : 1 global
+    layers with their own rope base, no soft-capping).
 
     `rope_neox` says which dimensions rope rotates together in a head of size `rot_dim`:
     False: adjacent pairs (2i, 2i+1) — GGUF llama/mistral, whose q/k rows llama.cpp's converter
@@ -54,6 +57,15 @@ class LlamaConfig:
     rope_long_factors: tuple | None = None
     rope_original_context: int = 0
     rope_attn_factor: float = 1.0
+    # Gemma 2 / 3
+    act: str = "silu"                  # FFN gate activation: "silu", or "gelu_tanh" (GeGLU)
+    embed_scale: float = 1.0           # x = embed[ids] * embed_scale (Gemma: sqrt(hidden_size))
+    post_norms: bool = False           # rms_norm of the attention and FFN outputs before each residual add
+    norm_plus_one: bool = False        # norm weights stored as w, applied as 1 + w (HF Gemma; GGUF adds the 1)
+    attn_scale: float = 0.0            # scores' scale (0: head_dim^-0.5; Gemma: query_pre_attn_scalar^-0.5)
+    attn_softcap: float = 0.0          # scores s -> c * tanh(s / c) (Gemma 2; 0: none)
+    final_softcap: float = 0.0         # logits -> c * tanh(logits / c) (Gemma 2; 0: none)
+    rope_local_base: float = 0.0       # rope base of the sliding-window layers, unscaled (Gemma 3; 0: rope_base)
     name: str = ""
     # derived (set in __post_init__)
     q_dim: int = field(init=False)     # n_heads * head_dim
@@ -70,6 +82,8 @@ class LlamaConfig:
             self.head_dim = self.hidden_size // self.n_heads
         if self.rot_dim <= 0:
             self.rot_dim = self.head_dim
+        if self.act not in ("silu", "gelu_tanh"):
+            raise ValueError(f"act must be silu or gelu_tanh, got {self.act!r}")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}")
         if self.rot_dim % 2 or self.rot_dim > self.head_dim:
@@ -94,6 +108,13 @@ class LlamaConfig:
         if not self.sliding_window or (self.window_layers is not None and not self.window_layers[layer]):
             return 0
         return int(self.sliding_window)
+
+    def rope_of(self, layer: int, factors: tuple | None) -> tuple:
+        """(base, frequency divisors) one layer rotates by: Gemma 3's sliding-window layers take
+        their own base and no scaling; every other layer `rope_base` and `factors`."""
+        if self.rope_local_base and self.window_of(layer):
+            return self.rope_local_base, None
+        return self.rope_base, factors
 
     def rope_factors_for(self, context: int) -> tuple | None:
         """The frequency divisors a model with this context window rotates by."""

@@ -1,16 +1,20 @@
-"""The Llama-family decoder (Llama, Qwen2/3, Mistral) on WebGPU: weights, KV cache, prefill and decode.
+"""The Llama-family decoder (Llama, Qwen2/3, Mistral, Phi-3, Gemma 2/3) on WebGPU: weights, KV
+cache, prefill and decode.
 
-    x = embed(ids)                                             # (T, C)
+    x = embed(ids) (* sqrt(C): Gemma)                          # (T, C)
     for each layer:
         h = rms_norm(x)                                        # (T, C)
         qkv = h · Wqkvᵀ (+ bias)                               # (T, Hq + 2 Hkv, D), Q|K|V fused
-        q, k = rms_norm(q head), rms_norm(k head)              # Qwen3 only
+        q, k = rms_norm(q head), rms_norm(k head)              # Qwen3, Gemma 3
         rope(q, k); k, v -> cache rows pos0 .. pos0+T-1        # caches (Hkv, ctx, D)
-        x += attention(q, cache) · Woᵀ                         # causal GQA (sliding window where the
-                                                               # layer has one); residual fused in matmul
+        a = attention(q, cache) · Woᵀ                          # causal GQA (sliding window where the
+                                                               # layer has one; Gemma 2: capped scores)
+        x += a, or x += rms_norm(a) (Gemma)                    # residual fused in the matmul
         h = rms_norm(x)
-        x += (silu(h · Wgateᵀ) * (h · Wupᵀ)) · Wdownᵀ          # gate|up fused: (T, 2F)
+        f = (act(h · Wgateᵀ) * (h · Wupᵀ)) · Wdownᵀ            # gate|up fused: (T, 2F); act silu or GELU-tanh
+        x += f, or x += rms_norm(f) (Gemma)
     logits = rms_norm(x[T-1]) · Wheadᵀ                          # (1, V); head = embed when tied
+    logits = cap * tanh(logits / cap)                          # Gemma 2
 
 Weights go to the GPU as stored (GGUF blocks, HF float rows). Activations are allocated once for
 `prefill_chunk` rows. The ops of a forward of T rows are built once per T and replayed; the decode
@@ -50,13 +54,17 @@ class LlamaLayer:
     qkv_bias: Tensor | None = None     # (Hq*D + 2*Hkv*D,) f32: Qwen2
     o_bias: Tensor | None = None       # (C,) f32
     qk_norm: Tensor | None = None      # (2D,) f32: q_norm | k_norm, per head before RoPE (Qwen3)
+    post_attn_norm: Tensor | None = None  # (C,) f32: Gemma's norms of the attention / FFN outputs
+    post_ffn_norm: Tensor | None = None
 
 
 @dataclass(frozen=True)
 class FusionPlan:
     """Which fused kernels one forward uses, chosen once per op list from the device's matmul
     strategy (kernels/matmul.py: fusable, epilogue_ok, default_config) and the layers' weights. Only
-    a decode step (T = 1) fuses; prefill runs every position through the row-invariant kernels."""
+    a decode step (T = 1) fuses; prefill runs every position through the row-invariant kernels.
+    The matmul epilogues know SiLU and plain residual adds only: GeGLU layers (Gemma) run their
+    activation as its own kernel, and layers with post norms keep the residual add apart."""
 
     norm_in_matmul: bool = False       # RMSNorm folded into the qkv / gate_up matmuls' input
     silu_in_down: bool = False         # silu(gate) * up folded into the down matmul's input
@@ -73,17 +81,31 @@ class FusionPlan:
             return cls(rope_kv=(False,) * n, silu_out=(False,) * n)
         return cls(
             norm_in_matmul=all(mm.fusable(dev, 1, w) for L in layers for w in (L.qkv, L.gate_up)),
-            silu_in_down=all(mm.fusable(dev, 1, L.down, silu=True) and not L.silu_pairs for L in layers),
-            res_norm=cfg.hidden_size % 32 == 0 and mm.default_config(dev).res_norm and all(
+            silu_in_down=cfg.act == "silu" and not cfg.post_norms and all(
+                mm.fusable(dev, 1, L.down, silu=True) and not L.silu_pairs for L in layers),
+            res_norm=cfg.hidden_size % 32 == 0 and not cfg.post_norms and mm.default_config(dev).res_norm and all(
                 mm.epilogue_ok(dev, w.qtype, w.n, w.k) and len(w.bufs) == 1
                 for L in layers for w in (L.o, L.down)),
             head_norm_in_matmul=mm.fusable(dev, 1, lm_head),
             # adjacent-pair rope only, and a head of whole vec4s; q/k norms come between the
             # matmul and RoPE, so those layers keep the separate rope_kv kernel
             rope_kv=tuple(not cfg.rope_neox and cfg.head_dim % 4 == 0 and L.qk_norm is None
-                          and cfg.rope_attn_factor == 1.0
+                          and cfg.rope_attn_factor == 1.0 and not cfg.rope_local_base
                           and mm.epilogue_ok(dev, L.qkv.qtype, L.qkv.n, L.qkv.k) for L in layers),
             silu_out=tuple(L.silu_pairs for L in layers))
+
+
+def _floats(t) -> list:
+    """The values of a small f32 / f16 / bf16 vector (norm weights)."""
+    raw = bytes(t.data)
+    if t.qtype == "f32":
+        return list(struct.unpack(f"<{len(raw) // 4}f", raw))
+    if t.qtype == "f16":
+        return list(struct.unpack(f"<{len(raw) // 2}e", raw))
+    if t.qtype == "bf16":
+        return list(struct.unpack(f"<{len(raw) // 2}f",
+                                  b"".join(b"\0\0" + raw[i:i + 2] for i in range(0, len(raw), 2))))
+    raise UnsupportedModelError(f"norm weight {t.name} in {t.qtype}: f32, f16 or bf16 expected")
 
 
 class LlamaModel:
@@ -157,7 +179,7 @@ class LlamaModel:
         def gate_up(p):
             # rows interleaved in pairs when the decode matmul can store silu(gate) * up itself
             g, u = get(p + "gate"), get(p + "up")
-            if g.qtype == u.qtype and g.n == u.n and g.n % 2 == 0 and \
+            if c.act == "silu" and g.qtype == u.qtype and g.n == u.n and g.n % 2 == 0 and \
                     mm.epilogue_ok(dev, g.qtype, 2 * g.n, g.k):
                 data = mm.interleave_pairs(g.data, u.data, g.qtype, g.k)
                 return mm.upload_weight(dev, data, g.qtype, 2 * g.n, g.k, owner=own, label=p + "gate_up"), True
@@ -168,25 +190,35 @@ class LlamaModel:
             data = b"".join(bytes(p.data) for p in parts) if len(parts) > 1 else parts[0].data
             return mm.upload_vector(dev, data, dtype=parts[0].qtype, owner=own, label=label)
 
+        def norm(names, label):
+            if not c.norm_plus_one:
+                return vec(names, label)
+            # HF Gemma keeps w and computes x * (1 + w): add the 1 once here (a few KB), so every
+            # norm kernel and fused path stays plain; GGUF Gemma files store 1 + w already
+            vals = [v + 1.0 for n in names for v in _floats(get(n))]
+            return mm.upload_vector(dev, struct.pack(f"<{len(vals)}f", *vals), owner=own, label=label)
+
         self.embed = mat(["embed"], "embed")                                      # (V, C)
         self.lm_head = self.embed if c.tie_embeddings or "lm_head" not in weights \
             else mat(["lm_head"], "lm_head")                                     # (V, C)
-        self.final_norm = vec(["norm"], "norm")                                   # (C,)
+        self.final_norm = norm(["norm"], "norm")                                  # (C,)
         self.layers: list[LlamaLayer] = []
         for i in range(c.n_layers):
             p = f"layers.{i}."
             gu, pairs = gate_up(p)
             self.layers.append(LlamaLayer(
-                attn_norm=vec([p + "attn_norm"], p + "attn_norm"),
+                attn_norm=norm([p + "attn_norm"], p + "attn_norm"),
                 qkv=mat([p + "q", p + "k", p + "v"], p + "qkv"),
                 o=mat([p + "o"], p + "o"),
-                ffn_norm=vec([p + "ffn_norm"], p + "ffn_norm"),
+                ffn_norm=norm([p + "ffn_norm"], p + "ffn_norm"),
                 gate_up=gu, silu_pairs=pairs,
                 down=mat([p + "down"], p + "down"),
                 qkv_bias=vec([p + "q_bias", p + "k_bias", p + "v_bias"], p + "qkv_bias")
                 if p + "q_bias" in weights else None,
                 o_bias=vec([p + "o_bias"], p + "o_bias") if p + "o_bias" in weights else None,
-                qk_norm=vec([p + "q_norm", p + "k_norm"], p + "qk_norm") if c.qk_norm else None))
+                qk_norm=norm([p + "q_norm", p + "k_norm"], p + "qk_norm") if c.qk_norm else None,
+                post_attn_norm=norm([p + "post_attn_norm"], p + "post_attn_norm") if c.post_norms else None,
+                post_ffn_norm=norm([p + "post_ffn_norm"], p + "post_ffn_norm") if c.post_norms else None))
             if progress:
                 progress((i + 1) / c.n_layers, f"uploaded layer {i + 1}/{c.n_layers}")
 
@@ -231,6 +263,8 @@ class LlamaModel:
         rms = (self.part, eps)
         norms_after = [L.attn_norm for L in self.layers[1:]] + [self.final_norm]
         ops = [mm.embedding(dev, self.ids.view((T,)), self.embed, x)]              # x (T, C)
+        if c.embed_scale != 1.0:                                                   # Gemma: x *= sqrt(C)
+            ops.append(nn.scale(dev, x, x, c.embed_scale))
         for i, L in enumerate(self.layers):
             kc, vc = self.k_cache[i], self.v_cache[i]
             # h = rms_norm(x); qkv = h · Wqkvᵀ (+ bias)                             (T, H+2Hkv, D)
@@ -249,13 +283,18 @@ class LlamaModel:
                                             eps=eps))
             # rope(q, k); k, v -> caches; x += attention(q, caches) · Woᵀ
             if rope is None:
-                ops.append(nn.rope_kv(dev, qkv, kc, vc, step, n_q_heads=H, n_kv_heads=Hkv,
-                                      head_dim=D, ctx=self.ctx, **rope_kw))
+                base, factors = c.rope_of(i, self.rope_factors)
+                ops.append(nn.rope_kv(dev, qkv, kc, vc, step, n_q_heads=H, n_kv_heads=Hkv, head_dim=D,
+                                      ctx=self.ctx, **{**rope_kw, "base": base, "factors": factors}))
             ops.append(nn.attention(dev, qkv, kc, vc, attn, step, n_q_heads=H, n_kv_heads=Hkv,
-                                    head_dim=D, ctx=self.ctx, scale=D ** -0.5, max_t=T, causal=ri,
-                                    window=c.window_of(i)))
-            ops.append(mm.matmul(dev, attn, L.o, x, bias=L.o_bias, accumulate=True, row_invariant=ri,
-                                 norm_out=mm.NormOut(L.ffn_norm, h, self.part) if plan.res_norm else None))
+                                    head_dim=D, ctx=self.ctx, scale=c.attn_scale or D ** -0.5, max_t=T,
+                                    causal=ri, window=c.window_of(i), softcap=c.attn_softcap))
+            if L.post_attn_norm is not None:     # x += rms_norm(attn · Woᵀ)
+                ops += [mm.matmul(dev, attn, L.o, h, bias=L.o_bias, row_invariant=ri),
+                        nn.rms_norm(dev, h, L.post_attn_norm, h, eps=eps), nn.add(dev, x, h, x)]
+            else:
+                ops.append(mm.matmul(dev, attn, L.o, x, bias=L.o_bias, accumulate=True, row_invariant=ri,
+                                     norm_out=mm.NormOut(L.ffn_norm, h, self.part) if plan.res_norm else None))
             # h = rms_norm(x); gu = h · [Wgate | Wup]ᵀ, or silu(gate) * up stored by the matmul
             out = ffn if plan.silu_out[i] else gu
             if plan.res_norm:
@@ -271,8 +310,12 @@ class LlamaModel:
                 ops.append(mm.matmul(dev, gu, L.down, x, accumulate=True, silu=True, norm_out=nxt))
             else:
                 if not plan.silu_out[i]:
-                    ops.append(nn.silu_mul(dev, gu, ffn, pairs=L.silu_pairs))      # (T, F)
-                ops.append(mm.matmul(dev, ffn, L.down, x, accumulate=True, norm_out=nxt, row_invariant=ri))
+                    ops.append(nn.silu_mul(dev, gu, ffn, pairs=L.silu_pairs, act=c.act))   # (T, F)
+                if L.post_ffn_norm is not None:  # x += rms_norm(ffn · Wdownᵀ)
+                    ops += [mm.matmul(dev, ffn, L.down, h, row_invariant=ri),
+                            nn.rms_norm(dev, h, L.post_ffn_norm, h, eps=eps), nn.add(dev, x, h, x)]
+                else:
+                    ops.append(mm.matmul(dev, ffn, L.down, x, accumulate=True, norm_out=nxt, row_invariant=ri))
         if with_head:                            # logits = rms_norm(x[T-1]) · Wheadᵀ      (1, V)
             if plan.res_norm:                    # h = x * g_final
                 ops.append(mm.matmul(dev, h, self.lm_head, self.logits, rms_from=rms))
@@ -283,6 +326,8 @@ class LlamaModel:
                                        eps=eps))                                   # last row only
                 # one row whatever T: the same kernel for every prefill
                 ops.append(mm.matmul(dev, self.last, self.lm_head, self.logits))
+            if c.final_softcap:                  # Gemma 2
+                ops.append(nn.softcap(dev, self.logits, self.logits, c.final_softcap))
         return ops
 
     def ops_for(self, T: int, with_head: bool = True) -> list[Op]:

@@ -46,8 +46,8 @@ def _gguf_llama(g):
     return g.model_config()
 
 
-def _decoder(name: str) -> Architecture:
-    return Architecture(name, LLM, "llama:LlamaModel", _gguf_llama, hf_config.load_llama_config, "llama",
+def _decoder(name: str, hf_names: str = "llama") -> Architecture:
+    return Architecture(name, LLM, "llama:LlamaModel", _gguf_llama, hf_config.load_llama_config, hf_names,
                         memory.estimate_llm)
 
 
@@ -57,6 +57,8 @@ ARCHITECTURES: dict[str, Architecture] = {
     "qwen3": _decoder("qwen3"),          # llama + per-head q/k RMSNorm
     "mistral": _decoder("mistral"),      # llama (+ sliding window in its config)
     "phi3": _decoder("phi3"),            # llama with fused q|k|v, gate|up; longrope, partial rotary
+    "gemma2": _decoder("gemma2", "gemma"),   # GeGLU, post norms, soft-capping, alternating sliding windows
+    "gemma3": _decoder("gemma3", "gemma"),   # gemma2 + q/k norms, 5 local : 1 global layers, no caps
     "bert": Architecture("bert", EMBEDDING, "bert:BertModel", None, hf_config.load_bert_config, "",
                          memory.estimate_bert),
     # BERT with positions offset by padding_idx + 1 and a SentencePiece tokenizer (bge-m3, multilingual-e5)
@@ -71,7 +73,7 @@ ARCHITECTURES: dict[str, Architecture] = {
 HF_ARCHITECTURES = {**hf_config.LLAMA_ARCHITECTURES, **{a: "bert" for a in hf_config.BERT_ARCHITECTURES},
                     **{a: "xlm-roberta" for a in hf_config.XLMR_ARCHITECTURES},
                     **{a: "nomic_bert" for a in hf_config.NOMIC_ARCHITECTURES}}
-HF_MODEL_TYPES = {**{t: t for t in hf_config.LLAMA_MODEL_TYPES}, "bert": "bert", "xlm-roberta": "xlm-roberta",
+HF_MODEL_TYPES = {**hf_config.LLAMA_MODEL_TYPES, "bert": "bert", "xlm-roberta": "xlm-roberta",
                   "nomic_bert": "nomic_bert"}
 
 
