@@ -273,3 +273,15 @@ except FeatureSupportError as e:
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                        cwd=Path(__file__).resolve().parent.parent)
     assert r.returncode == 0 and r.stdout.strip() == "refused llguidance", r.stderr[-2000:]
+
+
+async def test_bad_tool_definitions_are_400_naming_tools(engine):
+    bad = {"type": "function", "function": {"name": "f", "parameters": {"type": "objekt"}}}
+    with pytest.raises(Exception) as e:
+        await chat(engine, tools=[bad], tool_choice="required")
+    assert e.value.http_status == 400 and e.value.param == "tools" and "parameters" in str(e.value)
+    for name in ("", "has space", "x" * 65):
+        with pytest.raises(S.FieldTypeError):
+            await chat(engine, tools=[{"type": "function", "function": {"name": name}}])
+    with pytest.raises(S.FieldTypeError, match="unique"):
+        await chat(engine, tools=[WEATHER, WEATHER])

@@ -335,12 +335,14 @@ async def _stream(engine, lm, req, gen, rid, created, kind, messages, prompt, de
                     yield piece(prompt)
                     first = False
                 held = None if tools is None else []    # text that may still turn out a tool call
+                held_lps: list = []
                 async for delta, entries in steps:
                     if held is not None:
                         held.append(delta)
+                        held_lps.extend(entries)
                         if tools.may_be_call("".join(held)):
                             continue
-                        delta, held = "".join(held), None
+                        delta, entries, held = "".join(held), held_lps, None
                     yield piece(delta, entries, first=first and chat)
                     first = False
                 stream.finish_reason = lm.pipeline.finish_reason or "stop"

@@ -17,6 +17,8 @@ import json
 import re
 import uuid
 
+from ..errors import InvalidRequestError
+
 HERMES, LLAMA3, MISTRAL = "hermes", "llama3", "mistral"
 _ARGS_KEY = {HERMES: "arguments", LLAMA3: "parameters", MISTRAL: "arguments"}
 
@@ -213,7 +215,13 @@ async def prepare_chat(lm, req: dict, gen):
     if fmt is not None:
         t0 = time.perf_counter()
         compile_ = pipe.grammars.compile
-        # compiling can take a while for a large schema: off the event loop where threads exist
-        g = await asyncio.to_thread(compile_, fmt) if sys.platform != "emscripten" else compile_(fmt)
+        try:
+            # compiling can take a while for a large schema: off the event loop where threads exist
+            g = await asyncio.to_thread(compile_, fmt) if sys.platform != "emscripten" else compile_(fmt)
+        except InvalidRequestError as e:
+            if ctx is None:
+                raise
+            raise InvalidRequestError(f"A function's `parameters` cannot be used as a JSON Schema: {e}",
+                                      param="tools") from None
         gen = replace(gen, grammar=g, grammar_init_s=time.perf_counter() - t0)
     return messages, gen, ctx

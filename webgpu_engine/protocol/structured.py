@@ -9,6 +9,7 @@ in the browser too, where the fields are then refused by the pipeline: no llguid
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from ..errors import InvalidRequestError
@@ -16,6 +17,7 @@ from .errors import FieldTypeError
 
 MAX_GRAMMAR_CHARS = 100_000          # a schema or grammar text larger than this is refused
 FORMATS = ("text", "json_object", "json_schema", "grammar", "regex")
+_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 class InvalidResponseFormatError(InvalidRequestError):
@@ -130,8 +132,11 @@ def check_tools(tools: Any, tool_choice: Any) -> tuple[list[dict] | None, Any]:
         if t.get("type", "function") != "function":
             raise UnsupportedToolTypeError(t.get("type"))
         f = t.get("function")
-        if not isinstance(f, dict) or not isinstance(f.get("name"), str) or not f["name"]:
-            raise FieldTypeError(f"tools[{i}].function", "an object with a non-empty `name`", f)
+        if not isinstance(f, dict) or not isinstance(f.get("name"), str) or not _NAME.fullmatch(f["name"]):
+            raise FieldTypeError(f"tools[{i}].function", "an object with a `name` of 1-64 letters, digits, "
+                                 "_ or - (as OpenAI requires)", f)
+        if f["name"] in names:
+            raise FieldTypeError(f"tools[{i}].function.name", "unique among the tools", f["name"])
         params = f.get("parameters")
         params = {"type": "object", "properties": {}} if params is None else \
             _schema(params, f"tools[{i}].function.parameters")
