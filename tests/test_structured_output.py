@@ -77,6 +77,13 @@ async def test_json_schema_output_validates(engine, i):
         jsonschema.validate(json.loads(text), schema)
 
 
+async def test_properties_come_in_the_schema_order(engine):
+    for props in (["zeta", "alpha", "mid"], ["alpha", "mid", "zeta"]):
+        schema = obj({k: {"enum": [1, 2]} for k in props})
+        r = await chat(engine, response_format={"type": "json_object", "schema": schema}, temperature=0)
+        assert list(json.loads(r.choices[0].message.content)) == props
+
+
 async def test_unconstrained_tiny_model_writes_no_json(engine):
     r = await chat(engine, temperature=0, max_tokens=30)
     with pytest.raises(ValueError):

@@ -41,7 +41,8 @@ def grammar_text(fmt: dict) -> tuple[str, str]:
     if kind == "json_object":
         return "json_schema", json.dumps({"type": "object"})
     if kind == "json_schema":
-        return "json_schema", json.dumps(fmt["schema"], sort_keys=True)
+        # key order kept: properties are written in the schema's order (as OpenAI does)
+        return "json_schema", json.dumps(fmt["schema"])
     if kind in ("grammar", "lark"):
         return kind, fmt["grammar"]
     if kind == "regex":
