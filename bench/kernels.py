@@ -2,6 +2,7 @@
 (T = 1 decode, T = 128 prefill) on the current adapter, against a plain copy kernel's GB/s.
 
     python bench/kernels.py [--quick] [--act f32] [--runs 5] [--tm 8] [--wg 64] [--set v4=0]
+    python bench/kernels.py --batch [--T 1,2,4,8,16] [--variants] [--tune] [--only q4_k]
 
 Prints a table and writes bench/results/kernels.json. Timing: many dispatches recorded into one
 submit, then a blocking readback; best of --runs (the machine may be shared, so take the best).
@@ -9,6 +10,11 @@ GB/s counts the bytes a kernel must move at least once: weight (GPU layout) + x 
 read + write for the copy; %copy compares it with the faster of the two copies, %cpu makes the same
 comparison per second of this process's CPU time (a CPU adapter's threads are ours, so this column
 does not depend on what else the machine runs).
+--batch: the decode matmul for T = 1..16 activation rows (several sequences in one step) at
+SmolLM2-135M's shapes, as the engine selects it (default config): before (batch_max_t=0: the row and
+tiled kernels) and after (kernels/matmul_batch.py), with --variants every batched variant too;
+--tune stores the fastest variant per shape and T in matmul_batch.PROFILES and prints them.
+Writes bench/results/kernels_batch.json.
 """
 from __future__ import annotations
 
@@ -27,6 +33,7 @@ os.environ.setdefault("XDG_RUNTIME_DIR", "/tmp")
 from webgpu_engine.gpu import request_device_sync  # noqa: E402
 from webgpu_engine.kernels import quant_ref as qr  # noqa: E402
 from webgpu_engine.kernels.common import DTYPE_SIZE, Op, Tensor, new_tensor, params  # noqa: E402
+from webgpu_engine.kernels import matmul as mm, matmul_batch as mb  # noqa: E402
 from webgpu_engine.kernels.matmul import (MatmulConfig, _grid, matmul, upload_weight)  # noqa: E402
 
 OWNER = "bench"
@@ -105,6 +112,86 @@ def bench_matmul(dev, name, n, k, qtype, T, act, cfg, min_s, runs) -> dict:
             "GB/s": moved / t / 1e9, "GFLOP/s": 2 * T * n * k / t / 1e9}
 
 
+# --------------------------------------------------------------------------- --batch
+# SmolLM2-135M: hidden 576, FFN 1536, vocab 49152 (K-quants need K % 256 == 0: only the down projection)
+BATCH_SHAPES = [
+    ("smollm2.gate_up", 1536, 576, ["q4_0", "q4_1", "q8_0", "f16"]),
+    ("smollm2.down", 576, 1536, ["q4_0", "q4_1", "q8_0", "q4_k", "q6_k", "f16"]),
+    ("smollm2.lm_head", 49152, 576, ["q8_0"]),
+]
+
+
+def _time_engine(dev, x, w, y, a, overrides: dict, variant=None) -> tuple[float, float]:
+    """(ms, cpu ms) of matmul as the engine selects it under `overrides` (or one batched variant)."""
+    saved = dict(mm.CONFIG_OVERRIDES)
+    mm.CONFIG_OVERRIDES.clear()
+    mm.CONFIG_OVERRIDES.update(overrides)
+    try:
+        op = mb.matmul(dev, x, w, y, variant=variant) if variant else matmul(dev, x, w, y)
+        t, cpu = time_op(dev, op, y.buf, a.min_s, a.runs)
+    finally:
+        mm.CONFIG_OVERRIDES.clear()
+        mm.CONFIG_OVERRIDES.update(saved)
+    op.release()
+    return t * 1e3, cpu * 1e3
+
+
+def bench_batch(dev, a) -> int:
+    Ts = [int(v) for v in a.T.split(",")]
+    rng = np.random.default_rng(0)
+    rows, tuned = [], {}
+    print(f"adapter: {dev.info.name} ({dev.info.backend}); act {a.act}; ms = wall, cpu = process CPU ms")
+    print(f"{'shape':16} {'n x k':>11} {'qtype':6} {'T':>3} {'before':>8} {'cpu':>8} {'after':>8} {'cpu':>8} "
+          f"{'x':>5} {'after/T1':>8}  variant")
+    for name, n, k, qtypes in BATCH_SHAPES:
+        for q in qtypes:
+            if a.only and a.only not in f"{name}:{q}":
+                continue
+            w = upload_weight(dev, qr.random_weight(q, n, k, rng), q, n, k, owner=OWNER, label=name)
+            t1 = None
+            for T in Ts:
+                x = Tensor(dev.upload(rng.standard_normal((T, k)).astype(np.float32 if a.act == "f32"
+                                                                           else np.float16), owner=OWNER),
+                           (T, k), a.act)
+                y = new_tensor(dev, (T, n), a.act, owner=OWNER)
+                before = _time_engine(dev, x, w, y, a, {"batch_max_t": 0})
+                after = _time_engine(dev, x, w, y, a, {})
+                t1 = t1 or after
+                chosen = mb.choose(dev, w, T).key if 2 <= T <= mb.MAX_T else "-"
+                r = {"shape": name, "n": n, "k": k, "qtype": q, "T": T, "act": a.act,
+                     "before_ms": before[0], "before_cpu_ms": before[1], "after_ms": after[0],
+                     "after_cpu_ms": after[1], "variant": chosen, "weight_bytes": w.nbytes}
+                if (a.variants or a.tune) and 2 <= T <= mb.MAX_T:
+                    r["variants"] = {v.key: _time_engine(dev, x, w, y, a, {}, variant=v) for v in mb.VARIANTS}
+                    if a.tune:      # by CPU time on a CPU adapter (load-independent), else wall time
+                        col = 1 if "llvmpipe" in dev.info.name.lower() else 0
+                        best = min(mb.VARIANTS, key=lambda v: r["variants"][v.key][col])
+                        tuned[(q, n, k, mb.bucket(T))] = best
+                rows.append(r)
+                print(f"{name:16} {n:>5}x{k:<5} {q:6} {T:>3} {before[0]:8.3f} {before[1]:8.3f} "
+                      f"{after[0]:8.3f} {after[1]:8.3f} {before[1] / after[1]:5.2f} {after[1] / t1[1]:8.2f}  "
+                      f"{chosen}", flush=True)
+                for key, (ms, cpu) in r.get("variants", {}).items():
+                    print(f"{'':46} {key:>18} {ms:8.3f} {cpu:8.3f}")
+                x.buf.release()
+                y.buf.release()
+            w.release()
+    if tuned:
+        mb.PROFILES[mb.adapter_key(dev)] = tuned
+        print("tuned (qtype, n, k, T bucket) -> variant:")
+        for key, v in tuned.items():
+            print(f"  {key}: {v.key}")
+    out = Path(a.out).with_name("kernels_batch.json") if a.out == DEFAULT_OUT else Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"adapter": dev.info.__dict__, "act": a.act, "rows": rows,
+                               "tuned": {str(k): v.key for k, v in tuned.items()}}, indent=1))
+    print(f"wrote {out}")
+    return 0
+
+
+DEFAULT_OUT = str(Path(__file__).resolve().parent / "results" / "kernels.json")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="a few key variants only")
@@ -119,9 +206,16 @@ def main(argv=None) -> int:
     ap.add_argument("--no-unroll", action="store_true", help="T = 1: the loop kernel, not matmul_decode")
     ap.add_argument("--set", default="", help="MatmulConfig fields, e.g. v4=0,v4_max_k=2048")
     ap.add_argument("--only", default="", help="substring filter on shape name / qtype")
-    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "kernels.json"))
+    ap.add_argument("--out", default=DEFAULT_OUT)
+    ap.add_argument("--batch", action="store_true", help="T = 1..16 decode batches: before / after")
+    ap.add_argument("--variants", action="store_true", help="--batch: time every batched variant too")
+    ap.add_argument("--tune", action="store_true", help="--batch: store the fastest variant per shape")
     a = ap.parse_args(argv)
     dev = request_device_sync()
+    if a.batch:
+        if a.T == "1,128":
+            a.T = "1,2,4,8,16"
+        return bench_batch(dev, a)
     cfg = MatmulConfig()
     if a.tm:
         cfg.tm = a.tm

@@ -10,6 +10,7 @@ Kernels: `shaders/matmul.wgsl` (generic loop) and `shaders/embedding.wgsl`, each
 with one `shaders/matmul_<qtype>.wgsl` (the weight binding and its dequantization of 32 weights),
 or for the types in DEQUANT_WGSL `shaders/matmul_words.wgsl` plus the shared `shaders/dequant.wgsl`.
 Weight types and their block geometry: `kernels/qtypes.py`.
+2 ≤ T ≤ 16 (a decode step of several sequences): `kernels/matmul_batch.py`.
 T = 1 on CPU adapters: `shaders/matmul_decode.wgsl` (the K loop unrolled by the host) and, for
 Q4_0/Q4_1/Q8_0, `shaders/matmul_decode_v4.wgsl` (the same, weights read as vec4<u32>).
 Page code: standard library only.
@@ -24,7 +25,7 @@ from ..gpu import Buffer, Device
 from ..gpu.shaders import load_shader_source
 from .common import DTYPE_SIZE, XREAD, Op, Tensor, act_header, check, params, placeholder, wmap_header
 from .common import window as _window
-from . import matmul_tiled
+from . import matmul_batch, matmul_tiled
 from .qtypes import QTYPE, QTYPES
 
 # from the one table of weight types (kernels/qtypes.py): qtype → (file bytes per block, weights per
@@ -71,6 +72,8 @@ class MatmulConfig:
     v4_max_n: int = 1 << 30   # unrolled as in matmul_decode); only where `unroll` is on. lavapipe:
     # 1.2-1.5x per matmul, the 49152-row LM head too. Uncached compile (Mesa caches on disk): K = 576
     # 1.8 s (3.2 s for matmul_decode), K = 1536 9 s for ~0.07 ms per matmul: not worth it
+    batch_max_t: int = 16   # 2 <= T <= this (decode of several sequences): kernels/matmul_batch.py,
+    # each weight chunk decoded once for all T rows (0: off, the row / tiled kernels as before)
 
 
 def default_config(dev: Device) -> MatmulConfig:
@@ -518,9 +521,14 @@ def matmul(dev: Device, x: Tensor, w: QWeight, y: Tensor, *, bias: Tensor | None
     if row_invariant:
         check(ep == "store" and norm is None and not silu and rms_from is None, "matmul",
               "row_invariant takes no fused input or epilogue")
+    plain = ep == "store" and norm is None and not silu and rms_from is None
+    if 2 <= T <= cfg.batch_max_t and config is None and plain and not row_invariant:
+        return matmul_batch.matmul(dev, x, w, y, bias=bias, accumulate=accumulate)   # decode batches
     if (T > 1 or row_invariant) and config is None and cfg.tiled:
-        op = matmul_tiled.matmul(dev, x, w, y, bias=bias, accumulate=accumulate,   # prefill tiles
-                                 any_t=row_invariant)
+        # prefill tiles; a short row-invariant run takes a tile of its size (same bits per row)
+        tile = matmul_batch.tiled_config(dev, w.qtype, T) if T <= cfg.batch_max_t else None
+        op = matmul_tiled.matmul(dev, x, w, y, bias=bias, accumulate=accumulate,
+                                 any_t=row_invariant, config=tile)
         if op is not None:
             return op
     unrolled = not row_invariant and (_use_v4(cfg, w) or cfg.unroll and K <= cfg.unroll_max_k
