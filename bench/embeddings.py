@@ -2,10 +2,13 @@
 the current adapter, a per-kernel time breakdown of one batch, and sentence-transformers when present.
 
     python bench/embeddings.py [--n 256] [--words 32] [--batch 32] [--dtypes f32,f16] [--model DIR]
-                               [--st-python PYTHON_WITH_SENTENCE_TRANSFORMERS]
+                               [--st-python PYTHON_WITH_SENTENCE_TRANSFORMERS] [--families]
 
 Prints a table and writes bench/results/embeddings.json. The workload: `n` sentences of about `words`
-English words each (fixed seed), embedded in one request with max_batch_size `batch`.
+English words each (fixed seed), embedded in one request with max_batch_size `batch`. --families adds a
+row per family's tiny model (tests' fixtures: BERT, XLM-RoBERTa, NomicBert embedders; BERT and XLM-R
+cross-encoders reranking the sentences against the first), f32, each beside sentence-transformers on
+the same inputs where it can load the model (not NomicBert: its code is remote code on the hub).
 """
 from __future__ import annotations
 
@@ -100,24 +103,37 @@ async def bench_engine(dev, folder: Path, dtype: str, texts: list[str], batch: i
 _ST_SCRIPT = r"""
 import json, sys, time
 import torch
-from sentence_transformers import SentenceTransformer
+from sentence_transformers import CrossEncoder, SentenceTransformer
 folder, batch, repeats = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+rerank = len(sys.argv) > 4 and sys.argv[4] == "rerank"
 texts = json.load(sys.stdin)
-model = SentenceTransformer(folder, device="cpu")
-model.encode(texts[:batch], batch_size=batch)
+if rerank:                          # the first text is the query, every text a document
+    model = CrossEncoder(folder, device="cpu")
+    pairs = [[texts[0], t] for t in texts]
+    work = lambda items: model.predict(items, batch_size=batch)
+    items = pairs
+else:
+    model = SentenceTransformer(folder, device="cpu")
+    work = lambda items: model.encode(items, batch_size=batch)
+    items = texts
+work(items[:batch])
 runs = []
 for _ in range(repeats):
     t = time.perf_counter()
-    model.encode(texts, batch_size=batch)
+    work(items)
     runs.append(time.perf_counter() - t)
-n_tok = sum(len(model.tokenize([s])["input_ids"][0]) for s in texts)
+if rerank:
+    n_tok = sum(len(i) for i in model.tokenizer([p[0] for p in pairs], [p[1] for p in pairs],
+                                                truncation=True)["input_ids"])
+else:
+    n_tok = sum(len(model.tokenize([s])["input_ids"][0]) for s in texts)
 print(json.dumps({"seconds": min(runs), "tokens": n_tok, "torch": torch.__version__,
                   "torch_threads": torch.get_num_threads()}))
 """
 
 
 def bench_sentence_transformers(folder: Path, texts: list[str], batch: int, repeats: int,
-                                python: str | None) -> dict | None:
+                                python: str | None, mode: str = "embed") -> dict | None:
     """sentence-transformers on the CPU, in this interpreter when it imports it, else in `python`
     (a separate environment with torch, so this project's environment stays free of it)."""
     import subprocess
@@ -127,7 +143,7 @@ def bench_sentence_transformers(folder: Path, texts: list[str], batch: int, repe
         except ImportError:
             return None
         python = sys.executable
-    p = subprocess.run([python, "-c", _ST_SCRIPT, str(folder), str(batch), str(repeats)],
+    p = subprocess.run([python, "-c", _ST_SCRIPT, str(folder), str(batch), str(repeats), mode],
                        input=json.dumps(texts), capture_output=True, text=True, check=True)
     r = json.loads(p.stdout.strip().splitlines()[-1])
     best = r["seconds"]
@@ -135,6 +151,45 @@ def bench_sentence_transformers(folder: Path, texts: list[str], batch: int, repe
             "torch_threads": r["torch_threads"], "sentences": len(texts), "tokens": r["tokens"],
             "seconds": round(best, 3), "sentences_per_s": round(len(texts) / best, 2),
             "tokens_per_s": round(r["tokens"] / best, 1)}
+
+
+def family_models(tmp: Path) -> list[tuple[str, Path, str, bool]]:
+    """(family, folder, "embed" | "rerank", sentence-transformers can load it) of each tiny model."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from tiny_encoders import write_tiny_nomic
+    from tinymodels import write_tiny_bert
+    fixtures = ROOT / "tests" / "fixtures"
+    write_tiny_bert(tmp / "tiny-bert", pooling="mean", normalize=True, max_seq_length=64)
+    write_tiny_nomic(tmp / "tiny-nomic")
+    return [("bert (tiny)", tmp / "tiny-bert", "embed", True),
+            ("xlm-roberta (tiny)", fixtures / "tiny_xlmr", "embed", True),
+            ("nomic_bert (tiny)", tmp / "tiny-nomic", "embed", False),
+            ("bert cross-encoder (tiny)", fixtures / "tiny_cross_encoder", "rerank", True),
+            ("xlm-r cross-encoder (tiny)", fixtures / "tiny_xlmr_reranker", "rerank", True)]
+
+
+async def bench_family(dev, family: str, folder: Path, mode: str, texts: list[str], batch: int,
+                       repeats: int) -> dict:
+    from webgpu_engine.config import ChatConfig
+    from webgpu_engine.pipelines.embedding import EmbeddingPipeline
+    pipe = await EmbeddingPipeline.load(dev, folder, ChatConfig(max_batch_size=batch))
+    try:
+        async def work(items):
+            if mode == "rerank":
+                return await pipe.rerank_step(texts[0], items)
+            return await pipe.embed_step(items)
+        await work(texts[:batch])
+        runs = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            res = await work(texts)
+            runs.append(time.perf_counter() - t)
+        best = min(runs)
+        return {"engine": "webgpu_engine", "family": family, "mode": mode, "dtype": "f32",
+                "sentences": len(texts), "tokens": res.prompt_tokens, "seconds": round(best, 3),
+                "sentences_per_s": round(len(texts) / best, 2), "tokens_per_s": round(res.prompt_tokens / best, 1)}
+    finally:
+        pipe.dispose()
 
 
 async def main() -> None:
@@ -147,6 +202,7 @@ async def main() -> None:
     ap.add_argument("--model", type=Path, default=None)
     ap.add_argument("--st-python", default=None,
                     help="python of an environment with sentence-transformers, when this one lacks it")
+    ap.add_argument("--families", action="store_true", help="also each family's tiny model (see above)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "embeddings.json")
     a = ap.parse_args()
     from webgpu_engine import cache
@@ -166,13 +222,25 @@ async def main() -> None:
         rows.append(st)
         for r in rows[:-1]:
             r["ratio_vs_sentence_transformers"] = round(r["sentences_per_s"] / st["sentences_per_s"], 3)
+    if a.families:
+        import tempfile
+        with tempfile.TemporaryDirectory() as tmp:
+            for family, fdir, mode, st_ok in family_models(Path(tmp)):
+                ours = await bench_family(dev, family, fdir, mode, texts, a.batch, a.repeats)
+                rows.append(ours)
+                ref = bench_sentence_transformers(fdir, texts, a.batch, a.repeats, a.st_python, mode) \
+                    if st_ok else None
+                if ref:
+                    ours["ratio_vs_sentence_transformers"] = round(ours["sentences_per_s"] / ref["sentences_per_s"], 3)
+                    rows.append({**ref, "family": family, "mode": mode})
 
     print(f"\nadapter: {dev.info.name} ({dev.info.backend}); {a.n} sentences of ~{a.words} words, "
           f"batch {a.batch}; load average {load_start:.1f} -> {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
-    print(f"{'engine':24s} {'dtype':5s} {'sent/s':>8s} {'tok/s':>9s} {'seconds':>8s} {'vs ST':>6s}")
+    print(f"{'model':33s} {'engine':22s} {'dtype':5s} {'sent/s':>8s} {'tok/s':>9s} {'seconds':>8s} {'vs ST':>6s}")
     for r in rows:
         ratio = r.get("ratio_vs_sentence_transformers")
-        print(f"{r['engine']:24s} {r['dtype']:5s} {r['sentences_per_s']:8.2f} {r['tokens_per_s']:9.1f} "
+        name = r.get("family", folder.name) + (" rerank" if r.get("mode") == "rerank" else "")
+        print(f"{name:33s} {r['engine']:22s} {r['dtype']:5s} {r['sentences_per_s']:8.2f} {r['tokens_per_s']:9.1f} "
               f"{r['seconds']:8.2f} {'' if ratio is None else f'{ratio:6.3f}'}")
     for r in rows:
         if "kernels" in r:
