@@ -129,6 +129,11 @@ def _objects(text: str) -> list:
     return out
 
 
+def _call_id(fmt: str) -> str:
+    # Mistral's templates refuse tool-call ids that are not 9 letters or digits
+    return uuid.uuid4().hex[:9] if fmt == MISTRAL else "call_" + uuid.uuid4().hex[:24]
+
+
 def parse_tool_calls(text: str, fmt: str, names: set[str]) -> tuple[str | None, list[dict]]:
     """(content, tool_calls) of a model's answer: [] when it holds no well-formed call of a known
     function (then the whole text stays content)."""
@@ -164,7 +169,7 @@ def parse_tool_calls(text: str, fmt: str, names: set[str]) -> tuple[str | None, 
                 args = json.loads(args)
             except ValueError:
                 return text, []
-        calls.append({"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
+        calls.append({"id": _call_id(fmt), "type": "function",
                       "function": {"name": v["name"], "arguments": json.dumps(args, ensure_ascii=False)}})
     return (content if calls else text), calls
 

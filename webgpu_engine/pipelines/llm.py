@@ -107,7 +107,8 @@ class LLMChatPipeline:
 
     async def _compile(self) -> None:
         """Create and run once every pipeline of the model and the sampler (see LlamaModel.compile)."""
-        samplers = [self._sample_op.greedy, self._sample_op.full]
+        self._make_mask()                 # the grammar mask's kernel too (its buffer is 4 B per 32 ids)
+        samplers = [self._mask_op, self._sample_op.greedy, self._sample_op.full]
 
         def record(batch, warmed):
             keys = self.model.compile(batch, warmed)
@@ -118,6 +119,11 @@ class LLMChatPipeline:
                     op.record(batch)
             return keys | skeys
         await warm_up(self.dev, record)
+
+    def _make_mask(self) -> None:
+        if self._mask is None:
+            self._mask = LogitMask(self.dev, self.vocab_size, owner=self.owner)
+            self._mask_op = self._mask.op(self.model.logits.view((self.vocab_size,)))
 
     def set_logit_processor(self, proc) -> None:
         """A WebLLM-style processor: process_logits(list[float]) -> list[float] (host round trip
@@ -139,9 +145,7 @@ class LLMChatPipeline:
         if gen is not None and gen.grammar is not None:
             t0 = now()
             self._matcher = gen.grammar.matcher()
-            if self._mask is None:
-                self._mask = LogitMask(self.dev, self.vocab_size, owner=self.owner)
-                self._mask_op = self._mask.op(self.model.logits.view((self.vocab_size,)))
+            self._make_mask()
             self._req.grammar = True
             self._req.grammar_init_s = gen.grammar_init_s + (now() - t0)
 
