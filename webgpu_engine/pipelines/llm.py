@@ -4,7 +4,9 @@ GPU sampling, stop rules, logprobs and stats (modelled on WebLLM's llm_chat.ts).
 One request: `prefill_step(messages | prompt)` computes the prompt (only the tokens after the
 longest prefix already in the KV cache) and samples the first token; `decode_step` feeds the last
 token and samples the next, until EOS (unless ignore_eos), a stop string, max_tokens ("length"),
-a full context window ("length") or `interrupt()` ("abort"). Page code: standard library only.
+a full context window ("length") or `interrupt()` ("abort"). A request with a grammar
+(`gen.grammar`, see grammar.py) masks the logits each step with the matcher's allowed tokens and
+stops ("stop") when the grammar is complete. Page code: standard library only.
 """
 from __future__ import annotations
 
