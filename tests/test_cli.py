@@ -133,3 +133,16 @@ def test_parser_defaults():
     assert a.model == "SmolLM2-135M-Instruct-Q4_1"
     a = build_parser().parse_args(["embed", "x"])
     assert a.model == "all-MiniLM-L6-v2"
+
+
+def test_max_queue_values_match_engine_config():
+    """--max-queue takes EngineConfig.max_queue_length's values: a count (0: none may wait) or none."""
+    from webgpu_engine.engine import EngineConfig
+    parse = lambda *v: build_parser().parse_args(["serve", *v]).max_queue
+    assert parse() == 32 and parse("--max-queue", "0") == 0 and parse("--max-queue", "5") == 5
+    assert parse("--max-queue", "none") is None
+    for bad in ("-1", "x"):
+        with pytest.raises(SystemExit):
+            parse("--max-queue", bad)
+    with pytest.raises(ValueError, match="max_queue_length"):
+        EngineConfig(max_queue_length=-1)

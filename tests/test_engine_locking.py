@@ -423,6 +423,29 @@ async def test_bounded_queue_refuses_with_retry_after_and_deadline_times_out(dev
         await engine.unload()
 
 
+async def test_queue_length_zero_means_none_may_wait(device):
+    """max_queue_length=0 (serve --max-queue 0): a request is refused whenever the model is busy;
+    None: any number may wait."""
+    for limit, refused in ((0, True), (None, False)):
+        engine = await create_mlc_engine(["stub-llm"], stub_config(device, max_queue_length=limit))
+        lm = engine.models["stub-llm"]
+        try:
+            await lm.lock.acquire()           # the model is busy
+            second = asyncio.create_task(engine.chat.completions.create(model="stub-llm", messages=U,
+                                                                        max_tokens=2))
+            await asyncio.sleep(0.05)
+            assert second.done() == refused
+            if refused:
+                assert isinstance(second.exception(), E.ModelBusyError)
+            else:
+                assert lm.lock.queue_length == 1
+            lm.lock.release()
+            if not refused:
+                assert (await second).choices
+        finally:
+            await engine.unload()
+
+
 # --------------------------------------------------------------------------- WebLLM behaviours
 async def test_interrupt_stops_every_choice_of_the_request(device):
     """WebLLM: one interruptGenerate() stops all n choices; the ones not yet begun come back empty

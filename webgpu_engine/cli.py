@@ -272,7 +272,7 @@ def cmd_serve(args) -> int:
     limits = RequestLimits(**{k: v for k, v in given.items() if v is not None})
     cfg = EngineConfig(app_config=app, log_level=args.log_level.upper(), auto_recover=args.auto_recover,
                        limits=limits,
-                       max_queue_length=args.max_queue if args.max_queue > 0 else None,
+                       max_queue_length=args.max_queue,
                        request_timeout_s=args.request_timeout if args.request_timeout > 0 else None)
     opts = ServerOptions(models=models, host=args.host, port=args.port, api_key=args.api_key,
                          max_body_bytes=int(args.max_body_mb * (1 << 20)),
@@ -384,6 +384,20 @@ def _model_options(p, many: bool = False):
                    help="WebLLM ChatOptions as JSON, e.g. '{\"temperature\": 0.2}'" + each)
 
 
+def _queue_length(text: str) -> int | None:
+    """--max-queue: a count >= 0 (0: a request is refused whenever the model is busy) or `none`
+    (unbounded), the values EngineConfig.max_queue_length takes."""
+    if text.strip().lower() in ("none", "unbounded"):
+        return None
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a count >= 0 or 'none', got {text!r}") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected a count >= 0 or 'none', got {n}")
+    return n
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="python -m webgpu_engine",
@@ -457,9 +471,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(repeatable; `*` allows any; default: none)")
     p.add_argument("--auto-recover", action="store_true",
                    help="after a device loss, reload the models on the next request")
-    p.add_argument("--max-queue", type=int, default=32,
-                   help="requests that may wait for one model; more get HTTP 429 with Retry-After "
-                        "(default 32; 0: unbounded)")
+    p.add_argument("--max-queue", type=_queue_length, default=32, metavar="N|none",
+                   help="requests that may wait for one model while it serves another; more get "
+                        "HTTP 429 with Retry-After (default 32; 0: none may wait; none: unbounded), "
+                        "as EngineConfig.max_queue_length")
     p.add_argument("--request-timeout", type=float, default=0.0,
                    help="seconds a request may take, queueing included; past it HTTP 504 "
                         "(default 0: no limit)")

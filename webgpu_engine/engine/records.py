@@ -103,7 +103,9 @@ class EngineConfig:
     limits: how much work one request may ask for (choices, stop strings, logit_bias entries,
         embedding inputs and tokens); see protocol.rules.RequestLimits for the defaults.
     max_queue_length: requests that may wait for one model while it serves another; the next one is
-        refused at once with ModelBusyError (HTTP 429 with Retry-After). None: unbounded.
+        refused at once with ModelBusyError (HTTP 429 with Retry-After). 0: none may wait (a request
+        is refused whenever the model is busy); None: unbounded. `serve --max-queue` takes the same
+        values (`none` for None).
     request_timeout_s: a deadline per request, from its arrival to its last token, covering the
         wait for the model; past it the request stops at the next step boundary with
         RequestTimeoutError (HTTP 504). None: no deadline.
@@ -123,6 +125,10 @@ class EngineConfig:
     request_timeout_s: float | None = None
 
     def __post_init__(self):
+        q = self.max_queue_length
+        if q is not None and (isinstance(q, bool) or not isinstance(q, int) or q < 0):
+            raise ValueError(f"max_queue_length must be an int >= 0 (0: none may wait) or None "
+                             f"(unbounded), got {q!r}")
         if self.app_config is None:
             self.app_config = default_app_config()
         from ..logs import set_log_level
