@@ -15,7 +15,8 @@
 //   Sliding windows (p.window > 0) mask keys at or below p - window in the causal kernels; whole
 //   blocks and splits before a query's window are skipped.
 //   attn_bidir:    BERT. qkv (B*S, 3*H*D) rows [q | k | v]; key j of sequence b visible iff
-//                  j < lengths[b]. Workgroup per (b, block of 64*G queries, h), lane per G
+//                  j < lengths[b] (and, with p.window > 0, |j - i| <= window for query i: ModernBERT's
+//                  local layers; then G = 1). Workgroup per (b, block of 64*G queries, h), lane per G
 //                  consecutive queries. Binds the qkv window as kc and vc too.
 
 struct Params {
@@ -230,7 +231,10 @@ fn attn_bidir(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nw
     let rs = p.heads * D4;                       // row stride (3*H*D / 4)
     load_q(p.qkv_off + r * rs + h * D4, rs);
     let kb = p.qkv_off + b * p.ctx * rs + (p.hq + h) * D4;
-    attend(kb, rs, kb + p.hq * D4, rs, 0u, n_keys, 0u, n_keys);
+    // a local window (host: one query per lane) bounds the keys on both sides of the query
+    let lo = select(0u, q_lo - min(q_lo, p.window), p.window > 0u);
+    let lim = select(n_keys, min(n_keys, q_lo + p.window + 1u), p.window > 0u);
+    attend(kb, rs, kb + p.hq * D4, rs, 0u, n_keys, lo, lim);
     // a clamped lane stores only the queries from q on (those below belong to the previous lane)
     if (q < p.ctx) { store_out(p.out_off + (r * p.hq + h) * D4, p.hq * D4, q - q_lo); }
 }

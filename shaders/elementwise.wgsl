@@ -10,6 +10,7 @@
 //   scale:    y[i] = a[i] * f            (f: the float in p.f0; Gemma's embedding times sqrt(C))
 //   softcap:  y[i] = f * tanh(a[i] / f)  (Gemma 2's final logit soft-capping)
 //   gelu:     y[i] = 0.5 * a[i] * (1 + erf(a[i] / sqrt(2)))
+//   gelu_mul: y[t,f] = gelu(a[t,f]) * a[t,F+f]   (a is (T, 2F) [input | gate], cols = F: GeGLU)
 //   tanh_act: y[i] = tanh(a[i])   (the pooler / classification head of BERT cross-encoders)
 // dispatch (ceil(n/64) split over x,y), workgroup 64. y may alias an input (all read_write).
 // The host header sets the storage type `av` (act or act4) and its f32 twin `fv`: one invocation
@@ -125,6 +126,22 @@ fn gelu(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
     // 1 + erf(v/sqrt2) = erfc(-v/sqrt2): taken directly for v < 0, so no cancellation there
     let one_plus_erf = select(2.0 - e, e, v < fv(0.0));
     yu[p.y_off + i] = av(0.5 * v * one_plus_erf);
+}
+
+fn gelu_f(v: fv) -> fv {
+    let e = erfc_pos(abs(v) * 0.70710678118654752);
+    return 0.5 * v * select(2.0 - e, e, v < fv(0.0));
+}
+
+@compute @workgroup_size(64)
+fn gelu_mul(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+            @builtin(local_invocation_index) lid: u32) {
+    let i = elem_index(wid, nwg, lid);
+    if (i >= p.n) { return; }
+    let t = i / p.cols;
+    let f = i - t * p.cols;
+    let gi = p.a_off + t * 2u * p.cols + f;
+    yu[p.y_off + i] = av(gelu_f(fv(a[gi])) * fv(a[gi + p.u_off]));
 }
 
 @compute @workgroup_size(64)

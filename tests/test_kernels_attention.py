@@ -155,6 +155,26 @@ def test_attention_bidir(device, dtype, b, s, h, d, lengths, qpl):
 
 
 @pytest.mark.parametrize("dtype", ["f32", "f16"])
+@pytest.mark.parametrize("window", [1, 4, 40])
+def test_attention_bidir_local_window(device, dtype, window):
+    """ModernBERT's local layers: query i sees keys |j - i| <= window of its sequence."""
+    b, s, h, d = 2, 70, 2, 16
+    rng = np.random.default_rng(window)
+    qkv = rng.standard_normal((b * s, 3 * h * d))
+    lens = np.array([70, 23], np.uint32)
+    qt, lt = put(device, qkv, dtype, lead=4), put(device, lens, "u32")
+    out = empty(device, (b * s, h * d), dtype)
+    run(device, nn.attention_bidir(device, qt, lt, out, batch=b, seq=s, n_heads=h, head_dim=d, scale=d ** -0.5,
+                                   window=window))
+    got = get(device, out)
+    ref = nn_ref.bidir_attention(rounded(qkv, dtype), lens, b, s, h, d, d ** -0.5, window=window)
+    valid = np.concatenate([np.arange(s) < n for n in lens])
+    np.testing.assert_allclose(got[valid], ref[valid], **TOL[dtype])
+    full = nn_ref.bidir_attention(rounded(qkv, dtype), lens, b, s, h, d, d ** -0.5)
+    assert np.abs(full[valid] - ref[valid]).max() > 1e-2          # the window changes the result
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16"])
 def test_causal_kernel_rows_do_not_depend_on_T(device, dtype):
     """attention(..., causal=True) keeps the prefill kernel for one row: a query gives bit for bit the
     same output alone (T = 1, pos0 = its position) as inside a longer prefill (what a warm KV prefix

@@ -148,6 +148,15 @@ def test_silu_mul(device, dtype, rows, f):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_gelu_mul(device, dtype):
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((5, 2 * 48)) * 3
+    xt, yt = put(device, x, dtype), empty(device, (5, 48), dtype)
+    run(device, nn.gelu_mul(device, xt, yt))
+    np.testing.assert_allclose(get(device, yt), nn_ref.gelu_mul(rounded(x, dtype)), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_tanh(device, dtype):
     rng = np.random.default_rng(5)
     x = np.concatenate([rng.standard_normal(3000) * 2, np.linspace(-100, 100, 2001), [0.0, 1e-8, -1e-8]])

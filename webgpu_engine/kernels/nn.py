@@ -232,6 +232,18 @@ def softcap(dev: Device, x: Tensor, y: Tensor, cap: float) -> Op:
     return _unary_f(dev, "softcap", x, y, cap)
 
 
+def gelu_mul(dev: Device, x: Tensor, y: Tensor) -> Op:
+    """y[t,f] = gelu(x[t,f]) * x[t,F+f].  x (T, 2F) rows [input | gate]; y (T, F): ModernBERT's GeGLU."""
+    k = "gelu_mul"
+    dt = _act(k, x, y)
+    f = int(y.shape[-1])
+    check(int(x.shape[-1]) == 2 * f and x.numel == 2 * y.numel, k, f"x{x.shape} must be (T, 2F) for y{y.shape}")
+    v = _width(dev, k, [f], [x, y])
+    (ae, ao), (ye, yo) = (_window(dev, t, k, v) for t in (x, y))
+    par = params(dev, [y.numel // v, f // v, ao, 0, yo, 1, f // v, 0], owner=y.buf.owner, label=k)
+    return _op(dev, k, "elementwise.wgsl", k, _vec_header(dt, v), par, [ae, ye], y.numel // v)
+
+
 def gelu(dev: Device, x: Tensor, y: Tensor) -> Op:
     """y = 0.5 x (1 + erf(x / sqrt 2)) (the exact, erf form of GELU, as BERT uses)."""
     k = "gelu"
@@ -459,11 +471,12 @@ def attention(dev: Device, qkv: Tensor, k_cache: Tensor, v_cache: Tensor, out: T
 
 
 def attention_bidir(dev: Device, qkv: Tensor, lengths: Tensor, out: Tensor, *, batch: int, seq: int,
-                    n_heads: int, head_dim: int, scale: float, queries_per_lane: int = 2) -> Op:
+                    n_heads: int, head_dim: int, scale: float, queries_per_lane: int = 2, window: int = 0) -> Op:
     """BERT self-attention over B sequences padded to S: qkv (B*S, 3*H*D) rows [q | k | v];
     key j of sequence b is visible iff j < lengths[b] (u32). out (B*S, H*D); padded query rows
     get finite values. queries_per_lane (1..4, per-device tuning): consecutive queries one lane
-    serves, loading each key once for them."""
+    serves, loading each key once for them. window > 0: query i also sees only keys with
+    |j - i| <= window (ModernBERT's local layers; one query per lane then)."""
     k = "attention_bidir"
     dt = _act(k, qkv, out)
     rows = batch * seq
@@ -474,11 +487,12 @@ def attention_bidir(dev: Device, qkv: Tensor, lengths: Tensor, out: Tensor, *, b
     check(out.buf is not qkv.buf, k, "out must not share a buffer with qkv (bound read-only)")
     check(lengths.numel >= batch, k, f"lengths {lengths.shape} must hold B={batch} entries")
     check(1 <= queries_per_lane <= 4, k, f"queries_per_lane must be 1..4, got {queries_per_lane}")
-    queries_per_lane = min(queries_per_lane, seq)     # the kernel needs S >= queries per lane
+    check(window >= 0, k, f"window must be >= 0, got {window}")
+    queries_per_lane = 1 if window else min(queries_per_lane, seq)     # the kernel needs S >= queries per lane
     (qe, qo), (oe, oo) = _window(dev, qkv, k, 4), _window(dev, out, k, 4)
     n_blk = -(-seq // (WG * queries_per_lane))
     par = params(dev, [rows, n_heads, 1, 3 * n_heads, seq, 0, 0, float(scale), qo, qo, qo, oo,
-                       n_blk, 0, 0, 0], owner=out.buf.owner, label=k)
+                       n_blk, int(window), 0, 0], owner=out.buf.owner, label=k)
     # the qkv window is bound as q, k and v source alike (the kernel shares code with attn_causal)
     return _op(dev, k, "attention.wgsl", "attn_bidir", _attn_header(dt, head_dim, queries_per_lane), par,
                [_vec_entry(dev, lengths, k), qe, qe, qe, oe], batch * n_blk * n_heads * WG)

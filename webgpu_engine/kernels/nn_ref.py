@@ -43,6 +43,11 @@ def gelu_tanh_mul(gate_up: np.ndarray) -> np.ndarray:
     return (0.5 * g * (1 + np.tanh(math.sqrt(2 / math.pi) * (g + 0.044715 * g ** 3))) * u).astype(np.float32)
 
 
+def gelu_mul(x: np.ndarray) -> np.ndarray:
+    f = x.shape[-1] // 2
+    return (gelu(x[..., :f]).astype(np.float64) * x[..., f:].astype(np.float64)).astype(np.float32)
+
+
 def gelu(x: np.ndarray) -> np.ndarray:
     # 1 + erf(x/sqrt2) written as erfc(-x/sqrt2): no cancellation in the negative tail
     erfc = np.vectorize(math.erfc)
@@ -97,9 +102,10 @@ def causal_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, po
 
 
 def bidir_attention(qkv: np.ndarray, lengths, batch: int, seq: int, n_heads: int, head_dim: int,
-                    scale: float) -> np.ndarray:
-    """qkv (B*S, 3*H*D) rows [q | k | v] → (B*S, H*D); key j of sequence b visible iff j < lengths[b].
-    Padded query rows (s >= lengths[b]) also attend over the valid keys (the kernel's choice)."""
+                    scale: float, window: int = 0) -> np.ndarray:
+    """qkv (B*S, 3*H*D) rows [q | k | v] → (B*S, H*D); key j of sequence b visible iff j < lengths[b]
+    (and |j - i| <= window for query i when window > 0). Padded query rows (s >= lengths[b]) also
+    attend over the valid keys (the kernel's choice)."""
     hd = n_heads * head_dim
     x = qkv.reshape(batch, seq, 3, n_heads, head_dim).astype(np.float64)
     out = np.zeros((batch, seq, n_heads, head_dim))
@@ -108,6 +114,9 @@ def bidir_attention(qkv: np.ndarray, lengths, batch: int, seq: int, n_heads: int
         if n == 0:
             continue
         s = np.einsum("qhd,khd->hqk", x[b, :, 0], x[b, :n, 1]) * scale
+        if window:
+            far = np.abs(np.arange(seq)[:, None] - np.arange(n)[None]) > window
+            s = np.where(far[None], -1e30, s)       # padded queries past the window: finite
         p = np.exp(s - s.max(-1, keepdims=True))
         p /= p.sum(-1, keepdims=True)
         out[b] = np.einsum("hqk,khd->qhd", p, x[b, :n, 2])
