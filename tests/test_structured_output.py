@@ -290,5 +290,8 @@ async def test_bad_tool_definitions_are_400_naming_tools(engine):
     for name in ("", "has space", "x" * 65):
         with pytest.raises(S.FieldTypeError):
             await chat(engine, tools=[{"type": "function", "function": {"name": name}}])
+    with pytest.raises(S.FieldTypeError, match="JSON Schema object") as e:
+        await chat(engine, tools=[{"type": "function", "function": {"name": "g", "parameters": [1]}}])
+    assert e.value.param == "tools[0].function.parameters"
     with pytest.raises(S.FieldTypeError, match="unique"):
         await chat(engine, tools=[WEATHER, WEATHER])

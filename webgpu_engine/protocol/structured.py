@@ -138,8 +138,11 @@ def check_tools(tools: Any, tool_choice: Any) -> tuple[list[dict] | None, Any]:
         if f["name"] in names:
             raise FieldTypeError(f"tools[{i}].function.name", "unique among the tools", f["name"])
         params = f.get("parameters")
-        params = {"type": "object", "properties": {}} if params is None else \
-            _schema(params, f"tools[{i}].function.parameters")
+        try:
+            params = {"type": "object", "properties": {}} if params is None else \
+                _schema(params, f"tools[{i}].function.parameters")
+        except InvalidResponseFormatError:
+            raise FieldTypeError(f"tools[{i}].function.parameters", "a JSON Schema object", params) from None
         fn = {"name": f["name"], "parameters": params}
         if isinstance(f.get("description"), str):
             fn["description"] = f["description"]
