@@ -295,3 +295,18 @@ async def test_bad_tool_definitions_are_400_naming_tools(engine):
     assert e.value.param == "tools[0].function.parameters"
     with pytest.raises(S.FieldTypeError, match="unique"):
         await chat(engine, tools=[WEATHER, WEATHER])
+
+
+@pytest.mark.parametrize("fmt,text,safe", [
+    (T.HERMES, "Let me check.", 13),
+    (T.HERMES, "Let me check. <tool", 14),                 # a tail that may become the marker
+    (T.HERMES, "Let me check. <tool_call>\n{\"na", 14),
+    (T.HERMES, "a < b", 5),
+    (T.MISTRAL, "[TOOL_CALLS][{", 0),
+    (T.MISTRAL, "Sure [TOOL", 5),
+    (T.LLAMA3, "  {\"name\"", 0),
+    (T.LLAMA3, "<|python", 0),
+    (T.LLAMA3, "The answer", 10),
+])
+def test_streaming_holds_back_only_what_may_be_a_call(fmt, text, safe):
+    assert T.ToolContext(fmt, NAMES, False).safe_prefix(text) == safe

@@ -334,23 +334,27 @@ async def _stream(engine, lm, req, gen, rid, created, kind, messages, prompt, de
                 if not chat and req.get("echo"):
                     yield piece(prompt)
                     first = False
-                held = None if tools is None else []    # text that may still turn out a tool call
-                held_lps: list = []
+                # with tools, text that may be (the start of) a tool call is held back until known
+                text, sent, held_lps = "", 0, []
                 async for delta, entries in steps:
-                    if held is not None:
-                        held.append(delta)
+                    if tools is not None:
+                        text += delta
+                        safe = tools.safe_prefix(text)
                         held_lps.extend(entries)
-                        if tools.may_be_call("".join(held)):
+                        if safe <= sent:
                             continue
-                        delta, entries, held = "".join(held), held_lps, None
+                        delta, entries, sent, held_lps = text[sent:safe], held_lps, safe, []
                     yield piece(delta, entries, first=first and chat)
                     first = False
                 stream.finish_reason = lm.pipeline.finish_reason or "stop"
-                if held is not None:
-                    msg = {"content": "".join(held)}
+                if tools is not None and sent < len(text):
+                    msg = {"content": text}
                     stream.finish_reason = tools.finish(msg, stream.finish_reason)
-                    for c in tool_call_deltas(msg):
+                    if not msg.get("tool_calls"):           # it was text after all
+                        yield piece(text[sent:], held_lps, first=first)
+                    for c in tool_call_deltas(msg, first):
                         yield chunk([{"index": 0, "delta": c, "finish_reason": None}])
+                        first = False
                 if not chat and req.get("suffix"):
                     yield piece(req["suffix"])
                 stream.usage = _usage([lm.pipeline.usage()], t0)
@@ -376,18 +380,18 @@ async def _stream(engine, lm, req, gen, rid, created, kind, messages, prompt, de
     return AsyncStream(lm, make)
 
 
-def tool_call_deltas(msg: dict) -> list[dict]:
-    """The deltas OpenAI streams for a finished answer: its text, or per call one delta with id,
-    type and name (arguments "") and one with the arguments."""
-    if not msg.get("tool_calls"):
-        return [{"role": "assistant", "content": msg.get("content") or ""}]
-    out = [{"content": msg["content"]}] if msg.get("content") else []
-    for i, c in enumerate(msg["tool_calls"]):
+def tool_call_deltas(msg: dict, first: bool) -> list[dict]:
+    """The deltas OpenAI streams for the tool calls of a finished answer (its text before the calls
+    was streamed already): per call one with id, type and name (arguments "") and one with the
+    arguments; the first delta of the stream also carries the role."""
+    out = []
+    for i, c in enumerate(msg.get("tool_calls") or []):
         f = c["function"]
         out.append({"tool_calls": [{"index": i, "id": c["id"], "type": "function",
                                     "function": {"name": f["name"], "arguments": ""}}]})
         out.append({"tool_calls": [{"index": i, "function": {"arguments": f["arguments"]}}]})
-    out[0] = {"role": "assistant", **out[0]}
+    if out and first:
+        out[0] = {"role": "assistant", **out[0]}
     return out
 
 

@@ -188,11 +188,22 @@ class ToolContext:
         message["content"], message["tool_calls"] = content, calls
         return "tool_calls" if finish_reason == "stop" else finish_reason
 
-    def may_be_call(self, text: str) -> bool:
-        """Could an answer starting with `text` be a tool call? (streaming holds it back until known)"""
-        t = text.lstrip()
-        marks = {HERMES: ("<tool_call>",), MISTRAL: ("[TOOL_CALLS]",), LLAMA3: ("{", "[", "<|python_tag|>")}
-        return any(m.startswith(t) or t.startswith(m) for m in marks[self.fmt])
+    def safe_prefix(self, text: str) -> int:
+        """How much of a partial answer is content for sure (streaming sends that and holds back the
+        rest, which may be or become a tool call): text before a call marker, less a tail that could
+        begin one; Llama 3 calls are whole answers, so an answer that may start one is held."""
+        if self.fmt == LLAMA3:
+            t = text.lstrip()
+            starts = ("{", "[", "<|python_tag|>")
+            return 0 if any(m.startswith(t) or t.startswith(m) for m in starts) else len(text)
+        mark = "[TOOL_CALLS]" if self.fmt == MISTRAL else "<tool_call>"
+        i = text.find(mark)
+        if i >= 0:
+            return i
+        for k in range(min(len(mark) - 1, len(text)), 0, -1):   # a tail that may grow into the mark
+            if mark.startswith(text[-k:]):
+                return len(text) - k
+        return len(text)
 
 
 async def prepare_chat(lm, req: dict, gen):
