@@ -196,6 +196,22 @@ def test_valid_chat_request_is_normalised():
     assert m.messages[1].content == "a\nb" and m.max_tokens == 7 and m.stop == ["END"]
 
 
+def test_structured_fields_normalise_idempotently():
+    req = chat(response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": '{"type": "object"}'}},
+               tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+               tool_choice="none")
+    req["messages"] = [*U, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}]},
+        {"role": "tool", "tool_call_id": "c", "content": "ok"}]
+    once = rules.check_chat_request(req)
+    assert once["response_format"] == {"type": "json_schema", "schema": {"type": "object"}, "name": "n"}
+    assert once["messages"][1]["tool_calls"][0]["function"]["arguments"] == {"a": 1}
+    assert once["messages"][1]["content"] == ""
+    assert rules.check_chat_request(once) == once
+    assert M.ChatCompletionRequest(**req).response_format == once["response_format"]
+    assert "response_format" not in rules.check_chat_request(chat(response_format={"type": "text"}))
+
+
 def test_valid_edge_values_pass():
     rules.check_chat_request(chat(temperature=0, top_p=1, frequency_penalty=-2, presence_penalty=2,
                                   logit_bias={"0": 100}, n=5, logprobs=True, top_logprobs=5))

@@ -92,6 +92,8 @@ def check_response_format(rf: Any) -> dict | None:
         return {"type": "json_schema", "schema": _schema(schema, "response_format.schema")}
     if kind == "json_schema":
         js = rf.get("json_schema")
+        if js is None and "schema" in rf:        # our normalised form (a request checked twice)
+            js = rf
         if not isinstance(js, dict) or "schema" not in js:
             raise InvalidResponseFormatError("type `json_schema` needs `json_schema: {name, schema, "
                                              "strict}` with a `schema`.")
