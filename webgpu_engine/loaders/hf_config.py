@@ -22,6 +22,7 @@ LLAMA_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mist
                      "gemma2": "gemma2", "gemma3_text": "gemma3"}
 BERT_ARCHITECTURES = ("BertModel", "BertForMaskedLM", "BertForPreTraining", "BertForSequenceClassification")
 XLMR_ARCHITECTURES = ("XLMRobertaModel", "XLMRobertaForMaskedLM", "XLMRobertaForSequenceClassification")
+MODERNBERT_ARCHITECTURES = ("ModernBertModel", "ModernBertForMaskedLM")
 NOMIC_ARCHITECTURES = ("NomicBertModel",)                   # nomic-embed-text v1 / v1.5 (remote code on the hub)
 
 # Llama / Qwen2 / Mistral names (LlamaForCausalLM) -> ours; ours are the names loaders.gguf also gives.
@@ -109,8 +110,29 @@ HF_NOMIC_TO_OURS = {
     "encoder.layers.{i}.norm2.weight": "layers.{i}.ffn_norm",
     "encoder.layers.{i}.norm2.bias": "layers.{i}.ffn_norm_bias",
 }
-_TABLES = {"llama": HF_LLAMA_TO_OURS, "bert": HF_BERT_TO_OURS, "nomic": HF_NOMIC_TO_OURS, "gemma": HF_GEMMA_TO_OURS}
-_LAYER = re.compile(r"^(model\.layers|encoder\.layers?)\.(\d+)\.(.+)$")
+# ModernBertModel names ("model." prefix of ModernBertForX stripped) -> ours
+HF_MODERNBERT_TO_OURS = {
+    "embeddings.tok_embeddings.weight": "embed",
+    "embeddings.norm.weight": "embed_norm",
+    "embeddings.norm.bias": "embed_norm_bias",
+    "layers.{i}.attn_norm.weight": "layers.{i}.attn_norm",              # absent in layer 0
+    "layers.{i}.attn_norm.bias": "layers.{i}.attn_norm_bias",
+    "layers.{i}.attn.Wqkv.weight": "layers.{i}.qkv",                    # (3C, C) rows [q | k | v]
+    "layers.{i}.attn.Wqkv.bias": "layers.{i}.qkv_bias",
+    "layers.{i}.attn.Wo.weight": "layers.{i}.o",
+    "layers.{i}.attn.Wo.bias": "layers.{i}.o_bias",
+    "layers.{i}.mlp_norm.weight": "layers.{i}.ffn_norm",
+    "layers.{i}.mlp_norm.bias": "layers.{i}.ffn_norm_bias",
+    "layers.{i}.mlp.Wi.weight": "layers.{i}.up",                        # (2F, C) rows [input | gate]
+    "layers.{i}.mlp.Wi.bias": "layers.{i}.up_bias",
+    "layers.{i}.mlp.Wo.weight": "layers.{i}.down",
+    "layers.{i}.mlp.Wo.bias": "layers.{i}.down_bias",
+    "final_norm.weight": "norm",
+    "final_norm.bias": "norm_bias",
+}
+_TABLES = {"llama": HF_LLAMA_TO_OURS, "bert": HF_BERT_TO_OURS, "nomic": HF_NOMIC_TO_OURS, "gemma": HF_GEMMA_TO_OURS,
+           "modernbert": HF_MODERNBERT_TO_OURS}
+_LAYER = re.compile(r"^(model\.layers|encoder\.layers?|layers)\.(\d+)\.(.+)$")
 
 
 _BERT_PREFIXES = ("bert.", "roberta.", "model.")   # BertForX / XLMRobertaForX nest the encoder
@@ -136,7 +158,7 @@ def map_hf_names(tensors: dict[str, TensorInfo], kind: str = "llama") -> dict[st
     table = _TABLES[kind]
     out = {}
     for name, t in tensors.items():
-        key = _bert_key(name) if kind in ("bert", "nomic") else name
+        key = _bert_key(name) if kind in ("bert", "nomic", "modernbert") else name
         m = _LAYER.match(key)
         ours = table.get(f"{m.group(1)}.{{i}}.{m.group(3)}") if m else table.get(key)
         if ours is not None:
@@ -331,10 +353,43 @@ def nomic_config_from_dict(c: dict, where: str = "config.json") -> BertConfig:
         raise ModelFormatError(f"{where} lacks {e.args[0]}") from e
 
 
+def modernbert_config_from_dict(c: dict, where: str = "config.json") -> BertConfig:
+    """ModernBERT: pre-norm, GeGLU, rotary positions, every `global_attn_every_n_layers`-th layer
+    global and the others local (keys within local_attention / 2), transformers 4 or 5 keys."""
+    act = c.get("hidden_activation", "gelu")
+    if act != "gelu":
+        raise UnsupportedModelError(f"{where}: ModernBERT hidden_activation {act!r} is not supported (gelu)")
+    try:
+        n_layers = int(c["num_hidden_layers"])
+        every = int(c.get("global_attn_every_n_layers", 3))
+        types = c.get("layer_types") or ["sliding_attention" if i % every else "full_attention"
+                                         for i in range(n_layers)]
+        rope = c.get("rope_parameters") or {}
+        glob = float((rope.get("full_attention") or {}).get("rope_theta", c.get("global_rope_theta", 160000.0)))
+        loc = float((rope.get("sliding_attention") or {}).get("rope_theta", c.get("local_rope_theta", 10000.0)))
+        for kind in ("full_attention", "sliding_attention"):
+            if (rope.get(kind) or {}).get("rope_type", "default") != "default":
+                raise UnsupportedModelError(f"{where}: ModernBERT rope_type {rope[kind]['rope_type']!r} is not "
+                                            f"supported (default)")
+        half = int(c.get("local_attention", 128)) // 2
+        return BertConfig(
+            arch="modernbert", vocab_size=int(c["vocab_size"]), hidden_size=int(c["hidden_size"]),
+            n_layers=n_layers, n_heads=int(c["num_attention_heads"]),
+            intermediate_size=int(c["intermediate_size"]), max_position=int(c.get("max_position_embeddings", 8192)),
+            type_vocab_size=1, layer_norm_eps=float(c.get("norm_eps", 1e-5)), hidden_act="gelu",
+            pad_id=int(c.get("pad_token_id") or 0), rope_base=glob, ffn="geglu",
+            layer_windows=tuple(half if t == "sliding_attention" else 0 for t in types), local_rope_base=loc,
+            name=str(c.get("_name_or_path", "")))
+    except KeyError as e:
+        raise ModelFormatError(f"{where} lacks {e.args[0]}") from e
+
+
 def bert_config_from_dict(c: dict, where: str = "config.json") -> BertConfig:
     archs = c.get("architectures") or []
     if c.get("model_type") == "nomic_bert" or any(a in NOMIC_ARCHITECTURES for a in archs):
         return nomic_config_from_dict(c, where)
+    if c.get("model_type") == "modernbert" or any(a in MODERNBERT_ARCHITECTURES for a in archs):
+        return modernbert_config_from_dict(c, where)
     xlmr = c.get("model_type") == "xlm-roberta" or any(a in XLMR_ARCHITECTURES for a in archs)
     if c.get("model_type") != "bert" and not xlmr and not any(a in BERT_ARCHITECTURES for a in archs):
         raise UnsupportedModelError(f"{where}: model_type {c.get('model_type')!r} / architectures {archs} "

@@ -149,7 +149,12 @@ class BertConfig:
     classifier_activation: str = "identity"
     rope_base: float = 0.0             # > 0: rotary positions (half-split pairs) instead of a position table
     rot_dim: int = 0                   # rotated dimensions of each head (0: all, when rope_base > 0)
-    ffn: str = "gelu"                  # "gelu": gelu(x·W1ᵀ)·W2ᵀ; "swiglu": (silu(x·Wgᵀ) * x·Wuᵀ)·W2ᵀ
+    ffn: str = "gelu"                  # "gelu": gelu(x·W1ᵀ)·W2ᵀ; "swiglu": (silu(x·Wgᵀ) * x·Wuᵀ)·W2ᵀ;
+    #                                    "geglu": (gelu(x·Wiᵀ) * x·Wgᵀ)·W2ᵀ (ModernBERT)
+    # ModernBERT: layer i attends keys within layer_windows[i] of each query (0: all keys), with
+    # RoPE base local_rope_base in those local layers (rope_base in the global ones)
+    layer_windows: tuple = ()
+    local_rope_base: float = 0.0
     head_dim: int = field(init=False)
 
     def __post_init__(self) -> None:

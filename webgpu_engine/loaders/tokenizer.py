@@ -87,7 +87,7 @@ def native_bpe(base: BPETokenizer, specials: bool = True):
     return tk
 
 
-def _from_folder(folder: Path, native: bool, max_length: int | None):
+def _from_folder(folder: Path, native: bool, max_length: int | None, encoder: bool = False):
     tj = folder / "tokenizer.json"
     if not tj.is_file():
         raise ModelFormatError(f"{folder} has no tokenizer.json")
@@ -113,6 +113,9 @@ def _from_folder(folder: Path, native: bool, max_length: int | None):
         raise UnsupportedModelError(f"{tj}: tokenizer model {kind!r} is not supported (BPE, WordPiece, "
                                     f"Unigram are)")
     if not native:
+        if encoder and kind == "BPE":
+            raise UnsupportedModelError(f"{tj}: BPE encoders (ModernBERT) need the `tokenizers` library "
+                                        f"(the pure-Python BPE does not apply the file's post-processor)")
         return base
     from tokenizers import Tokenizer
 
@@ -121,7 +124,7 @@ def _from_folder(folder: Path, native: bool, max_length: int | None):
         tk.no_truncation()
         tk.no_padding()                               # some files pin padding to a fixed length
         return tk
-    if kind in ("WordPiece", "Unigram"):                 # encoders: the file's post-processor, truncation
+    if kind in ("WordPiece", "Unigram") or encoder:      # encoders: the file's post-processor, truncation
         return NativeWordPiece(build(tj.read_text(encoding="utf-8")), base)
     try:
         plain = build(json.dumps({**spec, "added_tokens": []}))
@@ -130,15 +133,16 @@ def _from_folder(folder: Path, native: bool, max_length: int | None):
     return NativeTokenizer(build(tj.read_text(encoding="utf-8")), base, plain)
 
 
-def load_tokenizer(source, *, native: bool | None = None, max_length: int | None = None):
+def load_tokenizer(source, *, native: bool | None = None, max_length: int | None = None, encoder: bool = False):
     """Tokenizer of a GGUFFile / GGUF metadata dict / HF model folder (see module docstring).
-    `max_length`: WordPiece truncation length (None: the folder's model_max_length / 512)."""
+    `max_length`: WordPiece truncation length (None: the folder's model_max_length / 512). `encoder`:
+    an embedding model's folder: a BPE tokenizer too adds the file's special tokens and truncates."""
     if native is None:
         native = _have_tokenizers()
     if isinstance(source, (str, os.PathLike)):
         path = Path(source)
         if path.is_dir():
-            return _from_folder(path, native, max_length)
+            return _from_folder(path, native, max_length, encoder)
         from .gguf import GGUFFile
         source = GGUFFile(path)
     metadata = source if isinstance(source, dict) else source.metadata

@@ -85,9 +85,11 @@ class _Arena:
 class BertModel:
     """A BERT encoder's weights on the GPU plus its pooling head; `run` embeds one padded batch."""
 
+    FFNS = ("gelu", "swiglu")          # feed-forward forms this class runs (a subclass may add its own)
+
     def __init__(self, dev, cfg: BertConfig, tensors: dict[str, TensorInfo], *, act_dtype: str = "f32",
                  pooling: str = "mean", normalize: bool = False, owner: str = "model:bert", progress=None):
-        if cfg.hidden_act != "gelu" or cfg.ffn not in ("gelu", "swiglu"):
+        if cfg.hidden_act != "gelu" or cfg.ffn not in self.FFNS:
             raise UnsupportedModelError(f"BERT hidden_act {cfg.hidden_act!r} is not supported (erf 'gelu' only).")
         if pooling not in POOLINGS:
             raise UnsupportedModelError(f"pooling {pooling!r} is not supported; use one of {POOLINGS}.")
@@ -207,7 +209,7 @@ class BertModel:
                 t.buf.release()
         C, F, d, own = self.cfg.hidden_size, self.cfg.intermediate_size, self.act_dtype, self.owner
         O, Hr = self.out_dim, b_cap if self.cfg.num_labels else 1
-        G = 2 if self.cfg.ffn == "swiglu" else 1            # SwiGLU: gate and up side by side
+        G = 1 if self.cfg.ffn == "gelu" else 2              # gated FFNs: both halves side by side
 
         def act(shape, label, dtype=d):
             return new_tensor(self.dev, shape, dtype, owner=own, label=label)
@@ -234,14 +236,38 @@ class BertModel:
             self._ops.move_to_end(key)
             return op
         a = self._ensure_arena(B, S)
+        dev, cfg, C = self.dev, self.cfg, self.cfg.hidden_size
+        op, x = self._encoder_ops(a, B, S)
+        lengths, pooled, out = a.lengths.view((B,)), a.pooled.view((B, C)), a.out.view((B, self.out_dim))
+        pool = {"mean": nn.mean_pool, "cls": nn.cls_pool, "max": nn.max_pool, "lasttoken": nn.last_pool,
+                "weightedmean": nn.weighted_mean_pool}[self.pooling]
+        if self.cfg.num_labels:
+            # cross-encoder head on the first token: out = tanh(x0·Wdᵀ + bd)·Woutᵀ + bout     (B, L)
+            head = a.head.view((B, C))
+            op += nn.cls_pool(dev, x, lengths, pooled)
+            op += mm.matmul(dev, pooled, self.head_dense, head, bias=self.head_dense_b)
+            op += nn.tanh(dev, head, head)
+            op += mm.matmul(dev, head, self.head_out, out, bias=self.head_out_b)
+        elif self.normalize:
+            op += pool(dev, x, lengths, pooled)                                      # (B, C)
+            op += nn.l2_normalize(dev, pooled, out)
+        else:
+            op += pool(dev, x, lengths, out)
+        op.name = f"bert[{B}x{S}]"
+        self._ops[key] = op
+        while len(self._ops) > MAX_CACHED_BUCKETS:
+            self._ops.popitem(last=False)[1].release()
+        return op
+
+    def _encoder_ops(self, a: _Arena, B: int, S: int) -> tuple[Op, Tensor]:
+        """The encoder's dispatches for a (B, S) bucket and the tensor holding its last hidden states."""
         dev, cfg = self.dev, self.cfg
         T, C, F, H, D = B * S, cfg.hidden_size, cfg.intermediate_size, cfg.n_heads, cfg.head_dim
         eps = float(cfg.layer_norm_eps)
         ids, pos, types, lengths = a.ids.view((T,)), a.pos.view((T,)), a.types.view((T,)), a.lengths.view((B,))
         x, x1, tmp, ctx = (t.view((T, C)) for t in (a.x, a.x1, a.tmp, a.ctx))
-        G = 2 if cfg.ffn == "swiglu" else 1
+        G = 1 if cfg.ffn == "gelu" else 2
         qkv, ff, ffg = a.qkv.view((T, 3 * C)), a.ff.view((T, G * F)), a.ffg.view((T, F))
-        pooled, out = a.pooled.view((B, C)), a.out.view((B, self.out_dim))
 
         # x = LN(word[ids] + type[types] + pos[offset + s])   (rotary models: no pos)   (T, C)
         op = mm.embedding(dev, ids, self.word, tmp)
@@ -268,25 +294,7 @@ class BertModel:
             op += nn.silu_mul(dev, ff, ffg) if cfg.ffn == "swiglu" else nn.gelu(dev, ff, ffg)
             op += mm.matmul(dev, ffg, L.ff2, tmp, bias=L.ff2_b)                      # (T, C)
             op += nn.layer_norm(dev, tmp, L.ffn_ln_w, L.ffn_ln_b, x, eps=eps, residual=x1)
-        pool = {"mean": nn.mean_pool, "cls": nn.cls_pool, "max": nn.max_pool, "lasttoken": nn.last_pool,
-                "weightedmean": nn.weighted_mean_pool}[self.pooling]
-        if self.cfg.num_labels:
-            # cross-encoder head on the first token: out = tanh(x0·Wdᵀ + bd)·Woutᵀ + bout     (B, L)
-            head = a.head.view((B, C))
-            op += nn.cls_pool(dev, x, lengths, pooled)
-            op += mm.matmul(dev, pooled, self.head_dense, head, bias=self.head_dense_b)
-            op += nn.tanh(dev, head, head)
-            op += mm.matmul(dev, head, self.head_out, out, bias=self.head_out_b)
-        elif self.normalize:
-            op += pool(dev, x, lengths, pooled)                                      # (B, C)
-            op += nn.l2_normalize(dev, pooled, out)
-        else:
-            op += pool(dev, x, lengths, out)
-        op.name = f"bert[{B}x{S}]"
-        self._ops[key] = op
-        while len(self._ops) > MAX_CACHED_BUCKETS:
-            self._ops.popitem(last=False)[1].release()
-        return op
+        return op, x
 
     def compile(self, batch, warmed=frozenset()) -> set:
         """Build the ops of the smallest bucket and record one run of them into `batch`, so that

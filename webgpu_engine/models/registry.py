@@ -67,14 +67,18 @@ ARCHITECTURES: dict[str, Architecture] = {
     # nomic-embed-text v1 / v1.5: rotary positions, SwiGLU, no biases (a BertModel plan)
     "nomic_bert": Architecture("nomic_bert", EMBEDDING, "bert:BertModel", None, hf_config.load_bert_config,
                                "", memory.estimate_bert),
+    # gte-modernbert, modernbert-embed: pre-norm, GeGLU, rotary, local / global attention layers
+    "modernbert": Architecture("modernbert", EMBEDDING, "modernbert:ModernBertModel", None,
+                               hf_config.load_bert_config, "", memory.estimate_bert),
 }
 
 # HF config.json `architectures` / `model_type` -> our architecture name (the loaders' tables)
 HF_ARCHITECTURES = {**hf_config.LLAMA_ARCHITECTURES, **{a: "bert" for a in hf_config.BERT_ARCHITECTURES},
                     **{a: "xlm-roberta" for a in hf_config.XLMR_ARCHITECTURES},
-                    **{a: "nomic_bert" for a in hf_config.NOMIC_ARCHITECTURES}}
+                    **{a: "nomic_bert" for a in hf_config.NOMIC_ARCHITECTURES},
+                    **{a: "modernbert" for a in hf_config.MODERNBERT_ARCHITECTURES}}
 HF_MODEL_TYPES = {**hf_config.LLAMA_MODEL_TYPES, "bert": "bert", "xlm-roberta": "xlm-roberta",
-                  "nomic_bert": "nomic_bert"}
+                  "nomic_bert": "nomic_bert", "modernbert": "modernbert"}
 
 
 def architecture(name: str, where: str = "") -> Architecture:

@@ -115,7 +115,7 @@ class EmbeddingPipeline:
             # sentence-transformers' length: its config's, else min(tokenizer's model_max_length, positions)
             max_len = min(chat_config.max_seq_length or st.max_seq_length or _model_max_length(tok_dir)
                           or cfg.max_position, cfg.max_position)
-            tokenizer = m.tokenizer(max_length=max_len)
+            tokenizer = m.tokenizer(max_length=max_len, encoder=True)
             pairs = PairTemplate.from_tokenizer_json(_read_json(tok_dir / "tokenizer.json"), str(tok_dir)) \
                 if cfg.num_labels else None
         except BaseException:
