@@ -1,6 +1,9 @@
 """Demo: the default chat LLM and the default embedder in one engine — a streamed chat answer, then a
 small retrieval-augmented answer (embed passages, embed the question, pick the best passage, answer
-with it). Run: `python demo/chat_and_rag.py [--max-tokens N]` (what `make demo` runs)."""
+with it). Run: `python demo/chat_and_rag.py [--max-tokens N] [--reranker MODEL]` (`make demo` runs it
+without a reranker). With --reranker (a cross-encoder: a folder or a Hugging Face repo id such as
+BAAI/bge-reranker-base), the three passages the embedder retrieved are reranked by it and the answer
+uses its first."""
 from __future__ import annotations
 
 import argparse
@@ -50,11 +53,12 @@ async def stream_answer(engine, messages, max_tokens: int) -> dict:
     return usage
 
 
-async def main(max_tokens: int) -> None:
+async def main(max_tokens: int, reranker: str | None = None) -> None:
     t0 = time.perf_counter()
-    engine = await create_mlc_engine([DEFAULT_CHAT_MODEL, DEFAULT_EMBED_MODEL],
-                                     EngineConfig(init_progress_callback=progress))
-    print(f"loaded {DEFAULT_CHAT_MODEL} + {DEFAULT_EMBED_MODEL} in {time.perf_counter() - t0:.1f}s\n")
+    models = [DEFAULT_CHAT_MODEL, DEFAULT_EMBED_MODEL] + ([reranker] if reranker else [])
+    engine = await create_mlc_engine(models, EngineConfig(init_progress_callback=progress))
+    rerank_id = list(engine.models)[-1] if reranker else None
+    print(f"loaded {' + '.join(engine.models)} in {time.perf_counter() - t0:.1f}s\n")
     try:
         # 1. a short streamed chat answer
         q = "In one sentence, what is a GPU?"
@@ -71,6 +75,14 @@ async def main(max_tokens: int) -> None:
         for s, i in scores[:3]:
             print(f"  {s:.3f}  {PASSAGES[i][:80]}")
         best = PASSAGES[scores[0][1]]
+        if rerank_id:
+            # 2b. the reranker reads question and passage together: a finer order for the top few
+            top = [PASSAGES[i] for _, i in scores[:3]]
+            res = await engine.rerank(model=rerank_id, query=QUESTION, documents=top)
+            print(f"reranked by {rerank_id}:")
+            for r in res.results:
+                print(f"  {r.relevance_score:.3f}  {top[r.index][:80]}")
+            best = top[res.results[0].index]
 
         # 3. answer with the retrieved passage as context
         messages = [
@@ -88,8 +100,9 @@ if __name__ == "__main__":
     os.environ.setdefault("XDG_RUNTIME_DIR", "/tmp")
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--max-tokens", type=int, default=40, help="tokens per answer (default 40)")
+    ap.add_argument("--reranker", default=None, help="a cross-encoder to rerank the retrieved passages")
     args = ap.parse_args()
     try:
-        asyncio.run(main(args.max_tokens))
+        asyncio.run(main(args.max_tokens, args.reranker))
     except KeyboardInterrupt:
         sys.exit(130)
