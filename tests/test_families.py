@@ -212,3 +212,33 @@ def test_gemma_features_each_matter(tmp_path):
                 assert np.abs(got - want).max() > 5e-3 * np.abs(want).max(), (arch, change)
         finally:
             opened.close()
+
+
+def test_transformers_5_rope_parameters_parse_like_the_legacy_keys(tmp_path):
+    """config.json saved by transformers 5 keeps rope_theta / rope_scaling / partial_rotary_factor /
+    Gemma 3's local base in `rope_parameters` (one dict, or one per layer type): same LlamaConfig."""
+    import tinyfamilies
+    from webgpu_engine.loaders.hf_config import llama_config_from_dict
+    folders = [tinyfamilies.write_tiny_phi3_safetensors(tmp_path / "phi3", context_length=512)["folder"],
+               tinyfamilies.write_tiny_gemma_safetensors(tmp_path / "gemma3", arch="gemma3")["folder"],
+               tinymodels.write_tiny_llama_safetensors(tmp_path / "qwen3", arch="qwen3", rope_base=5e5)["folder"]]
+    for folder in folders:
+        legacy = json.loads((folder / "config.json").read_text())
+        v5 = {k: v for k, v in legacy.items()
+              if k not in ("rope_theta", "rope_scaling", "partial_rotary_factor", "rope_local_base_freq")}
+        full = {"rope_type": "default", "rope_theta": legacy["rope_theta"]}
+        if legacy.get("rope_scaling"):
+            full.update(legacy["rope_scaling"], rope_type=legacy["rope_scaling"]["type"])
+        if "partial_rotary_factor" in legacy:
+            full["partial_rotary_factor"] = legacy["partial_rotary_factor"]
+        v5["rope_parameters"] = full if "rope_local_base_freq" not in legacy else {
+            "full_attention": full, "sliding_attention": {"rope_type": "default",
+                                                          "rope_theta": legacy["rope_local_base_freq"]}}
+        want = llama_config_from_dict(legacy)
+        assert llama_config_from_dict(v5) == want, want.arch
+        if want.arch == "phi3":
+            assert want.rot_dim == 12 and want.rope_long_factors and want.rope_scaling == "longrope"
+        elif want.arch == "gemma3":
+            assert (want.rope_base, want.rope_local_base) == (1e6, 10000.0)
+        else:
+            assert want.rope_base == 5e5

@@ -83,3 +83,15 @@ async def test_pipeline_chats_with_spm_gguf(device, tmp_path):
         assert pipe.output_ids == greedy(info["config"], info["weights"], prompt, 6)
     finally:
         pipe.dispose()
+
+
+@pytest.mark.parametrize("native", [False, True], ids=["python", "native"])
+def test_hf_folder_spm_tokenizer_equals_transformers(native):
+    """An HF folder's tokenizer.json of the SentencePiece kind (BPE with byte fallback, Metaspace
+    spaces: what transformers writes for Llama-2 / Mistral / Phi-3 / Gemma) gives transformers' ids,
+    pure-Python (merge ranks in place of scores) and natively."""
+    tok = load_tokenizer(Path(__file__).parent / "fixtures" / "spm_hf", native=native)
+    for case in REF["cases"]:
+        assert tok.encode(case["text"]) == case["transformers_ids"], case["text"]
+    assert tok.decode(tok.encode("Grüße aus 東京")) == "Grüße aus 東京"
+    assert tok.encode("<s>Hi") == [1] + tok.encode("Hi")

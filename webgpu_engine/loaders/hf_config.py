@@ -188,7 +188,28 @@ def _read(folder_or_file) -> tuple[dict, Path]:
         raise ModelFormatError(f"{p} is not valid JSON: {e}") from e
 
 
+def _legacy_rope(c: dict) -> dict:
+    """config.json as transformers 4 wrote it: transformers 5 keeps rope_theta, rope_scaling,
+    partial_rotary_factor (and Gemma 3's local base) in `rope_parameters`, one dict or one per
+    layer type."""
+    rp = c.get("rope_parameters")
+    if not isinstance(rp, dict):
+        return c
+    c = dict(c)
+    full = rp.get("full_attention", rp)
+    if "sliding_attention" in rp:
+        c.setdefault("rope_local_base_freq", rp["sliding_attention"].get("rope_theta"))
+    if full.get("rope_theta") is not None:
+        c.setdefault("rope_theta", full["rope_theta"])
+    if full.get("partial_rotary_factor") is not None:
+        c.setdefault("partial_rotary_factor", full["partial_rotary_factor"])
+    if full.get("rope_type", "default") != "default" and not c.get("rope_scaling"):
+        c["rope_scaling"] = full
+    return c
+
+
 def llama_config_from_dict(c: dict, where: str = "config.json") -> LlamaConfig:
+    c = _legacy_rope(c)
     archs = c.get("architectures") or []
     arch = next((LLAMA_ARCHITECTURES[a] for a in archs if a in LLAMA_ARCHITECTURES), None)
     if arch is None:

@@ -7,7 +7,9 @@ vocabulary asks for one (`add_space_prefix`: at the start and after every specia
 become `▁`, and the UTF-8 characters are merged pairwise, always the adjacent pair whose joined text
 is the highest-scored piece (ties: the leftmost). A character that no piece holds is spelt with its
 bytes' `<0xNN>` pieces (byte fallback), else `unk`. Only normal pieces are merge targets, as in
-sentencepiece: text never turns into a control or byte token. Standard library only.
+sentencepiece: text never turns into a control or byte token. Hugging Face folders of these models
+(tokenizer.json: BPE with byte_fallback) merge by their merge list's ranks instead of piece scores,
+as `tokenizers` does. Standard library only.
 """
 from __future__ import annotations
 
@@ -25,7 +27,11 @@ class SPMTokenizer:
 
     def __init__(self, tokens: list[str], scores: list[float], token_types: list[int] | None = None, *,
                  bos_id: int | None = 1, eos_ids: list[int] | None = None, unk_id: int | None = 0,
-                 pad_id: int | None = None, add_bos_token: bool = True, add_space_prefix: bool = True):
+                 pad_id: int | None = None, add_bos_token: bool = True, add_space_prefix: bool = True,
+                 ranks: dict | None = None, prefix_first_only: bool = False, metaspace: bool = False):
+        """`ranks`: {(left, right): rank} merges (tokenizer.json) in place of the scores;
+        `prefix_first_only`: the space prefix only at the start of the text (Metaspace "first");
+        `metaspace`: no prefix for a run that starts with a space already (Metaspace's rule)."""
         if len(scores) != len(tokens):
             raise ModelFormatError(f"SentencePiece vocabulary: {len(tokens)} tokens but {len(scores)} scores")
         self.tokens = list(tokens)
@@ -41,6 +47,7 @@ class SPMTokenizer:
         self.bos_id, self.unk_id, self.pad_id = bos_id, unk_id, pad_id
         self.eos_ids = list(eos_ids or [])
         self.add_bos_token, self.add_space_prefix = add_bos_token, add_space_prefix
+        self.ranks, self.prefix_first_only, self.metaspace = ranks, prefix_first_only, metaspace
         self.pre = "spm"
         specials = [t for t, ty in zip(self.tokens, self.token_types)
                     if ty in (TOKEN_CONTROL, TOKEN_USER_DEFINED) and t]
@@ -67,6 +74,46 @@ class SPMTokenizer:
                    eos_ids=eos, unk_id=opt("unknown_token_id", 0), pad_id=opt("padding_token_id", None),
                    add_bos_token=bool(md.get("tokenizer.ggml.add_bos_token", True)),
                    add_space_prefix=bool(md.get("tokenizer.ggml.add_space_prefix", True)))
+
+    @classmethod
+    def from_tokenizer_json(cls, spec: dict, tok_cfg: dict | None = None) -> "SPMTokenizer":
+        """From a Hugging Face tokenizer.json whose model is BPE with byte_fallback (Llama-2,
+        Mistral, Phi-3, Gemma folders): ▁ spaces by a Prepend/Replace normalizer or a Metaspace
+        pre-tokenizer."""
+        from .bpe import TOKEN_UNUSED, EOG_TEXTS
+        model = spec.get("model") or {}
+        vocab: dict[str, int] = model.get("vocab") or {}
+        added = spec.get("added_tokens") or []
+        size = max([*vocab.values(), *(t["id"] for t in added)], default=-1) + 1
+        tokens, types = [""] * size, [TOKEN_UNUSED] * size
+        for t, i in vocab.items():
+            tokens[i] = t
+            types[i] = TOKEN_BYTE if len(t) == 6 and t.startswith("<0x") and t.endswith(">") else TOKEN_NORMAL
+        for t in added:
+            tokens[t["id"]] = t["content"]
+            types[t["id"]] = TOKEN_CONTROL if t.get("special") else TOKEN_USER_DEFINED
+        ranks = {}
+        for r, m in enumerate(model.get("merges") or []):
+            a, b = m.split(" ", 1) if isinstance(m, str) else m
+            ranks.setdefault((a, b), r)
+        prefix, first_only, metaspace = _space_prefix(spec)
+        tok_cfg = tok_cfg or {}
+
+        def tid(key):
+            v = tok_cfg.get(key)
+            v = v.get("content") if isinstance(v, dict) else v
+            return tokens.index(v) if v in tokens else None
+        bos = tid("bos_token")
+        post = spec.get("post_processor") or {}
+        single = post.get("single") or []
+        first = single[0].get("SpecialToken", {}).get("id") if single else None
+        add_bos = bool(tok_cfg.get("add_bos_token", False)) or (bos is not None and first == tokens[bos])
+        eos = [tid("eos_token")] + [i for i, (t, ty) in enumerate(zip(tokens, types))
+                                    if ty == TOKEN_CONTROL and t in EOG_TEXTS]
+        unk = model.get("unk_token")
+        return cls(tokens, [0.0] * size, types, bos_id=bos, eos_ids=[i for i in dict.fromkeys(eos) if i is not None],
+                   unk_id=vocab.get(unk) if unk else None, pad_id=tid("pad_token"), add_bos_token=add_bos,
+                   add_space_prefix=prefix, ranks=ranks, prefix_first_only=first_only, metaspace=metaspace)
 
     @property
     def vocab_size(self) -> int:
@@ -95,25 +142,31 @@ class SPMTokenizer:
         if parse_special and self._special_re is not None:
             for m in self._special_re.finditer(text):
                 if m.start() > pos:
-                    self._encode_run(text[pos:m.start()], ids)
+                    self._encode_run(text[pos:m.start()], ids, pos == 0)
                 ids.append(self.vocab[m.group()])
                 pos = m.end()
         if pos < len(text):
-            self._encode_run(text[pos:], ids)
+            self._encode_run(text[pos:], ids, pos == 0)
         return ids
 
-    def _encode_run(self, text: str, ids: list[int]) -> None:
+    def _encode_run(self, text: str, ids: list[int], at_start: bool = True) -> None:
         """One run of text between special tokens (llama.cpp: a space before each such run)."""
-        if self.add_space_prefix:
+        if self.add_space_prefix and (at_start or not self.prefix_first_only) \
+                and not (self.metaspace and text.startswith(" ")):
             text = " " + text
         sym = list(text.replace(" ", SPACE))     # symbols: one per character, merged in place
         n = len(sym)
         nxt, prv = list(range(1, n + 1)), list(range(-1, n - 1))
-        score = self._merge_score
+        score, ranks = self._merge_score, self.ranks
         heap: list = []
 
         def push(a: int, b: int) -> None:
             if a >= 0 and b < n:
+                if ranks is not None:            # tokenizer.json: the pair's rank in the merge list
+                    r = ranks.get((sym[a], sym[b]))
+                    if r is not None:
+                        heapq.heappush(heap, (r, a, sym[a], sym[b]))
+                    return
                 s = score.get(sym[a] + sym[b])
                 if s is not None:
                     heapq.heappush(heap, (-s, a, sym[a], sym[b]))
@@ -175,6 +228,32 @@ class SPMTokenizer:
 
     def __repr__(self) -> str:
         return f"SPMTokenizer(vocab={self.vocab_size}, add_space_prefix={self.add_space_prefix})"
+
+
+def _space_prefix(spec: dict) -> tuple[bool, bool, bool]:
+    """(a ▁ goes in front of the text, only at its very start, unless it starts with a space
+    already) from tokenizer.json's normalizer
+    (Prepend("▁") + Replace(" ", "▁"): Llama-2, Phi-3; Replace alone: Gemma) or pre-tokenizer
+    (Metaspace with prepend_scheme always / first / never)."""
+    def steps(node):
+        if not node:
+            return []
+        return [s for sub in node.get("normalizers") or node.get("pretokenizers") or [] for s in steps(sub)] \
+            if node.get("type") == "Sequence" else [node]
+    norm, pre = steps(spec.get("normalizer")), steps(spec.get("pre_tokenizer"))
+    if any(s.get("type") == "Prepend" and s.get("prepend") == SPACE for s in norm):
+        return True, False, False
+    for s in pre:
+        if s.get("type") == "Metaspace":
+            if s.get("split", False):
+                raise UnsupportedModelError("tokenizer.json: a Metaspace pre-tokenizer that splits on spaces "
+                                            "is not implemented")
+            scheme = s.get("prepend_scheme", "always" if s.get("add_prefix_space", True) else "never")
+            return scheme != "never", scheme == "first", True
+    if not any(s.get("type") == "Replace" for s in norm):
+        raise UnsupportedModelError("tokenizer.json: BPE with byte fallback but no ▁ space handling "
+                                    "(Replace / Metaspace) is not implemented")
+    return False, False, False
 
 
 def native_spm(base: SPMTokenizer, specials: bool = True):

@@ -101,6 +101,9 @@ def _from_folder(folder: Path, native: bool, max_length: int | None, encoder: bo
         if max_length is None and st_cfg.is_file():      # sentence-transformers' truncation length
             max_length = json.loads(st_cfg.read_text(encoding="utf-8")).get("max_seq_length")
         base = WordPieceTokenizer.from_tokenizer_json(spec, tok_cfg, max_length=max_length)
+    elif kind == "BPE" and (spec.get("model") or {}).get("byte_fallback"):   # SentencePiece-style
+        from .spm import SPMTokenizer
+        base = SPMTokenizer.from_tokenizer_json(spec, tok_cfg)
     elif kind == "BPE":
         base = BPETokenizer.from_tokenizer_json(spec, tok_cfg)
     elif kind == "Unigram":                               # SentencePiece (XLM-RoBERTa): `tokenizers` only

@@ -94,9 +94,10 @@ def estimate_bert(cfg, tensors: dict, *, max_batch_size: int, max_seq_length: in
     C, F = cfg.hidden_size, cfg.intermediate_size
     B = max(1, max_batch_size)                 # batches are min(pow2, max_batch_size) sequences
     T = B * max_seq_length
-    act = esz * T * (4 * C + 3 * C + 2 * F) + 4 * (2 * T + B) + 2 * 4 * B * C
+    G = 1 if cfg.ffn == "gelu" else 2                          # gated FFNs hold both halves (T, 2F)
+    act = esz * T * (4 * C + 3 * C + (G + 1) * F) + 4 * (3 * T + B) + 3 * 4 * B * C
     act += 2 * 4 * B * C + 64 * 1024                          # result buffer (grows x2), op params
-    for size, what in ((esz * T * F, f"FFN activations of a {B}x{max_seq_length} batch"),):
+    for size, what in ((esz * T * G * F, f"FFN activations of a {B}x{max_seq_length} batch"),):
         if size > largest:
             largest, label = size, what
     return MemoryEstimate(weights, 0, act, 0, 0, 0, largest, label)
