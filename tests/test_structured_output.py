@@ -44,8 +44,8 @@ SCHEMAS = [
     obj({"date": {"type": "string", "pattern": "^20[0-9]{2}-(0[1-9]|1[0-2])-[0-2][0-9]$"}}),
     obj({"level": {"type": "integer", "minimum": 1, "maximum": 5}, "label": {"enum": ["lo", "hi"]}}),
     {"type": "array", "items": {"enum": ["a", "b"]}, "minItems": 1, "maxItems": 4},
-    obj({"score": {"type": "number", "minimum": -1, "maximum": 1, "multipleOf": 0.125}, "tags": {"type": "array", "items":
-        {"enum": ["x", "y"]}, "maxItems": 2}}, required=["score"]),
+    obj({"score": {"type": "number", "minimum": -1, "maximum": 1, "multipleOf": 0.125},
+         "tags": {"type": "array", "items": {"enum": ["x", "y"]}, "maxItems": 2}}, required=["score"]),
     obj({"user": obj({"name": STR, "roles": {"type": "array", "items": {"enum": ["admin", "dev"]},
                                              "minItems": 1, "maxItems": 2}}),
          "active": {"type": "boolean"}}),
@@ -97,7 +97,8 @@ async def test_json_mode_and_webllm_schema_form(engine):
     else:                          # a long random object: still a valid prefix of one
         assert r.choices[0].message.content.startswith("{")
     schema = SCHEMAS[3]
-    r = await chat(engine, response_format={"type": "json_object", "schema": json.dumps(schema)}, temperature=0)
+    r = await chat(engine, response_format={"type": "json_object", "schema": json.dumps(schema)},
+                   temperature=0)
     jsonschema.validate(json.loads(r.choices[0].message.content), schema)
     extra = r.usage.extra
     assert extra.grammar_init_s >= 0 and 0 < extra.grammar_per_token_s < 1
@@ -112,7 +113,8 @@ async def test_gbnf_lark_and_regex_constrain_exactly(engine):
         kw = dict(temperature=1.0, seed=seed)
         a = (await chat(engine, response_format={"type": "grammar", "grammar": gbnf}, **kw)).choices[0]
         assert re.fullmatch(r"yes|no|maybe [0-9][0-9]?", a.message.content) and a.finish_reason == "stop"
-        b = (await chat(engine, response_format={"type": "grammar", "grammar": lark}, max_tokens=40, **kw)).choices[0]
+        b = (await chat(engine, response_format={"type": "grammar", "grammar": lark}, max_tokens=40,
+                        **kw)).choices[0]
         if b.finish_reason == "stop":
             assert re.fullmatch(r"\([1-9][0-9]?(,[1-9][0-9]?)*\)", b.message.content), b.message.content
         else:
@@ -197,7 +199,8 @@ NAMES = {"get_weather", "get_time"}
      None, [("get_time", {"tz": 2})]),                                    # cut short: the whole calls
     (T.LLAMA3, '{"name": "get_time", "parameters": {"tz": 3}}; {"name": "get_weather", "parameters": {}}',
      None, [("get_time", {"tz": 3}), ("get_weather", {})]),
-    (T.LLAMA3, '<|python_tag|>{"name": "get_time", "parameters": "{\\"tz\\": 4}"}', None, [("get_time", {"tz": 4})]),
+    (T.LLAMA3, '<|python_tag|>{"name": "get_time", "parameters": "{\\"tz\\": 4}"}', None,
+     [("get_time", {"tz": 4})]),
     (T.MISTRAL, '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Oslo"}}, '
                 '{"name": "get_time", "arguments": {"tz": 5}}]', None,
      [("get_weather", {"city": "Oslo"}), ("get_time", {"tz": 5})]),
@@ -237,7 +240,8 @@ def test_tool_grammars_of_every_format_constrain_the_text(engine):
 def test_templates_that_render_tools_get_them_and_others_get_a_system_prompt():
     msgs = [{"role": "user", "content": "weather?"},
             {"role": "assistant", "content": "", "tool_calls": [
-                {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Rome"}}}]},
+                {"id": "c1", "type": "function",
+                 "function": {"name": "get_weather", "arguments": {"city": "Rome"}}}]},
             {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
             {"role": "tool", "tool_call_id": "c2", "content": "windy"}]
     aware = ChatTemplate("{% for t in tools %}{{ t.function.name }};{% endfor %}"

@@ -146,7 +146,8 @@ def test_smollm2_json_mode_and_tool_round_trip(smol):
     assert r.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
     assert json.loads(call.function.arguments) == {"city": "Paris"}
     q += [r.choices[0].message.model_dump(exclude_none=True),
-          {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature_c": 18, "sky": "sunny"})}]
+          {"role": "tool", "tool_call_id": call.id,
+           "content": json.dumps({"temperature_c": 18, "sky": "sunny"})}]
     r = smol.chat.completions.create(model=SMOL, messages=q, tools=WEATHER, temperature=0, max_tokens=40)
     final = r.choices[0].message
     assert r.choices[0].finish_reason == "stop" and not final.tool_calls

@@ -59,8 +59,9 @@ def prepare_messages(messages: list[dict], tools: list[dict] | None, template) -
     out = []
     for m in messages:
         if m.get("tool_calls"):
-            calls = "\n".join(f"<tool_call>\n{_call_json(HERMES, c['function']['name'], c['function']['arguments'])}"
-                              f"\n</tool_call>" for c in m["tool_calls"])
+            calls = "\n".join("<tool_call>\n" + _call_json(HERMES, c["function"]["name"],
+                                                           c["function"]["arguments"]) + "\n</tool_call>"
+                              for c in m["tool_calls"])
             text = (m.get("content") or "")
             out.append({"role": "assistant", "content": (text + "\n" if text else "") + calls})
         elif m.get("role") == "tool":

@@ -173,7 +173,8 @@ def check_tool_calls(i: int, calls: Any) -> list[dict]:
     for j, c in enumerate(calls):
         f = c.get("function") if isinstance(c, dict) else None
         if not isinstance(f, dict) or not isinstance(f.get("name"), str):
-            raise FieldTypeError(f"messages[{i}].tool_calls[{j}]", "{id, type, function: {name, arguments}}", c)
+            raise FieldTypeError(f"messages[{i}].tool_calls[{j}]",
+                                 "{id, type, function: {name, arguments}}", c)
         args = f.get("arguments")
         if isinstance(args, str):
             try:
