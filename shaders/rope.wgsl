@@ -2,6 +2,7 @@
 // family (fused so a decode layer needs one dispatch for both).
 //   qkv (T, H_all, D) with H_all = Hq + 2*Hkv heads per row: q heads, then k heads, then v heads.
 //   Row t has position pos0 + t (pos0 = step[0]); rows t >= n_new (step[1], 0 = all) are skipped.
+//   rope only: step[3] = S > 0 makes it pos0 + t % S (encoders: B sequences of S rows in one op).
 //   Pair i < rot_dim/2 of a rotated head, angle = pos * inv_freq[i]:
 //     adjacent (GGUF llama layout): (x[2i], x[2i+1]);  neox (HF half split): (x[i], x[i + rot_dim/2])
 //     (a, b) -> (a*cos - b*sin, a*sin + b*cos) * mscale
@@ -112,7 +113,8 @@ fn rope(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
         @builtin(local_invocation_index) lid: u32) {
     let q = locate(wid, nwg, lid);
     if (!q.ok) { return; }
-    _ = rotate(q, step[0] + q.t, p.qkv_off + (q.t * p.heads + q.h) * p.hd2);
+    let period = step[3];
+    _ = rotate(q, step[0] + select(q.t, q.t % period, period > 0u), p.qkv_off + (q.t * p.heads + q.h) * p.hd2);
 }
 
 @compute @workgroup_size(64)

@@ -205,6 +205,19 @@ def test_rope(device, dtype, neox, rot_dim, pos0, t):
     np.testing.assert_array_equal(out[:, hq + hkv:], rounded(x, dtype)[:, hq + hkv:])  # v untouched
 
 
+@pytest.mark.parametrize("neox,rot_dim", [(True, 64), (True, 32), (False, 64)])
+def test_rope_positions_restart_every_sequence(device, neox, rot_dim):
+    """step[3] = S: B padded sequences of S rows rotated in one op, row t at position t % S."""
+    rng = np.random.default_rng(11)
+    b, s, h, d = 3, 20, 4, 64
+    x = _qkv(rng, b * s, h, h, d)
+    xt = put(device, x, "f32", lead=4)
+    step = device.upload(np.array([0, 0, 0, s], np.uint32), owner="test:nn", label="step")
+    run(device, nn.rope(device, xt, step, n_heads=2 * h, head_dim=d, rot_dim=rot_dim, base=1000.0, neox=neox))
+    ref = nn_ref.rope(x, np.arange(b * s) % s, n_heads=2 * h, rot_dim=rot_dim, base=1000.0, neox=neox)
+    np.testing.assert_allclose(get(device, xt), ref, **TOL["f32"])
+
+
 def test_rope_skips_rows_past_n_new(device):
     """An op built for T rows processes only step.n_new of them (a short final prefill chunk)."""
     rng = np.random.default_rng(5)

@@ -323,7 +323,7 @@ def _rope_op(dev, k, entry, qkv, step, *, h_lo, n_h, n_rot, head_dim, rot_dim, b
 def rope(dev: Device, qkv: Tensor, step, *, n_heads: int, head_dim: int, rot_dim: int | None = None,
          base: float = 10000.0, neox: bool = False, factors=None, mscale: float = 1.0) -> Op:
     """Rotates, in place, the first `n_heads` heads (q then k) of each row of qkv (T, H_all, D);
-    row t has position step.pos0 + t. neox=False: adjacent pairs (GGUF llama layout); True: half split.
+    row t has position step.pos0 + t (step[3] = S > 0: pos0 + t % S, for B padded sequences of S rows). neox=False: adjacent pairs (GGUF llama layout); True: half split.
     `factors`: RoPE scaling, frequency i divided by factors[i] (see rope_frequencies); `mscale`:
     the rotated values multiplied by it (longrope's attention factor)."""
     rot = head_dim if rot_dim is None else rot_dim

@@ -102,6 +102,7 @@ class BertModel:
         self.act_dtype, self.pooling, self.normalize = act_dtype, pooling, normalize
         self._arena: _Arena | None = None
         self._ops: OrderedDict[tuple[int, int], Op] = OrderedDict()
+        self._rope_steps: dict[int, object] = {}        # S -> step buffer (0, 0, 0, S) of rotary models
         try:
             self._upload(tensors, progress)
         except BaseException:
@@ -145,7 +146,6 @@ class BertModel:
         self.word = weight([get("embed", shape=(cfg.vocab_size, C))], "word_embeddings")
         if cfg.rope_base > 0:
             self.max_position, self.pos_table = cfg.max_position, None
-            self.rope_step = dev.upload(bytes(16), owner=own, label="rope.step")   # pos0 0: position = row
         else:
             pos = get("pos_embed")
             if pos.shape[1] != C:
@@ -280,11 +280,9 @@ class BertModel:
         for L in self.layers:
             # self-attention block: x1 = LN(attn(x)·Woᵀ + bo + x)
             op += mm.matmul(dev, x, L.qkv, qkv, bias=L.qkv_b)                       # (T, 3C)
-            if cfg.rope_base > 0:
-                # q and k heads of each sequence rotated by their place in it: one op per sequence
-                for b in range(B):
-                    op += nn.rope(dev, a.qkv.view((S, 3 * H, D), b * S * 3 * C), self.rope_step, n_heads=2 * H,
-                                  head_dim=D, rot_dim=cfg.rot_dim, base=cfg.rope_base, neox=True)
+            if cfg.rope_base > 0:       # q and k heads rotated by their place in their sequence
+                op += nn.rope(dev, a.qkv.view((T, 3 * H, D)), self.rope_step(S), n_heads=2 * H, head_dim=D,
+                              rot_dim=cfg.rot_dim, base=cfg.rope_base, neox=True)
             op += nn.attention_bidir(dev, qkv, lengths, ctx, batch=B, seq=S, n_heads=H, head_dim=D,
                                      scale=D ** -0.5)                                # (T, C)
             op += mm.matmul(dev, ctx, L.o, tmp, bias=L.o_b)                          # (T, C)
@@ -295,6 +293,14 @@ class BertModel:
             op += mm.matmul(dev, ffg, L.ff2, tmp, bias=L.ff2_b)                      # (T, C)
             op += nn.layer_norm(dev, tmp, L.ffn_ln_w, L.ffn_ln_b, x, eps=eps, residual=x1)
         return op, x
+
+    def rope_step(self, S: int):
+        """The step buffer (pos0 0, all rows, -, S) that makes rope restart its positions every S rows."""
+        buf = self._rope_steps.get(S)
+        if buf is None:
+            buf = self._rope_steps[S] = self.dev.upload(_u32([0, 0, 0, S]), owner=self.owner,
+                                                        label=f"rope.step[{S}]")
+        return buf
 
     def compile(self, batch, warmed=frozenset()) -> set:
         """Build the ops of the smallest bucket and record one run of them into `batch`, so that
@@ -354,6 +360,7 @@ class BertModel:
         """Free every GPU buffer of the model (weights, activations, params)."""
         self._drop_ops()
         self._arena = None
+        self._rope_steps.clear()
         self.dev.release_owner(self.owner)
 
 

@@ -78,7 +78,6 @@ class ModernBertModel(BertModel):
         self.emb_ln_w, self.emb_ln_b = norm("embed_norm", "emb_ln")
         self.final_ln_w, self.final_ln_b = norm("norm", "final_norm")
         self.max_position, self.pos_table, self.n_types = cfg.max_position, None, 1
-        self.rope_step = dev.upload(bytes(16), owner=own, label="rope.step")      # pos0 0: position = row
         windows = cfg.layer_windows or (0,) * cfg.n_layers
         self.layers = []
         for i in range(cfg.n_layers):
@@ -111,9 +110,9 @@ class ModernBertModel(BertModel):
                 op += nn.layer_norm(dev, x, L.attn_ln_w, L.attn_ln_b, h, eps=eps)
                 src = h
             op += mm.matmul(dev, src, L.qkv, qkv)                                    # (T, 3C)
-            for b in range(B):              # q and k of each sequence rotated by their place in it
-                op += nn.rope(dev, a.qkv.view((S, 3 * H, D), b * S * 3 * C), self.rope_step, n_heads=2 * H,
-                              head_dim=D, base=L.rope_base, neox=True)
+            # q and k heads rotated by their place in their sequence
+            op += nn.rope(dev, a.qkv.view((T, 3 * H, D)), self.rope_step(S), n_heads=2 * H, head_dim=D,
+                          base=L.rope_base, neox=True)
             op += nn.attention_bidir(dev, qkv, lengths, ctx, batch=B, seq=S, n_heads=H, head_dim=D,
                                      scale=D ** -0.5, window=L.window)               # (T, C)
             op += mm.matmul(dev, ctx, L.o, x, accumulate=True)
