@@ -139,3 +139,18 @@ def test_rerank_route_errors(server, body, param):
     assert st == 400 and err["error"]["param"] == param, err
     st, err = _post(server + "/v1/embeddings", {"model": "tiny_cross_encoder", "input": "a"})
     assert st == 400 and "reranker" in err["error"]["message"]
+
+
+def test_sync_engine_rerank():
+    """MLCEngine.rerank (the blocking facade) on a model reference (the fixture folder)."""
+    from webgpu_engine.engine import MLCEngine
+    eng = MLCEngine()
+    try:
+        eng.reload(str(CROSS))
+        pairs = REF["pairs"][:3]
+        res = eng.rerank(query=pairs[0][0], documents=[d for _, d in pairs], top_n=2, return_documents=False)
+        want = sorted(range(3), key=lambda i: -REF["scores"][i])[:2]
+        assert [r.index for r in res.results] == want and "document" not in res.results[0]
+        assert abs(res.results[0].relevance_score - REF["scores"][want[0]]) < 1e-4
+    finally:
+        eng.close()
