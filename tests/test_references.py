@@ -312,6 +312,7 @@ def test_cli_download_and_info_take_references(models, capsys):
 
 
 def test_serve_two_references_through_the_openai_client(models):
+    import json
     import os
     import socket
     import subprocess
@@ -342,6 +343,13 @@ def test_serve_two_references_through_the_openai_client(models):
             time.sleep(0.3)
         c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
         assert sorted(m.id for m in c.models.list()) == ["test-org/tiny-minilm", "tiny-chat"]
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=10) as resp:
+            listed = {m["id"]: m for m in json.loads(resp.read())["data"]}
+        assert listed["tiny-chat"]["model_type"] == LLM and listed["tiny-chat"]["context_window"] == 256
+        assert listed["test-org/tiny-minilm"]["model_type"] == EMBEDDING
+        assert listed["test-org/tiny-minilm"]["context_window"] > 0
+        for m in listed.values():
+            assert m["memory"]["estimated_bytes"] > 0 and m["memory"]["allocated_bytes"] > 0
         r = c.chat.completions.create(model="tiny-chat", messages=U, max_tokens=2, temperature=0)
         assert r.model == "tiny-chat" and r.usage.completion_tokens >= 1
         assert len(c.embeddings.create(model="test-org/tiny-minilm", input="a cat").data[0].embedding) == 64
@@ -351,3 +359,46 @@ def test_serve_two_references_through_the_openai_client(models):
     bad = subprocess.run([sys.executable, "-m", "webgpu_engine", "serve", "--model", "./no-such.gguf",
                           "--port", str(port)], cwd=root, env=env, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 1 and bad.stderr.startswith("error: Cannot load model './no-such.gguf'")
+    # A model that resolves but then fails to load: the server says why and exits 1 (it does not keep
+    # running without its models).
+    bad = subprocess.run([sys.executable, "-m", "webgpu_engine", "serve", "--model", str(models["gguf"]),
+                          "--chat-opts", '{"sliding_window_size": 64}', "--port", str(port)],
+                         cwd=root, env=env, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 1, bad.stderr
+    assert "error: cannot serve tiny-llama: " in bad.stderr and "sliding_window_size" in bad.stderr
+    assert "Traceback" not in bad.stderr
+
+
+async def test_reload_reports_downloads_and_takes_aliases(device, models, tmp_path, monkeypatch):
+    """reload() of references that must be fetched reports the downloads to init_progress_callback
+    (a URL into the artifact cache, a repo from the hub into the HF cache), never going backwards;
+    `aliases` name the models in engine.models, /v1/models (describe) and responses."""
+    from hf_hub_server import HubServer
+    reports: list[dict] = []
+    with FileServer() as files, HubServer() as hub:
+        files.add("fresh/tiny-fresh.gguf", models["gguf"].read_bytes())
+        hub.add_repo("hub-org/fresh-GGUF", {"tiny-llama-Q8_0.gguf": models["gguf"].read_bytes()})
+        monkeypatch.setenv("HF_ENDPOINT", hub.endpoint)
+        monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub-cache"))
+        monkeypatch.delenv("HF_HUB_OFFLINE")
+        engine = await create_mlc_engine([files.url("fresh/tiny-fresh.gguf"), "hub-org/fresh-GGUF"],
+                                         EngineConfig(device=device, init_progress_callback=reports.append),
+                                         aliases=["by-url", "by-hub"])
+    try:
+        assert list(engine.models) == ["by-url", "by-hub"]
+        r = await engine.chat.completions.create(model="by-hub", messages=U, max_tokens=1)
+        assert r.model == "by-hub"
+        d = engine.models["by-url"].describe(engine.device)
+        assert d["context_window"] > 0 and d["memory"]["estimated_bytes"] > 0
+        assert 0 < d["memory"]["allocated_bytes"]
+    finally:
+        await engine.unload()
+    url = [r for r in reports if r["text"].startswith(f"[{files.url('fresh/tiny-fresh.gguf')}] Fetching")]
+    hub_ = [r for r in reports if r["text"].startswith("[hub-org/fresh-GGUF] fetching tiny-llama-Q8_0.gguf")]
+    assert url and hub_, [r["text"] for r in reports]
+    assert all(r["progress"] <= 0.1 for r in url + hub_)          # the fetch tenth of the progress
+    progress = [r["progress"] for r in reports]
+    assert progress == sorted(progress) and progress[-1] == 1.0
+    assert all(r["time_elapsed"] >= 0 for r in reports)
+    with pytest.raises(E.ReloadArgumentSizeUnmatchedError):
+        await engine.reload(str(models["gguf"]), aliases=["a", "b"])

@@ -278,9 +278,8 @@ def cmd_serve(args) -> int:
                          max_body_bytes=int(args.max_body_mb * (1 << 20)),
                          cors_origins=args.cors_origin or [], log_level=args.log_level.upper(),
                          auto_recover=args.auto_recover, shutdown_grace_s=args.shutdown_grace,
-                         engine_config=cfg, chat_opts=chat_opts)
-    run_server(opts)
-    return 0
+                         engine_config=cfg, chat_opts=chat_opts, exit_on_load_error=True)
+    return run_server(opts)
 
 
 # --------------------------------------------------------------------------- bench

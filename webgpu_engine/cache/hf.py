@@ -113,24 +113,45 @@ def repo_files(repo_id: str, revision: str | None = None, *, offline: bool | Non
         raise _translate(e, reference, f"listing {repo_id}") from None
 
 
+def _bars(progress, what: str):
+    """A tqdm class for huggingface_hub's bars that also reports each update as
+    progress(fraction, text) (byte bars for a file, file-count bars for a folder); None without one."""
+    if progress is None:
+        return None
+    from tqdm.auto import tqdm
+
+    class Bar(tqdm):
+        def update(self, n=1):
+            out = super().update(n)
+            if self.total:
+                done = (f"{self.n / 2 ** 20:.1f} of {self.total / 2 ** 20:.1f} MiB" if self.unit == "B"
+                        else f"{self.n} of {self.total} files")
+                progress(min(1.0, self.n / self.total), f"fetching {what}: {done}")
+            return out
+    return Bar
+
+
 def download_file(repo_id: str, filename: str, revision: str | None = None, *, offline: bool | None = None,
-                  reference: str | None = None) -> Path:
-    """The local path of one repo file (from the HF cache, else downloaded into it)."""
+                  reference: str | None = None, progress=None) -> Path:
+    """The local path of one repo file (from the HF cache, else downloaded into it, reported to
+    `progress(fraction, text)` when given)."""
     from huggingface_hub import hf_hub_download
     try:
         return Path(hf_hub_download(repo_id, filename, revision=revision, cache_dir=hf_cache_dir(),
-                                    local_files_only=_sync_offline(offline), endpoint=hf_endpoint()))
+                                    local_files_only=_sync_offline(offline), endpoint=hf_endpoint(),
+                                    tqdm_class=_bars(progress, filename)))
     except Exception as e:  # noqa: BLE001 - translated into typed errors
         raise _translate(e, reference or repo_id, f"fetching {filename}") from None
 
 
 def download_folder(repo_id: str, allow_patterns: list[str], revision: str | None = None, *,
-                    offline: bool | None = None, reference: str | None = None) -> Path:
-    """The local snapshot folder holding the repo files that match `allow_patterns`."""
+                    offline: bool | None = None, reference: str | None = None, progress=None) -> Path:
+    """The local snapshot folder holding the repo files that match `allow_patterns` (downloads
+    reported to `progress(fraction, text)` when given)."""
     from huggingface_hub import snapshot_download
     try:
         return Path(snapshot_download(repo_id, revision=revision, cache_dir=hf_cache_dir(),
                                       allow_patterns=allow_patterns, local_files_only=_sync_offline(offline),
-                                      endpoint=hf_endpoint()))
+                                      endpoint=hf_endpoint(), tqdm_class=_bars(progress, repo_id)))
     except Exception as e:  # noqa: BLE001 - translated into typed errors
         raise _translate(e, reference or repo_id, f"fetching the files of {repo_id}") from None

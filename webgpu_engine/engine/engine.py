@@ -55,6 +55,20 @@ class LoadedModel:
     estimate: memory.MemoryEstimate | None = None   # what the pre-load memory check assumed
     dropped_by_loss: bool = False  # dropped because the device was lost (not unloaded)
 
+    def describe(self, device=None) -> dict:
+        """What /v1/models shows besides the id: the type, the context window in tokens (an
+        embedder's longest input) and the memory in bytes (the pre-load estimate, and what the
+        model's buffers hold on `device` now)."""
+        ctx = (getattr(self.pipeline, "max_seq_length", None) if self.model_type == EMBEDDING
+               else self.chat_config.context_window_size)
+        est = self.estimate
+        mem = {"estimated_bytes": est.total if est else None, "weights_bytes": est.weights if est else None,
+               "kv_cache_bytes": est.kv_cache if est else None, "allocated_bytes": None}
+        if device is not None and not device.lost:
+            held = device.allocations()
+            mem["allocated_bytes"] = sum(held.get(o, 0) for o in self.owners)
+        return {"model_type": self.model_type, "context_window": ctx, "memory": mem}
+
 
 @dataclass
 class _Plan:
@@ -99,6 +113,7 @@ class AsyncMLCEngine:
         self.device_lost_reason: str | None = None
         self._epoch = 0
         self._last_reload: tuple[list[str], list[dict | None]] | None = None
+        self._progress_floor = 0.0              # a reload's progress reports never go back
         self._recovering: asyncio.Future | None = None
         self._load_token: object | None = None    # the reload in progress; unload() clears it
         self.interrupts = 0             # interrupt_generate() calls: a request stops all its choices
@@ -148,10 +163,16 @@ class AsyncMLCEngine:
         return (await self.get_device()).info.vendor
 
     # ------------------------------------------------------------------ reload / unload
-    async def reload(self, model_id: str | list[str], chat_opts: dict | list[dict | None] | None = None) -> None:
+    async def reload(self, model_id: str | list[str], chat_opts: dict | list[dict | None] | None = None,
+                     *, aliases: str | list[str | None] | None = None) -> None:
         """Unload everything, then load each model in order. Cancelling the task leaves nothing loaded
-        and every GPU buffer of the partial load freed."""
+        and every GPU buffer of the partial load freed. `aliases` (one per model, None to keep the
+        default) names the models in engine.models, /v1/models and responses (references only: an
+        app-config record keeps its id). Downloads a reference needs report to the progress callback."""
         ids = [model_id] if isinstance(model_id, str) else list(model_id)
+        names = [aliases] if isinstance(aliases, str) else list(aliases or [])
+        if len(names) > len(ids):
+            raise ReloadArgumentSizeUnmatchedError(len(ids), len(names))
         if chat_opts is None:
             opts: list[dict | None] = [None] * len(ids)
         else:
@@ -163,7 +184,15 @@ class AsyncMLCEngine:
         # Ids the app config lacks are model references (a .gguf, a folder, a URL, a Hugging Face
         # repo): resolved into records, and registered, before anything unloads (references.py).
         from .references import records_for
-        self.app_config, records = await records_for(self.app_config, ids)
+        t0 = time.perf_counter()
+        n = len(ids)
+        self._progress_floor = 0.0
+        loop = asyncio.get_running_loop()
+
+        def fetched(k: int, frac: float, text: str) -> None:    # called from the resolving thread
+            f = (k + max(0.0, min(1.0, frac))) / n
+            loop.call_soon_threadsafe(self._report, 0.1 * f * 0.99, t0, f"[{ids[k]}] {text}")
+        self.app_config, records = await records_for(self.app_config, ids, names, fetched)
         ids = [r.model_id for r in records]
         if len(set(ids)) != len(ids):
             raise ReloadModelIdNotUniqueError(ids)
@@ -171,8 +200,6 @@ class AsyncMLCEngine:
         token = self._load_token = object()
         self._last_reload = (ids, opts)
         self.state = "loading"
-        t0 = time.perf_counter()
-        n = len(ids)
         dev, current, stage = None, None, "preparing the load"
         try:
             dev = await self.get_device()
@@ -348,9 +375,12 @@ class AsyncMLCEngine:
 
     def _report(self, progress: float, t0: float, text: str) -> None:
         log.info("%s", text)
+        # Never backwards within a reload (a reference's download is reported before the fetches of
+        # app-config models that come earlier in the list).
+        progress = self._progress_floor = max(float(progress), self._progress_floor)
         cb = self.init_progress_callback
         if cb is not None:
-            cb({"progress": float(progress), "time_elapsed": time.perf_counter() - t0, "text": text})
+            cb({"progress": progress, "time_elapsed": time.perf_counter() - t0, "text": text})
 
     async def unload(self) -> None:
         """Free every loaded model (an intentional unload is never reported as a device loss) and
@@ -590,8 +620,10 @@ class AsyncMLCEngine:
 
 
 async def create_mlc_engine(model_id: str | list[str], engine_config: EngineConfig | None = None,
-                            chat_opts: dict | list[dict | None] | None = None) -> AsyncMLCEngine:
-    """WebLLM's CreateMLCEngine: a new engine with `model_id` (one id or several) loaded."""
+                            chat_opts: dict | list[dict | None] | None = None, *,
+                            aliases: str | list[str | None] | None = None) -> AsyncMLCEngine:
+    """WebLLM's CreateMLCEngine: a new engine with `model_id` (one id or several) loaded (named by
+    `aliases`, see reload)."""
     engine = AsyncMLCEngine(engine_config)
-    await engine.reload(model_id, chat_opts)
+    await engine.reload(model_id, chat_opts, aliases=aliases)
     return engine

@@ -17,6 +17,7 @@ Explicit records (an app config) win over everything. Standard library only at m
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import hashlib
 import json
 import re
@@ -32,6 +33,9 @@ DEFAULT_QUANT = "Q4_K_M"        # what llama.cpp's -hf picks in a repo of severa
 _HF_HOSTS = ("huggingface.co", "hf.co")
 _REPO_RE = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+?)(?:@(?P<rev>[\w./-]+?))?(?::(?P<sel>[^:/]+))?$")
 _SHARD_RE = re.compile(r"-\d{5}-of-\d{5}\.gguf$")
+# progress(fraction, text) for the downloads of the reference being resolved (resolve_model_reference
+# sets it; the download calls below read it), so the fetch helpers need no extra parameter.
+_PROGRESS: contextvars.ContextVar = contextvars.ContextVar("reference_progress", default=None)
 # The files of an HF or sentence-transformers folder the loaders read (weights, configs, tokenizer).
 FOLDER_PATTERNS = ["*.json", "*.safetensors", "vocab.txt", "merges.txt", "tokenizer*"]
 
@@ -162,7 +166,8 @@ def _hugging_face(reference: str, repo: str, revision: str | None, selector: str
     shown = model_id or (f"{repo}:{selector}" if selector else repo)
     gguf = _pick_gguf(reference, repo, files, selector)
     if gguf is not None:
-        path = hf.download_file(repo, gguf, revision, offline=offline, reference=reference)
+        path = hf.download_file(repo, gguf, revision, offline=offline, reference=reference,
+                                progress=_PROGRESS.get())
         return _record(path, reference, shown, f"hf://{repo}/{gguf}")
     if "config.json" not in files:
         raise ModelReferenceError(reference, [f"the Hugging Face repo {repo} holds neither a .gguf nor a "
@@ -180,7 +185,8 @@ def _hugging_face(reference: str, repo: str, revision: str | None, selector: str
     if "modules.json" in files:
         patterns += [f"{p.parent.as_posix()}/*" for p in map(PurePosixPath, files)
                      if p.name == "config.json" and len(p.parts) == 2]      # 1_Pooling/config.json
-    path = hf.download_folder(repo, patterns, revision, offline=offline, reference=reference)
+    path = hf.download_folder(repo, patterns, revision, offline=offline, reference=reference,
+                              progress=_PROGRESS.get())
     return _record(path, reference, shown, f"hf://{repo}")
 
 
@@ -206,7 +212,7 @@ def _url(reference: str, model_id: str | None, offline: bool | None) -> ModelRec
                                       hint="Give the URL of a .gguf file, or of a model folder ending in '/'.")
         base = reference.rsplit("/", 1)[0] + "/"
         arts = cache.artifacts_from_bases(cache_id, {parts[-1]: (None, None)}, [base])
-        path = cache.fetch_model_sync(cache_id, arts, offline=offline, bar=False)
+        path = cache.fetch_model_sync(cache_id, arts, offline=offline, bar=False, progress=_PROGRESS.get())
         return _record(Path(path), reference, model_id or Path(parts[-1]).stem)
     return _record(_fetch_folder(reference, cache_id, offline), reference, model_id or parts[-1])
 
@@ -221,7 +227,8 @@ def _fetch_folder(base: str, cache_id: str, offline: bool | None) -> Path:
         for name in names:
             arts = cache.artifacts_from_bases(cache_id, {name: (None, None)}, [base])
             try:
-                got.append(cache.fetch_model_sync(cache_id, arts, offline=offline, bar=False))
+                got.append(cache.fetch_model_sync(cache_id, arts, offline=offline, bar=False,
+                                                  progress=_PROGRESS.get()))
             except (ArtifactFetchError, NetworkForbiddenError):     # an optional file the folder lacks
                 if required:
                     raise
@@ -244,11 +251,19 @@ def _fetch_folder(base: str, cache_id: str, offline: bool | None) -> Path:
 
 # --------------------------------------------------------------------------- entry points
 def resolve_model_reference(reference: str, *, model_id: str | None = None, app_config: AppConfig | None = None,
-                            offline: bool | None = None) -> ModelRecord:
-    """The ModelRecord `reference` names (see the module docstring); blocking (it may download).
-    Raises ModelReferenceError (with what was tried), AmbiguousModelReferenceError, ModelAccessError,
-    UnsupportedModelError, NetworkForbiddenError."""
-    ref = reference.strip()
+                            offline: bool | None = None, progress=None) -> ModelRecord:
+    """The ModelRecord `reference` names (see the module docstring); blocking (it may download, and
+    reports the downloads to `progress(fraction, text)` when given). Raises ModelReferenceError (with
+    what was tried), AmbiguousModelReferenceError, ModelAccessError, UnsupportedModelError,
+    NetworkForbiddenError."""
+    token = _PROGRESS.set(progress)
+    try:
+        return _resolve(reference.strip(), model_id, app_config, offline)
+    finally:
+        _PROGRESS.reset(token)
+
+
+def _resolve(ref: str, model_id: str | None, app_config: AppConfig | None, offline: bool | None) -> ModelRecord:
     if app_config is not None and ref in app_config.ids():
         rec = app_config.get(ref)
         if model_id in (None, rec.model_id):
@@ -291,17 +306,22 @@ def _hf_repo_id(reference: str, spec: str, model_id: str | None, offline: bool |
         raise
 
 
-async def records_for(app_config: AppConfig, refs: list) -> tuple[AppConfig, list[ModelRecord]]:
-    """The records of `refs` (app-config ids or model references) and the app config with
-    the resolved ones added. App-config ids cost nothing; other references resolve in a worker thread
-    (they may read headers or download)."""
+async def records_for(app_config: AppConfig, refs: list, aliases: list | None = None,
+                      progress=None) -> tuple[AppConfig, list[ModelRecord]]:
+    """The records of `refs` (app-config ids or model references, named by `aliases` where one is
+    given) and the app config with the resolved ones added. App-config ids cost nothing; other
+    references resolve in a worker thread (they may read headers or download): `progress(k, fraction,
+    text)` reports the downloads of refs[k], from that thread."""
     records: list[ModelRecord] = []
     new: list[ModelRecord] = []
-    for item in refs:
-        if item in app_config.ids():
+    aliases = list(aliases or []) + [None] * (len(refs) - len(aliases or []))
+    for k, (item, alias) in enumerate(zip(refs, aliases)):
+        if item in app_config.ids() and alias in (None, item):
             records.append(app_config.get(item))
         else:
-            rec = await asyncio.to_thread(resolve_model_reference, item, app_config=app_config)
+            report = None if progress is None else (lambda f, text, k=k: progress(k, f, text))
+            rec = await asyncio.to_thread(resolve_model_reference, item, model_id=alias,
+                                          app_config=app_config, progress=report)
             new.append(rec)
             records.append(rec)
     return (app_config.with_records(*new) if new else app_config), records

@@ -22,6 +22,7 @@ import hmac
 import json
 import logging
 import struct
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ from typing import Any
 
 from aiohttp import web
 
+from ..catalogue import DEFAULT_CHAT_MODEL, DEFAULT_EMBED_MODEL
 from ..engine import AsyncMLCEngine, EngineConfig
 from ..errors import WebGPUEngineError
 from ..protocol.objects import to_dict
@@ -44,7 +46,7 @@ STATE = web.AppKey("state", dict)
 
 @dataclass
 class ServerOptions:
-    models: list[str] = field(default_factory=lambda: ["SmolLM2-135M-Instruct-Q4_1", "all-MiniLM-L6-v2"])
+    models: list[str] = field(default_factory=lambda: [DEFAULT_CHAT_MODEL, DEFAULT_EMBED_MODEL])
     chat_opts: list[dict | None] | None = None
     host: str = "127.0.0.1"
     port: int = 8000
@@ -55,6 +57,7 @@ class ServerOptions:
     auto_recover: bool = False
     shutdown_grace_s: float = 30.0                 # SIGTERM: how long requests in flight may finish
     engine_config: EngineConfig | None = None     # limits, queue, timeout; tests inject stubs here
+    exit_on_load_error: bool = False   # `serve`: a model that fails to load stops the server (exit 1)
 
 
 MAX_JSON_DEPTH = 64        # nesting of a request body; OpenAI's own schemas need fewer than 10
@@ -341,8 +344,9 @@ async def rerank(request: web.Request) -> web.Response:
 async def list_models(request: web.Request) -> web.Response:
     engine = request.app[ENGINE]
     created = request.app[STATE].get("created", int(time.time()))
+    # Beyond OpenAI's fields: model_type, context_window (tokens), memory (bytes), from the engine.
     data = [{"id": m, "object": "model", "created": created, "owned_by": "webgpu_engine",
-             "model_type": lm.model_type} for m, lm in engine.models.items()]
+             **lm.describe(engine.device)} for m, lm in engine.models.items()]
     return web.json_response({"object": "list", "data": data})
 
 
@@ -409,9 +413,20 @@ async def _start_loading(app: web.Application) -> None:
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - reported by /health
-            log.exception("loading %s failed", opts.models)
             state["error"] = str(e)
+            if not opts.exit_on_load_error:
+                log.exception("loading %s failed", opts.models)
+                return
+            # `serve` must not look like a running server without its models: say why and stop.
+            log.debug("loading %s failed", opts.models, exc_info=True)
+            print(f"error: cannot serve {', '.join(opts.models)}: {e}", file=sys.stderr, flush=True)
+            state["exit_code"] = 1
+            asyncio.get_running_loop().call_soon(_graceful_exit)
     app[STATE]["load_task"] = asyncio.create_task(load())
+
+
+def _graceful_exit() -> None:
+    raise web.GracefulExit()       # from a loop callback: run_app stops and cleans up (as on SIGINT)
 
 
 async def _drain(app: web.Application) -> None:
@@ -427,12 +442,15 @@ async def _shutdown(app: web.Application) -> None:
     await app[ENGINE].unload()
 
 
-def run_server(opts: ServerOptions) -> None:
-    """Serve until interrupted (the `serve` command)."""
+def run_server(opts: ServerOptions) -> int:
+    """Serve until interrupted (the `serve` command); returns the exit status (1: the models failed
+    to load and `exit_on_load_error` stopped the server)."""
     logging.getLogger("webgpu_engine").setLevel(opts.log_level)
-    web.run_app(create_app(opts), host=opts.host, port=opts.port, handler_cancellation=True,
+    app = create_app(opts)
+    web.run_app(app, host=opts.host, port=opts.port, handler_cancellation=True,
                 shutdown_timeout=opts.shutdown_grace_s,
                 print=lambda s: log.warning("%s", s), access_log=log if opts.log_level == "DEBUG" else None)
+    return app[STATE].get("exit_code", 0)
 
 
 class ServerThread:
