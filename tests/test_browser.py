@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from webgpu_engine.catalogue import DEFAULT_CHAT_MODEL, DEFAULT_EMBED_MODEL
+
 pytestmark = pytest.mark.browser
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -31,7 +33,7 @@ FLAGS = ["--headless=new", "--no-sandbox", "--disable-background-networking", "-
          "--disable-sync", "--no-first-run", "--disable-quic", "--enable-unsafe-webgpu"]
 SETUP = "run `bash scripts/browser_setup.sh` (or `make browser-setup`)"
 N_IDS = 16
-CHAT_MODEL, EMBED_MODEL = "SmolLM2-135M-Instruct-Q4_1", "all-MiniLM-L6-v2"
+CHAT_MODEL, EMBED_MODEL = DEFAULT_CHAT_MODEL, DEFAULT_EMBED_MODEL
 
 
 @pytest.fixture(scope="module")

@@ -3,8 +3,8 @@
 // `window.demo` exposes the same calls to the browser test.
 import { bootPython } from "./boot.js";
 
-export const CHAT_MODEL = "SmolLM2-135M-Instruct-Q4_1";
-export const EMBED_MODEL = "all-MiniLM-L6-v2";
+// The default chat model and embedder: webgpu_engine/catalogue.py's, read once Python is up.
+let CHAT_MODEL, EMBED_MODEL;
 const DOCS = [
   "The cat sleeps on the warm windowsill in the afternoon sun.",
   "Paris is the capital and largest city of France.",
@@ -24,6 +24,7 @@ async function main() {
   const py = await bootPython((t) => setProgress(0.02, t));
   const app = py.pyimport("webgpu_engine.browser.app");
   const dev = JSON.parse(await app.start(location.href, setProgress));
+  ({ chat: CHAT_MODEL, embed: EMBED_MODEL } = JSON.parse(app.default_models()));
   $("device").textContent = `adapter: ${dev.adapter.vendor} ${dev.adapter.architecture}` +
     ` (${dev.backend}; shader-f16: ${dev.features.includes("shader-f16") ? "yes" : "no — f32 kernels"})`;
   const t0 = performance.now();

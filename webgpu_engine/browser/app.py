@@ -8,7 +8,8 @@ Values cross to JavaScript as JSON strings, so the page holds no Python proxies.
 
     app = pyodide.pyimport("webgpu_engine.browser.app")
     await app.start(location.href, progress)              // progress(fraction, text)
-    await app.load(JSON.stringify(["SmolLM2-135M-Instruct-Q4_1", "all-MiniLM-L6-v2"]))
+    const d = JSON.parse(app.default_models())            // {chat, embed}: catalogue.py's defaults
+    await app.load(JSON.stringify([d.chat, d.embed]))
     await app.chat(JSON.stringify(messages), onDelta)    // onDelta(text) per streamed piece
 """
 from __future__ import annotations
@@ -19,12 +20,13 @@ import os
 import time
 
 from ..cache.defaults import model_artifacts
+from ..catalogue import BUILTIN_MODELS, DEFAULT_CHAT_MODEL, DEFAULT_EMBED_MODEL
 from ..engine.engine import AsyncMLCEngine
 from ..engine.records import EMBEDDING, LLM, AppConfig, EngineConfig, ModelRecord
 from .artifact_cache import BrowserArtifactCache, stage_files
 
 STAGE_ROOT = "/models"
-_TYPES = {"SmolLM2-135M-Instruct-Q4_1": LLM, "all-MiniLM-L6-v2": EMBEDDING}
+_TYPES = {m.model_id: EMBEDDING if m.model_type == "embedding" else LLM for m in BUILTIN_MODELS}
 
 _state: dict = {"engine": None, "base": "", "progress": None, "loaded": {}, "fetch_stats": {}}
 
@@ -33,6 +35,11 @@ def _progress(frac: float, text: str) -> None:
     cb = _state["progress"]
     if cb is not None:
         cb(float(frac), str(text))
+
+
+def default_models() -> str:
+    """The default chat model and embedder (catalogue.py), as JSON {"chat": id, "embed": id}."""
+    return json.dumps({"chat": DEFAULT_CHAT_MODEL, "embed": DEFAULT_EMBED_MODEL})
 
 
 async def start(base_url: str, progress=None) -> str:
