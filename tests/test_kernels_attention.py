@@ -237,3 +237,25 @@ def test_split_decode_sliding_window(device, softcap):
             op.record(b, n_keys=n_keys)
             device.submit(b)
             np.testing.assert_allclose(get(device, out), ref, **TOL["f32"], err_msg=f"kv_len={kv_len} {n_keys}")
+
+
+@pytest.mark.parametrize("hq,hkv,d", [(8, 2, 128), (4, 2, 256), (16, 4, 128)])
+def test_wide_heads_prefill_and_decode(device, hq, hkv, d):
+    """Llama-3 / Qwen3 heads (128 wide, 4 query heads per kv head) and Gemma's (256): the default
+    heads per lane keep G * D within what a lane holds correctly; prefill and split decode."""
+    rng = np.random.default_rng(d + hq)
+    t, pos0, ctx = 20, 30, 64
+    (qkv, kc, vc), (qt, kt, vt) = _setup(device, rng, "f32", t, ctx, hq, hkv, d, pos0 + t)
+    out = empty(device, (t, hq * d))
+    op = nn.attention(device, qt, kt, vt, out, step_buf(device, pos0, t), n_q_heads=hq, n_kv_heads=hkv,
+                      head_dim=d, ctx=ctx, scale=d ** -0.5)
+    g = int(op.dispatches[0][0].key.header.split("const G: u32 = ")[1].split("u")[0])
+    assert g * d <= 256
+    run(device, op)
+    np.testing.assert_allclose(get(device, out), nn_ref.causal_attention(qkv[:, :hq], kc, vc, pos0, d ** -0.5),
+                               **TOL["f32"])
+    q1, out1, step = put(device, qkv[:1]), empty(device, (1, hq * d)), step_buf(device, 40, 1)
+    run(device, nn.attention(device, q1, kt, vt, out1, step, n_q_heads=hq, n_kv_heads=hkv, head_dim=d, ctx=ctx,
+                             scale=d ** -0.5, min_chunk=16))
+    np.testing.assert_allclose(get(device, out1), nn_ref.causal_attention(qkv[:1, :hq], kc, vc, 40, d ** -0.5),
+                               **TOL["f32"])

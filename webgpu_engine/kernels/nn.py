@@ -24,6 +24,7 @@ from .common import DTYPE_SIZE, Op, Tensor, act_header, check, params
 
 WG = 64
 MAX_WG = 65535
+_MAX_LANE_DIMS = 256      # attention: query dims one lane holds (heads_per_lane * head_dim)
 
 __all__ = ["rms_norm", "head_rms_norm", "layer_norm", "add", "bias_add", "silu_mul", "scale", "softcap",
            "gelu", "rope", "rope_kv",
@@ -432,8 +433,13 @@ def attention(dev: Device, qkv: Tensor, k_cache: Tensor, v_cache: Tensor, out: T
     owner = out.buf.owner
     group = n_q_heads // n_kv_heads
     (qe, qo), (ke, ko), (ve, vo), (oe, oo) = (_window(dev, t, k, 4) for t in (qkv, k_cache, v_cache, out))
-    g = heads_per_lane or max(d for d in (1, 2, 3, 4) if group % d == 0)
+    # a lane holds G heads' q and accumulator in unrolled vec4 registers; lavapipe computed wrong
+    # results from G*D = 384 on (Llama-3's G = 4 x 128, Gemma's 2 x 256), so wide heads share less
+    g = heads_per_lane or max(d for d in (1, 2, 3, 4)
+                              if group % d == 0 and (d == 1 or d * head_dim <= _MAX_LANE_DIMS))
     check(group % g == 0, k, f"heads_per_lane {g} must divide Hq/Hkv = {group}")
+    check(g == 1 or g * head_dim <= _MAX_LANE_DIMS, k,
+          f"heads_per_lane {g} x head_dim {head_dim} exceeds {_MAX_LANE_DIMS} dims per lane")
     cpu = dev.info.adapter_type.upper() == "CPU"
     # f16 caches are read 8 halves per load when head rows and cache offsets are 16-byte aligned
     packed = dt == "f16" and head_dim % 8 == 0 and ko % 2 == 0 and vo % 2 == 0
