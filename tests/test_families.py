@@ -242,3 +242,40 @@ def test_transformers_5_rope_parameters_parse_like_the_legacy_keys(tmp_path):
             assert (want.rope_base, want.rope_local_base) == (1e6, 10000.0)
         else:
             assert want.rope_base == 5e5
+
+
+@pytest.mark.parametrize("arch,dtype,tol", [("gemma3", "f32", 1e-3), ("gemma2", "f16", 5e-2)])
+def test_gemma_head_dim_256_matches_numpy(device, tmp_path, arch, dtype, tol):
+    """Real Gemma heads are 256 wide: prefill (chunks of 16) and decode with a 16-key window, f32
+    and f16 activations, against the numpy reference (relative to the largest logit)."""
+    from ref_llama import RefLlama, weights_from_infos
+    dims = dict(head_dim=256, context_length=128, attn_softcap=5.0, final_softcap=30.0) if arch == "gemma2" \
+        else dict(head_dim=256, context_length=128)
+    opened = open_model(_gemma_files(tmp_path, arch, "gguf", dict(seed=9, sliding_window=16, **dims)))
+    try:
+        cfg, ids = opened.config, [int(i) for i in np.random.default_rng(4).integers(3, 300, 40)]
+        m = LlamaModel(device, cfg, opened.weights, owner="test:families", context_window=64, prefill_chunk=16,
+                       dtype=dtype)
+        V, got = cfg.vocab_size, []
+        fmt = np.float16 if dtype == "f16" else np.float32
+
+        def read():
+            return np.frombuffer(device.read_sync(m.logits.buf, 0, m.logits.nbytes), fmt).astype(np.float32)
+        try:
+            for p0 in range(0, 32, 16):
+                b = device.batch()
+                m.record_prefill(b, ids[p0:p0 + 16], p0)
+                device.submit(b)
+            got.append(read())
+            for pos in range(32, 40):
+                device.write(m.ids.buf, struct.pack("<I", ids[pos]))
+                b = device.batch()
+                m.record_decode(b, pos)
+                device.submit(b)
+                got.append(read())
+        finally:
+            m.release()
+        want = RefLlama(cfg, weights_from_infos(opened.weights)).forward(ids)[31:]
+        assert np.abs(np.array(got) - want).max() <= tol * np.abs(want).max()
+    finally:
+        opened.close()
