@@ -62,7 +62,7 @@ def test_options(device, variant):
     op = _check(device, "q8_0", 150, 256, 7, "f16", variant, parts=2,
                 max_binding=37 * gpu_row_bytes("q8_0", 256))
     assert len(op.dispatches) == 5          # one per weight buffer
-    _check(device, "f16", 33, 100, 6, "f32", variant, bias=True)
+    _check(device, "f16", 34, 100, 6, "f32", variant, bias=True)
 
 
 def test_selection_and_errors(device, monkeypatch):
@@ -80,6 +80,17 @@ def test_selection_and_errors(device, monkeypatch):
     monkeypatch.setitem(mm.CONFIG_OVERRIDES, "batch_max_t", 0)
     off = {d[0].key for d in matmul(device, x4, w, y4).dispatches}
     assert off and not off & on
+
+
+def test_tiled_falls_back(device):
+    """A weight the tiled kernel cannot read (a buffer that is not whole 16-byte words): the
+    "tiled" variant gives None and matmul falls back to the row kernels, with the right answer."""
+    rng = np.random.default_rng(5)
+    w, xt, yt, _, ref = matmul_case(device, "q4_1", 3, 288, 4, "f32", rng, owner=OWNER)
+    assert w.bufs[0].size % 16
+    assert mb.matmul(device, xt, w, yt, variant=mb.TILED) is None
+    run_ops(device, matmul(device, xt, w, yt))
+    assert rel_err(read_tensor(device, yt), ref) < TOL["f32"]
 
 
 def test_profile_overrides_default(device, monkeypatch):

@@ -523,7 +523,9 @@ def matmul(dev: Device, x: Tensor, w: QWeight, y: Tensor, *, bias: Tensor | None
               "row_invariant takes no fused input or epilogue")
     plain = ep == "store" and norm is None and not silu and rms_from is None
     if 2 <= T <= cfg.batch_max_t and config is None and plain and not row_invariant:
-        return matmul_batch.matmul(dev, x, w, y, bias=bias, accumulate=accumulate)   # decode batches
+        op = matmul_batch.matmul(dev, x, w, y, bias=bias, accumulate=accumulate)   # decode batches
+        if op is not None:
+            return op
     if (T > 1 or row_invariant) and config is None and cfg.tiled:
         # prefill tiles; a short row-invariant run takes a tile of its size (same bits per row)
         tile = matmul_batch.tiled_config(dev, w.qtype, T) if T <= cfg.batch_max_t else None

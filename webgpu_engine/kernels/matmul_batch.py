@@ -101,9 +101,11 @@ def tiled_config(dev: Device, qtype: str, T: int) -> matmul_tiled.TiledConfig:
 
 
 def matmul(dev: Device, x: Tensor, w: "QWeight", y: Tensor, *, bias: Tensor | None = None,
-           accumulate: bool = False, variant: BatchVariant | None = None) -> Op:
+           accumulate: bool = False, variant: BatchVariant | None = None) -> Op | None:
     """y = x·Wᵀ (+ bias); with `accumulate`, y += x·Wᵀ (+ bias). x (T, K) with T ≤ 16, W (N, K),
-    y (T, N): the semantics of matmul.matmul without fused inputs or epilogues."""
+    y (T, N): the semantics of matmul.matmul without fused inputs or epilogues. None where the
+    variant cannot read the weight ("tiled": buffers that are not whole 16-byte words), so that the
+    caller falls back to the row kernels."""
     check(len(x.shape) == 2 and len(y.shape) == 2, "matmul_batch", f"x {x.shape} and y {y.shape} must be 2-D")
     T, K = x.shape
     check(supports(w, T), "matmul_batch", f"{w.label}: {T} rows of a {w.qtype} weight (1..{MAX_T} rows of "
@@ -112,11 +114,8 @@ def matmul(dev: Device, x: Tensor, w: "QWeight", y: Tensor, *, bias: Tensor | No
     check(v.kind in ("tiled", "rows") and v.rr in (1, 2, 4) and 1 <= v.wg <= 256, "matmul_batch",
           f"unsupported variant {v}")
     if v.kind == "tiled":
-        op = matmul_tiled.matmul(dev, x, w, y, bias=bias, accumulate=accumulate,
-                                 config=tiled_config(dev, w.qtype, T), any_t=True)
-        if op is not None:
-            return op
-        v = ROWS                     # a weight the tiled kernel cannot read (not whole vec4 words)
+        return matmul_tiled.matmul(dev, x, w, y, bias=bias, accumulate=accumulate,
+                                   config=tiled_config(dev, w.qtype, T), any_t=True)
     return _matmul_rows(dev, x, w, y, bias, accumulate, v)
 
 
