@@ -42,7 +42,7 @@ def served(tmp_path_factory, minilm_dir, device):
     folder = tmp_path_factory.mktemp("emb") / "tiny-mrl"
     write_tiny_bert(folder, normalize=True, hidden_size=64)
     (folder / "README.md").write_text(MATRYOSHKA_CARD)
-    s = ServerThread(ServerOptions(models=[str(folder), str(minilm_dir)], port=0))
+    s = ServerThread(ServerOptions(models=[str(folder), str(minilm_dir)], port=0))   # ids: the folder names
     yield s, openai.OpenAI(base_url=s.url, api_key="none", max_retries=0)
     s.stop()
 
@@ -70,7 +70,7 @@ def test_dimensions_is_refused_for_minilm(served):
     with pytest.raises(openai.BadRequestError) as e:
         c.embeddings.create(model="all-MiniLM-L6-v2", input="a cat", dimensions=128)
     assert e.value.status_code == 400 and e.value.body["param"] == "dimensions"
-    assert "does not support `dimensions`" in e.value.body["message"]
+    assert "Model all-MiniLM-L6-v2 does not support `dimensions`" in e.value.body["message"]
     # its own width is no truncation, so it is accepted; and the model still serves afterwards
     assert len(c.embeddings.create(model="all-MiniLM-L6-v2", input="a", dimensions=384).data[0].embedding) == 384
     with pytest.raises(openai.BadRequestError):

@@ -63,7 +63,8 @@ class EmbeddingPipeline:
 
     def __init__(self, dev, model, tokenizer, st_config: SentenceTransformerConfig,
                  chat_config: ChatConfig, max_seq_length: int, owner: str, *,
-                 max_total_tokens: int = MAX_TOTAL_TOKENS, pair_template: PairTemplate | None = None):
+                 max_total_tokens: int = MAX_TOTAL_TOKENS, pair_template: PairTemplate | None = None,
+                 name: str | None = None):
         self.dev, self.model, self.tokenizer = dev, model, tokenizer
         self.st_config, self.chat_config = st_config, chat_config
         self.model_config = model.cfg
@@ -81,12 +82,12 @@ class EmbeddingPipeline:
         self._tokenize_lock = threading.Lock()
         self._stats = {"requests": 0, "tokens": 0, "seconds": 0.0}
         self._sep_id = tokenizer.token_to_id("[SEP]")
-        self.name = Path(st_config.model_folder).name
+        self.name = name or Path(st_config.model_folder).name      # the id errors name
         self.matryoshka = st_config.matryoshka if chat_config.matryoshka is None else chat_config.matryoshka
 
     @classmethod
     async def load(cls, dev, folder: str | Path, chat_config: ChatConfig | None = None,
-                   progress=None) -> "EmbeddingPipeline":
+                   progress=None, model_id: str | None = None) -> "EmbeddingPipeline":
         """Load a sentence-transformers (or bare HF BERT) folder onto `dev`.
 
         chat_config.dtype picks the activation precision: "f32", "f16" (needs shader-f16) or "auto"
@@ -139,7 +140,7 @@ class EmbeddingPipeline:
             await warm_up(dev, model.compile)         # the first request then compiles nothing
         if progress:
             progress(1.0, "embedding model ready")
-        return cls(dev, model, tokenizer, st, chat_config, max_len, owner, pair_template=pairs)
+        return cls(dev, model, tokenizer, st, chat_config, max_len, owner, pair_template=pairs, name=model_id)
 
     # ------------------------------------------------------------------ tokens
     def tokenize(self, texts: list[str]) -> list[list[int]]:
