@@ -187,9 +187,9 @@ SAMPLING = [
     chat("stream a string", param="stream", stream="true"),
     chat("stream_options without stream", param="stream_options", stream_options={"include_usage": True}),
     chat("stream_options unknown key", param="stream_options", stream=True, stream_options={"x": 1}),
-    chat("response_format json_object", param="response_format", response_format={"type": "json_object"}),
+    chat("response_format json_object", 200, response_format={"type": "json_object"}),   # JSON mode
     chat("response_format a string", param="response_format", response_format="json"),
-    chat("tools", param="tools", tools=[{"type": "function", "function": {"name": "f"}}]),
+    chat("tools", 200, tools=[{"type": "function", "function": {"name": "f"}}]),   # tool calling
     chat("model a number", param="model", model=123),
     chat("model lone surrogate", param="model", model="\ud83d"),
     Case("model unknown", body={"model": "nope", "messages": U}, status=404, param="model"),
@@ -213,7 +213,7 @@ MESSAGES = [
          [*U, {"role": "assistant", "content": None,
                "tool_calls": [{"id": "c1", "type": "function",
                                "function": {"name": "f", "arguments": "{}"}}]},
-          {"role": "tool", "content": "42", "tool_call_id": "c1"}]),
+          {"role": "tool", "content": "42", "tool_call_id": "c1"}], status=200),   # a tool round trip
     msgs("assistant null content", [*U, {"role": "assistant", "content": None}, *U]),
     msgs("content image part",
          [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
@@ -408,6 +408,20 @@ async def test_hostile_corpus(server, caplog):
                 rss_after_first = _rss_bytes()
         assert not any(lm.lock.locked for lm in server.engine.models.values())
     rss_end = _rss_bytes()
+    # No growth per request: one sampled request (4 choices, top-p, logprobs: 48 sampling steps)
+    # repeated on the warm server keeps the RSS flat. lavapipe leaked ~0.65 MiB per dispatch of the
+    # former one-workgroup sampling kernel (~30 MiB per such request); bench/dispatch_leak.py.
+    sampled = {"model": LLM_ID, "messages": [{"role": "user", "content": "Name a colour."}], "n": 4,
+               "max_tokens": 12, "temperature": 0.8, "top_p": 0.9, "logprobs": True, "top_logprobs": 2}
+    rss_repeat = []
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        for _ in range(3):
+            async with session.post(base + "/v1/chat/completions", json=sampled) as r:
+                assert r.status == 200, await r.text()
+                await r.read()
+            rss_repeat.append(_rss_bytes())
+    print(f"RSS {rss_after_first >> 20} MiB after the first batch, {rss_end >> 20} MiB after the corpus, "
+          f"{[x >> 20 for x in rss_repeat]} MiB after each repeated sampled request")
     problems = []
     # Validation is meant to be total: the server's last-resort 400 (and any 500) never triggers.
     problems += [f"log: {r.getMessage()}" for r in caplog.records
@@ -418,15 +432,20 @@ async def test_hostile_corpus(server, caplog):
     if slow:
         problems.append(f"/health slower than {HEALTH_BUDGET * 1e3:.0f} ms (90th percentile) or "
                         f"{HEALTH_FREEZE * 1e3:.0f} ms (any probe) during: {slow}")
+    if rss_repeat[-1] - rss_repeat[0] > (8 << 20):
+        problems.append(f"RSS grew {(rss_repeat[-1] - rss_repeat[0]) >> 20} MiB over two repeats of one "
+                        f"sampled request")
     assert not problems, "\n".join(problems)
     if rss_end > rss_after_first * 1.10:
         grew = (f"RSS grew from {rss_after_first >> 20} MiB after the first batch to "
                 f"{rss_end >> 20} MiB after the corpus (over 10%)")
         if "llvmpipe" in server.engine.device.info.name.lower():
-            # Known, open (issue 20): lavapipe leaks ~0.65 MiB of host memory per dispatch of the
-            # full sampling kernel (sampling.wgsl `sample`; a bare loop of dispatches shows it),
-            # which the corpus's sampled requests run. Every other check above has passed.
-            pytest.xfail(f"{grew}: lavapipe's per-dispatch leak in the sampling kernel")
+            # Known, open (issue 20): on lavapipe GPU memory and compiled pipelines are host memory,
+            # and the corpus's first pass grows in steps, not per request (a second pass of the whole
+            # corpus grew 1315 -> 1317 MiB): pipelines compiled on first use (matmul_tiled tile
+            # heights of the batched 2..16-row matmul, which the load-time warm-up does not run), the
+            # embedder's buffers growing to the largest batch, a JSON-mode grammar.
+            pytest.xfail(f"{grew}: first-use growth on lavapipe (lazily compiled pipelines, buffer high water)")
         raise AssertionError(grew)
 
 
