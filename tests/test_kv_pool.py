@@ -1,0 +1,184 @@
+"""The paged KV cache's block pool (engine/kv_pool.py, no GPU): allocation and reference counts,
+prefix sharing through the hash chain, LRU eviction, preemption; hypothesis drives random
+schedules and checks the invariants after every step."""
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from webgpu_engine.engine.kv_pool import KVPool, PoolExhaustedError, block_hash, kv_bytes_per_token
+
+
+def _run(pool, seq, tokens):
+    """Admit, reserve and write a whole prompt (what prefill does); returns the cached-token count."""
+    hit = pool.add_sequence(seq, tokens)
+    pool.reserve(seq, len(tokens))
+    pool.append_tokens(seq, tokens[hit:])
+    return hit
+
+
+def test_from_budget_sizes_the_pool():
+    per_tok = kv_bytes_per_token(30, 3, 64, 2)          # SmolLM2-135M, f16 KV
+    assert per_tok == 2 * 30 * 3 * 64 * 2
+    pool = KVPool.from_budget(100 * 16 * per_tok + 5, 16, per_tok)
+    assert (pool.n_blocks, pool.block_size, pool.n_free) == (100, 16, 100)
+    with pytest.raises(ValueError, match="holds no block"):
+        KVPool.from_budget(per_tok, 16, per_tok)
+
+
+def test_block_table_slots_and_growth():
+    pool = KVPool(8, 4)
+    pool.add_sequence("a", [1, 2, 3, 4, 5, 6])
+    assert pool.reserve("a", 6) == [0, 1]
+    assert pool.slots("a", 3, 3) == [3, 4, 5]
+    pool.append_tokens("a", [1, 2, 3, 4, 5, 6])
+    assert pool.reserve("a", 8) == []                    # the partial block still has room
+    assert pool.reserve("a", 9) == [2]
+    assert pool.slots("a", 8, 1) == [8]
+    with pytest.raises(ValueError, match="outside"):
+        pool.slots("a", 10, 3)
+    with pytest.raises(ValueError, match="reserve first"):
+        pool.append_tokens("a", list(range(7)))
+    with pytest.raises(ValueError, match="already"):
+        pool.add_sequence("a", [1])
+    pool.check()
+
+
+def test_prefix_sharing_reuses_full_blocks_only():
+    pool = KVPool(16, 4)
+    sys_prompt = list(range(100, 110))                   # 2 full blocks + 2 tokens
+    assert _run(pool, "a", sys_prompt + [1, 2, 3]) == 0
+    ta = pool.block_table("a")
+    # b shares the two full system blocks; its third block differs (tokens 108, 109, 7, 8)
+    assert _run(pool, "b", sys_prompt + [7, 8, 9]) == 8
+    tb = pool.block_table("b")
+    assert tb[:2] == ta[:2] and tb[2] != ta[2]
+    assert [pool.ref[b] for b in ta[:2]] == [2, 2] and pool.ref[ta[2]] == 1
+    # the whole prompt cached still leaves its last token to compute (its logits are needed)
+    assert pool.add_sequence("c", sys_prompt[:8]) == 4
+    assert pool.stats["hit_tokens"] == 12
+    pool.check()
+
+
+def test_prefix_key_is_the_whole_prefix():
+    """Equal tokens after a different prefix are a different block."""
+    pool = KVPool(16, 2)
+    _run(pool, "a", [1, 2, 3, 4, 5])
+    assert pool.add_sequence("b", [9, 9, 3, 4, 5]) == 0
+    assert block_hash(b"", [3, 4]) != block_hash(block_hash(b"", [1, 2]), [3, 4])
+
+
+def test_free_keeps_cached_blocks_until_evicted_lru_tail_first():
+    pool = KVPool(4, 2)
+    _run(pool, "a", [1, 2, 3, 4, 5])                     # blocks 0, 1 full; block 2 partial
+    pool.free("a")
+    assert pool.n_free == 4 and pool.ref == [0, 0, 0, 0]
+    # the next conversation turn finds the cached prefix
+    assert pool.add_sequence("a2", [1, 2, 3, 4, 5, 6, 7]) == 4
+    pool.free("a2")
+    # a fresh sequence needs 4 blocks: 2 free ones, then the idle cached ones, tail (block 1) first
+    pool.add_sequence("x", [50] * 7)
+    new = pool.reserve("x", 7)
+    assert sorted(new[:2]) == [2, 3] and new[2:] == [1, 0]
+    assert pool.stats["evictions"] == 2
+    pool.free("x")
+    assert pool.add_sequence("a3", [1, 2, 3, 4, 5]) == 0      # evicted: recomputed
+    pool.check()
+
+
+def test_eviction_never_takes_a_referenced_block():
+    pool = KVPool(3, 2)
+    _run(pool, "a", [1, 2, 3])                            # 2 blocks held
+    pool.add_sequence("b", [7, 8, 9, 10, 11])
+    with pytest.raises(PoolExhaustedError):
+        pool.reserve("b", 5)                              # 3 blocks wanted, 1 available
+    assert pool.block_table("b") == []                    # nothing half-allocated
+    pool.check()
+
+
+def test_preemption_frees_the_newest_sequence():
+    pool = KVPool(6, 2)
+    for i, s in enumerate("abc"):
+        _run(pool, s, [10 * i + j for j in range(4)])     # 2 blocks each: the pool is full
+    assert pool.n_free == 0
+    assert pool.reserve_or_preempt("a", 5) == ["c"]       # a grows; c (newest) goes
+    assert "c" not in pool and len(pool.block_table("a")) == 3
+    assert pool.stats["preemptions"] == 1
+    # c's full blocks stayed cached: its readmission is mostly hits (one block was evicted for a)
+    assert pool.add_sequence("c", [20, 21, 22, 23, 24]) == 2
+    pool.check()
+    # a sequence that cannot fit even alone preempts everything else, then itself
+    pool.add_sequence("big", [0])
+    assert pool.reserve_or_preempt("big", 100) == ["c", "b", "a", "big"]
+    assert pool.n_free == 6 and pool.sequences_newest_first() == []
+    pool.check()
+
+
+# ----------------------------------------------------------------------------- properties
+OPS = st.lists(st.tuples(st.sampled_from(["add", "run", "grow", "free", "preempt"]),
+                         st.integers(0, 3),                               # sequence slot
+                         st.lists(st.integers(0, 1), min_size=1, max_size=9)), min_size=5, max_size=40)
+
+
+HITS: list = []
+
+
+@settings(max_examples=200, deadline=None)
+@given(ops=OPS, n_blocks=st.integers(1, 10), block_size=st.integers(1, 3))
+def test_random_schedules_keep_the_invariants(ops, n_blocks, block_size):
+    """Reference counts match the tables and never go negative; a block is owned by two tables only
+    when cached (full, shared); allocation never hands out a block some table holds; a sequence's
+    reused prefix holds exactly the tokens its prompt starts with. A tiny token alphabet makes
+    shared prefixes common."""
+    pool = KVPool(n_blocks, block_size)
+    written: dict = {}                     # seq -> tokens whose KV it has written or reused
+    for op, slot, toks in ops:
+        seq = f"s{slot}"
+        if op in ("add", "run") and seq not in pool:
+            hit = pool.add_sequence(seq, toks)
+            assert hit % block_size == 0 and hit <= max(0, len(toks) - 1)
+            written[seq] = toks[:hit]
+            HITS.append(hit)
+            if op == "run" and pool.blocks_needed(seq, len(toks)) <= pool.n_free:   # prefill it all
+                pool.reserve(seq, len(toks))
+                pool.append_tokens(seq, toks[hit:])
+                written[seq] = list(toks)
+        elif op == "grow" and seq in pool:
+            held = {b for s in written for b in pool.block_table(s)}
+            n = len(written[seq]) + len(toks)
+            try:
+                new = pool.reserve(seq, n)
+            except PoolExhaustedError:
+                assert pool.blocks_needed(seq, n) > pool.n_free
+            else:
+                assert not set(new) & held and len(set(new)) == len(new)
+                pool.append_tokens(seq, toks)
+                written[seq] += toks
+        elif op == "free" and seq in pool:
+            pool.free(seq)
+            del written[seq]
+        elif op == "preempt":
+            victim = pool.preempt_newest()
+            if victim is not None:
+                del written[victim]
+        pool.check()
+        assert all(r >= 0 for r in pool.ref)
+        for s, t in written.items():
+            assert pool.num_tokens(s) == len(t)
+    # blocks shared between two live sequences hold the same token prefix in both
+    owners: dict = {}
+    for s, t in written.items():
+        for i, b in enumerate(pool.block_table(s)):
+            if (i + 1) * block_size <= len(t):
+                prefix = tuple(t[:(i + 1) * block_size])
+                assert owners.setdefault(b, prefix) == prefix
+    for s in list(written):
+        pool.free(s)
+    pool.check()
+    assert pool.n_free == n_blocks and not any(pool.ref)
+
+
+def test_random_schedules_exercised_sharing():
+    """The property test above did reach prefix hits (it runs first, in file order)."""
+    assert len(HITS) > 100 and sum(h > 0 for h in HITS) > 20, (len(HITS), sum(h > 0 for h in HITS))

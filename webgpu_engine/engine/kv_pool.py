@@ -1,0 +1,247 @@
+"""The paged KV cache's bookkeeping: a pool of fixed-size blocks, per-sequence block tables, reference
+counts, prefix sharing through a hash chain of full blocks, LRU eviction and preemption (no GPU).
+
+A block holds the K and V rows of `block_size` consecutive tokens of one sequence in every layer
+(the GPU side, kernels/attention_paged.py, keeps one buffer per layer shaped
+(n_blocks, block_size, Hkv, D) and reads it through the block tables built here).
+
+Prefix sharing: once a block is full and its KV written, it is registered under
+hash(parent block's hash, its tokens), so the key names the whole token prefix up to its end. A new
+sequence walks its prompt's full blocks through that chain and takes every cached block it finds
+(reference count + 1) instead of recomputing them. Only full blocks are shared and a full block is
+never written again (a sequence appends only into its own last, partial block), so no copy-on-write
+is needed: `n > 1` choices or a forked conversation share the full blocks and each recomputes at
+most block_size - 1 tokens of its partial tail.
+
+A block is in exactly one state: free (never held or evicted), referenced (ref > 0, in one or, when
+cached and shared, several block tables) or cached-idle (ref 0, hash kept, in the LRU list). Allocation
+takes free blocks first, then evicts the least recently used cached-idle block. When even that is
+not enough, the scheduler preempts the newest sequence (`preempt_newest`): its blocks are released
+(its full blocks stay cached, so its recomputation later is mostly prefix hits).
+"""
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+__all__ = ["KVPool", "PoolExhaustedError", "kv_bytes_per_token", "block_hash"]
+
+
+class PoolExhaustedError(RuntimeError):
+    """Not enough free or evictable blocks: the scheduler preempts a sequence and retries."""
+
+
+def kv_bytes_per_token(n_layers: int, n_kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
+    """Bytes of K and V one token holds across all layers."""
+    return 2 * n_layers * n_kv_heads * head_dim * dtype_bytes
+
+
+def block_hash(parent: bytes, tokens) -> bytes:
+    """The key of a full block: sha256 over its parent's key and its token ids (a 32-byte digest,
+    so two different prefixes never share a key in practice; Python's hash() would risk a wrong KV)."""
+    return hashlib.sha256(parent + array("I", tokens).tobytes()).digest()
+
+
+ROOT = b""          # the parent key of a sequence's first block
+
+
+@dataclass
+class _Seq:
+    blocks: list = field(default_factory=list)      # block table: physical block per logical block
+    tokens: list = field(default_factory=list)      # tokens whose KV is written (or reused)
+    hashes: list = field(default_factory=list)      # keys of the full blocks, in order
+    order: int = 0                                   # admission counter (preemption picks the max)
+
+
+class KVPool:
+    """Blocks 0 .. n_blocks-1 of block_size tokens; sequences are any hashable id."""
+
+    def __init__(self, n_blocks: int, block_size: int):
+        if n_blocks < 1 or block_size < 1:
+            raise ValueError(f"need n_blocks >= 1 and block_size >= 1, got {n_blocks}, {block_size}")
+        self.n_blocks, self.block_size = int(n_blocks), int(block_size)
+        self.ref = [0] * self.n_blocks
+        self._free = list(range(self.n_blocks - 1, -1, -1))     # pop() hands out low ids first
+        self._idle: OrderedDict[int, None] = OrderedDict()      # cached, ref 0; first = least recent
+        self._cache: dict[bytes, int] = {}                       # key -> block
+        self._key_of: dict[int, bytes] = {}                      # block -> key (cached blocks)
+        self._seqs: dict = {}
+        self._counter = 0
+        self.stats = {"hit_tokens": 0, "miss_tokens": 0, "evictions": 0, "preemptions": 0}
+
+    @classmethod
+    def from_budget(cls, budget_bytes: int, block_size: int, bytes_per_token: int) -> "KVPool":
+        """As many blocks as `budget_bytes` holds at `bytes_per_token` (kv_bytes_per_token)."""
+        n = int(budget_bytes) // (int(block_size) * int(bytes_per_token))
+        if n < 1:
+            raise ValueError(f"a budget of {budget_bytes} B holds no block of {block_size} tokens "
+                             f"x {bytes_per_token} B")
+        return cls(n, block_size)
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def n_free(self) -> int:
+        """Blocks an allocation can take now: free plus cached-idle (evictable)."""
+        return len(self._free) + len(self._idle)
+
+    def __contains__(self, seq_id) -> bool:
+        return seq_id in self._seqs
+
+    def block_table(self, seq_id) -> list:
+        return list(self._seqs[seq_id].blocks)
+
+    def num_tokens(self, seq_id) -> int:
+        return len(self._seqs[seq_id].tokens)
+
+    def blocks_needed(self, seq_id, n_tokens: int) -> int:
+        """New blocks `seq_id` needs to hold n_tokens in all."""
+        return max(0, -(-int(n_tokens) // self.block_size) - len(self._seqs[seq_id].blocks))
+
+    def slots(self, seq_id, start: int, n: int) -> list:
+        """Physical token rows (block * block_size + offset) of positions start .. start+n-1: where
+        the KV write kernel scatters them."""
+        s, bs = self._seqs[seq_id], self.block_size
+        if start < 0 or start + n > len(s.blocks) * bs:
+            raise ValueError(f"positions {start}..{start + n - 1} are outside the {len(s.blocks)} blocks "
+                             f"of sequence {seq_id!r}")
+        return [s.blocks[p // bs] * bs + p % bs for p in range(start, start + n)]
+
+    def sequences_newest_first(self) -> list:
+        return sorted(self._seqs, key=lambda k: -self._seqs[k].order)
+
+    # ------------------------------------------------------------------ lifecycle
+    def add_sequence(self, seq_id, prompt) -> int:
+        """Admits seq_id with its prompt token ids; returns how many leading prompt tokens are
+        already cached (a multiple of block_size, at most len(prompt) - 1 so that the last token
+        is still computed and gives logits). Those blocks now belong to seq_id's table too."""
+        if seq_id in self._seqs:
+            raise ValueError(f"sequence {seq_id!r} is already in the pool")
+        self._counter += 1
+        s = self._seqs[seq_id] = _Seq(order=self._counter)
+        bs, parent = self.block_size, ROOT
+        for i in range((len(prompt) - 1) // bs if prompt else 0):
+            toks = prompt[i * bs:(i + 1) * bs]
+            key = block_hash(parent, toks)
+            b = self._cache.get(key)
+            if b is None:
+                break
+            self._take(b)
+            s.blocks.append(b)
+            s.tokens.extend(toks)
+            s.hashes.append(key)
+            parent = key
+        self.stats["hit_tokens"] += len(s.tokens)
+        self.stats["miss_tokens"] += len(prompt) - len(s.tokens)
+        return len(s.tokens)
+
+    def reserve(self, seq_id, n_tokens: int) -> list:
+        """Makes seq_id's table long enough for n_tokens tokens in all; returns the new blocks.
+        Raises PoolExhaustedError (allocating nothing) when the pool cannot supply them."""
+        need = self.blocks_needed(seq_id, n_tokens)
+        if need > self.n_free:
+            raise PoolExhaustedError(f"sequence {seq_id!r} needs {need} blocks, {self.n_free} available")
+        new = [self._allocate() for _ in range(need)]
+        self._seqs[seq_id].blocks.extend(new)
+        return new
+
+    def append_tokens(self, seq_id, tokens) -> None:
+        """Records that the KV of `tokens` (the next positions of seq_id) is written; every block
+        this fills is registered for sharing (unless an equal block is already cached)."""
+        s, bs = self._seqs[seq_id], self.block_size
+        if len(s.tokens) + len(tokens) > len(s.blocks) * bs:
+            raise ValueError(f"sequence {seq_id!r}: {len(s.tokens) + len(tokens)} tokens exceed its "
+                             f"{len(s.blocks)} blocks; reserve first")
+        s.tokens.extend(int(t) for t in tokens)
+        while (len(s.hashes) + 1) * bs <= len(s.tokens):
+            i = len(s.hashes)
+            key = block_hash(s.hashes[-1] if s.hashes else ROOT, s.tokens[i * bs:(i + 1) * bs])
+            s.hashes.append(key)
+            b = s.blocks[i]
+            if key not in self._cache:      # a duplicate of a cached block stays private
+                self._cache[key] = b
+                self._key_of[b] = key
+
+    def free(self, seq_id) -> None:
+        """Releases seq_id's blocks. Cached blocks whose count drops to 0 become evictable, the
+        table's tail first so that a chain's head (the likeliest to be shared) is evicted last."""
+        s = self._seqs.pop(seq_id)
+        for b in reversed(s.blocks):
+            self._release(b)
+
+    def preempt_newest(self, keep=()) -> object:
+        """Frees the most recently admitted sequence not in `keep` and returns its id (the scheduler
+        requeues it for recomputation); None when there is none."""
+        for seq_id in self.sequences_newest_first():
+            if seq_id not in keep:
+                self.free(seq_id)
+                self.stats["preemptions"] += 1
+                return seq_id
+        return None
+
+    def reserve_or_preempt(self, seq_id, n_tokens: int) -> list:
+        """reserve(), preempting the newest sequences (seq_id itself last) until it fits; returns
+        the preempted ids in order. When seq_id itself had to go, it is the last id returned and
+        holds no blocks any more."""
+        out = []
+        while True:
+            try:
+                self.reserve(seq_id, n_tokens)
+                return out
+            except PoolExhaustedError:
+                victim = self.preempt_newest(keep=(seq_id,))
+                if victim is None:
+                    self.free(seq_id)
+                    self.stats["preemptions"] += 1
+                    return out + [seq_id]
+                out.append(victim)
+
+    # ------------------------------------------------------------------ blocks
+    def _take(self, b: int) -> None:
+        if self.ref[b] == 0:
+            self._idle.pop(b, None)
+        self.ref[b] += 1
+
+    def _allocate(self) -> int:
+        if self._free:
+            b = self._free.pop()
+        else:
+            b, _ = self._idle.popitem(last=False)        # least recently used cached block
+            del self._cache[self._key_of.pop(b)]
+            self.stats["evictions"] += 1
+        self.ref[b] = 1
+        return b
+
+    def _release(self, b: int) -> None:
+        if self.ref[b] <= 0:
+            raise AssertionError(f"block {b} released with reference count {self.ref[b]}")
+        self.ref[b] -= 1
+        if self.ref[b] == 0:
+            if b in self._key_of:
+                self._idle[b] = None
+                self._idle.move_to_end(b)
+            else:
+                self._free.append(b)
+
+    def check(self) -> None:
+        """Asserts the pool's invariants (tests): counts match the tables, every block in one state."""
+        counts = [0] * self.n_blocks
+        for s in self._seqs.values():
+            for b in s.blocks:
+                counts[b] += 1
+            if len(s.tokens) > len(s.blocks) * self.block_size:
+                raise AssertionError("a sequence holds more tokens than its blocks")
+        for b in range(self.n_blocks):
+            if counts[b] != self.ref[b] or self.ref[b] < 0:
+                raise AssertionError(f"block {b}: ref {self.ref[b]}, held by {counts[b]} tables")
+            states = (b in self._free) + (b in self._idle) + (self.ref[b] > 0)
+            if states != 1:
+                raise AssertionError(f"block {b} is in {states} states")
+            if self.ref[b] > 1 and b not in self._key_of:
+                raise AssertionError(f"uncached block {b} is shared by {self.ref[b]} tables")
+            if b in self._idle and b not in self._key_of:
+                raise AssertionError(f"idle block {b} has no key")
+        for key, b in self._cache.items():
+            if self._key_of.get(b) != key:
+                raise AssertionError(f"cache entry of block {b} is inconsistent")
