@@ -1,0 +1,236 @@
+// Paged attention: keys and values live in a pool of blocks, one buffer per layer for K and one for V,
+// each (n_blocks, BS, Hkv, D); sequence q's key j sits in block tables[q][j / BS] at row j % BS.
+// Same arithmetic as attention.wgsl (f32 online softmax, keys folded in 16-key blocks, G heads of one
+// kv head per lane, sliding window and soft-cap), so a sequence's result does not depend on where
+// its blocks are. The host header (kernels/nn.py _attn_header) supplies D4, G, SWG, sv, load_q, qk,
+// acc_scale, acc_add, acc_get; BS (block size) is a header constant.
+//   paged_kv_write: kw/vw[slots[t]] = the k/v heads of qkv row t (after RoPE); slot = block*BS + offset,
+//                   0xffffffff skips the row. Lane per (t, kv head of k or v, d4); dispatch T*2Hkv*D4.
+//   paged_split:    ragged decode, flash-decoding: sequence q (one query row, qkv row q) at position
+//                   lens[q] - 1 sees keys [0, lens[q]); lane per (q, split s, G heads) attends keys
+//                   [s*chunk, (s+1)*chunk) and writes (acc, max, sum) partials; lens[q] == 0: idle
+//                   slot, nothing written. dispatch ceil(S*n_splits*Hq/G / SWG) workgroups.
+//   paged_combine:  out[q, h] from the partials of its live splits; lane per (q, h, d4).
+//   paged_decode1:  decode over few keys: lane per (q, G heads), all keys, output stored directly.
+//   paged_causal:   chunked prefill of one sequence: rows t < n_new (step[1]) at positions
+//                   pos0 + t (step[0]) see keys [window_lo, pos0 + t] through the table at tab_off,
+//                   whose blocks already hold keys 0 .. pos0 + n_new - 1. Workgroup per (block of 64
+//                   queries, G heads of one kv head), lane per query, as attn_causal.
+
+struct Params {
+    n_seq: u32,      // S slots (decode), T rows (prefill, kv write)
+    hq: u32,
+    group: u32,      // Hq / Hkv
+    heads: u32,      // heads per qkv row (Hq + 2*Hkv)
+    hkv: u32,
+    chunk: u32,      // keys per split (decode)
+    n_splits: u32,
+    scale: f32,
+    qkv_off: u32,    // offsets in act4 units
+    kc_off: u32,
+    vc_off: u32,
+    out_off: u32,
+    max_blocks: u32, // blocks per table row
+    window: u32,     // query at position p sees keys > p - window (0: all)
+    softcap: f32,    // scores s -> softcap * tanh(s / softcap) (0: none)
+    tab_off: u32,    // offsets in u32 units
+    idx_off: u32,    // lens (decode) / slots (kv write)
+    n_blk: u32,      // query blocks of 64 (prefill)
+    _p0: u32,
+    _p1: u32,
+}
+
+@group(0) @binding(0) var<uniform> p: Params;
+@group(0) @binding(1) var<storage, read> lens: array<u32>;         // decode: (S) keys per sequence
+@group(0) @binding(1) var<storage, read> slots: array<u32>;        // kv write: (T) pool rows
+@group(0) @binding(1) var<storage, read> step: array<u32>;         // prefill: (4) pos0, n_new, ., .
+@group(0) @binding(2) var<storage, read> qkv: array<act4>;         // (T, Hq+2Hkv, D)
+@group(0) @binding(3) var<storage, read> kc: array<act4>;          // (n_blocks, BS, Hkv, D)
+@group(0) @binding(4) var<storage, read> vc: array<act4>;          // (n_blocks, BS, Hkv, D)
+@group(0) @binding(3) var<storage, read> kcp: array<vec4<u32>>;    // f16 pools read 8 halves a load
+@group(0) @binding(4) var<storage, read> vcp: array<vec4<u32>>;
+@group(0) @binding(3) var<storage, read_write> kw: array<act4>;    // kv write's pools
+@group(0) @binding(4) var<storage, read_write> vw: array<act4>;
+@group(0) @binding(5) var<storage, read_write> out: array<act4>;   // (T or S, Hq*D)
+@group(0) @binding(5) var<storage, read_write> part: array<vec4<f32>>;   // (S, Hq, n_splits, D4+1)
+@group(0) @binding(6) var<storage, read> tables: array<u32>;       // (S, max_blocks) block ids
+@group(0) @binding(2) var<storage, read_write> part_in: array<vec4<f32>>;
+@group(0) @binding(3) var<storage, read_write> out_c: array<act4>;
+
+const WG: u32 = 64u;
+const BLK: u32 = 16u;
+const MASKED: f32 = -1.0e30;
+
+var<private> m_run: sv;
+var<private> l_run: sv;
+
+fn flat(wid: vec3<u32>, nwg: vec3<u32>, lid: u32) -> u32 {
+    return (wid.y * nwg.x + wid.x) * WG + lid;
+}
+
+fn window_lo(pos: u32) -> u32 {
+    return select(0u, pos + 1u - p.window, p.window > 0u && pos + 1u > p.window);
+}
+
+fn score(kr: u32) -> sv {
+    let s = qk(kr);
+    if (p.softcap > 0.0) { return p.softcap * tanh(s / p.softcap); }
+    return s;
+}
+
+// pool row (act4 units, before kc_off / vc_off) of key j of kv head hk, table at tables[tb]
+fn key_row(tb: u32, hk: u32, j: u32) -> u32 {
+    let blk = tables[tb + j / BS];
+    return ((blk * BS + j % BS) * p.hkv + hk) * D4;
+}
+
+// attention.wgsl's attend with keys base + j looked up through the table: folds keys j in
+// [j_start, n) into (m_run, l_run, acc), masking j < lo and j >= lim.
+fn attend(tb: u32, hk: u32, base: u32, j_start: u32, n: u32, lo: u32, lim: u32) {
+    var j0 = j_start;
+    loop {
+        if (j0 >= n) { break; }
+        let nb = min(BLK, n - j0);
+        var sc: array<sv, BLK>;
+        var mb = m_run;
+        for (var j = 0u; j < nb; j++) {
+            let kr = p.kc_off + key_row(tb, hk, base + j0 + j);
+            let s = select(sv(MASKED), score(kr), j0 + j < lim && j0 + j >= lo);
+            sc[j] = s;
+            mb = max(mb, s);
+        }
+        let corr = exp(m_run - mb);
+        l_run *= corr;
+        acc_scale(corr);
+        for (var j = 0u; j < nb; j++) {
+            let pj = exp(sc[j] - mb);
+            l_run += pj;
+            acc_add(pj, p.vc_off + key_row(tb, hk, base + j0 + j));
+        }
+        m_run = mb;
+        j0 += nb;
+    }
+}
+
+fn store_out(ob: u32, os: u32) {
+    for (var g = 0u; g < G; g++) {
+        let l = sv_get(l_run, g);
+        let inv = select(0.0, 1.0 / l, l > 0.0);
+        for (var d = 0u; d < D4; d++) { out[ob + g * os + d] = act4(acc_get(g, d) * inv); }
+    }
+}
+
+fn store_partial(q: u32, h0: u32, s: u32) {
+    for (var g = 0u; g < G; g++) {
+        let pb = ((q * p.hq + h0 + g) * p.n_splits + s) * (D4 + 1u);
+        for (var d = 0u; d < D4; d++) { part[pb + d] = acc_get(g, d); }
+        part[pb + D4] = vec4<f32>(sv_get(m_run, g), sv_get(l_run, g), 0.0, 0.0);
+    }
+}
+
+fn seq_keys(q: u32) -> u32 {
+    return min(lens[p.idx_off + q], p.max_blocks * BS);
+}
+
+@compute @workgroup_size(64)
+fn paged_kv_write(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                  @builtin(local_invocation_index) lid: u32) {
+    let i = flat(wid, nwg, lid);
+    let d = i % D4;
+    let g = (i / D4) % (2u * p.hkv);             // k heads, then v heads
+    let t = i / (D4 * 2u * p.hkv);
+    if (t >= p.n_seq) { return; }
+    let slot = slots[p.idx_off + t];
+    if (slot == 0xffffffffu) { return; }
+    let v = qkv[p.qkv_off + (t * p.heads + p.hq + g) * D4 + d];
+    if (g < p.hkv) {
+        kw[p.kc_off + (slot * p.hkv + g) * D4 + d] = v;
+    } else {
+        vw[p.vc_off + (slot * p.hkv + g - p.hkv) * D4 + d] = v;
+    }
+}
+
+@compute @workgroup_size(SWG)
+fn paged_split(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+               @builtin(local_invocation_index) lid: u32) {
+    let i = (wid.y * nwg.x + wid.x) * SWG + lid;
+    let n_hg = p.hq / G;
+    let per_seq = p.n_splits * n_hg;
+    let q = i / per_seq;
+    if (q >= p.n_seq) { return; }
+    let s = (i % per_seq) / n_hg;
+    let h0 = (i % n_hg) * G;
+    let n_keys = seq_keys(q);
+    if (n_keys == 0u) { return; }
+    let lo = window_lo(n_keys - 1u);
+    let k0 = s * p.chunk;
+    if (k0 >= n_keys || k0 + p.chunk <= lo) { return; }
+    load_q(p.qkv_off + (q * p.heads + h0) * D4, D4);
+    let n = min(p.chunk, n_keys - k0);
+    attend(p.tab_off + q * p.max_blocks, h0 / p.group, k0, 0u, n, max(lo, k0) - k0, n);
+    store_partial(q, h0, s);
+}
+
+@compute @workgroup_size(SWG)
+fn paged_decode1(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                 @builtin(local_invocation_index) lid: u32) {
+    let i = (wid.y * nwg.x + wid.x) * SWG + lid;
+    let n_hg = p.hq / G;
+    let q = i / n_hg;
+    let h0 = (i % n_hg) * G;
+    if (q >= p.n_seq) { return; }
+    let n_keys = seq_keys(q);
+    if (n_keys == 0u) { return; }
+    let lo = window_lo(n_keys - 1u);
+    load_q(p.qkv_off + (q * p.heads + h0) * D4, D4);
+    attend(p.tab_off + q * p.max_blocks, h0 / p.group, 0u, (lo / BLK) * BLK, n_keys, lo, n_keys);
+    store_out(p.out_off + (q * p.hq + h0) * D4, D4);
+}
+
+@compute @workgroup_size(64)
+fn paged_combine(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                 @builtin(local_invocation_index) lid: u32) {
+    let i = flat(wid, nwg, lid);
+    let d = i % D4;
+    let h = (i / D4) % p.hq;
+    let q = i / (D4 * p.hq);
+    if (q >= p.n_seq) { return; }
+    let n_keys = seq_keys(q);
+    if (n_keys == 0u) { return; }
+    let n_act = (n_keys + p.chunk - 1u) / p.chunk;
+    let s_lo = window_lo(n_keys - 1u) / p.chunk;   // splits before the window wrote nothing
+    let stride = D4 + 1u;
+    let hb = (q * p.hq + h) * p.n_splits * stride;
+    var mx = -3.0e38;
+    for (var s = s_lo; s < n_act; s++) { mx = max(mx, part_in[hb + s * stride + D4].x); }
+    var l = 0.0;
+    var o = vec4<f32>(0.0);
+    for (var s = s_lo; s < n_act; s++) {
+        let ml = part_in[hb + s * stride + D4];
+        let w = exp(ml.x - mx);
+        l += w * ml.y;
+        o += w * part_in[hb + s * stride + d];
+    }
+    out_c[p.out_off + (q * p.hq + h) * D4 + d] = act4(o / l);
+}
+
+@compute @workgroup_size(64)
+fn paged_causal(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                @builtin(local_invocation_index) lid: u32) {
+    let wg = wid.y * nwg.x + wid.x;
+    let n_hg = p.hq / G;
+    let h0 = (wg % n_hg) * G;
+    let t0 = (wg / n_hg) * WG;
+    let n_new = step[1];
+    let rows = select(p.n_seq, min(p.n_seq, n_new), n_new != 0u);
+    if (t0 >= rows) { return; }
+    let t = min(t0 + lid, rows - 1u);            // spare lanes redo the last row, never store
+    let pos0 = step[0];
+    let cap = p.max_blocks * BS;
+    let n_wg = min(pos0 + min(t0 + WG, rows), cap);
+    load_q(p.qkv_off + (t * p.heads + h0) * D4, D4);
+    let j_start = (window_lo(pos0 + t0) / BLK) * BLK;
+    let lim = min(pos0 + t + 1u, cap);
+    attend(p.tab_off, h0 / p.group, 0u, j_start, n_wg, window_lo(pos0 + t), lim);
+    if (t0 + lid < rows) { store_out(p.out_off + (t * p.hq + h0) * D4, D4); }
+}

@@ -1,0 +1,165 @@
+"""Host functions for paged attention (shaders/attention_paged.wgsl): the KV write that scatters new
+K/V rows into pool blocks, ragged-batch decode attention over per-sequence block tables (split-key +
+combine, or one dispatch while the keys are few) and chunked-prefill attention of one sequence.
+
+The pool of a layer is two tensors (n_blocks, block_size, Hkv, D), K and V, in the activation dtype;
+engine/kv_pool.py decides which blocks a sequence owns. Per-step values live in small u32 buffers
+the caller rewrites each step, so ops are built once: `slots` (T,) pool rows for the KV write
+(block * block_size + offset, 0xffffffff = skip), `lens` (S,) keys per decoding sequence (0 = idle
+slot) with `tables` (S, max_blocks) block ids, and for prefill the usual `step` (pos0, n_new, ., .)
+with the sequence's table. The attention arithmetic is attention.wgsl's, key for key: for the same
+keys and the same split size a sequence's output equals the contiguous kernel's.
+"""
+from __future__ import annotations
+
+from ..gpu import Device
+from .common import Op, Tensor, check, new_tensor, params
+from .nn import _MAX_LANE_DIMS, WG, _act, _attn_header, _grid, _op, _qkv_heads, _step_entry, _window, decode_splits
+
+__all__ = ["new_kv_pool", "paged_kv_write", "paged_decode", "paged_prefill", "SKIP_SLOT"]
+
+FILE = "attention_paged.wgsl"
+SKIP_SLOT = 0xFFFFFFFF
+
+
+def new_kv_pool(dev: Device, n_blocks: int, block_size: int, n_kv_heads: int, head_dim: int,
+                dtype: str = "f32", *, owner: str, label: str = "kv_pool") -> tuple[Tensor, Tensor]:
+    """One layer's K and V pools, each (n_blocks, block_size, Hkv, D)."""
+    shape = (n_blocks, block_size, n_kv_heads, head_dim)
+    return (new_tensor(dev, shape, dtype, owner=owner, label=f"{label}.k"),
+            new_tensor(dev, shape, dtype, owner=owner, label=f"{label}.v"))
+
+
+def _pool_geometry(k: str, k_pool: Tensor, v_pool: Tensor, n_kv_heads: int, head_dim: int) -> tuple[int, int]:
+    check(k_pool.shape == v_pool.shape and len(k_pool.shape) == 4, k,
+          f"pools {k_pool.shape} / {v_pool.shape} must both be (n_blocks, block_size, Hkv, D)")
+    n_blocks, bs, hkv, d = (int(s) for s in k_pool.shape)
+    check(hkv == n_kv_heads and d == head_dim, k, f"pool heads {hkv} x {d} != Hkv={n_kv_heads} x D={head_dim}")
+    check(head_dim % 4 == 0, k, f"head_dim {head_dim} must be a multiple of 4")
+    return n_blocks, bs
+
+
+def _u32(dev: Device, t: Tensor, k: str, name: str, n: int) -> tuple:
+    check(t.dtype == "u32" and t.numel >= n, k, f"{name} {t.shape}/{t.dtype} must hold {n} u32")
+    return _window(dev, t, k)
+
+
+def _heads_per_lane(k: str, group: int, head_dim: int, g: int | None) -> int:
+    """attention()'s choice: the most q heads of one kv head per lane, within _MAX_LANE_DIMS."""
+    g = g or max(d for d in (1, 2, 3, 4) if group % d == 0 and (d == 1 or d * head_dim <= _MAX_LANE_DIMS))
+    check(group % g == 0 and (g == 1 or g * head_dim <= _MAX_LANE_DIMS), k,
+          f"heads_per_lane {g} must divide Hq/Hkv = {group} and keep {g} x {head_dim} <= {_MAX_LANE_DIMS}")
+    return g
+
+
+def _header(dt: str, head_dim: int, g: int, swg: int, packed: bool, bs: int) -> str:
+    return _attn_header(dt, head_dim, g, swg, packed) + f"const BS: u32 = {bs}u;\n"
+
+
+def _check_attn(k, qkv, k_pool, v_pool, out, n_q_heads, n_kv_heads, head_dim, rows, window, softcap):
+    dt = _act(k, qkv, k_pool, v_pool, out)
+    n_rows, heads = _qkv_heads(k, qkv, head_dim)
+    check(rows <= n_rows, k, f"qkv has {n_rows} rows, {rows} dispatched")
+    check(n_kv_heads > 0 and n_q_heads % n_kv_heads == 0, k,
+          f"n_q_heads {n_q_heads} must be a multiple of n_kv_heads {n_kv_heads}")
+    check(heads >= n_q_heads + 2 * n_kv_heads, k, f"qkv rows have {heads} heads, need {n_q_heads}+2*{n_kv_heads}")
+    check(out.numel >= rows * n_q_heads * head_dim, k, f"out {out.shape} is smaller than ({rows}, Hq*D)")
+    check(all(out.buf is not t.buf for t in (qkv, k_pool, v_pool)), k,
+          "out must not share a buffer with qkv or the pools (they are bound read-only)")
+    check(window >= 0 and softcap >= 0, k, f"window {window} and softcap {softcap} must be >= 0")
+    return dt, heads
+
+
+def paged_kv_write(dev: Device, qkv: Tensor, k_pool: Tensor, v_pool: Tensor, slots: Tensor, *,
+                   n_q_heads: int, n_kv_heads: int, head_dim: int, rows: int | None = None) -> Op:
+    """Copies the k and v heads of qkv rows (T, Hq+2Hkv, D), already rotated, into pool row
+    slots[t] (block * block_size + offset) of k_pool / v_pool; rows with slot 0xffffffff are skipped.
+    rows: rows dispatched (default T)."""
+    k = "paged_kv_write"
+    dt = _act(k, qkv, k_pool, v_pool)
+    n_blocks, bs = _pool_geometry(k, k_pool, v_pool, n_kv_heads, head_dim)
+    n_rows, heads = _qkv_heads(k, qkv, head_dim)
+    t = n_rows if rows is None else int(rows)
+    check(0 < t <= n_rows and heads >= n_q_heads + 2 * n_kv_heads, k,
+          f"{t} rows of qkv {qkv.shape} with {n_q_heads}+2*{n_kv_heads} heads")
+    (qe, qo), (ke, ko), (ve, vo) = (_window(dev, x, k, 4) for x in (qkv, k_pool, v_pool))
+    se, so = _u32(dev, slots, k, "slots", t)
+    par = params(dev, [t, n_q_heads, 1, heads, n_kv_heads, 0, 0, 1.0, qo, ko, vo, 0, 0, 0, 0.0, 0, so, 0, 0, 0],
+                 owner=k_pool.buf.owner, label=k)
+    return _op(dev, k, FILE, k, _header(dt, head_dim, 1, WG, False, bs), par, [se, qe, ke, ve],
+               t * 2 * n_kv_heads * (head_dim // 4))
+
+
+def paged_decode(dev: Device, qkv: Tensor, k_pool: Tensor, v_pool: Tensor, out: Tensor, lens: Tensor,
+                 tables: Tensor, *, n_q_heads: int, n_kv_heads: int, head_dim: int, max_seqs: int,
+                 max_blocks: int, scale: float, window: int = 0, softcap: float = 0.0,
+                 min_chunk: int | None = None, max_splits: int = 128, heads_per_lane: int | None = None,
+                 split_wg: int | None = None) -> Op:
+    """Decode attention of S = max_seqs sequences, one query row each: row q of qkv (S, Hq+2Hkv, D)
+    at position lens[q] - 1 attends keys 0 .. lens[q]-1 of its table tables[q] (max_blocks block
+    ids), which already hold this step's key; lens[q] == 0 leaves out row q alone. out (S, Hq*D).
+    GQA, window and softcap as nn.attention. Split-key + combine sized once for max_blocks *
+    block_size keys (splits past a sequence's keys exit at once); `short` is the one-dispatch form
+    for steps whose longest sequence has at most `max_keys` keys (record(batch, n_keys=longest))."""
+    k = "paged_decode"
+    dt, heads = _check_attn(k, qkv, k_pool, v_pool, out, n_q_heads, n_kv_heads, head_dim, max_seqs,
+                            window, softcap)
+    n_blocks, bs = _pool_geometry(k, k_pool, v_pool, n_kv_heads, head_dim)
+    owner = out.buf.owner
+    group = n_q_heads // n_kv_heads
+    g = _heads_per_lane(k, group, head_dim, heads_per_lane)
+    (qe, qo), (ke, ko), (ve, vo), (oe, oo) = (_window(dev, t, k, 4) for t in (qkv, k_pool, v_pool, out))
+    le, lo = _u32(dev, lens, k, "lens", max_seqs)
+    te, to = _u32(dev, tables, k, "tables", max_seqs * max_blocks)
+    cpu = dev.info.adapter_type.upper() == "CPU"
+    packed = dt == "f16" and head_dim % 8 == 0 and ko % 2 == 0 and vo % 2 == 0
+    chunk, n_splits = decode_splits(max_blocks * bs, min_chunk=min_chunk or (128 if cpu else 32),
+                                    max_splits=max_splits)
+    swg = split_wg or (8 if cpu else WG)
+    header = _header(dt, head_dim, g, swg, packed, bs)
+    par = params(dev, [max_seqs, n_q_heads, group, heads, n_kv_heads, chunk, n_splits, float(scale), qo, ko, vo,
+                       oo, max_blocks, int(window), float(softcap), to, lo, 0, 0, 0], owner=owner, label=k)
+    part = dev.buffer(max_seqs * n_q_heads * n_splits * (head_dim // 4 + 1) * 16, owner=owner,
+                      label="paged_decode.partials")
+    op = Op(name=k, buffers=[par, part])
+    split = dev.pipeline(FILE, "paged_split", header=header)
+    x, y = _grid(-(-max_seqs * n_splits * n_q_heads // g // swg) * WG, k)
+    op.add(split, dev.bind(split, [par, le, qe, ke, ve, (part, 0, part.size), te]), x, y)
+    comb = dev.pipeline(FILE, "paged_combine", header=header)
+    x, y = _grid(max_seqs * n_q_heads * head_dim // 4, k)
+    op.add(comb, dev.bind(comb, [par, le, (part, 0, part.size), oe]), x, y)
+    # one dispatch while every sequence's keys fit what one workgroup's splits would hold (as
+    # nn.attention: one split on a GPU, SWG / head groups of them on a CPU adapter)
+    n_hg = n_q_heads // g
+    one = dev.pipeline(FILE, "paged_decode1", header=header)
+    x, y = _grid(-(-max_seqs * n_hg // swg) * WG, k)
+    op.short = [(one, dev.bind(one, [par, le, qe, ke, ve, oe, te]), x, y, 1)]
+    op.max_keys = chunk * (max(1, swg // n_hg) if cpu else 1)
+    return op
+
+
+def paged_prefill(dev: Device, qkv: Tensor, k_pool: Tensor, v_pool: Tensor, out: Tensor, step, table: Tensor, *,
+                  n_q_heads: int, n_kv_heads: int, head_dim: int, max_blocks: int, scale: float,
+                  max_t: int | None = None, window: int = 0, softcap: float = 0.0,
+                  heads_per_lane: int | None = None) -> Op:
+    """Causal attention of one sequence's chunk: rows t < step.n_new (0: all max_t) of qkv
+    (T, Hq+2Hkv, D) at positions step.pos0 + t see keys 0 .. pos0+t through `table` (max_blocks
+    block ids), whose blocks already hold keys 0 .. pos0+n_new-1 (paged_kv_write first). out
+    (T, Hq*D). A query folds its keys in the same 16-key blocks as nn.attention's causal kernel."""
+    k = "paged_prefill"
+    n_rows = _qkv_heads(k, qkv, head_dim)[0]
+    t_max = n_rows if max_t is None else int(max_t)
+    check(0 < t_max <= n_rows, k, f"max_t={max_t} must be in 1..{n_rows}")
+    dt, heads = _check_attn(k, qkv, k_pool, v_pool, out, n_q_heads, n_kv_heads, head_dim, t_max,
+                            window, softcap)
+    n_blocks, bs = _pool_geometry(k, k_pool, v_pool, n_kv_heads, head_dim)
+    group = n_q_heads // n_kv_heads
+    g = _heads_per_lane(k, group, head_dim, heads_per_lane)
+    (qe, qo), (ke, ko), (ve, vo), (oe, oo) = (_window(dev, t, k, 4) for t in (qkv, k_pool, v_pool, out))
+    te, to = _u32(dev, table, k, "table", max_blocks)
+    packed = dt == "f16" and head_dim % 8 == 0 and ko % 2 == 0 and vo % 2 == 0
+    n_blk = -(-t_max // WG)
+    par = params(dev, [t_max, n_q_heads, group, heads, n_kv_heads, 0, 0, float(scale), qo, ko, vo, oo,
+                       max_blocks, int(window), float(softcap), to, 0, n_blk, 0, 0], owner=out.buf.owner, label=k)
+    return _op(dev, k, FILE, "paged_causal", _header(dt, head_dim, g, WG, packed, bs), par,
+               [_step_entry(step), qe, ke, ve, oe, te], n_blk * (n_q_heads // g) * WG)
