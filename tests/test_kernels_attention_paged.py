@@ -240,6 +240,8 @@ def test_prefill_rows_equal_the_contiguous_causal_kernel(device):
 
 
 def test_shape_errors_are_clear(device):
+    limit = device.limits["max-storage-buffer-binding-size"]
+    assert ap.max_pool_blocks(device, BS, 3, 64, "f16") == limit // (BS * 3 * 64 * 2)
     kt, vt = empty(device, (4, BS, 2, 32)), empty(device, (4, BS, 2, 32))
     qt, out = empty(device, (2, 8, 32)), empty(device, (2, 4 * 32))
     lens, tabs = put(device, np.zeros(2, np.uint32), "u32"), put(device, np.zeros(2, np.uint32), "u32")

@@ -23,6 +23,7 @@ def test_from_budget_sizes_the_pool():
     assert per_tok == 2 * 30 * 3 * 64 * 2
     pool = KVPool.from_budget(100 * 16 * per_tok + 5, 16, per_tok)
     assert (pool.n_blocks, pool.block_size, pool.n_free) == (100, 16, 100)
+    assert KVPool.from_budget(100 * 16 * per_tok, 16, per_tok, max_blocks=60).n_blocks == 60
     with pytest.raises(ValueError, match="holds no block"):
         KVPool.from_budget(per_tok, 16, per_tok)
 

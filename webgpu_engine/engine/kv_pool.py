@@ -72,9 +72,12 @@ class KVPool:
         self.stats = {"hit_tokens": 0, "miss_tokens": 0, "evictions": 0, "preemptions": 0}
 
     @classmethod
-    def from_budget(cls, budget_bytes: int, block_size: int, bytes_per_token: int) -> "KVPool":
-        """As many blocks as `budget_bytes` holds at `bytes_per_token` (kv_bytes_per_token)."""
+    def from_budget(cls, budget_bytes: int, block_size: int, bytes_per_token: int,
+                    max_blocks: int | None = None) -> "KVPool":
+        """As many blocks as `budget_bytes` holds at `bytes_per_token` (kv_bytes_per_token), at most
+        max_blocks (the GPU side binds a layer's pool whole: kernels.attention_paged.max_pool_blocks)."""
         n = int(budget_bytes) // (int(block_size) * int(bytes_per_token))
+        n = n if max_blocks is None else min(n, int(max_blocks))
         if n < 1:
             raise ValueError(f"a budget of {budget_bytes} B holds no block of {block_size} tokens "
                              f"x {bytes_per_token} B")

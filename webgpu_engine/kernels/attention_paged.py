@@ -13,10 +13,10 @@ keys and the same split size a sequence's output equals the contiguous kernel's.
 from __future__ import annotations
 
 from ..gpu import Device
-from .common import Op, Tensor, check, new_tensor, params
+from .common import DTYPE_SIZE, Op, Tensor, check, new_tensor, params
 from .nn import _MAX_LANE_DIMS, WG, _act, _attn_header, _grid, _op, _qkv_heads, _step_entry, _window, decode_splits
 
-__all__ = ["new_kv_pool", "paged_kv_write", "paged_decode", "paged_prefill", "SKIP_SLOT"]
+__all__ = ["new_kv_pool", "max_pool_blocks", "paged_kv_write", "paged_decode", "paged_prefill", "SKIP_SLOT"]
 
 FILE = "attention_paged.wgsl"
 SKIP_SLOT = 0xFFFFFFFF
@@ -30,9 +30,20 @@ def new_kv_pool(dev: Device, n_blocks: int, block_size: int, n_kv_heads: int, he
             new_tensor(dev, shape, dtype, owner=owner, label=f"{label}.v"))
 
 
-def _pool_geometry(k: str, k_pool: Tensor, v_pool: Tensor, n_kv_heads: int, head_dim: int) -> tuple[int, int]:
+def max_pool_blocks(dev: Device, block_size: int, n_kv_heads: int, head_dim: int, dtype: str = "f32") -> int:
+    """The most blocks one layer's pool may hold: each pool is bound whole, so it must fit the
+    device's largest storage binding (128 MiB on lavapipe)."""
+    limit = int(dev.limits.get("max-storage-buffer-binding-size", 1 << 27))
+    return limit // (block_size * n_kv_heads * head_dim * DTYPE_SIZE[dtype])
+
+
+def _pool_geometry(dev: Device, k: str, k_pool: Tensor, v_pool: Tensor, n_kv_heads: int,
+                   head_dim: int) -> tuple[int, int]:
     check(k_pool.shape == v_pool.shape and len(k_pool.shape) == 4, k,
           f"pools {k_pool.shape} / {v_pool.shape} must both be (n_blocks, block_size, Hkv, D)")
+    cap = max_pool_blocks(dev, int(k_pool.shape[1]), n_kv_heads, head_dim, k_pool.dtype)
+    check(int(k_pool.shape[0]) <= cap, k,
+          f"a pool of {k_pool.shape[0]} blocks exceeds the device's largest storage binding ({cap} blocks)")
     n_blocks, bs, hkv, d = (int(s) for s in k_pool.shape)
     check(hkv == n_kv_heads and d == head_dim, k, f"pool heads {hkv} x {d} != Hkv={n_kv_heads} x D={head_dim}")
     check(head_dim % 4 == 0, k, f"head_dim {head_dim} must be a multiple of 4")
@@ -77,7 +88,7 @@ def paged_kv_write(dev: Device, qkv: Tensor, k_pool: Tensor, v_pool: Tensor, slo
     rows: rows dispatched (default T)."""
     k = "paged_kv_write"
     dt = _act(k, qkv, k_pool, v_pool)
-    n_blocks, bs = _pool_geometry(k, k_pool, v_pool, n_kv_heads, head_dim)
+    n_blocks, bs = _pool_geometry(dev, k, k_pool, v_pool, n_kv_heads, head_dim)
     n_rows, heads = _qkv_heads(k, qkv, head_dim)
     t = n_rows if rows is None else int(rows)
     check(0 < t <= n_rows and heads >= n_q_heads + 2 * n_kv_heads, k,
@@ -104,7 +115,7 @@ def paged_decode(dev: Device, qkv: Tensor, k_pool: Tensor, v_pool: Tensor, out: 
     k = "paged_decode"
     dt, heads = _check_attn(k, qkv, k_pool, v_pool, out, n_q_heads, n_kv_heads, head_dim, max_seqs,
                             window, softcap)
-    n_blocks, bs = _pool_geometry(k, k_pool, v_pool, n_kv_heads, head_dim)
+    n_blocks, bs = _pool_geometry(dev, k, k_pool, v_pool, n_kv_heads, head_dim)
     owner = out.buf.owner
     group = n_q_heads // n_kv_heads
     g = _heads_per_lane(k, group, head_dim, heads_per_lane)
@@ -152,7 +163,7 @@ def paged_prefill(dev: Device, qkv: Tensor, k_pool: Tensor, v_pool: Tensor, out:
     check(0 < t_max <= n_rows, k, f"max_t={max_t} must be in 1..{n_rows}")
     dt, heads = _check_attn(k, qkv, k_pool, v_pool, out, n_q_heads, n_kv_heads, head_dim, t_max,
                             window, softcap)
-    n_blocks, bs = _pool_geometry(k, k_pool, v_pool, n_kv_heads, head_dim)
+    n_blocks, bs = _pool_geometry(dev, k, k_pool, v_pool, n_kv_heads, head_dim)
     group = n_q_heads // n_kv_heads
     g = _heads_per_lane(k, group, head_dim, heads_per_lane)
     (qe, qo), (ke, ko), (ve, vo), (oe, oo) = (_window(dev, t, k, 4) for t in (qkv, k_pool, v_pool, out))
