@@ -74,6 +74,29 @@ def test_kv_write_scatters_rows_into_blocks(device, dtype):
     assert np.array_equal(get(device, vp).reshape(-1, hkv, d), rounded(want_v, dtype))
 
 
+@pytest.mark.parametrize("dtype,neox,rot", [("f32", False, 32), ("f16", False, 32), ("f32", True, 16)])
+def test_rope_kv_paged_rotates_at_row_positions_and_scatters(device, dtype, neox, rot):
+    """Each row at a position of its own (a ragged decode batch); q and k heads rotated in place as
+    nn_ref.rope, rotated k and v rows in their pool slots; a skipped slot rotates only."""
+    rng = np.random.default_rng(2)
+    hq, hkv, d, n_blocks = 4, 2, 32, 4
+    qkv = rng.standard_normal((6, hq + 2 * hkv, d))
+    pos = np.array([0, 5, 17, 3, 100, 40], np.uint32)
+    slots = np.array([3, 20, ap.SKIP_SLOT, 63, 16, 0], np.uint32)
+    qt = put(device, qkv, dtype, lead=2)
+    kp, vp = (put(device, np.full((n_blocks, BS, hkv, d), 9.0), dtype, lead=6) for _ in range(2))
+    run(device, ap.paged_rope_kv(device, qt, kp, vp, put(device, pos, "u32"), put(device, slots, "u32"),
+                                 n_q_heads=hq, n_kv_heads=hkv, head_dim=d, rot_dim=rot, base=500.0, neox=neox))
+    want = nn_ref.rope(rounded(qkv, dtype), pos, n_heads=hq + hkv, rot_dim=rot, base=500.0, neox=neox)
+    np.testing.assert_allclose(get(device, qt), want, **TOL[dtype])
+    k_all, v_all = get(device, kp).reshape(-1, hkv, d), get(device, vp).reshape(-1, hkv, d)
+    written = slots != ap.SKIP_SLOT
+    np.testing.assert_allclose(k_all[slots[written]], want[written, hq:hq + hkv], **TOL[dtype])
+    np.testing.assert_allclose(v_all[slots[written]], rounded(qkv, dtype)[written, hq + hkv:], **TOL[dtype])
+    rest = np.setdiff1d(np.arange(n_blocks * BS), slots[written])
+    assert (k_all[rest] == 9.0).all() and (v_all[rest] == 9.0).all()
+
+
 CASES = {  # name: (lens, shape, window, softcap, share)
     "boundaries": ([1, BS - 1, BS, BS + 1, 3 * BS + 5, 0, 200], SMOL, 0, 0.0, ()),
     "shared_prefix": ([40, 45, 33], dict(hq=8, hkv=2, d=32), 0, 0.0, ((0, 1, 2), (0, 2, 2))),

@@ -1,5 +1,5 @@
-"""Host functions for paged attention (shaders/attention_paged.wgsl): the KV write that scatters new
-K/V rows into pool blocks, ragged-batch decode attention over per-sequence block tables (split-key +
+"""Host functions for paged attention (shaders/attention_paged.wgsl, rope_paged.wgsl): RoPE at per-row
+positions fused with the KV write into pool blocks (or the KV write alone), ragged-batch decode attention over per-sequence block tables (split-key +
 combine, or one dispatch while the keys are few) and chunked-prefill attention of one sequence.
 
 The pool of a layer is two tensors (n_blocks, block_size, Hkv, D), K and V, in the activation dtype;
@@ -13,10 +13,13 @@ keys and the same split size a sequence's output equals the contiguous kernel's.
 from __future__ import annotations
 
 from ..gpu import Device
-from .common import DTYPE_SIZE, Op, Tensor, check, new_tensor, params
-from .nn import _MAX_LANE_DIMS, WG, _act, _attn_header, _grid, _op, _qkv_heads, _step_entry, _window, decode_splits
+from ..gpu.shaders import load_shader_source
+from .common import DTYPE_SIZE, Op, Tensor, act_header, check, new_tensor, params
+from .nn import (_MAX_LANE_DIMS, WG, _act, _attn_header, _grid, _op, _qkv_heads, _step_entry, _vec_entry, _window,
+                 decode_splits, rope_frequencies)
 
-__all__ = ["new_kv_pool", "max_pool_blocks", "paged_kv_write", "paged_decode", "paged_prefill", "SKIP_SLOT"]
+__all__ = ["new_kv_pool", "max_pool_blocks", "paged_rope_kv", "paged_kv_write", "paged_decode", "paged_prefill",
+           "SKIP_SLOT"]
 
 FILE = "attention_paged.wgsl"
 SKIP_SLOT = 0xFFFFFFFF
@@ -79,6 +82,46 @@ def _check_attn(k, qkv, k_pool, v_pool, out, n_q_heads, n_kv_heads, head_dim, ro
           "out must not share a buffer with qkv or the pools (they are bound read-only)")
     check(window >= 0 and softcap >= 0, k, f"window {window} and softcap {softcap} must be >= 0")
     return dt, heads
+
+
+def paged_rope_kv(dev: Device, qkv: Tensor, k_pool: Tensor, v_pool: Tensor, positions: Tensor, slots: Tensor,
+                  step=None, *, n_q_heads: int, n_kv_heads: int, head_dim: int, rot_dim: int | None = None,
+                  base: float = 10000.0, neox: bool = False, factors=None, mscale: float = 1.0) -> Op:
+    """nn.rope_kv for the paged pool and rows at positions of their own: rotates the q and k heads of
+    each qkv row (T, Hq+2Hkv, D) in place at positions[t], then writes its k and v heads to pool row
+    slots[t] (0xffffffff: rotate only). positions, slots: (T,) u32 starting at a binding-aligned
+    offset. step (optional): rows t >= step.n_new are skipped. The decode step's one dispatch for
+    rope and the KV write, as nn.rope_kv is for the contiguous cache."""
+    k = "rope_kv_paged"
+    dt = _act(k, qkv, k_pool, v_pool)
+    _pool_geometry(dev, k, k_pool, v_pool, n_kv_heads, head_dim)
+    rows, heads = _qkv_heads(k, qkv, head_dim)
+    rot = head_dim if rot_dim is None else rot_dim
+    check(rot % 2 == 0 and 0 <= rot <= head_dim and (not neox or rot % 4 == 0), k,
+          f"rot_dim {rot} must be even (neox: a multiple of 4) and <= head_dim {head_dim}")
+    check(heads >= n_q_heads + 2 * n_kv_heads, k, f"qkv rows have {heads} heads, need {n_q_heads}+2*{n_kv_heads}")
+    for name, t in (("positions", positions), ("slots", slots)):
+        check(t.dtype == "u32" and t.numel >= rows, k, f"{name} {t.shape}/{t.dtype} must hold {rows} u32")
+    owner = k_pool.buf.owner
+    (qe, qo), (ke, ko), (ve, vo) = (_window(dev, x, k, 2) for x in (qkv, k_pool, v_pool))
+    freq = rope_frequencies(dev, rot, base, owner=owner, factors=factors)
+    half = rot // 2
+    # units per head as in nn._rope_op: vec2 pairs, a neox head's rotated part in quads
+    units = half // 2 + (head_dim - rot) // 2 if neox else head_dim // 2
+    n_h = n_q_heads + 2 * n_kv_heads
+    par = params(dev, [rows, heads, head_dim // 2, half, 0, n_h, n_q_heads + n_kv_heads, int(bool(neox)),
+                       n_q_heads, n_kv_heads, 0, qo, ko, vo, units, float(mscale)], owner=owner, label=k)
+    header = act_header(dt) + load_shader_source("sincos.wgsl") + load_shader_source("rope.wgsl")
+    if step is None:                # all rows: a step of its own whose n_new is 0
+        step = dev.upload(bytes(16), owner=owner, label="rope_kv_paged.step")
+        extra = [step]
+    else:
+        extra = []
+    entries = [_step_entry(step), qe, (freq, 0, freq.size), ke, ve,
+               _vec_entry(dev, positions, k), _vec_entry(dev, slots, k)]
+    op = _op(dev, k, "rope_paged.wgsl", k, header, par, entries, rows * n_h * units)
+    op.buffers += [freq] + extra
+    return op
 
 
 def paged_kv_write(dev: Device, qkv: Tensor, k_pool: Tensor, v_pool: Tensor, slots: Tensor, *,

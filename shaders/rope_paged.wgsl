@@ -1,0 +1,30 @@
+// rope_kv_paged: rope_kv (rope.wgsl) for rows at positions of their own, writing the paged KV pool.
+//   Row t of qkv (T, Hq+2Hkv, D) has position positions[t] (a decode batch: each sequence's next
+//   position; a prefill chunk: pos0 + t); its q and k heads are rotated in place, then its (rotated)
+//   k heads and v heads go to pool row slots[t] of kc / vc (n_blocks, BS, Hkv, D) (slot = block *
+//   BS + offset; 0xffffffff: rotate only). Rows t >= step[1] (0: all) are skipped.
+// Built after sincos.wgsl and rope.wgsl (the host prepends them): their Params, bindings 0-5,
+// locate() and rotate() are reused; p.ctx is unused. dispatch as rope_kv.
+
+@group(0) @binding(6) var<storage, read> positions: array<u32>;   // (T)
+@group(0) @binding(7) var<storage, read> slots: array<u32>;       // (T)
+
+@compute @workgroup_size(64)
+fn rope_kv_paged(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                 @builtin(local_invocation_index) lid: u32) {
+    let q = locate(wid, nwg, lid);
+    if (!q.ok) { return; }
+    let v = rotate(q, positions[q.t], p.qkv_off + (q.t * p.heads + q.h) * p.hd2);
+    let slot = slots[q.t];
+    if (slot == 0xffffffffu || q.h < p.k_lo) { return; }
+    let g = q.h - p.k_lo;
+    if (g < p.n_kv) {
+        let cb = p.kc_off + (slot * p.n_kv + g) * p.hd2;
+        kc[cb + q.v0] = vec2<act>(v.xy);
+        if (q.quad) { kc[cb + q.v1] = vec2<act>(v.zw); }
+    } else if (g < 2u * p.n_kv) {
+        let cb = p.vc_off + (slot * p.n_kv + g - p.n_kv) * p.hd2;
+        vc[cb + q.v0] = vec2<act>(v.xy);
+        if (q.quad) { vc[cb + q.v1] = vec2<act>(v.zw); }
+    }
+}
