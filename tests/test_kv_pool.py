@@ -183,3 +183,12 @@ def test_random_schedules_keep_the_invariants(ops, n_blocks, block_size):
 def test_random_schedules_exercised_sharing():
     """The property test above did reach prefix hits (it runs first, in file order)."""
     assert len(HITS) > 100 and sum(h > 0 for h in HITS) > 20, (len(HITS), sum(h > 0 for h in HITS))
+
+
+def test_imports_without_compiled_dependencies():
+    """The pool and the paged kernels' host code load where numpy and wgpu are absent (Pyodide)."""
+    import subprocess
+    import sys
+    code = ("import sys\nfor m in ('numpy', 'wgpu'): sys.modules[m] = None\n"
+            "import webgpu_engine.engine.kv_pool, webgpu_engine.kernels.attention_paged\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
