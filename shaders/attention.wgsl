@@ -71,14 +71,16 @@ fn flat(wid: vec3<u32>, nwg: vec3<u32>, lid: u32) -> u32 {
     return (wid.y * nwg.x + wid.x) * WG + lid;
 }
 
-// The first key a query at position `pos` sees.
+// The first key a query at position `pos` sees. WINDOWED and CAPPED are header constants, so
+// kernels without a window or a cap compile without their checks.
 fn window_lo(pos: u32) -> u32 {
+    if (!WINDOWED) { return 0u; }
     return select(0u, pos + 1u - p.window, p.window > 0u && pos + 1u > p.window);
 }
 
 fn score(kr: u32) -> sv {
     let s = qk(kr);
-    if (p.softcap > 0.0) { return p.softcap * tanh(s / p.softcap); }
+    if (CAPPED) { return p.softcap * tanh(s / p.softcap); }
     return s;
 }
 
@@ -95,7 +97,7 @@ fn attend(kb: u32, ks: u32, vb: u32, vs: u32, j_start: u32, n: u32, lo: u32, lim
         var mb = m_run;
         for (var j = 0u; j < nb; j++) {
             let kr = kb + (j0 + j) * ks;
-            let s = select(sv(MASKED), score(kr), j0 + j < lim && j0 + j >= lo);
+            let s = select(sv(MASKED), score(kr), j0 + j < lim && (!WINDOWED || j0 + j >= lo));
             sc[j] = s;
             mb = max(mb, s);
         }

@@ -360,7 +360,8 @@ def decode_splits(ctx: int, *, min_chunk: int = 32, max_splits: int = 128) -> tu
     return chunk, -(-ctx // chunk)
 
 
-def _attn_header(dt: str, head_dim: int, g: int = 1, split_wg: int = WG, packed: bool = False) -> str:
+def _attn_header(dt: str, head_dim: int, g: int = 1, split_wg: int = WG, packed: bool = False,
+                 windowed: bool = False, capped: bool = False) -> str:
     """Constants plus the state of g heads unrolled into vec4 registers (see attention.wgsl).
     packed: f16 keys and values are read as vec4<u32> (8 halves per load; kr, vr even)."""
     n = head_dim // 4
@@ -368,6 +369,7 @@ def _attn_header(dt: str, head_dim: int, g: int = 1, split_wg: int = WG, packed:
     sv = "f32" if g == 1 else f"vec{g}<f32>"
     comp = (lambda v, j: v) if g == 1 else (lambda v, j: f"{v}[{j}]")
     out = [act_header(dt), f"const D4: u32 = {n}u;", f"const G: u32 = {g}u;", f"const SWG: u32 = {split_wg}u;",
+           f"const WINDOWED: bool = {str(bool(windowed)).lower()};", f"const CAPPED: bool = {str(bool(capped)).lower()};",
            f"alias sv = {sv};",
            "fn sv_get(v: sv, g: u32) -> f32 { return " + ("v" if g == 1 else "v[g]") + "; }"]
     out += [f"var<private> q{j}_{i}: vec4<f32>;\nvar<private> a{j}_{i}: vec4<f32>;" for j in gs for i in r]
@@ -447,7 +449,8 @@ def attention(dev: Device, qkv: Tensor, k_cache: Tensor, v_cache: Tensor, out: T
         n_blk = -(-t_max // WG)
         par = params(dev, [t_max, n_q_heads, group, heads, ctx, 0, 0, float(scale), qo, ko, vo, oo,
                            n_blk, int(window), float(softcap), 0], owner=owner, label=k)
-        return _op(dev, k, "attention.wgsl", "attn_causal", _attn_header(dt, head_dim, g, packed=packed),
+        return _op(dev, k, "attention.wgsl", "attn_causal",
+                   _attn_header(dt, head_dim, g, packed=packed, windowed=window > 0, capped=softcap > 0),
                    par, [_step_entry(step), qe, ke, ve, oe], n_blk * (n_q_heads // g) * WG)
     min_chunk = min_chunk or (128 if cpu else 32)
     chunk, n_splits = decode_splits(ctx, min_chunk=min_chunk, max_splits=max_splits)
@@ -455,7 +458,7 @@ def attention(dev: Device, qkv: Tensor, k_cache: Tensor, v_cache: Tensor, out: T
     par = params(dev, [1, n_q_heads, group, heads, ctx, chunk, n_splits, float(scale), qo, ko, vo, oo,
                        0, int(window), float(softcap), 0], owner=owner, label=k)
     swg = split_wg or (8 if cpu else WG)
-    header = _attn_header(dt, head_dim, g, swg, packed)
+    header = _attn_header(dt, head_dim, g, swg, packed, windowed=window > 0, capped=softcap > 0)
     entries = [_step_entry(step), qe, ke, ve, (part, 0, part.size)]
     pipe = dev.pipeline("attention.wgsl", "attn_split", header=header)
     op = Op(name=k, buffers=[par])
@@ -500,7 +503,8 @@ def attention_bidir(dev: Device, qkv: Tensor, lengths: Tensor, out: Tensor, *, b
     par = params(dev, [rows, n_heads, 1, 3 * n_heads, seq, 0, 0, float(scale), qo, qo, qo, oo,
                        n_blk, int(window), 0, 0], owner=out.buf.owner, label=k)
     # the qkv window is bound as q, k and v source alike (the kernel shares code with attn_causal)
-    return _op(dev, k, "attention.wgsl", "attn_bidir", _attn_header(dt, head_dim, queries_per_lane), par,
+    header = _attn_header(dt, head_dim, queries_per_lane, windowed=window > 0)
+    return _op(dev, k, "attention.wgsl", "attn_bidir", header, par,
                [_vec_entry(dev, lengths, k), qe, qe, qe, oe], batch * n_blk * n_heads * WG)
 
 
