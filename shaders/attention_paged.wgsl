@@ -3,7 +3,8 @@
 // Same arithmetic as attention.wgsl (f32 online softmax, keys folded in 16-key blocks, G heads of one
 // kv head per lane, sliding window and soft-cap), so a sequence's result does not depend on where
 // its blocks are. The host header (kernels/nn.py _attn_header) supplies D4, G, SWG, sv, load_q, qk,
-// acc_scale, acc_add, acc_get; BS (block size) is a header constant.
+// acc_scale, acc_add, acc_get; BS (block size), HAS_WINDOW and HAS_CAP are header constants (kernels
+// without a window or a cap compile without their checks).
 //   paged_kv_write: kw/vw[slots[t]] = the k/v heads of qkv row t (after RoPE); slot = block*BS + offset,
 //                   0xffffffff skips the row. Lane per (t, kv head of k or v, d4); dispatch T*2Hkv*D4.
 //   paged_split:    ragged decode, flash-decoding: sequence q (one query row, qkv row q) at position
@@ -69,12 +70,13 @@ fn flat(wid: vec3<u32>, nwg: vec3<u32>, lid: u32) -> u32 {
 }
 
 fn window_lo(pos: u32) -> u32 {
+    if (!HAS_WINDOW) { return 0u; }
     return select(0u, pos + 1u - p.window, p.window > 0u && pos + 1u > p.window);
 }
 
 fn score(kr: u32) -> sv {
     let s = qk(kr);
-    if (p.softcap > 0.0) { return p.softcap * tanh(s / p.softcap); }
+    if (HAS_CAP) { return p.softcap * tanh(s / p.softcap); }
     return s;
 }
 
@@ -95,7 +97,7 @@ fn attend(tb: u32, hk: u32, base: u32, j_start: u32, n: u32, lo: u32, lim: u32) 
         var mb = m_run;
         for (var j = 0u; j < nb; j++) {
             let kr = p.kc_off + key_row(tb, hk, base + j0 + j);
-            let s = select(sv(MASKED), score(kr), j0 + j < lim && j0 + j >= lo);
+            let s = select(sv(MASKED), score(kr), j0 + j < lim && (!HAS_WINDOW || j0 + j >= lo));
             sc[j] = s;
             mb = max(mb, s);
         }

@@ -62,8 +62,7 @@ def test_kv_write_scatters_rows_into_blocks(device, dtype):
     hq, hkv, d, t, n_blocks = 4, 2, 32, 7, 5
     qkv = rng.standard_normal((t, hq + 2 * hkv, d))
     slots = np.array([17, 18, 3, ap.SKIP_SLOT, 79, 0, 40], np.uint32)    # rows across blocks 0, 1, 2, 4
-    kp, vp = put(device, np.full((n_blocks, BS, hkv, d), 9.0), dtype), put(device, np.full((n_blocks, BS, hkv, d), 9.0),
-                                                                          dtype, lead=4)
+    kp, vp = (put(device, np.full((n_blocks, BS, hkv, d), 9.0), dtype, lead=lead) for lead in (0, 4))
     run(device, ap.paged_kv_write(device, put(device, qkv, dtype, lead=4), kp, vp, put(device, slots, "u32", lead=3),
                                   n_q_heads=hq, n_kv_heads=hkv, head_dim=d))
     want_k, want_v = np.full((n_blocks * BS, hkv, d), 9.0), np.full((n_blocks * BS, hkv, d), 9.0)
@@ -193,7 +192,8 @@ def test_chunked_prefill_through_the_pool(device, dtype, window, softcap):
     hq, hkv, d, max_blocks, chunk, bs = 8, 2, 32, 8, 20, 8
     pool = KVPool(24, bs)
     prompts = {"a": list(range(50)), "b": list(range(40)) + [99] * 13}
-    xs = {s: rng.standard_normal((len(p) + 1, hq + 2 * hkv, d)) * (3.0 if softcap else 1.0) for s, p in prompts.items()}
+    mag = 3.0 if softcap else 1.0
+    xs = {s: rng.standard_normal((len(p) + 1, hq + 2 * hkv, d)) * mag for s, p in prompts.items()}
     xs["b"][:40] = xs["a"][:40]              # same tokens, same (already rotated) rows
     shape = (pool.n_blocks, bs, hkv, d)
     kt, vt = empty(device, shape, dtype, fill=0), empty(device, shape, dtype, lead=8, fill=0)

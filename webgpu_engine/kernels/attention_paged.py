@@ -1,6 +1,7 @@
 """Host functions for paged attention (shaders/attention_paged.wgsl, rope_paged.wgsl): RoPE at per-row
-positions fused with the KV write into pool blocks (or the KV write alone), ragged-batch decode attention over per-sequence block tables (split-key +
-combine, or one dispatch while the keys are few) and chunked-prefill attention of one sequence.
+positions fused with the KV write into pool blocks (or the KV write alone), ragged-batch decode
+attention over per-sequence block tables (split-key + combine, or one dispatch while the keys are
+few) and chunked-prefill attention of one sequence.
 
 The pool of a layer is two tensors (n_blocks, block_size, Hkv, D), K and V, in the activation dtype;
 engine/kv_pool.py decides which blocks a sequence owns. Per-step values live in small u32 buffers
@@ -66,8 +67,12 @@ def _heads_per_lane(k: str, group: int, head_dim: int, g: int | None) -> int:
     return g
 
 
-def _header(dt: str, head_dim: int, g: int, swg: int, packed: bool, bs: int) -> str:
-    return _attn_header(dt, head_dim, g, swg, packed) + f"const BS: u32 = {bs}u;\n"
+def _header(dt: str, head_dim: int, g: int, swg: int, packed: bool, bs: int, window: int = 0,
+            softcap: float = 0.0) -> str:
+    """nn's attention header plus the block size and whether the window / soft-cap code is compiled in."""
+    return _attn_header(dt, head_dim, g, swg, packed) + (
+        f"const BS: u32 = {bs}u;\nconst HAS_WINDOW: bool = {str(window > 0).lower()};\n"
+        f"const HAS_CAP: bool = {str(softcap > 0).lower()};\n")
 
 
 def _check_attn(k, qkv, k_pool, v_pool, out, n_q_heads, n_kv_heads, head_dim, rows, window, softcap):
@@ -87,7 +92,7 @@ def _check_attn(k, qkv, k_pool, v_pool, out, n_q_heads, n_kv_heads, head_dim, ro
 def paged_rope_kv(dev: Device, qkv: Tensor, k_pool: Tensor, v_pool: Tensor, positions: Tensor, slots: Tensor,
                   step=None, *, n_q_heads: int, n_kv_heads: int, head_dim: int, rot_dim: int | None = None,
                   base: float = 10000.0, neox: bool = False, factors=None, mscale: float = 1.0) -> Op:
-    """nn.rope_kv for the paged pool and rows at positions of their own: rotates the q and k heads of
+    """nn.rope_kv for the paged pool, each row at a position of its own: rotates the q and k heads of
     each qkv row (T, Hq+2Hkv, D) in place at positions[t], then writes its k and v heads to pool row
     slots[t] (0xffffffff: rotate only). positions, slots: (T,) u32 starting at a binding-aligned
     offset. step (optional): rows t >= step.n_new are skipped. The decode step's one dispatch for
@@ -170,7 +175,7 @@ def paged_decode(dev: Device, qkv: Tensor, k_pool: Tensor, v_pool: Tensor, out: 
     chunk, n_splits = decode_splits(max_blocks * bs, min_chunk=min_chunk or (128 if cpu else 32),
                                     max_splits=max_splits)
     swg = split_wg or (8 if cpu else WG)
-    header = _header(dt, head_dim, g, swg, packed, bs)
+    header = _header(dt, head_dim, g, swg, packed, bs, window, softcap)
     par = params(dev, [max_seqs, n_q_heads, group, heads, n_kv_heads, chunk, n_splits, float(scale), qo, ko, vo,
                        oo, max_blocks, int(window), float(softcap), to, lo, 0, 0, 0], owner=owner, label=k)
     part = dev.buffer(max_seqs * n_q_heads * n_splits * (head_dim // 4 + 1) * 16, owner=owner,
@@ -215,5 +220,5 @@ def paged_prefill(dev: Device, qkv: Tensor, k_pool: Tensor, v_pool: Tensor, out:
     n_blk = -(-t_max // WG)
     par = params(dev, [t_max, n_q_heads, group, heads, n_kv_heads, 0, 0, float(scale), qo, ko, vo, oo,
                        max_blocks, int(window), float(softcap), to, 0, n_blk, 0, 0], owner=out.buf.owner, label=k)
-    return _op(dev, k, FILE, "paged_causal", _header(dt, head_dim, g, WG, packed, bs), par,
+    return _op(dev, k, FILE, "paged_causal", _header(dt, head_dim, g, WG, packed, bs, window, softcap), par,
                [_step_entry(step), qe, ke, ve, oe, te], n_blk * (n_q_heads // g) * WG)
