@@ -13,7 +13,8 @@
 //
 // Per row the sums are those of the T = 1 kernels (matmul_decode.wgsl / matmul.wgsl row_sums):
 // a[t][r] += cdot(wchunk(row r, c), xchunk(row t, c)) for c = 0, 1, ... in order, then the K % 32
-// tail, so a row's result is bit for bit the one it gets alone, whatever else is in the batch.
+// tail, so a row's result does not depend on what else is in the batch, and is the one it gets
+// alone wherever the compiler contracts both kernels' arithmetic alike.
 //
 // Built after matmul.wgsl (WChunk, XChunk, xchunk, cdot, tail, store, P and the x / y / bias
 // bindings) and before one weight file. The host adds consts XR0.. (x row offsets in xword units)

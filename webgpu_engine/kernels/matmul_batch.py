@@ -11,7 +11,9 @@ here each weight chunk is read and decoded once for all T rows. Two variants, ch
   prefill's `row_invariant` matmuls use the same kernel).
 - "rows": shaders/matmul_batch.wgsl, no barriers and no workgroup memory: an invocation owns `rr`
   weight rows and all T activation rows in registers; each row's sums are those of the T = 1
-  kernels (matmul_decode.wgsl, matmul.wgsl row_sums) bit for bit. On lavapipe its x loads inside
+  kernels (matmul_decode.wgsl, matmul.wgsl row_sums) in the same order: on lavapipe the same bits
+  for every type tried but Q8_0 at K ≤ 1024 (its T = 1 kernel, matmul_decode_v4.wgsl, compiles to
+  differently contracted arithmetic: ~1.5e-7 relative). On lavapipe its x loads inside
   the K loop are per-lane gathers, so it loses there; it is the candidate for GPUs, whose loads of
   one address across a SIMD group are broadcast by the hardware (not measured on one yet).
 
