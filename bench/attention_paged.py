@@ -5,8 +5,10 @@ contiguous nn.attention decode ops (today's one-sequence-at-a-time path), at Smo
 
 Prints a table and writes bench/results/attention_paged.json. Each measurement records the op(s) many
 times into one submit and waits on a readback; the best of --runs rounds is kept, paged and
-contiguous back to back. Both record as a decode step does (n_keys = the longest sequence), so each
-takes its one-dispatch form while the keys are few and split + combine beyond. "form" names which.
+contiguous back to back in each round, in wall time and in this process's CPU time (on a CPU
+adapter the driver's threads belong to the process, so CPU time depends less on the machine's other
+load). Both record as a decode step does (n_keys = the longest sequence), so each takes its
+one-dispatch form while the keys are few and split + combine beyond; "form" names which.
 Every sequence has L keys, its blocks shuffled over the pool.
 """
 from __future__ import annotations
@@ -38,22 +40,23 @@ def put(dev, arr, dtype):
     return Tensor(dev.upload(a.view(np.uint8).ravel(), owner=OWNER, label="t"), a.shape, dtype)
 
 
-def time_ops(dev, ops, n_keys, sync, min_s=0.25, runs=3) -> float:
-    """Best seconds per execution of `ops` (recorded in order) over `runs` rounds."""
+def time_ops(dev, ops, n_keys, sync, min_s=0.25) -> tuple[int, callable]:
+    """(n, run): run() times n executions of `ops` (recorded in order) in one submit and returns
+    (wall s, process CPU s) per execution; n is chosen so that a run lasts about min_s."""
     def go(n):
         b = dev.batch()
         for _ in range(n):
             for op in ops:
                 op.record(b, n_keys=n_keys)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         dev.submit(b)
         dev.read_sync(sync, 0, 4)
-        return time.perf_counter() - t0
+        return (time.perf_counter() - t0) / n, (time.process_time() - c0) / n
     go(1)                                    # compile / warm
     n = 1
-    while (dt := go(n)) < min_s and n < 1024:
+    while (dt := go(n)[0] * n) < min_s and n < 1024:
         n = min(1024, max(2 * n, int(n * min_s / max(dt, 1e-6))))
-    return min([dt] + [go(n) for _ in range(runs - 1)]) / n
+    return n, lambda: go(n)
 
 
 def bench_one(dev, rng, act: str, s: int, length: int, bs: int, runs: int) -> dict:
@@ -74,13 +77,16 @@ def bench_one(dev, rng, act: str, s: int, length: int, bs: int, runs: int) -> di
         step = put(dev, np.array([length - 1, 1, length, 0], np.uint32), "u32")
         cont.append(nn.attention(dev, q, kc, vc, put(dev, np.zeros((1, HQ * D)), act), step, n_q_heads=HQ,
                                  n_kv_heads=HKV, head_dim=D, ctx=length, scale=D ** -0.5))
-    t_p = min(time_ops(dev, [paged], length, out.buf, runs=1) for _ in range(runs))
-    t_c = min(time_ops(dev, cont, length, out.buf, runs=1) for _ in range(runs))
+    _, run_p = time_ops(dev, [paged], length, out.buf)
+    _, run_c = time_ops(dev, cont, length, out.buf)
+    rounds = [(run_p(), run_c()) for _ in range(runs)]          # A/B back to back: the same load
+    (t_p, c_p), (t_c, c_c) = ((min(r[i][0] for r in rounds), min(r[i][1] for r in rounds)) for i in (0, 1))
     form = "1-dispatch" if length <= paged.max_keys else "split+combine"
     cform = "1-dispatch" if length <= cont[0].max_keys else "split+combine"
     dev.release_owner(OWNER)
     return {"act": act, "S": s, "L": length, "block": bs, "paged_ms": t_p * 1e3, "contiguous_ms": t_c * 1e3,
-            "paged_over_contiguous": t_p / t_c, "paged_form": form, "contiguous_form": cform}
+            "paged_over_contiguous": t_p / t_c, "paged_cpu_ms": c_p * 1e3, "contiguous_cpu_ms": c_c * 1e3,
+            "cpu_ratio": c_p / c_c, "paged_form": form, "contiguous_form": cform}
 
 
 def main() -> None:
@@ -96,14 +102,16 @@ def main() -> None:
     rng = np.random.default_rng(0)
     rows = []
     print(f"{dev.info.name}  heads {HQ}/{HKV} x {D}, block {args.block}")
-    print(f"{'act':>4} {'S':>3} {'L':>5} {'paged ms':>9} {'S x contig ms':>14} {'ratio':>6}  form (paged / contig)")
+    print(f"{'act':>4} {'S':>3} {'L':>5} {'paged ms':>9} {'S x contig ms':>14} {'ratio':>6} "
+          f"{'paged cpu-ms':>13} {'contig cpu-ms':>14} {'ratio':>6}  form (paged / contig)")
     for act in acts:
         for length in (int(x) for x in args.L.split(",")):
             for s in (int(x) for x in args.S.split(",")):
                 r = bench_one(dev, rng, act, s, length, args.block, args.runs)
                 rows.append(r)
                 print(f"{act:>4} {s:>3} {length:>5} {r['paged_ms']:>9.3f} {r['contiguous_ms']:>14.3f} "
-                      f"{r['paged_over_contiguous']:>6.2f}  {r['paged_form']} / {r['contiguous_form']}", flush=True)
+                      f"{r['paged_over_contiguous']:>6.2f} {r['paged_cpu_ms']:>13.3f} {r['contiguous_cpu_ms']:>14.3f} "
+                      f"{r['cpu_ratio']:>6.2f}  {r['paged_form']} / {r['contiguous_form']}", flush=True)
     out = Path(__file__).resolve().parent / "results" / "attention_paged.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps({"device": dev.info.name, "heads": [HQ, HKV, D], "rows": rows}, indent=1))
