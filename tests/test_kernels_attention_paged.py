@@ -241,6 +241,57 @@ def test_chunked_prefill_through_the_pool(device, dtype, window, softcap):
     np.testing.assert_allclose(get(device, out2), np.stack([full["a"][50], full["b"][53]]), **TOL[dtype])
 
 
+def test_decode_steps_of_a_ragged_batch_from_the_pool(device):
+    """Model-shaped decode steps: three sequences of different lengths joining at different steps,
+    the last one reusing the first's two cached blocks (its first 8 tokens), per step: KVPool.decode_inputs -> paged_rope_kv (rotate at each row's position,
+    write the pool) -> paged_decode; each row matches attention over its whole rotated history."""
+    from webgpu_engine.engine.kv_pool import SKIP_SLOT
+    assert SKIP_SLOT == ap.SKIP_SLOT
+    rng = np.random.default_rng(17)
+    hq, hkv, d, bs, max_seqs, max_blocks, base = 6, 2, 32, 4, 4, 8, 1000.0
+    pool = KVPool(20, bs)
+    hist = {s: rng.standard_normal((n, hq + 2 * hkv, d)) for s, n in (("a", 17), ("b", 17), ("c", 12))}
+    hist["b"][:8] = hist["a"][:8]          # b's first two blocks are a's (same tokens)
+    toks = {"a": list(range(17)), "b": list(range(8)) + [50] * 9, "c": [7] * 12}
+    kt, vt = empty(device, (20, bs, hkv, d), fill=0), empty(device, (20, bs, hkv, d), fill=0)
+    qt, out = empty(device, (max_seqs, hq + 2 * hkv, d)), empty(device, (max_seqs, hq * d))
+    ins = {n: put(device, np.zeros(max_seqs * (max_blocks if n == "tables" else 1), np.uint32), "u32")
+           for n in ("positions", "slots", "lens", "tables")}
+    kw = dict(n_q_heads=hq, n_kv_heads=hkv, head_dim=d)
+    rope = ap.paged_rope_kv(device, qt, kt, vt, ins["positions"], ins["slots"], **kw, base=base)
+    attend = ap.paged_decode(device, qt, kt, vt, out, ins["lens"], ins["tables"], **kw, max_seqs=max_seqs,
+                             max_blocks=max_blocks, scale=d ** -0.5, min_chunk=8)
+    running = []
+    joins = {0: ("a", 1, 0), 5: ("c", 1, 0), 9: ("b", 9, 8)}   # (seq, prompt tokens, cached)
+    for step in range(18):
+        if step in joins:                  # b joins once a's first two blocks are cached
+            s, n, cached = joins[step]
+            assert pool.add_sequence(s, toks[s][:n]) == cached
+            running.append(s)
+        running = [s for s in running if pool.num_tokens(s) < len(toks[s])]
+        for s in running:
+            pool.reserve(s, pool.num_tokens(s) + 1)
+        inp = pool.decode_inputs(running, max_seqs, max_blocks)
+        for n, t in ins.items():
+            device.write(t.buf, np.array(inp[n], np.uint32), t.offset)
+        rows = np.zeros((max_seqs, hq + 2 * hkv, d))
+        for i, s in enumerate(running):
+            rows[i] = hist[s][pool.num_tokens(s)]
+        device.write(qt.buf, rows.astype(np.float32), qt.offset)
+        run(device, rope, attend)
+        got = get(device, out)
+        for i, s in enumerate(running):
+            n = pool.num_tokens(s) + 1
+            rot = nn_ref.rope(hist[s][:n], np.arange(n), n_heads=hq + hkv, rot_dim=d, base=base, neox=False)
+            ref = nn_ref.causal_attention(rot[n - 1:n, :hq], rot[:, hq:hq + hkv].transpose(1, 0, 2),
+                                          rot[:, hq + hkv:].transpose(1, 0, 2), n - 1, d ** -0.5)
+            np.testing.assert_allclose(got[i], ref[0], **TOL["f32"], err_msg=f"step {step} seq {s}")
+            pool.append_tokens(s, [toks[s][n - 1]])
+    pool.check()
+    assert {s: pool.num_tokens(s) for s in "abc"} == {"a": 17, "b": 17, "c": 12}
+    assert pool.block_table("b")[:2] == pool.block_table("a")[:2]
+
+
 def test_prefill_rows_equal_the_contiguous_causal_kernel(device):
     """A chunk at pos0 > 0 through a shuffled table gives bit for bit nn.attention's causal output."""
     rng = np.random.default_rng(9)

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from webgpu_engine.engine.kv_pool import KVPool, PoolExhaustedError, block_hash, kv_bytes_per_token
+from webgpu_engine.engine.kv_pool import SKIP_SLOT, KVPool, PoolExhaustedError, block_hash, kv_bytes_per_token
 
 
 def _run(pool, seq, tokens):
@@ -114,6 +114,24 @@ def test_preemption_frees_the_newest_sequence():
     assert pool.reserve_or_preempt("big", 100) == ["c", "b", "a", "big"]
     assert pool.n_free == 6 and pool.sequences_newest_first() == []
     pool.check()
+
+
+def test_decode_inputs_for_a_batch_step():
+    pool = KVPool(8, 4)
+    _run(pool, "a", [1, 2, 3, 4, 5])          # next token at position 5, in block 1
+    _run(pool, "b", [1, 2, 3, 4, 9, 9, 9, 9])  # next token at position 8 needs a new block
+    pool.reserve("a", 6)
+    pool.reserve("b", 9)
+    got = pool.decode_inputs(["b", "a"], max_seqs=3, max_blocks=3)
+    ta, tb = pool.block_table("a"), pool.block_table("b")
+    assert tb[0] == ta[0] and len(tb) == 3                 # b shares a's full first block
+    assert got["positions"] == [8, 5, 0] and got["lens"] == [9, 6, 0]
+    assert got["slots"] == [tb[2] * 4, ta[1] * 4 + 1, SKIP_SLOT]
+    assert got["tables"] == tb + ta + [0] + [0, 0, 0]
+    with pytest.raises(ValueError, match="max_seqs"):
+        pool.decode_inputs(["a", "b"], max_seqs=1, max_blocks=3)
+    with pytest.raises(ValueError, match="tables have 1"):
+        pool.decode_inputs(["a"], max_seqs=1, max_blocks=1)
 
 
 # ----------------------------------------------------------------------------- properties

@@ -26,7 +26,9 @@ from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-__all__ = ["KVPool", "PoolExhaustedError", "kv_bytes_per_token", "block_hash"]
+__all__ = ["KVPool", "PoolExhaustedError", "kv_bytes_per_token", "block_hash", "SKIP_SLOT"]
+
+SKIP_SLOT = 0xFFFFFFFF      # a row the KV write leaves out (kernels/attention_paged.py's value)
 
 
 class PoolExhaustedError(RuntimeError):
@@ -113,6 +115,30 @@ class KVPool:
 
     def sequences_newest_first(self) -> list:
         return sorted(self._seqs, key=lambda k: -self._seqs[k].order)
+
+    def decode_inputs(self, seq_ids, max_seqs: int, max_blocks: int) -> dict:
+        """The u32 inputs of one batched decode step (kernels/attention_paged.py) for seq_ids, whose
+        next token (position num_tokens) has a reserved slot: positions and slots of that token,
+        lens (keys incl. it) and tables (max_seqs x max_blocks, flat); idle rows past len(seq_ids)
+        get lens 0, slot SKIP_SLOT. After the step, append_tokens(seq, [token]) records its KV."""
+        if len(seq_ids) > max_seqs:
+            raise ValueError(f"{len(seq_ids)} sequences exceed max_seqs={max_seqs}")
+        idle = max_seqs - len(seq_ids)
+        out = {"positions": [], "slots": [], "lens": [], "tables": []}
+        for seq_id in seq_ids:
+            s = self._seqs[seq_id]
+            if len(s.blocks) > max_blocks:
+                raise ValueError(f"sequence {seq_id!r} holds {len(s.blocks)} blocks, tables have {max_blocks}")
+            n = len(s.tokens)
+            out["positions"].append(n)
+            out["slots"] += self.slots(seq_id, n, 1)
+            out["lens"].append(n + 1)
+            out["tables"] += s.blocks + [0] * (max_blocks - len(s.blocks))
+        out["positions"] += [0] * idle
+        out["slots"] += [SKIP_SLOT] * idle
+        out["lens"] += [0] * idle
+        out["tables"] += [0] * (idle * max_blocks)
+        return out
 
     # ------------------------------------------------------------------ lifecycle
     def add_sequence(self, seq_id, prompt) -> int:
