@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from webgpu_engine.engine.kv_pool import KVPool
+from webgpu_engine.engine.kv_pool import SKIP_SLOT, KVPool
 from webgpu_engine.kernels import attention_paged as ap
 from webgpu_engine.kernels import nn, nn_ref
 
@@ -243,9 +243,9 @@ def test_chunked_prefill_through_the_pool(device, dtype, window, softcap):
 
 def test_decode_steps_of_a_ragged_batch_from_the_pool(device):
     """Model-shaped decode steps: three sequences of different lengths joining at different steps,
-    the last one reusing the first's two cached blocks (its first 8 tokens), per step: KVPool.decode_inputs -> paged_rope_kv (rotate at each row's position,
-    write the pool) -> paged_decode; each row matches attention over its whole rotated history."""
-    from webgpu_engine.engine.kv_pool import SKIP_SLOT
+    the last one reusing the first's two cached blocks (its first 8 tokens). Per step:
+    KVPool.decode_inputs -> paged_rope_kv (rotate at each row's position, write the pool) ->
+    paged_decode; each row matches attention over its whole rotated history."""
     assert SKIP_SLOT == ap.SKIP_SLOT
     rng = np.random.default_rng(17)
     hq, hkv, d, bs, max_seqs, max_blocks, base = 6, 2, 32, 4, 4, 8, 1000.0
