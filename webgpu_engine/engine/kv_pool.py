@@ -18,6 +18,12 @@ cached and shared, several block tables) or cached-idle (ref 0, hash kept, in th
 takes free blocks first, then evicts the least recently used cached-idle block. When even that is
 not enough, the scheduler preempts the newest sequence (`preempt_newest`): its blocks are released
 (its full blocks stay cached, so its recomputation later is mostly prefix hits).
+
+A scheduler's calls: admit with `add_sequence(id, prompt)` (-> cached prompt tokens, where prefill
+starts); per prefill chunk `reserve(id, end)`, write K/V at `slots(id, start, n)`, then
+`append_tokens(id, chunk)`; per decode step `reserve(id, n + 1)` for every running sequence,
+`decode_inputs(ids, ...)` for the kernels, then `append_tokens(id, [token])`; `free(id)` when done;
+`reserve_or_preempt` where the pool may run out.
 """
 from __future__ import annotations
 
