@@ -22,7 +22,7 @@ not enough, the scheduler preempts the newest sequence (`preempt_newest`): its b
 A scheduler's calls: admit with `add_sequence(id, prompt)` (-> cached prompt tokens, where prefill
 starts); per prefill chunk `reserve(id, end)`, write K/V at `slots(id, start, n)`, then
 `append_tokens(id, chunk)`; per decode step `reserve(id, n + 1)` for every running sequence,
-`decode_inputs(ids, ...)` for the kernels, then `append_tokens(id, [token])`; `free(id)` when done;
+`decode_inputs(ids, ...)` for the kernels, then `append_tokens(id, [token fed])`; `free(id)` when done;
 `reserve_or_preempt` where the pool may run out.
 """
 from __future__ import annotations
@@ -126,7 +126,7 @@ class KVPool:
         """The u32 inputs of one batched decode step (kernels/attention_paged.py) for seq_ids, whose
         next token (position num_tokens) has a reserved slot: positions and slots of that token,
         lens (keys incl. it) and tables (max_seqs x max_blocks, flat); idle rows past len(seq_ids)
-        get lens 0, slot SKIP_SLOT. After the step, append_tokens(seq, [token]) records its KV."""
+        get lens 0, slot SKIP_SLOT. After the step, append_tokens(seq, [the token fed]) records its KV."""
         if len(seq_ids) > max_seqs:
             raise ValueError(f"{len(seq_ids)} sequences exceed max_seqs={max_seqs}")
         idle = max_seqs - len(seq_ids)
