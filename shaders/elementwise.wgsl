@@ -12,7 +12,9 @@
 //   gelu:     y[i] = 0.5 * a[i] * (1 + erf(a[i] / sqrt(2)))
 //   gelu_mul: y[t,f] = gelu(a[t,f]) * a[t,F+f]   (a is (T, 2F) [input | gate], cols = F: GeGLU)
 //   tanh_act: y[i] = tanh(a[i])   (the pooler / classification head of BERT cross-encoders)
-// dispatch (ceil(n/64) split over x,y), workgroup 64. y may alias an input (all read_write).
+// dispatch (ceil(n/64) split over x,y), workgroup 64. Outputs are written with put / put_bias (y) and put_u (yu),
+// which the host header defines: through y / yu, or, for an in-place op, through the input's own binding (WebGPU
+// forbids one range bound writable twice in a dispatch); activations are read_write for that.
 // The host header sets the storage type `av` (act or act4) and its f32 twin `fv`: one invocation
 // handles W = 1 or 4 elements, and every size and offset below counts W-element units.
 
@@ -45,7 +47,7 @@ fn add(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3
        @builtin(local_invocation_index) lid: u32) {
     let i = elem_index(wid, nwg, lid);
     if (i >= p.n) { return; }
-    y[p.y_off + i] = av(fv(a[p.a_off + i]) + fv(b[p.b_off + i]));
+    put(p.y_off + i, av(fv(a[p.a_off + i]) + fv(b[p.b_off + i])));
 }
 
 @compute @workgroup_size(64)
@@ -53,7 +55,7 @@ fn bias_add(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg:
             @builtin(local_invocation_index) lid: u32) {
     let i = elem_index(wid, nwg, lid);
     if (i >= p.n) { return; }
-    y[p.y_off + i] = av(fv(a[p.a_off + i]) + bias[p.b_off + i % p.cols]);
+    put_bias(p.y_off + i, av(fv(a[p.a_off + i]) + bias[p.b_off + i % p.cols]));
 }
 
 @compute @workgroup_size(64)
@@ -67,7 +69,7 @@ fn silu_mul(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg:
     let g = fv(a[gi]);
     let u = fv(a[gi + p.u_off]);
     // exp(-g) overflows to inf for g < -88: g / inf = -0, the right limit
-    yu[p.y_off + i] = av(g / (1.0 + exp(-g)) * u);
+    put_u(p.y_off + i, av(g / (1.0 + exp(-g)) * u));
 }
 
 // tanh(z) + 1 without cancellation for z < 0 and without overflow for large |z|
@@ -86,7 +88,7 @@ fn gelu_tanh_mul(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups)
     let gi = p.a_off + t * 2u * p.cols + f * p.g_step;
     let g = fv(a[gi]);
     let u = fv(a[gi + p.u_off]);
-    yu[p.y_off + i] = av(0.5 * g * one_plus_tanh(0.7978845608028654 * (g + 0.044715 * g * g * g)) * u);
+    put_u(p.y_off + i, av(0.5 * g * one_plus_tanh(0.7978845608028654 * (g + 0.044715 * g * g * g)) * u));
 }
 
 @compute @workgroup_size(64)
@@ -94,7 +96,7 @@ fn scale(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: ve
          @builtin(local_invocation_index) lid: u32) {
     let i = elem_index(wid, nwg, lid);
     if (i >= p.n) { return; }
-    yu[p.y_off + i] = av(fv(a[p.a_off + i]) * bitcast<f32>(p.f0));
+    put_u(p.y_off + i, av(fv(a[p.a_off + i]) * bitcast<f32>(p.f0)));
 }
 
 @compute @workgroup_size(64)
@@ -103,7 +105,7 @@ fn softcap(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: 
     let i = elem_index(wid, nwg, lid);
     if (i >= p.n) { return; }
     let c = bitcast<f32>(p.f0);
-    yu[p.y_off + i] = av(c * (one_plus_tanh(fv(a[p.a_off + i]) / c) - 1.0));
+    put_u(p.y_off + i, av(c * (one_plus_tanh(fv(a[p.a_off + i]) / c) - 1.0)));
 }
 
 // erfc(z) for z >= 0 with fractional error < 1.2e-7 everywhere (Numerical Recipes' Chebyshev
@@ -125,7 +127,7 @@ fn gelu(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
     let e = erfc_pos(abs(v) * 0.70710678118654752);
     // 1 + erf(v/sqrt2) = erfc(-v/sqrt2): taken directly for v < 0, so no cancellation there
     let one_plus_erf = select(2.0 - e, e, v < fv(0.0));
-    yu[p.y_off + i] = av(0.5 * v * one_plus_erf);
+    put_u(p.y_off + i, av(0.5 * v * one_plus_erf));
 }
 
 fn gelu_f(v: fv) -> fv {
@@ -141,7 +143,7 @@ fn gelu_mul(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg:
     let t = i / p.cols;
     let f = i - t * p.cols;
     let gi = p.a_off + t * 2u * p.cols + f;
-    yu[p.y_off + i] = av(gelu_f(fv(a[gi])) * fv(a[gi + p.u_off]));
+    put_u(p.y_off + i, av(gelu_f(fv(a[gi])) * fv(a[gi + p.u_off])));
 }
 
 @compute @workgroup_size(64)
@@ -152,5 +154,5 @@ fn tanh_act(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg:
     let v = fv(a[p.a_off + i]);
     // from exp(-2|v|) <= 1: no overflow for large |v|, where some drivers' tanh gives NaN
     let t = exp(-2.0 * abs(v));
-    yu[p.y_off + i] = av(sign(v) * (1.0 - t) / (1.0 + t));
+    put_u(p.y_off + i, av(sign(v) * (1.0 - t) / (1.0 + t)));
 }

@@ -9,7 +9,8 @@
 // dispatch (ceil(T/64) split over x,y), workgroup 64. The host header sets the storage type `av`
 // (act or act4), its f32 twin `fv` and `hsum(fv)`: rows move W = 1 or 4 elements per load, and
 // every size and offset below counts W-element units.
-// Every activation binding is read_write so that the host may alias y with x or r.
+// Rows are written with put_norm(i, v), defined by the host header: through y, or through x or r when y
+// is the same tensor (in place: WebGPU forbids one range bound writable twice in a dispatch).
 
 struct Params {
     rows: u32,   // T
@@ -61,7 +62,7 @@ fn rms_norm(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg:
     }
     let inv = inverseSqrt(hsum(ss) / f32(p.cols * W) + p.eps);
     for (var c = 0u; c < p.cols; c++) {
-        y[yb + c] = av(fv(x[xb + c]) * inv * w[p.w_off + c]);
+        put_norm(yb + c, av(fv(x[xb + c]) * inv * w[p.w_off + c]));
     }
 }
 
@@ -83,7 +84,7 @@ fn layer_norm(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nw
     }
     let inv = inverseSqrt(hsum(vs) / f32(p.cols * W) + p.eps);
     for (var c = 0u; c < p.cols; c++) {
-        y[yb + c] = av((fv(x[xb + c]) - mean) * inv * w[p.w_off + c] + b[p.b_off + c]);
+        put_norm(yb + c, av((fv(x[xb + c]) - mean) * inv * w[p.w_off + c] + b[p.b_off + c]));
     }
 }
 
@@ -107,7 +108,7 @@ fn layer_norm_res(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups
     // element c is read before it is written, so y may alias x or r
     for (var c = 0u; c < p.cols; c++) {
         let h = fv(x[xb + c]) + fv(r[rb + c]);
-        y[yb + c] = av((h - mean) * inv * w[p.w_off + c] + b[p.b_off + c]);
+        put_norm(yb + c, av((h - mean) * inv * w[p.w_off + c] + b[p.b_off + c]));
     }
 }
 

@@ -102,14 +102,42 @@ def _rows_cols(t: Tensor) -> tuple[int, int]:
     return t.numel // max(cols, 1), cols
 
 
-def _op(dev: Device, name: str, file: str, entry: str, header: str, par: Buffer, entries: list,
+def _op(dev: Device, name: str, file: str, entry: str, header: str, par: Buffer, entries,
         n_inv: int, constants=None) -> Op:
+    """One dispatch; `entries` go to bindings 1.. (a list) or to the bindings a mapping names."""
     pipe = dev.pipeline(file, entry, constants, header=header)
     op = Op(name=name)
     op.buffers.append(par)
     x, y = _grid(n_inv, name)
-    op.add(pipe, dev.bind(pipe, [par] + entries), x, y)
+    binds = {0: par, **entries} if isinstance(entries, dict) else [par] + list(entries)
+    op.add(pipe, dev.bind(pipe, binds), x, y)
     return op
+
+
+def _store(kernel: str, fn: str, out: tuple[str, int, tuple | None], ins: dict[str, tuple[int, tuple]],
+           others: dict[int, tuple]) -> tuple[str, dict]:
+    """The WGSL writers of elementwise.wgsl / norm.wgsl and a kernel's bindings. The kernel's writer
+    `fn` stores the output (var name, binding, window) through its own binding, or, when its window
+    is an input's (an in-place op), through that input's binding, its own left out: WebGPU forbids
+    one buffer range bound writable twice in a dispatch (the browser's Dawn refuses it). The other
+    writers keep their own bindings, so every entry point of the module validates."""
+    var, binding, win = out
+    binds = dict(others)
+    binds.update({b: e for b, e in ins.values()})
+    target = var
+    for name, (_, e) in ins.items():
+        if win is not None and e[0] is win[0] and e[1] < win[1] + win[2] and win[1] < e[1] + e[2]:
+            check(e == win, kernel, "the output overlaps an input without being the same tensor")
+            target = name
+    if target == var and win is not None:
+        binds[binding] = win
+    writers = _WRITERS["norm" if fn == "put_norm" else "elementwise"]
+    text = "".join(f"fn {f}(i: u32, v: av) {{ {target if f == fn else v}[i] = v; }}\n"
+                   for f, v in writers.items())
+    return text, binds
+
+
+_WRITERS = {"elementwise": {"put": "y", "put_bias": "y", "put_u": "yu"}, "norm": {"put_norm": "y"}}
 
 
 # ----------------------------------------------------------------------------- norms
@@ -123,7 +151,8 @@ def rms_norm(dev: Device, x: Tensor, w: Tensor, y: Tensor, *, eps: float) -> Op:
     v = _width(dev, k, [cols], [x, y, w])
     (xe, xo), (ye, yo), (we, wo) = (_window(dev, t, k, v) for t in (x, y, w))
     par = params(dev, [rows, cols // v, xo, yo, 0, float(eps), wo, 0], owner=y.buf.owner, label=k)
-    return _op(dev, k, "norm.wgsl", k, _vec_header(dt, v), par, [xe, we, ye], rows)
+    put, binds = _store(k, "put_norm", ("y", 3, ye), {"x": (1, xe)}, {2: we})
+    return _op(dev, k, "norm.wgsl", k, _vec_header(dt, v) + put, par, binds, rows)
 
 
 def head_rms_norm(dev: Device, qkv: Tensor, w: Tensor, *, n_q_heads: int, n_k_heads: int,
@@ -140,7 +169,8 @@ def head_rms_norm(dev: Device, qkv: Tensor, w: Tensor, *, n_q_heads: int, n_k_he
     (xe, xo), (we, wo) = (_window(dev, t, k, v) for t in (qkv, w))
     par = params(dev, [rows * n, head_dim // v, xo, heads, n, n_q_heads, float(eps), wo],
                  owner=qkv.buf.owner, label=k)
-    return _op(dev, k, "norm.wgsl", k, _vec_header(dt, v), par, [xe, we], rows * n)
+    put, binds = _store(k, "put_norm", ("y", 3, None), {"x": (1, xe)}, {2: we})
+    return _op(dev, k, "norm.wgsl", k, _vec_header(dt, v) + put, par, binds, rows * n)
 
 
 def layer_norm(dev: Device, x: Tensor, w: Tensor, b: Tensor, y: Tensor, *, eps: float,
@@ -156,14 +186,15 @@ def layer_norm(dev: Device, x: Tensor, w: Tensor, b: Tensor, y: Tensor, *, eps: 
           f"shapes x{x.shape} w{w.shape} b{b.shape} y{y.shape}")
     v = _width(dev, k, [cols], list(ts) + [w, b])
     (xe, xo), (ye, yo), (we, wo), (be, bo) = (_window(dev, t, k, v) for t in (x, y, w, b))
-    entries = [xe, we, ye, be]
+    ins = {"x": (1, xe)}
     ro = 0
     if residual is not None:
         re, ro = _window(dev, residual, k, v)
-        entries.append(re)
+        ins["r"] = (5, re)
     par = params(dev, [rows, cols // v, xo, yo, ro, float(eps), wo, bo], owner=y.buf.owner, label=k)
     entry = "layer_norm" if residual is None else "layer_norm_res"
-    return _op(dev, k, "norm.wgsl", entry, _vec_header(dt, v), par, entries, rows)
+    put, binds = _store(k, "put_norm", ("y", 3, ye), ins, {2: we, 4: be})
+    return _op(dev, k, "norm.wgsl", entry, _vec_header(dt, v) + put, par, binds, rows)
 
 
 # ----------------------------------------------------------------------------- elementwise
@@ -175,7 +206,8 @@ def add(dev: Device, a: Tensor, b: Tensor, y: Tensor) -> Op:
     v = _width(dev, k, [a.numel], [a, b, y])
     (ae, ao), (be, bo), (ye, yo) = (_window(dev, t, k, v) for t in (a, b, y))
     par = params(dev, [a.numel // v, 1, ao, bo, yo, 0, 0, 0], owner=y.buf.owner, label=k)
-    return _op(dev, k, "elementwise.wgsl", k, _vec_header(dt, v), par, [ae, be, ye], a.numel // v)
+    put, binds = _store(k, "put", ("y", 3, ye), {"a": (1, ae), "b": (2, be)}, {})
+    return _op(dev, k, "elementwise.wgsl", k, _vec_header(dt, v) + put, par, binds, a.numel // v)
 
 
 def bias_add(dev: Device, x: Tensor, b: Tensor, y: Tensor) -> Op:
@@ -188,7 +220,8 @@ def bias_add(dev: Device, x: Tensor, b: Tensor, y: Tensor) -> Op:
     v = _width(dev, k, [n], [x, y, b])
     (xe, xo), (ye, yo), (be, bo) = (_window(dev, t, k, v) for t in (x, y, b))
     par = params(dev, [x.numel // v, n // v, xo, bo, yo, 0, 0, 0], owner=y.buf.owner, label=k)
-    return _op(dev, k, "elementwise.wgsl", k, _vec_header(dt, v), par, [xe, be, ye], x.numel // v)
+    put, binds = _store(k, "put_bias", ("y", 3, ye), {"a": (1, xe)}, {2: be})
+    return _op(dev, k, "elementwise.wgsl", k, _vec_header(dt, v) + put, par, binds, x.numel // v)
 
 
 def silu_mul(dev: Device, gate_up: Tensor, y: Tensor, *, pairs: bool = False, act: str = "silu") -> Op:
@@ -210,7 +243,13 @@ def silu_mul(dev: Device, gate_up: Tensor, y: Tensor, *, pairs: bool = False, ac
     (ae, ao), (ye, yo) = (_window(dev, t, k, v) for t in (gate_up, y))
     g_step, u_off = (2, 1) if pairs else (1, f // v)
     par = params(dev, [y.numel // v, f // v, ao, 0, yo, g_step, u_off, 0], owner=y.buf.owner, label=k)
-    return _op(dev, k, "elementwise.wgsl", k, _vec_header(dt, v), par, [ae, ye], y.numel // v)
+    return _unary_op(dev, k, dt, v, par, ae, ye, y.numel // v)
+
+
+def _unary_op(dev: Device, k: str, dt: str, v: int, par: Buffer, xe: tuple, ye: tuple, n: int) -> Op:
+    """An elementwise.wgsl kernel reading binding 1 and writing binding 2 (or 1, in place)."""
+    put, binds = _store(k, "put_u", ("yu", 2, ye), {"a": (1, xe)}, {})
+    return _op(dev, k, "elementwise.wgsl", k, _vec_header(dt, v) + put, par, binds, n)
 
 
 def _unary_f(dev: Device, k: str, x: Tensor, y: Tensor, f: float) -> Op:
@@ -219,7 +258,7 @@ def _unary_f(dev: Device, k: str, x: Tensor, y: Tensor, f: float) -> Op:
     v = _width(dev, k, [x.numel], [x, y])
     (xe, xo), (ye, yo) = (_window(dev, t, k, v) for t in (x, y))
     par = params(dev, [x.numel // v, 1, xo, 0, yo, 0, 0, float(f)], owner=y.buf.owner, label=k)
-    return _op(dev, k, "elementwise.wgsl", k, _vec_header(dt, v), par, [xe, ye], x.numel // v)
+    return _unary_op(dev, k, dt, v, par, xe, ye, x.numel // v)
 
 
 def scale(dev: Device, x: Tensor, y: Tensor, factor: float) -> Op:
@@ -242,7 +281,7 @@ def gelu_mul(dev: Device, x: Tensor, y: Tensor) -> Op:
     v = _width(dev, k, [f], [x, y])
     (ae, ao), (ye, yo) = (_window(dev, t, k, v) for t in (x, y))
     par = params(dev, [y.numel // v, f // v, ao, 0, yo, 1, f // v, 0], owner=y.buf.owner, label=k)
-    return _op(dev, k, "elementwise.wgsl", k, _vec_header(dt, v), par, [ae, ye], y.numel // v)
+    return _unary_op(dev, k, dt, v, par, ae, ye, y.numel // v)
 
 
 def gelu(dev: Device, x: Tensor, y: Tensor) -> Op:
@@ -253,7 +292,7 @@ def gelu(dev: Device, x: Tensor, y: Tensor) -> Op:
     v = _width(dev, k, [x.numel], [x, y])
     (xe, xo), (ye, yo) = (_window(dev, t, k, v) for t in (x, y))
     par = params(dev, [x.numel // v, 1, xo, 0, yo, 0, 0, 0], owner=y.buf.owner, label=k)
-    return _op(dev, k, "elementwise.wgsl", k, _vec_header(dt, v), par, [xe, ye], x.numel // v)
+    return _unary_op(dev, k, dt, v, par, xe, ye, x.numel // v)
 
 
 def tanh(dev: Device, x: Tensor, y: Tensor) -> Op:
@@ -264,7 +303,7 @@ def tanh(dev: Device, x: Tensor, y: Tensor) -> Op:
     v = _width(dev, k, [x.numel], [x, y])
     (xe, xo), (ye, yo) = (_window(dev, t, k, v) for t in (x, y))
     par = params(dev, [x.numel // v, 1, xo, 0, yo, 0, 0, 0], owner=y.buf.owner, label=k)
-    return _op(dev, k, "elementwise.wgsl", k, _vec_header(dt, v), par, [xe, ye], x.numel // v)
+    return _unary_op(dev, k, dt, v, par, xe, ye, x.numel // v)
 
 
 # ----------------------------------------------------------------------------- rope and kv cache
