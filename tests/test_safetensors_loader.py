@@ -41,7 +41,8 @@ def test_minilm_config_and_names(minilm_dir):
     w = SafetensorsFolder(minilm_dir).weights("bert")
     assert w["embed"].shape == (30522, 384) and w["layers.5.up"].shape == (1536, 384)
     assert w["layers.0.q"].name == "encoder.layer.0.attention.self.query.weight"
-    assert len(w) == 5 + 16 * 6                         # position_ids is not a weight
+    # position_ids is not a weight; the pooler's dense layer maps to head_dense (cross-encoders use it)
+    assert len(w) == 5 + 16 * 6 + 2 and w["head_dense"].shape == (384, 384)
     with pytest.raises(UnsupportedModelError):
         load_llama_config(minilm_dir)
 
