@@ -18,6 +18,7 @@ deadline has passed. The tokens of one request are capped (`max_total_tokens`).
 from __future__ import annotations
 
 import asyncio
+import bisect
 import math
 import sys
 import threading
@@ -54,6 +55,14 @@ class EmbeddingResult:
     embeddings: list[list[float]]      # in input order
     prompt_tokens: int                 # tokens embedded (after truncation), as OpenAI's usage counts
     prefill_tokens_per_s: float        # prompt_tokens / (forward + readback time)
+
+
+@dataclass
+class EmbedJob:
+    """One request's checked, tokenised inputs, waiting for a forward (prepare_embed -> embed_jobs)."""
+    seqs: list[list[int]]              # token ids, in input order
+    prompt_tokens: int                 # sum of their lengths
+    keep: int                          # leading dimensions of each vector the request keeps
 
 
 class EmbeddingPipeline:
@@ -193,6 +202,16 @@ class EmbeddingPipeline:
         field for Matryoshka models: keep the first `dimensions` of each vector, renormalised when the
         model normalises; EmbeddingDimensionsUnsupportedError (400) for other models (unless it equals
         the model's width) and beyond the width."""
+        job = await self.prepare_embed(input, deadline=deadline, cancelled=cancelled,
+                                       max_total_tokens=max_total_tokens, timeout_s=timeout_s,
+                                       dimensions=dimensions)
+        return (await self.embed_jobs([job], deadline=deadline, cancelled=cancelled, timeout_s=timeout_s))[0]
+
+    async def prepare_embed(self, input, *, deadline: float | None = None,  # noqa: A002 - OpenAI's name
+                            cancelled: Callable[[], bool] | None = None, max_total_tokens: int | None = None,
+                            timeout_s: float | None = None, dimensions: int | None = None) -> EmbedJob:
+        """embed_step's first half, no GPU work: every check of one request's input, then its tokens.
+        Jobs of several requests can then share forwards (embed_jobs; the engine's coalescer)."""
         if self.is_reranker:
             raise InvalidRequestError(f"Model {self.name} is a reranker (cross-encoder): it scores (query, "
                                       f"document) pairs and gives no embeddings; call rerank instead.",
@@ -212,10 +231,21 @@ class EmbeddingPipeline:
             if n_tok > budget:
                 raise EmbeddingTokenLimitError(budget)
             seqs.extend(part)
-        raw, order, dt = await self._forward(seqs, None, check)
-        vecs = await _offload(_unpack_vectors, raw, order, self.dim, keep, self.st_config.normalize)
-        self._count(n_tok, dt)
-        return EmbeddingResult(vecs, n_tok, n_tok / dt if dt > 0 else 0.0)
+        return EmbedJob(seqs, n_tok, keep)
+
+    async def embed_jobs(self, jobs: list[EmbedJob], *, deadline: float | None = None,
+                         cancelled: Callable[[], bool] | None = None,
+                         timeout_s: float | None = None) -> list[EmbeddingResult]:
+        """embed_step's second half: the sequences of every job in one length-sorted plan of batches,
+        each job's vectors back in its own order. prefill_tokens_per_s is the rate of the shared
+        forwards (all jobs' tokens over their time)."""
+        check = _checker(cancelled, deadline, timeout_s, "embedding")
+        raw, order, dt = await self._forward([s for job in jobs for s in job.seqs], None, check)
+        vecs = await _offload(_unpack_jobs, raw, order, self.dim, jobs, self.st_config.normalize)
+        n_all = sum(job.prompt_tokens for job in jobs)
+        self._count(n_all, dt, len(jobs))
+        rate = n_all / dt if dt > 0 else 0.0
+        return [EmbeddingResult(v, job.prompt_tokens, rate) for v, job in zip(vecs, jobs)]
 
     async def rerank_step(self, query: str, documents: list[str], *, deadline: float | None = None,
                           cancelled: Callable[[], bool] | None = None, max_total_tokens: int | None = None,
@@ -284,8 +314,8 @@ class EmbeddingPipeline:
             self._trim_result_buffer()
         return raw, order, time.perf_counter() - t0
 
-    def _count(self, n_tok: int, seconds: float) -> None:
-        self._stats["requests"] += 1
+    def _count(self, n_tok: int, seconds: float, requests: int = 1) -> None:
+        self._stats["requests"] += requests
         self._stats["tokens"] += n_tok
         self._stats["seconds"] += seconds
 
@@ -424,6 +454,24 @@ def _unpack_vectors(raw: bytes, order: list[int], C: int, keep: int | None = Non
             v = [x / max(norm, 1e-12) for x in v]        # torch F.normalize's eps, as the model's own
         vecs[i] = v
     return vecs
+
+
+def _unpack_jobs(raw: bytes, order: list[int], C: int, jobs: list[EmbedJob],
+                 renormalize: bool) -> list[list[list[float]]]:
+    """_unpack_vectors for the rows of several jobs laid end to end in input order: each job's vectors
+    in its order, with its own truncation (the same per-row arithmetic as a job alone)."""
+    if len(jobs) == 1:
+        return [_unpack_vectors(raw, order, C, jobs[0].keep, renormalize)]
+    starts = [0]
+    for job in jobs:
+        starts.append(starts[-1] + len(job.seqs))
+    rows: list[list[bytes]] = [[] for _ in jobs]
+    local: list[list[int]] = [[] for _ in jobs]
+    for j, i in enumerate(order):
+        k = bisect.bisect_right(starts, i) - 1
+        rows[k].append(raw[j * C * 4:(j + 1) * C * 4])
+        local[k].append(i - starts[k])
+    return [_unpack_vectors(b"".join(r), o, C, job.keep, renormalize) for r, o, job in zip(rows, local, jobs)]
 
 
 async def _offload(fn, *args):
