@@ -67,15 +67,18 @@ def _gguf_record(path: Path, reference: str) -> dict:
 
 def _config_record(config: Path, reference: str, sentence_transformers: bool) -> dict:
     """Type and trained context from a config.json, refused when no model here runs it."""
-    from ..models.registry import hf_architecture
+    from ..models.registry import DECODER_EMBEDDERS, hf_architecture
     try:
         c = json.loads(config.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
         raise ModelFormatError(f"{config} is not valid JSON: {e}") from None
     arch = hf_architecture(c, f"{reference}: config.json")
+    if sentence_transformers and arch.name in DECODER_EMBEDDERS:    # Qwen3-Embedding, gte-Qwen2
+        arch = DECODER_EMBEDDERS[arch.name]
     if arch.kind == LLM and sentence_transformers:
         raise UnsupportedModelError(f"{reference}: a sentence-transformers model over a {arch.name} decoder "
-                                    f"is not supported; embedders here are BERT models.")
+                                    f"is not supported; decoder embedders here are Llama-family models "
+                                    f"({', '.join(sorted(DECODER_EMBEDDERS))}).")
     ctx = c.get("max_position_embeddings") if arch.kind == LLM else None
     return {"model_type": arch.kind, "context": int(ctx) if ctx else None}
 

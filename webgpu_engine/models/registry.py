@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import importlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -71,6 +71,25 @@ ARCHITECTURES: dict[str, Architecture] = {
     "modernbert": Architecture("modernbert", EMBEDDING, "modernbert:ModernBertModel", None,
                                hf_config.load_bert_config, "", memory.estimate_bert),
 }
+
+
+def _embedder_config(folder):
+    return importlib.import_module(f"{__package__}.decoder_embedder").load_config(folder)
+
+
+def _embedder_estimate(cfg, tensors: dict, *, max_batch_size: int, max_seq_length: int, act_dtype: str,
+                       max_binding: int):
+    names = importlib.import_module(f"{__package__}.decoder_embedder").decoder_names(tensors)
+    est = memory.estimate_llm(cfg, names, context_window=max_seq_length, prefill_chunk=min(256, max_seq_length),
+                              act_dtype=act_dtype, max_binding=max_binding)
+    return replace(est, context_window=0)    # its cache is sized by max_seq_length, not context_window_size
+
+
+# A decoder in a sentence-transformers folder (modules.json: Transformer -> Pooling lasttoken ->
+# Normalize) is an embedder: Qwen3-Embedding, gte-Qwen2. Same weights, the decoder_embedder model.
+DECODER_EMBEDDERS = {name: Architecture(name, EMBEDDING, "decoder_embedder:DecoderEmbedder", None,
+                                        _embedder_config, "", _embedder_estimate)
+                     for name, a in ARCHITECTURES.items() if a.kind == LLM and a.hf_names == "llama"}
 
 # HF config.json `architectures` / `model_type` -> our architecture name (the loaders' tables)
 HF_ARCHITECTURES = {**hf_config.LLAMA_ARCHITECTURES, **{a: "bert" for a in hf_config.BERT_ARCHITECTURES},
@@ -165,6 +184,8 @@ def _open_folder(path: Path) -> OpenedModel:
     except json.JSONDecodeError as e:
         raise ModelFormatError(f"{cfg_file} is not valid JSON: {e}") from e
     arch = hf_architecture(raw, str(cfg_file))
+    if st is not None and arch.name in DECODER_EMBEDDERS:     # a sentence-transformers decoder
+        arch = DECODER_EMBEDDERS[arch.name]
     if arch.kind == EMBEDDING and st is None:
         st = load_sentence_transformer_config(path)      # a bare HF encoder: the defaults
     config = arch.hf_config(folder)

@@ -1,0 +1,74 @@
+"""Decoder embedders (Qwen3-Embedding style) on the real adapter against sentence-transformers
+(tests/fixtures/make_qwen3_embedding.py): a tiny Qwen3Model in a sentence-transformers folder with
+last-token pooling and Normalize, a tokenizer that appends <|endoftext|>, left padding in the
+reference, an instruction prompt, and an input longer than max_seq_length."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from webgpu_engine.engine import MLCEngine
+from webgpu_engine.models.registry import EMBEDDING, open_model
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+MODEL = FIXTURES / "tiny_qwen3_embedding"
+REF = json.loads((FIXTURES / "qwen3_embedding_reference.json").read_text(encoding="utf-8"))
+
+
+def _cos(g, w) -> float:
+    g, w = np.asarray(g), np.asarray(w)
+    return float(g @ w / np.linalg.norm(g) / np.linalg.norm(w))
+
+
+def test_folder_opens_as_an_embedder():
+    m = open_model(MODEL)
+    m.close()
+    assert (m.arch.name, m.kind, m.extra.pooling, m.extra.normalize) == ("qwen3", EMBEDDING, "lasttoken", True)
+    assert m.config.qk_norm and m.config.embed_length == REF["max_length"] and m.config.num_labels == 0
+    assert "embed_tokens.weight" in m.weights          # a bare Qwen3Model's names, mapped by the model
+
+
+@pytest.fixture(scope="module")
+def engine(device):
+    eng = MLCEngine()
+    eng.reload(str(MODEL), chat_opts={"max_batch_size": 4})
+    yield eng
+    eng.unload()
+
+
+def test_token_ids_equal_sentence_transformers(engine):
+    from webgpu_engine.loaders.tokenizer import load_tokenizer
+    tk = load_tokenizer(MODEL, max_length=REF["max_length"], encoder=True)
+    got = [list(tk.encode(t, add_special_tokens=True, max_length=REF["max_length"])) for t in REF["texts"]]
+    assert got == REF["token_ids"]
+    assert all(ids[-1] == REF["eos_id"] for ids in got)                   # <|endoftext|> kept when truncated
+    assert max(len(i) for i in got) == REF["max_length"]
+
+
+def test_embeddings_equal_sentence_transformers(engine):
+    res = engine.embeddings.create(input=REF["texts"])
+    assert res.usage.prompt_tokens == sum(len(i) for i in REF["token_ids"])
+    for text, item, want in zip(REF["texts"], res.data, REF["embeddings"]):
+        assert _cos(item.embedding, want) >= 0.9999, text[:30]
+        assert np.abs(np.asarray(item.embedding) - want).max() < 1e-4, text[:30]
+        assert abs(np.linalg.norm(item.embedding) - 1.0) < 1e-5
+
+
+def test_token_id_input_and_instruction_prompt(engine):
+    # the prompt is prepended to the text as sentence-transformers does for prompt_name="query"
+    res = engine.embeddings.create(input=[REF["prompt"] + t for t in REF["texts"][:2]])
+    for item, want in zip(res.data, REF["query_embeddings"]):
+        assert _cos(item.embedding, want) >= 0.9999
+    by_ids = engine.embeddings.create(input=REF["query_token_ids"])
+    for item, want in zip(by_ids.data, REF["query_embeddings"]):
+        assert _cos(item.embedding, want) >= 0.9999
+    assert _cos(res.data[0].embedding, REF["embeddings"][0]) < 0.9999          # the prompt changes it
+
+
+def test_dimensions_need_a_matryoshka_model(engine):
+    from webgpu_engine.errors import EmbeddingDimensionsUnsupportedError
+    with pytest.raises(EmbeddingDimensionsUnsupportedError):
+        engine.embeddings.create(input="a", dimensions=16)
