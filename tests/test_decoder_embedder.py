@@ -68,7 +68,46 @@ def test_token_id_input_and_instruction_prompt(engine):
     assert _cos(res.data[0].embedding, REF["embeddings"][0]) < 0.9999          # the prompt changes it
 
 
-def test_dimensions_need_a_matryoshka_model(engine):
+def test_dimensions_truncate_and_renormalise(engine):
+    # the card's table says "MRL Support: Yes" (as Qwen3-Embedding's does); sentence-transformers'
+    # truncate_dim does not renormalise, OpenAI's `dimensions` does: compare directions
+    n = REF["dimensions"]
+    res = engine.embeddings.create(input=REF["texts"][:3], dimensions=n)
+    for item, want in zip(res.data, REF["truncated_embeddings"]):
+        assert len(item.embedding) == n and abs(np.linalg.norm(item.embedding) - 1.0) < 1e-5
+        assert _cos(item.embedding, want) >= 0.9999
     from webgpu_engine.errors import EmbeddingDimensionsUnsupportedError
     with pytest.raises(EmbeddingDimensionsUnsupportedError):
-        engine.embeddings.create(input="a", dimensions=16)
+        engine.embeddings.create(input="a", dimensions=65)
+
+
+def test_card_table_mrl_column(tmp_path):
+    from webgpu_engine.loaders.sentence_transformers import model_card_says_matryoshka
+    head = "| Models | MRL Support |\n|---|---|\n"
+    (tmp_path / "README.md").write_text(head + "| a | - |\n\nMRL Support: Yes, in prose\n")
+    assert not model_card_says_matryoshka(tmp_path)
+    (tmp_path / "README.md").write_text(head + "| a | - |\n| b | Yes |\n")
+    assert model_card_says_matryoshka(tmp_path)
+
+
+def test_inputs_longer_than_a_prefill_chunk(device, monkeypatch):
+    # a 40-token input through 16-row chunks (KV cache carried across forwards) gives the same vector
+    from webgpu_engine.models import decoder_embedder
+    monkeypatch.setattr(decoder_embedder, "PREFILL_CHUNK", 16)
+    m = open_model(MODEL)
+    try:
+        model = decoder_embedder.DecoderEmbedder(device, m.config, m.weights, normalize=True, owner="test:dec_emb")
+    finally:
+        m.close()
+    try:
+        assert model.llm.chunk == 16 and model.max_seq_length == REF["max_length"]
+        seqs = [REF["token_ids"][2], REF["token_ids"][1]]            # 40 tokens (3 chunks), 2 tokens
+        assert [len(c) for c in (model._chunks(40), model._chunks(2))] == [3, 1]
+        dst = device.buffer(2 * 64 * 4, owner="test:dec_emb", label="dst")
+        model.run(seqs, 2, 48, dst)
+        import asyncio
+        got = np.frombuffer(asyncio.run(device.read(dst, 0, 2 * 64 * 4)), np.float32).reshape(2, 64)
+        for g, i in zip(got, (2, 1)):
+            assert _cos(g, REF["embeddings"][i]) >= 0.9999
+    finally:
+        model.dispose()

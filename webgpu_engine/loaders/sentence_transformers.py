@@ -42,19 +42,35 @@ class SentenceTransformerConfig:
 
 def model_card_says_matryoshka(folder: Path) -> bool:
     """Whether the model card (README.md front matter: `tags`, `loss:MatryoshkaLoss` as
-    sentence-transformers' trainer writes it) says the model was trained for truncated vectors.
-    Only the front matter counts: prose that merely mentions Matryoshka models does not."""
+    sentence-transformers' trainer writes it, or a table with an "MRL Support" column saying "Yes", as
+    Qwen3-Embedding's card has) says the model was trained for truncated vectors. Prose that merely
+    mentions Matryoshka models does not count."""
     card = Path(folder) / "README.md"
     if not card.is_file():
         return False
     lines = card.read_text(encoding="utf-8", errors="replace").splitlines()
-    if not lines or lines[0].strip() != "---":
+    if not lines:
         return False
-    for line in lines[1:]:
+    for line in lines[1:] if lines[0].strip() == "---" else ():
         if line.strip() == "---":
             break
         item = line.strip().lstrip("-").strip().strip("'\"").lower()
         if item in ("matryoshka", "mrl", "loss:matryoshkaloss", "loss:matryoshka2dloss"):
+            return True
+    return _table_says_mrl(lines)
+
+
+def _table_says_mrl(lines: list[str]) -> bool:
+    """A markdown table whose "MRL Support" column holds "Yes" in some row."""
+    col = None
+    for line in lines:
+        cells = [c.strip().lower() for c in line.strip().strip("|").split("|")] if line.lstrip().startswith("|") \
+            else None
+        if cells is None:
+            col = None                                  # the table ended
+        elif col is None:
+            col = cells.index("mrl support") if "mrl support" in cells else None
+        elif col < len(cells) and cells[col] == "yes":
             return True
     return False
 
