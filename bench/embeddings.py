@@ -6,9 +6,10 @@ the current adapter, a per-kernel time breakdown of one batch, and sentence-tran
 
 Prints a table and writes bench/results/embeddings.json. The workload: `n` sentences of about `words`
 English words each (fixed seed), embedded in one request with max_batch_size `batch`. --families adds a
-row per family's tiny model (tests' fixtures: BERT, XLM-RoBERTa, NomicBert, ModernBERT embedders; BERT and XLM-R
-cross-encoders reranking the sentences against the first), f32, each beside sentence-transformers on
-the same inputs where it can load the model (not NomicBert: its code is remote code on the hub).
+row per family's tiny model (tests' fixtures: BERT, XLM-RoBERTa, NomicBert, ModernBERT, Qwen3 decoder
+embedders; BERT and XLM-R cross-encoders reranking the sentences against the first), f32, each beside
+sentence-transformers on the same inputs where it can load the model (not NomicBert: its code is
+remote code on the hub).
 """
 from __future__ import annotations
 
@@ -165,6 +166,7 @@ def family_models(tmp: Path) -> list[tuple[str, Path, str, bool]]:
             ("xlm-roberta (tiny)", fixtures / "tiny_xlmr", "embed", True),
             ("nomic_bert (tiny)", tmp / "tiny-nomic", "embed", False),
             ("modernbert (tiny)", fixtures / "tiny_modernbert", "embed", True),
+            ("qwen3 decoder embedder (tiny)", fixtures / "tiny_qwen3_embedding", "embed", True),
             ("bert cross-encoder (tiny)", fixtures / "tiny_cross_encoder", "rerank", True),
             ("xlm-r cross-encoder (tiny)", fixtures / "tiny_xlmr_reranker", "rerank", True)]
 
