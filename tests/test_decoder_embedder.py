@@ -111,3 +111,27 @@ def test_inputs_longer_than_a_prefill_chunk(device, monkeypatch):
             assert _cos(g, REF["embeddings"][i]) >= 0.9999
     finally:
         model.dispose()
+
+
+async def test_default_prompt_name_is_prepended(device, tmp_path):
+    # sentence-transformers prepends prompts[default_prompt_name] to every text it is given alone
+    import shutil
+    from webgpu_engine.config import ChatConfig
+    from webgpu_engine.errors import UnsupportedModelError
+    from webgpu_engine.loaders.sentence_transformers import load_sentence_transformer_config
+    from webgpu_engine.pipelines.embedding import EmbeddingPipeline
+    folder = shutil.copytree(MODEL, tmp_path / "m")
+    cfg_file = folder / "config_sentence_transformers.json"
+    conf = json.loads(cfg_file.read_text(encoding="utf-8"))
+    cfg_file.write_text(json.dumps({**conf, "default_prompt_name": "query"}), encoding="utf-8")
+    pipe = await EmbeddingPipeline.load(device, folder, ChatConfig(compile_at_load=False))
+    try:
+        assert pipe.tokenize(REF["texts"][:2]) == REF["query_token_ids"]
+        res = await pipe.embed_step(REF["texts"][:2])
+        for got, want in zip(res.embeddings, REF["query_embeddings"]):
+            assert _cos(got, want) >= 0.9999
+    finally:
+        pipe.dispose()
+    cfg_file.write_text(json.dumps({**conf, "default_prompt_name": "passage"}), encoding="utf-8")
+    with pytest.raises(UnsupportedModelError, match="default_prompt_name"):
+        load_sentence_transformer_config(folder)

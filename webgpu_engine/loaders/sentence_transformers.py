@@ -9,7 +9,7 @@ maximum length. Plain stdlib JSON parsing: this runs in the browser too.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import ModelFormatError, UnsupportedModelError
@@ -38,6 +38,14 @@ class SentenceTransformerConfig:
     do_lower_case: bool = False         # sentence-transformers lower-cases the text before tokenizing
     is_sentence_transformers: bool = False
     matryoshka: bool = False            # trained so that the first k dimensions are an embedding too
+    # config_sentence_transformers.json: named instruction prompts (Qwen3-Embedding's "query") and the
+    # one sentence-transformers' encode prepends when given no prompt_name
+    prompts: dict = field(default_factory=dict)
+    default_prompt_name: str | None = None
+
+    @property
+    def default_prompt(self) -> str:
+        return self.prompts.get(self.default_prompt_name, "") if self.default_prompt_name else ""
 
 
 def model_card_says_matryoshka(folder: Path) -> bool:
@@ -141,8 +149,22 @@ def load_sentence_transformer_config(folder: str | Path) -> SentenceTransformerC
                 max_len = int(sbc["max_seq_length"])
             lower = bool(sbc.get("do_lower_case", False))
             break
+    prompts, default_prompt = _prompts(folder / "config_sentence_transformers.json")
     return SentenceTransformerConfig(model_folder=model_folder, pooling=pooling, normalize=normalize,
                                      max_seq_length=max_len, do_lower_case=lower,
                                      is_sentence_transformers=True,
-                                     matryoshka=model_card_says_matryoshka(folder))
+                                     matryoshka=model_card_says_matryoshka(folder),
+                                     prompts=prompts, default_prompt_name=default_prompt)
+
+
+def _prompts(path: Path) -> tuple[dict, str | None]:
+    """(prompts, default_prompt_name) of a config_sentence_transformers.json ({} and None without one)."""
+    cfg = _read_json(path) if path.is_file() else {}
+    prompts = cfg.get("prompts") if isinstance(cfg, dict) else None
+    prompts = {str(k): v for k, v in prompts.items() if isinstance(v, str)} if isinstance(prompts, dict) else {}
+    name = cfg.get("default_prompt_name") if isinstance(cfg, dict) else None
+    if name is not None and name not in prompts:
+        raise UnsupportedModelError(f"{path}: default_prompt_name {name!r} is not one of its prompts "
+                                    f"{sorted(prompts)}.")
+    return prompts, name
 

@@ -154,6 +154,8 @@ class EmbeddingPipeline:
     # ------------------------------------------------------------------ tokens
     def tokenize(self, texts: list[str]) -> list[list[int]]:
         """Text → ids with [CLS]/[SEP], truncated to max_seq_length keeping the final [SEP]."""
+        if self.st_config.default_prompt:          # sentence-transformers' default_prompt_name
+            texts = [self.st_config.default_prompt + t for t in texts]
         if self.st_config.do_lower_case:
             texts = [t.lower() for t in texts]
         L, out = self.max_seq_length, []
