@@ -29,6 +29,12 @@ def test_folder_opens_as_an_embedder():
     assert (m.arch.name, m.kind, m.extra.pooling, m.extra.normalize) == ("qwen3", EMBEDDING, "lasttoken", True)
     assert m.config.qk_norm and m.config.embed_length == REF["max_length"] and m.config.num_labels == 0
     assert "embed_tokens.weight" in m.weights          # a bare Qwen3Model's names, mapped by the model
+    # the engine's memory check: a cache of max_seq_length rows (40 -> 48), whatever the caller's length
+    est = m.arch.estimate(m.config, m.weights, max_batch_size=32, max_seq_length=512, act_dtype="f32",
+                          max_binding=1 << 30)
+    c = m.config
+    assert est.context_window == 0 and est.kv_cache == 2 * c.n_layers * c.n_kv_heads * 48 * c.head_dim * 4
+    assert est.weights >= sum(t.nbytes for t in m.weights.values())
 
 
 @pytest.fixture(scope="module")

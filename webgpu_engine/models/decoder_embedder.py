@@ -76,6 +76,13 @@ def decoder_names(tensors: dict) -> dict:
     return map_hf_names(bare, "llama")
 
 
+def cache_rows(cfg: DecoderEmbedderConfig, max_seq_length: int | None = None) -> int:
+    """KV-cache rows for inputs of up to max_seq_length (default: the config's embed_length) tokens:
+    rounded up to whole ROW_GRANULE rows (padded rows are written too), within the model's positions."""
+    L = min(max_seq_length or cfg.embed_length or cfg.max_position, cfg.max_position)
+    return min(_round_up(L, ROW_GRANULE), cfg.max_position)
+
+
 class DecoderEmbedder:
     """A LlamaModel used as an embedder: weights, a KV cache of max_seq_length rows, a pooling tail."""
 
@@ -92,7 +99,7 @@ class DecoderEmbedder:
         self.act_dtype, self.pooling, self.normalize = act_dtype, pooling, normalize
         self.n_types = 1
         L = min(max_seq_length or cfg.embed_length or cfg.max_position, cfg.max_position)
-        ctx = min(_round_up(L, ROW_GRANULE), cfg.max_position)
+        ctx = cache_rows(cfg, L)
         self.llm = LlamaModel(dev, cfg, decoder_names(tensors), owner=owner, context_window=ctx,
                               prefill_chunk=min(PREFILL_CHUNK, ctx), dtype=act_dtype, progress=progress)
         self._max_len = min(L, self.llm.ctx)

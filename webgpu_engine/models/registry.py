@@ -79,9 +79,10 @@ def _embedder_config(folder):
 
 def _embedder_estimate(cfg, tensors: dict, *, max_batch_size: int, max_seq_length: int, act_dtype: str,
                        max_binding: int):
-    names = importlib.import_module(f"{__package__}.decoder_embedder").decoder_names(tensors)
-    est = memory.estimate_llm(cfg, names, context_window=max_seq_length, prefill_chunk=min(256, max_seq_length),
-                              act_dtype=act_dtype, max_binding=max_binding)
+    mod = importlib.import_module(f"{__package__}.decoder_embedder")
+    rows = mod.cache_rows(cfg)                  # the model sizes its cache by the config, as here
+    est = memory.estimate_llm(cfg, mod.decoder_names(tensors), context_window=rows,
+                              prefill_chunk=min(mod.PREFILL_CHUNK, rows), act_dtype=act_dtype, max_binding=max_binding)
     return replace(est, context_window=0)    # its cache is sized by max_seq_length, not context_window_size
 
 
