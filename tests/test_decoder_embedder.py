@@ -37,6 +37,15 @@ def test_folder_opens_as_an_embedder():
     assert est.weights >= sum(t.nbytes for t in m.weights.values())
 
 
+def test_same_decoder_without_modules_json_stays_an_llm(tmp_path):
+    import shutil
+    folder = shutil.copytree(MODEL, tmp_path / "m")
+    (folder / "modules.json").unlink()
+    m = open_model(folder)
+    m.close()
+    assert (m.arch.name, m.kind) == ("qwen3", "llm")         # only a sentence-transformers folder embeds
+
+
 @pytest.fixture(scope="module")
 def engine(device):
     eng = MLCEngine()
