@@ -36,8 +36,9 @@ _SHARD_RE = re.compile(r"-\d{5}-of-\d{5}\.gguf$")
 # progress(fraction, text) for the downloads of the reference being resolved (resolve_model_reference
 # sets it; the download calls below read it), so the fetch helpers need no extra parameter.
 _PROGRESS: contextvars.ContextVar = contextvars.ContextVar("reference_progress", default=None)
-# The files of an HF or sentence-transformers folder the loaders read (weights, configs, tokenizer).
-FOLDER_PATTERNS = ["*.json", "*.safetensors", "vocab.txt", "merges.txt", "tokenizer*"]
+# The files of an HF or sentence-transformers folder the loaders read (weights, configs, tokenizer, and
+# the model card: whether the vectors may be truncated, `dimensions`).
+FOLDER_PATTERNS = ["*.json", "*.safetensors", "vocab.txt", "merges.txt", "tokenizer*", "README.md"]
 
 
 # --------------------------------------------------------------------------- inspecting files
@@ -238,7 +239,8 @@ def _fetch_folder(base: str, cache_id: str, offline: bool | None) -> Path:
         return got
     get(["config.json", "tokenizer.json"], True)
     get(["tokenizer_config.json", "special_tokens_map.json", "vocab.txt", "modules.json",
-         "sentence_bert_config.json", "config_sentence_transformers.json", "model.safetensors.index.json"], False)
+         "sentence_bert_config.json", "config_sentence_transformers.json", "model.safetensors.index.json",
+         "README.md"], False)
     folder = cache.model_dir("model", cache_id)
     index = folder / "model.safetensors.index.json"
     if index.is_file():
