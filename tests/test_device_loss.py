@@ -71,7 +71,7 @@ def destroy_on_next(dev, method: str, fired: list):
 
 
 def wrap_step(eng, model_id: str, step: str, dev_method: str, fired: list) -> None:
-    """Wrap the pipeline's `step` (prefill_step, embed_step) to arm a destroy on the device's next
+    """Wrap the pipeline's `step` (prefill_step, embed_jobs) to arm a destroy on the device's next
     `dev_method` call inside that step."""
     pipe = eng.models[model_id].pipeline
     orig = getattr(pipe, step)
@@ -207,7 +207,7 @@ async def test_loss_during_embedding_batch(reference):
     async def lose(eng):
         fired = []
         # destroyed as the batch's forward is submitted
-        wrap_step(eng, EMB_ID, "embed_step", "submit", fired)
+        wrap_step(eng, EMB_ID, "embed_jobs", "submit", fired)
         with pytest.raises(E.DeviceLostError) as ei:
             await eng.embeddings.create(model=EMB_ID, input=TEXTS)
         assert fired == ["submit"]

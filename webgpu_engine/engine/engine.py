@@ -54,6 +54,7 @@ class LoadedModel:
     owners: set = field(default_factory=set)   # gpu buffer owners created by this model's load
     estimate: memory.MemoryEstimate | None = None   # what the pre-load memory check assumed
     dropped_by_loss: bool = False  # dropped because the device was lost (not unloaded)
+    coalescer: Any = None          # an embedder's group of concurrent requests (coalesce.py)
 
     def describe(self, device=None) -> dict:
         """What /v1/models shows besides the id: the type, the context window in tokens (an

@@ -416,6 +416,12 @@ class Embeddings:
         deadline = engine.deadline()
         req = check_embedding_request(_as_dict(request, fields), engine.config.limits)
         lm = await engine.select(req.get("model"), EMBEDDING, "EmbeddingCreateParams")
+        if hasattr(lm.pipeline, "prepare_embed"):
+            # Concurrent requests share forwards (coalesce.py); a pipeline without the two-step
+            # contract (a custom or stub embedder) runs each request alone under the lock.
+            from .coalesce import embed_coalesced
+            res, lm = await embed_coalesced(engine, lm, req, deadline)
+            return _embedding_response(lm, res)
         lm = await engine.acquire(lm, "EmbeddingCreateParams", deadline)
         try:
             engine.check_deadline(deadline, "embedding")
@@ -429,7 +435,11 @@ class Embeddings:
                 cancelled=lambda: caller is not None and caller.cancelling() > 0, **dims), lm, "embedding")
         finally:
             lm.lock.release()
-        data = [{"object": "embedding", "index": i, "embedding": list(v)} for i, v in enumerate(res.embeddings)]
-        return to_object({"object": "list", "data": data, "model": lm.model_id,
-                          "usage": {"prompt_tokens": res.prompt_tokens, "total_tokens": res.prompt_tokens,
-                                    "extra": {"prefill_tokens_per_s": res.prefill_tokens_per_s}}})
+        return _embedding_response(lm, res)
+
+
+def _embedding_response(lm, res):
+    data = [{"object": "embedding", "index": i, "embedding": list(v)} for i, v in enumerate(res.embeddings)]
+    return to_object({"object": "list", "data": data, "model": lm.model_id,
+                      "usage": {"prompt_tokens": res.prompt_tokens, "total_tokens": res.prompt_tokens,
+                                "extra": {"prefill_tokens_per_s": res.prefill_tokens_per_s}}})
