@@ -82,6 +82,16 @@ def test_selection_and_errors(device, monkeypatch):
     assert off and not off & on
 
 
+def test_tiles(device):
+    """Tiles of 2, 4 and 8 rows for T ≤ 8; from 9 rows the default tile (so a 16-row embedder
+    bucket shares its pipelines with larger batches)."""
+    from webgpu_engine.kernels import matmul_tiled as mt
+    assert [mb.tiled_config(device, "q4_1", T).tm for T in (1, 2, 3, 5, 8)] == [2, 2, 4, 8, 8]
+    for qtype in ("q4_1", "f32"):
+        assert mb.tiled_config(device, qtype, 9) == mb.tiled_config(device, qtype, 16) == \
+            mt.default_config(device, qtype)
+
+
 def test_tiled_falls_back(device):
     """A weight the tiled kernel cannot read (a buffer that is not whole 16-byte words): the
     "tiled" variant gives None and matmul falls back to the row kernels, with the right answer."""

@@ -527,7 +527,7 @@ def matmul(dev: Device, x: Tensor, w: QWeight, y: Tensor, *, bias: Tensor | None
         if op is not None:
             return op
     if (T > 1 or row_invariant) and config is None and cfg.tiled:
-        # prefill tiles; a short row-invariant run takes a tile of its size (same bits per row)
+        # prefill tiles; a short row-invariant run takes a tile near its size (same bits per row)
         tile = matmul_batch.tiled_config(dev, w.qtype, T) if T <= cfg.batch_max_t else None
         op = matmul_tiled.matmul(dev, x, w, y, bias=bias, accumulate=accumulate,
                                  any_t=row_invariant, config=tile)

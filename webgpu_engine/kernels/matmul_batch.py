@@ -4,7 +4,7 @@ A decode step of several sequences (continuous batching) multiplies a few activa
 weight. The row kernels of matmul.py read and decode each weight once per row (or per 4 rows);
 here each weight chunk is read and decoded once for all T rows. Two variants, chosen per device:
 
-- "tiled": matmul_tiled.wgsl with its tile height TM = T rounded up to 2, 4, 8 or 16 (its default
+- "tiled": matmul_tiled.wgsl with its tile height TM = T rounded up to 2, 4 or 8 (its default
   16-row tile spends most of its work on padding rows at small T). x rows sit in workgroup memory
   and are read at constant addresses, which CPU drivers (lavapipe) broadcast instead of gathering
   lane by lane. A row's sums do not depend on TM, so every T gives the same bits per row (the
@@ -40,6 +40,7 @@ MAX_T = 16                 # rows of x one dispatch takes (the registers / tile 
 _MAX_GROUPS = 65535
 _DEQUANT = tuple(t.name for t in QTYPE.values() if t.decode == "dequant")
 _WG_BYTES = 32768          # workgroup memory WebGPU guarantees: caps the tiled kernel's TM x KB
+_MAX_BUCKET = 8            # "tiled": the largest T given a tile of its own (see tiled_config)
 
 
 @dataclass(frozen=True)
@@ -93,10 +94,12 @@ def supports(w: "QWeight", T: int) -> bool:
 
 
 def tiled_config(dev: Device, qtype: str, T: int) -> matmul_tiled.TiledConfig:
-    """matmul_tiled's tile for T rows: its default, with TM the bucket of T when T ≤ 16 (same
-    bits per row: only padding rows go)."""
+    """matmul_tiled's tile for T rows: its default, with TM the bucket of T when T ≤ 8 (same bits
+    per row: only padding rows go). From 9 rows on the default tile stays (16 rows for quantised
+    weights, the bucket anyway; 32 for float ones), so that the embedders' 16-row buckets keep
+    sharing their pipelines with the larger ones (no compile on a first larger batch)."""
     cfg = matmul_tiled.default_config(dev, qtype)
-    if T <= MAX_T:
+    if T <= _MAX_BUCKET:
         tm = bucket(T)
         cfg = replace(cfg, tm=tm, kb=min(cfg.kb, _WG_BYTES // (tm * 256)))
     return cfg
