@@ -3,6 +3,7 @@ the current adapter, a per-kernel time breakdown of one batch, and sentence-tran
 
     python bench/embeddings.py [--n 256] [--words 32] [--batch 32] [--dtypes f32,f16] [--model DIR]
                                [--st-python PYTHON_WITH_SENTENCE_TRANSFORMERS] [--families]
+    python bench/embeddings.py --concurrent 8x32 [--words 32] [--repeats 3] [--model DIR]
 
 Prints a table and writes bench/results/embeddings.json. The workload: `n` sentences of about `words`
 English words each (fixed seed), embedded in one request with max_batch_size `batch`. --families adds a
@@ -10,6 +11,12 @@ row per family's tiny model (tests' fixtures: BERT, XLM-RoBERTa, NomicBert, Mode
 embedders; BERT and XLM-R cross-encoders reranking the sentences against the first), f32, each beside
 sentence-transformers on the same inputs where it can load the model (not NomicBert: its code is
 remote code on the hub).
+
+--concurrent CxN runs only its own section and writes bench/results/embeddings_concurrent.json: C callers
+of N sentences each (distinct sentences per caller) through the engine's embeddings.create, served one
+after another (no coalescing window, so each request runs alone at once) and then all at once (the
+engine coalesces them into shared, length-sorted batches); best of --repeats wall times, and whether
+every caller got the same vectors both ways.
 """
 from __future__ import annotations
 
@@ -195,6 +202,78 @@ async def bench_family(dev, family: str, folder: Path, mode: str, texts: list[st
         pipe.dispose()
 
 
+async def bench_concurrent(folder: Path, callers: int, per_caller: int, words: int, repeats: int) -> dict:
+    """C callers one after another vs all at once, through the engine (see the module docstring)."""
+    from webgpu_engine.engine import EngineConfig, create_mlc_engine
+    from webgpu_engine.engine.coalesce import WINDOW_S, coalescer_of
+    engine = await create_mlc_engine(str(folder), EngineConfig())
+    lm = next(iter(engine.models.values()))
+    co = coalescer_of(lm)
+    texts = [sentences(per_caller, words, seed=1 + k) for k in range(callers)]
+
+    async def call(k):
+        return await engine.embeddings.create(model=lm.model_id, input=texts[k])
+
+    async def one_after_another():
+        co.window_s = 0.0
+        try:
+            return [await call(k) for k in range(callers)]
+        finally:
+            co.window_s = WINDOW_S
+
+    async def all_at_once():
+        return await asyncio.gather(*[call(k) for k in range(callers)])
+    try:
+        await call(0)                   # compiles, builds the buckets
+        await all_at_once()
+        seq, conc, same = [], [], True
+        for _ in range(repeats):
+            for runs, fn in ((seq, one_after_another), (conc, all_at_once)):
+                t, g = time.perf_counter(), co.groups
+                res = await fn()
+                runs.append((time.perf_counter() - t, co.groups - g))
+                if fn is one_after_another:
+                    alone = res
+                else:
+                    same &= all([d.embedding for d in a.data] == [d.embedding for d in b.data]
+                                for a, b in zip(res, alone))
+        n_tok = sum(r.usage.prompt_tokens for r in alone)
+        s_best, c_best = min(r[0] for r in seq), min(r[0] for r in conc)
+        return {"model": lm.model_id, "callers": callers, "sentences_per_caller": per_caller,
+                "tokens": n_tok, "one_after_another_s": [round(r[0], 3) for r in seq],
+                "all_at_once_s": [round(r[0], 3) for r in conc],
+                "groups_all_at_once": [r[1] for r in conc], "best_one_after_another_s": round(s_best, 3),
+                "best_all_at_once_s": round(c_best, 3), "ratio": round(s_best / c_best, 3),
+                "sentences_per_s_one_after_another": round(callers * per_caller / s_best, 1),
+                "sentences_per_s_all_at_once": round(callers * per_caller / c_best, 1),
+                "same_vectors": same, "window_s": WINDOW_S}
+    finally:
+        await engine.unload()
+
+
+async def main_concurrent(a, folder: Path) -> None:
+    callers, per_caller = (int(x) for x in a.concurrent.lower().split("x"))
+    load_start = os.getloadavg()[0]
+    r = await bench_concurrent(folder, callers, per_caller, a.words, max(1, a.repeats))
+    print(f"\n{callers} callers x {per_caller} sentences of ~{a.words} words on {r['model']} "
+          f"({r['tokens']} tokens); load average {load_start:.1f} -> {os.getloadavg()[0]:.1f} on "
+          f"{os.cpu_count()} CPUs")
+    print(f"{'served':20s} {'best s':>8s} {'sent/s':>8s}  runs (s)")
+    print(f"{'one after another':20s} {r['best_one_after_another_s']:8.3f} "
+          f"{r['sentences_per_s_one_after_another']:8.1f}  {r['one_after_another_s']}")
+    print(f"{'all at once':20s} {r['best_all_at_once_s']:8.3f} {r['sentences_per_s_all_at_once']:8.1f}  "
+          f"{r['all_at_once_s']} in {r['groups_all_at_once']} groups")
+    print(f"ratio {r['ratio']:.3f}x; same vectors both ways: {r['same_vectors']}")
+    out = a.out.with_name("embeddings_concurrent.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    from webgpu_engine.gpu import request_device
+    dev = await request_device()
+    out.write_text(json.dumps({"adapter": dev.info.__dict__, "host": platform.platform(),
+                               "cpus": os.cpu_count(), "load_average_1m": [load_start, os.getloadavg()[0]],
+                               "words": a.words, "result": r}, indent=2))
+    print(f"\nwrote {out.relative_to(ROOT) if out.is_relative_to(ROOT) else out}")
+
+
 async def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=256)
@@ -206,11 +285,15 @@ async def main() -> None:
     ap.add_argument("--st-python", default=None,
                     help="python of an environment with sentence-transformers, when this one lacks it")
     ap.add_argument("--families", action="store_true", help="also each family's tiny model (see above)")
+    ap.add_argument("--concurrent", default=None, metavar="CxN",
+                    help="only C concurrent callers of N sentences vs the same one after another (see above)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "embeddings.json")
     a = ap.parse_args()
     from webgpu_engine import cache
     from webgpu_engine.gpu import request_device
     folder = a.model or Path(cache.default_model_path("all-MiniLM-L6-v2"))
+    if a.concurrent:
+        return await main_concurrent(a, folder)
     texts = sentences(a.n, a.words)
     load_start = os.getloadavg()[0]       # the CPU may be shared: lavapipe timings scale with it
     dev = await request_device()
