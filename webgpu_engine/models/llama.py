@@ -348,19 +348,23 @@ class LlamaModel:
         """Build every op list a request uses and record one run of each pipeline into `batch`, so
         that nothing compiles on the first prompt: pipelines are created here, and drivers that
         compile on first dispatch (lavapipe's llvmpipe) do so when the batch runs. The prefill ops
-        of a full chunk and of one and two rows (every T uses these kernels: the row-invariant
-        matmuls pick them by weight and device, not by T) and the decode ops in both forms of the
-        attention. The runs write KV rows 0..1, which the first prompt overwrites. Nothing is
-        recorded when every pipeline is in `warmed` (already run on this device). Returns the
-        pipeline keys."""
-        self.ops_for(self.chunk, True)
-        for T in sorted({1, min(2, self.chunk)}):
+        of a full chunk, of one row and of each tile height the few-row matmuls use (2, 4, 8, 16:
+        kernels/matmul_batch.py; any other T uses the same kernels as one of these) and the decode
+        ops in both forms of the attention. The runs write KV rows from 0, which the first prompt
+        overwrites. Nothing is recorded when every pipeline is in `warmed` (already run on this
+        device). Returns the pipeline keys."""
+        heights = sorted({1, self.chunk} | {t for t in (2, 4, 8, 16) if t <= self.chunk})
+        for T in heights:
             self.ops_for(T, True)
         keys = pipeline_keys([op for ops in self._ops.values() for op in ops] + self.decode_ops)
         if keys <= warmed:
             return keys
-        for T in sorted({1, min(2, self.chunk)}):
-            self.record_prefill(batch, [0] * T, 0)
+        seen: set = set()
+        for T in heights:               # a run per height whose ops bring pipelines not yet run
+            ks = pipeline_keys(self.ops_for(T, True))
+            if not ks <= seen:
+                self.record_prefill(batch, [0] * T, 0)
+                seen |= ks
         self.set_step(0, 1)
         self._record(batch, self.decode_ops, 1)             # the short attention form
         self._record(batch, self.decode_ops, None)          # the split-key form
