@@ -278,7 +278,8 @@ def cmd_serve(args) -> int:
                          max_body_bytes=int(args.max_body_mb * (1 << 20)),
                          cors_origins=args.cors_origin or [], log_level=args.log_level.upper(),
                          auto_recover=args.auto_recover, shutdown_grace_s=args.shutdown_grace,
-                         engine_config=cfg, chat_opts=chat_opts, exit_on_load_error=True)
+                         engine_config=cfg, chat_opts=chat_opts, exit_on_load_error=True,
+                         allow_model_management=args.allow_model_management)
     return run_server(opts)
 
 
@@ -470,6 +471,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(repeatable; `*` allows any; default: none)")
     p.add_argument("--auto-recover", action="store_true",
                    help="after a device loss, reload the models on the next request")
+    p.add_argument("--allow-model-management", action="store_true",
+                   help="allow POST /v1/models/load and /v1/models/unload (guarded by --api-key)")
     p.add_argument("--max-queue", type=_queue_length, default=32, metavar="N|none",
                    help="requests that may wait for one model while it serves another; more get "
                         "HTTP 429 with Retry-After (default 32; 0: none may wait; none: unbounded), "

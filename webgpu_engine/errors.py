@@ -129,6 +129,16 @@ class ReloadAbortedError(WebGPUEngineError):
                          f"call reload() again.")
 
 
+class ModelManagementConflictError(WebGPUEngineError):
+    """A run-time load or unload of one model that conflicts with the loaded models or a reload()."""
+
+    http_status = 409
+    error_type = "invalid_request_error"
+
+    def __init__(self, message: str):
+        super().__init__(message, param="model")
+
+
 class UnsupportedChatOptionError(InvalidRequestError):
     """A ChatConfig / chat_opts setting this engine does not implement (never silently ignored)."""
 

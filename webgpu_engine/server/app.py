@@ -1,7 +1,8 @@
 """OpenAI-compatible HTTP server on aiohttp over AsyncMLCEngine (native only).
 
 Routes: POST /v1/chat/completions, /v1/completions, /v1/embeddings, /v1/rerank; GET /v1/models, /health,
-/metrics. Streaming is Server-Sent Events exactly as OpenAI sends them (`data: {json}\\n\\n`, then
+/metrics; POST /v1/models/load and /unload when model management is allowed (admin.py).
+Streaming is Server-Sent Events exactly as OpenAI sends them (`data: {json}\\n\\n`, then
 `data: [DONE]\\n\\n`). Every error is OpenAI error JSON with its HTTP status; unexpected ones are
 logged and answered 500 without internals. Handlers are cancelled when the client disconnects
 (aiohttp handler_cancellation): the engine then stops after the decode step in flight and frees
@@ -58,6 +59,7 @@ class ServerOptions:
     shutdown_grace_s: float = 30.0                 # SIGTERM: how long requests in flight may finish
     engine_config: EngineConfig | None = None     # limits, queue, timeout; tests inject stubs here
     exit_on_load_error: bool = False   # `serve`: a model that fails to load stops the server (exit 1)
+    allow_model_management: bool = False   # POST /v1/models/load and /unload (admin.py)
 
 
 MAX_JSON_DEPTH = 64        # nesting of a request body; OpenAI's own schemas need fewer than 10
@@ -397,6 +399,8 @@ def create_app(opts: ServerOptions) -> web.Application:
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
+    from . import admin
+    admin.add_routes(app)                             # answer 403 unless allow_model_management
     app.on_startup.append(_start_loading)
     app.on_shutdown.append(_drain)
     app.on_cleanup.append(_shutdown)

@@ -1,0 +1,64 @@
+"""Admin routes: load and unload models on a running server (off unless --allow-model-management).
+
+POST /v1/models/load   {"model": REF, "model_id": ALIAS?, "chat_opts": {...}?}  -> the model, as /v1/models
+POST /v1/models/unload {"model": ID}                                           -> {"id", "object", "deleted"}
+REF is what `serve --model` takes (an app-config id or a model reference). Both sit under /v1/, so
+the API key guards them when one is set. A load passes the start-up memory check against what the
+loaded models hold; every failure is a typed 4xx/5xx JSON error and the loaded models keep serving.
+"""
+from __future__ import annotations
+
+import time
+
+from aiohttp import web
+
+from ..engine.manage import load_model, unload_model
+from ..errors import WebGPUEngineError
+from .app import ENGINE, OPTS, STATE, _BadRequest, _json_body, _ready_engine
+
+
+class ModelManagementDisabledError(WebGPUEngineError):
+    http_status = 403
+    error_type = "invalid_request_error"
+
+    def __init__(self):
+        super().__init__("Loading and unloading models at run time is off on this server; start it "
+                         "with --allow-model-management (and --api-key) to allow it.")
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_post("/v1/models/load", load)
+    app.router.add_post("/v1/models/unload", unload)
+
+
+def _fields(body: dict, allowed: dict[str, type], required: str) -> dict:
+    unknown = sorted(set(body) - set(allowed))
+    if unknown:
+        raise _BadRequest(f"Unknown field(s) {unknown}; this route takes {sorted(allowed)}.", param=unknown[0])
+    for name, kind in allowed.items():
+        v = body.get(name)
+        if v is None and name != required:
+            continue
+        if not isinstance(v, kind) or (kind is str and not v.strip()):
+            what = "a non-empty string" if kind is str else "an object"
+            raise _BadRequest(f"`{name}` must be {what}.", param=name)
+    return body
+
+
+async def load(request: web.Request) -> web.Response:
+    if not request.app[OPTS].allow_model_management:
+        raise ModelManagementDisabledError()
+    body = _fields(await _json_body(request), {"model": str, "model_id": str, "chat_opts": dict}, "model")
+    engine = _ready_engine(request)
+    lm = await load_model(engine, body["model"], body.get("chat_opts"), body.get("model_id"))
+    created = request.app[STATE].get("created", int(time.time()))
+    return web.json_response({"id": lm.model_id, "object": "model", "created": created,
+                              "owned_by": "webgpu_engine", **lm.describe(engine.device)})
+
+
+async def unload(request: web.Request) -> web.Response:
+    if not request.app[OPTS].allow_model_management:
+        raise ModelManagementDisabledError()
+    body = _fields(await _json_body(request), {"model": str}, "model")
+    await unload_model(request.app[ENGINE], body["model"])
+    return web.json_response({"id": body["model"], "object": "model", "deleted": True})
