@@ -8,7 +8,7 @@ import pytest
 
 from tinymodels import write_tiny_bert
 from webgpu_engine.engine import EngineConfig, create_mlc_engine
-from webgpu_engine.errors import EmbeddingDimensionsUnsupportedError, InvalidRequestError
+from webgpu_engine.errors import EmbeddingDimensionsUnsupportedError, InvalidRequestError, RequestTimeoutError
 
 MID = "tiny-coalesce"
 CARD = "---\ntags:\n- sentence-transformers\n- loss:MatryoshkaLoss\n---\n"
@@ -154,3 +154,21 @@ async def test_a_caller_cancelled_while_its_group_runs(engine):
         t.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
     _same(await engine.embeddings.create(model=MID, **CALLS[2]), alone[2])
+
+
+async def test_a_caller_past_its_deadline_times_out_alone(engine):
+    alone = await _alone(engine, CALLS[:2])
+    lm = await _held(engine)
+    try:
+        engine.config.request_timeout_s = 0.2          # for the next request only
+        late = asyncio.create_task(engine.embeddings.create(model=MID, **CALLS[2]))
+        await asyncio.sleep(0)
+        engine.config.request_timeout_s = None
+        tasks = [asyncio.create_task(engine.embeddings.create(model=MID, **c)) for c in CALLS[:2]]
+        with pytest.raises(RequestTimeoutError, match=f"the wait for {MID}"):
+            await late
+    finally:
+        engine.config.request_timeout_s = None
+        await _release_when_waiting(lm, 2)
+    for a, b in zip(await asyncio.gather(*tasks), alone):
+        _same(a, b)

@@ -66,13 +66,14 @@ def coalescer_of(lm) -> EmbeddingCoalescer:
 async def embed_coalesced(engine, lm, req: dict, deadline: float | None):
     """One embeddings request through `lm`'s coalescer: (the EmbeddingResult, the model that ran it)."""
     co = coalescer_of(lm)
+    timeout_s = engine.config.request_timeout_s         # the one `deadline` came from
     limit = engine.config.max_queue_length
     if limit is not None and lm.lock.locked and lm.lock.queue_length + co.waiting() >= limit:
         raise ModelBusyError(lm.model_id, lm.lock.queue_length + co.waiting(), lm.lock.retry_after())
     caller = asyncio.current_task()
     dims = {"dimensions": req["dimensions"]} if req.get("dimensions") is not None else {}
     job = await lm.pipeline.prepare_embed(
-        req["input"], deadline=deadline, timeout_s=engine.config.request_timeout_s,
+        req["input"], deadline=deadline, timeout_s=timeout_s,
         max_total_tokens=engine.config.limits.max_embedding_tokens,
         cancelled=lambda: caller is not None and caller.cancelling() > 0, **dims)
     member = _Member(job, asyncio.get_running_loop().create_future())
@@ -87,7 +88,7 @@ async def embed_coalesced(engine, lm, req: dict, deadline: float | None):
             return await asyncio.wait_for(asyncio.shield(member.future), max(timeout, 0.0))
         except asyncio.TimeoutError:
             during = "embedding" if member.started else f"the wait for {lm.model_id}"
-            raise RequestTimeoutError(engine.config.request_timeout_s, during) from None
+            raise RequestTimeoutError(timeout_s, during) from None
     finally:
         if not member.future.done():
             member.left = True            # cancelled or timed out: the group goes on without it
