@@ -1,8 +1,9 @@
 """Stub pipelines for the engine's locking/protocol tests (the only place a stub is allowed).
 
-They follow the pipeline contract of docs/INTERFACES.md, hold a real (small) GPU buffer owned by
-`model:<id>` so that freeing can be checked, and produce text that is a pure function of the input,
-one word per decode step, so interleaving between requests would be visible in the outputs.
+They implement the pipeline protocols (webgpu_engine/pipelines/protocol.py; tests/test_pipeline_protocol.py
+checks them), hold a real (small) GPU buffer owned by `model:<id>` so that freeing can be checked, and
+produce text that is a pure function of the input, one word per decode step, so interleaving between
+requests would be visible in the outputs.
 """
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ import random
 from dataclasses import dataclass
 
 from webgpu_engine.config import ChatConfig
-from webgpu_engine.errors import DeviceLostError
+from webgpu_engine.errors import (DeviceLostError, EmbeddingDimensionsUnsupportedError, EmbeddingTokenLimitError,
+                                  FeatureSupportError, InvalidRequestError, RequestTimeoutError)
+from webgpu_engine.pipelines.embedding import MAX_TOTAL_TOKENS, EmbeddingResult
 
 WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa"]
 
@@ -21,6 +24,13 @@ class StubTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return [sum(map(ord, w)) % self.vocab_size for w in text.split()]
+
+
+class StubGrammars:
+    """What the real GrammarCompiler does where llguidance is missing: constrained requests are refused."""
+
+    def compile(self, fmt):
+        raise FeatureSupportError("llguidance", message="The stub pipeline compiles no grammars.")
 
 
 class StubLLM:
@@ -34,8 +44,12 @@ class StubLLM:
 
     def __init__(self, dev, model_id, chat_config):
         self.dev, self.model_id, self.chat_config = dev, model_id, chat_config
+        self.owner = f"model:{model_id}"
         self.tokenizer = StubTokenizer()
-        self.buf = dev.buffer(4096, owner=f"model:{model_id}", label="stub-weights")
+        self.vocab_size = self.tokenizer.vocab_size
+        self.template = None                  # no chat template: tools go into the system message
+        self.grammars = StubGrammars()
+        self.buf = dev.buffer(4096, owner=self.owner, label="stub-weights")
         self.stopped, self.finish_reason = True, None
         self._target: list[str] = []
         self._out: list[str] = []
@@ -141,24 +155,35 @@ class StubLLM:
 
     def dispose(self):
         self.disposed = True
-        self.dev.release_owner(f"model:{self.model_id}")
+        self.dev.release_owner(self.owner)
 
 
 @dataclass
-class StubEmbeddingResult:
-    embeddings: list
+class StubEmbedJob:
+    """prepare_embed's checked, tokenised request (the real EmbedJob's fields, and the texts the stub
+    "model" turns into vectors)."""
+    seqs: list
     prompt_tokens: int
-    prefill_tokens_per_s: float
+    keep: int
+    texts: list
 
 
 class StubEmbedder:
+    """Embeds text t as [len(t), 1, 0] (token ids as [their count, 1, 0]), with the real
+    pipeline's two steps (prepare_embed: checks and tokens; embed_jobs: one "forward" for the jobs
+    of several requests), limits, deadline and cancellation."""
+
     step_delay = 0.001
+    dim = 3
 
     def __init__(self, dev, model_id, chat_config):
         self.dev, self.model_id, self.chat_config = dev, model_id, chat_config
+        self.owner = f"model:{model_id}"
         self.tokenizer = StubTokenizer()
-        self.buf = dev.buffer(2048, owner=f"model:{model_id}", label="stub-embedder")
-        self.calls = 0
+        self.max_seq_length = 512
+        self.is_reranker = False
+        self.buf = dev.buffer(2048, owner=self.owner, label="stub-embedder")
+        self.calls = 0                    # forwards run (one per group of coalesced requests)
 
     @classmethod
     async def load(cls, dev, path, chat_config, progress=None, model_id=None):
@@ -166,20 +191,52 @@ class StubEmbedder:
             progress(1.0, "stub embedder loaded")
         return cls(dev, model_id, chat_config)
 
-    async def embed_step(self, inp, **limits):      # deadline, cancelled, max_total_tokens, timeout_s
+    async def embed_step(self, input, *, deadline=None, cancelled=None, max_total_tokens=None,  # noqa: A002
+                         timeout_s=None, dimensions=None):
+        job = await self.prepare_embed(input, deadline=deadline, cancelled=cancelled,
+                                       max_total_tokens=max_total_tokens, timeout_s=timeout_s,
+                                       dimensions=dimensions)
+        return (await self.embed_jobs([job], deadline=deadline, cancelled=cancelled, timeout_s=timeout_s))[0]
+
+    async def prepare_embed(self, input, *, deadline=None, cancelled=None, max_total_tokens=None,  # noqa: A002
+                            timeout_s=None, dimensions=None):
+        if dimensions is not None and dimensions != self.dim:
+            raise EmbeddingDimensionsUnsupportedError(self.model_id, self.dim, dimensions, False)
+        if isinstance(input, str):
+            items = [input]
+        elif input and all(isinstance(t, int) for t in input):
+            items = [list(input)]                # one input given as token ids
+        else:
+            items = list(input)
+        seqs = [self.tokenizer.encode(t)[:self.max_seq_length] if isinstance(t, str) else list(t) for t in items]
+        n = sum(len(q) for q in seqs)
+        budget = MAX_TOTAL_TOKENS if max_total_tokens is None else max_total_tokens
+        if n > budget:
+            raise EmbeddingTokenLimitError(budget)
+        texts = [t if isinstance(t, str) else q for t, q in zip(items, seqs)]
+        return StubEmbedJob(seqs, n, self.dim, texts)
+
+    async def embed_jobs(self, jobs, *, deadline=None, cancelled=None, timeout_s=None):
         self.dev.check_alive()
         self.calls += 1
         await asyncio.sleep(self.step_delay)
-        texts = [inp] if isinstance(inp, str) else inp
-        vecs = [[float(len(str(t))), 1.0, 0.0] for t in texts]
-        n = sum(len(self.tokenizer.encode(t)) if isinstance(t, str) else 1 for t in texts)
-        return StubEmbeddingResult(vecs, n, 1000.0)
+        if cancelled is not None and cancelled():
+            raise asyncio.CancelledError()
+        if deadline is not None and asyncio.get_running_loop().time() > deadline:
+            raise RequestTimeoutError(timeout_s or 0.0, "embedding")
+        return [EmbeddingResult([[float(len(t)), 1.0, 0.0] for t in job.texts], job.prompt_tokens, 1000.0)
+                for job in jobs]
+
+    async def rerank_step(self, query, documents, *, deadline=None, cancelled=None, max_total_tokens=None,
+                          timeout_s=None):
+        raise InvalidRequestError(f"Model {self.model_id} is an embedding model, not a reranker "
+                                  f"(cross-encoder); call embeddings instead.", param="model")
 
     def runtime_stats_text(self):
-        return "stub embedder"
+        return f"stub embedder: {self.calls} forwards"
 
     def dispose(self):
-        self.dev.release_owner(f"model:{self.model_id}")
+        self.dev.release_owner(self.owner)
 
 
 def stub_config(device, **kw):

@@ -16,7 +16,6 @@ Standard library only at module level (this runs in the browser too).
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 import time
 from dataclasses import dataclass, field
@@ -25,6 +24,7 @@ from typing import Any
 
 from .. import gpu
 from ..config import ChatConfig, GenerationConfig
+from ..pipelines.protocol import ChatPipelineProtocol, EmbeddingPipelineProtocol, check_pipeline
 from ..errors import (DeviceLostError, FeatureSupportError, IncorrectPipelineLoadedError,
                       InvalidRequestError, ReloadAbortedError, UnsupportedChatOptionError, ModelBusyError, ModelNotLoadedError, ModelUnloadedError,
                       ReloadArgumentSizeUnmatchedError, RequestTimeoutError,
@@ -46,7 +46,7 @@ SHARED_OWNERS = frozenset({"kernels"})
 class LoadedModel:
     model_id: str
     record: ModelRecord
-    pipeline: Any
+    pipeline: ChatPipelineProtocol | EmbeddingPipelineProtocol    # as model_type says
     chat_config: ChatConfig
     model_type: str
     lock: FIFOLock
@@ -60,7 +60,7 @@ class LoadedModel:
         """What /v1/models shows besides the id: the type, the context window in tokens (an
         embedder's longest input) and the memory in bytes (the pre-load estimate, and what the
         model's buffers hold on `device` now)."""
-        ctx = (getattr(self.pipeline, "max_seq_length", None) if self.model_type == EMBEDDING
+        ctx = (self.pipeline.max_seq_length if self.model_type == EMBEDDING
                else self.chat_config.context_window_size)
         est = self.estimate
         mem = {"estimated_bytes": est.total if est else None, "weights_bytes": est.weights if est else None,
@@ -81,6 +81,11 @@ class _Plan:
     path: Path
     factory: Any
     estimate: memory.MemoryEstimate | None = None
+
+
+def _protocol(model_type: str) -> type:
+    """The pipeline contract of a model type (an unknown type loads as an embedder, see _factory)."""
+    return ChatPipelineProtocol if model_type == LLM else EmbeddingPipelineProtocol
 
 
 def _check_chat_options(cc: ChatConfig) -> None:
@@ -305,31 +310,25 @@ class AsyncMLCEngine:
 
         self._report((0.1 + 0.9 * k / n) * 0.99, t0, f"Loading model {model_id} ({k + 1}/{n})")
         before = set(dev.allocations())
+        proc = self.logit_processor_registry.get(model_id)
         try:
-            kw = {}
-            params = inspect.signature(factory.load).parameters
-            if "model_id" in params:
-                kw["model_id"] = model_id
-            if "logit_processor" in params and model_id in self.logit_processor_registry:
-                kw["logit_processor"] = self.logit_processor_registry[model_id]
-            pipe = await factory.load(dev, plan.path, chat_config, progress=progress, **kw)
+            if proc is not None and rec.model_type != LLM:
+                raise FeatureSupportError("logit processors", message=(
+                    f"Model {model_id} is not a chat model: logit processors (logit_processor_registry) "
+                    f"apply to chat models only."))
+            pipe = await factory.load(dev, plan.path, chat_config, progress=progress, model_id=model_id)
+            # the loaded object too: a custom class may set its attributes in __init__ only
+            check_pipeline(pipe, _protocol(rec.model_type), f"The pipeline of model {model_id}")
+            if proc is not None:
+                pipe.set_logit_processor(proc)
         except BaseException:
             # Cancelled or failed mid-load: free whatever this load allocated.
             for owner in set(dev.allocations()) - before - SHARED_OWNERS:
                 dev.release_owner(owner)
             dev.release_owner(f"model:{model_id}")
             raise
-        proc = self.logit_processor_registry.get(model_id)
-        if proc is not None and "logit_processor" not in params:
-            setter = getattr(pipe, "set_logit_processor", None)
-            if setter is None:
-                pipe.dispose()
-                raise FeatureSupportError(f"logit processors (model {model_id})")
-            setter(proc)
-        owners = (set(dev.allocations()) - before - SHARED_OWNERS) | {f"model:{model_id}"}
-        if isinstance(getattr(pipe, "owner", None), str):
-            owners.add(pipe.owner)
-        return LoadedModel(model_id, rec, pipe, getattr(pipe, "chat_config", chat_config),
+        owners = (set(dev.allocations()) - before - SHARED_OWNERS) | {f"model:{model_id}", pipe.owner}
+        return LoadedModel(model_id, rec, pipe, pipe.chat_config,
                            rec.model_type, FIFOLock(model_id), 0, owners, plan.estimate)
 
     def _check_features(self, dev, rec: ModelRecord, opts: dict | None) -> ModelRecord:
@@ -350,6 +349,9 @@ class AsyncMLCEngine:
     def _factory(self, model_type: str):
         custom = (self.config.pipeline_factories or {}).get(model_type)
         if custom is not None:
+            # before anything loads: a class without the engine's members is refused by name
+            check_pipeline(custom, _protocol(model_type), f"pipeline_factories[{model_type!r}] "
+                           f"({getattr(custom, '__name__', custom)!r})", attributes=False)
             return custom
         if model_type == LLM:
             from ..pipelines.llm import LLMChatPipeline
@@ -546,16 +548,14 @@ class AsyncMLCEngine:
         a request with n > 1 generates none of its remaining choices (WebLLM)."""
         self.interrupts += 1
         for lm in self.models.values():
-            f = getattr(lm.pipeline, "interrupt", None)
-            if f is not None:
-                f()
+            if lm.model_type == LLM:
+                lm.pipeline.interrupt()
 
     async def reset_chat(self, keep_stats: bool = False, model: str | None = None) -> None:
         lm = self._llm(model)
-        f = getattr(lm.pipeline, "reset_chat", None)
-        if f is not None:
+        if lm.model_type == LLM:            # an embedder holds no conversation
             async with lm.lock:
-                f(keep_stats)
+                lm.pipeline.reset_chat(keep_stats)
 
     async def get_message(self, model: str | None = None) -> str:
         lm = self._llm(model)
@@ -607,7 +607,7 @@ class AsyncMLCEngine:
         """The error a request sees for a failed step (see guard); handles a device loss on the way."""
         if lm is not None and self.models.get(lm.model_id) is not lm and self.state != "device_lost":
             return ModelUnloadedError(lm.model_id, what)
-        dev = getattr(lm.pipeline, "dev", None) if lm is not None else None
+        dev = lm.pipeline.dev if lm is not None else None
         dev = dev if dev is not None else self.device
         if isinstance(e, DeviceLostError) or (dev is not None and dev.lost) or self.state == "device_lost":
             err = self._lost_error(e, dev, f"{what} of model {lm.model_id}" if lm is not None else what)

@@ -44,10 +44,10 @@ def _gen_config(lm, req: dict) -> GenerationConfig:
     bias = {}
     lb = req.get("logit_bias") or {}
     if lb:
-        vocab = _vocab_size(lm.pipeline)
+        vocab = lm.pipeline.vocab_size     # the ids the sampler may give (a padded vocabulary is cut)
         for k, v in lb.items():
             tid = int(k)
-            if vocab is not None and tid >= vocab:
+            if tid >= vocab:
                 raise RangeError("logit_bias", 0, vocab - 1, tid,
                                  extra=f"token ids of {lm.model_id} are below {vocab}")
             bias[tid] = float(v)
@@ -99,15 +99,6 @@ def _extra_body(req: dict, chat: bool) -> dict:
         if where == "chat" and not chat:
             raise UnsupportedFieldsError(k, f"{k} applies to the chat template; completions use none.")
     return req
-
-
-def _vocab_size(pipe) -> int | None:
-    # the pipeline's own count first: the ids its sampler may give (a padded vocabulary is cut)
-    for obj in (pipe, getattr(pipe, "model_config", None), getattr(pipe, "tokenizer", None)):
-        v = getattr(obj, "vocab_size", None)
-        if isinstance(v, int):
-            return v
-    return None
 
 
 def _choice_gen(gen: GenerationConfig, i: int) -> GenerationConfig:
@@ -416,25 +407,9 @@ class Embeddings:
         deadline = engine.deadline()
         req = check_embedding_request(_as_dict(request, fields), engine.config.limits)
         lm = await engine.select(req.get("model"), EMBEDDING, "EmbeddingCreateParams")
-        if hasattr(lm.pipeline, "prepare_embed"):
-            # Concurrent requests share forwards (coalesce.py); a pipeline without the two-step
-            # contract (a custom or stub embedder) runs each request alone under the lock.
-            from .coalesce import embed_coalesced
-            res, lm = await embed_coalesced(engine, lm, req, deadline)
-            return _embedding_response(lm, res)
-        lm = await engine.acquire(lm, "EmbeddingCreateParams", deadline)
-        try:
-            engine.check_deadline(deadline, "embedding")
-            # The step runs shielded (guard); it polls the caller's cancellation between batches.
-            caller = asyncio.current_task()
-            # `dimensions` only when asked: whether the model may be truncated is the pipeline's call
-            dims = {"dimensions": req["dimensions"]} if req.get("dimensions") is not None else {}
-            res = await engine.guard(lm.pipeline.embed_step(
-                req["input"], deadline=deadline, timeout_s=engine.config.request_timeout_s,
-                max_total_tokens=engine.config.limits.max_embedding_tokens,
-                cancelled=lambda: caller is not None and caller.cancelling() > 0, **dims), lm, "embedding")
-        finally:
-            lm.lock.release()
+        # Concurrent requests share forwards (coalesce.py: prepare_embed, then one embed_jobs).
+        from .coalesce import embed_coalesced
+        res, lm = await embed_coalesced(engine, lm, req, deadline)
         return _embedding_response(lm, res)
 
 

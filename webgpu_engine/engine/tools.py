@@ -219,7 +219,7 @@ async def prepare_chat(lm, req: dict, gen):
     tools, tc = req.get("tools"), req.get("tool_choice")
     ctx, fmt = None, req.get("response_format")
     if tools and tc != "none":
-        template = getattr(pipe, "template", None)
+        template = pipe.template
         style = tool_format(template)
         messages, kw = prepare_messages(messages, tools, template)
         gen = replace(gen, tools=kw.get("tools"))
@@ -228,7 +228,7 @@ async def prepare_chat(lm, req: dict, gen):
         # repeat a finished call until max_tokens when the grammar lets them go on.
         fmt = tool_grammar(tools, tc, style, parallel=req.get("parallel_tool_calls") is True)
     elif any(m.get("tool_calls") or m.get("role") == "tool" for m in messages):
-        messages, _ = prepare_messages(messages, None, getattr(pipe, "template", None))
+        messages, _ = prepare_messages(messages, None, pipe.template)
     if fmt is not None:
         t0 = time.perf_counter()
         compile_ = pipe.grammars.compile

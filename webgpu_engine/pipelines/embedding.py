@@ -68,6 +68,13 @@ class EmbedJob:
 class EmbeddingPipeline:
     """One loaded embedding model: tokenizer, BERT weights on the GPU, pooling head."""
 
+    # What the engine reads (pipelines/protocol.py EmbeddingPipelineProtocol); set in __init__.
+    dev: object
+    owner: str
+    chat_config: ChatConfig
+    tokenizer: object
+    max_seq_length: int
+    is_reranker: bool
     _next_id = 0
 
     def __init__(self, dev, model, tokenizer, st_config: SentenceTransformerConfig,

@@ -40,6 +40,18 @@ def _valid_vocab(rows: int, tokenizer) -> int:
 
 
 class LLMChatPipeline:
+    # What the engine reads (pipelines/protocol.py ChatPipelineProtocol); set in __init__.
+    dev: Device
+    owner: str
+    chat_config: ChatConfig
+    tokenizer: object
+    template: object
+    vocab_size: int
+    grammars: GrammarCompiler
+    stopped: bool
+    finish_reason: str | None
+    token_logprobs: list[dict]
+
     def __init__(self, dev: Device, model, tokenizer, template, chat_config: ChatConfig,
                  owner: str):
         self.dev, self.model, self.tokenizer, self.template = dev, model, tokenizer, template
