@@ -125,8 +125,9 @@ async def test_a_caller_cancelled_while_its_group_runs(engine):
     steps = []
     real = lm.pipeline.embed_jobs
 
-    async def watched(jobs, **kw):                      # tells the test when the group is on the GPU
+    async def watched(jobs, **kw):                      # tells the test when the group's step began
         steps.append(len(jobs))
+        await asyncio.sleep(0.05)                       # long enough for the cancel to land inside it
         return await real(jobs, **kw)
     lm.pipeline.embed_jobs = watched
     try:
