@@ -94,8 +94,9 @@ class EngineConfig:
     auto_recover: after a device loss, re-create the device and reload the same models on the next
         request (otherwise the engine reports no model loaded until reload()).
     device: use this gpu Device instead of requesting one (shared by every loaded model).
-    pipeline_factories: model type -> pipeline class with `async load(dev, path, chat_config, ...)`
-        (and optionally `estimate_memory(path, chat_config, dev) -> memory.MemoryEstimate`);
+    pipeline_factories: model type -> pipeline class implementing pipelines/protocol.py's
+        ChatPipelineProtocol ("llm") or EmbeddingPipelineProtocol, checked before loading (and
+        optionally `estimate_memory(path, chat_config, dev) -> memory.MemoryEstimate`);
         None uses the real LLMChatPipeline / EmbeddingPipeline.
     max_memory_bytes: GPU bytes all loaded models may hold together (int, or text such as "6G");
         None: env WEBGPU_ENGINE_MAX_MEMORY, else a default for the adapter (engine/memory.py).
