@@ -68,6 +68,11 @@ async def test_one_group_gives_each_caller_what_it_gets_alone(engine):
     lm = await _held(engine)
     groups = lm.coalescer.groups
     tasks = [asyncio.create_task(engine.embeddings.create(model=MID, **c)) for c in CALLS]
+    for _ in range(2000):
+        if lm.coalescer.waiting() == len(CALLS) and lm.coalescer.leader_on_lock:
+            break
+        await asyncio.sleep(0.005)
+    assert engine.queue_lengths()[MID] == len(CALLS) + 1      # /metrics: six waiting, one holder
     await _release_when_waiting(lm, len(CALLS))
     together = await asyncio.gather(*tasks)
     assert lm.coalescer.groups == groups + 1            # all six shared one plan of batches

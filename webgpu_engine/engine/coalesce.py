@@ -38,10 +38,16 @@ class EmbeddingCoalescer:
     pending: list[_Member] = field(default_factory=list)
     leader: asyncio.Task | None = None
     groups: int = 0                            # groups run so far (each one plan of batches)
+    leader_on_lock: bool = False               # the leader waits in the model lock's queue
 
     def waiting(self) -> int:
         """Requests queued here that have not started."""
         return sum(1 for m in self.pending if not m.left)
+
+    def queued_past_lock(self) -> int:
+        """What to add to the lock's queue length to count waiting requests: the members, less the
+        leader that stands for them in the lock's queue."""
+        return self.waiting() - (1 if self.leader_on_lock else 0)
 
     def _take(self) -> list[_Member]:
         """The next group: pending members in arrival order up to max_inputs (the first always)."""
@@ -68,8 +74,9 @@ async def embed_coalesced(engine, lm, req: dict, deadline: float | None):
     co = coalescer_of(lm)
     timeout_s = engine.config.request_timeout_s         # the one `deadline` came from
     limit = engine.config.max_queue_length
-    if limit is not None and lm.lock.locked and lm.lock.queue_length + co.waiting() >= limit:
-        raise ModelBusyError(lm.model_id, lm.lock.queue_length + co.waiting(), lm.lock.retry_after())
+    queued = lm.lock.queue_length + co.queued_past_lock()
+    if limit is not None and lm.lock.locked and queued >= limit:
+        raise ModelBusyError(lm.model_id, queued, lm.lock.retry_after())
     caller = asyncio.current_task()
     dims = {"dimensions": req["dimensions"]} if req.get("dimensions") is not None else {}
     job = await lm.pipeline.prepare_embed(
@@ -99,12 +106,15 @@ async def _lead(engine, lm, co: EmbeddingCoalescer) -> None:
     try:
         if co.window_s > 0:
             await asyncio.sleep(co.window_s)
+        co.leader_on_lock = True
         try:
             run_on = await engine.acquire(lm, "EmbeddingCreateParams")
         except BaseException as e:          # dropped model, device lost without recovery
             group, co.pending = [m for m in co.pending if not m.left], []
             _settle(group, error=e)
             return
+        finally:
+            co.leader_on_lock = False
         try:
             group = co._take()
             for m in group:

@@ -616,8 +616,11 @@ class AsyncMLCEngine:
         return e
 
     def queue_lengths(self) -> dict[str, int]:
-        """Waiting requests per loaded model (+1 for the one running), for /metrics."""
-        return {m: lm.lock.queue_length + (1 if lm.lock.locked else 0) for m, lm in self.models.items()}
+        """Waiting requests per loaded model (+1 for the one running), for /metrics; an embedder's
+        coalesced requests count one by one, not as the one group queued on the lock."""
+        return {m: lm.lock.queue_length + (1 if lm.lock.locked else 0)
+                + (lm.coalescer.queued_past_lock() if lm.coalescer is not None else 0)
+                for m, lm in self.models.items()}
 
 
 async def create_mlc_engine(model_id: str | list[str], engine_config: EngineConfig | None = None,
