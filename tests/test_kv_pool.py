@@ -143,7 +143,7 @@ OPS = st.lists(st.tuples(st.sampled_from(["add", "run", "grow", "free", "preempt
 HITS: list = []
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=200, deadline=None, derandomize=True)   # the same schedules every run
 @given(ops=OPS, n_blocks=st.integers(1, 10), block_size=st.integers(1, 3))
 def test_random_schedules_keep_the_invariants(ops, n_blocks, block_size):
     """Reference counts match the tables and never go negative; a block is owned by two tables only
