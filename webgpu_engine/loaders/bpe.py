@@ -12,6 +12,7 @@ import heapq
 import re
 
 from ..errors import ModelFormatError, UnsupportedModelError
+from .special_text import special_pattern, split_special
 from .unicode_tables import LETTER_RANGES, NUMBER_RANGES
 
 # GGUF token types (llama.cpp's llama_token_type)
@@ -246,9 +247,7 @@ class BPETokenizer:
         specials = [t for t, ty in zip(self.tokens, self.token_types)
                     if ty in (TOKEN_CONTROL, TOKEN_USER_DEFINED) and t]
         self.special_ids = {self.vocab[t] for t in specials}
-        # longest first, so that a special token that prefixes another does not win
-        self._special_re = (re.compile("|".join(re.escape(t) for t in sorted(specials, key=len, reverse=True)))
-                            if specials else None)
+        self._special_re = special_pattern(specials)
         self._bpe = functools.lru_cache(maxsize=cache_size)(self._bpe_word)
         self._token_bytes: dict[int, bytes] = {}
 
@@ -354,20 +353,17 @@ class BPETokenizer:
         ids: list[int] = []
         if add_special_tokens and self.add_bos_token and self.bos_id is not None:
             ids.append(self.bos_id)
-        pos = 0
-        if parse_special and self._special_re is not None:
-            for m in self._special_re.finditer(text):
-                self._encode_plain(text[pos:m.start()], ids)
-                ids.append(self.vocab[m.group()])
-                pos = m.end()
-        self._encode_plain(text[pos:], ids)
+        for _, piece, special in split_special(text, self._special_re if parse_special else None):
+            if special:
+                ids.append(self.vocab[piece])
+            else:
+                self._encode_plain(piece, ids)
         return ids
 
     def _encode_plain(self, text: str, ids: list[int]) -> None:
-        if text:
-            bpe = self._bpe
-            for piece in self.pre_tokenize(text):
-                ids.extend(bpe(piece))
+        bpe = self._bpe
+        for piece in self.pre_tokenize(text):
+            ids.extend(bpe(piece))
 
     # ------------------------------------------------------------------ decode
     def token_bytes(self, token_id: int) -> bytes:

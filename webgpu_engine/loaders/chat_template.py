@@ -14,6 +14,7 @@ from datetime import datetime
 from typing import Any
 
 from ..errors import InvalidRequestError, ModelFormatError
+from .special_text import split_special
 
 
 class TemplateError(InvalidRequestError):
@@ -128,14 +129,11 @@ def encode_template_text(tokenizer, text: str, restore=lambda piece: piece) -> l
     them (after `restore`) is tokenised with no special-token parsing. Equal to
     `tokenizer.encode(text)` when `restore` changes nothing (the tokenizer cuts at the same places)."""
     ids: list[int] = []
-    pos = 0
-    for m in tokenizer.special_regex.finditer(text):
-        if m.start() > pos:
-            ids.extend(tokenizer.encode(restore(text[pos:m.start()]), parse_special=False))
-        ids.append(tokenizer.token_to_id(m.group()))
-        pos = m.end()
-    if pos < len(text):
-        ids.extend(tokenizer.encode(restore(text[pos:]), parse_special=False))
+    for _, piece, special in split_special(text, tokenizer.special_regex):
+        if special:
+            ids.append(tokenizer.token_to_id(piece))
+        else:
+            ids.extend(tokenizer.encode(restore(piece), parse_special=False))
     return ids
 
 

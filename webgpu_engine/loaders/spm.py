@@ -17,6 +17,7 @@ import heapq
 import re
 
 from ..errors import ModelFormatError, UnsupportedModelError
+from .special_text import special_pattern, split_special
 from .bpe import TOKEN_BYTE, TOKEN_CONTROL, TOKEN_NORMAL, TOKEN_USER_DEFINED, eog_ids
 
 SPACE = "\u2581"          # ▁
@@ -52,9 +53,7 @@ class SPMTokenizer:
         specials = [t for t, ty in zip(self.tokens, self.token_types)
                     if ty in (TOKEN_CONTROL, TOKEN_USER_DEFINED) and t]
         self.special_ids = {self.vocab[t] for t in specials}
-        # longest first, so that a special token that prefixes another does not win
-        self._special_re = (re.compile("|".join(re.escape(t) for t in sorted(set(specials), key=len, reverse=True)))
-                            if specials else None)
+        self._special_re = special_pattern(specials)
         self._token_bytes: dict[int, bytes] = {}
 
     @classmethod
@@ -138,15 +137,11 @@ class SPMTokenizer:
         ids: list[int] = []
         if add_special_tokens and self.add_bos_token and self.bos_id is not None:
             ids.append(self.bos_id)
-        pos = 0
-        if parse_special and self._special_re is not None:
-            for m in self._special_re.finditer(text):
-                if m.start() > pos:
-                    self._encode_run(text[pos:m.start()], ids, pos == 0)
-                ids.append(self.vocab[m.group()])
-                pos = m.end()
-        if pos < len(text):
-            self._encode_run(text[pos:], ids, pos == 0)
+        for start, piece, special in split_special(text, self._special_re if parse_special else None):
+            if special:
+                ids.append(self.vocab[piece])
+            else:
+                self._encode_run(piece, ids, start == 0)
         return ids
 
     def _encode_run(self, text: str, ids: list[int], at_start: bool = True) -> None:

@@ -7,10 +7,10 @@ truncation to `max_length` tokens (specials included), as sentence-transformers 
 """
 from __future__ import annotations
 
-import re
 import unicodedata
 
 from ..errors import UnsupportedModelError
+from .special_text import special_pattern, split_special
 
 # Unicode White_Space (Rust's char::is_whitespace)
 _WHITESPACE = frozenset("\t\n\x0b\x0c\r \x85\xa0\u1680\u2000\u2001\u2002\u2003\u2004\u2005\u2006\u2007"
@@ -54,8 +54,7 @@ class WordPieceTokenizer:
         self.max_length = max_length
         specials = [t for t in (special_tokens or []) if t in self.vocab]
         self.special_ids = {self.vocab[t] for t in specials}
-        self._special_re = (re.compile("|".join(re.escape(t) for t in sorted(specials, key=len, reverse=True)))
-                            if specials else None)
+        self._special_re = special_pattern(specials)
         self._word_cache: dict[str, tuple[int, ...]] = {}
 
     @classmethod
@@ -172,13 +171,11 @@ class WordPieceTokenizer:
         """Ids of `text`; with add_special_tokens, [CLS] ... [SEP]. Truncated to max_length (default:
         the tokenizer's) tokens, specials included."""
         ids: list[int] = []
-        pos = 0
-        if self._special_re is not None:                # [CLS], [MASK], ... in the text stay whole
-            for m in self._special_re.finditer(text):
-                self._encode_plain(text[pos:m.start()], ids)
-                ids.append(self.vocab[m.group()])
-                pos = m.end()
-        self._encode_plain(text[pos:], ids)
+        for _, piece, special in split_special(text, self._special_re):   # [CLS], [MASK]... stay whole
+            if special:
+                ids.append(self.vocab[piece])
+            else:
+                self._encode_plain(piece, ids)
         limit = self.max_length if max_length is None else max_length
         if add_special_tokens:
             ids = [self.cls_id] + ids[:max(limit - 2, 0)] + [self.sep_id]
