@@ -253,6 +253,7 @@ def _unary_op(dev: Device, k: str, dt: str, v: int, par: Buffer, xe: tuple, ye: 
 
 
 def _unary_f(dev: Device, k: str, x: Tensor, y: Tensor, f: float) -> Op:
+    """An elementwise.wgsl unary kernel with one float parameter (p.f0; 0 for those without)."""
     dt = _act(k, x, y)
     check(x.numel == y.numel, k, f"shapes x{x.shape} y{y.shape}")
     v = _width(dev, k, [x.numel], [x, y])
@@ -286,24 +287,12 @@ def gelu_mul(dev: Device, x: Tensor, y: Tensor) -> Op:
 
 def gelu(dev: Device, x: Tensor, y: Tensor) -> Op:
     """y = 0.5 x (1 + erf(x / sqrt 2)) (the exact, erf form of GELU, as BERT uses)."""
-    k = "gelu"
-    dt = _act(k, x, y)
-    check(x.numel == y.numel, k, f"shapes x{x.shape} y{y.shape}")
-    v = _width(dev, k, [x.numel], [x, y])
-    (xe, xo), (ye, yo) = (_window(dev, t, k, v) for t in (x, y))
-    par = params(dev, [x.numel // v, 1, xo, 0, yo, 0, 0, 0], owner=y.buf.owner, label=k)
-    return _unary_op(dev, k, dt, v, par, xe, ye, x.numel // v)
+    return _unary_f(dev, "gelu", x, y, 0.0)
 
 
 def tanh(dev: Device, x: Tensor, y: Tensor) -> Op:
     """y = tanh(x) (BERT's pooler, RoBERTa's classification head)."""
-    k = "tanh_act"
-    dt = _act(k, x, y)
-    check(x.numel == y.numel, k, f"shapes x{x.shape} y{y.shape}")
-    v = _width(dev, k, [x.numel], [x, y])
-    (xe, xo), (ye, yo) = (_window(dev, t, k, v) for t in (x, y))
-    par = params(dev, [x.numel // v, 1, xo, 0, yo, 0, 0, 0], owner=y.buf.owner, label=k)
-    return _unary_op(dev, k, dt, v, par, xe, ye, x.numel // v)
+    return _unary_f(dev, "tanh_act", x, y, 0.0)
 
 
 # ----------------------------------------------------------------------------- rope and kv cache

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from .errors import FieldTypeError, LimitExceededError, MinValueError
-from .rules import DEFAULT_LIMITS, RequestLimits, _is_int, _text
+from .rules import DEFAULT_LIMITS, RequestLimits, _is_int, _model_field, _text
 
 
 def check_rerank_request(req: dict, limits: RequestLimits | None = None) -> dict:
@@ -23,9 +23,7 @@ def check_rerank_request(req: dict, limits: RequestLimits | None = None) -> dict
     if not isinstance(req, dict):
         raise FieldTypeError("body", "a JSON object", req)
     out = dict(req)
-    model = out.get("model")
-    if model is not None and not isinstance(model, str):
-        raise FieldTypeError("model", "a model id string", model)
+    _model_field(out)
     query = out.get("query")
     if not isinstance(query, str) or not query:
         raise FieldTypeError("query", "a non-empty string", query)

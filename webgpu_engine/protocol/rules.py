@@ -111,11 +111,7 @@ def check_sampling(req: dict, limits: RequestLimits | None = None) -> dict:
         if out.get("max_tokens") is None:
             out["max_tokens"] = out["max_completion_tokens"]
         out.pop("max_completion_tokens")
-    model = out.get("model")
-    if model is not None and not isinstance(model, str):
-        raise FieldTypeError("model", "a model id string", model)
-    if model is not None:
-        _text("model", "model", model)
+    _model_field(out)
 
     stream = _bool(out, "stream")
     n = _int(out, "n")
@@ -246,6 +242,15 @@ def _content_text(i: int, role: str, content: Any) -> str | None:
     raise ContentTypeError(i, f"must be a string or a list of text parts, got {type(content).__name__}.")
 
 
+def _model_field(out: dict) -> None:
+    """`model`, when given: a string, checked as request text (the same for every route)."""
+    model = out.get("model")
+    if model is not None and not isinstance(model, str):
+        raise FieldTypeError("model", "a model id string", model)
+    if model is not None:
+        _text("model", "model", model)
+
+
 def check_chat_request(req: dict, limits: RequestLimits | None = None) -> dict:
     """Validate a chat completion request; returns a normalised copy (messages with string content)."""
     if not isinstance(req, dict):
@@ -338,11 +343,7 @@ def check_embedding_request(req: dict, limits: RequestLimits | None = None) -> d
     if not isinstance(req, dict):
         raise FieldTypeError("body", "a JSON object", req)
     out = dict(req)
-    model = out.get("model")
-    if model is not None and not isinstance(model, str):
-        raise FieldTypeError("model", "a model id string", model)
-    if model is not None:
-        _text("model", "model", model)
+    _model_field(out)
     inp = out.get("input")
     if inp is None:
         raise EmbeddingInputEmptyError("no `input` field")
