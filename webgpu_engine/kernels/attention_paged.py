@@ -16,7 +16,7 @@ from __future__ import annotations
 from ..gpu import Device
 from ..gpu.shaders import load_shader_source
 from .common import DTYPE_SIZE, Op, Tensor, act_header, check, new_tensor, params
-from .nn import (_MAX_LANE_DIMS, WG, _act, _attn_header, _grid, _op, _qkv_heads, _step_entry, _vec_entry, _window,
+from .nn import (WG, _act, _attn_header, _grid, _heads_per_lane, _op, _qkv_heads, _step_entry, _vec_entry, _window,
                  decode_splits, rope_frequencies)
 
 __all__ = ["new_kv_pool", "max_pool_blocks", "paged_rope_kv", "paged_kv_write", "paged_decode", "paged_prefill",
@@ -57,14 +57,6 @@ def _pool_geometry(dev: Device, k: str, k_pool: Tensor, v_pool: Tensor, n_kv_hea
 def _u32(dev: Device, t: Tensor, k: str, name: str, n: int) -> tuple:
     check(t.dtype == "u32" and t.numel >= n, k, f"{name} {t.shape}/{t.dtype} must hold {n} u32")
     return _window(dev, t, k)
-
-
-def _heads_per_lane(k: str, group: int, head_dim: int, g: int | None) -> int:
-    """attention()'s choice: the most q heads of one kv head per lane, within _MAX_LANE_DIMS."""
-    g = g or max(d for d in (1, 2, 3, 4) if group % d == 0 and (d == 1 or d * head_dim <= _MAX_LANE_DIMS))
-    check(group % g == 0 and (g == 1 or g * head_dim <= _MAX_LANE_DIMS), k,
-          f"heads_per_lane {g} must divide Hq/Hkv = {group} and keep {g} x {head_dim} <= {_MAX_LANE_DIMS}")
-    return g
 
 
 def _header(dt: str, head_dim: int, g: int, swg: int, packed: bool, bs: int, window: int = 0,

@@ -425,6 +425,16 @@ def _attn_header(dt: str, head_dim: int, g: int = 1, split_wg: int = WG, packed:
     return "\n".join(out) + "\n"
 
 
+def _heads_per_lane(k: str, group: int, head_dim: int, g: int | None) -> int:
+    """The q heads of one kv head a lane serves: `g` if given, else the most (up to 4) dividing the
+    group within _MAX_LANE_DIMS query dims (the paged kernels choose the same way)."""
+    g = g or max(d for d in (1, 2, 3, 4) if group % d == 0 and (d == 1 or d * head_dim <= _MAX_LANE_DIMS))
+    check(group % g == 0, k, f"heads_per_lane {g} must divide Hq/Hkv = {group}")
+    check(g == 1 or g * head_dim <= _MAX_LANE_DIMS, k,
+          f"heads_per_lane {g} x head_dim {head_dim} exceeds {_MAX_LANE_DIMS} dims per lane")
+    return g
+
+
 def attention(dev: Device, qkv: Tensor, k_cache: Tensor, v_cache: Tensor, out: Tensor, step, *,
               n_q_heads: int, n_kv_heads: int, head_dim: int, ctx: int, scale: float,
               max_t: int | None = None, min_chunk: int | None = None, max_splits: int = 128,
@@ -465,11 +475,7 @@ def attention(dev: Device, qkv: Tensor, k_cache: Tensor, v_cache: Tensor, out: T
     (qe, qo), (ke, ko), (ve, vo), (oe, oo) = (_window(dev, t, k, 4) for t in (qkv, k_cache, v_cache, out))
     # a lane holds G heads' q and accumulator in unrolled vec4 registers; lavapipe computed wrong
     # results from G*D = 384 on (Llama-3's G = 4 x 128, Gemma's 2 x 256), so wide heads share less
-    g = heads_per_lane or max(d for d in (1, 2, 3, 4)
-                              if group % d == 0 and (d == 1 or d * head_dim <= _MAX_LANE_DIMS))
-    check(group % g == 0, k, f"heads_per_lane {g} must divide Hq/Hkv = {group}")
-    check(g == 1 or g * head_dim <= _MAX_LANE_DIMS, k,
-          f"heads_per_lane {g} x head_dim {head_dim} exceeds {_MAX_LANE_DIMS} dims per lane")
+    g = _heads_per_lane(k, group, head_dim, heads_per_lane)
     cpu = dev.info.adapter_type.upper() == "CPU"
     # f16 caches are read 8 halves per load when head rows and cache offsets are 16-byte aligned
     packed = dt == "f16" and head_dim % 8 == 0 and ko % 2 == 0 and vo % 2 == 0
