@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 
 import wgpu
 
-from ..errors import WebGPUNotAvailableError
+from ..errors import GPUValidationError, WebGPUNotAvailableError
 from .base import STORAGE, AdapterInfo, Buffer, Device, PassApi, encode_ops, round_up4, staging_class
 
 _OPTIONAL_FEATURES = ("shader-f16", "subgroups", "subgroup", "timestamp-query")
@@ -41,13 +42,18 @@ class NativeDevice(Device):
         self.adapter, self.raw = adapter, raw_device
         self.queue = raw_device.queue
         self._sync_src = None                 # 4 bytes that sync() reads back
+        # A readback's copy is submitted from a worker thread while the event loop may release the
+        # buffer it reads (an unload during a request): wgpu-native aborts the process on a submit
+        # that uses a destroyed buffer, so the check-and-submit and the destroy exclude each other.
+        self._release_lock = threading.Lock()
 
     # ------------------------------------------------------------------ hooks
     def _raw_create_buffer(self, size: int, usage: str, label: str):
         return self.raw.create_buffer(size=size, usage=_USAGE[usage], label=label)
 
     def _raw_destroy_buffer(self, raw) -> None:
-        raw.destroy()
+        with self._release_lock:
+            raw.destroy()
 
     def _raw_write(self, raw, offset: int, mv: memoryview) -> None:
         self.queue.write_buffer(raw, offset, mv)
@@ -80,7 +86,8 @@ class NativeDevice(Device):
         n = buf.size - offset if size is None else size
         # the copy's submit goes through a worker thread: right after a step it would wait for the
         # step to finish (lavapipe) and hold the event loop that long
-        return await self._read_raw(buf.raw, offset, n, f"readback of {buf.label!r}", threaded_submit=True)
+        return await self._read_raw(buf.raw, offset, n, f"readback of {buf.label!r}", threaded_submit=True,
+                                    src=buf)
 
     async def sync(self) -> None:
         """Wait until the GPU has finished all submitted work, without blocking the event loop.
@@ -95,15 +102,19 @@ class NativeDevice(Device):
                                                                         label="sync"), "sync")
         await self._read_raw(self._sync_src, 0, 4, "sync", threaded_submit=True)
 
-    async def _read_raw(self, raw, offset: int, n: int, what: str, threaded_submit: bool = False) -> bytes:
+    async def _read_raw(self, raw, offset: int, n: int, what: str, threaded_submit: bool = False,
+                        src: Buffer | None = None) -> bytes:
         n4 = round_up4(n)
         staging = self._guard(lambda: self._take_staging(n4), what)
         ok = False
         try:
             def _copy():
-                enc = self.raw.create_command_encoder()
-                enc.copy_buffer_to_buffer(raw, offset, staging, 0, n4)
-                self.queue.submit([enc.finish()])
+                with self._release_lock:
+                    if src is not None and not src.alive:
+                        raise GPUValidationError(f"{what}: the buffer was released before its readback ran")
+                    enc = self.raw.create_command_encoder()
+                    enc.copy_buffer_to_buffer(raw, offset, staging, 0, n4)
+                    self.queue.submit([enc.finish()])
             if threaded_submit:
                 await asyncio.to_thread(self._guard, _copy, what)
             else:
