@@ -62,6 +62,9 @@ class ChatConfig:
     max_seq_length: int | None = None  # embeddings: truncation length (None: the model's)
     matryoshka: bool | None = None     # embeddings: may `dimensions` truncate the vectors? (None: as
     #                                    the model card says; a record's overrides may set it)
+    max_num_sequences: int = 1         # chat: sequences decoded together (continuous batching,
+    #                                    engine/scheduler.py); 1: one request at a time, as WebLLM
+    kv_block_size: int = 16            # chat with max_num_sequences > 1: tokens per KV-cache block
     compile_at_load: bool = True       # create and run every pipeline once while loading, so the
     #                                    first request compiles nothing; False: a faster load, the
     #                                    first requests compile what they use
