@@ -5,7 +5,7 @@ local files in place), verified (size, sha256), renamed atomically, shared safel
     cache.fetch_model_sync(...)                     # blocking, for scripts and `make setup`
     cache.has_model_in_cache(model_id); cache.delete_model_all_info_in_cache(model_id)
 
-Layout: `<root>/<scope>/<model_id>/<file>`, scopes config / model / shaders; root `model_cache/` at
+Layout: `<root>/<scope>/<model_id>/<file>`, scopes config / model / shaders / profiles; root `model_cache/` at
 the repository root, or $WEBGPU_ENGINE_CACHE, or `root=`. Offline: `offline=True` or
 $WEBGPU_ENGINE_OFFLINE=1 turns any network access into NetworkForbiddenError. The cache knows URLs,
 files, sizes and hashes — not model formats. Module level imports the standard library only.

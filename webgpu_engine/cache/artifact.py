@@ -19,7 +19,7 @@ from urllib.parse import unquote, urlparse
 
 from ..errors import ArtifactError, NetworkForbiddenError
 
-SCOPES = ("config", "model", "shaders")
+SCOPES = ("config", "model", "shaders", "profiles")   # profiles: measured kernel choices per adapter
 OFFLINE_ENV = "WEBGPU_ENGINE_OFFLINE"
 ROOT_ENV = "WEBGPU_ENGINE_CACHE"
 
