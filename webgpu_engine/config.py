@@ -5,8 +5,14 @@ sample one request — the same split as WebLLM's config.ts.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields, replace
+import functools
+import math
+import types
+import typing
+from dataclasses import dataclass, field, replace
 from typing import Any
+
+from .errors import ChatOptionTypeError, UnknownChatOptionError
 
 
 @dataclass
@@ -70,10 +76,63 @@ class ChatConfig:
     #                                    first requests compile what they use
 
     def updated(self, opts: dict | None) -> "ChatConfig":
+        """A copy with `opts` (chat_opts, a record's overrides) applied. Each value is checked against
+        its field's type (an int is accepted for a float field, never a bool for a number) and
+        UnknownChatOptionError / ChatOptionTypeError (400) name the field."""
         if not opts:
             return self
-        names = {f.name for f in fields(self)}
-        unknown = set(opts) - names
+        hints = _chat_config_types()
+        unknown = sorted(set(opts) - set(hints))
         if unknown:
-            raise ValueError(f"Unknown chat_opts fields {sorted(unknown)}; known: {sorted(names)}")
-        return replace(self, **opts)
+            raise UnknownChatOptionError(unknown, sorted(hints))
+        return replace(self, **{k: _checked(k, hints[k], v) for k, v in opts.items()})
+
+
+# --------------------------------------------------------------------------- chat_opts value checks
+_TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "a boolean (true or false)"}
+
+
+@functools.lru_cache(maxsize=None)
+def _chat_config_types() -> dict:
+    return typing.get_type_hints(ChatConfig)
+
+
+def _expected(hint) -> str:
+    """How the error message names a field's type: "a number", "a list of strings or null", ..."""
+    args = typing.get_args(hint)
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        names = ["null" if a is type(None) else _expected(a) for a in args]
+        return ", ".join(names[:-1]) + " or " + names[-1]
+    if typing.get_origin(hint) is list:
+        return "a list of " + _expected(args[0]).split(" ", 1)[1] + "s"
+    return _TYPE_NAMES[hint]
+
+
+def _checked(name: str, hint, value):
+    """`value` as field `name` of type `hint` holds it (ints become floats for float fields, tuples
+    lists), or ChatOptionTypeError."""
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        if value is None and type(None) in typing.get_args(hint):
+            return None
+        for arm in typing.get_args(hint):
+            if arm is not type(None):
+                try:
+                    return _checked(name, arm, value)
+                except ChatOptionTypeError:
+                    pass
+        raise ChatOptionTypeError(name, _expected(hint), value)
+    if typing.get_origin(hint) is list:
+        if not isinstance(value, (list, tuple)):
+            raise ChatOptionTypeError(name, _expected(hint), value)
+        (item,) = typing.get_args(hint)
+        try:
+            return [_checked(name, item, v) for v in value]
+        except ChatOptionTypeError:
+            raise ChatOptionTypeError(name, _expected(hint), value) from None
+    ok = (isinstance(value, bool) if hint is bool else
+          isinstance(value, int) and not isinstance(value, bool) if hint is int else
+          isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+          if hint is float else isinstance(value, hint))
+    if not ok:
+        raise ChatOptionTypeError(name, _expected(hint) if hint is not float else "a finite number", value)
+    return float(value) if hint is float else value

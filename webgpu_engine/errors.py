@@ -146,6 +146,24 @@ class UnsupportedChatOptionError(InvalidRequestError):
         super().__init__(f"chat_opts {name}={value!r} is not supported: {why}", param=name)
 
 
+class UnknownChatOptionError(InvalidRequestError):
+    """chat_opts (or a record's overrides) names fields ChatConfig does not have."""
+
+    def __init__(self, names: list[str], known: list[str]):
+        self.names = list(names)
+        super().__init__(f"Unknown chat_opts fields {self.names}; known: {known}", param="chat_opts")
+
+
+class ChatOptionTypeError(InvalidRequestError):
+    """A chat_opts field (or a record's override) has a value of the wrong type."""
+
+    def __init__(self, name: str, expected: str, value):
+        self.name, self.expected, self.value = name, expected, value
+        shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
+        super().__init__(f"chat_opts {name} must be {expected}, got {shown} ({type(value).__name__}).",
+                         param=name)
+
+
 # --------------------------------------------------------------------------- admission (429 / 504)
 class ModelBusyError(WebGPUEngineError):
     """The model's queue is full (EngineConfig.max_queue_length requests already wait for it)."""
