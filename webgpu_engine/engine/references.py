@@ -84,17 +84,31 @@ def _config_record(config: Path, reference: str, sentence_transformers: bool) ->
     return {"model_type": arch.kind, "context": int(ctx) if ctx else None}
 
 
+def _transformer_subfolder(modules_json: Path) -> str:
+    """Where a sentence-transformers folder keeps its Transformer ("" flat, "0_Transformer" older saves)."""
+    from ..loaders.sentence_transformers import transformer_subfolder
+    try:
+        modules = json.loads(modules_json.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ModelFormatError(f"{modules_json} is not valid JSON: {e}") from None
+    return transformer_subfolder(modules, str(modules_json))
+
+
 def _folder_record(folder: Path, reference: str) -> dict:
     """Type and trained context of a Hugging Face or sentence-transformers folder."""
-    missing = [n for n in ("config.json", "tokenizer.json") if not (folder / n).is_file()]
-    if not any(folder.glob("*.safetensors")):
+    st = (folder / "modules.json").is_file()
+    model = folder / _transformer_subfolder(folder / "modules.json") if st else folder
+    missing = [n for n in ("config.json", "tokenizer.json") if not (model / n).is_file()]
+    if not any(model.glob("*.safetensors")):
         missing.append("*.safetensors weights")
     if missing:
+        where = f" (in {model.relative_to(folder)}/, where its modules.json puts the Transformer)" \
+            if model != folder else ""
         raise ModelReferenceError(reference, [
             f"{folder} is not a Hugging Face model folder nor a sentence-transformers one: it lacks "
-            f"{', '.join(missing)}"], hint="Point at a folder with config.json, model.safetensors and "
-                                           "tokenizer.json, or at a .gguf file.")
-    return _config_record(folder / "config.json", reference, (folder / "modules.json").is_file())
+            f"{', '.join(missing)}{where}"], hint="Point at a folder with config.json, model.safetensors and "
+                                                  "tokenizer.json, or at a .gguf file.")
+    return _config_record(model / "config.json", reference, st)
 
 
 def _record(path: Path, reference: str, model_id: str, origin: str | None = None) -> ModelRecord:
@@ -173,22 +187,28 @@ def _hugging_face(reference: str, repo: str, revision: str | None, selector: str
         path = hf.download_file(repo, gguf, revision, offline=offline, reference=reference,
                                 progress=_PROGRESS.get())
         return _record(path, reference, shown, f"hf://{repo}/{gguf}")
-    if "config.json" not in files:
+    st = "modules.json" in files
+    # a sentence-transformers repo may keep its Transformer in a subfolder (0_Transformer/)
+    sub = _transformer_subfolder(hf.download_file(repo, "modules.json", revision, offline=offline,
+                                                  reference=reference)) if st else ""
+    pre = f"{sub}/" if sub else ""
+    if pre + "config.json" not in files:
         raise ModelReferenceError(reference, [f"the Hugging Face repo {repo} holds neither a .gguf nor a "
-                                              f"config.json (files: {', '.join(files[:12])})"])
-    top = [f for f in files if "/" not in f]
-    if not any(f.endswith(".safetensors") for f in top) or "tokenizer.json" not in top:
+                                              f"{pre}config.json (files: {', '.join(files[:12])})"])
+    here = [f[len(pre):] for f in files if f.startswith(pre) and "/" not in f[len(pre):]]
+    if not any(f.endswith(".safetensors") for f in here) or "tokenizer.json" not in here:
+        where = f"in {sub}/ (where its modules.json puts the Transformer)" if sub else "at its top level"
         raise ModelReferenceError(reference, [
-            f"the Hugging Face repo {repo} lacks safetensors weights or tokenizer.json at its top level "
+            f"the Hugging Face repo {repo} lacks safetensors weights or tokenizer.json {where} "
             f"(this engine reads no pytorch_model.bin)"], hint="Choose a repo with model.safetensors and "
                                                               "tokenizer.json, or a GGUF repo.")
     # The architecture is checked on config.json alone, before any weight is downloaded.
-    config = hf.download_file(repo, "config.json", revision, offline=offline, reference=reference)
-    _config_record(config, reference, "modules.json" in files)
-    patterns = list(FOLDER_PATTERNS)
-    if "modules.json" in files:
+    config = hf.download_file(repo, pre + "config.json", revision, offline=offline, reference=reference)
+    _config_record(config, reference, st)
+    patterns = list(FOLDER_PATTERNS) + [pre + p for p in FOLDER_PATTERNS if sub]
+    if st:
         patterns += [f"{p.parent.as_posix()}/*" for p in map(PurePosixPath, files)
-                     if p.name == "config.json" and len(p.parts) == 2]      # 1_Pooling/config.json
+                     if p.name == "config.json" and len(p.parts) == 2 and p.parent.as_posix() != sub]
     path = hf.download_folder(repo, patterns, revision, offline=offline, reference=reference,
                               progress=_PROGRESS.get())
     return _record(path, reference, shown, f"hf://{repo}")
@@ -237,19 +257,24 @@ def _fetch_folder(base: str, cache_id: str, offline: bool | None) -> Path:
                 if required:
                     raise
         return got
-    get(["config.json", "tokenizer.json"], True)
-    get(["tokenizer_config.json", "special_tokens_map.json", "vocab.txt", "modules.json",
-         "sentence_bert_config.json", "config_sentence_transformers.json", "model.safetensors.index.json",
-         "README.md"], False)
     folder = cache.model_dir("model", cache_id)
-    index = folder / "model.safetensors.index.json"
+    # modules.json first: an older sentence-transformers save keeps its Transformer in 0_Transformer/
+    get(["modules.json", "config_sentence_transformers.json", "sentence_bert_config.json", "README.md"], False)
+    st = (folder / "modules.json").is_file()
+    sub = _transformer_subfolder(folder / "modules.json") if st else ""
+    pre = f"{sub}/" if sub else ""
+    get([pre + "config.json", pre + "tokenizer.json"], True)
+    get([pre + n for n in ("tokenizer_config.json", "special_tokens_map.json", "vocab.txt",
+                           "model.safetensors.index.json")] + ([pre + "sentence_bert_config.json"] if sub else []),
+        False)
+    index = folder / pre / "model.safetensors.index.json"
     if index.is_file():
-        get(sorted(set(json.loads(index.read_text())["weight_map"].values())), True)
+        get([pre + n for n in sorted(set(json.loads(index.read_text())["weight_map"].values()))], True)
     else:
-        get(["model.safetensors"], True)
-    if (folder / "modules.json").is_file():
+        get([pre + "model.safetensors"], True)
+    if st:
         for m in json.loads((folder / "modules.json").read_text()):
-            if m.get("path"):
+            if m.get("path") and m["path"] != sub:
                 get([f"{m['path']}/config.json"], False)
     return folder
 

@@ -2,7 +2,9 @@
 
 A sentence-transformers folder holds `modules.json` (the module stack: Transformer → Pooling →
 optional Normalize), `1_Pooling/config.json` (which pooling), and `sentence_bert_config.json`
-(`max_seq_length`, `do_lower_case`). A bare Hugging Face BERT folder (no `modules.json`) gets what
+(`max_seq_length`, `do_lower_case`). The Transformer's own files (config.json, weights, tokenizer,
+sentence_bert_config.json) sit at the top in recent saves and in the folder its module names
+(`0_Transformer/`) in older ones; both layouts load alike. A bare Hugging Face BERT folder (no `modules.json`) gets what
 sentence-transformers itself would build for it: mean pooling, no normalisation, the model's own
 maximum length. Plain stdlib JSON parsing: this runs in the browser too.
 """
@@ -10,7 +12,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from ..errors import ModelFormatError, UnsupportedModelError
 
@@ -106,6 +108,29 @@ def pooling_mode(pool_cfg: dict, where: str = "1_Pooling/config.json") -> str:
     return on[0]
 
 
+def _module_stack(modules: object, where: str) -> tuple[list[dict], list[str]]:
+    """(modules sorted by idx, each with a checked relative `path`; their kinds: "Transformer", ...)."""
+    if not isinstance(modules, list) or not modules or not all(isinstance(m, dict) for m in modules):
+        raise UnsupportedModelError(f"{where} should be a non-empty JSON list of modules.")
+    modules = sorted(modules, key=lambda m: m.get("idx", 0))
+    for m in modules:
+        path = m.get("path") or ""
+        if not isinstance(path, str) or path.startswith("/") or "\\" in path or ".." in path.split("/"):
+            raise ModelFormatError(f"{where}: module path {path!r} must be a folder inside the model folder.")
+        m["path"] = "/".join(PurePosixPath(path).parts)
+    kinds = [str(m.get("type", "")).rsplit(".", 1)[-1] for m in modules]
+    if kinds[0] != "Transformer":
+        raise UnsupportedModelError(f"{where}: the first module must be a Transformer, got {kinds[0]!r}.")
+    return modules, kinds
+
+
+def transformer_subfolder(modules: object, where: str = "modules.json") -> str:
+    """Where a modules.json (parsed) keeps the Transformer's files, relative to the model folder:
+    "" for the flat layout of recent saves, "0_Transformer" for older ones (config.json, the weights
+    and the tokenizer sit there, 1_Pooling/ beside it)."""
+    return _module_stack(modules, where)[0][0]["path"]
+
+
 def load_sentence_transformer_config(folder: str | Path) -> SentenceTransformerConfig:
     """Parse the module stack of `folder`; see the module docstring for the defaults."""
     folder = Path(folder)
@@ -115,14 +140,8 @@ def load_sentence_transformer_config(folder: str | Path) -> SentenceTransformerC
     if not modules_path.is_file():
         return SentenceTransformerConfig(model_folder=folder, matryoshka=model_card_says_matryoshka(folder))
 
-    modules = _read_json(modules_path)
-    if not isinstance(modules, list) or not modules:
-        raise UnsupportedModelError(f"{modules_path} should be a non-empty JSON list of modules.")
-    modules = sorted(modules, key=lambda m: m.get("idx", 0))
-    kinds = [str(m.get("type", "")).rsplit(".", 1)[-1] for m in modules]
-    if kinds[0] != "Transformer":
-        raise UnsupportedModelError(f"{modules_path}: the first module must be a Transformer, got {kinds[0]!r}.")
-    model_folder = folder / modules[0].get("path", "")
+    modules, kinds = _module_stack(_read_json(modules_path), str(modules_path))
+    model_folder = folder / modules[0]["path"]
 
     pooling, normalize = "mean", False
     for m, kind in zip(modules[1:], kinds[1:]):
