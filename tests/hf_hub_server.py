@@ -3,6 +3,7 @@ through HF_ENDPOINT: the routes huggingface_hub uses to list a repo and download
 
     with HubServer() as hub:
         hub.add_repo("org/repo", {"model.gguf": data}); hub.gate("org/private")
+        hub.break_after("org/repo", "model.gguf", 1000)   # the connection drops after 1000 bytes
         os.environ["HF_ENDPOINT"] = hub.endpoint; ...; hub.downloads("org/repo", "model.gguf")
 """
 from __future__ import annotations
@@ -24,12 +25,17 @@ class HubServer(ThreadedServer):
         self.repos: dict[str, dict[str, bytes]] = {}
         self.gated: set[str] = set()
         self.gets: list[str] = []         # paths of file bodies served
+        self.broken: dict[str, int] = {}  # "repo/name" -> bytes sent before the connection drops
 
     def add_repo(self, repo: str, files: dict[str, bytes]) -> None:
         self.repos[repo] = dict(files)
 
     def gate(self, repo: str) -> None:
         self.gated.add(repo)
+
+    def break_after(self, repo: str, name: str, n_bytes: int) -> None:
+        """Every download of `name` announces its full length, sends `n_bytes` and drops the connection."""
+        self.broken[f"{repo}/{name}"] = n_bytes
 
     @property
     def endpoint(self) -> str:
@@ -86,7 +92,14 @@ class HubServer(ThreadedServer):
         if request.method == "HEAD":
             return web.Response(status=200, headers=headers)
         self.gets.append(f"{repo}/{name}")
-        return web.Response(status=200, body=data, headers=headers)
+        cut = self.broken.get(f"{repo}/{name}")
+        if cut is None:
+            return web.Response(status=200, body=data, headers=headers)
+        resp = web.StreamResponse(status=200, headers=headers)
+        await resp.prepare(request)
+        await resp.write(data[:cut])
+        request.transport.close()          # a download that fails midway
+        return resp
 
     def routes(self, app: web.Application) -> None:
         base = "/api/models/{org}/{name}"

@@ -6,6 +6,7 @@ huggingface-cli, so a model any of them fetched loads without network access. Th
 from the environment on every call (not when huggingface_hub is first imported), so a process can
 change them. Offline (`HF_HUB_OFFLINE=1` or `WEBGPU_ENGINE_OFFLINE=1`, or `offline=True`) lists and
 opens only what the HF cache holds; online, a hub that cannot be reached falls back to the cache too.
+A download that fails or is interrupted leaves no partial file in the HF cache (see _Partials).
 huggingface_hub is imported lazily: module level is the standard library only.
 """
 from __future__ import annotations
@@ -49,10 +50,14 @@ def hf_endpoint() -> str | None:
     return os.environ.get("HF_ENDPOINT") or None
 
 
+def _repo_folder(repo_id: str) -> str:
+    return "models--" + repo_id.replace("/", "--")
+
+
 def cached_snapshot(repo_id: str, revision: str | None = None) -> Path | None:
     """The snapshot folder of `repo_id` at `revision` (a branch, tag or commit; default main) in the
     HF cache, or None when the cache does not hold it."""
-    repo_dir = hf_cache_dir() / ("models--" + repo_id.replace("/", "--"))
+    repo_dir = hf_cache_dir() / _repo_folder(repo_id)
     rev = revision or "main"
     ref = repo_dir / "refs" / rev
     commit = ref.read_text().strip() if ref.is_file() else rev
@@ -113,6 +118,57 @@ def repo_files(repo_id: str, revision: str | None = None, *, offline: bool | Non
         raise _translate(e, reference, f"listing {repo_id}") from None
 
 
+class _Partials:
+    """The `*.incomplete` files of one download, removed when it fails.
+
+    huggingface_hub writes a blob to `blobs/<etag>[.<nonce>].incomplete` under the lock
+    `.locks/models--ORG--REPO/<etag>.lock` and renames it when complete. Releases before 1.x keep the
+    part on failure (to resume it later); we leave nothing half-written in any cache, so after a
+    failed or interrupted download the parts it wrote are deleted: those that appeared or changed
+    since it started and whose lock no other download (another thread or process) holds now."""
+
+    def __init__(self, repo_id: str):
+        self.blobs = hf_cache_dir() / _repo_folder(repo_id) / "blobs"
+        self.locks = hf_cache_dir() / ".locks" / _repo_folder(repo_id)
+        self.before = self._scan()
+
+    def _scan(self) -> dict[Path, tuple[int, int]]:
+        out = {}
+        for p in self.blobs.glob("*.incomplete") if self.blobs.is_dir() else ():
+            try:
+                st = p.stat()
+            except FileNotFoundError:
+                continue
+            out[p] = (st.st_mtime_ns, st.st_size)
+        return out
+
+    def remove(self) -> list[Path]:
+        """Delete this download's parts; the paths deleted."""
+        from filelock import FileLock, SoftFileLock, Timeout
+        removed = []
+        for p, sig in self._scan().items():
+            if self.before.get(p) == sig:           # untouched by this download: not ours
+                continue
+            lock_path = self.locks / f"{p.name.split('.', 1)[0]}.lock"
+            try:
+                lock = FileLock(str(lock_path), timeout=0) if lock_path.is_file() else None
+                try:
+                    if lock is not None:
+                        lock.acquire()
+                except NotImplementedError:         # no flock on this file system: a soft lock
+                    lock = SoftFileLock(str(lock_path), timeout=0)
+                    lock.acquire()
+            except Timeout:                         # another download is writing it now
+                continue
+            try:
+                p.unlink(missing_ok=True)
+                removed.append(p)
+            finally:
+                if lock is not None:
+                    lock.release()
+        return removed
+
+
 def _bars(progress, what: str):
     """A tqdm class for huggingface_hub's bars that also reports each update as
     progress(fraction, text) (byte bars for a file, file-count bars for a folder); None without one."""
@@ -136,11 +192,15 @@ def download_file(repo_id: str, filename: str, revision: str | None = None, *, o
     """The local path of one repo file (from the HF cache, else downloaded into it, reported to
     `progress(fraction, text)` when given)."""
     from huggingface_hub import hf_hub_download
+    partials = _Partials(repo_id)
     try:
         return Path(hf_hub_download(repo_id, filename, revision=revision, cache_dir=hf_cache_dir(),
                                     local_files_only=_sync_offline(offline), endpoint=hf_endpoint(),
                                     tqdm_class=_bars(progress, filename)))
-    except Exception as e:  # noqa: BLE001 - translated into typed errors
+    except BaseException as e:  # noqa: BLE001 - translated into typed errors (an interrupt: re-raised)
+        partials.remove()
+        if not isinstance(e, Exception):
+            raise
         raise _translate(e, reference or repo_id, f"fetching {filename}") from None
 
 
@@ -149,9 +209,13 @@ def download_folder(repo_id: str, allow_patterns: list[str], revision: str | Non
     """The local snapshot folder holding the repo files that match `allow_patterns` (downloads
     reported to `progress(fraction, text)` when given)."""
     from huggingface_hub import snapshot_download
+    partials = _Partials(repo_id)
     try:
         return Path(snapshot_download(repo_id, revision=revision, cache_dir=hf_cache_dir(),
                                       allow_patterns=allow_patterns, local_files_only=_sync_offline(offline),
                                       endpoint=hf_endpoint(), tqdm_class=_bars(progress, repo_id)))
-    except Exception as e:  # noqa: BLE001 - translated into typed errors
+    except BaseException as e:  # noqa: BLE001 - translated into typed errors (an interrupt: re-raised)
+        partials.remove()
+        if not isinstance(e, Exception):
+            raise
         raise _translate(e, reference or repo_id, f"fetching the files of {repo_id}") from None
