@@ -24,8 +24,9 @@ from ..kernels.common import pipeline_keys, warm_up
 from ..kernels.logit_mask import LogitMask
 from ..kernels.sampling import Sampler
 from ..models.registry import LLM, open_model
-from .detokenizer import StreamDetokenizer, safe_token_bytes
+from .detokenizer import safe_token_bytes
 from .grammar import GrammarCompiler
+from .sequence import Sequence
 from .stats import CumulativeStats, RequestStats, now
 
 _ids = itertools.count()
@@ -71,11 +72,9 @@ class LLMChatPipeline:
         self.grammars = GrammarCompiler(tokenizer, self.vocab_size, self.eos_ids)
         self._mask: LogitMask | None = None
         self._mask_op = None
-        self._matcher = None
         self.kv_ids: list[int] = []          # tokens whose K/V sit in the cache, positions 0..n-1
         self._longest_token: int | None = None
         self.stats = CumulativeStats()
-        self._req = RequestStats()
         self._new_request_state()
 
     # ------------------------------------------------------------------ loading
@@ -145,23 +144,23 @@ class LLMChatPipeline:
         self.logit_processor = proc
 
     # ------------------------------------------------------------------ request state
-    def _new_request_state(self, gen: GenerationConfig | None = None) -> None:
-        stop = list(self.chat_config.stop_str) + list(gen.stop if gen else [])
-        self.detok = StreamDetokenizer(self.tokenizer.token_bytes, stop)
-        self.output_ids: list[int] = []
-        self.token_logprobs: list[dict] = []
-        self.stopped, self.finish_reason = False, None
-        self._interrupted = False
-        self._last_token: int | None = None
-        self._max_tokens = gen.max_tokens if gen else None
-        self._ignore_eos = bool(gen.ignore_eos) if gen else False
-        self._matcher = None
-        if gen is not None and gen.grammar is not None:
-            t0 = now()
-            self._matcher = gen.grammar.matcher()
+    def _new_request_state(self, gen: GenerationConfig | None = None, req: RequestStats | None = None) -> None:
+        self.seq = self.new_sequence(gen, req)
+        if self.seq.matcher is not None:
             self._make_mask()
-            self._req.grammar = True
-            self._req.grammar_init_s = gen.grammar_init_s + (now() - t0)
+
+    def new_sequence(self, gen: GenerationConfig | None = None, req: RequestStats | None = None) -> Sequence:
+        """A generation's state (stop rules, streamed text, stats) for this model."""
+        return Sequence(self.tokenizer, self.eos_ids, self.chat_config.stop_str, self.stats, gen, req)
+
+    # the current request's state, as the engine and tests read it
+    output_ids = property(lambda self: self.seq.output_ids)
+    token_logprobs = property(lambda self: self.seq.token_logprobs)
+    stopped = property(lambda self: self.seq.stopped)
+    finish_reason = property(lambda self: self.seq.finish_reason)
+    detok = property(lambda self: self.seq.detok)
+    _req = property(lambda self: self.seq.req)
+    _last_token = property(lambda self: self.seq.last_token)
 
     def _max_token_chars(self) -> int:
         """Bytes of the longest token (>= its characters): a text of n characters has at least
@@ -198,8 +197,30 @@ class LLMChatPipeline:
     async def prefill_step(self, messages: list[dict] | None, gen: GenerationConfig,
                            prompt: str | None = None) -> None:
         """Compute the prompt (reusing the cached prefix of the conversation) and sample the first token."""
-        self._req = RequestStats(t_start=now(), breakdown=gen.latency_breakdown)
-        self._new_request_state(gen)
+        self._new_request_state(gen, RequestStats(t_start=now(), breakdown=gen.latency_breakdown))
+        ids = await self.prompt_tokens(messages, gen, prompt)
+        # KV reuse: keep the longest common prefix with what the cache holds (at least one new token
+        # must be computed to get logits); a raw prompt reuses only if it extends the cache too.
+        keep = 0
+        for a, b in zip(self.kv_ids, ids):
+            if a != b:
+                break
+            keep += 1
+        keep = min(keep, len(ids) - 1)
+        self.kv_ids = ids[:keep]
+        self._req.prompt_tokens, self._req.prefill_tokens = len(ids), len(ids) - keep
+        self._configure_sampler(gen, ids)
+        t0 = now()
+        res = await self._forward(ids[keep:], keep)
+        self._req.prefill_s = now() - t0
+        if self._req.breakdown:
+            self._req.step_s.append(self._req.prefill_s)
+        self._req.t_first_token = now()
+        self._accept(res)
+
+    async def prompt_tokens(self, messages: list[dict] | None, gen: GenerationConfig,
+                            prompt: str | None = None) -> list[int]:
+        """The request's prompt ids, checked against the context window (typed errors)."""
         kw = {} if gen.enable_thinking is None else {"enable_thinking": gen.enable_thinking}
         if gen.tools:
             kw["tools"] = gen.tools
@@ -224,31 +245,14 @@ class LLMChatPipeline:
                 param="messages")
         if not ids:
             raise InvalidRequestError("The prompt is empty.", param="prompt")
-        # KV reuse: keep the longest common prefix with what the cache holds (at least one new token
-        # must be computed to get logits); a raw prompt reuses only if it extends the cache too.
-        keep = 0
-        for a, b in zip(self.kv_ids, ids):
-            if a != b:
-                break
-            keep += 1
-        keep = min(keep, len(ids) - 1)
-        self.kv_ids = ids[:keep]
-        self._req.prompt_tokens, self._req.prefill_tokens = len(ids), len(ids) - keep
-        self._configure_sampler(gen, ids)
-        t0 = now()
-        res = await self._forward(ids[keep:], keep)
-        self._req.prefill_s = now() - t0
-        if self._req.breakdown:
-            self._req.step_s.append(self._req.prefill_s)
-        self._req.t_first_token = now()
-        self._accept(res)
+        return ids
 
     async def decode_step(self, gen: GenerationConfig | None = None) -> None:
         """Feed the last sampled token and sample the next one."""
-        if self.stopped:
+        if self.seq.stopped:
             return
-        if self._interrupted:
-            return self._finish("abort")
+        if self.seq.interrupted:
+            return self.seq.finish("abort")
         t0 = now()
         res = await self._forward([self._last_token], len(self.kv_ids), decode=True)
         dt = now() - t0
@@ -286,7 +290,7 @@ class LLMChatPipeline:
             batch = dev.batch()
         if self._req.breakdown:          # kept only when the request asked for the breakdown
             self._req.logit_processor_s.append(t_lp)
-        if self._matcher is not None:
+        if self.seq.matcher is not None:
             batch = await self._apply_mask(batch)
         self._sample_op.record(batch)
         dev.submit(batch)
@@ -299,7 +303,7 @@ class LLMChatPipeline:
         """Submit the model's step and compute the grammar's allowed tokens meanwhile (a worker
         thread: llguidance releases the GIL), upload them and start a batch that masks the logits
         (the sampler's op follows in it)."""
-        m = self._matcher
+        m = self.seq.matcher
         if _THREADS:
             job = asyncio.ensure_future(asyncio.to_thread(m.mask))
             self.dev.submit(batch)
@@ -322,68 +326,27 @@ class LLMChatPipeline:
                        struct.pack(f"<{len(data)}e", *data), lg.offset)
 
     def _accept(self, res) -> None:
-        tok = res.token
-        self._last_token = tok
-        if self.sampler.want_logprobs:
-            self.token_logprobs.append(self._logprob_entry(tok, res.logprob, res.top))
-        m = self._matcher
-        # under a grammar, an end token is only allowed where the grammar is complete: it ends the answer
-        if tok in self.eos_ids and (not self._ignore_eos or m is not None):
-            self.output_ids.append(tok)
-            return self._finish("stop")
-        self.output_ids.append(tok)
-        if m is not None and not m.consume(tok):
-            raise RuntimeError(f"the sampler gave token {tok}, which the grammar does not allow: {m.error}")
-        if self.detok.add(tok):
-            return self._finish("stop")
-        if m is not None and m.stopped:          # the grammar allows nothing more
-            return self._finish("stop")
-        if self._max_tokens is not None and len(self.output_ids) >= self._max_tokens:
-            return self._finish("length")
-        if len(self.kv_ids) >= self.model.ctx:     # no room to feed this token back
-            return self._finish("length")
-
-    def _finish(self, reason: str) -> None:
-        self.stopped, self.finish_reason = True, reason
-        if self._matcher is not None:
-            self._req.grammar_mask_s, self._req.grammar_steps = self._matcher.mask_s, self._matcher.steps
-            self._matcher = None
-        self.detok.flush()         # the last delta stays for take_delta
-        self._req.t_end = now()
-        self.stats.add(self._req)
-
-    def _logprob_entry(self, tok: int, lp: float, top) -> dict:
-        token_bytes = safe_token_bytes(self.tokenizer.token_bytes)
-
-        def ent(t, v):
-            b = token_bytes(t)
-            return {"token": b.decode("utf-8", "replace"), "logprob": float(v), "bytes": list(b)}
-        e = ent(tok, lp)
-        e["top_logprobs"] = [ent(t, v) for t, v in top]
-        return e
+        self.seq.accept(res.token, res.logprob, res.top, len(self.kv_ids), self.model.ctx)
 
     # ------------------------------------------------------------------ results
     def take_delta(self) -> str:
-        return self.detok.take_delta()
+        return self.seq.take_delta()
 
     def get_message(self) -> str:
-        return self.detok.text
+        return self.seq.get_message()
 
     def usage(self) -> dict:
-        r = self._req
-        n = len(self.output_ids)
-        return {"prompt_tokens": r.prompt_tokens, "completion_tokens": n,
-                "total_tokens": r.prompt_tokens + n, "extra": r.extra()}
+        return self.seq.usage()
 
     def interrupt(self) -> None:
-        self._interrupted = True
+        self.seq.interrupted = True
 
     def reset_chat(self, keep_stats: bool = False) -> None:
         self.kv_ids = []
-        self._new_request_state()
-        self.stopped = True
         if not keep_stats:
             self.stats = CumulativeStats()
+        self._new_request_state()
+        self.seq.stopped = True
 
     def runtime_stats_text(self) -> str:
         return self.stats.text()
@@ -405,7 +368,7 @@ class LLMChatPipeline:
             raise InvalidRequestError(f"input id {bad} is outside the model's vocabulary (0..{rows - 1}).",
                                       param="input_ids")
         self._configure_sampler(gen, self.kv_ids + ids)
-        self._matcher = None                     # the low-level path samples unconstrained
+        self.seq.matcher = None                  # the low-level path samples unconstrained
         t0 = now()
         res = await self._forward(ids, len(self.kv_ids))
         r = RequestStats()
@@ -414,7 +377,7 @@ class LLMChatPipeline:
         else:
             r.decode_tokens, r.decode_s = 1, now() - t0
         self.stats.add(r)
-        self._last_token = res.token
+        self.seq.last_token = res.token
         return res.token
 
     def dispose(self) -> None:
