@@ -22,8 +22,11 @@ WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "
 class StubTokenizer:
     vocab_size = 1000
 
-    def encode(self, text: str) -> list[int]:
-        return [sum(map(ord, w)) % self.vocab_size for w in text.split()]
+    def encode(self, text: str, add_special_tokens: bool = False, max_length: int | None = None) -> list[int]:
+        return [sum(map(ord, w)) % self.vocab_size for w in text.split()][:max_length]
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return f"<{token_id}>".encode()
 
 
 class StubGrammars:

@@ -10,8 +10,10 @@ from webgpu_engine.config import ChatConfig
 from webgpu_engine.engine import create_mlc_engine
 from webgpu_engine.pipelines.embedding import EmbeddingPipeline
 from webgpu_engine.pipelines.llm import LLMChatPipeline
-from webgpu_engine.pipelines.protocol import (ChatPipelineProtocol, EmbeddingPipelineProtocol,
-                                              PipelineContractError, check_pipeline, conformance_problems)
+from webgpu_engine.pipelines.protocol import (ChatPipelineProtocol, ChatTemplateProtocol, ChatTokenizerProtocol,
+                                              EmbeddingPipelineProtocol, EmbeddingTokenizerProtocol,
+                                              GrammarCompilerProtocol, PipelineContractError, check_pipeline,
+                                              conformance_problems)
 
 CHAT_ATTRS = {"dev", "owner", "chat_config", "tokenizer", "template", "vocab_size", "grammars", "stopped",
               "finish_reason", "token_logprobs"}
@@ -120,3 +122,77 @@ async def test_engine_refuses_a_nonconforming_factory_before_loading(device):
     with pytest.raises(PipelineContractError, match="model stub-emb.*no attribute 'owner'"):
         await create_mlc_engine("stub-emb", cfg)
     assert device.allocated_bytes("model:stub-emb") == 0      # the partial load was freed
+
+
+# --------------------------------------------------------------------------- a pipeline's parts
+def test_the_real_parts_conform(tmp_path):
+    """Tokenizers (pure Python and native, BPE, SentencePiece and WordPiece), the chat template and
+    the grammar compiler, as classes and as the objects the loaders build."""
+    from test_spm import spm_metadata
+    from tinymodels import write_tiny_bert, write_tiny_llama_gguf
+    from webgpu_engine.loaders.bpe import BPETokenizer
+    from webgpu_engine.loaders.chat_template import ChatTemplate
+    from webgpu_engine.loaders.spm import SPMTokenizer
+    from webgpu_engine.loaders.tokenizer import load_tokenizer
+    from webgpu_engine.loaders.wordpiece import WordPieceTokenizer
+    from webgpu_engine.pipelines.grammar import GrammarCompiler
+    for cls in (BPETokenizer, SPMTokenizer):
+        assert conformance_problems(cls, ChatTokenizerProtocol) == [], cls
+    assert conformance_problems(WordPieceTokenizer, EmbeddingTokenizerProtocol) == []
+    assert conformance_problems(GrammarCompiler, GrammarCompilerProtocol) == []
+    assert conformance_problems(ChatTemplate, ChatTemplateProtocol, attributes=False) == []
+    gguf = write_tiny_llama_gguf(tmp_path / "tiny.gguf")["path"]
+    bert = write_tiny_bert(tmp_path / "tiny-bert")["folder"]
+    for native in (False, True):
+        for source in (gguf, spm_metadata()):
+            tok = load_tokenizer(source, native=native)
+            assert conformance_problems(tok, ChatTokenizerProtocol) == [], (type(tok), source)
+        enc = load_tokenizer(bert, native=native, encoder=True)
+        assert conformance_problems(enc, EmbeddingTokenizerProtocol) == [], type(enc)
+    assert conformance_problems(ChatTemplate("{{ messages[0].content }}"), ChatTemplateProtocol) == []
+
+
+async def test_a_loaded_pipelines_parts_are_checked(device, tmp_path):
+    from tinymodels import write_tiny_bert
+    emb = await EmbeddingPipeline.load(device, write_tiny_bert(tmp_path / "tiny-bert")["folder"],
+                                       ChatConfig(compile_at_load=False))
+    try:
+        assert conformance_problems(emb, EmbeddingPipelineProtocol) == []        # its tokenizer included
+    finally:
+        emb.dispose()
+    llm = await StubLLM.load(device, "stub/llm", ChatConfig(), model_id="parts-llm")
+    try:
+        class NoBytes:                      # a tokenizer without token_bytes
+            def encode(self, text, add_special_tokens=False):
+                return []
+
+        class Template:                     # a template that takes no template variables
+            source = ""
+
+            def render(self, messages, add_generation_prompt=True, **kw):
+                return ""
+
+            def encode(self, tokenizer, messages, add_generation_prompt=True):
+                return []
+        llm.tokenizer, llm.template, llm.grammars = NoBytes(), Template(), None
+        assert conformance_problems(llm, ChatPipelineProtocol) == [
+            "tokenizer: no method token_bytes()", "template: encode() takes no **keyword arguments (**variables)",
+            "grammars is None"]
+        llm.template = None                 # a model without a chat template is fine
+        assert conformance_problems(llm, ChatPipelineProtocol) == ["tokenizer: no method token_bytes()",
+                                                                   "grammars is None"]
+    finally:
+        llm.dispose()
+
+
+async def test_engine_refuses_a_pipeline_whose_tokenizer_does_not_conform(device):
+    class NoBytesLLM(StubLLM):
+        def __init__(self, *a):
+            super().__init__(*a)
+            self.tokenizer = type("Tok", (), {"encode": lambda self, text, add_special_tokens=False: []})()
+
+    cfg = stub_config(device)
+    cfg.pipeline_factories = {"llm": NoBytesLLM, "embedding": StubEmbedder}
+    with pytest.raises(PipelineContractError, match=r"model stub-llm.*tokenizer: no method token_bytes\(\)"):
+        await create_mlc_engine("stub-llm", cfg)
+    assert device.allocated_bytes("model:stub-llm") == 0

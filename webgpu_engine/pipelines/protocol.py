@@ -20,9 +20,53 @@ if TYPE_CHECKING:
     from pathlib import Path
 
     from ..config import ChatConfig, GenerationConfig
+    from .grammar import Grammar
 
 Progress = Callable[[float, str], None]      # (fraction 0..1, text), called during a load
 Cancelled = Callable[[], bool]               # polled between batches; True stops the step
+
+
+# --------------------------------------------------------------------------- a pipeline's parts
+class ChatTokenizerProtocol(Protocol):
+    """A chat model's tokenizer (loaders: BPETokenizer, SPMTokenizer, NativeTokenizer): prompt ids,
+    and each token's bytes (streamed text, logprobs, grammar masks)."""
+
+    def encode(self, text: str, /, *, add_special_tokens: bool = False) -> list[int]: ...
+
+    def token_bytes(self, token_id: int, /) -> bytes: ...
+
+
+class EmbeddingTokenizerProtocol(Protocol):
+    """An embedder's tokenizer (WordPieceTokenizer, NativeWordPiece): ids with the model's special
+    tokens, truncated to max_length."""
+
+    def encode(self, text: str, /, *, add_special_tokens: bool = True,
+               max_length: int | None = None) -> list[int]: ...
+
+
+class ChatTemplateProtocol(Protocol):
+    """A chat template (loaders.chat_template.ChatTemplate). The engine reads `source` to pick the
+    tool-call format; the pipeline encodes conversations, passing template variables (tools=,
+    enable_thinking=, ...) as keywords."""
+
+    source: str
+
+    def render(self, messages: list[dict], /, *, add_generation_prompt: bool = True, **variables: Any) -> str: ...
+
+    def encode(self, tokenizer: ChatTokenizerProtocol, messages: list[dict], /, *,
+               add_generation_prompt: bool = True, **variables: Any) -> list[int]: ...
+
+
+class GrammarCompilerProtocol(Protocol):
+    """Compiles a response_format (or a forced tool call's grammar) for one model's vocabulary
+    (pipelines.grammar.GrammarCompiler); the engine calls it before taking the model's lock."""
+
+    def compile(self, fmt: dict, /) -> Grammar: ...
+
+
+# A pipeline attribute annotated with one of these is checked on the loaded object too.
+_PARTS = {p.__name__: p for p in (ChatTokenizerProtocol, EmbeddingTokenizerProtocol, ChatTemplateProtocol,
+                                  GrammarCompilerProtocol)}
 
 
 class ChatPipelineProtocol(Protocol):
@@ -32,10 +76,10 @@ class ChatPipelineProtocol(Protocol):
     dev: Any                        # the gpu Device the model lives on (device-loss checks)
     owner: str                      # gpu buffer owner of the model's buffers (freed on unload)
     chat_config: ChatConfig         # the per-load config, defaults of each request's sampling
-    tokenizer: Any
-    template: Any                   # ChatTemplate | None: tool-call format, how tools are rendered
+    tokenizer: ChatTokenizerProtocol
+    template: ChatTemplateProtocol | None   # None: no template (tools go into the system message)
     vocab_size: int                 # ids the sampler may give (logit_bias ids are checked against it)
-    grammars: Any                   # GrammarCompiler: .compile(response_format) -> Grammar
+    grammars: GrammarCompilerProtocol
     stopped: bool                   # the current answer is finished
     finish_reason: str | None       # "stop" | "length" | "abort" | None
     token_logprobs: list            # OpenAI logprobs entries of the current answer
@@ -82,7 +126,7 @@ class EmbeddingPipelineProtocol(Protocol):
     dev: Any
     owner: str
     chat_config: ChatConfig
-    tokenizer: Any
+    tokenizer: EmbeddingTokenizerProtocol
     max_seq_length: int             # the longest input in tokens (/v1/models' context_window)
     is_reranker: bool               # a cross-encoder answers rerank_step only, an embedder embed_*
 
@@ -123,15 +167,14 @@ class PipelineContractError(TypeError):
                          ". See webgpu_engine/pipelines/protocol.py.")
 
 
-def _members(protocol: type) -> tuple[list[str], list[str]]:
-    """(data attribute names, method names) the protocol declares, its bases' included."""
-    data, methods = [], []
+def _members(protocol: type) -> tuple[dict[str, str], list[str]]:
+    """({data attribute name: its annotation}, method names) the protocol declares, its bases' included."""
+    data, methods = {}, []
     for base in reversed(protocol.__mro__):
         if base in (object, Protocol) or not getattr(base, "_is_protocol", False):
             continue
-        for name in base.__dict__.get("__annotations__", {}):
-            if name not in data:
-                data.append(name)
+        for name, annotation in base.__dict__.get("__annotations__", {}).items():
+            data.setdefault(name, str(annotation))
         for name, v in base.__dict__.items():
             if name.startswith("_") or name in methods:
                 continue
@@ -156,6 +199,10 @@ def _signature_problems(name: str, want: inspect.Signature, have: inspect.Signat
     positional = [p for p in hp if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     used, out = set(), []
     for i, w in enumerate(wp):
+        if w.kind == w.VAR_KEYWORD:               # callers pass further keywords of their choice
+            if not var_kw:
+                out.append(f"{name}() takes no **keyword arguments (**{w.name})")
+            continue
         if w.kind == w.POSITIONAL_ONLY:
             h = positional[i] if i < len(positional) else None
             if h is None and not var_pos:
@@ -187,26 +234,44 @@ def conformance_problems(obj: Any, protocol: type, *, attributes: bool = True) -
     out = [f"no attribute {n!r}" for n in data if attributes and not _has_data(obj, n)]
     for name in methods:
         want_raw = inspect.getattr_static(protocol, name)
+        forwarded = False
         try:
             have_raw = inspect.getattr_static(cls, name)
         except AttributeError:
-            out.append(f"no method {name}()")
-            continue
+            # an object may forward members (__getattr__: NativeTokenizer gives its base's token_bytes)
+            have_raw = getattr(obj, name, None) if not isinstance(obj, type) else None
+            forwarded = True
+            if have_raw is None:
+                out.append(f"no method {name}()")
+                continue
         if isinstance(want_raw, classmethod) and not isinstance(have_raw, classmethod):
             out.append(f"{name}() must be a classmethod")
             continue
-        want, have = getattr(protocol, name), getattr(cls, name)
+        want, have = getattr(protocol, name), have_raw if forwarded else getattr(cls, name)
         if not callable(have):
             out.append(f"{name} is not callable")
             continue
         if inspect.iscoroutinefunction(want) != inspect.iscoroutinefunction(have):
             out.append(f"{name}() must {'' if inspect.iscoroutinefunction(want) else 'not '}be async")
-        bound = not isinstance(want_raw, classmethod)      # drop `self` of plain methods
         ws, hs = inspect.signature(want), inspect.signature(have)
-        if bound:
+        if not isinstance(want_raw, classmethod):           # drop `self` of plain methods
             ws = ws.replace(parameters=list(ws.parameters.values())[1:])
-            hs = hs.replace(parameters=list(hs.parameters.values())[1:])
+            if not inspect.ismethod(have):                  # a forwarded member comes bound already
+                hs = hs.replace(parameters=list(hs.parameters.values())[1:])
         out += _signature_problems(name, ws, hs)
+    if attributes and not isinstance(obj, type):            # a loaded object's parts: theirs too
+        for name, annotation in data.items():
+            kinds = [k.strip() for k in annotation.split("|")]
+            part = next((_PARTS[k] for k in kinds if k in _PARTS), None)
+            if part is None or not hasattr(obj, name):
+                continue
+            value = getattr(obj, name)
+            if value is None and "None" in kinds:
+                continue
+            if value is None:
+                out.append(f"{name} is None")
+                continue
+            out += [f"{name}: {p}" for p in conformance_problems(value, part)]
     return out
 
 
