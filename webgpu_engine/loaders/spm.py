@@ -218,6 +218,13 @@ class SPMTokenizer:
         text = b"".join(parts).decode("utf-8", "replace")
         return text[1:] if self.add_space_prefix and text.startswith(" ") else text
 
+    @property
+    def decode_strips_leading_space(self) -> bool:
+        """decode() drops one leading space (the word boundary the encoder puts in front), so a
+        streamed reply drops its first token's too (pipelines/detokenizer.py), as transformers'
+        decode of the reply's ids does."""
+        return self.add_space_prefix
+
     def id_to_token(self, token_id: int) -> str:
         return self.tokens[token_id]
 

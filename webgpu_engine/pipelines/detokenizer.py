@@ -10,7 +10,10 @@ never show a stop string (held back while it may still be forming, cut when it c
 
 Bytes of a character split across tokens (emoji, CJK in byte-level BPE) wait until the character is
 complete; invalid sequences become U+FFFD exactly once, and at `finish` a truncated tail does too, so
-no byte is lost. Standard library only (runs in the page).
+no byte is lost. A SentencePiece reply ("▁Hello▁world") loses the space in front of its first word, as
+the tokenizer's decode of the whole reply does (`strip_leading_space`; by default the tokenizer that
+`token_bytes` belongs to says, by its `decode_strips_leading_space`), so the streamed text equals the
+decoded one. Standard library only (runs in the page).
 """
 from __future__ import annotations
 
@@ -30,7 +33,12 @@ def safe_token_bytes(token_bytes: Callable[[int], bytes]) -> Callable[[int], byt
 
 
 class StreamDetokenizer:
-    def __init__(self, token_bytes: Callable[[int], bytes], stop: Iterable[str] = ()):
+    def __init__(self, token_bytes: Callable[[int], bytes], stop: Iterable[str] = (),
+                 strip_leading_space: bool | None = None):
+        if strip_leading_space is None:     # as the decode of the tokenizer this method belongs to
+            owner = getattr(token_bytes, "__self__", None)
+            strip_leading_space = bool(getattr(owner, "decode_strips_leading_space", False))
+        self._strip_first = strip_leading_space     # until the first text arrives
         self._token_bytes = safe_token_bytes(token_bytes)
         self.stop = [s for s in dict.fromkeys(stop) if s]
         self._max_stop = max((len(s) for s in self.stop), default=0)
@@ -81,6 +89,11 @@ class StreamDetokenizer:
     def _append(self, piece: str) -> None:
         if not piece:
             return
+        if self._strip_first:
+            self._strip_first = False
+            piece = piece[1:] if piece.startswith(" ") else piece
+            if not piece:
+                return
         start = len(self.text)
         self.text += piece
         if not self.stop:
