@@ -149,6 +149,12 @@ class StubLLM:
     def reset_chat(self, keep_stats=False):
         self._out, self._sent = [], 0
 
+    def sequence(self):
+        return self          # one request at a time
+
+    def close(self) -> None:
+        pass
+
     def runtime_stats_text(self) -> str:
         return f"stub: {self.steps} decode steps"
 

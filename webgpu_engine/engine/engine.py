@@ -25,7 +25,7 @@ from typing import Any
 from .. import gpu
 from ..config import ChatConfig, GenerationConfig
 from ..pipelines.protocol import ChatPipelineProtocol, EmbeddingPipelineProtocol, check_pipeline
-from ..errors import (DeviceLostError, FeatureSupportError, IncorrectPipelineLoadedError,
+from ..errors import (ChatOptionTypeError, DeviceLostError, FeatureSupportError, IncorrectPipelineLoadedError,
                       InvalidRequestError, ReloadAbortedError, UnsupportedChatOptionError, ModelBusyError, ModelNotLoadedError, ModelUnloadedError,
                       ReloadArgumentSizeUnmatchedError, RequestTimeoutError,
                       ReloadModelIdNotUniqueError, ShaderF16SupportError, SpecifiedModelNotFoundError,
@@ -83,6 +83,11 @@ class _Plan:
     estimate: memory.MemoryEstimate | None = None
 
 
+def _places(pipe, model_type: str) -> int:
+    """Requests a model serves at once: a chat model's batch (max_num_sequences), else one."""
+    return max(1, int(pipe.chat_config.max_num_sequences)) if model_type == LLM else 1
+
+
 def _protocol(model_type: str) -> type:
     """The pipeline contract of a model type (an unknown type loads as an embedder, see _factory)."""
     return ChatPipelineProtocol if model_type == LLM else EmbeddingPipelineProtocol
@@ -102,6 +107,17 @@ def _check_chat_options(cc: ChatConfig) -> None:
             "attention_sink_size", cc.attention_sink_size,
             "attention sinks only apply to a sliding window, which this engine does not have; leave "
             "it at 0.")
+    # continuous batching: at most 256 sequences, blocks of a power of two 1..256 tokens
+    for name, ok, expected in (
+            ("max_num_sequences", 1 <= cc.max_num_sequences <= 256, "an integer in 1..256"),
+            ("kv_block_size", 1 <= cc.kv_block_size <= 256 and cc.kv_block_size & (cc.kv_block_size - 1) == 0,
+             "a power of two in 1..256"),
+            ("kv_pool_tokens", cc.kv_pool_tokens >= 0, "0 (automatic) or a positive number of tokens")):
+        if not ok:
+            raise ChatOptionTypeError(name, expected, getattr(cc, name))
+    if cc.max_num_sequences > cc.prefill_chunk_size:
+        raise ChatOptionTypeError("max_num_sequences", f"at most prefill_chunk_size ({cc.prefill_chunk_size})",
+                                  cc.max_num_sequences)
 
 
 class AsyncMLCEngine:
@@ -329,7 +345,8 @@ class AsyncMLCEngine:
             raise
         owners = (set(dev.allocations()) - before - SHARED_OWNERS) | {f"model:{model_id}", pipe.owner}
         return LoadedModel(model_id, rec, pipe, pipe.chat_config,
-                           rec.model_type, FIFOLock(model_id), 0, owners, plan.estimate)
+                           rec.model_type, FIFOLock(model_id, _places(pipe, rec.model_type)), 0, owners,
+                           plan.estimate)
 
     def _check_features(self, dev, rec: ModelRecord, opts: dict | None) -> ModelRecord:
         if (opts or {}).get("dtype") == "f16" and not dev.has_f16:
@@ -618,7 +635,7 @@ class AsyncMLCEngine:
     def queue_lengths(self) -> dict[str, int]:
         """Waiting requests per loaded model (+1 for the one running), for /metrics; an embedder's
         coalesced requests count one by one, not as the one group queued on the lock."""
-        return {m: lm.lock.queue_length + (1 if lm.lock.locked else 0)
+        return {m: lm.lock.queue_length + lm.lock.held
                 + (lm.coalescer.queued_past_lock() if lm.coalescer is not None else 0)
                 for m, lm in self.models.items()}
 

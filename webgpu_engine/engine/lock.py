@@ -1,4 +1,5 @@
-"""A strictly FIFO asyncio lock (one per loaded model): requests run one at a time in arrival order.
+"""A strictly FIFO asyncio lock (one per loaded model): requests are served in arrival order, one at a
+time or, for a chat model with continuous batching, up to `capacity` at once.
 
 asyncio.Lock lets a newcomer take a just-released lock before a woken waiter runs; here release hands
 the lock directly to the oldest waiter, so arrival order is service order. Cancelling a waiter removes
@@ -14,16 +15,26 @@ from collections import deque
 
 
 class FIFOLock:
-    def __init__(self, name: str = ""):
-        self.name = name
-        self._locked = False
+    """`capacity` holders at once (1: a lock; a chat model with continuous batching admits
+    max_num_sequences requests), the rest served in arrival order."""
+
+    def __init__(self, name: str = "", capacity: int = 1):
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        self.name, self.capacity = name, int(capacity)
+        self._held = 0
         self._waiters: deque[asyncio.Future] = deque()
-        self._held_since = 0.0
+        self._starts: deque[float] = deque()   # when the current holders took it (oldest first)
         self.mean_hold_s = 0.0         # exponential moving average over recent holders
 
     @property
     def locked(self) -> bool:
-        return self._locked
+        """True when a newcomer would have to wait (every place is held)."""
+        return self._held >= self.capacity
+
+    @property
+    def held(self) -> int:
+        return self._held
 
     @property
     def queue_length(self) -> int:
@@ -32,12 +43,12 @@ class FIFOLock:
 
     def retry_after(self) -> int:
         """Whole seconds until the queue as it is now has likely drained (at least 1)."""
-        return max(1, math.ceil(self.mean_hold_s * (self.queue_length + 1)))
+        return max(1, math.ceil(self.mean_hold_s * (self.queue_length + 1) / self.capacity))
 
     async def acquire(self) -> None:
-        if not self._locked and not self._waiters:
-            self._locked = True
-            self._held_since = time.monotonic()
+        if self._held < self.capacity and not self._waiters:
+            self._held += 1
+            self._starts.append(time.monotonic())
             return
         fut = asyncio.get_running_loop().create_future()
         self._waiters.append(fut)
@@ -55,18 +66,18 @@ class FIFOLock:
             raise
 
     def release(self) -> None:
-        if not self._locked:
+        if self._held <= 0:
             raise RuntimeError(f"FIFOLock {self.name!r} released while not held")
         now = time.monotonic()
-        held = now - self._held_since
+        held = now - self._starts.popleft()     # the oldest holder's time: a FIFO estimate
         self.mean_hold_s = held if self.mean_hold_s == 0.0 else 0.8 * self.mean_hold_s + 0.2 * held
         while self._waiters:
             fut = self._waiters.popleft()
             if not fut.done():
-                fut.set_result(True)   # ownership moves to that waiter; stays locked
-                self._held_since = now
+                fut.set_result(True)   # the place moves to that waiter; the count stays
+                self._starts.append(now)
                 return
-        self._locked = False
+        self._held -= 1
 
     async def __aenter__(self) -> "FIFOLock":
         await self.acquire()

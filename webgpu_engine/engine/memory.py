@@ -126,7 +126,9 @@ def estimate_for(model_type: str, path, chat_config, dev) -> MemoryEstimate:
     if arch.kind == "llm":
         dtype = chat_config.dtype if chat_config.dtype != "auto" else ("f16" if dev.has_f16 else "f32")
         return arch.estimate(cfg, shapes, context_window=chat_config.context_window_size,
-                             prefill_chunk=chat_config.prefill_chunk_size, act_dtype=dtype, max_binding=limit)
+                             prefill_chunk=chat_config.prefill_chunk_size, act_dtype=dtype, max_binding=limit,
+                             max_num_sequences=chat_config.max_num_sequences,
+                             kv_block_size=chat_config.kv_block_size, kv_pool_tokens=chat_config.kv_pool_tokens)
     max_len = min(chat_config.max_seq_length or st.max_seq_length or cfg.max_position, cfg.max_position)
     dtype = "f32" if chat_config.dtype == "auto" else chat_config.dtype
     return arch.estimate(cfg, shapes, max_batch_size=chat_config.max_batch_size, max_seq_length=max_len,

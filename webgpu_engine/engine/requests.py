@@ -110,35 +110,38 @@ def _choice_gen(gen: GenerationConfig, i: int) -> GenerationConfig:
     return replace(gen, seed=gen.seed + i)
 
 
-async def _steps(engine, lm, gen: GenerationConfig, messages=None, prompt=None,
+async def _steps(engine, lm, seq, gen: GenerationConfig, messages=None, prompt=None,
                  deadline: float | None = None) -> AsyncIterator[tuple[str, list]]:
-    """One choice: prefill then decode until the pipeline stops. Yields (text delta, new logprob
-    entries) after each step. Each step yields to the event loop (other requests, disconnects).
-    Past `deadline` (loop time) the next step raises RequestTimeoutError instead."""
-    pipe = lm.pipeline
-    # Before each step: was the model dropped meanwhile (unload, reload, a loss seen by another
-    # request)? Then stop here instead of touching its freed buffers.
-    engine.check_loaded(lm, "prefill")
-    engine.check_deadline(deadline, "prefill")
-    await engine.guard(pipe.prefill_step(messages, gen, prompt=prompt), lm, "prefill")
-    seen = 0
-    while True:
-        delta = pipe.take_delta()
-        entries = []
-        if gen.logprobs:
-            lps = pipe.token_logprobs or []
-            entries, seen = list(lps[seen:]), len(lps)
-        if delta or entries:
-            yield delta, entries
-        if pipe.stopped:
-            break
-        engine.check_loaded(lm, "decode")
-        engine.check_deadline(deadline, "decode")
-        await engine.guard(pipe.decode_step(gen), lm, "decode")
-        await asyncio.sleep(0)
-    tail = pipe.take_delta()   # held-back text (a partial stop string that was not one)
-    if tail:
-        yield tail, []
+    """One choice, generated through `seq` (lm.pipeline.sequence(): the pipeline itself, or a
+    sequence of its batch scheduler): prefill then decode until it stops. Yields (text delta, new
+    logprob entries) after each step. Each step yields to the event loop (other requests,
+    disconnects). Past `deadline` (loop time) the next step raises RequestTimeoutError instead."""
+    try:
+        # Before each step: was the model dropped meanwhile (unload, reload, a loss seen by another
+        # request)? Then stop here instead of touching its freed buffers.
+        engine.check_loaded(lm, "prefill")
+        engine.check_deadline(deadline, "prefill")
+        await engine.guard(seq.prefill_step(messages, gen, prompt=prompt), lm, "prefill")
+        seen = 0
+        while True:
+            delta = seq.take_delta()
+            entries = []
+            if gen.logprobs:
+                lps = seq.token_logprobs or []
+                entries, seen = list(lps[seen:]), len(lps)
+            if delta or entries:
+                yield delta, entries
+            if seq.stopped:
+                break
+            engine.check_loaded(lm, "decode")
+            engine.check_deadline(deadline, "decode")
+            await engine.guard(seq.decode_step(gen), lm, "decode")
+            await asyncio.sleep(0)
+        tail = seq.take_delta()   # held-back text (a partial stop string that was not one)
+        if tail:
+            yield tail, []
+    finally:
+        seq.close()
 
 
 def _usage(usages: list[dict], t0: float) -> dict:
@@ -252,11 +255,12 @@ async def _create_text(engine, req: dict, chat: bool):
                 # the interrupted one are empty, with finish_reason "abort"
                 finish = "abort"
             else:
-                async for delta, entries in _steps(engine, lm, g, messages, prompt, deadline):
+                seq = lm.pipeline.sequence()
+                async for delta, entries in _steps(engine, lm, seq, g, messages, prompt, deadline):
                     parts.append(delta)
                     lps.extend(entries)
-                finish = lm.pipeline.finish_reason or "stop"
-                usages.append(lm.pipeline.usage())
+                finish = seq.finish_reason or "stop"
+                usages.append(seq.usage())
             text = "".join(parts)
             if chat:
                 msg = {"role": "assistant", "content": text}
@@ -337,7 +341,7 @@ async def _stream(engine, lm, req, gen, rid, created, kind, messages, prompt, de
                         delta, entries, sent, held_lps = text[sent:safe], held_lps, safe, []
                     yield piece(delta, entries, first=first and chat)
                     first = False
-                stream.finish_reason = lm.pipeline.finish_reason or "stop"
+                stream.finish_reason = seq.finish_reason or "stop"
                 if tools is not None and sent < len(text):
                     msg = {"content": text}
                     stream.finish_reason = tools.finish(msg, stream.finish_reason)
@@ -348,7 +352,7 @@ async def _stream(engine, lm, req, gen, rid, created, kind, messages, prompt, de
                         first = False
                 if not chat and req.get("suffix"):
                     yield piece(req["suffix"])
-                stream.usage = _usage([lm.pipeline.usage()], t0)
+                stream.usage = _usage([seq.usage()], t0)
                 yield piece("", finish=stream.finish_reason)
                 if include_usage:
                     yield chunk([], stream.usage)
@@ -358,7 +362,8 @@ async def _stream(engine, lm, req, gen, rid, created, kind, messages, prompt, de
         return agen()
 
     try:
-        steps = _steps(engine, lm, gen, messages, prompt, deadline)
+        seq = lm.pipeline.sequence()
+        steps = _steps(engine, lm, seq, gen, messages, prompt, deadline)
         # Run the prefill now, under the lock: its errors (context too long, device lost) raise
         # from create() and become proper HTTP errors instead of a broken stream.
         first_item = await steps.__anext__()

@@ -46,10 +46,13 @@ def _weight_bytes(t, max_binding: int) -> tuple[int, int]:
 
 
 def estimate_llm(cfg, tensors: dict, *, context_window: int, prefill_chunk: int, act_dtype: str,
-                 max_binding: int) -> MemoryEstimate:
+                 max_binding: int, max_num_sequences: int = 1, kv_block_size: int = 16,
+                 kv_pool_tokens: int = 0) -> MemoryEstimate:
     """A Llama-family decoder as models/llama.py + the sampler allocate it. `tensors`: our weight names
     → TensorInfo (only names, qtypes and shapes are used). The context window is clamped to the
-    model's trained length, as the model does."""
+    model's trained length, as the model does. With max_num_sequences > 1 the paged KV pool of the
+    batch scheduler (pipelines/scheduler.py: kv_pool_tokens, default max_num_sequences x the
+    context, at least one context and a block), its logits rows and per-slot samplers come on top."""
     esz = 2 if act_dtype == "f16" else 4
     limit = cfg.context_length if cfg.context_length > 0 else context_window
     ctx = min(context_window, limit) if context_window > 0 else limit
@@ -74,7 +77,13 @@ def estimate_llm(cfg, tensors: dict, *, context_window: int, prefill_chunk: int,
                        (4 * V, "logits")):
         if size > largest:
             largest, label = size, what
-    return MemoryEstimate(weights, kv_tok * ctx, act, ctx, kv_tok, partials, largest, label)
+    kv = kv_tok * ctx
+    if max_num_sequences > 1:
+        bs = kv_block_size
+        pool = max(-(-(kv_pool_tokens or max_num_sequences * ctx) // bs), -(-ctx // bs) + 1) * bs
+        kv += kv_tok * pool
+        act += max_num_sequences * (esz * 2 * V + 4 * V * 3 + 4 * (V + 31) // 32 + 4096)
+    return MemoryEstimate(weights, kv, act, ctx, kv_tok, partials, largest, label)
 
 
 def estimate_bert(cfg, tensors: dict, *, max_batch_size: int, max_seq_length: int, act_dtype: str,

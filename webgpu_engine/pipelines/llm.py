@@ -76,6 +76,12 @@ class LLMChatPipeline:
         self._longest_token: int | None = None
         self.stats = CumulativeStats()
         self._new_request_state()
+        self.scheduler = None
+        self._solo = asyncio.Lock()
+        if chat_config.max_num_sequences > 1:      # continuous batching over a paged KV cache
+            from .scheduler import Scheduler
+            self.scheduler = Scheduler(self, chat_config.max_num_sequences, chat_config.kv_block_size,
+                                       chat_config.kv_pool_tokens or None)
 
     # ------------------------------------------------------------------ loading
     @classmethod
@@ -123,8 +129,17 @@ class LLMChatPipeline:
         self._make_mask()                 # the grammar mask's kernel too (its buffer is 4 B per 32 ids)
         samplers = [self._mask_op, self._sample_op.greedy, self._sample_op.full]
 
+        sched = self.scheduler
+        paged = [sched.fwd.ops(kind, T) for kind, T in sched.compile_ops()] if sched else []
+
         def record(batch, warmed):
             keys = self.model.compile(batch, warmed)
+            pkeys = pipeline_keys([op for ops in paged for op in ops])
+            if not pkeys <= warmed:           # inputs all zero: idle rows, KV rows of block 0
+                for ops in paged:
+                    for op in ops:
+                        op.record(batch)
+                keys |= pkeys
             skeys = pipeline_keys(samplers)
             if not skeys <= warmed:
                 self.sampler.configure(temperature=0.0)
@@ -144,14 +159,17 @@ class LLMChatPipeline:
         self.logit_processor = proc
 
     # ------------------------------------------------------------------ request state
-    def _new_request_state(self, gen: GenerationConfig | None = None, req: RequestStats | None = None) -> None:
-        self.seq = self.new_sequence(gen, req)
+    def _new_request_state(self, gen: GenerationConfig | None = None, req: RequestStats | None = None,
+                           raw: bool = False) -> None:
+        self.seq = self.new_sequence(gen, req, raw)
         if self.seq.matcher is not None:
             self._make_mask()
 
-    def new_sequence(self, gen: GenerationConfig | None = None, req: RequestStats | None = None) -> Sequence:
-        """A generation's state (stop rules, streamed text, stats) for this model."""
-        return Sequence(self.tokenizer, self.eos_ids, self.chat_config.stop_str, self.stats, gen, req)
+    def new_sequence(self, gen: GenerationConfig | None = None, req: RequestStats | None = None,
+                     raw: bool = False) -> Sequence:
+        """A generation's state (stop rules, streamed text, stats) for this model; raw: it continues
+        a completion prompt (not a chat reply)."""
+        return Sequence(self.tokenizer, self.eos_ids, self.chat_config.stop_str, self.stats, gen, req, raw)
 
     # the current request's state, as the engine and tests read it
     output_ids = property(lambda self: self.seq.output_ids)
@@ -197,7 +215,8 @@ class LLMChatPipeline:
     async def prefill_step(self, messages: list[dict] | None, gen: GenerationConfig,
                            prompt: str | None = None) -> None:
         """Compute the prompt (reusing the cached prefix of the conversation) and sample the first token."""
-        self._new_request_state(gen, RequestStats(t_start=now(), breakdown=gen.latency_breakdown))
+        self._new_request_state(gen, RequestStats(t_start=now(), breakdown=gen.latency_breakdown),
+                                raw=prompt is not None)
         ids = await self.prompt_tokens(messages, gen, prompt)
         # KV reuse: keep the longest common prefix with what the cache holds (at least one new token
         # must be computed to get logits); a raw prompt reuses only if it extends the cache too.
@@ -340,6 +359,16 @@ class LLMChatPipeline:
 
     def interrupt(self) -> None:
         self.seq.interrupted = True
+        if self.scheduler is not None:
+            self.scheduler.interrupt()
+
+    def sequence(self):
+        """The object a request generates through: this pipeline (one request at a time), or with
+        continuous batching a new sequence of the scheduler (same request-level methods)."""
+        return self if self.scheduler is None else self.scheduler.sequence()
+
+    def close(self) -> None:
+        """The request is done with its sequence (one-request mode: nothing to do)."""
 
     def reset_chat(self, keep_stats: bool = False) -> None:
         self.kv_ids = []
@@ -352,6 +381,10 @@ class LLMChatPipeline:
         return self.stats.text()
 
     async def forward_tokens_and_sample(self, ids, is_prefill: bool, gen: GenerationConfig) -> int:
+        async with self._solo:      # with batching the engine admits several requests at once
+            return await self._forward_tokens_and_sample(ids, is_prefill, gen)
+
+    async def _forward_tokens_and_sample(self, ids, is_prefill: bool, gen: GenerationConfig) -> int:
         """Low-level (WebLLM's forwardTokensAndSample): append `ids` to the KV cache, run them and
         sample one token (nothing is detokenized). As in WebLLM `is_prefill` only says which
         statistics the time counts towards (prefill: every id; decode: one token); it never clears
@@ -382,6 +415,8 @@ class LLMChatPipeline:
 
     def dispose(self) -> None:
         """Free every GPU buffer of the model (weights, KV cache, activations, sampler)."""
+        if self.scheduler is not None:
+            self.scheduler.close()
         self.model.release()
         self.sampler.release()
         if self._mask is not None:

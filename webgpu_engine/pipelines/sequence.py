@@ -14,9 +14,12 @@ class Sequence:
     """What one choice of a request has produced so far and whether it is done."""
 
     def __init__(self, tokenizer, eos_ids: set, stop_str: list, stats: CumulativeStats,
-                 gen: GenerationConfig | None = None, req: RequestStats | None = None):
+                 gen: GenerationConfig | None = None, req: RequestStats | None = None, raw: bool = False):
         self.tokenizer, self.eos_ids, self.stats = tokenizer, eos_ids, stats
-        self.detok = StreamDetokenizer(tokenizer.token_bytes, list(stop_str) + list(gen.stop if gen else []))
+        # a raw completion continues its prompt: it keeps a SentencePiece word-boundary space in
+        # front of its first token (a chat reply drops it, as the tokenizer's decode does)
+        self.detok = StreamDetokenizer(tokenizer.token_bytes, list(stop_str) + list(gen.stop if gen else []),
+                                       strip_leading_space=False if raw else None)
         self.output_ids: list[int] = []
         self.token_logprobs: list[dict] = []
         self.stopped, self.finish_reason = False, None

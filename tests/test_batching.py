@@ -1,0 +1,191 @@
+"""Continuous batching (pipelines/scheduler.py, models/paged.py): requests that run together give
+the tokens they give alone, whatever joins or leaves the batch, with a pool small enough to preempt,
+with shared prefixes; interrupts, disconnects and unloads touch only what they concern.
+
+A tiny random-weight model (tests/tinymodels.py) keeps the steps cheap; its greedy answers are
+arbitrary token strings, which makes any difference between runs visible.
+"""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from webgpu_engine.engine.engine import AsyncMLCEngine
+from webgpu_engine.errors import ModelUnloadedError
+
+N = 24                           # tokens per answer
+OPTS = {"dtype": "f32", "context_window_size": 192, "prefill_chunk_size": 32, "max_num_sequences": 8,
+        "kv_block_size": 16}
+WORDS = "the quick brown fox jumps over a lazy dog while seven small birds sing near the old river bank".split()
+
+
+def _prompt(i: int) -> str:
+    """Prompts of 1 .. 33 words (~3 .. 90 tokens): one chunk, several chunks, block boundaries."""
+    n = [1, 3, 5, 6, 11, 17, 23, 33][i % 8]
+    return " ".join(WORDS[(i + k) % len(WORDS)] for k in range(n))
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    from tinymodels import write_tiny_llama_gguf
+    return write_tiny_llama_gguf(tmp_path_factory.mktemp("batch") / "tinybatch.gguf", qtype="q8_0",
+                                 seed=5)["path"]
+
+
+@pytest.fixture(scope="module")
+async def engine(device, tiny_path):
+    eng = AsyncMLCEngine()
+    await eng.reload(str(tiny_path), chat_opts=OPTS)
+    yield eng
+    await eng.unload()
+
+
+def _sched(engine):
+    (lm,) = engine.models.values()
+    return lm.pipeline.scheduler
+
+
+async def _complete(engine, i: int, max_tokens: int = N, **kw):
+    """(text, completion tokens) of prompt i; the text of random tokens differs with any token."""
+    r = await engine.completions.create(prompt=_prompt(i), max_tokens=max_tokens, ignore_eos=True,
+                                        temperature=kw.pop("temperature", 0.0), **kw)
+    return r.choices[0].text, r.usage.completion_tokens
+
+
+@pytest.fixture(scope="module")
+async def alone(engine):
+    """Each prompt's greedy answer with nothing else running."""
+    return {i: await _complete(engine, i) for i in range(8)}
+
+
+@pytest.mark.parametrize("n", [1, 2, 5, 8])
+async def test_greedy_tokens_equal_alone_in_any_batch(engine, alone, n):
+    got = await asyncio.gather(*[_complete(engine, i) for i in range(n)])
+    assert got == [alone[i] for i in range(n)]
+
+
+async def test_joining_midway_and_stopping_early(engine, alone):
+    """Requests join while others decode; some stop after a few tokens."""
+    async def late(i, delay, max_tokens=N):
+        await asyncio.sleep(delay)
+        return await _complete(engine, i, max_tokens)
+    short = await _complete(engine, 3, 5)
+    assert short[1] == 5
+    got = await asyncio.gather(late(0, 0), late(1, 0.05), late(3, 0.1, 5), late(5, 0.2), late(6, 0.3),
+                               late(7, 0.3, 9), late(2, 0.5))
+    assert got[0] == alone[0] and got[1] == alone[1] and got[3] == alone[5] and got[4] == alone[6]
+    assert got[6] == alone[2] and got[2] == short
+    assert got[5][1] == 9 and alone[7][0].startswith(got[5][0])
+
+
+async def test_seeded_sampling_does_not_depend_on_the_batch(engine):
+    async def sampled(i):
+        return await _complete(engine, i, temperature=0.9, seed=100 + i, top_p=0.9)
+    solo = [await sampled(i) for i in range(4)]
+    assert await asyncio.gather(*[sampled(i) for i in range(4)]) == solo
+
+
+async def test_shared_prefix_blocks_are_reused(engine, alone):
+    pool = _sched(engine).pool
+    before = pool.stats["hit_tokens"]
+    assert await asyncio.gather(_complete(engine, 7), _complete(engine, 7)) == [alone[7], alone[7]]
+    assert pool.stats["hit_tokens"] - before >= 64          # the repeated prompt's full blocks
+    pool.check()
+
+
+async def test_streams_and_a_client_leaving_early(engine, alone):
+    """A stream closed after two chunks frees its place; the others finish unchanged."""
+    stream = await engine.completions.create(prompt=_prompt(4), max_tokens=N, ignore_eos=True, temperature=0,
+                                             stream=True)
+    others = asyncio.gather(_complete(engine, 0), _complete(engine, 6))
+    k = 0
+    async for _ in stream:
+        k += 1
+        if k == 2:
+            break
+    await stream.aclose()
+    assert await others == [alone[0], alone[6]]
+    await asyncio.sleep(0.05)
+    sched = _sched(engine)
+    assert not sched.running and len(sched._free_slots) == sched.max_seqs
+    sched.pool.check()
+
+
+async def test_interrupt_stops_every_running_sequence(engine):
+    streams = [await engine.completions.create(prompt=_prompt(i), max_tokens=150, ignore_eos=True,
+                                               temperature=0, stream=True) for i in range(3)]
+    for st in streams:                      # each has produced its first token
+        await st.__anext__()
+    engine.interrupt_generate()
+    for st in streams:
+        chunks = [c async for c in st]
+        assert chunks[-1].choices[0].finish_reason == "abort"
+    assert (await _complete(engine, 0, 4))[1] == 4          # the next request runs normally
+
+
+async def test_queue_beyond_the_batch_is_served_in_order(device, tiny_path, alone):
+    """max_num_sequences = 2 and six requests: all served, each with its solo tokens."""
+    eng = AsyncMLCEngine()
+    await eng.reload(str(tiny_path), chat_opts={**OPTS, "max_num_sequences": 2})
+    try:
+        (lm,) = eng.models.values()
+        order = []
+
+        async def one(i):
+            r = await _complete(eng, i)
+            order.append(i)
+            return r
+        got = await asyncio.gather(*[one(i) for i in range(6)])
+        assert got == [alone[i] for i in range(6)]
+        assert lm.lock.capacity == 2 and lm.lock.held == 0
+    finally:
+        await eng.unload()
+
+
+async def test_tiny_pool_preempts_and_still_gives_the_same_tokens(device, tiny_path, alone):
+    """A pool of one context + one block for eight sequences: the newest are preempted and
+    recomputed; every answer equals its solo run."""
+    eng = AsyncMLCEngine()
+    await eng.reload(str(tiny_path), chat_opts={**OPTS, "kv_pool_tokens": 192 + 16})
+    try:
+        got = await asyncio.gather(*[_complete(eng, i) for i in range(8)])
+        sched = _sched(eng)
+        assert sched.stats["preemptions"] > 0
+        assert got == [alone[i] for i in range(8)]
+        sched.pool.check()
+    finally:
+        await eng.unload()
+
+
+async def test_multi_round_chat_reuses_the_conversation(engine):
+    """The second turn's prompt starts with the first turn's blocks: they come from the pool."""
+    pool = _sched(engine).pool
+    msgs = [{"role": "user", "content": _prompt(5)}]
+    r1 = await engine.chat.completions.create(messages=msgs, max_tokens=8, temperature=0)
+    assert await engine.get_message() == r1.choices[0].message.content
+    before = pool.stats["hit_tokens"]
+    msgs += [{"role": "assistant", "content": r1.choices[0].message.content},
+             {"role": "user", "content": "and then?"}]
+    r2 = await engine.chat.completions.create(messages=msgs, max_tokens=4, temperature=0)
+    assert pool.stats["hit_tokens"] - before >= 32
+    assert r2.usage.prompt_tokens > r1.usage.prompt_tokens + 8
+
+
+async def test_unload_fails_the_running_requests_with_model_unloaded(device, tiny_path):
+    eng = AsyncMLCEngine()
+    await eng.reload(str(tiny_path), chat_opts=OPTS)
+    streams = [await eng.completions.create(prompt=_prompt(i), max_tokens=150, ignore_eos=True, temperature=0,
+                                            stream=True) for i in range(3)]
+    for st in streams:
+        await st.__anext__()
+    await eng.unload()
+    for st in streams:
+        with pytest.raises(ModelUnloadedError):
+            async for _ in st:
+                pass
+    await eng.reload(str(tiny_path), chat_opts=OPTS)       # usable again
+    try:
+        assert (await _complete(eng, 0, 4))[1] == 4
+    finally:
+        await eng.unload()

@@ -1,0 +1,452 @@
+"""Continuous batching for one chat model: many generations share each forward pass.
+
+The engine admits up to `max_num_sequences` requests at once (the model's FIFO lock has that many
+places, so admission stays in arrival order). Each admitted choice is a `BatchSequence`, the
+request-level interface of the one-request pipeline (prefill_step, decode_step, take_delta, ...).
+One task per model runs iterations while sequences are active:
+
+    1. drop sequences that were interrupted or whose caller left;
+    2. decode rows: every sequence past its prompt feeds its last token (KV blocks reserved first,
+       oldest first; when the pool runs out the newest sequence is preempted: its blocks are freed
+       and it recomputes its tokens later, with prefix hits for its full blocks);
+    3. prefill chunks: prompts (and preempted sequences' tokens) in admission order, up to
+       `prefill_chunk` tokens per iteration, so a long prompt delays the running streams by at most
+       one chunk per token they produce;
+    4. one submission per forward (the decode rows together, each prefill chunk alone), then one
+       with every sampling sequence's grammar mask and sampler (each slot has its own GPU sampler:
+       temperature, top-p/k, penalties over its own history, logit_bias, seed, logprobs), then one
+       readback of all results;
+    5. the stop rules per sequence (pipelines/sequence.py); finished sequences leave the batch and
+       their KV blocks stay cached for prefix sharing (engine/kv_pool.py).
+
+A sequence's tokens do not depend on what else runs (models/paged.py). Page code: standard library
+only (in the browser, grammar masks are computed inline instead of in a worker thread).
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import struct
+import sys
+
+from ..config import GenerationConfig
+from ..engine.kv_pool import KVPool, PoolExhaustedError
+from ..errors import ContextWindowTooLargeError
+from ..kernels import attention_paged as ap
+from ..kernels import nn
+from ..kernels.common import DTYPE_SIZE, new_tensor
+from ..kernels.logit_mask import LogitMask
+from ..kernels.sampling import Sampler
+from ..models.paged import PagedForward
+from .stats import RequestStats, now
+
+_THREADS = sys.platform != "emscripten"
+_RESULT = 64                     # bytes per slot in the results buffer (the sampler's io words 0..13)
+_ids = itertools.count()
+
+
+class SchedulerClosedError(RuntimeError):
+    """The model was released while the request ran (the engine reports ModelUnloadedError)."""
+
+
+class _Slot:
+    """One place of the batch: a sampler (and grammar mask) with its own logits row."""
+
+    def __init__(self, dev, vocab: int, dtype: str, owner: str, i: int):
+        self.logits = new_tensor(dev, (vocab + 2,), dtype, owner=owner, label=f"slot{i}.logits").view((vocab,))
+        self.sampler = Sampler(dev, vocab, owner=owner, label=f"slot{i}.sampler")
+        self.op = self.sampler.op(self.logits)
+        self.mask: LogitMask | None = None
+        self.mask_op = None
+
+
+class _Seq:
+    """The scheduler's record of one sequence."""
+
+    def __init__(self, handle: "BatchSequence", prompt: list[int], gen: GenerationConfig, slot: int):
+        self.id = next(_ids)
+        self.handle, self.gen, self.slot = handle, gen, slot
+        self.seq = handle.seq
+        self.toks = list(prompt)          # tokens whose KV the next decode step needs
+        self.in_pool = False
+        self.decoding = False             # past its prompt: feeds seq.last_token each step
+        self.sample_at_end = True         # the prompt's last chunk samples (not a recomputation)
+        self.cancelled = False
+        self.t_prefill = None
+
+
+class BatchSequence:
+    """One generation served by the scheduler, with the pipeline's request-level interface."""
+
+    def __init__(self, sched: "Scheduler"):
+        self._sched = sched
+        self.seq = None
+        self._rec: _Seq | None = None
+        self._event = asyncio.Event()
+        self.error: BaseException | None = None
+
+    stopped = property(lambda self: self.seq is not None and self.seq.stopped)
+    finish_reason = property(lambda self: self.seq.finish_reason if self.seq else None)
+    token_logprobs = property(lambda self: self.seq.token_logprobs if self.seq else [])
+    output_ids = property(lambda self: self.seq.output_ids if self.seq else [])
+
+    async def prefill_step(self, messages, gen: GenerationConfig, prompt: str | None = None) -> None:
+        pipe = self._sched.pipe
+        req = RequestStats(t_start=now(), breakdown=gen.latency_breakdown)
+        ids = await pipe.prompt_tokens(messages, gen, prompt)
+        self.seq = pipe.new_sequence(gen, req, raw=prompt is not None)
+        req.prompt_tokens = len(ids)
+        self._rec = self._sched.add(self, ids, gen)
+        await self._wait()
+
+    async def decode_step(self, gen: GenerationConfig | None = None) -> None:
+        if self.seq is None or self.seq.stopped:
+            return
+        await self._wait()
+
+    async def _wait(self) -> None:
+        await self._event.wait()
+        self._event.clear()
+        if self.error is not None:
+            raise self.error
+
+    def _notify(self, error: BaseException | None = None) -> None:
+        if error is not None and self.error is None:
+            self.error = error
+        self._event.set()
+
+    def take_delta(self) -> str:
+        return self.seq.take_delta() if self.seq else ""
+
+    def get_message(self) -> str:
+        return self.seq.get_message() if self.seq else ""
+
+    def usage(self) -> dict:
+        return self.seq.usage() if self.seq else {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+
+    def interrupt(self) -> None:
+        if self.seq is not None:
+            self.seq.interrupted = True
+
+    def close(self) -> None:
+        """The caller is done (finished, failed or gone): the sequence leaves the batch."""
+        if self._rec is not None:
+            self._sched.cancel(self._rec)
+
+
+class Scheduler:
+    """Continuous batching over `pipe`'s model (an LLMChatPipeline) with a paged KV cache."""
+
+    def __init__(self, pipe, max_seqs: int, block_size: int = 16, pool_tokens: int | None = None):
+        m, dev = pipe.model, pipe.dev
+        self.pipe, self.dev, self.model = pipe, dev, m
+        self.max_seqs, self.chunk = int(max_seqs), m.chunk
+        owner = pipe.owner
+        bs = int(block_size)
+        cap = ap.max_pool_blocks(dev, bs, m.cfg.n_kv_heads, m.cfg.head_dim, m.dtype)
+        one = -(-m.ctx // bs) + 1                    # a lone sequence of a full context always fits
+        want = -(-(pool_tokens or self.max_seqs * m.ctx) // bs)
+        n_blocks = min(max(one, want), cap)
+        if n_blocks < one:
+            raise ContextWindowTooLargeError(
+                f"A paged KV cache for a context of {m.ctx} tokens needs {one} blocks of {bs} tokens per "
+                f"layer, more than this device binds ({cap}). Use a smaller context_window_size.",
+                param="context_window_size")
+        self.fwd = PagedForward(m, max_seqs=self.max_seqs, n_blocks=n_blocks, block_size=bs, owner=owner)
+        self.pool = KVPool(n_blocks, bs)
+        vocab = pipe.vocab_size
+        self.slots = [_Slot(dev, vocab, m.dtype, owner, i) for i in range(self.max_seqs)]
+        self.results = dev.buffer(self.max_seqs * _RESULT, owner=owner, label="scheduler.results")
+        self._row_bytes = m.cfg.vocab_size * DTYPE_SIZE[m.dtype]
+        self._copy_bytes = vocab * DTYPE_SIZE[m.dtype]
+        self._copy_ops: dict = {}
+        self._free_slots = list(range(self.max_seqs - 1, -1, -1))
+        self.running: list[_Seq] = []              # admission order
+        self._wake = asyncio.Event()
+        self._just_preempted: set = set()
+        self._task: asyncio.Task | None = None
+        self._closed = False
+        self.stats = {"iterations": 0, "decode_rows": 0, "prefill_tokens": 0, "preemptions": 0}
+
+    # ------------------------------------------------------------------ admission
+    def sequence(self) -> BatchSequence:
+        return BatchSequence(self)
+
+    def add(self, handle: BatchSequence, prompt: list[int], gen: GenerationConfig) -> _Seq:
+        if self._closed:
+            raise SchedulerClosedError("the model was released")
+        if not self._free_slots:
+            raise RuntimeError("more sequences than max_num_sequences were admitted")
+        rec = _Seq(handle, prompt, gen, self._free_slots.pop())
+        slot = self.slots[rec.slot]
+        slot.sampler.configure(
+            temperature=gen.temperature, top_p=gen.top_p, top_k=gen.top_k,
+            repetition_penalty=gen.repetition_penalty, frequency_penalty=gen.frequency_penalty,
+            presence_penalty=gen.presence_penalty, logit_bias=gen.logit_bias,
+            logprobs=gen.logprobs, top_logprobs=gen.top_logprobs if gen.logprobs else 0, seed=gen.seed)
+        slot.sampler.reset_history(prompt)
+        if rec.seq.matcher is not None and slot.mask is None:
+            slot.mask = LogitMask(self.dev, self.pipe.vocab_size, owner=self.pipe.owner)
+            slot.mask_op = slot.mask.op(slot.logits)
+        self.running.append(rec)
+        self._enter_pool(rec)
+        proc = self.pipe.logit_processor
+        if proc is not None and hasattr(proc, "reset_state"):
+            proc.reset_state()
+        if self._task is None or self._task.done():
+            self._task = asyncio.ensure_future(self._loop())
+        self._wake.set()
+        return rec
+
+    def _enter_pool(self, rec: _Seq) -> None:
+        cached = self.pool.add_sequence(rec.id, rec.toks)
+        rec.in_pool = True
+        if rec.sample_at_end and not rec.decoding:
+            rec.seq.req.prefill_tokens = len(rec.toks) - cached
+
+    def cancel(self, rec: _Seq) -> None:
+        rec.cancelled = True
+        if rec.seq.stopped or rec not in self.running:
+            self._leave(rec)
+        self._wake.set()
+
+    def interrupt(self) -> None:
+        for rec in self.running:
+            rec.seq.interrupted = True
+
+    def _leave(self, rec: _Seq) -> None:
+        if rec in self.running:
+            self.running.remove(rec)
+            self._free_slots.append(rec.slot)
+        if rec.in_pool:
+            self.pool.free(rec.id)
+            rec.in_pool = False
+
+    def _preempted(self, seq_id) -> None:
+        self._just_preempted.add(seq_id)
+        for rec in self.running:
+            if rec.id == seq_id:
+                rec.in_pool = False
+                if rec.decoding:          # its last sampled token is fed after the recomputation
+                    rec.decoding, rec.sample_at_end = False, False
+                self.stats["preemptions"] += 1
+                return
+
+    # ------------------------------------------------------------------ the loop
+    async def _loop(self) -> None:
+        try:
+            while self.running and not self._closed:
+                await self._iteration()
+                await asyncio.sleep(0)
+        except BaseException as e:  # noqa: BLE001 - every waiting request gets the error
+            for rec in list(self.running):
+                rec.handle._notify(e)
+                self._leave(rec)
+            if isinstance(e, asyncio.CancelledError):
+                raise
+
+    def _drop_finished(self) -> None:
+        for rec in list(self.running):
+            if rec.cancelled:
+                if not rec.seq.stopped:
+                    rec.seq.finish("abort")
+                self._leave(rec)
+            elif rec.seq.interrupted and not rec.seq.stopped:
+                rec.seq.finish("abort")
+                self._leave(rec)
+                rec.handle._notify()
+
+    def _reserve_decode(self, rec: _Seq) -> None:
+        """A block for rec's next token; when the pool is out of blocks, the newest sequence goes
+        (rec itself when it is the newest)."""
+        while True:
+            try:
+                self.pool.reserve(rec.id, len(rec.toks) + 1)
+                return
+            except PoolExhaustedError:
+                victim = self.pool.sequences_newest_first()[0]
+                self.pool.free(victim)
+                self._preempted(victim)
+                if victim == rec.id:
+                    return
+
+    def _plan(self) -> tuple[list, list]:
+        pool = self.pool
+        self._just_preempted = set()
+        for rec in list(self.running):        # oldest first: the newest is preempted first
+            if rec.decoding and rec.in_pool:
+                self._reserve_decode(rec)
+        decode = [r for r in self.running if r.decoding and r.in_pool]
+        chunks, budget = [], self.chunk
+        for rec in self.running:
+            if rec.decoding or budget <= 0 or rec.id in self._just_preempted:
+                continue
+            if not rec.in_pool:
+                self._enter_pool(rec)
+            start = pool.num_tokens(rec.id)
+            end = min(len(rec.toks), start + budget)
+            try:
+                pool.reserve(rec.id, end)
+            except PoolExhaustedError:
+                break                         # waits for blocks (decode rows free them as they finish)
+            chunks.append((rec, start, end))
+            budget -= end - start
+        if not decode and not chunks:
+            # every sequence waits for blocks that only a newer one holds: preempt from the newest
+            oldest = next((r for r in self.running if not r.decoding), None)
+            if oldest is None:                # all were preempted just now: they re-enter next time
+                return decode, chunks
+            victim = pool.preempt_newest(keep=(oldest.id,))
+            if victim is None:
+                raise RuntimeError("the KV pool cannot hold one sequence")   # sized to prevent this
+            self._preempted(victim)
+        return decode, chunks
+
+    async def _iteration(self) -> None:
+        self._drop_finished()
+        if not self.running:
+            return
+        dev, fwd, pool = self.dev, self.fwd, self.pool
+        decode, chunks = self._plan()
+        t0 = now()
+        sampled = [(r, i) for i, r in enumerate(decode)]
+        sampled += [(r, 0) for r, s, e in chunks if e == len(r.toks) and r.sample_at_end]
+        masks = {}
+        for rec, _ in sampled:               # grammar masks while the forwards run
+            m = rec.seq.matcher
+            if m is not None:
+                masks[rec] = asyncio.ensure_future(asyncio.to_thread(m.mask)) if _THREADS else m.mask()
+        if decode:
+            batch = dev.batch()
+            ids = [r.id for r in decode]
+            fwd.record_decode(batch, [r.seq.last_token for r in decode],
+                              pool.decode_inputs(ids, len(ids), fwd.max_blocks))
+            for i, r in enumerate(decode):
+                self._copy_logits(batch, i, r.slot)
+            dev.submit(batch)
+        for rec, start, end in chunks:
+            if rec.t_prefill is None:
+                rec.t_prefill = now()
+            head = end == len(rec.toks) and rec.sample_at_end
+            batch = dev.batch()
+            fwd.record_prefill(batch, rec.toks[start:end], start, pool.slots(rec.id, start, end - start),
+                               pool.block_table(rec.id), with_head=head)
+            if head:
+                self._copy_logits(batch, 0, rec.slot)
+            dev.submit(batch)
+            self.stats["prefill_tokens"] += end - start
+        if sampled:
+            if self.pipe.logit_processor is not None:
+                await self._process_logits([r for r, _ in sampled])
+            batch = dev.batch()
+            for rec, _ in sampled:
+                slot = self.slots[rec.slot]
+                if rec in masks:
+                    bits = masks[rec]
+                    slot.mask.write(await bits if _THREADS else bits)
+                    slot.mask_op.record(batch)
+                slot.op.record(batch)
+                batch.copy(slot.sampler.io, self.results, 14 * 4, 0, rec.slot * _RESULT)
+            dev.submit(batch)
+            raw = await dev.read(self.results, 0, self.max_seqs * _RESULT)
+        else:
+            await dev.sync()
+        dt = now() - t0
+        self.stats["iterations"] += 1
+        self.stats["decode_rows"] += len(decode)
+        for rec in decode:
+            pool.append_tokens(rec.id, [rec.seq.last_token])
+            rec.toks.append(rec.seq.last_token)
+        for rec, start, end in chunks:
+            pool.append_tokens(rec.id, rec.toks[start:end])
+            if end == len(rec.toks):
+                rec.decoding = True
+        for rec, _ in sampled:
+            if rec.cancelled:
+                continue
+            self._accept(rec, raw[rec.slot * _RESULT:(rec.slot + 1) * _RESULT], dt, rec in decode)
+
+    def _accept(self, rec: _Seq, raw: bytes, dt: float, decoded: bool) -> None:
+        seq, req = rec.seq, rec.seq.req
+        slot = self.slots[rec.slot]
+        if slot.sampler.want_logprobs:
+            res = slot.sampler._parse(raw[:56])
+            tok, lp, top = res.token, res.logprob, res.top
+        else:
+            tok, lp, top = struct.unpack("<I", raw[:4])[0], 0.0, []
+        if decoded:
+            req.decode_s += dt
+            req.decode_tokens += 1
+            if req.breakdown:
+                req.step_s.append(dt)
+        else:
+            req.prefill_s = now() - (rec.t_prefill or req.t_start)
+            req.t_first_token = now()
+            if req.breakdown:
+                req.step_s.append(req.prefill_s)
+        try:
+            seq.accept(tok, lp, top, len(rec.toks), self.model.ctx)
+        except Exception as e:  # noqa: BLE001 - a grammar that refuses the token fails this sequence
+            seq.finish("abort")
+            self._leave(rec)
+            rec.handle._notify(e)
+            return
+        proc = self.pipe.logit_processor
+        if proc is not None and hasattr(proc, "process_sampled_token"):
+            proc.process_sampled_token(tok)
+        if seq.stopped:
+            self.pipe.seq = seq                   # get_message() gives the last finished answer
+            self._leave(rec)
+        rec.handle._notify()
+
+    def _copy_logits(self, batch, row: int, slot_i: int) -> None:
+        """Logits row `row` -> the slot's own logits (its sampler and mask are bound to it)."""
+        slot = self.slots[slot_i]
+        src = row * self._row_bytes
+        if src % 4 == 0 and self._copy_bytes % 4 == 0:
+            batch.copy(self.fwd.logits.buf, slot.logits.buf, self._copy_bytes, src, slot.logits.offset)
+            return
+        key = (row, slot_i)             # an odd f16 vocabulary: a copy kernel (x * 1 is exact)
+        op = self._copy_ops.get(key)
+        if op is None:
+            src_t = self.fwd.logits.view((self.pipe.vocab_size,), row * self.model.cfg.vocab_size)
+            op = self._copy_ops[key] = nn.scale(self.dev, src_t, slot.logits, 1.0)
+        op.record(batch)
+
+    async def _process_logits(self, recs) -> None:
+        """A WebLLM logit processor, per sampling sequence (a host round trip each)."""
+        from array import array
+        proc = self.pipe.logit_processor
+        for rec in recs:
+            lg = self.slots[rec.slot].logits
+            raw = await self.dev.read(lg.buf, lg.offset, lg.nbytes)
+            vals = array("f", raw) if lg.dtype == "f32" else array("f", struct.unpack(f"<{lg.numel}e", raw))
+            out = array("f", [float(v) for v in proc.process_logits(list(vals))])
+            self.dev.write(lg.buf, out.tobytes() if lg.dtype == "f32" else struct.pack(f"<{len(out)}e", *out),
+                           lg.offset)
+
+    # ------------------------------------------------------------------ warm-up, release
+    def compile_ops(self) -> list:
+        """The op lists a request uses (decode of 1 .. max_seqs rows, prefill of 1, 2, 4, 8, 16 and a
+        full chunk) and the slot ops, for LLMChatPipeline._compile."""
+        heights = sorted({1, self.chunk} | {t for t in (2, 4, 8, 16) if t <= self.chunk} |
+                         set(range(1, self.max_seqs + 1)))
+        ops = []
+        for T in heights:
+            if T <= self.max_seqs:
+                ops.append(("decode", T))
+            ops.append(("prefill", T))
+        return ops
+
+    def close(self) -> None:
+        """The model is being released: fail every waiting request, stop the loop."""
+        self._closed = True
+        err = SchedulerClosedError("the model was released")
+        for rec in list(self.running):
+            rec.handle._notify(err)
+        self.running.clear()
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+        self.fwd.release()
+        for op in self._copy_ops.values():
+            op.release()
