@@ -15,6 +15,7 @@ from pathlib import Path
 
 from .cli_structured import add_options as add_structured_options
 from .cli_structured import run_turn
+from .cli_tune import add_subcommand as add_tune_command
 from .catalogue import DEFAULT_CHAT_MODEL, DEFAULT_EMBED_MODEL
 
 REF = "a model: an app-config id, a .gguf file, a model folder, a URL or a Hugging Face ORG/REPO[:QUANT]"
@@ -503,6 +504,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dir", default="bench", help="folder of the scripts (default bench/)")
     p.set_defaults(func=cmd_bench, extra=[])
 
+    add_tune_command(sub, DEFAULT_CHAT_MODEL)
     _add_cache_commands(sub)
     return ap
 

@@ -13,10 +13,16 @@ Weight types and their block geometry: `kernels/qtypes.py`.
 2 ≤ T ≤ 16 (a decode step of several sequences): `kernels/matmul_batch.py`.
 T = 1 on CPU adapters: `shaders/matmul_decode.wgsl` (the K loop unrolled by the host) and, for
 Q4_0/Q4_1/Q8_0, `shaders/matmul_decode_v4.wgsl` (the same, weights read as vec4<u32>).
+Kernel families (`default_config`, one switch for every matmul): "cpu" — the kernels above, shaped
+by CPU Vulkan; "gpu" — kernels/matmul_gpu.py (coalesced decode, workgroup-tiled GEMM) for plain
+matmuls; "tuned" — per shape, what the adapter's profile (kernels/profiles.py, written by
+kernels/tune.py) measured fastest. `WEBGPU_ENGINE_KERNELS=cpu|gpu|tuned` forces one; unset, CPU
+adapters run "cpu" and other adapters "tuned" where a profile is stored, else "gpu".
 Page code: standard library only.
 """
 from __future__ import annotations
 
+import os
 import struct
 from array import array
 from dataclasses import dataclass, field
@@ -25,7 +31,7 @@ from ..gpu import Buffer, Device
 from ..gpu.shaders import load_shader_source
 from .common import DTYPE_SIZE, XREAD, Op, Tensor, act_header, check, params, placeholder, wmap_header
 from .common import window as _window
-from . import matmul_batch, matmul_tiled
+from . import matmul_batch, matmul_gpu, matmul_tiled, profiles
 from .qtypes import QTYPE, QTYPES
 
 # from the one table of weight types (kernels/qtypes.py): qtype → (file bytes per block, weights per
@@ -74,16 +80,60 @@ class MatmulConfig:
     # 1.8 s (3.2 s for matmul_decode), K = 1536 9 s for ~0.07 ms per matmul: not worth it
     batch_max_t: int = 16   # 2 <= T <= this (decode of several sequences): kernels/matmul_batch.py,
     # each weight chunk decoded once for all T rows (0: off, the row / tiled kernels as before)
+    family: str = "cpu"   # "gpu" / "tuned": plain matmuls (no fused input or epilogue) may run
+    # kernels/matmul_gpu.py (see _family_variant); "cpu": the kernels of this module and its helpers
+
+
+FAMILY_ENV = "WEBGPU_ENGINE_KERNELS"
+FAMILIES = ("cpu", "gpu", "tuned")
+
+
+def is_cpu_adapter(dev: Device) -> bool:
+    info = dev.info
+    return "cpu" in info.adapter_type.lower() or "llvmpipe" in info.name.lower()
+
+
+def kernel_family(dev: Device) -> str:
+    """The matmul kernel family for `dev`: $WEBGPU_ENGINE_KERNELS when set, else "cpu" on CPU
+    adapters (their strategy was measured there) and on other adapters "tuned" where the tuner has
+    stored a profile for this adapter, else "gpu"."""
+    env = os.environ.get(FAMILY_ENV, "").strip().lower()
+    if env:
+        check(env in FAMILIES, "matmul", f"{FAMILY_ENV}={env!r}: expected one of {', '.join(FAMILIES)}")
+        return env
+    if is_cpu_adapter(dev):
+        return "cpu"
+    return "tuned" if profiles.has_profile(dev) else "gpu"
 
 
 def default_config(dev: Device) -> MatmulConfig:
-    """The strategy for `dev`. Measured on lavapipe (bench/kernels.py): 4 rows per invocation
-    halves decode cost against 1 (each x load serves 4 rows), and the 4x4 tile beats the row
-    kernel for prefill. Other adapters use the same until measured there."""
-    # the unrolled decode kernel exists for CPU drivers' uniform-load detection (matmul_decode.wgsl)
-    info = dev.info
-    cpu = "cpu" in info.adapter_type.lower() or "llvmpipe" in info.name.lower()
-    return MatmulConfig(**{"unroll": cpu, "tiled": cpu, **CONFIG_OVERRIDES})
+    """The strategy for `dev`. CPU family, measured on lavapipe (bench/kernels.py): 4 rows per
+    invocation halves decode cost against 1 (each x load serves 4 rows), the 4x4 tile beats the
+    row kernel for prefill, the host-unrolled decode kernel serves CPU drivers' uniform-load
+    detection (matmul_decode.wgsl). GPU family: plain matmuls go to kernels/matmul_gpu.py and
+    nothing is fused (no unrolled kernels). Tuned: the adapter type's strategy, with the profile's
+    kernel per shape for plain matmuls."""
+    family = kernel_family(dev)
+    cpu = family == "cpu" or family == "tuned" and is_cpu_adapter(dev)
+    return MatmulConfig(**{"unroll": cpu, "tiled": cpu, "family": family, **CONFIG_OVERRIDES})
+
+
+def _family_variant(dev: Device, cfg: MatmulConfig, w: "QWeight", T: int, row_invariant: bool):
+    """The kernels/matmul_gpu.py variant for a plain matmul, or None for this module's kernels:
+    the one place where the kernel family picks a kernel."""
+    if cfg.family == "cpu":
+        return None
+    if cfg.family == "tuned":
+        key = profiles.choice(dev, w.qtype, w.n, w.k, T, row_invariant)
+        if key == profiles.BASE:
+            return None
+        if key is not None:
+            v = matmul_gpu.variant(key)
+            if matmul_gpu.fits(v, T, row_invariant):
+                return v
+        if is_cpu_adapter(dev):        # not measured: the CPU strategy keeps the shape
+            return None
+    return matmul_gpu.default_variant(w, T, row_invariant)
 
 
 # field -> value applied by default_config (benchmarks' A/B switches, e.g. {"fuse": False})
@@ -522,6 +572,10 @@ def matmul(dev: Device, x: Tensor, w: QWeight, y: Tensor, *, bias: Tensor | None
         check(ep == "store" and norm is None and not silu and rms_from is None, "matmul",
               "row_invariant takes no fused input or epilogue")
     plain = ep == "store" and norm is None and not silu and rms_from is None
+    variant = _family_variant(dev, cfg, w, T, row_invariant) if plain else None
+    if variant is not None:
+        return matmul_gpu.matmul(dev, x, w, y, bias=bias, accumulate=accumulate, variant=variant,
+                                 row_invariant=row_invariant)
     if 2 <= T <= cfg.batch_max_t and config is None and plain and not row_invariant:
         op = matmul_batch.matmul(dev, x, w, y, bias=bias, accumulate=accumulate)   # decode batches
         if op is not None:
@@ -734,6 +788,7 @@ def upload_vector(dev: Device, data, *, dtype: str = "f32", owner: str, label: s
     return Tensor(dev.upload(raw, owner=owner, label=label), (n,), "f32")
 
 
-__all__ = ["QTYPES", "MIXED", "QWeight", "MatmulConfig", "RopeKV", "default_config", "upload_weight", "matmul",
+__all__ = ["QTYPES", "MIXED", "QWeight", "MatmulConfig", "RopeKV", "FAMILY_ENV", "FAMILIES", "kernel_family",
+           "is_cpu_adapter", "default_config", "upload_weight", "matmul",
            "fusable", "epilogue_ok", "interleave_pairs", "embedding", "upload_vector", "file_row_bytes",
            "gpu_row_bytes"]

@@ -1,0 +1,171 @@
+"""GPU kernel family of the matmul: coalesced decode (T = 1..8 rows) and a workgroup-tiled GEMM.
+
+Today's kernels (matmul.py, matmul_tiled.py, matmul_batch.py) are shaped by CPU Vulkan: no
+barriers, each invocation walking whole weight rows. On a discrete or integrated GPU neighbouring
+invocations should read neighbouring words and a prefill GEMM should reuse tiles from workgroup
+memory. Two kernels, each a variant object with a `key` (what a tuned profile stores):
+
+- `Decode(rr, ln, wg)` — `shaders/matmul_gpu.wgsl`: a row group of `ln` lanes per `rr` weight rows,
+  the lanes striding along K over 32-weight chunks (coalesced), each chunk decoded once in
+  registers for up to 8 activation rows, partial sums reduced through workgroup memory.
+- `Gemm(bt)` — `shaders/matmul_gemm.wgsl`: bt x bt output tiles, 4 x 4 register blocks, K steps of
+  32 with the x tile and the dequantised weight tile in workgroup memory. A row's sums do not depend
+  on T, so it serves the prefill's `row_invariant` matmuls for every T.
+
+Both read the weight through the type's own `wchunk` decode (`shaders/matmul_<qtype>.wgsl`, or
+`dequant.wgsl` for its types): every weight type of kernels/qtypes.py, f32/f16/bf16 rows included.
+matmul.py decides when this family runs (`default_config`, its family switch and the tuned profile);
+`default_variant` is the built-in choice before any measurement. Page code: standard library only.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ..gpu import Device
+from ..gpu.shaders import load_shader_source
+from .common import DTYPE_SIZE, Op, Tensor, check, params, placeholder
+from .common import window as _window
+from .qtypes import QTYPE
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .matmul import QWeight
+
+MAX_DECODE_T = 8           # activation rows the decode kernel holds in registers
+_MAX_GROUPS = 65535
+_WG_BYTES = 16384          # workgroup memory every WebGPU device offers
+
+
+@dataclass(frozen=True)
+class Decode:
+    """The decode kernel: `rr` weight rows (1, 2, 4) per row group of `ln` lanes (a power of two
+    dividing `wg`), `wg` invocations per workgroup."""
+
+    rr: int = 2
+    ln: int = 32
+    wg: int = 64
+
+    @property
+    def key(self) -> str:
+        return f"decode-r{self.rr}-l{self.ln}-w{self.wg}"
+
+
+@dataclass(frozen=True)
+class Gemm:
+    """The tiled GEMM: `bt` x `bt` output tiles (32 or 64), (bt / 4)^2 invocations."""
+
+    bt: int = 64
+
+    @property
+    def key(self) -> str:
+        return f"gemm-{self.bt}"
+
+
+# the candidates a tuner times (kernels/tune.py), built-in defaults among them
+DECODE_VARIANTS = tuple(Decode(rr, ln, 64) for rr in (1, 2, 4) for ln in (16, 64))
+GEMM_VARIANTS = (Gemm(64), Gemm(32))
+
+
+def variant(key: str) -> "Decode | Gemm":
+    """The variant a profile names by its key (ValueError for an unknown key)."""
+    parts = key.split("-")
+    try:
+        if parts[0] == "decode" and len(parts) == 4:
+            return Decode(int(parts[1][1:]), int(parts[2][1:]), int(parts[3][1:]))
+        if parts[0] == "gemm" and len(parts) == 2:
+            return Gemm(int(parts[1]))
+    except ValueError:
+        pass
+    raise ValueError(f"matmul_gpu: unknown variant {key!r}")
+
+
+def default_variant(w: "QWeight", T: int, row_invariant: bool) -> "Decode | Gemm":
+    """Before any measurement: the decode kernel for 1..8 rows that need not be row-invariant,
+    with a lane per chunk of a 32-chunk span (fewer lanes for short rows, so that lanes are not
+    idle), 2 rows per group; else the 64-wide GEMM."""
+    if row_invariant or T > MAX_DECODE_T:
+        return Gemm(64)
+    nch = max(1, w.k // 32)
+    ln = 16 if nch < 32 else 32
+    return Decode(2, ln, 64)
+
+
+def fits(v: "Decode | Gemm", T: int, row_invariant: bool) -> bool:
+    """Whether variant `v` serves T rows (the decode kernel: 1..8 rows that need not be row-invariant)."""
+    return isinstance(v, Gemm) or not row_invariant and T <= MAX_DECODE_T
+
+
+def bucket(T: int) -> int:
+    """The activation rows a decode pipeline holds for T rows: 1, 2, 4 or 8."""
+    return 1 << (T - 1).bit_length()
+
+
+def _pipeline(dev: Device, w: "QWeight", dtype: str, v: "Decode | Gemm", T: int):
+    from .matmul import _pipeline as weight_pipeline     # matmul.py imports this module
+    if isinstance(v, Decode):
+        tt = bucket(T)
+        consts = f"const LN: u32 = {v.ln}u;\nconst TT: u32 = {tt}u;\n"
+        return weight_pipeline(dev, "matmul_gpu", w, dtype, v.wg, v.rr,
+                               consts + load_shader_source("matmul_gpu.wgsl"))
+    consts = f"const BT: u32 = {v.bt}u;\nconst NTH: u32 = {v.bt // 4}u;\n"
+    return weight_pipeline(dev, "matmul_gemm", w, dtype, (v.bt // 4) ** 2, 1,
+                           consts + load_shader_source("matmul_gemm.wgsl"))
+
+
+def _check_variant(v, T: int) -> None:
+    if isinstance(v, Decode):
+        check(v.rr in (1, 2, 4) and v.wg in (32, 64, 128, 256) and v.ln in (4, 8, 16, 32, 64, 128, 256)
+              and v.ln <= v.wg and v.wg * bucket(T) * 16 <= _WG_BYTES, "matmul_gpu",
+              f"unsupported decode variant {v} for T={T}")
+        check(T <= MAX_DECODE_T, "matmul_gpu", f"the decode kernel takes 1..{MAX_DECODE_T} rows, got T={T}")
+    else:
+        check(isinstance(v, Gemm) and v.bt in (32, 64), "matmul_gpu", f"unsupported GEMM variant {v}")
+
+
+def matmul(dev: Device, x: Tensor, w: "QWeight", y: Tensor, *, bias: Tensor | None = None,
+           accumulate: bool = False, variant: "Decode | Gemm | None" = None,
+           row_invariant: bool = False) -> Op:
+    """y = x·Wᵀ (+ bias); with `accumulate`, y += x·Wᵀ (+ bias). x (T, K), W (N, K), y (T, N): the
+    semantics of matmul.matmul without fused inputs or epilogues. `variant` (default:
+    `default_variant`) picks the kernel; `row_invariant` asks for a kernel whose rows do not depend
+    on T (the GEMM)."""
+    check(len(x.shape) == 2 and len(y.shape) == 2, "matmul_gpu", f"x {x.shape} and y {y.shape} must be 2-D")
+    T, K = x.shape
+    check(not w.subs and w.qtype in QTYPE, "matmul_gpu", f"{w.label}: one weight type per matmul")
+    v = variant or default_variant(w, T, row_invariant)
+    check(not row_invariant or isinstance(v, Gemm), "matmul_gpu", "row_invariant needs the GEMM")
+    _check_variant(v, T)
+    check(K == w.k, "matmul_gpu", f"x has {K} columns, the weight {w.label!r} has {w.k}")
+    check(tuple(y.shape) == (T, w.n), "matmul_gpu", f"y is {y.shape}, expected ({T}, {w.n})")
+    check(x.dtype == y.dtype, "matmul_gpu", f"x is {x.dtype} but y is {y.dtype}")
+    check(T > 0, "matmul_gpu", "empty input")
+    check(K % 4 == 0, "matmul_gpu", f"K={K} must be a multiple of 4")
+    esz = DTYPE_SIZE[x.dtype]
+    xb, x_off = _window(x, 4 * esz, "matmul_gpu", "x")
+    yb, y_off = _window(y, esz, "matmul_gpu", "y")
+    if bias is not None:
+        check(bias.dtype == "f32" and bias.numel == w.n, "matmul_gpu", f"bias must be f32 ({w.n},)")
+        bb, b_off = _window(bias, 4, "matmul_gpu", "bias")
+    else:
+        bb, b_off = placeholder(dev), 0
+    pipe = _pipeline(dev, w, x.dtype, v, T)
+    flags = (1 if bias is not None else 0) | (2 if accumulate else 0)
+    op = Op(name=f"matmul_gpu[{w.label}]")
+    for buf, (r0, rows) in zip(w.bufs, w.parts):
+        if isinstance(v, Decode):
+            groups = -(-rows // (v.rr * (v.wg // v.ln)))
+            gx, gy = min(groups, _MAX_GROUPS), -(-groups // _MAX_GROUPS)
+        else:
+            gx, gy = -(-rows // v.bt), -(-T // v.bt)
+            check(gx <= _MAX_GROUPS and gy <= _MAX_GROUPS, "matmul_gpu",
+                  f"{rows} rows x {T} activation rows need more than 65535 tiles")
+        # matmul.wgsl's MatmulParams
+        p = params(dev, [K, rows, T, w.row_words, x_off, y_off, w.n, r0, b_off, flags, K // 32, K // 4],
+                   owner=y.buf.owner, label=f"matmul_gpu[{w.label}]")
+        op.buffers.append(p)
+        op.add(pipe, dev.bind(pipe, [p, xb, buf, yb, bb]), gx, gy)
+    return op
+
+
+__all__ = ["MAX_DECODE_T", "Decode", "Gemm", "DECODE_VARIANTS", "GEMM_VARIANTS", "variant", "default_variant", "fits",
+           "bucket", "matmul"]
