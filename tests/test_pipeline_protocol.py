@@ -28,6 +28,11 @@ def test_real_pipeline_classes_conform():
     assert "no method prepare_embed()" in wrong and "no attribute 'max_seq_length'" in wrong
     wrong = conformance_problems(EmbeddingPipeline, ChatPipelineProtocol)
     assert "no method decode_step()" in wrong and "no attribute 'template'" in wrong
+    # what a request generates through with continuous batching: the same request-level members
+    from webgpu_engine.pipelines.protocol import GenerationProtocol
+    from webgpu_engine.pipelines.scheduler import BatchSequence
+    assert conformance_problems(BatchSequence, GenerationProtocol) == []
+    assert "no method sequence()" in conformance_problems(BatchSequence, ChatPipelineProtocol)
 
 
 async def test_stub_pipelines_conform_loaded_and_as_classes(device):

@@ -69,28 +69,15 @@ _PARTS = {p.__name__: p for p in (ChatTokenizerProtocol, EmbeddingTokenizerProto
                                   GrammarCompilerProtocol)}
 
 
-class ChatPipelineProtocol(Protocol):
-    """A loaded chat LLM (LLMChatPipeline): one request is prefill_step, then decode_step until
-    `stopped`; the engine reads the text, logprobs and usage between steps."""
+class GenerationProtocol(Protocol):
+    """One choice being generated: prefill_step, then decode_step until `stopped`; the engine reads
+    the text, logprobs and usage between steps and calls close() when it is done with it (finished,
+    failed or its caller gone). LLMChatPipeline is one (one request at a time); with continuous
+    batching `sequence()` gives a scheduler's sequence (pipelines/scheduler.py: BatchSequence)."""
 
-    dev: Any                        # the gpu Device the model lives on (device-loss checks)
-    owner: str                      # gpu buffer owner of the model's buffers (freed on unload)
-    chat_config: ChatConfig         # the per-load config, defaults of each request's sampling
-    tokenizer: ChatTokenizerProtocol
-    template: ChatTemplateProtocol | None   # None: no template (tools go into the system message)
-    vocab_size: int                 # ids the sampler may give (logit_bias ids are checked against it)
-    grammars: GrammarCompilerProtocol
-    stopped: bool                   # the current answer is finished
+    stopped: bool                   # the answer is finished
     finish_reason: str | None       # "stop" | "length" | "abort" | None
-    token_logprobs: list            # OpenAI logprobs entries of the current answer
-
-    @classmethod
-    async def load(cls, dev: Any, path: Path, chat_config: ChatConfig, /, *,
-                   progress: Progress | None = None, model_id: str | None = None) -> ChatPipelineProtocol:
-        """Load the model; its GPU buffers are owned by `owner` (`model:<model_id>` when given)."""
-
-    def set_logit_processor(self, proc: Any, /) -> None:
-        """WebLLM's LogitProcessor for this model (EngineConfig.logit_processor_registry)."""
+    token_logprobs: list            # OpenAI logprobs entries of the answer
 
     async def prefill_step(self, messages: list[dict] | None, gen: GenerationConfig, /, *,
                            prompt: str | None = None) -> None: ...
@@ -104,6 +91,32 @@ class ChatPipelineProtocol(Protocol):
     def usage(self) -> dict: ...
 
     def interrupt(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class ChatPipelineProtocol(GenerationProtocol, Protocol):
+    """A loaded chat LLM (LLMChatPipeline). Each choice of a request generates through
+    `sequence()`; interrupt() stops every generation of the model."""
+
+    dev: Any                        # the gpu Device the model lives on (device-loss checks)
+    owner: str                      # gpu buffer owner of the model's buffers (freed on unload)
+    chat_config: ChatConfig         # the per-load config, defaults of each request's sampling
+    tokenizer: ChatTokenizerProtocol
+    template: ChatTemplateProtocol | None   # None: no template (tools go into the system message)
+    vocab_size: int                 # ids the sampler may give (logit_bias ids are checked against it)
+    grammars: GrammarCompilerProtocol
+
+    def sequence(self) -> GenerationProtocol:
+        """What one choice generates through: this pipeline, or a new sequence of its scheduler."""
+
+    @classmethod
+    async def load(cls, dev: Any, path: Path, chat_config: ChatConfig, /, *,
+                   progress: Progress | None = None, model_id: str | None = None) -> ChatPipelineProtocol:
+        """Load the model; its GPU buffers are owned by `owner` (`model:<model_id>` when given)."""
+
+    def set_logit_processor(self, proc: Any, /) -> None:
+        """WebLLM's LogitProcessor for this model (EngineConfig.logit_processor_registry)."""
 
     def reset_chat(self, keep_stats: bool = False, /) -> None: ...
 
