@@ -1,0 +1,40 @@
+"""The golden SmolLM2 greedy tokens with the GPU kernel family forced (WEBGPU_ENGINE_KERNELS=gpu):
+coalesced decode and tiled GEMM (kernels/matmul_gpu.py) in place of the CPU-shaped kernels, on
+the real adapter. A short run (one prompt, 8 tokens) keeps the test small on a CPU adapter, where
+these kernels are slow; test_llama.py checks the full goldens with the default family."""
+from __future__ import annotations
+
+import numpy as np
+
+from webgpu_engine.config import ChatConfig, GenerationConfig
+from webgpu_engine.kernels import matmul as mm
+from webgpu_engine.pipelines.llm import LLMChatPipeline
+
+N_TOKENS = 8
+
+
+async def test_smollm2_golden_greedy_gpu_family(fresh_device, smollm2_gguf, smollm2_reference, monkeypatch):
+    monkeypatch.setenv(mm.FAMILY_ENV, "gpu")
+    dev = fresh_device
+    pipe = await LLMChatPipeline.load(dev, smollm2_gguf,
+                                      ChatConfig(dtype="f32", context_window_size=128, prefill_chunk_size=64))
+    try:
+        assert mm.default_config(dev).family == "gpu"
+        case = min(smollm2_reference["greedy"], key=lambda c: len(c["prompt_ids"]))
+        gen = GenerationConfig(temperature=0.0, max_tokens=N_TOKENS, ignore_eos=True, logprobs=True,
+                               top_logprobs=5)
+        await pipe.prefill_step(case["messages"], gen)
+        while not pipe.stopped:
+            await pipe.decode_step(gen)
+        assert pipe.kv_ids[:len(case["prompt_ids"])] == case["prompt_ids"]
+        assert list(pipe.output_ids) == case["greedy_ids_no_eos_stop"][:N_TOKENS], case["messages"]
+        top = pipe.token_logprobs[0]["top_logprobs"]
+        ref = case["first_step_top5"]
+        assert [t["token"] for t in top] == [pipe.tokenizer.token_bytes(i).decode("utf-8", "replace")
+                                             for i in ref["ids"]]
+        np.testing.assert_allclose([t["logprob"] for t in top], ref["logprobs"], atol=0.01)
+        # the forward ran the GPU family's kernels: decode and GEMM pipelines were built
+        entries = {k.entry for k in dev._pipelines}
+        assert {"matmul_gpu", "matmul_gemm"} <= entries, entries
+    finally:
+        pipe.dispose()
