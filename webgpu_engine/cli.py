@@ -131,7 +131,8 @@ def _chat_opts(args, n: int) -> list[dict | None] | None:
     models, given n times one value per model in order."""
     from .errors import InvalidRequestError
     flags = {"chat_opts": None, "context_window": "context_window_size",
-             "prefill_chunk": "prefill_chunk_size", "dtype": "dtype"}
+             "prefill_chunk": "prefill_chunk_size", "dtype": "dtype",
+             "max_num_sequences": "max_num_sequences"}
     opts: list[dict] = [{} for _ in range(n)]
     for flag, key in flags.items():
         values = getattr(args, flag, None) or []
@@ -381,6 +382,9 @@ def _model_options(p, many: bool = False):
                    help="prompt tokens per prefill step (default 256)" + each)
     g.add_argument("--dtype", choices=("auto", "f16", "f32"), action="append", default=None,
                    help="activation precision (auto: f16 where the adapter has shader-f16)" + each)
+    g.add_argument("--max-num-sequences", type=int, action="append", default=None, metavar="N",
+                   help="chat models: requests decoded together (continuous batching over a paged KV "
+                        "cache; default 1: one at a time)" + each)
     g.add_argument("--chat-opts", action="append", default=None, metavar="JSON",
                    help="WebLLM ChatOptions as JSON, e.g. '{\"temperature\": 0.2}'" + each)
 
