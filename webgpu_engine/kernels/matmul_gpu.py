@@ -62,7 +62,7 @@ class Gemm:
 
 
 # the candidates a tuner times (kernels/tune.py), built-in defaults among them
-DECODE_VARIANTS = tuple(Decode(rr, ln, 64) for rr in (1, 2, 4) for ln in (16, 64))
+DECODE_VARIANTS = tuple(Decode(rr, ln, 64) for rr in (1, 2, 4) for ln in (16, 32, 64))
 GEMM_VARIANTS = (Gemm(64), Gemm(32))
 
 
