@@ -68,7 +68,11 @@ class LoadedModel:
         if device is not None and not device.lost:
             held = device.allocations()
             mem["allocated_bytes"] = sum(held.get(o, 0) for o in self.owners)
-        return {"model_type": self.model_type, "context_window": ctx, "memory": mem}
+        out = {"model_type": self.model_type, "context_window": ctx, "memory": mem}
+        sched = getattr(self.pipeline, "scheduler", None)    # stub pipelines have none
+        if sched is not None:
+            out["batching"] = sched.describe()
+        return out
 
 
 @dataclass

@@ -425,6 +425,13 @@ class Scheduler:
             self.dev.write(lg.buf, out.tobytes() if lg.dtype == "f32" else struct.pack(f"<{len(out)}e", *out),
                            lg.offset)
 
+    def describe(self) -> dict:
+        """For /v1/models: the batch's size and use so far (where the time went)."""
+        p = self.pool
+        return {"max_num_sequences": self.max_seqs, "running": len(self.running),
+                "kv_block_size": p.block_size, "kv_pool_blocks": p.n_blocks, "kv_free_blocks": p.n_free,
+                **self.stats, "prefix_hit_tokens": p.stats["hit_tokens"], "evictions": p.stats["evictions"]}
+
     # ------------------------------------------------------------------ warm-up, release
     def compile_ops(self) -> list:
         """The op lists a request uses (decode of 1 .. max_seqs rows, prefill of 1, 2, 4, 8, 16 and a

@@ -1,0 +1,174 @@
+"""Serving throughput with concurrent clients: the OpenAI-compatible server (`python -m webgpu_engine
+serve`) driven by the official `openai` async client, with continuous batching
+(--max-num-sequences) and without it (max_num_sequences = 1: one request at a time), in the same run.
+
+    python bench/serve.py [--model ID] [--clients 1,2,4,8,16] [--max-tokens 128] [--batch 16]
+                          [--context 1024] [--port 8391]
+
+Each level starts C streaming clients at once; client k sends prompt k mod 8 (fixed prompts of
+mixed length, 5 .. ~230 tokens), temperature 0, ignore_eos, `max_tokens` output tokens. Per level:
+aggregate output tok/s (all tokens / wall time), time to first token p50/p95 and inter-token latency
+p50/p95 over all clients. After each level the batched server's scheduler figures from /v1/models
+(`batching`: iterations, decode rows, prefill tokens, preemptions, prefix hits) say where the time went:
+decode rows per iteration is the batch the matmuls saw. Prints a table and writes
+bench/results/serve.json. Needs the `openai` package (bench extra).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+os.environ.setdefault("XDG_RUNTIME_DIR", "/tmp")
+
+BASE = ("Explain how a compiler turns source code into machine code, step by step, and say why each "
+        "step exists. Mention lexing, parsing, type checking, optimisation and code generation. ")
+PROMPTS = ["Hi!", "Name three colours.", "Write a haiku about rivers.",
+           "What is the capital of France? Answer in one sentence.",
+           BASE, BASE * 2, "Summarise: " + BASE * 3, "Translate into French: " + BASE * 4]
+
+
+def pct(xs: list[float], p: float) -> float:
+    if not xs:
+        return 0.0
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
+
+
+async def wait_ready(base: str, proc, timeout: float = 600.0) -> None:
+    import aiohttp
+    t0 = time.time()
+    async with aiohttp.ClientSession() as s:
+        while time.time() - t0 < timeout:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the server exited with {proc.returncode}")
+            try:
+                async with s.get(base + "/health") as r:
+                    if r.status == 200:
+                        return
+            except aiohttp.ClientError:
+                pass
+            await asyncio.sleep(1.0)
+    raise RuntimeError("the server did not become ready")
+
+
+async def batching(base: str) -> dict | None:
+    """The scheduler's figures of the served model (None without batching)."""
+    import aiohttp
+    async with aiohttp.ClientSession() as s:
+        async with s.get(base + "/v1/models") as r:
+            data = (await r.json())["data"]
+    return data[0].get("batching") if data else None
+
+
+async def one_client(client, model: str, k: int, max_tokens: int) -> dict:
+    t0 = time.perf_counter()
+    times = []
+    stream = await client.completions.create(model=model, prompt=PROMPTS[k % len(PROMPTS)], max_tokens=max_tokens,
+                                             temperature=0, stream=True, extra_body={"ignore_eos": True})
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].text:
+            times.append(time.perf_counter())
+    n = len(times)
+    return {"ttft": times[0] - t0 if times else 0.0, "itl": [b - a for a, b in zip(times, times[1:])],
+            "chunks": n, "t_end": time.perf_counter()}
+
+
+async def level(base: str, model: str, c: int, max_tokens: int) -> dict:
+    from openai import AsyncOpenAI
+    client = AsyncOpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=3600)
+    t0 = time.perf_counter()
+    res = await asyncio.gather(*[one_client(client, model, k, max_tokens) for k in range(c)])
+    wall = time.perf_counter() - t0
+    await client.close()
+    tokens = c * max_tokens               # ignore_eos: every client gets max_tokens tokens
+    itl = [x for r in res for x in r["itl"]]
+    ttft = [r["ttft"] for r in res]
+    return {"clients": c, "wall_s": wall, "tok_s": tokens / wall, "ttft_p50": pct(ttft, 50),
+            "ttft_p95": pct(ttft, 95), "itl_p50": pct(itl, 50), "itl_p95": pct(itl, 95),
+            "chunks": sum(r["chunks"] for r in res)}
+
+
+async def run_server(args, max_seqs: int) -> list[dict]:
+    port = args.port + max_seqs
+    base = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "webgpu_engine", "serve", "--model", args.model, "--port", str(port),
+           "--max-queue", "none", "--context-window", str(args.context),
+           "--max-num-sequences", str(max_seqs)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        await wait_ready(base, proc)
+        await level(base, args.model_id, 1, 4)            # warm-up
+        rows = []
+        for c in args.clients:
+            before = await batching(base)
+            r = await level(base, args.model_id, c, args.max_tokens)
+            r["max_num_sequences"] = max_seqs
+            after = await batching(base)
+            if before and after:
+                d = {k: after[k] - before[k] for k in ("iterations", "decode_rows", "prefill_tokens",
+                                                      "preemptions", "prefix_hit_tokens")}
+                d["decode_rows_per_iteration"] = d["decode_rows"] / max(1, d["iterations"])
+                r["scheduler"] = d
+            rows.append(r)
+            print(f"  max_num_sequences={max_seqs:2d} clients={c:2d}: {r['tok_s']:7.1f} tok/s  "
+                  f"ttft p50 {r['ttft_p50']:.2f} s p95 {r['ttft_p95']:.2f} s  itl p50 {r['itl_p50'] * 1e3:.0f} ms "
+                  f"p95 {r['itl_p95'] * 1e3:.0f} ms" + (f"  rows/iteration {r['scheduler']['decode_rows_per_iteration']:.1f}"
+                                                       if "scheduler" in r else ""), flush=True)
+        return rows
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+async def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="SmolLM2-135M-Instruct-Q4_1")
+    ap.add_argument("--clients", default="1,2,4,8,16")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=16, help="max_num_sequences of the batched server")
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--port", type=int, default=8391)
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "serve.json"))
+    args = ap.parse_args()
+    args.clients = [int(c) for c in args.clients.split(",")]
+    args.model_id = args.model
+    rows = []
+    for max_seqs in (1, args.batch):
+        rows += await run_server(args, max_seqs)
+    one = {r["clients"]: r for r in rows if r["max_num_sequences"] == 1}
+    bat = {r["clients"]: r for r in rows if r["max_num_sequences"] == args.batch}
+    print(f"\n{'clients':>7} | {'tok/s x1':>9} {'tok/s batched':>13} {'gain':>5} | {'ttft p95 x1':>11} "
+          f"{'batched':>8} | {'itl p50 batched':>15}")
+    for c in args.clients:
+        a, b = one[c], bat[c]
+        print(f"{c:>7} | {a['tok_s']:9.1f} {b['tok_s']:13.1f} {b['tok_s'] / a['tok_s']:5.2f} | "
+              f"{a['ttft_p95']:10.2f}s {b['ttft_p95']:7.2f}s | {b['itl_p50'] * 1e3:13.0f}ms")
+    lone = bat[args.clients[0]]
+    summary = {}
+    if 8 in bat and 1 in bat:
+        summary = {"tok_s_8_over_1": bat[8]["tok_s"] / bat[1]["tok_s"],
+                   "ttft_p95_8_over_lone": bat[8]["ttft_p95"] / max(lone["ttft_p95"], 1e-9)}
+        print(f"\nbatched: aggregate tok/s at 8 clients = {summary['tok_s_8_over_1']:.2f} x 1 client; "
+              f"TTFT p95 at 8 = {summary['ttft_p95_8_over_lone']:.2f} x a lone request's")
+    out = {"model": args.model, "max_tokens": args.max_tokens, "batch": args.batch, "context": args.context,
+           "host": platform.node(), "rows": rows, "summary": summary,
+           "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=2))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(asyncio.run(main()))
