@@ -15,6 +15,11 @@ SmolLM2-135M's shapes, as the engine selects it (default config): before (batch_
 tiled kernels) and after (kernels/matmul_batch.py), with --variants every batched variant too;
 --tune stores the fastest variant per shape and T in matmul_batch.PROFILES and prints them.
 Writes bench/results/kernels_batch.json.
+--family: the GPU kernel family (kernels/matmul_gpu.py) against the CPU family's kernels ("base")
+at the same shapes: GB/s per decode variant (T = --T, default 1,4,8) and GFLOP/s per GEMM variant
+(prefill, --prefill-t rows), the built-in default for this adapter and what the stored tuner
+profile picked (kernels/profiles.py; "-" when the tuner has not measured that shape).
+Writes bench/results/kernels_family.json.
 """
 from __future__ import annotations
 
@@ -33,7 +38,8 @@ os.environ.setdefault("XDG_RUNTIME_DIR", "/tmp")
 from webgpu_engine.gpu import request_device_sync  # noqa: E402
 from webgpu_engine.kernels import quant_ref as qr  # noqa: E402
 from webgpu_engine.kernels.common import DTYPE_SIZE, Op, Tensor, new_tensor, params  # noqa: E402
-from webgpu_engine.kernels import matmul as mm, matmul_batch as mb  # noqa: E402
+from webgpu_engine.kernels import matmul as mm, matmul_batch as mb, matmul_gpu as mg, profiles  # noqa: E402
+from webgpu_engine.kernels.tune import _base_op  # noqa: E402
 from webgpu_engine.kernels.matmul import (MatmulConfig, _grid, matmul, upload_weight)  # noqa: E402
 
 OWNER = "bench"
@@ -189,6 +195,64 @@ def bench_batch(dev, a) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------- --family
+FAMILY_SHAPES = [
+    ("smollm2.qkv", 960, 576, ["q4_1"]),
+    ("smollm2.gate_up", 3072, 576, ["q4_1"]),
+    ("smollm2.down", 576, 1536, ["q4_1"]),
+    ("smollm2.lm_head", 49152, 576, ["q8_0"]),
+    ("kquant.down", 768, 1536, ["q4_k"]),
+    ("minilm.ffn_up", 1536, 384, ["f32"]),
+]
+
+
+def bench_family(dev, a) -> int:
+    Ts = [int(v) for v in (a.T if a.T != "1,128" else "1,4,8").split(",")]
+    rng = np.random.default_rng(0)
+    dtype = np.float32 if a.act == "f32" else np.float16
+    rows = []
+    col = 1 if mm.is_cpu_adapter(dev) else 0      # CPU time on a CPU adapter (see time_op)
+    out = Path(a.out).with_name("kernels_family.json") if a.out == DEFAULT_OUT else Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    print(f"adapter: {dev.info.name} ({dev.info.backend}); act {a.act}; "
+          f"{'CPU' if col else 'wall'} ms; * = built-in default, T = tuner's pick (profile)")
+    print(f"{'shape':16} {'qtype':6} {'rows':>8} {'variant':20} {'ms':>9} {'GB/s':>8} {'GFLOP/s':>8}")
+    for name, n, k, qtypes in FAMILY_SHAPES:
+        for q in qtypes:
+            if a.only and a.only not in f"{name}:{q}":
+                continue
+            w = upload_weight(dev, qr.random_weight(q, n, k, rng), q, n, k, owner=OWNER, label=name,
+                              interleave=False)
+            for T, ri in [(T, False) for T in Ts] + [(a.prefill_t, True)]:
+                x = Tensor(dev.upload(rng.standard_normal((T, k)).astype(dtype), owner=OWNER), (T, k), a.act)
+                y = new_tensor(dev, (T, n), a.act, owner=OWNER)
+                default = mg.default_variant(w, T, ri).key
+                picked = profiles.choice(dev, q, n, k, T, ri) or "-"
+                moved = w.nbytes + (T * k + T * n) * DTYPE_SIZE[a.act]
+                cands = [("base", _base_op(dev, x, w, y, ri))]
+                cands += [(v.key, mg.matmul(dev, x, w, y, variant=v, row_invariant=ri))
+                          for v in (mg.GEMM_VARIANTS if ri or T > mg.MAX_DECODE_T else mg.DECODE_VARIANTS)]
+                for key, op in cands:
+                    ms = time_op(dev, op, y.buf, a.min_s, a.runs)[col] * 1e3
+                    op.release()
+                    mark = ("*" if key == default else " ") + ("T" if key == picked else " ")
+                    r = {"shape": name, "n": n, "k": k, "qtype": q, "T": T, "row_invariant": ri, "variant": key,
+                         "ms": ms, "GB/s": moved / ms / 1e6, "GFLOP/s": 2 * T * n * k / ms / 1e6,
+                         "default": key == default, "tuned": key == picked}
+                    rows.append(r)
+                    label = f"prefill{T}" if ri else f"t{T}"
+                    print(f"{name:16} {q:6} {label:>8} {key:18}{mark} {ms:9.3f} {r['GB/s']:8.2f} "
+                          f"{r['GFLOP/s']:8.2f}", flush=True)
+                x.buf.release()
+                y.buf.release()
+            w.release()
+            # written after every weight: a run stopped by a time limit keeps what it measured
+            out.write_text(json.dumps({"adapter": dev.info.__dict__, "act": a.act, "clock": "cpu" if col else "wall",
+                                       "rows": rows}, indent=1))
+    print(f"wrote {out}")
+    return 0
+
+
 DEFAULT_OUT = str(Path(__file__).resolve().parent / "results" / "kernels.json")
 
 
@@ -210,8 +274,12 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", action="store_true", help="T = 1..16 decode batches: before / after")
     ap.add_argument("--variants", action="store_true", help="--batch: time every batched variant too")
     ap.add_argument("--tune", action="store_true", help="--batch: store the fastest variant per shape")
+    ap.add_argument("--family", action="store_true", help="GPU kernel family vs base: GB/s, GFLOP/s, picks")
+    ap.add_argument("--prefill-t", type=int, default=128, help="--family: rows of the prefill matmul")
     a = ap.parse_args(argv)
     dev = request_device_sync()
+    if a.family:
+        return bench_family(dev, a)
     if a.batch:
         if a.T == "1,128":
             a.T = "1,2,4,8,16"

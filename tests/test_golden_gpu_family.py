@@ -1,13 +1,15 @@
-"""The golden SmolLM2 greedy tokens with the GPU kernel family forced (WEBGPU_ENGINE_KERNELS=gpu):
-coalesced decode and tiled GEMM (kernels/matmul_gpu.py) in place of the CPU-shaped kernels, on
-the real adapter. A short run (one prompt, 8 tokens) keeps the test small on a CPU adapter, where
-these kernels are slow; test_llama.py checks the full goldens with the default family."""
+"""The golden SmolLM2 greedy tokens and MiniLM vectors with the GPU kernel family forced
+(WEBGPU_ENGINE_KERNELS=gpu): coalesced decode and tiled GEMM (kernels/matmul_gpu.py) in place of the
+CPU-shaped kernels, on the real adapter. A short run (one prompt, 8 tokens) keeps the test small on
+a CPU adapter, where these kernels are slow; test_llama.py and test_embedding_pipeline.py check the
+full goldens with the default family."""
 from __future__ import annotations
 
 import numpy as np
 
 from webgpu_engine.config import ChatConfig, GenerationConfig
 from webgpu_engine.kernels import matmul as mm
+from webgpu_engine.pipelines.embedding import EmbeddingPipeline
 from webgpu_engine.pipelines.llm import LLMChatPipeline
 
 N_TOKENS = 8
@@ -36,5 +38,20 @@ async def test_smollm2_golden_greedy_gpu_family(fresh_device, smollm2_gguf, smol
         # the forward ran the GPU family's kernels: decode and GEMM pipelines were built
         entries = {k.entry for k in dev._pipelines}
         assert {"matmul_gpu", "matmul_gemm"} <= entries, entries
+    finally:
+        pipe.dispose()
+
+
+async def test_minilm_golden_vectors_gpu_family(fresh_device, minilm_dir, minilm_reference, monkeypatch):
+    monkeypatch.setenv(mm.FAMILY_ENV, "gpu")
+    dev = fresh_device
+    pipe = await EmbeddingPipeline.load(dev, minilm_dir, ChatConfig(dtype="f32", max_batch_size=8))
+    try:
+        items = minilm_reference["items"]
+        res = await pipe.embed_step([it["text"] for it in items])
+        for v, it in zip(res.embeddings, items):
+            a, b = np.asarray(v, np.float64), np.asarray(it["embedding"], np.float64)
+            assert a @ b / np.linalg.norm(a) / np.linalg.norm(b) >= 0.9999, it["text"][:40]
+        assert "matmul_gemm" in {k.entry for k in dev._pipelines}
     finally:
         pipe.dispose()
