@@ -189,3 +189,39 @@ async def test_unload_fails_the_running_requests_with_model_unloaded(device, tin
         assert (await _complete(eng, 0, 4))[1] == 4
     finally:
         await eng.unload()
+
+
+async def test_request_features_per_sequence(engine):
+    """Logprobs, stop strings, logit_bias, n > 1 and a JSON grammar, each running beside others,
+    give what they give alone."""
+    async def ask(kind):
+        if kind == "logprobs":
+            r = await engine.completions.create(prompt=_prompt(2), max_tokens=6, temperature=0, logprobs=True,
+                                                top_logprobs=3, ignore_eos=True)
+            return r.choices[0].text, r.choices[0].logprobs.top_logprobs
+        if kind == "bias":
+            r = await engine.completions.create(prompt=_prompt(3), max_tokens=6, temperature=0,
+                                                logit_bias={"40": 100}, ignore_eos=True)
+            return r.choices[0].text
+        if kind == "n":
+            r = await engine.completions.create(prompt=_prompt(4), max_tokens=6, temperature=0.8, seed=7, n=2,
+                                                ignore_eos=True)
+            return [c.text for c in r.choices]
+        if kind == "json":
+            r = await engine.chat.completions.create(
+                messages=[{"role": "user", "content": "json"}], max_tokens=40, temperature=0,
+                response_format={"type": "json_object"})
+            return r.choices[0].message.content
+        text, _ = await _complete(engine, 1)
+        cut = text[3:6]
+        r = await engine.completions.create(prompt=_prompt(1), max_tokens=N, temperature=0, stop=[cut],
+                                            ignore_eos=True)
+        return r.choices[0].text, r.choices[0].finish_reason
+    kinds = ["logprobs", "bias", "n", "json", "stop"]
+    solo = [await ask(k) for k in kinds]
+    assert await asyncio.gather(*[ask(k) for k in kinds]) == solo
+    import json as _json
+    assert isinstance(_json.loads(solo[3]), dict)
+    assert solo[4][1] == "stop" and len(solo[2]) == 2 and len(solo[0][1]) == 6
+    tok40 = _sched(engine).pipe.tokenizer.token_bytes(40).decode("utf-8", "replace")
+    assert solo[1] == tok40 * 6

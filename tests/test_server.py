@@ -429,6 +429,34 @@ async def test_real_concurrent_streams_fifo_with_embeddings(real_server):
     assert max(done.index("emb0"), done.index("emb1")) < done.index("chat7")
 
 
+@pytest.mark.slow
+async def test_real_batched_streams_over_http(device, smollm2_gguf, minilm_dir):
+    """The server with continuous batching (serve's default): concurrent streams each get the text
+    they get alone, and /v1/models shows the batch."""
+    from webgpu_engine.engine import EngineConfig
+    s = ServerThread(ServerOptions(models=[LLM_ID], port=0, engine_config=EngineConfig(device=device),
+                                   chat_opts=[{"max_num_sequences": 4, "context_window_size": 512}]))
+    try:
+        c = openai.AsyncOpenAI(base_url=s.url, api_key="none", max_retries=0, timeout=300)
+        prompts = ["Name a fruit.", "Name a color.", "What is 2+2?", "Say hi."]
+
+        async def ask(p, stream):
+            kw = dict(model=LLM_ID, messages=[{"role": "user", "content": p}], temperature=0, max_tokens=8)
+            if not stream:
+                return (await c.chat.completions.create(**kw)).choices[0].message.content
+            st = await c.chat.completions.create(**kw, stream=True)
+            return "".join([ch.choices[0].delta.content or "" async for ch in st if ch.choices])
+        alone = [await ask(p, False) for p in prompts]
+        assert await asyncio.gather(*[ask(p, True) for p in prompts]) == alone
+        (m,) = (await c.models.list()).data
+        batching = m.model_extra["batching"]
+        assert batching["max_num_sequences"] == 4 and batching["running"] == 0
+        assert batching["decode_rows"] > batching["iterations"] > 0     # rows shared iterations
+        await c.close()
+    finally:
+        s.stop()
+
+
 # --------------------------------------------------------------------------- SIGTERM (stub)
 _SERVE = """
 import sys

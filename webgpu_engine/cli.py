@@ -260,6 +260,9 @@ def cmd_embed(args) -> int:
 
 
 # --------------------------------------------------------------------------- serve
+SERVE_MAX_NUM_SEQUENCES = 4      # continuous batching by default in the server (llama.cpp's server: 4 slots)
+
+
 def cmd_serve(args) -> int:
     from .engine.records import EngineConfig
     from .protocol.rules import RequestLimits
@@ -268,7 +271,10 @@ def cmd_serve(args) -> int:
     refs = args.model or ([] if args.config else [DEFAULT_CHAT_MODEL, DEFAULT_EMBED_MODEL])
     app, models = _models(args, refs)
     models = models or app.ids()
-    chat_opts = _chat_opts(args, len(models))
+    chat_opts = _chat_opts(args, len(models)) or [None] * len(models)
+    # a server has several users: chat models batch up to SERVE_MAX_NUM_SEQUENCES requests unless
+    # --max-num-sequences / --chat-opts say otherwise (embedders ignore it)
+    chat_opts = [{"max_num_sequences": SERVE_MAX_NUM_SEQUENCES, **(o or {})} for o in chat_opts]
     given = {k: getattr(args, k) for k in ("max_n", "max_stop", "max_logit_bias",
                                            "max_embedding_inputs", "max_embedding_tokens")}
     limits = RequestLimits(**{k: v for k, v in given.items() if v is not None})
@@ -384,7 +390,7 @@ def _model_options(p, many: bool = False):
                    help="activation precision (auto: f16 where the adapter has shader-f16)" + each)
     g.add_argument("--max-num-sequences", type=int, action="append", default=None, metavar="N",
                    help="chat models: requests decoded together (continuous batching over a paged KV "
-                        "cache; default 1: one at a time)" + each)
+                        "cache; default: serve 4, chat and complete 1)" + each)
     g.add_argument("--chat-opts", action="append", default=None, metavar="JSON",
                    help="WebLLM ChatOptions as JSON, e.g. '{\"temperature\": 0.2}'" + each)
 

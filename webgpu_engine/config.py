@@ -71,8 +71,8 @@ class ChatConfig:
     max_num_sequences: int = 1         # chat: sequences decoded together (continuous batching,
     #                                    engine/scheduler.py); 1: one request at a time, as WebLLM
     kv_block_size: int = 16            # chat with max_num_sequences > 1: tokens per KV-cache block
-    kv_pool_tokens: int = 0            # ... and tokens the KV pool holds (0: max_num_sequences x the
-    #                                    context window; at least one full context)
+    kv_pool_tokens: int = 0            # ... and tokens the KV pool holds (0: max_num_sequences contexts,
+    #                                    at most max(2 contexts, 8192); at least one full context)
     compile_at_load: bool = True       # create and run every pipeline once while loading, so the
     #                                    first request compiles nothing; False: a faster load, the
     #                                    first requests compile what they use

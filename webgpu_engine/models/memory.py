@@ -45,14 +45,22 @@ def _weight_bytes(t, max_binding: int) -> tuple[int, int]:
     return _r4(n * row), _r4(min(per_buf, n * row))
 
 
+def pool_blocks(max_seqs: int, ctx: int, block_size: int, pool_tokens: int = 0) -> int:
+    """Blocks of a model's pool: `pool_tokens` when given, else max_seqs full contexts but at most
+    max(2 contexts, 8192 tokens) (preemption and prefix sharing cover the rest); never less than one
+    full context plus a block, so a lone sequence always fits."""
+    want = pool_tokens or min(max_seqs * ctx, max(2 * ctx, 8192))
+    return max(-(-want // block_size), -(-ctx // block_size) + 1)
+
+
 def estimate_llm(cfg, tensors: dict, *, context_window: int, prefill_chunk: int, act_dtype: str,
                  max_binding: int, max_num_sequences: int = 1, kv_block_size: int = 16,
                  kv_pool_tokens: int = 0) -> MemoryEstimate:
     """A Llama-family decoder as models/llama.py + the sampler allocate it. `tensors`: our weight names
     → TensorInfo (only names, qtypes and shapes are used). The context window is clamped to the
     model's trained length, as the model does. With max_num_sequences > 1 the paged KV pool of the
-    batch scheduler (pipelines/scheduler.py: kv_pool_tokens, default max_num_sequences x the
-    context, at least one context and a block), its logits rows and per-slot samplers come on top."""
+    batch scheduler (pipelines/scheduler.py; engine/kv_pool.pool_blocks), its logits rows and per-slot
+    samplers come on top."""
     esz = 2 if act_dtype == "f16" else 4
     limit = cfg.context_length if cfg.context_length > 0 else context_window
     ctx = min(context_window, limit) if context_window > 0 else limit
@@ -79,9 +87,7 @@ def estimate_llm(cfg, tensors: dict, *, context_window: int, prefill_chunk: int,
             largest, label = size, what
     kv = kv_tok * ctx
     if max_num_sequences > 1:
-        bs = kv_block_size
-        pool = max(-(-(kv_pool_tokens or max_num_sequences * ctx) // bs), -(-ctx // bs) + 1) * bs
-        kv += kv_tok * pool
+        kv += kv_tok * kv_block_size * pool_blocks(max_num_sequences, ctx, kv_block_size, kv_pool_tokens)
         act += max_num_sequences * (esz * 2 * V + 4 * V * 3 + 4 * (V + 31) // 32 + 4096)
     return MemoryEstimate(weights, kv, act, ctx, kv_tok, partials, largest, label)
 

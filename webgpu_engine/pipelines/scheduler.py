@@ -37,6 +37,7 @@ from ..kernels import nn
 from ..kernels.common import DTYPE_SIZE, new_tensor
 from ..kernels.logit_mask import LogitMask
 from ..kernels.sampling import Sampler
+from ..models.memory import pool_blocks
 from ..models.paged import PagedForward
 from .stats import RequestStats, now
 
@@ -145,8 +146,7 @@ class Scheduler:
         bs = int(block_size)
         cap = ap.max_pool_blocks(dev, bs, m.cfg.n_kv_heads, m.cfg.head_dim, m.dtype)
         one = -(-m.ctx // bs) + 1                    # a lone sequence of a full context always fits
-        want = -(-(pool_tokens or self.max_seqs * m.ctx) // bs)
-        n_blocks = min(max(one, want), cap)
+        n_blocks = min(pool_blocks(self.max_seqs, m.ctx, bs, pool_tokens or 0), cap)
         if n_blocks < one:
             raise ContextWindowTooLargeError(
                 f"A paged KV cache for a context of {m.ctx} tokens needs {one} blocks of {bs} tokens per "
