@@ -389,9 +389,10 @@ def decode_splits(ctx: int, *, min_chunk: int = 32, max_splits: int = 128) -> tu
 
 
 def _attn_header(dt: str, head_dim: int, g: int = 1, split_wg: int = WG, packed: bool = False,
-                 windowed: bool = False, capped: bool = False) -> str:
+                 windowed: bool = False, capped: bool = False, kv: tuple = ("kc", "vc")) -> str:
     """Constants plus the state of g heads unrolled into vec4 registers (see attention.wgsl).
-    packed: f16 keys and values are read as vec4<u32> (8 halves per load; kr, vr even)."""
+    packed: f16 keys and values are read as vec4<u32> (8 halves per load; kr, vr even).
+    kv: the arrays keys and values are read from (attention_flash.wgsl: its workgroup tiles)."""
     n = head_dim // 4
     r, gs = range(n), range(g)
     sv = "f32" if g == 1 else f"vec{g}<f32>"
@@ -411,12 +412,12 @@ def _attn_header(dt: str, head_dim: int, g: int = 1, split_wg: int = WG, packed:
                        f"  let {name}{2 * i} = vec4<f32>(unpack2x16float(w{i}.x), unpack2x16float(w{i}.y));\n"
                        f"  let {name}{2 * i + 1} = vec4<f32>(unpack2x16float(w{i}.z), unpack2x16float(w{i}.w));\n"
                        for i in range(n // 2))
-    out.append("fn qk(kr: u32) -> sv {\n" + loads("k", "kc", "kr")
+    out.append("fn qk(kr: u32) -> sv {\n" + loads("k", kv[0], "kr")
                + "  return sv(" + ", ".join(" + ".join(f"dot(q{j}_{i}, k{i})" for i in r) for j in gs)
                + ");\n}")
     out.append("fn acc_scale(c: sv) {\n" + "".join(f"  a{j}_{i} *= {comp('c', j)};\n" for j in gs for i in r)
                + "}")
-    out.append("fn acc_add(wt: sv, vr: u32) {\n" + loads("v", "vc", "vr")
+    out.append("fn acc_add(wt: sv, vr: u32) {\n" + loads("v", kv[1], "vr")
                + "".join(f"  a{j}_{i} += {comp('wt', j)} * v{i};\n" for j in gs for i in r) + "}")
     cases = [(j * n + i, f"a{j}_{i}") for j in gs for i in r]
     out.append("fn acc_get(g: u32, d: u32) -> vec4<f32> {\n  switch g * D4 + d {\n" + "".join(
@@ -433,6 +434,15 @@ def _heads_per_lane(k: str, group: int, head_dim: int, g: int | None) -> int:
     check(g == 1 or g * head_dim <= _MAX_LANE_DIMS, k,
           f"heads_per_lane {g} x head_dim {head_dim} exceeds {_MAX_LANE_DIMS} dims per lane")
     return g
+
+
+def flash_attention(dev: Device) -> bool:
+    """Whether prefill attention stages key tiles in workgroup memory (shaders/attention_flash.wgsl):
+    where the matmuls run the GPU kernel family (kernels/matmul.py kernel_family). The CPU family
+    keeps attn_causal, so that CPU adapters run exactly what they ran before the families."""
+    from .matmul import is_cpu_adapter, kernel_family     # matmul.py does not import this module
+    family = kernel_family(dev)
+    return family == "gpu" or family == "tuned" and not is_cpu_adapter(dev)
 
 
 def attention(dev: Device, qkv: Tensor, k_cache: Tensor, v_cache: Tensor, out: Tensor, step, *,
@@ -483,6 +493,10 @@ def attention(dev: Device, qkv: Tensor, k_cache: Tensor, v_cache: Tensor, out: T
         n_blk = -(-t_max // WG)
         par = params(dev, [t_max, n_q_heads, group, heads, ctx, 0, 0, float(scale), qo, ko, vo, oo,
                            n_blk, int(window), float(softcap), 0], owner=owner, label=k)
+        if flash_attention(dev):     # the same folds, keys and values staged in workgroup memory
+            header = _attn_header(dt, head_dim, g, windowed=window > 0, capped=softcap > 0, kv=("ksh", "vsh"))
+            return _op(dev, k, "attention_flash.wgsl", "attn_flash", header + load_shader_source("attention.wgsl"),
+                       par, [_step_entry(step), qe, ke, ve, oe], n_blk * (n_q_heads // g) * WG)
         return _op(dev, k, "attention.wgsl", "attn_causal",
                    _attn_header(dt, head_dim, g, packed=packed, windowed=window > 0, capped=softcap > 0),
                    par, [_step_entry(step), qe, ke, ve, oe], n_blk * (n_q_heads // g) * WG)

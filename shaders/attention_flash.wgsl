@@ -1,0 +1,63 @@
+// attn_flash: prefill attention (attn_causal's semantics, see attention.wgsl) for GPUs, flash-
+// attention style: the keys and values of each 16-key block are staged once in workgroup memory by
+// the whole workgroup and read from there by its 64 queries, which fold them with the same online
+// softmax as attn_causal (running max, rescaled accumulator), block by block from the same first
+// block: a query's result does not depend on how many queries run with it.
+// dispatch nblk*Hq/G workgroups of 64 (as attn_causal).
+//
+// The host prepends nn._attn_header with its key / value reads pointed at `ksh` / `vsh` (f32, row
+// j of a block at j * D4) and attention.wgsl (Params, bindings, window_lo, score, store_out,
+// live_rows, BLK, WG, MASKED).
+
+var<workgroup> ksh: array<vec4<f32>, BLK * D4>;   // (BLK, D4): keys j0 .. j0 + BLK - 1 of one kv head
+var<workgroup> vsh: array<vec4<f32>, BLK * D4>;   // (BLK, D4): their values
+
+// attend()'s block step over the staged keys j0 + j, j < nb; keys j0 + j < lo or >= lim are masked
+fn fold_block(j0: u32, nb: u32, lo: u32, lim: u32) {
+    var sc: array<sv, BLK>;
+    var mb = m_run;
+    for (var j = 0u; j < nb; j++) {
+        let s = select(sv(MASKED), score(j * D4), j0 + j < lim && (!WINDOWED || j0 + j >= lo));
+        sc[j] = s;
+        mb = max(mb, s);
+    }
+    let corr = exp(m_run - mb);
+    l_run *= corr;
+    acc_scale(corr);
+    for (var j = 0u; j < nb; j++) {
+        let pj = exp(sc[j] - mb);
+        l_run += pj;
+        acc_add(pj, j * D4);
+    }
+    m_run = mb;
+}
+
+@compute @workgroup_size(64)
+fn attn_flash(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+              @builtin(local_invocation_index) lid: u32) {
+    let wg = wid.y * nwg.x + wid.x;
+    let n_hg = p.hq / G;                         // head groups of G
+    let h0 = (wg % n_hg) * G;
+    let t0 = (wg / n_hg) * WG;
+    let rows = live_rows();
+    if (t0 >= rows) { return; }                  // the whole workgroup: barriers stay uniform
+    let t = min(t0 + lid, rows - 1u);            // spare lanes redo the last row, never store
+    let pos0 = step[0];
+    let n_wg = min(pos0 + min(t0 + WG, rows), p.ctx);   // keys of the block's last query
+    load_q(p.qkv_off + (t * p.heads + h0) * D4, D4);
+    let cb = (h0 / p.group) * p.ctx * D4;
+    let lo = window_lo(pos0 + t);
+    let lim = min(pos0 + t + 1u, p.ctx);
+    for (var j0 = (window_lo(pos0 + t0) / BLK) * BLK; j0 < n_wg; j0 += BLK) {
+        let nb = min(BLK, n_wg - j0);
+        for (var e = lid; e < BLK * D4; e += WG) {
+            let r = cb + min(j0 + e / D4, n_wg - 1u) * D4 + e % D4;
+            ksh[e] = vec4<f32>(kc[p.kc_off + r]);
+            vsh[e] = vec4<f32>(vc[p.vc_off + r]);
+        }
+        workgroupBarrier();
+        fold_block(j0, nb, lo, lim);
+        workgroupBarrier();
+    }
+    if (t0 + lid < rows) { store_out(p.out_off + (t * p.hq + h0) * D4, D4, 0u); }
+}
