@@ -225,3 +225,41 @@ async def test_request_features_per_sequence(engine):
     assert solo[4][1] == "stop" and len(solo[2]) == 2 and len(solo[0][1]) == 6
     tok40 = _sched(engine).pipe.tokenizer.token_bytes(40).decode("utf-8", "replace")
     assert solo[1] == tok40 * 6
+
+
+async def test_device_loss_fails_every_sequence_of_the_model(tiny_path):
+    """A loss mid-batch: every running sequence of the model fails with DeviceLostError and no place
+    of its lock stays held."""
+    from webgpu_engine import gpu
+    from webgpu_engine.engine import EngineConfig
+    from webgpu_engine.errors import DeviceLostError
+    dev = await gpu.request_device()
+    eng = AsyncMLCEngine(EngineConfig(device=dev))
+    await eng.reload(str(tiny_path), chat_opts={**OPTS, "compile_at_load": False})
+    (lm,) = eng.models.values()
+    streams = [await eng.completions.create(prompt=_prompt(i), max_tokens=150, ignore_eos=True, temperature=0,
+                                            stream=True) for i in range(3)]
+    for st in streams:
+        await st.__anext__()
+    dev.destroy()
+    for st in streams:
+        with pytest.raises(DeviceLostError):
+            async for _ in st:
+                pass
+    assert eng.state == "device_lost" and lm.lock.held == 0
+
+
+async def test_batch_size_options(device, tiny_path):
+    from webgpu_engine.config import ChatConfig
+    from webgpu_engine.errors import ChatOptionTypeError
+    from webgpu_engine.pipelines.scheduler import resolve_max_sequences
+    cpu = device.info.adapter_type.upper() == "CPU"
+    assert resolve_max_sequences(device, ChatConfig(max_num_sequences=0)) == (4 if cpu else 16)
+    assert resolve_max_sequences(device, ChatConfig(max_num_sequences=0, prefill_chunk_size=2)) == 2
+    assert resolve_max_sequences(device, ChatConfig(max_num_sequences=1)) == 1
+    eng = AsyncMLCEngine()
+    for bad in ({"kv_block_size": 12}, {"max_num_sequences": 300}, {"max_num_sequences": 64, "prefill_chunk_size": 32},
+                {"kv_pool_tokens": -1}):
+        with pytest.raises(ChatOptionTypeError) as e:
+            await eng.reload(str(tiny_path), chat_opts={**OPTS, **bad})
+        assert e.value.param == next(iter(bad)) and not eng.models

@@ -260,7 +260,7 @@ def cmd_embed(args) -> int:
 
 
 # --------------------------------------------------------------------------- serve
-SERVE_MAX_NUM_SEQUENCES = 4      # continuous batching by default in the server (llama.cpp's server: 4 slots)
+SERVE_MAX_NUM_SEQUENCES = 0      # the server batches by default, as suits the device (ChatConfig)
 
 
 def cmd_serve(args) -> int:
@@ -390,7 +390,8 @@ def _model_options(p, many: bool = False):
                    help="activation precision (auto: f16 where the adapter has shader-f16)" + each)
     g.add_argument("--max-num-sequences", type=int, action="append", default=None, metavar="N",
                    help="chat models: requests decoded together (continuous batching over a paged KV "
-                        "cache; default: serve 4, chat and complete 1)" + each)
+                        "cache; 0: as suits the device, 4 on a CPU adapter and 16 on a GPU; default: "
+                        "serve 0, chat and complete 1)" + each)
     g.add_argument("--chat-opts", action="append", default=None, metavar="JSON",
                    help="WebLLM ChatOptions as JSON, e.g. '{\"temperature\": 0.2}'" + each)
 

@@ -69,7 +69,8 @@ class ChatConfig:
     matryoshka: bool | None = None     # embeddings: may `dimensions` truncate the vectors? (None: as
     #                                    the model card says; a record's overrides may set it)
     max_num_sequences: int = 1         # chat: sequences decoded together (continuous batching,
-    #                                    engine/scheduler.py); 1: one request at a time, as WebLLM
+    #                                    pipelines/scheduler.py); 1: one request at a time, as WebLLM;
+    #                                    0: as suits the device (4 on a CPU adapter, 16 on a GPU)
     kv_block_size: int = 16            # chat with max_num_sequences > 1: tokens per KV-cache block
     kv_pool_tokens: int = 0            # ... and tokens the KV pool holds (0: max_num_sequences contexts,
     #                                    at most max(2 contexts, 8192); at least one full context)

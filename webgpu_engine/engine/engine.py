@@ -111,15 +111,17 @@ def _check_chat_options(cc: ChatConfig) -> None:
             "attention_sink_size", cc.attention_sink_size,
             "attention sinks only apply to a sliding window, which this engine does not have; leave "
             "it at 0.")
-    # continuous batching: at most 256 sequences, blocks of a power of two 1..256 tokens
+    # continuous batching: at most 256 sequences (0: as suits the device, at most the prefill chunk),
+    # blocks of a power of two 1..256 tokens
     for name, ok, expected in (
-            ("max_num_sequences", 1 <= cc.max_num_sequences <= 256, "an integer in 1..256"),
+            ("max_num_sequences", 0 <= cc.max_num_sequences <= 256,
+             "an integer in 0..256 (0: as suits the device)"),
             ("kv_block_size", 1 <= cc.kv_block_size <= 256 and cc.kv_block_size & (cc.kv_block_size - 1) == 0,
              "a power of two in 1..256"),
             ("kv_pool_tokens", cc.kv_pool_tokens >= 0, "0 (automatic) or a positive number of tokens")):
         if not ok:
             raise ChatOptionTypeError(name, expected, getattr(cc, name))
-    if cc.max_num_sequences > cc.prefill_chunk_size:
+    if cc.max_num_sequences > cc.prefill_chunk_size > 0:
         raise ChatOptionTypeError("max_num_sequences", f"at most prefill_chunk_size ({cc.prefill_chunk_size})",
                                   cc.max_num_sequences)
 

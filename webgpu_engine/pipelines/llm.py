@@ -97,6 +97,11 @@ class LLMChatPipeline:
         except BaseException:
             close()
             raise
+        if chat_config.max_num_sequences == 0:        # "as suits the device"
+            from dataclasses import replace
+
+            from .scheduler import resolve_max_sequences
+            chat_config = replace(chat_config, max_num_sequences=resolve_max_sequences(dev, chat_config))
         dtype = chat_config.dtype
         if dtype == "auto":
             # f16 activations reproduce the f32 greedy tokens on the golden prompts for 16+ tokens

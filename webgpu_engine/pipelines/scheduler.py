@@ -46,6 +46,17 @@ _RESULT = 64                     # bytes per slot in the results buffer (the sam
 _ids = itertools.count()
 
 
+def resolve_max_sequences(dev, chat_config) -> int:
+    """chat_config.max_num_sequences, where 0 means "as suits the device": 4 on a CPU adapter
+    (lavapipe's matmuls cost nearly in proportion to their rows, so more sequences mostly lengthen
+    each step), 16 on a GPU (a decode step streams the weights once for all rows); never more than
+    the prefill chunk."""
+    n = int(chat_config.max_num_sequences)
+    if n == 0:
+        n = 4 if dev.info.adapter_type.upper() == "CPU" else 16
+    return max(1, min(n, int(chat_config.prefill_chunk_size)))
+
+
 class SchedulerClosedError(RuntimeError):
     """The model was released while the request ran (the engine reports ModelUnloadedError)."""
 
