@@ -193,7 +193,8 @@ def test_tuned_profile(device, monkeypatch, tmp_path):
         w, xt, yt, _, ref = matmul_case(device, "q8_0", 64, 256, 8, "f32", rng, owner=OWNER)
         key = profiles.shape_key("q8_0", 64, 256, 1, False)
         path = profiles.save(device, {key: "decode-r4-l16-w64", profiles.shape_key("q8_0", 64, 256, 4, False): "base",
-                                      profiles.shape_key("q8_0", 64, 256, 8, True): "decode-r1-l16-w64"})
+                                      profiles.shape_key("q8_0", 64, 256, 8, True): "decode-r1-l16-w64",
+                                      profiles.shape_key("q8_0", 64, 256, 8, False): "warp-9"})
         assert path.parent.parent.name == "profiles" and path.is_file()
         profiles.forget()                     # read back from the file
         cfg = mm.default_config(device)
@@ -202,6 +203,7 @@ def test_tuned_profile(device, monkeypatch, tmp_path):
         assert mm._family_variant(device, cfg, w, 3, False) is None          # "base"
         assert mm._family_variant(device, cfg, w, 2, False) is None          # not measured
         assert mm._family_variant(device, cfg, w, 8, True) is None   # unfit: as not measured
+        assert mm._family_variant(device, cfg, w, 8, False) is None  # unknown key: as not measured
         op = mm.matmul(device, xt.view((1, 256)), w, yt.view((1, 64)))
         assert _kernel_of(op) == "matmul_gpu"
         run_ops(device, op)

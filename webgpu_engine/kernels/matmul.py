@@ -127,10 +127,12 @@ def _family_variant(dev: Device, cfg: MatmulConfig, w: "QWeight", T: int, row_in
         key = profiles.choice(dev, w.qtype, w.n, w.k, T, row_invariant)
         if key == profiles.BASE:
             return None
-        if key is not None:
-            v = matmul_gpu.variant(key)
-            if matmul_gpu.fits(v, T, row_invariant):
-                return v
+        try:
+            v = matmul_gpu.variant(key) if key is not None else None
+        except ValueError:             # a key this version does not know: as if not measured
+            v = None
+        if v is not None and matmul_gpu.fits(v, T, row_invariant):
+            return v
         if is_cpu_adapter(dev):        # not measured: the CPU strategy keeps the shape
             return None
     return matmul_gpu.default_variant(w, T, row_invariant)
