@@ -5,7 +5,8 @@ runs (decode "t1".."t8", prefill, or "tn" for embedders' batches; see profiles.s
 tuner times "base" — the kernels the adapter's built-in strategy runs there (matmul.py with the
 "cpu" family's selection) — against kernels/matmul_gpu.py's variants that serve the class, and
 stores the fastest in the adapter's profile (kernels/profiles.py). A variant replaces base only
-when it is faster by more than MARGIN, so that noise never trades today's kernels for a tie.
+when it is faster by more than MARGIN, twice (a second timing of the two side by side), so that
+noise does not trade today's kernels for a tie.
 
 Timing: `reps` executions recorded into one submit and waited for by a 4-byte readback, best of
 `runs`; on a CPU adapter the process's CPU time (the driver's threads are ours: a measure that does
@@ -139,19 +140,25 @@ def measure(dev: Device, case: Case, dtype: str, *, min_s: float = 0.05, runs: i
     x = Tensor(dev.upload(raw, owner=owner, label="tune:x"), (T, w.k), dtype)
     y = new_tensor(dev, (T, w.n), dtype, owner=owner, label="tune:y")
     res = Result(case.key, bytes=w.nbytes + (T * w.k + T * w.n) * esz, flops=2 * T * w.n * w.k)
+    ops = {profiles.BASE: _base_op(dev, x, w, y, case.row_invariant)}
     try:
-        ops = [(profiles.BASE, _base_op(dev, x, w, y, case.row_invariant))]
-        ops += [(v.key, mg.matmul(dev, x, w, y, variant=v, row_invariant=case.row_invariant))
-                for v in candidates(case)]
-        for key, op in ops:
+        ops.update((v.key, mg.matmul(dev, x, w, y, variant=v, row_invariant=case.row_invariant))
+                   for v in candidates(case))
+        for key, op in ops.items():
             res.times[key] = 1e3 * _time(dev, op, y.buf, cpu_clock, min_s, runs)
-            op.release()
+        best = min((k for k in res.times if k != profiles.BASE), key=res.times.get, default=None)
+        if best is not None and res.times[best] < MARGIN * res.times[profiles.BASE]:
+            # a win is timed again, base and the winner side by side: a shared machine's noise
+            # must not trade today's kernels for a tie
+            again = {k: 1e3 * _time(dev, ops[k], y.buf, cpu_clock, min_s, runs) for k in (profiles.BASE, best)}
+            if again[best] < MARGIN * again[profiles.BASE]:
+                res.choice = best
+            res.times.update({k: min(res.times[k], t) for k, t in again.items()})
     finally:
+        for op in ops.values():
+            op.release()
         x.buf.release()
         y.buf.release()
-    best = min((k for k in res.times if k != profiles.BASE), key=res.times.get, default=None)
-    if best is not None and res.times[best] < MARGIN * res.times[profiles.BASE]:
-        res.choice = best
     return res
 
 
