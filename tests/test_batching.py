@@ -263,3 +263,18 @@ async def test_batch_size_options(device, tiny_path):
         with pytest.raises(ChatOptionTypeError) as e:
             await eng.reload(str(tiny_path), chat_opts={**OPTS, **bad})
         assert e.value.param == next(iter(bad)) and not eng.models
+
+
+async def test_no_shader_compiles_after_load(fresh_device, tiny_path):
+    """With batching, reload() compiles the scheduler's pipelines too: concurrent requests of any
+    length, sampled or greedy, compile none."""
+    from webgpu_engine.engine import EngineConfig
+    eng = AsyncMLCEngine(EngineConfig(device=fresh_device))
+    await eng.reload(str(tiny_path), chat_opts={**OPTS, "max_num_sequences": 3})
+    try:
+        loaded = fresh_device.compile_count
+        await asyncio.gather(*[_complete(eng, i, 3, **({"temperature": 0.8, "seed": 1, "logprobs": True,
+                                                       "top_logprobs": 2} if i % 2 else {})) for i in range(6)])
+        assert fresh_device.compile_count == loaded
+    finally:
+        await eng.unload()

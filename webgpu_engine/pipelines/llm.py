@@ -139,12 +139,15 @@ class LLMChatPipeline:
 
         def record(batch, warmed):
             keys = self.model.compile(batch, warmed)
-            pkeys = pipeline_keys([op for ops in paged for op in ops])
-            if not pkeys <= warmed:           # inputs all zero: idle rows, KV rows of block 0
-                for ops in paged:
-                    for op in ops:
-                        op.record(batch)
-                keys |= pkeys
+            # the batch scheduler's ops: each op whose pipelines nothing above runs (inputs all
+            # zero: idle rows, KV rows of block 0); the matmuls are mostly the prefill's
+            seen = keys | warmed
+            for op in (op for ops in paged for op in ops):
+                k = pipeline_keys([op])
+                if not k <= seen:
+                    op.record(batch)
+                    seen |= k
+                keys |= k
             skeys = pipeline_keys(samplers)
             if not skeys <= warmed:
                 self.sampler.configure(temperature=0.0)
