@@ -278,3 +278,26 @@ async def test_no_shader_compiles_after_load(fresh_device, tiny_path):
         assert fresh_device.compile_count == loaded
     finally:
         await eng.unload()
+
+
+async def test_a_place_freed_by_a_leaving_client_is_usable_at_once(device, tiny_path, alone):
+    """Every place taken; one client leaves mid-stream, another never iterates its stream: the
+    requests waiting for those places start at once and get their solo tokens."""
+    eng = AsyncMLCEngine()
+    await eng.reload(str(tiny_path), chat_opts={**OPTS, "max_num_sequences": 2})
+    try:
+        s1 = await eng.completions.create(prompt=_prompt(1), max_tokens=150, ignore_eos=True, temperature=0,
+                                          stream=True)
+        s2 = await eng.completions.create(prompt=_prompt(2), max_tokens=150, ignore_eos=True, temperature=0,
+                                          stream=True)
+        await s1.__anext__()
+        waiting = [asyncio.ensure_future(_complete(eng, i)) for i in (3, 4)]
+        await asyncio.sleep(0.05)
+        await s1.aclose()                # left mid-stream
+        await s2.aclose()                # never iterated
+        assert await asyncio.gather(*waiting) == [alone[3], alone[4]]
+        sched = _sched(eng)
+        assert not sched.running and len(sched._free_slots) == 2
+        sched.pool.check()
+    finally:
+        await eng.unload()

@@ -160,8 +160,9 @@ class AsyncStream:
     leaving an `async with`) stops the generation and frees the lock at once. `usage` is filled when
     the stream ends (also when the client did not ask for a usage chunk)."""
 
-    def __init__(self, lm, agen_factory):
+    def __init__(self, lm, agen_factory, abandon=None):
         self._lm = lm
+        self._abandon = abandon        # ends the generation when the stream is never iterated
         self._released = False
         self.usage: dict | None = None
         self.finish_reason: str | None = None
@@ -183,6 +184,8 @@ class AsyncStream:
     async def aclose(self) -> None:
         if self._started:
             await self._agen.aclose()
+        elif self._abandon is not None:
+            self._abandon()
         self._release()
 
     async def __aenter__(self):
@@ -193,7 +196,10 @@ class AsyncStream:
 
     def __del__(self):
         if not self._released:
-            # Dropped without being consumed: hand the lock on (from the loop's thread).
+            # Dropped without being consumed: end the generation, hand the lock on (from the
+            # loop's thread).
+            if self._abandon is not None:
+                self._abandon()
             try:
                 loop = asyncio.get_running_loop()
                 loop.call_soon(self._release)
@@ -373,7 +379,7 @@ async def _stream(engine, lm, req, gen, rid, created, kind, messages, prompt, de
         lm.lock.release()
         raise
     steps = _prepend(first_item, steps)
-    return AsyncStream(lm, make)
+    return AsyncStream(lm, make, abandon=seq.close)
 
 
 def tool_call_deltas(msg: dict, first: bool) -> list[dict]:

@@ -173,7 +173,6 @@ class Scheduler:
         self._copy_ops: dict = {}
         self._free_slots = list(range(self.max_seqs - 1, -1, -1))
         self.running: list[_Seq] = []              # admission order
-        self._wake = asyncio.Event()
         self._just_preempted: set = set()
         self._task: asyncio.Task | None = None
         self._closed = False
@@ -206,7 +205,6 @@ class Scheduler:
             proc.reset_state()
         if self._task is None or self._task.done():
             self._task = asyncio.ensure_future(self._loop())
-        self._wake.set()
         return rec
 
     def _enter_pool(self, rec: _Seq) -> None:
@@ -216,10 +214,13 @@ class Scheduler:
             rec.seq.req.prefill_tokens = len(rec.toks) - cached
 
     def cancel(self, rec: _Seq) -> None:
+        """The caller left: the sequence leaves the batch now (its slot and blocks are free for the
+        next request; GPU work already submitted for it finishes first, in queue order, and its
+        results are dropped)."""
+        if not rec.seq.stopped:
+            rec.seq.finish("abort")
         rec.cancelled = True
-        if rec.seq.stopped or rec not in self.running:
-            self._leave(rec)
-        self._wake.set()
+        self._leave(rec)
 
     def interrupt(self) -> None:
         for rec in self.running:
@@ -258,11 +259,7 @@ class Scheduler:
 
     def _drop_finished(self) -> None:
         for rec in list(self.running):
-            if rec.cancelled:
-                if not rec.seq.stopped:
-                    rec.seq.finish("abort")
-                self._leave(rec)
-            elif rec.seq.interrupted and not rec.seq.stopped:
+            if rec.seq.interrupted and not rec.seq.stopped:
                 rec.seq.finish("abort")
                 self._leave(rec)
                 rec.handle._notify()
@@ -351,6 +348,8 @@ class Scheduler:
                 await self._process_logits([r for r, _ in sampled])
             batch = dev.batch()
             for rec, _ in sampled:
+                if rec.cancelled:                 # its slot may hold a new sequence already
+                    continue
                 slot = self.slots[rec.slot]
                 if rec in masks:
                     bits = masks[rec]
@@ -366,14 +365,16 @@ class Scheduler:
         self.stats["iterations"] += 1
         self.stats["decode_rows"] += len(decode)
         for rec in decode:
-            pool.append_tokens(rec.id, [rec.seq.last_token])
-            rec.toks.append(rec.seq.last_token)
+            if rec.in_pool:                       # not cancelled (or preempted) meanwhile
+                pool.append_tokens(rec.id, [rec.seq.last_token])
+                rec.toks.append(rec.seq.last_token)
         for rec, start, end in chunks:
-            pool.append_tokens(rec.id, rec.toks[start:end])
-            if end == len(rec.toks):
-                rec.decoding = True
+            if rec.in_pool:
+                pool.append_tokens(rec.id, rec.toks[start:end])
+                if end == len(rec.toks):
+                    rec.decoding = True
         for rec, _ in sampled:
-            if rec.cancelled:
+            if rec.cancelled or not rec.in_pool:
                 continue
             self._accept(rec, raw[rec.slot * _RESULT:(rec.slot + 1) * _RESULT], dt, rec in decode)
 
