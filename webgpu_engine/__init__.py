@@ -13,4 +13,10 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'webgpu_engine' has no attribute {name!r}")
 
 
+# The decoder families (models/family_*.py) register their config reading with the loaders when the
+# registry is imported; importing it here makes a loader called directly (GGUFFile.model_config(),
+# hf_config.load_llama_config) know every family, while the loaders never import models/.
+# Standard library only, like the loaders.
+from .models import registry as _registry  # noqa: E402,F401
+
 __all__ = ["__version__", *_ENGINE_EXPORTS]

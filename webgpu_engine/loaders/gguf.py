@@ -12,7 +12,8 @@ import re
 import struct
 
 from ..errors import ModelFormatError, UnsupportedModelError
-from .model_config import LLAMA_ARCHS, LlamaConfig
+from .decoder_config import gguf_config
+from .model_config import LlamaConfig
 from .tensor_info import QTYPE_BLOCK, SUPPORTED_QTYPES, TensorInfo, tensor_nbytes
 
 GGUF_MAGIC = b"GGUF"
@@ -204,7 +205,8 @@ class GGUFFile:
                 out[ours] = t
         return out
 
-    def _meta(self, key: str, default=None, *, required: bool = False):
+    def meta(self, key: str, default=None, *, required: bool = False):
+        """The metadata value `<architecture>.<key>` (llama.cpp's per-architecture keys)."""
         full = f"{self.architecture}.{key}"
         if full in self.metadata:
             return self.metadata[full]
@@ -212,106 +214,10 @@ class GGUFFile:
             raise ModelFormatError(f"{self.where}: GGUF metadata lacks {full}")
         return default
 
-    def model_config(self) -> LlamaConfig:
-        """LlamaConfig from `<arch>.*` metadata (the names llama.cpp writes for llama/qwen2/qwen3/mistral)."""
-        arch = self.architecture
-        if arch not in LLAMA_ARCHS:
-            raise UnsupportedModelError(
-                f"{self.where}: GGUF architecture {arch!r} is not supported; supported: {LLAMA_ARCHS}")
-        n_heads = int(self._meta("attention.head_count", required=True))
-        n_kv = self._meta("attention.head_count_kv", n_heads)
-        if isinstance(n_kv, list):             # per-layer counts: only uniform ones are supported
-            if len(set(n_kv)) != 1:
-                raise UnsupportedModelError(f"{self.where}: per-layer kv head counts {set(n_kv)}")
-            n_kv = n_kv[0]
-        hidden = int(self._meta("embedding_length", required=True))
-        head_dim = int(self._meta("attention.key_length", hidden // n_heads))
-        rot_dim = int(self._meta("rope.dimension_count", head_dim))
-        factors, scaling = self._rope_factors(rot_dim)
-        long = self._longrope(rot_dim) if "rope_factors_long.weight" in self.tensors else {}
-        if long:
-            factors, scaling = self._f32_vector("rope_factors_short.weight", rot_dim // 2), "longrope"
-        tokens = self.metadata.get("tokenizer.ggml.tokens") or []
-        embd = self.tensors.get("token_embd.weight")
-        vocab = self._meta("vocab_size") or len(tokens) or (embd.shape[0] if embd else 0)
-        bos = self.metadata.get("tokenizer.ggml.bos_token_id")
-        from .bpe import eog_ids                     # lazy: bpe imports nothing heavy, but is big
-        sliding = self._meta("attention.sliding_window")
-        gemma = self._gemma(hidden, n_heads, head_dim) if arch in ("gemma2", "gemma3") else {}
-        return LlamaConfig(
-            arch=arch,
-            vocab_size=int(vocab),
-            hidden_size=hidden,
-            n_layers=int(self._meta("block_count", required=True)),
-            n_heads=n_heads,
-            n_kv_heads=int(n_kv),
-            head_dim=head_dim,
-            ffn_size=int(self._meta("feed_forward_length", required=True)),
-            rope_base=float(self._meta("rope.freq_base", 10000.0)),
-            rot_dim=rot_dim, rope_freq_factors=factors, rope_scaling=scaling, **long, **gemma,
-            # llama.cpp's converter permutes llama/mistral q,k rows to adjacent-pair rope; the rest are NEOX
-            rope_neox=arch in ("qwen2", "qwen3", "phi3", "gemma2", "gemma3"),
-            rms_eps=float(self._meta("attention.layer_norm_rms_epsilon", 1e-5)),
-            context_length=int(self._meta("context_length", 4096)),
-            tie_embeddings="output.weight" not in self.tensors,
-            qkv_bias="blk.0.attn_q.bias" in self.tensors,
-            qk_norm="blk.0.attn_q_norm.weight" in self.tensors,
-            bos_id=int(bos) if bos is not None else None,
-            eos_ids=eog_ids(self.metadata),
-            sliding_window=int(sliding) if sliding else None,
-            name=str(self.metadata.get("general.name", "")),
-        )
-
-    def _gemma(self, hidden: int, n_heads: int, head_dim: int) -> dict:
-        """Gemma 2 / 3 settings as llama.cpp reads them: the norms hold 1 + w already; sliding
-        layers every other one from the first (Gemma 2) or all but every sixth (Gemma 3, local
-        rope base 10000 unless the file says); scores scaled by head_dim^-0.5, except for the 27B
-        models (46 / 62 layers), whose query_pre_attn_scalar is hidden / heads."""
-        arch, n = self.architecture, int(self._meta("block_count", required=True))
-        pattern = self._meta("attention.sliding_window_pattern", 2 if arch == "gemma2" else 6)
-        if isinstance(pattern, list):           # per-layer flags, as newer converters write them
-            local = tuple(bool(x) for x in pattern)
-        else:
-            local = tuple(i % 2 == 0 if arch == "gemma2" else (i + 1) % int(pattern) != 0 for i in range(n))
-        big = n == (46 if arch == "gemma2" else 62)
-        return dict(act="gelu_tanh", embed_scale=float(hidden) ** 0.5, post_norms=True,
-                    attn_scale=float(hidden // n_heads if big else head_dim) ** -0.5,
-                    attn_softcap=float(self._meta("attn_logit_softcapping", 0.0) or 0.0),
-                    final_softcap=float(self._meta("final_logit_softcapping", 0.0) or 0.0),
-                    window_layers=local if self._meta("attention.sliding_window") else None,
-                    rope_local_base=float(self._meta("rope.freq_base_swa", 10000.0)) if arch == "gemma3" else 0.0)
-
-    def _f32_vector(self, name: str, n: int) -> tuple:
-        t = self.tensors.get(name)
-        if t is None or t.qtype != "f32" or t.numel != n:
-            raise ModelFormatError(f"{self.where}: {name} must be f32 ({n},), got "
-                                   f"{(t.qtype, t.shape) if t else 'nothing'}")
-        return struct.unpack(f"<{n}f", bytes(t.data))
-
-    def _longrope(self, rot_dim: int) -> dict:
-        """Phi-3's longrope as llama.cpp's converter writes it: rope_factors_long/short.weight, the
-        original context and the attention factor."""
-        return dict(rope_long_factors=self._f32_vector("rope_factors_long.weight", rot_dim // 2),
-                    rope_original_context=int(self._meta("rope.scaling.original_context_length", 0)),
-                    rope_attn_factor=float(self._meta("rope.scaling.attn_factor", 1.0)))
-
-    def _rope_factors(self, rot_dim: int) -> tuple:
-        """(per-frequency divisors or None, scaling name): `rope_freqs.weight` (Llama 3.1+: llama.cpp's
-        converter stores the llama3 factors there) or `rope.scaling.type` linear with its factor."""
-        scaling = str(self._meta("rope.scaling.type", "none") or "none")
-        factor = float(self._meta("rope.scaling.factor", 1.0) or 1.0)
-        t = self.tensors.get("rope_freqs.weight")
-        if t is not None:
-            if t.qtype != "f32" or t.numel != rot_dim // 2:
-                raise ModelFormatError(f"{self.where}: rope_freqs.weight must be f32 ({rot_dim // 2},), "
-                                       f"got {t.qtype} {t.shape}")
-            return struct.unpack(f"<{rot_dim // 2}f", bytes(t.data)), "llama3"
-        if scaling in ("none", "") or factor == 1.0:
-            return None, ""
-        if scaling == "linear":
-            return (factor,) * (rot_dim // 2), "linear"
-        raise UnsupportedModelError(f"{self.where}: rope scaling {scaling!r} (factor {factor}) is not "
-                                    f"implemented; supported: linear, llama3 (rope_freqs)")
+    def model_config(self, family=None) -> LlamaConfig:
+        """LlamaConfig of a decoder: the `<arch>.*` keys every family shares (loaders.decoder_config)
+        plus what `family` (a DecoderFamily; default: the one registered for this architecture) adds."""
+        return gguf_config(self, family)
 
     def template(self):
         """The chat template as a renderer (loaders.chat_template.ChatTemplate), or None."""

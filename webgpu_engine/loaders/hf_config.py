@@ -1,31 +1,27 @@
-"""Hugging Face `config.json` -> LlamaConfig / BertConfig, and the one table of HF tensor names -> ours.
+"""Hugging Face `config.json` -> LlamaConfig / BertConfig, and the tables of HF tensor names -> ours.
 
 Llama-family safetensors keep q/k rows unpermuted, so rope pairs halves of each head (rope_neox=True);
-GGUF llama files differ there (see loaders.gguf). Plain JSON parsing: runs in the browser too.
+GGUF llama files differ there (see loaders.gguf). The decoder families' reading of config.json is
+loaders.decoder_config (shared) plus each family's module in models/; `load_llama_config` and
+`llama_config_from_dict` are its entry points here. Plain JSON parsing: runs in the browser too.
 """
 from __future__ import annotations
 
-import json
 import re
-from pathlib import Path
 
 from ..errors import ModelFormatError, UnsupportedModelError
-from .model_config import BertConfig, LlamaConfig, llama3_rope_factors
+from .decoder_config import hf_config_from_dict, load_hf_config, read_config_json
+from .model_config import BertConfig, LlamaConfig
 from .tensor_info import TensorInfo
 
-# HF architectures -> our LlamaConfig.arch
-LLAMA_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
-                       "MistralForCausalLM": "mistral", "Phi3ForCausalLM": "phi3", "Gemma2ForCausalLM": "gemma2",
-                       "Gemma3ForCausalLM": "gemma3"}
-# config.json model_type, when architectures is absent -> our arch
-LLAMA_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral", "phi3": "phi3",
-                     "gemma2": "gemma2", "gemma3_text": "gemma3"}
 BERT_ARCHITECTURES = ("BertModel", "BertForMaskedLM", "BertForPreTraining", "BertForSequenceClassification")
 XLMR_ARCHITECTURES = ("XLMRobertaModel", "XLMRobertaForMaskedLM", "XLMRobertaForSequenceClassification")
 MODERNBERT_ARCHITECTURES = ("ModernBertModel", "ModernBertForMaskedLM")
 NOMIC_ARCHITECTURES = ("NomicBertModel",)                   # nomic-embed-text v1 / v1.5 (remote code on the hub)
 
-# Llama / Qwen2 / Mistral names (LlamaForCausalLM) -> ours; ours are the names loaders.gguf also gives.
+# Llama-style decoder names (LlamaForCausalLM) -> ours; ours are the names loaders.gguf also gives. The
+# optional ones (biases, Qwen3's q/k norms, Phi-3's fused matrices) mean the same in every family that
+# has them; a family whose names mean something else brings its own table (models/family_gemma.py).
 HF_LLAMA_TO_OURS = {
     "model.embed_tokens.weight": "embed",
     "model.norm.weight": "norm",
@@ -47,11 +43,6 @@ HF_LLAMA_TO_OURS = {
     "model.layers.{i}.mlp.gate_up_proj.weight": "layers.{i}.gate_up",     # Phi-3: gate|up rows
     "model.layers.{i}.mlp.down_proj.weight": "layers.{i}.down",
 }
-# Gemma 2 / 3: post_attention_layernorm is the norm of the attention output; the FFN has pre and post norms
-HF_GEMMA_TO_OURS = {**{k: v for k, v in HF_LLAMA_TO_OURS.items() if v != "layers.{i}.ffn_norm"},
-                    "model.layers.{i}.post_attention_layernorm.weight": "layers.{i}.post_attn_norm",
-                    "model.layers.{i}.pre_feedforward_layernorm.weight": "layers.{i}.ffn_norm",
-                    "model.layers.{i}.post_feedforward_layernorm.weight": "layers.{i}.post_ffn_norm"}
 # BertModel names ("bert." prefix of BertForX stripped) -> ours
 HF_BERT_TO_OURS = {
     "embeddings.word_embeddings.weight": "embed",                       # (V, C)
@@ -130,7 +121,7 @@ HF_MODERNBERT_TO_OURS = {
     "final_norm.weight": "norm",
     "final_norm.bias": "norm_bias",
 }
-_TABLES = {"llama": HF_LLAMA_TO_OURS, "bert": HF_BERT_TO_OURS, "nomic": HF_NOMIC_TO_OURS, "gemma": HF_GEMMA_TO_OURS,
+_TABLES = {"llama": HF_LLAMA_TO_OURS, "bert": HF_BERT_TO_OURS, "nomic": HF_NOMIC_TO_OURS,
            "modernbert": HF_MODERNBERT_TO_OURS}
 _LAYER = re.compile(r"^(model\.layers|encoder\.layers?|layers)\.(\d+)\.(.+)$")
 
@@ -153,9 +144,10 @@ def _bert_key(name: str) -> str:
     return name
 
 
-def map_hf_names(tensors: dict[str, TensorInfo], kind: str = "llama") -> dict[str, TensorInfo]:
-    """{our name: TensorInfo} of the HF tensors the model uses; kind "llama", "bert" or "nomic"."""
-    table = _TABLES[kind]
+def map_hf_names(tensors: dict[str, TensorInfo], kind: str | dict = "llama") -> dict[str, TensorInfo]:
+    """{our name: TensorInfo} of the HF tensors the model uses; kind "llama", "bert", "nomic",
+    "modernbert", or a family's own table {HF name pattern: ours} (decoder names, model.layers.{i}...)."""
+    table = _TABLES[kind] if isinstance(kind, str) else kind
     out = {}
     for name, t in tensors.items():
         key = _bert_key(name) if kind in ("bert", "nomic", "modernbert") else name
@@ -166,9 +158,9 @@ def map_hf_names(tensors: dict[str, TensorInfo], kind: str = "llama") -> dict[st
     return out
 
 
-def hf_name(ours: str, kind: str = "llama") -> str:
+def hf_name(ours: str, kind: str | dict = "llama") -> str:
     """The Hugging Face tensor name of one of our names (for error messages)."""
-    table = _TABLES[kind]
+    table = _TABLES[kind] if isinstance(kind, str) else kind
     m = re.match(r"^layers\.(\d+)\.(.+)$", ours)
     generic = f"layers.{{i}}.{m.group(2)}" if m else ours
     for hf, o in table.items():
@@ -177,158 +169,15 @@ def hf_name(ours: str, kind: str = "llama") -> str:
     return ours
 
 
-def _read(folder_or_file) -> tuple[dict, Path]:
-    p = Path(folder_or_file)
-    p = p / "config.json" if p.is_dir() else p
-    try:
-        return json.loads(p.read_text(encoding="utf-8")), p
-    except FileNotFoundError as e:
-        raise ModelFormatError(f"{p} is missing: a Hugging Face model folder needs config.json") from e
-    except json.JSONDecodeError as e:
-        raise ModelFormatError(f"{p} is not valid JSON: {e}") from e
+def llama_config_from_dict(c: dict, where: str = "config.json", family=None) -> LlamaConfig:
+    """LlamaConfig of a decoder's config.json (loaders.decoder_config; family: a DecoderFamily, default
+    the registered one its architectures / model_type name)."""
+    return hf_config_from_dict(c, family, where)
 
 
-def _legacy_rope(c: dict) -> dict:
-    """config.json as transformers 4 wrote it: transformers 5 keeps rope_theta, rope_scaling,
-    partial_rotary_factor (and Gemma 3's local base) in `rope_parameters`, one dict or one per
-    layer type."""
-    rp = c.get("rope_parameters")
-    if not isinstance(rp, dict):
-        return c
-    c = dict(c)
-    full = rp.get("full_attention", rp)
-    if "sliding_attention" in rp:
-        c.setdefault("rope_local_base_freq", rp["sliding_attention"].get("rope_theta"))
-    if full.get("rope_theta") is not None:
-        c.setdefault("rope_theta", full["rope_theta"])
-    if full.get("partial_rotary_factor") is not None:
-        c.setdefault("partial_rotary_factor", full["partial_rotary_factor"])
-    if full.get("rope_type", "default") != "default" and not c.get("rope_scaling"):
-        c["rope_scaling"] = full
-    return c
-
-
-def llama_config_from_dict(c: dict, where: str = "config.json") -> LlamaConfig:
-    c = _legacy_rope(c)
-    archs = c.get("architectures") or []
-    arch = next((LLAMA_ARCHITECTURES[a] for a in archs if a in LLAMA_ARCHITECTURES), None)
-    if arch is None:
-        arch = LLAMA_MODEL_TYPES.get(c.get("model_type"))
-    if arch is None:
-        raise UnsupportedModelError(f"{where}: architectures {archs} / model_type {c.get('model_type')!r} "
-                                    f"is not supported; supported: {sorted(LLAMA_ARCHITECTURES)}")
-    try:
-        n_heads = int(c["num_attention_heads"])
-        hidden = int(c["hidden_size"])
-        head_dim = int(c.get("head_dim") or hidden // n_heads)
-        eos = c.get("eos_token_id")
-        # Mistral, Phi-3 and Gemma apply `sliding_window` when set; Qwen2/3 only with use_sliding_window
-        always = arch in ("mistral", "phi3", "gemma2", "gemma3")
-        sliding = c.get("sliding_window") if c.get("use_sliding_window", always) else None
-        rot_dim = int(head_dim * float(c.get("partial_rotary_factor", 1.0)))
-        factors, scaling = _rope_scaling(c, rot_dim, where)
-        long = _longrope(c, rot_dim, where) if scaling == "longrope" else {}
-        gemma = _gemma(c, arch, hidden, where) if arch in ("gemma2", "gemma3") else {}
-        return LlamaConfig(
-            arch=arch, vocab_size=int(c["vocab_size"]), hidden_size=hidden,
-            n_layers=int(c["num_hidden_layers"]), n_heads=n_heads,
-            n_kv_heads=int(c.get("num_key_value_heads") or n_heads), head_dim=head_dim,
-            ffn_size=int(c["intermediate_size"]), rope_base=float(c.get("rope_theta", 10000.0)),
-            rot_dim=rot_dim, rope_freq_factors=factors, rope_scaling=scaling, **long, **gemma,
-            rope_neox=True,                     # HF weights: rotate_half pairs (i, i + d/2)
-            rms_eps=float(c.get("rms_norm_eps", 1e-6)),
-            context_length=int(c.get("max_position_embeddings", 4096)),
-            tie_embeddings=bool(c.get("tie_word_embeddings", arch in ("gemma2", "gemma3"))),
-            qkv_bias=bool(c.get("attention_bias", arch == "qwen2")),
-            qk_norm=arch in ("qwen3", "gemma3"),
-            bos_id=c.get("bos_token_id"),
-            eos_ids=eos if isinstance(eos, list) else ([eos] if eos is not None else []),
-            sliding_window=int(sliding) if sliding else None,
-            name=str(c.get("_name_or_path", "")),
-        )
-    except KeyError as e:
-        raise ModelFormatError(f"{where} lacks {e.args[0]}") from e
-
-
-def _rope_scaling(c: dict, rot_dim: int, where: str) -> tuple:
-    """(per-frequency divisors or None, name) of config.json's `rope_scaling`: "llama3" (Llama 3.1+)
-    and "linear"; others are refused by name."""
-    rs = c.get("rope_scaling") or {}
-    kind = rs.get("rope_type", rs.get("type")) if rs else None
-    if kind in (None, "default"):
-        return None, ""
-    try:
-        if kind in ("longrope", "su"):          # Phi-3: short factors here, long ones in _longrope
-            return tuple(float(f) for f in rs["short_factor"]), "longrope"
-        factor = float(rs["factor"])
-        if kind == "linear":
-            return (factor,) * (rot_dim // 2), "linear"
-        if kind == "llama3":
-            return llama3_rope_factors(rot_dim, float(c.get("rope_theta", 10000.0)), factor,
-                                       float(rs["low_freq_factor"]), float(rs["high_freq_factor"]),
-                                       int(rs["original_max_position_embeddings"])), "llama3"
-    except KeyError as e:
-        raise ModelFormatError(f"{where}: rope_scaling {rs} lacks {e.args[0]}") from e
-    raise UnsupportedModelError(f"{where}: rope_scaling type {kind!r} is not implemented; supported: "
-                                f"linear, llama3, longrope (su)")
-
-
-_ACTS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh",
-         "gelu_new": "gelu_tanh"}
-
-
-def _gemma(c: dict, arch: str, hidden: int, where: str) -> dict:
-    """LlamaConfig fields of Gemma 2 / 3: GeGLU, (1 + w) norms, sqrt(C) embeddings, post norms,
-    query_pre_attn_scalar, soft-capping, which layers slide (layer_types, else Gemma 2 every
-    other layer from the first, Gemma 3 all but every sliding_window_pattern-th) and Gemma 3's
-    local rope base."""
-    act = c.get("hidden_activation") or c.get("hidden_act") or "gelu_pytorch_tanh"
-    if act not in _ACTS:
-        raise UnsupportedModelError(f"{where}: activation {act!r} is not implemented; supported: {sorted(_ACTS)}")
-    n = int(c["num_hidden_layers"])
-    types = c.get("layer_types")
-    if types:
-        local = tuple(t == "sliding_attention" for t in types)
-    elif arch == "gemma2":
-        local = tuple(i % 2 == 0 for i in range(n))
-    else:
-        pattern = int(c.get("sliding_window_pattern", 6))
-        local = tuple((i + 1) % pattern != 0 for i in range(n))
-    scalar = c.get("query_pre_attn_scalar")
-    return dict(act=_ACTS[act], embed_scale=float(hidden) ** 0.5, post_norms=True, norm_plus_one=True,
-                attn_scale=float(scalar) ** -0.5 if scalar else 0.0,
-                attn_softcap=float(c.get("attn_logit_softcapping") or 0.0),
-                final_softcap=float(c.get("final_logit_softcapping") or 0.0),
-                window_layers=local if c.get("sliding_window") else None,
-                rope_local_base=float(c.get("rope_local_base_freq") or 0.0) if arch == "gemma3" else 0.0)
-
-
-def _longrope(c: dict, rot_dim: int, where: str) -> dict:
-    """LlamaConfig fields of Phi-3's longrope: long factors, original context and the attention
-    factor transformers computes (sqrt(1 + ln(s) / ln(original)), s = max positions / original)."""
-    import math
-    rs = c["rope_scaling"]
-    original = int(rs.get("original_max_position_embeddings") or c.get("original_max_position_embeddings") or 0)
-    if original <= 0 or "long_factor" not in rs:
-        raise ModelFormatError(f"{where}: longrope needs long_factor and original_max_position_embeddings")
-    attn = rs.get("attention_factor")
-    if attn is None:
-        s = int(c.get("max_position_embeddings", original)) / original
-        attn = math.sqrt(1 + math.log(s) / math.log(original)) if s > 1 else 1.0
-    return dict(rope_long_factors=tuple(float(f) for f in rs["long_factor"]), rope_original_context=original,
-                rope_attn_factor=float(attn))
-
-
-def load_llama_config(folder) -> LlamaConfig:
-    """LlamaConfig of an HF LlamaForCausalLM / Qwen2ForCausalLM / MistralForCausalLM folder."""
-    c, p = _read(folder)
-    cfg = llama_config_from_dict(c, str(p))
-    gen = p.parent / "generation_config.json"       # often lists more stop ids than config.json
-    if gen.is_file():
-        eos = json.loads(gen.read_text(encoding="utf-8")).get("eos_token_id")
-        extra = eos if isinstance(eos, list) else ([eos] if eos is not None else [])
-        cfg.eos_ids = list(dict.fromkeys([*cfg.eos_ids, *(int(i) for i in extra)]))
-    return cfg
+def load_llama_config(folder, family=None) -> LlamaConfig:
+    """LlamaConfig of an HF decoder folder (LlamaForCausalLM, Qwen2ForCausalLM, ...: any registered family)."""
+    return load_hf_config(folder, family)
 
 
 def _classifier(c: dict, archs: list) -> tuple[int, str]:
@@ -441,5 +290,5 @@ def bert_config_from_dict(c: dict, where: str = "config.json") -> BertConfig:
 
 def load_bert_config(folder) -> BertConfig:
     """BertConfig of an HF BertModel folder (config.json)."""
-    c, p = _read(folder)
+    c, p = read_config_json(folder)
     return bert_config_from_dict(c, str(p))

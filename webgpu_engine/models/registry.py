@@ -8,9 +8,14 @@
 Each `Architecture` says how its config is read (from GGUF metadata and from an HF config.json),
 which model class runs it, which pipeline serves it (`kind`) and what it will hold on the GPU (its
 memory estimate, computed from the headers alone). The pipelines and the engine's memory check
-look a family up here; nothing else names families. A new family is one module in `models/` and
-one line below. Model classes are imported on first use (a page loads only what it runs).
-Standard library only (runs in the page).
+look a family up here; nothing else names families. Model classes are imported on first use (a
+page loads only what it runs). Standard library only (runs in the page).
+
+A decoder family is one module, `models/family_<name>.py`, whose `FAMILIES` holds its
+`DecoderFamily` records (loaders.decoder_config: its HF names, the defaults its transformers class
+assumes, its GGUF / config.json fields beyond the shared reading), and one entry in
+`DECODER_FAMILY_MODULES` below; `register()` adds a record at run time (its Architecture, its HF
+names, and the loaders' family table, so `GGUFFile.model_config()` reads it too).
 """
 from __future__ import annotations
 
@@ -21,7 +26,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..errors import ModelFormatError, UnsupportedModelError
-from ..loaders import hf_config
+from ..loaders import decoder_config, hf_config
+from ..loaders.decoder_config import DecoderFamily
 from . import memory
 
 LLM, EMBEDDING = "llm", "embedding"      # the engine's model types (engine/records.py)
@@ -34,31 +40,28 @@ class Architecture:
     model: str                                 # "module:Class" under webgpu_engine.models
     gguf_config: Callable | None               # GGUFFile -> config (None: no GGUF form)
     hf_config: Callable | None                 # HF folder -> config
-    hf_names: str                              # safetensors name table (loaders.hf_config); "": HF names
+    hf_names: str | dict                       # safetensors names: a loaders.hf_config table kind or a
+    #                                            family's own table; "": HF names
     estimate: Callable                         # (config, {name: shape}, **options) -> MemoryEstimate
+    family: DecoderFamily | None = None        # a decoder family's record (models/family_*.py)
 
     def model_class(self) -> type:
         mod, cls = self.model.split(":")
         return getattr(importlib.import_module(f"{__package__}.{mod}"), cls)
 
 
-def _gguf_llama(g):
-    return g.model_config()
+# The decoder families: each module's FAMILIES (DecoderFamily records), registered below in this order
+DECODER_FAMILY_MODULES = ("family_llama", "family_qwen", "family_mistral", "family_phi3", "family_gemma")
 
 
-def _decoder(name: str, hf_names: str = "llama") -> Architecture:
-    return Architecture(name, LLM, "llama:LlamaModel", _gguf_llama, hf_config.load_llama_config, hf_names,
-                        memory.estimate_llm)
+def _decoder(family: DecoderFamily, model: str = "llama:LlamaModel", estimate: Callable = memory.estimate_llm
+             ) -> Architecture:
+    return Architecture(family.name, LLM, model, lambda g: decoder_config.gguf_config(g, family),
+                        lambda folder: decoder_config.load_hf_config(folder, family), family.hf_names,
+                        estimate, family)
 
 
 ARCHITECTURES: dict[str, Architecture] = {
-    "llama": _decoder("llama"),
-    "qwen2": _decoder("qwen2"),          # llama + q/k/v bias
-    "qwen3": _decoder("qwen3"),          # llama + per-head q/k RMSNorm
-    "mistral": _decoder("mistral"),      # llama (+ sliding window in its config)
-    "phi3": _decoder("phi3"),            # llama with fused q|k|v, gate|up; longrope, partial rotary
-    "gemma2": _decoder("gemma2", "gemma"),   # GeGLU, post norms, soft-capping, alternating sliding windows
-    "gemma3": _decoder("gemma3", "gemma"),   # gemma2 + q/k norms, 5 local : 1 global layers, no caps
     "bert": Architecture("bert", EMBEDDING, "bert:BertModel", None, hf_config.load_bert_config, "",
                          memory.estimate_bert),
     # BERT with positions offset by padding_idx + 1 and a SentencePiece tokenizer (bge-m3, multilingual-e5)
@@ -86,19 +89,53 @@ def _embedder_estimate(cfg, tensors: dict, *, max_batch_size: int, max_seq_lengt
     return replace(est, context_window=0)    # its cache is sized by max_seq_length, not context_window_size
 
 
+def _decoder_embedder(name: str) -> Architecture:
+    return Architecture(name, EMBEDDING, "decoder_embedder:DecoderEmbedder", None, _embedder_config, "",
+                        _embedder_estimate)
+
+
 # A decoder in a sentence-transformers folder (modules.json: Transformer -> Pooling lasttoken ->
 # Normalize) is an embedder: Qwen3-Embedding, gte-Qwen2. Same weights, the decoder_embedder model.
-DECODER_EMBEDDERS = {name: Architecture(name, EMBEDDING, "decoder_embedder:DecoderEmbedder", None,
-                                        _embedder_config, "", _embedder_estimate)
-                     for name, a in ARCHITECTURES.items() if a.kind == LLM and a.hf_names == "llama"}
+DECODER_EMBEDDERS: dict[str, Architecture] = {}
 
-# HF config.json `architectures` / `model_type` -> our architecture name (the loaders' tables)
-HF_ARCHITECTURES = {**hf_config.LLAMA_ARCHITECTURES, **{a: "bert" for a in hf_config.BERT_ARCHITECTURES},
+# HF config.json `architectures` / `model_type` -> our architecture name (decoders: their families')
+HF_ARCHITECTURES = {**{a: "bert" for a in hf_config.BERT_ARCHITECTURES},
                     **{a: "xlm-roberta" for a in hf_config.XLMR_ARCHITECTURES},
                     **{a: "nomic_bert" for a in hf_config.NOMIC_ARCHITECTURES},
                     **{a: "modernbert" for a in hf_config.MODERNBERT_ARCHITECTURES}}
-HF_MODEL_TYPES = {**hf_config.LLAMA_MODEL_TYPES, "bert": "bert", "xlm-roberta": "xlm-roberta",
-                  "nomic_bert": "nomic_bert", "modernbert": "modernbert"}
+HF_MODEL_TYPES = {"bert": "bert", "xlm-roberta": "xlm-roberta", "nomic_bert": "nomic_bert",
+                  "modernbert": "modernbert"}
+
+
+def register(family: DecoderFamily, model: str = "llama:LlamaModel",
+             estimate: Callable = memory.estimate_llm) -> Architecture:
+    """Add a decoder family: its Architecture (model class, memory estimate), its HF names, its
+    decoder-embedder form (families with the shared name table) and the loaders' family table."""
+    arch = ARCHITECTURES[family.name] = _decoder(family, model, estimate)
+    HF_ARCHITECTURES.update({a: family.name for a in family.hf_architectures})
+    HF_MODEL_TYPES.update({t: family.name for t in family.hf_model_types})
+    if family.hf_names == "llama":
+        DECODER_EMBEDDERS[family.name] = _decoder_embedder(family.name)
+    decoder_config.register_family(family)
+    return arch
+
+
+def unregister(name: str) -> None:
+    """Remove a family `register` added (and its HF names, embedder form, loader entry)."""
+    arch = ARCHITECTURES.get(name)
+    if arch is None or arch.family is None:
+        return
+    del ARCHITECTURES[name]
+    for table in (HF_ARCHITECTURES, HF_MODEL_TYPES):
+        for k in [k for k, v in table.items() if v == name]:
+            del table[k]
+    DECODER_EMBEDDERS.pop(name, None)
+    decoder_config.unregister_family(name)
+
+
+for _mod in DECODER_FAMILY_MODULES:
+    for _family in importlib.import_module(f"{__package__}.{_mod}").FAMILIES:
+        register(_family)
 
 
 def architecture(name: str, where: str = "") -> Architecture:
@@ -206,5 +243,5 @@ def _open_folder(path: Path) -> OpenedModel:
                        lambda **kw: load_tokenizer(folder, **kw), template, st)
 
 
-__all__ = ["ARCHITECTURES", "Architecture", "EMBEDDING", "LLM", "OpenedModel", "architecture",
-           "hf_architecture", "open_model"]
+__all__ = ["ARCHITECTURES", "Architecture", "DECODER_FAMILY_MODULES", "EMBEDDING", "LLM", "OpenedModel",
+           "architecture", "hf_architecture", "open_model", "register", "unregister"]

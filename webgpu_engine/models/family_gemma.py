@@ -1,0 +1,78 @@
+"""Gemma 2 and Gemma 3 (text): GeGLU (tanh GELU), RMSNorm with (1 + w), embeddings times sqrt(C),
+norms after attention and after the FFN too, `query_pre_attn_scalar`, sliding windows on some layers
+(Gemma 2: every other one from the first; Gemma 3: all but every sixth, with their own RoPE base),
+soft-capped scores and logits (Gemma 2), per-head q/k norms (Gemma 3). Both tie the LM head by
+default and use the window wherever config.json sets one.
+
+HF checkpoints name the norms differently from Llama (post_attention_layernorm is the norm of the
+attention *output*), hence the family's own name table. llama.cpp's converter stores q/k rows
+unpermuted and adds the 1 to the norm weights itself (norm_plus_one stays False for GGUF).
+"""
+from __future__ import annotations
+
+from ..errors import UnsupportedModelError
+from ..loaders.decoder_config import HF_ACTIVATIONS, DecoderFamily
+from ..loaders.hf_config import HF_LLAMA_TO_OURS
+
+# Gemma 2 / 3 HF names -> ours: the FFN has pre and post norms, the attention a post norm
+HF_GEMMA_TO_OURS = {**{k: v for k, v in HF_LLAMA_TO_OURS.items() if v != "layers.{i}.ffn_norm"},
+                    "model.layers.{i}.post_attention_layernorm.weight": "layers.{i}.post_attn_norm",
+                    "model.layers.{i}.pre_feedforward_layernorm.weight": "layers.{i}.ffn_norm",
+                    "model.layers.{i}.post_feedforward_layernorm.weight": "layers.{i}.post_ffn_norm"}
+
+
+def _gguf(g, fields: dict) -> dict:
+    """Gemma settings as llama.cpp reads them: the norms hold 1 + w already; sliding layers every
+    other one from the first (Gemma 2) or all but every sixth (Gemma 3, local rope base 10000 unless
+    the file says); scores scaled by head_dim^-0.5, except for the 27B models (46 / 62 layers), whose
+    query_pre_attn_scalar is hidden / heads."""
+    arch, n = g.architecture, fields["n_layers"]
+    hidden, n_heads, head_dim = fields["hidden_size"], fields["n_heads"], fields["head_dim"]
+    pattern = g.meta("attention.sliding_window_pattern", 2 if arch == "gemma2" else 6)
+    if isinstance(pattern, list):           # per-layer flags, as newer converters write them
+        local = tuple(bool(x) for x in pattern)
+    else:
+        local = tuple(i % 2 == 0 if arch == "gemma2" else (i + 1) % int(pattern) != 0 for i in range(n))
+    big = n == (46 if arch == "gemma2" else 62)
+    return {**fields, "act": "gelu_tanh", "embed_scale": float(hidden) ** 0.5, "post_norms": True,
+            "attn_scale": float(hidden // n_heads if big else head_dim) ** -0.5,
+            "attn_softcap": float(g.meta("attn_logit_softcapping", 0.0) or 0.0),
+            "final_softcap": float(g.meta("final_logit_softcapping", 0.0) or 0.0),
+            "window_layers": local if g.meta("attention.sliding_window") else None,
+            "rope_local_base": float(g.meta("rope.freq_base_swa", 10000.0)) if arch == "gemma3" else 0.0}
+
+
+def _hf(c: dict, fields: dict, where: str) -> dict:
+    """Which layers slide: layer_types, else Gemma 2 every other layer from the first, Gemma 3 all but
+    every sliding_window_pattern-th; Gemma 3's local rope base and q/k norms."""
+    arch = fields["arch"]
+    act = c.get("hidden_activation") or c.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in HF_ACTIVATIONS:
+        raise UnsupportedModelError(f"{where}: activation {act!r} is not implemented; supported: "
+                                    f"{sorted(HF_ACTIVATIONS)}")
+    n = int(c["num_hidden_layers"])
+    types = c.get("layer_types")
+    if types:
+        local = tuple(t == "sliding_attention" for t in types)
+    elif arch == "gemma2":
+        local = tuple(i % 2 == 0 for i in range(n))
+    else:
+        pattern = int(c.get("sliding_window_pattern", 6))
+        local = tuple((i + 1) % pattern != 0 for i in range(n))
+    scalar = c.get("query_pre_attn_scalar")
+    return {**fields, "act": HF_ACTIVATIONS[act], "embed_scale": float(fields["hidden_size"]) ** 0.5,
+            "post_norms": True, "norm_plus_one": True, "qk_norm": arch == "gemma3",
+            "attn_scale": float(scalar) ** -0.5 if scalar else 0.0,
+            "attn_softcap": float(c.get("attn_logit_softcapping") or 0.0),
+            "final_softcap": float(c.get("final_logit_softcapping") or 0.0),
+            "window_layers": local if c.get("sliding_window") else None,
+            "rope_local_base": float(c.get("rope_local_base_freq") or 0.0) if arch == "gemma3" else 0.0}
+
+
+_DEFAULTS = {"use_sliding_window": True, "tie_word_embeddings": True}
+GEMMA2 = DecoderFamily("gemma2", hf_architectures=("Gemma2ForCausalLM",), hf_model_types=("gemma2",),
+                       hf_defaults=_DEFAULTS, gguf_neox=True, hf_names=HF_GEMMA_TO_OURS, gguf=_gguf, hf=_hf)
+GEMMA3 = DecoderFamily("gemma3", hf_architectures=("Gemma3ForCausalLM",), hf_model_types=("gemma3_text",),
+                       hf_defaults=_DEFAULTS, gguf_neox=True, hf_names=HF_GEMMA_TO_OURS, gguf=_gguf, hf=_hf)
+
+FAMILIES = (GEMMA2, GEMMA3)
