@@ -39,7 +39,9 @@ HEALTH_FREEZE = 0.3           # no probe at all may wait this long: the event lo
 def server(device, smollm2_gguf, minilm_dir):
     from webgpu_engine.engine import EngineConfig
     cfg = EngineConfig(device=device, max_queue_length=8, request_timeout_s=CASE_TIMEOUT - 10)
-    s = ServerThread(ServerOptions(models=[LLM_ID, EMB_ID], port=0, engine_config=cfg))
+    # the chat model batches, as `serve` does by default
+    s = ServerThread(ServerOptions(models=[LLM_ID, EMB_ID], port=0, engine_config=cfg,
+                                   chat_opts=[{"max_num_sequences": 4}, None]))
     yield s
     s.stop()
 

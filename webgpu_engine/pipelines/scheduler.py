@@ -333,6 +333,10 @@ class Scheduler:
                 self._copy_logits(batch, i, r.slot)
             dev.submit(batch)
         for rec, start, end in chunks:
+            if decode or rec is not chunks[0][0]:
+                # a submit while the GPU is busy can block until it drains (lavapipe): wait for the
+                # work before off the event loop, so other requests and /health go on meanwhile
+                await dev.sync()
             if rec.t_prefill is None:
                 rec.t_prefill = now()
             head = end == len(rec.toks) and rec.sample_at_end
@@ -344,6 +348,7 @@ class Scheduler:
             dev.submit(batch)
             self.stats["prefill_tokens"] += end - start
         if sampled:
+            await dev.sync()
             if self.pipe.logit_processor is not None:
                 await self._process_logits([r for r, _ in sampled])
             batch = dev.batch()
