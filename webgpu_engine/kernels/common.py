@@ -95,6 +95,35 @@ class Op:
         self.buffers.clear()
 
 
+class OpCache:
+    """Op lists built once per key and replayed, the `limit` most recently used kept (a list
+    pushed out releases its params buffers)."""
+
+    def __init__(self, limit: int):
+        from collections import OrderedDict
+        self.limit, self._lists = limit, OrderedDict()
+
+    def get(self, key, build) -> list:
+        ops = self._lists.get(key)
+        if ops is None:
+            if len(self._lists) >= self.limit:
+                for op in self._lists.popitem(last=False)[1]:
+                    op.release()
+            ops = self._lists[key] = build()
+        else:
+            self._lists.move_to_end(key)
+        return ops
+
+    def values(self):
+        return self._lists.values()
+
+    def release(self) -> None:
+        for ops in self._lists.values():
+            for op in ops:
+                op.release()
+        self._lists.clear()
+
+
 def run_ops(dev: Device, *ops: Op) -> None:
     """Record and submit ops at once (tests, one-off work)."""
     b = dev.batch()

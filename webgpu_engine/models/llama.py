@@ -24,14 +24,13 @@ writes only the 16-byte step buffer (pos0, n_new, kv_len, 0). Standard library o
 from __future__ import annotations
 
 import struct
-from collections import OrderedDict
 from dataclasses import dataclass
 
 from ..errors import ContextWindowTooLargeError, GPUOutOfMemoryError, UnsupportedModelError
 from ..gpu import Device
 from ..kernels import matmul as mm
 from ..kernels import nn
-from ..kernels.common import DTYPE_SIZE, Op, Tensor, new_tensor, pipeline_keys
+from ..kernels.common import DTYPE_SIZE, Op, OpCache, Tensor, new_tensor, pipeline_keys
 from ..loaders.model_config import LlamaConfig
 from ..loaders.tensor_info import split_fused
 
@@ -127,7 +126,7 @@ class LlamaModel:
         except BaseException:
             dev.release_owner(owner)
             raise
-        self._ops: OrderedDict = OrderedDict()      # (T, with_head) -> list[Op]
+        self._ops = OpCache(_MAX_CACHED_SHAPES)      # (T, with_head) -> list[Op]
         # decode steps record an op's short form when the live keys allow (nn.attention's
         # one-dispatch attention); a switch for A/B benchmarks
         self.short_attention = True
@@ -332,17 +331,7 @@ class LlamaModel:
 
     def ops_for(self, T: int, with_head: bool = True) -> list[Op]:
         """The prefill ops for T rows (1 <= T <= prefill chunk), built once per (T, with_head)."""
-        key = (T, with_head)
-        ops = self._ops.get(key)
-        if ops is None:
-            if len(self._ops) >= _MAX_CACHED_SHAPES:
-                _, old = self._ops.popitem(last=False)
-                for op in old:
-                    op.release()
-            ops = self._ops[key] = self._build(T, with_head)
-        else:
-            self._ops.move_to_end(key)
-        return ops
+        return self._ops.get((T, with_head), lambda: self._build(T, with_head))
 
     def compile(self, batch, warmed=frozenset()) -> set:
         """Build every op list a request uses and record one run of each pipeline into `batch`, so
@@ -398,5 +387,5 @@ class LlamaModel:
 
     def release(self) -> None:
         self.dev.release_owner(self.owner)
-        self._ops.clear()
+        self._ops.release()
         self.decode_ops = []

@@ -21,12 +21,11 @@ u32 inputs (ids, positions, slots, lens, tables, step). Standard library only (r
 from __future__ import annotations
 
 import struct
-from collections import OrderedDict
 
 from ..kernels import attention_paged as ap
 from ..kernels import matmul as mm
 from ..kernels import nn
-from ..kernels.common import DTYPE_SIZE, Op, new_tensor, pipeline_keys
+from ..kernels.common import DTYPE_SIZE, Op, OpCache, new_tensor, pipeline_keys
 
 _MAX_CACHED = 24
 
@@ -51,7 +50,7 @@ class PagedForward:
         self.logits = new_tensor(dev, (S, c.vocab_size), dt, owner=owner, label="paged.logits")
         self.pools = [ap.new_kv_pool(dev, self.n_blocks, self.block_size, c.n_kv_heads, c.head_dim, dt,
                                      owner=owner, label=f"kv_pool.{i}") for i in range(c.n_layers)]
-        self._ops: OrderedDict = OrderedDict()           # (kind, rows) -> list[Op]
+        self._ops = OpCache(_MAX_CACHED)                   # (kind, rows) -> list[Op]
 
     @staticmethod
     def pool_bytes(cfg, n_blocks: int, block_size: int, dtype: str) -> int:
@@ -119,17 +118,7 @@ class PagedForward:
         return ops[:-n]
 
     def ops(self, kind: str, T: int) -> list[Op]:
-        key = (kind, T)
-        ops = self._ops.get(key)
-        if ops is None:
-            if len(self._ops) >= _MAX_CACHED:
-                _, old = self._ops.popitem(last=False)
-                for op in old:
-                    op.release()
-            ops = self._ops[key] = self._build(T, kind == "decode")
-        else:
-            self._ops.move_to_end(key)
-        return ops
+        return self._ops.get((kind, T), lambda: self._build(T, kind == "decode"))
 
     # ------------------------------------------------------------------ steps
     def record_decode(self, batch, tokens: list[int], inputs: dict) -> None:
@@ -171,7 +160,4 @@ class PagedForward:
         return pipeline_keys(ops)
 
     def release(self) -> None:
-        for ops in self._ops.values():
-            for op in ops:
-                op.release()
-        self._ops.clear()
+        self._ops.release()

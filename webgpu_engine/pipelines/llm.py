@@ -26,7 +26,7 @@ from ..kernels.sampling import Sampler
 from ..models.registry import LLM, open_model
 from .detokenizer import safe_token_bytes
 from .grammar import GrammarCompiler
-from .sequence import Sequence
+from .sequence import Sequence, configure_sampler
 from .stats import CumulativeStats, RequestStats, now
 
 _ids = itertools.count()
@@ -197,12 +197,7 @@ class LLMChatPipeline:
         return self._longest_token
 
     def _configure_sampler(self, gen: GenerationConfig, seen_ids) -> None:
-        self.sampler.configure(
-            temperature=gen.temperature, top_p=gen.top_p, top_k=gen.top_k,
-            repetition_penalty=gen.repetition_penalty, frequency_penalty=gen.frequency_penalty,
-            presence_penalty=gen.presence_penalty, logit_bias=gen.logit_bias,
-            logprobs=gen.logprobs, top_logprobs=gen.top_logprobs if gen.logprobs else 0, seed=gen.seed)
-        self.sampler.reset_history(seen_ids)
+        configure_sampler(self.sampler, gen, seen_ids)
         if self.logit_processor is not None and hasattr(self.logit_processor, "reset_state"):
             self.logit_processor.reset_state()
 

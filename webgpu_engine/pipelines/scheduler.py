@@ -39,6 +39,7 @@ from ..kernels.logit_mask import LogitMask
 from ..kernels.sampling import Sampler
 from ..models.memory import pool_blocks
 from ..models.paged import PagedForward
+from .sequence import configure_sampler
 from .stats import RequestStats, now
 
 _THREADS = sys.platform != "emscripten"
@@ -189,12 +190,7 @@ class Scheduler:
             raise RuntimeError("more sequences than max_num_sequences were admitted")
         rec = _Seq(handle, prompt, gen, self._free_slots.pop())
         slot = self.slots[rec.slot]
-        slot.sampler.configure(
-            temperature=gen.temperature, top_p=gen.top_p, top_k=gen.top_k,
-            repetition_penalty=gen.repetition_penalty, frequency_penalty=gen.frequency_penalty,
-            presence_penalty=gen.presence_penalty, logit_bias=gen.logit_bias,
-            logprobs=gen.logprobs, top_logprobs=gen.top_logprobs if gen.logprobs else 0, seed=gen.seed)
-        slot.sampler.reset_history(prompt)
+        configure_sampler(slot.sampler, gen, prompt)
         if rec.seq.matcher is not None and slot.mask is None:
             slot.mask = LogitMask(self.dev, self.pipe.vocab_size, owner=self.pipe.owner)
             slot.mask_op = slot.mask.op(slot.logits)
