@@ -210,3 +210,26 @@ def test_tuned_profile(device, monkeypatch, tmp_path):
         assert rel_err(read_tensor(device, yt.view((1, 64))), ref[:1]) < TOL["f32"]
     finally:
         profiles.forget()
+
+
+@pytest.mark.parametrize("family", ["cpu", "gpu"])
+def test_decode_rows_do_not_depend_on_the_row_count(device, monkeypatch, family):
+    """decode_rows (continuous batching's decode steps): each row bit for bit the same for T = 1 ..
+    20 (the GPU family's decode kernel in groups of 8 rows; the CPU family's row-invariant kernels),
+    and right against numpy."""
+    monkeypatch.setenv(mm.FAMILY_ENV, family)
+    rng = np.random.default_rng(11)
+    for qtype, kw in (("q4_1", {}), ("q8_0", {"accumulate": True})):
+        w, xt, yt, bt, ref = matmul_case(device, qtype, 70, 256, 20, "f32", rng, owner=OWNER, **kw)
+        rows = {}
+        for T in (1, 2, 7, 8, 9, 16, 20):
+            y = upload_tensor(device, np.zeros((T, 70), np.float32) if not kw else
+                              read_tensor(device, yt.view((T, 70))), "f32", owner=OWNER)
+            op = mm.matmul(device, xt.view((T, 256)), w, y, bias=bt, decode_rows=True, **kw)
+            assert (_kernel_of(op) == "matmul_gpu") == (family == "gpu")
+            run_ops(device, op)
+            rows[T] = read_tensor(device, y)
+            if not kw:
+                assert rel_err(rows[T], ref[:T]) < TOL["f32"]
+        for T, y in rows.items():
+            assert np.array_equal(y, rows[20][:T]), (qtype, T)

@@ -138,6 +138,26 @@ def _family_variant(dev: Device, cfg: MatmulConfig, w: "QWeight", T: int, row_in
     return matmul_gpu.default_variant(w, T, row_invariant)
 
 
+def _decode_rows_variant(dev: Device, cfg: MatmulConfig, w: "QWeight"):
+    """The kernel for `decode_rows` matmuls (continuous batching: each row one sequence's decode
+    step, whose sums must not depend on how many rows run): the GPU family's decode kernel, chosen
+    for one row and used for every row count (its rows are bit-identical across T = 1..8); None
+    where the CPU family's row-invariant kernels serve instead."""
+    if cfg.family == "cpu":
+        return None
+    if cfg.family == "tuned":
+        key = profiles.choice(dev, w.qtype, w.n, w.k, 1, False)
+        try:
+            v = matmul_gpu.variant(key) if key not in (None, profiles.BASE) else None
+        except ValueError:
+            v = None
+        if isinstance(v, matmul_gpu.Decode):
+            return v
+        if key == profiles.BASE or is_cpu_adapter(dev):
+            return None
+    return matmul_gpu.default_variant(w, 1, False)
+
+
 # field -> value applied by default_config (benchmarks' A/B switches, e.g. {"fuse": False})
 CONFIG_OVERRIDES: dict = {}
 
@@ -506,7 +526,7 @@ def matmul(dev: Device, x: Tensor, w: QWeight, y: Tensor, *, bias: Tensor | None
            accumulate: bool = False, config: MatmulConfig | None = None,
            norm: tuple | None = None, silu: bool = False, silu_out: bool = False,
            rope_kv: RopeKV | None = None, norm_out: "NormOut | None" = None,
-           rms_from: tuple | None = None, row_invariant: bool = False) -> Op:
+           rms_from: tuple | None = None, row_invariant: bool = False, decode_rows: bool = False) -> Op:
     """y = x·Wᵀ (+ bias); with `accumulate`, y += x·Wᵀ (+ bias). x (T, K), W (N, K), y (T, N).
 
     Fused inputs (T = 1 only, see `fusable`): `norm=(g (K,) f32, eps)` multiplies by RMSNorm(x)
@@ -522,10 +542,14 @@ def matmul(dev: Device, x: Tensor, w: QWeight, y: Tensor, *, bias: Tensor | None
     position's logits must not depend on how the prompt was chunked or cached): the kernel is
     chosen by the weight and the device alone — the tiled kernel for every T where the device's
     strategy tiles and the weight allows, else matmul.wgsl, whose row kernel and 4-row tile do the
-    same sums per row. No fused input or epilogue."""
+    same sums per row. No fused input or epilogue.
+    `decode_rows`: each row is one sequence's decode step in a continuous batch: its sums must not
+    depend on how many rows run, though they need not equal a prefill row's — the GPU family's
+    decode kernel in groups of up to 8 rows (one weight pass per group), the row-invariant kernels
+    in the CPU family (_decode_rows_variant)."""
     if w.subs:       # parts of different types (upload_weight): one matmul per sub-weight
         return _matmul_parts(dev, x, w, y, bias=bias, accumulate=accumulate, config=config, norm=norm,
-                             silu=silu, rms_from=rms_from, row_invariant=row_invariant,
+                             silu=silu, rms_from=rms_from, row_invariant=row_invariant, decode_rows=decode_rows,
                              epilogue=silu_out or rope_kv is not None or norm_out is not None)
     cfg = config or default_config(dev)
     eps_set = [silu_out, rope_kv is not None, norm_out is not None]
@@ -574,6 +598,20 @@ def matmul(dev: Device, x: Tensor, w: QWeight, y: Tensor, *, bias: Tensor | None
         check(ep == "store" and norm is None and not silu and rms_from is None, "matmul",
               "row_invariant takes no fused input or epilogue")
     plain = ep == "store" and norm is None and not silu and rms_from is None
+    if decode_rows:
+        check(plain and not row_invariant and config is None, "matmul",
+              "decode_rows takes no fused input, epilogue, config or row_invariant")
+        v = _decode_rows_variant(dev, cfg, w)
+        if v is not None:        # groups of up to 8 rows, each through the same decode kernel
+            g = matmul_gpu.MAX_DECODE_T
+            ops = [matmul_gpu.matmul(dev, x.view((min(g, T - r), K), r * K), w,
+                                     y.view((min(g, T - r), w.n), r * w.n), bias=bias, accumulate=accumulate,
+                                     variant=v) for r in range(0, T, g)]
+            op = ops[0]
+            for o in ops[1:]:
+                op = op + o
+            return op
+        row_invariant = True     # the CPU family: the row-invariant kernels, any T
     variant = _family_variant(dev, cfg, w, T, row_invariant) if plain else None
     if variant is not None:
         return matmul_gpu.matmul(dev, x, w, y, bias=bias, accumulate=accumulate, variant=variant,

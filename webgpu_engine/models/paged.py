@@ -12,8 +12,9 @@ A loaded LlamaModel's weights and activations, plus one K and one V pool per lay
     prefill chunk (rows = T tokens of one sequence at positions pos0 ..):
         the same with causal attention over the sequence's table; logits of the last row only
 
-Every matmul is row-invariant (a row's sums do not depend on how many rows run), and a sequence's
-attention depends only on its own keys (the split-key decode kernel, never the short form whose
+A decode row's matmul sums do not depend on how many rows run (`decode_rows`: the GPU family's
+decode kernel in groups of 8 rows, the CPU family's row-invariant kernels), prefill rows' neither on
+the chunking (`row_invariant`), and a sequence's attention depends only on its own keys (the split-key decode kernel, never the short form whose
 use would depend on the longest sequence in the step): a sequence's tokens are the same alone or in
 any batch. Op lists are built once per row count and replayed; per step the host writes the small
 u32 inputs (ids, positions, slots, lens, tables, step). Standard library only (runs in the page).
@@ -64,6 +65,8 @@ class PagedForward:
         qkv, qkv2 = m.qkv.view((T, H + 2 * Hkv, D)), m.qkv.view((T, c.qkv_dim))
         attn, gu, ffn = m.attn.view((T, H * D)), m.gate_up.view((T, 2 * c.ffn_size)), m.ffn.view((T, c.ffn_size))
         eps, scale = c.rms_eps, c.attn_scale or D ** -0.5
+        # decode rows: sums independent of the row count; prefill rows: also of the chunking
+        inv = dict(decode_rows=True) if decode else dict(row_invariant=True)
         heads = dict(n_q_heads=H, n_kv_heads=Hkv, head_dim=D)
         ops = [mm.embedding(dev, self.ids.view((T,)), m.embed, x)]
         if c.embed_scale != 1.0:
@@ -71,7 +74,7 @@ class PagedForward:
         for i, L in enumerate(m.layers):
             kp, vp = self.pools[i]
             ops += [nn.rms_norm(dev, x, L.attn_norm, h, eps=eps),
-                    mm.matmul(dev, h, L.qkv, qkv2, bias=L.qkv_bias, row_invariant=True)]
+                    mm.matmul(dev, h, L.qkv, qkv2, bias=L.qkv_bias, **inv)]
             if L.qk_norm is not None:
                 ops.append(nn.head_rms_norm(dev, qkv, L.qk_norm, n_q_heads=H, n_k_heads=Hkv, head_dim=D, eps=eps))
             base, factors = c.rope_of(i, m.rope_factors)
@@ -87,22 +90,22 @@ class PagedForward:
                 ops.append(ap.paged_prefill(dev, qkv, kp, vp, attn, self.step, self.tables.view((self.max_blocks,)),
                                             **heads, max_blocks=self.max_blocks, scale=scale, max_t=T, **win))
             if L.post_attn_norm is not None:
-                ops += [mm.matmul(dev, attn, L.o, h, bias=L.o_bias, row_invariant=True),
+                ops += [mm.matmul(dev, attn, L.o, h, bias=L.o_bias, **inv),
                         nn.rms_norm(dev, h, L.post_attn_norm, h, eps=eps), nn.add(dev, x, h, x)]
             else:
-                ops.append(mm.matmul(dev, attn, L.o, x, bias=L.o_bias, accumulate=True, row_invariant=True))
+                ops.append(mm.matmul(dev, attn, L.o, x, bias=L.o_bias, accumulate=True, **inv))
             ops += [nn.rms_norm(dev, x, L.ffn_norm, h, eps=eps),
-                    mm.matmul(dev, h, L.gate_up, gu, row_invariant=True),
+                    mm.matmul(dev, h, L.gate_up, gu, **inv),
                     nn.silu_mul(dev, gu, ffn, pairs=L.silu_pairs, act=c.act)]
             if L.post_ffn_norm is not None:
-                ops += [mm.matmul(dev, ffn, L.down, h, row_invariant=True),
+                ops += [mm.matmul(dev, ffn, L.down, h, **inv),
                         nn.rms_norm(dev, h, L.post_ffn_norm, h, eps=eps), nn.add(dev, x, h, x)]
             else:
-                ops.append(mm.matmul(dev, ffn, L.down, x, accumulate=True, row_invariant=True))
+                ops.append(mm.matmul(dev, ffn, L.down, x, accumulate=True, **inv))
         if decode:                     # logits of every row
             logits = self.logits.view((T, c.vocab_size))
             ops += [nn.rms_norm(dev, x, m.final_norm, h, eps=eps),
-                    mm.matmul(dev, h, m.lm_head, logits, row_invariant=True)]
+                    mm.matmul(dev, h, m.lm_head, logits, decode_rows=True)]
         else:                          # the last row's logits, into row 0
             logits = self.logits.view((1, c.vocab_size))
             ops += [nn.rms_norm(dev, m.x.view((1, C), (T - 1) * C), m.final_norm, m.last, eps=eps),
