@@ -233,3 +233,19 @@ def test_decode_rows_do_not_depend_on_the_row_count(device, monkeypatch, family)
                 assert rel_err(rows[T], ref[:T]) < TOL["f32"]
         for T, y in rows.items():
             assert np.array_equal(y, rows[20][:T]), (qtype, T)
+
+
+def test_software_adapters_count_as_cpu():
+    """lavapipe natively and the browser's SwiftShader fallback adapter run the CPU family; a GPU does not."""
+    from types import SimpleNamespace
+
+    from webgpu_engine.gpu.base import AdapterInfo
+
+    def dev(**kw):
+        return SimpleNamespace(info=AdapterInfo(**{"vendor": "", "architecture": "", "description": "",
+                                                   "backend": "", **kw}))
+    assert mm.is_cpu_adapter(dev(adapter_type="CPU", device="llvmpipe (LLVM 15.0.6, 256 bits)"))
+    assert mm.is_cpu_adapter(dev(vendor="google", architecture="swiftshader", adapter_type="fallback",
+                                 backend="browser"))
+    assert not mm.is_cpu_adapter(dev(vendor="nvidia", architecture="hopper", adapter_type="DiscreteGPU",
+                                     device="NVIDIA H200"))

@@ -89,8 +89,12 @@ FAMILIES = ("cpu", "gpu", "tuned")
 
 
 def is_cpu_adapter(dev: Device) -> bool:
+    """A software rasteriser on the CPU: lavapipe (adapter type CPU, name llvmpipe) or a browser's
+    fallback adapter (Chromium's SwiftShader: isFallbackAdapter, architecture swiftshader)."""
     info = dev.info
-    return "cpu" in info.adapter_type.lower() or "llvmpipe" in info.name.lower()
+    kind = info.adapter_type.lower()
+    return "cpu" in kind or kind == "fallback" or "llvmpipe" in info.name.lower() or \
+        "swiftshader" in info.architecture.lower()
 
 
 def kernel_family(dev: Device) -> str:
