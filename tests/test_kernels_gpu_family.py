@@ -235,17 +235,21 @@ def test_decode_rows_do_not_depend_on_the_row_count(device, monkeypatch, family)
             assert np.array_equal(y, rows[20][:T]), (qtype, T)
 
 
-def test_software_adapters_count_as_cpu():
-    """lavapipe natively and the browser's SwiftShader fallback adapter run the CPU family; a GPU does not."""
+def test_software_adapters_keep_the_cpu_family(monkeypatch):
+    """lavapipe natively and the browser's SwiftShader fallback adapter run the CPU family (lavapipe
+    with its unrolled / tiled strategy, SwiftShader with the plain kernels); a GPU does not."""
     from types import SimpleNamespace
 
     from webgpu_engine.gpu.base import AdapterInfo
+    monkeypatch.delenv(mm.FAMILY_ENV, raising=False)
 
     def dev(**kw):
         return SimpleNamespace(info=AdapterInfo(**{"vendor": "", "architecture": "", "description": "",
                                                    "backend": "", **kw}))
-    assert mm.is_cpu_adapter(dev(adapter_type="CPU", device="llvmpipe (LLVM 15.0.6, 256 bits)"))
-    assert mm.is_cpu_adapter(dev(vendor="google", architecture="swiftshader", adapter_type="fallback",
-                                 backend="browser"))
-    assert not mm.is_cpu_adapter(dev(vendor="nvidia", architecture="hopper", adapter_type="DiscreteGPU",
-                                     device="NVIDIA H200"))
+    lavapipe = dev(adapter_type="CPU", device="llvmpipe (LLVM 15.0.6, 256 bits)")
+    swiftshader = dev(vendor="google", architecture="swiftshader", adapter_type="fallback", backend="browser")
+    assert mm.default_config(lavapipe) == mm.MatmulConfig(unroll=True, tiled=True, family="cpu")
+    assert mm.default_config(swiftshader) == mm.MatmulConfig(unroll=False, tiled=False, family="cpu")
+    assert mm.is_software_adapter(swiftshader) and not mm.is_cpu_adapter(swiftshader)
+    gpu = dev(vendor="nvidia", architecture="hopper", adapter_type="DiscreteGPU", device="NVIDIA H200")
+    assert not mm.is_software_adapter(gpu)

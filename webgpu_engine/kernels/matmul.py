@@ -89,11 +89,18 @@ FAMILIES = ("cpu", "gpu", "tuned")
 
 
 def is_cpu_adapter(dev: Device) -> bool:
-    """A software rasteriser on the CPU: lavapipe (adapter type CPU, name llvmpipe) or a browser's
-    fallback adapter (Chromium's SwiftShader: isFallbackAdapter, architecture swiftshader)."""
+    """lavapipe (adapter type CPU, name llvmpipe): the CPU strategy (unrolled decode, tiled
+    prefill) was measured there."""
     info = dev.info
-    kind = info.adapter_type.lower()
-    return "cpu" in kind or kind == "fallback" or "llvmpipe" in info.name.lower() or \
+    return "cpu" in info.adapter_type.lower() or "llvmpipe" in info.name.lower()
+
+
+def is_software_adapter(dev: Device) -> bool:
+    """A rasteriser on the CPU: lavapipe, or a browser's fallback adapter (Chromium's SwiftShader:
+    isFallbackAdapter, architecture swiftshader). Both keep the CPU family; SwiftShader with the
+    plain kernels it ran before the families (its compiler stalls on the unrolled ones)."""
+    info = dev.info
+    return is_cpu_adapter(dev) or info.adapter_type.lower() == "fallback" or \
         "swiftshader" in info.architecture.lower()
 
 
@@ -105,7 +112,7 @@ def kernel_family(dev: Device) -> str:
     if env:
         check(env in FAMILIES, "matmul", f"{FAMILY_ENV}={env!r}: expected one of {', '.join(FAMILIES)}")
         return env
-    if is_cpu_adapter(dev):
+    if is_software_adapter(dev):
         return "cpu"
     return "tuned" if profiles.has_profile(dev) else "gpu"
 
@@ -118,7 +125,7 @@ def default_config(dev: Device) -> MatmulConfig:
     nothing is fused (no unrolled kernels). Tuned: the adapter type's strategy, with the profile's
     kernel per shape for plain matmuls."""
     family = kernel_family(dev)
-    cpu = family == "cpu" or family == "tuned" and is_cpu_adapter(dev)
+    cpu = family in ("cpu", "tuned") and is_cpu_adapter(dev)
     return MatmulConfig(**{"unroll": cpu, "tiled": cpu, "family": family, **CONFIG_OVERRIDES})
 
 
@@ -833,6 +840,6 @@ def upload_vector(dev: Device, data, *, dtype: str = "f32", owner: str, label: s
 
 
 __all__ = ["QTYPES", "MIXED", "QWeight", "MatmulConfig", "RopeKV", "FAMILY_ENV", "FAMILIES", "kernel_family",
-           "is_cpu_adapter", "default_config", "upload_weight", "matmul",
+           "is_cpu_adapter", "is_software_adapter", "default_config", "upload_weight", "matmul",
            "fusable", "epilogue_ok", "interleave_pairs", "embedding", "upload_vector", "file_row_bytes",
            "gpu_row_bytes"]

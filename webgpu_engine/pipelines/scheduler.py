@@ -54,8 +54,8 @@ def resolve_max_sequences(dev, chat_config) -> int:
     the prefill chunk."""
     n = int(chat_config.max_num_sequences)
     if n == 0:
-        from ..kernels.matmul import is_cpu_adapter
-        n = 4 if is_cpu_adapter(dev) else 16
+        from ..kernels.matmul import is_software_adapter
+        n = 4 if is_software_adapter(dev) else 16
     return max(1, min(n, int(chat_config.prefill_chunk_size)))
 
 
