@@ -301,3 +301,24 @@ async def test_a_place_freed_by_a_leaving_client_is_usable_at_once(device, tiny_
         sched.pool.check()
     finally:
         await eng.unload()
+
+
+async def test_logit_processor_applies_to_every_sequence(engine):
+    """A WebLLM logit processor runs per sampling sequence in the batch (host round trip each)."""
+    class OnlyForty:
+        seen = []
+
+        def process_logits(self, logits):
+            return [0.0 if i == 40 else -1e9 for i in range(len(logits))]
+
+        def process_sampled_token(self, tok):
+            self.seen.append(tok)
+    (lm,) = engine.models.values()
+    proc = OnlyForty()
+    lm.pipeline.set_logit_processor(proc)
+    try:
+        got = await asyncio.gather(*[_complete(engine, i, 4) for i in range(2)])
+    finally:
+        lm.pipeline.set_logit_processor(None)
+    tok40 = _sched(engine).pipe.tokenizer.token_bytes(40).decode("utf-8", "replace")
+    assert got == [(tok40 * 4, 4)] * 2 and proc.seen == [40] * 8

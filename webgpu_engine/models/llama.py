@@ -333,6 +333,11 @@ class LlamaModel:
         """The prefill ops for T rows (1 <= T <= prefill chunk), built once per (T, with_head)."""
         return self._ops.get((T, with_head), lambda: self._build(T, with_head))
 
+    def warm_heights(self) -> list[int]:
+        """Row counts whose prefill ops load-time warm-up runs: one row, a full chunk and each tile
+        height the few-row matmuls use (any other T uses the same kernels as one of these)."""
+        return sorted({1, self.chunk} | {t for t in (2, 4, 8, 16) if t <= self.chunk})
+
     def compile(self, batch, warmed=frozenset()) -> set:
         """Build every op list a request uses and record one run of each pipeline into `batch`, so
         that nothing compiles on the first prompt: pipelines are created here, and drivers that
@@ -342,7 +347,7 @@ class LlamaModel:
         ops in both forms of the attention. The runs write KV rows from 0, which the first prompt
         overwrites. Nothing is recorded when every pipeline is in `warmed` (already run on this
         device). Returns the pipeline keys."""
-        heights = sorted({1, self.chunk} | {t for t in (2, 4, 8, 16) if t <= self.chunk})
+        heights = self.warm_heights()
         for T in heights:
             self.ops_for(T, True)
         keys = pipeline_keys([op for ops in self._ops.values() for op in ops] + self.decode_ops)

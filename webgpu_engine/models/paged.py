@@ -26,7 +26,7 @@ import struct
 from ..kernels import attention_paged as ap
 from ..kernels import matmul as mm
 from ..kernels import nn
-from ..kernels.common import DTYPE_SIZE, Op, OpCache, new_tensor, pipeline_keys
+from ..kernels.common import DTYPE_SIZE, Op, OpCache, new_tensor
 
 _MAX_CACHED = 24
 
@@ -152,15 +152,6 @@ class PagedForward:
 
     def logits_row(self, r: int):
         return self.logits.view((self.cfg.vocab_size,), r * self.cfg.vocab_size)
-
-    def warm_keys(self, heights) -> set:
-        """Build the op lists of these row counts (decode and prefill); their pipeline keys."""
-        ops = []
-        for T in heights:
-            if T <= self.max_seqs:
-                ops += self.ops("decode", T)
-            ops += self.ops("prefill", T)
-        return pipeline_keys(ops)
 
     def release(self) -> None:
         self._ops.release()

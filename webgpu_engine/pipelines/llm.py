@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import struct
 import sys
-from array import array
 from pathlib import Path
 
 from ..config import ChatConfig, GenerationConfig
@@ -26,7 +24,7 @@ from ..kernels.sampling import Sampler
 from ..models.registry import LLM, open_model
 from .detokenizer import safe_token_bytes
 from .grammar import GrammarCompiler
-from .sequence import Sequence, configure_sampler
+from .sequence import Sequence, configure_sampler, process_logits
 from .stats import CumulativeStats, RequestStats, now
 
 _ids = itertools.count()
@@ -339,13 +337,7 @@ class LLMChatPipeline:
         return batch
 
     async def _process_logits(self) -> None:
-        lg = self.model.logits
-        raw = await self.dev.read(lg.buf, lg.offset, lg.nbytes)
-        vals = array("f", raw) if lg.dtype == "f32" else array("f", struct.unpack(f"<{lg.numel}e", raw))
-        out = self.logit_processor.process_logits(list(vals))
-        data = array("f", [float(v) for v in out])
-        self.dev.write(lg.buf, data.tobytes() if lg.dtype == "f32" else
-                       struct.pack(f"<{len(data)}e", *data), lg.offset)
+        await process_logits(self.dev, self.logit_processor, self.model.logits)
 
     def _accept(self, res) -> None:
         self.seq.accept(res.token, res.logprob, res.top, len(self.kv_ids), self.model.ctx)

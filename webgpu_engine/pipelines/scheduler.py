@@ -27,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import struct
-import sys
 
 from ..config import GenerationConfig
 from ..engine.kv_pool import KVPool, PoolExhaustedError
@@ -39,10 +38,10 @@ from ..kernels.logit_mask import LogitMask
 from ..kernels.sampling import Sampler
 from ..models.memory import pool_blocks
 from ..models.paged import PagedForward
-from .sequence import configure_sampler
+from .llm import _THREADS
+from .sequence import configure_sampler, process_logits
 from .stats import RequestStats, now
 
-_THREADS = sys.platform != "emscripten"
 _RESULT = 64                     # bytes per slot in the results buffer (the sampler's io words 0..13)
 _ids = itertools.count()
 
@@ -429,35 +428,15 @@ class Scheduler:
 
     async def _process_logits(self, recs) -> None:
         """A WebLLM logit processor, per sampling sequence (a host round trip each)."""
-        from array import array
-        proc = self.pipe.logit_processor
         for rec in recs:
-            lg = self.slots[rec.slot].logits
-            raw = await self.dev.read(lg.buf, lg.offset, lg.nbytes)
-            vals = array("f", raw) if lg.dtype == "f32" else array("f", struct.unpack(f"<{lg.numel}e", raw))
-            out = array("f", [float(v) for v in proc.process_logits(list(vals))])
-            self.dev.write(lg.buf, out.tobytes() if lg.dtype == "f32" else struct.pack(f"<{len(out)}e", *out),
-                           lg.offset)
-
-    def describe(self) -> dict:
-        """For /v1/models: the batch's size and use so far (where the time went)."""
-        p = self.pool
-        return {"max_num_sequences": self.max_seqs, "running": len(self.running),
-                "kv_block_size": p.block_size, "kv_pool_blocks": p.n_blocks, "kv_free_blocks": p.n_free,
-                **self.stats, "prefix_hit_tokens": p.stats["hit_tokens"], "evictions": p.stats["evictions"]}
+            await process_logits(self.dev, self.pipe.logit_processor, self.slots[rec.slot].logits)
 
     # ------------------------------------------------------------------ warm-up, release
     def compile_ops(self) -> list:
-        """The op lists a request uses (decode of 1 .. max_seqs rows, prefill of 1, 2, 4, 8, 16 and a
-        full chunk) and the slot ops, for LLMChatPipeline._compile."""
-        heights = sorted({1, self.chunk} | {t for t in (2, 4, 8, 16) if t <= self.chunk} |
-                         set(range(1, self.max_seqs + 1)))
-        ops = []
-        for T in heights:
-            if T <= self.max_seqs:
-                ops.append(("decode", T))
-            ops.append(("prefill", T))
-        return ops
+        """(kind, rows) of the op lists a request uses, for LLMChatPipeline._compile: decode of 1 ..
+        max_seqs rows, prefill of the model's warm-up heights."""
+        return [("decode", T) for T in range(1, self.max_seqs + 1)] + \
+            [("prefill", T) for T in self.model.warm_heights()]
 
     def close(self) -> None:
         """The model is being released: fail every waiting request, stop the loop."""

@@ -5,6 +5,9 @@ an interrupt) and the request's statistics. Page code: standard library only.
 """
 from __future__ import annotations
 
+import struct
+from array import array
+
 from ..config import GenerationConfig
 from .detokenizer import StreamDetokenizer, safe_token_bytes
 from .stats import CumulativeStats, RequestStats, now
@@ -19,6 +22,15 @@ def configure_sampler(sampler, gen: GenerationConfig, seen_ids) -> None:
         presence_penalty=gen.presence_penalty, logit_bias=gen.logit_bias,
         logprobs=gen.logprobs, top_logprobs=gen.top_logprobs if gen.logprobs else 0, seed=gen.seed)
     sampler.reset_history(seen_ids)
+
+
+async def process_logits(dev, proc, lg) -> None:
+    """Run a WebLLM logit processor over the logits row `lg` (f32 or f16) on the host, in place: a
+    readback, process_logits(list[float]) -> list[float], a write."""
+    raw = await dev.read(lg.buf, lg.offset, lg.nbytes)
+    vals = array("f", raw) if lg.dtype == "f32" else array("f", struct.unpack(f"<{lg.numel}e", raw))
+    out = array("f", [float(v) for v in proc.process_logits(list(vals))])
+    dev.write(lg.buf, out.tobytes() if lg.dtype == "f32" else struct.pack(f"<{len(out)}e", *out), lg.offset)
 
 
 class Sequence:
