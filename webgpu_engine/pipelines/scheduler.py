@@ -431,6 +431,13 @@ class Scheduler:
         for rec in recs:
             await process_logits(self.dev, self.pipe.logit_processor, self.slots[rec.slot].logits)
 
+    def describe(self) -> dict:
+        """For /v1/models: the batch's size and use so far (where the time went)."""
+        p = self.pool
+        return {"max_num_sequences": self.max_seqs, "running": len(self.running),
+                "kv_block_size": p.block_size, "kv_pool_blocks": p.n_blocks, "kv_free_blocks": p.n_free,
+                **self.stats, "prefix_hit_tokens": p.stats["hit_tokens"], "evictions": p.stats["evictions"]}
+
     # ------------------------------------------------------------------ warm-up, release
     def compile_ops(self) -> list:
         """(kind, rows) of the op lists a request uses, for LLMChatPipeline._compile: decode of 1 ..
