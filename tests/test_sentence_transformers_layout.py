@@ -6,7 +6,6 @@ of the same model in the flat layout. A tiny BERT written here; no network."""
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +13,7 @@ import pytest
 
 from cache_server import FileServer
 from test_references import _folder_files, fake_hf_repo
-from tinymodels import write_tiny_bert
+from tinymodels import TRANSFORMER_FILES, nest, write_tiny_bert
 from webgpu_engine import errors as E
 from webgpu_engine.engine import EngineConfig, create_mlc_engine
 from webgpu_engine.engine.records import EMBEDDING
@@ -22,22 +21,6 @@ from webgpu_engine.engine.references import resolve_model_reference
 from webgpu_engine.loaders.sentence_transformers import load_sentence_transformer_config, transformer_subfolder
 
 TEXTS = ["a cat sat on the mat", "the dog runs", "hello world!"]
-TRANSFORMER_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "vocab.txt",
-                     "sentence_bert_config.json")
-
-
-def nest(flat: Path, dst: Path, sub: str = "0_Transformer") -> Path:
-    """`flat` re-laid as an older sentence-transformers save: the Transformer's files in `sub`/."""
-    shutil.copytree(flat, dst)
-    (dst / sub).mkdir()
-    for name in TRANSFORMER_FILES:
-        (dst / name).rename(dst / sub / name)
-    modules = json.loads((dst / "modules.json").read_text())
-    modules[0]["path"] = sub
-    (dst / "modules.json").write_text(json.dumps(modules, indent=2))
-    return dst
-
-
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("st-layout")
@@ -121,10 +104,12 @@ async def test_every_reference_gives_the_flat_layouts_vectors(device, models):
 
 
 def test_sentence_transformers_reads_the_nested_folder_as_we_do(device, models):
-    """The layout written here is one sentence-transformers itself loads, to the same vectors."""
+    """The layout written here is one sentence-transformers itself loads, to the same vectors: its
+    vectors for this folder were written once by tests/fixtures/make_st_nested.py (`bench` extra)."""
     import asyncio
-    st = pytest.importorskip("sentence_transformers")
-    ref = st.SentenceTransformer(str(models["nested"]), device="cpu").encode(TEXTS)
+    ref_file = json.loads((Path(__file__).parent / "fixtures" / "st_nested_reference.json").read_text())
+    assert ref_file["texts"] == TEXTS
+    ref = np.array(ref_file["embeddings"], dtype=np.float32)
 
     async def ours():
         engine = await create_mlc_engine(str(models["nested"]), EngineConfig(device=device))
@@ -135,3 +120,4 @@ def test_sentence_transformers_reads_the_nested_folder_as_we_do(device, models):
     got = np.array(asyncio.run(ours()))
     cos = (got * ref).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(ref, axis=1)
     assert cos.min() >= 0.9999, cos
+    assert np.abs(got - ref).max() < 1e-3

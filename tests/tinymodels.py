@@ -652,3 +652,20 @@ def open_tiny(tmp_path, arch: str = "llama", fmt: str = "gguf", *, qtype: str = 
         f = SafetensorsFolder(info["folder"])
         return load_llama_config(info["folder"]), f.weights("llama"), f.close
     raise ValueError(f"fmt must be 'gguf' or 'safetensors', got {fmt!r}")
+
+
+TRANSFORMER_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "vocab.txt",
+                     "sentence_bert_config.json")
+
+
+def nest(flat: Path, dst: Path, sub: str = "0_Transformer") -> Path:
+    """`flat` re-laid as an older sentence-transformers save: the Transformer's files in `sub`/."""
+    import shutil
+    shutil.copytree(flat, dst)
+    (dst / sub).mkdir()
+    for name in TRANSFORMER_FILES:
+        (dst / name).rename(dst / sub / name)
+    modules = json.loads((dst / "modules.json").read_text())
+    modules[0]["path"] = sub
+    (dst / "modules.json").write_text(json.dumps(modules, indent=2))
+    return dst
