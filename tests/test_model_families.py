@@ -51,11 +51,11 @@ def test_loaders_do_not_import_models():
 
 
 def _toy_hf(c: dict, fields: dict, where: str) -> dict:
-    return {**fields, "arch": "llama", "rope_base": float(c["toy_rope_base"])}
+    return {**fields, "rope_base": float(c["toy_rope_base"])}
 
 
 def _toy_gguf(g, fields: dict) -> dict:
-    return {**fields, "arch": "llama", "rope_base": float(g.meta("toy_rope_base", required=True))}
+    return {**fields, "rope_base": float(g.meta("toy_rope_base", required=True))}
 
 
 # A family as its own module would declare it: a Llama-shaped decoder with its own names and one key
@@ -91,17 +91,46 @@ def test_a_family_registered_at_run_time_is_found_everywhere(tmp_path):
         try:
             assert m.arch is arch and set(m.weights) == set(info["weights"])
             # the shared reading, then the family's defaults and its own key
-            want = {**vars(info["config"]), "rope_base": 5e4, "qkv_bias": True}
+            want = {**vars(info["config"]), "arch": "toy", "rope_base": 5e4, "qkv_bias": True}
             assert {k: getattr(m.config, k) for k in want} == want
         finally:
             m.close()
         assert load_llama_config(info["folder"]) == m.config         # a loader called directly
         with GGUFFile(gguf_path) as g:
             cfg = g.model_config()
-            assert (cfg.arch, cfg.rope_base, cfg.rope_neox, cfg.n_layers) == ("llama", 1234.0, True, 2)
+            assert (cfg.arch, cfg.rope_base, cfg.rope_neox, cfg.n_layers) == ("toy", 1234.0, True, 2)
     finally:
         registry.unregister("toy")
     assert "toy" not in registry.ARCHITECTURES and "toy" not in decoder_config.FAMILIES
     assert "ToyForCausalLM" not in registry.HF_ARCHITECTURES
     with pytest.raises(UnsupportedModelError, match="toy"):
         registry.architecture("toy")
+
+
+async def test_a_family_registered_at_run_time_runs(tmp_path, device):
+    """Served under its own name, the toy family computes what the same weights compute as Llama."""
+    from webgpu_engine.engine import EngineConfig, create_mlc_engine
+    llama = tinymodels.write_tiny_llama_safetensors(tmp_path / "llama", arch="llama", seed=2)["folder"]
+    toy = tmp_path / "toy"
+    toy.mkdir()
+    for f in llama.iterdir():
+        (toy / f.name).write_bytes(f.read_bytes())
+    c = json.loads((llama / "config.json").read_text())
+    (toy / "config.json").write_text(json.dumps({**c, "architectures": ["ToyForCausalLM"], "model_type": "toy",
+                                                 "toy_rope_base": c.get("rope_theta", 10000.0),
+                                                 "attention_bias": False}))
+
+    async def greedy(folder):
+        engine = await create_mlc_engine(str(folder), EngineConfig(device=device))
+        try:
+            r = await engine.completions.create(prompt="hello world", max_tokens=8, temperature=0)
+            return engine.models[next(iter(engine.models))].pipeline.model.cfg.arch, r.choices[0].text
+        finally:
+            await engine.unload()
+    registry.register(TOY)
+    try:
+        arch, got = await greedy(toy)
+    finally:
+        registry.unregister("toy")
+    assert arch == "toy"
+    assert got == (await greedy(llama))[1] and got
