@@ -56,7 +56,7 @@ fn repack_blocks(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups)
     rdst[RP.dst_off + w] = word;
 }
 
-// Interleaved 4-row spans (the T = 1 matmul's weight layout on CPU adapters, kernels/matmul.py):
+// Interleaved 4-row spans (the T = 1 matmul's weight layout on CPU adapters, kernels/matmul/layout.py):
 // a weight whose rows hold a whole number of vec4 words per 4 rows (`rw` vec4 per 4-row span) is
 // cut into groups of 8 spans (32 rows); in each whole group, vec4 v of span j is stored at
 // v * 8 + j, so the 8 SIMD lanes of the decode kernel, each owning one span, read one contiguous

@@ -3,7 +3,7 @@
 // that the small op after the matmul needs no dispatch of its own (on CPU Vulkan a dispatch costs
 // ~30 us, more than these ops' work):
 //   ep_silu:    the weight is gate and up with rows interleaved in pairs (g 2j, g 2j+1, u 2j,
-//               u 2j+1, ...; see upload_gate_up in kernels/matmul.py), so an invocation holds
+//               u 2j+1, ...; see interleave_pairs in kernels/matmul/layout.py), so an invocation holds
 //               (g 2i4, g 2i4+1, u 2i4, u 2i4+1) and stores y[2 i4 + j] = silu(g) * u, j = 0, 1:
 //               y is (1, F) while the weight has 2F rows. Same formula as silu_mul.
 //   ep_rope_kv: the weight is the fused [q | k | v] projection of a model with adjacent rotary

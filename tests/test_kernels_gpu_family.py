@@ -1,5 +1,5 @@
 """The GPU kernel family (kernels/matmul_gpu.py: coalesced decode, tiled GEMM) on the real adapter
-against float64 numpy, the GEMM's row invariance, and the family switch of kernels/matmul.py
+against float64 numpy, the GEMM's row invariance, and the family switch of kernels/matmul/
 (WEBGPU_ENGINE_KERNELS, the built-in default per adapter type, tuned profiles).
 
 Error measure as in test_kernels_matmul.py: max |y - ref| / max |ref|; f32 1e-4, f16 1e-2.

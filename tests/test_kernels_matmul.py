@@ -12,9 +12,9 @@ from gguf import GGUFReader
 from webgpu_engine.kernels import quant_ref as qr
 from webgpu_engine.kernels.common import Tensor, new_tensor, run_ops
 from webgpu_engine.kernels import nn, nn_ref
-from webgpu_engine.kernels.matmul import (MIXED, QTYPES, MatmulConfig, NormOut, RopeKV, _grid, embedding,
-                                          epilogue_ok, gpu_row_bytes, interleave_pairs, matmul,
-                                          upload_vector, upload_weight)
+from webgpu_engine.kernels.matmul import (MIXED, QTYPES, MatmulConfig, NormOut, RopeKV, embedding, epilogue_ok,
+                                          gpu_row_bytes, interleave_pairs, matmul, upload_vector, upload_weight)
+from webgpu_engine.kernels.matmul.layout import grid
 
 from _matmul_util import NP, TOL, matmul_case, read_tensor, rel_err, upload_tensor
 
@@ -220,7 +220,7 @@ def test_shape_errors(device):
 
 def test_grid_respects_dispatch_limit():
     for g in (1, 65535, 65536, 10 ** 6):
-        x, y = _grid(g)
+        x, y = grid(g)
         assert x <= 65535 and y <= 65535 and x * y >= g
 
 

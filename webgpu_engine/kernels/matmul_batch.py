@@ -1,7 +1,7 @@
 """Batched decode matmul: y = x·Wᵀ for 2 ≤ T ≤ 16 activation rows, each weight chunk decoded once.
 
 A decode step of several sequences (continuous batching) multiplies a few activation rows by every
-weight. The row kernels of matmul.py read and decode each weight once per row (or per 4 rows);
+weight. The row kernels of the matmul package read and decode each weight once per row (or per 4 rows);
 here each weight chunk is read and decoded once for all T rows. Two variants, chosen per device:
 
 - "tiled": matmul_tiled.wgsl with its tile height TM = T rounded up to 2, 4 or 8 (its default
@@ -88,7 +88,7 @@ def choose(dev: Device, w: "QWeight", T: int) -> BatchVariant:
 
 
 def supports(w: "QWeight", T: int) -> bool:
-    """Whether `matmul` handles this weight at T rows: 1 ≤ T ≤ MAX_T, one weight type (matmul.py
+    """Whether `matmul` handles this weight at T rows: 1 ≤ T ≤ MAX_T, one weight type (the matmul package
     runs a MIXED weight one sub-weight at a time)."""
     return 1 <= T <= MAX_T and w.qtype in QTYPE and not w.subs
 

@@ -1,6 +1,6 @@
 """GPU kernel family of the matmul: coalesced decode (T = 1..8 rows) and a workgroup-tiled GEMM.
 
-Today's kernels (matmul.py, matmul_tiled.py, matmul_batch.py) are shaped by CPU Vulkan: no
+Today's kernels (the matmul package, matmul_tiled.py, matmul_batch.py) are shaped by CPU Vulkan: no
 barriers, each invocation walking whole weight rows. On a discrete or integrated GPU neighbouring
 invocations should read neighbouring words and a prefill GEMM should reuse tiles from workgroup
 memory. Two kernels, each a variant object with a `key` (what a tuned profile stores):
@@ -14,7 +14,7 @@ memory. Two kernels, each a variant object with a `key` (what a tuned profile st
 
 Both read the weight through the type's own `wchunk` decode (`shaders/matmul_<qtype>.wgsl`, or
 `dequant.wgsl` for its types): every weight type of kernels/qtypes.py, f32/f16/bf16 rows included.
-matmul.py decides when this family runs (`default_config`, its family switch and the tuned profile);
+The matmul package decides when this family runs (`default_config`, its family switch and the tuned profile);
 `default_variant` is the built-in choice before any measurement. Page code: standard library only.
 """
 from __future__ import annotations
@@ -101,7 +101,7 @@ def bucket(T: int) -> int:
 
 
 def _pipeline(dev: Device, w: "QWeight", dtype: str, v: "Decode | Gemm", T: int):
-    from .matmul import _pipeline as weight_pipeline     # matmul.py imports this module
+    from .matmul.codegen import weight_pipeline     # the matmul package imports this module
     if isinstance(v, Decode):
         tt = bucket(T)
         consts = f"const LN: u32 = {v.ln}u;\nconst TT: u32 = {tt}u;\n"

@@ -7,7 +7,7 @@ workgroup memory and lets every invocation own one weight row: each 32-weight ch
 decoded once into registers and multiplied with all TM activation rows. The K loop is written out
 in the pipeline (one pipeline per K block length), so long K runs as several dispatches. Tile sizes
 are per-device parameters (`TiledConfig`).
-Page code: standard library only; `matmul.py` is not imported here (it delegates to this module).
+Page code: standard library only; the matmul package is not imported here (it delegates to this module).
 """
 from __future__ import annotations
 
@@ -38,13 +38,13 @@ class TiledConfig:
     A larger `tm` reads the weights fewer times; a larger `wg` amortises the staging of each x
     tile over more rows; `kmax` trades compile time (superlinear in the code length) against one
     extra read-modify-write of y per block. Below `min_t` activation rows `matmul` returns None:
-    a tile mostly of padding rows loses to the row kernels of matmul.py."""
+    a tile mostly of padding rows loses to the row kernels of the matmul package."""
 
     tm: int = 16
     wg: int = 192    # SmolLM2 and MiniLM row counts (576, 960, 1152, 1536, 3072) are multiples
     kb: int = 6
     kmax: int = 18
-    min_t: int = 8   # lavapipe, 3072x576 Q4_1: 1.6x slower than matmul.py at T = 4, even at 8
+    min_t: int = 8   # lavapipe, 3072x576 Q4_1: 1.6x slower than the matmul package's row kernels at T = 4, even at 8
 
 
 def default_config(dev: Device, qtype: str = "q4_1") -> TiledConfig:

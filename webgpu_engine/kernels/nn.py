@@ -12,7 +12,7 @@ dispatch); attention binds qkv and the caches read-only, so its `out` must live 
 Decode dispatches per Llama layer from this module, where the matmuls take no epilogues (GPU
 adapters): rms_norm 1 + rope_kv 1 (rope and kv_write fused) + attention 2 (split + combine; 1 while
 the context is short) + rms_norm 1 + silu_mul 1 = 6. On CPU adapters the decode matmuls absorb
-rope_kv, silu_mul and both norms (kernels/matmul.py epilogues), leaving attention alone.
+rope_kv, silu_mul and both norms (kernels/matmul/epilogues.py), leaving attention alone.
 """
 from __future__ import annotations
 
@@ -227,7 +227,7 @@ def bias_add(dev: Device, x: Tensor, b: Tensor, y: Tensor) -> Op:
 def silu_mul(dev: Device, gate_up: Tensor, y: Tensor, *, pairs: bool = False, act: str = "silu") -> Op:
     """y[t,f] = silu(gate_up[t,f]) * gate_up[t,F+f].  gate_up (T, 2F) rows [gate | up]; y (T, F).
     pairs: gate_up rows are gate and up interleaved in pairs (g 2j, g 2j+1, u 2j, u 2j+1, ...),
-    the layout of a weight uploaded for the decode matmul's silu epilogue (kernels/matmul.py).
+    the layout of a weight uploaded for the decode matmul's silu epilogue (kernels/matmul/epilogues.py).
     act "gelu_tanh": GeGLU, GELU's tanh form in place of silu (Gemma)."""
     check(act in ("silu", "gelu_tanh"), "silu_mul", f"act must be silu or gelu_tanh, got {act!r}")
     k = "silu_mul" if act == "silu" else "gelu_tanh_mul"
@@ -438,9 +438,9 @@ def _heads_per_lane(k: str, group: int, head_dim: int, g: int | None) -> int:
 
 def flash_attention(dev: Device) -> bool:
     """Whether prefill attention stages key tiles in workgroup memory (shaders/attention_flash.wgsl):
-    where the matmuls run the GPU kernel family (kernels/matmul.py kernel_family). The CPU family
+    where the matmuls run the GPU kernel family (kernels/matmul/config.py kernel_family). The CPU family
     keeps attn_causal, so that CPU adapters run exactly what they ran before the families."""
-    from .matmul import is_cpu_adapter, kernel_family     # matmul.py does not import this module
+    from .matmul import is_cpu_adapter, kernel_family     # the matmul package does not import this module
     family = kernel_family(dev)
     return family == "gpu" or family == "tuned" and not is_cpu_adapter(dev)
 

@@ -8,7 +8,7 @@ adapter, one JSON file `<cache root>/profiles/<adapter id>/matmul.json`:
      "timings": {...}}
 
 A choice is a matmul_gpu variant key or "base" (the kernels the adapter's built-in strategy runs
-there). matmul.py reads the choices through `choice` when the kernel family is "tuned". The adapter
+there). The matmul package (select.py) reads the choices through `choice` when the kernel family is "tuned". The adapter
 id is derived from vendor, architecture, driver (the adapter's description), device name and
 backend, so a driver update starts a new profile. Page code: standard library only.
 """

@@ -60,7 +60,7 @@ class LlamaLayer:
 @dataclass(frozen=True)
 class FusionPlan:
     """Which fused kernels one forward uses, chosen once per op list from the device's matmul
-    strategy (kernels/matmul.py: fusable, epilogue_ok, default_config) and the layers' weights. Only
+    strategy (kernels/matmul/: fusable, epilogue_ok, default_config) and the layers' weights. Only
     a decode step (T = 1) fuses; prefill runs every position through the row-invariant kernels.
     The matmul epilogues know SiLU and plain residual adds only: GeGLU layers (Gemma) run their
     activation as its own kernel, and layers with post norms keep the residual add apart."""

@@ -1,0 +1,41 @@
+"""Weights on the GPU (GGUF blocks or HF float rows), y = x·Wᵀ matmul, embedding gather, vectors.
+
+Weights keep their file layout: the host never dequantizes. Block types whose size is not a multiple
+of 4 bytes (Q4_0 / IQ4_NL 18 B, Q5_0 22 B, Q8_0 34 B, Q3_K 110 B, Q6_K 210 B) get a one-off GPU
+repack at upload that inserts 2 zero bytes per block so that kernels read whole u32 words. A weight
+above the device's max storage binding size is split by rows across several buffers; matmul and
+embedding dispatch once per buffer.
+
+Kernels: `shaders/matmul.wgsl` (generic loop) and `shaders/embedding.wgsl`, each compiled together
+with one `shaders/matmul_<qtype>.wgsl` (the weight binding and its dequantization of 32 weights),
+or for the types in DEQUANT_WGSL `shaders/matmul_words.wgsl` plus the shared `shaders/dequant.wgsl`.
+Weight types and their block geometry: `kernels/qtypes.py`.
+2 ≤ T ≤ 16 (a decode step of several sequences): `kernels/matmul_batch.py`.
+T = 1 on CPU adapters: `shaders/matmul_decode.wgsl` (the K loop unrolled by the host) and, for
+Q4_0/Q4_1/Q8_0, `shaders/matmul_decode_v4.wgsl` (the same, weights read as vec4<u32>).
+Kernel families (`default_config`, one switch for every matmul): "cpu" — the kernels above, shaped
+by CPU Vulkan; "gpu" — kernels/matmul_gpu.py (coalesced decode, workgroup-tiled GEMM) for plain
+matmuls; "tuned" — per shape, what the adapter's profile (kernels/profiles.py, written by
+kernels/tune.py) measured fastest. `WEBGPU_ENGINE_KERNELS=cpu|gpu|tuned` forces one; unset, CPU
+adapters run "cpu" and other adapters "tuned" where a profile is stored, else "gpu".
+The package: `qtypes` (kernels/qtypes.py, the one table of weight types), `config` (the strategy and
+the kernel family per device), `layout` (weights on the GPU), `codegen` (WGSL per weight type and the
+generated decode entry points), `epilogues` (fused stores), `select` (`matmul`, `embedding`: the
+one place that picks a kernel). Everything a model or a test uses is imported from here.
+Page code: standard library only.
+"""
+from __future__ import annotations
+
+from ..qtypes import QTYPES
+from .codegen import DEQUANT_WGSL
+from .config import (CONFIG_OVERRIDES, FAMILIES, FAMILY_ENV, MatmulConfig, default_config, is_cpu_adapter,
+                     is_software_adapter, kernel_family)
+from .epilogues import NormOut, RopeKV, epilogue_ok
+from .layout import (MIXED, QWeight, file_row_bytes, gpu_row_bytes, interleave_pairs, upload_vector,
+                     upload_weight)
+from .select import _family_variant, embedding, fusable, matmul
+
+__all__ = ["QTYPES", "MIXED", "QWeight", "MatmulConfig", "RopeKV", "NormOut", "FAMILY_ENV", "FAMILIES",
+           "CONFIG_OVERRIDES", "DEQUANT_WGSL", "kernel_family", "is_cpu_adapter", "is_software_adapter",
+           "default_config", "upload_weight", "matmul", "fusable", "epilogue_ok", "interleave_pairs",
+           "embedding", "upload_vector", "file_row_bytes", "gpu_row_bytes", "_family_variant"]

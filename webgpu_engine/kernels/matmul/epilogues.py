@@ -1,0 +1,95 @@
+"""What a T = 1 decode matmul can do with its sums before storing them (`shaders/matmul_epilogue.wgsl`):
+SiLU·up of interleaved gate/up rows, RoPE + KV-cache write of a fused qkv projection (`RopeKV`),
+and the next RMSNorm's scaled copy and partial sums after a residual add (`NormOut`). Page code:
+standard library only."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ...gpu import Buffer, Device
+from ...gpu.shaders import load_shader_source
+from ..common import DTYPE_SIZE, Tensor, check
+from ..common import window as _window
+from ..qtypes import QTYPES
+from .config import MatmulConfig, default_config
+from .layout import gpu_row_bytes
+
+
+@dataclass
+class NormOut:
+    """matmul(..., norm_out=): the next RMSNorm's weight g (N,) f32; where y * g goes (N elements,
+    y's dtype); the partial sums of y^2 (N/4,) f32, 4 rows each."""
+    g: Tensor
+    out: Tensor
+    partials: Tensor
+
+
+@dataclass
+class RopeKV:
+    """The rope + KV-cache write that matmul(..., rope_kv=...) folds into a decode qkv projection
+    (matmul_epilogue.wgsl): `step` holds pos0 (u32) first, `freq` the rot_dim/2 f32 frequencies
+    (nn.rope_frequencies), caches (n_kv_heads, ctx, head_dim) in the activation dtype."""
+
+    step: Buffer
+    freq: Buffer
+    k_cache: Tensor
+    v_cache: Tensor
+    n_q_heads: int
+    n_kv_heads: int
+    head_dim: int
+    rot_dim: int
+    ctx: int
+
+
+def epilogue_binds(y: Tensor, rope: RopeKV | None, norm_out: "NormOut | None", extra: dict) -> str:
+    """The epilogue's bindings (added to `extra`) and source."""
+    esz = DTYPE_SIZE[y.dtype]
+    caches = offs = None
+    if rope is not None:
+        caches = [_window(rope.k_cache, esz, "matmul", "k cache"),
+                  _window(rope.v_cache, esz, "matmul", "v cache")]     # (binding, offset) each
+        extra.update({6: rope.step, 7: rope.freq, 8: caches[0][0], 9: caches[1][0]})
+    if norm_out is not None:
+        n = y.numel
+        g, out, part = norm_out.g, norm_out.out, norm_out.partials
+        check(g.dtype == "f32" and g.numel == n and out.dtype == y.dtype and out.numel == n
+              and part.dtype == "f32" and part.numel == n // 4 and n % 4 == 0, "matmul",
+              f"norm_out needs g f32 ({n},), out {y.dtype} ({n},) and partials f32 ({n // 4},)")
+        wins = [_window(g, 4, "matmul", "norm weight"), _window(out, esz, "matmul", "norm output"),
+                _window(part, 4, "matmul", "partial sums")]
+        extra.update({10: wins[0][0], 11: wins[1][0], 12: wins[2][0]})
+        offs = [o for _, o in wins]
+    return epilogue_source(y.dtype, rope, caches, offs)
+
+
+def epilogue_source(dtype: str, rope: RopeKV | None, caches: list | None, norm_offs: list | None = None) -> str:
+    """sincos.wgsl + matmul_epilogue.wgsl and its consts (zeros where unused); `caches`: the k and v
+    caches' (binding, element offset); `norm_offs`: ep_res_norm's g, out and partials offsets."""
+    c = dict(EP_D=1, EP_ROT=0, EP_KLO=0, EP_VLO=0, EP_CTX=0, EP_KC=0, EP_VC=0)
+    if rope is not None:
+        D = rope.head_dim
+        check(D % 4 == 0 and rope.rot_dim % 2 == 0 and 0 <= rope.rot_dim <= D, "matmul",
+              "rope epilogue needs head_dim % 4 == 0 and an even rot_dim <= head_dim")
+        for t in (rope.k_cache, rope.v_cache):
+            check(t.dtype == dtype and t.numel == rope.n_kv_heads * rope.ctx * D, "matmul",
+                  f"cache {t.shape} {t.dtype} must be (Hkv={rope.n_kv_heads}, ctx={rope.ctx}, D={D}) {dtype}")
+        c = dict(EP_D=D, EP_ROT=rope.rot_dim, EP_KLO=rope.n_q_heads * D,
+                 EP_VLO=(rope.n_q_heads + rope.n_kv_heads) * D, EP_CTX=rope.ctx,
+                 EP_KC=caches[0][1], EP_VC=caches[1][1])
+    c.update(zip(("EP_G", "EP_YG", "EP_PART"), norm_offs or (0, 0, 0)))
+    consts = "".join(f"const {k}: u32 = {v}u;\n" for k, v in c.items())
+    return consts + load_shader_source("sincos.wgsl") + load_shader_source("matmul_epilogue.wgsl")
+
+
+def epilogue_ok(dev: Device, qtype: str, n: int, k: int, config: MatmulConfig | None = None, *,
+                force: bool = False) -> bool:
+    """Whether a (n, k) `qtype` weight's T = 1 matmul can take a fused epilogue (silu_out /
+    rope_kv): the decode kernel with 4 rows per invocation, whole 4-row groups and the weight in
+    one buffer as upload_weight lays it out (`force`: possible at all); chosen when this device's
+    strategy says so (`epilogue` with `unroll`)."""
+    cfg = config or default_config(dev)
+    if k % 32 or n % 4 or cfg.rr != 4 or qtype not in QTYPES:
+        return False
+    if n * gpu_row_bytes(qtype, k) > min(dev.max_storage_binding, dev.max_buffer_size):
+        return False
+    return force or cfg.unroll and cfg.epilogue

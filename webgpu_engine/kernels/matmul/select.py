@@ -1,0 +1,274 @@
+"""The one selector: `matmul` checks its arguments and picks the kernel for a call — the kernel
+family's variant (kernels/matmul_gpu.py), the few-row batch kernel (kernels/matmul_batch.py), the
+tiled prefill kernel (kernels/matmul_tiled.py), the host-unrolled decode kernel with fused inputs
+and epilogues, or the generic loop — and `embedding` gathers rows. Page code: standard library
+only."""
+from __future__ import annotations
+
+from ...gpu import Device
+from .. import matmul_batch, matmul_gpu, matmul_tiled, profiles
+from ..common import DTYPE_SIZE, Op, Tensor, check, params, placeholder
+from ..common import window as _window
+from .codegen import decode_source, decode_v4_source, matmul_params, use_v4, weight_pipeline
+from .config import MatmulConfig, default_config, is_cpu_adapter
+from .epilogues import NormOut, RopeKV, epilogue_binds, epilogue_ok
+from .layout import MAX_GROUPS, QWeight, grid
+
+
+def _family_variant(dev: Device, cfg: MatmulConfig, w: "QWeight", T: int, row_invariant: bool):
+    """The kernels/matmul_gpu.py variant for a plain matmul, or None for this module's kernels:
+    the one place where the kernel family picks a kernel."""
+    if cfg.family == "cpu":
+        return None
+    if cfg.family == "tuned":
+        key = profiles.choice(dev, w.qtype, w.n, w.k, T, row_invariant)
+        if key == profiles.BASE:
+            return None
+        try:
+            v = matmul_gpu.variant(key) if key is not None else None
+        except ValueError:             # a key this version does not know: as if not measured
+            v = None
+        if v is not None and matmul_gpu.fits(v, T, row_invariant):
+            return v
+        if is_cpu_adapter(dev):        # not measured: the CPU strategy keeps the shape
+            return None
+    return matmul_gpu.default_variant(w, T, row_invariant)
+
+
+def _decode_rows_variant(dev: Device, cfg: MatmulConfig, w: "QWeight"):
+    """The kernel for `decode_rows` matmuls (continuous batching: each row one sequence's decode
+    step, whose sums must not depend on how many rows run): the GPU family's decode kernel, chosen
+    for one row and used for every row count (its rows are bit-identical across T = 1..8); None
+    where the CPU family's row-invariant kernels serve instead."""
+    if cfg.family == "cpu":
+        return None
+    if cfg.family == "tuned":
+        key = profiles.choice(dev, w.qtype, w.n, w.k, 1, False)
+        try:
+            v = matmul_gpu.variant(key) if key not in (None, profiles.BASE) else None
+        except ValueError:
+            v = None
+        if isinstance(v, matmul_gpu.Decode):
+            return v
+        if key == profiles.BASE or is_cpu_adapter(dev):
+            return None
+    return matmul_gpu.default_variant(w, 1, False)
+
+
+def matmul(dev: Device, x: Tensor, w: QWeight, y: Tensor, *, bias: Tensor | None = None,
+           accumulate: bool = False, config: MatmulConfig | None = None,
+           norm: tuple | None = None, silu: bool = False, silu_out: bool = False,
+           rope_kv: RopeKV | None = None, norm_out: "NormOut | None" = None,
+           rms_from: tuple | None = None, row_invariant: bool = False, decode_rows: bool = False) -> Op:
+    """y = x·Wᵀ (+ bias); with `accumulate`, y += x·Wᵀ (+ bias). x (T, K), W (N, K), y (T, N).
+
+    Fused inputs (T = 1 only, see `fusable`): `norm=(g (K,) f32, eps)` multiplies by RMSNorm(x)
+    instead of x; `silu=True` takes x (1, 2K) = [gate | up] and multiplies by silu(gate) * up.
+    Fused outputs (T = 1 only, see `epilogue_ok`): `silu_out=True` for a weight from
+    `interleave_pairs` (gate and up rows in pairs) stores y (1, N/2) = silu(gate) * up;
+    `rope_kv` rotates the q and k rows of a fused qkv projection and writes k and v to the caches;
+    `norm_out` (y (1, N) the whole row, usually accumulate=True on a residual) also stores y * g
+    and the partial sums of y^2 that a following matmul(..., rms_from=(partials, eps)) turns into
+    1 / rms: that matmul takes x = y * g and gives RMSNorm(y) · Wᵀ with no norm dispatch between.
+
+    `row_invariant`: each row of y comes out bit for bit the same whatever T is (prefill: a
+    position's logits must not depend on how the prompt was chunked or cached): the kernel is
+    chosen by the weight and the device alone — the tiled kernel for every T where the device's
+    strategy tiles and the weight allows, else matmul.wgsl, whose row kernel and 4-row tile do the
+    same sums per row. No fused input or epilogue.
+    `decode_rows`: each row is one sequence's decode step in a continuous batch: its sums must not
+    depend on how many rows run, though they need not equal a prefill row's — the GPU family's
+    decode kernel in groups of up to 8 rows (one weight pass per group), the row-invariant kernels
+    in the CPU family (_decode_rows_variant)."""
+    if w.subs:       # parts of different types (upload_weight): one matmul per sub-weight
+        return _matmul_parts(dev, x, w, y, bias=bias, accumulate=accumulate, config=config, norm=norm,
+                             silu=silu, rms_from=rms_from, row_invariant=row_invariant, decode_rows=decode_rows,
+                             epilogue=silu_out or rope_kv is not None or norm_out is not None)
+    cfg = config or default_config(dev)
+    eps_set = [silu_out, rope_kv is not None, norm_out is not None]
+    ep = "silu" if silu_out else "rope_kv" if rope_kv is not None else \
+        "res_norm" if norm_out is not None else "store"
+    if ep != "store":
+        check(sum(eps_set) == 1, "matmul", "only one of silu_out, rope_kv and norm_out can be set")
+        check(epilogue_ok(dev, w.qtype, w.n, w.k, cfg, force=True) and len(w.bufs) == 1
+              and x.shape[0] == 1, "matmul",
+              "a fused epilogue needs T = 1, a single-buffer weight with K % 32 == 0 and 4 rows per "
+              "invocation")
+        check(bias is None or not silu_out, "matmul", "silu_out takes no bias")
+        check(not accumulate or ep == "res_norm", "matmul", "this fused epilogue cannot accumulate")
+        n_out = w.n // 2 if silu_out else w.n
+        check(tuple(y.shape) == (1, n_out), "matmul", f"y is {y.shape}, expected (1, {n_out})")
+    check(len(x.shape) == 2 and len(y.shape) == 2, "matmul", f"x {x.shape} and y {y.shape} must be 2-D")
+    x_in = x                      # what is bound: (T, 2K) [gate | up] when silu
+    if silu:
+        check(x.shape[1] % 2 == 0, "matmul", f"silu needs x = [gate | up], got {x.shape}")
+        x = Tensor(x.buf, (x.shape[0], x.shape[1] // 2), x.dtype, x.offset)
+    if rms_from is not None:
+        check(norm is None and not silu, "matmul", "rms_from cannot be combined with norm or silu")
+        check(x.shape[0] == 1 and x.shape[1] % 32 == 0, "matmul",
+              "rms_from needs T = 1 and K % 32 == 0 (the decode path)")
+    if norm is not None or silu:
+        check(norm is None or not silu, "matmul", "norm and silu cannot both be fused")
+        check(fusable(dev, x.shape[0], w, cfg, force=True), "matmul",
+              "fused norm/silu needs T = 1 and a weight with K % 32 == 0 on the decode path")
+    T, K = x.shape
+    check(K == w.k, "matmul", f"x has {K} columns, the weight {w.label!r} has {w.k}")
+    check(silu_out or tuple(y.shape) == (T, w.n), "matmul", f"y is {y.shape}, expected ({T}, {w.n})")
+    check(x.dtype == y.dtype, "matmul", f"x is {x.dtype} but y is {y.dtype}")
+    check(T > 0, "matmul", "empty input")
+    check(K % 4 == 0, "matmul", f"K={K} must be a multiple of 4")
+    esz = DTYPE_SIZE[x.dtype]
+    xb, x_off = _window(x_in, 4 * esz, "matmul", "x")
+    yb, y_off = _window(y, esz, "matmul", "y")
+    if bias is not None:
+        check(bias.dtype == "f32" and bias.numel == w.n, "matmul", f"bias must be f32 ({w.n},)")
+        bb, b_off = _window(bias, 4, "matmul", "bias")
+    else:
+        bb, b_off = placeholder(dev), 0
+    check(cfg.rr in (1, 2, 4) and cfg.prr in (1, 2, 4) and cfg.tm in (1, 4), "matmul",
+          f"unsupported strategy {cfg}")
+    if row_invariant:
+        check(ep == "store" and norm is None and not silu and rms_from is None, "matmul",
+              "row_invariant takes no fused input or epilogue")
+    plain = ep == "store" and norm is None and not silu and rms_from is None
+    if decode_rows:
+        check(plain and not row_invariant and config is None, "matmul",
+              "decode_rows takes no fused input, epilogue, config or row_invariant")
+        v = _decode_rows_variant(dev, cfg, w)
+        if v is not None:        # groups of up to 8 rows, each through the same decode kernel
+            g = matmul_gpu.MAX_DECODE_T
+            ops = [matmul_gpu.matmul(dev, x.view((min(g, T - r), K), r * K), w,
+                                     y.view((min(g, T - r), w.n), r * w.n), bias=bias, accumulate=accumulate,
+                                     variant=v) for r in range(0, T, g)]
+            op = ops[0]
+            for o in ops[1:]:
+                op = op + o
+            return op
+        row_invariant = True     # the CPU family: the row-invariant kernels, any T
+    variant = _family_variant(dev, cfg, w, T, row_invariant) if plain else None
+    if variant is not None:
+        return matmul_gpu.matmul(dev, x, w, y, bias=bias, accumulate=accumulate, variant=variant,
+                                 row_invariant=row_invariant)
+    if 2 <= T <= cfg.batch_max_t and config is None and plain and not row_invariant:
+        op = matmul_batch.matmul(dev, x, w, y, bias=bias, accumulate=accumulate)   # decode batches
+        if op is not None:
+            return op
+    if (T > 1 or row_invariant) and config is None and cfg.tiled:
+        # prefill tiles; a short row-invariant run takes a tile near its size (same bits per row)
+        tile = matmul_batch.tiled_config(dev, w.qtype, T) if T <= cfg.batch_max_t else None
+        op = matmul_tiled.matmul(dev, x, w, y, bias=bias, accumulate=accumulate,
+                                 any_t=row_invariant, config=tile)
+        if op is not None:
+            return op
+    unrolled = not row_invariant and (use_v4(cfg, w) or cfg.unroll and K <= cfg.unroll_max_k
+                                      and w.n <= cfg.unroll_max_n)
+    if T == 1 and K % 32 == 0 and (norm is not None or silu or rms_from is not None or unrolled
+                                   or ep in ("silu", "rope_kv")):
+        return _matmul_decode(dev, x, w, y, xb, x_off, yb, y_off, bb, b_off, bias is not None,
+                              accumulate, cfg, norm, silu, ep, rope_kv, norm_out, rms_from)
+    if ep == "res_norm":          # K too long to unroll: the loop kernel with the epilogue
+        return _matmul_decode(dev, x, w, y, xb, x_off, yb, y_off, bb, b_off, bias is not None,
+                              accumulate, cfg, None, False, ep, None, norm_out, loop=True)
+    if T > 1 and cfg.tm == 4:
+        entry, rr, tiles = "matmul_tile", cfg.prr, -(-T // 4)
+    else:
+        entry, rr, tiles = "matmul", cfg.rr, T
+    check(tiles <= MAX_GROUPS, "matmul", f"T={T} needs more than 65535 tiles")
+    pipe = weight_pipeline(dev, entry, w, x.dtype, cfg.wg, rr)
+    op = Op(name=f"matmul[{w.label}]")
+    for buf, (r0, rows) in zip(w.bufs, w.parts):
+        groups = -(-rows // (cfg.wg * rr))
+        check(groups <= MAX_GROUPS, "matmul", f"{rows} rows need more than 65535 workgroups")
+        p = matmul_params(dev, w, y, T, rows, r0, x_off, y_off, b_off, bias is not None, accumulate)
+        op.buffers.append(p)
+        op.add(pipe, dev.bind(pipe, [p, xb, buf, yb, bb]), groups, tiles)
+    return op
+
+
+def _matmul_parts(dev: Device, x: Tensor, w: QWeight, y: Tensor, *, epilogue: bool, **kw) -> Op:
+    """A MIXED weight: each sub-weight writes its own rows of y with the same inputs and options
+    (fused inputs apply per row; bias and accumulate per output). Fused epilogues need every row
+    of a projection in one kernel, so they are refused (epilogue_ok is False for MIXED)."""
+    check(not epilogue, "matmul", f"{w.label}: a weight whose parts have different types "
+          f"({', '.join(s.qtype for s in w.subs)}) takes no fused epilogue")
+    op = Op(name=f"matmul[{w.label}]")
+    for s in w.subs:
+        op = op + matmul(dev, x, s, y, **kw)
+    return op
+
+
+def fusable(dev: Device, T: int, w: QWeight, config: MatmulConfig | None = None, *,
+            silu: bool = False, force: bool = False) -> bool:
+    """Whether the model should use matmul(..., norm=...) (or, with `silu`, (..., silu=True)) for T
+    rows of x and weight w: possible when T = 1 and K % 32 == 0 (`force`: possible at all), chosen
+    when this device's strategy says fusing wins."""
+    cfg = config or default_config(dev)
+    if T != 1 or w.k % 32:
+        return False
+    return force or cfg.unroll and (cfg.fuse_silu if silu else cfg.fuse)
+
+
+def _matmul_decode(dev, x, w, y, xb, x_off, yb, y_off, bb, b_off, has_bias, accumulate, cfg, norm,
+                   silu, ep="store", rope: RopeKV | None = None, norm_out: "NormOut | None" = None,
+                   rms_from: tuple | None = None, loop: bool = False) -> Op:
+    """T = 1: the host-unrolled decode kernel, or with `loop` (an epilogue, K too long to unroll)
+    matmul.wgsl's loop over K ending with the epilogue (matmul_epilogue.wgsl matmul_<ep>)."""
+    K = w.k
+    mode, g_off4, eps, extra = "plain", 0, 0.0, {}
+    if rms_from is not None:
+        part, eps = rms_from
+        check(part.dtype == "f32" and part.numel == K // 4 and K % 16 == 0, "matmul",
+              f"rms_from partial sums must be f32 ({K // 4},) with K % 16 == 0")
+        pb, g_off4 = _window(part, 16, "matmul", "partial sums")
+        mode, extra = "pnorm", {5: pb}
+    elif norm is not None:
+        g, eps = norm
+        check(g.dtype == "f32" and g.numel == K, "matmul", f"norm weight must be f32 ({K},)")
+        gb, g_off4 = _window(g, 16, "matmul", "norm weight")
+        mode, extra = "norm", {5: gb}
+    elif silu:
+        mode = "silu"
+    entry = "matmul_decode"
+    if loop:
+        src, entry = "", f"matmul_{ep}"
+    elif use_v4(cfg, w):
+        src = decode_v4_source(w.qtype, K // 32, K, x_off, mode, K // 4, g_off4, eps, ep, w.inter_full,
+                                cfg.xs_fold)
+    else:
+        src = decode_source(K // 32, K, x_off, mode, K // 4, g_off4, eps, ep)
+    if ep != "store":
+        src += epilogue_binds(y, rope, norm_out, extra)
+    pipe = weight_pipeline(dev, entry, w, x.dtype, cfg.wg, cfg.rr, src)
+    op = Op(name=f"matmul[{w.label}]")
+    for buf, (r0, rows) in zip(w.bufs, w.parts):
+        groups = -(-rows // (cfg.wg * cfg.rr))
+        check(groups <= MAX_GROUPS, "matmul", f"{rows} rows need more than 65535 workgroups")
+        p = matmul_params(dev, w, y, 1, rows, r0, x_off, y_off, b_off, has_bias, accumulate)
+        op.buffers.append(p)
+        entries = {0: p, 1: xb, 2: buf, 3: yb, 4: bb, **extra}
+        if ep == "silu":
+            del entries[4]          # ep_silu reads no bias, so the pipeline's layout has no binding 4
+        op.add(pipe, dev.bind(pipe, entries), groups, 1)
+    return op
+
+
+def embedding(dev: Device, ids: Tensor, table: QWeight, out: Tensor, *, wg: int = 64) -> Op:
+    """out[t, :] = table[ids[t], :] as activations. ids (T,) u32, table (V, C), out (T, C) f32/f16."""
+    check(ids.dtype in ("u32", "i32") and len(ids.shape) == 1, "embedding", "ids must be a (T,) u32 tensor")
+    check(not table.subs, "embedding", f"{table.label}: a table whose parts have different types")
+    T = ids.shape[0]
+    C = table.k
+    check(tuple(out.shape) == (T, C), "embedding", f"out is {out.shape}, expected ({T}, {C})")
+    ib, i_off = _window(ids, 4, "embedding", "ids")
+    ob, o_off = _window(out, DTYPE_SIZE[out.dtype], "embedding", "out")
+    nchunks = C // 32
+    units = nchunks + (C // 4 - 8 * nchunks)
+    gx, gy = grid(-(-T * units // wg))
+    pipe = weight_pipeline(dev, "embedding", table, out.dtype, wg)
+    op = Op(name=f"embedding[{table.label}]")
+    for buf, (r0, rows) in zip(table.bufs, table.parts):
+        p = params(dev, [C, T, table.row_words, o_off, i_off, r0, rows, nchunks, units],
+                   owner=out.buf.owner, label=f"embedding[{table.label}]")
+        op.buffers.append(p)
+        op.add(pipe, dev.bind(pipe, [p, ib, buf, ob]), gx, gy)
+    return op
