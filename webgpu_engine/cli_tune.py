@@ -1,6 +1,8 @@
 """`tune` command: load a model, time the matmul kernel candidates on its weights (kernels/tune.py)
 and store the winners in this adapter's profile, which loads with WEBGPU_ENGINE_KERNELS=tuned (and,
-on GPU adapters, whenever a profile is stored) then use."""
+on GPU adapters, whenever a profile is stored) then use. Loads time the shapes a profile lacks by
+themselves (tune.tune_at_load, shorter timings within a budget); this command times every shape of
+the model again, with longer timings, and replaces their choices."""
 from __future__ import annotations
 
 import asyncio
@@ -36,10 +38,10 @@ async def _load(dev, path, dtype: str):
     if kind == "llm":
         from .pipelines.llm import LLMChatPipeline
         pipe = await LLMChatPipeline.load(dev, path, ChatConfig(dtype=dtype, context_window_size=256,
-                                                                prefill_chunk_size=64))
+                                                                prefill_chunk_size=64, tune_kernels="off"))
     else:
         from .pipelines.embedding import EmbeddingPipeline
-        pipe = await EmbeddingPipeline.load(dev, path, ChatConfig(dtype=dtype))
+        pipe = await EmbeddingPipeline.load(dev, path, ChatConfig(dtype=dtype, tune_kernels="off"))
     return kind, pipe
 
 
@@ -58,7 +60,7 @@ def cmd_tune(args) -> int:
     try:
         dtype = getattr(pipe.model, "dtype", None) or getattr(pipe.model, "act_dtype", "f32")
         weights = tune.model_weights(pipe.model)
-        cases = tune.cases_for(weights, kind, prefill_t=args.prefill_t)
+        cases = tune.cases_for(weights, tune.row_kind(pipe.model, kind), prefill_t=args.prefill_t)
         print(f"adapter: {dev.info.name} ({dev.info.backend}, {dev.info.description}); model {args.model}: "
               f"{len(weights)} weight shapes, {len(cases)} cases, budget {args.budget_s:g} s; "
               f"{'CPU' if mm.is_cpu_adapter(dev) else 'wall'} ms per matmul")

@@ -77,6 +77,12 @@ class ChatConfig:
     compile_at_load: bool = True       # create and run every pipeline once while loading, so the
     #                                    first request compiles nothing; False: a faster load, the
     #                                    first requests compile what they use
+    tune_kernels: str | None = None    # time this model's matmul shapes that the adapter's kernel
+    #                                    profile lacks before building its kernels (kernels/tune.py):
+    #                                    "auto" (GPU adapters, not software ones), "on", "off";
+    #                                    None: $WEBGPU_ENGINE_TUNE, else "auto"
+    tune_budget_s: float | None = None  # ... for about this many seconds (None: $WEBGPU_ENGINE_TUNE_BUDGET,
+    #                                     else 20); shapes left untimed are timed by a later load
 
     def updated(self, opts: dict | None) -> "ChatConfig":
         """A copy with `opts` (chat_opts, a record's overrides) applied. Each value is checked against

@@ -33,6 +33,7 @@ from ..errors import (EmbeddingDimensionsUnsupportedError, EmbeddingTokenLimitEr
                       InvalidRequestError, RequestTimeoutError, ShaderF16SupportError)
 from ..loaders.pairs import PairTemplate
 from ..loaders.sentence_transformers import SentenceTransformerConfig
+from ..kernels import tune
 from ..kernels.common import warm_up
 from ..models.registry import EMBEDDING, open_model
 
@@ -123,6 +124,7 @@ class EmbeddingPipeline:
         if dtype not in ("f32", "f16"):
             raise InvalidRequestError(f"chat_opts dtype must be 'auto', 'f32' or 'f16', got {dtype!r}.",
                                       param="dtype")
+        tuning = tune.load_settings(chat_config.tune_kernels, chat_config.tune_budget_s)
         m = open_model(folder, EMBEDDING)
         try:
             if progress:
@@ -141,15 +143,27 @@ class EmbeddingPipeline:
         cls._next_id += 1
         owner = f"embedding:{Path(folder).name}:{cls._next_id}"
 
+        # uploads fill 5..100% of this load's progress, 5..90% when kernel tuning may follow
+        top = 0.9 if tune.tunes_at_load(dev, tuning[0]) else 1.0
+
         def up(frac, text):
             if progress:
-                progress(0.05 + 0.95 * frac, text)
+                progress(0.05 + (top - 0.05) * frac, text)
         try:
             model = m.arch.model_class()(dev, cfg, tensors, act_dtype=dtype, pooling=st.pooling,
                                          normalize=st.normalize, owner=owner, progress=up)
         finally:
             m.close()                # the weights are on the GPU: release the files
         max_len = min(max_len, model.max_seq_length)
+        # before any op is built: the kernels come from the choices stored (BertModel builds its
+        # ops per batch shape on first use; a decoder embedder runs prefill ops, built on use too)
+        try:
+            await tune.tune_at_load(dev, model, EMBEDDING, dtype, mode=tuning[0], budget_s=tuning[1],
+                                    progress=progress and (lambda f, text: progress(top + (1 - top) * f, text)),
+                                    name=model_id or Path(folder).name)
+        except BaseException:
+            dev.release_owner(owner)
+            raise
         if chat_config.compile_at_load:
             if progress:
                 progress(1.0, "Loading GPU shader modules")

@@ -18,6 +18,7 @@ from pathlib import Path
 from ..config import ChatConfig, GenerationConfig
 from ..errors import ContextWindowTooLargeError, InvalidRequestError, ModelFormatError
 from ..gpu import Device
+from ..kernels import matmul as mm, tune
 from ..kernels.common import pipeline_keys, warm_up
 from ..kernels.logit_mask import LogitMask
 from ..kernels.sampling import Sampler
@@ -36,6 +37,25 @@ def _valid_vocab(rows: int, tokenizer) -> int:
     """The ids worth sampling: the model's logit rows, cut to the tokenizer's size when smaller."""
     n = getattr(tokenizer, "vocab_size", None)
     return min(rows, n) if isinstance(n, int) and n > 0 else rows
+
+
+def _scaled(progress, lo: float, hi: float):
+    """`progress` with its fraction mapped into [lo, hi] (None stays None)."""
+    if progress is None:
+        return None
+    return lambda frac, text: progress(lo + (hi - lo) * frac, text)
+
+
+async def _tune(dev: Device, model, dtype: str, tuning: tuple, progress, name: str) -> None:
+    """Time the model's matmul shapes the adapter's profile lacks (kernels/tune.py); when the
+    family reads the profile, rebuild the decode ops the model built before the choices existed.
+    Prefill ops are built later, on first use or by _compile."""
+    mode, budget_s = tuning
+    if await tune.tune_at_load(dev, model, LLM, dtype, mode=mode, budget_s=budget_s, progress=progress,
+                               name=name) and mm.kernel_family(dev) == "tuned":
+        for op in model.decode_ops:
+            op.release()
+        model.decode_ops = model._build(1, True, decode=True)
 
 
 class LLMChatPipeline:
@@ -88,6 +108,7 @@ class LLMChatPipeline:
         chat_config = chat_config or ChatConfig()
         path = Path(path)
         owner = f"model:{model_id}" if model_id else f"model:llm{next(_ids)}"
+        tuning = tune.load_settings(chat_config.tune_kernels, chat_config.tune_budget_s)
         m = open_model(path, LLM)
         cfg, weights, close = m.config, m.weights, m.close
         try:
@@ -108,11 +129,15 @@ class LLMChatPipeline:
         if dtype == "f16" and not dev.has_f16:
             from ..errors import ShaderF16SupportError
             raise ShaderF16SupportError()
+        tunes = tune.tunes_at_load(dev, tuning[0])
         try:
+            # uploads fill the first 90% of this load's progress when kernel tuning may follow
             model = m.arch.model_class()(dev, cfg, weights, owner=owner,
                                context_window=chat_config.context_window_size,
                                prefill_chunk=chat_config.prefill_chunk_size, dtype=dtype,
-                               progress=progress)
+                               progress=_scaled(progress, 0.0, 0.9) if tunes else progress)
+            if tunes:
+                await _tune(dev, model, dtype, tuning, _scaled(progress, 0.9, 1.0), model_id or path.name)
             pipe = cls(dev, model, tokenizer, template, chat_config, owner)
             if chat_config.compile_at_load:
                 if progress:
