@@ -2,7 +2,8 @@
 // optional fused inputs:
 //   plain:  y[r] (+)= sum_k x[k] * W[r, k]                         (+ bias[r])
 //   norm:   y[r] (+)= sum_k x[k] g[k] W[r, k] / sqrt(mean(x^2) + eps)   (RMSNorm fused in)
-//   silu:   y[r] (+)= sum_k silu(a[k]) a[F + k] W[r, k]             (a = [gate | up], SiLU·up fused in)
+//   silu:   y[r] (+)= sum_k act(a[k]) a[F + k] W[r, k]              (a = [gate | up], act(gate)·up fused
+//           in; act silu or gelu_tanh, gate_act.wgsl)
 //   pnorm:  y[r] (+)= sum_k x[k] W[r, k] / sqrt(sum_i p[i] / K + eps)  (x = x0 * g and p = partial
 //           sums of x0^2 from the matmul before: matmul_epilogue.wgsl ep_res_norm)
 // Why unrolled: on CPU Vulkan (lavapipe) a storage load runs one SIMD lane at a time unless the
@@ -73,11 +74,11 @@ fn dec_pss(i: u32) -> f32 {     // 4 of the partial sums (pnorm mode)
     return dot(g[GOFF + i], vec4<f32>(1.0));
 }
 
-fn silu4(a: vec4<f32>, u: vec4<f32>) -> vec4<f32> {
-    return a / (1.0 + exp(-a)) * u;
+fn silu4(a: vec4<f32>, u: vec4<f32>) -> vec4<f32> {   // act(gate) * up: gate4 from gate_act.wgsl
+    return gate4(a) * u;
 }
 
-fn dec_xs(c: u32) -> XChunk {   // silu(gate) * up
+fn dec_xs(c: u32) -> XChunk {   // act(gate) * up
     let o = XOFF + c * 8u;
     var v: array<vec4<f32>, 8>;
     v[0] = silu4(xget(o), xget(o + NF));

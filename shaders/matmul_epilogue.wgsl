@@ -4,8 +4,8 @@
 // ~30 us, more than these ops' work):
 //   ep_silu:    the weight is gate and up with rows interleaved in pairs (g 2j, g 2j+1, u 2j,
 //               u 2j+1, ...; see interleave_pairs in kernels/matmul/layout.py), so an invocation holds
-//               (g 2i4, g 2i4+1, u 2i4, u 2i4+1) and stores y[2 i4 + j] = silu(g) * u, j = 0, 1:
-//               y is (1, F) while the weight has 2F rows. Same formula as silu_mul.
+//               (g 2i4, g 2i4+1, u 2i4, u 2i4+1) and stores y[2 i4 + j] = act(g) * u, j = 0, 1:
+//               y is (1, F) while the weight has 2F rows; act is silu or gelu_tanh (gate_act.wgsl).
 //   ep_rope_kv: the weight is the fused [q | k | v] projection of a model with adjacent rotary
 //               pairs (GGUF llama layout; D % 4 == 0, so the 4 rows lie in one head). Adds the bias,
 //               rotates q and k rows by position step[0] exactly as rope.wgsl does, stores the 4
@@ -31,9 +31,7 @@
 
 fn ep_silu(i4: u32, r: vec4<f32>) {
     if (4u * i4 >= P.rows) { return; }
-    let g = r.xy;
-    // exp(-g) overflows to inf for g < -88: g / inf = -0, the right limit
-    let s = g / (1.0 + exp(-g)) * r.zw;
+    let s = gate2(r.xy) * r.zw;         // act(gate) * up: gate2 from gate_act.wgsl
     let o = P.y_off + P.n0 / 2u + 2u * i4;
     y[o] = act(s.x);
     y[o + 1u] = act(s.y);

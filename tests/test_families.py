@@ -193,6 +193,47 @@ def test_gemma3_matches_transformers(device, tmp_path, fmt):
     check_golden(device, _gemma_files(tmp_path, "gemma3", fmt, ref["dims"]), ref)
 
 
+def test_gemma_decode_fuses_its_geglu(device, tmp_path):
+    """On this adapter the decode step stores GELU-tanh(gate) * up from the gate_up matmul itself
+    (the activation is a parameter of the fused paths), the path the golden tests above check."""
+    import webgpu_engine.kernels.matmul as mm
+    ref = _ref("gemma2")
+    opened = open_model(_gemma_files(tmp_path, "gemma2", "gguf", ref["dims"]))
+    m = LlamaModel(device, opened.config, opened.weights, owner="test:families", context_window=512)
+    try:
+        cfg = mm.default_config(device)
+        assert opened.config.act == "gelu_tanh"
+        fused = [d[0].key.header for op in m.decode_ops for d in op.dispatches if "ep_silu(" in d[0].key.header]
+        if cfg.unroll and cfg.epilogue:       # the CPU family's strategy
+            assert all(m.decode_plan.gate_out) and len(fused) == opened.config.n_layers
+            assert all("return gelu_tanh_v2(g)" in h for h in fused)
+        else:
+            assert not any(m.decode_plan.gate_out) and not fused
+    finally:
+        m.release()
+        opened.close()
+
+
+def test_gemma2_with_geglu_fused_into_down_matches_transformers(device, tmp_path, monkeypatch):
+    """The other fused path: GELU-tanh(gate) * up computed by the down matmul as it reads its input
+    (off by default on CPU adapters, forced here), before Gemma's post-FFN norm."""
+    import webgpu_engine.kernels.matmul as mm
+    if not mm.default_config(device).unroll:
+        pytest.fail("this test forces the CPU family's fused decode input; run it on a CPU adapter")
+    monkeypatch.setitem(mm.CONFIG_OVERRIDES, "fuse_silu", True)
+    monkeypatch.setitem(mm.CONFIG_OVERRIDES, "epilogue", False)     # no gate/up pairs: the input fusion
+    ref = _ref("gemma2")
+    path = _gemma_files(tmp_path, "gemma2", "gguf", ref["dims"])
+    opened = open_model(path)
+    m = LlamaModel(device, opened.config, opened.weights, owner="test:families", context_window=512)
+    try:
+        assert m.decode_plan.gate_in_down and not any(m.decode_plan.gate_out)
+    finally:
+        m.release()
+        opened.close()
+    check_golden(device, path, ref)
+
+
 def test_gemma_features_each_matter(tmp_path):
     """The golden tests would notice each Gemma feature missing: the numpy reference without it
     (caps, window, local rope base, query scale) moves row 150 past the tolerance."""

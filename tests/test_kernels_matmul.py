@@ -257,11 +257,13 @@ def test_decode_fused_norm_and_silu(device, qtype, n, k, act):
     run_ops(device, matmul(device, _tensor(device, x, act, 8), w, yt, norm=(_tensor(device, g, "f32", 4), 1e-5),
                            bias=_tensor(device, b, "f32", 1), accumulate=True))
     assert rel_err(_read(device, yt), h @ W.T + b + y0) < TOL[act]
-    gu = rng.standard_normal((1, 2 * k)).astype(NP[act])
-    a = gu.astype(np.float64)[0]
-    yt = new_tensor(device, (1, n), act, owner=OWNER)
-    run_ops(device, matmul(device, _tensor(device, gu, act, 4), w, yt, silu=True))
-    assert rel_err(_read(device, yt), (a[:k] / (1 + np.exp(-a[:k])) * a[k:]) @ W.T) < TOL[act]
+    gu = rng.standard_normal((1, 2 * k)).astype(NP[act]) * 3
+    for gate, ref in (("silu", nn_ref.silu_mul), ("gelu_tanh", nn_ref.gelu_tanh_mul)):   # act(gate) * up
+        yt = new_tensor(device, (1, n), act, owner=OWNER)
+        run_ops(device, matmul(device, _tensor(device, gu, act, 4), w, yt, silu=True, gate_act=gate))
+        assert rel_err(_read(device, yt), ref(gu.astype(np.float64)) @ W.T) < TOL[act], gate
+    with pytest.raises(ValueError, match="gate_act must be one of"):
+        matmul(device, _tensor(device, gu, act, 4), w, yt, silu=True, gate_act="relu")
     with pytest.raises(ValueError, match="T = 1"):
         matmul(device, new_tensor(device, (2, k), act, owner=OWNER), w,
                new_tensor(device, (2, n), act, owner=OWNER), silu=False, norm=(_tensor(device, g, "f32"), 1e-5))
@@ -308,10 +310,12 @@ def test_decode_vec4_weights(device, qtype, act):
                                            ("q4_k", 10, 256, MatmulConfig()),
                                            ("q5_k", 10, 256, MatmulConfig()),
                                            ("q5_1", 18, 64, MatmulConfig())])
-def test_silu_epilogue_and_pairs(device, qtype, f, k, cfg, act):
+@pytest.mark.parametrize("gate", ["silu", "gelu_tanh"])
+def test_silu_epilogue_and_pairs(device, qtype, f, k, cfg, act, gate):
     """A gate + up weight uploaded with interleave_pairs: T = 1 with silu_out stores
-    silu(x·Gᵀ) * (x·Uᵀ) (F outputs, F not a multiple of 4 rows per invocation x 2); T = 5 through
-    the prefill path + silu_mul(pairs=True) gives the same; both against numpy."""
+    act(x·Gᵀ) * (x·Uᵀ) (F outputs, F not a multiple of 4 rows per invocation x 2; act SiLU or
+    GELU-tanh); T = 5 through the prefill path + silu_mul(pairs=True) gives the same; both against
+    numpy."""
     rng = np.random.default_rng(f + k)
     rg, ru = qr.random_weight(qtype, f, k, rng), qr.random_weight(qtype, f, k, rng)
     G, U = qr.dequantize(rg, qtype, f, k), qr.dequantize(ru, qtype, f, k)
@@ -320,17 +324,17 @@ def test_silu_epilogue_and_pairs(device, qtype, f, k, cfg, act):
     for T in (1, 5):
         x = rng.standard_normal((T, k)).astype(NP[act])
         xd = x.astype(np.float64)
-        g, u = xd @ G.T, xd @ U.T
-        ref = g / (1 + np.exp(-g)) * u
+        ref = (nn_ref.silu_mul if gate == "silu" else nn_ref.gelu_tanh_mul)(
+            np.concatenate([xd @ G.T, xd @ U.T], axis=1))
         y = new_tensor(device, (T, f), act, owner=OWNER)
         xt = _tensor(device, x, act, 4)
         if T == 1:
-            op = matmul(device, xt, w, y, silu_out=True, config=cfg)
+            op = matmul(device, xt, w, y, silu_out=True, config=cfg, gate_act=gate)
             assert len(op.dispatches) == 1 and "ep_silu(" in op.dispatches[0][0].key.header
             run_ops(device, op)
         else:
             gu = new_tensor(device, (T, 2 * f), act, owner=OWNER)
-            run_ops(device, matmul(device, xt, w, gu), nn.silu_mul(device, gu, y, pairs=True))
+            run_ops(device, matmul(device, xt, w, gu), nn.silu_mul(device, gu, y, pairs=True, act=gate))
         assert rel_err(_read(device, y), ref) < TOL[act], f"T={T}"
     with pytest.raises(ValueError, match="T = 1"):
         matmul(device, new_tensor(device, (2, k), act, owner=OWNER), w,

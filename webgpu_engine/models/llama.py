@@ -47,8 +47,8 @@ class LlamaLayer:
     qkv: mm.QWeight                    # (Hq*D + 2*Hkv*D, C): q | k | v rows
     o: mm.QWeight                      # (C, Hq*D)
     ffn_norm: Tensor                   # (C,) f32
-    gate_up: mm.QWeight                # (2F, C): gate | up, or their rows in pairs (silu_pairs)
-    silu_pairs: bool                   # gate / up rows interleaved: a decode matmul can store silu(g)*u
+    gate_up: mm.QWeight                # (2F, C): gate | up, or their rows in pairs (gate_pairs)
+    gate_pairs: bool                   # gate / up rows interleaved: a decode matmul can store act(g)*u
     down: mm.QWeight                   # (C, F)
     qkv_bias: Tensor | None = None     # (Hq*D + 2*Hkv*D,) f32: Qwen2
     o_bias: Tensor | None = None       # (C,) f32
@@ -62,26 +62,25 @@ class FusionPlan:
     """Which fused kernels one forward uses, chosen once per op list from the device's matmul
     strategy (kernels/matmul/: fusable, epilogue_ok, default_config) and the layers' weights. Only
     a decode step (T = 1) fuses; prefill runs every position through the row-invariant kernels.
-    The matmul epilogues know SiLU and plain residual adds only: GeGLU layers (Gemma) run their
-    activation as its own kernel, and layers with post norms keep the residual add apart."""
+    The gate activation (cfg.act: SiLU or GELU-tanh) is a parameter of the fused paths
+    (matmul gate_act); layers with post norms keep the residual add apart (no res_norm)."""
 
     norm_in_matmul: bool = False       # RMSNorm folded into the qkv / gate_up matmuls' input
-    silu_in_down: bool = False         # silu(gate) * up folded into the down matmul's input
+    gate_in_down: bool = False         # act(gate) * up folded into the down matmul's input
     res_norm: bool = False             # o / down store x, x * g of the next norm and sums of x^2;
     #                                    the matmul after scales by 1 / rms (layer 0 keeps its norm)
     head_norm_in_matmul: bool = False  # the final norm folded into the LM head (without res_norm)
     rope_kv: tuple = ()                # per layer: the qkv matmul rotates q, k and writes the caches
-    silu_out: tuple = ()               # per layer: the gate_up matmul stores silu(gate) * up
+    gate_out: tuple = ()               # per layer: the gate_up matmul stores act(gate) * up
 
     @classmethod
     def choose(cls, dev, cfg: LlamaConfig, layers: list[LlamaLayer], lm_head, decode: bool) -> "FusionPlan":
         n = len(layers)
         if not decode:
-            return cls(rope_kv=(False,) * n, silu_out=(False,) * n)
+            return cls(rope_kv=(False,) * n, gate_out=(False,) * n)
         return cls(
             norm_in_matmul=all(mm.fusable(dev, 1, w) for L in layers for w in (L.qkv, L.gate_up)),
-            silu_in_down=cfg.act == "silu" and not cfg.post_norms and all(
-                mm.fusable(dev, 1, L.down, silu=True) and not L.silu_pairs for L in layers),
+            gate_in_down=all(mm.fusable(dev, 1, L.down, silu=True) and not L.gate_pairs for L in layers),
             res_norm=cfg.hidden_size % 32 == 0 and not cfg.post_norms and mm.default_config(dev).res_norm and all(
                 mm.epilogue_ok(dev, w.qtype, w.n, w.k) and len(w.bufs) == 1
                 for L in layers for w in (L.o, L.down)),
@@ -91,7 +90,7 @@ class FusionPlan:
             rope_kv=tuple(not cfg.rope_neox and cfg.head_dim % 4 == 0 and L.qk_norm is None
                           and cfg.rope_attn_factor == 1.0 and not cfg.rope_local_base
                           and mm.epilogue_ok(dev, L.qkv.qtype, L.qkv.n, L.qkv.k) for L in layers),
-            silu_out=tuple(L.silu_pairs for L in layers))
+            gate_out=tuple(L.gate_pairs for L in layers))
 
 
 def _floats(t) -> list:
@@ -176,9 +175,9 @@ class LlamaModel:
                                     sum(p.n for p in parts), parts[0].k, owner=own, label=label)
 
         def gate_up(p):
-            # rows interleaved in pairs when the decode matmul can store silu(gate) * up itself
+            # rows interleaved in pairs when the decode matmul can store act(gate) * up itself
             g, u = get(p + "gate"), get(p + "up")
-            if c.act == "silu" and g.qtype == u.qtype and g.n == u.n and g.n % 2 == 0 and \
+            if g.qtype == u.qtype and g.n == u.n and g.n % 2 == 0 and \
                     mm.epilogue_ok(dev, g.qtype, 2 * g.n, g.k):
                 data = mm.interleave_pairs(g.data, u.data, g.qtype, g.k)
                 return mm.upload_weight(dev, data, g.qtype, 2 * g.n, g.k, owner=own, label=p + "gate_up"), True
@@ -210,7 +209,7 @@ class LlamaModel:
                 qkv=mat([p + "q", p + "k", p + "v"], p + "qkv"),
                 o=mat([p + "o"], p + "o"),
                 ffn_norm=norm([p + "ffn_norm"], p + "ffn_norm"),
-                gate_up=gu, silu_pairs=pairs,
+                gate_up=gu, gate_pairs=pairs,
                 down=mat([p + "down"], p + "down"),
                 qkv_bias=vec([p + "q_bias", p + "k_bias", p + "v_bias"], p + "qkv_bias")
                 if p + "q_bias" in weights else None,
@@ -259,6 +258,8 @@ class LlamaModel:
                        mscale=c.rope_attn_factor)
         eps, ri = c.rms_eps, not decode         # prefill: row-invariant matmuls
         plan = FusionPlan.choose(dev, c, self.layers, self.lm_head, decode)
+        if decode:
+            self.decode_plan = plan
         rms = (self.part, eps)
         norms_after = [L.attn_norm for L in self.layers[1:]] + [self.final_norm]
         ops = [mm.embedding(dev, self.ids.view((T,)), self.embed, x)]              # x (T, C)
@@ -294,27 +295,31 @@ class LlamaModel:
             else:
                 ops.append(mm.matmul(dev, attn, L.o, x, bias=L.o_bias, accumulate=True, row_invariant=ri,
                                      norm_out=mm.NormOut(L.ffn_norm, h, self.part) if plan.res_norm else None))
-            # h = rms_norm(x); gu = h · [Wgate | Wup]ᵀ, or silu(gate) * up stored by the matmul
-            out = ffn if plan.silu_out[i] else gu
+            # h = rms_norm(x); gu = h · [Wgate | Wup]ᵀ, or act(gate) * up stored by the matmul
+            out = ffn if plan.gate_out[i] else gu
+            gate = {"silu_out": plan.gate_out[i], "gate_act": c.act}
             if plan.res_norm:
-                ops.append(mm.matmul(dev, h, L.gate_up, out, rms_from=rms, silu_out=plan.silu_out[i]))
+                ops.append(mm.matmul(dev, h, L.gate_up, out, rms_from=rms, **gate))
             elif plan.norm_in_matmul:
-                ops.append(mm.matmul(dev, x, L.gate_up, out, norm=(L.ffn_norm, eps), silu_out=plan.silu_out[i]))
+                ops.append(mm.matmul(dev, x, L.gate_up, out, norm=(L.ffn_norm, eps), **gate))
             else:
                 ops.append(nn.rms_norm(dev, x, L.ffn_norm, h, eps=eps))
-                ops.append(mm.matmul(dev, h, L.gate_up, out, silu_out=plan.silu_out[i], row_invariant=ri))
-            # x += (silu(gate) * up) · Wdownᵀ (the next layer's norm stored beside when res_norm)
-            nxt = mm.NormOut(norms_after[i], h, self.part) if plan.res_norm else None
-            if plan.silu_in_down:
-                ops.append(mm.matmul(dev, gu, L.down, x, accumulate=True, silu=True, norm_out=nxt))
+                ops.append(mm.matmul(dev, h, L.gate_up, out, row_invariant=ri, **gate))
+            # x += (act(gate) * up) · Wdownᵀ (the next layer's norm stored beside when res_norm),
+            # act(gate) * up computed by the down matmul itself (gate_in_down), by the gate_up
+            # matmul (gate_out) or by its own kernel
+            if plan.gate_in_down:
+                ffn_in, fused = gu, {"silu": True, "gate_act": c.act}
             else:
-                if not plan.silu_out[i]:
-                    ops.append(nn.silu_mul(dev, gu, ffn, pairs=L.silu_pairs, act=c.act))   # (T, F)
-                if L.post_ffn_norm is not None:  # x += rms_norm(ffn · Wdownᵀ)
-                    ops += [mm.matmul(dev, ffn, L.down, h, row_invariant=ri),
-                            nn.rms_norm(dev, h, L.post_ffn_norm, h, eps=eps), nn.add(dev, x, h, x)]
-                else:
-                    ops.append(mm.matmul(dev, ffn, L.down, x, accumulate=True, norm_out=nxt, row_invariant=ri))
+                ffn_in, fused = ffn, {"row_invariant": ri}
+                if not plan.gate_out[i]:
+                    ops.append(nn.silu_mul(dev, gu, ffn, pairs=L.gate_pairs, act=c.act))   # (T, F)
+            if L.post_ffn_norm is not None:      # x += rms_norm(ffn · Wdownᵀ)
+                ops += [mm.matmul(dev, ffn_in, L.down, h, **fused),
+                        nn.rms_norm(dev, h, L.post_ffn_norm, h, eps=eps), nn.add(dev, x, h, x)]
+            else:
+                nxt = mm.NormOut(norms_after[i], h, self.part) if plan.res_norm else None
+                ops.append(mm.matmul(dev, ffn_in, L.down, x, accumulate=True, norm_out=nxt, **fused))
         if with_head:                            # logits = rms_norm(x[T-1]) · Wheadᵀ      (1, V)
             if plan.res_norm:                    # h = x * g_final
                 ops.append(mm.matmul(dev, h, self.lm_head, self.logits, rms_from=rms))

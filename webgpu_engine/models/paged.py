@@ -96,7 +96,7 @@ class PagedForward:
                 ops.append(mm.matmul(dev, attn, L.o, x, bias=L.o_bias, accumulate=True, **inv))
             ops += [nn.rms_norm(dev, x, L.ffn_norm, h, eps=eps),
                     mm.matmul(dev, h, L.gate_up, gu, **inv),
-                    nn.silu_mul(dev, gu, ffn, pairs=L.silu_pairs, act=c.act)]
+                    nn.silu_mul(dev, gu, ffn, pairs=L.gate_pairs, act=c.act)]
             if L.post_ffn_norm is not None:
                 ops += [mm.matmul(dev, ffn, L.down, h, **inv),
                         nn.rms_norm(dev, h, L.post_ffn_norm, h, eps=eps), nn.add(dev, x, h, x)]

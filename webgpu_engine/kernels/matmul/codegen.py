@@ -105,6 +105,19 @@ def matmul_params(dev, w, y, T, rows, r0, x_off, y_off, b_off, has_bias, accumul
                   owner=y.buf.owner, label=f"matmul[{w.label}]")
 
 
+GATE_ACTS = ("silu", "gelu_tanh")   # the gate activations of the fused paths (shaders/gate_act.wgsl)
+
+
+def gate_act_source(act: str) -> str:
+    """shaders/gate_act.wgsl with `gate2` / `gate4` naming `act`'s pair: matmul_decode.wgsl's
+    act(gate)·up input and matmul_epilogue.wgsl's ep_silu call them."""
+    if act not in GATE_ACTS:
+        raise ValueError(f"gate activation must be one of {', '.join(GATE_ACTS)}, got {act!r}")
+    return (load_shader_source("gate_act.wgsl") +
+            f"fn gate2(g: vec2<f32>) -> vec2<f32> {{ return {act}_v2(g); }}\n"
+            f"fn gate4(g: vec4<f32>) -> vec4<f32> {{ return {act}_v4(g); }}\n")
+
+
 # mode -> the x chunk reader of matmul_decode.wgsl (pnorm reads x as is: it is x0 * g already)
 X_FN = {"plain": "dec_x", "norm": "dec_xn", "silu": "dec_xs", "pnorm": "dec_x"}
 

@@ -9,7 +9,8 @@ from ...gpu import Device
 from .. import matmul_batch, matmul_gpu, matmul_tiled, profiles
 from ..common import DTYPE_SIZE, Op, Tensor, check, params, placeholder
 from ..common import window as _window
-from .codegen import decode_source, decode_v4_source, matmul_params, use_v4, weight_pipeline
+from .codegen import (GATE_ACTS, decode_source, decode_v4_source, gate_act_source, matmul_params, use_v4,
+                      weight_pipeline)
 from .config import MatmulConfig, default_config, is_cpu_adapter
 from .epilogues import NormOut, RopeKV, epilogue_binds, epilogue_ok
 from .layout import MAX_GROUPS, QWeight, grid
@@ -59,13 +60,15 @@ def matmul(dev: Device, x: Tensor, w: QWeight, y: Tensor, *, bias: Tensor | None
            accumulate: bool = False, config: MatmulConfig | None = None,
            norm: tuple | None = None, silu: bool = False, silu_out: bool = False,
            rope_kv: RopeKV | None = None, norm_out: "NormOut | None" = None,
-           rms_from: tuple | None = None, row_invariant: bool = False, decode_rows: bool = False) -> Op:
+           rms_from: tuple | None = None, row_invariant: bool = False, decode_rows: bool = False,
+           gate_act: str = "silu") -> Op:
     """y = x·Wᵀ (+ bias); with `accumulate`, y += x·Wᵀ (+ bias). x (T, K), W (N, K), y (T, N).
 
     Fused inputs (T = 1 only, see `fusable`): `norm=(g (K,) f32, eps)` multiplies by RMSNorm(x)
-    instead of x; `silu=True` takes x (1, 2K) = [gate | up] and multiplies by silu(gate) * up.
+    instead of x; `silu=True` takes x (1, 2K) = [gate | up] and multiplies by act(gate) * up.
     Fused outputs (T = 1 only, see `epilogue_ok`): `silu_out=True` for a weight from
-    `interleave_pairs` (gate and up rows in pairs) stores y (1, N/2) = silu(gate) * up;
+    `interleave_pairs` (gate and up rows in pairs) stores y (1, N/2) = act(gate) * up;
+    act is `gate_act`: "silu" (SwiGLU) or "gelu_tanh" (GeGLU, Gemma);
     `rope_kv` rotates the q and k rows of a fused qkv projection and writes k and v to the caches;
     `norm_out` (y (1, N) the whole row, usually accumulate=True on a residual) also stores y * g
     and the partial sums of y^2 that a following matmul(..., rms_from=(partials, eps)) turns into
@@ -82,9 +85,10 @@ def matmul(dev: Device, x: Tensor, w: QWeight, y: Tensor, *, bias: Tensor | None
     in the CPU family (_decode_rows_variant)."""
     if w.subs:       # parts of different types (upload_weight): one matmul per sub-weight
         return _matmul_parts(dev, x, w, y, bias=bias, accumulate=accumulate, config=config, norm=norm,
-                             silu=silu, rms_from=rms_from, row_invariant=row_invariant, decode_rows=decode_rows,
-                             epilogue=silu_out or rope_kv is not None or norm_out is not None)
+                             silu=silu, gate_act=gate_act, rms_from=rms_from, row_invariant=row_invariant,
+                             decode_rows=decode_rows, epilogue=silu_out or rope_kv is not None or norm_out is not None)
     cfg = config or default_config(dev)
+    check(gate_act in GATE_ACTS, "matmul", f"gate_act must be one of {', '.join(GATE_ACTS)}, got {gate_act!r}")
     eps_set = [silu_out, rope_kv is not None, norm_out is not None]
     ep = "silu" if silu_out else "rope_kv" if rope_kv is not None else \
         "res_norm" if norm_out is not None else "store"
@@ -165,7 +169,7 @@ def matmul(dev: Device, x: Tensor, w: QWeight, y: Tensor, *, bias: Tensor | None
     if T == 1 and K % 32 == 0 and (norm is not None or silu or rms_from is not None or unrolled
                                    or ep in ("silu", "rope_kv")):
         return _matmul_decode(dev, x, w, y, xb, x_off, yb, y_off, bb, b_off, bias is not None,
-                              accumulate, cfg, norm, silu, ep, rope_kv, norm_out, rms_from)
+                              accumulate, cfg, norm, silu, ep, rope_kv, norm_out, rms_from, gate_act=gate_act)
     if ep == "res_norm":          # K too long to unroll: the loop kernel with the epilogue
         return _matmul_decode(dev, x, w, y, xb, x_off, yb, y_off, bb, b_off, bias is not None,
                               accumulate, cfg, None, False, ep, None, norm_out, loop=True)
@@ -210,7 +214,7 @@ def fusable(dev: Device, T: int, w: QWeight, config: MatmulConfig | None = None,
 
 def _matmul_decode(dev, x, w, y, xb, x_off, yb, y_off, bb, b_off, has_bias, accumulate, cfg, norm,
                    silu, ep="store", rope: RopeKV | None = None, norm_out: "NormOut | None" = None,
-                   rms_from: tuple | None = None, loop: bool = False) -> Op:
+                   rms_from: tuple | None = None, loop: bool = False, gate_act: str = "silu") -> Op:
     """T = 1: the host-unrolled decode kernel, or with `loop` (an epilogue, K too long to unroll)
     matmul.wgsl's loop over K ending with the epilogue (matmul_epilogue.wgsl matmul_<ep>)."""
     K = w.k
@@ -238,6 +242,7 @@ def _matmul_decode(dev, x, w, y, xb, x_off, yb, y_off, bb, b_off, has_bias, accu
         src = decode_source(K // 32, K, x_off, mode, K // 4, g_off4, eps, ep)
     if ep != "store":
         src += epilogue_binds(y, rope, norm_out, extra)
+    src += gate_act_source(gate_act)
     pipe = weight_pipeline(dev, entry, w, x.dtype, cfg.wg, cfg.rr, src)
     op = Op(name=f"matmul[{w.label}]")
     for buf, (r0, rows) in zip(w.bufs, w.parts):
