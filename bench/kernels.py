@@ -18,7 +18,8 @@ Writes bench/results/kernels_batch.json.
 --family: the GPU kernel family (kernels/matmul_gpu.py) against the CPU family's kernels ("base")
 at the same shapes: GB/s per decode variant (T = --T, default 1,4,8) and GFLOP/s per GEMM variant
 (prefill, --prefill-t rows), the built-in default for this adapter and what the stored tuner
-profile picked (kernels/profiles.py; "-" when the tuner has not measured that shape).
+profile picked (kernels/profiles.py; "-" when the tuner has not measured that shape); the subgroup
+decode variants ("-sg") where the device has subgroups (matmul_gpu.decode_variants).
 Writes bench/results/kernels_family.json.
 """
 from __future__ import annotations
@@ -231,7 +232,7 @@ def bench_family(dev, a) -> int:
                 moved = w.nbytes + (T * k + T * n) * DTYPE_SIZE[a.act]
                 cands = [("base", _base_op(dev, x, w, y, ri))]
                 cands += [(v.key, mg.matmul(dev, x, w, y, variant=v, row_invariant=ri))
-                          for v in (mg.GEMM_VARIANTS if ri or T > mg.MAX_DECODE_T else mg.DECODE_VARIANTS)]
+                          for v in (mg.GEMM_VARIANTS if ri or T > mg.MAX_DECODE_T else mg.decode_variants(dev))]
                 for key, op in cands:
                     ms = time_op(dev, op, y.buf, a.min_s, a.runs)[col] * 1e3
                     op.release()

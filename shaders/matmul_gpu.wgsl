@@ -7,15 +7,16 @@
 // per row group: 1, 2 or 4), LN (lanes per row group, a power of two dividing WG), TT (activation
 // rows held: 1, 2, 4 or 8; rows past T re-read row T - 1 and are not stored), `xword` / `xget`,
 // `wmap4`, and matmul.wgsl (MatmulParams, bindings 0, 1, 3, 4, WChunk, xchunk, cdot, store, rows4);
-// the weight type's file follows (binding 2, `wchunk` / `wvec4`, the same decode every kernel uses).
+// then this file and the reduction (`gpu_reduce_store`: matmul_gpu_wg.wgsl through workgroup memory
+// or matmul_gpu_sg.wgsl through subgroup shuffles); the weight type's file follows (binding 2,
+// `wchunk` / `wvec4`, the same decode every kernel uses).
 //
 // Strategy (for GPUs, where neighbouring invocations' loads coalesce): a workgroup holds WG / LN row
 // groups; the LN lanes of a group stride along K over 32-weight chunks of the same RR rows, so lane
 // i reads chunk i, lane i + 1 the next block of the row: one contiguous span per SIMD group. Each
 // chunk is decoded once in registers and multiplied with the TT activation rows. The lanes' partial
-// sums are then reduced through workgroup memory (a tree over the LN lanes of each group).
-
-var<workgroup> red: array<vec4<f32>, WG * TT>;   // (TT, WG): lane partial sums of RR rows
+// sums are then reduced over the LN lanes of each group, the same tree of additions in either
+// reduction, so that both give the same bits.
 
 // the first word of row r, rows past the end clamped to the last (their sums are not stored)
 fn gpu_row(r: u32) -> u32 { return min(r, P.rows - 1u) * P.row_words; }
@@ -56,17 +57,5 @@ fn matmul_gpu(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nw
             acc[t] += vec4<f32>(dot(v0, xv), dot(v1, xv), dot(v2, xv), dot(v3, xv));
         }
     }
-    for (var t = 0u; t < TT; t++) { red[t * WG + lid] = acc[t]; }
-    workgroupBarrier();
-    for (var s = LN / 2u; s > 0u; s >>= 1u) {
-        if (lane < s) {
-            for (var t = 0u; t < TT; t++) { red[t * WG + lid] += red[t * WG + lid + s]; }
-        }
-        workgroupBarrier();
-    }
-    // output j of a group (activation row j / RR, weight row r0 + j % RR) is stored by lane j % LN
-    for (var j = lane; j < TT * RR; j += LN) {
-        let t = j / RR;
-        store(t, r0 + j % RR, red[t * WG + grp * LN][j % RR]);
-    }
+    gpu_reduce_store(acc, lid, r0);
 }

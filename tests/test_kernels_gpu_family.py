@@ -253,3 +253,133 @@ def test_software_adapters_keep_the_cpu_family(monkeypatch):
     assert mm.is_software_adapter(swiftshader) and not mm.is_cpu_adapter(swiftshader)
     gpu = dev(vendor="nvidia", architecture="hopper", adapter_type="DiscreteGPU", device="NVIDIA H200")
     assert not mm.is_software_adapter(gpu)
+
+
+# --------------------------------------------------------------------------- subgroup reduction
+SG_TYPES = ["q4_0", "q4_1", "q8_0", "q4_k", "q6_k", "f16", "q5_k"]
+
+
+def _sg_variant(dev, rr=2, wg=64):
+    """The subgroup decode variant with the most lanes this adapter allows (ln <= its smallest subgroup)."""
+    ln = min(32, dev.subgroup_min_size)
+    return mg.Decode(rr, ln, wg, sg=True)
+
+
+@pytest.mark.parametrize("act", ["f32", "f16"])
+@pytest.mark.parametrize("qtype", SG_TYPES)
+def test_subgroup_decode_against_numpy(device, qtype, act):
+    """The decode kernel reducing its lanes with subgroup shuffles: own-file decodes and a
+    dequant.wgsl one (Q5_K), T = 1, 2, 5, 8, N = 37 (not a multiple of the rows per workgroup);
+    the same bits as the workgroup-memory reduction of the same variant."""
+    assert device.has_subgroups, "lavapipe and GPUs list the subgroups feature"
+    v = _sg_variant(device)
+    assert device.info.subgroup_min_size >= 4 and v.ln >= 4
+    for T in (1, 2, 5, 8):
+        op, y = _check(device, qtype, 37, 256, T, act, v, bias=True)
+        assert "subgroupShuffleXor" in _source_of(device, op)
+        _, y_wg = _check(device, qtype, 37, 256, T, act, mg.Decode(v.rr, v.ln, v.wg), bias=True)
+        np.testing.assert_array_equal(y, y_wg, err_msg=f"T={T}")
+
+
+def _source_of(dev, op) -> str:
+    key = op.dispatches[0][0].key
+    return key.header
+
+
+def test_subgroup_decode_rows_do_not_depend_on_T(device):
+    """Each row of the subgroup variant is bit for bit the same for T = 1..8 (what decode_rows
+    relies on), for other row-group shapes too, also with accumulate."""
+    rng = np.random.default_rng(12)
+    for v in (_sg_variant(device, 4, 64), _sg_variant(device, 1, 32)):
+        for qtype, acc in (("q4_1", False), ("q8_0", True)):
+            w, xt, yt, bt, ref = matmul_case(device, qtype, 45, 288, 8, "f32", rng, owner=OWNER, accumulate=acc)
+            y0 = read_tensor(device, yt)
+            rows = {}
+            for T in range(1, 9):
+                y = upload_tensor(device, y0[:T], "f32", owner=OWNER)
+                run_ops(device, mg.matmul(device, xt.view((T, 288)), w, y, bias=bt, accumulate=acc, variant=v))
+                rows[T] = read_tensor(device, y)
+            if not acc:
+                assert rel_err(rows[8], ref) < TOL["f32"], v
+            for T, y in rows.items():
+                np.testing.assert_array_equal(y, rows[8][:T], err_msg=f"{v.key} {qtype} T={T}")
+
+
+def test_decode_rows_with_a_tuned_subgroup_variant(device, monkeypatch, tmp_path):
+    """decode_rows through a profile that picked the subgroup variant: rows bit for bit the same
+    for T = 1 .. 20 (groups of 8 rows), and right against numpy."""
+    monkeypatch.setenv("WEBGPU_ENGINE_CACHE", str(tmp_path))
+    monkeypatch.setenv(mm.FAMILY_ENV, "tuned")
+    profiles.forget()
+    try:
+        rng = np.random.default_rng(13)
+        w, xt, yt, bt, ref = matmul_case(device, "q4_k", 70, 256, 20, "f32", rng, owner=OWNER)
+        v = _sg_variant(device, 4)
+        profiles.save(device, {profiles.shape_key("q4_k", 70, 256, 1, False): v.key})
+        rows = {}
+        for T in (1, 2, 7, 8, 9, 16, 20):
+            y = new_tensor(device, (T, 70), "f32", owner=OWNER)
+            op = mm.matmul(device, xt.view((T, 256)), w, y, bias=bt, decode_rows=True)
+            assert _kernel_of(op) == "matmul_gpu" and "subgroupShuffleXor" in _source_of(device, op)
+            run_ops(device, op)
+            rows[T] = read_tensor(device, y)
+            assert rel_err(rows[T], ref[:T]) < TOL["f32"], T
+        for T, y in rows.items():
+            np.testing.assert_array_equal(y, rows[20][:T], err_msg=f"T={T}")
+    finally:
+        profiles.forget()
+
+
+def test_subgroup_variants_keys_and_refusals(device, monkeypatch):
+    """Keys with -sg parse back; a variant with more lanes than the smallest subgroup is refused;
+    without the feature the kernel raises FeatureSupportError; the built-in default never picks it."""
+    from webgpu_engine.errors import FeatureSupportError
+    for v in mg.SUBGROUP_DECODE_VARIANTS:
+        assert v.key.endswith("-sg") and mg.variant(v.key) == v
+    assert mg.variant("decode-r4-l8-w64-sg") == mg.Decode(4, 8, 64, sg=True)
+    with pytest.raises(ValueError, match="unknown variant"):
+        mg.variant("decode-r4-l8-w64-sx")
+    rng = np.random.default_rng(14)
+    w, xt, yt, _, _ = matmul_case(device, "q4_0", 64, 256, 2, "f32", rng, owner=OWNER)
+    big = mg.Decode(2, 2 * device.subgroup_min_size, 64, sg=True)
+    with pytest.raises(ValueError, match="smallest subgroup"):
+        mg.matmul(device, xt, w, yt, variant=big)
+    monkeypatch.setattr(type(device), "has_subgroups", property(lambda self: False))
+    with pytest.raises(FeatureSupportError, match="subgroups"):
+        mg.matmul(device, xt, w, yt, variant=_sg_variant(device))
+    for k in (64, 256, 1536, 4096):
+        ws = type("W", (), {"k": k})()
+        for T in range(1, 9):
+            assert not mg.default_variant(ws, T, False).sg
+
+
+def test_tuner_offers_subgroup_variants_only_with_the_feature(device, monkeypatch):
+    """The tuner's decode candidates: the subgroup variants whose lanes fit the adapter's smallest
+    subgroup where the device has the feature, none without it; the GEMM's list has none."""
+    from webgpu_engine.kernels import tune
+    rng = np.random.default_rng(15)
+    w = matmul_case(device, "q4_1", 64, 256, 1, "f32", rng, owner=OWNER)[0]
+    decode, prefill = tune.Case(w, "t1", 1), tune.Case(w, "prefill", 64)
+    got = tune.candidates(decode)
+    sg = [v for v in got if v.sg]
+    assert sg and all(v.ln <= device.subgroup_min_size for v in sg)
+    assert {v for v in mg.SUBGROUP_DECODE_VARIANTS if v.ln <= device.subgroup_min_size} == set(sg)
+    assert set(got) - set(sg) == set(mg.DECODE_VARIANTS)
+    assert tune.candidates(prefill) == list(mg.GEMM_VARIANTS)
+    monkeypatch.setattr(type(device), "subgroup_min_size", property(lambda self: 32))
+    assert {v.ln for v in tune.candidates(decode) if v.sg} == {4, 8, 16, 32}
+    monkeypatch.setattr(type(device), "has_subgroups", property(lambda self: False))
+    assert tune.candidates(decode) == list(mg.DECODE_VARIANTS)
+
+
+def test_enable_directives_go_first():
+    """A pipeline header assembled from pieces: `enable` directives merged into its first line
+    (the subgroup reduction enables subgroups after other declarations), an extension the backend
+    takes implicitly (naga: subgroups) left out; the line count kept."""
+    from webgpu_engine.gpu.base import directives_first
+    h = "enable f16;\nalias act = f16;\nconst LN: u32 = 4u;\nenable subgroups;\nfn f() {}\n"
+    assert directives_first(h) == "enable f16, subgroups;\nalias act = f16;\nconst LN: u32 = 4u;\n\nfn f() {}\n"
+    out = directives_first(h, frozenset({"subgroups"}))
+    assert out.startswith("enable f16; // subgroups: implicit\n") and out.count("\n") == h.count("\n")
+    assert "enable subgroups" not in out
+    assert directives_first("alias act = f32;\n") == "alias act = f32;\n"

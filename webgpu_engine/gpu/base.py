@@ -21,6 +21,33 @@ def round_up4(n: int) -> int:
     return max(4, (int(n) + 3) & ~3)
 
 
+_DIRECTIVE = re.compile(r"\s*enable\s+([\w\s,]+?)\s*;\s*$")
+
+
+def directives_first(header: str, implicit: frozenset = frozenset()) -> str:
+    """`header` with its `enable` directives merged into its first line (WGSL wants them before
+    any declaration, and a header is assembled from pieces, each enabling what it uses); an
+    extension in `implicit` (one the backend's WGSL compiler rejects as a directive but allows with
+    the device feature) is left out. The line count stays (error line numbers)."""
+    if "enable" not in header:
+        return header
+    found, rest = [], []
+    for line in header.split("\n"):
+        m = _DIRECTIVE.fullmatch(line)
+        if m is None:
+            rest.append(line)
+            continue
+        found += [e.strip() for e in m.group(1).split(",") if e.strip() and e.strip() not in found]
+        rest.append("")
+    if not found:
+        return header
+    rest.remove("")                     # a directive's line becomes the merged one
+    kept = [e for e in found if e not in implicit]
+    head = (f"enable {', '.join(kept)};" if kept else "") + "".join(
+        f" // {e}: implicit" for e in found if e in implicit)
+    return "\n".join([head.strip()] + rest)
+
+
 def staging_class(n: int) -> int:
     """The size class (a power of two, at least 256 bytes) of the staging buffer a readback of n uses."""
     return 1 << max(8, (int(n) - 1).bit_length())
@@ -34,6 +61,8 @@ class AdapterInfo:
     backend: str
     adapter_type: str = ""
     device: str = ""
+    subgroup_min_size: int = 0       # 0: the adapter does not say
+    subgroup_max_size: int = 0
 
     @property
     def name(self) -> str:
@@ -115,6 +144,9 @@ class Device:
     """
 
     backend_name = "abstract"
+    # WGSL extensions the backend's compiler allows with the device feature but rejects as an
+    # `enable` directive (see directives_first)
+    implicit_extensions: frozenset = frozenset()
 
     def __init__(self, info: AdapterInfo, features: frozenset[str], limits: Mapping[str, int]):
         self.info, self.features, self.limits = info, frozenset(features), dict(limits)
@@ -132,6 +164,16 @@ class Device:
     @property
     def has_f16(self) -> bool:
         return "shader-f16" in self.features
+
+    @property
+    def has_subgroups(self) -> bool:
+        """WebGPU's subgroups feature (wgpu-native names it "subgroup")."""
+        return bool({"subgroups", "subgroup"} & self.features)
+
+    @property
+    def subgroup_min_size(self) -> int:
+        """The smallest subgroup the adapter may run (4, WebGPU's lower bound, when it does not say)."""
+        return self.info.subgroup_min_size or 4
 
     @property
     def max_storage_binding(self) -> int:
@@ -233,6 +275,7 @@ class Device:
         p = self._pipelines.get(key)
         if p is None:
             src = load_shader_source(file)
+            header = directives_first(header, self.implicit_extensions)
             code = header + ("\n" if header and not header.endswith("\n") else "") + src
             hl = code.count("\n") - src.count("\n")
             try:

@@ -323,7 +323,9 @@ def _adapter_info(adapter) -> AdapterInfo:
     get = (lambda k: str(getattr(info, k, "") or "")) if info is not None else (lambda k: "")
     fallback = bool(getattr(info, "isFallbackAdapter", False)) if info is not None else False
     return AdapterInfo(vendor=get("vendor"), architecture=get("architecture"), description=get("description"),
-                       backend="browser", adapter_type="fallback" if fallback else "", device=get("device"))
+                       backend="browser", adapter_type="fallback" if fallback else "", device=get("device"),
+                       subgroup_min_size=int(getattr(info, "subgroupMinSize", 0) or 0) if info is not None else 0,
+                       subgroup_max_size=int(getattr(info, "subgroupMaxSize", 0) or 0) if info is not None else 0)
 
 
 async def request_device(adapter_name: str | None = None, power_preference: str = "high-performance",

@@ -29,15 +29,29 @@ _PASS_API = PassApi(
     copy=lambda enc, src, so, dst, do, n: enc.copy_buffer_to_buffer(src, so, dst, do, n))
 
 
+def _info_int(info, key: str) -> int:
+    """An integer field of wgpu-py's adapter info (0 when absent); wgpu-py 0.32 spells the
+    subgroup sizes "stackgroup_*"."""
+    v = info.get(key, info.get(key.replace("subgroup", "stackgroup"), 0))
+    try:
+        return int(v or 0)
+    except (TypeError, ValueError):
+        return 0
+
+
 class NativeDevice(Device):
     backend_name = "wgpu-native"
+    # naga compiles subgroup builtins on a device with the feature but rejects `enable subgroups;`
+    implicit_extensions = frozenset({"subgroups"})
 
     def __init__(self, adapter, raw_device):
         info = adapter.info
         super().__init__(
             AdapterInfo(vendor=str(info.get("vendor", "")), architecture=str(info.get("architecture", "")),
                         description=str(info.get("description", "")), backend=str(info.get("backend_type", "")),
-                        adapter_type=str(info.get("adapter_type", "")), device=str(info.get("device", ""))),
+                        adapter_type=str(info.get("adapter_type", "")), device=str(info.get("device", "")),
+                        subgroup_min_size=_info_int(info, "subgroup_min_size"),
+                        subgroup_max_size=_info_int(info, "subgroup_max_size")),
             frozenset(raw_device.features), dict(raw_device.limits))
         self.adapter, self.raw = adapter, raw_device
         self.queue = raw_device.queue

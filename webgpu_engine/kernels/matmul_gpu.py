@@ -5,9 +5,12 @@ barriers, each invocation walking whole weight rows. On a discrete or integrated
 invocations should read neighbouring words and a prefill GEMM should reuse tiles from workgroup
 memory. Two kernels, each a variant object with a `key` (what a tuned profile stores):
 
-- `Decode(rr, ln, wg)` — `shaders/matmul_gpu.wgsl`: a row group of `ln` lanes per `rr` weight rows,
-  the lanes striding along K over 32-weight chunks (coalesced), each chunk decoded once in
-  registers for up to 8 activation rows, partial sums reduced through workgroup memory.
+- `Decode(rr, ln, wg, sg)` — `shaders/matmul_gpu.wgsl`: a row group of `ln` lanes per `rr` weight
+  rows, the lanes striding along K over 32-weight chunks (coalesced), each chunk decoded once in
+  registers for up to 8 activation rows, partial sums reduced through workgroup memory
+  (`matmul_gpu_wg.wgsl`) or, with `sg`, through subgroup shuffles (`matmul_gpu_sg.wgsl`: devices
+  with the subgroups feature, `ln` no larger than the adapter's smallest subgroup). Both
+  reductions add in the same order: the same bits.
 - `Gemm(bt)` — `shaders/matmul_gemm.wgsl`: bt x bt output tiles, 4 x 4 register blocks, K steps of
   32 with the x tile and the dequantised weight tile in workgroup memory. A row's sums do not depend
   on T, so it serves the prefill's `row_invariant` matmuls for every T.
@@ -22,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ..errors import FeatureSupportError
 from ..gpu import Device
 from ..gpu.shaders import load_shader_source
 from .common import DTYPE_SIZE, Op, Tensor, check, params, placeholder
@@ -39,15 +43,17 @@ _WG_BYTES = 16384          # workgroup memory every WebGPU device offers
 @dataclass(frozen=True)
 class Decode:
     """The decode kernel: `rr` weight rows (1, 2, 4) per row group of `ln` lanes (a power of two
-    dividing `wg`), `wg` invocations per workgroup."""
+    dividing `wg`), `wg` invocations per workgroup; `sg`: the lanes' sums reduced by subgroup
+    shuffles instead of workgroup memory."""
 
     rr: int = 2
     ln: int = 32
     wg: int = 64
+    sg: bool = False
 
     @property
     def key(self) -> str:
-        return f"decode-r{self.rr}-l{self.ln}-w{self.wg}"
+        return f"decode-r{self.rr}-l{self.ln}-w{self.wg}" + ("-sg" if self.sg else "")
 
 
 @dataclass(frozen=True)
@@ -64,14 +70,27 @@ class Gemm:
 # the candidates a tuner times (kernels/tune.py), built-in defaults among them
 DECODE_VARIANTS = tuple(Decode(rr, ln, 64) for rr in (1, 2, 4) for ln in (16, 32, 64))
 GEMM_VARIANTS = (Gemm(64), Gemm(32))
+# subgroup reductions: timed only where the device has subgroups and `ln` fits its smallest subgroup
+SUBGROUP_DECODE_VARIANTS = tuple(Decode(rr, ln, 64, sg=True) for rr in (1, 2, 4) for ln in (4, 8, 16, 32))
+
+
+def subgroups_ok(dev: Device, v: Decode) -> bool:
+    """Whether `v`'s subgroup reduction is valid on `dev`: the feature, and a row group's lanes
+    inside the smallest subgroup the adapter may run."""
+    return dev.has_subgroups and v.ln <= dev.subgroup_min_size
+
+
+def decode_variants(dev: Device) -> tuple:
+    """The decode variants a tuner times on `dev`: DECODE_VARIANTS, and the subgroup ones it can run."""
+    return DECODE_VARIANTS + tuple(v for v in SUBGROUP_DECODE_VARIANTS if subgroups_ok(dev, v))
 
 
 def variant(key: str) -> "Decode | Gemm":
     """The variant a profile names by its key (ValueError for an unknown key)."""
     parts = key.split("-")
     try:
-        if parts[0] == "decode" and len(parts) == 4:
-            return Decode(int(parts[1][1:]), int(parts[2][1:]), int(parts[3][1:]))
+        if parts[0] == "decode" and (len(parts) == 4 or len(parts) == 5 and parts[4] == "sg"):
+            return Decode(int(parts[1][1:]), int(parts[2][1:]), int(parts[3][1:]), sg=len(parts) == 5)
         if parts[0] == "gemm" and len(parts) == 2:
             return Gemm(int(parts[1]))
     except ValueError:
@@ -105,18 +124,24 @@ def _pipeline(dev: Device, w: "QWeight", dtype: str, v: "Decode | Gemm", T: int)
     if isinstance(v, Decode):
         tt = bucket(T)
         consts = f"const LN: u32 = {v.ln}u;\nconst TT: u32 = {tt}u;\n"
+        reduce = load_shader_source("matmul_gpu_sg.wgsl" if v.sg else "matmul_gpu_wg.wgsl")
         return weight_pipeline(dev, "matmul_gpu", w, dtype, v.wg, v.rr,
-                               consts + load_shader_source("matmul_gpu.wgsl"))
+                               consts + load_shader_source("matmul_gpu.wgsl") + reduce)
     consts = f"const BT: u32 = {v.bt}u;\nconst NTH: u32 = {v.bt // 4}u;\n"
     return weight_pipeline(dev, "matmul_gemm", w, dtype, (v.bt // 4) ** 2, 1,
                            consts + load_shader_source("matmul_gemm.wgsl"))
 
 
-def _check_variant(v, T: int) -> None:
+def _check_variant(dev: Device, v, T: int) -> None:
     if isinstance(v, Decode):
         check(v.rr in (1, 2, 4) and v.wg in (32, 64, 128, 256) and v.ln in (4, 8, 16, 32, 64, 128, 256)
-              and v.ln <= v.wg and v.wg * bucket(T) * 16 <= _WG_BYTES, "matmul_gpu",
+              and v.ln <= v.wg and (v.sg or v.wg * bucket(T) * 16 <= _WG_BYTES), "matmul_gpu",
               f"unsupported decode variant {v} for T={T}")
+        if v.sg and not dev.has_subgroups:
+            raise FeatureSupportError("subgroups", f"matmul_gpu: {v.key} needs the WebGPU feature "
+                                      "subgroups, which this device lacks; use a variant without -sg")
+        check(not v.sg or subgroups_ok(dev, v), "matmul_gpu",
+              f"{v.key}: {v.ln} lanes exceed the adapter's smallest subgroup ({dev.subgroup_min_size})")
         check(T <= MAX_DECODE_T, "matmul_gpu", f"the decode kernel takes 1..{MAX_DECODE_T} rows, got T={T}")
     else:
         check(isinstance(v, Gemm) and v.bt in (32, 64), "matmul_gpu", f"unsupported GEMM variant {v}")
@@ -134,7 +159,7 @@ def matmul(dev: Device, x: Tensor, w: "QWeight", y: Tensor, *, bias: Tensor | No
     check(not w.subs and w.qtype in QTYPE, "matmul_gpu", f"{w.label}: one weight type per matmul")
     v = variant or default_variant(w, T, row_invariant)
     check(not row_invariant or isinstance(v, Gemm), "matmul_gpu", "row_invariant needs the GEMM")
-    _check_variant(v, T)
+    _check_variant(dev, v, T)
     check(K == w.k, "matmul_gpu", f"x has {K} columns, the weight {w.label!r} has {w.k}")
     check(tuple(y.shape) == (T, w.n), "matmul_gpu", f"y is {y.shape}, expected ({T}, {w.n})")
     check(x.dtype == y.dtype, "matmul_gpu", f"x is {x.dtype} but y is {y.dtype}")
@@ -167,5 +192,5 @@ def matmul(dev: Device, x: Tensor, w: "QWeight", y: Tensor, *, bias: Tensor | No
     return op
 
 
-__all__ = ["MAX_DECODE_T", "Decode", "Gemm", "DECODE_VARIANTS", "GEMM_VARIANTS", "variant", "default_variant", "fits",
-           "bucket", "matmul"]
+__all__ = ["MAX_DECODE_T", "Decode", "Gemm", "DECODE_VARIANTS", "GEMM_VARIANTS", "SUBGROUP_DECODE_VARIANTS",
+           "subgroups_ok", "decode_variants", "variant", "default_variant", "fits", "bucket", "matmul"]

@@ -146,9 +146,11 @@ def _base_op(dev: Device, x: Tensor, w: mm.QWeight, y: Tensor, row_invariant: bo
         mm.CONFIG_OVERRIDES.update(saved)
 
 
-def candidates(case: Case) -> list:
+def candidates(case: Case, dev: Device | None = None) -> list:
+    """The variants timed for `case` on `dev` (default: the device holding the case's weight):
+    the subgroup decode variants only where the device runs them (matmul_gpu.decode_variants)."""
     if case.rows.startswith("t") and case.rows != "tn":
-        return list(mg.DECODE_VARIANTS)
+        return list(mg.decode_variants(dev or case.weight.bufs[0].device))
     return list(mg.GEMM_VARIANTS)
 
 
