@@ -41,7 +41,8 @@ from webgpu_engine.kernels import quant_ref as qr  # noqa: E402
 from webgpu_engine.kernels.common import DTYPE_SIZE, Op, Tensor, new_tensor, params  # noqa: E402
 from webgpu_engine.kernels import matmul as mm, matmul_batch as mb, matmul_gpu as mg, profiles  # noqa: E402
 from webgpu_engine.kernels.tune import _base_op  # noqa: E402
-from webgpu_engine.kernels.matmul import (MatmulConfig, _grid, matmul, upload_weight)  # noqa: E402
+from webgpu_engine.kernels.matmul import MatmulConfig, matmul, upload_weight  # noqa: E402
+from webgpu_engine.kernels.matmul.layout import grid as _grid  # noqa: E402
 
 OWNER = "bench"
 # (name, n, k, weight types): SmolLM2 (GGUF) and MiniLM (safetensors) shapes
