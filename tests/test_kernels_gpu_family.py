@@ -177,6 +177,29 @@ def test_forced_gpu_family(device, monkeypatch):
         mm.default_config(device)
 
 
+def test_a_weights_row_invariant_and_decode_rows_kernels_are_pinned(device, monkeypatch):
+    """Once chosen, a weight's row-invariant (prefill) and decode_rows kernels stay for its life:
+    a family switch or a profile stored later (another model tuning at load) must not give two
+    prefill chunk heights of a loaded model different kernels. A new weight sees the switch."""
+    monkeypatch.setenv(mm.FAMILY_ENV, "cpu")
+    rng = np.random.default_rng(6)
+    w, xt, yt, _, ref = matmul_case(device, "q4_1", 64, 256, 20, "f32", rng, owner=OWNER)
+    first = {T: _kernel_of(mm.matmul(device, xt.view((T, 256)), w, yt.view((T, 64)), row_invariant=True))
+             for T in (1, 20)}
+    rows = _kernel_of(mm.matmul(device, xt.view((3, 256)), w, yt.view((3, 64)), decode_rows=True))
+    assert "matmul_gpu" not in first.values() and rows != "matmul_gpu"
+    monkeypatch.setenv(mm.FAMILY_ENV, "gpu")
+    for T in (1, 7, 20):
+        op = mm.matmul(device, xt.view((T, 256)), w, yt.view((T, 64)), row_invariant=True)
+        assert _kernel_of(op) == first[1 if T == 1 else 20], T
+        run_ops(device, op)
+        assert rel_err(read_tensor(device, yt.view((T, 64))), ref[:T]) < TOL["f32"]
+    assert _kernel_of(mm.matmul(device, xt.view((3, 256)), w, yt.view((3, 64)), decode_rows=True)) == rows
+    w2 = matmul_case(device, "q4_1", 64, 256, 20, "f32", rng, owner=OWNER)[0]
+    assert _kernel_of(mm.matmul(device, xt.view((20, 256)), w2, yt.view((20, 64)), row_invariant=True)) == "matmul_gpu"
+    assert _kernel_of(mm.matmul(device, xt.view((3, 256)), w2, yt.view((3, 64)), decode_rows=True)) == "matmul_gpu"
+
+
 def upload_norm(dev, k):
     return upload_tensor(dev, np.ones(k, np.float32), "f32", owner=OWNER)
 

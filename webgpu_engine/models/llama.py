@@ -395,6 +395,13 @@ class LlamaModel:
         for op in ops:
             op.record(batch, n_keys=n_keys if self.short_attention else None)
 
+    def rebuild_decode_ops(self) -> None:
+        """Build the decode step's ops again (the kernel choices changed after the constructor built
+        them: a profile stored by tuning at load)."""
+        for op in self.decode_ops:
+            op.release()
+        self.decode_ops = self._build(1, True, decode=True)
+
     def release(self) -> None:
         self.dev.release_owner(self.owner)
         self._ops.release()

@@ -53,9 +53,7 @@ async def _tune(dev: Device, model, dtype: str, tuning: tuple, progress, name: s
     mode, budget_s = tuning
     if await tune.tune_at_load(dev, model, LLM, dtype, mode=mode, budget_s=budget_s, progress=progress,
                                name=name) and mm.kernel_family(dev) == "tuned":
-        for op in model.decode_ops:
-            op.release()
-        model.decode_ops = model._build(1, True, decode=True)
+        model.rebuild_decode_ops()
 
 
 class LLMChatPipeline:

@@ -38,6 +38,7 @@ class QWeight:
     parts: list = field(default_factory=list)   # (first row, rows) per buffer
     inter_full: int = 0          # interleaved layout: vec4 words in whole 32-row groups (0: rows)
     subs: list = field(default_factory=list)   # qtype MIXED: one QWeight per run of same-type parts
+    chosen: dict = field(default_factory=dict)   # kernels pinned for its life (select._pinned)
 
     def release(self) -> None:
         for b in self.bufs:

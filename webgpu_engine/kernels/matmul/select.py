@@ -56,6 +56,19 @@ def _decode_rows_variant(dev: Device, cfg: MatmulConfig, w: "QWeight"):
     return matmul_gpu.default_variant(w, 1, False)
 
 
+def _pinned(w: QWeight, kind: str, config: MatmulConfig | None, choose):
+    """The family variant of `w`'s `kind` matmuls, chosen at the first call and kept for the
+    weight's life, as is the strategy they run under (matmul pins `config`): their rows must not
+    depend on when the ops were built (a profile stored by another model's tuning, or the family
+    switching to "tuned", must not change a loaded model's prefill kernel between two chunk
+    heights). An explicit `config` chooses afresh."""
+    if config is not None:
+        return choose()
+    if kind not in w.chosen:
+        w.chosen[kind] = choose()
+    return w.chosen[kind]
+
+
 def matmul(dev: Device, x: Tensor, w: QWeight, y: Tensor, *, bias: Tensor | None = None,
            accumulate: bool = False, config: MatmulConfig | None = None,
            norm: tuple | None = None, silu: bool = False, silu_out: bool = False,
@@ -88,6 +101,8 @@ def matmul(dev: Device, x: Tensor, w: QWeight, y: Tensor, *, bias: Tensor | None
                              silu=silu, gate_act=gate_act, rms_from=rms_from, row_invariant=row_invariant,
                              decode_rows=decode_rows, epilogue=silu_out or rope_kv is not None or norm_out is not None)
     cfg = config or default_config(dev)
+    if config is None and (row_invariant or decode_rows):
+        cfg = w.chosen.setdefault("config", cfg)      # with the kernels: pinned for the weight's life
     check(gate_act in GATE_ACTS, "matmul", f"gate_act must be one of {', '.join(GATE_ACTS)}, got {gate_act!r}")
     eps_set = [silu_out, rope_kv is not None, norm_out is not None]
     ep = "silu" if silu_out else "rope_kv" if rope_kv is not None else \
@@ -138,7 +153,7 @@ def matmul(dev: Device, x: Tensor, w: QWeight, y: Tensor, *, bias: Tensor | None
     if decode_rows:
         check(plain and not row_invariant and config is None, "matmul",
               "decode_rows takes no fused input, epilogue, config or row_invariant")
-        v = _decode_rows_variant(dev, cfg, w)
+        v = _pinned(w, "decode_rows", config, lambda: _decode_rows_variant(dev, cfg, w))
         if v is not None:        # groups of up to 8 rows, each through the same decode kernel
             g = matmul_gpu.MAX_DECODE_T
             ops = [matmul_gpu.matmul(dev, x.view((min(g, T - r), K), r * K), w,
@@ -149,7 +164,10 @@ def matmul(dev: Device, x: Tensor, w: QWeight, y: Tensor, *, bias: Tensor | None
                 op = op + o
             return op
         row_invariant = True     # the CPU family: the row-invariant kernels, any T
-    variant = _family_variant(dev, cfg, w, T, row_invariant) if plain else None
+    if plain and row_invariant:
+        variant = _pinned(w, "row_invariant", config, lambda: _family_variant(dev, cfg, w, T, True))
+    else:
+        variant = _family_variant(dev, cfg, w, T, row_invariant) if plain else None
     if variant is not None:
         return matmul_gpu.matmul(dev, x, w, y, bias=bias, accumulate=accumulate, variant=variant,
                                  row_invariant=row_invariant)
