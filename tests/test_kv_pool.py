@@ -109,10 +109,14 @@ def test_preemption_frees_the_newest_sequence():
     # c's full blocks stayed cached: its readmission is mostly hits (one block was evicted for a)
     assert pool.add_sequence("c", [20, 21, 22, 23, 24]) == 2
     pool.check()
-    # a sequence that cannot fit even alone preempts everything else, then itself
+    # an older sequence never makes way for a newer one: the newest growing goes itself
     pool.add_sequence("big", [0])
-    assert pool.reserve_or_preempt("big", 100) == ["c", "b", "a", "big"]
+    assert pool.reserve_or_preempt("big", 100) == ["big"]
+    assert "big" not in pool and pool.sequences_newest_first() == ["c", "b", "a"]   # c came back last
+    # the oldest growing past what the pool holds preempts every newer one, then itself
+    assert pool.reserve_or_preempt("a", 100) == ["c", "b", "a"]
     assert pool.n_free == 6 and pool.sequences_newest_first() == []
+    assert pool.stats["preemptions"] == 5
     pool.check()
 
 

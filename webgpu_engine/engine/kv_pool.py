@@ -216,21 +216,22 @@ class KVPool:
         return None
 
     def reserve_or_preempt(self, seq_id, n_tokens: int) -> list:
-        """reserve(), preempting the newest sequences (seq_id itself last) until it fits; returns
-        the preempted ids in order. When seq_id itself had to go, it is the last id returned and
-        holds no blocks any more."""
+        """reserve(), preempting the newest sequences until it fits: the one preemption rule (an
+        older sequence never makes way for a newer one, so when seq_id is itself the newest it
+        goes first). Returns the preempted ids in order; when seq_id is among them it is the last
+        and holds no blocks any more."""
         out = []
         while True:
             try:
                 self.reserve(seq_id, n_tokens)
                 return out
             except PoolExhaustedError:
-                victim = self.preempt_newest(keep=(seq_id,))
-                if victim is None:
-                    self.free(seq_id)
-                    self.stats["preemptions"] += 1
-                    return out + [seq_id]
+                victim = self.preempt_newest()
+                if victim is None:             # seq_id is not in the pool: nothing to make room for
+                    raise
                 out.append(victim)
+                if victim == seq_id:
+                    return out
 
     # ------------------------------------------------------------------ blocks
     def _take(self, b: int) -> None:

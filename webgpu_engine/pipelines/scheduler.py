@@ -177,7 +177,7 @@ class Scheduler:
         self._just_preempted: set = set()
         self._task: asyncio.Task | None = None
         self._closed = False
-        self.stats = {"iterations": 0, "decode_rows": 0, "prefill_tokens": 0, "preemptions": 0}
+        self.stats = {"iterations": 0, "decode_rows": 0, "prefill_tokens": 0}   # preemptions: the pool's
 
     # ------------------------------------------------------------------ admission
     def sequence(self) -> BatchSequence:
@@ -237,7 +237,6 @@ class Scheduler:
                 rec.in_pool = False
                 if rec.decoding:          # its last sampled token is fed after the recomputation
                     rec.decoding, rec.sample_at_end = False, False
-                self.stats["preemptions"] += 1
                 return
 
     # ------------------------------------------------------------------ the loop
@@ -263,16 +262,8 @@ class Scheduler:
     def _reserve_decode(self, rec: _Seq) -> None:
         """A block for rec's next token; when the pool is out of blocks, the newest sequence goes
         (rec itself when it is the newest)."""
-        while True:
-            try:
-                self.pool.reserve(rec.id, len(rec.toks) + 1)
-                return
-            except PoolExhaustedError:
-                victim = self.pool.sequences_newest_first()[0]
-                self.pool.free(victim)
-                self._preempted(victim)
-                if victim == rec.id:
-                    return
+        for victim in self.pool.reserve_or_preempt(rec.id, len(rec.toks) + 1):
+            self._preempted(victim)
 
     def _plan(self) -> tuple[list, list]:
         pool = self.pool
@@ -436,7 +427,8 @@ class Scheduler:
         p = self.pool
         return {"max_num_sequences": self.max_seqs, "running": len(self.running),
                 "kv_block_size": p.block_size, "kv_pool_blocks": p.n_blocks, "kv_free_blocks": p.n_free,
-                **self.stats, "prefix_hit_tokens": p.stats["hit_tokens"], "evictions": p.stats["evictions"]}
+                **self.stats, "preemptions": p.stats["preemptions"], "prefix_hit_tokens": p.stats["hit_tokens"],
+                "evictions": p.stats["evictions"]}
 
     # ------------------------------------------------------------------ warm-up, release
     def compile_ops(self) -> list:
