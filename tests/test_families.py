@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import tinymodels
+from decoder_runner import DecoderRunner
 from webgpu_engine.loaders.tokenizer import load_tokenizer
 from webgpu_engine.models.llama import LlamaModel
 from webgpu_engine.models.registry import open_model
@@ -35,34 +36,14 @@ def run_golden(device, cfg, weights, ref: dict, chunk: int = 128) -> tuple[dict,
     greedy decode steps, then the sequence's own tokens decoded from prompt_len on (rows past it
     through the fused decode path; each step rewrites the cache row it reads last)."""
     ids, P = ref["text_ids"][:ref["seq_len"]], ref["prompt_len"]
-    m = LlamaModel(device, cfg, weights, owner="test:families", context_window=512, prefill_chunk=chunk)
-    rows, greedy = {}, []
-
-    def decode(tok, pos):
-        device.write(m.ids.buf, struct.pack("<I", tok))
-        b = device.batch()
-        m.record_decode(b, pos)
-        device.submit(b)
-        return _logits(device, m)
+    run = DecoderRunner(device, cfg, weights, owner="test:families", chunk=chunk)
     try:
-        ends = sorted({r + 1 for r in ref["rows"] if r < P} | {P})
-        p0 = 0
-        for end in ends:
-            while p0 < end:
-                n = min(chunk, end - p0)
-                b = device.batch()
-                m.record_prefill(b, ids[p0:p0 + n], p0, with_head=p0 + n == end)
-                device.submit(b)
-                p0 += n
-            rows[end - 1] = _logits(device, m)
-        logits = rows[P - 1]
-        for pos in range(P, P + len(ref["greedy"])):
-            greedy.append(int(np.argmax(logits)))
-            logits = decode(greedy[-1], pos)
+        rows = run.prefill(ids, {r + 1 for r in ref["rows"] if r < P} | {P})
+        greedy = run.greedy(rows[P - 1], P, len(ref["greedy"]))
         for pos in range(P, len(ids)):
-            rows[pos] = decode(ids[pos], pos)
+            rows[pos] = run.decode(ids[pos], pos)
     finally:
-        m.release()
+        run.release()
     return rows, greedy
 
 

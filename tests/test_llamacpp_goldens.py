@@ -9,14 +9,13 @@ the same weights, which ours computes within ~2e-6 (the JSON's `measured`)."""
 from __future__ import annotations
 
 import json
-import struct
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from decoder_runner import DecoderRunner
 from webgpu_engine.loaders.gguf import GGUFFile
-from webgpu_engine.models.llama import LlamaModel
 from webgpu_engine.models.registry import open_model
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -30,48 +29,22 @@ def _file(family: str, quant: str) -> tuple[Path, dict]:
     return FIXTURES / "llamacpp" / f["file"], f
 
 
-def _logits(device, m) -> np.ndarray:
-    return np.frombuffer(device.read_sync(m.logits.buf, 0, m.logits.nbytes), np.float32).astype(np.float64)
-
-
 def run(device, cfg, weights, ids: list[int], rows: list[int], prompt_len: int, greedy_prompt: list[int],
-        n_greedy: int, chunk: int = 128) -> tuple[dict, list]:
+        n_greedy: int) -> tuple[dict, list]:
     """({row: logits}, greedy) of our model, context window 512 as llama.cpp ran (Phi-3's long RoPE
     factors): `ids` through a chunked prefill up to prompt_len whose chunks end at the rows kept, then
     one token per decode step (rows from prompt_len on: the decode path); then `greedy_prompt` from
     position 0 again (its prefill rewrites the cache rows it reads) and n_greedy greedy decode steps."""
-    m = LlamaModel(device, cfg, weights, owner="test:llamacpp", context_window=512, prefill_chunk=chunk)
-    greedy = []
-
-    def prefill(tokens, ends) -> dict:
-        p0, out = 0, {}
-        for end in ends:
-            while p0 < end:
-                n = min(chunk, end - p0)
-                b = device.batch()
-                m.record_prefill(b, tokens[p0:p0 + n], p0, with_head=p0 + n == end)
-                device.submit(b)
-                p0 += n
-            out[end - 1] = _logits(device, m)
-        return out
-
-    def decode(tok, pos):
-        device.write(m.ids.buf, struct.pack("<I", tok))
-        b = device.batch()
-        m.record_decode(b, pos)
-        device.submit(b)
-        return _logits(device, m)
+    r = DecoderRunner(device, cfg, weights, owner="test:llamacpp")
     try:
-        got = prefill(ids, sorted({r + 1 for r in rows if r < prompt_len} | {prompt_len}))
+        got = r.prefill(ids, {x + 1 for x in rows if x < prompt_len} | {prompt_len})
         for pos in range(prompt_len, max(rows) + 1):
-            got[pos] = decode(ids[pos], pos)
-        logits = prefill(greedy_prompt, [len(greedy_prompt)])[len(greedy_prompt) - 1]
-        for pos in range(len(greedy_prompt), len(greedy_prompt) + n_greedy):
-            greedy.append(int(np.argmax(logits)))
-            logits = decode(greedy[-1], pos)
+            got[pos] = r.decode(ids[pos], pos)
+        n = len(greedy_prompt)
+        greedy = r.greedy(r.prefill(greedy_prompt, [n])[n - 1], n, n_greedy)
     finally:
-        m.release()
-    return {r: got[r] for r in rows}, greedy
+        r.release()
+    return {x: got[x] for x in rows}, greedy
 
 
 @pytest.mark.parametrize("family,quant", CASES)
