@@ -1,4 +1,5 @@
-"""In-page self-test of the browser gpu backend: writes, kernels, readback, typed errors, device loss.
+"""In-page self-test of the browser gpu backend: writes, kernels, readback, typed errors, device loss,
+and the GPU kernel family's matmuls.
 
 The demo's selftest page calls `await run_selftest(saxpy_wgsl)` and shows the JSON it returns; the
 browser test asserts on it. Standard library only (the page has no numpy): values travel as
@@ -8,6 +9,8 @@ from __future__ import annotations
 
 import math
 import os
+import random
+import struct
 import time
 from array import array
 
@@ -145,6 +148,9 @@ async def run_selftest(saxpy_wgsl: str) -> dict:
         checks["uncaptured_error_raised"] = bool(msg)
         checks["device_usable_after_errors"] = array("f", await dev.read(bx, 4, 8)) == array("f", x[1:3])
 
+        # 6b. The GPU kernel family's matmuls (what a real GPU in the browser runs) against Python.
+        await _gpu_family(dev, checks, times)
+
         # 7. Memory accounting and release by owner.
         before = dev.allocated_bytes("selftest")
         dev.release_owner("selftest")
@@ -168,6 +174,53 @@ async def run_selftest(saxpy_wgsl: str) -> dict:
         set_shader_dir(None)
     out["ok"] = "error" not in out and bool(checks) and all(checks.values())
     return out
+
+
+async def _gpu_family(dev, checks: dict, times: dict) -> None:
+    """The GPU kernel family (kernels/matmul_gpu.py) as a GPU adapter runs it, called directly
+    whatever family the page's adapter gets: its decode kernel for 1 and 3 activation rows and its
+    workgroup-tiled GEMM (both tile sizes), for f32 and Q8_0 weights, against plain-Python sums."""
+    n, k, rows = 40, 64, 20
+    rnd = random.Random(7)
+    wf = [[rnd.uniform(-1.0, 1.0) for _ in range(k)] for _ in range(n)]
+    xs = [[rnd.uniform(-1.0, 1.0) for _ in range(k)] for _ in range(rows)]
+    # Q8_0 as GGUF stores it: per 32 weights an f16 scale d = max |w| / 127 and int8 quants w / d
+    raw, wq = bytearray(), []
+    for row in wf:
+        deq = []
+        for b in range(0, k, 32):
+            blk = row[b:b + 32]
+            d = struct.unpack("<e", struct.pack("<e", max(abs(v) for v in blk) / 127.0))[0]
+            q = [max(-127, min(127, round(v / d))) for v in blk]
+            raw += struct.pack("<e", d) + struct.pack("<32b", *q)
+            deq += [d * v for v in q]
+        wq.append(deq)
+    t0 = time.perf_counter()
+    set_shader_dir(None)                      # the package's WGSL (the page test's own dir lacks it)
+    try:
+        await _gpu_family_runs(dev, checks, n, k, rows, xs, wf, raw, wq)
+    finally:
+        set_shader_dir(SHADER_DIR)
+    times["gpu_family_matmuls"] = (time.perf_counter() - t0) * 1e3
+
+
+async def _gpu_family_runs(dev, checks: dict, n: int, k: int, rows: int, xs, wf, raw, wq) -> None:
+    from ..kernels import matmul as mm, matmul_gpu as mg  # noqa: PLC0415
+    from ..kernels.common import Tensor  # noqa: PLC0415
+    f32 = array("f", [v for r in wf for v in r]).tobytes()
+    for qtype, data, w_ref in (("f32", f32, wf), ("q8_0", bytes(raw), wq)):
+        w = mm.upload_weight(dev, data, qtype, n, k, owner="selftest", label=f"gpu_family_{qtype}")
+        for v, t, row_inv in ((mg.Decode(), 1, False), (mg.Decode(), 3, False), (mg.Gemm(64), rows, True),
+                              (mg.Gemm(32), rows, True)):
+            x = dev.upload(array("f", [val for r in xs[:t] for val in r]), owner="selftest", label="gf_x")
+            y = dev.buffer(t * n * 4, owner="selftest", label="gf_y")
+            op = mg.matmul(dev, Tensor(x, (t, k), "f32"), w, Tensor(y, (t, n), "f32"), variant=v,
+                           row_invariant=row_inv)
+            dev.submit(op.record(dev.batch()))
+            got = array("f", await dev.read(y))
+            ref = [sum(xs[i][j] * w_ref[r][j] for j in range(k)) for i in range(t) for r in range(n)]
+            err = max(abs(a - b) for a, b in zip(got, ref)) / max(abs(r) for r in ref)
+            checks[f"gpu_family_{qtype}_{v.key}_T{t}"] = len(got) == len(ref) and err < 1e-4
 
 
 async def _compile_broken(dev) -> None:
