@@ -106,8 +106,8 @@ async def test_gpu_backend_selftest(server, tmp_path):
     failed = [k for k, ok in r["checks"].items() if not ok]
     assert not failed, f"failed checks: {failed}\n{json.dumps(r, indent=1)}"
     assert len(r["checks"]) >= 14 and r["ok"]
-    # the GPU kernel family's decode kernel and GEMM ran in the page against Python sums
-    assert sum(k.startswith("gpu_family_") for k in r["checks"]) == 8
+    # the GPU kernel family's decode kernel, GEMM and flash attention ran in the page against Python
+    assert sum(k.startswith("gpu_family_") for k in r["checks"]) == 9
     assert r["backend"] == "browser-webgpu"
     # The kernel variant follows the adapter: f32 where shader-f16 is missing (SwiftShader).
     assert r["has_f16"] == ("shader-f16" in r["features"])

@@ -148,8 +148,10 @@ async def run_selftest(saxpy_wgsl: str) -> dict:
         checks["uncaptured_error_raised"] = bool(msg)
         checks["device_usable_after_errors"] = array("f", await dev.read(bx, 4, 8)) == array("f", x[1:3])
 
-        # 6b. The GPU kernel family's matmuls (what a real GPU in the browser runs) against Python.
+        # 6b. The GPU kernel family's matmuls and flash attention (what a real GPU in the browser
+        # runs) against Python.
         await _gpu_family(dev, checks, times)
+        await _flash_attention(dev, checks, times)
 
         # 7. Memory accounting and release by owner.
         before = dev.allocated_bytes("selftest")
@@ -221,6 +223,56 @@ async def _gpu_family_runs(dev, checks: dict, n: int, k: int, rows: int, xs, wf,
             ref = [sum(xs[i][j] * w_ref[r][j] for j in range(k)) for i in range(t) for r in range(n)]
             err = max(abs(a - b) for a, b in zip(got, ref)) / max(abs(r) for r in ref)
             checks[f"gpu_family_{qtype}_{v.key}_T{t}"] = len(got) == len(ref) and err < 1e-4
+
+
+async def _flash_attention(dev, checks: dict, times: dict) -> None:
+    """The GPU family's prefill attention (shaders/attention_flash.wgsl: key / value tiles in
+    workgroup memory), forced for this call: grouped heads, pos0 > 0, causal, against Python."""
+    from ..kernels import matmul as mm, nn  # noqa: PLC0415
+    from ..kernels.common import Tensor  # noqa: PLC0415
+    t_new, pos0, hq, hkv, d = 10, 3, 4, 2, 16
+    ctx, scale = pos0 + t_new + 2, d ** -0.5
+    rnd = random.Random(11)
+    qkv = [[[rnd.uniform(-1.0, 1.0) for _ in range(d)] for _ in range(hq + 2 * hkv)] for _ in range(t_new)]
+    kc = [[[rnd.uniform(-1.5, 1.5) if j < pos0 + t_new else 0.0 for _ in range(d)] for j in range(ctx)]
+          for _ in range(hkv)]
+    vc = [[[rnd.uniform(-1.0, 1.0) if j < pos0 + t_new else 0.0 for _ in range(d)] for j in range(ctx)]
+          for _ in range(hkv)]
+
+    def flat(a):
+        return array("f", [v for b in a for c in b for v in c])
+    t0 = time.perf_counter()
+    saved = os.environ.get(mm.FAMILY_ENV)
+    os.environ[mm.FAMILY_ENV] = "gpu"
+    set_shader_dir(None)
+    try:
+        flash = nn.flash_attention(dev)
+        up = [dev.upload(flat(a), owner="selftest", label=f"fa_{i}") for i, a in enumerate((qkv, kc, vc))]
+        out = dev.buffer(t_new * hq * d * 4, owner="selftest", label="fa_out")
+        step = dev.upload(struct.pack("<4I", pos0, t_new, pos0 + t_new, 0), owner="selftest", label="fa_step")
+        op = nn.attention(dev, Tensor(up[0], (t_new, hq + 2 * hkv, d)), Tensor(up[1], (hkv, ctx, d)),
+                          Tensor(up[2], (hkv, ctx, d)), Tensor(out, (t_new, hq * d)), step, n_q_heads=hq,
+                          n_kv_heads=hkv, head_dim=d, ctx=ctx, scale=scale)
+        dev.submit(op.record(dev.batch()))
+        got = array("f", await dev.read(out))
+    finally:
+        set_shader_dir(SHADER_DIR)
+        if saved is None:
+            os.environ.pop(mm.FAMILY_ENV, None)
+        else:
+            os.environ[mm.FAMILY_ENV] = saved
+    ref = []
+    for t in range(t_new):
+        for h in range(hq):
+            q, g = qkv[t][h], h // (hq // hkv)
+            s = [scale * sum(a * b for a, b in zip(q, kc[g][j])) for j in range(pos0 + t + 1)]
+            m = max(s)
+            e = [math.exp(v - m) for v in s]
+            z = sum(e)
+            ref += [sum(e[j] * vc[g][j][i] for j in range(len(e))) / z for i in range(d)]
+    err = max(abs(a - b) for a, b in zip(got, ref))
+    checks["gpu_family_flash_attention"] = flash and op.dispatches[0][0].key.entry == "attn_flash" and err < 1e-4
+    times["gpu_family_flash_attention"] = (time.perf_counter() - t0) * 1e3
 
 
 async def _compile_broken(dev) -> None:
