@@ -131,12 +131,6 @@ def test_pipeline_cache_compiles_once_and_batch_runs(device, shader_dir):
     assert len(batch) == 3
     device.submit(batch)
     np.testing.assert_array_equal(np.frombuffer(device.read_sync(xb), np.float32), x * 6)
-    # Forgetting the cache: the next request compiles again; a pipeline held meanwhile still runs.
-    device.forget_pipelines()
-    p4 = device.pipeline("scale.wgsl", "scale")
-    assert p4 is not p1 and device.compile_count == before + 3
-    device.submit(device.batch().dispatch(p1, device.bind(p1, [xb, yb, u2]), (n + 63) // 64))
-    np.testing.assert_array_equal(np.frombuffer(device.read_sync(yb), np.float32), x * 12)
     device.release_owner("t")
 
 
