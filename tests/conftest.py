@@ -14,27 +14,13 @@ ROOT = Path(__file__).resolve().parent.parent
 REFERENCE = Path(__file__).resolve().parent / "reference"
 
 
-_SESSION_DEVICES: list = []
-
-
 @pytest.fixture(scope="session")
 def device():
     """The real adapter's device. Fails loudly when WebGPU is missing."""
     from webgpu_engine.gpu import request_device_sync
     dev = request_device_sync()
     assert dev is not None
-    _SESSION_DEVICES.append(dev)
     yield dev
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _forget_pipelines_after_each_module():
-    """The session device would keep every pipeline the suite compiles (lavapipe's compiled code:
-    the process grew past 15 GB over the suite, 2.7 GB over four kernel modules); each module starts
-    from an empty pipeline cache instead (those four modules: 2.1 GB)."""
-    yield
-    for dev in _SESSION_DEVICES:
-        dev.forget_pipelines()
 
 
 @pytest.fixture

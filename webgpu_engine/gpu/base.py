@@ -287,12 +287,6 @@ class Device:
             self.compile_count += 1
         return p
 
-    def forget_pipelines(self) -> None:
-        """Drop the compiled-pipeline cache (and the warm-up record that goes with it): pipelines
-        still held by live ops stay valid; later calls compile again."""
-        self._pipelines.clear()
-        self.warmed_pipelines.clear()
-
     def bind(self, pipeline: Pipeline, buffers: Sequence | Mapping) -> BindGroup:
         """A bind group for group 0: `buffers[i]` goes to binding i (or, given a mapping,
         `buffers[b]` to binding b); an item may be a Buffer or (Buffer, offset, size) for a window."""
