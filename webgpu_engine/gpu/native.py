@@ -7,7 +7,7 @@ import threading
 
 import wgpu
 
-from ..errors import GPUValidationError, WebGPUNotAvailableError
+from ..errors import DeviceLostError, GPUValidationError, WebGPUNotAvailableError
 from .base import STORAGE, AdapterInfo, Buffer, Device, PassApi, encode_ops, round_up4, staging_class
 
 _OPTIONAL_FEATURES = ("shader-f16", "subgroups", "subgroup", "timestamp-query")
@@ -60,6 +60,7 @@ class NativeDevice(Device):
         # buffer it reads (an unload during a request): wgpu-native aborts the process on a submit
         # that uses a destroyed buffer, so the check-and-submit and the destroy exclude each other.
         self._release_lock = threading.Lock()
+        self._destroyed = False               # set under that lock: no readback submits after it
 
     # ------------------------------------------------------------------ hooks
     def _raw_create_buffer(self, size: int, usage: str, label: str):
@@ -91,7 +92,11 @@ class NativeDevice(Device):
         self.queue.submit([enc.finish()])
 
     def _raw_destroy_device(self) -> None:
-        self.raw.destroy()
+        # under the readback lock: a worker thread's copy submitted while the device is being
+        # destroyed aborts wgpu-native (seen once in a suite run: the batching device-loss test)
+        with self._release_lock:
+            self._destroyed = True
+            self.raw.destroy()
 
     # ------------------------------------------------------------------ readback
     async def read(self, buf: Buffer, offset: int = 0, size: int | None = None) -> bytes:
@@ -124,6 +129,8 @@ class NativeDevice(Device):
         try:
             def _copy():
                 with self._release_lock:
+                    if self._destroyed:
+                        raise DeviceLostError(f"{what}: the device was destroyed")
                     if src is not None and not src.alive:
                         raise GPUValidationError(f"{what}: the buffer was released before its readback ran")
                     enc = self.raw.create_command_encoder()
