@@ -1,23 +1,48 @@
-// dequant: the weight decode of Q5_0, Q5_1, IQ4_NL, Q5_K, Q3_K, Q2_K and IQ4_XS, written once and
-// compiled into every kernel that reads weights (matmul.wgsl's row and tile kernels, the unrolled
-// decode kernel and its epilogues, embedding.wgsl, matmul_tiled.wgsl).
+// dequant: the weight decode of every quantised type (kernels/qtypes.py), written once and compiled
+// into every kernel that reads weights: matmul.wgsl's row and tile kernels, the batch, GEMM and
+// GPU-family kernels, the unrolled decode kernel and its epilogues, the vec4 decode kernel
+// (matmul_decode_v4.wgsl), embedding.wgsl and matmul_tiled.wgsl.
 //
 // `dq_<qtype>(base, c) -> WChunk` decodes chunk c (32 weights, columns 32c..32c+31) of the row whose
 // first u32 word is `base` (GPU layout: kernels/qtypes.py), as quants q and affine scales s:
 // value[i] = q[i] * s.x + s.z for the first 16 weights (i < 4), q[i] * s.y + s.w for the next 16.
+// Types with 32-weight blocks of whole words (Q4_0, Q4_1, Q8_0, IQ4_NL) also have
+// `dq_<qtype>_w(words...)`, the decode of one block's words already loaded (the vec4 decode kernel
+// loads 4 rows' words itself and passes them).
 // The including kernel provides the struct WChunk and the weight readers
-//   wword(a) -> u32         word a of the row layout
-//   wquad(a) -> vec4<u32>   words a..a+3 (types whose blocks are whole vec4 words call it only at
-//                           offsets that are multiples of 4 inside a block, so a kernel may read
-//                           one aligned vec4 there)
-// Blocks of 22, 18 and 110 bytes arrive with 2 zero bytes inserted by the upload repack (at byte 2
-// for Q5_0 / IQ4_NL, at the end for Q3_K), so every field below sits in whole words.
+//   wword(a) -> u32                    word a of the row layout
+//   wquad(a) -> vec4<u32>              words a..a+3 (types whose blocks are whole vec4 words call it
+//                                      only at offsets that are multiples of 4 inside a block, so a
+//                                      kernel may read one aligned vec4 there)
+//   woct(a) -> array<vec4<u32>, 2>     words a..a+7 (the same alignment rule)
+//   wnib4(q, sh) -> vec4<f32>          the 4-bit quants of Q4_0 / Q4_1: the low (sh = 0) or high
+//                                      (sh = 4) nibbles of the bytes of q, as dq_nib4 gives them, or
+//                                      as dq_nib4_inplace does (component j scaled by 256^j, one
+//                                      operation less per weight) for a kernel whose dot product
+//                                      undoes that scaling
+// Blocks of 18, 22, 34, 110 and 210 bytes arrive with 2 zero bytes inserted by the upload repack
+// (at byte 2 for Q4_0 / Q5_0 / IQ4_NL / Q8_0, at the end for Q3_K / Q6_K), so every field below sits
+// in whole words.
 
 // the 4 bytes of a word, low byte first
 fn dq_bytes(q: u32) -> vec4<u32> { return vec4<u32>(q, q >> 8u, q >> 16u, q >> 24u) & vec4<u32>(0xFFu); }
 
 // 4 nibbles: the low (sh = 0) or high (sh = 4) halves of the bytes of q
 fn dq_nib(q: u32, sh: u32) -> vec4<u32> { return (dq_bytes(q) >> vec4<u32>(sh)) & vec4<u32>(15u); }
+
+// 4 quants: the nibbles dq_nib picks, as f32
+fn dq_nib4(q: u32, sh: u32) -> vec4<f32> { return vec4<f32>(dq_nib(q, sh)); }
+
+// the same nibbles masked in place: component j comes scaled by 256^j (exact in f32, converted as
+// i32 since every value is below 2^31); a kernel reading these dots with x scaled by 256^-j
+fn dq_nib4_inplace(q: u32, sh: u32) -> vec4<f32> {
+    return vec4<f32>(bitcast<vec4<i32>>(vec4<u32>(q >> sh) & vec4<u32>(0xFu, 0xF00u, 0xF0000u, 0xF000000u)));
+}
+
+// 4 sign-extended int8 of one word
+fn dq_i8x4(q: u32) -> vec4<f32> {
+    return vec4<f32>(bitcast<vec4<i32>>(vec4<u32>(q << 24u, q << 16u, q << 8u, q)) >> vec4<u32>(24u));
+}
 
 // 4 quants of 5 bits: nibbles of q, fifth bits from bits hs..hs+3 of h (Q5_0 / Q5_1 qh)
 fn dq_q5x4(q: u32, sh: u32, h: u32, hs: u32) -> vec4<f32> {
@@ -48,6 +73,49 @@ fn dq_kv4(q: u32, sh: u32) -> vec4<f32> {
     return vec4<f32>(bitcast<vec4<i32>>(byte_at_top) >> vec4<u32>(24u));
 }
 
+// Q4_0, 20 B = 5 words per 32 after the repack: (d f16, pad), qs[16] (low nibbles: elements
+// 0..15, high: 16..31). value = (q - 8) d.
+fn dq_q4_0_w(h: u32, q: vec4<u32>) -> WChunk {
+    let d = unpack2x16float(h).x;
+    return WChunk(dq_q4x32(q), vec4<f32>(d, d, -8.0 * d, -8.0 * d));
+}
+
+fn dq_q4_0(base: u32, c: u32) -> WChunk {
+    let b = base + c * 5u;
+    return dq_q4_0_w(wword(b), wquad(b + 1u));
+}
+
+// Q4_1, 20 B = 5 words per 32 as in GGUF: (d, m f16), qs[16] as Q4_0's. value = q d + m.
+fn dq_q4_1_w(h: u32, q: vec4<u32>) -> WChunk {
+    let dm = unpack2x16float(h);
+    return WChunk(dq_q4x32(q), vec4<f32>(dm.x, dm.x, dm.y, dm.y));
+}
+
+fn dq_q4_1(base: u32, c: u32) -> WChunk {
+    let b = base + c * 5u;
+    return dq_q4_1_w(wword(b), wquad(b + 1u));
+}
+
+// the 32 4-bit quants of qs[16] through the kernel's wnib4
+fn dq_q4x32(q: vec4<u32>) -> array<vec4<f32>, 8> {
+    return array<vec4<f32>, 8>(wnib4(q.x, 0u), wnib4(q.y, 0u), wnib4(q.z, 0u), wnib4(q.w, 0u),
+                               wnib4(q.x, 4u), wnib4(q.y, 4u), wnib4(q.z, 4u), wnib4(q.w, 4u));
+}
+
+// Q8_0, 36 B = 9 words per 32 after the repack: (d f16, pad), qs int8[32]. value = q d.
+fn dq_q8_0_w(h: u32, q0: vec4<u32>, q1: vec4<u32>) -> WChunk {
+    let d = unpack2x16float(h).x;
+    return WChunk(array<vec4<f32>, 8>(dq_i8x4(q0.x), dq_i8x4(q0.y), dq_i8x4(q0.z), dq_i8x4(q0.w),
+                                      dq_i8x4(q1.x), dq_i8x4(q1.y), dq_i8x4(q1.z), dq_i8x4(q1.w)),
+                  vec4<f32>(d, d, 0.0, 0.0));
+}
+
+fn dq_q8_0(base: u32, c: u32) -> WChunk {
+    let b = base + c * 9u;
+    let q = woct(b + 1u);
+    return dq_q8_0_w(wword(b), q[0], q[1]);
+}
+
 // Q5_0, 24 B = 6 words per 32: (d f16, pad), qh u32 (bit e: fifth bit of element e), qs[16] (low
 // nibbles elements 0..15, high 16..31). value = (q - 16) d.
 fn dq_q5_0(base: u32, c: u32) -> WChunk {
@@ -75,26 +143,24 @@ fn dq_q5_1(base: u32, c: u32) -> WChunk {
 
 // IQ4_NL, 20 B = 5 words per 32: (d f16, pad), qs[16] (low nibbles 0..15, high 16..31).
 // value = d kvalues[nibble].
-fn dq_iq4_nl(base: u32, c: u32) -> WChunk {
-    let b = base + c * 5u;
-    let d = unpack2x16float(wword(b)).x;
-    let q = wquad(b + 1u);
+fn dq_iq4_nl_w(h: u32, q: vec4<u32>) -> WChunk {
+    let d = unpack2x16float(h).x;
     return WChunk(array<vec4<f32>, 8>(dq_kv4(q.x, 0u), dq_kv4(q.y, 0u), dq_kv4(q.z, 0u), dq_kv4(q.w, 0u),
                                       dq_kv4(q.x, 4u), dq_kv4(q.y, 4u), dq_kv4(q.z, 4u), dq_kv4(q.w, 4u)),
                   vec4<f32>(d, d, 0.0, 0.0));
 }
 
+fn dq_iq4_nl(base: u32, c: u32) -> WChunk {
+    let b = base + c * 5u;
+    return dq_iq4_nl_w(wword(b), wquad(b + 1u));
+}
+
 // byte i (0..11) of the 12 scale bytes held in words 1..3 of a K-quant head h
 fn dq_sbyte(h: vec4<u32>, i: u32) -> u32 { return (h[1u + i / 4u] >> ((i % 4u) * 8u)) & 0xFFu; }
 
-// Q5_K, 176 B = 44 words per 256: (d, dmin f16), scales[12] (Q4_K's six-bit scale/min pairs),
-// qh[32] (bit j of qh[l]: fifth bit of element l of sub-block j), qs[128] (4 groups of 32 bytes:
-// sub-block 2g in the low nibbles, 2g + 1 in the high). Chunk c = sub-block j = c % 8 of
-// super-block c / 8: value = d sc q - dmin m.
-fn dq_q5_k(base: u32, c: u32) -> WChunk {
-    let b = base + (c / 8u) * 44u;
-    let j = c % 8u;
-    let h = wquad(b);
+// sub-block j's (d sc, -dmin m) of a Q4_K / Q5_K super-block from its head h = (d, dmin f16),
+// scales[12] (ggml's get_scale_min_k4: six-bit scale/min pairs, the top bits of 4..7 in 0..7)
+fn dq_k4_sm(h: vec4<u32>, j: u32) -> vec2<f32> {
     let dd = unpack2x16float(h.x);
     var sc: u32;
     var mn: u32;
@@ -105,19 +171,44 @@ fn dq_q5_k(base: u32, c: u32) -> WChunk {
         sc = (dq_sbyte(h, j + 4u) & 15u) | ((dq_sbyte(h, j - 4u) >> 6u) << 4u);
         mn = (dq_sbyte(h, j + 4u) >> 4u) | ((dq_sbyte(h, j) >> 6u) << 4u);
     }
-    let d = dd.x * f32(sc);
-    let m = -dd.y * f32(mn);
-    let h0 = wquad(b + 4u);
-    let h1 = wquad(b + 8u);
-    let q0 = wquad(b + 12u + 8u * (j / 2u));
-    let q1 = wquad(b + 16u + 8u * (j / 2u));
+    return vec2<f32>(dd.x * f32(sc), -dd.y * f32(mn));
+}
+
+// Q4_K, 144 B = 36 words per 256 as in GGUF: (d, dmin f16), scales[12], qs[128] (4 groups of 32
+// bytes: sub-block 2g in the low nibbles, 2g + 1 in the high). Chunk c = sub-block j = c % 8 of
+// super-block c / 8: value = d sc q - dmin m.
+fn dq_q4_k(base: u32, c: u32) -> WChunk {
+    let b = base + (c / 8u) * 36u;
+    let j = c % 8u;
+    let sm = dq_k4_sm(wquad(b), j);
+    let q = woct(b + 4u + 8u * (j / 2u));
+    let sh = 4u * (j % 2u);
+    return WChunk(array<vec4<f32>, 8>(dq_nib4(q[0].x, sh), dq_nib4(q[0].y, sh), dq_nib4(q[0].z, sh),
+                                      dq_nib4(q[0].w, sh), dq_nib4(q[1].x, sh), dq_nib4(q[1].y, sh),
+                                      dq_nib4(q[1].z, sh), dq_nib4(q[1].w, sh)),
+                  vec4<f32>(sm.x, sm.x, sm.y, sm.y));
+}
+
+// Q5_K, 176 B = 44 words per 256: (d, dmin f16), scales[12] (as Q4_K's), qh[32] (bit j of qh[l]:
+// fifth bit of element l of sub-block j), qs[128] (as Q4_K's). Chunk c = sub-block j = c % 8 of
+// super-block c / 8: value = d sc q - dmin m.
+fn dq_q5_k(base: u32, c: u32) -> WChunk {
+    let b = base + (c / 8u) * 44u;
+    let j = c % 8u;
+    let sm = dq_k4_sm(wquad(b), j);
+    let hq = woct(b + 4u);
+    let h0 = hq[0];
+    let h1 = hq[1];
+    let q = woct(b + 12u + 8u * (j / 2u));
+    let q0 = q[0];
+    let q1 = q[1];
     let sh = 4u * (j % 2u);
     return WChunk(array<vec4<f32>, 8>(
         dq_bits4(q0.x, sh, 15u, h0.x, j, 4u), dq_bits4(q0.y, sh, 15u, h0.y, j, 4u),
         dq_bits4(q0.z, sh, 15u, h0.z, j, 4u), dq_bits4(q0.w, sh, 15u, h0.w, j, 4u),
         dq_bits4(q1.x, sh, 15u, h1.x, j, 4u), dq_bits4(q1.y, sh, 15u, h1.y, j, 4u),
         dq_bits4(q1.z, sh, 15u, h1.z, j, 4u), dq_bits4(q1.w, sh, 15u, h1.w, j, 4u)),
-        vec4<f32>(d, d, m, m));
+        vec4<f32>(sm.x, sm.x, sm.y, sm.y));
 }
 
 // Q3_K scale i (0..15, stored plus 32) from the scale bytes in t.x, t.y, t.z
@@ -140,10 +231,12 @@ fn dq_q3_k(base: u32, c: u32) -> WChunk {
     let d = unpack2x16float(t.w).x;
     let s0 = d * f32(i32(dq_q3_scale(t, 2u * j)) - 32);         // first 16 weights
     let s1 = d * f32(i32(dq_q3_scale(t, 2u * j + 1u)) - 32);    // next 16
-    let m0 = wquad(b);
-    let m1 = wquad(b + 4u);
-    let q0 = wquad(b + 8u + 8u * (j / 4u));
-    let q1 = wquad(b + 12u + 8u * (j / 4u));
+    let m = woct(b);
+    let m0 = m[0];
+    let m1 = m[1];
+    let q = woct(b + 8u + 8u * (j / 4u));
+    let q0 = q[0];
+    let q1 = q[1];
     let sh = 2u * (j % 4u);
     return WChunk(array<vec4<f32>, 8>(
         dq_bits4(q0.x, sh, 3u, m0.x, j, 2u), dq_bits4(q0.y, sh, 3u, m0.y, j, 2u),
@@ -165,8 +258,9 @@ fn dq_q2_k(base: u32, c: u32) -> WChunk {
     let s1 = dd.x * f32((sw >> 8u) & 15u);
     let m0 = -dd.y * f32((sw >> 4u) & 15u);
     let m1 = -dd.y * f32((sw >> 12u) & 15u);
-    let q0 = wquad(b + 4u + 8u * (j / 4u));
-    let q1 = wquad(b + 8u + 8u * (j / 4u));
+    let q = woct(b + 4u + 8u * (j / 4u));
+    let q0 = q[0];
+    let q1 = q[1];
     let sh = 2u * (j % 4u);
     return WChunk(array<vec4<f32>, 8>(
         dq_bits4(q0.x, sh, 3u, 0u, 0u, 0u), dq_bits4(q0.y, sh, 3u, 0u, 0u, 0u),
@@ -189,4 +283,37 @@ fn dq_iq4_xs(base: u32, c: u32) -> WChunk {
     return WChunk(array<vec4<f32>, 8>(dq_kv4(q.x, 0u), dq_kv4(q.y, 0u), dq_kv4(q.z, 0u), dq_kv4(q.w, 0u),
                                       dq_kv4(q.x, 4u), dq_kv4(q.y, 4u), dq_kv4(q.z, 4u), dq_kv4(q.w, 4u)),
                   vec4<f32>(d, d, 0.0, 0.0));
+}
+
+// 4 quants of 6 bits: bits shl..shl+3 of the bytes of l, bits shh, shh+1 of the bytes of h on top
+fn dq_q6x4(l: u32, h: u32, shl: u32, shh: u32) -> vec4<f32> {
+    let lo4 = (dq_bytes(l) >> vec4<u32>(shl)) & vec4<u32>(15u);
+    let hi2 = (dq_bytes(h) >> vec4<u32>(shh)) & vec4<u32>(3u);
+    return vec4<f32>(lo4 | (hi2 << vec4<u32>(4u)));
+}
+
+// Q6_K, 212 B = 53 words per 256 after the repack: ql[128] (low 4 bits), qh[64] (high 2 bits),
+// scales int8[16], d f16, pad. Chunk c = quarter qd = j % 4 of half h = j / 4 (j = c % 8) of
+// super-block c / 8: element l has its low bits in nibble (qd >= 2) of ql[64h + 32(qd & 1) + l],
+// its high bits at bit 2 qd of qh[32h + l], its scale in scales[8h + 2qd + l / 16].
+// value = d sc (q - 32).
+fn dq_q6_k(base: u32, c: u32) -> WChunk {
+    let b = base + (c / 8u) * 53u;
+    let j = c % 8u;
+    let h = j / 4u;
+    let qd = j % 4u;
+    let d = unpack2x16float(wword(b + 52u)).x;
+    let sw = wword(b + 48u + 2u * h + qd / 2u) >> (16u * (qd % 2u));   // both scales in one word
+    let s0 = d * f32(bitcast<i32>(sw << 24u) >> 24u);    // first 16 weights
+    let s1 = d * f32(bitcast<i32>(sw << 16u) >> 24u);    // next 16
+    let l = woct(b + 16u * h + 8u * (qd & 1u));
+    let q = woct(b + 32u + 8u * h);
+    let shl = 4u * (qd >> 1u);
+    let shh = 2u * qd;
+    return WChunk(array<vec4<f32>, 8>(
+        dq_q6x4(l[0].x, q[0].x, shl, shh), dq_q6x4(l[0].y, q[0].y, shl, shh),
+        dq_q6x4(l[0].z, q[0].z, shl, shh), dq_q6x4(l[0].w, q[0].w, shl, shh),
+        dq_q6x4(l[1].x, q[1].x, shl, shh), dq_q6x4(l[1].y, q[1].y, shl, shh),
+        dq_q6x4(l[1].z, q[1].z, shl, shh), dq_q6x4(l[1].w, q[1].w, shl, shh)),
+        vec4<f32>(s0, s1, -32.0 * s0, -32.0 * s1));
 }

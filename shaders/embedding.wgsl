@@ -2,8 +2,9 @@
 // 32 weights: value[i] = q[i] * s.x + s.z for i < 4 (the first 16), q[i] * s.y + s.w for i >= 4
 struct WChunk { q: array<vec4<f32>, 8>, s: vec4<f32> }
 
-// Generic body: built after the activation header and `WG` const, before a `matmul_<qtype>.wgsl`
-// file that declares the table binding (2) and `wchunk` / `wvec4`.
+// Generic body: built after the activation header and `WG` const, before the weight's reader (a
+// float row's `matmul_<dtype>.wgsl`, or matmul_words.wgsl with dequant.wgsl) that declares the table
+// binding (2) and `wchunk` / `wvec4`.
 // One invocation writes one 32-wide chunk (or one trailing 4-wide group) of one output row.
 // dispatch folded over T * units: (min(g, 65535), ceil(g / 65535), 1), workgroup WG
 struct EmbedParams {

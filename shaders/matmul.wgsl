@@ -1,8 +1,10 @@
 // matmul: y[t, n0 + r] (+)= sum_k x[t, k] * W[r, k] (+ bias[n0 + r]), f32 accumulation.
 // Generic body shared by every weight type: the pipeline is built from the activation header, the
 // consts WG (invocations per workgroup) and RR (weight rows per invocation, 1/2/4), this text, and
-// one `matmul_<qtype>.wgsl` file that declares the weight binding (2) and `wchunk` (32 weights of
-// a row as quants q and affine scales) / `wvec4` (4 plain weights, float types' K % 32 tails).
+// the weight's reader (kernels/matmul/codegen.py weight_source: a float row's `matmul_<dtype>.wgsl`,
+// or matmul_words.wgsl with dequant.wgsl's decode) that declares the weight binding (2) and `wchunk`
+// (32 weights of a row as quants q and affine scales) / `wvec4` (4 plain weights, float types'
+// K % 32 tails).
 // Strategy (tuned for CPU Vulkan, kept as parameters): one invocation owns RR weight rows, no
 // barriers; x words are the same for every invocation of a workgroup (uniform loads) and are
 // shared by the RR rows; the affine form d*dot(q, x) + m*sum(x) saves a multiply per weight.

@@ -6,7 +6,7 @@
 // Why: a decode step streams every weight once; the row kernels stream and decode each weight once
 // per activation row. Here invocation i owns RR weight rows and all T activation rows: each
 // 32-weight chunk is read and decoded ONCE into registers (`wchunk`, from the weight type's file:
-// matmul_<qtype>.wgsl, or matmul_words.wgsl with dequant.wgsl) and dotted with the T rows of x.
+// matmul_<dtype>.wgsl, or matmul_words.wgsl with dequant.wgsl) and dotted with the T rows of x.
 // No barriers, no workgroup memory; x words are the same for every invocation of a workgroup, so a
 // GPU broadcasts them (CPU drivers gather them lane by lane inside the K loop: there the "tiled"
 // variant wins).

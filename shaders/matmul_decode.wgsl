@@ -10,8 +10,8 @@
 // driver can see the address is the same for every lane, which it only does for constant addresses
 // outside any control flow. With the loop unrolled by the host and every x offset a constant, each x
 // word is one scalar load broadcast to all lanes, so only the weight words cost per-lane loads.
-// Built after matmul.wgsl (WChunk, XChunk, xget, cdot, store, P, x/y/bias bindings) and before one
-// `matmul_<qtype>.wgsl`. The host header adds the consts XOFF (x offset in xword units), NF (F / 4
+// Built after matmul.wgsl (WChunk, XChunk, xget, cdot, store, P, x/y/bias bindings) and before the
+// weight's reader (codegen.weight_source). The host header adds the consts XOFF (x offset in xword units), NF (F / 4
 // for silu), GOFF (g offset in vec4 units), EPS, and the generated entry point `matmul_decode`,
 // which calls dec_rows, then dec_step(..., dec_x*(c)) for c = 0 .. K/32 - 1, then dec_end.
 // dispatch (ceil(rows / (WG * RR)), 1, 1), workgroup WG

@@ -6,8 +6,9 @@
 // most 32), WG (invocations = weight rows per workgroup), KB (32-wide chunks staged per barrier),
 // XR = 8 KB, NG (chunk groups per K block), WA (weight rows are whole vec4 words) and BA (blocks
 // of a dequant.wgsl type are whole vec4 words);
-// `xword` / `xget` (how 4 activations are read); `fn wblock(base, c)` calling one of the
-// `wb_<qtype>` decoders below; and `fn chunks(...)`, the K loop written out as NG `step` calls.
+// `xword` / `xget` (how 4 activations are read); `fn wblock(base, c)` calling one of the float
+// decoders `wb_<dtype>` below or, for a quantised type, expanding dequant.wgsl's decode; and
+// `fn chunks(...)`, the K loop written out as NG `step` calls.
 //
 // Strategy (tuned for CPU Vulkan, kept as parameters): invocation i owns weight row r = i and keeps
 // TM accumulators (one per activation row of the tile) in registers. The workgroup stages (TM, 32 KB)
@@ -119,126 +120,12 @@ fn wb_bf16(base: u32, c: u32) -> array<vec4<f32>, 8> {
                                b2x4(v[3].x, v[3].y), b2x4(v[3].z, v[3].w));
 }
 
-// 4 quants from the low (sh = 0) or high (sh = 4) nibbles of one word
-fn nib4(q: u32, sh: u32) -> vec4<f32> {
-    return vec4<f32>((vec4<u32>(q, q >> 8u, q >> 16u, q >> 24u) >> vec4<u32>(sh)) & vec4<u32>(15u));
-}
-
-// 32 values q * d + m from the words of qs[16] (low nibbles: elements 0..15, high: 16..31)
-fn nibbles32(q: vec4<u32>, d: f32, m: f32) -> array<vec4<f32>, 8> {
-    let dv = vec4<f32>(d);
-    let mv = vec4<f32>(m);
-    return array<vec4<f32>, 8>(fma(nib4(q.x, 0u), dv, mv), fma(nib4(q.y, 0u), dv, mv),
-                               fma(nib4(q.z, 0u), dv, mv), fma(nib4(q.w, 0u), dv, mv),
-                               fma(nib4(q.x, 4u), dv, mv), fma(nib4(q.y, 4u), dv, mv),
-                               fma(nib4(q.z, 4u), dv, mv), fma(nib4(q.w, 4u), dv, mv));
-}
-
-// Q4_0 after the upload repack: 5 words per block = (d f16, pad), qs[16]; value = (q - 8) * d
-fn wb_q4_0(base: u32, c: u32) -> array<vec4<f32>, 8> {
-    let v = words8(base + c * 5u);
-    let d = unpack2x16float(v[0].x).x;
-    return nibbles32(vec4<u32>(v[0].yzw, v[1].x), d, -8.0 * d);
-}
-
-// Q4_1 as in GGUF: 5 words per block = (d f16, m f16), qs[16]; value = q * d + m
-fn wb_q4_1(base: u32, c: u32) -> array<vec4<f32>, 8> {
-    let v = words8(base + c * 5u);
-    let dm = unpack2x16float(v[0].x);
-    return nibbles32(vec4<u32>(v[0].yzw, v[1].x), dm.x, dm.y);
-}
-
-// 4 sign-extended int8 of one word, as f32
-fn i8x4(q: u32) -> vec4<f32> {
-    return vec4<f32>(bitcast<vec4<i32>>(vec4<u32>(q << 24u, q << 16u, q << 8u, q)) >> vec4<u32>(24u));
-}
-
-// Q8_0 after the upload repack: 9 words per block = (d f16, pad), qs int8[32]; value = q * d.
-// The block's words sit at offsets s..s+8 of the 12 words (v0, v1, v2).
-fn wb_q8_0(base: u32, c: u32) -> array<vec4<f32>, 8> {
-    let b = base + c * 9u;
-    let i = b / 4u;
-    let s = b % 4u;
-    let v0 = wv(i);
-    let v1 = wv(i + 1u);
-    let v2 = wv(i + 2u);
-    let q0 = select(shift4(v0, v1, (s + 1u) % 4u), v1, s == 3u);   // qs words 0..3
-    let q1 = select(shift4(v1, v2, (s + 1u) % 4u), v2, s == 3u);   // qs words 4..7
-    let d = unpack2x16float(pick(v0, s)).x;
-    return array<vec4<f32>, 8>(i8x4(q0.x) * d, i8x4(q0.y) * d, i8x4(q0.z) * d, i8x4(q0.w) * d,
-                               i8x4(q1.x) * d, i8x4(q1.y) * d, i8x4(q1.z) * d, i8x4(q1.w) * d);
-}
-
 // one word at word offset b
 fn word1(b: u32) -> u32 { return pick(wv(b / 4u), b % 4u); }
 
-// Q4_K (GGUF): 36 words per 256 = (d, dmin f16), scales[12] (six-bit scale/min pairs, ggml's
-// get_scale_min_k4), qs[128] in 4 groups of 32 bytes holding sub-blocks 2g (low nibbles) and
-// 2g+1 (high). Chunk c is sub-block j = c % 8 of super-block c / 8: value = d*sc*q - dmin*m.
-// row_words is a multiple of 36, so super-blocks are vec4-aligned; c is a constant at every call
-// site, so the scale bytes' positions fold.
-fn sbyte(h: vec4<u32>, i: u32) -> u32 {   // byte i of scales[12] = bytes 4.. of the head
-    return (h[1u + i / 4u] >> ((i % 4u) * 8u)) & 0xFFu;
-}
-
-fn wb_q4_k(base: u32, c: u32) -> array<vec4<f32>, 8> {
-    let i = (base + (c / 8u) * 36u) / 4u;
-    let j = c % 8u;
-    let h = wv(i);
-    let dd = unpack2x16float(h.x);
-    var sc: u32;
-    var mn: u32;
-    if (j < 4u) {
-        sc = sbyte(h, j) & 63u;
-        mn = sbyte(h, j + 4u) & 63u;
-    } else {
-        sc = (sbyte(h, j + 4u) & 15u) | ((sbyte(h, j - 4u) >> 6u) << 4u);
-        mn = (sbyte(h, j + 4u) >> 4u) | ((sbyte(h, j) >> 6u) << 4u);
-    }
-    let d = vec4<f32>(dd.x * f32(sc));
-    let m = vec4<f32>(-dd.y * f32(mn));
-    let q = i + 1u + (j / 2u) * 2u;          // this sub-block's 32 qs bytes: 2 vec4 words
-    let qa = wv(q);
-    let qb = wv(q + 1u);
-    let sh = (j % 2u) * 4u;
-    return array<vec4<f32>, 8>(fma(nib4(qa.x, sh), d, m), fma(nib4(qa.y, sh), d, m),
-                               fma(nib4(qa.z, sh), d, m), fma(nib4(qa.w, sh), d, m),
-                               fma(nib4(qb.x, sh), d, m), fma(nib4(qb.y, sh), d, m),
-                               fma(nib4(qb.z, sh), d, m), fma(nib4(qb.w, sh), d, m));
-}
-
-// Q6_K after the upload repack: 53 words per 256 = ql[128], qh[64], scales int8[16], d f16, pad.
-// Chunk c is quarter j of super-block c / 8 (half h = j / 4, quarter qd = j % 4): element l of it
-// has low bits in nibble (qd >= 2) of ql[64h + 32(qd & 1) + l], high bits at bit 2 qd of
-// qh[32h + l], scale scales[8h + 2qd + l / 16]; value = d * scale * (q - 32).
-fn q6x4(l: u32, h: u32, shl: u32, shh: u32) -> vec4<f32> {
-    let lo4 = (vec4<u32>(l, l >> 8u, l >> 16u, l >> 24u) >> vec4<u32>(shl)) & vec4<u32>(15u);
-    let hi2 = (vec4<u32>(h, h >> 8u, h >> 16u, h >> 24u) >> vec4<u32>(shh)) & vec4<u32>(3u);
-    return vec4<f32>(lo4 | (hi2 << vec4<u32>(4u))) - vec4<f32>(32.0);
-}
-
-fn wb_q6_k(base: u32, c: u32) -> array<vec4<f32>, 8> {
-    let b = base + (c / 8u) * 53u;
-    let j = c % 8u;
-    let h = j / 4u;
-    let qd = j % 4u;
-    let d = unpack2x16float(word1(b + 52u)).x;
-    let sw = word1(b + 48u + 2u * h + qd / 2u) >> (16u * (qd % 2u));   // both scales in one word
-    let s0 = d * f32(bitcast<i32>(sw << 24u) >> 24u);    // first 16 weights
-    let s1 = d * f32(bitcast<i32>(sw << 16u) >> 24u);    // next 16
-    let l = words8(b + 16u * h + 8u * (qd & 1u));
-    let q = words8(b + 32u + 8u * h);
-    let shl = 4u * (qd >> 1u);
-    let shh = 2u * qd;
-    return array<vec4<f32>, 8>(
-        q6x4(l[0].x, q[0].x, shl, shh) * s0, q6x4(l[0].y, q[0].y, shl, shh) * s0,
-        q6x4(l[0].z, q[0].z, shl, shh) * s0, q6x4(l[0].w, q[0].w, shl, shh) * s0,
-        q6x4(l[1].x, q[1].x, shl, shh) * s1, q6x4(l[1].y, q[1].y, shl, shh) * s1,
-        q6x4(l[1].z, q[1].z, shl, shh) * s1, q6x4(l[1].w, q[1].w, shl, shh) * s1);
-}
-
-// The types decoded by dequant.wgsl (the host adds it and `wblock` = wvalues(dq_<qtype>(...))):
-// its word readers and the expansion of its (quants, scales) form to plain values.
+// ---------------------------------------------------------------- the quantised types: dequant.wgsl
+// decodes them (the host adds it and `wblock` = wvalues(dq_<qtype>(...))); here its word readers
+// and the expansion of its (quants, scales) form to plain values.
 struct WChunk { q: array<vec4<f32>, 8>, s: vec4<f32> }
 
 fn wword(a: u32) -> u32 { return word1(a); }
@@ -248,6 +135,12 @@ fn wword(a: u32) -> u32 { return word1(a); }
 fn wquad(a: u32) -> vec4<u32> {
     if (BA) { return wv(a / 4u); }
     return shift4(wv(a / 4u), wv(a / 4u + 1u), a % 4u);
+}
+
+// words a..a+7: two vec4 loads where aligned (BA), else three, shifted into place
+fn woct(a: u32) -> array<vec4<u32>, 2> {
+    if (BA) { return array<vec4<u32>, 2>(wv(a / 4u), wv(a / 4u + 1u)); }
+    return words8(a);
 }
 
 fn wvalues(w: WChunk) -> array<vec4<f32>, 8> {

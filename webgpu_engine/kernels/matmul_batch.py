@@ -38,7 +38,6 @@ if TYPE_CHECKING:  # pragma: no cover
 
 MAX_T = 16                 # rows of x one dispatch takes (the registers / tile it keeps)
 _MAX_GROUPS = 65535
-_DEQUANT = tuple(t.name for t in QTYPE.values() if t.decode == "dequant")
 _WG_BYTES = 32768          # workgroup memory WebGPU guarantees: caps the tiled kernel's TM x KB
 _MAX_BUCKET = 8            # "tiled": the largest T given a tile of its own (see tiled_config)
 
@@ -127,8 +126,7 @@ def matmul(dev: Device, x: Tensor, w: "QWeight", y: Tensor, *, bias: Tensor | No
 # --------------------------------------------------------------------------- "rows"
 def _source(w: "QWeight", dtype: str, v: BatchVariant, T: int, x_off4: int) -> tuple[str, str]:
     """(weight file, header) of the "rows" pipeline: matmul.wgsl + matmul_batch.wgsl + the
-    generated entry point, compiled before the weight type's file (or matmul_words.wgsl with
-    dequant.wgsl's decode)."""
+    generated entry point, compiled before the weight type's file (codegen.weight_source)."""
     K, rr = w.k, v.rr
     nch, k4 = K // 32, K // 4
     comp = "xyzw"
@@ -152,11 +150,9 @@ def _source(w: "QWeight", dtype: str, v: BatchVariant, T: int, x_off4: int) -> t
     lines += ["}", ""]
     header = (f"{act_header(dtype)}const WG: u32 = {v.wg}u;\nconst RR: u32 = {rr}u;\n{wmap_header(w)}"
               f"{XREAD[dtype]}{load_shader_source('matmul.wgsl')}" + "\n".join(lines))
-    if w.qtype in _DEQUANT:
-        header += (f"{load_shader_source('dequant.wgsl')}\n"
-                   f"fn wchunk(base: u32, c: u32) -> WChunk {{ return dq_{w.qtype}(base, c); }}\n")
-        return "matmul_words.wgsl", header
-    return f"matmul_{w.qtype}.wgsl", header
+    from .matmul.codegen import weight_source      # the matmul package imports this module
+    file, decode = weight_source(w.qtype)
+    return file, header + decode
 
 
 def _matmul_rows(dev: Device, x: Tensor, w: "QWeight", y: Tensor, bias, accumulate: bool,

@@ -15,8 +15,8 @@ memory. Two kernels, each a variant object with a `key` (what a tuned profile st
   32 with the x tile and the dequantised weight tile in workgroup memory. A row's sums do not depend
   on T, so it serves the prefill's `row_invariant` matmuls for every T.
 
-Both read the weight through the type's own `wchunk` decode (`shaders/matmul_<qtype>.wgsl`, or
-`dequant.wgsl` for its types): every weight type of kernels/qtypes.py, f32/f16/bf16 rows included.
+Both read the weight through the `wchunk` every kernel uses (a float row's
+`shaders/matmul_<dtype>.wgsl`, or `dequant.wgsl`'s decode of the quantised types): every weight type of kernels/qtypes.py, f32/f16/bf16 rows included.
 The matmul package decides when this family runs (`default_config`, its family switch and the tuned profile);
 `default_variant` is the built-in choice before any measurement. Page code: standard library only.
 """

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..gpu import Device
-from ..gpu.shaders import load_shader_source
 from .common import DTYPE_SIZE, XREAD, Op, Tensor, act_header, check, params, placeholder, window, wmap_header
 from .qtypes import QTYPE, QTYPES
 
@@ -80,15 +79,15 @@ def _pipeline(dev: Device, w: "QWeight", dtype: str, kblk: int, cfg: TiledConfig
     # the K loop written out (see `step` in the shader for why)
     steps = "".join(f"    step({g}u, {g % 2}u, {min(kb, kblk - g * kb)}u, base, t0, lid);\n"
                     for g in range(ng))
-    if QTYPE[qtype].decode == "dequant":
+    if QTYPE[qtype].quantized:
+        from .matmul.codegen import dequant_source      # the matmul package imports this module
         # dequant.wgsl's decode, expanded to plain values; its blocks are vec4-aligned (BA) when both
         # the block and the row are whole vec4 words
         block_words = _SUPER_WORDS.get(qtype) or _CHUNK_WORDS[qtype]
         aligned = block_words % 4 == 0 and row_words % 4 == 0
-        decode = (f"const BA: bool = {'true' if aligned else 'false'};\n"
-                  f"{load_shader_source('dequant.wgsl')}\n"
+        decode = (f"const BA: bool = {'true' if aligned else 'false'};\n{dequant_source(qtype)}"
                   f"fn wblock(base: u32, c: u32) -> array<vec4<f32>, 8> {{\n"
-                  f"    return wvalues(dq_{qtype}(base, c));\n}}\n")
+                  f"    return wvalues(wchunk(base, c));\n}}\n")
     else:
         decode = ("const BA: bool = false;\n"
                   f"fn wblock(base: u32, c: u32) -> array<vec4<f32>, 8> {{ return wb_{qtype}(base, c); }}\n")

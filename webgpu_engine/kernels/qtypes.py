@@ -3,10 +3,9 @@
 A quantised type is stored in blocks of `block` weights: `file_bytes` per block in the GGUF file,
 `gpu_bytes` on the GPU. Where they differ, the upload repack (copy.wgsl repack_blocks) inserts
 gpu_bytes - file_bytes zero bytes at byte `pad_at` of each block so that kernels read whole u32
-words. `decode` says where the WGSL decode of 32 weights lives: "dequant" — `shaders/dequant.wgsl`
-`dq_<qtype>`, shared by every kernel family; "own" — `shaders/matmul_<qtype>.wgsl` `wchunk` for the
-row kernels and `shaders/matmul_tiled.wgsl` `wb_<qtype>` for the tiled one. Float rows (f32, f16,
-bf16) are blocks of one weight. Page code: standard library only.
+words. Every quantised type's WGSL decode is `dq_<qtype>` in `shaders/dequant.wgsl`, shared by every
+kernel; float rows (f32, f16, bf16) are blocks of one weight, read by `shaders/matmul_<dtype>.wgsl`
+and `shaders/matmul_tiled.wgsl`'s `wb_<dtype>`. Page code: standard library only.
 """
 from __future__ import annotations
 
@@ -20,7 +19,6 @@ class QType:
     file_bytes: int           # bytes per block in the file
     gpu_bytes: int            # bytes per block on the GPU
     pad_at: int | None = None  # byte where the upload repack inserts the padding
-    decode: str = "own"       # "own" | "dequant" (see the module docstring)
 
     @property
     def quantized(self) -> bool:
@@ -46,13 +44,13 @@ _TYPES = [
     QType("q8_0", 32, 34, 36, 2),          # d | pad | qs[32]
     QType("q4_k", 256, 144, 144),
     QType("q6_k", 256, 210, 212, 210),     # ql | qh | scales | d | pad
-    QType("q5_0", 32, 22, 24, 2, "dequant"),       # d | pad | qh | qs[16]
-    QType("q5_1", 32, 24, 24, None, "dequant"),
-    QType("iq4_nl", 32, 18, 20, 2, "dequant"),     # d | pad | qs[16]
-    QType("q5_k", 256, 176, 176, None, "dequant"),
-    QType("q3_k", 256, 110, 112, 110, "dequant"),  # hmask | qs | scales | d | pad
-    QType("q2_k", 256, 84, 84, None, "dequant"),
-    QType("iq4_xs", 256, 136, 136, None, "dequant"),
+    QType("q5_0", 32, 22, 24, 2),          # d | pad | qh | qs[16]
+    QType("q5_1", 32, 24, 24),
+    QType("iq4_nl", 32, 18, 20, 2),        # d | pad | qs[16]
+    QType("q5_k", 256, 176, 176),
+    QType("q3_k", 256, 110, 112, 110),     # hmask | qs | scales | d | pad
+    QType("q2_k", 256, 84, 84),
+    QType("iq4_xs", 256, 136, 136),
 ]
 QTYPE = {t.name: t for t in _TYPES}
 QTYPES = tuple(QTYPE)

@@ -7,8 +7,9 @@ above the device's max storage binding size is split by rows across several buff
 embedding dispatch once per buffer.
 
 Kernels: `shaders/matmul.wgsl` (generic loop) and `shaders/embedding.wgsl`, each compiled together
-with one `shaders/matmul_<qtype>.wgsl` (the weight binding and its dequantization of 32 weights),
-or for the types in DEQUANT_WGSL `shaders/matmul_words.wgsl` plus the shared `shaders/dequant.wgsl`.
+with the file that reads the weight: float rows' `shaders/matmul_<dtype>.wgsl`, or for every
+quantised type (DEQUANT_WGSL) `shaders/matmul_words.wgsl` plus the decode every kernel shares,
+`shaders/dequant.wgsl`.
 Weight types and their block geometry: `kernels/qtypes.py`.
 2 ≤ T ≤ 16 (a decode step of several sequences): `kernels/matmul_batch.py`.
 T = 1 on CPU adapters: `shaders/matmul_decode.wgsl` (the K loop unrolled by the host) and, for

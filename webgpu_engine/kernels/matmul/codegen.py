@@ -1,9 +1,10 @@
-"""WGSL for the matmul and embedding kernels: which file decodes a weight type (its own
-`shaders/matmul_<qtype>.wgsl`, or the shared `shaders/dequant.wgsl` for the types whose decode is
-written once for every kernel, as kernels/qtypes.py says), and the host-unrolled T = 1 decode
-kernels' generated entry points (`shaders/matmul_decode.wgsl`, `matmul_decode_v4.wgsl`) with their
-fused inputs (RMSNorm, SiLU·up, a norm's partial sums) and epilogue calls. Page code: standard
-library only."""
+"""WGSL for the matmul and embedding kernels: which file reads a weight type (float rows: their own
+`shaders/matmul_<dtype>.wgsl`; every quantised type: `shaders/matmul_words.wgsl` plus its decode in
+`shaders/dequant.wgsl`, written once for every kernel), and the host-unrolled T = 1 decode kernels'
+generated entry points (`shaders/matmul_decode.wgsl`, `matmul_decode_v4.wgsl`) with their fused
+inputs (RMSNorm, SiLU·up, a norm's partial sums) and epilogue calls. Page code: standard library
+only.
+"""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -18,28 +19,56 @@ if TYPE_CHECKING:
     from .layout import QWeight
 
 
-# types decoded by shaders/dequant.wgsl (one decode for every kernel)
-DEQUANT_WGSL = tuple(t.name for t in QTYPE.values() if t.decode == "dequant")
+# types decoded by shaders/dequant.wgsl (one decode for every kernel): every quantised type
+DEQUANT_WGSL = tuple(t.name for t in QTYPE.values() if t.quantized)
+
+# the nibble readers dequant.wgsl's Q4_0 / Q4_1 call (`wnib4`): plain, or masked in place (component j
+# scaled by 256^j) for the vec4 decode kernel, whose dot product undoes the scaling
+WNIB4 = {False: "dq_nib4", True: "dq_nib4_inplace"}
 
 
-def weight_pipeline(dev: Device, entry: str, w: QWeight, dtype: str, wg: int, rr: int = 1, extra: str = ""):
+def dequant_source(qtype: str, inplace: bool = False) -> str:
+    """dequant.wgsl, the kernel's nibble reader and `wchunk` for one quantised type (the including
+    kernel provides WChunk and the word readers wword / wquad / woct)."""
+    return (f"{load_shader_source('dequant.wgsl')}\n"
+            f"fn wnib4(q: u32, sh: u32) -> vec4<f32> {{ return {WNIB4[inplace]}(q, sh); }}\n"
+            f"fn wchunk(base: u32, c: u32) -> WChunk {{ return dq_{qtype}(base, c); }}\n")
+
+
+def weight_source(qtype: str, inplace: bool = False) -> tuple[str, str]:
+    """(the file that declares the weight binding and reads it, the text that follows it in the
+    header) for the row kernels: float rows' own file, or matmul_words.wgsl with dequant.wgsl."""
+    if qtype in DEQUANT_WGSL:
+        return "matmul_words.wgsl", dequant_source(qtype, inplace)
+    return f"matmul_{qtype}.wgsl", ""
+
+
+def weight_pipeline(dev: Device, entry: str, w: QWeight, dtype: str, wg: int, rr: int = 1, extra: str = "",
+                    inplace: bool = False):
     generic = load_shader_source("embedding.wgsl" if entry == "embedding" else "matmul.wgsl")
     xread = XREAD[dtype] if entry != "embedding" else ""
-    qtype = w.qtype
+    file, decode = weight_source(w.qtype, inplace)
     header = (f"{act_header(dtype)}const WG: u32 = {wg}u;\nconst RR: u32 = {rr}u;\n{wmap_header(w)}"
-              f"{xread}{generic}{extra}")
-    if qtype in DEQUANT_WGSL:     # matmul_words.wgsl reads the words, dequant.wgsl decodes them
-        header += (f"{load_shader_source('dequant.wgsl')}\n"
-                   f"fn wchunk(base: u32, c: u32) -> WChunk {{ return dq_{qtype}(base, c); }}\n")
-        return dev.pipeline("matmul_words.wgsl", entry, header=header)
-    return dev.pipeline(f"matmul_{qtype}.wgsl", entry, header=header)
+              f"{xread}{generic}{extra}{decode}")
+    return dev.pipeline(file, entry, header=header)
 
 
-# qtype -> u32 words per 32-weight block in the GPU layout, for matmul_decode_v4.wgsl's wblock_<qtype>
-V4_BLOCK = {"q4_1": 5, "q4_0": 5, "q8_0": 9}
+# qtype -> how the vec4 decode kernel passes a 32-weight block's words to dequant.wgsl's
+# dq_<qtype>_w: 1 = one u32 argument, 4 = one vec4<u32> (the block's u32 words in order)
+V4_ARGS = {"q4_1": (1, 4), "q4_0": (1, 4), "q8_0": (1, 4, 4)}
+V4_BLOCK = {t: sum(a) for t, a in V4_ARGS.items()}     # u32 words per block
 
 
-V4_XS = ("q4_1", "q4_0")      # their quants come scaled by 256^j: x is scaled by v4_xs
+V4_XS = ("q4_1", "q4_0")      # their quants come scaled by 256^j (in place): x is scaled by v4_xs
+
+
+def _v4_args(qtype: str, words: list) -> str:
+    """dq_<qtype>_w's arguments from a block's words (WGSL expressions), grouped as V4_ARGS says."""
+    out, i = [], 0
+    for n in V4_ARGS[qtype]:
+        out.append(words[i] if n == 1 else f"vec4<u32>({', '.join(words[i:i + n])})")
+        i += n
+    return ", ".join(out)
 
 
 def use_v4(cfg: MatmulConfig, w: "QWeight") -> bool:
@@ -90,7 +119,7 @@ def decode_v4_source(qtype: str, nchunks: int, k: int, x_off4: int, mode: str, n
                                  f"    let v{v} = W4[wb + {v}u];")
                     loaded.add(v)
                 words.append(f"v{v}.{comp[e]}")
-            lines.append(f"    a.{comp[j]} += {cd}(wblock_{qtype}({', '.join(words)}), x{c});")
+            lines.append(f"    a.{comp[j]} += {cd}(dq_{qtype}_w({_v4_args(qtype, words)}), x{c});")
     lines += pnorm_lines(mode, k, "ss")
     scale = f"inverseSqrt(ss / {float(k)!r} + EPS)" if mode in ("norm", "pnorm") else "1.0"
     lines += [f"    let r = a * {scale};", EPILOGUE_CALL[ep].format(i4="i4"), "}", ""]

@@ -251,9 +251,10 @@ def _matmul_decode(dev, x, w, y, xb, x_off, yb, y_off, bb, b_off, has_bias, accu
     elif silu:
         mode = "silu"
     entry = "matmul_decode"
+    v4 = not loop and use_v4(cfg, w)
     if loop:
         src, entry = "", f"matmul_{ep}"
-    elif use_v4(cfg, w):
+    elif v4:
         src = decode_v4_source(w.qtype, K // 32, K, x_off, mode, K // 4, g_off4, eps, ep, w.inter_full,
                                 cfg.xs_fold)
     else:
@@ -261,7 +262,7 @@ def _matmul_decode(dev, x, w, y, xb, x_off, yb, y_off, bb, b_off, has_bias, accu
     if ep != "store":
         src += epilogue_binds(y, rope, norm_out, extra)
     src += gate_act_source(gate_act)
-    pipe = weight_pipeline(dev, entry, w, x.dtype, cfg.wg, cfg.rr, src)
+    pipe = weight_pipeline(dev, entry, w, x.dtype, cfg.wg, cfg.rr, src, inplace=v4)
     op = Op(name=f"matmul[{w.label}]")
     for buf, (r0, rows) in zip(w.bufs, w.parts):
         groups = -(-rows // (cfg.wg * cfg.rr))
