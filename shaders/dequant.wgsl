@@ -14,7 +14,10 @@
 //   wquad(a) -> vec4<u32>              words a..a+3 (types whose blocks are whole vec4 words call it
 //                                      only at offsets that are multiples of 4 inside a block, so a
 //                                      kernel may read one aligned vec4 there)
-//   woct(a) -> array<vec4<u32>, 2>     words a..a+7 (the same alignment rule)
+//   woct(a) -> array<vec4<u32>, 2>     words a..a+7 (the same alignment rule; the 32-weight types
+//                                      read their block of 5, 6 or 9 words through it, the words
+//                                      past the block unused: past the last row, WebGPU's bounds
+//                                      rules keep the read in the buffer)
 //   wnib4(q, sh) -> vec4<f32>          the 4-bit quants of Q4_0 / Q4_1: the low (sh = 0) or high
 //                                      (sh = 4) nibbles of the bytes of q, as dq_nib4 gives them, or
 //                                      as dq_nib4_inplace does (component j scaled by 256^j, one
@@ -81,8 +84,8 @@ fn dq_q4_0_w(h: u32, q: vec4<u32>) -> WChunk {
 }
 
 fn dq_q4_0(base: u32, c: u32) -> WChunk {
-    let b = base + c * 5u;
-    return dq_q4_0_w(wword(b), wquad(b + 1u));
+    let o = woct(base + c * 5u);          // the block's 5 words, then 3 unused
+    return dq_q4_0_w(o[0].x, vec4<u32>(o[0].yzw, o[1].x));
 }
 
 // Q4_1, 20 B = 5 words per 32 as in GGUF: (d, m f16), qs[16] as Q4_0's. value = q d + m.
@@ -92,8 +95,8 @@ fn dq_q4_1_w(h: u32, q: vec4<u32>) -> WChunk {
 }
 
 fn dq_q4_1(base: u32, c: u32) -> WChunk {
-    let b = base + c * 5u;
-    return dq_q4_1_w(wword(b), wquad(b + 1u));
+    let o = woct(base + c * 5u);          // the block's 5 words, then 3 unused
+    return dq_q4_1_w(o[0].x, vec4<u32>(o[0].yzw, o[1].x));
 }
 
 // the 32 4-bit quants of qs[16] through the kernel's wnib4
@@ -112,17 +115,17 @@ fn dq_q8_0_w(h: u32, q0: vec4<u32>, q1: vec4<u32>) -> WChunk {
 
 fn dq_q8_0(base: u32, c: u32) -> WChunk {
     let b = base + c * 9u;
-    let q = woct(b + 1u);
-    return dq_q8_0_w(wword(b), q[0], q[1]);
+    let o = woct(b);
+    return dq_q8_0_w(o[0].x, vec4<u32>(o[0].yzw, o[1].x), vec4<u32>(o[1].yzw, wword(b + 8u)));
 }
 
 // Q5_0, 24 B = 6 words per 32: (d f16, pad), qh u32 (bit e: fifth bit of element e), qs[16] (low
 // nibbles elements 0..15, high 16..31). value = (q - 16) d.
 fn dq_q5_0(base: u32, c: u32) -> WChunk {
-    let b = base + c * 6u;
-    let d = unpack2x16float(wword(b)).x;
-    let h = wword(b + 1u);
-    let q = wquad(b + 2u);
+    let o = woct(base + c * 6u);          // the block's 6 words, then 2 unused
+    let d = unpack2x16float(o[0].x).x;
+    let h = o[0].y;
+    let q = vec4<u32>(o[0].zw, o[1].xy);
     return WChunk(array<vec4<f32>, 8>(
         dq_q5x4(q.x, 0u, h, 0u), dq_q5x4(q.y, 0u, h, 4u), dq_q5x4(q.z, 0u, h, 8u), dq_q5x4(q.w, 0u, h, 12u),
         dq_q5x4(q.x, 4u, h, 16u), dq_q5x4(q.y, 4u, h, 20u), dq_q5x4(q.z, 4u, h, 24u), dq_q5x4(q.w, 4u, h, 28u)),
@@ -131,10 +134,10 @@ fn dq_q5_0(base: u32, c: u32) -> WChunk {
 
 // Q5_1, 24 B = 6 words per 32 as in GGUF: (d, m f16), qh u32, qs[16]. value = q d + m.
 fn dq_q5_1(base: u32, c: u32) -> WChunk {
-    let b = base + c * 6u;
-    let dm = unpack2x16float(wword(b));
-    let h = wword(b + 1u);
-    let q = wquad(b + 2u);
+    let o = woct(base + c * 6u);          // the block's 6 words, then 2 unused
+    let dm = unpack2x16float(o[0].x);
+    let h = o[0].y;
+    let q = vec4<u32>(o[0].zw, o[1].xy);
     return WChunk(array<vec4<f32>, 8>(
         dq_q5x4(q.x, 0u, h, 0u), dq_q5x4(q.y, 0u, h, 4u), dq_q5x4(q.z, 0u, h, 8u), dq_q5x4(q.w, 0u, h, 12u),
         dq_q5x4(q.x, 4u, h, 16u), dq_q5x4(q.y, 4u, h, 20u), dq_q5x4(q.z, 4u, h, 24u), dq_q5x4(q.w, 4u, h, 28u)),
@@ -151,8 +154,8 @@ fn dq_iq4_nl_w(h: u32, q: vec4<u32>) -> WChunk {
 }
 
 fn dq_iq4_nl(base: u32, c: u32) -> WChunk {
-    let b = base + c * 5u;
-    return dq_iq4_nl_w(wword(b), wquad(b + 1u));
+    let o = woct(base + c * 5u);          // the block's 5 words, then 3 unused
+    return dq_iq4_nl_w(o[0].x, vec4<u32>(o[0].yzw, o[1].x));
 }
 
 // byte i (0..11) of the 12 scale bytes held in words 1..3 of a K-quant head h

@@ -53,8 +53,8 @@ def test_decode_every_type(device, qtype):
 
 @pytest.mark.parametrize("qtype", ["q4_1", "q8_0", "q4_k", "f16", "q5_0"])
 def test_gemm_every_family_of_type(device, qtype):
-    """The GEMM with own-file decodes (Q4_1, Q8_0, Q4_K, f16) and a dequant.wgsl one (Q5_0):
-    N = 70 and T = 65 (partial tiles both ways)."""
+    """The GEMM with a float row (f16) and dequant.wgsl decodes of each block shape (Q4_1, Q8_0,
+    Q4_K, Q5_0): N = 70 and T = 65 (partial tiles both ways)."""
     _check(device, qtype, 70, 256, 65, _act(qtype), mg.Gemm(64), row_invariant=True)
 
 
@@ -291,8 +291,8 @@ def _sg_variant(dev, rr=2, wg=64):
 @pytest.mark.parametrize("act", ["f32", "f16"])
 @pytest.mark.parametrize("qtype", SG_TYPES)
 def test_subgroup_decode_against_numpy(device, qtype, act):
-    """The decode kernel reducing its lanes with subgroup shuffles: own-file decodes and a
-    dequant.wgsl one (Q5_K), T = 1, 2, 5, 8, N = 37 (not a multiple of the rows per workgroup);
+    """The decode kernel reducing its lanes with subgroup shuffles: several weight types (Q5_K among
+    them), T = 1, 2, 5, 8, N = 37 (not a multiple of the rows per workgroup);
     the same bits as the workgroup-memory reduction of the same variant."""
     assert device.has_subgroups, "lavapipe and GPUs list the subgroups feature"
     v = _sg_variant(device)
