@@ -6,7 +6,7 @@
 // `dq_<qtype>(base, c) -> WChunk` decodes chunk c (32 weights, columns 32c..32c+31) of the row whose
 // first u32 word is `base` (GPU layout: kernels/qtypes.py), as quants q and affine scales s:
 // value[i] = q[i] * s.x + s.z for the first 16 weights (i < 4), q[i] * s.y + s.w for the next 16.
-// Types with 32-weight blocks of whole words (Q4_0, Q4_1, Q8_0, IQ4_NL) also have
+// Types with 32-weight blocks (Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, IQ4_NL) also have
 // `dq_<qtype>_w(words...)`, the decode of one block's words already loaded (the vec4 decode kernel
 // loads 4 rows' words itself and passes them).
 // The including kernel provides the struct WChunk and the weight readers
@@ -121,27 +121,32 @@ fn dq_q8_0(base: u32, c: u32) -> WChunk {
 
 // Q5_0, 24 B = 6 words per 32: (d f16, pad), qh u32 (bit e: fifth bit of element e), qs[16] (low
 // nibbles elements 0..15, high 16..31). value = (q - 16) d.
+fn dq_q5_0_w(h: u32, qh: u32, q: vec4<u32>) -> WChunk {
+    let d = unpack2x16float(h).x;
+    return WChunk(dq_q5x32(qh, q), vec4<f32>(d, d, -16.0 * d, -16.0 * d));
+}
+
 fn dq_q5_0(base: u32, c: u32) -> WChunk {
     let o = woct(base + c * 6u);          // the block's 6 words, then 2 unused
-    let d = unpack2x16float(o[0].x).x;
-    let h = o[0].y;
-    let q = vec4<u32>(o[0].zw, o[1].xy);
-    return WChunk(array<vec4<f32>, 8>(
-        dq_q5x4(q.x, 0u, h, 0u), dq_q5x4(q.y, 0u, h, 4u), dq_q5x4(q.z, 0u, h, 8u), dq_q5x4(q.w, 0u, h, 12u),
-        dq_q5x4(q.x, 4u, h, 16u), dq_q5x4(q.y, 4u, h, 20u), dq_q5x4(q.z, 4u, h, 24u), dq_q5x4(q.w, 4u, h, 28u)),
-        vec4<f32>(d, d, -16.0 * d, -16.0 * d));
+    return dq_q5_0_w(o[0].x, o[0].y, vec4<u32>(o[0].zw, o[1].xy));
 }
 
 // Q5_1, 24 B = 6 words per 32 as in GGUF: (d, m f16), qh u32, qs[16]. value = q d + m.
+fn dq_q5_1_w(h: u32, qh: u32, q: vec4<u32>) -> WChunk {
+    let dm = unpack2x16float(h);
+    return WChunk(dq_q5x32(qh, q), vec4<f32>(dm.x, dm.x, dm.y, dm.y));
+}
+
 fn dq_q5_1(base: u32, c: u32) -> WChunk {
     let o = woct(base + c * 6u);          // the block's 6 words, then 2 unused
-    let dm = unpack2x16float(o[0].x);
-    let h = o[0].y;
-    let q = vec4<u32>(o[0].zw, o[1].xy);
-    return WChunk(array<vec4<f32>, 8>(
+    return dq_q5_1_w(o[0].x, o[0].y, vec4<u32>(o[0].zw, o[1].xy));
+}
+
+// the 32 5-bit quants of Q5_0 / Q5_1: nibbles of qs[16], fifth bits from qh
+fn dq_q5x32(h: u32, q: vec4<u32>) -> array<vec4<f32>, 8> {
+    return array<vec4<f32>, 8>(
         dq_q5x4(q.x, 0u, h, 0u), dq_q5x4(q.y, 0u, h, 4u), dq_q5x4(q.z, 0u, h, 8u), dq_q5x4(q.w, 0u, h, 12u),
-        dq_q5x4(q.x, 4u, h, 16u), dq_q5x4(q.y, 4u, h, 20u), dq_q5x4(q.z, 4u, h, 24u), dq_q5x4(q.w, 4u, h, 28u)),
-        vec4<f32>(dm.x, dm.x, dm.y, dm.y));
+        dq_q5x4(q.x, 4u, h, 16u), dq_q5x4(q.y, 4u, h, 20u), dq_q5x4(q.z, 4u, h, 24u), dq_q5x4(q.w, 4u, h, 28u));
 }
 
 // IQ4_NL, 20 B = 5 words per 32: (d f16, pad), qs[16] (low nibbles 0..15, high 16..31).

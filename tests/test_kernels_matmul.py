@@ -15,6 +15,7 @@ from webgpu_engine.kernels import nn, nn_ref
 from webgpu_engine.kernels.matmul import (MIXED, QTYPES, MatmulConfig, NormOut, RopeKV, embedding, epilogue_ok,
                                           gpu_row_bytes, interleave_pairs, matmul, upload_vector, upload_weight)
 from webgpu_engine.kernels.matmul.layout import grid
+from webgpu_engine.kernels.qtypes import QTYPE
 
 from _matmul_util import NP, TOL, matmul_case, read_tensor, rel_err, upload_tensor
 
@@ -279,7 +280,7 @@ def test_decode_loop_and_unrolled_agree(device, qtype):
 
 
 @pytest.mark.parametrize("act", ["f32", "f16"])
-@pytest.mark.parametrize("qtype", ["q4_1", "q4_0", "q8_0"])
+@pytest.mark.parametrize("qtype", ["q4_1", "q4_0", "q8_0", "q5_0", "q5_1", "iq4_nl"])
 def test_decode_vec4_weights(device, qtype, act):
     """T = 1 through matmul_decode_v4.wgsl (weights read as vec4<u32> spans of 4 rows): rows not a
     multiple of 4 (the last span runs past the weight), rows 4 bytes (K = 544: 85 words for the
@@ -288,7 +289,7 @@ def test_decode_vec4_weights(device, qtype, act):
     match the reference."""
     cfg = MatmulConfig(v4=True)
     for n, k, rows_per_buf, pad in ((101, 544, None, 4), (50, 576, 13, 0)):
-        mb = rows_per_buf and rows_per_buf * k // 32 * {"q4_1": 20, "q4_0": 20, "q8_0": 36}[qtype]
+        mb = rows_per_buf and rows_per_buf * k // 32 * QTYPE[qtype].gpu_bytes
         w = check_matmul(device, qtype, n, k, 1, act, config=cfg, bias=True, accumulate=True, pad=pad,
                          max_binding=mb)
         assert len(w.bufs) == (1 if mb is None else 4)

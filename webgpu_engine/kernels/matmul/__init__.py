@@ -13,7 +13,8 @@ quantised type (DEQUANT_WGSL) `shaders/matmul_words.wgsl` plus the decode every 
 Weight types and their block geometry: `kernels/qtypes.py`.
 2 ≤ T ≤ 16 (a decode step of several sequences): `kernels/matmul_batch.py`.
 T = 1 on CPU adapters: `shaders/matmul_decode.wgsl` (the K loop unrolled by the host) and, for
-Q4_0/Q4_1/Q8_0, `shaders/matmul_decode_v4.wgsl` (the same, weights read as vec4<u32>).
+the 32-weight-block types (Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, IQ4_NL), `shaders/matmul_decode_v4.wgsl`
+(the same, weights read as vec4<u32>).
 Kernel families (`default_config`, one switch for every matmul): "cpu" — the kernels above, shaped
 by CPU Vulkan; "gpu" — kernels/matmul_gpu.py (coalesced decode, workgroup-tiled GEMM) for plain
 matmuls; "tuned" — per shape, what the adapter's profile (kernels/profiles.py, written by

@@ -77,8 +77,8 @@ def upload_weight(dev: Device, parts, qtype, n: int, k: int, *, owner: str, labe
                   max_binding: int | None = None, interleave: bool | None = None) -> QWeight:
     """Upload a (n, k) weight given as one or several byte buffers of whole rows concatenated along
     n (fused QKV or gate+up). `max_binding` (default: the device's limit) caps bytes per buffer.
-    `interleave` (default: as the device's MatmulConfig says) stores a single-buffer Q4_0/Q4_1/Q8_0
-    weight in interleaved 4-row spans (see MatmulConfig.interleave). `qtype`: the type of every
+    `interleave` (default: as the device's MatmulConfig says) stores a single-buffer weight of a
+    32-weight-block type (codegen.V4_BLOCK) in interleaved 4-row spans (see MatmulConfig.interleave). `qtype`: the type of every
     part, or a list with one type per part — K-quant files store some tensors of a fused matrix in
     a wider type (Q4_K_M: attn_v in Q6_K beside Q4_K attn_q / attn_k); parts of different types
     make a MIXED weight (see _upload_mixed)."""
