@@ -78,10 +78,11 @@ def upload_weight(dev: Device, parts, qtype, n: int, k: int, *, owner: str, labe
     """Upload a (n, k) weight given as one or several byte buffers of whole rows concatenated along
     n (fused QKV or gate+up). `max_binding` (default: the device's limit) caps bytes per buffer.
     `interleave` (default: as the device's MatmulConfig says) stores a single-buffer weight of a
-    32-weight-block type (codegen.V4_BLOCK) in interleaved 4-row spans (see MatmulConfig.interleave). `qtype`: the type of every
-    part, or a list with one type per part — K-quant files store some tensors of a fused matrix in
-    a wider type (Q4_K_M: attn_v in Q6_K beside Q4_K attn_q / attn_k); parts of different types
-    make a MIXED weight (see _upload_mixed)."""
+    32-weight-block type (codegen.V4_BLOCK) in interleaved 4-row spans (see
+    MatmulConfig.interleave). `qtype`: the type of every part, or a list with one type per part —
+    K-quant files store some tensors of a fused matrix in a wider type (Q4_K_M: attn_v in Q6_K
+    beside Q4_K attn_q / attn_k); parts of different types make a MIXED weight (see
+    _upload_mixed)."""
     if not isinstance(qtype, str):
         return _upload_mixed(dev, parts, list(qtype), n, k, owner=owner, label=label,
                              max_binding=max_binding, interleave=interleave)
