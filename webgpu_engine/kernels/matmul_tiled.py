@@ -83,8 +83,7 @@ def _pipeline(dev: Device, w: "QWeight", dtype: str, kblk: int, cfg: TiledConfig
         from .matmul.codegen import dequant_source      # the matmul package imports this module
         # dequant.wgsl's decode, expanded to plain values; its blocks are vec4-aligned (BA) when both
         # the block and the row are whole vec4 words
-        block_words = _SUPER_WORDS.get(qtype) or _CHUNK_WORDS[qtype]
-        aligned = block_words % 4 == 0 and row_words % 4 == 0
+        aligned = QTYPE[qtype].block_words % 4 == 0 and row_words % 4 == 0
         decode = (f"const BA: bool = {'true' if aligned else 'false'};\n{dequant_source(qtype)}"
                   f"fn wblock(base: u32, c: u32) -> array<vec4<f32>, 8> {{\n"
                   f"    return wvalues(wchunk(base, c));\n}}\n")

@@ -38,7 +38,7 @@ def dequant_source(qtype: str, inplace: bool = False) -> str:
 def weight_source(qtype: str, inplace: bool = False) -> tuple[str, str]:
     """(the file that declares the weight binding and reads it, the text that follows it in the
     header) for the row kernels: float rows' own file, or matmul_words.wgsl with dequant.wgsl."""
-    if qtype in DEQUANT_WGSL:
+    if QTYPE[qtype].quantized:
         return "matmul_words.wgsl", dequant_source(qtype, inplace)
     return f"matmul_{qtype}.wgsl", ""
 
