@@ -23,9 +23,9 @@ from array import array
 from dataclasses import dataclass, field
 
 from ..gpu import UNIFORM, Device
+from ..protocol.rules import MAX_TOP_LOGPROBS
 from .common import Op, Tensor, act_header, check
 
-MAX_TOP_LOGPROBS = 5
 CANDIDATES = 1024          # CAP in the shader: top-k/top-p candidate set size
 IO_WORDS = 32
 NPART = 1024               # NPART in the shader: partial argmaxes of the barrier-free greedy path

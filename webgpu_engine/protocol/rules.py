@@ -25,7 +25,7 @@ from .errors import (ContentTypeError, DependencyError, EmbeddingInputEmptyError
                      UnsupportedFieldsError, UnsupportedRoleError)
 
 ROLES = ("system", "user", "assistant", "tool")
-MAX_TOP_LOGPROBS = 5
+MAX_TOP_LOGPROBS = 5              # also the GPU sampler's (kernels/sampling.py; 5 slots in sampling.wgsl)
 # Temperatures in (0, 1e-5) mean greedy decoding (as vLLM treats them): the sampler divides logits
 # by the temperature in float32, where 1/1e-39 overflows, and such a temperature is greedy anyway.
 GREEDY_TEMPERATURE = 1e-5
