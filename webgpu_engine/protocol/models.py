@@ -152,6 +152,19 @@ FinishReason = Literal["stop", "length", "tool_calls", "abort"]
 
 
 # --------------------------------------------------------------------------- chat responses
+class _Response(_Model):
+    """The fields of every chat / completion response and chunk, in OpenAI's order; a subclass
+    narrows `object` to its literal and `choices` to its choice type (pydantic keeps an overridden
+    field where the base declares it)."""
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list
+    usage: Optional[CompletionUsage] = None
+    system_fingerprint: Optional[str] = None
+
+
 class ChatCompletionMessage(_Model):
     role: Literal["assistant"] = "assistant"
     content: Optional[str] = None
@@ -165,14 +178,9 @@ class ChatCompletionChoice(_Model):
     logprobs: Optional[ChoiceLogprobs] = None
 
 
-class ChatCompletion(_Model):
-    id: str
+class ChatCompletion(_Response):
     object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
     choices: list[ChatCompletionChoice]
-    usage: Optional[CompletionUsage] = None
-    system_fingerprint: Optional[str] = None
 
 
 class ChoiceDelta(_Model):
@@ -188,14 +196,9 @@ class ChatCompletionChunkChoice(_Model):
     logprobs: Optional[ChoiceLogprobs] = None
 
 
-class ChatCompletionChunk(_Model):
-    id: str
+class ChatCompletionChunk(_Response):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
     choices: list[ChatCompletionChunkChoice]
-    usage: Optional[CompletionUsage] = None
-    system_fingerprint: Optional[str] = None
 
 
 # --------------------------------------------------------------------------- completions
@@ -206,14 +209,9 @@ class CompletionChoice(_Model):
     logprobs: Optional[CompletionLogprobs] = None
 
 
-class Completion(_Model):
-    id: str
+class Completion(_Response):
     object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
     choices: list[CompletionChoice]
-    usage: Optional[CompletionUsage] = None
-    system_fingerprint: Optional[str] = None
 
 
 # --------------------------------------------------------------------------- embeddings
