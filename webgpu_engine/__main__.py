@@ -1,4 +1,4 @@
-"""`python -m webgpu_engine ...`: the command line (see cli.py)."""
+"""`python -m webgpu_engine ...`: the command line (see cli/)."""
 from .cli import main
 
 if __name__ == "__main__":

@@ -30,29 +30,29 @@ def add_subcommand(sub, default_model: str) -> None:
 
 async def _load(dev, path, dtype: str):
     """The model's pipeline (chat or embedding), loaded as the tuned family will run it."""
-    from .config import ChatConfig
-    from .models.registry import open_model
+    from ..config import ChatConfig
+    from ..models.registry import open_model
     m = open_model(path)
     kind = m.kind
     m.close()
     if kind == "llm":
-        from .pipelines.llm import LLMChatPipeline
+        from ..pipelines.llm import LLMChatPipeline
         pipe = await LLMChatPipeline.load(dev, path, ChatConfig(dtype=dtype, context_window_size=256,
                                                                 prefill_chunk_size=64, tune_kernels="off"))
     else:
-        from .pipelines.embedding import EmbeddingPipeline
+        from ..pipelines.embedding import EmbeddingPipeline
         pipe = await EmbeddingPipeline.load(dev, path, ChatConfig(dtype=dtype, tune_kernels="off"))
     return kind, pipe
 
 
 def cmd_tune(args) -> int:
-    from . import gpu
-    from .engine.references import resolve_model_reference
-    from .kernels import matmul as mm, profiles, tune
+    from .. import gpu
+    from ..engine.references import resolve_model_reference
+    from ..kernels import matmul as mm, profiles, tune
     # the weights are laid out as the tuned family loads them
     os.environ[mm.FAMILY_ENV] = "tuned"
     dev = gpu.request_device_sync(adapter_name=args.adapter)
-    from .cache import fetch_model_sync, known_models
+    from ..cache import fetch_model_sync, known_models
     # a built-in id comes from the artifact cache; any other reference resolves as `chat --model` does
     path = fetch_model_sync(args.model) if args.model in known_models() else \
         resolve_model_reference(args.model).model
