@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from webgpu_engine.engine.kv_pool import SKIP_SLOT, KVPool
+from webgpu_engine.models.kv_pool import SKIP_SLOT, KVPool
 from webgpu_engine.kernels import attention_paged as ap
 from webgpu_engine.kernels import nn, nn_ref
 

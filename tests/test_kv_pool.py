@@ -1,4 +1,4 @@
-"""The paged KV cache's block pool (engine/kv_pool.py, no GPU): allocation and reference counts,
+"""The paged KV cache's block pool (models/kv_pool.py, no GPU): allocation and reference counts,
 prefix sharing through the hash chain, LRU eviction, preemption; hypothesis drives random
 schedules and checks the invariants after every step."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from webgpu_engine.engine.kv_pool import SKIP_SLOT, KVPool, PoolExhaustedError, block_hash, kv_bytes_per_token
+from webgpu_engine.models.kv_pool import SKIP_SLOT, KVPool, PoolExhaustedError, block_hash, kv_bytes_per_token
 
 
 def _run(pool, seq, tokens):
@@ -212,5 +212,5 @@ def test_imports_without_compiled_dependencies():
     import subprocess
     import sys
     code = ("import sys\nfor m in ('numpy', 'wgpu'): sys.modules[m] = None\n"
-            "import webgpu_engine.engine.kv_pool, webgpu_engine.kernels.attention_paged\n")
+            "import webgpu_engine.models.kv_pool, webgpu_engine.kernels.attention_paged\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

@@ -4,7 +4,7 @@ attention over per-sequence block tables (split-key + combine, or one dispatch w
 few) and chunked-prefill attention of one sequence.
 
 The pool of a layer is two tensors (n_blocks, block_size, Hkv, D), K and V, in the activation dtype;
-engine/kv_pool.py decides which blocks a sequence owns. Per-step values live in small u32 buffers
+models/kv_pool.py decides which blocks a sequence owns. Per-step values live in small u32 buffers
 the caller rewrites each step, so ops are built once: `slots` (T,) pool rows for the KV write
 (block * block_size + offset, 0xffffffff = skip), `lens` (S,) keys per decoding sequence (0 = idle
 slot) with `tables` (S, max_blocks) block ids, and for prefill the usual `step` (pos0, n_new, ., .)

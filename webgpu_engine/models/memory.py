@@ -59,7 +59,7 @@ def estimate_llm(cfg, tensors: dict, *, context_window: int, prefill_chunk: int,
     """A Llama-family decoder as models/llama.py + the sampler allocate it. `tensors`: our weight names
     → TensorInfo (only names, qtypes and shapes are used). The context window is clamped to the
     model's trained length, as the model does. With max_num_sequences > 1 the paged KV pool of the
-    batch scheduler (pipelines/scheduler.py; engine/kv_pool.pool_blocks), its logits rows and per-slot
+    batch scheduler (pipelines/scheduler.py; pool_blocks), its logits rows and per-slot
     samplers come on top."""
     esz = 2 if act_dtype == "f16" else 4
     limit = cfg.context_length if cfg.context_length > 0 else context_window

@@ -29,7 +29,7 @@ import itertools
 import struct
 
 from ..config import GenerationConfig
-from ..engine.kv_pool import KVPool, PoolExhaustedError
+from ..models.kv_pool import KVPool, PoolExhaustedError
 from ..errors import ContextWindowTooLargeError
 from ..kernels import attention_paged as ap
 from ..kernels import nn
