@@ -155,6 +155,101 @@ def eog_ids(metadata: dict) -> list[int]:
     return list(dict.fromkeys(out))
 
 
+def hf_vocab(spec: dict, tok_cfg: dict | None, type_of=lambda t: TOKEN_NORMAL):
+    """What a Hugging Face `tokenizer.json` (and its `tokenizer_config.json`) says of the vocabulary:
+    (tokens, types, ids) with `type_of(text)` the type of a model-vocab token (added tokens: control
+    if special, else user-defined) and `ids` the constructor's bos_id, unk_id, pad_id and
+    add_bos_token plus `eos`, the eos_token's id (None if absent) then every control token named
+    like an end of generation."""
+    model = spec.get("model") or {}
+    vocab: dict[str, int] = model.get("vocab") or {}
+    added = spec.get("added_tokens") or []
+    size = max([*vocab.values(), *(t["id"] for t in added)], default=-1) + 1
+    tokens, types = [""] * size, [TOKEN_UNUSED] * size
+    for t, i in vocab.items():
+        tokens[i], types[i] = t, type_of(t)
+    for t in added:
+        tokens[t["id"]] = t["content"]
+        types[t["id"]] = TOKEN_CONTROL if t.get("special") else TOKEN_USER_DEFINED
+    tok_cfg = tok_cfg or {}
+
+    def tid(key):
+        v = tok_cfg.get(key)
+        v = v.get("content") if isinstance(v, dict) else v
+        return tokens.index(v) if v in tokens else None
+    bos = tid("bos_token")
+    post = spec.get("post_processor") or {}
+    single = post.get("single") or []      # TemplateProcessing that starts with a special token
+    first = single[0].get("SpecialToken", {}).get("id") if single else None
+    add_bos = bool(tok_cfg.get("add_bos_token", False)) or (bos is not None and first == tokens[bos])
+    eos = [tid("eos_token")] + [i for i, (t, ty) in enumerate(zip(tokens, types))
+                                if ty == TOKEN_CONTROL and t in EOG_TEXTS]
+    unk = model.get("unk_token")
+    return tokens, types, dict(bos_id=bos, eos=eos, unk_id=vocab.get(unk) if unk else None,
+                               pad_id=tid("pad_token"), add_bos_token=add_bos)
+
+
+class VocabTokenizer:
+    """What the byte-level BPE and SentencePiece tokenizers share: the vocabulary's special tokens
+    (matched whole in the text, skipped by decode on request), encode's loop over the runs between
+    them, the per-id byte cache and the lookups. A subclass sets tokens, token_types, vocab,
+    bos_id, eos_ids, add_bos_token, calls `_init_specials()`, and supplies `_encode_run(text, ids,
+    at_start)` and `_piece_bytes(token, type)`."""
+
+    def _init_specials(self) -> None:
+        specials = [t for t, ty in zip(self.tokens, self.token_types)
+                    if ty in (TOKEN_CONTROL, TOKEN_USER_DEFINED) and t]
+        self.special_ids = {self.vocab[t] for t in specials}
+        self._special_re = special_pattern(specials)
+        self._token_bytes: dict[int, bytes] = {}
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def eos_id(self) -> int | None:
+        return self.eos_ids[0] if self.eos_ids else None
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.vocab.get(token)
+
+    def id_to_token(self, token_id: int) -> str:
+        return self.tokens[token_id]
+
+    @property
+    def special_regex(self) -> re.Pattern | None:
+        """Matches the texts of the special (control and user-defined) tokens, longest first."""
+        return self._special_re
+
+    def encode(self, text: str, add_special_tokens: bool = False, parse_special: bool = True) -> list[int]:
+        """Token ids of `text`; with add_special_tokens, BOS is prepended when the model asks for it.
+        parse_special=False: special-token texts in `text` are ordinary text (user content)."""
+        ids: list[int] = []
+        if add_special_tokens and self.add_bos_token and self.bos_id is not None:
+            ids.append(self.bos_id)
+        for start, piece, special in split_special(text, self._special_re if parse_special else None):
+            if special:
+                ids.append(self.vocab[piece])
+            else:
+                self._encode_run(piece, ids, start == 0)
+        return ids
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """Raw bytes of one token (cached; the subclass's `_piece_bytes` spells them)."""
+        b = self._token_bytes.get(token_id)
+        if b is None:
+            if not 0 <= token_id < len(self.tokens):
+                raise ValueError(f"token id {token_id} is outside the vocabulary (size {len(self.tokens)})")
+            b = self._token_bytes[token_id] = self._piece_bytes(self.tokens[token_id], self.token_types[token_id])
+        return b
+
+    def _decode_text(self, ids, skip_special_tokens: bool) -> str:
+        parts = [self.token_bytes(int(i)) for i in ids
+                 if not (skip_special_tokens and int(i) in self.special_ids)]
+        return b"".join(parts).decode("utf-8", "replace")
+
+
 def _merge_scan(parts: list[str], ranks: dict) -> list[str]:
     """GPT-2's loop: merge every occurrence of the best-ranked pair, left to right, until none is left.
     O(n^2) in the piece length, fastest for the short pieces of ordinary text."""
@@ -211,7 +306,7 @@ def _merge_heap(parts: list[str], ranks: dict) -> list[str]:
     return [t for t in sym if t is not None]
 
 
-class BPETokenizer:
+class BPETokenizer(VocabTokenizer):
     """Byte-level BPE. `encode(text)` adds no BOS (see `add_bos_token`); special tokens in the text
     are matched whole. `token_bytes(id)` gives the raw bytes of one token (a token may hold part of
     a UTF-8 character), for incremental detokenizers."""
@@ -244,12 +339,8 @@ class BPETokenizer:
         self.add_bos_token = add_bos_token
         self._byte_enc = bytes_to_unicode()
         self._byte_dec = {c: b for b, c in self._byte_enc.items()}
-        specials = [t for t, ty in zip(self.tokens, self.token_types)
-                    if ty in (TOKEN_CONTROL, TOKEN_USER_DEFINED) and t]
-        self.special_ids = {self.vocab[t] for t in specials}
-        self._special_re = special_pattern(specials)
+        self._init_specials()
         self._bpe = functools.lru_cache(maxsize=cache_size)(self._bpe_word)
-        self._token_bytes: dict[int, bytes] = {}
 
     @classmethod
     def from_gguf_metadata(cls, md: dict) -> "BPETokenizer":
@@ -272,45 +363,12 @@ class BPETokenizer:
     def from_tokenizer_json(cls, spec: dict, tok_cfg: dict | None = None) -> "BPETokenizer":
         """From a Hugging Face `tokenizer.json` (byte-level BPE) and its `tokenizer_config.json`."""
         model = spec.get("model") or {}
-        vocab: dict[str, int] = model.get("vocab") or {}
-        added = spec.get("added_tokens") or []
-        size = max([*vocab.values(), *(t["id"] for t in added)], default=-1) + 1
-        tokens, types = [""] * size, [TOKEN_UNUSED] * size
-        for t, i in vocab.items():
-            tokens[i], types[i] = t, TOKEN_NORMAL
-        for t in added:
-            tokens[t["id"]] = t["content"]
-            types[t["id"]] = TOKEN_CONTROL if t.get("special") else TOKEN_USER_DEFINED
+        tokens, types, ids = hf_vocab(spec, tok_cfg)
         pattern, split_digits = _hf_pre_tokenizer(spec.get("pre_tokenizer"))
-        tok_cfg = tok_cfg or {}
-
-        def tid(key):
-            v = tok_cfg.get(key)
-            v = v.get("content") if isinstance(v, dict) else v
-            return tokens.index(v) if v in tokens else None
-        eos = [tid("eos_token")] + [i for i, (t, ty) in enumerate(zip(tokens, types))
-                                    if ty == TOKEN_CONTROL and t in EOG_TEXTS]
-        bos = tid("bos_token")
-        post = spec.get("post_processor") or {}
-        single = post.get("single") or []      # TemplateProcessing that starts with a special token
-        first = single[0].get("SpecialToken", {}).get("id") if single else None
-        add_bos = bool(tok_cfg.get("add_bos_token", False)) or (bos is not None and first == tokens[bos])
-        unk = model.get("unk_token")
+        eos = ids.pop("eos")
         return cls(tokens, model.get("merges") or [], types, pre="tokenizer.json", pattern=pattern,
-                   split_digits=split_digits, bos_id=bos, eos_ids=[i for i in eos if i is not None],
-                   unk_id=vocab.get(unk) if unk else None, pad_id=tid("pad_token"), add_bos_token=add_bos,
-                   ignore_merges=bool(model.get("ignore_merges", False)))
-
-    @property
-    def vocab_size(self) -> int:
-        return len(self.tokens)
-
-    @property
-    def eos_id(self) -> int | None:
-        return self.eos_ids[0] if self.eos_ids else None
-
-    def token_to_id(self, token: str) -> int | None:
-        return self.vocab.get(token)
+                   split_digits=split_digits, eos_ids=[i for i in eos if i is not None],
+                   ignore_merges=bool(model.get("ignore_merges", False)), **ids)
 
     # ------------------------------------------------------------------ encode
     def pre_tokenize(self, text: str) -> list[str]:
@@ -342,57 +400,27 @@ class BPETokenizer:
             ids.append(i)
         return tuple(ids)
 
-    @property
-    def special_regex(self) -> re.Pattern | None:
-        """Matches the texts of the special (control and user-defined) tokens, longest first."""
-        return self._special_re
-
-    def encode(self, text: str, add_special_tokens: bool = False, parse_special: bool = True) -> list[int]:
-        """Token ids of `text`; with add_special_tokens, BOS is prepended when the model asks for it.
-        parse_special=False: special-token texts in `text` are ordinary text (user content)."""
-        ids: list[int] = []
-        if add_special_tokens and self.add_bos_token and self.bos_id is not None:
-            ids.append(self.bos_id)
-        for _, piece, special in split_special(text, self._special_re if parse_special else None):
-            if special:
-                ids.append(self.vocab[piece])
-            else:
-                self._encode_plain(piece, ids)
-        return ids
-
-    def _encode_plain(self, text: str, ids: list[int]) -> None:
+    def _encode_run(self, text: str, ids: list[int], at_start: bool = True) -> None:
+        """One run of text between special tokens (where it stands does not matter to BPE)."""
         bpe = self._bpe
         for piece in self.pre_tokenize(text):
             ids.extend(bpe(piece))
 
     # ------------------------------------------------------------------ decode
-    def token_bytes(self, token_id: int) -> bytes:
+    def _piece_bytes(self, tok: str, ty: int) -> bytes:
         """Raw bytes of one token (special tokens: their text)."""
-        b = self._token_bytes.get(token_id)
-        if b is None:
-            if not 0 <= token_id < len(self.tokens):
-                raise ValueError(f"token id {token_id} is outside the vocabulary (size {len(self.tokens)})")
-            tok, ty = self.tokens[token_id], self.token_types[token_id]
-            if ty in (TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNKNOWN, TOKEN_UNUSED):
-                b = tok.encode("utf-8")
-            elif ty == TOKEN_BYTE and len(tok) == 6 and tok.startswith("<0x"):
-                b = bytes([int(tok[3:5], 16)])
-            else:
-                dec = self._byte_dec
-                try:
-                    b = bytes(dec[c] for c in tok)
-                except KeyError:                 # not in the byte alphabet: take the text as is
-                    b = tok.encode("utf-8")
-            self._token_bytes[token_id] = b
-        return b
+        if ty in (TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNKNOWN, TOKEN_UNUSED):
+            return tok.encode("utf-8")
+        if ty == TOKEN_BYTE and len(tok) == 6 and tok.startswith("<0x"):
+            return bytes([int(tok[3:5], 16)])
+        dec = self._byte_dec
+        try:
+            return bytes(dec[c] for c in tok)
+        except KeyError:                         # not in the byte alphabet: take the text as is
+            return tok.encode("utf-8")
 
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
-        parts = [self.token_bytes(int(i)) for i in ids
-                 if not (skip_special_tokens and int(i) in self.special_ids)]
-        return b"".join(parts).decode("utf-8", "replace")
-
-    def id_to_token(self, token_id: int) -> str:
-        return self.tokens[token_id]
+        return self._decode_text(ids, skip_special_tokens)
 
     def __repr__(self) -> str:
         return f"BPETokenizer(vocab={self.vocab_size}, merges={len(self.ranks)}, pre={self.pre!r})"

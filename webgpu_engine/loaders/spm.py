@@ -14,16 +14,14 @@ as `tokenizers` does. Standard library only.
 from __future__ import annotations
 
 import heapq
-import re
 
 from ..errors import ModelFormatError, UnsupportedModelError
-from .special_text import special_pattern, split_special
-from .bpe import TOKEN_BYTE, TOKEN_CONTROL, TOKEN_NORMAL, TOKEN_USER_DEFINED, eog_ids
+from .bpe import TOKEN_BYTE, TOKEN_CONTROL, TOKEN_NORMAL, VocabTokenizer, eog_ids, hf_vocab
 
 SPACE = "\u2581"          # ▁
 
 
-class SPMTokenizer:
+class SPMTokenizer(VocabTokenizer):
     """Same interface as loaders.bpe.BPETokenizer (encode, decode, token_bytes, special ids)."""
 
     def __init__(self, tokens: list[str], scores: list[float], token_types: list[int] | None = None, *,
@@ -50,11 +48,7 @@ class SPMTokenizer:
         self.add_bos_token, self.add_space_prefix = add_bos_token, add_space_prefix
         self.ranks, self.prefix_first_only, self.metaspace = ranks, prefix_first_only, metaspace
         self.pre = "spm"
-        specials = [t for t, ty in zip(self.tokens, self.token_types)
-                    if ty in (TOKEN_CONTROL, TOKEN_USER_DEFINED) and t]
-        self.special_ids = {self.vocab[t] for t in specials}
-        self._special_re = special_pattern(specials)
-        self._token_bytes: dict[int, bytes] = {}
+        self._init_specials()
 
     @classmethod
     def from_gguf_metadata(cls, md: dict) -> "SPMTokenizer":
@@ -79,71 +73,19 @@ class SPMTokenizer:
         """From a Hugging Face tokenizer.json whose model is BPE with byte_fallback (Llama-2,
         Mistral, Phi-3, Gemma folders): ▁ spaces by a Prepend/Replace normalizer or a Metaspace
         pre-tokenizer."""
-        from .bpe import TOKEN_UNUSED, EOG_TEXTS
         model = spec.get("model") or {}
-        vocab: dict[str, int] = model.get("vocab") or {}
-        added = spec.get("added_tokens") or []
-        size = max([*vocab.values(), *(t["id"] for t in added)], default=-1) + 1
-        tokens, types = [""] * size, [TOKEN_UNUSED] * size
-        for t, i in vocab.items():
-            tokens[i] = t
-            types[i] = TOKEN_BYTE if len(t) == 6 and t.startswith("<0x") and t.endswith(">") else TOKEN_NORMAL
-        for t in added:
-            tokens[t["id"]] = t["content"]
-            types[t["id"]] = TOKEN_CONTROL if t.get("special") else TOKEN_USER_DEFINED
+        tokens, types, ids = hf_vocab(spec, tok_cfg, lambda t: TOKEN_BYTE if len(t) == 6 and t.startswith("<0x")
+                                      and t.endswith(">") else TOKEN_NORMAL)
         ranks = {}
         for r, m in enumerate(model.get("merges") or []):
             a, b = m.split(" ", 1) if isinstance(m, str) else m
             ranks.setdefault((a, b), r)
         prefix, first_only, metaspace = _space_prefix(spec)
-        tok_cfg = tok_cfg or {}
-
-        def tid(key):
-            v = tok_cfg.get(key)
-            v = v.get("content") if isinstance(v, dict) else v
-            return tokens.index(v) if v in tokens else None
-        bos = tid("bos_token")
-        post = spec.get("post_processor") or {}
-        single = post.get("single") or []
-        first = single[0].get("SpecialToken", {}).get("id") if single else None
-        add_bos = bool(tok_cfg.get("add_bos_token", False)) or (bos is not None and first == tokens[bos])
-        eos = [tid("eos_token")] + [i for i, (t, ty) in enumerate(zip(tokens, types))
-                                    if ty == TOKEN_CONTROL and t in EOG_TEXTS]
-        unk = model.get("unk_token")
-        return cls(tokens, [0.0] * size, types, bos_id=bos, eos_ids=[i for i in dict.fromkeys(eos) if i is not None],
-                   unk_id=vocab.get(unk) if unk else None, pad_id=tid("pad_token"), add_bos_token=add_bos,
-                   add_space_prefix=prefix, ranks=ranks, prefix_first_only=first_only, metaspace=metaspace)
-
-    @property
-    def vocab_size(self) -> int:
-        return len(self.tokens)
-
-    @property
-    def eos_id(self) -> int | None:
-        return self.eos_ids[0] if self.eos_ids else None
-
-    def token_to_id(self, token: str) -> int | None:
-        return self.vocab.get(token)
-
-    @property
-    def special_regex(self) -> re.Pattern | None:
-        """Matches the texts of the special (control and user-defined) tokens, longest first."""
-        return self._special_re
+        eos = ids.pop("eos")
+        return cls(tokens, [0.0] * len(tokens), types, eos_ids=[i for i in dict.fromkeys(eos) if i is not None],
+                   add_space_prefix=prefix, ranks=ranks, prefix_first_only=first_only, metaspace=metaspace, **ids)
 
     # ------------------------------------------------------------------ encode
-    def encode(self, text: str, add_special_tokens: bool = False, parse_special: bool = True) -> list[int]:
-        """Token ids of `text`; with add_special_tokens, BOS is prepended when the model asks for it.
-        parse_special=False: special-token texts in `text` are ordinary text (user content)."""
-        ids: list[int] = []
-        if add_special_tokens and self.add_bos_token and self.bos_id is not None:
-            ids.append(self.bos_id)
-        for start, piece, special in split_special(text, self._special_re if parse_special else None):
-            if special:
-                ids.append(self.vocab[piece])
-            else:
-                self._encode_run(piece, ids, start == 0)
-        return ids
-
     def _encode_run(self, text: str, ids: list[int], at_start: bool = True) -> None:
         """One run of text between special tokens (llama.cpp: a space before each such run)."""
         if self.add_space_prefix and (at_start or not self.prefix_first_only) \
@@ -195,27 +137,17 @@ class SPMTokenizer:
             i = nxt[i]
 
     # ------------------------------------------------------------------ decode
-    def token_bytes(self, token_id: int) -> bytes:
+    def _piece_bytes(self, tok: str, ty: int) -> bytes:
         """Raw bytes of one token: `▁` as a space, `<0xNN>` as its byte, special tokens as their text."""
-        b = self._token_bytes.get(token_id)
-        if b is None:
-            if not 0 <= token_id < len(self.tokens):
-                raise ValueError(f"token id {token_id} is outside the vocabulary (size {len(self.tokens)})")
-            tok, ty = self.tokens[token_id], self.token_types[token_id]
-            if ty == TOKEN_BYTE and len(tok) == 6 and tok.startswith("<0x"):
-                b = bytes([int(tok[3:5], 16)])
-            elif ty in (TOKEN_NORMAL, 0):
-                b = tok.replace(SPACE, " ").encode("utf-8")
-            else:
-                b = tok.encode("utf-8")
-            self._token_bytes[token_id] = b
-        return b
+        if ty == TOKEN_BYTE and len(tok) == 6 and tok.startswith("<0x"):
+            return bytes([int(tok[3:5], 16)])
+        if ty in (TOKEN_NORMAL, 0):
+            return tok.replace(SPACE, " ").encode("utf-8")
+        return tok.encode("utf-8")
 
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
         """Text of ids; the space the encoder put in front is dropped again (as sentencepiece does)."""
-        parts = [self.token_bytes(int(i)) for i in ids
-                 if not (skip_special_tokens and int(i) in self.special_ids)]
-        text = b"".join(parts).decode("utf-8", "replace")
+        text = self._decode_text(ids, skip_special_tokens)
         return text[1:] if self.add_space_prefix and text.startswith(" ") else text
 
     @property
@@ -224,9 +156,6 @@ class SPMTokenizer:
         streamed reply drops its first token's too (pipelines/detokenizer.py), as transformers'
         decode of the reply's ids does."""
         return self.add_space_prefix
-
-    def id_to_token(self, token_id: int) -> str:
-        return self.tokens[token_id]
 
     def __repr__(self) -> str:
         return f"SPMTokenizer(vocab={self.vocab_size}, add_space_prefix={self.add_space_prefix})"
