@@ -1,0 +1,89 @@
+"""Host functions of RoPE and the KV-cache write (shaders/rope.wgsl): the frequency table,
+rope in place on q and k heads, kv_write into the contiguous caches, and rope_kv (both fused, the
+decode path). Positions come from the `step` buffer, so an op built once stays right while the
+context grows.
+"""
+from __future__ import annotations
+
+import struct
+
+from ..gpu import Buffer, Device
+from ..gpu.shaders import load_shader_source
+from .common import Op, Tensor, act_header, check, params
+from .nn_base import _act, _op, _qkv_heads, _step_entry, _window
+
+
+def rope_frequencies(dev: Device, rot_dim: int, base: float, *, owner: str, factors=None) -> Buffer:
+    """The f32 table of rot_dim/2 RoPE frequencies base^(-2i/rot_dim) that rope kernels bind, each
+    divided by `factors[i]` when given (RoPE scaling: Llama 3.1+'s rope_freqs, linear scaling)."""
+    # Computed on the host in float64 and rounded once, so every device (and the numpy reference)
+    # multiplies the same f32 frequencies: at pos ~4000 a 1-ulp frequency error moves the angle 2e-4.
+    half = rot_dim // 2
+    check(factors is None or len(factors) == half, "rope", f"need {half} frequency factors")
+    vals = [float(base) ** (-(2.0 * i) / rot_dim) / (float(factors[i]) if factors else 1.0)
+            for i in range(half)] or [0.0]
+    return dev.upload(struct.pack(f"<{len(vals)}f", *vals), owner=owner, label="rope.inv_freq")
+
+
+def _rope_op(dev, k, entry, qkv, step, *, h_lo, n_h, n_rot, head_dim, rot_dim, base, neox,
+             k_lo=0, n_kv=0, ctx=0, caches=None, factors=None, mscale=1.0) -> Op:
+    dt = _act(k, qkv, *(caches or ()))
+    rows, heads = _qkv_heads(k, qkv, head_dim)
+    check(head_dim % 2 == 0 and rot_dim % 2 == 0 and 0 <= rot_dim <= head_dim, k,
+          f"need even rot_dim <= head_dim, got rot_dim={rot_dim} head_dim={head_dim}")
+    check(not neox or rot_dim % 4 == 0, k, f"neox rope needs rot_dim % 4 == 0, got {rot_dim}")
+    check(h_lo + n_h <= heads, k, f"heads [{h_lo}, {h_lo + n_h}) exceed the {heads} heads of a qkv row")
+    owner = qkv.buf.owner
+    qe, qo = _window(dev, qkv, k, 2)
+    entries = [_step_entry(step), qe]
+    kco = vco = 0
+    if entry != "kv_write":
+        freq = rope_frequencies(dev, rot_dim, base, owner=owner, factors=factors)
+        entries.append((freq, 0, freq.size))
+    if caches is not None:
+        for c in caches:
+            check(c.numel == n_kv * ctx * head_dim, k,
+                  f"cache {c.shape} must be (Hkv={n_kv}, ctx={ctx}, D={head_dim})")
+        (ke, kco), (ve, vco) = _window(dev, caches[0], k, 2), _window(dev, caches[1], k, 2)
+        entries += [ke, ve]
+    half = rot_dim // 2
+    # units per head: vec2 pairs, except that a neox head's rotated part goes in quads
+    units = half // 2 + (head_dim - rot_dim) // 2 if neox else head_dim // 2
+    par = params(dev, [rows, heads, head_dim // 2, half, h_lo, n_h, n_rot, int(bool(neox)),
+                       k_lo, n_kv, ctx, qo, kco, vco, units, float(mscale)], owner=owner, label=k)
+    op = _op(dev, k, "rope.wgsl", entry, act_header(dt) + load_shader_source("sincos.wgsl"), par, entries,
+             rows * n_h * units)
+    if entry != "kv_write":
+        op.buffers.append(freq)
+    return op
+
+
+def rope(dev: Device, qkv: Tensor, step, *, n_heads: int, head_dim: int, rot_dim: int | None = None,
+         base: float = 10000.0, neox: bool = False, factors=None, mscale: float = 1.0) -> Op:
+    """Rotates, in place, the first `n_heads` heads (q then k) of each row of qkv (T, H_all, D);
+    row t has position step.pos0 + t (step[3] = S > 0: pos0 + t % S, for B padded sequences of S rows). neox=False: adjacent pairs (GGUF llama layout); True: half split.
+    `factors`: RoPE scaling, frequency i divided by factors[i] (see rope_frequencies); `mscale`:
+    the rotated values multiplied by it (longrope's attention factor)."""
+    rot = head_dim if rot_dim is None else rot_dim
+    return _rope_op(dev, "rope", "rope", qkv, step, h_lo=0, n_h=n_heads, n_rot=n_heads,
+                    head_dim=head_dim, rot_dim=rot, base=base, neox=neox, factors=factors, mscale=mscale)
+
+
+def kv_write(dev: Device, qkv: Tensor, k_cache: Tensor, v_cache: Tensor, step, *, n_q_heads: int,
+             n_kv_heads: int, head_dim: int, ctx: int) -> Op:
+    """Copies the k and v heads of qkv rows (T, Hq+2Hkv, D) into caches (Hkv, ctx, D) at rows pos0+t."""
+    return _rope_op(dev, "kv_write", "kv_write", qkv, step, h_lo=n_q_heads, n_h=2 * n_kv_heads,
+                    n_rot=0, head_dim=head_dim, rot_dim=0, base=1.0, neox=False, k_lo=n_q_heads,
+                    n_kv=n_kv_heads, ctx=ctx, caches=(k_cache, v_cache))
+
+
+def rope_kv(dev: Device, qkv: Tensor, k_cache: Tensor, v_cache: Tensor, step, *, n_q_heads: int,
+            n_kv_heads: int, head_dim: int, ctx: int, rot_dim: int | None = None,
+            base: float = 10000.0, neox: bool = False, factors=None, mscale: float = 1.0) -> Op:
+    """rope on the q and k heads followed by kv_write, fused into one dispatch (the decode path)."""
+    rot = head_dim if rot_dim is None else rot_dim
+    n_rot = n_q_heads + n_kv_heads
+    return _rope_op(dev, "rope_kv", "rope_kv", qkv, step, h_lo=0, n_h=n_q_heads + 2 * n_kv_heads,
+                    n_rot=n_rot, head_dim=head_dim, rot_dim=rot, base=base, neox=neox,
+                    k_lo=n_q_heads, n_kv=n_kv_heads, ctx=ctx, caches=(k_cache, v_cache), factors=factors,
+                    mscale=mscale)
