@@ -58,37 +58,63 @@ fn bias_add(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg:
     put_bias(p.y_off + i, av(fv(a[p.a_off + i]) + bias[p.b_off + i % p.cols]));
 }
 
-@compute @workgroup_size(64)
-fn silu_mul(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
-            @builtin(local_invocation_index) lid: u32) {
-    let i = elem_index(wid, nwg, lid);
-    if (i >= p.n) { return; }
-    let t = i / p.cols;
-    let f = i - t * p.cols;
-    let gi = p.a_off + t * 2u * p.cols + f * p.g_step;   // gate of output f; its up is p.u_off later
-    let g = fv(a[gi]);
-    let u = fv(a[gi + p.u_off]);
-    // exp(-g) overflows to inf for g < -88: g / inf = -0, the right limit
-    put_u(p.y_off + i, av(g / (1.0 + exp(-g)) * u));
-}
-
 // tanh(z) + 1 without cancellation for z < 0 and without overflow for large |z|
 fn one_plus_tanh(z: fv) -> fv {
     let t = exp(-2.0 * abs(z));
     return select(2.0 / (1.0 + t), 2.0 * t / (1.0 + t), z < fv(0.0));
 }
 
-@compute @workgroup_size(64)
-fn gelu_tanh_mul(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
-                 @builtin(local_invocation_index) lid: u32) {
-    let i = elem_index(wid, nwg, lid);
+// erfc(z) for z >= 0 with fractional error < 1.2e-7 everywhere (Numerical Recipes' Chebyshev
+// fit); the erf form of GELU needs ~1e-6, which Abramowitz-Stegun 7.1.26 (2.5e-5) does not give.
+fn erfc_pos(z: fv) -> fv {
+    let t = 1.0 / (1.0 + 0.5 * z);
+    let poly = -1.26551223 + t * (1.00002368 + t * (0.37409196 + t * (0.09678418 +
+        t * (-0.18628806 + t * (0.27886807 + t * (-1.13520398 + t * (1.48851587 +
+        t * (-0.82215223 + t * 0.17087277))))))));
+    return t * exp(-z * z + poly);
+}
+
+// 0.5 v (1 + erf(v/sqrt2)), with 1 + erf(v/sqrt2) = erfc(-v/sqrt2) taken directly for v < 0, so
+// no cancellation there
+fn gelu_f(v: fv) -> fv {
+    let e = erfc_pos(abs(v) * 0.70710678118654752);
+    return 0.5 * v * select(2.0 - e, e, v < fv(0.0));
+}
+
+// The gated activations (silu_mul, gelu_tanh_mul, gelu_mul): stores act(g) * u as output i (none
+// past p.n), with gate g at column f * g_step of row t's [gate | up] (or interleaved pairs) and up
+// p.u_off after it.
+const SILU: u32 = 0u;
+const GELU_TANH: u32 = 1u;
+const GELU: u32 = 2u;
+
+fn glu(i: u32, act: u32) {
     if (i >= p.n) { return; }
     let t = i / p.cols;
     let f = i - t * p.cols;
     let gi = p.a_off + t * 2u * p.cols + f * p.g_step;
     let g = fv(a[gi]);
     let u = fv(a[gi + p.u_off]);
-    put_u(p.y_off + i, av(0.5 * g * one_plus_tanh(0.7978845608028654 * (g + 0.044715 * g * g * g)) * u));
+    var y: fv;
+    switch act {
+        // exp(-g) overflows to inf for g < -88: g / inf = -0, the right limit
+        case SILU: { y = g / (1.0 + exp(-g)) * u; }
+        case GELU_TANH: { y = 0.5 * g * one_plus_tanh(0.7978845608028654 * (g + 0.044715 * g * g * g)) * u; }
+        default: { y = gelu_f(g) * u; }
+    }
+    put_u(p.y_off + i, av(y));
+}
+
+@compute @workgroup_size(64)
+fn silu_mul(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+            @builtin(local_invocation_index) lid: u32) {
+    glu(elem_index(wid, nwg, lid), SILU);
+}
+
+@compute @workgroup_size(64)
+fn gelu_tanh_mul(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                 @builtin(local_invocation_index) lid: u32) {
+    glu(elem_index(wid, nwg, lid), GELU_TANH);
 }
 
 @compute @workgroup_size(64)
@@ -108,42 +134,18 @@ fn softcap(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: 
     put_u(p.y_off + i, av(c * (one_plus_tanh(fv(a[p.a_off + i]) / c) - 1.0)));
 }
 
-// erfc(z) for z >= 0 with fractional error < 1.2e-7 everywhere (Numerical Recipes' Chebyshev
-// fit); the erf form of GELU needs ~1e-6, which Abramowitz-Stegun 7.1.26 (2.5e-5) does not give.
-fn erfc_pos(z: fv) -> fv {
-    let t = 1.0 / (1.0 + 0.5 * z);
-    let poly = -1.26551223 + t * (1.00002368 + t * (0.37409196 + t * (0.09678418 +
-        t * (-0.18628806 + t * (0.27886807 + t * (-1.13520398 + t * (1.48851587 +
-        t * (-0.82215223 + t * 0.17087277))))))));
-    return t * exp(-z * z + poly);
-}
-
 @compute @workgroup_size(64)
 fn gelu(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
         @builtin(local_invocation_index) lid: u32) {
     let i = elem_index(wid, nwg, lid);
     if (i >= p.n) { return; }
-    let v = fv(a[p.a_off + i]);
-    let e = erfc_pos(abs(v) * 0.70710678118654752);
-    // 1 + erf(v/sqrt2) = erfc(-v/sqrt2): taken directly for v < 0, so no cancellation there
-    let one_plus_erf = select(2.0 - e, e, v < fv(0.0));
-    put_u(p.y_off + i, av(0.5 * v * one_plus_erf));
-}
-
-fn gelu_f(v: fv) -> fv {
-    let e = erfc_pos(abs(v) * 0.70710678118654752);
-    return 0.5 * v * select(2.0 - e, e, v < fv(0.0));
+    put_u(p.y_off + i, av(gelu_f(fv(a[p.a_off + i]))));
 }
 
 @compute @workgroup_size(64)
 fn gelu_mul(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
             @builtin(local_invocation_index) lid: u32) {
-    let i = elem_index(wid, nwg, lid);
-    if (i >= p.n) { return; }
-    let t = i / p.cols;
-    let f = i - t * p.cols;
-    let gi = p.a_off + t * 2u * p.cols + f;
-    put_u(p.y_off + i, av(gelu_f(fv(a[gi])) * fv(a[gi + p.u_off])));
+    glu(elem_index(wid, nwg, lid), GELU);     // the host sets g_step = 1
 }
 
 @compute @workgroup_size(64)
