@@ -32,68 +32,73 @@ fn flat(wid: vec3<u32>, nwg: vec3<u32>, lid: u32) -> u32 {
     return (wid.y * nwg.x + wid.x) * WG + lid;
 }
 
-@compute @workgroup_size(64)
-fn mean_pool(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
-             @builtin(local_invocation_index) lid: u32) {
-    let i = flat(wid, nwg, lid);
+// x[b*S + t, c] in f32
+fn xv(b: u32, t: u32, c: u32) -> f32 {
+    return f32(x[p.x_off + (b * p.seq + t) * p.cols + c]);
+}
+
+const MEAN: u32 = 0u;
+const MAX: u32 = 1u;
+const CLS: u32 = 2u;
+const LAST: u32 = 3u;
+const WEIGHTED_MEAN: u32 = 4u;
+
+// y[b,c] for invocation i = b*C + c of the pooling `kind` (see the top; none past B*C)
+fn pool(i: u32, kind: u32) {
     if (i >= p.batch * p.cols) { return; }
     let b = i / p.cols;
     let c = i % p.cols;
     let n = min(lengths[b], p.seq);
-    var s = 0.0;
-    for (var t = 0u; t < n; t++) { s += f32(x[p.x_off + (b * p.seq + t) * p.cols + c]); }
-    y[p.y_off + i] = outt(s / f32(max(n, 1u)));
+    var v = 0.0;
+    switch kind {
+        case MEAN: {
+            for (var t = 0u; t < n; t++) { v += xv(b, t, c); }
+            v = v / f32(max(n, 1u));
+        }
+        case MAX: {
+            v = select(0.0, -3.0e38, n > 0u);
+            for (var t = 0u; t < n; t++) { v = max(v, xv(b, t, c)); }
+        }
+        // cls reads lengths only for an empty sequence's 0 (it is bound so that every pooling op
+        // shares one signature)
+        case CLS: { v = xv(b, 0u, c) * select(0.0, 1.0, lengths[b] > 0u); }
+        case LAST: { v = xv(b, max(n, 1u) - 1u, c) * select(0.0, 1.0, n > 0u); }
+        default: {
+            for (var t = 0u; t < n; t++) { v += f32(t + 1u) * xv(b, t, c); }
+            v = v / max(0.5 * f32(n) * f32(n + 1u), 1.0);      // weights 1..n sum to n(n+1)/2
+        }
+    }
+    y[p.y_off + i] = outt(v);
+}
+
+@compute @workgroup_size(64)
+fn mean_pool(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+             @builtin(local_invocation_index) lid: u32) {
+    pool(flat(wid, nwg, lid), MEAN);
 }
 
 @compute @workgroup_size(64)
 fn max_pool(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
             @builtin(local_invocation_index) lid: u32) {
-    let i = flat(wid, nwg, lid);
-    if (i >= p.batch * p.cols) { return; }
-    let b = i / p.cols;
-    let c = i % p.cols;
-    let n = min(lengths[b], p.seq);
-    var m = select(0.0, -3.0e38, n > 0u);
-    for (var t = 0u; t < n; t++) { m = max(m, f32(x[p.x_off + (b * p.seq + t) * p.cols + c])); }
-    y[p.y_off + i] = outt(m);
+    pool(flat(wid, nwg, lid), MAX);
 }
 
 @compute @workgroup_size(64)
 fn cls_pool(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
             @builtin(local_invocation_index) lid: u32) {
-    let i = flat(wid, nwg, lid);
-    if (i >= p.batch * p.cols) { return; }
-    let b = i / p.cols;
-    let c = i % p.cols;
-    // lengths is bound so that every pooling op shares one signature
-    let keep = select(0.0, 1.0, lengths[b] > 0u);
-    y[p.y_off + i] = outt(f32(x[p.x_off + b * p.seq * p.cols + c]) * keep);
+    pool(flat(wid, nwg, lid), CLS);
 }
 
 @compute @workgroup_size(64)
 fn last_pool(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
              @builtin(local_invocation_index) lid: u32) {
-    let i = flat(wid, nwg, lid);
-    if (i >= p.batch * p.cols) { return; }
-    let b = i / p.cols;
-    let c = i % p.cols;
-    let n = min(lengths[b], p.seq);
-    let keep = select(0.0, 1.0, n > 0u);
-    y[p.y_off + i] = outt(f32(x[p.x_off + (b * p.seq + max(n, 1u) - 1u) * p.cols + c]) * keep);
+    pool(flat(wid, nwg, lid), LAST);
 }
 
 @compute @workgroup_size(64)
 fn weighted_mean_pool(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                       @builtin(local_invocation_index) lid: u32) {
-    let i = flat(wid, nwg, lid);
-    if (i >= p.batch * p.cols) { return; }
-    let b = i / p.cols;
-    let c = i % p.cols;
-    let n = min(lengths[b], p.seq);
-    var s = 0.0;
-    for (var t = 0u; t < n; t++) { s += f32(t + 1u) * f32(x[p.x_off + (b * p.seq + t) * p.cols + c]); }
-    // weights 1..n sum to n(n+1)/2
-    y[p.y_off + i] = outt(s / max(0.5 * f32(n) * f32(n + 1u), 1.0));
+    pool(flat(wid, nwg, lid), WEIGHTED_MEAN);
 }
 
 @compute @workgroup_size(64)
