@@ -13,17 +13,14 @@ from __future__ import annotations
 from typing import Any
 
 from .errors import FieldTypeError, LimitExceededError, MinValueError
-from .rules import DEFAULT_LIMITS, RequestLimits, _is_int, _model_field, _text
+from .rules import DEFAULT_LIMITS, RequestLimits, _is_int, _request_body, _text
 
 
 def check_rerank_request(req: dict, limits: RequestLimits | None = None) -> dict:
     """Validate a rerank request; returns a copy with `documents` as plain strings and defaults set
     (top_n: every document; return_documents: true, as Jina and vLLM)."""
     lim = limits or DEFAULT_LIMITS
-    if not isinstance(req, dict):
-        raise FieldTypeError("body", "a JSON object", req)
-    out = dict(req)
-    _model_field(out)
+    out = _request_body(req)
     query = out.get("query")
     if not isinstance(query, str) or not query:
         raise FieldTypeError("query", "a non-empty string", query)

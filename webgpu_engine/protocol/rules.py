@@ -75,31 +75,27 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _num(req: dict, name: str) -> float | None:
+def _field(req: dict, name: str, ok, what: str) -> Any:
+    """req[name] (None when absent or null), which must pass `ok` (else a FieldTypeError: `what`)."""
     v = req.get(name)
-    if v is None:
-        return None
-    if not _is_num(v):
-        raise FieldTypeError(name, "a number", v)
+    if v is not None and not ok(v):
+        raise FieldTypeError(name, what, v)
+    return v
+
+
+def _num(req: dict, name: str) -> float | None:
+    v = _field(req, name, _is_num, "a number")
     if isinstance(v, float) and not math.isfinite(v):
         raise FieldTypeError(name, "a finite number", v)
     return v
 
 
 def _int(req: dict, name: str) -> int | None:
-    v = req.get(name)
-    if v is None:
-        return None
-    if not _is_int(v):
-        raise FieldTypeError(name, "an integer", v)
-    return v
+    return _field(req, name, _is_int, "an integer")
 
 
 def _bool(req: dict, name: str) -> bool | None:
-    v = req.get(name)
-    if v is not None and not isinstance(v, bool):
-        raise FieldTypeError(name, "true or false", v)
-    return v
+    return _field(req, name, lambda v: isinstance(v, bool), "true or false")
 
 
 # --------------------------------------------------------------------------- sampling fields
@@ -242,6 +238,15 @@ def _content_text(i: int, role: str, content: Any) -> str | None:
     raise ContentTypeError(i, f"must be a string or a list of text parts, got {type(content).__name__}.")
 
 
+def _request_body(req: dict) -> dict:
+    """A copy of a request body, which must be a JSON object, with its `model` checked."""
+    if not isinstance(req, dict):
+        raise FieldTypeError("body", "a JSON object", req)
+    out = dict(req)
+    _model_field(out)
+    return out
+
+
 def _model_field(out: dict) -> None:
     """`model`, when given: a string, checked as request text (the same for every route)."""
     model = out.get("model")
@@ -340,10 +345,7 @@ def check_completion_request(req: dict, limits: RequestLimits | None = None) -> 
 def check_embedding_request(req: dict, limits: RequestLimits | None = None) -> dict:
     """Validate an embedding request: input as str / list[str] / list[int] / list[list[int]]."""
     lim = limits or DEFAULT_LIMITS
-    if not isinstance(req, dict):
-        raise FieldTypeError("body", "a JSON object", req)
-    out = dict(req)
-    _model_field(out)
+    out = _request_body(req)
     inp = out.get("input")
     if inp is None:
         raise EmbeddingInputEmptyError("no `input` field")
