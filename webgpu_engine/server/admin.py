@@ -14,7 +14,7 @@ from aiohttp import web
 
 from ..engine.manage import load_model, unload_model
 from ..errors import WebGPUEngineError
-from .app import ENGINE, OPTS, STATE, _BadRequest, _json_body, _ready_engine
+from .common import ENGINE, OPTS, STATE, BadRequestError, json_body, ready_engine
 
 
 class ModelManagementDisabledError(WebGPUEngineError):
@@ -34,22 +34,23 @@ def add_routes(app: web.Application) -> None:
 def _fields(body: dict, allowed: dict[str, type], required: str) -> dict:
     unknown = sorted(set(body) - set(allowed))
     if unknown:
-        raise _BadRequest(f"Unknown field(s) {unknown}; this route takes {sorted(allowed)}.", param=unknown[0])
+        raise BadRequestError(f"Unknown field(s) {unknown}; this route takes {sorted(allowed)}.",
+                              param=unknown[0])
     for name, kind in allowed.items():
         v = body.get(name)
         if v is None and name != required:
             continue
         if not isinstance(v, kind) or (kind is str and not v.strip()):
             what = "a non-empty string" if kind is str else "an object"
-            raise _BadRequest(f"`{name}` must be {what}.", param=name)
+            raise BadRequestError(f"`{name}` must be {what}.", param=name)
     return body
 
 
 async def load(request: web.Request) -> web.Response:
     if not request.app[OPTS].allow_model_management:
         raise ModelManagementDisabledError()
-    body = _fields(await _json_body(request), {"model": str, "model_id": str, "chat_opts": dict}, "model")
-    engine = _ready_engine(request)
+    body = _fields(await json_body(request), {"model": str, "model_id": str, "chat_opts": dict}, "model")
+    engine = ready_engine(request)
     lm = await load_model(engine, body["model"], body.get("chat_opts"), body.get("model_id"))
     created = request.app[STATE].get("created", int(time.time()))
     return web.json_response({"id": lm.model_id, "object": "model", "created": created,
@@ -59,6 +60,6 @@ async def load(request: web.Request) -> web.Response:
 async def unload(request: web.Request) -> web.Response:
     if not request.app[OPTS].allow_model_management:
         raise ModelManagementDisabledError()
-    body = _fields(await _json_body(request), {"model": str}, "model")
+    body = _fields(await json_body(request), {"model": str}, "model")
     await unload_model(request.app[ENGINE], body["model"])
     return web.json_response({"id": body["model"], "object": "model", "deleted": True})

@@ -13,7 +13,8 @@ allowed unless configured, the API key (when set) guards /v1/* and /metrics and 
 constant time; /health stays open. A full model queue answers 429 with Retry-After, a request past
 the engine's deadline 504, a server still loading (or shutting down) 503 with Retry-After. On
 SIGTERM the server stops accepting, lets requests in flight finish for `shutdown_grace_s`, then
-cancels what is left and exits.
+cancels what is left and exits. What the route modules share (application keys, error JSON, the
+body reader, the readiness check) is in common.py.
 """
 from __future__ import annotations
 
@@ -35,14 +36,11 @@ from ..catalogue import DEFAULT_CHAT_MODEL, DEFAULT_EMBED_MODEL
 from ..engine import AsyncMLCEngine, EngineConfig
 from ..errors import WebGPUEngineError
 from ..protocol.objects import to_dict
+from .common import (CLIENT_FAULTS, ENGINE, METRICS, OPTS, STATE, BadRequestError, allowed_origin,
+                     engine_error_response, error_code, error_response, json_body, ready_engine)
 from .metrics import CONTENT_TYPE, ServerMetrics
 
 log = logging.getLogger("webgpu_engine.server")
-
-ENGINE = web.AppKey("engine", AsyncMLCEngine)
-OPTS = web.AppKey("opts", object)
-METRICS = web.AppKey("metrics", ServerMetrics)
-STATE = web.AppKey("state", dict)
 
 
 @dataclass
@@ -62,41 +60,14 @@ class ServerOptions:
     allow_model_management: bool = False   # POST /v1/models/load and /unload (admin.py)
 
 
-MAX_JSON_DEPTH = 64        # nesting of a request body; OpenAI's own schemas need fewer than 10
-LOADING_RETRY_AFTER = 5    # seconds, sent with 503 while the models load or the server drains
-
-
-# --------------------------------------------------------------------------- errors
-MAX_ERROR_MESSAGE = 1000   # characters: messages quote client values, which may be huge
-
-
-def error_response(status: int, message: str, etype: str, param: str | None = None,
-                   code: str | None = None) -> web.Response:
-    if len(message) > MAX_ERROR_MESSAGE:
-        message = message[:MAX_ERROR_MESSAGE - 3] + "..."
-    body = {"error": {"message": message, "type": etype, "param": param, "code": code}}
-    return web.json_response(body, status=status)
-
-
-def _engine_error(e: WebGPUEngineError) -> web.Response:
-    resp = error_response(e.http_status, e.message, e.error_type, e.param, type(e).__name__)
-    if e.retry_after is not None:
-        resp.headers["Retry-After"] = str(int(e.retry_after))
-    return resp
-
-
-# Request data reaching library code it should not (validation is meant to stop it first) surfaces
-# as one of these: the client's fault, so a 400, never a 500.
-_CLIENT_FAULTS = (ValueError, TypeError, LookupError, RecursionError, UnicodeError, OverflowError)
-
-
+# --------------------------------------------------------------------------- middlewares
 @web.middleware
 async def errors_middleware(request: web.Request, handler):
     try:
         return await handler(request)
     except WebGPUEngineError as e:
-        return _engine_error(e)
-    except _CLIENT_FAULTS as e:
+        return engine_error_response(e)
+    except CLIENT_FAULTS as e:
         log.warning("request data failed past validation in %s %s (%s)", request.method,
                     request.path, type(e).__name__, exc_info=True)
         return error_response(400, f"The request could not be processed ({type(e).__name__}); check "
@@ -159,7 +130,7 @@ async def metrics_middleware(request: web.Request, handler):
 def cors_middleware_factory(origins: list[str]):
     @web.middleware
     async def cors(request: web.Request, handler):
-        allow = _allowed_origin(origins, request.headers.get("Origin"))
+        allow = allowed_origin(origins, request.headers.get("Origin"))
         if allow and request.method == "OPTIONS" and "Access-Control-Request-Method" in request.headers:
             resp = web.Response(status=204)
         else:
@@ -174,89 +145,7 @@ def cors_middleware_factory(origins: list[str]):
     return cors
 
 
-def _allowed_origin(origins: list[str], origin: str | None) -> str | None:
-    if "*" in origins:
-        return "*"
-    return origin if origin is not None and origin in origins else None
-
-
 # --------------------------------------------------------------------------- handlers
-async def _json_body(request: web.Request) -> dict:
-    """The body as a JSON object: `application/json` (415 otherwise), UTF-8, nested at most
-    MAX_JSON_DEPTH deep. NaN and Infinity parse (as Python's json does) and are refused by the
-    protocol rules with the field named."""
-    if request.content_type != "application/json":
-        raise _UnsupportedMediaType(f"Content-Type must be application/json, got "
-                                    f"{request.content_type[:60] or 'none'!r}. Send the body as JSON.")
-    charset = request.charset
-    if charset is not None and charset.lower().replace("_", "-") not in ("utf-8", "utf8"):
-        raise _BadRequest(f"Unsupported charset {charset[:40]!r}: JSON bodies must be UTF-8 "
-                          f"(send `Content-Type: application/json`).", param="Content-Type")
-    raw = await request.read()
-    try:
-        body = json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError:
-        raise _BadRequest("The request body is not valid UTF-8.") from None
-    except RecursionError:
-        raise _BadRequest(f"The request body is nested too deeply; at most {MAX_JSON_DEPTH} levels "
-                          f"are accepted.") from None
-    except ValueError:
-        raise _BadRequest("The request body is not valid JSON.") from None
-    if not isinstance(body, dict):
-        raise _BadRequest("The request body must be a JSON object.")
-    if _depth_exceeds(body, MAX_JSON_DEPTH):
-        raise _BadRequest(f"The request body is nested too deeply; at most {MAX_JSON_DEPTH} levels "
-                          f"are accepted.")
-    return body
-
-
-def _depth_exceeds(value: Any, limit: int) -> bool:
-    """Whether JSON `value` nests deeper than `limit` (iterative: any depth is safe to check)."""
-    stack = [(value, 1)]
-    while stack:
-        v, d = stack.pop()
-        if d > limit:
-            return True
-        items = v.values() if isinstance(v, dict) else v
-        stack.extend((x, d + 1) for x in items if isinstance(x, (dict, list)))
-    return False
-
-
-class _BadRequest(WebGPUEngineError):
-    http_status = 400
-    error_type = "invalid_request_error"
-
-
-class _UnsupportedMediaType(WebGPUEngineError):
-    http_status = 415
-    error_type = "invalid_request_error"
-
-
-class _Unavailable(WebGPUEngineError):
-    http_status = 503
-    error_type = "service_unavailable"
-
-    def __init__(self, message: str, retry_after: int | None = None):
-        super().__init__(message)
-        self.retry_after = retry_after
-
-
-def _ready_engine(request: web.Request) -> AsyncMLCEngine:
-    engine = request.app[ENGINE]
-    state = request.app[STATE]
-    if state.get("error"):
-        raise _Unavailable(f"Model loading failed: {state['error']}")
-    if state.get("draining"):
-        raise _Unavailable("The server is shutting down; send the request to another instance or "
-                           "retry when it is back.", LOADING_RETRY_AFTER)
-    if engine.state == "loading" or not state.get("loaded"):
-        raise _Unavailable("Models are still loading; retry shortly (GET /health says when ready).",
-                           LOADING_RETRY_AFTER)
-    if engine.state == "device_lost" and not engine.config.auto_recover:
-        raise _Unavailable("The GPU device was lost; restart the server or run it with --auto-recover.")
-    return engine
-
-
 async def _sse(request: web.Request, stream, model_for_metrics: str) -> web.StreamResponse:
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                        "X-Accel-Buffering": "no"})
@@ -273,9 +162,9 @@ async def _sse(request: web.Request, stream, model_for_metrics: str) -> web.Stre
     except WebGPUEngineError as e:
         # Headers are gone already: report in-band as OpenAI-compatible servers do.
         err = {"error": {"message": e.message, "type": e.error_type, "param": e.param,
-                         "code": type(e).__name__}}
+                         "code": error_code(e)}}
         await resp.write(b"data: " + json.dumps(err).encode() + b"\n\n")
-    except _CLIENT_FAULTS as e:
+    except CLIENT_FAULTS as e:
         log.warning("request data failed past validation in a stream (%s)", type(e).__name__,
                     exc_info=True)
         err = {"error": {"message": f"The request could not be processed ({type(e).__name__}).",
@@ -294,39 +183,39 @@ async def _sse(request: web.Request, stream, model_for_metrics: str) -> web.Stre
 
 
 async def _cors_headers(request: web.Request, resp: web.StreamResponse) -> None:
-    allow = _allowed_origin(request.app[OPTS].cors_origins, request.headers.get("Origin"))
+    allow = allowed_origin(request.app[OPTS].cors_origins, request.headers.get("Origin"))
     if allow:
         resp.headers["Access-Control-Allow-Origin"] = allow
 
 
-async def chat_completions(request: web.Request) -> web.StreamResponse:
-    body = await _json_body(request)
-    engine = _ready_engine(request)
-    res = await engine.chat.completions.create(body)
+async def _generate(request: web.Request, endpoint) -> web.StreamResponse:
+    """A chat completion or a completion (`endpoint(engine)` is the one to create it): streamed as
+    Server-Sent Events when the body asks, else one JSON response."""
+    body = await json_body(request)
+    engine = ready_engine(request)
+    res = await endpoint(engine).create(body)
     if body.get("stream"):
         return await _sse(request, res, res._lm.model_id)
     request.app[METRICS].observe_usage(res.model, to_dict(res).get("usage"))
     return web.json_response(to_dict(res))
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, lambda engine: engine.chat.completions)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    body = await _json_body(request)
-    engine = _ready_engine(request)
-    res = await engine.completions.create(body)
-    if body.get("stream"):
-        return await _sse(request, res, res._lm.model_id)
-    request.app[METRICS].observe_usage(res.model, to_dict(res).get("usage"))
-    return web.json_response(to_dict(res))
+    return await _generate(request, lambda engine: engine.completions)
 
 
 async def embeddings(request: web.Request) -> web.Response:
-    body = await _json_body(request)
-    engine = _ready_engine(request)
+    body = await json_body(request)
+    engine = ready_engine(request)
     # The engine speaks floats (as WebLLM); the official client asks for base64 by default.
     fmt = body.pop("encoding_format", None)
     if fmt not in (None, "float", "base64"):
-        raise _BadRequest(f"encoding_format must be \"float\" or \"base64\", got {fmt!r}.",
-                          param="encoding_format")
+        raise BadRequestError(f"encoding_format must be \"float\" or \"base64\", got {fmt!r}.",
+                              param="encoding_format")
     res = to_dict(await engine.embeddings.create(body))
     if fmt == "base64":
         for d in res["data"]:
@@ -337,8 +226,8 @@ async def embeddings(request: web.Request) -> web.Response:
 
 
 async def rerank(request: web.Request) -> web.Response:
-    body = await _json_body(request)
-    res = to_dict(await _ready_engine(request).rerank(body))
+    body = await json_body(request)
+    res = to_dict(await ready_engine(request).rerank(body))
     request.app[METRICS].prompt_tokens.inc(res["usage"]["prompt_tokens"], model=res["model"])
     return web.json_response(res)
 
