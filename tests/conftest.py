@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import resource
+import time
 from pathlib import Path
 
 import pytest
@@ -70,3 +72,23 @@ def pytest_runtest_makereport(item, call):
     if rep.skipped and not hasattr(rep, "wasxfail"):
         rep.outcome = "failed"
         rep.longrepr = f"test skipped, which this suite treats as a failure: {rep.longrepr}"
+
+
+_SUITE_T0 = time.perf_counter()      # reset when the session starts (below)
+
+
+def pytest_sessionstart(session):
+    global _SUITE_T0
+    _SUITE_T0 = time.perf_counter()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """One line on what the run cost, after the other summaries: wall time since the session
+    started and peak RSS of this process and of its largest waited-for child process (ru_maxrss is
+    KiB on Linux)."""
+    gib = 1024 ** 2
+    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / gib
+    children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / gib
+    terminalreporter.write_line(f"suite: wall {time.perf_counter() - _SUITE_T0:.1f} s, peak RSS {own:.2f} GiB "
+                                f"(children {children:.2f} GiB)")
