@@ -232,9 +232,13 @@ class Device:
     def upload(self, data, *, usage: str = STORAGE, owner: str = "misc", label: str = "") -> Buffer:
         """A new buffer holding `data` (bytes, memoryview or numpy array), written without host copies."""
         mv = _as_bytes_view(data)
-        buf = self.buffer(mv.nbytes, usage=usage, owner=owner, label=label)
+        return self._written(mv, mv.nbytes, usage=usage, owner=owner, label=label)
+
+    def _written(self, data, nbytes: int, *, usage: str, owner: str, label: str) -> Buffer:
+        """A new buffer of `nbytes` holding `data` (released again if the write fails)."""
+        buf = self.buffer(nbytes, usage=usage, owner=owner, label=label)
         try:
-            self.write(buf, mv)
+            self.write(buf, data)
         except BaseException:
             buf.release()
             raise
@@ -412,14 +416,14 @@ class Device:
 
 @dataclass(frozen=True)
 class PassApi:
-    """A backend's spelling of the command-encoding calls that `encode_ops` makes."""
+    """A backend's spelling (method names) of the command-encoding calls that `encode_ops` makes."""
 
-    begin: Any            # (encoder) -> compute pass
-    set_pipeline: Any     # (pass, raw pipeline)
-    set_bind_group: Any   # (pass, raw bind group), group 0
-    dispatch: Any         # (pass, x, y, z)
-    end: Any              # (pass)
-    copy: Any             # (encoder, src raw, src offset, dst raw, dst offset, size)
+    begin: str            # encoder.begin() -> compute pass
+    set_pipeline: str     # pass.set_pipeline(raw pipeline)
+    set_bind_group: str   # pass.set_bind_group(0, raw bind group)
+    dispatch: str         # pass.dispatch(x, y, z)
+    end: str              # pass.end()
+    copy: str             # encoder.copy(src raw, src offset, dst raw, dst offset, size)
 
 
 def encode_ops(ops: list, enc, api: PassApi) -> None:
@@ -429,21 +433,21 @@ def encode_ops(ops: list, enc, api: PassApi) -> None:
     for op in ops:
         if op[0] == "d":
             if cpass is None:
-                cpass, last_pipe = api.begin(enc), None
+                cpass, last_pipe = getattr(enc, api.begin)(), None
             _, pipe, bg, x, y, z = op
             if pipe.raw is not last_pipe:
-                api.set_pipeline(cpass, pipe.raw)
+                getattr(cpass, api.set_pipeline)(pipe.raw)
                 last_pipe = pipe.raw
-            api.set_bind_group(cpass, bg.raw)
-            api.dispatch(cpass, x, y, z)
+            getattr(cpass, api.set_bind_group)(0, bg.raw)
+            getattr(cpass, api.dispatch)(x, y, z)
         else:
             if cpass is not None:
-                api.end(cpass)
+                getattr(cpass, api.end)()
                 cpass = None
             _, src, so, dst, do, n = op
-            api.copy(enc, src.raw, so, dst.raw, do, n)
+            getattr(enc, api.copy)(src.raw, so, dst.raw, do, n)
     if cpass is not None:
-        api.end(cpass)
+        getattr(cpass, api.end)()
 
 
 def _batch_names(batch: Batch) -> str:

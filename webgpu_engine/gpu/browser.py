@@ -42,13 +42,8 @@ _USAGE = {
 # whenever the wasm heap grows.
 _WRITE_CHUNK = 16 << 20
 
-_PASS_API = PassApi(
-    begin=lambda enc: enc.beginComputePass(),
-    set_pipeline=lambda p, raw: p.setPipeline(raw),
-    set_bind_group=lambda p, raw: p.setBindGroup(0, raw),
-    dispatch=lambda p, x, y, z: p.dispatchWorkgroups(x, y, z),
-    end=lambda p: p.end(),
-    copy=lambda enc, src, so, dst, do, n: enc.copyBufferToBuffer(src, so, dst, do, n))
+_PASS_API = PassApi("beginComputePass", "setPipeline", "setBindGroup", "dispatchWorkgroups", "end",
+                    "copyBufferToBuffer")
 
 
 def _js(d):
@@ -263,13 +258,7 @@ class BrowserDevice(Device):
             data = JsBytes(data)
         if not isinstance(data, JsBytes):
             return super().upload(data, usage=usage, owner=owner, label=label)
-        buf = self.buffer(data.nbytes, usage=usage, owner=owner, label=label)
-        try:
-            self.write(buf, data)
-        except BaseException:
-            buf.release()
-            raise
-        return buf
+        return self._written(data, data.nbytes, usage=usage, owner=owner, label=label)
 
     # ------------------------------------------------------------------ readback
     async def read(self, buf: Buffer, offset: int = 0, size: int | None = None) -> bytes:

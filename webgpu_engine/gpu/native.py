@@ -20,13 +20,8 @@ _USAGE = {
     "storage": _U.STORAGE | _U.COPY_SRC | _U.COPY_DST,
     "uniform": _U.UNIFORM | _U.COPY_DST,
 }
-_PASS_API = PassApi(
-    begin=lambda enc: enc.begin_compute_pass(),
-    set_pipeline=lambda p, raw: p.set_pipeline(raw),
-    set_bind_group=lambda p, raw: p.set_bind_group(0, raw),
-    dispatch=lambda p, x, y, z: p.dispatch_workgroups(x, y, z),
-    end=lambda p: p.end(),
-    copy=lambda enc, src, so, dst, do, n: enc.copy_buffer_to_buffer(src, so, dst, do, n))
+_PASS_API = PassApi("begin_compute_pass", "set_pipeline", "set_bind_group", "dispatch_workgroups", "end",
+                    "copy_buffer_to_buffer")
 
 
 def _info_int(info, key: str) -> int:
