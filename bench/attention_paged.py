@@ -2,6 +2,7 @@
 contiguous nn.attention decode ops (today's one-sequence-at-a-time path), at SmolLM2-135M's heads.
 
     python bench/attention_paged.py [--S 1,4,8] [--L 256,1024] [--act f32,f16] [--block 16] [--runs 3]
+                                    [--smoke] [--out PATH]
 
 Prints a table and writes bench/results/attention_paged.json. Each measurement records the op(s) many
 times into one submit and waits on a readback; the best of --runs rounds is kept, paged and
@@ -10,6 +11,8 @@ adapter the driver's threads belong to the process, so CPU time depends less on 
 load). Both record as a decode step does (n_keys = the longest sequence), so each takes its
 one-dispatch form while the keys are few and split + combine beyond; "form" names which.
 Every sequence has L keys, its blocks shuffled over the pool.
+--smoke: S 1,2, one round of a few executions per measurement (both forms, both activations): checks
+that the script runs to the end; its figures mean nothing.
 """
 from __future__ import annotations
 
@@ -59,7 +62,7 @@ def time_ops(dev, ops, n_keys, sync, min_s=0.25) -> tuple[int, callable]:
     return n, lambda: go(n)
 
 
-def bench_one(dev, rng, act: str, s: int, length: int, bs: int, runs: int) -> dict:
+def bench_one(dev, rng, act: str, s: int, length: int, bs: int, runs: int, min_s: float = 0.25) -> dict:
     max_blocks = -(-length // bs)
     n_blocks = s * max_blocks
     kp = put(dev, rng.standard_normal((n_blocks, bs, HKV, D)), act)
@@ -77,8 +80,8 @@ def bench_one(dev, rng, act: str, s: int, length: int, bs: int, runs: int) -> di
         step = put(dev, np.array([length - 1, 1, length, 0], np.uint32), "u32")
         cont.append(nn.attention(dev, q, kc, vc, put(dev, np.zeros((1, HQ * D)), act), step, n_q_heads=HQ,
                                  n_kv_heads=HKV, head_dim=D, ctx=length, scale=D ** -0.5))
-    _, run_p = time_ops(dev, [paged], length, out.buf)
-    _, run_c = time_ops(dev, cont, length, out.buf)
+    _, run_p = time_ops(dev, [paged], length, out.buf, min_s)
+    _, run_c = time_ops(dev, cont, length, out.buf, min_s)
     rounds = [(run_p(), run_c()) for _ in range(runs)]          # A/B back to back: the same load
     (t_p, c_p), (t_c, c_c) = ((min(r[i][0] for r in rounds), min(r[i][1] for r in rounds)) for i in (0, 1))
     form = "1-dispatch" if length <= paged.max_keys else "split+combine"
@@ -96,7 +99,13 @@ def main() -> None:
     ap_.add_argument("--act", default="f32,f16")
     ap_.add_argument("--block", type=int, default=16)
     ap_.add_argument("--runs", type=int, default=3)
+    ap_.add_argument("--smoke", action="store_true",
+                     help="tiny run (S 1,2, one short round): checks the script, measures nothing")
+    ap_.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "attention_paged.json"))
     args = ap_.parse_args()
+    min_s = 0.25
+    if args.smoke:
+        args.S, args.runs, min_s = "1,2", 1, 0.005
     dev = request_device_sync()
     acts = [a for a in args.act.split(",") if a == "f32" or "shader-f16" in dev.features]
     rng = np.random.default_rng(0)
@@ -107,13 +116,13 @@ def main() -> None:
     for act in acts:
         for length in (int(x) for x in args.L.split(",")):
             for s in (int(x) for x in args.S.split(",")):
-                r = bench_one(dev, rng, act, s, length, args.block, args.runs)
+                r = bench_one(dev, rng, act, s, length, args.block, args.runs, min_s)
                 rows.append(r)
                 print(f"{act:>4} {s:>3} {length:>5} {r['paged_ms']:>9.3f} {r['contiguous_ms']:>14.3f} "
                       f"{r['paged_over_contiguous']:>6.2f} {r['paged_cpu_ms']:>13.3f} {r['contiguous_cpu_ms']:>14.3f} "
                       f"{r['cpu_ratio']:>6.2f}  {r['paged_form']} / {r['contiguous_form']}", flush=True)
-    out = Path(__file__).resolve().parent / "results" / "attention_paged.json"
-    out.parent.mkdir(exist_ok=True)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"device": dev.info.name, "heads": [HQ, HKV, D], "rows": rows}, indent=1))
     print(f"wrote {out}")
 

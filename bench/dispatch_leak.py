@@ -5,6 +5,8 @@ Each variant is dispatched N times (one submit per dispatch, as a decode step do
 the script prints the process RSS growth per dispatch for each and writes the table as JSON.
 
     python bench/dispatch_leak.py [--n 300] [--vocab 32000] [--only barrier_sample,sample_passes] [--json out.json]
+    python bench/dispatch_leak.py --smoke [--json out.json]    (every variant, 16 dispatches, vocab 2048:
+                                                              checks the script, measures nothing)
 
 Variants: the former one-workgroup `sample` kernel with barriers (bench/leaky_sample.wgsl), its first
 phase alone and without the seen-bit read, the shipped barrier-free passes and greedy pair
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import struct
 import sys
 import time
@@ -30,6 +33,7 @@ import numpy as np
 import wgpu
 
 ROOT = Path(__file__).resolve().parents[1]
+os.environ.setdefault("XDG_RUNTIME_DIR", "/tmp")
 HEADER = "alias act = f32;\nalias act4 = vec4<f32>;\n"
 
 # Declarations shared by the cut-down variants (same bindings as sampling.wgsl).
@@ -278,8 +282,13 @@ def main() -> int:
     ap.add_argument("--n", type=int, default=300)
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--only", default="")
-    ap.add_argument("--json", default=str(ROOT / "bench" / "results" / "dispatch_leak.json"))
+    ap.add_argument("--json", "--out", dest="json", default=str(ROOT / "bench" / "results" / "dispatch_leak.json"))
+    ap.add_argument("--smoke", action="store_true",
+                    help="every variant, 16 dispatches after 4, vocab 2048: checks the script, measures nothing")
     a = ap.parse_args()
+    warm = 30
+    if a.smoke:
+        a.n, a.vocab, warm = 16, 2048, 4
     b = Bench(a.vocab)
     vs = variants(b)
     only = [s for s in a.only.split(",") if s]
@@ -288,7 +297,7 @@ def main() -> int:
     for name, make in vs.items():
         if only and name not in only:
             continue
-        r = b.measure(make(), a.n)
+        r = b.measure(make(), a.n, warm)
         rows[name] = r
         print(f"{name:<22} {r['kib_per_dispatch']:>13.2f} {r['ms_per_step']:>9.3f}  "
               f"{r['rss_before_mib']} -> {r['rss_after_mib']}", flush=True)
@@ -296,6 +305,7 @@ def main() -> int:
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
         Path(a.json).write_text(json.dumps({"vocab": a.vocab, "n": a.n, "adapter": str(b.dev.adapter.info),
                                             "variants": rows}, indent=1))
+        print(f"wrote {a.json}")
     return 0
 
 

@@ -4,6 +4,7 @@ the current adapter, a per-kernel time breakdown of one batch, and sentence-tran
     python bench/embeddings.py [--n 256] [--words 32] [--batch 32] [--dtypes f32,f16] [--model DIR]
                                [--st-python PYTHON_WITH_SENTENCE_TRANSFORMERS] [--families]
     python bench/embeddings.py --concurrent 8x32 [--words 32] [--repeats 3] [--model DIR]
+    python bench/embeddings.py --smoke [--model DIR] [--concurrent 2x2] [--out PATH]
 
 Prints a table and writes bench/results/embeddings.json. The workload: `n` sentences of about `words`
 English words each (fixed seed), embedded in one request with max_batch_size `batch`. --families adds a
@@ -17,6 +18,9 @@ of N sentences each (distinct sentences per caller) through the engine's embeddi
 after another (no coalescing window, so each request runs alone at once) and then all at once (the
 engine coalesces them into shared, length-sorted batches); best of --repeats wall times, and whether
 every caller got the same vectors both ways.
+
+--smoke: 8 sentences of ~8 words, batch 4, one repeat (in either mode): checks that the script runs
+to the end; its figures mean nothing.
 """
 from __future__ import annotations
 
@@ -288,7 +292,11 @@ async def main() -> None:
     ap.add_argument("--concurrent", default=None, metavar="CxN",
                     help="only C concurrent callers of N sentences vs the same one after another (see above)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "embeddings.json")
+    ap.add_argument("--smoke", action="store_true",
+                    help="8 short sentences, batch 4, one repeat: checks the script, measures nothing")
     a = ap.parse_args()
+    if a.smoke:
+        a.n, a.words, a.batch, a.repeats = 8, 8, 4, 1
     from webgpu_engine import cache
     from webgpu_engine.gpu import request_device
     folder = a.model or Path(cache.default_model_path("all-MiniLM-L6-v2"))

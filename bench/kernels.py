@@ -3,6 +3,7 @@
 
     python bench/kernels.py [--quick] [--act f32] [--runs 5] [--tm 8] [--wg 64] [--set v4=0]
     python bench/kernels.py --batch [--T 1,2,4,8,16] [--variants] [--tune] [--only q4_k]
+    python bench/kernels.py --smoke [--batch | --family] [--out PATH]
 
 Prints a table and writes bench/results/kernels.json. Timing: many dispatches recorded into one
 submit, then a blocking readback; best of --runs (the machine may be shared, so take the best).
@@ -12,15 +13,19 @@ comparison per second of this process's CPU time (a CPU adapter's threads are ou
 does not depend on what else the machine runs).
 --batch: the decode matmul for T = 1..16 activation rows (several sequences in one step) at
 SmolLM2-135M's shapes, as the engine selects it (default config): before (batch_max_t=0: the row and
-tiled kernels) and after (kernels/matmul_batch.py), with --variants every batched variant too;
---tune stores the fastest variant per shape and T in matmul_batch.PROFILES and prints them.
+tiled kernels) and after (kernels/matmul/batch.py), with --variants every batched variant too;
+--tune stores the fastest variant per shape and T in matmul.batch.PROFILES and prints them.
 Writes bench/results/kernels_batch.json.
---family: the GPU kernel family (kernels/matmul_gpu.py) against the CPU family's kernels ("base")
+--family: the GPU kernel family (kernels/matmul/gpu.py) against the CPU family's kernels ("base")
 at the same shapes: GB/s per decode variant (T = --T, default 1,4,8) and GFLOP/s per GEMM variant
 (prefill, --prefill-t rows), the built-in default for this adapter and what the stored tuner
 profile picked (kernels/profiles.py; "-" when the tuner has not measured that shape); the subgroup
-decode variants ("-sg") where the device has subgroups (matmul_gpu.decode_variants).
+decode variants ("-sg") where the device has subgroups (matmul.gpu.decode_variants).
 Writes bench/results/kernels_family.json.
+--smoke: two shapes (smollm2.down q4_1, minilm.ffn_up f32; --batch, --family: smollm2.down q4_1
+unless --only), few rows (T 1,32;
+--batch T 1,2; --family T 1,4 and 8 prefill rows), small copies and one short run each: checks that
+the script runs to the end; its figures mean nothing.
 """
 from __future__ import annotations
 
@@ -39,7 +44,11 @@ os.environ.setdefault("XDG_RUNTIME_DIR", "/tmp")
 from webgpu_engine.gpu import request_device_sync  # noqa: E402
 from webgpu_engine.kernels import quant_ref as qr  # noqa: E402
 from webgpu_engine.kernels.common import DTYPE_SIZE, Op, Tensor, new_tensor, params  # noqa: E402
-from webgpu_engine.kernels import matmul as mm, matmul_batch as mb, matmul_gpu as mg, profiles  # noqa: E402
+from webgpu_engine.kernels import matmul as mm, profiles  # noqa: E402
+try:                  # the batch and GPU-family kernels' modules inside the matmul package
+    from webgpu_engine.kernels.matmul import batch as mb, gpu as mg  # noqa: E402
+except ImportError:   # where they are still kernels/matmul_batch.py and kernels/matmul_gpu.py
+    from webgpu_engine.kernels import matmul_batch as mb, matmul_gpu as mg  # noqa: E402
 from webgpu_engine.kernels.tune import _base_op  # noqa: E402
 from webgpu_engine.kernels.matmul import MatmulConfig, matmul, upload_weight  # noqa: E402
 from webgpu_engine.kernels.matmul.layout import grid as _grid  # noqa: E402
@@ -61,6 +70,7 @@ SHAPES = [
 ]
 QUICK = {("smollm2.down", "q4_1"), ("smollm2.gate_up", "q4_1"), ("smollm2.lm_head", "q8_0"),
          ("minilm.ffn_up", "f32")}
+SMOKE = {("smollm2.down", "q4_1"), ("minilm.ffn_up", "f32")}
 
 
 def run_n(dev, op: Op, n: int, sync_buf) -> tuple[float, float]:
@@ -278,7 +288,18 @@ def main(argv=None) -> int:
     ap.add_argument("--tune", action="store_true", help="--batch: store the fastest variant per shape")
     ap.add_argument("--family", action="store_true", help="GPU kernel family vs base: GB/s, GFLOP/s, picks")
     ap.add_argument("--prefill-t", type=int, default=128, help="--family: rows of the prefill matmul")
+    ap.add_argument("--smoke", action="store_true",
+                    help="tiny run of the chosen mode (see above): checks the script, measures nothing")
     a = ap.parse_args(argv)
+    copy_sizes = (64 << 20, 1 << 20)
+    if a.smoke:
+        a.runs, a.min_s, copy_sizes = 1, 0.002, (4 << 20, 1 << 20)
+        if a.T == "1,128":
+            a.T = "1,2" if a.batch else "1,4" if a.family else "1,32"
+        if a.prefill_t == 128:
+            a.prefill_t = 8
+        if (a.batch or a.family) and not a.only:
+            a.only = "smollm2.down:q4_1"
     dev = request_device_sync()
     if a.family:
         return bench_family(dev, a)
@@ -298,7 +319,7 @@ def main(argv=None) -> int:
         f, v = item.split("=")
         setattr(cfg, f, type(getattr(cfg, f))(int(v)))
     # two copies: one far larger than caches (DRAM), one the size of a decode weight (cache)
-    copies = [bench_copy(dev, nb, a.min_s, a.runs) for nb in (64 << 20, 1 << 20)]
+    copies = [bench_copy(dev, nb, a.min_s, a.runs) for nb in copy_sizes]
     copy = max(copies, key=lambda c: c["GB/s"])
     print(f"adapter: {dev.info.name} ({dev.info.backend}); config {cfg}")
     for c in copies:
@@ -309,7 +330,7 @@ def main(argv=None) -> int:
           f"{'GFLOP/s':>8} {'%copy':>6} {'%cpu':>5}")
     for name, n, k, qtypes in SHAPES:
         for q in qtypes:
-            if a.quick and (name, q) not in QUICK:
+            if a.quick and (name, q) not in QUICK or a.smoke and (name, q) not in SMOKE:
                 continue
             if a.only and a.only not in f"{name}:{q}":
                 continue

@@ -5,6 +5,10 @@ when `llama_cpp` imports. Prints a table and writes bench/results/llm.json.
     python bench/llm.py [--model PATH] [--dtype f32|f16|auto] [--decode 128] [--prompts 128,512]
                         [--sampling temperature=0.7,top_p=0.95]
     python bench/llm.py --json-schema [SCHEMA_JSON] [--decode 128] [--rounds 3]
+    python bench/llm.py --smoke [--model PATH] [--json-schema | --ab A B] [--out PATH]
+
+--smoke: one 16-token prompt, 4 decode steps, one repetition / round (in each mode): checks that
+the script runs to the end; its figures mean nothing.
 """
 from __future__ import annotations
 
@@ -315,7 +319,11 @@ def main() -> None:
                          "in one run; writes bench/results/llm_grammar.json")
     ap.add_argument("--llama-cpp-child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--no-extra-bufts", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--smoke", action="store_true",
+                    help="one short prompt, 4 decode steps, one repetition: checks the script, measures nothing")
     a = ap.parse_args()
+    if a.smoke:
+        a.prompts, a.decode, a.reps, a.rounds = "16", 4, 1, 1
     if a.llama_cpp_child:       # see bench_llama_cpp
         print(json.dumps(_llama_cpp_figures(Path(a.model), [int(x) for x in a.prompts.split(",")],
                                             a.decode, not a.no_extra_bufts)))

@@ -1,7 +1,9 @@
-"""Prefill matmul benchmark: the tiled kernel (kernels/matmul_tiled.py) against matmul.matmul at the
+"""Prefill matmul benchmark: the tiled kernel (kernels/matmul/tiled.py) against matmul.matmul at the
 default models' T > 1 shapes, timed A/B back to back, in wall time and in this process's CPU time.
 
     python bench/prefill.py [--quick] [--act f32|f16] [--T 128,512] [--runs 3] [--tm 16 --wg 64]
+    python bench/prefill.py --smoke [--out PATH]   (smollm2.down at T = 16, one short run: checks that
+                                                    the script runs to the end, measures nothing)
 
 Prints a table and writes bench/results/prefill.json. Each measurement records the op many times
 into one submit and waits on a readback; the best of --runs rounds is kept, and within a round the
@@ -28,7 +30,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("XDG_RUNTIME_DIR", "/tmp")
 
 from webgpu_engine.gpu import request_device_sync  # noqa: E402
-from webgpu_engine.kernels import matmul_tiled as mt  # noqa: E402
+try:                  # the tiled kernel's module inside the matmul package
+    from webgpu_engine.kernels.matmul import tiled as mt  # noqa: E402
+except ImportError:   # where it is still kernels/matmul_tiled.py
+    from webgpu_engine.kernels import matmul_tiled as mt  # noqa: E402
 from webgpu_engine.kernels import quant_ref as qr  # noqa: E402
 from webgpu_engine.kernels.common import Op, Tensor, new_tensor  # noqa: E402
 from webgpu_engine.kernels.matmul import MatmulConfig, matmul, upload_weight  # noqa: E402
@@ -48,6 +53,7 @@ SHAPES = [
     ("minilm", "down", 384, 1536, "f32", True, [1280]),
 ]
 QUICK = {("smollm2", "gate_up"), ("smollm2", "down"), ("minilm", "up")}
+SMOKE = {("smollm2", "down")}
 LAYERS = {"smollm2": 30, "minilm": 6}
 
 
@@ -107,7 +113,13 @@ def main(argv=None) -> int:
         ap.add_argument(f"--{f}", type=int, default=None, help=f"override the tiled config's {f}")
     ap.add_argument("--only", default="", help="substring filter on model.shape")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "prefill.json"))
+    ap.add_argument("--smoke", action="store_true",
+                    help="one shape, 16 rows, one short run: checks the script, measures nothing")
     a = ap.parse_args(argv)
+    if a.smoke:
+        a.runs, a.min_s = 1, 0.002
+        if a.T == "128,512":
+            a.T = "16"
     dev = request_device_sync()
     over = {f: getattr(a, f) for f in ("tm", "wg", "kb", "kmax") if getattr(a, f)}
     print(f"adapter: {dev.info.name} ({dev.info.backend}); tiled config overrides {over}; act {a.act}; "
@@ -116,7 +128,7 @@ def main(argv=None) -> int:
           f"{'new ms':>8} {'cpu':>8} {'GF/s':>6} {'GF/cpu-s':>8} | {'x wall':>6} {'x cpu':>6} | {'build s':>7}")
     rows = []
     for model, name, n, k, qtype, has_bias, Ts in SHAPES:
-        if a.quick and (model, name) not in QUICK:
+        if a.quick and (model, name) not in QUICK or a.smoke and (model, name) not in SMOKE:
             continue
         if a.only and a.only not in f"{model}.{name}":
             continue

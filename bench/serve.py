@@ -2,8 +2,8 @@
 serve`) driven by the official `openai` async client, with continuous batching
 (--max-num-sequences) and without it (max_num_sequences = 1: one request at a time), in the same run.
 
-    python bench/serve.py [--model ID] [--clients 1,2,4,8,16] [--max-tokens 128] [--batch 16]
-                          [--context 1024] [--port 8391]
+    python bench/serve.py [--model REF] [--clients 1,2,4,8,16] [--max-tokens 128] [--batch 16]
+                          [--context 1024] [--port 8391] [--smoke] [--out PATH]
 
 Each level starts C streaming clients at once; client k sends prompt k mod 8 (fixed prompts of
 mixed length, 5 .. ~230 tokens), temperature 0, ignore_eos, `max_tokens` output tokens. Per level:
@@ -11,7 +11,10 @@ aggregate output tok/s (all tokens / wall time), time to first token p50/p95 and
 p50/p95 over all clients. After each level the batched server's scheduler figures from /v1/models
 (`batching`: iterations, decode rows, prefill tokens, preemptions, prefix hits) say where the time went:
 decode rows per iteration is the batch the matmuls saw. Prints a table and writes
-bench/results/serve.json. Needs the `openai` package (bench extra).
+bench/results/serve.json. Needs the `openai` package (bench extra). --model takes any model reference
+(an app-config id, a .gguf file, a model folder); --port 0 serves on free ports. --smoke: clients 1,8,
+4 tokens each, batch 2: checks that the script runs to the end (with a small model, quickly); its
+figures mean nothing.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ import asyncio
 import json
 import os
 import platform
+import socket
 import subprocess
 import sys
 import time
@@ -57,6 +61,20 @@ async def wait_ready(base: str, proc, timeout: float = 600.0) -> None:
                 pass
             await asyncio.sleep(1.0)
     raise RuntimeError("the server did not become ready")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def served_id(base: str) -> str:
+    """The id the server knows its (one) model by: --model's id, or a file's or folder's name."""
+    import aiohttp
+    async with aiohttp.ClientSession() as s:
+        async with s.get(base + "/v1/models") as r:
+            return (await r.json())["data"][0]["id"]
 
 
 async def batching(base: str) -> dict | None:
@@ -97,7 +115,7 @@ async def level(base: str, model: str, c: int, max_tokens: int) -> dict:
 
 
 async def run_server(args, max_seqs: int) -> list[dict]:
-    port = args.port + max_seqs
+    port = args.port + max_seqs if args.port else free_port()
     base = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "webgpu_engine", "serve", "--model", args.model, "--port", str(port),
            "--max-queue", "none", "--context-window", str(args.context),
@@ -105,6 +123,7 @@ async def run_server(args, max_seqs: int) -> list[dict]:
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         await wait_ready(base, proc)
+        args.model_id = await served_id(base)
         await level(base, args.model_id, 1, 4)            # warm-up
         rows = []
         for c in args.clients:
@@ -140,9 +159,12 @@ async def main() -> int:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--port", type=int, default=8391)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "serve.json"))
+    ap.add_argument("--smoke", action="store_true",
+                    help="clients 1,8, 4 tokens, batch 2: checks the script, measures nothing")
     args = ap.parse_args()
+    if args.smoke:
+        args.clients, args.max_tokens, args.batch = "1,8", 4, 2
     args.clients = [int(c) for c in args.clients.split(",")]
-    args.model_id = args.model
     rows = []
     for max_seqs in (1, args.batch):
         rows += await run_server(args, max_seqs)

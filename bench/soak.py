@@ -2,7 +2,8 @@
 latency and the server's memory over time.
 
     python bench/soak.py [--duration 300] [--clients 16] [--max-queue 8] [--request-timeout 120]
-                         [--seed 0] [--out bench/results/soak.json]
+                         [--seed 0] [--out bench/results/soak.json] [--chat-model REF] [--embed-model REF]
+    python bench/soak.py --smoke [--chat-model REF] [--embed-model REF] [--out PATH]
 
 Starts `python -m webgpu_engine serve` with both default models on a free port of 127.0.0.1 (or uses
 `--url http://127.0.0.1:PORT` of a server already running there), then runs `clients` loops, each
@@ -11,7 +12,10 @@ completions, embeddings, and over-limit requests (n=17, five stop strings, 301 l
 2049 embedding inputs, NaN, a bogus charset, a text/plain body) that must be refused with a 4xx.
 A 429 (full queue) waits its Retry-After. Prints a table and writes bench/results/soak.json:
 requests served, answers by kind and status, p50/p95 latency, the server's RSS sampled every
-`--rss-every` seconds, and how long it took to exit after SIGTERM.
+`--rss-every` seconds, and how long it took to exit after SIGTERM. --chat-model / --embed-model:
+other models (any model reference: an app-config id, a .gguf file, a model folder), served under the
+default models' ids so that the request mix is unchanged. --smoke: 2 clients for 4 s, RSS every
+second: checks that the script runs to the end (with small models, quickly); measures nothing.
 """
 from __future__ import annotations
 
@@ -179,6 +183,9 @@ def start_server(port: int, a) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "webgpu_engine", "serve", "--host", "127.0.0.1", "--port", str(port),
            "--max-queue", str(a.max_queue), "--request-timeout", str(a.request_timeout),
            "--shutdown-grace", "30"]
+    if a.chat_model or a.embed_model:
+        cmd += ["--model", a.chat_model or LLM_ID, "--model-id", LLM_ID,
+                "--model", a.embed_model or EMB_ID, "--model-id", EMB_ID]
     return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
@@ -218,7 +225,12 @@ async def main() -> None:
     ap.add_argument("--url", default=None,
                     help="a server already running on 127.0.0.1 (its RSS is not sampled)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "soak.json")
+    ap.add_argument("--chat-model", default=None, help=f"chat model reference, served as {LLM_ID}")
+    ap.add_argument("--embed-model", default=None, help=f"embedding model reference, served as {EMB_ID}")
+    ap.add_argument("--smoke", action="store_true", help="2 clients for 4 s: checks the script, measures nothing")
     a = ap.parse_args()
+    if a.smoke:
+        a.duration, a.clients, a.rss_every = 4.0, 2, 1.0
     proc = None
     if a.url:
         if not a.url.startswith(("http://127.0.0.1:", "http://localhost:")):

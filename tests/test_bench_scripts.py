@@ -1,0 +1,129 @@
+"""Every benchmark script in bench/ runs to the end: each one in its --smoke form (the same code paths
+at tiny sizes, on tiny models where it loads one), as a subprocess on the real adapter, writing its
+JSON into a temporary folder (never bench/results/). The figures are not checked, only that the
+script exits 0 and writes what it should."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tinymodels import write_tiny_bert, write_tiny_llama_gguf
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "bench"
+TIMEOUT_S = 600
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> dict:
+    """A tiny Q4_1 chat model (SmolLM2's weight type; a context of 1024 holds serve.py's longest
+    prompt in the tiny vocabulary) and a tiny BERT embedder."""
+    d = tmp_path_factory.mktemp("bench_models")
+    chat = write_tiny_llama_gguf(d / "tiny-chat.gguf", qtype="q4_1", context_length=1024)["path"]
+    embed = write_tiny_bert(d / "tiny-bert")["folder"]
+    return {"chat": str(chat), "embed": str(embed)}
+
+
+def run_script(name: str, *args: str) -> str:
+    """Run bench/<name>.py with `args`; its stdout (it must exit 0)."""
+    r = subprocess.run([sys.executable, str(BENCH / f"{name}.py"), *args], cwd=ROOT, capture_output=True,
+                       text=True, timeout=TIMEOUT_S)
+    assert r.returncode == 0, f"bench/{name}.py exited {r.returncode}:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    return r.stdout
+
+
+def load(path: Path, keys: set) -> dict:
+    assert path.is_file(), f"{path.name} was not written"
+    data = json.loads(path.read_text())
+    assert keys <= set(data), f"{path.name} lacks {keys - set(data)}"
+    return data
+
+
+def test_attention_paged(tmp_path):
+    out = tmp_path / "attention_paged.json"
+    stdout = run_script("attention_paged", "--smoke", "--out", str(out))
+    data = load(out, {"device", "heads", "rows"})
+    assert data["rows"] and {"paged_ms", "contiguous_ms", "paged_form"} <= set(data["rows"][0])
+    assert {r["paged_form"] for r in data["rows"]} == {"1-dispatch", "split+combine"}
+    assert f"wrote {out}" in stdout
+
+
+def test_dispatch_leak(tmp_path):
+    out = tmp_path / "dispatch_leak.json"
+    run_script("dispatch_leak", "--smoke", "--out", str(out))
+    data = load(out, {"vocab", "n", "adapter", "variants"})
+    assert {"barrier_sample", "sample_passes", "greedy_pair", "no_barrier"} <= set(data["variants"])
+    assert all("kib_per_dispatch" in v for v in data["variants"].values())
+
+
+@pytest.mark.parametrize("mode", ["default", "batch"])
+def test_kernels(tmp_path, mode):
+    out = tmp_path / "kernels.json"
+    run_script("kernels", "--smoke", *(["--batch"] if mode == "batch" else []), "--out", str(out))
+    if mode == "batch":
+        data = load(out, {"adapter", "act", "rows", "tuned"})
+        assert {r["T"] for r in data["rows"]} == {1, 2}
+    else:
+        data = load(out, {"adapter", "config", "act", "copy", "copies", "matmul"})
+        assert len(data["copies"]) == 2 and {r["T"] for r in data["matmul"]} == {1, 32}
+
+
+def test_prefill(tmp_path):
+    out = tmp_path / "prefill.json"
+    run_script("prefill", "--smoke", "--out", str(out))
+    data = load(out, {"adapter", "config_overrides", "act", "rows", "bounds"})
+    assert [(r["model"], r["shape"], r["T"]) for r in data["rows"]] == [("smollm2", "down", 16)]
+    assert all(r["new_ms"] > 0 and r["old_ms"] > 0 for r in data["rows"])
+
+
+def test_llm(tmp_path, tiny):
+    """The default mode: warm-up, timed prefills and a decode run on one pipeline, whose KV cache
+    would overflow the benchmark's context if the prefills did not each start from an empty cache."""
+    out = tmp_path / "llm.json"
+    stdout = run_script("llm", "--smoke", "--model", tiny["chat"], "--out", str(out))
+    data = load(out, {"model", "sampling", "engine"})
+    assert {"load_s", "prefill_16_tokens_per_s", "time_to_first_token_16_s", "decode_tokens_per_s",
+            "decode_step_ms", "gpu_ms_by_kernel_decode", "gpu_ms_by_kernel_prefill_128"} <= set(data["engine"])
+    assert "decode_tokens_per_s" in stdout
+
+
+def test_embeddings(tmp_path, tiny):
+    out = tmp_path / "embeddings.json"
+    run_script("embeddings", "--smoke", "--model", tiny["embed"], "--out", str(out))
+    data = load(out, {"adapter", "workload", "sentence_transformers_available", "results"})
+    ours = [r for r in data["results"] if r["engine"] == "webgpu_engine"]
+    assert ours and all(r["sentences"] == 8 and r["kernels"] for r in ours)
+
+
+def test_first_request(tmp_path, tiny):
+    out = tmp_path / "first_request.json"
+    run_script("first_request", "--smoke", "--chat-model", tiny["chat"], "--embed-model", tiny["embed"],
+               "--out", str(out))
+    data = load(out, {"shader_cache", "tokens", "results"})
+    assert [r["model"] for r in data["results"]] == ["chat", "embed"]
+    assert all({"reload_s", "first_request_s", "second_request_s"} <= set(r) for r in data["results"])
+    assert "first_ttft_s" in data["results"][0]
+
+
+def test_serve(tmp_path, tiny):
+    out = tmp_path / "serve.json"
+    run_script("serve", "--smoke", "--model", tiny["chat"], "--port", "0", "--out", str(out))
+    data = load(out, {"model", "max_tokens", "batch", "rows", "summary"})
+    assert {(r["max_num_sequences"], r["clients"]) for r in data["rows"]} == {(1, 1), (1, 8), (2, 1), (2, 8)}
+    assert all(r["chunks"] > 0 for r in data["rows"])
+    assert set(data["summary"]) == {"tok_s_8_over_1", "ttft_p95_8_over_lone"}
+
+
+def test_soak(tmp_path, tiny):
+    out = tmp_path / "soak.json"
+    run_script("soak", "--smoke", "--chat-model", tiny["chat"], "--embed-model", tiny["embed"],
+               "--out", str(out))
+    data = load(out, {"wall_s", "served", "unexpected", "results", "rss_mib", "exit_after_sigterm_s"})
+    assert data["served"] > 0 and data["unexpected"] == 0, data["unexpected_kinds"]
+    assert data["rss_mib"] and data["exit_after_sigterm_s"] is not None
