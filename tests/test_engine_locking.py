@@ -345,11 +345,13 @@ def test_engine_core_imports_only_the_standard_library():
     import inspect
     import sys
 
+    import webgpu_engine.engine.device_loss as m6
     import webgpu_engine.engine.engine as m1
+    import webgpu_engine.engine.loading as m5
     import webgpu_engine.engine.lock as m2
     import webgpu_engine.engine.records as m3
     import webgpu_engine.engine.requests as m4
-    for mod in (m1, m2, m3, m4, sys.modules["webgpu_engine.engine"]):
+    for mod in (m1, m2, m3, m4, m5, m6, sys.modules["webgpu_engine.engine"]):
         for n in ast.parse(inspect.getsource(mod)).body:
             if isinstance(n, ast.Import):
                 names = [a.name for a in n.names]

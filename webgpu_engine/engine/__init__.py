@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 from ..config import ChatConfig, GenerationConfig
-from .engine import AsyncMLCEngine, LoadedModel, create_mlc_engine
+from .engine import AsyncMLCEngine, create_mlc_engine
+from .loading import LoadedModel
 from .lock import FIFOLock
 from .records import (DEFAULT_CHAT_MODEL, DEFAULT_EMBED_MODEL, EMBEDDING, LLM, AppConfig, EngineConfig,
                       ModelRecord, default_app_config)

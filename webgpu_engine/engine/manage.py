@@ -14,7 +14,8 @@ import asyncio
 import time
 
 from ..errors import InvalidRequestError, ModelManagementConflictError, SpecifiedModelNotFoundError
-from .engine import AsyncMLCEngine, LoadedModel
+from .engine import AsyncMLCEngine
+from .loading import LoadedModel
 
 
 def _lock(engine: AsyncMLCEngine) -> asyncio.Lock:

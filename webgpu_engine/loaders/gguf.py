@@ -85,6 +85,22 @@ def _as_buffer(source) -> tuple[memoryview, object | None, str]:
     return mv, None, "<buffer>"
 
 
+class MappedFile:
+    """A model file read through `_buf` (from _as_buffer: a view of `_mmap`, or of a buffer given);
+    its `tensors` are TensorInfo views into it."""
+
+    def close(self) -> None:
+        """Drop the buffer; the mmap closes once no tensor view is alive any more."""
+        self.tensors = {}
+        self._buf.release()
+        if self._mmap is not None:
+            try:
+                self._mmap.close()
+            except BufferError:                # views handed out are still alive: the GC closes it
+                pass
+            self._mmap = None
+
+
 class _Cursor:
     """Little-endian reader over a memoryview; errors name the GGUF part being read."""
 
@@ -121,7 +137,7 @@ class _Cursor:
         raise ModelFormatError(f"{self.where}: unknown GGUF metadata value type {vtype} at byte {self.pos}")
 
 
-class GGUFFile:
+class GGUFFile(MappedFile):
     """A parsed GGUF file. `metadata`: {key: value} (arrays as lists); `tensors`: {gguf name: TensorInfo}
     in file order; `version`, `alignment`, `data_offset` (start of the tensor data section)."""
 
@@ -169,17 +185,6 @@ class GGUFFile:
             self.tensors[name] = TensorInfo(name, qtype, shape, self._buf[start:start + nbytes], start)
 
     # ------------------------------------------------------------------ lifecycle
-    def close(self) -> None:
-        """Drop the buffer; the mmap closes once no tensor view is alive any more."""
-        self.tensors = {}
-        self._buf.release()
-        if self._mmap is not None:
-            try:
-                self._mmap.close()
-            except BufferError:                # views handed out are still alive: the GC closes it
-                pass
-            self._mmap = None
-
     def __enter__(self) -> "GGUFFile":
         return self
 

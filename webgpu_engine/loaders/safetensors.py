@@ -8,12 +8,13 @@ as stored).
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from pathlib import Path
 
 from ..errors import ModelFormatError
-from .gguf import _as_buffer
+from .gguf import MappedFile, _as_buffer
 from .tensor_info import TensorInfo
 
 # safetensors dtype -> (our name, bytes per element)
@@ -26,7 +27,7 @@ _TO_ST = {ours: st for st, (ours, _) in DTYPES.items()}
 INDEX_NAME = "model.safetensors.index.json"
 
 
-class SafetensorsFile:
+class SafetensorsFile(MappedFile):
     """One .safetensors file: `tensors` {name: TensorInfo} in header order, `metadata` (__metadata__)."""
 
     def __init__(self, source):
@@ -51,23 +52,10 @@ class SafetensorsFile:
                 a, b = (int(x) for x in h["data_offsets"])
             except (KeyError, TypeError, ValueError) as e:
                 raise ModelFormatError(f"{self.where}: bad header entry for {name}: {h!r}") from e
-            numel = 1
-            for d in shape:
-                numel *= d
-            if b - a != numel * size or start + b > len(self._buf) or a < 0:
+            if b - a != math.prod(shape) * size or start + b > len(self._buf) or a < 0:
                 raise ModelFormatError(f"{self.where}: tensor {name} ({h['dtype']} {list(shape)}) has offsets "
                                        f"[{a}, {b}] that do not fit its size or the file: truncated?")
             self.tensors[name] = TensorInfo(name, dtype, shape, self._buf[start + a:start + b], start + a)
-
-    def close(self) -> None:
-        self.tensors = {}
-        self._buf.release()
-        if self._mmap is not None:
-            try:
-                self._mmap.close()
-            except BufferError:
-                pass
-            self._mmap = None
 
 
 class SafetensorsFolder:

@@ -1,6 +1,7 @@
 """TensorInfo: one weight tensor of a model file, as loaders hand it to the model (bytes untouched)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 # qtype -> (elements per block, bytes per block); the qtypes our kernels read come first.
@@ -54,10 +55,7 @@ class TensorInfo:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
 
 def split_rows(t: TensorInfo, sizes: list[int], names: list[str]) -> list[TensorInfo]:

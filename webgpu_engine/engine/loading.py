@@ -1,0 +1,361 @@
+"""Loading and unloading models (AsyncMLCEngine's reload() and unload(), engine.py) and what a loaded
+model is (LoadedModel).
+
+reload() unloads everything, then loads each model in order. Before anything is allocated it fetches
+every model and checks its memory estimate against the device (memory.py), so a model or context
+window that cannot fit fails fast and allocates nothing; a failed or cancelled load frees what it
+allocated. An intentional unload() (or reload()) is never a device loss (device_loss.py: a loss
+during reload() drops every model, as one during a request does). manage.py loads and unloads one
+model beside the others through the same steps.
+Standard library only at module level (this runs in the browser too).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..config import ChatConfig
+from ..errors import (ChatOptionTypeError, DeviceLostError, FeatureSupportError, InvalidRequestError,
+                      ReloadAbortedError, ReloadArgumentSizeUnmatchedError, ReloadModelIdNotUniqueError,
+                      ShaderF16SupportError, UnsupportedChatOptionError)
+from ..pipelines.protocol import ChatPipelineProtocol, EmbeddingPipelineProtocol, check_pipeline
+from . import memory
+from .lock import FIFOLock
+from .records import EMBEDDING, LLM, ModelRecord
+
+log = logging.getLogger("webgpu_engine.engine")
+
+# Owners of per-device kernel state (e.g. the 16-byte placeholder bound where an optional operand is
+# absent): shared by every model, other engines and direct pipeline users on the same device, so a
+# load never claims them and an unload never frees them (they live as long as the device).
+SHARED_OWNERS = frozenset({"kernels"})
+
+
+@dataclass
+class LoadedModel:
+    model_id: str
+    record: ModelRecord
+    pipeline: ChatPipelineProtocol | EmbeddingPipelineProtocol    # as model_type says
+    chat_config: ChatConfig
+    model_type: str
+    lock: FIFOLock
+    epoch: int                     # which load generation; requests queued on a dropped one fail
+    owners: set = field(default_factory=set)   # gpu buffer owners created by this model's load
+    estimate: memory.MemoryEstimate | None = None   # what the pre-load memory check assumed
+    dropped_by_loss: bool = False  # dropped because the device was lost (not unloaded)
+    coalescer: Any = None          # an embedder's group of concurrent requests (coalesce.py)
+
+    def describe(self, device=None) -> dict:
+        """What /v1/models shows besides the id: the type, the context window in tokens (an
+        embedder's longest input) and the memory in bytes (the pre-load estimate, and what the
+        model's buffers hold on `device` now)."""
+        ctx = (self.pipeline.max_seq_length if self.model_type == EMBEDDING
+               else self.chat_config.context_window_size)
+        est = self.estimate
+        mem = {"estimated_bytes": est.total if est else None, "weights_bytes": est.weights if est else None,
+               "kv_cache_bytes": est.kv_cache if est else None, "allocated_bytes": None}
+        if device is not None and not device.lost:
+            held = device.allocations()
+            mem["allocated_bytes"] = sum(held.get(o, 0) for o in self.owners)
+        out = {"model_type": self.model_type, "context_window": ctx, "memory": mem}
+        sched = getattr(self.pipeline, "scheduler", None)    # stub pipelines have none
+        if sched is not None:
+            out["batching"] = sched.describe()
+        return out
+
+
+@dataclass
+class _Plan:
+    """One model of a reload, ready to load: nothing of it is on the GPU yet."""
+
+    model_id: str
+    record: ModelRecord
+    chat_config: ChatConfig
+    path: Path
+    factory: Any
+    estimate: memory.MemoryEstimate | None = None
+
+
+def _places(pipe, model_type: str) -> int:
+    """Requests a model serves at once: a chat model's batch (max_num_sequences), else one."""
+    return max(1, int(pipe.chat_config.max_num_sequences)) if model_type == LLM else 1
+
+
+def _protocol(model_type: str) -> type:
+    """The pipeline contract of a model type (an unknown type loads as an embedder, see _factory)."""
+    return ChatPipelineProtocol if model_type == LLM else EmbeddingPipelineProtocol
+
+
+def _check_chat_options(cc: ChatConfig) -> None:
+    """Settings of WebLLM's ChatConfig that the built-in pipelines do not implement are refused by
+    name rather than ignored: a sliding KV window with attention sinks (the cache holds the whole
+    context window; a conversation longer than it ends with finish_reason "length")."""
+    if cc.sliding_window_size not in (-1, 0, None):
+        raise UnsupportedChatOptionError(
+            "sliding_window_size", cc.sliding_window_size,
+            "the KV cache holds the whole context window; leave it at -1 and set "
+            "context_window_size instead.")
+    if cc.attention_sink_size not in (0, -1, None):
+        raise UnsupportedChatOptionError(
+            "attention_sink_size", cc.attention_sink_size,
+            "attention sinks only apply to a sliding window, which this engine does not have; leave "
+            "it at 0.")
+    # continuous batching: at most 256 sequences (0: as suits the device, at most the prefill chunk),
+    # blocks of a power of two 1..256 tokens
+    for name, ok, expected in (
+            ("max_num_sequences", 0 <= cc.max_num_sequences <= 256,
+             "an integer in 0..256 (0: as suits the device)"),
+            ("kv_block_size", 1 <= cc.kv_block_size <= 256 and cc.kv_block_size & (cc.kv_block_size - 1) == 0,
+             "a power of two in 1..256"),
+            ("kv_pool_tokens", cc.kv_pool_tokens >= 0, "0 (automatic) or a positive number of tokens")):
+        if not ok:
+            raise ChatOptionTypeError(name, expected, getattr(cc, name))
+    if cc.max_num_sequences > cc.prefill_chunk_size > 0:
+        raise ChatOptionTypeError("max_num_sequences", f"at most prefill_chunk_size ({cc.prefill_chunk_size})",
+                                  cc.max_num_sequences)
+
+
+class ModelLoading:
+    """AsyncMLCEngine's reload / unload half (a mixin: engine.py's __init__ sets the state used here)."""
+
+    async def reload(self, model_id: str | list[str], chat_opts: dict | list[dict | None] | None = None,
+                     *, aliases: str | list[str | None] | None = None) -> None:
+        """Unload everything, then load each model in order. Cancelling the task leaves nothing loaded
+        and every GPU buffer of the partial load freed. `aliases` (one per model, None to keep the
+        default) names the models in engine.models, /v1/models and responses (references only: an
+        app-config record keeps its id). Downloads a reference needs report to the progress callback."""
+        ids = [model_id] if isinstance(model_id, str) else list(model_id)
+        names = [aliases] if isinstance(aliases, str) else list(aliases or [])
+        if len(names) > len(ids):
+            raise ReloadArgumentSizeUnmatchedError(len(ids), len(names))
+        if chat_opts is None:
+            opts: list[dict | None] = [None] * len(ids)
+        else:
+            opts = list(chat_opts) if isinstance(chat_opts, (list, tuple)) else [chat_opts]
+            if len(opts) != len(ids):
+                raise ReloadArgumentSizeUnmatchedError(len(ids), len(opts))
+        if len(set(ids)) != len(ids):
+            raise ReloadModelIdNotUniqueError(ids)
+        # Ids the app config lacks are model references (a .gguf, a folder, a URL, a Hugging Face
+        # repo): resolved into records, and registered, before anything unloads (references.py).
+        from .references import records_for
+        t0 = time.perf_counter()
+        n = len(ids)
+        self._progress_floor = 0.0
+        loop = asyncio.get_running_loop()
+
+        def fetched(k: int, frac: float, text: str) -> None:    # called from the resolving thread
+            f = (k + max(0.0, min(1.0, frac))) / n
+            loop.call_soon_threadsafe(self._report, 0.1 * f * 0.99, t0, f"[{ids[k]}] {text}")
+        self.app_config, records = await records_for(self.app_config, ids, names, fetched)
+        ids = [r.model_id for r in records]
+        if len(set(ids)) != len(ids):
+            raise ReloadModelIdNotUniqueError(ids)
+        await self.unload()                 # also aborts a reload still in progress
+        token = self._load_token = object()
+        self._last_reload = (ids, opts)
+        self.state = "loading"
+        dev, current, stage = None, None, "preparing the load"
+        try:
+            dev = await self.get_device()
+            self._check_aborted(token)
+            # Phase 1 (the first tenth of the progress): features, configs, files and memory, for
+            # every model before anything is allocated, so a model that cannot fit fails fast.
+            plans = []
+            for k, (mid, rec, opt) in enumerate(zip(ids, records, opts)):
+                current = mid
+                plans.append(await self._prepare(dev, mid, rec, opt, k, n, t0, token))
+                self._check_aborted(token)
+            self._check_memory(dev, plans)
+            stage = "loading (weight upload)"
+            loaded: dict[str, LoadedModel] = {}
+            try:
+                for k, plan in enumerate(plans):
+                    current = plan.model_id
+                    loaded[plan.model_id] = await self._load_one(dev, plan, k, n, t0, token)
+                    self._check_aborted(token)
+            except BaseException:
+                for lm in loaded.values():
+                    self._dispose(lm)
+                raise
+        except BaseException as e:
+            if self._load_token is token:
+                self._load_token = None
+            self.state = "idle" if self.state == "loading" else self.state
+            if isinstance(e, Exception) and (isinstance(e, DeviceLostError) or (dev is not None and dev.lost)):
+                # The same policy as a loss during a request: drop everything; auto_recover retries
+                # this reload on the next request.
+                err = self._lost_error(e, dev, f"{stage} of model {current}")
+                self.on_device_lost(err)
+                raise err from e
+            raise
+        self._load_token = None
+        self._epoch += 1
+        for lm in loaded.values():
+            lm.epoch = self._epoch
+        self.models = loaded
+        self.state = "ready"
+        self.device_lost_reason = None
+        self._report(1.0, t0, f"Finish loading on WebGPU - {dev.info.name}")
+
+    def _check_aborted(self, token: object) -> None:
+        """Raise ReloadAbortedError when unload() (or a newer reload()) ended the load `token`."""
+        if self._load_token is not token:
+            raise ReloadAbortedError()
+
+    async def _prepare(self, dev, model_id: str, rec: ModelRecord, opts: dict | None, k: int, n: int,
+                       t0: float, token: object = None) -> _Plan:
+        """Check features, build the chat config, fetch the files (progress 0..0.1) and estimate memory."""
+        rec = self._check_features(dev, rec, opts)
+        try:
+            chat_config = ChatConfig().updated(rec.overrides).updated(opts)
+        except (ValueError, TypeError) as e:
+            raise InvalidRequestError(str(e), param="chat_opts") from None
+        builtin = (self.config.pipeline_factories or {}).get(rec.model_type) is None
+        if builtin:
+            _check_chat_options(chat_config)
+
+        def progress(frac: float, text: str) -> None:
+            if token is not None:
+                self._check_aborted(token)        # an unload() stops the fetch at its next report
+            f = (k + max(0.0, min(1.0, frac))) / n
+            self._report(0.1 * f * 0.99, t0, f"[{model_id}] {text}")
+        path = await self._model_path(rec, progress)
+        factory = self._factory(rec.model_type)
+        plan = _Plan(model_id, rec, chat_config, path, factory)
+        plan.estimate = memory.estimate_model(factory, builtin, rec, path, chat_config, dev)
+        return plan
+
+    def memory_budget(self, dev=None) -> tuple[int, str]:
+        """(bytes this engine may hold on the device, where the number comes from)."""
+        return memory.memory_budget(dev or self.device, self.config.max_memory_bytes)
+
+    def _check_memory(self, dev, plans: list[_Plan]) -> None:
+        """Fail before any allocation when a model (after the ones before it in this reload) does not fit."""
+        budget, source = self.memory_budget(dev)
+        in_use = dev.allocated_bytes()
+        for plan in plans:
+            est = plan.estimate
+            if est is None:
+                continue
+            cw = plan.chat_config.context_window_size
+            if est.context_window and cw > est.context_window:
+                log.warning("%s: context_window_size %d is above the model's trained context; using %d",
+                            plan.model_id, cw, est.context_window)
+            memory.check_fits(plan.model_id, est, dev, budget, source, in_use)
+            in_use += est.total
+
+    async def _load_one(self, dev, plan: _Plan, k: int, n: int, t0: float, token: object = None) -> LoadedModel:
+        model_id, rec, chat_config, factory = plan.model_id, plan.record, plan.chat_config, plan.factory
+
+        def progress(frac: float, text: str) -> None:
+            # Loads fill 0.1..0.99 of the overall progress; it never goes backwards and 1.0 is left
+            # for the final "Finish loading" report. An unload() stops the load at its next report
+            # (a layer's upload, a shader module): the partial load is freed below.
+            if token is not None:
+                self._check_aborted(token)
+            f = (k + max(0.0, min(1.0, frac))) / n
+            self._report((0.1 + 0.9 * f) * 0.99, t0, f"[{model_id}] {text}")
+
+        self._report((0.1 + 0.9 * k / n) * 0.99, t0, f"Loading model {model_id} ({k + 1}/{n})")
+        before = set(dev.allocations())
+        proc = self.logit_processor_registry.get(model_id)
+        try:
+            if proc is not None and rec.model_type != LLM:
+                raise FeatureSupportError("logit processors", message=(
+                    f"Model {model_id} is not a chat model: logit processors (logit_processor_registry) "
+                    f"apply to chat models only."))
+            pipe = await factory.load(dev, plan.path, chat_config, progress=progress, model_id=model_id)
+            # the loaded object too: a custom class may set its attributes in __init__ only
+            check_pipeline(pipe, _protocol(rec.model_type), f"The pipeline of model {model_id}")
+            if proc is not None:
+                pipe.set_logit_processor(proc)
+        except BaseException:
+            # Cancelled or failed mid-load: free whatever this load allocated.
+            for owner in set(dev.allocations()) - before - SHARED_OWNERS:
+                dev.release_owner(owner)
+            dev.release_owner(f"model:{model_id}")
+            raise
+        owners = (set(dev.allocations()) - before - SHARED_OWNERS) | {f"model:{model_id}", pipe.owner}
+        return LoadedModel(model_id, rec, pipe, pipe.chat_config,
+                           rec.model_type, FIFOLock(model_id, _places(pipe, rec.model_type)), 0, owners,
+                           plan.estimate)
+
+    def _check_features(self, dev, rec: ModelRecord, opts: dict | None) -> ModelRecord:
+        if (opts or {}).get("dtype") == "f16" and not dev.has_f16:
+            raise ShaderF16SupportError()
+        for feat in rec.required_features:
+            if feat in dev.features:
+                continue
+            if feat == "shader-f16":
+                if rec.f32_variant:
+                    log.warning("%s needs shader-f16, which %s lacks: loading its f32 variant %s",
+                                rec.model_id, dev.info.name, rec.f32_variant)
+                    return self._check_features(dev, self.app_config.get(rec.f32_variant), opts)
+                raise ShaderF16SupportError()
+            raise FeatureSupportError(feat)
+        return rec
+
+    def _factory(self, model_type: str):
+        custom = (self.config.pipeline_factories or {}).get(model_type)
+        if custom is not None:
+            # before anything loads: a class without the engine's members is refused by name
+            check_pipeline(custom, _protocol(model_type), f"pipeline_factories[{model_type!r}] "
+                           f"({getattr(custom, '__name__', custom)!r})", attributes=False)
+            return custom
+        if model_type == LLM:
+            from ..pipelines.llm import LLMChatPipeline
+            return LLMChatPipeline
+        from ..pipelines.embedding import EmbeddingPipeline
+        return EmbeddingPipeline
+
+    async def _model_path(self, rec: ModelRecord, progress) -> Path:
+        """Where the model's files are on disk: a local record is used in place; otherwise the artifact
+        cache fetches (or finds) them. The one place that talks to the cache."""
+        if rec.is_local:
+            return Path(rec.model).expanduser()
+        from .. import cache
+        arts = None
+        if cache.model_artifacts(rec.model_id) is None and rec.model_file:
+            # A one-file record the cache does not know yet: its sources, then its home URL.
+            bases = [b if b.endswith("/") else b + "/" for b in [*rec.sources, rec.model]]
+            arts = cache.artifacts_from_bases(
+                rec.model_id, {rec.model_file: (None, rec.integrity.get(rec.model_file))}, bases)
+        path = Path(await cache.fetch_model(rec.model_id, arts, progress=progress))
+        if rec.model_file and path.is_dir():
+            path = path / rec.model_file
+        return path
+
+    def _report(self, progress: float, t0: float, text: str) -> None:
+        log.info("%s", text)
+        # Never backwards within a reload (a reference's download is reported before the fetches of
+        # app-config models that come earlier in the list).
+        progress = self._progress_floor = max(float(progress), self._progress_floor)
+        cb = self.init_progress_callback
+        if cb is not None:
+            cb({"progress": progress, "time_elapsed": time.perf_counter() - t0, "text": text})
+
+    async def unload(self) -> None:
+        """Free every loaded model (an intentional unload is never reported as a device loss) and
+        abort a reload() in progress: it stops at its next step, frees what it allocated and raises
+        ReloadAbortedError (WebLLM's reload controller)."""
+        self._load_token = None
+        models, self.models = self.models, {}
+        for lm in models.values():
+            self._dispose(lm)
+        if self.state != "device_lost":
+            self.state = "idle"
+
+    def _dispose(self, lm: LoadedModel) -> None:
+        try:
+            lm.pipeline.dispose()
+        except Exception as e:  # noqa: BLE001 - a lost device has nothing left to free
+            log.debug("dispose of %s: %s", lm.model_id, e)
+        dev = self.device
+        if dev is not None:
+            for owner in lm.owners:
+                dev.release_owner(owner)
