@@ -1,7 +1,7 @@
 """The decoder's forward over a paged KV cache, for many sequences at once (continuous batching).
 
 A loaded LlamaModel's weights and activations, plus one K and one V pool per layer
-(kernels/attention_paged.py; engine/kv_pool.py decides which blocks a sequence owns):
+(kernels/attention_paged.py; models/kv_pool.py decides which blocks a sequence owns):
 
     decode step (rows = S running sequences, one token each):
         x = embed(ids)                                         # (S, C)
