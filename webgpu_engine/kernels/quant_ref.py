@@ -198,6 +198,18 @@ def _iq4_xs(b):   # d f16, scales_h u16, scales_l[4], qs[128]; d*(ls - 32)*kvalu
     return out
 
 
+# random_weight's f16 fields of a block, drawn in this order: (byte offset, low, high) of each scale
+# (or min) it draws uniformly; the other bytes stay random
+_K = (0.0005, 0.005)
+_RANDOM_F16 = {
+    "q4_0": ((0, 0.001, 0.05),), "q8_0": ((0, 0.001, 0.05),), "q5_0": ((0, 0.001, 0.05),),
+    "q4_1": ((0, 0.001, 0.05), (2, -0.2, 0.0)), "q5_1": ((0, 0.001, 0.05), (2, -0.2, 0.0)),
+    "iq4_nl": ((0, 0.0002, 0.005),), "iq4_xs": ((0, 0.00002, 0.0005),),
+    "q4_k": ((0, *_K), (2, *_K)), "q5_k": ((0, *_K), (2, *_K)), "q2_k": ((80, *_K), (82, *_K)),
+    "q3_k": ((108, *_K),), "q6_k": ((208, *_K),),
+}
+
+
 def random_weight(qtype: str, n: int, k: int, rng: np.random.Generator) -> bytes:
     """Raw bytes of a random (n, k) weight in `qtype`'s file layout: random payload bits with
     finite, moderate f16 scales (so tests cover every bit pattern of the quants)."""
@@ -212,28 +224,6 @@ def random_weight(qtype: str, n: int, k: int, rng: np.random.Generator) -> bytes
     nb = n * k // qk
     b = rng.integers(0, 256, size=(nb, bs), dtype=np.uint8)
 
-    def put_f16(col, lo, hi):
+    for col, lo, hi in _RANDOM_F16.get(qtype, ()):
         b[:, col:col + 2] = rng.uniform(lo, hi, (nb, 1)).astype(np.float16).view(np.uint8).reshape(nb, 2)
-    if qtype in ("q4_0", "q8_0", "q5_0"):
-        put_f16(0, 0.001, 0.05)
-    elif qtype in ("q4_1", "q5_1"):
-        put_f16(0, 0.001, 0.05)
-        put_f16(2, -0.2, 0.0)
-    elif qtype == "iq4_nl":
-        put_f16(0, 0.0002, 0.005)
-    elif qtype == "q5_k":
-        put_f16(0, 0.0005, 0.005)
-        put_f16(2, 0.0005, 0.005)
-    elif qtype == "q3_k":
-        put_f16(108, 0.0005, 0.005)
-    elif qtype == "q2_k":
-        put_f16(80, 0.0005, 0.005)
-        put_f16(82, 0.0005, 0.005)
-    elif qtype == "iq4_xs":
-        put_f16(0, 0.00002, 0.0005)
-    elif qtype == "q4_k":
-        put_f16(0, 0.0005, 0.005)
-        put_f16(2, 0.0005, 0.005)
-    elif qtype == "q6_k":
-        put_f16(208, 0.0005, 0.005)
     return b.tobytes()
