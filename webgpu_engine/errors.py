@@ -286,6 +286,23 @@ class UnsupportedModelError(WebGPUEngineError):
     error_type = "invalid_request_error"
 
 
+def supported_entry(table: dict, name: str, what: str, where: str = ""):
+    """table[name], or an UnsupportedModelError saying that `what` `name` is not supported and listing
+    the table's names; `where` (e.g. a file) goes in front."""
+    v = table.get(name)
+    if v is None:
+        raise UnsupportedModelError(f"{where + ': ' if where else ''}{what} {name!r} is not supported; "
+                                    f"supported: {sorted(table)}")
+    return v
+
+
+def unsupported_hf_config(config: dict, supported, where: str) -> UnsupportedModelError:
+    """The error for a config.json whose `architectures` / `model_type` name no supported family
+    (`supported`: the architecture names, listed sorted)."""
+    return UnsupportedModelError(f"{where}: architectures {config.get('architectures') or []} / model_type "
+                                 f"{config.get('model_type')!r} is not supported; supported: {sorted(supported)}")
+
+
 # --------------------------------------------------------------------------- model files
 class ModelFormatError(ArtifactError):
     """A model file (GGUF, safetensors, config.json, tokenizer) is malformed or uses something we do

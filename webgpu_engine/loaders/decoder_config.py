@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from ..errors import ModelFormatError, UnsupportedModelError
+from ..errors import ModelFormatError, UnsupportedModelError, supported_entry, unsupported_hf_config
 from .model_config import LlamaConfig, llama3_rope_factors
 
 
@@ -60,11 +60,7 @@ def unregister_family(name: str) -> None:
 
 def family_named(name: str, where: str = "") -> DecoderFamily:
     """The family of a GGUF general.architecture, or UnsupportedModelError."""
-    fam = FAMILIES.get(name)
-    if fam is None:
-        raise UnsupportedModelError(f"{where + ': ' if where else ''}GGUF architecture {name!r} is not "
-                                    f"supported; supported: {sorted(FAMILIES)}")
-    return fam
+    return supported_entry(FAMILIES, name, "GGUF architecture", where)
 
 
 def family_of(c: dict, where: str = "config.json") -> DecoderFamily:
@@ -75,8 +71,7 @@ def family_of(c: dict, where: str = "config.json") -> DecoderFamily:
     if fam is None:
         fam = next((f for f in FAMILIES.values() if c.get("model_type") in f.hf_model_types), None)
     if fam is None:
-        raise UnsupportedModelError(f"{where}: architectures {archs} / model_type {c.get('model_type')!r} "
-                                    f"is not supported; supported: {sorted(by_arch)}")
+        raise unsupported_hf_config(c, by_arch, where)
     return fam
 
 

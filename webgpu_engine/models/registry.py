@@ -25,10 +25,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
-from ..errors import ModelFormatError, UnsupportedModelError
+from ..errors import ModelFormatError, UnsupportedModelError, supported_entry, unsupported_hf_config
 from ..loaders import decoder_config, hf_config
 from ..loaders.decoder_config import DecoderFamily
-from . import memory
+from . import memory, plan
 
 LLM, EMBEDDING = "llm", "embedding"      # the engine's model types (engine/records.py)
 
@@ -84,8 +84,9 @@ def _embedder_estimate(cfg, tensors: dict, *, max_batch_size: int, max_seq_lengt
                        max_binding: int):
     mod = importlib.import_module(f"{__package__}.decoder_embedder")
     rows = mod.cache_rows(cfg)                  # the model sizes its cache by the config, as here
-    est = memory.estimate_llm(cfg, mod.decoder_names(tensors), context_window=rows,
-                              prefill_chunk=min(mod.PREFILL_CHUNK, rows), act_dtype=act_dtype, max_binding=max_binding)
+    ctx = plan.model_context(cfg, rows)
+    dp = plan.DecoderPlan(act_dtype, ctx, plan.prefill_rows(min(mod.PREFILL_CHUNK, rows), ctx), 1)
+    est = memory.estimate_llm(cfg, mod.decoder_names(tensors), dp, max_binding=max_binding)
     return replace(est, context_window=0)    # its cache is sized by max_seq_length, not context_window_size
 
 
@@ -140,11 +141,7 @@ for _mod in DECODER_FAMILY_MODULES:
 
 def architecture(name: str, where: str = "") -> Architecture:
     """The family `name` (GGUF general.architecture or ours), or UnsupportedModelError."""
-    arch = ARCHITECTURES.get(name)
-    if arch is None:
-        raise UnsupportedModelError(f"{where + ': ' if where else ''}architecture {name!r} is not "
-                                    f"supported; supported: {sorted(ARCHITECTURES)}")
-    return arch
+    return supported_entry(ARCHITECTURES, name, "architecture", where)
 
 
 def hf_architecture(config: dict, where: str = "config.json") -> Architecture:
@@ -153,9 +150,7 @@ def hf_architecture(config: dict, where: str = "config.json") -> Architecture:
     name = next((HF_ARCHITECTURES[a] for a in archs if a in HF_ARCHITECTURES), None) \
         or HF_MODEL_TYPES.get(config.get("model_type", ""))
     if name is None:
-        raise UnsupportedModelError(f"{where}: architectures {archs} / model_type "
-                                    f"{config.get('model_type')!r} is not supported; supported: "
-                                    f"{sorted(HF_ARCHITECTURES)}")
+        raise unsupported_hf_config(config, HF_ARCHITECTURES, where)
     return ARCHITECTURES[name]
 
 
