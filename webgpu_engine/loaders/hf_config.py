@@ -169,6 +169,20 @@ def hf_name(ours: str, kind: str | dict = "llama") -> str:
     return ours
 
 
+def named_weight(named: dict[str, TensorInfo], ours: str, kind: str, model: str, checkpoint: str,
+                 shape: tuple | None = None) -> TensorInfo:
+    """Weight `ours` of map_hf_names(tensors, kind) (`named`), of `shape` when given, else an
+    UnsupportedModelError naming its HF name (`model`: "BERT"; `checkpoint`: what the file should be)."""
+    t = named.get(ours)
+    if t is None:
+        raise UnsupportedModelError(f"{model} weight {hf_name(ours, kind)!r} is missing from the model file; "
+                                    f"is this a {checkpoint} checkpoint?")
+    if shape is not None and tuple(t.shape) != shape:
+        raise UnsupportedModelError(f"{model} weight {t.name!r} has shape {tuple(t.shape)}, expected {shape} "
+                                    f"from config.json.")
+    return t
+
+
 def llama_config_from_dict(c: dict, where: str = "config.json", family=None) -> LlamaConfig:
     """LlamaConfig of a decoder's config.json (loaders.decoder_config; family: a DecoderFamily, default
     the registered one its architectures / model_type name)."""

@@ -32,7 +32,7 @@ from ..errors import UnsupportedModelError
 from ..kernels import matmul as mm
 from ..kernels import nn
 from ..kernels.common import Op, Tensor, new_tensor, pipeline_keys
-from ..loaders.hf_config import hf_name, map_hf_names
+from ..loaders.hf_config import map_hf_names, named_weight
 from ..loaders.tensor_info import TensorInfo
 from ..loaders.model_config import BertConfig
 
@@ -118,15 +118,7 @@ class BertModel:
         named = map_hf_names(tensors, table)       # our names (loaders/hf_config.py's one table)
 
         def get(key: str, i: int = 0, shape: tuple | None = None) -> TensorInfo:
-            ours = key.format(i=i)
-            t = named.get(ours)
-            if t is None:
-                raise UnsupportedModelError(f"BERT weight {hf_name(ours, table)!r} is missing from the model "
-                                            f"file; is this a {cfg.arch} checkpoint?")
-            if shape is not None and tuple(t.shape) != shape:
-                raise UnsupportedModelError(f"BERT weight {t.name!r} has shape {tuple(t.shape)}, expected {shape} "
-                                            f"from config.json.")
-            return t
+            return named_weight(named, key.format(i=i), table, "BERT", cfg.arch, shape)
 
         def weight(parts: list[TensorInfo], label: str) -> mm.QWeight:
             n = sum(p.shape[0] for p in parts)

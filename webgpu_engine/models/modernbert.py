@@ -22,7 +22,7 @@ from ..errors import UnsupportedModelError
 from ..kernels import matmul as mm
 from ..kernels import nn
 from ..kernels.common import Op, Tensor
-from ..loaders.hf_config import hf_name, map_hf_names
+from ..loaders.hf_config import map_hf_names, named_weight
 from ..loaders.tensor_info import TensorInfo
 from .bert import BertModel, _Arena
 
@@ -52,14 +52,7 @@ class ModernBertModel(BertModel):
         named = map_hf_names(tensors, "modernbert")
 
         def get(ours: str, shape: tuple | None = None) -> TensorInfo:
-            t = named.get(ours)
-            if t is None:
-                raise UnsupportedModelError(f"ModernBERT weight {hf_name(ours, 'modernbert')!r} is missing from "
-                                            f"the model file; is this a ModernBertModel checkpoint?")
-            if shape is not None and tuple(t.shape) != shape:
-                raise UnsupportedModelError(f"ModernBERT weight {t.name!r} has shape {tuple(t.shape)}, expected "
-                                            f"{shape} from config.json.")
-            return t
+            return named_weight(named, ours, "modernbert", "ModernBERT", "ModernBertModel", shape)
 
         def weight(t: TensorInfo, label: str) -> mm.QWeight:
             return mm.upload_weight(dev, [t.data], t.qtype, t.shape[0], t.shape[1], owner=own, label=label)
