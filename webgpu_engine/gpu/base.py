@@ -9,12 +9,24 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
-from ..errors import (DeviceLostError, GPUOutOfMemoryError, GPUValidationError,
-                      ShaderCompileError)
+from ..errors import (DeviceLostError, FeatureSupportError, GPUOutOfMemoryError, GPUValidationError,
+                      ShaderCompileError, ShaderF16SupportError)
 from .shaders import load_shader_source
 
 STORAGE = "storage"
 UNIFORM = "uniform"
+
+
+def device_features(available, optional, required) -> list:
+    """The features to request of an adapter offering `available`: the `optional` ones it has, then
+    each `required` one, which it must have (ShaderF16SupportError / FeatureSupportError)."""
+    wanted = [f for f in optional if f in available]
+    for f in required:
+        if f not in available:
+            raise ShaderF16SupportError() if f == "shader-f16" else FeatureSupportError(f)
+        if f not in wanted:
+            wanted.append(f)
+    return wanted
 
 
 def round_up4(n: int) -> int:

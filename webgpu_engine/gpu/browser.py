@@ -17,10 +17,9 @@ from __future__ import annotations
 from js import GPUBufferUsage, GPUMapMode, Object, Promise, Uint8Array, navigator
 from pyodide.ffi import JsException, JsProxy, create_proxy, jsnull, to_js
 
-from ..errors import (FeatureSupportError, GPUOutOfMemoryError, GPUValidationError, ShaderF16SupportError,
-                      WebGPUNotAvailableError)
-from .base import (STORAGE, AdapterInfo, Batch, Buffer, Device, PassApi, _batch_names, encode_ops, round_up4,
-                   staging_class)
+from ..errors import GPUOutOfMemoryError, GPUValidationError, WebGPUNotAvailableError
+from .base import (STORAGE, AdapterInfo, Batch, Buffer, Device, PassApi, _batch_names, device_features, encode_ops,
+                   round_up4, staging_class)
 
 _OPTIONAL_FEATURES = ("shader-f16", "subgroups", "timestamp-query")
 # JS limit names -> the kebab-case names the gpu layer uses (as wgpu-py reports them).
@@ -339,13 +338,7 @@ async def request_device(adapter_name: str | None = None, power_preference: str 
         if adapter_name.lower() not in text:
             raise WebGPUNotAvailableError(f"The browser's adapter ({info.vendor} {info.architecture}) does "
                                           f"not match {adapter_name!r}")
-    feats = {str(f) for f in adapter.features}
-    wanted = [f for f in _OPTIONAL_FEATURES if f in feats]
-    for f in required_features:
-        if f not in feats:
-            raise ShaderF16SupportError() if f == "shader-f16" else FeatureSupportError(f)
-        if f not in wanted:
-            wanted.append(f)
+    wanted = device_features({str(f) for f in adapter.features}, _OPTIONAL_FEATURES, required_features)
     limits = {}
     for camel in ("maxStorageBufferBindingSize", "maxBufferSize", "maxComputeWorkgroupStorageSize",
                   "maxComputeInvocationsPerWorkgroup", "maxComputeWorkgroupSizeX",

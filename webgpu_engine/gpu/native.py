@@ -8,7 +8,8 @@ import threading
 import wgpu
 
 from ..errors import DeviceLostError, GPUValidationError, WebGPUNotAvailableError
-from .base import STORAGE, AdapterInfo, Buffer, Device, PassApi, encode_ops, round_up4, staging_class
+from .base import (STORAGE, AdapterInfo, Buffer, Device, PassApi, device_features, encode_ops, round_up4,
+                   staging_class)
 
 _OPTIONAL_FEATURES = ("shader-f16", "subgroups", "subgroup", "timestamp-query")
 _MAX_LIMITS = ("max-storage-buffer-binding-size", "max-buffer-size", "max-compute-workgroup-storage-size",
@@ -209,14 +210,7 @@ async def request_device(adapter_name: str | None = None, power_preference: str 
         raise
     except Exception as e:  # noqa: BLE001 - no driver at all
         raise WebGPUNotAvailableError(str(e)) from None
-    feats = set(adapter.features)
-    wanted = [f for f in _OPTIONAL_FEATURES if f in feats]
-    from ..errors import FeatureSupportError, ShaderF16SupportError
-    for f in required_features:
-        if f not in feats:
-            raise ShaderF16SupportError() if f == "shader-f16" else FeatureSupportError(f)
-        if f not in wanted:
-            wanted.append(f)
+    wanted = device_features(set(adapter.features), _OPTIONAL_FEATURES, required_features)
     limits = {k: adapter.limits[k] for k in _MAX_LIMITS if k in adapter.limits}
     raw = await adapter.request_device_async(required_features=wanted, required_limits=limits,
                                              label="webgpu_engine")
