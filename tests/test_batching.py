@@ -252,7 +252,7 @@ async def test_device_loss_fails_every_sequence_of_the_model(tiny_path):
 async def test_batch_size_options(device, tiny_path):
     from webgpu_engine.config import ChatConfig
     from webgpu_engine.errors import ChatOptionTypeError
-    from webgpu_engine.pipelines.scheduler import resolve_max_sequences
+    from webgpu_engine.models.plan import resolve_max_sequences
     cpu = device.info.adapter_type.upper() == "CPU"
     assert resolve_max_sequences(device, ChatConfig(max_num_sequences=0)) == (4 if cpu else 16)
     assert resolve_max_sequences(device, ChatConfig(max_num_sequences=0, prefill_chunk_size=2)) == 2

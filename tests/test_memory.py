@@ -157,6 +157,30 @@ async def test_context_over_the_per_buffer_limit_fails_before_allocating(device,
     assert device.allocated_bytes() == before
 
 
+async def test_one_plan_is_estimated_allocated_and_reported(device, tmp_path):
+    """A window above the model's trained context and continuous batching: the memory estimate, the
+    loaded model, its paged pool and /v1/models all use the one load plan (models/plan.py): the
+    clamped context, the pool's blocks, the KV bytes."""
+    from tinymodels import write_tiny_llama_gguf
+    info = write_tiny_llama_gguf(tmp_path / "short.gguf", context_length=256)
+    rec = ModelRecord("tiny-short", str(info["path"]), "llm")
+    eng = AsyncMLCEngine(EngineConfig(device=device, app_config=default_app_config().with_records(rec)))
+    opts = {"context_window_size": 4096, "max_num_sequences": 2, "kv_block_size": 16, "compile_at_load": False}
+    await eng.reload("tiny-short", opts)
+    try:
+        lm = eng.models["tiny-short"]
+        plan, cfg = lm.pipeline.plan, info["config"]
+        assert plan.context == 256 == lm.pipeline.model.ctx == lm.estimate.context_window
+        assert plan.max_sequences == 2 and lm.pipeline.scheduler.fwd.n_blocks == plan.kv_pool_blocks > 256 // 16
+        assert lm.estimate.kv_cache == plan.kv_cache_bytes(cfg) == plan.kv_bytes_per_token(cfg) * (
+            256 + 16 * plan.kv_pool_blocks)
+        described = lm.describe(device)
+        assert described["context_window"] == 256                   # what was allocated, not the 4096 asked
+        assert described["memory"]["kv_cache_bytes"] == lm.estimate.kv_cache
+    finally:
+        await eng.unload()
+
+
 # --------------------------------------------------------------------------- failures mid-load
 @pytest.mark.slow
 async def test_allocation_failure_mid_load_leaves_nothing(device, smollm2_gguf, minilm_dir, monkeypatch):

@@ -53,8 +53,9 @@ class LoadedModel:
         """What /v1/models shows besides the id: the type, the context window in tokens (an
         embedder's longest input) and the memory in bytes (the pre-load estimate, and what the
         model's buffers hold on `device` now)."""
+        plan = getattr(self.pipeline, "plan", None)       # a decoder's load plan: what was allocated
         ctx = (self.pipeline.max_seq_length if self.model_type == EMBEDDING
-               else self.chat_config.context_window_size)
+               else plan.context if plan is not None else self.chat_config.context_window_size)
         est = self.estimate
         mem = {"estimated_bytes": est.total if est else None, "weights_bytes": est.weights if est else None,
                "kv_cache_bytes": est.kv_cache if est else None, "allocated_bytes": None}

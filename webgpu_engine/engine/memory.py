@@ -17,6 +17,7 @@ from pathlib import Path
 
 from ..errors import ContextWindowTooLargeError, GPUOutOfMemoryError
 from ..models.memory import MemoryEstimate, estimate_bert, estimate_llm  # noqa: F401 - re-exported
+from ..models.plan import plan_decoder
 
 log = logging.getLogger("webgpu_engine.engine")
 
@@ -123,15 +124,10 @@ def estimate_for(model_type: str, path, chat_config, dev) -> MemoryEstimate:
     path = Path(path)
     limit = min(dev.max_storage_binding, dev.max_buffer_size)
     arch, cfg, st, shapes = _headers(model_type, path)
-    if arch.kind == "llm":
-        from ..pipelines.scheduler import resolve_max_sequences
-        dtype = chat_config.dtype if chat_config.dtype != "auto" else ("f16" if dev.has_f16 else "f32")
-        return arch.estimate(cfg, shapes, context_window=chat_config.context_window_size,
-                             prefill_chunk=chat_config.prefill_chunk_size, act_dtype=dtype, max_binding=limit,
-                             max_num_sequences=resolve_max_sequences(dev, chat_config),
-                             kv_block_size=chat_config.kv_block_size, kv_pool_tokens=chat_config.kv_pool_tokens)
+    if arch.kind == "llm":     # what the load allocates: the same plan (models/plan.py)
+        return arch.estimate(cfg, shapes, plan_decoder(cfg, chat_config, dev), max_binding=limit)
     max_len = min(chat_config.max_seq_length or st.max_seq_length or cfg.max_position, cfg.max_position)
-    dtype = "f32" if chat_config.dtype == "auto" else chat_config.dtype
+    dtype = "f32" if chat_config.dtype == "auto" else chat_config.dtype    # encoders: f32 unless asked
     return arch.estimate(cfg, shapes, max_batch_size=chat_config.max_batch_size, max_seq_length=max_len,
                          act_dtype=dtype, max_binding=limit)
 

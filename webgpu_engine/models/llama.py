@@ -1,25 +1,14 @@
-"""The Llama-family decoder (Llama, Qwen2/3, Mistral, Phi-3, Gemma 2/3) on WebGPU: weights, KV
-cache, prefill and decode.
+"""The Llama-family decoder (Llama, Qwen2/3, Mistral, Phi-3, Gemma 2/3) on WebGPU, one sequence at a
+time: weights, a contiguous KV cache, activations, prefill and decode.
 
-    x = embed(ids) (* sqrt(C): Gemma)                          # (T, C)
-    for each layer:
-        h = rms_norm(x)                                        # (T, C)
-        qkv = h · Wqkvᵀ (+ bias)                               # (T, Hq + 2 Hkv, D), Q|K|V fused
-        q, k = rms_norm(q head), rms_norm(k head)              # Qwen3, Gemma 3
-        rope(q, k); k, v -> cache rows pos0 .. pos0+T-1        # caches (Hkv, ctx, D)
-        a = attention(q, cache) · Woᵀ                          # causal GQA (sliding window where the
-                                                               # layer has one; Gemma 2: capped scores)
-        x += a, or x += rms_norm(a) (Gemma)                    # residual fused in the matmul
-        h = rms_norm(x)
-        f = (act(h · Wgateᵀ) * (h · Wupᵀ)) · Wdownᵀ            # gate|up fused: (T, 2F); act silu or GELU-tanh
-        x += f, or x += rms_norm(f) (Gemma)
-    logits = rms_norm(x[T-1]) · Wheadᵀ                          # (1, V); head = embed when tied
-    logits = cap * tanh(logits / cap)                          # Gemma 2
+The layer recipe is models/decoder.py's; this module holds what one sequence's forward owns and how
+it reaches its cache (ContiguousKV): per layer a K and a V tensor (Hkv, ctx, D) whose row p is
+position p, positions pos0 .. pos0+T-1 from the 16-byte step uniform (pos0, n_new, kv_len, 0).
 
 Weights go to the GPU as stored (GGUF blocks, HF float rows). Activations are allocated once for
 `prefill_chunk` rows. The ops of a forward of T rows are built once per T and replayed; the decode
 ops (T = 1) read their input id from `ids`, which the sampler fills on the GPU, so a decode step
-writes only the 16-byte step buffer (pos0, n_new, kv_len, 0). Standard library only (runs in the page).
+writes only the step buffer. Standard library only (runs in the page).
 """
 from __future__ import annotations
 
@@ -30,9 +19,13 @@ from ..errors import ContextWindowTooLargeError, GPUOutOfMemoryError, Unsupporte
 from ..gpu import Device
 from ..kernels import matmul as mm
 from ..kernels import nn
-from ..kernels.common import DTYPE_SIZE, Op, OpCache, Tensor, new_tensor, pipeline_keys
+from ..kernels.common import Op, OpCache, Tensor, new_tensor, pipeline_keys
 from ..loaders.model_config import LlamaConfig
 from ..loaders.tensor_info import split_fused
+from . import decoder
+from .memory import estimate_llm
+from .plan import DecoderPlan, model_context, prefill_rows
+from .decoder import FusionPlan  # noqa: F401  (re-exported: the plan's home was this module)
 
 # Above this, a model + cache is almost surely a mistake (e.g. a 128k context on a small GPU).
 DEFAULT_MAX_TOTAL_BYTES = 12 << 30
@@ -57,42 +50,6 @@ class LlamaLayer:
     post_ffn_norm: Tensor | None = None
 
 
-@dataclass(frozen=True)
-class FusionPlan:
-    """Which fused kernels one forward uses, chosen once per op list from the device's matmul
-    strategy (kernels/matmul/: fusable, epilogue_ok, default_config) and the layers' weights. Only
-    a decode step (T = 1) fuses; prefill runs every position through the row-invariant kernels.
-    The gate activation (cfg.act: SiLU or GELU-tanh) is a parameter of the fused paths
-    (matmul gate_act); layers with post norms keep the residual add apart (no res_norm)."""
-
-    norm_in_matmul: bool = False       # RMSNorm folded into the qkv / gate_up matmuls' input
-    gate_in_down: bool = False         # act(gate) * up folded into the down matmul's input
-    res_norm: bool = False             # o / down store x, x * g of the next norm and sums of x^2;
-    #                                    the matmul after scales by 1 / rms (layer 0 keeps its norm)
-    head_norm_in_matmul: bool = False  # the final norm folded into the LM head (without res_norm)
-    rope_kv: tuple = ()                # per layer: the qkv matmul rotates q, k and writes the caches
-    gate_out: tuple = ()               # per layer: the gate_up matmul stores act(gate) * up
-
-    @classmethod
-    def choose(cls, dev, cfg: LlamaConfig, layers: list[LlamaLayer], lm_head, decode: bool) -> "FusionPlan":
-        n = len(layers)
-        if not decode:
-            return cls(rope_kv=(False,) * n, gate_out=(False,) * n)
-        return cls(
-            norm_in_matmul=all(mm.fusable(dev, 1, w) for L in layers for w in (L.qkv, L.gate_up)),
-            gate_in_down=all(mm.fusable(dev, 1, L.down, silu=True) and not L.gate_pairs for L in layers),
-            res_norm=cfg.hidden_size % 32 == 0 and not cfg.post_norms and mm.default_config(dev).res_norm and all(
-                mm.epilogue_ok(dev, w.qtype, w.n, w.k) and len(w.bufs) == 1
-                for L in layers for w in (L.o, L.down)),
-            head_norm_in_matmul=mm.fusable(dev, 1, lm_head),
-            # adjacent-pair rope only, and a head of whole vec4s; q/k norms come between the
-            # matmul and RoPE, so those layers keep the separate rope_kv kernel
-            rope_kv=tuple(not cfg.rope_neox and cfg.head_dim % 4 == 0 and L.qk_norm is None
-                          and cfg.rope_attn_factor == 1.0 and not cfg.rope_local_base
-                          and mm.epilogue_ok(dev, L.qkv.qtype, L.qkv.n, L.qkv.k) for L in layers),
-            gate_out=tuple(L.gate_pairs for L in layers))
-
-
 def _floats(t) -> list:
     """The values of a small f32 / f16 / bf16 vector (norm weights)."""
     raw = bytes(t.data)
@@ -106,6 +63,35 @@ def _floats(t) -> list:
     raise UnsupportedModelError(f"norm weight {t.name} in {t.qtype}: f32, f16 or bf16 expected")
 
 
+class ContiguousKV:
+    """decoder.KVAccess of one sequence's contiguous cache: rows 0 .. ctx-1 of each layer's K and V
+    tensors, positions from the model's step uniform; the qkv matmul can rotate and write the caches
+    itself (mm.RopeKV)."""
+
+    head_flags: dict = {}              # the prefill head's one-row matmul: the decode kernel
+
+    def __init__(self, m: "LlamaModel"):
+        self.m, self.ids = m, m.ids
+
+    def logits_for(self, rows: int) -> Tensor:
+        return self.m.logits
+
+    def fused_rope(self, i: int):
+        m, c = self.m, self.m.cfg
+        return mm.RopeKV(m.step, m.rope_freq, m.k_cache[i], m.v_cache[i], c.n_heads, c.n_kv_heads, c.head_dim,
+                         c.rot_dim, m.ctx)
+
+    def rope_kv(self, i: int, qkv: Tensor, T: int, rope: dict):
+        m, c = self.m, self.m.cfg
+        return nn.rope_kv(m.dev, qkv, m.k_cache[i], m.v_cache[i], m.step, n_q_heads=c.n_heads,
+                          n_kv_heads=c.n_kv_heads, head_dim=c.head_dim, ctx=m.ctx, **rope)
+
+    def attention(self, i: int, qkv: Tensor, attn: Tensor, T: int, mode: str, spec: decoder.Attention):
+        m = self.m
+        return nn.attention(m.dev, qkv, m.k_cache[i], m.v_cache[i], attn, m.step, **spec.heads(), ctx=m.ctx,
+                            scale=spec.scale, max_t=T, causal=mode != decoder.DECODE, **spec.masking())
+
+
 class LlamaModel:
     """One loaded decoder: weights, KV cache and activations, all owned by `owner`."""
 
@@ -113,9 +99,8 @@ class LlamaModel:
                  context_window: int = 4096, prefill_chunk: int = 256, dtype: str = "f32",
                  max_total_bytes: int = DEFAULT_MAX_TOTAL_BYTES, progress=None):
         self.dev, self.cfg, self.owner, self.dtype = dev, cfg, owner, dtype
-        limit = cfg.context_length if cfg.context_length > 0 else context_window
-        self.ctx = min(context_window, limit) if context_window > 0 else limit
-        self.chunk = max(1, min(prefill_chunk, self.ctx))
+        self.ctx = model_context(cfg, context_window)
+        self.chunk = prefill_rows(prefill_chunk, self.ctx)
         self.rope_factors = cfg.rope_factors_for(self.ctx)
         weights = split_fused(weights, cfg.q_dim, cfg.kv_dim, cfg.ffn_size)
         self._check_memory(weights, max_total_bytes)
@@ -131,29 +116,22 @@ class LlamaModel:
         self.short_attention = True
         self.decode_ops = self._build(1, True, decode=True)   # built once, replayed every step
 
-    # ------------------------------------------------------------------ memory plan
-    def memory_plan(self, weights: dict) -> dict:
-        """Bytes the model will hold on the GPU: weights, KV cache, activations (+ largest tensor)."""
-        c, esz, P = self.cfg, DTYPE_SIZE[self.dtype], self.chunk
-        w = sum(int(t.nbytes * 1.07) for t in weights.values())       # + repack padding of Q8_0/Q6_K
-        kv_layer = c.n_kv_heads * self.ctx * c.head_dim * esz
-        act = esz * P * (3 * c.hidden_size + c.qkv_dim + c.q_dim + 3 * c.ffn_size) + 4 * c.vocab_size * 5
-        return {"weights": w, "kv_cache": 2 * c.n_layers * kv_layer, "kv_per_layer": kv_layer,
-                "activations": act, "total": w + 2 * c.n_layers * kv_layer + act}
-
+    # ------------------------------------------------------------------ memory
     def _check_memory(self, weights: dict, max_total: int) -> None:
-        plan = self.memory_plan(weights)
-        self.plan = plan
+        """Refuse, before any allocation, a cache buffer over the device's per-buffer limit or a model
+        over `max_total` bytes (the estimate the engine's pre-load check uses: models/memory.py)."""
         lim = min(self.dev.max_buffer_size, self.dev.max_storage_binding)
-        if plan["kv_per_layer"] > lim:
+        plan = DecoderPlan(self.dtype, self.ctx, self.chunk, 1)
+        est, kv_layer = estimate_llm(self.cfg, weights, plan, max_binding=lim), plan.kv_layer_bytes(self.cfg)
+        if kv_layer > lim:
             raise ContextWindowTooLargeError(
-                f"A KV cache of {self.ctx} tokens needs {plan['kv_per_layer']} bytes per layer and "
+                f"A KV cache of {self.ctx} tokens needs {kv_layer} bytes per layer and "
                 f"tensor, more than this device's limit of {lim} bytes per buffer. Use a smaller "
                 f"context_window_size.", param="context_window_size")
-        if plan["total"] > max_total:
+        if est.total > max_total:
             raise GPUOutOfMemoryError(
-                f"The model needs about {plan['total']} bytes on the GPU (weights {plan['weights']}, "
-                f"KV cache {plan['kv_cache']} for {self.ctx} tokens, activations {plan['activations']}), "
+                f"The model needs about {est.total} bytes on the GPU (weights {est.weights}, "
+                f"KV cache {est.kv_cache} for {self.ctx} tokens, activations {est.activations}), "
                 f"more than the {max_total} bytes allowed. Use a smaller context_window_size or model.")
 
     # ------------------------------------------------------------------ weights
@@ -240,99 +218,18 @@ class LlamaModel:
         shape = (c.n_kv_heads, self.ctx, c.head_dim)
         self.k_cache = [new_tensor(dev, shape, dt, owner=own, label=f"k_cache.{i}") for i in range(c.n_layers)]
         self.v_cache = [new_tensor(dev, shape, dt, owner=own, label=f"v_cache.{i}") for i in range(c.n_layers)]
+        self.kv = ContiguousKV(self)
 
     # ------------------------------------------------------------------ the forward pass as ops
     def _build(self, T: int, with_head: bool, decode: bool = False) -> list[Op]:
-        """The forward of T rows. Prefill (`decode` False) computes every row with kernels whose
-        per-row sums do not depend on T (row-invariant matmuls, the causal attention kernel even
-        for one row), so a position's logits are the same however the prompt was chunked or how
-        much of it was cached. Decode (T = 1) takes the fused, split-key kernels."""
-        c, dev, step = self.cfg, self.dev, self.step
-        H, Hkv, D, C = c.n_heads, c.n_kv_heads, c.head_dim, c.hidden_size
-        x, h = self.x.view((T, C)), self.h.view((T, C))
-        qkv = self.qkv.view((T, H + 2 * Hkv, D))
-        qkv2 = self.qkv.view((T, c.qkv_dim))
-        attn, gu, ffn = self.attn.view((T, H * D)), self.gate_up.view((T, 2 * c.ffn_size)), \
-            self.ffn.view((T, c.ffn_size))
-        rope_kw = dict(rot_dim=c.rot_dim, base=c.rope_base, neox=c.rope_neox, factors=self.rope_factors,
-                       mscale=c.rope_attn_factor)
-        eps, ri = c.rms_eps, not decode         # prefill: row-invariant matmuls
-        plan = FusionPlan.choose(dev, c, self.layers, self.lm_head, decode)
-        if decode:
-            self.decode_plan = plan
-        rms = (self.part, eps)
-        norms_after = [L.attn_norm for L in self.layers[1:]] + [self.final_norm]
-        ops = [mm.embedding(dev, self.ids.view((T,)), self.embed, x)]              # x (T, C)
-        if c.embed_scale != 1.0:                                                   # Gemma: x *= sqrt(C)
-            ops.append(nn.scale(dev, x, x, c.embed_scale))
-        for i, L in enumerate(self.layers):
-            kc, vc = self.k_cache[i], self.v_cache[i]
-            # h = rms_norm(x); qkv = h · Wqkvᵀ (+ bias)                             (T, H+2Hkv, D)
-            rope = mm.RopeKV(step, self.rope_freq, kc, vc, H, Hkv, D, c.rot_dim, self.ctx) \
-                if plan.rope_kv[i] else None
-            if plan.res_norm and i > 0:          # h = x * g from the last residual matmul
-                ops.append(mm.matmul(dev, h, L.qkv, qkv2, bias=L.qkv_bias, rms_from=rms, rope_kv=rope))
-            elif plan.norm_in_matmul:
-                ops.append(mm.matmul(dev, x, L.qkv, qkv2, bias=L.qkv_bias, norm=(L.attn_norm, eps),
-                                     rope_kv=rope))
-            else:
-                ops.append(nn.rms_norm(dev, x, L.attn_norm, h, eps=eps))
-                ops.append(mm.matmul(dev, h, L.qkv, qkv2, bias=L.qkv_bias, rope_kv=rope, row_invariant=ri))
-            if L.qk_norm is not None:            # q, k = rms_norm per head (before RoPE)
-                ops.append(nn.head_rms_norm(dev, qkv, L.qk_norm, n_q_heads=H, n_k_heads=Hkv, head_dim=D,
-                                            eps=eps))
-            # rope(q, k); k, v -> caches; x += attention(q, caches) · Woᵀ
-            if rope is None:
-                base, factors = c.rope_of(i, self.rope_factors)
-                ops.append(nn.rope_kv(dev, qkv, kc, vc, step, n_q_heads=H, n_kv_heads=Hkv, head_dim=D,
-                                      ctx=self.ctx, **{**rope_kw, "base": base, "factors": factors}))
-            ops.append(nn.attention(dev, qkv, kc, vc, attn, step, n_q_heads=H, n_kv_heads=Hkv,
-                                    head_dim=D, ctx=self.ctx, scale=c.attn_scale or D ** -0.5, max_t=T,
-                                    causal=ri, window=c.window_of(i), softcap=c.attn_softcap))
-            if L.post_attn_norm is not None:     # x += rms_norm(attn · Woᵀ)
-                ops += [mm.matmul(dev, attn, L.o, h, bias=L.o_bias, row_invariant=ri),
-                        nn.rms_norm(dev, h, L.post_attn_norm, h, eps=eps), nn.add(dev, x, h, x)]
-            else:
-                ops.append(mm.matmul(dev, attn, L.o, x, bias=L.o_bias, accumulate=True, row_invariant=ri,
-                                     norm_out=mm.NormOut(L.ffn_norm, h, self.part) if plan.res_norm else None))
-            # h = rms_norm(x); gu = h · [Wgate | Wup]ᵀ, or act(gate) * up stored by the matmul
-            out = ffn if plan.gate_out[i] else gu
-            gate = {"silu_out": plan.gate_out[i], "gate_act": c.act}
-            if plan.res_norm:
-                ops.append(mm.matmul(dev, h, L.gate_up, out, rms_from=rms, **gate))
-            elif plan.norm_in_matmul:
-                ops.append(mm.matmul(dev, x, L.gate_up, out, norm=(L.ffn_norm, eps), **gate))
-            else:
-                ops.append(nn.rms_norm(dev, x, L.ffn_norm, h, eps=eps))
-                ops.append(mm.matmul(dev, h, L.gate_up, out, row_invariant=ri, **gate))
-            # x += (act(gate) * up) · Wdownᵀ (the next layer's norm stored beside when res_norm),
-            # act(gate) * up computed by the down matmul itself (gate_in_down), by the gate_up
-            # matmul (gate_out) or by its own kernel
-            if plan.gate_in_down:
-                ffn_in, fused = gu, {"silu": True, "gate_act": c.act}
-            else:
-                ffn_in, fused = ffn, {"row_invariant": ri}
-                if not plan.gate_out[i]:
-                    ops.append(nn.silu_mul(dev, gu, ffn, pairs=L.gate_pairs, act=c.act))   # (T, F)
-            if L.post_ffn_norm is not None:      # x += rms_norm(ffn · Wdownᵀ)
-                ops += [mm.matmul(dev, ffn_in, L.down, h, **fused),
-                        nn.rms_norm(dev, h, L.post_ffn_norm, h, eps=eps), nn.add(dev, x, h, x)]
-            else:
-                nxt = mm.NormOut(norms_after[i], h, self.part) if plan.res_norm else None
-                ops.append(mm.matmul(dev, ffn_in, L.down, x, accumulate=True, norm_out=nxt, **fused))
-        if with_head:                            # logits = rms_norm(x[T-1]) · Wheadᵀ      (1, V)
-            if plan.res_norm:                    # h = x * g_final
-                ops.append(mm.matmul(dev, h, self.lm_head, self.logits, rms_from=rms))
-            elif plan.head_norm_in_matmul:
-                ops.append(mm.matmul(dev, x, self.lm_head, self.logits, norm=(self.final_norm, eps)))
-            else:
-                ops.append(nn.rms_norm(dev, self.x.view((1, C), (T - 1) * C), self.final_norm, self.last,
-                                       eps=eps))                                   # last row only
-                # one row whatever T: the same kernel for every prefill
-                ops.append(mm.matmul(dev, self.last, self.lm_head, self.logits))
-            if c.final_softcap:                  # Gemma 2
-                ops.append(nn.softcap(dev, self.logits, self.logits, c.final_softcap))
-        return ops
+        """The forward of T rows (models/decoder.py). Prefill (`decode` False) computes every row
+        with kernels whose per-row sums do not depend on T (row-invariant matmuls, the causal
+        attention kernel even for one row), so a position's logits are the same however the prompt
+        was chunked or how much of it was cached. Decode (T = 1) takes the fused, split-key kernels."""
+        if not decode:
+            return decoder.forward(self, self.kv, T, decoder.PREFILL, with_head=with_head)
+        self.decode_plan = decoder.FusionPlan.choose(self.dev, self.cfg, self.layers, self.lm_head, True)
+        return decoder.forward(self, self.kv, T, decoder.DECODE, with_head=with_head, plan=self.decode_plan)
 
     def ops_for(self, T: int, with_head: bool = True) -> list[Op]:
         """The prefill ops for T rows (1 <= T <= prefill chunk), built once per (T, with_head)."""

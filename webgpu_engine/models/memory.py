@@ -45,34 +45,20 @@ def _weight_bytes(t, max_binding: int) -> tuple[int, int]:
     return _r4(n * row), _r4(min(per_buf, n * row))
 
 
-def pool_blocks(max_seqs: int, ctx: int, block_size: int, pool_tokens: int = 0) -> int:
-    """Blocks of a model's pool: `pool_tokens` when given, else max_seqs full contexts but at most
-    max(2 contexts, 8192 tokens) (preemption and prefix sharing cover the rest); never less than one
-    full context plus a block, so a lone sequence always fits."""
-    want = pool_tokens or min(max_seqs * ctx, max(2 * ctx, 8192))
-    return max(-(-want // block_size), -(-ctx // block_size) + 1)
-
-
-def estimate_llm(cfg, tensors: dict, *, context_window: int, prefill_chunk: int, act_dtype: str,
-                 max_binding: int, max_num_sequences: int = 1, kv_block_size: int = 16,
-                 kv_pool_tokens: int = 0) -> MemoryEstimate:
-    """A Llama-family decoder as models/llama.py + the sampler allocate it. `tensors`: our weight names
-    → TensorInfo (only names, qtypes and shapes are used). The context window is clamped to the
-    model's trained length, as the model does. With max_num_sequences > 1 the paged KV pool of the
-    batch scheduler (pipelines/scheduler.py; pool_blocks), its logits rows and per-slot
+def estimate_llm(cfg, tensors: dict, plan, *, max_binding: int) -> MemoryEstimate:
+    """A Llama-family decoder as models/llama.py + the sampler allocate it under `plan` (a
+    models/plan.py DecoderPlan: dtype, context, prefill rows, sequences, paged pool). `tensors`: our
+    weight names → TensorInfo (only names, qtypes and shapes are used). With max_sequences > 1 the
+    paged KV pool of the batch scheduler (pipelines/scheduler.py), its logits rows and per-slot
     samplers come on top."""
-    esz = 2 if act_dtype == "f16" else 4
-    limit = cfg.context_length if cfg.context_length > 0 else context_window
-    ctx = min(context_window, limit) if context_window > 0 else limit
-    P = max(1, min(prefill_chunk, ctx))
+    esz, ctx, P = plan.act_bytes, plan.context, plan.prefill_chunk
     weights, largest, label = 0, 0, ""
     for name, t in tensors.items():
         nb, big = _weight_bytes(t, max_binding)
         weights += nb
         if big > largest:
             largest, label = big, f"weight {name}"
-    kv_tok = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * esz       # K and V, every layer
-    kv_buf = cfg.n_kv_heads * ctx * cfg.head_dim * esz                     # one (Hkv, ctx, D) cache
+    kv_buf = plan.kv_layer_bytes(cfg)                                      # one (Hkv, ctx, D) cache
     C, F, V = cfg.hidden_size, cfg.ffn_size, cfg.vocab_size
     act = esz * P * (2 * C + cfg.qkv_dim + cfg.q_dim + 3 * F) + 4 * P + esz * (C + V)
     act += 4 * V * 3 + 4 * (V + 31) // 32 + 1024          # sampler: bias, history, scratch, io, params
@@ -85,11 +71,10 @@ def estimate_llm(cfg, tensors: dict, *, context_window: int, prefill_chunk: int,
                        (4 * V, "logits")):
         if size > largest:
             largest, label = size, what
-    kv = kv_tok * ctx
-    if max_num_sequences > 1:
-        kv += kv_tok * kv_block_size * pool_blocks(max_num_sequences, ctx, kv_block_size, kv_pool_tokens)
-        act += max_num_sequences * (esz * 2 * V + 4 * V * 3 + 4 * (V + 31) // 32 + 4096)
-    return MemoryEstimate(weights, kv, act, ctx, kv_tok, partials, largest, label)
+    if plan.max_sequences > 1:
+        act += plan.max_sequences * (esz * 2 * V + 4 * V * 3 + 4 * (V + 31) // 32 + 4096)
+    return MemoryEstimate(weights, plan.kv_cache_bytes(cfg), act, ctx, plan.kv_bytes_per_token(cfg), partials,
+                          largest, label)
 
 
 def estimate_bert(cfg, tensors: dict, *, max_batch_size: int, max_seq_length: int, act_dtype: str,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from ..config import ChatConfig, GenerationConfig
@@ -22,6 +23,7 @@ from ..kernels import matmul as mm, tune
 from ..kernels.common import pipeline_keys, warm_up
 from ..kernels.logit_mask import LogitMask
 from ..kernels.sampling import Sampler
+from ..models.plan import DecoderPlan, plan_decoder
 from ..models.registry import LLM, open_model
 from .detokenizer import safe_token_bytes
 from .grammar import GrammarCompiler
@@ -70,7 +72,7 @@ class LLMChatPipeline:
     token_logprobs: list[dict]
 
     def __init__(self, dev: Device, model, tokenizer, template, chat_config: ChatConfig,
-                 owner: str):
+                 owner: str, plan: DecoderPlan | None = None):
         self.dev, self.model, self.tokenizer, self.template = dev, model, tokenizer, template
         self.model_config, self.chat_config, self.owner = model.cfg, chat_config, owner
         cfg = model.cfg
@@ -94,10 +96,12 @@ class LLMChatPipeline:
         self._new_request_state()
         self.scheduler = None
         self._solo = asyncio.Lock()
-        if chat_config.max_num_sequences > 1:      # continuous batching over a paged KV cache
+        # what was allocated: the load's plan, or (a model built by hand) the chat config's for it
+        self.plan = plan or plan_decoder(cfg, replace(chat_config, context_window_size=model.ctx,
+                                                      dtype=model.dtype), dev)
+        if self.plan.max_sequences > 1:            # continuous batching over a paged KV cache
             from .scheduler import Scheduler
-            self.scheduler = Scheduler(self, chat_config.max_num_sequences, chat_config.kv_block_size,
-                                       chat_config.kv_pool_tokens or None)
+            self.scheduler = Scheduler(self, self.plan)
 
     # ------------------------------------------------------------------ loading
     @classmethod
@@ -114,29 +118,22 @@ class LLMChatPipeline:
         except BaseException:
             close()
             raise
-        if chat_config.max_num_sequences == 0:        # "as suits the device"
-            from dataclasses import replace
-
-            from .scheduler import resolve_max_sequences
-            chat_config = replace(chat_config, max_num_sequences=resolve_max_sequences(dev, chat_config))
-        dtype = chat_config.dtype
-        if dtype == "auto":
-            # f16 activations reproduce the f32 greedy tokens on the golden prompts for 16+ tokens
-            # and halve activation/KV traffic; f32 where the device lacks shader-f16.
-            dtype = "f16" if dev.has_f16 else "f32"
-        if dtype == "f16" and not dev.has_f16:
-            from ..errors import ShaderF16SupportError
-            raise ShaderF16SupportError()
+        try:
+            plan = plan_decoder(cfg, chat_config, dev)   # dtype, context, chunk, sequences, pool
+        except BaseException:
+            close()
+            raise
+        chat_config = replace(chat_config, max_num_sequences=plan.max_sequences)
+        dtype = plan.dtype
         tunes = tune.tunes_at_load(dev, tuning[0])
         try:
             # uploads fill the first 90% of this load's progress when kernel tuning may follow
-            model = m.arch.model_class()(dev, cfg, weights, owner=owner,
-                               context_window=chat_config.context_window_size,
-                               prefill_chunk=chat_config.prefill_chunk_size, dtype=dtype,
-                               progress=_scaled(progress, 0.0, 0.9) if tunes else progress)
+            model = m.arch.model_class()(dev, cfg, weights, owner=owner, context_window=plan.context,
+                                         prefill_chunk=plan.prefill_chunk, dtype=dtype,
+                                         progress=_scaled(progress, 0.0, 0.9) if tunes else progress)
             if tunes:
                 await _tune(dev, model, dtype, tuning, _scaled(progress, 0.9, 1.0), model_id or path.name)
-            pipe = cls(dev, model, tokenizer, template, chat_config, owner)
+            pipe = cls(dev, model, tokenizer, template, chat_config, owner, plan)
             if chat_config.compile_at_load:
                 if progress:
                     progress(1.0, "Loading GPU shader modules")

@@ -29,14 +29,11 @@ import itertools
 import struct
 
 from ..config import GenerationConfig
-from ..models.kv_pool import KVPool, PoolExhaustedError
-from ..errors import ContextWindowTooLargeError
-from ..kernels import attention_paged as ap
 from ..kernels import nn
 from ..kernels.common import DTYPE_SIZE, new_tensor
 from ..kernels.logit_mask import LogitMask
 from ..kernels.sampling import Sampler
-from ..models.memory import pool_blocks
+from ..models.kv_pool import KVPool, PoolExhaustedError
 from ..models.paged import PagedForward
 from .llm import _THREADS
 from .sequence import configure_sampler, process_logits
@@ -44,18 +41,6 @@ from .stats import RequestStats, now
 
 _RESULT = 64                     # bytes per slot in the results buffer (the sampler's io words 0..13)
 _ids = itertools.count()
-
-
-def resolve_max_sequences(dev, chat_config) -> int:
-    """chat_config.max_num_sequences, where 0 means "as suits the device": 4 on a CPU adapter
-    (lavapipe's matmuls cost nearly in proportion to their rows, so more sequences mostly lengthen
-    each step), 16 on a GPU (a decode step streams the weights once for all rows); never more than
-    the prefill chunk."""
-    n = int(chat_config.max_num_sequences)
-    if n == 0:
-        from ..kernels.matmul import is_software_adapter
-        n = 4 if is_software_adapter(dev) else 16
-    return max(1, min(n, int(chat_config.prefill_chunk_size)))
 
 
 class SchedulerClosedError(RuntimeError):
@@ -150,20 +135,13 @@ class BatchSequence:
 class Scheduler:
     """Continuous batching over `pipe`'s model (an LLMChatPipeline) with a paged KV cache."""
 
-    def __init__(self, pipe, max_seqs: int, block_size: int = 16, pool_tokens: int | None = None):
+    def __init__(self, pipe, plan):
+        """`plan`: the load's models/plan.py DecoderPlan (sequences, block size, pool blocks)."""
         m, dev = pipe.model, pipe.dev
         self.pipe, self.dev, self.model = pipe, dev, m
-        self.max_seqs, self.chunk = int(max_seqs), m.chunk
+        self.max_seqs, self.chunk = plan.max_sequences, m.chunk
         owner = pipe.owner
-        bs = int(block_size)
-        cap = ap.max_pool_blocks(dev, bs, m.cfg.n_kv_heads, m.cfg.head_dim, m.dtype)
-        one = -(-m.ctx // bs) + 1                    # a lone sequence of a full context always fits
-        n_blocks = min(pool_blocks(self.max_seqs, m.ctx, bs, pool_tokens or 0), cap)
-        if n_blocks < one:
-            raise ContextWindowTooLargeError(
-                f"A paged KV cache for a context of {m.ctx} tokens needs {one} blocks of {bs} tokens per "
-                f"layer, more than this device binds ({cap}). Use a smaller context_window_size.",
-                param="context_window_size")
+        bs, n_blocks = plan.kv_block_size, plan.kv_pool_blocks
         self.fwd = PagedForward(m, max_seqs=self.max_seqs, n_blocks=n_blocks, block_size=bs, owner=owner)
         self.pool = KVPool(n_blocks, bs)
         vocab = pipe.vocab_size

@@ -1,0 +1,77 @@
+"""The package's shape: imports point down the layers only (lazy imports included), no module
+outgrows one concern (600 lines), and exactly one module of models/ sequences a decoder layer.
+Reads the source; no GPU."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PKG = Path(__file__).resolve().parent.parent / "webgpu_engine"
+
+# lowest first; a module may import its own layer and those before it
+LAYERS = [("errors", "config", "protocol", "cache", "loaders", "gpu"), ("kernels",), ("models",), ("pipelines",),
+          ("engine",), ("server", "cli", "browser", "ray")]
+RANK = {name: i for i, names in enumerate(LAYERS) for name in names}
+MAX_LINES = 600
+
+
+def _modules():
+    for f in sorted(PKG.rglob("*.py")):
+        parts = f.relative_to(PKG.parent).with_suffix("").parts
+        yield f, parts[:-1] if parts[-1] == "__init__" else parts, f.name == "__init__.py"
+
+
+def _layer(parts) -> str | None:
+    if len(parts) < 2:
+        return None                              # the package root (__init__, __main__)
+    return parts[1] if parts[1] in RANK else None
+
+
+def _imports(f: Path, parts, is_pkg: bool):
+    """(line, imported module parts) of every import of the package in f, lazy ones included."""
+    pkg = list(parts) if is_pkg else list(parts[:-1])
+    for node in ast.walk(ast.parse(f.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = pkg[:len(pkg) - (node.level - 1)]
+                target = base + (node.module.split(".") if node.module else [])
+            else:
+                target = (node.module or "").split(".")
+            names = [target + [a.name] for a in node.names] if not node.module else [target]
+            for t in names:
+                yield node.lineno, t
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                yield node.lineno, a.name.split(".")
+
+
+def test_imports_point_down_the_layers():
+    bad = []
+    for f, parts, is_pkg in _modules():
+        me = _layer(parts)
+        if me is None:
+            continue
+        for line, target in _imports(f, parts, is_pkg):
+            if target[0] != "webgpu_engine":
+                continue
+            other = _layer(target)
+            if other is not None and RANK[other] > RANK[me]:
+                bad.append(f"{f.relative_to(PKG.parent)}:{line} ({me}) imports {'.'.join(target)} ({other})")
+    assert not bad, "imports against the layer order:\n" + "\n".join(bad)
+
+
+def test_no_module_outgrows_one_concern():
+    long = [f"{f.relative_to(PKG.parent)}: {n} lines" for f, _, _ in _modules()
+            if (n := len(f.read_text(encoding="utf-8").splitlines())) > MAX_LINES]
+    assert not long, f"modules over {MAX_LINES} lines:\n" + "\n".join(long)
+
+
+def test_one_module_sequences_a_decoder_layer():
+    """The layer recipe (qkv, attention, o, gate/up, down) is written once: only models/decoder.py
+    names the layer weights' matmuls."""
+    writers = []
+    for f in sorted((PKG / "models").glob("*.py")):
+        src = f.read_text(encoding="utf-8")
+        if all(s in src for s in ("L.qkv", "L.o", "L.gate_up", "L.down")):
+            writers.append(f.name)
+    assert writers == ["decoder.py"]

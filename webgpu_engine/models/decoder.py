@@ -1,0 +1,218 @@
+"""The decoder layer, sequenced once for every Llama-family model and every way of running it.
+
+    x = embed(ids) (* sqrt(C): Gemma)                          # (T, C)
+    for each layer:
+        h = rms_norm(x)                                        # (T, C)
+        qkv = h · Wqkvᵀ (+ bias)                               # (T, Hq + 2 Hkv, D), Q|K|V fused
+        q, k = rms_norm(q head), rms_norm(k head)              # Qwen3, Gemma 3
+        rope(q, k); k, v -> the KV cache                       # kv.rope_kv (or fused into the matmul)
+        a = attention(q, cache) · Woᵀ                          # kv.attention: causal GQA, sliding
+                                                               # window where the layer has one,
+                                                               # Gemma 2's capped scores
+        x += a, or x += rms_norm(a) (Gemma)                    # residual fused in the matmul
+        h = rms_norm(x)
+        f = (act(h · Wgateᵀ) * (h · Wupᵀ)) · Wdownᵀ            # gate|up fused: (T, 2F); act SiLU or GELU-tanh
+        x += f, or x += rms_norm(f) (Gemma)
+    logits = rms_norm(x) · Wheadᵀ                              # the last row, or every row
+    logits = cap * tanh(logits / cap)                          # Gemma 2
+
+Two things vary, and each is a parameter, never a copy of the recipe:
+
+- how the KV cache is reached (`kv`, a KVAccess): one sequence's contiguous rows with positions from
+  a step uniform (models/llama.py), or paged blocks of many sequences with per-row positions, slots
+  and block tables (models/paged.py). It supplies the input ids, the logits, the RoPE + KV-write op,
+  the attention op and, where it can, the RoPE + KV-write epilogue of the fused qkv matmul;
+- the row mode: DECODE (one row through the fused one-row kernels a FusionPlan picks), ROWS (one
+  decode row per sequence, matmul sums independent of the row count: continuous batching; logits of
+  every row) or PREFILL (row-invariant kernels: a position's values do not depend on how the prompt
+  was chunked or cached; logits of the last row).
+
+A family's new math is a field of LlamaConfig, an op in kernels/, and a line here. Standard library
+only (runs in the page).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from ..kernels import matmul as mm
+from ..kernels import nn
+from ..kernels.common import Op, Tensor
+from ..loaders.model_config import LlamaConfig
+
+DECODE, ROWS, PREFILL = "decode", "rows", "prefill"
+
+# the matmul flags of each row mode's plain (unfused) matmuls
+_ROW_FLAGS = {DECODE: {}, ROWS: {"decode_rows": True}, PREFILL: {"row_invariant": True}}
+
+
+@dataclass(frozen=True)
+class FusionPlan:
+    """Which fused kernels one forward uses, chosen once per op list from the device's matmul
+    strategy (kernels/matmul/: fusable, epilogue_ok, default_config) and the layers' weights. Only
+    the DECODE mode fuses; the other modes run every row through plain kernels.
+    The gate activation (cfg.act: SiLU or GELU-tanh) is a parameter of the fused paths
+    (matmul gate_act); layers with post norms keep the residual add apart (no res_norm)."""
+
+    norm_in_matmul: bool = False       # RMSNorm folded into the qkv / gate_up matmuls' input
+    gate_in_down: bool = False         # act(gate) * up folded into the down matmul's input
+    res_norm: bool = False             # o / down store x, x * g of the next norm and sums of x^2;
+    #                                    the matmul after scales by 1 / rms (layer 0 keeps its norm)
+    head_norm_in_matmul: bool = False  # the final norm folded into the LM head (without res_norm)
+    rope_kv: tuple = ()                # per layer: the qkv matmul rotates q, k and writes the caches
+    gate_out: tuple = ()               # per layer: the gate_up matmul stores act(gate) * up
+
+    @classmethod
+    def choose(cls, dev, cfg: LlamaConfig, layers: list, lm_head, decode: bool,
+               fused_rope: bool = True) -> "FusionPlan":
+        """`fused_rope`: whether the KV access offers the qkv matmul's RoPE + KV-write epilogue."""
+        n = len(layers)
+        if not decode:
+            return cls(rope_kv=(False,) * n, gate_out=(False,) * n)
+        return cls(
+            norm_in_matmul=all(mm.fusable(dev, 1, w) for L in layers for w in (L.qkv, L.gate_up)),
+            gate_in_down=all(mm.fusable(dev, 1, L.down, silu=True) and not L.gate_pairs for L in layers),
+            res_norm=cfg.hidden_size % 32 == 0 and not cfg.post_norms and mm.default_config(dev).res_norm and all(
+                mm.epilogue_ok(dev, w.qtype, w.n, w.k) and len(w.bufs) == 1
+                for L in layers for w in (L.o, L.down)),
+            head_norm_in_matmul=mm.fusable(dev, 1, lm_head),
+            # adjacent-pair rope only, and a head of whole vec4s; q/k norms come between the
+            # matmul and RoPE, so those layers keep the separate rope_kv kernel
+            rope_kv=tuple(fused_rope and not cfg.rope_neox and cfg.head_dim % 4 == 0 and L.qk_norm is None
+                          and cfg.rope_attn_factor == 1.0 and not cfg.rope_local_base
+                          and mm.epilogue_ok(dev, L.qkv.qtype, L.qkv.n, L.qkv.k) for L in layers),
+            gate_out=tuple(L.gate_pairs for L in layers))
+
+
+@dataclass(frozen=True)
+class Attention:
+    """What layer i's attention computes, whatever the cache: heads, score scale, window, cap."""
+
+    n_q_heads: int
+    n_kv_heads: int
+    head_dim: int
+    scale: float
+    window: int
+    softcap: float
+
+    def heads(self) -> dict:
+        return {"n_q_heads": self.n_q_heads, "n_kv_heads": self.n_kv_heads, "head_dim": self.head_dim}
+
+    def masking(self) -> dict:
+        return {"window": self.window, "softcap": self.softcap}
+
+
+class KVAccess(Protocol):
+    """How one forward reaches its KV cache and its per-step inputs (see the module's note)."""
+
+    ids: Tensor                        # (P,) u32 input ids
+    head_flags: dict                   # matmul flags of the PREFILL head's one-row matmul
+
+    def logits_for(self, rows: int) -> Tensor: ...
+    def fused_rope(self, i: int) -> "mm.RopeKV | None": ...
+    def rope_kv(self, i: int, qkv: Tensor, T: int, rope: dict) -> Op: ...
+    def attention(self, i: int, qkv: Tensor, attn: Tensor, T: int, mode: str, spec: Attention) -> Op: ...
+
+
+class ForwardOps(list):
+    """A forward's ops; the head's (final norm, LM head, soft-cap) are the last `n_head`."""
+
+    n_head = 0
+
+    def body(self) -> list:
+        """The ops without the head (a prefill chunk before the last one)."""
+        return self[:len(self) - self.n_head]
+
+
+def forward(m, kv: KVAccess, T: int, mode: str, *, with_head: bool = True,
+            plan: FusionPlan | None = None) -> ForwardOps:
+    """The ops of one forward of T rows of model `m` (a LlamaModel: weights and activations) through
+    `kv` in row mode `mode` (DECODE: T = 1)."""
+    c, dev = m.cfg, m.dev
+    H, Hkv, D, C = c.n_heads, c.n_kv_heads, c.head_dim, c.hidden_size
+    x, h = m.x.view((T, C)), m.h.view((T, C))
+    qkv, qkv2 = m.qkv.view((T, H + 2 * Hkv, D)), m.qkv.view((T, c.qkv_dim))
+    attn, gu, ffn = m.attn.view((T, H * D)), m.gate_up.view((T, 2 * c.ffn_size)), m.ffn.view((T, c.ffn_size))
+    eps, flags = c.rms_eps, _ROW_FLAGS[mode]
+    if plan is None:
+        plan = FusionPlan.choose(dev, c, m.layers, m.lm_head, mode == DECODE)
+    rms = (m.part, eps)
+    norms_after = [L.attn_norm for L in m.layers[1:]] + [m.final_norm]
+    ops = ForwardOps([mm.embedding(dev, kv.ids.view((T,)), m.embed, x)])          # x (T, C)
+    if c.embed_scale != 1.0:                                                     # Gemma: x *= sqrt(C)
+        ops.append(nn.scale(dev, x, x, c.embed_scale))
+    for i, L in enumerate(m.layers):
+        # h = rms_norm(x); qkv = h · Wqkvᵀ (+ bias)                               (T, H+2Hkv, D)
+        rope = kv.fused_rope(i) if plan.rope_kv[i] else None
+        if plan.res_norm and i > 0:          # h = x * g from the last residual matmul
+            ops.append(mm.matmul(dev, h, L.qkv, qkv2, bias=L.qkv_bias, rms_from=rms, rope_kv=rope))
+        elif plan.norm_in_matmul:
+            ops.append(mm.matmul(dev, x, L.qkv, qkv2, bias=L.qkv_bias, norm=(L.attn_norm, eps), rope_kv=rope))
+        else:
+            ops.append(nn.rms_norm(dev, x, L.attn_norm, h, eps=eps))
+            ops.append(mm.matmul(dev, h, L.qkv, qkv2, bias=L.qkv_bias, rope_kv=rope, **flags))
+        if L.qk_norm is not None:            # q, k = rms_norm per head (before RoPE)
+            ops.append(nn.head_rms_norm(dev, qkv, L.qk_norm, n_q_heads=H, n_k_heads=Hkv, head_dim=D, eps=eps))
+        # rope(q, k); k, v -> caches; x += attention(q, caches) · Woᵀ
+        if rope is None:
+            base, factors = c.rope_of(i, m.rope_factors)
+            ops.append(kv.rope_kv(i, qkv, T, dict(rot_dim=c.rot_dim, base=base, neox=c.rope_neox,
+                                                  factors=factors, mscale=c.rope_attn_factor)))
+        spec = Attention(H, Hkv, D, c.attn_scale or D ** -0.5, c.window_of(i), c.attn_softcap)
+        ops.append(kv.attention(i, qkv, attn, T, mode, spec))
+        if L.post_attn_norm is not None:     # x += rms_norm(attn · Woᵀ)
+            ops += [mm.matmul(dev, attn, L.o, h, bias=L.o_bias, **flags),
+                    nn.rms_norm(dev, h, L.post_attn_norm, h, eps=eps), nn.add(dev, x, h, x)]
+        else:
+            ops.append(mm.matmul(dev, attn, L.o, x, bias=L.o_bias, accumulate=True, **flags,
+                                 norm_out=mm.NormOut(L.ffn_norm, h, m.part) if plan.res_norm else None))
+        # h = rms_norm(x); gu = h · [Wgate | Wup]ᵀ, or act(gate) * up stored by the matmul
+        out = ffn if plan.gate_out[i] else gu
+        gate = {"silu_out": plan.gate_out[i], "gate_act": c.act}
+        if plan.res_norm:
+            ops.append(mm.matmul(dev, h, L.gate_up, out, rms_from=rms, **gate))
+        elif plan.norm_in_matmul:
+            ops.append(mm.matmul(dev, x, L.gate_up, out, norm=(L.ffn_norm, eps), **gate))
+        else:
+            ops.append(nn.rms_norm(dev, x, L.ffn_norm, h, eps=eps))
+            ops.append(mm.matmul(dev, h, L.gate_up, out, **flags, **gate))
+        # x += (act(gate) * up) · Wdownᵀ (the next layer's norm stored beside when res_norm),
+        # act(gate) * up computed by the down matmul itself (gate_in_down), by the gate_up
+        # matmul (gate_out) or by its own kernel
+        if plan.gate_in_down:
+            ffn_in, fused = gu, {"silu": True, "gate_act": c.act}
+        else:
+            ffn_in, fused = ffn, flags
+            if not plan.gate_out[i]:
+                ops.append(nn.silu_mul(dev, gu, ffn, pairs=L.gate_pairs, act=c.act))      # (T, F)
+        if L.post_ffn_norm is not None:      # x += rms_norm(ffn · Wdownᵀ)
+            ops += [mm.matmul(dev, ffn_in, L.down, h, **fused),
+                    nn.rms_norm(dev, h, L.post_ffn_norm, h, eps=eps), nn.add(dev, x, h, x)]
+        else:
+            nxt = mm.NormOut(norms_after[i], h, m.part) if plan.res_norm else None
+            ops.append(mm.matmul(dev, ffn_in, L.down, x, accumulate=True, norm_out=nxt, **fused))
+    if with_head:
+        n_body = len(ops)
+        ops += _head(m, kv, T, mode, plan)
+        ops.n_head = len(ops) - n_body
+    return ops
+
+
+def _head(m, kv: KVAccess, T: int, mode: str, plan: FusionPlan) -> list[Op]:
+    """logits = rms_norm(x) · Wheadᵀ (+ soft-cap): every row in ROWS mode, else the last row."""
+    c, dev, eps, C = m.cfg, m.dev, m.cfg.rms_eps, m.cfg.hidden_size
+    logits = kv.logits_for(T if mode == ROWS else 1)
+    if plan.res_norm:                        # h = x * g_final
+        ops = [mm.matmul(dev, m.h.view((T, C)), m.lm_head, logits, rms_from=(m.part, eps))]
+    elif plan.head_norm_in_matmul:
+        ops = [mm.matmul(dev, m.x.view((T, C)), m.lm_head, logits, norm=(m.final_norm, eps))]
+    elif mode == ROWS:
+        h = m.h.view((T, C))
+        ops = [nn.rms_norm(dev, m.x.view((T, C)), m.final_norm, h, eps=eps),
+               mm.matmul(dev, h, m.lm_head, logits, decode_rows=True)]
+    else:                                    # the last row only: one row whatever T
+        ops = [nn.rms_norm(dev, m.x.view((1, C), (T - 1) * C), m.final_norm, m.last, eps=eps),
+               mm.matmul(dev, m.last, m.lm_head, logits, **kv.head_flags)]
+    if c.final_softcap:                      # Gemma 2
+        ops.append(nn.softcap(dev, logits, logits, c.final_softcap))
+    return ops

@@ -1,0 +1,114 @@
+"""A decoder's load settings, resolved once: the chat options, the device and the model's header
+config in, a frozen DecoderPlan out. The memory estimate (models/memory.py, engine/memory.py), the
+load (pipelines/llm.py -> models/llama.py), the batch scheduler's paged pool (pipelines/scheduler.py)
+and /v1/models read the same numbers, so what is estimated is what is allocated and what is reported.
+Standard library only (runs in the page).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import ContextWindowTooLargeError, ShaderF16SupportError
+from ..kernels.common import DTYPE_SIZE
+
+# KV-pool blocks when no size is asked for: max_num_sequences full contexts, at most this many tokens
+# beyond two contexts (preemption and prefix sharing cover the rest)
+POOL_TOKENS_CAP = 8192
+
+
+def activation_dtype(dtype: str, dev) -> str:
+    """The activation (and KV) precision a load asks for: "auto" is f16 where the device has
+    shader-f16 (f16 reproduces the f32 greedy tokens on the golden prompts and halves activation/KV
+    traffic), else f32. ShaderF16SupportError for f16 on a device without it."""
+    if dtype == "auto":
+        return "f16" if dev.has_f16 else "f32"
+    if dtype == "f16" and not dev.has_f16:
+        raise ShaderF16SupportError()
+    return dtype
+
+
+def model_context(cfg, context_window: int) -> int:
+    """The KV rows of one sequence: the asked window, at most the model's trained length (the whole
+    trained length when the window is 0 or negative)."""
+    limit = cfg.context_length if cfg.context_length > 0 else context_window
+    return min(context_window, limit) if context_window > 0 else limit
+
+
+def prefill_rows(prefill_chunk: int, ctx: int) -> int:
+    """Rows of one prefill forward (the activations' height): the chunk, within the context."""
+    return max(1, min(prefill_chunk, ctx))
+
+
+def max_sequences(dev, max_num_sequences: int, prefill_chunk: int) -> int:
+    """Sequences decoded together; 0 means "as suits the device": 4 on a CPU adapter (lavapipe's
+    matmuls cost nearly in proportion to their rows, so more sequences mostly lengthen each step), 16
+    on a GPU (a decode step streams the weights once for all rows); never more than the prefill chunk."""
+    n = int(max_num_sequences)
+    if n == 0:
+        from ..kernels.matmul import is_software_adapter
+        n = 4 if is_software_adapter(dev) else 16
+    return max(1, min(n, int(prefill_chunk)))
+
+
+def pool_blocks(max_seqs: int, ctx: int, block_size: int, pool_tokens: int = 0) -> int:
+    """Blocks of a model's pool: `pool_tokens` when given, else max_seqs full contexts but at most
+    max(2 contexts, POOL_TOKENS_CAP tokens); never less than one full context plus a block, so a lone
+    sequence always fits."""
+    want = pool_tokens or min(max_seqs * ctx, max(2 * ctx, POOL_TOKENS_CAP))
+    return max(-(-want // block_size), -(-ctx // block_size) + 1)
+
+
+@dataclass(frozen=True)
+class DecoderPlan:
+    """What one decoder load allocates (see the module's note)."""
+
+    dtype: str                 # activations and KV cache: "f32" | "f16"
+    context: int               # KV rows of the one-sequence cache (the model's trained length at most)
+    prefill_chunk: int         # rows of one prefill forward
+    max_sequences: int         # decoded together; 1: one request at a time, no paged pool
+    kv_block_size: int = 16    # tokens per paged KV block
+    kv_pool_blocks: int = 0    # blocks of the paged pool (0 when max_sequences is 1)
+
+    @property
+    def act_bytes(self) -> int:
+        return DTYPE_SIZE[self.dtype]
+
+    def kv_bytes_per_token(self, cfg) -> int:
+        """K and V of one position, every layer."""
+        return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * self.act_bytes
+
+    def kv_layer_bytes(self, cfg) -> int:
+        """One layer's K (or V) cache of the one-sequence path: (Hkv, context, D)."""
+        return cfg.n_kv_heads * self.context * cfg.head_dim * self.act_bytes
+
+    def kv_cache_bytes(self, cfg) -> int:
+        """The contiguous cache plus the paged pool."""
+        return self.kv_bytes_per_token(cfg) * (self.context + self.kv_block_size * self.kv_pool_blocks)
+
+
+def resolve_max_sequences(dev, chat_config) -> int:
+    """chat_config.max_num_sequences as max_sequences resolves it."""
+    return max_sequences(dev, chat_config.max_num_sequences, chat_config.prefill_chunk_size)
+
+
+def plan_decoder(cfg, chat_config, dev) -> DecoderPlan:
+    """The DecoderPlan of a Llama-family decoder with header config `cfg` loaded with `chat_config`
+    (context_window_size, prefill_chunk_size, dtype, max_num_sequences, kv_block_size,
+    kv_pool_tokens) on `dev`. The paged pool is capped at what the device binds per layer;
+    ContextWindowTooLargeError when that cannot hold one full context."""
+    dtype = activation_dtype(chat_config.dtype, dev)
+    ctx = model_context(cfg, chat_config.context_window_size)
+    seqs = resolve_max_sequences(dev, chat_config)
+    bs = int(chat_config.kv_block_size)
+    blocks = 0
+    if seqs > 1:
+        from ..kernels.attention_paged import max_pool_blocks
+        cap = max_pool_blocks(dev, bs, cfg.n_kv_heads, cfg.head_dim, dtype)
+        one = -(-ctx // bs) + 1                    # a lone sequence of a full context always fits
+        blocks = min(pool_blocks(seqs, ctx, bs, chat_config.kv_pool_tokens), cap)
+        if blocks < one:
+            raise ContextWindowTooLargeError(
+                f"A paged KV cache for a context of {ctx} tokens needs {one} blocks of {bs} tokens per "
+                f"layer, more than this device binds ({cap}). Use a smaller context_window_size.",
+                param="context_window_size")
+    return DecoderPlan(dtype, ctx, prefill_rows(chat_config.prefill_chunk_size, ctx), seqs, bs, blocks)
