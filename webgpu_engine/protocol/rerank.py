@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .errors import FieldTypeError, LimitExceededError, MinValueError
-from .rules import DEFAULT_LIMITS, RequestLimits, _is_int, _request_body, _text
+from .errors import FieldTypeError, LimitExceededError
+from .rules import DEFAULT_LIMITS, RequestLimits, _positive_int, _request_body, _text
 
 
 def check_rerank_request(req: dict, limits: RequestLimits | None = None) -> dict:
@@ -38,12 +38,7 @@ def check_rerank_request(req: dict, limits: RequestLimits | None = None) -> dict
             raise FieldTypeError(f"documents[{j}]", "a non-empty string or {\"text\": \"...\"}", d)
         texts.append(_text("documents", f"documents[{j}]", text))
     out["documents"] = texts
-    top_n = out.get("top_n")
-    if top_n is not None:
-        if not _is_int(top_n):
-            raise FieldTypeError("top_n", "a positive integer", top_n)
-        if top_n < 1:
-            raise MinValueError("top_n", 1, top_n)
+    top_n = _positive_int(out, "top_n")
     out["top_n"] = len(texts) if top_n is None else min(top_n, len(texts))
     rd = out.get("return_documents", True)
     if not isinstance(rd, bool):

@@ -83,6 +83,14 @@ def _field(req: dict, name: str, ok, what: str) -> Any:
     return v
 
 
+def _positive_int(req: dict, name: str) -> int | None:
+    """req[name]: None when absent or null, else an integer >= 1."""
+    v = _field(req, name, _is_int, "a positive integer")
+    if v is not None and v < 1:
+        raise MinValueError(name, 1, v)
+    return v
+
+
 def _num(req: dict, name: str) -> float | None:
     v = _field(req, name, _is_num, "a number")
     if isinstance(v, float) and not math.isfinite(v):
@@ -384,13 +392,8 @@ def check_embedding_request(req: dict, limits: RequestLimits | None = None) -> d
     else:
         raise FieldTypeError("input", "a string, a list of strings, a list of token ids or a list "
                              "of token-id lists", inp)
-    dims = out.get("dimensions")
-    if dims is not None:
-        # whether the model may be truncated, and to how many, is the pipeline's to say
-        if not _is_int(dims):
-            raise FieldTypeError("dimensions", "a positive integer", dims)
-        if dims < 1:
-            raise MinValueError("dimensions", 1, dims)
+    # whether the model may be truncated, and to how many, is the pipeline's to say
+    _positive_int(out, "dimensions")
     ef = out.get("encoding_format")
     if ef is not None and ef != "float":
         raise EmbeddingUnsupportedEncodingFormatError(ef)
