@@ -56,11 +56,27 @@ fn dq_q5x4(q: u32, sh: u32, h: u32, hs: u32) -> vec4<f32> {
     return vec4<f32>(dq_nib(q, sh) | (hi << vec4<u32>(4u)));
 }
 
-// 4 quants: bits sh.. of the bytes of q (width mask m), then bit hb of the bytes of h on top at `at`
-fn dq_bits4(q: u32, sh: u32, m: u32, h: u32, hb: u32, at: u32) -> vec4<f32> {
+// 4 quants: bits sh.. of the bytes of q (width mask m), then bits hb.. of the bytes of h (width
+// mask hm) on top at `at`
+fn dq_bits4(q: u32, sh: u32, m: u32, h: u32, hb: u32, hm: u32, at: u32) -> vec4<f32> {
     let lo = (dq_bytes(q) >> vec4<u32>(sh)) & vec4<u32>(m);
-    let hi = (dq_bytes(h) >> vec4<u32>(hb)) & vec4<u32>(1u);
+    let hi = (dq_bytes(h) >> vec4<u32>(hb)) & vec4<u32>(hm);
     return vec4<f32>(lo | (hi << vec4<u32>(at)));
+}
+
+// the 32 quants of a K-quant chunk: dq_bits4 of its 8 words of low bits q and the 8 words h holding
+// their high bits (Q5_K, Q3_K, Q6_K; Q2_K has none: h zero)
+fn dq_bits32(q: array<vec4<u32>, 2>, sh: u32, m: u32, h: array<vec4<u32>, 2>, hb: u32, hm: u32,
+             at: u32) -> array<vec4<f32>, 8> {
+    let q0 = q[0];
+    let q1 = q[1];
+    let h0 = h[0];
+    let h1 = h[1];
+    return array<vec4<f32>, 8>(
+        dq_bits4(q0.x, sh, m, h0.x, hb, hm, at), dq_bits4(q0.y, sh, m, h0.y, hb, hm, at),
+        dq_bits4(q0.z, sh, m, h0.z, hb, hm, at), dq_bits4(q0.w, sh, m, h0.w, hb, hm, at),
+        dq_bits4(q1.x, sh, m, h1.x, hb, hm, at), dq_bits4(q1.y, sh, m, h1.y, hb, hm, at),
+        dq_bits4(q1.z, sh, m, h1.z, hb, hm, at), dq_bits4(q1.w, sh, m, h1.w, hb, hm, at));
 }
 
 // kvalues_iq4nl (-127 -104 -83 -65 | -49 -35 -22 -10 | 1 13 25 38 | 53 69 89 113) as int8 x 4 per
@@ -207,19 +223,8 @@ fn dq_q5_k(base: u32, c: u32) -> WChunk {
     let b = base + (c / 8u) * 44u;
     let j = c % 8u;
     let sm = dq_k4_sm(wquad(b), j);
-    let hq = woct(b + 4u);
-    let h0 = hq[0];
-    let h1 = hq[1];
-    let q = woct(b + 12u + 8u * (j / 2u));
-    let q0 = q[0];
-    let q1 = q[1];
-    let sh = 4u * (j % 2u);
-    return WChunk(array<vec4<f32>, 8>(
-        dq_bits4(q0.x, sh, 15u, h0.x, j, 4u), dq_bits4(q0.y, sh, 15u, h0.y, j, 4u),
-        dq_bits4(q0.z, sh, 15u, h0.z, j, 4u), dq_bits4(q0.w, sh, 15u, h0.w, j, 4u),
-        dq_bits4(q1.x, sh, 15u, h1.x, j, 4u), dq_bits4(q1.y, sh, 15u, h1.y, j, 4u),
-        dq_bits4(q1.z, sh, 15u, h1.z, j, 4u), dq_bits4(q1.w, sh, 15u, h1.w, j, 4u)),
-        vec4<f32>(sm.x, sm.x, sm.y, sm.y));
+    return WChunk(dq_bits32(woct(b + 12u + 8u * (j / 2u)), 4u * (j % 2u), 15u, woct(b + 4u), j, 1u, 4u),
+                  vec4<f32>(sm.x, sm.x, sm.y, sm.y));
 }
 
 // Q3_K scale i (0..15, stored plus 32) from the scale bytes in t.x, t.y, t.z
@@ -242,19 +247,8 @@ fn dq_q3_k(base: u32, c: u32) -> WChunk {
     let d = unpack2x16float(t.w).x;
     let s0 = d * f32(i32(dq_q3_scale(t, 2u * j)) - 32);         // first 16 weights
     let s1 = d * f32(i32(dq_q3_scale(t, 2u * j + 1u)) - 32);    // next 16
-    let m = woct(b);
-    let m0 = m[0];
-    let m1 = m[1];
-    let q = woct(b + 8u + 8u * (j / 4u));
-    let q0 = q[0];
-    let q1 = q[1];
-    let sh = 2u * (j % 4u);
-    return WChunk(array<vec4<f32>, 8>(
-        dq_bits4(q0.x, sh, 3u, m0.x, j, 2u), dq_bits4(q0.y, sh, 3u, m0.y, j, 2u),
-        dq_bits4(q0.z, sh, 3u, m0.z, j, 2u), dq_bits4(q0.w, sh, 3u, m0.w, j, 2u),
-        dq_bits4(q1.x, sh, 3u, m1.x, j, 2u), dq_bits4(q1.y, sh, 3u, m1.y, j, 2u),
-        dq_bits4(q1.z, sh, 3u, m1.z, j, 2u), dq_bits4(q1.w, sh, 3u, m1.w, j, 2u)),
-        vec4<f32>(s0, s1, -4.0 * s0, -4.0 * s1));
+    return WChunk(dq_bits32(woct(b + 8u + 8u * (j / 4u)), 2u * (j % 4u), 3u, woct(b), j, 1u, 2u),
+                  vec4<f32>(s0, s1, -4.0 * s0, -4.0 * s1));
 }
 
 // Q2_K, 84 B = 21 words per 256: scales[16] (low nibble: scale, high: min, one pair per 16 weights),
@@ -269,16 +263,8 @@ fn dq_q2_k(base: u32, c: u32) -> WChunk {
     let s1 = dd.x * f32((sw >> 8u) & 15u);
     let m0 = -dd.y * f32((sw >> 4u) & 15u);
     let m1 = -dd.y * f32((sw >> 12u) & 15u);
-    let q = woct(b + 4u + 8u * (j / 4u));
-    let q0 = q[0];
-    let q1 = q[1];
-    let sh = 2u * (j % 4u);
-    return WChunk(array<vec4<f32>, 8>(
-        dq_bits4(q0.x, sh, 3u, 0u, 0u, 0u), dq_bits4(q0.y, sh, 3u, 0u, 0u, 0u),
-        dq_bits4(q0.z, sh, 3u, 0u, 0u, 0u), dq_bits4(q0.w, sh, 3u, 0u, 0u, 0u),
-        dq_bits4(q1.x, sh, 3u, 0u, 0u, 0u), dq_bits4(q1.y, sh, 3u, 0u, 0u, 0u),
-        dq_bits4(q1.z, sh, 3u, 0u, 0u, 0u), dq_bits4(q1.w, sh, 3u, 0u, 0u, 0u)),
-        vec4<f32>(s0, s1, m0, m1));
+    return WChunk(dq_bits32(woct(b + 4u + 8u * (j / 4u)), 2u * (j % 4u), 3u, array<vec4<u32>, 2>(), 0u, 1u, 0u),
+                  vec4<f32>(s0, s1, m0, m1));
 }
 
 // IQ4_XS, 136 B = 34 words per 256: (d f16, scales_h u16), scales_l[4], qs[128] (16 bytes per 32
@@ -296,13 +282,6 @@ fn dq_iq4_xs(base: u32, c: u32) -> WChunk {
                   vec4<f32>(d, d, 0.0, 0.0));
 }
 
-// 4 quants of 6 bits: bits shl..shl+3 of the bytes of l, bits shh, shh+1 of the bytes of h on top
-fn dq_q6x4(l: u32, h: u32, shl: u32, shh: u32) -> vec4<f32> {
-    let lo4 = (dq_bytes(l) >> vec4<u32>(shl)) & vec4<u32>(15u);
-    let hi2 = (dq_bytes(h) >> vec4<u32>(shh)) & vec4<u32>(3u);
-    return vec4<f32>(lo4 | (hi2 << vec4<u32>(4u)));
-}
-
 // Q6_K, 212 B = 53 words per 256 after the repack: ql[128] (low 4 bits), qh[64] (high 2 bits),
 // scales int8[16], d f16, pad. Chunk c = quarter qd = j % 4 of half h = j / 4 (j = c % 8) of
 // super-block c / 8: element l has its low bits in nibble (qd >= 2) of ql[64h + 32(qd & 1) + l],
@@ -317,14 +296,8 @@ fn dq_q6_k(base: u32, c: u32) -> WChunk {
     let sw = wword(b + 48u + 2u * h + qd / 2u) >> (16u * (qd % 2u));   // both scales in one word
     let s0 = d * f32(bitcast<i32>(sw << 24u) >> 24u);    // first 16 weights
     let s1 = d * f32(bitcast<i32>(sw << 16u) >> 24u);    // next 16
-    let l = woct(b + 16u * h + 8u * (qd & 1u));
-    let q = woct(b + 32u + 8u * h);
-    let shl = 4u * (qd >> 1u);
-    let shh = 2u * qd;
-    return WChunk(array<vec4<f32>, 8>(
-        dq_q6x4(l[0].x, q[0].x, shl, shh), dq_q6x4(l[0].y, q[0].y, shl, shh),
-        dq_q6x4(l[0].z, q[0].z, shl, shh), dq_q6x4(l[0].w, q[0].w, shl, shh),
-        dq_q6x4(l[1].x, q[1].x, shl, shh), dq_q6x4(l[1].y, q[1].y, shl, shh),
-        dq_q6x4(l[1].z, q[1].z, shl, shh), dq_q6x4(l[1].w, q[1].w, shl, shh)),
-        vec4<f32>(s0, s1, -32.0 * s0, -32.0 * s1));
+    // 6-bit quants: 4 bits from ql at 4 (qd >> 1), 2 from qh at 2 qd on top
+    return WChunk(dq_bits32(woct(b + 16u * h + 8u * (qd & 1u)), 4u * (qd >> 1u), 15u, woct(b + 32u + 8u * h), 2u * qd,
+                            3u, 4u),
+                  vec4<f32>(s0, s1, -32.0 * s0, -32.0 * s1));
 }
