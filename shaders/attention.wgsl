@@ -84,32 +84,38 @@ fn score(kr: u32) -> sv {
     return s;
 }
 
-// Folds keys [j_start, n) (key j at kc[kb + j*ks], value at vc[vb + j*vs]) into (m_run, l_run, acc);
-// keys j < lo or j >= lim are masked out. j_start and n are the same for all lanes where the caller
-// wants uniform loads; j_start is a multiple of BLK, so a query folds the same key blocks however
-// many queries run with it (masked blocks before its first key are wiped by the first real one).
+// One block step of the online softmax: folds keys j0 + j, j < nb (read by qk at kr + j*ks, their
+// values by acc_add at vr + j*vs) into (m_run, l_run, acc); keys j0 + j < lo or >= lim are masked.
+fn fold_block(j0: u32, nb: u32, lo: u32, lim: u32, kr: u32, ks: u32, vr: u32, vs: u32) {
+    var sc: array<sv, BLK>;
+    var mb = m_run;
+    for (var j = 0u; j < nb; j++) {
+        let s = select(sv(MASKED), score(kr + j * ks), j0 + j < lim && (!WINDOWED || j0 + j >= lo));
+        sc[j] = s;
+        mb = max(mb, s);
+    }
+    let corr = exp(m_run - mb);
+    l_run *= corr;
+    acc_scale(corr);
+    for (var j = 0u; j < nb; j++) {
+        let pj = exp(sc[j] - mb);
+        l_run += pj;
+        acc_add(pj, vr + j * vs);
+    }
+    m_run = mb;
+}
+
+// Folds keys [j_start, n) (key j at kc[kb + j*ks], value at vc[vb + j*vs]) into (m_run, l_run, acc)
+// in blocks of BLK; keys j < lo or j >= lim are masked out. j_start and n are the same for all lanes
+// where the caller wants uniform loads; j_start is a multiple of BLK, so a query folds the same key
+// blocks however many queries run with it (masked blocks before its first key are wiped by the first
+// real one).
 fn attend(kb: u32, ks: u32, vb: u32, vs: u32, j_start: u32, n: u32, lo: u32, lim: u32) {
     var j0 = j_start;
     loop {
         if (j0 >= n) { break; }
         let nb = min(BLK, n - j0);
-        var sc: array<sv, BLK>;
-        var mb = m_run;
-        for (var j = 0u; j < nb; j++) {
-            let kr = kb + (j0 + j) * ks;
-            let s = select(sv(MASKED), score(kr), j0 + j < lim && (!WINDOWED || j0 + j >= lo));
-            sc[j] = s;
-            mb = max(mb, s);
-        }
-        let corr = exp(m_run - mb);
-        l_run *= corr;
-        acc_scale(corr);
-        for (var j = 0u; j < nb; j++) {
-            let pj = exp(sc[j] - mb);
-            l_run += pj;
-            acc_add(pj, vb + (j0 + j) * vs);
-        }
-        m_run = mb;
+        fold_block(j0, nb, lo, lim, kb + j0 * ks, ks, vb + j0 * vs, vs);
         j0 += nb;
     }
 }

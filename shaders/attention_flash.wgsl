@@ -6,31 +6,11 @@
 // dispatch nblk*Hq/G workgroups of 64 (as attn_causal).
 //
 // The host prepends nn._attn_header with its key / value reads pointed at `ksh` / `vsh` (f32, row
-// j of a block at j * D4) and attention.wgsl (Params, bindings, window_lo, score, store_out,
-// live_rows, BLK, WG, MASKED).
+// j of a block at j * D4) and attention.wgsl (Params, bindings, window_lo, fold_block, store_out,
+// live_rows, BLK, WG).
 
 var<workgroup> ksh: array<vec4<f32>, BLK * D4>;   // (BLK, D4): keys j0 .. j0 + BLK - 1 of one kv head
 var<workgroup> vsh: array<vec4<f32>, BLK * D4>;   // (BLK, D4): their values
-
-// attend()'s block step over the staged keys j0 + j, j < nb; keys j0 + j < lo or >= lim are masked
-fn fold_block(j0: u32, nb: u32, lo: u32, lim: u32) {
-    var sc: array<sv, BLK>;
-    var mb = m_run;
-    for (var j = 0u; j < nb; j++) {
-        let s = select(sv(MASKED), score(j * D4), j0 + j < lim && (!WINDOWED || j0 + j >= lo));
-        sc[j] = s;
-        mb = max(mb, s);
-    }
-    let corr = exp(m_run - mb);
-    l_run *= corr;
-    acc_scale(corr);
-    for (var j = 0u; j < nb; j++) {
-        let pj = exp(sc[j] - mb);
-        l_run += pj;
-        acc_add(pj, j * D4);
-    }
-    m_run = mb;
-}
 
 @compute @workgroup_size(64)
 fn attn_flash(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
@@ -56,7 +36,7 @@ fn attn_flash(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nw
             vsh[e] = vec4<f32>(vc[p.vc_off + r]);
         }
         workgroupBarrier();
-        fold_block(j0, nb, lo, lim);
+        fold_block(j0, nb, lo, lim, 0u, D4, 0u, D4);    // the staged keys j0 + j at row j
         workgroupBarrier();
     }
     if (t0 + lid < rows) { store_out(p.out_off + (t * p.hq + h0) * D4, D4, 0u); }
