@@ -117,6 +117,18 @@ fn rope(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
     _ = rotate(q, step[0] + select(q.t, q.t % period, period > 0u), p.qkv_off + (q.t * p.heads + q.h) * p.hd2);
 }
 
+// Stores unit q of kv head g (the rotated v; k heads g < n_kv, then v heads) in the caches: a k
+// head's at row start kb of kc, a v head's at vb of vc (rope_kv, rope_paged.wgsl's rope_kv_paged).
+fn put_kv(q: Unit, v: vec4<f32>, g: u32, kb: u32, vb: u32) {
+    if (g < p.n_kv) {
+        kc[kb + q.v0] = vec2<act>(v.xy);
+        if (q.quad) { kc[kb + q.v1] = vec2<act>(v.zw); }
+    } else if (g < 2u * p.n_kv) {
+        vc[vb + q.v0] = vec2<act>(v.xy);
+        if (q.quad) { vc[vb + q.v1] = vec2<act>(v.zw); }
+    }
+}
+
 @compute @workgroup_size(64)
 fn rope_kv(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
            @builtin(local_invocation_index) lid: u32) {
@@ -126,15 +138,7 @@ fn rope_kv(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: 
     let v = rotate(q, pos, p.qkv_off + (q.t * p.heads + q.h) * p.hd2);
     if (pos >= p.ctx || q.h < p.k_lo) { return; }
     let g = q.h - p.k_lo;
-    if (g < p.n_kv) {
-        let cb = p.kc_off + (g * p.ctx + pos) * p.hd2;
-        kc[cb + q.v0] = vec2<act>(v.xy);
-        if (q.quad) { kc[cb + q.v1] = vec2<act>(v.zw); }
-    } else if (g < 2u * p.n_kv) {
-        let cb = p.vc_off + ((g - p.n_kv) * p.ctx + pos) * p.hd2;
-        vc[cb + q.v0] = vec2<act>(v.xy);
-        if (q.quad) { vc[cb + q.v1] = vec2<act>(v.zw); }
-    }
+    put_kv(q, v, g, p.kc_off + (g * p.ctx + pos) * p.hd2, p.vc_off + ((g - p.n_kv) * p.ctx + pos) * p.hd2);
 }
 
 @compute @workgroup_size(64)

@@ -4,7 +4,7 @@
 //   k heads and v heads go to pool row slots[t] of kc / vc (n_blocks, BS, Hkv, D) (slot = block *
 //   BS + offset; 0xffffffff: rotate only). Rows t >= step[1] (0: all) are skipped.
 // Built after sincos.wgsl and rope.wgsl (the host prepends them): their Params, bindings 0-5,
-// locate() and rotate() are reused; p.ctx is unused. dispatch as rope_kv.
+// locate(), rotate() and put_kv() are reused; p.ctx is unused. dispatch as rope_kv.
 
 @group(0) @binding(6) var<storage, read> positions: array<u32>;   // (T)
 @group(0) @binding(7) var<storage, read> slots: array<u32>;       // (T)
@@ -18,13 +18,5 @@ fn rope_kv_paged(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups)
     let slot = slots[q.t];
     if (slot == 0xffffffffu || q.h < p.k_lo) { return; }
     let g = q.h - p.k_lo;
-    if (g < p.n_kv) {
-        let cb = p.kc_off + (slot * p.n_kv + g) * p.hd2;
-        kc[cb + q.v0] = vec2<act>(v.xy);
-        if (q.quad) { kc[cb + q.v1] = vec2<act>(v.zw); }
-    } else if (g < 2u * p.n_kv) {
-        let cb = p.vc_off + (slot * p.n_kv + g - p.n_kv) * p.hd2;
-        vc[cb + q.v0] = vec2<act>(v.xy);
-        if (q.quad) { vc[cb + q.v1] = vec2<act>(v.zw); }
-    }
+    put_kv(q, v, g, p.kc_off + (slot * p.n_kv + g) * p.hd2, p.vc_off + (slot * p.n_kv + g - p.n_kv) * p.hd2);
 }
