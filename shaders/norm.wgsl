@@ -48,6 +48,21 @@ fn row_index(wid: vec3<u32>, nwg: vec3<u32>, lid: u32) -> u32 {
     return (wid.y * nwg.x + wid.x) * WG + lid;
 }
 
+// the mean of n units' W * n values, whose W-wide partial sums are s
+fn mean_of(s: fv, n: u32) -> f32 {
+    return hsum(s) / f32(n * W);
+}
+
+// 1 / sqrt(mean square + eps) of the n units from x[xb]
+fn inv_rms(xb: u32, n: u32, eps: f32) -> f32 {
+    var ss = fv(0.0);
+    for (var c = 0u; c < n; c++) {
+        let v = fv(x[xb + c]);
+        ss += v * v;
+    }
+    return inverseSqrt(mean_of(ss, n) + eps);
+}
+
 @compute @workgroup_size(64)
 fn rms_norm(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
             @builtin(local_invocation_index) lid: u32) {
@@ -55,12 +70,7 @@ fn rms_norm(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg:
     if (t >= p.rows) { return; }
     let xb = p.x_off + t * p.cols;
     let yb = p.y_off + t * p.cols;
-    var ss = fv(0.0);
-    for (var c = 0u; c < p.cols; c++) {
-        let v = fv(x[xb + c]);
-        ss += v * v;
-    }
-    let inv = inverseSqrt(hsum(ss) / f32(p.cols * W) + p.eps);
+    let inv = inv_rms(xb, p.cols, p.eps);
     for (var c = 0u; c < p.cols; c++) {
         put_norm(yb + c, av(fv(x[xb + c]) * inv * w[p.w_off + c]));
     }
@@ -75,14 +85,14 @@ fn layer_norm(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nw
     let yb = p.y_off + t * p.cols;
     var s = fv(0.0);
     for (var c = 0u; c < p.cols; c++) { s += fv(x[xb + c]); }
-    let mean = hsum(s) / f32(p.cols * W);
+    let mean = mean_of(s, p.cols);
     // two-pass variance: no cancellation when |mean| >> std
     var vs = fv(0.0);
     for (var c = 0u; c < p.cols; c++) {
         let d = fv(x[xb + c]) - mean;
         vs += d * d;
     }
-    let inv = inverseSqrt(hsum(vs) / f32(p.cols * W) + p.eps);
+    let inv = inverseSqrt(mean_of(vs, p.cols) + p.eps);
     for (var c = 0u; c < p.cols; c++) {
         put_norm(yb + c, av((fv(x[xb + c]) - mean) * inv * w[p.w_off + c] + b[p.b_off + c]));
     }
@@ -98,13 +108,13 @@ fn layer_norm_res(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups
     let yb = p.y_off + t * p.cols;
     var s = fv(0.0);
     for (var c = 0u; c < p.cols; c++) { s += fv(x[xb + c]) + fv(r[rb + c]); }
-    let mean = hsum(s) / f32(p.cols * W);
+    let mean = mean_of(s, p.cols);
     var vs = fv(0.0);
     for (var c = 0u; c < p.cols; c++) {
         let d = fv(x[xb + c]) + fv(r[rb + c]) - mean;
         vs += d * d;
     }
-    let inv = inverseSqrt(hsum(vs) / f32(p.cols * W) + p.eps);
+    let inv = inverseSqrt(mean_of(vs, p.cols) + p.eps);
     // element c is read before it is written, so y may alias x or r
     for (var c = 0u; c < p.cols; c++) {
         let h = fv(x[xb + c]) + fv(r[rb + c]);
@@ -120,12 +130,7 @@ fn head_rms_norm(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups)
     let h = i % hp.n_norm;
     let xb = hp.x_off + ((i / hp.n_norm) * hp.heads + h) * hp.cols;
     let wb = hp.w_off + select(hp.cols, 0u, h < hp.n_q);
-    var ss = fv(0.0);
-    for (var c = 0u; c < hp.cols; c++) {
-        let v = fv(x[xb + c]);
-        ss += v * v;
-    }
-    let inv = inverseSqrt(hsum(ss) / f32(hp.cols * W) + hp.eps);
+    let inv = inv_rms(xb, hp.cols, hp.eps);
     for (var c = 0u; c < hp.cols; c++) {
         x[xb + c] = av(fv(x[xb + c]) * inv * w[wb + c]);
     }
