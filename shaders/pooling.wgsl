@@ -28,8 +28,15 @@ struct Params {
 
 const WG: u32 = 64u;
 
-fn flat(wid: vec3<u32>, nwg: vec3<u32>, lid: u32) -> u32 {
-    return (wid.y * nwg.x + wid.x) * WG + lid;
+// an invocation's builtins; flat(l): its index in the dispatch (workgroups of 64 split over x, y)
+struct Lane {
+    @builtin(workgroup_id) wid: vec3<u32>,
+    @builtin(num_workgroups) nwg: vec3<u32>,
+    @builtin(local_invocation_index) lid: u32,
+}
+
+fn flat(l: Lane) -> u32 {
+    return (l.wid.y * l.nwg.x + l.wid.x) * WG + l.lid;
 }
 
 // x[b*S + t, c] in f32
@@ -71,40 +78,16 @@ fn pool(i: u32, kind: u32) {
     y[p.y_off + i] = outt(v);
 }
 
-@compute @workgroup_size(64)
-fn mean_pool(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
-             @builtin(local_invocation_index) lid: u32) {
-    pool(flat(wid, nwg, lid), MEAN);
-}
+// the pooling entry points: invocation per (b, c)
+@compute @workgroup_size(64) fn mean_pool(l: Lane) { pool(flat(l), MEAN); }
+@compute @workgroup_size(64) fn max_pool(l: Lane) { pool(flat(l), MAX); }
+@compute @workgroup_size(64) fn cls_pool(l: Lane) { pool(flat(l), CLS); }
+@compute @workgroup_size(64) fn last_pool(l: Lane) { pool(flat(l), LAST); }
+@compute @workgroup_size(64) fn weighted_mean_pool(l: Lane) { pool(flat(l), WEIGHTED_MEAN); }
 
 @compute @workgroup_size(64)
-fn max_pool(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
-            @builtin(local_invocation_index) lid: u32) {
-    pool(flat(wid, nwg, lid), MAX);
-}
-
-@compute @workgroup_size(64)
-fn cls_pool(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
-            @builtin(local_invocation_index) lid: u32) {
-    pool(flat(wid, nwg, lid), CLS);
-}
-
-@compute @workgroup_size(64)
-fn last_pool(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
-             @builtin(local_invocation_index) lid: u32) {
-    pool(flat(wid, nwg, lid), LAST);
-}
-
-@compute @workgroup_size(64)
-fn weighted_mean_pool(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
-                      @builtin(local_invocation_index) lid: u32) {
-    pool(flat(wid, nwg, lid), WEIGHTED_MEAN);
-}
-
-@compute @workgroup_size(64)
-fn l2_normalize(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
-                @builtin(local_invocation_index) lid: u32) {
-    let b = flat(wid, nwg, lid);
+fn l2_normalize(l: Lane) {
+    let b = flat(l);
     if (b >= p.batch) { return; }
     let xb = p.x_off + b * p.cols;
     var ss = 0.0;
