@@ -7,7 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from webgpu_engine.models.kv_pool import SKIP_SLOT, KVPool, PoolExhaustedError, block_hash, kv_bytes_per_token
+from webgpu_engine.models.kv_pool import SKIP_SLOT, KVPool, PoolExhaustedError, block_hash
+from webgpu_engine.models.plan import DecoderPlan, pool_blocks
 
 
 def _run(pool, seq, tokens):
@@ -18,14 +19,19 @@ def _run(pool, seq, tokens):
     return hit
 
 
-def test_from_budget_sizes_the_pool():
-    per_tok = kv_bytes_per_token(30, 3, 64, 2)          # SmolLM2-135M, f16 KV
-    assert per_tok == 2 * 30 * 3 * 64 * 2
-    pool = KVPool.from_budget(100 * 16 * per_tok + 5, 16, per_tok)
-    assert (pool.n_blocks, pool.block_size, pool.n_free) == (100, 16, 100)
-    assert KVPool.from_budget(100 * 16 * per_tok, 16, per_tok, max_blocks=60).n_blocks == 60
-    with pytest.raises(ValueError, match="holds no block"):
-        KVPool.from_budget(per_tok, 16, per_tok)
+def test_plan_sizes_the_pool():
+    """The load plan's KV bytes and pool blocks (models/plan.py: what the estimate, the scheduler's
+    pool and /v1/models use)."""
+    from types import SimpleNamespace
+    smol = SimpleNamespace(n_layers=30, n_kv_heads=3, head_dim=64)       # SmolLM2-135M
+    plan = DecoderPlan("f16", 2048, 256, 4, 16, pool_blocks(4, 2048, 16))
+    assert plan.kv_bytes_per_token(smol) == 2 * 30 * 3 * 64 * 2
+    assert plan.kv_pool_blocks == 8192 // 16                 # 4 contexts, capped at max(2 contexts, 8192)
+    assert plan.kv_cache_bytes(smol) == plan.kv_bytes_per_token(smol) * (2048 + 16 * 512)
+    assert pool_blocks(4, 512, 16, pool_tokens=100 * 16 + 5) == 101       # an asked size, whole blocks
+    assert pool_blocks(4, 2048, 16, pool_tokens=64) == 2048 // 16 + 1     # never below one context + 1
+    pool = KVPool(plan.kv_pool_blocks, plan.kv_block_size)
+    assert (pool.n_blocks, pool.block_size, pool.n_free) == (512, 16, 512)
 
 
 def test_block_table_slots_and_growth():

@@ -32,18 +32,13 @@ from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-__all__ = ["KVPool", "PoolExhaustedError", "kv_bytes_per_token", "block_hash", "SKIP_SLOT"]
+__all__ = ["KVPool", "PoolExhaustedError", "block_hash", "SKIP_SLOT"]
 
 SKIP_SLOT = 0xFFFFFFFF      # a row the KV write leaves out (kernels/attention_paged.py's value)
 
 
 class PoolExhaustedError(RuntimeError):
     """Not enough free or evictable blocks: the scheduler preempts a sequence and retries."""
-
-
-def kv_bytes_per_token(n_layers: int, n_kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
-    """Bytes of K and V one token holds across all layers."""
-    return 2 * n_layers * n_kv_heads * head_dim * dtype_bytes
 
 
 def block_hash(parent: bytes, tokens) -> bytes:
@@ -78,18 +73,6 @@ class KVPool:
         self._seqs: dict = {}
         self._counter = 0
         self.stats = {"hit_tokens": 0, "miss_tokens": 0, "evictions": 0, "preemptions": 0}
-
-    @classmethod
-    def from_budget(cls, budget_bytes: int, block_size: int, bytes_per_token: int,
-                    max_blocks: int | None = None) -> "KVPool":
-        """As many blocks as `budget_bytes` holds at `bytes_per_token` (kv_bytes_per_token), at most
-        max_blocks (the GPU side binds a layer's pool whole: kernels.attention_paged.max_pool_blocks)."""
-        n = int(budget_bytes) // (int(block_size) * int(bytes_per_token))
-        n = n if max_blocks is None else min(n, int(max_blocks))
-        if n < 1:
-            raise ValueError(f"a budget of {budget_bytes} B holds no block of {block_size} tokens "
-                             f"x {bytes_per_token} B")
-        return cls(n, block_size)
 
     # ------------------------------------------------------------------ queries
     @property
