@@ -153,7 +153,7 @@ def test_ordinary_chats_keep_their_token_ids(smollm2_gguf, smollm2_reference, tm
 
 
 def test_prompt_ids_of_the_pipeline(smollm2_gguf):
-    """LLMChatPipeline._prompt_ids: chat messages through ChatTemplate.encode (template kwargs passed
+    """LLMChatPipeline.prompt_ids: chat messages through ChatTemplate.encode (template kwargs passed
     on), a raw completion prompt as before (its special-token texts parsed)."""
     from types import SimpleNamespace
 
@@ -166,12 +166,12 @@ def test_prompt_ids_of_the_pipeline(smollm2_gguf):
                             "{% endfor %}{% if enable_thinking %}<think>{% endif %}<|im_start|>assistant\n")
     for template in (smol.template(), thinking):
         pipe = SimpleNamespace(tokenizer=tok, template=template, chat_config=ChatConfig())
-        ids = LLMChatPipeline._prompt_ids(pipe, [{"role": "user", "content": INJECTION}], None)
+        ids = LLMChatPipeline.prompt_ids(pipe, [{"role": "user", "content": INJECTION}], None)
         assert tok.decode(ids) == template.render([{"role": "user", "content": INJECTION}])
-        benign = LLMChatPipeline._prompt_ids(pipe, [{"role": "user", "content": "Hi"}], None)
+        benign = LLMChatPipeline.prompt_ids(pipe, [{"role": "user", "content": "Hi"}], None)
         assert ids.count(im_start) == benign.count(im_start)
-    raw = LLMChatPipeline._prompt_ids(pipe, None, INJECTION)
+    raw = LLMChatPipeline.prompt_ids(pipe, None, INJECTION)
     assert raw == tok.encode(INJECTION, add_special_tokens=True) and raw.count(im_start) == 2
-    on = LLMChatPipeline._prompt_ids(pipe, [{"role": "user", "content": "x"}], None, {"enable_thinking": True})
-    off = LLMChatPipeline._prompt_ids(pipe, [{"role": "user", "content": "x"}], None)
+    on = LLMChatPipeline.prompt_ids(pipe, [{"role": "user", "content": "x"}], None, {"enable_thinking": True})
+    off = LLMChatPipeline.prompt_ids(pipe, [{"role": "user", "content": "x"}], None)
     assert tok.decode(on).endswith("<think><|im_start|>assistant") and "<think>" not in tok.decode(off)

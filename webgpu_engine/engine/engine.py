@@ -20,9 +20,10 @@ from ..errors import (EmbeddingUnsupportedModelError, IncorrectPipelineLoadedErr
 from .device_loss import DeviceLossHandling
 from .loading import SHARED_OWNERS, LoadedModel, ModelLoading  # noqa: F401 - SHARED_OWNERS re-exported
 from .records import EMBEDDING, LLM, AppConfig, EngineConfig
+from .tokens import Tokenizing
 
 
-class AsyncMLCEngine(ModelLoading, DeviceLossHandling):
+class AsyncMLCEngine(ModelLoading, DeviceLossHandling, Tokenizing):
     """Async engine. `await engine.reload(ids)`, then `engine.chat.completions.create(...)` etc."""
 
     def __init__(self, engine_config: EngineConfig | None = None):
@@ -87,7 +88,7 @@ class AsyncMLCEngine(ModelLoading, DeviceLossHandling):
         return (await self.get_device()).info.vendor
 
     # ------------------------------------------------------------------ model selection
-    async def select(self, model: str | None, kind: str, request_name: str) -> LoadedModel:
+    async def select(self, model: str | None, kind: str | None, request_name: str) -> LoadedModel:
         """WebLLM's getModelIdToUse + pipeline-type check."""
         await self._maybe_recover()
         loaded = list(self.models)
@@ -101,7 +102,7 @@ class AsyncMLCEngine(ModelLoading, DeviceLossHandling):
             lm = self.models.get(model)
             if lm is None:
                 raise SpecifiedModelNotFoundError(loaded, model)
-        if lm.model_type != kind:
+        if kind is not None and lm.model_type != kind:       # None: either pipeline type
             if kind == EMBEDDING:
                 raise EmbeddingUnsupportedModelError(lm.model_id)
             raise IncorrectPipelineLoadedError(lm.model_id, kind, request_name)

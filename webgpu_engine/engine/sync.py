@@ -104,6 +104,12 @@ class MLCEngine:
     def rerank(self, request: Any = None, **fields):
         return self._loop.run(self.async_engine.rerank(request, **fields))
 
+    def tokenize(self, request: Any = None, **fields) -> dict:
+        return self._loop.run(self.async_engine.tokenize(request, **fields))
+
+    def detokenize(self, request: Any = None, **fields) -> dict:
+        return self._loop.run(self.async_engine.detokenize(request, **fields))
+
     def unload(self) -> None:
         self._loop.run(self.async_engine.unload())
 

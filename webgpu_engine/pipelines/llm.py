@@ -219,7 +219,7 @@ class LLMChatPipeline:
         if self.logit_processor is not None and hasattr(self.logit_processor, "reset_state"):
             self.logit_processor.reset_state()
 
-    def _prompt_ids(self, messages, prompt, template_kwargs=None) -> list[int]:
+    def prompt_ids(self, messages, prompt, template_kwargs=None, add_generation_prompt: bool = True) -> list[int]:
         """Prompt token ids: a raw completion prompt as it is (special-token texts parsed), or the
         chat template over `messages`, where only the template inserts special tokens.
         `template_kwargs` go to the template's render (e.g. enable_thinking)."""
@@ -230,7 +230,8 @@ class LLMChatPipeline:
         msgs = list(messages or [])
         if self.chat_config.system_message and not any(m.get("role") == "system" for m in msgs):
             msgs = [{"role": "system", "content": self.chat_config.system_message}] + msgs
-        return self.template.encode(self.tokenizer, msgs, add_generation_prompt=True, **(template_kwargs or {}))
+        return self.template.encode(self.tokenizer, msgs, add_generation_prompt=add_generation_prompt,
+                                    **(template_kwargs or {}))
 
     # ------------------------------------------------------------------ steps
     async def prefill_step(self, messages: list[dict] | None, gen: GenerationConfig,
@@ -275,9 +276,9 @@ class LLMChatPipeline:
                 param="prompt" if prompt is not None else "messages")
         if chars > _INLINE_CHARS and _THREADS:
             # a long prompt is tokenised in a worker thread: the event loop serves others meanwhile
-            ids = await asyncio.to_thread(self._prompt_ids, messages, prompt, kw)
+            ids = await asyncio.to_thread(self.prompt_ids, messages, prompt, kw)
         else:
-            ids = self._prompt_ids(messages, prompt, kw)
+            ids = self.prompt_ids(messages, prompt, kw)
         if len(ids) >= ctx:
             raise ContextWindowTooLargeError(
                 f"The prompt has {len(ids)} tokens; the context window holds {ctx} (one more is needed "

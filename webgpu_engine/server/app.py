@@ -1,7 +1,8 @@
 """OpenAI-compatible HTTP server on aiohttp over AsyncMLCEngine (native only).
 
-Routes: POST /v1/chat/completions, /v1/completions, /v1/embeddings, /v1/rerank; GET /v1/models, /health,
-/metrics; POST /v1/models/load and /unload when model management is allowed (admin.py).
+Routes: POST /v1/chat/completions, /v1/completions, /v1/embeddings, /v1/rerank, /tokenize, /detokenize;
+GET /v1/models, /v1/models/{id}, /health, /metrics; POST /v1/models/load and /unload when model
+management is allowed (admin.py).
 Streaming is Server-Sent Events exactly as OpenAI sends them (`data: {json}\\n\\n`, then
 `data: [DONE]\\n\\n`). Every error is OpenAI error JSON with its HTTP status; unexpected ones are
 logged and answered 500 without internals. Handlers are cancelled when the client disconnects
@@ -9,8 +10,8 @@ logged and answered 500 without internals. Handlers are cancelled when the clien
 the model's lock. GPU steps await their readbacks, so the loop keeps serving /health meanwhile.
 
 Safe by default: POST bodies must be `application/json` in UTF-8 (415 otherwise), no CORS origin is
-allowed unless configured, the API key (when set) guards /v1/* and /metrics and is compared in
-constant time; /health stays open. A full model queue answers 429 with Retry-After, a request past
+allowed unless configured, the API key (when set) guards /v1/*, /tokenize, /detokenize and /metrics
+and is compared in constant time; /health stays open. A full model queue answers 429 with Retry-After, a request past
 the engine's deadline 504, a server still loading (or shutting down) 503 with Retry-After. On
 SIGTERM the server stops accepting, lets requests in flight finish for `shutdown_grace_s`, then
 cancels what is left and exits. What the route modules share (application keys, error JSON, the
@@ -93,7 +94,7 @@ async def errors_middleware(request: web.Request, handler):
 @web.middleware
 async def auth_and_limits_middleware(request: web.Request, handler):
     opts: ServerOptions = request.app[OPTS]
-    guarded = request.path.startswith("/v1/") or request.path == "/metrics"
+    guarded = request.path.startswith("/v1/") or request.path in ("/metrics", "/tokenize", "/detokenize")
     if opts.api_key and guarded and request.method != "OPTIONS":
         auth = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
         if not hmac.compare_digest(auth, f"Bearer {opts.api_key}".encode("utf-8", "surrogateescape")):
@@ -232,13 +233,38 @@ async def rerank(request: web.Request) -> web.Response:
     return web.json_response(res)
 
 
-async def list_models(request: web.Request) -> web.Response:
-    engine = request.app[ENGINE]
+def _model_object(request: web.Request, model_id: str, lm) -> dict:
+    """OpenAI's model object plus, from the engine, model_type, context_window (tokens) and memory (bytes)."""
     created = request.app[STATE].get("created", int(time.time()))
-    # Beyond OpenAI's fields: model_type, context_window (tokens), memory (bytes), from the engine.
-    data = [{"id": m, "object": "model", "created": created, "owned_by": "webgpu_engine",
-             **lm.describe(engine.device)} for m, lm in engine.models.items()]
+    return {"id": model_id, "object": "model", "created": created, "owned_by": "webgpu_engine",
+            **lm.describe(request.app[ENGINE].device)}
+
+
+async def list_models(request: web.Request) -> web.Response:
+    data = [_model_object(request, m, lm) for m, lm in request.app[ENGINE].models.items()]
     return web.json_response({"object": "list", "data": data})
+
+
+async def retrieve_model(request: web.Request) -> web.Response:
+    """GET /v1/models/{id} (the client's models.retrieve): 404 for an id that is not loaded."""
+    model_id = request.match_info["model"]
+    lm = request.app[ENGINE].models.get(model_id)
+    if lm is None:
+        return error_response(404, f"The model '{model_id}' does not exist or is not loaded.",
+                              "invalid_request_error", param="model", code="model_not_found")
+    return web.json_response(_model_object(request, model_id, lm))
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    """POST /tokenize (vLLM's shape; llama.cpp's `content` too): engine.tokenize."""
+    body = await json_body(request)
+    return web.json_response(await ready_engine(request).tokenize(body))
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    """POST /detokenize: engine.detokenize."""
+    body = await json_body(request)
+    return web.json_response(await ready_engine(request).detokenize(body))
 
 
 async def health(request: web.Request) -> web.Response:
@@ -286,6 +312,9 @@ def create_app(opts: ServerOptions) -> web.Application:
     app.router.add_post("/v1/embeddings", embeddings)
     app.router.add_post("/v1/rerank", rerank)         # the Jina / Cohere / vLLM rerank shape
     app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/v1/models/{model:.+}", retrieve_model)     # ids may hold slashes
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     from . import admin
