@@ -228,7 +228,7 @@ async def test_model_selection_errors(device):
         await engine.chat.completions.create(messages=U, model="ghost")
     with pytest.raises(E.IncorrectPipelineLoadedError, match="stub-emb"):
         await engine.chat.completions.create(messages=U, model="stub-emb")
-    with pytest.raises(E.EmbeddingUnsupportedModelError, match="stub-llm"):
+    with pytest.raises(E.IncorrectPipelineLoadedError, match="stub-llm"):     # as WebLLM's getEmbeddingStates
         await engine.embeddings.create(input="x", model="stub-llm")
     # validation comes before model selection and locking
     with pytest.raises(PE.StreamingCountError):

@@ -115,3 +115,17 @@ def test_bad_input_gets_a_typed_400(server, path, body, param):
 def test_unknown_model_is_refused(server):
     r = post(server, "/detokenize", {"model": "no-such-model", "tokens": [1]})
     assert 400 <= r.status_code < 500 and r.json()["error"]["message"]
+
+
+def test_a_developer_message_is_a_system_message(server):
+    """OpenAI's `developer` role (what newer clients send for instructions) is the system message."""
+    from webgpu_engine.protocol.rules import check_chat_request
+    dev = [{"role": "developer", "content": "Answer briefly."}, {"role": "user", "content": "Hi"}]
+    sys_ = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Hi"}]
+    assert check_chat_request({"messages": dev})["messages"] == check_chat_request({"messages": sys_})["messages"]
+    a = post(server, "/tokenize", {"model": CHAT, "messages": dev})
+    assert a.status_code == 200, a.text
+    assert a.json() == post(server, "/tokenize", {"model": CHAT, "messages": sys_}).json()
+    c = openai.OpenAI(base_url=server.url, api_key="none", max_retries=0, timeout=300)
+    r = c.chat.completions.create(model=CHAT, messages=dev, max_tokens=2, temperature=0)
+    assert r.usage.prompt_tokens == a.json()["count"]

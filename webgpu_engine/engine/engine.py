@@ -14,12 +14,11 @@ from typing import Any
 
 from .. import gpu
 from ..config import GenerationConfig
-from ..errors import (EmbeddingUnsupportedModelError, IncorrectPipelineLoadedError, InvalidRequestError,
-                      ModelBusyError, ModelNotLoadedError, RequestTimeoutError, SpecifiedModelNotFoundError,
-                      UnclearModelToUseError)
+from ..errors import (IncorrectPipelineLoadedError, InvalidRequestError, ModelBusyError, ModelNotLoadedError,
+                      RequestTimeoutError, SpecifiedModelNotFoundError, UnclearModelToUseError)
 from .device_loss import DeviceLossHandling
 from .loading import SHARED_OWNERS, LoadedModel, ModelLoading  # noqa: F401 - SHARED_OWNERS re-exported
-from .records import EMBEDDING, LLM, AppConfig, EngineConfig
+from .records import LLM, AppConfig, EngineConfig
 from .tokens import Tokenizing
 
 
@@ -103,8 +102,7 @@ class AsyncMLCEngine(ModelLoading, DeviceLossHandling, Tokenizing):
             if lm is None:
                 raise SpecifiedModelNotFoundError(loaded, model)
         if kind is not None and lm.model_type != kind:       # None: either pipeline type
-            if kind == EMBEDDING:
-                raise EmbeddingUnsupportedModelError(lm.model_id)
+            # WebLLM's getLLMStates / getEmbeddingStates: the other pipeline type loaded
             raise IncorrectPipelineLoadedError(lm.model_id, kind, request_name)
         return lm
 

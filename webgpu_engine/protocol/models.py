@@ -28,7 +28,7 @@ class TextPart(_Model):
 
 
 class ChatCompletionMessageParam(_Model):
-    role: Literal["system", "user", "assistant", "tool"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[TextPart], None] = None
     name: Optional[str] = None
     tool_call_id: Optional[str] = None

@@ -277,6 +277,8 @@ def check_chat_request(req: dict, limits: RequestLimits | None = None) -> dict:
         if not isinstance(m, dict):
             raise FieldTypeError(f"messages[{i}]", "an object with role and content", m)
         role = m.get("role")
+        if role == "developer":          # OpenAI's newer name for the system message
+            role = "system"
         if role not in ROLES:
             raise UnsupportedRoleError(i, role)
         if role == "system" and i != 0:
