@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from webgpu_engine.kernels import matmul as mm
-from webgpu_engine.kernels import matmul_gpu as mg
+from webgpu_engine.kernels.matmul import gpu as mg
 from webgpu_engine.kernels import profiles
 from webgpu_engine.kernels import quant_ref as qr
 from webgpu_engine.kernels.common import new_tensor, run_ops

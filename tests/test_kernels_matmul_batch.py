@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from webgpu_engine.kernels import matmul as mm
-from webgpu_engine.kernels import matmul_batch as mb
+from webgpu_engine.kernels.matmul import batch as mb
 from webgpu_engine.kernels.common import new_tensor, run_ops
 from webgpu_engine.kernels.matmul import QTYPES, gpu_row_bytes, matmul
 
@@ -85,7 +85,7 @@ def test_selection_and_errors(device, monkeypatch):
 def test_tiles(device):
     """Tiles of 2, 4 and 8 rows for T ≤ 8; from 9 rows the default tile (so a 16-row embedder
     bucket shares its pipelines with larger batches)."""
-    from webgpu_engine.kernels import matmul_tiled as mt
+    from webgpu_engine.kernels.matmul import tiled as mt
     assert [mb.tiled_config(device, "q4_1", T).tm for T in (1, 2, 3, 5, 8)] == [2, 2, 4, 8, 8]
     for qtype in ("q4_1", "f32"):
         assert mb.tiled_config(device, qtype, 9) == mb.tiled_config(device, qtype, 16) == \

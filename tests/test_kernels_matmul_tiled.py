@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from gguf import GGUFReader
 
-from webgpu_engine.kernels import matmul_tiled as mt
+from webgpu_engine.kernels.matmul import tiled as mt
 from webgpu_engine.kernels import quant_ref as qr
 from webgpu_engine.kernels.common import Tensor, new_tensor, run_ops
 

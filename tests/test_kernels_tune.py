@@ -11,7 +11,7 @@ import pytest
 from webgpu_engine.cli import main as cli_main
 from webgpu_engine.config import ChatConfig, GenerationConfig
 from webgpu_engine.kernels import matmul as mm
-from webgpu_engine.kernels import matmul_gpu as mg
+from webgpu_engine.kernels.matmul import gpu as mg
 from webgpu_engine.kernels import profiles, tune
 from webgpu_engine.pipelines.llm import LLMChatPipeline
 

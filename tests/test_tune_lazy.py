@@ -15,7 +15,7 @@ import pytest
 from webgpu_engine.config import ChatConfig
 from webgpu_engine.errors import InvalidRequestError
 from webgpu_engine.kernels import matmul as mm
-from webgpu_engine.kernels import matmul_gpu as mg
+from webgpu_engine.kernels.matmul import gpu as mg
 from webgpu_engine.kernels import profiles, tune
 from webgpu_engine.pipelines.embedding import EmbeddingPipeline
 from webgpu_engine.pipelines.llm import LLMChatPipeline

@@ -207,7 +207,8 @@ async def _gpu_family(dev, checks: dict, times: dict) -> None:
 
 
 async def _gpu_family_runs(dev, checks: dict, n: int, k: int, rows: int, xs, wf, raw, wq) -> None:
-    from ..kernels import matmul as mm, matmul_gpu as mg  # noqa: PLC0415
+    from ..kernels import matmul as mm  # noqa: PLC0415
+    from ..kernels.matmul import gpu as mg  # noqa: PLC0415
     from ..kernels.common import Tensor  # noqa: PLC0415
     f32 = array("f", [v for r in wf for v in r]).tobytes()
     for qtype, data, w_ref in (("f32", f32, wf), ("q8_0", bytes(raw), wq)):

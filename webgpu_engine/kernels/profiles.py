@@ -7,7 +7,7 @@ adapter, one JSON file `<cache root>/profiles/<adapter id>/matmul.json`:
      "choices": {"q4_1|1536|576|t1": "decode-r2-l16-w64", "q4_1|1536|576|prefill": "base", ...},
      "timings": {...}}
 
-A choice is a matmul_gpu variant key or "base" (the kernels the adapter's built-in strategy runs
+A choice is a matmul/gpu.py variant key or "base" (the kernels the adapter's built-in strategy runs
 there). The matmul package (select.py) reads the choices through `choice` when the kernel family is "tuned". The adapter
 id is derived from vendor, architecture, driver (the adapter's description), device name and
 backend, so a driver update starts a new profile. Page code: standard library only.

@@ -3,7 +3,7 @@
 For every distinct weight (type, rows, columns) of a loaded model and every row class the model
 runs (decode "t1".."t8", prefill, or "tn" for embedders' batches; see profiles.shape_key), the
 tuner times "base" — the kernels the adapter's built-in strategy runs there (the matmul package with the
-"cpu" family's selection) — against kernels/matmul_gpu.py's variants that serve the class, and
+"cpu" family's selection) — against kernels/matmul/gpu.py's variants that serve the class, and
 stores the fastest in the adapter's profile (kernels/profiles.py). A variant replaces base only
 when it is faster by more than MARGIN, twice (a second timing of the two side by side), so that
 noise does not trade today's kernels for a tie.
@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 from ..gpu import Device
 from . import matmul as mm
-from . import matmul_gpu as mg
+from .matmul import gpu as mg
 from . import profiles
 from .common import DTYPE_SIZE, Op, Tensor, new_tensor
 
@@ -148,7 +148,7 @@ def _base_op(dev: Device, x: Tensor, w: mm.QWeight, y: Tensor, row_invariant: bo
 
 def candidates(case: Case, dev: Device | None = None) -> list:
     """The variants timed for `case` on `dev` (default: the device holding the case's weight):
-    the subgroup decode variants only where the device runs them (matmul_gpu.decode_variants)."""
+    the subgroup decode variants only where the device runs them (matmul/gpu.py decode_variants)."""
     if case.rows.startswith("t") and case.rows != "tn":
         return list(mg.decode_variants(dev or case.weight.bufs[0].device))
     return list(mg.GEMM_VARIANTS)

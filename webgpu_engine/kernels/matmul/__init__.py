@@ -11,19 +11,22 @@ with the file that reads the weight: float rows' `shaders/matmul_<dtype>.wgsl`, 
 quantised type (DEQUANT_WGSL) `shaders/matmul_words.wgsl` plus the decode every kernel shares,
 `shaders/dequant.wgsl`.
 Weight types and their block geometry: `kernels/qtypes.py`.
-2 ≤ T ≤ 16 (a decode step of several sequences): `kernels/matmul_batch.py`.
+2 ≤ T ≤ 16 (a decode step of several sequences): `batch.py`; T > 1 on CPU adapters (prefill): `tiled.py`.
 T = 1 on CPU adapters: `shaders/matmul_decode.wgsl` (the K loop unrolled by the host) and, for
 the 32-weight-block types (Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, IQ4_NL), `shaders/matmul_decode_v4.wgsl`
 (the same, weights read as vec4<u32>).
 Kernel families (`default_config`, one switch for every matmul): "cpu" — the kernels above, shaped
-by CPU Vulkan; "gpu" — kernels/matmul_gpu.py (coalesced decode, workgroup-tiled GEMM) for plain
+by CPU Vulkan; "gpu" — `gpu.py` (coalesced decode, workgroup-tiled GEMM) for plain
 matmuls; "tuned" — per shape, what the adapter's profile (kernels/profiles.py, written by
 kernels/tune.py) measured fastest. `WEBGPU_ENGINE_KERNELS=cpu|gpu|tuned` forces one; unset, CPU
 adapters run "cpu" and other adapters "tuned" where a profile is stored, else "gpu".
 The package: `qtypes` (kernels/qtypes.py, the one table of weight types), `config` (the strategy and
 the kernel family per device), `layout` (weights on the GPU), `codegen` (WGSL per weight type and the
-generated decode entry points), `epilogues` (fused stores), `select` (`matmul`, `embedding`: the
-one place that picks a kernel). Everything a model or a test uses is imported from here.
+generated decode entry points), `epilogues` (fused stores), `dispatch` (the operand checks and
+windows and the per-buffer dispatch loop every strategy shares), the strategies `gpu` (the GPU
+family), `batch` (few rows) and `tiled` (prefill tiles), and `select` (`matmul`, `embedding`: the
+one place that picks a kernel). Imports run one way: codegen and layout know no strategy, the
+strategies use them, select uses the strategies. Everything a model uses is imported from here.
 Page code: standard library only.
 """
 from __future__ import annotations

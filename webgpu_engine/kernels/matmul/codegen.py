@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from ...gpu import Device
 from ...gpu.shaders import load_shader_source
-from ..common import XREAD, act_header, params, wmap_header
+from ..common import XREAD, act_header, wmap_header
 from ..qtypes import QTYPE
 
 if TYPE_CHECKING:
@@ -125,14 +125,6 @@ def decode_v4_source(qtype: str, nchunks: int, k: int, x_off4: int, mode: str, n
     scale = f"inverseSqrt(ss / {float(k)!r} + EPS)" if mode in ("norm", "pnorm") else "1.0"
     lines += [f"    let r = a * {scale};", EPILOGUE_CALL[ep].format(i4="i4"), "}", ""]
     return "\n".join(lines)
-
-
-def matmul_params(dev, w, y, T, rows, r0, x_off, y_off, b_off, has_bias, accumulate):
-    """matmul.wgsl's MatmulParams for the weight part of `rows` rows starting at row r0."""
-    K = w.k
-    flags = (1 if has_bias else 0) | (2 if accumulate else 0)
-    return params(dev, [K, rows, T, w.row_words, x_off, y_off, w.n, r0, b_off, flags, K // 32, K // 4],
-                  owner=y.buf.owner, label=f"matmul[{w.label}]")
 
 
 GATE_ACTS = ("silu", "gelu_tanh")   # the gate activations of the fused paths (shaders/gate_act.wgsl)

@@ -28,7 +28,7 @@ class MatmulConfig:
     unroll_max_n: int = 16384  # 49152-row LM head ran slower unrolled on lavapipe)
     fuse: bool = False    # models fuse RMSNorm into the decode matmul after it (measured: a loss
     fuse_silu: bool = False    # on lavapipe) / SiLU·up into down (its exp per lane: a larger loss)
-    tiled: bool = True    # T > 1: kernels/matmul_tiled.py (host-unrolled K, shared-memory x tiles);
+    tiled: bool = True    # T > 1: matmul/tiled.py (host-unrolled K, shared-memory x tiles);
     # measured 3-4x on lavapipe, but its unrolled pipelines compile so slowly on SwiftShader (the
     # browser) that the first prefill there took minutes: on only where measured to win
     epilogue: bool = True   # T = 1 with rr = 4: models may fold SiLU·up and RoPE + KV-cache write
@@ -45,12 +45,11 @@ class MatmulConfig:
     v4_max_n: int = 1 << 30   # unrolled as in matmul_decode); only where `unroll` is on. lavapipe:
     # 1.2-1.5x per matmul, the 49152-row LM head too. Uncached compile (Mesa caches on disk): K = 576
     # 1.8 s (3.2 s for matmul_decode), K = 1536 9 s for ~0.07 ms per matmul: not worth it
-    batch_max_t: int = 16   # 2 <= T <= this (decode of several sequences): kernels/matmul_batch.py,
+    batch_max_t: int = 16   # 2 <= T <= this (decode of several sequences): matmul/batch.py,
     # each weight chunk decoded once for all T rows (0: off, the row / tiled kernels as before)
     family: str = "cpu"   # "gpu" / "tuned": plain matmuls (no fused input or epilogue) may run
+    # matmul/gpu.py (see _family_variant); "cpu": the kernels of select.py and its helpers
 
-
-    # kernels/matmul_gpu.py (see _family_variant); "cpu": the kernels of this module and its helpers
 
 FAMILY_ENV = "WEBGPU_ENGINE_KERNELS"
 
@@ -90,7 +89,7 @@ def default_config(dev: Device) -> MatmulConfig:
     """The strategy for `dev`. CPU family, measured on lavapipe (bench/kernels.py): 4 rows per
     invocation halves decode cost against 1 (each x load serves 4 rows), the 4x4 tile beats the
     row kernel for prefill, the host-unrolled decode kernel serves CPU drivers' uniform-load
-    detection (matmul_decode.wgsl). GPU family: plain matmuls go to kernels/matmul_gpu.py and
+    detection (matmul_decode.wgsl). GPU family: plain matmuls go to matmul/gpu.py and
     nothing is fused (no unrolled kernels). Tuned: the adapter type's strategy, with the profile's
     kernel per shape for plain matmuls."""
     family = kernel_family(dev)

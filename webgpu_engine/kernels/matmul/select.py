@@ -1,23 +1,25 @@
 """The one selector: `matmul` checks its arguments and picks the kernel for a call — the kernel
-family's variant (kernels/matmul_gpu.py), the few-row batch kernel (kernels/matmul_batch.py), the
-tiled prefill kernel (kernels/matmul_tiled.py), the host-unrolled decode kernel with fused inputs
-and epilogues, or the generic loop — and `embedding` gathers rows. Page code: standard library
-only."""
+family's variant (gpu.py), the few-row batch kernel (batch.py), the tiled prefill kernel (tiled.py),
+the host-unrolled decode kernel with fused inputs and epilogues, or the generic loop — and
+`embedding` gathers rows. Page code: standard library only."""
 from __future__ import annotations
 
 from ...gpu import Device
-from .. import matmul_batch, matmul_gpu, matmul_tiled, profiles
-from ..common import DTYPE_SIZE, Op, Tensor, check, params, placeholder
+from .. import profiles
+from ..common import DTYPE_SIZE, Op, Tensor, check, params
 from ..common import window as _window
-from .codegen import (GATE_ACTS, decode_source, decode_v4_source, gate_act_source, matmul_params, use_v4,
-                      weight_pipeline)
+from . import batch as matmul_batch
+from . import gpu as matmul_gpu
+from . import tiled as matmul_tiled
+from .codegen import GATE_ACTS, decode_source, decode_v4_source, gate_act_source, use_v4, weight_pipeline
 from .config import MatmulConfig, default_config, is_cpu_adapter
+from .dispatch import Operands, dispatch_parts, operands, row_groups
 from .epilogues import NormOut, RopeKV, epilogue_binds, epilogue_ok
 from .layout import MAX_GROUPS, QWeight, grid
 
 
 def _family_variant(dev: Device, cfg: MatmulConfig, w: "QWeight", T: int, row_invariant: bool):
-    """The kernels/matmul_gpu.py variant for a plain matmul, or None for this module's kernels:
+    """The gpu.py variant for a plain matmul, or None for this module's kernels:
     the one place where the kernel family picks a kernel."""
     if cfg.family == "cpu":
         return None
@@ -130,20 +132,8 @@ def matmul(dev: Device, x: Tensor, w: QWeight, y: Tensor, *, bias: Tensor | None
         check(norm is None or not silu, "matmul", "norm and silu cannot both be fused")
         check(fusable(dev, x.shape[0], w, cfg, force=True), "matmul",
               "fused norm/silu needs T = 1 and a weight with K % 32 == 0 on the decode path")
-    T, K = x.shape
-    check(K == w.k, "matmul", f"x has {K} columns, the weight {w.label!r} has {w.k}")
-    check(silu_out or tuple(y.shape) == (T, w.n), "matmul", f"y is {y.shape}, expected ({T}, {w.n})")
-    check(x.dtype == y.dtype, "matmul", f"x is {x.dtype} but y is {y.dtype}")
-    check(T > 0, "matmul", "empty input")
-    check(K % 4 == 0, "matmul", f"K={K} must be a multiple of 4")
-    esz = DTYPE_SIZE[x.dtype]
-    xb, x_off = _window(x_in, 4 * esz, "matmul", "x")
-    yb, y_off = _window(y, esz, "matmul", "y")
-    if bias is not None:
-        check(bias.dtype == "f32" and bias.numel == w.n, "matmul", f"bias must be f32 ({w.n},)")
-        bb, b_off = _window(bias, 4, "matmul", "bias")
-    else:
-        bb, b_off = placeholder(dev), 0
+    io = operands(dev, x, w, y, bias, "matmul", x_bind=x_in, y_shape=not silu_out)
+    T, K = io.T, io.K
     check(cfg.rr in (1, 2, 4) and cfg.prr in (1, 2, 4) and cfg.tm in (1, 4), "matmul",
           f"unsupported strategy {cfg}")
     if row_invariant:
@@ -186,25 +176,18 @@ def matmul(dev: Device, x: Tensor, w: QWeight, y: Tensor, *, bias: Tensor | None
                                       and w.n <= cfg.unroll_max_n)
     if T == 1 and K % 32 == 0 and (norm is not None or silu or rms_from is not None or unrolled
                                    or ep in ("silu", "rope_kv")):
-        return _matmul_decode(dev, x, w, y, xb, x_off, yb, y_off, bb, b_off, bias is not None,
-                              accumulate, cfg, norm, silu, ep, rope_kv, norm_out, rms_from, gate_act=gate_act)
+        return _matmul_decode(dev, x, w, y, io, accumulate, cfg, norm, silu, ep, rope_kv, norm_out, rms_from,
+                              gate_act=gate_act)
     if ep == "res_norm":          # K too long to unroll: the loop kernel with the epilogue
-        return _matmul_decode(dev, x, w, y, xb, x_off, yb, y_off, bb, b_off, bias is not None,
-                              accumulate, cfg, None, False, ep, None, norm_out, loop=True)
+        return _matmul_decode(dev, x, w, y, io, accumulate, cfg, None, False, ep, None, norm_out, loop=True)
     if T > 1 and cfg.tm == 4:
         entry, rr, tiles = "matmul_tile", cfg.prr, -(-T // 4)
     else:
         entry, rr, tiles = "matmul", cfg.rr, T
     check(tiles <= MAX_GROUPS, "matmul", f"T={T} needs more than 65535 tiles")
     pipe = weight_pipeline(dev, entry, w, x.dtype, cfg.wg, rr)
-    op = Op(name=f"matmul[{w.label}]")
-    for buf, (r0, rows) in zip(w.bufs, w.parts):
-        groups = -(-rows // (cfg.wg * rr))
-        check(groups <= MAX_GROUPS, "matmul", f"{rows} rows need more than 65535 workgroups")
-        p = matmul_params(dev, w, y, T, rows, r0, x_off, y_off, b_off, bias is not None, accumulate)
-        op.buffers.append(p)
-        op.add(pipe, dev.bind(pipe, [p, xb, buf, yb, bb]), groups, tiles)
-    return op
+    return dispatch_parts(dev, Op(name=f"matmul[{w.label}]"), pipe, w, y, io, "matmul",
+                          row_groups(cfg.wg * rr, "matmul", tiles), accumulate=accumulate)
 
 
 def _matmul_parts(dev: Device, x: Tensor, w: QWeight, y: Tensor, *, epilogue: bool, **kw) -> Op:
@@ -230,8 +213,8 @@ def fusable(dev: Device, T: int, w: QWeight, config: MatmulConfig | None = None,
     return force or cfg.unroll and (cfg.fuse_silu if silu else cfg.fuse)
 
 
-def _matmul_decode(dev, x, w, y, xb, x_off, yb, y_off, bb, b_off, has_bias, accumulate, cfg, norm,
-                   silu, ep="store", rope: RopeKV | None = None, norm_out: "NormOut | None" = None,
+def _matmul_decode(dev, x, w, y, io: Operands, accumulate, cfg, norm, silu, ep="store",
+                   rope: RopeKV | None = None, norm_out: "NormOut | None" = None,
                    rms_from: tuple | None = None, loop: bool = False, gate_act: str = "silu") -> Op:
     """T = 1: the host-unrolled decode kernel, or with `loop` (an epilogue, K too long to unroll)
     matmul.wgsl's loop over K ending with the epilogue (matmul_epilogue.wgsl matmul_<ep>)."""
@@ -255,25 +238,18 @@ def _matmul_decode(dev, x, w, y, xb, x_off, yb, y_off, bb, b_off, has_bias, accu
     if loop:
         src, entry = "", f"matmul_{ep}"
     elif v4:
-        src = decode_v4_source(w.qtype, K // 32, K, x_off, mode, K // 4, g_off4, eps, ep, w.inter_full,
+        src = decode_v4_source(w.qtype, K // 32, K, io.x_off, mode, K // 4, g_off4, eps, ep, w.inter_full,
                                 cfg.xs_fold)
     else:
-        src = decode_source(K // 32, K, x_off, mode, K // 4, g_off4, eps, ep)
+        src = decode_source(K // 32, K, io.x_off, mode, K // 4, g_off4, eps, ep)
     if ep != "store":
         src += epilogue_binds(y, rope, norm_out, extra)
     src += gate_act_source(gate_act)
     pipe = weight_pipeline(dev, entry, w, x.dtype, cfg.wg, cfg.rr, src, inplace=v4)
-    op = Op(name=f"matmul[{w.label}]")
-    for buf, (r0, rows) in zip(w.bufs, w.parts):
-        groups = -(-rows // (cfg.wg * cfg.rr))
-        check(groups <= MAX_GROUPS, "matmul", f"{rows} rows need more than 65535 workgroups")
-        p = matmul_params(dev, w, y, 1, rows, r0, x_off, y_off, b_off, has_bias, accumulate)
-        op.buffers.append(p)
-        entries = {0: p, 1: xb, 2: buf, 3: yb, 4: bb, **extra}
-        if ep == "silu":
-            del entries[4]          # ep_silu reads no bias, so the pipeline's layout has no binding 4
-        op.add(pipe, dev.bind(pipe, entries), groups, 1)
-    return op
+    # T = 1: matmul.wgsl's MatmulParams; ep_silu reads no bias, so the pipeline's layout has no binding 4
+    return dispatch_parts(dev, Op(name=f"matmul[{w.label}]"), pipe, w, y, io, "matmul",
+                          row_groups(cfg.wg * cfg.rr, "matmul"), accumulate=accumulate, extra=extra,
+                          bind_bias=ep != "silu")
 
 
 def embedding(dev: Device, ids: Tensor, table: QWeight, out: Tensor, *, wg: int = 64) -> Op:

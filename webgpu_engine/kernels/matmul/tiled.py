@@ -7,22 +7,20 @@ workgroup memory and lets every invocation own one weight row: each 32-weight ch
 decoded once into registers and multiplied with all TM activation rows. The K loop is written out
 in the pipeline (one pipeline per K block length), so long K runs as several dispatches. Tile sizes
 are per-device parameters (`TiledConfig`).
-Page code: standard library only; the matmul package is not imported here (it delegates to this module).
+Page code: standard library only.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from ..gpu import Device
-from .common import DTYPE_SIZE, XREAD, Op, Tensor, act_header, check, params, placeholder, window, wmap_header
-from .qtypes import QTYPE, QTYPES
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .matmul import QWeight
+from ...gpu import Device
+from ..common import XREAD, Op, Tensor, act_header, check, wmap_header
+from ..qtypes import QTYPE, QTYPES
+from .codegen import dequant_source
+from .dispatch import dispatch_parts, operands, row_groups
+from .layout import MAX_GROUPS, QWeight
 
 _QK = {t.name: t.block for t in QTYPE.values() if t.quantized}   # weights per block
-_MAX_GROUPS = 65535
 _MAX_TM = 32               # accumulators written out in the shader
 _WG_BYTES = 32768          # workgroup memory WebGPU guarantees (and lavapipe's maximum)
 
@@ -37,13 +35,13 @@ class TiledConfig:
     A larger `tm` reads the weights fewer times; a larger `wg` amortises the staging of each x
     tile over more rows; `kmax` trades compile time (superlinear in the code length) against one
     extra read-modify-write of y per block. Below `min_t` activation rows `matmul` returns None:
-    a tile mostly of padding rows loses to the row kernels of the matmul package."""
+    a tile mostly of padding rows loses to the row kernels of select.py."""
 
     tm: int = 16
     wg: int = 192    # SmolLM2 and MiniLM row counts (576, 960, 1152, 1536, 3072) are multiples
     kb: int = 6
     kmax: int = 18
-    min_t: int = 8   # lavapipe, 3072x576 Q4_1: 1.6x slower than the matmul package's row kernels at T = 4, even at 8
+    min_t: int = 8   # lavapipe, 3072x576 Q4_1: 1.6x slower than select.py's row kernels at T = 4, even at 8
 
 
 def default_config(dev: Device, qtype: str = "q4_1") -> TiledConfig:
@@ -72,7 +70,7 @@ def _k_blocks(qtype: str, nch: int, kmax: int) -> int:
     return kblk
 
 
-def _pipeline(dev: Device, w: "QWeight", dtype: str, kblk: int, cfg: TiledConfig):
+def _pipeline(dev: Device, w: QWeight, dtype: str, kblk: int, cfg: TiledConfig):
     qtype, row_words = w.qtype, w.row_words
     kb = min(cfg.kb, kblk)
     ng = -(-kblk // kb)
@@ -80,7 +78,6 @@ def _pipeline(dev: Device, w: "QWeight", dtype: str, kblk: int, cfg: TiledConfig
     steps = "".join(f"    step({g}u, {g % 2}u, {min(kb, kblk - g * kb)}u, base, t0, lid);\n"
                     for g in range(ng))
     if QTYPE[qtype].quantized:
-        from .matmul.codegen import dequant_source      # the matmul package imports this module
         # dequant.wgsl's decode, expanded to plain values; its blocks are vec4-aligned (BA) when both
         # the block and the row are whole vec4 words
         aligned = QTYPE[qtype].block_words % 4 == 0 and row_words % 4 == 0
@@ -97,7 +94,7 @@ def _pipeline(dev: Device, w: "QWeight", dtype: str, kblk: int, cfg: TiledConfig
     return dev.pipeline("matmul_tiled.wgsl", "matmul_tiled", header=header)
 
 
-def supports(w: "QWeight", T: int, config: TiledConfig | None = None, any_t: bool = False) -> bool:
+def supports(w: QWeight, T: int, config: TiledConfig | None = None, any_t: bool = False) -> bool:
     """Whether `matmul` below handles this weight at T activation rows (else it returns None):
     T >= the config's min_t (default: 8), and weight buffers of whole 16-byte words, as the kernel
     reads weights as vec4 words (true of f32 and Q4_K weights, and of other types when rows x row
@@ -109,7 +106,7 @@ def supports(w: "QWeight", T: int, config: TiledConfig | None = None, any_t: boo
     return w.k % qk == 0 and all(b.size % 16 == 0 for b in w.bufs)
 
 
-def matmul(dev: Device, x: Tensor, w: "QWeight", y: Tensor, *, bias: Tensor | None = None,
+def matmul(dev: Device, x: Tensor, w: QWeight, y: Tensor, *, bias: Tensor | None = None,
            accumulate: bool = False, config: TiledConfig | None = None,
            any_t: bool = False) -> Op | None:
     """y = x·Wᵀ (+ bias); with `accumulate`, y += x·Wᵀ (+ bias). x (T, K), W (N, K), y (T, N).
@@ -123,38 +120,24 @@ def matmul(dev: Device, x: Tensor, w: "QWeight", y: Tensor, *, bias: Tensor | No
         return None
     check(1 <= cfg.tm <= _MAX_TM and 1 <= cfg.wg <= 1024 and 1 <= cfg.kb <= 8 and cfg.kmax >= 1
           and cfg.tm * cfg.kb * 256 <= _WG_BYTES, "matmul_tiled", f"unsupported tile {cfg}")
-    check(K == w.k, "matmul_tiled", f"x has {K} columns, the weight {w.label!r} has {w.k}")
-    check(tuple(y.shape) == (T, w.n), "matmul_tiled", f"y is {y.shape}, expected ({T}, {w.n})")
-    check(x.dtype == y.dtype, "matmul_tiled", f"x is {x.dtype} but y is {y.dtype}")
-    check(K % 4 == 0, "matmul_tiled", f"K={K} must be a multiple of 4")
-    esz = DTYPE_SIZE[x.dtype]
-    xb, x_off = window(x, 4 * esz, "matmul_tiled", "x")
-    yb, y_off = window(y, esz, "matmul_tiled", "y")
-    if bias is not None:
-        check(bias.dtype == "f32" and bias.numel == w.n, "matmul_tiled", f"bias must be f32 ({w.n},)")
-        bb, b_off = window(bias, 4, "matmul_tiled", "bias")
-    else:
-        bb, b_off = placeholder(dev), 0
+    io = operands(dev, x, w, y, bias, "matmul_tiled")
     tiles = -(-T // cfg.tm)
-    check(tiles <= _MAX_GROUPS, "matmul_tiled", f"T={T} needs more than 65535 tiles of {cfg.tm} rows")
+    check(tiles <= MAX_GROUPS, "matmul_tiled", f"T={T} needs more than 65535 tiles of {cfg.tm} rows")
     nch = -(-K // 32)
     kblk = _k_blocks(w.qtype, nch, cfg.kmax)
     pipe = _pipeline(dev, w, x.dtype, kblk, cfg)
-    op = Op(name=f"matmul_tiled[{w.label}]")
-    for buf, (r0, rows) in zip(w.bufs, w.parts):
-        groups = -(-rows // cfg.wg)
-        check(groups <= _MAX_GROUPS, "matmul_tiled", f"{rows} rows need more than 65535 workgroups")
+
+    def blocks(r0: int, rows: int):
         for c0 in range(0, nch, kblk):
             # block 0 applies bias and the caller's accumulate; later blocks add to y
             first = c0 == 0
-            flags = (1 if bias is not None and first else 0) | (2 if accumulate or not first else 0)
+            flags = (1 if io.has_bias and first else 0) | (2 if accumulate or not first else 0)
             w_off = (c0 // 8 * _SUPER_WORDS[w.qtype] if w.qtype in _SUPER_WORDS
                      else c0 * _CHUNK_WORDS[w.qtype])   # u32 words into each row
-            p = params(dev, [K, rows, T, w.row_words, x_off, y_off, w.n, r0, b_off, flags, w_off, K // 4,
-                             c0 * 8], owner=y.buf.owner, label=f"matmul_tiled[{w.label}]")
-            op.buffers.append(p)
-            op.add(pipe, dev.bind(pipe, [p, xb, buf, yb, bb]), groups, tiles)
-    return op
+            yield [K, rows, T, w.row_words, io.x_off, io.y_off, w.n, r0, io.b_off, flags, w_off, K // 4, c0 * 8]
+
+    return dispatch_parts(dev, Op(name=f"matmul_tiled[{w.label}]"), pipe, w, y, io, "matmul_tiled",
+                          row_groups(cfg.wg, "matmul_tiled", tiles), blocks=blocks)
 
 
 __all__ = ["QTYPES", "TiledConfig", "default_config", "supports", "matmul"]

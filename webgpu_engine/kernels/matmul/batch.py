@@ -1,14 +1,14 @@
 """Batched decode matmul: y = x·Wᵀ for 2 ≤ T ≤ 16 activation rows, each weight chunk decoded once.
 
 A decode step of several sequences (continuous batching) multiplies a few activation rows by every
-weight. The row kernels of the matmul package read and decode each weight once per row (or per 4 rows);
+weight. The row kernels of select.py read and decode each weight once per row (or per 4 rows);
 here each weight chunk is read and decoded once for all T rows. Two variants, chosen per device:
 
-- "tiled": matmul_tiled.wgsl with its tile height TM = T rounded up to 2, 4 or 8 (its default
-  16-row tile spends most of its work on padding rows at small T). x rows sit in workgroup memory
-  and are read at constant addresses, which CPU drivers (lavapipe) broadcast instead of gathering
-  lane by lane. A row's sums do not depend on TM, so every T gives the same bits per row (the
-  prefill's `row_invariant` matmuls use the same kernel).
+- "tiled": tiled.py's kernel (matmul_tiled.wgsl) with its tile height TM = T rounded up to 2, 4 or
+  8 (its default 16-row tile spends most of its work on padding rows at small T). x rows sit in
+  workgroup memory and are read at constant addresses, which CPU drivers (lavapipe) broadcast
+  instead of gathering lane by lane. A row's sums do not depend on TM, so every T gives the same
+  bits per row (the prefill's `row_invariant` matmuls use the same kernel).
 - "rows": shaders/matmul_batch.wgsl, no barriers and no workgroup memory: an invocation owns `rr`
   weight rows and all T activation rows in registers; each row's sums are those of the T = 1
   kernels (matmul_decode.wgsl, matmul.wgsl row_sums) in the same order: on lavapipe the same bits
@@ -24,20 +24,17 @@ here each weight chunk is read and decoded once for all T rows. Two variants, ch
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
 
-from ..gpu import Device
-from ..gpu.shaders import load_shader_source
-from . import matmul_tiled
-from .common import DTYPE_SIZE, XREAD, Op, Tensor, act_header, check, params, placeholder, wmap_header
-from .common import window as _window
-from .qtypes import QTYPE
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .matmul import QWeight
+from ...gpu import Device
+from ...gpu.shaders import load_shader_source
+from ..common import XREAD, Op, Tensor, act_header, check, wmap_header
+from ..qtypes import QTYPE
+from . import tiled
+from .codegen import weight_source
+from .dispatch import dispatch_parts, operands, row_groups
+from .layout import QWeight
 
 MAX_T = 16                 # rows of x one dispatch takes (the registers / tile it keeps)
-_MAX_GROUPS = 65535
 _WG_BYTES = 32768          # workgroup memory WebGPU guarantees: caps the tiled kernel's TM x KB
 _MAX_BUCKET = 8            # "tiled": the largest T given a tile of its own (see tiled_config)
 
@@ -74,7 +71,7 @@ def adapter_key(dev: Device) -> str:
     return f"{i.vendor}|{i.architecture}|{i.name}|{i.backend}"
 
 
-def choose(dev: Device, w: "QWeight", T: int) -> BatchVariant:
+def choose(dev: Device, w: QWeight, T: int) -> BatchVariant:
     """The variant for this device, weight and T: the measured winner stored in PROFILES for this
     adapter and shape, else the default per adapter type."""
     prof = PROFILES.get(adapter_key(dev), {})
@@ -86,25 +83,25 @@ def choose(dev: Device, w: "QWeight", T: int) -> BatchVariant:
     return TILED if cpu else ROWS
 
 
-def supports(w: "QWeight", T: int) -> bool:
-    """Whether `matmul` handles this weight at T rows: 1 ≤ T ≤ MAX_T, one weight type (the matmul package
+def supports(w: QWeight, T: int) -> bool:
+    """Whether `matmul` handles this weight at T rows: 1 ≤ T ≤ MAX_T, one weight type (select.py
     runs a MIXED weight one sub-weight at a time)."""
     return 1 <= T <= MAX_T and w.qtype in QTYPE and not w.subs
 
 
-def tiled_config(dev: Device, qtype: str, T: int) -> matmul_tiled.TiledConfig:
-    """matmul_tiled's tile for T rows: its default, with TM the bucket of T when T ≤ 8 (same bits
+def tiled_config(dev: Device, qtype: str, T: int) -> tiled.TiledConfig:
+    """tiled.py's tile for T rows: its default, with TM the bucket of T when T ≤ 8 (same bits
     per row: only padding rows go). From 9 rows on the default tile stays (16 rows for quantised
     weights, the bucket anyway; 32 for float ones), so that the embedders' 16-row buckets keep
     sharing their pipelines with the larger ones (no compile on a first larger batch)."""
-    cfg = matmul_tiled.default_config(dev, qtype)
+    cfg = tiled.default_config(dev, qtype)
     if T <= _MAX_BUCKET:
         tm = bucket(T)
         cfg = replace(cfg, tm=tm, kb=min(cfg.kb, _WG_BYTES // (tm * 256)))
     return cfg
 
 
-def matmul(dev: Device, x: Tensor, w: "QWeight", y: Tensor, *, bias: Tensor | None = None,
+def matmul(dev: Device, x: Tensor, w: QWeight, y: Tensor, *, bias: Tensor | None = None,
            accumulate: bool = False, variant: BatchVariant | None = None) -> Op | None:
     """y = x·Wᵀ (+ bias); with `accumulate`, y += x·Wᵀ (+ bias). x (T, K) with T ≤ 16, W (N, K),
     y (T, N): the semantics of matmul.matmul without fused inputs or epilogues. None where the
@@ -118,13 +115,13 @@ def matmul(dev: Device, x: Tensor, w: "QWeight", y: Tensor, *, bias: Tensor | No
     check(v.kind in ("tiled", "rows") and v.rr in (1, 2, 4) and 1 <= v.wg <= 256, "matmul_batch",
           f"unsupported variant {v}")
     if v.kind == "tiled":
-        return matmul_tiled.matmul(dev, x, w, y, bias=bias, accumulate=accumulate,
+        return tiled.matmul(dev, x, w, y, bias=bias, accumulate=accumulate,
                                    config=tiled_config(dev, w.qtype, T), any_t=True)
     return _matmul_rows(dev, x, w, y, bias, accumulate, v)
 
 
 # --------------------------------------------------------------------------- "rows"
-def _source(w: "QWeight", dtype: str, v: BatchVariant, T: int, x_off4: int) -> tuple[str, str]:
+def _source(w: QWeight, dtype: str, v: BatchVariant, T: int, x_off4: int) -> tuple[str, str]:
     """(weight file, header) of the "rows" pipeline: matmul.wgsl + matmul_batch.wgsl + the
     generated entry point, compiled before the weight type's file (codegen.weight_source)."""
     K, rr = w.k, v.rr
@@ -150,39 +147,18 @@ def _source(w: "QWeight", dtype: str, v: BatchVariant, T: int, x_off4: int) -> t
     lines += ["}", ""]
     header = (f"{act_header(dtype)}const WG: u32 = {v.wg}u;\nconst RR: u32 = {rr}u;\n{wmap_header(w)}"
               f"{XREAD[dtype]}{load_shader_source('matmul.wgsl')}" + "\n".join(lines))
-    from .matmul.codegen import weight_source      # the matmul package imports this module
     file, decode = weight_source(w.qtype)
     return file, header + decode
 
 
-def _matmul_rows(dev: Device, x: Tensor, w: "QWeight", y: Tensor, bias, accumulate: bool,
+def _matmul_rows(dev: Device, x: Tensor, w: QWeight, y: Tensor, bias, accumulate: bool,
                  v: BatchVariant) -> Op:
-    T, K = x.shape
-    check(K == w.k, "matmul_batch", f"x has {K} columns, the weight {w.label!r} has {w.k}")
-    check(tuple(y.shape) == (T, w.n), "matmul_batch", f"y is {y.shape}, expected ({T}, {w.n})")
-    check(x.dtype == y.dtype, "matmul_batch", f"x is {x.dtype} but y is {y.dtype}")
-    check(K % 4 == 0, "matmul_batch", f"K={K} must be a multiple of 4")
-    esz = DTYPE_SIZE[x.dtype]
-    xb, x_off = _window(x, 4 * esz, "matmul_batch", "x")
-    yb, y_off = _window(y, esz, "matmul_batch", "y")
-    if bias is not None:
-        check(bias.dtype == "f32" and bias.numel == w.n, "matmul_batch", f"bias must be f32 ({w.n},)")
-        bb, b_off = _window(bias, 4, "matmul_batch", "bias")
-    else:
-        bb, b_off = placeholder(dev), 0
-    file, header = _source(w, x.dtype, v, T, x_off)
+    io = operands(dev, x, w, y, bias, "matmul_batch")
+    file, header = _source(w, x.dtype, v, io.T, io.x_off)
     pipe = dev.pipeline(file, "matmul_batch", header=header)
-    flags = (1 if bias is not None else 0) | (2 if accumulate else 0)
-    op = Op(name=f"matmul_batch[{w.label}]")
-    for buf, (r0, rows) in zip(w.bufs, w.parts):
-        groups = -(-rows // (v.wg * v.rr))
-        check(groups <= _MAX_GROUPS, "matmul_batch", f"{rows} rows need more than 65535 workgroups")
-        # matmul.wgsl's MatmulParams
-        p = params(dev, [K, rows, T, w.row_words, x_off, y_off, w.n, r0, b_off, flags, K // 32, K // 4],
-                   owner=y.buf.owner, label=f"matmul_batch[{w.label}]")
-        op.buffers.append(p)
-        op.add(pipe, dev.bind(pipe, [p, xb, buf, yb, bb]), groups, 1)
-    return op
+    # matmul.wgsl's MatmulParams
+    return dispatch_parts(dev, Op(name=f"matmul_batch[{w.label}]"), pipe, w, y, io, "matmul_batch",
+                          row_groups(v.wg * v.rr, "matmul_batch"), accumulate=accumulate)
 
 
 __all__ = ["MAX_T", "BatchVariant", "TILED", "ROWS", "VARIANTS", "PROFILES", "bucket", "adapter_key",

@@ -1,6 +1,6 @@
 """GPU kernel family of the matmul: coalesced decode (T = 1..8 rows) and a workgroup-tiled GEMM.
 
-Today's kernels (the matmul package, matmul_tiled.py, matmul_batch.py) are shaped by CPU Vulkan: no
+The CPU family's kernels (select.py's own, tiled.py, batch.py) are shaped by CPU Vulkan: no
 barriers, each invocation walking whole weight rows. On a discrete or integrated GPU neighbouring
 invocations should read neighbouring words and a prefill GEMM should reuse tiles from workgroup
 memory. Two kernels, each a variant object with a `key` (what a tuned profile stores):
@@ -17,26 +17,23 @@ memory. Two kernels, each a variant object with a `key` (what a tuned profile st
 
 Both read the weight through the `wchunk` every kernel uses (a float row's
 `shaders/matmul_<dtype>.wgsl`, or `dequant.wgsl`'s decode of the quantised types): every weight type of kernels/qtypes.py, f32/f16/bf16 rows included.
-The matmul package decides when this family runs (`default_config`, its family switch and the tuned profile);
+select.py decides when this family runs (`default_config`, its family switch and the tuned profile);
 `default_variant` is the built-in choice before any measurement. Page code: standard library only.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from ..errors import FeatureSupportError
-from ..gpu import Device
-from ..gpu.shaders import load_shader_source
-from .common import DTYPE_SIZE, Op, Tensor, check, params, placeholder
-from .common import window as _window
-from .qtypes import QTYPE
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .matmul import QWeight
+from ...errors import FeatureSupportError
+from ...gpu import Device
+from ...gpu.shaders import load_shader_source
+from ..common import Op, Tensor, check
+from ..qtypes import QTYPE
+from .codegen import weight_pipeline
+from .dispatch import dispatch_parts, operands
+from .layout import MAX_GROUPS, QWeight
 
 MAX_DECODE_T = 8           # activation rows the decode kernel holds in registers
-_MAX_GROUPS = 65535
 _WG_BYTES = 16384          # workgroup memory every WebGPU device offers
 
 
@@ -98,7 +95,7 @@ def variant(key: str) -> "Decode | Gemm":
     raise ValueError(f"matmul_gpu: unknown variant {key!r}")
 
 
-def default_variant(w: "QWeight", T: int, row_invariant: bool) -> "Decode | Gemm":
+def default_variant(w: QWeight, T: int, row_invariant: bool) -> "Decode | Gemm":
     """Before any measurement: the decode kernel for 1..8 rows that need not be row-invariant,
     with a lane per chunk of a 32-chunk span (fewer lanes for short rows, so that lanes are not
     idle), 2 rows per group; else the 64-wide GEMM."""
@@ -119,8 +116,7 @@ def bucket(T: int) -> int:
     return 1 << (T - 1).bit_length()
 
 
-def _pipeline(dev: Device, w: "QWeight", dtype: str, v: "Decode | Gemm", T: int):
-    from .matmul.codegen import weight_pipeline     # the matmul package imports this module
+def _pipeline(dev: Device, w: QWeight, dtype: str, v: "Decode | Gemm", T: int):
     if isinstance(v, Decode):
         tt = bucket(T)
         consts = f"const LN: u32 = {v.ln}u;\nconst TT: u32 = {tt}u;\n"
@@ -147,7 +143,7 @@ def _check_variant(dev: Device, v, T: int) -> None:
         check(isinstance(v, Gemm) and v.bt in (32, 64), "matmul_gpu", f"unsupported GEMM variant {v}")
 
 
-def matmul(dev: Device, x: Tensor, w: "QWeight", y: Tensor, *, bias: Tensor | None = None,
+def matmul(dev: Device, x: Tensor, w: QWeight, y: Tensor, *, bias: Tensor | None = None,
            accumulate: bool = False, variant: "Decode | Gemm | None" = None,
            row_invariant: bool = False) -> Op:
     """y = x·Wᵀ (+ bias); with `accumulate`, y += x·Wᵀ (+ bias). x (T, K), W (N, K), y (T, N): the
@@ -155,41 +151,26 @@ def matmul(dev: Device, x: Tensor, w: "QWeight", y: Tensor, *, bias: Tensor | No
     `default_variant`) picks the kernel; `row_invariant` asks for a kernel whose rows do not depend
     on T (the GEMM)."""
     check(len(x.shape) == 2 and len(y.shape) == 2, "matmul_gpu", f"x {x.shape} and y {y.shape} must be 2-D")
-    T, K = x.shape
+    T = x.shape[0]
     check(not w.subs and w.qtype in QTYPE, "matmul_gpu", f"{w.label}: one weight type per matmul")
     v = variant or default_variant(w, T, row_invariant)
     check(not row_invariant or isinstance(v, Gemm), "matmul_gpu", "row_invariant needs the GEMM")
     _check_variant(dev, v, T)
-    check(K == w.k, "matmul_gpu", f"x has {K} columns, the weight {w.label!r} has {w.k}")
-    check(tuple(y.shape) == (T, w.n), "matmul_gpu", f"y is {y.shape}, expected ({T}, {w.n})")
-    check(x.dtype == y.dtype, "matmul_gpu", f"x is {x.dtype} but y is {y.dtype}")
-    check(T > 0, "matmul_gpu", "empty input")
-    check(K % 4 == 0, "matmul_gpu", f"K={K} must be a multiple of 4")
-    esz = DTYPE_SIZE[x.dtype]
-    xb, x_off = _window(x, 4 * esz, "matmul_gpu", "x")
-    yb, y_off = _window(y, esz, "matmul_gpu", "y")
-    if bias is not None:
-        check(bias.dtype == "f32" and bias.numel == w.n, "matmul_gpu", f"bias must be f32 ({w.n},)")
-        bb, b_off = _window(bias, 4, "matmul_gpu", "bias")
-    else:
-        bb, b_off = placeholder(dev), 0
+    io = operands(dev, x, w, y, bias, "matmul_gpu")
     pipe = _pipeline(dev, w, x.dtype, v, T)
-    flags = (1 if bias is not None else 0) | (2 if accumulate else 0)
-    op = Op(name=f"matmul_gpu[{w.label}]")
-    for buf, (r0, rows) in zip(w.bufs, w.parts):
-        if isinstance(v, Decode):
+    if isinstance(v, Decode):
+        def grid(rows: int) -> tuple[int, int]:
             groups = -(-rows // (v.rr * (v.wg // v.ln)))
-            gx, gy = min(groups, _MAX_GROUPS), -(-groups // _MAX_GROUPS)
-        else:
+            return min(groups, MAX_GROUPS), -(-groups // MAX_GROUPS)
+    else:
+        def grid(rows: int) -> tuple[int, int]:
             gx, gy = -(-rows // v.bt), -(-T // v.bt)
-            check(gx <= _MAX_GROUPS and gy <= _MAX_GROUPS, "matmul_gpu",
+            check(gx <= MAX_GROUPS and gy <= MAX_GROUPS, "matmul_gpu",
                   f"{rows} rows x {T} activation rows need more than 65535 tiles")
-        # matmul.wgsl's MatmulParams
-        p = params(dev, [K, rows, T, w.row_words, x_off, y_off, w.n, r0, b_off, flags, K // 32, K // 4],
-                   owner=y.buf.owner, label=f"matmul_gpu[{w.label}]")
-        op.buffers.append(p)
-        op.add(pipe, dev.bind(pipe, [p, xb, buf, yb, bb]), gx, gy)
-    return op
+            return gx, gy
+    # matmul.wgsl's MatmulParams
+    return dispatch_parts(dev, Op(name=f"matmul_gpu[{w.label}]"), pipe, w, y, io, "matmul_gpu", grid,
+                          accumulate=accumulate)
 
 
 __all__ = ["MAX_DECODE_T", "Decode", "Gemm", "DECODE_VARIANTS", "GEMM_VARIANTS", "SUBGROUP_DECODE_VARIANTS",
