@@ -133,7 +133,7 @@ async def bench_grammar(path: Path, dtype: str, n_decode: int, rounds: int, sche
             await pipe.prefill_step(msgs, gen)
             c0 = time.process_time()
             while not pipe.stopped:
-                await pipe.decode_step(gen)
+                await pipe.decode_step()
             r = pipe._req
             if _ > 0 and r.decode_tokens:
                 cpu_ms[name] = min(cpu_ms[name], 1e3 * (time.process_time() - c0) / r.decode_tokens)

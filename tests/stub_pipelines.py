@@ -58,6 +58,7 @@ class StubLLM:
         self._out: list[str] = []
         self._sent = 0
         self._interrupt = False
+        self._gen = None                      # the current request's GenerationConfig
         self.token_logprobs: list[dict] = []
         self.logit_processor = None
         self.steps = 0
@@ -90,6 +91,7 @@ class StubLLM:
         else:
             words += WORDS[:self.answer_words]
         self._target, self._out, self._sent = words, [], 0
+        self._gen = gen                          # what the decode steps sample with
         self.token_logprobs = []
         self.stopped, self.finish_reason, self._interrupt = False, None, False
         self._prompt_tokens = len(self.tokenizer.encode(src))
@@ -116,7 +118,7 @@ class StubLLM:
         elif len(self._out) >= len(self._target):
             self.stopped, self.finish_reason = True, "stop"
 
-    async def decode_step(self, gen):
+    async def decode_step(self):
         self.steps += 1
         if StubLLM.lose_device_at_step is not None and self.steps >= StubLLM.lose_device_at_step:
             StubLLM.lose_device_at_step = None
@@ -127,7 +129,7 @@ class StubLLM:
         if self._interrupt:
             self.stopped, self.finish_reason = True, "abort"
             return
-        self._emit(gen)
+        self._emit(self._gen)
 
     def take_delta(self) -> str:
         text = " ".join(self._out)

@@ -27,7 +27,7 @@ async def test_smollm2_golden_greedy_gpu_family(fresh_device, smollm2_gguf, smol
                                top_logprobs=5)
         await pipe.prefill_step(case["messages"], gen)
         while not pipe.stopped:
-            await pipe.decode_step(gen)
+            await pipe.decode_step()
         assert pipe.kv_ids[:len(case["prompt_ids"])] == case["prompt_ids"]
         assert list(pipe.output_ids) == case["greedy_ids_no_eos_stop"][:N_TOKENS], case["messages"]
         top = pipe.token_logprobs[0]["top_logprobs"]

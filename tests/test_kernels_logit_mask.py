@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from webgpu_engine.config import SamplingParams
 from webgpu_engine.kernels.common import Tensor, run_ops
 from webgpu_engine.kernels.logit_mask import MASKED, LogitMask, logit_mask_ref
 from webgpu_engine.kernels.sampling import Sampler
@@ -55,7 +56,7 @@ def test_sampler_picks_only_allowed_tokens(device, cfg):
     t = Tensor(buf, (vocab,), "f32")
     lm, s = LogitMask(device, vocab, owner=OWNER), Sampler(device, vocab, owner=OWNER)
     lm.write(_bits(allowed))
-    s.configure(**cfg)
+    s.configure(SamplingParams(**cfg))
     s.reset_history(range(0, vocab, 2))
     mask_op, sample_op = lm.op(t), s.op(t)
     seen = set()

@@ -5,8 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from webgpu_engine.config import SamplingParams
 from webgpu_engine.kernels.common import Tensor, run_ops
-from webgpu_engine.kernels.sampling import Sampler, uniform_draw
+from webgpu_engine.kernels.sampling import RESULT_BYTES, Sampler, uniform_draw
 
 WG = 256
 
@@ -96,7 +97,7 @@ def test_greedy_and_logprobs_full_vocab(device):
     x = rand_logits(49152)
     x[123] = x[4567] = x.max() + 1.0       # a tie: the lower index wins, like numpy.argmax
     s, t = make(device, x)
-    s.configure(temperature=0.0, logprobs=True, top_logprobs=5)
+    s.configure(SamplingParams(temperature=0.0, logprobs=True, top_logprobs=5))
     s.reset_history()
     run_ops(device, s.op(t))
     r = s.read_sync()
@@ -112,7 +113,7 @@ def test_f16_logits_and_next_ids(device):
     x = rand_logits(5000, seed=3)
     s, t = make(device, x, "f16")
     nxt = Tensor(device.buffer(16, owner="test:sampling"), (4,), "u32")
-    s.configure(temperature=0.0, logprobs=True, top_logprobs=2)
+    s.configure(SamplingParams(temperature=0.0, logprobs=True, top_logprobs=2))
     s.reset_history()
     run_ops(device, s.op(t, nxt))
     r = s.read_sync()
@@ -127,7 +128,7 @@ def test_same_seed_same_tokens(device):
     s, t = make(device, x)
     runs = []
     for seed in (7, 7, 8):
-        s.configure(temperature=1.0, top_p=0.9, seed=seed)
+        s.configure(SamplingParams(temperature=1.0, top_p=0.9, seed=seed))
         s.reset_history()
         runs.append(list(draws(device, s, t, 24)))
     assert runs[0] == runs[1]
@@ -144,7 +145,7 @@ def test_tokens_match_reference_per_draw(device, cfg):
     """Given the shader's u for each step, the GPU picks the reference token (exact cut masks)."""
     x = rand_logits(2000, scale=2.0, seed=2)
     s, t = make(device, x)
-    s.configure(seed=1234, **cfg)
+    s.configure(SamplingParams(seed=1234, **cfg))
     s.reset_history()
     n = 300
     got = draws(device, s, t, n)
@@ -158,7 +159,7 @@ def test_tokens_match_reference_per_draw(device, cfg):
 def test_distribution_chi_square(device):
     x = np.array([2.0, 1.0, 0.5, 0.0, -0.5, -1.0, 1.5, 0.2], np.float32)
     s, t = make(device, x)
-    s.configure(temperature=1.0, seed=99)
+    s.configure(SamplingParams(temperature=1.0, seed=99))
     s.reset_history()
     n = 4000
     got = draws(device, s, t, n)
@@ -168,7 +169,7 @@ def test_distribution_chi_square(device):
     chi2 = float(((obs - n * p) ** 2 / (n * p)).sum())
     assert chi2 < 24.32, (chi2, obs, n * p)          # df 7, p = 0.001
     # top-k 3 / top-p: the empirical distribution is the renormalised kept set
-    s.configure(temperature=1.0, top_k=3, seed=5)
+    s.configure(SamplingParams(temperature=1.0, top_k=3, seed=5))
     got = draws(device, s, t, 3000)
     kept = [0, 6, 1]
     q = p[kept] / p[kept].sum()
@@ -182,7 +183,7 @@ def test_top_p_exact_mask(device):
     pr = np.array([0.4, 0.3, 0.2, 0.1 - 4e-6] + [1e-6] * 4)
     x = np.log(pr).astype(np.float32)
     s, t = make(device, x)
-    s.configure(temperature=1.0, top_p=0.65, seed=3)
+    s.configure(SamplingParams(temperature=1.0, top_p=0.65, seed=3))
     s.reset_history()
     got = draws(device, s, t, 800)
     assert set(got.tolist()) == {0, 1}
@@ -193,7 +194,7 @@ def test_penalties_and_history(device):
     x = np.array([5.0, 4.9, 4.8, -1.0, 0.5], np.float32)
     cfg = dict(temperature=0.0, frequency_penalty=0.15, presence_penalty=0.0, repetition_penalty=1.0)
     s, t = make(device, x)
-    s.configure(**cfg)
+    s.configure(SamplingParams(**cfg))
     s.reset_history()
     got = draws(device, s, t, 6)
     counts = np.zeros(5, np.int64)
@@ -204,13 +205,13 @@ def test_penalties_and_history(device):
         counts[tok] += 1
     assert got.tolist() == want and len(set(want)) > 1
     # repetition penalty on prompt tokens (seen) divides positive logits: 5.0 / 1.1 < 4.9
-    s.configure(temperature=0.0, repetition_penalty=1.1)
+    s.configure(SamplingParams(temperature=0.0, repetition_penalty=1.1))
     s.reset_history([0, 3])
     seen = np.zeros(5, bool)
     seen[[0, 3]] = True
     assert draws(device, s, t, 1)[0] == ref_sample(x, dict(temperature=0, repetition_penalty=1.1), 0, seen=seen) == 1
     # presence penalty: each generated token is penalised once
-    s.configure(temperature=0.0, presence_penalty=1.0)
+    s.configure(SamplingParams(temperature=0.0, presence_penalty=1.0))
     s.reset_history()
     assert draws(device, s, t, 3).tolist() == [0, 1, 2]
 
@@ -219,16 +220,16 @@ def test_logit_bias(device):
     x = rand_logits(1000, seed=4)
     top = int(np.argmax(x))
     s, t = make(device, x)
-    s.configure(temperature=0.0, logit_bias={top: -100.0, 17: 3.0})
+    s.configure(SamplingParams(temperature=0.0, logit_bias={top: -100.0, 17: 3.0}))
     s.reset_history()
     want = ref_sample(x, dict(temperature=0, logit_bias={top: -100.0, 17: 3.0}), 0)
     assert draws(device, s, t, 1)[0] == want != top
-    s.configure(temperature=0.0, logit_bias={5: 100.0})
+    s.configure(SamplingParams(temperature=0.0, logit_bias={5: 100.0}))
     assert draws(device, s, t, 1)[0] == 5
-    s.configure(temperature=0.0)          # bias cleared
+    s.configure(SamplingParams(temperature=0.0))    # bias cleared
     assert draws(device, s, t, 1)[0] == top
     # sampled, a huge bias concentrates everything on its token
-    s.configure(temperature=1.0, top_p=0.9, logit_bias={42: 50.0}, seed=1)
+    s.configure(SamplingParams(temperature=1.0, top_p=0.9, logit_bias={42: 50.0}, seed=1))
     assert set(draws(device, s, t, 20).tolist()) == {42}
 
 
@@ -244,7 +245,7 @@ def test_greedy_without_logprobs_barrier_free_path(device, v):
     s, t = make(device, x)
     nxt = Tensor(device.buffer(16, owner="test:sampling"), (4,), "u32")
     op = s.op(t, nxt)
-    s.configure(temperature=0.0)
+    s.configure(SamplingParams(temperature=0.0))
     s.reset_history()
     assert s.greedy_fast and len(op.greedy.dispatches) == 2
     run_ops(device, op)
@@ -252,7 +253,7 @@ def test_greedy_without_logprobs_barrier_free_path(device, v):
     if v > 8:
         # bias and repetition penalty on the winner move the argmax (a second step: counter 1)
         cfg = dict(temperature=0.0, repetition_penalty=1.5, logit_bias={top: -5.0, 3: 1.0})
-        s.configure(**cfg)
+        s.configure(SamplingParams(**cfg))
         s.reset_history([top, 5])
         run_ops(device, op)
         seen = np.zeros(v, bool)
@@ -264,7 +265,7 @@ def test_greedy_without_logprobs_barrier_free_path(device, v):
         assert hist[want] == 0x80000001        # seen bit | one generation
         io = np.frombuffer(device.read_sync(s.io), np.uint32)
         assert io[3] == 0 and io[18] == 1      # the RNG counter advances as in the full kernel
-        s.configure(temperature=0.0, logprobs=True, top_logprobs=1)
+        s.configure(SamplingParams(temperature=0.0, logprobs=True, top_logprobs=1))
         run_ops(device, op)
         r = s.read_sync()
         assert r.top and r.top[0][0] == int(np.argmax(x))
@@ -276,7 +277,7 @@ def test_sampled_with_logprobs(device):
     x = rand_logits(3000, scale=2.0, seed=6)
     cfg = dict(temperature=0.6, top_p=0.9)
     s, t = make(device, x)
-    s.configure(seed=42, logprobs=True, top_logprobs=3, **cfg)
+    s.configure(SamplingParams(seed=42, logprobs=True, top_logprobs=3, **cfg))
     s.reset_history()
     lp = log_softmax(x)
     ref_top = np.lexsort((np.arange(x.size), -lp))[:3]
@@ -296,18 +297,51 @@ def test_candidate_overflow_fallbacks(device):
     first bucket overflows and the whole distribution is sampled (the strided inverse CDF)."""
     x = rand_logits(49152, scale=3.0, seed=8)
     s, t = make(device, x)
-    s.configure(temperature=1.0, top_k=2000, seed=3)
+    s.configure(SamplingParams(temperature=1.0, top_k=2000, seed=3))
     s.reset_history()
     got = draws(device, s, t, 40)
     top1024 = set(np.argsort(-x.astype(np.float64), kind="stable")[:1024].tolist())
     assert set(got.tolist()) <= top1024
     flat = rand_logits(49152, scale=0.01, seed=9)
     s2, t2 = make(device, flat)
-    s2.configure(temperature=1.0, top_p=0.5, seed=11)
+    s2.configure(SamplingParams(temperature=1.0, top_p=0.5, seed=11))
     s2.reset_history()
     got = draws(device, s2, t2, 30)
     want = [ref_sample(flat, dict(temperature=1.0), uniform_draw(11, i)) for i in range(30)]
     assert np.mean(got == np.array(want)) >= 0.95
+
+
+def test_sampling_params_of_a_generation_config():
+    """GenerationConfig.sampling(): the sampler's fields as they are (logit_bias ids included),
+    top_logprobs only with logprobs."""
+    from dataclasses import fields, replace
+
+    from webgpu_engine.config import GenerationConfig
+    assert {f.name for f in fields(SamplingParams)} <= {f.name for f in fields(GenerationConfig)}
+    gen = GenerationConfig(temperature=0.5, top_p=0.8, top_k=4, repetition_penalty=1.2, frequency_penalty=0.1,
+                           presence_penalty=-0.3, logit_bias={7: -2.0}, top_logprobs=3, seed=9, max_tokens=5)
+    assert gen.sampling() == SamplingParams(temperature=0.5, top_p=0.8, top_k=4, repetition_penalty=1.2,
+                                            frequency_penalty=0.1, presence_penalty=-0.3,
+                                            logit_bias={7: -2.0}, seed=9)
+    assert replace(gen, logprobs=True).sampling().top_logprobs == 3
+
+
+@pytest.mark.parametrize("logprobs", [False, True])
+def test_copied_result_parses_as_read(device, logprobs):
+    """copy_result puts RESULT_BYTES of the step's result at an offset; result() of that slice is
+    what read() gives (the batch scheduler reads its samplers' results this way)."""
+    x = rand_logits(3000, seed=12)
+    s, t = make(device, x)
+    s.configure(SamplingParams(temperature=0.7, seed=5, logprobs=logprobs, top_logprobs=3 if logprobs else 0))
+    s.reset_history()
+    dst = device.buffer(3 * RESULT_BYTES, owner="test:sampling", label="results")
+    b = device.batch()
+    s.op(t).record(b)
+    s.copy_result(b, dst, 2 * RESULT_BYTES)
+    device.submit(b)
+    raw = device.read_sync(dst)
+    r = s.result(raw[2 * RESULT_BYTES:])
+    assert r == s.read_sync() and len(r.top) == (3 if logprobs else 0)
 
 
 def _rss_mib() -> float:
@@ -321,7 +355,8 @@ def test_sampling_steps_keep_host_memory_flat(device):
     0.65 MiB per dispatch of the former one-workgroup kernel (~200 MiB here); see bench/dispatch_leak.py."""
     x = rand_logits(32000, seed=10)
     s, t = make(device, x)
-    s.configure(temperature=0.8, top_p=0.9, repetition_penalty=1.1, logprobs=True, top_logprobs=2, seed=1)
+    s.configure(SamplingParams(temperature=0.8, top_p=0.9, repetition_penalty=1.1, logprobs=True,
+                               top_logprobs=2, seed=1))
     s.reset_history([1, 2, 3])
     draws(device, s, t, 20)
     before = _rss_mib()

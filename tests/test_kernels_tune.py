@@ -62,7 +62,7 @@ async def test_tuned_profile_runs_the_model(device, tiny, monkeypatch):
         try:
             await pipe.prefill_step(msgs, gen)
             while not pipe.stopped:
-                await pipe.decode_step(gen)
+                await pipe.decode_step()
             return list(pipe.output_ids), tune.model_weights(pipe.model)
         finally:
             pipe.dispose()

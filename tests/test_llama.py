@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from ref_llama import RefLlama, weights_from_infos
-from webgpu_engine.config import ChatConfig, GenerationConfig
+from webgpu_engine.config import ChatConfig, GenerationConfig, SamplingParams
 from webgpu_engine.errors import ContextWindowTooLargeError, GPUOutOfMemoryError
 from webgpu_engine.kernels.sampling import Sampler
 from webgpu_engine.models.llama import LlamaModel
@@ -22,7 +22,7 @@ async def _greedy_run(pipe, messages, n):
     pipe.reset_chat()
     await pipe.prefill_step(messages, gen)
     while not pipe.stopped:
-        await pipe.decode_step(gen)
+        await pipe.decode_step()
     return list(pipe.output_ids), pipe.token_logprobs[0]["top_logprobs"]
 
 
@@ -141,7 +141,7 @@ async def test_pipeline_loads_hf_folder_and_matches_numpy_greedy(device, tmp_pat
         gen = GenerationConfig(temperature=0.0, max_tokens=6, ignore_eos=True)
         await pipe.prefill_step([{"role": "user", "content": "Hello world!"}], gen)
         while not pipe.stopped:
-            await pipe.decode_step(gen)
+            await pipe.decode_step()
         prompt = pipe.kv_ids[:pipe.usage()["prompt_tokens"]]
         assert pipe.output_ids == greedy(info["config"], info["weights"], prompt, 6)
     finally:
@@ -172,7 +172,7 @@ def test_sampler_on_model_logits_keeps_next_id(device, smollm2_gguf):
     try:
         s = Sampler(device, cfg.vocab_size, owner="test:llama-ids")
         op = s.op(m.logits.view((cfg.vocab_size,)), m.ids)
-        s.configure(temperature=0.0)
+        s.configure(SamplingParams(temperature=0.0))
         s.reset_history()
         b = device.batch()
         m.record_prefill(b, [1, 4093, 198, 6004], 0)

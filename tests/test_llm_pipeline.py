@@ -84,7 +84,7 @@ async def _generate(p, gen, messages=Q, prompt=None):
     await p.prefill_step(messages, gen, prompt=prompt)
     text = p.take_delta()
     while not p.stopped:
-        await p.decode_step(gen)
+        await p.decode_step()
         text += p.take_delta()
     return text + p.take_delta()
 
@@ -136,7 +136,7 @@ async def test_kv_reuse_when_conversation_extends(pipe):
     reused = u["prompt_tokens"] - pipe._req.prefill_tokens
     assert reused >= 37 + 5                     # the first prompt and the answer were not recomputed
     while not pipe.stopped:
-        await pipe.decode_step(gen)
+        await pipe.decode_step()
     reused_answer = pipe.get_message()
     pipe.reset_chat()                           # same conversation from scratch: same tokens
     await _generate(pipe, gen, messages=conv)
@@ -167,9 +167,9 @@ async def test_interrupt_raw_prompt_and_forward_tokens(pipe):
     pipe.reset_chat()
     gen = GenerationConfig(temperature=0.0, max_tokens=30, ignore_eos=True)
     await pipe.prefill_step(None, gen, prompt="The capital of France is")
-    await pipe.decode_step(gen)
+    await pipe.decode_step()
     pipe.interrupt()
-    await pipe.decode_step(gen)
+    await pipe.decode_step()
     assert pipe.stopped and pipe.finish_reason == "abort" and len(pipe.output_ids) == 2
     # the low-level path gives the same first token as a raw-prompt prefill
     out = list(pipe.output_ids)

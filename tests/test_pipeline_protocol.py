@@ -63,7 +63,7 @@ class _NoInterrupt(StubLLM):
 
 
 class _SyncDecode(StubLLM):
-    def decode_step(self, gen):                   # the engine awaits it
+    def decode_step(self):                        # the engine awaits it
         return None
 
 

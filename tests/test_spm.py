@@ -77,7 +77,7 @@ async def test_pipeline_chats_with_spm_gguf(device, tmp_path):
         gen = GenerationConfig(temperature=0.0, max_tokens=6, ignore_eos=True)
         await pipe.prefill_step([{"role": "user", "content": "Grüße aus Köln"}], gen)
         while not pipe.stopped:
-            await pipe.decode_step(gen)
+            await pipe.decode_step()
         prompt = pipe.kv_ids[:pipe.usage()["prompt_tokens"]]
         assert prompt == [1] + pipe.tokenizer.encode("[INST] Grüße aus Köln [/INST]")
         assert pipe.output_ids == greedy(info["config"], info["weights"], prompt, 6)

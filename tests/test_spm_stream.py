@@ -71,7 +71,7 @@ async def test_a_chat_reply_streams_its_decoded_text(device, tmp_path):
             await pipe.prefill_step([{"role": "user", "content": "Grüße aus Köln"}], gen)
             deltas = [pipe.take_delta()]
             while not pipe.stopped:
-                await pipe.decode_step(gen)
+                await pipe.decode_step()
                 deltas.append(pipe.take_delta())
             ids = pipe.output_ids
             assert "".join(deltas) == pipe.get_message() == pipe.tokenizer.decode(ids), ids

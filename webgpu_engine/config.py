@@ -1,7 +1,8 @@
 """Configuration types shared by pipelines and the engine (plain dataclasses: they run in Pyodide too).
 
 `ModelRecord` says what to load, `ChatConfig` how to run it (per load), `GenerationConfig` how to
-sample one request — the same split as WebLLM's config.ts.
+sample one request — the same split as WebLLM's config.ts. `SamplingParams` is the part of a
+GenerationConfig the GPU sampler (kernels/sampling.py) takes, built once per request.
 """
 from __future__ import annotations
 
@@ -9,10 +10,35 @@ import functools
 import math
 import types
 import typing
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from .errors import ChatOptionTypeError, UnknownChatOptionError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """One request's settings of the GPU sampler (kernels/sampling.py `Sampler.configure`), built
+    once from a validated GenerationConfig (`GenerationConfig.sampling()`). Field names are the
+    GenerationConfig's (and, but for top_k, the OpenAI request's). temperature 0 means greedy."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0                     # 0: off
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)   # token id -> added logit
+    logprobs: bool = False
+    top_logprobs: int = 0              # best alternatives reported per token (sampling(): 0 without logprobs)
+    seed: int | None = None            # None: a random stream
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+GREEDY = SamplingParams(temperature=0.0)
 
 
 @dataclass
@@ -45,6 +71,13 @@ class GenerationConfig:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def sampling(self) -> SamplingParams:
+        """The sampler's part of this config (top_logprobs only with logprobs)."""
+        params = {f.name: getattr(self, f.name) for f in fields(SamplingParams)}
+        if not self.logprobs:
+            params["top_logprobs"] = 0
+        return SamplingParams(**params)
 
 
 @dataclass

@@ -11,9 +11,10 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from dataclasses import fields
 from typing import Any, AsyncIterator
 
-from ..config import GenerationConfig
+from ..config import GenerationConfig, SamplingParams
 from ..protocol.errors import RangeError
 from ..protocol.objects import to_object
 from ..protocol.rules import check_chat_request, check_completion_request, check_embedding_request
@@ -41,11 +42,11 @@ def _gen_config(lm, req: dict) -> GenerationConfig:
     def pick(name):
         v = req.get(name)
         return getattr(cc, name) if v is None else v
-    bias = {}
+    bias = {}                              # token id -> bias: what the sampler takes as it is
     lb = req.get("logit_bias") or {}
     if lb:
         vocab = lm.pipeline.vocab_size     # the ids the sampler may give (a padded vocabulary is cut)
-        for k, v in lb.items():
+        for k, v in lb.items():            # keys: digit strings (protocol.rules.check_sampling)
             tid = int(k)
             if tid >= vocab:
                 raise RangeError("logit_bias", 0, vocab - 1, tid,
@@ -66,11 +67,11 @@ def _gen_config(lm, req: dict) -> GenerationConfig:
 # WebLLM's `extra_body` (ChatCompletionRequest.extra_body) and fields the OpenAI client sends from
 # its `extra_body` at the top level of the JSON body
 EXTRA_FIELDS = {"enable_thinking": "chat", "enable_latency_breakdown": "any"}
-# request fields that may also come inside extra_body (the OpenAI client merges them the same way)
-_SAMPLING_FIELDS = {"temperature", "top_p", "max_tokens", "max_completion_tokens", "stop", "n",
-                    "frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias",
-                    "logprobs", "top_logprobs", "seed", "ignore_eos", "stream", "stream_options",
-                    "response_format", "tools", "tool_choice", "user", "echo", "suffix", "model"}
+# request fields that may also come inside extra_body (the OpenAI client merges them the same way):
+# the sampler's (config.SamplingParams; top_k is no request field) and the others
+_SAMPLING_FIELDS = {f.name for f in fields(SamplingParams) if f.name != "top_k"} | {
+    "max_tokens", "max_completion_tokens", "stop", "n", "ignore_eos", "stream", "stream_options",
+    "response_format", "tools", "tool_choice", "user", "echo", "suffix", "model"}
 
 
 def _extra_body(req: dict, chat: bool) -> dict:
@@ -135,7 +136,7 @@ async def _steps(engine, lm, seq, gen: GenerationConfig, messages=None, prompt=N
                 break
             engine.check_loaded(lm, "decode")
             engine.check_deadline(deadline, "decode")
-            await engine.guard(seq.decode_step(gen), lm, "decode")
+            await engine.guard(seq.decode_step(), lm, "decode")
             await asyncio.sleep(0)
         tail = seq.take_delta()   # held-back text (a partial stop string that was not one)
         if tail:

@@ -5,7 +5,7 @@ Usage (one `Sampler` per loaded model; buffers belong to the model's owner):
 
     s = Sampler(dev, vocab_size, owner="model:X")
     op = s.op(logits, next_ids)            # prebuilt once: logits (V,) f32|f16, next_ids (>=1,) u32
-    s.configure(temperature=0.7, top_p=0.95, seed=1, ...)   # once per request (uniform write)
+    s.configure(gen.sampling())            # once per request (uniform write): a config.SamplingParams
     s.reset_history(prompt_ids)            # once per request: counts := 0, seen := prompt tokens
     op.record(batch); dev.submit(batch)    # every step, after the LM head
     res = await s.read(with_logprobs)      # SampleResult(token, logprob, top)
@@ -22,6 +22,7 @@ import struct
 from array import array
 from dataclasses import dataclass, field
 
+from ..config import GREEDY, SamplingParams
 from ..gpu import UNIFORM, Device
 from ..protocol.rules import MAX_TOP_LOGPROBS
 from .common import Op, Tensor, act_header, check
@@ -33,6 +34,11 @@ NS = 256                   # NS in the shader: vocabulary slices of the sampling
 WORK_WORDS = 8464          # WORK in the shader: state carried between the sampling passes
 COUNT_WORDS = 512 + 1      # NB + 1 in the shader: the cut histogram, then the candidate count
 SEEN = 0x80000000          # SEEN in the shader: the top bit of a token's history word
+# The io words (binding 5 in the shader): [0, 14) the step's result (0 token, 1 its logprob, 2 top
+# count, 3 the step's RNG counter, 4..8 top ids, 9..13 top logprobs), read back by read() or copied
+# out by copy_result(); 16, 17 the seed (lo, hi), 18 the RNG counter.
+RESULT_BYTES = 14 * 4
+SEED_WORD = 16
 
 
 class _SampleOp(Op):
@@ -93,42 +99,41 @@ class Sampler:
         self.n_top = 0
         self.greedy_fast = True     # greedy without logprobs: the two-pass argmax
         self.needs_cut = False      # sampled with top-k or top-p: the candidate passes too
-        self.configure(temperature=0.0)
+        self.configure(GREEDY)
 
     # ------------------------------------------------------------------ per request
-    def configure(self, *, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
-                  repetition_penalty: float = 1.0, frequency_penalty: float = 0.0,
-                  presence_penalty: float = 0.0, logit_bias: dict | None = None,
-                  logprobs: bool = False, top_logprobs: int = 0, seed: int | None = None) -> None:
+    def configure(self, params: SamplingParams) -> None:
         """Write the request's settings (one small uniform write; dense bias only when it changes)
-        and restart the RNG stream at (seed, 0). temperature 0 means greedy."""
-        check(temperature >= 0.0, "sampling", f"temperature must be >= 0, got {temperature}")
-        check(0.0 < top_p <= 1.0 or temperature == 0.0, "sampling", f"top_p must be in (0, 1], got {top_p}")
-        check(top_k >= 0, "sampling", f"top_k must be >= 0, got {top_k}")
-        check(repetition_penalty > 0.0, "sampling", "repetition_penalty must be > 0")
-        check(0 <= top_logprobs <= MAX_TOP_LOGPROBS, "sampling",
-              f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs}")
-        greedy = temperature == 0.0
-        use_pen = repetition_penalty != 1.0 or frequency_penalty != 0.0 or presence_penalty != 0.0
-        bias = {int(k): float(v) for k, v in (logit_bias or {}).items()}
-        for k in bias:
+        and restart the RNG stream at (params.seed, 0). The request was validated before `params`
+        was built (protocol/rules.py, engine/requests.py): the checks here are the sampler's contract."""
+        p = params
+        check(p.temperature >= 0.0, "sampling", f"temperature must be >= 0, got {p.temperature}")
+        check(0.0 < p.top_p <= 1.0 or p.temperature == 0.0, "sampling", f"top_p must be in (0, 1], got {p.top_p}")
+        check(p.top_k >= 0, "sampling", f"top_k must be >= 0, got {p.top_k}")
+        check(p.repetition_penalty > 0.0, "sampling", "repetition_penalty must be > 0")
+        check(0 <= p.top_logprobs <= MAX_TOP_LOGPROBS, "sampling",
+              f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {p.top_logprobs}")
+        for k in p.logit_bias:
             check(0 <= k < self.vocab, "sampling", f"logit_bias token {k} outside the vocabulary")
-        self.want_logprobs = bool(logprobs or top_logprobs)
-        self.n_top = int(top_logprobs) if self.want_logprobs else 0
+        greedy = p.greedy
+        use_pen = p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+        self.want_logprobs = bool(p.logprobs or p.top_logprobs)
+        self.n_top = int(p.top_logprobs) if self.want_logprobs else 0
         self.greedy_fast = greedy and not self.want_logprobs
-        self.needs_cut = not greedy and (int(top_k) > 0 or float(top_p) < 1.0)
+        self.needs_cut = not greedy and (int(p.top_k) > 0 or float(p.top_p) < 1.0)
         raw = struct.pack("<4I5f3I", self.vocab, 0 if greedy else 1,
-                          0 if greedy else int(top_k), self.n_top,
-                          0.0 if greedy else 1.0 / temperature, 1.0 if greedy else float(top_p),
-                          float(repetition_penalty), float(frequency_penalty), float(presence_penalty),
-                          int(self.want_logprobs), int(use_pen), int(bool(bias)))
+                          0 if greedy else int(p.top_k), self.n_top,
+                          0.0 if greedy else 1.0 / p.temperature, 1.0 if greedy else float(p.top_p),
+                          float(p.repetition_penalty), float(p.frequency_penalty), float(p.presence_penalty),
+                          int(self.want_logprobs), int(use_pen), int(bool(p.logit_bias)))
         self.dev.write(self.params, raw + b"\0" * (64 - len(raw)))
-        self._write_bias(bias)
+        self._write_bias(p.logit_bias)
+        seed = p.seed
         if seed is None:
             seed = random.getrandbits(64)
         seed = int(seed) & 0xFFFFFFFFFFFFFFFF
         self.seed = seed
-        self.dev.write(self.io, struct.pack("<3I", seed & 0xFFFFFFFF, seed >> 32, 0), offset=16 * 4)
+        self.dev.write(self.io, struct.pack("<3I", seed & 0xFFFFFFFF, seed >> 32, 0), offset=SEED_WORD * 4)
 
     def _write_bias(self, bias: dict) -> None:
         # Sparse updates of the dense bias row: clear the previous request's entries, set the new.
@@ -188,20 +193,29 @@ class Sampler:
         return _SampleOp(self, full, uncut, greedy)
 
     async def read(self, with_logprobs: bool | None = None) -> SampleResult:
-        """Read the last step's result: 4 bytes, or 56 with logprobs."""
-        lp = self.want_logprobs if with_logprobs is None else with_logprobs
-        if not lp:
-            (tok,) = struct.unpack("<I", await self.dev.read(self.io, 0, 4))
-            return SampleResult(tok)
-        return self._parse(await self.dev.read(self.io, 0, 14 * 4))
+        """Read the last step's result: 4 bytes, or RESULT_BYTES with logprobs."""
+        n = self._result_size(with_logprobs)
+        return self.result(await self.dev.read(self.io, 0, n), n > 4)
 
     def read_sync(self, with_logprobs: bool | None = None) -> SampleResult:
+        n = self._result_size(with_logprobs)
+        return self.result(self.dev.read_sync(self.io, 0, n), n > 4)
+
+    def _result_size(self, with_logprobs: bool | None) -> int:
+        lp = self.want_logprobs if with_logprobs is None else with_logprobs
+        return RESULT_BYTES if lp else 4
+
+    def copy_result(self, batch, dst, offset: int) -> None:
+        """Record a copy of the last step's result (RESULT_BYTES) into `dst` at byte `offset` (a
+        multiple of 4), for `result()` of that slice after a readback of `dst`."""
+        batch.copy(self.io, dst, RESULT_BYTES, 0, offset)
+
+    def result(self, raw: bytes, with_logprobs: bool | None = None) -> SampleResult:
+        """The SampleResult in `raw`: the start of a copy of the io words (RESULT_BYTES of them with
+        logprobs, else the token's 4). with_logprobs: None as the current request asks."""
         lp = self.want_logprobs if with_logprobs is None else with_logprobs
         if not lp:
-            return SampleResult(struct.unpack("<I", self.dev.read_sync(self.io, 0, 4))[0])
-        return self._parse(self.dev.read_sync(self.io, 0, 14 * 4))
-
-    def _parse(self, raw: bytes) -> SampleResult:
+            return SampleResult(struct.unpack("<I", raw[:4])[0])
         w = struct.unpack("<4I", raw[:16])
         (lp,) = struct.unpack("<f", raw[4:8])
         ids = struct.unpack("<5I", raw[16:36])

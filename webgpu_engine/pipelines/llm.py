@@ -16,7 +16,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from ..config import ChatConfig, GenerationConfig
+from ..config import GREEDY, ChatConfig, GenerationConfig
 from ..errors import ContextWindowTooLargeError, InvalidRequestError, ModelFormatError
 from ..gpu import Device
 from ..kernels import matmul as mm, tune
@@ -168,7 +168,7 @@ class LLMChatPipeline:
                 keys |= k
             skeys = pipeline_keys(samplers)
             if not skeys <= warmed:
-                self.sampler.configure(temperature=0.0)
+                self.sampler.configure(GREEDY)
                 for op in samplers:
                     op.record(batch)
             return keys | skeys
@@ -288,8 +288,8 @@ class LLMChatPipeline:
             raise InvalidRequestError("The prompt is empty.", param="prompt")
         return ids
 
-    async def decode_step(self, gen: GenerationConfig | None = None) -> None:
-        """Feed the last sampled token and sample the next one."""
+    async def decode_step(self) -> None:
+        """Feed the last sampled token and sample the next one (as prefill_step's config asked)."""
         if self.seq.stopped:
             return
         if self.seq.interrupted:

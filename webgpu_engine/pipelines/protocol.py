@@ -70,10 +70,11 @@ _PARTS = {p.__name__: p for p in (ChatTokenizerProtocol, EmbeddingTokenizerProto
 
 
 class GenerationProtocol(Protocol):
-    """One choice being generated: prefill_step, then decode_step until `stopped`; the engine reads
-    the text, logprobs and usage between steps and calls close() when it is done with it (finished,
-    failed or its caller gone). LLMChatPipeline is one (one request at a time); with continuous
-    batching `sequence()` gives a scheduler's sequence (pipelines/scheduler.py: BatchSequence)."""
+    """One choice being generated: prefill_step, then decode_step until `stopped` (each step samples
+    as prefill_step's GenerationConfig asked); the engine reads the text, logprobs and usage between
+    steps and calls close() when it is done with it (finished, failed or its caller gone).
+    LLMChatPipeline is one (one request at a time); with continuous batching `sequence()` gives a
+    scheduler's sequence (pipelines/scheduler.py: BatchSequence)."""
 
     stopped: bool                   # the answer is finished
     finish_reason: str | None       # "stop" | "length" | "abort" | None
@@ -82,7 +83,7 @@ class GenerationProtocol(Protocol):
     async def prefill_step(self, messages: list[dict] | None, gen: GenerationConfig, /, *,
                            prompt: str | None = None) -> None: ...
 
-    async def decode_step(self, gen: GenerationConfig, /) -> None: ...
+    async def decode_step(self) -> None: ...
 
     def take_delta(self) -> str: ...
 

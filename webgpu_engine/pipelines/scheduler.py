@@ -26,20 +26,18 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import struct
 
 from ..config import GenerationConfig
 from ..kernels import nn
 from ..kernels.common import DTYPE_SIZE, new_tensor
 from ..kernels.logit_mask import LogitMask
-from ..kernels.sampling import Sampler
+from ..kernels.sampling import RESULT_BYTES, Sampler
 from ..models.kv_pool import KVPool, PoolExhaustedError
 from ..models.paged import PagedForward
 from .llm import _THREADS
 from .sequence import configure_sampler, process_logits
 from .stats import RequestStats, now
 
-_RESULT = 64                     # bytes per slot in the results buffer (the sampler's io words 0..13)
 _ids = itertools.count()
 
 
@@ -97,7 +95,7 @@ class BatchSequence:
         self._rec = self._sched.add(self, ids, gen)
         await self._wait()
 
-    async def decode_step(self, gen: GenerationConfig | None = None) -> None:
+    async def decode_step(self) -> None:
         if self.seq is None or self.seq.stopped:
             return
         await self._wait()
@@ -146,7 +144,8 @@ class Scheduler:
         self.pool = KVPool(n_blocks, bs)
         vocab = pipe.vocab_size
         self.slots = [_Slot(dev, vocab, m.dtype, owner, i) for i in range(self.max_seqs)]
-        self.results = dev.buffer(self.max_seqs * _RESULT, owner=owner, label="scheduler.results")
+        # each slot's sampler copies its step's result here (RESULT_BYTES at slot * RESULT_BYTES)
+        self.results = dev.buffer(self.max_seqs * RESULT_BYTES, owner=owner, label="scheduler.results")
         self._row_bytes = m.cfg.vocab_size * DTYPE_SIZE[m.dtype]
         self._copy_bytes = vocab * DTYPE_SIZE[m.dtype]
         self._copy_ops: dict = {}
@@ -326,9 +325,9 @@ class Scheduler:
                     slot.mask.write(await bits if _THREADS else bits)
                     slot.mask_op.record(batch)
                 slot.op.record(batch)
-                batch.copy(slot.sampler.io, self.results, 14 * 4, 0, rec.slot * _RESULT)
+                slot.sampler.copy_result(batch, self.results, rec.slot * RESULT_BYTES)
             dev.submit(batch)
-            raw = await dev.read(self.results, 0, self.max_seqs * _RESULT)
+            raw = await dev.read(self.results, 0, self.max_seqs * RESULT_BYTES)
         else:
             await dev.sync()
         dt = now() - t0
@@ -346,16 +345,12 @@ class Scheduler:
         for rec, _ in sampled:
             if rec.cancelled or not rec.in_pool:
                 continue
-            self._accept(rec, raw[rec.slot * _RESULT:(rec.slot + 1) * _RESULT], dt, rec in decode)
+            self._accept(rec, raw[rec.slot * RESULT_BYTES:(rec.slot + 1) * RESULT_BYTES], dt, rec in decode)
 
     def _accept(self, rec: _Seq, raw: bytes, dt: float, decoded: bool) -> None:
         seq, req = rec.seq, rec.seq.req
-        slot = self.slots[rec.slot]
-        if slot.sampler.want_logprobs:
-            res = slot.sampler._parse(raw[:56])
-            tok, lp, top = res.token, res.logprob, res.top
-        else:
-            tok, lp, top = struct.unpack("<I", raw[:4])[0], 0.0, []
+        res = self.slots[rec.slot].sampler.result(raw)
+        tok, lp, top = res.token, res.logprob, res.top
         if decoded:
             req.decode_s += dt
             req.decode_tokens += 1

@@ -16,11 +16,7 @@ from .stats import CumulativeStats, RequestStats, now
 def configure_sampler(sampler, gen: GenerationConfig, seen_ids) -> None:
     """A GPU sampler (kernels/sampling.py) set for one request: its sampling settings, seed, and
     the prompt as the penalties' history."""
-    sampler.configure(
-        temperature=gen.temperature, top_p=gen.top_p, top_k=gen.top_k,
-        repetition_penalty=gen.repetition_penalty, frequency_penalty=gen.frequency_penalty,
-        presence_penalty=gen.presence_penalty, logit_bias=gen.logit_bias,
-        logprobs=gen.logprobs, top_logprobs=gen.top_logprobs if gen.logprobs else 0, seed=gen.seed)
+    sampler.configure(gen.sampling())
     sampler.reset_history(seen_ids)
 
 
