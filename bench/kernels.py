@@ -45,10 +45,7 @@ from webgpu_engine.gpu import request_device_sync  # noqa: E402
 from webgpu_engine.kernels import quant_ref as qr  # noqa: E402
 from webgpu_engine.kernels.common import DTYPE_SIZE, Op, Tensor, new_tensor, params  # noqa: E402
 from webgpu_engine.kernels import matmul as mm, profiles  # noqa: E402
-try:                  # the batch and GPU-family kernels' modules inside the matmul package
-    from webgpu_engine.kernels.matmul import batch as mb, gpu as mg  # noqa: E402
-except ImportError:   # where they are still kernels/matmul_batch.py and kernels/matmul_gpu.py
-    from webgpu_engine.kernels import matmul_batch as mb, matmul_gpu as mg  # noqa: E402
+from webgpu_engine.kernels.matmul import batch as mb, gpu as mg  # noqa: E402
 from webgpu_engine.kernels.tune import _base_op  # noqa: E402
 from webgpu_engine.kernels.matmul import MatmulConfig, matmul, upload_weight  # noqa: E402
 from webgpu_engine.kernels.matmul.layout import grid as _grid  # noqa: E402

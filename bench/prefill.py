@@ -30,10 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("XDG_RUNTIME_DIR", "/tmp")
 
 from webgpu_engine.gpu import request_device_sync  # noqa: E402
-try:                  # the tiled kernel's module inside the matmul package
-    from webgpu_engine.kernels.matmul import tiled as mt  # noqa: E402
-except ImportError:   # where it is still kernels/matmul_tiled.py
-    from webgpu_engine.kernels import matmul_tiled as mt  # noqa: E402
+from webgpu_engine.kernels.matmul import tiled as mt  # noqa: E402
 from webgpu_engine.kernels import quant_ref as qr  # noqa: E402
 from webgpu_engine.kernels.common import Op, Tensor, new_tensor  # noqa: E402
 from webgpu_engine.kernels.matmul import MatmulConfig, matmul, upload_weight  # noqa: E402

@@ -1,5 +1,5 @@
 """The golden SmolLM2 greedy tokens and MiniLM vectors with the GPU kernel family forced
-(WEBGPU_ENGINE_KERNELS=gpu): coalesced decode and tiled GEMM (kernels/matmul_gpu.py) in place of the
+(WEBGPU_ENGINE_KERNELS=gpu): coalesced decode and tiled GEMM (kernels/matmul/gpu.py) in place of the
 CPU-shaped kernels, on the real adapter. A short run (one prompt, 8 tokens) keeps the test small on
 a CPU adapter, where these kernels are slow; test_llama.py and test_embedding_pipeline.py check the
 full goldens with the default family."""

@@ -1,4 +1,4 @@
-"""The GPU kernel family (kernels/matmul_gpu.py: coalesced decode, tiled GEMM) on the real adapter
+"""The GPU kernel family (kernels/matmul/gpu.py: coalesced decode, tiled GEMM) on the real adapter
 against float64 numpy, the GEMM's row invariance, and the family switch of kernels/matmul/
 (WEBGPU_ENGINE_KERNELS, the built-in default per adapter type, tuned profiles).
 

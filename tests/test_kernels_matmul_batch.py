@@ -1,4 +1,4 @@
-"""The batched decode matmul (kernels/matmul_batch.py) on the real adapter against float64 numpy,
+"""The batched decode matmul (kernels/matmul/batch.py) on the real adapter against float64 numpy,
 and batch invariance: a row computed inside a batch against the same row computed alone.
 
 Error measure as in test_kernels_matmul.py: max |y - ref| / max |ref|; f32 1e-4, f16 1e-2.

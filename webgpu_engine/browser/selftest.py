@@ -179,7 +179,7 @@ async def run_selftest(saxpy_wgsl: str) -> dict:
 
 
 async def _gpu_family(dev, checks: dict, times: dict) -> None:
-    """The GPU kernel family (kernels/matmul_gpu.py) as a GPU adapter runs it, called directly
+    """The GPU kernel family (kernels/matmul/gpu.py) as a GPU adapter runs it, called directly
     whatever family the page's adapter gets: its decode kernel for 1 and 3 activation rows and its
     workgroup-tiled GEMM (both tile sizes), for f32 and Q8_0 weights, against plain-Python sums."""
     n, k, rows = 40, 64, 20

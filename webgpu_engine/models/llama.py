@@ -245,7 +245,7 @@ class LlamaModel:
         that nothing compiles on the first prompt: pipelines are created here, and drivers that
         compile on first dispatch (lavapipe's llvmpipe) do so when the batch runs. The prefill ops
         of a full chunk, of one row and of each tile height the few-row matmuls use (2, 4, 8, 16:
-        kernels/matmul_batch.py; any other T uses the same kernels as one of these) and the decode
+        kernels/matmul/batch.py; any other T uses the same kernels as one of these) and the decode
         ops in both forms of the attention. The runs write KV rows from 0, which the first prompt
         overwrites. Nothing is recorded when every pipeline is in `warmed` (already run on this
         device). Returns the pipeline keys."""
