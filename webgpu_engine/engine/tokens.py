@@ -11,17 +11,27 @@ A prompt is tokenised as a completion prompt is (`add_special_tokens`, default t
 where it has one); messages as a chat request's are (validated by the same rules, the chat config's
 system message first, only the template inserting special tokens), so `count` is what a request with
 that text would cost. Embedders take a prompt (as their inputs are tokenised) and no messages.
-Tokenising runs in a worker thread. Standard library only (runs in the page).
+Tokenising runs in a worker thread (inline in the page, which has none). Standard library only.
 """
 from __future__ import annotations
 
 import asyncio
+import sys
 from typing import Any
 
 from ..errors import InvalidRequestError
 from ..protocol.errors import FieldTypeError, RangeError
 from ..protocol.rules import check_chat_request
 from .records import EMBEDDING
+
+
+_THREADS = sys.platform != "emscripten"     # Pyodide: no worker threads
+
+
+async def _off_loop(fn, *args):
+    """fn(*args) in a worker thread (tokenising long text must not hold the event loop), inline in
+    the page."""
+    return await asyncio.to_thread(fn, *args) if _THREADS else fn(*args)
 
 
 def _fields(request: Any, fields: dict) -> dict:
@@ -56,7 +66,7 @@ class Tokenizing:
                                           "tokenize a prompt instead.", param="messages")
             msgs = check_chat_request({"messages": req["messages"]}, self.config.limits)["messages"]
             gen_prompt = _flag(req, "add_generation_prompt", True)
-            ids = await asyncio.to_thread(pipe.prompt_ids, msgs, None, None, gen_prompt)
+            ids = await _off_loop(pipe.prompt_ids, msgs, None, None, gen_prompt)
         else:
             text = req[key]
             if not isinstance(text, str):
@@ -65,7 +75,7 @@ class Tokenizing:
             kw = {"add_special_tokens": special}
             if lm.model_type == EMBEDDING:
                 kw["max_length"] = 1 << 30                  # count all of it (inputs are cut later)
-            ids = await asyncio.to_thread(lambda: pipe.tokenizer.encode(text, **kw))
+            ids = await _off_loop(lambda: pipe.tokenizer.encode(text, **kw))
         ctx = pipe.max_seq_length if lm.model_type == EMBEDDING else lm.describe()["context_window"]
         ids = [int(i) for i in ids]
         return {"tokens": ids, "count": len(ids), "max_model_len": int(ctx)}
@@ -81,5 +91,5 @@ class Tokenizing:
         for i in ids:
             if not 0 <= i < vocab:
                 raise RangeError("tokens", 0, vocab - 1, i, extra=f"token ids of {lm.model_id} are below {vocab}")
-        text = await asyncio.to_thread(lambda: tok.decode(ids, skip_special_tokens=False))
+        text = await _off_loop(lambda: tok.decode(ids, skip_special_tokens=False))
         return {"prompt": text, "content": text}
