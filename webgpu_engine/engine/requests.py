@@ -22,7 +22,8 @@ from .records import EMBEDDING, LLM
 from .tools import prepare_chat
 
 
-def _as_dict(request: Any, fields: dict) -> dict:
+def request_fields(request: Any, fields: dict) -> dict:
+    """A request (dict, pydantic model or object) merged with keyword fields, None values dropped."""
     if request is None:
         d = {}
     elif isinstance(request, dict):
@@ -215,7 +216,7 @@ class ChatCompletions:
 
     async def create(self, request: Any = None, **fields):
         """OpenAI chat.completions.create: a ChatCompletion, or an AsyncStream of chunks when stream."""
-        return await _create_text(self.engine, _as_dict(request, fields), chat=True)
+        return await _create_text(self.engine, request_fields(request, fields), chat=True)
 
 
 class Chat:
@@ -229,7 +230,7 @@ class Completions:
 
     async def create(self, request: Any = None, **fields):
         """OpenAI completions.create (echo and suffix supported; no chat template)."""
-        return await _create_text(self.engine, _as_dict(request, fields), chat=False)
+        return await _create_text(self.engine, request_fields(request, fields), chat=False)
 
 
 async def _create_text(engine, req: dict, chat: bool):
@@ -417,7 +418,7 @@ class Embeddings:
         """OpenAI embeddings.create: input as str, list[str], list[int] or list[list[int]]."""
         engine = self.engine
         deadline = engine.deadline()
-        req = check_embedding_request(_as_dict(request, fields), engine.config.limits)
+        req = check_embedding_request(request_fields(request, fields), engine.config.limits)
         lm = await engine.select(req.get("model"), EMBEDDING, "EmbeddingCreateParams")
         # Concurrent requests share forwards (coalesce.py: prepare_embed, then one embed_jobs).
         from .coalesce import embed_coalesced

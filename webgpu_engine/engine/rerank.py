@@ -18,10 +18,10 @@ class Rerank:
     async def create(self, request: Any = None, **fields):
         """`query`, `documents` (strings or {"text": ...}), optional `model`, `top_n`,
         `return_documents` (default true) → {"results": [{index, relevance_score, document}], ...}."""
-        from .requests import _as_dict
+        from .requests import request_fields
         engine = self.engine
         deadline = engine.deadline()
-        req = check_rerank_request(_as_dict(request, fields), engine.config.limits)
+        req = check_rerank_request(request_fields(request, fields), engine.config.limits)
         lm = await engine.select(req.get("model"), EMBEDDING, "RerankRequest")
         lm = await engine.acquire(lm, "RerankRequest", deadline)
         try:

@@ -23,6 +23,7 @@ from ..errors import InvalidRequestError
 from ..protocol.errors import FieldTypeError, RangeError
 from ..protocol.rules import check_chat_request
 from .records import EMBEDDING
+from .requests import request_fields
 
 
 _THREADS = sys.platform != "emscripten"     # Pyodide: no worker threads
@@ -32,12 +33,6 @@ async def _off_loop(fn, *args):
     """fn(*args) in a worker thread (tokenising long text must not hold the event loop), inline in
     the page."""
     return await asyncio.to_thread(fn, *args) if _THREADS else fn(*args)
-
-
-def _fields(request: Any, fields: dict) -> dict:
-    req = dict(request) if isinstance(request, dict) else {} if request is None else dict(vars(request))
-    req.update({k: v for k, v in fields.items() if v is not None})
-    return req
 
 
 def _flag(req: dict, name: str, default: bool) -> bool:
@@ -53,7 +48,7 @@ class Tokenizing:
     """AsyncMLCEngine's tokenize / detokenize (mixed into the engine class)."""
 
     async def tokenize(self, request: Any = None, **fields) -> dict:
-        req = _fields(request, fields)
+        req = request_fields(request, fields)
         lm = await self.select(req.get("model"), None, "tokenize")
         texts = [k for k in ("prompt", "content", "messages") if req.get(k) is not None]
         if len(texts) != 1:
@@ -81,7 +76,7 @@ class Tokenizing:
         return {"tokens": ids, "count": len(ids), "max_model_len": int(ctx)}
 
     async def detokenize(self, request: Any = None, **fields) -> dict:
-        req = _fields(request, fields)
+        req = request_fields(request, fields)
         lm = await self.select(req.get("model"), None, "detokenize")
         ids = req.get("tokens")
         if not isinstance(ids, list) or any(isinstance(i, bool) or not isinstance(i, int) for i in ids):
