@@ -3,9 +3,10 @@
 //           penalties: HF repetition penalty on seen tokens (prompt + generated: positive logits
 //           divided, negative multiplied), then OpenAI frequency/presence over generated counts.
 //   greedy (mode 0): token = argmax z (lowest index on ties, like numpy.argmax).
-//   sample (mode 1): u = hash(seed, counter); top-k then top-p (HF order; top-p over the
-//           renormalised top-k set); inverse CDF with u.
-//   top-k / top-p work on a candidate set: a 512-bucket histogram of (max z - z) in 1/16-nat buckets
+//   sample (mode 1): u = hash(seed, counter); top-k, top-p, then min-p (HF order; top-p over the
+//           renormalised top-k set; min-p keeps z >= max z + ln(min_p), which no earlier cut
+//           changes); inverse CDF with u.
+//   top-k / top-p / min-p work on a candidate set: a 512-bucket histogram of (max z - z) in 1/16-nat buckets
 //   picks the smallest bucket range that provably holds the top-k set and the nucleus (bucket masses
 //   bounded from below); those tokens (at most CAP = 1024) are sorted (each placed at its rank:
 //   value desc, index asc) and cut exactly. Exactness: exact whenever that range holds <= 1024
@@ -14,13 +15,13 @@
 //   tokens, the full distribution is used. Without top-k/top-p the inverse CDF runs over the whole
 //   vocabulary (exact), in slice order: slice t = ids t, t + NS, t + 2 NS, ... for t = 0 .. NS - 1.
 //   logprobs: log-softmax of the RAW logits (OpenAI/vLLM semantics): the chosen token's and the top-N
-//   (N <= 5), ties to the lower index.
+//   (N <= TOPN = 20), ties to the lower index.
 //   After choosing, count[token] += 1, seen[token] = 1, state.counter += 1, next_ids[0] = token.
 // Passes, none with a workgroup barrier: lavapipe runs a kernel with barriers as coroutines, which
 // costs milliseconds per dispatch, and it leaked host memory on every dispatch of the former
 // one-workgroup kernel. Storage buffers carry the state from one dispatch to the next:
 //   sample_scan (4 x 64) -> sample_merge (1) -> sample_sums (4 x 64) -> sample_cut (1)
-//   [-> sample_collect (4 x 64) -> sample_rank (16 x 64): only with top-k/top-p] -> sample_finish (1)
+//   [-> sample_collect (4 x 64) -> sample_rank (16 x 64): only with top-k/top-p/min-p] -> sample_finish (1)
 // Greedy without logprobs takes argmax_partial + argmax_final instead (end of file).
 // Header provides `act` (logits dtype).
 
@@ -28,7 +29,7 @@ struct Params {
   vocab: u32,
   mode: u32,              // 0 greedy, 1 sample
   top_k: u32,             // 0: off
-  n_top: u32,             // top logprobs wanted (0..5)
+  n_top: u32,             // top logprobs wanted (0..TOPN)
   inv_temperature: f32,
   top_p: f32,             // >= 1: off
   repetition_penalty: f32,
@@ -37,6 +38,7 @@ struct Params {
   want_logprobs: u32,
   use_penalty: u32,
   use_bias: u32,
+  min_p: f32,             // 0: off
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
@@ -44,7 +46,7 @@ struct Params {
 @group(0) @binding(2) var<storage, read> bias: array<f32>;           // (V) dense logit_bias
 @group(0) @binding(3) var<storage, read_write> hist: array<u32>;     // (V): SEEN bit | generated count
 @group(0) @binding(4) var<storage, read_write> scratch: array<f32>;  // (max(V, 2 NPART)) z
-@group(0) @binding(5) var<storage, read_write> io: array<u32>;       // (32): [0,14) result, 16 seed_lo, 17 seed_hi, 18 counter
+@group(0) @binding(5) var<storage, read_write> io: array<u32>;       // (64): [0, RES) result, SEED: seed_lo, seed_hi, counter
 @group(0) @binding(6) var<storage, read_write> next_ids: array<u32>; // (>=1) the model's next input id
 @group(0) @binding(7) var<storage, read_write> work: array<u32>;     // (WORK) state between passes; f32 as bits
 @group(0) @binding(8) var<storage, read_write> cnt: array<atomic<u32>>;  // (NB + 1): histogram | ncand
@@ -53,19 +55,26 @@ const NS: u32 = 256u;          // slices of the vocabulary (one invocation each 
 const NB: u32 = 512u;
 const CAP: u32 = 1024u;
 const INV_W: f32 = 16.0;       // buckets per nat
+const TOPN: u32 = 20u;         // most top logprobs per token (MAX_TOP_LOGPROBS in protocol/rules.py)
+// io words: 0 token, 1 its logprob, 2 top count, 3 the step's RNG counter, [4, 4 + TOPN) top ids,
+// [4 + TOPN, 4 + 2 TOPN) top logprobs; the result is RES words. SEED, SEED + 1: the seed (lo, hi),
+// SEED + 2: the RNG counter (kernels/sampling.py: RESULT_BYTES, SEED_WORD).
+const TOPV: u32 = 4u + TOPN;
+const RES: u32 = 4u + 2u * TOPN;
+const SEED: u32 = 48u;
 const NEG_INF: f32 = -3.0e38;
 // hist[i]'s top bit marks token i seen (prompt or generated), the rest count its generations. One word
 // per token: a seen bitset (word i / 32 read for token i) made lavapipe leak host memory per dispatch.
 const SEEN: u32 = 0x80000000u;
 // work layout (u32 words): per-slice partials of sample_scan (PW words each: max z, its id, raw max,
-// top-5 raw values, their ids), per-slice sums and two reduction trees, broadcast values, the
+// top-TOPN raw values, their ids), per-slice sums and two reduction trees, broadcast values, the
 // candidates and the sorted candidates (CAP values then CAP ids each).
-const PW: u32 = 13u;
+const PW: u32 = 3u + 2u * TOPN;
 const SUMS: u32 = NS * PW;             // [z sums | raw sums | z tree | raw tree], NS each
 const STAT: u32 = SUMS + 4u * NS;      // 0 max z, 1 token, 2 raw max, 3 z sum, 4 log raw sum, 5 cut, 6 flags
 const CAND: u32 = STAT + 16u;
 const SORT: u32 = CAND + 2u * CAP;
-const WORK: u32 = SORT + 2u * CAP;     // 8464 words: WORK_WORDS in kernels/sampling.py
+const WORK: u32 = SORT + 2u * CAP;     // 16144 words: WORK_WORDS in kernels/sampling.py
 
 fn pcg(v: u32) -> u32 {
   let s = v * 747796405u + 2891336453u;
@@ -97,11 +106,11 @@ fn f(k: u32) -> f32 { return bitcast<f32>(work[k]); }
 fn put(k: u32, v: f32) { work[k] = bitcast<u32>(v); }
 
 fn uniform_u() -> f32 {
-  return f32(pcg(io[18] ^ pcg(io[16] ^ pcg(io[17]))) >> 8u) * (1.0 / 16777216.0);
+  return f32(pcg(io[SEED + 2u] ^ pcg(io[SEED] ^ pcg(io[SEED + 1u]))) >> 8u) * (1.0 / 16777216.0);
 }
 
 // ---- pass 1, per slice t: z (kept in scratch when sampling), its max/argmax, and for logprobs the
-// raw max and a local raw top-5; clears the histogram and the candidate count.
+// raw max and a local raw top-n_top; clears the histogram and the candidate count.
 // dispatch (NS / 64, 1, 1), workgroup 64
 @compute @workgroup_size(64)
 fn sample_scan(@builtin(global_invocation_id) gid: vec3<u32>) {
@@ -111,8 +120,10 @@ fn sample_scan(@builtin(global_invocation_id) gid: vec3<u32>) {
   var m = NEG_INF;
   var mi = 0xffffffffu;
   var rm = NEG_INF;
-  var tv = array<f32, 5>(NEG_INF, NEG_INF, NEG_INF, NEG_INF, NEG_INF);
-  var ti = array<u32, 5>(0xffffffffu, 0xffffffffu, 0xffffffffu, 0xffffffffu, 0xffffffffu);
+  let nt = p.n_top;
+  var tv: array<f32, TOPN>;
+  var ti: array<u32, TOPN>;
+  for (var r = 0u; r < TOPN; r++) { tv[r] = NEG_INF; ti[r] = 0xffffffffu; }
   for (var i = t; i < p.vocab; i += NS) {
     var z = penalized(i);
     if (sampling) { z *= p.inv_temperature; scratch[i] = z; }   // greedy needs only the argmax
@@ -120,8 +131,8 @@ fn sample_scan(@builtin(global_invocation_id) gid: vec3<u32>) {
     if (want_lp) {
       let r = f32(logits[i]);
       rm = max(rm, r);
-      if (r > tv[4]) {   // i increases along the slice, so strict > keeps the lower index on ties
-        var j = 4u;
+      if (nt > 0u && r > tv[nt - 1u]) {   // i increases along the slice: strict > keeps the lower index on ties
+        var j = nt - 1u;
         while (j > 0u && r > tv[j - 1u]) { tv[j] = tv[j - 1u]; ti[j] = ti[j - 1u]; j -= 1u; }
         tv[j] = r; ti[j] = i;
       }
@@ -129,21 +140,23 @@ fn sample_scan(@builtin(global_invocation_id) gid: vec3<u32>) {
   }
   let o = t * PW;
   put(o, m); work[o + 1u] = mi; put(o + 2u, rm);
-  for (var r = 0u; r < 5u; r++) { put(o + 3u + r, tv[r]); work[o + 8u + r] = ti[r]; }
+  for (var r = 0u; r < nt; r++) { put(o + 3u + r, tv[r]); work[o + 3u + TOPN + r] = ti[r]; }
   atomicStore(&cnt[t], 0u);
   atomicStore(&cnt[t + NS], 0u);   // NB = 2 NS
   if (t == 0u) { atomicStore(&cnt[NB], 0u); }
 }
 
-// ---- pass 2, one invocation: max z and its lowest id, the raw max, the merged raw top-5
+// ---- pass 2, one invocation: max z and its lowest id, the raw max, the merged raw top-n_top
 // dispatch (1, 1, 1), workgroup 1
 @compute @workgroup_size(1)
 fn sample_merge() {
   var m = NEG_INF;
   var token = 0xffffffffu;
   var rm = NEG_INF;
-  var bv = array<f32, 5>(NEG_INF, NEG_INF, NEG_INF, NEG_INF, NEG_INF);
-  var bi = array<u32, 5>(0xffffffffu, 0xffffffffu, 0xffffffffu, 0xffffffffu, 0xffffffffu);
+  let nt = p.n_top;
+  var bv: array<f32, TOPN>;
+  var bi: array<u32, TOPN>;
+  for (var r = 0u; r < TOPN; r++) { bv[r] = NEG_INF; bi[r] = 0xffffffffu; }
   let want_lp = p.want_logprobs != 0u;
   for (var t = 0u; t < NS; t++) {
     let o = t * PW;
@@ -152,10 +165,10 @@ fn sample_merge() {
     if (v > m || (v == m && i < token)) { m = v; token = i; }
     rm = max(rm, f(o + 2u));
     if (want_lp) {
-      for (var r = 0u; r < 5u; r++) {
-        let x = f(o + 3u + r); let id = work[o + 8u + r];
-        if (x > bv[4] || (x == bv[4] && id < bi[4])) {
-          var j = 4u;
+      for (var r = 0u; r < nt; r++) {
+        let x = f(o + 3u + r); let id = work[o + 3u + TOPN + r];
+        if (x > bv[nt - 1u] || (x == bv[nt - 1u] && id < bi[nt - 1u])) {
+          var j = nt - 1u;
           while (j > 0u && (x > bv[j - 1u] || (x == bv[j - 1u] && id < bi[j - 1u]))) {
             bv[j] = bv[j - 1u]; bi[j] = bi[j - 1u]; j -= 1u;
           }
@@ -166,7 +179,7 @@ fn sample_merge() {
   }
   put(STAT, m); work[STAT + 1u] = token; put(STAT + 2u, rm);
   if (want_lp) {
-    for (var r = 0u; r < 5u; r++) { io[4u + r] = bi[r]; io[9u + r] = bitcast<u32>(bv[r]); }
+    for (var r = 0u; r < nt; r++) { io[4u + r] = bi[r]; io[TOPV + r] = bitcast<u32>(bv[r]); }
   }
 }
 
@@ -177,7 +190,7 @@ fn sample_sums(@builtin(global_invocation_id) gid: vec3<u32>) {
   let t = gid.x;
   let sampling = p.mode == 1u;
   let want_lp = p.want_logprobs != 0u;
-  let need_cut = sampling && (p.top_k > 0u || p.top_p < 1.0);
+  let need_cut = sampling && (p.top_k > 0u || p.top_p < 1.0 || p.min_p > 0.0);
   let zmax = f(STAT);
   let rmax = f(STAT + 2u);
   var s_loc = 0.0;
@@ -217,7 +230,7 @@ fn sample_cut() {
   if (p.mode == 1u) {
     let zmax = f(STAT);
     var cut = NB - 1u;
-    if (p.top_k > 0u || p.top_p < 1.0) {
+    if (p.top_k > 0u || p.top_p < 1.0 || p.min_p > 0.0) {
       var cnum = 0u;
       var mass = 0.0;
       var bk = NB - 1u;
@@ -233,6 +246,9 @@ fn sample_cut() {
         if (found_k && found_p) { break; }
       }
       cut = min(bk, bp);
+      if (p.min_p > 0.0) {   // min-p keeps max z - z <= -ln(min_p): buckets up to that distance
+        cut = min(cut, u32(min(-log(p.min_p) * INV_W, f32(NB - 1u))));
+      }
       // how many tokens lie in buckets <= cut; shrink until they fit in CAP
       var c2 = 0u;
       for (var b = 0u; b <= cut; b++) {
@@ -270,7 +286,7 @@ fn sample_cut() {
   work[STAT + 6u] = flags;
 }
 
-// ---- pass 5, per slice t (only with top-k/top-p): the tokens in buckets <= cut become candidates
+// ---- pass 5, per slice t (only with top-k/top-p/min-p): the tokens in buckets <= cut become candidates
 // (in no fixed order: atomic slots)
 // dispatch (NS / 64, 1, 1), workgroup 64
 @compute @workgroup_size(64)
@@ -287,7 +303,7 @@ fn sample_collect(@builtin(global_invocation_id) gid: vec3<u32>) {
   }
 }
 
-// ---- pass 6, per candidate c (only with top-k/top-p): its rank in (value desc, index asc) order is
+// ---- pass 6, per candidate c (only with top-k/top-p/min-p): its rank in (value desc, index asc) order is
 // the number of candidates before it; ranks are distinct because ids are.
 // dispatch (CAP / 64, 1, 1), workgroup 64
 @compute @workgroup_size(64)
@@ -306,7 +322,7 @@ fn sample_rank(@builtin(global_invocation_id) gid: vec3<u32>) {
   work[SORT + CAP + rank] = id;
 }
 
-// ---- pass 7, one invocation: the top-k/top-p cut over the sorted candidates (flags 1), then the
+// ---- pass 7, one invocation: the top-k/top-p/min-p cut over the sorted candidates (flags 1), then the
 // results and the history
 // dispatch (1, 1, 1), workgroup 1
 @compute @workgroup_size(1)
@@ -340,6 +356,16 @@ fn sample_finish() {
       mk = 0.0;
       for (var j = 0u; j < lk; j++) { mk += exp(f(SORT + j) - zmax); }
     }
+    if (p.min_p > 0.0) {   // the sorted prefix with z >= max z + ln(min_p) (its first token always)
+      let lo = log(p.min_p);
+      var km = 1u;
+      while (km < keep && f(SORT + km) - zmax >= lo) { km += 1u; }
+      if (km < keep) {
+        keep = km;
+        mk = 0.0;
+        for (var j = 0u; j < keep; j++) { mk += exp(f(SORT + j) - zmax); }
+      }
+    }
     let goal = uniform_u() * mk;
     var cum = 0.0;
     token = work[SORT + CAP + max(keep, 1u) - 1u];
@@ -353,11 +379,11 @@ fn sample_finish() {
   io[0] = token;
   io[1] = bitcast<u32>(f32(logits[token]) - rmax - log_rsum);
   io[2] = select(0u, p.n_top, want_lp);
-  io[3] = io[18];
+  io[3] = io[SEED + 2u];
   if (want_lp) {
-    for (var r = 0u; r < 5u; r++) { io[9u + r] = bitcast<u32>(bitcast<f32>(io[9u + r]) - rmax - log_rsum); }
+    for (var r = 0u; r < p.n_top; r++) { io[TOPV + r] = bitcast<u32>(bitcast<f32>(io[TOPV + r]) - rmax - log_rsum); }
   }
-  io[18] = io[18] + 1u;
+  io[SEED + 2u] = io[SEED + 2u] + 1u;
   hist[token] = (hist[token] + 1u) | SEEN;
   next_ids[0] = token;
 }
@@ -396,8 +422,8 @@ fn argmax_final() {
   io[0] = token;
   io[1] = 0u;
   io[2] = 0u;
-  io[3] = io[18];
-  io[18] = io[18] + 1u;
+  io[3] = io[SEED + 2u];
+  io[SEED + 2u] = io[SEED + 2u] + 1u;
   hist[token] = (hist[token] + 1u) | SEEN;
   next_ids[0] = token;
 }

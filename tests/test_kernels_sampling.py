@@ -1,5 +1,5 @@
 """GPU sampler (shaders/sampling.wgsl) vs a numpy reference: greedy, logprobs, seeds, distribution,
-exact top-k/top-p cuts, penalties, logit_bias, f16 logits, history updates."""
+exact top-k/top-p/min-p cuts, top logprobs up to 20, penalties, logit_bias, f16 logits, history updates."""
 from __future__ import annotations
 
 import numpy as np
@@ -7,7 +7,7 @@ import pytest
 
 from webgpu_engine.config import SamplingParams
 from webgpu_engine.kernels.common import Tensor, run_ops
-from webgpu_engine.kernels.sampling import RESULT_BYTES, Sampler, uniform_draw
+from webgpu_engine.kernels.sampling import RESULT_BYTES, SEED_WORD, Sampler, uniform_draw
 
 WG = 256
 
@@ -29,7 +29,8 @@ def ref_z(logits, cfg, counts=None, seen=None):
 
 
 def ref_kept(z, cfg):
-    """Token ids (best first) that survive top-k then top-p (HF order), with ties to the lower id."""
+    """Token ids (best first) that survive top-k, top-p, then min-p (HF order), with ties to the
+    lower id."""
     order = np.lexsort((np.arange(z.size), -z))
     e = np.exp(z[order] - z.max())
     k = cfg.get("top_k", 0)
@@ -38,6 +39,9 @@ def ref_kept(z, cfg):
     if p < 1.0:
         cum_before = np.concatenate([[0.0], np.cumsum(e[:n])[:-1]])
         n = int(np.sum(cum_before < p * e[:n].sum()))
+    mp = cfg.get("min_p", 0.0)
+    if mp > 0:     # p_i >= min_p * p_max: a ratio no earlier cut's renormalisation changes
+        n = max(1, min(n, int(np.sum(z[order[:n]] - z.max() >= np.log(mp)))))
     return order[:n], e[:n]
 
 
@@ -45,7 +49,7 @@ def ref_sample(logits, cfg, u, counts=None, seen=None):
     z = ref_z(logits, cfg, counts, seen)
     if cfg.get("temperature", 1.0) == 0:
         return int(np.argmax(z))
-    if cfg.get("top_k", 0) or cfg.get("top_p", 1.0) < 1.0:
+    if cfg.get("top_k", 0) or cfg.get("top_p", 1.0) < 1.0 or cfg.get("min_p", 0.0) > 0:
         ids, e = ref_kept(z, cfg)
     else:   # the kernel walks the vocabulary in its strided per-invocation order
         ids = np.concatenate([np.arange(t, z.size, WG) for t in range(min(WG, z.size))])
@@ -140,6 +144,8 @@ def test_same_seed_same_tokens(device):
     dict(temperature=0.7, top_p=0.9),
     dict(temperature=1.3, top_k=20),
     dict(temperature=0.8, top_k=50, top_p=0.8),
+    dict(temperature=1.5, min_p=0.1),
+    dict(temperature=1.0, top_k=40, top_p=0.95, min_p=0.05),
 ])
 def test_tokens_match_reference_per_draw(device, cfg):
     """Given the shader's u for each step, the GPU picks the reference token (exact cut masks)."""
@@ -151,7 +157,7 @@ def test_tokens_match_reference_per_draw(device, cfg):
     got = draws(device, s, t, n)
     want = np.array([ref_sample(x, cfg, uniform_draw(1234, i)) for i in range(n)])
     assert np.mean(got == want) >= 0.99, np.nonzero(got != want)
-    if "top_k" in cfg or "top_p" in cfg:
+    if "top_k" in cfg or "top_p" in cfg or "min_p" in cfg:
         kept, _ = ref_kept(ref_z(x, cfg), cfg)
         assert set(got.tolist()) <= set(kept.tolist())
 
@@ -176,6 +182,43 @@ def test_distribution_chi_square(device):
     obs = np.array([np.sum(got == k) for k in kept])
     assert obs.sum() == 3000
     assert float(((obs - 3000 * q) ** 2 / (3000 * q)).sum()) < 13.82   # df 2
+
+
+def test_min_p_exact_mask_and_greedy_at_one(device):
+    """min_p keeps exactly the tokens with p >= min_p * p_max; min_p 1 keeps the best token alone,
+    so sampling at any temperature gives the greedy token."""
+    pr = np.array([0.4, 0.3, 0.2, 0.1 - 4e-6] + [1e-6] * 4)
+    x = np.log(pr).astype(np.float32)
+    s, t = make(device, x)
+    s.configure(SamplingParams(temperature=1.0, min_p=0.6, seed=3))   # 0.3 >= 0.24, 0.2 < 0.24
+    s.reset_history()
+    got = draws(device, s, t, 800)
+    assert set(got.tolist()) == {0, 1}
+    assert abs(np.mean(got == 0) - 0.4 / 0.7) < 0.06
+    y = rand_logits(49152, scale=1.0, seed=12)
+    s2, t2 = make(device, y)
+    for seed in (1, 2, 3):
+        s2.configure(SamplingParams(temperature=1.5, min_p=1.0, seed=seed))
+        s2.reset_history()
+        assert set(draws(device, s2, t2, 16).tolist()) == {int(np.argmax(y))}
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_twenty_top_logprobs(device, temperature):
+    """top_logprobs up to 20 (OpenAI's limit): the 20 best raw log-softmax entries, best first,
+    ties to the lower id, whether the step is greedy or sampled."""
+    x = rand_logits(49152, seed=13)
+    x[77] = x[78] = x.max() + 0.5                 # a tie at the top
+    s, t = make(device, x)
+    s.configure(SamplingParams(temperature=temperature, seed=4, logprobs=True, top_logprobs=20))
+    s.reset_history()
+    run_ops(device, s.op(t))
+    r = s.read_sync()
+    lp = log_softmax(x)
+    ref_top = np.lexsort((np.arange(x.size), -lp))[:20]
+    assert [i for i, _ in r.top] == list(ref_top) and ref_top[0] == 77
+    np.testing.assert_allclose([v for _, v in r.top], lp[ref_top], atol=1e-4)
+    assert abs(r.logprob - lp[r.token]) < 1e-4
 
 
 def test_top_p_exact_mask(device):
@@ -264,7 +307,7 @@ def test_greedy_without_logprobs_barrier_free_path(device, v):
         hist = np.frombuffer(device.read_sync(s.hist), np.uint32)
         assert hist[want] == 0x80000001        # seen bit | one generation
         io = np.frombuffer(device.read_sync(s.io), np.uint32)
-        assert io[3] == 0 and io[18] == 1      # the RNG counter advances as in the full kernel
+        assert io[3] == 0 and io[SEED_WORD + 2] == 1   # the RNG counter advances as in the full kernel
         s.configure(SamplingParams(temperature=0.0, logprobs=True, top_logprobs=1))
         run_ops(device, op)
         r = s.read_sync()

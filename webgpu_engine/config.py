@@ -20,11 +20,12 @@ from .errors import ChatOptionTypeError, UnknownChatOptionError
 class SamplingParams:
     """One request's settings of the GPU sampler (kernels/sampling.py `Sampler.configure`), built
     once from a validated GenerationConfig (`GenerationConfig.sampling()`). Field names are the
-    GenerationConfig's (and, but for top_k, the OpenAI request's). temperature 0 means greedy."""
+    GenerationConfig's and the request's (top_k and min_p as vLLM names them). temperature 0 means greedy."""
 
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0                     # 0: off
+    min_p: float = 0.0                 # 0: off; keeps tokens with p >= min_p * the best token's p
     repetition_penalty: float = 1.0
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
@@ -48,6 +49,7 @@ class GenerationConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0                     # 0: off
+    min_p: float = 0.0                 # 0: off
     max_tokens: int | None = None      # None: until EOS or the context window is full
     stop: list[str] = field(default_factory=list)
     frequency_penalty: float = 0.0

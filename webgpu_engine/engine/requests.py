@@ -55,6 +55,7 @@ def _gen_config(lm, req: dict) -> GenerationConfig:
             bias[tid] = float(v)
     return GenerationConfig(
         temperature=float(pick("temperature")), top_p=float(pick("top_p")),
+        top_k=int(req.get("top_k") or 0), min_p=float(req.get("min_p") or 0.0),
         max_tokens=req.get("max_tokens"), stop=list(req.get("stop") or []),
         frequency_penalty=float(pick("frequency_penalty")),
         presence_penalty=float(pick("presence_penalty")),
@@ -69,8 +70,8 @@ def _gen_config(lm, req: dict) -> GenerationConfig:
 # its `extra_body` at the top level of the JSON body
 EXTRA_FIELDS = {"enable_thinking": "chat", "enable_latency_breakdown": "any"}
 # request fields that may also come inside extra_body (the OpenAI client merges them the same way):
-# the sampler's (config.SamplingParams; top_k is no request field) and the others
-_SAMPLING_FIELDS = {f.name for f in fields(SamplingParams) if f.name != "top_k"} | {
+# the sampler's (config.SamplingParams) and the others
+_SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)} | {
     "max_tokens", "max_completion_tokens", "stop", "n", "ignore_eos", "stream", "stream_options",
     "response_format", "tools", "tool_choice", "user", "echo", "suffix", "model"}
 

@@ -1,5 +1,5 @@
 """GPU sampling: one token id per step from a logits row (penalties, logit_bias, temperature, top-k,
-top-p, seeded counter-based RNG, logprobs), so the host reads back 4 bytes per decode step.
+top-p, min-p, seeded counter-based RNG, logprobs), so the host reads back 4 bytes per decode step.
 
 Usage (one `Sampler` per loaded model; buffers belong to the model's owner):
 
@@ -28,17 +28,18 @@ from ..protocol.rules import MAX_TOP_LOGPROBS
 from .common import Op, Tensor, act_header, check
 
 CANDIDATES = 1024          # CAP in the shader: top-k/top-p candidate set size
-IO_WORDS = 32
+IO_WORDS = 64
 NPART = 1024               # NPART in the shader: partial argmaxes of the barrier-free greedy path
 NS = 256                   # NS in the shader: vocabulary slices of the sampling passes
-WORK_WORDS = 8464          # WORK in the shader: state carried between the sampling passes
+WORK_WORDS = 16144         # WORK in the shader: state carried between the sampling passes
 COUNT_WORDS = 512 + 1      # NB + 1 in the shader: the cut histogram, then the candidate count
 SEEN = 0x80000000          # SEEN in the shader: the top bit of a token's history word
-# The io words (binding 5 in the shader): [0, 14) the step's result (0 token, 1 its logprob, 2 top
-# count, 3 the step's RNG counter, 4..8 top ids, 9..13 top logprobs), read back by read() or copied
-# out by copy_result(); 16, 17 the seed (lo, hi), 18 the RNG counter.
-RESULT_BYTES = 14 * 4
-SEED_WORD = 16
+# The io words (binding 5 in the shader): [0, 4 + 2 TOPN) the step's result (0 token, 1 its logprob,
+# 2 top count, 3 the step's RNG counter, then TOPN top ids, then TOPN top logprobs), read back by
+# read() or copied out by copy_result(); SEED_WORD, +1 the seed (lo, hi), +2 the RNG counter.
+TOPN = MAX_TOP_LOGPROBS    # TOPN in the shader
+RESULT_BYTES = (4 + 2 * TOPN) * 4
+SEED_WORD = 48
 
 
 class _SampleOp(Op):
@@ -110,6 +111,7 @@ class Sampler:
         check(p.temperature >= 0.0, "sampling", f"temperature must be >= 0, got {p.temperature}")
         check(0.0 < p.top_p <= 1.0 or p.temperature == 0.0, "sampling", f"top_p must be in (0, 1], got {p.top_p}")
         check(p.top_k >= 0, "sampling", f"top_k must be >= 0, got {p.top_k}")
+        check(0.0 <= p.min_p <= 1.0, "sampling", f"min_p must be in [0, 1], got {p.min_p}")
         check(p.repetition_penalty > 0.0, "sampling", "repetition_penalty must be > 0")
         check(0 <= p.top_logprobs <= MAX_TOP_LOGPROBS, "sampling",
               f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {p.top_logprobs}")
@@ -120,12 +122,13 @@ class Sampler:
         self.want_logprobs = bool(p.logprobs or p.top_logprobs)
         self.n_top = int(p.top_logprobs) if self.want_logprobs else 0
         self.greedy_fast = greedy and not self.want_logprobs
-        self.needs_cut = not greedy and (int(p.top_k) > 0 or float(p.top_p) < 1.0)
-        raw = struct.pack("<4I5f3I", self.vocab, 0 if greedy else 1,
+        self.needs_cut = not greedy and (int(p.top_k) > 0 or float(p.top_p) < 1.0 or float(p.min_p) > 0.0)
+        raw = struct.pack("<4I5f3If", self.vocab, 0 if greedy else 1,
                           0 if greedy else int(p.top_k), self.n_top,
                           0.0 if greedy else 1.0 / p.temperature, 1.0 if greedy else float(p.top_p),
                           float(p.repetition_penalty), float(p.frequency_penalty), float(p.presence_penalty),
-                          int(self.want_logprobs), int(use_pen), int(bool(p.logit_bias)))
+                          int(self.want_logprobs), int(use_pen), int(bool(p.logit_bias)),
+                          0.0 if greedy else float(p.min_p))
         self.dev.write(self.params, raw + b"\0" * (64 - len(raw)))
         self._write_bias(p.logit_bias)
         seed = p.seed
@@ -218,9 +221,9 @@ class Sampler:
             return SampleResult(struct.unpack("<I", raw[:4])[0])
         w = struct.unpack("<4I", raw[:16])
         (lp,) = struct.unpack("<f", raw[4:8])
-        ids = struct.unpack("<5I", raw[16:36])
-        lps = struct.unpack("<5f", raw[36:56])
-        n = min(w[2], MAX_TOP_LOGPROBS)
+        ids = struct.unpack(f"<{TOPN}I", raw[16:16 + 4 * TOPN])
+        lps = struct.unpack(f"<{TOPN}f", raw[16 + 4 * TOPN:RESULT_BYTES])
+        n = min(w[2], TOPN)
         return SampleResult(w[0], lp, [(ids[i], lps[i]) for i in range(n)])
 
     def release(self) -> None:

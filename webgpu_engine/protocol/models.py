@@ -51,6 +51,8 @@ class _SamplingRequest(_Model):
     stop: Optional[list[str]] = None
     temperature: Optional[float] = None
     top_p: Optional[float] = None
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
     logit_bias: Optional[dict[str, float]] = None
     seed: Optional[int] = None
     ignore_eos: Optional[bool] = None

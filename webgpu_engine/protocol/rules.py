@@ -25,7 +25,9 @@ from .errors import (ContentTypeError, DependencyError, EmbeddingInputEmptyError
                      UnsupportedFieldsError, UnsupportedRoleError)
 
 ROLES = ("system", "user", "assistant", "tool")
-MAX_TOP_LOGPROBS = 5              # also the GPU sampler's (kernels/sampling.py; 5 slots in sampling.wgsl)
+MAX_TOP_LOGPROBS = 20             # chat's top_logprobs (OpenAI's limit); also the GPU sampler's (TOPN
+                                  # in kernels/sampling.py and sampling.wgsl)
+MAX_LEGACY_LOGPROBS = 5           # /v1/completions' integer `logprobs` (OpenAI's limit)
 # Temperatures in (0, 1e-5) mean greedy decoding (as vLLM treats them): the sampler divides logits
 # by the temperature in float32, where 1/1e-39 overflows, and such a temperature is greedy anyway.
 GREEDY_TEMPERATURE = 1e-5
@@ -153,6 +155,14 @@ def check_sampling(req: dict, limits: RequestLimits | None = None) -> dict:
     p = _num(out, "top_p")
     if p is not None and not 0 < p <= 1:
         raise RangeError("top_p", 0, 1, p, lo_open=True)
+    k = _int(out, "top_k")          # not OpenAI's; vLLM's and llama.cpp's (-1 or 0: off)
+    if k is not None:
+        if k < -1:
+            raise MinValueError("top_k", -1, k)
+        out["top_k"] = max(k, 0)
+    mp = _num(out, "min_p")         # vLLM's and llama.cpp's: keep p >= min_p * the best token's p
+    if mp is not None and not 0 <= mp <= 1:
+        raise RangeError("min_p", 0, 1, mp)
     mt = _int(out, "max_tokens")
     if mt is not None and mt < 1:
         raise MinValueError("max_tokens", 1, mt)
@@ -343,8 +353,8 @@ def check_completion_request(req: dict, limits: RequestLimits | None = None) -> 
     lp = out.get("logprobs")
     # Legacy completions take logprobs as an integer count of top entries (OpenAI: 0..5).
     if lp is not None and not isinstance(lp, bool):
-        if not _is_int(lp) or not 0 <= lp <= MAX_TOP_LOGPROBS:
-            raise RangeError("logprobs", 0, MAX_TOP_LOGPROBS, lp,
+        if not _is_int(lp) or not 0 <= lp <= MAX_LEGACY_LOGPROBS:
+            raise RangeError("logprobs", 0, MAX_LEGACY_LOGPROBS, lp,
                              extra="completions take the number of top logprobs per token")
         out["logprobs"] = True
         out["top_logprobs"] = lp
@@ -410,4 +420,4 @@ def _token_budget(n_tokens: int, lim: RequestLimits) -> None:
 
 __all__ = ["RequestLimits", "DEFAULT_LIMITS", "GREEDY_TEMPERATURE", "check_sampling",
            "check_chat_request", "check_completion_request", "check_embedding_request", "ROLES",
-           "MAX_TOP_LOGPROBS"]
+           "MAX_TOP_LOGPROBS", "MAX_LEGACY_LOGPROBS"]
