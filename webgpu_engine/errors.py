@@ -373,3 +373,16 @@ class ModelAccessError(ModelReferenceError):
             self, reference, [detail],
             hint="Accept the model's licence on its Hugging Face page and set HF_TOKEN to a token of "
                  "that account (or run `huggingface-cli login`).")
+
+
+# --------------------------------------------------------------------------- Ollama's model store
+class OllamaManifestNotFoundError(ModelReferenceError):
+    """An `ollama:NAME[:TAG]` reference whose manifest is not in the store (or a malformed name)."""
+
+    def __init__(self, reference: str, tried: list[str]):
+        ModelReferenceError.__init__(self, reference, tried, hint="Pull it with `ollama pull NAME:TAG`, or "
+                                     "point $OLLAMA_MODELS at the store that holds it.")
+
+
+class OllamaBlobError(ModelFormatError):
+    """A blob of Ollama's store named by a manifest is missing, or its bytes do not match its digest."""

@@ -5,6 +5,7 @@
     resolve_model_reference("~/models/all-MiniLM-L6-v2")            # an HF or sentence-transformers folder
     resolve_model_reference("https://host/models/tiny.gguf")         # a URL of a file (or of a folder, '/')
     resolve_model_reference("Qwen/Qwen2.5-0.5B-Instruct-GGUF:Q4_K_M")  # a Hugging Face repo [+ quant]
+    resolve_model_reference("ollama:llama3.2:1b")                    # Ollama's model store (ollama_store.py)
 
 Tried in that order. What kind of model it is comes from the files: a GGUF's general.architecture (a
 chat LLM), config.json's `architectures` (…ForCausalLM: a chat LLM; BERT: an embedder), a
@@ -307,6 +308,9 @@ def _resolve(ref: str, model_id: str | None, app_config: AppConfig | None, offli
     if re.match(r"^https?://", ref, re.I):
         return _url(ref, model_id, offline)
     low = ref.lower()
+    if low.startswith("ollama:"):                  # Ollama's model store (ollama_store.py)
+        from .ollama_store import ollama_record
+        return ollama_record(ref, model_id)
     for prefix in ("hf://", "hf.co/", "huggingface.co/"):
         if low.startswith(prefix):
             return _hf_repo_id(ref, ref[len(prefix):], model_id, offline, tried)
