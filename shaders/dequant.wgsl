@@ -107,6 +107,18 @@ fn dq_q4_0(base: u32, c: u32) -> WChunk {
     return dq_q4_0_w(o[0].x, vec4<u32>(o[0].yzw, o[1].x));
 }
 
+// Q4_0 with an f32 scale (MLC's q4f32_1, repacked at load), 20 B = 5 words per 32: d f32, qs[16] as
+// Q4_0's. value = (q - 8) d.
+fn dq_q4_0f32_w(h: u32, q: vec4<u32>) -> WChunk {
+    let d = bitcast<f32>(h);
+    return WChunk(dq_q4x32(q), vec4<f32>(d, d, -8.0 * d, -8.0 * d));
+}
+
+fn dq_q4_0f32(base: u32, c: u32) -> WChunk {
+    let o = woct(base + c * 5u);          // the block's 5 words, then 3 unused
+    return dq_q4_0f32_w(o[0].x, vec4<u32>(o[0].yzw, o[1].x));
+}
+
 // Q4_1, 20 B = 5 words per 32 as in GGUF: (d, m f16), qs[16] as Q4_0's. value = q d + m.
 fn dq_q4_1_w(h: u32, q: vec4<u32>) -> WChunk {
     let dm = unpack2x16float(h);

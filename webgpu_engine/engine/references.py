@@ -40,6 +40,10 @@ _PROGRESS: contextvars.ContextVar = contextvars.ContextVar("reference_progress",
 # The files of an HF or sentence-transformers folder the loaders read (weights, configs, tokenizer, and
 # the model card: whether the vectors may be truncated, `dimensions`).
 FOLDER_PATTERNS = ["*.json", "*.safetensors", "vocab.txt", "merges.txt", "tokenizer*", "README.md"]
+# An MLC artifact's files (its chat config, tensor cache, shards, tokenizer; not the model library)
+MLC_PATTERNS = ["*.json", "params_shard_*.bin", "tokenizer*", "*.model", "vocab.txt", "merges.txt"]
+# WebLLM's prebuilt model ids (`Llama-3.2-1B-Instruct-q4f16_1-MLC`): repos of the mlc-ai org
+_WEBLLM_ID_RE = re.compile(r"^[\w.-]+-q\d+(?:f|bf)\d+(?:_\d+)?-MLC(?:-[\w.-]+)?$")
 
 
 # --------------------------------------------------------------------------- inspecting files
@@ -112,8 +116,20 @@ def _folder_record(folder: Path, reference: str) -> dict:
     return _config_record(model / "config.json", reference, st)
 
 
+def _mlc_record(folder: Path, reference: str) -> dict:
+    """Type and context of an MLC artifact (WebLLM's models: mlc-chat-config.json, loaders/mlc.py)."""
+    try:
+        cc = json.loads((folder / "mlc-chat-config.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelReferenceError(reference, [f"{folder}/mlc-chat-config.json is unreadable: {e}"]) from e
+    mc = cc.get("model_config") if isinstance(cc, dict) else None
+    ctx = (mc or {}).get("context_window_size") or cc.get("context_window_size") if isinstance(cc, dict) else 0
+    return {"model_type": LLM, "context": int(ctx) if isinstance(ctx, int) and ctx > 0 else 0}
+
+
 def _record(path: Path, reference: str, model_id: str, origin: str | None = None) -> ModelRecord:
-    info = _gguf_record(path, reference) if path.is_file() else _folder_record(path, reference)
+    info = _gguf_record(path, reference) if path.is_file() else _mlc_record(path, reference) \
+        if (path / "mlc-chat-config.json").is_file() else _folder_record(path, reference)
     overrides = {}
     if info["model_type"] == LLM and info["context"]:
         from ..config import ChatConfig
@@ -183,6 +199,10 @@ def _hugging_face(reference: str, repo: str, revision: str | None, selector: str
     if not files:
         raise ModelReferenceError(reference, [f"the Hugging Face repo {repo} holds no files"])
     shown = model_id or (f"{repo}:{selector}" if selector else repo)
+    if "mlc-chat-config.json" in files:          # an MLC artifact (WebLLM's models)
+        path = hf.download_folder(repo, MLC_PATTERNS, revision, offline=offline, reference=reference,
+                                  progress=_PROGRESS.get())
+        return _record(path, reference, shown, f"hf://{repo}")
     gguf = _pick_gguf(reference, repo, files, selector)
     if gguf is not None:
         path = hf.download_file(repo, gguf, revision, offline=offline, reference=reference,
@@ -320,6 +340,8 @@ def _resolve(ref: str, model_id: str | None, app_config: AppConfig | None, offli
     tried.append(f"no file or folder at {path.resolve()}")
     if ref.startswith((".", "/", "~")) or "\\" in ref:
         raise ModelReferenceError(ref, tried)
+    if _WEBLLM_ID_RE.match(ref):                   # a WebLLM model id: its mlc-ai repo
+        return _hf_repo_id(ref, f"mlc-ai/{ref}", model_id or ref, offline, tried)
     if not _REPO_RE.match(ref):
         raise ModelReferenceError(ref, tried + ["not a Hugging Face repo id ORG/REPO[:QUANT]"])
     return _hf_repo_id(ref, ref, model_id, offline, tried)

@@ -51,6 +51,7 @@ _TYPES = [
     QType("q3_k", 256, 110, 112, 110),     # hmask | qs | scales | d | pad
     QType("q2_k", 256, 84, 84),
     QType("iq4_xs", 256, 136, 136),
+    QType("q4_0f32", 32, 20, 20),          # d f32 | qs[16] as Q4_0's: MLC's q4f32_1, repacked (loaders/mlc.py)
 ]
 QTYPE = {t.name: t for t in _TYPES}
 QTYPES = tuple(QTYPE)

@@ -11,7 +11,7 @@ import numpy as np
 # bytes per block and elements per block
 BLOCK = {"q4_0": (18, 32), "q4_1": (20, 32), "q8_0": (34, 32), "q4_k": (144, 256), "q6_k": (210, 256),
          "q5_0": (22, 32), "q5_1": (24, 32), "iq4_nl": (18, 32), "q5_k": (176, 256), "q3_k": (110, 256),
-         "q2_k": (84, 256), "iq4_xs": (136, 256)}
+         "q2_k": (84, 256), "iq4_xs": (136, 256), "q4_0f32": (20, 32)}
 # IQ4_NL / IQ4_XS: a 4-bit index into this non-linear table (ggml's kvalues_iq4nl)
 KVALUES_IQ4NL = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113],
                          np.float64)
@@ -51,7 +51,7 @@ def dequantize(raw, qtype: str, n: int, k: int) -> np.ndarray:
     b = _blocks(raw, qtype, n, k)
     out = {"q4_0": _q4_0, "q4_1": _q4_1, "q8_0": _q8_0, "q4_k": _q4_k, "q6_k": _q6_k, "q5_0": _q5_0,
            "q5_1": _q5_1, "iq4_nl": _iq4_nl, "q5_k": _q5_k, "q3_k": _q3_k, "q2_k": _q2_k,
-           "iq4_xs": _iq4_xs}[qtype](b)
+           "iq4_xs": _iq4_xs, "q4_0f32": _q4_0f32}[qtype](b)
     return out.reshape(n, k)
 
 
@@ -62,6 +62,10 @@ def _nibbles(qs: np.ndarray) -> np.ndarray:
 
 def _q4_0(b):   # d f16, qs[16]; (q - 8) * d
     return (_nibbles(b[:, 2:18]) - 8.0) * _f16(b[:, 0:2])
+
+
+def _q4_0f32(b):   # d f32, qs[16]; (q - 8) * d (MLC's q4f32_1 after loaders/mlc.py's repack)
+    return (_nibbles(b[:, 4:20]) - 8.0) * np.ascontiguousarray(b[:, 0:4]).view(np.float32).astype(np.float64)
 
 
 def _q4_1(b):   # d f16, m f16, qs[16]; q * d + m
@@ -226,4 +230,6 @@ def random_weight(qtype: str, n: int, k: int, rng: np.random.Generator) -> bytes
 
     for col, lo, hi in _RANDOM_F16.get(qtype, ()):
         b[:, col:col + 2] = rng.uniform(lo, hi, (nb, 1)).astype(np.float16).view(np.uint8).reshape(nb, 2)
+    if qtype == "q4_0f32":                       # its scale is an f32
+        b[:, 0:4] = rng.uniform(0.001, 0.05, (nb, 1)).astype(np.float32).view(np.uint8).reshape(nb, 4)
     return b.tobytes()

@@ -56,11 +56,11 @@ def weight_pipeline(dev: Device, entry: str, w: QWeight, dtype: str, wg: int, rr
 # qtype -> how the vec4 decode kernel passes a 32-weight block's words to dequant.wgsl's
 # dq_<qtype>_w: 1 = one u32 argument, 4 = one vec4<u32> (the block's u32 words in order)
 V4_ARGS = {"q4_1": (1, 4), "q4_0": (1, 4), "q8_0": (1, 4, 4), "q5_0": (1, 1, 4), "q5_1": (1, 1, 4),
-           "iq4_nl": (1, 4)}
+           "iq4_nl": (1, 4), "q4_0f32": (1, 4)}
 V4_BLOCK = {t: sum(a) for t, a in V4_ARGS.items()}     # u32 words per block
 
 
-V4_XS = ("q4_1", "q4_0")      # their quants come scaled by 256^j (in place): x is scaled by v4_xs
+V4_XS = ("q4_1", "q4_0", "q4_0f32")      # their quants come scaled by 256^j (in place): x is scaled by v4_xs
 
 
 def _v4_args(qtype: str, words: list) -> str:
