@@ -1,0 +1,282 @@
+"""Ollama's model store (`ollama:NAME:TAG`) and Ollama's HTTP API on `serve`, through the official
+`ollama` client: a store laid out as Ollama lays it (manifests + sha256- blobs, made here) serves the
+default SmolLM2 GGUF with its params layer; chat, streamed chat, generate (templated and raw), embed
+and /api/embeddings (the default MiniLM embedder, loaded by id), tags, show, ps, version, `format`
+json and a JSON Schema, a tool call in Ollama's shape; greedy answers equal the OpenAI route's; bad
+store layouts and bad API input get typed errors, 4xx `{"error": ...}` bodies, never a 500."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import urllib.request
+
+import jsonschema
+import ollama
+import openai
+import pytest
+
+from webgpu_engine.engine import EngineConfig
+from webgpu_engine.engine.ollama_store import list_store
+from webgpu_engine.engine.references import resolve_model_reference
+from webgpu_engine.errors import (ModelFormatError, OllamaBlobError, OllamaManifestNotFoundError,
+                                  UnsupportedModelError)
+from webgpu_engine.server.app import ServerOptions, ServerThread
+
+MEDIA = "application/vnd.ollama.image."
+PARAMS = {"stop": ["<|im_end|>", "\n\n\n"], "temperature": 0.2, "num_ctx": 1024}
+HI = [{"role": "user", "content": "What is the capital of France?"}]
+CITY = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome", "Oslo"]},
+                                         "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+        "required": ["city", "days"], "additionalProperties": False}
+GREEDY = {"temperature": 0, "num_predict": 12}
+
+
+# --------------------------------------------------------------------------- a store as Ollama lays it
+class Store:
+    def __init__(self, root):
+        self.root = root
+        (root / "blobs").mkdir(parents=True, exist_ok=True)
+
+    def blob(self, data: bytes | None = None, src=None) -> dict:
+        """A blob named by its sha256; `src` is hard-linked in (copied where links cannot be made)."""
+        data_hash = hashlib.sha256(data if src is None else src.read_bytes()).hexdigest()
+        dst = self.root / "blobs" / f"sha256-{data_hash}"
+        if not dst.exists():
+            if src is None:
+                dst.write_bytes(data)
+            else:
+                try:
+                    os.link(src, dst)
+                except OSError:
+                    shutil.copyfile(src, dst)
+        return {"digest": f"sha256:{data_hash}", "size": dst.stat().st_size}
+
+    def manifest(self, name: str, tag: str, layers: list, host="registry.ollama.ai", ns="library",
+                 raw: bytes | None = None):
+        path = self.root / "manifests" / host / ns / name / tag
+        path.parent.mkdir(parents=True, exist_ok=True)
+        cfg = {"mediaType": "application/vnd.docker.container.image.v1+json",
+               **self.blob(json.dumps({"model_format": "gguf", "model_family": "llama", "model_type": "135M",
+                                       "file_type": "Q4_1"}).encode())}
+        path.write_bytes(raw if raw is not None else json.dumps(
+            {"schemaVersion": 2, "mediaType": "application/vnd.docker.distribution.manifest.v2+json",
+             "config": cfg, "layers": layers}).encode())
+        return path
+
+    def layer(self, kind: str, data: bytes | None = None, src=None) -> dict:
+        return {"mediaType": MEDIA + kind, **self.blob(data, src)}
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory, smollm2_gguf):
+    s = Store(tmp_path_factory.mktemp("ollama-models"))
+    model = s.layer("model", src=smollm2_gguf)
+    params = s.layer("params", json.dumps(PARAMS).encode())
+    s.manifest("smollm2", "135m", [model, params])
+    s.manifest("smollm2", "latest", [model])
+    s.manifest("tiny", "q4", [model], host="example.org:5000", ns="team")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("OLLAMA_MODELS", str(s.root))
+        yield s
+
+
+def test_reference_resolves_the_blob_in_place_with_params(store, smollm2_gguf):
+    rec = resolve_model_reference("ollama:smollm2:135m")
+    assert rec.model_id == "smollm2:135m" and rec.model_type == "llm"
+    assert os.path.samefile(rec.model, smollm2_gguf) or \
+        open(rec.model, "rb").read(64) == open(smollm2_gguf, "rb").read(64)
+    assert os.path.dirname(rec.model) == str(store.root / "blobs")        # used in place, not copied
+    assert rec.overrides["stop_str"] == PARAMS["stop"] and rec.overrides["temperature"] == 0.2
+    assert rec.overrides["context_window_size"] == 1024
+    assert resolve_model_reference("ollama:smollm2").model_id == "smollm2:latest"
+    other = resolve_model_reference("ollama:example.org:5000/team/tiny:q4")
+    assert other.model_id == "example.org:5000/team/tiny:q4"
+    assert resolve_model_reference("ollama:smollm2", model_id="alias").model_id == "alias"
+    rows = {r["name"]: r for r in list_store()}
+    assert set(rows) == {"smollm2:135m", "smollm2:latest", "example.org:5000/team/tiny:q4"}
+    assert rows["smollm2:135m"]["family"] == "llama" and rows["smollm2:135m"]["size"] > 90_000_000
+
+
+def test_bad_store_layouts_are_typed_errors(store, smollm2_gguf, tmp_path):
+    with pytest.raises(OllamaManifestNotFoundError, match="manifests/registry.ollama.ai/library/nope/latest"):
+        resolve_model_reference("ollama:nope")
+    with pytest.raises(OllamaManifestNotFoundError, match="not a valid part"):
+        resolve_model_reference("ollama:../../etc:passwd")
+    model = store.layer("model", src=smollm2_gguf)
+    store.manifest("badjson", "latest", [], raw=b"{not json")
+    with pytest.raises(ModelFormatError, match="not valid JSON"):
+        resolve_model_reference("ollama:badjson")
+    store.manifest("noblob", "latest", [{"mediaType": MEDIA + "model", "digest": "sha256:" + "0" * 64,
+                                         "size": 10}])
+    with pytest.raises(OllamaBlobError, match="sha256-0000.*missing"):
+        resolve_model_reference("ollama:noblob")
+    store.manifest("vision", "latest", [model, store.layer("projector", b"\0" * 32)])
+    with pytest.raises(UnsupportedModelError, match="vision projector.*projector"):
+        resolve_model_reference("ollama:vision")
+    store.manifest("badparams", "latest", [model, store.layer("params", b"[1, 2")])
+    with pytest.raises(ModelFormatError, match="params layer"):
+        resolve_model_reference("ollama:badparams")
+    # a blob whose bytes changed after the manifest was written (same size: only the hash sees it)
+    fake = store.layer("params", b'{"temperature": 0.5}')
+    store.manifest("tampered", "latest", [model, fake])
+    (store.root / "blobs" / fake["digest"].replace(":", "-")).write_bytes(b'{"temperature": 0.9}')
+    with pytest.raises(OllamaBlobError, match="does not match its digest"):
+        resolve_model_reference("ollama:tampered")
+    rows = {r["name"]: r for r in list_store()}
+    assert "not valid JSON" in rows["badjson:latest"]["error"]
+
+
+# --------------------------------------------------------------------------- the API
+@pytest.fixture(scope="module")
+def server(device, store):
+    s = ServerThread(ServerOptions(models=["ollama:smollm2:135m", "all-MiniLM-L6-v2"], port=0,
+                                   engine_config=EngineConfig(device=device),
+                                   chat_opts=[{"max_num_sequences": 1}, None]))
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return ollama.Client(host=server.base, timeout=300)
+
+
+def test_chat_equals_the_openai_route_and_streams(server, client):
+    r = client.chat(model="smollm2:135m", messages=HI, options=GREEDY, stream=False)
+    assert r.done and r.done_reason in ("stop", "length") and r.message.role == "assistant"
+    assert r.message.content and r.eval_count >= 1 and r.prompt_eval_count > 10
+    assert r.total_duration > 0 and r.eval_duration > 0 and r.prompt_eval_duration > 0
+    o = openai.OpenAI(base_url=server.url, api_key="none", max_retries=0, timeout=300)
+    ref = o.chat.completions.create(model="smollm2:135m", messages=HI, temperature=0, max_tokens=12)
+    assert r.message.content == ref.choices[0].message.content
+    assert r.eval_count == ref.usage.completion_tokens and r.prompt_eval_count == ref.usage.prompt_tokens
+    parts = list(client.chat(model="smollm2", messages=HI, options=GREEDY))    # stream: Ollama's default
+    assert [p.done for p in parts] == [False] * (len(parts) - 1) + [True] and len(parts) > 2
+    assert "".join(p.message.content for p in parts) == r.message.content
+    assert parts[-1].eval_count == r.eval_count and parts[-1].done_reason == r.done_reason
+
+
+def test_generate_templated_raw_and_load(server, client):
+    g = client.generate(model="smollm2:135m", prompt=HI[0]["content"], options=GREEDY)
+    c = client.chat(model="smollm2:135m", messages=HI, options=GREEDY)
+    assert g.response == c.message.content and g.done
+    o = openai.OpenAI(base_url=server.url, api_key="none", max_retries=0, timeout=300)
+    raw = client.generate(model="smollm2:135m", prompt="The capital of France is", raw=True,
+                          options={"temperature": 0, "num_predict": 8})
+    ref = o.completions.create(model="smollm2:135m", prompt="The capital of France is", temperature=0,
+                               max_tokens=8)
+    assert raw.response == ref.choices[0].text and raw.eval_count == ref.usage.completion_tokens
+    streamed = "".join(p.response for p in client.generate(model="smollm2:135m", prompt="The capital of "
+                       "France is", raw=True, stream=True, options={"temperature": 0, "num_predict": 8}))
+    assert streamed == raw.response
+    load = client.generate(model="smollm2:135m")       # no prompt: Ollama's "load the model"
+    assert load.done and load.done_reason == "load" and load.response == ""
+
+
+def test_embed_and_the_older_embeddings_route(server, client):
+    o = openai.OpenAI(base_url=server.url, api_key="none", max_retries=0, timeout=300)
+    texts = ["a cat sits on the mat", "Grüße aus Köln"]
+    e = client.embed(model="all-MiniLM-L6-v2", input=texts)
+    ref = o.embeddings.create(model="all-MiniLM-L6-v2", input=texts, encoding_format="float")
+    assert len(e.embeddings) == 2 and len(e.embeddings[0]) == 384
+    assert e.embeddings[1] == pytest.approx(ref.data[1].embedding, abs=1e-6)
+    assert e.prompt_eval_count == ref.usage.prompt_tokens
+    old = client.embeddings(model="all-MiniLM-L6-v2", prompt=texts[0])
+    assert old.embedding == pytest.approx(e.embeddings[0], abs=1e-6)
+
+
+def test_tags_show_ps_version(server, client, store):
+    names = {m.model: m for m in client.list().models}
+    assert set(names) == {"smollm2:135m", "all-MiniLM-L6-v2"}
+    sm = names["smollm2:135m"]
+    assert sm.details.family == "llama" and sm.details.quantization_level == "Q4_1" and sm.size > 90_000_000
+    manifest = store.root / "manifests/registry.ollama.ai/library/smollm2/135m"
+    assert sm.digest == hashlib.sha256(manifest.read_bytes()).hexdigest()
+    assert names["all-MiniLM-L6-v2"].details.format == "safetensors"
+    s = client.show("smollm2:135m")
+    assert 'stop "<|im_end|>"' in s.parameters and "temperature 0.2" in s.parameters
+    assert "<|im_start|>" in s.template and s.modelinfo["llama.context_length"] == 1024
+    assert "completion" in s.capabilities
+    assert client.show("all-MiniLM-L6-v2").capabilities == ["embedding"]
+    ps = {m.model: m for m in client.ps().models}
+    assert ps["smollm2:135m"].context_length == 1024 and ps["smollm2:135m"].size_vram > 0
+    with urllib.request.urlopen(server.base + "/api/version") as r:
+        assert json.loads(r.read())["version"]
+
+
+def test_format_json_and_schema(client):
+    r = client.chat(model="smollm2:135m", messages=[{"role": "user", "content": "Give a trip as JSON."}],
+                    format=CITY, options={"temperature": 0, "num_predict": 40})
+    jsonschema.validate(json.loads(r.message.content), CITY)
+    r = client.generate(model="smollm2:135m", prompt="Reply in JSON.", format="json",
+                        options={"temperature": 0, "num_predict": 24})
+    assert r.response.lstrip().startswith("{")
+
+
+def test_tool_call_in_ollamas_shape(server, client):
+    def forecast(city: str, days: int) -> str:
+        """Weather forecast.
+
+        Args:
+          city: the city
+          days: how many days
+        """
+        return "sunny"
+    # Ollama has no tool_choice; this server takes one as an extension, so the tiny model must call
+    r = client._request(ollama.ChatResponse, "POST", "/api/chat", json={
+        "model": "smollm2:135m", "messages": HI, "stream": False, "options": {"temperature": 0, "num_predict": 60},
+        "tools": [{"type": "function", "function": {"name": "forecast", "description": "Weather forecast",
+                                                    "parameters": CITY}}],
+        "tool_choice": "required"})
+    call = r.message.tool_calls[0]
+    assert call.function.name == "forecast" and isinstance(call.function.arguments, dict)
+    jsonschema.validate(dict(call.function.arguments), CITY)
+    # the call goes back as Ollama sends it (arguments an object) with the tool's answer
+    follow = client.chat(model="smollm2:135m", tools=[forecast], options=GREEDY, stream=False, messages=[
+        *HI, {"role": "assistant", "content": "", "tool_calls": [call.model_dump()]},
+        {"role": "tool", "content": "sunny", "tool_name": "forecast"}])
+    assert follow.done
+
+
+@pytest.mark.parametrize("path,body,status,says", [
+    ("/api/chat", {"model": "smollm2:135m", "messages": HI, "options": {"mirostat": 2}}, 400, "mirostat"),
+    ("/api/chat", {"model": "smollm2:135m", "messages": HI, "options": {"num_ctx": 99999}}, 400, "num_ctx"),
+    ("/api/chat", {"model": "smollm2:135m", "messages": HI, "options": {"temperature": "hot"}}, 400, "temperature"),
+    ("/api/chat", {"model": "smollm2:135m", "messages": [{"role": "user", "content": "x", "images": ["AA=="]}]},
+     400, "images"),
+    ("/api/chat", {"model": "nope", "messages": HI}, 404, "nope"),
+    ("/api/chat", {"model": "smollm2:135m", "messages": "hi"}, 400, "messages"),
+    ("/api/chat", {"model": "smollm2:135m", "messages": HI, "format": 3}, 400, "format"),
+    ("/api/generate", {"model": "smollm2:135m", "prompt": "x", "context": [1, 2]}, 400, "context"),
+    ("/api/generate", {"model": "smollm2:135m", "prompt": "x", "suffix": "y"}, 400, "suffix"),
+    ("/api/generate", {"model": "smollm2:135m", "prompt": "x", "template": "{{ .Prompt }}"}, 400, "template"),
+    ("/api/generate", {"model": "smollm2:135m", "prompt": "x", "bogus": 1}, 400, "bogus"),
+    ("/api/embed", {"model": "smollm2:135m", "input": "x"}, 400, "chat model"),
+    ("/api/embed", {"model": "all-MiniLM-L6-v2", "input": [1, 2]}, 400, "input"),
+    ("/api/embed", {"model": "all-MiniLM-L6-v2", "input": "x", "truncate": False}, 400, "truncate"),
+    ("/api/pull", {"model": "llama3.2:1b"}, 404, "ollama pull"),
+    ("/api/pull", {"model": "hf.co/org/repo:Q4_K_M"}, 403, "allow-model-management"),
+    ("/api/nope", {}, 404, "Unknown route"),
+])
+def test_bad_api_input_is_an_ollama_4xx(server, path, body, status, says):
+    req = urllib.request.Request(server.base + path, data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req)
+    assert e.value.code == status
+    err = json.loads(e.value.read())["error"]
+    assert isinstance(err, str) and says in err
+
+
+def test_client_errors_delete_and_pull(server, client):
+    with pytest.raises(ollama.ResponseError) as e:
+        client.chat(model="smollm2:135m", messages=HI, options={"top_k": 40})
+    assert e.value.status_code == 400 and "top_k" in e.value.error
+    with pytest.raises(ollama.ResponseError) as e:
+        client.delete("smollm2:135m")
+    assert e.value.status_code == 403
+    assert client.pull("smollm2:135m", stream=False).status == "success"      # in the store: verified
+    # the engine still serves after the failures
+    assert client.chat(model="smollm2:135m", messages=HI, options=GREEDY).done

@@ -1,0 +1,207 @@
+"""Ollama's API requests translated to the engine's OpenAI requests, and its answers back.
+
+/api/chat and /api/generate become chat or completion requests (`options` mapped onto the OpenAI
+sampling fields, `format` onto `response_format`, `tools` as they are); the engine's responses and
+usage become Ollama's (`message` / `response`, `done_reason`, durations in nanoseconds). What has no
+equivalent here is refused by name (a 400 naming the field), never ignored — except the runner's
+hardware hints (HARDWARE_OPTIONS), which have no meaning on a WebGPU device. Standard library only.
+"""
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from .errors import FieldTypeError, UnsupportedFieldsError
+
+# option -> OpenAI request field, taken as they are (the protocol rules check their values)
+OPTION_FIELDS = {"temperature": "temperature", "top_p": "top_p", "seed": "seed", "stop": "stop",
+                 "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
+                 "repeat_penalty": "repetition_penalty"}
+# where Ollama's runner runs: accepted, no effect (one WebGPU device; weights are mapped as they are)
+HARDWARE_OPTIONS = {"num_gpu", "main_gpu", "num_thread", "num_batch", "use_mmap", "use_mlock", "numa",
+                    "low_vram", "f16_kv", "num_keep"}
+# samplers this engine's request path lacks: accepted only at the value that turns them off
+OFF_VALUES = {"top_k": 0, "min_p": 0, "typical_p": 1, "tfs_z": 1, "mirostat": 0}
+CHAT_FIELDS = {"model", "messages", "stream", "options", "format", "tools", "keep_alive", "think",
+               "tool_choice", "logprobs", "top_logprobs"}
+GENERATE_FIELDS = {"model", "prompt", "stream", "options", "format", "keep_alive", "think", "raw",
+                   "system", "suffix", "template", "context", "images", "logprobs", "top_logprobs"}
+DONE_REASONS = {"stop": "stop", "length": "length", "tool_calls": "stop", "abort": "stop"}
+
+
+def _check_fields(body: dict, allowed: set, route: str) -> None:
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        raise UnsupportedFieldsError(unknown[0], f"{route} does not take {unknown}; it takes {sorted(allowed)}.")
+
+
+def options_fields(options: Any, context: int) -> dict:
+    """Ollama `options` → OpenAI request fields. `context`: the loaded model's context window."""
+    if options is None:
+        return {}
+    if not isinstance(options, dict):
+        raise FieldTypeError("options", "an object", options)
+    out: dict = {}
+    for k, v in options.items():
+        if v is None or k in HARDWARE_OPTIONS:
+            continue
+        if k in OPTION_FIELDS:
+            out[OPTION_FIELDS[k]] = v
+        elif k == "num_predict":
+            if not isinstance(v, int) or isinstance(v, bool):
+                raise FieldTypeError("options.num_predict", "an integer", v)
+            if v == 0 or v < -2:
+                raise UnsupportedFieldsError("options.num_predict", f"num_predict {v} is not supported: give "
+                                             f"a count >= 1, or -1 / -2 for no limit but the context.")
+            if v > 0:
+                out["max_tokens"] = v
+        elif k == "num_ctx":
+            if not isinstance(v, int) or isinstance(v, bool):
+                raise FieldTypeError("options.num_ctx", "an integer", v)
+            if v > context:
+                raise UnsupportedFieldsError("options.num_ctx", f"the model is loaded with a context of "
+                                             f"{context} tokens; num_ctx {v} would need a reload (load it with "
+                                             f"a larger context_window_size), ask at most {context}.")
+        elif k == "repeat_last_n":
+            if options.get("repeat_penalty") not in (None, 1, 1.0) and v != -1:
+                raise UnsupportedFieldsError("options.repeat_last_n", "the repetition penalty here covers "
+                                             "every token of the context; send repeat_last_n -1 or omit it.")
+        elif k in OFF_VALUES:
+            if v != OFF_VALUES[k]:
+                raise UnsupportedFieldsError(f"options.{k}", f"{k} is not supported by this engine (only "
+                                             f"{OFF_VALUES[k]}, off); omit it.")
+        else:
+            raise UnsupportedFieldsError(f"options.{k}", f"unknown or unsupported option {k!r}.")
+    return out
+
+
+def response_format(fmt: Any) -> dict | None:
+    """`format`: "json" → any JSON object; a JSON Schema object → that schema (the grammar path)."""
+    if fmt in (None, ""):
+        return None
+    if fmt == "json":
+        return {"type": "json_object"}
+    if isinstance(fmt, dict):
+        return {"type": "json_schema", "json_schema": {"name": "format", "schema": fmt, "strict": True}}
+    raise FieldTypeError("format", '"json" or a JSON Schema object', fmt)
+
+
+def _message(i: int, m: Any) -> dict:
+    if not isinstance(m, dict):
+        raise FieldTypeError(f"messages[{i}]", "an object with role and content", m)
+    if m.get("images"):
+        raise UnsupportedFieldsError(f"messages[{i}].images", "images are not supported: the models "
+                                     "served here read text only.")
+    out = {k: m[k] for k in ("role", "content") if k in m}
+    if m.get("role") == "tool" and isinstance(m.get("tool_name"), str):
+        out["name"] = m["tool_name"]
+    if m.get("tool_calls") is not None:
+        calls = m["tool_calls"]
+        if not isinstance(calls, list):
+            raise FieldTypeError(f"messages[{i}].tool_calls", "a list", calls)
+        out["tool_calls"] = [{"type": "function", **c} if isinstance(c, dict) else c for c in calls]
+    if m.get("thinking"):
+        raise UnsupportedFieldsError(f"messages[{i}].thinking", "earlier thinking is not passed back to "
+                                     "the template here; leave it out.")
+    return out
+
+
+def _common(body: dict, route: str, allowed: set, context: int) -> dict:
+    _check_fields(body, allowed, route)
+    req: dict = {"model": body.get("model")}
+    req.update(options_fields(body.get("options"), context))
+    rf = response_format(body.get("format"))
+    if rf is not None:
+        req["response_format"] = rf
+    if body.get("think") is not None:
+        if not isinstance(body["think"], bool):
+            raise FieldTypeError("think", "true or false", body["think"])
+        req["enable_thinking"] = body["think"]
+    for k in ("logprobs", "top_logprobs"):
+        if body.get(k) is not None:
+            req[k] = body[k]
+    return req
+
+
+def chat_request(body: dict, context: int) -> dict:
+    """An /api/chat body → a chat.completions request (no `stream`: the route streams by itself).
+    `tool_choice` is this server's extension (Ollama has none: the model decides)."""
+    req = _common(body, "/api/chat", CHAT_FIELDS, context)
+    msgs = body.get("messages")
+    if not isinstance(msgs, list):
+        raise FieldTypeError("messages", "a list of messages", msgs)
+    req["messages"] = [_message(i, m) for i, m in enumerate(msgs)]
+    if body.get("tools"):
+        req["tools"] = body["tools"]
+        if body.get("tool_choice") is not None:
+            req["tool_choice"] = body["tool_choice"]
+    return req
+
+
+def generate_request(body: dict, context: int) -> tuple[dict, bool]:
+    """An /api/generate body → (request, chat): a chat request over one user message (the model's
+    own template; `system` as the system message), or with `raw` a completion of the prompt as it is."""
+    req = _common(body, "/api/generate", GENERATE_FIELDS, context)
+    for name, why in (("images", "the models served here read text only"),
+                      ("template", "prompts go through the model's own chat template (or `raw`)"),
+                      ("context", "conversation state is not kept between requests; send the turns to "
+                                  "/api/chat instead"),
+                      ("suffix", "fill-in-the-middle is not supported")):
+        if body.get(name):
+            raise UnsupportedFieldsError(name, f"`{name}` is not supported: {why}.")
+    prompt = body.get("prompt")
+    if not isinstance(prompt, str):
+        raise FieldTypeError("prompt", "a string", prompt)
+    if body.get("raw"):
+        if body.get("system"):
+            raise UnsupportedFieldsError("system", "a raw prompt takes no system message; write it into "
+                                         "the prompt.")
+        req["prompt"] = prompt
+        return req, False
+    system = body.get("system")
+    if system is not None and not isinstance(system, str):
+        raise FieldTypeError("system", "a string", system)
+    req["messages"] = ([{"role": "system", "content": system}] if system else []) + \
+        [{"role": "user", "content": prompt}]
+    return req, True
+
+
+# --------------------------------------------------------------------------- answers
+def now() -> str:
+    """Ollama's created_at: RFC 3339 in UTC."""
+    t = time.time()
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(t)) + f".{int(t % 1 * 1e6):06d}Z"
+
+
+def durations(usage: dict | None, total_s: float) -> dict:
+    """Ollama's counts and durations (ns) from the engine's usage (its extra: tokens per second)."""
+    u = usage or {}
+    extra = u.get("extra") or {}
+    prompt, completion = int(u.get("prompt_tokens") or 0), int(u.get("completion_tokens") or 0)
+    pre, dec = extra.get("prefill_tokens_per_s") or 0, extra.get("decode_tokens_per_s") or 0
+    ns = 1e9
+    return {"total_duration": int(total_s * ns), "load_duration": 0,
+            "prompt_eval_count": prompt,
+            "prompt_eval_duration": int(prompt / pre * ns) if pre else 0,
+            "eval_count": completion,
+            "eval_duration": int(completion / dec * ns) if dec else 0}
+
+
+def tool_calls(calls: list | None) -> list[dict]:
+    """OpenAI tool calls (arguments as JSON text) → Ollama's (arguments as an object)."""
+    out = []
+    for c in calls or []:
+        f = c["function"]
+        args = f.get("arguments")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except ValueError:
+                args = {"_raw": args}
+        out.append({"function": {"name": f["name"], "arguments": args}})
+    return out
+
+
+__all__ = ["chat_request", "generate_request", "options_fields", "response_format", "durations",
+           "tool_calls", "now", "DONE_REASONS"]
