@@ -190,6 +190,8 @@ def open_model(path, kind: str | None = None) -> OpenedModel:
         except BaseException:
             g.close()
             raise
+    elif path.is_dir() and (path / "mlc-chat-config.json").is_file():
+        m = _open_mlc(path)
     elif path.is_dir():
         m = _open_folder(path)
     else:
@@ -198,6 +200,22 @@ def open_model(path, kind: str | None = None) -> OpenedModel:
         m.close()
         raise ModelFormatError(f"{path} holds a {m.arch.name} model ({m.kind}), not an {kind} model")
     return m
+
+
+def _open_mlc(path: Path) -> OpenedModel:
+    """An MLC-LLM artifact (WebLLM's models): loaders.mlc maps its config and names onto a family."""
+    from ..loaders.mlc import MODEL_TYPES, MLCArtifact
+    from ..loaders.tokenizer import load_tokenizer
+    art = MLCArtifact(path)
+    try:
+        arch = architecture(MODEL_TYPES[art.model_type][0], str(path))
+        config = art.config(arch.family)
+        weights = art.weights()
+    except BaseException:
+        art.close()
+        raise
+    return OpenedModel(arch, config, weights, path, art.close, lambda **kw: load_tokenizer(path, **kw),
+                       art.template, art)
 
 
 def _open_folder(path: Path) -> OpenedModel:

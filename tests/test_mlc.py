@@ -1,0 +1,301 @@
+"""MLC-LLM artifacts (WebLLM's models, loaders/mlc.py): a tiny model written in MLC's layout here
+(numpy; MLC's group quantiser as its spec: groups of 32 along K, scale = max|w| / 7 in the model
+dtype, q = clip(round(w / scale) + 7, 0, 14), 8 nibbles per u32 with element r at bits 4r) loads
+and runs as the same model from safetensors (q0f32, q0f16, f32-to-bf16 records) or as a numpy
+reference forward on the weights as the files encode them (q4f16_1, q4f32_1); broken artifacts
+give typed errors; MLC's conv_template renders as WebLLM does."""
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from tests.decoder_runner import DecoderRunner
+from tests.ref_llama import RefLlama
+from tests.tinymodels import _to_bf16_bits, write_tiny_llama_safetensors
+from webgpu_engine.errors import ModelFormatError, UnsupportedModelError
+from webgpu_engine.kernels.quant_ref import dequantize
+from webgpu_engine.loaders.mlc import ConvTemplate, MLCArtifact, repack_q4
+from webgpu_engine.models.registry import open_model
+
+PROMPT = [5, 17, 42, 99, 3, 250, 7, 64, 11, 128, 31, 200]
+
+# (MLC name, our names fused in row order) of one layer, per family
+_LAYER = {
+    "llama": {"self_attn.qkv_proj": ("q", "k", "v"), "self_attn.o_proj": ("o",), "mlp.gate_up_proj": ("gate", "up"),
+              "mlp.down_proj": ("down",), "input_layernorm": ("attn_norm",), "post_attention_layernorm": ("ffn_norm",)},
+}
+_LAYER["qwen2"] = {**{k: v for k, v in _LAYER["llama"].items() if k != "self_attn.qkv_proj"},
+                   "self_attn.c_attn": ("q", "k", "v")}
+
+
+def mlc_quantize(w: np.ndarray, scale_dtype) -> tuple[np.ndarray, np.ndarray]:
+    """MLC's group quantisation of an (N, K) matrix: (q_weight (N, K/8) u32, q_scale (N, K/32))."""
+    n, k = w.shape
+    g = w.astype(scale_dtype).reshape(n, k // 32, 32)
+    scale = (np.abs(g).max(axis=2) / scale_dtype(7)).astype(scale_dtype)
+    q = np.clip(np.round(g.astype(np.float32) / scale[..., None].astype(np.float32) + 7), 0, 14).astype(np.uint32)
+    q = q.reshape(n, k // 8, 8)
+    return (q << (4 * np.arange(8, dtype=np.uint32))).sum(axis=2, dtype=np.uint32), scale
+
+
+def mlc_dequantize(qw: np.ndarray, qs: np.ndarray) -> np.ndarray:
+    """(q - 7) * scale of MLC's q_weight / q_scale, in float64: the weights as the files encode them."""
+    n = qw.shape[0]
+    q = (qw[:, :, None] >> (4 * np.arange(8, dtype=np.uint32))) & 15
+    return ((q.reshape(n, -1, 32).astype(np.float64) - 7) * qs[..., None].astype(np.float64)).reshape(n, -1)
+
+
+def write_mlc(folder, info: dict, quant: str, *, bf16_records: bool = False, cache_name: str = "tensor-cache.json"):
+    """An MLC folder of the tiny model `info` (write_tiny_llama_safetensors): returns {our name: float64
+    values the files encode} (f32-to-bf16 records aside)."""
+    folder.mkdir(parents=True)
+    arch, w, cfg = info["arch"], info["weights"], info["config"]
+    model_dtype = {"q0f32": np.float32, "q0f16": np.float16, "q4f16_1": np.float16, "q4f32_1": np.float32}[quant]
+    params, encoded = {}, {}
+    mats = {"model.embed_tokens": ("embed",), "lm_head": ("lm_head",)}
+    for i in range(cfg.n_layers):
+        for mlc, ours in _LAYER[arch].items():
+            mats[f"model.layers.{i}.{mlc}"] = tuple(f"layers.{i}.{o}" for o in ours)
+        if arch == "qwen2":
+            params[f"model.layers.{i}.self_attn.c_attn.bias"] = np.concatenate(
+                [w[f"layers.{i}.{b}_bias"] for b in "qkv"]).astype(model_dtype)
+    mats["model.norm"] = ("norm",)
+    for mlc, ours in mats.items():
+        full = np.concatenate([w[o] for o in ours], axis=0) if len(w[ours[0]].shape) == 2 else w[ours[0]]
+        if quant.startswith("q4") and full.ndim == 2:
+            qw, qs = mlc_quantize(full, model_dtype)
+            params[mlc + ".q_weight"], params[mlc + ".q_scale"] = qw, qs
+            full = mlc_dequantize(qw, qs)
+        else:
+            params[mlc + ".weight"] = full.astype(model_dtype)
+        rows = np.cumsum([0] + [w[o].shape[0] for o in ours]) if full.ndim == 2 else [0, len(full)]
+        for o, a, b in zip(ours, rows[:-1], rows[1:]):
+            encoded[o] = np.asarray(full[a:b], np.float64)
+    for i in range(cfg.n_layers):
+        if arch == "qwen2":
+            bias = params[f"model.layers.{i}.self_attn.c_attn.bias"].astype(np.float64)
+            q, kv = cfg.q_dim, cfg.kv_dim
+            encoded.update({f"layers.{i}.q_bias": bias[:q], f"layers.{i}.k_bias": bias[q:q + kv],
+                            f"layers.{i}.v_bias": bias[q + kv:]})
+    # two shards, records in order
+    names = list(params)
+    shards = []
+    for j, chunk in enumerate((names[:len(names) // 2], names[len(names) // 2:])):
+        blob, recs = b"", []
+        for name in chunk:
+            a = params[name]
+            fmt = "raw"
+            if bf16_records and a.dtype == np.float32:
+                raw, fmt = _to_bf16_bits(a).tobytes(), "f32-to-bf16"
+            else:
+                raw = a.tobytes()
+            dtype = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16",
+                     np.dtype(np.uint32): "uint32"}[a.dtype]
+            recs.append({"name": name, "shape": list(a.shape), "dtype": dtype, "format": fmt,
+                         "nbytes": len(raw), "byteOffset": len(blob)})
+            blob += raw
+        path = f"params_shard_{j}.bin"
+        (folder / path).write_bytes(blob)
+        shards.append({"dataPath": path, "format": "raw-shard", "nbytes": len(blob),
+                       "md5sum": hashlib.md5(blob).hexdigest(), "records": recs})
+    (folder / cache_name).write_text(json.dumps({"metadata": {"ParamSize": len(names)}, "records": shards}))
+    d = info["config"]
+    chat = {
+        "model_type": arch, "quantization": quant,
+        "model_config": {"hidden_size": d.hidden_size, "intermediate_size": d.ffn_size,
+                         "num_attention_heads": d.n_heads, "num_hidden_layers": d.n_layers,
+                         "rms_norm_eps": d.rms_eps, "vocab_size": d.vocab_size, "tie_word_embeddings": False,
+                         "position_embedding_base": d.rope_base, "context_window_size": d.context_length,
+                         "prefill_chunk_size": 128, "num_key_value_heads": d.n_kv_heads, "head_dim": d.head_dim},
+        "context_window_size": d.context_length, "prefill_chunk_size": 128, "sliding_window_size": -1,
+        "temperature": 0.7, "top_p": 0.9, "tokenizer_files": ["tokenizer.json"],
+        "conv_template": {"name": "chatml", "system_template": "<|im_start|>system\n{system_message}<|im_end|>\n",
+                          "system_message": "You are a helpful assistant.",
+                          "roles": {"user": "<|im_start|>user", "assistant": "<|im_start|>assistant"},
+                          "seps": ["<|im_end|>\n"], "role_content_sep": "\n", "role_empty_sep": "\n",
+                          "stop_str": ["<|im_end|>"], "stop_token_ids": [2]},
+    }
+    (folder / "mlc-chat-config.json").write_text(json.dumps(chat))
+    shutil.copy(info["folder"] / "tokenizer.json", folder / "tokenizer.json")
+    return encoded
+
+
+def _bf16(a: np.ndarray) -> np.ndarray:
+    return (_to_bf16_bits(a).astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mlc")
+    return {arch: write_tiny_llama_safetensors(root / f"hf-{arch}", arch=arch, seed=3) for arch in ("llama", "qwen2")} \
+        | {"root": root}
+
+
+def _run(device, path, owner: str) -> tuple[np.ndarray, list[int]]:
+    m = open_model(path)
+    try:
+        r = DecoderRunner(device, m.config, m.weights, owner=owner, context_window=64, chunk=64)
+    finally:
+        m.close()
+    try:
+        logits = r.prefill(PROMPT, [len(PROMPT)])[len(PROMPT) - 1]
+        return logits, r.greedy(logits, len(PROMPT), 6)
+    finally:
+        r.release()
+
+
+@pytest.mark.parametrize("arch,quant", [("llama", "q0f32"), ("qwen2", "q0f16")])
+def test_float_artifact_equals_safetensors(device, tiny, arch, quant):
+    info = tiny[arch]
+    write_mlc(tiny["root"] / f"{arch}-{quant}", info, quant)
+    st = write_tiny_llama_safetensors(tiny["root"] / f"st-{arch}-{quant}", arch=arch, seed=3,
+                                      dtype="f32" if quant == "q0f32" else "f16")
+    got, got_tok = _run(device, tiny["root"] / f"{arch}-{quant}", "test:mlc")
+    want, want_tok = _run(device, st["folder"], "test:st")
+    assert got_tok == want_tok
+    np.testing.assert_allclose(got, want, atol=1e-4 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("arch,quant", [("llama", "q4f16_1"), ("qwen2", "q4f32_1")])
+def test_q4_artifact_matches_reference(device, tiny, arch, quant):
+    """Fused qkv_proj / c_attn (with its bias) and gate_up_proj split; logits and greedy tokens equal a
+    numpy forward over (q - 7) * scale of the files."""
+    info = tiny[arch]
+    encoded = write_mlc(tiny["root"] / f"{arch}-{quant}", info, quant)
+    m = open_model(tiny["root"] / f"{arch}-{quant}")
+    try:
+        assert m.arch.name == arch and m.config.vocab_size == info["config"].vocab_size
+        w = m.weights
+        assert w["layers.0.qkv"].qtype == ("q4_0" if quant == "q4f16_1" else "q4_0f32")
+        # the repack is exact: our Q4_0 decode of it equals MLC's (q - 7) * scale, bit for bit
+        t = w["layers.1.gate_up"]
+        np.testing.assert_array_equal(dequantize(t.data, t.qtype, t.n, t.k),
+                                      np.concatenate([encoded["layers.1.gate"], encoded["layers.1.up"]]))
+        if arch == "qwen2":
+            np.testing.assert_array_equal(np.frombuffer(w["layers.0.k_bias"].data, np.float32),
+                                          encoded["layers.0.k_bias"])
+    finally:
+        m.close()
+    got, got_tok = _run(device, tiny["root"] / f"{arch}-{quant}", "test:mlc")
+    ref = RefLlama(info["config"], encoded)
+    want = ref.forward(PROMPT, all_logits=False)[-1]
+    np.testing.assert_allclose(got, want, atol=2e-3 * np.abs(want).max())
+    assert got_tok[0] == int(np.argmax(want))
+
+
+def test_bf16_records_widened(device, tiny):
+    """MLC's converter stores float32 tensors as bf16 (format f32-to-bf16): they load as the bf16
+    safetensors model does."""
+    info = tiny["llama"]
+    path = tiny["root"] / "llama-bf16rec"
+    write_mlc(path, info, "q0f32", bf16_records=True)
+    cache = json.loads((path / "tensor-cache.json").read_text())
+    assert {r["format"] for s in cache["records"] for r in s["records"]} == {"f32-to-bf16"}
+    art = MLCArtifact(path)
+    try:
+        t = art.tensors["model.layers.0.self_attn.o_proj.weight"]
+        assert t.qtype == "bf16" and t.shape == info["weights"]["layers.0.o"].shape
+        np.testing.assert_array_equal(dequantize(t.data, "bf16", *t.shape), _bf16(info["weights"]["layers.0.o"]))
+    finally:
+        art.close()
+    st = write_tiny_llama_safetensors(tiny["root"] / "st-llama-bf16", arch="llama", seed=3, dtype="bf16")
+    got, got_tok = _run(device, path, "test:mlc")
+    want, want_tok = _run(device, st["folder"], "test:st")
+    assert got_tok == want_tok
+    np.testing.assert_allclose(got, want, atol=1e-4 * np.abs(want).max())
+
+
+def test_older_cache_name_chat_config_and_template(tiny):
+    path = tiny["root"] / "llama-ndarray"
+    write_mlc(path, tiny["llama"], "q0f32", cache_name="ndarray-cache.json")
+    art = MLCArtifact(path, verify_md5=True)
+    try:
+        cfg = art.config()
+        assert (cfg.rope_base, cfg.context_length, cfg.sliding_window) == (10000.0, 256, None)
+        assert 2 in cfg.eos_ids and art.prefill_chunk_size == 128
+        assert art.sampling_defaults() == {"temperature": 0.7, "top_p": 0.9}
+        tpl = art.template()                 # no tokenizer_config.json: the conv_template
+        assert isinstance(tpl, ConvTemplate)
+    finally:
+        art.close()
+    msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},
+            {"role": "user", "content": "Bye"}]
+    assert tpl.render(msgs) == ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+                                "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHello!<|im_end|>\n"
+                                "<|im_start|>user\nBye<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_llama3_conv_template_two_turns():
+    """Llama-3's conv_template as WebLLM's prebuilt artifacts carry it (a request's system message
+    replaces the default one; the system prompt takes no separator)."""
+    conv = ConvTemplate({
+        "name": "llama-3", "system_template": "<|start_header_id|>system<|end_header_id|>\n\n{system_message}<|eot_id|>",
+        "system_message": "You are a helpful, respectful and honest assistant.",
+        "roles": {"user": "<|start_header_id|>user", "assistant": "<|start_header_id|>assistant"},
+        "seps": ["<|eot_id|>"], "role_content_sep": "<|end_header_id|>\n\n", "role_empty_sep": "<|end_header_id|>\n\n",
+        "stop_str": [], "stop_token_ids": [128001, 128009], "system_prefix_token_ids": [128000]})
+    text = conv.render([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                        {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "2+2?"}])
+    assert text == ("<|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|>"
+                    "<|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>"
+                    "<|start_header_id|>assistant<|end_header_id|>\n\nHello<|eot_id|>"
+                    "<|start_header_id|>user<|end_header_id|>\n\n2+2?<|eot_id|>"
+                    "<|start_header_id|>assistant<|end_header_id|>\n\n")
+
+
+def test_broken_artifacts_typed_errors(device, tiny, tmp_path):
+    good = tiny["root"] / "llama-q0f32"
+    if not good.exists():
+        write_mlc(good, tiny["llama"], "q0f32")
+
+    def copy(name):
+        p = tmp_path / name
+        shutil.copytree(good, p)
+        return p
+    short = copy("short")
+    (short / "params_shard_1.bin").write_bytes((short / "params_shard_1.bin").read_bytes()[:-4])
+    with pytest.raises(ModelFormatError, match="bytes, the tensor cache says"):
+        MLCArtifact(short)
+    flipped = copy("md5")
+    raw = bytearray((flipped / "params_shard_0.bin").read_bytes())
+    raw[100] ^= 1
+    (flipped / "params_shard_0.bin").write_bytes(bytes(raw))
+    MLCArtifact(flipped).close()                          # sizes agree: md5 only when asked
+    with pytest.raises(ModelFormatError, match="md5"):
+        MLCArtifact(flipped, verify_md5=True)
+    missing = copy("missing")
+    cache = json.loads((missing / "tensor-cache.json").read_text())
+    cache["records"][0]["records"] = [r for r in cache["records"][0]["records"]
+                                      if r["name"] != "model.layers.0.mlp.down_proj.weight"]
+    (missing / "tensor-cache.json").write_text(json.dumps(cache))
+    m = open_model(missing)
+    try:
+        with pytest.raises(UnsupportedModelError, match="layers.0.down"):
+            DecoderRunner(device, m.config, m.weights, owner="test:missing", context_window=64, chunk=64)
+    finally:
+        m.close()
+    q3 = copy("q3")
+    chat = json.loads((q3 / "mlc-chat-config.json").read_text())
+    (q3 / "mlc-chat-config.json").write_text(json.dumps({**chat, "quantization": "q3f16_1"}))
+    with pytest.raises(UnsupportedModelError, match="q3f16_1"):
+        MLCArtifact(q3)
+    gemma = copy("gemma")
+    (gemma / "mlc-chat-config.json").write_text(json.dumps({**chat, "model_type": "gemma2"}))
+    with pytest.raises(UnsupportedModelError, match="gemma2"):
+        open_model(gemma)
+
+
+def test_repack_q4_every_nibble():
+    """repack_q4 on every 4-bit value and random scales, f16 and f32: Q4_0's decode = (q - 7) * scale."""
+    rng = np.random.default_rng(0)
+    for sdt, qt in ((np.float16, "q4_0"), (np.float32, "q4_0f32")):
+        q = rng.integers(0, 16, size=(6, 64)).astype(np.uint32)
+        q[0, :16] = np.arange(16)
+        qw = (q.reshape(6, 8, 8) << (4 * np.arange(8, dtype=np.uint32))).sum(axis=2, dtype=np.uint32)
+        qs = rng.uniform(-0.1, 0.1, (6, 2)).astype(sdt)
+        data = repack_q4(qw.tobytes(), qs.tobytes(), 6, 64, "f16" if sdt is np.float16 else "f32")
+        np.testing.assert_array_equal(dequantize(data, qt, 6, 64), mlc_dequantize(qw, qs))

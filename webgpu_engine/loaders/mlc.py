@@ -1,0 +1,400 @@
+"""MLC-LLM artifacts (what WebLLM loads): `mlc-chat-config.json`, a tensor cache and its raw shards.
+
+    art = MLCArtifact(folder)                # reads the chat config and the tensor cache, checks shard sizes
+    art.verify()                             # md5 of every shard (ModelFormatError on a mismatch)
+    art.config(family)                       # LlamaConfig (MLC's model_config field names mapped)
+    art.weights()                            # {our name: TensorInfo}
+    art.template()                           # tokenizer_config.json's Jinja template, else ConvTemplate
+
+Layout (TVM's tvmjs tensor-cache writer): `tensor-cache.json` (older artifacts: `ndarray-cache.json`)
+lists `records`, one per shard `params_shard_N.bin` (`dataPath`, `format` "raw-shard", `nbytes`,
+`md5sum`), each with the tensors it concatenates (`name`, `shape`, `dtype`, `format`, `nbytes`,
+`byteOffset`). A `float32` tensor of format `f32-to-bf16` is stored as bf16: it goes to the GPU as
+bf16, which the kernels widen exactly.
+
+Quantisations: q0f32 / q0f16 are float weights. q4f16_1 / q4f32_1 (MLC's group quantisation: groups
+of 32 along K, `*.q_weight` (N, K/8) u32 with element r of a word at bits 4r, `*.q_scale` (N, K/32)
+f16 / f32, value = (q - 7) * scale) are repacked at load, exactly, onto Q4_0 blocks: with
+d = -scale and q' = 15 - q, (q' - 8) d = (7 - q)(-scale) = (q - 7) scale for every 4-bit q, and
+negating a float is exact. q4f16_1 becomes GGUF's q4_0 (f16 d); q4f32_1 becomes q4_0f32, Q4_0 with an
+f32 d (kernels/qtypes.py). The repack moves nibbles (numpy, imported only for these two). Other
+quantisations (q3f16_1, q4f16_0's KN layout, AWQ, fp8) are refused by name.
+
+Families: llama, mistral, qwen2, qwen3, phi3 (MLC stores q|k|v as `qkv_proj` / qwen's `c_attn` and
+gate|up as `gate_up_proj`: split into our q, k, v, gate, up on load by the model, as Phi-3's).
+MLC's gemma2 / gemma3 artifacts are refused by name for now.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+from pathlib import Path
+
+from ..errors import ModelFormatError, UnsupportedModelError
+from .gguf import _as_buffer
+from .model_config import LlamaConfig
+from .tensor_info import TensorInfo
+
+CHAT_CONFIG = "mlc-chat-config.json"
+CACHE_FILES = ("tensor-cache.json", "ndarray-cache.json")
+FLOAT_QUANTS = ("q0f32", "q0f16", "q0bf16")
+GROUP_QUANTS = {"q4f16_1": "f16", "q4f32_1": "f32"}      # -> the dtype of q_scale
+GROUP_SIZE = 32
+# MLC dtype -> (ours, bytes per element)
+DTYPES = {"float32": ("f32", 4), "float16": ("f16", 2), "bfloat16": ("bf16", 2), "uint32": ("u32", 4)}
+
+# MLC model_type -> (our family, {MLC parameter name without .weight/.bias/.q_weight/.q_scale: ours})
+_LLAMA_NAMES = {
+    "model.embed_tokens": "embed", "model.norm": "norm", "lm_head": "lm_head",
+    "model.layers.{i}.input_layernorm": "layers.{i}.attn_norm",
+    "model.layers.{i}.post_attention_layernorm": "layers.{i}.ffn_norm",
+    "model.layers.{i}.self_attn.qkv_proj": "layers.{i}.qkv",
+    "model.layers.{i}.self_attn.o_proj": "layers.{i}.o",
+    "model.layers.{i}.mlp.gate_up_proj": "layers.{i}.gate_up",
+    "model.layers.{i}.mlp.down_proj": "layers.{i}.down",
+}
+_QWEN_NAMES = {**{k: v for k, v in _LLAMA_NAMES.items() if "qkv_proj" not in k},
+               "model.layers.{i}.self_attn.c_attn": "layers.{i}.qkv",         # with a bias (q|k|v)
+               "model.layers.{i}.self_attn.q_norm": "layers.{i}.q_norm",      # Qwen3
+               "model.layers.{i}.self_attn.k_norm": "layers.{i}.k_norm"}
+_PHI3_NAMES = {
+    "transformer.embd": "embed", "transformer.norm": "norm", "lm_head": "lm_head",
+    "transformer.h.{i}.ln": "layers.{i}.attn_norm",
+    "transformer.h.{i}.post_attention_layernorm": "layers.{i}.ffn_norm",
+    "transformer.h.{i}.mixer.qkv_proj": "layers.{i}.qkv",
+    "transformer.h.{i}.mixer.out_proj": "layers.{i}.o",
+    "transformer.h.{i}.mlp.gate_up_proj": "layers.{i}.gate_up",
+    "transformer.h.{i}.mlp.down_proj": "layers.{i}.down",
+}
+MODEL_TYPES = {"llama": ("llama", _LLAMA_NAMES), "mistral": ("mistral", _LLAMA_NAMES),
+               "qwen2": ("qwen2", _QWEN_NAMES), "qwen3": ("qwen3", _QWEN_NAMES), "phi3": ("phi3", _PHI3_NAMES)}
+_LAYER = re.compile(r"^(.*?)\.(\d+)\.(.+)$")
+_PARTS = ("q_weight", "q_scale", "weight", "bias")
+
+
+def is_mlc_folder(path) -> bool:
+    """A folder holding mlc-chat-config.json."""
+    p = Path(path)
+    return p.is_dir() and (p / CHAT_CONFIG).is_file()
+
+
+def _read_json(p: Path) -> dict:
+    try:
+        out = json.loads(p.read_text(encoding="utf-8"))
+    except FileNotFoundError as e:
+        raise ModelFormatError(f"{p} is missing: an MLC model folder needs it") from e
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelFormatError(f"{p} is not valid JSON: {e}") from e
+    if not isinstance(out, dict):
+        raise ModelFormatError(f"{p} is not a JSON object")
+    return out
+
+
+class MLCArtifact:
+    """One MLC model folder, opened: `chat_config` (mlc-chat-config.json), `model_type`,
+    `quantization`, `tensors` {MLC name: TensorInfo} (views into the mapped shards)."""
+
+    def __init__(self, folder, *, verify_md5: bool = False):
+        self.folder = Path(folder)
+        self.chat_config = _read_json(self.folder / CHAT_CONFIG)
+        self.model_type = str(self.chat_config.get("model_type", ""))
+        self.quantization = str(self.chat_config.get("quantization", ""))
+        where = str(self.folder / CHAT_CONFIG)
+        if self.model_type not in MODEL_TYPES:
+            raise UnsupportedModelError(f"{where}: MLC model_type {self.model_type!r} is not supported; "
+                                        f"supported: {', '.join(MODEL_TYPES)}")
+        if self.quantization not in FLOAT_QUANTS and self.quantization not in GROUP_QUANTS:
+            raise UnsupportedModelError(f"{where}: MLC quantization {self.quantization!r} is not supported; "
+                                        f"supported: {', '.join((*FLOAT_QUANTS, *GROUP_QUANTS))}")
+        cache = next((self.folder / n for n in CACHE_FILES if (self.folder / n).is_file()), None)
+        if cache is None:
+            raise ModelFormatError(f"{self.folder} holds no tensor cache ({' or '.join(CACHE_FILES)})")
+        self.cache_path = cache
+        self._shards: list[tuple[Path, dict]] = []
+        self._maps: list = []
+        self.tensors: dict[str, TensorInfo] = {}
+        try:
+            self._open_shards(_read_json(cache))
+            if verify_md5:
+                self.verify()
+        except BaseException:
+            self.close()
+            raise
+
+    def _open_shards(self, cache: dict) -> None:
+        records = cache.get("records")
+        if not isinstance(records, list) or not records:
+            raise ModelFormatError(f"{self.cache_path}: no shard records")
+        for shard in records:
+            try:
+                path, nbytes = self.folder / str(shard["dataPath"]), int(shard["nbytes"])
+                fmt, entries = shard.get("format", "raw-shard"), shard["records"]
+            except (KeyError, TypeError, ValueError) as e:
+                raise ModelFormatError(f"{self.cache_path}: bad shard record {str(shard)[:200]}") from e
+            if fmt != "raw-shard":
+                raise UnsupportedModelError(f"{self.cache_path}: shard format {fmt!r} (raw-shard expected)")
+            if not path.is_file():
+                raise ModelFormatError(f"{path} is missing: the tensor cache lists it")
+            size = path.stat().st_size
+            if size != nbytes:
+                raise ModelFormatError(f"{path} has {size} bytes, the tensor cache says {nbytes}: "
+                                       "truncated or a different file")
+            buf, mm, _ = _as_buffer(path)
+            self._maps.append(mm)
+            self._shards.append((path, shard))
+            for r in entries:
+                t = self._record(r, buf, path, nbytes)
+                self.tensors[t.name] = t
+
+    def _record(self, r: dict, buf, path: Path, shard_bytes: int) -> TensorInfo:
+        try:
+            name, shape, dtype = str(r["name"]), tuple(int(d) for d in r["shape"]), str(r["dtype"])
+            fmt, nbytes, off = str(r.get("format", "raw")), int(r["nbytes"]), int(r["byteOffset"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise ModelFormatError(f"{self.cache_path}: bad tensor record {str(r)[:200]}") from e
+        if dtype not in DTYPES:
+            raise UnsupportedModelError(f"{self.cache_path}: tensor {name} has dtype {dtype!r}; "
+                                        f"supported: {', '.join(DTYPES)}")
+        ours, size = DTYPES[dtype]
+        if fmt == "f32-to-bf16" and dtype == "float32":
+            ours, size = "bf16", 2                  # stored as bf16: the GPU widens it exactly
+        elif fmt != "raw":
+            raise UnsupportedModelError(f"{self.cache_path}: tensor {name} has format {fmt!r} (raw, f32-to-bf16)")
+        if nbytes != math.prod(shape) * size or off < 0 or off + nbytes > shard_bytes:
+            raise ModelFormatError(f"{self.cache_path}: tensor {name} ({dtype} {list(shape)}, {fmt}) has "
+                                   f"{nbytes} bytes at {off}, which do not fit its shape or {path.name}")
+        return TensorInfo(name, ours, shape, buf[off:off + nbytes], off)
+
+    def verify(self) -> None:
+        """md5 of every shard against the tensor cache's md5sum (ModelFormatError on a mismatch)."""
+        for path, shard in self._shards:
+            want = shard.get("md5sum")
+            if not want:
+                continue
+            h = hashlib.md5(usedforsecurity=False)
+            with open(path, "rb") as f:
+                for chunk in iter(lambda: f.read(1 << 20), b""):
+                    h.update(chunk)
+            if h.hexdigest() != str(want).lower():
+                raise ModelFormatError(f"{path}: md5 {h.hexdigest()} differs from the tensor cache's {want}: "
+                                       "corrupt or a different file")
+
+    # ------------------------------------------------------------------ config
+    def hf_config(self) -> dict:
+        """mlc-chat-config.json's model_config in config.json's field names (what the family readers take)."""
+        cc = self.chat_config
+        c = dict(cc.get("model_config") or {})
+        if not c:
+            raise ModelFormatError(f"{self.folder / CHAT_CONFIG} has no model_config")
+        c["model_type"] = self.model_type
+        if c.get("position_embedding_base"):
+            c["rope_theta"] = c["position_embedding_base"]
+        ctx = int(c.get("context_window_size") or cc.get("context_window_size") or 0)
+        if ctx > 0:
+            c["max_position_embeddings"] = ctx
+        window = int(c.get("sliding_window_size") or cc.get("sliding_window_size") or -1)
+        c["use_sliding_window"] = window > 0
+        if window > 0:
+            c["sliding_window"] = window
+        if self.model_type == "qwen2":
+            c.setdefault("attention_bias", True)
+        for key in ("bos_token_id", "eos_token_id"):
+            if cc.get(key) is not None:
+                c[key] = cc[key]
+        stops = (cc.get("conv_template") or {}).get("stop_token_ids") or []
+        eos = c.get("eos_token_id")
+        eos = eos if isinstance(eos, list) else ([eos] if eos is not None else [])
+        c["eos_token_id"] = list(dict.fromkeys([*eos, *(int(i) for i in stops)]))
+        return c
+
+    def config(self, family=None) -> LlamaConfig:
+        from .decoder_config import family_named, hf_config_from_dict
+        family = family or family_named(MODEL_TYPES[self.model_type][0], str(self.folder))
+        cfg = hf_config_from_dict(self.hf_config(), family, str(self.folder / CHAT_CONFIG))
+        cfg.name = self.folder.name
+        return cfg
+
+    @property
+    def prefill_chunk_size(self) -> int | None:
+        v = (self.chat_config.get("model_config") or {}).get("prefill_chunk_size") \
+            or self.chat_config.get("prefill_chunk_size")
+        return int(v) if v else None
+
+    def sampling_defaults(self) -> dict:
+        """The chat config's sampling defaults (temperature, top_p, penalties) that it sets."""
+        keys = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+        return {k: self.chat_config[k] for k in keys if self.chat_config.get(k) is not None}
+
+    # ------------------------------------------------------------------ weights
+    def weights(self) -> dict[str, TensorInfo]:
+        """{our name: TensorInfo}: MLC names mapped, q4 pairs repacked onto Q4_0 blocks, fused q|k|v
+        biases split (fused matrices stay `layers.i.qkv` / `gate_up`: the model splits them)."""
+        table = MODEL_TYPES[self.model_type][1]
+        groups: dict[str, dict[str, TensorInfo]] = {}
+        for name, t in self.tensors.items():
+            base, _, part = name.rpartition(".")
+            if part not in _PARTS:
+                continue
+            m = _LAYER.match(base)
+            ours = table.get(f"{m.group(1)}.{{i}}.{m.group(3)}") if m else table.get(base)
+            if ours is None:
+                continue
+            ours = ours.replace("{i}", m.group(2)) if m else ours
+            groups.setdefault(ours, {})[part] = t
+        out: dict[str, TensorInfo] = {}
+        for ours, parts in groups.items():
+            if "q_weight" in parts or "q_scale" in parts:
+                out[ours] = self._dequant_pair(ours, parts)
+            elif "weight" in parts:
+                out[ours] = parts["weight"]
+            if "bias" in parts:
+                out[ours + "_bias"] = parts["bias"]
+        return _split_biases(out, self.config())
+
+    def _dequant_pair(self, ours: str, parts: dict) -> TensorInfo:
+        qw, qs = parts.get("q_weight"), parts.get("q_scale")
+        if qw is None or qs is None:
+            raise ModelFormatError(f"{self.cache_path}: {ours} has {'q_scale' if qw is None else 'q_weight'} "
+                                   f"without its pair")
+        scale = GROUP_QUANTS.get(self.quantization)
+        if scale is None:
+            raise ModelFormatError(f"{self.cache_path}: {qw.name} is quantised in a {self.quantization} artifact")
+        n, k = qw.shape[0], qw.shape[-1] * 8
+        if qw.qtype != "u32" or len(qw.shape) != 2 or qs.qtype != scale or tuple(qs.shape) != (n, k // GROUP_SIZE) \
+                or k % GROUP_SIZE:
+            raise ModelFormatError(f"{self.cache_path}: {qw.name} {qw.qtype} {list(qw.shape)} / {qs.name} {qs.qtype} "
+                                   f"{list(qs.shape)} are not {self.quantization}'s (N, K/8) u32 / (N, K/32) {scale}")
+        data = repack_q4(qw.data, qs.data, n, k, scale)
+        return TensorInfo(qw.name, "q4_0" if scale == "f16" else "q4_0f32", (n, k), memoryview(data), qw.offset)
+
+    # ------------------------------------------------------------------ tokenizer, template
+    def template(self):
+        """tokenizer_config.json's Jinja chat template when the folder has one, else the chat config's
+        conv_template (ConvTemplate), else None."""
+        from .chat_template import from_folder
+        t = from_folder(self.folder)
+        if t is not None:
+            return t
+        conv = self.chat_config.get("conv_template")
+        return ConvTemplate(conv) if isinstance(conv, dict) else None
+
+    def close(self) -> None:
+        self.tensors = {}
+        for mm in self._maps:
+            if mm is not None:
+                try:
+                    mm.close()
+                except BufferError:          # views still alive: the GC closes it with them
+                    pass
+        self._maps = []
+
+
+def _split_biases(w: dict, cfg: LlamaConfig) -> dict:
+    """`layers.i.qkv_bias` (Qwen's c_attn bias) as q_bias | k_bias | v_bias."""
+    out = dict(w)
+    for name, t in w.items():
+        if not name.endswith(".qkv_bias"):
+            continue
+        p = name[:-len("qkv_bias")]
+        size = t.nbytes // t.numel
+        a, b = cfg.q_dim * size, (cfg.q_dim + cfg.kv_dim) * size
+        if t.numel != cfg.q_dim + 2 * cfg.kv_dim:
+            raise ModelFormatError(f"{t.name}: {t.numel} values, expected {cfg.q_dim + 2 * cfg.kv_dim}")
+        del out[name]
+        for part, lo, hi, n in (("q_bias", 0, a, cfg.q_dim), ("k_bias", a, b, cfg.kv_dim),
+                                ("v_bias", b, t.nbytes, cfg.kv_dim)):
+            out[p + part] = TensorInfo(f"{t.name}.{part}", t.qtype, (n,), t.data[lo:hi], t.offset + lo)
+    return out
+
+
+def repack_q4(q_weight, q_scale, n: int, k: int, scale: str) -> bytes:
+    """MLC q4 (q_weight (n, k/8) u32, element r of a word at bits 4r; q_scale (n, k/32) f16 / f32;
+    value (q - 7) s) as Q4_0 blocks (d f16 | qs[16], or d f32 | qs[16]: byte j holds elements j and
+    j + 16; value (q' - 8) d) with d = -s and q' = 15 - q: the same values, bit for bit."""
+    import numpy as np
+    groups = n * k // GROUP_SIZE
+    words = np.frombuffer(q_weight, "<u4", groups * 4).reshape(groups, 4)
+    sbits = np.frombuffer(q_scale, "<u2" if scale == "f16" else "<u4", groups)
+    sign = np.uint16(0x8000) if scale == "f16" else np.uint32(0x80000000)
+    sb = 2 if scale == "f16" else 4
+    out = np.empty((groups, sb + 16), np.uint8)
+    shifts = (4 * np.arange(8, dtype=np.uint32))
+    step = 1 << 18
+    for g0 in range(0, groups, step):
+        w = words[g0:g0 + step]
+        e = (((w[:, :, None] >> shifts) & 15).reshape(-1, 32) ^ 15).astype(np.uint8)   # q' = 15 - q
+        out[g0:g0 + step, sb:] = e[:, :16] | (e[:, 16:] << 4)
+        out[g0:g0 + step, :sb] = (sbits[g0:g0 + step] ^ sign).view(np.uint8).reshape(-1, sb)
+    return out.tobytes()
+
+
+# --------------------------------------------------------------------------- conv_template
+# WebLLM's MessagePlaceholders: the text role_templates put a message's content in
+_PLACEHOLDERS = {"user": "{user_message}", "assistant": "{assistant_message}", "tool": "{tool_message}"}
+
+
+class ConvTemplate:
+    """MLC's conversation template (mlc-chat-config.json `conv_template`), rendered the way MLC /
+    WebLLM build a prompt: the system template with the system message, then per message its role's
+    text (`roles`), the role separator, the content through `role_templates` (when given) and the
+    turn separator (`seps`: alternating user / assistant turns); the generation prompt is the
+    assistant role and the role's empty separator. Same interface as ChatTemplate."""
+
+    def __init__(self, conv: dict):
+        self.conv = conv
+        self.name = str(conv.get("name", ""))
+        self.system_template = str(conv.get("system_template", "{system_message}"))
+        self.system_message = str(conv.get("system_message", ""))
+        self.roles = dict(conv.get("roles") or {"user": "user", "assistant": "assistant"})
+        self.role_templates = dict(conv.get("role_templates") or {})
+        self.seps = list(conv.get("seps") or ["\n"])
+        self.role_content_sep = str(conv.get("role_content_sep") or ": ")
+        self.role_empty_sep = str(conv.get("role_empty_sep") or ": ")
+        self.stop_str = list(conv.get("stop_str") or [])
+        self.stop_token_ids = [int(i) for i in conv.get("stop_token_ids") or []]
+        self.system_prefix_token_ids = [int(i) for i in conv.get("system_prefix_token_ids") or []]
+        self.add_role_after_system_message = bool(conv.get("add_role_after_system_message", True))
+        self.source = json.dumps(conv)
+        self.bos_token = self.eos_token = ""
+
+    def _text(self, content) -> str:
+        if isinstance(content, str):
+            return content
+        if isinstance(content, list):            # OpenAI content parts: the text parts
+            return "".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+        return "" if content is None else str(content)
+
+    def render(self, messages: list[dict], *, add_generation_prompt: bool = True, **_) -> str:
+        system = self.system_message
+        turns = []
+        for m in messages:
+            role = m.get("role")
+            if role in ("system", "developer"):
+                system = self._text(m.get("content"))
+            else:
+                turns.append((role, self._text(m.get("content"))))
+        out = self.system_template.replace("{system_message}", system)
+        for i, (role, content) in enumerate(turns):
+            tpl = self.role_templates.get(role)
+            text = tpl.replace(_PLACEHOLDERS.get(role, "{user_message}"), content) if tpl else content
+            if i == 0 and out and not self.add_role_after_system_message:
+                prefix = ""
+            else:
+                prefix = f"{self.roles.get(role, role)}{self.role_content_sep}"
+            out += f"{prefix}{text}{self.seps[i % len(self.seps)]}"
+        if add_generation_prompt:
+            out += f"{self.roles.get('assistant', 'assistant')}{self.role_empty_sep}"
+        return out
+
+    def encode(self, tokenizer, messages: list[dict], *, add_generation_prompt: bool = True, **kwargs) -> list[int]:
+        from .chat_template import encode_template_text
+        text = self.render(messages, add_generation_prompt=add_generation_prompt)
+        ids = encode_template_text(tokenizer, text) if getattr(tokenizer, "special_regex", None) is not None \
+            else list(tokenizer.encode(text))
+        return [*self.system_prefix_token_ids, *ids]
+
+
+__all__ = ["CACHE_FILES", "CHAT_CONFIG", "ConvTemplate", "MLCArtifact", "MODEL_TYPES", "is_mlc_folder",
+           "repack_q4"]
