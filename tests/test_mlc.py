@@ -13,9 +13,12 @@ import shutil
 import numpy as np
 import pytest
 
-from tests.decoder_runner import DecoderRunner
-from tests.ref_llama import RefLlama
-from tests.tinymodels import _to_bf16_bits, write_tiny_llama_safetensors
+from decoder_runner import DecoderRunner
+from ref_llama import RefLlama
+from test_references import _folder_files, fake_hf_repo
+from tinymodels import _to_bf16_bits, write_tiny_llama_safetensors
+from webgpu_engine import errors as E
+from webgpu_engine.engine import EngineConfig, create_mlc_engine
 from webgpu_engine.errors import ModelFormatError, UnsupportedModelError
 from webgpu_engine.kernels.quant_ref import dequantize
 from webgpu_engine.loaders.mlc import ConvTemplate, MLCArtifact, repack_q4
@@ -287,6 +290,43 @@ def test_broken_artifacts_typed_errors(device, tiny, tmp_path):
     (gemma / "mlc-chat-config.json").write_text(json.dumps({**chat, "model_type": "gemma2"}))
     with pytest.raises(UnsupportedModelError, match="gemma2"):
         open_model(gemma)
+
+
+async def test_webllm_id_from_the_hf_cache_answers(device, tiny, tmp_path, monkeypatch):
+    """`Tiny-Llama-q4f16_1-MLC` resolves to mlc-ai/<id> in a prepared offline HF cache, loads with its
+    chat config's defaults and answers through the conv_template; unknown ids and broken caches are
+    typed errors, and the engine stays usable."""
+    art = tiny["root"] / "engine-q4f16_1"
+    write_mlc(art, tiny["llama"], "q4f16_1")
+    hub = tmp_path / "hub"
+    fake_hf_repo(hub, "mlc-ai/Tiny-Llama-q4f16_1-MLC", _folder_files(art))
+    broken = fake_hf_repo(hub, "mlc-ai/Broken-Llama-q4f16_1-MLC", _folder_files(art))
+    (broken / "params_shard_1.bin").write_bytes(b"\0" * 8)
+    monkeypatch.setenv("HF_HUB_CACHE", str(hub))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("WEBGPU_ENGINE_CACHE", str(tmp_path / "artifacts"))
+    fast = {"compile_at_load": False, "context_window_size": 64}
+    engine = await create_mlc_engine("Tiny-Llama-q4f16_1-MLC", EngineConfig(device=device), fast)
+    try:
+        lm = engine.models["Tiny-Llama-q4f16_1-MLC"]
+        cc = lm.chat_config
+        assert (cc.temperature, cc.top_p, cc.stop_token_ids, cc.prefill_chunk_size) == (0.7, 0.9, [2], 128)
+        assert engine.app_config.get("Tiny-Llama-q4f16_1-MLC").reference == "hf://mlc-ai/Tiny-Llama-q4f16_1-MLC"
+        msgs = [{"role": "user", "content": "hello"}]
+        r = await engine.chat.completions.create(messages=msgs, max_tokens=4, temperature=0, ignore_eos=True)
+        pipe = lm.pipeline
+        ids = pipe.template.encode(pipe.tokenizer, [{"role": "system", "content": "You are a helpful assistant."},
+                                                    *msgs])
+        assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == 4
+        with pytest.raises(E.ModelReferenceError):
+            await engine.reload("Missing-Llama-q4f16_1-MLC")
+        with pytest.raises(ModelFormatError, match="tensor cache says"):
+            await engine.reload("Broken-Llama-q4f16_1-MLC", fast)
+        await engine.reload("Tiny-Llama-q4f16_1-MLC", fast)
+        r2 = await engine.chat.completions.create(messages=msgs, max_tokens=4, temperature=0, ignore_eos=True)
+        assert r2.choices[0].message.content == r.choices[0].message.content
+    finally:
+        await engine.unload()
 
 
 def test_repack_q4_every_nibble():

@@ -117,20 +117,18 @@ def _folder_record(folder: Path, reference: str) -> dict:
 
 
 def _mlc_record(folder: Path, reference: str) -> dict:
-    """Type and context of an MLC artifact (WebLLM's models: mlc-chat-config.json, loaders/mlc.py)."""
+    """Type, context and chat-config defaults of an MLC artifact (WebLLM's models, loaders/mlc.py)."""
+    from ..loaders.mlc import read_chat_config
     try:
-        cc = json.loads((folder / "mlc-chat-config.json").read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ModelReferenceError(reference, [f"{folder}/mlc-chat-config.json is unreadable: {e}"]) from e
-    mc = cc.get("model_config") if isinstance(cc, dict) else None
-    ctx = (mc or {}).get("context_window_size") or cc.get("context_window_size") if isinstance(cc, dict) else 0
-    return {"model_type": LLM, "context": int(ctx) if isinstance(ctx, int) and ctx > 0 else 0}
+        return {"model_type": LLM, **read_chat_config(folder)}
+    except (ModelFormatError, UnsupportedModelError) as e:
+        raise ModelReferenceError(reference, [str(e)]) from e
 
 
 def _record(path: Path, reference: str, model_id: str, origin: str | None = None) -> ModelRecord:
     info = _gguf_record(path, reference) if path.is_file() else _mlc_record(path, reference) \
         if (path / "mlc-chat-config.json").is_file() else _folder_record(path, reference)
-    overrides = {}
+    overrides = dict(info.get("overrides", {}))
     if info["model_type"] == LLM and info["context"]:
         from ..config import ChatConfig
         default = ChatConfig().context_window_size

@@ -35,13 +35,14 @@ from pathlib import Path
 from ..errors import ModelFormatError, UnsupportedModelError
 from .gguf import _as_buffer
 from .model_config import LlamaConfig
-from .tensor_info import TensorInfo
+from .tensor_info import TensorInfo, tensor_nbytes
 
 CHAT_CONFIG = "mlc-chat-config.json"
 CACHE_FILES = ("tensor-cache.json", "ndarray-cache.json")
 FLOAT_QUANTS = ("q0f32", "q0f16", "q0bf16")
 GROUP_QUANTS = {"q4f16_1": "f16", "q4f32_1": "f32"}      # -> the dtype of q_scale
 GROUP_SIZE = 32
+SAMPLING_KEYS = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 # MLC dtype -> (ours, bytes per element)
 DTYPES = {"float32": ("f32", 4), "float16": ("f16", 2), "bfloat16": ("bf16", 2), "uint32": ("u32", 4)}
 
@@ -90,6 +91,24 @@ def _read_json(p: Path) -> dict:
     if not isinstance(out, dict):
         raise ModelFormatError(f"{p} is not a JSON object")
     return out
+
+
+def read_chat_config(folder) -> dict:
+    """{"context": the model's context window, "overrides": ChatConfig fields its mlc-chat-config.json
+    sets (sampling defaults, stop strings and ids, prefill chunk)}, for the engine's model record."""
+    cc = _read_json(Path(folder) / CHAT_CONFIG)
+    mc = cc.get("model_config") if isinstance(cc.get("model_config"), dict) else {}
+    ctx = mc.get("context_window_size") or cc.get("context_window_size") or 0
+    over = {k: float(cc[k]) for k in SAMPLING_KEYS if isinstance(cc.get(k), (int, float))}
+    conv = cc.get("conv_template") if isinstance(cc.get("conv_template"), dict) else {}
+    if conv.get("stop_str"):
+        over["stop_str"] = [str(s) for s in conv["stop_str"]]
+    if conv.get("stop_token_ids"):
+        over["stop_token_ids"] = [int(i) for i in conv["stop_token_ids"]]
+    chunk = mc.get("prefill_chunk_size") or cc.get("prefill_chunk_size")
+    if isinstance(chunk, int) and chunk > 0:
+        over["prefill_chunk_size"] = chunk
+    return {"context": int(ctx) if isinstance(ctx, int) and ctx > 0 else 0, "overrides": over}
 
 
 class MLCArtifact:
@@ -224,8 +243,7 @@ class MLCArtifact:
 
     def sampling_defaults(self) -> dict:
         """The chat config's sampling defaults (temperature, top_p, penalties) that it sets."""
-        keys = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
-        return {k: self.chat_config[k] for k in keys if self.chat_config.get(k) is not None}
+        return {k: self.chat_config[k] for k in SAMPLING_KEYS if self.chat_config.get(k) is not None}
 
     # ------------------------------------------------------------------ weights
     def weights(self) -> dict[str, TensorInfo]:
@@ -266,8 +284,7 @@ class MLCArtifact:
                 or k % GROUP_SIZE:
             raise ModelFormatError(f"{self.cache_path}: {qw.name} {qw.qtype} {list(qw.shape)} / {qs.name} {qs.qtype} "
                                    f"{list(qs.shape)} are not {self.quantization}'s (N, K/8) u32 / (N, K/32) {scale}")
-        data = repack_q4(qw.data, qs.data, n, k, scale)
-        return TensorInfo(qw.name, "q4_0" if scale == "f16" else "q4_0f32", (n, k), memoryview(data), qw.offset)
+        return RepackedQ4(qw, qs, n, k, scale)
 
     # ------------------------------------------------------------------ tokenizer, template
     def template(self):
@@ -289,6 +306,30 @@ class MLCArtifact:
                 except BufferError:          # views still alive: the GC closes it with them
                     pass
         self._maps = []
+
+
+class RepackedQ4(TensorInfo):
+    """An MLC q4 weight as Q4_0 blocks (q4_0 / q4_0f32), repacked when its bytes are first read (the
+    model's upload), not when the headers are read (memory estimates, info)."""
+
+    def __init__(self, q_weight: TensorInfo, q_scale: TensorInfo, n: int, k: int, scale: str):
+        self._src, self._data = (q_weight, q_scale, scale), None
+        super().__init__(q_weight.name, "q4_0" if scale == "f16" else "q4_0f32", (n, k), None, q_weight.offset)
+
+    @property
+    def data(self) -> memoryview:
+        if self._data is None:
+            qw, qs, scale = self._src
+            self._data = memoryview(repack_q4(qw.data, qs.data, self.shape[0], self.shape[1], scale))
+        return self._data
+
+    @data.setter
+    def data(self, value) -> None:
+        self._data = value
+
+    @property
+    def nbytes(self) -> int:
+        return tensor_nbytes(self.qtype, self.shape)
 
 
 def _split_biases(w: dict, cfg: LlamaConfig) -> dict:
@@ -397,4 +438,4 @@ class ConvTemplate:
 
 
 __all__ = ["CACHE_FILES", "CHAT_CONFIG", "ConvTemplate", "MLCArtifact", "MODEL_TYPES", "is_mlc_folder",
-           "repack_q4"]
+           "read_chat_config", "repack_q4"]
