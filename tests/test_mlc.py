@@ -6,6 +6,7 @@ reference forward on the weights as the files encode them (q4f16_1, q4f32_1); br
 give typed errors; MLC's conv_template renders as WebLLM does."""
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import shutil
@@ -16,12 +17,15 @@ import pytest
 from decoder_runner import DecoderRunner
 from ref_llama import RefLlama
 from test_references import _folder_files, fake_hf_repo
+from tinyfamilies import write_tiny_gemma_safetensors, write_tiny_phi3_safetensors
 from tinymodels import _to_bf16_bits, write_tiny_llama_safetensors
 from webgpu_engine import errors as E
 from webgpu_engine.engine import EngineConfig, create_mlc_engine
 from webgpu_engine.errors import ModelFormatError, UnsupportedModelError
 from webgpu_engine.kernels.quant_ref import dequantize
 from webgpu_engine.loaders.mlc import ConvTemplate, MLCArtifact, repack_q4
+from webgpu_engine.loaders.safetensors import SafetensorsFolder
+from webgpu_engine.loaders.tensor_info import split_fused
 from webgpu_engine.models.registry import open_model
 
 PROMPT = [5, 17, 42, 99, 3, 250, 7, 64, 11, 128, 31, 200]
@@ -127,6 +131,71 @@ def write_mlc(folder, info: dict, quant: str, *, bf16_records: bool = False, cac
     return encoded
 
 
+def _write_shards(folder, params: dict) -> None:
+    """params {MLC name: array} as one raw shard and its tensor-cache.json."""
+    blob, recs = b"", []
+    for name, a in params.items():
+        raw = np.ascontiguousarray(a).tobytes()
+        recs.append({"name": name, "shape": list(a.shape), "dtype": str(a.dtype), "format": "raw",
+                     "nbytes": len(raw), "byteOffset": len(blob)})
+        blob += raw
+    (folder / "params_shard_0.bin").write_bytes(blob)
+    (folder / "tensor-cache.json").write_text(json.dumps({"records": [{
+        "dataPath": "params_shard_0.bin", "format": "raw-shard", "nbytes": len(blob),
+        "md5sum": hashlib.md5(blob).hexdigest(), "records": recs}]}))
+
+
+_PHI3_MLC = {"model.embed_tokens.": "transformer.embd.", "model.norm.": "transformer.norm.",
+             "input_layernorm.": "ln.", "self_attn.qkv_proj.": "mixer.qkv_proj.", "self_attn.o_proj.": "mixer.out_proj.",
+             "model.layers.": "transformer.h."}
+
+
+def mlc_from_hf(hf_folder, folder, model_type: str) -> None:
+    """A q0f32 MLC artifact of an HF folder, named and configured as MLC's converter does (fused
+    q|k|v and gate|up, Qwen's c_attn, Phi-3's transformer.h / mixer, Gemma's 1 + w norms and Gemma 3's
+    language_model. prefix; model_config in MLC's field names)."""
+    folder.mkdir(parents=True)
+    sf = SafetensorsFolder(hf_folder)
+    t = {n: np.frombuffer(x.data, np.float32).reshape(x.shape) for n, x in sf.tensors.items()}
+    sf.close()
+    gemma, qwen = model_type.startswith("gemma"), model_type.startswith("qwen")
+    params = {}
+    for name in list(t):
+        for group, fused, parts in (("self_attn", "c_attn" if qwen else "qkv_proj", ("q_proj", "k_proj", "v_proj")),
+                                    ("mlp", "gate_up_proj", ("gate_proj", "up_proj"))):
+            first = f".{group}.{parts[0]}."
+            if first in name:
+                names = [name.replace(first, f".{group}.{p}.") for p in parts]
+                t[name.replace(first, f".{group}.{fused}.")] = np.concatenate([t.pop(n) for n in names])
+    for name, a in t.items():
+        mlc = name
+        if model_type == "phi3":
+            for a_, b_ in _PHI3_MLC.items():
+                mlc = mlc.replace(a_, b_)
+        if gemma and name.endswith("norm.weight"):
+            a = (a + np.float32(1)).astype(np.float32)
+        params[("language_model." if model_type == "gemma3" else "") + mlc] = a
+    _write_shards(folder, params)
+    c = json.loads((hf_folder / "config.json").read_text())
+    c.pop("architectures", None)
+    if "rope_theta" in c and not qwen:
+        c["position_embedding_base"] = c.pop("rope_theta")
+    if model_type != "phi3" and "max_position_embeddings" in c:
+        c["context_window_size"] = c.pop("max_position_embeddings")
+    if model_type not in ("gemma2", "phi3") and "sliding_window" in c:
+        c["sliding_window_size"] = c.pop("sliding_window") or -1
+    mc = {"text_config": c, "vocab_size": c["vocab_size"], "is_text_model": True} if model_type == "gemma3" else c
+    (folder / "mlc-chat-config.json").write_text(json.dumps({"model_type": model_type, "quantization": "q0f32",
+                                                             "model_config": mc}))
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(hf_folder / f, folder / f)
+
+
+def _values(m, cfg) -> dict:
+    w = split_fused(m.weights, cfg.q_dim, cfg.kv_dim, cfg.ffn_size)
+    return {n: dequantize(x.data, x.qtype, x.n, x.k) for n, x in w.items()}
+
+
 def _bf16(a: np.ndarray) -> np.ndarray:
     return (_to_bf16_bits(a).astype(np.uint32) << 16).view(np.float32).astype(np.float64)
 
@@ -208,6 +277,57 @@ def test_bf16_records_widened(device, tiny):
     st = write_tiny_llama_safetensors(tiny["root"] / "st-llama-bf16", arch="llama", seed=3, dtype="bf16")
     got, got_tok = _run(device, path, "test:mlc")
     want, want_tok = _run(device, st["folder"], "test:st")
+    assert got_tok == want_tok
+    np.testing.assert_allclose(got, want, atol=1e-4 * np.abs(want).max())
+
+
+_FAMILY_WRITERS = {
+    "qwen3": lambda p: write_tiny_llama_safetensors(p, arch="qwen3", seed=4),
+    "mistral": lambda p: write_tiny_llama_safetensors(p, arch="mistral", seed=4, sliding_window=24),
+    "phi3": lambda p: write_tiny_phi3_safetensors(p, seed=4),
+    "gemma2": lambda p: write_tiny_gemma_safetensors(p, arch="gemma2", seed=4, sliding_window=24,
+                                                     attn_softcap=50.0, final_softcap=30.0),
+    "gemma3": lambda p: write_tiny_gemma_safetensors(p, arch="gemma3", seed=4, sliding_window=24),
+}
+
+
+@pytest.mark.parametrize("family", list(_FAMILY_WRITERS))
+def test_family_names_and_config_as_hf(tiny, family):
+    """Each family's MLC artifact opens as the same model as its HF folder: the same LlamaConfig (MLC's
+    field names read) and the same weight values under our names (fusions split, Gemma's stored 1 + w)."""
+    hf = tiny["root"] / f"hf-{family}"
+    if not hf.exists():
+        _FAMILY_WRITERS[family](hf)
+    mlc_from_hf(hf, tiny["root"] / f"mlc-{family}", family)
+    a, b = open_model(hf), open_model(tiny["root"] / f"mlc-{family}")
+    try:
+        assert a.arch.name == b.arch.name == (family if family != "gemma3" else "gemma3")
+        ca, cb = dataclasses.asdict(a.config), dataclasses.asdict(b.config)
+        plus_one = ca.pop("norm_plus_one")
+        assert cb.pop("norm_plus_one") is False and plus_one == family.startswith("gemma")
+        for d in (ca, cb):
+            d.pop("name")
+        assert ca == cb
+        wa, wb = _values(a, a.config), _values(b, b.config)
+        assert set(wa) == set(wb)
+        for n in wa:
+            want = wa[n] + 1 if plus_one and n.endswith("norm") else wa[n]
+            np.testing.assert_allclose(wb[n], want, rtol=1e-7, err_msg=n)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_gemma3_artifact_runs_as_hf(device, tiny):
+    """Gemma 3's MLC artifact (language_model. names, 1 + w norms incl. q/k norms, nested text_config)
+    gives the HF folder's logits and greedy tokens."""
+    hf, mlc = tiny["root"] / "hf-gemma3", tiny["root"] / "mlc-gemma3"
+    if not mlc.exists():
+        if not hf.exists():
+            _FAMILY_WRITERS["gemma3"](hf)
+        mlc_from_hf(hf, mlc, "gemma3")
+    got, got_tok = _run(device, mlc, "test:mlc")
+    want, want_tok = _run(device, hf, "test:st")
     assert got_tok == want_tok
     np.testing.assert_allclose(got, want, atol=1e-4 * np.abs(want).max())
 

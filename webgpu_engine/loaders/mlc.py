@@ -20,9 +20,9 @@ negating a float is exact. q4f16_1 becomes GGUF's q4_0 (f16 d); q4f32_1 becomes 
 f32 d (kernels/qtypes.py). The repack moves nibbles (numpy, imported only for these two). Other
 quantisations (q3f16_1, q4f16_0's KN layout, AWQ, fp8) are refused by name.
 
-Families: llama, mistral, qwen2, qwen3, phi3 (MLC stores q|k|v as `qkv_proj` / qwen's `c_attn` and
-gate|up as `gate_up_proj`: split into our q, k, v, gate, up on load by the model, as Phi-3's).
-MLC's gemma2 / gemma3 artifacts are refused by name for now.
+Families: llama, mistral, qwen2, qwen3, phi3, gemma2, gemma3 / gemma3_text (MLC stores q|k|v as
+`qkv_proj` / Qwen's `c_attn` and gate|up as `gate_up_proj`: split into our q, k, v, gate, up on load
+by the model, as Phi-3's; Gemma's norms hold 1 + w, and Gemma 3's names start `language_model.`).
 """
 from __future__ import annotations
 
@@ -69,8 +69,17 @@ _PHI3_NAMES = {
     "transformer.h.{i}.mlp.gate_up_proj": "layers.{i}.gate_up",
     "transformer.h.{i}.mlp.down_proj": "layers.{i}.down",
 }
+# Gemma: the FFN has pre and post norms, the attention a post norm (as HF's names); MLC stores 1 + w
+_GEMMA_NAMES = {**{k: v for k, v in _QWEN_NAMES.items() if "c_attn" not in k and "post_attention" not in k},
+                "model.layers.{i}.self_attn.qkv_proj": "layers.{i}.qkv",
+                "model.layers.{i}.post_attention_layernorm": "layers.{i}.post_attn_norm",
+                "model.layers.{i}.pre_feedforward_layernorm": "layers.{i}.ffn_norm",
+                "model.layers.{i}.post_feedforward_layernorm": "layers.{i}.post_ffn_norm"}
 MODEL_TYPES = {"llama": ("llama", _LLAMA_NAMES), "mistral": ("mistral", _LLAMA_NAMES),
-               "qwen2": ("qwen2", _QWEN_NAMES), "qwen3": ("qwen3", _QWEN_NAMES), "phi3": ("phi3", _PHI3_NAMES)}
+               "qwen2": ("qwen2", _QWEN_NAMES), "qwen3": ("qwen3", _QWEN_NAMES), "phi3": ("phi3", _PHI3_NAMES),
+               "gemma2": ("gemma2", _GEMMA_NAMES), "gemma3": ("gemma3", _GEMMA_NAMES),
+               "gemma3_text": ("gemma3", _GEMMA_NAMES)}
+_PREFIX = "language_model."          # MLC's Gemma 3 names its text model so
 _LAYER = re.compile(r"^(.*?)\.(\d+)\.(.+)$")
 _PARTS = ("q_weight", "q_scale", "weight", "bias")
 
@@ -207,16 +216,21 @@ class MLCArtifact:
         c = dict(cc.get("model_config") or {})
         if not c:
             raise ModelFormatError(f"{self.folder / CHAT_CONFIG} has no model_config")
+        if isinstance(c.get("text_config"), dict):          # Gemma 3: the text model's fields
+            c = {**c, **c.pop("text_config")}
+        if isinstance(c.get("kwargs"), dict):               # fields MLC's config class kept aside
+            c = {**c.pop("kwargs"), **c}
         c["model_type"] = self.model_type
         if c.get("position_embedding_base"):
             c["rope_theta"] = c["position_embedding_base"]
         ctx = int(c.get("context_window_size") or cc.get("context_window_size") or 0)
-        if ctx > 0:
+        if ctx > 0 and not c.get("max_position_embeddings"):   # Phi-3 keeps its trained length
             c["max_position_embeddings"] = ctx
-        window = int(c.get("sliding_window_size") or cc.get("sliding_window_size") or -1)
+        window = int(c.get("sliding_window_size") or c.get("sliding_window") or cc.get("sliding_window_size") or -1)
         c["use_sliding_window"] = window > 0
-        if window > 0:
-            c["sliding_window"] = window
+        c["sliding_window"] = window if window > 0 else None
+        if self.model_type.startswith("gemma3"):
+            c.setdefault("rope_local_base_freq", 10000.0)      # transformers' Gemma 3 default
         if self.model_type == "qwen2":
             c.setdefault("attention_bias", True)
         for key in ("bos_token_id", "eos_token_id"):
@@ -233,6 +247,7 @@ class MLCArtifact:
         family = family or family_named(MODEL_TYPES[self.model_type][0], str(self.folder))
         cfg = hf_config_from_dict(self.hf_config(), family, str(self.folder / CHAT_CONFIG))
         cfg.name = self.folder.name
+        cfg.norm_plus_one = False             # MLC's Gemma converters store 1 + w
         return cfg
 
     @property
@@ -252,7 +267,7 @@ class MLCArtifact:
         table = MODEL_TYPES[self.model_type][1]
         groups: dict[str, dict[str, TensorInfo]] = {}
         for name, t in self.tensors.items():
-            base, _, part = name.rpartition(".")
+            base, _, part = name.removeprefix(_PREFIX).rpartition(".")
             if part not in _PARTS:
                 continue
             m = _LAYER.match(base)
