@@ -44,6 +44,8 @@ class AsyncMLCEngine(ModelLoading, DeviceLossHandling, Tokenizing):
         self.chat = Chat(self)
         self.completions = Completions(self)
         self.embeddings = Embeddings(self)
+        from .responses import Responses
+        self.responses = Responses(self)      # OpenAI's Responses API over the chat path
         from .rerank import Rerank
         self._rerank = Rerank(self)
 

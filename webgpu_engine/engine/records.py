@@ -110,6 +110,8 @@ class EngineConfig:
     request_timeout_s: a deadline per request, from its arrival to its last token, covering the
         wait for the model; past it the request stops at the next step boundary with
         RequestTimeoutError (HTTP 504). None: no deadline.
+    responses_store_size: how many stored Responses (/v1/responses, store=true) are kept for
+        previous_response_id and retrieval; the least recently used beyond it are forgotten.
     """
 
     app_config: AppConfig | None = None
@@ -124,6 +126,7 @@ class EngineConfig:
     limits: RequestLimits = field(default_factory=RequestLimits)
     max_queue_length: int | None = 32
     request_timeout_s: float | None = None
+    responses_store_size: int = 256
 
     def __post_init__(self):
         q = self.max_queue_length

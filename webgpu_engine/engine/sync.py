@@ -88,6 +88,16 @@ class _Chat:
         self.completions = _Create(engine, engine.async_engine.chat.completions)
 
 
+class _Responses(_Create):
+    """engine.responses: create (a SyncStream of events when streaming), retrieve, delete."""
+
+    def retrieve(self, response_id: str):
+        return self._engine._loop.run(self._target.retrieve(response_id))
+
+    def delete(self, response_id: str) -> dict:
+        return self._engine._loop.run(self._target.delete(response_id))
+
+
 class MLCEngine:
     """Blocking engine: same methods as AsyncMLCEngine, without `await`."""
 
@@ -97,6 +107,7 @@ class MLCEngine:
         self.chat = _Chat(self)
         self.completions = _Create(self, self.async_engine.completions)
         self.embeddings = _Create(self, self.async_engine.embeddings)
+        self.responses = _Responses(self, self.async_engine.responses)
 
     def reload(self, model_id, chat_opts=None) -> None:
         self._loop.run(self.async_engine.reload(model_id, chat_opts))

@@ -94,7 +94,7 @@ async def errors_middleware(request: web.Request, handler):
 @web.middleware
 async def auth_and_limits_middleware(request: web.Request, handler):
     opts: ServerOptions = request.app[OPTS]
-    guarded = request.path.startswith("/v1/") or request.path in ("/metrics", "/tokenize", "/detokenize")
+    guarded = request.path.startswith(("/v1/", "/api/")) or request.path in ("/metrics", "/tokenize", "/detokenize")
     if opts.api_key and guarded and request.method != "OPTIONS":
         auth = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
         if not hmac.compare_digest(auth, f"Bearer {opts.api_key}".encode("utf-8", "surrogateescape")):
@@ -147,15 +147,23 @@ def cors_middleware_factory(origins: list[str]):
 
 
 # --------------------------------------------------------------------------- handlers
-async def _sse(request: web.Request, stream, model_for_metrics: str) -> web.StreamResponse:
+def _data_frame(chunk) -> bytes:
+    return b"data: " + json.dumps(to_dict(chunk), separators=(",", ":")).encode() + b"\n\n"
+
+
+async def _sse(request: web.Request, stream, model_for_metrics: str, frame=_data_frame,
+               done: bytes | None = b"data: [DONE]\n\n") -> web.StreamResponse:
+    """Stream `stream`'s items, each written by `frame` (chat: `data:` lines ending with [DONE];
+    the Responses API: typed `event:` frames and no [DONE])."""
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                        "X-Accel-Buffering": "no"})
     await _cors_headers(request, resp)
     await resp.prepare(request)
     try:
         async for chunk in stream:
-            await resp.write(b"data: " + json.dumps(to_dict(chunk), separators=(",", ":")).encode() + b"\n\n")
-        await resp.write(b"data: [DONE]\n\n")
+            await resp.write(frame(chunk))
+        if done is not None:
+            await resp.write(done)
     except (ConnectionResetError, asyncio.CancelledError):
         # The client went away: stop generating now (frees the model's lock).
         await stream.aclose()
@@ -319,6 +327,10 @@ def create_app(opts: ServerOptions) -> web.Application:
     app.router.add_get("/metrics", metrics)
     from . import admin
     admin.add_routes(app)                             # answer 403 unless allow_model_management
+    from . import ollama
+    ollama.add_routes(app)                            # Ollama's API: /api/chat, /api/embed, /api/tags, ...
+    from . import responses
+    responses.add_routes(app)                         # /v1/responses (OpenAI's Responses API)
     app.on_startup.append(_start_loading)
     app.on_shutdown.append(_drain)
     app.on_cleanup.append(_shutdown)

@@ -1,0 +1,216 @@
+"""OpenAI's Responses API (/v1/responses) on the real server with the default chat model, through the
+official openai client: the same greedy answer as the chat route, streamed events, a tool-call round
+trip, previous_response_id, the bounded store, responses.parse, refusals by name and bad input."""
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+from pydantic import BaseModel
+
+from webgpu_engine.engine import EngineConfig
+from webgpu_engine.server.app import ServerOptions, ServerThread
+
+LLM_ID = "SmolLM2-135M-Instruct-Q4_1"
+STORE = 3
+WEATHER = {"type": "function", "name": "get_weather", "description": "Current weather of a city.",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                          "required": ["city"]}}
+
+
+@pytest.fixture(scope="module")
+def server(device, smollm2_gguf):
+    s = ServerThread(ServerOptions(models=[LLM_ID], port=0, chat_opts=[{"context_window_size": 1024}],
+                                   engine_config=EngineConfig(device=device, responses_store_size=STORE)))
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url, api_key="none", max_retries=0, timeout=300)
+
+
+def post(server, body) -> tuple[int, dict]:
+    req = urllib.request.Request(server.url + "/responses", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"}, method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=300) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def chat_answer(client, messages, max_tokens):
+    return client.chat.completions.create(model=LLM_ID, messages=messages, temperature=0, max_tokens=max_tokens)
+
+
+def test_create_equals_chat_route(client):
+    q = "What is the capital of France?"
+    r = client.responses.create(input=q, temperature=0, max_output_tokens=12, metadata={"k": "v"})
+    c = chat_answer(client, [{"role": "user", "content": q}], 12)
+    assert r.output_text == c.choices[0].message.content and r.output_text
+    assert r.id.startswith("resp_") and r.object == "response" and r.model == LLM_ID
+    msg = r.output[0]
+    assert msg.type == "message" and msg.id.startswith("msg_") and msg.content[0].type == "output_text"
+    assert (r.usage.input_tokens, r.usage.output_tokens) == (c.usage.prompt_tokens, c.usage.completion_tokens)
+    assert r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
+    if c.choices[0].finish_reason == "length":
+        assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    else:
+        assert r.status == "completed"
+    assert r.max_output_tokens == 12 and r.temperature == 0 and r.metadata == {"k": "v"} and r.store is True
+
+
+def test_stream_assembles_to_create(client):
+    kw = dict(input="Say hello.", instructions="Answer in one short sentence.", temperature=0,
+              max_output_tokens=40)
+    whole = client.responses.create(**kw)
+    assert whole.status == "completed", whole.output_text       # the answer fits: a completed stream
+    with client.responses.stream(model=LLM_ID, **kw) as s:
+        events = list(s)
+        final = s.get_final_response()
+    types = [e.type for e in events]
+    assert types[:2] == ["response.created", "response.in_progress"] and types[-1] == "response.completed"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+    assert len(deltas) > 1 and "".join(deltas) == whole.output_text
+    assert final.output_text == whole.output_text and final.usage.output_tokens == whole.usage.output_tokens
+    for t in ("response.output_item.added", "response.content_part.added", "response.output_text.done",
+              "response.content_part.done", "response.output_item.done"):
+        assert t in types
+
+
+def test_tool_call_round_trip(client):
+    first = client.responses.create(input="What is the weather in Paris?", tools=[WEATHER],
+                                    tool_choice={"type": "function", "name": "get_weather"},
+                                    temperature=0, max_output_tokens=48)
+    calls = [o for o in first.output if o.type == "function_call"]
+    assert len(calls) == 1 and calls[0].name == "get_weather" and calls[0].id.startswith("fc_")
+    args = json.loads(calls[0].arguments)
+    assert isinstance(args.get("city"), str)
+    second = client.responses.create(
+        previous_response_id=first.id, tools=[WEATHER], temperature=0, max_output_tokens=12,
+        input=[{"type": "function_call_output", "call_id": calls[0].call_id, "output": "sunny, 21 C"}])
+    assert second.output and second.output[0].type == "message" and second.output_text
+    assert second.previous_response_id == first.id
+    assert second.usage.input_tokens > first.usage.input_tokens
+    # the same turn with the full input instead of previous_response_id: the same answer
+    again = client.responses.create(
+        tools=[WEATHER], temperature=0, max_output_tokens=12, store=False,
+        input=[{"role": "user", "content": "What is the weather in Paris?"},
+               {"type": "function_call", "call_id": calls[0].call_id, "name": "get_weather",
+                "arguments": calls[0].arguments},
+               {"type": "function_call_output", "call_id": calls[0].call_id, "output": "sunny, 21 C"}])
+    assert again.output_text == second.output_text
+
+
+def test_stream_tool_call_events(client):
+    with client.responses.stream(model=LLM_ID, input="Weather in Rome?", tools=[WEATHER], tool_choice="required",
+                                 temperature=0, max_output_tokens=48) as s:
+        events = list(s)
+        final = s.get_final_response()
+    types = [e.type for e in events]
+    assert "response.function_call_arguments.delta" in types and types[-1] == "response.completed"
+    done = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert len(done) == 1 and json.loads(done[0].arguments) == json.loads(final.output[0].arguments)
+
+
+def test_previous_response_id_continues(client):
+    first = client.responses.create(input="My name is Ada. Greet me.", temperature=0, max_output_tokens=8)
+    second = client.responses.create(input="What is my name?", previous_response_id=first.id,
+                                     temperature=0, max_output_tokens=8)
+    history = [{"role": "user", "content": "My name is Ada. Greet me."},
+               {"role": "assistant", "content": first.output_text},
+               {"role": "user", "content": "What is my name?"}]
+    c = chat_answer(client, history, 8)
+    assert second.output_text == c.choices[0].message.content
+    assert second.usage.input_tokens == c.usage.prompt_tokens > first.usage.input_tokens
+
+
+def test_store_retrieve_delete_and_eviction(client):
+    r = client.responses.create(input="Hi", temperature=0, max_output_tokens=2)
+    got = client.responses.retrieve(r.id)
+    assert got.model_dump() == r.model_dump()
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve("resp_unknown")
+    unstored = client.responses.create(input="Hi", temperature=0, max_output_tokens=1, store=False)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unstored.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(input="Hi", previous_response_id=unstored.id, max_output_tokens=1)
+    client.responses.delete(r.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(r.id)
+    ids = [client.responses.create(input="Hi", temperature=0, max_output_tokens=1).id for _ in range(STORE + 1)]
+    with pytest.raises(openai.NotFoundError):          # the oldest is evicted (LRU of STORE)
+        client.responses.retrieve(ids[0])
+    assert [client.responses.retrieve(i).id for i in ids[1:]] == ids[1:]
+
+
+class City(BaseModel):
+    city: str
+    country: str
+
+
+def test_parse_with_pydantic_model(client):
+    r = client.responses.parse(model=LLM_ID, input="Name the capital of France and its country as JSON.", text_format=City,
+                               temperature=0, max_output_tokens=40)
+    assert r.status == "completed", r.output_text
+    assert isinstance(r.output_parsed, City) and r.output_parsed.city
+    assert r.text.format.type == "json_schema"
+
+
+def test_python_engine(server):
+    r = server.call(server.engine.responses.create(input="Hi", temperature=0, max_output_tokens=2))
+    assert r.output_text == r.output[0].content[0].text and r.usage.output_tokens <= 2
+    assert server.call(server.engine.responses.retrieve(r.id)).id == r.id
+
+
+@pytest.mark.parametrize("extra,param", [
+    ({"tools": [{"type": "web_search"}]}, "tools"),
+    ({"tools": [{"type": "file_search", "vector_store_ids": ["vs"]}]}, "tools"),
+    ({"tools": [{"type": "mcp", "server_label": "x"}]}, "tools"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]}, "input"),
+    ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, "input"),
+    ({"background": True}, "background"),
+    ({"reasoning": {"effort": "high"}}, "reasoning"),
+    ({"include": ["message.output_text.logprobs"]}, "include"),
+    ({"truncation": "auto"}, "truncation"),
+    ({"tool_choice": {"type": "web_search_preview"}}, "tool_choice"),
+    ({"text": {"format": {"type": "grammar"}}}, "text.format"),
+])
+def test_refused_by_name(server, extra, param):
+    status, body = post(server, {"input": "Hi", "max_output_tokens": 1, **extra})
+    assert status == 400 and body["error"]["param"] == param, body
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"input": 42}, "input"),
+    ({"input": ""}, "input"),
+    ({"input": []}, "input"),
+    ({}, "input"),
+    ({"input": [{"type": "bogus"}]}, "input"),
+    ({"input": [{"role": "robot", "content": "x"}]}, "input[0].role"),
+    ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id"),
+    ({"input": "Hi", "tools": {"a": 1}}, "tools"),
+    ({"input": "Hi", "tools": [{"type": "function"}]}, "tools[0].name"),
+    ({"input": "Hi", "max_output_tokens": "x"}, "max_output_tokens"),
+    ({"input": "Hi", "max_output_tokens": 0}, "max_output_tokens"),
+    ({"input": "Hi", "temperature": 5}, "temperature"),
+    ({"input": "Hi", "metadata": {"k": 1}}, "metadata"),
+    ({"input": "Hi", "store": "yes"}, "store"),
+    ({"input": "Hi", "text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format"),
+    ({"input": "Hi", "model": "no-such-model"}, "model"),
+    ({"input": [{"role": "user", "content": "a"}, {"role": "system", "content": "b"}]}, "input"),
+])
+def test_bad_input_is_a_typed_4xx(server, body, param):
+    status, got = post(server, {"max_output_tokens": 1, **body})
+    assert 400 <= status < 500 and got["error"]["param"] == param, got
+
+
+def test_usable_after_bad_requests(client):
+    assert client.responses.create(input="Hi", max_output_tokens=1).usage.output_tokens == 1

@@ -1,0 +1,233 @@
+"""`engine.responses`: OpenAI's Responses API served by the chat path (requests.py), no second
+generation loop. A request is checked (protocol/responses.py), its input items (after those of
+`previous_response_id`, from the store) become chat messages, the chat completion runs, and its
+answer becomes output items; streamed, the chat chunks become the Responses' typed events.
+
+Stored responses (store=true, the default) live in a bounded in-memory LRU (EngineConfig.
+responses_store_size): a response holds its whole conversation as items, so a continuation needs
+only its own id. Unknown and evicted ids raise ResponseNotFoundError (HTTP 404).
+Standard library only at module level.
+"""
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from typing import Any
+
+from ..errors import InvalidRequestError, WebGPUEngineError
+from ..protocol import responses as rp
+from ..protocol.objects import to_dict
+from .records import LLM
+from .requests import request_fields
+
+
+class ResponseNotFoundError(WebGPUEngineError):
+    http_status = 404
+    error_type = "invalid_request_error"
+
+    def __init__(self, response_id: str, param: str | None = None):
+        super().__init__(f"No stored response with id {response_id[:80]!r}: it was never stored "
+                         f"(store=false), was deleted, or was evicted from the server's store of the "
+                         f"most recent responses.", param=param)
+
+
+class ResponseStore:
+    """The most recent stored responses, least recently used evicted first. An entry: the
+    response dict and the conversation items it continues (its input history and its output)."""
+
+    def __init__(self, capacity: int):
+        self.capacity = max(0, int(capacity))
+        self._entries: OrderedDict[str, tuple[dict, list[dict]]] = OrderedDict()
+
+    def put(self, response: dict, items: list[dict]) -> None:
+        self._entries[response["id"]] = (response, items)
+        self._entries.move_to_end(response["id"])
+        while len(self._entries) > self.capacity:
+            self._entries.popitem(last=False)
+
+    def get(self, response_id: str, param: str | None = None) -> tuple[dict, list[dict]]:
+        entry = self._entries.get(response_id) if isinstance(response_id, str) else None
+        if entry is None:
+            raise ResponseNotFoundError(str(response_id), param)
+        self._entries.move_to_end(response_id)
+        return entry
+
+    def delete(self, response_id: str) -> None:
+        self.get(response_id)
+        del self._entries[response_id]
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+def _rename_param(e: InvalidRequestError) -> InvalidRequestError:
+    """A chat rule's error names the chat field; name the Responses field the client sent."""
+    if e.param in rp.CHAT_PARAMS:
+        e.param = rp.CHAT_PARAMS[e.param]
+    return e
+
+
+def _conversation_items(output: list[dict]) -> list[dict]:
+    """Output items as input items of the next turn (what a continuation sends back)."""
+    out = []
+    for it in output:
+        if it["type"] == "message":
+            out.append({"type": "message", "role": "assistant",
+                        "content": "".join(c["text"] for c in it["content"])})
+        else:
+            out.append({k: it[k] for k in ("type", "call_id", "name", "arguments")})
+    return out
+
+
+class Responses:
+    """engine.responses: create, retrieve, delete."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.store = ResponseStore(engine.config.responses_store_size)
+
+    async def create(self, request: Any = None, **fields):
+        """A Response object, or with stream=true an async iterator of its events (the first ones
+        after the prefill ran, so errors up to there raise here)."""
+        req = rp.check_responses_request(request_fields(request, fields))
+        history: list[dict] = []
+        if req.get("previous_response_id"):
+            _, history = self.store.get(req["previous_response_id"], "previous_response_id")
+        items = history + req["input"]
+        chat = rp.chat_request(req, rp.to_chat_messages(items, req.get("instructions")))
+        lm = await self.engine.select(req.get("model"), LLM, "ResponseCreateParams")
+        cc = lm.chat_config
+        base = rp.new_response(req, rp.new_id("resp"), lm.model_id, int(time.time()),
+                               {"temperature": cc.temperature, "top_p": cc.top_p})
+        try:
+            res = await self.engine.chat.completions.create(chat, stream=bool(req.get("stream")))
+        except InvalidRequestError as e:
+            raise _rename_param(e) from None
+        if req.get("stream"):
+            return ResponseEventStream(res, base, lambda done: self._keep(req, items, done))
+        d = to_dict(res)
+        choice = d["choices"][0]
+        done = rp.finish(base, rp.output_items(choice["message"], choice["finish_reason"]), d["usage"],
+                         choice["finish_reason"])
+        self._keep(req, items, done)
+        return rp.response_object(done)
+
+    def _keep(self, req: dict, items: list[dict], response: dict) -> None:
+        if req["store"]:
+            self.store.put(response, items + _conversation_items(response["output"]))
+
+    async def retrieve(self, response_id: str):
+        """A stored Response (ResponseNotFoundError for unknown, unstored or evicted ids)."""
+        return rp.response_object(self.store.get(response_id)[0])
+
+    async def delete(self, response_id: str) -> dict:
+        self.store.delete(response_id)
+        return {"id": response_id, "object": "response.deleted", "deleted": True}
+
+
+class ResponseEventStream:
+    """The typed events of a streamed Response over a chat AsyncStream: response.created and
+    .in_progress, per output item .output_item.added / .done (a message's content part and text
+    deltas, a function call's argument deltas), then response.completed (or .incomplete at
+    max_output_tokens). An engine error after the start ends it with response.failed."""
+
+    def __init__(self, chat_stream, base: dict, keep):
+        self._chat, self._base, self._keep = chat_stream, base, keep
+        self.model = base["model"]
+        self._seq = 0
+        self._agen = self._events()
+
+    # the AsyncStream surface the server and the sync facade use
+    @property
+    def usage(self):
+        return self._chat.usage
+
+    @property
+    def _released(self) -> bool:
+        return self._chat._released
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        return await self._agen.__anext__()
+
+    async def aclose(self) -> None:
+        await self._agen.aclose()
+        await self._chat.aclose()
+
+    def _event(self, kind: str, **fields) -> dict:
+        ev = {"type": kind, "sequence_number": self._seq, **fields}
+        self._seq += 1
+        return rp.response_object(ev)
+
+    async def _events(self):
+        base = self._base
+        yield self._event("response.created", response=base)
+        yield self._event("response.in_progress", response=base)
+        items: list[dict] = []
+        message: dict | None = None        # the open message item
+        calls: dict[int, dict] = {}        # chat tool-call index -> its function_call item
+        finish = "stop"
+        try:
+            async for chunk in self._chat:
+                for c in to_dict(chunk).get("choices", []):
+                    delta = c.get("delta") or {}
+                    if delta.get("content"):
+                        if message is None:
+                            message = rp.message_item("", "in_progress")
+                            items.append(message)
+                            for ev in self._open_message(message, len(items) - 1):
+                                yield ev
+                        message["content"][0]["text"] += delta["content"]
+                        yield self._event("response.output_text.delta", item_id=message["id"],
+                                          output_index=items.index(message), content_index=0,
+                                          delta=delta["content"], logprobs=[])
+                    for tc in delta.get("tool_calls") or []:
+                        f = tc.get("function") or {}
+                        item = calls.get(tc["index"])
+                        if item is None:
+                            item = rp.function_call_item(tc["id"], f.get("name", ""), "", "in_progress")
+                            calls[tc["index"]] = item
+                            items.append(item)
+                            yield self._event("response.output_item.added", output_index=len(items) - 1,
+                                              item=dict(item))
+                        if f.get("arguments"):
+                            item["arguments"] += f["arguments"]
+                            yield self._event("response.function_call_arguments.delta", item_id=item["id"],
+                                              output_index=items.index(item), delta=f["arguments"])
+                    finish = c.get("finish_reason") or finish
+            status = "incomplete" if finish == "length" else "completed"
+            for i, item in enumerate(items):
+                item["status"] = status if item["type"] == "message" else "completed"
+                for ev in self._close(item, i):
+                    yield ev
+            done = rp.finish(base, items, self._chat.usage, finish)
+            self._keep(done)
+            yield self._event("response." + done["status"], response=done)
+        except WebGPUEngineError as e:
+            failed = dict(base, status="failed", output=items,
+                          error={"code": "rate_limit_exceeded" if e.http_status == 429 else "server_error",
+                                 "message": e.message})
+            yield self._event("response.failed", response=failed)
+
+    def _open_message(self, item: dict, index: int):
+        yield self._event("response.output_item.added", output_index=index, item=dict(item, content=[]))
+        yield self._event("response.content_part.added", item_id=item["id"], output_index=index,
+                          content_index=0, part=rp.output_text(""))
+
+    def _close(self, item: dict, index: int):
+        if item["type"] == "message":
+            part = item["content"][0]
+            yield self._event("response.output_text.done", item_id=item["id"], output_index=index,
+                              content_index=0, text=part["text"], logprobs=[])
+            yield self._event("response.content_part.done", item_id=item["id"], output_index=index,
+                              content_index=0, part=dict(part))
+        else:
+            yield self._event("response.function_call_arguments.done", item_id=item["id"],
+                              output_index=index, name=item["name"], arguments=item["arguments"])
+        yield self._event("response.output_item.done", output_index=index, item=_copy(item))
+
+
+def _copy(item: dict) -> dict:
+    return {k: ([dict(p) for p in v] if k == "content" else v) for k, v in item.items()}
