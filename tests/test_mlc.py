@@ -406,10 +406,22 @@ def test_broken_artifacts_typed_errors(device, tiny, tmp_path):
     (q3 / "mlc-chat-config.json").write_text(json.dumps({**chat, "quantization": "q3f16_1"}))
     with pytest.raises(UnsupportedModelError, match="q3f16_1"):
         MLCArtifact(q3)
-    gemma = copy("gemma")
-    (gemma / "mlc-chat-config.json").write_text(json.dumps({**chat, "model_type": "gemma2"}))
-    with pytest.raises(UnsupportedModelError, match="gemma2"):
-        open_model(gemma)
+    mixtral = copy("mixtral")
+    (mixtral / "mlc-chat-config.json").write_text(json.dumps({**chat, "model_type": "mixtral"}))
+    with pytest.raises(UnsupportedModelError, match="mixtral"):
+        open_model(mixtral)
+    unpaired = copy("unpaired")
+    q4 = tiny["root"] / "llama-q4f16_1"
+    if not q4.exists():
+        write_mlc(q4, tiny["llama"], "q4f16_1")
+    shutil.rmtree(unpaired)
+    shutil.copytree(q4, unpaired)
+    cache = json.loads((unpaired / "tensor-cache.json").read_text())
+    for shard in cache["records"]:
+        shard["records"] = [r for r in shard["records"] if r["name"] != "model.layers.1.self_attn.o_proj.q_scale"]
+    (unpaired / "tensor-cache.json").write_text(json.dumps(cache))
+    with pytest.raises(ModelFormatError, match="o_proj.q_weight has no q_scale"):
+        open_model(unpaired)
 
 
 async def test_webllm_id_from_the_hf_cache_answers(device, tiny, tmp_path, monkeypatch):

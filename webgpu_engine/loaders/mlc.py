@@ -279,18 +279,18 @@ class MLCArtifact:
         out: dict[str, TensorInfo] = {}
         for ours, parts in groups.items():
             if "q_weight" in parts or "q_scale" in parts:
-                out[ours] = self._dequant_pair(ours, parts)
+                out[ours] = self._q4_pair(ours, parts)
             elif "weight" in parts:
                 out[ours] = parts["weight"]
             if "bias" in parts:
                 out[ours + "_bias"] = parts["bias"]
         return _split_biases(out, self.config())
 
-    def _dequant_pair(self, ours: str, parts: dict) -> TensorInfo:
+    def _q4_pair(self, ours: str, parts: dict) -> TensorInfo:
         qw, qs = parts.get("q_weight"), parts.get("q_scale")
         if qw is None or qs is None:
-            raise ModelFormatError(f"{self.cache_path}: {ours} has {'q_scale' if qw is None else 'q_weight'} "
-                                   f"without its pair")
+            raise ModelFormatError(f"{self.cache_path}: {(qw or qs).name} has no "
+                                   f"{'q_scale' if qs is None else 'q_weight'} beside it")
         scale = GROUP_QUANTS.get(self.quantization)
         if scale is None:
             raise ModelFormatError(f"{self.cache_path}: {qw.name} is quantised in a {self.quantization} artifact")
@@ -335,7 +335,7 @@ class RepackedQ4(TensorInfo):
     def data(self) -> memoryview:
         if self._data is None:
             qw, qs, scale = self._src
-            self._data = memoryview(repack_q4(qw.data, qs.data, self.shape[0], self.shape[1], scale))
+            self._data = repack_q4(qw.data, qs.data, self.shape[0], self.shape[1], scale)
         return self._data
 
     @data.setter
@@ -365,25 +365,26 @@ def _split_biases(w: dict, cfg: LlamaConfig) -> dict:
     return out
 
 
-def repack_q4(q_weight, q_scale, n: int, k: int, scale: str) -> bytes:
+def repack_q4(q_weight, q_scale, n: int, k: int, scale: str) -> memoryview:
     """MLC q4 (q_weight (n, k/8) u32, element r of a word at bits 4r; q_scale (n, k/32) f16 / f32;
     value (q - 7) s) as Q4_0 blocks (d f16 | qs[16], or d f32 | qs[16]: byte j holds elements j and
-    j + 16; value (q' - 8) d) with d = -s and q' = 15 - q: the same values, bit for bit."""
+    j + 16; value (q' - 8) d) with d = -s and q' = 15 - q: the same values, bit for bit.
+
+    A group's 16 MLC bytes hold elements 2m (low nibble) and 2m + 1 (high) in byte m, so Q4_0's byte
+    2m is the low nibbles of bytes m and m + 8, byte 2m + 1 their high nibbles; 15 - q is q ^ 15."""
     import numpy as np
     groups = n * k // GROUP_SIZE
-    words = np.frombuffer(q_weight, "<u4", groups * 4).reshape(groups, 4)
-    sbits = np.frombuffer(q_scale, "<u2" if scale == "f16" else "<u4", groups)
-    sign = np.uint16(0x8000) if scale == "f16" else np.uint32(0x80000000)
+    qb = np.frombuffer(q_weight, np.uint8, groups * 16).reshape(groups, 16)
     sb = 2 if scale == "f16" else 4
+    sbytes = np.frombuffer(q_scale, np.uint8, groups * sb).reshape(groups, sb)
     out = np.empty((groups, sb + 16), np.uint8)
-    shifts = (4 * np.arange(8, dtype=np.uint32))
-    step = 1 << 18
-    for g0 in range(0, groups, step):
-        w = words[g0:g0 + step]
-        e = (((w[:, :, None] >> shifts) & 15).reshape(-1, 32) ^ 15).astype(np.uint8)   # q' = 15 - q
-        out[g0:g0 + step, sb:] = e[:, :16] | (e[:, 16:] << 4)
-        out[g0:g0 + step, :sb] = (sbits[g0:g0 + step] ^ sign).view(np.uint8).reshape(-1, sb)
-    return out.tobytes()
+    lo, hi = qb[:, :8], qb[:, 8:]
+    out[:, sb::2] = (lo & 0x0F) | (hi << 4)
+    out[:, sb + 1::2] = (lo >> 4) | (hi & 0xF0)
+    out[:, sb:] ^= 0xFF                                  # q' = 15 - q in both nibbles
+    out[:, :sb] = sbytes
+    out[:, sb - 1] ^= 0x80                               # d = -s: the sign bit (little-endian top byte)
+    return memoryview(out.reshape(-1))
 
 
 # --------------------------------------------------------------------------- conv_template
