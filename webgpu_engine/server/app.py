@@ -94,7 +94,7 @@ async def errors_middleware(request: web.Request, handler):
 @web.middleware
 async def auth_and_limits_middleware(request: web.Request, handler):
     opts: ServerOptions = request.app[OPTS]
-    guarded = request.path.startswith("/v1/") or request.path in ("/metrics", "/tokenize", "/detokenize")
+    guarded = request.path.startswith(("/v1/", "/api/")) or request.path in ("/metrics", "/tokenize", "/detokenize")
     if opts.api_key and guarded and request.method != "OPTIONS":
         auth = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
         if not hmac.compare_digest(auth, f"Bearer {opts.api_key}".encode("utf-8", "surrogateescape")):
@@ -327,6 +327,8 @@ def create_app(opts: ServerOptions) -> web.Application:
     app.router.add_get("/metrics", metrics)
     from . import admin
     admin.add_routes(app)                             # answer 403 unless allow_model_management
+    from . import ollama
+    ollama.add_routes(app)                            # Ollama's API: /api/chat, /api/embed, /api/tags, ...
     from . import responses
     responses.add_routes(app)                         # /v1/responses (OpenAI's Responses API)
     app.on_startup.append(_start_loading)
