@@ -21,6 +21,7 @@ from tinyfamilies import write_tiny_gemma_safetensors, write_tiny_phi3_safetenso
 from tinymodels import _to_bf16_bits, write_tiny_llama_safetensors
 from webgpu_engine import errors as E
 from webgpu_engine.engine import EngineConfig, create_mlc_engine
+from webgpu_engine.engine.records import app_config_from_dict
 from webgpu_engine.errors import ModelFormatError, UnsupportedModelError
 from webgpu_engine.kernels.quant_ref import dequantize
 from webgpu_engine.loaders.mlc import ConvTemplate, MLCArtifact, repack_q4
@@ -454,7 +455,14 @@ async def test_webllm_id_from_the_hf_cache_answers(device, tiny, tmp_path, monke
             await engine.reload("Missing-Llama-q4f16_1-MLC")
         with pytest.raises(ModelFormatError, match="tensor cache says"):
             await engine.reload("Broken-Llama-q4f16_1-MLC", fast)
-        await engine.reload("Tiny-Llama-q4f16_1-MLC", fast)
+        # WebLLM's own app-config record: the repo URL, a model_lib we do not need, its overrides on top
+        engine.set_app_config(engine.app_config.with_records(*app_config_from_dict({"model_list": [{
+            "model": "https://huggingface.co/mlc-ai/Tiny-Llama-q4f16_1-MLC", "model_id": "tiny-webllm",
+            "model_lib": "https://example.org/Tiny-Llama-q4f16_1-webgpu.wasm",
+            "overrides": {"temperature": 0.5, **fast}}]}).model_list))
+        await engine.reload("tiny-webllm")
+        assert (engine.models["tiny-webllm"].chat_config.temperature,
+                engine.models["tiny-webllm"].chat_config.top_p) == (0.5, 0.9)
         r2 = await engine.chat.completions.create(messages=msgs, max_tokens=4, temperature=0, ignore_eos=True)
         assert r2.choices[0].message.content == r.choices[0].message.content
     finally:

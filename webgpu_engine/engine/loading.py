@@ -212,6 +212,9 @@ class ModelLoading:
                        t0: float, token: object = None) -> _Plan:
         """Check features, build the chat config, fetch the files (progress 0..0.1) and estimate memory."""
         rec = self._check_features(dev, rec, opts)
+        from .references import hub_repo_record, is_hub_repo_record
+        if is_hub_repo_record(rec):               # WebLLM's records: https://huggingface.co/mlc-ai/<id>
+            rec = await asyncio.to_thread(hub_repo_record, rec)
         try:
             chat_config = ChatConfig().updated(rec.overrides).updated(opts)
         except (ValueError, TypeError) as e:

@@ -21,6 +21,7 @@ import asyncio
 import contextvars
 import hashlib
 import json
+import logging
 import re
 from dataclasses import replace
 from pathlib import Path, PurePosixPath
@@ -343,6 +344,25 @@ def _resolve(ref: str, model_id: str | None, app_config: AppConfig | None, offli
     if not _REPO_RE.match(ref):
         raise ModelReferenceError(ref, tried + ["not a Hugging Face repo id ORG/REPO[:QUANT]"])
     return _hf_repo_id(ref, ref, model_id, offline, tried)
+
+
+def is_hub_repo_record(rec: ModelRecord) -> bool:
+    """A record (WebLLM's app config) whose `model` is a Hugging Face repo's URL, with no model_file:
+    WebLLM's form of its prebuilt models (`https://huggingface.co/mlc-ai/<id>`)."""
+    u = urlparse(rec.model)
+    return (not rec.model_file and (u.hostname or "").lower() in _HF_HOSTS
+            and len([p for p in u.path.split("/") if p]) == 2)
+
+
+def hub_repo_record(rec: ModelRecord, progress=None) -> ModelRecord:
+    """Such a record resolved like its URL (into the Hugging Face cache; an MLC artifact's model_lib is
+    not needed): the files' defaults, then the record's own overrides."""
+    got = resolve_model_reference(rec.model, model_id=rec.model_id, progress=progress)
+    if rec.model_lib not in ("builtin", ""):
+        logging.getLogger("webgpu_engine.engine").debug("%s: model_lib %s is not used (our kernels run the "
+                                                        "weights)", rec.model_id, rec.model_lib)
+    return replace(rec, model=got.model, model_type=got.model_type, overrides={**got.overrides, **rec.overrides},
+                   reference=rec.model)
 
 
 def _hf_repo_id(reference: str, spec: str, model_id: str | None, offline: bool | None,
