@@ -17,6 +17,7 @@ import ollama
 import openai
 import pytest
 
+from tinymodels import write_tiny_llama_gguf
 from webgpu_engine.engine import EngineConfig
 from webgpu_engine.engine.ollama_store import list_store
 from webgpu_engine.engine.references import resolve_model_reference
@@ -31,6 +32,7 @@ CITY = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome", "Osl
                                          "days": {"type": "integer", "minimum": 1, "maximum": 7}},
         "required": ["city", "days"], "additionalProperties": False}
 GREEDY = {"temperature": 0, "num_predict": 12}
+M = "tiny:latest"          # the chat model the server loads (NAME alone finds NAME:latest)
 
 
 # --------------------------------------------------------------------------- a store as Ollama lays it
@@ -76,6 +78,10 @@ def store(tmp_path_factory, smollm2_gguf):
     params = s.layer("params", json.dumps(PARAMS).encode())
     s.manifest("smollm2", "135m", [model, params])
     s.manifest("smollm2", "latest", [model])
+    # what the server loads: a tiny random GGUF (fast on lavapipe), with the same params layer
+    tiny = tmp_path_factory.mktemp("tiny-src") / "tiny.gguf"
+    write_tiny_llama_gguf(tiny, context_length=2048, seed=3)
+    s.manifest("tiny", "latest", [s.layer("model", src=tiny), params])
     s.manifest("tiny", "q4", [model], host="example.org:5000", ns="team")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("OLLAMA_MODELS", str(s.root))
@@ -95,7 +101,7 @@ def test_reference_resolves_the_blob_in_place_with_params(store, smollm2_gguf):
     assert other.model_id == "example.org:5000/team/tiny:q4"
     assert resolve_model_reference("ollama:smollm2", model_id="alias").model_id == "alias"
     rows = {r["name"]: r for r in list_store()}
-    assert set(rows) == {"smollm2:135m", "smollm2:latest", "example.org:5000/team/tiny:q4"}
+    assert set(rows) == {"smollm2:135m", "smollm2:latest", "tiny:latest", "example.org:5000/team/tiny:q4"}
     assert rows["smollm2:135m"]["family"] == "llama" and rows["smollm2:135m"]["size"] > 90_000_000
 
 
@@ -128,14 +134,33 @@ def test_bad_store_layouts_are_typed_errors(store, smollm2_gguf, tmp_path):
     assert "not valid JSON" in rows["badjson:latest"]["error"]
 
 
+def test_list_ollama_command(store, capsys):
+    from webgpu_engine.cli import main
+    assert main(["list", "--ollama", "--json"]) == 0
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
+    assert rows["smollm2:135m"]["parameter_size"] == "135M" and rows["tiny:latest"]["size"] > 0
+    assert main(["list", "--ollama"]) == 0
+    out = capsys.readouterr().out
+    assert "example.org:5000/team/tiny:q4" in out and "98." in out     # SmolLM2's 98 MB
+
+
 # --------------------------------------------------------------------------- the API
+def _post(server, path: str, body: dict) -> dict:
+    req = urllib.request.Request(server.base + path, data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        return json.loads(r.read())
+
+
 @pytest.fixture(scope="module")
 def server(device, store):
-    s = ServerThread(ServerOptions(models=["ollama:smollm2:135m", "all-MiniLM-L6-v2"], port=0,
-                                   engine_config=EngineConfig(device=device),
-                                   chat_opts=[{"max_num_sequences": 1}, None]))
-    yield s
-    s.stop()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HF_HUB_OFFLINE", "1")           # /api/pull of a Hugging Face GGUF: offline here
+        s = ServerThread(ServerOptions(models=["ollama:tiny", "all-MiniLM-L6-v2"], port=0,
+                                       engine_config=EngineConfig(device=device),
+                                       chat_opts=[{"max_num_sequences": 1}, None]))
+        yield s
+        s.stop()
 
 
 @pytest.fixture(scope="module")
@@ -144,34 +169,34 @@ def client(server):
 
 
 def test_chat_equals_the_openai_route_and_streams(server, client):
-    r = client.chat(model="smollm2:135m", messages=HI, options=GREEDY, stream=False)
+    r = client.chat(model=M, messages=HI, options=GREEDY, stream=False)
     assert r.done and r.done_reason in ("stop", "length") and r.message.role == "assistant"
     assert r.message.content and r.eval_count >= 1 and r.prompt_eval_count > 10
     assert r.total_duration > 0 and r.eval_duration > 0 and r.prompt_eval_duration > 0
     o = openai.OpenAI(base_url=server.url, api_key="none", max_retries=0, timeout=300)
-    ref = o.chat.completions.create(model="smollm2:135m", messages=HI, temperature=0, max_tokens=12)
+    ref = o.chat.completions.create(model=M, messages=HI, temperature=0, max_tokens=12)
     assert r.message.content == ref.choices[0].message.content
     assert r.eval_count == ref.usage.completion_tokens and r.prompt_eval_count == ref.usage.prompt_tokens
-    parts = list(client.chat(model="smollm2", messages=HI, options=GREEDY))    # stream: Ollama's default
+    parts = list(client.chat(model="tiny", messages=HI, options=GREEDY, stream=True))
     assert [p.done for p in parts] == [False] * (len(parts) - 1) + [True] and len(parts) > 2
     assert "".join(p.message.content for p in parts) == r.message.content
     assert parts[-1].eval_count == r.eval_count and parts[-1].done_reason == r.done_reason
 
 
 def test_generate_templated_raw_and_load(server, client):
-    g = client.generate(model="smollm2:135m", prompt=HI[0]["content"], options=GREEDY)
-    c = client.chat(model="smollm2:135m", messages=HI, options=GREEDY)
+    g = client.generate(model=M, prompt=HI[0]["content"], options=GREEDY)
+    c = client.chat(model=M, messages=HI, options=GREEDY)
     assert g.response == c.message.content and g.done
     o = openai.OpenAI(base_url=server.url, api_key="none", max_retries=0, timeout=300)
-    raw = client.generate(model="smollm2:135m", prompt="The capital of France is", raw=True,
+    raw = client.generate(model=M, prompt="The capital of France is", raw=True,
                           options={"temperature": 0, "num_predict": 8})
-    ref = o.completions.create(model="smollm2:135m", prompt="The capital of France is", temperature=0,
+    ref = o.completions.create(model=M, prompt="The capital of France is", temperature=0,
                                max_tokens=8)
     assert raw.response == ref.choices[0].text and raw.eval_count == ref.usage.completion_tokens
-    streamed = "".join(p.response for p in client.generate(model="smollm2:135m", prompt="The capital of "
+    streamed = "".join(p.response for p in client.generate(model=M, prompt="The capital of "
                        "France is", raw=True, stream=True, options={"temperature": 0, "num_predict": 8}))
     assert streamed == raw.response
-    load = client.generate(model="smollm2:135m")       # no prompt: Ollama's "load the model"
+    load = client.generate(model=M)       # no prompt: Ollama's "load the model"
     assert load.done and load.done_reason == "load" and load.response == ""
 
 
@@ -189,28 +214,28 @@ def test_embed_and_the_older_embeddings_route(server, client):
 
 def test_tags_show_ps_version(server, client, store):
     names = {m.model: m for m in client.list().models}
-    assert set(names) == {"smollm2:135m", "all-MiniLM-L6-v2"}
-    sm = names["smollm2:135m"]
-    assert sm.details.family == "llama" and sm.details.quantization_level == "Q4_1" and sm.size > 90_000_000
-    manifest = store.root / "manifests/registry.ollama.ai/library/smollm2/135m"
+    assert set(names) == {M, "all-MiniLM-L6-v2"}
+    sm = names[M]
+    assert sm.details.family == "llama" and sm.details.quantization_level == "Q4_1" and sm.size > 0
+    manifest = store.root / "manifests/registry.ollama.ai/library/tiny/latest"
     assert sm.digest == hashlib.sha256(manifest.read_bytes()).hexdigest()
     assert names["all-MiniLM-L6-v2"].details.format == "safetensors"
-    s = client.show("smollm2:135m")
+    s = client.show(M)
     assert 'stop "<|im_end|>"' in s.parameters and "temperature 0.2" in s.parameters
     assert "<|im_start|>" in s.template and s.modelinfo["llama.context_length"] == 1024
     assert "completion" in s.capabilities
     assert client.show("all-MiniLM-L6-v2").capabilities == ["embedding"]
     ps = {m.model: m for m in client.ps().models}
-    assert ps["smollm2:135m"].context_length == 1024 and ps["smollm2:135m"].size_vram > 0
+    assert ps[M].context_length == 1024 and ps[M].size_vram > 0
     with urllib.request.urlopen(server.base + "/api/version") as r:
         assert json.loads(r.read())["version"]
 
 
 def test_format_json_and_schema(client):
-    r = client.chat(model="smollm2:135m", messages=[{"role": "user", "content": "Give a trip as JSON."}],
+    r = client.chat(model=M, messages=[{"role": "user", "content": "Give a trip as JSON."}],
                     format=CITY, options={"temperature": 0, "num_predict": 40})
     jsonschema.validate(json.loads(r.message.content), CITY)
-    r = client.generate(model="smollm2:135m", prompt="Reply in JSON.", format="json",
+    r = client.generate(model=M, prompt="Reply in JSON.", format="json",
                         options={"temperature": 0, "num_predict": 24})
     assert r.response.lstrip().startswith("{")
 
@@ -225,58 +250,84 @@ def test_tool_call_in_ollamas_shape(server, client):
         """
         return "sunny"
     # Ollama has no tool_choice; this server takes one as an extension, so the tiny model must call
-    r = client._request(ollama.ChatResponse, "POST", "/api/chat", json={
-        "model": "smollm2:135m", "messages": HI, "stream": False, "options": {"temperature": 0, "num_predict": 60},
+    r = ollama.ChatResponse(**_post(server, "/api/chat", {
+        "model": M, "messages": HI, "stream": False, "options": {"temperature": 0, "num_predict": 200},
         "tools": [{"type": "function", "function": {"name": "forecast", "description": "Weather forecast",
                                                     "parameters": CITY}}],
-        "tool_choice": "required"})
+        "tool_choice": "required"}))
     call = r.message.tool_calls[0]
     assert call.function.name == "forecast" and isinstance(call.function.arguments, dict)
     jsonschema.validate(dict(call.function.arguments), CITY)
     # the call goes back as Ollama sends it (arguments an object) with the tool's answer
-    follow = client.chat(model="smollm2:135m", tools=[forecast], options=GREEDY, stream=False, messages=[
+    follow = client.chat(model=M, tools=[forecast], options=GREEDY, stream=False, messages=[
         *HI, {"role": "assistant", "content": "", "tool_calls": [call.model_dump()]},
         {"role": "tool", "content": "sunny", "tool_name": "forecast"}])
     assert follow.done
 
 
 @pytest.mark.parametrize("path,body,status,says", [
-    ("/api/chat", {"model": "smollm2:135m", "messages": HI, "options": {"mirostat": 2}}, 400, "mirostat"),
-    ("/api/chat", {"model": "smollm2:135m", "messages": HI, "options": {"num_ctx": 99999}}, 400, "num_ctx"),
-    ("/api/chat", {"model": "smollm2:135m", "messages": HI, "options": {"temperature": "hot"}}, 400, "temperature"),
-    ("/api/chat", {"model": "smollm2:135m", "messages": [{"role": "user", "content": "x", "images": ["AA=="]}]},
+    ("/api/chat", {"model": M, "messages": HI, "options": {"mirostat": 2}}, 400, "mirostat"),
+    ("/api/chat", {"model": M, "messages": HI, "options": {"num_ctx": 99999}}, 400, "num_ctx"),
+    ("/api/chat", {"model": M, "messages": HI, "options": {"temperature": "hot"}}, 400, "temperature"),
+    ("/api/chat", {"model": M, "messages": [{"role": "user", "content": "x", "images": ["AA=="]}]},
      400, "images"),
     ("/api/chat", {"model": "nope", "messages": HI}, 404, "nope"),
-    ("/api/chat", {"model": "smollm2:135m", "messages": "hi"}, 400, "messages"),
-    ("/api/chat", {"model": "smollm2:135m", "messages": HI, "format": 3}, 400, "format"),
-    ("/api/generate", {"model": "smollm2:135m", "prompt": "x", "context": [1, 2]}, 400, "context"),
-    ("/api/generate", {"model": "smollm2:135m", "prompt": "x", "suffix": "y"}, 400, "suffix"),
-    ("/api/generate", {"model": "smollm2:135m", "prompt": "x", "template": "{{ .Prompt }}"}, 400, "template"),
-    ("/api/generate", {"model": "smollm2:135m", "prompt": "x", "bogus": 1}, 400, "bogus"),
-    ("/api/embed", {"model": "smollm2:135m", "input": "x"}, 400, "chat model"),
+    ("/api/chat", {"model": M, "messages": "hi"}, 400, "messages"),
+    ("/api/chat", {"model": M, "messages": HI, "format": 3}, 400, "format"),
+    ("/api/generate", {"model": M, "prompt": "x", "context": [1, 2]}, 400, "context"),
+    ("/api/generate", {"model": M, "prompt": "x", "suffix": "y"}, 400, "suffix"),
+    ("/api/generate", {"model": M, "prompt": "x", "template": "{{ .Prompt }}"}, 400, "template"),
+    ("/api/generate", {"model": M, "prompt": "x", "bogus": 1}, 400, "bogus"),
+    ("/api/embed", {"model": M, "input": "x"}, 400, "chat model"),
     ("/api/embed", {"model": "all-MiniLM-L6-v2", "input": [1, 2]}, 400, "input"),
     ("/api/embed", {"model": "all-MiniLM-L6-v2", "input": "x", "truncate": False}, 400, "truncate"),
     ("/api/pull", {"model": "llama3.2:1b"}, 404, "ollama pull"),
-    ("/api/pull", {"model": "hf.co/org/repo:Q4_K_M"}, 403, "allow-model-management"),
     ("/api/nope", {}, 404, "Unknown route"),
 ])
 def test_bad_api_input_is_an_ollama_4xx(server, path, body, status, says):
-    req = urllib.request.Request(server.base + path, data=json.dumps(body).encode(), method="POST",
-                                 headers={"Content-Type": "application/json"})
     with pytest.raises(urllib.error.HTTPError) as e:
-        urllib.request.urlopen(req)
+        _post(server, path, body)
     assert e.value.code == status
     err = json.loads(e.value.read())["error"]
     assert isinstance(err, str) and says in err
 
 
-def test_client_errors_delete_and_pull(server, client):
+def test_client_errors_api_key_and_pull(server, client):
     with pytest.raises(ollama.ResponseError) as e:
-        client.chat(model="smollm2:135m", messages=HI, options={"top_k": 40})
+        client.chat(model=M, messages=HI, options={"top_k": 40})
     assert e.value.status_code == 400 and "top_k" in e.value.error
     with pytest.raises(ollama.ResponseError) as e:
-        client.delete("smollm2:135m")
+        client.delete(M)                                  # model management is off
+    assert e.value.status_code == 403 and "allow-model-management" in e.value.error
+    with pytest.raises(ollama.ResponseError) as e:
+        client.pull("hf.co/org/repo:Q4_K_M")              # downloads need model management too
     assert e.value.status_code == 403
     assert client.pull("smollm2:135m", stream=False).status == "success"      # in the store: verified
-    # the engine still serves after the failures
-    assert client.chat(model="smollm2:135m", messages=HI, options=GREEDY).done
+    assert [p.status for p in client.pull("smollm2:135m", stream=True)][-1] == "success"
+    server.opts.api_key = "sesame"                        # the API key guards /api/ as it does /v1/
+    try:
+        with pytest.raises(ollama.ResponseError) as e:
+            client.list()
+        assert e.value.status_code == 401 and "API key" in e.value.error
+        keyed = ollama.Client(host=server.base, timeout=300, headers={"Authorization": "Bearer sesame"})
+        assert keyed.chat(model=M, messages=HI, options=GREEDY).done       # still serving
+    finally:
+        server.opts.api_key = None
+
+
+def test_model_management_keep_alive_and_delete(server, client):
+    """Last: it unloads both models."""
+    server.opts.allow_model_management = True
+    try:
+        with pytest.raises(ollama.ResponseError) as e:
+            client.pull("hf.co/org/repo:Q4_K_M")          # offline: a clear error, not a 500
+        assert 400 <= e.value.status_code < 600 and e.value.status_code != 500 and "org/repo" in e.value.error
+        r = client.chat(model=M, messages=HI, options=GREEDY, keep_alive=0)
+        assert r.done and M not in {m.model for m in client.ps().models}
+        assert client.delete("all-MiniLM-L6-v2").status == "success"
+        assert client.list().models == []
+        with pytest.raises(ollama.ResponseError) as e:
+            client.delete("all-MiniLM-L6-v2")
+        assert e.value.status_code == 404
+    finally:
+        server.opts.allow_model_management = False

@@ -1,4 +1,4 @@
-"""The command line: `python -m webgpu_engine info|chat|complete|embed|serve|download|cache|bench|tune`.
+"""The command line: `python -m webgpu_engine info|chat|complete|embed|serve|list|download|cache|bench|tune`.
 
 parser.py builds the argument parser, commands.py holds the handlers (models.py the model loading
 they share), structured.py the chat options for structured output and tools, tune.py the `tune`

@@ -9,9 +9,11 @@ import sys
 from ..catalogue import DEFAULT_CHAT_MODEL, DEFAULT_EMBED_MODEL
 from .commands import cmd_bench, cmd_chat, cmd_complete, cmd_embed, cmd_info, cmd_serve
 from .structured import add_options as add_structured_options
+from .listing import add_subcommand as add_list_command
 from .tune import add_subcommand as add_tune_command
 
-REF = "a model: an app-config id, a .gguf file, a model folder, a URL or a Hugging Face ORG/REPO[:QUANT]"
+REF = ("a model: an app-config id, a .gguf file, a model folder, a URL, a Hugging Face ORG/REPO[:QUANT] "
+       "or ollama:NAME[:TAG] (Ollama's store)")
 
 
 # --------------------------------------------------------------------------- parser
@@ -209,5 +211,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_bench, extra=[])
 
     add_tune_command(sub, DEFAULT_CHAT_MODEL)
+    add_list_command(sub)
     _add_cache_commands(sub)
     return ap

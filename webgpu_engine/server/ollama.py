@@ -189,7 +189,7 @@ async def _run(request, body, lm, endpoint, req: dict, chat: bool) -> web.Stream
     if not stream:
         res = to_dict(await endpoint.create(req))
         ch = res["choices"][0]
-        text = ch["message"]["content"] if "message" in ch else ch["text"]
+        text = ch["message"].get("content") if "message" in ch else ch["text"]
         calls = proto.tool_calls(ch.get("message", {}).get("tool_calls"))
         metrics.observe_usage(res["model"], res.get("usage"))
         out = {**_piece(lm, chat, text or "", calls), "done": True,
