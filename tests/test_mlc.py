@@ -20,8 +20,10 @@ from test_references import _folder_files, fake_hf_repo
 from tinyfamilies import write_tiny_gemma_safetensors, write_tiny_phi3_safetensors
 from tinymodels import _to_bf16_bits, write_tiny_llama_safetensors
 from webgpu_engine import errors as E
+from webgpu_engine.cli.webllm import print_webllm
 from webgpu_engine.engine import EngineConfig, create_mlc_engine
 from webgpu_engine.engine.records import app_config_from_dict
+from webgpu_engine.engine.references import resolve_model_reference
 from webgpu_engine.errors import ModelFormatError, UnsupportedModelError
 from webgpu_engine.kernels.quant_ref import dequantize
 from webgpu_engine.loaders.mlc import ConvTemplate, MLCArtifact, repack_q4
@@ -467,6 +469,27 @@ async def test_webllm_id_from_the_hf_cache_answers(device, tiny, tmp_path, monke
         assert r2.choices[0].message.content == r.choices[0].message.content
     finally:
         await engine.unload()
+
+
+def test_webllm_catalogue_ids_resolve(tiny, tmp_path, monkeypatch, capsys):
+    """A prebuilt id of WebLLM's list resolves to the repo its record names (the `-1k` variants share
+    the plain repo) with its context window; the catalogue's table says which ids load and why not."""
+    art = tmp_path / "art"
+    write_mlc(art, tiny["llama"], "q4f16_1")
+    snap = fake_hf_repo(tmp_path / "hub", "mlc-ai/Llama-3.1-8B-Instruct-q4f16_1-MLC", _folder_files(art))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    rec = resolve_model_reference("Llama-3.1-8B-Instruct-q4f16_1-MLC-1k")
+    assert (rec.model_id, rec.model, rec.reference) == ("Llama-3.1-8B-Instruct-q4f16_1-MLC-1k", str(snap),
+                                                        "hf://mlc-ai/Llama-3.1-8B-Instruct-q4f16_1-MLC")
+    assert rec.overrides["context_window_size"] == 1024 and rec.overrides["top_p"] == 0.9
+    with pytest.raises(E.ModelReferenceError):            # listed, but not in the (offline) cache
+        resolve_model_reference("Llama-3.2-1B-Instruct-q4f16_1-MLC")
+    assert print_webllm(as_json=True) == 0
+    rows = {r["model_id"]: r for r in json.loads(capsys.readouterr().out)}
+    assert rows["Llama-3.2-1B-Instruct-q4f16_1-MLC"]["loads"] and rows["Qwen3-0.6B-q4f32_1-MLC"]["loads"]
+    assert rows["Llama-3-70B-Instruct-q3f16_1-MLC"]["refused"] == "quantization 'q3f16_1'"
+    assert not rows["phi-2-q4f16_1-MLC"]["loads"] and rows["gemma-2-2b-it-q4f16_1-MLC"]["family"] == "gemma2"
 
 
 def test_repack_q4_every_nibble():

@@ -339,7 +339,13 @@ def _resolve(ref: str, model_id: str | None, app_config: AppConfig | None, offli
     tried.append(f"no file or folder at {path.resolve()}")
     if ref.startswith((".", "/", "~")) or "\\" in ref:
         raise ModelReferenceError(ref, tried)
-    if _WEBLLM_ID_RE.match(ref):                   # a WebLLM model id: its mlc-ai repo
+    from ..webllm_catalogue import WEBLLM_BY_ID
+    web = WEBLLM_BY_ID.get(ref)
+    if web is not None:                            # WebLLM's prebuilt id: its repo and context window
+        rec = _hf_repo_id(ref, web.repo, model_id or ref, offline, tried)
+        ctx = {"context_window_size": web.context_window_size} if web.context_window_size else {}
+        return replace(rec, overrides={**rec.overrides, **ctx})
+    if _WEBLLM_ID_RE.match(ref):                   # another WebLLM-style id: its mlc-ai repo
         return _hf_repo_id(ref, f"mlc-ai/{ref}", model_id or ref, offline, tried)
     if not _REPO_RE.match(ref):
         raise ModelReferenceError(ref, tried + ["not a Hugging Face repo id ORG/REPO[:QUANT]"])

@@ -84,6 +84,17 @@ _LAYER = re.compile(r"^(.*?)\.(\d+)\.(.+)$")
 _PARTS = ("q_weight", "q_scale", "weight", "bias")
 
 
+def refusal(model_type: str, quantization: str, kind: str = "llm") -> str:
+    """Why an MLC artifact of this model_type / quantization is not loaded ("" when it is)."""
+    if kind != "llm":
+        return f"{kind} models of MLC's are not loaded"
+    if model_type not in MODEL_TYPES:
+        return f"model_type {model_type or '?'!r}"
+    if quantization not in FLOAT_QUANTS and quantization not in GROUP_QUANTS:
+        return f"quantization {quantization!r}"
+    return ""
+
+
 def is_mlc_folder(path) -> bool:
     """A folder holding mlc-chat-config.json."""
     p = Path(path)
