@@ -85,7 +85,8 @@ def test_type_tables_agree():
         if t.quantized:
             assert t.gpu_bytes % 4 == 0, name
             assert qr.BLOCK[name] == (t.file_bytes, t.block), name
-            assert gq.GGML_QUANT_SIZES[GGUF_TYPE[name]] == (t.block, t.file_bytes), name
+            if name in GGUF_TYPE:            # q4_0f32 is ours (MLC's q4f32_1 repacked), not ggml's
+                assert gq.GGML_QUANT_SIZES[GGUF_TYPE[name]] == (t.block, t.file_bytes), name
 
 
 def test_iq4_table_is_ggml_table():
