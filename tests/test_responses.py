@@ -12,10 +12,13 @@ import pytest
 from pydantic import BaseModel
 
 from webgpu_engine.engine import EngineConfig
+from webgpu_engine.protocol.errors import UnsupportedFieldsError
+from webgpu_engine.protocol.responses import (ResponseCreateRequest, chat_request, check_responses_request,
+                                              to_chat_messages)
 from webgpu_engine.server.app import ServerOptions, ServerThread
 
 LLM_ID = "SmolLM2-135M-Instruct-Q4_1"
-STORE = 3
+STORE = 2
 WEATHER = {"type": "function", "name": "get_weather", "description": "Current weather of a city.",
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
                           "required": ["city"]}}
@@ -23,7 +26,7 @@ WEATHER = {"type": "function", "name": "get_weather", "description": "Current we
 
 @pytest.fixture(scope="module")
 def server(device, smollm2_gguf):
-    s = ServerThread(ServerOptions(models=[LLM_ID], port=0, chat_opts=[{"context_window_size": 1024}],
+    s = ServerThread(ServerOptions(models=[LLM_ID], port=0, chat_opts=[{"context_window_size": 1024, "compile_at_load": False}],
                                    engine_config=EngineConfig(device=device, responses_store_size=STORE)))
     yield s
     s.stop()
@@ -48,75 +51,74 @@ def chat_answer(client, messages, max_tokens):
     return client.chat.completions.create(model=LLM_ID, messages=messages, temperature=0, max_tokens=max_tokens)
 
 
+Q = "What is the capital of France?"        # SmolLM2 answers it greedily in 8 tokens
+
+
 def test_create_equals_chat_route(client):
-    q = "What is the capital of France?"
-    r = client.responses.create(input=q, temperature=0, max_output_tokens=12, metadata={"k": "v"})
-    c = chat_answer(client, [{"role": "user", "content": q}], 12)
+    r = client.responses.create(input=Q, temperature=0, max_output_tokens=12, metadata={"k": "v"})
+    c = chat_answer(client, [{"role": "user", "content": Q}], 12)
     assert r.output_text == c.choices[0].message.content and r.output_text
     assert r.id.startswith("resp_") and r.object == "response" and r.model == LLM_ID
     msg = r.output[0]
     assert msg.type == "message" and msg.id.startswith("msg_") and msg.content[0].type == "output_text"
     assert (r.usage.input_tokens, r.usage.output_tokens) == (c.usage.prompt_tokens, c.usage.completion_tokens)
     assert r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
-    if c.choices[0].finish_reason == "length":
-        assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
-    else:
-        assert r.status == "completed"
+    assert r.status == "completed" and c.choices[0].finish_reason == "stop"
     assert r.max_output_tokens == 12 and r.temperature == 0 and r.metadata == {"k": "v"} and r.store is True
 
 
-def test_stream_assembles_to_create(client):
-    kw = dict(input="Say hello.", instructions="Answer in one short sentence.", temperature=0,
-              max_output_tokens=40)
-    whole = client.responses.create(**kw)
-    assert whole.status == "completed", whole.output_text       # the answer fits: a completed stream
-    with client.responses.stream(model=LLM_ID, **kw) as s:
+def test_max_output_tokens_is_incomplete(client):
+    r = client.responses.create(input=Q, temperature=0, max_output_tokens=3)
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert r.output[0].status == "incomplete" and r.usage.output_tokens == 3
+
+
+def test_stream_assembles_to_chat_answer(client):
+    chat = chat_answer(client, [{"role": "user", "content": Q}], 12).choices[0].message.content
+    with client.responses.stream(model=LLM_ID, input=Q, temperature=0, max_output_tokens=12) as s:
         events = list(s)
         final = s.get_final_response()
     types = [e.type for e in events]
     assert types[:2] == ["response.created", "response.in_progress"] and types[-1] == "response.completed"
     assert [e.sequence_number for e in events] == list(range(len(events)))
     deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
-    assert len(deltas) > 1 and "".join(deltas) == whole.output_text
-    assert final.output_text == whole.output_text and final.usage.output_tokens == whole.usage.output_tokens
+    assert len(deltas) > 1 and "".join(deltas) == chat == final.output_text
     for t in ("response.output_item.added", "response.content_part.added", "response.output_text.done",
               "response.content_part.done", "response.output_item.done"):
         assert t in types
+    assert client.responses.retrieve(final.id).output_text == chat     # streamed responses are stored
 
 
 def test_tool_call_round_trip(client):
-    first = client.responses.create(input="What is the weather in Paris?", tools=[WEATHER],
-                                    tool_choice={"type": "function", "name": "get_weather"},
-                                    temperature=0, max_output_tokens=48)
+    """A forced call, streamed: function_call events -> its call_id answered with a
+    function_call_output continuing the stored response -> a message."""
+    with client.responses.stream(model=LLM_ID, input="What is the weather in Paris?", tools=[WEATHER],
+                                 tool_choice={"type": "function", "name": "get_weather"},
+                                 temperature=0, max_output_tokens=48) as s:
+        events = list(s)
+        first = s.get_final_response()
+    types = [e.type for e in events]
+    assert "response.function_call_arguments.delta" in types and types[-1] == "response.completed"
     calls = [o for o in first.output if o.type == "function_call"]
     assert len(calls) == 1 and calls[0].name == "get_weather" and calls[0].id.startswith("fc_")
     args = json.loads(calls[0].arguments)
     assert isinstance(args.get("city"), str)
+    done = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert len(done) == 1 and done[0].arguments == calls[0].arguments
     second = client.responses.create(
-        previous_response_id=first.id, tools=[WEATHER], temperature=0, max_output_tokens=12,
+        previous_response_id=first.id, tools=[WEATHER], temperature=0, max_output_tokens=6,
         input=[{"type": "function_call_output", "call_id": calls[0].call_id, "output": "sunny, 21 C"}])
     assert second.output and second.output[0].type == "message" and second.output_text
     assert second.previous_response_id == first.id
     assert second.usage.input_tokens > first.usage.input_tokens
     # the same turn with the full input instead of previous_response_id: the same answer
     again = client.responses.create(
-        tools=[WEATHER], temperature=0, max_output_tokens=12, store=False,
+        tools=[WEATHER], temperature=0, max_output_tokens=6, store=False,
         input=[{"role": "user", "content": "What is the weather in Paris?"},
                {"type": "function_call", "call_id": calls[0].call_id, "name": "get_weather",
                 "arguments": calls[0].arguments},
                {"type": "function_call_output", "call_id": calls[0].call_id, "output": "sunny, 21 C"}])
     assert again.output_text == second.output_text
-
-
-def test_stream_tool_call_events(client):
-    with client.responses.stream(model=LLM_ID, input="Weather in Rome?", tools=[WEATHER], tool_choice="required",
-                                 temperature=0, max_output_tokens=48) as s:
-        events = list(s)
-        final = s.get_final_response()
-    types = [e.type for e in events]
-    assert "response.function_call_arguments.delta" in types and types[-1] == "response.completed"
-    done = [e for e in events if e.type == "response.function_call_arguments.done"]
-    assert len(done) == 1 and json.loads(done[0].arguments) == json.loads(final.output[0].arguments)
 
 
 def test_previous_response_id_continues(client):
@@ -145,10 +147,14 @@ def test_store_retrieve_delete_and_eviction(client):
     client.responses.delete(r.id)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(r.id)
-    ids = [client.responses.create(input="Hi", temperature=0, max_output_tokens=1).id for _ in range(STORE + 1)]
-    with pytest.raises(openai.NotFoundError):          # the oldest is evicted (LRU of STORE)
-        client.responses.retrieve(ids[0])
-    assert [client.responses.retrieve(i).id for i in ids[1:]] == ids[1:]
+    a, b = (client.responses.create(input="Hi", temperature=0, max_output_tokens=1).id for _ in range(STORE))
+    client.responses.retrieve(a)                        # used: b is now the least recently used
+    c = client.responses.create(input="Hi", temperature=0, max_output_tokens=1).id
+    with pytest.raises(openai.NotFoundError):           # evicted from the store of STORE responses
+        client.responses.retrieve(b)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(input="Hi", previous_response_id=b, max_output_tokens=1)
+    assert [client.responses.retrieve(i).id for i in (a, c)] == [a, c]
 
 
 class City(BaseModel):
@@ -162,6 +168,35 @@ def test_parse_with_pydantic_model(client):
     assert r.status == "completed", r.output_text
     assert isinstance(r.output_parsed, City) and r.output_parsed.city
     assert r.text.format.type == "json_schema"
+
+
+def test_items_to_chat_messages():
+    """No GPU: Responses items -> the chat messages the chat route gets, and the pydantic model runs
+    the same rules."""
+    req = check_responses_request({"input": [
+        {"role": "developer", "content": [{"type": "input_text", "text": "Be brief."}]},
+        {"role": "user", "content": "Weather?"},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Checking."}]},
+        {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"},
+        {"type": "function_call", "call_id": "c2", "name": "get_weather", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "sun"}],
+        "tools": [WEATHER], "tool_choice": {"type": "function", "name": "get_weather"},
+        "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object"}}}})
+    msgs = to_chat_messages(req["input"], "Answer in English.")
+    assert msgs == [{"role": "system", "content": "Answer in English.\n\nBe brief."},
+                    {"role": "user", "content": "Weather?"},
+                    {"role": "assistant", "content": "Checking.", "tool_calls": [
+                        {"id": c, "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+                        for c in ("c1", "c2")]},
+                    {"role": "tool", "tool_call_id": "c1", "content": "sun"}]
+    chat = chat_request(req, msgs)
+    assert chat["tools"][0]["function"]["name"] == "get_weather" and "type" not in chat["tools"][0]["function"]
+    assert chat["tool_choice"] == {"type": "function", "function": {"name": "get_weather"}}
+    assert chat["response_format"] == {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
+    assert ResponseCreateRequest(input="Hi").input == "Hi"
+    with pytest.raises(UnsupportedFieldsError) as e:
+        ResponseCreateRequest(input="Hi", background=True)
+    assert e.value.param == "background"
 
 
 def test_python_engine(server):
