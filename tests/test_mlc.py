@@ -492,6 +492,32 @@ def test_webllm_catalogue_ids_resolve(tiny, tmp_path, monkeypatch, capsys):
     assert not rows["phi-2-q4f16_1-MLC"]["loads"] and rows["gemma-2-2b-it-q4f16_1-MLC"]["family"] == "gemma2"
 
 
+@pytest.mark.parametrize("change", [
+    {"model_config": "llama"}, {"model_config": {"hidden_size": "wide"}}, {"quantization": None},
+    {"conv_template": {"roles": ["user"]}}, {"conv_template": {"seps": "</s>"}},
+    {"conv_template": {"stop_token_ids": ["2"]}}, {"temperature": "hot", "conv_template": {"stop_str": "x"}},
+])
+def test_hostile_chat_configs_are_typed_errors(tiny, tmp_path, change):
+    """A chat config with fields of the wrong type: ModelFormatError / UnsupportedModelError when the
+    folder opens (model, template) and ModelReferenceError when it is resolved, never a TypeError."""
+    good = tiny["root"] / "llama-q0f32"
+    if not good.exists():
+        write_mlc(good, tiny["llama"], "q0f32")
+    bad = tmp_path / "bad"
+    shutil.copytree(good, bad)
+    chat = json.loads((bad / "mlc-chat-config.json").read_text())
+    (bad / "mlc-chat-config.json").write_text(json.dumps({**chat, **change}))
+    with pytest.raises((ModelFormatError, UnsupportedModelError)):
+        m = open_model(bad)
+        try:
+            m.template()
+        finally:
+            m.close()
+    if "temperature" in change or "stop_token_ids" in str(change):
+        with pytest.raises(E.ModelReferenceError):
+            resolve_model_reference(str(bad))
+
+
 def test_repack_q4_every_nibble():
     """repack_q4 on every 4-bit value and random scales, f16 and f32: Q4_0's decode = (q - 7) * scale."""
     rng = np.random.default_rng(0)

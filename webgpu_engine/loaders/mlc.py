@@ -113,18 +113,38 @@ def _read_json(p: Path) -> dict:
     return out
 
 
+def stop_lists(conv: dict) -> tuple[list[str], list[int]]:
+    """conv_template's stop_str and stop_token_ids, checked (ModelFormatError when not lists of those)."""
+    out = []
+    for key, kind in (("stop_str", str), ("stop_token_ids", int)):
+        values = conv.get(key) or []
+        if not isinstance(values, list) or not all(isinstance(v, kind) and not isinstance(v, bool) for v in values):
+            raise ModelFormatError(f"conv_template.{key} must be a list of {kind.__name__}, got {values!r}"[:300])
+        out.append(list(values))
+    return out[0], out[1]
+
+
 def read_chat_config(folder) -> dict:
     """{"context": the model's context window, "overrides": ChatConfig fields its mlc-chat-config.json
     sets (sampling defaults, stop strings and ids, prefill chunk)}, for the engine's model record."""
     cc = _read_json(Path(folder) / CHAT_CONFIG)
+    try:
+        return _chat_defaults(cc)
+    except (TypeError, ValueError, AttributeError) as e:
+        raise ModelFormatError(f"{Path(folder) / CHAT_CONFIG}: a field has the wrong type: {e}") from e
+
+
+def _chat_defaults(cc: dict) -> dict:
     mc = cc.get("model_config") if isinstance(cc.get("model_config"), dict) else {}
     ctx = mc.get("context_window_size") or cc.get("context_window_size") or 0
-    over = {k: float(cc[k]) for k in SAMPLING_KEYS if isinstance(cc.get(k), (int, float))}
+    over = {k: float(cc[k]) for k in SAMPLING_KEYS
+            if isinstance(cc.get(k), (int, float)) and not isinstance(cc.get(k), bool)}
     conv = cc.get("conv_template") if isinstance(cc.get("conv_template"), dict) else {}
-    if conv.get("stop_str"):
-        over["stop_str"] = [str(s) for s in conv["stop_str"]]
-    if conv.get("stop_token_ids"):
-        over["stop_token_ids"] = [int(i) for i in conv["stop_token_ids"]]
+    stop_str, stop_ids = stop_lists(conv)
+    if stop_str:
+        over["stop_str"] = stop_str
+    if stop_ids:
+        over["stop_token_ids"] = stop_ids
     chunk = mc.get("prefill_chunk_size") or cc.get("prefill_chunk_size")
     if isinstance(chunk, int) and chunk > 0:
         over["prefill_chunk_size"] = chunk
@@ -169,8 +189,8 @@ class MLCArtifact:
         for shard in records:
             try:
                 path, nbytes = self.folder / str(shard["dataPath"]), int(shard["nbytes"])
-                fmt, entries = shard.get("format", "raw-shard"), shard["records"]
-            except (KeyError, TypeError, ValueError) as e:
+                fmt, entries = shard.get("format", "raw-shard"), list(shard["records"])
+            except (KeyError, TypeError, ValueError, AttributeError) as e:
                 raise ModelFormatError(f"{self.cache_path}: bad shard record {str(shard)[:200]}") from e
             if fmt != "raw-shard":
                 raise UnsupportedModelError(f"{self.cache_path}: shard format {fmt!r} (raw-shard expected)")
@@ -201,7 +221,7 @@ class MLCArtifact:
             ours, size = "bf16", 2                  # stored as bf16: the GPU widens it exactly
         elif fmt != "raw":
             raise UnsupportedModelError(f"{self.cache_path}: tensor {name} has format {fmt!r} (raw, f32-to-bf16)")
-        if nbytes != math.prod(shape) * size or off < 0 or off + nbytes > shard_bytes:
+        if nbytes != math.prod(shape) * size or min(shape, default=0) < 0 or off < 0 or off + nbytes > shard_bytes:
             raise ModelFormatError(f"{self.cache_path}: tensor {name} ({dtype} {list(shape)}, {fmt}) has "
                                    f"{nbytes} bytes at {off}, which do not fit its shape or {path.name}")
         return TensorInfo(name, ours, shape, buf[off:off + nbytes], off)
@@ -224,9 +244,10 @@ class MLCArtifact:
     def hf_config(self) -> dict:
         """mlc-chat-config.json's model_config in config.json's field names (what the family readers take)."""
         cc = self.chat_config
-        c = dict(cc.get("model_config") or {})
-        if not c:
-            raise ModelFormatError(f"{self.folder / CHAT_CONFIG} has no model_config")
+        c = cc.get("model_config")
+        if not isinstance(c, dict) or not c:
+            raise ModelFormatError(f"{self.folder / CHAT_CONFIG} has no model_config object")
+        c = dict(c)
         if isinstance(c.get("text_config"), dict):          # Gemma 3: the text model's fields
             c = {**c, **c.pop("text_config")}
         if isinstance(c.get("kwargs"), dict):               # fields MLC's config class kept aside
@@ -247,16 +268,21 @@ class MLCArtifact:
         for key in ("bos_token_id", "eos_token_id"):
             if cc.get(key) is not None:
                 c[key] = cc[key]
-        stops = (cc.get("conv_template") or {}).get("stop_token_ids") or []
+        conv = cc.get("conv_template")
+        stops = stop_lists(conv)[1] if isinstance(conv, dict) else []
         eos = c.get("eos_token_id")
         eos = eos if isinstance(eos, list) else ([eos] if eos is not None else [])
-        c["eos_token_id"] = list(dict.fromkeys([*eos, *(int(i) for i in stops)]))
+        c["eos_token_id"] = list(dict.fromkeys([*eos, *stops]))
         return c
 
     def config(self, family=None) -> LlamaConfig:
         from .decoder_config import family_named, hf_config_from_dict
         family = family or family_named(MODEL_TYPES[self.model_type][0], str(self.folder))
-        cfg = hf_config_from_dict(self.hf_config(), family, str(self.folder / CHAT_CONFIG))
+        where = str(self.folder / CHAT_CONFIG)
+        try:
+            cfg = hf_config_from_dict(self.hf_config(), family, where)
+        except (TypeError, ValueError, AttributeError) as e:    # a field of the wrong type
+            raise ModelFormatError(f"{where}: model_config does not read as a {family.name} config: {e}") from e
         cfg.name = self.folder.name
         cfg.norm_plus_one = False             # MLC's Gemma converters store 1 + w
         return cfg
@@ -321,7 +347,12 @@ class MLCArtifact:
         if t is not None:
             return t
         conv = self.chat_config.get("conv_template")
-        return ConvTemplate(conv) if isinstance(conv, dict) else None
+        if not isinstance(conv, dict):
+            return None
+        try:
+            return ConvTemplate(conv)
+        except (TypeError, ValueError, AttributeError) as e:
+            raise ModelFormatError(f"{self.folder / CHAT_CONFIG}: conv_template does not read: {e}") from e
 
     def close(self) -> None:
         self.tensors = {}
@@ -413,17 +444,21 @@ class ConvTemplate:
     def __init__(self, conv: dict):
         self.conv = conv
         self.name = str(conv.get("name", ""))
-        self.system_template = str(conv.get("system_template", "{system_message}"))
-        self.system_message = str(conv.get("system_message", ""))
+        self.system_template = conv.get("system_template", "{system_message}")
+        self.system_message = conv.get("system_message") or ""
         self.roles = dict(conv.get("roles") or {"user": "user", "assistant": "assistant"})
         self.role_templates = dict(conv.get("role_templates") or {})
         self.seps = list(conv.get("seps") or ["\n"])
-        self.role_content_sep = str(conv.get("role_content_sep") or ": ")
-        self.role_empty_sep = str(conv.get("role_empty_sep") or ": ")
-        self.stop_str = list(conv.get("stop_str") or [])
-        self.stop_token_ids = [int(i) for i in conv.get("stop_token_ids") or []]
+        self.role_content_sep = conv.get("role_content_sep") or ": "
+        self.role_empty_sep = conv.get("role_empty_sep") or ": "
+        self.stop_str, self.stop_token_ids = stop_lists(conv)
         self.system_prefix_token_ids = [int(i) for i in conv.get("system_prefix_token_ids") or []]
         self.add_role_after_system_message = bool(conv.get("add_role_after_system_message", True))
+        texts = (self.system_template, self.system_message, self.role_content_sep, self.role_empty_sep,
+                 *self.roles.values(), *self.role_templates.values(), *self.seps)
+        if not all(isinstance(t, str) for t in texts) or not isinstance(conv.get("seps") or [], list):
+            raise ModelFormatError("conv_template: its templates, roles, role_templates and seps must be "
+                                   "strings (seps a list of them)")
         self.source = json.dumps(conv)
         self.bos_token = self.eos_token = ""
 
