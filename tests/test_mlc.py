@@ -20,7 +20,7 @@ from test_references import _folder_files, fake_hf_repo
 from tinyfamilies import write_tiny_gemma_safetensors, write_tiny_phi3_safetensors
 from tinymodels import _to_bf16_bits, write_tiny_llama_safetensors
 from webgpu_engine import errors as E
-from webgpu_engine.cli.webllm import print_webllm
+from webgpu_engine.cli import main
 from webgpu_engine.engine import EngineConfig, create_mlc_engine
 from webgpu_engine.engine.records import app_config_from_dict
 from webgpu_engine.engine.references import resolve_model_reference
@@ -473,7 +473,7 @@ async def test_webllm_id_from_the_hf_cache_answers(device, tiny, tmp_path, monke
 
 def test_webllm_catalogue_ids_resolve(tiny, tmp_path, monkeypatch, capsys):
     """A prebuilt id of WebLLM's list resolves to the repo its record names (the `-1k` variants share
-    the plain repo) with its context window; the catalogue's table says which ids load and why not."""
+    the plain repo) with its context window; `list --webllm` says which ids load and why not."""
     art = tmp_path / "art"
     write_mlc(art, tiny["llama"], "q4f16_1")
     snap = fake_hf_repo(tmp_path / "hub", "mlc-ai/Llama-3.1-8B-Instruct-q4f16_1-MLC", _folder_files(art))
@@ -485,7 +485,7 @@ def test_webllm_catalogue_ids_resolve(tiny, tmp_path, monkeypatch, capsys):
     assert rec.overrides["context_window_size"] == 1024 and rec.overrides["top_p"] == 0.9
     with pytest.raises(E.ModelReferenceError):            # listed, but not in the (offline) cache
         resolve_model_reference("Llama-3.2-1B-Instruct-q4f16_1-MLC")
-    assert print_webllm(as_json=True) == 0
+    assert main(["list", "--webllm", "--json"]) == 0
     rows = {r["model_id"]: r for r in json.loads(capsys.readouterr().out)}
     assert rows["Llama-3.2-1B-Instruct-q4f16_1-MLC"]["loads"] and rows["Qwen3-0.6B-q4f32_1-MLC"]["loads"]
     assert rows["Llama-3-70B-Instruct-q3f16_1-MLC"]["refused"] == "quantization 'q3f16_1'"

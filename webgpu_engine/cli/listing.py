@@ -36,6 +36,9 @@ def cmd_list(args) -> int:
                   f"{r.get('parameter_size') or '-':10s} {r.get('quantization_level') or '-'}")
         print(f"\nload one as ollama:NAME:TAG (e.g. serve --model ollama:{rows[0]['name']})")
         return 0
+    if args.webllm:                           # WebLLM's prebuilt ids (cli/webllm.py)
+        from .webllm import print_webllm
+        return print_webllm(args.json)
     from ..engine.records import default_app_config, load_app_config
     app = load_app_config(args.config) if args.config else default_app_config()
     rows = [{"model_id": r.model_id, "model_type": r.model_type, "model": r.model} for r in app.model_list]
@@ -53,6 +56,7 @@ def add_subcommand(sub) -> None:
                                    "ones), or with --ollama the models of Ollama's store ($OLLAMA_MODELS, "
                                    "else ~/.ollama/models), each loadable as ollama:NAME:TAG.")
     p.add_argument("--ollama", action="store_true", help="list Ollama's model store")
+    p.add_argument("--webllm", action="store_true", help="list WebLLM's prebuilt model ids and which load")
     p.add_argument("--config", default=None, metavar="APP_CONFIG_JSON", help="WebLLM AppConfig JSON")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_list)
