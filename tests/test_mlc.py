@@ -11,8 +11,11 @@ import hashlib
 import json
 import shutil
 
+from pathlib import Path
+
 import numpy as np
 import pytest
+from cache_server import FileServer
 
 from decoder_runner import DecoderRunner
 from ref_llama import RefLlama
@@ -516,6 +519,28 @@ def test_hostile_chat_configs_are_typed_errors(tiny, tmp_path, change):
     if "temperature" in change or "stop_token_ids" in str(change):
         with pytest.raises(E.ModelReferenceError):
             resolve_model_reference(str(bad))
+
+
+def test_mlc_folder_by_url(tiny, tmp_path, monkeypatch):
+    """A folder URL of an MLC artifact fetches its chat config, tensor cache, tokenizer and the shards
+    it lists into the artifact cache, and opens from there."""
+    art = tmp_path / "Tiny-q4f32_1-MLC"
+    write_mlc(art, tiny["llama"], "q4f32_1")
+    monkeypatch.setenv("WEBGPU_ENGINE_CACHE", str(tmp_path / "artifacts"))
+    with FileServer() as srv:
+        for name, p in _folder_files(art).items():
+            srv.add(f"mlc/Tiny-q4f32_1-MLC/{name}", p.read_bytes())
+        rec = resolve_model_reference(srv.url("mlc/Tiny-q4f32_1-MLC/"))
+        assert srv.count("mlc/Tiny-q4f32_1-MLC/params_shard_1.bin") == 1
+    assert rec.model_id == "Tiny-q4f32_1-MLC" and rec.overrides["top_p"] == 0.9
+    got = _folder_files(Path(rec.model))
+    assert {"mlc-chat-config.json", "tensor-cache.json", "tokenizer.json", "params_shard_0.bin",
+            "params_shard_1.bin"} <= set(got)
+    m = open_model(rec.model)
+    try:
+        assert m.weights["layers.0.o"].qtype == "q4_0f32"
+    finally:
+        m.close()
 
 
 def test_repack_q4_every_nibble():

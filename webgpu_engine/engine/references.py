@@ -278,6 +278,9 @@ def _fetch_folder(base: str, cache_id: str, offline: bool | None) -> Path:
                     raise
         return got
     folder = cache.model_dir("model", cache_id)
+    get(["mlc-chat-config.json"], False)
+    if (folder / "mlc-chat-config.json").is_file():       # an MLC artifact (WebLLM's models)
+        return _fetch_mlc_folder(get, folder)
     # modules.json first: an older sentence-transformers save keeps its Transformer in 0_Transformer/
     get(["modules.json", "config_sentence_transformers.json", "sentence_bert_config.json", "README.md"], False)
     st = (folder / "modules.json").is_file()
@@ -296,6 +299,23 @@ def _fetch_folder(base: str, cache_id: str, offline: bool | None) -> Path:
         for m in json.loads((folder / "modules.json").read_text()):
             if m.get("path") and m["path"] != sub:
                 get([f"{m['path']}/config.json"], False)
+    return folder
+
+
+def _fetch_mlc_folder(get, folder: Path) -> Path:
+    """An MLC folder by URL: its tensor cache (either name), tokenizer files, then the shards it lists."""
+    get(["tensor-cache.json"], False)
+    cache_file = folder / "tensor-cache.json"
+    if not cache_file.is_file():
+        get(["ndarray-cache.json"], True)
+        cache_file = folder / "ndarray-cache.json"
+    get(["tokenizer.json"], True)
+    get(["tokenizer_config.json"], False)
+    try:
+        shards = sorted({str(r["dataPath"]) for r in json.loads(cache_file.read_text())["records"]})
+    except (ValueError, KeyError, TypeError) as e:
+        raise ModelFormatError(f"{cache_file}: no shard records ({e})") from e
+    get(shards, True)
     return folder
 
 
