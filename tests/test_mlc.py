@@ -29,7 +29,7 @@ from webgpu_engine.engine.records import app_config_from_dict
 from webgpu_engine.engine.references import resolve_model_reference
 from webgpu_engine.errors import ModelFormatError, UnsupportedModelError
 from webgpu_engine.kernels.quant_ref import dequantize
-from webgpu_engine.loaders.mlc import ConvTemplate, MLCArtifact, repack_q4
+from webgpu_engine.loaders.mlc import ConvTemplate, MLCArtifact, repack_q4, repack_q4_numpy, repack_q4_stdlib
 from webgpu_engine.loaders.safetensors import SafetensorsFolder
 from webgpu_engine.loaders.tensor_info import split_fused
 from webgpu_engine.models.registry import open_model
@@ -544,12 +544,15 @@ def test_mlc_folder_by_url(tiny, tmp_path, monkeypatch):
 
 
 def test_repack_q4_every_nibble():
-    """repack_q4 on every 4-bit value and random scales, f16 and f32: Q4_0's decode = (q - 7) * scale."""
+    """repack_q4 on every 4-bit value and random scales, f16 and f32: Q4_0's decode = (q - 7) * scale,
+    and the numpy and standard-library repacks write the same bytes."""
     rng = np.random.default_rng(0)
     for sdt, qt in ((np.float16, "q4_0"), (np.float32, "q4_0f32")):
         q = rng.integers(0, 16, size=(6, 64)).astype(np.uint32)
         q[0, :16] = np.arange(16)
         qw = (q.reshape(6, 8, 8) << (4 * np.arange(8, dtype=np.uint32))).sum(axis=2, dtype=np.uint32)
         qs = rng.uniform(-0.1, 0.1, (6, 2)).astype(sdt)
-        data = repack_q4(qw.tobytes(), qs.tobytes(), 6, 64, "f16" if sdt is np.float16 else "f32")
+        args = (qw.tobytes(), qs.tobytes(), 6, 64, "f16" if sdt is np.float16 else "f32")
+        data = repack_q4(*args)
         np.testing.assert_array_equal(dequantize(data, qt, 6, 64), mlc_dequantize(qw, qs))
+        assert bytes(repack_q4_stdlib(*args)) == bytes(repack_q4_numpy(*args)) == bytes(data)   # the page's way
