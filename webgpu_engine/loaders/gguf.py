@@ -54,6 +54,18 @@ GGUF_TO_OURS = {
     "blk.{i}.ffn_gate.weight": "layers.{i}.gate",    # (ffn, hidden)
     "blk.{i}.ffn_up.weight": "layers.{i}.up",        # (ffn, hidden); Phi-3: gate|up (2 ffn, hidden)
     "blk.{i}.ffn_down.weight": "layers.{i}.down",    # (hidden, ffn)
+    # BERT-style encoders (bert, nomic-bert; XLM-R converts as bert): post-norm layers
+    "token_types.weight": "type_embed",              # (token types, hidden)
+    "position_embd.weight": "pos_embed",             # (positions, hidden); XLM-R: from padding_idx + 1
+    "token_embd_norm.weight": "embed_norm",
+    "token_embd_norm.bias": "embed_norm_bias",
+    "blk.{i}.attn_qkv.bias": "layers.{i}.qkv_bias",
+    "blk.{i}.attn_output_norm.weight": "layers.{i}.attn_norm",      # LN after the attention block
+    "blk.{i}.attn_output_norm.bias": "layers.{i}.attn_norm_bias",
+    "blk.{i}.ffn_up.bias": "layers.{i}.up_bias",
+    "blk.{i}.ffn_down.bias": "layers.{i}.down_bias",
+    "blk.{i}.layer_output_norm.weight": "layers.{i}.ffn_norm",      # LN after the feed-forward block
+    "blk.{i}.layer_output_norm.bias": "layers.{i}.ffn_norm_bias",
 }
 _LAYER_NAME = re.compile(r"^blk\.(\d+)\.(.+)$")
 

@@ -154,6 +154,7 @@ class BertConfig:
     # RoPE base local_rope_base in those local layers (rope_base in the global ones)
     layer_windows: tuple = ()
     local_rope_base: float = 0.0
+    gguf: bool = False                 # weights named as loaders.gguf names a GGUF's (not HF names)
     head_dim: int = field(init=False)
 
     def __post_init__(self) -> None:

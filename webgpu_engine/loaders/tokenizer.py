@@ -91,15 +91,20 @@ def _from_folder(folder: Path, native: bool, max_length: int | None, encoder: bo
     tj = folder / "tokenizer.json"
     if not tj.is_file():
         raise ModelFormatError(f"{folder} has no tokenizer.json")
-    spec = json.loads(tj.read_text(encoding="utf-8"))
     cfg_path = folder / "tokenizer_config.json"
     tok_cfg = json.loads(cfg_path.read_text(encoding="utf-8")) if cfg_path.is_file() else {}
+    st_cfg = folder / "sentence_bert_config.json"
+    if max_length is None and st_cfg.is_file():      # sentence-transformers' truncation length (WordPiece)
+        max_length = json.loads(st_cfg.read_text(encoding="utf-8")).get("max_seq_length")
+    return _from_spec(tj.read_text(encoding="utf-8"), tok_cfg, native, max_length, encoder, tj)
+
+
+def _from_spec(text: str, tok_cfg: dict, native: bool, max_length: int | None, encoder: bool, tj):
+    """The tokenizer of a tokenizer.json's text (`tj`: where it came from, for errors)."""
+    spec = json.loads(text)
     kind = (spec.get("model") or {}).get("type")
     if kind == "WordPiece":
         from .wordpiece import WordPieceTokenizer
-        st_cfg = folder / "sentence_bert_config.json"
-        if max_length is None and st_cfg.is_file():      # sentence-transformers' truncation length
-            max_length = json.loads(st_cfg.read_text(encoding="utf-8")).get("max_seq_length")
         base = WordPieceTokenizer.from_tokenizer_json(spec, tok_cfg, max_length=max_length)
     elif kind == "BPE" and (spec.get("model") or {}).get("byte_fallback"):   # SentencePiece-style
         from .spm import SPMTokenizer
@@ -128,12 +133,12 @@ def _from_folder(folder: Path, native: bool, max_length: int | None, encoder: bo
         tk.no_padding()                               # some files pin padding to a fixed length
         return tk
     if kind in ("WordPiece", "Unigram") or encoder:      # encoders: the file's post-processor, truncation
-        return NativeWordPiece(build(tj.read_text(encoding="utf-8")), base)
+        return NativeWordPiece(build(text), base)
     try:
         plain = build(json.dumps({**spec, "added_tokens": []}))
     except Exception:  # noqa: BLE001 - a file whose parts need its added tokens: our own twin
         plain = native_bpe(base, specials=False)
-    return NativeTokenizer(build(tj.read_text(encoding="utf-8")), base, plain)
+    return NativeTokenizer(build(text), base, plain)
 
 
 def load_tokenizer(source, *, native: bool | None = None, max_length: int | None = None, encoder: bool = False):
@@ -149,7 +154,11 @@ def load_tokenizer(source, *, native: bool | None = None, max_length: int | None
         from .gguf import GGUFFile
         source = GGUFFile(path)
     metadata = source if isinstance(source, dict) else source.metadata
-    if metadata.get("tokenizer.ggml.model") == "llama":        # SentencePiece (Llama-2, Mistral, Gemma)
+    if metadata.get("tokenizer.ggml.model") in ("bert", "t5"):  # encoders' WordPiece / Unigram vocabularies
+        from .gguf_encoder import tokenizer_json
+        where = getattr(source, "where", "GGUF")
+        spec, tok_cfg = tokenizer_json(metadata, where)
+        return _from_spec(json.dumps(spec), tok_cfg, native, max_length, True, f"{where} (its vocabulary)")        # SentencePiece (Llama-2, Mistral, Gemma)
         from .spm import SPMTokenizer, native_spm
         spm = SPMTokenizer.from_gguf_metadata(metadata)
         return NativeTokenizer(native_spm(spm), spm, native_spm(spm, specials=False)) if native else spm

@@ -114,8 +114,12 @@ class BertModel:
         dev, cfg, own = self.dev, self.cfg, self.owner
         C, F = cfg.hidden_size, cfg.intermediate_size
 
-        table = "nomic" if cfg.arch == "nomic_bert" else "bert"
-        named = map_hf_names(tensors, table)       # our names (loaders/hf_config.py's one table)
+        if cfg.gguf:                               # already ours (loaders/gguf.py's table names them)
+            from ..loaders.gguf import GGUF_TO_OURS
+            table, named = GGUF_TO_OURS, tensors
+        else:
+            table = "nomic" if cfg.arch == "nomic_bert" else "bert"
+            named = map_hf_names(tensors, table)   # our names (loaders/hf_config.py's one table)
 
         def get(key: str, i: int = 0, shape: tuple | None = None) -> TensorInfo:
             return named_weight(named, key.format(i=i), table, "BERT", cfg.arch, shape)

@@ -61,8 +61,14 @@ def _decoder(family: DecoderFamily, model: str = "llama:LlamaModel", estimate: C
                         estimate, family)
 
 
+def _gguf_encoder(g):
+    from ..loaders.gguf_encoder import bert_config
+    return bert_config(g)
+
+
 ARCHITECTURES: dict[str, Architecture] = {
-    "bert": Architecture("bert", EMBEDDING, "bert:BertModel", None, hf_config.load_bert_config, "",
+    # GGUF: llama.cpp's converter writes BERT and XLM-RoBERTa (bge-m3) as `bert` (loaders/gguf_encoder.py)
+    "bert": Architecture("bert", EMBEDDING, "bert:BertModel", _gguf_encoder, hf_config.load_bert_config, "",
                          memory.estimate_bert),
     # BERT with positions offset by padding_idx + 1 and a SentencePiece tokenizer (bge-m3, multilingual-e5)
     "xlm-roberta": Architecture("xlm-roberta", EMBEDDING, "bert:BertModel", None, hf_config.load_bert_config,
@@ -70,6 +76,9 @@ ARCHITECTURES: dict[str, Architecture] = {
     # nomic-embed-text v1 / v1.5: rotary positions, SwiGLU, no biases (a BertModel plan)
     "nomic_bert": Architecture("nomic_bert", EMBEDDING, "bert:BertModel", None, hf_config.load_bert_config,
                                "", memory.estimate_bert),
+    # its GGUF form (llama.cpp's name)
+    "nomic-bert": Architecture("nomic-bert", EMBEDDING, "bert:BertModel", _gguf_encoder, None, "",
+                               memory.estimate_bert),
     # gte-modernbert, modernbert-embed: pre-norm, GeGLU, rotary, local / global attention layers
     "modernbert": Architecture("modernbert", EMBEDDING, "modernbert:ModernBertModel", None,
                                hf_config.load_bert_config, "", memory.estimate_bert),
@@ -185,8 +194,12 @@ def open_model(path, kind: str | None = None) -> OpenedModel:
             arch = architecture(g.architecture, str(path))
             if arch.gguf_config is None:
                 raise UnsupportedModelError(f"{path}: {arch.name} models are not read from GGUF files")
+            extra = None
+            if arch.kind == EMBEDDING:                 # pooling and normalisation from the file
+                from ..loaders.gguf_encoder import embedder_settings
+                extra = embedder_settings(g, path)
             m = OpenedModel(arch, arch.gguf_config(g), g.weights(), path, g.close,
-                            lambda **kw: load_tokenizer(g, **kw), g.template)
+                            lambda **kw: load_tokenizer(g, **kw), g.template, extra)
         except BaseException:
             g.close()
             raise
