@@ -41,14 +41,14 @@ def _counted_text(entries) -> str:
     return bytes(b for e in entries for b in e.bytes).decode("utf-8", "replace")
 
 
-def _expected(entries, stop, finish, eos) -> str:
-    """The text a choice must show: its tokens' text, less a final end-of-sequence token (counted,
-    not shown, as OpenAI does), cut where a stop string starts."""
-    if finish == "stop" and entries and bytes(entries[-1].bytes) in eos:
-        entries = entries[:-1]
+def _expected(entries, stop, finish, eos) -> tuple[str, int]:
+    """The text a choice must show: its listed tokens' text (a final end-of-sequence token is counted
+    in usage but neither shown nor listed, as OpenAI does), cut where a stop string starts; and the
+    tokens usage counts for it."""
+    assert not any(bytes(e.bytes) in eos for e in entries)
     text = _counted_text(entries)
     cut = [text.index(s) for s in stop or [] if s in text]
-    return text[:min(cut)] if cut else text
+    return (text[:min(cut)] if cut else text), len(entries) + (finish == "stop" and not cut)
 
 
 @pytest.mark.parametrize("i", range(len(PROMPTS)))
@@ -73,8 +73,9 @@ async def test_text_holds_every_counted_token(engine, i):
             text, entries = c.message.content, c.logprobs.content
         else:
             text, entries = c.text, [_LegacyEntry(t, b) for t, b in zip(c.logprobs.tokens, _bytes_of(c))]
-        counted += len(entries)
-        assert text == _expected(entries, stop, c.finish_reason, eos), (c.finish_reason, text)
+        want, n_counted = _expected(entries, stop, c.finish_reason, eos)
+        counted += n_counted
+        assert text == want, (c.finish_reason, text)
         if c.finish_reason == "length":
             assert len(entries) == max_tokens
     assert r.usage.completion_tokens == counted

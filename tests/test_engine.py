@@ -53,7 +53,10 @@ async def test_chat_non_streaming_and_usage_counts(engine, greedy):
     pipe = _pipe(engine)
     prompt_ids = pipe.tokenizer.encode(pipe.template.render(Q, add_generation_prompt=True))
     assert greedy.usage.prompt_tokens == len(prompt_ids)
-    assert greedy.usage.completion_tokens == len(c.logprobs.content) <= 8
+    # the end-of-turn token is counted, never listed (its text is not in the content)
+    assert greedy.usage.completion_tokens == len(c.logprobs.content) + (c.finish_reason == "stop") <= 8
+    eot = {pipe.tokenizer.token_bytes(t) for t in pipe.eos_ids}
+    assert not any(bytes(e.bytes) in eot for e in c.logprobs.content)
     assert greedy.usage.total_tokens == greedy.usage.prompt_tokens + greedy.usage.completion_tokens
     ex = greedy.usage.extra
     assert ex.e2e_latency_s > 0 and ex.time_to_first_token_s > 0 and ex.decode_tokens_per_s > 0
@@ -78,7 +81,8 @@ async def test_n_choices_and_seeds(engine):
     r1 = await chat(engine, n=3, temperature=1.0, seed=1234, max_tokens=6, logprobs=True)
     assert [c.index for c in r1.choices] == [0, 1, 2]
     assert len({c.message.content for c in r1.choices}) > 1      # one seed, distinct choices
-    assert r1.usage.completion_tokens == sum(len(c.logprobs.content) for c in r1.choices)
+    assert r1.usage.completion_tokens == sum(len(c.logprobs.content) + (c.finish_reason == "stop")
+                                             for c in r1.choices)
     r2 = await chat(engine, n=3, temperature=1.0, seed=1234, max_tokens=6)
     assert [c.message.content for c in r1.choices] == [c.message.content for c in r2.choices]
     r3 = await chat(engine, temperature=1.0, seed=98765, max_tokens=6)

@@ -339,8 +339,9 @@ _K_QUANTIZERS = {"q4_k": quantize_q4_k, "q6_k": quantize_q6_k, "q5_k": quantize_
 # ============================================================================ GGUF
 def write_tiny_llama_gguf(path, arch: str = "llama", qtype: str = "f32", seed: int = 0, *,
                           embed_qtype: str | None = None, pad_rows: int = 0, rope_scaling: dict | None = None,
-                          tensor_qtypes: dict | None = None, spm: dict | None = None, **dims) -> dict:
-    """Write a tiny llama/qwen2 GGUF. Matrices in `qtype` (f32 f16 q8_0 q4_0 q4_1 q5_0 q5_1 iq4_nl, or
+                          tensor_qtypes: dict | None = None, spm: dict | None = None,
+                          chat_template: str | None = None, **dims) -> dict:
+    """Write a tiny llama/qwen2 GGUF (`chat_template`: instead of ChatML or INST_TEMPLATE). Matrices in `qtype` (f32 f16 q8_0 q4_0 q4_1 q5_0 q5_1 iq4_nl, or
     q4_k q5_k q6_k q3_k q2_k iq4_xs with hidden_size/ffn_size multiples of 256; the embedding in
     `embed_qtype`, default the same), norms and biases f32. `pad_rows`: embedding / LM-head rows past
     the tokenizer's vocabulary (as Qwen2.5 pads 151665 tokens to 151936 rows), their LM-head rows
@@ -403,13 +404,13 @@ def write_tiny_llama_gguf(path, arch: str = "llama", qtype: str = "f32", seed: i
         w.add_tokenizer_model("llama"); w.add_tokenizer_pre("default")
         w.add_token_list(tokens); w.add_token_scores(spm["scores"]); w.add_token_types(spm["token_types"])
         w.add_bos_token_id(1); w.add_eos_token_id(2); w.add_unk_token_id(0)
-        w.add_add_bos_token(True); w.add_add_space_prefix(True); w.add_chat_template(INST_TEMPLATE)
+        w.add_add_bos_token(True); w.add_add_space_prefix(True); w.add_chat_template(chat_template or INST_TEMPLATE)
     else:
         w.add_tokenizer_model("gpt2"); w.add_tokenizer_pre("qwen2" if qwen else "smollm")
         w.add_token_list(tokens); w.add_token_types([3, 3, 3] + [1] * (len(tokens) - 3))
         w.add_token_merges(merges)
         w.add_bos_token_id(BOS_ID); w.add_eos_token_id(EOS_ID); w.add_add_bos_token(False)
-        w.add_chat_template(CHATML_TEMPLATE)
+        w.add_chat_template(chat_template or CHATML_TEMPLATE)
     factors = _rope_factors(d, rope_scaling, f32=True)
     if factors is not None:               # llama.cpp's converter writes Llama 3.1's factors so
         w.add_tensor("rope_freqs.weight", np.asarray(factors, np.float32))
@@ -422,7 +423,7 @@ def write_tiny_llama_gguf(path, arch: str = "llama", qtype: str = "f32", seed: i
     w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
     return dict(path=Path(path), arch=arch, config=_llama_config(d, arch, neox, factors=factors), rope_neox=neox,
                 qtypes=qtypes, weights=gpu, hf_weights=hf_deq, tokens=tokens, merges=merges,
-                chat_template=CHATML_TEMPLATE)
+                chat_template=chat_template or (INST_TEMPLATE if spm else CHATML_TEMPLATE))
 
 
 def _GGUF_TABLE():

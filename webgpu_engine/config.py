@@ -62,6 +62,7 @@ class GenerationConfig:
     ignore_eos: bool = False
     n: int = 1
     enable_thinking: bool | None = None    # passed to the chat template (None: the template's default)
+    continue_final_message: bool = False   # the answer continues the final (assistant) message
     latency_breakdown: bool = False        # usage.extra.latency_breakdown: per-step times
     grammar: Any = None                    # a compiled grammar (pipelines.grammar.Grammar): constrained
     grammar_init_s: float = 0.0            # time the request spent compiling it (0 when cached)

@@ -19,7 +19,8 @@ from ..protocol.errors import RangeError
 from ..protocol.objects import to_object
 from ..protocol.rules import check_chat_request, check_completion_request, check_embedding_request
 from .records import EMBEDDING, LLM
-from .tools import prepare_chat
+from .output import output_parser
+from .tools import attach_grammar, prepare_chat
 
 
 def request_fields(request: Any, fields: dict) -> dict:
@@ -63,6 +64,7 @@ def _gen_config(lm, req: dict) -> GenerationConfig:
         logit_bias=bias, logprobs=bool(req.get("logprobs")), top_logprobs=int(req.get("top_logprobs") or 0),
         seed=req.get("seed"), ignore_eos=bool(req.get("ignore_eos")), n=int(req.get("n") or 1),
         enable_thinking=req.get("enable_thinking"),
+        continue_final_message=bool(req.get("continue_final_message")),
         latency_breakdown=bool(req.get("enable_latency_breakdown")))
 
 
@@ -248,6 +250,8 @@ async def _create_text(engine, req: dict, chat: bool):
     messages, tools = (req["messages"], None) if chat else (None, None)
     if chat:      # tools offered to the template; the grammar compiled before the lock
         messages, gen, tools = await prepare_chat(lm, req, gen)
+    else:
+        gen = await attach_grammar(lm.pipeline, gen, req.get("response_format"))
     prompt = None if chat else req["prompt"]
     if req.get("stream"):
         return await _stream(engine, lm, req, gen, rid, created, kind, messages, prompt, deadline, tools)
@@ -272,9 +276,9 @@ async def _create_text(engine, req: dict, chat: bool):
                 usages.append(seq.usage())
             text = "".join(parts)
             if chat:
-                msg = {"role": "assistant", "content": text}
-                if tools is not None:
-                    finish = tools.finish(msg, finish)
+                parser = output_parser(lm.pipeline, messages, g, tools)
+                parser.feed(text)
+                _, msg, finish = parser.finish(finish)
                 c = {"index": i, "message": msg, "finish_reason": finish}
                 if gen.logprobs:
                     c["logprobs"] = {"content": lps}
@@ -319,9 +323,12 @@ async def _stream(engine, lm, req, gen, rid, created, kind, messages, prompt, de
             d["usage"] = usage
         return to_object(d)
 
-    def piece(text, entries=None, finish=None, first=False):
+    def piece(text, entries=None, finish=None, first=False, delta=None):
         if chat:
-            delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+            if delta is None:
+                delta = {"content": text} if text or first else {}
+            if first:
+                delta = {"role": "assistant", **delta}
             c = {"index": 0, "delta": delta, "finish_reason": finish}
             if entries:
                 c["logprobs"] = {"content": entries}
@@ -338,26 +345,26 @@ async def _stream(engine, lm, req, gen, rid, created, kind, messages, prompt, de
                 if not chat and req.get("echo"):
                     yield piece(prompt)
                     first = False
-                # with tools, text that may be (the start of) a tool call is held back until known
-                text, sent, held_lps = "", 0, []
+                # a chat answer goes through its parser: thinking to reasoning_content, tool calls
+                # as they are written; text that may still turn into either is held back until known
+                parser = output_parser(lm.pipeline, messages, gen, tools) if chat else None
+                held_lps = []
                 async for delta, entries in steps:
-                    if tools is not None:
-                        text += delta
-                        safe = tools.safe_prefix(text)
-                        held_lps.extend(entries)
-                        if safe <= sent:
-                            continue
-                        delta, entries, sent, held_lps = text[sent:safe], held_lps, safe, []
-                    yield piece(delta, entries, first=first and chat)
-                    first = False
+                    if parser is None:
+                        yield piece(delta, entries)
+                        continue
+                    held_lps.extend(entries)
+                    for d in parser.feed(delta):
+                        yield piece("", held_lps, first=first, delta=d)
+                        first, held_lps = False, []
                 stream.finish_reason = seq.finish_reason or "stop"
-                if tools is not None and sent < len(text):
-                    msg = {"content": text}
-                    stream.finish_reason = tools.finish(msg, stream.finish_reason)
-                    if not msg.get("tool_calls"):           # it was text after all
-                        yield piece(text[sent:], held_lps, first=first)
-                    for c in tool_call_deltas(msg, first):
-                        yield chunk([{"index": 0, "delta": c, "finish_reason": None}])
+                if parser is not None:
+                    last, _, stream.finish_reason = parser.finish(stream.finish_reason)
+                    for d in last:
+                        yield piece("", held_lps, first=first, delta=d)
+                        first, held_lps = False, []
+                    if held_lps:          # entries of held text that turned out to be no delta
+                        yield piece("", held_lps, first=first)
                         first = False
                 if not chat and req.get("suffix"):
                     yield piece(req["suffix"])
@@ -383,21 +390,6 @@ async def _stream(engine, lm, req, gen, rid, created, kind, messages, prompt, de
         raise
     steps = _prepend(first_item, steps)
     return AsyncStream(lm, make, abandon=seq.close)
-
-
-def tool_call_deltas(msg: dict, first: bool) -> list[dict]:
-    """The deltas OpenAI streams for the tool calls of a finished answer (its text before the calls
-    was streamed already): per call one with id, type and name (arguments "") and one with the
-    arguments; the first delta of the stream also carries the role."""
-    out = []
-    for i, c in enumerate(msg.get("tool_calls") or []):
-        f = c["function"]
-        out.append({"tool_calls": [{"index": i, "id": c["id"], "type": "function",
-                                    "function": {"name": f["name"], "arguments": ""}}]})
-        out.append({"tool_calls": [{"index": i, "function": {"arguments": f["arguments"]}}]})
-    if out and first:
-        out[0] = {"role": "assistant", **out[0]}
-    return out
 
 
 async def _prepend(first, rest):

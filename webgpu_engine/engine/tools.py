@@ -211,9 +211,6 @@ async def prepare_chat(lm, req: dict, gen):
     """Before the lock: (messages, gen, ToolContext | None) of a chat request — the tools offered
     to the template, and the grammar (response_format, or the forced tool call) compiled and
     attached to the generation config."""
-    import asyncio
-    import sys
-    import time
     from dataclasses import replace
     messages, pipe = req["messages"], lm.pipeline
     tools, tc = req.get("tools"), req.get("tool_choice")
@@ -229,6 +226,16 @@ async def prepare_chat(lm, req: dict, gen):
         fmt = tool_grammar(tools, tc, style, parallel=req.get("parallel_tool_calls") is True)
     elif any(m.get("tool_calls") or m.get("role") == "tool" for m in messages):
         messages, _ = prepare_messages(messages, None, pipe.template)
+    return messages, await attach_grammar(pipe, gen, fmt, ctx), ctx
+
+
+async def attach_grammar(pipe, gen, fmt: dict | None, ctx: ToolContext | None = None):
+    """`gen` with the grammar of `fmt` (a response_format, or a forced tool call's) compiled and
+    attached; `gen` itself when there is none."""
+    import asyncio
+    import sys
+    import time
+    from dataclasses import replace
     if fmt is not None:
         t0 = time.perf_counter()
         compile_ = pipe.grammars.compile
@@ -241,4 +248,4 @@ async def prepare_chat(lm, req: dict, gen):
             raise InvalidRequestError(f"A function's `parameters` cannot be used as a JSON Schema: {e}",
                                       param="tools") from None
         gen = replace(gen, grammar=g, grammar_init_s=time.perf_counter() - t0)
-    return messages, gen, ctx
+    return gen

@@ -73,7 +73,21 @@ class ChatTemplate:
     def render(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
                tools: list[dict] | None = None, documents: list[dict] | None = None, **kwargs) -> str:
         variables = dict(bos_token=self.bos_token, eos_token=self.eos_token)
+        continue_final = bool(kwargs.pop("continue_final_message", False))
         variables.update(kwargs)
+        if continue_final and messages and messages[-1].get("content"):
+            # vLLM's continue_final_message: the conversation as it stands, cut after the final
+            # (assistant) message's text, so the answer continues it instead of opening a turn
+            text = self._template.render(messages=messages, add_generation_prompt=False,
+                                         tools=tools, documents=documents, **variables)
+            tail = messages[-1]["content"]
+            i = text.rfind(tail)
+            if i < 0:
+                from ..errors import InvalidRequestError
+                raise InvalidRequestError("The chat template rewrites the final assistant message, so the "
+                                          "answer cannot continue it; end with a user message instead.",
+                                          param="messages")
+            return text[:i + len(tail)]
         return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                      tools=tools, documents=documents, **variables)
 

@@ -259,12 +259,20 @@ class LLMChatPipeline:
         self._req.t_first_token = now()
         self._accept(res)
 
-    async def prompt_tokens(self, messages: list[dict] | None, gen: GenerationConfig,
-                            prompt: str | None = None) -> list[int]:
-        """The request's prompt ids, checked against the context window (typed errors)."""
+    @staticmethod
+    def template_kwargs(gen: GenerationConfig) -> dict:
+        """What a request passes to the chat template's render besides the messages."""
         kw = {} if gen.enable_thinking is None else {"enable_thinking": gen.enable_thinking}
         if gen.tools:
             kw["tools"] = gen.tools
+        if gen.continue_final_message:
+            kw["continue_final_message"] = True
+        return kw
+
+    async def prompt_tokens(self, messages: list[dict] | None, gen: GenerationConfig,
+                            prompt: str | None = None) -> list[int]:
+        """The request's prompt ids, checked against the context window (typed errors)."""
+        kw = self.template_kwargs(gen)
         ctx = self.model.ctx
         chars = len(prompt) if prompt is not None else \
             sum(len(str(m.get("content") or "")) for m in messages or [] if isinstance(m, dict))

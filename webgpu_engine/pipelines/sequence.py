@@ -58,13 +58,15 @@ class Sequence:
     def accept(self, tok: int, logprob: float, top, kv_len: int, ctx: int) -> None:
         """Take the sampled token and apply the stop rules; kv_len: tokens in the KV cache now."""
         self.last_token = tok
-        if self.want_logprobs:
-            self.token_logprobs.append(self.logprob_entry(tok, logprob, top))
         m = self.matcher
-        # under a grammar, an end token is only allowed where the grammar is complete: it ends the answer
+        # under a grammar, an end token is only allowed where the grammar is complete: it ends the answer.
+        # The end token counts in usage (as vLLM counts it) but has no logprob entry: the content
+        # holds no text of it, and OpenAI never lists it.
         if tok in self.eos_ids and (not self.ignore_eos or m is not None):
             self.output_ids.append(tok)
             return self.finish("stop")
+        if self.want_logprobs:
+            self.token_logprobs.append(self.logprob_entry(tok, logprob, top))
         self.output_ids.append(tok)
         if m is not None and not m.consume(tok):
             raise RuntimeError(f"the sampler gave token {tok}, which the grammar does not allow: {m.error}")

@@ -93,8 +93,9 @@ class SystemMessageOrderError(InvalidRequestError):
 
 class MessageOrderError(InvalidRequestError):
     def __init__(self, role: object):
-        super().__init__(f"The last message must come from `user` or `tool`, got {_show(role)}. "
-                         f"End the conversation with the message the model should answer.",
+        super().__init__(f"The last message must come from `user` or `tool` (or `assistant`, whose text "
+                         f"the answer continues), got {_show(role)}. End the conversation with the "
+                         f"message the model should answer.",
                          param="messages")
 
 

@@ -12,6 +12,7 @@ every text is valid Unicode, and the amount of work one request may ask for is b
 """
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -21,12 +22,39 @@ from .errors import (ContentTypeError, DependencyError, EmbeddingInputEmptyError
                      EmbeddingUnsupportedEncodingFormatError, EmptyMessagesError, FieldTypeError,
                      InvalidNumberStringError, InvalidStreamOptionsError, InvalidTextError,
                      LimitExceededError, MessageOrderError, MinValueError, PromptTypeError,
-                     RangeError, SeedTypeError, StreamingCountError, SystemMessageOrderError,
+                     RangeError, SeedTypeError, StreamingCountError,
                      UnsupportedFieldsError, UnsupportedRoleError)
 
 ROLES = ("system", "user", "assistant", "tool")
 MAX_TOP_LOGPROBS = 20             # chat's top_logprobs (OpenAI's limit); also the GPU sampler's (TOPN
                                   # in kernels/sampling.py and sampling.wgsl)
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")   # thinking is on or off, not graded
+# Unknown top-level fields are ignored (clients send fields of newer API versions and of other
+# servers), each name logged once per request kind at debug level; a known field with a value this
+# engine cannot honour is refused by name instead.
+_SAMPLING_FIELDS = frozenset({
+    "model", "stream", "stream_options", "n", "frequency_penalty", "presence_penalty", "repetition_penalty",
+    "max_tokens", "max_completion_tokens", "stop", "temperature", "top_p", "top_k", "min_p", "logit_bias",
+    "seed", "ignore_eos", "user", "logprobs", "top_logprobs", "extra_body", "enable_latency_breakdown"})
+KNOWN_FIELDS = {
+    "chat": _SAMPLING_FIELDS | {"messages", "tools", "tool_choice", "parallel_tool_calls", "response_format",
+                                "enable_thinking", "reasoning_effort"},
+    "completion": _SAMPLING_FIELDS | {"prompt", "echo", "suffix", "best_of", "response_format"},
+    "embedding": frozenset({"model", "input", "encoding_format", "dimensions", "user"}),
+}
+_logged_unknown: set[tuple[str, str]] = set()
+_log = logging.getLogger("webgpu_engine.protocol")
+
+
+def note_unknown_fields(req: dict, kind: str) -> None:
+    """Log (debug, once per name and request kind) the top-level fields this engine ignores."""
+    known = KNOWN_FIELDS[kind]
+    for k in req:
+        if k not in known and (kind, k) not in _logged_unknown and len(_logged_unknown) < 1024:
+            _logged_unknown.add((kind, k))
+            _log.debug("ignoring the unknown %s request field %r (logged once)", kind, str(k)[:64])
+
+
 MAX_LEGACY_LOGPROBS = 5           # /v1/completions' integer `logprobs` (OpenAI's limit)
 # Temperatures in (0, 1e-5) mean greedy decoding (as vLLM treats them): the sampler divides logits
 # by the temperature in float32, where 1/1e-39 overflows, and such a temperature is greedy anyway.
@@ -278,6 +306,7 @@ def check_chat_request(req: dict, limits: RequestLimits | None = None) -> dict:
     """Validate a chat completion request; returns a normalised copy (messages with string content)."""
     if not isinstance(req, dict):
         raise FieldTypeError("body", "a JSON object", req)
+    note_unknown_fields(req, "chat")
     out = check_sampling(req, limits)
     msgs = out.get("messages")
     if not isinstance(msgs, list) or not msgs:
@@ -291,8 +320,8 @@ def check_chat_request(req: dict, limits: RequestLimits | None = None) -> dict:
             role = "system"
         if role not in ROLES:
             raise UnsupportedRoleError(i, role)
-        if role == "system" and i != 0:
-            raise SystemMessageOrderError(i)
+        # a system message past the first is the chat template's to accept (ChatML and Llama 3
+        # render it) or refuse (a TemplateError, 400), not WebLLM's SystemMessageOrderError
         nm = {"role": role, "content": _content_text(i, role, m.get("content"))}
         for key in ("name", "tool_call_id"):
             v = m.get(key)
@@ -310,9 +339,19 @@ def check_chat_request(req: dict, limits: RequestLimits | None = None) -> dict:
         if role == "assistant" and nm["content"] is None:
             raise ContentTypeError(i, "is missing; an assistant message needs text content.")
         norm.append(nm)
-    if norm[-1]["role"] not in ("user", "tool"):
-        raise MessageOrderError(norm[-1]["role"])
+    last = norm[-1]
+    # vLLM's continue_final_message, implied by the order: the answer continues the assistant's
+    # text (a prefill) instead of opening a turn
+    out["continue_final_message"] = last["role"] == "assistant" and not last.get("tool_calls")
+    if last["role"] not in ("user", "tool") and not out["continue_final_message"]:
+        raise MessageOrderError(last["role"])
     out["messages"] = norm
+    effort = out.pop("reasoning_effort", None)    # OpenAI's; "none" turns a template's thinking off
+    if effort is not None:
+        if effort not in REASONING_EFFORTS:
+            raise FieldTypeError("reasoning_effort", f"one of {list(REASONING_EFFORTS)}", effort)
+        if effort == "none" and out.get("enable_thinking") is None:
+            out["enable_thinking"] = False
 
     rf = check_response_format(out.get("response_format"))
     if rf is None or rf["type"] == "text":
@@ -334,6 +373,7 @@ def check_completion_request(req: dict, limits: RequestLimits | None = None) -> 
     """Validate a text completion request (prompt, echo, suffix + sampling fields)."""
     if not isinstance(req, dict):
         raise FieldTypeError("body", "a JSON object", req)
+    note_unknown_fields(req, "completion")
     out = check_sampling(req, limits)
     prompt = out.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
@@ -358,6 +398,11 @@ def check_completion_request(req: dict, limits: RequestLimits | None = None) -> 
                              extra="completions take the number of top logprobs per token")
         out["logprobs"] = True
         out["top_logprobs"] = lp
+    rf = check_response_format(out.get("response_format"))    # vLLM and llama.cpp take it here too
+    if rf is None or rf["type"] == "text":
+        out.pop("response_format", None)
+    else:
+        out["response_format"] = rf
     return out
 
 
@@ -366,6 +411,7 @@ def check_embedding_request(req: dict, limits: RequestLimits | None = None) -> d
     """Validate an embedding request: input as str / list[str] / list[int] / list[list[int]]."""
     lim = limits or DEFAULT_LIMITS
     out = _request_body(req)
+    note_unknown_fields(out, "embedding")
     inp = out.get("input")
     if inp is None:
         raise EmbeddingInputEmptyError("no `input` field")
