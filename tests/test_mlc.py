@@ -192,7 +192,7 @@ def mlc_from_hf(hf_folder, folder, model_type: str) -> None:
         c["sliding_window_size"] = c.pop("sliding_window") or -1
     mc = {"text_config": c, "vocab_size": c["vocab_size"], "is_text_model": True} if model_type == "gemma3" else c
     (folder / "mlc-chat-config.json").write_text(json.dumps({"model_type": model_type, "quantization": "q0f32",
-                                                             "model_config": mc}))
+                                                             "model_config": mc, "sliding_window_size": -1}))
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(hf_folder / f, folder / f)
 

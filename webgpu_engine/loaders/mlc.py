@@ -259,7 +259,9 @@ class MLCArtifact:
         ctx = int(c.get("context_window_size") or cc.get("context_window_size") or 0)
         if ctx > 0 and not c.get("max_position_embeddings"):   # Phi-3 keeps its trained length
             c["max_position_embeddings"] = ctx
-        window = int(c.get("sliding_window_size") or c.get("sliding_window") or cc.get("sliding_window_size") or -1)
+        # the first positive of MLC's window fields (-1 / 0 / null: none; Gemma 2 keeps `sliding_window`)
+        window = next((int(v) for v in (c.get("sliding_window_size"), c.get("sliding_window"),
+                                         cc.get("sliding_window_size")) if v and int(v) > 0), -1)
         c["use_sliding_window"] = window > 0
         c["sliding_window"] = window if window > 0 else None
         if self.model_type.startswith("gemma3"):
