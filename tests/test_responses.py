@@ -13,8 +13,9 @@ from pydantic import BaseModel
 
 from webgpu_engine.engine import EngineConfig
 from webgpu_engine.protocol.errors import UnsupportedFieldsError
+from webgpu_engine.errors import RequestTimeoutError
 from webgpu_engine.protocol.responses import (ResponseCreateRequest, chat_request, check_responses_request,
-                                              to_chat_messages)
+                                              new_response, to_chat_messages)
 from webgpu_engine.server.app import ServerOptions, ServerThread
 
 LLM_ID = "SmolLM2-135M-Instruct-Q4_1"
@@ -197,6 +198,40 @@ def test_items_to_chat_messages():
     with pytest.raises(UnsupportedFieldsError) as e:
         ResponseCreateRequest(input="Hi", background=True)
     assert e.value.param == "background"
+
+
+class _BrokenChatStream:
+    """A chat stream whose generation fails after its first chunk (as a lost device would)."""
+
+    usage, _released = None, False
+
+    def __init__(self):
+        self.closed = False
+
+    def __aiter__(self):
+        return self._chunks()
+
+    async def _chunks(self):
+        yield {"choices": [{"index": 0, "delta": {"role": "assistant", "content": "Par"}, "finish_reason": None}]}
+        raise RequestTimeoutError(1.0, "decode")
+
+    async def aclose(self):
+        self.closed = True
+
+
+async def test_error_after_start_is_response_failed():
+    """No GPU: an engine error after the first events ends the stream with response.failed."""
+    from webgpu_engine.engine.responses import ResponseEventStream
+    req = check_responses_request({"input": "Hi"})
+    chat = _BrokenChatStream()
+    stream = ResponseEventStream(chat, new_response(req, "resp_x", LLM_ID, 0, {}), keep=None)
+    events = [e async for e in stream]
+    await stream.aclose()
+    types = [e.type for e in events]
+    assert types[:2] == ["response.created", "response.in_progress"] and types[-1] == "response.failed"
+    assert "response.output_text.delta" in types and chat.closed
+    failed = events[-1].response
+    assert failed.status == "failed" and failed.error.code == "server_error" and failed.output[0].content[0].text == "Par"
 
 
 def test_python_engine(server):

@@ -16,7 +16,7 @@ from typing import Any
 
 from ..errors import InvalidRequestError, WebGPUEngineError
 from ..protocol import responses as rp
-from ..protocol.objects import to_dict
+from ..protocol.objects import to_dict, to_object
 from .records import LLM
 from .requests import request_fields
 
@@ -159,7 +159,7 @@ class ResponseEventStream:
     def _event(self, kind: str, **fields) -> dict:
         ev = {"type": kind, "sequence_number": self._seq, **fields}
         self._seq += 1
-        return rp.response_object(ev)
+        return to_object(ev)        # an attribute-access dict (events have no `object` field)
 
     async def _events(self):
         base = self._base

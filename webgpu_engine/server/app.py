@@ -2,7 +2,8 @@
 
 Routes: POST /v1/chat/completions, /v1/completions, /v1/embeddings, /v1/rerank, /tokenize, /detokenize;
 GET /v1/models, /v1/models/{id}, /health, /metrics; POST /v1/models/load and /unload when model
-management is allowed (admin.py).
+management is allowed (admin.py); POST /v1/responses, GET and DELETE /v1/responses/{id}
+(responses.py: OpenAI's Responses API, streamed as typed `event:` frames).
 Streaming is Server-Sent Events exactly as OpenAI sends them (`data: {json}\\n\\n`, then
 `data: [DONE]\\n\\n`). Every error is OpenAI error JSON with its HTTP status; unexpected ones are
 logged and answered 500 without internals. Handlers are cancelled when the client disconnects
@@ -139,7 +140,7 @@ def cors_middleware_factory(origins: list[str]):
         if allow and not resp.prepared:
             resp.headers["Access-Control-Allow-Origin"] = allow
             resp.headers["Access-Control-Allow-Headers"] = "Authorization, Content-Type"
-            resp.headers["Access-Control-Allow-Methods"] = "GET, POST, OPTIONS"
+            resp.headers["Access-Control-Allow-Methods"] = "GET, POST, DELETE, OPTIONS"
             if allow != "*":
                 resp.headers["Vary"] = "Origin"
         return resp
