@@ -29,7 +29,8 @@ from webgpu_engine.engine.records import app_config_from_dict
 from webgpu_engine.engine.references import resolve_model_reference
 from webgpu_engine.errors import ModelFormatError, UnsupportedModelError
 from webgpu_engine.kernels.quant_ref import dequantize
-from webgpu_engine.loaders.mlc import ConvTemplate, MLCArtifact, repack_q4, repack_q4_numpy, repack_q4_stdlib
+from webgpu_engine.loaders.mlc import (ConvTemplate, MLCArtifact, read_chat_config, repack_q4, repack_q4_numpy,
+                                       repack_q4_stdlib)
 from webgpu_engine.loaders.safetensors import SafetensorsFolder
 from webgpu_engine.loaders.tensor_info import split_fused
 from webgpu_engine.models.registry import open_model
@@ -345,8 +346,10 @@ def test_older_cache_name_chat_config_and_template(tiny):
     try:
         cfg = art.config()
         assert (cfg.rope_base, cfg.context_length, cfg.sliding_window) == (10000.0, 256, None)
-        assert 2 in cfg.eos_ids and art.prefill_chunk_size == 128
-        assert art.sampling_defaults() == {"temperature": 0.7, "top_p": 0.9}
+        assert 2 in cfg.eos_ids
+        assert read_chat_config(path) == {"context": 256, "overrides": {
+            "temperature": 0.7, "top_p": 0.9, "stop_str": ["<|im_end|>"], "stop_token_ids": [2],
+            "prefill_chunk_size": 128}}
         tpl = art.template()                 # no tokenizer_config.json: the conv_template
         assert isinstance(tpl, ConvTemplate)
     finally:

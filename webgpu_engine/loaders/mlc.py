@@ -18,8 +18,7 @@ f16 / f32, value = (q - 7) * scale) are repacked at load, exactly, onto Q4_0 blo
 d = -scale and q' = 15 - q, (q' - 8) d = (7 - q)(-scale) = (q - 7) scale for every 4-bit q, and
 negating a float is exact. q4f16_1 becomes GGUF's q4_0 (f16 d); q4f32_1 becomes q4_0f32, Q4_0 with an
 f32 d (kernels/qtypes.py). The repack moves nibbles (numpy where installed, else the standard library's
-byte operations). Other
-quantisations (q3f16_1, q4f16_0's KN layout, AWQ, fp8) are refused by name.
+byte operations). Other quantisations (q3f16_1, q4f16_0's KN layout, AWQ, fp8) are refused by name.
 
 Families: llama, mistral, qwen2, qwen3, phi3, gemma2, gemma3 / gemma3_text (MLC stores q|k|v as
 `qkv_proj` / Qwen's `c_attn` and gate|up as `gate_up_proj`: split into our q, k, v, gate, up on load
@@ -94,12 +93,6 @@ def refusal(model_type: str, quantization: str, kind: str = "llm") -> str:
     if quantization not in FLOAT_QUANTS and quantization not in GROUP_QUANTS:
         return f"quantization {quantization!r}"
     return ""
-
-
-def is_mlc_folder(path) -> bool:
-    """A folder holding mlc-chat-config.json."""
-    p = Path(path)
-    return p.is_dir() and (p / CHAT_CONFIG).is_file()
 
 
 def _read_json(p: Path) -> dict:
@@ -289,16 +282,6 @@ class MLCArtifact:
         cfg.name = self.folder.name
         cfg.norm_plus_one = False             # MLC's Gemma converters store 1 + w
         return cfg
-
-    @property
-    def prefill_chunk_size(self) -> int | None:
-        v = (self.chat_config.get("model_config") or {}).get("prefill_chunk_size") \
-            or self.chat_config.get("prefill_chunk_size")
-        return int(v) if v else None
-
-    def sampling_defaults(self) -> dict:
-        """The chat config's sampling defaults (temperature, top_p, penalties) that it sets."""
-        return {k: self.chat_config[k] for k in SAMPLING_KEYS if self.chat_config.get(k) is not None}
 
     # ------------------------------------------------------------------ weights
     def weights(self) -> dict[str, TensorInfo]:
@@ -541,5 +524,5 @@ class ConvTemplate:
         return [*self.system_prefix_token_ids, *ids]
 
 
-__all__ = ["CACHE_FILES", "CHAT_CONFIG", "ConvTemplate", "MLCArtifact", "MODEL_TYPES", "is_mlc_folder",
+__all__ = ["CACHE_FILES", "CHAT_CONFIG", "ConvTemplate", "MLCArtifact", "MODEL_TYPES",
            "read_chat_config", "refusal", "repack_q4", "repack_q4_numpy", "repack_q4_stdlib", "stop_lists"]
