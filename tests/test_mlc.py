@@ -10,13 +10,12 @@ import dataclasses
 import hashlib
 import json
 import shutil
-
 from pathlib import Path
 
 import numpy as np
 import pytest
-from cache_server import FileServer
 
+from cache_server import FileServer
 from decoder_runner import DecoderRunner
 from ref_llama import RefLlama
 from test_references import _folder_files, fake_hf_repo

@@ -411,11 +411,9 @@ def repack_q4(q_weight, q_scale, n: int, k: int, scale: str):
     A group's 16 MLC bytes hold elements 2m (low nibble) and 2m + 1 (high) in byte m, so Q4_0's byte
     2m is the low nibbles of bytes m and m + 8, byte 2m + 1 their high nibbles (15 - q is q ^ 15).
     numpy where it is installed (about 2.5x faster), else the standard library (the page)."""
-    try:
-        import numpy  # noqa: F401
-    except ImportError:
-        return repack_q4_stdlib(q_weight, q_scale, n, k, scale)
-    return repack_q4_numpy(q_weight, q_scale, n, k, scale)
+    from importlib.util import find_spec
+    fast = find_spec("numpy") is not None
+    return (repack_q4_numpy if fast else repack_q4_stdlib)(q_weight, q_scale, n, k, scale)
 
 
 def repack_q4_numpy(q_weight, q_scale, n: int, k: int, scale: str) -> memoryview:
