@@ -378,6 +378,24 @@ def test_llama3_conv_template_two_turns():
                     "<|start_header_id|>assistant<|end_header_id|>\n\n")
 
 
+def test_llama2_conv_template_quirks():
+    """WebLLM's llama-2 template: no role text before the first message after a system prompt,
+    alternating seps, role_templates with their first placeholder filled, an empty role_empty_sep
+    kept empty (absent separators default to ": "), a message's name as its role text."""
+    conv = ConvTemplate({
+        "system_template": "[INST] <<SYS>>\n{system_message}\n<</SYS>>\n\n", "system_message": "Be good.",
+        "roles": {"user": "[INST]", "assistant": "[/INST]"}, "seps": [" ", " </s>"],
+        "role_content_sep": " ", "role_empty_sep": "", "add_role_after_system_message": False,
+        "role_templates": {"user": "<{user_message}>{function_string}", "assistant": "{assistant_message}"},
+        "stop_token_ids": [2]})
+    msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},
+            {"role": "user", "content": "Again {user_message}", "name": "Ann"}]
+    assert conv.render(msgs) == ("[INST] <<SYS>>\nBe good.\n<</SYS>>\n\n<Hi> [/INST] Hello </s>"
+                                 "Ann <Again {user_message}> [/INST]")
+    bare = ConvTemplate({"system_template": "", "roles": {"user": "U", "assistant": "A"}, "seps": ["\n"]})
+    assert bare.render([{"role": "user", "content": "x"}]) == "U: x\nA: "
+
+
 def test_broken_artifacts_typed_errors(device, tiny, tmp_path):
     good = tiny["root"] / "llama-q0f32"
     if not good.exists():

@@ -458,11 +458,13 @@ _PLACEHOLDERS = {"user": "{user_message}", "assistant": "{assistant_message}", "
 
 
 class ConvTemplate:
-    """MLC's conversation template (mlc-chat-config.json `conv_template`), rendered the way MLC /
-    WebLLM build a prompt: the system template with the system message, then per message its role's
-    text (`roles`), the role separator, the content through `role_templates` (when given) and the
-    turn separator (`seps`: alternating user / assistant turns); the generation prompt is the
-    assistant role and the role's empty separator. Same interface as ChatTemplate."""
+    """MLC's conversation template (mlc-chat-config.json `conv_template`), rendered as WebLLM's
+    conversation.ts getPromptArray does: the system template with the system message (a request's
+    replaces the default), no separator after it; per message its role's text (`roles`, or the
+    message's `name`), the role separator, the content through `role_templates` (when given) and the
+    turn separator `seps[i % len(seps)]`; no role text before the first message after a system prompt
+    when `add_role_after_system_message` is false; the generation prompt is the assistant role and
+    the empty separator. Same interface as ChatTemplate."""
 
     def __init__(self, conv: dict):
         self.conv = conv
@@ -472,8 +474,9 @@ class ConvTemplate:
         self.roles = dict(conv.get("roles") or {"user": "user", "assistant": "assistant"})
         self.role_templates = dict(conv.get("role_templates") or {})
         self.seps = list(conv.get("seps") or ["\n"])
-        self.role_content_sep = conv.get("role_content_sep") or ": "
-        self.role_empty_sep = conv.get("role_empty_sep") or ": "
+        # ": " when absent, as WebLLM; "" stays ""
+        self.role_content_sep = ": " if conv.get("role_content_sep") is None else conv["role_content_sep"]
+        self.role_empty_sep = ": " if conv.get("role_empty_sep") is None else conv["role_empty_sep"]
         self.stop_str, self.stop_token_ids = stop_lists(conv)
         self.system_prefix_token_ids = [int(i) for i in conv.get("system_prefix_token_ids") or []]
         self.add_role_after_system_message = bool(conv.get("add_role_after_system_message", True))
@@ -500,15 +503,15 @@ class ConvTemplate:
             if role in ("system", "developer"):
                 system = self._text(m.get("content"))
             else:
-                turns.append((role, self._text(m.get("content"))))
-        out = self.system_template.replace("{system_message}", system)
-        for i, (role, content) in enumerate(turns):
+                turns.append((role, m.get("name") or self.roles.get(role, role), self._text(m.get("content"))))
+        # JavaScript's String.replace with a string: the first occurrence only
+        out = self.system_template.replace("{system_message}", system, 1)
+        for i, (role, role_str, content) in enumerate(turns):
             tpl = self.role_templates.get(role)
-            text = tpl.replace(_PLACEHOLDERS.get(role, "{user_message}"), content) if tpl else content
-            if i == 0 and out and not self.add_role_after_system_message:
-                prefix = ""
-            else:
-                prefix = f"{self.roles.get(role, role)}{self.role_content_sep}"
+            text = tpl.replace(_PLACEHOLDERS.get(role, "{user_message}"), content, 1) \
+                .replace("{function_string}", "", 1) if tpl else content
+            prefix = "" if i == 0 and out and not self.add_role_after_system_message \
+                else role_str + self.role_content_sep
             out += f"{prefix}{text}{self.seps[i % len(self.seps)]}"
         if add_generation_prompt:
             out += f"{self.roles.get('assistant', 'assistant')}{self.role_empty_sep}"
