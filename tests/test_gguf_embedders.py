@@ -174,6 +174,9 @@ async def test_engine_serves_a_gguf_embedder_by_path(device, pipes):
     assert resolve_model_reference(str(path)).model_type == "embedding"
     engine = await create_mlc_engine([str(path)], EngineConfig(device=device))
     try:
+        loaded = engine.models["xlmr-q8_0"]
+        assert loaded.pipeline.max_seq_length == 40
+        assert loaded.estimate is not None and loaded.estimate.weights > 0     # the pre-load memory check read it
         r = await engine.embeddings.create(model="xlmr-q8_0", input=TEXTS[:3])
         want = (await pipes[("xlmr", "q8_0")].embed_step(TEXTS[:3])).embeddings
         for d, w in zip(r.data, want):

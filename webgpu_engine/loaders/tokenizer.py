@@ -158,7 +158,8 @@ def load_tokenizer(source, *, native: bool | None = None, max_length: int | None
         from .gguf_encoder import tokenizer_json
         where = getattr(source, "where", "GGUF")
         spec, tok_cfg = tokenizer_json(metadata, where)
-        return _from_spec(json.dumps(spec), tok_cfg, native, max_length, True, f"{where} (its vocabulary)")        # SentencePiece (Llama-2, Mistral, Gemma)
+        return _from_spec(json.dumps(spec), tok_cfg, native, max_length, True, f"{where} (its vocabulary)")
+    if metadata.get("tokenizer.ggml.model") == "llama":        # SentencePiece (Llama-2, Mistral, Gemma)
         from .spm import SPMTokenizer, native_spm
         spm = SPMTokenizer.from_gguf_metadata(metadata)
         return NativeTokenizer(native_spm(spm), spm, native_spm(spm, specials=False)) if native else spm
