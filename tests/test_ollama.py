@@ -16,13 +16,17 @@ import jsonschema
 import ollama
 import openai
 import pytest
-
 from tinymodels import write_tiny_llama_gguf
+
 from webgpu_engine.engine import EngineConfig
 from webgpu_engine.engine.ollama_store import list_store
 from webgpu_engine.engine.references import resolve_model_reference
-from webgpu_engine.errors import (ModelFormatError, OllamaBlobError, OllamaManifestNotFoundError,
-                                  UnsupportedModelError)
+from webgpu_engine.errors import (
+    ModelFormatError,
+    OllamaBlobError,
+    OllamaManifestNotFoundError,
+    UnsupportedModelError,
+)
 from webgpu_engine.server.app import ServerOptions, ServerThread
 
 MEDIA = "application/vnd.ollama.image."
@@ -91,8 +95,7 @@ def store(tmp_path_factory, smollm2_gguf):
 def test_reference_resolves_the_blob_in_place_with_params(store, smollm2_gguf):
     rec = resolve_model_reference("ollama:smollm2:135m")
     assert rec.model_id == "smollm2:135m" and rec.model_type == "llm"
-    assert os.path.samefile(rec.model, smollm2_gguf) or \
-        open(rec.model, "rb").read(64) == open(smollm2_gguf, "rb").read(64)
+    assert rec.model.endswith(hashlib.sha256(smollm2_gguf.read_bytes()).hexdigest())
     assert os.path.dirname(rec.model) == str(store.root / "blobs")        # used in place, not copied
     assert rec.overrides["stop_str"] == PARAMS["stop"] and rec.overrides["temperature"] == 0.2
     assert rec.overrides["context_window_size"] == 1024
@@ -187,6 +190,8 @@ def test_generate_templated_raw_and_load(server, client):
     g = client.generate(model=M, prompt=HI[0]["content"], options=GREEDY)
     c = client.chat(model=M, messages=HI, options=GREEDY)
     assert g.response == c.message.content and g.done
+    parts = list(client.generate(model=M, prompt=HI[0]["content"], options=GREEDY, stream=True))
+    assert "".join(p.response for p in parts) == g.response and parts[-1].eval_count == g.eval_count
     o = openai.OpenAI(base_url=server.url, api_key="none", max_retries=0, timeout=300)
     raw = client.generate(model=M, prompt="The capital of France is", raw=True,
                           options={"temperature": 0, "num_predict": 8})
@@ -256,6 +261,16 @@ def test_tool_call_in_ollamas_shape(server, client):
                                                     "parameters": CITY}}],
         "tool_choice": "required"}))
     call = r.message.tool_calls[0]
+    body = {"model": M, "messages": HI, "options": {"temperature": 0, "num_predict": 200}, "tool_choice": "required",
+            "tools": [{"type": "function", "function": {"name": "forecast", "parameters": CITY}}]}
+    req = urllib.request.Request(server.base + "/api/chat", data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as resp:                # streamed (Ollama's default)
+        assert resp.headers["Content-Type"].startswith("application/x-ndjson")
+        lines = [json.loads(x) for x in resp.read().splitlines()]
+    calls = [c for x in lines for c in x["message"].get("tool_calls") or []]
+    assert lines[-1]["done"] and len(calls) >= 1 and isinstance(calls[0]["function"]["arguments"], dict)
+    jsonschema.validate(calls[0]["function"]["arguments"], CITY)
     assert call.function.name == "forecast" and isinstance(call.function.arguments, dict)
     jsonschema.validate(dict(call.function.arguments), CITY)
     # the call goes back as Ollama sends it (arguments an object) with the tool's answer

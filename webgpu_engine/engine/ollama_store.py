@@ -25,7 +25,12 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import (ModelFormatError, OllamaBlobError, OllamaManifestNotFoundError, UnsupportedModelError)
+from ..errors import (
+    ModelFormatError,
+    OllamaBlobError,
+    OllamaManifestNotFoundError,
+    UnsupportedModelError,
+)
 
 log = logging.getLogger("webgpu_engine.engine")
 
@@ -278,5 +283,14 @@ def list_store(root: Path | None = None) -> list[dict]:
     return out
 
 
-__all__ = ["parse_name", "open_store_model", "verify", "ollama_record", "list_store", "store_root",
-           "OllamaName", "OllamaModel", "PREFIX"]
+__all__ = [
+    "PREFIX",
+    "OllamaModel",
+    "OllamaName",
+    "list_store",
+    "ollama_record",
+    "open_store_model",
+    "parse_name",
+    "store_root",
+    "verify",
+]

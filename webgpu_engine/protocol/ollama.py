@@ -30,7 +30,8 @@ GENERATE_FIELDS = {"model", "prompt", "stream", "options", "format", "keep_alive
 DONE_REASONS = {"stop": "stop", "length": "length", "tool_calls": "stop", "abort": "stop"}
 
 
-def _check_fields(body: dict, allowed: set, route: str) -> None:
+def check_fields(body: dict, allowed: set, route: str) -> None:
+    """Fields a route does not take are refused by name."""
     unknown = sorted(set(body) - allowed)
     if unknown:
         raise UnsupportedFieldsError(unknown[0], f"{route} does not take {unknown}; it takes {sorted(allowed)}.")
@@ -108,7 +109,7 @@ def _message(i: int, m: Any) -> dict:
 
 
 def _common(body: dict, route: str, allowed: set, context: int) -> dict:
-    _check_fields(body, allowed, route)
+    check_fields(body, allowed, route)
     req: dict = {"model": body.get("model")}
     req.update(options_fields(body.get("options"), context))
     rf = response_format(body.get("format"))
@@ -203,5 +204,14 @@ def tool_calls(calls: list | None) -> list[dict]:
     return out
 
 
-__all__ = ["chat_request", "generate_request", "options_fields", "response_format", "durations",
-           "tool_calls", "now", "DONE_REASONS"]
+__all__ = [
+    "DONE_REASONS",
+    "chat_request",
+    "check_fields",
+    "durations",
+    "generate_request",
+    "now",
+    "options_fields",
+    "response_format",
+    "tool_calls",
+]

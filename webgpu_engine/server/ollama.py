@@ -30,7 +30,16 @@ from ..protocol import ollama as proto
 from ..protocol.errors import FieldTypeError, UnsupportedFieldsError
 from ..protocol.objects import to_dict
 from .admin import ModelManagementDisabledError
-from .common import (CLIENT_FAULTS, ENGINE, METRICS, OPTS, STATE, allowed_origin, json_body, ready_engine)
+from .common import (
+    CLIENT_FAULTS,
+    ENGINE,
+    METRICS,
+    OPTS,
+    STATE,
+    allowed_origin,
+    json_body,
+    ready_engine,
+)
 
 log = logging.getLogger("webgpu_engine.server")
 NDJSON = "application/x-ndjson"
@@ -74,8 +83,10 @@ class OllamaModelNotFoundError(ModelNotFoundError):
 
 
 def _model(request: web.Request, body: dict, kind: str | None):
-    """The loaded model a body names (`model`, or the older `name`); NAME alone also finds NAME:latest."""
+    """The loaded model a body names (`model`, or the older `name`); NAME alone also finds NAME:latest.
+    `keep_alive` is checked here too, before any work."""
     engine = ready_engine(request)
+    _keep_alive_zero(body)
     name = body.get("model", body.get("name"))
     if not isinstance(name, str) or not name:
         raise FieldTypeError("model", "a model name", name)
@@ -206,8 +217,9 @@ async def _run(request, body, lm, endpoint, req: dict, chat: bool) -> web.Stream
             if not d["choices"]:
                 continue
             ch = d["choices"][0]
-            text = ch["delta"].get("content") if chat else ch.get("text")
-            for tc in (ch["delta"].get("tool_calls") or []) if chat else []:
+            delta = ch.get("delta") or {}           # a chat chunk (also /api/generate's templated path)
+            text = delta.get("content") if "delta" in ch else ch.get("text")
+            for tc in delta.get("tool_calls") or []:
                 got = calls.setdefault(tc["index"], {"name": "", "arguments": ""})
                 f = tc.get("function") or {}
                 got["name"] += f.get("name") or ""
@@ -229,9 +241,7 @@ async def _run(request, body, lm, endpoint, req: dict, chat: bool) -> web.Stream
 
 # --------------------------------------------------------------------------- embeddings
 def _embed_fields(body: dict, allowed: set, route: str) -> None:
-    unknown = sorted(set(body) - allowed)
-    if unknown:
-        raise UnsupportedFieldsError(unknown[0], f"{route} does not take {unknown}; it takes {sorted(allowed)}.")
+    proto.check_fields(body, allowed, route)
     opts = body.get("options") or {}
     if not isinstance(opts, dict):
         raise FieldTypeError("options", "an object", opts)
@@ -279,12 +289,13 @@ async def embeddings(request: web.Request) -> web.Response:
 
 
 # --------------------------------------------------------------------------- models
-def _facts(request: web.Request, lm) -> dict:
-    """What /api/tags, /api/ps and /api/show say about a loaded model (read once per load)."""
+async def _facts(request: web.Request, lm) -> dict:
+    """What /api/tags, /api/ps and /api/show say about a loaded model (read once per load, in a worker
+    thread: it parses the GGUF's header)."""
     cache = request.app[STATE].setdefault("ollama_facts", {})
     key = (lm.model_id, lm.record.model, lm.epoch)
     if key not in cache:
-        cache[key] = _read_facts(lm)
+        cache[key] = await asyncio.to_thread(_read_facts, lm)
     return cache[key]
 
 
@@ -326,14 +337,15 @@ def _read_facts(lm) -> dict:
     return facts
 
 
-def _entry(request, lm) -> dict:
-    f = _facts(request, lm)
+async def _entry(request, lm) -> dict:
+    f = await _facts(request, lm)
     return {"name": lm.model_id, "model": lm.model_id, "modified_at": f["modified_at"], "size": f["size"],
             "digest": f["digest"], "details": f["details"]}
 
 
 async def tags(request: web.Request) -> web.Response:
-    return web.json_response({"models": [_entry(request, lm) for lm in request.app[ENGINE].models.values()]})
+    models = request.app[ENGINE].models.values()
+    return web.json_response({"models": [await _entry(request, lm) for lm in models]})
 
 
 async def ps(request: web.Request) -> web.Response:
@@ -343,7 +355,7 @@ async def ps(request: web.Request) -> web.Response:
         d = lm.describe(engine.device)
         mem = d["memory"]
         vram = mem.get("allocated_bytes") or 0
-        out.append({**_entry(request, lm), "size": mem.get("estimated_bytes") or vram, "size_vram": vram,
+        out.append({**await _entry(request, lm), "size": mem.get("estimated_bytes") or vram, "size_vram": vram,
                     "expires_at": FAR_FUTURE, "context_length": d["context_window"]})
     return web.json_response({"models": out})
 
@@ -351,7 +363,7 @@ async def ps(request: web.Request) -> web.Response:
 async def show(request: web.Request) -> web.Response:
     body = await json_body(request)
     _, lm = _model(request, body, None)
-    f = _facts(request, lm)
+    f = await _facts(request, lm)
     cc = lm.chat_config
     params = [f"stop {json.dumps(s)}" for s in cc.stop_str]
     if lm.model_type == LLM:
