@@ -313,6 +313,62 @@ ROUTES = [
          headers={"Origin": "http://evil.example", "Access-Control-Request-Method": "POST"}, status=405),
 ]
 
+def ollama(name, path="/api/chat", status=400, method="POST", **body):
+    """A case for Ollama's routes (server/ollama.py): errors are {"error": "..."}."""
+    if method == "GET":
+        return Case(name, path, None, status, method, headers={})
+    base = {"model": LLM_ID, "stream": False, "options": {"num_predict": 1}}
+    base.update(messages=U) if path == "/api/chat" else None
+    return Case(name, path, {**base, **body} if path in ("/api/chat", "/api/generate") else body, status)
+
+
+OLLAMA = [
+    ollama("ollama chat", status=200),
+    ollama("ollama chat streamed (NDJSON)", status=200, stream=True),
+    ollama("ollama chat messages null", messages=None),
+    ollama("ollama chat messages an object", messages={"role": "user"}),
+    ollama("ollama chat role unknown", messages=[{"role": "wizard", "content": "x"}]),
+    ollama("ollama chat options a list", options=[1]),
+    ollama("ollama chat temperature NaN", options={"temperature": float("nan")}),
+    ollama("ollama chat num_predict 0", options={"num_predict": 0}),
+    ollama("ollama chat num_predict a string", options={"num_predict": "8"}),
+    ollama("ollama chat unknown option", options={"warp": 9}),
+    ollama("ollama chat num_ctx past the window", options={"num_ctx": 10 ** 9}),
+    ollama("ollama chat format yaml", format="yaml"),
+    ollama("ollama chat format a list", format=[1]),
+    ollama("ollama chat images", messages=[{"role": "user", "content": "x", "images": ["AAAA"]}]),
+    ollama("ollama chat tools a string", tools="x"),
+    ollama("ollama chat tool call arguments not JSON", messages=[*U, {"role": "assistant", "content": "",
+           "tool_calls": [{"function": {"name": "f", "arguments": "{oops"}}]}, *U]),
+    ollama("ollama chat stream a string", stream="yes"),
+    ollama("ollama chat keep_alive an object", keep_alive={}),
+    ollama("ollama chat model empty", model=""),
+    ollama("ollama chat model unknown", model="nope:latest", status=404),
+    ollama("ollama chat unknown field", bogus=1),
+    ollama("ollama generate", "/api/generate", status=200, prompt="Hi"),
+    ollama("ollama generate raw streamed", "/api/generate", status=200, prompt="Hi", raw=True, stream=True),
+    ollama("ollama generate prompt a number", "/api/generate", prompt=5),
+    ollama("ollama generate context", "/api/generate", prompt="Hi", context=[1, 2, 3]),
+    ollama("ollama generate raw with system", "/api/generate", prompt="Hi", raw=True, system="s"),
+    ollama("ollama generate suffix", "/api/generate", prompt="Hi", suffix="end"),
+    ollama("ollama embed", "/api/embed", status=200, model=EMB_ID, input=["a cat", "a dog"]),
+    ollama("ollama embed input an object", "/api/embed", model=EMB_ID, input={"a": 1}),
+    ollama("ollama embed input empty", "/api/embed", model=EMB_ID, input=[]),
+    ollama("ollama embed truncate false", "/api/embed", model=EMB_ID, input="x", truncate=False),
+    ollama("ollama embed on the chat model", "/api/embed", model=LLM_ID, input="x"),
+    ollama("ollama embeddings prompt a number", "/api/embeddings", model=EMB_ID, prompt=7),
+    ollama("ollama show unknown", "/api/show", status=404, model="nope"),
+    ollama("ollama show without a model", "/api/show"),
+    ollama("ollama pull unknown", "/api/pull", status=404, model="no-such-model"),
+    Case("ollama delete without management", "/api/delete", {"model": EMB_ID}, 403, "DELETE"),
+    Case("ollama chat not JSON", "/api/chat", b"{oops", 400),
+    Case("ollama chat as text/plain", "/api/chat", b"{}", 415, headers={"Content-Type": "text/plain"}),
+    Case("ollama unknown route", "/api/nope", {}, 404),
+    ollama("ollama tags", "/api/tags", status=200, method="GET"),
+    ollama("ollama ps", "/api/ps", status=200, method="GET"),
+    ollama("ollama version", "/api/version", status=200, method="GET"),
+]
+
 HEAVY = [
     chat("prompt of 3.9 MB", (200, 400), heavy=True,
          messages=[{"role": "user", "content": "word " * 780_000}]),
@@ -327,7 +383,8 @@ HEAVY = [
 # The heavy cases come first: the RSS after the first batch is then the server's working set (the
 # embedder's buffers at their largest batch, n = 16's sampling state), and the rest of the corpus,
 # run against it, must not grow it by more than 10% (growth per request is a leak).
-BATCHES = [HEAVY, BODIES, SAMPLING[:40], SAMPLING[40:], MESSAGES, COMPLETIONS + ROUTES, EMBEDDINGS]
+BATCHES = [HEAVY, BODIES, SAMPLING[:40], SAMPLING[40:], MESSAGES, COMPLETIONS + ROUTES, EMBEDDINGS,
+           OLLAMA]
 CORPUS = [c for b in BATCHES for c in b]
 
 
@@ -378,6 +435,13 @@ def _check_answer(case: Case, status: int, headers: dict, body: bytes) -> None:
     allowed = case.status if isinstance(case.status, tuple) else (case.status,)
     assert status in allowed, f"{case.name}: HTTP {status} (expected {allowed}): {body[:300]!r}"
     assert status < 500
+    if case.path.startswith("/api/"):          # Ollama's routes: {"error": "..."}, NDJSON streams
+        if status >= 400:
+            err = json.loads(body)["error"]
+            assert isinstance(err, str) and err and "Traceback" not in err, case.name
+        elif isinstance(case.body, dict) and case.body.get("stream") is True:
+            assert json.loads(body.splitlines()[-1])["done"] is True, case.name
+        return
     if status >= 400 and case.method != "HEAD":
         err = json.loads(body)["error"]
         assert set(err) == {"message", "type", "param", "code"} and err["message"], case.name
