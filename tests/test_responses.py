@@ -12,10 +12,15 @@ import pytest
 from pydantic import BaseModel
 
 from webgpu_engine.engine import EngineConfig
-from webgpu_engine.protocol.errors import UnsupportedFieldsError
 from webgpu_engine.errors import RequestTimeoutError
-from webgpu_engine.protocol.responses import (ResponseCreateRequest, chat_request, check_responses_request,
-                                              new_response, to_chat_messages)
+from webgpu_engine.protocol.errors import UnsupportedFieldsError
+from webgpu_engine.protocol.responses import (
+    ResponseCreateRequest,
+    chat_request,
+    check_responses_request,
+    new_response,
+    to_chat_messages,
+)
 from webgpu_engine.server.app import ServerOptions, ServerThread
 
 LLM_ID = "SmolLM2-135M-Instruct-Q4_1"
@@ -194,6 +199,8 @@ def test_items_to_chat_messages():
     assert chat["tools"][0]["function"]["name"] == "get_weather" and "type" not in chat["tools"][0]["function"]
     assert chat["tool_choice"] == {"type": "function", "function": {"name": "get_weather"}}
     assert chat["response_format"] == {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
+    off = check_responses_request({"input": "Hi", "reasoning": {"effort": "none"}})
+    assert chat_request(off, to_chat_messages(off["input"]))["reasoning_effort"] == "none"
     assert ResponseCreateRequest(input="Hi").input == "Hi"
     with pytest.raises(UnsupportedFieldsError) as e:
         ResponseCreateRequest(input="Hi", background=True)
@@ -238,6 +245,27 @@ def test_python_engine(server):
     r = server.call(server.engine.responses.create(input="Hi", temperature=0, max_output_tokens=2))
     assert r.output_text == r.output[0].content[0].text and r.usage.output_tokens <= 2
     assert server.call(server.engine.responses.retrieve(r.id)).id == r.id
+
+
+def test_sync_engine(device, tmp_path):
+    """The blocking MLCEngine's responses (a tiny model): create, a stream of events, retrieve, delete."""
+    from tinymodels import write_tiny_llama_gguf
+
+    from webgpu_engine.engine import MLCEngine, ModelRecord, default_app_config
+    from webgpu_engine.engine.responses import ResponseNotFoundError
+    path = write_tiny_llama_gguf(tmp_path / "chat.gguf", qtype="q8_0", context_length=256)["path"]
+    app = default_app_config().with_records(ModelRecord("tiny-chat", str(path), "llm"))
+    with MLCEngine(EngineConfig(device=device, app_config=app)) as eng:
+        eng.reload("tiny-chat", {"compile_at_load": False})
+        r = eng.responses.create(input="Hi", temperature=0, max_output_tokens=3)
+        assert r.usage.output_tokens == 3 and r.status == "incomplete"
+        events = list(eng.responses.create(input="Hi", temperature=0, max_output_tokens=3, stream=True))
+        assert events[0].type == "response.created" and events[-1].type == "response.incomplete"
+        assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == r.output_text
+        assert eng.responses.retrieve(r.id).output_text == r.output_text
+        eng.responses.delete(r.id)
+        with pytest.raises(ResponseNotFoundError):
+            eng.responses.retrieve(r.id)
 
 
 @pytest.mark.parametrize("extra,param", [

@@ -13,6 +13,7 @@ from typing import Any
 from ..errors import InvalidRequestError
 from .errors import FieldTypeError, MinValueError, UnsupportedFieldsError, _show
 from .objects import AttrDict, _wrap
+from .rules import KNOWN_FIELDS, note_unknown_fields
 
 MAX_METADATA_KEYS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512     # OpenAI's limits
 TEXT_PARTS = ("input_text", "output_text", "text")
@@ -20,6 +21,14 @@ _ROLES = ("user", "system", "developer", "assistant")
 # request fields kept as they are by the rules (the others below are refused or translated)
 _PLAIN = ("model", "instructions", "temperature", "top_p", "seed", "user", "stream", "store",
           "parallel_tool_calls", "previous_response_id", "metadata", "max_output_tokens")
+
+
+# the Responses request's fields: served, translated, accepted as hints, or refused by name; others
+# are ignored and logged once (the chat route's policy, protocol/rules.py)
+KNOWN_FIELDS["responses"] = frozenset(_PLAIN + (
+    "input", "tools", "tool_choice", "text", "background", "reasoning", "include", "truncation",
+    "conversation", "prompt", "max_tool_calls", "top_logprobs", "context_management", "service_tier",
+    "stream_options", "safety_identifier", "prompt_cache_key", "prompt_cache_retention"))
 
 
 def new_id(prefix: str) -> str:
@@ -232,6 +241,7 @@ def check_responses_request(req: Any) -> dict:
     if not isinstance(req, dict):
         raise FieldTypeError("body", "a JSON object", req)
     _check_refused(req)
+    note_unknown_fields(req, "responses")
     out = {k: req[k] for k in _PLAIN if req.get(k) is not None}
     for name in ("instructions", "previous_response_id", "user", "safety_identifier", "prompt_cache_key"):
         if req.get(name) is not None and not isinstance(req[name], str):
@@ -253,6 +263,8 @@ def check_responses_request(req: Any) -> dict:
     out["text"] = _check_text(req.get("text"))
     out["metadata"] = _check_metadata(req.get("metadata"))
     out.setdefault("store", True)
+    if req.get("reasoning") is not None:
+        out["reasoning"] = req["reasoning"]       # effort "none" at most (_check_refused)
     return out
 
 
@@ -269,6 +281,8 @@ def chat_request(req: dict, messages: list[dict]) -> dict:
                          for t in req["tools"]]
         tc = req.get("tool_choice")
         chat["tool_choice"] = {"type": "function", "function": {"name": tc["name"]}} if isinstance(tc, dict) else tc
+    if (req.get("reasoning") or {}).get("effort") == "none":
+        chat["reasoning_effort"] = "none"         # a thinking template's thinking turned off
     fmt = req["text"]["format"]
     if fmt["type"] == "json_object":
         chat["response_format"] = {"type": "json_object"}
@@ -296,7 +310,8 @@ def new_response(req: dict, rid: str, model: str, created: float, defaults: dict
             "parallel_tool_calls": req.get("parallel_tool_calls", True), "text": req["text"],
             "previous_response_id": req.get("previous_response_id"), "store": req["store"],
             "metadata": req.get("metadata") or {}, "user": req.get("user"), "usage": None,
-            "truncation": "disabled", "reasoning": {"effort": None, "summary": None}, "background": False}
+            "truncation": "disabled", "background": False,
+            "reasoning": {"effort": (req.get("reasoning") or {}).get("effort"), "summary": None}}
 
 
 def message_item(text: str, status: str = "completed", item_id: str | None = None) -> dict:
