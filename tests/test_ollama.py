@@ -1,16 +1,19 @@
 """Ollama's model store (`ollama:NAME:TAG`) and Ollama's HTTP API on `serve`, through the official
 `ollama` client: a store laid out as Ollama lays it (manifests + sha256- blobs, made here) serves the
-default SmolLM2 GGUF with its params layer; chat, streamed chat, generate (templated and raw), embed
-and /api/embeddings (the default MiniLM embedder, loaded by id), tags, show, ps, version, `format`
-json and a JSON Schema, a tool call in Ollama's shape; greedy answers equal the OpenAI route's; bad
+default SmolLM2 GGUF with its params layer, a tiny chat GGUF and a BERT GGUF embedder (llama.cpp's
+converter's, as Ollama ships all-minilm); chat, streamed chat, generate (templated and raw), embed and
+/api/embeddings (the store's GGUF embedder and the default MiniLM loaded by id), tags, show, ps,
+version, `format` json and a JSON Schema, a tool call in Ollama's shape; greedy answers equal the OpenAI route's; bad
 store layouts and bad API input get typed errors, 4xx `{"error": ...}` bodies, never a 500."""
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import shutil
 import urllib.request
+from pathlib import Path
 
 import jsonschema
 import ollama
@@ -36,6 +39,7 @@ CITY = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome", "Osl
                                          "days": {"type": "integer", "minimum": 1, "maximum": 7}},
         "required": ["city", "days"], "additionalProperties": False}
 GREEDY = {"temperature": 0, "num_predict": 12}
+GGUF_EMBEDDER = Path(__file__).resolve().parent / "fixtures" / "gguf_embedders" / "bert-q8_0.gguf"
 M = "tiny:latest"          # the chat model the server loads (NAME alone finds NAME:latest)
 
 
@@ -86,6 +90,8 @@ def store(tmp_path_factory, smollm2_gguf):
     tiny = tmp_path_factory.mktemp("tiny-src") / "tiny.gguf"
     write_tiny_llama_gguf(tiny, context_length=2048, seed=3)
     s.manifest("tiny", "latest", [s.layer("model", src=tiny), params])
+    # an embedder as Ollama ships them (all-minilm): a BERT GGUF written by llama.cpp's converter
+    s.manifest("tiny-minilm", "latest", [s.layer("model", src=GGUF_EMBEDDER)])
     s.manifest("tiny", "q4", [model], host="example.org:5000", ns="team")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("OLLAMA_MODELS", str(s.root))
@@ -104,7 +110,8 @@ def test_reference_resolves_the_blob_in_place_with_params(store, smollm2_gguf):
     assert other.model_id == "example.org:5000/team/tiny:q4"
     assert resolve_model_reference("ollama:smollm2", model_id="alias").model_id == "alias"
     rows = {r["name"]: r for r in list_store()}
-    assert set(rows) == {"smollm2:135m", "smollm2:latest", "tiny:latest", "example.org:5000/team/tiny:q4"}
+    assert set(rows) == {"smollm2:135m", "smollm2:latest", "tiny:latest", "tiny-minilm:latest",
+                         "example.org:5000/team/tiny:q4"}
     assert rows["smollm2:135m"]["family"] == "llama" and rows["smollm2:135m"]["size"] > 90_000_000
 
 
@@ -159,9 +166,9 @@ def _post(server, path: str, body: dict) -> dict:
 def server(device, store):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("HF_HUB_OFFLINE", "1")           # /api/pull of a Hugging Face GGUF: offline here
-        s = ServerThread(ServerOptions(models=["ollama:tiny", "all-MiniLM-L6-v2"], port=0,
+        s = ServerThread(ServerOptions(models=["ollama:tiny", "all-MiniLM-L6-v2", "ollama:tiny-minilm"], port=0,
                                        engine_config=EngineConfig(device=device),
-                                       chat_opts=[{"max_num_sequences": 1}, None]))
+                                       chat_opts=[{"max_num_sequences": 1}, None, None]))
         yield s
         s.stop()
 
@@ -215,11 +222,18 @@ def test_embed_and_the_older_embeddings_route(server, client):
     assert e.prompt_eval_count == ref.usage.prompt_tokens
     old = client.embeddings(model="all-MiniLM-L6-v2", prompt=texts[0])
     assert old.embedding == pytest.approx(e.embeddings[0], abs=1e-6)
+    # the store's GGUF embedder (served as NAME:TAG, found by NAME), normalised as Ollama returns it
+    g = client.embed(model="tiny-minilm", input=texts)
+    ref = o.embeddings.create(model="tiny-minilm:latest", input=texts, encoding_format="float")
+    assert g.model == "tiny-minilm:latest" and len(g.embeddings) == 2
+    assert g.embeddings[0] == pytest.approx(ref.data[0].embedding, abs=1e-6)
+    assert math.sqrt(sum(x * x for x in g.embeddings[1])) == pytest.approx(1.0, abs=1e-4)
+    assert client.show("tiny-minilm").capabilities == ["embedding"]
 
 
 def test_tags_show_ps_version(server, client, store):
     names = {m.model: m for m in client.list().models}
-    assert set(names) == {M, "all-MiniLM-L6-v2"}
+    assert set(names) == {M, "all-MiniLM-L6-v2", "tiny-minilm:latest"}
     sm = names[M]
     assert sm.details.family == "llama" and sm.details.quantization_level == "Q4_1" and sm.size > 0
     manifest = store.root / "manifests/registry.ollama.ai/library/tiny/latest"
@@ -340,6 +354,7 @@ def test_model_management_keep_alive_and_delete(server, client):
         r = client.chat(model=M, messages=HI, options=GREEDY, keep_alive=0)
         assert r.done and M not in {m.model for m in client.ps().models}
         assert client.delete("all-MiniLM-L6-v2").status == "success"
+        assert client.delete("tiny-minilm").status == "success"
         assert client.list().models == []
         with pytest.raises(ollama.ResponseError) as e:
             client.delete("all-MiniLM-L6-v2")
