@@ -144,6 +144,20 @@ def test_bad_store_layouts_are_typed_errors(store, smollm2_gguf, tmp_path):
     assert "not valid JSON" in rows["badjson:latest"]["error"]
 
 
+def test_go_template_without_a_jinja_one_is_refused_by_name(store, tmp_path, monkeypatch):
+    import gguf
+    with monkeypatch.context() as mp:                   # a chat GGUF that carries no Jinja template
+        mp.setattr(gguf.GGUFWriter, "add_chat_template", lambda self, template: None)
+        write_tiny_llama_gguf(tmp_path / "bare.gguf", context_length=256)
+    model = store.layer("model", src=tmp_path / "bare.gguf")
+    go = store.layer("template", b"{{ if .System }}{{ .System }}{{ end }}{{ .Prompt }}")
+    store.manifest("gotemplate", "latest", [model, go])
+    with pytest.raises(UnsupportedModelError, match="Go template layer"):
+        resolve_model_reference("ollama:gotemplate")
+    store.manifest("bare", "latest", [model])            # without one it loads (completions only)
+    assert resolve_model_reference("ollama:bare").model_id == "bare:latest"
+
+
 def test_list_ollama_command(store, capsys):
     from webgpu_engine.cli import main
     assert main(["list", "--ollama", "--json"]) == 0
