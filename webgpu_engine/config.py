@@ -117,6 +117,8 @@ class ChatConfig:
     #                                    profile lacks before building its kernels (kernels/tune.py):
     #                                    "auto" (GPU adapters, not software ones), "on", "off";
     #                                    None: $WEBGPU_ENGINE_TUNE, else "auto"
+    speculation: dict | str | None = None  # chat: speculative decoding, {"method": "ngram", "k": 4,
+    #                                    "n": 3} or "ngram" (pipelines/speculation.py); one-request path
     tune_budget_s: float | None = None  # ... for about this many seconds (None: $WEBGPU_ENGINE_TUNE_BUDGET,
     #                                     else 20); shapes left untimed are timed by a later load
 
@@ -134,7 +136,8 @@ class ChatConfig:
 
 
 # --------------------------------------------------------------------------- chat_opts value checks
-_TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "a boolean (true or false)"}
+_TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "a boolean (true or false)",
+               dict: "an object"}
 
 
 @functools.lru_cache(maxsize=None)

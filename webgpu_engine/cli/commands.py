@@ -180,7 +180,9 @@ def cmd_serve(args) -> int:
     chat_opts = chat_opts_for(args, len(models)) or [None] * len(models)
     # a server has several users: chat models batch up to SERVE_MAX_NUM_SEQUENCES requests unless
     # --max-num-sequences / --chat-opts say otherwise (embedders ignore it)
-    chat_opts = [{"max_num_sequences": SERVE_MAX_NUM_SEQUENCES, **(o or {})} for o in chat_opts]
+    # (speculation runs on the one-request path: a speculating model serves one request at a time)
+    chat_opts = [{"max_num_sequences": 1 if (o or {}).get("speculation") else SERVE_MAX_NUM_SEQUENCES,
+                  **(o or {})} for o in chat_opts]
     given = {k: getattr(args, k) for k in ("max_n", "max_stop", "max_logit_bias",
                                            "max_embedding_inputs", "max_embedding_tokens")}
     limits = RequestLimits(**{k: v for k, v in given.items() if v is not None})

@@ -198,10 +198,20 @@ def forward(m, kv: KVAccess, T: int, mode: str, *, with_head: bool = True,
     return ops
 
 
-def _head(m, kv: KVAccess, T: int, mode: str, plan: FusionPlan) -> list[Op]:
-    """logits = rms_norm(x) · Wheadᵀ (+ soft-cap): every row in ROWS mode, else the last row."""
+def row_heads(m, kv: KVAccess, T: int, outs: list[Tensor]) -> list[Op]:
+    """The LM head of each of T PREFILL rows into outs[r] (1, V), every row as a one-row prefill's
+    head computes its last row (speculative decoding checks its guesses with these)."""
+    plan = FusionPlan.choose(m.dev, m.cfg, m.layers, m.lm_head, False)
+    return [op for r in range(T) for op in _head(m, kv, T, PREFILL, plan, row=r, out=outs[r])]
+
+
+def _head(m, kv: KVAccess, T: int, mode: str, plan: FusionPlan, row: int | None = None,
+          out: Tensor | None = None) -> list[Op]:
+    """logits = rms_norm(x) · Wheadᵀ (+ soft-cap): every row in ROWS mode, else the last row (or
+    row `row`, into `out`)."""
     c, dev, eps, C = m.cfg, m.dev, m.cfg.rms_eps, m.cfg.hidden_size
-    logits = kv.logits_for(T if mode == ROWS else 1)
+    logits = out if out is not None else kv.logits_for(T if mode == ROWS else 1)
+    r = T - 1 if row is None else row
     if plan.res_norm:                        # h = x * g_final
         ops = [mm.matmul(dev, m.h.view((T, C)), m.lm_head, logits, rms_from=(m.part, eps))]
     elif plan.head_norm_in_matmul:
@@ -211,7 +221,7 @@ def _head(m, kv: KVAccess, T: int, mode: str, plan: FusionPlan) -> list[Op]:
         ops = [nn.rms_norm(dev, m.x.view((T, C)), m.final_norm, h, eps=eps),
                mm.matmul(dev, h, m.lm_head, logits, decode_rows=True)]
     else:                                    # the last row only: one row whatever T
-        ops = [nn.rms_norm(dev, m.x.view((1, C), (T - 1) * C), m.final_norm, m.last, eps=eps),
+        ops = [nn.rms_norm(dev, m.x.view((1, C), r * C), m.final_norm, m.last, eps=eps),
                mm.matmul(dev, m.last, m.lm_head, logits, **kv.head_flags)]
     if c.final_softcap:                      # Gemma 2
         ops.append(nn.softcap(dev, logits, logits, c.final_softcap))

@@ -19,7 +19,7 @@ from ..errors import ContextWindowTooLargeError, GPUOutOfMemoryError, Unsupporte
 from ..gpu import Device
 from ..kernels import matmul as mm
 from ..kernels import nn
-from ..kernels.common import Op, OpCache, Tensor, new_tensor, pipeline_keys
+from ..kernels.common import DTYPE_SIZE, Op, OpCache, Tensor, new_tensor, pipeline_keys
 from ..loaders.model_config import LlamaConfig
 from ..loaders.tensor_info import split_fused
 from . import decoder
@@ -266,6 +266,37 @@ class LlamaModel:
         self._record(batch, self.decode_ops, None)          # the split-key form
         return keys
 
+    # ------------------------------------------------------------------ speculative decoding
+    VERIFY_ROWS = 17                   # the most rows one verify forward checks (16 guesses + 1)
+
+    def row_logits(self, n: int) -> list[Tensor]:
+        """Logits rows (1, V) for the heads of n <= VERIFY_ROWS verify rows, each at a storage-
+        binding-aligned offset (allocated on first use: speculative decoding only)."""
+        if not 0 < n <= self.VERIFY_ROWS:
+            raise ValueError(f"{n} verify rows: 1..{self.VERIFY_ROWS}")
+        if not getattr(self, "_row_logits", None):
+            c, esz = self.cfg, DTYPE_SIZE[self.dtype]
+            stride = -(-c.vocab_size * esz // 256) * 256 // esz
+            rows = new_tensor(self.dev, (self.VERIFY_ROWS * stride,), self.dtype, owner=self.owner,
+                              label="row_logits")
+            self._row_logits = [rows.view((1, c.vocab_size), r * stride) for r in range(self.VERIFY_ROWS)]
+            self._verify_ops = {}
+        return self._row_logits[:n]
+
+    def record_verify(self, batch, ids: list[int], pos0: int) -> list[Tensor]:
+        """Record the PREFILL forward of ids at pos0.. with every row's LM head (decoder.row_heads)
+        into `batch`; returns the logits rows."""
+        T = len(ids)
+        outs = self.row_logits(T)
+        if T not in self._verify_ops:
+            self._verify_ops[T] = decoder.row_heads(self, self.kv, T, outs)
+        if pos0 + T > self.ctx:
+            raise ContextWindowTooLargeError(f"positions up to {pos0 + T} exceed the context window {self.ctx}")
+        self.dev.write(self.ids.buf, struct.pack(f"<{T}I", *ids))
+        self.set_step(pos0, T)
+        self._record(batch, self.ops_for(T, False) + self._verify_ops[T], None)
+        return outs
+
     def set_step(self, pos0: int, n_new: int) -> None:
         self.dev.write(self.step, struct.pack("<4I", pos0, n_new, pos0 + n_new, 0))
 
@@ -302,4 +333,8 @@ class LlamaModel:
     def release(self) -> None:
         self.dev.release_owner(self.owner)
         self._ops.release()
+        for ops in getattr(self, "_verify_ops", {}).values():
+            for op in ops:
+                op.release()
+        self._verify_ops, self._row_logits = {}, []
         self.decode_ops = []

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -22,12 +23,15 @@ from ..gpu import Device
 from ..kernels import matmul as mm, tune
 from ..kernels.common import pipeline_keys, warm_up
 from ..kernels.logit_mask import LogitMask
-from ..kernels.sampling import Sampler
+from ..kernels.sampling import RESULT_BYTES, Sampler
 from ..models.plan import DecoderPlan, plan_decoder
 from ..models.registry import LLM, open_model
 from .detokenizer import safe_token_bytes
 from .grammar import GrammarCompiler
 from .sequence import Sequence, configure_sampler, process_logits
+from .speculation import Speculation, SpeculationStats, propose
+
+_log = logging.getLogger("webgpu_engine.pipelines")
 from .stats import CumulativeStats, RequestStats, now
 
 _ids = itertools.count()
@@ -96,12 +100,19 @@ class LLMChatPipeline:
         self._new_request_state()
         self.scheduler = None
         self._solo = asyncio.Lock()
+        self.speculation = Speculation.parse(chat_config.speculation)
+        self.spec_stats = SpeculationStats()            # since load
+        self._row_sample_ops: list = []
         # what was allocated: the load's plan, or (a model built by hand) the chat config's for it
         self.plan = plan or plan_decoder(cfg, replace(chat_config, context_window_size=model.ctx,
                                                       dtype=model.dtype), dev)
         if self.plan.max_sequences > 1:            # continuous batching over a paged KV cache
             from .scheduler import Scheduler
             self.scheduler = Scheduler(self, self.plan)
+            if self.speculation is not None:
+                _log.warning("speculation runs on the one-request path: this model batches "
+                             "(max_num_sequences %d), so its requests decode without it",
+                             self.plan.max_sequences)
 
     # ------------------------------------------------------------------ loading
     @classmethod
@@ -251,6 +262,8 @@ class LLMChatPipeline:
         self.kv_ids = ids[:keep]
         self._req.prompt_tokens, self._req.prefill_tokens = len(ids), len(ids) - keep
         self._configure_sampler(gen, ids)
+        if self._speculates(gen):
+            self._req.spec = SpeculationStats()
         t0 = now()
         res = await self._forward(ids[keep:], keep)
         self._req.prefill_s = now() - t0
@@ -302,6 +315,8 @@ class LLMChatPipeline:
             return
         if self.seq.interrupted:
             return self.seq.finish("abort")
+        if self._req.spec is not None:
+            return await self._speculative_step()
         t0 = now()
         res = await self._forward([self._last_token], len(self.kv_ids), decode=True)
         dt = now() - t0
@@ -310,6 +325,55 @@ class LLMChatPipeline:
             self._req.step_s.append(dt)
         self._req.decode_tokens += 1
         self._accept(res)
+
+    def _speculates(self, gen: GenerationConfig) -> bool:
+        """Whether this request decodes speculatively: speculation is on, and the request is greedy
+        without penalties, grammar or logit processor (speculation.py says why)."""
+        return (self.speculation is not None and self.scheduler is None and gen.temperature == 0.0
+                and gen.repetition_penalty == 1.0 and gen.frequency_penalty == 0.0
+                and gen.presence_penalty == 0.0 and self.seq.matcher is None and self.logit_processor is None)
+
+    async def _speculative_step(self) -> None:
+        """One verify forward: the last token and up to k guesses (prompt lookup) at once; keep the
+        tokens up to the first guess the model disagrees with, plus the model's own token there."""
+        spec, m, dev, seq = self.speculation, self.model, self.dev, self.seq
+        t0 = now()
+        pos0, last = len(self.kv_ids), self._last_token
+        k = min(spec.k, m.ctx - pos0 - 1, m.chunk - 1, m.VERIFY_ROWS - 1)
+        if seq.max_tokens is not None:
+            k = min(k, seq.max_tokens - len(seq.output_ids) - 1)
+        guess = propose(self.kv_ids + [last], k, spec.n, spec.n_min) if k > 0 else []
+        ids = [last] + guess
+        T = len(ids)
+        batch = dev.batch()
+        rows = m.record_verify(batch, ids, pos0)
+        while len(self._row_sample_ops) < T:
+            r = len(self._row_sample_ops)
+            self._row_sample_ops.append(self.sampler.op(rows[r].view((self.vocab_size,))))
+        if getattr(self, "_row_results", None) is None:
+            self._row_results = dev.buffer(m.VERIFY_ROWS * RESULT_BYTES, owner=self.owner, label="row_results")
+        for r in range(T):
+            self._row_sample_ops[r].record(batch)
+            self.sampler.copy_result(batch, self._row_results, r * RESULT_BYTES)
+        dev.submit(batch)
+        raw = await dev.read(self._row_results, 0, T * RESULT_BYTES)
+        self.kv_ids.append(last)
+        n = 0
+        for r in range(T):
+            res = self.sampler.result(raw[r * RESULT_BYTES:(r + 1) * RESULT_BYTES])
+            self._accept(res)
+            n += 1
+            if seq.stopped or r == T - 1 or res.token != guess[r]:
+                break
+            self.kv_ids.append(guess[r])          # the guess was right: its K/V row stays
+        dt = now() - t0
+        self._req.decode_s += dt
+        self._req.decode_tokens += n
+        if self._req.breakdown:
+            self._req.step_s.append(dt)
+        step = SpeculationStats(1, len(guess), n - 1)
+        self._req.spec.add(step)
+        self.spec_stats.add(step)
 
     async def _forward(self, ids: list[int], pos0: int, decode: bool = False):
         """Run ids at positions pos0.. through the model (in prefill chunks) and sample from the logits

@@ -1,0 +1,137 @@
+"""Speculative decoding by prompt lookup: decode speed with and without it, in the same run, on three
+tasks: a RAG-style answer that quotes its retrieved passages, a code edit that copies most of its
+input, and free chat. Greedy, one request at a time, the default chat model (or --model: a file or
+folder).
+
+    python bench/speculative.py [--model PATH] [--tokens 96] [--k 4 6] [--out PATH]
+    python bench/speculative.py --smoke [--model PATH] [--out PATH]
+
+For each task: decode tok/s of the default path (fused one-row kernels, no speculation), of one token
+per forward through the row-invariant kernels speculation checks with (`k 0`: what speculation
+must reproduce), and of speculation with each k; the acceptance rate (accepted / proposed guesses),
+tokens per forward, and whether each speculative answer equals the row-invariant one token for token
+(it must) and the fused path's (it may differ in the last bits: see pipelines/speculation.py).
+Prints a table and writes bench/results/speculative.json. --smoke: 8 tokens, k 2 (checks the script).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+PASSAGES = (
+    "Passage 1: The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris, France. "
+    "It is named after the engineer Gustave Eiffel, whose company designed and built the tower from "
+    "1887 to 1889.\n"
+    "Passage 2: The tower is 330 metres tall, about the same height as an 81-storey building, and the "
+    "tallest structure in Paris. Its base is square, measuring 125 metres on each side.\n"
+    "Passage 3: The Eiffel Tower was the tallest man-made structure in the world until the Chrysler "
+    "Building in New York City was finished in 1930.")
+CODE = '''def total_price(items, tax_rate):
+    subtotal = 0
+    for item in items:
+        subtotal += item.price * item.quantity
+    tax = subtotal * tax_rate
+    return subtotal + tax
+
+
+def cheapest(items):
+    best = None
+    for item in items:
+        if best is None or item.price < best.price:
+            best = item
+    return best
+'''
+TASKS = {
+    "rag": [{"role": "system", "content": "Answer using only the passages. Quote the sentences you use."},
+            {"role": "user", "content": PASSAGES + "\n\nQuestion: Who built the Eiffel Tower, when, and how "
+                                                   "tall is it? Quote the passages."}],
+    "code_edit": [{"role": "user", "content": "Rename the parameter `items` to `products` everywhere in "
+                                              "this code and return the whole code:\n\n" + CODE}],
+    "chat": [{"role": "user", "content": "Tell me a short story about a robot who learns to paint."}],
+}
+
+
+async def run_task(dev, path: str, messages, tokens: int, spec: dict | None, row_invariant: bool = False):
+    """(output ids, decode tok/s, forwards, SpeculationStats or None) of one greedy generation on a
+    freshly loaded pipeline. row_invariant: one token per PREFILL forward (no speculation)."""
+    from webgpu_engine.config import ChatConfig, GenerationConfig
+    from webgpu_engine.pipelines.llm import LLMChatPipeline
+    pipe = await LLMChatPipeline.load(dev, path, ChatConfig(speculation=spec))
+    try:
+        gen = GenerationConfig(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+        if row_invariant:
+            ids = pipe.prompt_ids(messages, None)
+            out = [await pipe.forward_tokens_and_sample(ids, True, gen)]
+            t0 = time.perf_counter()
+            while len(out) < tokens:
+                out.append(await pipe.forward_tokens_and_sample([out[-1]], False, gen))
+            dt = time.perf_counter() - t0
+            return out, (len(out) - 1) / dt, len(out) - 1, None
+        await pipe.prefill_step(messages, gen)
+        t0 = time.perf_counter()
+        steps = 0
+        while not pipe.stopped:
+            await pipe.decode_step()
+            steps += 1
+        dt = time.perf_counter() - t0
+        out = list(pipe.output_ids)
+        return out, (len(out) - 1) / dt, steps, pipe._req.spec
+    finally:
+        pipe.dispose()
+
+
+async def main_async(a) -> dict:
+    from webgpu_engine import cache, gpu
+    dev = await gpu.request_device()
+    path = a.model or str(cache.default_model_path("SmolLM2-135M-Instruct-Q4_1"))
+    rows = []
+    for name, msgs in TASKS.items():
+        fused, fused_tps, _, _ = await run_task(dev, path, msgs, a.tokens, None)
+        ref, ref_tps, _, _ = await run_task(dev, path, msgs, a.tokens, None, row_invariant=True)
+        row = {"task": name, "tokens": len(fused), "fused_tok_s": fused_tps, "row_invariant_tok_s": ref_tps,
+               "row_invariant_equals_fused": ref == fused, "speculative": []}
+        for k in a.k:
+            out, tps, steps, st = await run_task(dev, path, msgs, a.tokens, {"method": "ngram", "k": k})
+            row["speculative"].append({
+                "k": k, "tok_s": tps, "speedup_vs_fused": tps / fused_tps, "forwards": steps,
+                "tokens_per_forward": (len(out) - 1) / max(steps, 1), "proposed": st.proposed,
+                "accepted": st.accepted, "acceptance": st.accepted / st.proposed if st.proposed else 0.0,
+                "equals_row_invariant": out == ref, "equals_fused": out == fused})
+        rows.append(row)
+    return {"adapter": dev.info.name, "platform": platform.platform(), "model": Path(path).name, "tokens": a.tokens,
+            "rows": rows}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None, help="a chat model file or folder (default: SmolLM2-135M-Instruct-Q4_1)")
+    ap.add_argument("--tokens", type=int, default=96)
+    ap.add_argument("--k", type=int, nargs="+", default=[4, 6])
+    ap.add_argument("--smoke", action="store_true", help="8 tokens, k 2: checks the script")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "speculative.json")
+    a = ap.parse_args()
+    if a.smoke:
+        a.tokens, a.k = 8, [2]
+    data = asyncio.run(main_async(a))
+    print(f"{'task':10} {'fused tok/s':>11} {'row-inv tok/s':>13} {'k':>3} {'spec tok/s':>10} {'x fused':>7} "
+          f"{'accept':>6} {'tok/fwd':>7} {'= row-inv':>9} {'= fused':>7}")
+    for r in data["rows"]:
+        for s in r["speculative"]:
+            print(f"{r['task']:10} {r['fused_tok_s']:11.2f} {r['row_invariant_tok_s']:13.2f} {s['k']:3d} "
+                  f"{s['tok_s']:10.2f} {s['speedup_vs_fused']:7.2f} {s['acceptance']:6.2f} "
+                  f"{s['tokens_per_forward']:7.2f} {str(s['equals_row_invariant']):>9} {str(s['equals_fused']):>7}")
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(data, indent=2))
+    print(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()
