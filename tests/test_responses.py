@@ -185,7 +185,9 @@ def test_items_to_chat_messages():
         {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Checking."}]},
         {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"},
         {"type": "function_call", "call_id": "c2", "name": "get_weather", "arguments": "{}"},
-        {"type": "function_call_output", "call_id": "c1", "output": "sun"}],
+        {"type": "function_call_output", "call_id": "c1", "output": "sun"},
+        {"type": "reasoning", "id": "rs_1", "summary": []},
+        {"role": "developer", "content": "Now in French."}],
         "tools": [WEATHER], "tool_choice": {"type": "function", "name": "get_weather"},
         "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object"}}}})
     msgs = to_chat_messages(req["input"], "Answer in English.")
@@ -194,7 +196,8 @@ def test_items_to_chat_messages():
                     {"role": "assistant", "content": "Checking.", "tool_calls": [
                         {"id": c, "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
                         for c in ("c1", "c2")]},
-                    {"role": "tool", "tool_call_id": "c1", "content": "sun"}]
+                    {"role": "tool", "tool_call_id": "c1", "content": "sun"},
+                    {"role": "system", "content": "Now in French."}]
     chat = chat_request(req, msgs)
     assert chat["tools"][0]["function"]["name"] == "get_weather" and "type" not in chat["tools"][0]["function"]
     assert chat["tool_choice"] == {"type": "function", "function": {"name": "get_weather"}}
@@ -207,33 +210,57 @@ def test_items_to_chat_messages():
     assert e.value.param == "background"
 
 
-class _BrokenChatStream:
-    """A chat stream whose generation fails after its first chunk (as a lost device would)."""
+class _ChatStream:
+    """Chat chunks as the chat route streams them, then an engine error (as a lost device's) or not."""
 
-    usage, _released = None, False
+    _released = False
 
-    def __init__(self):
-        self.closed = False
+    def __init__(self, deltas: list[dict], error: Exception | None = None):
+        self.deltas, self.error, self.closed = deltas, error, False
+        self.usage = {"prompt_tokens": 5, "completion_tokens": len(deltas)}
 
     def __aiter__(self):
         return self._chunks()
 
     async def _chunks(self):
-        yield {"choices": [{"index": 0, "delta": {"role": "assistant", "content": "Par"}, "finish_reason": None}]}
-        raise RequestTimeoutError(1.0, "decode")
+        for d in self.deltas:
+            yield {"choices": [{"index": 0, "delta": d, "finish_reason": None}]}
+        if self.error is not None:
+            raise self.error
+        yield {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}
 
     async def aclose(self):
         self.closed = True
 
 
-async def test_error_after_start_is_response_failed():
-    """No GPU: an engine error after the first events ends the stream with response.failed."""
+async def _events(chat):
     from webgpu_engine.engine.responses import ResponseEventStream
-    req = check_responses_request({"input": "Hi"})
-    chat = _BrokenChatStream()
-    stream = ResponseEventStream(chat, new_response(req, "resp_x", LLM_ID, 0, {}), keep=None)
+    kept = []
+    stream = ResponseEventStream(chat, new_response(check_responses_request({"input": "Hi"}), "resp_x", LLM_ID,
+                                                    0, {}), keep=kept.append)
     events = [e async for e in stream]
     await stream.aclose()
+    return events, kept
+
+
+async def test_stream_reasoning_items():
+    """No GPU: a thinking template's reasoning_content deltas become a reasoning item before the message."""
+    events, kept = await _events(_ChatStream([{"reasoning_content": "Think"}, {"reasoning_content": "ing."},
+                                              {"content": "Paris"}]))
+    types = [e.type for e in events]
+    assert types.count("response.reasoning_text.delta") == 2 and types[-1] == "response.completed"
+    done = [e for e in events if e.type == "response.reasoning_text.done"]
+    assert len(done) == 1 and done[0].text == "Thinking." and done[0].output_index == 0
+    out = kept[0]["output"]
+    assert [o["type"] for o in out] == ["reasoning", "message"] and out[0]["id"].startswith("rs_")
+    assert out[1]["content"][0]["text"] == "Paris" and kept[0]["usage"]["output_tokens"] == 3
+
+
+async def test_error_after_start_is_response_failed():
+    """No GPU: an engine error after the first events ends the stream with response.failed."""
+    chat = _ChatStream([{"role": "assistant", "content": "Par"}], RequestTimeoutError(1.0, "decode"))
+    events, kept = await _events(chat)
+    assert kept == []                                    # a failed response is not stored
     types = [e.type for e in events]
     assert types[:2] == ["response.created", "response.in_progress"] and types[-1] == "response.failed"
     assert "response.output_text.delta" in types and chat.closed
@@ -303,7 +330,6 @@ def test_refused_by_name(server, extra, param):
     ({"input": "Hi", "store": "yes"}, "store"),
     ({"input": "Hi", "text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format"),
     ({"input": "Hi", "model": "no-such-model"}, "model"),
-    ({"input": [{"role": "user", "content": "a"}, {"role": "system", "content": "b"}]}, "input"),
 ])
 def test_bad_input_is_a_typed_4xx(server, body, param):
     status, got = post(server, {"max_output_tokens": 1, **body})

@@ -71,6 +71,8 @@ def _conversation_items(output: list[dict]) -> list[dict]:
     """Output items as input items of the next turn (what a continuation sends back)."""
     out = []
     for it in output:
+        if it["type"] == "reasoning":
+            continue
         if it["type"] == "message":
             out.append({"type": "message", "role": "assistant",
                         "content": "".join(c["text"] for c in it["content"])})
@@ -127,8 +129,8 @@ class Responses:
 
 class ResponseEventStream:
     """The typed events of a streamed Response over a chat AsyncStream: response.created and
-    .in_progress, per output item .output_item.added / .done (a message's content part and text
-    deltas, a function call's argument deltas), then response.completed (or .incomplete at
+    .in_progress, per output item .output_item.added / .done (a reasoning item's text deltas, a
+    message's content part and text deltas, a function call's argument deltas), then response.completed (or .incomplete at
     max_output_tokens). An engine error after the start ends it with response.failed."""
 
     def __init__(self, chat_stream, base: dict, keep):
@@ -167,12 +169,23 @@ class ResponseEventStream:
         yield self._event("response.in_progress", response=base)
         items: list[dict] = []
         message: dict | None = None        # the open message item
+        thought: dict | None = None        # the open reasoning item (a thinking template's text)
         calls: dict[int, dict] = {}        # chat tool-call index -> its function_call item
         finish = "stop"
         try:
             async for chunk in self._chat:
                 for c in to_dict(chunk).get("choices", []):
                     delta = c.get("delta") or {}
+                    if delta.get("reasoning_content"):
+                        if thought is None:
+                            thought = rp.reasoning_item("", "in_progress")
+                            items.append(thought)
+                            yield self._event("response.output_item.added", output_index=len(items) - 1,
+                                              item=dict(thought, content=[]))
+                        thought["content"][0]["text"] += delta["reasoning_content"]
+                        yield self._event("response.reasoning_text.delta", item_id=thought["id"],
+                                          output_index=items.index(thought), content_index=0,
+                                          delta=delta["reasoning_content"])
                     if delta.get("content"):
                         if message is None:
                             message = rp.message_item("", "in_progress")
@@ -199,7 +212,7 @@ class ResponseEventStream:
                     finish = c.get("finish_reason") or finish
             status = "incomplete" if finish == "length" else "completed"
             for i, item in enumerate(items):
-                item["status"] = status if item["type"] == "message" else "completed"
+                item["status"] = status if item["type"] != "function_call" else "completed"
                 for ev in self._close(item, i):
                     yield ev
             done = rp.finish(base, items, self._chat.usage, finish)
@@ -217,7 +230,10 @@ class ResponseEventStream:
                           content_index=0, part=rp.output_text(""))
 
     def _close(self, item: dict, index: int):
-        if item["type"] == "message":
+        if item["type"] == "reasoning":
+            yield self._event("response.reasoning_text.done", item_id=item["id"], output_index=index,
+                              content_index=0, text=item["content"][0]["text"])
+        elif item["type"] == "message":
             part = item["content"][0]
             yield self._event("response.output_text.done", item_id=item["id"], output_index=index,
                               content_index=0, text=part["text"], logprobs=[])

@@ -122,7 +122,7 @@ def _check_item(i: int, item: Any) -> dict:
         raise _refuse("input", f"{where}: item references are not supported; pass previous_response_id "
                                f"or the items themselves.")
     if kind == "reasoning":
-        raise _refuse("input", f"{where}: reasoning items are not supported (this engine produces none).")
+        return {"type": "reasoning"}         # earlier thinking is not fed back (templates drop it)
     raise _refuse("input", f"{where} has type {_show(kind)}: only messages, function_call and "
                            f"function_call_output items are (built-in tool calls are not supported).")
 
@@ -141,17 +141,17 @@ def to_chat_messages(items: list[dict], instructions: str | None = None) -> list
     """Normalised items -> chat messages: consecutive function_call items become one assistant
     message's tool_calls (joined to the assistant text just before them), function_call_output
     items tool messages; `instructions` and the leading system/developer messages one system
-    message (a system message later in the conversation is refused)."""
+    message (later ones stay where they are, as on the chat route); reasoning items are dropped."""
     system = [instructions] if instructions else []
     msgs: list[dict] = []
-    for i, it in enumerate(items):
+    for it in items:
+        if it["type"] == "reasoning":
+            continue
         if it["type"] == "message":
-            if it["role"] in ("system", "developer"):
-                if msgs:
-                    raise InvalidRequestError(f"input[{i}] is a {it['role']} message after the conversation "
-                                              f"began; put instructions first (or in `instructions`).",
-                                              param="input")
+            if it["role"] in ("system", "developer") and not msgs:
                 system.append(it["content"])
+            elif it["role"] in ("system", "developer"):     # later ones: the chat template's to accept
+                msgs.append({"role": "system", "content": it["content"]})
             else:
                 msgs.append({"role": it["role"], "content": it["content"]})
         elif it["type"] == "function_call":
@@ -328,10 +328,16 @@ def function_call_item(call_id: str, name: str, arguments: str, status: str = "c
             "arguments": arguments, "status": status}
 
 
+def reasoning_item(text: str, status: str = "completed") -> dict:
+    return {"type": "reasoning", "id": new_id("rs"), "summary": [], "status": status,
+            "content": [{"type": "reasoning_text", "text": text}]}
+
+
 def output_items(message: dict, finish_reason: str) -> list[dict]:
-    """A chat answer (content and tool_calls) as Response output items."""
+    """A chat answer (reasoning_content, content and tool_calls) as Response output items."""
     status = "incomplete" if finish_reason == "length" else "completed"
-    items = [message_item(message["content"], status)] if message.get("content") else []
+    items = [reasoning_item(message["reasoning_content"], status)] if message.get("reasoning_content") else []
+    items += [message_item(message["content"], status)] if message.get("content") else []
     for c in message.get("tool_calls") or []:
         items.append(function_call_item(c["id"], c["function"]["name"], c["function"]["arguments"]))
     return items
