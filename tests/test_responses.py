@@ -268,6 +268,31 @@ async def test_error_after_start_is_response_failed():
     assert failed.status == "failed" and failed.error.code == "server_error" and failed.output[0].content[0].text == "Par"
 
 
+def test_page_imports_without_pydantic():
+    """The browser constraint: the Responses engine and protocol import and translate with pydantic,
+    aiohttp, numpy and wgpu unimportable (responses are attribute dicts there)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    code = """
+import sys
+class Block:
+    def find_spec(self, name, path=None, target=None):
+        if name.split('.')[0] in ('pydantic', 'aiohttp', 'numpy', 'wgpu', 'tokenizers', 'llguidance'):
+            raise ImportError('blocked ' + name)
+sys.meta_path.insert(0, Block())
+from webgpu_engine.engine import responses
+from webgpu_engine.protocol import responses as rp
+req = rp.check_responses_request({'input': 'Hi', 'instructions': 'Be brief.'})
+msgs = rp.to_chat_messages(req['input'], req['instructions'])
+done = rp.finish(rp.new_response(req, 'resp_x', 'm', 0, {}), rp.output_items({'content': 'Hello'}, 'stop'), None, 'stop')
+print(len(msgs), rp.response_object(done).output_text, hasattr(rp, 'ResponseCreateRequest'))
+"""
+    r = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True,
+                       timeout=120, cwd=Path(__file__).resolve().parent.parent)
+    assert r.returncode == 0 and r.stdout.strip() == "2 Hello False", r.stderr[-2000:]
+
+
 def test_python_engine(server):
     r = server.call(server.engine.responses.create(input="Hi", temperature=0, max_output_tokens=2))
     assert r.output_text == r.output[0].content[0].text and r.usage.output_tokens <= 2
