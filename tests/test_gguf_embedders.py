@@ -79,6 +79,17 @@ def test_wordpiece_vocabulary_undoes_the_phantom_space_form():
             assert [tk.encode(t, add_special_tokens=True, max_length=L) for t in TEXTS] == ids, native
 
 
+def test_wordpiece_vocabulary_without_the_phantom_form():
+    """Files from converters before the phantom-space rewrite keep BERT's "##" pieces: read as they are."""
+    with GGUFFile(DIR / "bert-f32.gguf") as g:
+        md = dict(g.metadata)
+    md["tokenizer.ggml.tokens"] = [t if ty == 3 else t[1:] if t.startswith("\u2581") else "##" + t
+                                   for t, ty in zip(md["tokenizer.ggml.tokens"], md["tokenizer.ggml.token_type"])]
+    L = REF["models"]["bert"]["max_seq_length"]
+    tk = load_tokenizer(md, native=False, max_length=L, encoder=True)
+    assert [tk.encode(t, add_special_tokens=True, max_length=L) for t in TEXTS] == REF["models"]["bert"]["token_ids"]
+
+
 @pytest.mark.parametrize("t", TYPES)
 @pytest.mark.parametrize("name", ["bert", "xlmr"])
 async def test_vectors_equal_sentence_transformers(pipes, name, t):

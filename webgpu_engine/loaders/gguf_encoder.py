@@ -133,8 +133,11 @@ def tokenizer_json(md: dict, where: str = "GGUF") -> tuple[dict, dict]:
 
 
 def _wordpiece(md: dict, tokens: list[str], types: list[int], where: str) -> tuple[dict, dict]:
-    # undo the converter's phantom-space rewrite: "▁word" -> "word", "piece" -> "##piece"
-    names = [t if ty == CONTROL else t[1:] if t.startswith(_PHANTOM) else "##" + t for t, ty in zip(tokens, types)]
+    # undo the converter's phantom-space rewrite: "▁word" -> "word", "piece" -> "##piece" (files from
+    # converters before that rewrite keep BERT's own "##" pieces and no "▁": taken as they are)
+    legacy = any(t.startswith("##") for t in tokens) and not any(t.startswith(_PHANTOM) for t in tokens)
+    names = tokens if legacy else [t if ty == CONTROL else t[1:] if t.startswith(_PHANTOM) else "##" + t
+                                   for t, ty in zip(tokens, types)]
     vocab: dict[str, int] = {}
     for i, n in enumerate(names):
         vocab.setdefault(n, i)
