@@ -13,11 +13,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 import ref_nomic as R
 from tiny_encoders import write_tiny_nomic
+
 from webgpu_engine.config import ChatConfig
-from webgpu_engine.errors import ModelFormatError, UnsupportedModelError, WebGPUEngineError
+from webgpu_engine.errors import (
+    ModelFormatError,
+    UnsupportedModelError,
+    WebGPUEngineError,
+)
 from webgpu_engine.loaders.gguf import GGUFFile
 from webgpu_engine.loaders.tokenizer import load_tokenizer
 from webgpu_engine.models.registry import open_model
@@ -159,7 +163,8 @@ async def test_decoder_quant_types_run_exactly(device, tmp_path):
     """Other GGUF types the decoders read (here Q4_0: the matrices and token_embd quantised by gguf-py's
     numpy quantiser, in llama.cpp's block layout) run through the same kernels: their vectors equal
     those of an F32 file holding the same dequantised weights."""
-    from gguf import GGMLQuantizationType as T, quants
+    from gguf import GGMLQuantizationType as T
+    from gguf import quants
     qtype = "Q4_0"
     qt = T[qtype]
 
@@ -192,13 +197,13 @@ async def test_decoder_quant_types_run_exactly(device, tmp_path):
 def test_bad_files_get_typed_errors(device, tmp_path):
     src = DIR / "bert-f32.gguf"
     cases = [
-        (dict(meta={"bert.pooling_type": 4}), UnsupportedModelError, "pooling_type 4"),
-        (dict(meta={"bert.pooling_type": 0}), UnsupportedModelError, "pooling_type 0"),
-        (dict(meta={"bert.pooling_type": 9}), UnsupportedModelError, "pooling_type 9"),
-        (dict(meta={"bert.attention.causal": True}), UnsupportedModelError, "causal"),
-        (dict(drop="blk.1.ffn_down.weight"), UnsupportedModelError, "blk.1.ffn_down.weight"),
-        (dict(drop="token_embd_norm.bias"), UnsupportedModelError, "token_embd_norm.bias"),
-        (dict(meta={"tokenizer.ggml.model": "bpe-ish"}), UnsupportedModelError, "bpe-ish"),
+        ({"meta": {"bert.pooling_type": 4}}, UnsupportedModelError, "pooling_type 4"),
+        ({"meta": {"bert.pooling_type": 0}}, UnsupportedModelError, "pooling_type 0"),
+        ({"meta": {"bert.pooling_type": 9}}, UnsupportedModelError, "pooling_type 9"),
+        ({"meta": {"bert.attention.causal": True}}, UnsupportedModelError, "causal"),
+        ({"drop": "blk.1.ffn_down.weight"}, UnsupportedModelError, "blk.1.ffn_down.weight"),
+        ({"drop": "token_embd_norm.bias"}, UnsupportedModelError, "token_embd_norm.bias"),
+        ({"meta": {"tokenizer.ggml.model": "bpe-ish"}}, UnsupportedModelError, "bpe-ish"),
     ]
     for i, (kw, err, text) in enumerate(cases):
         bad = _rewrite(src, tmp_path / f"bad{i}.gguf", **kw)
