@@ -205,6 +205,10 @@ def test_chat_equals_the_openai_route_and_streams(server, client):
     assert [p.done for p in parts] == [False] * (len(parts) - 1) + [True] and len(parts) > 2
     assert "".join(p.message.content for p in parts) == r.message.content
     assert parts[-1].eval_count == r.eval_count and parts[-1].done_reason == r.done_reason
+    # top_k 1 / min_p 1 leave the best token only: sampled at temperature 1.5 it answers as greedy
+    for opts in ({"top_k": 1}, {"min_p": 1.0}):
+        hot = client.chat(model=M, messages=HI, options={**GREEDY, "temperature": 1.5, "seed": 3, **opts})
+        assert hot.message.content == r.message.content
 
 
 def test_generate_templated_raw_and_load(server, client):
@@ -337,8 +341,8 @@ def test_bad_api_input_is_an_ollama_4xx(server, path, body, status, says):
 
 def test_client_errors_api_key_and_pull(server, client):
     with pytest.raises(ollama.ResponseError) as e:
-        client.chat(model=M, messages=HI, options={"top_k": 40})
-    assert e.value.status_code == 400 and "top_k" in e.value.error
+        client.chat(model=M, messages=HI, options={"typical_p": 0.5})
+    assert e.value.status_code == 400 and "typical_p" in e.value.error
     with pytest.raises(ollama.ResponseError) as e:
         client.delete(M)                                  # model management is off
     assert e.value.status_code == 403 and "allow-model-management" in e.value.error

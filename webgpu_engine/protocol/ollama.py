@@ -15,14 +15,15 @@ from typing import Any
 from .errors import FieldTypeError, UnsupportedFieldsError
 
 # option -> OpenAI request field, taken as they are (the protocol rules check their values)
-OPTION_FIELDS = {"temperature": "temperature", "top_p": "top_p", "seed": "seed", "stop": "stop",
+OPTION_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                 "seed": "seed", "stop": "stop",
                  "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
                  "repeat_penalty": "repetition_penalty"}
 # where Ollama's runner runs: accepted, no effect (one WebGPU device; weights are mapped as they are)
 HARDWARE_OPTIONS = {"num_gpu", "main_gpu", "num_thread", "num_batch", "use_mmap", "use_mlock", "numa",
                     "low_vram", "f16_kv", "num_keep"}
 # samplers this engine's request path lacks: accepted only at the value that turns them off
-OFF_VALUES = {"top_k": 0, "min_p": 0, "typical_p": 1, "tfs_z": 1, "mirostat": 0}
+OFF_VALUES = {"typical_p": 1, "tfs_z": 1, "mirostat": 0}
 CHAT_FIELDS = {"model", "messages", "stream", "options", "format", "tools", "keep_alive", "think",
                "tool_choice", "logprobs", "top_logprobs"}
 GENERATE_FIELDS = {"model", "prompt", "stream", "options", "format", "keep_alive", "think", "raw",
