@@ -82,12 +82,17 @@ def test_embed_similarities(minilm_dir):
     assert d["dim"] == 384 and len(d["embedding"]) == 384
 
 
+# a faster load in a fresh process (no warm-up run of every pipeline): these tests assert on what
+# the commands print, not on compiling (tests/test_correctness.py checks compile_at_load)
+FAST_LOAD = ("--chat-opts", '{"compile_at_load": false}')
+
+
 @pytest.mark.slow
 def test_complete_and_multi_turn_chat(smollm2_gguf):
-    p = run("complete", "--quiet", "--max-tokens", "4", "--temperature", "0", "--echo", "The sky is")
+    p = run("complete", "--quiet", *FAST_LOAD, "--max-tokens", "4", "--temperature", "0", "--echo", "The sky is")
     assert p.returncode == 0, p.stderr
     assert p.stdout.startswith("The sky is") and len(p.stdout.strip()) > len("The sky is")
-    p = run("chat", "--quiet", "--max-tokens", "8", "--temperature", "0",
+    p = run("chat", "--quiet", *FAST_LOAD, "--max-tokens", "8", "--temperature", "0",
             stdin="What is the capital of France?\n/stats\nAnd of Italy?\n/exit\n")
     assert p.returncode == 0, p.stderr
     assert p.stdout.count(">>> ") >= 3 and "Paris" in p.stdout and "tokens/sec" in p.stdout
