@@ -369,6 +369,51 @@ OLLAMA = [
     ollama("ollama version", "/api/version", status=200, method="GET"),
 ]
 
+def resp(name, status=400, param=None, **fields):
+    return Case(name, "/v1/responses", {"model": LLM_ID, "max_output_tokens": 2, **fields}, status, param=param)
+
+
+RESPONSES = [
+    resp("responses plain", 200, input="Hi"),
+    resp("responses stream", 200, input="Hi", stream=True),
+    resp("responses input missing", param="input"),
+    resp("responses input a number", param="input", input=7),
+    resp("responses input empty", param="input", input=""),
+    resp("responses input an empty list", param="input", input=[]),
+    resp("responses item not an object", param="input[0]", input=["hi"]),
+    resp("responses item unknown type", param="input", input=[{"type": "computer_call"}]),
+    resp("responses role unknown", param="input[0].role", input=[{"role": "robot", "content": "x"}]),
+    resp("responses image part", param="input", input=[{"role": "user", "content": [
+        {"type": "input_image", "image_url": "http://127.0.0.1/x.png"}]}]),
+    resp("responses content a number", param="input[0].content", input=[{"role": "user", "content": 5}]),
+    resp("responses function_call_output without call_id", param="input[0].call_id",
+         input=[{"type": "function_call_output", "output": "x"}]),
+    resp("responses item_reference", param="input", input=[{"type": "item_reference", "id": "x"}]),
+    resp("responses lone surrogate", input="\ud800"),
+    resp("responses web_search tool", param="tools", input="Hi", tools=[{"type": "web_search"}]),
+    resp("responses chat-shaped tool", param="tools[0].name", input="Hi",
+         tools=[{"type": "function", "function": {"name": "f"}}]),
+    resp("responses tool schema broken", param="tools", input="Hi", tool_choice="required",
+         tools=[{"type": "function", "name": "f", "parameters": {"type": "objekt"}}]),
+    resp("responses tool_choice unknown function", param="tool_choice", input="Hi",
+         tools=[{"type": "function", "name": "f"}], tool_choice={"type": "function", "name": "g"}),
+    resp("responses background", param="background", input="Hi", background=True),
+    resp("responses reasoning high", param="reasoning", input="Hi", reasoning={"effort": "high"}),
+    resp("responses include", param="include", input="Hi", include=["reasoning.encrypted_content"]),
+    resp("responses truncation auto", param="truncation", input="Hi", truncation="auto"),
+    resp("responses text format unknown", param="text.format", input="Hi", text={"format": {"type": "xml"}}),
+    resp("responses json_schema without schema", param="text.format", input="Hi",
+         text={"format": {"type": "json_schema", "name": "x"}}),
+    resp("responses max_output_tokens 0", param="max_output_tokens", input="Hi", max_output_tokens=0),
+    resp("responses temperature NaN", param="temperature", input="Hi", temperature=float("nan")),
+    resp("responses metadata of 17 keys", param="metadata", input="Hi", metadata={str(i): "v" for i in range(17)}),
+    resp("responses previous id unknown", 404, input="Hi", previous_response_id="resp_nope"),
+    resp("responses previous id a number", param="previous_response_id", input="Hi", previous_response_id=5),
+    Case("responses retrieve unknown", "/v1/responses/resp_nope", method="GET", headers={}, status=404),
+    Case("responses delete unknown", "/v1/responses/resp_nope", method="DELETE", headers={}, status=404),
+    Case("responses not JSON", "/v1/responses", b"{oops", 400),
+]
+
 HEAVY = [
     chat("prompt of 3.9 MB", (200, 400), heavy=True,
          messages=[{"role": "user", "content": "word " * 780_000}]),
@@ -384,7 +429,7 @@ HEAVY = [
 # embedder's buffers at their largest batch, n = 16's sampling state), and the rest of the corpus,
 # run against it, must not grow it by more than 10% (growth per request is a leak).
 BATCHES = [HEAVY, BODIES, SAMPLING[:40], SAMPLING[40:], MESSAGES, COMPLETIONS + ROUTES, EMBEDDINGS,
-           OLLAMA]
+           OLLAMA, RESPONSES]
 CORPUS = [c for b in BATCHES for c in b]
 
 
@@ -449,7 +494,11 @@ def _check_answer(case: Case, status: int, headers: dict, body: bytes) -> None:
         if case.param is not None and status == 400:
             assert err["param"] == case.param, f"{case.name}: param {err['param']!r}: {err['message']}"
     if status == 200 and isinstance(case.body, dict) and case.body.get("stream") is True:
-        assert body.rstrip().endswith(b"data: [DONE]"), case.name
+        if case.path == "/v1/responses":    # typed events, the last one the response's end
+            last = body.rstrip().split(b"\n\n")[-1].split(b"\n")[0]
+            assert last in (b"event: response.completed", b"event: response.incomplete"), case.name
+        else:
+            assert body.rstrip().endswith(b"data: [DONE]"), case.name
 
 
 async def _normal_requests(session, base: str) -> None:
