@@ -1,9 +1,9 @@
-"""Speculative decoding by prompt lookup: decode speed with and without it, in the same run, on three
-tasks: a RAG-style answer that quotes its retrieved passages, a code edit that copies most of its
-input, and free chat. Greedy, one request at a time, the default chat model (or --model: a file or
+"""Speculative decoding by prompt lookup: decode speed with and without it, in the same run, on four
+tasks: a RAG-style answer that quotes its retrieved passages, passages repeated word for word (the
+best case), a code edit that copies most of its input, and free chat. Greedy, one request at a time, the default chat model (or --model: a file or
 folder).
 
-    python bench/speculative.py [--model PATH] [--tokens 96] [--k 4 6] [--out PATH]
+    python bench/speculative.py [--model PATH] [--tokens 96] [--k 4 8] [--n 3] [--out PATH]
     python bench/speculative.py --smoke [--model PATH] [--out PATH]
 
 For each task: decode tok/s of the default path (fused one-row kernels, no speculation), of one token
@@ -53,68 +53,77 @@ TASKS = {
     "rag": [{"role": "system", "content": "Answer using only the passages. Quote the sentences you use."},
             {"role": "user", "content": PASSAGES + "\n\nQuestion: Who built the Eiffel Tower, when, and how "
                                                    "tall is it? Quote the passages."}],
+    "quote": [{"role": "user", "content": PASSAGES + "\n\nRepeat Passage 1 and Passage 2 word for word."}],
     "code_edit": [{"role": "user", "content": "Rename the parameter `items` to `products` everywhere in "
                                               "this code and return the whole code:\n\n" + CODE}],
     "chat": [{"role": "user", "content": "Tell me a short story about a robot who learns to paint."}],
 }
 
 
-async def run_task(dev, path: str, messages, tokens: int, spec: dict | None, row_invariant: bool = False):
-    """(output ids, decode tok/s, forwards, SpeculationStats or None) of one greedy generation on a
-    freshly loaded pipeline. row_invariant: one token per PREFILL forward (no speculation)."""
-    from webgpu_engine.config import ChatConfig, GenerationConfig
-    from webgpu_engine.pipelines.llm import LLMChatPipeline
-    pipe = await LLMChatPipeline.load(dev, path, ChatConfig(speculation=spec))
-    try:
-        gen = GenerationConfig(temperature=0.0, max_tokens=tokens, ignore_eos=True)
-        if row_invariant:
-            ids = pipe.prompt_ids(messages, None)
-            out = [await pipe.forward_tokens_and_sample(ids, True, gen)]
-            t0 = time.perf_counter()
-            while len(out) < tokens:
-                out.append(await pipe.forward_tokens_and_sample([out[-1]], False, gen))
-            dt = time.perf_counter() - t0
-            return out, (len(out) - 1) / dt, len(out) - 1, None
-        await pipe.prefill_step(messages, gen)
+async def run_task(pipe, messages, tokens: int, spec, row_invariant: bool = False):
+    """(output ids, decode tok/s, forwards, SpeculationStats or None) of one greedy generation from
+    an empty KV cache. spec: a Speculation or None. row_invariant: one token per PREFILL forward."""
+    from webgpu_engine.config import GenerationConfig
+    pipe.speculation = spec
+    pipe.reset_chat(keep_stats=True)
+    gen = GenerationConfig(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    if row_invariant:
+        ids = pipe.prompt_ids(messages, None)
+        out = [await pipe.forward_tokens_and_sample(ids, True, gen)]
         t0 = time.perf_counter()
-        steps = 0
-        while not pipe.stopped:
-            await pipe.decode_step()
-            steps += 1
+        while len(out) < tokens:
+            out.append(await pipe.forward_tokens_and_sample([out[-1]], False, gen))
         dt = time.perf_counter() - t0
-        out = list(pipe.output_ids)
-        return out, (len(out) - 1) / dt, steps, pipe._req.spec
-    finally:
-        pipe.dispose()
+        return out, (len(out) - 1) / dt, len(out) - 1, None
+    await pipe.prefill_step(messages, gen)
+    t0 = time.perf_counter()
+    steps = 0
+    while not pipe.stopped:
+        await pipe.decode_step()
+        steps += 1
+    dt = time.perf_counter() - t0
+    out = list(pipe.output_ids)
+    return out, (len(out) - 1) / dt, steps, pipe._req.spec
 
 
 async def main_async(a) -> dict:
     from webgpu_engine import cache, gpu
+    from webgpu_engine.config import ChatConfig
+    from webgpu_engine.pipelines.llm import LLMChatPipeline
+    from webgpu_engine.pipelines.speculation import Speculation
     dev = await gpu.request_device()
     path = a.model or str(cache.default_model_path("SmolLM2-135M-Instruct-Q4_1"))
+    # one pipeline (every kernel compiled at load): each run below sets its speculation and starts
+    # from an empty KV cache
+    pipe = await LLMChatPipeline.load(dev, path, ChatConfig(context_window_size=2048))
     rows = []
-    for name, msgs in TASKS.items():
-        fused, fused_tps, _, _ = await run_task(dev, path, msgs, a.tokens, None)
-        ref, ref_tps, _, _ = await run_task(dev, path, msgs, a.tokens, None, row_invariant=True)
-        row = {"task": name, "tokens": len(fused), "fused_tok_s": fused_tps, "row_invariant_tok_s": ref_tps,
-               "row_invariant_equals_fused": ref == fused, "speculative": []}
-        for k in a.k:
-            out, tps, steps, st = await run_task(dev, path, msgs, a.tokens, {"method": "ngram", "k": k})
-            row["speculative"].append({
-                "k": k, "tok_s": tps, "speedup_vs_fused": tps / fused_tps, "forwards": steps,
-                "tokens_per_forward": (len(out) - 1) / max(steps, 1), "proposed": st.proposed,
-                "accepted": st.accepted, "acceptance": st.accepted / st.proposed if st.proposed else 0.0,
-                "equals_row_invariant": out == ref, "equals_fused": out == fused})
-        rows.append(row)
-    return {"adapter": dev.info.name, "platform": platform.platform(), "model": Path(path).name, "tokens": a.tokens,
-            "rows": rows}
+    try:
+        for name, msgs in TASKS.items():
+            fused, fused_tps, _, _ = await run_task(pipe, msgs, a.tokens, None)
+            ref, ref_tps, _, _ = await run_task(pipe, msgs, a.tokens, None, row_invariant=True)
+            row = {"task": name, "tokens": len(fused), "fused_tok_s": fused_tps, "row_invariant_tok_s": ref_tps,
+                   "row_invariant_equals_fused": ref == fused, "speculative": []}
+            for k in a.k:
+                out, tps, steps, st = await run_task(pipe, msgs, a.tokens, Speculation(k=k, n=a.n))
+                row["speculative"].append({
+                    "k": k, "n": a.n, "tok_s": tps, "speedup_vs_fused": tps / fused_tps,
+                    "speedup_vs_row_invariant": tps / ref_tps, "forwards": steps,
+                    "tokens_per_forward": (len(out) - 1) / max(steps, 1), "proposed": st.proposed,
+                    "accepted": st.accepted, "acceptance": st.accepted / st.proposed if st.proposed else 0.0,
+                    "equals_row_invariant": out == ref, "equals_fused": out == fused})
+            rows.append(row)
+    finally:
+        pipe.dispose()
+    return {"adapter": dev.info.name, "platform": platform.platform(), "model": Path(path).name,
+            "tokens": a.tokens, "rows": rows}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="a chat model file or folder (default: SmolLM2-135M-Instruct-Q4_1)")
     ap.add_argument("--tokens", type=int, default=96)
-    ap.add_argument("--k", type=int, nargs="+", default=[4, 6])
+    ap.add_argument("--k", type=int, nargs="+", default=[4, 8])
+    ap.add_argument("--n", type=int, default=3, help="longest n-gram matched")
     ap.add_argument("--smoke", action="store_true", help="8 tokens, k 2: checks the script")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "speculative.json")
     a = ap.parse_args()

@@ -127,3 +127,14 @@ def test_soak(tmp_path, tiny):
     data = load(out, {"wall_s", "served", "unexpected", "results", "rss_mib", "exit_after_sigterm_s"})
     assert data["served"] > 0 and data["unexpected"] == 0, data["unexpected_kinds"]
     assert data["rss_mib"] and data["exit_after_sigterm_s"] is not None
+
+
+def test_speculative(tmp_path, tiny):
+    out = tmp_path / "speculative.json"
+    stdout = run_script("speculative", "--smoke", "--model", tiny["chat"], "--out", str(out))
+    data = load(out, {"adapter", "model", "tokens", "rows"})
+    assert [r["task"] for r in data["rows"]] == ["rag", "quote", "code_edit", "chat"]
+    for r in data["rows"]:
+        assert [s["k"] for s in r["speculative"]] == [2]
+        assert all(s["equals_row_invariant"] for s in r["speculative"])     # speculation changes nothing
+    assert f"wrote {out}" in stdout

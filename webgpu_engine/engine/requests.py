@@ -18,8 +18,8 @@ from ..config import GenerationConfig, SamplingParams
 from ..protocol.errors import RangeError
 from ..protocol.objects import to_object
 from ..protocol.rules import check_chat_request, check_completion_request, check_embedding_request
-from .records import EMBEDDING, LLM
 from .output import output_parser
+from .records import EMBEDDING, LLM
 from .tools import attach_grammar, prepare_chat
 
 
