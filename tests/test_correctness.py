@@ -17,6 +17,10 @@ from webgpu_engine.pipelines.llm import LLMChatPipeline
 
 pytestmark = pytest.mark.slow
 
+# a faster load (no warm-up run of every pipeline) where a test asserts nothing on compiling:
+# test_no_shader_compiles_after_load checks compile_at_load itself
+FAST = {"compile_at_load": False}
+
 PROMPTS = [   # even indices go through chat (non-ASCII there: its logprobs carry each token's bytes)
     "¿Dónde está la biblioteca?", "The capital of France is", "Translate 'good morning': おはよう means",
     "Count to ten", "Emoji time 😀👍🏽 — describe them", "Write a haiku about rain.",
@@ -30,7 +34,7 @@ PROMPTS = [   # even indices go through chat (non-ASCII there: its logprobs carr
 
 @pytest.fixture(scope="module")
 async def engine(device, smollm2_gguf):
-    eng = await create_mlc_engine(LLM_ID, EngineConfig(device=device))
+    eng = await create_mlc_engine(LLM_ID, EngineConfig(device=device), FAST)
     yield eng
     await eng.unload()
 
@@ -234,16 +238,16 @@ async def test_same_text_on_cold_and_warm_caches_and_any_chunking(device, smollm
     prefill_chunk_size 16, 64 and the default, in f32 and f16, and sent again with the default chunk
     (a warm KV prefix: only the last prompt position is computed, one row, whatever the chunk size):
     the same tokens and the same logprobs every time."""
-    eng = await create_mlc_engine(LLM_ID, EngineConfig(device=device), {"prefill_chunk_size": 16})
+    eng = await create_mlc_engine(LLM_ID, EngineConfig(device=device), {"prefill_chunk_size": 16, **FAST})
     system = ("You are a helpful assistant who answers in one short sentence. " * 4).strip()
     msgs = [{"role": "system", "content": system}, {"role": "user", "content": "Name a fruit."}]
     try:
         with pytest.raises(E.UnsupportedChatOptionError, match="sliding_window_size"):
-            await eng.reload(LLM_ID, {"sliding_window_size": 1024})
+            await eng.reload(LLM_ID, {"sliding_window_size": 1024, **FAST})
         for dtype in ("f32", "f16"):
             seen = {}
             for chunk in (16, 64, None):
-                opts = {"dtype": dtype, **({"prefill_chunk_size": chunk} if chunk else {})}
+                opts = {"dtype": dtype, **({"prefill_chunk_size": chunk} if chunk else {}), **FAST}
                 await eng.reload(LLM_ID, opts)
                 for rep in ("cold", "warm") if chunk is None else ("cold",):   # warm: one row, any chunk
                     seeded = await eng.chat.completions.create(
