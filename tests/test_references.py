@@ -214,8 +214,10 @@ async def test_every_kind_loads_and_answers_in_one_engine(device, models, server
     refs = [str(models["gguf"]), str(models["hf"]), "test-org/tiny-GGUF:Q4_0",
             server.url("files/tiny-by-url.gguf"), "test-org/tiny-llama", "test-org/tiny-minilm",
             server.url("st/tiny-minilm/")]
+    # compile_at_load off: a faster load of the seven models (nothing here asserts on compiling)
+    fast = {"compile_at_load": False}
     engine = await create_mlc_engine(refs, EngineConfig(device=device),
-                                     [{"context_window_size": 128}] + [None] * 6)
+                                     [{"context_window_size": 128, **fast}] + [fast] * 6)
     try:
         ids = ["tiny-llama", "tiny-hf", "test-org/tiny-GGUF:Q4_0", "tiny-by-url", "test-org/tiny-llama",
                "test-org/tiny-minilm", "tiny-minilm"]
@@ -327,7 +329,8 @@ def test_serve_two_references_through_the_openai_client(models):
     root = Path(__file__).resolve().parent.parent
     env = {**os.environ, "XDG_RUNTIME_DIR": os.environ.get("XDG_RUNTIME_DIR", "/tmp")}
     proc = subprocess.Popen([sys.executable, "-m", "webgpu_engine", "serve", "--model", str(models["gguf"]),
-                             "--model", "test-org/tiny-minilm", "--model-id", "tiny-chat", "--port", str(port)],
+                             "--model", "test-org/tiny-minilm", "--model-id", "tiny-chat", "--port", str(port),
+                             "--chat-opts", '{"compile_at_load": false}'],   # a faster load
                             cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.time() + 120
