@@ -117,6 +117,9 @@ class ChatConfig:
     #                                    profile lacks before building its kernels (kernels/tune.py):
     #                                    "auto" (GPU adapters, not software ones), "on", "off";
     #                                    None: $WEBGPU_ENGINE_TUNE, else "auto"
+    context_overflow: str = "error"    # chat: a prompt longer than the context window: "error" (a 400
+    #                                    naming the limit) or "truncate" (the oldest turns after the
+    #                                    system prompt dropped until it fits; usage.extra says how many)
     speculation: dict | str | None = None  # chat: speculative decoding, {"method": "ngram", "k": 4,
     #                                    "n": 3} or "ngram" (pipelines/speculation.py); one-request path
     tune_budget_s: float | None = None  # ... for about this many seconds (None: $WEBGPU_ENGINE_TUNE_BUDGET,

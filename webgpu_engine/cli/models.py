@@ -45,7 +45,8 @@ def chat_opts_for(args, n: int) -> list[dict | None] | None:
     from ..errors import InvalidRequestError
     flags = {"chat_opts": None, "context_window": "context_window_size",
              "prefill_chunk": "prefill_chunk_size", "dtype": "dtype",
-             "max_num_sequences": "max_num_sequences", "speculation": "speculation"}
+             "max_num_sequences": "max_num_sequences", "speculation": "speculation",
+             "context_overflow": "context_overflow"}
     opts: list[dict] = [{} for _ in range(n)]
     for flag, key in flags.items():
         values = getattr(args, flag, None) or []

@@ -18,7 +18,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..config import GREEDY, ChatConfig, GenerationConfig
-from ..errors import ContextWindowTooLargeError, InvalidRequestError, ModelFormatError
+from ..errors import ChatOptionTypeError, ContextWindowTooLargeError, InvalidRequestError, ModelFormatError
 from ..gpu import Device
 from ..kernels import matmul as mm, tune
 from ..kernels.common import pipeline_keys, warm_up
@@ -30,6 +30,8 @@ from .detokenizer import safe_token_bytes
 from .grammar import GrammarCompiler
 from .sequence import Sequence, configure_sampler, process_logits
 from .speculation import Speculation, SpeculationStats, propose
+
+OVERFLOW_POLICIES = ("error", "truncate")
 
 _log = logging.getLogger("webgpu_engine.pipelines")
 from .stats import CumulativeStats, RequestStats, now
@@ -101,6 +103,9 @@ class LLMChatPipeline:
         self.scheduler = None
         self._solo = asyncio.Lock()
         self.speculation = Speculation.parse(chat_config.speculation)
+        if chat_config.context_overflow not in OVERFLOW_POLICIES:
+            raise ChatOptionTypeError("context_overflow", f"one of {list(OVERFLOW_POLICIES)} (a context "
+                                      f"shift is not supported yet)", chat_config.context_overflow)
         self.spec_stats = SpeculationStats()            # since load
         self._row_sample_ops: list = []
         # what was allocated: the load's plan, or (a model built by hand) the chat config's for it
@@ -283,10 +288,15 @@ class LLMChatPipeline:
         return kw
 
     async def prompt_tokens(self, messages: list[dict] | None, gen: GenerationConfig,
-                            prompt: str | None = None) -> list[int]:
-        """The request's prompt ids, checked against the context window (typed errors)."""
+                            prompt: str | None = None, req: RequestStats | None = None) -> list[int]:
+        """The request's prompt ids, checked against the context window (typed errors); with
+        context_overflow "truncate" the oldest turns are dropped to fit (counted in `req`, default
+        the current request's stats)."""
         kw = self.template_kwargs(gen)
         ctx = self.model.ctx
+        if prompt is None and self.chat_config.context_overflow == "truncate":
+            messages, dropped = await self._fit_messages(messages, kw)
+            (req if req is not None else self._req).truncated_messages = dropped
         chars = len(prompt) if prompt is not None else \
             sum(len(str(m.get("content") or "")) for m in messages or [] if isinstance(m, dict))
         if chars > ctx * self._max_token_chars():
@@ -308,6 +318,27 @@ class LLMChatPipeline:
         if not ids:
             raise InvalidRequestError("The prompt is empty.", param="prompt")
         return ids
+
+    async def _fit_messages(self, messages: list[dict], kw: dict) -> tuple[list[dict], int]:
+        """context_overflow "truncate": the conversation less its oldest turns (each from a user
+        message up to the next one) after the leading system messages, until its prompt fits the
+        context window with room for one token; the latest turn is always kept (if it alone does not
+        fit, the caller's error names the limit). Returns (messages, how many were dropped)."""
+        msgs = list(messages or [])
+        head = 0
+        while head < len(msgs) and msgs[head].get("role") == "system":
+            head += 1
+        dropped = 0
+        while True:
+            ids = await asyncio.to_thread(self.prompt_ids, msgs, None, kw) if _THREADS else \
+                self.prompt_ids(msgs, None, kw)
+            later_user = [i for i in range(head + 1, len(msgs)) if msgs[i].get("role") == "user"]
+            if len(ids) < self.model.ctx or not later_user:
+                break
+            cut = later_user[0]                 # drop msgs[head:cut]: the oldest turn
+            dropped += cut - head
+            msgs = msgs[:head] + msgs[cut:]
+        return msgs, dropped
 
     async def decode_step(self) -> None:
         """Feed the last sampled token and sample the next one (as prefill_step's config asked)."""

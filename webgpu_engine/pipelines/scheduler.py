@@ -89,7 +89,7 @@ class BatchSequence:
     async def prefill_step(self, messages, gen: GenerationConfig, prompt: str | None = None) -> None:
         pipe = self._sched.pipe
         req = RequestStats(t_start=now(), breakdown=gen.latency_breakdown)
-        ids = await pipe.prompt_tokens(messages, gen, prompt)
+        ids = await pipe.prompt_tokens(messages, gen, prompt, req=req)
         self.seq = pipe.new_sequence(gen, req, raw=prompt is not None)
         req.prompt_tokens = len(ids)
         self._rec = self._sched.add(self, ids, gen)

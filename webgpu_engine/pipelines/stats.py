@@ -30,6 +30,7 @@ class RequestStats:
     grammar_mask_s: float = 0.0      # computing the allowed-token masks, summed over the steps
     grammar_steps: int = 0
     spec: object = None              # speculative decoding's figures (speculation.SpeculationStats)
+    truncated_messages: int = 0      # context_overflow "truncate": messages dropped to fit the window
 
     def extra(self) -> dict:
         end = self.t_end if self.t_end is not None else now()
@@ -42,6 +43,7 @@ class RequestStats:
             "time_per_output_token_s": self.decode_s / self.decode_tokens if self.decode_tokens else 0.0,
             **({"latency_breakdown": self.latency_breakdown()} if self.breakdown else {}),
             **(self.spec.extra() if self.spec is not None else {}),
+            **({"truncated_messages": self.truncated_messages} if self.truncated_messages else {}),
             **({"grammar_init_s": self.grammar_init_s,
                 "grammar_per_token_s": self.grammar_mask_s / self.grammar_steps if self.grammar_steps
                 else 0.0} if self.grammar else {}),
