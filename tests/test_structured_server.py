@@ -125,7 +125,9 @@ WEATHER = [{"type": "function", "function": {
 
 @pytest.fixture(scope="module")
 def smol(device, smollm2_gguf):
-    s = ServerThread(ServerOptions(models=[SMOL], port=0, engine_config=EngineConfig(device=device)))
+    # compile_at_load off: a faster load (the tests assert on the answers, not on compiling)
+    s = ServerThread(ServerOptions(models=[SMOL], port=0, engine_config=EngineConfig(device=device),
+                                   chat_opts=[{"compile_at_load": False}]))
     yield openai.OpenAI(base_url=s.url, api_key="none", max_retries=0, timeout=300)
     s.stop()
 
@@ -165,7 +167,8 @@ def test_cli_json_schema_and_tool_round_trip(tmp_path_factory):
 
     def run(*args, stdin=""):
         r = subprocess.run([sys.executable, "-m", "webgpu_engine", "chat", "--quiet", "--model", str(path),
-                            "--max-tokens", "150", "--temperature", "0", *args], cwd=root, env=env,
+                            "--max-tokens", "150", "--temperature", "0",
+                            "--chat-opts", '{"compile_at_load": false}', *args], cwd=root, env=env,
                            input=stdin, capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stderr
         return r.stdout
