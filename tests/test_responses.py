@@ -137,6 +137,19 @@ def test_previous_response_id_continues(client):
     c = chat_answer(client, history, 8)
     assert second.output_text == c.choices[0].message.content
     assert second.usage.input_tokens == c.usage.prompt_tokens > first.usage.input_tokens
+    # the input items it answered, newest first (the chain's earlier turns included), paged
+    listed = client.responses.input_items.list(second.id)
+    texts = [(it.role, it.content[0].text) for it in listed.data]
+    assert texts == [(m["role"], m["content"]) for m in reversed(history)] and not listed.has_more
+    page = client.responses.input_items.list(second.id, order="asc", limit=2)
+    assert [it.content[0].text for it in page.data] == [history[0]["content"], first.output_text]
+    assert page.has_more and page.data[0].id == listed.data[-1].id
+    rest = client.responses.input_items.list(second.id, order="asc", after=page.data[-1].id)
+    assert [it.content[0].text for it in rest.data] == [history[2]["content"]]
+    with pytest.raises(openai.NotFoundError):
+        client.responses.input_items.list("resp_unknown")
+    with pytest.raises(openai.BadRequestError):
+        client.responses.input_items.list(second.id, limit=101)
 
 
 def test_store_retrieve_delete_and_eviction(client):

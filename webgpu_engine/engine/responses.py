@@ -38,12 +38,16 @@ class ResponseStore:
     def __init__(self, capacity: int):
         self.capacity = max(0, int(capacity))
         self._entries: OrderedDict[str, tuple[dict, list[dict]]] = OrderedDict()
+        self._inputs: dict[str, list[dict]] = {}
 
-    def put(self, response: dict, items: list[dict]) -> None:
+    def put(self, response: dict, items: list[dict], inputs: list[dict] | None = None) -> None:
+        """`inputs`: the input items as GET .../input_items lists them (ids given here, once)."""
         self._entries[response["id"]] = (response, items)
+        self._inputs[response["id"]] = [_listed_item(it) for it in (inputs or [])]
         self._entries.move_to_end(response["id"])
         while len(self._entries) > self.capacity:
-            self._entries.popitem(last=False)
+            gone, _ = self._entries.popitem(last=False)
+            self._inputs.pop(gone, None)
 
     def get(self, response_id: str, param: str | None = None) -> tuple[dict, list[dict]]:
         entry = self._entries.get(response_id) if isinstance(response_id, str) else None
@@ -55,6 +59,11 @@ class ResponseStore:
     def delete(self, response_id: str) -> None:
         self.get(response_id)
         del self._entries[response_id]
+        self._inputs.pop(response_id, None)
+
+    def inputs(self, response_id: str) -> list[dict]:
+        self.get(response_id)
+        return self._inputs.get(response_id, [])
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -65,6 +74,17 @@ def _rename_param(e: InvalidRequestError) -> InvalidRequestError:
     if e.param in rp.CHAT_PARAMS:
         e.param = rp.CHAT_PARAMS[e.param]
     return e
+
+
+def _listed_item(it: dict) -> dict:
+    """An input item as OpenAI lists it (input_items): an id, a status, text as content parts."""
+    kind = it["type"]
+    if kind == "message":
+        part = "output_text" if it["role"] == "assistant" else "input_text"
+        return {"id": rp.new_id("msg"), "type": "message", "role": it["role"], "status": "completed",
+                "content": [{"type": part, "text": it["content"]}]}
+    prefix = {"function_call": "fc", "function_call_output": "fco"}.get(kind, "rs")
+    return {"id": rp.new_id(prefix), **it, "status": "completed"}
 
 
 def _conversation_items(output: list[dict]) -> list[dict]:
@@ -116,11 +136,32 @@ class Responses:
 
     def _keep(self, req: dict, items: list[dict], response: dict) -> None:
         if req["store"]:
-            self.store.put(response, items + _conversation_items(response["output"]))
+            self.store.put(response, items + _conversation_items(response["output"]), items)
 
     async def retrieve(self, response_id: str):
         """A stored Response (ResponseNotFoundError for unknown, unstored or evicted ids)."""
         return rp.response_object(self.store.get(response_id)[0])
+
+    async def input_items(self, response_id: str, *, limit: int = 20, order: str = "desc",
+                          after: str | None = None) -> dict:
+        """The input items a stored response answered (the earlier turns of a previous_response_id
+        chain included), as OpenAI's input_items list: newest first by default, `limit` 1..100, a
+        cursor `after` (an item id)."""
+        if not isinstance(limit, int) or isinstance(limit, bool) or not 1 <= limit <= 100:
+            raise InvalidRequestError(f"`limit` must be an integer in [1, 100], got {limit!r}.", param="limit")
+        if order not in ("asc", "desc"):
+            raise InvalidRequestError(f"`order` must be asc or desc, got {order!r}.", param="order")
+        items = self.store.inputs(response_id)
+        items = items[::-1] if order == "desc" else list(items)
+        if after is not None:
+            ids = [it["id"] for it in items]
+            if after not in ids:
+                raise InvalidRequestError(f"`after` {after[:80]!r} is no input item of {response_id}.",
+                                          param="after")
+            items = items[ids.index(after) + 1:]
+        page = items[:limit]
+        return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}
 
     async def delete(self, response_id: str) -> dict:
         self.store.delete(response_id)

@@ -97,6 +97,9 @@ class _Responses(_Create):
     def delete(self, response_id: str) -> dict:
         return self._engine._loop.run(self._target.delete(response_id))
 
+    def input_items(self, response_id: str, **kw) -> dict:
+        return self._engine._loop.run(self._target.input_items(response_id, **kw))
+
 
 class MLCEngine:
     """Blocking engine: same methods as AsyncMLCEngine, without `await`."""

@@ -3,6 +3,7 @@
 POST   /v1/responses        a Response, or with "stream": true its typed server-sent events
                             (`event: <type>` then `data: {json}`, no [DONE], as OpenAI sends them)
 GET    /v1/responses/{id}   a stored Response (404 for unknown, unstored or evicted ids)
+GET    /v1/responses/{id}/input_items   the input items it answered (limit, order, after)
 DELETE /v1/responses/{id}   forget a stored Response (404 as above)
 
 They sit under /v1/, so the API key, body limits, error middleware and the model's queue apply
@@ -21,6 +22,7 @@ from .common import ENGINE, METRICS, json_body, ready_engine
 def add_routes(app: web.Application) -> None:
     app.router.add_post("/v1/responses", create)
     app.router.add_get("/v1/responses/{response_id}", retrieve)
+    app.router.add_get("/v1/responses/{response_id}/input_items", input_items)
     app.router.add_delete("/v1/responses/{response_id}", delete)
 
 
@@ -49,6 +51,17 @@ async def create(request: web.Request) -> web.StreamResponse:
 async def retrieve(request: web.Request) -> web.Response:
     res = await request.app[ENGINE].responses.retrieve(request.match_info["response_id"])
     return web.json_response(to_dict(res))
+
+
+async def input_items(request: web.Request) -> web.Response:
+    q = request.query
+    try:
+        limit = int(q.get("limit", "20"))
+    except ValueError:
+        limit = q.get("limit")
+    res = await request.app[ENGINE].responses.input_items(
+        request.match_info["response_id"], limit=limit, order=q.get("order", "desc"), after=q.get("after"))
+    return web.json_response(res)
 
 
 async def delete(request: web.Request) -> web.Response:
