@@ -170,13 +170,16 @@ async def test_tool_calls_stream_as_deltas_and_results_feed_back(engine):
     chunks = [c async for c in s]
     deltas = [c.choices[0].delta.to_dict() for c in chunks if c.choices]
     assert deltas[0]["role"] == "assistant"
-    head, args = deltas[0]["tool_calls"][0], deltas[1]["tool_calls"][0]
+    head = deltas[0]["tool_calls"][0]
     assert head["function"]["name"] == "get_weather" and head["function"]["arguments"] == "" and head["id"]
-    jsonschema.validate(json.loads(args["function"]["arguments"]), WEATHER["function"]["parameters"])
+    # then the arguments, in fragments as they are generated
+    frags = [d["tool_calls"][0]["function"]["arguments"] for d in deltas[1:] if d.get("tool_calls")]
+    assert len(frags) > 1 and all(d["tool_calls"][0]["index"] == 0 for d in deltas[1:] if d.get("tool_calls"))
+    args = "".join(frags)
+    jsonschema.validate(json.loads(args), WEATHER["function"]["parameters"])
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
     # the call and its result go back in; the model answers (here: a constrained text)
-    call = {"id": head["id"], "type": "function", "function": {"name": "get_weather",
-                                                               "arguments": args["function"]["arguments"]}}
+    call = {"id": head["id"], "type": "function", "function": {"name": "get_weather", "arguments": args}}
     msgs = [*U, {"role": "assistant", "content": None, "tool_calls": [call]},
             {"role": "tool", "tool_call_id": head["id"], "content": "{\"temp\": 21}"}]
     r = await chat(engine, messages=msgs, tools=[WEATHER], tool_choice="none",
