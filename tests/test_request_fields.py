@@ -249,3 +249,38 @@ def test_output_parser_streams_what_it_returns(text, reasoning, fmt, want):
         frags = [d for ch in text for d in one_char.feed(ch) if d.get("tool_calls")
                  and "id" not in d["tool_calls"][0]]
         assert len(frags) > 1
+
+
+# Qwen3's way: the model writes <think> itself; enable_thinking=false puts an empty one in the prompt
+QWEN3_TEMPLATE = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
+    "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+    "{% if enable_thinking is defined and enable_thinking is false %}{{ '<think>\n\n</think>\n\n' }}"
+    "{% endif %}{% endif %}")
+
+
+async def test_reasoning_the_model_opens_itself(device, tmp_path):
+    """A Qwen3-style template (the model writes <think> itself): the thinking is split off, streamed
+    and not; with enable_thinking false the empty think block is the prompt's, the answer all content."""
+    from webgpu_engine.engine import AsyncMLCEngine
+    path = write_tiny_llama_gguf(tmp_path / "q3.gguf", arch="qwen3", qtype="q8_0", context_length=256,
+                                 chat_template=QWEN3_TEMPLATE)["path"]
+    app = default_app_config().with_records(ModelRecord("tiny-qwen3", str(path), "llm"))
+    eng = AsyncMLCEngine(EngineConfig(device=device, app_config=app))
+    await eng.reload("tiny-qwen3", {"compile_at_load": False})
+    try:
+        fmt = {"type": "regex", "regex": "<think>[a-z]{3,6}</think>[a-z]{2,5}"}
+        kw = dict(messages=Q, temperature=0, max_tokens=40, response_format=fmt)
+        m = (await eng.chat.completions.create(**kw)).choices[0].message
+        reasoning = m.model_extra["reasoning_content"]
+        assert reasoning.isalpha() and m.content.isalpha()
+        deltas = [c.choices[0].delta async for c in await eng.chat.completions.create(stream=True, **kw)
+                  if c.choices]
+        assert "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas) == reasoning
+        assert "".join(d.content or "" for d in deltas) == m.content
+        off = (await eng.chat.completions.create(
+            messages=Q, temperature=0, max_tokens=40, extra_body={"enable_thinking": False},
+            response_format={"type": "regex", "regex": "[a-z]{3,6}"})).choices[0].message
+        assert off.content.isalpha() and "reasoning_content" not in (off.model_extra or {})
+    finally:
+        await eng.unload()
