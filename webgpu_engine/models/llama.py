@@ -115,6 +115,8 @@ class LlamaModel:
         # one-dispatch attention); a switch for A/B benchmarks
         self.short_attention = True
         self.decode_ops = self._build(1, True, decode=True)   # built once, replayed every step
+        self._row_logits: list[Tensor] = []                    # speculative decoding, on first use
+        self._verify_ops: dict[int, list[Op]] = {}             # T -> the T rows' LM heads
 
     # ------------------------------------------------------------------ memory
     def _check_memory(self, weights: dict, max_total: int) -> None:
@@ -274,13 +276,12 @@ class LlamaModel:
         binding-aligned offset (allocated on first use: speculative decoding only)."""
         if not 0 < n <= self.VERIFY_ROWS:
             raise ValueError(f"{n} verify rows: 1..{self.VERIFY_ROWS}")
-        if not getattr(self, "_row_logits", None):
+        if not self._row_logits:
             c, esz = self.cfg, DTYPE_SIZE[self.dtype]
             stride = -(-c.vocab_size * esz // 256) * 256 // esz
             rows = new_tensor(self.dev, (self.VERIFY_ROWS * stride,), self.dtype, owner=self.owner,
                               label="row_logits")
             self._row_logits = [rows.view((1, c.vocab_size), r * stride) for r in range(self.VERIFY_ROWS)]
-            self._verify_ops = {}
         return self._row_logits[:n]
 
     def record_verify(self, batch, ids: list[int], pos0: int) -> list[Tensor]:
@@ -290,11 +291,7 @@ class LlamaModel:
         outs = self.row_logits(T)
         if T not in self._verify_ops:
             self._verify_ops[T] = decoder.row_heads(self, self.kv, T, outs)
-        if pos0 + T > self.ctx:
-            raise ContextWindowTooLargeError(f"positions up to {pos0 + T} exceed the context window {self.ctx}")
-        self.dev.write(self.ids.buf, struct.pack(f"<{T}I", *ids))
-        self.set_step(pos0, T)
-        self._record(batch, self.ops_for(T, False) + self._verify_ops[T], None)
+        self._record_rows(batch, ids, pos0, self.ops_for(T, False) + self._verify_ops[T])
         return outs
 
     def set_step(self, pos0: int, n_new: int) -> None:
@@ -302,14 +299,18 @@ class LlamaModel:
 
     def record_prefill(self, batch, ids: list[int], pos0: int, with_head: bool = True) -> None:
         """Write ids (T <= chunk) and the step, record the forward of those rows into `batch`."""
+        if not 0 < len(ids) <= self.chunk:
+            raise ValueError(f"prefill of {len(ids)} tokens: chunks must have 1..{self.chunk} tokens")
+        self._record_rows(batch, ids, pos0, self.ops_for(len(ids), with_head))
+
+    def _record_rows(self, batch, ids: list[int], pos0: int, ops: list[Op]) -> None:
+        """Write the rows' ids and the step (positions pos0..), record `ops` into `batch`."""
         T = len(ids)
-        if not 0 < T <= self.chunk:
-            raise ValueError(f"prefill of {T} tokens: chunks must have 1..{self.chunk} tokens")
         if pos0 + T > self.ctx:
             raise ContextWindowTooLargeError(f"positions up to {pos0 + T} exceed the context window {self.ctx}")
         self.dev.write(self.ids.buf, struct.pack(f"<{T}I", *ids))
         self.set_step(pos0, T)
-        self._record(batch, self.ops_for(T, with_head), None)
+        self._record(batch, ops, None)
 
     def record_decode(self, batch, pos0: int) -> None:
         """Record one decode step at position pos0; its input id is already in `ids[0]`."""
@@ -333,7 +334,7 @@ class LlamaModel:
     def release(self) -> None:
         self.dev.release_owner(self.owner)
         self._ops.release()
-        for ops in getattr(self, "_verify_ops", {}).values():
+        for ops in self._verify_ops.values():
             for op in ops:
                 op.release()
         self._verify_ops, self._row_logits = {}, []

@@ -30,11 +30,10 @@ from .detokenizer import safe_token_bytes
 from .grammar import GrammarCompiler
 from .sequence import Sequence, configure_sampler, process_logits
 from .speculation import Speculation, SpeculationStats, propose
+from .stats import CumulativeStats, RequestStats, now
 
 OVERFLOW_POLICIES = ("error", "truncate")
-
 _log = logging.getLogger("webgpu_engine.pipelines")
-from .stats import CumulativeStats, RequestStats, now
 
 _ids = itertools.count()
 _THREADS = sys.platform != "emscripten"     # Pyodide: no worker threads
@@ -107,7 +106,8 @@ class LLMChatPipeline:
             raise ChatOptionTypeError("context_overflow", f"one of {list(OVERFLOW_POLICIES)} (a context "
                                       f"shift is not supported yet)", chat_config.context_overflow)
         self.spec_stats = SpeculationStats()            # since load
-        self._row_sample_ops: list = []
+        self._row_sample_ops: list = []                 # the sampler's op per verify row
+        self._row_results = None                        # their results, one readback per verify
         # what was allocated: the load's plan, or (a model built by hand) the chat config's for it
         self.plan = plan or plan_decoder(cfg, replace(chat_config, context_window_size=model.ctx,
                                                       dtype=model.dtype), dev)
@@ -350,12 +350,15 @@ class LLMChatPipeline:
             return await self._speculative_step()
         t0 = now()
         res = await self._forward([self._last_token], len(self.kv_ids), decode=True)
-        dt = now() - t0
+        self._count_decode(now() - t0, 1)
+        self._accept(res)
+
+    def _count_decode(self, dt: float, tokens: int) -> None:
+        """A decode step's time and the tokens it gave, in the request's statistics."""
         self._req.decode_s += dt
+        self._req.decode_tokens += tokens
         if self._req.breakdown:
             self._req.step_s.append(dt)
-        self._req.decode_tokens += 1
-        self._accept(res)
 
     def _speculates(self, gen: GenerationConfig) -> bool:
         """Whether this request decodes speculatively: speculation is on, and the request is greedy
@@ -381,7 +384,7 @@ class LLMChatPipeline:
         while len(self._row_sample_ops) < T:
             r = len(self._row_sample_ops)
             self._row_sample_ops.append(self.sampler.op(rows[r].view((self.vocab_size,))))
-        if getattr(self, "_row_results", None) is None:
+        if self._row_results is None:
             self._row_results = dev.buffer(m.VERIFY_ROWS * RESULT_BYTES, owner=self.owner, label="row_results")
         for r in range(T):
             self._row_sample_ops[r].record(batch)
@@ -397,11 +400,7 @@ class LLMChatPipeline:
             if seq.stopped or r == T - 1 or res.token != guess[r]:
                 break
             self.kv_ids.append(guess[r])          # the guess was right: its K/V row stays
-        dt = now() - t0
-        self._req.decode_s += dt
-        self._req.decode_tokens += n
-        if self._req.breakdown:
-            self._req.step_s.append(dt)
+        self._count_decode(now() - t0, n)
         step = SpeculationStats(1, len(guess), n - 1)
         self._req.spec.add(step)
         self.spec_stats.add(step)
