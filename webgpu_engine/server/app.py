@@ -60,6 +60,9 @@ class ServerOptions:
     engine_config: EngineConfig | None = None     # limits, queue, timeout; tests inject stubs here
     exit_on_load_error: bool = False   # `serve`: a model that fails to load stops the server (exit 1)
     allow_model_management: bool = False   # POST /v1/models/load and /unload (admin.py)
+    # builds the engine the app serves from (config, app) instead of AsyncMLCEngine(config): an
+    # engine-like object (webgpu_engine.ray's proxy to Ray Serve replicas) that may add app signals
+    engine_factory: Any = None
 
 
 # --------------------------------------------------------------------------- middlewares
@@ -306,10 +309,10 @@ def create_app(opts: ServerOptions) -> web.Application:
     cfg = opts.engine_config or EngineConfig(log_level=opts.log_level, auto_recover=opts.auto_recover)
     if opts.auto_recover:
         cfg.auto_recover = True
-    engine = AsyncMLCEngine(cfg)
     app = web.Application(client_max_size=opts.max_body_bytes, middlewares=[
         cors_middleware_factory(opts.cors_origins), metrics_middleware, errors_middleware,
         auth_and_limits_middleware])
+    engine = opts.engine_factory(cfg, app) if opts.engine_factory is not None else AsyncMLCEngine(cfg)
     app[ENGINE], app[OPTS], app[STATE] = engine, opts, {"created": int(time.time())}
 
     def gpu_bytes() -> dict:
