@@ -10,7 +10,7 @@ import pytest
 
 from tinymodels import write_tiny_llama_gguf
 from webgpu_engine.config import ChatConfig, GenerationConfig
-from webgpu_engine.errors import ChatOptionTypeError
+from webgpu_engine.errors import ChatOptionTypeError, UnsupportedChatOptionError
 from webgpu_engine.pipelines.llm import LLMChatPipeline
 from webgpu_engine.pipelines.speculation import Speculation, propose
 
@@ -29,7 +29,8 @@ def test_propose_takes_the_latest_longest_match():
     assert propose([1, 2], 0, n=2) == []
 
 
-@pytest.mark.parametrize("opt", [{"method": "draft"}, {"k": 0}, {"k": 17}, {"n": True}, {"x": 1},
+@pytest.mark.parametrize("opt", [{"method": "draft"}, {"method": "draft", "model": ""}, {"model": "m.gguf"},
+                                 {"k": 0}, {"k": 17}, {"n": True}, {"x": 1}, {"auto_off": 1}, {"probe": 0},
                                  {"n": 2, "n_min": 3}, 5, "lookahead"])
 def test_bad_speculation_options_are_refused_by_name(opt):
     with pytest.raises(ChatOptionTypeError) as e:
@@ -40,7 +41,10 @@ def test_bad_speculation_options_are_refused_by_name(opt):
 def test_speculation_option_forms():
     assert Speculation.parse(None) is None
     assert Speculation.parse("ngram") == Speculation()
-    assert Speculation.parse({"k": 6, "n": 2}).describe() == {"method": "ngram", "k": 6, "n": 2, "n_min": 1}
+    assert Speculation.parse({"k": 6, "n": 2}).describe() == {"method": "ngram", "k": 6, "n": 2, "n_min": 1,
+                                                              "auto_off": True, "probe": 4}
+    assert Speculation.parse({"method": "draft", "model": "d.gguf", "auto_off": False}).describe() == {
+        "method": "draft", "k": 4, "model": "d.gguf", "auto_off": False, "probe": 4}
 
 
 async def _reference(pipe, messages, n: int) -> list[int]:
@@ -77,7 +81,7 @@ async def test_greedy_answers_equal_one_token_per_forward(device, tiny):
             msgs = [{"role": "user", "content": p}]
             ref = await _reference(pipe, msgs, 32)
             for k in (1, 3, 6):
-                pipe.speculation = Speculation(k=k, n=3)
+                pipe.speculation = Speculation(k=k, n=3, auto_off=False)
                 got = await _generate(pipe, msgs, max_tokens=32, ignore_eos=True)
                 assert got == ref, (p[:20], k)
                 st = pipe._req.spec
@@ -94,7 +98,7 @@ async def test_greedy_answers_equal_one_token_per_forward(device, tiny):
 
 async def test_stop_strings_max_tokens_and_logprobs(device, tiny):
     pipe = await LLMChatPipeline.load(device, tiny, ChatConfig(context_window_size=512, compile_at_load=False,
-                                                               speculation={"k": 5}))
+                                                               speculation={"k": 5, "auto_off": False}))
     try:
         msgs = [{"role": "user", "content": PROMPTS[0]}]
         ref = await _reference(pipe, msgs, 30)
@@ -108,7 +112,7 @@ async def test_stop_strings_max_tokens_and_logprobs(device, tiny):
         # logprobs: the same entries as one-guess speculation gives (both check every token alike)
         await _generate(pipe, msgs, max_tokens=12, ignore_eos=True, logprobs=True, top_logprobs=3)
         many = list(pipe.token_logprobs)
-        pipe.speculation = Speculation(k=1)
+        pipe.speculation = Speculation(k=1, auto_off=False)
         await _generate(pipe, msgs, max_tokens=12, ignore_eos=True, logprobs=True, top_logprobs=3)
         assert pipe.token_logprobs == many and len(many) == 12
     finally:
@@ -122,7 +126,7 @@ async def test_smollm2_rag_prompt(device, smollm2_gguf):
     msgs = [{"role": "user", "content": passage + "\nRepeat the first sentence word for word."}]
     pipe = await LLMChatPipeline.load(device, smollm2_gguf, ChatConfig(context_window_size=512,
                                                                        compile_at_load=False,
-                                                                       speculation={"k": 6}))
+                                                                       speculation={"k": 6, "auto_off": False}))
     try:
         ref = await _reference(pipe, msgs, 20)
         got = await _generate(pipe, msgs, max_tokens=20, ignore_eos=True)
@@ -137,7 +141,8 @@ async def test_engine_reports_speculation_and_decodes_other_requests_as_before(d
     from webgpu_engine.engine import AsyncMLCEngine, EngineConfig, ModelRecord, default_app_config
     app = default_app_config().with_records(ModelRecord("tiny-spec", str(tiny), "llm"))
     eng = AsyncMLCEngine(EngineConfig(device=device, app_config=app))
-    await eng.reload("tiny-spec", {"compile_at_load": False, "speculation": {"method": "ngram", "k": 4}})
+    await eng.reload("tiny-spec", {"compile_at_load": False, "speculation": {"method": "ngram", "k": 4,
+                                                                             "auto_off": False}})
     try:
         msgs = [{"role": "user", "content": PROMPTS[0]}]
         r = await eng.chat.completions.create(messages=msgs, max_tokens=16, temperature=0, ignore_eos=True)
@@ -148,5 +153,105 @@ async def test_engine_reports_speculation_and_decodes_other_requests_as_before(d
         assert "speculation_steps" not in s.usage.extra.model_dump()    # sampled: decoded as before
         with pytest.raises(ChatOptionTypeError):
             await eng.reload("tiny-spec", {"compile_at_load": False, "speculation": {"method": "draft"}})
+        # a draft model by reference (here a path; an id, URL or Hub repo resolve as a model's do)
+        await eng.reload("tiny-spec", {"compile_at_load": False, "speculation": {
+            "method": "draft", "model": str(tiny), "k": 3, "auto_off": False}})
+        d = await eng.chat.completions.create(messages=msgs, max_tokens=16, temperature=0, ignore_eos=True)
+        assert d.choices[0].message.content == r.choices[0].message.content
+        ex = d.usage.extra.model_dump()
+        assert ex["speculation_accepted_tokens"] >= 1 and ex["speculation_turned_off"] is False
     finally:
         await eng.unload()
+
+
+# ------------------------------------------------------------------ a draft model
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    return write_tiny_llama_gguf(tmp_path_factory.mktemp("spec") / "llama.gguf", arch="llama",
+                                 qtype="q8_0", context_length=512)["path"]
+
+
+@pytest.fixture(scope="module")
+def drafts(tmp_path_factory):
+    """Draft models for the tiny Llama: other weights (seed 1, fewer layers), and another vocabulary."""
+    d = tmp_path_factory.mktemp("drafts")
+    return {"other": write_tiny_llama_gguf(d / "other.gguf", "llama", "q8_0", seed=1, n_layers=1,
+                                           context_length=512)["path"],
+            "vocab": write_tiny_llama_gguf(d / "vocab.gguf", "llama", "q8_0", seed=1, vocab_size=280,
+                                           context_length=512)["path"]}
+
+
+async def test_draft_model_greedy_answers_equal_one_token_per_forward(device, tiny_llama, drafts):
+    """Guesses of another model (mostly wrong) and of the same model (mostly right: it decodes with
+    the fused kernels, the target verifies with the row-invariant ones): the same answers."""
+    for draft, k in ((drafts["other"], 3), (tiny_llama, 4)):
+        pipe = await LLMChatPipeline.load(device, tiny_llama, ChatConfig(
+            context_window_size=512, compile_at_load=False,
+            speculation={"method": "draft", "model": str(draft), "k": k, "auto_off": False}))
+        try:
+            assert pipe.draft is not None and pipe.draft.owner != pipe.owner
+            for p in PROMPTS:
+                msgs = [{"role": "user", "content": p}]
+                spec = pipe.speculation
+                pipe.speculation = None
+                ref = await _reference(pipe, msgs, 24)
+                pipe.speculation = spec
+                got = await _generate(pipe, msgs, max_tokens=24, ignore_eos=True)
+                assert got == ref, (draft, p[:20])
+                st = pipe._req.spec
+                assert st.steps + st.accepted == 23 and 0 < st.proposed <= 3 * k * st.steps
+                assert len(pipe.kv_ids) == len(pipe.prompt_ids(msgs, None)) + 23
+                if draft == tiny_llama:
+                    assert st.accepted >= st.proposed // 2, st     # the model guessing itself
+            draft_owner = pipe.draft.owner
+        finally:
+            pipe.dispose()
+        assert draft_owner not in device.allocations()           # the draft is freed with the model
+
+
+async def test_draft_model_with_another_vocabulary_is_refused(device, tiny_llama, drafts):
+    before = set(device.allocations())
+    with pytest.raises(UnsupportedChatOptionError, match="vocabulary"):
+        await LLMChatPipeline.load(device, tiny_llama, ChatConfig(
+            context_window_size=512, compile_at_load=False,
+            speculation={"method": "draft", "model": str(drafts["vocab"])}))
+    assert set(device.allocations()) <= before                   # nothing of either model is left
+
+
+async def test_auto_off_switches_to_the_fused_path(device, tiny_llama):
+    """auto_off's rule, with the fused step's time set: faster than the verify steps -> off after
+    `probe` steps (the rest decodes fused, the answer completes); slower -> speculation stays on;
+    not timed yet -> one fused step is timed, then it judges."""
+    pipe = await LLMChatPipeline.load(device, tiny_llama, ChatConfig(context_window_size=512, compile_at_load=False,
+                                                               speculation={"k": 3, "probe": 2}))
+    try:
+        msgs = [{"role": "user", "content": PROMPTS[1]}]
+        ref = await _reference(pipe, msgs, 20)
+        pipe._decode_step_s = 1e-9                          # fused steps "instant": turn off
+        got = await _generate(pipe, msgs, max_tokens=20, ignore_eos=True)
+        st = pipe._req.spec
+        assert st.off == 1 and st.steps == 2 and len(got) == 20 and pipe.finish_reason == "length"
+        assert pipe.usage()["extra"]["speculation_turned_off"] is True
+        # the fused path's tokens may differ from the row-invariant ones in the last bits only: on
+        # this model they agree
+        assert got == ref
+        pipe._decode_step_s = 1e9                           # fused steps "slow": speculation stays
+        await _generate(pipe, msgs, max_tokens=20, ignore_eos=True)
+        st = pipe._req.spec
+        assert st.off == 0 and st.steps + st.accepted == 19
+        pipe._decode_step_s = None                          # never timed: one fused step times it
+        got = await _generate(pipe, msgs, max_tokens=20, ignore_eos=True)
+        st = pipe._req.spec
+        assert pipe._decode_step_s is not None and st.steps >= 2 and st.tokens <= 18 and len(got) == 20
+    finally:
+        pipe.dispose()
+
+
+def test_cli_draft_model_flag():
+    """serve/chat/complete --draft-model REF: speculation by that model, per model or for all."""
+    from webgpu_engine.cli.models import chat_opts_for
+    from webgpu_engine.cli.parser import build_parser
+    args = build_parser().parse_args(["serve", "--model", "a.gguf", "--draft-model", "d.gguf"])
+    assert chat_opts_for(args, 1) == [{"speculation": {"method": "draft", "model": "d.gguf"}}]
+    args = build_parser().parse_args(["serve", "--speculation", "ngram"])
+    assert chat_opts_for(args, 1) == [{"speculation": "ngram"}]

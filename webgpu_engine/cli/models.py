@@ -46,7 +46,7 @@ def chat_opts_for(args, n: int) -> list[dict | None] | None:
     flags = {"chat_opts": None, "context_window": "context_window_size",
              "prefill_chunk": "prefill_chunk_size", "dtype": "dtype",
              "max_num_sequences": "max_num_sequences", "speculation": "speculation",
-             "context_overflow": "context_overflow"}
+             "context_overflow": "context_overflow", "draft_model": "speculation"}
     opts: list[dict] = [{} for _ in range(n)]
     for flag, key in flags.items():
         values = getattr(args, flag, None) or []
@@ -57,6 +57,9 @@ def chat_opts_for(args, n: int) -> list[dict | None] | None:
                                       f"models: give it once for all, or once per model.", param=flag)
         for k, o in enumerate(opts):
             v = values[0] if len(values) == 1 else values[k]
+            if flag == "draft_model":     # a draft model: speculation by it
+                o[key] = {"method": "draft", "model": v}
+                continue
             if key is not None:
                 o[key] = v
                 continue

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -115,6 +115,8 @@ def _check_chat_options(cc: ChatConfig) -> None:
             ("kv_pool_tokens", cc.kv_pool_tokens >= 0, "0 (automatic) or a positive number of tokens")):
         if not ok:
             raise ChatOptionTypeError(name, expected, getattr(cc, name))
+    from ..pipelines.speculation import Speculation
+    Speculation.parse(cc.speculation)           # a bad speculation option fails before anything loads
     if cc.max_num_sequences > cc.prefill_chunk_size > 0:
         raise ChatOptionTypeError("max_num_sequences", f"at most prefill_chunk_size ({cc.prefill_chunk_size})",
                                   cc.max_num_sequences)
@@ -229,10 +231,26 @@ class ModelLoading:
             f = (k + max(0.0, min(1.0, frac))) / n
             self._report(0.1 * f * 0.99, t0, f"[{model_id}] {text}")
         path = await self._model_path(rec, progress)
+        if builtin:
+            chat_config = await self._resolve_draft(chat_config, progress)
         factory = self._factory(rec.model_type)
         plan = _Plan(model_id, rec, chat_config, path, factory)
         plan.estimate = memory.estimate_model(factory, builtin, rec, path, chat_config, dev)
         return plan
+
+    async def _resolve_draft(self, cc: ChatConfig, progress) -> ChatConfig:
+        """speculation "draft": its model reference (an app-config id, a path, a URL, a Hub repo)
+        resolved and fetched like a model's own, into a local path the pipeline loads."""
+        spec = cc.speculation
+        if not (isinstance(spec, dict) and spec.get("method") == "draft"):
+            return cc
+        from .references import records_for
+        _, (rec,) = await records_for(self.app_config, [spec["model"]])
+        if rec.model_type != LLM:
+            raise UnsupportedChatOptionError("speculation", spec, f"the draft model {rec.model_id} is an "
+                                             f"embedding model; a draft model must be a chat model")
+        path = await self._model_path(rec, progress)
+        return replace(cc, speculation={**spec, "model": str(path)})
 
     def memory_budget(self, dev=None) -> tuple[int, str]:
         """(bytes this engine may hold on the device, where the number comes from)."""

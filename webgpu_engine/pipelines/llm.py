@@ -12,13 +12,20 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import struct
 import logging
 import sys
 from dataclasses import replace
 from pathlib import Path
 
 from ..config import GREEDY, ChatConfig, GenerationConfig
-from ..errors import ChatOptionTypeError, ContextWindowTooLargeError, InvalidRequestError, ModelFormatError
+from ..errors import (
+    ChatOptionTypeError,
+    ContextWindowTooLargeError,
+    InvalidRequestError,
+    ModelFormatError,
+    UnsupportedChatOptionError,
+)
 from ..gpu import Device
 from ..kernels import matmul as mm, tune
 from ..kernels.common import pipeline_keys, warm_up
@@ -29,7 +36,7 @@ from ..models.registry import LLM, open_model
 from .detokenizer import safe_token_bytes
 from .grammar import GrammarCompiler
 from .sequence import Sequence, configure_sampler, process_logits
-from .speculation import Speculation, SpeculationStats, propose
+from .speculation import Speculation, SpeculationStats, propose, same_vocabulary, slower_than_decode
 from .stats import CumulativeStats, RequestStats, now
 
 OVERFLOW_POLICIES = ("error", "truncate")
@@ -108,6 +115,8 @@ class LLMChatPipeline:
         self.spec_stats = SpeculationStats()            # since load
         self._row_sample_ops: list = []                 # the sampler's op per verify row
         self._row_results = None                        # their results, one readback per verify
+        self.draft: LLMChatPipeline | None = None      # speculation "draft": the draft model's pipeline
+        self._decode_step_s: float | None = None        # a fused decode step's time (auto_off), smoothed
         # what was allocated: the load's plan, or (a model built by hand) the chat config's for it
         self.plan = plan or plan_decoder(cfg, replace(chat_config, context_window_size=model.ctx,
                                                       dtype=model.dtype), dev)
@@ -150,6 +159,8 @@ class LLMChatPipeline:
             if tunes:
                 await _tune(dev, model, dtype, tuning, _scaled(progress, 0.9, 1.0), model_id or path.name)
             pipe = cls(dev, model, tokenizer, template, chat_config, owner, plan)
+            if pipe.speculation is not None and pipe.speculation.method == "draft" and pipe.scheduler is None:
+                pipe.draft = await pipe._load_draft(progress, model_id)
             if chat_config.compile_at_load:
                 if progress:
                     progress(1.0, "Loading GPU shader modules")
@@ -162,6 +173,24 @@ class LLMChatPipeline:
         if progress:
             progress(1.0, f"loaded {cfg.name or path.name} ({dtype}, context {model.ctx})")
         return pipe
+
+    async def _load_draft(self, progress, model_id: str | None) -> "LLMChatPipeline":
+        """speculation "draft": load the draft model (a local path: the engine resolves references)
+        beside this one, with this model's context window, and check that it shares the vocabulary."""
+        spec, cc = self.speculation, self.chat_config
+        if progress:
+            progress(1.0, f"loading the draft model {spec.model}")
+        dcc = ChatConfig(context_window_size=self.model.ctx, max_num_sequences=1, dtype=cc.dtype,
+                         compile_at_load=cc.compile_at_load, prefill_chunk_size=cc.prefill_chunk_size)
+        draft = await LLMChatPipeline.load(self.dev, spec.model, dcc,
+                                           model_id=f"{model_id}.draft" if model_id else None)
+        if not same_vocabulary(self.tokenizer, draft.tokenizer):
+            draft.dispose()
+            raise UnsupportedChatOptionError("speculation", spec.describe(), (
+                f"the draft model's vocabulary ({draft.tokenizer.vocab_size} tokens) differs from this "
+                f"model's ({self.tokenizer.vocab_size}): a draft model must share the tokenizer"))
+        draft.sampler.configure(GREEDY)
+        return draft
 
     async def _compile(self) -> None:
         """Create and run once every pipeline of the model and the sampler (see LlamaModel.compile)."""
@@ -346,12 +375,35 @@ class LLMChatPipeline:
             return
         if self.seq.interrupted:
             return self.seq.finish("abort")
-        if self._req.spec is not None:
-            return await self._speculative_step()
+        spec = self._req.spec
+        if spec is not None and not spec.off:
+            verdict = self._auto_off(spec)
+            if verdict == "speculate":
+                return await self._speculative_step()
+            if verdict == "off":         # the rest of the request decodes through the fused path
+                spec.off = 1
+                self.spec_stats.off += 1
+            # "time": this one step decodes fused, timed; the next step judges
+        if spec is not None:
+            # the verify steps sample into their rows' results, not into the model's input id
+            self.dev.write(self.model.ids.buf, struct.pack("<I", self._last_token))
         t0 = now()
         res = await self._forward([self._last_token], len(self.kv_ids), decode=True)
-        self._count_decode(now() - t0, 1)
+        dt = now() - t0
+        self._count_decode(dt, 1)
+        # auto_off's yardstick, smoothed (a first step may still compile its pipelines)
+        self._decode_step_s = dt if self._decode_step_s is None else 0.8 * self._decode_step_s + 0.2 * dt
         self._accept(res)
+
+    def _auto_off(self, spec: SpeculationStats) -> str:
+        """"speculate", "off" (auto_off: after `probe` verify steps this request's speculative
+        tokens come slower than fused decode steps) or "time" (no fused step of this model timed yet:
+        decode one fused step to time it)."""
+        if not self.speculation.auto_off or spec.steps < self.speculation.probe:
+            return "speculate"
+        if self._decode_step_s is None:
+            return "time"
+        return "off" if slower_than_decode(spec, self.speculation.probe, self._decode_step_s) else "speculate"
 
     def _count_decode(self, dt: float, tokens: int) -> None:
         """A decode step's time and the tokens it gave, in the request's statistics."""
@@ -368,15 +420,21 @@ class LLMChatPipeline:
                 and gen.presence_penalty == 0.0 and self.seq.matcher is None and self.logit_processor is None)
 
     async def _speculative_step(self) -> None:
-        """One verify forward: the last token and up to k guesses (prompt lookup) at once; keep the
-        tokens up to the first guess the model disagrees with, plus the model's own token there."""
+        """One verify forward: the last token and up to k guesses (prompt lookup, or the draft model's
+        greedy tokens) at once; keep the tokens up to the first guess the model disagrees with, plus
+        the model's own token there."""
         spec, m, dev, seq = self.speculation, self.model, self.dev, self.seq
         t0 = now()
         pos0, last = len(self.kv_ids), self._last_token
         k = min(spec.k, m.ctx - pos0 - 1, m.chunk - 1, m.VERIFY_ROWS - 1)
         if seq.max_tokens is not None:
             k = min(k, seq.max_tokens - len(seq.output_ids) - 1)
-        guess = propose(self.kv_ids + [last], k, spec.n, spec.n_min) if k > 0 else []
+        if k <= 0:
+            guess = []
+        elif self.draft is not None:
+            guess = await self._draft_guess(self.kv_ids + [last], k)
+        else:
+            guess = propose(self.kv_ids + [last], k, spec.n, spec.n_min)
         ids = [last] + guess
         T = len(ids)
         batch = dev.batch()
@@ -400,10 +458,39 @@ class LLMChatPipeline:
             if seq.stopped or r == T - 1 or res.token != guess[r]:
                 break
             self.kv_ids.append(guess[r])          # the guess was right: its K/V row stays
-        self._count_decode(now() - t0, n)
-        step = SpeculationStats(1, len(guess), n - 1)
+        dt = now() - t0
+        self._count_decode(dt, n)
+        step = SpeculationStats(1, len(guess), n - 1, n, dt)
         self._req.spec.add(step)
         self.spec_stats.add(step)
+
+    async def _draft_guess(self, context: list[int], k: int) -> list[int]:
+        """Up to k greedy tokens of the draft model after `context`. Its KV cache keeps the longest
+        prefix it shares with the context (rejected guesses are overwritten by position); the new
+        tokens are prefilled, then each guess is a fused decode step (a guess's bits do not matter:
+        the target checks it)."""
+        d = self.draft
+        k = min(k, d.model.ctx - len(context))
+        if k <= 0:
+            return []
+        keep = 0
+        for a, b in zip(d.kv_ids, context):
+            if a != b:
+                break
+            keep += 1
+        keep = min(keep, len(context) - 1)
+        d.kv_ids = context[:keep]
+        new = context[keep:]
+        if len(new) == 1:        # one row: the fused decode kernels read their input id on the GPU
+            d.dev.write(d.model.ids.buf, struct.pack("<I", new[0]))
+            res = await d._forward(new, keep, decode=True)
+        else:
+            res = await d._forward(new, keep)
+        out = [res.token]
+        while len(out) < k and res.token not in self.eos_ids:
+            res = await d._forward([res.token], len(d.kv_ids), decode=True)
+            out.append(res.token)
+        return out
 
     async def _forward(self, ids: list[int], pos0: int, decode: bool = False):
         """Run ids at positions pos0.. through the model (in prefill chunks) and sample from the logits
@@ -535,6 +622,9 @@ class LLMChatPipeline:
         """Free every GPU buffer of the model (weights, KV cache, activations, sampler)."""
         if self.scheduler is not None:
             self.scheduler.close()
+        if self.draft is not None:
+            self.draft.dispose()
+            self.draft = None
         self.model.release()
         self.sampler.release()
         if self._mask is not None:

@@ -1,7 +1,13 @@
-"""Speculative decoding by prompt lookup (n-gram): guess the next tokens by finding the last few
-tokens earlier in the context (the prompt and the answer so far) and taking what followed them, then
-check all the guesses in one forward pass. RAG answers and code edits copy long spans of their
-prompt, so one pass often yields several tokens.
+"""Speculative decoding: guess the next tokens, then check all the guesses in one forward pass.
+Two ways to guess:
+
+- prompt lookup ("ngram"): find the last few tokens earlier in the context (the prompt and the answer
+  so far) and take what followed them. RAG answers and code edits copy long spans of their prompt,
+  so one pass often yields several tokens. Costs nothing on the GPU.
+- a draft model ("draft"): a second, smaller model with the same vocabulary decodes k tokens
+  greedily (its own fused decode kernels; its KV cache keeps the longest prefix it shares with the
+  target's context, so rejected guesses are rolled back by position). Works for any pair of
+  families the registry loads.
 
 Exactness: the guesses are checked by a forward over rows [last token, guess 1 .. guess k] whose
 kernels are row-invariant (the prefill's: a row's values do not depend on the other rows), with
@@ -14,6 +20,15 @@ from an answer without it in the last bits of a logit, as two GPUs' answers may.
 
 Which requests speculate: greedy ones without penalties, grammar or logit processor, on the
 one-request path; the others decode as without speculation (named in `usage.extra`).
+
+Turning itself off (`auto_off`, on by default): a verify forward of k + 1 rows costs more than a
+fused decode step (on lavapipe 2-5x per row; on GPUs about one step), so speculation only pays when
+enough guesses are right. After `probe` verify steps of a request, its speculative tokens per second
+are compared with the model's fused decode steps (timed on earlier steps, or on one step taken then);
+when speculation is slower, the rest of the request decodes through the fused path. Which path made
+a token then depends on measured speed, and the two paths can differ in the last bits of a logit:
+`auto_off: false` keeps every token on the verify path (answers exactly equal to one-token-per-forward
+decoding through the row-invariant kernels, as tests/test_speculation.py checks).
 Standard library only (runs in the page).
 """
 from __future__ import annotations
@@ -22,19 +37,24 @@ from dataclasses import dataclass
 
 from ..errors import ChatOptionTypeError
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft")
 MAX_K = 16
+_FIELDS = ("method", "k", "n", "n_min", "model", "auto_off", "probe")
 
 
 @dataclass(frozen=True)
 class Speculation:
     """chat option `speculation`: {"method": "ngram", "k": guesses per step, "n": longest n-gram
-    matched (down to `n_min`)}."""
+    matched (down to `n_min`)} or {"method": "draft", "model": a model reference, "k": ...}; both
+    take "auto_off" (default true) and "probe" (verify steps before auto_off judges, default 4)."""
 
     method: str = "ngram"
     k: int = 4
     n: int = 3
     n_min: int = 1
+    model: str | None = None       # draft: the draft model (a reference; a local path once resolved)
+    auto_off: bool = True
+    probe: int = 4
 
     @classmethod
     def parse(cls, opt) -> "Speculation | None":
@@ -44,26 +64,35 @@ class Speculation:
             opt = {"method": opt}
         if not isinstance(opt, dict):
             raise ChatOptionTypeError("speculation", 'an object like {"method": "ngram", "k": 4}', opt)
-        unknown = sorted(set(opt) - {"method", "k", "n", "n_min"})
+        unknown = sorted(set(opt) - set(_FIELDS))
         if unknown:
-            raise ChatOptionTypeError("speculation", f"an object with method, k, n, n_min (not {unknown})", opt)
+            raise ChatOptionTypeError("speculation", f"an object with {', '.join(_FIELDS)} (not {unknown})", opt)
         method = opt.get("method", "ngram")
         if method not in METHODS:
-            # a draft model is not written yet: refused by name rather than ignored
-            raise ChatOptionTypeError("speculation", f"method one of {list(METHODS)} (a draft model is "
-                                      f"not supported yet)", opt)
+            raise ChatOptionTypeError("speculation", f"method one of {list(METHODS)}", opt)
+        model = opt.get("model")
+        if method == "draft" and (not isinstance(model, str) or not model.strip()):
+            raise ChatOptionTypeError("speculation", 'a draft model reference: {"method": "draft", '
+                                      '"model": "<id, path or URL>"}', opt)
+        if method == "ngram" and model is not None:
+            raise ChatOptionTypeError("speculation", '"model" only with method "draft"', opt)
         vals = {}
-        for name, lo, hi, default in (("k", 1, MAX_K, 4), ("n", 1, 8, 3), ("n_min", 1, 8, 1)):
+        for name, lo, hi, default in (("k", 1, MAX_K, 4), ("n", 1, 8, 3), ("n_min", 1, 8, 1),
+                                      ("probe", 1, 64, 4)):
             v = opt.get(name, default)
             if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
                 raise ChatOptionTypeError("speculation", f"{name} an integer in [{lo}, {hi}]", opt)
             vals[name] = v
         if vals["n_min"] > vals["n"]:
             raise ChatOptionTypeError("speculation", "n_min <= n", opt)
-        return cls(method, **vals)
+        auto_off = opt.get("auto_off", True)
+        if not isinstance(auto_off, bool):
+            raise ChatOptionTypeError("speculation", "auto_off true or false", opt)
+        return cls(method, model=model, auto_off=auto_off, **vals)
 
     def describe(self) -> dict:
-        return {"method": self.method, "k": self.k, "n": self.n, "n_min": self.n_min}
+        d = {"method": self.method, "k": self.k, "auto_off": self.auto_off, "probe": self.probe}
+        return {**d, "model": self.model} if self.method == "draft" else {**d, "n": self.n, "n_min": self.n_min}
 
 
 def propose(context: list[int], k: int, n: int, n_min: int = 1) -> list[int]:
@@ -89,12 +118,32 @@ class SpeculationStats:
     steps: int = 0            # verify forwards
     proposed: int = 0         # tokens guessed
     accepted: int = 0         # guesses the model agreed with
+    tokens: int = 0           # tokens the verify forwards gave
+    seconds: float = 0.0      # their time (draft guesses included)
+    off: int = 0              # requests (or 1: this request) where auto_off turned speculation off
 
     def add(self, other: "SpeculationStats") -> None:
         self.steps += other.steps
         self.proposed += other.proposed
         self.accepted += other.accepted
+        self.tokens += other.tokens
+        self.seconds += other.seconds
+        self.off += other.off
 
     def extra(self) -> dict:
         return {"speculation_steps": self.steps, "speculation_proposed_tokens": self.proposed,
-                "speculation_accepted_tokens": self.accepted}
+                "speculation_accepted_tokens": self.accepted, "speculation_turned_off": bool(self.off)}
+
+
+def slower_than_decode(stats: SpeculationStats, probe: int, decode_step_s: float | None) -> bool:
+    """auto_off's rule: after `probe` verify steps, speculation is slower than one token per fused
+    decode step of `decode_step_s` seconds."""
+    if stats.steps < probe or decode_step_s is None or stats.tokens == 0:
+        return False
+    return stats.seconds / stats.tokens > decode_step_s
+
+
+def same_vocabulary(a, b) -> bool:
+    """Whether two tokenizers map every id to the same bytes (a draft model's guesses are ids)."""
+    n = a.vocab_size
+    return n == b.vocab_size and all(a.token_bytes(i) == b.token_bytes(i) for i in range(n))
