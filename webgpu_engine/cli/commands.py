@@ -196,6 +196,9 @@ def cmd_serve(args) -> int:
                          auto_recover=args.auto_recover, shutdown_grace_s=args.shutdown_grace,
                          engine_config=cfg, chat_opts=chat_opts, exit_on_load_error=True,
                          allow_model_management=args.allow_model_management)
+    if getattr(args, "ray_replicas", None):
+        from .ray_cmds import serve_on_ray       # the same server on Ray Serve replicas
+        return serve_on_ray(args, opts)
     return run_server(opts)
 
 

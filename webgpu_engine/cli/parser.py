@@ -10,6 +10,7 @@ from ..catalogue import DEFAULT_CHAT_MODEL, DEFAULT_EMBED_MODEL
 from .commands import cmd_bench, cmd_chat, cmd_complete, cmd_embed, cmd_info, cmd_serve
 from .structured import add_options as add_structured_options
 from .listing import add_subcommand as add_list_command
+from .ray_cmds import add_embed_corpus_command, add_serve_options as add_ray_serve_options
 from .tune import add_subcommand as add_tune_command
 
 REF = ("a model: an app-config id, a .gguf file, a model folder, a URL, a Hugging Face ORG/REPO[:QUANT] "
@@ -210,6 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="most inputs per embeddings request (default 2048, as OpenAI)")
     p.add_argument("--max-embedding-tokens", type=int, default=None,
                    help="most tokens over all inputs of an embeddings request (default 300000, as OpenAI)")
+    add_ray_serve_options(p)
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("bench", help="run benchmark scripts from bench/",
@@ -220,6 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dir", default="bench", help="folder of the scripts (default bench/)")
     p.set_defaults(func=cmd_bench, extra=[])
 
+    add_embed_corpus_command(sub)
     add_tune_command(sub, DEFAULT_CHAT_MODEL)
     add_list_command(sub)
     _add_cache_commands(sub)

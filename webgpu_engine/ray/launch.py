@@ -98,8 +98,4 @@ def serve_on_ray(opts: ServerOptions, spec: EngineSpec, ray_opts: RayOptions) ->
         return run_server(ray_server_options(opts, spec, ray_opts))
     finally:
         if started:
-            from ray import serve
-            try:
-                serve.shutdown()
-            finally:
-                ray.shutdown()
+            ray.shutdown()      # the deployment is deleted already (the app's cleanup unloads it)
