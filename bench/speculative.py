@@ -1,9 +1,9 @@
-"""Speculative decoding by prompt lookup: decode speed with and without it, in the same run, on four
+"""Speculative decoding (prompt lookup, a draft model): decode speed with and without it, in the same run, on four
 tasks: a RAG-style answer that quotes its retrieved passages, passages repeated word for word (the
 best case), a code edit that copies most of its input, and free chat. Greedy, one request at a time, the default chat model (or --model: a file or
 folder).
 
-    python bench/speculative.py [--model PATH] [--tokens 96] [--k 4 8] [--n 3] [--out PATH]
+    python bench/speculative.py [--model PATH] [--tokens 96] [--k 4 8] [--n 3] [--draft REF|self] [--out PATH]
     python bench/speculative.py --smoke [--model PATH] [--out PATH]
 
 For each task: decode tok/s of the default path (fused one-row kernels, no speculation), of one token
@@ -11,6 +11,10 @@ per forward through the row-invariant kernels speculation checks with (`k 0`: wh
 must reproduce), and of speculation with each k; the acceptance rate (accepted / proposed guesses),
 tokens per forward, and whether each speculative answer equals the row-invariant one token for token
 (it must) and the fused path's (it may differ in the last bits: see pipelines/speculation.py).
+Exact runs have auto_off off; one more run per task (prompt lookup, the first k) has it on, as a
+user gets it by default: how close to the fused path it stays where guessing does not pay. With
+--draft, the same runs with a draft model guessing (`self`: the model guesses itself, which shows
+the mechanics and the acceptance ceiling, not a speed-up).
 Prints a table and writes bench/results/speculative.json. --smoke: 8 tokens, k 2 (checks the script).
 """
 from __future__ import annotations
@@ -96,24 +100,42 @@ async def main_async(a) -> dict:
     # one pipeline (every kernel compiled at load): each run below sets its speculation and starts
     # from an empty KV cache
     pipe = await LLMChatPipeline.load(dev, path, ChatConfig(context_window_size=2048))
+    dpipe = None
+    if a.draft:
+        draft = path if a.draft == "self" else a.draft
+        dpipe = await LLMChatPipeline.load(dev, path, ChatConfig(context_window_size=2048, speculation={
+            "method": "draft", "model": str(draft)}))
     rows = []
+
+    def spec_row(method, k, auto_off, out, tps, steps, st, fused, fused_tps, ref, ref_tps):
+        return {"method": method, "k": k, "n": a.n, "auto_off": auto_off, "turned_off": bool(st.off),
+                "tok_s": tps, "speedup_vs_fused": tps / fused_tps,
+                "speedup_vs_row_invariant": tps / ref_tps, "forwards": steps,
+                "tokens_per_forward": (len(out) - 1) / max(steps, 1), "proposed": st.proposed,
+                "accepted": st.accepted, "acceptance": st.accepted / st.proposed if st.proposed else 0.0,
+                "equals_row_invariant": out == ref, "equals_fused": out == fused}
     try:
         for name, msgs in TASKS.items():
             fused, fused_tps, _, _ = await run_task(pipe, msgs, a.tokens, None)
             ref, ref_tps, _, _ = await run_task(pipe, msgs, a.tokens, None, row_invariant=True)
             row = {"task": name, "tokens": len(fused), "fused_tok_s": fused_tps, "row_invariant_tok_s": ref_tps,
                    "row_invariant_equals_fused": ref == fused, "speculative": []}
+            base = (fused, fused_tps, ref, ref_tps)
             for k in a.k:
-                out, tps, steps, st = await run_task(pipe, msgs, a.tokens, Speculation(k=k, n=a.n))
-                row["speculative"].append({
-                    "k": k, "n": a.n, "tok_s": tps, "speedup_vs_fused": tps / fused_tps,
-                    "speedup_vs_row_invariant": tps / ref_tps, "forwards": steps,
-                    "tokens_per_forward": (len(out) - 1) / max(steps, 1), "proposed": st.proposed,
-                    "accepted": st.accepted, "acceptance": st.accepted / st.proposed if st.proposed else 0.0,
-                    "equals_row_invariant": out == ref, "equals_fused": out == fused})
+                r = await run_task(pipe, msgs, a.tokens, Speculation(k=k, n=a.n, auto_off=False))
+                row["speculative"].append(spec_row("ngram", k, False, *r, *base))
+            r = await run_task(pipe, msgs, a.tokens, Speculation(k=a.k[0], n=a.n, auto_off=True))
+            row["speculative"].append(spec_row("ngram", a.k[0], True, *r, *base))
+            if dpipe is not None:
+                for k in a.k:
+                    spec = Speculation("draft", k=k, model=dpipe.speculation.model, auto_off=False)
+                    r = await run_task(dpipe, msgs, a.tokens, spec)
+                    row["speculative"].append(spec_row("draft", k, False, *r, *base))
             rows.append(row)
     finally:
         pipe.dispose()
+        if dpipe is not None:
+            dpipe.dispose()
     return {"adapter": dev.info.name, "platform": platform.platform(), "model": Path(path).name,
             "tokens": a.tokens, "rows": rows}
 
@@ -124,21 +146,25 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=96)
     ap.add_argument("--k", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--n", type=int, default=3, help="longest n-gram matched")
+    ap.add_argument("--draft", default=None, help="also speculate with this draft model (a file or folder; "
+                    "self: the model itself)")
     ap.add_argument("--smoke", action="store_true", help="8 tokens, k 2: checks the script")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "speculative.json")
     a = ap.parse_args()
     if a.smoke:
         a.tokens, a.k = 8, [2]
     data = asyncio.run(main_async(a))
-    print(f"{'task':10} {'fused tok/s':>11} {'row-inv tok/s':>13} {'k':>3} {'spec tok/s':>10} {'x fused':>7} "
+    print(f"{'task':10} {'fused tok/s':>11} {'row-inv tok/s':>13} {'method':>14} {'k':>3} {'spec tok/s':>10} {'x fused':>7} "
           f"{'accept':>6} {'tok/fwd':>7} {'= row-inv':>9} {'= fused':>7}")
     for r in data["rows"]:
         for s in r["speculative"]:
-            print(f"{r['task']:10} {r['fused_tok_s']:11.2f} {r['row_invariant_tok_s']:13.2f} {s['k']:3d} "
+            m = s["method"] + (" auto_off" + ("*" if s["turned_off"] else "") if s["auto_off"] else "")
+            print(f"{r['task']:10} {r['fused_tok_s']:11.2f} {r['row_invariant_tok_s']:13.2f} {m:>14} {s['k']:3d} "
                   f"{s['tok_s']:10.2f} {s['speedup_vs_fused']:7.2f} {s['acceptance']:6.2f} "
                   f"{s['tokens_per_forward']:7.2f} {str(s['equals_row_invariant']):>9} {str(s['equals_fused']):>7}")
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(data, indent=2))
+    print("auto_off* : speculation turned itself off during the run")
     print(f"wrote {a.out}")
 
 

@@ -131,10 +131,13 @@ def test_soak(tmp_path, tiny):
 
 def test_speculative(tmp_path, tiny):
     out = tmp_path / "speculative.json"
-    stdout = run_script("speculative", "--smoke", "--model", tiny["chat"], "--out", str(out))
+    stdout = run_script("speculative", "--smoke", "--model", tiny["chat"], "--draft", "self", "--out", str(out))
     data = load(out, {"adapter", "model", "tokens", "rows"})
     assert [r["task"] for r in data["rows"]] == ["rag", "quote", "code_edit", "chat"]
     for r in data["rows"]:
-        assert [s["k"] for s in r["speculative"]] == [2]
-        assert all(s["equals_row_invariant"] for s in r["speculative"])     # speculation changes nothing
+        runs = [(s["method"], s["k"], s["auto_off"]) for s in r["speculative"]]
+        assert runs == [("ngram", 2, False), ("ngram", 2, True), ("draft", 2, False)]
+        # speculation changes nothing where it stays on
+        assert all(s["equals_row_invariant"] for s in r["speculative"] if not s["auto_off"])
+        assert r["speculative"][2]["accepted"] > 0                           # the model guessing itself
     assert f"wrote {out}" in stdout
