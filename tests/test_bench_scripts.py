@@ -120,6 +120,14 @@ def test_serve(tmp_path, tiny):
     assert set(data["summary"]) == {"tok_s_8_over_1", "ttft_p95_8_over_lone"}
 
 
+def test_ray_serve(tmp_path, tiny):
+    out = tmp_path / "ray_serve.json"
+    run_script("ray_serve", "--smoke", "--model", tiny["chat"], "--out", str(out))
+    data = load(out, {"model", "max_tokens", "batch", "rows"})
+    assert {(r["replicas"], r["clients"]) for r in data["rows"]} == {(1, 8), (2, 8)}
+    assert all(r["chunks"] > 0 for r in data["rows"])
+
+
 def test_soak(tmp_path, tiny):
     out = tmp_path / "soak.json"
     run_script("soak", "--smoke", "--chat-model", tiny["chat"], "--embed-model", tiny["embed"],
