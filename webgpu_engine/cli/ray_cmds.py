@@ -49,6 +49,11 @@ def _need_ray() -> None:
 def serve_on_ray(args, opts) -> int:
     """`serve` with --ray-replicas: `opts` (the single-process server's options) served from replicas."""
     _need_ray()
+    if opts.allow_model_management:
+        from ..errors import FeatureSupportError
+        raise FeatureSupportError("allow_model_management", "--allow-model-management does not apply to "
+                                  "--ray-replicas: the replicas' models are the deployment's; redeploy to "
+                                  "change them.")
     from ..ray.host import EngineSpec
     from ..ray.launch import RayOptions, serve_on_ray as run
     cfg = opts.engine_config
