@@ -59,7 +59,7 @@ async def _reference(pipe, messages, n: int) -> list[int]:
 
 
 async def _generate(pipe, messages, **gen):
-    await pipe.prefill_step(messages, GenerationConfig(temperature=0.0, **gen))
+    await pipe.prefill_step(messages, GenerationConfig(**{"temperature": 0.0, **gen}))
     while not pipe.stopped:
         await pipe.decode_step()
     return list(pipe.output_ids)
@@ -149,8 +149,11 @@ async def test_engine_reports_speculation_and_decodes_other_requests_as_before(d
         ex = r.usage.extra.model_dump()
         assert ex["speculation_steps"] >= 1 and ex["speculation_proposed_tokens"] >= ex["speculation_accepted_tokens"]
         assert ex["speculation_steps"] + ex["speculation_accepted_tokens"] == 15
+        s = await eng.chat.completions.create(messages=msgs, max_tokens=4, temperature=0.8, seed=1,
+                                              frequency_penalty=0.5)
+        assert "speculation_steps" not in s.usage.extra.model_dump()    # penalties: decoded as before
         s = await eng.chat.completions.create(messages=msgs, max_tokens=4, temperature=0.8, seed=1)
-        assert "speculation_steps" not in s.usage.extra.model_dump()    # sampled: decoded as before
+        assert s.usage.extra.model_dump()["speculation_steps"] >= 1     # sampled: speculates
         with pytest.raises(ChatOptionTypeError):
             await eng.reload("tiny-spec", {"compile_at_load": False, "speculation": {"method": "draft"}})
         # a draft model by reference (here a path; an id, URL or Hub repo resolve as a model's do)
@@ -162,6 +165,73 @@ async def test_engine_reports_speculation_and_decodes_other_requests_as_before(d
         assert ex["speculation_accepted_tokens"] >= 1 and ex["speculation_turned_off"] is False
     finally:
         await eng.unload()
+
+
+# ------------------------------------------------------------------ sampled requests
+def _chi2_999(dof: int) -> float:
+    """The chi-square critical value at p = 0.001 (Wilson-Hilferty; within 2% of the tables from
+    3 degrees of freedom on, 10.83 / 13.82 below)."""
+    if dof <= 2:
+        return (10.83, 13.82)[dof - 1]
+    z = 3.0902                     # the normal quantile of 0.999
+    return dof * (1 - 2 / (9 * dof) + z * (2 / (9 * dof)) ** 0.5) ** 3
+
+
+def _chi2_two_samples(a: list, b: list) -> tuple[float, int]:
+    """Pearson's chi-square of two samples of categories (categories with fewer than 10 draws over
+    both pooled into one), and its degrees of freedom."""
+    from collections import Counter
+    ca, cb = Counter(a), Counter(b)
+    cats = sorted(set(ca) | set(cb), key=lambda c: -(ca[c] + cb[c]))
+    big = [c for c in cats if ca[c] + cb[c] >= 10]
+    rest = [c for c in cats if c not in big]
+    rows = [(ca[c], cb[c]) for c in big] + ([(sum(ca[c] for c in rest), sum(cb[c] for c in rest))] if rest else [])
+    na, nb = len(a), len(b)
+    chi = 0.0
+    for x, y in rows:
+        tot = x + y
+        ea, eb = tot * na / (na + nb), tot * nb / (na + nb)
+        chi += (x - ea) ** 2 / ea + (y - eb) ** 2 / eb
+    return chi, len(rows) - 1
+
+
+async def test_speculative_sampling_keeps_the_distribution(device, tiny_llama):
+    """Sampled requests speculate (here the model drafts for itself: its greedy token is the guess,
+    so rows accept with the probability of that token): over many seeds the tokens at positions
+    reached through verify rows (accepted guesses and tokens drawn where a guess was refused) are
+    distributed as without speculation (two-sample chi-square at p = 0.001 per position), guesses
+    are accepted and refused, and a seed repeats its answer."""
+    pipe = await LLMChatPipeline.load(device, tiny_llama, ChatConfig(
+        context_window_size=512, compile_at_load=False,
+        speculation={"method": "draft", "model": str(tiny_llama), "k": 3, "auto_off": False}))
+    msgs = [{"role": "user", "content": PROMPTS[0]}]
+    n, runs = 4, 240
+    sampling = dict(max_tokens=n, ignore_eos=True, temperature=0.7, top_k=4)
+    spec = pipe.speculation
+    try:
+        samples = {}
+        accepted = proposed = 0
+        for name, sp in (("plain", None), ("spec", spec)):
+            pipe.speculation = sp
+            outs = []
+            for seed in range(runs):
+                outs.append(tuple(await _generate(pipe, msgs, seed=seed, **sampling)))
+                if sp is not None:
+                    accepted += pipe._req.spec.accepted
+                    proposed += pipe._req.spec.proposed
+            samples[name] = outs
+        assert runs // 4 < accepted < proposed, (accepted, proposed)   # both outcomes, often
+        for i in range(1, n):
+            chi, dof = _chi2_two_samples([o[i] for o in samples["plain"]], [o[i] for o in samples["spec"]])
+            assert dof >= 1 and chi < _chi2_999(dof), (i, chi, dof)
+        # the test tells distributions apart: the greedy token at every position is another one
+        greedy = await _generate(pipe, msgs, max_tokens=n, ignore_eos=True)
+        chi, dof = _chi2_two_samples([o[1] for o in samples["plain"]], [greedy[1]] * runs)
+        assert chi > _chi2_999(dof)
+        pipe.speculation = spec
+        assert tuple(await _generate(pipe, msgs, seed=7, **sampling)) == samples["spec"][7]
+    finally:
+        pipe.dispose()
 
 
 # ------------------------------------------------------------------ a draft model

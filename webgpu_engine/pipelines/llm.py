@@ -413,16 +413,18 @@ class LLMChatPipeline:
             self._req.step_s.append(dt)
 
     def _speculates(self, gen: GenerationConfig) -> bool:
-        """Whether this request decodes speculatively: speculation is on, and the request is greedy
-        without penalties, grammar or logit processor (speculation.py says why)."""
-        return (self.speculation is not None and self.scheduler is None and gen.temperature == 0.0
+        """Whether this request decodes speculatively: speculation is on, and the request has no
+        penalties, grammar or logit processor (speculation.py says why); greedy or sampled."""
+        return (self.speculation is not None and self.scheduler is None
                 and gen.repetition_penalty == 1.0 and gen.frequency_penalty == 0.0
                 and gen.presence_penalty == 0.0 and self.seq.matcher is None and self.logit_processor is None)
 
     async def _speculative_step(self) -> None:
         """One verify forward: the last token and up to k guesses (prompt lookup, or the draft model's
-        greedy tokens) at once; keep the tokens up to the first guess the model disagrees with, plus
-        the model's own token there."""
+        greedy tokens) at once; each row samples as a decode step would (greedy, or the request's
+        sampling with the next draws of its seed); keep the tokens up to the first guess that differs
+        from its row's token, plus that token (speculative sampling for a guess made with certainty:
+        speculation.py)."""
         spec, m, dev, seq = self.speculation, self.model, self.dev, self.seq
         t0 = now()
         pos0, last = len(self.kv_ids), self._last_token

@@ -18,8 +18,18 @@ forward with the prefill's kernels, whatever was guessed (tests/test_speculation
 decode path's fused one-row kernels sum in another order: an answer with speculation may differ
 from an answer without it in the last bits of a logit, as two GPUs' answers may.
 
-Which requests speculate: greedy ones without penalties, grammar or logit processor, on the
-one-request path; the others decode as without speculation (named in `usage.extra`).
+Sampled requests (speculative sampling): each verify row samples its token as a decode step would
+(the request's temperature, top-k, top-p, min-p, logit_bias, with the next draws of its seed), and a
+guess is kept when its row drew that very token. Both ways of guessing give one guess with
+certainty (q(g) = 1), for which the accept rule min(1, p(g)/q(g)) = p(g) and the residual
+distribution (p without g, renormalised) make exactly this: the token at each position is drawn
+from the model's p, so the answers' distribution is that of decoding (tests/test_speculation.py
+checks it with a chi-square test over many seeds). A seed gives the same answer on every run; it is
+not the answer the same seed gives without speculation (rejected rows use up draws).
+
+Which requests speculate: those without penalties (frequency, presence, repetition: their counts
+would take in rejected rows), grammar or logit processor, on the one-request path; the others
+decode as without speculation (named in `usage.extra`).
 
 Turning itself off (`auto_off`, on by default): a verify forward of k + 1 rows costs more than a
 fused decode step (on lavapipe 2-5x per row; on GPUs about one step), so speculation only pays when
