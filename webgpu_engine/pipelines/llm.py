@@ -287,13 +287,7 @@ class LLMChatPipeline:
         ids = await self.prompt_tokens(messages, gen, prompt)
         # KV reuse: keep the longest common prefix with what the cache holds (at least one new token
         # must be computed to get logits); a raw prompt reuses only if it extends the cache too.
-        keep = 0
-        for a, b in zip(self.kv_ids, ids):
-            if a != b:
-                break
-            keep += 1
-        keep = min(keep, len(ids) - 1)
-        self.kv_ids = ids[:keep]
+        keep = self._reuse_prefix(ids)
         self._req.prompt_tokens, self._req.prefill_tokens = len(ids), len(ids) - keep
         self._configure_sampler(gen, ids)
         if self._speculates(gen):
@@ -305,6 +299,18 @@ class LLMChatPipeline:
             self._req.step_s.append(self._req.prefill_s)
         self._req.t_first_token = now()
         self._accept(res)
+
+    def _reuse_prefix(self, ids: list[int]) -> int:
+        """Keep the longest prefix of `ids` the KV cache holds, less at least the last id (its
+        logits must be computed); returns its length."""
+        keep = 0
+        for a, b in zip(self.kv_ids, ids):
+            if a != b:
+                break
+            keep += 1
+        keep = min(keep, len(ids) - 1)
+        self.kv_ids = ids[:keep]
+        return keep
 
     @staticmethod
     def template_kwargs(gen: GenerationConfig) -> dict:
@@ -475,13 +481,7 @@ class LLMChatPipeline:
         k = min(k, d.model.ctx - len(context))
         if k <= 0:
             return []
-        keep = 0
-        for a, b in zip(d.kv_ids, context):
-            if a != b:
-                break
-            keep += 1
-        keep = min(keep, len(context) - 1)
-        d.kv_ids = context[:keep]
+        keep = d._reuse_prefix(context)
         new = context[keep:]
         if len(new) == 1:        # one row: the fused decode kernels read their input id on the GPU
             d.dev.write(d.model.ids.buf, struct.pack("<I", new[0]))
