@@ -167,6 +167,50 @@ async def test_engine_reports_speculation_and_decodes_other_requests_as_before(d
         await eng.unload()
 
 
+# ------------------------------------------------------------------ grammars
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                           "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]},
+                                                    "maxItems": 3},
+                                           "ok": {"type": "boolean"}},
+          "required": ["name", "tags", "ok"], "additionalProperties": False}
+
+
+async def test_grammar_masks_every_verified_row(device, tiny_llama, drafts):
+    """Under a JSON schema the guesses (the grammar's forced tokens, prompt lookup's, a draft's) are
+    checked row by row with each row's own mask: greedy answers equal one-token-per-forward decoding
+    with the grammar (no guesses), greedy and sampled answers match the schema, and guesses were
+    accepted."""
+    import json
+    for spec in ({"k": 4, "auto_off": False},
+                 {"method": "draft", "model": str(drafts["other"]), "k": 3, "auto_off": False}):
+        pipe = await LLMChatPipeline.load(device, tiny_llama, ChatConfig(context_window_size=512, compile_at_load=False,
+                                                                         speculation=spec))
+        try:
+            g = pipe.grammars.compile({"type": "json_schema", "schema": SCHEMA})
+            msgs = [{"role": "user", "content": PROMPTS[0]}]
+            for sampling in ({}, {"temperature": 0.8, "top_k": 8, "seed": 3}):
+                guesses = pipe._guesses
+
+                async def none(context, k):
+                    return []
+                pipe._guesses = none                     # the reference: every verify is one row
+                ref = await _generate(pipe, msgs, max_tokens=80, grammar=g, **sampling)
+                ref_text = pipe.get_message()
+                pipe._guesses = guesses
+                got = await _generate(pipe, msgs, max_tokens=80, grammar=g, **sampling)
+                st = pipe._req.spec
+                # sampled: the same distribution, not the same draws (refused rows use some up)
+                assert got == ref or sampling, (spec, sampling)
+                assert pipe.finish_reason == "stop"
+                for text in (ref_text, pipe.get_message()):
+                    obj = json.loads(text)
+                    assert set(obj) == {"name", "tags", "ok"} and len(obj["name"]) <= 12
+                    assert set(obj["tags"]) <= {"red", "green", "blue"}
+                assert st.accepted > 0 and st.steps < len(got), st      # the forced keys at least
+        finally:
+            pipe.dispose()
+
+
 # ------------------------------------------------------------------ sampled requests
 def _chi2_999(dof: int) -> float:
     """The chi-square critical value at p = 0.001 (Wilson-Hilferty; within 2% of the tables from

@@ -103,6 +103,19 @@ class Matcher:
     def consume(self, token: int) -> bool:
         return self._m.consume_token(int(token))
 
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many leading `tokens` the grammar allows from here (nothing is consumed)."""
+        return self._m.validate_tokens([int(t) for t in tokens]) if tokens else 0
+
+    def rollback(self, n: int) -> None:
+        """Undo the last n consumed tokens."""
+        if n and not self._m.rollback(n):
+            raise RuntimeError(f"the grammar could not roll back {n} tokens: {self.error}")
+
+    def forced(self) -> list[int]:
+        """The tokens the grammar forces from here (its fast-forward tokens; may be empty)."""
+        return list(self._m.compute_ff_tokens())
+
     @property
     def stopped(self) -> bool:
         return self._m.is_stopped()

@@ -115,6 +115,7 @@ class LLMChatPipeline:
         self.spec_stats = SpeculationStats()            # since load
         self._row_sample_ops: list = []                 # the sampler's op per verify row
         self._row_results = None                        # their results, one readback per verify
+        self._row_masks: list = []                      # (LogitMask, op) per verify row under a grammar
         self.draft: LLMChatPipeline | None = None      # speculation "draft": the draft model's pipeline
         self._decode_step_s: float | None = None        # a fused decode step's time (auto_off), smoothed
         # what was allocated: the load's plan, or (a model built by hand) the chat config's for it
@@ -420,10 +421,10 @@ class LLMChatPipeline:
 
     def _speculates(self, gen: GenerationConfig) -> bool:
         """Whether this request decodes speculatively: speculation is on, and the request has no
-        penalties, grammar or logit processor (speculation.py says why); greedy or sampled."""
+        penalties or logit processor (speculation.py says why); greedy or sampled, grammar or not."""
         return (self.speculation is not None and self.scheduler is None
                 and gen.repetition_penalty == 1.0 and gen.frequency_penalty == 0.0
-                and gen.presence_penalty == 0.0 and self.seq.matcher is None and self.logit_processor is None)
+                and gen.presence_penalty == 0.0 and self.logit_processor is None)
 
     async def _speculative_step(self) -> None:
         """One verify forward: the last token and up to k guesses (prompt lookup, or the draft model's
@@ -437,12 +438,10 @@ class LLMChatPipeline:
         k = min(spec.k, m.ctx - pos0 - 1, m.chunk - 1, m.VERIFY_ROWS - 1)
         if seq.max_tokens is not None:
             k = min(k, seq.max_tokens - len(seq.output_ids) - 1)
-        if k <= 0:
-            guess = []
-        elif self.draft is not None:
-            guess = await self._draft_guess(self.kv_ids + [last], k)
-        else:
-            guess = propose(self.kv_ids + [last], k, spec.n, spec.n_min)
+        guess = await self._guesses(self.kv_ids + [last], k) if k > 0 else []
+        masks = self._grammar_masks(guess) if seq.matcher is not None else None
+        if masks is not None:
+            guess = guess[:len(masks) - 1]
         ids = [last] + guess
         T = len(ids)
         batch = dev.batch()
@@ -453,6 +452,8 @@ class LLMChatPipeline:
         if self._row_results is None:
             self._row_results = dev.buffer(m.VERIFY_ROWS * RESULT_BYTES, owner=self.owner, label="row_results")
         for r in range(T):
+            if masks is not None:
+                self._row_mask(r, rows[r], masks[r]).record(batch)
             self._row_sample_ops[r].record(batch)
             self.sampler.copy_result(batch, self._row_results, r * RESULT_BYTES)
         dev.submit(batch)
@@ -471,6 +472,43 @@ class LLMChatPipeline:
         step = SpeculationStats(1, len(guess), n - 1, n, dt)
         self._req.spec.add(step)
         self.spec_stats.add(step)
+
+    async def _guesses(self, context: list[int], k: int) -> list[int]:
+        """Up to k guesses of the tokens after `context`: under a grammar the tokens it forces
+        first (nearly always right), else the draft model's or prompt lookup's."""
+        m = self.seq.matcher
+        if m is not None:
+            forced = m.forced()[:k]
+            if forced:
+                return forced
+        if self.draft is not None:
+            return await self._draft_guess(context, k)
+        return propose(context, k, self.speculation.n, self.speculation.n_min)
+
+    def _grammar_masks(self, guess: list[int]) -> list[bytes]:
+        """Under a grammar: the allowed-token mask of each verify row (row r's after the guesses
+        before it), for the guesses the grammar allows (their count is len(result) - 1); the
+        matcher is left where it was."""
+        m = self.seq.matcher
+        guess = guess[:m.valid_prefix(guess)]
+        masks = [m.mask()]
+        for t in guess:
+            m.consume(t)
+            masks.append(m.mask())
+        m.rollback(len(guess))
+        return masks
+
+    def _row_mask(self, r: int, logits, bits: bytes):
+        """Verify row r's grammar mask (made on first use), loaded with `bits`; its op."""
+        while len(self._row_masks) <= r:
+            mk = LogitMask(self.dev, self.vocab_size, owner=self.owner, label=f"row_mask{len(self._row_masks)}")
+            self._row_masks.append((mk, None))
+        mk, op = self._row_masks[r]
+        if op is None:
+            op = mk.op(logits.view((self.vocab_size,)))
+            self._row_masks[r] = (mk, op)
+        mk.write(bits)
+        return op
 
     async def _draft_guess(self, context: list[int], k: int) -> list[int]:
         """Up to k greedy tokens of the draft model after `context`. Its KV cache keeps the longest
@@ -631,5 +669,8 @@ class LLMChatPipeline:
         self.sampler.release()
         if self._mask is not None:
             self._mask.release()
+        for mk, _ in self._row_masks:
+            mk.release()
+        self._row_masks = []
         self.dev.release_owner(self.owner)
         self.kv_ids = []

@@ -27,9 +27,14 @@ from the model's p, so the answers' distribution is that of decoding (tests/test
 checks it with a chi-square test over many seeds). A seed gives the same answer on every run; it is
 not the answer the same seed gives without speculation (rejected rows use up draws).
 
+Grammars (JSON schema, tools, regex, lark): the grammar's forced tokens are the first guesses
+(a JSON key the schema fixes is nearly always right), then the draft's or prompt lookup's; the
+guesses the grammar refuses are dropped before the forward, and every verify row is masked with the
+grammar's state after the guesses before it (the matcher steps through them and rolls back).
+
 Which requests speculate: those without penalties (frequency, presence, repetition: their counts
-would take in rejected rows), grammar or logit processor, on the one-request path; the others
-decode as without speculation (named in `usage.extra`).
+would take in rejected rows) or logit processor (a host round trip per row), on the one-request
+path; the others decode as without speculation (named in `usage.extra`).
 
 Turning itself off (`auto_off`, on by default): a verify forward of k + 1 rows costs more than a
 fused decode step (on lavapipe 2-5x per row; on GPUs about one step), so speculation only pays when
