@@ -211,9 +211,11 @@ class MLCArtifact:
             raise UnsupportedModelError(f"{self.cache_path}: tensor {name} has dtype {dtype!r}; "
                                         f"supported: {', '.join(DTYPES)}")
         ours, size = DTYPES[dtype]
+        # TVM's tensor-cache writer marks every record with the cache's encode format and converts
+        # only float32 tensors (a q4f16_1 model's uint32 / float16 records say f32-to-bf16 too)
         if fmt == "f32-to-bf16" and dtype == "float32":
             ours, size = "bf16", 2                  # stored as bf16: the GPU widens it exactly
-        elif fmt != "raw":
+        elif fmt not in ("raw", "f32-to-bf16"):
             raise UnsupportedModelError(f"{self.cache_path}: tensor {name} has format {fmt!r} (raw, f32-to-bf16)")
         if nbytes != math.prod(shape) * size or min(shape, default=0) < 0 or off < 0 or off + nbytes > shard_bytes:
             raise ModelFormatError(f"{self.cache_path}: tensor {name} ({dtype} {list(shape)}, {fmt}) has "
@@ -318,11 +320,13 @@ class MLCArtifact:
         if scale is None:
             raise ModelFormatError(f"{self.cache_path}: {qw.name} is quantised in a {self.quantization} artifact")
         n, k = qw.shape[0], qw.shape[-1] * 8
-        if qw.qtype != "u32" or len(qw.shape) != 2 or qs.qtype != scale or tuple(qs.shape) != (n, k // GROUP_SIZE) \
-                or k % GROUP_SIZE:
+        # q4f32_1 written by MLC's converter stores its f32 scales as bf16 (f32-to-bf16)
+        widen = scale == "f32" and qs.qtype == "bf16"
+        if qw.qtype != "u32" or len(qw.shape) != 2 or (qs.qtype != scale and not widen) \
+                or tuple(qs.shape) != (n, k // GROUP_SIZE) or k % GROUP_SIZE:
             raise ModelFormatError(f"{self.cache_path}: {qw.name} {qw.qtype} {list(qw.shape)} / {qs.name} {qs.qtype} "
                                    f"{list(qs.shape)} are not {self.quantization}'s (N, K/8) u32 / (N, K/32) {scale}")
-        return RepackedQ4(qw, qs, n, k, scale)
+        return RepackedQ4(qw, _Bf16AsF32(qs) if widen else qs, n, k, scale)
 
     # ------------------------------------------------------------------ tokenizer, template
     def template(self):
@@ -349,6 +353,20 @@ class MLCArtifact:
                 except BufferError:          # views still alive: the GC closes it with them
                     pass
         self._maps = []
+
+
+class _Bf16AsF32:
+    """A bf16 tensor's bytes widened to f32 (exact: bf16 is f32's top half) when first read."""
+
+    def __init__(self, t: TensorInfo):
+        self._t = t
+
+    @property
+    def data(self) -> memoryview:
+        b = self._t.data.cast("B")
+        out = bytearray(2 * len(b))
+        out[2::4], out[3::4] = b[0::2], b[1::2]       # little-endian: the bf16 bits are the top two bytes
+        return memoryview(out)
 
 
 class RepackedQ4(TensorInfo):
