@@ -89,6 +89,7 @@ async def bench_engine(path: Path, dtype: str, prompts: list[int], n_decode: int
                 "decode_step_cpu_ms": 1e3 * cpu / n_decode,
                 "host_record_ms": 1e3 * enc / n_decode, "host_submit_encode_ms": 1e3 * sub / n_decode,
                 "gpu_wait_and_readback_ms": 1e3 * wait / n_decode})
+    out.update(await _decode_loop_ab(pipe, n_decode, sampling, max(reps, 2)))
     # readback alone (a 4-byte read after an empty submit)
     t = time.perf_counter()
     for _ in range(20):
@@ -101,6 +102,59 @@ async def bench_engine(path: Path, dtype: str, prompts: list[int], n_decode: int
             _by_kind(dev, m.ops_for(min(128, m.chunk), True), m.step)
     pipe.dispose()
     return out
+
+
+async def _decode_loop_ab(pipe, n_decode: int, sampling: dict | None, rounds: int) -> dict:
+    """The pipeline's own decode loop (prefill_step, then decode_step until max_tokens) with steps
+    one ahead of the host (ChatConfig.decode_ahead) and without, in alternating rounds (best of
+    each), and the GPU's step time alone: steps recorded and submitted back to back, one wait at the
+    end (no readback, no host work between steps but the next step's recording). Host ms per step:
+    recording and submitting a step (pipelines/llm.py _submit_decode), all of it overlapped with the
+    GPU's previous step when decode_ahead is on."""
+    from dataclasses import replace
+
+    from webgpu_engine.config import GenerationConfig
+    dev, m = pipe.dev, pipe.model
+    text = "The history of the city on the river begins with"     # a raw prompt of ~10 tokens
+    gen = GenerationConfig(**{"temperature": 0.0, **(sampling or {})}, max_tokens=n_decode + 1, ignore_eos=True)
+    best = {True: 0.0, False: 0.0}
+    tokens, host_ms = {}, 0.0
+    base = pipe.chat_config
+    try:
+        for _ in range(rounds):
+            for ahead in (True, False):
+                pipe.chat_config = replace(base, decode_ahead=ahead)
+                pipe.reset_chat()
+                await pipe.prefill_step(None, gen, prompt=text)
+                h0, t = pipe.host_s, time.perf_counter()
+                while not pipe.stopped:
+                    await pipe.decode_step()
+                dt = time.perf_counter() - t
+                steps = len(pipe.output_ids) - 1
+                best[ahead] = max(best[ahead], steps / dt)
+                tokens[ahead] = list(pipe.output_ids)
+                if ahead:
+                    host_ms = 1e3 * (pipe.host_s - h0) / steps
+    finally:
+        pipe.chat_config = base
+    pipe.reset_chat()
+    await pipe.prefill_step(None, gen, prompt=text)
+    pos = len(pipe.kv_ids)
+    t = time.perf_counter()
+    for i in range(n_decode):
+        b = dev.batch()
+        m.record_decode(b, pos + i)
+        pipe._sample_op.record(b)
+        await dev.submit_async(b)
+    await dev.sync()
+    gpu_ms = 1e3 * (time.perf_counter() - t) / n_decode
+    pipe.reset_chat()
+    ahead_ms = 1e3 / best[True]
+    return {"decode_loop_ahead_tokens_per_s": best[True], "decode_loop_serial_tokens_per_s": best[False],
+            "decode_loop_ahead_over_serial": best[True] / best[False],
+            "decode_loop_ahead_step_ms": ahead_ms, "gpu_bound_step_ms": gpu_ms,
+            "decode_loop_ahead_over_gpu_bound": ahead_ms / gpu_ms,
+            "host_ms_per_step": host_ms, "decode_loop_same_tokens": tokens[True] == tokens[False]}
 
 
 BENCH_SCHEMA = {"type": "array", "items": {"type": "object", "properties": {
@@ -130,7 +184,7 @@ async def bench_grammar(path: Path, dtype: str, n_decode: int, rounds: int, sche
         for name, g in (("free", None), ("json_schema", grammar)):
             gen = GenerationConfig(temperature=0.0, max_tokens=n_decode, ignore_eos=True, grammar=g)
             pipe.reset_chat()
-            await pipe.prefill_step(msgs, gen)
+            await pipe.prefill_step(None, gen, prompt=text)
             c0 = time.process_time()
             while not pipe.stopped:
                 await pipe.decode_step()

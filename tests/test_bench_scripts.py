@@ -89,7 +89,10 @@ def test_llm(tmp_path, tiny):
     stdout = run_script("llm", "--smoke", "--model", tiny["chat"], "--out", str(out))
     data = load(out, {"model", "sampling", "engine"})
     assert {"load_s", "prefill_16_tokens_per_s", "time_to_first_token_16_s", "decode_tokens_per_s",
-            "decode_step_ms", "gpu_ms_by_kernel_decode", "gpu_ms_by_kernel_prefill_128"} <= set(data["engine"])
+            "decode_step_ms", "gpu_ms_by_kernel_decode", "gpu_ms_by_kernel_prefill_128",
+            "decode_loop_ahead_tokens_per_s", "decode_loop_serial_tokens_per_s", "gpu_bound_step_ms",
+            "host_ms_per_step"} <= set(data["engine"])
+    assert data["engine"]["decode_loop_same_tokens"] is True        # decode_ahead changes no token
     assert "decode_tokens_per_s" in stdout
 
 

@@ -143,8 +143,28 @@ class Batch:
         self.ops.append(("c", src, src_offset, dst, dst_offset, round_up4(n)))
         return self
 
+    def readback(self, src: Buffer, offset: int = 0, size: int | None = None) -> "Readback":
+        """Copy `size` bytes at `offset` of `src` to a staging buffer at this point of the batch:
+        after the submit, `await dev.collect(rb)` gives the bytes as soon as this batch has run
+        (later submissions need not finish first: host and GPU overlap)."""
+        n = src.size - offset if size is None else size
+        rb = Readback(src, offset, n)
+        self.ops.append(("r", rb))
+        return rb
+
     def __len__(self) -> int:
         return len(self.ops)
+
+
+@dataclass(eq=False)
+class Readback:
+    """A copy to the host recorded in a batch (Batch.readback); the device gives it a staging
+    buffer when the batch is submitted and maps it in `collect`."""
+
+    src: Buffer
+    offset: int
+    n: int
+    staging: Any = None
 
 
 class Device:
@@ -328,7 +348,31 @@ class Device:
     def submit(self, batch: Batch) -> None:
         self.check_alive()
         if batch.ops:
+            self._stage_readbacks(batch)
             self._guard(lambda: self._raw_submit(batch.ops), _batch_names(batch))
+
+    async def submit_async(self, batch: Batch) -> None:
+        """submit() off the event loop where the backend can (native: a worker thread; a submit while
+        the GPU is busy may block until it drains, lavapipe). Here: in place (the page)."""
+        self.submit(batch)
+
+    def _stage_readbacks(self, batch: Batch) -> None:
+        for op in batch.ops:
+            if op[0] == "r":
+                rb = op[1]
+                rb.staging = self._guard(lambda: self._take_staging(round_up4(rb.n)), "readback")
+
+    def _unstage_readbacks(self, batch: Batch) -> None:
+        """A batch that was never submitted: its readbacks' staging buffers are not handed out again."""
+        for op in batch.ops:
+            if op[0] == "r" and op[1].staging is not None:
+                self._give_staging(op[1].staging, round_up4(op[1].n), reuse=False)
+                op[1].staging = None
+
+    async def collect(self, rb: Readback) -> bytes:
+        """The bytes of a submitted Batch.readback, once its batch has run (maps its staging buffer;
+        the staging buffer goes back to the pool)."""
+        raise NotImplementedError
 
     def run(self, pipeline: Pipeline, buffers: Sequence, x: int, y: int = 1, z: int = 1) -> None:
         """Bind, dispatch and submit one kernel (convenient for tests and one-off work)."""
@@ -456,10 +500,29 @@ def encode_ops(ops: list, enc, api: PassApi) -> None:
             if cpass is not None:
                 getattr(cpass, api.end)()
                 cpass = None
+            if op[0] == "r":                 # a readback: into the staging buffer submit() gave it
+                rb = op[1]
+                getattr(enc, api.copy)(rb.src.raw, rb.offset, rb.staging, 0, round_up4(rb.n))
+                continue
             _, src, so, dst, do, n = op
             getattr(enc, api.copy)(src.raw, so, dst.raw, do, n)
     if cpass is not None:
         getattr(cpass, api.end)()
+
+
+def released_buffer(ops: list) -> "Buffer | None":
+    """A buffer a batch's ops use that was released since they were recorded (None: all alive)."""
+    for op in ops:
+        if op[0] == "d":
+            bufs = (b[0] if isinstance(b, tuple) else b for b in op[2].buffers)
+        elif op[0] == "c":
+            bufs = (op[1], op[3])
+        else:
+            bufs = (op[1].src,)
+        for b in bufs:
+            if not b.alive:
+                return b
+    return None
 
 
 def _batch_names(batch: Batch) -> str:

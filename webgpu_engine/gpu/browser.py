@@ -290,6 +290,25 @@ class BrowserDevice(Device):
         await self._flush()
         return data
 
+    async def collect(self, rb) -> bytes:
+        n4, ok = round_up4(rb.n), False
+        what = f"readback of {rb.src.label!r}"
+        try:
+            try:
+                await rb.staging.mapAsync(GPUMapMode.READ, 0, n4)
+            except JsException as e:
+                await self._flush()    # a validation error explains a failed map better
+                raise self._translate(e, what) from None
+            try:
+                data = Uint8Array.new(rb.staging.getMappedRange(0, n4), 0, rb.n).to_bytes()
+            finally:
+                rb.staging.unmap()
+            ok = True
+        finally:
+            self._give_staging(rb.staging, n4, reuse=ok)
+            rb.staging = None
+        return data
+
     def read_sync(self, buf: Buffer, offset: int = 0, size: int | None = None) -> bytes:
         raise NotImplementedError("The browser cannot block on the GPU: use `await dev.read(...)`.")
 

@@ -8,8 +8,8 @@ import threading
 import wgpu
 
 from ..errors import DeviceLostError, GPUValidationError, WebGPUNotAvailableError
-from .base import (STORAGE, AdapterInfo, Buffer, Device, PassApi, device_features, encode_ops, round_up4,
-                   staging_class)
+from .base import (STORAGE, AdapterInfo, Buffer, Device, PassApi, _batch_names, device_features, encode_ops,
+                   released_buffer, round_up4, staging_class)
 
 _OPTIONAL_FEATURES = ("shader-f16", "subgroups", "subgroup", "timestamp-query")
 _MAX_LIMITS = ("max-storage-buffer-binding-size", "max-buffer-size", "max-compute-workgroup-storage-size",
@@ -87,6 +87,30 @@ class NativeDevice(Device):
         encode_ops(ops, enc, _PASS_API)
         self.queue.submit([enc.finish()])
 
+    async def submit_async(self, batch) -> None:
+        """submit() from a worker thread, under the release lock: a model unloaded (its buffers
+        released) or the device destroyed after the batch was recorded fails typed, never in the
+        driver."""
+        self.check_alive()
+        if not batch.ops:
+            return
+        what = _batch_names(batch)
+        self._stage_readbacks(batch)
+
+        def run():
+            with self._release_lock:
+                if self._destroyed:
+                    raise DeviceLostError(f"{what}: the device was destroyed")
+                dead = released_buffer(batch.ops)
+                if dead is not None:
+                    raise GPUValidationError(f"{what}: buffer {dead.label!r} was released before the submit ran")
+                self._raw_submit(batch.ops)
+        try:
+            await asyncio.to_thread(self._guard, run, what)
+        except BaseException:
+            self._unstage_readbacks(batch)
+            raise
+
     def _raw_destroy_device(self) -> None:
         # under the readback lock: a worker thread's copy submitted while the device is being
         # destroyed aborts wgpu-native (seen once in a suite run: the batching device-loss test)
@@ -145,6 +169,22 @@ class NativeDevice(Device):
             ok = True
         finally:
             self._give_staging(staging, n4, reuse=ok)
+        return data
+
+    async def collect(self, rb) -> bytes:
+        n4, ok = round_up4(rb.n), False
+        what = f"readback of {rb.src.label!r}"
+        try:
+            try:
+                await rb.staging.map_async(wgpu.MapMode.READ, 0, n4)
+                data = bytes(rb.staging.read_mapped(0, n4, copy=False))[:rb.n]
+                rb.staging.unmap()
+            except Exception as e:  # noqa: BLE001
+                raise self._translate(e, what) from None
+            ok = True
+        finally:
+            self._give_staging(rb.staging, n4, reuse=ok)
+            rb.staging = None
         return data
 
     def read_sync(self, buf: Buffer, offset: int = 0, size: int | None = None) -> bytes:

@@ -116,6 +116,10 @@ class LLMChatPipeline:
         self._row_sample_ops: list = []                 # the sampler's op per verify row
         self._row_results = None                        # their results, one readback per verify
         self._row_masks: list = []                      # (LogitMask, op) per verify row under a grammar
+        self._ahead = None                              # decode_ahead: the Readback of a step in flight
+        self._software = mm.is_software_adapter(dev)    # a CPU "GPU": decode_ahead off by default, and
+        #                                                 its submits may block while it is busy
+        self.host_s = 0.0                               # decode steps' host time (record + submit), since load
         self.draft: LLMChatPipeline | None = None      # speculation "draft": the draft model's pipeline
         self._decode_step_s: float | None = None        # a fused decode step's time (auto_off), smoothed
         # what was allocated: the load's plan, or (a model built by hand) the chat config's for it
@@ -283,6 +287,7 @@ class LLMChatPipeline:
     async def prefill_step(self, messages: list[dict] | None, gen: GenerationConfig,
                            prompt: str | None = None) -> None:
         """Compute the prompt (reusing the cached prefix of the conversation) and sample the first token."""
+        self._drop_ahead()                 # a step the last request left in flight (it stopped early)
         self._new_request_state(gen, RequestStats(t_start=now(), breakdown=gen.latency_breakdown),
                                 raw=prompt is not None)
         ids = await self.prompt_tokens(messages, gen, prompt)
@@ -381,6 +386,7 @@ class LLMChatPipeline:
         if self.seq.stopped:
             return
         if self.seq.interrupted:
+            self._drop_ahead()
             return self.seq.finish("abort")
         spec = self._req.spec
         if spec is not None and not spec.off:
@@ -391,6 +397,8 @@ class LLMChatPipeline:
                 spec.off = 1
                 self.spec_stats.off += 1
             # "time": this one step decodes fused, timed; the next step judges
+        elif self._ahead is not None or self._decodes_ahead():
+            return await self._step_ahead()
         if spec is not None:
             # the verify steps sample into their rows' results, not into the model's input id
             self.dev.write(self.model.ids.buf, struct.pack("<I", self._last_token))
@@ -401,6 +409,68 @@ class LLMChatPipeline:
         # auto_off's yardstick, smoothed (a first step may still compile its pipelines)
         self._decode_step_s = dt if self._decode_step_s is None else 0.8 * self._decode_step_s + 0.2 * dt
         self._accept(res)
+
+    def _decodes_ahead(self) -> bool:
+        """Whether this request's decode steps run one ahead of the host (decode_ahead): not under a
+        grammar or logit processor (their next step needs this step's token on the host), not
+        speculating, not batching."""
+        ahead = self.chat_config.decode_ahead
+        if ahead is None:
+            ahead = not self._software
+        return (ahead and self.scheduler is None and self.seq.matcher is None
+                and self.logit_processor is None and self._req.spec is None)
+
+    async def _step_ahead(self) -> None:
+        """A decode step whose GPU work runs one step ahead of the host: submit the step after it
+        first (its input id is the token this step samples, which the sampler writes on the GPU),
+        then read this step's token. The host records and submits step n + 1 while the GPU runs
+        step n; the same kernels in the same order as the serial path, so the same tokens. A step
+        past the request's last token (a stop, max_tokens, the context's end) is never accepted:
+        its work is discarded (_drop_ahead)."""
+        seq, t0 = self.seq, now()
+        pos = len(self.kv_ids)              # this step's input: the last accepted token, at pos
+        rb = self._ahead if self._ahead is not None else await self._submit_decode(pos, threaded=False)
+        self._ahead = None
+        last_possible = (seq.max_tokens is not None and len(seq.output_ids) + 1 >= seq.max_tokens) \
+            or pos + 1 >= self.model.ctx or seq.interrupted
+        if not last_possible:
+            self._ahead = await self._submit_decode(pos + 1, threaded=True)
+        res = self.sampler.result(await self.dev.collect(rb))
+        self.kv_ids.append(self._last_token)
+        self._count_decode(now() - t0, 1)
+        self._accept(res)
+        if seq.stopped:
+            self._drop_ahead()
+
+    async def _submit_decode(self, pos: int, threaded: bool):
+        """Record and submit one decode step at `pos` with its sampling and a readback of its result.
+        `threaded`: the GPU is busy with the step before; on a software adapter a submit then blocks
+        until it drains, so it goes through a worker thread (the event loop serves others)."""
+        t0 = now()
+        batch = self.dev.batch()
+        self.model.record_decode(batch, pos)
+        self._sample_op.record(batch)
+        rb = batch.readback(self.sampler.io, 0, self.sampler._result_size(None))
+        self.host_s += now() - t0
+        if threaded and self._software:
+            await self.dev.submit_async(batch)
+        else:
+            self.dev.submit(batch)
+        return rb
+
+    def _drop_ahead(self) -> None:
+        """Discard the step in flight (past the request's end): its token is never read; its staging
+        buffer returns to the pool once it has run."""
+        rb, self._ahead = self._ahead, None
+        if rb is None:
+            return
+
+        async def drain():
+            try:
+                await self.dev.collect(rb)
+            except Exception:  # noqa: BLE001 - a lost device or a disposed model: nothing to keep
+                pass
+        asyncio.ensure_future(drain())
 
     def _auto_off(self, spec: SpeculationStats) -> str:
         """"speculate", "off" (auto_off: after `probe` verify steps this request's speculative
@@ -616,6 +686,7 @@ class LLMChatPipeline:
         """The request is done with its sequence (one-request mode: nothing to do)."""
 
     def reset_chat(self, keep_stats: bool = False) -> None:
+        self._drop_ahead()
         self.kv_ids = []
         if not keep_stats:
             self.stats = CumulativeStats()
@@ -634,6 +705,7 @@ class LLMChatPipeline:
         sample one token (nothing is detokenized). As in WebLLM `is_prefill` only says which
         statistics the time counts towards (prefill: every id; decode: one token); it never clears
         the cache (`reset_chat` does)."""
+        self._drop_ahead()
         ids = [int(i) for i in ids]
         if not ids:
             raise InvalidRequestError("input_ids is empty.", param="input_ids")
@@ -660,6 +732,7 @@ class LLMChatPipeline:
 
     def dispose(self) -> None:
         """Free every GPU buffer of the model (weights, KV cache, activations, sampler)."""
+        self._drop_ahead()
         if self.scheduler is not None:
             self.scheduler.close()
         if self.draft is not None:
