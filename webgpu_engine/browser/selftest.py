@@ -102,6 +102,19 @@ async def run_selftest(saxpy_wgsl: str) -> dict:
         checks["batch_dispatch_copy"] = all(abs(part[j] - (3.0 * x[1024 + j] + y0[1024 + j])) < 1e-5
                                             for j in range(4096))
 
+        # 4a. Batch.readback: bytes taken at its point in the batch, collected after a later batch
+        #     overwrote the source (decode steps one ahead of the host read their tokens this way).
+        dev.write(bt, bytes(range(16)))
+        b1 = dev.batch()
+        first = b1.readback(bt, 4, 8)
+        dev.submit(b1)
+        dev.write(bt, bytes(range(100, 116)))
+        b2 = dev.batch()
+        second = b2.readback(bt)
+        await dev.submit_async(b2)
+        checks["batch_readback_at_its_point"] = (await dev.collect(second) == bytes(range(100, 116))
+                                                 and await dev.collect(first) == bytes(range(4, 12)))
+
         # 4b. Host cost of encoding a decode-step-sized batch (400 dispatches) through the FFI.
         small_x = dev.upload(x[:256], owner="selftest", label="sx")
         small_y = dev.upload(y0[:256], owner="selftest", label="sy")
