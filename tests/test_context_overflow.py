@@ -1,14 +1,15 @@
 """context_overflow: a conversation longer than the context window is a 400 naming the limit
 ("error", the default) or loses its oldest turns after the system prompt until it fits ("truncate",
 reported in usage.extra), on the one-request path and in the batch scheduler; the system prompt and
-the latest turn are always kept. A tiny chat model with a 96-token window on the real adapter."""
+the latest turn are always kept; "shift" also lets a generation go past the window (llama.cpp's
+context shift). A tiny chat model with a 96-token window on the real adapter."""
 from __future__ import annotations
 
 import pytest
 
 from tinymodels import write_tiny_llama_gguf
 from webgpu_engine.engine import AsyncMLCEngine, EngineConfig, ModelRecord, default_app_config
-from webgpu_engine.errors import ChatOptionTypeError, ContextWindowTooLargeError
+from webgpu_engine.errors import ChatOptionTypeError, ContextWindowTooLargeError, UnsupportedChatOptionError
 
 SYSTEM = {"role": "system", "content": "You are terse."}
 TURNS = [m for i in range(6) for m in ({"role": "user", "content": f"Question {i}: the quick brown fox?"},
@@ -60,6 +61,56 @@ async def test_error_is_the_default_and_bad_policies_are_refused(device, path):
             await ask(eng, [SYSTEM, *TURNS, LAST])
         assert "96" in str(e.value)
         with pytest.raises(ChatOptionTypeError):
-            await eng.reload("tiny", {"compile_at_load": False, "context_overflow": "shift"})
+            await eng.reload("tiny", {"compile_at_load": False, "context_overflow": "slide"})
+        with pytest.raises(UnsupportedChatOptionError):          # refused by name before the lock
+            await eng.reload("tiny", {"compile_at_load": False, "context_overflow": "shift",
+                                      "max_num_sequences": 2})
+        with pytest.raises(ChatOptionTypeError):
+            await eng.reload("tiny", {"compile_at_load": False, "context_overflow": "shift", "n_keep": -1})
     finally:
         await eng.unload()
+
+
+async def _shift_run(device, path, ahead: bool, check: bool):
+    """A greedy generation of 300 tokens (3x the 96-token window) with context_overflow "shift",
+    n_keep 5. `check`: after each shift, the token the step after it sampled equals a cold forward of
+    exactly the tokens the cache then holds (a second pipeline on the same weights and cache)."""
+    import struct
+
+    from webgpu_engine.config import ChatConfig, GenerationConfig
+    from webgpu_engine.pipelines.llm import LLMChatPipeline
+    pipe = await LLMChatPipeline.load(device, path, ChatConfig(compile_at_load=False, context_overflow="shift",
+                                                               n_keep=5, decode_ahead=ahead))
+    try:
+        await pipe.prefill_step([{"role": "user", "content": "Tell me a long story."}],
+                                GenerationConfig(temperature=0.0, max_tokens=300, ignore_eos=True))
+        shifts = 0
+        while not pipe.stopped:
+            before = list(pipe.kv_ids)
+            await pipe.decode_step()
+            if pipe._req.context_shifts == shifts:
+                continue
+            shifts = pipe._req.context_shifts
+            drop = (96 - 5) // 2
+            assert len(before) == 96 and pipe.kv_ids[:-1] == before[:5] + before[5 + drop:]
+            if check:
+                ref = LLMChatPipeline(pipe.dev, pipe.model, pipe.tokenizer, pipe.template, pipe.chat_config,
+                                      pipe.owner, pipe.plan)
+                got = pipe.output_ids[-1]
+                assert await ref.forward_tokens_and_sample(list(pipe.kv_ids), True,
+                                                           GenerationConfig(temperature=0.0)) == got
+                pipe.dev.write(pipe.model.ids.buf, struct.pack("<I", got))     # the next step's input
+        assert pipe.finish_reason == "length" and len(pipe.output_ids) == 300
+        assert shifts >= 3 and pipe.usage()["extra"]["context_shifts"] == shifts
+        return list(pipe.output_ids)
+    finally:
+        pipe.dispose()
+
+
+async def test_shift_generates_past_the_window(device, path):
+    """context_overflow "shift": a generation of 3x the window goes on to max_tokens; after each
+    shift the cache holds the first n_keep tokens and the newer half of the rest, computed again at
+    their new positions, so the next token is the one a cold cache of those tokens gives; steps run
+    one ahead of the host give the same answer."""
+    serial = await _shift_run(device, path, ahead=False, check=True)
+    assert await _shift_run(device, path, ahead=True, check=False) == serial

@@ -119,7 +119,11 @@ class ChatConfig:
     #                                    None: $WEBGPU_ENGINE_TUNE, else "auto"
     context_overflow: str = "error"    # chat: a prompt longer than the context window: "error" (a 400
     #                                    naming the limit) or "truncate" (the oldest turns after the
-    #                                    system prompt dropped until it fits; usage.extra says how many)
+    #                                    system prompt dropped until it fits; usage.extra says how many);
+    #                                    "shift": as truncate, and a generation reaching the window goes
+    #                                    on: the tokens after the first n_keep lose their older half
+    #                                    (llama.cpp's context shift; one-request path)
+    n_keep: int = 0                    # ... tokens a context shift always keeps (the prompt's start)
     speculation: dict | str | None = None  # chat: speculative decoding, {"method": "ngram", "k": 4,
     #                                    "n": 3} or "ngram" (pipelines/speculation.py); one-request path
     tune_budget_s: float | None = None  # ... for about this many seconds (None: $WEBGPU_ENGINE_TUNE_BUDGET,

@@ -169,6 +169,10 @@ def _cosine(a, b) -> float:
 SERVE_MAX_NUM_SEQUENCES = 0      # the server batches by default, as suits the device (ChatConfig)
 
 
+def _one_request(opts: dict) -> bool:
+    return bool(opts.get("speculation")) or opts.get("context_overflow") == "shift"
+
+
 def cmd_serve(args) -> int:
     from ..engine.records import EngineConfig
     from ..protocol.rules import RequestLimits
@@ -180,9 +184,10 @@ def cmd_serve(args) -> int:
     chat_opts = chat_opts_for(args, len(models)) or [None] * len(models)
     # a server has several users: chat models batch up to SERVE_MAX_NUM_SEQUENCES requests unless
     # --max-num-sequences / --chat-opts say otherwise (embedders ignore it)
-    # (speculation runs on the one-request path: a speculating model serves one request at a time)
-    chat_opts = [{"max_num_sequences": 1 if (o or {}).get("speculation") else SERVE_MAX_NUM_SEQUENCES,
-                  **(o or {})} for o in chat_opts]
+    # (speculation and context shifts run on the one-request path: such a model serves one request
+    # at a time)
+    chat_opts = [{"max_num_sequences": 1 if _one_request(o or {}) else SERVE_MAX_NUM_SEQUENCES, **(o or {})}
+                 for o in chat_opts]
     given = {k: getattr(args, k) for k in ("max_n", "max_stop", "max_logit_bias",
                                            "max_embedding_inputs", "max_embedding_tokens")}
     limits = RequestLimits(**{k: v for k, v in given.items() if v is not None})

@@ -88,9 +88,11 @@ def _model_options(p, many: bool = False):
                    help="chat models: requests decoded together (continuous batching over a paged KV "
                         "cache; 0: as suits the device, 4 on a CPU adapter and 16 on a GPU; default: "
                         "serve 0, chat and complete 1)" + each)
-    g.add_argument("--context-overflow", choices=("error", "truncate"), action="append", default=None,
+    g.add_argument("--context-overflow", choices=("error", "truncate", "shift"), action="append", default=None,
                    help="chat models: a prompt longer than the context window is a 400 (error, the "
-                        "default) or loses its oldest turns after the system prompt (truncate)" + each)
+                        "default) or loses its oldest turns after the system prompt (truncate); shift: "
+                        "as truncate, and a generation reaching the window drops the older half of its "
+                        "context and goes on (one request at a time)" + each)
     g.add_argument("--speculation", choices=("ngram",), action="append", default=None,
                    help="chat models: speculative decoding by prompt lookup for greedy requests (one "
                         "request at a time: serve then defaults to --max-num-sequences 1)" + each)

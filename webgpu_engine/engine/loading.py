@@ -115,8 +115,16 @@ def _check_chat_options(cc: ChatConfig) -> None:
             ("kv_pool_tokens", cc.kv_pool_tokens >= 0, "0 (automatic) or a positive number of tokens")):
         if not ok:
             raise ChatOptionTypeError(name, expected, getattr(cc, name))
+    from ..pipelines.llm import OVERFLOW_POLICIES
     from ..pipelines.speculation import Speculation
     Speculation.parse(cc.speculation)           # a bad speculation option fails before anything loads
+    if cc.context_overflow not in OVERFLOW_POLICIES:
+        raise ChatOptionTypeError("context_overflow", f"one of {list(OVERFLOW_POLICIES)}", cc.context_overflow)
+    if cc.context_overflow == "shift" and cc.max_num_sequences != 1:
+        raise UnsupportedChatOptionError("context_overflow", "shift", "a context shift runs on the one-request "
+                                         "path: load with max_num_sequences 1")
+    if cc.n_keep < 0:
+        raise ChatOptionTypeError("n_keep", "a number of tokens >= 0", cc.n_keep)
     if cc.max_num_sequences > cc.prefill_chunk_size > 0:
         raise ChatOptionTypeError("max_num_sequences", f"at most prefill_chunk_size ({cc.prefill_chunk_size})",
                                   cc.max_num_sequences)

@@ -39,7 +39,7 @@ from .sequence import Sequence, configure_sampler, process_logits
 from .speculation import Speculation, SpeculationStats, propose, same_vocabulary, slower_than_decode
 from .stats import CumulativeStats, RequestStats, now
 
-OVERFLOW_POLICIES = ("error", "truncate")
+OVERFLOW_POLICIES = ("error", "truncate", "shift")
 _log = logging.getLogger("webgpu_engine.pipelines")
 
 _ids = itertools.count()
@@ -110,8 +110,8 @@ class LLMChatPipeline:
         self._solo = asyncio.Lock()
         self.speculation = Speculation.parse(chat_config.speculation)
         if chat_config.context_overflow not in OVERFLOW_POLICIES:
-            raise ChatOptionTypeError("context_overflow", f"one of {list(OVERFLOW_POLICIES)} (a context "
-                                      f"shift is not supported yet)", chat_config.context_overflow)
+            raise ChatOptionTypeError("context_overflow", f"one of {list(OVERFLOW_POLICIES)}",
+                                      chat_config.context_overflow)
         self.spec_stats = SpeculationStats()            # since load
         self._row_sample_ops: list = []                 # the sampler's op per verify row
         self._row_results = None                        # their results, one readback per verify
@@ -125,6 +125,10 @@ class LLMChatPipeline:
         # what was allocated: the load's plan, or (a model built by hand) the chat config's for it
         self.plan = plan or plan_decoder(cfg, replace(chat_config, context_window_size=model.ctx,
                                                       dtype=model.dtype), dev)
+        self.shifts = chat_config.context_overflow == "shift"
+        if self.shifts and self.plan.max_sequences > 1:
+            raise UnsupportedChatOptionError("context_overflow", "shift", "a context shift runs on the "
+                                             "one-request path: load with max_num_sequences 1")
         if self.plan.max_sequences > 1:            # continuous batching over a paged KV cache
             from .scheduler import Scheduler
             self.scheduler = Scheduler(self, self.plan)
@@ -335,7 +339,7 @@ class LLMChatPipeline:
         the current request's stats)."""
         kw = self.template_kwargs(gen)
         ctx = self.model.ctx
-        if prompt is None and self.chat_config.context_overflow == "truncate":
+        if prompt is None and self.chat_config.context_overflow in ("truncate", "shift"):
             messages, dropped = await self._fit_messages(messages, kw)
             (req if req is not None else self._req).truncated_messages = dropped
         chars = len(prompt) if prompt is not None else \
@@ -388,6 +392,8 @@ class LLMChatPipeline:
         if self.seq.interrupted:
             self._drop_ahead()
             return self.seq.finish("abort")
+        if self.shifts and len(self.kv_ids) + 1 > self.model.ctx:
+            await self._shift_context()
         spec = self._req.spec
         if spec is not None and not spec.off:
             verdict = self._auto_off(spec)
@@ -409,6 +415,24 @@ class LLMChatPipeline:
         # auto_off's yardstick, smoothed (a first step may still compile its pipelines)
         self._decode_step_s = dt if self._decode_step_s is None else 0.8 * self._decode_step_s + 0.2 * dt
         self._accept(res)
+
+    async def _shift_context(self) -> None:
+        """context_overflow "shift" (llama.cpp's context shift): the cache is full; keep its first
+        n_keep tokens, drop the older half of the rest, and compute the kept tail again at its new
+        positions (the cache then holds what a prompt of those tokens would give it)."""
+        keep = min(max(self.chat_config.n_keep, 0), len(self.kv_ids) - 1)
+        drop = max((len(self.kv_ids) - keep) // 2, 1)
+        tail = self.kv_ids[keep + drop:]
+        self.kv_ids = self.kv_ids[:keep]
+        m, P = self.model, self.model.chunk
+        for i in range(0, len(tail), P):
+            batch = self.dev.batch()
+            m.record_prefill(batch, tail[i:i + P], keep + i, with_head=False)
+            self.dev.submit(batch)
+        self.kv_ids += tail
+        # the prefill rows wrote the input ids: the next step's input is the last token again
+        self.dev.write(m.ids.buf, struct.pack("<I", self._last_token))
+        self._req.context_shifts += 1
 
     def _decodes_ahead(self) -> bool:
         """Whether this request's decode steps run one ahead of the host (decode_ahead): not under a
@@ -432,7 +456,7 @@ class LLMChatPipeline:
         rb = self._ahead if self._ahead is not None else await self._submit_decode(pos, threaded=False)
         self._ahead = None
         last_possible = (seq.max_tokens is not None and len(seq.output_ids) + 1 >= seq.max_tokens) \
-            or pos + 1 >= self.model.ctx or seq.interrupted
+            or pos + 1 >= self.model.ctx or seq.interrupted     # (a shift comes first: not ahead)
         if not last_possible:
             self._ahead = await self._submit_decode(pos + 1, threaded=True)
         res = self.sampler.result(await self.dev.collect(rb))
@@ -660,7 +684,9 @@ class LLMChatPipeline:
         await process_logits(self.dev, self.logit_processor, self.model.logits)
 
     def _accept(self, res) -> None:
-        self.seq.accept(res.token, res.logprob, res.top, len(self.kv_ids), self.model.ctx)
+        # with context shifts the window's end does not end the answer
+        self.seq.accept(res.token, res.logprob, res.top, len(self.kv_ids),
+                        sys.maxsize if self.shifts else self.model.ctx)
 
     # ------------------------------------------------------------------ results
     def take_delta(self) -> str:

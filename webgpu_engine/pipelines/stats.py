@@ -31,6 +31,7 @@ class RequestStats:
     grammar_steps: int = 0
     spec: object = None              # speculative decoding's figures (speculation.SpeculationStats)
     truncated_messages: int = 0      # context_overflow "truncate": messages dropped to fit the window
+    context_shifts: int = 0          # context_overflow "shift": shifts during the generation
 
     def extra(self) -> dict:
         end = self.t_end if self.t_end is not None else now()
@@ -44,6 +45,7 @@ class RequestStats:
             **({"latency_breakdown": self.latency_breakdown()} if self.breakdown else {}),
             **(self.spec.extra() if self.spec is not None else {}),
             **({"truncated_messages": self.truncated_messages} if self.truncated_messages else {}),
+            **({"context_shifts": self.context_shifts} if self.context_shifts else {}),
             **({"grammar_init_s": self.grammar_init_s,
                 "grammar_per_token_s": self.grammar_mask_s / self.grammar_steps if self.grammar_steps
                 else 0.0} if self.grammar else {}),
