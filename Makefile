@@ -36,7 +36,7 @@ demo: setup
 	$(PY) demo/chat_and_rag.py
 
 test: setup browser-setup
-	$(PY) -m pytest -q -ra
+	$(PY) -m pytest -q -ra --durations=40
 
 test-fast: setup
 	$(PY) -m pytest -q -ra -m "not slow and not browser"

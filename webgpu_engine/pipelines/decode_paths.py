@@ -1,0 +1,222 @@
+"""The decode step's other paths, for LLMChatPipeline (llm.py): a context shift when the cache is
+full (context_overflow "shift"), steps submitted one ahead of the host (decode_ahead), and
+speculative steps (a verify forward over the last token and k guesses; speculation.py says how
+they stay exact). A mixin: it reads and writes the pipeline's own state. Page code: standard
+library only.
+"""
+from __future__ import annotations
+
+import asyncio
+import struct
+
+from ..kernels.logit_mask import LogitMask
+from ..kernels.sampling import RESULT_BYTES
+from .speculation import SpeculationStats, propose, slower_than_decode
+from .stats import now
+
+
+class DecodePaths:
+    """Mixed into LLMChatPipeline: decode_step picks one of these paths or the plain fused step."""
+
+    async def _shift_context(self) -> None:
+        """context_overflow "shift" (llama.cpp's context shift): the cache is full; keep its first
+        n_keep tokens, drop the older half of the rest, and compute the kept tail again at its new
+        positions (the cache then holds what a prompt of those tokens would give it)."""
+        keep = min(max(self.chat_config.n_keep, 0), len(self.kv_ids) - 1)
+        drop = max((len(self.kv_ids) - keep) // 2, 1)
+        tail = self.kv_ids[keep + drop:]
+        self.kv_ids = self.kv_ids[:keep]
+        m, P = self.model, self.model.chunk
+        for i in range(0, len(tail), P):
+            batch = self.dev.batch()
+            m.record_prefill(batch, tail[i:i + P], keep + i, with_head=False)
+            self.dev.submit(batch)
+        self.kv_ids += tail
+        # the prefill rows wrote the input ids: the next step's input is the last token again
+        self.dev.write(m.ids.buf, struct.pack("<I", self._last_token))
+        self._req.context_shifts += 1
+
+    def _decodes_ahead(self) -> bool:
+        """Whether this request's decode steps run one ahead of the host (decode_ahead): not under a
+        grammar or logit processor (their next step needs this step's token on the host), not
+        speculating, not batching."""
+        ahead = self.chat_config.decode_ahead
+        if ahead is None:
+            ahead = not self._software
+        return (ahead and self.scheduler is None and self.seq.matcher is None
+                and self.logit_processor is None and self._req.spec is None)
+
+    async def _step_ahead(self) -> None:
+        """A decode step whose GPU work runs one step ahead of the host: submit the step after it
+        first (its input id is the token this step samples, which the sampler writes on the GPU),
+        then read this step's token. The host records and submits step n + 1 while the GPU runs
+        step n; the same kernels in the same order as the serial path, so the same tokens. A step
+        past the request's last token (a stop, max_tokens, the context's end) is never accepted:
+        its work is discarded (_drop_ahead)."""
+        seq, t0 = self.seq, now()
+        pos = len(self.kv_ids)              # this step's input: the last accepted token, at pos
+        rb = self._ahead if self._ahead is not None else await self._submit_decode(pos, threaded=False)
+        self._ahead = None
+        last_possible = (seq.max_tokens is not None and len(seq.output_ids) + 1 >= seq.max_tokens) \
+            or pos + 1 >= self.model.ctx or seq.interrupted     # (a shift comes first: not ahead)
+        if not last_possible:
+            self._ahead = await self._submit_decode(pos + 1, threaded=True)
+        res = self.sampler.result(await self.dev.collect(rb))
+        self.kv_ids.append(self._last_token)
+        self._count_decode(now() - t0, 1)
+        self._accept(res)
+        if seq.stopped:
+            self._drop_ahead()
+
+    async def _submit_decode(self, pos: int, threaded: bool):
+        """Record and submit one decode step at `pos` with its sampling and a readback of its result.
+        `threaded`: the GPU is busy with the step before; on a software adapter a submit then blocks
+        until it drains, so it goes through a worker thread (the event loop serves others)."""
+        t0 = now()
+        batch = self.dev.batch()
+        self.model.record_decode(batch, pos)
+        self._sample_op.record(batch)
+        rb = batch.readback(self.sampler.io, 0, self.sampler._result_size(None))
+        self.host_s += now() - t0
+        if threaded and self._software:
+            await self.dev.submit_async(batch)
+        else:
+            self.dev.submit(batch)
+        return rb
+
+    def _drop_ahead(self) -> None:
+        """Discard the step in flight (past the request's end): its token is never read; its staging
+        buffer returns to the pool once it has run."""
+        rb, self._ahead = self._ahead, None
+        if rb is None:
+            return
+
+        async def drain():
+            try:
+                await self.dev.collect(rb)
+            except Exception:  # noqa: BLE001 - a lost device or a disposed model: nothing to keep
+                pass
+        asyncio.ensure_future(drain())
+
+    def _auto_off(self, spec: SpeculationStats) -> str:
+        """"speculate", "off" (auto_off: after `probe` verify steps this request's speculative
+        tokens come slower than fused decode steps) or "time" (no fused step of this model timed yet:
+        decode one fused step to time it)."""
+        if not self.speculation.auto_off or spec.steps < self.speculation.probe:
+            return "speculate"
+        if self._decode_step_s is None:
+            return "time"
+        return "off" if slower_than_decode(spec, self.speculation.probe, self._decode_step_s) else "speculate"
+
+    def _speculates(self, gen: GenerationConfig) -> bool:
+        """Whether this request decodes speculatively: speculation is on, and the request has no
+        penalties or logit processor (speculation.py says why); greedy or sampled, grammar or not."""
+        return (self.speculation is not None and self.scheduler is None
+                and gen.repetition_penalty == 1.0 and gen.frequency_penalty == 0.0
+                and gen.presence_penalty == 0.0 and self.logit_processor is None)
+
+    async def _speculative_step(self) -> None:
+        """One verify forward: the last token and up to k guesses (prompt lookup, or the draft model's
+        greedy tokens) at once; each row samples as a decode step would (greedy, or the request's
+        sampling with the next draws of its seed); keep the tokens up to the first guess that differs
+        from its row's token, plus that token (speculative sampling for a guess made with certainty:
+        speculation.py)."""
+        spec, m, dev, seq = self.speculation, self.model, self.dev, self.seq
+        t0 = now()
+        pos0, last = len(self.kv_ids), self._last_token
+        k = min(spec.k, m.ctx - pos0 - 1, m.chunk - 1, m.VERIFY_ROWS - 1)
+        if seq.max_tokens is not None:
+            k = min(k, seq.max_tokens - len(seq.output_ids) - 1)
+        guess = await self._guesses(self.kv_ids + [last], k) if k > 0 else []
+        masks = self._grammar_masks(guess) if seq.matcher is not None else None
+        if masks is not None:
+            guess = guess[:len(masks) - 1]
+        ids = [last] + guess
+        T = len(ids)
+        batch = dev.batch()
+        rows = m.record_verify(batch, ids, pos0)
+        while len(self._row_sample_ops) < T:
+            r = len(self._row_sample_ops)
+            self._row_sample_ops.append(self.sampler.op(rows[r].view((self.vocab_size,))))
+        if self._row_results is None:
+            self._row_results = dev.buffer(m.VERIFY_ROWS * RESULT_BYTES, owner=self.owner, label="row_results")
+        for r in range(T):
+            if masks is not None:
+                self._row_mask(r, rows[r], masks[r]).record(batch)
+            self._row_sample_ops[r].record(batch)
+            self.sampler.copy_result(batch, self._row_results, r * RESULT_BYTES)
+        dev.submit(batch)
+        raw = await dev.read(self._row_results, 0, T * RESULT_BYTES)
+        self.kv_ids.append(last)
+        n = 0
+        for r in range(T):
+            res = self.sampler.result(raw[r * RESULT_BYTES:(r + 1) * RESULT_BYTES])
+            self._accept(res)
+            n += 1
+            if seq.stopped or r == T - 1 or res.token != guess[r]:
+                break
+            self.kv_ids.append(guess[r])          # the guess was right: its K/V row stays
+        dt = now() - t0
+        self._count_decode(dt, n)
+        step = SpeculationStats(1, len(guess), n - 1, n, dt)
+        self._req.spec.add(step)
+        self.spec_stats.add(step)
+
+    async def _guesses(self, context: list[int], k: int) -> list[int]:
+        """Up to k guesses of the tokens after `context`: under a grammar the tokens it forces
+        first (nearly always right), else the draft model's or prompt lookup's."""
+        m = self.seq.matcher
+        if m is not None:
+            forced = m.forced()[:k]
+            if forced:
+                return forced
+        if self.draft is not None:
+            return await self._draft_guess(context, k)
+        return propose(context, k, self.speculation.n, self.speculation.n_min)
+
+    def _grammar_masks(self, guess: list[int]) -> list[bytes]:
+        """Under a grammar: the allowed-token mask of each verify row (row r's after the guesses
+        before it), for the guesses the grammar allows (their count is len(result) - 1); the
+        matcher is left where it was."""
+        m = self.seq.matcher
+        guess = guess[:m.valid_prefix(guess)]
+        masks = [m.mask()]
+        for t in guess:
+            m.consume(t)
+            masks.append(m.mask())
+        m.rollback(len(guess))
+        return masks
+
+    def _row_mask(self, r: int, logits, bits: bytes):
+        """Verify row r's grammar mask (made on first use), loaded with `bits`; its op."""
+        while len(self._row_masks) <= r:
+            mk = LogitMask(self.dev, self.vocab_size, owner=self.owner, label=f"row_mask{len(self._row_masks)}")
+            self._row_masks.append((mk, None))
+        mk, op = self._row_masks[r]
+        if op is None:
+            op = mk.op(logits.view((self.vocab_size,)))
+            self._row_masks[r] = (mk, op)
+        mk.write(bits)
+        return op
+
+    async def _draft_guess(self, context: list[int], k: int) -> list[int]:
+        """Up to k greedy tokens of the draft model after `context`. Its KV cache keeps the longest
+        prefix it shares with the context (rejected guesses are overwritten by position); the new
+        tokens are prefilled, then each guess is a fused decode step (a guess's bits do not matter:
+        the target checks it)."""
+        d = self.draft
+        k = min(k, d.model.ctx - len(context))
+        if k <= 0:
+            return []
+        keep = d._reuse_prefix(context)
+        new = context[keep:]
+        if len(new) == 1:        # one row: the fused decode kernels read their input id on the GPU
+            d.dev.write(d.model.ids.buf, struct.pack("<I", new[0]))
+            res = await d._forward(new, keep, decode=True)
+        else:
+            res = await d._forward(new, keep)
+        out = [res.token]
+        while len(out) < k and res.token not in self.eos_ids:
+            res = await d._forward([res.token], len(d.kv_ids), decode=True)
+            out.append(res.token)
+        return out
