@@ -53,7 +53,8 @@ async def run_replicas(args, replicas: int) -> list[dict]:
             raise
         ready_s = time.perf_counter() - t0
         model_id = await serve_bench.served_id(base)
-        await serve_bench.level(base, model_id, 2 * replicas, 4)         # warm-up: every replica
+        # warm-up: every replica at every batch width it will see (first uses compile their shaders)
+        await serve_bench.level(base, model_id, args.batch * replicas, 4)
         rows = []
         for c in args.clients:
             r = await serve_bench.level(base, model_id, c, args.max_tokens)

@@ -250,3 +250,35 @@ def test_generate_dataset_wants_one_column(cluster, models):
         generate_dataset(ds, model=models["chat"], messages_column="m", prompt_column="p")
     with pytest.raises(ValueError, match="no column 'text'"):
         embed_dataset(ds, model=models["embed"])
+
+
+# --------------------------------------------------------------------------- routing (no cluster)
+def _router_and_replicas(n: int):
+    from types import SimpleNamespace
+    from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID
+    from webgpu_engine.ray.router import PrefixAffinityRouter
+    dep = DeploymentID(name="engine", app_name="app")
+    router = PrefixAffinityRouter(dep, DeploymentHandleSource.UNKNOWN)
+    router.initialize_state()
+    reps = [SimpleNamespace(replica_id=ReplicaID(unique_id=f"r{i}", deployment_id=dep)) for i in range(n)]
+    return router, reps
+
+
+def _pending(i: int, key: str):
+    from types import SimpleNamespace
+    return SimpleNamespace(kwargs={"affinity": key}, metadata=SimpleNamespace(internal_request_id=f"req{i}"))
+
+
+async def test_a_burst_of_new_conversations_spreads_evenly_before_any_is_routed():
+    router, reps = _router_and_replicas(2)
+    picks = [(await router.choose_replicas(reps, _pending(i, f"conv{i}")))[0][0].replica_id for i in range(16)]
+    assert [picks.count(r.replica_id) for r in reps] == [8, 8]
+    # routed where picked, then the conversation's next turn goes back to its replica, even though busy
+    for i, rid in enumerate(picks):
+        router.on_request_routed(_pending(i, f"conv{i}"), rid, None)
+    assert (await router.choose_replicas(reps, _pending(99, "conv3")))[0][0].replica_id == picks[3]
+    # requests completing on r0 make it the least loaded for a new conversation
+    for i, rid in enumerate(picks):
+        if rid == reps[0].replica_id:
+            router.on_request_completed(rid, f"req{i}")
+    assert (await router.choose_replicas(reps, _pending(100, "new")))[0][0].replica_id == reps[0].replica_id
