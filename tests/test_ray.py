@@ -282,3 +282,28 @@ async def test_a_burst_of_new_conversations_spreads_evenly_before_any_is_routed(
         if rid == reps[0].replica_id:
             router.on_request_completed(rid, f"req{i}")
     assert (await router.choose_replicas(reps, _pending(100, "new")))[0][0].replica_id == reps[0].replica_id
+
+
+async def test_a_replica_whose_device_is_lost_and_not_recovered_fails_its_health_check(models):
+    """Ray Serve replaces a replica whose check_health raises: a lost device without auto_recover
+    does; with auto_recover (the next request reloads) it does not."""
+    from webgpu_engine import gpu
+    from webgpu_engine.ray.deployment import EngineReplica
+    for auto in (False, True):
+        eng = await open_engine(EngineSpec([models["chat"]], chat_opts=[LOAD],
+                                           engine_kwargs={"device": await gpu.request_device()}))
+        eng.config.auto_recover = auto
+        replica = object.__new__(EngineReplica)
+        replica.engine = eng
+        replica.check_health()                                  # healthy
+        eng.device.destroy()
+        with pytest.raises(Exception):
+            await eng.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                              max_tokens=2)
+        assert eng.state == "device_lost"
+        if auto:
+            replica.check_health()                              # the next request reloads: stay
+        else:
+            with pytest.raises(RuntimeError, match="device was lost"):
+                replica.check_health()
+        await eng.unload()
