@@ -75,6 +75,29 @@ def pytest_runtest_makereport(item, call):
 
 
 _SUITE_T0 = time.perf_counter()      # reset when the session starts (below)
+_MODULES: dict[str, list[float]] = {}  # test module -> [seconds, RSS GiB before its first test, peak RSS GiB after a test]
+
+
+def _rss_gib() -> float:
+    """This process's resident set now (not the peak)."""
+    try:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1024 ** 3
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+def pytest_runtest_logstart(nodeid, location):
+    mod = nodeid.split("::")[0]
+    if mod not in _MODULES:
+        _MODULES[mod] = [0.0, _rss_gib(), 0.0]
+
+
+def pytest_runtest_logreport(report):
+    m = _MODULES.get(report.nodeid.split("::")[0])
+    if m is not None:
+        m[0] += report.duration
+        if report.when == "teardown":
+            m[2] = max(m[2], _rss_gib())
 
 
 def pytest_sessionstart(session):
@@ -87,6 +110,10 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     """One line on what the run cost, after the other summaries: wall time since the session
     started and peak RSS of this process and of its largest waited-for child process (ru_maxrss is
     KiB on Linux)."""
+    if len(_MODULES) > 1:
+        terminalreporter.write_line("slowest test modules (s; RSS GiB before -> peak after a test):")
+        for mod, (sec, before, peak) in sorted(_MODULES.items(), key=lambda kv: -kv[1][0])[:20]:
+            terminalreporter.write_line(f"  {sec:7.1f}  {before:5.2f} -> {peak:5.2f}  {mod}")
     gib = 1024 ** 2
     own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / gib
     children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / gib
