@@ -32,8 +32,8 @@ fn attn_flash(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nw
         let nb = min(BLK, n_wg - j0);
         for (var e = lid; e < BLK * D4; e += WG) {
             let r = cb + min(j0 + e / D4, n_wg - 1u) * D4 + e % D4;
-            ksh[e] = vec4<f32>(kc[p.kc_off + r]);
-            vsh[e] = vec4<f32>(vc[p.vc_off + r]);
+            ksh[e] = kc_at(p.kc_off + r);         // (dequantised from a q8_0 cache)
+            vsh[e] = vc_at(p.vc_off + r);
         }
         workgroupBarrier();
         fold_block(j0, nb, lo, lim, 0u, D4, 0u, D4);    // the staged keys j0 + j at row j

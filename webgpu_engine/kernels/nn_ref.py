@@ -156,3 +156,39 @@ def weighted_mean_pool(x: np.ndarray, lengths, batch: int) -> np.ndarray:
 def l2_normalize(x: np.ndarray, eps: float = 1e-12) -> np.ndarray:
     x = x.astype(np.float64)
     return (x / np.maximum(np.linalg.norm(x, axis=-1, keepdims=True), eps)).astype(np.float32)
+
+
+def q8_kv_quantize(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """q8_0 of rows x (..., D), D % 32 == 0 (shaders/kv_quant.wgsl): blocks of 32 values,
+    d = max|x| / 127 in f32, q = round(x / d) (ties to even) -> (q int8 (..., D), d f16 (..., D/32))."""
+    x = np.asarray(x, np.float32)
+    b = x.reshape(*x.shape[:-1], -1, 32)
+    d = (np.abs(b).max(axis=-1) / np.float32(127)).astype(np.float32)
+    inv = np.where(d > 0, np.float32(1) / np.where(d > 0, d, 1), 0).astype(np.float32)
+    q = np.clip(np.round(b * inv[..., None]), -127, 127).astype(np.int8)
+    return q.reshape(x.shape), d.astype(np.float16)
+
+
+def q8_kv_dequantize(q: np.ndarray, d: np.ndarray) -> np.ndarray:
+    """The values a q8_0 cache holds: q * f16(d) in f32."""
+    b = q.reshape(*q.shape[:-1], -1, 32).astype(np.float32) * d.astype(np.float32)[..., None]
+    return b.reshape(q.shape)
+
+
+def q8_kv_pack(q: np.ndarray, d: np.ndarray) -> np.ndarray:
+    """The u32 words of a q8_0 cache (Hkv, ctx, D): signed bytes, then scales two per word."""
+    hkv, ctx, dim = q.shape
+    data = np.ascontiguousarray(q).view(np.uint8).reshape(-1).view(np.uint32)
+    sw = -(-dim // 64)
+    scales = np.zeros((hkv, ctx, 2 * sw), np.float16)
+    scales[..., :d.shape[-1]] = d
+    return np.concatenate([data, scales.reshape(-1).view(np.uint32)])
+
+
+def q8_kv_unpack(words: np.ndarray, hkv: int, ctx: int, dim: int) -> tuple[np.ndarray, np.ndarray]:
+    """q8_kv_pack's inverse: (q int8 (Hkv, ctx, D), d f16 (Hkv, ctx, D/32))."""
+    words = np.asarray(words, np.uint32)
+    n = hkv * ctx * dim // 4
+    q = words[:n].view(np.int8).reshape(hkv, ctx, dim)
+    d = words[n:].view(np.float16).reshape(hkv, ctx, -1)[..., :dim // 32]
+    return q, d

@@ -1,0 +1,72 @@
+// KV cache in q8_0 (kv_cache_dtype "q8_0"): blocks of 32 values of a head row share one scale,
+// d = max|x| / 127 (f32), q = round(x / d) in [-127, 127] (llama.cpp's q8_0 rule), value = q * f16(d).
+// Our own layout, so that a row's vec4 i is word i of the row, as an f32/f16 cache's act4 i is:
+//   words [0, Hkv*ctx*D4):            row r = h*ctx + pos, word r*D4 + i holds values 4i..4i+3
+//                                      as signed bytes (value 4i in the low byte)
+//   words [S_OFF, S_OFF + Hkv*ctx*SW): S_OFF = Hkv*ctx*D4, SW = ceil(D/64); word S_OFF + r*SW + w
+//                                      holds the f16 scales of blocks 2w (low half) and 2w+1
+// so a row costs D + 4*SW bytes (D = 64: 68 B, 0.53x of f16's 128 B).
+//   kv_quant: k heads and v heads of qkv (T, H_all, D) rows t < n_new (step[1], 0 = all) written
+//             to cache row pos0 + t (pos0 = step[0]); lane per (t, k|v, kv head, scale word w).
+// The host header supplies act, D4 and SW.
+
+struct Params {
+    rows: u32,     // T dispatched
+    heads: u32,    // heads per qkv row (H_all)
+    k_lo: u32,     // first k head (= Hq); v heads start at k_lo + n_kv
+    n_kv: u32,
+    ctx: u32,
+    qkv_off: u32,  // act4 units
+    _p0: u32,
+    _p1: u32,
+}
+
+@group(0) @binding(0) var<uniform> p: Params;
+@group(0) @binding(1) var<storage, read> step: array<u32>;     // (4): pos0, n_new, kv_len, 0
+@group(0) @binding(2) var<storage, read> qkv: array<act4>;
+@group(0) @binding(3) var<storage, read_write> kq: array<u32>;
+@group(0) @binding(4) var<storage, read_write> vq: array<u32>;
+
+fn put(v: u32, i: u32, w: u32) {
+    if (v == 0u) { kq[i] = w; } else { vq[i] = w; }
+}
+
+fn byte(q: f32) -> u32 {
+    return u32(i32(q)) & 0xffu;
+}
+
+@compute @workgroup_size(64)
+fn kv_quant(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+            @builtin(local_invocation_index) lid: u32) {
+    let i = (wid.y * nwg.x + wid.x) * 64u + lid;
+    let per_row = 2u * p.n_kv * SW;
+    let t = i / per_row;
+    let n_new = step[1];
+    let rows = select(p.rows, min(p.rows, n_new), n_new != 0u);
+    let pos = step[0] + t;
+    if (t >= rows || pos >= p.ctx) { return; }
+    let r = i % per_row;
+    let v = r / (p.n_kv * SW);               // 0: k, 1: v
+    let h = (r / SW) % p.n_kv;
+    let w = r % SW;
+    let src = p.qkv_off + (t * p.heads + p.k_lo + v * p.n_kv + h) * D4;
+    let row = h * p.ctx + pos;
+    var d = vec2<f32>(0.0);
+    for (var b2 = 0u; b2 < 2u; b2++) {
+        let b = 2u * w + b2;
+        if (b * 8u >= D4) { break; }
+        var amax = 0.0;
+        for (var k = 0u; k < 8u; k++) {
+            let x = abs(vec4<f32>(qkv[src + b * 8u + k]));
+            amax = max(amax, max(max(x.x, x.y), max(x.z, x.w)));
+        }
+        let db = amax / 127.0;
+        let id = select(0.0, 1.0 / db, db > 0.0);
+        for (var k = 0u; k < 8u; k++) {
+            let q = clamp(round(vec4<f32>(qkv[src + b * 8u + k]) * id), vec4<f32>(-127.0), vec4<f32>(127.0));
+            put(v, row * D4 + b * 8u + k, byte(q.x) | (byte(q.y) << 8u) | (byte(q.z) << 16u) | (byte(q.w) << 24u));
+        }
+        d[b2] = db;
+    }
+    put(v, p.n_kv * p.ctx * D4 + row * SW + w, pack2x16float(d));
+}

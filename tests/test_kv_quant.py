@@ -1,0 +1,129 @@
+"""The q8_0 KV cache (kernels/kv_quant.py, shaders/kv_quant.wgsl) on the real adapter: the write
+against nn_ref's q8_0 (signed bytes equal, scales as f16), and every attention kernel reading it
+(causal prefill, flash prefill, split-key decode and its one-dispatch form) against nn_ref's
+attention over the dequantised cache: odd lengths, grouped heads, a sliding window, soft-capping."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from webgpu_engine.kernels import matmul as mm
+from webgpu_engine.kernels import nn, nn_ref
+from webgpu_engine.kernels.common import Tensor
+from webgpu_engine.kernels.kv_quant import kv_quant, q8_cache_words
+
+from _nn_util import TOL, empty, get, put, rounded, run, set_step, step_buf
+
+
+@pytest.fixture(autouse=True)
+def _free(device):
+    yield
+    device.release_owner("test:nn")
+
+
+def _q8_cache(device, words: np.ndarray) -> Tensor:
+    buf = device.upload(np.ascontiguousarray(words, np.uint32).view(np.uint8), owner="test:nn", label="q8")
+    return Tensor(buf, (words.size,), "u32", 0)
+
+
+def _read_q8(device, t: Tensor, hkv, ctx, d):
+    words = np.frombuffer(device.read_sync(t.buf, 0, t.nbytes), np.uint32)
+    return nn_ref.q8_kv_unpack(words, hkv, ctx, d)
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16"])
+@pytest.mark.parametrize("t,n_new,pos0,hq,hkv,d", [(7, 0, 0, 9, 3, 64), (5, 3, 11, 4, 2, 96), (1, 0, 20, 2, 1, 128)])
+def test_kv_quant_writes_llama_cpp_q8_0_rows(device, dtype, t, n_new, pos0, hq, hkv, d):
+    """Rows t < n_new (0: all) at pos0 + t; the signed bytes as nn_ref's (from the f32 scale), the
+    scales its f16; other rows untouched. One block of a row is all zeros (scale 0)."""
+    rng = np.random.default_rng(t + d)
+    ctx = pos0 + t + 4
+    qkv = rng.standard_normal((t, hq + 2 * hkv, d)) * 3
+    qkv[0, hq, :32] = 0.0
+    qt = put(device, qkv, dtype, lead=4)
+    words = q8_cache_words(hkv, ctx, d)
+    kc, vc = _q8_cache(device, np.zeros(words, np.uint32)), _q8_cache(device, np.zeros(words, np.uint32))
+    run(device, kv_quant(device, qt, kc, vc, step_buf(device, pos0, n_new), n_q_heads=hq, n_kv_heads=hkv,
+                         head_dim=d, ctx=ctx))
+    live = n_new or t
+    x = rounded(qkv, dtype)
+    for c, heads in ((kc, x[:, hq:hq + hkv]), (vc, x[:, hq + hkv:hq + 2 * hkv])):
+        q, s = _read_q8(device, c, hkv, ctx, d)
+        rq, rs = nn_ref.q8_kv_quantize(heads[:live].transpose(1, 0, 2))
+        np.testing.assert_array_equal(q[:, pos0:pos0 + live], rq)
+        np.testing.assert_array_equal(s[:, pos0:pos0 + live], rs)
+        assert not q[:, :pos0].any() and not q[:, pos0 + live:].any()
+        assert not s[:, :pos0].any() and not s[:, pos0 + live:].any()
+    q, s = _read_q8(device, kc, hkv, ctx, d)
+    assert s[0, pos0, 0] == 0 and not q[0, pos0, :32].any()
+
+
+def _q8_setup(device, rng, dtype, t, ctx, hq, hkv, d, fill):
+    """qkv and q8_0 caches whose first `fill` rows are random; the dequantised caches (the reference's)."""
+    qkv = rng.standard_normal((t, hq + 2 * hkv, d))
+    caches, deq = [], []
+    for scale in (1.5, 1.0):
+        x = np.zeros((hkv, ctx, d), np.float32)
+        x[:, :fill] = rng.standard_normal((hkv, fill, d)) * scale
+        q, s = nn_ref.q8_kv_quantize(x)
+        caches.append(_q8_cache(device, nn_ref.q8_kv_pack(q, s)))
+        deq.append(nn_ref.q8_kv_dequantize(q, s))
+    return qkv, put(device, qkv, dtype, lead=4), caches, deq
+
+
+@pytest.mark.parametrize("family", ["cpu", "gpu"])          # attn_causal; attn_flash
+@pytest.mark.parametrize("dtype", ["f32", "f16"])
+@pytest.mark.parametrize("t,pos0,hq,hkv,d,kw", [
+    (37, 0, 9, 3, 64, {}),                      # SmolLM2's heads, a partial block of 64 queries
+    (70, 21, 4, 2, 96, {}),                     # two query blocks, pos0 > 0, an odd scale word
+    (9, 40, 8, 2, 32, {"window": 13}),          # sliding window
+    (5, 3, 6, 1, 64, {"softcap": 5.0, "heads_per_lane": 3}),
+])
+def test_prefill_attention_over_q8_0(device, monkeypatch, family, dtype, t, pos0, hq, hkv, d, kw):
+    monkeypatch.setenv(mm.FAMILY_ENV, family)
+    rng = np.random.default_rng(t + pos0 + d)
+    ctx = pos0 + t + 7
+    qkv, qt, (kc, vc), (kr, vr) = _q8_setup(device, rng, dtype, t, ctx, hq, hkv, d, pos0 + t)
+    out = empty(device, (t, hq * d), dtype, lead=12)
+    op = nn.attention(device, qt, kc, vc, out, step_buf(device, pos0, t), n_q_heads=hq, n_kv_heads=hkv,
+                      head_dim=d, ctx=ctx, scale=d ** -0.5, **kw)
+    assert op.dispatches[0][0].key.entry == ("attn_flash" if family == "gpu" else "attn_causal")
+    run(device, op)
+    ref = nn_ref.causal_attention(rounded(qkv, dtype)[:, :hq], kr, vr, pos0, d ** -0.5,
+                                  window=kw.get("window", 0), softcap=kw.get("softcap", 0.0))
+    np.testing.assert_allclose(get(device, out), ref, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype,hq,hkv,d,kw", [("f32", 9, 3, 64, {}), ("f16", 8, 2, 128, {"window": 100}),
+                                               ("f32", 4, 4, 32, {"softcap": 4.0})])
+def test_decode_attention_over_q8_0(device, dtype, hq, hkv, d, kw):
+    """One decode op over a 600-row cache at kv_len 1 .. 600, split + combine and the one-dispatch form."""
+    rng = np.random.default_rng(d)
+    ctx = 600
+    qkv, qt, (kc, vc), (kr, vr) = _q8_setup(device, rng, dtype, 1, ctx, hq, hkv, d, ctx)
+    out = empty(device, (1, hq * d), dtype)
+    step = step_buf(device, 0, 1)
+    op = nn.attention(device, qt, kc, vc, out, step, n_q_heads=hq, n_kv_heads=hkv, head_dim=d, ctx=ctx,
+                      scale=d ** -0.5, **kw)
+    q = rounded(qkv, dtype)[:, :hq]
+    for kv_len in (1, 33, 129, 317, 600):
+        set_step(device, step, kv_len - 1, 1)
+        ref = nn_ref.causal_attention(q, kr, vr, kv_len - 1, d ** -0.5, window=kw.get("window", 0),
+                                      softcap=kw.get("softcap", 0.0))
+        for n_keys in [None] + ([kv_len] if kv_len <= op.max_keys else []):
+            b = device.batch()
+            op.record(b, n_keys=n_keys)
+            device.submit(b)
+            np.testing.assert_allclose(get(device, out), ref, **TOL[dtype], err_msg=f"kv_len={kv_len} n_keys={n_keys}")
+
+
+def test_q8_0_cache_refuses_what_it_cannot_hold(device):
+    qt = put(device, np.zeros((1, 4, 16)))
+    kc = _q8_cache(device, np.zeros(q8_cache_words(1, 8, 16), np.uint32))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        kv_quant(device, qt, kc, kc, step_buf(device, 0, 1), n_q_heads=2, n_kv_heads=1, head_dim=16, ctx=8)
+    qt = put(device, np.zeros((1, 4, 32)))
+    small = _q8_cache(device, np.zeros(10, np.uint32))
+    with pytest.raises(ValueError, match="u32 words"):
+        nn.attention(device, qt, small, small, empty(device, (1, 64)), step_buf(device, 0, 1), n_q_heads=2,
+                     n_kv_heads=1, head_dim=32, ctx=8, scale=0.2)

@@ -1,0 +1,65 @@
+"""The q8_0 KV cache (kv_cache_dtype "q8_0"; layout in shaders/kv_quant.wgsl): its sizes, the
+kv_quant write of a forward's k and v heads, and the WGSL the attention kernels read it with.
+A cache is one u32 tensor per layer and kind (K or V); row r = h * ctx + pos."""
+from __future__ import annotations
+
+from ..gpu import Device
+from .common import Op, Tensor, act_header, check, params
+from .nn_base import _act, _op, _qkv_heads, _step_entry, _window
+
+KV_DTYPES = ("f32", "f16", "q8_0")
+Q8_BLOCK = 32                       # values per scale
+
+
+def q8_scale_words(head_dim: int) -> int:
+    """u32 words of one row's f16 scales (two per word)."""
+    return -(-head_dim // (2 * Q8_BLOCK))
+
+
+def q8_cache_words(n_kv_heads: int, ctx: int, head_dim: int) -> int:
+    """u32 words of one layer's K (or V) cache: the signed bytes, then the scales."""
+    return n_kv_heads * ctx * (head_dim // 4 + q8_scale_words(head_dim))
+
+
+def kv_row_bytes(kv_dtype: str, head_dim: int) -> int:
+    """Bytes of one head row of the cache (one position of one kv head, K or V)."""
+    if kv_dtype == "q8_0":
+        return head_dim + 4 * q8_scale_words(head_dim)
+    return head_dim * {"f32": 4, "f16": 2}[kv_dtype]
+
+
+def q8_supported(head_dim: int) -> bool:
+    return head_dim % Q8_BLOCK == 0
+
+
+def q8_header(head_dim: int) -> str:
+    """D4 and SW, and i8x4(word): a word's four signed bytes (the low byte first)."""
+    return (f"const SW: u32 = {q8_scale_words(head_dim)}u;\n"
+            "fn i8x4(w: u32) -> vec4<f32> {\n"
+            "  return vec4<f32>(vec4<i32>(bitcast<i32>(w << 24u), bitcast<i32>(w << 16u), "
+            "bitcast<i32>(w << 8u), bitcast<i32>(w)) >> vec4<u32>(24u));\n}\n")
+
+
+def check_q8_caches(k: str, caches, n_kv_heads: int, ctx: int, head_dim: int) -> None:
+    check(q8_supported(head_dim), k, f"a q8_0 KV cache needs head_dim a multiple of {Q8_BLOCK}, got {head_dim}")
+    for c in caches:
+        check(c.dtype == "u32" and c.offset == 0 and c.numel == q8_cache_words(n_kv_heads, ctx, head_dim), k,
+              f"q8_0 cache {c.shape} {c.dtype} must be {q8_cache_words(n_kv_heads, ctx, head_dim)} u32 words "
+              f"at offset 0 (Hkv={n_kv_heads}, ctx={ctx}, D={head_dim})")
+
+
+def kv_quant(dev: Device, qkv: Tensor, k_cache: Tensor, v_cache: Tensor, step, *, n_q_heads: int,
+             n_kv_heads: int, head_dim: int, ctx: int) -> Op:
+    """The k heads and v heads of qkv (T, Hq+2Hkv, D) rows t < step.n_new (0: all) into the q8_0
+    caches at rows step.pos0 + t (after RoPE: the k heads are stored as they are)."""
+    k = "kv_quant"
+    dt = _act(k, qkv)
+    rows, heads = _qkv_heads(k, qkv, head_dim)
+    check(heads >= n_q_heads + 2 * n_kv_heads, k, f"qkv rows have {heads} heads, need {n_q_heads}+2*{n_kv_heads}")
+    check_q8_caches(k, (k_cache, v_cache), n_kv_heads, ctx, head_dim)
+    qe, qo = _window(dev, qkv, k, 4)
+    par = params(dev, [rows, heads, n_q_heads, n_kv_heads, ctx, qo, 0, 0], owner=qkv.buf.owner, label=k)
+    header = act_header(dt) + f"const D4: u32 = {head_dim // 4}u;\n" + q8_header(head_dim)
+    entries = [_step_entry(step), qe, (k_cache.buf, 0, k_cache.nbytes), (v_cache.buf, 0, v_cache.nbytes)]
+    return _op(dev, k, "kv_quant.wgsl", "kv_quant", header, par, entries,
+               rows * 2 * n_kv_heads * q8_scale_words(head_dim))
