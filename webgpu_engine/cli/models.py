@@ -46,7 +46,8 @@ def chat_opts_for(args, n: int) -> list[dict | None] | None:
     flags = {"chat_opts": None, "context_window": "context_window_size",
              "prefill_chunk": "prefill_chunk_size", "dtype": "dtype",
              "max_num_sequences": "max_num_sequences", "speculation": "speculation",
-             "context_overflow": "context_overflow", "draft_model": "speculation"}
+             "context_overflow": "context_overflow", "draft_model": "speculation",
+             "kv_cache_dtype": "kv_cache_dtype"}
     opts: list[dict] = [{} for _ in range(n)]
     for flag, key in flags.items():
         values = getattr(args, flag, None) or []

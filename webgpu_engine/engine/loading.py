@@ -115,6 +115,7 @@ def _check_chat_options(cc: ChatConfig) -> None:
             ("kv_pool_tokens", cc.kv_pool_tokens >= 0, "0 (automatic) or a positive number of tokens")):
         if not ok:
             raise ChatOptionTypeError(name, expected, getattr(cc, name))
+    from ..models.plan import KV_CACHE_DTYPES
     from ..pipelines.llm import OVERFLOW_POLICIES
     from ..pipelines.speculation import Speculation
     Speculation.parse(cc.speculation)           # a bad speculation option fails before anything loads
@@ -123,6 +124,14 @@ def _check_chat_options(cc: ChatConfig) -> None:
     if cc.context_overflow == "shift" and cc.max_num_sequences != 1:
         raise UnsupportedChatOptionError("context_overflow", "shift", "a context shift runs on the one-request "
                                          "path: load with max_num_sequences 1")
+    if cc.kv_cache_dtype not in KV_CACHE_DTYPES + ("q4_0",):
+        raise ChatOptionTypeError("kv_cache_dtype", f"one of {list(KV_CACHE_DTYPES)}", cc.kv_cache_dtype)
+    if cc.kv_cache_dtype == "q4_0":
+        raise UnsupportedChatOptionError("kv_cache_dtype", "q4_0", "no attention kernel reads a q4_0 KV cache "
+                                         f"yet: use one of {list(KV_CACHE_DTYPES)}")
+    if cc.kv_cache_dtype == "q8_0" and cc.max_num_sequences != 1:
+        raise UnsupportedChatOptionError("kv_cache_dtype", "q8_0", "the paged KV cache of continuous batching "
+                                         "has no q8_0 kernels yet: load with max_num_sequences 1")
     if cc.n_keep < 0:
         raise ChatOptionTypeError("n_keep", "a number of tokens >= 0", cc.n_keep)
     if cc.max_num_sequences > cc.prefill_chunk_size > 0:

@@ -20,6 +20,7 @@ from ..gpu import Device
 from ..kernels import matmul as mm
 from ..kernels import nn
 from ..kernels.common import DTYPE_SIZE, Op, OpCache, Tensor, new_tensor, pipeline_keys
+from ..kernels.kv_quant import kv_quant, q8_cache_words
 from ..loaders.model_config import LlamaConfig
 from ..loaders.tensor_info import split_fused
 from . import decoder
@@ -78,11 +79,17 @@ class ContiguousKV:
 
     def fused_rope(self, i: int):
         m, c = self.m, self.m.cfg
+        if m.kv_cache_dtype:             # the matmul's epilogue writes act caches only
+            return None
         return mm.RopeKV(m.step, m.rope_freq, m.k_cache[i], m.v_cache[i], c.n_heads, c.n_kv_heads, c.head_dim,
                          c.rot_dim, m.ctx)
 
     def rope_kv(self, i: int, qkv: Tensor, T: int, rope: dict):
         m, c = self.m, self.m.cfg
+        if m.kv_cache_dtype == "q8_0":   # rope on q and k in place, then the quantising write
+            return (nn.rope(m.dev, qkv, m.step, n_heads=c.n_heads + c.n_kv_heads, head_dim=c.head_dim, **rope)
+                    + kv_quant(m.dev, qkv, m.k_cache[i], m.v_cache[i], m.step, n_q_heads=c.n_heads,
+                               n_kv_heads=c.n_kv_heads, head_dim=c.head_dim, ctx=m.ctx))
         return nn.rope_kv(m.dev, qkv, m.k_cache[i], m.v_cache[i], m.step, n_q_heads=c.n_heads,
                           n_kv_heads=c.n_kv_heads, head_dim=c.head_dim, ctx=m.ctx, **rope)
 
@@ -97,8 +104,9 @@ class LlamaModel:
 
     def __init__(self, dev: Device, cfg: LlamaConfig, weights: dict, *, owner: str,
                  context_window: int = 4096, prefill_chunk: int = 256, dtype: str = "f32",
-                 max_total_bytes: int = DEFAULT_MAX_TOTAL_BYTES, progress=None):
+                 max_total_bytes: int = DEFAULT_MAX_TOTAL_BYTES, progress=None, kv_cache_dtype: str = ""):
         self.dev, self.cfg, self.owner, self.dtype = dev, cfg, owner, dtype
+        self.kv_cache_dtype = "" if kv_cache_dtype == dtype else kv_cache_dtype   # "q8_0" or "" (= dtype)
         self.ctx = model_context(cfg, context_window)
         self.chunk = prefill_rows(prefill_chunk, self.ctx)
         self.rope_factors = cfg.rope_factors_for(self.ctx)
@@ -123,7 +131,7 @@ class LlamaModel:
         """Refuse, before any allocation, a cache buffer over the device's per-buffer limit or a model
         over `max_total` bytes (the estimate the engine's pre-load check uses: models/memory.py)."""
         lim = min(self.dev.max_buffer_size, self.dev.max_storage_binding)
-        plan = DecoderPlan(self.dtype, self.ctx, self.chunk, 1)
+        plan = DecoderPlan(self.dtype, self.ctx, self.chunk, 1, kv_cache_dtype=self.kv_cache_dtype)
         est, kv_layer = estimate_llm(self.cfg, weights, plan, max_binding=lim), plan.kv_layer_bytes(self.cfg)
         if kv_layer > lim:
             raise ContextWindowTooLargeError(
@@ -217,9 +225,11 @@ class LlamaModel:
         # decode: sums of x^2 per 4 rows, from the residual matmuls' epilogue (see _build)
         self.part = new_tensor(dev, (c.hidden_size // 4,), "f32", owner=own, label="norm_partials")
         self.logits = new_tensor(dev, (1, c.vocab_size), dt, owner=own, label="logits")
-        shape = (c.n_kv_heads, self.ctx, c.head_dim)
-        self.k_cache = [new_tensor(dev, shape, dt, owner=own, label=f"k_cache.{i}") for i in range(c.n_layers)]
-        self.v_cache = [new_tensor(dev, shape, dt, owner=own, label=f"v_cache.{i}") for i in range(c.n_layers)]
+        shape, kdt = (c.n_kv_heads, self.ctx, c.head_dim), dt
+        if self.kv_cache_dtype == "q8_0":       # signed bytes and scales in u32 words (kernels/kv_quant.py)
+            shape, kdt = (q8_cache_words(c.n_kv_heads, self.ctx, c.head_dim),), "u32"
+        self.k_cache = [new_tensor(dev, shape, kdt, owner=own, label=f"k_cache.{i}") for i in range(c.n_layers)]
+        self.v_cache = [new_tensor(dev, shape, kdt, owner=own, label=f"v_cache.{i}") for i in range(c.n_layers)]
         self.kv = ContiguousKV(self)
 
     # ------------------------------------------------------------------ the forward pass as ops

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..errors import ContextWindowTooLargeError, ShaderF16SupportError
+from ..errors import ContextWindowTooLargeError, ShaderF16SupportError, UnsupportedChatOptionError
 from ..kernels.common import DTYPE_SIZE
+from ..kernels.kv_quant import kv_row_bytes, q8_supported
 
 # KV-pool blocks when no size is asked for: max_num_sequences full contexts, at most this many tokens
 # beyond two contexts (preemption and prefix sharing cover the rest)
 POOL_TOKENS_CAP = 8192
+KV_CACHE_DTYPES = ("auto", "f16", "f32", "q8_0")     # chat_config.kv_cache_dtype
 
 
 def activation_dtype(dtype: str, dev) -> str:
@@ -68,22 +70,28 @@ class DecoderPlan:
     max_sequences: int         # decoded together; 1: one request at a time, no paged pool
     kv_block_size: int = 16    # tokens per paged KV block
     kv_pool_blocks: int = 0    # blocks of the paged pool (0 when max_sequences is 1)
+    kv_cache_dtype: str = ""   # the one-sequence cache: "q8_0" (kernels/kv_quant.py), or "" (= dtype)
 
     @property
     def act_bytes(self) -> int:
         return DTYPE_SIZE[self.dtype]
 
+    @property
+    def kv_dtype(self) -> str:
+        return self.kv_cache_dtype or self.dtype
+
     def kv_bytes_per_token(self, cfg) -> int:
-        """K and V of one position, every layer."""
-        return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * self.act_bytes
+        """K and V of one position, every layer, in the one-sequence cache."""
+        return 2 * cfg.n_layers * cfg.n_kv_heads * kv_row_bytes(self.kv_dtype, cfg.head_dim)
 
     def kv_layer_bytes(self, cfg) -> int:
         """One layer's K (or V) cache of the one-sequence path: (Hkv, context, D)."""
-        return cfg.n_kv_heads * self.context * cfg.head_dim * self.act_bytes
+        return cfg.n_kv_heads * self.context * kv_row_bytes(self.kv_dtype, cfg.head_dim)
 
     def kv_cache_bytes(self, cfg) -> int:
-        """The contiguous cache plus the paged pool."""
-        return self.kv_bytes_per_token(cfg) * (self.context + self.kv_block_size * self.kv_pool_blocks)
+        """The contiguous cache plus the paged pool (always in the activations' dtype)."""
+        pool = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * self.act_bytes
+        return self.kv_bytes_per_token(cfg) * self.context + pool * self.kv_block_size * self.kv_pool_blocks
 
 
 def resolve_max_sequences(dev, chat_config) -> int:
@@ -91,12 +99,35 @@ def resolve_max_sequences(dev, chat_config) -> int:
     return max_sequences(dev, chat_config.max_num_sequences, chat_config.prefill_chunk_size)
 
 
+def kv_cache_dtype(cfg, chat_config, dtype: str, seqs: int) -> str:
+    """The one-sequence cache's dtype beyond the activations' ("" for none): chat_config.kv_cache_dtype
+    "q8_0" where the heads allow it and nothing batches; "f16" / "f32" are the activations' own."""
+    want = getattr(chat_config, "kv_cache_dtype", "auto")
+    if want in ("auto", dtype):
+        return ""
+    if want in ("f16", "f32"):
+        raise UnsupportedChatOptionError("kv_cache_dtype", want, (
+            f"an {want} KV cache goes with {want} activations: load with dtype {want!r} (or \"auto\"), "
+            f"or use kv_cache_dtype \"q8_0\""))
+    if not q8_supported(cfg.head_dim):
+        raise UnsupportedChatOptionError("kv_cache_dtype", want, (
+            f"a q8_0 KV cache needs a head_dim that is a multiple of 32; this model's is {cfg.head_dim}"))
+    if seqs > 1:
+        raise UnsupportedChatOptionError("kv_cache_dtype", want, (
+            "the paged KV cache of continuous batching has no q8_0 kernels yet: load with "
+            "max_num_sequences 1"))
+    return want
+
+
 def plan_decoder(cfg, chat_config, dev) -> DecoderPlan:
     """The DecoderPlan of a Llama-family decoder with header config `cfg` loaded with `chat_config`
     (context_window_size, prefill_chunk_size, dtype, max_num_sequences, kv_block_size,
     kv_pool_tokens) on `dev`. The paged pool is capped at what the device binds per layer;
     ContextWindowTooLargeError when that cannot hold one full context."""
-    dtype = activation_dtype(chat_config.dtype, dev)
+    dtype = chat_config.dtype
+    if dtype == "auto" and getattr(chat_config, "kv_cache_dtype", "auto") in ("f16", "f32"):
+        dtype = chat_config.kv_cache_dtype          # the cache follows the activations: both as asked
+    dtype = activation_dtype(dtype, dev)
     ctx = model_context(cfg, chat_config.context_window_size)
     seqs = resolve_max_sequences(dev, chat_config)
     bs = int(chat_config.kv_block_size)
@@ -111,4 +142,5 @@ def plan_decoder(cfg, chat_config, dev) -> DecoderPlan:
                 f"A paged KV cache for a context of {ctx} tokens needs {one} blocks of {bs} tokens per "
                 f"layer, more than this device binds ({cap}). Use a smaller context_window_size.",
                 param="context_window_size")
-    return DecoderPlan(dtype, ctx, prefill_rows(chat_config.prefill_chunk_size, ctx), seqs, bs, blocks)
+    return DecoderPlan(dtype, ctx, prefill_rows(chat_config.prefill_chunk_size, ctx), seqs, bs, blocks,
+                       kv_cache_dtype(cfg, chat_config, dtype, seqs))

@@ -165,6 +165,7 @@ class LLMChatPipeline(DecodePaths):
             # uploads fill the first 90% of this load's progress when kernel tuning may follow
             model = m.arch.model_class()(dev, cfg, weights, owner=owner, context_window=plan.context,
                                          prefill_chunk=plan.prefill_chunk, dtype=dtype,
+                                         kv_cache_dtype=plan.kv_cache_dtype,
                                          progress=_scaled(progress, 0.0, 0.9) if tunes else progress)
             if tunes:
                 await _tune(dev, model, dtype, tuning, _scaled(progress, 0.9, 1.0), model_id or path.name)
