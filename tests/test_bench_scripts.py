@@ -152,3 +152,16 @@ def test_speculative(tmp_path, tiny):
         assert all(s["equals_row_invariant"] for s in r["speculative"] if not s["auto_off"])
         assert r["speculative"][2]["accepted"] > 0                           # the model guessing itself
     assert f"wrote {out}" in stdout
+
+
+def test_long_context(tmp_path):
+    chat = write_tiny_llama_gguf(tmp_path / "tiny-wide-heads.gguf", qtype="q4_1", context_length=512,
+                                 n_heads=2, n_kv_heads=1)["path"]          # head_dim 32: q8_0's blocks
+    out = tmp_path / "long_context.json"
+    stdout = run_script("long_context", "--smoke", "--model", str(chat), "--out", str(out))
+    data = load(out, {"adapter", "model", "positions", "rows", "llama_cpp"})
+    auto, q8 = data["rows"]
+    assert (auto["kv_cache_dtype"], q8["kv_cache_dtype"]) == ("auto", "q8_0")
+    assert q8["kv_bytes_per_token"] < auto["kv_bytes_per_token"] and set(q8["decode_tok_s"]) == {"64", "128"}
+    assert auto["accuracy_vs_auto"]["identical_answers"] == auto["accuracy_vs_auto"]["answers"]
+    assert f"wrote {out}" in stdout
