@@ -6,9 +6,12 @@
 //   words [S_OFF, S_OFF + Hkv*ctx*SW): S_OFF = Hkv*ctx*D4, SW = ceil(D/64); word S_OFF + r*SW + w
 //                                      holds the f16 scales of blocks 2w (low half) and 2w+1
 // so a row costs D + 4*SW bytes (D = 64: 68 B, 0.53x of f16's 128 B).
-//   kv_quant: k heads and v heads of qkv (T, H_all, D) rows t < n_new (step[1], 0 = all) written
-//             to cache row pos0 + t (pos0 = step[0]); lane per (t, k|v, kv head, scale word w).
-// The host header supplies act, D4 and SW.
+//   kv_quant:       k heads and v heads of qkv (T, H_all, D) rows t < n_new (step[1], 0 = all)
+//                   written to cache row pos0 + t (pos0 = step[0]); lane per (t, k|v, kv head, scale
+//                   word w).
+//   kv_quant_slots: the paged pool (n_blocks, BS, Hkv) rows: qkv row t's kv head h goes to pool row
+//                   slots[t] * Hkv + h (0xffffffff: skipped); S_OFF = n_blocks * BS * Hkv * D4.
+// The host header supplies act, D4, SW and Q8_SOFF (= S_OFF).
 
 struct Params {
     rows: u32,     // T dispatched
@@ -17,15 +20,16 @@ struct Params {
     n_kv: u32,
     ctx: u32,
     qkv_off: u32,  // act4 units
-    _p0: u32,
+    idx_off: u32,  // kv_quant_slots: offset of the slots in u32 units
     _p1: u32,
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
-@group(0) @binding(1) var<storage, read> step: array<u32>;     // (4): pos0, n_new, kv_len, 0
+@group(0) @binding(1) var<storage, read> step: array<u32>;     // (4): pos0, n_new, kv_len, 0 (slots: n_new)
 @group(0) @binding(2) var<storage, read> qkv: array<act4>;
 @group(0) @binding(3) var<storage, read_write> kq: array<u32>;
 @group(0) @binding(4) var<storage, read_write> vq: array<u32>;
+@group(0) @binding(5) var<storage, read> slots: array<u32>;     // kv_quant_slots: (T) pool rows
 
 fn put(v: u32, i: u32, w: u32) {
     if (v == 0u) { kq[i] = w; } else { vq[i] = w; }
@@ -35,22 +39,9 @@ fn byte(q: f32) -> u32 {
     return u32(i32(q)) & 0xffu;
 }
 
-@compute @workgroup_size(64)
-fn kv_quant(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
-            @builtin(local_invocation_index) lid: u32) {
-    let i = (wid.y * nwg.x + wid.x) * 64u + lid;
-    let per_row = 2u * p.n_kv * SW;
-    let t = i / per_row;
-    let n_new = step[1];
-    let rows = select(p.rows, min(p.rows, n_new), n_new != 0u);
-    let pos = step[0] + t;
-    if (t >= rows || pos >= p.ctx) { return; }
-    let r = i % per_row;
-    let v = r / (p.n_kv * SW);               // 0: k, 1: v
-    let h = (r / SW) % p.n_kv;
-    let w = r % SW;
+// quantises qkv row t's k (v = 0) or v (v = 1) head h, blocks 2w and 2w + 1, into cache row `row`
+fn quant(t: u32, v: u32, h: u32, w: u32, row: u32) {
     let src = p.qkv_off + (t * p.heads + p.k_lo + v * p.n_kv + h) * D4;
-    let row = h * p.ctx + pos;
     var d = vec2<f32>(0.0);
     for (var b2 = 0u; b2 < 2u; b2++) {
         let b = 2u * w + b2;
@@ -68,5 +59,42 @@ fn kv_quant(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg:
         }
         d[b2] = db;
     }
-    put(v, p.n_kv * p.ctx * D4 + row * SW + w, pack2x16float(d));
+    put(v, Q8_SOFF + row * SW + w, pack2x16float(d));
+}
+
+struct Lane {
+    t: u32,
+    v: u32,
+    h: u32,
+    w: u32,
+    ok: bool,   // a live row
+}
+
+fn lane(wid: vec3<u32>, nwg: vec3<u32>, lid: u32) -> Lane {
+    let i = (wid.y * nwg.x + wid.x) * 64u + lid;
+    let per_row = 2u * p.n_kv * SW;
+    let t = i / per_row;
+    let n_new = step[1];
+    let rows = select(p.rows, min(p.rows, n_new), n_new != 0u);
+    let r = i % per_row;
+    return Lane(t, r / (p.n_kv * SW), (r / SW) % p.n_kv, r % SW, t < rows);
+}
+
+@compute @workgroup_size(64)
+fn kv_quant(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+            @builtin(local_invocation_index) lid: u32) {
+    let l = lane(wid, nwg, lid);
+    let pos = step[0] + l.t;
+    if (!l.ok || pos >= p.ctx) { return; }
+    quant(l.t, l.v, l.h, l.w, l.h * p.ctx + pos);
+}
+
+@compute @workgroup_size(64)
+fn kv_quant_slots(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                  @builtin(local_invocation_index) lid: u32) {
+    let l = lane(wid, nwg, lid);
+    if (!l.ok) { return; }
+    let slot = slots[p.idx_off + l.t];
+    if (slot == 0xffffffffu) { return; }
+    quant(l.t, l.v, l.h, l.w, slot * p.n_kv + l.h);
 }

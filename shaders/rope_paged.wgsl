@@ -20,3 +20,13 @@ fn rope_kv_paged(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups)
     let g = q.h - p.k_lo;
     put_kv(q, v, g, p.kc_off + (slot * p.n_kv + g) * p.hd2, p.vc_off + (slot * p.n_kv + g - p.n_kv) * p.hd2);
 }
+
+// rope_paged: rope_kv_paged's rotation only (a q8_0 pool is written by kv_quant.wgsl's
+// kv_quant_slots after it): q and k heads of row t rotated in place at positions[t].
+@compute @workgroup_size(64)
+fn rope_paged(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+              @builtin(local_invocation_index) lid: u32) {
+    let q = locate(wid, nwg, lid);
+    if (!q.ok) { return; }
+    _ = rotate(q, positions[q.t], p.qkv_off + (q.t * p.heads + q.h) * p.hd2);
+}

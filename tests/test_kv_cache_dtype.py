@@ -94,7 +94,6 @@ async def test_bad_kv_cache_dtypes_are_typed_errors(device, narrow):
     try:
         cases = [({"kv_cache_dtype": "int8"}, ChatOptionTypeError, None),
                  ({"kv_cache_dtype": "q4_0"}, UnsupportedChatOptionError, "no attention kernel"),
-                 ({"kv_cache_dtype": "q8_0", "max_num_sequences": 4}, UnsupportedChatOptionError, "paged"),
                  ({"kv_cache_dtype": "f16", "dtype": "f32"}, UnsupportedChatOptionError, "activations"),
                  ({"kv_cache_dtype": "q8_0"}, UnsupportedChatOptionError, "multiple of 32")]
         for opts, err, words in cases:
@@ -111,12 +110,43 @@ async def test_bad_kv_cache_dtypes_are_typed_errors(device, narrow):
         await eng.unload()
 
 
-def test_cli_kv_cache_dtype_flag_and_serve_default():
-    """--kv-cache-dtype reaches chat_opts; serve loads a q8_0 model one request at a time."""
-    from webgpu_engine.cli.commands import _one_request
+def test_cli_kv_cache_dtype_flag():
     from webgpu_engine.cli.models import chat_opts_for
     from webgpu_engine.cli.parser import build_parser
     args = build_parser().parse_args(["serve", "--model", "a.gguf", "--kv-cache-dtype", "q8_0"])
-    opts = chat_opts_for(args, 1)
-    assert opts == [{"kv_cache_dtype": "q8_0"}] and _one_request(opts[0])
-    assert not _one_request({"kv_cache_dtype": "auto"})
+    assert chat_opts_for(args, 1) == [{"kv_cache_dtype": "q8_0"}]
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory):
+    """A tiny model with 32-dim heads (q8_0's block)."""
+    return str(write_tiny_llama_gguf(tmp_path_factory.mktemp("kvq8") / "m.gguf", qtype="q8_0",
+                                     context_length=256, n_heads=2, n_kv_heads=1)["path"])
+
+
+async def test_q8_0_pool_of_the_batch_scheduler_answers_alone_as_in_a_batch(device, wide):
+    """Continuous batching over q8_0 pools: each request's greedy answer is the same alone and among
+    three at once; the pool is allocated as the plan (and /v1/models) says."""
+    import asyncio
+    app = default_app_config().with_records(ModelRecord("tiny", wide, "llm"))
+    eng = AsyncMLCEngine(EngineConfig(device=device, app_config=app))
+    await eng.reload("tiny", {"compile_at_load": False, "kv_cache_dtype": "q8_0", "max_num_sequences": 3})
+    try:
+        pipe = eng.models["tiny"].pipeline
+        assert pipe.scheduler is not None
+        fwd = pipe.scheduler.fwd
+        assert fwd.pools[0][0].dtype == "u32"
+        c = pipe.model.cfg
+        pool_bytes = sum(t.nbytes for kv in fwd.pools for t in kv)
+        assert pool_bytes == pipe.plan.kv_bytes_per_token(c) * pipe.plan.kv_block_size * pipe.plan.kv_pool_blocks
+        assert eng.models["tiny"].describe(device)["memory"]["kv_cache_bytes"] == pipe.plan.kv_cache_bytes(c)
+
+        async def ask(i):
+            r = await eng.chat.completions.create(messages=[{"role": "user", "content": f"tell me about {i} cats"}],
+                                                  max_tokens=12, temperature=0, ignore_eos=True)
+            return r.choices[0].message.content
+        alone = [await ask(i) for i in range(3)]
+        together = await asyncio.gather(*(ask(i) for i in range(3)))
+        assert list(together) == alone
+    finally:
+        await eng.unload()

@@ -127,3 +127,97 @@ def test_q8_0_cache_refuses_what_it_cannot_hold(device):
     with pytest.raises(ValueError, match="u32 words"):
         nn.attention(device, qt, small, small, empty(device, (1, 64)), step_buf(device, 0, 1), n_q_heads=2,
                      n_kv_heads=1, head_dim=32, ctx=8, scale=0.2)
+
+
+# ---------------------------------------------------------------------------- the paged pool
+BS = 16
+
+
+def _q8_pool(device, x: np.ndarray):
+    """A q8_0 pool holding x (n_blocks, BS, Hkv, D) quantised; the dequantised values."""
+    n_blocks, bs, hkv, d = x.shape
+    q, s = nn_ref.q8_kv_quantize(x.reshape(1, -1, d))
+    words = nn_ref.q8_kv_pack(q, s)
+    buf = device.upload(words.view(np.uint8), owner="test:nn", label="q8pool")
+    from webgpu_engine.kernels.kv_quant import q8_pool_shape
+    return Tensor(buf, q8_pool_shape(n_blocks, bs, hkv, d), "u32", 0), nn_ref.q8_kv_dequantize(q, s).reshape(x.shape)
+
+
+def _read_pool(device, t: Tensor, d: int):
+    n_blocks, bs, hkv, _ = t.shape
+    q, s = _read_q8(device, t, 1, n_blocks * bs * hkv, d)
+    return q.reshape(n_blocks * bs, hkv, d), s.reshape(n_blocks * bs, hkv, -1)
+
+
+@pytest.mark.parametrize("dtype,neox", [("f32", False), ("f16", True)])
+def test_paged_rope_kv_into_q8_0_pools(device, dtype, neox):
+    """Rows at positions of their own: q and k rotated in place as nn_ref.rope, the rotated k and the
+    v heads quantised into pool rows slots[t] (a skipped slot rotates only); other rows untouched."""
+    from webgpu_engine.kernels import attention_paged as ap
+    rng = np.random.default_rng(4)
+    hq, hkv, d, n_blocks = 4, 2, 64, 4
+    qkv = rng.standard_normal((6, hq + 2 * hkv, d)) * 2
+    pos = np.array([0, 5, 17, 3, 100, 40], np.uint32)
+    slots = np.array([3, 20, ap.SKIP_SLOT, 63, 16, 0], np.uint32)
+    qt = put(device, qkv, dtype, lead=4)
+    kp, vp = ap.new_kv_pool(device, n_blocks, BS, hkv, d, "q8_0", owner="test:nn")
+    op = ap.paged_rope_kv(device, qt, kp, vp, put(device, pos, "u32"), put(device, slots, "u32", lead=64),
+                          n_q_heads=hq, n_kv_heads=hkv, head_dim=d, base=500.0, neox=neox)
+    assert [x[0].key.entry for x in op.dispatches] == ["rope_paged", "kv_quant_slots"]
+    run(device, op)
+    want = nn_ref.rope(rounded(qkv, dtype), pos, n_heads=hq + hkv, rot_dim=d, base=500.0, neox=neox)
+    got = get(device, qt)
+    np.testing.assert_allclose(got, want, **TOL[dtype])
+    written = slots != ap.SKIP_SLOT
+    for pool, heads in ((kp, got[:, hq:hq + hkv]), (vp, rounded(qkv, dtype)[:, hq + hkv:])):
+        q, s = _read_pool(device, pool, d)
+        rq, rs = nn_ref.q8_kv_quantize(heads[written])       # from what the kernel rotated
+        np.testing.assert_array_equal(q[slots[written]], rq)
+        np.testing.assert_array_equal(s[slots[written]], rs)
+        rest = np.setdiff1d(np.arange(n_blocks * BS), slots[written])
+        assert not q[rest].any() and not s[rest].any()
+
+
+@pytest.mark.parametrize("dtype,hq,hkv,d,window,softcap", [("f32", 9, 3, 64, 0, 0.0), ("f16", 6, 2, 96, 37, 2.0)])
+def test_paged_decode_and_prefill_over_q8_0_pools(device, dtype, hq, hkv, d, window, softcap):
+    """A ragged decode batch (block boundaries, an idle slot) and a chunked prefill through a block
+    table, over q8_0 pools, against nn_ref's attention over the dequantised keys and values."""
+    from webgpu_engine.kernels import attention_paged as ap
+    rng = np.random.default_rng(d)
+    n_blocks, max_blocks = 40, 16
+    kt, kx = _q8_pool(device, (rng.standard_normal((n_blocks, BS, hkv, d)) * 1.5).astype(np.float32))
+    vt, vx = _q8_pool(device, rng.standard_normal((n_blocks, BS, hkv, d)).astype(np.float32))
+    lens = [1, BS, BS + 1, 150, 0]
+    ids = list(rng.permutation(n_blocks))
+    tables = np.zeros((len(lens), max_blocks), np.uint32)
+    for q, n in enumerate(lens):
+        for i in range(-(-n // BS)):
+            tables[q, i] = ids.pop()
+
+    def gather(pool, table, n):
+        return np.stack([pool[table[j // BS], j % BS] for j in range(n)], 1)
+    qkv = rng.standard_normal((len(lens), hq + 2 * hkv, d)) * 2
+    out = empty(device, (len(lens), hq * d), dtype, fill=7.0)
+    scale = d ** -0.5
+    op = ap.paged_decode(device, put(device, qkv, dtype), kt, vt, out, put(device, np.array(lens, np.uint32), "u32"),
+                         put(device, tables, "u32"), n_q_heads=hq, n_kv_heads=hkv, head_dim=d, max_seqs=len(lens),
+                         max_blocks=max_blocks, scale=scale, window=window, softcap=softcap, min_chunk=32)
+    run(device, op)
+    got = get(device, out)
+    for q, n in enumerate(lens):
+        if n:
+            ref = nn_ref.causal_attention(rounded(qkv, dtype)[q:q + 1, :hq], gather(kx, tables[q], n),
+                                          gather(vx, tables[q], n), n - 1, scale, window=window, softcap=softcap)
+            np.testing.assert_allclose(got[q:q + 1], ref, **TOL[dtype], err_msg=f"sequence {q}")
+        else:
+            assert (got[q] == 7.0).all()
+    # prefill: rows 130 .. 149 of sequence 3 (its table holds keys 0 .. 149)
+    t, pos0 = 20, 130
+    x = rng.standard_normal((t, hq + 2 * hkv, d))
+    pout = empty(device, (t, hq * d), dtype)
+    run(device, ap.paged_prefill(device, put(device, x, dtype), kt, vt, pout, step_buf(device, pos0, t),
+                                 put(device, tables[3], "u32"), n_q_heads=hq, n_kv_heads=hkv, head_dim=d,
+                                 max_blocks=max_blocks, scale=scale, window=window, softcap=softcap))
+    kc, vc = gather(kx, tables[3], 150), gather(vx, tables[3], 150)
+    ref = nn_ref.causal_attention(rounded(x, dtype)[:, :hq], kc, vc, pos0, scale, window=window, softcap=softcap)
+    np.testing.assert_allclose(get(device, pout), ref, **TOL[dtype])

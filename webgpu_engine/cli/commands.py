@@ -170,8 +170,7 @@ SERVE_MAX_NUM_SEQUENCES = 0      # the server batches by default, as suits the d
 
 
 def _one_request(opts: dict) -> bool:
-    return (bool(opts.get("speculation")) or opts.get("context_overflow") == "shift"
-            or opts.get("kv_cache_dtype") == "q8_0")
+    return bool(opts.get("speculation")) or opts.get("context_overflow") == "shift"
 
 
 def cmd_serve(args) -> int:

@@ -129,9 +129,6 @@ def _check_chat_options(cc: ChatConfig) -> None:
     if cc.kv_cache_dtype == "q4_0":
         raise UnsupportedChatOptionError("kv_cache_dtype", "q4_0", "no attention kernel reads a q4_0 KV cache "
                                          f"yet: use one of {list(KV_CACHE_DTYPES)}")
-    if cc.kv_cache_dtype == "q8_0" and cc.max_num_sequences != 1:
-        raise UnsupportedChatOptionError("kv_cache_dtype", "q8_0", "the paged KV cache of continuous batching "
-                                         "has no q8_0 kernels yet: load with max_num_sequences 1")
     if cc.n_keep < 0:
         raise ChatOptionTypeError("n_keep", "a number of tokens >= 0", cc.n_keep)
     if cc.max_num_sequences > cc.prefill_chunk_size > 0:

@@ -22,12 +22,13 @@ def decode_splits(ctx: int, *, min_chunk: int = 32, max_splits: int = 128) -> tu
 
 
 def _attn_header(dt: str, head_dim: int, g: int = 1, split_wg: int = WG, packed: bool = False,
-                 windowed: bool = False, capped: bool = False, kv: tuple = ("kc", "vc"), q8: bool = False) -> str:
+                 windowed: bool = False, capped: bool = False, kv: tuple = ("kc", "vc"), q8: int = 0) -> str:
     """Constants plus the state of g heads unrolled into vec4 registers (see attention.wgsl).
     packed: f16 keys and values are read as vec4<u32> (8 halves per load; kr, vr even).
     kv: the arrays keys and values are read from (attention_flash.wgsl: its workgroup tiles).
-    q8: the caches are q8_0 (kernels/kv_quant.py), read through kcq / vcq as the unrolled reads
-    (unless kv names other arrays) and as kc_at / vc_at (row-vec4 r, dequantised: the flash tiles)."""
+    q8: the caches are q8_0 (kernels/kv_quant.py) of q8 head rows, read through kcq / vcq as the
+    unrolled reads (unless kv names other arrays) and as kc_at / vc_at (row-vec4 r, dequantised:
+    the flash tiles)."""
     n = head_dim // 4
     r, gs = range(n), range(g)
     sv = "f32" if g == 1 else f"vec{g}<f32>"
@@ -42,16 +43,16 @@ def _attn_header(dt: str, head_dim: int, g: int = 1, split_wg: int = WG, packed:
         for j in gs for i in r) + "  m_run = sv(-3.0e38); l_run = sv(0.0);\n}")
     quant_reads = q8 and kv == ("kc", "vc")
     if q8:
-        out.append(q8_header(head_dim) + "fn q8_soff() -> u32 { return (p.hq / p.group) * p.ctx * D4; }\n" + "".join(
+        out.append(q8_header(head_dim, q8) + "".join(
             f"fn {c}_at(r: u32) -> vec4<f32> {{\n  let i = r % D4;\n"
-            f"  return i8x4({c}q[r]) * unpack2x16float({c}q[q8_soff() + (r / D4) * SW + i / 16u])[(i / 8u) % 2u];\n}}\n"
+            f"  return i8x4({c}q[r]) * unpack2x16float({c}q[Q8_SOFF + (r / D4) * SW + i / 16u])[(i / 8u) % 2u];\n}}\n"
             for c in ("kc", "vc")))
     elif kv != ("kc", "vc"):       # the flash tiles' loads
         out.append("".join(f"fn {c}_at(r: u32) -> vec4<f32> {{ return vec4<f32>({c}[r]); }}\n" for c in ("kc", "vc")))
 
     def loads(name, buf, base):
         if quant_reads:          # base = row * D4 (the caches sit at offset 0); scales per 8 vec4
-            return ("".join(f"  let s{name}{w} = unpack2x16float({buf}q[q8_soff() + ({base} / D4) * SW + {w}u]);\n"
+            return ("".join(f"  let s{name}{w} = unpack2x16float({buf}q[Q8_SOFF + ({base} / D4) * SW + {w}u]);\n"
                             for w in range(-(-n // 16)))
                     + "".join(f"  let {name}{i} = i8x4({buf}q[{base} + {i}u]) * s{name}{i // 16}.{'xy'[(i // 8) % 2]};\n"
                               for i in r))
@@ -114,7 +115,7 @@ def attention(dev: Device, qkv: Tensor, k_cache: Tensor, v_cache: Tensor, out: T
     max_splits (keys per split) and split_wg (workgroup size). CPU adapters (lavapipe) default to
     128-key splits in workgroups of 8 (fewer partials, spread over cores), others to 32 and 64."""
     k = "attention"
-    q8 = k_cache.dtype == "u32"           # a q8_0 cache (kernels/kv_quant.py)
+    q8 = n_kv_heads * ctx if k_cache.dtype == "u32" else 0    # a q8_0 cache (kernels/kv_quant.py): its rows
     dt = _act(k, qkv, out) if q8 else _act(k, qkv, k_cache, v_cache, out)
     rows, heads = _qkv_heads(k, qkv, head_dim)
     t_max = rows if max_t is None else int(max_t)

@@ -32,9 +32,10 @@ def q8_supported(head_dim: int) -> bool:
     return head_dim % Q8_BLOCK == 0
 
 
-def q8_header(head_dim: int) -> str:
-    """D4 and SW, and i8x4(word): a word's four signed bytes (the low byte first)."""
-    return (f"const SW: u32 = {q8_scale_words(head_dim)}u;\n"
+def q8_header(head_dim: int, rows: int) -> str:
+    """SW, Q8_SOFF (the first scale word of a cache of `rows` head rows) and i8x4(word): a word's
+    four signed bytes (the low byte first)."""
+    return (f"const SW: u32 = {q8_scale_words(head_dim)}u;\nconst Q8_SOFF: u32 = {rows * (head_dim // 4)}u;\n"
             "fn i8x4(w: u32) -> vec4<f32> {\n"
             "  return vec4<f32>(vec4<i32>(bitcast<i32>(w << 24u), bitcast<i32>(w << 16u), "
             "bitcast<i32>(w << 8u), bitcast<i32>(w)) >> vec4<u32>(24u));\n}\n")
@@ -59,7 +60,48 @@ def kv_quant(dev: Device, qkv: Tensor, k_cache: Tensor, v_cache: Tensor, step, *
     check_q8_caches(k, (k_cache, v_cache), n_kv_heads, ctx, head_dim)
     qe, qo = _window(dev, qkv, k, 4)
     par = params(dev, [rows, heads, n_q_heads, n_kv_heads, ctx, qo, 0, 0], owner=qkv.buf.owner, label=k)
-    header = act_header(dt) + f"const D4: u32 = {head_dim // 4}u;\n" + q8_header(head_dim)
+    header = act_header(dt) + f"const D4: u32 = {head_dim // 4}u;\n" + q8_header(head_dim, n_kv_heads * ctx)
     entries = [_step_entry(step), qe, (k_cache.buf, 0, k_cache.nbytes), (v_cache.buf, 0, v_cache.nbytes)]
     return _op(dev, k, "kv_quant.wgsl", "kv_quant", header, par, entries,
                rows * 2 * n_kv_heads * q8_scale_words(head_dim))
+
+
+# ---------------------------------------------------------------------------- the paged pool
+def q8_pool_shape(n_blocks: int, block_size: int, n_kv_heads: int, head_dim: int) -> tuple:
+    """A q8_0 pool's u32 tensor shape: (n_blocks, BS, Hkv, D/4 + SW) words in all, the bytes of
+    every row first, then every row's scales (not row-major: the shape carries the geometry)."""
+    return (n_blocks, block_size, n_kv_heads, head_dim // 4 + q8_scale_words(head_dim))
+
+
+def q8_pool_rows(pool: Tensor) -> int:
+    n_blocks, bs, hkv, _ = pool.shape
+    return int(n_blocks) * int(bs) * int(hkv)
+
+
+def kv_quant_slots(dev: Device, qkv: Tensor, k_pool: Tensor, v_pool: Tensor, slots: Tensor, step=None, *,
+                   n_q_heads: int, n_kv_heads: int, head_dim: int) -> Op:
+    """The k and v heads of qkv rows (T, Hq+2Hkv, D) (rows t < step.n_new; no step: all) into q8_0
+    pool rows slots[t] * Hkv + h (slot 0xffffffff: skipped), after RoPE."""
+    k = "kv_quant_slots"
+    dt = _act(k, qkv)
+    rows, heads = _qkv_heads(k, qkv, head_dim)
+    check(heads >= n_q_heads + 2 * n_kv_heads, k, f"qkv rows have {heads} heads, need {n_q_heads}+2*{n_kv_heads}")
+    check(q8_supported(head_dim), k, f"a q8_0 KV cache needs head_dim a multiple of {Q8_BLOCK}, got {head_dim}")
+    for c in (k_pool, v_pool):
+        check(c.dtype == "u32" and c.offset == 0 and len(c.shape) == 4
+              and c.shape[2:] == q8_pool_shape(1, 1, n_kv_heads, head_dim)[2:], k,
+              f"q8_0 pool {c.shape} {c.dtype} must be (n_blocks, BS, {n_kv_heads}, {head_dim // 4 + q8_scale_words(head_dim)}) u32")
+    check(slots.dtype == "u32" and slots.numel >= rows, k, f"slots {slots.shape} must hold {rows} u32")
+    qe, qo = _window(dev, qkv, k, 4)
+    se, so = _window(dev, slots, k)
+    owner = k_pool.buf.owner
+    par = params(dev, [rows, heads, n_q_heads, n_kv_heads, 0, qo, so, 0], owner=owner, label=k)
+    header = act_header(dt) + f"const D4: u32 = {head_dim // 4}u;\n" + q8_header(head_dim, q8_pool_rows(k_pool))
+    extra = []
+    if step is None:                # all rows: a step of its own whose n_new is 0
+        step = dev.upload(bytes(16), owner=owner, label="kv_quant_slots.step")
+        extra = [step]
+    entries = [_step_entry(step), qe, (k_pool.buf, 0, k_pool.nbytes), (v_pool.buf, 0, v_pool.nbytes), se]
+    op = _op(dev, k, "kv_quant.wgsl", k, header, par, entries, rows * 2 * n_kv_heads * q8_scale_words(head_dim))
+    op.buffers += extra
+    return op

@@ -49,7 +49,8 @@ class PagedForward:
         self.tables = new_tensor(dev, (S * self.max_blocks,), "u32", owner=owner, label="paged.tables")
         self.step = dev.buffer(16, owner=owner, label="paged.step")              # (pos0, n_new, ., 0)
         self.logits = new_tensor(dev, (S, c.vocab_size), dt, owner=owner, label="paged.logits")
-        self.pools = [ap.new_kv_pool(dev, self.n_blocks, self.block_size, c.n_kv_heads, c.head_dim, dt,
+        self.pools = [ap.new_kv_pool(dev, self.n_blocks, self.block_size, c.n_kv_heads, c.head_dim,
+                                     model.kv_cache_dtype or dt,
                                      owner=owner, label=f"kv_pool.{i}") for i in range(c.n_layers)]
         self._ops = OpCache(_MAX_CACHED)                   # (kind, rows) -> list[Op]
 

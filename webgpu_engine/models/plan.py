@@ -70,7 +70,7 @@ class DecoderPlan:
     max_sequences: int         # decoded together; 1: one request at a time, no paged pool
     kv_block_size: int = 16    # tokens per paged KV block
     kv_pool_blocks: int = 0    # blocks of the paged pool (0 when max_sequences is 1)
-    kv_cache_dtype: str = ""   # the one-sequence cache: "q8_0" (kernels/kv_quant.py), or "" (= dtype)
+    kv_cache_dtype: str = ""   # the KV cache and pool: "q8_0" (kernels/kv_quant.py), or "" (= dtype)
 
     @property
     def act_bytes(self) -> int:
@@ -81,7 +81,7 @@ class DecoderPlan:
         return self.kv_cache_dtype or self.dtype
 
     def kv_bytes_per_token(self, cfg) -> int:
-        """K and V of one position, every layer, in the one-sequence cache."""
+        """K and V of one position, every layer."""
         return 2 * cfg.n_layers * cfg.n_kv_heads * kv_row_bytes(self.kv_dtype, cfg.head_dim)
 
     def kv_layer_bytes(self, cfg) -> int:
@@ -89,9 +89,8 @@ class DecoderPlan:
         return cfg.n_kv_heads * self.context * kv_row_bytes(self.kv_dtype, cfg.head_dim)
 
     def kv_cache_bytes(self, cfg) -> int:
-        """The contiguous cache plus the paged pool (always in the activations' dtype)."""
-        pool = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * self.act_bytes
-        return self.kv_bytes_per_token(cfg) * self.context + pool * self.kv_block_size * self.kv_pool_blocks
+        """The contiguous cache plus the paged pool."""
+        return self.kv_bytes_per_token(cfg) * (self.context + self.kv_block_size * self.kv_pool_blocks)
 
 
 def resolve_max_sequences(dev, chat_config) -> int:
@@ -99,9 +98,9 @@ def resolve_max_sequences(dev, chat_config) -> int:
     return max_sequences(dev, chat_config.max_num_sequences, chat_config.prefill_chunk_size)
 
 
-def kv_cache_dtype(cfg, chat_config, dtype: str, seqs: int) -> str:
-    """The one-sequence cache's dtype beyond the activations' ("" for none): chat_config.kv_cache_dtype
-    "q8_0" where the heads allow it and nothing batches; "f16" / "f32" are the activations' own."""
+def kv_cache_dtype(cfg, chat_config, dtype: str) -> str:
+    """The KV caches' dtype beyond the activations' ("" for none): chat_config.kv_cache_dtype "q8_0"
+    where the heads allow it; "f16" / "f32" are the activations' own."""
     want = getattr(chat_config, "kv_cache_dtype", "auto")
     if want in ("auto", dtype):
         return ""
@@ -112,10 +111,6 @@ def kv_cache_dtype(cfg, chat_config, dtype: str, seqs: int) -> str:
     if not q8_supported(cfg.head_dim):
         raise UnsupportedChatOptionError("kv_cache_dtype", want, (
             f"a q8_0 KV cache needs a head_dim that is a multiple of 32; this model's is {cfg.head_dim}"))
-    if seqs > 1:
-        raise UnsupportedChatOptionError("kv_cache_dtype", want, (
-            "the paged KV cache of continuous batching has no q8_0 kernels yet: load with "
-            "max_num_sequences 1"))
     return want
 
 
@@ -132,9 +127,10 @@ def plan_decoder(cfg, chat_config, dev) -> DecoderPlan:
     seqs = resolve_max_sequences(dev, chat_config)
     bs = int(chat_config.kv_block_size)
     blocks = 0
+    kv = kv_cache_dtype(cfg, chat_config, dtype)
     if seqs > 1:
         from ..kernels.attention_paged import max_pool_blocks
-        cap = max_pool_blocks(dev, bs, cfg.n_kv_heads, cfg.head_dim, dtype)
+        cap = max_pool_blocks(dev, bs, cfg.n_kv_heads, cfg.head_dim, kv or dtype)
         one = -(-ctx // bs) + 1                    # a lone sequence of a full context always fits
         blocks = min(pool_blocks(seqs, ctx, bs, chat_config.kv_pool_tokens), cap)
         if blocks < one:
@@ -142,5 +138,4 @@ def plan_decoder(cfg, chat_config, dev) -> DecoderPlan:
                 f"A paged KV cache for a context of {ctx} tokens needs {one} blocks of {bs} tokens per "
                 f"layer, more than this device binds ({cap}). Use a smaller context_window_size.",
                 param="context_window_size")
-    return DecoderPlan(dtype, ctx, prefill_rows(chat_config.prefill_chunk_size, ctx), seqs, bs, blocks,
-                       kv_cache_dtype(cfg, chat_config, dtype, seqs))
+    return DecoderPlan(dtype, ctx, prefill_rows(chat_config.prefill_chunk_size, ctx), seqs, bs, blocks, kv)
