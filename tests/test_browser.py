@@ -34,6 +34,9 @@ FLAGS = ["--headless=new", "--no-sandbox", "--disable-background-networking", "-
 SETUP = "run `bash scripts/browser_setup.sh` (or `make browser-setup`)"
 N_IDS = 16
 CHAT_MODEL, EMBED_MODEL = DEFAULT_CHAT_MODEL, DEFAULT_EMBED_MODEL
+MLC_FIXTURES = ROOT / "tests" / "fixtures" / "mlc_tvm"        # MLC folders written by TVM (make_mlc_tvm.py)
+MLC_REFERENCE = ROOT / "tests" / "fixtures" / "mlc_tvm_transformers.json"
+GREEDY_OPTS = {"temperature": 0.0, "top_p": 1.0}
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +68,7 @@ def server(browser_env, tmp_path_factory):
         sys.path.remove(str(DEMO))
     log = tmp_path_factory.mktemp("server") / "requests.log"
     log.write_text("")
-    httpd = serve.serve(0, str(log))
+    httpd = serve.serve(0, str(log), routes={"mlc": MLC_FIXTURES})
     t = threading.Thread(target=httpd.serve_forever, daemon=True)
     t.start()
     yield f"http://127.0.0.1:{httpd.server_address[1]}/", log
@@ -119,10 +122,10 @@ def _cos(a: list[float], b: list[float]) -> float:
     return dot / (math.sqrt(sum(x * x for x in a)) * math.sqrt(sum(y * y for y in b)))
 
 
-async def _open_demo(ctx, base: str, logs: list):
+async def _open_demo(ctx, base: str, logs: list, query: str = ""):
     page = await ctx.new_page()
     _console(page, logs)
-    await page.goto(base + "index.html?auto=0")
+    await page.goto(base + "index.html?auto=0" + query)
     await page.wait_for_function("window.demo !== undefined || window.demoError !== undefined",
                                  timeout=600_000, polling=500)
     err = await page.evaluate("window.demoError")
@@ -193,3 +196,47 @@ async def test_demo_page_chat_embeddings_and_cache(server, tmp_path, smollm2_ref
         finally:
             if pages and not pages[-1].is_closed():   # the page as it was, also when a check failed
                 await pages[-1].screenshot(path=str(ARTIFACTS / "browser_demo.png"), full_page=True)
+
+
+async def test_mlc_folder_by_url_and_from_webllms_cache(server, tmp_path):
+    """An MLC folder as WebLLM publishes it (TVM-written, q4f16_1) loads by URL in the page and decodes
+    transformers' greedy ids; a second folder already in WebLLM's Cache Storage ("webllm/model", keyed
+    by URL) loads from there without a request."""
+    base, log = server
+    logs: list[str] = []
+    ref = json.loads(MLC_REFERENCE.read_text())["models"]
+    async with chromium(tmp_path / "profile") as ctx:
+        page = await _open_demo(ctx, base, logs, "&models=")
+        try:
+            mark = len(log.read_text().splitlines())
+            r = await page.evaluate(f"window.demo.loadUrl({json.dumps(base + 'mlc/llama-q4f16_1/')}, 'tiny-mlc', "
+                                    f"{json.dumps(GREEDY_OPTS)})")
+            served = log.read_text().splitlines()[mark:]
+            assert r["model_id"] == "tiny-mlc" and "params_shard_0.bin" in r["files"], r
+            assert any("/mlc/llama-q4f16_1/params_shard_0.bin" in ln for ln in served), served
+            assert r["fetch"]["tiny-mlc"]["fetched_files"] == len(r["files"])
+            want = ref["llama-q4f16_1"]
+            got = await page.evaluate(f"window.demo.greedyIds({json.dumps(want['prompt_ids'])}, "
+                                      f"{len(want['greedy'])})")
+            assert got["ids"] == want["greedy"], got
+
+            # WebLLM downloaded qwen2-q4f32_1 from a hub URL earlier: its files sit in its cache
+            hub = "https://huggingface.co/mlc-ai/tiny-qwen2-q4f32_1-MLC/resolve/main/"
+            names = sorted(f.name for f in (MLC_FIXTURES / "qwen2-q4f32_1").iterdir())
+            await page.evaluate("""async ([src, hub, names]) => {
+                const c = await caches.open("webllm/model");
+                for (const n of names) await c.put(hub + n, await fetch(src + n));
+            }""", [base + "mlc/qwen2-q4f32_1/", hub, names])
+            mark = len(log.read_text().splitlines())
+            r = await page.evaluate(f"window.demo.loadUrl({json.dumps(hub)}, '', {json.dumps(GREEDY_OPTS)})")
+            assert not [ln for ln in log.read_text().splitlines()[mark:] if "/mlc/" in ln]
+            st = r["fetch"][r["model_id"]]
+            assert r["model_id"] == "tiny-qwen2-q4f32_1-MLC", r            # the repo's name, as WebLLM's id
+            assert st["fetched_files"] == 0 and st["cached_files"] == len(r["files"]), st
+            want = ref["qwen2-q4f32_1"]
+            got = await page.evaluate(f"window.demo.greedyIds({json.dumps(want['prompt_ids'])}, "
+                                      f"{len(want['greedy'])})")
+            assert got["ids"] == want["greedy"], got
+        except BaseException:
+            print("\n".join(logs[-40:]))
+            raise

@@ -28,10 +28,12 @@ async function main() {
   $("device").textContent = `adapter: ${dev.adapter.vendor} ${dev.adapter.architecture}` +
     ` (${dev.backend}; shader-f16: ${dev.features.includes("shader-f16") ? "yes" : "no — f32 kernels"})`;
   const t0 = performance.now();
-  // ?models=a,b loads a subset (e.g. only the embedder); chat runs greedy, as the tests compare ids.
-  const models = params.get("models") ? params.get("models").split(",") : [CHAT_MODEL, EMBED_MODEL];
+  // ?models=a,b loads a subset (e.g. only the embedder; "?models=" none: demo.loadUrl then loads an MLC
+  // folder); chat runs greedy, as the tests compare ids.
+  const models = params.has("models") ? params.get("models").split(",").filter(Boolean) : [CHAT_MODEL, EMBED_MODEL];
   const opts = models.map((m) => (m === CHAT_MODEL ? { temperature: 0.0, top_p: 1.0 } : null));
-  const loaded = JSON.parse(await app.load(JSON.stringify(models), JSON.stringify(opts)));
+  const loaded = models.length ? JSON.parse(await app.load(JSON.stringify(models), JSON.stringify(opts)))
+    : { fetch: {} };
   const fetched = Object.values(loaded.fetch).reduce((a, s) => a + s.fetched_bytes, 0);
   const cached = Object.values(loaded.fetch).reduce((a, s) => a + s.cached_bytes, 0);
   setProgress(1, `models ready in ${((performance.now() - t0) / 1000).toFixed(1)} s ` +
@@ -52,6 +54,10 @@ async function main() {
       return r;
     },
     async greedyIds(promptIds, n) { return JSON.parse(await app.greedy_ids(JSON.stringify(promptIds), n)); },
+    // an MLC model folder by URL (WebLLM's layout), replacing the loaded models
+    async loadUrl(url, modelId = "", chatOpts = null) {
+      return JSON.parse(await app.load_url(url, modelId, JSON.stringify(chatOpts)));
+    },
     async embed(texts) { return JSON.parse(await app.embed(JSON.stringify(texts))); },
     async search(query) {
       const t = performance.now();

@@ -35,12 +35,13 @@ mimetypes.add_type("application/zip", ".whl")
 class Handler(SimpleHTTPRequestHandler):
     log_file = None
     log_lock = threading.Lock()
+    routes: dict = {"models": MODELS}      # first path part -> folder
 
     def translate_path(self, path: str) -> str:
         path = posixpath.normpath(unquote(urlsplit(path).path))
         parts = [p for p in path.split("/") if p and p not in (".", "..")]
-        if parts[:1] == ["models"]:
-            return str(MODELS.joinpath(*parts[1:]))
+        if parts and parts[0] in self.routes:
+            return str(Path(self.routes[parts[0]]).joinpath(*parts[1:]))
         return str(HERE.joinpath(*parts))
 
     def end_headers(self) -> None:
@@ -57,8 +58,10 @@ class Handler(SimpleHTTPRequestHandler):
                     f.write(line)
 
 
-def serve(port: int = 8000, log: str | None = None) -> ThreadingHTTPServer:
+def serve(port: int = 8000, log: str | None = None, routes: dict | None = None) -> ThreadingHTTPServer:
+    """`routes`: more {first path part: folder} served (the tests' MLC folders)."""
     Handler.log_file = log
+    Handler.routes = {"models": MODELS, **(routes or {})}
     httpd = ThreadingHTTPServer(("127.0.0.1", port), partial(Handler, directory=str(HERE)))
     return httpd
 

@@ -11,6 +11,7 @@ Values cross to JavaScript as JSON strings, so the page holds no Python proxies.
     const d = JSON.parse(app.default_models())            // {chat, embed}: catalogue.py's defaults
     await app.load(JSON.stringify([d.chat, d.embed]))
     await app.chat(JSON.stringify(messages), onDelta)    // onDelta(text) per streamed piece
+    await app.load_url("https://huggingface.co/mlc-ai/<id>/resolve/main/")   // an MLC folder (WebLLM's)
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from ..cache.defaults import model_artifacts
 from ..catalogue import BUILTIN_MODELS, DEFAULT_CHAT_MODEL, DEFAULT_EMBED_MODEL
 from ..engine.engine import AsyncMLCEngine
 from ..engine.records import EMBEDDING, LLM, AppConfig, EngineConfig, ModelRecord
+from ..errors import ArtifactFetchError
 from .artifact_cache import BrowserArtifactCache, stage_files
 
 STAGE_ROOT = "/models"
@@ -83,6 +85,49 @@ async def load(model_ids_json: str, chat_opts_json: str = "null") -> str:
     _state["loaded"] = {mid: _TYPES.get(mid, LLM) for mid in ids}
     _state["fetch_stats"] = stats
     return json.dumps({"fetch": stats, "load_seconds": time.perf_counter() - t0})
+
+
+WEBLLM_MODEL_CACHE = "webllm/model"      # WebLLM's Cache Storage bucket of model files, keyed by URL
+
+
+async def load_url(url: str, model_id: str = "", chat_opts_json: str = "null") -> str:
+    """Load an MLC model folder as WebLLM publishes them (mlc-chat-config.json, tensor-cache.json or
+    ndarray-cache.json with its shards, the tokenizer files) from `url` (any URL the page may fetch,
+    e.g. a Hugging Face `resolve/main/` folder). Files already in WebLLM's own Cache Storage for the
+    same URLs are read from there; others are fetched and kept in ours. Replaces the loaded models."""
+    base = url.rstrip("/") + "/"
+    # the id: given, else the repository's name of a hub URL (.../<repo>/resolve/<rev>/), else the folder's
+    mid = model_id or (base.split("/resolve/")[0] if "/resolve/" in base else base.rstrip("/")).rsplit("/", 1)[-1]
+    cache = BrowserArtifactCache("model", also=(WEBLLM_MODEL_CACHE,))
+    [cfg_raw], st = await cache.fetch_all([base + "mlc-chat-config.json"])
+    cfg = json.loads(bytes(cfg_raw.to_py()).decode())
+    index_name, index = None, None
+    for name in ("tensor-cache.json", "ndarray-cache.json"):
+        try:
+            [raw], st2 = await cache.fetch_all([base + name])
+        except ArtifactFetchError:        # try the older name
+            continue
+        index_name, index = name, json.loads(bytes(raw.to_py()).decode())
+        break
+    if index is None:
+        raise ArtifactFetchError(f"{base} has neither tensor-cache.json nor ndarray-cache.json: not an MLC "
+                                 f"model folder")
+    shards = sorted({r["dataPath"] for r in index.get("records", [])})
+    names = shards + [f for f in cfg.get("tokenizer_files", []) if f not in shards]
+    arrays, st3 = await cache.fetch_all([base + n for n in names],
+                                        lambda frac, text: _progress(0.5 * frac, text))
+    files = {"mlc-chat-config.json": cfg_raw, index_name: raw, **dict(zip(names, arrays))}
+    stage_files(f"{STAGE_ROOT}/{mid}", files)
+    stats = {k: getattr(st, k) + getattr(st2, k) + getattr(st3, k)
+             for k in ("cached_files", "cached_bytes", "fetched_files", "fetched_bytes")}
+    engine = _state["engine"]
+    engine.set_app_config(AppConfig([ModelRecord(model_id=mid, model=f"{STAGE_ROOT}/{mid}", model_type=LLM)]))
+    t0 = time.perf_counter()
+    await engine.reload(mid, json.loads(chat_opts_json))
+    _state["loaded"] = {mid: LLM}
+    _state["fetch_stats"] = {mid: stats}
+    return json.dumps({"model_id": mid, "files": sorted(files), "fetch": {mid: stats},
+                       "load_seconds": time.perf_counter() - t0})
 
 
 def _model(kind: str) -> str:

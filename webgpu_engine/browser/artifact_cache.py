@@ -39,10 +39,11 @@ class FetchStats:
 class BrowserArtifactCache:
     """Files of one scope in Cache Storage. `progress(fraction, text)` is called while fetching."""
 
-    def __init__(self, scope: str = "model", prefix: str = PREFIX):
+    def __init__(self, scope: str = "model", prefix: str = PREFIX, also: tuple[str, ...] = ()):
         if scope not in SCOPES:
             raise ValueError(f"Unknown cache scope {scope!r}; expected one of {SCOPES}")
         self.scope, self.name = scope, f"{prefix}/{scope}"
+        self.also = tuple(also)          # other Cache Storage buckets read (never written), e.g. WebLLM's
         self._cache = None
 
     async def _open(self):
@@ -67,6 +68,11 @@ class BrowserArtifactCache:
         hit = await cache.match(url)
         if hit is not None:
             return Uint8Array.new(await hit.arrayBuffer()), True
+        for name in self.also:           # a file WebLLM already downloaded for the same URL
+            if await caches.has(name):
+                other = await (await caches.open(name)).match(url)
+                if other is not None:
+                    return Uint8Array.new(await other.arrayBuffer()), True
         try:
             resp = await fetch(url)
         except Exception as e:  # noqa: BLE001 - JS TypeError on network failure
