@@ -494,6 +494,24 @@ async def test_webllm_id_from_the_hf_cache_answers(device, tiny, tmp_path, monke
         await engine.unload()
 
 
+def test_complete_command_with_a_webllm_id_from_the_hf_cache(tiny, tmp_path, monkeypatch, capsys):
+    """`complete --model Llama-3.2-1B-Instruct-q4f16_1-MLC` (WebLLM's prebuilt id) answers from a
+    prepared offline HF cache holding a tiny model under that repo id; a missing id is a typed error."""
+    art = tmp_path / "art"
+    write_mlc(art, tiny["llama"], "q4f16_1")
+    fake_hf_repo(tmp_path / "hub", "mlc-ai/Llama-3.2-1B-Instruct-q4f16_1-MLC", _folder_files(art))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("WEBGPU_ENGINE_CACHE", str(tmp_path / "artifacts"))
+    assert main(["complete", "--model", "Llama-3.2-1B-Instruct-q4f16_1-MLC", "--max-tokens", "5",
+                 "--temperature", "0", "--context-window", "64", "--chat-opts", '{"compile_at_load": false}',
+                 "hello"]) == 0
+    out = capsys.readouterr().out
+    assert out.strip(), out
+    assert main(["complete", "--model", "Llama-3.2-3B-Instruct-q4f16_1-MLC", "--max-tokens", "2", "hi"]) != 0
+    assert "Llama-3.2-3B-Instruct-q4f16_1-MLC" in capsys.readouterr().err
+
+
 def test_webllm_catalogue_ids_resolve(tiny, tmp_path, monkeypatch, capsys):
     """A prebuilt id of WebLLM's list resolves to the repo its record names (the `-1k` variants share
     the plain repo) with its context window; `list --webllm` says which ids load and why not."""
