@@ -107,18 +107,24 @@ def _model_options(p, many: bool = False):
                    help="WebLLM ChatOptions as JSON, e.g. '{\"temperature\": 0.2}'" + each)
 
 
-def _queue_length(text: str) -> int | None:
-    """--max-queue: a count >= 0 (0: a request is refused whenever the model is busy) or `none`
-    (unbounded), the values EngineConfig.max_queue_length takes."""
-    if text.strip().lower() in ("none", "unbounded"):
+def count(text: str, lo: int = 0, none: bool = False) -> int | None:
+    """An argparse type: an integer >= lo (or, with `none`, the word none / unbounded: None)."""
+    want = f"a count >= {lo}" + (" or 'none'" if none else "")
+    if none and text.strip().lower() in ("none", "unbounded"):
         return None
     try:
         n = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a count >= 0 or 'none', got {text!r}") from None
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"expected a count >= 0 or 'none', got {n}")
+        raise argparse.ArgumentTypeError(f"expected {want}, got {text!r}") from None
+    if n < lo:
+        raise argparse.ArgumentTypeError(f"expected {want}, got {n}")
     return n
+
+
+def _queue_length(text: str) -> int | None:
+    """--max-queue: a count >= 0 (0: a request is refused whenever the model is busy) or `none`
+    (unbounded), the values EngineConfig.max_queue_length takes."""
+    return count(text, 0, none=True)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -12,14 +12,8 @@ ENGINE_FIELDS = ("log_level", "auto_recover", "limits", "max_queue_length", "req
 
 
 def _positive(text: str) -> int:
-    import argparse
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a count >= 1, got {text!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected a count >= 1, got {n}")
-    return n
+    from .parser import count
+    return count(text, 1)
 
 
 def add_serve_options(p) -> None:

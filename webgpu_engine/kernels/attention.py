@@ -76,6 +76,23 @@ def _attn_header(dt: str, head_dim: int, g: int = 1, split_wg: int = WG, packed:
     return "\n".join(out) + "\n"
 
 
+def check_attention(k, qkv, k_cache, v_cache, out, n_q_heads, n_kv_heads, head_dim, rows, window, softcap):
+    """The checks every attention op makes of its heads, rows and buffers (the caches: contiguous or
+    paged, in the activations' dtype or q8_0 u32 words); (activation dtype, heads per qkv row)."""
+    dt = _act(k, qkv, out) if k_cache.dtype == "u32" else _act(k, qkv, k_cache, v_cache, out)
+    n_rows, heads = _qkv_heads(k, qkv, head_dim)
+    check(rows <= n_rows, k, f"qkv has {n_rows} rows, {rows} dispatched")
+    check(head_dim % 4 == 0, k, f"head_dim {head_dim} must be a multiple of 4")
+    check(n_kv_heads > 0 and n_q_heads % n_kv_heads == 0, k,
+          f"n_q_heads {n_q_heads} must be a multiple of n_kv_heads {n_kv_heads}")
+    check(heads >= n_q_heads + 2 * n_kv_heads, k, f"qkv rows have {heads} heads, need {n_q_heads}+2*{n_kv_heads}")
+    check(out.numel >= rows * n_q_heads * head_dim, k, f"out {out.shape} is smaller than ({rows}, Hq*D)")
+    check(all(out.buf is not t.buf for t in (qkv, k_cache, v_cache)), k,
+          "out must not share a buffer with qkv or the caches (they are bound read-only)")
+    check(window >= 0 and softcap >= 0, k, f"window {window} and softcap {softcap} must be >= 0")
+    return dt, heads
+
+
 def _heads_per_lane(k: str, group: int, head_dim: int, g: int | None) -> int:
     """The q heads of one kv head a lane serves: `g` if given, else the most (up to 4) dividing the
     group within _MAX_LANE_DIMS query dims (the paged kernels choose the same way)."""
@@ -116,18 +133,11 @@ def attention(dev: Device, qkv: Tensor, k_cache: Tensor, v_cache: Tensor, out: T
     128-key splits in workgroups of 8 (fewer partials, spread over cores), others to 32 and 64."""
     k = "attention"
     q8 = n_kv_heads * ctx if k_cache.dtype == "u32" else 0    # a q8_0 cache (kernels/kv_quant.py): its rows
-    dt = _act(k, qkv, out) if q8 else _act(k, qkv, k_cache, v_cache, out)
-    rows, heads = _qkv_heads(k, qkv, head_dim)
+    rows = _qkv_heads(k, qkv, head_dim)[0]
     t_max = rows if max_t is None else int(max_t)
     check(0 < t_max <= rows, k, f"max_t={max_t} must be in 1..{rows}")
-    check(head_dim % 4 == 0, k, f"head_dim {head_dim} must be a multiple of 4")
-    check(window >= 0 and softcap >= 0, k, f"window {window} and softcap {softcap} must be >= 0")
-    check(n_kv_heads > 0 and n_q_heads % n_kv_heads == 0, k,
-          f"n_q_heads {n_q_heads} must be a multiple of n_kv_heads {n_kv_heads}")
-    check(heads >= n_q_heads + 2 * n_kv_heads, k, f"qkv rows have {heads} heads, need {n_q_heads}+2*{n_kv_heads}")
-    check(out.numel >= t_max * n_q_heads * head_dim, k, f"out {out.shape} is smaller than (T, Hq*D)")
-    check(all(out.buf is not t.buf for t in (qkv, k_cache, v_cache)), k,
-          "out must not share a buffer with qkv or the caches (they are bound read-only)")
+    dt, heads = check_attention(k, qkv, k_cache, v_cache, out, n_q_heads, n_kv_heads, head_dim, t_max, window,
+                                softcap)
     if q8:
         check_q8_caches(k, (k_cache, v_cache), n_kv_heads, ctx, head_dim)
     else:

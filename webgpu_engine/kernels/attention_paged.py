@@ -18,6 +18,7 @@ from ..gpu import Device
 from ..gpu.shaders import load_shader_source
 from .common import Op, Tensor, act_header, check, new_tensor, params
 from .kv_quant import kv_quant_slots, kv_row_bytes, q8_pool_rows, q8_pool_shape, q8_supported
+from .attention import check_attention
 from .nn import (WG, _act, _attn_header, _grid, _heads_per_lane, _op, _qkv_heads, _step_entry, _vec_entry, _window,
                  decode_splits, rope_frequencies)
 
@@ -64,13 +65,6 @@ def _pool_geometry(dev: Device, k: str, k_pool: Tensor, v_pool: Tensor, n_kv_hea
     return n_blocks, bs
 
 
-def _pool_entries(dev: Device, k: str, k_pool: Tensor, v_pool: Tensor) -> tuple:
-    """((k entry, offset), (v entry, offset)) in act4 units; a q8_0 pool whole, at 0."""
-    if k_pool.dtype == "u32":
-        return ((k_pool.buf, 0, k_pool.nbytes), 0), ((v_pool.buf, 0, v_pool.nbytes), 0)
-    return _window(dev, k_pool, k, 4), _window(dev, v_pool, k, 4)
-
-
 def _u32(dev: Device, t: Tensor, k: str, name: str, n: int) -> tuple:
     check(t.dtype == "u32" and t.numel >= n, k, f"{name} {t.shape}/{t.dtype} must hold {n} u32")
     return _window(dev, t, k)
@@ -85,18 +79,13 @@ def _header(dt: str, head_dim: int, g: int, swg: int, packed: bool, bs: int, win
         f"const HAS_CAP: bool = {str(softcap > 0).lower()};\n")
 
 
-def _check_attn(k, qkv, k_pool, v_pool, out, n_q_heads, n_kv_heads, head_dim, rows, window, softcap):
-    dt = _act(k, qkv, out) if k_pool.dtype == "u32" else _act(k, qkv, k_pool, v_pool, out)
-    n_rows, heads = _qkv_heads(k, qkv, head_dim)
-    check(rows <= n_rows, k, f"qkv has {n_rows} rows, {rows} dispatched")
-    check(n_kv_heads > 0 and n_q_heads % n_kv_heads == 0, k,
-          f"n_q_heads {n_q_heads} must be a multiple of n_kv_heads {n_kv_heads}")
-    check(heads >= n_q_heads + 2 * n_kv_heads, k, f"qkv rows have {heads} heads, need {n_q_heads}+2*{n_kv_heads}")
-    check(out.numel >= rows * n_q_heads * head_dim, k, f"out {out.shape} is smaller than ({rows}, Hq*D)")
-    check(all(out.buf is not t.buf for t in (qkv, k_pool, v_pool)), k,
-          "out must not share a buffer with qkv or the pools (they are bound read-only)")
-    check(window >= 0 and softcap >= 0, k, f"window {window} and softcap {softcap} must be >= 0")
-    return dt, heads
+def _bindings(dev: Device, k: str, qkv: Tensor, out: Tensor, k_pool: Tensor, v_pool: Tensor) -> tuple:
+    """(qkv, out, k pool, v pool) as (bind-group entry, offset in act4 units), and the rows of q8_0
+    pools (0: pools in the activations' dtype; a q8_0 pool is bound whole, at 0)."""
+    q, o = _window(dev, qkv, k, 4), _window(dev, out, k, 4)
+    if k_pool.dtype == "u32":
+        return q, o, ((k_pool.buf, 0, k_pool.nbytes), 0), ((v_pool.buf, 0, v_pool.nbytes), 0), q8_pool_rows(k_pool)
+    return q, o, _window(dev, k_pool, k, 4), _window(dev, v_pool, k, 4), 0
 
 
 def paged_rope_kv(dev: Device, qkv: Tensor, k_pool: Tensor, v_pool: Tensor, positions: Tensor, slots: Tensor,
@@ -179,15 +168,13 @@ def paged_decode(dev: Device, qkv: Tensor, k_pool: Tensor, v_pool: Tensor, out: 
     block_size keys (splits past a sequence's keys exit at once); `short` is the one-dispatch form
     for steps whose longest sequence has at most `max_keys` keys (record(batch, n_keys=longest))."""
     k = "paged_decode"
-    dt, heads = _check_attn(k, qkv, k_pool, v_pool, out, n_q_heads, n_kv_heads, head_dim, max_seqs,
+    dt, heads = check_attention(k, qkv, k_pool, v_pool, out, n_q_heads, n_kv_heads, head_dim, max_seqs,
                             window, softcap)
     n_blocks, bs = _pool_geometry(dev, k, k_pool, v_pool, n_kv_heads, head_dim)
     owner = out.buf.owner
     group = n_q_heads // n_kv_heads
     g = _heads_per_lane(k, group, head_dim, heads_per_lane)
-    (qe, qo), (oe, oo) = _window(dev, qkv, k, 4), _window(dev, out, k, 4)
-    (ke, ko), (ve, vo) = _pool_entries(dev, k, k_pool, v_pool)
-    q8 = q8_pool_rows(k_pool) if k_pool.dtype == "u32" else 0
+    (qe, qo), (oe, oo), (ke, ko), (ve, vo), q8 = _bindings(dev, k, qkv, out, k_pool, v_pool)
     le, lo = _u32(dev, lens, k, "lens", max_seqs)
     te, to = _u32(dev, tables, k, "tables", max_seqs * max_blocks)
     cpu = dev.info.adapter_type.upper() == "CPU"
@@ -229,14 +216,12 @@ def paged_prefill(dev: Device, qkv: Tensor, k_pool: Tensor, v_pool: Tensor, out:
     n_rows = _qkv_heads(k, qkv, head_dim)[0]
     t_max = n_rows if max_t is None else int(max_t)
     check(0 < t_max <= n_rows, k, f"max_t={max_t} must be in 1..{n_rows}")
-    dt, heads = _check_attn(k, qkv, k_pool, v_pool, out, n_q_heads, n_kv_heads, head_dim, t_max,
+    dt, heads = check_attention(k, qkv, k_pool, v_pool, out, n_q_heads, n_kv_heads, head_dim, t_max,
                             window, softcap)
     n_blocks, bs = _pool_geometry(dev, k, k_pool, v_pool, n_kv_heads, head_dim)
     group = n_q_heads // n_kv_heads
     g = _heads_per_lane(k, group, head_dim, heads_per_lane)
-    (qe, qo), (oe, oo) = _window(dev, qkv, k, 4), _window(dev, out, k, 4)
-    (ke, ko), (ve, vo) = _pool_entries(dev, k, k_pool, v_pool)
-    q8 = q8_pool_rows(k_pool) if k_pool.dtype == "u32" else 0
+    (qe, qo), (oe, oo), (ke, ko), (ve, vo), q8 = _bindings(dev, k, qkv, out, k_pool, v_pool)
     te, to = _u32(dev, table, k, "table", max_blocks)
     packed = dt == "f16" and head_dim % 8 == 0 and ko % 2 == 0 and vo % 2 == 0
     n_blk = -(-t_max // WG)
