@@ -50,25 +50,37 @@ def _attn_header(dt: str, head_dim: int, g: int = 1, split_wg: int = WG, packed:
     elif kv != ("kc", "vc"):       # the flash tiles' loads
         out.append("".join(f"fn {c}_at(r: u32) -> vec4<f32> {{ return vec4<f32>({c}[r]); }}\n" for c in ("kc", "vc")))
 
+    blocks = [range(b, min(b + 8, n)) for b in range(0, n, 8)]      # q8_0: the vec4s of one scale
+
+    def scale(name, b):          # q8_0 block b's scale (an f16 pair per word)
+        return f"s{name}{b // 2}.{'xy'[b % 2]}"
+
     def loads(name, buf, base):
-        if quant_reads:          # base = row * D4 (the caches sit at offset 0); scales per 8 vec4
+        if quant_reads:          # base = row * D4 (the caches sit at offset 0); the bytes as integers:
+            #                      the callers apply each block's scale once (qk, acc_add)
             return ("".join(f"  let s{name}{w} = unpack2x16float({buf}q[Q8_SOFF + ({base} / D4) * SW + {w}u]);\n"
                             for w in range(-(-n // 16)))
-                    + "".join(f"  let {name}{i} = i8x4({buf}q[{base} + {i}u]) * s{name}{i // 16}.{'xy'[(i // 8) % 2]};\n"
-                              for i in r))
+                    + "".join(f"  let {name}{i} = i8x4({buf}q[{base} + {i}u]);\n" for i in r))
         if not packed:
             return "".join(f"  let {name}{i} = vec4<f32>({buf}[{base} + {i}u]);\n" for i in r)
         return "".join(f"  let w{i} = {buf}p[{base} / 2u + {i}u];\n"
                        f"  let {name}{2 * i} = vec4<f32>(unpack2x16float(w{i}.x), unpack2x16float(w{i}.y));\n"
                        f"  let {name}{2 * i + 1} = vec4<f32>(unpack2x16float(w{i}.z), unpack2x16float(w{i}.w));\n"
                        for i in range(n // 2))
-    out.append("fn qk(kr: u32) -> sv {\n" + loads("k", kv[0], "kr")
-               + "  return sv(" + ", ".join(" + ".join(f"dot(q{j}_{i}, k{i})" for i in r) for j in gs)
-               + ");\n}")
+    if quant_reads:
+        dots = [" + ".join(f"({' + '.join(f'dot(q{j}_{i}, k{i})' for i in rb)}) * {scale('k', b)}"
+                           for b, rb in enumerate(blocks)) for j in gs]
+    else:
+        dots = [" + ".join(f"dot(q{j}_{i}, k{i})" for i in r) for j in gs]
+    out.append("fn qk(kr: u32) -> sv {\n" + loads("k", kv[0], "kr") + "  return sv(" + ", ".join(dots) + ");\n}")
     out.append("fn acc_scale(c: sv) {\n" + "".join(f"  a{j}_{i} *= {comp('c', j)};\n" for j in gs for i in r)
                + "}")
-    out.append("fn acc_add(wt: sv, vr: u32) {\n" + loads("v", kv[1], "vr")
-               + "".join(f"  a{j}_{i} += {comp('wt', j)} * v{i};\n" for j in gs for i in r) + "}")
+    if quant_reads:              # each block's weights scaled once
+        adds = "".join(f"  let wt{b} = wt * {scale('v', b)};\n" + "".join(
+            f"  a{j}_{i} += {comp(f'wt{b}', j)} * v{i};\n" for j in gs for i in rb) for b, rb in enumerate(blocks))
+    else:
+        adds = "".join(f"  a{j}_{i} += {comp('wt', j)} * v{i};\n" for j in gs for i in r)
+    out.append("fn acc_add(wt: sv, vr: u32) {\n" + loads("v", kv[1], "vr") + adds + "}")
     cases = [(j * n + i, f"a{j}_{i}") for j in gs for i in r]
     out.append("fn acc_get(g: u32, d: u32) -> vec4<f32> {\n  switch g * D4 + d {\n" + "".join(
         f"    case {c}u: {{ return {v}; }}\n" for c, v in cases[:-1])
