@@ -221,3 +221,37 @@ def test_paged_decode_and_prefill_over_q8_0_pools(device, dtype, hq, hkv, d, win
     kc, vc = gather(kx, tables[3], 150), gather(vx, tables[3], 150)
     ref = nn_ref.causal_attention(rounded(x, dtype)[:, :hq], kc, vc, pos0, scale, window=window, softcap=softcap)
     np.testing.assert_allclose(get(device, pout), ref, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype,neox,rot,mscale", [("f32", False, 64, 1.0), ("f32", True, 32, 1.0),
+                                                   ("f16", False, 48, 1.19)])
+def test_rope_kv_q8_one_dispatch(device, dtype, neox, rot, mscale):
+    """The q heads rotated in place as nn_ref.rope (the k and v heads left as they were); the k heads
+    rotated (partial rotary: dims past rot_dim as they are, longrope's mscale on the rotated ones)
+    and the v heads quantised into rows pos0 + t < n_new, as nn_ref quantises the rotated rows."""
+    from webgpu_engine.kernels.kv_quant import rope_kv_q8
+    rng = np.random.default_rng(rot)
+    t, n_new, pos0, hq, hkv, d = 5, 4, 9, 4, 2, 64
+    ctx = pos0 + t + 3
+    qkv = rng.standard_normal((t, hq + 2 * hkv, d)) * 2
+    qt = put(device, qkv, dtype, lead=4)
+    words = q8_cache_words(hkv, ctx, d)
+    kc, vc = _q8_cache(device, np.zeros(words, np.uint32)), _q8_cache(device, np.zeros(words, np.uint32))
+    op = rope_kv_q8(device, qt, kc, vc, step_buf(device, pos0, n_new), n_q_heads=hq, n_kv_heads=hkv, head_dim=d,
+                    ctx=ctx, rot_dim=rot, base=700.0, neox=neox, mscale=mscale)
+    assert len(op.dispatches) == 1
+    run(device, op)
+    x = rounded(qkv, dtype)
+    pos = np.arange(pos0, pos0 + t)
+    roped = nn_ref.rope(x, pos, n_heads=hq + hkv, rot_dim=rot, base=700.0, neox=neox)
+    roped[:, :hq + hkv, :rot] *= np.float32(mscale)                 # longrope's factor on the rotated dims
+    got = get(device, qt)
+    np.testing.assert_allclose(got[:n_new, :hq], roped[:n_new, :hq], **TOL[dtype])
+    np.testing.assert_array_equal(got[:, hq:], x[:, hq:])                  # k and v heads untouched
+    for c, heads in ((kc, roped[:n_new, hq:hq + hkv]), (vc, x[:n_new, hq + hkv:])):
+        q, s = _read_q8(device, c, hkv, ctx, d)
+        rq, rs = nn_ref.q8_kv_quantize(heads.transpose(1, 0, 2))
+        deq = nn_ref.q8_kv_dequantize(q[:, pos0:pos0 + n_new], s[:, pos0:pos0 + n_new])
+        np.testing.assert_allclose(deq, nn_ref.q8_kv_dequantize(rq, rs), rtol=0, atol=float(rs.max()) * 1.01)
+        assert (np.abs(q[:, pos0:pos0 + n_new].astype(int) - rq) <= 1).all()
+        assert not q[:, pos0 + n_new:].any() and not q[:, :pos0].any()

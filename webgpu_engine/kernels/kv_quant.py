@@ -4,6 +4,7 @@ A cache is one u32 tensor per layer and kind (K or V); row r = h * ctx + pos."""
 from __future__ import annotations
 
 from ..gpu import Device
+from ..gpu.shaders import load_shader_source
 from .common import Op, Tensor, act_header, check, params
 from .nn_base import _act, _op, _qkv_heads, _step_entry, _window
 
@@ -104,4 +105,36 @@ def kv_quant_slots(dev: Device, qkv: Tensor, k_pool: Tensor, v_pool: Tensor, slo
     entries = [_step_entry(step), qe, (k_pool.buf, 0, k_pool.nbytes), (v_pool.buf, 0, v_pool.nbytes), se]
     op = _op(dev, k, "kv_quant.wgsl", k, header, par, entries, rows * 2 * n_kv_heads * q8_scale_words(head_dim))
     op.buffers += extra
+    return op
+
+
+def rope_kv_q8(dev: Device, qkv: Tensor, k_cache: Tensor, v_cache: Tensor, step, *, n_q_heads: int,
+               n_kv_heads: int, head_dim: int, ctx: int, rot_dim: int | None = None, base: float = 10000.0,
+               neox: bool = False, factors=None, mscale: float = 1.0) -> Op:
+    """nn.rope_kv for q8_0 caches in one dispatch (shaders/rope_kv_q8.wgsl): the q heads of qkv rows
+    t < step.n_new rotated in place at step.pos0 + t; the k heads, rotated in f32, and the v heads
+    quantised into cache row pos0 + t (qkv's k heads stay unrotated: attention reads the cache)."""
+    from .rope import rope_frequencies
+    k = "rope_kv_q8"
+    dt = _act(k, qkv)
+    rows, heads = _qkv_heads(k, qkv, head_dim)
+    rot = head_dim if rot_dim is None else rot_dim
+    check(rot % 2 == 0 and 0 <= rot <= head_dim and (not neox or rot % 4 == 0), k,
+          f"rot_dim {rot} must be even (neox: a multiple of 4) and <= head_dim {head_dim}")
+    check(heads >= n_q_heads + 2 * n_kv_heads, k, f"qkv rows have {heads} heads, need {n_q_heads}+2*{n_kv_heads}")
+    check_q8_caches(k, (k_cache, v_cache), n_kv_heads, ctx, head_dim)
+    owner = qkv.buf.owner
+    qe, qo = _window(dev, qkv, k, 2)
+    freq = rope_frequencies(dev, rot, base, owner=owner, factors=factors)
+    half = rot // 2
+    units = half // 2 + (head_dim - rot) // 2 if neox else head_dim // 2       # as nn._rope_op's
+    par = params(dev, [rows, heads, head_dim // 2, half, 0, n_q_heads, n_q_heads, int(bool(neox)), n_q_heads,
+                       n_kv_heads, ctx, qo, 0, 0, units, float(mscale)], owner=owner, label=k)
+    header = (act_header(dt) + f"const D4: u32 = {head_dim // 4}u;\n" + q8_header(head_dim, n_kv_heads * ctx)
+              + load_shader_source("sincos.wgsl") + load_shader_source("rope.wgsl"))
+    entries = [_step_entry(step), qe, (freq, 0, freq.size), (k_cache.buf, 0, k_cache.nbytes),
+               (v_cache.buf, 0, v_cache.nbytes)]
+    op = _op(dev, k, "rope_kv_q8.wgsl", k, header, par, entries,
+             rows * n_q_heads * units + rows * 2 * n_kv_heads * q8_scale_words(head_dim))
+    op.buffers.append(freq)
     return op

@@ -20,7 +20,7 @@ from ..gpu import Device
 from ..kernels import matmul as mm
 from ..kernels import nn
 from ..kernels.common import DTYPE_SIZE, Op, OpCache, Tensor, new_tensor, pipeline_keys
-from ..kernels.kv_quant import kv_quant, q8_cache_words
+from ..kernels.kv_quant import q8_cache_words, rope_kv_q8
 from ..loaders.model_config import LlamaConfig
 from ..loaders.tensor_info import split_fused
 from . import decoder
@@ -86,10 +86,9 @@ class ContiguousKV:
 
     def rope_kv(self, i: int, qkv: Tensor, T: int, rope: dict):
         m, c = self.m, self.m.cfg
-        if m.kv_cache_dtype == "q8_0":   # rope on q and k in place, then the quantising write
-            return (nn.rope(m.dev, qkv, m.step, n_heads=c.n_heads + c.n_kv_heads, head_dim=c.head_dim, **rope)
-                    + kv_quant(m.dev, qkv, m.k_cache[i], m.v_cache[i], m.step, n_q_heads=c.n_heads,
-                               n_kv_heads=c.n_kv_heads, head_dim=c.head_dim, ctx=m.ctx))
+        if m.kv_cache_dtype == "q8_0":   # rope and the quantising write in one dispatch
+            return rope_kv_q8(m.dev, qkv, m.k_cache[i], m.v_cache[i], m.step, n_q_heads=c.n_heads,
+                              n_kv_heads=c.n_kv_heads, head_dim=c.head_dim, ctx=m.ctx, **rope)
         return nn.rope_kv(m.dev, qkv, m.k_cache[i], m.v_cache[i], m.step, n_q_heads=c.n_heads,
                           n_kv_heads=c.n_kv_heads, head_dim=c.head_dim, ctx=m.ctx, **rope)
 

@@ -1,0 +1,80 @@
+// rope_kv_q8: rope_kv (rope.wgsl) for a q8_0 cache (kv_quant.wgsl's layout) in one dispatch: the q
+// heads of qkv rows t < n_new rotated in place at position pos0 + t, and each row's k heads (rotated
+// here, in f32) and v heads quantised into cache row h*ctx + pos0 + t. The k heads in qkv are left as
+// they were (attention reads keys from the cache).
+//   lanes [0, T*Hq*units): rope.wgsl's units over the q heads (h_lo 0, n_h = n_rot = Hq);
+//   the rest: a lane per (t, k|v, kv head, scale word w), blocks 2w and 2w + 1 (kv_quant's).
+// Built after sincos.wgsl and rope.wgsl (the host prepends them: Params, bindings 0-3, locate,
+// rotate, rot); the header supplies D4, SW and Q8_SOFF.
+
+@group(0) @binding(4) var<storage, read_write> kq8: array<u32>;
+@group(0) @binding(5) var<storage, read_write> vq8: array<u32>;
+
+// element e of the head whose first vec2 is `src`, rotated at `pos` when `turn` (a k head)
+fn head_value(src: u32, e: u32, pos: u32, turn: bool) -> f32 {
+    let x = vec2<f32>(qkv[src + e / 2u])[e % 2u];
+    if (!turn || e >= 2u * p.half) { return x; }
+    if (p.neox != 0u) {                   // pairs (i, i + half)
+        if (e < p.half) {
+            return rot(x, vec2<f32>(qkv[src + (e + p.half) / 2u])[(e + p.half) % 2u], pos, e).x;
+        }
+        let i = e - p.half;
+        return rot(vec2<f32>(qkv[src + i / 2u])[i % 2u], x, pos, i).y;
+    }
+    let pair = vec2<f32>(qkv[src + e / 2u]);   // adjacent pairs (2i, 2i + 1): one vec2
+    return rot(pair.x, pair.y, pos, e / 2u)[e % 2u];
+}
+
+fn put_q8(v: u32, i: u32, w: u32) {
+    if (v == 0u) { kq8[i] = w; } else { vq8[i] = w; }
+}
+
+fn byte_of(q: f32) -> u32 {
+    return u32(i32(q)) & 0xffu;
+}
+
+@compute @workgroup_size(64)
+fn rope_kv_q8(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+              @builtin(local_invocation_index) lid: u32) {
+    let i = (wid.y * nwg.x + wid.x) * WG + lid;
+    let n_rope = p.rows * p.n_h * p.units;
+    if (i < n_rope) {
+        let q = locate(wid, nwg, lid);
+        if (q.ok) { _ = rotate(q, step[0] + q.t, p.qkv_off + (q.t * p.heads + q.h) * p.hd2); }
+        return;
+    }
+    let j = i - n_rope;
+    let per_row = 2u * p.n_kv * SW;
+    let t = j / per_row;
+    let n_new = step[1];
+    let rows = select(p.rows, min(p.rows, n_new), n_new != 0u);
+    let pos = step[0] + t;
+    if (t >= rows || pos >= p.ctx) { return; }
+    let r = j % per_row;
+    let v = r / (p.n_kv * SW);                 // 0: k, 1: v
+    let h = (r / SW) % p.n_kv;
+    let w = r % SW;
+    let src = p.qkv_off + (t * p.heads + p.k_lo + v * p.n_kv + h) * p.hd2;
+    let row = h * p.ctx + pos;
+    var d = vec2<f32>(0.0);
+    for (var b2 = 0u; b2 < 2u; b2++) {
+        let b = 2u * w + b2;
+        if (b * 8u >= D4) { break; }
+        var x: array<f32, 32>;
+        var amax = 0.0;
+        for (var e = 0u; e < 32u; e++) {
+            x[e] = head_value(src, b * 32u + e, pos, v == 0u);
+            amax = max(amax, abs(x[e]));
+        }
+        let db = amax / 127.0;
+        let id = select(0.0, 1.0 / db, db > 0.0);
+        for (var k = 0u; k < 8u; k++) {
+            let q = clamp(round(vec4<f32>(x[4u * k], x[4u * k + 1u], x[4u * k + 2u], x[4u * k + 3u]) * id),
+                          vec4<f32>(-127.0), vec4<f32>(127.0));
+            put_q8(v, row * D4 + b * 8u + k,
+                   byte_of(q.x) | (byte_of(q.y) << 8u) | (byte_of(q.z) << 16u) | (byte_of(q.w) << 24u));
+        }
+        d[b2] = db;
+    }
+    put_q8(v, Q8_SOFF + row * SW + w, pack2x16float(d));
+}
