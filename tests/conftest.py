@@ -16,13 +16,38 @@ ROOT = Path(__file__).resolve().parent.parent
 REFERENCE = Path(__file__).resolve().parent / "reference"
 
 
+_SESSION_DEVICE: list = []
+
+
 @pytest.fixture(scope="session")
 def device():
     """The real adapter's device. Fails loudly when WebGPU is missing."""
     from webgpu_engine.gpu import request_device_sync
     dev = request_device_sync()
     assert dev is not None
+    _SESSION_DEVICE.append(dev)
     yield dev
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _pipelines_per_module():
+    """After each module (its own fixtures torn down first): forget the session device's pipelines
+    and let the driver free them. On lavapipe each pipeline keeps ~10 MB of JIT code, and the suite
+    builds thousands; kept for the whole session they were most of its peak RSS."""
+    yield
+    if _SESSION_DEVICE and not _SESSION_DEVICE[0].lost:
+        import ctypes
+        import gc
+        dev = _SESSION_DEVICE[0]
+        dev.forget_pipelines()
+        gc.collect()
+        probe = dev.buffer(16, owner="test:trim")
+        dev.read_sync(probe, 0, 4)          # a round trip: the driver frees what was dropped
+        dev.release_owner("test:trim")
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except OSError:
+            pass
 
 
 @pytest.fixture

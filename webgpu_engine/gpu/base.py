@@ -394,6 +394,16 @@ class Device:
         finally:
             self.mark_lost("the device was destroyed")
 
+    def forget_pipelines(self) -> int:
+        """Drop the pipeline cache (and what was warmed): pipelines no live op holds are freed by the
+        driver (on lavapipe each holds its JIT-compiled code, ~10 MB); later requests for them compile
+        again. Returns how many were cached. For long-lived processes that cycle through many models
+        (the test suite); a loaded model keeps working, its ops hold their own pipelines."""
+        n = len(self._pipelines)
+        self._pipelines.clear()
+        self.warmed_pipelines.clear()
+        return n
+
     def close(self) -> None:
         """Intentional shutdown: release every buffer; not reported as a loss."""
         for b in list(self._buffers):
