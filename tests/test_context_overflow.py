@@ -114,3 +114,50 @@ async def test_shift_generates_past_the_window(device, path):
     one ahead of the host give the same answer."""
     serial = await _shift_run(device, path, ahead=False, check=True)
     assert await _shift_run(device, path, ahead=True, check=False) == serial
+
+
+@pytest.fixture(scope="module")
+def long_path(tmp_path_factory):
+    return str(write_tiny_llama_gguf(tmp_path_factory.mktemp("sliding") / "m.gguf", qtype="q8_0",
+                                     context_length=512)["path"])
+
+
+async def test_sliding_window_with_sinks_runs_past_the_window(device, long_path):
+    """WebLLM's sliding window (context_window_size -1, sliding_window_size 256, attention_sink_size 4):
+    a conversation of 3x the window answers (its oldest turns go, the system prompt stays) and a
+    generation runs 400 tokens past the window; the window is the cache, the sinks always stay."""
+    eng = await _engine(device, long_path, context_window_size=-1, sliding_window_size=256, attention_sink_size=4)
+    try:
+        pipe = eng.models["tiny"].pipeline
+        assert pipe.model.ctx == 256 and pipe.chat_config.n_keep == 4
+        conv = [SYSTEM] + [m for i in range(30) for m in (
+            {"role": "user", "content": f"Question {i}: the quick brown fox jumps?"},
+            {"role": "assistant", "content": f"Answer {i}: over the lazy dog."})] + [LAST]
+        r = await ask(eng, conv)
+        assert r.usage.extra.model_dump()["truncated_messages"] > 0 and r.usage.prompt_tokens < 256
+        r = await eng.chat.completions.create(messages=[LAST], max_tokens=656, temperature=0, ignore_eos=True)
+        assert r.usage.completion_tokens == 656 and r.choices[0].finish_reason == "length"
+        assert r.usage.extra.model_dump()["context_shifts"] >= 3
+    finally:
+        await eng.unload()
+
+
+async def test_bad_sliding_windows_are_typed_errors(device, long_path):
+    eng = await _engine(device, long_path)
+    try:
+        for opts, err, param in [
+                ({"sliding_window_size": 128}, UnsupportedChatOptionError, "sliding_window_size"),   # context 4096 too
+                ({"context_window_size": -1, "sliding_window_size": 1024}, UnsupportedChatOptionError,
+                 "sliding_window_size"),                                                         # > trained 512
+                ({"context_window_size": -1, "sliding_window_size": 128, "attention_sink_size": 128},
+                 ChatOptionTypeError, "attention_sink_size"),
+                ({"context_window_size": -1, "sliding_window_size": 128, "max_num_sequences": 2},
+                 UnsupportedChatOptionError, "sliding_window_size"),
+                ({"attention_sink_size": 4}, UnsupportedChatOptionError, "attention_sink_size")]:
+            with pytest.raises(err) as e:
+                await eng.reload("tiny", {"compile_at_load": False, **opts})
+            assert e.value.param == param, (opts, e.value)
+        await eng.reload("tiny", {"compile_at_load": False})
+        assert (await ask(eng, [LAST])).choices[0].finish_reason in ("stop", "length")
+    finally:
+        await eng.unload()

@@ -170,7 +170,8 @@ SERVE_MAX_NUM_SEQUENCES = 0      # the server batches by default, as suits the d
 
 
 def _one_request(opts: dict) -> bool:
-    return bool(opts.get("speculation")) or opts.get("context_overflow") == "shift"
+    return (bool(opts.get("speculation")) or opts.get("context_overflow") == "shift"
+            or (opts.get("sliding_window_size") or -1) > 0)
 
 
 def cmd_serve(args) -> int:

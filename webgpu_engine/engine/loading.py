@@ -92,19 +92,22 @@ def _protocol(model_type: str) -> type:
 
 
 def _check_chat_options(cc: ChatConfig) -> None:
-    """Settings of WebLLM's ChatConfig that the built-in pipelines do not implement are refused by
-    name rather than ignored: a sliding KV window with attention sinks (the cache holds the whole
-    context window; a conversation longer than it ends with finish_reason "length")."""
-    if cc.sliding_window_size not in (-1, 0, None):
+    """Settings of WebLLM's ChatConfig checked before anything loads (typed errors naming them)."""
+    window, sinks = cc.sliding_window_size or -1, cc.attention_sink_size or 0
+    if window > 0:
+        if cc.context_window_size > 0:
+            raise UnsupportedChatOptionError(
+                "sliding_window_size", window, "only one of context_window_size and sliding_window_size "
+                "may be positive (as in WebLLM): set context_window_size to -1 for a sliding window.")
+        if not 0 <= sinks < window:
+            raise ChatOptionTypeError("attention_sink_size", f"0 <= sinks < sliding_window_size ({window})", sinks)
+        if cc.max_num_sequences != 1:
+            raise UnsupportedChatOptionError("sliding_window_size", window, "a sliding window runs on the "
+                                             "one-request path: load with max_num_sequences 1")
+    elif sinks not in (0, -1):
         raise UnsupportedChatOptionError(
-            "sliding_window_size", cc.sliding_window_size,
-            "the KV cache holds the whole context window; leave it at -1 and set "
-            "context_window_size instead.")
-    if cc.attention_sink_size not in (0, -1, None):
-        raise UnsupportedChatOptionError(
-            "attention_sink_size", cc.attention_sink_size,
-            "attention sinks only apply to a sliding window, which this engine does not have; leave "
-            "it at 0.")
+            "attention_sink_size", sinks, "attention sinks only apply to a sliding window "
+            "(sliding_window_size > 0 with context_window_size -1); leave it at 0.")
     # continuous batching: at most 256 sequences (0: as suits the device, at most the prefill chunk),
     # blocks of a power of two 1..256 tokens
     for name, ok, expected in (
@@ -134,6 +137,19 @@ def _check_chat_options(cc: ChatConfig) -> None:
     if cc.max_num_sequences > cc.prefill_chunk_size > 0:
         raise ChatOptionTypeError("max_num_sequences", f"at most prefill_chunk_size ({cc.prefill_chunk_size})",
                                   cc.max_num_sequences)
+
+
+def sliding_window_config(cc: ChatConfig) -> ChatConfig:
+    """WebLLM's sliding window with attention sinks (context_window_size -1, sliding_window_size W,
+    attention_sink_size S) as this engine runs it: a cache of W positions whose first S tokens always
+    stay, and a conversation or generation longer than W goes on by context shifts
+    (context_overflow "shift" with n_keep S: the older half of the other tokens goes at once and
+    the kept tail is computed again), rather than MLC's ring that drops one position per token."""
+    window = cc.sliding_window_size or -1
+    if window <= 0:
+        return cc
+    return replace(cc, context_window_size=window, context_overflow="shift",
+                   n_keep=max(cc.n_keep, cc.attention_sink_size or 0))
 
 
 class ModelLoading:
@@ -238,6 +254,7 @@ class ModelLoading:
         builtin = (self.config.pipeline_factories or {}).get(rec.model_type) is None
         if builtin:
             _check_chat_options(chat_config)
+            chat_config = sliding_window_config(chat_config)
 
         def progress(frac: float, text: str) -> None:
             if token is not None:

@@ -119,6 +119,10 @@ def plan_decoder(cfg, chat_config, dev) -> DecoderPlan:
     (context_window_size, prefill_chunk_size, dtype, max_num_sequences, kv_block_size,
     kv_pool_tokens) on `dev`. The paged pool is capped at what the device binds per layer;
     ContextWindowTooLargeError when that cannot hold one full context."""
+    window = getattr(chat_config, "sliding_window_size", -1) or -1
+    if window > 0 and 0 < cfg.context_length < window:
+        raise UnsupportedChatOptionError("sliding_window_size", window, (
+            f"the window is larger than this model's trained context ({cfg.context_length} tokens)"))
     dtype = chat_config.dtype
     if dtype == "auto" and getattr(chat_config, "kv_cache_dtype", "auto") in ("f16", "f32"):
         dtype = chat_config.kv_cache_dtype          # the cache follows the activations: both as asked
