@@ -34,6 +34,7 @@ struct TiledParams {
     w_off: u32,      // u32 words from a row's start to this K block's first chunk
     k4: u32,         // K / 4
     k0_4: u32,       // first column of this K block / 4
+    wi_full: u32,    // vec4 words of the weight in interleaved spans (wmap4; 0: none)
 }
 
 @group(0) @binding(0) var<uniform> P: TiledParams;

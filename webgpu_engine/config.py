@@ -116,6 +116,10 @@ class ChatConfig:
     compile_at_load: bool = True       # create and run every pipeline once while loading, so the
     #                                    first request compiles nothing; False: a faster load, the
     #                                    first requests compile what they use
+    compile_in_background: bool = True  # with compile_at_load, where the backend can (native): the
+    #                                    load returns once the weights are up and the kernels compile
+    #                                    on worker threads, in the order a first request uses them; a
+    #                                    request compiles in place only what no worker has reached
     tune_kernels: str | None = None    # time this model's matmul shapes that the adapter's kernel
     #                                    profile lacks before building its kernels (kernels/tune.py):
     #                                    "auto" (GPU adapters, not software ones), "on", "off";

@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 from ..errors import (DeviceLostError, FeatureSupportError, GPUOutOfMemoryError, GPUValidationError,
-                      ShaderCompileError, ShaderF16SupportError)
+                      ShaderCompileError, ShaderF16SupportError, WebGPUEngineError)
+from .compiler import CompilingDevice, LazyRaw
 from .shaders import load_shader_source
 
 STORAGE = "storage"
@@ -109,22 +110,33 @@ class Buffer:
         return f"Buffer({self.label!r}, {self.size} B, {self.usage}, owner={self.owner!r})"
 
 
-@dataclass
 class Pipeline:
-    key: PipelineKey
-    raw: Any
-    header_lines: int = 0
+    """A compute pipeline; `raw` is the driver's object. One queued on the device's background
+    compiler (gpu/compiler.py) is made on first need: `raw` compiles it, or waits for the worker
+    compiling it."""
+
+    __slots__ = ("key", "header_lines", "lazy")
+
+    def __init__(self, key: PipelineKey, raw: Any = None, header_lines: int = 0, make=None):
+        self.key, self.header_lines, self.lazy = key, header_lines, LazyRaw(raw, make)
+
+    raw = property(lambda self: self.lazy.resolve())
+    ready = property(lambda self: self.lazy.ready)
 
     @property
     def name(self) -> str:
         return f"{self.key.file}:{self.key.entry}"
 
 
-@dataclass
 class BindGroup:
-    raw: Any
-    pipeline: Pipeline
-    buffers: tuple = ()
+    """A bind group; one of a pipeline still compiling is made (`raw`) when first submitted."""
+
+    __slots__ = ("lazy", "pipeline", "buffers")
+
+    def __init__(self, raw: Any, pipeline: Pipeline, buffers: tuple = (), make=None):
+        self.lazy, self.pipeline, self.buffers = LazyRaw(raw, make), pipeline, buffers
+
+    raw = property(lambda self: self.lazy.resolve())
 
 
 @dataclass
@@ -167,7 +179,7 @@ class Readback:
     staging: Any = None
 
 
-class Device:
+class Device(CompilingDevice):
     """One logical GPU device. Subclasses implement the `_raw_*` hooks and `read`.
 
     Errors: validation → GPUValidationError naming the kernel; allocation beyond limits or memory →
@@ -187,6 +199,13 @@ class Device:
         self._buffers: set = set()
         self._pipelines: dict[PipelineKey, Pipeline] = {}
         self.compile_count = 0
+        # the background compiler (gpu/compiler.py; None: the backend compiles in place) and whether
+        # new pipelines go to it now (compiling_in_background); compile_waits counts the pipelines
+        # a submit found not compiled yet (it compiled them or waited for a worker)
+        self.background = None
+        self._defer = False
+        self._queued: list[list] = []     # the lists compiling_in_background blocks collect into
+        self.compile_waits = 0
         # pipelines that models have run once on this device at load (drivers such as lavapipe
         # compile on first dispatch): a later load that uses only these records no warm-up run
         self.warmed_pipelines: set[PipelineKey] = set()
@@ -314,11 +333,20 @@ class Device:
             header = directives_first(header, self.implicit_extensions)
             code = header + ("\n" if header and not header.endswith("\n") else "") + src
             hl = code.count("\n") - src.count("\n")
-            try:
-                raw = self._raw_create_pipeline(code, entry, dict(key.constants), f"{file}:{entry}")
-            except Exception as e:  # noqa: BLE001 - translated right here
-                raise self._translate(e, f"{file}:{entry}", shader=(file, hl)) from None
-            p = Pipeline(key, raw, hl)
+            name = f"{file}:{entry}"
+
+            def make():
+                try:
+                    return self._raw_create_pipeline(code, entry, dict(key.constants), name)
+                except Exception as e:  # noqa: BLE001 - translated right here
+                    raise self._translate(e, name, shader=(file, hl)) from None
+            if self._defer:
+                p = Pipeline(key, header_lines=hl, make=make)
+                self.background.submit(p)
+                for queued in self._queued:
+                    queued.append(p)
+            else:
+                p = Pipeline(key, make(), hl)
             self._pipelines[key] = p
             self.compile_count += 1
         return p
@@ -337,9 +365,12 @@ class Device:
             if not buf.alive:
                 raise GPUValidationError(f"{pipeline.name}: binding {i} uses a released buffer {buf.label!r}")
             entries.append((i, buf.raw, off, sz))
+        held = tuple(b for _, b in sorted(buffers.items())) if isinstance(buffers, Mapping) else tuple(buffers)
+        if not pipeline.ready:        # compiling in the background: bound at the first submit
+            return BindGroup(None, pipeline, held, make=lambda: self._guard(
+                lambda: self._raw_bind(pipeline.raw, entries, pipeline.name), pipeline.name))
         raw = self._guard(lambda: self._raw_bind(pipeline.raw, entries, pipeline.name), pipeline.name)
-        return BindGroup(raw, pipeline, tuple(b for _, b in sorted(buffers.items())) if isinstance(
-            buffers, Mapping) else tuple(buffers))
+        return BindGroup(raw, pipeline, held)
 
     # ------------------------------------------------------------------ submission
     def batch(self) -> Batch:
@@ -349,7 +380,7 @@ class Device:
         self.check_alive()
         if batch.ops:
             self._stage_readbacks(batch)
-            self._guard(lambda: self._raw_submit(batch.ops), _batch_names(batch))
+            self._guard(lambda: (self._prepare(batch.ops), self._raw_submit(batch.ops)), _batch_names(batch))
 
     async def submit_async(self, batch: Batch) -> None:
         """submit() off the event loop where the backend can (native: a worker thread; a submit while
@@ -389,6 +420,8 @@ class Device:
 
     def destroy(self) -> None:
         """Destroy the device (what a driver reset does). Later calls raise DeviceLostError."""
+        if self.background is not None:
+            self.background.close()   # the compiles under way finish first
         try:
             self._raw_destroy_device()
         finally:
@@ -400,12 +433,16 @@ class Device:
         again. Returns how many were cached. For long-lived processes that cycle through many models
         (the test suite); a loaded model keeps working, its ops hold their own pipelines."""
         n = len(self._pipelines)
+        if self.background is not None:
+            self.background.cancel()
         self._pipelines.clear()
         self.warmed_pipelines.clear()
         return n
 
     def close(self) -> None:
         """Intentional shutdown: release every buffer; not reported as a loss."""
+        if self.background is not None:
+            self.background.close()
         for b in list(self._buffers):
             b.release()
         self._pipelines.clear()
@@ -434,6 +471,8 @@ class Device:
         self.check_alive()
         try:
             return fn()
+        except WebGPUEngineError:
+            raise                      # translated already (a pipeline made on first need)
         except Exception as e:  # noqa: BLE001 - translated right here
             raise self._translate(e, what) from None
 

@@ -10,6 +10,7 @@ import wgpu
 from ..errors import DeviceLostError, GPUValidationError, WebGPUNotAvailableError
 from .base import (STORAGE, AdapterInfo, Buffer, Device, PassApi, _batch_names, device_features, encode_ops,
                    released_buffer, round_up4, staging_class)
+from .compiler import BackgroundCompiler
 
 _OPTIONAL_FEATURES = ("shader-f16", "subgroups", "subgroup", "timestamp-query")
 _MAX_LIMITS = ("max-storage-buffer-binding-size", "max-buffer-size", "max-compute-workgroup-storage-size",
@@ -57,6 +58,8 @@ class NativeDevice(Device):
         # that uses a destroyed buffer, so the check-and-submit and the destroy exclude each other.
         self._release_lock = threading.Lock()
         self._destroyed = False               # set under that lock: no readback submits after it
+        # a worker per two cores: the other compiles in place what a request needs first
+        self.background = BackgroundCompiler(max(1, (os.cpu_count() or 2) // 2))
 
     # ------------------------------------------------------------------ hooks
     def _raw_create_buffer(self, size: int, usage: str, label: str):
@@ -98,6 +101,7 @@ class NativeDevice(Device):
         self._stage_readbacks(batch)
 
         def run():
+            self._prepare(batch.ops)          # pipelines still compiling: here, off the event loop
             with self._release_lock:
                 if self._destroyed:
                     raise DeviceLostError(f"{what}: the device was destroyed")

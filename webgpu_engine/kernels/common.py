@@ -179,14 +179,17 @@ def placeholder(dev: Device) -> Buffer:
     return b
 
 
-def wmap_header(w) -> str:
+def wmap_header(w, full_param: str = "") -> str:
     """WGSL `wmap4(v)`: where vec4 word v of a weight's row layout is stored — identity, or for a
     weight in interleaved 4-row spans (QWeight.inter_full > 0) copy.wgsl's span_map. The identity
-    header is the same text for every weight, so those pipelines stay shared."""
+    header is the same text for every weight, so those pipelines stay shared. `full_param`: a WGSL
+    expression (a params field) that gives inter_full at run time, so that interleaved weights of
+    the same row length share one pipeline too (the caller passes w.inter_full in that field)."""
     full = w.inter_full
     rw = w.row_words if full else 1
-    return (f"const WI_RW: u32 = {rw}u;\nconst WI_FULL: u32 = {full}u;\n"
-            "fn wmap4(v: u32) -> u32 {\n    if (v >= WI_FULL) { return v; }\n"
+    bound = full_param if full and full_param else "WI_FULL"
+    return (f"const WI_RW: u32 = {rw}u;\nconst WI_FULL: u32 = {full if bound == 'WI_FULL' else 0}u;\n"
+            f"fn wmap4(v: u32) -> u32 {{\n    if (v >= {bound}) {{ return v; }}\n"
             "    let r = v % (8u * WI_RW);\n    return v - r + (r % WI_RW) * 8u + r / WI_RW;\n}\n")
 
 

@@ -251,6 +251,13 @@ class LlamaModel:
         height the few-row matmuls use (any other T uses the same kernels as one of these)."""
         return sorted({1, self.chunk} | {t for t in (2, 4, 8, 16) if t <= self.chunk})
 
+    def build_ops(self) -> set:
+        """Build the op lists `compile` runs (the largest prefill height first: most first prompts
+        tile as a full chunk does) and return their pipeline keys."""
+        for T in sorted(self.warm_heights(), reverse=True):
+            self.ops_for(T, True)
+        return pipeline_keys([op for ops in self._ops.values() for op in ops] + self.decode_ops)
+
     def compile(self, batch, warmed=frozenset()) -> set:
         """Build every op list a request uses and record one run of each pipeline into `batch`, so
         that nothing compiles on the first prompt: pipelines are created here, and drivers that
@@ -261,9 +268,7 @@ class LlamaModel:
         overwrites. Nothing is recorded when every pipeline is in `warmed` (already run on this
         device). Returns the pipeline keys."""
         heights = self.warm_heights()
-        for T in heights:
-            self.ops_for(T, True)
-        keys = pipeline_keys([op for ops in self._ops.values() for op in ops] + self.decode_ops)
+        keys = self.build_ops()
         if keys <= warmed:
             return keys
         seen: set = set()

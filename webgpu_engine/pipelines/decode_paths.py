@@ -78,6 +78,7 @@ class DecodePaths:
         self._sample_op.record(batch)
         rb = batch.readback(self.sampler.io, 0, self.sampler._result_size(None))
         self.host_s += now() - t0
+        await self.dev.ready(batch)        # kernels still compiling in the background
         if threaded and self._software:
             await self.dev.submit_async(batch)
         else:
@@ -145,6 +146,7 @@ class DecodePaths:
                 self._row_mask(r, rows[r], masks[r]).record(batch)
             self._row_sample_ops[r].record(batch)
             self.sampler.copy_result(batch, self._row_results, r * RESULT_BYTES)
+        await dev.ready(batch)
         dev.submit(batch)
         raw = await dev.read(self._row_results, 0, T * RESULT_BYTES)
         self.kv_ids.append(last)

@@ -24,6 +24,7 @@ import sys
 import threading
 import time
 from array import array
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -83,6 +84,7 @@ class EmbeddingPipeline:
                  max_total_tokens: int = MAX_TOTAL_TOKENS, pair_template: PairTemplate | None = None,
                  name: str | None = None):
         self.dev, self.model, self.tokenizer = dev, model, tokenizer
+        self._compiling = None          # pipelines queued on the background compiler at load
         self.st_config, self.chat_config = st_config, chat_config
         self.model_config = model.cfg
         self.max_seq_length, self.owner = max_seq_length, owner
@@ -164,13 +166,20 @@ class EmbeddingPipeline:
         except BaseException:
             dev.release_owner(owner)
             raise
+        queued = None
         if chat_config.compile_at_load:
             if progress:
                 progress(1.0, "Loading GPU shader modules")
-            await warm_up(dev, model.compile)         # the first request then compiles nothing
+            with dev.compiling_in_background() if chat_config.compile_in_background else nullcontext() as queued:
+                if queued is not None:           # the ops built, their pipelines queued, nothing run
+                    model.compile(dev.batch())
+            if queued is None:
+                await warm_up(dev, model.compile)     # the first request then compiles nothing
         if progress:
             progress(1.0, "embedding model ready")
-        return cls(dev, model, tokenizer, st, chat_config, max_len, owner, pair_template=pairs, name=model_id)
+        pipe = cls(dev, model, tokenizer, st, chat_config, max_len, owner, pair_template=pairs, name=model_id)
+        pipe._compiling = queued or None
+        return pipe
 
     # ------------------------------------------------------------------ tokens
     def tokenize(self, texts: list[str]) -> list[list[int]]:
@@ -324,6 +333,9 @@ class EmbeddingPipeline:
         esize = 4                       # the model hands out f32 values for either activation dtype
         t0 = time.perf_counter()
         dst = self._result_buffer(N * C * esize)
+        if self._compiling:             # the kernels queued at load, compiled side by side
+            await self.dev.ready(self._compiling)
+            self._compiling = None
         try:
             for k, (start, end, B, S) in enumerate(plan):
                 if k:

@@ -15,6 +15,7 @@ import itertools
 import struct
 import logging
 import sys
+from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
 
@@ -147,7 +148,7 @@ class LLMChatPipeline(DecodePaths):
         owner = f"model:{model_id}" if model_id else f"model:llm{next(_ids)}"
         tuning = tune.load_settings(chat_config.tune_kernels, chat_config.tune_budget_s)
         m = open_model(path, LLM)
-        cfg, weights, close = m.config, m.weights, m.close
+        cfg, close = m.config, m.close
         try:
             tokenizer, template = m.tokenizer(), m.template()
         except BaseException:
@@ -159,11 +160,22 @@ class LLMChatPipeline(DecodePaths):
             close()
             raise
         chat_config = replace(chat_config, max_num_sequences=plan.max_sequences)
-        dtype = plan.dtype
         tunes = tune.tunes_at_load(dev, tuning[0])
+        background = chat_config.compile_at_load and chat_config.compile_in_background
+        with dev.compiling_in_background() if background else nullcontext():
+            try:
+                return await cls._load(dev, m, path, cfg, tokenizer, template, chat_config, plan, owner,
+                                       tuning, tunes, progress, model_id)
+            finally:
+                close()
+
+    @classmethod
+    async def _load(cls, dev, m, path, cfg, tokenizer, template, chat_config, plan, owner, tuning, tunes,
+                    progress, model_id) -> "LLMChatPipeline":
+        dtype = plan.dtype
         try:
             # uploads fill the first 90% of this load's progress when kernel tuning may follow
-            model = m.arch.model_class()(dev, cfg, weights, owner=owner, context_window=plan.context,
+            model = m.arch.model_class()(dev, cfg, m.weights, owner=owner, context_window=plan.context,
                                          prefill_chunk=plan.prefill_chunk, dtype=dtype,
                                          kv_cache_dtype=plan.kv_cache_dtype,
                                          progress=_scaled(progress, 0.0, 0.9) if tunes else progress)
@@ -175,12 +187,12 @@ class LLMChatPipeline(DecodePaths):
             if chat_config.compile_at_load:
                 if progress:
                     progress(1.0, "Loading GPU shader modules")
-                await pipe._compile()    # so the first request compiles nothing
+                await pipe._compile(background=dev.deferring)   # so the first request compiles nothing
         except BaseException:
             dev.release_owner(owner)
             raise
-        finally:
-            close()
+        if progress and dev.compiles_pending():
+            progress(1.0, f"compiling {dev.compiles_pending()} GPU kernels in the background")
         if progress:
             progress(1.0, f"loaded {cfg.name or path.name} ({dtype}, context {model.ctx})")
         return pipe
@@ -192,7 +204,8 @@ class LLMChatPipeline(DecodePaths):
         if progress:
             progress(1.0, f"loading the draft model {spec.model}")
         dcc = ChatConfig(context_window_size=self.model.ctx, max_num_sequences=1, dtype=cc.dtype,
-                         compile_at_load=cc.compile_at_load, prefill_chunk_size=cc.prefill_chunk_size)
+                         compile_at_load=cc.compile_at_load, compile_in_background=cc.compile_in_background,
+                         prefill_chunk_size=cc.prefill_chunk_size)
         draft = await LLMChatPipeline.load(self.dev, spec.model, dcc,
                                            model_id=f"{model_id}.draft" if model_id else None)
         if not same_vocabulary(self.tokenizer, draft.tokenizer):
@@ -203,12 +216,19 @@ class LLMChatPipeline(DecodePaths):
         draft.sampler.configure(GREEDY)
         return draft
 
-    async def _compile(self) -> None:
-        """Create and run once every pipeline of the model and the sampler (see LlamaModel.compile)."""
+    async def _compile(self, background: bool = False) -> None:
+        """Create and run once every pipeline of the model and the sampler (see LlamaModel.compile);
+        `background`: build every op list, whose pipelines queue on the background compiler, and
+        run nothing."""
         self._make_mask()                 # the grammar mask's kernel too (its buffer is 4 B per 32 ids)
         samplers = [self._mask_op, self._sample_op.greedy, self._sample_op.full]
 
         sched = self.scheduler
+        if background:
+            self.model.build_ops()
+            for kind, T in (sched.compile_ops() if sched else ()):
+                sched.fwd.ops(kind, T)
+            return
         paged = [sched.fwd.ops(kind, T) for kind, T in sched.compile_ops()] if sched else []
 
         def record(batch, warmed):
@@ -439,6 +459,7 @@ class LLMChatPipeline(DecodePaths):
                 batch = dev.batch()
                 m.record_prefill(batch, part, pos0 + i, with_head=i + P >= len(ids))
                 if i + P < len(ids):
+                    await dev.ready(batch)    # kernels still compiling in the background
                     dev.submit(batch)
                     # a submit while the GPU is busy can block until it drains (lavapipe): wait for
                     # the chunk off the event loop, so other requests and /health go on meanwhile
@@ -456,6 +477,7 @@ class LLMChatPipeline(DecodePaths):
         if self.seq.matcher is not None:
             batch = await self._apply_mask(batch)
         self._sample_op.record(batch)
+        await dev.ready(batch)
         dev.submit(batch)
         res = await self.sampler.read()   # waits for the step off the event loop
         if self.logit_processor is not None and hasattr(self.logit_processor, "process_sampled_token"):

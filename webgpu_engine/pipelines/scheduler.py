@@ -295,6 +295,7 @@ class Scheduler:
                               pool.decode_inputs(ids, len(ids), fwd.max_blocks))
             for i, r in enumerate(decode):
                 self._copy_logits(batch, i, r.slot)
+            await dev.ready(batch)          # kernels still compiling in the background
             dev.submit(batch)
         for rec, start, end in chunks:
             if decode or rec is not chunks[0][0]:
@@ -309,6 +310,7 @@ class Scheduler:
                                pool.block_table(rec.id), with_head=head)
             if head:
                 self._copy_logits(batch, 0, rec.slot)
+            await dev.ready(batch)
             dev.submit(batch)
             self.stats["prefill_tokens"] += end - start
         if sampled:

@@ -89,7 +89,7 @@ def _pipeline(dev: Device, w: QWeight, dtype: str, kblk: int, cfg: TiledConfig):
                   f"fn wblock(base: u32, c: u32) -> array<vec4<f32>, 8> {{ return wb_{qtype}(base, c); }}\n")
     header = (f"{act_header(dtype)}const TM: u32 = {cfg.tm}u;\nconst WG: u32 = {cfg.wg}u;\n"
               f"const KB: u32 = {kb}u;\nconst XR: u32 = {8 * kb}u;\nconst NG: u32 = {ng}u;\n"
-              f"const WA: bool = {'true' if row_words % 4 == 0 else 'false'};\n{XREAD[dtype]}{wmap_header(w)}"
+              f"const WA: bool = {'true' if row_words % 4 == 0 else 'false'};\n{XREAD[dtype]}{wmap_header(w, 'P.wi_full')}"
               f"{decode}fn chunks(base: u32, t0: u32, lid: u32) {{\n{steps}}}\n")
     return dev.pipeline("matmul_tiled.wgsl", "matmul_tiled", header=header)
 
@@ -134,7 +134,7 @@ def matmul(dev: Device, x: Tensor, w: QWeight, y: Tensor, *, bias: Tensor | None
             flags = (1 if io.has_bias and first else 0) | (2 if accumulate or not first else 0)
             w_off = (c0 // 8 * _SUPER_WORDS[w.qtype] if w.qtype in _SUPER_WORDS
                      else c0 * _CHUNK_WORDS[w.qtype])   # u32 words into each row
-            yield [K, rows, T, w.row_words, io.x_off, io.y_off, w.n, r0, io.b_off, flags, w_off, K // 4, c0 * 8]
+            yield [K, rows, T, w.row_words, io.x_off, io.y_off, w.n, r0, io.b_off, flags, w_off, K // 4, c0 * 8, w.inter_full]
 
     return dispatch_parts(dev, Op(name=f"matmul_tiled[{w.label}]"), pipe, w, y, io, "matmul_tiled",
                           row_groups(cfg.wg, "matmul_tiled", tiles), blocks=blocks)

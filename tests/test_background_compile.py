@@ -1,0 +1,215 @@
+"""Kernels compiled in the background (gpu/compiler.py): inside Device.compiling_in_background a new
+pipeline is queued, not compiled; worker threads compile the queue; a submit (or Device.ready)
+compiles what it needs that no worker has reached; errors stay typed; a model's load returns once
+its weights are up, its answers do not change, and once the queue is done no request compiles."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from webgpu_engine.engine import EngineConfig
+from webgpu_engine.engine.engine import AsyncMLCEngine
+from webgpu_engine.errors import ShaderCompileError
+from webgpu_engine.gpu import shaders as shader_lookup
+from webgpu_engine.kernels.common import params
+
+SCALE_WGSL = """
+struct P { k: f32, n: u32 }
+@group(0) @binding(0) var<storage, read> x: array<f32>;
+@group(0) @binding(1) var<storage, read_write> y: array<f32>;
+@group(0) @binding(2) var<uniform> p: P;
+@compute @workgroup_size(64) fn scale(@builtin(global_invocation_id) g: vec3<u32>) {
+    if (g.x < p.n) { y[g.x] = x[g.x] * p.k * VARIANT; }
+}
+"""
+BROKEN_WGSL = """
+@group(0) @binding(0) var<storage, read_write> y: array<f32>;
+@compute @workgroup_size(64) fn broken(@builtin(global_invocation_id) g: vec3<u32>) {
+    y[g.x] = undefined_symbol * 2.0;
+}
+"""
+N = 100
+
+
+@pytest.fixture
+def shader_dir(tmp_path):
+    (tmp_path / "scale.wgsl").write_text(SCALE_WGSL)
+    (tmp_path / "broken.wgsl").write_text(BROKEN_WGSL)
+    shader_lookup.set_shader_dir(tmp_path)
+    yield tmp_path
+    shader_lookup.set_shader_dir(None)
+
+
+def _variant(dev, v: int):
+    return dev.pipeline("scale.wgsl", "scale", header=f"const VARIANT: f32 = {v}.0;\n")
+
+
+def _scale_batch(dev, pipes):
+    """A batch that runs each pipeline on x = 0..N-1 into a buffer of its own (k = 2)."""
+    x = dev.upload(np.arange(N, dtype=np.float32), owner="t:bg")
+    u = params(dev, [2.0, N], owner="t:bg")
+    outs = [dev.buffer(4 * N, owner="t:bg") for _ in pipes]
+    batch = dev.batch()
+    for p, y in zip(pipes, outs):
+        batch.dispatch(p, dev.bind(p, [x, y, u]), -(-N // 64))
+    return batch, outs
+
+
+def _check(dev, outs, variants):
+    for y, v in zip(outs, variants):
+        got = np.frombuffer(dev.read_sync(y), np.float32)
+        assert np.array_equal(got, np.arange(N, dtype=np.float32) * 2 * v)
+
+
+def test_a_queued_pipeline_compiles_at_its_first_submit(fresh_device, shader_dir):
+    dev, bg = fresh_device, fresh_device.background
+    assert bg is not None                      # the native backend has a compiler
+    bg.hold(True)                              # the workers start nothing
+    try:
+        count, waits = dev.compile_count, dev.compile_waits
+        with dev.compiling_in_background() as queued:
+            p = _variant(dev, 3)
+            assert _variant(dev, 3) is p       # cached while queued
+        assert queued == [p] and not p.ready and dev.uncompiled() == 1
+        assert dev.compile_count == count + 1
+        batch, outs = _scale_batch(dev, [p])   # bound before it is compiled
+        dev.submit(batch)
+        assert p.ready and dev.compile_waits == waits + 1
+        _check(dev, outs, [3])
+    finally:
+        bg.hold(False)
+        dev.release_owner("t:bg")
+
+
+async def test_the_workers_compile_the_queue(fresh_device, shader_dir):
+    dev, bg = fresh_device, fresh_device.background
+    done = bg.done
+    with dev.compiling_in_background():
+        pipes = [_variant(dev, v) for v in (4, 5, 6)]
+    await dev.compiled()
+    assert dev.compiles_pending() == 0 and all(p.ready for p in pipes) and bg.done == done + 3
+    waits = dev.compile_waits
+    batch, outs = _scale_batch(dev, pipes)
+    await dev.ready(batch)
+    dev.submit(batch)
+    assert dev.compile_waits == waits        # nothing left to compile on the request's path
+    _check(dev, outs, [4, 5, 6])
+    dev.release_owner("t:bg")
+
+
+async def test_ready_compiles_what_a_batch_needs_and_nothing_else(fresh_device, shader_dir):
+    dev, bg = fresh_device, fresh_device.background
+    bg.hold(True)
+    try:
+        with dev.compiling_in_background():
+            pipes = [_variant(dev, v) for v in (7, 8, 9, 10)]
+        batch, outs = _scale_batch(dev, pipes[:3])
+        waits = dev.compile_waits
+        await dev.ready(batch)                 # side by side, off the event loop
+        assert [p.ready for p in pipes] == [True, True, True, False]
+        assert dev.compile_waits == waits + 3 and dev.uncompiled() == 1
+        dev.submit(batch)
+        assert dev.compile_waits == waits + 3
+        _check(dev, outs, [7, 8, 9])
+        done = bg.done
+    finally:
+        bg.hold(False)
+    await dev.compiled()
+    assert pipes[3].ready and bg.done == done + 1   # the workers skipped what ready() compiled
+    dev.release_owner("t:bg")
+
+
+def test_a_broken_shader_queued_fails_typed_where_it_is_used(fresh_device, shader_dir):
+    dev = fresh_device
+    dev.background.hold(True)
+    try:
+        with dev.compiling_in_background():
+            p = dev.pipeline("broken.wgsl", "broken")     # queued: no error yet
+        y = dev.buffer(4 * N, owner="t:bg")
+        with pytest.raises(ShaderCompileError, match=r"broken\.wgsl:4.*undefined_symbol"):
+            dev.submit(dev.batch().dispatch(p, dev.bind(p, [y]), 1))
+        with pytest.raises(ShaderCompileError):           # kept: raised again, not compiled again
+            dev.submit(dev.batch().dispatch(p, dev.bind(p, [y]), 1))
+    finally:
+        dev.background.hold(False)
+    batch, outs = _scale_batch(dev, [_variant(dev, 2)])   # the device goes on
+    dev.submit(batch)
+    _check(dev, outs, [2])
+    dev.release_owner("t:bg")
+
+
+async def test_forget_pipelines_drops_the_queue(fresh_device, shader_dir):
+    dev, bg = fresh_device, fresh_device.background
+    bg.hold(True)
+    try:
+        with dev.compiling_in_background():
+            pipes = [_variant(dev, v) for v in (11, 12)]
+        assert dev.compiles_pending() == 2
+        dev.forget_pipelines()
+        assert dev.compiles_pending() == 0 and dev.uncompiled() == 0
+    finally:
+        bg.hold(False)
+    batch, outs = _scale_batch(dev, pipes)    # ops that hold them still run: compiled in place
+    dev.submit(batch)
+    _check(dev, outs, [11, 12])
+    dev.release_owner("t:bg")
+
+
+def test_without_a_compiler_pipelines_compile_in_place(fresh_device, shader_dir):
+    dev = fresh_device
+    dev.background, bg = None, dev.background     # as in the page (no threads)
+    try:
+        with dev.compiling_in_background() as queued:
+            p = _variant(dev, 13)
+        assert queued is None and p.ready and dev.compiles_pending() == 0
+    finally:
+        dev.background = bg
+
+
+# --------------------------------------------------------------------------- a model's load
+OPTS = {"dtype": "f32", "context_window_size": 192, "prefill_chunk_size": 32}
+PROMPTS = ["the", "the quick brown fox jumps", "the quick brown fox jumps over a lazy dog while seven small "
+           "birds sing near the old river bank and the quick brown fox"]
+
+
+async def _answer(eng, prompt: str) -> str:
+    r = await eng.completions.create(prompt=prompt, max_tokens=6, ignore_eos=True, temperature=0)
+    return r.choices[0].text
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    from tinymodels import write_tiny_llama_gguf
+    return write_tiny_llama_gguf(tmp_path_factory.mktemp("bg") / "tinybg.gguf", qtype="q8_0", seed=5)["path"]
+
+
+async def test_load_returns_before_its_kernels_and_answers_do_not_change(fresh_device, device, tiny_path):
+    dev, reports = fresh_device, []
+    dev.background.hold(True)     # deterministic: every kernel is still queued when the load returns
+    eng = AsyncMLCEngine(EngineConfig(device=dev, init_progress_callback=reports.append))
+    try:
+        await eng.reload(str(tiny_path), chat_opts=OPTS)
+        pending = dev.compiles_pending()
+        assert pending > 0 and dev.uncompiled() > 0
+        assert any(f"compiling {pending} GPU kernels in the background" in r["text"] for r in reports)
+        waits, left = dev.compile_waits, dev.uncompiled()
+        first = await _answer(eng, PROMPTS[0])       # compiles what it needs, side by side
+        assert dev.compile_waits > waits
+        assert 0 < dev.uncompiled() < left           # ... and not the rest
+    finally:
+        dev.background.hold(False)
+    await dev.compiled()
+    assert dev.compiles_pending() == 0 and dev.uncompiled() == 0
+    count, waits = dev.compile_count, dev.compile_waits
+    answers = [first] + [await _answer(eng, p) for p in PROMPTS[1:]]
+    r = await eng.chat.completions.create(messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                          temperature=0.8, seed=3)
+    assert r.choices[0].message.content is not None
+    assert (dev.compile_count, dev.compile_waits) == (count, waits)   # no request compiled
+    await eng.unload()
+    ref = AsyncMLCEngine(EngineConfig(device=device))
+    await ref.reload(str(tiny_path), chat_opts={**OPTS, "compile_at_load": False})
+    try:
+        assert answers == [await _answer(ref, p) for p in PROMPTS]
+    finally:
+        await ref.unload()

@@ -1,0 +1,221 @@
+"""Pipelines that compile in the background.
+
+A model's kernels take most of its load time on some drivers (lavapipe: 1-2 s of LLVM per tiled
+prefill pipeline, ~20 s for the default chat model), while its first request needs only a few of
+them. Inside `Device.compiling_in_background()` a new pipeline is not compiled where it is asked
+for: it is queued on the device's `BackgroundCompiler`, whose worker threads compile the queue in
+order (the driver's compile releases the GIL and runs beside the event loop). Whoever needs a
+pipeline first compiles it: a submit whose batch dispatches one that no worker has started yet
+compiles it in place, one a worker is compiling waits for that worker. So a request never waits
+behind kernels it does not use, and once the queue is done no request compiles at all.
+
+Standard library only; the browser backend compiles in place (no threads in the page).
+"""
+from __future__ import annotations
+
+import asyncio
+import atexit
+import threading
+import weakref
+from collections import deque
+from contextlib import contextmanager
+from typing import Any, Callable
+
+
+class LazyRaw:
+    """The driver object of a pipeline or bind group, made on first need by `make` (once, from any
+    thread); a failure is kept and raised to everyone who needs it."""
+
+    __slots__ = ("_raw", "_make", "_error", "_lock")
+
+    def __init__(self, raw: Any = None, make: Callable[[], Any] | None = None):
+        self._raw, self._make, self._error = raw, make, None
+        self._lock = threading.Lock() if make is not None else None
+
+    @property
+    def ready(self) -> bool:
+        return self._make is None
+
+    def resolve(self) -> Any:
+        if self._make is not None:
+            with self._lock:
+                make = self._make
+                if make is not None:
+                    try:
+                        self._raw = make()
+                    except BaseException as e:  # noqa: BLE001 - kept for whoever needs it
+                        self._error = e
+                    self._make = None
+        if self._error is not None:
+            raise self._error
+        return self._raw
+
+    def try_resolve(self) -> None:
+        """resolve(), a failure left for whoever needs the object to raise."""
+        try:
+            self.resolve()
+        except BaseException:  # noqa: BLE001 - kept in self._error
+            pass
+
+    def started(self) -> bool:
+        """Whether someone is making it now (its lock is held) or has made it."""
+        return self._make is None or (self._lock is not None and self._lock.locked())
+
+
+class BackgroundCompiler:
+    """Worker threads that resolve queued pipelines in order (see the module docstring)."""
+
+    def __init__(self, workers: int = 1):
+        self.workers = max(1, int(workers))
+        self._queue: deque = deque()
+        self._cv = threading.Condition()
+        self._busy = 0
+        self._threads: list[threading.Thread] = []
+        self._closed = False
+        self._held = 0                # requests compiling what they need: workers start nothing new
+        self.done = 0                 # pipelines the workers compiled
+        _compilers.add(self)
+
+    def submit(self, p) -> None:
+        with self._cv:
+            if self._closed:
+                return
+            self._queue.append(p)
+            if len(self._threads) < self.workers:
+                t = threading.Thread(target=self._work, name="webgpu-engine-compile", daemon=True)
+                self._threads.append(t)
+                t.start()
+            self._cv.notify()
+
+    def pending(self) -> int:
+        """Pipelines queued or compiling."""
+        with self._cv:
+            return len(self._queue) + self._busy
+
+    def cancel(self) -> int:
+        """Drop what no worker has started (the pipelines compile in place if ever needed)."""
+        with self._cv:
+            n = len(self._queue)
+            self._queue.clear()
+            self._cv.notify_all()
+            return n
+
+    def hold(self, on: bool) -> None:
+        """While held (counted), workers finish what they compile but start nothing new: a
+        request compiling its own pipelines has the cores."""
+        with self._cv:
+            self._held += 1 if on else -1
+            self._cv.notify_all()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the queue is done (True) or `timeout` seconds pass (False)."""
+        with self._cv:
+            return self._cv.wait_for(lambda: not self._queue and not self._busy, timeout)
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Cancel the queue and wait up to `timeout` s for the compiles under way (before the device
+        is destroyed: the driver must not compile on a destroyed device)."""
+        with self._cv:
+            self._closed = True
+            self._queue.clear()
+            self._cv.notify_all()
+        for t in self._threads:
+            t.join(timeout)
+
+    def _work(self) -> None:
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: (self._queue and not self._held) or self._closed)
+                if not self._queue:
+                    return
+                p = self._queue.popleft()
+                self._busy += 1
+            try:
+                if not p.lazy.started():
+                    p.lazy.try_resolve()
+                    self.done += 1
+            finally:
+                with self._cv:
+                    self._busy -= 1
+                    self._cv.notify_all()
+
+
+class CompilingDevice:
+    """Device's side of background compiling (gpu/base.py: Device.pipeline queues a new pipeline
+    while `_defer` is set, Pipeline and BindGroup hold LazyRaw objects; submits call _prepare)."""
+
+    background: "BackgroundCompiler | None"
+    _defer: bool
+    _queued: list
+    _pipelines: dict
+    compile_waits: int
+
+    @contextmanager
+    def compiling_in_background(self):
+        """Pipelines first asked for inside this block compile on the background compiler, where
+        the backend has one (gpu/compiler.py). Yields the list of the pipelines it queues (filled
+        as the block runs; `ready` takes it), or None where the backend compiles in place."""
+        prev, queued = self._defer, []
+        self._defer = self.background is not None
+        self._queued.append(queued)
+        try:
+            yield queued if self._defer else None
+        finally:
+            self._defer = prev
+            self._queued.remove(queued)
+
+    deferring = property(lambda self: self._defer, doc="inside compiling_in_background (with a compiler)")
+
+    def compiles_pending(self) -> int:
+        """Pipelines queued on the background compiler or compiling there."""
+        return self.background.pending() if self.background is not None else 0
+
+    def uncompiled(self) -> int:
+        """Pipelines of the cache not compiled yet (queued, compiling, or dropped from the queue)."""
+        return sum(not p.ready for p in list(self._pipelines.values()))
+
+    async def compiled(self) -> None:
+        """Wait (without blocking the event loop) until the background compiler's queue is done."""
+        if self.background is not None and self.background.pending():
+            await asyncio.to_thread(self.background.wait)
+
+    async def ready(self, work) -> None:
+        """Compile, off the event loop and side by side, the pipelines that `work` (a Batch, or
+        pipelines) dispatches and the background compiler has not made yet (its workers start
+        nothing new meanwhile); a submit would compile them one by one on the submitting thread."""
+        bg = self.background
+        if bg is None or not bg.pending():
+            return
+        pipes = [op[1] for op in work.ops if op[0] == "d"] if hasattr(work, "ops") else work
+        todo = {id(p): p.lazy for p in pipes if not p.ready}
+        if not todo:
+            return
+        self.compile_waits += len(todo)
+        bg.hold(True)
+        try:
+            await asyncio.gather(*(asyncio.to_thread(lazy.try_resolve) for lazy in todo.values()))
+        finally:
+            bg.hold(False)
+
+    def _prepare(self, ops: list) -> None:
+        """Make the pipelines and bind groups a batch dispatches where they are not made yet (a
+        pipeline still queued compiles here; one a worker is compiling is waited for)."""
+        for op in ops:
+            if op[0] == "d":
+                p, bg = op[1], op[2]
+                if not p.lazy.ready:
+                    self.compile_waits += 1
+                    p.lazy.resolve()
+                if not bg.lazy.ready:
+                    bg.lazy.resolve()
+
+
+_compilers: "weakref.WeakSet[BackgroundCompiler]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    """At exit the queue is dropped and the compile under way is not waited for (a one-shot
+    command exits as soon as it has answered; seen to exit cleanly on lavapipe)."""
+    for c in list(_compilers):
+        c.close(timeout=0.0)
