@@ -1,15 +1,22 @@
-"""Cold start: how long `reload` takes and how long the first request then waits, for the default
-chat model and embedder, each in a fresh process (so nothing is cached in the process).
+"""Cold start: from process start to the first token (or vector), for the default chat model and
+embedder, each in a fresh process (so nothing is cached in the process), in each compile mode.
 
-    python bench/first_request.py [--no-shader-cache] [--tokens 8] [--chat-model REF] [--embed-model REF]
+    python bench/first_request.py [--no-shader-cache] [--tokens 8] [--modes background,at_load,lazy]
+                                  [--chat-model REF] [--embed-model REF]
     python bench/first_request.py --smoke [--chat-model REF] [--embed-model REF] [--out PATH]
 
-`--no-shader-cache` sets MESA_SHADER_CACHE_DISABLE=true in the children (lavapipe), the state of a
-fresh clone. Since pipelines are created and run once while a model loads ("Loading GPU shader
-modules"), the first request should cost what the second does. Prints a table and writes
-bench/results/first_request.json. --chat-model / --embed-model: other models (any model reference:
-an app-config id, a .gguf file, a model folder) instead of the engine's defaults. --smoke: 2 tokens
-per chat request: checks that the script runs to the end (with small models, quickly).
+Compile modes (chat options): `background` (the default: compile_at_load with compile_in_background;
+the load returns once the weights are up and the kernels compile on worker threads, a request
+compiling side by side what no worker has reached), `at_load` (compile_in_background off: every
+kernel compiled and run once before the load returns) and `lazy` (compile_at_load off: each request
+compiles what it uses). Each process times, from its own start (the parent's clock before it
+launched the child): the load, the first request's first token, a second request of another
+length right after it, the moment every queued kernel is compiled, and a third and fourth request
+(short and long prompts) after that; and how many pipelines each request had to compile or wait
+for (Device.compile_waits; in the lazy mode the pipelines each request created). Prints a table and
+writes bench/results/first_request.json. `--no-shader-cache` sets MESA_SHADER_CACHE_DISABLE=true in
+the children (lavapipe), the state of a fresh clone. --smoke: 2 tokens per chat request, the
+background mode only: checks that the script runs to the end (with small models, quickly).
 """
 from __future__ import annotations
 
@@ -19,31 +26,46 @@ import os
 import platform
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+MODES = {"background": {}, "at_load": {"compile_in_background": False}, "lazy": {"compile_at_load": False}}
 
 CHILD = r'''
 import asyncio, json, sys, time
+t_launch, kind, n_tok, opts = float(sys.argv[1]), sys.argv[2], int(sys.argv[3]), json.loads(sys.argv[4])
 from webgpu_engine.engine import EngineConfig, create_mlc_engine
 from webgpu_engine.engine import DEFAULT_CHAT_MODEL as LLM, DEFAULT_EMBED_MODEL as EMB
-kind, n_tok = sys.argv[1], int(sys.argv[2])
-ref = sys.argv[3] if len(sys.argv) > 3 else LLM if kind == "chat" else EMB
+ref = sys.argv[5] if len(sys.argv) > 5 else LLM if kind == "chat" else EMB
+since = lambda: time.time() - t_launch
 async def main():
-    t = time.perf_counter()
-    eng = await create_mlc_engine(ref, EngineConfig(log_level="ERROR"))
-    out = {"reload_s": time.perf_counter() - t}
-    prompts = ["What is the capital of France?", "Name three colours."]
-    for name, p in zip(("first", "second"), prompts):
-        t = time.perf_counter()
-        if kind == "chat":
-            r = await eng.chat.completions.create(messages=[{"role": "user", "content": p}],
-                                                  max_tokens=n_tok, temperature=0, ignore_eos=True)
-            out[name + "_ttft_s"] = r.usage.extra.time_to_first_token_s
+    out = {"python_ready_s": since()}
+    eng = await create_mlc_engine(ref, EngineConfig(log_level="ERROR"), chat_opts=opts)
+    dev = eng.device
+    out["loaded_s"], out["queued_at_load"] = since(), dev.compiles_pending()
+    async def request(name, prompt, chat=True):
+        waits, count, t = dev.compile_waits, dev.compile_count, time.perf_counter()
+        if kind == "embed":
+            await eng.embeddings.create(input=[prompt, prompt + " again"])
+            out[name + "_first_s"] = since()
         else:
-            await eng.embeddings.create(input=[p, p + " again"])
+            if chat:
+                r = await eng.chat.completions.create(messages=[{"role": "user", "content": prompt}],
+                                                      max_tokens=n_tok, temperature=0, ignore_eos=True)
+            else:
+                r = await eng.completions.create(prompt=prompt, max_tokens=n_tok, temperature=0, ignore_eos=True)
+            out[name + "_first_s"] = since() - (time.perf_counter() - t) + r.usage.extra.time_to_first_token_s
         out[name + "_request_s"] = time.perf_counter() - t
-    out["adapter"] = eng.device.info.name
+        # pipelines this request compiled or waited for: queued ones it needed, or (lazy) new ones
+        out[name + "_compiles"] = dev.compile_waits - waits + dev.compile_count - count
+    await request("first", "What is the capital of France?")
+    await request("second", "Name three colours.", chat=False)
+    await dev.compiled()
+    out["all_compiled_s"] = since()
+    await request("third", "Hi", chat=False)
+    await request("fourth", "Write one sentence about the sea, the wind and the stars over a quiet harbour.")
+    out["adapter"] = dev.info.name
     print(json.dumps(out))
 asyncio.run(main())
 '''
@@ -53,31 +75,40 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--no-shader-cache", action="store_true")
     ap.add_argument("--tokens", type=int, default=8)
+    ap.add_argument("--modes", default=",".join(MODES), help="comma-separated: " + ", ".join(MODES))
     ap.add_argument("--chat-model", default=None, help="chat model reference (default: the engine's)")
     ap.add_argument("--embed-model", default=None, help="embedding model reference (default: the engine's)")
-    ap.add_argument("--smoke", action="store_true", help="2 tokens per chat request: checks the script")
+    ap.add_argument("--smoke", action="store_true", help="2 tokens per chat request, background mode only")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "first_request.json")
     a = ap.parse_args()
+    modes = ["background"] if a.smoke else a.modes.split(",")
     if a.smoke:
         a.tokens = 2
     env = dict(os.environ, XDG_RUNTIME_DIR=os.environ.get("XDG_RUNTIME_DIR", "/tmp"))
     if a.no_shader_cache:
         env["MESA_SHADER_CACHE_DISABLE"] = "true"
     rows = []
-    for kind, ref in (("chat", a.chat_model), ("embed", a.embed_model)):
-        res = subprocess.run([sys.executable, "-c", CHILD, kind, str(a.tokens)] + ([ref] if ref else []),
-                             env=env, cwd=ROOT, capture_output=True, text=True, timeout=1800)
-        if res.returncode:
-            raise SystemExit(f"{kind}: {res.stderr[-2000:]}")
-        rows.append({"model": kind, **json.loads(res.stdout.strip().splitlines()[-1])})
-    print(f"{'model':6} {'reload s':>9} {'1st req s':>10} {'2nd req s':>10} {'1st ttft s':>11} {'2nd ttft s':>11}")
+    for mode in modes:
+        for kind, ref in (("chat", a.chat_model), ("embed", a.embed_model)):
+            t = time.time()
+            res = subprocess.run([sys.executable, "-c", CHILD, repr(t), kind, str(a.tokens),
+                                  json.dumps(MODES[mode])] + ([ref] if ref else []),
+                                 env=env, cwd=ROOT, capture_output=True, text=True, timeout=1800)
+            if res.returncode:
+                raise SystemExit(f"{kind} ({mode}): {res.stderr[-2000:]}")
+            rows.append({"model": kind, "mode": mode, **json.loads(res.stdout.strip().splitlines()[-1])})
+    print("seconds from process start; comp: pipelines the request compiled or waited for; later comp: "
+          "the third and fourth requests, after every queued kernel compiled")
+    print(f"{'model':6} {'mode':10} {'loaded':>7} {'1st token':>9} {'1st comp':>8} {'2nd req s':>9} "
+          f"{'2nd comp':>8} {'all compiled':>12} {'later comp':>10}")
     for r in rows:
-        print(f"{r['model']:6} {r['reload_s']:9.2f} {r['first_request_s']:10.2f} {r['second_request_s']:10.2f} "
-              f"{r.get('first_ttft_s', float('nan')):11.2f} {r.get('second_ttft_s', float('nan')):11.2f}")
+        print(f"{r['model']:6} {r['mode']:10} {r['loaded_s']:7.2f} {r['first_first_s']:9.2f} "
+              f"{r['first_compiles']:8d} {r['second_request_s']:9.2f} {r['second_compiles']:8d} "
+              f"{r['all_compiled_s']:12.2f} {r['third_compiles'] + r['fourth_compiles']:10d}")
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps({"machine": platform.machine(), "python": platform.python_version(),
-                                 "shader_cache": not a.no_shader_cache, "tokens": a.tokens,
-                                 "results": rows}, indent=2))
+                                 "adapter": rows[0]["adapter"], "shader_cache": not a.no_shader_cache,
+                                 "tokens": a.tokens, "results": rows}, indent=2))
     print("wrote", a.out)
 
 

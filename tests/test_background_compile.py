@@ -213,3 +213,17 @@ async def test_load_returns_before_its_kernels_and_answers_do_not_change(fresh_d
         assert answers == [await _answer(ref, p) for p in PROMPTS]
     finally:
         await ref.unload()
+
+
+async def test_compile_in_background_off_compiles_everything_before_the_load_returns(fresh_device, tiny_path):
+    dev = fresh_device
+    eng = AsyncMLCEngine(EngineConfig(device=dev))
+    await eng.reload(str(tiny_path), chat_opts={**OPTS, "compile_in_background": False})
+    try:
+        assert dev.compile_count > 0 and dev.uncompiled() == 0 and dev.compiles_pending() == 0
+        count, waits = dev.compile_count, dev.compile_waits
+        for p in PROMPTS:
+            await _answer(eng, p)
+        assert (dev.compile_count, dev.compile_waits) == (count, waits)
+    finally:
+        await eng.unload()

@@ -58,8 +58,10 @@ class NativeDevice(Device):
         # that uses a destroyed buffer, so the check-and-submit and the destroy exclude each other.
         self._release_lock = threading.Lock()
         self._destroyed = False               # set under that lock: no readback submits after it
-        # a worker per two cores: the other compiles in place what a request needs first
-        self.background = BackgroundCompiler(max(1, (os.cpu_count() or 2) // 2))
+        # a worker per two cores (the others run requests and compile what they need first), or
+        # $WEBGPU_ENGINE_COMPILE_THREADS
+        self.background = BackgroundCompiler(int(os.environ.get("WEBGPU_ENGINE_COMPILE_THREADS", 0))
+                                             or max(1, (os.cpu_count() or 2) // 2))
 
     # ------------------------------------------------------------------ hooks
     def _raw_create_buffer(self, size: int, usage: str, label: str):

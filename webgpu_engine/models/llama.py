@@ -121,6 +121,10 @@ class LlamaModel:
         # decode steps record an op's short form when the live keys allow (nn.attention's
         # one-dispatch attention); a switch for A/B benchmarks
         self.short_attention = True
+        if dev.deferring:
+            # pipelines queue on the background compiler in the order built: a first prompt's
+            # prefill (tiled as a full chunk is, most prompts being over 8 rows) before decode
+            self.ops_for(self.chunk, True)
         self.decode_ops = self._build(1, True, decode=True)   # built once, replayed every step
         self._row_logits: list[Tensor] = []                    # speculative decoding, on first use
         self._verify_ops: dict[int, list[Op]] = {}             # T -> the T rows' LM heads

@@ -9,14 +9,36 @@ from __future__ import annotations
 import asyncio
 import struct
 
+from ..config import GREEDY, ChatConfig
+from ..errors import UnsupportedChatOptionError
 from ..kernels.logit_mask import LogitMask
 from ..kernels.sampling import RESULT_BYTES
-from .speculation import SpeculationStats, propose, slower_than_decode
+from .speculation import SpeculationStats, propose, same_vocabulary, slower_than_decode
 from .stats import now
 
 
 class DecodePaths:
-    """Mixed into LLMChatPipeline: decode_step picks one of these paths or the plain fused step."""
+    """Mixed into LLMChatPipeline: decode_step picks one of these paths or the plain fused step;
+    and the draft model speculation "draft" loads beside the pipeline."""
+
+    async def _load_draft(self, progress, model_id: str | None) -> "DecodePaths":
+        """speculation "draft": load the draft model (a local path: the engine resolves references)
+        beside this one, with this model's context window, and check that it shares the vocabulary."""
+        spec, cc = self.speculation, self.chat_config
+        if progress:
+            progress(1.0, f"loading the draft model {spec.model}")
+        dcc = ChatConfig(context_window_size=self.model.ctx, max_num_sequences=1, dtype=cc.dtype,
+                         compile_at_load=cc.compile_at_load, compile_in_background=cc.compile_in_background,
+                         prefill_chunk_size=cc.prefill_chunk_size)
+        draft = await type(self).load(self.dev, spec.model, dcc,
+                                      model_id=f"{model_id}.draft" if model_id else None)
+        if not same_vocabulary(self.tokenizer, draft.tokenizer):
+            draft.dispose()
+            raise UnsupportedChatOptionError("speculation", spec.describe(), (
+                f"the draft model's vocabulary ({draft.tokenizer.vocab_size} tokens) differs from this "
+                f"model's ({self.tokenizer.vocab_size}): a draft model must share the tokenizer"))
+        draft.sampler.configure(GREEDY)
+        return draft
 
     async def _shift_context(self) -> None:
         """context_overflow "shift" (llama.cpp's context shift): the cache is full; keep its first

@@ -170,11 +170,14 @@ class EmbeddingPipeline:
         if chat_config.compile_at_load:
             if progress:
                 progress(1.0, "Loading GPU shader modules")
-            with dev.compiling_in_background() if chat_config.compile_in_background else nullcontext() as queued:
+            with dev.compiling_in_background() as queued:
                 if queued is not None:           # the ops built, their pipelines queued, nothing run
                     model.compile(dev.batch())
-            if queued is None:
+            if queued is None or not chat_config.compile_in_background:
+                if queued:
+                    await dev.ready(queued)      # side by side on every core
                 await warm_up(dev, model.compile)     # the first request then compiles nothing
+                queued = None
         if progress:
             progress(1.0, "embedding model ready")
         pipe = cls(dev, model, tokenizer, st, chat_config, max_len, owner, pair_template=pairs, name=model_id)

@@ -38,7 +38,7 @@ from .decode_paths import DecodePaths
 from .detokenizer import safe_token_bytes
 from .grammar import GrammarCompiler
 from .sequence import Sequence, configure_sampler, process_logits
-from .speculation import Speculation, SpeculationStats, same_vocabulary
+from .speculation import Speculation, SpeculationStats
 from .stats import CumulativeStats, RequestStats, now
 
 OVERFLOW_POLICIES = ("error", "truncate", "shift")
@@ -161,13 +161,27 @@ class LLMChatPipeline(DecodePaths):
             raise
         chat_config = replace(chat_config, max_num_sequences=plan.max_sequences)
         tunes = tune.tunes_at_load(dev, tuning[0])
-        background = chat_config.compile_at_load and chat_config.compile_in_background
-        with dev.compiling_in_background() if background else nullcontext():
+        # compile_at_load: the pipelines built while loading queue on the background compiler
+        # (where the backend has one); without compile_in_background the load then compiles them
+        # side by side on every core and runs each once before it returns
+        with dev.compiling_in_background() if chat_config.compile_at_load else nullcontext() as queued:
             try:
-                return await cls._load(dev, m, path, cfg, tokenizer, template, chat_config, plan, owner,
+                pipe = await cls._load(dev, m, path, cfg, tokenizer, template, chat_config, plan, owner,
                                        tuning, tunes, progress, model_id)
             finally:
                 close()
+        if queued and not chat_config.compile_in_background:
+            try:
+                await dev.ready(queued)
+                await pipe._compile()
+            except BaseException:
+                pipe.dispose()
+                raise
+        elif progress and queued:
+            progress(1.0, f"compiling {dev.compiles_pending()} GPU kernels in the background")
+        if progress:
+            progress(1.0, f"loaded {cfg.name or path.name} ({plan.dtype}, context {pipe.model.ctx})")
+        return pipe
 
     @classmethod
     async def _load(cls, dev, m, path, cfg, tokenizer, template, chat_config, plan, owner, tuning, tunes,
@@ -191,30 +205,7 @@ class LLMChatPipeline(DecodePaths):
         except BaseException:
             dev.release_owner(owner)
             raise
-        if progress and dev.compiles_pending():
-            progress(1.0, f"compiling {dev.compiles_pending()} GPU kernels in the background")
-        if progress:
-            progress(1.0, f"loaded {cfg.name or path.name} ({dtype}, context {model.ctx})")
         return pipe
-
-    async def _load_draft(self, progress, model_id: str | None) -> "LLMChatPipeline":
-        """speculation "draft": load the draft model (a local path: the engine resolves references)
-        beside this one, with this model's context window, and check that it shares the vocabulary."""
-        spec, cc = self.speculation, self.chat_config
-        if progress:
-            progress(1.0, f"loading the draft model {spec.model}")
-        dcc = ChatConfig(context_window_size=self.model.ctx, max_num_sequences=1, dtype=cc.dtype,
-                         compile_at_load=cc.compile_at_load, compile_in_background=cc.compile_in_background,
-                         prefill_chunk_size=cc.prefill_chunk_size)
-        draft = await LLMChatPipeline.load(self.dev, spec.model, dcc,
-                                           model_id=f"{model_id}.draft" if model_id else None)
-        if not same_vocabulary(self.tokenizer, draft.tokenizer):
-            draft.dispose()
-            raise UnsupportedChatOptionError("speculation", spec.describe(), (
-                f"the draft model's vocabulary ({draft.tokenizer.vocab_size} tokens) differs from this "
-                f"model's ({self.tokenizer.vocab_size}): a draft model must share the tokenizer"))
-        draft.sampler.configure(GREEDY)
-        return draft
 
     async def _compile(self, background: bool = False) -> None:
         """Create and run once every pipeline of the model and the sampler (see LlamaModel.compile);
