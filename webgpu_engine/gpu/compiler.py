@@ -22,6 +22,9 @@ from contextlib import contextmanager
 from typing import Any, Callable
 
 
+GRACE_S = 0.5        # after a load, before the workers start (compiling_in_background)
+
+
 class LazyRaw:
     """The driver object of a pipeline or bind group, made on first need by `make` (once, from any
     thread); a failure is kept and raised to everyone who needs it."""
@@ -107,6 +110,12 @@ class BackgroundCompiler:
             self._held += 1 if on else -1
             self._cv.notify_all()
 
+    def release_later(self, seconds: float) -> None:
+        """hold(False) after `seconds` (a daemon timer)."""
+        t = threading.Timer(seconds, self.hold, (False,))
+        t.daemon = True
+        t.start()
+
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the queue is done (True) or `timeout` seconds pass (False)."""
         with self._cv:
@@ -153,16 +162,23 @@ class CompilingDevice:
     @contextmanager
     def compiling_in_background(self):
         """Pipelines first asked for inside this block compile on the background compiler, where
-        the backend has one (gpu/compiler.py). Yields the list of the pipelines it queues (filled
-        as the block runs; `ready` takes it), or None where the backend compiles in place."""
-        prev, queued = self._defer, []
-        self._defer = self.background is not None
+        the backend has one. Yields the list of the pipelines it queues (filled as the block runs;
+        `ready` takes it), or None where the backend compiles in place. The workers start nothing
+        inside the block and for GRACE_S after it: a request sent as soon as a load returns then
+        compiles what it needs on every core (a worker already compiling another kernel would
+        hold a core for seconds on lavapipe)."""
+        prev, queued, bg = self._defer, [], self.background
+        self._defer = bg is not None
         self._queued.append(queued)
+        if bg is not None:
+            bg.hold(True)
         try:
             yield queued if self._defer else None
         finally:
             self._defer = prev
             self._queued.remove(queued)
+            if bg is not None:
+                bg.release_later(GRACE_S)
 
     deferring = property(lambda self: self._defer, doc="inside compiling_in_background (with a compiler)")
 

@@ -58,10 +58,11 @@ class NativeDevice(Device):
         # that uses a destroyed buffer, so the check-and-submit and the destroy exclude each other.
         self._release_lock = threading.Lock()
         self._destroyed = False               # set under that lock: no readback submits after it
-        # a worker per two cores (the others run requests and compile what they need first), or
-        # $WEBGPU_ENGINE_COMPILE_THREADS
+        # a worker per core (they start nothing new while a request compiles what it needs), or
+        # $WEBGPU_ENGINE_COMPILE_THREADS; 2 cores, SmolLM2: the queue done at 18.2-18.6 s from process
+        # start against 20.4-25.1 s with one worker, the first token no later (bench/first_request.py)
         self.background = BackgroundCompiler(int(os.environ.get("WEBGPU_ENGINE_COMPILE_THREADS", 0))
-                                             or max(1, (os.cpu_count() or 2) // 2))
+                                             or os.cpu_count() or 1)
 
     # ------------------------------------------------------------------ hooks
     def _raw_create_buffer(self, size: int, usage: str, label: str):
