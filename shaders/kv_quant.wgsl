@@ -31,35 +31,18 @@ struct Params {
 @group(0) @binding(4) var<storage, read_write> vq: array<u32>;
 @group(0) @binding(5) var<storage, read> slots: array<u32>;     // kv_quant_slots: (T) pool rows
 
-fn put(v: u32, i: u32, w: u32) {
-    if (v == 0u) { kq[i] = w; } else { vq[i] = w; }
+// q8_write.wgsl's value source and sink: qkv's heads (src in act4 units), the two caches
+fn q8_src(src: u32, e: u32, pos: u32, v: u32) -> f32 {
+    return vec4<f32>(qkv[src + e / 4u])[e % 4u];
 }
 
-fn byte(q: f32) -> u32 {
-    return u32(i32(q)) & 0xffu;
+fn q8_put(v: u32, i: u32, w: u32) {
+    if (v == 0u) { kq[i] = w; } else { vq[i] = w; }
 }
 
 // quantises qkv row t's k (v = 0) or v (v = 1) head h, blocks 2w and 2w + 1, into cache row `row`
 fn quant(t: u32, v: u32, h: u32, w: u32, row: u32) {
-    let src = p.qkv_off + (t * p.heads + p.k_lo + v * p.n_kv + h) * D4;
-    var d = vec2<f32>(0.0);
-    for (var b2 = 0u; b2 < 2u; b2++) {
-        let b = 2u * w + b2;
-        if (b * 8u >= D4) { break; }
-        var amax = 0.0;
-        for (var k = 0u; k < 8u; k++) {
-            let x = abs(vec4<f32>(qkv[src + b * 8u + k]));
-            amax = max(amax, max(max(x.x, x.y), max(x.z, x.w)));
-        }
-        let db = amax / 127.0;
-        let id = select(0.0, 1.0 / db, db > 0.0);
-        for (var k = 0u; k < 8u; k++) {
-            let q = clamp(round(vec4<f32>(qkv[src + b * 8u + k]) * id), vec4<f32>(-127.0), vec4<f32>(127.0));
-            put(v, row * D4 + b * 8u + k, byte(q.x) | (byte(q.y) << 8u) | (byte(q.z) << 16u) | (byte(q.w) << 24u));
-        }
-        d[b2] = db;
-    }
-    put(v, Q8_SOFF + row * SW + w, pack2x16float(d));
+    q8_write(p.qkv_off + (t * p.heads + p.k_lo + v * p.n_kv + h) * D4, 0u, v, w, row);
 }
 
 struct Lane {

@@ -5,7 +5,7 @@
 //   lanes [0, T*Hq*units): rope.wgsl's units over the q heads (h_lo 0, n_h = n_rot = Hq);
 //   the rest: a lane per (t, k|v, kv head, scale word w), blocks 2w and 2w + 1 (kv_quant's).
 // Built after sincos.wgsl and rope.wgsl (the host prepends them: Params, bindings 0-3, locate,
-// rotate, rot); the header supplies D4, SW and Q8_SOFF.
+// rotate, rot) and q8_write.wgsl (the quantising); the header supplies D4, SW and Q8_SOFF.
 
 @group(0) @binding(4) var<storage, read_write> kq8: array<u32>;
 @group(0) @binding(5) var<storage, read_write> vq8: array<u32>;
@@ -25,12 +25,13 @@ fn head_value(src: u32, e: u32, pos: u32, turn: bool) -> f32 {
     return rot(pair.x, pair.y, pos, e / 2u)[e % 2u];
 }
 
-fn put_q8(v: u32, i: u32, w: u32) {
-    if (v == 0u) { kq8[i] = w; } else { vq8[i] = w; }
+// q8_write.wgsl's value source (a k head rotated at `pos` in f32) and sink (the two caches)
+fn q8_src(src: u32, e: u32, pos: u32, v: u32) -> f32 {
+    return head_value(src, e, pos, v == 0u);
 }
 
-fn byte_of(q: f32) -> u32 {
-    return u32(i32(q)) & 0xffu;
+fn q8_put(v: u32, i: u32, w: u32) {
+    if (v == 0u) { kq8[i] = w; } else { vq8[i] = w; }
 }
 
 @compute @workgroup_size(64)
@@ -54,27 +55,5 @@ fn rope_kv_q8(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nw
     let v = r / (p.n_kv * SW);                 // 0: k, 1: v
     let h = (r / SW) % p.n_kv;
     let w = r % SW;
-    let src = p.qkv_off + (t * p.heads + p.k_lo + v * p.n_kv + h) * p.hd2;
-    let row = h * p.ctx + pos;
-    var d = vec2<f32>(0.0);
-    for (var b2 = 0u; b2 < 2u; b2++) {
-        let b = 2u * w + b2;
-        if (b * 8u >= D4) { break; }
-        var x: array<f32, 32>;
-        var amax = 0.0;
-        for (var e = 0u; e < 32u; e++) {
-            x[e] = head_value(src, b * 32u + e, pos, v == 0u);
-            amax = max(amax, abs(x[e]));
-        }
-        let db = amax / 127.0;
-        let id = select(0.0, 1.0 / db, db > 0.0);
-        for (var k = 0u; k < 8u; k++) {
-            let q = clamp(round(vec4<f32>(x[4u * k], x[4u * k + 1u], x[4u * k + 2u], x[4u * k + 3u]) * id),
-                          vec4<f32>(-127.0), vec4<f32>(127.0));
-            put_q8(v, row * D4 + b * 8u + k,
-                   byte_of(q.x) | (byte_of(q.y) << 8u) | (byte_of(q.z) << 16u) | (byte_of(q.w) << 24u));
-        }
-        d[b2] = db;
-    }
-    put_q8(v, Q8_SOFF + row * SW + w, pack2x16float(d));
+    q8_write(p.qkv_off + (t * p.heads + p.k_lo + v * p.n_kv + h) * p.hd2, pos, v, w, h * p.ctx + pos);
 }

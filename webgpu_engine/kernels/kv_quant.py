@@ -42,6 +42,13 @@ def q8_header(head_dim: int, rows: int) -> str:
             "bitcast<i32>(w << 8u), bitcast<i32>(w)) >> vec4<u32>(24u));\n}\n")
 
 
+def _write_header(dtype: str, head_dim: int, rows: int) -> str:
+    """The header of the kernels that write a q8_0 cache of `rows` head rows: act, D4, q8_header and
+    q8_write.wgsl (the quantising they share)."""
+    return (act_header(dtype) + f"const D4: u32 = {head_dim // 4}u;\n" + q8_header(head_dim, rows)
+            + load_shader_source("q8_write.wgsl"))
+
+
 def check_q8_caches(k: str, caches, n_kv_heads: int, ctx: int, head_dim: int) -> None:
     check(q8_supported(head_dim), k, f"a q8_0 KV cache needs head_dim a multiple of {Q8_BLOCK}, got {head_dim}")
     for c in caches:
@@ -61,7 +68,7 @@ def kv_quant(dev: Device, qkv: Tensor, k_cache: Tensor, v_cache: Tensor, step, *
     check_q8_caches(k, (k_cache, v_cache), n_kv_heads, ctx, head_dim)
     qe, qo = _window(dev, qkv, k, 4)
     par = params(dev, [rows, heads, n_q_heads, n_kv_heads, ctx, qo, 0, 0], owner=qkv.buf.owner, label=k)
-    header = act_header(dt) + f"const D4: u32 = {head_dim // 4}u;\n" + q8_header(head_dim, n_kv_heads * ctx)
+    header = _write_header(dt, head_dim, n_kv_heads * ctx)
     entries = [_step_entry(step), qe, (k_cache.buf, 0, k_cache.nbytes), (v_cache.buf, 0, v_cache.nbytes)]
     return _op(dev, k, "kv_quant.wgsl", "kv_quant", header, par, entries,
                rows * 2 * n_kv_heads * q8_scale_words(head_dim))
@@ -97,7 +104,7 @@ def kv_quant_slots(dev: Device, qkv: Tensor, k_pool: Tensor, v_pool: Tensor, slo
     se, so = _window(dev, slots, k)
     owner = k_pool.buf.owner
     par = params(dev, [rows, heads, n_q_heads, n_kv_heads, 0, qo, so, 0], owner=owner, label=k)
-    header = act_header(dt) + f"const D4: u32 = {head_dim // 4}u;\n" + q8_header(head_dim, q8_pool_rows(k_pool))
+    header = _write_header(dt, head_dim, q8_pool_rows(k_pool))
     extra = []
     if step is None:                # all rows: a step of its own whose n_new is 0
         step = dev.upload(bytes(16), owner=owner, label="kv_quant_slots.step")
@@ -130,8 +137,8 @@ def rope_kv_q8(dev: Device, qkv: Tensor, k_cache: Tensor, v_cache: Tensor, step,
     units = half // 2 + (head_dim - rot) // 2 if neox else head_dim // 2       # as nn._rope_op's
     par = params(dev, [rows, heads, head_dim // 2, half, 0, n_q_heads, n_q_heads, int(bool(neox)), n_q_heads,
                        n_kv_heads, ctx, qo, 0, 0, units, float(mscale)], owner=owner, label=k)
-    header = (act_header(dt) + f"const D4: u32 = {head_dim // 4}u;\n" + q8_header(head_dim, n_kv_heads * ctx)
-              + load_shader_source("sincos.wgsl") + load_shader_source("rope.wgsl"))
+    header = (_write_header(dt, head_dim, n_kv_heads * ctx) + load_shader_source("sincos.wgsl")
+              + load_shader_source("rope.wgsl"))
     entries = [_step_entry(step), qe, (freq, 0, freq.size), (k_cache.buf, 0, k_cache.nbytes),
                (v_cache.buf, 0, v_cache.nbytes)]
     op = _op(dev, k, "rope_kv_q8.wgsl", k, header, par, entries,
