@@ -192,6 +192,9 @@ async def test_load_returns_before_its_kernels_and_answers_do_not_change(fresh_d
         pending = dev.compiles_pending()
         assert pending > 0 and dev.uncompiled() > 0
         assert any(f"compiling {pending} GPU kernels in the background" in r["text"] for r in reports)
+        (lm,) = eng.models.values()
+        kernels = lm.describe(dev)["kernels"]                # /v1/models
+        assert kernels["queued_at_load"] == pending and kernels["compiling"] == dev.uncompiled()
         waits, left = dev.compile_waits, dev.uncompiled()
         first = await _answer(eng, PROMPTS[0])       # compiles what it needs, side by side
         assert dev.compile_waits > waits
@@ -200,6 +203,7 @@ async def test_load_returns_before_its_kernels_and_answers_do_not_change(fresh_d
         dev.background.hold(False)
     await dev.compiled()
     assert dev.compiles_pending() == 0 and dev.uncompiled() == 0
+    assert lm.describe(dev)["kernels"] == {"queued_at_load": pending, "compiling": 0}
     count, waits = dev.compile_count, dev.compile_waits
     answers = [first] + [await _answer(eng, p) for p in PROMPTS[1:]]
     r = await eng.chat.completions.create(messages=[{"role": "user", "content": "hi"}], max_tokens=4,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import logging
 import threading
 import weakref
 from collections import deque
@@ -22,6 +23,7 @@ from contextlib import contextmanager
 from typing import Any, Callable
 
 
+_log = logging.getLogger("webgpu_engine.gpu")
 GRACE_S = 0.5        # after a load, before the workers start (compiling_in_background)
 
 
@@ -146,7 +148,11 @@ class BackgroundCompiler:
             finally:
                 with self._cv:
                     self._busy -= 1
+                    drained = not self._queue and not self._busy
                     self._cv.notify_all()
+                if drained:
+                    _log.info("background compiler: queue done (%d kernels compiled by its workers so far)",
+                              self.done)
 
 
 class CompilingDevice:

@@ -84,7 +84,8 @@ class EmbeddingPipeline:
                  max_total_tokens: int = MAX_TOTAL_TOKENS, pair_template: PairTemplate | None = None,
                  name: str | None = None):
         self.dev, self.model, self.tokenizer = dev, model, tokenizer
-        self._compiling = None          # pipelines queued on the background compiler at load
+        self._compiling = None          # pipelines queued on the background compiler at load,
+        self.queued_kernels = None      # ... until the first request (and for /v1/models)
         self.st_config, self.chat_config = st_config, chat_config
         self.model_config = model.cfg
         self.max_seq_length, self.owner = max_seq_length, owner
@@ -181,7 +182,7 @@ class EmbeddingPipeline:
         if progress:
             progress(1.0, "embedding model ready")
         pipe = cls(dev, model, tokenizer, st, chat_config, max_len, owner, pair_template=pairs, name=model_id)
-        pipe._compiling = queued or None
+        pipe._compiling = pipe.queued_kernels = queued or None
         return pipe
 
     # ------------------------------------------------------------------ tokens

@@ -77,6 +77,7 @@ class LLMChatPipeline(DecodePaths):
     dev: Device
     owner: str
     chat_config: ChatConfig
+    queued_kernels: list | None = None   # pipelines its load queued on the background compiler
     tokenizer: object
     template: object
     vocab_size: int
@@ -177,8 +178,10 @@ class LLMChatPipeline(DecodePaths):
             except BaseException:
                 pipe.dispose()
                 raise
-        elif progress and queued:
-            progress(1.0, f"compiling {dev.compiles_pending()} GPU kernels in the background")
+        elif queued:
+            pipe.queued_kernels = queued
+            if progress:
+                progress(1.0, f"compiling {dev.compiles_pending()} GPU kernels in the background")
         if progress:
             progress(1.0, f"loaded {cfg.name or path.name} ({plan.dtype}, context {pipe.model.ctx})")
         return pipe
@@ -245,6 +248,10 @@ class LLMChatPipeline(DecodePaths):
         if self._mask is None:
             self._mask = LogitMask(self.dev, self.vocab_size, owner=self.owner)
             self._mask_op = self._mask.op(self.model.logits.view((self.vocab_size,)))
+
+    def finished(self, seq: Sequence) -> None:
+        """A batched sequence has finished: get_message() gives its answer (the last finished)."""
+        self.seq = seq
 
     def set_logit_processor(self, proc) -> None:
         """A WebLLM-style processor: process_logits(list[float]) -> list[float] (host round trip

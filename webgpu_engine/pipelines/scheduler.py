@@ -374,7 +374,7 @@ class Scheduler:
         if proc is not None and hasattr(proc, "process_sampled_token"):
             proc.process_sampled_token(tok)
         if seq.stopped:
-            self.pipe.seq = seq                   # get_message() gives the last finished answer
+            self.pipe.finished(seq)               # get_message() gives the last finished answer
             self._leave(rec)
         rec.handle._notify()
 
