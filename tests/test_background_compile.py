@@ -168,12 +168,15 @@ def test_without_a_compiler_pipelines_compile_in_place(fresh_device, shader_dir)
 
 # --------------------------------------------------------------------------- a model's load
 OPTS = {"dtype": "f32", "context_window_size": 192, "prefill_chunk_size": 32}
-PROMPTS = ["the", "the quick brown fox jumps", "the quick brown fox jumps over a lazy dog while seven small "
-           "birds sing near the old river bank and the quick brown fox"]
+LONG = ("the quick brown fox jumps over a lazy dog while seven small birds sing near the old river bank and "
+        "the quick brown fox")                            # two 32-row chunks and a 9-row one
+SHORT = ["the", "a lazy dog", "birds sing"]                # 1 .. 8 rows: the few-row tiles
+PROMPTS = [LONG, *SHORT]
 
 
 async def _answer(eng, prompt: str) -> str:
     r = await eng.completions.create(prompt=prompt, max_tokens=6, ignore_eos=True, temperature=0)
+    await eng.reset_chat()            # no prefix reuse: every prompt is prefilled whole
     return r.choices[0].text
 
 
@@ -187,6 +190,7 @@ async def test_load_returns_before_its_kernels_and_answers_do_not_change(fresh_d
     dev, reports = fresh_device, []
     dev.background.hold(True)     # deterministic: every kernel is still queued when the load returns
     eng = AsyncMLCEngine(EngineConfig(device=dev, init_progress_callback=reports.append))
+    answers = {}
     try:
         await eng.reload(str(tiny_path), chat_opts=OPTS)
         pending = dev.compiles_pending()
@@ -196,25 +200,32 @@ async def test_load_returns_before_its_kernels_and_answers_do_not_change(fresh_d
         kernels = lm.describe(dev)["kernels"]                # /v1/models
         assert kernels["queued_at_load"] == pending and kernels["compiling"] == dev.uncompiled()
         waits, left = dev.compile_waits, dev.uncompiled()
-        first = await _answer(eng, PROMPTS[0])       # compiles what it needs, side by side
+        answers[LONG] = await _answer(eng, LONG)         # compiles what it needs, side by side
         assert dev.compile_waits > waits
-        assert 0 < dev.uncompiled() < left           # ... and not the rest
+        assert 0 < dev.uncompiled() < left               # ... and not the rest
+        # prompts of fewer rows: their few-row tiles are not compiled, the full tile stands in
+        waits, stand_ins = dev.compile_waits, dev.stand_ins
+        for p in SHORT:
+            answers[p] = await _answer(eng, p)
+        assert dev.compile_waits == waits and dev.stand_ins > stand_ins
     finally:
         dev.background.hold(False)
     await dev.compiled()
     assert dev.compiles_pending() == 0 and dev.uncompiled() == 0
     assert lm.describe(dev)["kernels"] == {"queued_at_load": pending, "compiling": 0}
-    count, waits = dev.compile_count, dev.compile_waits
-    answers = [first] + [await _answer(eng, p) for p in PROMPTS[1:]]
+    count, waits, stand_ins = dev.compile_count, dev.compile_waits, dev.stand_ins
+    again = {p: await _answer(eng, p) for p in [*SHORT, LONG]}
     r = await eng.chat.completions.create(messages=[{"role": "user", "content": "hi"}], max_tokens=4,
                                           temperature=0.8, seed=3)
     assert r.choices[0].message.content is not None
-    assert (dev.compile_count, dev.compile_waits) == (count, waits)   # no request compiled
+    # no request compiled, and the few-row tiles now run as themselves
+    assert (dev.compile_count, dev.compile_waits, dev.stand_ins) == (count, waits, stand_ins)
+    assert again == answers
     await eng.unload()
     ref = AsyncMLCEngine(EngineConfig(device=device))
     await ref.reload(str(tiny_path), chat_opts={**OPTS, "compile_at_load": False})
     try:
-        assert answers == [await _answer(ref, p) for p in PROMPTS]
+        assert answers == {p: await _answer(ref, p) for p in answers}
     finally:
         await ref.unload()
 

@@ -115,10 +115,12 @@ class Pipeline:
     compiler (gpu/compiler.py) is made on first need: `raw` compiles it, or waits for the worker
     compiling it."""
 
-    __slots__ = ("key", "header_lines", "lazy")
+    __slots__ = ("key", "header_lines", "lazy", "stand_in")
 
     def __init__(self, key: PipelineKey, raw: Any = None, header_lines: int = 0, make=None):
         self.key, self.header_lines, self.lazy = key, header_lines, LazyRaw(raw, make)
+        # same results, dispatch and bindings (the tiled matmul's full tile): runs while this compiles
+        self.stand_in: Pipeline | None = None
 
     raw = property(lambda self: self.lazy.resolve())
     ready = property(lambda self: self.lazy.ready)
@@ -131,10 +133,12 @@ class Pipeline:
 class BindGroup:
     """A bind group; one of a pipeline still compiling is made (`raw`) when first submitted."""
 
-    __slots__ = ("lazy", "pipeline", "buffers")
+    __slots__ = ("lazy", "pipeline", "buffers", "entries", "alt")
 
-    def __init__(self, raw: Any, pipeline: Pipeline, buffers: tuple = (), make=None):
+    def __init__(self, raw: Any, pipeline: Pipeline, buffers: tuple = (), make=None, entries: tuple = ()):
         self.lazy, self.pipeline, self.buffers = LazyRaw(raw, make), pipeline, buffers
+        self.entries = entries          # (binding, raw buffer, offset, size): to bind a stand-in
+        self.alt: BindGroup | None = None
 
     raw = property(lambda self: self.lazy.resolve())
 
@@ -205,6 +209,7 @@ class Device(CompilingDevice):
         self.background = None
         self._defer = False
         self._queued: list[list] = []     # the lists compiling_in_background blocks collect into
+        self.stand_ins = 0                # dispatches that ran a pipeline's stand-in (see ready)
         self.compile_waits = 0
         # pipelines that models have run once on this device at load (drivers such as lavapipe
         # compile on first dispatch): a later load that uses only these records no warm-up run
@@ -366,11 +371,12 @@ class Device(CompilingDevice):
                 raise GPUValidationError(f"{pipeline.name}: binding {i} uses a released buffer {buf.label!r}")
             entries.append((i, buf.raw, off, sz))
         held = tuple(b for _, b in sorted(buffers.items())) if isinstance(buffers, Mapping) else tuple(buffers)
+        entries = tuple(entries)
         if not pipeline.ready:        # compiling in the background: bound at the first submit
             return BindGroup(None, pipeline, held, make=lambda: self._guard(
-                lambda: self._raw_bind(pipeline.raw, entries, pipeline.name), pipeline.name))
+                lambda: self._raw_bind(pipeline.raw, entries, pipeline.name), pipeline.name), entries=entries)
         raw = self._guard(lambda: self._raw_bind(pipeline.raw, entries, pipeline.name), pipeline.name)
-        return BindGroup(raw, pipeline, held)
+        return BindGroup(raw, pipeline, held, entries=entries)
 
     # ------------------------------------------------------------------ submission
     def batch(self) -> Batch:

@@ -164,6 +164,7 @@ class CompilingDevice:
     _queued: list
     _pipelines: dict
     compile_waits: int
+    stand_ins: int
 
     @contextmanager
     def compiling_in_background(self):
@@ -208,7 +209,11 @@ class CompilingDevice:
         bg = self.background
         if bg is None or not bg.pending():
             return
-        pipes = [op[1] for op in work.ops if op[0] == "d"] if hasattr(work, "ops") else work
+        if hasattr(work, "ops"):
+            self._stand_in(work.ops)
+            pipes = [op[1] for op in work.ops if op[0] == "d"]
+        else:
+            pipes = work
         todo = {id(p): p.lazy for p in pipes if not p.ready}
         if not todo:
             return
@@ -218,6 +223,19 @@ class CompilingDevice:
             await asyncio.gather(*(asyncio.to_thread(lazy.try_resolve) for lazy in todo.values()))
         finally:
             bg.hold(False)
+
+    def _stand_in(self, ops: list) -> None:
+        """Dispatches of a pipeline not compiled yet whose stand-in is compiled run the stand-in
+        (same results, dispatch and bindings) with a bind group of its own (kept with the op's)."""
+        for i, op in enumerate(ops):
+            if op[0] != "d" or op[1].ready or op[1].stand_in is None or not op[1].stand_in.ready:
+                continue
+            alt, bg = op[1].stand_in, op[2]
+            if bg.alt is None or bg.alt.pipeline is not alt:
+                raw = self._guard(lambda: self._raw_bind(alt.raw, bg.entries, alt.name), alt.name)
+                bg.alt = type(bg)(raw, alt, bg.buffers, entries=bg.entries)
+            ops[i] = ("d", alt, bg.alt) + tuple(op[3:])
+            self.stand_ins += 1
 
     def _prepare(self, ops: list) -> None:
         """Make the pipelines and bind groups a batch dispatches where they are not made yet (a

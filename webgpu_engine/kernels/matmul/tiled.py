@@ -126,6 +126,12 @@ def matmul(dev: Device, x: Tensor, w: QWeight, y: Tensor, *, bias: Tensor | None
     nch = -(-K // 32)
     kblk = _k_blocks(w.qtype, nch, cfg.kmax)
     pipe = _pipeline(dev, w, x.dtype, kblk, cfg)
+    base = default_config(dev, w.qtype)
+    if dev.deferring and pipe.stand_in is None and cfg.tm < base.tm and T <= cfg.tm and (
+            (cfg.wg, min(cfg.kb, kblk)) == (base.wg, min(base.kb, kblk))):
+        # compiling in the background: while this few-row tile compiles, the default tile runs
+        # in its place (one tile either way; a row's sums do not depend on the tile's height)
+        pipe.stand_in = _pipeline(dev, w, x.dtype, kblk, base)
 
     def blocks(r0: int, rows: int):
         for c0 in range(0, nch, kblk):
