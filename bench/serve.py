@@ -5,6 +5,9 @@ serve`) driven by the official `openai` async client, with continuous batching
     python bench/serve.py [--model REF] [--clients 1,2,4,8,16] [--max-tokens 128] [--batch 16]
                           [--context 1024] [--port 8391] [--smoke] [--out PATH]
 
+Before the levels each server's background compiler is waited for (/v1/models kernels.compiling
+== 0; the wait is printed), so that a level measures decoding, not kernels still compiling (a lone
+request's decode steps otherwise ran on stand-ins and compiles: 5.7 instead of 11.6 tok/s).
 Each level starts C streaming clients at once; client k sends prompt k mod 8 (fixed prompts of
 mixed length, 5 .. ~230 tokens), temperature 0, ignore_eos, `max_tokens` output tokens. Per level:
 aggregate output tok/s (all tokens / wall time), time to first token p50/p95 and inter-token latency
@@ -86,6 +89,22 @@ async def batching(base: str) -> dict | None:
     return data[0].get("batching") if data else None
 
 
+async def compiled(base: str, timeout: float = 1800.0) -> float:
+    """Wait until the served model's background compiler has compiled every kernel its load queued
+    (/v1/models kernels.compiling == 0), so that the levels measure decoding, not compiling.
+    Returns the seconds waited."""
+    import aiohttp
+    t0 = time.perf_counter()
+    async with aiohttp.ClientSession() as s:
+        while time.perf_counter() - t0 < timeout:
+            async with s.get(base + "/v1/models") as r:
+                data = (await r.json())["data"]
+            if not data or not data[0].get("kernels", {}).get("compiling"):
+                break
+            await asyncio.sleep(0.5)
+    return time.perf_counter() - t0
+
+
 async def one_client(client, model: str, k: int, max_tokens: int) -> dict:
     t0 = time.perf_counter()
     times = []
@@ -124,6 +143,9 @@ async def run_server(args, max_seqs: int) -> list[dict]:
     try:
         await wait_ready(base, proc)
         args.model_id = await served_id(base)
+        waited = await compiled(base)
+        print(f"  max_num_sequences={max_seqs:2d}: background compile done {waited:.1f} s after the server "
+              "was ready", flush=True)
         await level(base, args.model_id, 1, 4)            # warm-up
         rows = []
         for c in args.clients:
