@@ -138,14 +138,10 @@ fn store4(t: u32, r0: u32, a: vec4<f32>) {
     if (RR > 2u) { store(t, r0 + 2u, a.z); store(t, r0 + 3u, a.w); }
 }
 
-// matmul_tile: RR weight rows x 4 activation rows t0..t0+3 (prefill): each weight chunk is decoded
-// once per 4 rows of x and each x chunk loaded once per RR rows.
-// dispatch (ceil(rows / (WG * RR)), ceil(T / 4), 1), workgroup WG
-@compute @workgroup_size(WG)
-fn matmul_tile(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
-    let r0 = (wid.x * WG + lid) * RR;
-    if (r0 >= P.rows) { return; }
-    let t0 = wid.y * 4u;
+// The sums of RR weight rows r0.. (r0 < rows) with 4 activation rows t0..t0+3, each row's as
+// row_sums makes it alone (the same cdot and tail calls in the same order): each weight chunk is
+// decoded once per 4 rows of x and each x chunk loaded once per RR rows.
+fn tile_sums(r0: u32, t0: u32) -> array<vec4<f32>, 4> {
     let last = P.rows - 1u;
     let b0 = r0 * P.row_words;
     let b1 = min(r0 + 1u, last) * P.row_words;
@@ -180,8 +176,19 @@ fn matmul_tile(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_
         a2 += vec4<f32>(tail(b0, x2), tail(b1, x2), tail(b2, x2), tail(b3, x2));
         a3 += vec4<f32>(tail(b0, x3), tail(b1, x3), tail(b2, x3), tail(b3, x3));
     }
-    store4(t0, r0, a0);
-    store4(t0 + 1u, r0, a1);
-    store4(t0 + 2u, r0, a2);
-    store4(t0 + 3u, r0, a3);
+    return array<vec4<f32>, 4>(a0, a1, a2, a3);
+}
+
+// matmul_tile: RR weight rows x 4 activation rows t0..t0+3 (prefill; fused_rows decode rows).
+// dispatch (ceil(rows / (WG * RR)), ceil(T / 4), 1), workgroup WG
+@compute @workgroup_size(WG)
+fn matmul_tile(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    let r0 = (wid.x * WG + lid) * RR;
+    if (r0 >= P.rows) { return; }
+    let t0 = wid.y * 4u;
+    let a = tile_sums(r0, t0);
+    store4(t0, r0, a[0]);
+    store4(t0 + 1u, r0, a[1]);
+    store4(t0 + 2u, r0, a[2]);
+    store4(t0 + 3u, r0, a[3]);
 }

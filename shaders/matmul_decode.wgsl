@@ -10,10 +10,15 @@
 // driver can see the address is the same for every lane, which it only does for constant addresses
 // outside any control flow. With the loop unrolled by the host and every x offset a constant, each x
 // word is one scalar load broadcast to all lanes, so only the weight words cost per-lane loads.
+// Several activation rows (continuous batching: one row per sequence's decode step): the host
+// unrolls the rows too, row t's x (and pnorm partials) at its own constant offset; each weight chunk
+// is decoded once (dec_w) for every row, and each row's sums are made exactly as the one-row kernel
+// makes them (same calls, same order), so a row's result does not depend on how many rows run.
 // Built after matmul.wgsl (WChunk, XChunk, xget, cdot, store, P, x/y/bias bindings) and before the
 // weight's reader (codegen.weight_source). The host header adds the consts XOFF (x offset in xword units), NF (F / 4
 // for silu), GOFF (g offset in vec4 units), EPS, and the generated entry point `matmul_decode`,
-// which calls dec_rows, then dec_step(..., dec_x*(c)) for c = 0 .. K/32 - 1, then dec_end.
+// which calls dec_rows, then per chunk c = 0 .. K/32 - 1 dec_w and per row dec_step(..., dec_x*(xo_t, c)),
+// then dec_end per row.
 // dispatch (ceil(rows / (WG * RR)), 1, 1), workgroup WG
 
 @group(0) @binding(5) var<storage, read> g: array<vec4<f32>>;   // (K/4) RMSNorm weight (norm mode);
@@ -37,12 +42,12 @@ fn xc_of(v: array<vec4<f32>, 8>) -> XChunk {
     return XChunk(v, vec2<f32>(dot(lo, vec4<f32>(1.0)), dot(hi, vec4<f32>(1.0))));
 }
 
-fn dec_x(c: u32) -> XChunk {
-    return xchunk(XOFF + c * 8u);
+fn dec_x(xo: u32, c: u32) -> XChunk {
+    return xchunk(xo + c * 8u);
 }
 
-fn dec_xn(c: u32) -> XChunk {   // x * g (the 1/rms factor is applied to the sums in dec_end)
-    let o = XOFF + c * 8u;
+fn dec_xn(xo: u32, c: u32) -> XChunk {   // x * g (the 1/rms factor is applied to the sums)
+    let o = xo + c * 8u;
     let q = GOFF + c * 8u;
     var v: array<vec4<f32>, 8>;
     v[0] = xget(o) * g[q];
@@ -56,8 +61,8 @@ fn dec_xn(c: u32) -> XChunk {   // x * g (the 1/rms factor is applied to the sum
     return xc_of(v);
 }
 
-fn dec_sq(c: u32) -> f32 {      // sum of x^2 over chunk c (norm mode)
-    let o = XOFF + c * 8u;
+fn dec_sq(xo: u32, c: u32) -> f32 {      // sum of x^2 over chunk c (norm mode)
+    let o = xo + c * 8u;
     let v0 = xget(o);
     let v1 = xget(o + 1u);
     let v2 = xget(o + 2u);
@@ -70,16 +75,16 @@ fn dec_sq(c: u32) -> f32 {      // sum of x^2 over chunk c (norm mode)
     return dot(s, vec4<f32>(1.0));
 }
 
-fn dec_pss(i: u32) -> f32 {     // 4 of the partial sums (pnorm mode)
-    return dot(g[GOFF + i], vec4<f32>(1.0));
+fn dec_pss(go: u32, i: u32) -> f32 {     // 4 of the partial sums (pnorm mode)
+    return dot(g[go + i], vec4<f32>(1.0));
 }
 
 fn silu4(a: vec4<f32>, u: vec4<f32>) -> vec4<f32> {   // act(gate) * up: gate4 from gate_act.wgsl
     return gate4(a) * u;
 }
 
-fn dec_xs(c: u32) -> XChunk {   // act(gate) * up
-    let o = XOFF + c * 8u;
+fn dec_xs(xo: u32, c: u32) -> XChunk {   // act(gate) * up
+    let o = xo + c * 8u;
     var v: array<vec4<f32>, 8>;
     v[0] = silu4(xget(o), xget(o + NF));
     v[1] = silu4(xget(o + 1u), xget(o + NF + 1u));
@@ -92,20 +97,34 @@ fn dec_xs(c: u32) -> XChunk {   // act(gate) * up
     return xc_of(v);
 }
 
-fn dec_step(acc: DecAcc, rows: DecRows, c: u32, xc: XChunk) -> DecAcc {
-    var a = acc.a;
-    a.x += cdot(wchunk(rows.b.x, c), xc);
-    if (RR > 1u) { a.y += cdot(wchunk(rows.b.y, c), xc); }
+// chunk c of the invocation's RR weight rows, decoded once for every activation row
+struct DecW { w0: WChunk, w1: WChunk, w2: WChunk, w3: WChunk }
+
+fn dec_w(rows: DecRows, c: u32) -> DecW {
+    var d: DecW;
+    d.w0 = wchunk(rows.b.x, c);
+    if (RR > 1u) { d.w1 = wchunk(rows.b.y, c); }
     if (RR > 2u) {
-        a.z += cdot(wchunk(rows.b.z, c), xc);
-        a.w += cdot(wchunk(rows.b.w, c), xc);
+        d.w2 = wchunk(rows.b.z, c);
+        d.w3 = wchunk(rows.b.w, c);
+    }
+    return d;
+}
+
+fn dec_step(acc: DecAcc, d: DecW, xc: XChunk) -> DecAcc {
+    var a = acc.a;
+    a.x += cdot(d.w0, xc);
+    if (RR > 1u) { a.y += cdot(d.w1, xc); }
+    if (RR > 2u) {
+        a.z += cdot(d.w2, xc);
+        a.w += cdot(d.w3, xc);
     }
     return DecAcc(a, acc.ss);
 }
 
-fn dec_end(rows: DecRows, acc: DecAcc, scale: f32) {
+fn dec_end(t: u32, rows: DecRows, acc: DecAcc, scale: f32) {
     let a = acc.a * scale;
-    store(0u, rows.r0, a.x);
-    if (RR > 1u) { store(0u, rows.r0 + 1u, a.y); }
-    if (RR > 2u) { store(0u, rows.r0 + 2u, a.z); store(0u, rows.r0 + 3u, a.w); }
+    store(t, rows.r0, a.x);
+    if (RR > 1u) { store(t, rows.r0 + 1u, a.y); }
+    if (RR > 2u) { store(t, rows.r0 + 2u, a.z); store(t, rows.r0 + 3u, a.w); }
 }

@@ -1,7 +1,9 @@
 // matmul_epilogue: what the T = 1 decode matmul (matmul_decode.wgsl) may do with the sums of one
 // invocation — rows 4 i4 .. 4 i4 + 3 of its weight part (RR = 4) — instead of storing them, so
 // that the small op after the matmul needs no dispatch of its own (on CPU Vulkan a dispatch costs
-// ~30 us, more than these ops' work):
+// ~30 us, more than these ops' work). ep_silu and ep_res_norm take the activation row t (several
+// rows of a continuous batch: row t of each output; rows t >= P.T are padding, not stored);
+// ep_rope_kv is one row's (its position is step[0]):
 //   ep_silu:    the weight is gate and up with rows interleaved in pairs (g 2j, g 2j+1, u 2j,
 //               u 2j+1, ...; see interleave_pairs in kernels/matmul/layout.py), so an invocation holds
 //               (g 2i4, g 2i4+1, u 2i4, u 2i4+1) and stores y[2 i4 + j] = act(g) * u, j = 0, 1:
@@ -29,10 +31,10 @@
 @group(0) @binding(11) var<storage, read_write> ep_yg: array<act>;  // (N) y * g
 @group(0) @binding(12) var<storage, read_write> ep_part: array<f32>;   // (N / 4) sums of y^2
 
-fn ep_silu(i4: u32, r: vec4<f32>) {
-    if (4u * i4 >= P.rows) { return; }
+fn ep_silu(t: u32, i4: u32, r: vec4<f32>) {
+    if (4u * i4 >= P.rows || t >= P.T) { return; }
     let s = gate2(r.xy) * r.zw;         // act(gate) * up: gate2 from gate_act.wgsl
-    let o = P.y_off + P.n0 / 2u + 2u * i4;
+    let o = P.y_off + t * (P.y_stride / 2u) + P.n0 / 2u + 2u * i4;
     y[o] = act(s.x);
     y[o + 1u] = act(s.y);
 }
@@ -81,11 +83,12 @@ fn ep_rope_kv(i4: u32, sums: vec4<f32>) {
     }
 }
 
-fn ep_res_norm(i4: u32, sums: vec4<f32>) {
-    if (4u * i4 >= P.rows) { return; }
+fn ep_res_norm(t: u32, i4: u32, sums: vec4<f32>) {
+    if (4u * i4 >= P.rows || t >= P.T) { return; }
     let n = P.n0 + 4u * i4;
     var r = ep_bias(n, sums);
-    let o = P.y_off + n;
+    let row = t * P.y_stride;           // row t of y, of y * g and (a quarter) of the partials
+    let o = P.y_off + row + n;
     if ((P.flags & 2u) != 0u) { r += vec4<f32>(f32(y[o]), f32(y[o + 1u]), f32(y[o + 2u]), f32(y[o + 3u])); }
     // the norm sees y as stored (rounded to act), as a separate rms_norm would read it
     let v = vec4<f32>(f32(act(r.x)), f32(act(r.y)), f32(act(r.z)), f32(act(r.w)));
@@ -95,19 +98,34 @@ fn ep_res_norm(i4: u32, sums: vec4<f32>) {
     y[o + 3u] = act(v.w);
     let gb = EP_G + n;
     let yg = v * vec4<f32>(ep_g[gb], ep_g[gb + 1u], ep_g[gb + 2u], ep_g[gb + 3u]);
-    let q = EP_YG + n;
+    let q = EP_YG + row + n;
     ep_yg[q] = act(yg.x);
     ep_yg[q + 1u] = act(yg.y);
     ep_yg[q + 2u] = act(yg.z);
     ep_yg[q + 3u] = act(yg.w);
-    ep_part[EP_PART + n / 4u] = dot(v, v);
+    ep_part[EP_PART + (row + n) / 4u] = dot(v, v);
 }
 
-// the loop kernel (K too long to unroll) ending with ep_res_norm; RR = 4
-// dispatch (ceil(rows / (WG * 4)), 1, 1), workgroup WG
+// the loop kernel (K too long to unroll) ending with ep_res_norm; RR = 4; activation row wid.y
+// dispatch (ceil(rows / (WG * 4)), T, 1), workgroup WG
 @compute @workgroup_size(WG)
 fn matmul_res_norm(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
     let i4 = wid.x * WG + lid;
     if (4u * i4 >= P.rows) { return; }
-    ep_res_norm(i4, row_sums(4u * i4, 0u));
+    ep_res_norm(wid.y, i4, row_sums(4u * i4, wid.y));
+}
+
+// the same over 4 activation rows t0..t0+3 at once (fused_rows: each weight chunk decoded once for
+// them; each row's sums as row_sums makes them alone); rows past T are not written
+// dispatch (ceil(rows / (WG * 4)), ceil(T / 4), 1), workgroup WG
+@compute @workgroup_size(WG)
+fn matmul_tile_res_norm(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    let i4 = wid.x * WG + lid;
+    if (4u * i4 >= P.rows) { return; }
+    let t0 = wid.y * 4u;
+    let a = tile_sums(4u * i4, t0);
+    ep_res_norm(t0, i4, a[0]);
+    ep_res_norm(t0 + 1u, i4, a[1]);
+    ep_res_norm(t0 + 2u, i4, a[2]);
+    ep_res_norm(t0 + 3u, i4, a[3]);
 }

@@ -124,6 +124,35 @@ async def test_interrupt_stops_every_running_sequence(engine):
     assert (await _complete(engine, 0, 4))[1] == 4          # the next request runs normally
 
 
+async def test_up_to_four_sequences_take_the_fused_one_row_kernels(device, tiny_path, engine):
+    """max_num_sequences <= 4 on a CPU adapter: each decode row goes through the fused one-row
+    kernels (norms, gates and residual norms inside the matmuls: fewer dispatches than the
+    row-invariant kernels of a wider batch), and a request's greedy and seeded tokens are the same
+    alone, with 1..3 others, and with others joining and leaving midway."""
+    eng = AsyncMLCEngine()
+    await eng.reload(str(tiny_path), chat_opts={**OPTS, "max_num_sequences": 4})
+    try:
+        fwd = _sched(eng).fwd
+        assert fwd.fused_rows and not _sched(engine).fwd.fused_rows
+        assert len(fwd.ops("decode", 4)) < len(_sched(engine).fwd.ops("decode", 4))
+        solo = {i: await _complete(eng, i) for i in range(4)}
+        for n in (2, 3, 4):
+            assert await asyncio.gather(*[_complete(eng, i) for i in range(n)]) == [solo[i] for i in range(n)]
+
+        async def late(i, delay, max_tokens=N):
+            await asyncio.sleep(delay)
+            return await _complete(eng, i, max_tokens)
+        got = await asyncio.gather(late(0, 0), late(1, 0.05, 5), late(2, 0.1), late(3, 0.2))
+        assert [got[0], got[2], got[3]] == [solo[0], solo[2], solo[3]] and solo[1][0].startswith(got[1][0])
+
+        async def sampled(i):
+            return await _complete(eng, i, temperature=0.9, seed=100 + i, top_p=0.9)
+        alone = [await sampled(i) for i in range(4)]
+        assert await asyncio.gather(*[sampled(i) for i in range(4)]) == alone
+    finally:
+        await eng.unload()
+
+
 async def test_queue_beyond_the_batch_is_served_in_order(device, tiny_path, alone):
     """max_num_sequences = 2 and six requests: all served, each with its solo tokens."""
     eng = AsyncMLCEngine()

@@ -24,7 +24,8 @@ Two things vary, and each is a parameter, never a copy of the recipe:
   the attention op and, where it can, the RoPE + KV-write epilogue of the fused qkv matmul;
 - the row mode: DECODE (one row through the fused one-row kernels a FusionPlan picks), ROWS (one
   decode row per sequence, matmul sums independent of the row count: continuous batching; logits of
-  every row) or PREFILL (row-invariant kernels: a position's values do not depend on how the prompt
+  every row; where kv.fused_rows, each row through the DECODE plan's fused kernels as DECODE computes
+  it alone, else plain row-invariant kernels) or PREFILL (row-invariant kernels: a position's values do not depend on how the prompt
   was chunked or cached; logits of the last row).
 
 A family's new math is a field of LlamaConfig, an op in kernels/, and a line here. Standard library
@@ -49,8 +50,9 @@ _ROW_FLAGS = {DECODE: {}, ROWS: {"decode_rows": True}, PREFILL: {"row_invariant"
 @dataclass(frozen=True)
 class FusionPlan:
     """Which fused kernels one forward uses, chosen once per op list from the device's matmul
-    strategy (kernels/matmul/: fusable, epilogue_ok, default_config) and the layers' weights. Only
-    the DECODE mode fuses; the other modes run every row through plain kernels.
+    strategy (kernels/matmul/: fusable, epilogue_ok, default_config) and the layers' weights. The
+    DECODE mode fuses, and ROWS where kv.fused_rows; the other modes run every row through plain
+    kernels.
     The gate activation (cfg.act: SiLU or GELU-tanh) is a parameter of the fused paths
     (matmul gate_act); layers with post norms keep the residual add apart (no res_norm)."""
 
@@ -102,11 +104,19 @@ class Attention:
         return {"window": self.window, "softcap": self.softcap}
 
 
+def row_flags(kv: "KVAccess", mode: str) -> dict:
+    """The matmul flags of a row mode through `kv`: ROWS takes the fused one-row kernels where the
+    KV access says so (kv.fused_rows: every row as a DECODE row alone, with the DECODE fusion plan),
+    else the kernels whose row sums do not depend on the row count (decode_rows)."""
+    return {"fused_rows": True} if mode == ROWS and kv.fused_rows else _ROW_FLAGS[mode]
+
+
 class KVAccess(Protocol):
     """How one forward reaches its KV cache and its per-step inputs (see the module's note)."""
 
     ids: Tensor                        # (P,) u32 input ids
     head_flags: dict                   # matmul flags of the PREFILL head's one-row matmul
+    fused_rows: bool                   # ROWS mode through the fused one-row kernels (fused_rows)
 
     def logits_for(self, rows: int) -> Tensor: ...
     def fused_rope(self, i: int) -> "mm.RopeKV | None": ...
@@ -133,10 +143,12 @@ def forward(m, kv: KVAccess, T: int, mode: str, *, with_head: bool = True,
     x, h = m.x.view((T, C)), m.h.view((T, C))
     qkv, qkv2 = m.qkv.view((T, H + 2 * Hkv, D)), m.qkv.view((T, c.qkv_dim))
     attn, gu, ffn = m.attn.view((T, H * D)), m.gate_up.view((T, 2 * c.ffn_size)), m.ffn.view((T, c.ffn_size))
-    eps, flags = c.rms_eps, _ROW_FLAGS[mode]
+    eps, flags = c.rms_eps, row_flags(kv, mode)
     if plan is None:
-        plan = FusionPlan.choose(dev, c, m.layers, m.lm_head, mode == DECODE)
-    rms = (m.part, eps)
+        plan = FusionPlan.choose(dev, c, m.layers, m.lm_head, mode == DECODE or "fused_rows" in flags,
+                                 kv.fused_rope(0) is not None)
+    part = m.part.view((T * C // 4,))        # sums of x^2 per 4 columns, per row (res_norm)
+    rms = (part, eps)
     norms_after = [L.attn_norm for L in m.layers[1:]] + [m.final_norm]
     ops = ForwardOps([mm.embedding(dev, kv.ids.view((T,)), m.embed, x)])          # x (T, C)
     if c.embed_scale != 1.0:                                                     # Gemma: x *= sqrt(C)
@@ -145,9 +157,10 @@ def forward(m, kv: KVAccess, T: int, mode: str, *, with_head: bool = True,
         # h = rms_norm(x); qkv = h · Wqkvᵀ (+ bias)                               (T, H+2Hkv, D)
         rope = kv.fused_rope(i) if plan.rope_kv[i] else None
         if plan.res_norm and i > 0:          # h = x * g from the last residual matmul
-            ops.append(mm.matmul(dev, h, L.qkv, qkv2, bias=L.qkv_bias, rms_from=rms, rope_kv=rope))
+            ops.append(mm.matmul(dev, h, L.qkv, qkv2, bias=L.qkv_bias, rms_from=rms, rope_kv=rope, **flags))
         elif plan.norm_in_matmul:
-            ops.append(mm.matmul(dev, x, L.qkv, qkv2, bias=L.qkv_bias, norm=(L.attn_norm, eps), rope_kv=rope))
+            ops.append(mm.matmul(dev, x, L.qkv, qkv2, bias=L.qkv_bias, norm=(L.attn_norm, eps), rope_kv=rope,
+                                 **flags))
         else:
             ops.append(nn.rms_norm(dev, x, L.attn_norm, h, eps=eps))
             ops.append(mm.matmul(dev, h, L.qkv, qkv2, bias=L.qkv_bias, rope_kv=rope, **flags))
@@ -165,22 +178,22 @@ def forward(m, kv: KVAccess, T: int, mode: str, *, with_head: bool = True,
                     nn.rms_norm(dev, h, L.post_attn_norm, h, eps=eps), nn.add(dev, x, h, x)]
         else:
             ops.append(mm.matmul(dev, attn, L.o, x, bias=L.o_bias, accumulate=True, **flags,
-                                 norm_out=mm.NormOut(L.ffn_norm, h, m.part) if plan.res_norm else None))
+                                 norm_out=mm.NormOut(L.ffn_norm, h, part) if plan.res_norm else None))
         # h = rms_norm(x); gu = h · [Wgate | Wup]ᵀ, or act(gate) * up stored by the matmul
         out = ffn if plan.gate_out[i] else gu
-        gate = {"silu_out": plan.gate_out[i], "gate_act": c.act}
+        gate = {"silu_out": plan.gate_out[i], "gate_act": c.act, **flags}
         if plan.res_norm:
             ops.append(mm.matmul(dev, h, L.gate_up, out, rms_from=rms, **gate))
         elif plan.norm_in_matmul:
             ops.append(mm.matmul(dev, x, L.gate_up, out, norm=(L.ffn_norm, eps), **gate))
         else:
             ops.append(nn.rms_norm(dev, x, L.ffn_norm, h, eps=eps))
-            ops.append(mm.matmul(dev, h, L.gate_up, out, **flags, **gate))
+            ops.append(mm.matmul(dev, h, L.gate_up, out, **gate))
         # x += (act(gate) * up) · Wdownᵀ (the next layer's norm stored beside when res_norm),
         # act(gate) * up computed by the down matmul itself (gate_in_down), by the gate_up
         # matmul (gate_out) or by its own kernel
         if plan.gate_in_down:
-            ffn_in, fused = gu, {"silu": True, "gate_act": c.act}
+            ffn_in, fused = gu, {"silu": True, "gate_act": c.act, **flags}
         else:
             ffn_in, fused = ffn, flags
             if not plan.gate_out[i]:
@@ -189,7 +202,7 @@ def forward(m, kv: KVAccess, T: int, mode: str, *, with_head: bool = True,
             ops += [mm.matmul(dev, ffn_in, L.down, h, **fused),
                     nn.rms_norm(dev, h, L.post_ffn_norm, h, eps=eps), nn.add(dev, x, h, x)]
         else:
-            nxt = mm.NormOut(norms_after[i], h, m.part) if plan.res_norm else None
+            nxt = mm.NormOut(norms_after[i], h, part) if plan.res_norm else None
             ops.append(mm.matmul(dev, ffn_in, L.down, x, accumulate=True, norm_out=nxt, **fused))
     if with_head:
         n_body = len(ops)
@@ -212,14 +225,16 @@ def _head(m, kv: KVAccess, T: int, mode: str, plan: FusionPlan, row: int | None 
     c, dev, eps, C = m.cfg, m.dev, m.cfg.rms_eps, m.cfg.hidden_size
     logits = out if out is not None else kv.logits_for(T if mode == ROWS else 1)
     r = T - 1 if row is None else row
+    flags = row_flags(kv, mode) if mode == ROWS else {}
     if plan.res_norm:                        # h = x * g_final
-        ops = [mm.matmul(dev, m.h.view((T, C)), m.lm_head, logits, rms_from=(m.part, eps))]
+        ops = [mm.matmul(dev, m.h.view((T, C)), m.lm_head, logits, rms_from=(m.part.view((T * C // 4,)), eps),
+                         **flags)]
     elif plan.head_norm_in_matmul:
-        ops = [mm.matmul(dev, m.x.view((T, C)), m.lm_head, logits, norm=(m.final_norm, eps))]
+        ops = [mm.matmul(dev, m.x.view((T, C)), m.lm_head, logits, norm=(m.final_norm, eps), **flags)]
     elif mode == ROWS:
         h = m.h.view((T, C))
         ops = [nn.rms_norm(dev, m.x.view((T, C)), m.final_norm, h, eps=eps),
-               mm.matmul(dev, h, m.lm_head, logits, decode_rows=True)]
+               mm.matmul(dev, h, m.lm_head, logits, **flags)]
     else:                                    # the last row only: one row whatever T
         ops = [nn.rms_norm(dev, m.x.view((1, C), r * C), m.final_norm, m.last, eps=eps),
                mm.matmul(dev, m.last, m.lm_head, logits, **kv.head_flags)]

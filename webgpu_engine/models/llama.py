@@ -70,6 +70,7 @@ class ContiguousKV:
     itself (mm.RopeKV)."""
 
     head_flags: dict = {}              # the prefill head's one-row matmul: the decode kernel
+    fused_rows = False                 # one sequence: no ROWS mode
 
     def __init__(self, m: "LlamaModel"):
         self.m, self.ids = m, m.ids
@@ -225,8 +226,9 @@ class LlamaModel:
         self.gate_up = new_tensor(dev, (P, 2 * c.ffn_size), dt, owner=own, label="gate_up")
         self.ffn = new_tensor(dev, (P, c.ffn_size), dt, owner=own, label="ffn")
         self.last = new_tensor(dev, (1, c.hidden_size), dt, owner=own, label="last")      # normed last row
-        # decode: sums of x^2 per 4 rows, from the residual matmuls' epilogue (see _build)
-        self.part = new_tensor(dev, (c.hidden_size // 4,), "f32", owner=own, label="norm_partials")
+        # decode: sums of x^2 per 4 columns of each row, from the residual matmuls' epilogue (see
+        # _build; one row per sequence of a batched decode step)
+        self.part = new_tensor(dev, (P * c.hidden_size // 4,), "f32", owner=own, label="norm_partials")
         self.logits = new_tensor(dev, (1, c.vocab_size), dt, owner=own, label="logits")
         shape, kdt = (c.n_kv_heads, self.ctx, c.head_dim), dt
         if self.kv_cache_dtype == "q8_0":       # signed bytes and scales in u32 words (kernels/kv_quant.py)

@@ -60,7 +60,7 @@ def estimate_llm(cfg, tensors: dict, plan, *, max_binding: int) -> MemoryEstimat
             largest, label = big, f"weight {name}"
     kv_buf = plan.kv_layer_bytes(cfg)                                      # one (Hkv, ctx, D) cache
     C, F, V = cfg.hidden_size, cfg.ffn_size, cfg.vocab_size
-    act = esz * P * (2 * C + cfg.qkv_dim + cfg.q_dim + 3 * F) + 4 * P + esz * (C + V)
+    act = esz * P * (2 * C + cfg.qkv_dim + cfg.q_dim + 3 * F) + 4 * P + esz * (C + V) + P * C   # P * C: norm partials
     act += 4 * V * 3 + 4 * (V + 31) // 32 + 1024          # sampler: bias, history, scratch, io, params
     act += 64 * 1024                                         # per-op params uniforms (~16 B x ops)
     # split-key decode attention: per layer (Hq, splits, D/4 + 1) vec4 partials, at most 128 splits

@@ -13,8 +13,11 @@ A loaded LlamaModel's weights and activations, plus one K and one V pool per lay
         the same in its PREFILL mode, with causal attention over the sequence's table; logits of the
         last row only
 
-A decode row's matmul sums do not depend on how many rows run (`decode_rows`: the GPU family's
-decode kernel in groups of 8 rows, the CPU family's row-invariant kernels), prefill rows' neither on
+A decode row's matmul sums do not depend on how many rows run: with up to 4 sequences on a CPU
+adapter each row goes through the fused one-row decode kernels (`fused_rows`: norms, gates and
+residual norms fused, each row summed as the one-request path sums it, a weight chunk decoded once
+for the rows), else `decode_rows` (the GPU family's decode kernel in groups of 8 rows, the CPU
+family's row-invariant tiled kernels, which share weights across many rows); prefill rows' neither on
 the chunking (`row_invariant`), and a sequence's attention depends only on its own keys (the split-key decode kernel, never the short form whose
 use would depend on the longest sequence in the step): a sequence's tokens are the same alone or in
 any batch. Op lists are built once per row count and replayed; per step the host writes the small
@@ -25,6 +28,7 @@ from __future__ import annotations
 import struct
 
 from ..kernels import attention_paged as ap
+from ..kernels import matmul as mm
 from ..kernels.common import Op, OpCache, Tensor, new_tensor
 from . import decoder
 
@@ -53,6 +57,9 @@ class PagedForward:
                                      model.kv_cache_dtype or dt,
                                      owner=owner, label=f"kv_pool.{i}") for i in range(c.n_layers)]
         self._ops = OpCache(_MAX_CACHED)                   # (kind, rows) -> list[Op]
+        # up to MAX_DECODE_ROWS sequences (a CPU adapter's default is 4): each decode row through the
+        # fused one-row kernels, as the one-request path decodes it; more: the row-invariant kernels
+        self.fused_rows = self.max_seqs <= mm.MAX_DECODE_ROWS and mm.fused_rows_ok(dev)
 
     # ------------------------------------------------------------------ decoder.KVAccess
     head_flags = {"row_invariant": True}     # the prefill head's one-row matmul

@@ -12,10 +12,11 @@ One task per model runs iterations while sequences are active:
     3. prefill chunks: prompts (and preempted sequences' tokens) in admission order, up to
        `prefill_chunk` tokens per iteration, so a long prompt delays the running streams by at most
        one chunk per token they produce;
-    4. one submission per forward (the decode rows together, each prefill chunk alone), then one
-       with every sampling sequence's grammar mask and sampler (each slot has its own GPU sampler:
-       temperature, top-p/k, penalties over its own history, logit_bias, seed, logprobs), then one
-       readback of all results;
+    4. one submission per forward (the decode rows together, each prefill chunk alone), each with
+       the samplers of the rows it ends (each slot has its own GPU sampler: temperature, top-p/k,
+       penalties over its own history, logit_bias, seed, logprobs); when a sequence needs the host
+       between its logits and its sampler (a grammar mask, a logit processor) the samplers go in one
+       more submission after the forwards instead; then one readback of all results;
     5. the stop rules per sequence (pipelines/sequence.py); finished sequences leave the batch and
        their KV blocks stay cached for prefix sharing (engine/kv_pool.py).
 
@@ -288,6 +289,9 @@ class Scheduler:
             m = rec.seq.matcher
             if m is not None:
                 masks[rec] = asyncio.ensure_future(asyncio.to_thread(m.mask)) if _THREADS else m.mask()
+        # no mask to write and no logit processor: each row's sampler goes in its forward's own
+        # submission (one wait per iteration, at the readback, instead of one more between)
+        inline = not masks and self.pipe.logit_processor is None
         if decode:
             batch = dev.batch()
             ids = [r.id for r in decode]
@@ -295,6 +299,8 @@ class Scheduler:
                               pool.decode_inputs(ids, len(ids), fwd.max_blocks))
             for i, r in enumerate(decode):
                 self._copy_logits(batch, i, r.slot)
+                if inline:
+                    self._record_sampler(batch, r)
             await dev.ready(batch)          # kernels still compiling in the background
             dev.submit(batch)
         for rec, start, end in chunks:
@@ -310,10 +316,12 @@ class Scheduler:
                                pool.block_table(rec.id), with_head=head)
             if head:
                 self._copy_logits(batch, 0, rec.slot)
+                if inline:
+                    self._record_sampler(batch, rec)
             await dev.ready(batch)
             dev.submit(batch)
             self.stats["prefill_tokens"] += end - start
-        if sampled:
+        if sampled and not inline:
             await dev.sync()
             if self.pipe.logit_processor is not None:
                 await self._process_logits([r for r, _ in sampled])
@@ -321,14 +329,14 @@ class Scheduler:
             for rec, _ in sampled:
                 if rec.cancelled:                 # its slot may hold a new sequence already
                     continue
-                slot = self.slots[rec.slot]
                 if rec in masks:
+                    slot = self.slots[rec.slot]
                     bits = masks[rec]
                     slot.mask.write(await bits if _THREADS else bits)
                     slot.mask_op.record(batch)
-                slot.op.record(batch)
-                slot.sampler.copy_result(batch, self.results, rec.slot * RESULT_BYTES)
+                self._record_sampler(batch, rec)
             dev.submit(batch)
+        if sampled:
             raw = await dev.read(self.results, 0, self.max_seqs * RESULT_BYTES)
         else:
             await dev.sync()
@@ -377,6 +385,12 @@ class Scheduler:
             self.pipe.finished(seq)               # get_message() gives the last finished answer
             self._leave(rec)
         rec.handle._notify()
+
+    def _record_sampler(self, batch, rec: _Seq) -> None:
+        """rec's slot sampler on its logits, its result to rec.slot's place in `results`."""
+        slot = self.slots[rec.slot]
+        slot.op.record(batch)
+        slot.sampler.copy_result(batch, self.results, rec.slot * RESULT_BYTES)
 
     def _copy_logits(self, batch, row: int, slot_i: int) -> None:
         """Logits row `row` -> the slot's own logits (its sampler and mask are bound to it)."""

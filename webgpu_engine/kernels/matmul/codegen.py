@@ -7,6 +7,7 @@ only.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ...gpu import Device
@@ -77,11 +78,46 @@ def use_v4(cfg: MatmulConfig, w: "QWeight") -> bool:
             and w.k <= cfg.v4_max_k and w.n <= cfg.v4_max_n)
 
 
+@dataclass(frozen=True)
+class DecRows:
+    """The activation rows of a decode kernel: `n` rows (continuous batching: one per sequence), row
+    t's x at XOFF + t * x4 (xword units) and, in pnorm mode, its partial sums at GOFF + t * g4 (vec4
+    units); `t_stored` rows are stored (the rest pad a row-count bucket: computed, never stored)."""
+
+    n: int = 1
+    x4: int = 0
+    g4: int = 0
+
+    def x(self, t: int) -> str:
+        return f"XOFF + {t * self.x4}u"
+
+    def g(self, t: int) -> str:
+        return f"GOFF + {t * self.g4}u"
+
+
+ONE_ROW = DecRows()
+
+
+def _row_ends(mode: str, k: int, rows: DecRows, acc: str, ep: str, i4: str) -> list:
+    """After the K loop, per row t: the pnorm sums, the 1/rms scale and the store or epilogue of
+    r = {acc}.a (acc has `t` in place of the row) times the scale."""
+    out = []
+    for t in range(rows.n):
+        a = acc.format(t=t)
+        if mode == "pnorm":
+            out += [f"    {a}.ss += dec_pss({rows.g(t)}, {i}u);" for i in range(k // 16)]
+        scale = f"inverseSqrt({a}.ss / {float(k)!r} + EPS)" if mode in ("norm", "pnorm") else "1.0"
+        out += [f"    let r{t} = {a}.a * {scale};", EPILOGUE_CALL[ep].format(i4=i4, t=t, r=f"r{t}")]
+    return out
+
+
 def decode_v4_source(qtype: str, nchunks: int, k: int, x_off4: int, mode: str, nf4: int, g_off4: int,
-                      eps: float, ep: str = "store", inter_full: int = 0, xs_fold: bool = True) -> str:
-    """matmul_decode.wgsl + matmul_decode_v4.wgsl plus the generated entry point: 4 rows per
+                      eps: float, ep: str = "store", inter_full: int = 0, xs_fold: bool = True,
+                      rows: DecRows = ONE_ROW) -> str:
+    """matmul_decode.wgsl + matmul_decode_v4.wgsl plus the generated entry point: 4 weight rows per
     invocation read as one span of vec4<u32> (every index a constant offset from the invocation's
-    base), each vec4 loaded once, at its first use; x chunk c is loaded once for the 4 rows."""
+    base), each vec4 loaded once, at its first use, each block decoded once for every activation
+    row; x chunk c of each row is loaded once for the 4 weight rows."""
     bw = V4_BLOCK[qtype]
     rw = nchunks * bw                  # row_words
     xfn = X_FN[mode]
@@ -99,31 +135,29 @@ def decode_v4_source(qtype: str, nchunks: int, k: int, x_off4: int, mode: str, n
                   "    let ws = select(1u, 8u, inter);"]
     else:
         lines.append(f"    let wb = i4 * {rw}u;         // their first vec4 (4 rows = {rw} vec4)")
-    lines += [
-             "    var a = vec4<f32>(0.0);",
-             "    var ss = 0.0;"]
+    lines += [f"    var acc{t} = DecAcc(vec4<f32>(0.0), 0.0);" for t in range(rows.n)]
     loaded = set()
     comp = "xyzw"
+    fold = qtype in V4_XS and xs_fold
     for c in range(nchunks):
-        xs = f"v4_xs({xfn}({c}u))" if qtype in V4_XS and not xs_fold else f"{xfn}({c}u)"
-        cd = "cdot_xs" if qtype in V4_XS and xs_fold else "cdot"
-        lines.append(f"    let x{c} = {xs};")
-        if mode == "norm":
-            lines.append(f"    ss += dec_sq({c}u);")
+        for t in range(rows.n):
+            xc = f"{xfn}({rows.x(t)}, {c}u)"
+            lines.append(f"    let x{t}_{c} = {'v4_xs(' + xc + ')' if qtype in V4_XS and not fold else xc};")
+            if mode == "norm":
+                lines.append(f"    acc{t}.ss += dec_sq({rows.x(t)}, {c}u);")
         for j in range(4):
             words = []
-            for t in range(bw):
-                i = j * rw + c * bw + t
+            for i in range(j * rw + c * bw, j * rw + (c + 1) * bw):
                 v, e = divmod(i, 4)
                 if v not in loaded:
                     lines.append(f"    let v{v} = W4[wb + {v}u * ws];" if inter_full else
                                  f"    let v{v} = W4[wb + {v}u];")
                     loaded.add(v)
                 words.append(f"v{v}.{comp[e]}")
-            lines.append(f"    a.{comp[j]} += {cd}(dq_{qtype}_w({_v4_args(qtype, words)}), x{c});")
-    lines += pnorm_lines(mode, k, "ss")
-    scale = f"inverseSqrt(ss / {float(k)!r} + EPS)" if mode in ("norm", "pnorm") else "1.0"
-    lines += [f"    let r = a * {scale};", EPILOGUE_CALL[ep].format(i4="i4"), "}", ""]
+            lines.append(f"    let d{c}_{j} = dq_{qtype}_w({_v4_args(qtype, words)});")
+            lines += [f"    acc{t}.a.{comp[j]} += {'cdot_xs' if fold else 'cdot'}(d{c}_{j}, x{t}_{c});"
+                      for t in range(rows.n)]
+    lines += _row_ends(mode, k, rows, "acc{t}", ep, "i4") + ["}", ""]
     return "\n".join(lines)
 
 
@@ -144,26 +178,20 @@ def gate_act_source(act: str) -> str:
 X_FN = {"plain": "dec_x", "norm": "dec_xn", "silu": "dec_xs", "pnorm": "dec_x"}
 
 
-def pnorm_lines(mode: str, k: int, ss: str) -> list:
-    """pnorm: the sum of squares from the K/4 partial sums, 4 per constant-offset (uniform) load."""
-    if mode != "pnorm":
-        return []
-    return [f"    {ss} += dec_pss({i}u);" for i in range(k // 16)]
-
-
 # how the generated entry points end: store the 4 sums, or hand them to an epilogue
 EPILOGUE_CALL = {
-    "store": "    store(0u, 4u * {i4}, r.x);\n    store(0u, 4u * {i4} + 1u, r.y);\n"
-             "    store(0u, 4u * {i4} + 2u, r.z);\n    store(0u, 4u * {i4} + 3u, r.w);",
-    "silu": "    ep_silu({i4}, r);",
-    "rope_kv": "    ep_rope_kv({i4}, r);",
-    "res_norm": "    ep_res_norm({i4}, r);",
+    "store": "    store({t}u, 4u * {i4}, {r}.x);\n    store({t}u, 4u * {i4} + 1u, {r}.y);\n"
+             "    store({t}u, 4u * {i4} + 2u, {r}.z);\n    store({t}u, 4u * {i4} + 3u, {r}.w);",
+    "silu": "    ep_silu({t}u, {i4}, {r});",
+    "rope_kv": "    ep_rope_kv({i4}, {r});",
+    "res_norm": "    ep_res_norm({t}u, {i4}, {r});",
 }
 
 
 def decode_source(nchunks: int, k: int, x_off4: int, mode: str, nf4: int, g_off4: int, eps: float,
-                   ep: str = "store") -> str:
-    """matmul_decode.wgsl plus its generated entry point: the K loop unrolled (see that file)."""
+                   ep: str = "store", rows: DecRows = ONE_ROW) -> str:
+    """matmul_decode.wgsl plus its generated entry point: the K loop (and the activation rows)
+    unrolled (see that file)."""
     xfn = X_FN[mode]
     lines = [load_shader_source("matmul_decode.wgsl"),
              f"const XOFF: u32 = {x_off4}u;\nconst NF: u32 = {nf4}u;\nconst GOFF: u32 = {g_off4}u;",
@@ -171,17 +199,22 @@ def decode_source(nchunks: int, k: int, x_off4: int, mode: str, nf4: int, g_off4
              "@compute @workgroup_size(WG)",
              "fn matmul_decode(@builtin(workgroup_id) wid: vec3<u32>, "
              "@builtin(local_invocation_index) lid: u32) {",
-             "    let rows = dec_rows(wid, lid);",
-             "    var acc = DecAcc(vec4<f32>(0.0), 0.0);"]
+             "    let rows = dec_rows(wid, lid);"]
+    lines += [f"    var acc{t} = DecAcc(vec4<f32>(0.0), 0.0);" for t in range(rows.n)]
     for c in range(nchunks):
-        lines.append(f"    acc = dec_step(acc, rows, {c}u, {xfn}({c}u));")
-        if mode == "norm":
-            lines.append(f"    acc.ss += dec_sq({c}u);")
-    lines += pnorm_lines(mode, k, "acc.ss")
-    scale = f"inverseSqrt(acc.ss / {float(k)!r} + EPS)" if mode in ("norm", "pnorm") else "1.0"
-    if ep == "store":
-        lines.append(f"    dec_end(rows, acc, {scale});")
+        lines.append(f"    let d{c} = dec_w(rows, {c}u);")
+        for t in range(rows.n):
+            lines.append(f"    acc{t} = dec_step(acc{t}, d{c}, {xfn}({rows.x(t)}, {c}u));")
+            if mode == "norm":
+                lines.append(f"    acc{t}.ss += dec_sq({rows.x(t)}, {c}u);")
+    if ep == "store":                       # any RR: dec_end stores the invocation's rows
+        for t in range(rows.n):
+            a = f"acc{t}"
+            if mode == "pnorm":
+                lines += [f"    {a}.ss += dec_pss({rows.g(t)}, {i}u);" for i in range(k // 16)]
+            scale = f"inverseSqrt({a}.ss / {float(k)!r} + EPS)" if mode in ("norm", "pnorm") else "1.0"
+            lines.append(f"    dec_end({t}u, rows, {a}, {scale});")
     else:                                   # RR = 4: rows.r0 = 4 * i4
-        lines += [f"    let r = acc.a * {scale};", EPILOGUE_CALL[ep].format(i4="(rows.r0 / 4u)")]
+        lines += _row_ends(mode, k, rows, "acc{t}", ep, "(rows.r0 / 4u)")
     lines += ["}", ""]
     return "\n".join(lines)

@@ -50,11 +50,11 @@ def epilogue_binds(y: Tensor, rope: RopeKV | None, norm_out: "NormOut | None", e
                   _window(rope.v_cache, esz, "matmul", "v cache")]     # (binding, offset) each
         extra.update({6: rope.step, 7: rope.freq, 8: caches[0][0], 9: caches[1][0]})
     if norm_out is not None:
-        n = y.numel
+        T, n = y.shape
         g, out, part = norm_out.g, norm_out.out, norm_out.partials
-        check(g.dtype == "f32" and g.numel == n and out.dtype == y.dtype and out.numel == n
-              and part.dtype == "f32" and part.numel == n // 4 and n % 4 == 0, "matmul",
-              f"norm_out needs g f32 ({n},), out {y.dtype} ({n},) and partials f32 ({n // 4},)")
+        check(g.dtype == "f32" and g.numel == n and out.dtype == y.dtype and out.numel == T * n
+              and part.dtype == "f32" and part.numel == T * n // 4 and n % 4 == 0, "matmul",
+              f"norm_out needs g f32 ({n},), out {y.dtype} ({T * n},) and partials f32 ({T * n // 4},)")
         wins = [_window(g, 4, "matmul", "norm weight"), _window(out, esz, "matmul", "norm output"),
                 _window(part, 4, "matmul", "partial sums")]
         extra.update({10: wins[0][0], 11: wins[1][0], 12: wins[2][0]})

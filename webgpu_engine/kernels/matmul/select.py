@@ -11,11 +11,25 @@ from ..common import window as _window
 from . import batch as matmul_batch
 from . import gpu as matmul_gpu
 from . import tiled as matmul_tiled
-from .codegen import GATE_ACTS, decode_source, decode_v4_source, gate_act_source, use_v4, weight_pipeline
+from .codegen import (GATE_ACTS, DecRows, decode_source, decode_v4_source, gate_act_source, use_v4,
+                      weight_pipeline)
 from .config import MatmulConfig, default_config, is_cpu_adapter
 from .dispatch import Operands, dispatch_parts, operands, row_groups
 from .epilogues import NormOut, RopeKV, epilogue_binds, epilogue_ok
 from .layout import MAX_GROUPS, QWeight, grid
+
+
+MAX_DECODE_ROWS = 4          # fused_rows: activation rows one unrolled kernel takes (1, 2 or 4)
+
+
+def bucket_rows(T: int) -> int:
+    """The rows of the unrolled kernel that runs T fused rows: 1, 2 or 4 (a few pipelines)."""
+    return 1 << (T - 1).bit_length()
+
+
+def fused_rows_ok(dev: Device) -> bool:
+    """Whether `matmul(..., fused_rows=True)` runs here: the CPU family's unrolled decode kernels."""
+    return default_config(dev).unroll
 
 
 def _family_variant(dev: Device, cfg: MatmulConfig, w: "QWeight", T: int, row_invariant: bool):
@@ -76,7 +90,7 @@ def matmul(dev: Device, x: Tensor, w: QWeight, y: Tensor, *, bias: Tensor | None
            norm: tuple | None = None, silu: bool = False, silu_out: bool = False,
            rope_kv: RopeKV | None = None, norm_out: "NormOut | None" = None,
            rms_from: tuple | None = None, row_invariant: bool = False, decode_rows: bool = False,
-           gate_act: str = "silu") -> Op:
+           fused_rows: bool = False, gate_act: str = "silu") -> Op:
     """y = x·Wᵀ (+ bias); with `accumulate`, y += x·Wᵀ (+ bias). x (T, K), W (N, K), y (T, N).
 
     Fused inputs (T = 1 only, see `fusable`): `norm=(g (K,) f32, eps)` multiplies by RMSNorm(x)
@@ -97,13 +111,18 @@ def matmul(dev: Device, x: Tensor, w: QWeight, y: Tensor, *, bias: Tensor | None
     `decode_rows`: each row is one sequence's decode step in a continuous batch: its sums must not
     depend on how many rows run, though they need not equal a prefill row's — the GPU family's
     decode kernel in groups of up to 8 rows (one weight pass per group), the row-invariant kernels
-    in the CPU family (_decode_rows_variant)."""
+    in the CPU family (_decode_rows_variant). No fused input or epilogue.
+    `fused_rows` (where fused_rows_ok): each row of x is one sequence's decode step, computed bit for
+    bit as the one-row (T = 1) decode kernel computes it alone, with the same fused inputs and
+    epilogues (not rope_kv): the unrolled kernel of 1, 2 or 4 rows (MAX_DECODE_ROWS; more in
+    groups), each weight chunk decoded once for its rows."""
     if w.subs:       # parts of different types (upload_weight): one matmul per sub-weight
         return _matmul_parts(dev, x, w, y, bias=bias, accumulate=accumulate, config=config, norm=norm,
                              silu=silu, gate_act=gate_act, rms_from=rms_from, row_invariant=row_invariant,
-                             decode_rows=decode_rows, epilogue=silu_out or rope_kv is not None or norm_out is not None)
+                             decode_rows=decode_rows, fused_rows=fused_rows,
+                             epilogue=silu_out or rope_kv is not None or norm_out is not None)
     cfg = config or default_config(dev)
-    if config is None and (row_invariant or decode_rows):
+    if config is None and (row_invariant or decode_rows or fused_rows):
         cfg = w.chosen.setdefault("config", cfg)      # with the kernels: pinned for the weight's life
     check(gate_act in GATE_ACTS, "matmul", f"gate_act must be one of {', '.join(GATE_ACTS)}, got {gate_act!r}")
     eps_set = [silu_out, rope_kv is not None, norm_out is not None]
@@ -112,13 +131,13 @@ def matmul(dev: Device, x: Tensor, w: QWeight, y: Tensor, *, bias: Tensor | None
     if ep != "store":
         check(sum(eps_set) == 1, "matmul", "only one of silu_out, rope_kv and norm_out can be set")
         check(epilogue_ok(dev, w.qtype, w.n, w.k, cfg, force=True) and len(w.bufs) == 1
-              and x.shape[0] == 1, "matmul",
-              "a fused epilogue needs T = 1, a single-buffer weight with K % 32 == 0 and 4 rows per "
-              "invocation")
+              and (x.shape[0] == 1 or fused_rows and rope_kv is None), "matmul",
+              "a fused epilogue needs T = 1 (or fused_rows; not rope_kv), a single-buffer weight with "
+              "K % 32 == 0 and 4 rows per invocation")
         check(bias is None or not silu_out, "matmul", "silu_out takes no bias")
         check(not accumulate or ep == "res_norm", "matmul", "this fused epilogue cannot accumulate")
         n_out = w.n // 2 if silu_out else w.n
-        check(tuple(y.shape) == (1, n_out), "matmul", f"y is {y.shape}, expected (1, {n_out})")
+        check(tuple(y.shape) == (x.shape[0], n_out), "matmul", f"y is {y.shape}, expected ({x.shape[0]}, {n_out})")
     check(len(x.shape) == 2 and len(y.shape) == 2, "matmul", f"x {x.shape} and y {y.shape} must be 2-D")
     x_in = x                      # what is bound: (T, 2K) [gate | up] when silu
     if silu:
@@ -126,12 +145,13 @@ def matmul(dev: Device, x: Tensor, w: QWeight, y: Tensor, *, bias: Tensor | None
         x = Tensor(x.buf, (x.shape[0], x.shape[1] // 2), x.dtype, x.offset)
     if rms_from is not None:
         check(norm is None and not silu, "matmul", "rms_from cannot be combined with norm or silu")
-        check(x.shape[0] == 1 and x.shape[1] % 32 == 0, "matmul",
-              "rms_from needs T = 1 and K % 32 == 0 (the decode path)")
+        check((x.shape[0] == 1 or fused_rows) and x.shape[1] % 32 == 0, "matmul",
+              "rms_from needs T = 1 (or fused_rows) and K % 32 == 0 (the decode path)")
     if norm is not None or silu:
         check(norm is None or not silu, "matmul", "norm and silu cannot both be fused")
-        check(fusable(dev, x.shape[0], w, cfg, force=True), "matmul",
-              "fused norm/silu needs T = 1 and a weight with K % 32 == 0 on the decode path")
+        check(fusable(dev, 1 if fused_rows else x.shape[0], w, cfg, force=True), "matmul",
+              "fused norm/silu needs T = 1 (or fused_rows) and a weight with K % 32 == 0 on the "
+              "decode path")
     io = operands(dev, x, w, y, bias, "matmul", x_bind=x_in, y_shape=not silu_out)
     T, K = io.T, io.K
     check(cfg.rr in (1, 2, 4) and cfg.prr in (1, 2, 4) and cfg.tm in (1, 4), "matmul",
@@ -140,6 +160,14 @@ def matmul(dev: Device, x: Tensor, w: QWeight, y: Tensor, *, bias: Tensor | None
         check(ep == "store" and norm is None and not silu and rms_from is None, "matmul",
               "row_invariant takes no fused input or epilogue")
     plain = ep == "store" and norm is None and not silu and rms_from is None
+    rows = fused_rows            # every row as the T = 1 decode path makes it
+    if fused_rows:
+        check(not row_invariant and not decode_rows and config is None and cfg.unroll, "matmul",
+              "fused_rows takes no config, row_invariant or decode_rows, and needs the CPU family's "
+              "unrolled kernels (fused_rows_ok)")
+        if T > MAX_DECODE_ROWS:  # groups of rows, each at offsets of its own (pipelines of its own)
+            return _row_groups(dev, x_in, w, y, bias=bias, accumulate=accumulate, norm=norm, silu=silu,
+                               silu_out=silu_out, norm_out=norm_out, rms_from=rms_from, gate_act=gate_act)
     if decode_rows:
         check(plain and not row_invariant and config is None, "matmul",
               "decode_rows takes no fused input, epilogue, config or row_invariant")
@@ -157,15 +185,15 @@ def matmul(dev: Device, x: Tensor, w: QWeight, y: Tensor, *, bias: Tensor | None
     if plain and row_invariant:
         variant = _pinned(w, "row_invariant", config, lambda: _family_variant(dev, cfg, w, T, True))
     else:
-        variant = _family_variant(dev, cfg, w, T, row_invariant) if plain else None
+        variant = _family_variant(dev, cfg, w, T, row_invariant) if plain and not rows else None
     if variant is not None:
         return matmul_gpu.matmul(dev, x, w, y, bias=bias, accumulate=accumulate, variant=variant,
                                  row_invariant=row_invariant)
-    if 2 <= T <= cfg.batch_max_t and config is None and plain and not row_invariant:
+    if 2 <= T <= cfg.batch_max_t and config is None and plain and not row_invariant and not rows:
         op = matmul_batch.matmul(dev, x, w, y, bias=bias, accumulate=accumulate)   # decode batches
         if op is not None:
             return op
-    if (T > 1 or row_invariant) and config is None and cfg.tiled:
+    if (T > 1 or row_invariant) and config is None and cfg.tiled and not rows:
         # prefill tiles; a short row-invariant run takes a tile near its size (same bits per row)
         tile = matmul_batch.tiled_config(dev, w.qtype, T) if T <= cfg.batch_max_t else None
         op = matmul_tiled.matmul(dev, x, w, y, bias=bias, accumulate=accumulate,
@@ -174,14 +202,14 @@ def matmul(dev: Device, x: Tensor, w: QWeight, y: Tensor, *, bias: Tensor | None
             return op
     unrolled = not row_invariant and (use_v4(cfg, w) or cfg.unroll and K <= cfg.unroll_max_k
                                       and w.n <= cfg.unroll_max_n)
-    if T == 1 and K % 32 == 0 and (norm is not None or silu or rms_from is not None or unrolled
-                                   or ep in ("silu", "rope_kv")):
+    if (T == 1 or rows) and K % 32 == 0 and (norm is not None or silu or rms_from is not None or unrolled
+                                             or ep in ("silu", "rope_kv")):
         return _matmul_decode(dev, x, w, y, io, accumulate, cfg, norm, silu, ep, rope_kv, norm_out, rms_from,
-                              gate_act=gate_act)
+                              gate_act=gate_act, x_row4=x_in.shape[1] // 4)
     if ep == "res_norm":          # K too long to unroll: the loop kernel with the epilogue
         return _matmul_decode(dev, x, w, y, io, accumulate, cfg, None, False, ep, None, norm_out, loop=True)
-    if T > 1 and cfg.tm == 4:
-        entry, rr, tiles = "matmul_tile", cfg.prr, -(-T // 4)
+    if T > 1 and (rows or cfg.tm == 4):  # each row's sums as the row kernel's (fused_rows: RR as at T = 1)
+        entry, rr, tiles = "matmul_tile", cfg.rr if rows else cfg.prr, -(-T // 4)
     else:
         entry, rr, tiles = "matmul", cfg.rr, T
     check(tiles <= MAX_GROUPS, "matmul", f"T={T} needs more than 65535 tiles")
@@ -213,17 +241,40 @@ def fusable(dev: Device, T: int, w: QWeight, config: MatmulConfig | None = None,
     return force or cfg.unroll and (cfg.fuse_silu if silu else cfg.fuse)
 
 
+def _row_groups(dev, x_in: Tensor, w: QWeight, y: Tensor, *, norm_out, rms_from, **kw) -> Op:
+    """fused_rows over more than MAX_DECODE_ROWS rows: a matmul per group of rows, with views of
+    x, y and the row-wise fused operands (pnorm partials, norm_out's outputs)."""
+    T, K, N = x_in.shape[0], w.k, y.shape[1]
+    op = Op(name=f"matmul[{w.label}]")
+    for r in range(0, T, MAX_DECODE_ROWS):
+        g = min(MAX_DECODE_ROWS, T - r)
+        rf = no = None
+        if rms_from is not None:
+            rf = (rms_from[0].view((g * K // 4,), r * K // 4), rms_from[1])
+        if norm_out is not None:
+            no = NormOut(norm_out.g, norm_out.out.view((g * N,), r * N),
+                         norm_out.partials.view((g * N // 4,), r * N // 4))
+        op = op + matmul(dev, x_in.view((g, x_in.shape[1]), r * x_in.shape[1]), w, y.view((g, N), r * N),
+                         norm_out=no, rms_from=rf, fused_rows=True, **kw)
+    return op
+
+
 def _matmul_decode(dev, x, w, y, io: Operands, accumulate, cfg, norm, silu, ep="store",
                    rope: RopeKV | None = None, norm_out: "NormOut | None" = None,
-                   rms_from: tuple | None = None, loop: bool = False, gate_act: str = "silu") -> Op:
+                   rms_from: tuple | None = None, loop: bool = False, gate_act: str = "silu",
+                   x_row4: int = 0) -> Op:
     """T = 1: the host-unrolled decode kernel, or with `loop` (an epilogue, K too long to unroll)
-    matmul.wgsl's loop over K ending with the epilogue (matmul_epilogue.wgsl matmul_<ep>)."""
-    K = w.k
+    matmul.wgsl's loop over K ending with the epilogue (matmul_epilogue.wgsl matmul_<ep>).
+    T rows (fused_rows, T <= MAX_DECODE_ROWS): the unrolled kernel for the bucket of T rows (1, 2
+    or 4; rows past T are computed and not stored) with row t's x at x_row4 xwords from row t - 1,
+    or the loop kernel over 4 rows at a time (matmul_tile_<ep>): every row's sums as at T = 1."""
+    K, T = w.k, io.T
+    rows = DecRows(bucket_rows(T), x_row4, K // 16)
     mode, g_off4, eps, extra = "plain", 0, 0.0, {}
     if rms_from is not None:
         part, eps = rms_from
-        check(part.dtype == "f32" and part.numel == K // 4 and K % 16 == 0, "matmul",
-              f"rms_from partial sums must be f32 ({K // 4},) with K % 16 == 0")
+        check(part.dtype == "f32" and part.numel == T * K // 4 and K % 16 == 0, "matmul",
+              f"rms_from partial sums must be f32 ({T * K // 4},) with K % 16 == 0")
         pb, g_off4 = _window(part, 16, "matmul", "partial sums")
         mode, extra = "pnorm", {5: pb}
     elif norm is not None:
@@ -235,21 +286,21 @@ def _matmul_decode(dev, x, w, y, io: Operands, accumulate, cfg, norm, silu, ep="
         mode = "silu"
     entry = "matmul_decode"
     v4 = not loop and use_v4(cfg, w)
-    if loop:
-        src, entry = "", f"matmul_{ep}"
+    if loop:                      # several rows: 4 at a time (matmul_tile_<ep>), each as one alone
+        src, entry = "", f"matmul_tile_{ep}" if T > 1 else f"matmul_{ep}"
     elif v4:
         src = decode_v4_source(w.qtype, K // 32, K, io.x_off, mode, K // 4, g_off4, eps, ep, w.inter_full,
-                                cfg.xs_fold)
+                                cfg.xs_fold, rows)
     else:
-        src = decode_source(K // 32, K, io.x_off, mode, K // 4, g_off4, eps, ep)
+        src = decode_source(K // 32, K, io.x_off, mode, K // 4, g_off4, eps, ep, rows)
     if ep != "store":
         src += epilogue_binds(y, rope, norm_out, extra)
     src += gate_act_source(gate_act)
     pipe = weight_pipeline(dev, entry, w, x.dtype, cfg.wg, cfg.rr, src, inplace=v4)
     # T = 1: matmul.wgsl's MatmulParams; ep_silu reads no bias, so the pipeline's layout has no binding 4
     return dispatch_parts(dev, Op(name=f"matmul[{w.label}]"), pipe, w, y, io, "matmul",
-                          row_groups(cfg.wg * cfg.rr, "matmul"), accumulate=accumulate, extra=extra,
-                          bind_bias=ep != "silu")
+                          row_groups(cfg.wg * cfg.rr, "matmul", -(-T // 4) if loop else 1), accumulate=accumulate,
+                          extra=extra, bind_bias=ep != "silu")
 
 
 def embedding(dev: Device, ids: Tensor, table: QWeight, out: Tensor, *, wg: int = 64) -> Op:
