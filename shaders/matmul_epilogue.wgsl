@@ -10,8 +10,9 @@
 //               y is (1, F) while the weight has 2F rows; act is silu or gelu_tanh (gate_act.wgsl).
 //   ep_rope_kv: the weight is the fused [q | k | v] projection of a model with adjacent rotary
 //               pairs (GGUF llama layout; D % 4 == 0, so the 4 rows lie in one head). Adds the bias,
-//               rotates q and k rows by position step[0] exactly as rope.wgsl does, stores the 4
-//               values into y (qkv) and k and v rows also into row step[0] of the caches.
+//               rotates q and k rows by position ep_pos(t) exactly as rope.wgsl does, stores the 4
+//               values into y (qkv) and k and v rows also into cache row ep_row(head, t, pos) (the
+//               host prepends ep_pos / ep_row: kernels/matmul/epilogues.py).
 //   ep_res_norm: the first half of the RMSNorm that follows a residual matmul (x += o·W, the
 //               output y being the whole row x): adds the bias and y's old values (accumulate),
 //               stores y, y * g into ep_yg and the sum of the 4 squares into ep_part[i4]. The
@@ -50,11 +51,11 @@ fn ep_rot(a: f32, b: f32, pos: u32, i: u32) -> vec2<f32> {
     return rotate_by(a, b, f32(pos) * ep_freq[i]);
 }
 
-fn ep_rope_kv(i4: u32, sums: vec4<f32>) {
-    if (4u * i4 >= P.rows) { return; }
+fn ep_rope_kv(t: u32, i4: u32, sums: vec4<f32>) {
+    if (4u * i4 >= P.rows || t >= P.T) { return; }
     let n = P.n0 + 4u * i4;
     var r = ep_bias(n, sums);
-    let pos = ep_step[0];
+    let pos = ep_pos(t);
     let d = n % EP_D;
     if (n < EP_VLO && d < EP_ROT) {          // a q or k row in the rotated part
         let lo = ep_rot(r.x, r.y, pos, d / 2u);
@@ -62,20 +63,23 @@ fn ep_rope_kv(i4: u32, sums: vec4<f32>) {
         if (d + 2u < EP_ROT) { hi = ep_rot(r.z, r.w, pos, d / 2u + 1u); }
         r = vec4<f32>(lo, hi);
     }
-    let o = P.y_off + n;
+    let o = P.y_off + t * P.y_stride + n;
     y[o] = act(r.x);
     y[o + 1u] = act(r.y);
     y[o + 2u] = act(r.z);
     y[o + 3u] = act(r.w);
-    if (n < EP_KLO || pos >= EP_CTX) { return; }
-    if (n < EP_VLO) {
-        let c = EP_KC + ((n - EP_KLO) / EP_D * EP_CTX + pos) * EP_D + d;
+    if (n < EP_KLO) { return; }
+    let kv = n < EP_VLO;
+    let row = ep_row((n - select(EP_VLO, EP_KLO, kv)) / EP_D, t, pos);
+    if (row == 0xffffffffu) { return; }
+    if (kv) {
+        let c = EP_KC + row * EP_D + d;
         ep_kc[c] = act(r.x);
         ep_kc[c + 1u] = act(r.y);
         ep_kc[c + 2u] = act(r.z);
         ep_kc[c + 3u] = act(r.w);
     } else {
-        let c = EP_VC + ((n - EP_VLO) / EP_D * EP_CTX + pos) * EP_D + d;
+        let c = EP_VC + row * EP_D + d;
         ep_vc[c] = act(r.x);
         ep_vc[c + 1u] = act(r.y);
         ep_vc[c + 2u] = act(r.z);

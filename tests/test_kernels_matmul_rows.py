@@ -2,17 +2,19 @@
 batching with up to 4 sequences). Each row of a T-row matmul must come out bit for bit as the
 one-row (T = 1) decode kernel makes it from that row alone — with the same fused input (RMSNorm,
 act(gate)·up, the norm's partial sums) and epilogue (act(gate)·up of paired rows, the residual's
-norm) — for every T (1..4 in one kernel of 1, 2 or 4 rows, more in groups), and match float64 numpy.
+norm, the RoPE + KV write of a qkv projection at each row's position, into one sequence's cache or
+a paged pool) — for every T (1..4 in one kernel of 1, 2 or 4 rows, more in groups), and match
+float64 numpy.
 """
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from webgpu_engine.kernels import nn_ref
+from webgpu_engine.kernels import nn, nn_ref
 from webgpu_engine.kernels import quant_ref as qr
-from webgpu_engine.kernels.common import new_tensor, run_ops
-from webgpu_engine.kernels.matmul import NormOut, default_config, interleave_pairs, matmul, upload_weight
+from webgpu_engine.kernels.common import Tensor, new_tensor, run_ops
+from webgpu_engine.kernels.matmul import NormOut, RopeKV, default_config, interleave_pairs, matmul, upload_weight
 
 from _matmul_util import NP, TOL, read_tensor, rel_err, upload_tensor
 
@@ -125,7 +127,7 @@ def test_res_norm_then_rms_from(device, qtype, k, act):
 def test_kernels_and_errors(device):
     """T rows take the unrolled kernel of the row bucket (1, 2, 4: rows past T not stored), in one
     dispatch; more than 4 rows go in groups; the fused paths refuse T > 1 without fused_rows, and
-    fused_rows refuses rope_kv and the other row modes."""
+    fused_rows refuses the other row modes."""
     k, n = 64, 16
     w = upload_weight(device, qr.random_weight("q8_0", n, k, np.random.default_rng(1)), "q8_0", n, k,
                       owner=OWNER, label="w")
@@ -144,3 +146,66 @@ def test_kernels_and_errors(device):
         mm(2, fused_rows=True, row_invariant=True)
     with pytest.raises(ValueError, match="fused_rows takes no"):
         mm(2, fused_rows=True, decode_rows=True)
+
+
+@pytest.mark.parametrize("act", ["f32", "f16"])
+@pytest.mark.parametrize("paged", [False, True])
+def test_rope_kv_rows(device, paged, act):
+    """The qkv projection with rope_kv over T rows: row t rotated at its own position (one
+    sequence's pos0 + t, or a paged row's positions[t]) and its k, v written to its cache row (pos0
+    + t, or pool row slots[t]; 0xffffffff: none), bit for bit as the one-row kernel writes each row
+    alone (rows in order, on the same caches), and as numpy rotates and places them."""
+    Hq, Hkv, D, K, rot, pos0, ctx, bs = 4, 2, 32, 128, 16, 6, 16, 4
+    n = (Hq + 2 * Hkv) * D
+    rng = np.random.default_rng(7 + paged)
+    raw = qr.random_weight("q4_1", n, K, rng)
+    W = qr.dequantize(raw, "q4_1", n, K)
+    w = upload_weight(device, raw, "q4_1", n, K, owner=OWNER, label="qkv")
+    b = rng.standard_normal(n).astype(np.float32)
+    bt = _t(device, b, "f32", 2)
+    freq = nn.rope_frequencies(device, rot, 10000.0, owner=OWNER)
+    T = max(ROWS)
+    x = rng.standard_normal((T, K)).astype(NP[act])
+    positions = np.array([9, 0, 13, 3, 7], np.uint32) if paged else pos0 + np.arange(T, dtype=np.uint32)
+    slots = np.array([6, 1, 0xffffffff, 13, 2], np.uint32)
+    shape = (4, bs, Hkv, D) if paged else (Hkv, ctx, D)        # a pool of 4 blocks, or ctx rows
+    c0 = rng.standard_normal(shape).astype(NP[act])
+
+    def u32(a, pad):                   # at an offset that is not binding-aligned, as model code's views
+        return Tensor(device.upload(np.concatenate([np.zeros(pad, np.uint32), a]), owner=OWNER), a.shape, "u32",
+                      4 * pad)
+
+    def rope_for(rows, kc, vc):
+        if paged:
+            return RopeKV(None, freq, kc, vc, Hq, Hkv, D, rot, 0, positions=u32(positions[rows], 3),
+                          slots=u32(slots[rows], 5))
+        step = device.upload(np.array([positions[rows][0], 1, 0, 0], np.uint32), owner=OWNER)
+        return RopeKV(step, freq, kc, vc, Hq, Hkv, D, rot, ctx)
+
+    for m in ROWS:
+        kc, vc = _t(device, c0, act, 8), _t(device, c0, act, 0)
+        y = new_tensor(device, (m, n), act, owner=OWNER)
+        run_ops(device, matmul(device, _t(device, x[:m], act, 4), w, y, bias=bt, rope_kv=rope_for(slice(0, m), kc, vc),
+                               fused_rows=True))
+        rows = [read_tensor(device, t) for t in (y, kc, vc)]
+        ka, va = _t(device, c0, act, 8), _t(device, c0, act, 0)           # each row alone, in order
+        for t in range(m):
+            ya = new_tensor(device, (1, n), act, owner=OWNER)
+            run_ops(device, matmul(device, _t(device, x[t:t + 1], act, 4), w, ya, bias=bt,
+                                   rope_kv=rope_for(slice(t, t + 1), ka, va)))
+            np.testing.assert_array_equal(rows[0][t:t + 1], read_tensor(device, ya), err_msg=f"row {t} of {m}")
+        np.testing.assert_array_equal(rows[1], read_tensor(device, ka))
+        np.testing.assert_array_equal(rows[2], read_tensor(device, va))
+        # numpy: projection + bias, q and k heads rotated at each row's position, cache rows placed
+        heads = (x[:m].astype(np.float64) @ W.T + b).reshape(m, Hq + 2 * Hkv, D)
+        rotd = nn_ref.rope(heads, positions[:m], n_heads=Hq + Hkv, rot_dim=rot, base=10000.0, neox=False)
+        ref = np.concatenate([rotd[:, :Hq + Hkv], heads[:, Hq + Hkv:]], 1)
+        assert rel_err(rows[0], ref.reshape(m, n)) < TOL[act], m
+        kref, vref = c0.astype(np.float64).copy(), c0.astype(np.float64).copy()
+        for t in range(m):
+            if paged and slots[t] == 0xffffffff:
+                continue
+            at = (slots[t] // bs, slots[t] % bs) if paged else (slice(None), positions[t])
+            kref[at], vref[at] = ref[t, Hq:Hq + Hkv], ref[t, Hq + Hkv:]
+        assert np.abs(rows[1] - kref).max() < TOL[act] * np.abs(kref).max(), m
+        assert np.abs(rows[2] - vref).max() < TOL[act] * np.abs(vref).max(), m

@@ -6,7 +6,7 @@ A loaded LlamaModel's weights and activations, plus one K and one V pool per lay
     decode step (rows = S running sequences, one token each):
         x = embed(ids)                                         # (S, C)
         per layer: models/decoder.py's recipe in its ROWS mode, with
-            rope(q, k) at positions[s]; k, v -> pool rows slots[s]
+            rope(q, k) at positions[s]; k, v -> pool rows slots[s]   # in the qkv matmul (fused rows)
             attention of row s over lens[s] keys of block table s
         logits = rms_norm(x) · Wheadᵀ                          # (S, V)
     prefill chunk (rows = T tokens of one sequence at positions pos0 ..):
@@ -14,12 +14,14 @@ A loaded LlamaModel's weights and activations, plus one K and one V pool per lay
         last row only
 
 A decode row's matmul sums do not depend on how many rows run: with up to 4 sequences on a CPU
-adapter each row goes through the fused one-row decode kernels (`fused_rows`: norms, gates and
-residual norms fused, each row summed as the one-request path sums it, a weight chunk decoded once
-for the rows), else `decode_rows` (the GPU family's decode kernel in groups of 8 rows, the CPU
-family's row-invariant tiled kernels, which share weights across many rows); prefill rows' neither on
-the chunking (`row_invariant`), and a sequence's attention depends only on its own keys (the split-key decode kernel, never the short form whose
-use would depend on the longest sequence in the step): a sequence's tokens are the same alone or in
+adapter each row goes through the fused one-row decode kernels (`fused_rows`: norms, gates, residual
+norms and the RoPE + KV write fused, each row summed as the one-request path sums it, a weight
+chunk decoded once for the rows: 183 dispatches a step for SmolLM2, as many as the one-request
+path), else `decode_rows` (the GPU family's decode kernel in groups of 8 rows, the CPU family's
+row-invariant tiled kernels, which share weights across many rows); prefill rows' neither on the
+chunking (`row_invariant`), and a sequence's attention depends only on its own keys (the split-key
+decode kernel, never the short form whose use would depend on the longest sequence in the step):
+a sequence's tokens are the same alone or in
 any batch. Op lists are built once per row count and replayed; per step the host writes the small
 u32 inputs (ids, positions, slots, lens, tables, step). Standard library only (runs in the page).
 """
@@ -68,7 +70,15 @@ class PagedForward:
         return self.logits.view((rows, self.cfg.vocab_size))
 
     def fused_rope(self, i: int):
-        return None                            # the paged rope/KV-write kernel only
+        """Fused rows (activation-dtype pools): the qkv matmul rotates each row at its position and
+        writes its k, v to its slot, as the one-request decode's matmul does; else the paged kernel."""
+        m, c = self.model, self.cfg
+        if not self.fused_rows or m.kv_cache_dtype:
+            return None
+        kp, vp = self.pools[i]
+        P = m.chunk
+        return mm.RopeKV(None, m.rope_freq, kp, vp, c.n_heads, c.n_kv_heads, c.head_dim, c.rot_dim, 0,
+                         positions=self.positions.view((P,)), slots=self.slots.view((P,)))
 
     def rope_kv(self, i: int, qkv: Tensor, T: int, rope: dict) -> Op:
         kp, vp = self.pools[i]

@@ -183,7 +183,7 @@ EPILOGUE_CALL = {
     "store": "    store({t}u, 4u * {i4}, {r}.x);\n    store({t}u, 4u * {i4} + 1u, {r}.y);\n"
              "    store({t}u, 4u * {i4} + 2u, {r}.z);\n    store({t}u, 4u * {i4} + 3u, {r}.w);",
     "silu": "    ep_silu({t}u, {i4}, {r});",
-    "rope_kv": "    ep_rope_kv({i4}, {r});",
+    "rope_kv": "    ep_rope_kv({t}u, {i4}, {r});",
     "res_norm": "    ep_res_norm({t}u, {i4}, {r});",
 }
 

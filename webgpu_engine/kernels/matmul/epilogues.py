@@ -4,7 +4,7 @@ and the next RMSNorm's scaled copy and partial sums after a residual add (`NormO
 standard library only."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ...gpu import Buffer, Device
 from ...gpu.shaders import load_shader_source
@@ -24,13 +24,18 @@ class NormOut:
     partials: Tensor
 
 
-@dataclass
+@dataclass(frozen=True)
 class RopeKV:
     """The rope + KV-cache write that matmul(..., rope_kv=...) folds into a decode qkv projection
-    (matmul_epilogue.wgsl): `step` holds pos0 (u32) first, `freq` the rot_dim/2 f32 frequencies
-    (nn.rope_frequencies), caches (n_kv_heads, ctx, head_dim) in the activation dtype."""
+    (matmul_epilogue.wgsl), `freq` the rot_dim/2 f32 frequencies (nn.rope_frequencies), caches in
+    the activation dtype. Two caches (row t of a fused_rows matmul is its own decode step):
+    - one sequence's contiguous caches (n_kv_heads, ctx, head_dim): `step` holds pos0 (u32) first,
+      row t is at position pos0 + row0 + t (row0: the first row of a group of rows);
+    - a paged pool (n_blocks, block_size, n_kv_heads, head_dim), `positions` and `slots` (u32, one
+      per row) given: row t is at position positions[t] and goes to pool row slots[t] (0xffffffff:
+      rotate only); `step` and `ctx` are unused."""
 
-    step: Buffer
+    step: Buffer | None
     freq: Buffer
     k_cache: Tensor
     v_cache: Tensor
@@ -39,6 +44,16 @@ class RopeKV:
     head_dim: int
     rot_dim: int
     ctx: int
+    positions: Tensor | None = None
+    slots: Tensor | None = None
+    row0: int = 0
+
+    def rows_from(self, r: int) -> "RopeKV":
+        """The same write for rows r .. of the matmul (a group of fused rows starting at row r)."""
+        if self.slots is None:
+            return replace(self, row0=self.row0 + r)
+        return replace(self, positions=self.positions.view((self.positions.numel - r,), r),
+                       slots=self.slots.view((self.slots.numel - r,), r))
 
 
 def epilogue_binds(y: Tensor, rope: RopeKV | None, norm_out: "NormOut | None", extra: dict) -> str:
@@ -48,7 +63,13 @@ def epilogue_binds(y: Tensor, rope: RopeKV | None, norm_out: "NormOut | None", e
     if rope is not None:
         caches = [_window(rope.k_cache, esz, "matmul", "k cache"),
                   _window(rope.v_cache, esz, "matmul", "v cache")]     # (binding, offset) each
-        extra.update({6: rope.step, 7: rope.freq, 8: caches[0][0], 9: caches[1][0]})
+        extra.update({7: rope.freq, 8: caches[0][0], 9: caches[1][0]})
+        if rope.slots is None:
+            extra[6] = rope.step
+        else:                                                            # + positions, slots offsets
+            pos, slots = _window(rope.positions, 4, "matmul", "positions"), _window(rope.slots, 4, "matmul", "slots")
+            extra.update({6: pos[0], 13: slots[0]})
+            caches += [pos, slots]
     if norm_out is not None:
         T, n = y.shape
         g, out, part = norm_out.g, norm_out.out, norm_out.partials
@@ -66,19 +87,44 @@ def epilogue_source(dtype: str, rope: RopeKV | None, caches: list | None, norm_o
     """sincos.wgsl + matmul_epilogue.wgsl and its consts (zeros where unused); `caches`: the k and v
     caches' (binding, element offset); `norm_offs`: ep_res_norm's g, out and partials offsets."""
     c = dict(EP_D=1, EP_ROT=0, EP_KLO=0, EP_VLO=0, EP_CTX=0, EP_KC=0, EP_VC=0)
+    where = _CONTIGUOUS_ROWS
     if rope is not None:
-        D = rope.head_dim
+        D, Hkv = rope.head_dim, rope.n_kv_heads
         check(D % 4 == 0 and rope.rot_dim % 2 == 0 and 0 <= rope.rot_dim <= D, "matmul",
               "rope epilogue needs head_dim % 4 == 0 and an even rot_dim <= head_dim")
+        paged = rope.slots is not None
         for t in (rope.k_cache, rope.v_cache):
-            check(t.dtype == dtype and t.numel == rope.n_kv_heads * rope.ctx * D, "matmul",
-                  f"cache {t.shape} {t.dtype} must be (Hkv={rope.n_kv_heads}, ctx={rope.ctx}, D={D}) {dtype}")
+            if paged:
+                check(t.dtype == dtype and t.numel % (Hkv * D) == 0, "matmul",
+                      f"pool {t.shape} {t.dtype} must be (blocks, block size, Hkv={Hkv}, D={D}) {dtype}")
+            else:
+                check(t.dtype == dtype and t.numel == Hkv * rope.ctx * D, "matmul",
+                      f"cache {t.shape} {t.dtype} must be (Hkv={Hkv}, ctx={rope.ctx}, D={D}) {dtype}")
         c = dict(EP_D=D, EP_ROT=rope.rot_dim, EP_KLO=rope.n_q_heads * D,
-                 EP_VLO=(rope.n_q_heads + rope.n_kv_heads) * D, EP_CTX=rope.ctx,
-                 EP_KC=caches[0][1], EP_VC=caches[1][1])
+                 EP_VLO=(rope.n_q_heads + Hkv) * D, EP_CTX=rope.ctx,
+                 EP_KC=caches[0][1], EP_VC=caches[1][1], EP_T0=rope.row0)
+        if paged:
+            c.update(EP_HKV=Hkv, EP_POS=caches[2][1], EP_SLOT=caches[3][1])
+            where = _PAGED_ROWS
     c.update(zip(("EP_G", "EP_YG", "EP_PART"), norm_offs or (0, 0, 0)))
+    c.setdefault("EP_T0", 0)
     consts = "".join(f"const {k}: u32 = {v}u;\n" for k, v in c.items())
-    return consts + load_shader_source("sincos.wgsl") + load_shader_source("matmul_epilogue.wgsl")
+    return consts + where + load_shader_source("sincos.wgsl") + load_shader_source("matmul_epilogue.wgsl")
+
+
+# ep_rope_kv's position of row t and the cache row (of head rows) its kv head g goes to (0xffffffff:
+# none): one sequence's contiguous caches (position pos0 + row), or a paged pool (per-row positions
+# and slots; the slots binding exists in this form only)
+_CONTIGUOUS_ROWS = """fn ep_pos(t: u32) -> u32 { return ep_step[0] + EP_T0 + t; }
+fn ep_row(g: u32, t: u32, pos: u32) -> u32 { return select(0xffffffffu, g * EP_CTX + pos, pos < EP_CTX); }
+"""
+_PAGED_ROWS = """@group(0) @binding(13) var<storage, read> ep_slot: array<u32>;    // (T) pool rows
+fn ep_pos(t: u32) -> u32 { return ep_step[EP_POS + t]; }
+fn ep_row(g: u32, t: u32, pos: u32) -> u32 {
+    let s = ep_slot[EP_SLOT + t];
+    return select(s * EP_HKV + g, s, s == 0xffffffffu);
+}
+"""
 
 
 def epilogue_ok(dev: Device, qtype: str, n: int, k: int, config: MatmulConfig | None = None, *,

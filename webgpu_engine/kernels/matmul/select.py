@@ -114,7 +114,7 @@ def matmul(dev: Device, x: Tensor, w: QWeight, y: Tensor, *, bias: Tensor | None
     in the CPU family (_decode_rows_variant). No fused input or epilogue.
     `fused_rows` (where fused_rows_ok): each row of x is one sequence's decode step, computed bit for
     bit as the one-row (T = 1) decode kernel computes it alone, with the same fused inputs and
-    epilogues (not rope_kv): the unrolled kernel of 1, 2 or 4 rows (MAX_DECODE_ROWS; more in
+    epilogues (rope_kv: row t at its own position, RopeKV): the unrolled kernel of 1, 2 or 4 rows (MAX_DECODE_ROWS; more in
     groups), each weight chunk decoded once for its rows."""
     if w.subs:       # parts of different types (upload_weight): one matmul per sub-weight
         return _matmul_parts(dev, x, w, y, bias=bias, accumulate=accumulate, config=config, norm=norm,
@@ -131,8 +131,8 @@ def matmul(dev: Device, x: Tensor, w: QWeight, y: Tensor, *, bias: Tensor | None
     if ep != "store":
         check(sum(eps_set) == 1, "matmul", "only one of silu_out, rope_kv and norm_out can be set")
         check(epilogue_ok(dev, w.qtype, w.n, w.k, cfg, force=True) and len(w.bufs) == 1
-              and (x.shape[0] == 1 or fused_rows and rope_kv is None), "matmul",
-              "a fused epilogue needs T = 1 (or fused_rows; not rope_kv), a single-buffer weight with "
+              and (x.shape[0] == 1 or fused_rows), "matmul",
+              "a fused epilogue needs T = 1 (or fused_rows), a single-buffer weight with "
               "K % 32 == 0 and 4 rows per invocation")
         check(bias is None or not silu_out, "matmul", "silu_out takes no bias")
         check(not accumulate or ep == "res_norm", "matmul", "this fused epilogue cannot accumulate")
@@ -167,7 +167,8 @@ def matmul(dev: Device, x: Tensor, w: QWeight, y: Tensor, *, bias: Tensor | None
               "unrolled kernels (fused_rows_ok)")
         if T > MAX_DECODE_ROWS:  # groups of rows, each at offsets of its own (pipelines of its own)
             return _row_groups(dev, x_in, w, y, bias=bias, accumulate=accumulate, norm=norm, silu=silu,
-                               silu_out=silu_out, norm_out=norm_out, rms_from=rms_from, gate_act=gate_act)
+                               silu_out=silu_out, rope_kv=rope_kv, norm_out=norm_out, rms_from=rms_from,
+                               gate_act=gate_act)
     if decode_rows:
         check(plain and not row_invariant and config is None, "matmul",
               "decode_rows takes no fused input, epilogue, config or row_invariant")
@@ -241,9 +242,9 @@ def fusable(dev: Device, T: int, w: QWeight, config: MatmulConfig | None = None,
     return force or cfg.unroll and (cfg.fuse_silu if silu else cfg.fuse)
 
 
-def _row_groups(dev, x_in: Tensor, w: QWeight, y: Tensor, *, norm_out, rms_from, **kw) -> Op:
+def _row_groups(dev, x_in: Tensor, w: QWeight, y: Tensor, *, norm_out, rms_from, rope_kv, **kw) -> Op:
     """fused_rows over more than MAX_DECODE_ROWS rows: a matmul per group of rows, with views of
-    x, y and the row-wise fused operands (pnorm partials, norm_out's outputs)."""
+    x, y and the row-wise fused operands (pnorm partials, norm_out's outputs, rope_kv's rows)."""
     T, K, N = x_in.shape[0], w.k, y.shape[1]
     op = Op(name=f"matmul[{w.label}]")
     for r in range(0, T, MAX_DECODE_ROWS):
@@ -255,7 +256,7 @@ def _row_groups(dev, x_in: Tensor, w: QWeight, y: Tensor, *, norm_out, rms_from,
             no = NormOut(norm_out.g, norm_out.out.view((g * N,), r * N),
                          norm_out.partials.view((g * N // 4,), r * N // 4))
         op = op + matmul(dev, x_in.view((g, x_in.shape[1]), r * x_in.shape[1]), w, y.view((g, N), r * N),
-                         norm_out=no, rms_from=rf, fused_rows=True, **kw)
+                         norm_out=no, rms_from=rf, rope_kv=rope_kv and rope_kv.rows_from(r), fused_rows=True, **kw)
     return op
 
 
