@@ -114,8 +114,8 @@ def matmul(dev: Device, x: Tensor, w: QWeight, y: Tensor, *, bias: Tensor | None
     in the CPU family (_decode_rows_variant). No fused input or epilogue.
     `fused_rows` (where fused_rows_ok): each row of x is one sequence's decode step, computed bit for
     bit as the one-row (T = 1) decode kernel computes it alone, with the same fused inputs and
-    epilogues (rope_kv: row t at its own position, RopeKV): the unrolled kernel of 1, 2 or 4 rows (MAX_DECODE_ROWS; more in
-    groups), each weight chunk decoded once for its rows."""
+    epilogues (rope_kv: row t at its own position, RopeKV): the unrolled kernel of 1, 2 or 4 rows
+    (MAX_DECODE_ROWS; more in groups), each weight chunk decoded once for its rows."""
     if w.subs:       # parts of different types (upload_weight): one matmul per sub-weight
         return _matmul_parts(dev, x, w, y, bias=bias, accumulate=accumulate, config=config, norm=norm,
                              silu=silu, gate_act=gate_act, rms_from=rms_from, row_invariant=row_invariant,
