@@ -351,3 +351,59 @@ async def test_logit_processor_applies_to_every_sequence(engine):
         lm.pipeline.set_logit_processor(None)
     tok40 = _sched(engine).pipe.tokenizer.token_bytes(40).decode("utf-8", "replace")
     assert got == [(tok40 * 4, 4)] * 2 and proc.seen == [40] * 8
+
+
+async def test_decode_ahead_gives_the_same_tokens(device, tiny_path, engine, alone):
+    """decode_ahead in the scheduler: each decode step is submitted before the tokens it takes are
+    read (the samplers write them into its input ids on the GPU); the tokens, logprobs, stops and
+    seeded draws equal the serial engine's, alone, together, with requests joining and stopping
+    midway, a client leaving and max_tokens ending a step early; rows past a sequence's end are
+    never accepted and the pool keeps no block of them."""
+    eng = AsyncMLCEngine()
+    await eng.reload(str(tiny_path), chat_opts={**OPTS, "decode_ahead": True})
+    try:
+        sched = _sched(eng)
+        assert sched.decode_ahead and not _sched(engine).decode_ahead      # off by default on lavapipe
+        assert [await _complete(eng, i) for i in (0, 7)] == [alone[0], alone[7]]
+        assert await asyncio.gather(*[_complete(eng, i) for i in range(5)]) == [alone[i] for i in range(5)]
+        assert sched.stats["ahead_steps"] > 0
+
+        async def late(i, delay, max_tokens=N):
+            await asyncio.sleep(delay)
+            return await _complete(eng, i, max_tokens)
+        got = await asyncio.gather(late(0, 0), late(1, 0.05, 5), late(2, 0.1), late(3, 0.2, 1), late(6, 0.3))
+        assert [got[0], got[2], got[4]] == [alone[0], alone[2], alone[6]]
+        assert got[1][1] == 5 and alone[1][0].startswith(got[1][0]) and got[3][1] == 1
+
+        async def sampled(e, i):
+            r = await e.completions.create(prompt=_prompt(i), max_tokens=8, temperature=0.9, seed=100 + i, top_p=0.9,
+                                           logprobs=True, top_logprobs=2, ignore_eos=True, frequency_penalty=0.5)
+            return r.choices[0].text, r.choices[0].logprobs.top_logprobs
+        want = [await sampled(engine, i) for i in range(3)]
+        assert await asyncio.gather(*[sampled(eng, i) for i in range(3)]) == want
+
+        text = alone[1][0]
+        r = await eng.completions.create(prompt=_prompt(1), max_tokens=N, temperature=0, stop=[text[3:6]],
+                                         ignore_eos=True)
+        assert r.choices[0].finish_reason == "stop" and text.startswith(r.choices[0].text)
+
+        stream = await eng.completions.create(prompt=_prompt(4), max_tokens=N, ignore_eos=True, temperature=0,
+                                              stream=True)
+        others = asyncio.gather(_complete(eng, 0), _complete(eng, 6))
+        async for k, _ in _aenumerate(stream):
+            if k == 2:
+                break
+        await stream.aclose()
+        assert await others == [alone[0], alone[6]]
+        await asyncio.sleep(0.05)
+        assert not sched.running and sched._ahead is None and len(sched._free_slots) == sched.max_seqs
+        sched.pool.check()
+    finally:
+        await eng.unload()
+
+
+async def _aenumerate(it):
+    k = 0
+    async for x in it:
+        k += 1
+        yield k, x

@@ -135,8 +135,8 @@ class ChatConfig:
     #                                    "n": 3} or "ngram" (pipelines/speculation.py); one-request path
     tune_budget_s: float | None = None  # ... for about this many seconds (None: $WEBGPU_ENGINE_TUNE_BUDGET,
     #                                     else 20); shapes left untimed are timed by a later load
-    decode_ahead: bool | None = None   # chat, one-request path: submit decode step n + 1 before reading
-    #                                    step n's token (it is already on the GPU), so the host's
+    decode_ahead: bool | None = None   # chat, one request or the batch scheduler: submit decode step
+    #                                    n + 1 before reading step n's token (already on the GPU), so the host's
     #                                    recording overlaps the GPU's work; the same tokens either way.
     #                                    None: on, except on software adapters (lavapipe: host and
     #                                    "GPU" share the cores; measured no faster there)

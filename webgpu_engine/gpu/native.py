@@ -58,6 +58,7 @@ class NativeDevice(Device):
         # that uses a destroyed buffer, so the check-and-submit and the destroy exclude each other.
         self._release_lock = threading.Lock()
         self._destroyed = False               # set under that lock: no readback submits after it
+        self._loss_waiters: set = set()       # (loop, future) of maps in flight, woken by a loss
         # a worker per core (they start nothing new while a request compiles what it needs), or
         # $WEBGPU_ENGINE_COMPILE_THREADS; 2 cores, SmolLM2: the queue done at 18.2-18.6 s from process
         # start against 20.4-25.1 s with one worker, the first token no later (bench/first_request.py)
@@ -167,27 +168,46 @@ class NativeDevice(Device):
                 await asyncio.to_thread(self._guard, _copy, what)
             else:
                 self._guard(_copy, what)
-            try:
-                await staging.map_async(wgpu.MapMode.READ, 0, n4)
-                data = bytes(staging.read_mapped(0, n4, copy=False))[:n]
-                staging.unmap()
-            except Exception as e:  # noqa: BLE001
-                raise self._translate(e, what) from None
+            data = await self._mapped(staging, n4, n, what)
             ok = True
         finally:
             self._give_staging(staging, n4, reuse=ok)
         return data
 
+    async def _mapped(self, staging, n4: int, n: int, what: str) -> bytes:
+        """The first n bytes of a staging buffer once the work before has run. A loss meanwhile raises
+        DeviceLostError: a map in flight when the device is destroyed never completes."""
+        self.check_alive()
+        loop = asyncio.get_running_loop()
+        lost = loop.create_future()
+        waiter = (loop, lost)
+        self._loss_waiters.add(waiter)
+        mapping = asyncio.ensure_future(staging.map_async(wgpu.MapMode.READ, 0, n4))
+        try:
+            await asyncio.wait({mapping, lost}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            self._loss_waiters.discard(waiter)
+        if not mapping.done():
+            mapping.cancel()
+            raise DeviceLostError(f"{what}: {self.lost_reason}")
+        try:
+            mapping.result()
+            data = bytes(staging.read_mapped(0, n4, copy=False))[:n]
+            staging.unmap()
+        except Exception as e:  # noqa: BLE001
+            raise self._translate(e, what) from None
+        return data
+
+    def mark_lost(self, reason: str) -> None:
+        super().mark_lost(reason)
+        for loop, fut in list(self._loss_waiters):      # maps awaited on any thread's loop
+            loop.call_soon_threadsafe(lambda f=fut: f.done() or f.set_result(None))
+
     async def collect(self, rb) -> bytes:
         n4, ok = round_up4(rb.n), False
         what = f"readback of {rb.src.label!r}"
         try:
-            try:
-                await rb.staging.map_async(wgpu.MapMode.READ, 0, n4)
-                data = bytes(rb.staging.read_mapped(0, n4, copy=False))[:rb.n]
-                rb.staging.unmap()
-            except Exception as e:  # noqa: BLE001
-                raise self._translate(e, what) from None
+            data = await self._mapped(rb.staging, n4, rb.n, what)
             ok = True
         finally:
             self._give_staging(rb.staging, n4, reuse=ok)

@@ -105,11 +105,12 @@ class KVPool:
     def sequences_newest_first(self) -> list:
         return sorted(self._seqs, key=lambda k: -self._seqs[k].order)
 
-    def decode_inputs(self, seq_ids, max_seqs: int, max_blocks: int) -> dict:
+    def decode_inputs(self, seq_ids, max_seqs: int, max_blocks: int, ahead: int = 0) -> dict:
         """The u32 inputs of one batched decode step (kernels/attention_paged.py) for seq_ids, whose
-        next token (position num_tokens) has a reserved slot: positions and slots of that token,
-        lens (keys incl. it) and tables (max_seqs x max_blocks, flat); idle rows past len(seq_ids)
-        get lens 0, slot SKIP_SLOT. After the step, append_tokens(seq, [the token fed]) records its KV."""
+        next token (position num_tokens + ahead: `ahead` steps are in flight, not yet recorded) has
+        a reserved slot: positions and slots of that token, lens (keys incl. it) and tables
+        (max_seqs x max_blocks, flat); idle rows past len(seq_ids) get lens 0, slot SKIP_SLOT.
+        After the step, append_tokens(seq, [the token fed]) records its KV."""
         if len(seq_ids) > max_seqs:
             raise ValueError(f"{len(seq_ids)} sequences exceed max_seqs={max_seqs}")
         idle = max_seqs - len(seq_ids)
@@ -118,7 +119,7 @@ class KVPool:
             s = self._seqs[seq_id]
             if len(s.blocks) > max_blocks:
                 raise ValueError(f"sequence {seq_id!r} holds {len(s.blocks)} blocks, tables have {max_blocks}")
-            n = len(s.tokens)
+            n = len(s.tokens) + ahead
             out["positions"].append(n)
             out["slots"] += self.slots(seq_id, n, 1)
             out["lens"].append(n + 1)

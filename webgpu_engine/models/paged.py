@@ -104,11 +104,13 @@ class PagedForward:
         return self._ops.get((kind, T), lambda: decoder.forward(self.model, self, T, mode))
 
     # ------------------------------------------------------------------ steps
-    def record_decode(self, batch, tokens: list[int], inputs: dict) -> None:
-        """One token for each of S = len(tokens) sequences; inputs: KVPool.decode_inputs(ids, S,
-        max_blocks). Logits rows 0 .. S-1."""
-        S, dev = len(tokens), self.dev
-        dev.write(self.ids.buf, struct.pack(f"<{S}I", *tokens))
+    def record_decode(self, batch, tokens: list[int] | None, inputs: dict) -> None:
+        """One token for each of S sequences; inputs: KVPool.decode_inputs(ids, S, max_blocks);
+        tokens: their S input ids, or None where the work before wrote them into `ids` on the GPU
+        (a step submitted ahead). Logits rows 0 .. S-1."""
+        S, dev = len(inputs["lens"]) if tokens is None else len(tokens), self.dev
+        if tokens is not None:
+            dev.write(self.ids.buf, struct.pack(f"<{S}I", *tokens))
         dev.write(self.positions.buf, struct.pack(f"<{S}I", *inputs["positions"]))
         dev.write(self.slots.buf, struct.pack(f"<{S}I", *inputs["slots"]))
         dev.write(self.lens.buf, struct.pack(f"<{S}I", *inputs["lens"]))

@@ -18,7 +18,13 @@ One task per model runs iterations while sequences are active:
        between its logits and its sampler (a grammar mask, a logit processor) the samplers go in one
        more submission after the forwards instead; then one readback of all results;
     5. the stop rules per sequence (pipelines/sequence.py); finished sequences leave the batch and
-       their KV blocks stay cached for prefix sharing (engine/kv_pool.py).
+       their KV blocks stay cached for prefix sharing (models/kv_pool.py).
+
+decode_ahead (ChatConfig; on except on software adapters): while only decode rows run, each
+sampler also copies its token into the next step's input row on the GPU, and the step after (same
+rows, next positions, KV slots reserved ahead) is submitted before this one's tokens are read, so
+the host's recording and stop rules overlap the GPU's work; its rows of sequences that stopped are
+discarded. Any change of the rows (a prompt waiting, a stop, max_tokens, the pool) plans again.
 
 A sequence's tokens do not depend on what else runs (models/paged.py). Page code: standard library
 only (in the browser, grammar masks are computed inline instead of in a worker thread).
@@ -52,7 +58,9 @@ class _Slot:
     def __init__(self, dev, vocab: int, dtype: str, owner: str, i: int):
         self.logits = new_tensor(dev, (vocab + 2,), dtype, owner=owner, label=f"slot{i}.logits").view((vocab,))
         self.sampler = Sampler(dev, vocab, owner=owner, label=f"slot{i}.sampler")
-        self.op = self.sampler.op(self.logits)
+        # the sampled token also goes here, for a step submitted before it is read (decode_ahead)
+        self.next_id = new_tensor(dev, (4,), "u32", owner=owner, label=f"slot{i}.next_id")
+        self.op = self.sampler.op(self.logits, self.next_id)
         self.mask: LogitMask | None = None
         self.mask_op = None
 
@@ -155,7 +163,11 @@ class Scheduler:
         self._just_preempted: set = set()
         self._task: asyncio.Task | None = None
         self._closed = False
-        self.stats = {"iterations": 0, "decode_rows": 0, "prefill_tokens": 0}   # preemptions: the pool's
+        ahead = pipe.chat_config.decode_ahead
+        self.decode_ahead = (not pipe._software) if ahead is None else bool(ahead)
+        self._ahead = None                          # a decode step in flight: (rows, readback, t0)
+        # preemptions: the pool's; ahead_steps: decode steps submitted before the tokens they take were read
+        self.stats = {"iterations": 0, "decode_rows": 0, "prefill_tokens": 0, "ahead_steps": 0}
 
     # ------------------------------------------------------------------ admission
     def sequence(self) -> BatchSequence:
@@ -220,10 +232,11 @@ class Scheduler:
     # ------------------------------------------------------------------ the loop
     async def _loop(self) -> None:
         try:
-            while self.running and not self._closed:
+            while (self.running or self._ahead is not None) and not self._closed:
                 await self._iteration()
                 await asyncio.sleep(0)
         except BaseException as e:  # noqa: BLE001 - every waiting request gets the error
+            self._ahead = None
             for rec in list(self.running):
                 rec.handle._notify(e)
                 self._leave(rec)
@@ -277,6 +290,8 @@ class Scheduler:
 
     async def _iteration(self) -> None:
         self._drop_finished()
+        if self._ahead is not None:
+            return await self._finish_ahead()
         if not self.running:
             return
         dev, fwd, pool = self.dev, self.fwd, self.pool
@@ -292,6 +307,7 @@ class Scheduler:
         # no mask to write and no logit processor: each row's sampler goes in its forward's own
         # submission (one wait per iteration, at the readback, instead of one more between)
         inline = not masks and self.pipe.logit_processor is None
+        rb = None
         if decode:
             batch = dev.batch()
             ids = [r.id for r in decode]
@@ -300,9 +316,13 @@ class Scheduler:
             for i, r in enumerate(decode):
                 self._copy_logits(batch, i, r.slot)
                 if inline:
-                    self._record_sampler(batch, r)
+                    self._record_sampler(batch, r, row=i)
+            if inline and not chunks:       # its results read from this point (a step may follow)
+                rb = batch.readback(self.results, 0, self.max_seqs * RESULT_BYTES)
             await dev.ready(batch)          # kernels still compiling in the background
             dev.submit(batch)
+            if rb is not None and self._can_go_ahead(decode):
+                self._ahead = (decode, await self._submit_ahead(decode), now())
         for rec, start, end in chunks:
             if decode or rec is not chunks[0][0]:
                 # a submit while the GPU is busy can block until it drains (lavapipe): wait for the
@@ -336,11 +356,17 @@ class Scheduler:
                     slot.mask_op.record(batch)
                 self._record_sampler(batch, rec)
             dev.submit(batch)
-        if sampled:
+        if rb is not None:
+            raw = await dev.collect(rb)
+        elif sampled:
             raw = await dev.read(self.results, 0, self.max_seqs * RESULT_BYTES)
         else:
             await dev.sync()
-        dt = now() - t0
+        self._finish(decode, chunks, sampled, raw if sampled else b"", now() - t0)
+
+    def _finish(self, decode: list, chunks: list, sampled: list, raw: bytes, dt: float) -> None:
+        """After an iteration's work has run: record the fed tokens' KV, accept the sampled tokens."""
+        pool = self.pool
         self.stats["iterations"] += 1
         self.stats["decode_rows"] += len(decode)
         for rec in decode:
@@ -356,6 +382,61 @@ class Scheduler:
             if rec.cancelled or not rec.in_pool:
                 continue
             self._accept(rec, raw[rec.slot * RESULT_BYTES:(rec.slot + 1) * RESULT_BYTES], dt, rec in decode)
+
+    # ------------------------------------------------------------------ decode_ahead
+    def _can_go_ahead(self, rows: list) -> bool:
+        """Whether the decode step after the one in flight (same rows, same order) may be submitted
+        before that one's tokens are read: decode_ahead on, every running sequence decoding in
+        `rows` (none waits for its prompt: it joins at the next planned iteration), none needing the
+        host between steps (a grammar, a logit processor), none whose step in flight may be its last
+        (max_tokens, the context's end) and a KV slot for each (reserved now; never preempting)."""
+        if not self.decode_ahead or self.pipe.logit_processor is not None or len(rows) != len(self.running):
+            return False
+        for rec in rows:
+            seq = rec.seq
+            if (rec not in self.running or not rec.in_pool or not rec.decoding or rec.cancelled
+                    or seq.stopped or seq.interrupted or seq.matcher is not None
+                    or (seq.max_tokens is not None and len(seq.output_ids) + 2 > seq.max_tokens)
+                    or len(rec.toks) + 2 > self.model.ctx):
+                return False
+        try:
+            for rec in rows:
+                self.pool.reserve(rec.id, len(rec.toks) + 2)
+        except PoolExhaustedError:
+            return False
+        return True
+
+    async def _submit_ahead(self, rows: list):
+        """Record and submit the decode step after the one in flight: row i's input id is the token
+        row i of that step samples (its slot's sampler put it into the step's ids on the GPU), at
+        the next position; its samplers and a readback of their results. Returns the readback."""
+        dev, fwd = self.dev, self.fwd
+        batch = dev.batch()
+        fwd.record_decode(batch, None, self.pool.decode_inputs([r.id for r in rows], len(rows), fwd.max_blocks,
+                                                              ahead=1))
+        for i, r in enumerate(rows):
+            self._copy_logits(batch, i, r.slot)
+            self._record_sampler(batch, r, row=i)
+        rb = batch.readback(self.results, 0, self.max_seqs * RESULT_BYTES)
+        self.stats["ahead_steps"] += 1
+        await dev.ready(batch)
+        if self.pipe._software:         # a submit while the GPU is busy blocks until it drains there
+            await dev.submit_async(batch)
+        else:
+            dev.submit(batch)
+        return rb
+
+    async def _finish_ahead(self) -> None:
+        """The iteration of a decode step submitted ahead: submit the one after it where that may go
+        (no row left meanwhile), then read this one's tokens. A row whose sequence stopped (or left)
+        at the step before is discarded: its token is never accepted or streamed."""
+        rows, rb, t0 = self._ahead
+        self._ahead = None
+        live = [r for r in rows if r in self.running and r.in_pool and not r.cancelled and not r.seq.stopped]
+        if len(live) == len(rows) and self._can_go_ahead(rows):
+            self._ahead = (rows, await self._submit_ahead(rows), now())
+        raw = await self.dev.collect(rb)
+        self._finish(live, [], [(r, i) for i, r in enumerate(rows) if r in live], raw, now() - t0)
 
     def _accept(self, rec: _Seq, raw: bytes, dt: float, decoded: bool) -> None:
         seq, req = rec.seq, rec.seq.req
@@ -386,11 +467,14 @@ class Scheduler:
             self._leave(rec)
         rec.handle._notify()
 
-    def _record_sampler(self, batch, rec: _Seq) -> None:
-        """rec's slot sampler on its logits, its result to rec.slot's place in `results`."""
+    def _record_sampler(self, batch, rec: _Seq, row: int | None = None) -> None:
+        """rec's slot sampler on its logits, its result to rec.slot's place in `results`; with `row`,
+        its token also into the decode input ids' row `row` (the next step's input, decode_ahead)."""
         slot = self.slots[rec.slot]
         slot.op.record(batch)
         slot.sampler.copy_result(batch, self.results, rec.slot * RESULT_BYTES)
+        if row is not None and self.decode_ahead:
+            batch.copy(slot.next_id.buf, self.fwd.ids.buf, 4, slot.next_id.offset, self.fwd.ids.offset + 4 * row)
 
     def _copy_logits(self, batch, row: int, slot_i: int) -> None:
         """Logits row `row` -> the slot's own logits (its sampler and mask are bound to it)."""
