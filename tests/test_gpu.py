@@ -195,3 +195,24 @@ def test_second_device_is_independent():
     assert d.read_sync(b) == b"\1\2\3\4"
     d.close()
     assert d.allocated_bytes() == 0
+
+
+@pytest.mark.parametrize("end", ["close", "destroy"])
+def test_a_device_that_ends_is_freed(end):
+    """A device closed or lost (destroyed) is freed once its user drops it: nothing the kernels keep
+    per device (the placeholder binding of an absent bias) holds it, with its pipelines' memory
+    (on lavapipe ~10 MB of JIT code each); an engine that recovers from losses makes a device each."""
+    import gc
+    import weakref
+
+    from webgpu_engine.kernels import quant_ref as qr
+    from webgpu_engine.kernels.common import new_tensor, run_ops
+    from webgpu_engine.kernels.matmul import matmul, upload_weight
+    dev = request_device_sync()
+    w = upload_weight(dev, qr.random_weight("q8_0", 8, 32, np.random.default_rng(0)), "q8_0", 8, 32, owner="t")
+    run_ops(dev, matmul(dev, new_tensor(dev, (1, 32), "f32", owner="t"), w, new_tensor(dev, (1, 8), "f32", owner="t")))
+    ref = weakref.ref(dev)
+    dev.close() if end == "close" else dev.destroy()
+    del dev, w
+    gc.collect()
+    assert ref() is None

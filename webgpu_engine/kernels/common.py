@@ -9,7 +9,6 @@ pipeline writes once per step and that kernels needing them bind.
 from __future__ import annotations
 
 import struct
-import weakref
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -167,15 +166,13 @@ def window(t: Tensor, unit: int, kernel: str, name: str):
     return (t.buf, base, size), rest // unit
 
 
-_placeholders: "weakref.WeakKeyDictionary[Device, Buffer]" = weakref.WeakKeyDictionary()
-
-
 def placeholder(dev: Device) -> Buffer:
-    """The device's one 16-byte storage buffer bound where a kernel's optional input (a bias) is absent."""
-    b = _placeholders.get(dev)
+    """The device's one 16-byte storage buffer bound where a kernel's optional input (a bias) is absent.
+    Kept on the device itself: a table keyed weakly by device whose values (buffers) point back at
+    their device would keep every device alive, with its pipelines' memory."""
+    b = getattr(dev, "_placeholder", None)
     if b is None or not b.alive:
-        b = dev.buffer(16, owner="kernels", label="unused-binding")
-        _placeholders[dev] = b
+        b = dev._placeholder = dev.buffer(16, owner="kernels", label="unused-binding")
     return b
 
 
