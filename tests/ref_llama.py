@@ -65,9 +65,11 @@ def gelu_tanh(x):
 class RefLlama:
     """Keeps a KV cache so it can also check incremental (prefill then decode) use."""
 
-    def __init__(self, cfg, weights: dict, dtype=np.float64, context: int | None = None):
-        """`context`: the context window, which picks longrope's long or short factors."""
-        self.cfg, self.dtype = cfg, dtype
+    def __init__(self, cfg, weights: dict, dtype=np.float64, context: int | None = None, ops: dict | None = None):
+        """`context`: the context window, which picks longrope's long or short factors; `ops`: a
+        family's new math, {point: fn(i, array) -> array} at the points of DecoderFamily.ops ("qkv"
+        (T, Hq + 2 Hkv, D), "attn", "ffn", "logits" with i = -1)."""
+        self.cfg, self.dtype, self.ops = cfg, dtype, ops or {}
         self.w = {k: np.asarray(v, dtype) for k, v in weights.items()}
         for name in list(self.w):                  # Phi-3's fused q|k|v and gate|up
             p, _, part = name.rpartition(".")
@@ -109,6 +111,9 @@ class RefLlama:
             if p + "q_norm" in w:                                                  # Qwen3
                 q = rms_norm(q.reshape(T, H, D), w[p + "q_norm"], c.rms_eps)
                 k = rms_norm(k.reshape(T, Hkv, D), w[p + "k_norm"], c.rms_eps)
+            if "qkv" in self.ops:
+                q, k, v = np.split(self.ops["qkv"](i, np.concatenate(
+                    [q.reshape(T, H, D), k.reshape(T, Hkv, D), v.reshape(T, Hkv, D)], 1)), [H, H + Hkv], 1)
             base, factors = c.rope_of(i, self.factors)
             rk = (c.rot_dim, base, c.rope_neox, factors, c.rope_attn_factor)
             q, k = rope(q.reshape(T, H, D), pos, *rk), rope(k.reshape(T, Hkv, D), pos, *rk)
@@ -131,16 +136,21 @@ class RefLlama:
             att = np.exp(att - att.max(-1, keepdims=True))
             att /= att.sum(-1, keepdims=True)
             o = np.einsum("hts,hsd->thd", att, vq).reshape(T, H * D)
+            if "attn" in self.ops:
+                o = self.ops["attn"](i, o)
             a = o @ w[p + "o"].T + (w[p + "o_bias"] if p + "o_bias" in w else 0.0)
             x = x + (rms_norm(a, w[p + "post_attn_norm"], c.rms_eps) if c.post_norms else a)
             h = rms_norm(x, w[p + "ffn_norm"], c.rms_eps)
-            f = (act(h @ w[p + "gate"].T) * (h @ w[p + "up"].T)) @ w[p + "down"].T
+            f = act(h @ w[p + "gate"].T) * (h @ w[p + "up"].T)
+            f = (self.ops["ffn"](i, f) if "ffn" in self.ops else f) @ w[p + "down"].T
             x = x + (rms_norm(f, w[p + "post_ffn_norm"], c.rms_eps) if c.post_norms else f)
         self.pos += T
         x = rms_norm(x if all_logits else x[-1:], w["norm"], c.rms_eps)
         head = w.get("lm_head", w["embed"])
         logits = x @ head.T                                                        # (T, V)
-        return c.final_softcap * np.tanh(logits / c.final_softcap) if c.final_softcap else logits
+        if c.final_softcap:
+            logits = c.final_softcap * np.tanh(logits / c.final_softcap)
+        return self.ops["logits"](-1, logits) if "logits" in self.ops else logits
 
 
 def greedy(cfg, weights, prompt_ids, n: int, dtype=np.float64) -> list[int]:

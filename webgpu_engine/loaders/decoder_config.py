@@ -44,6 +44,13 @@ class DecoderFamily:
     hf_names: str | dict = "llama"           # safetensors names: a loaders.hf_config table kind, or its own table
     gguf: Callable | None = None             # (GGUFFile, fields) -> fields
     hf: Callable | None = None               # (config.json dict, fields, where) -> fields
+    # new math: {point: fn(m, i, t, T) -> [Op]}, ops models/decoder.py runs on tensor t (T rows) at
+    # that point of layer i of model m (a LlamaModel: m.dev, m.cfg with its `extra` values):
+    # "qkv" (T, Hq + 2 Hkv, D) after the projection (and q/k norms), before RoPE; "attn" (T, Hq * D)
+    # the attention's output, before the o projection; "ffn" (T, F) act(gate) * up, before the down
+    # projection; "logits" (rows, V) after the LM head (i = -1). The fusions across a point the
+    # family uses are off (RoPE in the qkv matmul, act(gate) * up in the down matmul).
+    ops: dict = field(default_factory=dict)
 
 
 # name -> DecoderFamily: the families models.registry registered (models/family_*.py)

@@ -65,6 +65,9 @@ class LlamaConfig:
     final_softcap: float = 0.0         # logits -> c * tanh(logits / c) (Gemma 2; 0: none)
     rope_local_base: float = 0.0       # rope base of the sliding-window layers, unscaled (Gemma 3; 0: rope_base)
     name: str = ""
+    # a family's own values (what its module's readers add and its decoder ops read: new math
+    # needs no field here; see loaders/decoder_config.py DecoderFamily.ops)
+    extra: dict = field(default_factory=dict)
     # derived (set in __post_init__)
     q_dim: int = field(init=False)     # n_heads * head_dim
     kv_dim: int = field(init=False)    # n_kv_heads * head_dim

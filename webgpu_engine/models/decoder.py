@@ -28,8 +28,9 @@ Two things vary, and each is a parameter, never a copy of the recipe:
   it alone, else plain row-invariant kernels) or PREFILL (row-invariant kernels: a position's values do not depend on how the prompt
   was chunked or cached; logits of the last row).
 
-A family's new math is a field of LlamaConfig, an op in kernels/, and a line here. Standard library
-only (runs in the page).
+A family's new math is its module's: values in LlamaConfig.extra and ops at the points a family
+may use (DecoderFamily.ops: "qkv", "attn", "ffn", "logits"), each an op in kernels/ (host function,
+WGSL, numpy reference). Standard library only (runs in the page).
 """
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ from typing import Protocol
 from ..kernels import matmul as mm
 from ..kernels import nn
 from ..kernels.common import Op, Tensor
+from ..loaders.decoder_config import FAMILIES
 from ..loaders.model_config import LlamaConfig
 
 DECODE, ROWS, PREFILL = "decode", "rows", "prefill"
@@ -67,13 +69,18 @@ class FusionPlan:
     @classmethod
     def choose(cls, dev, cfg: LlamaConfig, layers: list, lm_head, decode: bool,
                fused_rope: bool = True) -> "FusionPlan":
-        """`fused_rope`: whether the KV access offers the qkv matmul's RoPE + KV-write epilogue."""
+        """`fused_rope`: whether the KV access offers the qkv matmul's RoPE + KV-write epilogue (off
+        too where the family has ops between the projection and RoPE, as for ops on act(gate) * up:
+        family_ops)."""
         n = len(layers)
+        points = family_ops(cfg)
+        fused_rope = fused_rope and "qkv" not in points
         if not decode:
             return cls(rope_kv=(False,) * n, gate_out=(False,) * n)
         return cls(
             norm_in_matmul=all(mm.fusable(dev, 1, w) for L in layers for w in (L.qkv, L.gate_up)),
-            gate_in_down=all(mm.fusable(dev, 1, L.down, silu=True) and not L.gate_pairs for L in layers),
+            gate_in_down="ffn" not in points and all(mm.fusable(dev, 1, L.down, silu=True) and not L.gate_pairs
+                                                     for L in layers),
             res_norm=cfg.hidden_size % 32 == 0 and not cfg.post_norms and mm.default_config(dev).res_norm and all(
                 mm.epilogue_ok(dev, w.qtype, w.n, w.k) and len(w.bufs) == 1
                 for L in layers for w in (L.o, L.down)),
@@ -102,6 +109,12 @@ class Attention:
 
     def masking(self) -> dict:
         return {"window": self.window, "softcap": self.softcap}
+
+
+def family_ops(cfg: LlamaConfig) -> dict:
+    """{point: fn(m, i, t, T) -> [Op]}: the new math of cfg's family (DecoderFamily.ops)."""
+    fam = FAMILIES.get(cfg.arch)
+    return fam.ops if fam is not None else {}
 
 
 def row_flags(kv: "KVAccess", mode: str) -> dict:
@@ -147,6 +160,7 @@ def forward(m, kv: KVAccess, T: int, mode: str, *, with_head: bool = True,
     if plan is None:
         plan = FusionPlan.choose(dev, c, m.layers, m.lm_head, mode == DECODE or "fused_rows" in flags,
                                  kv.fused_rope(0) is not None)
+    points = family_ops(c)
     part = m.part.view((T * C // 4,))        # sums of x^2 per 4 columns, per row (res_norm)
     rms = (part, eps)
     norms_after = [L.attn_norm for L in m.layers[1:]] + [m.final_norm]
@@ -166,6 +180,8 @@ def forward(m, kv: KVAccess, T: int, mode: str, *, with_head: bool = True,
             ops.append(mm.matmul(dev, h, L.qkv, qkv2, bias=L.qkv_bias, rope_kv=rope, **flags))
         if L.qk_norm is not None:            # q, k = rms_norm per head (before RoPE)
             ops.append(nn.head_rms_norm(dev, qkv, L.qk_norm, n_q_heads=H, n_k_heads=Hkv, head_dim=D, eps=eps))
+        if "qkv" in points:
+            ops += points["qkv"](m, i, qkv, T)
         # rope(q, k); k, v -> caches; x += attention(q, caches) · Woᵀ
         if rope is None:
             base, factors = c.rope_of(i, m.rope_factors)
@@ -173,6 +189,8 @@ def forward(m, kv: KVAccess, T: int, mode: str, *, with_head: bool = True,
                                                   factors=factors, mscale=c.rope_attn_factor)))
         spec = Attention(H, Hkv, D, c.attn_scale or D ** -0.5, c.window_of(i), c.attn_softcap)
         ops.append(kv.attention(i, qkv, attn, T, mode, spec))
+        if "attn" in points:
+            ops += points["attn"](m, i, attn, T)
         if L.post_attn_norm is not None:     # x += rms_norm(attn · Woᵀ)
             ops += [mm.matmul(dev, attn, L.o, h, bias=L.o_bias, **flags),
                     nn.rms_norm(dev, h, L.post_attn_norm, h, eps=eps), nn.add(dev, x, h, x)]
@@ -198,6 +216,8 @@ def forward(m, kv: KVAccess, T: int, mode: str, *, with_head: bool = True,
             ffn_in, fused = ffn, flags
             if not plan.gate_out[i]:
                 ops.append(nn.silu_mul(dev, gu, ffn, pairs=L.gate_pairs, act=c.act))      # (T, F)
+            if "ffn" in points:
+                ops += points["ffn"](m, i, ffn, T)
         if L.post_ffn_norm is not None:      # x += rms_norm(ffn · Wdownᵀ)
             ops += [mm.matmul(dev, ffn_in, L.down, h, **fused),
                     nn.rms_norm(dev, h, L.post_ffn_norm, h, eps=eps), nn.add(dev, x, h, x)]
@@ -240,4 +260,7 @@ def _head(m, kv: KVAccess, T: int, mode: str, plan: FusionPlan, row: int | None 
                mm.matmul(dev, m.last, m.lm_head, logits, **kv.head_flags)]
     if c.final_softcap:                      # Gemma 2
         ops.append(nn.softcap(dev, logits, logits, c.final_softcap))
+    points = family_ops(c)
+    if "logits" in points:
+        ops += points["logits"](m, -1, logits, logits.shape[0])
     return ops
