@@ -101,20 +101,43 @@ def pytest_runtest_makereport(item, call):
 
 _SUITE_T0 = time.perf_counter()      # reset when the session starts (below)
 _MODULES: dict[str, list[float]] = {}  # test module -> [seconds, RSS GiB before its first test, peak RSS GiB after a test]
+_TREE_RSS = [0.0, 0.0]                 # RSS GiB of this process and its descendants: now, peak (sampled)
 
 
-def _rss_gib() -> float:
-    """This process's resident set now (not the peak)."""
-    try:
-        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1024 ** 3
-    except (OSError, ValueError, IndexError):
-        return 0.0
+def _tree_rss_gib() -> float:
+    """The resident set of this process and all its descendants together (xdist workers, the servers
+    and browsers tests start), from /proc."""
+    parent, rss = {}, {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            fields = Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        parent[int(d)], rss[int(d)] = int(fields[1]), int(fields[21])
+    tree, todo = set(), [os.getpid()]
+    while todo:
+        p = todo.pop()
+        tree.add(p)
+        todo += [c for c, pp in parent.items() if pp == p and c not in tree]
+    return sum(rss.get(p, 0) for p in tree) * os.sysconf("SC_PAGE_SIZE") / 1024 ** 3
+
+
+def _sample_tree_rss() -> None:
+    while True:
+        try:
+            _TREE_RSS[0] = _tree_rss_gib()
+            _TREE_RSS[1] = max(_TREE_RSS[1], _TREE_RSS[0])
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.5)
 
 
 def pytest_runtest_logstart(nodeid, location):
     mod = nodeid.split("::")[0]
     if mod not in _MODULES:
-        _MODULES[mod] = [0.0, _rss_gib(), 0.0]
+        _MODULES[mod] = [0.0, _TREE_RSS[0], 0.0]
 
 
 def pytest_runtest_logreport(report):
@@ -122,25 +145,32 @@ def pytest_runtest_logreport(report):
     if m is not None:
         m[0] += report.duration
         if report.when == "teardown":
-            m[2] = max(m[2], _rss_gib())
+            m[2] = max(m[2], _TREE_RSS[0])
 
 
 def pytest_sessionstart(session):
     global _SUITE_T0
     _SUITE_T0 = time.perf_counter()
+    if not hasattr(session.config, "workerinput"):      # the main process (an xdist worker: not)
+        import threading
+        _TREE_RSS[0] = _TREE_RSS[1] = _tree_rss_gib()
+        threading.Thread(target=_sample_tree_rss, name="rss-sampler", daemon=True).start()
 
 
 @pytest.hookimpl(trylast=True)
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     """One line on what the run cost, after the other summaries: wall time since the session
-    started and peak RSS of this process and of its largest waited-for child process (ru_maxrss is
-    KiB on Linux)."""
+    started and the peak RSS of this process and its descendants together (xdist workers too),
+    sampled every 0.5 s, and of the largest single process (ru_maxrss is KiB on Linux). With
+    workers, the module table's seconds are each module's own; its RSS is all processes'."""
     if len(_MODULES) > 1:
-        terminalreporter.write_line("slowest test modules (s; RSS GiB before -> peak after a test):")
+        terminalreporter.write_line("slowest test modules (s; RSS GiB of all the suite's processes before -> "
+                                    "peak after a test):")
         for mod, (sec, before, peak) in sorted(_MODULES.items(), key=lambda kv: -kv[1][0])[:20]:
             terminalreporter.write_line(f"  {sec:7.1f}  {before:5.2f} -> {peak:5.2f}  {mod}")
     gib = 1024 ** 2
-    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / gib
-    children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / gib
-    terminalreporter.write_line(f"suite: wall {time.perf_counter() - _SUITE_T0:.1f} s, peak RSS {own:.2f} GiB "
-                                f"(children {children:.2f} GiB)")
+    one = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+              resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss) / gib
+    tree = max(_TREE_RSS[1], _TREE_RSS[0])
+    terminalreporter.write_line(f"suite: wall {time.perf_counter() - _SUITE_T0:.1f} s, peak RSS {tree:.2f} GiB "
+                                f"(all its processes together; the largest one {one:.2f} GiB)")

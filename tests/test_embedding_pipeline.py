@@ -314,6 +314,7 @@ async def test_cancelled_caller_stops_the_shielded_step(tiny):
     assert len((await tiny.embed_step(TEXTS)).embeddings) == 8     # and the pipeline still works
 
 
+@pytest.mark.serial
 async def test_event_loop_keeps_running_during_a_request(minilm):
     """Tokenising runs in a worker thread and the loop is free while each batch computes: a ticker on
     the loop never waits long, however long the request takes."""

@@ -512,6 +512,7 @@ async def _normal_requests(session, base: str) -> None:
         assert len((await r.json())["data"][0]["embedding"]) == 384
 
 
+@pytest.mark.serial
 async def test_hostile_corpus(server, caplog):
     caplog.set_level(logging.WARNING, logger="webgpu_engine")
     base = server.base

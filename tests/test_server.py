@@ -117,6 +117,7 @@ async def test_async_clients_fifo_uninterleaved_with_embeddings_between(server):
     assert max(done.index(f"emb{i}") for i in range(3)) < done.index("chat7")
 
 
+@pytest.mark.serial
 async def test_disconnect_mid_stream_frees_the_model(server):
     import aiohttp
     StubLLM.step_delay = 0.05
@@ -372,6 +373,7 @@ def test_real_models_over_http(real_server):
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 def test_real_health_answers_during_generation_and_disconnect_frees(real_server):
     c = _client(real_server, timeout=300)
     lm = real_server.engine.models[LLM_ID]
