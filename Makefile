@@ -35,14 +35,14 @@ demo: setup
 	$(PY) -m webgpu_engine info
 	$(PY) demo/chat_and_rag.py
 
-# two pytest phases: everything but the latency-bound tests on TEST_WORKERS processes (a module stays
-# on one worker, with its shared engines), then the latency-bound ones alone; each prints its wall
-# time and the peak RSS of its processes together
+# two pytest phases: the latency-bound tests alone on a quiet machine (marker serial), then the rest
+# on TEST_WORKERS processes (a module stays on one worker, with its shared engines); each prints its
+# wall time and the peak RSS of its processes together
 TEST_WORKERS ?= 2
 test: setup browser-setup
 	@start=$$(date +%s); rc=0; \
-	$(PY) -m pytest -q -ra --durations=40 -n $(TEST_WORKERS) --dist loadfile -m "not serial" || rc=$$?; \
 	$(PY) -m pytest -q -ra -m serial || rc=$$?; \
+	$(PY) -m pytest -q -ra --durations=40 -n $(TEST_WORKERS) --dist loadfile -m "not serial" || rc=$$?; \
 	echo "make test: both phases took $$(( $$(date +%s) - start )) s"; exit $$rc
 
 test-fast: setup
