@@ -151,13 +151,12 @@ async def test_a_familys_new_math_is_its_own_module(tmp_path, device):
     fusions across those points are off (RoPE in the qkv matmul, act(gate)·up in the down matmul),
     and prefill and fused decode logits equal the numpy reference with the same math."""
     import dataclasses
-    import struct
 
     import numpy as np
+    from decoder_runner import DecoderRunner
     from ref_llama import RefLlama, weights_from_infos
 
     from webgpu_engine.models.decoder import FusionPlan
-    from webgpu_engine.models.llama import LlamaModel
     extra = {"qkv": 0.75, "attn": 1.5, "ffn": 0.5, "logits": 2.0}
     fam = DecoderFamily("toymath", ops={p: _scaled(p) for p in extra})
     info = tinymodels.write_tiny_llama_gguf(tmp_path / "t.gguf", qtype="q8_0", seed=4)
@@ -166,26 +165,15 @@ async def test_a_familys_new_math_is_its_own_module(tmp_path, device):
     try:
         cfg = dataclasses.replace(opened.config, arch="toymath", extra=extra)
         ids = [int(i) for i in np.random.default_rng(5).integers(3, 250, 16)]
-        m = LlamaModel(device, cfg, opened.weights, owner="test:toymath", context_window=64, prefill_chunk=16)
+        run = DecoderRunner(device, cfg, opened.weights, owner="test:toymath", context_window=64, chunk=16)
+        m = run.model
         try:
             plain = FusionPlan.choose(device, opened.config, m.layers, m.lm_head, True)
             assert any(plain.rope_kv) and not any(m.decode_plan.rope_kv)    # what "qkv" turns off
             assert not m.decode_plan.gate_in_down
-
-            def logits():
-                return np.frombuffer(device.read_sync(m.logits.buf, 0, m.logits.nbytes), np.float32).copy()
-            b = device.batch()
-            m.record_prefill(b, ids[:12], 0)
-            device.submit(b)
-            got = [logits()]
-            for pos in range(12, 16):
-                device.write(m.ids.buf, struct.pack("<I", ids[pos]))
-                b = device.batch()
-                m.record_decode(b, pos)
-                device.submit(b)
-                got.append(logits())
+            got = [run.prefill(ids[:12], [12])[11]] + [run.decode(ids[pos], pos) for pos in range(12, 16)]
         finally:
-            m.release()
+            run.release()
         ref_ops = {p: (lambda i, a, p=p: a * (extra[p] * (1.0 + 0.1 * max(i, 0)))) for p in extra}
         want = RefLlama(cfg, weights_from_infos(opened.weights), context=64, ops=ref_ops).forward(ids)[11:]
         plain = RefLlama(opened.config, weights_from_infos(opened.weights), context=64).forward(ids)[11:]

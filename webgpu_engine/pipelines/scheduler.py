@@ -309,16 +309,9 @@ class Scheduler:
         inline = not masks and self.pipe.logit_processor is None
         rb = None
         if decode:
-            batch = dev.batch()
-            ids = [r.id for r in decode]
-            fwd.record_decode(batch, [r.seq.last_token for r in decode],
-                              pool.decode_inputs(ids, len(ids), fwd.max_blocks))
-            for i, r in enumerate(decode):
-                self._copy_logits(batch, i, r.slot)
-                if inline:
-                    self._record_sampler(batch, r, row=i)
-            if inline and not chunks:       # its results read from this point (a step may follow)
-                rb = batch.readback(self.results, 0, self.max_seqs * RESULT_BYTES)
+            # with no chunk after it, its results are read from this point (a step may follow)
+            batch, rb = self._decode_batch(decode, [r.seq.last_token for r in decode], 0, inline,
+                                           inline and not chunks)
             await dev.ready(batch)          # kernels still compiling in the background
             dev.submit(batch)
             if rb is not None and self._can_go_ahead(decode):
@@ -406,18 +399,26 @@ class Scheduler:
             return False
         return True
 
+    def _decode_batch(self, rows: list, tokens: list | None, ahead: int, sample: bool, read: bool):
+        """(batch, readback or None): one decode step of `rows` feeding `tokens` (None: the ids the
+        samplers of the step in flight wrote, `ahead` = 1 step past the pool's record), each row's
+        logits to its slot, with `sample` its sampler (and its token into the next step's row i),
+        with `read` a readback of the results at this point of the batch."""
+        fwd, batch = self.fwd, self.dev.batch()
+        fwd.record_decode(batch, tokens, self.pool.decode_inputs([r.id for r in rows], len(rows), fwd.max_blocks,
+                                                                 ahead=ahead))
+        for i, r in enumerate(rows):
+            self._copy_logits(batch, i, r.slot)
+            if sample:
+                self._record_sampler(batch, r, row=i)
+        return batch, batch.readback(self.results, 0, self.max_seqs * RESULT_BYTES) if read else None
+
     async def _submit_ahead(self, rows: list):
         """Record and submit the decode step after the one in flight: row i's input id is the token
         row i of that step samples (its slot's sampler put it into the step's ids on the GPU), at
         the next position; its samplers and a readback of their results. Returns the readback."""
-        dev, fwd = self.dev, self.fwd
-        batch = dev.batch()
-        fwd.record_decode(batch, None, self.pool.decode_inputs([r.id for r in rows], len(rows), fwd.max_blocks,
-                                                              ahead=1))
-        for i, r in enumerate(rows):
-            self._copy_logits(batch, i, r.slot)
-            self._record_sampler(batch, r, row=i)
-        rb = batch.readback(self.results, 0, self.max_seqs * RESULT_BYTES)
+        dev = self.dev
+        batch, rb = self._decode_batch(rows, None, 1, True, True)
         self.stats["ahead_steps"] += 1
         await dev.ready(batch)
         if self.pipe._software:         # a submit while the GPU is busy blocks until it drains there
