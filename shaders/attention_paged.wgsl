@@ -11,8 +11,11 @@
 //                   lens[q] - 1 sees keys [0, lens[q]); lane per (q, split s, G heads) attends keys
 //                   [s*chunk, (s+1)*chunk) and writes (acc, max, sum) partials; lens[q] == 0: idle
 //                   slot, nothing written. dispatch ceil(S*n_splits*Hq/G / SWG) workgroups.
-//   paged_combine:  out[q, h] from the partials of its live splits; lane per (q, h, d4).
-//   paged_decode1:  decode over few keys: lane per (q, G heads), all keys, output stored directly.
+//                   A sequence of at most short_keys keys takes the short form instead, chosen by its
+//                   own length alone: split 0's lane attends all its keys (as the contiguous
+//                   attn_decode1 does) and stores the output; its other splits exit.
+//   paged_combine:  out[q, h] from the partials of its live splits; lane per (q, h, d4) (sequences
+//                   of the short form: nothing to do).
 //   paged_causal:   chunked prefill of one sequence: rows t < n_new (step[1]) at positions
 //                   pos0 + t (step[0]) see keys [window_lo, pos0 + t] through the table at tab_off,
 //                   whose blocks already hold keys 0 .. pos0 + n_new - 1. Workgroup per (block of 64
@@ -37,7 +40,7 @@ struct Params {
     tab_off: u32,    // offsets in u32 units
     idx_off: u32,    // lens (decode) / slots (kv write)
     n_blk: u32,      // query blocks of 64 (prefill)
-    _p0: u32,
+    short_keys: u32, // decode: sequences of at most this many keys take the short form in paged_split
     _p1: u32,
 }
 
@@ -57,6 +60,7 @@ struct Params {
 @group(0) @binding(5) var<storage, read_write> out: array<act4>;   // (T or S, Hq*D)
 @group(0) @binding(5) var<storage, read_write> part: array<vec4<f32>>;   // (S, Hq, n_splits, D4+1)
 @group(0) @binding(6) var<storage, read> tables: array<u32>;       // (S, max_blocks) block ids
+@group(0) @binding(7) var<storage, read_write> out_s: array<act4>; // paged_split's short-form output
 @group(0) @binding(2) var<storage, read_write> part_in: array<vec4<f32>>;
 @group(0) @binding(3) var<storage, read_write> out_c: array<act4>;
 
@@ -116,12 +120,22 @@ fn attend(tb: u32, hk: u32, base: u32, j_start: u32, n: u32, lo: u32, lim: u32) 
     }
 }
 
+fn out_at(g: u32, d: u32) -> act4 {
+    let l = sv_get(l_run, g);
+    return act4(acc_get(g, d) * select(0.0, 1.0 / l, l > 0.0));
+}
+
 fn store_out(ob: u32, os: u32) {
     for (var g = 0u; g < G; g++) {
-        let l = sv_get(l_run, g);
-        let inv = select(0.0, 1.0 / l, l > 0.0);
-        for (var d = 0u; d < D4; d++) { out[ob + g * os + d] = act4(acc_get(g, d) * inv); }
+        for (var d = 0u; d < D4; d++) { out[ob + g * os + d] = out_at(g, d); }
     }
+}
+
+// all keys of sequence q for heads h0 .. h0+G-1 (the short form)
+fn attend_all(q: u32, h0: u32, n_keys: u32) {
+    let lo = window_lo(n_keys - 1u);
+    load_q(p.qkv_off + (q * p.heads + h0) * D4, D4);
+    attend(p.tab_off + q * p.max_blocks, h0 / p.group, 0u, (lo / BLK) * BLK, n_keys, lo, n_keys);
 }
 
 fn store_partial(q: u32, h0: u32, s: u32) {
@@ -166,6 +180,15 @@ fn paged_split(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
     let h0 = (i % n_hg) * G;
     let n_keys = seq_keys(q);
     if (n_keys == 0u) { return; }
+    if (n_keys <= p.short_keys) {
+        if (s != 0u) { return; }
+        attend_all(q, h0, n_keys);
+        let ob = p.out_off + (q * p.hq + h0) * D4;
+        for (var g = 0u; g < G; g++) {
+            for (var d = 0u; d < D4; d++) { out_s[ob + g * D4 + d] = out_at(g, d); }
+        }
+        return;
+    }
     let lo = window_lo(n_keys - 1u);
     let k0 = s * p.chunk;
     if (k0 >= n_keys || k0 + p.chunk <= lo) { return; }
@@ -173,22 +196,6 @@ fn paged_split(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
     let n = min(p.chunk, n_keys - k0);
     attend(p.tab_off + q * p.max_blocks, h0 / p.group, k0, 0u, n, max(lo, k0) - k0, n);
     store_partial(q, h0, s);
-}
-
-@compute @workgroup_size(SWG)
-fn paged_decode1(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
-                 @builtin(local_invocation_index) lid: u32) {
-    let i = (wid.y * nwg.x + wid.x) * SWG + lid;
-    let n_hg = p.hq / G;
-    let q = i / n_hg;
-    let h0 = (i % n_hg) * G;
-    if (q >= p.n_seq) { return; }
-    let n_keys = seq_keys(q);
-    if (n_keys == 0u) { return; }
-    let lo = window_lo(n_keys - 1u);
-    load_q(p.qkv_off + (q * p.heads + h0) * D4, D4);
-    attend(p.tab_off + q * p.max_blocks, h0 / p.group, 0u, (lo / BLK) * BLK, n_keys, lo, n_keys);
-    store_out(p.out_off + (q * p.hq + h0) * D4, D4);
 }
 
 @compute @workgroup_size(64)
@@ -200,7 +207,7 @@ fn paged_combine(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups)
     let q = i / (D4 * p.hq);
     if (q >= p.n_seq) { return; }
     let n_keys = seq_keys(q);
-    if (n_keys == 0u) { return; }
+    if (n_keys == 0u || n_keys <= p.short_keys) { return; }
     let n_act = (n_keys + p.chunk - 1u) / p.chunk;
     let s_lo = window_lo(n_keys - 1u) / p.chunk;   // splits before the window wrote nothing
     let stride = D4 + 1u;

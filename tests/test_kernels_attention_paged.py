@@ -107,8 +107,10 @@ CASES = {  # name: (lens, shape, window, softcap, share)
 @pytest.mark.parametrize("case,dtype", [(c, "f32") for c in CASES] + [("boundaries", "f16"),
                                                                     ("window_softcap", "f16")])
 def test_paged_decode_ragged_batch(device, case, dtype):
-    """S sequences of their own lengths and tables in one op; both the split + combine form and the
-    one-dispatch form (where it applies); an idle slot (length 0) leaves its output row alone."""
+    """S sequences of their own lengths and tables in one op, each sequence by the short form (one
+    lane over all its keys) where its own keys fit op.max_keys and split-key + combine beyond, bit
+    for bit as the op that takes that form for every sequence; an idle slot (length 0) leaves its
+    output row alone."""
     lens, sh, window, softcap, share = CASES[case]
     hq, hkv, d = sh["hq"], sh["hkv"], sh["d"]
     rng = np.random.default_rng(len(lens) * d)
@@ -118,40 +120,36 @@ def test_paged_decode_ragged_batch(device, case, dtype):
     qkv = rng.standard_normal((len(lens), hq + 2 * hkv, d)) * (3.0 if softcap else 1.0)
     lens_t = put(device, np.array(lens, np.uint32), "u32")
     out = empty(device, (len(lens), hq * d), dtype, lead=4, fill=7.0)
-    scale = d ** -0.5
-    op = ap.paged_decode(device, put(device, qkv, dtype, lead=4), kt, vt, out, lens_t, put(device, tables, "u32"),
-                         n_q_heads=hq, n_kv_heads=hkv, head_dim=d, max_seqs=len(lens), max_blocks=max_blocks,
-                         scale=scale, window=window, softcap=softcap, min_chunk=32)
-    ref = _decode_ref(rounded(qkv, dtype), kp, vp, tables, lens, hq, scale, window=window, softcap=softcap)
+    kw = dict(n_q_heads=hq, n_kv_heads=hkv, head_dim=d, max_seqs=len(lens), max_blocks=max_blocks,
+              scale=d ** -0.5, window=window, softcap=softcap, min_chunk=32)
+    qt, tt = put(device, qkv, dtype, lead=4), put(device, tables, "u32")
+    ref = _decode_ref(rounded(qkv, dtype), kp, vp, tables, lens, hq, d ** -0.5, window=window, softcap=softcap)
     if window or softcap:
-        plain = _decode_ref(rounded(qkv, dtype), kp, vp, tables, lens, hq, scale)
+        plain = _decode_ref(rounded(qkv, dtype), kp, vp, tables, lens, hq, d ** -0.5)
         assert np.nanmax(np.abs(plain - ref)) > 0.05                   # the window / cap matter
     live = np.array(lens) > 0
-    assert len(op.dispatches) == 2 and len(op.short) == 1
-    for n_keys in (None, max(lens)) if max(lens) <= op.max_keys else (None,):
+    got = {}
+    for short_keys in (None, 0, 10 ** 6):     # each sequence by its length; all split-key; all short
+        op = ap.paged_decode(device, qt, kt, vt, out, lens_t, tt, **kw, short_keys=short_keys)
+        assert len(op.dispatches) == 2
         device.write(out.buf, np.full(out.numel, 7.0, NP[dtype]), out.offset)
-        b = device.batch()
-        op.record(b, n_keys=n_keys)
-        device.submit(b)
-        got = get(device, out)
-        np.testing.assert_allclose(got[live], ref[live], **TOL[dtype], err_msg=f"n_keys={n_keys}")
-        assert (got[~live] == 7.0).all()
-    if max(lens) > op.max_keys:                    # the short form on the sequences it fits
-        short = [n if n <= op.max_keys else 0 for n in lens]
-        device.write(lens_t.buf, np.array(short, np.uint32), lens_t.offset)
-        device.write(out.buf, np.full(out.numel, 7.0, NP[dtype]), out.offset)
-        b = device.batch()
-        op.record(b, n_keys=max(short))
-        device.submit(b)
-        got, fit = get(device, out), np.array(short) > 0
-        np.testing.assert_allclose(got[fit], ref[fit], **TOL[dtype])
-        assert (got[~fit] == 7.0).all()
+        run(device, op)
+        got[short_keys] = get(device, out)
+        np.testing.assert_allclose(got[short_keys][live], ref[live], **TOL[dtype], err_msg=f"{short_keys=}")
+        assert (got[short_keys][~live] == 7.0).all()
+    fits = np.array(lens) <= op.max_keys       # the short form where a sequence's own keys fit
+    if case in ("boundaries", "window_softcap"):                     # both forms in one step
+        assert fits[live].any() and (~fits).any()
+    assert np.array_equal(got[None][fits], got[10 ** 6][fits])
+    assert np.array_equal(got[None][~fits & live], got[0][~fits & live])
 
 
 @pytest.mark.parametrize("dtype", ["f32", "f16"])
 def test_paged_decode_equals_contiguous_decode(device, dtype):
     """The same keys in a contiguous cache (Hkv, ctx, D) and scattered over pool blocks give the same
-    decode output, split + combine and one-dispatch forms alike, when both split keys the same way."""
+    decode output, bit for bit: the paged op's form chosen by the sequence's length (short up to
+    max_keys, split beyond) is the one the one-request path chooses (record(n_keys=length)), and
+    split-key everywhere (short_keys=0) is its split-key form."""
     rng = np.random.default_rng(5)
     hq, hkv, d, max_blocks, n_blocks = 9, 3, 64, 16, 40
     ctx = max_blocks * BS
@@ -167,18 +165,21 @@ def test_paged_decode_equals_contiguous_decode(device, dtype):
         cont = nn.attention(device, qt, put(device, kc, dtype), put(device, vc, dtype), out_c,
                             step_buf(device, n - 1, 1), n_q_heads=hq, n_kv_heads=hkv, head_dim=d, ctx=ctx,
                             scale=0.125, min_chunk=32, split_wg=8)
-        paged = ap.paged_decode(device, qt, kt, vt, out_p, put(device, np.array([n], np.uint32), "u32"),
-                                put(device, tables, "u32"), n_q_heads=hq, n_kv_heads=hkv, head_dim=d, max_seqs=1,
-                                max_blocks=max_blocks, scale=0.125, min_chunk=32, split_wg=8)
-        for n_keys in (None, n) if n <= min(cont.max_keys, paged.max_keys) else (None,):
-            for op, o in ((cont, out_c), (paged, out_p)):
-                b = device.batch()
-                op.record(b, n_keys=n_keys)
-                device.submit(b)
+        for short_keys in (None, 0):          # the form by the sequence's length; split-key always
+            paged = ap.paged_decode(device, qt, kt, vt, out_p, put(device, np.array([n], np.uint32), "u32"),
+                                    put(device, tables, "u32"), n_q_heads=hq, n_kv_heads=hkv, head_dim=d,
+                                    max_seqs=1, max_blocks=max_blocks, scale=0.125, min_chunk=32, split_wg=8,
+                                    short_keys=short_keys)
+            assert paged.max_keys == cont.max_keys
+            n_keys = n if short_keys is None else None      # the one-request path's choice of form
+            run(device, paged)
+            b = device.batch()
+            cont.record(b, n_keys=n_keys)
+            device.submit(b)
             a, p = get(device, out_c), get(device, out_p)
             ref = nn_ref.causal_attention(rounded(qkv, dtype)[:, :hq], kc[:, :n], vc[:, :n], n - 1, 0.125)
             np.testing.assert_allclose(p, ref, **TOL[dtype])
-            assert np.array_equal(a, p), f"n={n} n_keys={n_keys}: max |diff| {np.abs(a - p).max()}"
+            assert np.array_equal(a, p), f"n={n} {short_keys=}: max |diff| {np.abs(a - p).max()}"
 
 
 @pytest.mark.parametrize("dtype", ["f32", "f16"])

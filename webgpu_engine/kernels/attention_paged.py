@@ -160,13 +160,15 @@ def paged_decode(dev: Device, qkv: Tensor, k_pool: Tensor, v_pool: Tensor, out: 
                  tables: Tensor, *, n_q_heads: int, n_kv_heads: int, head_dim: int, max_seqs: int,
                  max_blocks: int, scale: float, window: int = 0, softcap: float = 0.0,
                  min_chunk: int | None = None, max_splits: int = 128, heads_per_lane: int | None = None,
-                 split_wg: int | None = None) -> Op:
+                 split_wg: int | None = None, short_keys: int | None = None) -> Op:
     """Decode attention of S = max_seqs sequences, one query row each: row q of qkv (S, Hq+2Hkv, D)
     at position lens[q] - 1 attends keys 0 .. lens[q]-1 of its table tables[q] (max_blocks block
     ids), which already hold this step's key; lens[q] == 0 leaves out row q alone. out (S, Hq*D).
     GQA, window and softcap as nn.attention. Split-key + combine sized once for max_blocks *
-    block_size keys (splits past a sequence's keys exit at once); `short` is the one-dispatch form
-    for steps whose longest sequence has at most `max_keys` keys (record(batch, n_keys=longest))."""
+    block_size keys (splits past a sequence's keys exit at once); a sequence of at most
+    `short_keys` keys (default op.max_keys, nn.attention's bound for its one-dispatch form; 0:
+    never) is attended by one lane per head group in the split dispatch instead, chosen by its own
+    length alone: every sequence's output equals the contiguous cache's decode at its length."""
     k = "paged_decode"
     dt, heads = check_attention(k, qkv, k_pool, v_pool, out, n_q_heads, n_kv_heads, head_dim, max_seqs,
                             window, softcap)
@@ -182,25 +184,23 @@ def paged_decode(dev: Device, qkv: Tensor, k_pool: Tensor, v_pool: Tensor, out: 
     chunk, n_splits = decode_splits(max_blocks * bs, min_chunk=min_chunk or (128 if cpu else 32),
                                     max_splits=max_splits)
     swg = split_wg or (8 if cpu else WG)
+    # nn.attention's one-dispatch bound: the splits one workgroup holds (one split on a GPU, whose
+    # lanes run in parallel; SWG / head groups of them on a CPU adapter, whose lanes take turns)
+    max_keys = chunk * (max(1, swg // (n_q_heads // g)) if cpu else 1)
+    short = max_keys if short_keys is None else short_keys
     header = _header(dt, head_dim, g, swg, packed, bs, window, softcap, q8)
     par = params(dev, [max_seqs, n_q_heads, group, heads, n_kv_heads, chunk, n_splits, float(scale), qo, ko, vo,
-                       oo, max_blocks, int(window), float(softcap), to, lo, 0, 0, 0], owner=owner, label=k)
+                       oo, max_blocks, int(window), float(softcap), to, lo, 0, short, 0], owner=owner, label=k)
     part = dev.buffer(max_seqs * n_q_heads * n_splits * (head_dim // 4 + 1) * 16, owner=owner,
                       label="paged_decode.partials")
     op = Op(name=k, buffers=[par, part])
     split = dev.pipeline(FILE, "paged_split", header=header)
     x, y = _grid(-(-max_seqs * n_splits * n_q_heads // g // swg) * WG, k)
-    op.add(split, dev.bind(split, [par, le, qe, ke, ve, (part, 0, part.size), te]), x, y)
+    op.add(split, dev.bind(split, [par, le, qe, ke, ve, (part, 0, part.size), te, oe]), x, y)
     comb = dev.pipeline(FILE, "paged_combine", header=header)
     x, y = _grid(max_seqs * n_q_heads * head_dim // 4, k)
     op.add(comb, dev.bind(comb, [par, le, (part, 0, part.size), oe]), x, y)
-    # one dispatch while every sequence's keys fit what one workgroup's splits would hold (as
-    # nn.attention: one split on a GPU, SWG / head groups of them on a CPU adapter)
-    n_hg = n_q_heads // g
-    one = dev.pipeline(FILE, "paged_decode1", header=header)
-    x, y = _grid(-(-max_seqs * n_hg // swg) * WG, k)
-    op.short = [(one, dev.bind(one, [par, le, qe, ke, ve, oe, te]), x, y, 1)]
-    op.max_keys = chunk * (max(1, swg // n_hg) if cpu else 1)
+    op.max_keys = max_keys
     return op
 
 

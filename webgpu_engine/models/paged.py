@@ -19,10 +19,9 @@ norms and the RoPE + KV write fused, each row summed as the one-request path sum
 chunk decoded once for the rows: 183 dispatches a step for SmolLM2, as many as the one-request
 path), else `decode_rows` (the GPU family's decode kernel in groups of 8 rows, the CPU family's
 row-invariant tiled kernels, which share weights across many rows); prefill rows' neither on the
-chunking (`row_invariant`), and a sequence's attention depends only on its own keys (the split-key
-decode kernel, never the short form whose use would depend on the longest sequence in the step):
-a sequence's tokens are the same alone or in
-any batch. Op lists are built once per row count and replayed; per step the host writes the small
+chunking (`row_invariant`), and a sequence's attention depends only on its own keys (the paged decode
+kernel picks the short or the split-key form by each sequence's own length, as the one-request path
+picks it by its length): a sequence's tokens are the same alone or in any batch. Op lists are built once per row count and replayed; per step the host writes the small
 u32 inputs (ids, positions, slots, lens, tables, step). Standard library only (runs in the page).
 """
 from __future__ import annotations
@@ -116,7 +115,7 @@ class PagedForward:
         dev.write(self.lens.buf, struct.pack(f"<{S}I", *inputs["lens"]))
         dev.write(self.tables.buf, struct.pack(f"<{len(inputs['tables'])}I", *inputs["tables"]))
         for op in self.ops("decode", S):
-            op.record(batch)            # the split-key attention always: see the module's note
+            op.record(batch)
 
     def record_prefill(self, batch, tokens: list[int], pos0: int, slots: list[int], table: list[int],
                        with_head: bool) -> None:
