@@ -93,17 +93,27 @@ fn key_row(tb: u32, hk: u32, j: u32) -> u32 {
 }
 
 // attention.wgsl's attend with keys base + j looked up through the table: folds keys j in
-// [j_start, n) into (m_run, l_run, acc), masking j < lo and j >= lim.
+// [j_start, n) into (m_run, l_run, acc), masking j < lo and j >= lim. A block of BLK keys that lies
+// in one pool block (always, for block-aligned starts when BS is a multiple of BLK) takes one table
+// lookup; the rows are the same either way, so is the arithmetic.
 fn attend(tb: u32, hk: u32, base: u32, j_start: u32, n: u32, lo: u32, lim: u32) {
     var j0 = j_start;
+    let rs = p.hkv * D4;                          // pool rows between consecutive keys of a block
     loop {
         if (j0 >= n) { break; }
         let nb = min(BLK, n - j0);
+        let first = base + j0;
+        var rows: array<u32, BLK>;
+        if (first % BS + nb <= BS) {
+            let r0 = key_row(tb, hk, first);
+            for (var j = 0u; j < nb; j++) { rows[j] = r0 + j * rs; }
+        } else {
+            for (var j = 0u; j < nb; j++) { rows[j] = key_row(tb, hk, first + j); }
+        }
         var sc: array<sv, BLK>;
         var mb = m_run;
         for (var j = 0u; j < nb; j++) {
-            let kr = p.kc_off + key_row(tb, hk, base + j0 + j);
-            let s = select(sv(MASKED), score(kr), j0 + j < lim && (!HAS_WINDOW || j0 + j >= lo));
+            let s = select(sv(MASKED), score(p.kc_off + rows[j]), j0 + j < lim && (!HAS_WINDOW || j0 + j >= lo));
             sc[j] = s;
             mb = max(mb, s);
         }
@@ -113,7 +123,7 @@ fn attend(tb: u32, hk: u32, base: u32, j_start: u32, n: u32, lo: u32, lim: u32) 
         for (var j = 0u; j < nb; j++) {
             let pj = exp(sc[j] - mb);
             l_run += pj;
-            acc_add(pj, p.vc_off + key_row(tb, hk, base + j0 + j));
+            acc_add(pj, p.vc_off + rows[j]);
         }
         m_run = mb;
         j0 += nb;

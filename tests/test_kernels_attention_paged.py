@@ -131,13 +131,21 @@ def test_paged_decode_ragged_batch(device, case, dtype):
     got = {}
     for short_keys in (None, 0, 10 ** 6):     # each sequence by its length; all split-key; all short
         op = ap.paged_decode(device, qt, kt, vt, out, lens_t, tt, **kw, short_keys=short_keys)
-        assert len(op.dispatches) == 2
-        device.write(out.buf, np.full(out.numel, 7.0, NP[dtype]), out.offset)
-        run(device, op)
-        got[short_keys] = get(device, out)
+        assert len(op.dispatches) == 2 and len(op.short) == 1
+        for n_keys in (None, max(lens)):      # the split dispatch alone where every sequence is short
+            device.write(out.buf, np.full(out.numel, 7.0, NP[dtype]), out.offset)
+            b = device.batch()
+            op.record(b, n_keys=n_keys)
+            device.submit(b)
+            if n_keys is None:
+                got[short_keys] = get(device, out)
+            else:
+                assert np.array_equal(get(device, out), got[short_keys])
+        if short_keys is None:
+            limit = op.max_keys                # the device's bound (nn.attention's one-dispatch form)
         np.testing.assert_allclose(got[short_keys][live], ref[live], **TOL[dtype], err_msg=f"{short_keys=}")
         assert (got[short_keys][~live] == 7.0).all()
-    fits = np.array(lens) <= op.max_keys       # the short form where a sequence's own keys fit
+    fits = np.array(lens) <= limit             # the short form where a sequence's own keys fit
     if case in ("boundaries", "window_softcap"):                     # both forms in one step
         assert fits[live].any() and (~fits).any()
     assert np.array_equal(got[None][fits], got[10 ** 6][fits])
@@ -170,12 +178,12 @@ def test_paged_decode_equals_contiguous_decode(device, dtype):
                                     put(device, tables, "u32"), n_q_heads=hq, n_kv_heads=hkv, head_dim=d,
                                     max_seqs=1, max_blocks=max_blocks, scale=0.125, min_chunk=32, split_wg=8,
                                     short_keys=short_keys)
-            assert paged.max_keys == cont.max_keys
+            assert paged.max_keys == (cont.max_keys if short_keys is None else 0)
             n_keys = n if short_keys is None else None      # the one-request path's choice of form
-            run(device, paged)
-            b = device.batch()
-            cont.record(b, n_keys=n_keys)
-            device.submit(b)
+            for op in (paged, cont):
+                b = device.batch()
+                op.record(b, n_keys=n_keys if op is cont else n)
+                device.submit(b)
             a, p = get(device, out_c), get(device, out_p)
             ref = nn_ref.causal_attention(rounded(qkv, dtype)[:, :hq], kc[:, :n], vc[:, :n], n - 1, 0.125)
             np.testing.assert_allclose(p, ref, **TOL[dtype])

@@ -168,7 +168,8 @@ def paged_decode(dev: Device, qkv: Tensor, k_pool: Tensor, v_pool: Tensor, out: 
     block_size keys (splits past a sequence's keys exit at once); a sequence of at most
     `short_keys` keys (default op.max_keys, nn.attention's bound for its one-dispatch form; 0:
     never) is attended by one lane per head group in the split dispatch instead, chosen by its own
-    length alone: every sequence's output equals the contiguous cache's decode at its length."""
+    length alone: every sequence's output equals the contiguous cache's decode at its length.
+    record(batch, n_keys=the longest sequence's keys) leaves out the combine when nothing needs it."""
     k = "paged_decode"
     dt, heads = check_attention(k, qkv, k_pool, v_pool, out, n_q_heads, n_kv_heads, head_dim, max_seqs,
                             window, softcap)
@@ -200,7 +201,9 @@ def paged_decode(dev: Device, qkv: Tensor, k_pool: Tensor, v_pool: Tensor, out: 
     comb = dev.pipeline(FILE, "paged_combine", header=header)
     x, y = _grid(max_seqs * n_q_heads * head_dim // 4, k)
     op.add(comb, dev.bind(comb, [par, le, (part, 0, part.size), oe]), x, y)
-    op.max_keys = max_keys
+    # a step whose every sequence takes the short form (record(n_keys=longest) <= max_keys) has
+    # nothing to combine: the split dispatch alone (the same outputs, a dispatch fewer)
+    op.short, op.max_keys = op.dispatches[:1], short
     return op
 
 

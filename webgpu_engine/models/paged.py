@@ -114,8 +114,9 @@ class PagedForward:
         dev.write(self.slots.buf, struct.pack(f"<{S}I", *inputs["slots"]))
         dev.write(self.lens.buf, struct.pack(f"<{S}I", *inputs["lens"]))
         dev.write(self.tables.buf, struct.pack(f"<{len(inputs['tables'])}I", *inputs["tables"]))
+        n_keys = max(inputs["lens"])       # the attention's combine only where a sequence needs it
         for op in self.ops("decode", S):
-            op.record(batch)
+            op.record(batch, n_keys=n_keys)
 
     def record_prefill(self, batch, tokens: list[int], pos0: int, slots: list[int], table: list[int],
                        with_head: bool) -> None:
