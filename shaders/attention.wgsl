@@ -46,7 +46,7 @@ struct Params {
 @group(0) @binding(4) var<storage, read> vc: array<act4>;     // (Hkv, ctx, D)
 @group(0) @binding(3) var<storage, read> kcp: array<vec4<u32>>;      // f16 caches read 8 halves a load
 @group(0) @binding(4) var<storage, read> vcp: array<vec4<u32>>;
-@group(0) @binding(3) var<storage, read> kcq: array<u32>;            // q8_0 caches (kernels/kv_quant.py)
+@group(0) @binding(3) var<storage, read> kcq: array<u32>;            // q8_0 / q4_0 caches (kernels/kv_quant.py)
 @group(0) @binding(4) var<storage, read> vcq: array<u32>;
 @group(0) @binding(5) var<storage, read_write> out: array<act4>;    // (T, Hq*D)
 @group(0) @binding(5) var<storage, read_write> part: array<vec4<f32>>;   // (Hq, n_splits, D4+1)

@@ -32,7 +32,7 @@ fn attn_flash(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nw
         let nb = min(BLK, n_wg - j0);
         for (var e = lid; e < BLK * D4; e += WG) {
             let r = cb + min(j0 + e / D4, n_wg - 1u) * D4 + e % D4;
-            ksh[e] = kc_at(p.kc_off + r);         // (dequantised from a q8_0 cache)
+            ksh[e] = kc_at(p.kc_off + r);         // (dequantised from a q8_0 / q4_0 cache)
             vsh[e] = vc_at(p.vc_off + r);
         }
         workgroupBarrier();

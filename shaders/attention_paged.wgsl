@@ -53,7 +53,7 @@ struct Params {
 @group(0) @binding(4) var<storage, read> vc: array<act4>;          // (n_blocks, BS, Hkv, D)
 @group(0) @binding(3) var<storage, read> kcp: array<vec4<u32>>;    // f16 pools read 8 halves a load
 @group(0) @binding(4) var<storage, read> vcp: array<vec4<u32>>;
-@group(0) @binding(3) var<storage, read> kcq: array<u32>;          // q8_0 pools (kernels/kv_quant.py)
+@group(0) @binding(3) var<storage, read> kcq: array<u32>;          // q8_0 / q4_0 pools (kernels/kv_quant.py)
 @group(0) @binding(4) var<storage, read> vcq: array<u32>;
 @group(0) @binding(3) var<storage, read_write> kw: array<act4>;    // kv write's pools
 @group(0) @binding(4) var<storage, read_write> vw: array<act4>;

@@ -1,17 +1,25 @@
-// KV cache in q8_0 (kv_cache_dtype "q8_0"): blocks of 32 values of a head row share one scale,
-// d = max|x| / 127 (f32), q = round(x / d) in [-127, 127] (llama.cpp's q8_0 rule), value = q * f16(d).
-// Our own layout, so that a row's vec4 i is word i of the row, as an f32/f16 cache's act4 i is:
-//   words [0, Hkv*ctx*D4):            row r = h*ctx + pos, word r*D4 + i holds values 4i..4i+3
-//                                      as signed bytes (value 4i in the low byte)
-//   words [S_OFF, S_OFF + Hkv*ctx*SW): S_OFF = Hkv*ctx*D4, SW = ceil(D/64); word S_OFF + r*SW + w
-//                                      holds the f16 scales of blocks 2w (low half) and 2w+1
-// so a row costs D + 4*SW bytes (D = 64: 68 B, 0.53x of f16's 128 B).
+// KV cache in q8_0 or q4_0 (kv_cache_dtype "q8_0" / "q4_0"): blocks of 32 values of a head row share
+// one scale d, stored as f16; value = n * f16(d) (kv_blocks.wgsl has the codes, llama.cpp's rules):
+//   q8_0: d = max|x| / 127 (f32), n = round(x / d) in [-127, 127], a signed byte;
+//   q4_0: d = vmax / -8 (vmax: the value of largest |x|, its sign kept), n = min(15, trunc(x / d +
+//         8.5)) - 8 in [-8, 7], stored as the nibble n + 8.
+// Our own layout, so that a row's vec4 i is one word's unpack, as an f32/f16 cache's act4 i is a load:
+//   words [0, Hkv*ctx*DW):             row r = h*ctx + pos, DW = D*bits/32 words of values:
+//                                       q8_0 (DW = D/4): word r*DW + i holds values 4i..4i+3 as signed
+//                                         bytes (value 4i in the low byte): vec4 i is word i;
+//                                       q4_0 (DW = D/8): word r*DW + i holds values 8i..8i+7 as nibbles
+//                                         (value 8i + j in bits 4j..4j+3): vec4 2i is its low
+//                                         half-word, vec4 2i + 1 its high one;
+//   words [S_OFF, S_OFF + Hkv*ctx*SW): S_OFF = Hkv*ctx*DW, SW = ceil(D/64); word S_OFF + r*SW + w
+//                                       holds the f16 scales of blocks 2w (low half) and 2w+1
+// so a row costs 4*DW + 4*SW bytes (D = 64: q8_0 68 B, 0.53x of f16's 128 B; q4_0 36 B, 0.28x).
 //   kv_quant:       k heads and v heads of qkv (T, H_all, D) rows t < n_new (step[1], 0 = all)
 //                   written to cache row pos0 + t (pos0 = step[0]); lane per (t, k|v, kv head, scale
 //                   word w).
 //   kv_quant_slots: the paged pool (n_blocks, BS, Hkv) rows: qkv row t's kv head h goes to pool row
-//                   slots[t] * Hkv + h (0xffffffff: skipped); S_OFF = n_blocks * BS * Hkv * D4.
-// The host header supplies act, D4, SW and Q8_SOFF (= S_OFF).
+//                   slots[t] * Hkv + h (0xffffffff: skipped); S_OFF = n_blocks * BS * Hkv * DW.
+// The host header supplies act, D4, KV_BITS, KV_VPW, SW and KV_SOFF (= S_OFF), then kv_blocks.wgsl
+// and quant_write.wgsl (the quantising).
 
 struct Params {
     rows: u32,     // T dispatched
@@ -31,18 +39,18 @@ struct Params {
 @group(0) @binding(4) var<storage, read_write> vq: array<u32>;
 @group(0) @binding(5) var<storage, read> slots: array<u32>;     // kv_quant_slots: (T) pool rows
 
-// q8_write.wgsl's value source and sink: qkv's heads (src in act4 units), the two caches
-fn q8_src(src: u32, e: u32, pos: u32, v: u32) -> f32 {
+// quant_write.wgsl's value source and sink: qkv's heads (src in act4 units), the two caches
+fn kv_src(src: u32, e: u32, pos: u32, v: u32) -> f32 {
     return vec4<f32>(qkv[src + e / 4u])[e % 4u];
 }
 
-fn q8_put(v: u32, i: u32, w: u32) {
+fn kv_put(v: u32, i: u32, w: u32) {
     if (v == 0u) { kq[i] = w; } else { vq[i] = w; }
 }
 
 // quantises qkv row t's k (v = 0) or v (v = 1) head h, blocks 2w and 2w + 1, into cache row `row`
 fn quant(t: u32, v: u32, h: u32, w: u32, row: u32) {
-    q8_write(p.qkv_off + (t * p.heads + p.k_lo + v * p.n_kv + h) * D4, 0u, v, w, row);
+    quant_write(p.qkv_off + (t * p.heads + p.k_lo + v * p.n_kv + h) * D4, 0u, v, w, row);
 }
 
 struct Lane {

@@ -21,7 +21,7 @@ fn rope_kv_paged(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups)
     put_kv(q, v, g, p.kc_off + (slot * p.n_kv + g) * p.hd2, p.vc_off + (slot * p.n_kv + g - p.n_kv) * p.hd2);
 }
 
-// rope_paged: rope_kv_paged's rotation only (a q8_0 pool is written by kv_quant.wgsl's
+// rope_paged: rope_kv_paged's rotation only (a quantised pool is written by kv_quant.wgsl's
 // kv_quant_slots after it): q and k heads of row t rotated in place at positions[t].
 @compute @workgroup_size(64)
 fn rope_paged(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,

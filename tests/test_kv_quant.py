@@ -1,7 +1,8 @@
-"""The q8_0 KV cache (kernels/kv_quant.py, shaders/kv_quant.wgsl) on the real adapter: the write
-against nn_ref's q8_0 (signed bytes equal, scales as f16), and every attention kernel reading it
-(causal prefill, flash prefill, split-key decode and its one-dispatch form) against nn_ref's
-attention over the dequantised cache: odd lengths, grouped heads, a sliding window, soft-capping."""
+"""The quantised KV caches, q8_0 and q4_0 (kernels/kv_quant.py, shaders/kv_quant.wgsl), on the real
+adapter: the writes against nn_ref's words (codes and f16 scales, bit for bit), and every attention
+kernel reading them (causal prefill, flash prefill, split-key decode and its one-dispatch form, the
+paged decode and prefill) against nn_ref's attention over the dequantised cache: odd lengths,
+grouped heads, a sliding window, soft-capping."""
 from __future__ import annotations
 
 import numpy as np
@@ -10,7 +11,7 @@ import pytest
 from webgpu_engine.kernels import matmul as mm
 from webgpu_engine.kernels import nn, nn_ref
 from webgpu_engine.kernels.common import Tensor
-from webgpu_engine.kernels.kv_quant import kv_quant, q8_cache_words
+from webgpu_engine.kernels.kv_quant import KV_QUANTS, kv_quant, scale_words
 
 from _nn_util import TOL, empty, get, put, rounded, run, set_step, step_buf
 
@@ -21,56 +22,76 @@ def _free(device):
     device.release_owner("test:nn")
 
 
-def _q8_cache(device, words: np.ndarray) -> Tensor:
-    buf = device.upload(np.ascontiguousarray(words, np.uint32).view(np.uint8), owner="test:nn", label="q8")
+KINDS = list(KV_QUANTS)
+
+
+def _cache(device, words: np.ndarray) -> Tensor:
+    buf = device.upload(np.ascontiguousarray(words, np.uint32).view(np.uint8), owner="test:nn", label="kvq")
     return Tensor(buf, (words.size,), "u32", 0)
 
 
-def _read_q8(device, t: Tensor, hkv, ctx, d):
-    words = np.frombuffer(device.read_sync(t.buf, 0, t.nbytes), np.uint32)
-    return nn_ref.q8_kv_unpack(words, hkv, ctx, d)
+def _zero_cache(device, kind, hkv, ctx, d) -> Tensor:
+    return _cache(device, np.zeros(KV_QUANTS[kind].cache_words(hkv, ctx, d), np.uint32))
 
 
+def _words(device, t: Tensor) -> np.ndarray:
+    return np.frombuffer(device.read_sync(t.buf, 0, t.nbytes), np.uint32)
+
+
+def _row_words(words: np.ndarray, kind, hkv, ctx, d) -> tuple[np.ndarray, np.ndarray]:
+    """A cache's words per row: (values (Hkv, ctx, D*bits/32), scales (Hkv, ctx, SW))."""
+    n = hkv * ctx * KV_QUANTS[kind].value_words(d)
+    return words[:n].reshape(hkv, ctx, -1), words[n:].reshape(hkv, ctx, scale_words(d))
+
+
+def assert_rows_written(words, kind, hkv, ctx, d, rows, x):
+    """The cache words of rows[i] (its axis 1: positions, or pool rows with hkv = 1) are nn_ref's for
+    x[:, i], bit for bit; every other row's words are still 0."""
+    got_v, got_s = _row_words(words, kind, hkv, ctx, d)
+    ref_v, ref_s = _row_words(nn_ref.kv_pack(*nn_ref.kv_quantize(x, kind), kind), kind, hkv, len(rows), d)
+    np.testing.assert_array_equal(got_v[:, rows], ref_v)
+    np.testing.assert_array_equal(got_s[:, rows], ref_s)
+    rest = np.setdiff1d(np.arange(ctx), rows)
+    assert not got_v[:, rest].any() and not got_s[:, rest].any()
+
+
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype", ["f32", "f16"])
 @pytest.mark.parametrize("t,n_new,pos0,hq,hkv,d", [(7, 0, 0, 9, 3, 64), (5, 3, 11, 4, 2, 96), (1, 0, 20, 2, 1, 128)])
-def test_kv_quant_writes_llama_cpp_q8_0_rows(device, dtype, t, n_new, pos0, hq, hkv, d):
-    """Rows t < n_new (0: all) at pos0 + t; the signed bytes as nn_ref's (from the f32 scale), the
-    scales its f16; other rows untouched. One block of a row is all zeros (scale 0)."""
+def test_kv_quant_writes_llama_cpp_rows(device, kind, dtype, t, n_new, pos0, hq, hkv, d):
+    """Rows t < n_new (0: all) at pos0 + t: the words nn_ref packs from its codes (from the f32 scale)
+    and f16 scales, bit for bit; other rows untouched. One block of a row is all zeros (scale 0)."""
     rng = np.random.default_rng(t + d)
     ctx = pos0 + t + 4
     qkv = rng.standard_normal((t, hq + 2 * hkv, d)) * 3
     qkv[0, hq, :32] = 0.0
     qt = put(device, qkv, dtype, lead=4)
-    words = q8_cache_words(hkv, ctx, d)
-    kc, vc = _q8_cache(device, np.zeros(words, np.uint32)), _q8_cache(device, np.zeros(words, np.uint32))
+    kc, vc = _zero_cache(device, kind, hkv, ctx, d), _zero_cache(device, kind, hkv, ctx, d)
     run(device, kv_quant(device, qt, kc, vc, step_buf(device, pos0, n_new), n_q_heads=hq, n_kv_heads=hkv,
                          head_dim=d, ctx=ctx))
     live = n_new or t
     x = rounded(qkv, dtype)
     for c, heads in ((kc, x[:, hq:hq + hkv]), (vc, x[:, hq + hkv:hq + 2 * hkv])):
-        q, s = _read_q8(device, c, hkv, ctx, d)
-        rq, rs = nn_ref.q8_kv_quantize(heads[:live].transpose(1, 0, 2))
-        np.testing.assert_array_equal(q[:, pos0:pos0 + live], rq)
-        np.testing.assert_array_equal(s[:, pos0:pos0 + live], rs)
-        assert not q[:, :pos0].any() and not q[:, pos0 + live:].any()
-        assert not s[:, :pos0].any() and not s[:, pos0 + live:].any()
-    q, s = _read_q8(device, kc, hkv, ctx, d)
+        assert_rows_written(_words(device, c), kind, hkv, ctx, d, np.arange(pos0, pos0 + live),
+                            heads[:live].transpose(1, 0, 2))
+    q, s = nn_ref.kv_unpack(_words(device, kc), hkv, ctx, d, kind)
     assert s[0, pos0, 0] == 0 and not q[0, pos0, :32].any()
 
 
-def _q8_setup(device, rng, dtype, t, ctx, hq, hkv, d, fill):
-    """qkv and q8_0 caches whose first `fill` rows are random; the dequantised caches (the reference's)."""
+def _setup(device, rng, dtype, t, ctx, hq, hkv, d, fill, kind):
+    """qkv and quantised caches whose first `fill` rows are random; the dequantised caches (the reference's)."""
     qkv = rng.standard_normal((t, hq + 2 * hkv, d))
     caches, deq = [], []
     for scale in (1.5, 1.0):
         x = np.zeros((hkv, ctx, d), np.float32)
         x[:, :fill] = rng.standard_normal((hkv, fill, d)) * scale
-        q, s = nn_ref.q8_kv_quantize(x)
-        caches.append(_q8_cache(device, nn_ref.q8_kv_pack(q, s)))
-        deq.append(nn_ref.q8_kv_dequantize(q, s))
+        q, s = nn_ref.kv_quantize(x, kind)
+        caches.append(_cache(device, nn_ref.kv_pack(q, s, kind)))
+        deq.append(nn_ref.kv_dequantize(q, s))
     return qkv, put(device, qkv, dtype, lead=4), caches, deq
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("family", ["cpu", "gpu"])          # attn_causal; attn_flash
 @pytest.mark.parametrize("dtype", ["f32", "f16"])
 @pytest.mark.parametrize("t,pos0,hq,hkv,d,kw", [
@@ -79,11 +100,11 @@ def _q8_setup(device, rng, dtype, t, ctx, hq, hkv, d, fill):
     (9, 40, 8, 2, 32, {"window": 13}),          # sliding window
     (5, 3, 6, 1, 64, {"softcap": 5.0, "heads_per_lane": 3}),
 ])
-def test_prefill_attention_over_q8_0(device, monkeypatch, family, dtype, t, pos0, hq, hkv, d, kw):
+def test_prefill_attention_over_quantised_caches(device, monkeypatch, kind, family, dtype, t, pos0, hq, hkv, d, kw):
     monkeypatch.setenv(mm.FAMILY_ENV, family)
     rng = np.random.default_rng(t + pos0 + d)
     ctx = pos0 + t + 7
-    qkv, qt, (kc, vc), (kr, vr) = _q8_setup(device, rng, dtype, t, ctx, hq, hkv, d, pos0 + t)
+    qkv, qt, (kc, vc), (kr, vr) = _setup(device, rng, dtype, t, ctx, hq, hkv, d, pos0 + t, kind)
     out = empty(device, (t, hq * d), dtype, lead=12)
     op = nn.attention(device, qt, kc, vc, out, step_buf(device, pos0, t), n_q_heads=hq, n_kv_heads=hkv,
                       head_dim=d, ctx=ctx, scale=d ** -0.5, **kw)
@@ -94,13 +115,14 @@ def test_prefill_attention_over_q8_0(device, monkeypatch, family, dtype, t, pos0
     np.testing.assert_allclose(get(device, out), ref, **TOL[dtype])
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype,hq,hkv,d,kw", [("f32", 9, 3, 64, {}), ("f16", 8, 2, 128, {"window": 100}),
                                                ("f32", 4, 4, 32, {"softcap": 4.0})])
-def test_decode_attention_over_q8_0(device, dtype, hq, hkv, d, kw):
+def test_decode_attention_over_quantised_caches(device, kind, dtype, hq, hkv, d, kw):
     """One decode op over a 600-row cache at kv_len 1 .. 600, split + combine and the one-dispatch form."""
     rng = np.random.default_rng(d)
     ctx = 600
-    qkv, qt, (kc, vc), (kr, vr) = _q8_setup(device, rng, dtype, 1, ctx, hq, hkv, d, ctx)
+    qkv, qt, (kc, vc), (kr, vr) = _setup(device, rng, dtype, 1, ctx, hq, hkv, d, ctx, kind)
     out = empty(device, (1, hq * d), dtype)
     step = step_buf(device, 0, 1)
     op = nn.attention(device, qt, kc, vc, out, step, n_q_heads=hq, n_kv_heads=hkv, head_dim=d, ctx=ctx,
@@ -117,13 +139,14 @@ def test_decode_attention_over_q8_0(device, dtype, hq, hkv, d, kw):
             np.testing.assert_allclose(get(device, out), ref, **TOL[dtype], err_msg=f"kv_len={kv_len} n_keys={n_keys}")
 
 
-def test_q8_0_cache_refuses_what_it_cannot_hold(device):
+@pytest.mark.parametrize("kind", KINDS)
+def test_quantised_cache_refuses_what_it_cannot_hold(device, kind):
     qt = put(device, np.zeros((1, 4, 16)))
-    kc = _q8_cache(device, np.zeros(q8_cache_words(1, 8, 16), np.uint32))
+    kc = _cache(device, np.zeros(KV_QUANTS[kind].cache_words(1, 8, 16), np.uint32))
     with pytest.raises(ValueError, match="multiple of 32"):
         kv_quant(device, qt, kc, kc, step_buf(device, 0, 1), n_q_heads=2, n_kv_heads=1, head_dim=16, ctx=8)
     qt = put(device, np.zeros((1, 4, 32)))
-    small = _q8_cache(device, np.zeros(10, np.uint32))
+    small = _cache(device, np.zeros(KV_QUANTS[kind].cache_words(1, 8, 32) - 1, np.uint32))
     with pytest.raises(ValueError, match="u32 words"):
         nn.attention(device, qt, small, small, empty(device, (1, 64)), step_buf(device, 0, 1), n_q_heads=2,
                      n_kv_heads=1, head_dim=32, ctx=8, scale=0.2)
@@ -133,26 +156,21 @@ def test_q8_0_cache_refuses_what_it_cannot_hold(device):
 BS = 16
 
 
-def _q8_pool(device, x: np.ndarray):
-    """A q8_0 pool holding x (n_blocks, BS, Hkv, D) quantised; the dequantised values."""
+def _pool(device, x: np.ndarray, kind):
+    """A quantised pool holding x (n_blocks, BS, Hkv, D); the dequantised values."""
     n_blocks, bs, hkv, d = x.shape
-    q, s = nn_ref.q8_kv_quantize(x.reshape(1, -1, d))
-    words = nn_ref.q8_kv_pack(q, s)
-    buf = device.upload(words.view(np.uint8), owner="test:nn", label="q8pool")
-    from webgpu_engine.kernels.kv_quant import q8_pool_shape
-    return Tensor(buf, q8_pool_shape(n_blocks, bs, hkv, d), "u32", 0), nn_ref.q8_kv_dequantize(q, s).reshape(x.shape)
+    q, s = nn_ref.kv_quantize(x.reshape(1, -1, d), kind)
+    buf = device.upload(nn_ref.kv_pack(q, s, kind).view(np.uint8), owner="test:nn", label="kvq_pool")
+    shape = KV_QUANTS[kind].pool_shape(n_blocks, bs, hkv, d)
+    return Tensor(buf, shape, "u32", 0), nn_ref.kv_dequantize(q, s).reshape(x.shape)
 
 
-def _read_pool(device, t: Tensor, d: int):
-    n_blocks, bs, hkv, _ = t.shape
-    q, s = _read_q8(device, t, 1, n_blocks * bs * hkv, d)
-    return q.reshape(n_blocks * bs, hkv, d), s.reshape(n_blocks * bs, hkv, -1)
-
-
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype,neox", [("f32", False), ("f16", True)])
-def test_paged_rope_kv_into_q8_0_pools(device, dtype, neox):
+def test_paged_rope_kv_into_quantised_pools(device, kind, dtype, neox):
     """Rows at positions of their own: q and k rotated in place as nn_ref.rope, the rotated k and the
-    v heads quantised into pool rows slots[t] (a skipped slot rotates only); other rows untouched."""
+    v heads quantised into pool rows slots[t] (a skipped slot rotates only), the words nn_ref packs
+    from what the kernel rotated, bit for bit; other rows untouched."""
     from webgpu_engine.kernels import attention_paged as ap
     rng = np.random.default_rng(4)
     hq, hkv, d, n_blocks = 4, 2, 64, 4
@@ -160,7 +178,7 @@ def test_paged_rope_kv_into_q8_0_pools(device, dtype, neox):
     pos = np.array([0, 5, 17, 3, 100, 40], np.uint32)
     slots = np.array([3, 20, ap.SKIP_SLOT, 63, 16, 0], np.uint32)
     qt = put(device, qkv, dtype, lead=4)
-    kp, vp = ap.new_kv_pool(device, n_blocks, BS, hkv, d, "q8_0", owner="test:nn")
+    kp, vp = ap.new_kv_pool(device, n_blocks, BS, hkv, d, kind, owner="test:nn")
     op = ap.paged_rope_kv(device, qt, kp, vp, put(device, pos, "u32"), put(device, slots, "u32", lead=64),
                           n_q_heads=hq, n_kv_heads=hkv, head_dim=d, base=500.0, neox=neox)
     assert [x[0].key.entry for x in op.dispatches] == ["rope_paged", "kv_quant_slots"]
@@ -170,23 +188,21 @@ def test_paged_rope_kv_into_q8_0_pools(device, dtype, neox):
     np.testing.assert_allclose(got, want, **TOL[dtype])
     written = slots != ap.SKIP_SLOT
     for pool, heads in ((kp, got[:, hq:hq + hkv]), (vp, rounded(qkv, dtype)[:, hq + hkv:])):
-        q, s = _read_pool(device, pool, d)
-        rq, rs = nn_ref.q8_kv_quantize(heads[written])       # from what the kernel rotated
-        np.testing.assert_array_equal(q[slots[written]], rq)
-        np.testing.assert_array_equal(s[slots[written]], rs)
-        rest = np.setdiff1d(np.arange(n_blocks * BS), slots[written])
-        assert not q[rest].any() and not s[rest].any()
+        rows = (slots[written][:, None] * hkv + np.arange(hkv)).reshape(-1)       # pool rows, one per head
+        assert_rows_written(_words(device, pool), kind, 1, n_blocks * BS * hkv, d, rows,
+                            heads[written].reshape(1, -1, d))
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype,hq,hkv,d,window,softcap", [("f32", 9, 3, 64, 0, 0.0), ("f16", 6, 2, 96, 37, 2.0)])
-def test_paged_decode_and_prefill_over_q8_0_pools(device, dtype, hq, hkv, d, window, softcap):
+def test_paged_decode_and_prefill_over_quantised_pools(device, kind, dtype, hq, hkv, d, window, softcap):
     """A ragged decode batch (block boundaries, an idle slot) and a chunked prefill through a block
-    table, over q8_0 pools, against nn_ref's attention over the dequantised keys and values."""
+    table, over quantised pools, against nn_ref's attention over the dequantised keys and values."""
     from webgpu_engine.kernels import attention_paged as ap
     rng = np.random.default_rng(d)
     n_blocks, max_blocks = 40, 16
-    kt, kx = _q8_pool(device, (rng.standard_normal((n_blocks, BS, hkv, d)) * 1.5).astype(np.float32))
-    vt, vx = _q8_pool(device, rng.standard_normal((n_blocks, BS, hkv, d)).astype(np.float32))
+    kt, kx = _pool(device, (rng.standard_normal((n_blocks, BS, hkv, d)) * 1.5).astype(np.float32), kind)
+    vt, vx = _pool(device, rng.standard_normal((n_blocks, BS, hkv, d)).astype(np.float32), kind)
     lens = [1, BS, BS + 1, 150, 0]
     ids = list(rng.permutation(n_blocks))
     tables = np.zeros((len(lens), max_blocks), np.uint32)
@@ -223,21 +239,22 @@ def test_paged_decode_and_prefill_over_q8_0_pools(device, dtype, hq, hkv, d, win
     np.testing.assert_allclose(get(device, pout), ref, **TOL[dtype])
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype,neox,rot,mscale", [("f32", False, 64, 1.0), ("f32", True, 32, 1.0),
                                                    ("f16", False, 48, 1.19)])
-def test_rope_kv_q8_one_dispatch(device, dtype, neox, rot, mscale):
+def test_rope_kv_quant_one_dispatch(device, kind, dtype, neox, rot, mscale):
     """The q heads rotated in place as nn_ref.rope (the k and v heads left as they were); the k heads
     rotated (partial rotary: dims past rot_dim as they are, longrope's mscale on the rotated ones)
-    and the v heads quantised into rows pos0 + t < n_new, as nn_ref quantises the rotated rows."""
-    from webgpu_engine.kernels.kv_quant import rope_kv_q8
+    and the v heads quantised into rows pos0 + t < n_new: the v rows' words nn_ref's bit for bit, the
+    k rows' (rotated in f32 on the device, not as numpy rounds) within a code of nn_ref's."""
+    from webgpu_engine.kernels.kv_quant import rope_kv_quant
     rng = np.random.default_rng(rot)
     t, n_new, pos0, hq, hkv, d = 5, 4, 9, 4, 2, 64
     ctx = pos0 + t + 3
     qkv = rng.standard_normal((t, hq + 2 * hkv, d)) * 2
     qt = put(device, qkv, dtype, lead=4)
-    words = q8_cache_words(hkv, ctx, d)
-    kc, vc = _q8_cache(device, np.zeros(words, np.uint32)), _q8_cache(device, np.zeros(words, np.uint32))
-    op = rope_kv_q8(device, qt, kc, vc, step_buf(device, pos0, n_new), n_q_heads=hq, n_kv_heads=hkv, head_dim=d,
+    kc, vc = _zero_cache(device, kind, hkv, ctx, d), _zero_cache(device, kind, hkv, ctx, d)
+    op = rope_kv_quant(device, qt, kc, vc, step_buf(device, pos0, n_new), n_q_heads=hq, n_kv_heads=hkv, head_dim=d,
                     ctx=ctx, rot_dim=rot, base=700.0, neox=neox, mscale=mscale)
     assert len(op.dispatches) == 1
     run(device, op)
@@ -248,10 +265,14 @@ def test_rope_kv_q8_one_dispatch(device, dtype, neox, rot, mscale):
     got = get(device, qt)
     np.testing.assert_allclose(got[:n_new, :hq], roped[:n_new, :hq], **TOL[dtype])
     np.testing.assert_array_equal(got[:, hq:], x[:, hq:])                  # k and v heads untouched
-    for c, heads in ((kc, roped[:n_new, hq:hq + hkv]), (vc, x[:n_new, hq + hkv:])):
-        q, s = _read_q8(device, c, hkv, ctx, d)
-        rq, rs = nn_ref.q8_kv_quantize(heads.transpose(1, 0, 2))
-        deq = nn_ref.q8_kv_dequantize(q[:, pos0:pos0 + n_new], s[:, pos0:pos0 + n_new])
-        np.testing.assert_allclose(deq, nn_ref.q8_kv_dequantize(rq, rs), rtol=0, atol=float(rs.max()) * 1.01)
-        assert (np.abs(q[:, pos0:pos0 + n_new].astype(int) - rq) <= 1).all()
-        assert not q[:, pos0 + n_new:].any() and not q[:, :pos0].any()
+    rows = np.arange(pos0, pos0 + n_new)
+    assert_rows_written(_words(device, vc), kind, hkv, ctx, d, rows, x[:n_new, hq + hkv:].transpose(1, 0, 2))
+    words = _words(device, kc)
+    q, s = nn_ref.kv_unpack(words, hkv, ctx, d, kind)
+    rq, rs = nn_ref.kv_quantize(roped[:n_new, hq:hq + hkv].transpose(1, 0, 2), kind)
+    deq = nn_ref.kv_dequantize(q[:, rows], s[:, rows])
+    step = np.abs(rs.astype(np.float32)).max()
+    np.testing.assert_allclose(deq, nn_ref.kv_dequantize(rq, rs), rtol=0, atol=float(step) * 1.01)
+    assert (np.abs(q[:, rows].astype(int) - rq) <= 1).all()
+    values, scales = _row_words(words, kind, hkv, ctx, d)
+    assert not values[:, pos0 + n_new:].any() and not values[:, :pos0].any() and not scales[:, :pos0].any()

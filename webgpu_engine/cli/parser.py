@@ -84,9 +84,10 @@ def _model_options(p, many: bool = False):
                    help="prompt tokens per prefill step (default 256)" + each)
     g.add_argument("--dtype", choices=("auto", "f16", "f32"), action="append", default=None,
                    help="activation precision (auto: f16 where the adapter has shader-f16)" + each)
-    g.add_argument("--kv-cache-dtype", choices=("auto", "f16", "f32", "q8_0"), action="append", default=None,
-                   help="chat models: KV cache precision (auto: the activations'; q8_0: llama.cpp's 8-bit "
-                        "blocks, about half of f16's memory)" + each)
+    g.add_argument("--kv-cache-dtype", choices=("auto", "f16", "f32", "q8_0", "q4_0"), action="append",
+                   default=None, help="chat models: KV cache precision (auto: the activations'; q8_0: "
+                   "llama.cpp's 8-bit blocks, about half of f16's memory; q4_0: its 4-bit blocks, about "
+                   "0.28x)" + each)
     g.add_argument("--max-num-sequences", type=int, action="append", default=None, metavar="N",
                    help="chat models: requests decoded together (continuous batching over a paged KV "
                         "cache; 0: as suits the device, 4 on a CPU adapter and 16 on a GPU; default: "

@@ -130,11 +130,8 @@ def _check_chat_options(cc: ChatConfig) -> None:
     if cc.context_overflow == "shift" and cc.max_num_sequences != 1:
         raise UnsupportedChatOptionError("context_overflow", "shift", "a context shift runs on the one-request "
                                          "path: load with max_num_sequences 1")
-    if cc.kv_cache_dtype not in KV_CACHE_DTYPES + ("q4_0",):
+    if cc.kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ChatOptionTypeError("kv_cache_dtype", f"one of {list(KV_CACHE_DTYPES)}", cc.kv_cache_dtype)
-    if cc.kv_cache_dtype == "q4_0":
-        raise UnsupportedChatOptionError("kv_cache_dtype", "q4_0", "no attention kernel reads a q4_0 KV cache "
-                                         f"yet: use one of {list(KV_CACHE_DTYPES)}")
     if cc.n_keep < 0:
         raise ChatOptionTypeError("n_keep", "a number of tokens >= 0", cc.n_keep)
     if cc.max_num_sequences > cc.prefill_chunk_size > 0:

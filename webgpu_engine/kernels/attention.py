@@ -8,7 +8,7 @@ from __future__ import annotations
 from ..gpu import Device
 from ..gpu.shaders import load_shader_source
 from .common import Op, Tensor, act_header, check, params
-from .kv_quant import check_q8_caches, q8_header
+from .kv_quant import QuantCache, check_quant_caches
 from .nn_base import WG, _act, _grid, _op, _qkv_heads, _step_entry, _vec_entry, _window
 
 _MAX_LANE_DIMS = 256      # attention: query dims one lane holds (heads_per_lane * head_dim)
@@ -22,13 +22,14 @@ def decode_splits(ctx: int, *, min_chunk: int = 32, max_splits: int = 128) -> tu
 
 
 def _attn_header(dt: str, head_dim: int, g: int = 1, split_wg: int = WG, packed: bool = False,
-                 windowed: bool = False, capped: bool = False, kv: tuple = ("kc", "vc"), q8: int = 0) -> str:
+                 windowed: bool = False, capped: bool = False, kv: tuple = ("kc", "vc"),
+                 quant: QuantCache | None = None) -> str:
     """Constants plus the state of g heads unrolled into vec4 registers (see attention.wgsl).
     packed: f16 keys and values are read as vec4<u32> (8 halves per load; kr, vr even).
     kv: the arrays keys and values are read from (attention_flash.wgsl: its workgroup tiles).
-    q8: the caches are q8_0 (kernels/kv_quant.py) of q8 head rows, read through kcq / vcq as the
-    unrolled reads (unless kv names other arrays) and as kc_at / vc_at (row-vec4 r, dequantised:
-    the flash tiles)."""
+    quant: the caches are quantised (kernels/kv_quant.py: q8_0 or q4_0, of quant.rows head rows),
+    read through kcq / vcq as the unrolled reads (unless kv names other arrays) and as kc_at / vc_at
+    (row-vec4 r, dequantised: the flash tiles)."""
     n = head_dim // 4
     r, gs = range(n), range(g)
     sv = "f32" if g == 1 else f"vec{g}<f32>"
@@ -41,26 +42,30 @@ def _attn_header(dt: str, head_dim: int, g: int = 1, split_wg: int = WG, packed:
     out.append("fn load_q(qb: u32, qs: u32) {\n" + "".join(
         f"  q{j}_{i} = vec4<f32>(qkv[qb + {j}u * qs + {i}u]) * p.scale; a{j}_{i} = vec4<f32>(0.0);\n"
         for j in gs for i in r) + "  m_run = sv(-3.0e38); l_run = sv(0.0);\n}")
-    quant_reads = q8 and kv == ("kc", "vc")
-    if q8:
-        out.append(q8_header(head_dim, q8) + "".join(
+    quant_reads = quant is not None and kv == ("kc", "vc")
+    if quant:
+        out.append(quant.header(head_dim) + "".join(
             f"fn {c}_at(r: u32) -> vec4<f32> {{\n  let i = r % D4;\n"
-            f"  return i8x4({c}q[r]) * unpack2x16float({c}q[Q8_SOFF + (r / D4) * SW + i / 16u])[(i / 8u) % 2u];\n}}\n"
+            f"  return kv_unpack({c}q[r / KV_VPW], r % KV_VPW)"
+            f" * unpack2x16float({c}q[KV_SOFF + (r / D4) * SW + i / 16u])[(i / 8u) % 2u];\n}}\n"
             for c in ("kc", "vc")))
     elif kv != ("kc", "vc"):       # the flash tiles' loads
         out.append("".join(f"fn {c}_at(r: u32) -> vec4<f32> {{ return vec4<f32>({c}[r]); }}\n" for c in ("kc", "vc")))
 
-    blocks = [range(b, min(b + 8, n)) for b in range(0, n, 8)]      # q8_0: the vec4s of one scale
+    blocks = [range(b, min(b + 8, n)) for b in range(0, n, 8)]      # quantised: the vec4s of one scale
+    per = quant.kind.vec4s_per_word if quant else 1
 
-    def scale(name, b):          # q8_0 block b's scale (an f16 pair per word)
+    def scale(name, b):          # a quantised block b's scale (an f16 pair per word)
         return f"s{name}{b // 2}.{'xy'[b % 2]}"
 
     def loads(name, buf, base):
-        if quant_reads:          # base = row * D4 (the caches sit at offset 0); the bytes as integers:
-            #                      the callers apply each block's scale once (qk, acc_add)
-            return ("".join(f"  let s{name}{w} = unpack2x16float({buf}q[Q8_SOFF + ({base} / D4) * SW + {w}u]);\n"
+        if quant_reads:          # base = row * D4 (the caches sit at offset 0); each word loaded once,
+            #                      its codes as integers: the callers apply each block's scale once (qk, acc_add)
+            word0 = base if per == 1 else f"{base} / {per}u"
+            return ("".join(f"  let s{name}{w} = unpack2x16float({buf}q[KV_SOFF + ({base} / D4) * SW + {w}u]);\n"
                             for w in range(-(-n // 16)))
-                    + "".join(f"  let {name}{i} = i8x4({buf}q[{base} + {i}u]);\n" for i in r))
+                    + "".join(f"  let {name}w{j} = {buf}q[{word0} + {j}u];\n" for j in range(n // per))
+                    + "".join(f"  let {name}{i} = kv_unpack({name}w{i // per}, {i % per}u);\n" for i in r))
         if not packed:
             return "".join(f"  let {name}{i} = vec4<f32>({buf}[{base} + {i}u]);\n" for i in r)
         return "".join(f"  let w{i} = {buf}p[{base} / 2u + {i}u];\n"
@@ -90,7 +95,7 @@ def _attn_header(dt: str, head_dim: int, g: int = 1, split_wg: int = WG, packed:
 
 def check_attention(k, qkv, k_cache, v_cache, out, n_q_heads, n_kv_heads, head_dim, rows, window, softcap):
     """The checks every attention op makes of its heads, rows and buffers (the caches: contiguous or
-    paged, in the activations' dtype or q8_0 u32 words); (activation dtype, heads per qkv row)."""
+    paged, in the activations' dtype or quantised u32 words); (activation dtype, heads per qkv row)."""
     dt = _act(k, qkv, out) if k_cache.dtype == "u32" else _act(k, qkv, k_cache, v_cache, out)
     n_rows, heads = _qkv_heads(k, qkv, head_dim)
     check(rows <= n_rows, k, f"qkv has {n_rows} rows, {rows} dispatched")
@@ -144,14 +149,14 @@ def attention(dev: Device, qkv: Tensor, k_cache: Tensor, v_cache: Tensor, out: T
     max_splits (keys per split) and split_wg (workgroup size). CPU adapters (lavapipe) default to
     128-key splits in workgroups of 8 (fewer partials, spread over cores), others to 32 and 64."""
     k = "attention"
-    q8 = n_kv_heads * ctx if k_cache.dtype == "u32" else 0    # a q8_0 cache (kernels/kv_quant.py): its rows
     rows = _qkv_heads(k, qkv, head_dim)[0]
     t_max = rows if max_t is None else int(max_t)
     check(0 < t_max <= rows, k, f"max_t={max_t} must be in 1..{rows}")
     dt, heads = check_attention(k, qkv, k_cache, v_cache, out, n_q_heads, n_kv_heads, head_dim, t_max, window,
                                 softcap)
-    if q8:
-        check_q8_caches(k, (k_cache, v_cache), n_kv_heads, ctx, head_dim)
+    quant = None                 # a quantised cache (kernels/kv_quant.py): its block type and rows
+    if k_cache.dtype == "u32":
+        quant = check_quant_caches(k, (k_cache, v_cache), n_kv_heads * ctx, head_dim)
     else:
         for c in (k_cache, v_cache):
             check(c.numel == n_kv_heads * ctx * head_dim, k,
@@ -159,7 +164,7 @@ def attention(dev: Device, qkv: Tensor, k_cache: Tensor, v_cache: Tensor, out: T
     owner = out.buf.owner
     group = n_q_heads // n_kv_heads
     (qe, qo), (oe, oo) = _window(dev, qkv, k, 4), _window(dev, out, k, 4)
-    if q8:
+    if quant:
         (ke, ko), (ve, vo) = ((k_cache.buf, 0, k_cache.nbytes), 0), ((v_cache.buf, 0, v_cache.nbytes), 0)
     else:
         (ke, ko), (ve, vo) = _window(dev, k_cache, k, 4), _window(dev, v_cache, k, 4)
@@ -168,17 +173,19 @@ def attention(dev: Device, qkv: Tensor, k_cache: Tensor, v_cache: Tensor, out: T
     g = _heads_per_lane(k, group, head_dim, heads_per_lane)
     cpu = dev.info.adapter_type.upper() == "CPU"
     # f16 caches are read 8 halves per load when head rows and cache offsets are 16-byte aligned
-    packed = dt == "f16" and not q8 and head_dim % 8 == 0 and ko % 2 == 0 and vo % 2 == 0
+    packed = dt == "f16" and not quant and head_dim % 8 == 0 and ko % 2 == 0 and vo % 2 == 0
     if t_max > 1 or causal:
         n_blk = -(-t_max // WG)
         par = params(dev, [t_max, n_q_heads, group, heads, ctx, 0, 0, float(scale), qo, ko, vo, oo,
                            n_blk, int(window), float(softcap), 0], owner=owner, label=k)
         if flash_attention(dev):     # the same folds, keys and values staged in workgroup memory
-            header = _attn_header(dt, head_dim, g, windowed=window > 0, capped=softcap > 0, kv=("ksh", "vsh"), q8=q8)
+            header = _attn_header(dt, head_dim, g, windowed=window > 0, capped=softcap > 0, kv=("ksh", "vsh"),
+                                  quant=quant)
             return _op(dev, k, "attention_flash.wgsl", "attn_flash", header + load_shader_source("attention.wgsl"),
                        par, [_step_entry(step), qe, ke, ve, oe], n_blk * (n_q_heads // g) * WG)
         return _op(dev, k, "attention.wgsl", "attn_causal",
-                   _attn_header(dt, head_dim, g, packed=packed, windowed=window > 0, capped=softcap > 0, q8=q8),
+                   _attn_header(dt, head_dim, g, packed=packed, windowed=window > 0, capped=softcap > 0,
+                                quant=quant),
                    par, [_step_entry(step), qe, ke, ve, oe], n_blk * (n_q_heads // g) * WG)
     min_chunk = min_chunk or (128 if cpu else 32)
     chunk, n_splits = decode_splits(ctx, min_chunk=min_chunk, max_splits=max_splits)
@@ -186,7 +193,7 @@ def attention(dev: Device, qkv: Tensor, k_cache: Tensor, v_cache: Tensor, out: T
     par = params(dev, [1, n_q_heads, group, heads, ctx, chunk, n_splits, float(scale), qo, ko, vo, oo,
                        0, int(window), float(softcap), 0], owner=owner, label=k)
     swg = split_wg or (8 if cpu else WG)
-    header = _attn_header(dt, head_dim, g, swg, packed, windowed=window > 0, capped=softcap > 0, q8=q8)
+    header = _attn_header(dt, head_dim, g, swg, packed, windowed=window > 0, capped=softcap > 0, quant=quant)
     entries = [_step_entry(step), qe, ke, ve, (part, 0, part.size)]
     pipe = dev.pipeline("attention.wgsl", "attn_split", header=header)
     op = Op(name=k, buffers=[par])

@@ -4,7 +4,7 @@ attention over per-sequence block tables (split-key + combine, or one dispatch w
 few) and chunked-prefill attention of one sequence.
 
 The pool of a layer is two tensors (n_blocks, block_size, Hkv, D), K and V, in the activation dtype
-(or q8_0: kernels/kv_quant.py's u32 pools, written by its kv_quant_slots after the rotation);
+(or q8_0 / q4_0: kernels/kv_quant.py's u32 pools, written by its kv_quant_slots after the rotation);
 models/kv_pool.py decides which blocks a sequence owns. Per-step values live in small u32 buffers
 the caller rewrites each step, so ops are built once: `slots` (T,) pool rows for the KV write
 (block * block_size + offset, 0xffffffff = skip), `lens` (S,) keys per decoding sequence (0 = idle
@@ -17,7 +17,7 @@ from __future__ import annotations
 from ..gpu import Device
 from ..gpu.shaders import load_shader_source
 from .common import Op, Tensor, act_header, check, new_tensor, params
-from .kv_quant import kv_quant_slots, kv_row_bytes, q8_pool_rows, q8_pool_shape, q8_supported
+from .kv_quant import KV_QUANTS, QuantCache, check_quant_pools, kv_quant_slots, kv_row_bytes
 from .attention import check_attention
 from .nn import (WG, _act, _attn_header, _grid, _heads_per_lane, _op, _qkv_heads, _step_entry, _vec_entry, _window,
                  decode_splits, rope_frequencies)
@@ -31,18 +31,18 @@ SKIP_SLOT = 0xFFFFFFFF
 
 def new_kv_pool(dev: Device, n_blocks: int, block_size: int, n_kv_heads: int, head_dim: int,
                 dtype: str = "f32", *, owner: str, label: str = "kv_pool") -> tuple[Tensor, Tensor]:
-    """One layer's K and V pools, each (n_blocks, block_size, Hkv, D); "q8_0": u32 pools of
-    kv_quant.q8_pool_shape."""
+    """One layer's K and V pools, each (n_blocks, block_size, Hkv, D); "q8_0" / "q4_0": u32 pools of
+    that block type's KVQuant.pool_shape."""
     shape = (n_blocks, block_size, n_kv_heads, head_dim)
-    if dtype == "q8_0":
-        shape, dtype = q8_pool_shape(n_blocks, block_size, n_kv_heads, head_dim), "u32"
+    if dtype in KV_QUANTS:
+        shape, dtype = KV_QUANTS[dtype].pool_shape(n_blocks, block_size, n_kv_heads, head_dim), "u32"
     return (new_tensor(dev, shape, dtype, owner=owner, label=f"{label}.k"),
             new_tensor(dev, shape, dtype, owner=owner, label=f"{label}.v"))
 
 
 def max_pool_blocks(dev: Device, block_size: int, n_kv_heads: int, head_dim: int, dtype: str = "f32") -> int:
     """The most blocks one layer's pool may hold: each pool is bound whole, so it must fit the
-    device's largest storage binding (128 MiB on lavapipe). dtype: f32, f16 or q8_0."""
+    device's largest storage binding (128 MiB on lavapipe). dtype: f32, f16, q8_0 or q4_0."""
     limit = int(dev.limits.get("max-storage-buffer-binding-size", 1 << 27))
     return limit // (block_size * n_kv_heads * kv_row_bytes(dtype, head_dim))
 
@@ -51,18 +51,20 @@ def _pool_geometry(dev: Device, k: str, k_pool: Tensor, v_pool: Tensor, n_kv_hea
                    head_dim: int) -> tuple[int, int]:
     check(k_pool.shape == v_pool.shape and k_pool.dtype == v_pool.dtype and len(k_pool.shape) == 4, k,
           f"pools {k_pool.shape} / {v_pool.shape} must both be (n_blocks, block_size, Hkv, D)")
-    q8 = k_pool.dtype == "u32"
-    cap = max_pool_blocks(dev, int(k_pool.shape[1]), n_kv_heads, head_dim, "q8_0" if q8 else k_pool.dtype)
-    check(int(k_pool.shape[0]) <= cap, k,
-          f"a pool of {k_pool.shape[0]} blocks exceeds the device's largest storage binding ({cap} blocks)")
     n_blocks, bs, hkv, d = (int(s) for s in k_pool.shape)
-    if q8:
-        check(q8_supported(head_dim) and k_pool.offset == v_pool.offset == 0, k,
-              f"a q8_0 pool needs head_dim a multiple of 32 (got {head_dim}) and offset 0")
-        d = head_dim if (hkv, d) == q8_pool_shape(1, 1, n_kv_heads, head_dim)[2:] else -1
-    check(hkv == n_kv_heads and d == head_dim, k, f"pool heads {hkv} x {d} != Hkv={n_kv_heads} x D={head_dim}")
+    quant = _pool_quant(k, k_pool, v_pool, n_kv_heads, head_dim)       # checks a quantised pool's Hkv and D
+    check(quant or (hkv == n_kv_heads and d == head_dim), k,
+          f"pool heads {hkv} x {d} != Hkv={n_kv_heads} x D={head_dim}")
+    cap = max_pool_blocks(dev, bs, n_kv_heads, head_dim, quant.kind.name if quant else k_pool.dtype)
+    check(n_blocks <= cap, k, f"a pool of {n_blocks} blocks exceeds the device's largest storage binding "
+                              f"({cap} blocks)")
     check(head_dim % 4 == 0, k, f"head_dim {head_dim} must be a multiple of 4")
     return n_blocks, bs
+
+
+def _pool_quant(k: str, k_pool: Tensor, v_pool: Tensor, n_kv_heads: int, head_dim: int) -> QuantCache | None:
+    """The block type and rows of quantised (u32) pools; None for pools in the activations' dtype."""
+    return check_quant_pools(k, k_pool, v_pool, n_kv_heads, head_dim) if k_pool.dtype == "u32" else None
 
 
 def _u32(dev: Device, t: Tensor, k: str, name: str, n: int) -> tuple:
@@ -71,21 +73,23 @@ def _u32(dev: Device, t: Tensor, k: str, name: str, n: int) -> tuple:
 
 
 def _header(dt: str, head_dim: int, g: int, swg: int, packed: bool, bs: int, window: int = 0,
-            softcap: float = 0.0, q8: int = 0) -> str:
+            softcap: float = 0.0, quant: QuantCache | None = None) -> str:
     """nn's attention header plus the block size and whether the window / soft-cap code is compiled in.
-    q8: the rows of q8_0 pools (0: act pools)."""
-    return _attn_header(dt, head_dim, g, swg, packed and not q8, q8=q8) + (
+    quant: quantised pools' block type and rows (None: act pools)."""
+    return _attn_header(dt, head_dim, g, swg, packed and not quant, quant=quant) + (
         f"const BS: u32 = {bs}u;\nconst HAS_WINDOW: bool = {str(window > 0).lower()};\n"
         f"const HAS_CAP: bool = {str(softcap > 0).lower()};\n")
 
 
-def _bindings(dev: Device, k: str, qkv: Tensor, out: Tensor, k_pool: Tensor, v_pool: Tensor) -> tuple:
-    """(qkv, out, k pool, v pool) as (bind-group entry, offset in act4 units), and the rows of q8_0
-    pools (0: pools in the activations' dtype; a q8_0 pool is bound whole, at 0)."""
+def _bindings(dev: Device, k: str, qkv: Tensor, out: Tensor, k_pool: Tensor, v_pool: Tensor, n_kv_heads: int,
+              head_dim: int) -> tuple:
+    """(qkv, out, k pool, v pool) as (bind-group entry, offset in act4 units), and quantised pools'
+    block type and rows (None: pools in the activations' dtype; a quantised pool is bound whole, at 0)."""
     q, o = _window(dev, qkv, k, 4), _window(dev, out, k, 4)
-    if k_pool.dtype == "u32":
-        return q, o, ((k_pool.buf, 0, k_pool.nbytes), 0), ((v_pool.buf, 0, v_pool.nbytes), 0), q8_pool_rows(k_pool)
-    return q, o, _window(dev, k_pool, k, 4), _window(dev, v_pool, k, 4), 0
+    quant = _pool_quant(k, k_pool, v_pool, n_kv_heads, head_dim)
+    if quant:
+        return q, o, ((k_pool.buf, 0, k_pool.nbytes), 0), ((v_pool.buf, 0, v_pool.nbytes), 0), quant
+    return q, o, _window(dev, k_pool, k, 4), _window(dev, v_pool, k, 4), None
 
 
 def paged_rope_kv(dev: Device, qkv: Tensor, k_pool: Tensor, v_pool: Tensor, positions: Tensor, slots: Tensor,
@@ -97,8 +101,8 @@ def paged_rope_kv(dev: Device, qkv: Tensor, k_pool: Tensor, v_pool: Tensor, posi
     offset. step (optional): rows t >= step.n_new are skipped. The decode step's one dispatch for
     rope and the KV write, as nn.rope_kv is for the contiguous cache."""
     k = "rope_kv_paged"
-    q8 = k_pool.dtype == "u32"
-    dt = _act(k, qkv) if q8 else _act(k, qkv, k_pool, v_pool)
+    quant = k_pool.dtype == "u32"
+    dt = _act(k, qkv) if quant else _act(k, qkv, k_pool, v_pool)
     _pool_geometry(dev, k, k_pool, v_pool, n_kv_heads, head_dim)
     rows, heads = _qkv_heads(k, qkv, head_dim)
     rot = head_dim if rot_dim is None else rot_dim
@@ -109,7 +113,7 @@ def paged_rope_kv(dev: Device, qkv: Tensor, k_pool: Tensor, v_pool: Tensor, posi
         check(t.dtype == "u32" and t.numel >= rows, k, f"{name} {t.shape}/{t.dtype} must hold {rows} u32")
     owner = k_pool.buf.owner
     qe, qo = _window(dev, qkv, k, 2)
-    (ke, ko), (ve, vo) = ((None, 0), (None, 0)) if q8 else (_window(dev, x, k, 2) for x in (k_pool, v_pool))
+    (ke, ko), (ve, vo) = ((None, 0), (None, 0)) if quant else (_window(dev, x, k, 2) for x in (k_pool, v_pool))
     freq = rope_frequencies(dev, rot, base, owner=owner, factors=factors)
     half = rot // 2
     # units per head as in nn._rope_op: vec2 pairs, a neox head's rotated part in quads
@@ -123,7 +127,7 @@ def paged_rope_kv(dev: Device, qkv: Tensor, k_pool: Tensor, v_pool: Tensor, posi
         extra = [step]
     else:
         extra = []
-    if q8:      # rotate q and k in place, then the quantising write (kernels/kv_quant.py)
+    if quant:   # rotate q and k in place, then the quantising write (kernels/kv_quant.py)
         entries = {1: _step_entry(step), 2: qe, 3: (freq, 0, freq.size), 6: _vec_entry(dev, positions, k)}
         op = _op(dev, k, "rope_paged.wgsl", "rope_paged", header, par, entries, rows * n_h * units)
         op.buffers += [freq] + extra
@@ -177,7 +181,7 @@ def paged_decode(dev: Device, qkv: Tensor, k_pool: Tensor, v_pool: Tensor, out: 
     owner = out.buf.owner
     group = n_q_heads // n_kv_heads
     g = _heads_per_lane(k, group, head_dim, heads_per_lane)
-    (qe, qo), (oe, oo), (ke, ko), (ve, vo), q8 = _bindings(dev, k, qkv, out, k_pool, v_pool)
+    (qe, qo), (oe, oo), (ke, ko), (ve, vo), q8 = _bindings(dev, k, qkv, out, k_pool, v_pool, n_kv_heads, head_dim)
     le, lo = _u32(dev, lens, k, "lens", max_seqs)
     te, to = _u32(dev, tables, k, "tables", max_seqs * max_blocks)
     cpu = dev.info.adapter_type.upper() == "CPU"
@@ -224,11 +228,12 @@ def paged_prefill(dev: Device, qkv: Tensor, k_pool: Tensor, v_pool: Tensor, out:
     n_blocks, bs = _pool_geometry(dev, k, k_pool, v_pool, n_kv_heads, head_dim)
     group = n_q_heads // n_kv_heads
     g = _heads_per_lane(k, group, head_dim, heads_per_lane)
-    (qe, qo), (oe, oo), (ke, ko), (ve, vo), q8 = _bindings(dev, k, qkv, out, k_pool, v_pool)
+    (qe, qo), (oe, oo), (ke, ko), (ve, vo), quant = _bindings(dev, k, qkv, out, k_pool, v_pool, n_kv_heads,
+                                                              head_dim)
     te, to = _u32(dev, table, k, "table", max_blocks)
     packed = dt == "f16" and head_dim % 8 == 0 and ko % 2 == 0 and vo % 2 == 0
     n_blk = -(-t_max // WG)
     par = params(dev, [t_max, n_q_heads, group, heads, n_kv_heads, 0, 0, float(scale), qo, ko, vo, oo,
                        max_blocks, int(window), float(softcap), to, 0, n_blk, 0, 0], owner=out.buf.owner, label=k)
-    return _op(dev, k, FILE, "paged_causal", _header(dt, head_dim, g, WG, packed, bs, window, softcap, q8), par,
-               [_step_entry(step), qe, ke, ve, oe, te], n_blk * (n_q_heads // g) * WG)
+    return _op(dev, k, FILE, "paged_causal", _header(dt, head_dim, g, WG, packed, bs, window, softcap, quant),
+               par, [_step_entry(step), qe, ke, ve, oe, te], n_blk * (n_q_heads // g) * WG)

@@ -158,37 +158,60 @@ def l2_normalize(x: np.ndarray, eps: float = 1e-12) -> np.ndarray:
     return (x / np.maximum(np.linalg.norm(x, axis=-1, keepdims=True), eps)).astype(np.float32)
 
 
-def q8_kv_quantize(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """q8_0 of rows x (..., D), D % 32 == 0 (shaders/kv_quant.wgsl): blocks of 32 values,
-    d = max|x| / 127 in f32, q = round(x / d) (ties to even) -> (q int8 (..., D), d f16 (..., D/32))."""
+KV_BITS = {"q8_0": 8, "q4_0": 4}       # the quantised KV caches' bits per value (kernels/kv_quant.py)
+
+
+def kv_quantize(x: np.ndarray, kind: str = "q8_0") -> tuple[np.ndarray, np.ndarray]:
+    """llama.cpp's q8_0 or q4_0 of rows x (..., D), D % 32 == 0 (shaders/kv_quant.wgsl): blocks of 32
+    values, in f32 q8_0: d = max|x| / 127, n = round(x / d) (ties to even); q4_0: d = vmax / -8 (vmax:
+    the first value of largest |x|), n = min(15, trunc(x / d + 8.5)) - 8; both times x / d as x * (1 / d)
+    (0 where d = 0) -> (n int8 (..., D), d f16 (..., D/32)); the values are n * f16(d)."""
     x = np.asarray(x, np.float32)
     b = x.reshape(*x.shape[:-1], -1, 32)
-    d = (np.abs(b).max(axis=-1) / np.float32(127)).astype(np.float32)
-    inv = np.where(d > 0, np.float32(1) / np.where(d > 0, d, 1), 0).astype(np.float32)
-    q = np.clip(np.round(b * inv[..., None]), -127, 127).astype(np.int8)
-    return q.reshape(x.shape), d.astype(np.float16)
+    if kind == "q8_0":
+        d = (np.abs(b).max(axis=-1) / np.float32(127)).astype(np.float32)
+    else:
+        vmax = np.take_along_axis(b, np.abs(b).argmax(axis=-1)[..., None], axis=-1)[..., 0]
+        d = (vmax / np.float32(-8)).astype(np.float32)
+    inv = np.where(d != 0, np.float32(1) / np.where(d != 0, d, 1), 0).astype(np.float32)
+    y = b * inv[..., None]
+    if kind == "q8_0":
+        n = np.clip(np.round(y), -127, 127)
+    else:
+        n = np.minimum(15, np.trunc(y + np.float32(8.5))) - 8
+    return n.astype(np.int8).reshape(x.shape), d.astype(np.float16)
 
 
-def q8_kv_dequantize(q: np.ndarray, d: np.ndarray) -> np.ndarray:
-    """The values a q8_0 cache holds: q * f16(d) in f32."""
+def kv_dequantize(q: np.ndarray, d: np.ndarray) -> np.ndarray:
+    """The values a quantised cache holds: n * f16(d) in f32."""
     b = q.reshape(*q.shape[:-1], -1, 32).astype(np.float32) * d.astype(np.float32)[..., None]
     return b.reshape(q.shape)
 
 
-def q8_kv_pack(q: np.ndarray, d: np.ndarray) -> np.ndarray:
-    """The u32 words of a q8_0 cache (Hkv, ctx, D): signed bytes, then scales two per word."""
+def kv_pack(q: np.ndarray, d: np.ndarray, kind: str = "q8_0") -> np.ndarray:
+    """The u32 words of a quantised cache (Hkv, ctx, D): every row's values (q8_0: signed bytes, the
+    first value in the low byte; q4_0: nibbles n + 8, value 8i + j of a row in bits 4j of its word i),
+    then every row's scales, two per word."""
     hkv, ctx, dim = q.shape
-    data = np.ascontiguousarray(q).view(np.uint8).reshape(-1).view(np.uint32)
+    if kind == "q8_0":
+        data = np.ascontiguousarray(q).view(np.uint8).reshape(-1).view(np.uint32)
+    else:
+        nib = (q.astype(np.int32) + 8).astype(np.uint32).reshape(-1, 8)
+        data = (nib << (4 * np.arange(8, dtype=np.uint32))).sum(axis=-1, dtype=np.uint32)
     sw = -(-dim // 64)
     scales = np.zeros((hkv, ctx, 2 * sw), np.float16)
     scales[..., :d.shape[-1]] = d
     return np.concatenate([data, scales.reshape(-1).view(np.uint32)])
 
 
-def q8_kv_unpack(words: np.ndarray, hkv: int, ctx: int, dim: int) -> tuple[np.ndarray, np.ndarray]:
-    """q8_kv_pack's inverse: (q int8 (Hkv, ctx, D), d f16 (Hkv, ctx, D/32))."""
+def kv_unpack(words: np.ndarray, hkv: int, ctx: int, dim: int, kind: str = "q8_0") -> tuple[np.ndarray, np.ndarray]:
+    """kv_pack's inverse: (n int8 (Hkv, ctx, D), d f16 (Hkv, ctx, D/32))."""
     words = np.asarray(words, np.uint32)
-    n = hkv * ctx * dim // 4
-    q = words[:n].view(np.int8).reshape(hkv, ctx, dim)
+    n = hkv * ctx * dim * KV_BITS[kind] // 32
+    if kind == "q8_0":
+        q = words[:n].view(np.int8).reshape(hkv, ctx, dim)
+    else:
+        nib = (words[:n, None] >> (4 * np.arange(8, dtype=np.uint32))) & 15
+        q = (nib.astype(np.int8) - 8).reshape(hkv, ctx, dim)
     d = words[n:].view(np.float16).reshape(hkv, ctx, -1)[..., :dim // 32]
     return q, d

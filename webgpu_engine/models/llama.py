@@ -20,7 +20,7 @@ from ..gpu import Device
 from ..kernels import matmul as mm
 from ..kernels import nn
 from ..kernels.common import DTYPE_SIZE, Op, OpCache, Tensor, new_tensor, pipeline_keys
-from ..kernels.kv_quant import q8_cache_words, rope_kv_q8
+from ..kernels.kv_quant import KV_QUANTS, rope_kv_quant
 from ..loaders.model_config import LlamaConfig
 from ..loaders.tensor_info import split_fused
 from . import decoder
@@ -87,9 +87,9 @@ class ContiguousKV:
 
     def rope_kv(self, i: int, qkv: Tensor, T: int, rope: dict):
         m, c = self.m, self.m.cfg
-        if m.kv_cache_dtype == "q8_0":   # rope and the quantising write in one dispatch
-            return rope_kv_q8(m.dev, qkv, m.k_cache[i], m.v_cache[i], m.step, n_q_heads=c.n_heads,
-                              n_kv_heads=c.n_kv_heads, head_dim=c.head_dim, ctx=m.ctx, **rope)
+        if m.kv_cache_dtype in KV_QUANTS:     # rope and the quantising write in one dispatch
+            return rope_kv_quant(m.dev, qkv, m.k_cache[i], m.v_cache[i], m.step, n_q_heads=c.n_heads,
+                                 n_kv_heads=c.n_kv_heads, head_dim=c.head_dim, ctx=m.ctx, **rope)
         return nn.rope_kv(m.dev, qkv, m.k_cache[i], m.v_cache[i], m.step, n_q_heads=c.n_heads,
                           n_kv_heads=c.n_kv_heads, head_dim=c.head_dim, ctx=m.ctx, **rope)
 
@@ -106,7 +106,7 @@ class LlamaModel:
                  context_window: int = 4096, prefill_chunk: int = 256, dtype: str = "f32",
                  max_total_bytes: int = DEFAULT_MAX_TOTAL_BYTES, progress=None, kv_cache_dtype: str = ""):
         self.dev, self.cfg, self.owner, self.dtype = dev, cfg, owner, dtype
-        self.kv_cache_dtype = "" if kv_cache_dtype == dtype else kv_cache_dtype   # "q8_0" or "" (= dtype)
+        self.kv_cache_dtype = "" if kv_cache_dtype == dtype else kv_cache_dtype   # "q8_0", "q4_0" or "" (= dtype)
         self.ctx = model_context(cfg, context_window)
         self.chunk = prefill_rows(prefill_chunk, self.ctx)
         self.rope_factors = cfg.rope_factors_for(self.ctx)
@@ -231,8 +231,8 @@ class LlamaModel:
         self.part = new_tensor(dev, (P * c.hidden_size // 4,), "f32", owner=own, label="norm_partials")
         self.logits = new_tensor(dev, (1, c.vocab_size), dt, owner=own, label="logits")
         shape, kdt = (c.n_kv_heads, self.ctx, c.head_dim), dt
-        if self.kv_cache_dtype == "q8_0":       # signed bytes and scales in u32 words (kernels/kv_quant.py)
-            shape, kdt = (q8_cache_words(c.n_kv_heads, self.ctx, c.head_dim),), "u32"
+        if self.kv_cache_dtype in KV_QUANTS:    # codes and scales in u32 words (kernels/kv_quant.py)
+            shape, kdt = (KV_QUANTS[self.kv_cache_dtype].cache_words(c.n_kv_heads, self.ctx, c.head_dim),), "u32"
         self.k_cache = [new_tensor(dev, shape, kdt, owner=own, label=f"k_cache.{i}") for i in range(c.n_layers)]
         self.v_cache = [new_tensor(dev, shape, kdt, owner=own, label=f"v_cache.{i}") for i in range(c.n_layers)]
         self.kv = ContiguousKV(self)

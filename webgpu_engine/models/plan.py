@@ -10,12 +10,12 @@ from dataclasses import dataclass
 
 from ..errors import ContextWindowTooLargeError, ShaderF16SupportError, UnsupportedChatOptionError
 from ..kernels.common import DTYPE_SIZE
-from ..kernels.kv_quant import kv_row_bytes, q8_supported
+from ..kernels.kv_quant import KV_QUANTS, KV_BLOCK, kv_row_bytes, quant_supported
 
 # KV-pool blocks when no size is asked for: max_num_sequences full contexts, at most this many tokens
 # beyond two contexts (preemption and prefix sharing cover the rest)
 POOL_TOKENS_CAP = 8192
-KV_CACHE_DTYPES = ("auto", "f16", "f32", "q8_0")     # chat_config.kv_cache_dtype
+KV_CACHE_DTYPES = ("auto", "f16", "f32") + tuple(KV_QUANTS)     # chat_config.kv_cache_dtype
 
 
 def activation_dtype(dtype: str, dev) -> str:
@@ -70,7 +70,7 @@ class DecoderPlan:
     max_sequences: int         # decoded together; 1: one request at a time, no paged pool
     kv_block_size: int = 16    # tokens per paged KV block
     kv_pool_blocks: int = 0    # blocks of the paged pool (0 when max_sequences is 1)
-    kv_cache_dtype: str = ""   # the KV cache and pool: "q8_0" (kernels/kv_quant.py), or "" (= dtype)
+    kv_cache_dtype: str = ""   # the KV cache and pool: "q8_0" / "q4_0" (kernels/kv_quant.py), or "" (= dtype)
 
     @property
     def act_bytes(self) -> int:
@@ -99,18 +99,18 @@ def resolve_max_sequences(dev, chat_config) -> int:
 
 
 def kv_cache_dtype(cfg, chat_config, dtype: str) -> str:
-    """The KV caches' dtype beyond the activations' ("" for none): chat_config.kv_cache_dtype "q8_0"
-    where the heads allow it; "f16" / "f32" are the activations' own."""
+    """The KV caches' dtype beyond the activations' ("" for none): chat_config.kv_cache_dtype "q8_0" or
+    "q4_0" where the heads allow it; "f16" / "f32" are the activations' own."""
     want = getattr(chat_config, "kv_cache_dtype", "auto")
     if want in ("auto", dtype):
         return ""
     if want in ("f16", "f32"):
         raise UnsupportedChatOptionError("kv_cache_dtype", want, (
             f"an {want} KV cache goes with {want} activations: load with dtype {want!r} (or \"auto\"), "
-            f"or use kv_cache_dtype \"q8_0\""))
-    if not q8_supported(cfg.head_dim):
+            f"or use kv_cache_dtype \"q8_0\" or \"q4_0\""))
+    if not quant_supported(cfg.head_dim):
         raise UnsupportedChatOptionError("kv_cache_dtype", want, (
-            f"a q8_0 KV cache needs a head_dim that is a multiple of 32; this model's is {cfg.head_dim}"))
+            f"a {want} KV cache needs a head_dim that is a multiple of {KV_BLOCK}; this model's is {cfg.head_dim}"))
     return want
 
 

@@ -1,14 +1,15 @@
-// rope_kv_q8: rope_kv (rope.wgsl) for a q8_0 cache (kv_quant.wgsl's layout) in one dispatch: the q
+// rope_kv_quant: rope_kv (rope.wgsl) for a quantised cache (kv_quant.wgsl's layout) in one dispatch: the q
 // heads of qkv rows t < n_new rotated in place at position pos0 + t, and each row's k heads (rotated
 // here, in f32) and v heads quantised into cache row h*ctx + pos0 + t. The k heads in qkv are left as
 // they were (attention reads keys from the cache).
 //   lanes [0, T*Hq*units): rope.wgsl's units over the q heads (h_lo 0, n_h = n_rot = Hq);
 //   the rest: a lane per (t, k|v, kv head, scale word w), blocks 2w and 2w + 1 (kv_quant's).
 // Built after sincos.wgsl and rope.wgsl (the host prepends them: Params, bindings 0-3, locate,
-// rotate, rot) and q8_write.wgsl (the quantising); the header supplies D4, SW and Q8_SOFF.
+// rotate, rot) and quant_write.wgsl (the quantising); the header supplies D4, KV_BITS, KV_VPW, SW and
+// KV_SOFF, then kv_blocks.wgsl.
 
-@group(0) @binding(4) var<storage, read_write> kq8: array<u32>;
-@group(0) @binding(5) var<storage, read_write> vq8: array<u32>;
+@group(0) @binding(4) var<storage, read_write> kq: array<u32>;
+@group(0) @binding(5) var<storage, read_write> vq: array<u32>;
 
 // element e of the head whose first vec2 is `src`, rotated at `pos` when `turn` (a k head)
 fn head_value(src: u32, e: u32, pos: u32, turn: bool) -> f32 {
@@ -25,18 +26,18 @@ fn head_value(src: u32, e: u32, pos: u32, turn: bool) -> f32 {
     return rot(pair.x, pair.y, pos, e / 2u)[e % 2u];
 }
 
-// q8_write.wgsl's value source (a k head rotated at `pos` in f32) and sink (the two caches)
-fn q8_src(src: u32, e: u32, pos: u32, v: u32) -> f32 {
+// quant_write.wgsl's value source (a k head rotated at `pos` in f32) and sink (the two caches)
+fn kv_src(src: u32, e: u32, pos: u32, v: u32) -> f32 {
     return head_value(src, e, pos, v == 0u);
 }
 
-fn q8_put(v: u32, i: u32, w: u32) {
-    if (v == 0u) { kq8[i] = w; } else { vq8[i] = w; }
+fn kv_put(v: u32, i: u32, w: u32) {
+    if (v == 0u) { kq[i] = w; } else { vq[i] = w; }
 }
 
 @compute @workgroup_size(64)
-fn rope_kv_q8(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
-              @builtin(local_invocation_index) lid: u32) {
+fn rope_kv_quant(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                 @builtin(local_invocation_index) lid: u32) {
     let i = (wid.y * nwg.x + wid.x) * WG + lid;
     let n_rope = p.rows * p.n_h * p.units;
     if (i < n_rope) {
@@ -55,5 +56,5 @@ fn rope_kv_q8(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nw
     let v = r / (p.n_kv * SW);                 // 0: k, 1: v
     let h = (r / SW) % p.n_kv;
     let w = r % SW;
-    q8_write(p.qkv_off + (t * p.heads + p.k_lo + v * p.n_kv + h) * p.hd2, pos, v, w, h * p.ctx + pos);
+    quant_write(p.qkv_off + (t * p.heads + p.k_lo + v * p.n_kv + h) * p.hd2, pos, v, w, h * p.ctx + pos);
 }
