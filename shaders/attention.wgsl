@@ -6,11 +6,15 @@
 //                  reads kv head h / (Hq/Hkv). out (T, Hq*D). Rows t >= n_new are skipped.
 //                  Workgroup per (block of 64 queries, G heads of one kv head), lane per query;
 //                  dispatch nblk*Hq/G workgroups.
-//   attn_split:    decode (T == 1), flash-decoding: lane per (split s, G heads of one kv head)
-//                  attends keys [s*chunk, (s+1)*chunk) ∩ [0, pos0] and writes (acc, max, sum)
+//   attn_split:    decode, flash-decoding: lane per (row t, split s, G heads of one kv head) attends
+//                  keys [s*chunk, (s+1)*chunk) ∩ [0, pos0 + t] and writes (acc, max, sum)
 //                  partials. Splits past the live context exit at once, so the op is built once
-//                  for ctx. dispatch ceil(n_splits*Hq/G / SWG) (SWG: a header constant).
-//   attn_combine:  out[h] = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s; lane per (h, d4).
+//                  for ctx. dispatch ceil(T*n_splits*Hq/G / SWG) (SWG: a header constant). T rows
+//                  (speculative decoding's verify): each row a decode step at its own position, a
+//                  row of at most short_keys keys in the short form (split 0's lane attends all its
+//                  keys, as attn_decode1, and stores the output; its other splits exit).
+//   attn_combine:  out[t, h] = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s; lane per (t, h, d4)
+//                  (rows of the short form: nothing to do).
 //   attn_decode1:  decode over few keys: lane per G heads, all keys, output stored directly.
 //   Sliding windows (p.window > 0) mask keys at or below p - window in the causal kernels; whole
 //   blocks and splits before a query's window are skipped.
@@ -35,7 +39,7 @@ struct Params {
     n_blk: u32,     // query blocks of 64 per sequence (attn_causal, attn_bidir)
     window: u32,    // sliding window: query at position p sees keys > p - window (0: all keys)
     softcap: f32,   // scores s -> softcap * tanh(s / softcap) (Gemma 2; 0: none)
-    _p3: u32,
+    short_keys: u32,// decode rows: a row of at most this many keys takes the short form in attn_split
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
@@ -50,6 +54,7 @@ struct Params {
 @group(0) @binding(4) var<storage, read> vcq: array<u32>;
 @group(0) @binding(5) var<storage, read_write> out: array<act4>;    // (T, Hq*D)
 @group(0) @binding(5) var<storage, read_write> part: array<vec4<f32>>;   // (Hq, n_splits, D4+1)
+@group(0) @binding(6) var<storage, read_write> out_s: array<act4>;  // attn_split's short-form rows
 @group(0) @binding(2) var<storage, read_write> part_in: array<vec4<f32>>;
 @group(0) @binding(3) var<storage, read_write> out_c: array<act4>;
 
@@ -123,19 +128,22 @@ fn attend(kb: u32, ks: u32, vb: u32, vs: u32, j_start: u32, n: u32, lo: u32, lim
 }
 
 // outputs g in [g_lo, G) are stored at ob + g*os
+fn out_at(g: u32, d: u32) -> act4 {
+    // an empty key range (a length-0 sequence) gives zeros rather than 0/0
+    let l = sv_get(l_run, g);
+    return act4(acc_get(g, d) * select(0.0, 1.0 / l, l > 0.0));
+}
+
 fn store_out(ob: u32, os: u32, g_lo: u32) {
     for (var g = g_lo; g < G; g++) {
-        // an empty key range (a length-0 sequence) gives zeros rather than 0/0
-        let l = sv_get(l_run, g);
-        let inv = select(0.0, 1.0 / l, l > 0.0);
-        for (var d = 0u; d < D4; d++) { out[ob + g * os + d] = act4(acc_get(g, d) * inv); }
+        for (var d = 0u; d < D4; d++) { out[ob + g * os + d] = out_at(g, d); }
     }
 }
 
-// partials of heads h0 .. h0+G-1 for split s
-fn store_partial(h0: u32, s: u32) {
+// partials of heads h0 .. h0+G-1 of row t for split s
+fn store_partial(t: u32, h0: u32, s: u32) {
     for (var g = 0u; g < G; g++) {
-        let pb = ((h0 + g) * p.n_splits + s) * (D4 + 1u);
+        let pb = ((t * p.hq + h0 + g) * p.n_splits + s) * (D4 + 1u);
         for (var d = 0u; d < D4; d++) { part[pb + d] = acc_get(g, d); }
         part[pb + D4] = vec4<f32>(sv_get(m_run, g), sv_get(l_run, g), 0.0, 0.0);
     }
@@ -171,17 +179,33 @@ fn attn_split(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nw
               @builtin(local_invocation_index) lid: u32) {
     let i = (wid.y * nwg.x + wid.x) * SWG + lid;
     let n_hg = p.hq / G;                     // head groups of G
-    let s = i / n_hg;
+    let per_row = p.n_splits * n_hg;
+    let t = i / per_row;
+    if (t >= p.rows) { return; }
+    let s = (i % per_row) / n_hg;
     let h0 = (i % n_hg) * G;
-    let n_keys = min(step[0] + 1u, p.ctx);
-    let lo = window_lo(step[0]);
+    let pos = step[0] + t;
+    let n_keys = min(pos + 1u, p.ctx);
+    let lo = window_lo(pos);
+    let qb = p.qkv_off + (t * p.heads + h0) * D4;
+    if (n_keys <= p.short_keys) {            // this row's short form (attn_decode1's lane)
+        if (s != 0u) { return; }
+        load_q(qb, D4);
+        let cb = (h0 / p.group) * p.ctx * D4;
+        attend(p.kc_off + cb, D4, p.vc_off + cb, D4, (lo / BLK) * BLK, n_keys, lo, n_keys);
+        let ob = p.out_off + (t * p.hq + h0) * D4;
+        for (var g = 0u; g < G; g++) {
+            for (var d = 0u; d < D4; d++) { out_s[ob + g * D4 + d] = out_at(g, d); }
+        }
+        return;
+    }
     let k0 = s * p.chunk;
-    if (s >= p.n_splits || k0 >= n_keys || k0 + p.chunk <= lo) { return; }
-    load_q(p.qkv_off + h0 * D4, D4);
+    if (k0 >= n_keys || k0 + p.chunk <= lo) { return; }
+    load_q(qb, D4);
     let cb = ((h0 / p.group) * p.ctx + k0) * D4;
     let n = min(p.chunk, n_keys - k0);
     attend(p.kc_off + cb, D4, p.vc_off + cb, D4, 0u, n, max(lo, k0) - k0, n);
-    store_partial(h0, s);
+    store_partial(t, h0, s);
 }
 
 // attn_decode1: decode (T == 1) while the live keys are few (the host picks it over attn_split +
@@ -205,14 +229,17 @@ fn attn_decode1(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
 fn attn_combine(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                 @builtin(local_invocation_index) lid: u32) {
     let i = flat(wid, nwg, lid);
-    let h = i / D4;
+    let h = (i / D4) % p.hq;
     let d = i % D4;
-    if (h >= p.hq) { return; }
-    let n_keys = min(step[0] + 1u, p.ctx);
+    let t = i / (D4 * p.hq);
+    if (t >= p.rows) { return; }
+    let pos = step[0] + t;
+    let n_keys = min(pos + 1u, p.ctx);
+    if (n_keys <= p.short_keys) { return; }
     let n_act = (n_keys + p.chunk - 1u) / p.chunk;
-    let s_lo = window_lo(step[0]) / p.chunk;     // splits before the window wrote nothing
+    let s_lo = window_lo(pos) / p.chunk;         // splits before the window wrote nothing
     let stride = D4 + 1u;
-    let hb = h * p.n_splits * stride;
+    let hb = (t * p.hq + h) * p.n_splits * stride;
     var mx = -3.0e38;
     for (var s = s_lo; s < n_act; s++) { mx = max(mx, part_in[hb + s * stride + D4].x); }
     var l = 0.0;
@@ -223,7 +250,7 @@ fn attn_combine(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
         l += w * ml.y;
         o += w * part_in[hb + s * stride + d];
     }
-    out_c[p.out_off + h * D4 + d] = act4(o / l);
+    out_c[p.out_off + (t * p.hq + h) * D4 + d] = act4(o / l);
 }
 
 @compute @workgroup_size(64)

@@ -259,3 +259,40 @@ def test_wide_heads_prefill_and_decode(device, hq, hkv, d):
                              scale=d ** -0.5, min_chunk=16))
     np.testing.assert_allclose(get(device, out1), nn_ref.causal_attention(qkv[:1, :hq], kc, vc, 40, d ** -0.5),
                                **TOL["f32"])
+
+
+@pytest.mark.parametrize("dtype,window,softcap", [("f32", 0, 0.0), ("f16", 0, 0.0), ("f32", 40, 1.5)])
+def test_decode_rows_equal_decode_steps(device, dtype, window, softcap):
+    """decode_rows (speculative decoding's verify): row t of T rows at pos0 + t gives, bit for bit,
+    what the one-row decode op gives at that position with the live-key form the decode path picks
+    (record(n_keys=position + 1): short up to op.max_keys, split-key beyond), rows of both forms
+    in one op; with every row short, the split dispatch alone gives the same."""
+    rng = np.random.default_rng(33 + window)
+    hq, hkv, d, ctx, T = 9, 3, 64, 512, 6
+    kw = dict(n_q_heads=hq, n_kv_heads=hkv, head_dim=d, ctx=ctx, scale=d ** -0.5, window=window, softcap=softcap)
+    (qkv, kc, vc), (qt, kt, vt) = _setup(device, rng, dtype, T, ctx, hq, hkv, d, ctx)
+    out, step = empty(device, (T, hq * d), dtype), step_buf(device, 0, T)
+    rows = nn.attention(device, qt, kt, vt, out, step, max_t=T, decode_rows=True, **kw)
+    one_q, one_out, one_step = empty(device, (1, hq + 2 * hkv, d), dtype), empty(device, (1, hq * d), dtype), \
+        step_buf(device, 0, 1)
+    one = nn.attention(device, one_q, kt, vt, one_out, one_step, **kw)
+    assert rows.max_keys == one.max_keys and len(rows.short) == 1
+    q_rows = rounded(qkv, dtype).astype({"f32": np.float32, "f16": np.float16}[dtype])
+    for pos0 in (0, rows.max_keys - T + 1, rows.max_keys - 2, 300):
+        set_step(device, step, pos0, T)
+        forms = [None] + ([pos0 + T] if pos0 + T <= rows.max_keys else [])
+        for n_keys in forms:
+            b = device.batch()
+            rows.record(b, n_keys=n_keys)
+            device.submit(b)
+            got = get(device, out)
+            for t in range(T):
+                device.write(one_q.buf, np.ascontiguousarray(q_rows[t:t + 1]), one_q.offset)
+                set_step(device, one_step, pos0 + t, 1)
+                b = device.batch()
+                one.record(b, n_keys=pos0 + t + 1)
+                device.submit(b)
+                assert np.array_equal(get(device, one_out)[0], got[t]), f"pos0={pos0} row {t} {n_keys=}"
+        ref = nn_ref.causal_attention(rounded(qkv, dtype)[:, :hq], rounded(kc, dtype), rounded(vc, dtype), pos0,
+                                      d ** -0.5, window=window, softcap=softcap)
+        np.testing.assert_allclose(got, ref, **TOL[dtype], err_msg=f"pos0={pos0}")

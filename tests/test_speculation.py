@@ -48,7 +48,16 @@ def test_speculation_option_forms():
 
 
 async def _reference(pipe, messages, n: int) -> list[int]:
-    """n greedy tokens, one forward each through the prefill's kernels (no guesses)."""
+    """n greedy tokens without guesses: where verify rows are decode steps (exact_verify: the CPU
+    family) the default decode path's, else one forward each through the prefill's kernels."""
+    if pipe.model.exact_verify:
+        spec, pipe.speculation = pipe.speculation, None
+        try:
+            out = await _generate(pipe, messages, max_tokens=n, ignore_eos=True)
+        finally:
+            pipe.speculation = spec
+        pipe.reset_chat(keep_stats=True)
+        return out
     gen = GenerationConfig(temperature=0.0)
     pipe.reset_chat(keep_stats=True)
     out = [await pipe.forward_tokens_and_sample(pipe.prompt_ids(messages, None), True, gen)]
@@ -94,6 +103,49 @@ async def test_greedy_answers_equal_one_token_per_forward(device, tiny):
     finally:
         pipe.dispose()
     assert accepted > 0                      # guesses were taken, not only rejected
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+async def test_verify_rows_are_decode_steps_bit_for_bit(device, tmp_path, arch):
+    """On the CPU family (exact_verify: lavapipe) the logits of T verify rows at pos0 .. pos0+T-1
+    equal, bit for bit, those of T decode steps (the default path's fused kernels, its attention
+    in the form each position takes): rows in one group of 4 and in two, positions where every row
+    takes the short attention form and where the last rows take the split-key one."""
+    import struct
+    import numpy as np
+    path = write_tiny_llama_gguf(tmp_path / "m.gguf", arch=arch, qtype="q8_0", context_length=2048)["path"]
+    pipe = await LLMChatPipeline.load(device, path, ChatConfig(context_window_size=2048, compile_at_load=False))
+    m = pipe.model
+    try:
+        assert m.exact_verify                # lavapipe runs the CPU family: fused_rows
+        max_keys = max(op.max_keys for op in m.decode_ops)
+        V, np_dt = m.cfg.vocab_size, {"f32": np.float32, "f16": np.float16}[m.dtype]
+        rng = np.random.default_rng(3)
+
+        async def logits(t):
+            return np.frombuffer(await device.read(t.buf, t.offset, t.nbytes), np_dt).copy()
+        assert max_keys + 3 < m.ctx
+        for pos0, T in ((20, 4), (max_keys - 3, 6)):
+            ids = [int(i) for i in rng.integers(3, V, pos0 + T)]
+            for chunk in range(0, pos0, m.chunk):          # the prompt's rows, then the steps
+                b = device.batch()
+                m.record_prefill(b, ids[chunk:min(pos0, chunk + m.chunk)], chunk, with_head=False)
+                device.submit(b)
+            steps = []
+            for t in range(T):
+                device.write(m.ids.buf, struct.pack("<I", ids[pos0 + t]), m.ids.offset)
+                b = device.batch()
+                m.record_decode(b, pos0 + t)
+                device.submit(b)
+                steps.append(await logits(m.logits))
+            b = device.batch()
+            rows = m.record_verify(b, ids[pos0:], pos0)
+            device.submit(b)
+            for t in range(T):
+                got = await logits(rows[t])
+                assert np.array_equal(got, steps[t]), (pos0, T, t, np.abs(got - steps[t]).max())
+    finally:
+        pipe.dispose()
 
 
 async def test_stop_strings_max_tokens_and_logprobs(device, tiny):

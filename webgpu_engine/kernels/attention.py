@@ -133,14 +133,17 @@ def attention(dev: Device, qkv: Tensor, k_cache: Tensor, v_cache: Tensor, out: T
               n_q_heads: int, n_kv_heads: int, head_dim: int, ctx: int, scale: float,
               max_t: int | None = None, min_chunk: int | None = None, max_splits: int = 128,
               heads_per_lane: int | None = None, split_wg: int | None = None,
-              causal: bool = False, window: int = 0, softcap: float = 0.0) -> Op:
+              causal: bool = False, window: int = 0, softcap: float = 0.0, decode_rows: bool = False) -> Op:
     """Causal attention of the q heads of qkv (T, Hq+2Hkv, D) over the caches (Hkv, ctx, D), which
     already hold this step's keys: query t (position pos0+t) sees keys 0..pos0+t; head h reads kv
     head h // (Hq/Hkv). out (T, Hq*D). Rows t >= step.n_new are skipped (n_new 0: all T rows).
     max_t (default T) rows are dispatched; max_t == 1 takes the split-key decode path (2 dispatches),
     sized once for ctx: splits past the live context exit at once; `causal` keeps the prefill
     kernel for one row too (a query's result then does not depend on how many rows run with it:
-    every query folds its keys in the same 16-key blocks from key 0). `window` > 0: a sliding
+    every query folds its keys in the same 16-key blocks from key 0); `decode_rows`: each of the
+    max_t rows as the decode path attends for one row at its position (the short form up to
+    op.max_keys keys, split-key beyond, chosen per row: a row's output equals that decode step's;
+    record(n_keys=pos0 + T) leaves out the combine when no row needs it). `window` > 0: a sliding
     window, query at position p sees keys p-window+1..p only (Mistral, Gemma's local layers);
     `softcap` > 0: scores s become softcap*tanh(s/softcap) (Gemma 2). f16 caches are read 8 halves
     per load when head_dim % 8 == 0 and the cache offsets are 16-byte aligned.
@@ -174,7 +177,7 @@ def attention(dev: Device, qkv: Tensor, k_cache: Tensor, v_cache: Tensor, out: T
     cpu = dev.info.adapter_type.upper() == "CPU"
     # f16 caches are read 8 halves per load when head rows and cache offsets are 16-byte aligned
     packed = dt == "f16" and not quant and head_dim % 8 == 0 and ko % 2 == 0 and vo % 2 == 0
-    if t_max > 1 or causal:
+    if (t_max > 1 or causal) and not decode_rows:
         n_blk = -(-t_max // WG)
         par = params(dev, [t_max, n_q_heads, group, heads, ctx, 0, 0, float(scale), qo, ko, vo, oo,
                            n_blk, int(window), float(softcap), 0], owner=owner, label=k)
@@ -189,28 +192,33 @@ def attention(dev: Device, qkv: Tensor, k_cache: Tensor, v_cache: Tensor, out: T
                    par, [_step_entry(step), qe, ke, ve, oe], n_blk * (n_q_heads // g) * WG)
     min_chunk = min_chunk or (128 if cpu else 32)
     chunk, n_splits = decode_splits(ctx, min_chunk=min_chunk, max_splits=max_splits)
-    part = dev.buffer(n_q_heads * n_splits * (head_dim // 4 + 1) * 16, owner=owner, label="attention.partials")
-    par = params(dev, [1, n_q_heads, group, heads, ctx, chunk, n_splits, float(scale), qo, ko, vo, oo,
-                       0, int(window), float(softcap), 0], owner=owner, label=k)
     swg = split_wg or (8 if cpu else WG)
-    header = _attn_header(dt, head_dim, g, swg, packed, windowed=window > 0, capped=softcap > 0, quant=quant)
-    entries = [_step_entry(step), qe, ke, ve, (part, 0, part.size)]
-    pipe = dev.pipeline("attention.wgsl", "attn_split", header=header)
-    op = Op(name=k, buffers=[par])
-    x, y = _grid(-(-n_splits * n_q_heads // g // swg) * WG, k)
-    op.add(pipe, dev.bind(pipe, [par] + entries), x, y)
-    comb = dev.pipeline("attention.wgsl", "attn_combine", header=header)
-    x, y = _grid(n_q_heads * head_dim // 4, k)
-    op.add(comb, dev.bind(comb, [par, _step_entry(step), (part, 0, part.size), oe]), x, y)
-    op.buffers.append(part)
     # the short form for steps whose live keys fit the splits one workgroup holds (one split on a
     # GPU, where the lanes of a workgroup run in parallel; on a CPU adapter a workgroup's lanes take
     # turns, so several splits in one workgroup gain nothing): one dispatch, no partials
     n_hg = n_q_heads // g
+    max_keys = chunk * (max(1, swg // n_hg) if cpu else 1)
+    T = t_max if decode_rows else 1
+    part = dev.buffer(T * n_q_heads * n_splits * (head_dim // 4 + 1) * 16, owner=owner, label="attention.partials")
+    par = params(dev, [T, n_q_heads, group, heads, ctx, chunk, n_splits, float(scale), qo, ko, vo, oo,
+                       0, int(window), float(softcap), max_keys if decode_rows else 0], owner=owner, label=k)
+    header = _attn_header(dt, head_dim, g, swg, packed, windowed=window > 0, capped=softcap > 0, quant=quant)
+    entries = [_step_entry(step), qe, ke, ve, (part, 0, part.size), oe]
+    pipe = dev.pipeline("attention.wgsl", "attn_split", header=header)
+    op = Op(name=k, buffers=[par])
+    x, y = _grid(-(-T * n_splits * n_q_heads // g // swg) * WG, k)
+    op.add(pipe, dev.bind(pipe, [par] + entries), x, y)
+    comb = dev.pipeline("attention.wgsl", "attn_combine", header=header)
+    x, y = _grid(T * n_q_heads * head_dim // 4, k)
+    op.add(comb, dev.bind(comb, [par, _step_entry(step), (part, 0, part.size), oe]), x, y)
+    op.buffers.append(part)
+    op.max_keys = max_keys
+    if decode_rows:                  # every row short (the longest's keys <= max_keys): no combine
+        op.short = op.dispatches[:1]
+        return op
     one = dev.pipeline("attention.wgsl", "attn_decode1", header=header)
     x, y = _grid(-(-n_hg // swg) * WG, k)
     op.short = [(one, dev.bind(one, [par, _step_entry(step), qe, ke, ve, oe]), x, y, 1)]
-    op.max_keys = chunk * (max(1, swg // n_hg) if cpu else 1)
     return op
 
 

@@ -99,6 +99,23 @@ class ContiguousKV:
                             scale=spec.scale, max_t=T, causal=mode != decoder.DECODE, **spec.masking())
 
 
+class VerifyRowsKV(ContiguousKV):
+    """ContiguousKV for speculative decoding's verify rows (ROWS mode) where the device runs
+    fused_rows (the CPU family): row t, at position pos0 + t, goes through the DECODE plan's fused
+    kernels and the decode attention at its own position (nn.attention decode_rows), so its logits
+    are, bit for bit, those of the decode step at that position."""
+
+    fused_rows = True
+
+    def logits_for(self, rows: int) -> Tensor:
+        return self.m.verify_logits.view((rows, self.m.cfg.vocab_size))
+
+    def attention(self, i: int, qkv: Tensor, attn: Tensor, T: int, mode: str, spec: decoder.Attention):
+        m = self.m
+        return nn.attention(m.dev, qkv, m.k_cache[i], m.v_cache[i], attn, m.step, **spec.heads(), ctx=m.ctx,
+                            scale=spec.scale, max_t=T, decode_rows=True, **spec.masking())
+
+
 class LlamaModel:
     """One loaded decoder: weights, KV cache and activations, all owned by `owner`."""
 
@@ -302,16 +319,36 @@ class LlamaModel:
             rows = new_tensor(self.dev, (self.VERIFY_ROWS * stride,), self.dtype, owner=self.owner,
                               label="row_logits")
             self._row_logits = [rows.view((1, c.vocab_size), r * stride) for r in range(self.VERIFY_ROWS)]
+            if self.exact_verify:            # the verify forward's (T, V) logits
+                self.verify_logits = new_tensor(self.dev, (self.VERIFY_ROWS, c.vocab_size), self.dtype,
+                                                owner=self.owner, label="verify_logits")
         return self._row_logits[:n]
 
+    @property
+    def exact_verify(self) -> bool:
+        """Whether verify rows are computed as decode steps compute them (VerifyRowsKV: the fused
+        one-row kernels over rows, fused_rows), else with the prefill's row-invariant kernels."""
+        return mm.fused_rows_ok(self.dev)
+
     def record_verify(self, batch, ids: list[int], pos0: int) -> list[Tensor]:
-        """Record the PREFILL forward of ids at pos0.. with every row's LM head (decoder.row_heads)
-        into `batch`; returns the logits rows."""
+        """Record the forward of ids at pos0.. with every row's logits into `batch`; returns the
+        logits rows. exact_verify: row t's logits are those of the decode step at pos0 + t (the
+        DECODE plan's fused kernels over rows, each row's attention in the decode form of its own
+        length); else the PREFILL forward with every row's LM head as a one-row prefill's
+        (decoder.row_heads)."""
         T = len(ids)
         outs = self.row_logits(T)
+        if not self.exact_verify:
+            if T not in self._verify_ops:
+                self._verify_ops[T] = decoder.row_heads(self, self.kv, T, outs)
+            self._record_rows(batch, ids, pos0, self.ops_for(T, False) + self._verify_ops[T])
+            return outs
         if T not in self._verify_ops:
-            self._verify_ops[T] = decoder.row_heads(self, self.kv, T, outs)
-        self._record_rows(batch, ids, pos0, self.ops_for(T, False) + self._verify_ops[T])
+            self._verify_ops[T] = decoder.forward(self, VerifyRowsKV(self), T, decoder.ROWS, plan=self.decode_plan)
+        self._record_rows(batch, ids, pos0, self._verify_ops[T], n_keys=pos0 + T)
+        row = self.cfg.vocab_size * DTYPE_SIZE[self.dtype]
+        for r, out in enumerate(outs):       # rows at binding-aligned offsets, for the samplers
+            batch.copy(self.verify_logits.buf, out.buf, row, self.verify_logits.offset + r * row, out.offset)
         return outs
 
     def set_step(self, pos0: int, n_new: int) -> None:
@@ -323,14 +360,15 @@ class LlamaModel:
             raise ValueError(f"prefill of {len(ids)} tokens: chunks must have 1..{self.chunk} tokens")
         self._record_rows(batch, ids, pos0, self.ops_for(len(ids), with_head))
 
-    def _record_rows(self, batch, ids: list[int], pos0: int, ops: list[Op]) -> None:
-        """Write the rows' ids and the step (positions pos0..), record `ops` into `batch`."""
+    def _record_rows(self, batch, ids: list[int], pos0: int, ops: list[Op], n_keys: int | None = None) -> None:
+        """Write the rows' ids and the step (positions pos0..), record `ops` into `batch` (n_keys:
+        the longest row's live keys, for ops with a short form)."""
         T = len(ids)
         if pos0 + T > self.ctx:
             raise ContextWindowTooLargeError(f"positions up to {pos0 + T} exceed the context window {self.ctx}")
         self.dev.write(self.ids.buf, struct.pack(f"<{T}I", *ids))
         self.set_step(pos0, T)
-        self._record(batch, ops, None)
+        self._record(batch, ops, n_keys)
 
     def record_decode(self, batch, pos0: int) -> None:
         """Record one decode step at position pos0; its input id is already in `ids[0]`."""
@@ -347,8 +385,9 @@ class LlamaModel:
     def rebuild_decode_ops(self) -> None:
         """Build the decode step's ops again (the kernel choices changed after the constructor built
         them: a profile stored by tuning at load)."""
-        for op in self.decode_ops:
+        for op in self.decode_ops + [op for ops in self._verify_ops.values() for op in ops]:
             op.release()
+        self._verify_ops = {}
         self.decode_ops = self._build(1, True, decode=True)
 
     def release(self) -> None:

@@ -9,14 +9,15 @@ Two ways to guess:
   target's context, so rejected guesses are rolled back by position). Works for any pair of
   families the registry loads.
 
-Exactness: the guesses are checked by a forward over rows [last token, guess 1 .. guess k] whose
-kernels are row-invariant (the prefill's: a row's values do not depend on the other rows), with
-each row's LM head computed as a one-row prefill computes it; row r's token is the one decoding
-would give after the tokens before it. Every step of a request with speculation runs this way (with
-no guess it is a one-row forward), so a greedy answer equals the answer of decoding one token per
-forward with the prefill's kernels, whatever was guessed (tests/test_speculation.py). The default
-decode path's fused one-row kernels sum in another order: an answer with speculation may differ
-from an answer without it in the last bits of a logit, as two GPUs' answers may.
+Exactness: the guesses are checked by a forward over rows [last token, guess 1 .. guess k], row r's
+logits those the row would have alone. Where the device runs the fused one-row kernels over rows
+(LlamaModel.exact_verify: the CPU family, lavapipe) each row is computed as the default decode step
+at its position computes it, bit for bit (the decode plan's fused kernels, the decode attention in
+the form its own length takes): a greedy answer with speculation equals the answer without it,
+whatever was guessed. Elsewhere the rows go through the prefill's row-invariant kernels, each row's
+LM head as a one-row prefill computes it: a greedy answer equals one-token-per-forward decoding
+through those kernels, and may differ from the default path's in the last bits of a logit, as two
+GPUs' answers may (tests/test_speculation.py checks both).
 
 Sampled requests (speculative sampling): each verify row samples its token as a decode step would
 (the request's temperature, top-k, top-p, min-p, logit_bias, with the next draws of its seed), and a
@@ -37,13 +38,13 @@ would take in rejected rows) or logit processor (a host round trip per row), on 
 path; the others decode as without speculation (named in `usage.extra`).
 
 Turning itself off (`auto_off`, on by default): a verify forward of k + 1 rows costs more than a
-fused decode step (on lavapipe 2-5x per row; on GPUs about one step), so speculation only pays when
-enough guesses are right. After `probe` verify steps of a request, its speculative tokens per second
-are compared with the model's fused decode steps (timed on earlier steps, or on one step taken then);
-when speculation is slower, the rest of the request decodes through the fused path. Which path made
-a token then depends on measured speed, and the two paths can differ in the last bits of a logit:
-`auto_off: false` keeps every token on the verify path (answers exactly equal to one-token-per-forward
-decoding through the row-invariant kernels, as tests/test_speculation.py checks).
+fused decode step (on lavapipe about 1.9x for 4 rows through the fused kernels, 2-5x per row through
+the row-invariant ones; on GPUs about one step), so speculation only pays when enough guesses are
+right. After `probe` verify steps of a request, its speculative tokens per second are compared with
+the model's fused decode steps (timed on earlier steps, or on one step taken then); when speculation
+is slower, the rest of the request decodes through the fused path. With exact_verify the answer is
+the same either way; elsewhere which path made a token depends on measured speed, and the two paths
+can differ in the last bits of a logit: `auto_off: false` keeps every token on the verify path.
 Standard library only (runs in the page).
 """
 from __future__ import annotations
