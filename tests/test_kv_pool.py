@@ -68,6 +68,21 @@ def test_prefix_sharing_reuses_full_blocks_only():
     pool.check()
 
 
+def test_blocks_with_decoded_rows_are_never_shared():
+    """Only blocks a prefill filled are shared (a decode step's rows are not a cold prefill's, bit
+    for bit): the block a sequence's first decoded token lands in, and every block after it, stay
+    private; a follow-up prompt that continues the conversation reuses the prefilled blocks."""
+    pool = KVPool(16, 4)
+    prompt = list(range(100, 106))                        # 1 full block + 2 tokens
+    _run(pool, "a", prompt)
+    for t in range(200, 208):                            # decode steps: blocks 1, 2, 3 fill
+        pool.reserve("a", pool.num_tokens("a") + 1)
+        pool.append_tokens("a", [t], decoded=True)
+    conv = prompt + list(range(200, 208))
+    assert pool.add_sequence("b", conv + [9]) == 4        # block 0 only: blocks 1.. hold decoded rows
+    pool.check()
+
+
 def test_prefix_key_is_the_whole_prefix():
     """Equal tokens after a different prefix are a different block."""
     pool = KVPool(16, 2)

@@ -134,13 +134,25 @@ async def test_kv_reuse_when_conversation_extends(pipe):
     await pipe.prefill_step(conv, gen)
     u = pipe.usage()
     reused = u["prompt_tokens"] - pipe._req.prefill_tokens
-    assert reused >= 37 + 5                     # the first prompt and the answer were not recomputed
+    # the first prompt's rows were reused; the answer's, written by decode steps (which round
+    # otherwise than a prefill), were computed again
+    assert reused == len(pipe.prompt_ids(Q, None)) >= 37
     while not pipe.stopped:
         await pipe.decode_step()
     reused_answer = pipe.get_message()
     pipe.reset_chat()                           # same conversation from scratch: same tokens
     await _generate(pipe, gen, messages=conv)
     assert pipe.get_message() == reused_answer
+    # reuse_decoded_kv: the answer's decoded rows are reused too (faster, not bit for bit a cold cache)
+    own = pipe.chat_config
+    pipe.chat_config = own.updated({"reuse_decoded_kv": True})
+    try:
+        pipe.reset_chat()
+        await _generate(pipe, gen)
+        await pipe.prefill_step(conv, gen)
+        assert pipe.usage()["prompt_tokens"] - pipe._req.prefill_tokens >= reused + 5
+    finally:
+        pipe.chat_config = own
 
 
 async def test_logprobs_shape(pipe):

@@ -140,6 +140,12 @@ class ChatConfig:
     #                                    recording overlaps the GPU's work; the same tokens either way.
     #                                    None: on, except on software adapters (lavapipe: host and
     #                                    "GPU" share the cores; measured no faster there)
+    reuse_decoded_kv: bool = False     # chat: a conversation that goes on reuses the KV rows its answers'
+    #                                    decode steps wrote, not only those a prefill wrote (a faster next
+    #                                    turn: SmolLM2 on lavapipe, after a 128-token answer, 0.3 s to the
+    #                                    first token instead of 1.0 s); the decode kernels round otherwise
+    #                                    than the prefill's, so an answer may then depend on the cache's
+    #                                    history in the last bits of a logit (False: warm equals cold)
 
     def updated(self, opts: dict | None) -> "ChatConfig":
         """A copy with `opts` (chat_opts, a record's overrides) applied. Each value is checked against

@@ -5,8 +5,10 @@ A block holds the K and V rows of `block_size` consecutive tokens of one sequenc
 (the GPU side, kernels/attention_paged.py, keeps one buffer per layer shaped
 (n_blocks, block_size, Hkv, D) and reads it through the block tables built here).
 
-Prefix sharing: once a block is full and its KV written, it is registered under
-hash(parent block's hash, its tokens), so the key names the whole token prefix up to its end. A new
+Prefix sharing: once a block is full and its KV written by prefill, it is registered under
+hash(parent block's hash, its tokens), so the key names the whole token prefix up to its end (a
+block holding a row a decode step wrote is never shared: the decode kernels round otherwise than the
+prefill's, and a shared row must be what a cold prefill writes, bit for bit). A new
 sequence walks its prompt's full blocks through that chain and takes every cached block it finds
 (reference count + 1) instead of recomputing them. Only full blocks are shared and a full block is
 never written again (a sequence appends only into its own last, partial block), so no copy-on-write
@@ -22,7 +24,7 @@ not enough, the scheduler preempts the newest sequence (`preempt_newest`): its b
 A scheduler's calls: admit with `add_sequence(id, prompt)` (-> cached prompt tokens, where prefill
 starts); per prefill chunk `reserve(id, end)`, write K/V at `slots(id, start, n)`, then
 `append_tokens(id, chunk)`; per decode step `reserve(id, n + 1)` for every running sequence,
-`decode_inputs(ids, ...)` for the kernels, then `append_tokens(id, [token fed])`; `free(id)` when done;
+`decode_inputs(ids, ...)` for the kernels, then `append_tokens(id, [token fed], decoded=True)`; `free(id)` when done;
 `reserve_or_preempt` where the pool may run out.
 """
 from __future__ import annotations
@@ -56,6 +58,7 @@ class _Seq:
     tokens: list = field(default_factory=list)      # tokens whose KV is written (or reused)
     hashes: list = field(default_factory=list)      # keys of the full blocks, in order
     order: int = 0                                   # admission counter (preemption picks the max)
+    exact: int | None = None                         # tokens before the first decoded one (None: all prefilled)
 
 
 class KVPool:
@@ -165,19 +168,24 @@ class KVPool:
         self._seqs[seq_id].blocks.extend(new)
         return new
 
-    def append_tokens(self, seq_id, tokens) -> None:
-        """Records that the KV of `tokens` (the next positions of seq_id) is written; every block
-        this fills is registered for sharing (unless an equal block is already cached)."""
+    def append_tokens(self, seq_id, tokens, decoded: bool = False) -> None:
+        """Records that the KV of `tokens` (the next positions of seq_id) is written (`decoded`: by
+        a decode step); every block this fills with prefilled rows only is registered for sharing
+        (unless an equal block is already cached)."""
         s, bs = self._seqs[seq_id], self.block_size
         if len(s.tokens) + len(tokens) > len(s.blocks) * bs:
             raise ValueError(f"sequence {seq_id!r}: {len(s.tokens) + len(tokens)} tokens exceed its "
                              f"{len(s.blocks)} blocks; reserve first")
+        if decoded and s.exact is None:
+            s.exact = len(s.tokens)
         s.tokens.extend(int(t) for t in tokens)
         while (len(s.hashes) + 1) * bs <= len(s.tokens):
             i = len(s.hashes)
             key = block_hash(s.hashes[-1] if s.hashes else ROOT, s.tokens[i * bs:(i + 1) * bs])
             s.hashes.append(key)
             b = s.blocks[i]
+            if s.exact is not None and (i + 1) * bs > s.exact:
+                continue                    # holds decoded rows: private
             if key not in self._cache:      # a duplicate of a cached block stays private
                 self._cache[key] = b
                 self._key_of[b] = key

@@ -47,7 +47,7 @@ class DecodePaths:
         keep = min(max(self.chat_config.n_keep, 0), len(self.kv_ids) - 1)
         drop = max((len(self.kv_ids) - keep) // 2, 1)
         tail = self.kv_ids[keep + drop:]
-        self.kv_ids = self.kv_ids[:keep]
+        self.kv_ids, self.kv_exact = self.kv_ids[:keep], min(self.kv_exact, keep)
         m, P = self.model, self.model.chunk
         for i in range(0, len(tail), P):
             batch = self.dev.batch()

@@ -106,6 +106,7 @@ class LLMChatPipeline(DecodePaths):
         self._mask: LogitMask | None = None
         self._mask_op = None
         self.kv_ids: list[int] = []          # tokens whose K/V sit in the cache, positions 0..n-1
+        self.kv_exact = 0                     # its leading rows a prefill wrote: a cold prefill's, bit for bit
         self._longest_token: int | None = None
         self.stats = CumulativeStats()
         self._new_request_state()
@@ -332,14 +333,17 @@ class LLMChatPipeline(DecodePaths):
 
     def _reuse_prefix(self, ids: list[int]) -> int:
         """Keep the longest prefix of `ids` the KV cache holds, less at least the last id (its
-        logits must be computed); returns its length."""
+        logits must be computed) and the rows a decode step wrote (the fused decode kernels round
+        otherwise than the prefill's: reused, they would make an answer depend on the cache's
+        history); returns its length."""
         keep = 0
         for a, b in zip(self.kv_ids, ids):
             if a != b:
                 break
             keep += 1
-        keep = min(keep, len(ids) - 1)
-        self.kv_ids = ids[:keep]
+        exact = len(self.kv_ids) if self.chat_config.reuse_decoded_kv else self.kv_exact
+        keep = min(keep, len(ids) - 1, exact)                 # decoded rows are computed again
+        self.kv_ids, self.kv_exact = ids[:keep], keep
         return keep
 
     @staticmethod
@@ -462,6 +466,8 @@ class LLMChatPipeline(DecodePaths):
                     # a submit while the GPU is busy can block until it drains (lavapipe): wait for
                     # the chunk off the event loop, so other requests and /health go on meanwhile
                     await dev.sync()
+        if not decode and pos0 == self.kv_exact:
+            self.kv_exact += len(ids)
         self.kv_ids.extend(ids)
         t_lp = 0.0
         if self.logit_processor is not None:
@@ -532,7 +538,7 @@ class LLMChatPipeline(DecodePaths):
 
     def reset_chat(self, keep_stats: bool = False) -> None:
         self._drop_ahead()
-        self.kv_ids = []
+        self.kv_ids, self.kv_exact = [], 0
         if not keep_stats:
             self.stats = CumulativeStats()
         self._new_request_state()

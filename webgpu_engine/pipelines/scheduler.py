@@ -165,6 +165,7 @@ class Scheduler:
         self._closed = False
         ahead = pipe.chat_config.decode_ahead
         self.decode_ahead = (not pipe._software) if ahead is None else bool(ahead)
+        self.reuse_decoded = pipe.chat_config.reuse_decoded_kv     # decoded blocks shared too
         self._ahead = None                          # a decode step in flight: (rows, readback, t0)
         # preemptions: the pool's; ahead_steps: decode steps submitted before the tokens they take were read
         self.stats = {"iterations": 0, "decode_rows": 0, "prefill_tokens": 0, "ahead_steps": 0}
@@ -364,7 +365,7 @@ class Scheduler:
         self.stats["decode_rows"] += len(decode)
         for rec in decode:
             if rec.in_pool:                       # not cancelled (or preempted) meanwhile
-                pool.append_tokens(rec.id, [rec.seq.last_token])
+                pool.append_tokens(rec.id, [rec.seq.last_token], decoded=not self.reuse_decoded)
                 rec.toks.append(rec.seq.last_token)
         for rec, start, end in chunks:
             if rec.in_pool:
