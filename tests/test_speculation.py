@@ -148,6 +148,22 @@ async def test_verify_rows_are_decode_steps_bit_for_bit(device, tmp_path, arch):
         pipe.dispose()
 
 
+async def test_a_speculating_model_compiles_its_verify_kernels_at_load(fresh_device, tiny):
+    """speculation k: the verify forwards of 1 .. k + 1 rows are built and run at load, so a
+    speculating request creates no pipeline (on a device of its own: nothing cached before)."""
+    dev = fresh_device
+    pipe = await LLMChatPipeline.load(dev, tiny, ChatConfig(context_window_size=512, compile_in_background=False,
+                                                            speculation={"k": 3, "auto_off": False}))
+    try:
+        count = dev.compile_count
+        got = await _generate(pipe, [{"role": "user", "content": PROMPTS[0]}], max_tokens=24, ignore_eos=True)
+        st = pipe._req.spec
+        assert len(got) == 24 and st.proposed > 0 and dev.compile_count == count
+        assert sorted(pipe.model._verify_ops) == [1, 2, 3, 4]
+    finally:
+        pipe.dispose()
+
+
 async def test_stop_strings_max_tokens_and_logprobs(device, tiny):
     pipe = await LLMChatPipeline.load(device, tiny, ChatConfig(context_window_size=512, compile_at_load=False,
                                                                speculation={"k": 5, "auto_off": False}))

@@ -276,10 +276,15 @@ class LlamaModel:
 
     def build_ops(self) -> set:
         """Build the op lists `compile` runs (the largest prefill height first: most first prompts
-        tile as a full chunk does) and return their pipeline keys."""
+        tile as a full chunk does; then the verify forwards of 1 .. verify_rows rows) and return
+        their pipeline keys."""
         for T in sorted(self.warm_heights(), reverse=True):
             self.ops_for(T, True)
-        return pipeline_keys([op for ops in self._ops.values() for op in ops] + self.decode_ops)
+        verify = [op for T in self._verify_heights() for op in self._verify_forward(T)]
+        return pipeline_keys([op for ops in self._ops.values() for op in ops] + self.decode_ops + verify)
+
+    def _verify_heights(self) -> range:
+        return range(1, min(self.verify_rows, self.VERIFY_ROWS) + 1)
 
     def compile(self, batch, warmed=frozenset()) -> set:
         """Build every op list a request uses and record one run of each pipeline into `batch`, so
@@ -303,10 +308,13 @@ class LlamaModel:
         self.set_step(0, 1)
         self._record(batch, self.decode_ops, 1)             # the short attention form
         self._record(batch, self.decode_ops, None)          # the split-key form
+        for T in self._verify_heights():
+            self.record_verify(batch, [0] * T, 0)
         return keys
 
     # ------------------------------------------------------------------ speculative decoding
     VERIFY_ROWS = 17                   # the most rows one verify forward checks (16 guesses + 1)
+    verify_rows = 0                    # verify forwards of 1 .. verify_rows rows built at load (speculation's k + 1)
 
     def row_logits(self, n: int) -> list[Tensor]:
         """Logits rows (1, V) for the heads of n <= VERIFY_ROWS verify rows, each at a storage-
@@ -339,17 +347,24 @@ class LlamaModel:
         T = len(ids)
         outs = self.row_logits(T)
         if not self.exact_verify:
-            if T not in self._verify_ops:
-                self._verify_ops[T] = decoder.row_heads(self, self.kv, T, outs)
-            self._record_rows(batch, ids, pos0, self.ops_for(T, False) + self._verify_ops[T])
+            self._record_rows(batch, ids, pos0, self._verify_forward(T))
             return outs
-        if T not in self._verify_ops:
-            self._verify_ops[T] = decoder.forward(self, VerifyRowsKV(self), T, decoder.ROWS, plan=self.decode_plan)
-        self._record_rows(batch, ids, pos0, self._verify_ops[T], n_keys=pos0 + T)
+        self._record_rows(batch, ids, pos0, self._verify_forward(T), n_keys=pos0 + T)
         row = self.cfg.vocab_size * DTYPE_SIZE[self.dtype]
         for r, out in enumerate(outs):       # rows at binding-aligned offsets, for the samplers
             batch.copy(self.verify_logits.buf, out.buf, row, self.verify_logits.offset + r * row, out.offset)
         return outs
+
+    def _verify_forward(self, T: int) -> list[Op]:
+        """The ops of a verify forward of T rows (built once per T): see record_verify."""
+        outs = self.row_logits(T)
+        if T not in self._verify_ops:
+            if self.exact_verify:
+                self._verify_ops[T] = decoder.forward(self, VerifyRowsKV(self), T, decoder.ROWS,
+                                                      plan=self.decode_plan)
+            else:
+                self._verify_ops[T] = decoder.row_heads(self, self.kv, T, outs)
+        return self._verify_ops[T] if self.exact_verify else self.ops_for(T, False) + self._verify_ops[T]
 
     def set_step(self, pos0: int, n_new: int) -> None:
         self.dev.write(self.step, struct.pack("<4I", pos0, n_new, pos0 + n_new, 0))

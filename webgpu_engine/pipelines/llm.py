@@ -113,6 +113,7 @@ class LLMChatPipeline(DecodePaths):
         self.scheduler = None
         self._solo = asyncio.Lock()
         self.speculation = Speculation.parse(chat_config.speculation)
+        model.verify_rows = self.speculation.k + 1 if self.speculation else 0     # built at load
         if chat_config.context_overflow not in OVERFLOW_POLICIES:
             raise ChatOptionTypeError("context_overflow", f"one of {list(OVERFLOW_POLICIES)}",
                                       chat_config.context_overflow)
@@ -332,10 +333,9 @@ class LLMChatPipeline(DecodePaths):
         self._accept(res)
 
     def _reuse_prefix(self, ids: list[int]) -> int:
-        """Keep the longest prefix of `ids` the KV cache holds, less at least the last id (its
-        logits must be computed) and the rows a decode step wrote (the fused decode kernels round
-        otherwise than the prefill's: reused, they would make an answer depend on the cache's
-        history); returns its length."""
+        """Keep the longest prefix of `ids` the KV cache holds, less at least the last id (its logits
+        are needed) and, unless reuse_decoded_kv, the rows a decode step wrote (the decode kernels
+        round otherwise than the prefill's: an answer would depend on the cache's history)."""
         keep = 0
         for a, b in zip(self.kv_ids, ids):
             if a != b:
