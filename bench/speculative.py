@@ -9,8 +9,9 @@ folder).
 For each task: decode tok/s of the default path (fused one-row kernels, no speculation), of one token
 per forward through the row-invariant kernels speculation checks with (`k 0`: what speculation
 must reproduce), and of speculation with each k; the acceptance rate (accepted / proposed guesses),
-tokens per forward, and whether each speculative answer equals the row-invariant one token for token
-(it must) and the fused path's (it may differ in the last bits: see pipelines/speculation.py).
+tokens per forward, and whether each speculative answer equals the fused path's token for token (it
+must where verify rows are decode steps: LlamaModel.exact_verify, the CPU kernel family) and the
+row-invariant one's (it must elsewhere; see pipelines/speculation.py).
 Exact runs have auto_off off; one more run per task (prompt lookup, the first k) has it on, as a
 user gets it by default: how close to the fused path it stays where guessing does not pay. With
 --draft, the same runs with a draft model guessing (`self`: the model guesses itself, which shows
