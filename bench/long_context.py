@@ -2,7 +2,7 @@
 a quantised cache costs in accuracy, in one run. Greedy, one request at a time, the default chat
 model (or --model: a file or folder).
 
-    python bench/long_context.py [--model PATH] [--positions 512 2048 8192] [--kv auto q8_0]
+    python bench/long_context.py [--model PATH] [--positions 512 2048 8192] [--kv auto q8_0 q4_0]
                                  [--decode 32] [--answer-tokens 64] [--out PATH]
     python bench/long_context.py --smoke [--model PATH] [--out PATH]
 
@@ -157,7 +157,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="a chat model file or folder (default: SmolLM2-135M-Instruct-Q4_1)")
     ap.add_argument("--positions", type=int, nargs="+", default=[512, 2048, 8192])
-    ap.add_argument("--kv", nargs="+", default=["auto", "q8_0"], help="KV cache dtypes; the first is the reference")
+    ap.add_argument("--kv", nargs="+", default=["auto", "q8_0", "q4_0"], help="KV cache dtypes; the first is the reference")
     ap.add_argument("--decode", type=int, default=32)
     ap.add_argument("--answer-tokens", type=int, default=64)
     ap.add_argument("--smoke", action="store_true", help="positions 64 and 128, 4 tokens: checks the script")
