@@ -2,7 +2,7 @@
 serve`) driven by the official `openai` async client, with continuous batching
 (--max-num-sequences) and without it (max_num_sequences = 1: one request at a time), in the same run.
 
-    python bench/serve.py [--model REF] [--clients 1,2,4,8,16] [--max-tokens 128] [--batch 16]
+    python bench/serve.py [--model REF] [--clients 1,2,4,8,16] [--max-tokens 128] [--batch 0]
                           [--context 1024] [--port 8391] [--smoke] [--out PATH]
 
 Before the levels each server's background compiler is waited for (/v1/models kernels.compiling
@@ -177,7 +177,8 @@ async def main() -> int:
     ap.add_argument("--model", default="SmolLM2-135M-Instruct-Q4_1")
     ap.add_argument("--clients", default="1,2,4,8,16")
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--batch", type=int, default=16, help="max_num_sequences of the batched server")
+    ap.add_argument("--batch", type=int, default=0, help="max_num_sequences of the batched server (0: as "
+                    "serve picks for the adapter: 4 on a CPU one, 16 on a GPU)")
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--port", type=int, default=8391)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "serve.json"))
