@@ -128,7 +128,8 @@ async def test_up_to_four_sequences_take_the_fused_one_row_kernels(device, tiny_
     """max_num_sequences <= 4 on a CPU adapter: each decode row goes through the fused one-row
     kernels (norms, gates and residual norms inside the matmuls: fewer dispatches than the
     row-invariant kernels of a wider batch), and a request's greedy and seeded tokens are the same
-    alone, with 1..3 others, and with others joining and leaving midway."""
+    alone, with 1..3 others, and with others joining and leaving midway; its logprobs are the
+    one-request path's, bit for bit."""
     eng = AsyncMLCEngine()
     await eng.reload(str(tiny_path), chat_opts={**OPTS, "max_num_sequences": 4})
     try:
@@ -149,6 +150,22 @@ async def test_up_to_four_sequences_take_the_fused_one_row_kernels(device, tiny_
             return await _complete(eng, i, temperature=0.9, seed=100 + i, top_p=0.9)
         alone = [await sampled(i) for i in range(4)]
         assert await asyncio.gather(*[sampled(i) for i in range(4)]) == alone
+
+        # and as the one-request path decodes: the same logprobs, bit for bit, alone or 4 at once
+        # (the fused kernels per row; each sequence's attention in the form its own length takes)
+        async def logprobs(engine, i):
+            r = await engine.completions.create(prompt=_prompt(i), max_tokens=12, ignore_eos=True, temperature=0,
+                                                logprobs=2)
+            lp = r.choices[0].logprobs
+            return lp.tokens, lp.token_logprobs, lp.top_logprobs
+        one = AsyncMLCEngine()
+        await one.reload(str(tiny_path), chat_opts={**OPTS, "max_num_sequences": 1})
+        try:
+            ref = [await logprobs(one, i) for i in range(4)]
+        finally:
+            await one.unload()
+        assert [await logprobs(eng, i) for i in range(4)] == ref
+        assert await asyncio.gather(*[logprobs(eng, i) for i in range(4)]) == ref
     finally:
         await eng.unload()
 

@@ -63,7 +63,7 @@ class PagedForward:
         self.fused_rows = self.max_seqs <= mm.MAX_DECODE_ROWS and mm.fused_rows_ok(dev)
 
     # ------------------------------------------------------------------ decoder.KVAccess
-    head_flags = {"row_invariant": True}     # the prefill head's one-row matmul
+    head_flags: dict = {}    # the prefill head's one-row matmul: the decode kernel, as the one-request path's
 
     def logits_for(self, rows: int) -> Tensor:
         return self.logits.view((rows, self.cfg.vocab_size))
