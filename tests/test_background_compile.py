@@ -81,6 +81,23 @@ def test_a_queued_pipeline_compiles_at_its_first_submit(fresh_device, shader_dir
         dev.release_owner("t:bg")
 
 
+def test_nested_blocks_each_collect_their_own_pipelines(fresh_device, shader_dir):
+    """A block inside another (a draft model loaded inside its target's load): the inner list holds
+    what was asked for inside it, the outer one everything; lists equal in value at the inner end
+    are told apart (the inner's exit once removed the outer's list, and the outer's exit failed)."""
+    dev, bg = fresh_device, fresh_device.background
+    bg.hold(True)
+    try:
+        with dev.compiling_in_background() as outer:
+            with dev.compiling_in_background() as inner:
+                a = _variant(dev, 7)
+            assert inner == outer == [a]
+            b = _variant(dev, 8)
+        assert inner == [a] and outer == [a, b] and dev._queued == []
+    finally:
+        bg.hold(False)
+
+
 async def test_the_workers_compile_the_queue(fresh_device, shader_dir):
     dev, bg = fresh_device, fresh_device.background
     done = bg.done

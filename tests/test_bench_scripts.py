@@ -161,8 +161,9 @@ def test_long_context(tmp_path):
     out = tmp_path / "long_context.json"
     stdout = run_script("long_context", "--smoke", "--model", str(chat), "--out", str(out))
     data = load(out, {"adapter", "model", "positions", "rows", "llama_cpp"})
-    auto, q8 = data["rows"]
-    assert (auto["kv_cache_dtype"], q8["kv_cache_dtype"]) == ("auto", "q8_0")
-    assert q8["kv_bytes_per_token"] < auto["kv_bytes_per_token"] and set(q8["decode_tok_s"]) == {"64", "128"}
+    auto, q8, q4 = data["rows"]
+    assert (auto["kv_cache_dtype"], q8["kv_cache_dtype"], q4["kv_cache_dtype"]) == ("auto", "q8_0", "q4_0")
+    assert q4["kv_bytes_per_token"] < q8["kv_bytes_per_token"] < auto["kv_bytes_per_token"]
+    assert set(q8["decode_tok_s"]) == set(q4["decode_tok_s"]) == {"64", "128"}
     assert auto["accuracy_vs_auto"]["identical_answers"] == auto["accuracy_vs_auto"]["answers"]
     assert f"wrote {out}" in stdout

@@ -183,7 +183,8 @@ class CompilingDevice:
             yield queued if self._defer else None
         finally:
             self._defer = prev
-            self._queued.remove(queued)
+            # by identity: list.remove compares by value, and a nested block's list may equal this one
+            self._queued[:] = [q for q in self._queued if q is not queued]
             if bg is not None:
                 bg.release_later(GRACE_S)
 
