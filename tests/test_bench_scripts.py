@@ -149,8 +149,8 @@ def test_speculative(tmp_path, tiny):
     for r in data["rows"]:
         runs = [(s["method"], s["k"], s["auto_off"]) for s in r["speculative"]]
         assert runs == [("ngram", 2, False), ("ngram", 2, True), ("draft", 2, False)]
-        # speculation changes nothing where it stays on
-        assert all(s["equals_row_invariant"] for s in r["speculative"] if not s["auto_off"])
+        # speculation changes nothing: verify rows are decode steps on this CPU adapter (exact_verify)
+        assert all(s["equals_fused"] for s in r["speculative"])
         assert r["speculative"][2]["accepted"] > 0                           # the model guessing itself
     assert f"wrote {out}" in stdout
 
