@@ -21,6 +21,21 @@ def decode_splits(ctx: int, *, min_chunk: int = 32, max_splits: int = 128) -> tu
     return chunk, -(-ctx // chunk)
 
 
+def decode_geometry(dev: Device, ctx: int, n_hg: int, min_chunk: int | None, max_splits: int,
+                    split_wg: int | None) -> tuple[int, int, int, int]:
+    """The decode attention's (keys per split, splits, split workgroup size, short-form bound) over
+    ctx keys for n_hg head groups, for the contiguous and the paged kernels alike. CPU adapters
+    (lavapipe) default to 128-key splits in workgroups of 8 (fewer partials, spread over cores), others
+    to 32 and 64. The short form (one lane per head group over all keys, no partials) serves live keys
+    that fit the splits one workgroup holds: one split on a GPU, where the lanes of a workgroup run in
+    parallel; SWG / head groups of them on a CPU adapter, whose lanes take turns (there several
+    splits in one workgroup gain nothing)."""
+    cpu = dev.info.adapter_type.upper() == "CPU"
+    chunk, n_splits = decode_splits(ctx, min_chunk=min_chunk or (128 if cpu else 32), max_splits=max_splits)
+    swg = split_wg or (8 if cpu else WG)
+    return chunk, n_splits, swg, chunk * (max(1, swg // n_hg) if cpu else 1)
+
+
 def _attn_header(dt: str, head_dim: int, g: int = 1, split_wg: int = WG, packed: bool = False,
                  windowed: bool = False, capped: bool = False, kv: tuple = ("kc", "vc"),
                  quant: QuantCache | None = None) -> str:
@@ -149,8 +164,7 @@ def attention(dev: Device, qkv: Tensor, k_cache: Tensor, v_cache: Tensor, out: T
     per load when head_dim % 8 == 0 and the cache offsets are 16-byte aligned.
     Per-device tuning: heads_per_lane (q heads of one kv head served by one lane, which loads each
     key once for them; default the largest divisor of Hq/Hkv up to 4); decode: min_chunk /
-    max_splits (keys per split) and split_wg (workgroup size). CPU adapters (lavapipe) default to
-    128-key splits in workgroups of 8 (fewer partials, spread over cores), others to 32 and 64."""
+    max_splits (keys per split) and split_wg (workgroup size), defaults in decode_geometry."""
     k = "attention"
     rows = _qkv_heads(k, qkv, head_dim)[0]
     t_max = rows if max_t is None else int(max_t)
@@ -174,7 +188,6 @@ def attention(dev: Device, qkv: Tensor, k_cache: Tensor, v_cache: Tensor, out: T
     # a lane holds G heads' q and accumulator in unrolled vec4 registers; lavapipe computed wrong
     # results from G*D = 384 on (Llama-3's G = 4 x 128, Gemma's 2 x 256), so wide heads share less
     g = _heads_per_lane(k, group, head_dim, heads_per_lane)
-    cpu = dev.info.adapter_type.upper() == "CPU"
     # f16 caches are read 8 halves per load when head rows and cache offsets are 16-byte aligned
     packed = dt == "f16" and not quant and head_dim % 8 == 0 and ko % 2 == 0 and vo % 2 == 0
     if (t_max > 1 or causal) and not decode_rows:
@@ -190,14 +203,8 @@ def attention(dev: Device, qkv: Tensor, k_cache: Tensor, v_cache: Tensor, out: T
                    _attn_header(dt, head_dim, g, packed=packed, windowed=window > 0, capped=softcap > 0,
                                 quant=quant),
                    par, [_step_entry(step), qe, ke, ve, oe], n_blk * (n_q_heads // g) * WG)
-    min_chunk = min_chunk or (128 if cpu else 32)
-    chunk, n_splits = decode_splits(ctx, min_chunk=min_chunk, max_splits=max_splits)
-    swg = split_wg or (8 if cpu else WG)
-    # the short form for steps whose live keys fit the splits one workgroup holds (one split on a
-    # GPU, where the lanes of a workgroup run in parallel; on a CPU adapter a workgroup's lanes take
-    # turns, so several splits in one workgroup gain nothing): one dispatch, no partials
     n_hg = n_q_heads // g
-    max_keys = chunk * (max(1, swg // n_hg) if cpu else 1)
+    chunk, n_splits, swg, max_keys = decode_geometry(dev, ctx, n_hg, min_chunk, max_splits, split_wg)
     T = t_max if decode_rows else 1
     part = dev.buffer(T * n_q_heads * n_splits * (head_dim // 4 + 1) * 16, owner=owner, label="attention.partials")
     par = params(dev, [T, n_q_heads, group, heads, ctx, chunk, n_splits, float(scale), qo, ko, vo, oo,

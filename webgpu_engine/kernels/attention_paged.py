@@ -18,9 +18,9 @@ from ..gpu import Device
 from ..gpu.shaders import load_shader_source
 from .common import Op, Tensor, act_header, check, new_tensor, params
 from .kv_quant import KV_QUANTS, QuantCache, check_quant_pools, kv_quant_slots, kv_row_bytes
-from .attention import check_attention
+from .attention import check_attention, decode_geometry
 from .nn import (WG, _act, _attn_header, _grid, _heads_per_lane, _op, _qkv_heads, _step_entry, _vec_entry, _window,
-                 decode_splits, rope_frequencies)
+                 rope_frequencies)
 
 __all__ = ["new_kv_pool", "max_pool_blocks", "paged_rope_kv", "paged_kv_write", "paged_decode", "paged_prefill",
            "SKIP_SLOT"]
@@ -181,19 +181,15 @@ def paged_decode(dev: Device, qkv: Tensor, k_pool: Tensor, v_pool: Tensor, out: 
     owner = out.buf.owner
     group = n_q_heads // n_kv_heads
     g = _heads_per_lane(k, group, head_dim, heads_per_lane)
-    (qe, qo), (oe, oo), (ke, ko), (ve, vo), q8 = _bindings(dev, k, qkv, out, k_pool, v_pool, n_kv_heads, head_dim)
+    (qe, qo), (oe, oo), (ke, ko), (ve, vo), quant = _bindings(dev, k, qkv, out, k_pool, v_pool, n_kv_heads,
+                                                              head_dim)
     le, lo = _u32(dev, lens, k, "lens", max_seqs)
     te, to = _u32(dev, tables, k, "tables", max_seqs * max_blocks)
-    cpu = dev.info.adapter_type.upper() == "CPU"
     packed = dt == "f16" and head_dim % 8 == 0 and ko % 2 == 0 and vo % 2 == 0
-    chunk, n_splits = decode_splits(max_blocks * bs, min_chunk=min_chunk or (128 if cpu else 32),
-                                    max_splits=max_splits)
-    swg = split_wg or (8 if cpu else WG)
-    # nn.attention's one-dispatch bound: the splits one workgroup holds (one split on a GPU, whose
-    # lanes run in parallel; SWG / head groups of them on a CPU adapter, whose lanes take turns)
-    max_keys = chunk * (max(1, swg // (n_q_heads // g)) if cpu else 1)
+    chunk, n_splits, swg, max_keys = decode_geometry(dev, max_blocks * bs, n_q_heads // g, min_chunk, max_splits,
+                                                     split_wg)
     short = max_keys if short_keys is None else short_keys
-    header = _header(dt, head_dim, g, swg, packed, bs, window, softcap, q8)
+    header = _header(dt, head_dim, g, swg, packed, bs, window, softcap, quant)
     par = params(dev, [max_seqs, n_q_heads, group, heads, n_kv_heads, chunk, n_splits, float(scale), qo, ko, vo,
                        oo, max_blocks, int(window), float(softcap), to, lo, 0, short, 0], owner=owner, label=k)
     part = dev.buffer(max_seqs * n_q_heads * n_splits * (head_dim // 4 + 1) * 16, owner=owner,

@@ -21,8 +21,9 @@ path), else `decode_rows` (the GPU family's decode kernel in groups of 8 rows, t
 row-invariant tiled kernels, which share weights across many rows); prefill rows' neither on the
 chunking (`row_invariant`), and a sequence's attention depends only on its own keys (the paged decode
 kernel picks the short or the split-key form by each sequence's own length, as the one-request path
-picks it by its length): a sequence's tokens are the same alone or in any batch. Op lists are built once per row count and replayed; per step the host writes the small
-u32 inputs (ids, positions, slots, lens, tables, step). Standard library only (runs in the page).
+picks it by its length): a sequence's tokens are the same alone or in any batch. Op lists are built
+once per row count and replayed; per step the host writes the small u32 inputs (ids, positions,
+slots, lens, tables, step). Standard library only (runs in the page).
 """
 from __future__ import annotations
 
