@@ -18,6 +18,12 @@
 //   attn_decode1:  decode over few keys: lane per G heads, all keys, output stored directly.
 //   Sliding windows (p.window > 0) mask keys at or below p - window in the causal kernels; whole
 //   blocks and splits before a query's window are skipped.
+//   RING (header constants RING, SINKS, RING_W; kernels/common.py Ring): WebLLM's sliding window with
+//   attention sinks over the causal and decode kernels' cache of ctx rows, which past ctx is a ring
+//   after the SINKS sink rows (rope.wgsl's cache_row). A query at position pos sees the sinks and
+//   the positions pos - (RING_W - SINKS) .. pos (ring_sees, from the position each row holds given
+//   the forward's last one), scoring the sinks with its sink query (qsk: rotated at min(pos, RING_W))
+//   and the rest with its own (attend_ring): the sinks first, then rows SINKS.. in blocks from SINKS.
 //   attn_bidir:    BERT. qkv (B*S, 3*H*D) rows [q | k | v]; key j of sequence b visible iff
 //                  j < lengths[b] (and, with p.window > 0, |j - i| <= window for query i: ModernBERT's
 //                  local layers; then G = 1). Workgroup per (b, block of 64*G queries, h), lane per G
@@ -55,6 +61,7 @@ struct Params {
 @group(0) @binding(5) var<storage, read_write> out: array<act4>;    // (T, Hq*D)
 @group(0) @binding(5) var<storage, read_write> part: array<vec4<f32>>;   // (Hq, n_splits, D4+1)
 @group(0) @binding(6) var<storage, read_write> out_s: array<act4>;  // attn_split's short-form rows
+@group(0) @binding(7) var<storage, read> qsk: array<act4>;          // RING: sink queries (T, Hq, D)
 @group(0) @binding(2) var<storage, read_write> part_in: array<vec4<f32>>;
 @group(0) @binding(3) var<storage, read_write> out_c: array<act4>;
 
@@ -73,6 +80,8 @@ const MASKED: f32 = -1.0e30;
 //   acc_get(g, d)   acc_g[d];  sv_get(v, g): component g of v
 var<private> m_run: sv;
 var<private> l_run: sv;
+var<private> r_pos: u32;        // RING: the query's position
+var<private> r_last: u32;       // RING: the forward's last position (the newest key in the cache)
 
 fn flat(wid: vec3<u32>, nwg: vec3<u32>, lid: u32) -> u32 {
     return (wid.y * nwg.x + wid.x) * WG + lid;
@@ -83,6 +92,17 @@ fn flat(wid: vec3<u32>, nwg: vec3<u32>, lid: u32) -> u32 {
 fn window_lo(pos: u32) -> u32 {
     if (!WINDOWED) { return 0u; }
     return select(0u, pos + 1u - p.window, p.window > 0u && pos + 1u > p.window);
+}
+
+// RING: whether the query at r_pos sees cache row j (the position the row holds: j itself until the
+// cache is full, then the newest position written there).
+fn ring_sees(j: u32) -> bool {
+    var kp = j;
+    if (r_last >= p.ctx && j >= SINKS) {
+        let r = p.ctx - SINKS;
+        kp = r_last - (SINKS + (r_last - SINKS) % r + r - j) % r;
+    }
+    return kp <= r_pos && (kp < SINKS || kp + RING_W >= r_pos + SINKS);
 }
 
 fn score(kr: u32) -> sv {
@@ -97,7 +117,8 @@ fn fold_block(j0: u32, nb: u32, lo: u32, lim: u32, kr: u32, ks: u32, vr: u32, vs
     var sc: array<sv, BLK>;
     var mb = m_run;
     for (var j = 0u; j < nb; j++) {
-        let s = select(sv(MASKED), score(kr + j * ks), j0 + j < lim && (!WINDOWED || j0 + j >= lo));
+        let seen = select(j0 + j < lim && (!WINDOWED || j0 + j >= lo), ring_sees(j0 + j), RING);
+        let s = select(sv(MASKED), score(kr + j * ks), seen);
         sc[j] = s;
         mb = max(mb, s);
     }
@@ -125,6 +146,19 @@ fn attend(kb: u32, ks: u32, vb: u32, vs: u32, j_start: u32, n: u32, lo: u32, lim
         fold_block(j0, nb, lo, lim, kb + j0 * ks, ks, vb + j0 * vs, vs);
         j0 += nb;
     }
+}
+
+// RING: folds rows [j0, n) of the kv head whose rows start at kb / vb (r_pos, r_last set) into a fresh
+// state: rows below SINKS scored with the sink query (qsk at sb), the rest with the row's (qkv at qb).
+fn attend_ring(kb: u32, vb: u32, qb: u32, sb: u32, j0: u32, n: u32) {
+    load_q(qb, D4);
+    let ns = clamp(SINKS, j0, n);
+    if (ns > j0) {
+        set_q_sink(sb, D4);
+        attend(kb, D4, vb, D4, j0, ns, 0u, 0u);
+        set_q(qb, D4);
+    }
+    attend(kb, D4, vb, D4, ns, n, 0u, 0u);
 }
 
 // outputs g in [g_lo, G) are stored at ob + g*os
@@ -166,11 +200,18 @@ fn attn_causal(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
     let t = min(t0 + lid, rows - 1u);            // spare lanes redo the last row, never store
     let pos0 = step[0];
     let n_wg = min(pos0 + min(t0 + WG, rows), p.ctx);   // keys of the block's last query
-    load_q(p.qkv_off + (t * p.heads + h0) * D4, D4);
+    let qb = p.qkv_off + (t * p.heads + h0) * D4;
     let cb = (h0 / p.group) * p.ctx * D4;
-    let j_start = (window_lo(pos0 + t0) / BLK) * BLK;      // the block's first query sees the most
-    let lim = min(pos0 + t + 1u, p.ctx);
-    attend(p.kc_off + cb, D4, p.vc_off + cb, D4, j_start, n_wg, window_lo(pos0 + t), lim);
+    if (RING) {
+        r_pos = pos0 + t;
+        r_last = pos0 + rows - 1u;
+        attend_ring(p.kc_off + cb, p.vc_off + cb, qb, (t * p.hq + h0) * D4, 0u, n_wg);
+    } else {
+        load_q(qb, D4);
+        let j_start = (window_lo(pos0 + t0) / BLK) * BLK;      // the block's first query sees the most
+        let lim = min(pos0 + t + 1u, p.ctx);
+        attend(p.kc_off + cb, D4, p.vc_off + cb, D4, j_start, n_wg, window_lo(pos0 + t), lim);
+    }
     if (t0 + lid < rows) { store_out(p.out_off + (t * p.hq + h0) * D4, D4, 0u); }
 }
 
@@ -188,11 +229,19 @@ fn attn_split(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nw
     let n_keys = min(pos + 1u, p.ctx);
     let lo = window_lo(pos);
     let qb = p.qkv_off + (t * p.heads + h0) * D4;
+    let hb = (h0 / p.group) * p.ctx * D4;    // the kv head's rows
+    if (RING) {
+        r_pos = pos;
+        r_last = step[0] + live_rows() - 1u;
+    }
     if (n_keys <= p.short_keys) {            // this row's short form (attn_decode1's lane)
         if (s != 0u) { return; }
-        load_q(qb, D4);
-        let cb = (h0 / p.group) * p.ctx * D4;
-        attend(p.kc_off + cb, D4, p.vc_off + cb, D4, (lo / BLK) * BLK, n_keys, lo, n_keys);
+        if (RING) {
+            attend_ring(p.kc_off + hb, p.vc_off + hb, qb, (t * p.hq + h0) * D4, 0u, n_keys);
+        } else {
+            load_q(qb, D4);
+            attend(p.kc_off + hb, D4, p.vc_off + hb, D4, (lo / BLK) * BLK, n_keys, lo, n_keys);
+        }
         let ob = p.out_off + (t * p.hq + h0) * D4;
         for (var g = 0u; g < G; g++) {
             for (var d = 0u; d < D4; d++) { out_s[ob + g * D4 + d] = out_at(g, d); }
@@ -201,6 +250,11 @@ fn attn_split(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nw
     }
     let k0 = s * p.chunk;
     if (k0 >= n_keys || k0 + p.chunk <= lo) { return; }
+    if (RING) {
+        attend_ring(p.kc_off + hb, p.vc_off + hb, qb, (t * p.hq + h0) * D4, k0, min(k0 + p.chunk, n_keys));
+        store_partial(t, h0, s);
+        return;
+    }
     load_q(qb, D4);
     let cb = ((h0 / p.group) * p.ctx + k0) * D4;
     let n = min(p.chunk, n_keys - k0);
@@ -219,9 +273,15 @@ fn attn_decode1(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
     if (h0 >= p.hq) { return; }
     let n_keys = min(step[0] + 1u, p.ctx);
     let lo = window_lo(step[0]);
-    load_q(p.qkv_off + h0 * D4, D4);
     let cb = (h0 / p.group) * p.ctx * D4;
-    attend(p.kc_off + cb, D4, p.vc_off + cb, D4, (lo / BLK) * BLK, n_keys, lo, n_keys);
+    if (RING) {
+        r_pos = step[0];
+        r_last = step[0];
+        attend_ring(p.kc_off + cb, p.vc_off + cb, p.qkv_off + h0 * D4, h0 * D4, 0u, n_keys);
+    } else {
+        load_q(p.qkv_off + h0 * D4, D4);
+        attend(p.kc_off + cb, D4, p.vc_off + cb, D4, (lo / BLK) * BLK, n_keys, lo, n_keys);
+    }
     store_out(p.out_off + h0 * D4, D4, 0u);
 }
 

@@ -9,7 +9,10 @@
 //   rope:     rotates heads [0, n_rot)
 //   rope_kv:  rotates heads [0, n_rot) and copies (rotated) k heads and v heads into the caches
 //   kv_write: copies k heads and v heads into the caches
-//   caches (Hkv, ctx, D), row pos0 + t.
+//   caches (Hkv, ctx, D), row pos0 + t; with RING (a header constant, kernels/common.py Ring: a
+//   sliding window with SINKS attention sinks over a window of RING_W positions) position pos >= ctx
+//   goes to row cache_row(pos), and rope_kv also writes each q head rotated at min(pos, RING_W) to qsk
+//   (T, Hq, D): the query the sinks are scored with.
 // Storage is read as vec2<act> (2-byte scalar accesses are slow on some drivers), so sizes and
 // offsets count element pairs. One invocation per (t, head, unit): a unit is one vec2 — or, in the
 // rotated part of a neox head, the two vec2 at pairs (2u, 2u+1) and (2u + half, 2u+1 + half).
@@ -87,8 +90,8 @@ fn locate(wid: vec3<u32>, nwg: vec3<u32>, lid: u32) -> Unit {
     return r;
 }
 
-// Rotates the unit in place (when it is in the rotated part) and returns its values (a, b[, c, d]).
-fn rotate(q: Unit, pos: u32, base: u32) -> vec4<f32> {
+// The unit's values (a, b[, c, d]), rotated at `pos` when it is in the rotated part.
+fn rotated(q: Unit, pos: u32, base: u32) -> vec4<f32> {
     var a = vec2<f32>(qkv[base + q.v0]);
     var b = vec2<f32>(0.0);
     if (q.quad) { b = vec2<f32>(qkv[base + q.v1]); }
@@ -99,13 +102,35 @@ fn rotate(q: Unit, pos: u32, base: u32) -> vec4<f32> {
             let r1 = rot(a.y, b.y, pos, 2u * q.v0 + 1u);
             a = vec2<f32>(r0.x, r1.x);
             b = vec2<f32>(r0.y, r1.y);
-            qkv[base + q.v1] = vec2<act>(b);
         } else {
             a = rot(a.x, a.y, pos, q.v0);
         }
-        qkv[base + q.v0] = vec2<act>(a);
     }
     return vec4<f32>(a, b);
+}
+
+// Rotates the unit in place (when it is in the rotated part) and returns its values (a, b[, c, d]).
+// RING: a q head's unit is first stored in qsk rotated at min(pos, RING_W) (the sinks' query).
+fn rotate(q: Unit, pos: u32, base: u32) -> vec4<f32> {
+    if (RING && q.h < p.k_lo) {
+        let s = rotated(q, min(pos, RING_W), base);
+        let sb = (q.t * p.k_lo + q.h) * p.hd2;
+        put_q_sink(sb + q.v0, s.xy);               // (the host header's: binding 6, qsk (T, Hq, D/2))
+        if (q.quad) { put_q_sink(sb + q.v1, s.zw); }
+    }
+    let v = rotated(q, pos, base);
+    if (q.turn) {
+        qkv[base + q.v0] = vec2<act>(v.xy);
+        if (q.quad) { qkv[base + q.v1] = vec2<act>(v.zw); }
+    }
+    return v;
+}
+
+// The cache row of position pos: pos itself, or with RING past the cache's end its row in the ring
+// that follows the SINKS sink rows.
+fn cache_row(pos: u32) -> u32 {
+    if (!RING || pos < p.ctx) { return pos; }
+    return SINKS + (pos - SINKS) % (p.ctx - SINKS);
 }
 
 @compute @workgroup_size(64)
@@ -136,9 +161,10 @@ fn rope_kv(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: 
     if (!q.ok) { return; }
     let pos = step[0] + q.t;
     let v = rotate(q, pos, p.qkv_off + (q.t * p.heads + q.h) * p.hd2);
-    if (pos >= p.ctx || q.h < p.k_lo) { return; }
+    if ((!RING && pos >= p.ctx) || q.h < p.k_lo) { return; }
     let g = q.h - p.k_lo;
-    put_kv(q, v, g, p.kc_off + (g * p.ctx + pos) * p.hd2, p.vc_off + ((g - p.n_kv) * p.ctx + pos) * p.hd2);
+    let row = cache_row(pos);
+    put_kv(q, v, g, p.kc_off + (g * p.ctx + row) * p.hd2, p.vc_off + ((g - p.n_kv) * p.ctx + row) * p.hd2);
 }
 
 @compute @workgroup_size(64)
@@ -147,12 +173,13 @@ fn kv_write(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg:
     let q = locate(wid, nwg, lid);            // neox = 0: one vec2 per unit
     if (!q.ok) { return; }
     let pos = step[0] + q.t;
-    if (pos >= p.ctx || q.h < p.k_lo) { return; }
+    if ((!RING && pos >= p.ctx) || q.h < p.k_lo) { return; }
     let base = p.qkv_off + (q.t * p.heads + q.h) * p.hd2;
     let g = q.h - p.k_lo;
+    let row = cache_row(pos);
     if (g < p.n_kv) {
-        kc_w[p.kc_off + (g * p.ctx + pos) * p.hd2 + q.v0] = qkv[base + q.v0];
+        kc_w[p.kc_off + (g * p.ctx + row) * p.hd2 + q.v0] = qkv[base + q.v0];
     } else if (g < 2u * p.n_kv) {
-        vc_w[p.vc_off + ((g - p.n_kv) * p.ctx + pos) * p.hd2 + q.v0] = qkv[base + q.v0];
+        vc_w[p.vc_off + ((g - p.n_kv) * p.ctx + row) * p.hd2 + q.v0] = qkv[base + q.v0];
     }
 }

@@ -1,7 +1,7 @@
 // rope_kv_quant: rope_kv (rope.wgsl) for a quantised cache (kv_quant.wgsl's layout) in one dispatch: the q
 // heads of qkv rows t < n_new rotated in place at position pos0 + t, and each row's k heads (rotated
-// here, in f32) and v heads quantised into cache row h*ctx + pos0 + t. The k heads in qkv are left as
-// they were (attention reads keys from the cache).
+// here, in f32) and v heads quantised into cache row h*ctx + pos0 + t (RING: h*ctx + cache_row(pos)).
+// The k heads in qkv are left as they were (attention reads keys from the cache).
 //   lanes [0, T*Hq*units): rope.wgsl's units over the q heads (h_lo 0, n_h = n_rot = Hq);
 //   the rest: a lane per (t, k|v, kv head, scale word w), blocks 2w and 2w + 1 (kv_quant's).
 // Built after sincos.wgsl and rope.wgsl (the host prepends them: Params, bindings 0-3, locate,
@@ -51,10 +51,10 @@ fn rope_kv_quant(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups)
     let n_new = step[1];
     let rows = select(p.rows, min(p.rows, n_new), n_new != 0u);
     let pos = step[0] + t;
-    if (t >= rows || pos >= p.ctx) { return; }
+    if (t >= rows || (!RING && pos >= p.ctx)) { return; }
     let r = j % per_row;
     let v = r / (p.n_kv * SW);                 // 0: k, 1: v
     let h = (r / SW) % p.n_kv;
     let w = r % SW;
-    quant_write(p.qkv_off + (t * p.heads + p.k_lo + v * p.n_kv + h) * p.hd2, pos, v, w, h * p.ctx + pos);
+    quant_write(p.qkv_off + (t * p.heads + p.k_lo + v * p.n_kv + h) * p.hd2, pos, v, w, h * p.ctx + cache_row(pos));
 }

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from ..gpu import Device
 from ..gpu.shaders import load_shader_source
-from .common import Op, Tensor, act_header, check, params
+from .common import Op, Ring, Tensor, act_header, check, params, ring_header
 from .kv_quant import QuantCache, check_quant_caches
 from .nn_base import WG, _act, _grid, _op, _qkv_heads, _step_entry, _vec_entry, _window
 
@@ -38,18 +38,18 @@ def decode_geometry(dev: Device, ctx: int, n_hg: int, min_chunk: int | None, max
 
 def _attn_header(dt: str, head_dim: int, g: int = 1, split_wg: int = WG, packed: bool = False,
                  windowed: bool = False, capped: bool = False, kv: tuple = ("kc", "vc"),
-                 quant: QuantCache | None = None) -> str:
+                 quant: QuantCache | None = None, ring: Ring | None = None) -> str:
     """Constants plus the state of g heads unrolled into vec4 registers (see attention.wgsl).
     packed: f16 keys and values are read as vec4<u32> (8 halves per load; kr, vr even).
     kv: the arrays keys and values are read from (attention_flash.wgsl: its workgroup tiles).
     quant: the caches are quantised (kernels/kv_quant.py: q8_0 or q4_0, of quant.rows head rows),
     read through kcq / vcq as the unrolled reads (unless kv names other arrays) and as kc_at / vc_at
-    (row-vec4 r, dequantised: the flash tiles)."""
+    (row-vec4 r, dequantised: the flash tiles). ring: a sliding window with sinks (common.Ring)."""
     n = head_dim // 4
     r, gs = range(n), range(g)
     sv = "f32" if g == 1 else f"vec{g}<f32>"
     comp = (lambda v, j: v) if g == 1 else (lambda v, j: f"{v}[{j}]")
-    out = [act_header(dt), f"const D4: u32 = {n}u;", f"const G: u32 = {g}u;", f"const SWG: u32 = {split_wg}u;",
+    out = [act_header(dt) + ring_header(ring), f"const D4: u32 = {n}u;", f"const G: u32 = {g}u;", f"const SWG: u32 = {split_wg}u;",
            f"const WINDOWED: bool = {str(bool(windowed)).lower()};", f"const CAPPED: bool = {str(bool(capped)).lower()};",
            f"alias sv = {sv};",
            "fn sv_get(v: sv, g: u32) -> f32 { return " + ("v" if g == 1 else "v[g]") + "; }"]
@@ -57,6 +57,12 @@ def _attn_header(dt: str, head_dim: int, g: int = 1, split_wg: int = WG, packed:
     out.append("fn load_q(qb: u32, qs: u32) {\n" + "".join(
         f"  q{j}_{i} = vec4<f32>(qkv[qb + {j}u * qs + {i}u]) * p.scale; a{j}_{i} = vec4<f32>(0.0);\n"
         for j in gs for i in r) + "  m_run = sv(-3.0e38); l_run = sv(0.0);\n}")
+    # the query alone (RING's two: the row's and the sinks'); without a ring qsk is never read, so
+    # that the kernels bind no sink queries
+    for name, arr in (("set_q", "qkv"), ("set_q_sink", "qsk" if ring else None)):
+        out.append(f"fn {name}(qb: u32, qs: u32) {{\n" + "".join(
+            f"  q{j}_{i} = vec4<f32>({arr}[qb + {j}u * qs + {i}u]) * p.scale;\n"
+            for j in gs for i in r if arr) + "}")
     quant_reads = quant is not None and kv == ("kc", "vc")
     if quant:
         out.append(quant.header(head_dim) + "".join(
@@ -148,7 +154,8 @@ def attention(dev: Device, qkv: Tensor, k_cache: Tensor, v_cache: Tensor, out: T
               n_q_heads: int, n_kv_heads: int, head_dim: int, ctx: int, scale: float,
               max_t: int | None = None, min_chunk: int | None = None, max_splits: int = 128,
               heads_per_lane: int | None = None, split_wg: int | None = None,
-              causal: bool = False, window: int = 0, softcap: float = 0.0, decode_rows: bool = False) -> Op:
+              causal: bool = False, window: int = 0, softcap: float = 0.0, decode_rows: bool = False,
+              ring: Ring | None = None, q_sink: Tensor | None = None) -> Op:
     """Causal attention of the q heads of qkv (T, Hq+2Hkv, D) over the caches (Hkv, ctx, D), which
     already hold this step's keys: query t (position pos0+t) sees keys 0..pos0+t; head h reads kv
     head h // (Hq/Hkv). out (T, Hq*D). Rows t >= step.n_new are skipped (n_new 0: all T rows).
@@ -164,7 +171,10 @@ def attention(dev: Device, qkv: Tensor, k_cache: Tensor, v_cache: Tensor, out: T
     per load when head_dim % 8 == 0 and the cache offsets are 16-byte aligned.
     Per-device tuning: heads_per_lane (q heads of one kv head served by one lane, which loads each
     key once for them; default the largest divisor of Hq/Hkv up to 4); decode: min_chunk /
-    max_splits (keys per split) and split_wg (workgroup size), defaults in decode_geometry."""
+    max_splits (keys per split) and split_wg (workgroup size), defaults in decode_geometry.
+    `ring` (common.Ring): WebLLM's sliding window with sinks over a cache that is a ring past ctx;
+    q_sink (T, Hq, D): the sink queries nn.rope_kv wrote with the same ring (not with `window`, and
+    prefill takes attn_causal: no flash tiles)."""
     k = "attention"
     rows = _qkv_heads(k, qkv, head_dim)[0]
     t_max = rows if max_t is None else int(max_t)
@@ -178,6 +188,9 @@ def attention(dev: Device, qkv: Tensor, k_cache: Tensor, v_cache: Tensor, out: T
         for c in (k_cache, v_cache):
             check(c.numel == n_kv_heads * ctx * head_dim, k,
                   f"cache {c.shape} must be (Hkv={n_kv_heads}, ctx={ctx}, D={head_dim})")
+    from .rope import ring_query
+    check(ring is None or window == 0, k, "a ring replaces the model's own sliding window")
+    sink = ring_query(k, ring, q_sink, t_max, n_q_heads, head_dim, ctx)     # binding 7, with a ring
     owner = out.buf.owner
     group = n_q_heads // n_kv_heads
     (qe, qo), (oe, oo) = _window(dev, qkv, k, 4), _window(dev, out, k, 4)
@@ -194,23 +207,25 @@ def attention(dev: Device, qkv: Tensor, k_cache: Tensor, v_cache: Tensor, out: T
         n_blk = -(-t_max // WG)
         par = params(dev, [t_max, n_q_heads, group, heads, ctx, 0, 0, float(scale), qo, ko, vo, oo,
                            n_blk, int(window), float(softcap), 0], owner=owner, label=k)
-        if flash_attention(dev):     # the same folds, keys and values staged in workgroup memory
+        if flash_attention(dev) and ring is None:   # the same folds, keys and values staged in workgroup memory
             header = _attn_header(dt, head_dim, g, windowed=window > 0, capped=softcap > 0, kv=("ksh", "vsh"),
                                   quant=quant)
             return _op(dev, k, "attention_flash.wgsl", "attn_flash", header + load_shader_source("attention.wgsl"),
                        par, [_step_entry(step), qe, ke, ve, oe], n_blk * (n_q_heads // g) * WG)
         return _op(dev, k, "attention.wgsl", "attn_causal",
                    _attn_header(dt, head_dim, g, packed=packed, windowed=window > 0, capped=softcap > 0,
-                                quant=quant),
-                   par, [_step_entry(step), qe, ke, ve, oe], n_blk * (n_q_heads // g) * WG)
+                                quant=quant, ring=ring),
+                   par, {**dict(enumerate([_step_entry(step), qe, ke, ve, oe], 1)), **dict(zip([7], sink))},
+                   n_blk * (n_q_heads // g) * WG)
     n_hg = n_q_heads // g
     chunk, n_splits, swg, max_keys = decode_geometry(dev, ctx, n_hg, min_chunk, max_splits, split_wg)
     T = t_max if decode_rows else 1
     part = dev.buffer(T * n_q_heads * n_splits * (head_dim // 4 + 1) * 16, owner=owner, label="attention.partials")
     par = params(dev, [T, n_q_heads, group, heads, ctx, chunk, n_splits, float(scale), qo, ko, vo, oo,
                        0, int(window), float(softcap), max_keys if decode_rows else 0], owner=owner, label=k)
-    header = _attn_header(dt, head_dim, g, swg, packed, windowed=window > 0, capped=softcap > 0, quant=quant)
-    entries = [_step_entry(step), qe, ke, ve, (part, 0, part.size), oe]
+    header = _attn_header(dt, head_dim, g, swg, packed, windowed=window > 0, capped=softcap > 0, quant=quant,
+                          ring=ring)
+    entries = [_step_entry(step), qe, ke, ve, (part, 0, part.size), oe] + sink
     pipe = dev.pipeline("attention.wgsl", "attn_split", header=header)
     op = Op(name=k, buffers=[par])
     x, y = _grid(-(-T * n_splits * n_q_heads // g // swg) * WG, k)
@@ -225,7 +240,8 @@ def attention(dev: Device, qkv: Tensor, k_cache: Tensor, v_cache: Tensor, out: T
         return op
     one = dev.pipeline("attention.wgsl", "attn_decode1", header=header)
     x, y = _grid(-(-n_hg // swg) * WG, k)
-    op.short = [(one, dev.bind(one, [par, _step_entry(step), qe, ke, ve, oe]), x, y, 1)]
+    binds = {**dict(enumerate([par, _step_entry(step), qe, ke, ve, oe])), **dict(zip([7], sink))}
+    op.short = [(one, dev.bind(one, binds), x, y, 1)]
     return op
 
 

@@ -140,6 +140,34 @@ def act_header(dtype: str) -> str:
     raise ValueError(f"activation dtype must be f32 or f16, got {dtype!r}")
 
 
+@dataclass(frozen=True)
+class Ring:
+    """WebLLM's sliding window with attention sinks (context_window_size -1, sliding_window_size
+    `window` = W, attention_sink_size `sinks` = S) over a contiguous cache of ctx rows, ctx >= W plus
+    the rows of one forward: positions 0..S-1 stay in rows 0..S-1, position pos >= S goes to row
+    S + (pos - S) % (ctx - S). A query at position pos sees the sinks and the W - S positions before
+    it (a ring, one position dropped per token: MLC's), and itself. RoPE as MLC applies it in that
+    mode, where a key's position is its place in the cache: the window's keys keep their distance
+    to the query (t - k, RoPE is relative, so they are rotated at their own positions), the sinks sit
+    at distance min(pos, W) - j (the query of the sinks is rotated at min(pos, W): rope_kv writes it
+    beside qkv, attention scores the sinks with it)."""
+
+    sinks: int
+    window: int
+
+
+def ring_header(ring: "Ring | None", rope: bool = False) -> str:
+    """The WGSL constants of a Ring (RING false: none) for attention.wgsl, and with `rope` rope.wgsl's
+    store of the sink queries, `put_q_sink(i, v)` (binding 6, qsk (T, Hq, D); without a ring it stores
+    nothing and binds nothing)."""
+    if ring is None:
+        out = "const RING: bool = false;\nconst SINKS: u32 = 0u;\nconst RING_W: u32 = 0u;\n"
+        return out + ("fn put_q_sink(i: u32, v: vec2<f32>) {}\n" if rope else "")
+    out = f"const RING: bool = true;\nconst SINKS: u32 = {ring.sinks}u;\nconst RING_W: u32 = {ring.window}u;\n"
+    return out + ("@group(0) @binding(6) var<storage, read_write> qsk: array<vec2<act>>;\n"
+                  "fn put_q_sink(i: u32, v: vec2<f32>) { qsk[i] = vec2<act>(v); }\n" if rope else "")
+
+
 def params(dev: Device, fields: Sequence, *, owner: str, label: str = "params") -> Buffer:
     """A uniform buffer with the given scalars packed as 4-byte words (int → u32/i32, float → f32),
     padded to 16 bytes as WGSL uniform structs require."""

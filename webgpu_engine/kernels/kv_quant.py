@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from ..gpu import Device
 from ..gpu.shaders import load_shader_source
-from .common import Op, Tensor, act_header, check, params
+from .common import Op, Ring, Tensor, act_header, check, params, ring_header
 from .nn_base import _act, _op, _qkv_heads, _step_entry, _window
 
 KV_BLOCK = 32                       # values per scale, both block types
@@ -169,11 +169,13 @@ def kv_quant_slots(dev: Device, qkv: Tensor, k_pool: Tensor, v_pool: Tensor, slo
 
 def rope_kv_quant(dev: Device, qkv: Tensor, k_cache: Tensor, v_cache: Tensor, step, *, n_q_heads: int,
                   n_kv_heads: int, head_dim: int, ctx: int, rot_dim: int | None = None, base: float = 10000.0,
-                  neox: bool = False, factors=None, mscale: float = 1.0) -> Op:
+                  neox: bool = False, factors=None, mscale: float = 1.0, ring: Ring | None = None,
+                  q_sink: Tensor | None = None) -> Op:
     """nn.rope_kv for quantised caches in one dispatch (shaders/rope_kv_quant.wgsl): the q heads of
     qkv rows t < step.n_new rotated in place at step.pos0 + t; the k heads, rotated in f32, and the v
-    heads quantised into cache row pos0 + t (qkv's k heads stay unrotated: attention reads the cache)."""
-    from .rope import rope_frequencies
+    heads quantised into cache row pos0 + t (qkv's k heads stay unrotated: attention reads the cache).
+    `ring`, `q_sink`: as nn.rope_kv's."""
+    from .rope import ring_query, rope_frequencies
     k = "rope_kv_quant"
     dt = _act(k, qkv)
     rows, heads = _qkv_heads(k, qkv, head_dim)
@@ -189,10 +191,10 @@ def rope_kv_quant(dev: Device, qkv: Tensor, k_cache: Tensor, v_cache: Tensor, st
     units = half // 2 + (head_dim - rot) // 2 if neox else head_dim // 2       # as nn._rope_op's
     par = params(dev, [rows, heads, head_dim // 2, half, 0, n_q_heads, n_q_heads, int(bool(neox)), n_q_heads,
                        n_kv_heads, ctx, qo, 0, 0, units, float(mscale)], owner=owner, label=k)
-    header = (_write_header(dt, head_dim, quant) + load_shader_source("sincos.wgsl")
+    header = (_write_header(dt, head_dim, quant) + ring_header(ring, rope=True) + load_shader_source("sincos.wgsl")
               + load_shader_source("rope.wgsl"))
     entries = [_step_entry(step), qe, (freq, 0, freq.size), (k_cache.buf, 0, k_cache.nbytes),
-               (v_cache.buf, 0, v_cache.nbytes)]
+               (v_cache.buf, 0, v_cache.nbytes)] + ring_query(k, ring, q_sink, rows, n_q_heads, head_dim, ctx)
     op = _op(dev, k, "rope_kv_quant.wgsl", k, header, par, entries,
              rows * n_q_heads * units + _write_lanes(rows, n_kv_heads, head_dim))
     op.buffers.append(freq)

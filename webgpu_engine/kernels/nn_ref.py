@@ -101,6 +101,26 @@ def causal_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, po
     return out.reshape(t_n, hq * d).astype(np.float32)
 
 
+def ring_attention(q: np.ndarray, q_sink: np.ndarray, k: np.ndarray, v: np.ndarray, positions, sinks: int,
+                   window: int, scale: float) -> np.ndarray:
+    """WebLLM's sliding window with attention sinks (kernels/common.py Ring), by position: q and q_sink
+    (T, Hq, D) the queries at `positions` rotated at pos and at min(pos, window); k, v (Hkv, N, D) the
+    keys and values of positions 0..N-1 (keys rotated at their own positions). The query at pos sees
+    positions j < sinks, scored with q_sink, and pos - (window - sinks) .. pos, scored with q → (T, Hq*D)."""
+    t_n, hq, d = q.shape
+    g = hq // k.shape[0]
+    out = np.zeros((t_n, hq, d))
+    for t, pos in enumerate(positions):
+        sink = np.arange(min(sinks, pos + 1))
+        near = np.arange(max(sinks, pos - (window - sinks)), pos + 1)
+        for h in range(hq):
+            kh, vh = k[h // g].astype(np.float64), v[h // g].astype(np.float64)
+            s = np.concatenate([kh[sink] @ q_sink[t, h].astype(np.float64), kh[near] @ q[t, h].astype(np.float64)])
+            w = np.exp(s * scale - (s * scale).max())
+            out[t, h] = (w / w.sum()) @ np.concatenate([vh[sink], vh[near]])
+    return out.reshape(t_n, hq * d).astype(np.float32)
+
+
 def bidir_attention(qkv: np.ndarray, lengths, batch: int, seq: int, n_heads: int, head_dim: int,
                     scale: float, window: int = 0) -> np.ndarray:
     """qkv (B*S, 3*H*D) rows [q | k | v] → (B*S, H*D); key j of sequence b visible iff j < lengths[b]

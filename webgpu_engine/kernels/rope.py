@@ -9,7 +9,7 @@ import struct
 
 from ..gpu import Buffer, Device
 from ..gpu.shaders import load_shader_source
-from .common import Op, Tensor, act_header, check, params
+from .common import Op, Ring, Tensor, act_header, check, params, ring_header
 from .nn_base import _act, _op, _qkv_heads, _step_entry, _window
 
 
@@ -25,8 +25,20 @@ def rope_frequencies(dev: Device, rot_dim: int, base: float, *, owner: str, fact
     return dev.upload(struct.pack(f"<{len(vals)}f", *vals), owner=owner, label="rope.inv_freq")
 
 
+def ring_query(k: str, ring: Ring | None, q_sink: Tensor | None, rows: int, n_q_heads: int, head_dim: int,
+               ctx: int) -> list:
+    """The binding of a Ring's sink queries (qsk in rope.wgsl and attention.wgsl, (T, Hq, D), a
+    buffer of its own): none without a ring."""
+    if ring is None:
+        return []
+    check(0 <= ring.sinks < ring.window <= ctx, k, f"ring {ring} needs 0 <= sinks < window <= ctx {ctx}")
+    check(q_sink is not None and q_sink.numel >= rows * n_q_heads * head_dim and q_sink.offset == 0, k,
+          f"a ring needs q_sink of ({rows}, Hq={n_q_heads}, D={head_dim}) at the start of its buffer")
+    return [(q_sink.buf, 0, q_sink.nbytes)]
+
+
 def _rope_op(dev, k, entry, qkv, step, *, h_lo, n_h, n_rot, head_dim, rot_dim, base, neox,
-             k_lo=0, n_kv=0, ctx=0, caches=None, factors=None, mscale=1.0) -> Op:
+             k_lo=0, n_kv=0, ctx=0, caches=None, factors=None, mscale=1.0, ring=None, q_sink=None) -> Op:
     dt = _act(k, qkv, *(caches or ()))
     rows, heads = _qkv_heads(k, qkv, head_dim)
     check(head_dim % 2 == 0 and rot_dim % 2 == 0 and 0 <= rot_dim <= head_dim, k,
@@ -46,12 +58,15 @@ def _rope_op(dev, k, entry, qkv, step, *, h_lo, n_h, n_rot, head_dim, rot_dim, b
                   f"cache {c.shape} must be (Hkv={n_kv}, ctx={ctx}, D={head_dim})")
         (ke, kco), (ve, vco) = _window(dev, caches[0], k, 2), _window(dev, caches[1], k, 2)
         entries += [ke, ve]
+    if entry != "kv_write":
+        entries += ring_query(k, ring, q_sink, rows, k_lo, head_dim, ctx)
     half = rot_dim // 2
     # units per head: vec2 pairs, except that a neox head's rotated part goes in quads
     units = half // 2 + (head_dim - rot_dim) // 2 if neox else head_dim // 2
     par = params(dev, [rows, heads, head_dim // 2, half, h_lo, n_h, n_rot, int(bool(neox)),
                        k_lo, n_kv, ctx, qo, kco, vco, units, float(mscale)], owner=owner, label=k)
-    op = _op(dev, k, "rope.wgsl", entry, act_header(dt) + load_shader_source("sincos.wgsl"), par, entries,
+    op = _op(dev, k, "rope.wgsl", entry, act_header(dt) + ring_header(ring, rope=True) + load_shader_source("sincos.wgsl"),
+             par, entries,
              rows * n_h * units)
     if entry != "kv_write":
         op.buffers.append(freq)
@@ -70,20 +85,24 @@ def rope(dev: Device, qkv: Tensor, step, *, n_heads: int, head_dim: int, rot_dim
 
 
 def kv_write(dev: Device, qkv: Tensor, k_cache: Tensor, v_cache: Tensor, step, *, n_q_heads: int,
-             n_kv_heads: int, head_dim: int, ctx: int) -> Op:
-    """Copies the k and v heads of qkv rows (T, Hq+2Hkv, D) into caches (Hkv, ctx, D) at rows pos0+t."""
+             n_kv_heads: int, head_dim: int, ctx: int, ring: Ring | None = None) -> Op:
+    """Copies the k and v heads of qkv rows (T, Hq+2Hkv, D) into caches (Hkv, ctx, D) at rows pos0+t
+    (a `ring`: past ctx at its ring rows)."""
     return _rope_op(dev, "kv_write", "kv_write", qkv, step, h_lo=n_q_heads, n_h=2 * n_kv_heads,
                     n_rot=0, head_dim=head_dim, rot_dim=0, base=1.0, neox=False, k_lo=n_q_heads,
-                    n_kv=n_kv_heads, ctx=ctx, caches=(k_cache, v_cache))
+                    n_kv=n_kv_heads, ctx=ctx, caches=(k_cache, v_cache), ring=ring)
 
 
 def rope_kv(dev: Device, qkv: Tensor, k_cache: Tensor, v_cache: Tensor, step, *, n_q_heads: int,
             n_kv_heads: int, head_dim: int, ctx: int, rot_dim: int | None = None,
-            base: float = 10000.0, neox: bool = False, factors=None, mscale: float = 1.0) -> Op:
-    """rope on the q and k heads followed by kv_write, fused into one dispatch (the decode path)."""
+            base: float = 10000.0, neox: bool = False, factors=None, mscale: float = 1.0,
+            ring: Ring | None = None, q_sink: Tensor | None = None) -> Op:
+    """rope on the q and k heads followed by kv_write, fused into one dispatch (the decode path).
+    `ring` (kernels/common.py Ring): positions past ctx go to the ring's rows, and each q head is also
+    written to q_sink (T, Hq, D) rotated at min(position, ring.window), for attention's sinks."""
     rot = head_dim if rot_dim is None else rot_dim
     n_rot = n_q_heads + n_kv_heads
     return _rope_op(dev, "rope_kv", "rope_kv", qkv, step, h_lo=0, n_h=n_q_heads + 2 * n_kv_heads,
                     n_rot=n_rot, head_dim=head_dim, rot_dim=rot, base=base, neox=neox,
                     k_lo=n_q_heads, n_kv=n_kv_heads, ctx=ctx, caches=(k_cache, v_cache), factors=factors,
-                    mscale=mscale)
+                    mscale=mscale, ring=ring, q_sink=q_sink)
