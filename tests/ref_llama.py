@@ -65,11 +65,14 @@ def gelu_tanh(x):
 class RefLlama:
     """Keeps a KV cache so it can also check incremental (prefill then decode) use."""
 
-    def __init__(self, cfg, weights: dict, dtype=np.float64, context: int | None = None, ops: dict | None = None):
+    def __init__(self, cfg, weights: dict, dtype=np.float64, context: int | None = None, ops: dict | None = None,
+                 ring: tuple[int, int] | None = None):
         """`context`: the context window, which picks longrope's long or short factors; `ops`: a
         family's new math, {point: fn(i, array) -> array} at the points of DecoderFamily.ops ("qkv"
-        (T, Hq + 2 Hkv, D), "attn", "ffn", "logits" with i = -1)."""
-        self.cfg, self.dtype, self.ops = cfg, dtype, ops or {}
+        (T, Hq + 2 Hkv, D), "attn", "ffn", "logits" with i = -1); `ring` (sinks S, window W): WebLLM's
+        sliding window with attention sinks, as MLC runs it: the query at pos sees positions < S,
+        scored with q rotated at min(pos, W), and pos - (W - S) .. pos."""
+        self.cfg, self.dtype, self.ops, self.ring = cfg, dtype, ops or {}, ring
         self.w = {k: np.asarray(v, dtype) for k, v in weights.items()}
         for name in list(self.w):                  # Phi-3's fused q|k|v and gate|up
             p, _, part = name.rpartition(".")
@@ -116,7 +119,8 @@ class RefLlama:
                     [q.reshape(T, H, D), k.reshape(T, Hkv, D), v.reshape(T, Hkv, D)], 1)), [H, H + Hkv], 1)
             base, factors = c.rope_of(i, self.factors)
             rk = (c.rot_dim, base, c.rope_neox, factors, c.rope_attn_factor)
-            q, k = rope(q.reshape(T, H, D), pos, *rk), rope(k.reshape(T, Hkv, D), pos, *rk)
+            q0 = q.reshape(T, H, D)
+            q, k = rope(q0, pos, *rk), rope(k.reshape(T, Hkv, D), pos, *rk)
             v = v.reshape(T, Hkv, D)
             kc = k.transpose(1, 0, 2) if self.k_cache[i] is None else \
                 np.concatenate([self.k_cache[i], k.transpose(1, 0, 2)], axis=1)    # (Hkv, S, D)
@@ -130,7 +134,13 @@ class RefLlama:
             if c.attn_softcap:
                 att = c.attn_softcap * np.tanh(att / c.attn_softcap)
             mask = np.arange(S)[None, :] > pos[:, None]                            # (T, S) causal
-            if c.window_of(i):                                                     # sliding window
+            if self.ring:                                  # the sinks, then the window before the query
+                n_sink, win = self.ring
+                qs = rope(q0, np.minimum(pos, win), *rk)
+                att[:, :, :n_sink] = (np.einsum("thd,hsd->hts", qs, kq[:, :n_sink])
+                                      * (c.attn_scale or D ** -0.5))
+                mask |= (np.arange(S)[None, :] >= n_sink) & (np.arange(S)[None, :] < pos[:, None] - (win - n_sink))
+            elif c.window_of(i):                                                   # sliding window
                 mask |= np.arange(S)[None, :] <= pos[:, None] - c.window_of(i)
             att = np.where(mask[None], -np.inf, att)
             att = np.exp(att - att.max(-1, keepdims=True))

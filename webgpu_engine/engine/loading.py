@@ -107,6 +107,12 @@ def _check_chat_options(cc: ChatConfig) -> None:
         if cc.max_num_sequences != 1:
             raise UnsupportedChatOptionError("sliding_window_size", window, "a sliding window runs on the "
                                              "one-request path: load with max_num_sequences 1")
+        if cc.speculation:
+            raise UnsupportedChatOptionError("speculation", cc.speculation, "speculative decoding does not "
+                                             "run with a sliding window; load without one of them")
+        if cc.context_overflow == "shift":
+            raise UnsupportedChatOptionError("context_overflow", "shift", "a sliding window never overflows "
+                                             "(its ring drops one position per token): leave context_overflow")
     elif sinks not in (0, -1):
         raise UnsupportedChatOptionError(
             "attention_sink_size", sinks, "attention sinks only apply to a sliding window "
@@ -137,19 +143,6 @@ def _check_chat_options(cc: ChatConfig) -> None:
     if cc.max_num_sequences > cc.prefill_chunk_size > 0:
         raise ChatOptionTypeError("max_num_sequences", f"at most prefill_chunk_size ({cc.prefill_chunk_size})",
                                   cc.max_num_sequences)
-
-
-def sliding_window_config(cc: ChatConfig) -> ChatConfig:
-    """WebLLM's sliding window with attention sinks (context_window_size -1, sliding_window_size W,
-    attention_sink_size S) as this engine runs it: a cache of W positions whose first S tokens always
-    stay, and a conversation or generation longer than W goes on by context shifts
-    (context_overflow "shift" with n_keep S: the older half of the other tokens goes at once and
-    the kept tail is computed again), rather than MLC's ring that drops one position per token."""
-    window = cc.sliding_window_size or -1
-    if window <= 0:
-        return cc
-    return replace(cc, context_window_size=window, context_overflow="shift",
-                   n_keep=max(cc.n_keep, cc.attention_sink_size or 0))
 
 
 class ModelLoading:
@@ -254,7 +247,6 @@ class ModelLoading:
         builtin = (self.config.pipeline_factories or {}).get(rec.model_type) is None
         if builtin:
             _check_chat_options(chat_config)
-            chat_config = sliding_window_config(chat_config)
 
         def progress(frac: float, text: str) -> None:
             if token is not None:

@@ -19,7 +19,7 @@ from ..errors import ContextWindowTooLargeError, GPUOutOfMemoryError, Unsupporte
 from ..gpu import Device
 from ..kernels import matmul as mm
 from ..kernels import nn
-from ..kernels.common import DTYPE_SIZE, Op, OpCache, Tensor, new_tensor, pipeline_keys
+from ..kernels.common import DTYPE_SIZE, Op, OpCache, Ring, Tensor, new_tensor, pipeline_keys
 from ..kernels.kv_quant import KV_QUANTS, rope_kv_quant
 from ..loaders.model_config import LlamaConfig
 from ..loaders.tensor_info import split_fused
@@ -80,23 +80,29 @@ class ContiguousKV:
 
     def fused_rope(self, i: int):
         m, c = self.m, self.m.cfg
-        if m.kv_cache_dtype:             # the matmul's epilogue writes act caches only
+        if m.kv_cache_dtype or m.ring:   # the matmul's epilogue writes act caches only, without a ring
             return None
         return mm.RopeKV(m.step, m.rope_freq, m.k_cache[i], m.v_cache[i], c.n_heads, c.n_kv_heads, c.head_dim,
                          c.rot_dim, m.ctx)
 
     def rope_kv(self, i: int, qkv: Tensor, T: int, rope: dict):
         m, c = self.m, self.m.cfg
+        ring = dict(ring=m.ring, q_sink=m.q_sink) if m.ring else {}
         if m.kv_cache_dtype in KV_QUANTS:     # rope and the quantising write in one dispatch
             return rope_kv_quant(m.dev, qkv, m.k_cache[i], m.v_cache[i], m.step, n_q_heads=c.n_heads,
-                                 n_kv_heads=c.n_kv_heads, head_dim=c.head_dim, ctx=m.ctx, **rope)
+                                 n_kv_heads=c.n_kv_heads, head_dim=c.head_dim, ctx=m.ctx, **rope, **ring)
         return nn.rope_kv(m.dev, qkv, m.k_cache[i], m.v_cache[i], m.step, n_q_heads=c.n_heads,
-                          n_kv_heads=c.n_kv_heads, head_dim=c.head_dim, ctx=m.ctx, **rope)
+                          n_kv_heads=c.n_kv_heads, head_dim=c.head_dim, ctx=m.ctx, **rope, **ring)
+
+    def masking(self, spec: decoder.Attention) -> dict:
+        """nn.attention's masks: the model's own (window, soft-cap), or a ring's in place of its window."""
+        m = self.m
+        return {**spec.masking(), "window": 0, "ring": m.ring, "q_sink": m.q_sink} if m.ring else spec.masking()
 
     def attention(self, i: int, qkv: Tensor, attn: Tensor, T: int, mode: str, spec: decoder.Attention):
         m = self.m
         return nn.attention(m.dev, qkv, m.k_cache[i], m.v_cache[i], attn, m.step, **spec.heads(), ctx=m.ctx,
-                            scale=spec.scale, max_t=T, causal=mode != decoder.DECODE, **spec.masking())
+                            scale=spec.scale, max_t=T, causal=mode != decoder.DECODE, **self.masking(spec))
 
 
 class VerifyRowsKV(ContiguousKV):
@@ -113,7 +119,7 @@ class VerifyRowsKV(ContiguousKV):
     def attention(self, i: int, qkv: Tensor, attn: Tensor, T: int, mode: str, spec: decoder.Attention):
         m = self.m
         return nn.attention(m.dev, qkv, m.k_cache[i], m.v_cache[i], attn, m.step, **spec.heads(), ctx=m.ctx,
-                            scale=spec.scale, max_t=T, decode_rows=True, **spec.masking())
+                            scale=spec.scale, max_t=T, decode_rows=True, **self.masking(spec))
 
 
 class LlamaModel:
@@ -121,11 +127,19 @@ class LlamaModel:
 
     def __init__(self, dev: Device, cfg: LlamaConfig, weights: dict, *, owner: str,
                  context_window: int = 4096, prefill_chunk: int = 256, dtype: str = "f32",
-                 max_total_bytes: int = DEFAULT_MAX_TOTAL_BYTES, progress=None, kv_cache_dtype: str = ""):
+                 max_total_bytes: int = DEFAULT_MAX_TOTAL_BYTES, progress=None, kv_cache_dtype: str = "",
+                 ring: Ring | None = None):
         self.dev, self.cfg, self.owner, self.dtype = dev, cfg, owner, dtype
         self.kv_cache_dtype = "" if kv_cache_dtype == dtype else kv_cache_dtype   # "q8_0", "q4_0" or "" (= dtype)
-        self.ctx = model_context(cfg, context_window)
-        self.chunk = prefill_rows(prefill_chunk, self.ctx)
+        # a sliding window with sinks (kernels/common.py Ring): the cache holds the window and the rows
+        # of one forward, past its end a ring; positions are not bounded by it
+        self.ring = ring
+        if ring is not None:
+            self.chunk = prefill_rows(prefill_chunk, ring.window)
+            self.ctx = ring.window + self.chunk
+        else:
+            self.ctx = model_context(cfg, context_window)
+            self.chunk = prefill_rows(prefill_chunk, self.ctx)
         self.rope_factors = cfg.rope_factors_for(self.ctx)
         weights = split_fused(weights, cfg.q_dim, cfg.kv_dim, cfg.ffn_size)
         self._check_memory(weights, max_total_bytes)
@@ -152,7 +166,7 @@ class LlamaModel:
         """Refuse, before any allocation, a cache buffer over the device's per-buffer limit or a model
         over `max_total` bytes (the estimate the engine's pre-load check uses: models/memory.py)."""
         lim = min(self.dev.max_buffer_size, self.dev.max_storage_binding)
-        plan = DecoderPlan(self.dtype, self.ctx, self.chunk, 1, kv_cache_dtype=self.kv_cache_dtype)
+        plan = DecoderPlan(self.dtype, self.ctx, self.chunk, 1, kv_cache_dtype=self.kv_cache_dtype, ring=self.ring)
         est, kv_layer = estimate_llm(self.cfg, weights, plan, max_binding=lim), plan.kv_layer_bytes(self.cfg)
         if kv_layer > lim:
             raise ContextWindowTooLargeError(
@@ -252,6 +266,8 @@ class LlamaModel:
             shape, kdt = (KV_QUANTS[self.kv_cache_dtype].cache_words(c.n_kv_heads, self.ctx, c.head_dim),), "u32"
         self.k_cache = [new_tensor(dev, shape, kdt, owner=own, label=f"k_cache.{i}") for i in range(c.n_layers)]
         self.v_cache = [new_tensor(dev, shape, kdt, owner=own, label=f"v_cache.{i}") for i in range(c.n_layers)]
+        # a ring's sink queries, written by rope_kv beside qkv (a buffer of its own)
+        self.q_sink = new_tensor(dev, (P, c.q_dim), dt, owner=own, label="q_sink") if self.ring else None
         self.kv = ContiguousKV(self)
 
     # ------------------------------------------------------------------ the forward pass as ops
@@ -379,7 +395,7 @@ class LlamaModel:
         """Write the rows' ids and the step (positions pos0..), record `ops` into `batch` (n_keys:
         the longest row's live keys, for ops with a short form)."""
         T = len(ids)
-        if pos0 + T > self.ctx:
+        if pos0 + T > self.ctx and self.ring is None:
             raise ContextWindowTooLargeError(f"positions up to {pos0 + T} exceed the context window {self.ctx}")
         self.dev.write(self.ids.buf, struct.pack(f"<{T}I", *ids))
         self.set_step(pos0, T)
@@ -387,10 +403,10 @@ class LlamaModel:
 
     def record_decode(self, batch, pos0: int) -> None:
         """Record one decode step at position pos0; its input id is already in `ids[0]`."""
-        if pos0 + 1 > self.ctx:
+        if pos0 + 1 > self.ctx and self.ring is None:
             raise ContextWindowTooLargeError(f"position {pos0} is outside the context window {self.ctx}")
         self.set_step(pos0, 1)
-        self._record(batch, self.decode_ops, pos0 + 1)
+        self._record(batch, self.decode_ops, min(pos0 + 1, self.ctx))
 
     def _record(self, batch, ops: list[Op], n_keys: int | None) -> None:
         """Record ops into batch; a T = 1 step (n_keys: its live KV length) may take ops' short forms."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import ContextWindowTooLargeError, ShaderF16SupportError, UnsupportedChatOptionError
-from ..kernels.common import DTYPE_SIZE
+from ..kernels.common import DTYPE_SIZE, Ring
 from ..kernels.kv_quant import KV_QUANTS, KV_BLOCK, kv_row_bytes, quant_supported
 
 # KV-pool blocks when no size is asked for: max_num_sequences full contexts, at most this many tokens
@@ -71,6 +71,7 @@ class DecoderPlan:
     kv_block_size: int = 16    # tokens per paged KV block
     kv_pool_blocks: int = 0    # blocks of the paged pool (0 when max_sequences is 1)
     kv_cache_dtype: str = ""   # the KV cache and pool: "q8_0" / "q4_0" (kernels/kv_quant.py), or "" (= dtype)
+    ring: Ring | None = None   # a sliding window with sinks: context = its window + one prefill chunk of rows
 
     @property
     def act_bytes(self) -> int:
@@ -128,6 +129,10 @@ def plan_decoder(cfg, chat_config, dev) -> DecoderPlan:
         dtype = chat_config.kv_cache_dtype          # the cache follows the activations: both as asked
     dtype = activation_dtype(dtype, dev)
     ctx = model_context(cfg, chat_config.context_window_size)
+    ring = None
+    if window > 0:                  # the cache: the window, then room for the rows of one forward
+        ring = Ring(max(int(getattr(chat_config, "attention_sink_size", 0) or 0), 0), window)
+        ctx = window + prefill_rows(chat_config.prefill_chunk_size, window)
     seqs = resolve_max_sequences(dev, chat_config)
     bs = int(chat_config.kv_block_size)
     blocks = 0
@@ -142,4 +147,5 @@ def plan_decoder(cfg, chat_config, dev) -> DecoderPlan:
                 f"A paged KV cache for a context of {ctx} tokens needs {one} blocks of {bs} tokens per "
                 f"layer, more than this device binds ({cap}). Use a smaller context_window_size.",
                 param="context_window_size")
-    return DecoderPlan(dtype, ctx, prefill_rows(chat_config.prefill_chunk_size, ctx), seqs, bs, blocks, kv)
+    chunk = prefill_rows(chat_config.prefill_chunk_size, ring.window if ring else ctx)
+    return DecoderPlan(dtype, ctx, chunk, seqs, bs, blocks, kv, ring)

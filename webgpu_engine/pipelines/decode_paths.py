@@ -1,5 +1,5 @@
-"""The decode step's other paths, for LLMChatPipeline (llm.py): a context shift when the cache is
-full (context_overflow "shift"), steps submitted one ahead of the host (decode_ahead), and
+"""The decode step's other paths, for LLMChatPipeline (llm.py): which cache rows a prompt reuses, a
+context shift when the cache is full (context_overflow "shift"), steps submitted one ahead of the host (decode_ahead), and
 speculative steps (a verify forward over the last token and k guesses; speculation.py says how
 they stay exact). A mixin: it reads and writes the pipeline's own state. Page code: standard
 library only.
@@ -39,6 +39,25 @@ class DecodePaths:
                 f"model's ({self.tokenizer.vocab_size}): a draft model must share the tokenizer"))
         draft.sampler.configure(GREEDY)
         return draft
+
+    def _reuse_prefix(self, ids: list[int]) -> int:
+        """Keep the longest prefix of `ids` the KV cache holds, less at least the last id (its logits
+        are needed) and, unless reuse_decoded_kv, the rows a decode step wrote (the decode kernels
+        round otherwise than the prefill's: an answer would depend on the cache's history)."""
+        keep = 0
+        for a, b in zip(self.kv_ids, ids):
+            if a != b:
+                break
+            keep += 1
+        exact = len(self.kv_ids) if self.chat_config.reuse_decoded_kv else self.kv_exact
+        keep = min(keep, len(ids) - 1, exact)                 # decoded rows are computed again
+        m = self.model
+        if m.ring is not None and len(self.kv_ids) > m.ctx and len(self.kv_ids) - 1 - keep >= m.chunk:
+            # a ring that went round since position `keep` no longer holds the window before it
+            # (it can go back fewer positions than the rows of one forward): compute all again
+            keep = 0
+        self.kv_ids, self.kv_exact = ids[:keep], keep
+        return keep
 
     async def _shift_context(self) -> None:
         """context_overflow "shift" (llama.cpp's context shift): the cache is full; keep its first
@@ -80,7 +99,8 @@ class DecodePaths:
         rb = self._ahead if self._ahead is not None else await self._submit_decode(pos, threaded=False)
         self._ahead = None
         last_possible = (seq.max_tokens is not None and len(seq.output_ids) + 1 >= seq.max_tokens) \
-            or pos + 1 >= self.model.ctx or seq.interrupted     # (a shift comes first: not ahead)
+            or pos + 1 >= (self.positions if self.model.ring else self.model.ctx) \
+            or seq.interrupted                                  # (a shift comes first: not ahead)
         if not last_possible:
             self._ahead = await self._submit_decode(pos + 1, threaded=True)
         res = self.sampler.result(await self.dev.collect(rb))

@@ -131,6 +131,9 @@ class LLMChatPipeline(DecodePaths):
         self.plan = plan or plan_decoder(cfg, replace(chat_config, context_window_size=model.ctx,
                                                       dtype=model.dtype), dev)
         self.shifts = chat_config.context_overflow == "shift"
+        # the positions a sequence may reach: the cache's, unless context shifts or a sliding window's
+        # ring (WebLLM's sliding_window_size) let it go on
+        self.positions = sys.maxsize if self.shifts or model.ring else model.ctx
         if self.shifts and self.plan.max_sequences > 1:
             raise UnsupportedChatOptionError("context_overflow", "shift", "a context shift runs on the "
                                              "one-request path: load with max_num_sequences 1")
@@ -196,7 +199,7 @@ class LLMChatPipeline(DecodePaths):
             # uploads fill the first 90% of this load's progress when kernel tuning may follow
             model = m.arch.model_class()(dev, cfg, m.weights, owner=owner, context_window=plan.context,
                                          prefill_chunk=plan.prefill_chunk, dtype=dtype,
-                                         kv_cache_dtype=plan.kv_cache_dtype,
+                                         kv_cache_dtype=plan.kv_cache_dtype, ring=plan.ring,
                                          progress=_scaled(progress, 0.0, 0.9) if tunes else progress)
             if tunes:
                 await _tune(dev, model, dtype, tuning, _scaled(progress, 0.9, 1.0), model_id or path.name)
@@ -332,20 +335,6 @@ class LLMChatPipeline(DecodePaths):
         self._req.t_first_token = now()
         self._accept(res)
 
-    def _reuse_prefix(self, ids: list[int]) -> int:
-        """Keep the longest prefix of `ids` the KV cache holds, less at least the last id (its logits
-        are needed) and, unless reuse_decoded_kv, the rows a decode step wrote (the decode kernels
-        round otherwise than the prefill's: an answer would depend on the cache's history)."""
-        keep = 0
-        for a, b in zip(self.kv_ids, ids):
-            if a != b:
-                break
-            keep += 1
-        exact = len(self.kv_ids) if self.chat_config.reuse_decoded_kv else self.kv_exact
-        keep = min(keep, len(ids) - 1, exact)                 # decoded rows are computed again
-        self.kv_ids, self.kv_exact = ids[:keep], keep
-        return keep
-
     @staticmethod
     def template_kwargs(gen: GenerationConfig) -> dict:
         """What a request passes to the chat template's render besides the messages."""
@@ -362,8 +351,8 @@ class LLMChatPipeline(DecodePaths):
         context_overflow "truncate" the oldest turns are dropped to fit (counted in `req`, default
         the current request's stats)."""
         kw = self.template_kwargs(gen)
-        ctx = self.model.ctx
-        if prompt is None and self.chat_config.context_overflow in ("truncate", "shift"):
+        ctx = self.model.ctx if self.model.ring is None else sys.maxsize     # a ring holds any prompt
+        if prompt is None and self.chat_config.context_overflow in ("truncate", "shift") and self.model.ring is None:
             messages, dropped = await self._fit_messages(messages, kw)
             (req if req is not None else self._req).truncated_messages = dropped
         chars = len(prompt) if prompt is not None else \
@@ -509,9 +498,8 @@ class LLMChatPipeline(DecodePaths):
         await process_logits(self.dev, self.logit_processor, self.model.logits)
 
     def _accept(self, res) -> None:
-        # with context shifts the window's end does not end the answer
-        self.seq.accept(res.token, res.logprob, res.top, len(self.kv_ids),
-                        sys.maxsize if self.shifts else self.model.ctx)
+        # with context shifts or a ring the window's end does not end the answer
+        self.seq.accept(res.token, res.logprob, res.top, len(self.kv_ids), self.positions)
 
     # ------------------------------------------------------------------ results
     def take_delta(self) -> str:
@@ -560,7 +548,7 @@ class LLMChatPipeline(DecodePaths):
         ids = [int(i) for i in ids]
         if not ids:
             raise InvalidRequestError("input_ids is empty.", param="input_ids")
-        if len(self.kv_ids) + len(ids) > self.model.ctx:
+        if len(self.kv_ids) + len(ids) > self.positions:
             raise ContextWindowTooLargeError(
                 f"{len(self.kv_ids) + len(ids)} tokens exceed the context window of {self.model.ctx}.")
         rows = self.model.cfg.vocab_size
