@@ -3,14 +3,16 @@ a quantised cache costs in accuracy, in one run. Greedy, one request at a time, 
 model (or --model: a file or folder).
 
     python bench/long_context.py [--model PATH] [--positions 512 2048 8192] [--kv auto q8_0 q4_0]
-                                 [--decode 32] [--answer-tokens 64] [--out PATH]
+                                 [--window 512] [--decode 32] [--answer-tokens 64] [--out PATH]
     python bench/long_context.py --smoke [--model PATH] [--out PATH]
 
 Speed: for each KV dtype the model is loaded once with a window of the largest position plus the
 decode; at each position the cache is taken to hold that many tokens (their positions only: a decode
 step's time depends on how many keys it reads, not on their values, and filling 8k positions by
 prefill would take minutes on a software adapter) and `--decode` greedy tokens are timed. Memory: the
-KV cache's bytes (what the load allocated for it) and all the model's GPU bytes.
+KV cache's bytes (what the load allocated for it) and all the model's GPU bytes. `--window W` (0: none)
+adds a row per KV dtype for WebLLM's sliding window with 4 attention sinks (context_window_size -1,
+sliding_window_size W): a ring of W positions plus a prefill chunk, whatever the position.
 Accuracy, against the default cache on fixed prompts: how many `--answer-tokens`-token greedy answers
 are identical, the mean length of the common start, and the mean |delta logprob| of the greedy tokens
 over that common start (the same tokens scored by both caches).
@@ -66,17 +68,19 @@ async def _decode_at(pipe, pos: int, n: int) -> float:
     return steps / (time.perf_counter() - t)
 
 
-async def run_kv(path: Path, kv: str, positions: list[int], decode: int, answer_tokens: int) -> dict:
+async def run_kv(path: Path, kv: str, positions: list[int], decode: int, answer_tokens: int,
+                 window: int = 0) -> dict:
     from webgpu_engine import gpu
     from webgpu_engine.config import ChatConfig
     from webgpu_engine.pipelines.llm import LLMChatPipeline
     dev = await gpu.request_device()
     ctx = max(positions) + decode + 8
-    pipe = await LLMChatPipeline.load(dev, path, ChatConfig(context_window_size=ctx, compile_at_load=False,
-                                                            kv_cache_dtype=kv))
+    slide = dict(context_window_size=-1, sliding_window_size=window, attention_sink_size=4) if window else \
+        dict(context_window_size=ctx)
+    pipe = await LLMChatPipeline.load(dev, path, ChatConfig(compile_at_load=False, kv_cache_dtype=kv, **slide))
     try:
         cfg = pipe.model.cfg
-        row = {"kv_cache_dtype": kv, "dtype": pipe.plan.dtype, "context": pipe.model.ctx,
+        row = {"kv_cache_dtype": kv, "sliding_window": window, "dtype": pipe.plan.dtype, "context": pipe.model.ctx,
                "kv_cache_bytes": sum(t.nbytes for t in pipe.model.k_cache + pipe.model.v_cache),
                "kv_bytes_per_token": pipe.plan.kv_bytes_per_token(cfg),
                "model_gpu_bytes": dev.allocated_bytes(pipe.owner), "decode_tok_s": {}}
@@ -140,7 +144,8 @@ def _llama_cpp_child(path: Path, kv: str, positions: list[int], decode: int) -> 
 async def main_async(a) -> dict:
     from webgpu_engine import cache
     path = Path(a.model) if a.model else Path(cache.default_model_path("SmolLM2-135M-Instruct-Q4_1"))
-    rows = [await run_kv(path, kv, a.positions, a.decode, a.answer_tokens) for kv in a.kv]
+    rows = [await run_kv(path, kv, a.positions, a.decode, a.answer_tokens, w)
+            for w in ([0, a.window] if a.window else [0]) for kv in a.kv]
     base = rows[0]["answers"]
     for r in rows:
         r["accuracy_vs_" + a.kv[0]] = _accuracy(base, r.pop("answers"))
@@ -158,6 +163,7 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="a chat model file or folder (default: SmolLM2-135M-Instruct-Q4_1)")
     ap.add_argument("--positions", type=int, nargs="+", default=[512, 2048, 8192])
     ap.add_argument("--kv", nargs="+", default=["auto", "q8_0", "q4_0"], help="KV cache dtypes; the first is the reference")
+    ap.add_argument("--window", type=int, default=512, help="sliding window rows too (0: none)")
     ap.add_argument("--decode", type=int, default=32)
     ap.add_argument("--answer-tokens", type=int, default=64)
     ap.add_argument("--smoke", action="store_true", help="positions 64 and 128, 4 tokens: checks the script")
@@ -168,16 +174,16 @@ def main() -> None:
         print(json.dumps(_llama_cpp_child(Path(a.model), a.llama_cpp_child, a.positions, a.decode)))
         return
     if a.smoke:
-        a.positions, a.decode, a.answer_tokens = [64, 128], 4, 4
+        a.positions, a.decode, a.answer_tokens, a.window = [64, 128], 4, 4, min(a.window, 48)
     data = asyncio.run(main_async(a))
     ref = a.kv[0]
     pos_cols = " ".join(f"{f'tok/s @{p}':>11}" for p in a.positions)
-    print(f"{'kv cache':8} {'dtype':5} {'KV MiB':>8} {'B/token':>8} {'model MiB':>9} {pos_cols} "
+    print(f"{'kv cache':8} {'window':>6} {'dtype':5} {'KV MiB':>8} {'B/token':>8} {'model MiB':>9} {pos_cols} "
           f"{'same answers':>12} {'common tok':>10} {'|d logprob|':>11}")
     for r in data["rows"]:
         acc = r[f"accuracy_vs_{ref}"]
         speeds = " ".join(f"{r['decode_tok_s'][str(p)]:11.2f}" for p in a.positions)
-        print(f"{r['kv_cache_dtype']:8} {r['dtype']:5} {r['kv_cache_bytes'] / 2 ** 20:8.1f} "
+        print(f"{r['kv_cache_dtype']:8} {r['sliding_window'] or '-':>6} {r['dtype']:5} {r['kv_cache_bytes'] / 2 ** 20:8.1f} "
               f"{r['kv_bytes_per_token']:8d} {r['model_gpu_bytes'] / 2 ** 20:9.1f} {speeds} "
               f"{acc['identical_answers']:>5}/{acc['answers']:<6} {acc['mean_common_tokens']:10.1f} "
               f"{acc['mean_abs_delta_logprob']:11.4f}")

@@ -161,8 +161,12 @@ def test_long_context(tmp_path):
     out = tmp_path / "long_context.json"
     stdout = run_script("long_context", "--smoke", "--model", str(chat), "--out", str(out))
     data = load(out, {"adapter", "model", "positions", "rows", "llama_cpp"})
-    auto, q8, q4 = data["rows"]
+    auto, q8, q4, *windowed = data["rows"]
     assert (auto["kv_cache_dtype"], q8["kv_cache_dtype"], q4["kv_cache_dtype"]) == ("auto", "q8_0", "q4_0")
+    # the sliding window's rows: a ring of 48 positions plus a chunk, the same cache at every position
+    assert [(r["kv_cache_dtype"], r["sliding_window"]) for r in windowed] == [("auto", 48), ("q8_0", 48), ("q4_0", 48)]
+    assert all(r["context"] == 96 and set(r["decode_tok_s"]) == {"64", "128"} for r in windowed)
+    assert windowed[0]["kv_cache_bytes"] < auto["kv_cache_bytes"]
     assert q4["kv_bytes_per_token"] < q8["kv_bytes_per_token"] < auto["kv_bytes_per_token"]
     assert set(q8["decode_tok_s"]) == set(q4["decode_tok_s"]) == {"64", "128"}
     assert auto["accuracy_vs_auto"]["identical_answers"] == auto["accuracy_vs_auto"]["answers"]

@@ -63,6 +63,8 @@ def estimate_llm(cfg, tensors: dict, plan, *, max_binding: int) -> MemoryEstimat
     act = esz * P * (2 * C + cfg.qkv_dim + cfg.q_dim + 3 * F) + 4 * P + esz * (C + V) + P * C   # P * C: norm partials
     act += 4 * V * 3 + 4 * (V + 31) // 32 + 1024          # sampler: bias, history, scratch, io, params
     act += 64 * 1024                                         # per-op params uniforms (~16 B x ops)
+    if getattr(plan, "ring", None) is not None:             # a sliding window's sink queries
+        act += esz * P * cfg.q_dim
     # split-key decode attention: per layer (Hq, splits, D/4 + 1) vec4 partials, at most 128 splits
     # of at least 32 keys (kernels/nn.attention; CPU adapters use fewer): grows with the context.
     partials = cfg.n_layers * cfg.n_heads * min(128, -(-ctx // 32)) * (cfg.head_dim // 4 + 1) * 16
