@@ -72,13 +72,14 @@ def get_words(device, t):
     return np.frombuffer(device.read_sync(t.buf, t.offset, t.nbytes), np.uint32)
 
 
-def _reference(xs, hq, hkv, d, ring, dtype):
+def _reference(xs, hq, hkv, d, ring, dtype, softcap=0.0):
     n = len(xs)
     x = xs.astype(np.float16).astype(np.float32) if dtype == "f16" else xs
     rot = nn_ref.rope(x, np.arange(n), n_heads=hq + hkv, rot_dim=d, base=BASE, neox=False)
     sink = nn_ref.rope(x, np.minimum(np.arange(n), ring.window), n_heads=hq, rot_dim=d, base=BASE, neox=False)
     k, v = rot[:, hq:hq + hkv].transpose(1, 0, 2), x[:, hq + hkv:].transpose(1, 0, 2)
-    return nn_ref.ring_attention(rot[:, :hq], sink[:, :hq], k, v, range(n), ring.sinks, ring.window, d ** -0.5)
+    return nn_ref.ring_attention(rot[:, :hq], sink[:, :hq], k, v, range(n), ring.sinks, ring.window, d ** -0.5,
+                                 softcap)
 
 
 @pytest.mark.parametrize("dtype", ["f32", "f16"])
@@ -101,6 +102,17 @@ def test_ring_prefill_and_decode_match_the_reference(device, dtype, sinks, windo
     full = nn_ref.causal_attention(rot[:, :hq], rot[:, hq:hq + hkv].transpose(1, 0, 2),
                                    xs[:, hq + hkv:].transpose(1, 0, 2), 0, d ** -0.5)
     assert np.abs(full[window + 10:] - ref[window + 10:]).max() > 1e-2     # the ring changes the result
+
+
+def test_ring_with_a_soft_cap(device):
+    """Gemma 2's soft-capped scores over the ring, odd head width and one kv head (GQA 5)."""
+    hq, hkv, d, rows, ring = 5, 1, 16, 8, Ring(3, 21)
+    ctx = ring.window + rows
+    xs = np.random.default_rng(5).standard_normal((70, hq + 2 * hkv, d)) * 2.0
+    r = RingRun(device, xs, hq, hkv, d, ring, ctx, rows, "f32", softcap=2.0)
+    ref = _reference(xs, hq, hkv, d, ring, "f32", softcap=2.0)
+    np.testing.assert_allclose(r.feed([8, 7, 1, 8, 8, 1, 1, 8, 8, 1, 8, 8, 3]), ref, **TOL["f32"])
+    assert np.abs(_reference(xs, hq, hkv, d, ring, "f32") - ref).max() > 1e-2
 
 
 def test_a_rows_result_does_not_depend_on_the_forwards(device):

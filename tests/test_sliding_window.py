@@ -92,28 +92,28 @@ def _same(a, b) -> None:
 
 @pytest.mark.parametrize("kv", ["auto", "q8_0"])
 async def test_a_ring_runs_conversations_and_generations_past_the_window(device, path, kv):
-    """W = 128, S = 4: a conversation of over 3x the window answers whole (nothing truncated), a
+    """W = 256, S = 4: a conversation of over 3x the window answers whole (nothing truncated), a
     generation runs 400 tokens past the window, the cache is the window plus one prefill chunk; after
     the ring went round, a prompt is computed again from its start (the ring no longer holds the
     window before the rows it shares) and a follow-up turn reuses its prompt's rows (fewer than a
     chunk back): both answer, bit for bit, as a cold engine does."""
-    opts = dict(context_window_size=-1, sliding_window_size=128, attention_sink_size=4, prefill_chunk_size=64,
+    opts = dict(context_window_size=-1, sliding_window_size=256, attention_sink_size=4, prefill_chunk_size=64,
                 kv_cache_dtype=kv)
-    conv = _conversation(12)
+    conv = _conversation(24)
     eng = await _engine(device, path, **opts)
     try:
         pipe = eng.models["tiny"].pipeline
-        assert pipe.model.ring == Ring(4, 128) and pipe.model.ctx == 128 + 64
+        assert pipe.model.ring == Ring(4, 256) and pipe.model.ctx == 256 + 64
         keeps, reuse = [], pipe._reuse_prefix        # the prompt rows each request takes from the cache
         pipe._reuse_prefix = lambda ids: keeps.append(reuse(ids)) or keeps[-1]
         r = await eng.chat.completions.create(messages=conv, max_tokens=8, temperature=0)
-        assert r.usage.prompt_tokens > 3 * 128 and "truncated_messages" not in r.usage.extra.model_dump()
-        r = await eng.chat.completions.create(messages=[LAST], max_tokens=528, temperature=0, ignore_eos=True)
-        assert r.usage.completion_tokens == 528 and r.choices[0].finish_reason == "length"
+        assert r.usage.prompt_tokens > 3 * 256 and "truncated_messages" not in r.usage.extra.model_dump()
+        r = await eng.chat.completions.create(messages=[LAST], max_tokens=656, temperature=0, ignore_eos=True)
+        assert r.usage.completion_tokens == 656 and r.choices[0].finish_reason == "length"
         first = await eng.chat.completions.create(messages=conv, max_tokens=6, temperature=0, logprobs=True)
         follow = conv + [{"role": "assistant", "content": first.choices[0].message.content}, LAST]
         warm = await eng.chat.completions.create(messages=follow, max_tokens=12, temperature=0, logprobs=True)
-        # first: the ring went round in the 528 tokens, so none; warm: its prompt's rows but the answer's
+        # first: the ring went round in the 656 tokens, so none; warm: its prompt's rows but the answer's
         assert keeps[2] == 0 and keeps[3] == first.usage.prompt_tokens, keeps
     finally:
         await eng.unload()

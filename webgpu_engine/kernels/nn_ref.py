@@ -102,11 +102,12 @@ def causal_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, po
 
 
 def ring_attention(q: np.ndarray, q_sink: np.ndarray, k: np.ndarray, v: np.ndarray, positions, sinks: int,
-                   window: int, scale: float) -> np.ndarray:
+                   window: int, scale: float, softcap: float = 0.0) -> np.ndarray:
     """WebLLM's sliding window with attention sinks (kernels/common.py Ring), by position: q and q_sink
     (T, Hq, D) the queries at `positions` rotated at pos and at min(pos, window); k, v (Hkv, N, D) the
     keys and values of positions 0..N-1 (keys rotated at their own positions). The query at pos sees
-    positions j < sinks, scored with q_sink, and pos - (window - sinks) .. pos, scored with q → (T, Hq*D)."""
+    positions j < sinks, scored with q_sink, and pos - (window - sinks) .. pos, scored with q → (T, Hq*D);
+    scores soft-capped when softcap > 0."""
     t_n, hq, d = q.shape
     g = hq // k.shape[0]
     out = np.zeros((t_n, hq, d))
@@ -116,7 +117,10 @@ def ring_attention(q: np.ndarray, q_sink: np.ndarray, k: np.ndarray, v: np.ndarr
         for h in range(hq):
             kh, vh = k[h // g].astype(np.float64), v[h // g].astype(np.float64)
             s = np.concatenate([kh[sink] @ q_sink[t, h].astype(np.float64), kh[near] @ q[t, h].astype(np.float64)])
-            w = np.exp(s * scale - (s * scale).max())
+            s = s * scale
+            if softcap:
+                s = softcap * np.tanh(s / softcap)
+            w = np.exp(s - s.max())
             out[t, h] = (w / w.sum()) @ np.concatenate([vh[sink], vh[near]])
     return out.reshape(t_n, hq * d).astype(np.float32)
 
