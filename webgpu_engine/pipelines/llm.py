@@ -188,7 +188,9 @@ class LLMChatPipeline(DecodePaths):
             if progress:
                 progress(1.0, f"compiling {dev.compiles_pending()} GPU kernels in the background")
         if progress:
-            progress(1.0, f"loaded {cfg.name or path.name} ({plan.dtype}, context {pipe.model.ctx})")
+            ring = pipe.model.ring
+            span = f"sliding window {ring.window}, {ring.sinks} sinks" if ring else f"context {pipe.model.ctx}"
+            progress(1.0, f"loaded {cfg.name or path.name} ({plan.dtype}, {span})")
         return pipe
 
     @classmethod
