@@ -111,6 +111,8 @@ async def test_gpu_backend_selftest(server, tmp_path):
     assert len(r["checks"]) >= 14 and r["ok"]
     # the GPU kernel family's decode kernel, GEMM and flash attention ran in the page against Python
     assert sum(k.startswith("gpu_family_") for k in r["checks"]) == 9
+    # a q8_0 KV cache that is a sliding window's ring, written and attended in the page
+    assert r["checks"]["kv_q8_0_ring_attention"]
     assert r["backend"] == "browser-webgpu"
     # The kernel variant follows the adapter: f32 where shader-f16 is missing (SwiftShader).
     assert r["has_f16"] == ("shader-f16" in r["features"])

@@ -1,5 +1,5 @@
 """In-page self-test of the browser gpu backend: writes, kernels, readback, typed errors, device loss,
-and the GPU kernel family's matmuls.
+the GPU kernel family's matmuls, and a q8_0 KV cache that is a sliding window's ring.
 
 The demo's selftest page calls `await run_selftest(saxpy_wgsl)` and shows the JSON it returns; the
 browser test asserts on it. Standard library only (the page has no numpy): values travel as
@@ -165,6 +165,7 @@ async def run_selftest(saxpy_wgsl: str) -> dict:
         # runs) against Python.
         await _gpu_family(dev, checks, times)
         await _flash_attention(dev, checks, times)
+        await _ring_q8_0(dev, checks, times)
 
         # 7. Memory accounting and release by owner.
         before = dev.allocated_bytes("selftest")
@@ -287,6 +288,67 @@ async def _flash_attention(dev, checks: dict, times: dict) -> None:
     err = max(abs(a - b) for a, b in zip(got, ref))
     checks["gpu_family_flash_attention"] = flash and op.dispatches[0][0].key.entry == "attn_flash" and err < 1e-4
     times["gpu_family_flash_attention"] = (time.perf_counter() - t0) * 1e3
+
+
+async def _ring_q8_0(dev, checks: dict, times: dict) -> None:
+    """A q8_0 KV cache that is a sliding window's ring (kernels/common.py Ring: 2 sinks, a window of 6,
+    4 rows of room): rope_kv_quant writes 12 positions in forwards of 4 rows (prefill attention) and 2
+    more by decode steps, through the ring's end twice; each row's attention against plain Python over
+    the unquantised keys (the sinks scored with the query rotated at min(pos, 6))."""
+    from ..kernels import nn  # noqa: PLC0415
+    from ..kernels.common import Ring, Tensor  # noqa: PLC0415
+    from ..kernels.kv_quant import KV_QUANTS, rope_kv_quant  # noqa: PLC0415
+    hq, hkv, d, rows, ring = 4, 2, 32, 4, Ring(2, 6)
+    ctx, n_h, scale = ring.window + rows, hq + 2 * hkv, d ** -0.5
+    rnd = random.Random(5)
+    xs = [[[rnd.uniform(-1.0, 1.0) for _ in range(d)] for _ in range(n_h)] for _ in range(14)]
+    t0 = time.perf_counter()
+    set_shader_dir(None)
+    try:
+        words = KV_QUANTS["q8_0"].cache_words(hkv, ctx, d)
+        qkv = Tensor(dev.buffer(rows * n_h * d * 4, owner="selftest", label="ring_qkv"), (rows, n_h, d))
+        sink = Tensor(dev.buffer(rows * hq * d * 4, owner="selftest", label="ring_sink"), (rows, hq, d))
+        kc, vc = (Tensor(dev.upload(bytes(4 * words), owner="selftest", label=f"ring_{c}"), (words,), "u32")
+                  for c in "kv")
+        out = Tensor(dev.buffer(rows * hq * d * 4, owner="selftest", label="ring_out"), (rows, hq * d))
+        step = dev.upload(bytes(16), owner="selftest", label="ring_step")
+        heads = dict(n_q_heads=hq, n_kv_heads=hkv, head_dim=d, ctx=ctx, ring=ring, q_sink=sink)
+        write = rope_kv_quant(dev, qkv, kc, vc, step, **heads)
+        ops = {n: nn.attention(dev, qkv, kc, vc, out, step, scale=scale, max_t=n, **heads) for n in (rows, 1)}
+        got, pos = [], 0
+        for n in (4, 4, 4, 1, 1):
+            dev.write(qkv.buf, array("f", [v for t in xs[pos:pos + n] for h in t for v in h]))
+            dev.write(step, struct.pack("<4I", pos, n, pos + n, 0))
+            b = dev.batch()
+            write.record(b)
+            ops[1 if n == 1 else rows].record(b)
+            dev.submit(b)
+            res = array("f", await dev.read(out.buf))
+            got += [res[i * hq * d:(i + 1) * hq * d] for i in range(n)]
+            pos += n
+    finally:
+        set_shader_dir(SHADER_DIR)
+    inv = [10000.0 ** (-2.0 * i / d) for i in range(d // 2)]
+
+    def rope(v, p):
+        r = list(v)
+        for i, f in enumerate(inv):
+            c, s_ = math.cos(p * f), math.sin(p * f)
+            r[2 * i], r[2 * i + 1] = v[2 * i] * c - v[2 * i + 1] * s_, v[2 * i] * s_ + v[2 * i + 1] * c
+        return r
+    keys = [[rope(xs[p][hq + g], p) for g in range(hkv)] for p in range(14)]
+    err = 0.0
+    for p in range(14):
+        seen = [j for j in range(p + 1) if j < ring.sinks or j >= p - (ring.window - ring.sinks)]
+        for h in range(hq):
+            g = h // (hq // hkv)
+            q, qs = rope(xs[p][h], p), rope(xs[p][h], min(p, ring.window))
+            sc = [scale * sum(a * b for a, b in zip(qs if j < ring.sinks else q, keys[j][g])) for j in seen]
+            e = [math.exp(v - max(sc)) for v in sc]
+            ref = [sum(e[i] * xs[j][hq + hkv + g][c] for i, j in enumerate(seen)) / sum(e) for c in range(d)]
+            err = max(err, max(abs(a - b) for a, b in zip(got[p][h * d:(h + 1) * d], ref)))
+    checks["kv_q8_0_ring_attention"] = err < 3e-2
+    times["kv_q8_0_ring_attention"] = (time.perf_counter() - t0) * 1e3
 
 
 async def _compile_broken(dev) -> None:
