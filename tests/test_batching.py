@@ -204,6 +204,32 @@ async def test_tiny_pool_preempts_and_still_gives_the_same_tokens(device, tiny_p
         await eng.unload()
 
 
+async def test_a_preempted_sequence_gives_the_logprobs_of_a_run_never_preempted(device, smollm2_gguf):
+    """SmolLM2, four sequences in a pool of 144 tokens: the newest are preempted mid-answer and
+    compute their prompt's rows again by prefill and their decoded rows by decode steps that feed
+    their own tokens (replay), as the rows were computed: every logprob equals, bit for bit, the same
+    request's with nothing else running (recomputed by prefill, later tokens' logprobs moved, and
+    answers left the solo ones)."""
+    eng = AsyncMLCEngine()
+    await eng.reload(str(smollm2_gguf), chat_opts={
+        "context_window_size": 128, "prefill_chunk_size": 32, "max_num_sequences": 4, "kv_block_size": 16,
+        "kv_pool_tokens": 128 + 16, "compile_at_load": False})
+
+    async def logprobs(i):
+        prompt = " ".join(WORDS[(i + k) % len(WORDS)] for k in range(20 + 3 * i))
+        r = await eng.completions.create(prompt=prompt, max_tokens=40, ignore_eos=True, temperature=0, logprobs=True)
+        return r.choices[0].logprobs.token_logprobs
+    try:
+        solo = [await logprobs(i) for i in range(4)]
+        pool = _sched(eng).pool
+        before = pool.stats["preemptions"]
+        assert await asyncio.gather(*[logprobs(i) for i in range(4)]) == solo
+        assert pool.stats["preemptions"] > before
+        pool.check()
+    finally:
+        await eng.unload()
+
+
 async def test_multi_round_chat_reuses_the_conversation(engine):
     """The second turn's prompt starts with the first turn's blocks: they come from the pool."""
     pool = _sched(engine).pool

@@ -8,7 +8,9 @@ One task per model runs iterations while sequences are active:
     1. drop sequences that were interrupted or whose caller left;
     2. decode rows: every sequence past its prompt feeds its last token (KV blocks reserved first,
        oldest first; when the pool runs out the newest sequence is preempted: its blocks are freed
-       and it recomputes its tokens later, with prefix hits for its full blocks);
+       and it recomputes its tokens later, with prefix hits for its full blocks: its prompt's rows
+       by prefill, its decoded rows by decode steps feeding its own tokens (replay), as they were
+       computed, so its answer is that of a run never preempted);
     3. prefill chunks: prompts (and preempted sequences' tokens) in admission order, up to
        `prefill_chunk` tokens per iteration, so a long prompt delays the running streams by at most
        one chunk per token they produce;
@@ -78,6 +80,25 @@ class _Seq:
         self.sample_at_end = True         # the prompt's last chunk samples (not a recomputation)
         self.cancelled = False
         self.t_prefill = None
+        self.prompt_len = len(prompt)     # rows a prefill computes; the rest, decode steps
+        self.replay: int | None = None    # after a preemption: the next decoded row computed again
+
+    # A preempted sequence computes its rows again as they were computed: the prompt's by prefill, the
+    # decoded ones by decode steps that feed its own tokens and sample nothing (replay), so its
+    # later tokens are those of a run never preempted, bit for bit.
+    def prefill_end(self) -> int:
+        return self.prompt_len if self.replay is not None else len(self.toks)
+
+    def next_pos(self) -> int:
+        return self.replay if self.replay is not None else len(self.toks)
+
+    def feed_token(self) -> int:
+        return self.toks[self.replay] if self.replay is not None else self.seq.last_token
+
+    def start_decoding(self, pos: int) -> None:
+        self.decoding = True
+        if self.replay is not None:
+            self.replay = pos if pos < len(self.toks) else None
 
 
 class BatchSequence:
@@ -228,6 +249,8 @@ class Scheduler:
                 rec.in_pool = False
                 if rec.decoding:          # its last sampled token is fed after the recomputation
                     rec.decoding, rec.sample_at_end = False, False
+                if len(rec.toks) > rec.prompt_len:
+                    rec.replay = rec.prompt_len
                 return
 
     # ------------------------------------------------------------------ the loop
@@ -254,7 +277,7 @@ class Scheduler:
     def _reserve_decode(self, rec: _Seq) -> None:
         """A block for rec's next token; when the pool is out of blocks, the newest sequence goes
         (rec itself when it is the newest)."""
-        for victim in self.pool.reserve_or_preempt(rec.id, len(rec.toks) + 1):
+        for victim in self.pool.reserve_or_preempt(rec.id, rec.next_pos() + 1):
             self._preempted(victim)
 
     def _plan(self) -> tuple[list, list]:
@@ -271,7 +294,10 @@ class Scheduler:
             if not rec.in_pool:
                 self._enter_pool(rec)
             start = pool.num_tokens(rec.id)
-            end = min(len(rec.toks), start + budget)
+            if start >= rec.prefill_end():    # a replay whose prompt rows are cached: decodes next time
+                rec.start_decoding(start)
+                continue
+            end = min(rec.prefill_end(), start + budget)
             try:
                 pool.reserve(rec.id, end)
             except PoolExhaustedError:
@@ -298,7 +324,7 @@ class Scheduler:
         dev, fwd, pool = self.dev, self.fwd, self.pool
         decode, chunks = self._plan()
         t0 = now()
-        sampled = [(r, i) for i, r in enumerate(decode)]
+        sampled = [(r, i) for i, r in enumerate(decode) if r.replay is None]
         sampled += [(r, 0) for r, s, e in chunks if e == len(r.toks) and r.sample_at_end]
         masks = {}
         for rec, _ in sampled:               # grammar masks while the forwards run
@@ -311,7 +337,7 @@ class Scheduler:
         rb = None
         if decode:
             # with no chunk after it, its results are read from this point (a step may follow)
-            batch, rb = self._decode_batch(decode, [r.seq.last_token for r in decode], 0, inline,
+            batch, rb = self._decode_batch(decode, [r.feed_token() for r in decode], 0, inline,
                                            inline and not chunks)
             await dev.ready(batch)          # kernels still compiling in the background
             dev.submit(batch)
@@ -365,13 +391,17 @@ class Scheduler:
         self.stats["decode_rows"] += len(decode)
         for rec in decode:
             if rec.in_pool:                       # not cancelled (or preempted) meanwhile
-                pool.append_tokens(rec.id, [rec.seq.last_token], decoded=not self.reuse_decoded)
-                rec.toks.append(rec.seq.last_token)
+                tok = rec.feed_token()
+                pool.append_tokens(rec.id, [tok], decoded=not self.reuse_decoded)
+                if rec.replay is not None:        # a decoded row computed again: on to the next
+                    rec.start_decoding(rec.replay + 1)
+                else:
+                    rec.toks.append(tok)
         for rec, start, end in chunks:
             if rec.in_pool:
                 pool.append_tokens(rec.id, rec.toks[start:end])
-                if end == len(rec.toks):
-                    rec.decoding = True
+                if end == rec.prefill_end():
+                    rec.start_decoding(end)
         for rec, _ in sampled:
             if rec.cancelled or not rec.in_pool:
                 continue
@@ -389,6 +419,7 @@ class Scheduler:
         for rec in rows:
             seq = rec.seq
             if (rec not in self.running or not rec.in_pool or not rec.decoding or rec.cancelled
+                    or rec.replay is not None
                     or seq.stopped or seq.interrupted or seq.matcher is not None
                     or (seq.max_tokens is not None and len(seq.output_ids) + 2 > seq.max_tokens)
                     or len(rec.toks) + 2 > self.model.ctx):
@@ -410,7 +441,7 @@ class Scheduler:
                                                                  ahead=ahead))
         for i, r in enumerate(rows):
             self._copy_logits(batch, i, r.slot)
-            if sample:
+            if sample and r.replay is None:       # a replayed row samples nothing
                 self._record_sampler(batch, r, row=i)
         return batch, batch.readback(self.results, 0, self.max_seqs * RESULT_BYTES) if read else None
 
