@@ -121,6 +121,18 @@ async def test_a_ring_runs_conversations_and_generations_past_the_window(device,
     _same(warm, await _cold(device, path, opts, follow, max_tokens=12))
 
 
+async def test_steps_ahead_of_the_host_give_the_same_answer_past_the_window(device, path):
+    """decode_ahead (steps submitted before the last token is read) through the ring: the same
+    tokens and logprobs as the serial loop, 300 tokens past a window of 64."""
+    opts = dict(context_window_size=-1, sliding_window_size=64, attention_sink_size=2, prefill_chunk_size=16)
+    got = []
+    for ahead in (False, True):
+        got.append(await _cold(device, path, {**opts, "decode_ahead": ahead}, [LAST], max_tokens=300,
+                               ignore_eos=True))
+    assert got[0].usage.completion_tokens == 300
+    _same(*got)
+
+
 async def test_bad_sliding_windows_are_typed_errors(device, path):
     eng = await _engine(device, path)
     try:
