@@ -117,7 +117,8 @@ fn fold_block(j0: u32, nb: u32, lo: u32, lim: u32, kr: u32, ks: u32, vr: u32, vs
     var sc: array<sv, BLK>;
     var mb = m_run;
     for (var j = 0u; j < nb; j++) {
-        let seen = select(j0 + j < lim && (!WINDOWED || j0 + j >= lo), ring_sees(j0 + j), RING);
+        var seen = j0 + j < lim && (!WINDOWED || j0 + j >= lo);
+        if (RING) { seen = ring_sees(j0 + j); }
         let s = select(sv(MASKED), score(kr + j * ks), seen);
         sc[j] = s;
         mb = max(mb, s);
