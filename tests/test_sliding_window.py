@@ -104,6 +104,13 @@ async def test_a_ring_runs_conversations_and_generations_past_the_window(device,
     try:
         pipe = eng.models["tiny"].pipeline
         assert pipe.model.ring == Ring(4, 256) and pipe.model.ctx == 256 + 64
+        # /v1/models: the cache's rows, what they hold, the window
+        info = eng.models["tiny"].describe(device)
+        c = pipe.model.cfg
+        assert info["context_window"] == 320 and info["sliding_window"] == {"sliding_window_size": 256,
+                                                                            "attention_sink_size": 4}
+        assert info["memory"]["kv_cache_bytes"] == sum(t.nbytes for t in pipe.model.k_cache + pipe.model.v_cache) \
+            == 320 * pipe.plan.kv_bytes_per_token(c)
         keeps, reuse = [], pipe._reuse_prefix        # the prompt rows each request takes from the cache
         pipe._reuse_prefix = lambda ids: keeps.append(reuse(ids)) or keeps[-1]
         r = await eng.chat.completions.create(messages=conv, max_tokens=8, temperature=0)

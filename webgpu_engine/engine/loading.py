@@ -63,6 +63,9 @@ class LoadedModel:
             held = device.allocations()
             mem["allocated_bytes"] = sum(held.get(o, 0) for o in self.owners)
         out = {"model_type": self.model_type, "context_window": ctx, "memory": mem}
+        ring = getattr(plan, "ring", None)         # WebLLM's sliding window: the cache is a ring
+        if ring is not None:
+            out["sliding_window"] = {"sliding_window_size": ring.window, "attention_sink_size": ring.sinks}
         queued = getattr(self.pipeline, "queued_kernels", None)   # compiled in the background
         if queued:
             out["kernels"] = {"queued_at_load": len(queued), "compiling": sum(not p.ready for p in queued)}
