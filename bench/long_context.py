@@ -183,7 +183,8 @@ def main() -> None:
     for r in data["rows"]:
         acc = r[f"accuracy_vs_{ref}"]
         speeds = " ".join(f"{r['decode_tok_s'][str(p)]:11.2f}" for p in a.positions)
-        print(f"{r['kv_cache_dtype']:8} {r['sliding_window'] or '-':>6} {r['dtype']:5} {r['kv_cache_bytes'] / 2 ** 20:8.1f} "
+        print(f"{r['kv_cache_dtype']:8} {r['sliding_window'] or '-':>6} {r['dtype']:5} "
+              f"{r['kv_cache_bytes'] / 2 ** 20:8.1f} "
               f"{r['kv_bytes_per_token']:8d} {r['model_gpu_bytes'] / 2 ** 20:9.1f} {speeds} "
               f"{acc['identical_answers']:>5}/{acc['answers']:<6} {acc['mean_common_tokens']:10.1f} "
               f"{acc['mean_abs_delta_logprob']:11.4f}")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from ..gpu import Device
 from ..gpu.shaders import load_shader_source
-from .common import Op, Ring, Tensor, act_header, check, params, ring_header
+from .common import Op, Ring, Tensor, act_header, check, params, ring_header, ring_query
 from .kv_quant import QuantCache, check_quant_caches
 from .nn_base import WG, _act, _grid, _op, _qkv_heads, _step_entry, _vec_entry, _window
 
@@ -49,7 +49,8 @@ def _attn_header(dt: str, head_dim: int, g: int = 1, split_wg: int = WG, packed:
     r, gs = range(n), range(g)
     sv = "f32" if g == 1 else f"vec{g}<f32>"
     comp = (lambda v, j: v) if g == 1 else (lambda v, j: f"{v}[{j}]")
-    out = [act_header(dt) + ring_header(ring), f"const D4: u32 = {n}u;", f"const G: u32 = {g}u;", f"const SWG: u32 = {split_wg}u;",
+    out = [act_header(dt) + ring_header(ring), f"const D4: u32 = {n}u;", f"const G: u32 = {g}u;",
+           f"const SWG: u32 = {split_wg}u;",
            f"const WINDOWED: bool = {str(bool(windowed)).lower()};", f"const CAPPED: bool = {str(bool(capped)).lower()};",
            f"alias sv = {sv};",
            "fn sv_get(v: sv, g: u32) -> f32 { return " + ("v" if g == 1 else "v[g]") + "; }"]
@@ -188,7 +189,6 @@ def attention(dev: Device, qkv: Tensor, k_cache: Tensor, v_cache: Tensor, out: T
         for c in (k_cache, v_cache):
             check(c.numel == n_kv_heads * ctx * head_dim, k,
                   f"cache {c.shape} must be (Hkv={n_kv_heads}, ctx={ctx}, D={head_dim})")
-    from .rope import ring_query
     check(ring is None or window == 0, k, "a ring replaces the model's own sliding window")
     sink = ring_query(k, ring, q_sink, t_max, n_q_heads, head_dim, ctx)     # binding 7, with a ring
     owner = out.buf.owner

@@ -121,7 +121,8 @@ def paged_rope_kv(dev: Device, qkv: Tensor, k_pool: Tensor, v_pool: Tensor, posi
     n_h = n_q_heads + 2 * n_kv_heads
     par = params(dev, [rows, heads, head_dim // 2, half, 0, n_h, n_q_heads + n_kv_heads, int(bool(neox)),
                        n_q_heads, n_kv_heads, 0, qo, ko, vo, units, float(mscale)], owner=owner, label=k)
-    header = act_header(dt) + ring_header(None, rope=True) + load_shader_source("sincos.wgsl") + load_shader_source("rope.wgsl")
+    header = (act_header(dt) + ring_header(None, rope=True) + load_shader_source("sincos.wgsl")
+              + load_shader_source("rope.wgsl"))
     if step is None:                # all rows: a step of its own whose n_new is 0
         step = dev.upload(bytes(16), owner=owner, label="rope_kv_paged.step")
         extra = [step]

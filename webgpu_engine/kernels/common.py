@@ -168,6 +168,18 @@ def ring_header(ring: "Ring | None", rope: bool = False) -> str:
                   "fn put_q_sink(i: u32, v: vec2<f32>) { qsk[i] = vec2<act>(v); }\n" if rope else "")
 
 
+def ring_query(k: str, ring: "Ring | None", q_sink: "Tensor | None", rows: int, n_q_heads: int, head_dim: int,
+               ctx: int) -> list:
+    """The binding of a Ring's sink queries (qsk in rope.wgsl and attention.wgsl, (T, Hq, D), a
+    buffer of its own): none without a ring."""
+    if ring is None:
+        return []
+    check(0 <= ring.sinks < ring.window <= ctx, k, f"ring {ring} needs 0 <= sinks < window <= ctx {ctx}")
+    check(q_sink is not None and q_sink.numel >= rows * n_q_heads * head_dim and q_sink.offset == 0, k,
+          f"a ring needs q_sink of ({rows}, Hq={n_q_heads}, D={head_dim}) at the start of its buffer")
+    return [(q_sink.buf, 0, q_sink.nbytes)]
+
+
 def params(dev: Device, fields: Sequence, *, owner: str, label: str = "params") -> Buffer:
     """A uniform buffer with the given scalars packed as 4-byte words (int → u32/i32, float → f32),
     padded to 16 bytes as WGSL uniform structs require."""

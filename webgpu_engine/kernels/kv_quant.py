@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from ..gpu import Device
 from ..gpu.shaders import load_shader_source
-from .common import Op, Ring, Tensor, act_header, check, params, ring_header
+from .common import Op, Ring, Tensor, act_header, check, params, ring_header, ring_query
 from .nn_base import _act, _op, _qkv_heads, _step_entry, _window
 
 KV_BLOCK = 32                       # values per scale, both block types
@@ -175,7 +175,7 @@ def rope_kv_quant(dev: Device, qkv: Tensor, k_cache: Tensor, v_cache: Tensor, st
     qkv rows t < step.n_new rotated in place at step.pos0 + t; the k heads, rotated in f32, and the v
     heads quantised into cache row pos0 + t (qkv's k heads stay unrotated: attention reads the cache).
     `ring`, `q_sink`: as nn.rope_kv's."""
-    from .rope import ring_query, rope_frequencies
+    from .rope import rope_frequencies
     k = "rope_kv_quant"
     dt = _act(k, qkv)
     rows, heads = _qkv_heads(k, qkv, head_dim)

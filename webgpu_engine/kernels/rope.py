@@ -9,7 +9,7 @@ import struct
 
 from ..gpu import Buffer, Device
 from ..gpu.shaders import load_shader_source
-from .common import Op, Ring, Tensor, act_header, check, params, ring_header
+from .common import Op, Ring, Tensor, act_header, check, params, ring_header, ring_query
 from .nn_base import _act, _op, _qkv_heads, _step_entry, _window
 
 
@@ -23,18 +23,6 @@ def rope_frequencies(dev: Device, rot_dim: int, base: float, *, owner: str, fact
     vals = [float(base) ** (-(2.0 * i) / rot_dim) / (float(factors[i]) if factors else 1.0)
             for i in range(half)] or [0.0]
     return dev.upload(struct.pack(f"<{len(vals)}f", *vals), owner=owner, label="rope.inv_freq")
-
-
-def ring_query(k: str, ring: Ring | None, q_sink: Tensor | None, rows: int, n_q_heads: int, head_dim: int,
-               ctx: int) -> list:
-    """The binding of a Ring's sink queries (qsk in rope.wgsl and attention.wgsl, (T, Hq, D), a
-    buffer of its own): none without a ring."""
-    if ring is None:
-        return []
-    check(0 <= ring.sinks < ring.window <= ctx, k, f"ring {ring} needs 0 <= sinks < window <= ctx {ctx}")
-    check(q_sink is not None and q_sink.numel >= rows * n_q_heads * head_dim and q_sink.offset == 0, k,
-          f"a ring needs q_sink of ({rows}, Hq={n_q_heads}, D={head_dim}) at the start of its buffer")
-    return [(q_sink.buf, 0, q_sink.nbytes)]
 
 
 def _rope_op(dev, k, entry, qkv, step, *, h_lo, n_h, n_rot, head_dim, rot_dim, base, neox,
@@ -58,16 +46,14 @@ def _rope_op(dev, k, entry, qkv, step, *, h_lo, n_h, n_rot, head_dim, rot_dim, b
                   f"cache {c.shape} must be (Hkv={n_kv}, ctx={ctx}, D={head_dim})")
         (ke, kco), (ve, vco) = _window(dev, caches[0], k, 2), _window(dev, caches[1], k, 2)
         entries += [ke, ve]
-    if entry != "kv_write":
-        entries += ring_query(k, ring, q_sink, rows, k_lo, head_dim, ctx)
+    entries += ring_query(k, ring, q_sink, rows, k_lo, head_dim, ctx)
     half = rot_dim // 2
     # units per head: vec2 pairs, except that a neox head's rotated part goes in quads
     units = half // 2 + (head_dim - rot_dim) // 2 if neox else head_dim // 2
     par = params(dev, [rows, heads, head_dim // 2, half, h_lo, n_h, n_rot, int(bool(neox)),
                        k_lo, n_kv, ctx, qo, kco, vco, units, float(mscale)], owner=owner, label=k)
-    op = _op(dev, k, "rope.wgsl", entry, act_header(dt) + ring_header(ring, rope=True) + load_shader_source("sincos.wgsl"),
-             par, entries,
-             rows * n_h * units)
+    header = act_header(dt) + ring_header(ring, rope=True) + load_shader_source("sincos.wgsl")
+    op = _op(dev, k, "rope.wgsl", entry, header, par, entries, rows * n_h * units)
     if entry != "kv_write":
         op.buffers.append(freq)
     return op
@@ -85,12 +71,11 @@ def rope(dev: Device, qkv: Tensor, step, *, n_heads: int, head_dim: int, rot_dim
 
 
 def kv_write(dev: Device, qkv: Tensor, k_cache: Tensor, v_cache: Tensor, step, *, n_q_heads: int,
-             n_kv_heads: int, head_dim: int, ctx: int, ring: Ring | None = None) -> Op:
-    """Copies the k and v heads of qkv rows (T, Hq+2Hkv, D) into caches (Hkv, ctx, D) at rows pos0+t
-    (a `ring`: past ctx at its ring rows)."""
+             n_kv_heads: int, head_dim: int, ctx: int) -> Op:
+    """Copies the k and v heads of qkv rows (T, Hq+2Hkv, D) into caches (Hkv, ctx, D) at rows pos0+t."""
     return _rope_op(dev, "kv_write", "kv_write", qkv, step, h_lo=n_q_heads, n_h=2 * n_kv_heads,
                     n_rot=0, head_dim=head_dim, rot_dim=0, base=1.0, neox=False, k_lo=n_q_heads,
-                    n_kv=n_kv_heads, ctx=ctx, caches=(k_cache, v_cache), ring=ring)
+                    n_kv=n_kv_heads, ctx=ctx, caches=(k_cache, v_cache))
 
 
 def rope_kv(dev: Device, qkv: Tensor, k_cache: Tensor, v_cache: Tensor, step, *, n_q_heads: int,

@@ -25,7 +25,7 @@ from ..loaders.model_config import LlamaConfig
 from ..loaders.tensor_info import split_fused
 from . import decoder
 from .memory import estimate_llm
-from .plan import DecoderPlan, model_context, prefill_rows
+from .plan import DecoderPlan, cache_rows
 from .decoder import FusionPlan  # noqa: F401  (re-exported: the plan's home was this module)
 
 # Above this, a model + cache is almost surely a mistake (e.g. a 128k context on a small GPU).
@@ -134,12 +134,7 @@ class LlamaModel:
         # a sliding window with sinks (kernels/common.py Ring): the cache holds the window and the rows
         # of one forward, past its end a ring; positions are not bounded by it
         self.ring = ring
-        if ring is not None:
-            self.chunk = prefill_rows(prefill_chunk, ring.window)
-            self.ctx = ring.window + self.chunk
-        else:
-            self.ctx = model_context(cfg, context_window)
-            self.chunk = prefill_rows(prefill_chunk, self.ctx)
+        self.ctx, self.chunk = cache_rows(cfg, context_window, prefill_chunk, ring)
         self.rope_factors = cfg.rope_factors_for(self.ctx)
         weights = split_fused(weights, cfg.q_dim, cfg.kv_dim, cfg.ffn_size)
         self._check_memory(weights, max_total_bytes)

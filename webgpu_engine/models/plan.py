@@ -41,6 +41,16 @@ def prefill_rows(prefill_chunk: int, ctx: int) -> int:
     return max(1, min(prefill_chunk, ctx))
 
 
+def cache_rows(cfg, context_window: int, prefill_chunk: int, ring: Ring | None = None) -> tuple[int, int]:
+    """(KV rows of one sequence, rows of one prefill forward): model_context's, or with a sliding
+    window's ring its window plus the rows one forward writes past it (the chunk, at most the window)."""
+    if ring is None:
+        ctx = model_context(cfg, context_window)
+        return ctx, prefill_rows(prefill_chunk, ctx)
+    chunk = prefill_rows(prefill_chunk, ring.window)
+    return ring.window + chunk, chunk
+
+
 def max_sequences(dev, max_num_sequences: int, prefill_chunk: int) -> int:
     """Sequences decoded together; 0 means "as suits the device": 4 on a CPU adapter (lavapipe's
     matmuls cost nearly in proportion to their rows, so more sequences mostly lengthen each step), 16
@@ -128,11 +138,8 @@ def plan_decoder(cfg, chat_config, dev) -> DecoderPlan:
     if dtype == "auto" and getattr(chat_config, "kv_cache_dtype", "auto") in ("f16", "f32"):
         dtype = chat_config.kv_cache_dtype          # the cache follows the activations: both as asked
     dtype = activation_dtype(dtype, dev)
-    ctx = model_context(cfg, chat_config.context_window_size)
-    ring = None
-    if window > 0:                  # the cache: the window, then room for the rows of one forward
-        ring = Ring(max(int(getattr(chat_config, "attention_sink_size", 0) or 0), 0), window)
-        ctx = window + prefill_rows(chat_config.prefill_chunk_size, window)
+    ring = Ring(max(int(getattr(chat_config, "attention_sink_size", 0) or 0), 0), window) if window > 0 else None
+    ctx, chunk = cache_rows(cfg, chat_config.context_window_size, chat_config.prefill_chunk_size, ring)
     seqs = resolve_max_sequences(dev, chat_config)
     bs = int(chat_config.kv_block_size)
     blocks = 0
@@ -147,5 +154,4 @@ def plan_decoder(cfg, chat_config, dev) -> DecoderPlan:
                 f"A paged KV cache for a context of {ctx} tokens needs {one} blocks of {bs} tokens per "
                 f"layer, more than this device binds ({cap}). Use a smaller context_window_size.",
                 param="context_window_size")
-    chunk = prefill_rows(chat_config.prefill_chunk_size, ring.window if ring else ctx)
     return DecoderPlan(dtype, ctx, chunk, seqs, bs, blocks, kv, ring)

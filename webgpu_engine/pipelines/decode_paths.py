@@ -1,8 +1,8 @@
 """The decode step's other paths, for LLMChatPipeline (llm.py): which cache rows a prompt reuses, a
-context shift when the cache is full (context_overflow "shift"), steps submitted one ahead of the host (decode_ahead), and
-speculative steps (a verify forward over the last token and k guesses; speculation.py says how
-they stay exact). A mixin: it reads and writes the pipeline's own state. Page code: standard
-library only.
+context shift when the cache is full (context_overflow "shift"), steps submitted one ahead of the
+host (decode_ahead), and speculative steps (a verify forward over the last token and k guesses;
+speculation.py says how they stay exact). A mixin: it reads and writes the pipeline's own state.
+Page code: standard library only.
 """
 from __future__ import annotations
 
@@ -99,8 +99,7 @@ class DecodePaths:
         rb = self._ahead if self._ahead is not None else await self._submit_decode(pos, threaded=False)
         self._ahead = None
         last_possible = (seq.max_tokens is not None and len(seq.output_ids) + 1 >= seq.max_tokens) \
-            or pos + 1 >= (self.positions if self.model.ring else self.model.ctx) \
-            or seq.interrupted                                  # (a shift comes first: not ahead)
+            or pos + 1 >= self.cache_end or seq.interrupted     # (a shift comes first: not ahead)
         if not last_possible:
             self._ahead = await self._submit_decode(pos + 1, threaded=True)
         res = self.sampler.result(await self.dev.collect(rb))

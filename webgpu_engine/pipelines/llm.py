@@ -131,9 +131,10 @@ class LLMChatPipeline(DecodePaths):
         self.plan = plan or plan_decoder(cfg, replace(chat_config, context_window_size=model.ctx,
                                                       dtype=model.dtype), dev)
         self.shifts = chat_config.context_overflow == "shift"
-        # the positions a sequence may reach: the cache's, unless context shifts or a sliding window's
-        # ring (WebLLM's sliding_window_size) let it go on
-        self.positions = sys.maxsize if self.shifts or model.ring else model.ctx
+        # the positions the cache holds at once (a sliding window's ring: any), and those a generation
+        # may reach (context shifts go on past the cache's end)
+        self.cache_end = sys.maxsize if model.ring else model.ctx
+        self.positions = sys.maxsize if self.shifts else self.cache_end
         if self.shifts and self.plan.max_sequences > 1:
             raise UnsupportedChatOptionError("context_overflow", "shift", "a context shift runs on the "
                                              "one-request path: load with max_num_sequences 1")
@@ -353,7 +354,7 @@ class LLMChatPipeline(DecodePaths):
         context_overflow "truncate" the oldest turns are dropped to fit (counted in `req`, default
         the current request's stats)."""
         kw = self.template_kwargs(gen)
-        ctx = self.model.ctx if self.model.ring is None else sys.maxsize     # a ring holds any prompt
+        ctx = self.cache_end                                                  # a ring holds any prompt
         if prompt is None and self.chat_config.context_overflow in ("truncate", "shift") and self.model.ring is None:
             messages, dropped = await self._fit_messages(messages, kw)
             (req if req is not None else self._req).truncated_messages = dropped
@@ -550,7 +551,7 @@ class LLMChatPipeline(DecodePaths):
         ids = [int(i) for i in ids]
         if not ids:
             raise InvalidRequestError("input_ids is empty.", param="input_ids")
-        if len(self.kv_ids) + len(ids) > self.positions:
+        if len(self.kv_ids) + len(ids) > self.cache_end:
             raise ContextWindowTooLargeError(
                 f"{len(self.kv_ids) + len(ids)} tokens exceed the context window of {self.model.ctx}.")
         rows = self.model.cfg.vocab_size
