@@ -43,21 +43,27 @@ async def run_replicas(args, replicas: int) -> list[dict]:
            "--ray-replicas", str(replicas), "--max-queue", "none", "--context-window", str(args.context),
            "--max-num-sequences", str(args.batch)]
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
-    try:
+    proc = serve_bench.spawn_server(cmd, env)
+
+    async def bounded(step):
+        """A step under --step-timeout: past it the server's log is printed and the run fails (a
+        hang then says where it hung, within the caller's patience)."""
         try:
-            await serve_bench.wait_ready(base, proc)
-        except RuntimeError:
-            proc.kill()
-            print(proc.stderr.read()[-3000:], file=sys.stderr)
-            raise
+            return await asyncio.wait_for(step, args.step_timeout)
+        except asyncio.TimeoutError:
+            raise RuntimeError(f"replicas={replicas}: a step took over {args.step_timeout:.0f} s; the "
+                               f"server's log ends:\n{serve_bench.server_log(proc)}") from None
+    try:
+        print(f"  replicas={replicas}: starting the server", flush=True)
+        await serve_bench.wait_ready(base, proc, args.step_timeout)
         ready_s = time.perf_counter() - t0
-        model_id = await serve_bench.served_id(base)
+        print(f"  replicas={replicas}: ready in {ready_s:.1f} s", flush=True)
+        model_id = await bounded(serve_bench.served_id(base))
         # warm-up: every replica at every batch width it will see (first uses compile their shaders)
-        await serve_bench.level(base, model_id, args.batch * replicas, 4)
+        await bounded(serve_bench.level(base, model_id, args.batch * replicas, 4))
         rows = []
         for c in args.clients:
-            r = await serve_bench.level(base, model_id, c, args.max_tokens)
+            r = await bounded(serve_bench.level(base, model_id, c, args.max_tokens))
             r.update(replicas=replicas, ready_s=ready_s)
             rows.append(r)
             print(f"  replicas={replicas} clients={c:2d}: {r['tok_s']:7.1f} tok/s  ttft p50 {r['ttft_p50']:.2f} s "
@@ -66,9 +72,13 @@ async def run_replicas(args, replicas: int) -> list[dict]:
         return rows
     finally:
         proc.terminate()          # SIGTERM: the server deletes its deployment and stops its Ray instance
+        t1 = time.perf_counter()
         try:
             proc.wait(timeout=120)
+            print(f"  replicas={replicas}: the server stopped in {time.perf_counter() - t1:.1f} s", flush=True)
         except subprocess.TimeoutExpired:
+            print(f"replicas={replicas}: the server did not stop in 120 s after SIGTERM; killed. Its log "
+                  f"ends:\n{serve_bench.server_log(proc)}", file=sys.stderr, flush=True)
             proc.kill()
 
 
@@ -81,10 +91,12 @@ async def main() -> int:
     ap.add_argument("--batch", type=int, default=8, help="max_num_sequences of each replica")
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "ray_serve.json"))
+    ap.add_argument("--step-timeout", type=float, default=1800.0,
+                    help="seconds a server start or a level may take before the run fails, printing the server's log")
     ap.add_argument("--smoke", action="store_true", help="clients 8, 4 tokens, batch 2: checks the script")
     args = ap.parse_args()
     if args.smoke:
-        args.clients, args.max_tokens, args.batch = "8", 4, 2
+        args.clients, args.max_tokens, args.batch, args.step_timeout = "8", 4, 2, 150.0
     args.clients = [int(c) for c in args.clients.split(",")]
     replica_counts = [int(r) for r in args.replicas.split(",")]
     rows = []

@@ -42,6 +42,23 @@ PROMPTS = ["Hi!", "Name three colours.", "Write a haiku about rivers.",
            BASE, BASE * 2, "Summarise: " + BASE * 3, "Translate into French: " + BASE * 4]
 
 
+def spawn_server(cmd: list[str], env: dict | None = None) -> subprocess.Popen:
+    """Start a server process whose stderr goes to a temporary file, never to a pipe: a pipe nobody
+    reads fills (64 KiB; Ray forwards every replica's log lines) and the server then blocks on a
+    write, answering nothing. `server_log(proc)` reads the file's end."""
+    import tempfile
+    log = tempfile.TemporaryFile(mode="w+", prefix="webgpu-engine-serve-")
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=log, text=True, env=env)
+    proc.log = log
+    return proc
+
+
+def server_log(proc: subprocess.Popen, chars: int = 3000) -> str:
+    proc.log.flush()
+    proc.log.seek(0)
+    return proc.log.read()[-chars:]
+
+
 def pct(xs: list[float], p: float) -> float:
     if not xs:
         return 0.0
@@ -52,18 +69,18 @@ def pct(xs: list[float], p: float) -> float:
 async def wait_ready(base: str, proc, timeout: float = 600.0) -> None:
     import aiohttp
     t0 = time.time()
-    async with aiohttp.ClientSession() as s:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as s:
         while time.time() - t0 < timeout:
             if proc.poll() is not None:
-                raise RuntimeError(f"the server exited with {proc.returncode}")
+                raise RuntimeError(f"the server exited with {proc.returncode}:\n{server_log(proc)}")
             try:
                 async with s.get(base + "/health") as r:
                     if r.status == 200:
                         return
-            except aiohttp.ClientError:
+            except (aiohttp.ClientError, asyncio.TimeoutError):
                 pass
             await asyncio.sleep(1.0)
-    raise RuntimeError("the server did not become ready")
+    raise RuntimeError(f"the server did not become ready in {timeout:.0f} s:\n{server_log(proc)}")
 
 
 def free_port() -> int:
@@ -139,7 +156,7 @@ async def run_server(args, max_seqs: int) -> list[dict]:
     cmd = [sys.executable, "-m", "webgpu_engine", "serve", "--model", args.model, "--port", str(port),
            "--max-queue", "none", "--context-window", str(args.context),
            "--max-num-sequences", str(max_seqs)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = spawn_server(cmd)
     try:
         await wait_ready(base, proc)
         args.model_id = await served_id(base)

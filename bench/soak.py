@@ -31,11 +31,17 @@ import subprocess
 import sys
 import time
 from collections import Counter, defaultdict
+import importlib.util
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("XDG_RUNTIME_DIR", "/tmp")
+
+# the server spawner of bench/serve.py (its stderr into a file, never a pipe nobody reads)
+_spec = importlib.util.spec_from_file_location("bench_serve", Path(__file__).with_name("serve.py"))
+serve_bench = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(serve_bench)
 
 LLM_ID, EMB_ID = "SmolLM2-135M-Instruct-Q4_1", "all-MiniLM-L6-v2"
 TOPICS = ["the sea", "a red fox", "bread", "rain in spring", "an old clock", "mountains", "tea",
@@ -186,7 +192,7 @@ def start_server(port: int, a) -> subprocess.Popen:
     if a.chat_model or a.embed_model:
         cmd += ["--model", a.chat_model or LLM_ID, "--model-id", LLM_ID,
                 "--model", a.embed_model or EMB_ID, "--model-id", EMB_ID]
-    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    return serve_bench.spawn_server(cmd)
 
 
 async def wait_ready(base: str, proc: subprocess.Popen | None, limit: float = 600) -> None:
@@ -201,7 +207,7 @@ async def wait_ready(base: str, proc: subprocess.Popen | None, limit: float = 60
             except (aiohttp.ClientError, asyncio.TimeoutError):
                 pass
             if proc is not None and proc.poll() is not None:
-                raise SystemExit(f"server exited: {proc.stderr.read()[-2000:]}")
+                raise SystemExit(f"server exited: {serve_bench.server_log(proc, 2000)}")
             if time.monotonic() - t0 > limit:
                 raise SystemExit("server did not become ready")
             await asyncio.sleep(0.5)

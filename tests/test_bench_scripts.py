@@ -32,8 +32,12 @@ def tiny(tmp_path_factory) -> dict:
 
 def run_script(name: str, *args: str) -> str:
     """Run bench/<name>.py with `args`; its stdout (it must exit 0)."""
-    r = subprocess.run([sys.executable, str(BENCH / f"{name}.py"), *args], cwd=ROOT, capture_output=True,
-                       text=True, timeout=TIMEOUT_S)
+    try:
+        r = subprocess.run([sys.executable, str(BENCH / f"{name}.py"), *args], cwd=ROOT, capture_output=True,
+                           text=True, timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired as e:     # say where it was: its output so far (bytes, even with text)
+        said = [x.decode(errors="replace") if isinstance(x, bytes) else x or "" for x in (e.stdout, e.stderr)]
+        pytest.fail(f"bench/{name}.py ran past {TIMEOUT_S} s:\n{said[0][-3000:]}\n{said[1][-3000:]}")
     assert r.returncode == 0, f"bench/{name}.py exited {r.returncode}:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
     return r.stdout
 
