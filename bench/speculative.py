@@ -1,22 +1,27 @@
-"""Speculative decoding (prompt lookup, a draft model): decode speed with and without it, in the same run, on four
-tasks: a RAG-style answer that quotes its retrieved passages, passages repeated word for word (the
-best case), a code edit that copies most of its input, and free chat. Greedy, one request at a time, the default chat model (or --model: a file or
-folder).
+"""Speculative decoding (prompt lookup, a draft model): decode speed with and without it, in the same run, on five
+tasks: a RAG-style answer asked to quote its retrieved passages, the quote-first RAG prompt (copy the
+relevant sentences, then answer), passages repeated word for word (the best case), a code edit that
+copies its input, and free chat. Greedy, one request at a time, the default chat model (or --model:
+a file or folder); each answer runs to its end of sequence (at most --tokens), as a user gets it.
 
-    python bench/speculative.py [--model PATH] [--tokens 96] [--k 4 8] [--n 3] [--draft REF|self] [--out PATH]
+    python bench/speculative.py [--model PATH] [--tokens 192] [--k K ...] [--n 8] [--repeats 3]
+                                [--tasks T ...] [--ignore-eos] [--draft REF|self] [--out PATH]
     python bench/speculative.py --smoke [--model PATH] [--out PATH]
 
 For each task: decode tok/s of the default path (fused one-row kernels, no speculation), of one token
 per forward through the row-invariant kernels speculation checks with (`k 0`: what speculation
-must reproduce), and of speculation with each k; the acceptance rate (accepted / proposed guesses),
-tokens per forward, and whether each speculative answer equals the fused path's token for token (it
-must where verify rows are decode steps: LlamaModel.exact_verify, the CPU kernel family) and the
-row-invariant one's (it must elsewhere; see pipelines/speculation.py).
+must reproduce; one run), and of speculation with each k (default: the automatic k the pipeline
+picks, and 2k + 1); the acceptance rate (accepted / proposed guesses), tokens per forward, and whether
+each speculative answer equals the fused path's token for token (it must where verify rows are decode
+steps: LlamaModel.exact_verify, the CPU kernel family) and the row-invariant one's (it must elsewhere;
+see pipelines/speculation.py). Every configuration runs once untimed, then --repeats rounds in turn
+(the host's speed drifts: a lone run of a few seconds is not a figure); the median round is reported.
 Exact runs have auto_off off; one more run per task (prompt lookup, the first k) has it on, as a
 user gets it by default: how close to the fused path it stays where guessing does not pay. With
 --draft, the same runs with a draft model guessing (`self`: the model guesses itself, which shows
 the mechanics and the acceptance ceiling, not a speed-up).
-Prints a table and writes bench/results/speculative.json. --smoke: 8 tokens, k 2 (checks the script).
+Prints a table and writes bench/results/speculative.json. --smoke: 8 tokens (past the end of
+sequence), k 2, one round (checks the script).
 """
 from __future__ import annotations
 
@@ -58,25 +63,30 @@ TASKS = {
     "rag": [{"role": "system", "content": "Answer using only the passages. Quote the sentences you use."},
             {"role": "user", "content": PASSAGES + "\n\nQuestion: Who built the Eiffel Tower, when, and how "
                                                    "tall is it? Quote the passages."}],
+    # the quote-first RAG prompt (copy the relevant sentences word for word, then answer)
+    "rag_quote": [{"role": "system", "content": "You answer questions from retrieved passages. Copy the relevant "
+                                                "sentences word for word, then answer."},
+                  {"role": "user", "content": PASSAGES + "\n\nQuestion: Who built the Eiffel Tower, and when?"}],
     "quote": [{"role": "user", "content": PASSAGES + "\n\nRepeat Passage 1 and Passage 2 word for word."}],
-    "code_edit": [{"role": "user", "content": "Rename the parameter `items` to `products` everywhere in "
-                                              "this code and return the whole code:\n\n" + CODE}],
+    "code_edit": [{"role": "user", "content": "Rewrite this code with the parameter `items` renamed to `products`. "
+                                              "Reply with the code only.\n\n```python\n" + CODE + "```"}],
     "chat": [{"role": "user", "content": "Tell me a short story about a robot who learns to paint."}],
 }
 
 
-async def run_task(pipe, messages, tokens: int, spec, row_invariant: bool = False):
+async def run_task(pipe, messages, tokens: int, spec, row_invariant: bool = False, ignore_eos: bool = False):
     """(output ids, decode tok/s, forwards, SpeculationStats or None) of one greedy generation from
-    an empty KV cache. spec: a Speculation or None. row_invariant: one token per PREFILL forward."""
+    an empty KV cache, to its end of sequence (or `tokens`). spec: a Speculation or None.
+    row_invariant: one token per PREFILL forward."""
     from webgpu_engine.config import GenerationConfig
     pipe.speculation = spec
     pipe.reset_chat(keep_stats=True)
-    gen = GenerationConfig(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    gen = GenerationConfig(temperature=0.0, max_tokens=tokens, ignore_eos=ignore_eos)
     if row_invariant:
         ids = pipe.prompt_ids(messages, None)
         out = [await pipe.forward_tokens_and_sample(ids, True, gen)]
         t0 = time.perf_counter()
-        while len(out) < tokens:
+        while len(out) < tokens and (ignore_eos or out[-1] not in pipe.eos_ids):
             out.append(await pipe.forward_tokens_and_sample([out[-1]], False, gen))
         dt = time.perf_counter() - t0
         return out, (len(out) - 1) / dt, len(out) - 1, None
@@ -91,9 +101,23 @@ async def run_task(pipe, messages, tokens: int, spec, row_invariant: bool = Fals
     return out, (len(out) - 1) / dt, steps, pipe._req.spec
 
 
+async def timed(runs: list, repeats: int) -> list:
+    """Each run (a zero-argument coroutine function) once untimed (its ops built, its kernels warm),
+    then `repeats` rounds of all of them in turn, so the host's drifts fall on every run alike; per run
+    the result of the round with the median tok/s."""
+    for run in runs:
+        await run()
+    results = [[] for _ in runs]
+    for _ in range(repeats):
+        for i, run in enumerate(runs):
+            results[i].append(await run())
+    return [sorted(rs, key=lambda r: r[1])[len(rs) // 2] for rs in results]
+
+
 async def main_async(a) -> dict:
     from webgpu_engine import cache, gpu
     from webgpu_engine.config import ChatConfig
+    from webgpu_engine.kernels import matmul as mm
     from webgpu_engine.pipelines.llm import LLMChatPipeline
     from webgpu_engine.pipelines.speculation import Speculation
     dev = await gpu.request_device()
@@ -101,6 +125,10 @@ async def main_async(a) -> dict:
     # one pipeline (every kernel compiled at load): each run below sets its speculation and starts
     # from an empty KV cache
     pipe = await LLMChatPipeline.load(dev, path, ChatConfig(context_window_size=2048))
+    if not a.k:
+        auto_k = Speculation().with_k(mm.MAX_DECODE_ROWS if pipe.model.exact_verify else None).k
+        a.k = [auto_k, 2 * auto_k + 1]
+    ks = a.k
     dpipe = None
     if a.draft:
         draft = path if a.draft == "self" else a.draft
@@ -115,45 +143,56 @@ async def main_async(a) -> dict:
                 "tokens_per_forward": (len(out) - 1) / max(steps, 1), "proposed": st.proposed,
                 "accepted": st.accepted, "acceptance": st.accepted / st.proposed if st.proposed else 0.0,
                 "equals_row_invariant": out == ref, "equals_fused": out == fused}
+
+    def run(p, msgs, spec, **kw):
+        return lambda: run_task(p, msgs, a.tokens, spec, ignore_eos=a.ignore_eos, **kw)
     try:
         for name, msgs in TASKS.items():
-            fused, fused_tps, _, _ = await run_task(pipe, msgs, a.tokens, None)
-            ref, ref_tps, _, _ = await run_task(pipe, msgs, a.tokens, None, row_invariant=True)
+            if a.tasks and name not in a.tasks:
+                continue
+            ref, ref_tps, _, _ = await run_task(pipe, msgs, a.tokens, None, row_invariant=True,
+                                                ignore_eos=a.ignore_eos)       # one run: a reference
+            configs = [("fused", None, None)]
+            configs += [("ngram", k, False) for k in ks] + [("ngram", ks[0], True)]
+            if dpipe is not None:
+                configs += [("draft", k, False) for k in ks]
+            runs = [run(dpipe if m == "draft" else pipe, msgs, None if m == "fused" else Speculation(
+                m, k=k, n=a.n, model=dpipe.speculation.model if m == "draft" else None, auto_off=off))
+                for m, k, off in configs]
+            res = await timed(runs, a.repeats)
+            fused, fused_tps = res[0][0], res[0][1]
             row = {"task": name, "tokens": len(fused), "fused_tok_s": fused_tps, "row_invariant_tok_s": ref_tps,
                    "row_invariant_equals_fused": ref == fused, "speculative": []}
             base = (fused, fused_tps, ref, ref_tps)
-            for k in a.k:
-                r = await run_task(pipe, msgs, a.tokens, Speculation(k=k, n=a.n, auto_off=False))
-                row["speculative"].append(spec_row("ngram", k, False, *r, *base))
-            r = await run_task(pipe, msgs, a.tokens, Speculation(k=a.k[0], n=a.n, auto_off=True))
-            row["speculative"].append(spec_row("ngram", a.k[0], True, *r, *base))
-            if dpipe is not None:
-                for k in a.k:
-                    spec = Speculation("draft", k=k, model=dpipe.speculation.model, auto_off=False)
-                    r = await run_task(dpipe, msgs, a.tokens, spec)
-                    row["speculative"].append(spec_row("draft", k, False, *r, *base))
+            for (m, k, off), r in zip(configs[1:], res[1:]):
+                row["speculative"].append(spec_row(m, k, off, *r, *base))
             rows.append(row)
     finally:
         pipe.dispose()
         if dpipe is not None:
             dpipe.dispose()
     return {"adapter": dev.info.name, "platform": platform.platform(), "model": Path(path).name,
-            "tokens": a.tokens, "rows": rows}
+            "tokens": a.tokens, "ignore_eos": a.ignore_eos, "repeats": a.repeats, "rows": rows}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="a chat model file or folder (default: SmolLM2-135M-Instruct-Q4_1)")
-    ap.add_argument("--tokens", type=int, default=96)
-    ap.add_argument("--k", type=int, nargs="+", default=[4, 8])
-    ap.add_argument("--n", type=int, default=3, help="longest n-gram matched")
+    ap.add_argument("--tokens", type=int, default=192, help="the most tokens an answer takes")
+    ap.add_argument("--ignore-eos", action="store_true", help="every answer takes --tokens tokens (past its "
+                    "end of sequence: what the model makes up there)")
+    ap.add_argument("--k", type=int, nargs="+", default=None,
+                    help="guesses per step (default: the pipeline's automatic k and 2k + 1)")
+    ap.add_argument("--n", type=int, default=8, help="longest n-gram matched")
+    ap.add_argument("--repeats", type=int, default=3, help="timed rounds (after one untimed): the median")
+    ap.add_argument("--tasks", nargs="+", default=None, choices=list(TASKS))
     ap.add_argument("--draft", default=None, help="also speculate with this draft model (a file or folder; "
                     "self: the model itself)")
-    ap.add_argument("--smoke", action="store_true", help="8 tokens, k 2: checks the script")
+    ap.add_argument("--smoke", action="store_true", help="8 tokens, k 2, one round: checks the script")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "speculative.json")
     a = ap.parse_args()
     if a.smoke:
-        a.tokens, a.k = 8, [2]
+        a.tokens, a.k, a.repeats, a.ignore_eos = 8, [2], 1, True
     data = asyncio.run(main_async(a))
     print(f"{'task':10} {'fused tok/s':>11} {'row-inv tok/s':>13} {'method':>14} {'k':>3} {'spec tok/s':>10} {'x fused':>7} "
           f"{'accept':>6} {'tok/fwd':>7} {'= row-inv':>9} {'= fused':>7}")

@@ -149,7 +149,7 @@ def test_speculative(tmp_path, tiny):
     out = tmp_path / "speculative.json"
     stdout = run_script("speculative", "--smoke", "--model", tiny["chat"], "--draft", "self", "--out", str(out))
     data = load(out, {"adapter", "model", "tokens", "rows"})
-    assert [r["task"] for r in data["rows"]] == ["rag", "quote", "code_edit", "chat"]
+    assert [r["task"] for r in data["rows"]] == ["rag", "rag_quote", "quote", "code_edit", "chat"]
     for r in data["rows"]:
         runs = [(s["method"], s["k"], s["auto_off"]) for s in r["speculative"]]
         assert runs == [("ngram", 2, False), ("ngram", 2, True), ("draft", 2, False)]

@@ -131,8 +131,9 @@ class ChatConfig:
     #                                    on: the tokens after the first n_keep lose their older half
     #                                    (llama.cpp's context shift; one-request path)
     n_keep: int = 0                    # ... tokens a context shift always keeps (the prompt's start)
-    speculation: dict | str | None = None  # chat: speculative decoding, {"method": "ngram", "k": 4,
-    #                                    "n": 3} or "ngram" (pipelines/speculation.py); one-request path
+    speculation: dict | str | None = None  # chat: speculative decoding, {"method": "ngram", "k": 3,
+    #                                    "n": 8} or "ngram" (k: automatic; pipelines/speculation.py);
+    #                                    one-request path
     tune_budget_s: float | None = None  # ... for about this many seconds (None: $WEBGPU_ENGINE_TUNE_BUDGET,
     #                                     else 20); shapes left untimed are timed by a later load
     decode_ahead: bool | None = None   # chat, one request or the batch scheduler: submit decode step

@@ -173,6 +173,12 @@ class DecodePaths:
         masks = self._grammar_masks(guess) if seq.matcher is not None else None
         if masks is not None:
             guess = guess[:len(masks) - 1]
+        if not guess and (m.exact_verify or spec.auto_off):
+            # nothing to check: a plain decode step (with exact_verify the same bits as a verify row;
+            # elsewhere auto_off lets the fused path make tokens); verify steps are guessing steps
+            self._req.spec.plain += 1
+            self.spec_stats.plain += 1
+            return await self._fused_step()
         ids = [last] + guess
         T = len(ids)
         batch = dev.batch()

@@ -113,6 +113,8 @@ class LLMChatPipeline(DecodePaths):
         self.scheduler = None
         self._solo = asyncio.Lock()
         self.speculation = Speculation.parse(chat_config.speculation)
+        if self.speculation is not None:
+            self.speculation = self.speculation.with_k(mm.MAX_DECODE_ROWS if model.exact_verify else None)
         model.verify_rows = self.speculation.k + 1 if self.speculation else 0     # built at load
         if chat_config.context_overflow not in OVERFLOW_POLICIES:
             raise ChatOptionTypeError("context_overflow", f"one of {list(OVERFLOW_POLICIES)}",
@@ -421,7 +423,11 @@ class LLMChatPipeline(DecodePaths):
             # "time": this one step decodes fused, timed; the next step judges
         elif self._ahead is not None or self._decodes_ahead():
             return await self._step_ahead()
-        if spec is not None:
+        await self._fused_step()
+
+    async def _fused_step(self) -> None:
+        """One decode step through the fused one-row kernels, timed (auto_off's yardstick)."""
+        if self._req.spec is not None:
             # the verify steps sample into their rows' results, not into the model's input id
             self.dev.write(self.model.ids.buf, struct.pack("<I", self._last_token))
         t0 = now()

@@ -1,9 +1,13 @@
 """Speculative decoding: guess the next tokens, then check all the guesses in one forward pass.
 Two ways to guess:
 
-- prompt lookup ("ngram"): find the last few tokens earlier in the context (the prompt and the answer
-  so far) and take what followed them. RAG answers and code edits copy long spans of their prompt,
-  so one pass often yields several tokens. Costs nothing on the GPU.
+- prompt lookup ("ngram"): find the longest earlier match of the context's end (the prompt and the
+  answer so far) and take what followed it, as far as every equally long match agrees (`propose`).
+  RAG answers and code edits copy long spans of their prompt, so one pass often yields several
+  tokens. Costs nothing on the GPU. Guessing only where the context is sure (a match of at least
+  `n_min` = 2 tokens, up to where its occurrences part) matters where a verify row costs: on
+  bench/speculative.py's tasks it kept 0.79-0.96 of the guesses against 0.37-0.88 for the latest
+  match of at most 3 tokens (replayed on the answers, lavapipe's row costs).
 - a draft model ("draft"): a second, smaller model with the same vocabulary decodes k tokens
   greedily (its own fused decode kernels; its KV cache keeps the longest prefix it shares with the
   target's context, so rejected guesses are rolled back by position). Works for any pair of
@@ -38,18 +42,21 @@ would take in rejected rows) or logit processor (a host round trip per row), on 
 path; the others decode as without speculation (named in `usage.extra`).
 
 Turning itself off (`auto_off`, on by default): a verify forward of k + 1 rows costs more than a
-fused decode step (on lavapipe about 1.9x for 4 rows through the fused kernels, 2-5x per row through
+fused decode step (on lavapipe about 2.1x for 4 rows through the fused kernels, 2-5x per row through
 the row-invariant ones; on GPUs about one step), so speculation only pays when enough guesses are
-right. After `probe` verify steps of a request, its speculative tokens per second are compared with
-the model's fused decode steps (timed on earlier steps, or on one step taken then); when speculation
-is slower, the rest of the request decodes through the fused path. With exact_verify the answer is
-the same either way; elsewhere which path made a token depends on measured speed, and the two paths
-can differ in the last bits of a logit: `auto_off: false` keeps every token on the verify path.
+right. A step with nothing to guess is a plain fused decode step (where exact_verify, or with
+auto_off), which also times the yardstick; verify steps are guessing steps. After `probe` of them,
+the request's tokens per second over its verify steps are compared with the model's fused decode
+steps; when speculation is slower, the rest of the request decodes through the fused path. (Judging
+every step, no-guess steps included, turned speculation off on answers it made 1.4x faster: a
+slow early step decided it.) With exact_verify the answer is the same either way; elsewhere which
+path made a token depends on guesses and measured speed, and the two paths can differ in the last
+bits of a logit: `auto_off: false` keeps every token on the verify path.
 Standard library only (runs in the page).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..errors import ChatOptionTypeError
 
@@ -65,9 +72,9 @@ class Speculation:
     take "auto_off" (default true) and "probe" (verify steps before auto_off judges, default 4)."""
 
     method: str = "ngram"
-    k: int = 4
-    n: int = 3
-    n_min: int = 1
+    k: int | None = None           # None: auto_k (the rows one verify forward costs least for)
+    n: int = 8
+    n_min: int = 2
     model: str | None = None       # draft: the draft model (a reference; a local path once resolved)
     auto_off: bool = True
     probe: int = 4
@@ -93,12 +100,17 @@ class Speculation:
         if method == "ngram" and model is not None:
             raise ChatOptionTypeError("speculation", '"model" only with method "draft"', opt)
         vals = {}
-        for name, lo, hi, default in (("k", 1, MAX_K, 4), ("n", 1, 8, 3), ("n_min", 1, 8, 1),
+        for name, lo, hi, default in (("k", 1, MAX_K, None), ("n", 1, 8, 8), ("n_min", 1, 8, 2),
                                       ("probe", 1, 64, 4)):
             v = opt.get(name, default)
+            if v is None and name == "k":
+                vals[name] = None                  # auto_k at load
+                continue
             if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
                 raise ChatOptionTypeError("speculation", f"{name} an integer in [{lo}, {hi}]", opt)
             vals[name] = v
+        if "n_min" not in opt:
+            vals["n_min"] = min(vals["n_min"], vals["n"])
         if vals["n_min"] > vals["n"]:
             raise ChatOptionTypeError("speculation", "n_min <= n", opt)
         auto_off = opt.get("auto_off", True)
@@ -106,25 +118,57 @@ class Speculation:
             raise ChatOptionTypeError("speculation", "auto_off true or false", opt)
         return cls(method, model=model, auto_off=auto_off, **vals)
 
+    def with_k(self, rows_per_pass: int | None) -> "Speculation":
+        """This speculation with k set: as given, else auto: where verify rows go through the fused
+        one-row kernels (LlamaModel.exact_verify), which read each weight once per `rows_per_pass`
+        rows, a verify forward of that many rows (on lavapipe 4 rows cost 2.1x a decode step, 5
+        rows 2.8x, 8 rows 4.1x: bench/speculative.py); elsewhere (None) 4 guesses."""
+        if self.k is not None:
+            return self
+        return replace(self, k=max(1, rows_per_pass - 1) if rows_per_pass else 4)
+
     def describe(self) -> dict:
         d = {"method": self.method, "k": self.k, "auto_off": self.auto_off, "probe": self.probe}
         return {**d, "model": self.model} if self.method == "draft" else {**d, "n": self.n, "n_min": self.n_min}
 
 
 def propose(context: list[int], k: int, n: int, n_min: int = 1) -> list[int]:
-    """Up to k tokens that followed the most recent earlier occurrence of the context's last n
-    tokens (n from `n` down to `n_min`: the longest match wins); [] when nothing matches."""
+    """Up to k tokens that followed the longest earlier match of the context's end (at most `n`,
+    at least `n_min` tokens long; [] when there is none): what followed its latest occurrence, cut
+    where another occurrence of that length went on otherwise (the context is unsure there: "from
+    1 8" after "1887 to 1889" guesses "8", not "8 9"). The matches end at earlier copies of the last
+    token, found by list.index (a scan in C)."""
     L = len(context)
-    if k <= 0:
+    if k <= 0 or L < 2:
         return []
-    for size in range(min(n, L - 1), n_min - 1, -1):
-        tail = context[L - size:]
-        first = tail[0]
-        # the latest start i < L - size with context[i:i + size] == tail
-        for i in range(L - size - 1, -1, -1):
-            if context[i] == first and context[i:i + size] == tail:
-                return context[i + size:i + size + k]
-    return []
+    last, ends, i = context[-1], [], -1
+    try:
+        while True:
+            i = context.index(last, i + 1, L - 1)
+            ends.append(i)
+    except ValueError:
+        pass
+    best, at = 0, []
+    for e in reversed(ends):                      # latest first
+        m = 1
+        while m < n and m <= e and context[e - m] == context[L - 1 - m]:
+            m += 1
+        if m > best:
+            best, at = m, [e]
+        elif m == best:
+            at.append(e)
+    if best < n_min:
+        return []
+    guess = context[at[0] + 1:at[0] + 1 + k]
+    for e in at[1:]:
+        other = context[e + 1:e + 1 + len(guess)]
+        j = 0
+        while j < len(other) and other[j] == guess[j]:
+            j += 1
+        guess = guess[:j]
+        if not guess:
+            break
+    return guess
 
 
 @dataclass
@@ -137,6 +181,7 @@ class SpeculationStats:
     tokens: int = 0           # tokens the verify forwards gave
     seconds: float = 0.0      # their time (draft guesses included)
     off: int = 0              # requests (or 1: this request) where auto_off turned speculation off
+    plain: int = 0            # decode steps with nothing to guess (a token each, no verify)
 
     def add(self, other: "SpeculationStats") -> None:
         self.steps += other.steps
@@ -145,6 +190,7 @@ class SpeculationStats:
         self.tokens += other.tokens
         self.seconds += other.seconds
         self.off += other.off
+        self.plain += other.plain
 
     def extra(self) -> dict:
         return {"speculation_steps": self.steps, "speculation_proposed_tokens": self.proposed,
