@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import os
 import platform
@@ -31,7 +32,6 @@ import subprocess
 import sys
 import time
 from collections import Counter, defaultdict
-import importlib.util
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -117,7 +117,6 @@ async def timed(runs: list, repeats: int) -> list:
 async def main_async(a) -> dict:
     from webgpu_engine import cache, gpu
     from webgpu_engine.config import ChatConfig
-    from webgpu_engine.kernels import matmul as mm
     from webgpu_engine.pipelines.llm import LLMChatPipeline
     from webgpu_engine.pipelines.speculation import Speculation
     dev = await gpu.request_device()
@@ -126,7 +125,7 @@ async def main_async(a) -> dict:
     # from an empty KV cache
     pipe = await LLMChatPipeline.load(dev, path, ChatConfig(context_window_size=2048))
     if not a.k:
-        auto_k = Speculation().with_k(mm.MAX_DECODE_ROWS if pipe.model.exact_verify else None).k
+        auto_k = Speculation().with_k(pipe.model.verify_rows_per_pass).k
         a.k = [auto_k, 2 * auto_k + 1]
     ks = a.k
     dpipe = None

@@ -349,6 +349,12 @@ class LlamaModel:
         one-row kernels over rows, fused_rows), else with the prefill's row-invariant kernels."""
         return mm.fused_rows_ok(self.dev)
 
+    @property
+    def verify_rows_per_pass(self) -> int | None:
+        """The rows a verify forward's fused kernels take in one pass over the weights (exact_verify),
+        else None: Speculation.with_k picks k from it."""
+        return mm.MAX_DECODE_ROWS if self.exact_verify else None
+
     def record_verify(self, batch, ids: list[int], pos0: int) -> list[Tensor]:
         """Record the forward of ids at pos0.. with every row's logits into `batch`; returns the
         logits rows. exact_verify: row t's logits are those of the decode step at pos0 + t (the

@@ -13,7 +13,7 @@ from ..config import GREEDY, ChatConfig
 from ..errors import UnsupportedChatOptionError
 from ..kernels.logit_mask import LogitMask
 from ..kernels.sampling import RESULT_BYTES
-from .speculation import SpeculationStats, propose, same_vocabulary, slower_than_decode
+from .speculation import SpeculationStats, propose, same_vocabulary, shared_prefix, slower_than_decode
 from .stats import now
 
 
@@ -44,11 +44,7 @@ class DecodePaths:
         """Keep the longest prefix of `ids` the KV cache holds, less at least the last id (its logits
         are needed) and, unless reuse_decoded_kv, the rows a decode step wrote (the decode kernels
         round otherwise than the prefill's: an answer would depend on the cache's history)."""
-        keep = 0
-        for a, b in zip(self.kv_ids, ids):
-            if a != b:
-                break
-            keep += 1
+        keep = shared_prefix(self.kv_ids, ids)
         exact = len(self.kv_ids) if self.chat_config.reuse_decoded_kv else self.kv_exact
         keep = min(keep, len(ids) - 1, exact)                 # decoded rows are computed again
         m = self.model
@@ -176,8 +172,7 @@ class DecodePaths:
         if not guess and (m.exact_verify or spec.auto_off):
             # nothing to check: a plain decode step (with exact_verify the same bits as a verify row;
             # elsewhere auto_off lets the fused path make tokens); verify steps are guessing steps
-            self._req.spec.plain += 1
-            self.spec_stats.plain += 1
+            self._count_spec(SpeculationStats(plain=1))
             return await self._fused_step()
         ids = [last] + guess
         T = len(ids)
@@ -207,7 +202,10 @@ class DecodePaths:
             self.kv_ids.append(guess[r])          # the guess was right: its K/V row stays
         dt = now() - t0
         self._count_decode(dt, n)
-        step = SpeculationStats(1, len(guess), n - 1, n, dt)
+        self._count_spec(SpeculationStats(1, len(guess), n - 1, n, dt))
+
+    def _count_spec(self, step: SpeculationStats) -> None:
+        """A speculative step's figures, in the request's and the model's."""
         self._req.spec.add(step)
         self.spec_stats.add(step)
 

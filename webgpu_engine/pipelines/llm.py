@@ -114,7 +114,7 @@ class LLMChatPipeline(DecodePaths):
         self._solo = asyncio.Lock()
         self.speculation = Speculation.parse(chat_config.speculation)
         if self.speculation is not None:
-            self.speculation = self.speculation.with_k(mm.MAX_DECODE_ROWS if model.exact_verify else None)
+            self.speculation = self.speculation.with_k(model.verify_rows_per_pass)
         model.verify_rows = self.speculation.k + 1 if self.speculation else 0     # built at load
         if chat_config.context_overflow not in OVERFLOW_POLICIES:
             raise ChatOptionTypeError("context_overflow", f"one of {list(OVERFLOW_POLICIES)}",

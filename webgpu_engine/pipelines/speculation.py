@@ -132,6 +132,16 @@ class Speculation:
         return {**d, "model": self.model} if self.method == "draft" else {**d, "n": self.n, "n_min": self.n_min}
 
 
+def shared_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens a and b have in common."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 def propose(context: list[int], k: int, n: int, n_min: int = 1) -> list[int]:
     """Up to k tokens that followed the longest earlier match of the context's end (at most `n`,
     at least `n_min` tokens long; [] when there is none): what followed its latest occurrence, cut
@@ -161,11 +171,7 @@ def propose(context: list[int], k: int, n: int, n_min: int = 1) -> list[int]:
         return []
     guess = context[at[0] + 1:at[0] + 1 + k]
     for e in at[1:]:
-        other = context[e + 1:e + 1 + len(guess)]
-        j = 0
-        while j < len(other) and other[j] == guess[j]:
-            j += 1
-        guess = guess[:j]
+        guess = guess[:shared_prefix(guess, context[e + 1:e + 1 + len(guess)])]
         if not guess:
             break
     return guess
