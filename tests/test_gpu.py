@@ -21,6 +21,19 @@ struct P { k: f32, n: u32 }
 }
 """
 
+SPIN_WGSL = """
+// spin: y[i] = x[i] after p.n multiply-adds per element (GPU work that takes a while)
+struct P { k: f32, n: u32 }
+@group(0) @binding(0) var<storage, read> x: array<f32>;
+@group(0) @binding(1) var<storage, read_write> y: array<f32>;
+@group(0) @binding(2) var<uniform> p: P;
+@compute @workgroup_size(64) fn spin(@builtin(global_invocation_id) g: vec3<u32>) {
+    var a = x[g.x];
+    for (var i = 0u; i < p.n; i++) { a = a * p.k + (1.0 - p.k) * x[g.x]; }
+    y[g.x] = a;
+}
+"""
+
 BROKEN_WGSL = """
 @group(0) @binding(0) var<storage, read_write> y: array<f32>;
 @compute @workgroup_size(64) fn broken(@builtin(global_invocation_id) g: vec3<u32>) {
@@ -33,6 +46,7 @@ BROKEN_WGSL = """
 def shader_dir(tmp_path):
     (tmp_path / "scale.wgsl").write_text(SCALE_WGSL)
     (tmp_path / "broken.wgsl").write_text(BROKEN_WGSL)
+    (tmp_path / "spin.wgsl").write_text(SPIN_WGSL)
     shader_lookup.set_shader_dir(tmp_path)
     yield tmp_path
     shader_lookup.set_shader_dir(None)
@@ -131,6 +145,39 @@ def test_pipeline_cache_compiles_once_and_batch_runs(device, shader_dir):
     assert len(batch) == 3
     device.submit(batch)
     np.testing.assert_array_equal(np.frombuffer(device.read_sync(xb), np.float32), x * 6)
+    device.release_owner("t")
+
+
+async def test_a_readback_leaves_the_event_loop_free_while_the_gpu_works(device, shader_dir):
+    """collect (a decode step's tokens) and read wait for the GPU without holding the event loop: on
+    lavapipe a submit while the GPU is busy blocks until it drains, and wgpu-py's map for reading
+    makes one (an empty one) first; it held the loop through a whole step, so a streamed token waited
+    for the next step. Here the loop's longest stall is a small part of the wait."""
+    from webgpu_engine.kernels.common import params
+    n = 64 * 256
+    x = np.linspace(-1, 1, n, dtype=np.float32)
+    xb, yb = device.upload(x, owner="t"), device.buffer(4 * n, owner="t")
+    spin = device.pipeline("spin.wgsl", "spin")
+    group = device.bind(spin, [xb, yb, params(device, [1.0, 4000], owner="t")])
+    for reps in (1, 2, 4, 8, 16, 32, 64):          # GPU work of at least 0.3 s
+        batch = device.batch()
+        for _ in range(reps):
+            batch.dispatch(spin, group, n // 64)
+        rb = batch.readback(yb)
+        device.submit(batch)
+        t0 = last = asyncio.get_running_loop().time()
+        task = asyncio.ensure_future(device.collect(rb))
+        stall = 0.0
+        while not task.done():
+            await asyncio.sleep(0)
+            t = asyncio.get_running_loop().time()
+            stall, last = max(stall, t - last), t
+        wait = last - t0
+        np.testing.assert_array_equal(np.frombuffer(task.result(), np.float32), x)
+        if wait >= 0.3:
+            break
+    assert wait >= 0.3, wait
+    assert stall < 0.5 * wait, (stall, wait)
     device.release_owner("t")
 
 

@@ -59,6 +59,10 @@ class NativeDevice(Device):
         self._release_lock = threading.Lock()
         self._destroyed = False               # set under that lock: no readback submits after it
         self._loss_waiters: set = set()       # (loop, future) of maps in flight, woken by a loss
+        # lavapipe: a submit while the GPU is busy blocks until it drains. wgpu-py's map_async for
+        # reading submits an empty command buffer first (its sync, gfx-rs/wgpu-native#305), which
+        # then held the event loop for a whole step: _mapped makes that submit from a worker thread
+        self._submit_blocks = "cpu" in self.info.adapter_type.lower() or "llvmpipe" in self.info.name.lower()
         # a worker per core (they start nothing new while a request compiles what it needs), or
         # $WEBGPU_ENGINE_COMPILE_THREADS; 2 cores, SmolLM2: the queue done at 18.2-18.6 s from process
         # start against 20.4-25.1 s with one worker, the first token no later (bench/first_request.py)
@@ -174,15 +178,28 @@ class NativeDevice(Device):
             self._give_staging(staging, n4, reuse=ok)
         return data
 
+    def _flush(self, what: str) -> None:
+        """An empty submit (what wgpu-py's map_async makes before mapping for reading), under the
+        release lock; in a worker thread it waits there for the work before (lavapipe)."""
+        with self._release_lock:
+            if self._destroyed:
+                raise DeviceLostError(f"{what}: the device was destroyed")
+            self.queue.submit([self.raw.create_command_encoder().finish()])
+
     async def _mapped(self, staging, n4: int, n: int, what: str) -> bytes:
-        """The first n bytes of a staging buffer once the work before has run. A loss meanwhile raises
-        DeviceLostError: a map in flight when the device is destroyed never completes."""
+        """The first n bytes of a staging buffer once the work before has run, the event loop free
+        meanwhile. A loss meanwhile raises DeviceLostError: a map in flight when the device is
+        destroyed never completes."""
         self.check_alive()
         loop = asyncio.get_running_loop()
         lost = loop.create_future()
         waiter = (loop, lost)
         self._loss_waiters.add(waiter)
-        mapping = asyncio.ensure_future(staging.map_async(wgpu.MapMode.READ, 0, n4))
+        mode = wgpu.MapMode.READ
+        if self._submit_blocks:
+            await asyncio.to_thread(self._guard, lambda: self._flush(what), what)
+            mode = "READ_NOSYNC"          # wgpu-py's own sync submit is the one just made
+        mapping = asyncio.ensure_future(staging.map_async(mode, 0, n4))
         try:
             await asyncio.wait({mapping, lost}, return_when=asyncio.FIRST_COMPLETED)
         finally:
