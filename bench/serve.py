@@ -3,21 +3,24 @@ serve`) driven by the official `openai` async client, with continuous batching
 (--max-num-sequences) and without it (max_num_sequences = 1: one request at a time), in the same run.
 
     python bench/serve.py [--model REF] [--clients 1,2,4,8,16] [--max-tokens 128] [--batch 0]
-                          [--context 1024] [--port 8391] [--smoke] [--out PATH]
+                          [--context 1024] [--repeats 3] [--port 8391] [--smoke] [--out PATH]
 
 Before the levels each server's background compiler is waited for (/v1/models kernels.compiling
 == 0; the wait is printed), so that a level measures decoding, not kernels still compiling (a lone
 request's decode steps otherwise ran on stand-ins and compiles: 5.7 instead of 11.6 tok/s).
-Each level starts C streaming clients at once; client k sends prompt k mod 8 (fixed prompts of
+Both servers run at once (an idle one costs nothing) and each level runs `--repeats` rounds with the
+servers in turn (A B, B A, A B: this host's speed drifts over minutes, and a lone request's figure moved
+by 30% between runs of one server after the other); a row gives the median round's tok/s and every
+round's. Each level starts C streaming clients at once; client k sends prompt k mod 8 (fixed prompts of
 mixed length, 5 .. ~230 tokens), temperature 0, ignore_eos, `max_tokens` output tokens. Per level:
 aggregate output tok/s (all tokens / wall time), time to first token p50/p95 and inter-token latency
-p50/p95 over all clients. After each level the batched server's scheduler figures from /v1/models
-(`batching`: iterations, decode rows, prefill tokens, preemptions, prefix hits) say where the time went:
-decode rows per iteration is the batch the matmuls saw. Prints a table and writes
+p50/p95 over all clients of all rounds. After each level the batched server's scheduler figures from
+/v1/models (`batching`: iterations, decode rows, prefill tokens, preemptions, prefix hits) say where the
+time went: decode rows per iteration is the batch the matmuls saw. Prints a table and writes
 bench/results/serve.json. Needs the `openai` package (bench extra). --model takes any model reference
-(an app-config id, a .gguf file, a model folder); --port 0 serves on free ports. --smoke: clients 1,8,
-4 tokens each, batch 2: checks that the script runs to the end (with a small model, quickly); its
-figures mean nothing.
+(an app-config id, a .gguf file, a model folder); --port 0 serves on free ports. --smoke: clients 1,8, 4
+tokens each, batch 2, 2 rounds: checks that the script runs to the end (with a small model, quickly);
+its figures mean nothing.
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ import json
 import os
 import platform
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -135,7 +139,8 @@ async def one_client(client, model: str, k: int, max_tokens: int) -> dict:
             "chunks": n, "t_end": time.perf_counter()}
 
 
-async def level(base: str, model: str, c: int, max_tokens: int) -> dict:
+async def level(base: str, model: str, c: int, max_tokens: int, raw: bool = False) -> dict:
+    """C clients at once; with `raw` the row keeps every TTFT and ITL (_ttft, _itl)."""
     from openai import AsyncOpenAI
     client = AsyncOpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=3600)
     t0 = time.perf_counter()
@@ -147,10 +152,11 @@ async def level(base: str, model: str, c: int, max_tokens: int) -> dict:
     ttft = [r["ttft"] for r in res]
     return {"clients": c, "wall_s": wall, "tok_s": tokens / wall, "ttft_p50": pct(ttft, 50),
             "ttft_p95": pct(ttft, 95), "itl_p50": pct(itl, 50), "itl_p95": pct(itl, 95),
-            "chunks": sum(r["chunks"] for r in res)}
+            "chunks": sum(r["chunks"] for r in res), **({"_ttft": ttft, "_itl": itl} if raw else {})}
 
 
-async def run_server(args, max_seqs: int) -> list[dict]:
+async def start_server(args, max_seqs: int) -> tuple:
+    """A server with max_num_sequences = max_seqs, ready and done compiling: (process, base URL)."""
     port = args.port + max_seqs if args.port else free_port()
     base = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "webgpu_engine", "serve", "--model", args.model, "--port", str(port),
@@ -164,29 +170,78 @@ async def run_server(args, max_seqs: int) -> list[dict]:
         print(f"  max_num_sequences={max_seqs:2d}: background compile done {waited:.1f} s after the server "
               "was ready", flush=True)
         await level(base, args.model_id, 1, 4)            # warm-up
+    except BaseException:
+        stop_server(proc)
+        raise
+    return proc, base
+
+
+def stop_server(proc) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+async def measured_level(base: str, model: str, c: int, max_tokens: int, max_seqs: int) -> dict:
+    """One level on one server, with its scheduler's figures over the level."""
+    before = await batching(base)
+    r = await level(base, model, c, max_tokens, raw=True)
+    r["max_num_sequences"] = max_seqs
+    after = await batching(base)
+    if before and after:
+        d = {k: after[k] - before[k] for k in ("iterations", "decode_rows", "prefill_tokens",
+                                              "preemptions", "prefix_hit_tokens")}
+        d["decode_rows_per_iteration"] = d["decode_rows"] / max(1, d["iterations"])
+        r["scheduler"] = d
+    return r
+
+
+def merged(runs: list[dict]) -> dict:
+    """A level's rounds on one server as one row: the median round's tok/s (every round's kept),
+    TTFT and ITL percentiles over all rounds' requests."""
+    row = {**runs[0], "tok_s": statistics.median(r["tok_s"] for r in runs),
+           "tok_s_rounds": [r["tok_s"] for r in runs], "wall_s": sum(r["wall_s"] for r in runs),
+           "chunks": sum(r["chunks"] for r in runs)}
+    for k in ("ttft", "itl"):
+        xs = [x for r in runs for x in r["_" + k]]
+        row[k + "_p50"], row[k + "_p95"] = pct(xs, 50), pct(xs, 95)
+    for k in ("_ttft", "_itl"):
+        row.pop(k, None)
+    if "scheduler" in runs[0]:
+        row["scheduler"] = {k: sum(r["scheduler"][k] for r in runs) for k in runs[0]["scheduler"]}
+        row["scheduler"]["decode_rows_per_iteration"] = (row["scheduler"]["decode_rows"]
+                                                         / max(1, row["scheduler"]["iterations"]))
+    return row
+
+
+async def run_servers(args) -> list[dict]:
+    """Both servers up at once (an idle one costs nothing), each level run `--repeats` rounds in
+    turn (A B, B A, ...): host speed drifts over minutes, so the servers see the same drift."""
+    servers = {}
+    try:
+        for max_seqs in (1, args.batch):
+            servers[max_seqs] = await start_server(args, max_seqs)
         rows = []
         for c in args.clients:
-            before = await batching(base)
-            r = await level(base, args.model_id, c, args.max_tokens)
-            r["max_num_sequences"] = max_seqs
-            after = await batching(base)
-            if before and after:
-                d = {k: after[k] - before[k] for k in ("iterations", "decode_rows", "prefill_tokens",
-                                                      "preemptions", "prefix_hit_tokens")}
-                d["decode_rows_per_iteration"] = d["decode_rows"] / max(1, d["iterations"])
-                r["scheduler"] = d
-            rows.append(r)
-            print(f"  max_num_sequences={max_seqs:2d} clients={c:2d}: {r['tok_s']:7.1f} tok/s  "
-                  f"ttft p50 {r['ttft_p50']:.2f} s p95 {r['ttft_p95']:.2f} s  itl p50 {r['itl_p50'] * 1e3:.0f} ms "
-                  f"p95 {r['itl_p95'] * 1e3:.0f} ms" + (f"  rows/iteration {r['scheduler']['decode_rows_per_iteration']:.1f}"
-                                                       if "scheduler" in r else ""), flush=True)
+            runs = {m: [] for m in servers}
+            for k in range(args.repeats):
+                for m in (list(servers) if k % 2 == 0 else list(servers)[::-1]):
+                    runs[m].append(await measured_level(servers[m][1], args.model_id, c, args.max_tokens, m))
+            for m, rs in runs.items():
+                r = merged(rs)
+                rows.append(r)
+                print(f"  max_num_sequences={m:2d} clients={c:2d}: {r['tok_s']:7.1f} tok/s (rounds "
+                      + " ".join(f"{x:.1f}" for x in r["tok_s_rounds"])
+                      + f")  ttft p50 {r['ttft_p50']:.2f} s p95 {r['ttft_p95']:.2f} s  itl p50 "
+                      f"{r['itl_p50'] * 1e3:.0f} ms p95 {r['itl_p95'] * 1e3:.0f} ms"
+                      + (f"  rows/iteration {r['scheduler']['decode_rows_per_iteration']:.1f}"
+                         if "scheduler" in r else ""), flush=True)
         return rows
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        for proc, _ in servers.values():
+            stop_server(proc)
 
 
 async def main() -> int:
@@ -197,17 +252,16 @@ async def main() -> int:
     ap.add_argument("--batch", type=int, default=0, help="max_num_sequences of the batched server (0: as "
                     "serve picks for the adapter: 4 on a CPU one, 16 on a GPU)")
     ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--repeats", type=int, default=3, help="rounds per level, the servers in turn (median)")
     ap.add_argument("--port", type=int, default=8391)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "serve.json"))
     ap.add_argument("--smoke", action="store_true",
                     help="clients 1,8, 4 tokens, batch 2: checks the script, measures nothing")
     args = ap.parse_args()
     if args.smoke:
-        args.clients, args.max_tokens, args.batch = "1,8", 4, 2
+        args.clients, args.max_tokens, args.batch, args.repeats = "1,8", 4, 2, 2
     args.clients = [int(c) for c in args.clients.split(",")]
-    rows = []
-    for max_seqs in (1, args.batch):
-        rows += await run_server(args, max_seqs)
+    rows = await run_servers(args)
     one = {r["clients"]: r for r in rows if r["max_num_sequences"] == 1}
     bat = {r["clients"]: r for r in rows if r["max_num_sequences"] == args.batch}
     print(f"\n{'clients':>7} | {'tok/s x1':>9} {'tok/s batched':>13} {'gain':>5} | {'ttft p95 x1':>11} "
