@@ -181,6 +181,21 @@ async def test_a_readback_leaves_the_event_loop_free_while_the_gpu_works(device,
     device.release_owner("t")
 
 
+def test_a_bad_dispatch_is_a_typed_error_and_the_device_goes_on(device, shader_dir):
+    """The per-dispatch calls go straight to wgpu-native (no error scope each): a pass's error is
+    still raised, typed and naming the kernel, when the batch is submitted."""
+    from webgpu_engine.errors import GPUValidationError
+    from webgpu_engine.kernels.common import params
+    x, y = device.upload(np.ones(64, np.float32), owner="t"), device.buffer(256, owner="t")
+    p = device.pipeline("scale.wgsl", "scale")
+    group = device.bind(p, [x, y, params(device, [2.0, 64], owner="t")])
+    with pytest.raises(GPUValidationError, match="scale.wgsl:scale.*65535"):
+        device.submit(device.batch().dispatch(p, group, 70000))
+    device.submit(device.batch().dispatch(p, group, 1))
+    np.testing.assert_array_equal(np.frombuffer(device.read_sync(y), np.float32), np.full(64, 2.0, np.float32))
+    device.release_owner("t")
+
+
 def test_broken_shader_names_file_and_line(device, shader_dir):
     with pytest.raises(ShaderCompileError) as ei:
         device.pipeline("broken.wgsl", "broken")

@@ -536,6 +536,12 @@ class PassApi:
     end: str              # pass.end()
     copy: str             # encoder.copy(src raw, src offset, dst raw, dst offset, size)
 
+    def calls(self, cpass) -> tuple:
+        """(set_pipeline(raw pipeline), set_bind_group(raw bind group) at index 0, dispatch(x, y, z))
+        on `cpass`: the three calls every dispatch makes (a backend may call its API more directly)."""
+        bind = getattr(cpass, self.set_bind_group)
+        return getattr(cpass, self.set_pipeline), lambda bg: bind(0, bg), getattr(cpass, self.dispatch)
+
 
 def encode_ops(ops: list, enc, api: PassApi) -> None:
     """Encode a batch's ops in order: consecutive dispatches share one compute pass (the pipeline is
@@ -545,12 +551,13 @@ def encode_ops(ops: list, enc, api: PassApi) -> None:
         if op[0] == "d":
             if cpass is None:
                 cpass, last_pipe = getattr(enc, api.begin)(), None
+                set_pipeline, set_bind_group, dispatch = api.calls(cpass)
             _, pipe, bg, x, y, z = op
             if pipe.raw is not last_pipe:
-                getattr(cpass, api.set_pipeline)(pipe.raw)
+                set_pipeline(pipe.raw)
                 last_pipe = pipe.raw
-            getattr(cpass, api.set_bind_group)(0, bg.raw)
-            getattr(cpass, api.dispatch)(x, y, z)
+            set_bind_group(bg.raw)
+            dispatch(x, y, z)
         else:
             if cpass is not None:
                 getattr(cpass, api.end)()

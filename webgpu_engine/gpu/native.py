@@ -6,6 +6,7 @@ import os
 import threading
 
 import wgpu
+from wgpu.backends.wgpu_native import _ffi
 
 from ..errors import DeviceLostError, GPUValidationError, WebGPUNotAvailableError
 from .base import (STORAGE, AdapterInfo, Buffer, Device, PassApi, _batch_names, device_features, encode_ops,
@@ -22,8 +23,25 @@ _USAGE = {
     "storage": _U.STORAGE | _U.COPY_SRC | _U.COPY_DST,
     "uniform": _U.UNIFORM | _U.COPY_DST,
 }
-_PASS_API = PassApi("begin_compute_pass", "set_pipeline", "set_bind_group", "dispatch_workgroups", "end",
-                    "copy_buffer_to_buffer")
+
+
+class _NativePassApi(PassApi):
+    """wgpu-py's compute pass, whose three per-dispatch calls go straight to wgpu-native: wgpu-py's
+    methods wrap each C call in an error scope of their own (about 7 us a call; a SmolLM2 decode
+    step makes about 480 of them), though wgpu-native records a pass's errors in its encoder and
+    reports them at finish(), which keeps wgpu-py's wrapper. The ops hold the pipelines and bind
+    groups until the submit."""
+
+    def calls(self, cpass) -> tuple:
+        h, lib, null = cpass._internal, _ffi.lib, _ffi.ffi.NULL
+        set_pipeline, set_bind_group = lib.wgpuComputePassEncoderSetPipeline, lib.wgpuComputePassEncoderSetBindGroup
+        dispatch = lib.wgpuComputePassEncoderDispatchWorkgroups
+        return (lambda p: set_pipeline(h, p._internal), lambda bg: set_bind_group(h, 0, bg._internal, 0, null),
+                lambda x, y, z: dispatch(h, x, y, z))
+
+
+_PASS_API = _NativePassApi("begin_compute_pass", "set_pipeline", "set_bind_group", "dispatch_workgroups", "end",
+                           "copy_buffer_to_buffer")
 
 
 def _info_int(info, key: str) -> int:

@@ -23,7 +23,8 @@ chunking (`row_invariant`), and a sequence's attention depends only on its own k
 kernel picks the short or the split-key form by each sequence's own length, as the one-request path
 picks it by its length): a sequence's tokens are the same alone or in any batch. Op lists are built
 once per row count and replayed; per step the host writes the small u32 inputs (ids, positions,
-slots, lens, tables, step). Standard library only (runs in the page).
+slots, lens, tables, step) in one write, which the step's batch copies into place. Standard library
+only (runs in the page).
 """
 from __future__ import annotations
 
@@ -54,6 +55,9 @@ class PagedForward:
         self.lens = new_tensor(dev, (S,), "u32", owner=owner, label="paged.lens")
         self.tables = new_tensor(dev, (S * self.max_blocks,), "u32", owner=owner, label="paged.tables")
         self.step = dev.buffer(16, owner=owner, label="paged.step")              # (pos0, n_new, ., 0)
+        # a step's inputs in one write, copied into place by the step's own batch (a write costs
+        # 0.2-1 ms of host time each on lavapipe right after a step, a copy command next to nothing)
+        self.inputs = dev.buffer(4 * (3 * P + S + S * self.max_blocks + 4), owner=owner, label="paged.inputs")
         self.logits = new_tensor(dev, (S, c.vocab_size), dt, owner=owner, label="paged.logits")
         self.pools = [ap.new_kv_pool(dev, self.n_blocks, self.block_size, c.n_kv_heads, c.head_dim,
                                      model.kv_cache_dtype or dt,
@@ -104,17 +108,27 @@ class PagedForward:
         return self._ops.get((kind, T), lambda: decoder.forward(self.model, self, T, mode))
 
     # ------------------------------------------------------------------ steps
+    def _put(self, batch, parts: list) -> None:
+        """u32 values into the start of each (buffer, values) of `parts`: one write of them all to
+        `inputs`, then a copy into each buffer at the start of `batch` (so in queue order, as a
+        write to each: after the work submitted before, before this batch's dispatches)."""
+        data = [list(v) for _, v in parts]
+        flat = [x for v in data for x in v]
+        self.dev.write(self.inputs, struct.pack(f"<{len(flat)}I", *flat))
+        at = 0
+        for (buf, _), v in zip(parts, data):
+            if v:
+                batch.copy(self.inputs, buf, 4 * len(v), src_offset=at)
+            at += 4 * len(v)
+
     def record_decode(self, batch, tokens: list[int] | None, inputs: dict) -> None:
         """One token for each of S sequences; inputs: KVPool.decode_inputs(ids, S, max_blocks);
         tokens: their S input ids, or None where the work before wrote them into `ids` on the GPU
         (a step submitted ahead). Logits rows 0 .. S-1."""
-        S, dev = len(inputs["lens"]) if tokens is None else len(tokens), self.dev
-        if tokens is not None:
-            dev.write(self.ids.buf, struct.pack(f"<{S}I", *tokens))
-        dev.write(self.positions.buf, struct.pack(f"<{S}I", *inputs["positions"]))
-        dev.write(self.slots.buf, struct.pack(f"<{S}I", *inputs["slots"]))
-        dev.write(self.lens.buf, struct.pack(f"<{S}I", *inputs["lens"]))
-        dev.write(self.tables.buf, struct.pack(f"<{len(inputs['tables'])}I", *inputs["tables"]))
+        S = len(inputs["lens"]) if tokens is None else len(tokens)
+        self._put(batch, ([] if tokens is None else [(self.ids.buf, tokens)])
+                  + [(self.positions.buf, inputs["positions"]), (self.slots.buf, inputs["slots"]),
+                     (self.lens.buf, inputs["lens"]), (self.tables.buf, inputs["tables"])])
         n_keys = max(inputs["lens"])       # the attention's combine only where a sequence needs it
         for op in self.ops("decode", S):
             op.record(batch, n_keys=n_keys)
@@ -124,12 +138,9 @@ class PagedForward:
         """T = len(tokens) <= chunk tokens of one sequence at positions pos0 ..; their KV goes to
         `slots`; table: the sequence's block ids (those holding keys 0 .. pos0+T-1). With the head,
         the last row's logits go to row 0."""
-        T, dev = len(tokens), self.dev
-        dev.write(self.ids.buf, struct.pack(f"<{T}I", *tokens))
-        dev.write(self.positions.buf, struct.pack(f"<{T}I", *range(pos0, pos0 + T)))
-        dev.write(self.slots.buf, struct.pack(f"<{T}I", *slots))
-        dev.write(self.tables.buf, struct.pack(f"<{len(table)}I", *table))
-        dev.write(self.step, struct.pack("<4I", pos0, T, pos0 + T, 0))
+        T = len(tokens)
+        self._put(batch, [(self.ids.buf, tokens), (self.positions.buf, range(pos0, pos0 + T)),
+                          (self.slots.buf, slots), (self.tables.buf, table), (self.step, (pos0, T, pos0 + T, 0))])
         ops = self.ops("prefill", T)
         for op in (ops if with_head else ops.body()):       # a chunk before the last: no logits
             op.record(batch)
