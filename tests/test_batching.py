@@ -94,6 +94,26 @@ async def test_shared_prefix_blocks_are_reused(engine, alone):
     pool.check()
 
 
+async def test_on_a_cpu_adapter_a_step_waits_for_the_callers_given_a_token(engine, alone, monkeypatch):
+    """Host work beside a step slows a CPU adapter's step by more than it costs alone, so there the
+    next step waits until the callers given a token ask for the next one (at most CALLER_WAIT_S):
+    a stream that takes 50 ms per chunk sees no step run meanwhile, and its answer is unchanged."""
+    from webgpu_engine.pipelines import scheduler as sched_mod
+    sched = _sched(engine)
+    assert sched._wait_callers                       # lavapipe
+    monkeypatch.setattr(sched_mod, "CALLER_WAIT_S", 5.0)
+    stream = await engine.completions.create(prompt=_prompt(2), max_tokens=N, ignore_eos=True, temperature=0,
+                                             stream=True)
+    text, moved = [], []
+    async for chunk in stream:
+        text.append(chunk.choices[0].text)
+        before = sched.stats["iterations"]
+        await asyncio.sleep(0.05)                    # a tiny model's step is much shorter
+        moved.append(sched.stats["iterations"] - before)
+    assert "".join(text) == alone[2][0]
+    assert moved == [0] * len(moved), moved
+
+
 async def test_streams_and_a_client_leaving_early(engine, alone):
     """A stream closed after two chunks frees its place; the others finish unchanged."""
     stream = await engine.completions.create(prompt=_prompt(4), max_tokens=N, ignore_eos=True, temperature=0,

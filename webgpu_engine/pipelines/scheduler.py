@@ -47,6 +47,8 @@ from .llm import _THREADS
 from .sequence import configure_sampler, process_logits
 from .stats import RequestStats, now
 
+CALLER_WAIT_S = 0.01      # the longest a step waits for callers on a CPU adapter (Scheduler.handed)
+
 _ids = itertools.count()
 
 
@@ -126,6 +128,7 @@ class BatchSequence:
         await self._wait()
 
     async def decode_step(self) -> None:
+        self._sched.taken(self)
         if self.seq is None or self.seq.stopped:
             return
         await self._wait()
@@ -139,6 +142,7 @@ class BatchSequence:
     def _notify(self, error: BaseException | None = None) -> None:
         if error is not None and self.error is None:
             self.error = error
+        self._sched.handed.add(self)
         self._event.set()
 
     def take_delta(self) -> str:
@@ -156,6 +160,7 @@ class BatchSequence:
 
     def close(self) -> None:
         """The caller is done (finished, failed or gone): the sequence leaves the batch."""
+        self._sched.taken(self)
         if self._rec is not None:
             self._sched.cancel(self._rec)
 
@@ -188,8 +193,20 @@ class Scheduler:
         self.decode_ahead = (not pipe._software) if ahead is None else bool(ahead)
         self.reuse_decoded = pipe.chat_config.reuse_decoded_kv     # decoded blocks shared too
         self._ahead = None                          # a decode step in flight: (rows, readback, t0)
+        # A CPU adapter shares the cores with the host: callers' work on their tokens (a stream's
+        # chunk and its write) beside a step slows the step by more than it costs alone, so there the
+        # next step waits (at most CALLER_WAIT_S) until the callers given a token ask for the next
+        self.handed: set = set()                    # handles given a token this iteration
+        self._taken = asyncio.Event()               # set when none of them is left
+        self._wait_callers = pipe._software
         # preemptions: the pool's; ahead_steps: decode steps submitted before the tokens they take were read
         self.stats = {"iterations": 0, "decode_rows": 0, "prefill_tokens": 0, "ahead_steps": 0}
+
+    def taken(self, handle: BatchSequence) -> None:
+        """`handle`'s caller has taken its token (asks for the next one, or is done)."""
+        self.handed.discard(handle)
+        if not self.handed:
+            self._taken.set()
 
     # ------------------------------------------------------------------ admission
     def sequence(self) -> BatchSequence:
@@ -257,8 +274,16 @@ class Scheduler:
     async def _loop(self) -> None:
         try:
             while (self.running or self._ahead is not None) and not self._closed:
+                self.handed.clear()
                 await self._iteration()
+                if self._wait_callers and self.handed:
+                    self._taken.clear()
+                    try:
+                        await asyncio.wait_for(self._taken.wait(), CALLER_WAIT_S)
+                    except asyncio.TimeoutError:
+                        pass
                 await asyncio.sleep(0)
+            self.handed.clear()
         except BaseException as e:  # noqa: BLE001 - every waiting request gets the error
             self._ahead = None
             for rec in list(self.running):
