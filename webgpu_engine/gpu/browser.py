@@ -18,8 +18,9 @@ from js import GPUBufferUsage, GPUMapMode, Object, Promise, Uint8Array, navigato
 from pyodide.ffi import JsException, JsProxy, create_proxy, jsnull, to_js
 
 from ..errors import GPUOutOfMemoryError, GPUValidationError, WebGPUNotAvailableError
-from .base import (STORAGE, AdapterInfo, Batch, Buffer, Device, PassApi, _batch_names, device_features, encode_ops,
-                   round_up4, staging_class)
+from .base import (STORAGE, AdapterInfo, Batch, Buffer, Device, _batch_names, device_features, round_up4,
+                   staging_class)
+from .encoding import PassApi, encode_ops
 
 _OPTIONAL_FEATURES = ("shader-f16", "subgroups", "timestamp-query")
 # JS limit names -> the kebab-case names the gpu layer uses (as wgpu-py reports them).

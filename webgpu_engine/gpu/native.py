@@ -9,9 +9,9 @@ import wgpu
 from wgpu.backends.wgpu_native import _ffi
 
 from ..errors import DeviceLostError, GPUValidationError, WebGPUNotAvailableError
-from .base import (STORAGE, AdapterInfo, Buffer, Device, PassApi, _batch_names, device_features, encode_ops,
-                   released_buffer, round_up4, staging_class)
+from .base import STORAGE, AdapterInfo, Buffer, Device, _batch_names, device_features, round_up4, staging_class
 from .compiler import BackgroundCompiler
+from .encoding import PassApi, encode_ops, released_buffer
 
 _OPTIONAL_FEATURES = ("shader-f16", "subgroups", "subgroup", "timestamp-query")
 _MAX_LIMITS = ("max-storage-buffer-binding-size", "max-buffer-size", "max-compute-workgroup-storage-size",
