@@ -191,11 +191,16 @@ async def measured_level(base: str, model: str, c: int, max_tokens: int, max_seq
     r["max_num_sequences"] = max_seqs
     after = await batching(base)
     if before and after:
-        d = {k: after[k] - before[k] for k in ("iterations", "decode_rows", "prefill_tokens",
-                                              "preemptions", "prefix_hit_tokens")}
-        d["decode_rows_per_iteration"] = d["decode_rows"] / max(1, d["iterations"])
-        r["scheduler"] = d
+        r["scheduler"] = per_iteration({k: after[k] - before[k] for k in SCHEDULER_COUNTS})
     return r
+
+
+SCHEDULER_COUNTS = ("iterations", "decode_rows", "prefill_tokens", "preemptions", "prefix_hit_tokens")
+
+
+def per_iteration(counts: dict) -> dict:
+    """Scheduler counts with decode rows per iteration (the batch the matmuls saw)."""
+    return {**counts, "decode_rows_per_iteration": counts["decode_rows"] / max(1, counts["iterations"])}
 
 
 def merged(runs: list[dict]) -> dict:
@@ -210,9 +215,7 @@ def merged(runs: list[dict]) -> dict:
     for k in ("_ttft", "_itl"):
         row.pop(k, None)
     if "scheduler" in runs[0]:
-        row["scheduler"] = {k: sum(r["scheduler"][k] for r in runs) for k in runs[0]["scheduler"]}
-        row["scheduler"]["decode_rows_per_iteration"] = (row["scheduler"]["decode_rows"]
-                                                         / max(1, row["scheduler"]["iterations"]))
+        row["scheduler"] = per_iteration({k: sum(r["scheduler"][k] for r in runs) for k in SCHEDULER_COUNTS})
     return row
 
 

@@ -81,6 +81,11 @@ class AdapterInfo:
     def name(self) -> str:
         return self.device or self.description or self.vendor
 
+    @property
+    def cpu(self) -> bool:
+        """lavapipe (adapter type CPU, name llvmpipe): a rasteriser on the host's cores."""
+        return "cpu" in self.adapter_type.lower() or "llvmpipe" in self.name.lower()
+
 
 @dataclass(frozen=True)
 class PipelineKey:

@@ -80,7 +80,7 @@ class NativeDevice(Device):
         # lavapipe: a submit while the GPU is busy blocks until it drains. wgpu-py's map_async for
         # reading submits an empty command buffer first (its sync, gfx-rs/wgpu-native#305), which
         # then held the event loop for a whole step: _mapped makes that submit from a worker thread
-        self._submit_blocks = "cpu" in self.info.adapter_type.lower() or "llvmpipe" in self.info.name.lower()
+        self._submit_blocks = self.info.cpu
         # a worker per core (they start nothing new while a request compiles what it needs), or
         # $WEBGPU_ENGINE_COMPILE_THREADS; 2 cores, SmolLM2: the queue done at 18.2-18.6 s from process
         # start against 20.4-25.1 s with one worker, the first token no later (bench/first_request.py)
@@ -153,10 +153,7 @@ class NativeDevice(Device):
         """Copy `size` bytes at `offset` of `buf` to the host (awaits the GPU). Each read in flight
         has a staging buffer of its own, so models reading back at the same time never share one."""
         n = buf.size - offset if size is None else size
-        # the copy's submit goes through a worker thread: right after a step it would wait for the
-        # step to finish (lavapipe) and hold the event loop that long
-        return await self._read_raw(buf.raw, offset, n, f"readback of {buf.label!r}", threaded_submit=True,
-                                    src=buf)
+        return await self._read_raw(buf.raw, offset, n, f"readback of {buf.label!r}", src=buf)
 
     async def sync(self) -> None:
         """Wait until the GPU has finished all submitted work, without blocking the event loop.
@@ -169,54 +166,57 @@ class NativeDevice(Device):
         if self._sync_src is None:
             self._sync_src = self._guard(lambda: self.raw.create_buffer(size=4, usage=_U.COPY_SRC,
                                                                         label="sync"), "sync")
-        await self._read_raw(self._sync_src, 0, 4, "sync", threaded_submit=True)
+        await self._read_raw(self._sync_src, 0, 4, "sync")
 
-    async def _read_raw(self, raw, offset: int, n: int, what: str, threaded_submit: bool = False,
-                        src: Buffer | None = None) -> bytes:
+    async def _read_raw(self, raw, offset: int, n: int, what: str, src: Buffer | None = None) -> bytes:
+        """n bytes at `offset` of `raw` through a staging buffer. The copy's submit goes through a
+        worker thread (right after a step it would wait for the step to finish there, lavapipe, and
+        hold the event loop that long), with the map's sync submit after it where submits block."""
         n4 = round_up4(n)
         staging = self._guard(lambda: self._take_staging(n4), what)
         ok = False
         try:
-            def _copy():
-                with self._release_lock:
-                    if self._destroyed:
-                        raise DeviceLostError(f"{what}: the device was destroyed")
-                    if src is not None and not src.alive:
-                        raise GPUValidationError(f"{what}: the buffer was released before its readback ran")
-                    enc = self.raw.create_command_encoder()
-                    enc.copy_buffer_to_buffer(raw, offset, staging, 0, n4)
-                    self.queue.submit([enc.finish()])
-            if threaded_submit:
-                await asyncio.to_thread(self._guard, _copy, what)
-            else:
-                self._guard(_copy, what)
-            data = await self._mapped(staging, n4, n, what)
+            def copy(enc):
+                if src is not None and not src.alive:
+                    raise GPUValidationError(f"{what}: the buffer was released before its readback ran")
+                enc.copy_buffer_to_buffer(raw, offset, staging, 0, n4)
+
+            def submit():
+                self._locked_submit(what, copy)
+                if self._submit_blocks:
+                    self._locked_submit(what)
+            await asyncio.to_thread(self._guard, submit, what)
+            data = await self._mapped(staging, n4, n, what, synced=True)
             ok = True
         finally:
             self._give_staging(staging, n4, reuse=ok)
         return data
 
-    def _flush(self, what: str) -> None:
-        """An empty submit (what wgpu-py's map_async makes before mapping for reading), under the
-        release lock; in a worker thread it waits there for the work before (lavapipe)."""
+    def _locked_submit(self, what: str, record=None) -> None:
+        """A command buffer that `record(encoder)` fills (None: an empty one, what wgpu-py's map_async
+        submits before mapping for reading), submitted under the release lock. From a worker thread
+        it waits there for the work before where submits block (lavapipe)."""
         with self._release_lock:
             if self._destroyed:
                 raise DeviceLostError(f"{what}: the device was destroyed")
-            self.queue.submit([self.raw.create_command_encoder().finish()])
+            enc = self.raw.create_command_encoder()
+            if record is not None:
+                record(enc)
+            self.queue.submit([enc.finish()])
 
-    async def _mapped(self, staging, n4: int, n: int, what: str) -> bytes:
+    async def _mapped(self, staging, n4: int, n: int, what: str, synced: bool = False) -> bytes:
         """The first n bytes of a staging buffer once the work before has run, the event loop free
-        meanwhile. A loss meanwhile raises DeviceLostError: a map in flight when the device is
-        destroyed never completes."""
+        meanwhile (`synced`: the caller made the map's sync submit). A loss meanwhile raises
+        DeviceLostError: a map in flight when the device is destroyed never completes."""
         self.check_alive()
+        if self._submit_blocks and not synced:
+            await asyncio.to_thread(self._guard, lambda: self._locked_submit(what), what)
+        # where submits block, wgpu-py's own sync submit (on the event loop) is the one made above
+        mode = "READ_NOSYNC" if self._submit_blocks else wgpu.MapMode.READ
         loop = asyncio.get_running_loop()
         lost = loop.create_future()
         waiter = (loop, lost)
         self._loss_waiters.add(waiter)
-        mode = wgpu.MapMode.READ
-        if self._submit_blocks:
-            await asyncio.to_thread(self._guard, lambda: self._flush(what), what)
-            mode = "READ_NOSYNC"          # wgpu-py's own sync submit is the one just made
         mapping = asyncio.ensure_future(staging.map_async(mode, 0, n4))
         try:
             await asyncio.wait({mapping, lost}, return_when=asyncio.FIRST_COMPLETED)

@@ -59,8 +59,7 @@ FAMILIES = ("cpu", "gpu", "tuned")
 def is_cpu_adapter(dev: Device) -> bool:
     """lavapipe (adapter type CPU, name llvmpipe): the CPU strategy (unrolled decode, tiled
     prefill) was measured there."""
-    info = dev.info
-    return "cpu" in info.adapter_type.lower() or "llvmpipe" in info.name.lower()
+    return dev.info.cpu
 
 
 def is_software_adapter(dev: Device) -> bool:
