@@ -44,6 +44,7 @@ class StubLLM:
     answer_words = 6
     lose_device_at_step: int | None = None
     instances: list["StubLLM"] = []
+    stop_str = None           # stop strings are not matched here
 
     def __init__(self, dev, model_id, chat_config):
         self.dev, self.model_id, self.chat_config = dev, model_id, chat_config

@@ -168,6 +168,13 @@ async def test_demo_page_chat_embeddings_and_cache(server, tmp_path, smollm2_ref
                   f"first token after {r['time_to_first_token_s']:.2f} s")
             assert r["text"] == expected and answer.strip() == expected.strip()
             assert r["finish_reason"] == "stop"
+            # Anthropic's Messages API in the page: the same greedy text, whole and streamed
+            body = {"max_tokens": 32, "temperature": 0, "messages": [{"role": "user", "content": content}]}
+            m = await page.evaluate(f"window.demo.messages({json.dumps(body)})")
+            assert m["message"]["content"][0]["text"] == expected and m["message"]["stop_reason"] == "end_turn"
+            m = await page.evaluate(f"window.demo.messages({json.dumps({**body, 'stream': True})})")
+            assert m["message"]["content"][0]["text"] == expected and m["events"]["message_stop"] == 1
+            assert m["message"]["usage"]["output_tokens"] == r["usage"]["completion_tokens"]
             stats = await page.inner_text("#chat-stats")
             assert "tokens/s" in stats
 

@@ -3,7 +3,8 @@
 default SmolLM2 GGUF with its params layer, a tiny chat GGUF and a BERT GGUF embedder (llama.cpp's
 converter's, as Ollama ships all-minilm); chat, streamed chat, generate (templated and raw), embed and
 /api/embeddings (the store's GGUF embedder and the default MiniLM loaded by id), tags, show, ps,
-version, `format` json and a JSON Schema, a tool call in Ollama's shape; greedy answers equal the OpenAI route's; bad
+version, `format` json and a JSON Schema, a tool call in Ollama's shape, logprobs, think, dimensions,
+keep_alive (a duration in /api/ps, an idle model unloaded); greedy answers equal the OpenAI route's; bad
 store layouts and bad API input get typed errors, 4xx `{"error": ...}` bodies, never a 500."""
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import json
 import math
 import os
 import shutil
+import time
 import urllib.request
 from pathlib import Path
 
@@ -312,6 +314,40 @@ def test_tool_call_in_ollamas_shape(server, client):
     assert follow.done
 
 
+def test_logprobs_dimensions_and_think(server, client):
+    """logprobs / top_logprobs in Ollama's shape, equal to the OpenAI route's (chat, streamed chat,
+    raw generate); /api/embed's dimensions; think's levels accepted on a template without thinking."""
+    o = openai.OpenAI(base_url=server.url, api_key="none", max_retries=0, timeout=300)
+    r = client.chat(model=M, messages=HI, options=GREEDY, logprobs=True, top_logprobs=3)
+    ref = o.chat.completions.create(model=M, messages=HI, temperature=0, max_tokens=12, logprobs=True,
+                                    top_logprobs=3).choices[0].logprobs.content
+    assert [(e.token, e.logprob) for e in r.logprobs] == [(e.token, e.logprob) for e in ref]
+    assert all(len(e.top_logprobs) == 3 and e.top_logprobs[0].token == e.token for e in r.logprobs)
+    assert "".join(e.token for e in r.logprobs) == r.message.content
+    parts = list(client.chat(model=M, messages=HI, options=GREEDY, logprobs=True, stream=True))
+    assert [(e.token, e.logprob) for p in parts for e in p.logprobs or []] == [(e.token, e.logprob) for e in ref]
+    raw = client.generate(model=M, prompt="The capital of France is", raw=True, logprobs=True, top_logprobs=2,
+                          options={"temperature": 0, "num_predict": 6})
+    cref = o.completions.create(model=M, prompt="The capital of France is", temperature=0, max_tokens=6,
+                                logprobs=2).choices[0].logprobs
+    assert [(e.token, e.logprob) for e in raw.logprobs] == list(zip(cref.tokens, cref.token_logprobs))
+    assert client.chat(model=M, messages=HI, options=GREEDY).logprobs is None
+    # dimensions goes to the embeddings path: its own size is taken, a cut of a model not trained
+    # for it (not Matryoshka) is a 400 naming the field
+    e = client.embed(model="all-MiniLM-L6-v2", input=["a cat"], dimensions=384)
+    assert len(e.embeddings[0]) == 384
+    with pytest.raises(ollama.ResponseError) as err:
+        client.embed(model="all-MiniLM-L6-v2", input=["a cat"], dimensions=64)
+    assert err.value.status_code == 400 and "dimensions" in err.value.error
+    plain = client.chat(model=M, messages=HI, options=GREEDY)
+    for think in (True, "medium"):        # SmolLM2's template has no thinking: the same answer
+        t = client.chat(model=M, messages=HI, options=GREEDY, think=think)
+        assert t.message.content == plain.message.content and not t.message.thinking
+    back = client.chat(model=M, options=GREEDY, messages=[*HI, {"role": "assistant", "content": "Paris.",
+                                                               "thinking": "easy"}, *HI])
+    assert back.done                      # an earlier answer's thinking sent back is accepted
+
+
 @pytest.mark.parametrize("path,body,status,says", [
     ("/api/chat", {"model": M, "messages": HI, "options": {"mirostat": 2}}, 400, "mirostat"),
     ("/api/chat", {"model": M, "messages": HI, "options": {"num_ctx": 99999}}, 400, "num_ctx"),
@@ -321,6 +357,10 @@ def test_tool_call_in_ollamas_shape(server, client):
     ("/api/chat", {"model": "nope", "messages": HI}, 404, "nope"),
     ("/api/chat", {"model": M, "messages": "hi"}, 400, "messages"),
     ("/api/chat", {"model": M, "messages": HI, "format": 3}, 400, "format"),
+    ("/api/chat", {"model": M, "messages": HI, "think": "max"}, 400, "think"),
+    ("/api/chat", {"model": M, "messages": HI, "logprobs": "yes"}, 400, "logprobs"),
+    ("/api/chat", {"model": M, "messages": HI, "keep_alive": "5 parsecs"}, 400, "keep_alive"),
+    ("/api/generate", {"model": M, "prompt": "x", "top_logprobs": 50}, 400, "top_logprobs"),
     ("/api/generate", {"model": M, "prompt": "x", "context": [1, 2]}, 400, "context"),
     ("/api/generate", {"model": M, "prompt": "x", "suffix": "y"}, 400, "suffix"),
     ("/api/generate", {"model": M, "prompt": "x", "template": "{{ .Prompt }}"}, 400, "template"),
@@ -369,10 +409,22 @@ def test_model_management_keep_alive_and_delete(server, client):
         with pytest.raises(ollama.ResponseError) as e:
             client.pull("hf.co/org/repo:Q4_K_M")          # offline: a clear error, not a 500
         assert 400 <= e.value.status_code < 600 and e.value.status_code != 500 and "org/repo" in e.value.error
+        # a duration: /api/ps tells when; a negative one: never; a request restarts the wait
+        client.chat(model=M, messages=HI, options=GREEDY, keep_alive="1h")
+        exp = {m.model: m for m in client.ps().models}[M].expires_at
+        assert abs(exp.timestamp() - time.time() - 3600) < 120, exp
+        client.chat(model=M, messages=HI, options=GREEDY, keep_alive=-1)
+        assert {m.model: m for m in client.ps().models}[M].expires_at.year == 2318
+        # idle past its keep_alive, a model is unloaded; the others stay
+        client.embed(model="tiny-minilm", input="x", keep_alive="1s")
+        t0 = time.time()
+        while "tiny-minilm:latest" in {m.model for m in client.ps().models} and time.time() - t0 < 30:
+            time.sleep(0.2)
+        left = {m.model for m in client.ps().models}
+        assert "tiny-minilm:latest" not in left and M in left, left
         r = client.chat(model=M, messages=HI, options=GREEDY, keep_alive=0)
         assert r.done and M not in {m.model for m in client.ps().models}
         assert client.delete("all-MiniLM-L6-v2").status == "success"
-        assert client.delete("tiny-minilm").status == "success"
         assert client.list().models == []
         with pytest.raises(ollama.ResponseError) as e:
             client.delete("all-MiniLM-L6-v2")

@@ -1,7 +1,8 @@
 """Request fields clients send, on the real server through the official openai client: top_k and
 min_p (one-request path and batch scheduler), 20 top logprobs, the end-of-turn token never listed in
 logprobs, the developer role, a final assistant message continued, reasoning output split from the
-answer (a tiny model with a thinking template), tool-call arguments streamed in fragments. The
+answer (a tiny model with a thinking template; Ollama's `think` and Anthropic's `thinking` too),
+tool-call arguments streamed in fragments. The
 answer parser (engine/output.py) is also checked alone on fixed texts cut at every point."""
 from __future__ import annotations
 
@@ -148,6 +149,42 @@ def test_reasoning_split_from_content(client):
     off = ask(client, THINK, temperature=0, max_tokens=40, reasoning_effort="none",
               response_format={"type": "regex", "regex": "[a-z]{3,6}"}).choices[0].message
     assert off.content.isalpha() and "reasoning_content" not in (off.model_extra or {})
+
+
+def test_thinking_through_ollama_and_anthropic(server, client):
+    """The same thinking template through Ollama's `think` (true or a level: `thinking` beside the
+    content, streamed too; false: none) and Anthropic's `thinking` (a thinking block before the text,
+    streamed as thinking_delta): each equal to the OpenAI route's reasoning_content and content."""
+    import anthropic
+    import ollama
+    want = ask(client, THINK, temperature=0, max_tokens=8).choices[0].message
+    reasoning = want.model_extra["reasoning_content"]
+    assert reasoning
+    oc = ollama.Client(host=server.base, timeout=300)
+    opts = {"temperature": 0, "num_predict": 8}
+    for think in (True, "high"):
+        r = oc.chat(model=THINK, messages=Q, think=think, options=opts)
+        assert r.message.thinking == reasoning and r.message.content == (want.content or "")
+    parts = list(oc.chat(model=THINK, messages=Q, think=True, options=opts, stream=True))
+    assert "".join(p.message.thinking or "" for p in parts) == reasoning
+    g = oc.generate(model=THINK, prompt=Q[0]["content"], think="low", options=opts)
+    assert g.thinking == reasoning
+    off = ask(client, THINK, temperature=0, max_tokens=8, reasoning_effort="none").choices[0].message
+    r = oc.chat(model=THINK, messages=Q, think=False, options=opts)
+    assert r.message.thinking is None and r.message.content == off.content
+    ac = anthropic.Anthropic(base_url=server.base, api_key="none", max_retries=0, timeout=300)
+    kw = dict(model=THINK, max_tokens=8, messages=Q, extra_body={"temperature": 0},
+              thinking={"type": "enabled", "budget_tokens": 1024})
+    m = ac.messages.create(**kw)
+    assert m.content[0].type == "thinking" and m.content[0].thinking == reasoning
+    with ac.messages.stream(**kw) as st:
+        events = list(st)
+        final = st.get_final_message()
+    assert "".join(e.delta.thinking for e in events if e.type == "content_block_delta"
+                   and e.delta.type == "thinking_delta") == reasoning
+    assert final.content[0].thinking == reasoning
+    m = ac.messages.create(**{**kw, "thinking": {"type": "disabled"}})
+    assert [b.type for b in m.content] == ["text"] and m.content[0].text == off.content
 
 
 def test_tool_arguments_stream_in_fragments(client):

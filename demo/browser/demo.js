@@ -54,6 +54,13 @@ async function main() {
       return r;
     },
     async greedyIds(promptIds, n) { return JSON.parse(await app.greedy_ids(JSON.stringify(promptIds), n)); },
+    // Anthropic's Messages API over the same chat path; streamed events are counted by type
+    async messages(request) {
+      const seen = {};
+      const msg = JSON.parse(await app.messages(JSON.stringify(request),
+        (ev) => { const t = JSON.parse(ev).type; seen[t] = (seen[t] || 0) + 1; }));
+      return { message: msg, events: seen };
+    },
     // an MLC model folder by URL (WebLLM's layout), replacing the loaded models
     async loadUrl(url, modelId = "", chatOpts = null) {
       return JSON.parse(await app.load_url(url, modelId, JSON.stringify(chatOpts)));

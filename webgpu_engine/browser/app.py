@@ -172,6 +172,42 @@ async def chat(messages_json: str, on_delta=None, request_json: str = "{}") -> s
                        "time_to_first_token_s": None if first is None else first - t0})
 
 
+async def messages(request_json: str, on_event=None) -> str:
+    """Anthropic's Messages API in the page (engine.messages, the chat path): the request as JSON
+    (`model` defaults to the loaded chat model). With "stream": true each event goes to
+    `on_event(json)` as it comes, and the Message they assemble is returned; else the Message."""
+    req = json.loads(request_json)
+    req.setdefault("model", _model(LLM))
+    res = await _state["engine"].messages.create(req)
+    if not req.get("stream"):
+        return json.dumps(_plain(res))
+    msg: dict = {}
+    async for ev in res:
+        ev = _plain(ev)
+        if on_event is not None:
+            on_event(json.dumps(ev))
+        kind = ev["type"]
+        if kind == "message_start":
+            msg = ev["message"]
+        elif kind == "content_block_start":
+            msg["content"].append(ev["content_block"])
+        elif kind == "content_block_delta":
+            block, d = msg["content"][ev["index"]], ev["delta"]
+            for key, field in (("text", "text"), ("thinking", "thinking"), ("partial_json", "partial_json")):
+                if key in d:
+                    block[field] = block.get(field, "") + d[key]
+        elif kind == "content_block_stop":
+            block = msg["content"][ev["index"]]
+            if block["type"] == "tool_use":
+                block["input"] = json.loads(block.pop("partial_json", "") or "{}")
+        elif kind == "message_delta":
+            msg.update(ev["delta"])
+            msg["usage"]["output_tokens"] = ev["usage"]["output_tokens"]
+        elif kind == "error":
+            raise RuntimeError(ev["error"]["message"])
+    return json.dumps(msg)
+
+
 async def greedy_ids(prompt_ids_json: str, n: int) -> str:
     """`n` tokens after the given prompt ids, one forward step at a time (WebLLM's
     forwardTokensAndSample), not stopping at end-of-sequence tokens. Needs a greedy chat config."""

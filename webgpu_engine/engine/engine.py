@@ -46,6 +46,8 @@ class AsyncMLCEngine(ModelLoading, DeviceLossHandling, Tokenizing):
         self.embeddings = Embeddings(self)
         from .responses import Responses
         self.responses = Responses(self)      # OpenAI's Responses API over the chat path
+        from .messages import Messages
+        self.messages = Messages(self)        # Anthropic's Messages API over the chat path
         from .rerank import Rerank
         self._rerank = Rerank(self)
 

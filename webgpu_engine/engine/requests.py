@@ -37,7 +37,7 @@ def request_fields(request: Any, fields: dict) -> dict:
     return {k: v for k, v in d.items() if v is not None}
 
 
-def _gen_config(lm, req: dict) -> GenerationConfig:
+def gen_config(lm, req: dict) -> GenerationConfig:
     """Per-request sampling: the model's chat-config defaults, overridden by the request's fields."""
     cc = lm.chat_config
 
@@ -171,6 +171,8 @@ class AsyncStream:
         self._released = False
         self.usage: dict | None = None
         self.finish_reason: str | None = None
+        self.stop_reason: str | None = None      # the stop string that ended the answer, if one did
+        self.prompt_tokens: int | None = None
         self._agen = agen_factory(self)
         self._started = False
 
@@ -243,7 +245,7 @@ async def _create_text(engine, req: dict, chat: bool):
     req = _extra_body(req, chat)
     req = check_chat_request(req, limits) if chat else check_completion_request(req, limits)
     lm = await engine.select(req.get("model"), LLM, name)
-    gen = _gen_config(lm, req)
+    gen = gen_config(lm, req)
     kind = "chat.completion" if chat else "text_completion"
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     created = int(time.time())
@@ -263,6 +265,7 @@ async def _create_text(engine, req: dict, chat: bool):
         for i in range(gen.n):
             g = _choice_gen(gen, i)
             parts, lps = [], []
+            seq = None
             if engine.interrupts != interrupts:
                 # as WebLLM: one interrupt_generate() stops the whole request; the choices after
                 # the interrupted one are empty, with finish_reason "abort"
@@ -280,6 +283,8 @@ async def _create_text(engine, req: dict, chat: bool):
                 parser.feed(text)
                 _, msg, finish = parser.finish(finish)
                 c = {"index": i, "message": msg, "finish_reason": finish}
+                if finish == "stop" and seq is not None and seq.stop_str is not None:
+                    c["stop_reason"] = seq.stop_str       # the stop string that ended it (vLLM's field)
                 if gen.logprobs:
                     c["logprobs"] = {"content": lps}
             else:
@@ -287,6 +292,8 @@ async def _create_text(engine, req: dict, chat: bool):
                     text = prompt + text
                 text += req.get("suffix") or ""
                 c = {"index": i, "text": text, "finish_reason": finish}
+                if finish == "stop" and seq is not None and seq.stop_str is not None:
+                    c["stop_reason"] = seq.stop_str
                 if gen.logprobs:
                     c["logprobs"] = _legacy_logprobs(lps, len(prompt) if req.get("echo") else 0)
             choices.append(c)
@@ -323,7 +330,7 @@ async def _stream(engine, lm, req, gen, rid, created, kind, messages, prompt, de
             d["usage"] = usage
         return to_object(d)
 
-    def piece(text, entries=None, finish=None, first=False, delta=None):
+    def piece(text, entries=None, finish=None, first=False, delta=None, stop_reason=None):
         if chat:
             if delta is None:
                 delta = {"content": text} if text or first else {}
@@ -336,6 +343,8 @@ async def _stream(engine, lm, req, gen, rid, created, kind, messages, prompt, de
             c = {"index": 0, "text": text, "finish_reason": finish}
             if entries:
                 c["logprobs"] = _legacy_logprobs(entries, 0)
+        if stop_reason is not None:
+            c["stop_reason"] = stop_reason
         return chunk([c])
 
     def make(stream: AsyncStream):
@@ -358,6 +367,7 @@ async def _stream(engine, lm, req, gen, rid, created, kind, messages, prompt, de
                         yield piece("", held_lps, first=first, delta=d)
                         first, held_lps = False, []
                 stream.finish_reason = seq.finish_reason or "stop"
+                stream.stop_reason = seq.stop_str
                 if parser is not None:
                     last, _, stream.finish_reason = parser.finish(stream.finish_reason)
                     for d in last:
@@ -369,7 +379,8 @@ async def _stream(engine, lm, req, gen, rid, created, kind, messages, prompt, de
                 if not chat and req.get("suffix"):
                     yield piece(req["suffix"])
                 stream.usage = _usage([seq.usage()], t0)
-                yield piece("", finish=stream.finish_reason)
+                yield piece("", finish=stream.finish_reason, stop_reason=stream.stop_reason
+                            if stream.finish_reason == "stop" else None)
                 if include_usage:
                     yield chunk([], stream.usage)
             finally:
@@ -389,7 +400,9 @@ async def _stream(engine, lm, req, gen, rid, created, kind, messages, prompt, de
         lm.lock.release()
         raise
     steps = _prepend(first_item, steps)
-    return AsyncStream(lm, make, abandon=seq.close)
+    s = AsyncStream(lm, make, abandon=seq.close)
+    s.prompt_tokens = seq.usage()["prompt_tokens"]      # known once the prefill ran
+    return s
 
 
 async def _prepend(first, rest):

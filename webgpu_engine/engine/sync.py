@@ -101,6 +101,13 @@ class _Responses(_Create):
         return self._engine._loop.run(self._target.input_items(response_id, **kw))
 
 
+class _Messages(_Create):
+    """engine.messages: create (a SyncStream of events when streaming), count_tokens."""
+
+    def count_tokens(self, request: Any = None, **fields) -> dict:
+        return self._engine._loop.run(self._target.count_tokens(request, **fields))
+
+
 class MLCEngine:
     """Blocking engine: same methods as AsyncMLCEngine, without `await`."""
 
@@ -111,6 +118,7 @@ class MLCEngine:
         self.completions = _Create(self, self.async_engine.completions)
         self.embeddings = _Create(self, self.async_engine.embeddings)
         self.responses = _Responses(self, self.async_engine.responses)
+        self.messages = _Messages(self, self.async_engine.messages)
 
     def reload(self, model_id, chat_opts=None) -> None:
         self._loop.run(self.async_engine.reload(model_id, chat_opts))

@@ -3,7 +3,8 @@
 shapes (llama.cpp's field names accepted too).
 
     tokenize:   {model?, prompt | content, add_special_tokens?}                 -> a raw text's ids
-                {model?, messages, add_generation_prompt?}                     -> the chat template's
+                {model?, messages, tools?, tool_choice?, enable_thinking?,
+                 add_generation_prompt?}                                        -> the chat template's
                 -> {tokens, count, max_model_len}
     detokenize: {model?, tokens} -> {prompt, content}   (ids beyond the vocabulary: a 400)
 
@@ -23,7 +24,11 @@ from ..errors import InvalidRequestError
 from ..protocol.errors import FieldTypeError, RangeError
 from ..protocol.rules import check_chat_request
 from .records import EMBEDDING
-from .requests import request_fields
+from .requests import gen_config, request_fields
+from .tools import chat_prompt
+
+# what a chat request's prompt depends on besides its messages
+CHAT_PROMPT_FIELDS = ("messages", "tools", "tool_choice", "enable_thinking", "reasoning_effort")
 
 
 _THREADS = sys.platform != "emscripten"     # Pyodide: no worker threads
@@ -59,9 +64,11 @@ class Tokenizing:
             if lm.model_type == EMBEDDING:
                 raise InvalidRequestError(f"{lm.model_id} is an embedding model: it has no chat template; "
                                           "tokenize a prompt instead.", param="messages")
-            msgs = check_chat_request({"messages": req["messages"]}, self.config.limits)["messages"]
+            # the prompt as a chat request with these fields renders it: tools offered, thinking switch
+            chat = check_chat_request({k: req[k] for k in CHAT_PROMPT_FIELDS if k in req}, self.config.limits)
+            msgs, gen, _, _ = chat_prompt(lm, chat, gen_config(lm, chat))
             gen_prompt = _flag(req, "add_generation_prompt", True)
-            ids = await _off_loop(pipe.prompt_ids, msgs, None, None, gen_prompt)
+            ids = await _off_loop(pipe.prompt_ids, msgs, None, pipe.template_kwargs(gen), gen_prompt)
         else:
             text = req[key]
             if not isinstance(text, str):

@@ -211,6 +211,14 @@ async def prepare_chat(lm, req: dict, gen):
     """Before the lock: (messages, gen, ToolContext | None) of a chat request — the tools offered
     to the template, and the grammar (response_format, or the forced tool call) compiled and
     attached to the generation config."""
+    messages, gen, ctx, fmt = chat_prompt(lm, req, gen)
+    return messages, await attach_grammar(lm.pipeline, gen, fmt, ctx), ctx
+
+
+def chat_prompt(lm, req: dict, gen):
+    """(messages, gen, ToolContext | None, format) of a chat request: the messages and the tools as
+    the template renders them, and the format a grammar must force (None: nothing forced). What a
+    prompt costs is counted from these (tokenize, count_tokens) without compiling the grammar."""
     from dataclasses import replace
     messages, pipe = req["messages"], lm.pipeline
     tools, tc = req.get("tools"), req.get("tool_choice")
@@ -226,7 +234,7 @@ async def prepare_chat(lm, req: dict, gen):
         fmt = tool_grammar(tools, tc, style, parallel=req.get("parallel_tool_calls") is True)
     elif any(m.get("tool_calls") or m.get("role") == "tool" for m in messages):
         messages, _ = prepare_messages(messages, None, pipe.template)
-    return messages, await attach_grammar(pipe, gen, fmt, ctx), ctx
+    return messages, gen, ctx, fmt
 
 
 async def attach_grammar(pipe, gen, fmt: dict | None, ctx: ToolContext | None = None):

@@ -285,6 +285,7 @@ class LLMChatPipeline(DecodePaths):
     output_ids = property(lambda self: self.seq.output_ids)
     token_logprobs = property(lambda self: self.seq.token_logprobs)
     stopped = property(lambda self: self.seq.stopped)
+    stop_str = property(lambda self: self.seq.stop_str)
     finish_reason = property(lambda self: self.seq.finish_reason)
     detok = property(lambda self: self.seq.detok)
     _req = property(lambda self: self.seq.req)

@@ -78,6 +78,7 @@ class GenerationProtocol(Protocol):
 
     stopped: bool                   # the answer is finished
     finish_reason: str | None       # "stop" | "length" | "abort" | None
+    stop_str: str | None            # the stop string that ended it, if one did
     token_logprobs: list            # OpenAI logprobs entries of the answer
 
     async def prefill_step(self, messages: list[dict] | None, gen: GenerationConfig, /, *,

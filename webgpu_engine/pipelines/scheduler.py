@@ -115,6 +115,7 @@ class BatchSequence:
 
     stopped = property(lambda self: self.seq is not None and self.seq.stopped)
     finish_reason = property(lambda self: self.seq.finish_reason if self.seq else None)
+    stop_str = property(lambda self: self.seq.stop_str if self.seq else None)
     token_logprobs = property(lambda self: self.seq.token_logprobs if self.seq else [])
     output_ids = property(lambda self: self.seq.output_ids if self.seq else [])
 

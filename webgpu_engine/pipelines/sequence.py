@@ -79,6 +79,11 @@ class Sequence:
         if kv_len >= ctx:                        # no room to feed this token back
             return self.finish("length")
 
+    @property
+    def stop_str(self) -> str | None:
+        """The stop string that ended the answer (None: another rule did, or none yet)."""
+        return self.detok.stop_str
+
     def finish(self, reason: str) -> None:
         if self.stopped:
             return

@@ -177,6 +177,7 @@ class ChatCompletionChoice(_Model):
     index: int
     message: ChatCompletionMessage
     finish_reason: Optional[FinishReason] = None
+    stop_reason: Optional[str] = None           # the stop string that ended it (vLLM's field)
     logprobs: Optional[ChoiceLogprobs] = None
 
 
@@ -195,6 +196,7 @@ class ChatCompletionChunkChoice(_Model):
     index: int
     delta: ChoiceDelta
     finish_reason: Optional[FinishReason] = None
+    stop_reason: Optional[str] = None           # the stop string that ended it (vLLM's field)
     logprobs: Optional[ChoiceLogprobs] = None
 
 
@@ -208,6 +210,7 @@ class CompletionChoice(_Model):
     index: int
     text: str
     finish_reason: Optional[FinishReason] = None
+    stop_reason: Optional[str] = None           # the stop string that ended it (vLLM's field)
     logprobs: Optional[CompletionLogprobs] = None
 
 

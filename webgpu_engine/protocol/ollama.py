@@ -29,6 +29,8 @@ CHAT_FIELDS = {"model", "messages", "stream", "options", "format", "tools", "kee
 GENERATE_FIELDS = {"model", "prompt", "stream", "options", "format", "keep_alive", "think", "raw",
                    "system", "suffix", "template", "context", "images", "logprobs", "top_logprobs"}
 DONE_REASONS = {"stop": "stop", "length": "length", "tool_calls": "stop", "abort": "stop"}
+THINK_LEVELS = ("low", "medium", "high")
+_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 
 
 def check_fields(body: dict, allowed: set, route: str) -> None:
@@ -103,9 +105,10 @@ def _message(i: int, m: Any) -> dict:
         if not isinstance(calls, list):
             raise FieldTypeError(f"messages[{i}].tool_calls", "a list", calls)
         out["tool_calls"] = [{"type": "function", **c} if isinstance(c, dict) else c for c in calls]
-    if m.get("thinking"):
-        raise UnsupportedFieldsError(f"messages[{i}].thinking", "earlier thinking is not passed back to "
-                                     "the template here; leave it out.")
+    # an earlier answer's `thinking` (clients send the message back as they got it) is dropped, as
+    # thinking templates drop earlier turns' reasoning
+    if m.get("thinking") is not None and not isinstance(m["thinking"], str):
+        raise FieldTypeError(f"messages[{i}].thinking", "a string", m["thinking"])
     return out
 
 
@@ -116,13 +119,19 @@ def _common(body: dict, route: str, allowed: set, context: int) -> dict:
     rf = response_format(body.get("format"))
     if rf is not None:
         req["response_format"] = rf
-    if body.get("think") is not None:
-        if not isinstance(body["think"], bool):
-            raise FieldTypeError("think", "true or false", body["think"])
-        req["enable_thinking"] = body["think"]
-    for k in ("logprobs", "top_logprobs"):
-        if body.get(k) is not None:
-            req[k] = body[k]
+    think = body.get("think")
+    if think is not None:
+        # Ollama's levels (gpt-oss) turn thinking on; a template's thinking is on or off, not graded
+        if not isinstance(think, bool) and think not in THINK_LEVELS:
+            raise FieldTypeError("think", f"true, false or one of {list(THINK_LEVELS)}", think)
+        req["enable_thinking"] = think is not False
+    lp, top = body.get("logprobs"), body.get("top_logprobs")
+    if lp is not None and not isinstance(lp, bool):
+        raise FieldTypeError("logprobs", "true or false", lp)
+    if top is not None and (not isinstance(top, int) or isinstance(top, bool)):
+        raise FieldTypeError("top_logprobs", "an integer", top)
+    if lp or top:
+        req["logprobs"], req["top_logprobs"] = True, top or 0
     return req
 
 
@@ -160,6 +169,9 @@ def generate_request(body: dict, context: int) -> tuple[dict, bool]:
             raise UnsupportedFieldsError("system", "a raw prompt takes no system message; write it into "
                                          "the prompt.")
         req["prompt"] = prompt
+        if req.pop("logprobs", None):          # a completion's logprobs: the count of top entries
+            req["logprobs"] = req.pop("top_logprobs")
+        req.pop("enable_thinking", None)       # a raw prompt has no template to switch
         return req, False
     system = body.get("system")
     if system is not None and not isinstance(system, str):
@@ -167,6 +179,55 @@ def generate_request(body: dict, context: int) -> tuple[dict, bool]:
     req["messages"] = ([{"role": "system", "content": system}] if system else []) + \
         [{"role": "user", "content": prompt}]
     return req, True
+
+
+def keep_alive_seconds(v: Any) -> float | None:
+    """Ollama's keep_alive: seconds as a number, or a Go duration ("5m", "1h30m", "90s", "-1"); a
+    negative one keeps the model loaded (-1.0 here), None when absent. A bad value: FieldTypeError."""
+    if v is None:
+        return None
+    if isinstance(v, (int, float)) and not isinstance(v, bool) and v == v and abs(v) != float("inf"):
+        return -1.0 if v < 0 else float(v)
+    if not isinstance(v, str) or not v.strip():
+        raise FieldTypeError("keep_alive", 'a duration such as "5m" or "1h30m", or seconds', v)
+    text = v.strip()
+    sign, rest = (-1.0, text[1:]) if text.startswith("-") else (1.0, text)
+    if not rest:
+        raise FieldTypeError("keep_alive", 'a duration such as "5m" or "1h30m", or seconds', v)
+    try:
+        return -1.0 if sign < 0 and float(rest) > 0 else float(rest)     # a bare number: seconds
+    except ValueError:
+        pass
+    total, pos = 0.0, 0
+    while pos < len(rest):
+        j = pos
+        while j < len(rest) and (rest[j].isdigit() or rest[j] == "."):
+            j += 1
+        k = j
+        while k < len(rest) and not (rest[k].isdigit() or rest[k] == "."):
+            k += 1
+        unit = rest[j:k]
+        try:
+            total += float(rest[pos:j]) * _UNITS[unit]
+        except (ValueError, KeyError):
+            raise FieldTypeError("keep_alive", 'a duration such as "5m" or "1h30m", or seconds', v) from None
+        pos = k
+    return -1.0 if sign < 0 and total > 0 else total
+
+
+def logprobs(choice: dict) -> list[dict] | None:
+    """A chat or completion choice's logprobs in Ollama's shape: [{token, logprob, bytes,
+    top_logprobs: [{token, logprob, bytes}]}] (None when the choice has none)."""
+    lp = choice.get("logprobs")
+    if not lp:
+        return None
+    if "content" in lp:                                   # chat: OpenAI's entries are Ollama's
+        return [{k: e[k] for k in ("token", "logprob", "bytes", "top_logprobs") if k in e}
+                for e in lp["content"] or []]
+    return [{"token": t, "logprob": v, "bytes": list(t.encode("utf-8")),           # legacy completions
+             "top_logprobs": [{"token": a, "logprob": b, "bytes": list(a.encode("utf-8"))}
+                              for a, b in (top or {}).items()]}
+            for t, v, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"])]
 
 
 # --------------------------------------------------------------------------- answers
@@ -211,6 +272,8 @@ __all__ = [
     "check_fields",
     "durations",
     "generate_request",
+    "keep_alive_seconds",
+    "logprobs",
     "now",
     "options_fields",
     "response_format",

@@ -3,7 +3,8 @@
 Routes: POST /v1/chat/completions, /v1/completions, /v1/embeddings, /v1/rerank, /tokenize, /detokenize;
 GET /v1/models, /v1/models/{id}, /health, /metrics; POST /v1/models/load and /unload when model
 management is allowed (admin.py); POST /v1/responses, GET and DELETE /v1/responses/{id}
-(responses.py: OpenAI's Responses API, streamed as typed `event:` frames).
+(responses.py: OpenAI's Responses API, streamed as typed `event:` frames); POST /v1/messages and
+/v1/messages/count_tokens (messages.py: Anthropic's Messages API, its errors in Anthropic's JSON).
 Streaming is Server-Sent Events exactly as OpenAI sends them (`data: {json}\\n\\n`, then
 `data: [DONE]\\n\\n`). Every error is OpenAI error JSON with its HTTP status; unexpected ones are
 logged and answered 500 without internals. Handlers are cancelled when the client disconnects
@@ -23,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import hmac
-import json
 import logging
 import struct
 import sys
@@ -39,7 +39,7 @@ from ..engine import AsyncMLCEngine, EngineConfig
 from ..errors import WebGPUEngineError
 from ..protocol.objects import to_dict
 from .common import (CLIENT_FAULTS, ENGINE, METRICS, OPTS, STATE, BadRequestError, allowed_origin,
-                     engine_error_response, error_code, error_response, json_body, ready_engine)
+                     engine_error_response, error_response, json_body, ready_engine, sse)
 from .metrics import CONTENT_TYPE, ServerMetrics
 
 log = logging.getLogger("webgpu_engine.server")
@@ -100,11 +100,14 @@ async def auth_and_limits_middleware(request: web.Request, handler):
     opts: ServerOptions = request.app[OPTS]
     guarded = request.path.startswith(("/v1/", "/api/")) or request.path in ("/metrics", "/tokenize", "/detokenize")
     if opts.api_key and guarded and request.method != "OPTIONS":
+        # OpenAI's clients send `Authorization: Bearer KEY`, Anthropic's `x-api-key: KEY`
+        key = opts.api_key.encode("utf-8", "surrogateescape")
         auth = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
-        if not hmac.compare_digest(auth, f"Bearer {opts.api_key}".encode("utf-8", "surrogateescape")):
+        xkey = request.headers.get("x-api-key", "").encode("utf-8", "surrogateescape")
+        if not (hmac.compare_digest(auth, b"Bearer " + key) | hmac.compare_digest(xkey, key)):
             return error_response(401, "Incorrect or missing API key. Send `Authorization: Bearer "
-                                  "<key>` with the key given to the server's --api-key.",
-                                  "invalid_request_error", code="invalid_api_key")
+                                  "<key>` (or `x-api-key: <key>`) with the key given to the server's "
+                                  "--api-key.", "invalid_request_error", code="invalid_api_key")
     cl = request.content_length
     if cl is not None and cl > opts.max_body_bytes:
         return error_response(413, f"Request body too large ({cl} bytes); the limit is "
@@ -142,7 +145,8 @@ def cors_middleware_factory(origins: list[str]):
             resp = await handler(request)
         if allow and not resp.prepared:
             resp.headers["Access-Control-Allow-Origin"] = allow
-            resp.headers["Access-Control-Allow-Headers"] = "Authorization, Content-Type"
+            resp.headers["Access-Control-Allow-Headers"] = ("Authorization, Content-Type, x-api-key, "
+                                                            "anthropic-version, anthropic-beta")
             resp.headers["Access-Control-Allow-Methods"] = "GET, POST, DELETE, OPTIONS"
             if allow != "*":
                 resp.headers["Vary"] = "Origin"
@@ -151,56 +155,6 @@ def cors_middleware_factory(origins: list[str]):
 
 
 # --------------------------------------------------------------------------- handlers
-def _data_frame(chunk) -> bytes:
-    return b"data: " + json.dumps(to_dict(chunk), separators=(",", ":")).encode() + b"\n\n"
-
-
-async def _sse(request: web.Request, stream, model_for_metrics: str, frame=_data_frame,
-               done: bytes | None = b"data: [DONE]\n\n") -> web.StreamResponse:
-    """Stream `stream`'s items, each written by `frame` (chat: `data:` lines ending with [DONE];
-    the Responses API: typed `event:` frames and no [DONE])."""
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                       "X-Accel-Buffering": "no"})
-    await _cors_headers(request, resp)
-    await resp.prepare(request)
-    try:
-        async for chunk in stream:
-            await resp.write(frame(chunk))
-        if done is not None:
-            await resp.write(done)
-    except (ConnectionResetError, asyncio.CancelledError):
-        # The client went away: stop generating now (frees the model's lock).
-        await stream.aclose()
-        raise
-    except WebGPUEngineError as e:
-        # Headers are gone already: report in-band as OpenAI-compatible servers do.
-        err = {"error": {"message": e.message, "type": e.error_type, "param": e.param,
-                         "code": error_code(e)}}
-        await resp.write(b"data: " + json.dumps(err).encode() + b"\n\n")
-    except CLIENT_FAULTS as e:
-        log.warning("request data failed past validation in a stream (%s)", type(e).__name__,
-                    exc_info=True)
-        err = {"error": {"message": f"The request could not be processed ({type(e).__name__}).",
-                         "type": "invalid_request_error", "param": None, "code": "invalid_request"}}
-        await resp.write(b"data: " + json.dumps(err).encode() + b"\n\n")
-    except Exception:  # noqa: BLE001
-        log.exception("stream failed")
-        err = {"error": {"message": "Internal server error; see the server log.", "type": "server_error",
-                         "param": None, "code": None}}
-        await resp.write(b"data: " + json.dumps(err).encode() + b"\n\n")
-    finally:
-        await stream.aclose()
-    request.app[METRICS].observe_usage(model_for_metrics, stream.usage)
-    await resp.write_eof()
-    return resp
-
-
-async def _cors_headers(request: web.Request, resp: web.StreamResponse) -> None:
-    allow = allowed_origin(request.app[OPTS].cors_origins, request.headers.get("Origin"))
-    if allow:
-        resp.headers["Access-Control-Allow-Origin"] = allow
-
-
 async def _generate(request: web.Request, endpoint) -> web.StreamResponse:
     """A chat completion or a completion (`endpoint(engine)` is the one to create it): streamed as
     Server-Sent Events when the body asks, else one JSON response."""
@@ -208,7 +162,7 @@ async def _generate(request: web.Request, endpoint) -> web.StreamResponse:
     engine = ready_engine(request)
     res = await endpoint(engine).create(body)
     if body.get("stream"):
-        return await _sse(request, res, res._lm.model_id)
+        return await sse(request, res, res._lm.model_id)
     request.app[METRICS].observe_usage(res.model, to_dict(res).get("usage"))
     return web.json_response(to_dict(res))
 
@@ -248,13 +202,18 @@ async def rerank(request: web.Request) -> web.Response:
 def _model_object(request: web.Request, model_id: str, lm) -> dict:
     """OpenAI's model object plus, from the engine, model_type, context_window (tokens) and memory (bytes)."""
     created = request.app[STATE].get("created", int(time.time()))
+    # Anthropic's model object (type, display_name, created_at) beside OpenAI's: both clients list them
     return {"id": model_id, "object": "model", "created": created, "owned_by": "webgpu_engine",
+            "type": "model", "display_name": model_id,
+            "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(created)),
             **lm.describe(request.app[ENGINE].device)}
 
 
 async def list_models(request: web.Request) -> web.Response:
     data = [_model_object(request, m, lm) for m, lm in request.app[ENGINE].models.items()]
-    return web.json_response({"object": "list", "data": data})
+    return web.json_response({"object": "list", "data": data, "has_more": False,      # Anthropic's paging
+                              "first_id": data[0]["id"] if data else None,
+                              "last_id": data[-1]["id"] if data else None})
 
 
 async def retrieve_model(request: web.Request) -> web.Response:
@@ -335,6 +294,8 @@ def create_app(opts: ServerOptions) -> web.Application:
     ollama.add_routes(app)                            # Ollama's API: /api/chat, /api/embed, /api/tags, ...
     from . import responses
     responses.add_routes(app)                         # /v1/responses (OpenAI's Responses API)
+    from . import messages
+    messages.add_routes(app)                          # /v1/messages (Anthropic's Messages API)
     app.on_startup.append(_start_loading)
     app.on_shutdown.append(_drain)
     app.on_cleanup.append(_shutdown)

@@ -1,5 +1,5 @@
-"""What the server's route modules (app.py, admin.py) share: the application keys, OpenAI error JSON,
-the server's own request errors, the JSON body reader and the readiness check.
+"""What the server's route modules share: the application keys, OpenAI error JSON, the server's own
+request errors, the JSON body reader, the readiness check and the Server-Sent Events writer.
 
 A request body must be `application/json` in UTF-8 (415 otherwise), a JSON object nested at most
 MAX_JSON_DEPTH deep (400 otherwise). A server still loading its models, shutting down, or whose
@@ -7,14 +7,19 @@ models failed to load answers 503 (with Retry-After where waiting helps).
 """
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 from typing import Any
 
 from aiohttp import web
 
 from ..engine import AsyncMLCEngine
 from ..errors import WebGPUEngineError
+from ..protocol.objects import to_dict
 from .metrics import ServerMetrics
+
+log = logging.getLogger("webgpu_engine.server")
 
 ENGINE = web.AppKey("engine", AsyncMLCEngine)
 OPTS = web.AppKey("opts", object)
@@ -141,3 +146,58 @@ def ready_engine(request: web.Request) -> AsyncMLCEngine:
     if engine.state == "device_lost" and not engine.config.auto_recover:
         raise UnavailableError("The GPU device was lost; restart the server or run it with --auto-recover.")
     return engine
+
+
+# --------------------------------------------------------------------------- streaming
+def openai_error_frame(status: int, message: str, etype: str, param: str | None, code: str | None) -> bytes:
+    err = {"error": {"message": message, "type": etype, "param": param, "code": code}}
+    return b"data: " + json.dumps(err).encode() + b"\n\n"
+
+
+def data_frame(chunk) -> bytes:
+    return b"data: " + json.dumps(to_dict(chunk), separators=(",", ":")).encode() + b"\n\n"
+
+
+async def sse(request: web.Request, stream, model_for_metrics: str, frame=data_frame,
+              done: bytes | None = b"data: [DONE]\n\n", error_frame=None) -> web.StreamResponse:
+    """Stream `stream`'s items, each written by `frame` (chat: `data:` lines ending with [DONE];
+    the Responses and Messages APIs: typed `event:` frames and no [DONE]). An error after the
+    headers is written by `error_frame(status, message, type, param, code)` (default: OpenAI's
+    error JSON as a `data:` line)."""
+    error_frame = error_frame or openai_error_frame
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                       "X-Accel-Buffering": "no"})
+    await cors_headers(request, resp)
+    await resp.prepare(request)
+    try:
+        async for chunk in stream:
+            await resp.write(frame(chunk))
+        if done is not None:
+            await resp.write(done)
+    except (ConnectionResetError, asyncio.CancelledError):
+        # The client went away: stop generating now (frees the model's lock).
+        await stream.aclose()
+        raise
+    except WebGPUEngineError as e:
+        # Headers are gone already: report in-band as OpenAI-compatible servers do.
+        await resp.write(error_frame(e.http_status, e.message, e.error_type, e.param, error_code(e)))
+    except CLIENT_FAULTS as e:
+        log.warning("request data failed past validation in a stream (%s)", type(e).__name__,
+                    exc_info=True)
+        await resp.write(error_frame(400, f"The request could not be processed ({type(e).__name__}).",
+                                     "invalid_request_error", None, "invalid_request"))
+    except Exception:  # noqa: BLE001
+        log.exception("stream failed")
+        await resp.write(error_frame(500, "Internal server error; see the server log.", "server_error",
+                                     None, None))
+    finally:
+        await stream.aclose()
+    request.app[METRICS].observe_usage(model_for_metrics, stream.usage)
+    await resp.write_eof()
+    return resp
+
+
+async def cors_headers(request: web.Request, resp: web.StreamResponse) -> None:
+    allow = allowed_origin(request.app[OPTS].cors_origins, request.headers.get("Origin"))
+    if allow:
+        resp.headers["Access-Control-Allow-Origin"] = allow

@@ -7,9 +7,13 @@ the engine's chat, completion and embedding paths (protocol/ollama.py translates
 queueing, the API key and the error rules are the OpenAI routes'. Errors are Ollama's `{"error": msg}`
 with the same 4xx/5xx status (a middleware rewrites the OpenAI error JSON of every /api/ path).
 /api/tags and /api/ps list the loaded models (this server serves what it loaded, not the whole
-store). Model management (`--allow-model-management`) lets `keep_alive: 0` unload a model after the
-request, /api/delete unload one (the store's files are never deleted) and /api/pull download a
-Hugging Face GGUF (`hf.co/ORG/REPO:QUANT`); otherwise keep_alive is ignored (models stay loaded).
+store; `expires_at` is when keep_alive unloads the model, far in the future while none will). Model
+management (`--allow-model-management`) lets `keep_alive` unload a model (0: after the request; a
+duration such as "5m": once idle that long; negative: never), /api/delete unload one (the store's
+files are never deleted) and /api/pull download a Hugging Face GGUF (`hf.co/ORG/REPO:QUANT`);
+otherwise keep_alive is checked and ignored (models stay loaded). `think` (true, false or Ollama's
+levels) switches a template's thinking, answered as `thinking`; `logprobs` / `top_logprobs` answer
+with Ollama's `logprobs` entries; /api/embed takes `dimensions`.
 """
 from __future__ import annotations
 
@@ -84,9 +88,9 @@ class OllamaModelNotFoundError(ModelNotFoundError):
 
 def _model(request: web.Request, body: dict, kind: str | None):
     """The loaded model a body names (`model`, or the older `name`); NAME alone also finds NAME:latest.
-    `keep_alive` is checked here too, before any work."""
+    `keep_alive` is checked here too, before any work, and the model's idle timer stops (it is in use)."""
     engine = ready_engine(request)
-    _keep_alive_zero(body)
+    proto.keep_alive_seconds(body.get("keep_alive"))
     name = body.get("model", body.get("name"))
     if not isinstance(name, str) or not name:
         raise FieldTypeError("model", "a model name", name)
@@ -96,6 +100,9 @@ def _model(request: web.Request, body: dict, kind: str | None):
     if kind is not None and lm.model_type != kind:
         what = "an embedding model: use /api/embed" if lm.model_type == EMBEDDING else "a chat model"
         raise UnsupportedFieldsError("model", f"{lm.model_id} is {what}.")
+    timer = _timers(request).pop(lm.model_id, None)
+    if timer is not None:
+        timer[1].cancel()
     return engine, lm
 
 
@@ -103,23 +110,50 @@ def _context(lm) -> int:
     return int(lm.describe()["context_window"])
 
 
-def _keep_alive_zero(body: dict) -> bool:
-    v = body.get("keep_alive")
-    if v is None:
-        return False
-    if isinstance(v, bool) or not isinstance(v, (int, float, str)):
-        raise FieldTypeError("keep_alive", 'a duration such as "5m", or seconds', v)
-    if isinstance(v, str):
-        return v.strip().rstrip("hms").strip() in ("0", "0.0")
-    return v == 0
+def _timers(request: web.Request) -> dict:
+    """model id -> (the epoch second it unloads at, its idle timer): keep_alive's pending unloads."""
+    return request.app[STATE].setdefault("keep_alive", {})
 
 
 async def _after(request: web.Request, body: dict, lm) -> str | None:
-    """keep_alive 0 unloads the model where management is on ("unload"); otherwise it is ignored."""
-    if _keep_alive_zero(body) and request.app[OPTS].allow_model_management:
-        await unload_model(request.app[ENGINE], lm.model_id)
+    """keep_alive where model management is on: 0 unloads the model now ("unload"), a duration once
+    it has been idle that long (a request for it meanwhile starts the wait again), a negative one
+    keeps it loaded. Without management keep_alive is checked and has no effect."""
+    keep = proto.keep_alive_seconds(body.get("keep_alive"))
+    if keep is None or not request.app[OPTS].allow_model_management:
+        return None
+    engine, timers = request.app[ENGINE], _timers(request)
+    old = timers.pop(lm.model_id, None)
+    if old is not None:
+        old[1].cancel()
+    if keep == 0:
+        await unload_model(engine, lm.model_id)
         return "unload"
+    if keep > 0:
+        loop, epoch = asyncio.get_running_loop(), lm.epoch
+
+        def arm(delay: float):
+            timers[lm.model_id] = (time.time() + delay, loop.call_later(delay, expire))
+
+        def expire():
+            now = engine.models.get(lm.model_id)
+            if now is None or now.epoch != epoch:          # unloaded or reloaded meanwhile
+                timers.pop(lm.model_id, None)
+            elif now.lock.locked or now.lock.queue_length:
+                arm(1.0)                                   # in use through another route: wait
+            else:
+                timers.pop(lm.model_id, None)
+                asyncio.ensure_future(_unload_quietly(engine, lm.model_id))
+        arm(keep)
     return None
+
+
+async def _unload_quietly(engine, model_id: str) -> None:
+    try:
+        await unload_model(engine, model_id)
+        log.info("unloaded %s: idle past its keep_alive", model_id)
+    except WebGPUEngineError:          # unloaded meanwhile
+        pass
 
 
 def _head(lm) -> dict:
@@ -182,13 +216,22 @@ async def _load_answer(request, body, lm, empty: dict) -> web.Response:
     return web.json_response({**_head(lm), **empty, "done": True, "done_reason": reason})
 
 
-def _piece(lm, chat: bool, text: str, calls: list | None = None) -> dict:
+def _piece(lm, chat: bool, text: str, calls: list | None = None, thinking: str | None = None,
+           logprobs: list | None = None) -> dict:
     if chat:
         msg = {"role": "assistant", "content": text}
+        if thinking:
+            msg["thinking"] = thinking
         if calls:
             msg["tool_calls"] = calls
-        return {**_head(lm), "message": msg}
-    return {**_head(lm), "response": text}
+        out = {**_head(lm), "message": msg}
+    else:
+        out = {**_head(lm), "response": text}
+        if thinking:
+            out["thinking"] = thinking
+    if logprobs:
+        out["logprobs"] = logprobs
+    return out
 
 
 async def _run(request, body, lm, endpoint, req: dict, chat: bool) -> web.StreamResponse:
@@ -200,10 +243,12 @@ async def _run(request, body, lm, endpoint, req: dict, chat: bool) -> web.Stream
     if not stream:
         res = to_dict(await endpoint.create(req))
         ch = res["choices"][0]
-        text = ch["message"].get("content") if "message" in ch else ch["text"]
-        calls = proto.tool_calls(ch.get("message", {}).get("tool_calls"))
+        msg = ch.get("message") or {}
+        text = msg.get("content") if "message" in ch else ch["text"]
+        calls = proto.tool_calls(msg.get("tool_calls"))
         metrics.observe_usage(res["model"], res.get("usage"))
-        out = {**_piece(lm, chat, text or "", calls), "done": True,
+        out = {**_piece(lm, chat, text or "", calls, msg.get("reasoning_content"), proto.logprobs(ch)),
+               "done": True,
                "done_reason": proto.DONE_REASONS.get(ch["finish_reason"], ch["finish_reason"]),
                **proto.durations(res.get("usage"), time.perf_counter() - t0)}
         await _after(request, body, lm)
@@ -224,8 +269,9 @@ async def _run(request, body, lm, endpoint, req: dict, chat: bool) -> web.Stream
                 f = tc.get("function") or {}
                 got["name"] += f.get("name") or ""
                 got["arguments"] += f.get("arguments") or ""
-            if text:
-                yield {**_piece(lm, chat, text), "done": False}
+            thinking, lps = delta.get("reasoning_content"), proto.logprobs(ch)
+            if text or thinking or lps:
+                yield {**_piece(lm, chat, text or "", None, thinking, lps), "done": False}
         if calls:
             yield {**_piece(lm, chat, "", proto.tool_calls([{"function": calls[i]} for i in sorted(calls)])),
                    "done": False}
@@ -355,8 +401,11 @@ async def ps(request: web.Request) -> web.Response:
         d = lm.describe(engine.device)
         mem = d["memory"]
         vram = mem.get("allocated_bytes") or 0
+        timer = _timers(request).get(lm.model_id)
+        expires = FAR_FUTURE if timer is None else \
+            time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(timer[0]))
         out.append({**await _entry(request, lm), "size": mem.get("estimated_bytes") or vram, "size_vram": vram,
-                    "expires_at": FAR_FUTURE, "context_length": d["context_window"]})
+                    "expires_at": expires, "context_length": d["context_window"]})
     return web.json_response({"models": out})
 
 

@@ -16,7 +16,7 @@ import json
 from aiohttp import web
 
 from ..protocol.objects import to_dict
-from .common import ENGINE, METRICS, json_body, ready_engine
+from .common import ENGINE, METRICS, json_body, ready_engine, sse
 
 
 def add_routes(app: web.Application) -> None:
@@ -26,7 +26,9 @@ def add_routes(app: web.Application) -> None:
     app.router.add_delete("/v1/responses/{response_id}", delete)
 
 
-def _event_frame(event) -> bytes:
+def event_frame(event) -> bytes:
+    """A typed Server-Sent Event (`event: <type>` then `data: {json}`), as OpenAI's Responses and
+    Anthropic's Messages streams send them."""
     d = to_dict(event)
     return (f"event: {d['type']}\n".encode() + b"data: "
             + json.dumps(d, separators=(",", ":")).encode() + b"\n\n")
@@ -41,8 +43,7 @@ async def create(request: web.Request) -> web.StreamResponse:
     body = await json_body(request)
     res = await ready_engine(request).responses.create(body)
     if body.get("stream"):
-        from .app import _sse
-        return await _sse(request, res, res.model, frame=_event_frame, done=None)
+        return await sse(request, res, res.model, frame=event_frame, done=None)
     d = to_dict(res)
     request.app[METRICS].observe_usage(d["model"], _chat_usage(d["usage"]))
     return web.json_response(d)
