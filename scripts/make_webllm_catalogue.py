@@ -1,11 +1,16 @@
-"""Write webgpu_engine/webllm_catalogue.py from WebLLM's prebuilt app config (its `src/config.ts`).
+"""Write webgpu_engine/webllm_catalogue.py from WebLLM's prebuilt app config: its `src/config.ts`, or
+the npm package's `lib/index.js` (the same object literals, compiled).
 
     python scripts/make_webllm_catalogue.py path/to/web-llm/src/config.ts VERSION
+    npm pack @mlc-ai/web-llm@0.2.86 && tar xzf mlc-ai-web-llm-0.2.86.tgz &&
+        python scripts/make_webllm_catalogue.py package/lib/index.js 0.2.86
 
 Reads each record of `prebuiltAppConfig.model_list` (commented-out ones skipped): model_id, the
 Hugging Face repo its `model` URL names, model_type, vram_required_MB, low_resource_required and the
 context_window_size of its overrides. The family is read from the id (WebLLM's list does not say it;
-the artifact's mlc-chat-config.json does, and decides at load).
+the artifact's mlc-chat-config.json does, and decides at load): a family this engine does not run
+(Qwen3.5's hybrid linear attention, Gemma 4) is named as MLC names it, so `list --webllm` refuses it
+by that name instead of taking it for the family its id starts like.
 """
 from __future__ import annotations
 
@@ -15,12 +20,13 @@ from pathlib import Path
 
 # id prefix (lower case) -> MLC model_type; first match wins, unknown ones are ""
 FAMILY_PREFIXES = (
-    ("deepseek-r1-distill-qwen", "qwen2"), ("deepseek-r1-distill-llama", "llama"), ("qwen3", "qwen3"),
+    ("deepseek-r1-distill-qwen", "qwen2"), ("deepseek-r1-distill-llama", "llama"), ("qwen3.5", "qwen3_5"),
+    ("qwen3", "qwen3"),
     ("qwen2", "qwen2"), ("qwen1.5", "qwen2"), ("llama", "llama"), ("hermes-2-theta-llama", "llama"),
     ("hermes-2-pro-llama", "llama"), ("hermes-3-llama", "llama"), ("hermes-2-pro-mistral", "mistral"),
     ("openhermes", "mistral"), ("neuralhermes", "mistral"), ("wizardmath", "mistral"), ("mistral", "mistral"),
     ("ministral", "mistral"), ("smollm", "llama"), ("tinyllama", "llama"), ("phi-3.5-vision", "phi3_v"),
-    ("phi-3", "phi3"), ("phi-4", "phi3"), ("phi-2", "phi"), ("phi-1", "phi"), ("gemma-3", "gemma3"), ("gemma3", "gemma3"),
+    ("phi-3", "phi3"), ("phi-4", "phi3"), ("phi-2", "phi"), ("phi-1", "phi"), ("gemma-4", "gemma4"), ("gemma-3", "gemma3"), ("gemma3", "gemma3"),
     ("gemma-2-", "gemma2"), ("gemma", "gemma"), ("redpajama", "gpt_neox"), ("stablelm", "stablelm"),
     ("snowflake-arctic-embed", "bert"), ("olmo-2", "olmo2"),
 )

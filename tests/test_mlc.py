@@ -531,6 +531,10 @@ def test_webllm_catalogue_ids_resolve(tiny, tmp_path, monkeypatch, capsys):
     assert rows["Llama-3.2-1B-Instruct-q4f16_1-MLC"]["loads"] and rows["Qwen3-0.6B-q4f32_1-MLC"]["loads"]
     assert rows["Llama-3-70B-Instruct-q3f16_1-MLC"]["refused"] == "quantization 'q3f16_1'"
     assert not rows["phi-2-q4f16_1-MLC"]["loads"] and rows["gemma-2-2b-it-q4f16_1-MLC"]["family"] == "gemma2"
+    # Qwen3.5 is a hybrid of linear and full attention, not Qwen 3: refused by its own name until it runs
+    assert rows["Qwen3.5-0.8B-q4f16_1-MLC"]["refused"] == "model_type 'qwen3_5'"
+    assert rows["gemma-4-E2B-it-q4f16_1-MLC"]["refused"] == "model_type 'gemma4'"
+    assert "web-llm 0.2.86" in (main(["list", "--webllm"]) == 0 and capsys.readouterr().out)
 
 
 @pytest.mark.parametrize("change", [

@@ -1,4 +1,4 @@
-"""WebLLM's prebuilt models (its `prebuiltAppConfig`, web-llm 0.2.83): each id, the
+"""WebLLM's prebuilt models (its `prebuiltAppConfig`, web-llm 0.2.86): each id, the
 mlc-ai repo that holds its MLC artifact, type, family (read from the id; the artifact's
 mlc-chat-config.json decides at load), quantisation, context window and WebLLM's VRAM figure.
 Written by scripts/make_webllm_catalogue.py; do not edit by hand. Standard library only.
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-WEBLLM_VERSION = "0.2.83"
+WEBLLM_VERSION = "0.2.86"
 
 
 class WebLLMModel(NamedTuple):
@@ -49,8 +49,8 @@ WEBLLM_MODELS = (
     WebLLMModel('Phi-3.5-mini-instruct-q4f32_1-MLC', 'mlc-ai/Phi-3.5-mini-instruct-q4f32_1-MLC', 'llm', 'phi3', 'q4f32_1', 4096, 5483.12, False),
     WebLLMModel('Phi-3.5-mini-instruct-q4f16_1-MLC-1k', 'mlc-ai/Phi-3.5-mini-instruct-q4f16_1-MLC', 'llm', 'phi3', 'q4f16_1', 1024, 2520.07, True),
     WebLLMModel('Phi-3.5-mini-instruct-q4f32_1-MLC-1k', 'mlc-ai/Phi-3.5-mini-instruct-q4f32_1-MLC', 'llm', 'phi3', 'q4f32_1', 1024, 3179.12, True),
-    WebLLMModel('Phi-3.5-vision-instruct-q4f16_1-MLC', 'mlc-ai/Phi-3.5-vision-instruct-q4f16_1-MLC', 'vlm', 'phi3_v', 'q4f16_1', 4096, 3952.18, True),
-    WebLLMModel('Phi-3.5-vision-instruct-q4f32_1-MLC', 'mlc-ai/Phi-3.5-vision-instruct-q4f32_1-MLC', 'vlm', 'phi3_v', 'q4f32_1', 4096, 5879.84, True),
+    WebLLMModel('Phi-3.5-vision-instruct-q4f16_1-MLC', 'mlc-ai/Phi-3.5-vision-instruct-q4f16_1-MLC', 'vlm', 'phi3_v', 'q4f16_1', 4096, 4521.54, False),
+    WebLLMModel('Phi-3.5-vision-instruct-q4f32_1-MLC', 'mlc-ai/Phi-3.5-vision-instruct-q4f32_1-MLC', 'vlm', 'phi3_v', 'q4f32_1', 4096, 7050.65, False),
     WebLLMModel('Phi-4-mini-instruct-q4f16_1-MLC', 'mlc-ai/Phi-4-mini-instruct-q4f16_1-MLC', 'llm', 'phi3', 'q4f16_1', 4096, 3437.58, False),
     WebLLMModel('Phi-4-mini-instruct-q4f32_1-MLC', 'mlc-ai/Phi-4-mini-instruct-q4f32_1-MLC', 'llm', 'phi3', 'q4f32_1', 4096, 4220.59, False),
     WebLLMModel('Mistral-7B-Instruct-v0.3-q4f16_1-MLC', 'mlc-ai/Mistral-7B-Instruct-v0.3-q4f16_1-MLC', 'llm', 'mistral', 'q4f16_1', 4096, 4573.39, False),
@@ -67,6 +67,8 @@ WEBLLM_MODELS = (
     WebLLMModel('SmolLM2-360M-Instruct-q4f32_1-MLC', 'mlc-ai/SmolLM2-360M-Instruct-q4f32_1-MLC', 'llm', 'llama', 'q4f32_1', 4096, 579.61, True),
     WebLLMModel('SmolLM2-135M-Instruct-q0f16-MLC', 'mlc-ai/SmolLM2-135M-Instruct-q0f16-MLC', 'llm', 'llama', 'q0f16', 4096, 359.69, True),
     WebLLMModel('SmolLM2-135M-Instruct-q0f32-MLC', 'mlc-ai/SmolLM2-135M-Instruct-q0f32-MLC', 'llm', 'llama', 'q0f32', 4096, 719.38, True),
+    WebLLMModel('gemma-4-E2B-it-q4f16_1-MLC', 'mlc-ai/gemma-4-E2B-it-q4f16_1-MLC', 'llm', 'gemma4', 'q4f16_1', 4096, 3387.37, False),
+    WebLLMModel('gemma-4-E2B-it-q4f32_1-MLC', 'mlc-ai/gemma-4-E2B-it-q4f32_1-MLC', 'llm', 'gemma4', 'q4f32_1', 4096, 3862.72, False),
     WebLLMModel('gemma-2-2b-it-q4f16_1-MLC', 'mlc-ai/gemma-2-2b-it-q4f16_1-MLC', 'llm', 'gemma2', 'q4f16_1', 4096, 1895.3, False),
     WebLLMModel('gemma-2-2b-it-q4f32_1-MLC', 'mlc-ai/gemma-2-2b-it-q4f32_1-MLC', 'llm', 'gemma2', 'q4f32_1', 4096, 2508.75, False),
     WebLLMModel('gemma-2-2b-it-q4f16_1-MLC-1k', 'mlc-ai/gemma-2-2b-it-q4f16_1-MLC', 'llm', 'gemma2', 'q4f16_1', 1024, 1583.3, True),
@@ -90,15 +92,15 @@ WEBLLM_MODELS = (
     WebLLMModel('Qwen3-4B-q4f32_1-MLC', 'mlc-ai/Qwen3-4B-q4f32_1-MLC', 'llm', 'qwen3', 'q4f32_1', 4096, 4327.71, True),
     WebLLMModel('Qwen3-8B-q4f16_1-MLC', 'mlc-ai/Qwen3-8B-q4f16_1-MLC', 'llm', 'qwen3', 'q4f16_1', 4096, 5695.78, False),
     WebLLMModel('Qwen3-8B-q4f32_1-MLC', 'mlc-ai/Qwen3-8B-q4f32_1-MLC', 'llm', 'qwen3', 'q4f32_1', 4096, 6852.55, False),
-    WebLLMModel('Qwen3.5-0.8B-q4f16_1-MLC', 'mlc-ai/Qwen3.5-0.8B-q4f16_1-MLC', 'llm', 'qwen3', 'q4f16_1', 4096, 1629.49, True),
-    WebLLMModel('Qwen3.5-0.8B-q4f32_1-MLC', 'mlc-ai/Qwen3.5-0.8B-q4f32_1-MLC', 'llm', 'qwen3', 'q4f32_1', 4096, 1894.19, True),
-    WebLLMModel('Qwen3.5-0.8B-q0f16-MLC', 'mlc-ai/Qwen3.5-0.8B-q0f16-MLC', 'llm', 'qwen3', 'q0f16', 4096, 2660.27, True),
-    WebLLMModel('Qwen3.5-2B-q4f16_1-MLC', 'mlc-ai/Qwen3.5-2B-q4f16_1-MLC', 'llm', 'qwen3', 'q4f16_1', 4096, 2245.44, False),
-    WebLLMModel('Qwen3.5-2B-q4f32_1-MLC', 'mlc-ai/Qwen3.5-2B-q4f32_1-MLC', 'llm', 'qwen3', 'q4f32_1', 4096, 2591.55, False),
-    WebLLMModel('Qwen3.5-4B-q4f16_1-MLC', 'mlc-ai/Qwen3.5-4B-q4f16_1-MLC', 'llm', 'qwen3', 'q4f16_1', 4096, 3867.82, False),
-    WebLLMModel('Qwen3.5-4B-q4f32_1-MLC', 'mlc-ai/Qwen3.5-4B-q4f32_1-MLC', 'llm', 'qwen3', 'q4f32_1', 4096, 4680.36, False),
-    WebLLMModel('Qwen3.5-9B-q4f16_1-MLC', 'mlc-ai/Qwen3.5-9B-q4f16_1-MLC', 'llm', 'qwen3', 'q4f16_1', 4096, 6433.01, False),
-    WebLLMModel('Qwen3.5-9B-q4f32_1-MLC', 'mlc-ai/Qwen3.5-9B-q4f32_1-MLC', 'llm', 'qwen3', 'q4f32_1', 4096, 7544.74, False),
+    WebLLMModel('Qwen3.5-0.8B-q4f16_1-MLC', 'mlc-ai/Qwen3.5-0.8B-q4f16_1-MLC', 'llm', 'qwen3_5', 'q4f16_1', 4096, 1629.49, True),
+    WebLLMModel('Qwen3.5-0.8B-q4f32_1-MLC', 'mlc-ai/Qwen3.5-0.8B-q4f32_1-MLC', 'llm', 'qwen3_5', 'q4f32_1', 4096, 1894.19, True),
+    WebLLMModel('Qwen3.5-0.8B-q0f16-MLC', 'mlc-ai/Qwen3.5-0.8B-q0f16-MLC', 'llm', 'qwen3_5', 'q0f16', 4096, 2660.27, True),
+    WebLLMModel('Qwen3.5-2B-q4f16_1-MLC', 'mlc-ai/Qwen3.5-2B-q4f16_1-MLC', 'llm', 'qwen3_5', 'q4f16_1', 4096, 2245.44, False),
+    WebLLMModel('Qwen3.5-2B-q4f32_1-MLC', 'mlc-ai/Qwen3.5-2B-q4f32_1-MLC', 'llm', 'qwen3_5', 'q4f32_1', 4096, 2591.55, False),
+    WebLLMModel('Qwen3.5-4B-q4f16_1-MLC', 'mlc-ai/Qwen3.5-4B-q4f16_1-MLC', 'llm', 'qwen3_5', 'q4f16_1', 4096, 3867.82, False),
+    WebLLMModel('Qwen3.5-4B-q4f32_1-MLC', 'mlc-ai/Qwen3.5-4B-q4f32_1-MLC', 'llm', 'qwen3_5', 'q4f32_1', 4096, 4680.36, False),
+    WebLLMModel('Qwen3.5-9B-q4f16_1-MLC', 'mlc-ai/Qwen3.5-9B-q4f16_1-MLC', 'llm', 'qwen3_5', 'q4f16_1', 4096, 6433.01, False),
+    WebLLMModel('Qwen3.5-9B-q4f32_1-MLC', 'mlc-ai/Qwen3.5-9B-q4f32_1-MLC', 'llm', 'qwen3_5', 'q4f32_1', 4096, 7544.74, False),
     WebLLMModel('Qwen2.5-0.5B-Instruct-q4f16_1-MLC', 'mlc-ai/Qwen2.5-0.5B-Instruct-q4f16_1-MLC', 'llm', 'qwen2', 'q4f16_1', 4096, 944.62, True),
     WebLLMModel('Qwen2.5-0.5B-Instruct-q4f32_1-MLC', 'mlc-ai/Qwen2.5-0.5B-Instruct-q4f32_1-MLC', 'llm', 'qwen2', 'q4f32_1', 4096, 1060.2, True),
     WebLLMModel('Qwen2.5-0.5B-Instruct-q0f16-MLC', 'mlc-ai/Qwen2.5-0.5B-Instruct-q0f16-MLC', 'llm', 'qwen2', 'q0f16', 4096, 1624.12, True),
