@@ -2,7 +2,8 @@
 
 A corpus of requests an attacker or a careless client sends — broken bodies, out-of-range and
 non-finite numbers, lone surrogates, oversized lists, unknown routes — is replayed in batches. Every
-answer must be the status the case names (never a 500), as OpenAI error JSON, within a bounded time;
+answer must be the status the case names (never a 500), as the route's error JSON (OpenAI's, Ollama's,
+Anthropic's), within a bounded time;
 after each batch a normal chat and embedding request still succeed; `/health` answers within 100 ms
 while the heaviest cases run; the server's memory does not grow over the corpus. A property-based
 fuzz test (hypothesis) sends generated bodies for the three request schemas.
@@ -416,6 +417,60 @@ RESPONSES = [
     Case("responses not JSON", "/v1/responses", b"{oops", 400),
 ]
 
+def msg(name, status=400, path="/v1/messages", **fields):
+    """A case for Anthropic's Messages routes (server/messages.py): errors are Anthropic's JSON."""
+    base = {"model": LLM_ID} if path.endswith("count_tokens") else {"model": LLM_ID, "max_tokens": 2}
+    return Case(name, path, {**base, "messages": U, **fields}, status)
+
+
+ANTHROPIC = [
+    msg("messages plain", 200),
+    msg("messages stream", 200, stream=True),
+    msg("messages max_tokens missing", max_tokens=None),
+    msg("messages max_tokens a string", max_tokens="2"),
+    msg("messages max_tokens 0", max_tokens=0),
+    msg("messages messages missing", messages=None),
+    msg("messages messages an object", messages={"role": "user"}),
+    msg("messages role system", messages=[{"role": "system", "content": "x"}]),
+    msg("messages content a number", messages=[{"role": "user", "content": 5}]),
+    msg("messages block without a type", messages=[{"role": "user", "content": [{"text": "x"}]}]),
+    msg("messages block text a number", messages=[{"role": "user", "content": [{"type": "text", "text": 5}]}]),
+    msg("messages image block", messages=[{"role": "user", "content": [
+        {"type": "image", "source": {"type": "url", "url": "http://127.0.0.1/x.png"}}]}]),
+    msg("messages tool_use in a user message", messages=[{"role": "user", "content": [
+        {"type": "tool_use", "id": "t", "name": "f", "input": {}}]}]),
+    msg("messages tool_use input a list", messages=[*U, {"role": "assistant", "content": [
+        {"type": "tool_use", "id": "t", "name": "f", "input": [1]}]}, {"role": "user", "content": "x"}]),
+    msg("messages tool_result without an id", messages=[{"role": "user", "content": [
+        {"type": "tool_result", "content": "x"}]}]),
+    msg("messages lone surrogate", messages=[{"role": "user", "content": "\ud800"}]),
+    msg("messages system a number", system=5),
+    msg("messages system an image block", system=[{"type": "image"}]),
+    msg("messages stop_sequences a string", stop_sequences="x"),
+    msg("messages stop_sequences of 5", stop_sequences=["a", "b", "c", "d", "e"]),
+    msg("messages temperature NaN", temperature=float("nan")),
+    msg("messages top_k negative", top_k=-3),
+    msg("messages tools an object", tools={"name": "f"}),
+    msg("messages tool without schema", tools=[{"name": "f"}]),
+    msg("messages tool schema broken", tools=[{"name": "f", "input_schema": {"type": "objekt"}}],
+        tool_choice={"type": "any"}),
+    msg("messages server tool", tools=[{"type": "web_search_20250305", "name": "web_search"}]),
+    msg("messages tool_choice unknown type", tools=[{"name": "f", "input_schema": {"type": "object"}}],
+        tool_choice={"type": "maybe"}),
+    msg("messages tool_choice unknown tool", tools=[{"name": "f", "input_schema": {"type": "object"}}],
+        tool_choice={"type": "tool", "name": "g"}),
+    msg("messages thinking a string", thinking="on"),
+    msg("messages thinking budget negative", thinking={"type": "enabled", "budget_tokens": -1}),
+    msg("messages output_config format broken", output_config={"format": {"type": "json_schema"}}),
+    msg("messages mcp_servers", mcp_servers=[{"type": "url", "url": "http://127.0.0.1/"}]),
+    msg("messages model unknown", 404, model="nope"),
+    msg("messages count_tokens", 200, "/v1/messages/count_tokens"),
+    msg("messages count_tokens with max_tokens", 400, "/v1/messages/count_tokens", max_tokens=5),
+    msg("messages count_tokens messages empty", 400, "/v1/messages/count_tokens", messages=[]),
+    Case("messages not JSON", "/v1/messages", b"{oops", 400),
+    Case("messages as text/plain", "/v1/messages", b"{}", 415, headers={"Content-Type": "text/plain"}),
+]
+
 HEAVY = [
     chat("prompt of 3.9 MB", (200, 400), heavy=True,
          messages=[{"role": "user", "content": "word " * 780_000}]),
@@ -431,7 +486,7 @@ HEAVY = [
 # embedder's buffers at their largest batch, n = 16's sampling state), and the rest of the corpus,
 # run against it, must not grow it by more than 10% (growth per request is a leak).
 BATCHES = [HEAVY, BODIES, SAMPLING[:40], SAMPLING[40:], MESSAGES, COMPLETIONS + ROUTES, EMBEDDINGS,
-           OLLAMA, RESPONSES]
+           OLLAMA, RESPONSES, ANTHROPIC]
 CORPUS = [c for b in BATCHES for c in b]
 
 
@@ -488,6 +543,14 @@ def _check_answer(case: Case, status: int, headers: dict, body: bytes) -> None:
             assert isinstance(err, str) and err and "Traceback" not in err, case.name
         elif isinstance(case.body, dict) and case.body.get("stream") is True:
             assert json.loads(body.splitlines()[-1])["done"] is True, case.name
+        return
+    if case.path.startswith("/v1/messages"):  # Anthropic's errors; a stream ends with message_stop
+        if status >= 400:
+            got = json.loads(body)
+            assert got["type"] == "error" and set(got["error"]) == {"type", "message"}, case.name
+            assert got["error"]["message"] and "Traceback" not in got["error"]["message"], case.name
+        elif isinstance(case.body, dict) and case.body.get("stream") is True:
+            assert body.rstrip().split(b"\n\n")[-1].split(b"\n")[0] == b"event: message_stop", case.name
         return
     if status >= 400 and case.method != "HEAD":
         err = json.loads(body)["error"]
