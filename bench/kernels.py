@@ -3,7 +3,8 @@
 
     python bench/kernels.py [--quick] [--act f32] [--runs 5] [--tm 8] [--wg 64] [--set v4=0]
     python bench/kernels.py --batch [--T 1,2,4,8,16] [--variants] [--tune] [--only q4_k]
-    python bench/kernels.py --smoke [--batch | --family] [--out PATH]
+    python bench/kernels.py --ceilings [--runs 5] [--chat-model PATH] [--embed-model DIR]
+    python bench/kernels.py --smoke [--batch | --family | --ceilings] [--out PATH]
 
 Prints a table and writes bench/results/kernels.json. Timing: many dispatches recorded into one
 submit, then a blocking readback; best of --runs (the machine may be shared, so take the best).
@@ -22,10 +23,15 @@ at the same shapes: GB/s per decode variant (T = --T, default 1,4,8) and GFLOP/s
 profile picked (kernels/profiles.py; "-" when the tuner has not measured that shape); the subgroup
 decode variants ("-sg") where the device has subgroups (matmul.gpu.decode_variants).
 Writes bench/results/kernels_family.json.
+--ceilings: the adapter's ceilings (copy and read probes' GB/s, FMA GFLOP/s in f32 and f16), then every
+hot kernel of the default models' decode step, prefills (128, 512 tokens) and embedding batch as the
+engine builds them, as a fraction of the ceiling that bounds it (bench/ceilings.py says how). Also
+the end of the default run (its JSON's "ceilings"). Writes bench/results/kernels_ceilings.json.
 --smoke: two shapes (smollm2.down q4_1, minilm.ffn_up f32; --batch, --family: smollm2.down q4_1
 unless --only), few rows (T 1,32;
---batch T 1,2; --family T 1,4 and 8 prefill rows), small copies and one short run each: checks that
-the script runs to the end; its figures mean nothing.
+--batch T 1,2; --family T 1,4 and 8 prefill rows; ceilings: small probes, a 16-token prefill, 4
+sentences), small copies and one short run each: checks that the script runs to the end; its
+figures mean nothing.
 """
 from __future__ import annotations
 
@@ -266,6 +272,7 @@ DEFAULT_OUT = str(Path(__file__).resolve().parent / "results" / "kernels.json")
 
 
 def main(argv=None) -> int:
+    import ceilings       # bench/ceilings.py, beside this script (it imports this module's timing)
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="a few key variants only")
     ap.add_argument("--act", default="f32", choices=["f32", "f16"])
@@ -285,19 +292,24 @@ def main(argv=None) -> int:
     ap.add_argument("--tune", action="store_true", help="--batch: store the fastest variant per shape")
     ap.add_argument("--family", action="store_true", help="GPU kernel family vs base: GB/s, GFLOP/s, picks")
     ap.add_argument("--prefill-t", type=int, default=128, help="--family: rows of the prefill matmul")
+    ceilings.add_arguments(ap)
     ap.add_argument("--smoke", action="store_true",
                     help="tiny run of the chosen mode (see above): checks the script, measures nothing")
     a = ap.parse_args(argv)
-    copy_sizes = (64 << 20, 1 << 20)
+    a.copy_sizes = (64 << 20, 1 << 20)
     if a.smoke:
-        a.runs, a.min_s, copy_sizes = 1, 0.002, (4 << 20, 1 << 20)
+        a.runs, a.min_s, a.copy_sizes = 1, 0.002, (4 << 20, 1 << 20)
         if a.T == "1,128":
             a.T = "1,2" if a.batch else "1,4" if a.family else "1,32"
         if a.prefill_t == 128:
             a.prefill_t = 8
         if (a.batch or a.family) and not a.only:
             a.only = "smollm2.down:q4_1"
+    ceilings.configure(a)
     dev = request_device_sync()
+    if a.ceilings:
+        out = Path(a.out).with_name("kernels_ceilings.json") if a.out == DEFAULT_OUT else Path(a.out)
+        return write(out, ceilings.run(dev, a))
     if a.family:
         return bench_family(dev, a)
     if a.batch:
@@ -316,7 +328,7 @@ def main(argv=None) -> int:
         f, v = item.split("=")
         setattr(cfg, f, type(getattr(cfg, f))(int(v)))
     # two copies: one far larger than caches (DRAM), one the size of a decode weight (cache)
-    copies = [bench_copy(dev, nb, a.min_s, a.runs) for nb in copy_sizes]
+    copies = [bench_copy(dev, nb, a.min_s, a.runs) for nb in a.copy_sizes]
     copy = max(copies, key=lambda c: c["GB/s"])
     print(f"adapter: {dev.info.name} ({dev.info.backend}); config {cfg}")
     for c in copies:
@@ -340,10 +352,14 @@ def main(argv=None) -> int:
                 rows.append(r)
                 print(f"{name:18} {n:>5}x{k:<5} {q:6} {T:>4} {r['ms']:9.3f} {r['cpu_ms']:9.3f} {r['GB/s']:7.2f} "
                       f"{r['GFLOP/s']:8.2f} {r['pct_copy']:5.0f}% {r['pct_copy_cpu']:4.0f}%", flush=True)
-    out = Path(a.out)
+    print()
+    return write(Path(a.out), {"adapter": dev.info.__dict__, "config": cfg.__dict__, "act": a.act, "copy": copy,
+                               "copies": copies, "matmul": rows, "ceilings": ceilings.run(dev, a, copies)})
+
+
+def write(out: Path, data: dict) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"adapter": dev.info.__dict__, "config": cfg.__dict__, "act": a.act,
-                               "copy": copy, "copies": copies, "matmul": rows}, indent=1))
+    out.write_text(json.dumps(data, indent=1))
     print(f"wrote {out}")
     return 0
 

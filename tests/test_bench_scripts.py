@@ -1,10 +1,12 @@
 """Every benchmark script in bench/ runs to the end: each one in its --smoke form (the same code paths
 at tiny sizes, on tiny models where it loads one), as a subprocess on the real adapter, writing its
 JSON into a temporary folder (never bench/results/). The figures are not checked, only that the
-script exits 0 and writes what it should."""
+script exits 0 and writes what it should (and, for kernels.py's ceilings, that every ceiling and
+fraction it prints is a finite positive number)."""
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -66,16 +68,43 @@ def test_dispatch_leak(tmp_path):
     assert all("kib_per_dispatch" in v for v in data["variants"].values())
 
 
-@pytest.mark.parametrize("mode", ["default", "batch"])
-def test_kernels(tmp_path, mode):
+@pytest.mark.parametrize("mode", ["default", "batch", "ceilings"])
+def test_kernels(tmp_path, tiny, mode):
     out = tmp_path / "kernels.json"
-    run_script("kernels", "--smoke", *(["--batch"] if mode == "batch" else []), "--out", str(out))
+    flag = {"default": [], "batch": ["--batch"], "ceilings": ["--ceilings"]}[mode]
+    stdout = run_script("kernels", "--smoke", *flag, "--chat-model", tiny["chat"], "--embed-model", tiny["embed"],
+                        "--out", str(out))
     if mode == "batch":
         data = load(out, {"adapter", "act", "rows", "tuned"})
         assert {r["T"] for r in data["rows"]} == {1, 2}
-    else:
-        data = load(out, {"adapter", "config", "act", "copy", "copies", "matmul"})
+    elif mode == "default":      # the matmul table, then the ceilings section
+        data = load(out, {"adapter", "config", "act", "copy", "copies", "matmul", "ceilings"})
         assert len(data["copies"]) == 2 and {r["T"] for r in data["matmul"]} == {1, 32}
+        check_ceilings(data["ceilings"])
+    else:
+        check_ceilings(load(out, {"adapter", "runs", "ceilings", "rows"}))
+    if mode != "batch":
+        assert "%bound" in stdout and "GFLOP/cpu-s" in stdout
+
+
+def check_ceilings(data: dict) -> None:
+    """The ceilings and every kernel's fraction of its bound are finite positive numbers, for the
+    decode step, the prefill and the embedder's batch, each with its matmuls and a total."""
+    def positive(*values):
+        return all(isinstance(v, float) and math.isfinite(v) and v > 0 for v in values)
+    ceil = data["ceilings"]
+    assert positive(ceil["GB/s"], ceil["GB/cpu-s"])
+    assert {r["kernel"] for r in ceil["streams"]} == {"copy_vec4", "read_probe"}
+    assert "f32" in ceil["fma"] and all(positive(f["GFLOP/s"], f["GFLOP/cpu-s"]) for f in ceil["fma"].values())
+    sections = {}
+    for r in data["rows"]:
+        sections.setdefault(r["section"].split()[0], []).append(r)
+        assert positive(r["ms"], r["cpu_ms"], r["pct_bound"], r["pct_bound_cpu"]), r
+    assert set(sections) == {"decode", "prefill", "embed"}
+    for rows in sections.values():
+        matmuls = [r for r in rows if r["kernel"].startswith("matmul")]
+        assert len(matmuls) >= 4 and rows[-1]["kernel"] == "(all of the above)"
+        assert all(positive(r["GB/s"], r["GFLOP/s"]) and r["bound"] in ("bytes", "flops") for r in matmuls)
 
 
 def test_prefill(tmp_path):
