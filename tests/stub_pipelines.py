@@ -262,3 +262,30 @@ def stub_config(device, **kw):
             ModelRecord("stub-f16-only", "stub/f16o", "llm", required_features=["shader-f16"])]
     return EngineConfig(app_config=AppConfig(recs), device=device,
                         pipeline_factories={"llm": StubLLM, "embedding": StubEmbedder}, **kw)
+
+
+class StubChatStream:
+    """Chat chunks as the chat route streams them (`deltas`, then a last chunk with `finish`), or an
+    engine error after them (as a lost device's): what the Responses and Messages event streams are
+    made from."""
+
+    _released = False
+    prompt_tokens = 5
+    stop_reason = None
+
+    def __init__(self, deltas: list[dict], error: Exception | None = None, finish: str = "stop"):
+        self.deltas, self.error, self.finish, self.closed = deltas, error, finish, False
+        self.usage = {"prompt_tokens": 5, "completion_tokens": len(deltas)}
+
+    def __aiter__(self):
+        return self._chunks()
+
+    async def _chunks(self):
+        for d in self.deltas:
+            yield {"choices": [{"index": 0, "delta": d, "finish_reason": None}]}
+        if self.error is not None:
+            raise self.error
+        yield {"choices": [{"index": 0, "delta": {}, "finish_reason": self.finish}]}
+
+    async def aclose(self):
+        self.closed = True

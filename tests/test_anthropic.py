@@ -18,6 +18,8 @@ from webgpu_engine.engine import EngineConfig
 from webgpu_engine.errors import RequestTimeoutError
 from webgpu_engine.protocol import anthropic as ap
 from webgpu_engine.protocol.errors import FieldTypeError, UnsupportedFieldsError
+from page_imports import run_without_compiled
+from stub_pipelines import StubChatStream
 from webgpu_engine.server.app import ServerOptions, ServerThread
 
 LLM_ID = "SmolLM2-135M-Instruct-Q4_1"
@@ -296,31 +298,6 @@ def test_translation():
     assert e.value.param == "max_tokens"
 
 
-class _ChatStream:
-    """Chat chunks as the chat route streams them, then an engine error (as a lost device's) or not."""
-
-    _released = False
-    prompt_tokens = 5
-    stop_reason = None
-
-    def __init__(self, deltas: list[dict], error: Exception | None = None, finish: str = "stop"):
-        self.deltas, self.error, self.finish, self.closed = deltas, error, finish, False
-        self.usage = {"prompt_tokens": 5, "completion_tokens": len(deltas)}
-
-    def __aiter__(self):
-        return self._chunks()
-
-    async def _chunks(self):
-        for d in self.deltas:
-            yield {"choices": [{"index": 0, "delta": d, "finish_reason": None}]}
-        if self.error is not None:
-            raise self.error
-        yield {"choices": [{"index": 0, "delta": {}, "finish_reason": self.finish}]}
-
-    async def aclose(self):
-        self.closed = True
-
-
 async def _events(chat) -> list[dict]:
     from webgpu_engine.engine.messages import MessageEventStream
     from webgpu_engine.protocol.objects import to_dict
@@ -333,7 +310,7 @@ async def _events(chat) -> list[dict]:
 async def test_stream_thinking_text_and_tool_blocks():
     """No GPU: reasoning_content, content and a tool call's argument fragments become three blocks
     in order, each started, filled and stopped; the thinking block gets its signature delta."""
-    events = await _events(_ChatStream([
+    events = await _events(StubChatStream([
         {"reasoning_content": "Think"}, {"reasoning_content": "ing."}, {"content": "Let me check."},
         {"tool_calls": [{"index": 0, "id": "call_1", "type": "function",
                          "function": {"name": "get_weather", "arguments": ""}}]},
@@ -354,7 +331,7 @@ async def test_stream_thinking_text_and_tool_blocks():
 
 
 async def test_error_after_start_is_an_error_event():
-    chat = _ChatStream([{"content": "Par"}], RequestTimeoutError(1.0, "decode"))
+    chat = StubChatStream([{"content": "Par"}], RequestTimeoutError(1.0, "decode"))
     events = await _events(chat)
     assert [e["type"] for e in events][-1] == "error" and chat.closed
     assert events[-1]["error"]["type"] == "timeout_error" and events[-1]["error"]["message"]
@@ -406,23 +383,12 @@ async def test_keep_alive_pings_while_the_model_is_quiet():
 def test_page_imports_without_pydantic():
     """The browser constraint: the Messages engine and protocol import and translate with pydantic,
     aiohttp, numpy and wgpu unimportable (messages are attribute dicts there)."""
-    import subprocess
-    import sys
-    from pathlib import Path
-    code = """
-import sys
-class Block:
-    def find_spec(self, name, path=None, target=None):
-        if name.split('.')[0] in ('pydantic', 'aiohttp', 'numpy', 'wgpu', 'tokenizers', 'llguidance'):
-            raise ImportError('blocked ' + name)
-sys.meta_path.insert(0, Block())
+    r = run_without_compiled("""
 from webgpu_engine.engine import messages
 from webgpu_engine.protocol import anthropic as ap
 from webgpu_engine.protocol.objects import to_object
 chat = ap.chat_request({'max_tokens': 3, 'system': 'Be brief.', 'messages': [{'role': 'user', 'content': 'Hi'}]})
 m = to_object(ap.message('msg_x', 'm', ap.content_blocks({'content': 'Hello'}), 'end_turn', None, ap.usage(3, 1)))
 print(len(chat['messages']), m.content[0].text, m.usage.input_tokens)
-"""
-    r = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True,
-                       timeout=120, cwd=Path(__file__).resolve().parent.parent)
+""")
     assert r.returncode == 0 and r.stdout.strip() == "2 Hello 3", r.stderr[-2000:]

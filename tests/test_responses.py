@@ -21,6 +21,8 @@ from webgpu_engine.protocol.responses import (
     new_response,
     to_chat_messages,
 )
+from page_imports import run_without_compiled
+from stub_pipelines import StubChatStream
 from webgpu_engine.server.app import ServerOptions, ServerThread
 
 LLM_ID = "SmolLM2-135M-Instruct-Q4_1"
@@ -223,29 +225,6 @@ def test_items_to_chat_messages():
     assert e.value.param == "background"
 
 
-class _ChatStream:
-    """Chat chunks as the chat route streams them, then an engine error (as a lost device's) or not."""
-
-    _released = False
-
-    def __init__(self, deltas: list[dict], error: Exception | None = None):
-        self.deltas, self.error, self.closed = deltas, error, False
-        self.usage = {"prompt_tokens": 5, "completion_tokens": len(deltas)}
-
-    def __aiter__(self):
-        return self._chunks()
-
-    async def _chunks(self):
-        for d in self.deltas:
-            yield {"choices": [{"index": 0, "delta": d, "finish_reason": None}]}
-        if self.error is not None:
-            raise self.error
-        yield {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}
-
-    async def aclose(self):
-        self.closed = True
-
-
 async def _events(chat):
     from webgpu_engine.engine.responses import ResponseEventStream
     kept = []
@@ -258,7 +237,7 @@ async def _events(chat):
 
 async def test_stream_reasoning_items():
     """No GPU: a thinking template's reasoning_content deltas become a reasoning item before the message."""
-    events, kept = await _events(_ChatStream([{"reasoning_content": "Think"}, {"reasoning_content": "ing."},
+    events, kept = await _events(StubChatStream([{"reasoning_content": "Think"}, {"reasoning_content": "ing."},
                                               {"content": "Paris"}]))
     types = [e.type for e in events]
     assert types.count("response.reasoning_text.delta") == 2 and types[-1] == "response.completed"
@@ -271,7 +250,7 @@ async def test_stream_reasoning_items():
 
 async def test_error_after_start_is_response_failed():
     """No GPU: an engine error after the first events ends the stream with response.failed."""
-    chat = _ChatStream([{"role": "assistant", "content": "Par"}], RequestTimeoutError(1.0, "decode"))
+    chat = StubChatStream([{"role": "assistant", "content": "Par"}], RequestTimeoutError(1.0, "decode"))
     events, kept = await _events(chat)
     assert kept == []                                    # a failed response is not stored
     types = [e.type for e in events]
@@ -284,25 +263,14 @@ async def test_error_after_start_is_response_failed():
 def test_page_imports_without_pydantic():
     """The browser constraint: the Responses engine and protocol import and translate with pydantic,
     aiohttp, numpy and wgpu unimportable (responses are attribute dicts there)."""
-    import subprocess
-    import sys
-    from pathlib import Path
-    code = """
-import sys
-class Block:
-    def find_spec(self, name, path=None, target=None):
-        if name.split('.')[0] in ('pydantic', 'aiohttp', 'numpy', 'wgpu', 'tokenizers', 'llguidance'):
-            raise ImportError('blocked ' + name)
-sys.meta_path.insert(0, Block())
+    r = run_without_compiled("""
 from webgpu_engine.engine import responses
 from webgpu_engine.protocol import responses as rp
 req = rp.check_responses_request({'input': 'Hi', 'instructions': 'Be brief.'})
 msgs = rp.to_chat_messages(req['input'], req['instructions'])
 done = rp.finish(rp.new_response(req, 'resp_x', 'm', 0, {}), rp.output_items({'content': 'Hello'}, 'stop'), None, 'stop')
 print(len(msgs), rp.response_object(done).output_text, hasattr(rp, 'ResponseCreateRequest'))
-"""
-    r = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True,
-                       timeout=120, cwd=Path(__file__).resolve().parent.parent)
+""")
     assert r.returncode == 0 and r.stdout.strip() == "2 Hello False", r.stderr[-2000:]
 
 

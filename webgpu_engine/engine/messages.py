@@ -13,7 +13,7 @@ from ..errors import InvalidRequestError, WebGPUEngineError
 from ..protocol import anthropic as ap
 from ..protocol.objects import to_dict, to_object
 from .records import LLM
-from .requests import request_fields
+from .requests import EventStream, request_fields
 
 
 def _rename_param(e: InvalidRequestError) -> InvalidRequestError:
@@ -60,34 +60,15 @@ class Messages:
         return {"input_tokens": got["count"]}
 
 
-class MessageEventStream:
+class MessageEventStream(EventStream):
     """The Messages stream's events over a chat AsyncStream. A block opens at its first text
     (thinking, text, or a tool call, each with its index) and closes when the next one opens or
     the answer ends; a tool call's arguments arrive as input_json_delta fragments as they are
     generated. An engine error after the start ends it with an `error` event."""
 
     def __init__(self, chat_stream, mid: str, model: str, stops: list[str]):
-        self._chat, self._mid, self.model, self._stops = chat_stream, mid, model, stops
-        self._agen = self._events()
-
-    # the AsyncStream surface the server and the sync facade use
-    @property
-    def usage(self):
-        return self._chat.usage
-
-    @property
-    def _released(self) -> bool:
-        return self._chat._released
-
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self):
-        return await self._agen.__anext__()
-
-    async def aclose(self) -> None:
-        await self._agen.aclose()
-        await self._chat.aclose()
+        self._mid, self._stops = mid, stops
+        super().__init__(chat_stream, model)
 
     @staticmethod
     def _event(kind: str, **fields) -> Any:

@@ -214,6 +214,38 @@ class AsyncStream:
                 self._release()
 
 
+class EventStream:
+    """Another API's events made from a chat AsyncStream (the Responses and Messages APIs), with the
+    AsyncStream surface the server and the sync facade use: iteration, aclose, usage. A subclass
+    writes `_events()`, an async generator over `self._chat`."""
+
+    def __init__(self, chat_stream, model: str):
+        self._chat, self.model = chat_stream, model
+        self._agen = self._events()
+
+    async def _events(self):
+        raise NotImplementedError
+        yield
+
+    @property
+    def usage(self):
+        return self._chat.usage
+
+    @property
+    def _released(self) -> bool:
+        return self._chat._released
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        return await self._agen.__anext__()
+
+    async def aclose(self) -> None:
+        await self._agen.aclose()
+        await self._chat.aclose()
+
+
 # --------------------------------------------------------------------------- chat
 class ChatCompletions:
     def __init__(self, engine):

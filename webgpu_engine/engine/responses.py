@@ -18,7 +18,7 @@ from ..errors import InvalidRequestError, WebGPUEngineError
 from ..protocol import responses as rp
 from ..protocol.objects import to_dict, to_object
 from .records import LLM
-from .requests import request_fields
+from .requests import EventStream, request_fields
 
 
 class ResponseNotFoundError(WebGPUEngineError):
@@ -168,36 +168,16 @@ class Responses:
         return {"id": response_id, "object": "response.deleted", "deleted": True}
 
 
-class ResponseEventStream:
+class ResponseEventStream(EventStream):
     """The typed events of a streamed Response over a chat AsyncStream: response.created and
     .in_progress, per output item .output_item.added / .done (a reasoning item's text deltas, a
     message's content part and text deltas, a function call's argument deltas), then response.completed (or .incomplete at
     max_output_tokens). An engine error after the start ends it with response.failed."""
 
     def __init__(self, chat_stream, base: dict, keep):
-        self._chat, self._base, self._keep = chat_stream, base, keep
-        self.model = base["model"]
+        self._base, self._keep = base, keep
         self._seq = 0
-        self._agen = self._events()
-
-    # the AsyncStream surface the server and the sync facade use
-    @property
-    def usage(self):
-        return self._chat.usage
-
-    @property
-    def _released(self) -> bool:
-        return self._chat._released
-
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self):
-        return await self._agen.__anext__()
-
-    async def aclose(self) -> None:
-        await self._agen.aclose()
-        await self._chat.aclose()
+        super().__init__(chat_stream, base["model"])
 
     def _event(self, kind: str, **fields) -> dict:
         ev = {"type": kind, "sequence_number": self._seq, **fields}

@@ -82,6 +82,24 @@ class UnavailableError(WebGPUEngineError):
         self.retry_after = retry_after
 
 
+def error_rewriter(prefix: str, body):
+    """A middleware giving the answers of paths under `prefix` another API's error JSON: OpenAI's
+    `{"error": {...}}` becomes `body(status, message)` (status and headers kept)."""
+    @web.middleware
+    async def rewrite(request: web.Request, handler):
+        resp = await handler(request)
+        if (request.path.startswith(prefix) and resp.status >= 400 and isinstance(resp, web.Response)
+                and resp.content_type == "application/json" and resp.body):
+            try:
+                err = json.loads(resp.body).get("error")
+            except (ValueError, AttributeError):
+                return resp
+            if isinstance(err, dict):
+                resp.text = json.dumps(body(resp.status, err.get("message")))
+        return resp
+    return rewrite
+
+
 # --------------------------------------------------------------------------- requests
 def allowed_origin(origins: list[str], origin: str | None) -> str | None:
     """The Access-Control-Allow-Origin for a request from `origin`, None where none is allowed."""

@@ -22,7 +22,7 @@ from aiohttp import web
 
 from ..protocol import anthropic as ap
 from ..protocol.objects import to_dict
-from .common import METRICS, json_body, ready_engine, sse
+from .common import METRICS, error_rewriter, json_body, ready_engine, sse
 from .responses import event_frame
 
 PREFIX = "/v1/messages"
@@ -30,24 +30,10 @@ PING_S = 10.0         # seconds without an event before a ping keeps proxies and
 
 
 def add_routes(app: web.Application) -> None:
-    app.middlewares.insert(0, anthropic_errors)   # outermost: sees every answer of these paths
+    # outermost: sees every answer of these paths
+    app.middlewares.insert(0, error_rewriter(PREFIX, lambda status, msg: ap.error_body(status, str(msg))))
     app.router.add_post(PREFIX, create)
     app.router.add_post(PREFIX + "/count_tokens", count_tokens)
-
-
-@web.middleware
-async def anthropic_errors(request: web.Request, handler):
-    """OpenAI error JSON -> Anthropic's on /v1/messages paths (status and headers kept)."""
-    resp = await handler(request)
-    if (request.path.startswith(PREFIX) and resp.status >= 400 and isinstance(resp, web.Response)
-            and resp.content_type == "application/json" and resp.body):
-        try:
-            err = json.loads(resp.body).get("error")
-        except (ValueError, AttributeError):
-            return resp
-        if isinstance(err, dict):
-            resp.text = json.dumps(ap.error_body(resp.status, str(err.get("message"))))
-    return resp
 
 
 def _error_frame(status: int, message: str, etype: str, param, code) -> bytes:

@@ -41,6 +41,7 @@ from .common import (
     OPTS,
     STATE,
     allowed_origin,
+    error_rewriter,
     json_body,
     ready_engine,
 )
@@ -51,7 +52,8 @@ FAR_FUTURE = "2318-01-01T00:00:00Z"      # expires_at of a model kept loaded (Ol
 
 
 def add_routes(app: web.Application) -> None:
-    app.middlewares.insert(0, ollama_errors)     # outermost: sees every /api/ answer, CORS headers kept
+    # outermost: sees every /api/ answer, CORS headers kept
+    app.middlewares.insert(0, error_rewriter("/api/", lambda status, message: {"error": message}))
     app.router.add_post("/api/chat", chat)
     app.router.add_post("/api/generate", generate)
     app.router.add_post("/api/embed", embed)
@@ -62,21 +64,6 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/api/tags", tags)
     app.router.add_get("/api/ps", ps)
     app.router.add_get("/api/version", version)
-
-
-@web.middleware
-async def ollama_errors(request: web.Request, handler):
-    """OpenAI error JSON → Ollama's `{"error": message}` on /api/ paths (status and headers kept)."""
-    resp = await handler(request)
-    if (request.path.startswith("/api/") and resp.status >= 400 and isinstance(resp, web.Response)
-            and resp.content_type == "application/json" and resp.body):
-        try:
-            err = json.loads(resp.body).get("error")
-        except (ValueError, AttributeError):
-            return resp
-        if isinstance(err, dict):
-            resp.text = json.dumps({"error": err.get("message")})
-    return resp
 
 
 # --------------------------------------------------------------------------- helpers
