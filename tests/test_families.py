@@ -151,12 +151,20 @@ def test_mistral_sliding_window_matches_transformers(device, tmp_path):
         opened.close()
 
 
-# --------------------------------------------------------------------------- Gemma 2 / 3
+# --------------------------------------------------------------------------- Gemma 1 / 2 / 3
 def _gemma_files(tmp_path, arch: str, fmt: str, dims: dict):
     import tinyfamilies
     if fmt == "safetensors":
         return tinyfamilies.write_tiny_gemma_safetensors(tmp_path / arch, arch=arch, **dims)["folder"]
     return tinyfamilies.write_tiny_gemma_gguf(tmp_path / f"{arch}.gguf", arch=arch, **dims)["path"]
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "gguf"])
+def test_gemma_matches_transformers(device, tmp_path, fmt):
+    """Gemma 1: GeGLU (config.json's legacy "gelu" read as GELU-tanh), (1 + w) norms (HF stores w,
+    GGUF 1 + w), sqrt(C) embeddings, tied head, 32-wide heads over hidden 64 / 4 heads, one KV head."""
+    ref = _ref("gemma")
+    check_golden(device, _gemma_files(tmp_path, "gemma", fmt, ref["dims"]), ref)
 
 
 @pytest.mark.parametrize("fmt", ["safetensors", "gguf"])
@@ -217,11 +225,13 @@ def test_gemma2_with_geglu_fused_into_down_matches_transformers(device, tmp_path
 
 def test_gemma_features_each_matter(tmp_path):
     """The golden tests would notice each Gemma feature missing: the numpy reference without it
-    (caps, window, local rope base, query scale) moves row 150 past the tolerance."""
+    (GeGLU, sqrt(C) embeddings, 1 + w norms, caps, window, local rope base, query scale) moves row
+    150 past the tolerance."""
     import dataclasses
 
     from ref_llama import RefLlama, weights_from_infos
-    for arch, changes in [("gemma2", [dict(attn_softcap=0.0), dict(final_softcap=0.0), dict(sliding_window=None)]),
+    for arch, changes in [("gemma", [dict(act="silu"), dict(embed_scale=1.0), dict(norm_plus_one=False)]),
+                          ("gemma2", [dict(attn_softcap=0.0), dict(final_softcap=0.0), dict(sliding_window=None)]),
                           ("gemma3", [dict(rope_local_base=0.0), dict(sliding_window=None),
                                       dict(attn_scale=0.1)])]:
         ref = _ref(arch)

@@ -188,6 +188,8 @@ def mlc_from_hf(hf_folder, folder, model_type: str) -> None:
         c["position_embedding_base"] = c.pop("rope_theta")
     if model_type != "phi3" and "max_position_embeddings" in c:
         c["context_window_size"] = c.pop("max_position_embeddings")
+    if model_type == "gemma":                   # MLC's GemmaConfig field, from config.json's hidden_act
+        c["hidden_activation"] = c.pop("hidden_act")
     if model_type not in ("gemma2", "phi3") and "sliding_window" in c:
         c["sliding_window_size"] = c.pop("sliding_window") or -1
     mc = {"text_config": c, "vocab_size": c["vocab_size"], "is_text_model": True} if model_type == "gemma3" else c
@@ -291,6 +293,7 @@ _FAMILY_WRITERS = {
     "qwen3": lambda p: write_tiny_llama_safetensors(p, arch="qwen3", seed=4),
     "mistral": lambda p: write_tiny_llama_safetensors(p, arch="mistral", seed=4, sliding_window=24),
     "phi3": lambda p: write_tiny_phi3_safetensors(p, seed=4),
+    "gemma": lambda p: write_tiny_gemma_safetensors(p, arch="gemma", seed=4, n_kv_heads=1, head_dim=32),
     "gemma2": lambda p: write_tiny_gemma_safetensors(p, arch="gemma2", seed=4, sliding_window=24,
                                                      attn_softcap=50.0, final_softcap=30.0),
     "gemma3": lambda p: write_tiny_gemma_safetensors(p, arch="gemma3", seed=4, sliding_window=24),
@@ -531,6 +534,7 @@ def test_webllm_catalogue_ids_resolve(tiny, tmp_path, monkeypatch, capsys):
     assert rows["Llama-3.2-1B-Instruct-q4f16_1-MLC"]["loads"] and rows["Qwen3-0.6B-q4f32_1-MLC"]["loads"]
     assert rows["Llama-3-70B-Instruct-q3f16_1-MLC"]["refused"] == "quantization 'q3f16_1'"
     assert not rows["phi-2-q4f16_1-MLC"]["loads"] and rows["gemma-2-2b-it-q4f16_1-MLC"]["family"] == "gemma2"
+    assert rows["gemma-2b-it-q4f16_1-MLC"]["loads"] and rows["gemma-2b-it-q4f32_1-MLC-1k"]["family"] == "gemma"
     # Qwen3.5 is a hybrid of linear and full attention, not Qwen 3: refused by its own name until it runs
     assert rows["Qwen3.5-0.8B-q4f16_1-MLC"]["refused"] == "model_type 'qwen3_5'"
     assert rows["gemma-4-E2B-it-q4f16_1-MLC"]["refused"] == "model_type 'gemma4'"

@@ -140,7 +140,7 @@ def write_tiny_phi3_gguf(path, seed: int = 0, partial_rotary: float = 0.75, long
     return dict(path=Path(path), config=phi3_config(d, rot, short, long, float(np.float32(attn))), weights=w)
 
 
-# ============================================================================ Gemma 2 / 3
+# ============================================================================ Gemma 1 / 2 / 3
 GEMMA_DIMS = dict(tie_embeddings=True, rope_base=10000.0, rms_eps=1e-6)
 
 
@@ -154,6 +154,8 @@ def _gemma(arch: str, seed: int, dims: dict):
     for name in list(w):                # Gemma's norms hold w of x * (1 + w): values around 0
         if name.endswith("norm"):
             w[name] = (0.2 * rng.standard_normal(w[name].shape)).astype(np.float32)
+    if arch == "gemma":                 # Gemma 1: a Llama layer
+        return d, tokens, merges, w
     for i in range(d["n_layers"]):
         p = f"layers.{i}."
         for n in ("post_attn_norm", "post_ffn_norm"):
@@ -170,13 +172,15 @@ def _gemma_local(arch: str, n: int) -> list[bool]:
 
 def write_tiny_gemma_safetensors(folder, arch: str = "gemma2", seed: int = 0, sliding_window: int = 48,
                                  attn_softcap: float = 0.0, final_softcap: float = 0.0, **dims) -> dict:
-    """An HF Gemma2ForCausalLM / Gemma3ForCausalLM folder (norm weights w of x * (1 + w); tied
-    embeddings): Gemma 2 slides every other layer from the first, Gemma 3 all but every sixth
-    (rope_local_base_freq 10000 there, rope_theta 1e6 on the global ones)."""
+    """An HF GemmaForCausalLM / Gemma2ForCausalLM / Gemma3ForCausalLM folder (norm weights w of
+    x * (1 + w); tied embeddings): Gemma 1 has Llama's layer and names and no window (hidden_act
+    "gelu", as the official releases say); Gemma 2 slides every other layer from the first, Gemma 3
+    all but every sixth (rope_local_base_freq 10000 there, rope_theta 1e6 on the global ones)."""
     folder = Path(folder)
     d, tokens, merges, w = _gemma(arch, seed, dims)
     names = {"attn_norm": "input_layernorm", "post_attn_norm": "post_attention_layernorm",
-             "ffn_norm": "pre_feedforward_layernorm", "post_ffn_norm": "post_feedforward_layernorm",
+             "ffn_norm": "post_attention_layernorm" if arch == "gemma" else "pre_feedforward_layernorm",
+             "post_ffn_norm": "post_feedforward_layernorm",
              "q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
              "q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm",
              "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
@@ -185,13 +189,18 @@ def write_tiny_gemma_safetensors(folder, arch: str = "gemma2", seed: int = 0, sl
         if name.startswith("layers."):
             _, i, part = name.split(".")
             hf[f"model.layers.{i}.{names[part]}.weight"] = a
-    local = _gemma_local(arch, d["n_layers"])
-    config = {"architectures": ["Gemma2ForCausalLM" if arch == "gemma2" else "Gemma3ForCausalLM"],
-              "model_type": "gemma2" if arch == "gemma2" else "gemma3_text", "head_dim": d["head_dim"],
-              "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": d["head_dim"],
-              "sliding_window": sliding_window, "attention_bias": False,
-              "layer_types": ["sliding_attention" if x else "full_attention" for x in local],
-              "final_logit_softcapping": final_softcap or None, "attn_logit_softcapping": attn_softcap or None}
+    if arch == "gemma":
+        config = {"architectures": ["GemmaForCausalLM"], "model_type": "gemma", "head_dim": d["head_dim"],
+                  "hidden_act": "gelu", "attention_bias": False}
+    else:
+        local = _gemma_local(arch, d["n_layers"])
+        config = {"architectures": ["Gemma2ForCausalLM" if arch == "gemma2" else "Gemma3ForCausalLM"],
+                  "model_type": "gemma2" if arch == "gemma2" else "gemma3_text", "head_dim": d["head_dim"],
+                  "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": d["head_dim"],
+                  "sliding_window": sliding_window, "attention_bias": False,
+                  "layer_types": ["sliding_attention" if x else "full_attention" for x in local],
+                  "final_logit_softcapping": final_softcap or None,
+                  "attn_logit_softcapping": attn_softcap or None}
     if arch == "gemma3":
         config.update(rope_local_base_freq=10000.0, sliding_window_pattern=6, rope_scaling=None)
     _write_hf(folder, hf, config, tokens, merges, d)
@@ -201,11 +210,12 @@ def write_tiny_gemma_safetensors(folder, arch: str = "gemma2", seed: int = 0, sl
 def write_tiny_gemma_gguf(path, arch: str = "gemma2", seed: int = 0, sliding_window: int = 48,
                           attn_softcap: float = 0.0, final_softcap: float = 0.0, **dims) -> dict:
     """The same model as llama.cpp's converter writes it: norm weights stored as 1 + w, no output
-    matrix (tied), gemma2/gemma3 keys for the window and the caps."""
+    matrix (tied), gemma2/gemma3 keys for the window and the caps (Gemma 1: none)."""
     d, tokens, merges, w = _gemma(arch, seed, dims)
     g = _gguf_writer(path, arch, d, tokens, merges, d["head_dim"])
     g.add_key_length(d["head_dim"]); g.add_value_length(d["head_dim"])
-    g.add_sliding_window(sliding_window)
+    if arch != "gemma":
+        g.add_sliding_window(sliding_window)
     if arch == "gemma2":
         g.add_float32("gemma2.attn_logit_softcapping", attn_softcap or 0.0)
         g.add_float32("gemma2.final_logit_softcapping", final_softcap or 0.0)

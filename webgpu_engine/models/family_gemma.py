@@ -1,12 +1,14 @@
-"""Gemma 2 and Gemma 3 (text): GeGLU (tanh GELU), RMSNorm with (1 + w), embeddings times sqrt(C),
-norms after attention and after the FFN too, `query_pre_attn_scalar`, sliding windows on some layers
-(Gemma 2: every other one from the first; Gemma 3: all but every sixth, with their own RoPE base),
-soft-capped scores and logits (Gemma 2), per-head q/k norms (Gemma 3). Both tie the LM head by
-default and use the window wherever config.json sets one.
+"""Gemma 1, 2 and 3 (text). Every Gemma: GeGLU (tanh GELU), RMSNorm with (1 + w), embeddings times
+sqrt(C), an explicit head_dim, the LM head tied by default; Gemma 1 is that and a Llama layer. Gemma 2
+and 3 add norms after attention and after the FFN, `query_pre_attn_scalar`, sliding windows on some
+layers (Gemma 2: every other one from the first; Gemma 3: all but every sixth, with their own RoPE
+base) wherever config.json sets one, soft-capped scores and logits (Gemma 2) and per-head q/k norms
+(Gemma 3).
 
-HF checkpoints name the norms differently from Llama (post_attention_layernorm is the norm of the
-attention *output*), hence the family's own name table. llama.cpp's converter stores q/k rows
-unpermuted and adds the 1 to the norm weights itself (norm_plus_one stays False for GGUF).
+HF Gemma 1 checkpoints name their tensors as Llama's; Gemma 2 / 3 name the norms differently
+(post_attention_layernorm is the norm of the attention *output*), hence their own name table.
+llama.cpp's converter stores q/k rows unpermuted and adds the 1 to the norm weights itself
+(norm_plus_one stays False for GGUF).
 """
 from __future__ import annotations
 
@@ -19,6 +21,33 @@ HF_GEMMA_TO_OURS = {**{k: v for k, v in HF_LLAMA_TO_OURS.items() if v != "layers
                     "model.layers.{i}.post_attention_layernorm.weight": "layers.{i}.post_attn_norm",
                     "model.layers.{i}.pre_feedforward_layernorm.weight": "layers.{i}.ffn_norm",
                     "model.layers.{i}.post_feedforward_layernorm.weight": "layers.{i}.post_ffn_norm"}
+
+
+def _every_gemma(fields: dict, act: str = "gelu_tanh") -> dict:
+    """GeGLU and embeddings times sqrt(C) (scores scaled by head_dim^-0.5 unless a reader says)."""
+    return {**fields, "act": act, "embed_scale": float(fields["hidden_size"]) ** 0.5}
+
+
+def _activation(name: str | None, where: str) -> str:
+    name = name or "gelu_pytorch_tanh"
+    if name not in HF_ACTIVATIONS:
+        raise UnsupportedModelError(f"{where}: activation {name!r} is not implemented; supported: "
+                                    f"{sorted(HF_ACTIVATIONS)}")
+    return HF_ACTIVATIONS[name]
+
+
+def _gguf_gemma(g, fields: dict) -> dict:
+    """Gemma 1 as llama.cpp reads it (the norms hold 1 + w already)."""
+    return _every_gemma(fields)
+
+
+def _hf_gemma(c: dict, fields: dict, where: str) -> dict:
+    """Gemma 1: transformers reads `hidden_act`, and its "gelu" (the value of the official releases)
+    as the tanh approximation they were trained with, as MLC does; MLC's config says
+    `hidden_activation`."""
+    act = c.get("hidden_act") or c.get("hidden_activation")
+    return {**_every_gemma(fields, _activation("gelu_pytorch_tanh" if act == "gelu" else act, where)),
+            "norm_plus_one": True}
 
 
 def _gguf(g, fields: dict) -> dict:
@@ -34,7 +63,7 @@ def _gguf(g, fields: dict) -> dict:
     else:
         local = tuple(i % 2 == 0 if arch == "gemma2" else (i + 1) % int(pattern) != 0 for i in range(n))
     big = n == (46 if arch == "gemma2" else 62)
-    return {**fields, "act": "gelu_tanh", "embed_scale": float(hidden) ** 0.5, "post_norms": True,
+    return {**_every_gemma(fields), "post_norms": True,
             "attn_scale": float(hidden // n_heads if big else head_dim) ** -0.5,
             "attn_softcap": float(g.meta("attn_logit_softcapping", 0.0) or 0.0),
             "final_softcap": float(g.meta("final_logit_softcapping", 0.0) or 0.0),
@@ -46,10 +75,6 @@ def _hf(c: dict, fields: dict, where: str) -> dict:
     """Which layers slide: layer_types, else Gemma 2 every other layer from the first, Gemma 3 all but
     every sliding_window_pattern-th; Gemma 3's local rope base and q/k norms."""
     arch = fields["arch"]
-    act = c.get("hidden_activation") or c.get("hidden_act") or "gelu_pytorch_tanh"
-    if act not in HF_ACTIVATIONS:
-        raise UnsupportedModelError(f"{where}: activation {act!r} is not implemented; supported: "
-                                    f"{sorted(HF_ACTIVATIONS)}")
     n = int(c["num_hidden_layers"])
     types = c.get("layer_types")
     if types:
@@ -60,8 +85,8 @@ def _hf(c: dict, fields: dict, where: str) -> dict:
         pattern = int(c.get("sliding_window_pattern", 6))
         local = tuple((i + 1) % pattern != 0 for i in range(n))
     scalar = c.get("query_pre_attn_scalar")
-    return {**fields, "act": HF_ACTIVATIONS[act], "embed_scale": float(fields["hidden_size"]) ** 0.5,
-            "post_norms": True, "norm_plus_one": True, "qk_norm": arch == "gemma3",
+    act = _activation(c.get("hidden_activation") or c.get("hidden_act"), where)
+    return {**_every_gemma(fields, act), "post_norms": True, "norm_plus_one": True, "qk_norm": arch == "gemma3",
             "attn_scale": float(scalar) ** -0.5 if scalar else 0.0,
             "attn_softcap": float(c.get("attn_logit_softcapping") or 0.0),
             "final_softcap": float(c.get("final_logit_softcapping") or 0.0),
@@ -69,10 +94,12 @@ def _hf(c: dict, fields: dict, where: str) -> dict:
             "rope_local_base": float(c.get("rope_local_base_freq") or 0.0) if arch == "gemma3" else 0.0}
 
 
+GEMMA = DecoderFamily("gemma", hf_architectures=("GemmaForCausalLM",), hf_model_types=("gemma",),
+                      hf_defaults={"tie_word_embeddings": True}, gguf_neox=True, gguf=_gguf_gemma, hf=_hf_gemma)
 _DEFAULTS = {"use_sliding_window": True, "tie_word_embeddings": True}
 GEMMA2 = DecoderFamily("gemma2", hf_architectures=("Gemma2ForCausalLM",), hf_model_types=("gemma2",),
                        hf_defaults=_DEFAULTS, gguf_neox=True, hf_names=HF_GEMMA_TO_OURS, gguf=_gguf, hf=_hf)
 GEMMA3 = DecoderFamily("gemma3", hf_architectures=("Gemma3ForCausalLM",), hf_model_types=("gemma3_text",),
                        hf_defaults=_DEFAULTS, gguf_neox=True, hf_names=HF_GEMMA_TO_OURS, gguf=_gguf, hf=_hf)
 
-FAMILIES = (GEMMA2, GEMMA3)
+FAMILIES = (GEMMA, GEMMA2, GEMMA3)
