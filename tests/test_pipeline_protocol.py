@@ -97,7 +97,7 @@ def test_a_nonconforming_class_is_refused_by_name(cls, proto, problem):
 
 def test_a_missing_method_and_attribute_are_named():
     class NoReset:
-        dev = owner = chat_config = tokenizer = template = grammars = finish_reason = None
+        dev = owner = chat_config = tokenizer = template = grammars = finish_reason = stop_str = None
         vocab_size, stopped, token_logprobs = 10, True, []
 
     for name, v in vars(StubLLM).items():
