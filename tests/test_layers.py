@@ -28,7 +28,8 @@ def _layer(parts) -> str | None:
 
 
 def _imports(f: Path, parts, is_pkg: bool):
-    """(line, imported module parts) of every import of the package in f, lazy ones included."""
+    """(line, imported name parts) of every import in f, lazy ones included: `from .x import name`
+    gives x's parts + [name] (name may be a submodule, a function, a class...)."""
     pkg = list(parts) if is_pkg else list(parts[:-1])
     for node in ast.walk(ast.parse(f.read_text(encoding="utf-8"))):
         if isinstance(node, ast.ImportFrom):
@@ -37,9 +38,8 @@ def _imports(f: Path, parts, is_pkg: bool):
                 target = base + (node.module.split(".") if node.module else [])
             else:
                 target = (node.module or "").split(".")
-            names = [target + [a.name] for a in node.names] if not node.module else [target]
-            for t in names:
-                yield node.lineno, t
+            for a in node.names:
+                yield node.lineno, target + [a.name]
         elif isinstance(node, ast.Import):
             for a in node.names:
                 yield node.lineno, a.name.split(".")
@@ -58,6 +58,63 @@ def test_imports_point_down_the_layers():
             if other is not None and RANK[other] > RANK[me]:
                 bad.append(f"{f.relative_to(PKG.parent)}:{line} ({me}) imports {'.'.join(target)} ({other})")
     assert not bad, "imports against the layer order:\n" + "\n".join(bad)
+
+
+def _import_graph() -> dict:
+    """{module: {module it imports: first line}} among the package's modules. An imported name counts
+    as its longest prefix that is a module: a package's __init__ is the package's module, and
+    `from .x import name` imports the submodule x.name where there is one, else x."""
+    modules = {tuple(parts): (f, is_pkg) for f, parts, is_pkg in _modules()}
+    graph = {}
+    for me, (f, is_pkg) in modules.items():
+        edges = graph[me] = {}
+        for line, target in _imports(f, me, is_pkg):
+            t = tuple(target)
+            while t and t not in modules:
+                t = t[:-1]
+            if t and t != me:
+                edges.setdefault(t, line)
+    return graph
+
+
+def _cycles(graph: dict) -> list:
+    """The strongly connected components of more than one module (Tarjan), each as a list of modules."""
+    index, low, stack, on_stack, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while not comp or comp[-1] != v:
+                comp.append(stack.pop())
+                on_stack.discard(comp[-1])
+            if len(comp) > 1:
+                out.append(sorted(comp))
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_cycles():
+    """No two modules import each other, directly or round a longer circle (lazy imports and
+    TYPE_CHECKING ones count: a circle means the shared piece lives in the wrong module)."""
+    graph = _import_graph()
+    found = []
+    for comp in _cycles(graph):
+        inside = set(comp)
+        found.append("cycle of " + ", ".join(".".join(m) for m in comp) + ":\n" + "\n".join(
+            f"    {'.'.join(m)} (line {line}) imports {'.'.join(t)}"
+            for m in comp for t, line in sorted(graph[m].items()) if t in inside))
+    assert not found, "import cycles:\n" + "\n".join(found)
 
 
 def test_no_module_outgrows_one_concern():

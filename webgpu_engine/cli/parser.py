@@ -7,6 +7,7 @@ import os
 import sys
 
 from ..catalogue import DEFAULT_CHAT_MODEL, DEFAULT_EMBED_MODEL
+from .argtypes import count
 from .commands import cmd_bench, cmd_chat, cmd_complete, cmd_embed, cmd_info, cmd_serve
 from .structured import add_options as add_structured_options
 from .listing import add_subcommand as add_list_command
@@ -106,20 +107,6 @@ def _model_options(p, many: bool = False):
                         "at a time)" + each)
     g.add_argument("--chat-opts", action="append", default=None, metavar="JSON",
                    help="WebLLM ChatOptions as JSON, e.g. '{\"temperature\": 0.2}'" + each)
-
-
-def count(text: str, lo: int = 0, none: bool = False) -> int | None:
-    """An argparse type: an integer >= lo (or, with `none`, the word none / unbounded: None)."""
-    want = f"a count >= {lo}" + (" or 'none'" if none else "")
-    if none and text.strip().lower() in ("none", "unbounded"):
-        return None
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected {want}, got {text!r}") from None
-    if n < lo:
-        raise argparse.ArgumentTypeError(f"expected {want}, got {n}")
-    return n
 
 
 def _queue_length(text: str) -> int | None:

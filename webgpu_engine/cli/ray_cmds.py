@@ -7,24 +7,20 @@ import sys
 from pathlib import Path
 
 from ..catalogue import DEFAULT_EMBED_MODEL
+from .argtypes import positive
 
 ENGINE_FIELDS = ("log_level", "auto_recover", "limits", "max_queue_length", "request_timeout_s")
 
 
-def _positive(text: str) -> int:
-    from .parser import count
-    return count(text, 1)
-
-
 def add_serve_options(p) -> None:
     g = p.add_argument_group("scaling out on Ray Serve (needs the [ray] extra)")
-    g.add_argument("--ray-replicas", type=_positive, default=None, metavar="N",
+    g.add_argument("--ray-replicas", type=positive, default=None, metavar="N",
                    help="serve from N Ray Serve replicas, one per WebGPU device (Ray resource `webgpu`), "
                         "behind this one endpoint")
     g.add_argument("--ray-address", default=None, metavar="ADDR",
                    help="join the Ray cluster at ADDR (default: start a local Ray instance, stopped on exit)")
     g.add_argument("--ray-min-replicas", type=int, default=None, metavar="N", help="autoscaling: fewest replicas")
-    g.add_argument("--ray-max-replicas", type=_positive, default=None, metavar="N",
+    g.add_argument("--ray-max-replicas", type=positive, default=None, metavar="N",
                    help="autoscaling: most replicas")
     g.add_argument("--ray-target-ongoing-requests", type=float, default=None, metavar="N",
                    help="autoscaling: requests in flight per replica Ray scales towards")
@@ -69,7 +65,7 @@ def add_embed_corpus_command(sub) -> None:
     p.add_argument("output", metavar="OUT", help="the .parquet file to write")
     p.add_argument("--model", default=DEFAULT_EMBED_MODEL, help=f"the embedding model (default {DEFAULT_EMBED_MODEL})")
     p.add_argument("--column", default="text", help="the text column (default text)")
-    p.add_argument("--batch-size", type=_positive, default=64, help="texts per engine call (default 64)")
+    p.add_argument("--batch-size", type=positive, default=64, help="texts per engine call (default 64)")
     p.add_argument("--ray-address", default=None, metavar="ADDR",
                    help="join the Ray cluster at ADDR (default: a local Ray instance for this run)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -12,7 +12,8 @@ is refused by name where the GGUF carries no Jinja chat template of its own; ada
 messages layers are refused by name. A blob's sha256 is checked once per process, at first resolve,
 and remembered by path, size and mtime (a changed file is hashed again). The model is served under
 Ollama's name (`NAME:TAG`, `NS/NAME:TAG` outside `library`, `HOST/NS/NAME:TAG` off the default
-registry). Standard library only.
+registry). engine/references.py makes the ModelRecord from what this module reads (it imports
+this module, never the other way). Standard library only.
 """
 from __future__ import annotations
 
@@ -237,30 +238,7 @@ def verify(model: OllamaModel, reference: str) -> None:
                                   f"{seen}); the store is damaged — pull the model again.")
 
 
-# --------------------------------------------------------------------------- references and listing
-def ollama_record(reference: str, model_id: str | None):
-    """The ModelRecord of an `ollama:` reference (engine/references.py calls it)."""
-    from .references import _record
-    model = open_store_model(reference)
-    verify(model, reference)
-    rec = _record(model.gguf, reference, model_id or model.name.shown)
-    if rec.model_type == "llm" and model.template is not None and not _has_jinja_template(model.gguf):
-        raise UnsupportedModelError(f"{reference}: its GGUF has no Jinja chat template and this engine "
-                                    f"does not run Ollama's Go template layer ({TEMPLATE}); use a GGUF "
-                                    f"with tokenizer.chat_template.")
-    trained = rec.overrides.get("context_window_size")
-    if rec.model_type == "llm":
-        rec.overrides.update(model.chat_overrides(trained))
-    rec.reference = PREFIX + model.name.shown
-    return rec
-
-
-def _has_jinja_template(path: Path) -> bool:
-    from ..loaders.gguf import GGUFFile
-    with GGUFFile(path) as g:
-        return bool(g.chat_template)
-
-
+# --------------------------------------------------------------------------- listing
 def list_store(root: Path | None = None) -> list[dict]:
     """Every model of the store: name, size, family and parameter size (from the config blob, no
     GGUF opened), manifest digest and mtime. Manifests that do not parse are listed with `error`."""
@@ -288,7 +266,6 @@ __all__ = [
     "OllamaModel",
     "OllamaName",
     "list_store",
-    "ollama_record",
     "open_store_model",
     "parse_name",
     "store_root",

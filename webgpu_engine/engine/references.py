@@ -319,6 +319,30 @@ def _fetch_mlc_folder(get, folder: Path) -> Path:
     return folder
 
 
+# --------------------------------------------------------------------------- Ollama's store
+def _ollama(reference: str, model_id: str | None) -> ModelRecord:
+    """An `ollama:` reference: its GGUF blob in place (checked against its digest), the params and
+    system layers as ChatConfig overrides, served under Ollama's name (ollama_store.py reads the store)."""
+    from .ollama_store import PREFIX, TEMPLATE, open_store_model, verify
+    model = open_store_model(reference)
+    verify(model, reference)
+    rec = _record(model.gguf, reference, model_id or model.name.shown)
+    if rec.model_type == LLM and model.template is not None and not _has_jinja_template(model.gguf):
+        raise UnsupportedModelError(f"{reference}: its GGUF has no Jinja chat template and this engine "
+                                    f"does not run Ollama's Go template layer ({TEMPLATE}); use a GGUF "
+                                    f"with tokenizer.chat_template.")
+    if rec.model_type == LLM:
+        rec.overrides.update(model.chat_overrides(rec.overrides.get("context_window_size")))
+    rec.reference = PREFIX + model.name.shown
+    return rec
+
+
+def _has_jinja_template(path: Path) -> bool:
+    from ..loaders.gguf import GGUFFile
+    with GGUFFile(path) as g:
+        return bool(g.chat_template)
+
+
 # --------------------------------------------------------------------------- entry points
 def resolve_model_reference(reference: str, *, model_id: str | None = None, app_config: AppConfig | None = None,
                             offline: bool | None = None, progress=None) -> ModelRecord:
@@ -348,8 +372,7 @@ def _resolve(ref: str, model_id: str | None, app_config: AppConfig | None, offli
         return _url(ref, model_id, offline)
     low = ref.lower()
     if low.startswith("ollama:"):                  # Ollama's model store (ollama_store.py)
-        from .ollama_store import ollama_record
-        return ollama_record(ref, model_id)
+        return _ollama(ref, model_id)
     for prefix in ("hf://", "hf.co/", "huggingface.co/"):
         if low.startswith(prefix):
             return _hf_repo_id(ref, ref[len(prefix):], model_id, offline, tried)

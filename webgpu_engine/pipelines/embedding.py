@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import bisect
 import math
-import sys
 import threading
 import time
 from array import array
@@ -32,6 +31,7 @@ from typing import Callable
 from ..config import ChatConfig
 from ..errors import (EmbeddingDimensionsUnsupportedError, EmbeddingTokenLimitError, GPUOutOfMemoryError,
                       InvalidRequestError, RequestTimeoutError, ShaderF16SupportError)
+from ..gpu import IN_BROWSER
 from ..loaders.pairs import PairTemplate
 from ..loaders.sentence_transformers import SentenceTransformerConfig
 from ..kernels import tune
@@ -43,7 +43,6 @@ BATCH_COST = 64     # a forward's fixed cost (dispatches, one pass over the weig
 MAX_TOTAL_TOKENS = 300_000      # tokens one request may embed, summed over its inputs (OpenAI's limit)
 TOKENIZE_CHUNK = 128            # inputs tokenised per worker call: the step checks its limits between
 RESULT_KEEP_BYTES = 4 << 20     # a result buffer above this is freed after its request
-_THREADS = sys.platform != "emscripten"     # Pyodide: no worker threads
 
 
 @dataclass
@@ -515,7 +514,7 @@ def _unpack_jobs(raw: bytes, order: list[int], C: int, jobs: list[EmbedJob],
 
 async def _offload(fn, *args):
     """Run `fn(*args)` in a worker thread; where there are none (Pyodide) inline, then yield once."""
-    if _THREADS:
+    if not IN_BROWSER:
         return await asyncio.to_thread(fn, *args)
     result = fn(*args)
     await asyncio.sleep(0)

@@ -27,7 +27,7 @@ from ..errors import (
     ModelFormatError,
     UnsupportedChatOptionError,
 )
-from ..gpu import Device
+from ..gpu import IN_BROWSER, Device
 from ..kernels import matmul as mm, tune
 from ..kernels.common import pipeline_keys, warm_up
 from ..kernels.logit_mask import LogitMask
@@ -45,7 +45,6 @@ OVERFLOW_POLICIES = ("error", "truncate", "shift")
 _log = logging.getLogger("webgpu_engine.pipelines")
 
 _ids = itertools.count()
-_THREADS = sys.platform != "emscripten"     # Pyodide: no worker threads
 _INLINE_CHARS = 20_000                      # longer prompts are tokenised in a worker thread
 
 
@@ -369,7 +368,7 @@ class LLMChatPipeline(DecodePaths):
                 f"The prompt has {chars} characters, more than the {ctx} tokens the context window "
                 f"holds. Shorten the conversation or load with a larger context_window_size.",
                 param="prompt" if prompt is not None else "messages")
-        if chars > _INLINE_CHARS and _THREADS:
+        if chars > _INLINE_CHARS and not IN_BROWSER:    # Pyodide: no worker threads
             # a long prompt is tokenised in a worker thread: the event loop serves others meanwhile
             ids = await asyncio.to_thread(self.prompt_ids, messages, prompt, kw)
         else:
@@ -394,8 +393,8 @@ class LLMChatPipeline(DecodePaths):
             head += 1
         dropped = 0
         while True:
-            ids = await asyncio.to_thread(self.prompt_ids, msgs, None, kw) if _THREADS else \
-                self.prompt_ids(msgs, None, kw)
+            ids = self.prompt_ids(msgs, None, kw) if IN_BROWSER else \
+                await asyncio.to_thread(self.prompt_ids, msgs, None, kw)
             later_user = [i for i in range(head + 1, len(msgs)) if msgs[i].get("role") == "user"]
             if len(ids) < self.model.ctx or not later_user:
                 break
@@ -492,7 +491,7 @@ class LLMChatPipeline(DecodePaths):
         thread: llguidance releases the GIL), upload them and start a batch that masks the logits
         (the sampler's op follows in it)."""
         m = self.seq.matcher
-        if _THREADS:
+        if not IN_BROWSER:
             job = asyncio.ensure_future(asyncio.to_thread(m.mask))
             self.dev.submit(batch)
             bits = await job

@@ -37,13 +37,13 @@ import asyncio
 import itertools
 
 from ..config import GenerationConfig
+from ..gpu import IN_BROWSER
 from ..kernels import nn
 from ..kernels.common import DTYPE_SIZE, new_tensor
 from ..kernels.logit_mask import LogitMask
 from ..kernels.sampling import RESULT_BYTES, Sampler
 from ..models.kv_pool import KVPool, PoolExhaustedError
 from ..models.paged import PagedForward
-from .llm import _THREADS
 from .sequence import configure_sampler, process_logits
 from .stats import RequestStats, now
 
@@ -356,7 +356,7 @@ class Scheduler:
         for rec, _ in sampled:               # grammar masks while the forwards run
             m = rec.seq.matcher
             if m is not None:
-                masks[rec] = asyncio.ensure_future(asyncio.to_thread(m.mask)) if _THREADS else m.mask()
+                masks[rec] = m.mask() if IN_BROWSER else asyncio.ensure_future(asyncio.to_thread(m.mask))
         # no mask to write and no logit processor: each row's sampler goes in its forward's own
         # submission (one wait per iteration, at the readback, instead of one more between)
         inline = not masks and self.pipe.logit_processor is None
@@ -398,7 +398,7 @@ class Scheduler:
                 if rec in masks:
                     slot = self.slots[rec.slot]
                     bits = masks[rec]
-                    slot.mask.write(await bits if _THREADS else bits)
+                    slot.mask.write(bits if IN_BROWSER else await bits)
                     slot.mask_op.record(batch)
                 self._record_sampler(batch, rec)
             dev.submit(batch)

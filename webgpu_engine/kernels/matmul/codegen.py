@@ -16,7 +16,6 @@ from ..common import XREAD, act_header, wmap_header
 from ..qtypes import QTYPE
 
 if TYPE_CHECKING:
-    from .config import MatmulConfig
     from .layout import QWeight
 
 
@@ -54,11 +53,8 @@ def weight_pipeline(dev: Device, entry: str, w: QWeight, dtype: str, wg: int, rr
     return dev.pipeline(file, entry, header=header)
 
 
-# qtype -> how the vec4 decode kernel passes a 32-weight block's words to dequant.wgsl's
-# dq_<qtype>_w: 1 = one u32 argument, 4 = one vec4<u32> (the block's u32 words in order)
-V4_ARGS = {"q4_1": (1, 4), "q4_0": (1, 4), "q8_0": (1, 4, 4), "q5_0": (1, 1, 4), "q5_1": (1, 1, 4),
-           "iq4_nl": (1, 4), "q4_0f32": (1, 4)}
-V4_BLOCK = {t: sum(a) for t, a in V4_ARGS.items()}     # u32 words per block
+# qtype -> how the vec4 decode kernel passes a block's words to dequant.wgsl's dq_<qtype>_w (qtypes.py)
+V4_ARGS = {t.name: t.v4_args for t in QTYPE.values() if t.v4_args}
 
 
 V4_XS = ("q4_1", "q4_0", "q4_0f32")      # their quants come scaled by 256^j (in place): x is scaled by v4_xs
@@ -71,11 +67,6 @@ def _v4_args(qtype: str, words: list) -> str:
         out.append(words[i] if n == 1 else f"vec4<u32>({', '.join(words[i:i + n])})")
         i += n
     return ", ".join(out)
-
-
-def use_v4(cfg: MatmulConfig, w: "QWeight") -> bool:
-    return (cfg.unroll and cfg.v4 and cfg.rr == 4 and w.qtype in V4_BLOCK and w.k % 32 == 0
-            and w.k <= cfg.v4_max_k and w.n <= cfg.v4_max_n)
 
 
 @dataclass(frozen=True)
@@ -118,7 +109,7 @@ def decode_v4_source(qtype: str, nchunks: int, k: int, x_off4: int, mode: str, n
     invocation read as one span of vec4<u32> (every index a constant offset from the invocation's
     base), each vec4 loaded once, at its first use, each block decoded once for every activation
     row; x chunk c of each row is loaded once for the 4 weight rows."""
-    bw = V4_BLOCK[qtype]
+    bw = QTYPE[qtype].block_words
     rw = nchunks * bw                  # row_words
     xfn = X_FN[mode]
     lines = [load_shader_source("matmul_decode.wgsl"), load_shader_source("matmul_decode_v4.wgsl"),

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from ...gpu import Device
 from .. import profiles
 from ..common import check
+from ..qtypes import QTYPE
 
 
 @dataclass
@@ -35,12 +36,12 @@ class MatmulConfig:
     # into the decode matmul's stores (matmul_epilogue.wgsl): 60 fewer dispatches per token
     res_norm: bool = True   # with epilogue: models fold the RMSNorm after a residual matmul into its
     # stores (norm_out) and the next matmul (rms_from): 60 fewer dispatches per token
-    interleave: bool = True   # with v4: single-buffer V4_BLOCK weights stored in interleaved
+    interleave: bool = True   # with v4: single-buffer weights of a vec4 type stored in interleaved
     # 4-row spans (copy.wgsl span_map) so a SIMD group's lanes read contiguous memory (lavapipe,
     # streaming a decode step's weights: ~10% per matmul); every kernel reads them through wmap4
     xs_fold: bool = True   # v4 Q4_0/Q4_1: quants masked in place (scaled by 256^j) are dotted with
     # unscaled x and the partial sums scaled when reduced, instead of scaling x per chunk (v4_xs)
-    v4: bool = True       # T = 1 with rr = 4 and a V4_BLOCK type: weights read as vec4<u32> from
+    v4: bool = True       # T = 1 with rr = 4 and a vec4 type (QType.v4_args): weights read as vec4<u32> from
     v4_max_k: int = 1024  # the GGUF layout (matmul_decode_v4.wgsl), up to this K and N (the K loop
     v4_max_n: int = 1 << 30   # unrolled as in matmul_decode); only where `unroll` is on. lavapipe:
     # 1.2-1.5x per matmul, the 49152-row LM head too. Uncached compile (Mesa caches on disk): K = 576
@@ -49,6 +50,12 @@ class MatmulConfig:
     # each weight chunk decoded once for all T rows (0: off, the row / tiled kernels as before)
     family: str = "cpu"   # "gpu" / "tuned": plain matmuls (no fused input or epilogue) may run
     # matmul/gpu.py (see _family_variant); "cpu": the kernels of select.py and its helpers
+
+    def reads_v4(self, qtype: str, n: int, k: int) -> bool:
+        """Whether the T = 1 decode of a (n, k) weight reads it as vec4<u32> (matmul_decode_v4.wgsl)."""
+        t = QTYPE.get(qtype)
+        return (self.unroll and self.v4 and self.rr == 4 and t is not None and bool(t.v4_args)
+                and k % 32 == 0 and k <= self.v4_max_k and n <= self.v4_max_n)
 
 
 FAMILY_ENV = "WEBGPU_ENGINE_KERNELS"

@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 from ...gpu import Buffer, Device
 from ..common import Tensor, check, params
 from ..qtypes import QTYPE, QTYPES
-from .codegen import V4_BLOCK, use_v4
 from .config import default_config
 
 
@@ -78,7 +77,7 @@ def upload_weight(dev: Device, parts, qtype, n: int, k: int, *, owner: str, labe
     """Upload a (n, k) weight given as one or several byte buffers of whole rows concatenated along
     n (fused QKV or gate+up). `max_binding` (default: the device's limit) caps bytes per buffer.
     `interleave` (default: as the device's MatmulConfig says) stores a single-buffer weight of a
-    32-weight-block type (codegen.V4_BLOCK) in interleaved 4-row spans (see
+    type with a vec4 decode (qtypes.QType.v4_args) in interleaved 4-row spans (see
     MatmulConfig.interleave). `qtype`: the type of every part, or a list with one type per part —
     K-quant files store some tensors of a fused matrix in a wider type (Q4_K_M: attn_v in Q6_K
     beside Q4_K attn_q / attn_k); parts of different types make a MIXED weight (see
@@ -108,8 +107,8 @@ def upload_weight(dev: Device, parts, qtype, n: int, k: int, *, owner: str, labe
         w = QWeight(bufs, rows_per_buf, n, k, qtype, sum(b.size for b in bufs), grow // 4, label, spans)
         if interleave is None:
             cfg = default_config(dev)
-            interleave = cfg.interleave and cfg.unroll and cfg.v4 and use_v4(cfg, w)
-        interleave = interleave and len(bufs) == 1 and qtype in V4_BLOCK and n >= 32
+            interleave = cfg.interleave and cfg.reads_v4(qtype, n, k)
+        interleave = interleave and len(bufs) == 1 and bool(QTYPE[qtype].v4_args) and n >= 32
         row = 0
         for v in views:
             prow = v.nbytes // frow

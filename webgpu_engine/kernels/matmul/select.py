@@ -11,7 +11,7 @@ from ..common import window as _window
 from . import batch as matmul_batch
 from . import gpu as matmul_gpu
 from . import tiled as matmul_tiled
-from .codegen import (GATE_ACTS, DecRows, decode_source, decode_v4_source, gate_act_source, use_v4,
+from .codegen import (GATE_ACTS, DecRows, decode_source, decode_v4_source, gate_act_source,
                       weight_pipeline)
 from .config import MatmulConfig, default_config, is_cpu_adapter
 from .dispatch import Operands, dispatch_parts, operands, row_groups
@@ -201,7 +201,7 @@ def matmul(dev: Device, x: Tensor, w: QWeight, y: Tensor, *, bias: Tensor | None
                                  any_t=row_invariant, config=tile)
         if op is not None:
             return op
-    unrolled = not row_invariant and (use_v4(cfg, w) or cfg.unroll and K <= cfg.unroll_max_k
+    unrolled = not row_invariant and (cfg.reads_v4(w.qtype, w.n, w.k) or cfg.unroll and K <= cfg.unroll_max_k
                                       and w.n <= cfg.unroll_max_n)
     if (T == 1 or rows) and K % 32 == 0 and (norm is not None or silu or rms_from is not None or unrolled
                                              or ep in ("silu", "rope_kv")):
@@ -286,7 +286,7 @@ def _matmul_decode(dev, x, w, y, io: Operands, accumulate, cfg, norm, silu, ep="
     elif silu:
         mode = "silu"
     entry = "matmul_decode"
-    v4 = not loop and use_v4(cfg, w)
+    v4 = not loop and cfg.reads_v4(w.qtype, w.n, w.k)
     if loop:                      # several rows: 4 at a time (matmul_tile_<ep>), each as one alone
         src, entry = "", f"matmul_tile_{ep}" if T > 1 else f"matmul_{ep}"
     elif v4:
