@@ -1,4 +1,5 @@
-"""Native gpu backend over wgpu-py (Vulkan, Metal, DX12)."""
+"""Native gpu backend over wgpu-py (Vulkan, Metal, DX12); wgpu-py's private names only through
+wgpu_private.py."""
 from __future__ import annotations
 
 import asyncio
@@ -6,12 +7,12 @@ import os
 import threading
 
 import wgpu
-from wgpu.backends.wgpu_native import _ffi
 
 from ..errors import DeviceLostError, GPUValidationError, WebGPUNotAvailableError
 from .base import STORAGE, AdapterInfo, Buffer, Device, _batch_names, device_features, round_up4, staging_class
 from .compiler import BackgroundCompiler
-from .encoding import PassApi, encode_ops, released_buffer
+from .encoding import encode_ops, released_buffer
+from .wgpu_private import wgpu_calls
 
 _OPTIONAL_FEATURES = ("shader-f16", "subgroups", "subgroup", "timestamp-query")
 _MAX_LIMITS = ("max-storage-buffer-binding-size", "max-buffer-size", "max-compute-workgroup-storage-size",
@@ -23,25 +24,6 @@ _USAGE = {
     "storage": _U.STORAGE | _U.COPY_SRC | _U.COPY_DST,
     "uniform": _U.UNIFORM | _U.COPY_DST,
 }
-
-
-class _NativePassApi(PassApi):
-    """wgpu-py's compute pass, whose three per-dispatch calls go straight to wgpu-native: wgpu-py's
-    methods wrap each C call in an error scope of their own (about 7 us a call; a SmolLM2 decode
-    step makes about 480 of them), though wgpu-native records a pass's errors in its encoder and
-    reports them at finish(), which keeps wgpu-py's wrapper. The ops hold the pipelines and bind
-    groups until the submit."""
-
-    def calls(self, cpass) -> tuple:
-        h, lib, null = cpass._internal, _ffi.lib, _ffi.ffi.NULL
-        set_pipeline, set_bind_group = lib.wgpuComputePassEncoderSetPipeline, lib.wgpuComputePassEncoderSetBindGroup
-        dispatch = lib.wgpuComputePassEncoderDispatchWorkgroups
-        return (lambda p: set_pipeline(h, p._internal), lambda bg: set_bind_group(h, 0, bg._internal, 0, null),
-                lambda x, y, z: dispatch(h, x, y, z))
-
-
-_PASS_API = _NativePassApi("begin_compute_pass", "set_pipeline", "set_bind_group", "dispatch_workgroups", "end",
-                           "copy_buffer_to_buffer")
 
 
 def _info_int(info, key: str) -> int:
@@ -81,6 +63,9 @@ class NativeDevice(Device):
         # reading submits an empty command buffer first (its sync, gfx-rs/wgpu-native#305), which
         # then held the event loop for a whole step: _mapped makes that submit from a worker thread
         self._submit_blocks = self.info.cpu
+        # wgpu-py's private fast paths (per-dispatch calls, maps without its sync submit), or with
+        # $WEBGPU_ENGINE_WGPU_PUBLIC=1 its public API (wgpu_private.py)
+        self.wgpu_calls = wgpu_calls()
         # a worker per core (they start nothing new while a request compiles what it needs), or
         # $WEBGPU_ENGINE_COMPILE_THREADS; 2 cores, SmolLM2: the queue done at 18.2-18.6 s from process
         # start against 20.4-25.1 s with one worker, the first token no later (bench/first_request.py)
@@ -113,7 +98,7 @@ class NativeDevice(Device):
 
     def _raw_submit(self, ops: list) -> None:
         enc = self.raw.create_command_encoder()
-        encode_ops(ops, enc, _PASS_API)
+        encode_ops(ops, enc, self.wgpu_calls.pass_api)
         self.queue.submit([enc.finish()])
 
     async def submit_async(self, batch) -> None:
@@ -212,7 +197,7 @@ class NativeDevice(Device):
         if self._submit_blocks and not synced:
             await asyncio.to_thread(self._guard, lambda: self._locked_submit(what), what)
         # where submits block, wgpu-py's own sync submit (on the event loop) is the one made above
-        mode = "READ_NOSYNC" if self._submit_blocks else wgpu.MapMode.READ
+        mode = self.wgpu_calls.map_read_synced if self._submit_blocks else wgpu.MapMode.READ
         loop = asyncio.get_running_loop()
         lost = loop.create_future()
         waiter = (loop, lost)
