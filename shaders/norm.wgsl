@@ -6,6 +6,10 @@
 //   head_rms_norm:  in place on a fused qkv row (T, H_all, D): rms_norm of each of the first
 //                   n_norm heads over its D values, heads < n_q with weight w[0..D), the rest
 //                   with w[D..2D) (Qwen3 / Gemma 3 q and k norms); one invocation per (t, head).
+//   proj_rms_norm:  in place on a fused qkv row (T, q_cols + 2 k_cols): rms_norm of the whole q
+//                   projection (its first q_cols values) with w[0..q_cols) and of the whole k
+//                   projection (the next k_cols) with w[q_cols..) (OLMo-2's q and k norms); one
+//                   invocation per (t, q or k).
 // dispatch (ceil(T/64) split over x,y), workgroup 64. The host header sets the storage type `av`
 // (act or act4), its f32 twin `fv` and `hsum(fv)`: rows move W = 1 or 4 elements per load, and
 // every size and offset below counts W-element units.
@@ -34,8 +38,20 @@ struct HeadParams {
     w_off: u32,
 }
 
+struct ProjParams {
+    items: u32,  // T * 2: (row, q or k)
+    q_cols: u32, // Hq * D
+    x_off: u32,
+    row: u32,    // a qkv row: (Hq + 2 Hkv) * D
+    k_cols: u32, // Hkv * D
+    eps: f32,
+    w_off: u32,
+    pad: u32,
+}
+
 @group(0) @binding(0) var<uniform> p: Params;
 @group(0) @binding(0) var<uniform> hp: HeadParams;
+@group(0) @binding(0) var<uniform> pp: ProjParams;
 @group(0) @binding(1) var<storage, read_write> x: array<av>;  // (T, C)
 @group(0) @binding(2) var<storage, read> w: array<fv>;        // (C)
 @group(0) @binding(3) var<storage, read_write> y: array<av>;  // (T, C)
@@ -132,6 +148,22 @@ fn head_rms_norm(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups)
     let wb = hp.w_off + select(hp.cols, 0u, h < hp.n_q);
     let inv = inv_rms(xb, hp.cols, hp.eps);
     for (var c = 0u; c < hp.cols; c++) {
+        x[xb + c] = av(fv(x[xb + c]) * inv * w[wb + c]);
+    }
+}
+
+@compute @workgroup_size(64)
+fn proj_rms_norm(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                 @builtin(local_invocation_index) lid: u32) {
+    let i = row_index(wid, nwg, lid);
+    if (i >= pp.items) { return; }
+    let is_k = i % 2u == 1u;
+    let start = select(0u, pp.q_cols, is_k);
+    let n = select(pp.q_cols, pp.k_cols, is_k);
+    let xb = pp.x_off + (i / 2u) * pp.row + start;
+    let wb = pp.w_off + start;
+    let inv = inv_rms(xb, n, pp.eps);
+    for (var c = 0u; c < n; c++) {
         x[xb + c] = av(fv(x[xb + c]) * inv * w[wb + c]);
     }
 }

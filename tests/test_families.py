@@ -65,6 +65,14 @@ def check_golden(device, path, ref: dict) -> None:
         opened.close()
 
 
+def _tiny_files(tmp_path, family: str, fmt: str, dims: dict) -> Path:
+    """tests/tinyfamilies.py's tiny `family` model as an HF folder or as a GGUF file."""
+    import tinyfamilies
+    if fmt == "safetensors":
+        return getattr(tinyfamilies, f"write_tiny_{family}_safetensors")(tmp_path / family, **dims)["folder"]
+    return getattr(tinyfamilies, f"write_tiny_{family}_gguf")(tmp_path / f"{family}.gguf", **dims)["path"]
+
+
 # --------------------------------------------------------------------------- Qwen3
 @pytest.fixture(scope="module")
 def qwen3_ref():
@@ -87,13 +95,8 @@ def test_qwen3_matches_transformers(device, tmp_path, qwen3_ref, fmt):
 def test_phi3_matches_transformers(device, tmp_path, fmt):
     """Fused q|k|v and gate|up split on load, longrope (long factors and the attention factor: the
     context window 512 exceeds the original 64) and partial rotary 0.75 (12 of 16 dims)."""
-    import tinyfamilies
     ref = _ref("phi3")
-    if fmt == "safetensors":
-        path = tinyfamilies.write_tiny_phi3_safetensors(tmp_path / "phi3", **ref["dims"])["folder"]
-    else:
-        path = tinyfamilies.write_tiny_phi3_gguf(tmp_path / "phi3.gguf", **ref["dims"])["path"]
-    check_golden(device, path, ref)
+    check_golden(device, _tiny_files(tmp_path, "phi3", fmt, ref["dims"]), ref)
 
 
 def test_phi3_short_factors_below_the_original_context(device, tmp_path):
@@ -311,3 +314,12 @@ def test_gemma_head_dim_256_matches_numpy(device, tmp_path, arch, dtype, tol):
         assert np.abs(np.array(got) - want).max() <= tol * np.abs(want).max()
     finally:
         opened.close()
+
+
+# --------------------------------------------------------------------------- OLMo 2
+@pytest.mark.parametrize("fmt", ["safetensors", "gguf"])
+def test_olmo2_matches_transformers(device, tmp_path, fmt):
+    """Norms after the attention and the FFN only (none before), q / k norms over the whole
+    projections (q heads of different scales: a per-head norm gives other logits), GQA 4 : 2."""
+    ref = _ref("olmo2")
+    check_golden(device, _tiny_files(tmp_path, "olmo2", fmt, ref["dims"]), ref)

@@ -52,6 +52,26 @@ def test_head_rms_norm(device, dtype, rows, hq, hkv, d):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,hq,hkv,d", [(1, 4, 2, 64), (5, 6, 2, 32), (3, 2, 1, 6)])
+def test_proj_rms_norm(device, dtype, rows, hq, hkv, d):
+    """OLMo-2's q/k norms in place on a fused qkv row: the whole q projection with w[:Hq D], the whole
+    k projection with w[Hq D:], v kept; not the per-head norm."""
+    rng = np.random.default_rng(rows * hq * d + 1)
+    qkv = rng.standard_normal((rows, (hq + 2 * hkv) * d)) * 2 + 0.3
+    qkv[:, :d] *= 5.0                      # heads of different scales: per-head and whole norms differ
+    w = rng.standard_normal((hq + hkv) * d)
+    xt = put(device, qkv, dtype, lead=4)
+    op = nn.proj_rms_norm(device, xt, put(device, w, lead=4), q_dim=hq * d, k_dim=hkv * d, eps=1e-6)
+    assert _width(op) == (4 if d % 4 == 0 else 1)
+    run(device, op)
+    want = nn_ref.proj_rms_norm(rounded(qkv, dtype), w, hq * d, hkv * d, 1e-6)
+    per_head = nn_ref.head_rms_norm(rounded(qkv, dtype).reshape(rows, -1, d), np.ones(2 * d), hq, hkv, 1e-6)
+    assert np.abs(want[:, :d] - per_head[:, 0] * w[:d]).max() > 0.1
+    np.testing.assert_array_equal(get(device, xt)[:, (hq + hkv) * d:], rounded(qkv, dtype)[:, (hq + hkv) * d:])
+    np.testing.assert_allclose(get(device, xt), want, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows,cols,res", [(5, 384, False), (5, 384, True), (3, 37, True)])
 def test_layer_norm(device, dtype, rows, cols, res):
     rng = np.random.default_rng(cols)

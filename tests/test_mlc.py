@@ -19,7 +19,7 @@ from cache_server import FileServer
 from decoder_runner import DecoderRunner
 from ref_llama import RefLlama
 from test_references import _folder_files, fake_hf_repo
-from tinyfamilies import write_tiny_gemma_safetensors, write_tiny_phi3_safetensors
+from tinyfamilies import write_tiny_gemma_safetensors, write_tiny_olmo2_safetensors, write_tiny_phi3_safetensors
 from tinymodels import _to_bf16_bits, write_tiny_llama_safetensors
 from webgpu_engine import errors as E
 from webgpu_engine.cli import main
@@ -297,6 +297,7 @@ _FAMILY_WRITERS = {
     "gemma2": lambda p: write_tiny_gemma_safetensors(p, arch="gemma2", seed=4, sliding_window=24,
                                                      attn_softcap=50.0, final_softcap=30.0),
     "gemma3": lambda p: write_tiny_gemma_safetensors(p, arch="gemma3", seed=4, sliding_window=24),
+    "olmo2": lambda p: write_tiny_olmo2_safetensors(p, seed=4),
 }
 
 

@@ -230,3 +230,61 @@ def write_tiny_gemma_gguf(path, arch: str = "gemma2", seed: int = 0, sliding_win
             g.add_tensor(f"blk.{i}.{table[part]}.weight", a + 1.0 if part.endswith("norm") else a)
     _finish(g)
     return dict(path=Path(path), weights=w)
+
+
+# ============================================================================ OLMo 2
+def _olmo2(seed: int, dims: dict):
+    d = tm._dims(**dims)
+    tokens, merges = tm.tiny_bpe_vocab(d["vocab_size"], "smollm")
+    d["vocab_size"] = len(tokens)
+    w = {n: a for n, a in tm._hf_weights(d, "llama", seed).items() if not n.endswith(("attn_norm", "ffn_norm"))}
+    rng = np.random.default_rng(seed + 300)
+    C, D = d["hidden_size"], d["head_dim"]
+    for i in range(d["n_layers"]):
+        p = f"layers.{i}."
+        w[p + "post_attn_norm"], w[p + "post_ffn_norm"] = (
+            (1.0 + 0.2 * rng.standard_normal(C)).astype(np.float32) for _ in range(2))
+        # scales that vary across heads: a norm per head would give other values
+        w[p + "q_norm"] = (rng.uniform(0.3, 2.0, d["n_heads"] * D)).astype(np.float32)
+        w[p + "k_norm"] = (rng.uniform(0.3, 2.0, d["n_kv_heads"] * D)).astype(np.float32)
+        w[p + "q"] *= np.repeat(rng.uniform(0.2, 3.0, d["n_heads"]), D)[:, None].astype(np.float32)
+    return d, tokens, merges, w
+
+
+def write_tiny_olmo2_safetensors(folder, seed: int = 0, **dims) -> dict:
+    """An HF Olmo2ForCausalLM folder: post_attention_layernorm / post_feedforward_layernorm after the
+    attention and the FFN (none before), q_norm (Hq D,) and k_norm (Hkv D,) over the projections; q
+    heads of different scales, so a per-head norm would differ."""
+    folder = Path(folder)
+    d, tokens, merges, w = _olmo2(seed, dims)
+    names = {"post_attn_norm": "post_attention_layernorm", "post_ffn_norm": "post_feedforward_layernorm",
+             "q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
+             "q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm",
+             "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
+    hf = {"model.embed_tokens.weight": w["embed"], "model.norm.weight": w["norm"], "lm_head.weight": w["lm_head"]}
+    for name, a in w.items():
+        if name.startswith("layers."):
+            _, i, part = name.split(".")
+            hf[f"model.layers.{i}.{names[part]}.weight"] = a
+    config = {"architectures": ["Olmo2ForCausalLM"], "model_type": "olmo2", "hidden_act": "silu",
+              "attention_bias": False, "attention_dropout": 0.0}
+    _write_hf(folder, hf, config, tokens, merges, d)
+    return dict(folder=folder, weights=w)
+
+
+def write_tiny_olmo2_gguf(path, seed: int = 0, **dims) -> dict:
+    """The same model as llama.cpp's converter writes it (arch olmo2): attn_q_norm / attn_k_norm over
+    the projections, post_attention_norm and post_ffw_norm, q/k rows unpermuted."""
+    d, tokens, merges, w = _olmo2(seed, dims)
+    g = _gguf_writer(path, "olmo2", d, tokens, merges, d["head_dim"])
+    table = {"post_attn_norm": "post_attention_norm", "post_ffn_norm": "post_ffw_norm", "q": "attn_q",
+             "k": "attn_k", "v": "attn_v", "o": "attn_output", "q_norm": "attn_q_norm", "k_norm": "attn_k_norm",
+             "gate": "ffn_gate", "up": "ffn_up", "down": "ffn_down"}
+    g.add_tensor("token_embd.weight", w["embed"]); g.add_tensor("output_norm.weight", w["norm"])
+    g.add_tensor("output.weight", w["lm_head"])
+    for name, a in w.items():
+        if name.startswith("layers."):
+            _, i, part = name.split(".")
+            g.add_tensor(f"blk.{i}.{table[part]}.weight", a)
+    _finish(g)
+    return dict(path=Path(path), weights=w)

@@ -25,12 +25,12 @@ from .elementwise import (_unary_f, _unary_op, add, bias_add, gelu, gelu_mul, sc
                           softcap, tanh)
 from .nn_base import (MAX_WG, WG, _WRITERS, _act, _grid, _op, _qkv_heads, _rows_cols, _step_entry,  # noqa: F401
                       _store, _vec_entry, _vec_header, _width, _window)
-from .norm import head_rms_norm, layer_norm, rms_norm  # noqa: F401
+from .norm import head_rms_norm, layer_norm, proj_rms_norm, rms_norm  # noqa: F401
 from .pooling import (_pool, _pool_header, cls_pool, l2_normalize, last_pool, max_pool, mean_pool,  # noqa: F401
                       weighted_mean_pool)
 from .rope import _rope_op, kv_write, rope, rope_frequencies, rope_kv  # noqa: F401
 
-__all__ = ["rms_norm", "head_rms_norm", "layer_norm", "add", "bias_add", "silu_mul", "scale", "softcap",
+__all__ = ["rms_norm", "head_rms_norm", "proj_rms_norm", "layer_norm", "add", "bias_add", "silu_mul", "scale", "softcap",
            "gelu", "rope", "rope_kv",
            "kv_write", "attention", "attention_bidir", "mean_pool", "cls_pool", "max_pool",
            "l2_normalize", "decode_splits"]

@@ -20,6 +20,15 @@ def head_rms_norm(qkv: np.ndarray, w: np.ndarray, n_q: int, n_k: int, eps: float
     return y.astype(np.float32)
 
 
+def proj_rms_norm(qkv: np.ndarray, w: np.ndarray, q_dim: int, k_dim: int, eps: float) -> np.ndarray:
+    """qkv (T, q_dim + 2 k_dim): the first q_dim values of a row rms-normed together with w[:q_dim],
+    the next k_dim with w[q_dim:]."""
+    y = qkv.astype(np.float64).copy()
+    y[:, :q_dim] = rms_norm(y[:, :q_dim], w[:q_dim], eps)
+    y[:, q_dim:q_dim + k_dim] = rms_norm(y[:, q_dim:q_dim + k_dim], w[q_dim:], eps)
+    return y.astype(np.float32)
+
+
 def layer_norm(x, w, b, eps, residual=None) -> np.ndarray:
     h = x.astype(np.float64) + (0 if residual is None else residual.astype(np.float64))
     mu = h.mean(-1, keepdims=True)

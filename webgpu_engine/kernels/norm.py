@@ -1,6 +1,6 @@
 """Host functions of the norm kernels (shaders/norm.wgsl): rms_norm, the per-head rms_norm of
-q / k heads, layer_norm (with an optional residual added first). Activations are bound read_write,
-so an output may alias an input.
+q / k heads, the rms_norm of the whole q / k projections, layer_norm (with an optional residual
+added first). Activations are bound read_write, so an output may alias an input.
 """
 from __future__ import annotations
 
@@ -39,6 +39,23 @@ def head_rms_norm(dev: Device, qkv: Tensor, w: Tensor, *, n_q_heads: int, n_k_he
                  owner=qkv.buf.owner, label=k)
     put, binds = _store(k, "put_norm", ("y", 3, None), {"x": (1, xe)}, {2: we})
     return _op(dev, k, "norm.wgsl", k, _vec_header(dt, v) + put, par, binds, rows * n)
+
+
+def proj_rms_norm(dev: Device, qkv: Tensor, w: Tensor, *, q_dim: int, k_dim: int, eps: float) -> Op:
+    """In place on qkv (T, q_dim + 2 k_dim): rms_norm over each row's whole q projection (its first
+    q_dim values) with w[:q_dim] and over its k projection (the next k_dim) with w[q_dim:] (OLMo-2's
+    q_norm / k_norm, before RoPE); v untouched."""
+    k = "proj_rms_norm"
+    dt = _act(k, qkv)
+    rows, cols = _rows_cols(qkv)
+    check(q_dim + k_dim <= cols and w.numel == q_dim + k_dim and w.dtype == "f32", k,
+          f"qkv{qkv.shape} with q {q_dim} and k {k_dim} normed, w{w.shape}/{w.dtype}")
+    v = _width(dev, k, [q_dim, k_dim, cols], [qkv, w])
+    (xe, xo), (we, wo) = (_window(dev, t, k, v) for t in (qkv, w))
+    par = params(dev, [rows * 2, q_dim // v, xo, cols // v, k_dim // v, float(eps), wo, 0],
+                 owner=qkv.buf.owner, label=k)
+    put, binds = _store(k, "put_norm", ("y", 3, None), {"x": (1, xe)}, {2: we})
+    return _op(dev, k, "norm.wgsl", k, _vec_header(dt, v) + put, par, binds, rows * 2)
 
 
 def layer_norm(dev: Device, x: Tensor, w: Tensor, b: Tensor, y: Tensor, *, eps: float,

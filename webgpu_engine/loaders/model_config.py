@@ -15,7 +15,8 @@ class LlamaConfig:
     gate|up in its files, longrope scaling and partial rotary; Gemma 2 = GeGLU, (1 + w) norms,
     embeddings times sqrt(C), norms after attention and FFN too, soft-capped scores and logits,
     sliding windows on every other layer; Gemma 3 = Gemma 2 + q/k norms, 5 local : 1 global
-    layers with their own rope base, no soft-capping).
+    layers with their own rope base, no soft-capping; OLMo-2 = Llama with post norms instead of
+    pre norms and q/k norms over the whole projections).
 
     `rope_neox` says which dimensions rope rotates together in a head of size `rot_dim`:
     False: adjacent pairs (2i, 2i+1) — GGUF llama/mistral, whose q/k rows llama.cpp's converter
@@ -39,6 +40,9 @@ class LlamaConfig:
     tie_embeddings: bool = False       # lm_head shares the token embedding table
     qkv_bias: bool = False             # Qwen2
     qk_norm: bool = False              # Qwen3: rms_norm of each q and k head (weights q_norm, k_norm (D,))
+    qk_norm_whole: bool = False        # OLMo-2: the q / k norms span the whole projection (q_norm (Hq D,),
+    #                                    k_norm (Hkv D,)), not each head
+    pre_norms: bool = True             # rms_norm of x before attention and FFN (OLMo-2: none, post norms only)
     bos_id: int | None = None
     eos_ids: list[int] = field(default_factory=list)
     # sliding-window attention: a query at position p sees keys p-sliding_window+1..p (Mistral v0.1,

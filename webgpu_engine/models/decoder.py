@@ -2,17 +2,18 @@
 
     x = embed(ids) (* sqrt(C): Gemma)                          # (T, C)
     for each layer:
-        h = rms_norm(x)                                        # (T, C)
+        h = rms_norm(x), or h = x (OLMo-2: no pre norms)       # (T, C)
         qkv = h · Wqkvᵀ (+ bias)                               # (T, Hq + 2 Hkv, D), Q|K|V fused
         q, k = rms_norm(q head), rms_norm(k head)              # Qwen3, Gemma 3
+        q, k = rms_norm(q), rms_norm(k) over Hq D, Hkv D       # OLMo-2
         rope(q, k); k, v -> the KV cache                       # kv.rope_kv (or fused into the matmul)
         a = attention(q, cache) · Woᵀ                          # kv.attention: causal GQA, sliding
                                                                # window where the layer has one,
                                                                # Gemma 2's capped scores
-        x += a, or x += rms_norm(a) (Gemma)                    # residual fused in the matmul
-        h = rms_norm(x)
+        x += a, or x += rms_norm(a) (Gemma, OLMo-2)            # residual fused in the matmul
+        h = rms_norm(x), or h = x (OLMo-2)
         f = (act(h · Wgateᵀ) * (h · Wupᵀ)) · Wdownᵀ            # gate|up fused: (T, 2F); act SiLU or GELU-tanh
-        x += f, or x += rms_norm(f) (Gemma)
+        x += f, or x += rms_norm(f) (Gemma, OLMo-2)
     logits = rms_norm(x) · Wheadᵀ                              # the last row, or every row
     logits = cap * tanh(logits / cap)                          # Gemma 2
 
@@ -78,7 +79,8 @@ class FusionPlan:
         if not decode:
             return cls(rope_kv=(False,) * n, gate_out=(False,) * n)
         return cls(
-            norm_in_matmul=all(mm.fusable(dev, 1, w) for L in layers for w in (L.qkv, L.gate_up)),
+            norm_in_matmul=cfg.pre_norms and all(mm.fusable(dev, 1, w) for L in layers
+                                                 for w in (L.qkv, L.gate_up)),
             gate_in_down="ffn" not in points and all(mm.fusable(dev, 1, L.down, silu=True) and not L.gate_pairs
                                                      for L in layers),
             res_norm=cfg.hidden_size % 32 == 0 and not cfg.post_norms and mm.default_config(dev).res_norm and all(
@@ -170,7 +172,9 @@ def forward(m, kv: KVAccess, T: int, mode: str, *, with_head: bool = True,
     for i, L in enumerate(m.layers):
         # h = rms_norm(x); qkv = h · Wqkvᵀ (+ bias)                               (T, H+2Hkv, D)
         rope = kv.fused_rope(i) if plan.rope_kv[i] else None
-        if plan.res_norm and i > 0:          # h = x * g from the last residual matmul
+        if not c.pre_norms:                  # OLMo-2: the projection reads x
+            ops.append(mm.matmul(dev, x, L.qkv, qkv2, bias=L.qkv_bias, rope_kv=rope, **flags))
+        elif plan.res_norm and i > 0:        # h = x * g from the last residual matmul
             ops.append(mm.matmul(dev, h, L.qkv, qkv2, bias=L.qkv_bias, rms_from=rms, rope_kv=rope, **flags))
         elif plan.norm_in_matmul:
             ops.append(mm.matmul(dev, x, L.qkv, qkv2, bias=L.qkv_bias, norm=(L.attn_norm, eps), rope_kv=rope,
@@ -178,7 +182,9 @@ def forward(m, kv: KVAccess, T: int, mode: str, *, with_head: bool = True,
         else:
             ops.append(nn.rms_norm(dev, x, L.attn_norm, h, eps=eps))
             ops.append(mm.matmul(dev, h, L.qkv, qkv2, bias=L.qkv_bias, rope_kv=rope, **flags))
-        if L.qk_norm is not None:            # q, k = rms_norm per head (before RoPE)
+        if L.qk_norm is not None and c.qk_norm_whole:   # q, k = rms_norm of each projection (before RoPE)
+            ops.append(nn.proj_rms_norm(dev, qkv2, L.qk_norm, q_dim=c.q_dim, k_dim=c.kv_dim, eps=eps))
+        elif L.qk_norm is not None:          # q, k = rms_norm per head (before RoPE)
             ops.append(nn.head_rms_norm(dev, qkv, L.qk_norm, n_q_heads=H, n_k_heads=Hkv, head_dim=D, eps=eps))
         if "qkv" in points:
             ops += points["qkv"](m, i, qkv, T)
@@ -200,7 +206,9 @@ def forward(m, kv: KVAccess, T: int, mode: str, *, with_head: bool = True,
         # h = rms_norm(x); gu = h · [Wgate | Wup]ᵀ, or act(gate) * up stored by the matmul
         out = ffn if plan.gate_out[i] else gu
         gate = {"silu_out": plan.gate_out[i], "gate_act": c.act, **flags}
-        if plan.res_norm:
+        if not c.pre_norms:
+            ops.append(mm.matmul(dev, x, L.gate_up, out, **gate))
+        elif plan.res_norm:
             ops.append(mm.matmul(dev, h, L.gate_up, out, rms_from=rms, **gate))
         elif plan.norm_in_matmul:
             ops.append(mm.matmul(dev, x, L.gate_up, out, norm=(L.ffn_norm, eps), **gate))

@@ -37,16 +37,17 @@ _MAX_CACHED_SHAPES = 8
 class LlamaLayer:
     """One decoder layer's weights on the GPU (C hidden, F ffn, D head dim, Hq / Hkv heads)."""
 
-    attn_norm: Tensor                  # (C,) f32
+    attn_norm: Tensor | None           # (C,) f32 (None: no pre norms, OLMo-2)
     qkv: mm.QWeight                    # (Hq*D + 2*Hkv*D, C): q | k | v rows
     o: mm.QWeight                      # (C, Hq*D)
-    ffn_norm: Tensor                   # (C,) f32
+    ffn_norm: Tensor | None            # (C,) f32
     gate_up: mm.QWeight                # (2F, C): gate | up, or their rows in pairs (gate_pairs)
     gate_pairs: bool                   # gate / up rows interleaved: a decode matmul can store act(g)*u
     down: mm.QWeight                   # (C, F)
     qkv_bias: Tensor | None = None     # (Hq*D + 2*Hkv*D,) f32: Qwen2
     o_bias: Tensor | None = None       # (C,) f32
-    qk_norm: Tensor | None = None      # (2D,) f32: q_norm | k_norm, per head before RoPE (Qwen3)
+    qk_norm: Tensor | None = None      # (2D,) f32: q_norm | k_norm, per head before RoPE (Qwen3);
+    #                                    (Hq D + Hkv D,) over the whole projections (OLMo-2)
     post_attn_norm: Tensor | None = None  # (C,) f32: Gemma's norms of the attention / FFN outputs
     post_ffn_norm: Tensor | None = None
 
@@ -223,10 +224,10 @@ class LlamaModel:
             p = f"layers.{i}."
             gu, pairs = gate_up(p)
             self.layers.append(LlamaLayer(
-                attn_norm=norm([p + "attn_norm"], p + "attn_norm"),
+                attn_norm=norm([p + "attn_norm"], p + "attn_norm") if c.pre_norms else None,
                 qkv=mat([p + "q", p + "k", p + "v"], p + "qkv"),
                 o=mat([p + "o"], p + "o"),
-                ffn_norm=norm([p + "ffn_norm"], p + "ffn_norm"),
+                ffn_norm=norm([p + "ffn_norm"], p + "ffn_norm") if c.pre_norms else None,
                 gate_up=gu, gate_pairs=pairs,
                 down=mat([p + "down"], p + "down"),
                 qkv_bias=vec([p + "q_bias", p + "k_bias", p + "v_bias"], p + "qkv_bias")
