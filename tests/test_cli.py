@@ -151,3 +151,11 @@ def test_max_queue_values_match_engine_config():
             parse("--max-queue", bad)
     with pytest.raises(ValueError, match="max_queue_length"):
         EngineConfig(max_queue_length=-1)
+
+
+def test_serve_batches_unless_a_model_needs_the_one_request_path():
+    """serve's chat models batch by default; a context shift runs per sequence in the batch, so only
+    speculation and a sliding window (one-request features) load a model with max_num_sequences 1."""
+    from webgpu_engine.cli.commands import _one_request
+    assert not _one_request({}) and not _one_request({"context_overflow": "shift", "n_keep": 4})
+    assert _one_request({"speculation": "ngram"}) and _one_request({"sliding_window_size": 64})

@@ -64,7 +64,7 @@ async def test_error_is_the_default_and_bad_policies_are_refused(device, path):
             await eng.reload("tiny", {"compile_at_load": False, "context_overflow": "slide"})
         with pytest.raises(UnsupportedChatOptionError):          # refused by name before the lock
             await eng.reload("tiny", {"compile_at_load": False, "context_overflow": "shift",
-                                      "max_num_sequences": 2})
+                                      "context_window_size": -1, "sliding_window_size": 32})
         with pytest.raises(ChatOptionTypeError):
             await eng.reload("tiny", {"compile_at_load": False, "context_overflow": "shift", "n_keep": -1})
     finally:
@@ -114,3 +114,39 @@ async def test_shift_generates_past_the_window(device, path):
     one ahead of the host give the same answer."""
     serial = await _shift_run(device, path, ahead=False, check=True)
     assert await _shift_run(device, path, ahead=True, check=False) == serial
+
+
+PROMPTS = ["Tell me a long story.", "Once upon a time", "The quick brown fox jumps over the lazy dog",
+           "Count to one hundred, slowly."]
+
+
+async def _long(eng, prompt: str, **kw):
+    r = await eng.completions.create(prompt=prompt, max_tokens=300, ignore_eos=True, temperature=0, logprobs=1, **kw)
+    c = r.choices[0]
+    return c.logprobs.tokens, c.finish_reason, r.usage.extra.model_dump().get("context_shifts", 0)
+
+
+async def test_shift_per_sequence_in_a_batch(device, path):
+    """context_overflow "shift" with continuous batching (llama.cpp's per-slot shift): 4 generations of
+    300 tokens (3x the 96-token window) from prompts of different lengths run together, each shifting
+    on its own when its cache is full (the others decode on meanwhile); each gives the tokens it gives
+    alone in the batch and on the one-request path, whose shifts the cold-forward check above proves."""
+    import asyncio
+    batched = await _engine(device, path, context_overflow="shift", n_keep=5, max_num_sequences=4)
+    try:
+        sched = next(iter(batched.models.values())).pipeline.scheduler
+        assert sched is not None and sched.max_seqs == 4
+        alone = [await _long(batched, p) for p in PROMPTS]
+        together = await asyncio.gather(*[_long(batched, p) for p in PROMPTS])
+        assert sched.stats["context_shifts"] >= 2 * 3 * len(PROMPTS)
+    finally:
+        await batched.unload()
+    for toks, finish, shifts in alone:
+        assert len(toks) == 300 and finish == "length" and shifts >= 3
+    assert together == alone
+    single = await _engine(device, path, context_overflow="shift", n_keep=5)
+    try:
+        assert next(iter(single.models.values())).pipeline.scheduler is None
+        assert [await _long(single, p) for p in PROMPTS[:2]] == alone[:2]
+    finally:
+        await single.unload()

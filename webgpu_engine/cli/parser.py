@@ -97,7 +97,7 @@ def _model_options(p, many: bool = False):
                    help="chat models: a prompt longer than the context window is a 400 (error, the "
                         "default) or loses its oldest turns after the system prompt (truncate); shift: "
                         "as truncate, and a generation reaching the window drops the older half of its "
-                        "context and goes on (one request at a time)" + each)
+                        "context and goes on (per sequence, in the batch)" + each)
     g.add_argument("--speculation", choices=("ngram",), action="append", default=None,
                    help="chat models: speculative decoding by prompt lookup for greedy requests (one "
                         "request at a time: serve then defaults to --max-num-sequences 1)" + each)

@@ -136,9 +136,6 @@ def _check_chat_options(cc: ChatConfig) -> None:
     Speculation.parse(cc.speculation)           # a bad speculation option fails before anything loads
     if cc.context_overflow not in OVERFLOW_POLICIES:
         raise ChatOptionTypeError("context_overflow", f"one of {list(OVERFLOW_POLICIES)}", cc.context_overflow)
-    if cc.context_overflow == "shift" and cc.max_num_sequences != 1:
-        raise UnsupportedChatOptionError("context_overflow", "shift", "a context shift runs on the one-request "
-                                         "path: load with max_num_sequences 1")
     if cc.kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ChatOptionTypeError("kv_cache_dtype", f"one of {list(KV_CACHE_DTYPES)}", cc.kv_cache_dtype)
     if cc.n_keep < 0:

@@ -25,7 +25,6 @@ from ..errors import (
     ContextWindowTooLargeError,
     InvalidRequestError,
     ModelFormatError,
-    UnsupportedChatOptionError,
 )
 from ..gpu import IN_BROWSER, Device
 from ..kernels import matmul as mm, tune
@@ -136,9 +135,6 @@ class LLMChatPipeline(DecodePaths):
         # may reach (context shifts go on past the cache's end)
         self.cache_end = sys.maxsize if model.ring else model.ctx
         self.positions = sys.maxsize if self.shifts else self.cache_end
-        if self.shifts and self.plan.max_sequences > 1:
-            raise UnsupportedChatOptionError("context_overflow", "shift", "a context shift runs on the "
-                                             "one-request path: load with max_num_sequences 1")
         if self.plan.max_sequences > 1:            # continuous batching over a paged KV cache
             from .scheduler import Scheduler
             self.scheduler = Scheduler(self, self.plan)
@@ -284,8 +280,8 @@ class LLMChatPipeline(DecodePaths):
     output_ids = property(lambda self: self.seq.output_ids)
     token_logprobs = property(lambda self: self.seq.token_logprobs)
     stopped = property(lambda self: self.seq.stopped)
-    stop_str = property(lambda self: self.seq.stop_str)
     finish_reason = property(lambda self: self.seq.finish_reason)
+    stop_str = property(lambda self: self.seq.stop_str)
     detok = property(lambda self: self.seq.detok)
     _req = property(lambda self: self.seq.req)
     _last_token = property(lambda self: self.seq.last_token)

@@ -74,7 +74,7 @@ class GenerationProtocol(Protocol):
     as prefill_step's GenerationConfig asked); the engine reads the text, logprobs and usage between
     steps and calls close() when it is done with it (finished, failed or its caller gone).
     LLMChatPipeline is one (one request at a time); with continuous batching `sequence()` gives a
-    scheduler's sequence (pipelines/scheduler.py: BatchSequence)."""
+    scheduler's sequence (pipelines/batch_sequence.py: BatchSequence)."""
 
     stopped: bool                   # the answer is finished
     finish_reason: str | None       # "stop" | "length" | "abort" | None

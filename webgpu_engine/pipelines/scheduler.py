@@ -22,6 +22,10 @@ One task per model runs iterations while sequences are active:
     5. the stop rules per sequence (pipelines/sequence.py); finished sequences leave the batch and
        their KV blocks stay cached for prefix sharing (models/kv_pool.py).
 
+context_overflow "shift": a sequence whose cache is full (its next row would pass the window) keeps
+its first n_keep tokens and the newer half of the rest, computed again at their new positions as a
+prefill that samples nothing, and decodes on; the others in the batch are not touched.
+
 decode_ahead (ChatConfig; on except on software adapters): while only decode rows run, each
 sampler also copies its token into the next step's input row on the GPU, and the step after (same
 rows, next positions, KV slots reserved ahead) is submitted before this one's tokens are read, so
@@ -34,7 +38,6 @@ only (in the browser, grammar masks are computed inline instead of in a worker t
 from __future__ import annotations
 
 import asyncio
-import itertools
 
 from ..config import GenerationConfig
 from ..gpu import IN_BROWSER
@@ -44,12 +47,11 @@ from ..kernels.logit_mask import LogitMask
 from ..kernels.sampling import RESULT_BYTES, Sampler
 from ..models.kv_pool import KVPool, PoolExhaustedError
 from ..models.paged import PagedForward
+from .batch_sequence import BatchSequence, SeqRecord
 from .sequence import configure_sampler, process_logits
-from .stats import RequestStats, now
+from .stats import now
 
 CALLER_WAIT_S = 0.01      # the longest a step waits for callers on a CPU adapter (Scheduler.handed)
-
-_ids = itertools.count()
 
 
 class SchedulerClosedError(RuntimeError):
@@ -67,103 +69,6 @@ class _Slot:
         self.op = self.sampler.op(self.logits, self.next_id)
         self.mask: LogitMask | None = None
         self.mask_op = None
-
-
-class _Seq:
-    """The scheduler's record of one sequence."""
-
-    def __init__(self, handle: "BatchSequence", prompt: list[int], gen: GenerationConfig, slot: int):
-        self.id = next(_ids)
-        self.handle, self.gen, self.slot = handle, gen, slot
-        self.seq = handle.seq
-        self.toks = list(prompt)          # tokens whose KV the next decode step needs
-        self.in_pool = False
-        self.decoding = False             # past its prompt: feeds seq.last_token each step
-        self.sample_at_end = True         # the prompt's last chunk samples (not a recomputation)
-        self.cancelled = False
-        self.t_prefill = None
-        self.prompt_len = len(prompt)     # rows a prefill computes; the rest, decode steps
-        self.replay: int | None = None    # after a preemption: the next decoded row computed again
-
-    # A preempted sequence computes its rows again as they were computed: the prompt's by prefill, the
-    # decoded ones by decode steps that feed its own tokens and sample nothing (replay), so its
-    # later tokens are those of a run never preempted, bit for bit.
-    def prefill_end(self) -> int:
-        return self.prompt_len if self.replay is not None else len(self.toks)
-
-    def next_pos(self) -> int:
-        return self.replay if self.replay is not None else len(self.toks)
-
-    def feed_token(self) -> int:
-        return self.toks[self.replay] if self.replay is not None else self.seq.last_token
-
-    def start_decoding(self, pos: int) -> None:
-        self.decoding = True
-        if self.replay is not None:
-            self.replay = pos if pos < len(self.toks) else None
-
-
-class BatchSequence:
-    """One generation served by the scheduler, with the pipeline's request-level interface."""
-
-    def __init__(self, sched: "Scheduler"):
-        self._sched = sched
-        self.seq = None
-        self._rec: _Seq | None = None
-        self._event = asyncio.Event()
-        self.error: BaseException | None = None
-
-    stopped = property(lambda self: self.seq is not None and self.seq.stopped)
-    finish_reason = property(lambda self: self.seq.finish_reason if self.seq else None)
-    stop_str = property(lambda self: self.seq.stop_str if self.seq else None)
-    token_logprobs = property(lambda self: self.seq.token_logprobs if self.seq else [])
-    output_ids = property(lambda self: self.seq.output_ids if self.seq else [])
-
-    async def prefill_step(self, messages, gen: GenerationConfig, prompt: str | None = None) -> None:
-        pipe = self._sched.pipe
-        req = RequestStats(t_start=now(), breakdown=gen.latency_breakdown)
-        ids = await pipe.prompt_tokens(messages, gen, prompt, req=req)
-        self.seq = pipe.new_sequence(gen, req, raw=prompt is not None)
-        req.prompt_tokens = len(ids)
-        self._rec = self._sched.add(self, ids, gen)
-        await self._wait()
-
-    async def decode_step(self) -> None:
-        self._sched.taken(self)
-        if self.seq is None or self.seq.stopped:
-            return
-        await self._wait()
-
-    async def _wait(self) -> None:
-        await self._event.wait()
-        self._event.clear()
-        if self.error is not None:
-            raise self.error
-
-    def _notify(self, error: BaseException | None = None) -> None:
-        if error is not None and self.error is None:
-            self.error = error
-        self._sched.handed.add(self)
-        self._event.set()
-
-    def take_delta(self) -> str:
-        return self.seq.take_delta() if self.seq else ""
-
-    def get_message(self) -> str:
-        return self.seq.get_message() if self.seq else ""
-
-    def usage(self) -> dict:
-        return self.seq.usage() if self.seq else {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
-
-    def interrupt(self) -> None:
-        if self.seq is not None:
-            self.seq.interrupted = True
-
-    def close(self) -> None:
-        """The caller is done (finished, failed or gone): the sequence leaves the batch."""
-        self._sched.taken(self)
-        if self._rec is not None:
-            self._sched.cancel(self._rec)
 
 
 class Scheduler:
@@ -186,7 +91,7 @@ class Scheduler:
         self._copy_bytes = vocab * DTYPE_SIZE[m.dtype]
         self._copy_ops: dict = {}
         self._free_slots = list(range(self.max_seqs - 1, -1, -1))
-        self.running: list[_Seq] = []              # admission order
+        self.running: list[SeqRecord] = []              # admission order
         self._just_preempted: set = set()
         self._task: asyncio.Task | None = None
         self._closed = False
@@ -201,7 +106,11 @@ class Scheduler:
         self._taken = asyncio.Event()               # set when none of them is left
         self._wait_callers = pipe._software
         # preemptions: the pool's; ahead_steps: decode steps submitted before the tokens they take were read
-        self.stats = {"iterations": 0, "decode_rows": 0, "prefill_tokens": 0, "ahead_steps": 0}
+        self.stats = {"iterations": 0, "decode_rows": 0, "prefill_tokens": 0, "ahead_steps": 0,
+                      "context_shifts": 0}
+        # context_overflow "shift": a sequence whose cache is full shifts (_shift) and goes on past
+        # the window; otherwise the window's end ends it
+        self.shifts, self.positions = pipe.shifts, pipe.positions
 
     def taken(self, handle: BatchSequence) -> None:
         """`handle`'s caller has taken its token (asks for the next one, or is done)."""
@@ -213,12 +122,12 @@ class Scheduler:
     def sequence(self) -> BatchSequence:
         return BatchSequence(self)
 
-    def add(self, handle: BatchSequence, prompt: list[int], gen: GenerationConfig) -> _Seq:
+    def add(self, handle: BatchSequence, prompt: list[int], gen: GenerationConfig) -> SeqRecord:
         if self._closed:
             raise SchedulerClosedError("the model was released")
         if not self._free_slots:
             raise RuntimeError("more sequences than max_num_sequences were admitted")
-        rec = _Seq(handle, prompt, gen, self._free_slots.pop())
+        rec = SeqRecord(handle, prompt, gen, self._free_slots.pop())
         slot = self.slots[rec.slot]
         configure_sampler(slot.sampler, gen, prompt)
         if rec.seq.matcher is not None and slot.mask is None:
@@ -233,13 +142,13 @@ class Scheduler:
             self._task = asyncio.ensure_future(self._loop())
         return rec
 
-    def _enter_pool(self, rec: _Seq) -> None:
+    def _enter_pool(self, rec: SeqRecord) -> None:
         cached = self.pool.add_sequence(rec.id, rec.toks)
         rec.in_pool = True
         if rec.sample_at_end and not rec.decoding:
             rec.seq.req.prefill_tokens = len(rec.toks) - cached
 
-    def cancel(self, rec: _Seq) -> None:
+    def cancel(self, rec: SeqRecord) -> None:
         """The caller left: the sequence leaves the batch now (its slot and blocks are free for the
         next request; GPU work already submitted for it finishes first, in queue order, and its
         results are dropped)."""
@@ -252,7 +161,7 @@ class Scheduler:
         for rec in self.running:
             rec.seq.interrupted = True
 
-    def _leave(self, rec: _Seq) -> None:
+    def _leave(self, rec: SeqRecord) -> None:
         if rec in self.running:
             self.running.remove(rec)
             self._free_slots.append(rec.slot)
@@ -300,15 +209,34 @@ class Scheduler:
                 self._leave(rec)
                 rec.handle._notify()
 
-    def _reserve_decode(self, rec: _Seq) -> None:
+    def _reserve_decode(self, rec: SeqRecord) -> None:
         """A block for rec's next token; when the pool is out of blocks, the newest sequence goes
         (rec itself when it is the newest)."""
         for victim in self.pool.reserve_or_preempt(rec.id, rec.next_pos() + 1):
             self._preempted(victim)
 
+    def _shift(self, rec: SeqRecord) -> None:
+        """context_overflow "shift" for one sequence (llama.cpp's per-slot context shift): its cache
+        is full; keep its first n_keep tokens, drop the older half of the rest, and compute the kept
+        tail again at its new positions by prefill, sampling nothing (as the one-request path does,
+        pipelines/decode_paths.py), then decode on from its last token. Its blocks go back to the
+        pool; the kept prefix's full blocks come back as prefix hits."""
+        keep = min(max(self.pipe.chat_config.n_keep, 0), len(rec.toks) - 1)
+        drop = max((len(rec.toks) - keep) // 2, 1)
+        self.pool.free(rec.id)
+        rec.toks = rec.toks[:keep] + rec.toks[keep + drop:]
+        rec.in_pool, rec.decoding, rec.sample_at_end = False, False, False
+        rec.prompt_len, rec.replay = len(rec.toks), None
+        rec.seq.req.context_shifts += 1
+        self.stats["context_shifts"] += 1
+
     def _plan(self) -> tuple[list, list]:
         pool = self.pool
         self._just_preempted = set()
+        if self.shifts:                       # a full cache shifts before its next decode row
+            for rec in self.running:
+                if rec.decoding and rec.in_pool and rec.replay is None and len(rec.toks) + 1 > self.model.ctx:
+                    self._shift(rec)
         for rec in list(self.running):        # oldest first: the newest is preempted first
             if rec.decoding and rec.in_pool:
                 self._reserve_decode(rec)
@@ -497,7 +425,7 @@ class Scheduler:
         raw = await self.dev.collect(rb)
         self._finish(live, [], [(r, i) for i, r in enumerate(rows) if r in live], raw, now() - t0)
 
-    def _accept(self, rec: _Seq, raw: bytes, dt: float, decoded: bool) -> None:
+    def _accept(self, rec: SeqRecord, raw: bytes, dt: float, decoded: bool) -> None:
         seq, req = rec.seq, rec.seq.req
         res = self.slots[rec.slot].sampler.result(raw)
         tok, lp, top = res.token, res.logprob, res.top
@@ -512,7 +440,7 @@ class Scheduler:
             if req.breakdown:
                 req.step_s.append(req.prefill_s)
         try:
-            seq.accept(tok, lp, top, len(rec.toks), self.model.ctx)
+            seq.accept(tok, lp, top, len(rec.toks), self.positions)
         except Exception as e:  # noqa: BLE001 - a grammar that refuses the token fails this sequence
             seq.finish("abort")
             self._leave(rec)
@@ -526,7 +454,7 @@ class Scheduler:
             self._leave(rec)
         rec.handle._notify()
 
-    def _record_sampler(self, batch, rec: _Seq, row: int | None = None) -> None:
+    def _record_sampler(self, batch, rec: SeqRecord, row: int | None = None) -> None:
         """rec's slot sampler on its logits, its result to rec.slot's place in `results`; with `row`,
         its token also into the decode input ids' row `row` (the next step's input, decode_ahead)."""
         slot = self.slots[rec.slot]

@@ -1,0 +1,110 @@
+"""One generation in the batch scheduler (pipelines/scheduler.py): the scheduler's record of a
+sequence (SeqRecord: its tokens, slot, place in the pool, recomputation state) and the caller's
+handle (BatchSequence: the pipeline's request-level interface, each step a wait for the scheduler).
+Standard library only."""
+from __future__ import annotations
+
+import asyncio
+import itertools
+
+from ..config import GenerationConfig
+from .stats import RequestStats, now
+
+_ids = itertools.count()
+
+
+class SeqRecord:
+    """The scheduler's record of one sequence."""
+
+    def __init__(self, handle: "BatchSequence", prompt: list[int], gen: GenerationConfig, slot: int):
+        self.id = next(_ids)
+        self.handle, self.gen, self.slot = handle, gen, slot
+        self.seq = handle.seq
+        self.toks = list(prompt)          # tokens whose KV the next decode step needs
+        self.in_pool = False
+        self.decoding = False             # past its prompt: feeds seq.last_token each step
+        self.sample_at_end = True         # the prompt's last chunk samples (not a recomputation)
+        self.cancelled = False
+        self.t_prefill = None
+        self.prompt_len = len(prompt)     # rows a prefill computes; the rest, decode steps
+        self.replay: int | None = None    # after a preemption: the next decoded row computed again
+
+    # A preempted sequence computes its rows again as they were computed: the prompt's by prefill, the
+    # decoded ones by decode steps that feed its own tokens and sample nothing (replay), so its
+    # later tokens are those of a run never preempted, bit for bit.
+    def prefill_end(self) -> int:
+        return self.prompt_len if self.replay is not None else len(self.toks)
+
+    def next_pos(self) -> int:
+        return self.replay if self.replay is not None else len(self.toks)
+
+    def feed_token(self) -> int:
+        return self.toks[self.replay] if self.replay is not None else self.seq.last_token
+
+    def start_decoding(self, pos: int) -> None:
+        self.decoding = True
+        if self.replay is not None:
+            self.replay = pos if pos < len(self.toks) else None
+
+
+class BatchSequence:
+    """One generation served by the scheduler, with the pipeline's request-level interface."""
+
+    def __init__(self, sched):              # the Scheduler (pipelines/scheduler.py)
+        self._sched = sched
+        self.seq = None
+        self._rec: SeqRecord | None = None
+        self._event = asyncio.Event()
+        self.error: BaseException | None = None
+
+    stopped = property(lambda self: self.seq is not None and self.seq.stopped)
+    finish_reason = property(lambda self: self.seq.finish_reason if self.seq else None)
+    stop_str = property(lambda self: self.seq.stop_str if self.seq else None)
+    token_logprobs = property(lambda self: self.seq.token_logprobs if self.seq else [])
+    output_ids = property(lambda self: self.seq.output_ids if self.seq else [])
+
+    async def prefill_step(self, messages, gen: GenerationConfig, prompt: str | None = None) -> None:
+        pipe = self._sched.pipe
+        req = RequestStats(t_start=now(), breakdown=gen.latency_breakdown)
+        ids = await pipe.prompt_tokens(messages, gen, prompt, req=req)
+        self.seq = pipe.new_sequence(gen, req, raw=prompt is not None)
+        req.prompt_tokens = len(ids)
+        self._rec = self._sched.add(self, ids, gen)
+        await self._wait()
+
+    async def decode_step(self) -> None:
+        self._sched.taken(self)
+        if self.seq is None or self.seq.stopped:
+            return
+        await self._wait()
+
+    async def _wait(self) -> None:
+        await self._event.wait()
+        self._event.clear()
+        if self.error is not None:
+            raise self.error
+
+    def _notify(self, error: BaseException | None = None) -> None:
+        if error is not None and self.error is None:
+            self.error = error
+        self._sched.handed.add(self)
+        self._event.set()
+
+    def take_delta(self) -> str:
+        return self.seq.take_delta() if self.seq else ""
+
+    def get_message(self) -> str:
+        return self.seq.get_message() if self.seq else ""
+
+    def usage(self) -> dict:
+        return self.seq.usage() if self.seq else {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+
+    def interrupt(self) -> None:
+        if self.seq is not None:
+            self.seq.interrupted = True
+
+    def close(self) -> None:
+        """The caller is done (finished, failed or gone): the sequence leaves the batch."""
+        self._sched.taken(self)
+        if self._rec is not None:
+            self._sched.cancel(self._rec)
