@@ -323,3 +323,24 @@ def test_olmo2_matches_transformers(device, tmp_path, fmt):
     projections (q heads of different scales: a per-head norm gives other logits), GQA 4 : 2."""
     ref = _ref("olmo2")
     check_golden(device, _tiny_files(tmp_path, "olmo2", fmt, ref["dims"]), ref)
+
+
+# --------------------------------------------------------------------------- StableLM 2
+@pytest.mark.parametrize("fmt", ["safetensors", "gguf"])
+def test_stablelm_matches_transformers(device, tmp_path, fmt):
+    """stablelm-2-zephyr-1_6b's layer: LayerNorms with biases (before attention, before the FFN, at
+    the end), q/k/v biases, partial rotary 0.25 (4 of 16 dims), GQA 4 : 2."""
+    ref = _ref("stablelm")
+    check_golden(device, _tiny_files(tmp_path, "stablelm", fmt, ref["dims"]), ref)
+
+
+@pytest.mark.parametrize("key", ["qk_layernorm", "use_parallel_residual"])
+def test_stablelm_12b_options_refused_by_name(tmp_path, key):
+    """The options only StableLM 2 12B sets are refused by their names, never run as the 1.6B layer."""
+    import tinyfamilies
+    from webgpu_engine.errors import UnsupportedModelError
+    folder = tinyfamilies.write_tiny_stablelm_safetensors(tmp_path / "stablelm", seed=1)["folder"]
+    c = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**c, key: True}))
+    with pytest.raises(UnsupportedModelError, match=key):
+        open_model(folder)

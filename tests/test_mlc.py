@@ -19,7 +19,8 @@ from cache_server import FileServer
 from decoder_runner import DecoderRunner
 from ref_llama import RefLlama
 from test_references import _folder_files, fake_hf_repo
-from tinyfamilies import write_tiny_gemma_safetensors, write_tiny_olmo2_safetensors, write_tiny_phi3_safetensors
+from tinyfamilies import (write_tiny_gemma_safetensors, write_tiny_olmo2_safetensors, write_tiny_phi3_safetensors,
+                          write_tiny_stablelm_safetensors)
 from tinymodels import _to_bf16_bits, write_tiny_llama_safetensors
 from webgpu_engine import errors as E
 from webgpu_engine.cli import main
@@ -184,7 +185,7 @@ def mlc_from_hf(hf_folder, folder, model_type: str) -> None:
     _write_shards(folder, params)
     c = json.loads((hf_folder / "config.json").read_text())
     c.pop("architectures", None)
-    if "rope_theta" in c and not qwen:
+    if "rope_theta" in c and not qwen and model_type != "stablelm":      # MLC's StableLmConfig keeps it
         c["position_embedding_base"] = c.pop("rope_theta")
     if model_type != "phi3" and "max_position_embeddings" in c:
         c["context_window_size"] = c.pop("max_position_embeddings")
@@ -298,6 +299,7 @@ _FAMILY_WRITERS = {
                                                      attn_softcap=50.0, final_softcap=30.0),
     "gemma3": lambda p: write_tiny_gemma_safetensors(p, arch="gemma3", seed=4, sliding_window=24),
     "olmo2": lambda p: write_tiny_olmo2_safetensors(p, seed=4),
+    "stablelm": lambda p: write_tiny_stablelm_safetensors(p, seed=4),
 }
 
 

@@ -10,6 +10,7 @@ import numpy as np
 
 import tinymodels as tm
 from webgpu_engine.loaders.model_config import LlamaConfig
+from webgpu_engine.models.family_stablelm import HF_STABLELM_TO_OURS
 
 
 def _tokenizer_files(folder: Path, tokens, merges, d: dict) -> None:
@@ -35,14 +36,17 @@ def _write_hf(folder: Path, tensors: dict, config: dict, tokens, merges, d: dict
     _tokenizer_files(folder, tokens, merges, d)
 
 
-def _gguf_writer(path, arch: str, d: dict, tokens, merges, rot_dim: int):
+def _gguf_writer(path, arch: str, d: dict, tokens, merges, rot_dim: int, layer_norm: bool = False):
+    """A GGUFWriter with the shared keys and the tokenizer written (`layer_norm`: the norms' epsilon as
+    LayerNorm families write it, attention.layer_norm_epsilon)."""
     import gguf
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name(f"tiny-{arch}")
     w.add_context_length(d["context_length"]); w.add_embedding_length(d["hidden_size"])
     w.add_block_count(d["n_layers"]); w.add_feed_forward_length(d["ffn_size"])
     w.add_head_count(d["n_heads"]); w.add_head_count_kv(d["n_kv_heads"])
-    w.add_rope_freq_base(d["rope_base"]); w.add_layer_norm_rms_eps(d["rms_eps"])
+    w.add_rope_freq_base(d["rope_base"])
+    (w.add_layer_norm_eps if layer_norm else w.add_layer_norm_rms_eps)(d["rms_eps"])
     w.add_rope_dimension_count(rot_dim); w.add_vocab_size(len(tokens))
     w.add_tokenizer_model("gpt2"); w.add_tokenizer_pre("smollm")
     w.add_token_list(tokens); w.add_token_types([3, 3, 3] + [1] * (len(tokens) - 3))
@@ -288,3 +292,56 @@ def write_tiny_olmo2_gguf(path, seed: int = 0, **dims) -> dict:
             g.add_tensor(f"blk.{i}.{table[part]}.weight", a)
     _finish(g)
     return dict(path=Path(path), weights=w)
+
+
+# ============================================================================ StableLM 2
+def _stablelm(seed: int, partial_rotary: float, dims: dict):
+    d = tm._dims(**dims)
+    tokens, merges = tm.tiny_bpe_vocab(d["vocab_size"], "smollm")
+    d["vocab_size"] = len(tokens)
+    w = tm._hf_weights(d, "qwen2", seed)                  # q/k/v biases
+    rng = np.random.default_rng(seed + 400)
+    for name in [n for n in w if n.endswith("norm")]:     # LayerNorm biases of O(0.3): they matter
+        w[name + "_bias"] = (0.3 * rng.standard_normal(d["hidden_size"])).astype(np.float32)
+    return d, tokens, merges, w, int(d["head_dim"] * partial_rotary)
+
+
+def write_tiny_stablelm_safetensors(folder, seed: int = 0, partial_rotary: float = 0.25, **dims) -> dict:
+    """An HF StableLmForCausalLM folder as stablelm-2-zephyr-1_6b is configured: LayerNorms with
+    biases, use_qkv_bias, partial rotary 0.25, no qk_layernorm, no parallel residual."""
+    folder = Path(folder)
+    d, tokens, merges, w, rot = _stablelm(seed, partial_rotary, dims)
+    table = {v: k for k, v in HF_STABLELM_TO_OURS.items()}
+    hf = {}
+    for name, a in w.items():
+        if name.startswith("layers."):
+            _, i, part = name.split(".")
+            hf[table["layers.{i}." + part].replace("{i}", i)] = a
+        else:
+            hf[table[name]] = a
+    config = {"architectures": ["StableLmForCausalLM"], "model_type": "stablelm", "hidden_act": "silu",
+              "use_qkv_bias": True, "qk_layernorm": False, "use_parallel_residual": False,
+              "partial_rotary_factor": partial_rotary, "layer_norm_eps": d["rms_eps"],
+              "attention_dropout": 0.0, "hidden_dropout": 0.0}
+    _write_hf(folder, hf, config, tokens, merges, d)
+    return dict(folder=folder, weights=w, rot_dim=rot)
+
+
+def write_tiny_stablelm_gguf(path, seed: int = 0, partial_rotary: float = 0.25, **dims) -> dict:
+    """The same model as llama.cpp's converter writes it (arch stablelm): attn_norm / ffn_norm /
+    output_norm with .bias, q/k/v biases, rope.dimension_count the rotated dims, layer_norm_epsilon,
+    q/k rows unpermuted."""
+    d, tokens, merges, w, rot = _stablelm(seed, partial_rotary, dims)
+    g = _gguf_writer(path, "stablelm", d, tokens, merges, rot, layer_norm=True)
+    table = {"embed": "token_embd.weight", "norm": "output_norm.weight", "norm_bias": "output_norm.bias",
+             "lm_head": "output.weight"}
+    for name, a in w.items():
+        if name.startswith("layers."):
+            _, i, part = name.split(".")
+            base = {"attn_norm": "attn_norm", "ffn_norm": "ffn_norm", "q": "attn_q", "k": "attn_k", "v": "attn_v",
+                    "o": "attn_output", "gate": "ffn_gate", "up": "ffn_up", "down": "ffn_down"}[part.removesuffix("_bias")]
+            g.add_tensor(f"blk.{i}.{base}.{'bias' if part.endswith('_bias') else 'weight'}", a)
+        else:
+            g.add_tensor(table[name], a)
+    _finish(g)
+    return dict(path=Path(path), weights=w, rot_dim=rot)

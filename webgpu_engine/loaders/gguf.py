@@ -34,9 +34,11 @@ _SCALAR = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "
 GGUF_TO_OURS = {
     "token_embd.weight": "embed",                    # (vocab, hidden)
     "output_norm.weight": "norm",                    # (hidden,)
+    "output_norm.bias": "norm_bias",                 # LayerNorm families (StableLM)
     "output.weight": "lm_head",                      # (vocab, hidden); absent when tied
     "rope_freqs.weight": "rope_freqs",               # llama-3.1 rope scaling factors (rot_dim/2,)
     "blk.{i}.attn_norm.weight": "layers.{i}.attn_norm",
+    "blk.{i}.attn_norm.bias": "layers.{i}.attn_norm_bias",
     "blk.{i}.attn_q.weight": "layers.{i}.q",         # (n_heads*head_dim, hidden)
     "blk.{i}.attn_k.weight": "layers.{i}.k",         # (n_kv_heads*head_dim, hidden)
     "blk.{i}.attn_v.weight": "layers.{i}.v",
@@ -49,6 +51,7 @@ GGUF_TO_OURS = {
     "blk.{i}.attn_output.weight": "layers.{i}.o",    # (hidden, n_heads*head_dim)
     "blk.{i}.attn_output.bias": "layers.{i}.o_bias",
     "blk.{i}.ffn_norm.weight": "layers.{i}.ffn_norm",
+    "blk.{i}.ffn_norm.bias": "layers.{i}.ffn_norm_bias",
     "blk.{i}.post_attention_norm.weight": "layers.{i}.post_attn_norm",  # Gemma 2/3 (1 + w stored)
     "blk.{i}.post_ffw_norm.weight": "layers.{i}.post_ffn_norm",
     "blk.{i}.ffn_gate.weight": "layers.{i}.gate",    # (ffn, hidden)

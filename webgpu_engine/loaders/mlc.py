@@ -20,10 +20,10 @@ negating a float is exact. q4f16_1 becomes GGUF's q4_0 (f16 d); q4f32_1 becomes 
 f32 d (kernels/qtypes.py). The repack moves nibbles (numpy where installed, else the standard library's
 byte operations). Other quantisations (q3f16_1, q4f16_0's KN layout, AWQ, fp8) are refused by name.
 
-Families: llama, mistral, qwen2, qwen3, phi3, gemma, gemma2, gemma3 / gemma3_text, olmo2 (MLC stores q|k|v
-as `qkv_proj` / Qwen's `c_attn` and gate|up as `gate_up_proj`: split into our q, k, v, gate, up on
-load by the model, as Phi-3's; Gemma's norms hold 1 + w, Gemma 1's names are Llama's, and Gemma 3's
-start `language_model.`).
+Families: llama, mistral, qwen2, qwen3, phi3, gemma, gemma2, gemma3 / gemma3_text, olmo2, stablelm (MLC
+stores q|k|v as `qkv_proj` / Qwen's `c_attn` and gate|up as `gate_up_proj`: split into our q, k, v,
+gate, up on load by the model, as Phi-3's; Gemma's norms hold 1 + w, Gemma 1's and StableLM's names
+are Llama's (StableLM's LayerNorms with their biases), and Gemma 3's start `language_model.`).
 """
 from __future__ import annotations
 
@@ -85,7 +85,8 @@ _OLMO2_NAMES = {**{k: v for k, v in _LLAMA_NAMES.items() if not v.endswith("_nor
 MODEL_TYPES = {"llama": ("llama", _LLAMA_NAMES), "mistral": ("mistral", _LLAMA_NAMES),
                "qwen2": ("qwen2", _QWEN_NAMES), "qwen3": ("qwen3", _QWEN_NAMES), "phi3": ("phi3", _PHI3_NAMES),
                "gemma": ("gemma", _LLAMA_NAMES), "gemma2": ("gemma2", _GEMMA_NAMES), "gemma3": ("gemma3", _GEMMA_NAMES),
-               "gemma3_text": ("gemma3", _GEMMA_NAMES), "olmo2": ("olmo2", _OLMO2_NAMES)}
+               "gemma3_text": ("gemma3", _GEMMA_NAMES), "olmo2": ("olmo2", _OLMO2_NAMES),
+               "stablelm": ("stablelm", _LLAMA_NAMES)}
 _PREFIX = "language_model."          # MLC's Gemma 3 names its text model so
 _LAYER = re.compile(r"^(.*?)\.(\d+)\.(.+)$")
 _PARTS = ("q_weight", "q_scale", "weight", "bias")

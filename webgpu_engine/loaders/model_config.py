@@ -16,7 +16,8 @@ class LlamaConfig:
     embeddings times sqrt(C), norms after attention and FFN too, soft-capped scores and logits,
     sliding windows on every other layer; Gemma 3 = Gemma 2 + q/k norms, 5 local : 1 global
     layers with their own rope base, no soft-capping; OLMo-2 = Llama with post norms instead of
-    pre norms and q/k norms over the whole projections).
+    pre norms and q/k norms over the whole projections; StableLM 2 = Llama with LayerNorms (with
+    biases), q/k/v biases and partial rotary).
 
     `rope_neox` says which dimensions rope rotates together in a head of size `rot_dim`:
     False: adjacent pairs (2i, 2i+1) — GGUF llama/mistral, whose q/k rows llama.cpp's converter
@@ -43,6 +44,8 @@ class LlamaConfig:
     qk_norm_whole: bool = False        # OLMo-2: the q / k norms span the whole projection (q_norm (Hq D,),
     #                                    k_norm (Hkv D,)), not each head
     pre_norms: bool = True             # rms_norm of x before attention and FFN (OLMo-2: none, post norms only)
+    norm: str = "rms"                  # the pre norms and the final norm: "rms", or "layer": LayerNorm with a
+    #                                    bias (StableLM; eps rms_eps)
     bos_id: int | None = None
     eos_ids: list[int] = field(default_factory=list)
     # sliding-window attention: a query at position p sees keys p-sliding_window+1..p (Mistral v0.1,
@@ -88,6 +91,8 @@ class LlamaConfig:
             self.head_dim = self.hidden_size // self.n_heads
         if self.rot_dim <= 0:
             self.rot_dim = self.head_dim
+        if self.norm not in ("rms", "layer"):
+            raise ValueError(f"norm must be rms or layer, got {self.norm!r}")
         if self.act not in ("silu", "gelu_tanh"):
             raise ValueError(f"act must be silu or gelu_tanh, got {self.act!r}")
         if self.n_heads % self.n_kv_heads:

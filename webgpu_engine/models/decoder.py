@@ -2,7 +2,8 @@
 
     x = embed(ids) (* sqrt(C): Gemma)                          # (T, C)
     for each layer:
-        h = rms_norm(x), or h = x (OLMo-2: no pre norms)       # (T, C)
+        h = rms_norm(x), or LayerNorm(x) (StableLM),
+            or h = x (OLMo-2: no pre norms)                    # (T, C)
         qkv = h · Wqkvᵀ (+ bias)                               # (T, Hq + 2 Hkv, D), Q|K|V fused
         q, k = rms_norm(q head), rms_norm(k head)              # Qwen3, Gemma 3
         q, k = rms_norm(q), rms_norm(k) over Hq D, Hkv D       # OLMo-2
@@ -11,10 +12,10 @@
                                                                # window where the layer has one,
                                                                # Gemma 2's capped scores
         x += a, or x += rms_norm(a) (Gemma, OLMo-2)            # residual fused in the matmul
-        h = rms_norm(x), or h = x (OLMo-2)
+        h = rms_norm(x), LayerNorm(x), or h = x
         f = (act(h · Wgateᵀ) * (h · Wupᵀ)) · Wdownᵀ            # gate|up fused: (T, 2F); act SiLU or GELU-tanh
         x += f, or x += rms_norm(f) (Gemma, OLMo-2)
-    logits = rms_norm(x) · Wheadᵀ                              # the last row, or every row
+    logits = rms_norm(x) (or LayerNorm(x)) · Wheadᵀ            # the last row, or every row
     logits = cap * tanh(logits / cap)                          # Gemma 2
 
 Two things vary, and each is a parameter, never a copy of the recipe:
@@ -78,15 +79,17 @@ class FusionPlan:
         fused_rope = fused_rope and "qkv" not in points
         if not decode:
             return cls(rope_kv=(False,) * n, gate_out=(False,) * n)
+        rms = cfg.norm == "rms"              # the fused paths fold RMSNorms only
         return cls(
-            norm_in_matmul=cfg.pre_norms and all(mm.fusable(dev, 1, w) for L in layers
-                                                 for w in (L.qkv, L.gate_up)),
+            norm_in_matmul=rms and cfg.pre_norms and all(mm.fusable(dev, 1, w) for L in layers
+                                                         for w in (L.qkv, L.gate_up)),
             gate_in_down="ffn" not in points and all(mm.fusable(dev, 1, L.down, silu=True) and not L.gate_pairs
                                                      for L in layers),
-            res_norm=cfg.hidden_size % 32 == 0 and not cfg.post_norms and mm.default_config(dev).res_norm and all(
+            res_norm=rms and cfg.hidden_size % 32 == 0 and not cfg.post_norms and mm.default_config(dev).res_norm
+            and all(
                 mm.epilogue_ok(dev, w.qtype, w.n, w.k) and len(w.bufs) == 1
                 for L in layers for w in (L.o, L.down)),
-            head_norm_in_matmul=mm.fusable(dev, 1, lm_head),
+            head_norm_in_matmul=rms and mm.fusable(dev, 1, lm_head),
             # adjacent-pair rope only, and a head of whole vec4s; q/k norms come between the
             # matmul and RoPE, so those layers keep the separate rope_kv kernel
             rope_kv=tuple(fused_rope and not cfg.rope_neox and cfg.head_dim % 4 == 0 and L.qk_norm is None
@@ -180,7 +183,7 @@ def forward(m, kv: KVAccess, T: int, mode: str, *, with_head: bool = True,
             ops.append(mm.matmul(dev, x, L.qkv, qkv2, bias=L.qkv_bias, norm=(L.attn_norm, eps), rope_kv=rope,
                                  **flags))
         else:
-            ops.append(nn.rms_norm(dev, x, L.attn_norm, h, eps=eps))
+            ops.append(_norm(m, x, L.attn_norm, L.attn_norm_bias, h))
             ops.append(mm.matmul(dev, h, L.qkv, qkv2, bias=L.qkv_bias, rope_kv=rope, **flags))
         if L.qk_norm is not None and c.qk_norm_whole:   # q, k = rms_norm of each projection (before RoPE)
             ops.append(nn.proj_rms_norm(dev, qkv2, L.qk_norm, q_dim=c.q_dim, k_dim=c.kv_dim, eps=eps))
@@ -213,7 +216,7 @@ def forward(m, kv: KVAccess, T: int, mode: str, *, with_head: bool = True,
         elif plan.norm_in_matmul:
             ops.append(mm.matmul(dev, x, L.gate_up, out, norm=(L.ffn_norm, eps), **gate))
         else:
-            ops.append(nn.rms_norm(dev, x, L.ffn_norm, h, eps=eps))
+            ops.append(_norm(m, x, L.ffn_norm, L.ffn_norm_bias, h))
             ops.append(mm.matmul(dev, h, L.gate_up, out, **gate))
         # x += (act(gate) * up) · Wdownᵀ (the next layer's norm stored beside when res_norm),
         # act(gate) * up computed by the down matmul itself (gate_in_down), by the gate_up
@@ -239,6 +242,13 @@ def forward(m, kv: KVAccess, T: int, mode: str, *, with_head: bool = True,
     return ops
 
 
+def _norm(m, x: Tensor, w: Tensor, b: Tensor | None, y: Tensor) -> Op:
+    """y = rms_norm(x) * w, or LayerNorm(x) * w + b where the family's norms are LayerNorms."""
+    if m.cfg.norm == "layer":
+        return nn.layer_norm(m.dev, x, w, b, y, eps=m.cfg.rms_eps)
+    return nn.rms_norm(m.dev, x, w, y, eps=m.cfg.rms_eps)
+
+
 def row_heads(m, kv: KVAccess, T: int, outs: list[Tensor]) -> list[Op]:
     """The LM head of each of T PREFILL rows into outs[r] (1, V), every row as a one-row prefill's
     head computes its last row (speculative decoding checks its guesses with these)."""
@@ -261,10 +271,10 @@ def _head(m, kv: KVAccess, T: int, mode: str, plan: FusionPlan, row: int | None 
         ops = [mm.matmul(dev, m.x.view((T, C)), m.lm_head, logits, norm=(m.final_norm, eps), **flags)]
     elif mode == ROWS:
         h = m.h.view((T, C))
-        ops = [nn.rms_norm(dev, m.x.view((T, C)), m.final_norm, h, eps=eps),
+        ops = [_norm(m, m.x.view((T, C)), m.final_norm, m.final_norm_bias, h),
                mm.matmul(dev, h, m.lm_head, logits, **flags)]
     else:                                    # the last row only: one row whatever T
-        ops = [nn.rms_norm(dev, m.x.view((1, C), r * C), m.final_norm, m.last, eps=eps),
+        ops = [_norm(m, m.x.view((1, C), r * C), m.final_norm, m.final_norm_bias, m.last),
                mm.matmul(dev, m.last, m.lm_head, logits, **kv.head_flags)]
     if c.final_softcap:                      # Gemma 2
         ops.append(nn.softcap(dev, logits, logits, c.final_softcap))

@@ -50,6 +50,8 @@ class LlamaLayer:
     #                                    (Hq D + Hkv D,) over the whole projections (OLMo-2)
     post_attn_norm: Tensor | None = None  # (C,) f32: Gemma's norms of the attention / FFN outputs
     post_ffn_norm: Tensor | None = None
+    attn_norm_bias: Tensor | None = None  # (C,) f32: LayerNorm's biases (cfg.norm "layer": StableLM)
+    ffn_norm_bias: Tensor | None = None
 
 
 def _floats(t) -> list:
@@ -219,6 +221,8 @@ class LlamaModel:
         self.lm_head = self.embed if c.tie_embeddings or "lm_head" not in weights \
             else mat(["lm_head"], "lm_head")                                     # (V, C)
         self.final_norm = norm(["norm"], "norm")                                  # (C,)
+        layer_norm = c.norm == "layer"                    # LayerNorms have biases
+        self.final_norm_bias = vec(["norm_bias"], "norm_bias") if layer_norm else None
         self.layers: list[LlamaLayer] = []
         for i in range(c.n_layers):
             p = f"layers.{i}."
@@ -235,7 +239,9 @@ class LlamaModel:
                 o_bias=vec([p + "o_bias"], p + "o_bias") if p + "o_bias" in weights else None,
                 qk_norm=norm([p + "q_norm", p + "k_norm"], p + "qk_norm") if c.qk_norm else None,
                 post_attn_norm=norm([p + "post_attn_norm"], p + "post_attn_norm") if c.post_norms else None,
-                post_ffn_norm=norm([p + "post_ffn_norm"], p + "post_ffn_norm") if c.post_norms else None))
+                post_ffn_norm=norm([p + "post_ffn_norm"], p + "post_ffn_norm") if c.post_norms else None,
+                attn_norm_bias=vec([p + "attn_norm_bias"], p + "attn_norm_bias") if layer_norm else None,
+                ffn_norm_bias=vec([p + "ffn_norm_bias"], p + "ffn_norm_bias") if layer_norm else None))
             if progress:
                 progress((i + 1) / c.n_layers, f"uploaded layer {i + 1}/{c.n_layers}")
 
