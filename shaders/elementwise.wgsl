@@ -10,6 +10,7 @@
 //   scale:    y[i] = a[i] * f            (f: the float in p.f0; Gemma's embedding times sqrt(C))
 //   softcap:  y[i] = f * tanh(a[i] / f)  (Gemma 2's final logit soft-capping)
 //   gelu:     y[i] = 0.5 * a[i] * (1 + erf(a[i] / sqrt(2)))
+//   gelu_tanh: y[i] = gelu_tanh(a[i])   (Phi's dense FFN: gelu_new)
 //   gelu_mul: y[t,f] = gelu(a[t,f]) * a[t,F+f]   (a is (T, 2F) [input | gate], cols = F: GeGLU)
 //   tanh_act: y[i] = tanh(a[i])   (the pooler / classification head of BERT cross-encoders)
 // dispatch (ceil(n/64) split over x,y), workgroup 64. Outputs are written with put / put_bias (y) and put_u (yu),
@@ -74,6 +75,11 @@ fn erfc_pos(z: fv) -> fv {
     return t * exp(-z * z + poly);
 }
 
+// GELU's tanh form: 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3)))
+fn gelu_tanh_f(g: fv) -> fv {
+    return 0.5 * g * one_plus_tanh(0.7978845608028654 * (g + 0.044715 * g * g * g));
+}
+
 // 0.5 v (1 + erf(v/sqrt2)), with 1 + erf(v/sqrt2) = erfc(-v/sqrt2) taken directly for v < 0, so
 // no cancellation there
 fn gelu_f(v: fv) -> fv {
@@ -99,7 +105,7 @@ fn glu(i: u32, act: u32) {
     switch act {
         // exp(-g) overflows to inf for g < -88: g / inf = -0, the right limit
         case SILU: { y = g / (1.0 + exp(-g)) * u; }
-        case GELU_TANH: { y = 0.5 * g * one_plus_tanh(0.7978845608028654 * (g + 0.044715 * g * g * g)) * u; }
+        case GELU_TANH: { y = gelu_tanh_f(g) * u; }
         default: { y = gelu_f(g) * u; }
     }
     put_u(p.y_off + i, av(y));
@@ -140,6 +146,14 @@ fn gelu(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
     let i = elem_index(wid, nwg, lid);
     if (i >= p.n) { return; }
     put_u(p.y_off + i, av(gelu_f(fv(a[p.a_off + i]))));
+}
+
+@compute @workgroup_size(64)
+fn gelu_tanh(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+             @builtin(local_invocation_index) lid: u32) {
+    let i = elem_index(wid, nwg, lid);
+    if (i >= p.n) { return; }
+    put_u(p.y_off + i, av(gelu_tanh_f(fv(a[p.a_off + i]))));
 }
 
 @compute @workgroup_size(64)

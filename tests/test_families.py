@@ -344,3 +344,20 @@ def test_stablelm_12b_options_refused_by_name(tmp_path, key):
     (folder / "config.json").write_text(json.dumps({**c, key: True}))
     with pytest.raises(UnsupportedModelError, match=key):
         open_model(folder)
+
+
+# --------------------------------------------------------------------------- Phi-1 / 1.5 / 2
+@pytest.mark.parametrize("fmt", ["safetensors", "gguf"])
+def test_phi_matches_transformers(device, tmp_path, fmt):
+    """Attention and a dense GELU-tanh FFN in parallel off one LayerNorm, biases on q/k/v, dense,
+    fc1, fc2, the norms and the LM head, partial rotary 0.5 (8 of 16 dims), GQA 4 : 2."""
+    ref = _ref("phi")
+    check_golden(device, _tiny_files(tmp_path, "phi", fmt, ref["dims"]), ref)
+
+
+def test_phi_gguf_with_fused_qkv_matches_transformers(device, tmp_path):
+    """An older phi2 GGUF (attn_qkv weight and bias, from the msft layout) is the same model."""
+    import tinyfamilies
+    ref = _ref("phi")
+    path = tinyfamilies.write_tiny_phi_gguf(tmp_path / "phi.gguf", fused_qkv=True, **ref["dims"])["path"]
+    check_golden(device, path, ref)

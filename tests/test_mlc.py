@@ -20,7 +20,7 @@ from decoder_runner import DecoderRunner
 from ref_llama import RefLlama
 from test_references import _folder_files, fake_hf_repo
 from tinyfamilies import (write_tiny_gemma_safetensors, write_tiny_olmo2_safetensors, write_tiny_phi3_safetensors,
-                          write_tiny_stablelm_safetensors)
+                          write_tiny_phi_safetensors, write_tiny_stablelm_safetensors)
 from tinymodels import _to_bf16_bits, write_tiny_llama_safetensors
 from webgpu_engine import errors as E
 from webgpu_engine.cli import main
@@ -152,6 +152,14 @@ def _write_shards(folder, params: dict) -> None:
         "md5sum": hashlib.md5(blob).hexdigest(), "records": recs}]}))
 
 
+_PHI_MLC = {"model.embed_tokens.": "transformer.embd.", "model.final_layernorm.": "lm_head.ln.",
+            "lm_head.weight": "lm_head.linear.weight", "lm_head.bias": "lm_head.linear.bias",
+            "input_layernorm.": "ln.", "self_attn.qkv_proj.": "mixer.Wqkv.", "self_attn.dense.": "mixer.out_proj.",
+            "model.layers.": "transformer.h."}
+# MLC's PhiConfig names of config.json's fields
+_PHI_MLC_CONFIG = {"hidden_size": "n_embd", "num_hidden_layers": "n_layer", "num_attention_heads": "n_head",
+                   "num_key_value_heads": "n_head_kv", "intermediate_size": "n_inner",
+                   "layer_norm_eps": "layer_norm_epsilon"}
 _PHI3_MLC = {"model.embed_tokens.": "transformer.embd.", "model.norm.": "transformer.norm.",
              "input_layernorm.": "ln.", "self_attn.qkv_proj.": "mixer.qkv_proj.", "self_attn.o_proj.": "mixer.out_proj.",
              "model.layers.": "transformer.h."}
@@ -176,8 +184,8 @@ def mlc_from_hf(hf_folder, folder, model_type: str) -> None:
                 t[name.replace(first, f".{group}.{fused}.")] = np.concatenate([t.pop(n) for n in names])
     for name, a in t.items():
         mlc = name
-        if model_type == "phi3":
-            for a_, b_ in _PHI3_MLC.items():
+        if model_type in ("phi3", "phi"):
+            for a_, b_ in (_PHI3_MLC if model_type == "phi3" else _PHI_MLC).items():
                 mlc = mlc.replace(a_, b_)
         if gemma and name.endswith("norm.weight"):
             a = (a + np.float32(1)).astype(np.float32)
@@ -189,6 +197,9 @@ def mlc_from_hf(hf_folder, folder, model_type: str) -> None:
         c["position_embedding_base"] = c.pop("rope_theta")
     if model_type != "phi3" and "max_position_embeddings" in c:
         c["context_window_size"] = c.pop("max_position_embeddings")
+    if model_type == "phi":                     # MLC's PhiConfig (from_phi1): its own field names
+        c = {_PHI_MLC_CONFIG.get(k, k): v for k, v in c.items()}
+        c["rotary_dim"] = int(c.pop("partial_rotary_factor") * c["n_embd"] // c["n_head"])
     if model_type == "gemma":                   # MLC's GemmaConfig field, from config.json's hidden_act
         c["hidden_activation"] = c.pop("hidden_act")
     if model_type not in ("gemma2", "phi3") and "sliding_window" in c:
@@ -300,6 +311,7 @@ _FAMILY_WRITERS = {
     "gemma3": lambda p: write_tiny_gemma_safetensors(p, arch="gemma3", seed=4, sliding_window=24),
     "olmo2": lambda p: write_tiny_olmo2_safetensors(p, seed=4),
     "stablelm": lambda p: write_tiny_stablelm_safetensors(p, seed=4),
+    "phi": lambda p: write_tiny_phi_safetensors(p, seed=4),
 }
 
 
@@ -313,7 +325,7 @@ def test_family_names_and_config_as_hf(tiny, family):
     mlc_from_hf(hf, tiny["root"] / f"mlc-{family}", family)
     a, b = open_model(hf), open_model(tiny["root"] / f"mlc-{family}")
     try:
-        assert a.arch.name == b.arch.name == (family if family != "gemma3" else "gemma3")
+        assert a.arch.name == b.arch.name == {"phi": "phi2"}.get(family, family)
         ca, cb = dataclasses.asdict(a.config), dataclasses.asdict(b.config)
         plus_one = ca.pop("norm_plus_one")
         assert cb.pop("norm_plus_one") is False and plus_one == family.startswith("gemma")
@@ -536,7 +548,7 @@ def test_webllm_catalogue_ids_resolve(tiny, tmp_path, monkeypatch, capsys):
     rows = {r["model_id"]: r for r in json.loads(capsys.readouterr().out)}
     assert rows["Llama-3.2-1B-Instruct-q4f16_1-MLC"]["loads"] and rows["Qwen3-0.6B-q4f32_1-MLC"]["loads"]
     assert rows["Llama-3-70B-Instruct-q3f16_1-MLC"]["refused"] == "quantization 'q3f16_1'"
-    assert not rows["phi-2-q4f16_1-MLC"]["loads"] and rows["gemma-2-2b-it-q4f16_1-MLC"]["family"] == "gemma2"
+    assert rows["phi-2-q4f16_1-MLC"]["loads"] and rows["gemma-2-2b-it-q4f16_1-MLC"]["family"] == "gemma2"
     assert rows["gemma-2b-it-q4f16_1-MLC"]["loads"] and rows["gemma-2b-it-q4f32_1-MLC-1k"]["family"] == "gemma"
     # Qwen3.5 is a hybrid of linear and full attention, not Qwen 3: refused by its own name until it runs
     assert rows["Qwen3.5-0.8B-q4f16_1-MLC"]["refused"] == "model_type 'qwen3_5'"

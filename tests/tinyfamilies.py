@@ -345,3 +345,65 @@ def write_tiny_stablelm_gguf(path, seed: int = 0, partial_rotary: float = 0.25, 
             g.add_tensor(table[name], a)
     _finish(g)
     return dict(path=Path(path), weights=w, rot_dim=rot)
+
+
+# ============================================================================ Phi-1 / 1.5 / 2
+def _phi(seed: int, partial_rotary: float, dims: dict):
+    d = tm._dims(**dims)
+    tokens, merges = tm.tiny_bpe_vocab(d["vocab_size"], "smollm")
+    d["vocab_size"] = len(tokens)
+    w = {n: a for n, a in tm._hf_weights(d, "qwen2", seed).items() if not n.endswith(("gate", "ffn_norm"))}
+    rng = np.random.default_rng(seed + 500)
+    C, F, V = d["hidden_size"], d["ffn_size"], d["vocab_size"]
+    for name, n in [("norm_bias", C), ("lm_head_bias", V)] + [
+            (f"layers.{i}.{b}", n) for i in range(d["n_layers"])
+            for b, n in (("attn_norm_bias", C), ("o_bias", C), ("up_bias", F), ("down_bias", C))]:
+        w[name] = (0.3 * rng.standard_normal(n)).astype(np.float32)
+    return d, tokens, merges, w, int(d["head_dim"] * partial_rotary)
+
+
+def write_tiny_phi_safetensors(folder, seed: int = 0, partial_rotary: float = 0.5, hidden_act: str = "gelu_new",
+                               **dims) -> dict:
+    """An HF PhiForCausalLM folder (phi-1_5 / phi-2's layout): one LayerNorm feeding the attention and
+    the dense fc1 -> GELU -> fc2 FFN in parallel, biases on q/k/v, dense, fc1, fc2 and the LM head
+    (all of O(0.3)), final_layernorm, partial rotary 0.5."""
+    from webgpu_engine.models.family_phi import HF_PHI_TO_OURS
+    folder = Path(folder)
+    d, tokens, merges, w, rot = _phi(seed, partial_rotary, dims)
+    table = {v: k for k, v in HF_PHI_TO_OURS.items()}
+    hf = {}
+    for name, a in w.items():
+        layer = name.split(".")
+        hf[table["layers.{i}." + layer[2]].replace("{i}", layer[1]) if layer[0] == "layers" else table[name]] = a
+    config = {"architectures": ["PhiForCausalLM"], "model_type": "phi", "hidden_act": hidden_act,
+              "partial_rotary_factor": partial_rotary, "layer_norm_eps": d["rms_eps"], "qk_layernorm": False,
+              "attention_dropout": 0.0, "embd_pdrop": 0.0, "resid_pdrop": 0.0}
+    _write_hf(folder, hf, config, tokens, merges, d)
+    return dict(folder=folder, weights=w, rot_dim=rot)
+
+
+def write_tiny_phi_gguf(path, seed: int = 0, partial_rotary: float = 0.5, fused_qkv: bool = False,
+                        **dims) -> dict:
+    """The same model as llama.cpp's converter writes a PhiForCausalLM (arch phi2): attn_norm,
+    attn_q/k/v, attn_output, ffn_up, ffn_down, output_norm and output each with its .bias,
+    rope.dimension_count the rotated dims, layer_norm_epsilon, q/k rows unpermuted. `fused_qkv`:
+    attn_qkv (weight and bias), as it converted the older msft layout (mixer.Wqkv)."""
+    d, tokens, merges, w, rot = _phi(seed, partial_rotary, dims)
+    g = _gguf_writer(path, "phi2", d, tokens, merges, rot, layer_norm=True)
+    file_w = dict(w)
+    if fused_qkv:
+        for i in range(d["n_layers"]):
+            p = f"layers.{i}."
+            for end in ("", "_bias"):
+                g.add_tensor(f"blk.{i}.attn_qkv.{'bias' if end else 'weight'}",
+                             np.concatenate([file_w.pop(p + part + end) for part in "qkv"]))
+    top = {"embed": "token_embd", "norm": "output_norm", "lm_head": "output"}
+    layer = {"attn_norm": "attn_norm", "q": "attn_q", "k": "attn_k", "v": "attn_v", "o": "attn_output",
+             "up": "ffn_up", "down": "ffn_down"}
+    for name, a in file_w.items():
+        parts = name.split(".")
+        base = parts[-1].removesuffix("_bias")
+        gguf_name = f"blk.{parts[1]}.{layer[base]}" if parts[0] == "layers" else top[base]
+        g.add_tensor(f"{gguf_name}.{'bias' if name.endswith('_bias') else 'weight'}", a)
+    _finish(g)
+    return dict(path=Path(path), weights=w, rot_dim=rot)

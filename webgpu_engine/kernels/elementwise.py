@@ -1,5 +1,5 @@
 """Host functions of the elementwise kernels (shaders/elementwise.wgsl): add, bias_add, the gated
-activations (silu_mul, GeGLU), scale, softcap, gelu and tanh. Activations are bound read_write, so
+activations (silu_mul, GeGLU), scale, softcap, gelu (erf and tanh forms) and tanh. Activations are bound read_write, so
 an output may alias an input.
 """
 from __future__ import annotations
@@ -99,6 +99,11 @@ def gelu_mul(dev: Device, x: Tensor, y: Tensor) -> Op:
 def gelu(dev: Device, x: Tensor, y: Tensor) -> Op:
     """y = 0.5 x (1 + erf(x / sqrt 2)) (the exact, erf form of GELU, as BERT uses)."""
     return _unary_f(dev, "gelu", x, y, 0.0)
+
+
+def gelu_tanh(dev: Device, x: Tensor, y: Tensor) -> Op:
+    """y = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) (GELU's tanh form: Phi's gelu_new)."""
+    return _unary_f(dev, "gelu_tanh", x, y, 0.0)
 
 
 def tanh(dev: Device, x: Tensor, y: Tensor) -> Op:

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 from .attention import (_MAX_LANE_DIMS, _attn_header, _heads_per_lane, attention, attention_bidir,  # noqa: F401
                         decode_splits, flash_attention)
-from .elementwise import (_unary_f, _unary_op, add, bias_add, gelu, gelu_mul, scale, silu_mul,  # noqa: F401
-                          softcap, tanh)
+from .elementwise import (_unary_f, _unary_op, add, bias_add, gelu, gelu_mul, gelu_tanh, scale,  # noqa: F401
+                          silu_mul, softcap, tanh)
 from .nn_base import (MAX_WG, WG, _WRITERS, _act, _grid, _op, _qkv_heads, _rows_cols, _step_entry,  # noqa: F401
                       _store, _vec_entry, _vec_header, _width, _window)
 from .norm import head_rms_norm, layer_norm, proj_rms_norm, rms_norm  # noqa: F401
@@ -31,6 +31,6 @@ from .pooling import (_pool, _pool_header, cls_pool, l2_normalize, last_pool, ma
 from .rope import _rope_op, kv_write, rope, rope_frequencies, rope_kv  # noqa: F401
 
 __all__ = ["rms_norm", "head_rms_norm", "proj_rms_norm", "layer_norm", "add", "bias_add", "silu_mul", "scale", "softcap",
-           "gelu", "rope", "rope_kv",
+           "gelu", "gelu_tanh", "rope", "rope_kv",
            "kv_write", "attention", "attention_bidir", "mean_pool", "cls_pool", "max_pool",
            "l2_normalize", "decode_splits"]

@@ -46,10 +46,14 @@ def tanh(x: np.ndarray) -> np.ndarray:
     return np.tanh(x.astype(np.float64)).astype(np.float32)
 
 
+def gelu_tanh(x: np.ndarray) -> np.ndarray:
+    g = x.astype(np.float64)
+    return (0.5 * g * (1 + np.tanh(math.sqrt(2 / math.pi) * (g + 0.044715 * g ** 3)))).astype(np.float32)
+
+
 def gelu_tanh_mul(gate_up: np.ndarray) -> np.ndarray:
     f = gate_up.shape[-1] // 2
-    g, u = gate_up[..., :f].astype(np.float64), gate_up[..., f:].astype(np.float64)
-    return (0.5 * g * (1 + np.tanh(math.sqrt(2 / math.pi) * (g + 0.044715 * g ** 3))) * u).astype(np.float32)
+    return (gelu_tanh(gate_up[..., :f]).astype(np.float64) * gate_up[..., f:].astype(np.float64)).astype(np.float32)
 
 
 def gelu_mul(x: np.ndarray) -> np.ndarray:

@@ -36,6 +36,7 @@ GGUF_TO_OURS = {
     "output_norm.weight": "norm",                    # (hidden,)
     "output_norm.bias": "norm_bias",                 # LayerNorm families (StableLM)
     "output.weight": "lm_head",                      # (vocab, hidden); absent when tied
+    "output.bias": "lm_head_bias",                   # Phi-2
     "rope_freqs.weight": "rope_freqs",               # llama-3.1 rope scaling factors (rot_dim/2,)
     "blk.{i}.attn_norm.weight": "layers.{i}.attn_norm",
     "blk.{i}.attn_norm.bias": "layers.{i}.attn_norm_bias",

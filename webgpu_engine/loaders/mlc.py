@@ -20,10 +20,12 @@ negating a float is exact. q4f16_1 becomes GGUF's q4_0 (f16 d); q4f32_1 becomes 
 f32 d (kernels/qtypes.py). The repack moves nibbles (numpy where installed, else the standard library's
 byte operations). Other quantisations (q3f16_1, q4f16_0's KN layout, AWQ, fp8) are refused by name.
 
-Families: llama, mistral, qwen2, qwen3, phi3, gemma, gemma2, gemma3 / gemma3_text, olmo2, stablelm (MLC
+Families: llama, mistral, qwen2, qwen3, phi3, gemma, gemma2, gemma3 / gemma3_text, olmo2, stablelm, phi (MLC
 stores q|k|v as `qkv_proj` / Qwen's `c_attn` and gate|up as `gate_up_proj`: split into our q, k, v,
 gate, up on load by the model, as Phi-3's; Gemma's norms hold 1 + w, Gemma 1's and StableLM's names
-are Llama's (StableLM's LayerNorms with their biases), and Gemma 3's start `language_model.`).
+are Llama's (StableLM's LayerNorms with their biases), Gemma 3's start `language_model.`, and Phi-1/2's
+are the msft layout's (`transformer.h.*.mixer.Wqkv`, the final norm in `lm_head.ln`) with its config's
+names (n_embd, rotary_dim, ...)).
 """
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ from pathlib import Path
 from ..errors import ModelFormatError, UnsupportedModelError
 from .gguf import _as_buffer
 from .model_config import LlamaConfig
-from .tensor_info import TensorInfo, tensor_nbytes
+from .tensor_info import TensorInfo, split_fused, tensor_nbytes
 
 CHAT_CONFIG = "mlc-chat-config.json"
 CACHE_FILES = ("tensor-cache.json", "ndarray-cache.json")
@@ -76,6 +78,17 @@ _GEMMA_NAMES = {**{k: v for k, v in _QWEN_NAMES.items() if "c_attn" not in k and
                 "model.layers.{i}.post_attention_layernorm": "layers.{i}.post_attn_norm",
                 "model.layers.{i}.pre_feedforward_layernorm": "layers.{i}.ffn_norm",
                 "model.layers.{i}.post_feedforward_layernorm": "layers.{i}.post_ffn_norm"}
+# Phi-1 / 1.5 / 2 (MLC's PhiForCausalLM, the msft layout): the final LayerNorm sits in `lm_head.ln`
+_PHI_NAMES = {
+    "transformer.embd": "embed", "lm_head.ln": "norm", "lm_head.linear": "lm_head",
+    "transformer.h.{i}.ln": "layers.{i}.attn_norm", "transformer.h.{i}.mixer.Wqkv": "layers.{i}.qkv",
+    "transformer.h.{i}.mixer.out_proj": "layers.{i}.o", "transformer.h.{i}.mlp.fc1": "layers.{i}.up",
+    "transformer.h.{i}.mlp.fc2": "layers.{i}.down",
+}
+# MLC's PhiConfig field -> config.json's (rotary_dim becomes partial_rotary_factor)
+_PHI_CONFIG = {"n_embd": "hidden_size", "n_layer": "num_hidden_layers", "n_head": "num_attention_heads",
+               "n_head_kv": "num_key_value_heads", "n_inner": "intermediate_size",
+               "layer_norm_epsilon": "layer_norm_eps", "n_positions": "max_position_embeddings"}
 # OLMo 2: norms of the attention and FFN outputs only, q / k norms over the whole projections
 _OLMO2_NAMES = {**{k: v for k, v in _LLAMA_NAMES.items() if not v.endswith("_norm")},
                 "model.layers.{i}.self_attn.q_norm": "layers.{i}.q_norm",
@@ -86,7 +99,7 @@ MODEL_TYPES = {"llama": ("llama", _LLAMA_NAMES), "mistral": ("mistral", _LLAMA_N
                "qwen2": ("qwen2", _QWEN_NAMES), "qwen3": ("qwen3", _QWEN_NAMES), "phi3": ("phi3", _PHI3_NAMES),
                "gemma": ("gemma", _LLAMA_NAMES), "gemma2": ("gemma2", _GEMMA_NAMES), "gemma3": ("gemma3", _GEMMA_NAMES),
                "gemma3_text": ("gemma3", _GEMMA_NAMES), "olmo2": ("olmo2", _OLMO2_NAMES),
-               "stablelm": ("stablelm", _LLAMA_NAMES)}
+               "stablelm": ("stablelm", _LLAMA_NAMES), "phi": ("phi2", _PHI_NAMES)}
 _PREFIX = "language_model."          # MLC's Gemma 3 names its text model so
 _LAYER = re.compile(r"^(.*?)\.(\d+)\.(.+)$")
 _PARTS = ("q_weight", "q_scale", "weight", "bias")
@@ -257,6 +270,10 @@ class MLCArtifact:
         if isinstance(c.get("kwargs"), dict):               # fields MLC's config class kept aside
             c = {**c.pop("kwargs"), **c}
         c["model_type"] = self.model_type
+        if self.model_type == "phi":                        # MLC runs GELU's tanh form whatever the source said
+            c = {**{_PHI_CONFIG.get(k, k): v for k, v in c.items()}, "hidden_act": "gelu_new"}
+            if c.get("rotary_dim") and c.get("hidden_size") and c.get("num_attention_heads"):
+                c["partial_rotary_factor"] = c["rotary_dim"] / (c["hidden_size"] // c["num_attention_heads"])
         if c.get("position_embedding_base"):
             c["rope_theta"] = c["position_embedding_base"]
         ctx = int(c.get("context_window_size") or cc.get("context_window_size") or 0)
@@ -402,21 +419,13 @@ class RepackedQ4(TensorInfo):
 
 
 def _split_biases(w: dict, cfg: LlamaConfig) -> dict:
-    """`layers.i.qkv_bias` (Qwen's c_attn bias) as q_bias | k_bias | v_bias."""
-    out = dict(w)
-    for name, t in w.items():
-        if not name.endswith(".qkv_bias"):
-            continue
-        p = name[:-len("qkv_bias")]
-        size = t.nbytes // t.numel
-        a, b = cfg.q_dim * size, (cfg.q_dim + cfg.kv_dim) * size
-        if t.numel != cfg.q_dim + 2 * cfg.kv_dim:
-            raise ModelFormatError(f"{t.name}: {t.numel} values, expected {cfg.q_dim + 2 * cfg.kv_dim}")
-        del out[name]
-        for part, lo, hi, n in (("q_bias", 0, a, cfg.q_dim), ("k_bias", a, b, cfg.kv_dim),
-                                ("v_bias", b, t.nbytes, cfg.kv_dim)):
-            out[p + part] = TensorInfo(f"{t.name}.{part}", t.qtype, (n,), t.data[lo:hi], t.offset + lo)
-    return out
+    """`layers.i.qkv_bias` (Qwen's c_attn bias, Phi's Wqkv bias) as q_bias | k_bias | v_bias."""
+    biases = {n: t for n, t in w.items() if n.endswith(".qkv_bias")}
+    try:
+        split = split_fused(biases, cfg.q_dim, cfg.kv_dim, cfg.ffn_size)
+    except ValueError as e:
+        raise ModelFormatError(f"{e}, expected q {cfg.q_dim} | k {cfg.kv_dim} | v {cfg.kv_dim}") from e
+    return {**{n: t for n, t in w.items() if n not in biases}, **split}
 
 
 # byte -> its low / high nibble q as 15 - q, in the low or the high half of a byte (repack_q4)

@@ -17,7 +17,8 @@ class LlamaConfig:
     sliding windows on every other layer; Gemma 3 = Gemma 2 + q/k norms, 5 local : 1 global
     layers with their own rope base, no soft-capping; OLMo-2 = Llama with post norms instead of
     pre norms and q/k norms over the whole projections; StableLM 2 = Llama with LayerNorms (with
-    biases), q/k/v biases and partial rotary).
+    biases), q/k/v biases and partial rotary; Phi-1/2 = attention and a dense GELU FFN in parallel off
+    one LayerNorm, biases on every projection and the LM head).
 
     `rope_neox` says which dimensions rope rotates together in a head of size `rot_dim`:
     False: adjacent pairs (2i, 2i+1) — GGUF llama/mistral, whose q/k rows llama.cpp's converter
@@ -45,7 +46,11 @@ class LlamaConfig:
     #                                    k_norm (Hkv D,)), not each head
     pre_norms: bool = True             # rms_norm of x before attention and FFN (OLMo-2: none, post norms only)
     norm: str = "rms"                  # the pre norms and the final norm: "rms", or "layer": LayerNorm with a
-    #                                    bias (StableLM; eps rms_eps)
+    #                                    bias (StableLM, Phi; eps rms_eps)
+    # attention and FFN both off the layer's input, x += attn(n1(x)) + ffn(n2(x)): 0 no (x += attn first),
+    # 1 with one norm (n2 = n1: Phi, no ffn_norm), 2 with two (GPT-NeoX)
+    parallel_norms: int = 0
+    ffn_gated: bool = True             # act(gate) * up; False: a dense FFN act(x · Wupᵀ + b) · Wdownᵀ + b (Phi)
     bos_id: int | None = None
     eos_ids: list[int] = field(default_factory=list)
     # sliding-window attention: a query at position p sees keys p-sliding_window+1..p (Mistral v0.1,
@@ -63,7 +68,8 @@ class LlamaConfig:
     rope_original_context: int = 0
     rope_attn_factor: float = 1.0
     # Gemma 2 / 3
-    act: str = "silu"                  # FFN gate activation: "silu", or "gelu_tanh" (GeGLU)
+    act: str = "silu"                  # FFN gate activation: "silu", or "gelu_tanh" (GeGLU); a dense FFN's:
+    #                                    "gelu_tanh" or "gelu" (erf)
     embed_scale: float = 1.0           # x = embed[ids] * embed_scale (Gemma: sqrt(hidden_size))
     post_norms: bool = False           # rms_norm of the attention and FFN outputs before each residual add
     norm_plus_one: bool = False        # norm weights stored as w, applied as 1 + w (HF Gemma; GGUF adds the 1)
@@ -93,8 +99,12 @@ class LlamaConfig:
             self.rot_dim = self.head_dim
         if self.norm not in ("rms", "layer"):
             raise ValueError(f"norm must be rms or layer, got {self.norm!r}")
-        if self.act not in ("silu", "gelu_tanh"):
-            raise ValueError(f"act must be silu or gelu_tanh, got {self.act!r}")
+        acts = ("silu", "gelu_tanh") if self.ffn_gated else ("gelu_tanh", "gelu")
+        if self.act not in acts:
+            raise ValueError(f"act of a {'gated' if self.ffn_gated else 'dense'} FFN must be one of {acts}, "
+                             f"got {self.act!r}")
+        if self.parallel_norms not in (0, 1, 2):
+            raise ValueError(f"parallel_norms must be 0, 1 or 2, got {self.parallel_norms!r}")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}")
         if self.rot_dim % 2 or self.rot_dim > self.head_dim:

@@ -71,17 +71,33 @@ def split_rows(t: TensorInfo, sizes: list[int], names: list[str]) -> list[Tensor
     return out
 
 
+def split_vector(t: TensorInfo, sizes: list[int], names: list[str]) -> list[TensorInfo]:
+    """Slices of a vector (a bias) as TensorInfos of sizes[i] values each: zero-copy views."""
+    if sum(sizes) != t.numel:
+        raise ValueError(f"{t.name}: {t.numel} values do not split into {sizes}")
+    size, out, a = t.nbytes // t.numel, [], 0
+    for n, name in zip(sizes, names):
+        out.append(TensorInfo(name, t.qtype, (n,), t.data[a * size:(a + n) * size], t.offset + a * size))
+        a += n
+    return out
+
+
 def split_fused(weights: dict, q_rows: int, kv_rows: int, ffn: int) -> dict:
     """Our names with fused matrices split (Phi-3 files store q|k|v as `layers.i.qkv` and gate|up as
-    `layers.i.gate_up`, in GGUF as an `up` of 2*ffn rows without a `gate`): the model sees the
-    separate q, k, v, gate and up every family has."""
+    `layers.i.gate_up`, in GGUF as an `up` of 2*ffn rows without a `gate`; a q|k|v bias,
+    `layers.i.qkv_bias`, in Qwen's MLC artifacts and older Phi-2 GGUFs): the model sees the separate
+    q, k, v, gate and up every family has."""
     out = dict(weights)
     for name, t in weights.items():
         parts = name.split(".")
         if len(parts) != 3 or parts[0] != "layers":
             continue
         p = f"layers.{parts[1]}."
-        if parts[2] == "qkv":
+        if parts[2] == "qkv_bias":
+            del out[name]
+            out.update(zip((p + "q_bias", p + "k_bias", p + "v_bias"),
+                           split_vector(t, [q_rows, kv_rows, kv_rows], [name + ".q", name + ".k", name + ".v"])))
+        elif parts[2] == "qkv":
             del out[name]
             out.update(zip((p + "q", p + "k", p + "v"),
                            split_rows(t, [q_rows, kv_rows, kv_rows], [name + ".q", name + ".k", name + ".v"])))

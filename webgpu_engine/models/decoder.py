@@ -12,10 +12,12 @@
                                                                # window where the layer has one,
                                                                # Gemma 2's capped scores
         x += a, or x += rms_norm(a) (Gemma, OLMo-2)            # residual fused in the matmul
-        h = rms_norm(x), LayerNorm(x), or h = x
+        h = rms_norm(x), LayerNorm(x), or h = x                # parallel layers (Phi, GPT-NeoX): the
+                                                               # norm(s) of the layer's input, before x += a
         f = (act(h · Wgateᵀ) * (h · Wupᵀ)) · Wdownᵀ            # gate|up fused: (T, 2F); act SiLU or GELU-tanh
+          or act(h · Wupᵀ + b) · Wdownᵀ + b                    # dense (Phi, GPT-NeoX): GELU, tanh or erf
         x += f, or x += rms_norm(f) (Gemma, OLMo-2)
-    logits = rms_norm(x) (or LayerNorm(x)) · Wheadᵀ            # the last row, or every row
+    logits = rms_norm(x) (or LayerNorm(x)) · Wheadᵀ (+ b)      # the last row, or every row
     logits = cap * tanh(logits / cap)                          # Gemma 2
 
 Two things vary, and each is a parameter, never a copy of the recipe:
@@ -83,7 +85,7 @@ class FusionPlan:
         return cls(
             norm_in_matmul=rms and cfg.pre_norms and all(mm.fusable(dev, 1, w) for L in layers
                                                          for w in (L.qkv, L.gate_up)),
-            gate_in_down="ffn" not in points and all(mm.fusable(dev, 1, L.down, silu=True) and not L.gate_pairs
+            gate_in_down="ffn" not in points and cfg.ffn_gated and all(mm.fusable(dev, 1, L.down, silu=True) and not L.gate_pairs
                                                      for L in layers),
             res_norm=rms and cfg.hidden_size % 32 == 0 and not cfg.post_norms and mm.default_config(dev).res_norm
             and all(
@@ -200,16 +202,21 @@ def forward(m, kv: KVAccess, T: int, mode: str, *, with_head: bool = True,
         ops.append(kv.attention(i, qkv, attn, T, mode, spec))
         if "attn" in points:
             ops += points["attn"](m, i, attn, T)
+        if c.parallel_norms == 2:            # GPT-NeoX: h = the FFN's norm of the layer's input
+            ops.append(_norm(m, x, L.ffn_norm, L.ffn_norm_bias, h))
         if L.post_attn_norm is not None:     # x += rms_norm(attn · Woᵀ)
             ops += [mm.matmul(dev, attn, L.o, h, bias=L.o_bias, **flags),
                     nn.rms_norm(dev, h, L.post_attn_norm, h, eps=eps), nn.add(dev, x, h, x)]
         else:
             ops.append(mm.matmul(dev, attn, L.o, x, bias=L.o_bias, accumulate=True, **flags,
                                  norm_out=mm.NormOut(L.ffn_norm, h, part) if plan.res_norm else None))
-        # h = rms_norm(x); gu = h · [Wgate | Wup]ᵀ, or act(gate) * up stored by the matmul
-        out = ffn if plan.gate_out[i] else gu
-        gate = {"silu_out": plan.gate_out[i], "gate_act": c.act, **flags}
-        if not c.pre_norms:
+        # h = rms_norm(x); gu = h · [Wgate | Wup]ᵀ, or act(gate) * up stored by the matmul; a dense
+        # FFN's h · Wupᵀ + b
+        out = ffn if plan.gate_out[i] or not c.ffn_gated else gu
+        gate = {"silu_out": plan.gate_out[i], "gate_act": c.act, **flags} if c.ffn_gated else flags
+        if c.parallel_norms:                 # h holds the norm of the layer's input (above)
+            ops.append(mm.matmul(dev, h, L.gate_up, out, bias=L.up_bias, **gate))
+        elif not c.pre_norms:
             ops.append(mm.matmul(dev, x, L.gate_up, out, **gate))
         elif plan.res_norm:
             ops.append(mm.matmul(dev, h, L.gate_up, out, rms_from=rms, **gate))
@@ -217,7 +224,7 @@ def forward(m, kv: KVAccess, T: int, mode: str, *, with_head: bool = True,
             ops.append(mm.matmul(dev, x, L.gate_up, out, norm=(L.ffn_norm, eps), **gate))
         else:
             ops.append(_norm(m, x, L.ffn_norm, L.ffn_norm_bias, h))
-            ops.append(mm.matmul(dev, h, L.gate_up, out, **gate))
+            ops.append(mm.matmul(dev, h, L.gate_up, out, bias=L.up_bias, **gate))
         # x += (act(gate) * up) · Wdownᵀ (the next layer's norm stored beside when res_norm),
         # act(gate) * up computed by the down matmul itself (gate_in_down), by the gate_up
         # matmul (gate_out) or by its own kernel
@@ -225,7 +232,9 @@ def forward(m, kv: KVAccess, T: int, mode: str, *, with_head: bool = True,
             ffn_in, fused = gu, {"silu": True, "gate_act": c.act, **flags}
         else:
             ffn_in, fused = ffn, flags
-            if not plan.gate_out[i]:
+            if not c.ffn_gated:              # f = act(f) in place
+                ops.append((nn.gelu_tanh if c.act == "gelu_tanh" else nn.gelu)(dev, ffn, ffn))
+            elif not plan.gate_out[i]:
                 ops.append(nn.silu_mul(dev, gu, ffn, pairs=L.gate_pairs, act=c.act))      # (T, F)
             if "ffn" in points:
                 ops += points["ffn"](m, i, ffn, T)
@@ -234,7 +243,7 @@ def forward(m, kv: KVAccess, T: int, mode: str, *, with_head: bool = True,
                     nn.rms_norm(dev, h, L.post_ffn_norm, h, eps=eps), nn.add(dev, x, h, x)]
         else:
             nxt = mm.NormOut(norms_after[i], h, part) if plan.res_norm else None
-            ops.append(mm.matmul(dev, ffn_in, L.down, x, accumulate=True, norm_out=nxt, **fused))
+            ops.append(mm.matmul(dev, ffn_in, L.down, x, bias=L.down_bias, accumulate=True, norm_out=nxt, **fused))
     if with_head:
         n_body = len(ops)
         ops += _head(m, kv, T, mode, plan)
@@ -258,24 +267,24 @@ def row_heads(m, kv: KVAccess, T: int, outs: list[Tensor]) -> list[Op]:
 
 def _head(m, kv: KVAccess, T: int, mode: str, plan: FusionPlan, row: int | None = None,
           out: Tensor | None = None) -> list[Op]:
-    """logits = rms_norm(x) · Wheadᵀ (+ soft-cap): every row in ROWS mode, else the last row (or
+    """logits = rms_norm(x) · Wheadᵀ (+ b) (+ soft-cap): every row in ROWS mode, else the last row (or
     row `row`, into `out`)."""
-    c, dev, eps, C = m.cfg, m.dev, m.cfg.rms_eps, m.cfg.hidden_size
+    c, dev, eps, C, b = m.cfg, m.dev, m.cfg.rms_eps, m.cfg.hidden_size, m.lm_head_bias
     logits = out if out is not None else kv.logits_for(T if mode == ROWS else 1)
     r = T - 1 if row is None else row
     flags = row_flags(kv, mode) if mode == ROWS else {}
     if plan.res_norm:                        # h = x * g_final
-        ops = [mm.matmul(dev, m.h.view((T, C)), m.lm_head, logits, rms_from=(m.part.view((T * C // 4,)), eps),
-                         **flags)]
+        ops = [mm.matmul(dev, m.h.view((T, C)), m.lm_head, logits, bias=b,
+                         rms_from=(m.part.view((T * C // 4,)), eps), **flags)]
     elif plan.head_norm_in_matmul:
-        ops = [mm.matmul(dev, m.x.view((T, C)), m.lm_head, logits, norm=(m.final_norm, eps), **flags)]
+        ops = [mm.matmul(dev, m.x.view((T, C)), m.lm_head, logits, bias=b, norm=(m.final_norm, eps), **flags)]
     elif mode == ROWS:
         h = m.h.view((T, C))
         ops = [_norm(m, m.x.view((T, C)), m.final_norm, m.final_norm_bias, h),
-               mm.matmul(dev, h, m.lm_head, logits, **flags)]
+               mm.matmul(dev, h, m.lm_head, logits, bias=b, **flags)]
     else:                                    # the last row only: one row whatever T
         ops = [_norm(m, m.x.view((1, C), r * C), m.final_norm, m.final_norm_bias, m.last),
-               mm.matmul(dev, m.last, m.lm_head, logits, **kv.head_flags)]
+               mm.matmul(dev, m.last, m.lm_head, logits, bias=b, **kv.head_flags)]
     if c.final_softcap:                      # Gemma 2
         ops.append(nn.softcap(dev, logits, logits, c.final_softcap))
     points = family_ops(c)

@@ -41,7 +41,8 @@ class LlamaLayer:
     qkv: mm.QWeight                    # (Hq*D + 2*Hkv*D, C): q | k | v rows
     o: mm.QWeight                      # (C, Hq*D)
     ffn_norm: Tensor | None            # (C,) f32
-    gate_up: mm.QWeight                # (2F, C): gate | up, or their rows in pairs (gate_pairs)
+    gate_up: mm.QWeight                # (2F, C): gate | up, or their rows in pairs (gate_pairs); (F, C): up
+    #                                    alone in a dense FFN (cfg.ffn_gated False)
     gate_pairs: bool                   # gate / up rows interleaved: a decode matmul can store act(g)*u
     down: mm.QWeight                   # (C, F)
     qkv_bias: Tensor | None = None     # (Hq*D + 2*Hkv*D,) f32: Qwen2
@@ -52,6 +53,8 @@ class LlamaLayer:
     post_ffn_norm: Tensor | None = None
     attn_norm_bias: Tensor | None = None  # (C,) f32: LayerNorm's biases (cfg.norm "layer": StableLM)
     ffn_norm_bias: Tensor | None = None
+    up_bias: Tensor | None = None      # (F,) f32: a dense FFN's biases (Phi)
+    down_bias: Tensor | None = None    # (C,) f32
 
 
 def _floats(t) -> list:
@@ -196,6 +199,8 @@ class LlamaModel:
                                     sum(p.n for p in parts), parts[0].k, owner=own, label=label)
 
         def gate_up(p):
+            if not c.ffn_gated:                           # a dense FFN: up alone
+                return mat([p + "up"], p + "up"), False
             # rows interleaved in pairs when the decode matmul can store act(gate) * up itself
             g, u = get(p + "gate"), get(p + "up")
             if g.qtype == u.qtype and g.n == u.n and g.n % 2 == 0 and \
@@ -223,6 +228,11 @@ class LlamaModel:
         self.final_norm = norm(["norm"], "norm")                                  # (C,)
         layer_norm = c.norm == "layer"                    # LayerNorms have biases
         self.final_norm_bias = vec(["norm_bias"], "norm_bias") if layer_norm else None
+
+        def bias(name):                                   # an optional bias vector
+            return vec([name], name) if name in weights else None
+        self.lm_head_bias = bias("lm_head_bias")                                  # (V,): Phi
+        ffn_norm = c.pre_norms and c.parallel_norms != 1  # Phi's FFN shares the attention's norm
         self.layers: list[LlamaLayer] = []
         for i in range(c.n_layers):
             p = f"layers.{i}."
@@ -231,17 +241,17 @@ class LlamaModel:
                 attn_norm=norm([p + "attn_norm"], p + "attn_norm") if c.pre_norms else None,
                 qkv=mat([p + "q", p + "k", p + "v"], p + "qkv"),
                 o=mat([p + "o"], p + "o"),
-                ffn_norm=norm([p + "ffn_norm"], p + "ffn_norm") if c.pre_norms else None,
+                ffn_norm=norm([p + "ffn_norm"], p + "ffn_norm") if ffn_norm else None,
                 gate_up=gu, gate_pairs=pairs,
                 down=mat([p + "down"], p + "down"),
                 qkv_bias=vec([p + "q_bias", p + "k_bias", p + "v_bias"], p + "qkv_bias")
                 if p + "q_bias" in weights else None,
-                o_bias=vec([p + "o_bias"], p + "o_bias") if p + "o_bias" in weights else None,
+                o_bias=bias(p + "o_bias"), up_bias=bias(p + "up_bias"), down_bias=bias(p + "down_bias"),
                 qk_norm=norm([p + "q_norm", p + "k_norm"], p + "qk_norm") if c.qk_norm else None,
                 post_attn_norm=norm([p + "post_attn_norm"], p + "post_attn_norm") if c.post_norms else None,
                 post_ffn_norm=norm([p + "post_ffn_norm"], p + "post_ffn_norm") if c.post_norms else None,
                 attn_norm_bias=vec([p + "attn_norm_bias"], p + "attn_norm_bias") if layer_norm else None,
-                ffn_norm_bias=vec([p + "ffn_norm_bias"], p + "ffn_norm_bias") if layer_norm else None))
+                ffn_norm_bias=vec([p + "ffn_norm_bias"], p + "ffn_norm_bias") if layer_norm and ffn_norm else None))
             if progress:
                 progress((i + 1) / c.n_layers, f"uploaded layer {i + 1}/{c.n_layers}")
 
