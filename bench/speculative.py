@@ -7,6 +7,7 @@ a file or folder); each answer runs to its end of sequence (at most --tokens), a
     python bench/speculative.py [--model PATH] [--tokens 192] [--k K ...] [--n 8] [--repeats 3]
                                 [--tasks T ...] [--ignore-eos] [--draft REF|self] [--out PATH]
     python bench/speculative.py --smoke [--model PATH] [--out PATH]
+    python bench/speculative.py --concurrent 4 [--tokens 192] [--repeats 3] [--k K] [--no-auto-off]
 
 For each task: decode tok/s of the default path (fused one-row kernels, no speculation), of one token
 per forward through the row-invariant kernels speculation checks with (`k 0`: what speculation
@@ -21,7 +22,10 @@ user gets it by default: how close to the fused path it stays where guessing doe
 --draft, the same runs with a draft model guessing (`self`: the model guesses itself, which shows
 the mechanics and the acceptance ceiling, not a speed-up).
 Prints a table and writes bench/results/speculative.json. --smoke: 8 tokens (past the end of
-sequence), k 2, one round (checks the script).
+sequence), k 2, one round (checks the script). --concurrent N: N copy-the-passage requests at once
+through continuous batching (speculation per sequence, pipelines/batch_speculation.py) against the
+same N without speculation: aggregate tok/s and whether every answer is the same
+(bench/results/speculative_concurrent.json).
 """
 from __future__ import annotations
 
@@ -174,6 +178,67 @@ async def main_async(a) -> dict:
             "tokens": a.tokens, "ignore_eos": a.ignore_eos, "repeats": a.repeats, "rows": rows}
 
 
+COPY_TASKS = ("quote", "rag_quote", "code_edit", "quote")      # --concurrent: copy-the-passage requests
+
+
+async def concurrent_async(a) -> dict:
+    """--concurrent N: N requests at once (the copy tasks in turn) through continuous batching, with
+    prompt-lookup speculation per sequence and without it, in the same run: aggregate tok/s (every
+    answer's tokens over the wall time of the N together), median of --repeats interleaved rounds
+    after one untimed; every speculative answer must equal the same request's without guesses."""
+    from webgpu_engine import cache, gpu
+    from webgpu_engine.engine import AsyncMLCEngine, EngineConfig, ModelRecord, default_app_config
+    dev = await gpu.request_device()
+    path = a.model or str(cache.default_model_path("SmolLM2-135M-Instruct-Q4_1"))
+    tasks = [TASKS[COPY_TASKS[i % len(COPY_TASKS)]] for i in range(a.concurrent)]
+    spec = {"method": "ngram", "n": a.n, "auto_off": not a.no_auto_off, **({"k": a.k[0]} if a.k else {})}
+    engines = {}
+    for name, extra in (("plain", {}), ("speculation", {"speculation": spec})):
+        mid = f"bench-{name}"
+        app = default_app_config().with_records(ModelRecord(mid, path, "llm"))
+        eng = AsyncMLCEngine(EngineConfig(device=dev, app_config=app))
+        await eng.reload(mid, {"context_window_size": 2048, "max_num_sequences": a.concurrent, **extra})
+        engines[name] = (eng, mid)
+
+    async def one(name, msgs):
+        eng, mid = engines[name]
+        r = await eng.chat.completions.create(model=mid, messages=msgs, temperature=0, max_tokens=a.tokens,
+                                              ignore_eos=a.ignore_eos)
+        return r.choices[0].message.content, r.usage.completion_tokens, r.usage.extra.model_dump()
+
+    async def together(name):
+        t0 = time.perf_counter()
+        res = await asyncio.gather(*[one(name, m) for m in tasks])
+        dt = time.perf_counter() - t0
+        return res, sum(n for _, n, _ in res) / dt
+
+    try:
+        for name in engines:                       # untimed: ops built, kernels warm
+            await together(name)
+        rounds = {name: [] for name in engines}
+        for _ in range(a.repeats):
+            for name in engines:
+                rounds[name].append(await together(name))
+        med = {name: sorted(rs, key=lambda r: r[1])[len(rs) // 2] for name, rs in rounds.items()}
+        plain, specd = med["plain"], med["speculation"]
+        ex = [e for _, _, e in specd[0]]
+        sched = engines["speculation"][0].models[engines["speculation"][1]].pipeline.scheduler
+        return {"adapter": dev.info.name, "platform": platform.platform(), "model": Path(path).name,
+                "concurrent": a.concurrent, "tokens": a.tokens, "repeats": a.repeats, "speculation": spec,
+                "k": sched.spec.spec.k, "rows_per_step": sched.fwd.max_rows,
+                "plain_tok_s": plain[1], "speculation_tok_s": specd[1], "speedup": specd[1] / plain[1],
+                "rounds_plain": [r[1] for r in rounds["plain"]],
+                "rounds_speculation": [r[1] for r in rounds["speculation"]],
+                "answers_equal": all(x[0] == y[0] for rs in (rounds["speculation"],) for r in rs
+                                     for x, y in zip(r[0], plain[0])),
+                "proposed": sum(e.get("speculation_proposed_tokens", 0) for e in ex),
+                "accepted": sum(e.get("speculation_accepted_tokens", 0) for e in ex),
+                "turned_off": sum(bool(e.get("speculation_turned_off")) for e in ex)}
+    finally:
+        for eng, _ in engines.values():
+            await eng.unload()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="a chat model file or folder (default: SmolLM2-135M-Instruct-Q4_1)")
@@ -188,10 +253,31 @@ def main() -> None:
     ap.add_argument("--draft", default=None, help="also speculate with this draft model (a file or folder; "
                     "self: the model itself)")
     ap.add_argument("--smoke", action="store_true", help="8 tokens, k 2, one round: checks the script")
-    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "speculative.json")
+    ap.add_argument("--concurrent", type=int, default=0, help="N copy-the-passage requests at once through "
+                    "continuous batching, with and without speculation (aggregate tok/s)")
+    ap.add_argument("--no-auto-off", action="store_true", help="--concurrent: speculation never turns itself off")
+    ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args()
     if a.smoke:
         a.tokens, a.k, a.repeats, a.ignore_eos = 8, [2], 1, True
+    if a.concurrent:
+        data = asyncio.run(concurrent_async(a))
+        print(f"{data['concurrent']} concurrent requests, {data['model']}, k {data['k']} "
+              f"({data['rows_per_step']} rows a step at most), {data['adapter']}")
+        print(f"{'':24} {'aggregate tok/s':>15}  rounds")
+        print(f"{'without speculation':24} {data['plain_tok_s']:15.2f}  "
+              + " ".join(f"{x:.2f}" for x in data["rounds_plain"]))
+        print(f"{'with speculation':24} {data['speculation_tok_s']:15.2f}  "
+              + " ".join(f"{x:.2f}" for x in data["rounds_speculation"]))
+        print(f"speed-up {data['speedup']:.2f}x; guesses kept {data['accepted']} of {data['proposed']}; "
+              f"answers equal: {data['answers_equal']}; turned off in {data['turned_off']} of "
+              f"{data['concurrent']} requests")
+        out = a.out or ROOT / "bench" / "results" / "speculative_concurrent.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(data, indent=2))
+        print(f"wrote {out}")
+        return
+    a.out = a.out or ROOT / "bench" / "results" / "speculative.json"
     data = asyncio.run(main_async(a))
     print(f"{'task':10} {'fused tok/s':>11} {'row-inv tok/s':>13} {'method':>14} {'k':>3} {'spec tok/s':>10} {'x fused':>7} "
           f"{'accept':>6} {'tok/fwd':>7} {'= row-inv':>9} {'= fused':>7}")

@@ -153,10 +153,30 @@ def test_decode_inputs_for_a_batch_step():
     assert got["positions"] == [8, 5, 0] and got["lens"] == [9, 6, 0]
     assert got["slots"] == [tb[2] * 4, ta[1] * 4 + 1, SKIP_SLOT]
     assert got["tables"] == tb + ta + [0] + [0, 0, 0]
-    with pytest.raises(ValueError, match="max_seqs"):
+    with pytest.raises(ValueError, match="exceed max_rows=1"):
         pool.decode_inputs(["a", "b"], max_seqs=1, max_blocks=3)
     with pytest.raises(ValueError, match="tables have 1"):
         pool.decode_inputs(["a"], max_seqs=1, max_blocks=1)
+
+
+def test_verify_rows_and_trim():
+    """A verify step: a sequence's rows at consecutive positions, each reading keys up to its own;
+    the rejected rows' blocks go back free, never below what the sequence wrote."""
+    pool = KVPool(8, 4)
+    _run(pool, "a", [1, 2, 3, 4, 5])          # 5 tokens: next at position 5
+    pool.reserve("a", 5 + 1 + 4)              # the fed token and 4 guesses: positions 5 .. 9, 3 blocks
+    ta = pool.block_table("a")
+    got = pool.decode_rows([("a", p) for p in range(5, 10)], 6, 3)
+    assert got["positions"] == [5, 6, 7, 8, 9, 0] and got["lens"] == [6, 7, 8, 9, 10, 0]
+    assert got["slots"] == [ta[1] * 4 + 1, ta[1] * 4 + 2, ta[1] * 4 + 3, ta[2] * 4, ta[2] * 4 + 1, SKIP_SLOT]
+    assert got["tables"] == ta * 5 + [0, 0, 0]
+    free = pool.n_free
+    pool.append_tokens("a", [6, 7], decoded=True)    # the fed token and one guess kept
+    pool.trim("a", 7 + 1)                     # room for the next token: 2 blocks
+    assert pool.block_table("a") == ta[:2] and pool.n_free == free + 1
+    pool.trim("a", 0)                         # never below the written tokens
+    assert pool.block_table("a") == ta[:2]
+    pool.check()
 
 
 # ----------------------------------------------------------------------------- properties

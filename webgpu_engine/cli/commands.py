@@ -170,7 +170,9 @@ SERVE_MAX_NUM_SEQUENCES = 0      # the server batches by default, as suits the d
 
 
 def _one_request(opts: dict) -> bool:
-    return bool(opts.get("speculation")) or (opts.get("sliding_window_size") or -1) > 0
+    spec = opts.get("speculation")
+    draft = isinstance(spec, dict) and spec.get("method") == "draft"
+    return draft or (opts.get("sliding_window_size") or -1) > 0
 
 
 def cmd_serve(args) -> int:
@@ -184,8 +186,8 @@ def cmd_serve(args) -> int:
     chat_opts = chat_opts_for(args, len(models)) or [None] * len(models)
     # a server has several users: chat models batch up to SERVE_MAX_NUM_SEQUENCES requests unless
     # --max-num-sequences / --chat-opts say otherwise (embedders ignore it)
-    # (speculation and a sliding window run on the one-request path: such a model serves one
-    # request at a time; context shifts run per sequence in the batch)
+    # (a draft model's speculation and a sliding window run on the one-request path: such a model
+    # serves one request at a time; prompt lookup and context shifts run per sequence in the batch)
     chat_opts = [{"max_num_sequences": 1 if _one_request(o or {}) else SERVE_MAX_NUM_SEQUENCES, **(o or {})}
                  for o in chat_opts]
     given = {k: getattr(args, k) for k in ("max_n", "max_stop", "max_logit_bias",

@@ -99,12 +99,12 @@ def _model_options(p, many: bool = False):
                         "as truncate, and a generation reaching the window drops the older half of its "
                         "context and goes on (per sequence, in the batch)" + each)
     g.add_argument("--speculation", choices=("ngram",), action="append", default=None,
-                   help="chat models: speculative decoding by prompt lookup for greedy requests (one "
-                        "request at a time: serve then defaults to --max-num-sequences 1)" + each)
+                   help="chat models: speculative decoding by prompt lookup (per sequence, in the "
+                        "batch: each guesses its own tokens, one step checks them all)" + each)
     g.add_argument("--draft-model", action="append", default=None, metavar="REF",
                    help="chat models: speculative decoding with this smaller model of the same vocabulary "
-                        "guessing (an id, path, URL or Hugging Face repo; as --speculation, one request "
-                        "at a time)" + each)
+                        "guessing (an id, path, URL or Hugging Face repo; one request at a time: serve "
+                        "then defaults to --max-num-sequences 1)" + each)
     g.add_argument("--chat-opts", action="append", default=None, metavar="JSON",
                    help="WebLLM ChatOptions as JSON, e.g. '{\"temperature\": 0.2}'" + each)
 

@@ -25,7 +25,8 @@ A scheduler's calls: admit with `add_sequence(id, prompt)` (-> cached prompt tok
 starts); per prefill chunk `reserve(id, end)`, write K/V at `slots(id, start, n)`, then
 `append_tokens(id, chunk)`; per decode step `reserve(id, n + 1)` for every running sequence,
 `decode_inputs(ids, ...)` for the kernels, then `append_tokens(id, [token fed], decoded=True)`; `free(id)` when done;
-`reserve_or_preempt` where the pool may run out.
+`reserve_or_preempt` where the pool may run out. A verify step (speculation) reserves its guesses'
+rows too, feeds them through `decode_rows`, appends the accepted ones and `trim`s the rest.
 """
 from __future__ import annotations
 
@@ -114,15 +115,20 @@ class KVPool:
         a reserved slot: positions and slots of that token, lens (keys incl. it) and tables
         (max_seqs x max_blocks, flat); idle rows past len(seq_ids) get lens 0, slot SKIP_SLOT.
         After the step, append_tokens(seq, [the token fed]) records its KV."""
-        if len(seq_ids) > max_seqs:
-            raise ValueError(f"{len(seq_ids)} sequences exceed max_seqs={max_seqs}")
-        idle = max_seqs - len(seq_ids)
+        return self.decode_rows([(i, len(self._seqs[i].tokens) + ahead) for i in seq_ids], max_seqs, max_blocks)
+
+    def decode_rows(self, rows, max_rows: int, max_blocks: int) -> dict:
+        """decode_inputs for rows (seq_id, position), each with a reserved slot: a sequence may have
+        several rows at consecutive positions (a verify step's guesses), each reading the keys up
+        to its own position, those the rows before it write in the same step included."""
+        if len(rows) > max_rows:
+            raise ValueError(f"{len(rows)} rows exceed max_rows={max_rows}")
+        idle = max_rows - len(rows)
         out = {"positions": [], "slots": [], "lens": [], "tables": []}
-        for seq_id in seq_ids:
+        for seq_id, n in rows:
             s = self._seqs[seq_id]
             if len(s.blocks) > max_blocks:
                 raise ValueError(f"sequence {seq_id!r} holds {len(s.blocks)} blocks, tables have {max_blocks}")
-            n = len(s.tokens) + ahead
             out["positions"].append(n)
             out["slots"] += self.slots(seq_id, n, 1)
             out["lens"].append(n + 1)
@@ -189,6 +195,14 @@ class KVPool:
             if key not in self._cache:      # a duplicate of a cached block stays private
                 self._cache[key] = b
                 self._key_of[b] = key
+
+    def trim(self, seq_id, n_tokens: int) -> None:
+        """Gives back the reserved blocks seq_id needs no more to hold n_tokens (at least its written
+        tokens): a verify step's rejected rows. Those blocks were never written: they go back free."""
+        s, bs = self._seqs[seq_id], self.block_size
+        keep = -(-max(int(n_tokens), len(s.tokens)) // bs)
+        while len(s.blocks) > keep:
+            self._release(s.blocks.pop())
 
     def free(self, seq_id) -> None:
         """Releases seq_id's blocks. Cached blocks whose count drops to 0 become evictable, the

@@ -41,14 +41,21 @@ _MAX_CACHED = 24
 class PagedForward:
     """Batched forward passes of `model` over a pool of n_blocks blocks of block_size tokens."""
 
-    def __init__(self, model, *, max_seqs: int, n_blocks: int, block_size: int, owner: str):
+    def __init__(self, model, *, max_seqs: int, n_blocks: int, block_size: int, owner: str,
+                 max_rows: int | None = None):
+        """`max_rows`: the decode rows one step takes (default max_seqs; more where verify steps
+        check several guesses of a sequence at once). The kernels the rows go through are chosen
+        by max_seqs alone, so a row's bits do not depend on it."""
         c, dev, dt = model.cfg, model.dev, model.dtype
-        if max_seqs > model.chunk:
-            raise ValueError(f"max_num_sequences {max_seqs} exceeds the prefill chunk {model.chunk}")
+        max_rows = max(int(max_rows or max_seqs), int(max_seqs))
+        if max_rows > model.chunk:
+            raise ValueError(f"{max_rows} decode rows (max_num_sequences {max_seqs}) exceed the prefill "
+                             f"chunk {model.chunk}")
         self.model, self.cfg, self.dev, self.owner = model, c, dev, owner
         self.max_seqs, self.block_size, self.n_blocks = int(max_seqs), int(block_size), int(n_blocks)
+        self.max_rows = max_rows
         self.max_blocks = -(-model.ctx // self.block_size)        # blocks of one full context
-        P, S = model.chunk, self.max_seqs
+        P, S = model.chunk, self.max_rows
         self.ids = new_tensor(dev, (P,), "u32", owner=owner, label="paged.ids")
         self.positions = new_tensor(dev, (P,), "u32", owner=owner, label="paged.positions")
         self.slots = new_tensor(dev, (P,), "u32", owner=owner, label="paged.slots")

@@ -138,9 +138,9 @@ class LLMChatPipeline(DecodePaths):
         if self.plan.max_sequences > 1:            # continuous batching over a paged KV cache
             from .scheduler import Scheduler
             self.scheduler = Scheduler(self, self.plan)
-            if self.speculation is not None:
-                _log.warning("speculation runs on the one-request path: this model batches "
-                             "(max_num_sequences %d), so its requests decode without it",
+            if self.speculation is not None and self.speculation.method != "ngram":
+                _log.warning("a draft model's speculation runs on the one-request path: this model "
+                             "batches (max_num_sequences %d), so its requests decode without it",
                              self.plan.max_sequences)
 
     # ------------------------------------------------------------------ loading

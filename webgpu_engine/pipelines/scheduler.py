@@ -48,6 +48,7 @@ from ..kernels.sampling import RESULT_BYTES, Sampler
 from ..models.kv_pool import KVPool, PoolExhaustedError
 from ..models.paged import PagedForward
 from .batch_sequence import BatchSequence, SeqRecord
+from .batch_speculation import BatchSpeculation
 from .sequence import configure_sampler, process_logits
 from .stats import now
 
@@ -81,12 +82,19 @@ class Scheduler:
         self.max_seqs, self.chunk = plan.max_sequences, m.chunk
         owner = pipe.owner
         bs, n_blocks = plan.kv_block_size, plan.kv_pool_blocks
-        self.fwd = PagedForward(m, max_seqs=self.max_seqs, n_blocks=n_blocks, block_size=bs, owner=owner)
+        # speculation by prompt lookup: each sequence guesses, one step checks all (batch_speculation.py)
+        spec = pipe.speculation
+        self.spec = BatchSpeculation(pipe, spec, self.max_seqs) if spec and spec.method == "ngram" else None
+        rows = self.spec.rows_cap if self.spec else self.max_seqs
+        self.fwd = PagedForward(m, max_seqs=self.max_seqs, n_blocks=n_blocks, block_size=bs, owner=owner,
+                                max_rows=rows)
         self.pool = KVPool(n_blocks, bs)
         vocab = pipe.vocab_size
         self.slots = [_Slot(dev, vocab, m.dtype, owner, i) for i in range(self.max_seqs)]
-        # each slot's sampler copies its step's result here (RESULT_BYTES at slot * RESULT_BYTES)
-        self.results = dev.buffer(self.max_seqs * RESULT_BYTES, owner=owner, label="scheduler.results")
+        # each slot's sampler copies its step's result here (RESULT_BYTES at slot * RESULT_BYTES;
+        # a verify step's guess rows after the slots' places, in row order)
+        self._results_bytes = (self.max_seqs + (rows if self.spec else 0)) * RESULT_BYTES
+        self.results = dev.buffer(self._results_bytes, owner=owner, label="scheduler.results")
         self._row_bytes = m.cfg.vocab_size * DTYPE_SIZE[m.dtype]
         self._copy_bytes = vocab * DTYPE_SIZE[m.dtype]
         self._copy_ops: dict = {}
@@ -135,6 +143,8 @@ class Scheduler:
             slot.mask_op = slot.mask.op(slot.logits)
         self.running.append(rec)
         self._enter_pool(rec)
+        if self.spec is not None:
+            self.spec.admit(rec)
         proc = self.pipe.logit_processor
         if proc is not None and hasattr(proc, "reset_state"):
             proc.reset_state()
@@ -288,14 +298,17 @@ class Scheduler:
         # no mask to write and no logit processor: each row's sampler goes in its forward's own
         # submission (one wait per iteration, at the readback, instead of one more between)
         inline = not masks and self.pipe.logit_processor is None
+        # each speculating sequence's guesses, checked by rows of this step (only where every sampler
+        # goes in the forward's own submission: a guess row's sampler follows its logits there)
+        guesses = self.spec.guesses(decode, pool, self.model.ctx) if self.spec and inline and decode else {}
         rb = None
         if decode:
             # with no chunk after it, its results are read from this point (a step may follow)
             batch, rb = self._decode_batch(decode, [r.feed_token() for r in decode], 0, inline,
-                                           inline and not chunks)
+                                           inline and not chunks, guesses)
             await dev.ready(batch)          # kernels still compiling in the background
             dev.submit(batch)
-            if rb is not None and self._can_go_ahead(decode):
+            if rb is not None and not guesses and self._can_go_ahead(decode):
                 self._ahead = (decode, await self._submit_ahead(decode), now())
         for rec, start, end in chunks:
             if decode or rec is not chunks[0][0]:
@@ -333,13 +346,18 @@ class Scheduler:
         if rb is not None:
             raw = await dev.collect(rb)
         elif sampled:
-            raw = await dev.read(self.results, 0, self.max_seqs * RESULT_BYTES)
+            raw = await dev.read(self.results, 0, self._results_bytes)
         else:
             await dev.sync()
-        self._finish(decode, chunks, sampled, raw if sampled else b"", now() - t0)
+        dt = now() - t0
+        if self.spec is not None and not chunks:
+            self.spec.timed(dt, bool(guesses), len(decode))
+        self._finish(decode, chunks, sampled, raw if sampled else b"", dt, guesses)
 
-    def _finish(self, decode: list, chunks: list, sampled: list, raw: bytes, dt: float) -> None:
-        """After an iteration's work has run: record the fed tokens' KV, accept the sampled tokens."""
+    def _finish(self, decode: list, chunks: list, sampled: list, raw: bytes, dt: float,
+                guesses: dict | None = None) -> None:
+        """After an iteration's work has run: record the fed tokens' KV, accept the sampled tokens
+        (a speculating sequence's row 0, then the guesses its rows kept)."""
         pool = self.pool
         self.stats["iterations"] += 1
         self.stats["decode_rows"] += len(decode)
@@ -360,6 +378,15 @@ class Scheduler:
             if rec.cancelled or not rec.in_pool:
                 continue
             self._accept(rec, raw[rec.slot * RESULT_BYTES:(rec.slot + 1) * RESULT_BYTES], dt, rec in decode)
+        at = self.max_seqs                        # the guess rows' results, in row order
+        for rec in decode if guesses else ():
+            guess = guesses.get(rec)
+            if not guess:
+                continue
+            res = [raw[(at + j) * RESULT_BYTES:(at + j + 1) * RESULT_BYTES] for j in range(len(guess))]
+            at += len(guess)
+            if not rec.cancelled:
+                self.spec.keep(self, rec, guess, res, dt)
 
     # ------------------------------------------------------------------ decode_ahead
     def _can_go_ahead(self, rows: list) -> bool:
@@ -385,19 +412,36 @@ class Scheduler:
             return False
         return True
 
-    def _decode_batch(self, rows: list, tokens: list | None, ahead: int, sample: bool, read: bool):
+    def _decode_batch(self, rows: list, tokens: list | None, ahead: int, sample: bool, read: bool,
+                      guesses: dict | None = None):
         """(batch, readback or None): one decode step of `rows` feeding `tokens` (None: the ids the
         samplers of the step in flight wrote, `ahead` = 1 step past the pool's record), each row's
         logits to its slot, with `sample` its sampler (and its token into the next step's row i),
-        with `read` a readback of the results at this point of the batch."""
-        fwd, batch = self.fwd, self.dev.batch()
-        fwd.record_decode(batch, tokens, self.pool.decode_inputs([r.id for r in rows], len(rows), fwd.max_blocks,
-                                                                 ahead=ahead))
-        for i, r in enumerate(rows):
+        with `read` a readback of the results at this point of the batch. `guesses` (rec -> guesses):
+        a row after rec's for each guess, at the next positions, its logits sampled by rec's slot
+        right after the row before it (results after the slots' places, in row order)."""
+        fwd, batch, pool = self.fwd, self.dev.batch(), self.pool
+        if guesses:
+            feed, at = [], []
+            for r, tok in zip(rows, tokens):
+                g = guesses.get(r, [])
+                feed += [tok] + g
+                at += [(r.id, len(r.toks) + j) for j in range(1 + len(g))]
+            fwd.record_decode(batch, feed, pool.decode_rows(at, len(at), fwd.max_blocks))
+        else:
+            fwd.record_decode(batch, tokens, pool.decode_inputs([r.id for r in rows], len(rows), fwd.max_blocks,
+                                                                ahead=ahead))
+        i, extra = 0, self.max_seqs
+        for r in rows:
             self._copy_logits(batch, i, r.slot)
             if sample and r.replay is None:       # a replayed row samples nothing
                 self._record_sampler(batch, r, row=i)
-        return batch, batch.readback(self.results, 0, self.max_seqs * RESULT_BYTES) if read else None
+            i += 1
+            for _ in (guesses or {}).get(r, ()):
+                self._copy_logits(batch, i, r.slot)
+                self._record_sampler(batch, r, at=extra * RESULT_BYTES)
+                i, extra = i + 1, extra + 1
+        return batch, batch.readback(self.results, 0, self._results_bytes) if read else None
 
     async def _submit_ahead(self, rows: list):
         """Record and submit the decode step after the one in flight: row i's input id is the token
@@ -454,12 +498,13 @@ class Scheduler:
             self._leave(rec)
         rec.handle._notify()
 
-    def _record_sampler(self, batch, rec: SeqRecord, row: int | None = None) -> None:
-        """rec's slot sampler on its logits, its result to rec.slot's place in `results`; with `row`,
-        its token also into the decode input ids' row `row` (the next step's input, decode_ahead)."""
+    def _record_sampler(self, batch, rec: SeqRecord, row: int | None = None, at: int | None = None) -> None:
+        """rec's slot sampler on its logits, its result to rec.slot's place in `results` (or `at`);
+        with `row`, its token also into the decode input ids' row `row` (the next step's input,
+        decode_ahead)."""
         slot = self.slots[rec.slot]
         slot.op.record(batch)
-        slot.sampler.copy_result(batch, self.results, rec.slot * RESULT_BYTES)
+        slot.sampler.copy_result(batch, self.results, rec.slot * RESULT_BYTES if at is None else at)
         if row is not None and self.decode_ahead:
             batch.copy(slot.next_id.buf, self.fwd.ids.buf, 4, slot.next_id.offset, self.fwd.ids.offset + 4 * row)
 
@@ -494,7 +539,7 @@ class Scheduler:
     def compile_ops(self) -> list:
         """(kind, rows) of the op lists a request uses, for LLMChatPipeline._compile: decode of 1 ..
         max_seqs rows, prefill of the model's warm-up heights."""
-        return [("decode", T) for T in range(1, self.max_seqs + 1)] + \
+        return [("decode", T) for T in range(1, self.fwd.max_rows + 1)] + \
             [("prefill", T) for T in self.model.warm_heights()]
 
     def close(self) -> None:

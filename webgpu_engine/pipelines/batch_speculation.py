@@ -1,0 +1,95 @@
+"""Speculative decoding inside continuous batching (pipelines/scheduler.py): each sequence guesses
+its own next tokens (prompt lookup, speculation.py `propose`), and one decode step checks every
+sequence's guesses at once.
+
+A sequence with k guesses takes k + 1 rows of the step: its last token and the guesses, at
+consecutive positions, each row reading the keys up to its own position (the rows before it in
+the same step write theirs first: models/kv_pool.py `decode_rows`). The rows go through the decode
+kernels the batch's plain rows go through, so row r's logits are those a plain decode step at its
+position computes, bit for bit; each row samples as that step would (greedy; a sampled request
+with the next draws of its seed, as speculation.py says). The tokens up to the first guess that
+differs from its row's token, plus that token, are kept: a greedy answer equals the same request
+without speculation. The rejected rows' KV slots go back to the pool (`trim`).
+
+The rows one step takes are bounded (`rows_cap`: max_num_sequences x (k + 1), at most a prefill
+chunk); when guesses would pass it, the older sequences guess first. Which sequences speculate: as
+on the one-request path, those without penalties (their counts would take in rejected rows); and
+here without a grammar or a logit processor in the step (their host work sits between a row's
+logits and its sampler). auto_off per sequence: after `probe` verify steps, a sequence whose tokens
+come slower than one per plain decode step (the model's, measured on steps without guesses) stops
+guessing. Standard library only (runs in the page).
+"""
+from __future__ import annotations
+
+from ..models.kv_pool import PoolExhaustedError
+from .speculation import SpeculationStats, propose, slower_than_decode
+
+_EMA = 0.2            # weight of a new plain step's time in the model's yardstick
+
+
+class BatchSpeculation:
+    """The scheduler's speculation: guesses per sequence, their rows, and what a step kept."""
+
+    def __init__(self, pipe, spec, max_seqs: int):
+        self.pipe, self.spec = pipe, spec
+        self.max_seqs = max_seqs
+        self.rows_cap = min(pipe.model.chunk, max_seqs * (spec.k + 1))
+        self.plain_step_s: float | None = None       # a decode step without guesses (auto_off's yardstick)
+
+    def admit(self, rec) -> None:
+        """A new sequence guesses when its request has no penalties (speculation.py says why) and
+        the model no logit processor; its figures go to usage.extra."""
+        gen = rec.gen
+        if (gen.repetition_penalty == 1.0 and gen.frequency_penalty == 0.0 and gen.presence_penalty == 0.0
+                and self.pipe.logit_processor is None):
+            rec.seq.req.spec = SpeculationStats()
+
+    def guesses(self, decode: list, pool, ctx: int) -> dict:
+        """rec -> its guesses this step, their KV slots reserved (oldest sequences first, within
+        rows_cap). A sequence without a guess gets a plain row."""
+        out, budget = {}, self.rows_cap - len(decode)
+        for rec in decode:
+            st = rec.seq.req.spec
+            if budget <= 0 or st is None or st.off or rec.replay is not None or rec.seq.matcher is not None:
+                continue
+            seq, pos0 = rec.seq, len(rec.toks)
+            k = min(self.spec.k, budget, ctx - pos0 - 1)
+            if seq.max_tokens is not None:
+                k = min(k, seq.max_tokens - len(seq.output_ids) - 1)
+            guess = propose(rec.toks + [seq.last_token], k, self.spec.n, self.spec.n_min) if k > 0 else []
+            if not guess:
+                st.plain += 1
+                continue
+            try:
+                pool.reserve(rec.id, pos0 + 1 + len(guess))
+            except PoolExhaustedError:         # no room for guesses now: a plain row
+                continue
+            out[rec] = guess
+            budget -= len(guess)
+        return out
+
+    def timed(self, dt: float, guessed: bool, rows: int) -> None:
+        """A decode step's time: steps without guesses set the yardstick (per step)."""
+        if not guessed and rows:
+            self.plain_step_s = dt if self.plain_step_s is None else (1 - _EMA) * self.plain_step_s + _EMA * dt
+
+    def keep(self, sched, rec, guess: list[int], results: list[bytes], dt: float) -> None:
+        """After row 0's token was accepted: accept each guess its row agreed with, and the token of
+        the row after it, up to the first disagreement; record the step; give back the rest."""
+        seq, pool, n = rec.seq, sched.pool, 1
+        for g, raw in zip(guess, results):
+            if seq.stopped or not rec.in_pool or seq.last_token != g:
+                break
+            pool.append_tokens(rec.id, [g], decoded=not sched.reuse_decoded)
+            rec.toks.append(g)
+            sched._accept(rec, raw, 0.0, True)
+            n += 1
+        if rec.in_pool:
+            pool.trim(rec.id, len(rec.toks) + 1)
+        step = SpeculationStats(1, len(guess), n - 1, n, dt)
+        seq.req.spec.add(step)
+        self.pipe.spec_stats.add(step)
+        st = seq.req.spec
+        if self.spec.auto_off and not st.off and slower_than_decode(st, self.spec.probe, self.plain_step_s):
+            st.off = 1
+            self.pipe.spec_stats.off += 1
