@@ -361,3 +361,14 @@ def test_phi_gguf_with_fused_qkv_matches_transformers(device, tmp_path):
     ref = _ref("phi")
     path = tinyfamilies.write_tiny_phi_gguf(tmp_path / "phi.gguf", fused_qkv=True, **ref["dims"])["path"]
     check_golden(device, path, ref)
+
+
+# --------------------------------------------------------------------------- GPT-NeoX
+@pytest.mark.parametrize("fmt", ["safetensors", "gguf"])
+@pytest.mark.parametrize("name", ["gptneox", "gptneox_sequential"])
+def test_gptneox_matches_transformers(device, tmp_path, fmt, name):
+    """LayerNorms with biases, q|k|v per head in HF's layout (q|k|v in llama.cpp's), a dense GELU (erf)
+    FFN, partial rotary 0.25 (4 of 16 dims), every bias of O(0.3); the attention and the FFN off two
+    norms of the layer's input (use_parallel_residual, Pythia) and in sequence (RedPajama-INCITE)."""
+    ref = _ref(name)
+    check_golden(device, _tiny_files(tmp_path, "gptneox", fmt, ref["dims"]), ref)

@@ -20,7 +20,8 @@ from decoder_runner import DecoderRunner
 from ref_llama import RefLlama
 from test_references import _folder_files, fake_hf_repo
 from tinyfamilies import (write_tiny_gemma_safetensors, write_tiny_olmo2_safetensors, write_tiny_phi3_safetensors,
-                          write_tiny_phi_safetensors, write_tiny_stablelm_safetensors)
+                          write_tiny_gptneox_safetensors, write_tiny_phi_safetensors,
+                          write_tiny_stablelm_safetensors)
 from tinymodels import _to_bf16_bits, write_tiny_llama_safetensors
 from webgpu_engine import errors as E
 from webgpu_engine.cli import main
@@ -174,6 +175,7 @@ def mlc_from_hf(hf_folder, folder, model_type: str) -> None:
     t = {n: np.frombuffer(x.data, np.float32).reshape(x.shape) for n, x in sf.tensors.items()}
     sf.close()
     gemma, qwen = model_type.startswith("gemma"), model_type.startswith("qwen")
+    c0 = json.loads((hf_folder / "config.json").read_text())
     params = {}
     for name in list(t):
         for group, fused, parts in (("self_attn", "c_attn" if qwen else "qkv_proj", ("q_proj", "k_proj", "v_proj")),
@@ -182,6 +184,10 @@ def mlc_from_hf(hf_folder, folder, model_type: str) -> None:
             if first in name:
                 names = [name.replace(first, f".{group}.{p}.") for p in parts]
                 t[name.replace(first, f".{group}.{fused}.")] = np.concatenate([t.pop(n) for n in names])
+    for name in [n for n in t if model_type == "gpt_neox" and ".query_key_value." in n]:
+        heads = c0["num_attention_heads"]          # MLC's converter: per-head q|k|v rows -> q | k | v
+        t[name] = np.concatenate(np.split(t[name].reshape(heads, -1, *t[name].shape[1:]), 3, axis=1)).reshape(
+            t[name].shape)
     for name, a in t.items():
         mlc = name
         if model_type in ("phi3", "phi"):
@@ -212,7 +218,7 @@ def mlc_from_hf(hf_folder, folder, model_type: str) -> None:
 
 
 def _values(m, cfg) -> dict:
-    w = split_fused(m.weights, cfg.q_dim, cfg.kv_dim, cfg.ffn_size)
+    w = split_fused(m.weights, cfg.q_dim, cfg.kv_dim, cfg.ffn_size, cfg.head_dim)
     return {n: dequantize(x.data, x.qtype, x.n, x.k) for n, x in w.items()}
 
 
@@ -312,6 +318,7 @@ _FAMILY_WRITERS = {
     "olmo2": lambda p: write_tiny_olmo2_safetensors(p, seed=4),
     "stablelm": lambda p: write_tiny_stablelm_safetensors(p, seed=4),
     "phi": lambda p: write_tiny_phi_safetensors(p, seed=4),
+    "gpt_neox": lambda p: write_tiny_gptneox_safetensors(p, seed=4),
 }
 
 
@@ -325,7 +332,7 @@ def test_family_names_and_config_as_hf(tiny, family):
     mlc_from_hf(hf, tiny["root"] / f"mlc-{family}", family)
     a, b = open_model(hf), open_model(tiny["root"] / f"mlc-{family}")
     try:
-        assert a.arch.name == b.arch.name == {"phi": "phi2"}.get(family, family)
+        assert a.arch.name == b.arch.name == {"phi": "phi2", "gpt_neox": "gptneox"}.get(family, family)
         ca, cb = dataclasses.asdict(a.config), dataclasses.asdict(b.config)
         plus_one = ca.pop("norm_plus_one")
         assert cb.pop("norm_plus_one") is False and plus_one == family.startswith("gemma")

@@ -407,3 +407,75 @@ def write_tiny_phi_gguf(path, seed: int = 0, partial_rotary: float = 0.5, fused_
         g.add_tensor(f"{gguf_name}.{'bias' if name.endswith('_bias') else 'weight'}", a)
     _finish(g)
     return dict(path=Path(path), weights=w, rot_dim=rot)
+
+
+# ============================================================================ GPT-NeoX
+def _gptneox(seed: int, rotary_pct: float, dims: dict):
+    d = tm._dims(**{"n_kv_heads": tm.LLAMA_DIMS["n_heads"], **dims})
+    tokens, merges = tm.tiny_bpe_vocab(d["vocab_size"], "smollm")
+    d["vocab_size"] = len(tokens)
+    w = {n: a for n, a in tm._hf_weights(d, "qwen2", seed).items() if not n.endswith("gate")}
+    rng = np.random.default_rng(seed + 600)
+    C, F = d["hidden_size"], d["ffn_size"]
+    for name, n in [("norm_bias", C)] + [(f"layers.{i}.{b}", n) for i in range(d["n_layers"])
+                                         for b, n in (("attn_norm_bias", C), ("ffn_norm_bias", C), ("o_bias", C),
+                                                      ("up_bias", F), ("down_bias", C))]:
+        w[name] = (0.3 * rng.standard_normal(n)).astype(np.float32)
+    return d, tokens, merges, w, int(d["head_dim"] * rotary_pct)
+
+
+def write_tiny_gptneox_safetensors(folder, seed: int = 0, rotary_pct: float = 0.25, parallel: bool = True,
+                                   **dims) -> dict:
+    """An HF GPTNeoXForCausalLM folder with transformers 4's config names (rotary_pct, rotary_emb_base):
+    query_key_value in its per-head layout ((H, 3, D) rows, bias alike), LayerNorms with biases,
+    dense_h_to_4h -> GELU (erf) -> dense_4h_to_h, use_parallel_residual `parallel` (Pythia: true;
+    RedPajama-INCITE: false), every bias of O(0.3), embed_out untied."""
+    from webgpu_engine.models.family_gptneox import HF_GPTNEOX_TO_OURS
+    folder = Path(folder)
+    d, tokens, merges, w, rot = _gptneox(seed, rotary_pct, dims)
+    H, D = d["n_heads"], d["head_dim"]
+    table = {v: k for k, v in HF_GPTNEOX_TO_OURS.items()}
+    hf = {}
+    for name, a in w.items():
+        parts = name.split(".")
+        if parts[0] != "layers":
+            hf[table[name]] = a
+        elif parts[2] in ("q", "k", "q_bias", "k_bias"):
+            continue
+        elif parts[2] in ("v", "v_bias"):            # per head: q_h | k_h | v_h
+            end = parts[2][1:]
+            qkv = np.stack([w[f"layers.{parts[1]}.{x}{end}"].reshape(H, D, -1) for x in "qkv"], axis=1)
+            hf[table["layers.{i}.qkv_heads" + end].replace("{i}", parts[1])] = qkv.reshape(3 * H * D, -1).squeeze(-1) \
+                if end else qkv.reshape(3 * H * D, -1)
+        else:
+            hf[table["layers.{i}." + parts[2]].replace("{i}", parts[1])] = a
+    config = {"architectures": ["GPTNeoXForCausalLM"], "model_type": "gpt_neox", "hidden_act": "gelu",
+              "rotary_pct": rotary_pct, "rotary_emb_base": d["rope_base"], "use_parallel_residual": parallel,
+              "layer_norm_eps": d["rms_eps"], "attention_bias": True, "attention_dropout": 0.0,
+              "hidden_dropout": 0.0}
+    _write_hf(folder, hf, config, tokens, merges, d)
+    return dict(folder=folder, weights=w, rot_dim=rot)
+
+
+def write_tiny_gptneox_gguf(path, seed: int = 0, rotary_pct: float = 0.25, parallel: bool = True, **dims) -> dict:
+    """The same model as llama.cpp's converter writes it (arch gptneox): attn_qkv reordered to
+    q | k | v (weight and bias), attn_norm / ffn_norm / output_norm with .bias, attn_output, ffn_up,
+    ffn_down with .bias, use_parallel_residual, layer_norm_epsilon, rope.dimension_count."""
+    d, tokens, merges, w, rot = _gptneox(seed, rotary_pct, dims)
+    g = _gguf_writer(path, "gptneox", d, tokens, merges, rot, layer_norm=True)
+    g.add_parallel_residual(parallel)
+    top = {"embed": "token_embd", "norm": "output_norm", "lm_head": "output"}
+    layer = {"attn_norm": "attn_norm", "ffn_norm": "ffn_norm", "o": "attn_output", "up": "ffn_up", "down": "ffn_down"}
+    for name, a in w.items():
+        parts = name.split(".")
+        base, kind = parts[-1].removesuffix("_bias"), "bias" if name.endswith("_bias") else "weight"
+        if parts[0] != "layers":
+            g.add_tensor(f"{top[base]}.{kind}", a)
+        elif base == "v":
+            end = "_bias" if kind == "bias" else ""
+            g.add_tensor(f"blk.{parts[1]}.attn_qkv.{kind}",
+                         np.concatenate([w[f"layers.{parts[1]}.{x}{end}"] for x in "qkv"]))
+        elif base not in ("q", "k"):
+            g.add_tensor(f"blk.{parts[1]}.{layer[base]}.{kind}", a)
+    _finish(g)
+    return dict(path=Path(path), weights=w, rot_dim=rot)

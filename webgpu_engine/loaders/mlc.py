@@ -20,12 +20,13 @@ negating a float is exact. q4f16_1 becomes GGUF's q4_0 (f16 d); q4f32_1 becomes 
 f32 d (kernels/qtypes.py). The repack moves nibbles (numpy where installed, else the standard library's
 byte operations). Other quantisations (q3f16_1, q4f16_0's KN layout, AWQ, fp8) are refused by name.
 
-Families: llama, mistral, qwen2, qwen3, phi3, gemma, gemma2, gemma3 / gemma3_text, olmo2, stablelm, phi (MLC
+Families: llama, mistral, qwen2, qwen3, phi3, gemma, gemma2, gemma3 / gemma3_text, olmo2, stablelm, phi,
+gpt_neox (MLC
 stores q|k|v as `qkv_proj` / Qwen's `c_attn` and gate|up as `gate_up_proj`: split into our q, k, v,
 gate, up on load by the model, as Phi-3's; Gemma's norms hold 1 + w, Gemma 1's and StableLM's names
 are Llama's (StableLM's LayerNorms with their biases), Gemma 3's start `language_model.`, and Phi-1/2's
 are the msft layout's (`transformer.h.*.mixer.Wqkv`, the final norm in `lm_head.ln`) with its config's
-names (n_embd, rotary_dim, ...)).
+names (n_embd, rotary_dim, ...); GPT-NeoX's are HF's, with query_key_value reordered to q|k|v).
 """
 from __future__ import annotations
 
@@ -89,6 +90,15 @@ _PHI_NAMES = {
 _PHI_CONFIG = {"n_embd": "hidden_size", "n_layer": "num_hidden_layers", "n_head": "num_attention_heads",
                "n_head_kv": "num_key_value_heads", "n_inner": "intermediate_size",
                "layer_norm_epsilon": "layer_norm_eps", "n_positions": "max_position_embeddings"}
+# GPT-NeoX: HF's names; MLC's converter reorders query_key_value from per head to q | k | v
+_GPTNEOX_NAMES = {
+    "gpt_neox.embed_in": "embed", "gpt_neox.final_layer_norm": "norm", "embed_out": "lm_head",
+    "gpt_neox.layers.{i}.input_layernorm": "layers.{i}.attn_norm",
+    "gpt_neox.layers.{i}.post_attention_layernorm": "layers.{i}.ffn_norm",
+    "gpt_neox.layers.{i}.attention.query_key_value": "layers.{i}.qkv",
+    "gpt_neox.layers.{i}.attention.dense": "layers.{i}.o",
+    "gpt_neox.layers.{i}.mlp.dense_h_to_4h": "layers.{i}.up", "gpt_neox.layers.{i}.mlp.dense_4h_to_h": "layers.{i}.down",
+}
 # OLMo 2: norms of the attention and FFN outputs only, q / k norms over the whole projections
 _OLMO2_NAMES = {**{k: v for k, v in _LLAMA_NAMES.items() if not v.endswith("_norm")},
                 "model.layers.{i}.self_attn.q_norm": "layers.{i}.q_norm",
@@ -99,7 +109,8 @@ MODEL_TYPES = {"llama": ("llama", _LLAMA_NAMES), "mistral": ("mistral", _LLAMA_N
                "qwen2": ("qwen2", _QWEN_NAMES), "qwen3": ("qwen3", _QWEN_NAMES), "phi3": ("phi3", _PHI3_NAMES),
                "gemma": ("gemma", _LLAMA_NAMES), "gemma2": ("gemma2", _GEMMA_NAMES), "gemma3": ("gemma3", _GEMMA_NAMES),
                "gemma3_text": ("gemma3", _GEMMA_NAMES), "olmo2": ("olmo2", _OLMO2_NAMES),
-               "stablelm": ("stablelm", _LLAMA_NAMES), "phi": ("phi2", _PHI_NAMES)}
+               "stablelm": ("stablelm", _LLAMA_NAMES), "phi": ("phi2", _PHI_NAMES),
+               "gpt_neox": ("gptneox", _GPTNEOX_NAMES)}
 _PREFIX = "language_model."          # MLC's Gemma 3 names its text model so
 _LAYER = re.compile(r"^(.*?)\.(\d+)\.(.+)$")
 _PARTS = ("q_weight", "q_scale", "weight", "bias")

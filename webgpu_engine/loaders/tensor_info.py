@@ -82,10 +82,21 @@ def split_vector(t: TensorInfo, sizes: list[int], names: list[str]) -> list[Tens
     return out
 
 
-def split_fused(weights: dict, q_rows: int, kv_rows: int, ffn: int) -> dict:
+def split_heads(t: TensorInfo, n_heads: int, names: list[str]) -> list[TensorInfo]:
+    """GPT-NeoX's fused q|k|v in its HF layout, each head's q, k and v rows in turn ((H, 3, D) rows, or
+    values of a bias), as q, k and v (H D rows each): gathered copies, not views."""
+    step, data = t.nbytes // (3 * n_heads), bytes(t.data)       # one head's rows of one of q, k, v
+    shape = (t.shape[0] // 3, *t.shape[1:])
+    return [TensorInfo(name, t.qtype, shape,
+                       memoryview(b"".join(data[(3 * h + j) * step:(3 * h + j + 1) * step] for h in range(n_heads))),
+                       t.offset) for j, name in enumerate(names)]
+
+
+def split_fused(weights: dict, q_rows: int, kv_rows: int, ffn: int, head_dim: int = 0) -> dict:
     """Our names with fused matrices split (Phi-3 files store q|k|v as `layers.i.qkv` and gate|up as
     `layers.i.gate_up`, in GGUF as an `up` of 2*ffn rows without a `gate`; a q|k|v bias,
-    `layers.i.qkv_bias`, in Qwen's MLC artifacts and older Phi-2 GGUFs): the model sees the separate
+    `layers.i.qkv_bias`, in Qwen's MLC artifacts and older Phi-2 GGUFs; GPT-NeoX's per-head layout,
+    `layers.i.qkv_heads` and `qkv_heads_bias`, split with `head_dim`): the model sees the separate
     q, k, v, gate and up every family has."""
     out = dict(weights)
     for name, t in weights.items():
@@ -93,7 +104,14 @@ def split_fused(weights: dict, q_rows: int, kv_rows: int, ffn: int) -> dict:
         if len(parts) != 3 or parts[0] != "layers":
             continue
         p = f"layers.{parts[1]}."
-        if parts[2] == "qkv_bias":
+        if parts[2] in ("qkv_heads", "qkv_heads_bias"):
+            if not head_dim or q_rows != kv_rows or t.numel % (3 * q_rows):
+                raise ValueError(f"{t.name}: {t.shape} is not per-head q|k|v of {q_rows} rows (head_dim {head_dim})")
+            del out[name]
+            end = "_bias" if parts[2].endswith("_bias") else ""
+            out.update(zip((p + "q" + end, p + "k" + end, p + "v" + end),
+                           split_heads(t, q_rows // head_dim, [name + ".q", name + ".k", name + ".v"])))
+        elif parts[2] == "qkv_bias":
             del out[name]
             out.update(zip((p + "q_bias", p + "k_bias", p + "v_bias"),
                            split_vector(t, [q_rows, kv_rows, kv_rows], [name + ".q", name + ".k", name + ".v"])))

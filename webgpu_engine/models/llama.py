@@ -142,7 +142,7 @@ class LlamaModel:
         self.ring = ring
         self.ctx, self.chunk = cache_rows(cfg, context_window, prefill_chunk, ring)
         self.rope_factors = cfg.rope_factors_for(self.ctx)
-        weights = split_fused(weights, cfg.q_dim, cfg.kv_dim, cfg.ffn_size)
+        weights = split_fused(weights, cfg.q_dim, cfg.kv_dim, cfg.ffn_size, cfg.head_dim)
         self._check_memory(weights, max_total_bytes)
         try:
             self._upload(weights, progress)
