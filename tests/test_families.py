@@ -6,6 +6,7 @@ a non-ASCII text, its logits at positions up to 319 within 1e-3 (relative to the
 and its 16 greedy tokens after 300."""
 from __future__ import annotations
 
+import asyncio
 import json
 import struct
 from pathlib import Path
@@ -372,3 +373,28 @@ def test_gptneox_matches_transformers(device, tmp_path, fmt, name):
     norms of the layer's input (use_parallel_residual, Pythia) and in sequence (RedPajama-INCITE)."""
     ref = _ref(name)
     check_golden(device, _tiny_files(tmp_path, "gptneox", fmt, ref["dims"]), ref)
+
+
+# --------------------------------------------------------------------------- batched
+@pytest.mark.parametrize("family,ref", [("olmo2", "olmo2"), ("stablelm", "stablelm"), ("phi", "phi"),
+                                        ("gptneox", "gptneox")])
+async def test_new_families_in_a_batch_answer_as_on_the_one_request_path(device, tmp_path, family, ref):
+    """Four requests at once through continuous batching (paged KV, every row mode) give the greedy
+    tokens the one-request path (contiguous KV) gives each alone: post norms, whole-projection q/k
+    norms, LayerNorms, parallel layers, dense FFNs and head biases in the batched forward too."""
+    from webgpu_engine.engine.engine import AsyncMLCEngine
+    path = str(_tiny_files(tmp_path, family, "gguf", _ref(ref)["dims"]))
+    prompts = ["Grüße aus Köln", "The quick brown fox jumps over the lazy dog; naïve café owners",
+               "東京で会いましょう 🌍", "12345 + 678 = 13023. " * 6]
+    answers = []
+    for n in (1, 4):
+        eng = AsyncMLCEngine()
+        await eng.reload(path, chat_opts={"dtype": "f32", "context_window_size": 160, "prefill_chunk_size": 32,
+                                          "max_num_sequences": n, "kv_block_size": 16})
+        try:
+            rs = await asyncio.gather(*(eng.completions.create(prompt=p, max_tokens=12, ignore_eos=True,
+                                                               temperature=0.0) for p in prompts))
+            answers.append([r.choices[0].text for r in rs])
+        finally:
+            await eng.unload()
+    assert answers[0] == answers[1]
