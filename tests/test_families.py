@@ -398,3 +398,15 @@ async def test_new_families_in_a_batch_answer_as_on_the_one_request_path(device,
         finally:
             await eng.unload()
     assert answers[0] == answers[1]
+
+
+@pytest.mark.parametrize("pre,twin", [("dbrx", "llama3"), ("stablelm2", "qwen2"), ("phi-2", "gpt-2"),
+                                      ("olmo", "gpt-2"), ("mpt", "gpt-2")])
+def test_gguf_pre_tokenizers_of_the_new_families(pre, twin):
+    """The tokenizer.ggml.pre names llama.cpp's converter writes for OLMo 2 (cl100k: "dbrx"), StableLM 2,
+    Phi-2 and GPT-NeoX-style vocabularies load (they were refused by name) and split text with the
+    expression llama.cpp reads each with."""
+    from webgpu_engine.loaders.bpe import BPETokenizer
+    tokens, merges = tinymodels.tiny_bpe_vocab(300, "smollm")
+    text = _ref("olmo2")["text"] + " it's 2024\n\n  done"
+    assert BPETokenizer(tokens, merges, pre=pre).encode(text) == BPETokenizer(tokens, merges, pre=twin).encode(text)

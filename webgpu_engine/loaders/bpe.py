@@ -42,6 +42,10 @@ PRE_TOKENIZERS = {
     "llama-bpe": (LLAMA3_PATTERN, False), "llama3": (LLAMA3_PATTERN, False),
     "smaug-bpe": (LLAMA3_PATTERN, False), "qwen2": (QWEN2_PATTERN, False),
     "deepseek-r1-qwen": (QWEN2_PATTERN, False),
+    # names llama.cpp's converter writes for cl100k vocabularies ("dbrx": DBRX's, OLMo 2's), StableLM 2,
+    # Phi-2, OLMo 1 and MPT, each read with the expression llama.cpp reads it with
+    "dbrx": (LLAMA3_PATTERN, False), "stablelm2": (QWEN2_PATTERN, False), "phi-2": (GPT2_PATTERN, False),
+    "olmo": (GPT2_PATTERN, False), "mpt": (GPT2_PATTERN, False),
 }
 
 
