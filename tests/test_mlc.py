@@ -139,16 +139,17 @@ def write_mlc(folder, info: dict, quant: str, *, bf16_records: bool = False, cac
     return encoded
 
 
-def _write_shards(folder, params: dict) -> None:
-    """params {MLC name: array} as one raw shard and its tensor-cache.json."""
+def _write_shards(folder, params: dict, *, bf16: bool = False, cache_name: str = "tensor-cache.json") -> None:
+    """params {MLC name: array} as one raw shard and its tensor cache; bf16: as MLC's converter writes
+    them (every record f32-to-bf16, float32 tensors stored as bf16)."""
     blob, recs = b"", []
     for name, a in params.items():
-        raw = np.ascontiguousarray(a).tobytes()
-        recs.append({"name": name, "shape": list(a.shape), "dtype": str(a.dtype), "format": "raw",
-                     "nbytes": len(raw), "byteOffset": len(blob)})
+        raw = (_to_bf16_bits(a) if bf16 and a.dtype == np.float32 else np.ascontiguousarray(a)).tobytes()
+        recs.append({"name": name, "shape": list(a.shape), "dtype": str(a.dtype),
+                     "format": "f32-to-bf16" if bf16 else "raw", "nbytes": len(raw), "byteOffset": len(blob)})
         blob += raw
     (folder / "params_shard_0.bin").write_bytes(blob)
-    (folder / "tensor-cache.json").write_text(json.dumps({"records": [{
+    (folder / cache_name).write_text(json.dumps({"records": [{
         "dataPath": "params_shard_0.bin", "format": "raw-shard", "nbytes": len(blob),
         "md5sum": hashlib.md5(blob).hexdigest(), "records": recs}]}))
 
@@ -560,7 +561,11 @@ def test_webllm_catalogue_ids_resolve(tiny, tmp_path, monkeypatch, capsys):
     # Qwen3.5 is a hybrid of linear and full attention, not Qwen 3: refused by its own name until it runs
     assert rows["Qwen3.5-0.8B-q4f16_1-MLC"]["refused"] == "model_type 'qwen3_5'"
     assert rows["gemma-4-E2B-it-q4f16_1-MLC"]["refused"] == "model_type 'gemma4'"
-    assert "web-llm 0.2.86" in (main(["list", "--webllm"]) == 0 and capsys.readouterr().out)
+    # WebLLM's own embedders (MLC's bert, tests/test_mlc_bert.py); its vision model is not loaded yet
+    assert all(rows[f"snowflake-arctic-embed-{s}-q0f32-MLC-{b}"]["loads"] for s in "ms" for b in ("b4", "b32"))
+    assert rows["Phi-3.5-vision-instruct-q4f16_1-MLC"]["refused"] == "vlm models of MLC's are not loaded"
+    out = main(["list", "--webllm"]) == 0 and capsys.readouterr().out
+    assert "web-llm 0.2.86" in out and "150 of 165" in out
 
 
 @pytest.mark.parametrize("change", [

@@ -27,6 +27,7 @@ gate, up on load by the model, as Phi-3's; Gemma's norms hold 1 + w, Gemma 1's a
 are Llama's (StableLM's LayerNorms with their biases), Gemma 3's start `language_model.`, and Phi-1/2's
 are the msft layout's (`transformer.h.*.mixer.Wqkv`, the final norm in `lm_head.ln`) with its config's
 names (n_embd, rotary_dim, ...); GPT-NeoX's are HF's, with query_key_value reordered to q|k|v).
+Embedders: bert (WebLLM's snowflake-arctic-embed), in the float quantisations, read by loaders/mlc_bert.py.
 """
 from __future__ import annotations
 
@@ -111,20 +112,27 @@ MODEL_TYPES = {"llama": ("llama", _LLAMA_NAMES), "mistral": ("mistral", _LLAMA_N
                "gemma3_text": ("gemma3", _GEMMA_NAMES), "olmo2": ("olmo2", _OLMO2_NAMES),
                "stablelm": ("stablelm", _LLAMA_NAMES), "phi": ("phi2", _PHI_NAMES),
                "gpt_neox": ("gptneox", _GPTNEOX_NAMES)}
+ENCODERS = {"bert": "bert"}          # MLC model_type -> our embedder architecture (loaders/mlc_bert.py)
 _PREFIX = "language_model."          # MLC's Gemma 3 names its text model so
 _LAYER = re.compile(r"^(.*?)\.(\d+)\.(.+)$")
 _PARTS = ("q_weight", "q_scale", "weight", "bias")
 
 
 def refusal(model_type: str, quantization: str, kind: str = "llm") -> str:
-    """Why an MLC artifact of this model_type / quantization is not loaded ("" when it is)."""
-    if kind != "llm":
+    """Why an MLC artifact of this model_type / quantization is not loaded ("" when it is); kind is
+    WebLLM's model type (llm, embedding, vlm)."""
+    if kind not in ("llm", "embedding"):
         return f"{kind} models of MLC's are not loaded"
-    if model_type not in MODEL_TYPES:
-        return f"model_type {model_type or '?'!r}"
-    if quantization not in FLOAT_QUANTS and quantization not in GROUP_QUANTS:
+    if model_type not in (ENCODERS if kind == "embedding" else MODEL_TYPES):
+        return f"{'embedding ' if kind == 'embedding' else ''}model_type {model_type or '?'!r}"
+    if quantization not in quantizations(model_type):
         return f"quantization {quantization!r}"
     return ""
+
+
+def quantizations(model_type: str) -> tuple[str, ...]:
+    """The quantisations an artifact of this model_type loads in (embedders: the float ones)."""
+    return FLOAT_QUANTS if model_type in ENCODERS else (*FLOAT_QUANTS, *GROUP_QUANTS)
 
 
 def _read_json(p: Path) -> dict:
@@ -152,8 +160,11 @@ def stop_lists(conv: dict) -> tuple[list[str], list[int]]:
 
 def read_chat_config(folder) -> dict:
     """{"context": the model's context window, "overrides": ChatConfig fields its mlc-chat-config.json
-    sets (sampling defaults, stop strings and ids, prefill chunk)}, for the engine's model record."""
+    sets (sampling defaults, stop strings and ids, prefill chunk)}, for the engine's model record; an
+    embedder's also says "model_type": "embedding", with no overrides (sampling means nothing there)."""
     cc = _read_json(Path(folder) / CHAT_CONFIG)
+    if cc.get("model_type") in ENCODERS:
+        return {"model_type": "embedding", "context": 0, "overrides": {}}
     try:
         return _chat_defaults(cc)
     except (TypeError, ValueError, AttributeError) as e:
@@ -187,12 +198,15 @@ class MLCArtifact:
         self.model_type = str(self.chat_config.get("model_type", ""))
         self.quantization = str(self.chat_config.get("quantization", ""))
         where = str(self.folder / CHAT_CONFIG)
-        if self.model_type not in MODEL_TYPES:
+        if self.model_type not in MODEL_TYPES and self.model_type not in ENCODERS:
             raise UnsupportedModelError(f"{where}: MLC model_type {self.model_type!r} is not supported; "
-                                        f"supported: {', '.join(MODEL_TYPES)}")
-        if self.quantization not in FLOAT_QUANTS and self.quantization not in GROUP_QUANTS:
-            raise UnsupportedModelError(f"{where}: MLC quantization {self.quantization!r} is not supported; "
-                                        f"supported: {', '.join((*FLOAT_QUANTS, *GROUP_QUANTS))}")
+                                        f"supported: {', '.join((*MODEL_TYPES, *ENCODERS))}")
+        if self.chat_config.get("model_task") == "embedding" and self.model_type not in ENCODERS:
+            raise UnsupportedModelError(f"{where}: an MLC {self.model_type} embedder is not supported; MLC "
+                                        f"embedders here: {', '.join(ENCODERS)}")
+        if self.quantization not in quantizations(self.model_type):
+            raise UnsupportedModelError(f"{where}: MLC quantization {self.quantization!r} is not supported for "
+                                        f"{self.model_type}; supported: {', '.join(quantizations(self.model_type))}")
         cache = next((self.folder / n for n in CACHE_FILES if (self.folder / n).is_file()), None)
         if cache is None:
             raise ModelFormatError(f"{self.folder} holds no tensor cache ({' or '.join(CACHE_FILES)})")
@@ -571,5 +585,5 @@ class ConvTemplate:
         return [*self.system_prefix_token_ids, *ids]
 
 
-__all__ = ["CACHE_FILES", "CHAT_CONFIG", "ConvTemplate", "MLCArtifact", "MODEL_TYPES",
+__all__ = ["CACHE_FILES", "CHAT_CONFIG", "ConvTemplate", "ENCODERS", "MLCArtifact", "MODEL_TYPES", "quantizations",
            "read_chat_config", "refusal", "repack_q4", "repack_q4_numpy", "repack_q4_stdlib", "stop_lists"]

@@ -217,19 +217,26 @@ def open_model(path, kind: str | None = None) -> OpenedModel:
 
 
 def _open_mlc(path: Path) -> OpenedModel:
-    """An MLC-LLM artifact (WebLLM's models): loaders.mlc maps its config and names onto a family."""
-    from ..loaders.mlc import MODEL_TYPES, MLCArtifact
+    """An MLC-LLM artifact (WebLLM's models): loaders.mlc maps its config and names onto a family, an
+    embedder's (MLC's bert) onto BERT's HF names with its pooling (loaders.mlc_bert)."""
+    from ..loaders.mlc import ENCODERS, MODEL_TYPES, MLCArtifact
     from ..loaders.tokenizer import load_tokenizer
     art = MLCArtifact(path)
     try:
-        arch = architecture(MODEL_TYPES[art.model_type][0], str(path))
-        config = art.config(arch.family)
-        weights = art.weights()
+        if art.model_type in ENCODERS:
+            from ..loaders import mlc_bert
+            arch = architecture(ENCODERS[art.model_type], str(path))
+            config, weights, extra = mlc_bert.bert_config(art), mlc_bert.bert_weights(art), \
+                mlc_bert.embedder_settings(art)
+            template = lambda: None   # noqa: E731
+        else:
+            arch = architecture(MODEL_TYPES[art.model_type][0], str(path))
+            config, weights, extra, template = art.config(arch.family), art.weights(), art, art.template
     except BaseException:
         art.close()
         raise
     return OpenedModel(arch, config, weights, path, art.close, lambda **kw: load_tokenizer(path, **kw),
-                       art.template, art)
+                       template, extra)
 
 
 def _open_folder(path: Path) -> OpenedModel:
