@@ -128,8 +128,8 @@ def test_hugging_face_hub_through_hf_endpoint(models, tmp_path, monkeypatch):
         hub.add_repo("hub-org/tiny-GGUF", {"tiny-llama-Q8_0.gguf": models["gguf"].read_bytes(), "README.md": b"x"})
         hub.add_repo("hub-org/tiny-minilm", {**bert, "pytorch_model.bin": b"not wanted", "onnx/model.onnx": b"no"})
         hub.gate("hub-org/gated")
-        phi = {**bert, "config.json": b'{"architectures": ["PhiForCausalLM"], "model_type": "phi"}'}
-        hub.add_repo("hub-org/tiny-phi", phi)
+        falcon = {**bert, "config.json": b'{"architectures": ["FalconForCausalLM"], "model_type": "falcon"}'}
+        hub.add_repo("hub-org/tiny-falcon", falcon)
         hub.add_repo("hub-org/split-GGUF", {f"Q8_0/m-Q8_0-0000{i}-of-00002.gguf": b"GGUF" for i in (1, 2)})
         hub.add_repo("hub-org/torch-only", {"config.json": bert["config.json"], "tokenizer.json": b"{}",
                                             "pytorch_model.bin": b"x"})
@@ -149,9 +149,9 @@ def test_hugging_face_hub_through_hf_endpoint(models, tmp_path, monkeypatch):
         assert ei.value.http_status == 403
         with pytest.raises(E.ModelReferenceError, match="no such Hugging Face repo"):
             resolve_model_reference("hub-org/missing")
-        with pytest.raises(E.UnsupportedModelError, match="PhiForCausalLM"):
-            resolve_model_reference("hub-org/tiny-phi")
-        assert hub.downloads("hub-org/tiny-phi", "model.safetensors") == 0       # refused on config.json
+        with pytest.raises(E.UnsupportedModelError, match="FalconForCausalLM"):
+            resolve_model_reference("hub-org/tiny-falcon")
+        assert hub.downloads("hub-org/tiny-falcon", "model.safetensors") == 0       # refused on config.json
         with pytest.raises(E.ModelReferenceError, match="lacks safetensors weights"):
             resolve_model_reference("hub-org/torch-only")
         assert hub.downloads("hub-org/torch-only", "config.json") == 0
@@ -204,8 +204,8 @@ def test_unsupported_files_are_refused_by_name(models, tmp_path):
         resolve_model_reference(str(tmp_path / "tiny-gpt2.gguf"))
     shutil.copytree(models["hf"], tmp_path / "phi")
     cfg = (tmp_path / "phi" / "config.json")
-    cfg.write_text(cfg.read_text().replace("LlamaForCausalLM", "PhiForCausalLM").replace('"llama"', '"phi"'))
-    with pytest.raises(E.UnsupportedModelError, match="PhiForCausalLM"):
+    cfg.write_text(cfg.read_text().replace("LlamaForCausalLM", "FalconForCausalLM").replace('"llama"', '"falcon"'))
+    with pytest.raises(E.UnsupportedModelError, match="FalconForCausalLM"):
         resolve_model_reference(str(tmp_path / "phi"))
 
 
