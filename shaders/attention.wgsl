@@ -26,7 +26,7 @@
 //   and the rest with its own (attend_ring): the sinks first, then rows SINKS.. in blocks from SINKS.
 //   attn_bidir:    BERT. qkv (B*S, 3*H*D) rows [q | k | v]; key j of sequence b visible iff
 //                  j < lengths[b] (and, with p.window > 0, |j - i| <= window for query i: ModernBERT's
-//                  local layers; then G = 1). Workgroup per (b, block of 64*G queries, h), lane per G
+//                  local layers; then G = 1). Workgroup per (b, block of SWG*G queries, h), lane per G
 //                  consecutive queries. Binds the qkv window as kc and vc too.
 
 struct Params {
@@ -314,14 +314,14 @@ fn attn_combine(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
     out_c[p.out_off + (t * p.hq + h) * D4 + d] = act4(o / l);
 }
 
-@compute @workgroup_size(64)
+@compute @workgroup_size(SWG)
 fn attn_bidir(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
               @builtin(local_invocation_index) lid: u32) {
     let wg = wid.y * nwg.x + wid.x;
     let h = wg % p.hq;
     let sb = wg / p.hq;                          // b * n_blk + query block
     let b = sb / p.n_blk;
-    let q = ((sb % p.n_blk) * WG + lid) * G;     // first of the lane's G queries
+    let q = ((sb % p.n_blk) * SWG + lid) * G;    // first of the lane's G queries
     if (b * p.ctx >= p.rows) { return; }
     let q_lo = min(q, p.ctx - G);                // spare lanes redo the last queries, never store
     let r = b * p.ctx + q_lo;

@@ -137,8 +137,10 @@ def test_decode_split_count_is_bounded():
 @pytest.mark.parametrize("b,s,h,d,lengths,qpl", [(3, 17, 12, 32, [17, 5, 1], 2),   # MiniLM heads
                                                  (2, 9, 3, 4, [0, 9], 4), (2, 1, 2, 8, [1, 1], 2),
                                                  (2, 150, 2, 32, [150, 77], 3), (1, 70, 1, 16, [66], 1)])
-def test_attention_bidir(device, dtype, b, s, h, d, lengths, qpl):
-    """Several queries per lane (with a clamped last lane), blocks of queries, empty sequences."""
+@pytest.mark.parametrize("lanes", [8, 64])
+def test_attention_bidir(device, dtype, b, s, h, d, lengths, qpl, lanes):
+    """Several queries per lane (with a clamped last lane), blocks of queries, empty sequences;
+    workgroups of 64 lanes (GPUs) and 8 (CPU adapters) give the same rows bit for bit."""
     rng = np.random.default_rng(b * s)
     qkv = rng.standard_normal((b * s, 3 * h * d))
     lens = np.array(lengths, np.uint32)
@@ -146,11 +148,14 @@ def test_attention_bidir(device, dtype, b, s, h, d, lengths, qpl):
     out = empty(device, (b * s, h * d), dtype)
     scale = d ** -0.5
     run(device, nn.attention_bidir(device, qt, lt, out, batch=b, seq=s, n_heads=h, head_dim=d, scale=scale,
-                                   queries_per_lane=qpl))
+                                   queries_per_lane=qpl, lanes=lanes))
     got = get(device, out)
     assert np.isfinite(got).all()
-    ref = nn_ref.bidir_attention(rounded(qkv, dtype), lens, b, s, h, d, scale)
+    run(device, nn.attention_bidir(device, qt, lt, out, batch=b, seq=s, n_heads=h, head_dim=d, scale=scale,
+                                   queries_per_lane=2, lanes=64))
     valid = np.concatenate([np.arange(s) < n for n in lens])
+    np.testing.assert_array_equal(got[valid], get(device, out)[valid])
+    ref = nn_ref.bidir_attention(rounded(qkv, dtype), lens, b, s, h, d, scale)
     np.testing.assert_allclose(got[valid], ref[valid], **TOL[dtype])
 
 
