@@ -301,8 +301,8 @@ class BertModel:
     def compile(self, batch, warmed=frozenset()) -> set:
         """Build the ops of the smallest bucket and record one run of them into `batch`, so that
         nothing compiles on the first request (pipelines are created here; drivers that compile on
-        first dispatch, such as lavapipe, do so when the batch runs). Every bucket has S a multiple
-        of 16 (so B * S >= 16 rows: the same tiled matmuls and attention variant): they share these
+        first dispatch, such as lavapipe, do so when the batch runs). Every bucket has S >= 16 (so
+        B * S >= 16 rows: the same tiled matmuls and attention variant): they share these
         pipelines. Nothing is recorded when every pipeline is in `warmed`; returns their keys."""
         S = min(16, self.max_seq_length)
         op = self._bucket_ops(1, S)

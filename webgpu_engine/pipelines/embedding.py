@@ -38,7 +38,8 @@ from ..kernels import tune
 from ..kernels.common import warm_up
 from ..models.registry import EMBEDDING, open_model
 
-S_GRANULE = 16      # padded lengths are multiples of this: few distinct buckets, little padding
+S_GRANULE = 8       # padded lengths are multiples of this (few distinct buckets, little padding)
+S_MIN = 16          # and at least this: every forward has B * S >= 16 rows, the same matmul kernels
 BATCH_COST = 64     # a forward's fixed cost (dispatches, one pass over the weights) in padded tokens
 MAX_TOTAL_TOKENS = 300_000      # tokens one request may embed, summed over its inputs (OpenAI's limit)
 TOKENIZE_CHUNK = 128            # inputs tokenised per worker call: the step checks its limits between
@@ -372,21 +373,23 @@ class EmbeddingPipeline:
 
     def plan_batches(self, lengths: list[int]) -> list[tuple[int, int, int, int]]:
         """Cut `lengths` (sorted longest first) into batches (start, end, B, S): B sequences padded to
-        S tokens, B a power of two up to max_batch_size, S a multiple of S_GRANULE. Minimises the padded
-        tokens computed plus BATCH_COST per forward (weights are re-read once per forward), so a long
-        outlier gets a batch of its own instead of padding 31 short sentences to its length."""
+        S tokens, B a power of two up to max_batch_size, S a multiple of S_GRANULE and at least S_MIN
+        (up to max_seq_length). Minimises the padded tokens computed plus BATCH_COST per forward
+        (weights are re-read once per forward), so a long outlier gets a batch of its own instead of
+        padding 31 short sentences to its length."""
         bmax, L, n = self.chat_config.max_batch_size, self.max_seq_length, len(lengths)
+        padded = [min(max(S_MIN, _round_up(k, S_GRANULE)), L) for k in lengths]
         best = [0.0] + [float("inf")] * n          # best[j]: cost of the first j sequences
         cut = [0] * (n + 1)
         for j in range(1, n + 1):
             for i in range(max(0, j - bmax), j):   # batch = lengths[i:j]; its longest is lengths[i]
-                c = best[i] + BATCH_COST + min(_pow2(j - i), bmax) * min(_round_up(lengths[i], S_GRANULE), L)
+                c = best[i] + BATCH_COST + min(_pow2(j - i), bmax) * padded[i]
                 if c < best[j]:
                     best[j], cut[j] = c, i
         plan, j = [], n
         while j > 0:
             i = cut[j]
-            plan.append((i, j, min(_pow2(j - i), bmax), min(_round_up(lengths[i], S_GRANULE), L)))
+            plan.append((i, j, min(_pow2(j - i), bmax), padded[i]))
             j = i
         return plan[::-1]
 
