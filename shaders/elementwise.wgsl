@@ -13,6 +13,8 @@
 //   gelu_tanh: y[i] = gelu_tanh(a[i])   (Phi's dense FFN: gelu_new)
 //   gelu_mul: y[t,f] = gelu(a[t,f]) * a[t,F+f]   (a is (T, 2F) [input | gate], cols = F: GeGLU)
 //   tanh_act: y[i] = tanh(a[i])   (the pooler / classification head of BERT cross-encoders)
+//   gelu_tanh_gate: y[t,f] = gelu_tanh(a[t,f]) * b[t, u_off + f] with b's rows g_step wide (a, y
+//             (T, F); b (T, g_step)): Gemma 4's per-layer input gate, layer i's F columns of the inputs
 // dispatch (ceil(n/64) split over x,y), workgroup 64. Outputs are written with put / put_bias (y) and put_u (yu),
 // which the host header defines: through y / yu, or, for an in-place op, through the input's own binding (WebGPU
 // forbids one range bound writable twice in a dispatch); activations are read_write for that.
@@ -121,6 +123,16 @@ fn silu_mul(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg:
 fn gelu_tanh_mul(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                  @builtin(local_invocation_index) lid: u32) {
     glu(elem_index(wid, nwg, lid), GELU_TANH);
+}
+
+@compute @workgroup_size(64)
+fn gelu_tanh_gate(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                  @builtin(local_invocation_index) lid: u32) {
+    let i = elem_index(wid, nwg, lid);
+    if (i >= p.n) { return; }
+    let t = i / p.cols;
+    let e = fv(b[p.b_off + t * p.g_step + p.u_off + i - t * p.cols]);
+    put(p.y_off + i, av(gelu_tanh_f(fv(a[p.a_off + i])) * e));
 }
 
 @compute @workgroup_size(64)

@@ -4,8 +4,9 @@
 //   layer_norm:     y[t,:] = (x[t,:] - mean) / sqrt(var + eps) * w + b
 //   layer_norm_res: the same on h = x + r (fused residual add); y may alias x or r.
 //   head_rms_norm:  in place on a fused qkv row (T, H_all, D): rms_norm of each of the first
-//                   n_norm heads over its D values, heads < n_q with weight w[0..D), the rest
-//                   with w[D..2D) (Qwen3 / Gemma 3 q and k norms); one invocation per (t, head).
+//                   n_norm heads over its D values, heads < n_q with weight w[0..D), heads < n_qk
+//                   with w[D..2D), the rest with w[2D..3D) (Qwen3 / Gemma 3 q and k norms; Gemma 4's
+//                   v heads too); one invocation per (t, head).
 //   proj_rms_norm:  in place on a fused qkv row (T, q_cols + 2 k_cols): rms_norm of the whole q
 //                   projection (its first q_cols values) with w[0..q_cols) and of the whole k
 //                   projection (the next k_cols) with w[q_cols..) (OLMo-2's q and k norms); one
@@ -36,6 +37,10 @@ struct HeadParams {
     n_q: u32,    // heads [0, n_q) take the first weight row
     eps: f32,
     w_off: u32,
+    n_qk: u32,   // heads [n_q, n_qk) take the second, heads [n_qk, n_norm) the third
+    _a: u32,
+    _b: u32,
+    _c: u32,
 }
 
 struct ProjParams {
@@ -145,7 +150,7 @@ fn head_rms_norm(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups)
     if (i >= hp.items) { return; }
     let h = i % hp.n_norm;
     let xb = hp.x_off + ((i / hp.n_norm) * hp.heads + h) * hp.cols;
-    let wb = hp.w_off + select(hp.cols, 0u, h < hp.n_q);
+    let wb = hp.w_off + select(select(2u * hp.cols, hp.cols, h < hp.n_qk), 0u, h < hp.n_q);
     let inv = inv_rms(xb, hp.cols, hp.eps);
     for (var c = 0u; c < hp.cols; c++) {
         x[xb + c] = av(fv(x[xb + c]) * inv * w[wb + c]);

@@ -382,14 +382,21 @@ async def test_new_families_in_a_batch_answer_as_on_the_one_request_path(device,
     """Four requests at once through continuous batching (paged KV, every row mode) give the greedy
     tokens the one-request path (contiguous KV) gives each alone: post norms, whole-projection q/k
     norms, LayerNorms, parallel layers, dense FFNs and head biases in the batched forward too."""
-    from webgpu_engine.engine.engine import AsyncMLCEngine
     path = str(_tiny_files(tmp_path, family, "gguf", _ref(ref)["dims"]))
     prompts = ["Grüße aus Köln", "The quick brown fox jumps over the lazy dog; naïve café owners",
                "東京で会いましょう 🌍", "12345 + 678 = 13023. " * 6]
+    alone, batched = await batch_answers(path, prompts)
+    assert alone == batched
+
+
+async def batch_answers(path: str, prompts: list[str], context: int = 160) -> tuple[list, list]:
+    """The 12 greedy tokens' texts of each prompt, all sent at once, with max_num_sequences 1 (the
+    one-request path, one after another) and 4 (continuous batching)."""
+    from webgpu_engine.engine.engine import AsyncMLCEngine
     answers = []
     for n in (1, 4):
         eng = AsyncMLCEngine()
-        await eng.reload(path, chat_opts={"dtype": "f32", "context_window_size": 160, "prefill_chunk_size": 32,
+        await eng.reload(path, chat_opts={"dtype": "f32", "context_window_size": context, "prefill_chunk_size": 32,
                                           "max_num_sequences": n, "kv_block_size": 16})
         try:
             rs = await asyncio.gather(*(eng.completions.create(prompt=p, max_tokens=12, ignore_eos=True,
@@ -397,7 +404,7 @@ async def test_new_families_in_a_batch_answer_as_on_the_one_request_path(device,
             answers.append([r.choices[0].text for r in rs])
         finally:
             await eng.unload()
-    assert answers[0] == answers[1]
+    return answers[0], answers[1]
 
 
 @pytest.mark.parametrize("pre,twin", [("dbrx", "llama3"), ("stablelm2", "qwen2"), ("phi-2", "gpt-2"),

@@ -57,6 +57,22 @@ def silu_mul(dev: Device, gate_up: Tensor, y: Tensor, *, pairs: bool = False, ac
     return _unary_op(dev, k, dt, v, par, ae, ye, y.numel // v)
 
 
+def gelu_tanh_gate(dev: Device, x: Tensor, e: Tensor, y: Tensor, *, col: int) -> Op:
+    """y[t,f] = gelu_tanh(x[t,f]) * e[t, col + f].  x, y (T, F) act (y may alias x); e (T, E) act,
+    col + F <= E: Gemma 4's per-layer input gate (e: every layer's inputs, col: this layer's)."""
+    k = "gelu_tanh_gate"
+    dt = _act(k, x, e, y)
+    rows, f = int(x.shape[0]), int(x.shape[-1])
+    width = int(e.shape[-1])
+    check(x.numel == y.numel == rows * f and e.numel >= rows * width and 0 <= col and col + f <= width, k,
+          f"shapes x{x.shape} e{e.shape} y{y.shape}, col {col}")
+    v = _width(dev, k, [f, width, col], [x, e, y])
+    (ae, ao), (be, bo), (ye, yo) = (_window(dev, t, k, v) for t in (x, e, y))
+    par = params(dev, [x.numel // v, f // v, ao, bo, yo, width // v, col // v, 0], owner=y.buf.owner, label=k)
+    put, binds = _store(k, "put", ("y", 3, ye), {"a": (1, ae), "b": (2, be)}, {})
+    return _op(dev, k, "elementwise.wgsl", k, _vec_header(dt, v) + put, par, binds, x.numel // v)
+
+
 def _unary_op(dev: Device, k: str, dt: str, v: int, par: Buffer, xe: tuple, ye: tuple, n: int) -> Op:
     """An elementwise.wgsl kernel reading binding 1 and writing binding 2 (or 1, in place)."""
     put, binds = _store(k, "put_u", ("yu", 2, ye), {"a": (1, xe)}, {})

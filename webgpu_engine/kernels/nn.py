@@ -21,8 +21,8 @@ from __future__ import annotations
 
 from .attention import (_MAX_LANE_DIMS, _attn_header, _heads_per_lane, attention, attention_bidir,  # noqa: F401
                         decode_splits, flash_attention)
-from .elementwise import (_unary_f, _unary_op, add, bias_add, gelu, gelu_mul, gelu_tanh, scale,  # noqa: F401
-                          silu_mul, softcap, tanh)
+from .elementwise import (_unary_f, _unary_op, add, bias_add, gelu, gelu_mul, gelu_tanh, gelu_tanh_gate,  # noqa: F401
+                          scale, silu_mul, softcap, tanh)
 from .nn_base import (MAX_WG, WG, _WRITERS, _act, _grid, _op, _qkv_heads, _rows_cols, _step_entry,  # noqa: F401
                       _store, _vec_entry, _vec_header, _width, _window)
 from .norm import head_rms_norm, layer_norm, proj_rms_norm, rms_norm  # noqa: F401

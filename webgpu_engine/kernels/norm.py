@@ -24,19 +24,20 @@ def rms_norm(dev: Device, x: Tensor, w: Tensor, y: Tensor, *, eps: float) -> Op:
 
 
 def head_rms_norm(dev: Device, qkv: Tensor, w: Tensor, *, n_q_heads: int, n_k_heads: int,
-                  head_dim: int, eps: float) -> Op:
+                  head_dim: int, eps: float, n_v_heads: int = 0) -> Op:
     """In place on qkv (T, H_all, D): rms_norm over each q head with w[:D] and each following k head
-    with w[D:] (Qwen3's and Gemma 3's q_norm / k_norm, applied before RoPE); v heads untouched."""
+    with w[D:2D] (Qwen3's and Gemma 3's q_norm / k_norm, applied before RoPE); v heads untouched,
+    or the n_v_heads after the k heads normed with w[2D:3D] (Gemma 4's v norm: w all ones)."""
     k = "head_rms_norm"
     dt = _act(k, qkv)
     rows, heads = _qkv_heads(k, qkv, head_dim)
-    n = n_q_heads + n_k_heads
-    check(n <= heads and w.numel == 2 * head_dim and w.dtype == "f32", k,
+    n = n_q_heads + n_k_heads + n_v_heads
+    check(n <= heads and w.numel == (3 if n_v_heads else 2) * head_dim and w.dtype == "f32", k,
           f"qkv{qkv.shape} with {n} normed heads of {head_dim}, w{w.shape}/{w.dtype}")
     v = _width(dev, k, [head_dim], [qkv, w])
     (xe, xo), (we, wo) = (_window(dev, t, k, v) for t in (qkv, w))
-    par = params(dev, [rows * n, head_dim // v, xo, heads, n, n_q_heads, float(eps), wo],
-                 owner=qkv.buf.owner, label=k)
+    par = params(dev, [rows * n, head_dim // v, xo, heads, n, n_q_heads, float(eps), wo,
+                       n_q_heads + n_k_heads, 0, 0, 0], owner=qkv.buf.owner, label=k)
     put, binds = _store(k, "put_norm", ("y", 3, None), {"x": (1, xe)}, {2: we})
     return _op(dev, k, "norm.wgsl", k, _vec_header(dt, v) + put, par, binds, rows * n)
 

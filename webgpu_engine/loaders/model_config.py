@@ -83,6 +83,15 @@ class LlamaConfig:
     extra: dict = field(default_factory=dict)
     # derived (set in __post_init__)
     q_dim: int = field(init=False)     # n_heads * head_dim
+    # Gemma 4: layers of different widths, layers attending another layer's cache, proportional RoPE
+    layer_head_dims: tuple | None = None   # head_dim of each layer (None: head_dim everywhere)
+    layer_ffn_sizes: tuple | None = None   # ffn_size of each layer (None: ffn_size everywhere)
+    kv_sources: tuple | None = None    # the layer whose K / V cache each layer attends: itself, or an earlier
+    #                                    one (the layer then stores none; its k / v projections go unused)
+    rope_pairs: int = 0                # proportional RoPE of the layers without a window: only the first
+    #                                    rope_pairs of a head's D/2 (neox) pairs rotate, at base^(-2j/D); 0: all
+    v_norm: bool = False               # each v head rms-normalised (no weight) before the cache
+    ple_dim: int = 0                   # per-layer inputs: P values per layer and token (0: none), see decoder.py
     kv_dim: int = field(init=False)    # n_kv_heads * head_dim
     qkv_dim: int = field(init=False)   # rows of the fused q|k|v matrix
     n_rep: int = field(init=False)     # query heads per kv head (GQA)
@@ -133,6 +142,46 @@ class LlamaConfig:
     def rope_of(self, layer: int, factors: tuple | None) -> tuple:
         """(base, frequency divisors) one layer rotates by: Gemma 3's sliding-window layers take
         their own base and no scaling; every other layer `rope_base` and `factors`."""
+        for name in ("layer_head_dims", "layer_ffn_sizes", "kv_sources"):
+            v = getattr(self, name)
+            if v is not None:
+                setattr(self, name, tuple(int(x) for x in v))
+                if len(getattr(self, name)) != self.n_layers:
+                    raise ValueError(f"{name} needs one value per layer ({self.n_layers}), got {len(v)}")
+        if self.kv_sources and any(s > i or self.kv_sources[s] != s for i, s in enumerate(self.kv_sources)):
+            raise ValueError(f"kv_sources {self.kv_sources}: each layer attends itself or an earlier layer that "
+                             f"stores its own cache")
+        if self.kv_sources and any(self.head_dim_of(s) != self.head_dim_of(i) for i, s in enumerate(self.kv_sources)):
+            raise ValueError("a layer must attend a cache of its own head_dim")
+        if self.rope_scaling == "proportional" and not self.rope_pairs:
+            raise ValueError("proportional RoPE needs rope_pairs")
+
+    # ------------------------------------------------------------------ per-layer shapes (Gemma 4)
+    def head_dim_of(self, layer: int) -> int:
+        return self.layer_head_dims[layer] if self.layer_head_dims else self.head_dim
+
+    def ffn_of(self, layer: int) -> int:
+        return self.layer_ffn_sizes[layer] if self.layer_ffn_sizes else self.ffn_size
+
+    def kv_source(self, layer: int) -> int:
+        """The layer whose cache `layer` attends (itself unless kv_sources says)."""
+        return self.kv_sources[layer] if self.kv_sources else layer
+
+    def rot_dim_of(self, layer: int) -> int:
+        """Rotated dimensions of a layer's heads (partial rotary scales with a layer's head_dim)."""
+        return self.rot_dim * self.head_dim_of(layer) // self.head_dim
+
+    def cache_head_dims(self) -> list[int]:
+        """head_dim of each layer that stores a K / V cache, in layer order."""
+        return [self.head_dim_of(i) for i in range(self.n_layers) if self.kv_source(i) == i]
+
+    @property
+    def max_head_dim(self) -> int:
+        return max(self.layer_head_dims or (self.head_dim,))
+
+    @property
+    def max_ffn(self) -> int:
+        return max(self.layer_ffn_sizes or (self.ffn_size,))
         if self.rope_local_base and self.window_of(layer):
             return self.rope_local_base, None
         return self.rope_base, factors
@@ -145,6 +194,9 @@ class LlamaConfig:
 
 
 @dataclass
+        if self.rope_pairs and not self.window_of(layer):   # proportional: the other pairs keep frequency 0
+            half = self.rot_dim_of(layer) // 2
+            return self.rope_base, (1.0,) * self.rope_pairs + (float("inf"),) * (half - self.rope_pairs)
 class BertConfig:
     """A BERT encoder (sentence-transformers embedders such as all-MiniLM-L6-v2), XLM-RoBERTa (the
     same encoder; positions count from `position_offset` = padding_idx + 1), their cross-encoders

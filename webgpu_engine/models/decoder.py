@@ -17,6 +17,8 @@
         f = (act(h · Wgateᵀ) * (h · Wupᵀ)) · Wdownᵀ            # gate|up fused: (T, 2F); act SiLU or GELU-tanh
           or act(h · Wupᵀ + b) · Wdownᵀ + b                    # dense (Phi, GPT-NeoX): GELU, tanh or erf
         x += f, or x += rms_norm(f) (Gemma, OLMo-2)
+        x += rms_norm((gelu_tanh(x · Wgᵀ) * e[:, i]) · Wpᵀ)     # per-layer inputs e (T, L, P): Gemma 4
+        x *= the layer's scalar                                # Gemma 4
     logits = rms_norm(x) (or LayerNorm(x)) · Wheadᵀ (+ b)      # the last row, or every row
     logits = cap * tanh(logits / cap)                          # Gemma 2
 
@@ -141,6 +143,7 @@ class KVAccess(Protocol):
     def logits_for(self, rows: int) -> Tensor: ...
     def fused_rope(self, i: int) -> "mm.RopeKV | None": ...
     def rope_kv(self, i: int, qkv: Tensor, T: int, rope: dict) -> Op: ...
+    def rope_q(self, i: int, qkv: Tensor, T: int, rope: dict) -> Op: ...   # q heads only (cfg.kv_sources)
     def attention(self, i: int, qkv: Tensor, attn: Tensor, T: int, mode: str, spec: Attention) -> Op: ...
 
 
@@ -159,10 +162,8 @@ def forward(m, kv: KVAccess, T: int, mode: str, *, with_head: bool = True,
     """The ops of one forward of T rows of model `m` (a LlamaModel: weights and activations) through
     `kv` in row mode `mode` (DECODE: T = 1)."""
     c, dev = m.cfg, m.dev
-    H, Hkv, D, C = c.n_heads, c.n_kv_heads, c.head_dim, c.hidden_size
+    H, Hkv, C = c.n_heads, c.n_kv_heads, c.hidden_size
     x, h = m.x.view((T, C)), m.h.view((T, C))
-    qkv, qkv2 = m.qkv.view((T, H + 2 * Hkv, D)), m.qkv.view((T, c.qkv_dim))
-    attn, gu, ffn = m.attn.view((T, H * D)), m.gate_up.view((T, 2 * c.ffn_size)), m.ffn.view((T, c.ffn_size))
     eps, flags = c.rms_eps, row_flags(kv, mode)
     if plan is None:
         plan = FusionPlan.choose(dev, c, m.layers, m.lm_head, mode == DECODE or "fused_rows" in flags,
@@ -174,7 +175,12 @@ def forward(m, kv: KVAccess, T: int, mode: str, *, with_head: bool = True,
     ops = ForwardOps([mm.embedding(dev, kv.ids.view((T,)), m.embed, x)])          # x (T, C)
     if c.embed_scale != 1.0:                                                     # Gemma: x *= sqrt(C)
         ops.append(nn.scale(dev, x, x, c.embed_scale))
+    if c.ple_dim:                            # Gemma 4: every layer's per-layer input e (T, L P)
+        ops += _per_layer_inputs(m, kv, x, T, flags)
     for i, L in enumerate(m.layers):
+        D, F = c.head_dim_of(i), c.ffn_of(i)   # Gemma 4's layers differ in width
+        qkv, qkv2 = m.qkv.view((T, H + 2 * Hkv, D)), m.qkv.view((T, (H + 2 * Hkv) * D))
+        attn, gu, ffn = m.attn.view((T, H * D)), m.gate_up.view((T, 2 * F)), m.ffn.view((T, F))
         # h = rms_norm(x); qkv = h · Wqkvᵀ (+ bias)                               (T, H+2Hkv, D)
         rope = kv.fused_rope(i) if plan.rope_kv[i] else None
         if not c.pre_norms:                  # OLMo-2: the projection reads x
@@ -190,14 +196,17 @@ def forward(m, kv: KVAccess, T: int, mode: str, *, with_head: bool = True,
         if L.qk_norm is not None and c.qk_norm_whole:   # q, k = rms_norm of each projection (before RoPE)
             ops.append(nn.proj_rms_norm(dev, qkv2, L.qk_norm, q_dim=c.q_dim, k_dim=c.kv_dim, eps=eps))
         elif L.qk_norm is not None:          # q, k = rms_norm per head (before RoPE)
-            ops.append(nn.head_rms_norm(dev, qkv, L.qk_norm, n_q_heads=H, n_k_heads=Hkv, head_dim=D, eps=eps))
+            ops.append(nn.head_rms_norm(dev, qkv, L.qk_norm, n_q_heads=H, n_k_heads=Hkv, head_dim=D, eps=eps,
+                                        n_v_heads=Hkv if c.v_norm else 0))
         if "qkv" in points:
             ops += points["qkv"](m, i, qkv, T)
         # rope(q, k); k, v -> caches; x += attention(q, caches) · Woᵀ
         if rope is None:
             base, factors = c.rope_of(i, m.rope_factors)
-            ops.append(kv.rope_kv(i, qkv, T, dict(rot_dim=c.rot_dim, base=base, neox=c.rope_neox,
-                                                  factors=factors, mscale=c.rope_attn_factor)))
+            rot = dict(rot_dim=c.rot_dim_of(i), base=base, neox=c.rope_neox, factors=factors,
+                       mscale=c.rope_attn_factor)
+            # a layer attending an earlier layer's cache rotates its q heads only and stores nothing
+            ops.append(kv.rope_kv(i, qkv, T, rot) if c.kv_source(i) == i else kv.rope_q(i, qkv, T, rot))
         spec = Attention(H, Hkv, D, c.attn_scale or D ** -0.5, c.window_of(i), c.attn_softcap)
         ops.append(kv.attention(i, qkv, attn, T, mode, spec))
         if "attn" in points:
@@ -244,11 +253,38 @@ def forward(m, kv: KVAccess, T: int, mode: str, *, with_head: bool = True,
         else:
             nxt = mm.NormOut(norms_after[i], h, part) if plan.res_norm else None
             ops.append(mm.matmul(dev, ffn_in, L.down, x, bias=L.down_bias, accumulate=True, norm_out=nxt, **fused))
+        if L.ple_gate is not None:           # x += the layer's per-layer input, gated by x
+            ops += _per_layer_input(m, L, i, x, h, T, flags)
+        if L.scale != 1.0:
+            ops.append(nn.scale(dev, x, x, L.scale))
     if with_head:
         n_body = len(ops)
         ops += _head(m, kv, T, mode, plan)
         ops.n_head = len(ops) - n_body
     return ops
+
+
+def _per_layer_inputs(m, kv: KVAccess, x: Tensor, T: int, flags: dict) -> list[Op]:
+    """e = (rms_norm(x · Wpᵀ / sqrt(C)) + E[ids] * sqrt(P)) / sqrt(2), (T, L P): every layer's P
+    per-layer input values (Gemma 4), from the scaled embeddings x, their projection Wp (L P, C) normed
+    per layer and token, and the per-layer table E (V, L P)."""
+    c, dev, P = m.cfg, m.dev, m.cfg.ple_dim
+    e, proj = m.ple.view((T, c.n_layers * P)), m.ple_tmp.view((T, c.n_layers * P))
+    per_layer = proj.view((T * c.n_layers, P))
+    return [mm.embedding(dev, kv.ids.view((T,)), m.ple_embed, e), nn.scale(dev, e, e, P ** 0.5),
+            mm.matmul(dev, x, m.ple_model_proj, proj, **flags), nn.scale(dev, proj, proj, c.hidden_size ** -0.5),
+            nn.rms_norm(dev, per_layer, m.ple_norm, per_layer, eps=c.rms_eps),
+            nn.add(dev, proj, e, e), nn.scale(dev, e, e, 0.5 ** 0.5)]
+
+
+def _per_layer_input(m, L, i: int, x: Tensor, h: Tensor, T: int, flags: dict) -> list[Op]:
+    """x += rms_norm((gelu_tanh(x · Wgᵀ) * e[:, i]) · Wpᵀ): layer i's per-layer input (Gemma 4)."""
+    c, dev, P = m.cfg, m.dev, m.cfg.ple_dim
+    g = m.ple_act.view((T, P))
+    return [mm.matmul(dev, x, L.ple_gate, g, **flags),
+            nn.gelu_tanh_gate(dev, g, m.ple.view((T, c.n_layers * P)), g, col=i * P),
+            mm.matmul(dev, g, L.ple_proj, h, **flags), nn.rms_norm(dev, h, L.ple_norm, h, eps=c.rms_eps),
+            nn.add(dev, x, h, x)]
 
 
 def _norm(m, x: Tensor, w: Tensor, b: Tensor | None, y: Tensor) -> Op:

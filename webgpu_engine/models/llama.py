@@ -19,7 +19,7 @@ from ..errors import ContextWindowTooLargeError, GPUOutOfMemoryError, Unsupporte
 from ..gpu import Device
 from ..kernels import matmul as mm
 from ..kernels import nn
-from ..kernels.common import DTYPE_SIZE, Op, OpCache, Ring, Tensor, new_tensor, pipeline_keys
+from ..kernels.common import DTYPE_SIZE, Op, OpCache, Ring, Tensor, check, new_tensor, pipeline_keys
 from ..kernels.kv_quant import KV_QUANTS, rope_kv_quant
 from ..loaders.model_config import LlamaConfig
 from ..loaders.tensor_info import split_fused
@@ -55,6 +55,10 @@ class LlamaLayer:
     ffn_norm_bias: Tensor | None = None
     up_bias: Tensor | None = None      # (F,) f32: a dense FFN's biases (Phi)
     down_bias: Tensor | None = None    # (C,) f32
+    ple_gate: mm.QWeight | None = None  # (P, C): per-layer inputs (cfg.ple_dim, Gemma 4): the gate of x
+    ple_proj: mm.QWeight | None = None  # (C, P): its projection back
+    ple_norm: Tensor | None = None     # (C,) f32: the projection's norm
+    scale: float = 1.0                 # x *= scale at the layer's end (Gemma 4's layer_scalar)
 
 
 def _floats(t) -> list:
@@ -88,17 +92,23 @@ class ContiguousKV:
         m, c = self.m, self.m.cfg
         if m.kv_cache_dtype or m.ring:   # the matmul's epilogue writes act caches only, without a ring
             return None
-        return mm.RopeKV(m.step, m.rope_freq, m.k_cache[i], m.v_cache[i], c.n_heads, c.n_kv_heads, c.head_dim,
-                         c.rot_dim, m.ctx)
+        return mm.RopeKV(m.step, m.rope_freq, m.k_cache[i], m.v_cache[i], c.n_heads, c.n_kv_heads, c.head_dim_of(i),
+                         c.rot_dim_of(i), m.ctx)
 
     def rope_kv(self, i: int, qkv: Tensor, T: int, rope: dict):
         m, c = self.m, self.m.cfg
         ring = dict(ring=m.ring, q_sink=m.q_sink) if m.ring else {}
+        D = c.head_dim_of(i)
         if m.kv_cache_dtype in KV_QUANTS:     # rope and the quantising write in one dispatch
             return rope_kv_quant(m.dev, qkv, m.k_cache[i], m.v_cache[i], m.step, n_q_heads=c.n_heads,
-                                 n_kv_heads=c.n_kv_heads, head_dim=c.head_dim, ctx=m.ctx, **rope, **ring)
+                                 n_kv_heads=c.n_kv_heads, head_dim=D, ctx=m.ctx, **rope, **ring)
         return nn.rope_kv(m.dev, qkv, m.k_cache[i], m.v_cache[i], m.step, n_q_heads=c.n_heads,
-                          n_kv_heads=c.n_kv_heads, head_dim=c.head_dim, ctx=m.ctx, **rope, **ring)
+                          n_kv_heads=c.n_kv_heads, head_dim=D, ctx=m.ctx, **rope, **ring)
+
+    def rope_q(self, i: int, qkv: Tensor, T: int, rope: dict):
+        m, c = self.m, self.m.cfg
+        check(not m.ring, "rope_q", "a layer attending another's cache does not run with a ring")
+        return nn.rope(m.dev, qkv, m.step, n_heads=c.n_heads, head_dim=c.head_dim_of(i), **rope)
 
     def masking(self, spec: decoder.Attention) -> dict:
         """nn.attention's masks: the model's own (window, soft-cap), or a ring's in place of its window."""
@@ -232,14 +242,36 @@ class LlamaModel:
         def bias(name):                                   # an optional bias vector
             return vec([name], name) if name in weights else None
         self.lm_head_bias = bias("lm_head_bias")                                  # (V,): Phi
+        if c.ple_dim:                                     # per-layer inputs (decoder.py)
+            self.ple_embed = mat(["ple_embed"], "ple_embed")                      # (V, L P)
+            self.ple_model_proj = mat(["ple_model_proj"], "ple_model_proj")       # (L P, C)
+            self.ple_norm = norm(["ple_norm"], "ple_norm")                        # (P,)
+
+        def qk_norm(p, kvp):                              # q_norm | k_norm (| ones: each v head's norm)
+            t = norm([p + "q_norm", kvp + "k_norm"], p + "qk_norm")
+            if not c.v_norm:
+                return t
+            D = t.numel // 2
+            vals = _floats(get(p + "q_norm")) + _floats(get(kvp + "k_norm")) + [1.0] * D
+            return mm.upload_vector(dev, struct.pack(f"<{3 * D}f", *vals), owner=own, label=p + "qkv_norm")
+
+        def per_layer(p):                                 # Gemma 4: the layer's per-layer input and scalar
+            out = {"scale": _floats(weights[p + "scalar"])[0]} if p + "scalar" in weights else {}
+            if c.ple_dim:
+                out.update(ple_gate=mat([p + "ple_gate"], p + "ple_gate"), ple_proj=mat([p + "ple_proj"], p + "ple_proj"),
+                           ple_norm=norm([p + "ple_norm"], p + "ple_norm"))
+            return out
         ffn_norm = c.pre_norms and c.parallel_norms != 1  # Phi's FFN shares the attention's norm
         self.layers: list[LlamaLayer] = []
         for i in range(c.n_layers):
             p = f"layers.{i}."
+            # a layer attending an earlier layer's cache has no k / v of its own: its source's k / v
+            # rows keep the q|k|v layout (computed, never stored)
+            kvp = f"layers.{c.kv_source(i)}."
             gu, pairs = gate_up(p)
             self.layers.append(LlamaLayer(
                 attn_norm=norm([p + "attn_norm"], p + "attn_norm") if c.pre_norms else None,
-                qkv=mat([p + "q", p + "k", p + "v"], p + "qkv"),
+                qkv=mat([p + "q", kvp + "k", kvp + "v"], p + "qkv"),
                 o=mat([p + "o"], p + "o"),
                 ffn_norm=norm([p + "ffn_norm"], p + "ffn_norm") if ffn_norm else None,
                 gate_up=gu, gate_pairs=pairs,
@@ -247,11 +279,12 @@ class LlamaModel:
                 qkv_bias=vec([p + "q_bias", p + "k_bias", p + "v_bias"], p + "qkv_bias")
                 if p + "q_bias" in weights else None,
                 o_bias=bias(p + "o_bias"), up_bias=bias(p + "up_bias"), down_bias=bias(p + "down_bias"),
-                qk_norm=norm([p + "q_norm", p + "k_norm"], p + "qk_norm") if c.qk_norm else None,
+                qk_norm=qk_norm(p, kvp) if c.qk_norm else None,
                 post_attn_norm=norm([p + "post_attn_norm"], p + "post_attn_norm") if c.post_norms else None,
                 post_ffn_norm=norm([p + "post_ffn_norm"], p + "post_ffn_norm") if c.post_norms else None,
                 attn_norm_bias=vec([p + "attn_norm_bias"], p + "attn_norm_bias") if layer_norm else None,
-                ffn_norm_bias=vec([p + "ffn_norm_bias"], p + "ffn_norm_bias") if layer_norm and ffn_norm else None))
+                ffn_norm_bias=vec([p + "ffn_norm_bias"], p + "ffn_norm_bias") if layer_norm and ffn_norm else None,
+                **per_layer(p)))
             if progress:
                 progress((i + 1) / c.n_layers, f"uploaded layer {i + 1}/{c.n_layers}")
 
@@ -264,20 +297,29 @@ class LlamaModel:
         self.ids = new_tensor(dev, (P,), "u32", owner=own, label="ids")      # (P,)
         self.x = new_tensor(dev, (P, c.hidden_size), dt, owner=own, label="x")            # residual
         self.h = new_tensor(dev, (P, c.hidden_size), dt, owner=own, label="h")            # normed
-        self.qkv = new_tensor(dev, (P, c.qkv_dim), dt, owner=own, label="qkv")
-        self.attn = new_tensor(dev, (P, c.q_dim), dt, owner=own, label="attn")
-        self.gate_up = new_tensor(dev, (P, 2 * c.ffn_size), dt, owner=own, label="gate_up")
-        self.ffn = new_tensor(dev, (P, c.ffn_size), dt, owner=own, label="ffn")
+        H, Hkv, D = c.n_heads, c.n_kv_heads, c.max_head_dim        # the widest layer's heads
+        self.qkv = new_tensor(dev, (P, (H + 2 * Hkv) * D), dt, owner=own, label="qkv")
+        self.attn = new_tensor(dev, (P, H * D), dt, owner=own, label="attn")
+        self.gate_up = new_tensor(dev, (P, 2 * c.max_ffn), dt, owner=own, label="gate_up")
+        self.ffn = new_tensor(dev, (P, c.max_ffn), dt, owner=own, label="ffn")
         self.last = new_tensor(dev, (1, c.hidden_size), dt, owner=own, label="last")      # normed last row
         # decode: sums of x^2 per 4 columns of each row, from the residual matmuls' epilogue (see
         # _build; one row per sequence of a batched decode step)
         self.part = new_tensor(dev, (P * c.hidden_size // 4,), "f32", owner=own, label="norm_partials")
         self.logits = new_tensor(dev, (1, c.vocab_size), dt, owner=own, label="logits")
-        shape, kdt = (c.n_kv_heads, self.ctx, c.head_dim), dt
-        if self.kv_cache_dtype in KV_QUANTS:    # codes and scales in u32 words (kernels/kv_quant.py)
-            shape, kdt = (KV_QUANTS[self.kv_cache_dtype].cache_words(c.n_kv_heads, self.ctx, c.head_dim),), "u32"
-        self.k_cache = [new_tensor(dev, shape, kdt, owner=own, label=f"k_cache.{i}") for i in range(c.n_layers)]
-        self.v_cache = [new_tensor(dev, shape, kdt, owner=own, label=f"v_cache.{i}") for i in range(c.n_layers)]
+        if c.ple_dim:                           # every layer's inputs (T, L P), a scratch of that, one gate (T, P)
+            self.ple = new_tensor(dev, (P, c.n_layers * c.ple_dim), dt, owner=own, label="ple")
+            self.ple_tmp = new_tensor(dev, (P, c.n_layers * c.ple_dim), dt, owner=own, label="ple_tmp")
+            self.ple_act = new_tensor(dev, (P, c.ple_dim), dt, owner=own, label="ple_act")
+        self.k_cache, self.v_cache = [], []
+        for i in range(c.n_layers):             # a layer attending an earlier one's cache stores none
+            src, D = c.kv_source(i), c.head_dim_of(i)
+            shape, kdt = (c.n_kv_heads, self.ctx, D), dt
+            if self.kv_cache_dtype in KV_QUANTS:    # codes and scales in u32 words (kernels/kv_quant.py)
+                shape, kdt = (KV_QUANTS[self.kv_cache_dtype].cache_words(c.n_kv_heads, self.ctx, D),), "u32"
+            for caches, kind in ((self.k_cache, "k"), (self.v_cache, "v")):
+                caches.append(caches[src] if src != i else
+                              new_tensor(dev, shape, kdt, owner=own, label=f"{kind}_cache.{i}"))
         # a ring's sink queries, written by rope_kv beside qkv (a buffer of its own)
         self.q_sink = new_tensor(dev, (P, c.q_dim), dt, owner=own, label="q_sink") if self.ring else None
         self.kv = ContiguousKV(self)

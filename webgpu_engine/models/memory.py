@@ -61,13 +61,16 @@ def estimate_llm(cfg, tensors: dict, plan, *, max_binding: int) -> MemoryEstimat
     kv_buf = plan.kv_layer_bytes(cfg)                                      # one (Hkv, ctx, D) cache
     C, F, V = cfg.hidden_size, cfg.ffn_size, cfg.vocab_size
     act = esz * P * (2 * C + cfg.qkv_dim + cfg.q_dim + 3 * F) + 4 * P + esz * (C + V) + P * C   # P * C: norm partials
+    # Gemma 4: the widest layer's heads and FFN beyond the config's, its per-layer inputs (T, L P) x 2, (T, P)
+    act += esz * P * ((2 * cfg.n_heads + 2 * cfg.n_kv_heads) * (cfg.max_head_dim - cfg.head_dim)
+                      + 3 * (cfg.max_ffn - cfg.ffn_size) + (2 * cfg.n_layers + 1) * cfg.ple_dim)
     act += 4 * V * 3 + 4 * (V + 31) // 32 + 1024          # sampler: bias, history, scratch, io, params
     act += 64 * 1024                                         # per-op params uniforms (~16 B x ops)
     if getattr(plan, "ring", None) is not None:             # a sliding window's sink queries
         act += esz * P * cfg.q_dim
     # split-key decode attention: per layer (Hq, splits, D/4 + 1) vec4 partials, at most 128 splits
     # of at least 32 keys (kernels/nn.attention; CPU adapters use fewer): grows with the context.
-    partials = cfg.n_layers * cfg.n_heads * min(128, -(-ctx // 32)) * (cfg.head_dim // 4 + 1) * 16
+    partials = cfg.n_layers * cfg.n_heads * min(128, -(-ctx // 32)) * (cfg.max_head_dim // 4 + 1) * 16
     act += partials
     for size, what in ((kv_buf, f"KV cache of one layer ({ctx} tokens)"), (esz * P * 2 * F, "gate_up activations"),
                        (4 * V, "logits")):

@@ -66,9 +66,15 @@ class PagedForward:
         # 0.2-1 ms of host time each on lavapipe right after a step, a copy command next to nothing)
         self.inputs = dev.buffer(4 * (3 * P + S + S * self.max_blocks + 4), owner=owner, label="paged.inputs")
         self.logits = new_tensor(dev, (S, c.vocab_size), dt, owner=owner, label="paged.logits")
-        self.pools = [ap.new_kv_pool(dev, self.n_blocks, self.block_size, c.n_kv_heads, c.head_dim,
-                                     model.kv_cache_dtype or dt,
-                                     owner=owner, label=f"kv_pool.{i}") for i in range(c.n_layers)]
+        self.pools = []
+        for i in range(c.n_layers):          # a layer attending an earlier one's cache has no pool
+            src = c.kv_source(i)
+            self.pools.append(self.pools[src] if src != i else ap.new_kv_pool(
+                dev, self.n_blocks, self.block_size, c.n_kv_heads, c.head_dim_of(i), model.kv_cache_dtype or dt,
+                owner=owner, label=f"kv_pool.{i}"))
+        if c.kv_sources:                     # rope_q: every row rotated, none written (slot 0xffffffff)
+            self.no_slots = new_tensor(dev, (P,), "u32", owner=owner, label="paged.no_slots")
+            dev.write(self.no_slots.buf, b"\xff" * 4 * P)
         self._ops = OpCache(_MAX_CACHED)                   # (kind, rows) -> list[Op]
         # up to MAX_DECODE_ROWS sequences (a CPU adapter's default is 4): each decode row through the
         # fused one-row kernels, as the one-request path decodes it; more: the row-invariant kernels
@@ -88,14 +94,22 @@ class PagedForward:
             return None
         kp, vp = self.pools[i]
         P = m.chunk
-        return mm.RopeKV(None, m.rope_freq, kp, vp, c.n_heads, c.n_kv_heads, c.head_dim, c.rot_dim, 0,
+        return mm.RopeKV(None, m.rope_freq, kp, vp, c.n_heads, c.n_kv_heads, c.head_dim_of(i), c.rot_dim_of(i), 0,
                          positions=self.positions.view((P,)), slots=self.slots.view((P,)))
 
     def rope_kv(self, i: int, qkv: Tensor, T: int, rope: dict) -> Op:
         kp, vp = self.pools[i]
         c = self.cfg
         return ap.paged_rope_kv(self.dev, qkv, kp, vp, self.positions.view((T,)), self.slots.view((T,)),
-                                n_q_heads=c.n_heads, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim, **rope)
+                                n_q_heads=c.n_heads, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim_of(i), **rope)
+
+    def rope_q(self, i: int, qkv: Tensor, T: int, rope: dict) -> Op:
+        """The rotation of rope_kv with no row written: the layer attends an earlier layer's pool (its
+        k heads, rotated too, go unused)."""
+        kp, vp = self.pools[i]
+        c = self.cfg
+        return ap.paged_rope_kv(self.dev, qkv, kp, vp, self.positions.view((T,)), self.no_slots.view((T,)),
+                                n_q_heads=c.n_heads, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim_of(i), **rope)
 
     def attention(self, i: int, qkv: Tensor, attn: Tensor, T: int, mode: str, spec: decoder.Attention) -> Op:
         kp, vp = self.pools[i]

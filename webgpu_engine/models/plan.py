@@ -93,11 +93,11 @@ class DecoderPlan:
 
     def kv_bytes_per_token(self, cfg) -> int:
         """K and V of one position, every layer."""
-        return 2 * cfg.n_layers * cfg.n_kv_heads * kv_row_bytes(self.kv_dtype, cfg.head_dim)
+        return 2 * cfg.n_kv_heads * sum(kv_row_bytes(self.kv_dtype, D) for D in cfg.cache_head_dims())
 
     def kv_layer_bytes(self, cfg) -> int:
-        """One layer's K (or V) cache of the one-sequence path: (Hkv, context, D)."""
-        return cfg.n_kv_heads * self.context * kv_row_bytes(self.kv_dtype, cfg.head_dim)
+        """One layer's K (or V) cache of the one-sequence path: (Hkv, context, D) (the widest layer's)."""
+        return cfg.n_kv_heads * self.context * kv_row_bytes(self.kv_dtype, cfg.max_head_dim)
 
     def kv_cache_bytes(self, cfg) -> int:
         """The contiguous cache plus the paged pool."""
@@ -146,7 +146,7 @@ def plan_decoder(cfg, chat_config, dev) -> DecoderPlan:
     kv = kv_cache_dtype(cfg, chat_config, dtype)
     if seqs > 1:
         from ..kernels.attention_paged import max_pool_blocks
-        cap = max_pool_blocks(dev, bs, cfg.n_kv_heads, cfg.head_dim, kv or dtype)
+        cap = max_pool_blocks(dev, bs, cfg.n_kv_heads, cfg.max_head_dim, kv or dtype)
         one = -(-ctx // bs) + 1                    # a lone sequence of a full context always fits
         blocks = min(pool_blocks(seqs, ctx, bs, chat_config.kv_pool_tokens), cap)
         if blocks < one:

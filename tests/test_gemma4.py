@@ -1,0 +1,72 @@
+"""Gemma 4 (text; gemma-4-E2B-it's decoder, models/family_gemma4.py) against transformers: a tiny
+random Gemma4ForCausalLM with every part E2B's config turns on (tests/tinygemma4.py: sliding and
+full-attention layers of different head sizes, proportional RoPE, the last two layers attending
+earlier layers' caches with double-wide FFNs, v norms, per-layer inputs, layer scalars, soft-capped
+logits) that tests/fixtures/make_gemma4.py ran through transformers once (its JSON committed): the
+same token ids, logits at positions up to 319 within 1e-3 and 16 greedy tokens; the same greedy
+tokens for each of 3 requests batched together through the scheduler. The kernels it added against
+their numpy references."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from test_families import batch_answers, check_golden
+from tinygemma4 import write_tiny_gemma4_safetensors
+from webgpu_engine.kernels import nn, nn_ref
+from _nn_util import TOL, get, put, rounded, run
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+@pytest.fixture(scope="module")
+def ref() -> dict:
+    return json.loads((FIXTURES / "gemma4_transformers.json").read_text())
+
+
+def test_gemma4_matches_transformers(device, tmp_path, ref):
+    folder = write_tiny_gemma4_safetensors(tmp_path / "gemma4", seed=ref["seed"])["folder"]
+    check_golden(device, folder, ref)
+
+
+# --------------------------------------------------------------------------- kernels
+@pytest.mark.parametrize("dtype", ["f32", "f16"])
+@pytest.mark.parametrize("rows,hq,hkv,d", [(1, 4, 1, 64), (5, 8, 2, 32), (3, 2, 1, 6)])
+def test_head_rms_norm_with_v_heads(device, dtype, rows, hq, hkv, d):
+    """Gemma 4's v norm: the v heads after q and k normed with w[2D:3D] (ones in the model), in the
+    same dispatch as q and k (which keep w[:D] and w[D:2D], as for Qwen3)."""
+    rng = np.random.default_rng(rows * hq * d)
+    qkv = rng.standard_normal((rows, hq + 2 * hkv, d)) * 2 + 0.3
+    w = rng.standard_normal(3 * d)
+    xt = put(device, qkv, dtype, lead=4)
+    run(device, nn.head_rms_norm(device, xt, put(device, w, lead=4), n_q_heads=hq, n_k_heads=hkv, head_dim=d,
+                                 eps=1e-6, n_v_heads=hkv))
+    want = nn_ref.head_rms_norm_v(rounded(qkv, dtype), w, hq, hkv, hkv, 1e-6)
+    assert np.abs(want[:, hq + hkv:] - rounded(qkv, dtype)[:, hq + hkv:]).max() > 0.1
+    np.testing.assert_allclose(get(device, xt), want, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16"])
+@pytest.mark.parametrize("rows,p,layers,layer", [(1, 8, 6, 0), (5, 8, 6, 5), (3, 6, 3, 1), (2, 256, 4, 2)])
+def test_gelu_tanh_gate(device, dtype, rows, p, layers, layer):
+    """Gemma 4's per-layer input gate, in place: gelu_tanh(g[t]) times layer `layer`'s p values of
+    row t of the per-layer inputs (T, L P), with 4-wide loads where the sizes allow."""
+    rng = np.random.default_rng(rows * p + layer)
+    g, e = rng.standard_normal((rows, p)) * 3, rng.standard_normal((rows, layers * p))
+    gt, et = put(device, g, dtype, lead=4), put(device, e, dtype, lead=8)
+    run(device, nn.gelu_tanh_gate(device, gt, et, gt, col=layer * p))
+    want = nn_ref.gelu_tanh_gate(rounded(g, dtype), rounded(e, dtype), layer * p)
+    np.testing.assert_allclose(get(device, gt), want, **TOL[dtype])
+
+
+async def test_gemma4_in_a_batch_answers_as_alone(device, tmp_path, ref):
+    """Three requests at once through continuous batching (max_num_sequences 4: the paged pool, the
+    ROWS and PREFILL modes, the shared layers reading their source layers' pools) give the greedy
+    tokens each gives alone on the one-request path; one prompt runs past the 48-key window."""
+    folder = str(write_tiny_gemma4_safetensors(tmp_path / "gemma4", seed=ref["seed"])["folder"])
+    alone, batched = await batch_answers(folder, ["Grüße aus Köln", "東京で会いましょう 🌍", ref["text"][:160]],
+                                         context=192)
+    assert alone == batched and all(alone)
