@@ -51,6 +51,19 @@ def gelu_tanh(x: np.ndarray) -> np.ndarray:
     return (0.5 * g * (1 + np.tanh(math.sqrt(2 / math.pi) * (g + 0.044715 * g ** 3)))).astype(np.float32)
 
 
+def gelu_tanh_gate(x: np.ndarray, e: np.ndarray, col: int) -> np.ndarray:
+    """gelu_tanh(x[t, f]) * e[t, col + f] (Gemma 4's per-layer input gate)."""
+    return (gelu_tanh(x).astype(np.float64) * e[:, col:col + x.shape[-1]]).astype(np.float32)
+
+
+def head_rms_norm_v(qkv: np.ndarray, w: np.ndarray, n_q: int, n_k: int, n_v: int, eps: float) -> np.ndarray:
+    """head_rms_norm, and the n_v heads after the k heads rms-normed with w[2D:3D] (Gemma 4)."""
+    D = qkv.shape[-1]
+    y = head_rms_norm(qkv, w[:2 * D], n_q, n_k, eps)
+    y[:, n_q + n_k:n_q + n_k + n_v] = rms_norm(y[:, n_q + n_k:n_q + n_k + n_v], w[2 * D:3 * D], eps)
+    return y
+
+
 def gelu_tanh_mul(gate_up: np.ndarray) -> np.ndarray:
     f = gate_up.shape[-1] // 2
     return (gelu_tanh(gate_up[..., :f]).astype(np.float64) * gate_up[..., f:].astype(np.float64)).astype(np.float32)
@@ -75,19 +88,6 @@ def inv_freq(rot_dim: int, base: float) -> np.ndarray:
 
 def rope(x: np.ndarray, positions: np.ndarray, *, n_heads: int, rot_dim: int, base: float,
          neox: bool) -> np.ndarray:
-def gelu_tanh_gate(x: np.ndarray, e: np.ndarray, col: int) -> np.ndarray:
-    """gelu_tanh(x[t, f]) * e[t, col + f] (Gemma 4's per-layer input gate)."""
-    return (gelu_tanh(x).astype(np.float64) * e[:, col:col + x.shape[-1]]).astype(np.float32)
-
-
-def head_rms_norm_v(qkv: np.ndarray, w: np.ndarray, n_q: int, n_k: int, n_v: int, eps: float) -> np.ndarray:
-    """head_rms_norm, and the n_v heads after the k heads rms-normed with w[2D:3D] (Gemma 4)."""
-    D = qkv.shape[-1]
-    y = head_rms_norm(qkv, w[:2 * D], n_q, n_k, eps)
-    y[:, n_q + n_k:n_q + n_k + n_v] = rms_norm(y[:, n_q + n_k:n_q + n_k + n_v], w[2 * D:3 * D], eps)
-    return y
-
-
     """x (T, H_all, D): rotates heads [0, n_heads); angle = f32(pos) * f32 inv_freq, as the kernel."""
     y = x.astype(np.float64).copy()
     half = rot_dim // 2

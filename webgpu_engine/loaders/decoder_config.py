@@ -281,6 +281,8 @@ def _hf_rope_scaling(c: dict, rot_dim: int, where: str) -> tuple:
     kind = rs.get("rope_type", rs.get("type")) if rs else None
     if kind in (None, "default"):
         return None, ""
+    if kind == "proportional":          # Gemma 4's full-attention layers: its family reads the pairs
+        return None, "proportional"
     try:
         if kind in ("longrope", "su"):
             return tuple(float(f) for f in rs["short_factor"]), "longrope"
@@ -288,8 +290,6 @@ def _hf_rope_scaling(c: dict, rot_dim: int, where: str) -> tuple:
         if kind == "linear":
             return (factor,) * (rot_dim // 2), "linear"
         if kind == "llama3":
-    if kind == "proportional":          # Gemma 4's full-attention layers: its family reads the pairs
-        return None, "proportional"
             return llama3_rope_factors(rot_dim, float(c.get("rope_theta", 10000.0)), factor,
                                        float(rs["low_freq_factor"]), float(rs["high_freq_factor"]),
                                        int(rs["original_max_position_embeddings"])), "llama3"

@@ -77,12 +77,6 @@ class LlamaConfig:
     attn_softcap: float = 0.0          # scores s -> c * tanh(s / c) (Gemma 2; 0: none)
     final_softcap: float = 0.0         # logits -> c * tanh(logits / c) (Gemma 2; 0: none)
     rope_local_base: float = 0.0       # rope base of the sliding-window layers, unscaled (Gemma 3; 0: rope_base)
-    name: str = ""
-    # a family's own values (what its module's readers add and its decoder ops read: new math
-    # needs no field here; see loaders/decoder_config.py DecoderFamily.ops)
-    extra: dict = field(default_factory=dict)
-    # derived (set in __post_init__)
-    q_dim: int = field(init=False)     # n_heads * head_dim
     # Gemma 4: layers of different widths, layers attending another layer's cache, proportional RoPE
     layer_head_dims: tuple | None = None   # head_dim of each layer (None: head_dim everywhere)
     layer_ffn_sizes: tuple | None = None   # ffn_size of each layer (None: ffn_size everywhere)
@@ -92,6 +86,12 @@ class LlamaConfig:
     #                                    rope_pairs of a head's D/2 (neox) pairs rotate, at base^(-2j/D); 0: all
     v_norm: bool = False               # each v head rms-normalised (no weight) before the cache
     ple_dim: int = 0                   # per-layer inputs: P values per layer and token (0: none), see decoder.py
+    name: str = ""
+    # a family's own values (what its module's readers add and its decoder ops read: new math
+    # needs no field here; see loaders/decoder_config.py DecoderFamily.ops)
+    extra: dict = field(default_factory=dict)
+    # derived (set in __post_init__)
+    q_dim: int = field(init=False)     # n_heads * head_dim
     kv_dim: int = field(init=False)    # n_kv_heads * head_dim
     qkv_dim: int = field(init=False)   # rows of the fused q|k|v matrix
     n_rep: int = field(init=False)     # query heads per kv head (GQA)
@@ -132,16 +132,6 @@ class LlamaConfig:
         self.kv_dim = self.n_kv_heads * self.head_dim
         self.qkv_dim = self.q_dim + 2 * self.kv_dim
         self.n_rep = self.n_heads // self.n_kv_heads
-
-    def window_of(self, layer: int) -> int:
-        """The sliding window of one layer (0: it attends to every earlier key)."""
-        if not self.sliding_window or (self.window_layers is not None and not self.window_layers[layer]):
-            return 0
-        return int(self.sliding_window)
-
-    def rope_of(self, layer: int, factors: tuple | None) -> tuple:
-        """(base, frequency divisors) one layer rotates by: Gemma 3's sliding-window layers take
-        their own base and no scaling; every other layer `rope_base` and `factors`."""
         for name in ("layer_head_dims", "layer_ffn_sizes", "kv_sources"):
             v = getattr(self, name)
             if v is not None:
@@ -182,8 +172,21 @@ class LlamaConfig:
     @property
     def max_ffn(self) -> int:
         return max(self.layer_ffn_sizes or (self.ffn_size,))
+
+    def window_of(self, layer: int) -> int:
+        """The sliding window of one layer (0: it attends to every earlier key)."""
+        if not self.sliding_window or (self.window_layers is not None and not self.window_layers[layer]):
+            return 0
+        return int(self.sliding_window)
+
+    def rope_of(self, layer: int, factors: tuple | None) -> tuple:
+        """(base, frequency divisors) one layer rotates by: Gemma 3's sliding-window layers take
+        their own base and no scaling; every other layer `rope_base` and `factors`."""
         if self.rope_local_base and self.window_of(layer):
             return self.rope_local_base, None
+        if self.rope_pairs and not self.window_of(layer):   # proportional: the other pairs keep frequency 0
+            half = self.rot_dim_of(layer) // 2
+            return self.rope_base, (1.0,) * self.rope_pairs + (float("inf"),) * (half - self.rope_pairs)
         return self.rope_base, factors
 
     def rope_factors_for(self, context: int) -> tuple | None:
@@ -194,9 +197,6 @@ class LlamaConfig:
 
 
 @dataclass
-        if self.rope_pairs and not self.window_of(layer):   # proportional: the other pairs keep frequency 0
-            half = self.rot_dim_of(layer) // 2
-            return self.rope_base, (1.0,) * self.rope_pairs + (float("inf"),) * (half - self.rope_pairs)
 class BertConfig:
     """A BERT encoder (sentence-transformers embedders such as all-MiniLM-L6-v2), XLM-RoBERTa (the
     same encoder; positions count from `position_offset` = padding_idx + 1), their cross-encoders
