@@ -42,6 +42,30 @@ def silu_mul(gate_up: np.ndarray) -> np.ndarray:
     return (g / (1 + np.exp(-g)) * u).astype(np.float32)
 
 
+def moe_route(logits: np.ndarray, n_sel: int, norm: bool) -> tuple[np.ndarray, np.ndarray]:
+    """(ids (T, n_sel), weights (T, n_sel)): the n_sel largest of softmax(logits[t]) per row, largest
+    first (ties: the lower id), renormalised to sum 1 when `norm` (transformers' Qwen3-MoE / OLMoE /
+    Mixtral routers)."""
+    lg = logits.astype(np.float64)
+    p = np.exp(lg - lg.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    ids = np.argsort(-lg, axis=-1, kind="stable")[:, :n_sel]
+    w = np.take_along_axis(p, ids, -1)
+    return ids, (w / w.sum(-1, keepdims=True) if norm else w)
+
+
+def moe_matmul(x: np.ndarray, w: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """(T * n_sel, N): row t*n_sel + j = x[t or t*n_sel + j] · w[ids[t, j]]ᵀ; w (E, N, K)."""
+    T, n_sel = ids.shape
+    xs = x if len(x) == T * n_sel else np.repeat(x, n_sel, axis=0)
+    return np.einsum("sk,snk->sn", xs, w[ids.reshape(-1)])
+
+
+def moe_down(x: np.ndarray, w: np.ndarray, ids: np.ndarray, wts: np.ndarray) -> np.ndarray:
+    """(T, N): sum_j wts[t, j] * x[t*n_sel + j] · w[ids[t, j]]ᵀ; x (T * n_sel, K), w (E, N, K)."""
+    T, n_sel = ids.shape
+    return (moe_matmul(x, w, ids).reshape(T, n_sel, -1) * wts[..., None]).sum(1)
+
 def tanh(x: np.ndarray) -> np.ndarray:
     return np.tanh(x.astype(np.float64)).astype(np.float32)
 

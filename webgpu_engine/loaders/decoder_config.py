@@ -106,6 +106,13 @@ def gguf_fields(g) -> dict:
     bos = g.metadata.get("tokenizer.ggml.bos_token_id")
     from .bpe import eog_ids                     # lazy: bpe imports nothing heavy, but is big
     sliding = g.meta("attention.sliding_window")
+    experts = int(g.meta("expert_count", 0) or 0)
+    moe = dict(n_experts=experts, n_experts_used=int(g.meta("expert_used_count", 0) or 0),
+               # llama.cpp's graph renormalises the chosen weights unless the file says otherwise
+               # (Mixtral, Qwen3-MoE); OLMoE's family turns it off, as llama.cpp's olmoe graph does
+               moe_norm_topk=bool(g.meta("expert_weights_norm", True)),
+               ffn_size=int(g.meta("expert_feed_forward_length", 0) or g.meta("feed_forward_length", 0))) \
+        if experts else {}
     return dict(
         arch=g.architecture,
         vocab_size=int(vocab),
@@ -114,7 +121,7 @@ def gguf_fields(g) -> dict:
         n_heads=n_heads,
         n_kv_heads=int(n_kv),
         head_dim=head_dim,
-        ffn_size=int(g.meta("feed_forward_length", required=True)),
+        ffn_size=int(g.meta("feed_forward_length", 0 if experts else None, required=not experts)),
         rope_base=float(g.meta("rope.freq_base", 10000.0)),
         rot_dim=rot_dim, rope_freq_factors=factors, rope_scaling=scaling, **long,
         # llama.cpp's converter permutes llama's q,k rows to adjacent-pair rope (families may differ)
@@ -128,7 +135,7 @@ def gguf_fields(g) -> dict:
         eos_ids=eog_ids(g.metadata),
         sliding_window=int(sliding) if sliding else None,
         name=str(g.metadata.get("general.name", "")),
-    )
+    ) | moe
 
 
 def gguf_config(g, family: DecoderFamily | None = None) -> LlamaConfig:

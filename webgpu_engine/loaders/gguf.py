@@ -58,6 +58,10 @@ GGUF_TO_OURS = {
     "blk.{i}.ffn_gate.weight": "layers.{i}.gate",    # (ffn, hidden)
     "blk.{i}.ffn_up.weight": "layers.{i}.up",        # (ffn, hidden); Phi-3: gate|up (2 ffn, hidden)
     "blk.{i}.ffn_down.weight": "layers.{i}.down",    # (hidden, ffn)
+    "blk.{i}.ffn_gate_inp.weight": "layers.{i}.router",      # MoE: (experts, hidden)
+    "blk.{i}.ffn_gate_exps.weight": "layers.{i}.gate_exps",  # (experts, ffn, hidden), experts stacked
+    "blk.{i}.ffn_up_exps.weight": "layers.{i}.up_exps",      # (experts, ffn, hidden)
+    "blk.{i}.ffn_down_exps.weight": "layers.{i}.down_exps",  # (experts, hidden, ffn)
     # BERT-style encoders (bert, nomic-bert; XLM-R converts as bert): post-norm layers
     "token_types.weight": "type_embed",              # (token types, hidden)
     "position_embd.weight": "pos_embed",             # (positions, hidden); XLM-R: from padding_idx + 1

@@ -51,6 +51,12 @@ class LlamaConfig:
     # 1 with one norm (n2 = n1: Phi, no ffn_norm), 2 with two (GPT-NeoX)
     parallel_norms: int = 0
     ffn_gated: bool = True             # act(gate) * up; False: a dense FFN act(x · Wupᵀ + b) · Wdownᵀ + b (Phi)
+    # mixture of experts (Qwen3-MoE, OLMoE, Mixtral): every layer's FFN is n_experts gated FFNs of
+    # ffn_size, n_experts_used of them per token, chosen by top-k of softmax(h · Wrouterᵀ); their
+    # weights renormalised to sum 1 when moe_norm_topk (0 experts: a dense FFN)
+    n_experts: int = 0
+    n_experts_used: int = 0
+    moe_norm_topk: bool = False
     bos_id: int | None = None
     eos_ids: list[int] = field(default_factory=list)
     # sliding-window attention: a query at position p sees keys p-sliding_window+1..p (Mistral v0.1,
@@ -114,6 +120,10 @@ class LlamaConfig:
                              f"got {self.act!r}")
         if self.parallel_norms not in (0, 1, 2):
             raise ValueError(f"parallel_norms must be 0, 1 or 2, got {self.parallel_norms!r}")
+        if self.n_experts and not (0 < self.n_experts_used <= self.n_experts and self.ffn_gated
+                                   and not self.parallel_norms and not self.post_norms):
+            raise ValueError(f"{self.n_experts_used} of {self.n_experts} experts per token: a MoE layer "
+                             f"takes 1..n_experts of its gated FFNs, in sequence after the attention")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}")
         if self.rot_dim % 2 or self.rot_dim > self.head_dim:

@@ -19,6 +19,8 @@
         x += f, or x += rms_norm(f) (Gemma, OLMo-2)
         x += rms_norm((gelu_tanh(x · Wgᵀ) * e[:, i]) · Wpᵀ)     # per-layer inputs e (T, L, P): Gemma 4
         x *= the layer's scalar                                # Gemma 4
+        or, a MoE layer: e, w = top-k(softmax(h · Wrouterᵀ))    # (T, k) on the GPU
+           x += sum_j w_j * FFN_{e_j}(h)                       # only the chosen experts' rows read
     logits = rms_norm(x) (or LayerNorm(x)) · Wheadᵀ (+ b)      # the last row, or every row
     logits = cap * tanh(logits / cap)                          # Gemma 2
 
@@ -44,7 +46,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from ..kernels import matmul as mm
-from ..kernels import nn
+from ..kernels import moe, nn
 from ..kernels.common import Op, Tensor
 from ..loaders.decoder_config import FAMILIES
 from ..loaders.model_config import LlamaConfig
@@ -84,12 +86,13 @@ class FusionPlan:
         if not decode:
             return cls(rope_kv=(False,) * n, gate_out=(False,) * n)
         rms = cfg.norm == "rms"              # the fused paths fold RMSNorms only
+        dense = not cfg.n_experts            # a MoE layer's FFN runs its own kernels (_experts)
         return cls(
-            norm_in_matmul=rms and cfg.pre_norms and all(mm.fusable(dev, 1, w) for L in layers
+            norm_in_matmul=rms and dense and cfg.pre_norms and all(mm.fusable(dev, 1, w) for L in layers
                                                          for w in (L.qkv, L.gate_up)),
-            gate_in_down="ffn" not in points and cfg.ffn_gated and all(mm.fusable(dev, 1, L.down, silu=True) and not L.gate_pairs
+            gate_in_down=dense and "ffn" not in points and cfg.ffn_gated and all(mm.fusable(dev, 1, L.down, silu=True) and not L.gate_pairs
                                                      for L in layers),
-            res_norm=rms and cfg.hidden_size % 32 == 0 and not cfg.post_norms and mm.default_config(dev).res_norm
+            res_norm=rms and dense and cfg.hidden_size % 32 == 0 and not cfg.post_norms and mm.default_config(dev).res_norm
             and all(
                 mm.epilogue_ok(dev, w.qtype, w.n, w.k) and len(w.bufs) == 1
                 for L in layers for w in (L.o, L.down)),
@@ -219,6 +222,9 @@ def forward(m, kv: KVAccess, T: int, mode: str, *, with_head: bool = True,
         else:
             ops.append(mm.matmul(dev, attn, L.o, x, bias=L.o_bias, accumulate=True, **flags,
                                  norm_out=mm.NormOut(L.ffn_norm, h, part) if plan.res_norm else None))
+        if L.experts is not None:            # x += the chosen experts' FFNs of rms_norm(x)
+            ops += _experts(m, L, x, h, T, flags)
+            continue
         # h = rms_norm(x); gu = h · [Wgate | Wup]ᵀ, or act(gate) * up stored by the matmul; a dense
         # FFN's h · Wupᵀ + b
         out = ffn if plan.gate_out[i] or not c.ffn_gated else gu
@@ -262,6 +268,21 @@ def forward(m, kv: KVAccess, T: int, mode: str, *, with_head: bool = True,
         ops += _head(m, kv, T, mode, plan)
         ops.n_head = len(ops) - n_body
     return ops
+
+
+def _experts(m, L, x: Tensor, h: Tensor, T: int, flags: dict) -> list[Op]:
+    """A MoE layer's FFN (kernels/moe.py): h = rms_norm(x); the router's top-k experts of each row,
+    chosen on the GPU; each row's k experts' gate|up (T k, 2F) and act(gate) * up (T k, F); x += the
+    weighted sum of their down products. Every row is computed alone, in any row mode."""
+    c, dev, E, k, F = m.cfg, m.dev, m.cfg.n_experts, m.cfg.n_experts_used, m.cfg.ffn_size
+    ids, wts = m.expert_ids.view((T, k)), m.expert_weights.view((T, k))
+    logits, gu, ffn = m.router_logits.view((T, E)), m.gate_up.view((T * k, 2 * F)), m.ffn.view((T * k, F))
+    return [_norm(m, x, L.ffn_norm, L.ffn_norm_bias, h),
+            mm.matmul(dev, h, L.experts.router, logits, **flags),
+            moe.moe_route(dev, logits, ids, wts, n_sel=k, norm=c.moe_norm_topk),
+            moe.moe_matmul(dev, h, L.experts.gate_up, ids, gu, n_experts=E, n_sel=k),
+            nn.silu_mul(dev, gu, ffn, act=c.act),
+            moe.moe_down(dev, ffn, L.experts.down, ids, wts, x, n_experts=E, n_sel=k)]
 
 
 def _per_layer_inputs(m, kv: KVAccess, x: Tensor, T: int, flags: dict) -> list[Op]:

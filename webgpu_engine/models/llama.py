@@ -26,6 +26,7 @@ from ..loaders.tensor_info import split_fused
 from . import decoder
 from .memory import estimate_llm
 from .plan import DecoderPlan, cache_rows
+from .experts import Experts, upload_experts
 from .decoder import FusionPlan  # noqa: F401  (re-exported: the plan's home was this module)
 
 # Above this, a model + cache is almost surely a mistake (e.g. a 128k context on a small GPU).
@@ -41,10 +42,10 @@ class LlamaLayer:
     qkv: mm.QWeight                    # (Hq*D + 2*Hkv*D, C): q | k | v rows
     o: mm.QWeight                      # (C, Hq*D)
     ffn_norm: Tensor | None            # (C,) f32
-    gate_up: mm.QWeight                # (2F, C): gate | up, or their rows in pairs (gate_pairs); (F, C): up
-    #                                    alone in a dense FFN (cfg.ffn_gated False)
+    gate_up: mm.QWeight | None         # (2F, C): gate | up, or their rows in pairs (gate_pairs); (F, C): up
+    #                                    alone in a dense FFN (cfg.ffn_gated False); None in a MoE layer
     gate_pairs: bool                   # gate / up rows interleaved: a decode matmul can store act(g)*u
-    down: mm.QWeight                   # (C, F)
+    down: mm.QWeight | None            # (C, F); None in a MoE layer
     qkv_bias: Tensor | None = None     # (Hq*D + 2*Hkv*D,) f32: Qwen2
     o_bias: Tensor | None = None       # (C,) f32
     qk_norm: Tensor | None = None      # (2D,) f32: q_norm | k_norm, per head before RoPE (Qwen3);
@@ -59,6 +60,7 @@ class LlamaLayer:
     ple_proj: mm.QWeight | None = None  # (C, P): its projection back
     ple_norm: Tensor | None = None     # (C,) f32: the projection's norm
     scale: float = 1.0                 # x *= scale at the layer's end (Gemma 4's layer_scalar)
+    experts: Experts | None = None     # a MoE layer's router and stacked experts (cfg.n_experts)
 
 
 def _floats(t) -> list:
@@ -268,14 +270,16 @@ class LlamaModel:
             # a layer attending an earlier layer's cache has no k / v of its own: its source's k / v
             # rows keep the q|k|v layout (computed, never stored)
             kvp = f"layers.{c.kv_source(i)}."
-            gu, pairs = gate_up(p)
+            moe = upload_experts(dev, weights, i, c.n_experts, own, mat([p + "router"], p + "router")) \
+                if c.n_experts else None
+            gu, pairs = gate_up(p) if moe is None else (None, False)
             self.layers.append(LlamaLayer(
                 attn_norm=norm([p + "attn_norm"], p + "attn_norm") if c.pre_norms else None,
                 qkv=mat([p + "q", kvp + "k", kvp + "v"], p + "qkv"),
                 o=mat([p + "o"], p + "o"),
                 ffn_norm=norm([p + "ffn_norm"], p + "ffn_norm") if ffn_norm else None,
                 gate_up=gu, gate_pairs=pairs,
-                down=mat([p + "down"], p + "down"),
+                down=mat([p + "down"], p + "down") if moe is None else None, experts=moe,
                 qkv_bias=vec([p + "q_bias", p + "k_bias", p + "v_bias"], p + "qkv_bias")
                 if p + "q_bias" in weights else None,
                 o_bias=bias(p + "o_bias"), up_bias=bias(p + "up_bias"), down_bias=bias(p + "down_bias"),
@@ -300,8 +304,13 @@ class LlamaModel:
         H, Hkv, D = c.n_heads, c.n_kv_heads, c.max_head_dim        # the widest layer's heads
         self.qkv = new_tensor(dev, (P, (H + 2 * Hkv) * D), dt, owner=own, label="qkv")
         self.attn = new_tensor(dev, (P, H * D), dt, owner=own, label="attn")
-        self.gate_up = new_tensor(dev, (P, 2 * c.max_ffn), dt, owner=own, label="gate_up")
-        self.ffn = new_tensor(dev, (P, c.max_ffn), dt, owner=own, label="ffn")
+        slots = P * max(1, c.n_experts_used)         # a MoE layer's FFN rows: one per token and expert
+        self.gate_up = new_tensor(dev, (slots, 2 * c.max_ffn), dt, owner=own, label="gate_up")
+        self.ffn = new_tensor(dev, (slots, c.max_ffn), dt, owner=own, label="ffn")
+        if c.n_experts:                              # router logits, chosen experts and their weights
+            self.router_logits = new_tensor(dev, (P, c.n_experts), dt, owner=own, label="router_logits")
+            self.expert_ids = new_tensor(dev, (slots,), "u32", owner=own, label="expert_ids")
+            self.expert_weights = new_tensor(dev, (slots,), "f32", owner=own, label="expert_weights")
         self.last = new_tensor(dev, (1, c.hidden_size), dt, owner=own, label="last")      # normed last row
         # decode: sums of x^2 per 4 columns of each row, from the residual matmuls' epilogue (see
         # _build; one row per sequence of a batched decode step)

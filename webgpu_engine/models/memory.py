@@ -5,6 +5,7 @@ anything (engine/memory.py). The registry names each family's estimate. Standard
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -39,7 +40,7 @@ def _weight_bytes(t, max_binding: int) -> tuple[int, int]:
     from ..kernels.matmul import gpu_row_bytes
     if len(t.shape) < 2:
         return _r4(4 * t.numel), _r4(4 * t.numel)
-    n, k = t.shape[0], t.shape[-1]
+    n, k = math.prod(t.shape[:-1]), t.shape[-1]      # stacked experts (E, N, K): E * N rows
     row = gpu_row_bytes(t.qtype, k)
     per_buf = max(1, min(n, max_binding // row)) * row
     return _r4(n * row), _r4(min(per_buf, n * row))
@@ -59,8 +60,10 @@ def estimate_llm(cfg, tensors: dict, plan, *, max_binding: int) -> MemoryEstimat
         if big > largest:
             largest, label = big, f"weight {name}"
     kv_buf = plan.kv_layer_bytes(cfg)                                      # one (Hkv, ctx, D) cache
-    C, F, V = cfg.hidden_size, cfg.ffn_size, cfg.vocab_size
+    C, V = cfg.hidden_size, cfg.vocab_size
+    F = cfg.ffn_size * max(1, cfg.n_experts_used)          # a MoE layer's FFN rows: one per token and expert
     act = esz * P * (2 * C + cfg.qkv_dim + cfg.q_dim + 3 * F) + 4 * P + esz * (C + V) + P * C   # P * C: norm partials
+    act += P * (esz * cfg.n_experts + 8 * cfg.n_experts_used)   # router logits, chosen experts, weights
     # Gemma 4: the widest layer's heads and FFN beyond the config's, its per-layer inputs (T, L P) x 2, (T, P)
     act += esz * P * ((2 * cfg.n_heads + 2 * cfg.n_kv_heads) * (cfg.max_head_dim - cfg.head_dim)
                       + 3 * (cfg.max_ffn - cfg.ffn_size) + (2 * cfg.n_layers + 1) * cfg.ple_dim)

@@ -1,0 +1,93 @@
+"""The mixture-of-experts kernels (kernels/moe.py: routing on the GPU, products with the selected
+experts of a stacked weight) on the real adapter against kernels/nn_ref.py's numpy references, for
+float and quantised expert weights; a row's values do not depend on the other rows."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from webgpu_engine.kernels import moe, nn_ref
+from webgpu_engine.kernels import quant_ref as qr
+from webgpu_engine.kernels.matmul import upload_weight
+
+from _nn_util import TOL, empty, get, put, rounded, run
+
+OWNER = "test:nn"
+
+
+@pytest.fixture(autouse=True)
+def _free(device):
+    yield
+    device.release_owner(OWNER)
+
+
+def _ids(device, a):
+    return put(device, np.asarray(a, np.uint32), "u32")
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16"])
+@pytest.mark.parametrize("T,E,k,norm", [(1, 8, 2, True), (5, 4, 2, False), (9, 64, 8, True), (3, 6, 1, False)])
+def test_moe_route(device, dtype, T, E, k, norm):
+    rng = np.random.default_rng(T * E + k)
+    logits = rng.standard_normal((T, E)) * 2
+    logits[0, 1] = logits[0, 3] = logits[0].max() + 1       # a tie: the lower id first
+    lt, st, wt = put(device, logits, dtype, lead=4), empty(device, (T, k), "u32", fill=0), empty(device, (T, k))
+    run(device, moe.moe_route(device, lt, st, wt, n_sel=k, norm=norm))
+    ids, w = nn_ref.moe_route(rounded(logits, dtype), k, norm)
+    np.testing.assert_array_equal(get(device, st).astype(np.int64), ids)
+    np.testing.assert_allclose(get(device, wt), w, rtol=1e-5, atol=1e-6)
+
+
+def _stacked(device, qtype, E, N, K, rng):
+    """An (E * N, K) stacked expert weight of `qtype` on the GPU and its values (E, N, K)."""
+    if qtype in ("f32", "f16"):
+        w = (rng.standard_normal((E, N, K)) / np.sqrt(K)).astype({"f32": np.float32, "f16": np.float16}[qtype])
+        raw = w.tobytes()
+        vals = w.astype(np.float64)
+    else:
+        raw = qr.random_weight(qtype, E * N, K, rng)
+        vals = qr.dequantize(raw, qtype, E * N, K).reshape(E, N, K).astype(np.float64)
+    return upload_weight(device, raw, qtype, E * N, K, owner=OWNER, label="experts", interleave=False), vals
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16"])
+@pytest.mark.parametrize("qtype", ["f32", "f16", "q8_0", "q4_k"])
+@pytest.mark.parametrize("T", [1, 6])
+def test_moe_matmul_and_down(device, dtype, qtype, T):
+    """gate|up of each token's experts from the shared row, then the weighted sum of the experts'
+    down products into the residual (accumulate); only the selected experts' rows count."""
+    rng = np.random.default_rng(T + len(qtype))
+    E, k, C, F = 6, 2, 256, 256 if qtype == "q4_k" else 96
+    wgu, gu_vals = _stacked(device, qtype, E, 2 * F, C, rng)
+    wd, d_vals = _stacked(device, qtype, E, C, F, rng)
+    ids = np.stack([rng.choice(E, k, replace=False) for _ in range(T)])
+    wts = rng.random((T, k))
+    x = rng.standard_normal((T, C))
+    res = rng.standard_normal((T, C))
+    st, wt = _ids(device, ids), put(device, wts)
+    xt, gut = put(device, x, dtype, lead=4), empty(device, (T * k, 2 * F), dtype)
+    run(device, moe.moe_matmul(device, xt, wgu, st, gut, n_experts=E, n_sel=k))
+    want = nn_ref.moe_matmul(rounded(x, dtype), gu_vals, ids)
+    np.testing.assert_allclose(get(device, gut), want, **TOL[dtype])
+    h = rng.standard_normal((T * k, F))
+    ht, yt = put(device, h, dtype), put(device, res, dtype, lead=8)
+    run(device, moe.moe_down(device, ht, wd, st, wt, yt, n_experts=E, n_sel=k))
+    want = rounded(res, dtype) + nn_ref.moe_down(rounded(h, dtype), d_vals, ids, wts)
+    np.testing.assert_allclose(get(device, yt), want, **TOL[dtype])
+
+
+def test_moe_rows_do_not_depend_on_the_batch(device):
+    """Row t's expert outputs are the same bits alone and among other rows."""
+    rng = np.random.default_rng(5)
+    E, k, C, F, T = 4, 2, 64, 32, 5
+    w, _ = _stacked(device, "f32", E, F, C, rng)
+    ids = np.stack([rng.choice(E, k, replace=False) for _ in range(T)])
+    x = rng.standard_normal((T, C))
+    outs = []
+    for rows in (slice(0, T), slice(2, 3)):
+        n = len(range(T)[rows])
+        yt = empty(device, (n * k, F))
+        run(device, moe.moe_matmul(device, put(device, x[rows]), w, _ids(device, ids[rows]), yt, n_experts=E,
+                                   n_sel=k))
+        outs.append(get(device, yt))
+    np.testing.assert_array_equal(outs[0][2 * k:3 * k], outs[1])

@@ -1,0 +1,99 @@
+"""Mixtures of experts against transformers: Qwen3-MoE, OLMoE and Mixtral as tiny random models that
+tests/fixtures/make_moe.py ran through transformers once (JSON committed), written here
+(tests/tinymoe.py, deterministic) as an HF folder (one tensor per expert) and as a GGUF laid out as
+llama.cpp's converter writes it (stacked ffn_*_exps, ffn_gate_inp). Each must give transformers'
+token ids, its logits at positions up to 319 within 1e-3 of the largest and its 16 greedy tokens;
+through continuous batching, three requests together give each one's tokens alone; the memory
+estimate counts every expert."""
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+
+import test_families as families
+import tinymoe
+from webgpu_engine.models.registry import open_model
+
+FIXTURES = Path(__file__).parent / "fixtures"
+# our architecture of each file: llama.cpp's converter writes Mixtral as `llama`
+GGUF_ARCH = {"qwen3moe": "qwen3moe", "olmoe": "olmoe", "mixtral": "llama"}
+
+
+def _ref(kind: str) -> dict:
+    return json.loads((FIXTURES / f"{kind}_transformers.json").read_text())
+
+
+def _files(tmp_path, kind: str, fmt: str, dims: dict) -> Path:
+    if fmt == "safetensors":
+        return tinymoe.write_tiny_moe_safetensors(kind, tmp_path / kind, **dims)["folder"]
+    dims = {k: v for k, v in dims.items() if k != "norm_topk_prob"}    # the GGUF's graph decides
+    return tinymoe.write_tiny_moe_gguf(kind, tmp_path / f"{kind}.gguf", **dims)["path"]
+
+
+def check_golden(device, kind: str, path: Path, fmt: str) -> None:
+    """test_families' check (token ids, logits at the kept rows, 16 greedy tokens) of our `kind` file."""
+    families.check_golden(device, path, {**_ref(kind), "arch": kind if fmt == "safetensors" else GGUF_ARCH[kind]})
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "gguf"])
+def test_qwen3moe_matches_transformers(device, tmp_path, fmt):
+    """Qwen 3's per-head q/k norms; 8 experts, 2 per token, renormalised (norm_topk_prob)."""
+    check_golden(device, "qwen3moe", _files(tmp_path, "qwen3moe", fmt, _ref("qwen3moe")["dims"]), fmt)
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "gguf"])
+def test_olmoe_matches_transformers(device, tmp_path, fmt):
+    """Whole-projection q/k norms, pre norms; 8 experts, 2 per token, not renormalised."""
+    check_golden(device, "olmoe", _files(tmp_path, "olmoe", fmt, _ref("olmoe")["dims"]), fmt)
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "gguf"])
+def test_mixtral_matches_transformers(device, tmp_path, fmt):
+    """A Llama layer with 8 experts, top-2 renormalised; its GGUF is general.architecture llama."""
+    check_golden(device, "mixtral", _files(tmp_path, "mixtral", fmt, _ref("mixtral")["dims"]), fmt)
+
+
+def test_memory_estimate_counts_every_expert(tmp_path):
+    """Stacked (E, N, K) expert tensors count E * N rows: the GGUF's estimate equals the HF folder's,
+    whose experts are separate tensors, and both exceed the dense part by every expert's bytes."""
+    from webgpu_engine.models.memory import estimate_llm
+    from webgpu_engine.models.plan import DecoderPlan
+    dims = _ref("qwen3moe")["dims"]
+    plan = DecoderPlan("f32", 512, 32, 1)
+    est = {}
+    for fmt in ("safetensors", "gguf"):
+        m = open_model(_files(tmp_path, "qwen3moe", fmt, dims))
+        try:
+            est[fmt] = estimate_llm(m.config, m.weights, plan, max_binding=1 << 30)
+            c = m.config
+        finally:
+            m.close()
+    experts = c.n_layers * c.n_experts * 3 * c.ffn_size * c.hidden_size * 4
+    assert est["gguf"].weights == est["safetensors"].weights
+    assert est["gguf"].weights > experts
+
+
+@pytest.mark.parametrize("kind", ["qwen3moe", "olmoe", "mixtral"])
+async def test_moe_in_a_batch_answers_as_alone(device, tmp_path, kind):
+    """Three requests together through continuous batching (max_num_sequences 4: paged KV, the ROWS
+    and PREFILL row modes) give each one's greedy tokens alone: routing and the expert kernels
+    compute every row by itself."""
+    from webgpu_engine.engine.engine import AsyncMLCEngine
+    path = str(_files(tmp_path, kind, "gguf", _ref(kind)["dims"]))
+    prompts = ["Grüße aus Köln", "The quick brown fox jumps over the lazy dog; naïve café owners",
+               "東京で会いましょう 🌍 12345 + 678 = 13023."]
+    eng = AsyncMLCEngine()
+    await eng.reload(path, chat_opts={"dtype": "f32", "context_window_size": 160, "prefill_chunk_size": 32,
+                                      "max_num_sequences": 4, "kv_block_size": 16})
+    try:
+        async def one(p):
+            r = await eng.completions.create(prompt=p, max_tokens=12, ignore_eos=True, temperature=0.0)
+            return r.choices[0].text
+        together = await asyncio.gather(*(one(p) for p in prompts))
+        alone = [await one(p) for p in prompts]
+    finally:
+        await eng.unload()
+    assert together == alone

@@ -1,0 +1,56 @@
+"""A MoE layer's weights on the GPU: the router and every expert's gate|up and down, stacked so that
+kernels/moe.py reads expert e's rows at e * N. HF folders hold one tensor per expert
+(layers.i.experts.j.gate / up / down); llama.cpp's GGUFs hold them stacked (layers.i.gate_exps
+(E, F, C), up_exps, down_exps): both become gate_up (E * 2F, C), expert e's gate rows then its up
+rows (kernels/elementwise.py silu_mul's [gate | up]), and down (E * C, F). Rows of any type are whole
+blocks, so an expert's slice of a stacked tensor is a view. Standard library only (runs in the page).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import UnsupportedModelError
+from ..kernels import matmul as mm
+from ..loaders.tensor_info import TensorInfo, split_rows
+
+
+@dataclass
+class Experts:
+    """One layer's experts (E of them, C hidden, F each expert's FFN)."""
+
+    router: mm.QWeight                 # (E, C)
+    gate_up: mm.QWeight                # (E * 2F, C): expert e's gate rows, then its up rows
+    down: mm.QWeight                   # (E * C, F)
+
+
+def _per_expert(weights: dict, p: str, part: str, E: int) -> list[TensorInfo]:
+    """Expert 0..E-1's (rows, k) matrix `part` (gate, up, down) of layer prefix p, from either layout."""
+    stacked = weights.get(f"{p}{part}_exps")
+    if stacked is not None:
+        if len(stacked.shape) != 3 or stacked.shape[0] != E:
+            raise UnsupportedModelError(f"{stacked.name}: {stacked.shape} is not {E} stacked experts")
+        rows = stacked.shape[1]
+        flat = TensorInfo(stacked.name, stacked.qtype, (E * rows, stacked.shape[2]), stacked.data, stacked.offset)
+        return split_rows(flat, [rows] * E, [f"{stacked.name}[{e}]" for e in range(E)])
+    try:
+        return [weights[f"{p}experts.{e}.{part}"] for e in range(E)]
+    except KeyError as e:
+        raise UnsupportedModelError(f"model weights lack tensor {e.args[0]!r}") from None
+
+
+def _stack(dev, parts: list[TensorInfo], label: str, owner: str) -> mm.QWeight:
+    types = {t.qtype for t in parts}
+    if len(types) != 1:
+        raise UnsupportedModelError(f"{label}: experts stored in several types {sorted(types)}")
+    # the row layout (not interleaved): kernels/moe.py finds expert e's rows at e * N
+    return mm.upload_weight(dev, [t.data for t in parts], parts[0].qtype, sum(t.n for t in parts), parts[0].k,
+                            owner=owner, label=label, interleave=False)
+
+
+def upload_experts(dev, weights: dict, i: int, n_experts: int, owner: str, router: mm.QWeight) -> Experts:
+    """Layer i's experts on the GPU (router already uploaded by the caller's matrix reader)."""
+    p = f"layers.{i}."
+    gate, up = _per_expert(weights, p, "gate", n_experts), _per_expert(weights, p, "up", n_experts)
+    gate_up = _stack(dev, [t for e in range(n_experts) for t in (gate[e], up[e])], p + "experts.gate_up", owner)
+    down = _stack(dev, _per_expert(weights, p, "down", n_experts), p + "experts.down", owner)
+    return Experts(router, gate_up, down)
