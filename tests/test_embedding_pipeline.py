@@ -368,7 +368,7 @@ async def test_without_threads_the_step_runs_inline_and_yields(tiny, monkeypatch
     async def no_pipeline_threads(fn, *a, **kw):     # (the native device's own waits may use one)
         assert getattr(fn, "__module__", None) != embedding.__name__, f"{fn} sent to a thread"
         return await real_to_thread(fn, *a, **kw)
-    monkeypatch.setattr(embedding, "_THREADS", False)
+    monkeypatch.setattr(embedding, "IN_BROWSER", True)      # as in the page: no worker threads
     monkeypatch.setattr(asyncio, "to_thread", no_pipeline_threads)
     ticks = 0
 
