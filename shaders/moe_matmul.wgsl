@@ -4,16 +4,21 @@
 //   moe_matmul: y[t*NSEL + j, r] = x[t or t*NSEL + j, :] · W[sel[t, j] * N + r, :]   (gate|up)
 //   moe_down:   y[t, r] (+)= sum_j wts[t, j] * (x[t*NSEL + j, :] · W[sel[t, j] * N + r, :])
 // Appended to matmul.wgsl (MatmulParams P with P.rows = N, one expert's rows; xchunk, cdot, tail,
-// store) and the weight type's reader (wchunk); the host adds the consts NSEL and XSLOT (1: x has a
-// row per slot t*NSEL + j; 0: per token t). Every output is one invocation's sum in a fixed order
-// (K chunks, then the slots j in order), so a row's values do not depend on the other rows.
+// store) and the weight type's reader (wchunk); the host adds the consts NSEL, XSLOT (1: x has a
+// row per slot t*NSEL + j; 0: per token t) and the experts this weight buffer holds, E0 .. E0+NE-1
+// (a stack larger than one binding is split into buffers of whole experts, a dispatch each: slots
+// of other experts are another dispatch's). Every output is one invocation's sum in a fixed order
+// (K chunks, then the slots j in order; buffers in order), so a row's values do not depend on the
+// other rows.
 
 @group(0) @binding(5) var<storage, read> sel: array<u32>;     // (T, NSEL) expert ids
 @group(0) @binding(6) var<storage, read> wts: array<f32>;     // (T, NSEL) routing weights (moe_down)
 
-// row r of expert e times the activation row starting at xword xr
+fn held(e: u32) -> bool { return e >= E0 && e < E0 + NE; }
+
+// row r of expert e (held here) times the activation row starting at xword xr
 fn expert_row_sum(e: u32, r: u32, xr: u32) -> f32 {
-    let b = (e * P.rows + r) * P.row_words;
+    let b = ((e - E0) * P.rows + r) * P.row_words;
     var a = 0.0;
     for (var c = 0u; c < P.nchunks; c++) {
         a += cdot(wchunk(b, c), xchunk(xr + c * 8u));
@@ -28,6 +33,7 @@ fn moe_matmul(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_i
     let r = wid.x * WG + lid;
     if (r >= P.rows) { return; }
     let s = wid.y;                              // slot t * NSEL + j
+    if (!held(sel[s])) { return; }
     let xrow = select(s / NSEL, s, XSLOT == 1u);
     store(s, r, expert_row_sum(sel[s], r, P.x_off4 + xrow * (P.K / 4u)));
 }
@@ -41,6 +47,7 @@ fn moe_down(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_ind
     var a = 0.0;
     for (var j = 0u; j < NSEL; j++) {
         let s = t * NSEL + j;
+        if (!held(sel[s])) { continue; }
         a += wts[s] * expert_row_sum(sel[s], r, P.x_off4 + s * (P.K / 4u));
     }
     store(t, r, a);

@@ -1,5 +1,5 @@
 """The mixture-of-experts kernels (kernels/moe.py: routing on the GPU, products with the selected
-experts of a stacked weight) on the real adapter against kernels/nn_ref.py's numpy references, for
+experts of a stacked weight, in one buffer or split into buffers of whole experts) on the real adapter against kernels/nn_ref.py's numpy references, for
 float and quantised expert weights; a row's values do not depend on the other rows."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 
 from webgpu_engine.kernels import moe, nn_ref
 from webgpu_engine.kernels import quant_ref as qr
-from webgpu_engine.kernels.matmul import upload_weight
+from webgpu_engine.kernels.matmul import gpu_row_bytes
 
 from _nn_util import TOL, empty, get, put, rounded, run
 
@@ -38,8 +38,9 @@ def test_moe_route(device, dtype, T, E, k, norm):
     np.testing.assert_allclose(get(device, wt), w, rtol=1e-5, atol=1e-6)
 
 
-def _stacked(device, qtype, E, N, K, rng):
-    """An (E * N, K) stacked expert weight of `qtype` on the GPU and its values (E, N, K)."""
+def _stacked(device, qtype, E, N, K, rng, per_buffer=0):
+    """E experts of (N, K) in `qtype` stacked on the GPU (`per_buffer` experts in each buffer: a stack
+    larger than one binding) and their values (E, N, K)."""
     if qtype in ("f32", "f16"):
         w = (rng.standard_normal((E, N, K)) / np.sqrt(K)).astype({"f32": np.float32, "f16": np.float16}[qtype])
         raw = w.tobytes()
@@ -47,31 +48,36 @@ def _stacked(device, qtype, E, N, K, rng):
     else:
         raw = qr.random_weight(qtype, E * N, K, rng)
         vals = qr.dequantize(raw, qtype, E * N, K).reshape(E, N, K).astype(np.float64)
-    return upload_weight(device, raw, qtype, E * N, K, owner=OWNER, label="experts", interleave=False), vals
+    size = len(raw) // E
+    limit = per_buffer * gpu_row_bytes(qtype, K) * N if per_buffer else None
+    return moe.upload_experts(device, [[raw[e * size:(e + 1) * size]] for e in range(E)], qtype, N, K, owner=OWNER,
+                              label="experts", max_binding=limit), vals
 
 
 @pytest.mark.parametrize("dtype", ["f32", "f16"])
 @pytest.mark.parametrize("qtype", ["f32", "f16", "q8_0", "q4_k"])
-@pytest.mark.parametrize("T", [1, 6])
-def test_moe_matmul_and_down(device, dtype, qtype, T):
+@pytest.mark.parametrize("T,per_buffer", [(1, 0), (6, 0), (6, 4)])
+def test_moe_matmul_and_down(device, dtype, qtype, T, per_buffer):
     """gate|up of each token's experts from the shared row, then the weighted sum of the experts'
-    down products into the residual (accumulate); only the selected experts' rows count."""
+    down products into the residual (accumulate); only the selected experts' rows count; a stack in
+    buffers of 4 experts (a dispatch each) gives the same values."""
     rng = np.random.default_rng(T + len(qtype))
     E, k, C, F = 6, 2, 256, 256 if qtype == "q4_k" else 96
-    wgu, gu_vals = _stacked(device, qtype, E, 2 * F, C, rng)
-    wd, d_vals = _stacked(device, qtype, E, C, F, rng)
+    wgu, gu_vals = _stacked(device, qtype, E, 2 * F, C, rng, per_buffer)
+    wd, d_vals = _stacked(device, qtype, E, C, F, rng, per_buffer)
+    assert len(wgu.parts) == (2 if per_buffer else 1)
     ids = np.stack([rng.choice(E, k, replace=False) for _ in range(T)])
     wts = rng.random((T, k))
     x = rng.standard_normal((T, C))
     res = rng.standard_normal((T, C))
     st, wt = _ids(device, ids), put(device, wts)
     xt, gut = put(device, x, dtype, lead=4), empty(device, (T * k, 2 * F), dtype)
-    run(device, moe.moe_matmul(device, xt, wgu, st, gut, n_experts=E, n_sel=k))
+    run(device, moe.moe_matmul(device, xt, wgu, st, gut, n_sel=k))
     want = nn_ref.moe_matmul(rounded(x, dtype), gu_vals, ids)
     np.testing.assert_allclose(get(device, gut), want, **TOL[dtype])
     h = rng.standard_normal((T * k, F))
     ht, yt = put(device, h, dtype), put(device, res, dtype, lead=8)
-    run(device, moe.moe_down(device, ht, wd, st, wt, yt, n_experts=E, n_sel=k))
+    run(device, moe.moe_down(device, ht, wd, st, wt, yt, n_sel=k))
     want = rounded(res, dtype) + nn_ref.moe_down(rounded(h, dtype), d_vals, ids, wts)
     np.testing.assert_allclose(get(device, yt), want, **TOL[dtype])
 
@@ -87,7 +93,6 @@ def test_moe_rows_do_not_depend_on_the_batch(device):
     for rows in (slice(0, T), slice(2, 3)):
         n = len(range(T)[rows])
         yt = empty(device, (n * k, F))
-        run(device, moe.moe_matmul(device, put(device, x[rows]), w, _ids(device, ids[rows]), yt, n_experts=E,
-                                   n_sel=k))
+        run(device, moe.moe_matmul(device, put(device, x[rows]), w, _ids(device, ids[rows]), yt, n_sel=k))
         outs.append(get(device, yt))
     np.testing.assert_array_equal(outs[0][2 * k:3 * k], outs[1])

@@ -11,6 +11,7 @@ import asyncio
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import test_families as families
@@ -54,6 +55,43 @@ def test_olmoe_matches_transformers(device, tmp_path, fmt):
 def test_mixtral_matches_transformers(device, tmp_path, fmt):
     """A Llama layer with 8 experts, top-2 renormalised; its GGUF is general.architecture llama."""
     check_golden(device, "mixtral", _files(tmp_path, "mixtral", fmt, _ref("mixtral")["dims"]), fmt)
+
+
+def test_experts_split_across_buffers_match_transformers(device, tmp_path, monkeypatch):
+    """A layer's experts larger than one binding go in buffers of whole experts (here 3 of gate|up and
+    6 of down per buffer, as a 128 MB binding splits Qwen3-30B-A3B's): the same tokens and logits."""
+    import webgpu_engine.models.llama as llama
+    upload, parts = llama.upload_experts, []
+
+    def split(*args, **kw):
+        experts = upload(*args, max_binding=3 * 96 * 64 * 4, **kw)      # 3 experts' gate|up in f32
+        parts.append((len(experts.gate_up.parts), len(experts.down.parts)))
+        return experts
+    monkeypatch.setattr(llama, "upload_experts", split)
+    check_golden(device, "qwen3moe", _files(tmp_path, "qwen3moe", "gguf", _ref("qwen3moe")["dims"]), "gguf")
+    assert set(parts) == {(3, 2)}
+
+
+def test_quantized_experts_as_their_floats(device, tmp_path):
+    """Q8_0 experts from a GGUF (each expert a slice of the stacked blocks) give the logits and greedy
+    tokens of the same file with the experts' dequantised values in f32."""
+    dims = dict(context_length=512, seed=5, expert_ffn=64)
+    ref = families._ref("qwen3")                      # its text and positions; the tokens are ours
+    outs = []
+    for deq in (False, True):
+        path = tinymoe.write_tiny_moe_gguf("qwen3moe", tmp_path / f"q8_{deq}.gguf", expert_qtype="Q8_0",
+                                           dequantized=deq, **dims)["path"]
+        m = open_model(path)
+        try:
+            assert {m.weights["layers.0.gate_exps"].qtype, m.weights["layers.0.down_exps"].qtype} == \
+                {"f32" if deq else "q8_0"}
+            outs.append(families.run_golden(device, m.config, m.weights, {**ref, "rows": [0, 150, 299]}))
+        finally:
+            m.close()
+    (rows_q, greedy_q), (rows_f, greedy_f) = outs
+    for r in (0, 150, 299):
+        assert np.abs(rows_q[r] - rows_f[r]).max() <= 1e-4 * np.abs(rows_f[r]).max()
+    assert greedy_q == greedy_f
 
 
 def test_memory_estimate_counts_every_expert(tmp_path):

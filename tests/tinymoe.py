@@ -82,8 +82,11 @@ def write_tiny_moe_safetensors(kind: str, folder, seed: int = 0, norm_topk_prob:
     return dict(folder=folder, weights=w)
 
 
-def write_tiny_moe_gguf(kind: str, path, seed: int = 0, **dims) -> dict:
-    """The same model as llama.cpp's converter writes it: experts stacked (E, rows, k) per layer."""
+def write_tiny_moe_gguf(kind: str, path, seed: int = 0, expert_qtype: str = "", dequantized: bool = False,
+                        **dims) -> dict:
+    """The same model as llama.cpp's converter writes it: experts stacked (E, rows, k) per layer.
+    `expert_qtype` (e.g. "Q8_0"): the experts quantised as llama_model_quantize stores them, or with
+    `dequantized` their dequantised values in f32 (the same model in floats)."""
     gguf_arch = KINDS[kind][2]
     d, moe, tokens, merges, w = _moe(kind, seed, dict(dims))
     E = moe["n_experts"]
@@ -108,6 +111,16 @@ def write_tiny_moe_gguf(kind: str, path, seed: int = 0, **dims) -> dict:
                 a = tm.permute_qk(a, d["n_heads"] if part == "q" else d["n_kv_heads"])
             g.add_tensor(f"blk.{i}.{name}.weight", a)
         for part in ("gate", "up", "down"):
-            g.add_tensor(f"blk.{i}.ffn_{part}_exps.weight", np.stack([w[f"{p}experts.{e}.{part}"] for e in range(E)]))
+            a = np.stack([w[f"{p}experts.{e}.{part}"] for e in range(E)])
+            if not expert_qtype:
+                g.add_tensor(f"blk.{i}.ffn_{part}_exps.weight", a)
+                continue
+            from gguf import GGMLQuantizationType, quants
+            qt = GGMLQuantizationType[expert_qtype]
+            q = quants.quantize(a, qt)
+            if dequantized:
+                g.add_tensor(f"blk.{i}.ffn_{part}_exps.weight", quants.dequantize(q, qt).astype(np.float32))
+            else:
+                g.add_tensor(f"blk.{i}.ffn_{part}_exps.weight", q, raw_dtype=qt)
     _finish(g)
     return dict(path=Path(path), weights=w)

@@ -12,10 +12,13 @@ The numpy references are kernels/nn_ref.py moe_route / moe_matmul / moe_down.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from ..gpu import Device
 from .common import DTYPE_SIZE, Op, Tensor, act_header, check, params, placeholder, window
+from ..gpu.shaders import load_shader_source
 from .matmul.codegen import weight_pipeline
-from .matmul.layout import QWeight
+from .matmul.layout import upload_weight
 
 _WG = 64
 
@@ -41,13 +44,28 @@ def moe_route(dev: Device, logits: Tensor, sel: Tensor, wts: Tensor, *, n_sel: i
     return op.add(pipe, dev.bind(pipe, [par, lb, sb, wb]), -(-T // _WG))
 
 
-def _expert_op(dev: Device, entry: str, x: Tensor, w: QWeight, sel: Tensor, wts: Tensor | None, y: Tensor,
-               *, n_experts: int, n_sel: int, T: int, x_slot: bool, accumulate: bool) -> Op:
-    k = entry
-    check(w.n % n_experts == 0, k, f"{w.label}: {w.n} rows are not {n_experts} experts")
-    check(len(w.bufs) == 1 and not w.inter_full and not w.subs, k,
-          f"{w.label}: a stacked expert weight must be one buffer in the row layout")
-    N, K = w.n // n_experts, w.k
+@dataclass
+class ExpertStack:
+    """E experts of `rows` rows each (k columns) stacked on the GPU: parts[i] = (first expert, a
+    one-buffer QWeight of whole experts in the row layout), expert e's rows at (e - first) * rows."""
+
+    parts: list
+    n_experts: int
+    rows: int
+    k: int
+
+    @property
+    def nbytes(self) -> int:
+        return sum(w.nbytes for _, w in self.parts)
+
+    def release(self) -> None:
+        for _, w in self.parts:
+            w.release()
+
+
+def _expert_op(dev: Device, entry: str, x: Tensor, w: ExpertStack, sel: Tensor, wts: Tensor | None, y: Tensor,
+               *, n_sel: int, T: int, x_slot: bool, accumulate: bool) -> Op:
+    k, N, K = entry, w.rows, w.k
     check(int(x.shape[-1]) == K and K % 4 == 0, k, f"x{x.shape} against {K} columns (a multiple of 4)")
     check(x.dtype == y.dtype and x.dtype in ("f32", "f16"), k, f"x is {x.dtype}, y {y.dtype}")
     check(sel.dtype == "u32" and sel.numel == T * n_sel, k, f"sel{sel.shape} must be ({T}, {n_sel}) u32")
@@ -55,46 +73,75 @@ def _expert_op(dev: Device, entry: str, x: Tensor, w: QWeight, sel: Tensor, wts:
     xb, xo = window(x, 4 * esz, k, "x")
     yb, yo = window(y, esz, k, "y")
     sb, so = window(sel, 4, k, "sel")
-    binds = {1: xb, 2: w.bufs[0], 3: yb, 4: placeholder(dev), 5: sb}
+    check(so == 0, k, "sel must start at a binding-aligned offset")
+    binds = {1: xb, 3: yb, 4: placeholder(dev), 5: sb}
     if wts is not None:
         check(wts.dtype == "f32" and wts.numel == T * n_sel, k, f"wts{wts.shape} must be ({T}, {n_sel}) f32")
         wb, wo = window(wts, 4, k, "wts")
-        binds[6] = wb
         check(wo == 0, k, "wts must start at a binding-aligned offset")
-    check(so == 0, k, "sel must start at a binding-aligned offset")
+        binds[6] = wb
     rows_out = T * n_sel if entry == "moe_matmul" else T
-    # MatmulParams (shaders/matmul.wgsl): P.rows is one expert's N rows
-    values = [K, N, rows_out, w.row_words, xo, yo, N, 0, 0, 2 if accumulate else 0, K // 32, K // 4]
-    par = params(dev, values, owner=y.buf.owner, label=f"{k}[{w.label}]")
-    extra = f"const NSEL: u32 = {n_sel}u;\nconst XSLOT: u32 = {int(x_slot)}u;\n"
-    from ..gpu.shaders import load_shader_source
-    pipe = weight_pipeline(dev, entry, w, x.dtype, _WG, 1, extra=extra + load_shader_source("moe_matmul.wgsl"))
-    op = Op(name=k)
-    op.buffers.append(par)
     check(rows_out <= 65535, k, f"{rows_out} rows exceed one dispatch")
-    return op.add(pipe, dev.bind(pipe, {0: par, **binds}), -(-N // _WG), rows_out)
+    op = Op(name=k)
+    ends = [e0 for e0, _ in w.parts[1:]] + [w.n_experts]
+    for i, ((e0, part), e1) in enumerate(zip(w.parts, ends)):
+        check(len(part.bufs) == 1 and not part.inter_full and not part.subs and part.n == (e1 - e0) * N
+              and part.k == K, k, f"{part.label}: experts {e0}..{e1 - 1} must be one buffer in the row layout")
+        # MatmulParams (shaders/matmul.wgsl): P.rows is one expert's N rows; parts after the first add
+        acc = accumulate or (i > 0 and entry == "moe_down")
+        values = [K, N, rows_out, part.row_words, xo, yo, N, 0, 0, 2 if acc else 0, K // 32, K // 4]
+        par = params(dev, values, owner=y.buf.owner, label=f"{k}[{part.label}]")
+        extra = (f"const NSEL: u32 = {n_sel}u;\nconst XSLOT: u32 = {int(x_slot)}u;\n"
+                 f"const E0: u32 = {e0}u;\nconst NE: u32 = {e1 - e0}u;\n")
+        pipe = weight_pipeline(dev, entry, part, x.dtype, _WG, 1,
+                               extra=extra + load_shader_source("moe_matmul.wgsl"))
+        op.buffers.append(par)
+        op.add(pipe, dev.bind(pipe, {0: par, 2: part.bufs[0], **binds}), -(-N // _WG), rows_out)
+    return op
 
 
-def moe_matmul(dev: Device, x: Tensor, w: QWeight, sel: Tensor, y: Tensor, *, n_experts: int,
-               n_sel: int) -> Op:
+def moe_matmul(dev: Device, x: Tensor, w: ExpertStack, sel: Tensor, y: Tensor, *, n_sel: int) -> Op:
     """y[t*n_sel + j, :] = x[., :] · W[sel[t, j]]ᵀ for each token t's n_sel experts. w: the experts
-    stacked (E * N, K); x (T, K) (every slot of t reads row t) or (T * n_sel, K) (a row per slot);
+    stacked (E, N, K); x (T, K) (every slot of t reads row t) or (T * n_sel, K) (a row per slot);
     y (T * n_sel, N)."""
     T = sel.numel // n_sel
     rows = x.numel // int(x.shape[-1])
     check(rows in (T, T * n_sel), "moe_matmul", f"x has {rows} rows for {T} tokens of {n_sel} slots")
-    return _expert_op(dev, "moe_matmul", x, w, sel, None, y, n_experts=n_experts, n_sel=n_sel, T=T,
+    return _expert_op(dev, "moe_matmul", x, w, sel, None, y, n_sel=n_sel, T=T,
                       x_slot=rows == T * n_sel and n_sel > 1, accumulate=False)
 
 
-def moe_down(dev: Device, x: Tensor, w: QWeight, sel: Tensor, wts: Tensor, y: Tensor, *, n_experts: int,
-             n_sel: int, accumulate: bool = True) -> Op:
+def moe_down(dev: Device, x: Tensor, w: ExpertStack, sel: Tensor, wts: Tensor, y: Tensor, *, n_sel: int,
+             accumulate: bool = True) -> Op:
     """y[t, :] (+)= sum_j wts[t, j] * x[t*n_sel + j, :] · W[sel[t, j]]ᵀ: the experts' outputs of each
     token weighted and summed in slot order (added to y when `accumulate`: the residual). x
     (T * n_sel, K); y (T, N)."""
     T = sel.numel // n_sel
-    return _expert_op(dev, "moe_down", x, w, sel, wts, y, n_experts=n_experts, n_sel=n_sel, T=T,
+    return _expert_op(dev, "moe_down", x, w, sel, wts, y, n_sel=n_sel, T=T,
                       x_slot=True, accumulate=accumulate)
 
 
-__all__ = ["moe_down", "moe_matmul", "moe_route"]
+def upload_experts(dev: Device, experts: list, qtype: str, rows: int, k: int, *, owner: str, label: str,
+                   max_binding: int | None = None) -> ExpertStack:
+    """An ExpertStack of E experts, experts[e] the byte buffers whose whole rows, in turn, make expert
+    e's (rows, k) in `qtype`'s file layout (gate then up): as many whole experts per GPU buffer as one
+    binding holds (`max_binding`, default the device's)."""
+    from .matmul.layout import gpu_row_bytes
+    limit = min(max_binding or dev.max_storage_binding, dev.max_buffer_size)
+    per = limit // (rows * gpu_row_bytes(qtype, k))
+    check(per > 0, "upload_experts", f"{label}: one expert ({rows} rows) exceeds the binding limit")
+    out = []
+    try:
+        for e0 in range(0, len(experts), per):
+            group = experts[e0:e0 + per]
+            out.append((e0, upload_weight(dev, [b for e in group for b in e], qtype, len(group) * rows, k, owner=owner,
+                                          label=f"{label}[{e0}:{e0 + len(group)}]", max_binding=max_binding,
+                                          interleave=False)))
+    except BaseException:
+        for _, w in out:
+            w.release()
+        raise
+    return ExpertStack(out, len(experts), rows, k)
+
+
+__all__ = ["ExpertStack", "moe_down", "moe_matmul", "moe_route", "upload_experts"]

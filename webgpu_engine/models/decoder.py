@@ -280,9 +280,9 @@ def _experts(m, L, x: Tensor, h: Tensor, T: int, flags: dict) -> list[Op]:
     return [_norm(m, x, L.ffn_norm, L.ffn_norm_bias, h),
             mm.matmul(dev, h, L.experts.router, logits, **flags),
             moe.moe_route(dev, logits, ids, wts, n_sel=k, norm=c.moe_norm_topk),
-            moe.moe_matmul(dev, h, L.experts.gate_up, ids, gu, n_experts=E, n_sel=k),
+            moe.moe_matmul(dev, h, L.experts.gate_up, ids, gu, n_sel=k),
             nn.silu_mul(dev, gu, ffn, act=c.act),
-            moe.moe_down(dev, ffn, L.experts.down, ids, wts, x, n_experts=E, n_sel=k)]
+            moe.moe_down(dev, ffn, L.experts.down, ids, wts, x, n_sel=k)]
 
 
 def _per_layer_inputs(m, kv: KVAccess, x: Tensor, T: int, flags: dict) -> list[Op]:

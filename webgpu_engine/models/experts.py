@@ -1,5 +1,5 @@
-"""A MoE layer's weights on the GPU: the router and every expert's gate|up and down, stacked so that
-kernels/moe.py reads expert e's rows at e * N. HF folders hold one tensor per expert
+"""A MoE layer's weights on the GPU: the router and every expert's gate|up and down, stacked
+(kernels/moe.py ExpertStack: whole experts per buffer, as many as one binding holds). HF folders hold one tensor per expert
 (layers.i.experts.j.gate / up / down); llama.cpp's GGUFs hold them stacked (layers.i.gate_exps
 (E, F, C), up_exps, down_exps): both become gate_up (E * 2F, C), expert e's gate rows then its up
 rows (kernels/elementwise.py silu_mul's [gate | up]), and down (E * C, F). Rows of any type are whole
@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from ..errors import UnsupportedModelError
 from ..kernels import matmul as mm
+from ..kernels.moe import ExpertStack, upload_experts as upload_stack
 from ..loaders.tensor_info import TensorInfo, split_rows
 
 
@@ -19,8 +20,8 @@ class Experts:
     """One layer's experts (E of them, C hidden, F each expert's FFN)."""
 
     router: mm.QWeight                 # (E, C)
-    gate_up: mm.QWeight                # (E * 2F, C): expert e's gate rows, then its up rows
-    down: mm.QWeight                   # (E * C, F)
+    gate_up: ExpertStack               # (E, 2F, C): expert e's gate rows, then its up rows
+    down: ExpertStack                  # (E, C, F)
 
 
 def _per_expert(weights: dict, p: str, part: str, E: int) -> list[TensorInfo]:
@@ -38,19 +39,22 @@ def _per_expert(weights: dict, p: str, part: str, E: int) -> list[TensorInfo]:
         raise UnsupportedModelError(f"model weights lack tensor {e.args[0]!r}") from None
 
 
-def _stack(dev, parts: list[TensorInfo], label: str, owner: str) -> mm.QWeight:
-    types = {t.qtype for t in parts}
+def _stack(dev, experts: list[list[TensorInfo]], label: str, owner: str, max_binding: int | None) -> ExpertStack:
+    """experts[e]: the matrices whose rows, in turn, make expert e's rows."""
+    types = {t.qtype for parts in experts for t in parts}
     if len(types) != 1:
         raise UnsupportedModelError(f"{label}: experts stored in several types {sorted(types)}")
-    # the row layout (not interleaved): kernels/moe.py finds expert e's rows at e * N
-    return mm.upload_weight(dev, [t.data for t in parts], parts[0].qtype, sum(t.n for t in parts), parts[0].k,
-                            owner=owner, label=label, interleave=False)
+    first = experts[0]
+    return upload_stack(dev, [[t.data for t in parts] for parts in experts], first[0].qtype, sum(t.n for t in first), first[0].k, owner=owner, label=label,
+                        max_binding=max_binding)
 
 
-def upload_experts(dev, weights: dict, i: int, n_experts: int, owner: str, router: mm.QWeight) -> Experts:
+def upload_experts(dev, weights: dict, i: int, n_experts: int, owner: str, router: mm.QWeight,
+                   max_binding: int | None = None) -> Experts:
     """Layer i's experts on the GPU (router already uploaded by the caller's matrix reader)."""
     p = f"layers.{i}."
     gate, up = _per_expert(weights, p, "gate", n_experts), _per_expert(weights, p, "up", n_experts)
-    gate_up = _stack(dev, [t for e in range(n_experts) for t in (gate[e], up[e])], p + "experts.gate_up", owner)
-    down = _stack(dev, _per_expert(weights, p, "down", n_experts), p + "experts.down", owner)
+    gate_up = _stack(dev, [[gate[e], up[e]] for e in range(n_experts)], p + "experts.gate_up", owner, max_binding)
+    down = _stack(dev, [[t] for t in _per_expert(weights, p, "down", n_experts)], p + "experts.down", owner,
+                  max_binding)
     return Experts(router, gate_up, down)
