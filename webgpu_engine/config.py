@@ -3,6 +3,10 @@
 `ModelRecord` says what to load, `ChatConfig` how to run it (per load), `GenerationConfig` how to
 sample one request — the same split as WebLLM's config.ts. `SamplingParams` is the part of a
 GenerationConfig the GPU sampler (kernels/sampling.py) takes, built once per request.
+`SAMPLING_FIELDS` declares each sampling setting once, with its name in every API and file format
+this engine reads (OpenAI, WebLLM, Ollama, MLC's chat config) and the ChatConfig field of its model
+default: the protocol rules, Ollama's options and params layers, the MLC loader and the request path
+read their names from it.
 """
 from __future__ import annotations
 
@@ -14,6 +18,49 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from .errors import ChatOptionTypeError, UnknownChatOptionError
+
+
+@dataclass(frozen=True)
+class SamplingField:
+    """One sampling setting, declared once, as each place names it (None: that place has none).
+
+    name: GenerationConfig's field (a request's setting); openai: the OpenAI / vLLM request field;
+    webllm: WebLLM's GenerationConfig / ChatOptions field; ollama: Ollama's `options` key, which is
+    also its Modelfile PARAMETER and params-layer key; mlc: the mlc-chat-config.json key;
+    chat_config: the ChatConfig field holding a model's default (its file's, its record's or the
+    load's chat options), which a request's value overrides (stop strings: adds to)."""
+
+    name: str
+    openai: str | None
+    webllm: str | None
+    ollama: str | None
+    mlc: str | None
+    chat_config: str | None
+
+
+SAMPLING_FIELDS = (
+    SamplingField("temperature", "temperature", "temperature", "temperature", "temperature", "temperature"),
+    SamplingField("top_p", "top_p", "top_p", "top_p", "top_p", "top_p"),
+    SamplingField("top_k", "top_k", None, "top_k", None, None),
+    SamplingField("min_p", "min_p", None, "min_p", None, None),
+    SamplingField("frequency_penalty", "frequency_penalty", "frequency_penalty", "frequency_penalty",
+                  "frequency_penalty", "frequency_penalty"),
+    SamplingField("presence_penalty", "presence_penalty", "presence_penalty", "presence_penalty",
+                  "presence_penalty", "presence_penalty"),
+    SamplingField("repetition_penalty", "repetition_penalty", "repetition_penalty", "repeat_penalty",
+                  "repetition_penalty", "repetition_penalty"),
+    SamplingField("stop", "stop", "stop", "stop", None, "stop_str"),   # MLC: conv_template.stop_str
+    SamplingField("max_tokens", "max_tokens", "max_tokens", "num_predict", None, None),
+    SamplingField("seed", "seed", "seed", "seed", None, None),
+    SamplingField("logit_bias", "logit_bias", "logit_bias", None, None, None),
+    SamplingField("logprobs", "logprobs", "logprobs", None, None, None),
+    SamplingField("top_logprobs", "top_logprobs", "top_logprobs", None, None, None),
+    SamplingField("ignore_eos", "ignore_eos", "ignore_eos", None, None, None),
+    SamplingField("n", "n", "n", None, None, None),
+)
+SAMPLING_BY_NAME = {f.name: f for f in SAMPLING_FIELDS}
+# the settings a model's chat config gives a default for (ChatConfig field: request field)
+MODEL_DEFAULTS = {f.chat_config: f.name for f in SAMPLING_FIELDS if f.chat_config}
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..config import SAMPLING_FIELDS
 from ..errors import (
     ModelFormatError,
     OllamaBlobError,
@@ -45,10 +46,8 @@ MODEL, PARAMS, SYSTEM, TEMPLATE = MEDIA + "model", MEDIA + "params", MEDIA + "sy
 REFUSED = {MEDIA + "adapter": "a LoRA adapter", MEDIA + "projector": "a vision projector",
            MEDIA + "messages": "a preset conversation (MESSAGE lines)"}
 IGNORED = {MEDIA + "license"}
-# params layer key -> ChatConfig field (the rest are listed in the log as not applied)
-PARAMS_TO_CHAT_CONFIG = {"stop": "stop_str", "temperature": "temperature", "top_p": "top_p",
-                         "repeat_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
-                         "frequency_penalty": "frequency_penalty"}
+# params layer key -> ChatConfig field (config.SAMPLING_FIELDS; the rest are listed in the log as not applied)
+PARAMS_TO_CHAT_CONFIG = {f.ollama: f.chat_config for f in SAMPLING_FIELDS if f.ollama and f.chat_config}
 _PART = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _HOST = re.compile(r"^[A-Za-z0-9][A-Za-z0-9.-]{0,252}(:\d{1,5})?$")
 

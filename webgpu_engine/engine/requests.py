@@ -14,7 +14,7 @@ import uuid
 from dataclasses import fields
 from typing import Any, AsyncIterator
 
-from ..config import GenerationConfig, SamplingParams
+from ..config import SAMPLING_BY_NAME, GenerationConfig, SamplingParams
 from ..protocol.errors import RangeError
 from ..protocol.objects import to_object
 from ..protocol.rules import check_chat_request, check_completion_request, check_embedding_request
@@ -41,9 +41,9 @@ def gen_config(lm, req: dict) -> GenerationConfig:
     """Per-request sampling: the model's chat-config defaults, overridden by the request's fields."""
     cc = lm.chat_config
 
-    def pick(name):
+    def pick(name):          # the request's value, else the model's default (config.SAMPLING_FIELDS)
         v = req.get(name)
-        return getattr(cc, name) if v is None else v
+        return getattr(cc, SAMPLING_BY_NAME[name].chat_config) if v is None else v
     bias = {}                              # token id -> bias: what the sampler takes as it is
     lb = req.get("logit_bias") or {}
     if lb:

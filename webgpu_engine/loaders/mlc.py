@@ -37,6 +37,7 @@ import math
 import re
 from pathlib import Path
 
+from ..config import SAMPLING_FIELDS
 from ..errors import ModelFormatError, UnsupportedModelError
 from .gguf import _as_buffer
 from .model_config import LlamaConfig
@@ -47,7 +48,9 @@ CACHE_FILES = ("tensor-cache.json", "ndarray-cache.json")
 FLOAT_QUANTS = ("q0f32", "q0f16", "q0bf16")
 GROUP_QUANTS = {"q4f16_1": "f16", "q4f32_1": "f32"}      # -> the dtype of q_scale
 GROUP_SIZE = 32
-SAMPLING_KEYS = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+# mlc-chat-config.json key -> the ChatConfig default it sets (config.SAMPLING_FIELDS; stop strings come
+# from conv_template)
+SAMPLING_KEYS = {f.mlc: f.chat_config for f in SAMPLING_FIELDS if f.mlc and f.chat_config}
 # MLC dtype -> (ours, bytes per element)
 DTYPES = {"float32": ("f32", 4), "float16": ("f16", 2), "bfloat16": ("bf16", 2), "uint32": ("u32", 4)}
 
@@ -174,7 +177,7 @@ def read_chat_config(folder) -> dict:
 def _chat_defaults(cc: dict) -> dict:
     mc = cc.get("model_config") if isinstance(cc.get("model_config"), dict) else {}
     ctx = mc.get("context_window_size") or cc.get("context_window_size") or 0
-    over = {k: float(cc[k]) for k in SAMPLING_KEYS
+    over = {field: float(cc[k]) for k, field in SAMPLING_KEYS.items()
             if isinstance(cc.get(k), (int, float)) and not isinstance(cc.get(k), bool)}
     conv = cc.get("conv_template") if isinstance(cc.get("conv_template"), dict) else {}
     stop_str, stop_ids = stop_lists(conv)

@@ -12,13 +12,12 @@ import json
 import time
 from typing import Any
 
+from ..config import SAMPLING_FIELDS
 from .errors import FieldTypeError, UnsupportedFieldsError
 
-# option -> OpenAI request field, taken as they are (the protocol rules check their values)
-OPTION_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-                 "seed": "seed", "stop": "stop",
-                 "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
-                 "repeat_penalty": "repetition_penalty"}
+# option -> OpenAI request field, taken as they are (the protocol rules check their values);
+# num_predict, Ollama's max_tokens, has rules of its own (options_fields)
+OPTION_FIELDS = {f.ollama: f.openai for f in SAMPLING_FIELDS if f.ollama and f.openai and f.name != "max_tokens"}
 # where Ollama's runner runs: accepted, no effect (one WebGPU device; weights are mapped as they are)
 HARDWARE_OPTIONS = {"num_gpu", "main_gpu", "num_thread", "num_batch", "use_mmap", "use_mlock", "numa",
                     "low_vram", "f16_kv", "num_keep"}

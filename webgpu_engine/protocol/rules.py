@@ -17,6 +17,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from ..config import SAMPLING_FIELDS
 from .structured import check_response_format, check_tool_calls, check_tools
 from .errors import (ContentTypeError, DependencyError, EmbeddingInputEmptyError,
                      EmbeddingUnsupportedEncodingFormatError, EmptyMessagesError, FieldTypeError,
@@ -32,10 +33,8 @@ REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")   # thinking is
 # Unknown top-level fields are ignored (clients send fields of newer API versions and of other
 # servers), each name logged once per request kind at debug level; a known field with a value this
 # engine cannot honour is refused by name instead.
-_SAMPLING_FIELDS = frozenset({
-    "model", "stream", "stream_options", "n", "frequency_penalty", "presence_penalty", "repetition_penalty",
-    "max_tokens", "max_completion_tokens", "stop", "temperature", "top_p", "top_k", "min_p", "logit_bias",
-    "seed", "ignore_eos", "user", "logprobs", "top_logprobs", "extra_body", "enable_latency_breakdown"})
+_SAMPLING_FIELDS = frozenset({f.openai for f in SAMPLING_FIELDS if f.openai}) | {
+    "model", "stream", "stream_options", "max_completion_tokens", "user", "extra_body", "enable_latency_breakdown"}
 KNOWN_FIELDS = {
     "chat": _SAMPLING_FIELDS | {"messages", "tools", "tool_choice", "parallel_tool_calls", "response_format",
                                 "enable_thinking", "reasoning_effort"},

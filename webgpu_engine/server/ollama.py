@@ -27,6 +27,7 @@ from pathlib import Path
 from aiohttp import web
 
 from .. import __version__
+from ..config import SAMPLING_FIELDS
 from ..engine.manage import unload_model
 from ..engine.records import EMBEDDING, LLM
 from ..errors import ModelNotFoundError, WebGPUEngineError
@@ -402,9 +403,9 @@ async def show(request: web.Request) -> web.Response:
     f = await _facts(request, lm)
     cc = lm.chat_config
     params = [f"stop {json.dumps(s)}" for s in cc.stop_str]
-    if lm.model_type == LLM:
-        params += [f"temperature {cc.temperature:g}", f"top_p {cc.top_p:g}",
-                   f"repeat_penalty {cc.repetition_penalty:g}"]
+    if lm.model_type == LLM:              # the model's sampling defaults, as Ollama names them
+        params += [f"{f.ollama} {getattr(cc, f.chat_config):g}" for f in SAMPLING_FIELDS
+                   if f.ollama and f.chat_config and f.name != "stop"]
     ref = lm.record.reference or lm.record.model
     modelfile = f"# Modelfile of {lm.model_id}\nFROM {ref}\n" + "".join(f"PARAMETER {p}\n" for p in params)
     if cc.system_message:
