@@ -27,8 +27,11 @@ def ref() -> dict:
     return json.loads((FIXTURES / "gemma4_transformers.json").read_text())
 
 
-def test_gemma4_matches_transformers(device, tmp_path, ref):
-    folder = write_tiny_gemma4_safetensors(tmp_path / "gemma4", seed=ref["seed"])["folder"]
+@pytest.mark.parametrize("released", [False, True], ids=["causal_lm", "released_folder"])
+def test_gemma4_matches_transformers(device, tmp_path, ref, released):
+    """A Gemma4ForCausalLM folder, and the same model laid out as gemma-4-E2B-it is released
+    (Gemma4ForConditionalGeneration: text_config, model.language_model. names, a vision tower not read)."""
+    folder = write_tiny_gemma4_safetensors(tmp_path / "gemma4", seed=ref["seed"], released=released)["folder"]
     check_golden(device, folder, ref)
 
 
@@ -70,3 +73,16 @@ async def test_gemma4_in_a_batch_answers_as_alone(device, tmp_path, ref):
     alone, batched = await batch_answers(folder, ["Grüße aus Köln", "東京で会いましょう 🌍", ref["text"][:160]],
                                          context=192)
     assert alone == batched and all(alone)
+
+
+@pytest.mark.parametrize("key", ["enable_moe_block", "attention_k_eq_v", "use_bidirectional_attention"])
+def test_gemma4_options_not_implemented_are_refused_by_name(key):
+    """The larger Gemma 4 models' options (MoE, keys as values) and bidirectional attention."""
+    from tinygemma4 import DIMS, gemma4_config
+    from webgpu_engine.errors import UnsupportedModelError
+    from webgpu_engine.loaders.decoder_config import hf_config_from_dict
+    c = {**gemma4_config(DIMS), "vocab_size": 300, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 6,
+         "num_attention_heads": 4, "num_key_value_heads": 2}
+    assert hf_config_from_dict(c).kv_sources == (0, 1, 2, 3, 3, 2)
+    with pytest.raises(UnsupportedModelError, match=key):
+        hf_config_from_dict({**c, key: "all" if key == "use_bidirectional_attention" else True})

@@ -17,6 +17,7 @@ tests/fixtures/make_gemma4.py.
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -84,8 +85,20 @@ def gemma4_config(d: dict) -> dict:
                                                    "rope_theta": 1e6}}}
 
 
-def write_tiny_gemma4_safetensors(folder, seed: int = 0, **dims) -> dict:
-    """The HF folder (config.json, model.safetensors, tokenizer) of the tiny model."""
+def write_tiny_gemma4_safetensors(folder, seed: int = 0, released: bool = False, **dims) -> dict:
+    """The HF folder (config.json, model.safetensors, tokenizer) of the tiny model; `released`: laid
+    out as gemma-4-E2B-it is, a Gemma4ForConditionalGeneration whose text model's config is
+    `text_config` and whose weights lie under model.language_model., beside a vision tower."""
     d, tokens, merges, w = gemma4_weights(seed, **dims)
-    _write_hf(Path(folder), w, gemma4_config(d), tokens, merges, d)
-    return dict(folder=Path(folder), weights=w, dims=d)
+    folder = Path(folder)
+    if released:
+        w = {k.replace("model.", "model.language_model.", 1): a for k, a in w.items()}
+        w["model.vision_tower.patch_embedder.input_proj.weight"] = np.ones((4, 12), np.float32)
+    _write_hf(folder, w, gemma4_config(d), tokens, merges, d)
+    if released:
+        text = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({
+            "architectures": ["Gemma4ForConditionalGeneration"], "model_type": "gemma4",
+            "text_config": {**text, "model_type": "gemma4_text"}, "vision_config": {"model_type": "gemma4_vision"},
+            "eos_token_id": text["eos_token_id"]}, indent=2))
+    return dict(folder=folder, weights=w, dims=d)

@@ -247,6 +247,9 @@ def hf_config_from_dict(c: dict, family: DecoderFamily | None = None, where: str
     family its architectures / model_type name)."""
     c = _legacy_rope(c)
     family = family or family_of(c, where)
+    if isinstance(c.get("text_config"), dict) and "num_hidden_layers" not in c:
+        # a multimodal folder (Gemma 4 as released): the text model's keys
+        c = _legacy_rope({**c["text_config"], "architectures": c.get("architectures") or []})
     c = {**family.hf_defaults, **c}
     try:
         fields = hf_fields(c, family, where)

@@ -14,7 +14,9 @@ soft-capped logits, plus:
 
 The KV-sharing layers' files hold no k / v projections; the model gives them their source layer's
 (computed, never stored: the fused q|k|v layout stays one). MoE (`enable_moe_block`), `attention_k_eq_v`
-(the larger Gemma 4 models) and bidirectional attention are refused by name.
+(the larger Gemma 4 models) and bidirectional attention are refused by name. A released folder
+(Gemma4ForConditionalGeneration: the text model's config in `text_config`, its weights under
+`model.language_model.`) loads its text model; its vision and audio towers are not read.
 """
 from __future__ import annotations
 
@@ -32,6 +34,10 @@ HF_GEMMA4_TO_OURS = {
     "model.layers.{i}.post_per_layer_input_norm.weight": "layers.{i}.ple_norm",  # (C,)
     "model.layers.{i}.layer_scalar": "layers.{i}.scalar",                       # (1,)
 }
+# gemma-4-E2B-it as released (Gemma4ForConditionalGeneration): the same under model.language_model.,
+# beside the vision and audio towers (not read)
+HF_GEMMA4_TO_OURS.update({k.replace("model.", "model.language_model.", 1): v
+                          for k, v in HF_GEMMA4_TO_OURS.items() if k.startswith("model.")})
 
 
 def kv_sources(types: list[str], n_shared: int) -> tuple:
@@ -54,8 +60,8 @@ def _hf(c: dict, fields: dict, where: str) -> dict:
     for key, what in (("enable_moe_block", "mixture-of-experts layers"), ("attention_k_eq_v", "keys as values"),
                       ("use_bidirectional_attention", "bidirectional attention")):
         if c.get(key):
-            raise UnsupportedModelError(f"{where}: Gemma 4 with {key} ({what}) is not implemented; the "
-                                        f"text part of gemma-4-E2B / E4B runs")
+            raise UnsupportedModelError(f"{where}: Gemma 4 with {key} ({what}) is not implemented; "
+                                        f"gemma-4-E2B's text model runs")
     n = int(c["num_hidden_layers"])
     types = list(c.get("layer_types") or ["sliding_attention" if (i + 1) % 5 else "full_attention"
                                           for i in range(n)])
@@ -86,7 +92,8 @@ def _hf(c: dict, fields: dict, where: str) -> dict:
             "ple_dim": int(c.get("hidden_size_per_layer_input") or 0)}
 
 
-GEMMA4 = DecoderFamily("gemma4", hf_architectures=("Gemma4ForCausalLM",), hf_model_types=("gemma4_text",),
+GEMMA4 = DecoderFamily("gemma4", hf_architectures=("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"),
+                       hf_model_types=("gemma4_text", "gemma4"),
                        hf_defaults={"tie_word_embeddings": True}, gguf_neox=True, hf_names=HF_GEMMA4_TO_OURS,
                        hf=_hf)
 
