@@ -1,5 +1,5 @@
-"""Run Python code as the page runs the package: in a fresh interpreter where the compiled
-dependencies (pydantic, aiohttp, numpy, wgpu, tokenizers, llguidance) cannot be imported."""
+"""Run Python code as the page runs the package: in a fresh interpreter where the native-only
+dependencies (compiled ones, and those built on numpy) cannot be imported."""
 from __future__ import annotations
 
 import subprocess
@@ -10,7 +10,8 @@ _BLOCK = """
 import sys
 class Block:
     def find_spec(self, name, path=None, target=None):
-        if name.split('.')[0] in ('pydantic', 'aiohttp', 'numpy', 'wgpu', 'tokenizers', 'llguidance'):
+        if name.split('.')[0] in ('pydantic', 'aiohttp', 'numpy', 'wgpu', 'tokenizers', 'llguidance',
+                                  'jsonschema', 'gguf', 'safetensors'):
             raise ImportError('blocked ' + name)
 sys.meta_path.insert(0, Block())
 """

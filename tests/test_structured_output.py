@@ -264,16 +264,8 @@ def test_templates_that_render_tools_get_them_and_others_get_a_system_prompt():
 def test_page_modules_import_without_compiled_dependencies():
     """The browser constraint: the structured-output code imports with llguidance, numpy, pydantic
     and wgpu unimportable (a constrained request then fails with FeatureSupportError)."""
-    import subprocess
-    import sys
-    from pathlib import Path
-    code = """
-import sys
-class Block:
-    def find_spec(self, name, path=None, target=None):
-        if name.split('.')[0] in ('llguidance', 'numpy', 'tokenizers', 'pydantic', 'wgpu', 'jsonschema'):
-            raise ImportError('blocked ' + name)
-sys.meta_path.insert(0, Block())
+    from page_imports import run_without_compiled
+    r = run_without_compiled("""
 from webgpu_engine.pipelines import grammar, llm
 from webgpu_engine.engine import tools, requests
 from webgpu_engine.protocol import structured, rules
@@ -283,9 +275,7 @@ try:
     grammar.GrammarCompiler(None, 8, [0]).compile({'type': 'regex', 'regex': 'a+'})
 except FeatureSupportError as e:
     print('refused', e.feature)
-"""
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                       cwd=Path(__file__).resolve().parent.parent)
+""")
     assert r.returncode == 0 and r.stdout.strip() == "refused llguidance", r.stderr[-2000:]
 
 

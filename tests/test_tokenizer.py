@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import random
 import zlib
-from pathlib import Path
 
 import pytest
 
@@ -173,15 +172,8 @@ def test_unicode_tables_match_unicodedata():
 def test_loaders_run_with_stdlib_only(smollm2_gguf, minilm_dir):
     """The browser constraint: with numpy / tokenizers / gguf / safetensors unimportable, the loaders
     import, parse both default models and tokenize on the pure-Python paths."""
-    import subprocess
-    import sys
+    from page_imports import run_without_compiled
     code = f"""
-import sys
-class Block:
-    def find_spec(self, name, path=None, target=None):
-        if name.split('.')[0] in ('numpy', 'tokenizers', 'gguf', 'safetensors', 'pydantic', 'wgpu'):
-            raise ImportError('blocked ' + name)
-sys.meta_path.insert(0, Block())
 from webgpu_engine.loaders import gguf, safetensors, hf_config, bpe, wordpiece, tokenizer, chat_template
 from webgpu_engine.loaders import model_config
 from webgpu_engine.models import registry
@@ -197,8 +189,7 @@ assert type(wp).__name__ == 'WordPieceTokenizer' and wp.encode('hello')[0] == 10
 assert safetensors.SafetensorsFolder({str(minilm_dir)!r}).tensors
 print('ok', g.model_config().n_layers)
 """
-    root = Path(__file__).resolve().parent.parent
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=root)
+    out = run_without_compiled(code)
     assert out.returncode == 0 and out.stdout.strip() == "ok 30", out.stderr
 
 
