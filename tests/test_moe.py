@@ -57,6 +57,14 @@ def test_mixtral_matches_transformers(device, tmp_path, fmt):
     check_golden(device, "mixtral", _files(tmp_path, "mixtral", fmt, _ref("mixtral")["dims"]), fmt)
 
 
+def test_mixtral_gguf_with_a_tensor_per_expert_matches_transformers(device, tmp_path):
+    """Mixtral GGUFs written before llama.cpp's converter stacked the experts (blk.i.ffn_gate.j.weight,
+    one tensor per expert, as most early-2024 Mixtral files are) are the same model."""
+    path = tinymoe.write_tiny_moe_gguf("mixtral", tmp_path / "mixtral.gguf", per_expert=True,
+                                       **_ref("mixtral")["dims"])["path"]
+    check_golden(device, "mixtral", path, "gguf")
+
+
 def test_experts_split_across_buffers_match_transformers(device, tmp_path, monkeypatch):
     """A layer's experts larger than one binding go in buffers of whole experts (here 3 of gate|up and
     6 of down per buffer, as a 128 MB binding splits Qwen3-30B-A3B's): the same tokens and logits."""

@@ -83,10 +83,12 @@ def write_tiny_moe_safetensors(kind: str, folder, seed: int = 0, norm_topk_prob:
 
 
 def write_tiny_moe_gguf(kind: str, path, seed: int = 0, expert_qtype: str = "", dequantized: bool = False,
-                        **dims) -> dict:
+                        per_expert: bool = False, **dims) -> dict:
     """The same model as llama.cpp's converter writes it: experts stacked (E, rows, k) per layer.
     `expert_qtype` (e.g. "Q8_0"): the experts quantised as llama_model_quantize stores them, or with
-    `dequantized` their dequantised values in f32 (the same model in floats)."""
+    `dequantized` their dequantised values in f32 (the same model in floats). `per_expert`: one
+    tensor per expert, blk.{i}.ffn_{gate,up,down}.{j}.weight, as the converter wrote Mixtral before
+    it stacked them."""
     gguf_arch = KINDS[kind][2]
     d, moe, tokens, merges, w = _moe(kind, seed, dict(dims))
     E = moe["n_experts"]
@@ -111,6 +113,10 @@ def write_tiny_moe_gguf(kind: str, path, seed: int = 0, expert_qtype: str = "", 
                 a = tm.permute_qk(a, d["n_heads"] if part == "q" else d["n_kv_heads"])
             g.add_tensor(f"blk.{i}.{name}.weight", a)
         for part in ("gate", "up", "down"):
+            if per_expert:
+                for e in range(E):
+                    g.add_tensor(f"blk.{i}.ffn_{part}.{e}.weight", w[f"{p}experts.{e}.{part}"])
+                continue
             a = np.stack([w[f"{p}experts.{e}.{part}"] for e in range(E)])
             if not expert_qtype:
                 g.add_tensor(f"blk.{i}.ffn_{part}_exps.weight", a)

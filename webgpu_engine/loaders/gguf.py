@@ -76,6 +76,9 @@ GGUF_TO_OURS = {
     "blk.{i}.layer_output_norm.bias": "layers.{i}.ffn_norm_bias",
 }
 _LAYER_NAME = re.compile(r"^blk\.(\d+)\.(.+)$")
+# one tensor per expert, as llama.cpp's converter wrote Mixtral before it stacked them (early 2024
+# files, still read by llama.cpp): blk.{i}.ffn_{gate,up,down}.{j}.weight
+_EXPERT_NAME = re.compile(r"^ffn_(gate|up|down)\.(\d+)\.weight$")
 
 
 def our_name(gguf_name: str) -> str | None:
@@ -84,6 +87,8 @@ def our_name(gguf_name: str) -> str | None:
     if m is None:
         return GGUF_TO_OURS.get(gguf_name)
     ours = GGUF_TO_OURS.get("blk.{i}." + m.group(2))
+    if ours is None and (e := _EXPERT_NAME.match(m.group(2))):
+        return f"layers.{m.group(1)}.experts.{e.group(2)}.{e.group(1)}"
     return ours.replace("{i}", m.group(1)) if ours else None
 
 
