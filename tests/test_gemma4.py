@@ -126,3 +126,21 @@ def test_gemma4_f16_activations(device, tmp_path, ref):
     finally:
         m.release()
         opened.close()
+
+
+def test_webllm_sliding_window_refused_by_name(tmp_path, ref):
+    """WebLLM's ring of sinks and a window (sliding_window_size) is refused with its option's name:
+    the layers reading earlier layers' caches do not run over it."""
+    from types import SimpleNamespace
+
+    from webgpu_engine.errors import UnsupportedChatOptionError
+    from webgpu_engine.models.plan import plan_decoder
+    from webgpu_engine.models.registry import open_model
+    opened = open_model(write_tiny_gemma4_safetensors(tmp_path / "gemma4", seed=ref["seed"])["folder"])
+    try:
+        opts = SimpleNamespace(sliding_window_size=64, attention_sink_size=4, dtype="f32", context_window_size=-1,
+                               prefill_chunk_size=32, max_num_sequences=1, kv_block_size=16, kv_pool_tokens=0)
+        with pytest.raises(UnsupportedChatOptionError, match="sliding_window_size"):
+            plan_decoder(opened.config, opts, None)
+    finally:
+        opened.close()

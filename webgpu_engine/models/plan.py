@@ -134,6 +134,10 @@ def plan_decoder(cfg, chat_config, dev) -> DecoderPlan:
     if window > 0 and 0 < cfg.context_length < window:
         raise UnsupportedChatOptionError("sliding_window_size", window, (
             f"the window is larger than this model's trained context ({cfg.context_length} tokens)"))
+    if window > 0 and getattr(cfg, "kv_sources", None):
+        raise UnsupportedChatOptionError("sliding_window_size", window, (
+            "this model's last layers attend earlier layers' caches (Gemma 4), which a ring of sinks and a "
+            "window does not keep yet; leave sliding_window_size unset (the model's own windows still apply)"))
     dtype = chat_config.dtype
     if dtype == "auto" and getattr(chat_config, "kv_cache_dtype", "auto") in ("f16", "f32"):
         dtype = chat_config.kv_cache_dtype          # the cache follows the activations: both as asked
