@@ -144,3 +144,32 @@ def test_webllm_sliding_window_refused_by_name(tmp_path, ref):
             plan_decoder(opened.config, opts, None)
     finally:
         opened.close()
+
+
+def test_e2b_text_config():
+    """gemma-4-E2B-it's text config (the values of mlc-llm's Gemma4TextConfig, which targets it: 35
+    layers of which every fifth is global, 20 reading earlier caches, heads of 256 and 512, PLE of
+    256): which layer reads which cache, the widths, the rotated pairs, and the KV bytes per token
+    (15 layers store K and V: 12 of 256 values, 3 of 512, one KV head, f16)."""
+    from webgpu_engine.loaders.decoder_config import hf_config_from_dict
+    from webgpu_engine.models.plan import DecoderPlan
+    types = ["full_attention" if (i + 1) % 5 == 0 else "sliding_attention" for i in range(35)]
+    c = {"architectures": ["Gemma4ForConditionalGeneration"], "model_type": "gemma4", "text_config": {
+        "model_type": "gemma4_text", "vocab_size": 262144, "hidden_size": 1536, "intermediate_size": 6144,
+        "num_hidden_layers": 35, "num_attention_heads": 8, "num_key_value_heads": 1, "head_dim": 256,
+        "global_head_dim": 512, "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "sliding_window": 512, "layer_types": types,
+        "final_logit_softcapping": 30.0, "vocab_size_per_layer_input": 262144, "hidden_size_per_layer_input": 256,
+        "num_kv_shared_layers": 20, "use_double_wide_mlp": True, "attention_k_eq_v": False,
+        "enable_moe_block": False,
+        "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                            "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                               "rope_theta": 1000000.0}}}}
+    cfg = hf_config_from_dict(c)
+    assert cfg.arch == "gemma4" and cfg.n_layers == 35 and cfg.ple_dim == 256 and cfg.v_norm
+    assert cfg.kv_sources == tuple(range(15)) + tuple(14 if (i + 1) % 5 == 0 else 13 for i in range(15, 35))
+    assert [cfg.head_dim_of(i) for i in (0, 4, 13, 14, 34)] == [256, 512, 256, 512, 512]
+    assert [cfg.ffn_of(i) for i in (14, 15, 34)] == [6144, 12288, 12288]
+    assert cfg.rope_of(4, None) == (1e6, (1.0,) * 64 + (float("inf"),) * 192)
+    assert cfg.rope_of(0, None) == (10000.0, None) and cfg.window_of(0) == 512 and cfg.window_of(4) == 0
+    assert DecoderPlan("f16", 4096, 256, 1).kv_bytes_per_token(cfg) == 2 * 2 * (12 * 256 + 3 * 512)
