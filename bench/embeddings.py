@@ -61,7 +61,8 @@ def kernel_breakdown(pipe, seqs: list[list[int]]) -> list[dict]:
     """Time each dispatch of one forward alone (submit + wait), summed per kernel: where time goes."""
     model, dev = pipe.model, pipe.dev
     B = len(seqs)
-    S = -(-max(len(s) for s in seqs) // 16) * 16
+    plan = pipe.plan_batches(sorted((len(s) for s in seqs), reverse=True))
+    S = max(S for _, _, _, S in plan)          # padded as the pipeline pads them
     dst = dev.buffer(B * pipe.dim * 4, owner=pipe.owner, label="bench_dst")
     model.run(seqs, B, S, dst)
     dev.read_sync(dst, 0, 4)
