@@ -77,13 +77,15 @@ async def test_gemma4_in_a_batch_answers_as_alone(device, tmp_path, ref):
 
 @pytest.mark.parametrize("key", ["enable_moe_block", "attention_k_eq_v", "use_bidirectional_attention"])
 def test_gemma4_options_not_implemented_are_refused_by_name(key):
-    """The larger Gemma 4 models' options (MoE, keys as values) and bidirectional attention."""
+    """The larger Gemma 4 models' options (MoE, keys as values) and bidirectional attention ("all"; with
+    "vision" only image tokens attend both ways, so text runs)."""
     from tinygemma4 import DIMS, gemma4_config
     from webgpu_engine.errors import UnsupportedModelError
     from webgpu_engine.loaders.decoder_config import hf_config_from_dict
     c = {**gemma4_config(DIMS), "vocab_size": 300, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 6,
          "num_attention_heads": 4, "num_key_value_heads": 2}
     assert hf_config_from_dict(c).kv_sources == (0, 1, 2, 3, 3, 2)
+    assert hf_config_from_dict({**c, "use_bidirectional_attention": "vision"}).kv_sources   # text stays causal
     with pytest.raises(UnsupportedModelError, match=key):
         hf_config_from_dict({**c, key: "all" if key == "use_bidirectional_attention" else True})
 

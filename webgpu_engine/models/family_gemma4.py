@@ -57,9 +57,10 @@ def kv_sources(types: list[str], n_shared: int) -> tuple:
 
 
 def _hf(c: dict, fields: dict, where: str) -> dict:
+    # ("vision": only image tokens attend both ways; text runs causal, as here)
     for key, what in (("enable_moe_block", "mixture-of-experts layers"), ("attention_k_eq_v", "keys as values"),
                       ("use_bidirectional_attention", "bidirectional attention")):
-        if c.get(key):
+        if c.get(key) and not (key == "use_bidirectional_attention" and c[key] == "vision"):
             raise UnsupportedModelError(f"{where}: Gemma 4 with {key} ({what}) is not implemented; "
                                         f"gemma-4-E2B's text model runs")
     n = int(c["num_hidden_layers"])
