@@ -33,6 +33,7 @@ async def bench_engine(path: Path, dtype: str, prompts: list[int], n_decode: int
                        skip_prefill: bool = False, sampling: dict | None = None) -> dict:
     from webgpu_engine.config import ChatConfig, GenerationConfig
     from webgpu_engine.gpu import request_device
+    from webgpu_engine.models.experts import decode_weight_bytes
     from webgpu_engine.pipelines.llm import LLMChatPipeline
 
     dev = await request_device()
@@ -43,6 +44,9 @@ async def bench_engine(path: Path, dtype: str, prompts: list[int], n_decode: int
     out = {"adapter": dev.info.name, "dtype": pipe.model.dtype, "load_s": time.perf_counter() - t0,
            # the forms a step at this context records (attention's short form up to its max_keys)
            "dispatches_per_decode_step": _n_dispatches(pipe.model.decode_ops, 33) + 1}
+    # weight bytes a decode step's kernels read (a MoE: its k experts' rows, not all E)
+    read, experts = decode_weight_bytes(pipe.model)
+    out.update({"weight_MB_per_decode_token": read / 1e6, **({"expert_MB_all": experts / 1e6} if experts else {})})
     gen = GenerationConfig(**{"temperature": 0.0, **(sampling or {})}, ignore_eos=True)
     if skip_prefill:
         prompts = []

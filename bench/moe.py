@@ -30,24 +30,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 os.environ.setdefault("XDG_RUNTIME_DIR", "/tmp")
 
 from webgpu_engine.gpu import request_device_sync  # noqa: E402
+from webgpu_engine.models.experts import decode_weight_bytes  # noqa: E402
 from webgpu_engine.models.registry import open_model  # noqa: E402
-
-
-def read_bytes(model) -> tuple[int, int]:
-    """(weight bytes one decode step reads, bytes of every expert) of a loaded LlamaModel."""
-    c = model.cfg
-    read = model.lm_head.nbytes + model.embed.nbytes // c.vocab_size
-    experts = 0
-    for L in model.layers:
-        read += L.qkv.nbytes + L.o.nbytes
-        if L.experts is None:
-            read += L.gate_up.nbytes + L.down.nbytes
-            continue
-        read += L.experts.router.nbytes
-        for stack in (L.experts.gate_up, L.experts.down):
-            experts += stack.nbytes
-            read += c.n_experts_used * stack.nbytes // c.n_experts
-    return read, experts
 
 
 def run(dev, E: int, k: int, hidden: int, ffn: int, layers: int, steps: int) -> dict:
@@ -68,12 +52,13 @@ def run(dev, E: int, k: int, hidden: int, ffn: int, layers: int, steps: int) -> 
                     t0 = time.perf_counter()
                     run.decode(7 + pos % 50, pos)
                     times.append(time.perf_counter() - t0)
-                read, experts = read_bytes(run.model)
+                read, experts = decode_weight_bytes(run.model)
             finally:
                 run.release()
         finally:
             m.close()
-    return {"experts": E, "k": k, "read_bytes": read, "expert_bytes": experts, "decode_ms": 1e3 * statistics.median(times)}
+    return {"experts": E, "k": k, "read_bytes": read, "expert_bytes": experts,
+            "decode_ms": 1e3 * statistics.median(times)}
 
 
 def main() -> None:

@@ -1,6 +1,7 @@
 """The mixture-of-experts kernels (kernels/moe.py: routing on the GPU, products with the selected
-experts of a stacked weight, in one buffer or split into buffers of whole experts) on the real adapter against kernels/nn_ref.py's numpy references, for
-float and quantised expert weights; a row's values do not depend on the other rows."""
+experts of a stacked weight, in one buffer or split into buffers of whole experts) on the real
+adapter against kernels/nn_ref.py's numpy references, for float and quantised expert weights; a
+row's values do not depend on the other rows."""
 from __future__ import annotations
 
 import numpy as np

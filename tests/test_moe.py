@@ -102,6 +102,26 @@ def test_quantized_experts_as_their_floats(device, tmp_path):
     assert greedy_q == greedy_f
 
 
+def test_decode_reads_the_chosen_experts_bytes(device, tmp_path):
+    """decode_weight_bytes (bench/llm.py's weight MB per decode token): the dense matrices, one
+    embedding row and k / E of every layer's experts, which the estimate counts whole."""
+    from webgpu_engine.models.experts import decode_weight_bytes
+    from webgpu_engine.models.llama import LlamaModel
+    m = open_model(_files(tmp_path, "qwen3moe", "gguf", _ref("qwen3moe")["dims"]))
+    try:
+        model = LlamaModel(device, m.config, m.weights, owner="test:moe", context_window=64, prefill_chunk=16)
+        try:
+            read, experts = decode_weight_bytes(model)
+            c = model.cfg
+            assert experts == c.n_layers * c.n_experts * 3 * c.ffn_size * c.hidden_size * 4      # f32
+            dense = sum(L.qkv.nbytes + L.o.nbytes + L.experts.router.nbytes for L in model.layers)
+            assert read == dense + model.lm_head.nbytes + c.hidden_size * 4 + experts * c.n_experts_used // c.n_experts
+        finally:
+            model.release()
+    finally:
+        m.close()
+
+
 def test_memory_estimate_counts_every_expert(tmp_path):
     """Stacked (E, N, K) expert tensors count E * N rows: the GGUF's estimate equals the HF folder's,
     whose experts are separate tensors, and both exceed the dense part by every expert's bytes."""

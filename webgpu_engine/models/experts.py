@@ -1,9 +1,10 @@
 """A MoE layer's weights on the GPU: the router and every expert's gate|up and down, stacked
-(kernels/moe.py ExpertStack: whole experts per buffer, as many as one binding holds). HF folders hold one tensor per expert
-(layers.i.experts.j.gate / up / down); llama.cpp's GGUFs hold them stacked (layers.i.gate_exps
-(E, F, C), up_exps, down_exps): both become gate_up (E * 2F, C), expert e's gate rows then its up
-rows (kernels/elementwise.py silu_mul's [gate | up]), and down (E * C, F). Rows of any type are whole
-blocks, so an expert's slice of a stacked tensor is a view. Standard library only (runs in the page).
+(kernels/moe.py ExpertStack: whole experts per buffer, as many as one binding holds). HF folders
+hold one tensor per expert (layers.i.experts.j.gate / up / down); llama.cpp's GGUFs hold them
+stacked (layers.i.gate_exps (E, F, C), up_exps, down_exps): both become gate_up (E * 2F, C), expert
+e's gate rows then its up rows (kernels/elementwise.py silu_mul's [gate | up]), and down (E * C, F).
+Rows of any type are whole blocks, so an expert's slice of a stacked tensor is a view. Standard
+library only (runs in the page).
 """
 from __future__ import annotations
 
@@ -45,8 +46,8 @@ def _stack(dev, experts: list[list[TensorInfo]], label: str, owner: str, max_bin
     if len(types) != 1:
         raise UnsupportedModelError(f"{label}: experts stored in several types {sorted(types)}")
     first = experts[0]
-    return upload_stack(dev, [[t.data for t in parts] for parts in experts], first[0].qtype, sum(t.n for t in first), first[0].k, owner=owner, label=label,
-                        max_binding=max_binding)
+    return upload_stack(dev, [[t.data for t in parts] for parts in experts], first[0].qtype, sum(t.n for t in first),
+                        first[0].k, owner=owner, label=label, max_binding=max_binding)
 
 
 def upload_experts(dev, weights: dict, i: int, n_experts: int, owner: str, router: mm.QWeight,
@@ -58,3 +59,26 @@ def upload_experts(dev, weights: dict, i: int, n_experts: int, owner: str, route
     down = _stack(dev, [[t] for t in _per_expert(weights, p, "down", n_experts)], p + "experts.down", owner,
                   max_binding)
     return Experts(router, gate_up, down)
+
+
+def decode_weight_bytes(model) -> tuple[int, int]:
+    """(weight bytes one decode step of a loaded LlamaModel reads, bytes of all its experts), from the
+    kernels' layout: every dense matrix whole (q|k|v, o, gate|up, down, routers, the LM head), one
+    embedding row, and per MoE layer the k chosen experts' rows of gate|up and down (moe_matmul /
+    moe_down dispatch k slots of N rows each). bench/llm.py and bench/moe.py report it."""
+    c = model.cfg
+    read, experts = model.embed.nbytes // c.vocab_size, 0
+    if model.lm_head is not model.embed:
+        read += model.lm_head.nbytes
+    else:                                   # a tied head reads the whole table
+        read += model.embed.nbytes
+    for L in model.layers:
+        read += L.qkv.nbytes + L.o.nbytes
+        if L.experts is None:
+            read += L.gate_up.nbytes + L.down.nbytes
+            continue
+        read += L.experts.router.nbytes
+        for stack in (L.experts.gate_up, L.experts.down):
+            experts += stack.nbytes
+            read += c.n_experts_used * stack.nbytes // c.n_experts
+    return read, experts
