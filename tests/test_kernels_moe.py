@@ -11,7 +11,7 @@ from webgpu_engine.kernels import moe, nn_ref
 from webgpu_engine.kernels import quant_ref as qr
 from webgpu_engine.kernels.matmul import gpu_row_bytes
 
-from _nn_util import TOL, empty, get, put, rounded, run
+from _nn_util import empty, get, put, rounded, run
 
 OWNER = "test:nn"
 
@@ -39,10 +39,16 @@ def test_moe_route(device, dtype, T, E, k, norm):
     np.testing.assert_allclose(get(device, wt), w, rtol=1e-5, atol=1e-6)
 
 
+def _close(got, want, dtype):
+    """Within 1e-4 (f32) / 1e-2 (f16) of the largest value, as tests/test_kernels_matmul.py measures."""
+    err = np.abs(got - want).max() / np.abs(want).max()
+    assert err < (1e-4 if dtype == "f32" else 1e-2), f"error {err:.3g}"
+
+
 def _stacked(device, qtype, E, N, K, rng, per_buffer=0):
     """E experts of (N, K) in `qtype` stacked on the GPU (`per_buffer` experts in each buffer: a stack
     larger than one binding) and their values (E, N, K)."""
-    if qtype in ("f32", "f16"):
+    if qtype in ("f32", "f16"):             # bf16 (HF checkpoints): random_weight's bits, decoded below
         w = (rng.standard_normal((E, N, K)) / np.sqrt(K)).astype({"f32": np.float32, "f16": np.float16}[qtype])
         raw = w.tobytes()
         vals = w.astype(np.float64)
@@ -56,14 +62,14 @@ def _stacked(device, qtype, E, N, K, rng, per_buffer=0):
 
 
 @pytest.mark.parametrize("dtype", ["f32", "f16"])
-@pytest.mark.parametrize("qtype", ["f32", "f16", "q8_0", "q4_k"])
+@pytest.mark.parametrize("qtype", ["f32", "f16", "bf16", "q8_0", "q4_0", "q4_k", "q6_k"])
 @pytest.mark.parametrize("T,per_buffer", [(1, 0), (6, 0), (6, 4)])
 def test_moe_matmul_and_down(device, dtype, qtype, T, per_buffer):
     """gate|up of each token's experts from the shared row, then the weighted sum of the experts'
     down products into the residual (accumulate); only the selected experts' rows count; a stack in
     buffers of 4 experts (a dispatch each) gives the same values."""
     rng = np.random.default_rng(T + len(qtype))
-    E, k, C, F = 6, 2, 256, 256 if qtype == "q4_k" else 96
+    E, k, C, F = 6, 2, 256, 256 if qtype in ("q4_k", "q6_k") else 96
     wgu, gu_vals = _stacked(device, qtype, E, 2 * F, C, rng, per_buffer)
     wd, d_vals = _stacked(device, qtype, E, C, F, rng, per_buffer)
     assert len(wgu.parts) == (2 if per_buffer else 1)
@@ -75,12 +81,12 @@ def test_moe_matmul_and_down(device, dtype, qtype, T, per_buffer):
     xt, gut = put(device, x, dtype, lead=4), empty(device, (T * k, 2 * F), dtype)
     run(device, moe.moe_matmul(device, xt, wgu, st, gut, n_sel=k))
     want = nn_ref.moe_matmul(rounded(x, dtype), gu_vals, ids)
-    np.testing.assert_allclose(get(device, gut), want, **TOL[dtype])
+    _close(get(device, gut), want, dtype)
     h = rng.standard_normal((T * k, F))
     ht, yt = put(device, h, dtype), put(device, res, dtype, lead=8)
     run(device, moe.moe_down(device, ht, wd, st, wt, yt, n_sel=k))
     want = rounded(res, dtype) + nn_ref.moe_down(rounded(h, dtype), d_vals, ids, wts)
-    np.testing.assert_allclose(get(device, yt), want, **TOL[dtype])
+    _close(get(device, yt), want, dtype)
 
 
 def test_moe_rows_do_not_depend_on_the_batch(device):
