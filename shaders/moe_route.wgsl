@@ -46,3 +46,24 @@ fn moe_route(@builtin(global_invocation_id) gid: vec3<u32>) {
         for (var j = 0u; j < NSEL; j++) { wts[t * NSEL + j] = wts[t * NSEL + j] / total; }
     }
 }
+
+// moe_group: the slots s = t * NSEL + j of T rows grouped by expert, for the prefill's expert products
+// (moe_matmul_grouped): order[start[e] .. start[e + 1]] are expert e's slots, in slot order.
+// dispatch (1, 1, 1), one invocation (T * NSEL slots, a prefill chunk's: a few thousand at most).
+@group(0) @binding(4) var<storage, read_write> order: array<u32>;   // (T * NSEL) slots by expert
+@group(0) @binding(5) var<storage, read_write> start: array<u32>;   // (E + 1) first slot of each expert
+
+@compute @workgroup_size(1)
+fn moe_group() {
+    let n = P.T * NSEL;
+    for (var e = 0u; e <= P.E; e++) { start[e] = 0u; }
+    for (var s = 0u; s < n; s++) { start[sel[s] + 1u] += 1u; }
+    for (var e = 0u; e < P.E; e++) { start[e + 1u] += start[e]; }
+    for (var s = 0u; s < n; s++) {          // start[e] is expert e's cursor: it ends at e + 1's start
+        let e = sel[s];
+        order[start[e]] = s;
+        start[e] += 1u;
+    }
+    for (var e = P.E; e > 0u; e--) { start[e] = start[e - 1u]; }
+    start[0] = 0u;
+}

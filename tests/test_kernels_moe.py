@@ -103,3 +103,30 @@ def test_moe_rows_do_not_depend_on_the_batch(device):
         run(device, moe.moe_matmul(device, put(device, x[rows]), w, _ids(device, ids[rows]), yt, n_sel=k))
         outs.append(get(device, yt))
     np.testing.assert_array_equal(outs[0][2 * k:3 * k], outs[1])
+
+
+@pytest.mark.parametrize("qtype,per_buffer", [("f32", 0), ("q8_0", 3)])
+@pytest.mark.parametrize("T", [1, 7, 40])
+def test_moe_matmul_grouped_by_expert(device, qtype, per_buffer, T):
+    """The prefill form: moe_group sorts the slots by expert (start, order as numpy's stable sort gives
+    them) and moe_matmul_grouped reads each weight chunk once per 4 slots of its expert: the same
+    values, bit for bit, as a slot's own product (f16 activations, a stack in one or several buffers)."""
+    rng = np.random.default_rng(T)
+    E, k, C, F = 6, 2, 64, 40
+    w, _ = _stacked(device, qtype, E, 2 * F, C, rng, per_buffer)
+    ids = np.stack([rng.choice(E, k, replace=False) for _ in range(T)])
+    ids[: T // 2, 0] = 4                                    # one expert with many slots
+    ids[: T // 2, 1] = np.where(ids[: T // 2, 1] == 4, 5, ids[: T // 2, 1])
+    st = _ids(device, ids)
+    order, start = empty(device, (T * k,), "u32", fill=0), empty(device, (E + 1,), "u32", fill=0)
+    run(device, moe.moe_group(device, st, order, start, n_experts=E, n_sel=k))
+    flat = ids.reshape(-1)
+    np.testing.assert_array_equal(get(device, order).astype(np.int64), np.argsort(flat, kind="stable"))
+    np.testing.assert_array_equal(get(device, start).astype(np.int64), np.searchsorted(np.sort(flat), np.arange(E + 1)))
+    xt = put(device, rng.standard_normal((T, C)), "f16")
+    outs = []
+    for groups in (None, (order, start)):
+        yt = empty(device, (T * k, 2 * F), "f16")
+        run(device, moe.moe_matmul(device, xt, w, st, yt, n_sel=k, groups=groups))
+        outs.append(get(device, yt))
+    np.testing.assert_array_equal(outs[0], outs[1])

@@ -4,7 +4,8 @@ chosen expert ids never leave the GPU and a token reads only its experts' rows.
 
     logits = h · Wrouterᵀ                          (T, E): the usual matmul
     sel, wts = moe_route(logits)                   (T, k) ids, (T, k) f32 weights
-    gu = moe_matmul(h, W_gate_up, sel)             (T k, 2F): each slot's expert, h shared
+    gu = moe_matmul(h, W_gate_up, sel)             (T k, 2F): each slot's expert, h shared (prefill:
+                                                   the slots grouped by expert first, moe_group)
     f = act(gate) * up                             (T k, F): kernels/elementwise.py silu_mul
     x += moe_down(f, W_down, sel, wts)             (T, C): sum over the k slots, weighted
 
@@ -63,8 +64,26 @@ class ExpertStack:
             w.release()
 
 
+def moe_group(dev: Device, sel: Tensor, order: Tensor, start: Tensor, *, n_experts: int, n_sel: int) -> Op:
+    """order, start: the slots of sel (T, n_sel) grouped by expert (expert e's slots, in slot order, at
+    order[start[e] .. start[e + 1]]) for moe_matmul's grouped form.  order (T * n_sel,) u32; start
+    (n_experts + 1,) u32."""
+    k = "moe_group"
+    T = sel.numel // n_sel
+    check(order.dtype == "u32" and order.numel == T * n_sel and start.dtype == "u32"
+          and start.numel == n_experts + 1, k, f"order{order.shape} / start{start.shape} for {T} x {n_sel} slots")
+    wins = [window(t, 4, k, n) for t, n in ((sel, "sel"), (order, "order"), (start, "start"))]
+    check(all(o == 0 for _, o in wins), k, "sel, order and start must start at binding-aligned offsets")
+    pipe = dev.pipeline("moe_route.wgsl", k, header=f"{act_header('f32')}const WG: u32 = {_WG}u;\n"
+                                                    f"const NSEL: u32 = {n_sel}u;\n")
+    par = params(dev, [T, n_experts, 0, 0], owner=order.buf.owner, label=k)
+    op = Op(name=k)
+    op.buffers.append(par)
+    return op.add(pipe, dev.bind(pipe, {0: par, 2: wins[0][0], 4: wins[1][0], 5: wins[2][0]}), 1)
+
+
 def _expert_op(dev: Device, entry: str, x: Tensor, w: ExpertStack, sel: Tensor, wts: Tensor | None, y: Tensor,
-               *, n_sel: int, T: int, x_slot: bool, accumulate: bool) -> Op:
+               *, n_sel: int, T: int, x_slot: bool, accumulate: bool, groups: tuple | None = None) -> Op:
     k, N, K = entry, w.rows, w.k
     check(int(x.shape[-1]) == K and K % 4 == 0, k, f"x{x.shape} against {K} columns (a multiple of 4)")
     check(x.dtype == y.dtype and x.dtype in ("f32", "f16"), k, f"x is {x.dtype}, y {y.dtype}")
@@ -80,7 +99,13 @@ def _expert_op(dev: Device, entry: str, x: Tensor, w: ExpertStack, sel: Tensor, 
         wb, wo = window(wts, 4, k, "wts")
         check(wo == 0, k, "wts must start at a binding-aligned offset")
         binds[6] = wb
-    rows_out = T * n_sel if entry == "moe_matmul" else T
+    if groups is not None:                   # (order, start) of moe_group
+        (ob, oo), (gb, go) = window(groups[0], 4, k, "order"), window(groups[1], 4, k, "start")
+        check(oo == 0 and go == 0, k, "order and start must start at binding-aligned offsets")
+        binds.update({7: ob, 8: gb})
+        del binds[5]                         # the slots come from order, not sel
+        entry = "moe_matmul_grouped"
+    rows_out = T if entry == "moe_down" else T * n_sel
     check(rows_out <= 65535, k, f"{rows_out} rows exceed one dispatch")
     op = Op(name=k)
     ends = [e0 for e0, _ in w.parts[1:]] + [w.n_experts]
@@ -96,19 +121,22 @@ def _expert_op(dev: Device, entry: str, x: Tensor, w: ExpertStack, sel: Tensor, 
         pipe = weight_pipeline(dev, entry, part, x.dtype, _WG, 1,
                                extra=extra + load_shader_source("moe_matmul.wgsl"))
         op.buffers.append(par)
-        op.add(pipe, dev.bind(pipe, {0: par, 2: part.bufs[0], **binds}), -(-N // _WG), rows_out)
+        op.add(pipe, dev.bind(pipe, {0: par, 2: part.bufs[0], **binds}), -(-N // _WG),
+               e1 - e0 if groups is not None else rows_out)
     return op
 
 
-def moe_matmul(dev: Device, x: Tensor, w: ExpertStack, sel: Tensor, y: Tensor, *, n_sel: int) -> Op:
+def moe_matmul(dev: Device, x: Tensor, w: ExpertStack, sel: Tensor, y: Tensor, *, n_sel: int,
+               groups: tuple | None = None) -> Op:
     """y[t*n_sel + j, :] = x[., :] · W[sel[t, j]]ᵀ for each token t's n_sel experts. w: the experts
     stacked (E, N, K); x (T, K) (every slot of t reads row t) or (T * n_sel, K) (a row per slot);
-    y (T * n_sel, N)."""
+    y (T * n_sel, N). `groups`: moe_group's (order, start), the slots grouped by expert: each weight
+    chunk is read once for 4 slots of its expert (a prefill's rows), the same values bit for bit."""
     T = sel.numel // n_sel
     rows = x.numel // int(x.shape[-1])
     check(rows in (T, T * n_sel), "moe_matmul", f"x has {rows} rows for {T} tokens of {n_sel} slots")
     return _expert_op(dev, "moe_matmul", x, w, sel, None, y, n_sel=n_sel, T=T,
-                      x_slot=rows == T * n_sel and n_sel > 1, accumulate=False)
+                      x_slot=rows == T * n_sel and n_sel > 1, accumulate=False, groups=groups)
 
 
 def moe_down(dev: Device, x: Tensor, w: ExpertStack, sel: Tensor, wts: Tensor, y: Tensor, *, n_sel: int,
@@ -144,4 +172,4 @@ def upload_experts(dev: Device, experts: list, qtype: str, rows: int, k: int, *,
     return ExpertStack(out, len(experts), rows, k)
 
 
-__all__ = ["ExpertStack", "moe_down", "moe_matmul", "moe_route", "upload_experts"]
+__all__ = ["ExpertStack", "moe_down", "moe_group", "moe_matmul", "moe_route", "upload_experts"]
