@@ -112,7 +112,7 @@ def test_moe_matmul_grouped_by_expert(device, qtype, per_buffer, T):
     them) and moe_matmul_grouped reads each weight chunk once per 4 slots of its expert: the same
     values, bit for bit, as a slot's own product (f16 activations, a stack in one or several buffers)."""
     rng = np.random.default_rng(T)
-    E, k, C, F = 6, 2, 64, 40
+    E, k, C, F = 6, 2, 64, 48
     w, _ = _stacked(device, qtype, E, 2 * F, C, rng, per_buffer)
     ids = np.stack([rng.choice(E, k, replace=False) for _ in range(T)])
     ids[: T // 2, 0] = 4                                    # one expert with many slots
@@ -130,3 +130,15 @@ def test_moe_matmul_grouped_by_expert(device, qtype, per_buffer, T):
         run(device, moe.moe_matmul(device, xt, w, st, yt, n_sel=k, groups=groups))
         outs.append(get(device, yt))
     np.testing.assert_array_equal(outs[0], outs[1])
+    # down: the grouped products (f32) weighted and summed per token by moe_combine, as moe_down sums
+    wd, d_vals = _stacked(device, qtype, E, C, 2 * F, rng)
+    h, wts, res = rng.standard_normal((T * k, 2 * F)), rng.random((T, k)), rng.standard_normal((T, C))
+    ht, wt = put(device, h, "f16"), put(device, wts)
+    downs = []
+    for groups in (None, (order, start)):
+        yt = put(device, res, "f16")
+        prods = empty(device, (T * k, C)) if groups else None
+        run(device, moe.moe_down(device, ht, wd, st, wt, yt, n_sel=k, groups=groups, prods=prods))
+        downs.append(get(device, yt))
+    _close(downs[1], rounded(res, "f16") + nn_ref.moe_down(rounded(h, "f16"), d_vals, ids, wts), "f16")
+    np.testing.assert_array_equal(downs[0], downs[1])

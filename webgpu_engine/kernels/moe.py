@@ -86,11 +86,10 @@ def _expert_op(dev: Device, entry: str, x: Tensor, w: ExpertStack, sel: Tensor, 
                *, n_sel: int, T: int, x_slot: bool, accumulate: bool, groups: tuple | None = None) -> Op:
     k, N, K = entry, w.rows, w.k
     check(int(x.shape[-1]) == K and K % 4 == 0, k, f"x{x.shape} against {K} columns (a multiple of 4)")
-    check(x.dtype == y.dtype and x.dtype in ("f32", "f16"), k, f"x is {x.dtype}, y {y.dtype}")
+    check(x.dtype in ("f32", "f16") and y.dtype in (x.dtype, "f32"), k, f"x is {x.dtype}, y {y.dtype}")
     check(sel.dtype == "u32" and sel.numel == T * n_sel, k, f"sel{sel.shape} must be ({T}, {n_sel}) u32")
-    esz = DTYPE_SIZE[x.dtype]
-    xb, xo = window(x, 4 * esz, k, "x")
-    yb, yo = window(y, esz, k, "y")
+    xb, xo = window(x, 4 * DTYPE_SIZE[x.dtype], k, "x")
+    yb, yo = window(y, DTYPE_SIZE[y.dtype], k, "y")
     sb, so = window(sel, 4, k, "sel")
     check(so == 0, k, "sel must start at a binding-aligned offset")
     binds = {1: xb, 3: yb, 4: placeholder(dev), 5: sb}
@@ -118,7 +117,7 @@ def _expert_op(dev: Device, entry: str, x: Tensor, w: ExpertStack, sel: Tensor, 
         par = params(dev, values, owner=y.buf.owner, label=f"{k}[{part.label}]")
         extra = (f"const NSEL: u32 = {n_sel}u;\nconst XSLOT: u32 = {int(x_slot)}u;\n"
                  f"const E0: u32 = {e0}u;\nconst NE: u32 = {e1 - e0}u;\n")
-        pipe = weight_pipeline(dev, entry, part, x.dtype, _WG, 1,
+        pipe = weight_pipeline(dev, entry, part, x.dtype, _WG, 1, y_dtype=y.dtype,
                                extra=extra + load_shader_source("moe_matmul.wgsl"))
         op.buffers.append(par)
         op.add(pipe, dev.bind(pipe, {0: par, 2: part.bufs[0], **binds}), -(-N // _WG),
@@ -139,12 +138,35 @@ def moe_matmul(dev: Device, x: Tensor, w: ExpertStack, sel: Tensor, y: Tensor, *
                       x_slot=rows == T * n_sel and n_sel > 1, accumulate=False, groups=groups)
 
 
+def moe_combine(dev: Device, prods: Tensor, wts: Tensor, y: Tensor, *, n_sel: int, accumulate: bool = True) -> Op:
+    """y[t, :] (+)= sum_j wts[t, j] * prods[t*n_sel + j, :] in slot order: moe_down's sums from f32
+    products (T * n_sel, N) that moe_matmul's grouped form made.  wts (T, n_sel) f32; y (T, N) act."""
+    k = "moe_combine"
+    T, N = (int(s) for s in y.shape)
+    check(prods.dtype == "f32" and prods.numel == T * n_sel * N and wts.dtype == "f32" and wts.numel == T * n_sel
+          and y.dtype in ("f32", "f16"), k, f"prods{prods.shape}/{prods.dtype} wts{wts.shape} y{y.shape}/{y.dtype}")
+    (pb, po), (wb, wo), (yb, yo) = (window(t, DTYPE_SIZE[t.dtype], k, n)
+                                    for t, n in ((prods, "prods"), (wts, "wts"), (y, "y")))
+    check(po == 0 and wo == 0, k, "prods and wts must start at binding-aligned offsets")
+    pipe = dev.pipeline("moe_combine.wgsl", k, header=f"{act_header(y.dtype)}const WG: u32 = {_WG}u;\n"
+                                                     f"const NSEL: u32 = {n_sel}u;\n")
+    par = params(dev, [T, N, yo, int(accumulate)], owner=y.buf.owner, label=k)
+    op = Op(name=k)
+    op.buffers.append(par)
+    check(T <= 65535, k, f"{T} rows exceed one dispatch")
+    return op.add(pipe, dev.bind(pipe, [par, pb, wb, yb]), -(-N // _WG), T)
+
+
 def moe_down(dev: Device, x: Tensor, w: ExpertStack, sel: Tensor, wts: Tensor, y: Tensor, *, n_sel: int,
-             accumulate: bool = True) -> Op:
+             accumulate: bool = True, groups: tuple | None = None, prods: Tensor | None = None) -> Op:
     """y[t, :] (+)= sum_j wts[t, j] * x[t*n_sel + j, :] · W[sel[t, j]]ᵀ: the experts' outputs of each
     token weighted and summed in slot order (added to y when `accumulate`: the residual). x
-    (T * n_sel, K); y (T, N)."""
+    (T * n_sel, K); y (T, N). With moe_group's `groups` (a prefill's rows): each slot's product by
+    moe_matmul's grouped form into `prods` (T * n_sel, N) f32, then their weighted sums (moe_combine)."""
     T = sel.numel // n_sel
+    if groups is not None:
+        return moe_matmul(dev, x, w, sel, prods, n_sel=n_sel, groups=groups) + \
+            moe_combine(dev, prods, wts, y, n_sel=n_sel, accumulate=accumulate)
     return _expert_op(dev, "moe_down", x, w, sel, wts, y, n_sel=n_sel, T=T,
                       x_slot=True, accumulate=accumulate)
 
@@ -172,4 +194,4 @@ def upload_experts(dev: Device, experts: list, qtype: str, rows: int, k: int, *,
     return ExpertStack(out, len(experts), rows, k)
 
 
-__all__ = ["ExpertStack", "moe_down", "moe_group", "moe_matmul", "moe_route", "upload_experts"]
+__all__ = ["ExpertStack", "moe_combine", "moe_down", "moe_group", "moe_matmul", "moe_route", "upload_experts"]

@@ -272,22 +272,23 @@ def forward(m, kv: KVAccess, T: int, mode: str, *, with_head: bool = True,
 
 def _experts(m, L, x: Tensor, h: Tensor, T: int, mode: str, flags: dict) -> list[Op]:
     """A MoE layer's FFN (kernels/moe.py): h = rms_norm(x); the router's top-k experts of each row,
-    chosen on the GPU; each row's k experts' gate|up (T k, 2F) (PREFILL: the rows grouped by expert
-    first, each weight chunk read once per 4 of an expert's rows) and act(gate) * up (T k, F); x +=
-    the weighted sum of their down products. Every row's values are the same in any row mode."""
+    chosen on the GPU; each row's k experts' gate|up (T k, 2F), act(gate) * up (T k, F) and x += the
+    weighted sum of their down products. PREFILL groups the rows by expert first, so that each weight
+    chunk is read once per 4 of an expert's rows (the same values: a row's are the same in any
+    chunking, and with the experts' stacks in one buffer each, as decode computes them)."""
     c, dev, E, k, F = m.cfg, m.dev, m.cfg.n_experts, m.cfg.n_experts_used, m.cfg.ffn_size
     ids, wts = m.expert_ids.view((T, k)), m.expert_weights.view((T, k))
     logits, gu, ffn = m.router_logits.view((T, E)), m.gate_up.view((T * k, 2 * F)), m.ffn.view((T * k, F))
     ops = [_norm(m, x, L.ffn_norm, L.ffn_norm_bias, h),
            mm.matmul(dev, h, L.experts.router, logits, **flags),
            moe.moe_route(dev, logits, ids, wts, n_sel=k, norm=c.moe_norm_topk)]
-    groups = None
-    if mode == PREFILL and T > 1:
-        groups = (m.expert_order.view((T * k,)), m.expert_start)
+    groups, prods = None, None
+    if mode == PREFILL:
+        groups, prods = (m.expert_order.view((T * k,)), m.expert_start), m.expert_prods.view((T * k, c.hidden_size))
         ops.append(moe.moe_group(dev, ids, *groups, n_experts=E, n_sel=k))
     return ops + [moe.moe_matmul(dev, h, L.experts.gate_up, ids, gu, n_sel=k, groups=groups),
                   nn.silu_mul(dev, gu, ffn, act=c.act),
-                  moe.moe_down(dev, ffn, L.experts.down, ids, wts, x, n_sel=k)]
+                  moe.moe_down(dev, ffn, L.experts.down, ids, wts, x, n_sel=k, groups=groups, prods=prods)]
 
 
 def _per_layer_inputs(m, kv: KVAccess, x: Tensor, T: int, flags: dict) -> list[Op]:

@@ -311,9 +311,10 @@ class LlamaModel:
             self.router_logits = new_tensor(dev, (P, c.n_experts), dt, owner=own, label="router_logits")
             self.expert_ids = new_tensor(dev, (slots,), "u32", owner=own, label="expert_ids")
             self.expert_weights = new_tensor(dev, (slots,), "f32", owner=own, label="expert_weights")
-            # a prefill's slots grouped by expert (kernels/moe.py moe_group)
+            # a prefill's slots grouped by expert (kernels/moe.py moe_group) and their down products
             self.expert_order = new_tensor(dev, (slots,), "u32", owner=own, label="expert_order")
             self.expert_start = new_tensor(dev, (c.n_experts + 1,), "u32", owner=own, label="expert_start")
+            self.expert_prods = new_tensor(dev, (slots, c.hidden_size), "f32", owner=own, label="expert_prods")
         self.last = new_tensor(dev, (1, c.hidden_size), dt, owner=own, label="last")      # normed last row
         # decode: sums of x^2 per 4 columns of each row, from the residual matmuls' epilogue (see
         # _build; one row per sequence of a batched decode step)

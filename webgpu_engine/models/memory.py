@@ -63,8 +63,8 @@ def estimate_llm(cfg, tensors: dict, plan, *, max_binding: int) -> MemoryEstimat
     C, V = cfg.hidden_size, cfg.vocab_size
     F = cfg.ffn_size * max(1, cfg.n_experts_used)          # a MoE layer's FFN rows: one per token and expert
     act = esz * P * (2 * C + cfg.qkv_dim + cfg.q_dim + 3 * F) + 4 * P + esz * (C + V) + P * C   # P * C: norm partials
-    act += P * (esz * cfg.n_experts + 12 * cfg.n_experts_used) + 4 * (cfg.n_experts + 1)   # router logits,
-    #                                    chosen experts, their weights and order, each expert's first slot
+    act += P * (esz * cfg.n_experts + 4 * (3 + C) * cfg.n_experts_used) + 4 * (cfg.n_experts + 1)   # router
+    #    logits; chosen experts, their weights, order and f32 down products; each expert's first slot
     # Gemma 4: the widest layer's heads and FFN beyond the config's, its per-layer inputs (T, L P) x 2, (T, P)
     act += esz * P * ((2 * cfg.n_heads + 2 * cfg.n_kv_heads) * (cfg.max_head_dim - cfg.head_dim)
                       + 3 * (cfg.max_ffn - cfg.ffn_size) + (2 * cfg.n_layers + 1) * cfg.ple_dim)
@@ -77,6 +77,7 @@ def estimate_llm(cfg, tensors: dict, plan, *, max_binding: int) -> MemoryEstimat
     partials = cfg.n_layers * cfg.n_heads * min(128, -(-ctx // 32)) * (cfg.max_head_dim // 4 + 1) * 16
     act += partials
     for size, what in ((kv_buf, f"KV cache of one layer ({ctx} tokens)"), (esz * P * 2 * F, "gate_up activations"),
+                       (4 * P * cfg.n_experts_used * C, "experts' down products"),
                        (4 * V, "logits")):
         if size > largest:
             largest, label = size, what

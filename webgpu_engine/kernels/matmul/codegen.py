@@ -44,11 +44,12 @@ def weight_source(qtype: str, inplace: bool = False) -> tuple[str, str]:
 
 
 def weight_pipeline(dev: Device, entry: str, w: QWeight, dtype: str, wg: int, rr: int = 1, extra: str = "",
-                    inplace: bool = False):
+                    inplace: bool = False, y_dtype: str = ""):
+    """`dtype`: the activations' (x and y), or x's where `y_dtype` gives y's (kernels/moe.py's f32 sums)."""
     generic = load_shader_source("embedding.wgsl" if entry == "embedding" else "matmul.wgsl")
     xread = XREAD[dtype] if entry != "embedding" else ""
     file, decode = weight_source(w.qtype, inplace)
-    header = (f"{act_header(dtype)}const WG: u32 = {wg}u;\nconst RR: u32 = {rr}u;\n{wmap_header(w)}"
+    header = (f"{act_header(y_dtype or dtype)}const WG: u32 = {wg}u;\nconst RR: u32 = {rr}u;\n{wmap_header(w)}"
               f"{xread}{generic}{extra}{decode}")
     return dev.pipeline(file, entry, header=header)
 
