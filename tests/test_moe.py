@@ -102,6 +102,31 @@ def test_quantized_experts_as_their_floats(device, tmp_path):
     assert greedy_q == greedy_f
 
 
+@pytest.mark.parametrize("dtype", ["f32", "f16"])
+def test_prefill_rows_do_not_depend_on_the_chunking(device, tmp_path, dtype):
+    """A position's logits are the same bits whether the prompt ran as one chunk of 64 rows or as
+    chunks of 16, 5 or 1 (the rows grouped by expert differently each time)."""
+    from webgpu_engine.models.llama import LlamaModel
+    m = open_model(_files(tmp_path, "qwen3moe", "gguf", _ref("qwen3moe")["dims"]))
+    ids = _ref("qwen3moe")["text_ids"][:64]
+    try:
+        got = []
+        for chunk in (64, 16, 5, 1):
+            model = LlamaModel(device, m.config, m.weights, owner="test:moe", context_window=128,
+                               prefill_chunk=chunk, dtype=dtype)
+            try:
+                for p0 in range(0, 64, chunk):
+                    b = device.batch()
+                    model.record_prefill(b, ids[p0:p0 + chunk], p0)
+                    device.submit(b)
+                got.append(device.read_sync(model.logits.buf, 0, model.logits.nbytes))
+            finally:
+                model.release()
+    finally:
+        m.close()
+    assert got[1:] == got[:1] * 3
+
+
 def test_decode_reads_the_chosen_experts_bytes(device, tmp_path):
     """decode_weight_bytes (bench/llm.py's weight MB per decode token): the dense matrices, one
     embedding row and k / E of every layer's experts, which the estimate counts whole."""
