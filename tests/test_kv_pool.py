@@ -23,7 +23,8 @@ def test_plan_sizes_the_pool():
     """The load plan's KV bytes and pool blocks (models/plan.py: what the estimate, the scheduler's
     pool and /v1/models use)."""
     from types import SimpleNamespace
-    smol = SimpleNamespace(n_layers=30, n_kv_heads=3, head_dim=64)       # SmolLM2-135M
+    smol = SimpleNamespace(n_layers=30, n_kv_heads=3, head_dim=64, max_head_dim=64,    # SmolLM2-135M
+                           cache_head_dims=lambda: [64] * 30)           # (LlamaConfig's: every layer caches)
     plan = DecoderPlan("f16", 2048, 256, 4, 16, pool_blocks(4, 2048, 16))
     assert plan.kv_bytes_per_token(smol) == 2 * 30 * 3 * 64 * 2
     assert plan.kv_pool_blocks == 8192 // 16                 # 4 contexts, capped at max(2 contexts, 8192)
