@@ -72,13 +72,13 @@ def decode_weight_bytes(model) -> tuple[int, int]:
         read += model.lm_head.nbytes
     else:                                   # a tied head reads the whole table
         read += model.embed.nbytes
-    for L in model.layers:
-        read += L.qkv.nbytes + L.o.nbytes
-        if L.experts is None:
-            read += L.gate_up.nbytes + L.down.nbytes
+    for layer in model.layers:             # bytes only: decoder.py sequences the layer
+        read += layer.qkv.nbytes + layer.o.nbytes
+        if layer.experts is None:
+            read += layer.gate_up.nbytes + layer.down.nbytes
             continue
-        read += L.experts.router.nbytes
-        for stack in (L.experts.gate_up, L.experts.down):
+        read += layer.experts.router.nbytes
+        for stack in (layer.experts.gate_up, layer.experts.down):
             experts += stack.nbytes
             read += c.n_experts_used * stack.nbytes // c.n_experts
     return read, experts
