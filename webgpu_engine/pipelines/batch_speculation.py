@@ -22,7 +22,7 @@ guessing. Standard library only (runs in the page).
 from __future__ import annotations
 
 from ..models.kv_pool import PoolExhaustedError
-from .speculation import SpeculationStats, propose, slower_than_decode
+from .speculation import SpeculationStats, penalty_free, propose, slower_than_decode
 
 _EMA = 0.2            # weight of a new plain step's time in the model's yardstick
 
@@ -32,16 +32,13 @@ class BatchSpeculation:
 
     def __init__(self, pipe, spec, max_seqs: int):
         self.pipe, self.spec = pipe, spec
-        self.max_seqs = max_seqs
         self.rows_cap = min(pipe.model.chunk, max_seqs * (spec.k + 1))
         self.plain_step_s: float | None = None       # a decode step without guesses (auto_off's yardstick)
 
     def admit(self, rec) -> None:
         """A new sequence guesses when its request has no penalties (speculation.py says why) and
         the model no logit processor; its figures go to usage.extra."""
-        gen = rec.gen
-        if (gen.repetition_penalty == 1.0 and gen.frequency_penalty == 0.0 and gen.presence_penalty == 0.0
-                and self.pipe.logit_processor is None):
+        if penalty_free(rec.gen) and self.pipe.logit_processor is None:
             rec.seq.req.spec = SpeculationStats()
 
     def guesses(self, decode: list, pool, ctx: int) -> dict:

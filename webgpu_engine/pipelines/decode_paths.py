@@ -13,7 +13,8 @@ from ..config import GREEDY, ChatConfig
 from ..errors import UnsupportedChatOptionError
 from ..kernels.logit_mask import LogitMask
 from ..kernels.sampling import RESULT_BYTES
-from .speculation import SpeculationStats, propose, same_vocabulary, shared_prefix, slower_than_decode
+from .speculation import (SpeculationStats, penalty_free, propose, same_vocabulary, shared_prefix,
+                          slower_than_decode)
 from .stats import now
 
 
@@ -149,9 +150,8 @@ class DecodePaths:
     def _speculates(self, gen: GenerationConfig) -> bool:
         """Whether this request decodes speculatively: speculation is on, and the request has no
         penalties or logit processor (speculation.py says why); greedy or sampled, grammar or not."""
-        return (self.speculation is not None and self.scheduler is None
-                and gen.repetition_penalty == 1.0 and gen.frequency_penalty == 0.0
-                and gen.presence_penalty == 0.0 and self.logit_processor is None)
+        return (self.speculation is not None and self.scheduler is None and penalty_free(gen)
+                and self.logit_processor is None)
 
     async def _speculative_step(self) -> None:
         """One verify forward: the last token and up to k guesses (prompt lookup, or the draft model's

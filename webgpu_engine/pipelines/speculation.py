@@ -203,6 +203,12 @@ class SpeculationStats:
                 "speculation_accepted_tokens": self.accepted, "speculation_turned_off": bool(self.off)}
 
 
+def penalty_free(gen) -> bool:
+    """Whether a request may speculate: no frequency, presence or repetition penalty (their counts
+    would take in the rejected rows' tokens)."""
+    return gen.repetition_penalty == 1.0 and gen.frequency_penalty == 0.0 and gen.presence_penalty == 0.0
+
+
 def slower_than_decode(stats: SpeculationStats, probe: int, decode_step_s: float | None) -> bool:
     """auto_off's rule: after `probe` verify steps, speculation is slower than one token per fused
     decode step of `decode_step_s` seconds."""

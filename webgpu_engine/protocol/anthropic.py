@@ -194,21 +194,23 @@ def _tools(tools: Any) -> list[dict] | None:
     return out
 
 
-def _tool_choice(tc: Any, chat: dict) -> None:
+def _tool_choice(tc: Any) -> dict:
+    """tool_choice -> the chat request's tool_choice and parallel_tool_calls ({} when absent)."""
     if tc is None:
-        return
+        return {}
     if not isinstance(tc, dict) or tc.get("type") not in ("auto", "any", "tool", "none"):
         raise FieldTypeError("tool_choice", '{"type": "auto" | "any" | "tool" | "none"}', tc)
     kind = tc["type"]
     if kind == "tool":
-        chat["tool_choice"] = {"type": "function", "function": {"name": _text("tool_choice.name", tc.get("name"))}}
+        out = {"tool_choice": {"type": "function", "function": {"name": _text("tool_choice.name", tc.get("name"))}}}
     else:
-        chat["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}[kind]
+        out = {"tool_choice": {"auto": "auto", "any": "required", "none": "none"}[kind]}
     dp = tc.get("disable_parallel_tool_use")
     if dp is not None:
         if not isinstance(dp, bool):
             raise FieldTypeError("tool_choice.disable_parallel_tool_use", "true or false", dp)
-        chat["parallel_tool_calls"] = not dp
+        out["parallel_tool_calls"] = not dp
+    return out
 
 
 def _thinking(th: Any) -> bool | None:
@@ -262,15 +264,12 @@ def chat_request(req: Any, count_only: bool = False) -> dict:
         for name in ("container", "mcp_servers", "context_management"):
             if req.get(name):
                 raise UnsupportedFieldsError(name, f"`{name}` needs Anthropic's hosted tools; leave it out.")
-    tools = _tools(req.get("tools"))
+    tools, choice = _tools(req.get("tools")), _tool_choice(req.get("tool_choice"))
     if tools:
         chat["tools"] = tools
-        _tool_choice(req.get("tool_choice"), chat)
-    else:
-        probe: dict = {}
-        _tool_choice(req.get("tool_choice"), probe)     # checked; without tools only auto / none mean anything
-        if probe.get("tool_choice") not in (None, "auto", "none"):
-            raise UnsupportedFieldsError("tool_choice", "tool_choice any / tool needs `tools`.")
+        chat.update(choice)
+    elif choice.get("tool_choice") not in (None, "auto", "none"):   # without tools only these mean anything
+        raise UnsupportedFieldsError("tool_choice", "tool_choice any / tool needs `tools`.")
     think = _thinking(req.get("thinking"))
     if think is not None:
         chat["enable_thinking"] = think

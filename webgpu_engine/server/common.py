@@ -176,6 +176,14 @@ def data_frame(chunk) -> bytes:
     return b"data: " + json.dumps(to_dict(chunk), separators=(",", ":")).encode() + b"\n\n"
 
 
+def event_frame(event) -> bytes:
+    """A typed Server-Sent Event (`event: <type>` then `data: {json}`), as OpenAI's Responses and
+    Anthropic's Messages streams send them."""
+    d = to_dict(event)
+    return (f"event: {d['type']}\n".encode() + b"data: "
+            + json.dumps(d, separators=(",", ":")).encode() + b"\n\n")
+
+
 async def sse(request: web.Request, stream, model_for_metrics: str, frame=data_frame,
               done: bytes | None = b"data: [DONE]\n\n", error_frame=None) -> web.StreamResponse:
     """Stream `stream`'s items, each written by `frame` (chat: `data:` lines ending with [DONE];

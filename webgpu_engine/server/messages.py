@@ -16,14 +16,12 @@ status; `anthropic-version` and `anthropic-beta` headers are accepted and not ne
 from __future__ import annotations
 
 import asyncio
-import json
 
 from aiohttp import web
 
 from ..protocol import anthropic as ap
 from ..protocol.objects import to_dict
-from .common import METRICS, error_rewriter, json_body, ready_engine, sse
-from .responses import event_frame
+from .common import METRICS, error_rewriter, event_frame, json_body, ready_engine, sse
 
 PREFIX = "/v1/messages"
 PING_S = 10.0         # seconds without an event before a ping keeps proxies and clients from timing out
@@ -37,7 +35,7 @@ def add_routes(app: web.Application) -> None:
 
 
 def _error_frame(status: int, message: str, etype: str, param, code) -> bytes:
-    return b"event: error\ndata: " + json.dumps(ap.error_body(status, message)).encode() + b"\n\n"
+    return event_frame(ap.error_body(status, message))          # Anthropic's `error` event
 
 
 def _usage(u: dict | None) -> dict | None:

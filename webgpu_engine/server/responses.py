@@ -11,12 +11,10 @@ as on the chat route.
 """
 from __future__ import annotations
 
-import json
-
 from aiohttp import web
 
 from ..protocol.objects import to_dict
-from .common import ENGINE, METRICS, json_body, ready_engine, sse
+from .common import ENGINE, METRICS, event_frame, json_body, ready_engine, sse
 
 
 def add_routes(app: web.Application) -> None:
@@ -24,14 +22,6 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/v1/responses/{response_id}", retrieve)
     app.router.add_get("/v1/responses/{response_id}/input_items", input_items)
     app.router.add_delete("/v1/responses/{response_id}", delete)
-
-
-def event_frame(event) -> bytes:
-    """A typed Server-Sent Event (`event: <type>` then `data: {json}`), as OpenAI's Responses and
-    Anthropic's Messages streams send them."""
-    d = to_dict(event)
-    return (f"event: {d['type']}\n".encode() + b"data: "
-            + json.dumps(d, separators=(",", ":")).encode() + b"\n\n")
 
 
 def _chat_usage(u: dict | None) -> dict | None:
