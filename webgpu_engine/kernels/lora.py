@@ -1,0 +1,81 @@
+"""Host functions of the LoRA kernels (shaders/lora.wgsl): the deltas of many adapters in one batch,
+each row through its own adapter's slot of a pool (punica / S-LoRA's "bgmv"), a row without one
+(slot NONE) left as it is, bit for bit.
+
+    u = lora_shrink(x, A, idx)       u[t] = A[idx[t]] · x[t]         (T, J) f32
+    y += lora_expand(u, B, idx)      y[t] += B[idx[t]] · u[t]        (T, N) into y's columns
+
+A pool holds `slots` adapters: A (slots, J, K) and B (slots, N, J) f32, J = targets x rank, B scaled.
+The numpy references are shrink_ref / expand_ref below. Standard library only (runs in the page).
+"""
+from __future__ import annotations
+
+from ..gpu import Device
+from .common import DTYPE_SIZE, Op, Tensor, act_header, check, params, window
+
+NONE = 0xFFFFFFFF        # the slot of a row without an adapter
+_WG = 64
+
+
+def _pipe(dev: Device, entry: str, dtype: str):
+    return dev.pipeline("lora.wgsl", entry, header=f"{act_header(dtype)}const WG: u32 = {_WG}u;\n")
+
+
+def lora_shrink(dev: Device, x: Tensor, a: Tensor, idx: Tensor, u: Tensor, *, slots: int) -> Op:
+    """u[t, :] = A[idx[t]] · x[t, :] for each row with an adapter.  x (T, K) act; a (slots, J, K)
+    f32; idx (T,) u32; u (T, J) f32 (rows without an adapter are not written)."""
+    k = "lora_shrink"
+    T, K = (int(s) for s in x.shape)
+    J = a.numel // (slots * K) if slots and K else 0
+    check(x.dtype in ("f32", "f16") and a.dtype == "f32" and a.numel == slots * J * K and J > 0, k,
+          f"x{x.shape}/{x.dtype} and A{a.shape}/{a.dtype} must be (T, K) act and ({slots}, J, {K}) f32")
+    check(idx.dtype == "u32" and idx.numel >= T and u.dtype == "f32" and u.numel >= T * J, k,
+          f"idx{idx.shape} and u{u.shape} must hold {T} rows (u: {T} x {J} f32)")
+    (xb, xo), (ib, io), (ub, uo) = (window(t, DTYPE_SIZE[t.dtype], k, n) for t, n in ((x, "x"), (idx, "idx"), (u, "u")))
+    check(io == 0 and uo == 0 and a.offset == 0, k, "idx, u and A must start at binding-aligned offsets")
+    pipe = _pipe(dev, k, x.dtype)
+    par = params(dev, [T, K, 0, J, xo, 0, 0, slots], owner=u.buf.owner, label=k)
+    op = Op(name=k)
+    op.buffers.append(par)
+    return op.add(pipe, dev.bind(pipe, {0: par, 1: ib, 2: ub, 3: xb, 4: a.binding()}), -(-J // _WG), T)
+
+
+def lora_expand(dev: Device, u: Tensor, b: Tensor, idx: Tensor, y: Tensor, *, slots: int) -> Op:
+    """y[t, :N] += B[idx[t]] · u[t, :] for each row with an adapter.  u (T, J) f32; b (slots, N, J)
+    f32; idx (T,) u32; y (T, N) act."""
+    k = "lora_expand"
+    T, N = (int(s) for s in y.shape)
+    J = b.numel // (slots * N) if slots and N else 0
+    check(y.dtype in ("f32", "f16") and b.dtype == "f32" and b.numel == slots * N * J and J > 0, k,
+          f"y{y.shape}/{y.dtype} and B{b.shape}/{b.dtype} must be (T, N) act and ({slots}, {N}, J) f32")
+    check(idx.dtype == "u32" and idx.numel >= T and u.dtype == "f32" and u.numel >= T * J, k,
+          f"idx{idx.shape} and u{u.shape} must hold {T} rows (u: {T} x {J} f32)")
+    (yb, yo), (ib, io), (ub, uo) = (window(t, DTYPE_SIZE[t.dtype], k, n) for t, n in ((y, "y"), (idx, "idx"), (u, "u")))
+    check(io == 0 and uo == 0 and b.offset == 0, k, "idx, u and B must start at binding-aligned offsets")
+    pipe = _pipe(dev, k, y.dtype)
+    par = params(dev, [T, 0, N, J, 0, yo, N, slots], owner=u.buf.owner, label=k)
+    op = Op(name=k)
+    op.buffers.append(par)
+    return op.add(pipe, dev.bind(pipe, {0: par, 1: ib, 2: ub, 5: yb, 6: b.binding()}), -(-N // _WG), T)
+
+
+# ---------------------------------------------------------------------- numpy references
+def shrink_ref(x, a, idx):
+    """u (T, J): A[idx[t]] · x[t] in f64, zero for rows without an adapter."""
+    import numpy as np
+    x, a = np.asarray(x, np.float64), np.asarray(a, np.float64)
+    u = np.zeros((x.shape[0], a.shape[1]))
+    for t, s in enumerate(idx):
+        if s != NONE:
+            u[t] = a[s] @ x[t]
+    return u
+
+
+def expand_ref(u, b, idx, y):
+    """y + B[idx[t]] · u[t] per row with an adapter (f64)."""
+    import numpy as np
+    out = np.array(y, np.float64)
+    for t, s in enumerate(idx):
+        if s != NONE:
+            out[t] += np.asarray(b[s], np.float64) @ np.asarray(u[t], np.float64)
+    return out
