@@ -8,6 +8,7 @@ import json
 def webllm_rows() -> list[dict]:
     """One dict per WebLLM prebuilt model: its catalogue fields, `loads`, and `refused` (why not)."""
     from ..loaders.mlc import refusal
+    from ..models import registry  # noqa: F401  (registers the families whose MLC model_types refusal reads)
     from ..webllm_catalogue import WEBLLM_MODELS
     rows = []
     for m in WEBLLM_MODELS:

@@ -51,6 +51,13 @@ class DecoderFamily:
     # projection; "logits" (rows, V) after the LM head (i = -1). The fusions across a point the
     # family uses are off (RoPE in the qkv matmul, act(gate) * up in the down matmul).
     ops: dict = field(default_factory=dict)
+    # MLC-LLM artifacts (loaders/mlc.py): the mlc-chat-config.json model_type values of this family; its
+    # parameter names ({MLC name less .weight / .bias / .q_weight / .q_scale, `{i}` the layer: ours};
+    # None: MLC's Llama names, loaders.mlc.MLC_LLAMA_TO_OURS); a hook (model_config in config.json's
+    # names) -> model_config for what MLC's config class of the family says differently
+    mlc_model_types: tuple = ()
+    mlc_names: dict | None = None
+    mlc: Callable | None = None
 
 
 # name -> DecoderFamily: the families models.registry registered (models/family_*.py)
@@ -68,6 +75,11 @@ def unregister_family(name: str) -> None:
 def family_named(name: str, where: str = "") -> DecoderFamily:
     """The family of a GGUF general.architecture, or UnsupportedModelError."""
     return supported_entry(FAMILIES, name, "GGUF architecture", where)
+
+
+def mlc_family(model_type: str) -> DecoderFamily | None:
+    """The family an MLC artifact's model_type belongs to (None: no registered family reads it)."""
+    return next((f for f in FAMILIES.values() if model_type in f.mlc_model_types), None)
 
 
 def family_of(c: dict, where: str = "config.json") -> DecoderFamily:
@@ -329,6 +341,6 @@ HF_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_ta
                   "gelu_new": "gelu_tanh"}
 
 
-__all__ = ["DecoderFamily", "FAMILIES", "HF_ACTIVATIONS", "family_named", "family_of", "gguf_config",
+__all__ = ["DecoderFamily", "FAMILIES", "HF_ACTIVATIONS", "family_named", "family_of", "mlc_family", "gguf_config",
            "gguf_fields", "hf_config_from_dict", "hf_fields", "hf_sliding_window", "load_hf_config",
            "read_config_json", "register_family", "unregister_family"]

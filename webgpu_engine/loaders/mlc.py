@@ -20,13 +20,10 @@ negating a float is exact. q4f16_1 becomes GGUF's q4_0 (f16 d); q4f32_1 becomes 
 f32 d (kernels/qtypes.py). The repack moves nibbles (numpy where installed, else the standard library's
 byte operations). Other quantisations (q3f16_1, q4f16_0's KN layout, AWQ, fp8) are refused by name.
 
-Families: llama, mistral, qwen2, qwen3, phi3, gemma, gemma2, gemma3 / gemma3_text, olmo2, stablelm, phi,
-gpt_neox (MLC
-stores q|k|v as `qkv_proj` / Qwen's `c_attn` and gate|up as `gate_up_proj`: split into our q, k, v,
-gate, up on load by the model, as Phi-3's; Gemma's norms hold 1 + w, Gemma 1's and StableLM's names
-are Llama's (StableLM's LayerNorms with their biases), Gemma 3's start `language_model.`, and Phi-1/2's
-are the msft layout's (`transformer.h.*.mixer.Wqkv`, the final norm in `lm_head.ln`) with its config's
-names (n_embd, rotary_dim, ...); GPT-NeoX's are HF's, with query_key_value reordered to q|k|v).
+Families: each decoder family declares the MLC model_type values it reads, its parameter names (MLC
+stores q|k|v as `qkv_proj` and gate|up as `gate_up_proj`: split into our q, k, v, gate, up on load by
+the model, as Phi-3's) and what MLC's config class says differently (DecoderFamily.mlc_*, in
+models/family_*.py); `model_types()` lists them. A text model's names may start `language_model.`.
 Embedders: bert (WebLLM's snowflake-arctic-embed), in the float quantisations, read by loaders/mlc_bert.py.
 """
 from __future__ import annotations
@@ -54,8 +51,9 @@ SAMPLING_KEYS = {f.mlc: f.chat_config for f in SAMPLING_FIELDS if f.mlc and f.ch
 # MLC dtype -> (ours, bytes per element)
 DTYPES = {"float32": ("f32", 4), "float16": ("f16", 2), "bfloat16": ("bf16", 2), "uint32": ("u32", 4)}
 
-# MLC model_type -> (our family, {MLC parameter name without .weight/.bias/.q_weight/.q_scale: ours})
-_LLAMA_NAMES = {
+# MLC's Llama parameter names (without .weight/.bias/.q_weight/.q_scale) -> ours: the table of every
+# family whose DecoderFamily.mlc_names is None; the others declare theirs in models/family_*.py
+MLC_LLAMA_TO_OURS = {
     "model.embed_tokens": "embed", "model.norm": "norm", "lm_head": "lm_head",
     "model.layers.{i}.input_layernorm": "layers.{i}.attn_norm",
     "model.layers.{i}.post_attention_layernorm": "layers.{i}.ffn_norm",
@@ -64,57 +62,6 @@ _LLAMA_NAMES = {
     "model.layers.{i}.mlp.gate_up_proj": "layers.{i}.gate_up",
     "model.layers.{i}.mlp.down_proj": "layers.{i}.down",
 }
-_QWEN_NAMES = {**{k: v for k, v in _LLAMA_NAMES.items() if "qkv_proj" not in k},
-               "model.layers.{i}.self_attn.c_attn": "layers.{i}.qkv",         # with a bias (q|k|v)
-               "model.layers.{i}.self_attn.q_norm": "layers.{i}.q_norm",      # Qwen3
-               "model.layers.{i}.self_attn.k_norm": "layers.{i}.k_norm"}
-_PHI3_NAMES = {
-    "transformer.embd": "embed", "transformer.norm": "norm", "lm_head": "lm_head",
-    "transformer.h.{i}.ln": "layers.{i}.attn_norm",
-    "transformer.h.{i}.post_attention_layernorm": "layers.{i}.ffn_norm",
-    "transformer.h.{i}.mixer.qkv_proj": "layers.{i}.qkv",
-    "transformer.h.{i}.mixer.out_proj": "layers.{i}.o",
-    "transformer.h.{i}.mlp.gate_up_proj": "layers.{i}.gate_up",
-    "transformer.h.{i}.mlp.down_proj": "layers.{i}.down",
-}
-# Gemma 2 / 3: the FFN has pre and post norms, the attention a post norm (as HF's names); MLC stores 1 + w
-_GEMMA_NAMES = {**{k: v for k, v in _QWEN_NAMES.items() if "c_attn" not in k and "post_attention" not in k},
-                "model.layers.{i}.self_attn.qkv_proj": "layers.{i}.qkv",
-                "model.layers.{i}.post_attention_layernorm": "layers.{i}.post_attn_norm",
-                "model.layers.{i}.pre_feedforward_layernorm": "layers.{i}.ffn_norm",
-                "model.layers.{i}.post_feedforward_layernorm": "layers.{i}.post_ffn_norm"}
-# Phi-1 / 1.5 / 2 (MLC's PhiForCausalLM, the msft layout): the final LayerNorm sits in `lm_head.ln`
-_PHI_NAMES = {
-    "transformer.embd": "embed", "lm_head.ln": "norm", "lm_head.linear": "lm_head",
-    "transformer.h.{i}.ln": "layers.{i}.attn_norm", "transformer.h.{i}.mixer.Wqkv": "layers.{i}.qkv",
-    "transformer.h.{i}.mixer.out_proj": "layers.{i}.o", "transformer.h.{i}.mlp.fc1": "layers.{i}.up",
-    "transformer.h.{i}.mlp.fc2": "layers.{i}.down",
-}
-# MLC's PhiConfig field -> config.json's (rotary_dim becomes partial_rotary_factor)
-_PHI_CONFIG = {"n_embd": "hidden_size", "n_layer": "num_hidden_layers", "n_head": "num_attention_heads",
-               "n_head_kv": "num_key_value_heads", "n_inner": "intermediate_size",
-               "layer_norm_epsilon": "layer_norm_eps", "n_positions": "max_position_embeddings"}
-# GPT-NeoX: HF's names; MLC's converter reorders query_key_value from per head to q | k | v
-_GPTNEOX_NAMES = {
-    "gpt_neox.embed_in": "embed", "gpt_neox.final_layer_norm": "norm", "embed_out": "lm_head",
-    "gpt_neox.layers.{i}.input_layernorm": "layers.{i}.attn_norm",
-    "gpt_neox.layers.{i}.post_attention_layernorm": "layers.{i}.ffn_norm",
-    "gpt_neox.layers.{i}.attention.query_key_value": "layers.{i}.qkv",
-    "gpt_neox.layers.{i}.attention.dense": "layers.{i}.o",
-    "gpt_neox.layers.{i}.mlp.dense_h_to_4h": "layers.{i}.up", "gpt_neox.layers.{i}.mlp.dense_4h_to_h": "layers.{i}.down",
-}
-# OLMo 2: norms of the attention and FFN outputs only, q / k norms over the whole projections
-_OLMO2_NAMES = {**{k: v for k, v in _LLAMA_NAMES.items() if not v.endswith("_norm")},
-                "model.layers.{i}.self_attn.q_norm": "layers.{i}.q_norm",
-                "model.layers.{i}.self_attn.k_norm": "layers.{i}.k_norm",
-                "model.layers.{i}.post_attention_layernorm": "layers.{i}.post_attn_norm",
-                "model.layers.{i}.post_feedforward_layernorm": "layers.{i}.post_ffn_norm"}
-MODEL_TYPES = {"llama": ("llama", _LLAMA_NAMES), "mistral": ("mistral", _LLAMA_NAMES),
-               "qwen2": ("qwen2", _QWEN_NAMES), "qwen3": ("qwen3", _QWEN_NAMES), "phi3": ("phi3", _PHI3_NAMES),
-               "gemma": ("gemma", _LLAMA_NAMES), "gemma2": ("gemma2", _GEMMA_NAMES), "gemma3": ("gemma3", _GEMMA_NAMES),
-               "gemma3_text": ("gemma3", _GEMMA_NAMES), "olmo2": ("olmo2", _OLMO2_NAMES),
-               "stablelm": ("stablelm", _LLAMA_NAMES), "phi": ("phi2", _PHI_NAMES),
-               "gpt_neox": ("gptneox", _GPTNEOX_NAMES)}
 ENCODERS = {"bert": "bert"}          # MLC model_type -> our embedder architecture (loaders/mlc_bert.py)
 _PREFIX = "language_model."          # MLC's Gemma 3 names its text model so
 _LAYER = re.compile(r"^(.*?)\.(\d+)\.(.+)$")
@@ -126,11 +73,23 @@ def refusal(model_type: str, quantization: str, kind: str = "llm") -> str:
     WebLLM's model type (llm, embedding, vlm)."""
     if kind not in ("llm", "embedding"):
         return f"{kind} models of MLC's are not loaded"
-    if model_type not in (ENCODERS if kind == "embedding" else MODEL_TYPES):
+    if (model_type not in ENCODERS) if kind == "embedding" else (_family(model_type) is None):
         return f"{'embedding ' if kind == 'embedding' else ''}model_type {model_type or '?'!r}"
     if quantization not in quantizations(model_type):
         return f"quantization {quantization!r}"
     return ""
+
+
+def _family(model_type: str):
+    """The registered decoder family reading this MLC model_type (models.registry registers them)."""
+    from .decoder_config import mlc_family
+    return mlc_family(model_type)
+
+
+def model_types() -> tuple[str, ...]:
+    """The MLC model_type values the registered decoder families read."""
+    from .decoder_config import FAMILIES
+    return tuple(t for f in FAMILIES.values() for t in f.mlc_model_types)
 
 
 def quantizations(model_type: str) -> tuple[str, ...]:
@@ -201,9 +160,10 @@ class MLCArtifact:
         self.model_type = str(self.chat_config.get("model_type", ""))
         self.quantization = str(self.chat_config.get("quantization", ""))
         where = str(self.folder / CHAT_CONFIG)
-        if self.model_type not in MODEL_TYPES and self.model_type not in ENCODERS:
+        self.family = _family(self.model_type)
+        if self.family is None and self.model_type not in ENCODERS:
             raise UnsupportedModelError(f"{where}: MLC model_type {self.model_type!r} is not supported; "
-                                        f"supported: {', '.join((*MODEL_TYPES, *ENCODERS))}")
+                                        f"supported: {', '.join((*model_types(), *ENCODERS))}")
         if self.chat_config.get("model_task") == "embedding" and self.model_type not in ENCODERS:
             raise UnsupportedModelError(f"{where}: an MLC {self.model_type} embedder is not supported; MLC "
                                         f"embedders here: {', '.join(ENCODERS)}")
@@ -298,10 +258,8 @@ class MLCArtifact:
         if isinstance(c.get("kwargs"), dict):               # fields MLC's config class kept aside
             c = {**c.pop("kwargs"), **c}
         c["model_type"] = self.model_type
-        if self.model_type == "phi":                        # MLC runs GELU's tanh form whatever the source said
-            c = {**{_PHI_CONFIG.get(k, k): v for k, v in c.items()}, "hidden_act": "gelu_new"}
-            if c.get("rotary_dim") and c.get("hidden_size") and c.get("num_attention_heads"):
-                c["partial_rotary_factor"] = c["rotary_dim"] / (c["hidden_size"] // c["num_attention_heads"])
+        if self.family.mlc is not None:                     # what MLC's config class of the family says its way
+            c = self.family.mlc(c)
         if c.get("position_embedding_base"):
             c["rope_theta"] = c["position_embedding_base"]
         ctx = int(c.get("context_window_size") or cc.get("context_window_size") or 0)
@@ -312,10 +270,6 @@ class MLCArtifact:
                                          cc.get("sliding_window_size")) if v and int(v) > 0), -1)
         c["use_sliding_window"] = window > 0
         c["sliding_window"] = window if window > 0 else None
-        if self.model_type.startswith("gemma3"):
-            c.setdefault("rope_local_base_freq", 10000.0)      # transformers' Gemma 3 default
-        if self.model_type == "qwen2":
-            c.setdefault("attention_bias", True)
         for key in ("bos_token_id", "eos_token_id"):
             if cc.get(key) is not None:
                 c[key] = cc[key]
@@ -327,8 +281,8 @@ class MLCArtifact:
         return c
 
     def config(self, family=None) -> LlamaConfig:
-        from .decoder_config import family_named, hf_config_from_dict
-        family = family or family_named(MODEL_TYPES[self.model_type][0], str(self.folder))
+        from .decoder_config import hf_config_from_dict
+        family = family or self.family
         where = str(self.folder / CHAT_CONFIG)
         try:
             cfg = hf_config_from_dict(self.hf_config(), family, where)
@@ -342,7 +296,7 @@ class MLCArtifact:
     def weights(self) -> dict[str, TensorInfo]:
         """{our name: TensorInfo}: MLC names mapped, q4 pairs repacked onto Q4_0 blocks, fused q|k|v
         biases split (fused matrices stay `layers.i.qkv` / `gate_up`: the model splits them)."""
-        table = MODEL_TYPES[self.model_type][1]
+        table = self.family.mlc_names or MLC_LLAMA_TO_OURS
         groups: dict[str, dict[str, TensorInfo]] = {}
         for name, t in self.tensors.items():
             base, _, part = name.removeprefix(_PREFIX).rpartition(".")
@@ -588,5 +542,5 @@ class ConvTemplate:
         return [*self.system_prefix_token_ids, *ids]
 
 
-__all__ = ["CACHE_FILES", "CHAT_CONFIG", "ConvTemplate", "ENCODERS", "MLCArtifact", "MODEL_TYPES", "quantizations",
+__all__ = ["CACHE_FILES", "CHAT_CONFIG", "ConvTemplate", "ENCODERS", "MLCArtifact", "MLC_LLAMA_TO_OURS", "model_types", "quantizations",
            "read_chat_config", "refusal", "repack_q4", "repack_q4_numpy", "repack_q4_stdlib", "stop_lists"]

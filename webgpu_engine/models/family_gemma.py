@@ -15,12 +15,20 @@ from __future__ import annotations
 from ..errors import UnsupportedModelError
 from ..loaders.decoder_config import HF_ACTIVATIONS, DecoderFamily
 from ..loaders.hf_config import HF_LLAMA_TO_OURS
+from ..loaders.mlc import MLC_LLAMA_TO_OURS
 
 # Gemma 2 / 3 HF names -> ours: the FFN has pre and post norms, the attention a post norm
 HF_GEMMA_TO_OURS = {**{k: v for k, v in HF_LLAMA_TO_OURS.items() if v != "layers.{i}.ffn_norm"},
                     "model.layers.{i}.post_attention_layernorm.weight": "layers.{i}.post_attn_norm",
                     "model.layers.{i}.pre_feedforward_layernorm.weight": "layers.{i}.ffn_norm",
                     "model.layers.{i}.post_feedforward_layernorm.weight": "layers.{i}.post_ffn_norm"}
+
+# MLC's Gemma 2 / 3 names: the same norms (1 + w stored), Gemma 3's per-head q / k norms
+MLC_GEMMA_TO_OURS = {**{k: v for k, v in MLC_LLAMA_TO_OURS.items() if v != "layers.{i}.ffn_norm"},
+                     **{k.removesuffix(".weight"): v for k, v in HF_GEMMA_TO_OURS.items()
+                        if v.endswith(("post_attn_norm", "ffn_norm"))},
+                     "model.layers.{i}.self_attn.q_norm": "layers.{i}.q_norm",
+                     "model.layers.{i}.self_attn.k_norm": "layers.{i}.k_norm"}
 
 
 def _every_gemma(fields: dict, act: str = "gelu_tanh") -> dict:
@@ -95,11 +103,16 @@ def _hf(c: dict, fields: dict, where: str) -> dict:
 
 
 GEMMA = DecoderFamily("gemma", hf_architectures=("GemmaForCausalLM",), hf_model_types=("gemma",),
-                      hf_defaults={"tie_word_embeddings": True}, gguf_neox=True, gguf=_gguf_gemma, hf=_hf_gemma)
+                      hf_defaults={"tie_word_embeddings": True}, gguf_neox=True, gguf=_gguf_gemma, hf=_hf_gemma,
+                      mlc_model_types=("gemma",))
 _DEFAULTS = {"use_sliding_window": True, "tie_word_embeddings": True}
 GEMMA2 = DecoderFamily("gemma2", hf_architectures=("Gemma2ForCausalLM",), hf_model_types=("gemma2",),
-                       hf_defaults=_DEFAULTS, gguf_neox=True, hf_names=HF_GEMMA_TO_OURS, gguf=_gguf, hf=_hf)
+                       hf_defaults=_DEFAULTS, gguf_neox=True, hf_names=HF_GEMMA_TO_OURS, gguf=_gguf, hf=_hf,
+                       mlc_model_types=("gemma2",), mlc_names=MLC_GEMMA_TO_OURS)
+# transformers' Gemma 3 default for the local layers' RoPE base (MLC's config does not always carry it)
 GEMMA3 = DecoderFamily("gemma3", hf_architectures=("Gemma3ForCausalLM",), hf_model_types=("gemma3_text",),
-                       hf_defaults=_DEFAULTS, gguf_neox=True, hf_names=HF_GEMMA_TO_OURS, gguf=_gguf, hf=_hf)
+                       hf_defaults={**_DEFAULTS, "rope_local_base_freq": 10000.0}, gguf_neox=True,
+                       hf_names=HF_GEMMA_TO_OURS, gguf=_gguf, hf=_hf,
+                       mlc_model_types=("gemma3", "gemma3_text"), mlc_names=MLC_GEMMA_TO_OURS)
 
 FAMILIES = (GEMMA, GEMMA2, GEMMA3)

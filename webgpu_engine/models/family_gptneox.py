@@ -24,6 +24,10 @@ HF_GPTNEOX_TO_OURS = {
        for part in ("weight", "bias")},
 }
 
+# MLC's names are HF's (its converter reorders query_key_value to q|k|v), without the part suffix
+MLC_GPTNEOX_TO_OURS = {k.removesuffix(".weight"): v.replace("qkv_heads", "qkv")
+                       for k, v in HF_GPTNEOX_TO_OURS.items() if not k.endswith(".bias")}
+
 
 def _neox(fields: dict, eps: float, parallel: bool, act: str = "gelu") -> dict:
     return {**parallel_dense(fields, act, eps), "parallel_norms": 2 if parallel else 0}
@@ -44,6 +48,7 @@ def _hf(c: dict, fields: dict, where: str) -> dict:
 
 
 GPTNEOX = DecoderFamily("gptneox", hf_architectures=("GPTNeoXForCausalLM",), hf_model_types=("gpt_neox",),
-                        gguf_neox=True, hf_names=HF_GPTNEOX_TO_OURS, gguf=_gguf, hf=_hf)
+                        gguf_neox=True, hf_names=HF_GPTNEOX_TO_OURS, gguf=_gguf, hf=_hf,
+                        mlc_model_types=("gpt_neox",), mlc_names=MLC_GPTNEOX_TO_OURS)
 
 FAMILIES = (GPTNEOX,)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from ..loaders.decoder_config import DecoderFamily
 
-LLAMA = DecoderFamily("llama", hf_architectures=("LlamaForCausalLM",), hf_model_types=("llama",))
+LLAMA = DecoderFamily("llama", hf_architectures=("LlamaForCausalLM",), hf_model_types=("llama",),
+                      mlc_model_types=("llama",))
 
 FAMILIES = (LLAMA,)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from ..loaders.decoder_config import DecoderFamily
 
-MISTRAL = DecoderFamily("mistral", hf_architectures=("MistralForCausalLM",), hf_model_types=("mistral",),
+MISTRAL = DecoderFamily("mistral", hf_architectures=("MistralForCausalLM",), hf_model_types=("mistral",), mlc_model_types=("mistral",),
                         hf_defaults={"use_sliding_window": True})
 
 FAMILIES = (MISTRAL,)

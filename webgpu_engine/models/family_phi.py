@@ -38,6 +38,27 @@ def dense_act(name: str, where: str) -> str:
     return act
 
 
+# MLC's PhiForCausalLM (the msft layout): the final LayerNorm sits in `lm_head.ln`
+MLC_PHI_TO_OURS = {
+    "transformer.embd": "embed", "lm_head.ln": "norm", "lm_head.linear": "lm_head",
+    "transformer.h.{i}.ln": "layers.{i}.attn_norm", "transformer.h.{i}.mixer.Wqkv": "layers.{i}.qkv",
+    "transformer.h.{i}.mixer.out_proj": "layers.{i}.o", "transformer.h.{i}.mlp.fc1": "layers.{i}.up",
+    "transformer.h.{i}.mlp.fc2": "layers.{i}.down",
+}
+# MLC's PhiConfig field -> config.json's (rotary_dim becomes partial_rotary_factor)
+_MLC_CONFIG = {"n_embd": "hidden_size", "n_layer": "num_hidden_layers", "n_head": "num_attention_heads",
+               "n_head_kv": "num_key_value_heads", "n_inner": "intermediate_size",
+               "layer_norm_epsilon": "layer_norm_eps", "n_positions": "max_position_embeddings"}
+
+
+def _mlc(c: dict) -> dict:
+    """MLC's PhiConfig in config.json's names; MLC runs GELU's tanh form whatever the source said."""
+    c = {**{_MLC_CONFIG.get(k, k): v for k, v in c.items()}, "hidden_act": "gelu_new"}
+    if c.get("rotary_dim") and c.get("hidden_size") and c.get("num_attention_heads"):
+        c["partial_rotary_factor"] = c["rotary_dim"] / (c["hidden_size"] // c["num_attention_heads"])
+    return c
+
+
 def _hf(c: dict, fields: dict, where: str) -> dict:
     if c.get("qk_layernorm"):
         raise UnsupportedModelError(f"{where}: Phi's qk_layernorm is not implemented")
@@ -50,6 +71,6 @@ def _gguf(g, fields: dict) -> dict:
 
 PHI = DecoderFamily("phi2", hf_architectures=("PhiForCausalLM",), hf_model_types=("phi",),
                     hf_defaults={"partial_rotary_factor": 0.5}, gguf_neox=True, hf_names=HF_PHI_TO_OURS,
-                    gguf=_gguf, hf=_hf)
+                    gguf=_gguf, hf=_hf, mlc_model_types=("phi",), mlc_names=MLC_PHI_TO_OURS, mlc=_mlc)
 
 FAMILIES = (PHI,)

@@ -11,7 +11,19 @@ from __future__ import annotations
 
 from ..loaders.decoder_config import DecoderFamily
 
+# MLC's Phi-3 names (its converter keeps the msft layout's transformer.h.* prefix)
+MLC_PHI3_TO_OURS = {
+    "transformer.embd": "embed", "transformer.norm": "norm", "lm_head": "lm_head",
+    "transformer.h.{i}.ln": "layers.{i}.attn_norm",
+    "transformer.h.{i}.post_attention_layernorm": "layers.{i}.ffn_norm",
+    "transformer.h.{i}.mixer.qkv_proj": "layers.{i}.qkv",
+    "transformer.h.{i}.mixer.out_proj": "layers.{i}.o",
+    "transformer.h.{i}.mlp.gate_up_proj": "layers.{i}.gate_up",
+    "transformer.h.{i}.mlp.down_proj": "layers.{i}.down",
+}
+
 PHI3 = DecoderFamily("phi3", hf_architectures=("Phi3ForCausalLM",), hf_model_types=("phi3",),
-                     hf_defaults={"use_sliding_window": True}, gguf_neox=True)
+                     hf_defaults={"use_sliding_window": True}, gguf_neox=True,
+                     mlc_model_types=("phi3",), mlc_names=MLC_PHI3_TO_OURS)
 
 FAMILIES = (PHI3,)

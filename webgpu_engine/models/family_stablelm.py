@@ -41,7 +41,7 @@ def _hf(c: dict, fields: dict, where: str) -> dict:
             "qkv_bias": bool(c.get("use_qkv_bias", False))}
 
 
-STABLELM = DecoderFamily("stablelm", hf_architectures=("StableLmForCausalLM",), hf_model_types=("stablelm",),
+STABLELM = DecoderFamily("stablelm", hf_architectures=("StableLmForCausalLM",), hf_model_types=("stablelm",), mlc_model_types=("stablelm",),
                          hf_defaults={"partial_rotary_factor": 0.25}, gguf_neox=True,
                          hf_names=HF_STABLELM_TO_OURS, gguf=_gguf, hf=_hf)
 

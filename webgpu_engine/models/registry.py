@@ -220,7 +220,7 @@ def open_model(path, kind: str | None = None) -> OpenedModel:
 def _open_mlc(path: Path) -> OpenedModel:
     """An MLC-LLM artifact (WebLLM's models): loaders.mlc maps its config and names onto a family, an
     embedder's (MLC's bert) onto BERT's HF names with its pooling (loaders.mlc_bert)."""
-    from ..loaders.mlc import ENCODERS, MODEL_TYPES, MLCArtifact
+    from ..loaders.mlc import ENCODERS, MLCArtifact
     from ..loaders.tokenizer import load_tokenizer
     art = MLCArtifact(path)
     try:
@@ -231,7 +231,7 @@ def _open_mlc(path: Path) -> OpenedModel:
                 mlc_bert.embedder_settings(art)
             template = lambda: None   # noqa: E731
         else:
-            arch = architecture(MODEL_TYPES[art.model_type][0], str(path))
+            arch = architecture(art.family.name, str(path))
             config, weights, extra, template = art.config(arch.family), art.weights(), art, art.template
     except BaseException:
         art.close()
