@@ -1,0 +1,133 @@
+"""Qwen3.5 (models/family_qwen35.py: Gated DeltaNet layers and gated full-attention layers) against
+transformers: a tiny random Qwen3_5ForCausalLM (tests/tinyqwen35.py) that
+tests/fixtures/make_qwen35.py ran through transformers once (its JSON committed): the same token ids,
+logits at positions up to 319 within 1e-3 and 16 greedy tokens. Its kernels (kernels/deltanet.py)
+against their numpy references (kernels/deltanet_ref.py)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from webgpu_engine.kernels import deltanet, deltanet_ref
+from _nn_util import TOL, empty, get, put, rounded, run, step_buf
+
+
+# --------------------------------------------------------------------------- kernels
+def _rows(device, positions, slots):
+    return (put(device, np.array(positions), "u32"), put(device, np.array(slots), "u32"))
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16"])
+@pytest.mark.parametrize("taps,channels,width", [(4, 96, 112), (2, 5, 5), (4, 130, 140)])
+def test_causal_conv1d_carries_its_state_across_calls(device, dtype, taps, channels, width):
+    """One sequence in chunks of 7, 1 and 5 rows (x the first `channels` columns of wider rows): the
+    rows and the state are those of the whole sequence at once; a new sequence at position 0 ignores
+    the state it finds."""
+    rng = np.random.default_rng(channels + taps)
+    x = rng.standard_normal((13, width))
+    w = rng.standard_normal((channels, taps))
+    state = put(device, rng.standard_normal((1, channels, taps - 1)) if taps > 1 else np.zeros(4))
+    wt = put(device, w)
+    want, want_state = deltanet_ref.causal_conv1d(rounded(x, dtype)[:, :channels], w, None)
+    got, p0 = [], 0
+    for n in (7, 1, 5):
+        xt, yt = put(device, x[p0:p0 + n], dtype, lead=2), empty(device, (n, channels), dtype, lead=6)
+        run(device, deltanet.causal_conv1d(device, xt, wt, state, yt, step_buf(device, p0, n), channels=channels))
+        got.append(get(device, yt))
+        p0 += n
+    np.testing.assert_allclose(np.concatenate(got), want, **TOL[dtype])
+    np.testing.assert_allclose(get(device, state).reshape(want_state.shape), want_state, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16"])
+def test_causal_conv1d_rows_of_several_sequences(device, dtype):
+    """The paged batch's rows: a row per sequence, each with its own slot and position (one at
+    position 0: a zero state), then a chunk of one sequence's rows."""
+    rng = np.random.default_rng(3)
+    C, K, slots = 24, 4, 4
+    w, s0 = rng.standard_normal((C, K)), rng.standard_normal((slots, C, K - 1))
+    x = rng.standard_normal((3, C))
+    state, wt = put(device, s0), put(device, w)
+    xt, yt = put(device, x, dtype), empty(device, (3, C), dtype)
+    rows = _rows(device, [5, 0, 9], [2, 0, 3])
+    run(device, deltanet.causal_conv1d(device, xt, wt, state, yt, channels=C, rows=rows))
+    got, st = get(device, yt), get(device, state)
+    for r, (slot, fresh) in enumerate([(2, False), (0, True), (3, False)]):
+        want, ws = deltanet_ref.causal_conv1d(rounded(x, dtype)[r:r + 1], w, None if fresh else s0[slot])
+        np.testing.assert_allclose(got[r], want[0], **TOL[dtype])
+        np.testing.assert_allclose(st[slot], ws, **TOL[dtype])
+    np.testing.assert_array_equal(st[1], rounded(s0[1], "f32"))     # a slot no row names stays
+    chunk = rng.standard_normal((6, C))
+    xt, yt = put(device, chunk, dtype), empty(device, (6, C), dtype)
+    run(device, deltanet.causal_conv1d(device, xt, wt, state, yt, channels=C,
+                                       rows=_rows(device, range(6, 12), [1] * 6)))
+    want, ws = deltanet_ref.causal_conv1d(rounded(chunk, dtype), w, s0[1])
+    np.testing.assert_allclose(get(device, yt), want, **TOL[dtype])
+    np.testing.assert_allclose(get(device, state)[1], ws, **TOL[dtype])
+
+
+def _delta_inputs(rng, T, Hk, Hv, Dk, Dv, extra=3):
+    """qkv (T, 2 Hk Dk + Hv Dv); proj (T, M): `extra` columns, z, b, a, 2 more; A_log | dt_bias | w."""
+    qkv = rng.standard_normal((T, 2 * Hk * Dk + Hv * Dv))
+    proj = rng.standard_normal((T, extra + Hv * Dv + 2 * Hv + 2))
+    hw = np.concatenate([np.log(rng.uniform(0.5, 8.0, Hv)), rng.standard_normal(Hv) * 0.5,
+                         1.0 + 0.2 * rng.standard_normal(Dv)])
+    return qkv, proj, hw
+
+
+def _delta_ref(qkv, proj, hw, state, Hk, Hv, Dk, Dv, extra=3):
+    z = proj[:, extra:extra + Hv * Dv]
+    b, a = proj[:, extra + Hv * Dv:extra + Hv * Dv + Hv], proj[:, extra + Hv * Dv + Hv:extra + Hv * Dv + 2 * Hv]
+    return deltanet_ref.gated_delta_rule(qkv, z, b, a, hw[:Hv], hw[Hv:2 * Hv], hw[2 * Hv:], state,
+                                         n_k_heads=Hk, k_dim=Dk, v_dim=Dv, eps=1e-6)
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16"])
+@pytest.mark.parametrize("Hk,Hv,Dk,Dv", [(2, 4, 16, 16), (1, 1, 128, 128), (2, 2, 32, 8), (1, 3, 8, 48)])
+def test_gated_delta_rule_carries_its_state_across_calls(device, dtype, Hk, Hv, Dk, Dv):
+    """One sequence in chunks of 9, 1 and 30 rows: each row's normed output and the final state are
+    those of transformers' recurrence over the whole sequence (float64 reference)."""
+    rng = np.random.default_rng(Hk * Hv + Dk + Dv)
+    T = 40
+    qkv, proj, hw = _delta_inputs(rng, T, Hk, Hv, Dk, Dv)
+    want, want_state = _delta_ref(rounded(qkv, dtype), rounded(proj, dtype), hw, None, Hk, Hv, Dk, Dv)
+    state, hwt = put(device, np.full((1, Hv, Dk, Dv), 7.0)), put(device, hw)
+    got, p0 = [], 0
+    for n in (9, 1, 30):
+        qt, pt = put(device, qkv[p0:p0 + n], dtype, lead=4), put(device, proj[p0:p0 + n], dtype, lead=2)
+        yt = empty(device, (n, Hv * Dv), dtype, lead=8)
+        run(device, deltanet.gated_delta_rule(device, qt, pt, hwt, state, yt, step_buf(device, p0, n), n_k_heads=Hk,
+                                              n_v_heads=Hv, k_dim=Dk, v_dim=Dv, z_col=3, eps=1e-6))
+        got.append(get(device, yt))
+        p0 += n
+    np.testing.assert_allclose(np.concatenate(got), want, **TOL[dtype])
+    np.testing.assert_allclose(get(device, state)[0], want_state, **TOL[dtype])
+
+
+def test_gated_delta_rule_rows_of_several_sequences(device):
+    """A decode row per sequence, each on its own slot (one at position 0 over a stale state), as
+    transformers' one-token step from each state."""
+    rng = np.random.default_rng(8)
+    Hk, Hv, Dk, Dv, slots = 2, 4, 16, 16, 4
+    qkv, proj, hw = _delta_inputs(rng, 3, Hk, Hv, Dk, Dv)
+    s0 = rng.standard_normal((slots, Hv, Dk, Dv)) * 0.3
+    state, hwt = put(device, s0), put(device, hw)
+    qt, pt, yt = put(device, qkv), put(device, proj), empty(device, (3, Hv * Dv))
+    run(device, deltanet.gated_delta_rule(device, qt, pt, hwt, state, yt, n_k_heads=Hk, n_v_heads=Hv, k_dim=Dk,
+                                          v_dim=Dv, z_col=3, eps=1e-6, rows=_rows(device, [4, 0, 17], [3, 1, 0])))
+    got, st = get(device, yt), get(device, state)
+    for r, (slot, fresh) in enumerate([(3, False), (1, True), (0, False)]):
+        want, ws = _delta_ref(qkv[r:r + 1], proj[r:r + 1], hw, None if fresh else s0[slot], Hk, Hv, Dk, Dv)
+        np.testing.assert_allclose(got[r], want[0], **TOL["f32"])
+        np.testing.assert_allclose(st[slot], ws, **TOL["f32"])
+    np.testing.assert_array_equal(st[2], rounded(s0[2], "f32"))
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16"])
+def test_sigmoid_gate(device, dtype):
+    rng = np.random.default_rng(1)
+    y, g = rng.standard_normal((5, 64)) * 2, rng.standard_normal((5, 64)) * 3
+    yt, gt = put(device, y, dtype, lead=3), put(device, g, dtype, lead=1)
+    run(device, deltanet.sigmoid_gate(device, yt, gt))
+    np.testing.assert_allclose(get(device, yt), deltanet_ref.sigmoid_gate(rounded(y, dtype), rounded(g, dtype)),
+                               **TOL[dtype])
