@@ -24,6 +24,8 @@
 //   the positions pos - (RING_W - SINKS) .. pos (ring_sees, from the position each row holds given
 //   the forward's last one), scoring the sinks with its sink query (qsk: rotated at min(pos, RING_W))
 //   and the rest with its own (attend_ring): the sinks first, then rows SINKS.. in blocks from SINKS.
+//   Sinks (gpt-oss): a learned logit per q head joins each softmax's denominator (sink_l, from the
+//   header: 0 without them), in out_at and attn_combine; sink_h0 is the lane's first q head.
 //   attn_bidir:    BERT. qkv (B*S, 3*H*D) rows [q | k | v]; key j of sequence b visible iff
 //                  j < lengths[b] (and, with p.window > 0, |j - i| <= window for query i: ModernBERT's
 //                  local layers; then G = 1). Workgroup per (b, block of SWG*G queries, h), lane per G
@@ -164,8 +166,8 @@ fn attend_ring(kb: u32, vb: u32, qb: u32, sb: u32, j0: u32, n: u32) {
 
 // outputs g in [g_lo, G) are stored at ob + g*os
 fn out_at(g: u32, d: u32) -> act4 {
-    // an empty key range (a length-0 sequence) gives zeros rather than 0/0
-    let l = sv_get(l_run, g);
+    // an empty key range (a length-0 sequence) gives zeros rather than 0/0; sinks join the sum
+    let l = sv_get(l_run, g) + sink_l(sink_h0 + g, sv_get(m_run, g));
     return act4(acc_get(g, d) * select(0.0, 1.0 / l, l > 0.0));
 }
 
@@ -195,6 +197,7 @@ fn attn_causal(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
     let wg = wid.y * nwg.x + wid.x;
     let n_hg = p.hq / G;                         // head groups of G
     let h0 = (wg % n_hg) * G;
+    sink_h0 = h0;
     let t0 = (wg / n_hg) * WG;
     let rows = live_rows();
     if (t0 >= rows) { return; }
@@ -226,6 +229,7 @@ fn attn_split(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nw
     if (t >= p.rows) { return; }
     let s = (i % per_row) / n_hg;
     let h0 = (i % n_hg) * G;
+    sink_h0 = h0;
     let pos = step[0] + t;
     let n_keys = min(pos + 1u, p.ctx);
     let lo = window_lo(pos);
@@ -272,6 +276,7 @@ fn attn_decode1(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
     let i = (wid.y * nwg.x + wid.x) * SWG + lid;
     let h0 = i * G;
     if (h0 >= p.hq) { return; }
+    sink_h0 = h0;
     let n_keys = min(step[0] + 1u, p.ctx);
     let lo = window_lo(step[0]);
     let cb = (h0 / p.group) * p.ctx * D4;
@@ -311,6 +316,7 @@ fn attn_combine(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
         l += w * ml.y;
         o += w * part_in[hb + s * stride + d];
     }
+    l += sink_l(h, mx);
     out_c[p.out_off + (t * p.hq + h) * D4 + d] = act4(o / l);
 }
 

@@ -18,6 +18,7 @@ fn attn_flash(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nw
     let wg = wid.y * nwg.x + wid.x;
     let n_hg = p.hq / G;                         // head groups of G
     let h0 = (wg % n_hg) * G;
+    sink_h0 = h0;
     let t0 = (wg / n_hg) * WG;
     let rows = live_rows();
     if (t0 >= rows) { return; }                  // the whole workgroup: barriers stay uniform

@@ -131,7 +131,7 @@ fn attend(tb: u32, hk: u32, base: u32, j_start: u32, n: u32, lo: u32, lim: u32) 
 }
 
 fn out_at(g: u32, d: u32) -> act4 {
-    let l = sv_get(l_run, g);
+    let l = sv_get(l_run, g) + sink_l(sink_h0 + g, sv_get(m_run, g));   // sinks: attention.wgsl
     return act4(acc_get(g, d) * select(0.0, 1.0 / l, l > 0.0));
 }
 
@@ -188,6 +188,7 @@ fn paged_split(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
     if (q >= p.n_seq) { return; }
     let s = (i % per_seq) / n_hg;
     let h0 = (i % n_hg) * G;
+    sink_h0 = h0;
     let n_keys = seq_keys(q);
     if (n_keys == 0u) { return; }
     if (n_keys <= p.short_keys) {
@@ -232,6 +233,7 @@ fn paged_combine(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups)
         l += w * ml.y;
         o += w * part_in[hb + s * stride + d];
     }
+    l += sink_l(h, mx);
     out_c[p.out_off + (q * p.hq + h) * D4 + d] = act4(o / l);
 }
 
@@ -241,6 +243,7 @@ fn paged_causal(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
     let wg = wid.y * nwg.x + wid.x;
     let n_hg = p.hq / G;
     let h0 = (wg % n_hg) * G;
+    sink_h0 = h0;
     let t0 = (wg / n_hg) * WG;
     let n_new = step[1];
     let rows = select(p.n_seq, min(p.n_seq, n_new), n_new != 0u);

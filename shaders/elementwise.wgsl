@@ -7,6 +7,8 @@
 //             (fv = vec2, cols = F/2) and (g_step, u_off) = (2, 1)
 //   gelu_tanh_mul: silu_mul with gelu_tanh(g) = 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3)))
 //             in place of silu (GeGLU: Gemma)
+//   swiglu_oai: gpt-oss's clamped SwiGLU, silu_mul's layout: g = min(gate, L), u = clamp(up, -L, L),
+//             y = (u + 1) * g * sigmoid(alpha g)   (L: p.f0, alpha: p.b_off, both as bits)
 //   scale:    y[i] = a[i] * f            (f: the float in p.f0; Gemma's embedding times sqrt(C))
 //   softcap:  y[i] = f * tanh(a[i] / f)  (Gemma 2's final logit soft-capping)
 //   gelu:     y[i] = 0.5 * a[i] * (1 + erf(a[i] / sqrt(2)))
@@ -123,6 +125,20 @@ fn silu_mul(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg:
 fn gelu_tanh_mul(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                  @builtin(local_invocation_index) lid: u32) {
     glu(elem_index(wid, nwg, lid), GELU_TANH);
+}
+
+@compute @workgroup_size(64)
+fn swiglu_oai(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+              @builtin(local_invocation_index) lid: u32) {
+    let i = elem_index(wid, nwg, lid);
+    if (i >= p.n) { return; }
+    let t = i / p.cols;
+    let gi = p.a_off + t * 2u * p.cols + (i - t * p.cols) * p.g_step;
+    let lim = fv(bitcast<f32>(p.f0));
+    let g = min(fv(a[gi]), lim);
+    let u = clamp(fv(a[gi + p.u_off]), -lim, lim);
+    // exp overflows to inf for alpha g < -88: g / inf = -0, the right limit
+    put_u(p.y_off + i, av((u + 1.0) * g / (1.0 + exp(-bitcast<f32>(p.b_off) * g))));
 }
 
 @compute @workgroup_size(64)

@@ -9,7 +9,8 @@
 // (a stack larger than one binding is split into buffers of whole experts, a dispatch each: slots
 // of other experts are another dispatch's). Every output is one invocation's sum in a fixed order
 // (K chunks, then the slots j in order; buffers in order), so a row's values do not depend on the
-// other rows.
+// other rows. The host's header also defines expert_bias(e, r): expert e's bias of row r (gpt-oss:
+// ebias (E, N) f32 at binding 9), or 0 (the same bits as none).
 
 @group(0) @binding(5) var<storage, read> sel: array<u32>;     // (T, NSEL) expert ids
 @group(0) @binding(6) var<storage, read> wts: array<f32>;     // (T, NSEL) routing weights (moe_down)
@@ -37,7 +38,7 @@ fn moe_matmul(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_i
     let s = wid.y;                              // slot t * NSEL + j
     if (!held(sel[s])) { return; }
     let xrow = select(s / NSEL, s, XSLOT == 1u);
-    store(s, r, expert_row_sum(sel[s], r, P.x_off4 + xrow * (P.K / 4u)));
+    store(s, r, expert_row_sum(sel[s], r, P.x_off4 + xrow * (P.K / 4u)) + expert_bias(sel[s], r));
 }
 
 // dispatch (ceil(N / WG), T, 1), workgroup WG; P.T = T, P.y_stride = N
@@ -50,7 +51,7 @@ fn moe_down(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_ind
     for (var j = 0u; j < NSEL; j++) {
         let s = t * NSEL + j;
         if (!held(sel[s])) { continue; }
-        a += wts[s] * expert_row_sum(sel[s], r, P.x_off4 + s * (P.K / 4u));
+        a += wts[s] * (expert_row_sum(sel[s], r, P.x_off4 + s * (P.K / 4u)) + expert_bias(sel[s], r));
     }
     store(t, r, a);
 }
@@ -89,9 +90,10 @@ fn moe_matmul_grouped(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invo
         if (P.k4 > P.nchunks * 8u) {
             a += vec4<f32>(tail(b, xa), tail(b, xb), tail(b, xc), tail(b, xd));
         }
-        store(sa, r, a.x);
-        if (n > 1u) { store(sb, r, a.y); }
-        if (n > 2u) { store(sc, r, a.z); }
-        if (n > 3u) { store(sd, r, a.w); }
+        let bias = expert_bias(e, r);
+        store(sa, r, a.x + bias);
+        if (n > 1u) { store(sb, r, a.y + bias); }
+        if (n > 2u) { store(sc, r, a.z + bias); }
+        if (n > 3u) { store(sd, r, a.w + bias); }
     }
 }

@@ -301,3 +301,33 @@ def test_decode_rows_equal_decode_steps(device, dtype, window, softcap):
         ref = nn_ref.causal_attention(rounded(qkv, dtype)[:, :hq], rounded(kc, dtype), rounded(vc, dtype), pos0,
                                       d ** -0.5, window=window, softcap=softcap)
         np.testing.assert_allclose(got, ref, **TOL[dtype], err_msg=f"pos0={pos0}")
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16"])
+def test_attention_sinks(device, dtype):
+    """gpt-oss's sinks, a logit per q head in the softmax's denominator: causal prefill (with a
+    window), the split decode and its one-dispatch form over many keys and few."""
+    rng = np.random.default_rng(31)
+    hq, hkv, d, t, pos0, ctx = 8, 2, 32, 20, 40, 1024
+    (qkv, kc, vc), (qt, kt, vt) = _setup(device, rng, dtype, t, ctx, hq, hkv, d, 700)
+    sinks = rng.uniform(-1.0, 3.0, hq).astype(np.float32)
+    st = put(device, sinks, "f32")
+    q, k, v = rounded(qkv, dtype)[:, :hq], rounded(kc, dtype), rounded(vc, dtype)
+    for window in (0, 24):
+        out = empty(device, (t, hq * d), dtype, lead=12)
+        run(device, nn.attention(device, qt, kt, vt, out, step_buf(device, pos0, t), n_q_heads=hq, n_kv_heads=hkv,
+                                 head_dim=d, ctx=ctx, scale=d ** -0.5, window=window, sinks=st))
+        ref = nn_ref.causal_attention(q, k, v, pos0, d ** -0.5, window=window, sinks=sinks)
+        assert np.abs(ref - nn_ref.causal_attention(q, k, v, pos0, d ** -0.5, window=window)).max() > 0.05
+        np.testing.assert_allclose(get(device, out), ref, **TOL[dtype])
+    out, step = empty(device, (1, hq * d), dtype), step_buf(device, 0, 1)
+    op = nn.attention(device, qt, kt, vt, out, step, n_q_heads=hq, n_kv_heads=hkv, head_dim=d, ctx=ctx,
+                      scale=d ** -0.5, max_t=1, min_chunk=32, sinks=st)
+    for kv_len in (1, 30, 700):
+        set_step(device, step, kv_len - 1, 1)
+        ref = nn_ref.causal_attention(q[:1], k, v, kv_len - 1, d ** -0.5, sinks=sinks)
+        for n_keys in [None] + ([kv_len] if kv_len <= op.max_keys else []):
+            b = device.batch()
+            op.record(b, n_keys=n_keys)
+            device.submit(b)
+            np.testing.assert_allclose(get(device, out), ref, **TOL[dtype], err_msg=f"kv_len={kv_len} {n_keys}")

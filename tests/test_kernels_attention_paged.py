@@ -336,3 +336,32 @@ def test_shape_errors_are_clear(device):
     with pytest.raises(ValueError, match="must not share"):
         ap.paged_prefill(device, qt, kt, vt, qt, step_buf(device, 0, 2), tabs, n_q_heads=4, n_kv_heads=2,
                          head_dim=32, max_blocks=2, scale=1.0)
+
+
+def test_paged_attention_sinks(device):
+    """gpt-oss's per-head sinks through the pool: a ragged decode batch (short and split-key forms)
+    and a chunk's causal prefill through a block table, against numpy."""
+    rng = np.random.default_rng(9)
+    hq, hkv, d, max_blocks, n_blocks, lens = 8, 2, 32, 16, 40, [1, 17, 100, 250]
+    (kp, vp), (kt, vt) = _pools(device, rng, "f32", n_blocks, hkv, d)
+    sinks = rng.uniform(-1.0, 3.0, hq).astype(np.float32)
+    st = put(device, sinks, "f32")
+    qkv = rng.standard_normal((len(lens), hq + 2 * hkv, d))
+    tables = _tables(rng, lens, n_blocks, max_blocks)
+    out = empty(device, (len(lens), hq * d))
+    op = ap.paged_decode(device, put(device, qkv, "f32"), kt, vt, out, put(device, np.array(lens, np.uint32), "u32"),
+                         put(device, tables, "u32"), n_q_heads=hq, n_kv_heads=hkv, head_dim=d, max_seqs=len(lens),
+                         max_blocks=max_blocks, scale=0.125, min_chunk=32, split_wg=8, sinks=st)
+    run(device, op)
+    ref = _decode_ref(qkv, kp, vp, tables, lens, hq, 0.125, sinks=sinks)
+    np.testing.assert_allclose(get(device, out), ref, **TOL["f32"])
+    t, pos0 = 30, 70
+    pre = rng.standard_normal((t, hq + 2 * hkv, d))
+    out = empty(device, (t, hq * d))
+    run(device, ap.paged_prefill(device, put(device, pre, "f32"), kt, vt, out, step_buf(device, pos0, t),
+                                 put(device, tables[3], "u32"), n_q_heads=hq, n_kv_heads=hkv, head_dim=d,
+                                 max_blocks=max_blocks, scale=0.125, sinks=st))
+    n = pos0 + t
+    ref = nn_ref.causal_attention(pre[:, :hq], _gather(kp, tables[3], n), _gather(vp, tables[3], n), pos0, 0.125,
+                                  sinks=sinks)
+    np.testing.assert_allclose(get(device, out), ref, **TOL["f32"])

@@ -142,3 +142,42 @@ def test_moe_matmul_grouped_by_expert(device, qtype, per_buffer, T):
         downs.append(get(device, yt))
     _close(downs[1], rounded(res, "f16") + nn_ref.moe_down(rounded(h, "f16"), d_vals, ids, wts), "f16")
     np.testing.assert_array_equal(downs[0], downs[1])
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16"])
+@pytest.mark.parametrize("T,per_buffer", [(1, 0), (7, 4)])
+def test_expert_biases_and_clamped_swiglu(device, dtype, T, per_buffer):
+    """gpt-oss's experts: a bias per expert row in the gate|up and down products (per slot, grouped by
+    expert, and weighted in the down sums), and the clamped SwiGLU between them (silu_mul's
+    swiglu_oai: gates clamped above, ups both sides, at the limit)."""
+    from webgpu_engine.kernels import nn
+    rng = np.random.default_rng(40 + T)
+    E, k, C, F = 6, 2, 64, 48
+    wgu, gu_vals = _stacked(device, "f32", E, 2 * F, C, rng, per_buffer)
+    wd, d_vals = _stacked(device, "f32", E, C, F, rng, per_buffer)
+    b_gu, b_d = rng.standard_normal((E, 2 * F)), rng.standard_normal((E, C))
+    bgt, bdt = put(device, b_gu.reshape(-1)), put(device, b_d.reshape(-1))
+    ids = np.stack([rng.choice(E, k, replace=False) for _ in range(T)])
+    wts, x, res = rng.random((T, k)), rng.standard_normal((T, C)) * 4, rng.standard_normal((T, C))
+    st, wt, xt = _ids(device, ids), put(device, wts), put(device, x, dtype)
+    order, start = empty(device, (T * k,), "u32", fill=0), empty(device, (E + 1,), "u32", fill=0)
+    run(device, moe.moe_group(device, st, order, start, n_experts=E, n_sel=k))
+    want = nn_ref.moe_matmul(rounded(x, dtype), gu_vals, ids, b_gu)
+    assert np.abs(want).max() > 7.0                     # the clamps matter
+    gus = []
+    for groups in (None, (order, start)):
+        gut = empty(device, (T * k, 2 * F), dtype)
+        run(device, moe.moe_matmul(device, xt, wgu, st, gut, n_sel=k, groups=groups, bias=bgt))
+        _close(get(device, gut), want, dtype)
+        gus.append(get(device, gut))
+    np.testing.assert_array_equal(gus[0], gus[1])
+    ht = empty(device, (T * k, F), dtype)
+    run(device, nn.silu_mul(device, gut, ht, act="swiglu_oai", alpha=1.702, limit=7.0))
+    h = nn_ref.swiglu_oai(gus[1], 1.702, 7.0)
+    _close(get(device, ht), h, dtype)
+    for groups in (None, (order, start)):
+        yt = put(device, res, dtype)
+        prods = empty(device, (T * k, C)) if groups else None
+        run(device, moe.moe_down(device, ht, wd, st, wt, yt, n_sel=k, groups=groups, prods=prods, bias=bdt))
+        _close(get(device, yt), rounded(res, dtype) + nn_ref.moe_down(rounded(get(device, ht), dtype), d_vals, ids,
+                                                                      wts, b_d), dtype)

@@ -38,13 +38,15 @@ def decode_geometry(dev: Device, ctx: int, n_hg: int, min_chunk: int | None, max
 
 def _attn_header(dt: str, head_dim: int, g: int = 1, split_wg: int = WG, packed: bool = False,
                  windowed: bool = False, capped: bool = False, kv: tuple = ("kc", "vc"),
-                 quant: QuantCache | None = None, ring: Ring | None = None) -> str:
+                 quant: QuantCache | None = None, ring: Ring | None = None, sinks: bool = False) -> str:
     """Constants plus the state of g heads unrolled into vec4 registers (see attention.wgsl).
     packed: f16 keys and values are read as vec4<u32> (8 halves per load; kr, vr even).
     kv: the arrays keys and values are read from (attention_flash.wgsl: its workgroup tiles).
     quant: the caches are quantised (kernels/kv_quant.py: q8_0 or q4_0, of quant.rows head rows),
     read through kcq / vcq as the unrolled reads (unless kv names other arrays) and as kc_at / vc_at
-    (row-vec4 r, dequantised: the flash tiles). ring: a sliding window with sinks (common.Ring)."""
+    (row-vec4 r, dequantised: the flash tiles). ring: a sliding window with sinks (common.Ring).
+    sinks: a learned logit per q head in every softmax's denominator (gpt-oss; binding 8, (Hq,) f32):
+    sink_l(h, m) = exp(sinks[h] - m) joins a running sum l of max m; 0 without (the same bits)."""
     n = head_dim // 4
     r, gs = range(n), range(g)
     sv = "f32" if g == 1 else f"vec{g}<f32>"
@@ -53,7 +55,11 @@ def _attn_header(dt: str, head_dim: int, g: int = 1, split_wg: int = WG, packed:
            f"const SWG: u32 = {split_wg}u;",
            f"const WINDOWED: bool = {str(bool(windowed)).lower()};", f"const CAPPED: bool = {str(bool(capped)).lower()};",
            f"alias sv = {sv};",
-           "fn sv_get(v: sv, g: u32) -> f32 { return " + ("v" if g == 1 else "v[g]") + "; }"]
+           "fn sv_get(v: sv, g: u32) -> f32 { return " + ("v" if g == 1 else "v[g]") + "; }",
+           "var<private> sink_h0: u32;      // the first q head of the lane's heads (sink_l)",
+           "@group(0) @binding(8) var<storage, read> sinks: array<f32>;   // (Hq) sink logits\n"
+           "fn sink_l(h: u32, m: f32) -> f32 { return exp(sinks[h] - m); }" if sinks else
+           "fn sink_l(h: u32, m: f32) -> f32 { return 0.0; }"]
     out += [f"var<private> q{j}_{i}: vec4<f32>;\nvar<private> a{j}_{i}: vec4<f32>;" for j in gs for i in r]
     out.append("fn load_q(qb: u32, qs: u32) {\n" + "".join(
         f"  q{j}_{i} = vec4<f32>(qkv[qb + {j}u * qs + {i}u]) * p.scale; a{j}_{i} = vec4<f32>(0.0);\n"
@@ -132,6 +138,15 @@ def check_attention(k, qkv, k_cache, v_cache, out, n_q_heads, n_kv_heads, head_d
     return dt, heads
 
 
+def check_sinks(dev: Device, k: str, sinks: Tensor | None, n_q_heads: int) -> dict:
+    """{8: sinks' binding} of an attention with sinks ((Hq,) f32), {} without."""
+    if sinks is None:
+        return {}
+    check(sinks.dtype == "f32" and sinks.numel == n_q_heads, k, f"sinks {sinks.shape}/{sinks.dtype} must be "
+          f"({n_q_heads},) f32")
+    return {8: _vec_entry(dev, sinks, k)}
+
+
 def _heads_per_lane(k: str, group: int, head_dim: int, g: int | None) -> int:
     """The q heads of one kv head a lane serves: `g` if given, else the most (up to 4) dividing the
     group within _MAX_LANE_DIMS query dims (the paged kernels choose the same way)."""
@@ -156,7 +171,7 @@ def attention(dev: Device, qkv: Tensor, k_cache: Tensor, v_cache: Tensor, out: T
               max_t: int | None = None, min_chunk: int | None = None, max_splits: int = 128,
               heads_per_lane: int | None = None, split_wg: int | None = None,
               causal: bool = False, window: int = 0, softcap: float = 0.0, decode_rows: bool = False,
-              ring: Ring | None = None, q_sink: Tensor | None = None) -> Op:
+              ring: Ring | None = None, q_sink: Tensor | None = None, sinks: Tensor | None = None) -> Op:
     """Causal attention of the q heads of qkv (T, Hq+2Hkv, D) over the caches (Hkv, ctx, D), which
     already hold this step's keys: query t (position pos0+t) sees keys 0..pos0+t; head h reads kv
     head h // (Hq/Hkv). out (T, Hq*D). Rows t >= step.n_new are skipped (n_new 0: all T rows).
@@ -175,7 +190,8 @@ def attention(dev: Device, qkv: Tensor, k_cache: Tensor, v_cache: Tensor, out: T
     max_splits (keys per split) and split_wg (workgroup size), defaults in decode_geometry.
     `ring` (common.Ring): WebLLM's sliding window with sinks over a cache that is a ring past ctx;
     q_sink (T, Hq, D): the sink queries nn.rope_kv wrote with the same ring (not with `window`, and
-    prefill takes attn_causal: no flash tiles)."""
+    prefill takes attn_causal: no flash tiles). `sinks` (Hq,) f32: a logit per q head added to each
+    softmax's denominator (gpt-oss's attention sinks; no value rows)."""
     k = "attention"
     rows = _qkv_heads(k, qkv, head_dim)[0]
     t_max = rows if max_t is None else int(max_t)
@@ -191,6 +207,7 @@ def attention(dev: Device, qkv: Tensor, k_cache: Tensor, v_cache: Tensor, out: T
                   f"cache {c.shape} must be (Hkv={n_kv_heads}, ctx={ctx}, D={head_dim})")
     check(ring is None or window == 0, k, "a ring replaces the model's own sliding window")
     sink = ring_query(k, ring, q_sink, t_max, n_q_heads, head_dim, ctx)     # binding 7, with a ring
+    sinked = check_sinks(dev, k, sinks, n_q_heads)                           # {8: sinks} or {}
     owner = out.buf.owner
     group = n_q_heads // n_kv_heads
     (qe, qo), (oe, oo) = _window(dev, qkv, k, 4), _window(dev, out, k, 4)
@@ -209,14 +226,15 @@ def attention(dev: Device, qkv: Tensor, k_cache: Tensor, v_cache: Tensor, out: T
                            n_blk, int(window), float(softcap), 0], owner=owner, label=k)
         if flash_attention(dev) and ring is None:   # the same folds, keys and values staged in workgroup memory
             header = _attn_header(dt, head_dim, g, windowed=window > 0, capped=softcap > 0, kv=("ksh", "vsh"),
-                                  quant=quant)
+                                  quant=quant, sinks=bool(sinked))
             return _op(dev, k, "attention_flash.wgsl", "attn_flash", header + load_shader_source("attention.wgsl"),
-                       par, [_step_entry(step), qe, ke, ve, oe], n_blk * (n_q_heads // g) * WG)
+                       par, {**dict(enumerate([_step_entry(step), qe, ke, ve, oe], 1)), **sinked},
+                       n_blk * (n_q_heads // g) * WG)
         return _op(dev, k, "attention.wgsl", "attn_causal",
                    _attn_header(dt, head_dim, g, packed=packed, windowed=window > 0, capped=softcap > 0,
-                                quant=quant, ring=ring),
-                   par, {**dict(enumerate([_step_entry(step), qe, ke, ve, oe], 1)), **dict(zip([7], sink))},
-                   n_blk * (n_q_heads // g) * WG)
+                                quant=quant, ring=ring, sinks=bool(sinked)),
+                   par, {**dict(enumerate([_step_entry(step), qe, ke, ve, oe], 1)), **dict(zip([7], sink)),
+                         **sinked}, n_blk * (n_q_heads // g) * WG)
     n_hg = n_q_heads // g
     chunk, n_splits, swg, max_keys = decode_geometry(dev, ctx, n_hg, min_chunk, max_splits, split_wg)
     T = t_max if decode_rows else 1
@@ -224,15 +242,16 @@ def attention(dev: Device, qkv: Tensor, k_cache: Tensor, v_cache: Tensor, out: T
     par = params(dev, [T, n_q_heads, group, heads, ctx, chunk, n_splits, float(scale), qo, ko, vo, oo,
                        0, int(window), float(softcap), max_keys if decode_rows else 0], owner=owner, label=k)
     header = _attn_header(dt, head_dim, g, swg, packed, windowed=window > 0, capped=softcap > 0, quant=quant,
-                          ring=ring)
+                          ring=ring, sinks=bool(sinked))
     entries = [_step_entry(step), qe, ke, ve, (part, 0, part.size), oe] + sink
     pipe = dev.pipeline("attention.wgsl", "attn_split", header=header)
     op = Op(name=k, buffers=[par])
     x, y = _grid(-(-T * n_splits * n_q_heads // g // swg) * WG, k)
-    op.add(pipe, dev.bind(pipe, [par] + entries), x, y)
+    op.add(pipe, dev.bind(pipe, {**dict(enumerate([par] + entries)), **sinked}), x, y)
     comb = dev.pipeline("attention.wgsl", "attn_combine", header=header)
     x, y = _grid(T * n_q_heads * head_dim // 4, k)
-    op.add(comb, dev.bind(comb, [par, _step_entry(step), (part, 0, part.size), oe]), x, y)
+    op.add(comb, dev.bind(comb, {**dict(enumerate([par, _step_entry(step), (part, 0, part.size), oe])), **sinked}),
+           x, y)
     op.buffers.append(part)
     op.max_keys = max_keys
     if decode_rows:                  # every row short (the longest's keys <= max_keys): no combine
@@ -240,7 +259,7 @@ def attention(dev: Device, qkv: Tensor, k_cache: Tensor, v_cache: Tensor, out: T
         return op
     one = dev.pipeline("attention.wgsl", "attn_decode1", header=header)
     x, y = _grid(-(-n_hg // swg) * WG, k)
-    binds = {**dict(enumerate([par, _step_entry(step), qe, ke, ve, oe])), **dict(zip([7], sink))}
+    binds = {**dict(enumerate([par, _step_entry(step), qe, ke, ve, oe])), **dict(zip([7], sink)), **sinked}
     op.short = [(one, dev.bind(one, binds), x, y, 1)]
     return op
 

@@ -18,7 +18,7 @@ from ..gpu import Device
 from ..gpu.shaders import load_shader_source
 from .common import Op, Tensor, act_header, check, new_tensor, params, ring_header
 from .kv_quant import KV_QUANTS, QuantCache, check_quant_pools, kv_quant_slots, kv_row_bytes
-from .attention import check_attention, decode_geometry
+from .attention import check_attention, check_sinks, decode_geometry
 from .nn import (WG, _act, _attn_header, _grid, _heads_per_lane, _op, _qkv_heads, _step_entry, _vec_entry, _window,
                  rope_frequencies)
 
@@ -73,10 +73,10 @@ def _u32(dev: Device, t: Tensor, k: str, name: str, n: int) -> tuple:
 
 
 def _header(dt: str, head_dim: int, g: int, swg: int, packed: bool, bs: int, window: int = 0,
-            softcap: float = 0.0, quant: QuantCache | None = None) -> str:
+            softcap: float = 0.0, quant: QuantCache | None = None, sinks: bool = False) -> str:
     """nn's attention header plus the block size and whether the window / soft-cap code is compiled in.
-    quant: quantised pools' block type and rows (None: act pools)."""
-    return _attn_header(dt, head_dim, g, swg, packed and not quant, quant=quant) + (
+    quant: quantised pools' block type and rows (None: act pools); sinks: per-head sink logits."""
+    return _attn_header(dt, head_dim, g, swg, packed and not quant, quant=quant, sinks=sinks) + (
         f"const BS: u32 = {bs}u;\nconst HAS_WINDOW: bool = {str(window > 0).lower()};\n"
         f"const HAS_CAP: bool = {str(softcap > 0).lower()};\n")
 
@@ -165,7 +165,7 @@ def paged_decode(dev: Device, qkv: Tensor, k_pool: Tensor, v_pool: Tensor, out: 
                  tables: Tensor, *, n_q_heads: int, n_kv_heads: int, head_dim: int, max_seqs: int,
                  max_blocks: int, scale: float, window: int = 0, softcap: float = 0.0,
                  min_chunk: int | None = None, max_splits: int = 128, heads_per_lane: int | None = None,
-                 split_wg: int | None = None, short_keys: int | None = None) -> Op:
+                 split_wg: int | None = None, short_keys: int | None = None, sinks: Tensor | None = None) -> Op:
     """Decode attention of S = max_seqs sequences, one query row each: row q of qkv (S, Hq+2Hkv, D)
     at position lens[q] - 1 attends keys 0 .. lens[q]-1 of its table tables[q] (max_blocks block
     ids), which already hold this step's key; lens[q] == 0 leaves out row q alone. out (S, Hq*D).
@@ -174,7 +174,8 @@ def paged_decode(dev: Device, qkv: Tensor, k_pool: Tensor, v_pool: Tensor, out: 
     `short_keys` keys (default op.max_keys, nn.attention's bound for its one-dispatch form; 0:
     never) is attended by one lane per head group in the split dispatch instead, chosen by its own
     length alone: every sequence's output equals the contiguous cache's decode at its length.
-    record(batch, n_keys=the longest sequence's keys) leaves out the combine when nothing needs it."""
+    record(batch, n_keys=the longest sequence's keys) leaves out the combine when nothing needs it.
+    `sinks` (Hq,) f32: per-head logits in each softmax's denominator (nn.attention's)."""
     k = "paged_decode"
     dt, heads = check_attention(k, qkv, k_pool, v_pool, out, n_q_heads, n_kv_heads, head_dim, max_seqs,
                             window, softcap)
@@ -190,7 +191,8 @@ def paged_decode(dev: Device, qkv: Tensor, k_pool: Tensor, v_pool: Tensor, out: 
     chunk, n_splits, swg, max_keys = decode_geometry(dev, max_blocks * bs, n_q_heads // g, min_chunk, max_splits,
                                                      split_wg)
     short = max_keys if short_keys is None else short_keys
-    header = _header(dt, head_dim, g, swg, packed, bs, window, softcap, quant)
+    sinked = check_sinks(dev, k, sinks, n_q_heads)
+    header = _header(dt, head_dim, g, swg, packed, bs, window, softcap, quant, bool(sinked))
     par = params(dev, [max_seqs, n_q_heads, group, heads, n_kv_heads, chunk, n_splits, float(scale), qo, ko, vo,
                        oo, max_blocks, int(window), float(softcap), to, lo, 0, short, 0], owner=owner, label=k)
     part = dev.buffer(max_seqs * n_q_heads * n_splits * (head_dim // 4 + 1) * 16, owner=owner,
@@ -198,10 +200,11 @@ def paged_decode(dev: Device, qkv: Tensor, k_pool: Tensor, v_pool: Tensor, out: 
     op = Op(name=k, buffers=[par, part])
     split = dev.pipeline(FILE, "paged_split", header=header)
     x, y = _grid(-(-max_seqs * n_splits * n_q_heads // g // swg) * WG, k)
-    op.add(split, dev.bind(split, [par, le, qe, ke, ve, (part, 0, part.size), te, oe]), x, y)
+    op.add(split, dev.bind(split, {**dict(enumerate([par, le, qe, ke, ve, (part, 0, part.size), te, oe])),
+                                   **sinked}), x, y)
     comb = dev.pipeline(FILE, "paged_combine", header=header)
     x, y = _grid(max_seqs * n_q_heads * head_dim // 4, k)
-    op.add(comb, dev.bind(comb, [par, le, (part, 0, part.size), oe]), x, y)
+    op.add(comb, dev.bind(comb, {**dict(enumerate([par, le, (part, 0, part.size), oe])), **sinked}), x, y)
     # a step whose every sequence takes the short form (record(n_keys=longest) <= max_keys) has
     # nothing to combine: the split dispatch alone (the same outputs, a dispatch fewer)
     op.short, op.max_keys = op.dispatches[:1], short
@@ -211,11 +214,12 @@ def paged_decode(dev: Device, qkv: Tensor, k_pool: Tensor, v_pool: Tensor, out: 
 def paged_prefill(dev: Device, qkv: Tensor, k_pool: Tensor, v_pool: Tensor, out: Tensor, step, table: Tensor, *,
                   n_q_heads: int, n_kv_heads: int, head_dim: int, max_blocks: int, scale: float,
                   max_t: int | None = None, window: int = 0, softcap: float = 0.0,
-                  heads_per_lane: int | None = None) -> Op:
+                  heads_per_lane: int | None = None, sinks: Tensor | None = None) -> Op:
     """Causal attention of one sequence's chunk: rows t < step.n_new (0: all max_t) of qkv
     (T, Hq+2Hkv, D) at positions step.pos0 + t see keys 0 .. pos0+t through `table` (max_blocks
     block ids), whose blocks already hold keys 0 .. pos0+n_new-1 (paged_kv_write first). out
-    (T, Hq*D). A query folds its keys in the same 16-key blocks as nn.attention's causal kernel."""
+    (T, Hq*D). A query folds its keys in the same 16-key blocks as nn.attention's causal kernel.
+    `sinks` (Hq,) f32: per-head logits in each softmax's denominator."""
     k = "paged_prefill"
     n_rows = _qkv_heads(k, qkv, head_dim)[0]
     t_max = n_rows if max_t is None else int(max_t)
@@ -232,5 +236,8 @@ def paged_prefill(dev: Device, qkv: Tensor, k_pool: Tensor, v_pool: Tensor, out:
     n_blk = -(-t_max // WG)
     par = params(dev, [t_max, n_q_heads, group, heads, n_kv_heads, 0, 0, float(scale), qo, ko, vo, oo,
                        max_blocks, int(window), float(softcap), to, 0, n_blk, 0, 0], owner=out.buf.owner, label=k)
-    return _op(dev, k, FILE, "paged_causal", _header(dt, head_dim, g, WG, packed, bs, window, softcap, quant),
-               par, [_step_entry(step), qe, ke, ve, oe, te], n_blk * (n_q_heads // g) * WG)
+    sinked = check_sinks(dev, k, sinks, n_q_heads)
+    return _op(dev, k, FILE, "paged_causal",
+               _header(dt, head_dim, g, WG, packed, bs, window, softcap, quant, bool(sinked)),
+               par, {**dict(enumerate([_step_entry(step), qe, ke, ve, oe, te], 1)), **sinked},
+               n_blk * (n_q_heads // g) * WG)

@@ -35,17 +35,21 @@ def bias_add(dev: Device, x: Tensor, b: Tensor, y: Tensor) -> Op:
     return _op(dev, k, "elementwise.wgsl", k, _vec_header(dt, v) + put, par, binds, x.numel // v)
 
 
-def silu_mul(dev: Device, gate_up: Tensor, y: Tensor, *, pairs: bool = False, act: str = "silu") -> Op:
+def silu_mul(dev: Device, gate_up: Tensor, y: Tensor, *, pairs: bool = False, act: str = "silu",
+             alpha: float = 0.0, limit: float = 0.0) -> Op:
     """y[t,f] = silu(gate_up[t,f]) * gate_up[t,F+f].  gate_up (T, 2F) rows [gate | up]; y (T, F).
     pairs: gate_up rows are gate and up interleaved in pairs (g 2j, g 2j+1, u 2j, u 2j+1, ...),
     the layout of a weight uploaded for the decode matmul's silu epilogue (kernels/matmul/epilogues.py).
-    act "gelu_tanh": GeGLU, GELU's tanh form in place of silu (Gemma)."""
-    check(act in ("silu", "gelu_tanh"), "silu_mul", f"act must be silu or gelu_tanh, got {act!r}")
-    k = "silu_mul" if act == "silu" else "gelu_tanh_mul"
+    act "gelu_tanh": GeGLU, GELU's tanh form in place of silu (Gemma); "swiglu_oai": gpt-oss's clamped
+    SwiGLU, (clamp(up, ±limit) + 1) * g * sigmoid(alpha g) with g = min(gate, limit)."""
+    check(act in ("silu", "gelu_tanh", "swiglu_oai"), "silu_mul",
+          f"act must be silu, gelu_tanh or swiglu_oai, got {act!r}")
+    k = {"silu": "silu_mul", "gelu_tanh": "gelu_tanh_mul"}.get(act, act)
     dt = _act(k, gate_up, y)
     f = int(y.shape[-1])
     check(int(gate_up.shape[-1]) == 2 * f and gate_up.numel == 2 * y.numel, k,
           f"gate_up{gate_up.shape} must be (T, 2F) for y{y.shape}")
+    check(act != "swiglu_oai" or limit > 0, k, f"limit must be > 0, got {limit}")
     if pairs:
         check(f % 2 == 0, k, f"pairs need an even F, got {f}")
         v = 2
@@ -53,7 +57,8 @@ def silu_mul(dev: Device, gate_up: Tensor, y: Tensor, *, pairs: bool = False, ac
         v = _width(dev, k, [f], [gate_up, y])
     (ae, ao), (ye, yo) = (_window(dev, t, k, v) for t in (gate_up, y))
     g_step, u_off = (2, 1) if pairs else (1, f // v)
-    par = params(dev, [y.numel // v, f // v, ao, 0, yo, g_step, u_off, 0], owner=y.buf.owner, label=k)
+    clamp = (float(alpha), float(limit)) if act == "swiglu_oai" else (0, 0)
+    par = params(dev, [y.numel // v, f // v, ao, clamp[0], yo, g_step, u_off, clamp[1]], owner=y.buf.owner, label=k)
     return _unary_op(dev, k, dt, v, par, ae, ye, y.numel // v)
 
 

@@ -83,7 +83,8 @@ def moe_group(dev: Device, sel: Tensor, order: Tensor, start: Tensor, *, n_exper
 
 
 def _expert_op(dev: Device, entry: str, x: Tensor, w: ExpertStack, sel: Tensor, wts: Tensor | None, y: Tensor,
-               *, n_sel: int, T: int, x_slot: bool, accumulate: bool, groups: tuple | None = None) -> Op:
+               *, n_sel: int, T: int, x_slot: bool, accumulate: bool, groups: tuple | None = None,
+               bias: Tensor | None = None) -> Op:
     k, N, K = entry, w.rows, w.k
     check(int(x.shape[-1]) == K and K % 4 == 0, k, f"x{x.shape} against {K} columns (a multiple of 4)")
     check(x.dtype in ("f32", "f16") and y.dtype in (x.dtype, "f32"), k, f"x is {x.dtype}, y {y.dtype}")
@@ -104,6 +105,15 @@ def _expert_op(dev: Device, entry: str, x: Tensor, w: ExpertStack, sel: Tensor, 
         binds.update({7: ob, 8: gb})
         del binds[5]                         # the slots come from order, not sel
         entry = "moe_matmul_grouped"
+    bias_fn = "fn expert_bias(e: u32, r: u32) -> f32 { return 0.0; }\n"
+    if bias is not None:                     # (E, N) f32: each expert's bias (gpt-oss)
+        check(bias.dtype == "f32" and bias.numel == w.n_experts * N, k,
+              f"bias{bias.shape}/{bias.dtype} must be ({w.n_experts} x {N},) f32")
+        bb, bo = window(bias, 4, k, "bias")
+        check(bo == 0, k, "bias must start at a binding-aligned offset")
+        binds[9] = bb
+        bias_fn = ("@group(0) @binding(9) var<storage, read> ebias: array<f32>;   // (E, N)\n"
+                   "fn expert_bias(e: u32, r: u32) -> f32 { return ebias[e * P.rows + r]; }\n")
     rows_out = T if entry == "moe_down" else T * n_sel
     check(rows_out <= 65535, k, f"{rows_out} rows exceed one dispatch")
     op = Op(name=k)
@@ -116,7 +126,7 @@ def _expert_op(dev: Device, entry: str, x: Tensor, w: ExpertStack, sel: Tensor, 
         values = [K, N, rows_out, part.row_words, xo, yo, N, 0, 0, 2 if acc else 0, K // 32, K // 4]
         par = params(dev, values, owner=y.buf.owner, label=f"{k}[{part.label}]")
         extra = (f"const NSEL: u32 = {n_sel}u;\nconst XSLOT: u32 = {int(x_slot)}u;\n"
-                 f"const E0: u32 = {e0}u;\nconst NE: u32 = {e1 - e0}u;\n")
+                 f"const E0: u32 = {e0}u;\nconst NE: u32 = {e1 - e0}u;\n" + bias_fn)
         pipe = weight_pipeline(dev, entry, part, x.dtype, _WG, 1, y_dtype=y.dtype,
                                extra=extra + load_shader_source("moe_matmul.wgsl"))
         op.buffers.append(par)
@@ -126,16 +136,17 @@ def _expert_op(dev: Device, entry: str, x: Tensor, w: ExpertStack, sel: Tensor, 
 
 
 def moe_matmul(dev: Device, x: Tensor, w: ExpertStack, sel: Tensor, y: Tensor, *, n_sel: int,
-               groups: tuple | None = None) -> Op:
+               groups: tuple | None = None, bias: Tensor | None = None) -> Op:
     """y[t*n_sel + j, :] = x[., :] · W[sel[t, j]]ᵀ for each token t's n_sel experts. w: the experts
     stacked (E, N, K); x (T, K) (every slot of t reads row t) or (T * n_sel, K) (a row per slot);
     y (T * n_sel, N). `groups`: moe_group's (order, start), the slots grouped by expert: each weight
-    chunk is read once for 4 slots of its expert (a prefill's rows), the same values bit for bit."""
+    chunk is read once for 4 slots of its expert (a prefill's rows), the same values bit for bit.
+    `bias` (E * N,) f32: expert e's bias added to its products (gpt-oss)."""
     T = sel.numel // n_sel
     rows = x.numel // int(x.shape[-1])
     check(rows in (T, T * n_sel), "moe_matmul", f"x has {rows} rows for {T} tokens of {n_sel} slots")
     return _expert_op(dev, "moe_matmul", x, w, sel, None, y, n_sel=n_sel, T=T,
-                      x_slot=rows == T * n_sel and n_sel > 1, accumulate=False, groups=groups)
+                      x_slot=rows == T * n_sel and n_sel > 1, accumulate=False, groups=groups, bias=bias)
 
 
 def moe_combine(dev: Device, prods: Tensor, wts: Tensor, y: Tensor, *, n_sel: int, accumulate: bool = True) -> Op:
@@ -158,17 +169,19 @@ def moe_combine(dev: Device, prods: Tensor, wts: Tensor, y: Tensor, *, n_sel: in
 
 
 def moe_down(dev: Device, x: Tensor, w: ExpertStack, sel: Tensor, wts: Tensor, y: Tensor, *, n_sel: int,
-             accumulate: bool = True, groups: tuple | None = None, prods: Tensor | None = None) -> Op:
+             accumulate: bool = True, groups: tuple | None = None, prods: Tensor | None = None,
+             bias: Tensor | None = None) -> Op:
     """y[t, :] (+)= sum_j wts[t, j] * x[t*n_sel + j, :] · W[sel[t, j]]ᵀ: the experts' outputs of each
     token weighted and summed in slot order (added to y when `accumulate`: the residual). x
     (T * n_sel, K); y (T, N). With moe_group's `groups` (a prefill's rows): each slot's product by
-    moe_matmul's grouped form into `prods` (T * n_sel, N) f32, then their weighted sums (moe_combine)."""
+    moe_matmul's grouped form into `prods` (T * n_sel, N) f32, then their weighted sums (moe_combine).
+    `bias` (E * N,) f32: each expert's bias, in its product before the weighting (gpt-oss)."""
     T = sel.numel // n_sel
     if groups is not None:
-        return moe_matmul(dev, x, w, sel, prods, n_sel=n_sel, groups=groups) + \
+        return moe_matmul(dev, x, w, sel, prods, n_sel=n_sel, groups=groups, bias=bias) + \
             moe_combine(dev, prods, wts, y, n_sel=n_sel, accumulate=accumulate)
     return _expert_op(dev, "moe_down", x, w, sel, wts, y, n_sel=n_sel, T=T,
-                      x_slot=True, accumulate=accumulate)
+                      x_slot=True, accumulate=accumulate, bias=bias)
 
 
 def upload_experts(dev: Device, experts: list, qtype: str, rows: int, k: int, *, owner: str, label: str,

@@ -54,17 +54,30 @@ def moe_route(logits: np.ndarray, n_sel: int, norm: bool) -> tuple[np.ndarray, n
     return ids, (w / w.sum(-1, keepdims=True) if norm else w)
 
 
-def moe_matmul(x: np.ndarray, w: np.ndarray, ids: np.ndarray) -> np.ndarray:
-    """(T * n_sel, N): row t*n_sel + j = x[t or t*n_sel + j] · w[ids[t, j]]ᵀ; w (E, N, K)."""
+def moe_matmul(x: np.ndarray, w: np.ndarray, ids: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
+    """(T * n_sel, N): row t*n_sel + j = x[t or t*n_sel + j] · w[ids[t, j]]ᵀ (+ bias[ids[t, j]]); w (E, N, K),
+    bias (E, N)."""
     T, n_sel = ids.shape
     xs = x if len(x) == T * n_sel else np.repeat(x, n_sel, axis=0)
-    return np.einsum("sk,snk->sn", xs, w[ids.reshape(-1)])
+    y = np.einsum("sk,snk->sn", xs, w[ids.reshape(-1)])
+    return y if bias is None else y + bias[ids.reshape(-1)]
 
 
-def moe_down(x: np.ndarray, w: np.ndarray, ids: np.ndarray, wts: np.ndarray) -> np.ndarray:
-    """(T, N): sum_j wts[t, j] * x[t*n_sel + j] · w[ids[t, j]]ᵀ; x (T * n_sel, K), w (E, N, K)."""
+def moe_down(x: np.ndarray, w: np.ndarray, ids: np.ndarray, wts: np.ndarray, bias: np.ndarray | None = None
+             ) -> np.ndarray:
+    """(T, N): sum_j wts[t, j] * (x[t*n_sel + j] · w[ids[t, j]]ᵀ (+ bias[ids[t, j]])); x (T * n_sel, K),
+    w (E, N, K)."""
     T, n_sel = ids.shape
-    return (moe_matmul(x, w, ids).reshape(T, n_sel, -1) * wts[..., None]).sum(1)
+    return (moe_matmul(x, w, ids, bias).reshape(T, n_sel, -1) * wts[..., None]).sum(1)
+
+
+def swiglu_oai(gate_up: np.ndarray, alpha: float, limit: float) -> np.ndarray:
+    """gpt-oss's clamped SwiGLU of [gate | up] (T, 2F) -> (T, F): g = min(gate, limit), u = clamp(up,
+    ±limit), (u + 1) * g * sigmoid(alpha * g)."""
+    f = gate_up.shape[-1] // 2
+    g = np.minimum(gate_up[..., :f].astype(np.float64), limit)
+    u = np.clip(gate_up[..., f:].astype(np.float64), -limit, limit)
+    return ((u + 1) * g / (1 + np.exp(-alpha * g))).astype(np.float32)
 
 def tanh(x: np.ndarray) -> np.ndarray:
     return np.tanh(x.astype(np.float64)).astype(np.float32)
@@ -127,19 +140,23 @@ def rope(x: np.ndarray, positions: np.ndarray, *, n_heads: int, rot_dim: int, ba
     return y.astype(np.float32)
 
 
-def softmax_attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, softcap: float = 0.0) -> np.ndarray:
-    """q (D,), k/v (n, D) → (D,) in float64."""
+def softmax_attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, softcap: float = 0.0,
+                   sink: float | None = None) -> np.ndarray:
+    """q (D,), k/v (n, D) → (D,) in float64; `sink`: a logit in the softmax's denominator with no value
+    (gpt-oss's attention sinks)."""
     s = k.astype(np.float64) @ q.astype(np.float64) * scale
     if softcap:
         s = softcap * np.tanh(s / softcap)
-    p = np.exp(s - s.max())
-    return (p / p.sum()) @ v.astype(np.float64)
+    m = s.max() if sink is None else max(s.max(), sink)
+    p = np.exp(s - m)
+    return (p / (p.sum() + (0.0 if sink is None else np.exp(sink - m)))) @ v.astype(np.float64)
 
 
 def causal_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, pos0: int,
-                     scale: float, window: int = 0, softcap: float = 0.0) -> np.ndarray:
+                     scale: float, window: int = 0, softcap: float = 0.0, sinks=None) -> np.ndarray:
     """q (T, Hq, D); caches (Hkv, ctx, D) → (T, Hq*D): query t sees keys 0..pos0+t of kv head h//G
-    (keys pos0+t-window+1.. only when window > 0); scores soft-capped when softcap > 0."""
+    (keys pos0+t-window+1.. only when window > 0); scores soft-capped when softcap > 0; sinks (Hq,):
+    each head's sink logit in its softmax's denominator."""
     t_n, hq, d = q.shape
     g = hq // k_cache.shape[0]
     out = np.zeros((t_n, hq, d))
@@ -147,7 +164,8 @@ def causal_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, po
         n = pos0 + t + 1
         lo = max(0, n - window) if window else 0
         for h in range(hq):
-            out[t, h] = softmax_attend(q[t, h], k_cache[h // g, lo:n], v_cache[h // g, lo:n], scale, softcap)
+            out[t, h] = softmax_attend(q[t, h], k_cache[h // g, lo:n], v_cache[h // g, lo:n], scale, softcap,
+                                       None if sinks is None else float(sinks[h]))
     return out.reshape(t_n, hq * d).astype(np.float32)
 
 
