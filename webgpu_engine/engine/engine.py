@@ -18,11 +18,12 @@ from ..errors import (IncorrectPipelineLoadedError, InvalidRequestError, ModelBu
                       RequestTimeoutError, SpecifiedModelNotFoundError, UnclearModelToUseError)
 from .device_loss import DeviceLossHandling
 from .loading import SHARED_OWNERS, LoadedModel, ModelLoading  # noqa: F401 - SHARED_OWNERS re-exported
+from .lora import LoraAdapters
 from .records import LLM, AppConfig, EngineConfig
 from .tokens import Tokenizing
 
 
-class AsyncMLCEngine(ModelLoading, DeviceLossHandling, Tokenizing):
+class AsyncMLCEngine(ModelLoading, DeviceLossHandling, Tokenizing, LoraAdapters):
     """Async engine. `await engine.reload(ids)`, then `engine.chat.completions.create(...)` etc."""
 
     def __init__(self, engine_config: EngineConfig | None = None):
@@ -102,9 +103,9 @@ class AsyncMLCEngine(ModelLoading, DeviceLossHandling, Tokenizing):
                 raise UnclearModelToUseError(loaded, request_name)
             lm = self.models[loaded[0]]
         else:
-            lm = self.models.get(model)
+            lm = self.models.get(model) or self.lora_base(model)     # a LoRA adapter: its base
             if lm is None:
-                raise SpecifiedModelNotFoundError(loaded, model)
+                raise SpecifiedModelNotFoundError(loaded + self.lora_names(), model)
         if kind is not None and lm.model_type != kind:       # None: either pipeline type
             # WebLLM's getLLMStates / getEmbeddingStates: the other pipeline type loaded
             raise IncorrectPipelineLoadedError(lm.model_id, kind, request_name)

@@ -48,6 +48,7 @@ class LoadedModel:
     estimate: memory.MemoryEstimate | None = None   # what the pre-load memory check assumed
     dropped_by_loss: bool = False  # dropped because the device was lost (not unloaded)
     coalescer: Any = None          # an embedder's group of concurrent requests (coalesce.py)
+    lora_adapters: dict = field(default_factory=dict)   # LoRA adapters served over it: name -> path (lora.py)
 
     def describe(self, device=None) -> dict:
         """What /v1/models shows besides the id: the type, the context window in tokens (an
@@ -149,11 +150,12 @@ class ModelLoading:
     """AsyncMLCEngine's reload / unload half (a mixin: engine.py's __init__ sets the state used here)."""
 
     async def reload(self, model_id: str | list[str], chat_opts: dict | list[dict | None] | None = None,
-                     *, aliases: str | list[str | None] | None = None) -> None:
+                     *, aliases: str | list[str | None] | None = None, lora_adapters: dict | None = None) -> None:
         """Unload everything, then load each model in order. Cancelling the task leaves nothing loaded
         and every GPU buffer of the partial load freed. `aliases` (one per model, None to keep the
         default) names the models in engine.models, /v1/models and responses (references only: an
-        app-config record keeps its id). Downloads a reference needs report to the progress callback."""
+        app-config record keeps its id). Downloads a reference needs report to the progress callback.
+        `lora_adapters` {name: path}: LoRA adapters over the chat model, requested by name (lora.py)."""
         ids = [model_id] if isinstance(model_id, str) else list(model_id)
         names = [aliases] if isinstance(aliases, str) else list(aliases or [])
         if len(names) > len(ids):
@@ -226,6 +228,7 @@ class ModelLoading:
         self.models = loaded
         self.state = "ready"
         self.device_lost_reason = None
+        await self._load_lora_adapters(lora_adapters)
         self._report(1.0, t0, f"Finish loading on WebGPU - {dev.info.name}")
 
     def _check_aborted(self, token: object) -> None:

@@ -115,6 +115,14 @@ def _choice_gen(gen: GenerationConfig, i: int) -> GenerationConfig:
     return replace(gen, seed=gen.seed + i)
 
 
+def _sequence(lm, req: dict):
+    """The sequence a choice generates through, with the LoRA adapter the request's `model` names."""
+    seq = lm.pipeline.sequence()
+    if req.get("model") in lm.lora_adapters:
+        seq.adapter = req["model"]
+    return seq
+
+
 async def _steps(engine, lm, seq, gen: GenerationConfig, messages=None, prompt=None,
                  deadline: float | None = None) -> AsyncIterator[tuple[str, list]]:
     """One choice, generated through `seq` (lm.pipeline.sequence(): the pipeline itself, or a
@@ -303,7 +311,7 @@ async def _create_text(engine, req: dict, chat: bool):
                 # the interrupted one are empty, with finish_reason "abort"
                 finish = "abort"
             else:
-                seq = lm.pipeline.sequence()
+                seq = _sequence(lm, req)
                 async for delta, entries in _steps(engine, lm, seq, g, messages, prompt, deadline):
                     parts.append(delta)
                     lps.extend(entries)
@@ -421,7 +429,7 @@ async def _stream(engine, lm, req, gen, rid, created, kind, messages, prompt, de
         return agen()
 
     try:
-        seq = lm.pipeline.sequence()
+        seq = _sequence(lm, req)
         steps = _steps(engine, lm, seq, gen, messages, prompt, deadline)
         # Run the prefill now, under the lock: its errors (context too long, device lost) raise
         # from create() and become proper HTTP errors instead of a broken stream.

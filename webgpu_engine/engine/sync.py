@@ -120,8 +120,14 @@ class MLCEngine:
         self.responses = _Responses(self, self.async_engine.responses)
         self.messages = _Messages(self, self.async_engine.messages)
 
-    def reload(self, model_id, chat_opts=None) -> None:
-        self._loop.run(self.async_engine.reload(model_id, chat_opts))
+    def reload(self, model_id, chat_opts=None, *, lora_adapters: dict | None = None) -> None:
+        self._loop.run(self.async_engine.reload(model_id, chat_opts, lora_adapters=lora_adapters))
+
+    def load_lora_adapter(self, lora_name: str, lora_path: str, model: str | None = None) -> None:
+        self._loop.run(self.async_engine.load_lora_adapter(lora_name, lora_path, model))
+
+    def unload_lora_adapter(self, lora_name: str) -> None:
+        self._loop.run(self.async_engine.unload_lora_adapter(lora_name))
 
     def rerank(self, request: Any = None, **fields):
         return self._loop.run(self.async_engine.rerank(request, **fields))

@@ -161,9 +161,10 @@ class ForwardOps(list):
 
 
 def forward(m, kv: KVAccess, T: int, mode: str, *, with_head: bool = True,
-            plan: FusionPlan | None = None) -> ForwardOps:
+            plan: FusionPlan | None = None, lora=None) -> ForwardOps:
     """The ops of one forward of T rows of model `m` (a LlamaModel: weights and activations) through
-    `kv` in row mode `mode` (DECODE: T = 1)."""
+    `kv` in row mode `mode` (DECODE: T = 1). `lora` (models/lora.py LoraRows): each row adds its
+    adapter's delta after each projection (with the fusions that hide one off)."""
     c, dev = m.cfg, m.dev
     H, Hkv, C = c.n_heads, c.n_kv_heads, c.hidden_size
     x, h = m.x.view((T, C)), m.h.view((T, C))
@@ -171,6 +172,9 @@ def forward(m, kv: KVAccess, T: int, mode: str, *, with_head: bool = True,
     if plan is None:
         plan = FusionPlan.choose(dev, c, m.layers, m.lm_head, mode == DECODE or "fused_rows" in flags,
                                  kv.fused_rope(0) is not None)
+    if lora is not None:
+        plan = lora.plan(plan)
+    delta = lora.delta if lora is not None else (lambda *a: [])
     points = family_ops(c)
     part = m.part.view((T * C // 4,))        # sums of x^2 per 4 columns, per row (res_norm)
     rms = (part, eps)
@@ -196,6 +200,7 @@ def forward(m, kv: KVAccess, T: int, mode: str, *, with_head: bool = True,
         else:
             ops.append(_norm(m, x, L.attn_norm, L.attn_norm_bias, h))
             ops.append(mm.matmul(dev, h, L.qkv, qkv2, bias=L.qkv_bias, rope_kv=rope, **flags))
+        ops += delta(i, "qkv", h if c.pre_norms else x, qkv2, T)
         if L.qk_norm is not None and c.qk_norm_whole:   # q, k = rms_norm of each projection (before RoPE)
             ops.append(nn.proj_rms_norm(dev, qkv2, L.qk_norm, q_dim=c.q_dim, k_dim=c.kv_dim, eps=eps))
         elif L.qk_norm is not None:          # q, k = rms_norm per head (before RoPE)
@@ -217,11 +222,12 @@ def forward(m, kv: KVAccess, T: int, mode: str, *, with_head: bool = True,
         if c.parallel_norms == 2:            # GPT-NeoX: h = the FFN's norm of the layer's input
             ops.append(_norm(m, x, L.ffn_norm, L.ffn_norm_bias, h))
         if L.post_attn_norm is not None:     # x += rms_norm(attn · Woᵀ)
-            ops += [mm.matmul(dev, attn, L.o, h, bias=L.o_bias, **flags),
+            ops += [mm.matmul(dev, attn, L.o, h, bias=L.o_bias, **flags), *delta(i, "o", attn, h, T),
                     nn.rms_norm(dev, h, L.post_attn_norm, h, eps=eps), nn.add(dev, x, h, x)]
         else:
             ops.append(mm.matmul(dev, attn, L.o, x, bias=L.o_bias, accumulate=True, **flags,
                                  norm_out=mm.NormOut(L.ffn_norm, h, part) if plan.res_norm else None))
+            ops += delta(i, "o", attn, x, T)
         if L.experts is not None:            # x += the chosen experts' FFNs of rms_norm(x)
             ops += _experts(m, L, x, h, T, mode, flags)
             continue
@@ -240,6 +246,7 @@ def forward(m, kv: KVAccess, T: int, mode: str, *, with_head: bool = True,
         else:
             ops.append(_norm(m, x, L.ffn_norm, L.ffn_norm_bias, h))
             ops.append(mm.matmul(dev, h, L.gate_up, out, bias=L.up_bias, **gate))
+        ops += delta(i, "gate_up", x if not c.pre_norms and not c.parallel_norms else h, out, T)
         # x += (act(gate) * up) · Wdownᵀ (the next layer's norm stored beside when res_norm),
         # act(gate) * up computed by the down matmul itself (gate_in_down), by the gate_up
         # matmul (gate_out) or by its own kernel
@@ -254,11 +261,12 @@ def forward(m, kv: KVAccess, T: int, mode: str, *, with_head: bool = True,
             if "ffn" in points:
                 ops += points["ffn"](m, i, ffn, T)
         if L.post_ffn_norm is not None:      # x += rms_norm(ffn · Wdownᵀ)
-            ops += [mm.matmul(dev, ffn_in, L.down, h, **fused),
+            ops += [mm.matmul(dev, ffn_in, L.down, h, **fused), *delta(i, "down", ffn_in, h, T),
                     nn.rms_norm(dev, h, L.post_ffn_norm, h, eps=eps), nn.add(dev, x, h, x)]
         else:
             nxt = mm.NormOut(norms_after[i], h, part) if plan.res_norm else None
             ops.append(mm.matmul(dev, ffn_in, L.down, x, bias=L.down_bias, accumulate=True, norm_out=nxt, **fused))
+            ops += delta(i, "down", ffn_in, x, T)
         if L.ple_gate is not None:           # x += the layer's per-layer input, gated by x
             ops += _per_layer_input(m, L, i, x, h, T, flags)
         if L.scale != 1.0:

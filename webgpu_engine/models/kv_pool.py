@@ -60,6 +60,7 @@ class _Seq:
     hashes: list = field(default_factory=list)      # keys of the full blocks, in order
     order: int = 0                                   # admission counter (preemption picks the max)
     exact: int | None = None                         # tokens before the first decoded one (None: all prefilled)
+    root: bytes = b""                                # parent key of its first block (ROOT; a LoRA adapter's own)
 
 
 class KVPool:
@@ -140,15 +141,17 @@ class KVPool:
         return out
 
     # ------------------------------------------------------------------ lifecycle
-    def add_sequence(self, seq_id, prompt) -> int:
+    def add_sequence(self, seq_id, prompt, root: bytes = ROOT) -> int:
         """Admits seq_id with its prompt token ids; returns how many leading prompt tokens are
         already cached (a multiple of block_size, at most len(prompt) - 1 so that the last token
-        is still computed and gives logits). Those blocks now belong to seq_id's table too."""
+        is still computed and gives logits). Those blocks now belong to seq_id's table too. `root`: the
+        parent key of the first block, so that only sequences of the same root share blocks (the rows
+        of a LoRA adapter differ from the base's)."""
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id!r} is already in the pool")
         self._counter += 1
-        s = self._seqs[seq_id] = _Seq(order=self._counter)
-        bs, parent = self.block_size, ROOT
+        s = self._seqs[seq_id] = _Seq(order=self._counter, root=root)
+        bs, parent = self.block_size, root
         for i in range((len(prompt) - 1) // bs if prompt else 0):
             toks = prompt[i * bs:(i + 1) * bs]
             key = block_hash(parent, toks)
@@ -187,7 +190,7 @@ class KVPool:
         s.tokens.extend(int(t) for t in tokens)
         while (len(s.hashes) + 1) * bs <= len(s.tokens):
             i = len(s.hashes)
-            key = block_hash(s.hashes[-1] if s.hashes else ROOT, s.tokens[i * bs:(i + 1) * bs])
+            key = block_hash(s.hashes[-1] if s.hashes else s.root, s.tokens[i * bs:(i + 1) * bs])
             s.hashes.append(key)
             b = s.blocks[i]
             if s.exact is not None and (i + 1) * bs > s.exact:

@@ -64,7 +64,7 @@ class PagedForward:
         self.step = dev.buffer(16, owner=owner, label="paged.step")              # (pos0, n_new, ., 0)
         # a step's inputs in one write, copied into place by the step's own batch (a write costs
         # 0.2-1 ms of host time each on lavapipe right after a step, a copy command next to nothing)
-        self.inputs = dev.buffer(4 * (3 * P + S + S * self.max_blocks + 4), owner=owner, label="paged.inputs")
+        self.inputs = dev.buffer(4 * (4 * P + S + S * self.max_blocks + 4), owner=owner, label="paged.inputs")
         self.logits = new_tensor(dev, (S, c.vocab_size), dt, owner=owner, label="paged.logits")
         self.pools = []
         for i in range(c.n_layers):          # a layer attending an earlier one's cache has no pool
@@ -75,7 +75,11 @@ class PagedForward:
         if c.kv_sources:                     # rope_q: every row rotated, none written (slot 0xffffffff)
             self.no_slots = new_tensor(dev, (P,), "u32", owner=owner, label="paged.no_slots")
             dev.write(self.no_slots.buf, b"\xff" * 4 * P)
-        self._ops = OpCache(_MAX_CACHED)                   # (kind, rows) -> list[Op]
+        self._ops = OpCache(_MAX_CACHED)                   # (kind, rows, lora) -> list[Op]
+        # LoRA adapters (models/lora.py): each row's adapter slot; op lists with the deltas are
+        # built apart and run only for steps with an adapter row (a base-only step is unchanged)
+        self.lora_idx = new_tensor(dev, (P,), "u32", owner=owner, label="paged.lora_idx")
+        self.lora = None                                   # a LoraRows once a pool is attached
         # up to MAX_DECODE_ROWS sequences (a CPU adapter's default is 4): each decode row through the
         # fused one-row kernels, as the one-request path decodes it; more: the row-invariant kernels
         self.fused_rows = self.max_seqs <= mm.MAX_DECODE_ROWS and mm.fused_rows_ok(dev)
@@ -122,11 +126,22 @@ class PagedForward:
                                 **spec.masking())
 
     # ------------------------------------------------------------------ op lists
-    def ops(self, kind: str, T: int) -> list[Op]:
+    def ops(self, kind: str, T: int, lora: bool = False) -> list[Op]:
         """The forward of T rows: "decode" (one row per sequence, logits of every row) or "prefill"
-        (T tokens of one sequence, the last row's logits into row 0)."""
+        (T tokens of one sequence, the last row's logits into row 0); with `lora`, each row's
+        adapter delta (lora_idx) added."""
         mode = decoder.ROWS if kind == "decode" else decoder.PREFILL
-        return self._ops.get((kind, T), lambda: decoder.forward(self.model, self, T, mode))
+        rows = self.lora if lora else None
+        return self._ops.get((kind, T, lora), lambda: decoder.forward(self.model, self, T, mode, lora=rows))
+
+    def attach_lora(self, pool) -> None:
+        """Adapters of models/lora.py's LoraPool `pool` become available to the rows."""
+        from .lora import LoraRows
+        self.lora = LoraRows(pool, self.lora_idx)
+
+    def _lora_input(self, slots) -> list:
+        """(lora_idx, the rows' slots) for _put where a row has an adapter, else nothing."""
+        return [(self.lora_idx.buf, slots)] if slots is not None else []
 
     # ------------------------------------------------------------------ steps
     def _put(self, batch, parts: list) -> None:
@@ -142,27 +157,30 @@ class PagedForward:
                 batch.copy(self.inputs, buf, 4 * len(v), src_offset=at)
             at += 4 * len(v)
 
-    def record_decode(self, batch, tokens: list[int] | None, inputs: dict) -> None:
+    def record_decode(self, batch, tokens: list[int] | None, inputs: dict, lora: list[int] | None = None) -> None:
         """One token for each of S sequences; inputs: KVPool.decode_inputs(ids, S, max_blocks);
         tokens: their S input ids, or None where the work before wrote them into `ids` on the GPU
-        (a step submitted ahead). Logits rows 0 .. S-1."""
+        (a step submitted ahead); lora: each row's adapter slot (kernels/lora.py NONE: the base), or
+        None where no row has one. Logits rows 0 .. S-1."""
         S = len(inputs["lens"]) if tokens is None else len(tokens)
         self._put(batch, ([] if tokens is None else [(self.ids.buf, tokens)])
                   + [(self.positions.buf, inputs["positions"]), (self.slots.buf, inputs["slots"]),
-                     (self.lens.buf, inputs["lens"]), (self.tables.buf, inputs["tables"])])
+                     (self.lens.buf, inputs["lens"]), (self.tables.buf, inputs["tables"])]
+                  + self._lora_input(lora))
         n_keys = max(inputs["lens"])       # the attention's combine only where a sequence needs it
-        for op in self.ops("decode", S):
+        for op in self.ops("decode", S, lora is not None):
             op.record(batch, n_keys=n_keys)
 
     def record_prefill(self, batch, tokens: list[int], pos0: int, slots: list[int], table: list[int],
-                       with_head: bool) -> None:
+                       with_head: bool, lora: int | None = None) -> None:
         """T = len(tokens) <= chunk tokens of one sequence at positions pos0 ..; their KV goes to
         `slots`; table: the sequence's block ids (those holding keys 0 .. pos0+T-1). With the head,
-        the last row's logits go to row 0."""
+        the last row's logits go to row 0. lora: the sequence's adapter slot (None: the base)."""
         T = len(tokens)
         self._put(batch, [(self.ids.buf, tokens), (self.positions.buf, range(pos0, pos0 + T)),
-                          (self.slots.buf, slots), (self.tables.buf, table), (self.step, (pos0, T, pos0 + T, 0))])
-        ops = self.ops("prefill", T)
+                          (self.slots.buf, slots), (self.tables.buf, table), (self.step, (pos0, T, pos0 + T, 0))]
+                  + self._lora_input(None if lora is None else [lora] * T))
+        ops = self.ops("prefill", T, lora is not None)
         for op in (ops if with_head else ops.body()):       # a chunk before the last: no logits
             op.record(batch)
 

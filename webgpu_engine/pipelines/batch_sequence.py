@@ -28,6 +28,8 @@ class SeqRecord:
         self.t_prefill = None
         self.prompt_len = len(prompt)     # rows a prefill computes; the rest, decode steps
         self.replay: int | None = None    # after a preemption: the next decoded row computed again
+        self.lora: str | None = None      # its LoRA adapter's name (None: the base) ...
+        self.lora_slot: int | None = None  # ... and its slot in the model's LoraPool
 
     # A preempted sequence computes its rows again as they were computed: the prompt's by prefill, the
     # decoded ones by decode steps that feed its own tokens and sample nothing (replay), so its
@@ -56,6 +58,7 @@ class BatchSequence:
         self._rec: SeqRecord | None = None
         self._event = asyncio.Event()
         self.error: BaseException | None = None
+        self.adapter: str | None = None     # the LoRA adapter it generates with (None: the base)
 
     stopped = property(lambda self: self.seq is not None and self.seq.stopped)
     finish_reason = property(lambda self: self.seq.finish_reason if self.seq else None)

@@ -38,12 +38,14 @@ only (in the browser, grammar masks are computed inline instead of in a worker t
 from __future__ import annotations
 
 import asyncio
+import hashlib
 
 from ..config import GenerationConfig
 from ..gpu import IN_BROWSER
 from ..kernels import nn
 from ..kernels.common import DTYPE_SIZE, new_tensor
 from ..kernels.logit_mask import LogitMask
+from ..kernels.lora import NONE
 from ..kernels.sampling import RESULT_BYTES, Sampler
 from ..models.kv_pool import KVPool, PoolExhaustedError
 from ..models.paged import PagedForward
@@ -135,7 +137,10 @@ class Scheduler:
             raise SchedulerClosedError("the model was released")
         if not self._free_slots:
             raise RuntimeError("more sequences than max_num_sequences were admitted")
+        # a LoRA adapter's slot in the model's pool (uploaded now where it is not on the GPU)
+        lora_slot = self.pipe.lora.acquire(handle.adapter) if handle.adapter is not None else None
         rec = SeqRecord(handle, prompt, gen, self._free_slots.pop())
+        rec.lora, rec.lora_slot = handle.adapter, lora_slot
         slot = self.slots[rec.slot]
         configure_sampler(slot.sampler, gen, prompt)
         if rec.seq.matcher is not None and slot.mask is None:
@@ -153,7 +158,9 @@ class Scheduler:
         return rec
 
     def _enter_pool(self, rec: SeqRecord) -> None:
-        cached = self.pool.add_sequence(rec.id, rec.toks)
+        # an adapter's rows are its own: prefixes are shared between sequences of the same adapter
+        root = b"" if rec.lora is None else hashlib.sha256(b"lora:" + rec.lora.encode()).digest()
+        cached = self.pool.add_sequence(rec.id, rec.toks, root=root)
         rec.in_pool = True
         if rec.sample_at_end and not rec.decoding:
             rec.seq.req.prefill_tokens = len(rec.toks) - cached
@@ -175,6 +182,8 @@ class Scheduler:
         if rec in self.running:
             self.running.remove(rec)
             self._free_slots.append(rec.slot)
+            if rec.lora is not None:
+                self.pipe.lora.release(rec.lora)
         if rec.in_pool:
             self.pool.free(rec.id)
             rec.in_pool = False
@@ -320,7 +329,7 @@ class Scheduler:
             head = end == len(rec.toks) and rec.sample_at_end
             batch = dev.batch()
             fwd.record_prefill(batch, rec.toks[start:end], start, pool.slots(rec.id, start, end - start),
-                               pool.block_table(rec.id), with_head=head)
+                               pool.block_table(rec.id), with_head=head, lora=rec.lora_slot)
             if head:
                 self._copy_logits(batch, 0, rec.slot)
                 if inline:
@@ -421,16 +430,20 @@ class Scheduler:
         a row after rec's for each guess, at the next positions, its logits sampled by rec's slot
         right after the row before it (results after the slots' places, in row order)."""
         fwd, batch, pool = self.fwd, self.dev.batch(), self.pool
+        # each row's LoRA slot, where a row has an adapter (else the base's op lists)
+        lora = [NONE if r.lora_slot is None else r.lora_slot for r in rows
+                for _ in range(1 + len((guesses or {}).get(r, ())))]
+        lora = lora if any(s != NONE for s in lora) else None
         if guesses:
             feed, at = [], []
             for r, tok in zip(rows, tokens):
                 g = guesses.get(r, [])
                 feed += [tok] + g
                 at += [(r.id, len(r.toks) + j) for j in range(1 + len(g))]
-            fwd.record_decode(batch, feed, pool.decode_rows(at, len(at), fwd.max_blocks))
+            fwd.record_decode(batch, feed, pool.decode_rows(at, len(at), fwd.max_blocks), lora)
         else:
             fwd.record_decode(batch, tokens, pool.decode_inputs([r.id for r in rows], len(rows), fwd.max_blocks,
-                                                                ahead=ahead))
+                                                                ahead=ahead), lora)
         i, extra = 0, self.max_seqs
         for r in rows:
             self._copy_logits(batch, i, r.slot)

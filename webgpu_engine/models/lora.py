@@ -1,0 +1,331 @@
+"""LoRA adapters over a loaded decoder, chosen per row of a batch (punica / S-LoRA's bgmv).
+
+An adapter adds to a projection y = x · Wᵀ its scaled low-rank product: y += s · B · (A · x), with
+A (r, K), B (N, r) and s = lora_alpha / r (rsLoRA: lora_alpha / sqrt(r)). Adapters come from PEFT
+folders (adapter_config.json + adapter_model.safetensors), targets q/k/v/o/gate/up/down.
+
+On the GPU a LoraPool holds up to `slots` adapters of rank <= `max_rank`, per layer and per input
+the forward shares (q|k|v read one h, gate|up another), as kernels/lora.py's A (slots, J, K) and
+B (slots, N, J) with J = targets x max_rank: an adapter's A rows of each target stacked, its B (s
+folded in) laid out as the fused projection's output rows (q|k|v, gate / up in pairs where the
+model interleaves them, q / k rows permuted where the base's are), zeros where it has no target. A
+forward built with `rows` (LoraRows: the pool and a (P,) u32 slot per row, kernels/lora.py NONE for
+a base row) adds each row's delta after each projection (decoder.py); a row without an adapter is
+not touched. Adapters are registered host-side and uploaded into a slot on first use; a full pool
+evicts the least recently used adapter no sequence is using.
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import InvalidRequestError
+from ..kernels import lora as lk
+from ..kernels.common import Tensor, new_tensor
+
+TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+# the projections that read one input, in the order their A rows stack: (group, targets)
+GROUPS = (("qkv", ("q", "k", "v")), ("o", ("o",)), ("gate_up", ("gate", "up")), ("down", ("down",)))
+_GROUP_OF = {t: g for g, ts in GROUPS for t in ts}
+_PEFT_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(q|k|v|o|gate|up|down)_proj\.lora_(A|B)\.weight$")
+DEFAULT_MAX_RANK = 16
+DEFAULT_SLOTS = 4
+
+
+class LoraAdapterError(InvalidRequestError):
+    """An adapter that does not fit the loaded model, or one this engine cannot read; the message
+    names the file part (tensor, config key) and what was expected."""
+
+
+@dataclass
+class LoraAdapter:
+    """One adapter, host side: rank, scale, and per (layer, target) its A (r, K) and B (N, r) f32
+    numpy arrays (B not yet scaled)."""
+
+    name: str
+    rank: int
+    scale: float
+    weights: dict = field(default_factory=dict)       # (layer, target) -> (A, B)
+    source: str = ""
+
+    @property
+    def targets(self) -> set:
+        return {t for _, t in self.weights}
+
+
+def _decode(t):
+    """A TensorInfo's values as an f32 numpy array of its shape."""
+    import numpy as np
+    raw = bytes(t.data)
+    if t.qtype == "f32":
+        v = np.frombuffer(raw, np.float32)
+    elif t.qtype == "f16":
+        v = np.frombuffer(raw, np.float16).astype(np.float32)
+    elif t.qtype == "bf16":
+        v = (np.frombuffer(raw, np.uint16).astype(np.uint32) << 16).view(np.float32)
+    else:
+        raise LoraAdapterError(f"LoRA tensor {t.name!r} is {t.qtype}; adapters must be f32, f16 or bf16.")
+    return v.reshape(t.shape).astype(np.float32)
+
+
+def load_peft(path, name: str | None = None) -> LoraAdapter:
+    """A PEFT LoRA folder (adapter_config.json + adapter_model.safetensors) as a LoraAdapter."""
+    from ..loaders.safetensors import SafetensorsFile
+    folder = Path(path)
+    conf_path, st_path = folder / "adapter_config.json", folder / "adapter_model.safetensors"
+    if not conf_path.is_file() or not st_path.is_file():
+        raise LoraAdapterError(f"{folder} is not a PEFT LoRA folder: it needs adapter_config.json and "
+                               f"adapter_model.safetensors.", param="lora_path")
+    try:
+        conf = json.loads(conf_path.read_text())
+    except ValueError as e:
+        raise LoraAdapterError(f"{conf_path}: not JSON ({e}).", param="lora_path") from None
+    if conf.get("peft_type", "LORA") != "LORA":
+        raise LoraAdapterError(f"{conf_path}: peft_type {conf.get('peft_type')!r} is not LORA.", param="lora_path")
+    for key, bad in (("use_dora", True), ("fan_in_fan_out", True)):
+        if conf.get(key) == bad:
+            raise LoraAdapterError(f"{conf_path}: {key} {bad} is not supported.", param="lora_path")
+    for key in ("rank_pattern", "alpha_pattern"):
+        if conf.get(key):
+            raise LoraAdapterError(f"{conf_path}: per-module {key} is not supported.", param="lora_path")
+    if conf.get("bias", "none") != "none" or conf.get("modules_to_save"):
+        raise LoraAdapterError(f"{conf_path}: adapters that train biases or whole modules (bias, "
+                               f"modules_to_save) are not supported.", param="lora_path")
+    r, alpha = int(conf.get("r", 8)), float(conf.get("lora_alpha", 8))
+    scale = alpha / math.sqrt(r) if conf.get("use_rslora") else alpha / r
+    ad = LoraAdapter(name or folder.name, r, scale, source=str(folder))
+    f = SafetensorsFile(st_path)
+    try:
+        parts: dict = {}
+        for tname, t in f.tensors.items():
+            m = _PEFT_NAME.search(tname)
+            if m is None:
+                raise LoraAdapterError(f"{st_path.name}: tensor {tname!r} is not a LoRA A/B of a q/k/v/o/"
+                                       f"gate/up/down projection of a decoder layer.", param="lora_path")
+            parts.setdefault((int(m.group(1)), m.group(2)), {})[m.group(3)] = (tname, _decode(t))
+    finally:
+        f.close()
+    for key, ab in sorted(parts.items()):
+        if set(ab) != {"A", "B"}:
+            tname = next(iter(ab.values()))[0]
+            raise LoraAdapterError(f"{st_path.name}: tensor {tname!r} has no lora_{'B' if 'A' in ab else 'A'} "
+                                   f"beside it.", param="lora_path")
+        (an, a), (bn, b) = ab["A"], ab["B"]
+        if a.ndim != 2 or b.ndim != 2 or a.shape[0] != r or b.shape[1] != r:
+            raise LoraAdapterError(f"{st_path.name}: tensor {an!r} {a.shape} / {bn!r} {b.shape} do not have "
+                                   f"the rank r = {r} of adapter_config.json.", param="lora_path")
+        ad.weights[key] = (a, b)
+    if not ad.weights:
+        raise LoraAdapterError(f"{st_path}: no LoRA tensors.", param="lora_path")
+    return ad
+
+
+def load_adapter(path, name: str | None = None) -> LoraAdapter:
+    """An adapter from `path`: a PEFT folder (or a file inside one)."""
+    p = Path(path)
+    if p.is_file() and p.name in ("adapter_config.json", "adapter_model.safetensors"):
+        p = p.parent
+    if p.is_dir():
+        return load_peft(p, name)
+    raise LoraAdapterError(f"LoRA adapter {path!r} not found: give a PEFT adapter folder.", param="lora_path")
+
+
+# ---------------------------------------------------------------------- the model's layout
+def _shapes(cfg, i: int) -> dict:
+    """target -> (K, N) of layer i's projections (y = x · Wᵀ: W (N, K))."""
+    C, D, F = cfg.hidden_size, cfg.head_dim_of(i), cfg.ffn_of(i)
+    return {"q": (C, cfg.n_heads * D), "k": (C, cfg.n_kv_heads * D), "v": (C, cfg.n_kv_heads * D),
+            "o": (cfg.n_heads * D, C), "gate": (C, F), "up": (C, F), "down": (F, C)}
+
+
+def _out_rows(m, i: int, target: str, n: int):
+    """Where target's n output rows sit in its group's fused output (numpy index array)."""
+    import numpy as np
+    c, rows = m.cfg, np.arange(n)
+    D = c.head_dim_of(i)
+    if target in ("q", "k") and not c.rope_neox:
+        # the base's q / k rows are llama.cpp's permutation (adjacent-pair rope): permute B's the same
+        heads = c.n_heads if target == "q" else c.n_kv_heads
+        rows = rows.reshape(heads, 2, D // 2).swapaxes(1, 2).reshape(-1)
+        rows = np.argsort(rows)
+    if target == "k":
+        return rows + c.n_heads * D
+    if target == "v":
+        return rows + (c.n_heads + c.n_kv_heads) * D
+    if target in ("gate", "up") and m.layers[i].gate_pairs:     # g0 g1 u0 u1 g2 g3 u2 u3 ...
+        return 4 * (rows // 2) + rows % 2 + (2 if target == "up" else 0)
+    if target == "up" and c.ffn_gated:
+        return rows + c.ffn_of(i)
+    return rows
+
+
+def _group_n(m, i: int, group: str) -> int:
+    c = m.cfg
+    D, F = c.head_dim_of(i), c.ffn_of(i)
+    return {"qkv": (c.n_heads + 2 * c.n_kv_heads) * D, "o": c.hidden_size,
+            "gate_up": 2 * F if c.ffn_gated else F, "down": c.hidden_size}[group]
+
+
+def check_adapter(m, ad: LoraAdapter, max_rank: int) -> None:
+    """Refuse (LoraAdapterError naming the tensor) an adapter that does not fit model `m`."""
+    c = m.cfg
+    if ad.rank > max_rank:
+        raise LoraAdapterError(f"LoRA adapter {ad.name!r} has rank {ad.rank}, more than the pool's "
+                               f"max_lora_rank {max_rank}. Load with a larger max_lora_rank.", param="lora_path")
+    for (i, t), (a, b) in ad.weights.items():
+        tensor = f"layers.{i}.{t}_proj"
+        if i >= c.n_layers:
+            raise LoraAdapterError(f"LoRA adapter {ad.name!r}: tensor {tensor} is past the base model's "
+                                   f"{c.n_layers} layers: it was trained for another base.", param="lora_path")
+        if m.layers[i].experts is not None and t in ("gate", "up", "down"):
+            raise LoraAdapterError(f"LoRA adapter {ad.name!r}: tensor {tensor} targets a mixture-of-experts "
+                                   f"FFN, which adapters cannot change here.", param="lora_path")
+        if t == "gate" and not c.ffn_gated:
+            raise LoraAdapterError(f"LoRA adapter {ad.name!r}: tensor {tensor}: the base has no gate "
+                                   f"projection.", param="lora_path")
+        K, N = _shapes(c, i)[t]
+        if a.shape[1] != K or b.shape[0] != N:
+            raise LoraAdapterError(
+                f"LoRA adapter {ad.name!r}: tensor {tensor} has A {a.shape} and B {b.shape}; the base's "
+                f"projection maps {K} -> {N} (A ({ad.rank}, {K}), B ({N}, {ad.rank})): it was trained for "
+                f"another base.", param="lora_path")
+
+
+# ---------------------------------------------------------------------- the GPU pool
+@dataclass
+class _Group:
+    a: Tensor          # (slots, J, K)
+    b: Tensor          # (slots, N, J)
+    targets: tuple
+    k: int
+    n: int
+
+    @property
+    def j(self) -> int:
+        return self.a.shape[1]
+
+
+class LoraPool:
+    """Up to `slots` adapters of rank <= max_rank on the GPU for model `m` (see the module's note)."""
+
+    def __init__(self, m, *, slots: int = DEFAULT_SLOTS, max_rank: int = DEFAULT_MAX_RANK, owner: str):
+        c, dev = m.cfg, m.dev
+        self.m, self.dev, self.slots, self.max_rank, self.owner = m, dev, int(slots), int(max_rank), owner
+        if self.slots < 1 or self.max_rank < 1:
+            raise InvalidRequestError("max_loras and max_lora_rank must be at least 1.", param="max_loras")
+        self.groups: list[dict] = []                       # per layer: group -> _Group
+        for i in range(c.n_layers):
+            shapes, per = _shapes(c, i), {}
+            for g, targets in GROUPS:
+                if g == "gate_up" and m.layers[i].experts is not None:
+                    continue
+                ts = targets if g != "gate_up" or c.ffn_gated else ("up",)
+                J, K, N = len(ts) * self.max_rank, shapes[ts[0]][0], _group_n(m, i, g)
+                per[g] = _Group(new_tensor(dev, (self.slots, J, K), owner=owner, label=f"lora.{i}.{g}.a"),
+                                new_tensor(dev, (self.slots, N, J), owner=owner, label=f"lora.{i}.{g}.b"),
+                                ts, K, N)
+            self.groups.append(per)
+        J = max(g.j for per in self.groups for g in per.values())
+        self.u = new_tensor(dev, (m.chunk, J), owner=owner, label="lora.u")           # x · Aᵀ per row
+        self.registered: dict[str, LoraAdapter] = {}
+        self._resident: OrderedDict = OrderedDict()        # name -> slot, least recently used first
+        self._users: dict[str, int] = {}                   # name -> sequences using it now
+
+    # ------------------------------------------------------------------ registry
+    def register(self, ad: LoraAdapter) -> None:
+        check_adapter(self.m, ad, self.max_rank)
+        if ad.name in self._resident and ad.name in self.registered:
+            self._evict(ad.name)                           # a new version under the same name
+        self.registered[ad.name] = ad
+
+    def unregister(self, name: str) -> None:
+        if self._users.get(name):
+            raise InvalidRequestError(f"LoRA adapter {name!r} is in use by {self._users[name]} running "
+                                      f"requests; unload it when they are done.", param="lora_name")
+        self.registered.pop(name, None)
+        if name in self._resident:
+            self._evict(name)
+
+    # ------------------------------------------------------------------ slots
+    def acquire(self, name: str) -> int:
+        """The slot of registered adapter `name` for a sequence (uploaded first where it is not on
+        the GPU, evicting the least recently used idle adapter); pair with release()."""
+        slot = self._resident.get(name)
+        if slot is None:
+            slot = self._free_slot(name)
+            self._upload(self.registered[name], slot)
+            self._resident[name] = slot
+        self._resident.move_to_end(name)
+        self._users[name] = self._users.get(name, 0) + 1
+        return slot
+
+    def release(self, name: str) -> None:
+        self._users[name] -= 1
+
+    def _free_slot(self, name: str) -> int:
+        used = set(self._resident.values())
+        free = [s for s in range(self.slots) if s not in used]
+        if free:
+            return free[0]
+        for victim in self._resident:                      # least recently used first
+            if not self._users.get(victim):
+                return self._evict(victim)
+        raise InvalidRequestError(f"All {self.slots} LoRA slots are in use by running requests; "
+                                  f"{name!r} waits for one (raise max_loras).", param="model")
+
+    def _evict(self, name: str) -> int:
+        return self._resident.pop(name)
+
+    def resident(self) -> list[str]:
+        return list(self._resident)
+
+    def _upload(self, ad: LoraAdapter, slot: int) -> None:
+        import numpy as np
+        R = self.max_rank
+        for i, per in enumerate(self.groups):
+            for g in per.values():
+                A, B = np.zeros((g.j, g.k), np.float32), np.zeros((g.n, g.j), np.float32)
+                for t_i, t in enumerate(g.targets):
+                    ab = ad.weights.get((i, t))
+                    if ab is None:
+                        continue
+                    a, b = ab
+                    A[t_i * R:t_i * R + ad.rank] = a
+                    B[_out_rows(self.m, i, t, b.shape[0]), t_i * R:t_i * R + ad.rank] = b * np.float32(ad.scale)
+                self.dev.write(g.a.buf, A, slot * A.nbytes)
+                self.dev.write(g.b.buf, B, slot * B.nbytes)
+
+    def release_all(self) -> None:
+        self.dev.release_owner(self.owner)
+
+
+@dataclass
+class LoraRows:
+    """What a forward with adapters reads: the pool and each row's slot (kernels/lora.py NONE: the
+    base)."""
+
+    pool: LoraPool
+    idx: Tensor             # (P,) u32
+
+    def delta(self, i: int, group: str, x: Tensor, y: Tensor, T: int) -> list:
+        """y[t] += each row's adapter's B · A · x[t] for layer i's `group` (x (T, K), y (T, N))."""
+        g = self.pool.groups[i].get(group)
+        if g is None:
+            return []
+        dev, idx, u = self.pool.dev, self.idx.view((T,)), self.pool.u.view((T, g.j))
+        return [lk.lora_shrink(dev, x.view((T, g.k)), g.a, idx, u, slots=self.pool.slots),
+                lk.lora_expand(dev, u, g.b, idx, y.view((T, g.n)), slots=self.pool.slots)]
+
+    @staticmethod
+    def plan(plan):
+        """`plan` without the fusions that hide a projection's input or output from the deltas (the
+        norm inside the matmul, act(gate) * up inside a matmul, the RoPE + KV write and the next
+        norm after a residual matmul)."""
+        from dataclasses import replace
+        n = len(plan.rope_kv)
+        return replace(plan, norm_in_matmul=False, gate_in_down=False, res_norm=False,
+                       rope_kv=(False,) * n, gate_out=(False,) * len(plan.gate_out))
