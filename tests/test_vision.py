@@ -3,12 +3,18 @@ tower and greedy tokens against transformers (tests/fixtures/make_gemma3_vision.
 parts of the APIs."""
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 import pytest
 
 import ref_vision
 from _nn_util import TOL, empty, get, put, rounded, run, step_buf
 from webgpu_engine.kernels import vision as kv
+from webgpu_engine.kernels.common import Tensor
+from webgpu_engine.vision.gemma3 import patches, preprocess, read_vision_config
+from webgpu_engine.vision.images import decode_bytes
 
 
 @pytest.fixture(autouse=True)
@@ -58,3 +64,52 @@ def test_avg_pool(device):
     y = empty(device, (16, 12))
     run(device, kv.avg_pool(device, put(device, x), y, side=8, kernel=2))
     np.testing.assert_allclose(get(device, y), ref_vision.avg_pool(x, 8, 2), **TOL["f32"])
+
+
+# ----------------------------------------------------------------------------- Gemma 3 against transformers
+FIXTURES = Path(__file__).parent / "fixtures"
+FOLDER, IMAGES = FIXTURES / "tiny_gemma3_vision", FIXTURES / "vision_images"
+
+
+@pytest.fixture(scope="module")
+def ref():
+    return json.loads((FIXTURES / "gemma3_vision_transformers.json").read_text())
+
+
+def _image(name):
+    return decode_bytes((IMAGES / name).read_bytes(), name)
+
+
+def test_preprocessing_equals_the_processor(ref):
+    cfg = read_vision_config(FOLDER)
+    assert cfg.size == (32, 32) and cfg.tokens_per_image == 16 and cfg.pool == 2
+    for name, r in ref["images"].items():
+        want = np.array(r["pixel_values"], np.float32)
+        got = preprocess(cfg, _image(name).image)
+        assert got.shape == want.shape == (3, 32, 32)
+        np.testing.assert_allclose(got, want, atol=2e-6)
+    assert read_vision_config(FIXTURES / "tiny_xlmr") is None          # a text-only folder
+
+
+def test_vision_tower_matches_transformers(device, ref):
+    from webgpu_engine.loaders.safetensors import SafetensorsFolder
+    from webgpu_engine.models.siglip import SiglipTower
+    cfg = read_vision_config(FOLDER)
+    files = SafetensorsFolder(FOLDER)
+    try:
+        tower = SiglipTower(device, cfg, files.tensors, owner="test:vision")
+    finally:
+        files.close()
+    try:
+        names = sorted(ref["images"])
+        out = Tensor(device.buffer(len(names) * 16 * 64 * 4, owner="test:vision"), (len(names) * 16, 64), "f32")
+        for i, name in enumerate(names):
+            tower.write_patches(patches(cfg, preprocess(cfg, _image(name).image)))
+            device.submit(tower.record(device.batch(), out, i))
+        got = get(device, out).reshape(len(names), 16, 64)
+        for i, name in enumerate(names):
+            want = np.array(ref["images"][name]["features"], np.float32)
+            assert np.abs(want).max() > 0.5
+            np.testing.assert_allclose(got[i], want, atol=2e-4, rtol=1e-4)
+    finally:
+        tower.dispose()

@@ -1,0 +1,175 @@
+"""Gemma 3's vision tower (SigLIP) and projector on the GPU: one image's patches in, its soft tokens'
+embeddings (in the text model's width) out. A pre-norm ViT, run with the BERT encoder's kernels:
+
+    x = patches · Wpatchᵀ + b + pos                                  (N, C)   N = (S/p)^2 patches
+    for each layer:
+        x += attn(LN1(x)) · Woᵀ + bo                                 bidirectional over the N patches
+        x += gelu_tanh(LN2(x) · W1ᵀ + b1) · W2ᵀ + b2
+    x = LN(x)
+    t = avg_pool_KxK(x)                                              (n, C)   n soft tokens
+    out = rms_norm(t) * (1 + w) · Wproj                              (n, C_text)
+
+The patch embedding (a p x p convolution with stride p) is a matmul over unfolded patches
+(vision/gemma3.py `patches`: the conv weight (C, 3, p, p) is already that matmul's (C, 3 p p)).
+Activations are f32 whatever the decoder's dtype; the output goes to the decoder's splice buffer.
+"""
+from __future__ import annotations
+
+import re
+import struct
+from dataclasses import dataclass
+
+from ..errors import ModelFormatError
+from ..kernels import matmul as mm
+from ..kernels import nn, vision
+from ..kernels.common import Op, Tensor, new_tensor
+from ..loaders.tensor_info import TensorInfo
+from ..vision.gemma3 import VisionConfig
+from .llama import _floats
+
+# the tower's and projector's names, with or without transformers' prefixes
+# (hub releases: vision_tower.vision_model.*; transformers 5: model.vision_tower.*)
+_PREFIX = re.compile(r"^(model\.)?(vision_tower\.(vision_model\.)?|multi_modal_projector\.)")
+
+
+def vision_tensors(tensors: dict[str, TensorInfo]) -> dict[str, TensorInfo]:
+    """{name without prefix: TensorInfo} of the tower's and the projector's tensors."""
+    return {_PREFIX.sub("", n): t for n, t in tensors.items() if _PREFIX.match(n)}
+
+
+@dataclass
+class _Layer:
+    ln1_w: Tensor
+    ln1_b: Tensor
+    qkv: mm.QWeight                  # (3C, C) rows [q | k | v]
+    qkv_b: Tensor
+    o: mm.QWeight                    # (C, C)
+    o_b: Tensor
+    ln2_w: Tensor
+    ln2_b: Tensor
+    fc1: mm.QWeight                  # (F, C)
+    fc1_b: Tensor
+    fc2: mm.QWeight                  # (C, F)
+    fc2_b: Tensor
+
+
+class SiglipTower:
+    """The tower's weights and activations on `dev`, owned by `owner`; `record(batch, i)` runs the
+    patches last written by `write_patches` and copies the n x C_text features to row i * n of `out`."""
+
+    def __init__(self, dev, cfg: VisionConfig, tensors: dict[str, TensorInfo], *, owner: str):
+        self.dev, self.cfg, self.owner = dev, cfg, owner
+        named = vision_tensors(tensors)
+        C, F, p = cfg.hidden_size, cfg.intermediate_size, cfg.patch_size
+        N = cfg.patches_per_side ** 2
+
+        def get(name: str, shape: tuple) -> TensorInfo:
+            t = named.get(name)
+            if t is None:
+                raise ModelFormatError(f"the vision tower lacks {name}")
+            if tuple(t.shape) != shape:
+                raise ModelFormatError(f"vision tensor {name} has shape {tuple(t.shape)}, expected {shape}")
+            return t
+
+        def weight(names: list[str], n: int, k: int, label: str) -> mm.QWeight:
+            parts = [get(nm, (n // len(names), k)) for nm in names]
+            return mm.upload_weight(dev, [t.data for t in parts], parts[0].qtype, n, k, owner=owner, label=label)
+
+        def vector(names: list[str], n: int, label: str, plus: float = 0.0) -> Tensor:
+            vals = [v + plus for nm in names for v in _floats(get(nm, (n // len(names),)))]
+            return mm.upload_vector(dev, struct.pack(f"<{len(vals)}f", *vals), owner=owner, label=label)
+
+        conv = get("embeddings.patch_embedding.weight", (C, 3, p, p))
+        self.patch = mm.upload_weight(dev, [conv.data], conv.qtype, C, 3 * p * p, owner=owner, label="v.patch")
+        self.patch_b = vector(["embeddings.patch_embedding.bias"], C, "v.patch_b")
+        pos = get("embeddings.position_embedding.weight", (N, C))
+        self.pos = self._matrix(pos, "v.pos")
+        self.layers = []
+        for i in range(cfg.n_layers):
+            a, L = f"encoder.layers.{i}.self_attn.", f"encoder.layers.{i}."
+            self.layers.append(_Layer(
+                ln1_w=vector([L + "layer_norm1.weight"], C, f"v{i}.ln1"), ln1_b=vector([L + "layer_norm1.bias"], C, f"v{i}.ln1b"),
+                qkv=weight([a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"], 3 * C, C, f"v{i}.qkv"),
+                qkv_b=vector([a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"], 3 * C, f"v{i}.qkvb"),
+                o=weight([a + "out_proj.weight"], C, C, f"v{i}.o"), o_b=vector([a + "out_proj.bias"], C, f"v{i}.ob"),
+                ln2_w=vector([L + "layer_norm2.weight"], C, f"v{i}.ln2"), ln2_b=vector([L + "layer_norm2.bias"], C, f"v{i}.ln2b"),
+                fc1=weight([L + "mlp.fc1.weight"], F, C, f"v{i}.fc1"), fc1_b=vector([L + "mlp.fc1.bias"], F, f"v{i}.fc1b"),
+                fc2=weight([L + "mlp.fc2.weight"], C, F, f"v{i}.fc2"), fc2_b=vector([L + "mlp.fc2.bias"], C, f"v{i}.fc2b")))
+        self.post_w = vector(["post_layernorm.weight"], C, "v.post")
+        self.post_b = vector(["post_layernorm.bias"], C, "v.postb")
+        self.mm_norm = vector(["mm_soft_emb_norm.weight"], C, "v.mmnorm", plus=1.0)    # x * (1 + w)
+        # out = t · Wproj with Wproj (C, C_text): the matmul's weight is its transpose (C_text, C)
+        proj = get("mm_input_projection_weight", (C, cfg.text_hidden))
+        self.proj = self._transposed(proj, "v.proj")
+        self._allocate(N)
+        self.ops = self._build(N)
+
+    # ------------------------------------------------------------------ weights and activations
+    def _array(self, t: TensorInfo):
+        import numpy as np
+        raw = np.frombuffer(bytes(t.data), {"f32": np.float32, "f16": np.float16, "bf16": np.uint16}[t.qtype])
+        if t.qtype == "bf16":
+            raw = (raw.astype(np.uint32) << 16).view(np.float32)
+        return raw.astype(np.float32).reshape(t.shape)
+
+    def _matrix(self, t: TensorInfo, label: str) -> Tensor:
+        a = self._array(t)
+        return Tensor(self.dev.upload(a.tobytes(), owner=self.owner, label=label), a.shape, "f32")
+
+    def _transposed(self, t: TensorInfo, label: str) -> mm.QWeight:
+        a = self._array(t).T.copy()                        # (C_text, C), small
+        return mm.upload_weight(self.dev, [a.tobytes()], "f32", a.shape[0], a.shape[1], owner=self.owner, label=label)
+
+    def _allocate(self, N: int) -> None:
+        cfg, dev, own = self.cfg, self.dev, self.owner
+        C, F, n = cfg.hidden_size, cfg.intermediate_size, cfg.tokens_per_image
+
+        def act(shape, label, dtype="f32"):
+            return new_tensor(dev, shape, dtype, owner=own, label=label)
+        self.pix = act((N, 3 * cfg.patch_size ** 2), "v.pixels")
+        self.x, self.h, self.ctx = act((N, C), "v.x"), act((N, C), "v.h"), act((N, C), "v.ctx")
+        self.qkv, self.ff = act((N, 3 * C), "v.qkv"), act((N, F), "v.ff")
+        self.pooled, self.normed = act((n, C), "v.pooled"), act((n, C), "v.normed")
+        self.out = act((n, cfg.text_hidden), "v.out")
+        self.lengths = Tensor(dev.upload(struct.pack("<I", N), owner=own, label="v.lengths"), (1,), "u32")
+
+    def _build(self, N: int) -> Op:
+        cfg, dev = self.cfg, self.dev
+        C, H, D, eps = cfg.hidden_size, cfg.n_heads, cfg.head_dim, cfg.eps
+        x, h, ctx, qkv, ff = self.x, self.h, self.ctx, self.qkv, self.ff
+        op = mm.matmul(dev, self.pix, self.patch, x, bias=self.patch_b)           # (N, C)
+        op += nn.add(dev, x, self.pos, x)
+        for L in self.layers:
+            op += nn.layer_norm(dev, x, L.ln1_w, L.ln1_b, h, eps=eps)
+            op += mm.matmul(dev, h, L.qkv, qkv, bias=L.qkv_b)                     # (N, 3C)
+            op += nn.attention_bidir(dev, qkv, self.lengths, ctx, batch=1, seq=N, n_heads=H, head_dim=D,
+                                     scale=D ** -0.5)
+            op += mm.matmul(dev, ctx, L.o, x, bias=L.o_b, accumulate=True)         # x += attn
+            op += nn.layer_norm(dev, x, L.ln2_w, L.ln2_b, h, eps=eps)
+            op += mm.matmul(dev, h, L.fc1, ff, bias=L.fc1_b)                      # (N, F)
+            op += nn.gelu_tanh(dev, ff, ff)
+            op += mm.matmul(dev, ff, L.fc2, x, bias=L.fc2_b, accumulate=True)      # x += mlp
+        op += nn.layer_norm(dev, x, self.post_w, self.post_b, h, eps=eps)
+        op += vision.avg_pool(dev, h, self.pooled, side=cfg.patches_per_side, kernel=cfg.pool)
+        op += nn.rms_norm(dev, self.pooled, self.mm_norm, self.normed, eps=eps)
+        op += mm.matmul(dev, self.normed, self.proj, self.out)                    # (n, C_text)
+        op.name = "siglip"
+        return op
+
+    # ------------------------------------------------------------------ running
+    def write_patches(self, rows) -> None:
+        """Write one image's unfolded patches (vision/gemma3.py `patches`, (N, 3 p p) f32)."""
+        self.dev.write(self.pix.buf, rows.astype("float32").tobytes())
+
+    def record(self, batch, dst: Tensor, index: int):
+        """Record the tower over the written patches and copy its n x C_text features into `dst` at
+        row index * n."""
+        self.ops.record(batch)
+        size = self.out.nbytes
+        batch.copy(self.out.buf, dst.buf, size, self.out.offset, dst.offset + index * size)
+        return batch
+
+    def dispose(self) -> None:
+        self.ops.release()
+        self.dev.release_owner(self.owner)
+
