@@ -1,6 +1,12 @@
 """LLM benchmark: prefill and decode speed of LLMChatPipeline on a GGUF (default SmolLM2), where the time
 goes (host encoding vs GPU wait vs readback, GPU time per kernel kind), and llama.cpp on the same file
-when `llama_cpp` imports. Prints a table and writes bench/results/llm.json.
+when `llama_cpp` imports (`pip install -e '.[bench]'`). Prints a table and writes bench/results/llm.json.
+
+The comparison table sets like beside like: each program's own greedy decode loop (the pipeline's
+prefill_step / decode_step, what a user of the engine gets; llama.cpp's eval of one token at a time)
+decoding the same number of tokens after the same prompt, and each program's prefill of the same
+prompt from an empty cache. The engine's hand-written step loop (record, submit, read; no sampler
+state, no stop rules) is a diagnostic below it, never set beside llama.cpp.
 
     python bench/llm.py [--model PATH] [--dtype f32|f16|auto] [--decode 128] [--prompts 128,512]
                         [--sampling temperature=0.7,top_p=0.95]
@@ -21,6 +27,23 @@ from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+# the prompt both decode loops continue (a raw prompt of ~10 tokens)
+DECODE_PROMPT = "The history of the city on the river begins with"
+
+# like-for-like rows: (label, the engine's key, llama.cpp's key)
+COMPARE = [("decode tok/s, each program's own greedy loop", "decode_loop_ahead_tokens_per_s",
+            "decode_tokens_per_s")]
+
+
+def _compare_rows(prompts: list[int]) -> list[tuple[str, str, str]]:
+    return COMPARE + [(f"prefill {n} tok/s, from an empty cache", f"prefill_{n}_tokens_per_s",
+                       f"prefill_{n}_tokens_per_s") for n in prompts]
+
+
+LLAMA_CPP_MISSING = ("llama-cpp-python is not installed in this environment (pip install -e '.[bench]' "
+                     "builds it from source: ~20 min on 2 cores)")
 
 
 def _prompt_ids(tok, n: int) -> list[int]:
@@ -67,7 +90,8 @@ async def bench_engine(path: Path, dtype: str, prompts: list[int], n_decode: int
             best = min(best, time.perf_counter() - t)
         out[f"prefill_{n}_tokens_per_s"] = n / best
         out[f"time_to_first_token_{n}_s"] = best
-    # decode: host encoding vs submit vs GPU wait + readback, per step, after a 32-token prompt
+    # the hand-written step loop (a diagnostic): host encoding vs submit vs GPU wait + readback,
+    # per step, after a 32-token prompt
     ids = _prompt_ids(pipe.tokenizer, 32)
     pipe.reset_chat()
     await pipe.forward_tokens_and_sample(ids, True, gen)
@@ -89,8 +113,8 @@ async def bench_engine(path: Path, dtype: str, prompts: list[int], n_decode: int
     total, cpu = time.perf_counter() - t_all, time.process_time() - c_all
     # process CPU time: on a CPU adapter the driver's threads are ours, so this does not depend on
     # what else the machine runs (wall time does)
-    out.update({"decode_tokens_per_s": n_decode / total, "decode_step_ms": 1e3 * total / n_decode,
-                "decode_step_cpu_ms": 1e3 * cpu / n_decode,
+    out.update({"step_loop_tokens_per_s": n_decode / total, "step_loop_step_ms": 1e3 * total / n_decode,
+                "step_loop_step_cpu_ms": 1e3 * cpu / n_decode,
                 "host_record_ms": 1e3 * enc / n_decode, "host_submit_encode_ms": 1e3 * sub / n_decode,
                 "gpu_wait_and_readback_ms": 1e3 * wait / n_decode})
     out.update(await _decode_loop_ab(pipe, n_decode, sampling, max(reps, 2)))
@@ -119,9 +143,10 @@ async def _decode_loop_ab(pipe, n_decode: int, sampling: dict | None, rounds: in
 
     from webgpu_engine.config import GenerationConfig
     dev, m = pipe.dev, pipe.model
-    text = "The history of the city on the river begins with"     # a raw prompt of ~10 tokens
+    text = DECODE_PROMPT
     gen = GenerationConfig(**{"temperature": 0.0, **(sampling or {})}, max_tokens=n_decode + 1, ignore_eos=True)
     best = {True: 0.0, False: 0.0}
+    cpu_ms = {True: 1e9, False: 1e9}       # process CPU per token (lavapipe's threads are ours)
     tokens, host_ms = {}, 0.0
     base = pipe.chat_config
     try:
@@ -130,12 +155,13 @@ async def _decode_loop_ab(pipe, n_decode: int, sampling: dict | None, rounds: in
                 pipe.chat_config = replace(base, decode_ahead=ahead)
                 pipe.reset_chat()
                 await pipe.prefill_step(None, gen, prompt=text)
-                h0, t = pipe.host_s, time.perf_counter()
+                h0, t, c = pipe.host_s, time.perf_counter(), time.process_time()
                 while not pipe.stopped:
                     await pipe.decode_step()
-                dt = time.perf_counter() - t
+                dt, dc = time.perf_counter() - t, time.process_time() - c
                 steps = len(pipe.output_ids) - 1
                 best[ahead] = max(best[ahead], steps / dt)
+                cpu_ms[ahead] = min(cpu_ms[ahead], 1e3 * dc / steps)
                 tokens[ahead] = list(pipe.output_ids)
                 if ahead:
                     host_ms = 1e3 * (pipe.host_s - h0) / steps
@@ -155,9 +181,10 @@ async def _decode_loop_ab(pipe, n_decode: int, sampling: dict | None, rounds: in
     pipe.reset_chat()
     ahead_ms = 1e3 / best[True]
     return {"decode_loop_ahead_tokens_per_s": best[True], "decode_loop_serial_tokens_per_s": best[False],
+            "decode_loop_ahead_cpu_ms_per_token": cpu_ms[True], "decode_loop_serial_cpu_ms_per_token": cpu_ms[False],
             "decode_loop_ahead_over_serial": best[True] / best[False],
             "decode_loop_ahead_step_ms": ahead_ms, "gpu_bound_step_ms": gpu_ms,
-            "decode_loop_ahead_over_gpu_bound": ahead_ms / gpu_ms,
+            "decode_loop_ahead_over_gpu_bound": ahead_ms / gpu_ms, "decode_loop_tokens": n_decode,
             "host_ms_per_step": host_ms, "decode_loop_same_tokens": tokens[True] == tokens[False]}
 
 
@@ -188,7 +215,7 @@ async def bench_grammar(path: Path, dtype: str, n_decode: int, rounds: int, sche
         for name, g in (("free", None), ("json_schema", grammar)):
             gen = GenerationConfig(temperature=0.0, max_tokens=n_decode, ignore_eos=True, grammar=g)
             pipe.reset_chat()
-            await pipe.prefill_step(None, gen, prompt=text)
+            await pipe.prefill_step(msgs, gen)
             c0 = time.process_time()
             while not pipe.stopped:
                 await pipe.decode_step()
@@ -345,14 +372,40 @@ def _llama_cpp_figures(path: Path, prompts: list[int], n_decode: int, extra_buft
         llm.eval(ids)
         out[f"prefill_{n}_tokens_per_s"] = n / (time.perf_counter() - t)
         out[f"time_to_first_token_{n}_s"] = time.perf_counter() - t
-    llm.reset()                  # decode after a 32-token prompt, like the engine run
-    llm.eval(_prompt_ids(Tok(), 32))
+    llm.reset()                  # decode after the prompt the engine's own loop continues
+    llm.eval(llm.tokenize(DECODE_PROMPT.encode()))
     t = time.perf_counter()
     for _ in range(n_decode):
         tok = int(llm.scores[llm.n_tokens - 1].argmax())     # greedy, like the engine run
         llm.eval([tok])
     out["decode_tokens_per_s"] = n_decode / (time.perf_counter() - t)
     return out
+
+
+def _print_tables(e: dict, ref: dict, pairs: list, n_decode: int) -> None:
+    """The like-for-like table (llama.cpp's column empty, and why, where it was not measured), then
+    the engine's own figures: the diagnostics, which have no llama.cpp counterpart."""
+    head = f"webgpu_engine ({e['dtype']}, {e['adapter']})"
+    w = max(len(label) for label, _, _ in pairs)
+    print(f"same GGUF, same run; decode: {n_decode} greedy tokens after the same prompt")
+    print(f"{'':<{w}}  {'webgpu_engine':>13}  {'llama.cpp':>9}  {'ratio':>6}")
+    for label, ek, lk in pairs:
+        other = None if ref.get("error") else ref.get(lk)
+        print(f"{label:<{w}}  {e[ek]:>13.2f}  " +
+              (f"{other:>9.2f}  {e[ek] / other:>6.2f}" if other else f"{'-':>9}  {'-':>6}"))
+    if ref.get("error"):
+        print(f"llama.cpp: not measured: {ref['error']}")
+    elif ref.get("note"):
+        print(f"llama.cpp: {ref['note']}")
+    rows = [(k, e[k]) for k in e if isinstance(e[k], (int, float)) and not isinstance(e[k], bool)]
+    w = max(len(k) for k, _ in rows)
+    print(f"\n{'engine diagnostics':<{w}}  {head}")
+    for k, v in rows:
+        print(f"{k:<{w}}  {v:>12.2f}")
+    for kind in ("gpu_ms_by_kernel_decode", "cpu_ms_by_kernel_decode", "gpu_ms_by_kernel_prefill_128",
+                 "cpu_ms_by_kernel_prefill_128"):
+        if kind in e:
+            print(kind + ": " + ", ".join(f"{k} {v}" for k, v in e[kind].items()))
 
 
 def main() -> None:
@@ -424,30 +477,12 @@ def main() -> None:
            "engine": asyncio.run(bench_engine(path, a.dtype, prompts, a.decode, a.reps, a.decode_only,
                                               sampling))}
     ref = bench_llama_cpp(path, prompts, a.decode)
-    if ref is not None:
-        res["llama_cpp"] = ref
-    failed = ref.get("error") if ref else None
-    if failed:
-        ref = None
-    if ref:
-        res["ratio_engine_over_llama_cpp"] = {k: res["engine"][k] / ref[k] for k in ref
-                                             if k.endswith("_per_s") and k in res["engine"]}
-    e = res["engine"]
-    rows = [(k, e[k]) for k in e if isinstance(e[k], (int, float))]
-    w = max(len(k) for k, _ in rows)
-    print(f"{'metric':<{w}}  webgpu_engine ({e['dtype']}, {e['adapter']})" + ("  llama.cpp" if ref else ""))
-    for k, v in rows:
-        print(f"{k:<{w}}  {v:>12.2f}" + (f"  {ref[k]:>10.2f}" if ref and k in ref else ""))
-    if ref and ref.get("note"):
-        print(f"llama.cpp: {ref['note']}")
-    for kind in ("gpu_ms_by_kernel_decode", "cpu_ms_by_kernel_decode", "gpu_ms_by_kernel_prefill_128",
-                 "cpu_ms_by_kernel_prefill_128"):
-        if kind in e:
-            print(kind + ": " + ", ".join(f"{k} {v}" for k, v in e[kind].items()))
-    if failed:
-        print(f"llama.cpp: not measured: {failed}")
-    elif not ref:
-        print("llama.cpp: not measured (llama_cpp does not import)")
+    res["llama_cpp"] = ref if ref is not None else {"error": LLAMA_CPP_MISSING}
+    failed = res["llama_cpp"].get("error")
+    e, pairs = res["engine"], [r for r in _compare_rows(prompts) if r[1] in res["engine"]]
+    if not failed:
+        res["ratio_engine_over_llama_cpp"] = {lk: e[ek] / ref[lk] for _, ek, lk in pairs if lk in ref}
+    _print_tables(e, res["llama_cpp"], pairs, a.decode)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(res, indent=2))
     print(f"wrote {a.out}")
