@@ -3,7 +3,8 @@ adapter: each sequence guesses its own tokens (prompt lookup) and one decode ste
 sequence's guesses; greedy answers of 4 sequences decoding together with speculation equal each
 request alone without it, token for token (logprobs too); guesses are taken; the pool gives back
 the rejected rows' slots; max_tokens, stop strings, sampled and penalised requests behave as without
-guesses. A tiny Llama keeps the steps cheap."""
+guesses; a draft model guesses for all the sequences of a step at once (pipelines/batch_draft.py),
+with the same answers. A tiny Llama keeps the steps cheap."""
 from __future__ import annotations
 
 import asyncio
@@ -94,3 +95,41 @@ async def test_max_tokens_stops_sampled_and_penalised(spec_engine, reference):
     b = await _answer(spec_engine, PROMPTS[1], max_tokens=12, temperature=0.9, seed=7)
     assert a[0] == b[0] and "speculation_steps" in a[1]
     _sched(spec_engine).pool.check()
+
+
+@pytest.mark.parametrize("draft", ["itself", "other"])
+async def test_a_draft_model_guesses_for_every_sequence_of_the_batch(device, path, reference, draft,
+                                                                   tmp_path_factory):
+    """speculation "draft" with continuous batching: the draft (the model itself: mostly right; other
+    weights of the same vocabulary: mostly wrong) keeps a paged cache of its own and guesses for
+    the 4 sequences of a step at once; each answer equals the request alone without speculation;
+    the draft's rows of a finished sequence go back to its pool."""
+    if draft == "other":
+        draft = str(write_tiny_llama_gguf(tmp_path_factory.mktemp("bdraft") / "d.gguf", qtype="q8_0", seed=1,
+                                          n_layers=1, context_length=512)["path"])
+    else:
+        draft = path
+    eng = await _engine(device, path, "tiny-draft",
+                        speculation={"method": "draft", "model": draft, "k": 3, "auto_off": False})
+    try:
+        sched = _sched(eng)
+        guesser = sched.spec.draft
+        assert guesser is not None and sched.pipe.draft is not None
+        alone = [await _answer(eng, p) for p in PROMPTS]
+        assert [a for a, _ in alone] == reference
+        together = await asyncio.gather(*[_answer(eng, p) for p in PROMPTS])
+        assert [a for a, _ in together] == reference
+        for _, ex in alone + list(together):
+            assert ex["speculation_steps"] >= 1
+            assert ex["speculation_accepted_tokens"] <= ex["speculation_proposed_tokens"]
+        accepted = sum(ex["speculation_accepted_tokens"] for _, ex in together)
+        proposed = sum(ex["speculation_proposed_tokens"] for _, ex in together)
+        if draft == path:                                   # the model guessing itself
+            assert accepted >= proposed // 2, (accepted, proposed)
+        else:
+            assert proposed > 0
+        assert not sched.running and not guesser.pool._seqs  # every draft sequence left with its own
+        guesser.pool.check()
+        sched.pool.check()
+    finally:
+        await eng.unload()

@@ -154,11 +154,11 @@ def test_max_queue_values_match_engine_config():
 
 
 def test_serve_batches_unless_a_model_needs_the_one_request_path():
-    """serve's chat models batch by default; context shifts and prompt-lookup speculation run per
-    sequence in the batch, so only a draft model and a sliding window (one-request features) load a
+    """serve's chat models batch by default; context shifts and speculation (prompt lookup or a draft
+    model) run per sequence in the batch, so only a sliding window (a one-request feature) loads a
     model with max_num_sequences 1."""
     from webgpu_engine.cli.commands import _one_request
     assert not _one_request({}) and not _one_request({"context_overflow": "shift", "n_keep": 4})
     assert not _one_request({"speculation": "ngram"}) and not _one_request({"speculation": {"method": "ngram"}})
-    assert _one_request({"speculation": {"method": "draft", "model": "d.gguf"}})
+    assert not _one_request({"speculation": {"method": "draft", "model": "d.gguf"}})
     assert _one_request({"sliding_window_size": 64})

@@ -180,6 +180,33 @@ def test_verify_rows_and_trim():
     pool.check()
 
 
+
+def test_truncate_takes_back_written_rows_of_private_blocks_only():
+    """A draft's cache (share=False) forgets the rows of rejected guesses anywhere and gives back
+    the blocks past them; nothing in it is registered for sharing; a shared pool refuses a cut
+    inside a shared block but takes one at its end."""
+    pool = KVPool(8, 4, share=False)
+    _run(pool, "a", list(range(10)))          # 10 prefilled tokens, 3 blocks
+    assert not pool._cache                    # nothing shared
+    ta = pool.block_table("a")
+    free = pool.n_free
+    pool.truncate("a", 6)
+    assert pool.tokens("a") == list(range(6)) and pool.block_table("a") == ta[:2] and pool.n_free == free + 1
+    pool.reserve("a", 9)
+    pool.append_tokens("a", [60, 70, 80], decoded=True)
+    assert pool.tokens("a") == [0, 1, 2, 3, 4, 5, 60, 70, 80]
+    pool.truncate("a", 0)
+    assert pool.tokens("a") == [] and pool.block_table("a") == [] and pool.n_free == 8
+    pool.check()
+    shared = KVPool(8, 4)
+    _run(shared, "b", list(range(10)))        # blocks 0 and 1 full and registered
+    with pytest.raises(ValueError, match="shared block"):
+        shared.truncate("b", 6)
+    shared.truncate("b", 8)                   # at a shared block's end: the partial block goes
+    assert shared.tokens("b") == list(range(8)) and len(shared.block_table("b")) == 2
+    shared.check()
+
+
 # ----------------------------------------------------------------------------- properties
 OPS = st.lists(st.tuples(st.sampled_from(["add", "run", "grow", "free", "preempt"]),
                          st.integers(0, 3),                               # sequence slot

@@ -170,9 +170,7 @@ SERVE_MAX_NUM_SEQUENCES = 0      # the server batches by default, as suits the d
 
 
 def _one_request(opts: dict) -> bool:
-    spec = opts.get("speculation")
-    draft = isinstance(spec, dict) and spec.get("method") == "draft"
-    return draft or (opts.get("sliding_window_size") or -1) > 0
+    return (opts.get("sliding_window_size") or -1) > 0
 
 
 def cmd_serve(args) -> int:
@@ -186,8 +184,8 @@ def cmd_serve(args) -> int:
     chat_opts = chat_opts_for(args, len(models)) or [None] * len(models)
     # a server has several users: chat models batch up to SERVE_MAX_NUM_SEQUENCES requests unless
     # --max-num-sequences / --chat-opts say otherwise (embedders ignore it)
-    # (a draft model's speculation and a sliding window run on the one-request path: such a model
-    # serves one request at a time; prompt lookup and context shifts run per sequence in the batch)
+    # (a sliding window runs on the one-request path: such a model serves one request at a time;
+    # speculation, by prompt lookup or a draft model, and context shifts run per sequence in the batch)
     chat_opts = [{"max_num_sequences": 1 if _one_request(o or {}) else SERVE_MAX_NUM_SEQUENCES, **(o or {})}
                  for o in chat_opts]
     given = {k: getattr(args, k) for k in ("max_n", "max_stop", "max_logit_bias",

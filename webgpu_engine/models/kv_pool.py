@@ -64,12 +64,14 @@ class _Seq:
 
 
 class KVPool:
-    """Blocks 0 .. n_blocks-1 of block_size tokens; sequences are any hashable id."""
+    """Blocks 0 .. n_blocks-1 of block_size tokens; sequences are any hashable id. `share` False: no
+    block is registered for sharing, so every block is private to its sequence and `truncate` may
+    cut anywhere (a draft model's cache, whose guessed rows are taken back)."""
 
-    def __init__(self, n_blocks: int, block_size: int):
+    def __init__(self, n_blocks: int, block_size: int, share: bool = True):
         if n_blocks < 1 or block_size < 1:
             raise ValueError(f"need n_blocks >= 1 and block_size >= 1, got {n_blocks}, {block_size}")
-        self.n_blocks, self.block_size = int(n_blocks), int(block_size)
+        self.n_blocks, self.block_size, self.share = int(n_blocks), int(block_size), bool(share)
         self.ref = [0] * self.n_blocks
         self._free = list(range(self.n_blocks - 1, -1, -1))     # pop() hands out low ids first
         self._idle: OrderedDict[int, None] = OrderedDict()      # cached, ref 0; first = least recent
@@ -93,6 +95,10 @@ class KVPool:
 
     def num_tokens(self, seq_id) -> int:
         return len(self._seqs[seq_id].tokens)
+
+    def tokens(self, seq_id) -> list:
+        """The tokens whose KV seq_id holds (a copy)."""
+        return list(self._seqs[seq_id].tokens)
 
     def blocks_needed(self, seq_id, n_tokens: int) -> int:
         """New blocks `seq_id` needs to hold n_tokens in all."""
@@ -193,8 +199,8 @@ class KVPool:
             key = block_hash(s.hashes[-1] if s.hashes else s.root, s.tokens[i * bs:(i + 1) * bs])
             s.hashes.append(key)
             b = s.blocks[i]
-            if s.exact is not None and (i + 1) * bs > s.exact:
-                continue                    # holds decoded rows: private
+            if not self.share or (s.exact is not None and (i + 1) * bs > s.exact):
+                continue                    # holds decoded rows (or nothing is shared): private
             if key not in self._cache:      # a duplicate of a cached block stays private
                 self._cache[key] = b
                 self._key_of[b] = key
@@ -205,6 +211,21 @@ class KVPool:
         s, bs = self._seqs[seq_id], self.block_size
         keep = -(-max(int(n_tokens), len(s.tokens)) // bs)
         while len(s.blocks) > keep:
+            self._release(s.blocks.pop())
+
+    def truncate(self, seq_id, n_tokens: int) -> None:
+        """Forgets seq_id's tokens past the first n_tokens (their rows are written again by position)
+        and gives back the blocks past them. Only where no kept block is shared (`share` False, or a
+        cut at a shared block's end): a shared block's rows must never change."""
+        s, bs = self._seqs[seq_id], self.block_size
+        n = max(0, min(int(n_tokens), len(s.tokens)))
+        if n % bs and n // bs < len(s.blocks) and s.blocks[n // bs] in self._key_of:
+            raise ValueError(f"sequence {seq_id!r}: position {n} is inside a shared block")
+        del s.tokens[n:]
+        del s.hashes[n // bs:]
+        if s.exact is not None and s.exact >= n:     # every kept row was prefilled
+            s.exact = None
+        while len(s.blocks) > -(-n // bs):
             self._release(s.blocks.pop())
 
     def free(self, seq_id) -> None:

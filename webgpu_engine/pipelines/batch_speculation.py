@@ -1,6 +1,7 @@
 """Speculative decoding inside continuous batching (pipelines/scheduler.py): each sequence guesses
-its own next tokens (prompt lookup, speculation.py `propose`), and one decode step checks every
-sequence's guesses at once.
+its own next tokens (prompt lookup, speculation.py `propose`; or a draft model's greedy tokens,
+batch_draft.py, for all the sequences at once), and one decode step checks every sequence's guesses
+at once.
 
 A sequence with k guesses takes k + 1 rows of the step: its last token and the guesses, at
 consecutive positions, each row reading the keys up to its own position (the rows before it in
@@ -22,6 +23,7 @@ guessing. Standard library only (runs in the page).
 from __future__ import annotations
 
 from ..models.kv_pool import PoolExhaustedError
+from .batch_draft import DraftGuesser
 from .speculation import SpeculationStats, penalty_free, propose, slower_than_decode
 
 _EMA = 0.2            # weight of a new plain step's time in the model's yardstick
@@ -31,7 +33,8 @@ class BatchSpeculation:
     """The scheduler's speculation: guesses per sequence, their rows, and what a step kept."""
 
     def __init__(self, pipe, spec, max_seqs: int):
-        self.pipe, self.spec = pipe, spec
+        self.pipe, self.spec, self.max_seqs = pipe, spec, max_seqs
+        self.draft: DraftGuesser | None = None        # method "draft": set once the draft has loaded
         self.rows_cap = min(pipe.model.chunk, max_seqs * (spec.k + 1))
         self.plain_step_s: float | None = None       # a decode step without guesses (auto_off's yardstick)
 
@@ -41,29 +44,60 @@ class BatchSpeculation:
         if penalty_free(rec.gen) and self.pipe.logit_processor is None:
             rec.seq.req.spec = SpeculationStats()
 
-    def guesses(self, decode: list, pool, ctx: int) -> dict:
+    def use_draft(self, draft, n_blocks: int, block_size: int) -> None:
+        """speculation "draft": `draft` (its loaded LLMChatPipeline) guesses, with a paged cache of
+        n_blocks blocks (the target pool's size) of its own."""
+        self.draft = DraftGuesser(draft, self.max_seqs, self.spec.k, n_blocks, block_size)
+
+    async def guesses(self, decode: list, pool, ctx: int) -> dict:
         """rec -> its guesses this step, their KV slots reserved (oldest sequences first, within
         rows_cap). A sequence without a guess gets a plain row."""
-        out, budget = {}, self.rows_cap - len(decode)
+        if self.spec.method == "draft" and self.draft is None:
+            return {}
+        out, budget, wanted = {}, self.rows_cap - len(decode), []
         for rec in decode:
             st = rec.seq.req.spec
             if budget <= 0 or st is None or st.off or rec.replay is not None or rec.seq.matcher is not None:
                 continue
-            seq, pos0 = rec.seq, len(rec.toks)
-            k = min(self.spec.k, budget, ctx - pos0 - 1)
+            seq = rec.seq
+            k = min(self.spec.k, budget, ctx - len(rec.toks) - 1)
             if seq.max_tokens is not None:
                 k = min(k, seq.max_tokens - len(seq.output_ids) - 1)
-            guess = propose(rec.toks + [seq.last_token], k, self.spec.n, self.spec.n_min) if k > 0 else []
-            if not guess:
+            if k <= 0:
                 st.plain += 1
-                continue
-            try:
-                pool.reserve(rec.id, pos0 + 1 + len(guess))
-            except PoolExhaustedError:         # no room for guesses now: a plain row
-                continue
-            out[rec] = guess
-            budget -= len(guess)
+            elif self.draft is not None:        # the draft guesses for all of them at once, below
+                wanted.append((rec, k))
+                budget -= k
+            else:
+                budget -= self._take(rec, propose(rec.toks + [seq.last_token], k, self.spec.n, self.spec.n_min),
+                                     pool, out)
+        if wanted:
+            made = await self.draft.guesses([(r.id, r.toks + [r.seq.last_token], k) for r, k in wanted])
+            for rec, _ in wanted:
+                self._take(rec, made.get(rec.id, []), pool, out)
         return out
+
+    @staticmethod
+    def _take(rec, guess: list[int], pool, out: dict) -> int:
+        """rec's guesses into `out`, their KV slots reserved; how many rows they take."""
+        if not guess:
+            rec.seq.req.spec.plain += 1
+            return 0
+        try:
+            pool.reserve(rec.id, len(rec.toks) + 1 + len(guess))
+        except PoolExhaustedError:             # no room for guesses now: a plain row
+            return 0
+        out[rec] = guess
+        return len(guess)
+
+    def leave(self, rec) -> None:
+        """rec left the batch: its draft rows go."""
+        if self.draft is not None:
+            self.draft.leave(rec.id)
+
+    def close(self) -> None:
+        if self.draft is not None:
+            self.draft.close()
 
     def timed(self, dt: float, guessed: bool, rows: int) -> None:
         """A decode step's time: steps without guesses set the yardstick (per step)."""

@@ -139,10 +139,6 @@ class LLMChatPipeline(DecodePaths):
         if self.plan.max_sequences > 1:            # continuous batching over a paged KV cache
             from .scheduler import Scheduler
             self.scheduler = Scheduler(self, self.plan)
-            if self.speculation is not None and self.speculation.method != "ngram":
-                _log.warning("a draft model's speculation runs on the one-request path: this model "
-                             "batches (max_num_sequences %d), so its requests decode without it",
-                             self.plan.max_sequences)
 
     # ------------------------------------------------------------------ LoRA adapters
     def add_lora(self, adapter, max_rank: int | None = None) -> None:
@@ -220,8 +216,10 @@ class LLMChatPipeline(DecodePaths):
             if tunes:
                 await _tune(dev, model, dtype, tuning, _scaled(progress, 0.9, 1.0), model_id or path.name)
             pipe = cls(dev, model, tokenizer, template, chat_config, owner, plan)
-            if pipe.speculation is not None and pipe.speculation.method == "draft" and pipe.scheduler is None:
+            if pipe.speculation is not None and pipe.speculation.method == "draft":
                 pipe.draft = await pipe._load_draft(progress, model_id)
+                if pipe.scheduler is not None:     # it guesses for every sequence of a batch at once
+                    pipe.scheduler.spec.use_draft(pipe.draft, plan.kv_pool_blocks, plan.kv_block_size)
             if chat_config.compile_at_load:
                 if progress:
                     progress(1.0, "Loading GPU shader modules")

@@ -64,14 +64,33 @@ class SchedulerClosedError(RuntimeError):
 class _Slot:
     """One place of the batch: a sampler (and grammar mask) with its own logits row."""
 
-    def __init__(self, dev, vocab: int, dtype: str, owner: str, i: int):
-        self.logits = new_tensor(dev, (vocab + 2,), dtype, owner=owner, label=f"slot{i}.logits").view((vocab,))
-        self.sampler = Sampler(dev, vocab, owner=owner, label=f"slot{i}.sampler")
+    def __init__(self, dev, vocab: int, dtype: str, owner: str, i: int, label: str = "slot"):
+        self.dev = dev
+        self.logits = new_tensor(dev, (vocab + 2,), dtype, owner=owner, label=f"{label}{i}.logits").view((vocab,))
+        self.sampler = Sampler(dev, vocab, owner=owner, label=f"{label}{i}.sampler")
         # the sampled token also goes here, for a step submitted before it is read (decode_ahead)
-        self.next_id = new_tensor(dev, (4,), "u32", owner=owner, label=f"slot{i}.next_id")
+        self.next_id = new_tensor(dev, (4,), "u32", owner=owner, label=f"{label}{i}.next_id")
         self.op = self.sampler.op(self.logits, self.next_id)
         self.mask: LogitMask | None = None
         self.mask_op = None
+        self._copy_ops: dict = {}
+
+    def copy_in(self, batch, logits, row: int, row_elems: int) -> None:
+        """Row `row` of `logits` (rows of row_elems entries, the model's whole vocabulary) -> this
+        slot's logits (its sampler and mask are bound to them)."""
+        n, size = self.logits.numel, DTYPE_SIZE[logits.dtype]
+        src = logits.offset + row * row_elems * size
+        if src % 4 == 0 and (n * size) % 4 == 0:
+            batch.copy(logits.buf, self.logits.buf, n * size, src, self.logits.offset)
+            return
+        op = self._copy_ops.get(row)       # an odd f16 vocabulary: a copy kernel (x * 1 is exact)
+        if op is None:
+            op = self._copy_ops[row] = nn.scale(self.dev, logits.view((n,), row * row_elems), self.logits, 1.0)
+        op.record(batch)
+
+    def release(self) -> None:
+        for op in self._copy_ops.values():
+            op.release()
 
 
 class Scheduler:
@@ -84,9 +103,10 @@ class Scheduler:
         self.max_seqs, self.chunk = plan.max_sequences, m.chunk
         owner = pipe.owner
         bs, n_blocks = plan.kv_block_size, plan.kv_pool_blocks
-        # speculation by prompt lookup: each sequence guesses, one step checks all (batch_speculation.py)
+        # speculation: each sequence guesses (prompt lookup, or the draft model once it has loaded:
+        # LLMChatPipeline._load), one step checks all (batch_speculation.py)
         spec = pipe.speculation
-        self.spec = BatchSpeculation(pipe, spec, self.max_seqs) if spec and spec.method == "ngram" else None
+        self.spec = BatchSpeculation(pipe, spec, self.max_seqs) if spec else None
         rows = self.spec.rows_cap if self.spec else self.max_seqs
         self.fwd = PagedForward(m, max_seqs=self.max_seqs, n_blocks=n_blocks, block_size=bs, owner=owner,
                                 max_rows=rows)
@@ -97,9 +117,6 @@ class Scheduler:
         # a verify step's guess rows after the slots' places, in row order)
         self._results_bytes = (self.max_seqs + (rows if self.spec else 0)) * RESULT_BYTES
         self.results = dev.buffer(self._results_bytes, owner=owner, label="scheduler.results")
-        self._row_bytes = m.cfg.vocab_size * DTYPE_SIZE[m.dtype]
-        self._copy_bytes = vocab * DTYPE_SIZE[m.dtype]
-        self._copy_ops: dict = {}
         self._free_slots = list(range(self.max_seqs - 1, -1, -1))
         self.running: list[SeqRecord] = []              # admission order
         self._just_preempted: set = set()
@@ -182,6 +199,8 @@ class Scheduler:
         if rec in self.running:
             self.running.remove(rec)
             self._free_slots.append(rec.slot)
+            if self.spec is not None:
+                self.spec.leave(rec)
             if rec.lora is not None:
                 self.pipe.lora.release(rec.lora)
         if rec.in_pool:
@@ -309,7 +328,13 @@ class Scheduler:
         inline = not masks and self.pipe.logit_processor is None
         # each speculating sequence's guesses, checked by rows of this step (only where every sampler
         # goes in the forward's own submission: a guess row's sampler follows its logits there)
-        guesses = self.spec.guesses(decode, pool, self.model.ctx) if self.spec and inline and decode else {}
+        guesses = await self.spec.guesses(decode, pool, self.model.ctx) if self.spec and inline and decode else {}
+        if self.spec is not None and self.spec.draft is not None:
+            # the draft's forwards let callers run meanwhile: a sequence whose caller left is not fed
+            decode = [r for r in decode if not r.cancelled]
+            chunks = [c for c in chunks if not c[0].cancelled]
+            sampled = [(r, i) for r, i in sampled if not r.cancelled]
+            guesses = {r: g for r, g in guesses.items() if not r.cancelled}
         rb = None
         if decode:
             # with no chunk after it, its results are read from this point (a step may follow)
@@ -523,17 +548,7 @@ class Scheduler:
 
     def _copy_logits(self, batch, row: int, slot_i: int) -> None:
         """Logits row `row` -> the slot's own logits (its sampler and mask are bound to it)."""
-        slot = self.slots[slot_i]
-        src = row * self._row_bytes
-        if src % 4 == 0 and self._copy_bytes % 4 == 0:
-            batch.copy(self.fwd.logits.buf, slot.logits.buf, self._copy_bytes, src, slot.logits.offset)
-            return
-        key = (row, slot_i)             # an odd f16 vocabulary: a copy kernel (x * 1 is exact)
-        op = self._copy_ops.get(key)
-        if op is None:
-            src_t = self.fwd.logits.view((self.pipe.vocab_size,), row * self.model.cfg.vocab_size)
-            op = self._copy_ops[key] = nn.scale(self.dev, src_t, slot.logits, 1.0)
-        op.record(batch)
+        self.slots[slot_i].copy_in(batch, self.fwd.logits, row, self.model.cfg.vocab_size)
 
     async def _process_logits(self, recs) -> None:
         """A WebLLM logit processor, per sampling sequence (a host round trip each)."""
@@ -564,6 +579,8 @@ class Scheduler:
         self.running.clear()
         if self._task is not None and not self._task.done():
             self._task.cancel()
+        if self.spec is not None:
+            self.spec.close()
         self.fwd.release()
-        for op in self._copy_ops.values():
-            op.release()
+        for slot in self.slots:
+            slot.release()
