@@ -235,7 +235,8 @@ def hf_fields(c: dict, family: DecoderFamily, where: str = "config.json") -> dic
     eos = c.get("eos_token_id")
     rot_dim = int(head_dim * float(c.get("partial_rotary_factor", 1.0)))
     factors, scaling = _hf_rope_scaling(c, rot_dim, where)
-    long = _hf_longrope(c, rot_dim, where) if scaling == "longrope" else {}
+    long = _hf_longrope(c, rot_dim, where) if scaling == "longrope" else \
+        {"rope_attn_factor": _yarn_attention_factor(c["rope_scaling"])} if scaling == "yarn" else {}
     return dict(
         arch=family.name, vocab_size=int(c["vocab_size"]), hidden_size=hidden,
         n_layers=int(c["num_hidden_layers"]), n_heads=n_heads,
@@ -311,6 +312,10 @@ def _hf_rope_scaling(c: dict, rot_dim: int, where: str) -> tuple:
         factor = float(rs["factor"])
         if kind == "linear":
             return (factor,) * (rot_dim // 2), "linear"
+        if kind == "yarn":
+            return yarn_rope_factors(rot_dim, float(c.get("rope_theta", 10000.0)), factor,
+                                     int(rs["original_max_position_embeddings"]), float(rs.get("beta_fast") or 32),
+                                     float(rs.get("beta_slow") or 1), bool(rs.get("truncate", True))), "yarn"
         if kind == "llama3":
             return llama3_rope_factors(rot_dim, float(c.get("rope_theta", 10000.0)), factor,
                                        float(rs["low_freq_factor"]), float(rs["high_freq_factor"]),
@@ -318,7 +323,38 @@ def _hf_rope_scaling(c: dict, rot_dim: int, where: str) -> tuple:
     except KeyError as e:
         raise ModelFormatError(f"{where}: rope_scaling {rs} lacks {e.args[0]}") from e
     raise UnsupportedModelError(f"{where}: rope_scaling type {kind!r} is not implemented; supported: "
-                                f"linear, llama3, longrope (su)")
+                                f"linear, llama3, longrope (su), yarn")
+
+
+def yarn_rope_factors(rot_dim: int, base: float, factor: float, original: int, beta_fast: float,
+                      beta_slow: float, truncate: bool) -> tuple:
+    """YaRN's frequency divisors (transformers' _compute_yarn_parameters): frequency i blends its
+    interpolated (/ factor) and extrapolated values by a linear ramp over the dimensions between the
+    ones that turn beta_fast and beta_slow times in the original context."""
+    def dim(rotations):
+        return rot_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+    low, high = dim(beta_fast), dim(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rot_dim - 1)
+    high += 0.001 if low == high else 0.0
+    out = []
+    for i in range(rot_dim // 2):
+        extrapolate = 1.0 - min(1.0, max(0.0, (i - low) / (high - low)))
+        out.append(1.0 / (extrapolate + (1.0 - extrapolate) / factor))
+    return tuple(out)
+
+
+def _yarn_attention_factor(rs: dict) -> float:
+    """YaRN's scale of cos and sin (q and k): attention_factor, else 0.1 ln(factor) + 1."""
+    if rs.get("attention_factor") is not None:
+        return float(rs["attention_factor"])
+    factor = float(rs["factor"])
+    if rs.get("mscale") and rs.get("mscale_all_dim"):
+        def m(s):
+            return 0.1 * s * math.log(factor) + 1.0 if factor > 1 else 1.0
+        return m(float(rs["mscale"])) / m(float(rs["mscale_all_dim"]))
+    return 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
 
 
 def _hf_longrope(c: dict, rot_dim: int, where: str) -> dict:

@@ -57,6 +57,11 @@ class LlamaConfig:
     n_experts: int = 0
     n_experts_used: int = 0
     moe_norm_topk: bool = False
+    # act "swiglu_oai" (gpt-oss's experts): (clamp(up, ±act_limit) + 1) * g * sigmoid(act_alpha g),
+    # g = min(gate, act_limit)
+    act_alpha: float = 0.0
+    act_limit: float = 0.0
+    attn_sinks: bool = False           # gpt-oss: a learned logit per q head in each softmax's denominator
     bos_id: int | None = None
     eos_ids: list[int] = field(default_factory=list)
     # sliding-window attention: a query at position p sees keys p-sliding_window+1..p (Mistral v0.1,
@@ -74,7 +79,7 @@ class LlamaConfig:
     rope_original_context: int = 0
     rope_attn_factor: float = 1.0
     # Gemma 2 / 3
-    act: str = "silu"                  # FFN gate activation: "silu", or "gelu_tanh" (GeGLU); a dense FFN's:
+    act: str = "silu"                  # FFN gate activation: "silu", "gelu_tanh" (GeGLU), "swiglu_oai"; a dense FFN's:
     #                                    "gelu_tanh" or "gelu" (erf)
     embed_scale: float = 1.0           # x = embed[ids] * embed_scale (Gemma: sqrt(hidden_size))
     post_norms: bool = False           # rms_norm of the attention and FFN outputs before each residual add
@@ -114,10 +119,12 @@ class LlamaConfig:
             self.rot_dim = self.head_dim
         if self.norm not in ("rms", "layer"):
             raise ValueError(f"norm must be rms or layer, got {self.norm!r}")
-        acts = ("silu", "gelu_tanh") if self.ffn_gated else ("gelu_tanh", "gelu")
+        acts = ("silu", "gelu_tanh", "swiglu_oai") if self.ffn_gated else ("gelu_tanh", "gelu")
         if self.act not in acts:
             raise ValueError(f"act of a {'gated' if self.ffn_gated else 'dense'} FFN must be one of {acts}, "
                              f"got {self.act!r}")
+        if self.act == "swiglu_oai" and not (self.n_experts and self.act_limit > 0):
+            raise ValueError("act swiglu_oai is a MoE layer's, with act_limit > 0 (gpt-oss)")
         if self.parallel_norms not in (0, 1, 2):
             raise ValueError(f"parallel_norms must be 0, 1 or 2, got {self.parallel_norms!r}")
         if self.n_experts and not (0 < self.n_experts_used <= self.n_experts and self.ffn_gated

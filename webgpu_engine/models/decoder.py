@@ -10,7 +10,7 @@
         rope(q, k); k, v -> the KV cache                       # kv.rope_kv (or fused into the matmul)
         a = attention(q, cache) · Woᵀ                          # kv.attention: causal GQA, sliding
                                                                # window where the layer has one,
-                                                               # Gemma 2's capped scores
+                                                               # Gemma 2's capped scores, gpt-oss's sinks
         x += a, or x += rms_norm(a) (Gemma, OLMo-2)            # residual fused in the matmul
         h = rms_norm(x), LayerNorm(x), or h = x                # parallel layers (Phi, GPT-NeoX): the
                                                                # norm(s) of the layer's input, before x += a
@@ -19,8 +19,9 @@
         x += f, or x += rms_norm(f) (Gemma, OLMo-2)
         x += rms_norm((gelu_tanh(x · Wgᵀ) * e[:, i]) · Wpᵀ)     # per-layer inputs e (T, L, P): Gemma 4
         x *= the layer's scalar                                # Gemma 4
-        or, a MoE layer: e, w = top-k(softmax(h · Wrouterᵀ))    # (T, k) on the GPU
+        or, a MoE layer: e, w = top-k(softmax(h · Wrouterᵀ (+ b)))  # (T, k) on the GPU
            x += sum_j w_j * FFN_{e_j}(h)                       # only the chosen experts' rows read
+                                                               # (gpt-oss: biases, clamped SwiGLU)
     logits = rms_norm(x) (or LayerNorm(x)) · Wheadᵀ (+ b)      # the last row, or every row
     logits = cap * tanh(logits / cap)                          # Gemma 2
 
@@ -115,12 +116,13 @@ class Attention:
     scale: float
     window: int
     softcap: float
+    sinks: Tensor | None = None        # (Hq,) f32: each head's logit in its softmax's denominator (gpt-oss)
 
     def heads(self) -> dict:
         return {"n_q_heads": self.n_q_heads, "n_kv_heads": self.n_kv_heads, "head_dim": self.head_dim}
 
     def masking(self) -> dict:
-        return {"window": self.window, "softcap": self.softcap}
+        return {"window": self.window, "softcap": self.softcap, **({"sinks": self.sinks} if self.sinks is not None else {})}
 
 
 def family_ops(cfg: LlamaConfig) -> dict:
@@ -215,7 +217,7 @@ def forward(m, kv: KVAccess, T: int, mode: str, *, with_head: bool = True,
                        mscale=c.rope_attn_factor)
             # a layer attending an earlier layer's cache rotates its q heads only and stores nothing
             ops.append(kv.rope_kv(i, qkv, T, rot) if c.kv_source(i) == i else kv.rope_q(i, qkv, T, rot))
-        spec = Attention(H, Hkv, D, c.attn_scale or D ** -0.5, c.window_of(i), c.attn_softcap)
+        spec = Attention(H, Hkv, D, c.attn_scale or D ** -0.5, c.window_of(i), c.attn_softcap, L.sinks)
         ops.append(kv.attention(i, qkv, attn, T, mode, spec))
         if "attn" in points:
             ops += points["attn"](m, i, attn, T)
@@ -288,15 +290,16 @@ def _experts(m, L, x: Tensor, h: Tensor, T: int, mode: str, flags: dict) -> list
     ids, wts = m.expert_ids.view((T, k)), m.expert_weights.view((T, k))
     logits, gu, ffn = m.router_logits.view((T, E)), m.gate_up.view((T * k, 2 * F)), m.ffn.view((T * k, F))
     ops = [_norm(m, x, L.ffn_norm, L.ffn_norm_bias, h),
-           mm.matmul(dev, h, L.experts.router, logits, **flags),
+           mm.matmul(dev, h, L.experts.router, logits, bias=L.experts.router_bias, **flags),
            moe.moe_route(dev, logits, ids, wts, n_sel=k, norm=c.moe_norm_topk)]
     groups, prods = None, None
     if mode == PREFILL:
         groups, prods = (m.expert_order.view((T * k,)), m.expert_start), m.expert_prods.view((T * k, c.hidden_size))
         ops.append(moe.moe_group(dev, ids, *groups, n_experts=E, n_sel=k))
-    return ops + [moe.moe_matmul(dev, h, L.experts.gate_up, ids, gu, n_sel=k, groups=groups),
-                  nn.silu_mul(dev, gu, ffn, act=c.act),
-                  moe.moe_down(dev, ffn, L.experts.down, ids, wts, x, n_sel=k, groups=groups, prods=prods)]
+    return ops + [moe.moe_matmul(dev, h, L.experts.gate_up, ids, gu, n_sel=k, groups=groups, bias=L.experts.gate_up_bias),
+                  nn.silu_mul(dev, gu, ffn, act=c.act, alpha=c.act_alpha, limit=c.act_limit),
+                  moe.moe_down(dev, ffn, L.experts.down, ids, wts, x, n_sel=k, groups=groups, prods=prods,
+                               bias=L.experts.down_bias)]
 
 
 def _per_layer_inputs(m, kv: KVAccess, x: Tensor, T: int, flags: dict) -> list[Op]:

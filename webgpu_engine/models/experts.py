@@ -3,8 +3,12 @@
 hold one tensor per expert (layers.i.experts.j.gate / up / down); llama.cpp's GGUFs hold them
 stacked (layers.i.gate_exps (E, F, C), up_exps, down_exps): both become gate_up (E * 2F, C), expert
 e's gate rows then its up rows (kernels/elementwise.py silu_mul's [gate | up]), and down (E * C, F).
-Rows of any type are whole blocks, so an expert's slice of a stacked tensor is a view. Standard
-library only (runs in the page).
+Rows of any type are whole blocks, so an expert's slice of a stacked tensor is a view. gpt-oss's HF
+folders stack them for x · W rather than x · Wᵀ (gate_up_exps_t (E, C, 2F), gate and up columns
+interleaved; down_exps_t (E, F, C)): those floats are transposed on the host when uploaded (numpy
+where installed). gpt-oss also has biases: the router's (E,), each expert's gate / up (E, F) (its HF
+folder's gate_up_exps_bias (E, 2F) interleaved) and down (E, C). Standard library only (runs in the
+page).
 """
 from __future__ import annotations
 
@@ -12,8 +16,9 @@ from dataclasses import dataclass
 
 from ..errors import UnsupportedModelError
 from ..kernels import matmul as mm
+from ..kernels.common import Tensor
 from ..kernels.moe import ExpertStack, upload_experts as upload_stack
-from ..loaders.tensor_info import TensorInfo, split_rows
+from ..loaders.tensor_info import TensorInfo, split_rows, tensor_nbytes
 
 
 @dataclass
@@ -23,10 +28,66 @@ class Experts:
     router: mm.QWeight                 # (E, C)
     gate_up: ExpertStack               # (E, 2F, C): expert e's gate rows, then its up rows
     down: ExpertStack                  # (E, C, F)
+    router_bias: Tensor | None = None  # (E,) f32: gpt-oss
+    gate_up_bias: Tensor | None = None  # (E * 2F,) f32: expert e's gate biases, then its up biases
+    down_bias: Tensor | None = None    # (E * C,) f32
+
+
+class Transposed(TensorInfo):
+    """Columns col0, col0 + step, ... of a stacked float matrix's expert e (E, k, cols) as rows
+    (n, k), copied when its bytes are first read (the upload), not when headers are read."""
+
+    def __init__(self, t: TensorInfo, e: int, col0: int, step: int):
+        E, k, cols = t.shape
+        self._src, self._data = (t, e, col0, step), None
+        super().__init__(f"{t.name}[{e}]ᵀ", t.qtype, (len(range(col0, cols, step)), k), None, t.offset)
+
+    @property
+    def data(self) -> memoryview:
+        if self._data is None:
+            t, e, col0, step = self._src
+            _, k, cols = t.shape
+            self._data = transpose(t.data[e * k * cols * self._size:(e + 1) * k * cols * self._size], k, cols,
+                                   self._size, col0, step)
+        return self._data
+
+    @data.setter
+    def data(self, value) -> None:
+        self._data = value
+
+    @property
+    def _size(self) -> int:
+        return tensor_nbytes(self.qtype, (1,))
+
+    @property
+    def nbytes(self) -> int:
+        return tensor_nbytes(self.qtype, self.shape)
+
+
+def transpose(src, rows: int, cols: int, size: int, col0: int = 0, step: int = 1) -> memoryview:
+    """Columns col0::step of a (rows, cols) matrix of `size`-byte floats as the rows of a new one."""
+    from importlib.util import find_spec
+    if find_spec("numpy") is not None:
+        import numpy as np
+        a = np.frombuffer(src, f"u{size}", rows * cols).reshape(rows, cols)
+        return memoryview(np.ascontiguousarray(a[:, col0::step].T).reshape(-1).view(np.uint8))
+    from array import array
+    a = array("H" if size == 2 else "I", bytes(src))
+    n = len(range(col0, cols, step))
+    out = array(a.typecode, bytes(n * rows * size))
+    for r in range(rows):
+        out[r::rows] = a[r * cols + col0:(r + 1) * cols:step]
+    return memoryview(out).cast("B")
 
 
 def _per_expert(weights: dict, p: str, part: str, E: int) -> list[TensorInfo]:
-    """Expert 0..E-1's (rows, k) matrix `part` (gate, up, down) of layer prefix p, from either layout."""
+    """Expert 0..E-1's (rows, k) matrix `part` (gate, up, down) of layer prefix p, from any layout."""
+    hf = weights.get(f"{p}{'gate_up' if part in ('gate', 'up') else part}_exps_t")
+    if hf is not None:                      # gpt-oss's HF folder: x · W, gate and up interleaved
+        if len(hf.shape) != 3 or hf.shape[0] != E or hf.qtype not in ("f32", "f16", "bf16"):
+            raise UnsupportedModelError(f"{hf.name}: {hf.qtype} {hf.shape} is not {E} stacked float experts")
+        col0, step = {"gate": (0, 2), "up": (1, 2)}.get(part, (0, 1))
+        return [Transposed(hf, e, col0, step) for e in range(E)]
     stacked = weights.get(f"{p}{part}_exps")
     if stacked is not None:
         if len(stacked.shape) != 3 or stacked.shape[0] != E:
@@ -50,6 +111,30 @@ def _stack(dev, experts: list[list[TensorInfo]], label: str, owner: str, max_bin
                         first[0].k, owner=owner, label=label, max_binding=max_binding)
 
 
+def _biases(dev, weights: dict, p: str, E: int, owner: str) -> dict:
+    """gpt-oss's router and expert biases (f32 on the GPU; none in other families)."""
+    if p + "router_bias" not in weights:
+        return {}
+
+    def up(name, data, dtype):
+        return mm.upload_vector(dev, data, dtype=dtype, owner=owner, label=p + name)
+    hf = weights.get(p + "gate_up_exps_bias")
+    if hf is not None:                      # (E, 2F), gate and up interleaved: [gate | up] per expert
+        F = hf.shape[-1] // 2
+        size = tensor_nbytes(hf.qtype, (1,))
+        gate, ups = transpose(hf.data, E * F, 2, size, 0), transpose(hf.data, E * F, 2, size, 1)
+        gate_up = b"".join(bytes(v[e * F * size:(e + 1) * F * size]) for e in range(E) for v in (gate, ups))
+        gu = up("gate_up_bias", gate_up, hf.qtype)
+    else:
+        g, u = weights[p + "gate_exps_bias"], weights[p + "up_exps_bias"]
+        row = g.nbytes // E
+        gu = up("gate_up_bias", b"".join(bytes(t.data[e * row:(e + 1) * row]) for e in range(E) for t in (g, u)),
+                g.qtype)
+    d, r = weights[p + "down_exps_bias"], weights[p + "router_bias"]
+    return {"router_bias": up("router_bias", r.data, r.qtype), "gate_up_bias": gu,
+            "down_bias": up("down_bias", d.data, d.qtype)}
+
+
 def upload_experts(dev, weights: dict, i: int, n_experts: int, owner: str, router: mm.QWeight,
                    max_binding: int | None = None) -> Experts:
     """Layer i's experts on the GPU (router already uploaded by the caller's matrix reader)."""
@@ -58,7 +143,7 @@ def upload_experts(dev, weights: dict, i: int, n_experts: int, owner: str, route
     gate_up = _stack(dev, [[gate[e], up[e]] for e in range(n_experts)], p + "experts.gate_up", owner, max_binding)
     down = _stack(dev, [[t] for t in _per_expert(weights, p, "down", n_experts)], p + "experts.down", owner,
                   max_binding)
-    return Experts(router, gate_up, down)
+    return Experts(router, gate_up, down, **_biases(dev, weights, p, n_experts, owner))
 
 
 def decode_weight_bytes(model) -> tuple[int, int]:

@@ -61,6 +61,7 @@ class LlamaLayer:
     ple_norm: Tensor | None = None     # (C,) f32: the projection's norm
     scale: float = 1.0                 # x *= scale at the layer's end (Gemma 4's layer_scalar)
     experts: Experts | None = None     # a MoE layer's router and stacked experts (cfg.n_experts)
+    sinks: Tensor | None = None        # (Hq,) f32: each head's sink logit (cfg.attn_sinks: gpt-oss)
 
 
 def _floats(t) -> list:
@@ -288,6 +289,7 @@ class LlamaModel:
                 post_ffn_norm=norm([p + "post_ffn_norm"], p + "post_ffn_norm") if c.post_norms else None,
                 attn_norm_bias=vec([p + "attn_norm_bias"], p + "attn_norm_bias") if layer_norm else None,
                 ffn_norm_bias=vec([p + "ffn_norm_bias"], p + "ffn_norm_bias") if layer_norm and ffn_norm else None,
+                sinks=vec([p + "sinks"], p + "sinks") if c.attn_sinks else None,
                 **per_layer(p)))
             if progress:
                 progress((i + 1) / c.n_layers, f"uploaded layer {i + 1}/{c.n_layers}")
