@@ -11,6 +11,7 @@ import pytest
 
 from webgpu_engine.config import GenerationConfig
 from webgpu_engine.engine.engine import AsyncMLCEngine
+from webgpu_engine.errors import InvalidRequestError, SpecifiedModelNotFoundError
 from webgpu_engine.kernels import lora as lk
 
 from _nn_util import empty, get, put, rounded, run
@@ -111,3 +112,112 @@ async def test_base_and_two_adapters_in_one_batch(engine):
     names = [None, "a", "b", "a", None, "b"]
     got = await asyncio.gather(*[_greedy(engine, n or _base_id(engine), k % 2) for k, n in enumerate(names)])
     assert got == [_want(n, k % 2) for k, n in enumerate(names)]
+
+
+async def _logprobs(engine, model: str, i: int) -> list:
+    r = await engine.completions.create(model=model, prompt=REF["prompts"][i], max_tokens=8, temperature=0.0,
+                                        ignore_eos=True, logprobs=1)
+    return r.choices[0].logprobs.token_logprobs
+
+
+async def test_a_base_row_beside_adapters_is_the_base_without_adapters(engine, base_path):
+    """The base's values in a batch with adapter rows are the bits of a model with no adapter."""
+    plain = AsyncMLCEngine()
+    await plain.reload(str(base_path), chat_opts=OPTS)
+    try:
+        want = [await _logprobs(plain, _base_id(plain), i) for i in range(2)]
+    finally:
+        await plain.unload()
+    mid = _base_id(engine)
+    got = await asyncio.gather(_logprobs(engine, mid, 0), _logprobs(engine, "a", 0), _logprobs(engine, "b", 1),
+                               _logprobs(engine, mid, 1))
+    assert [got[0], got[3]] == want
+    assert got[1] != want[0]
+
+
+async def test_prefix_blocks_are_shared_only_within_an_adapter(engine):
+    pool = engine.models[_base_id(engine)].pipeline.scheduler.pool
+    prompt = "a fresh breeze comes from the hills beyond the quiet town: " + REF["prompts"][1]
+
+    async def run(model):
+        await engine.completions.create(model=model, prompt=prompt, max_tokens=2, temperature=0.0)
+        return pool.stats["hit_tokens"]
+    hits = await run(_base_id(engine))
+    assert await run("a") == hits and await run("b") == hits     # the base's blocks are not theirs
+    assert await run("a") > hits                                  # their own are
+
+
+async def test_pool_evicts_the_least_recently_used_idle_adapter(engine):
+    from webgpu_engine.models.lora import LoraPool, load_adapter
+    m = engine.models[_base_id(engine)].pipeline.model
+    pool = LoraPool(m, slots=2, max_rank=8, owner="test:lora")
+    try:
+        for name in ("a", "b", "c"):
+            pool.register(load_adapter(ADAPTERS["a" if name == "c" else name], name))
+        assert [pool.acquire("a"), pool.acquire("b")] == [0, 1]
+        pool.release("a")
+        assert pool.acquire("c") == 0 and pool.resident() == ["b", "c"]        # a was idle and older
+        with pytest.raises(InvalidRequestError, match="in use"):
+            pool.acquire("a")                                                   # b and c both in use
+        pool.release("b")
+        assert pool.acquire("a") == 1
+        with pytest.raises(InvalidRequestError, match="in use"):
+            pool.unregister("a")
+    finally:
+        pool.release_all()
+
+
+def _copy_adapter(src: str, dst: Path, config: dict | None = None, rename=None, reshape=None) -> str:
+    """A copy of adapter folder `src` with config keys changed, tensors renamed or cut."""
+    from webgpu_engine.loaders.safetensors import SafetensorsFile, write_safetensors
+    dst.mkdir(parents=True, exist_ok=True)
+    conf = json.loads((Path(src) / "adapter_config.json").read_text())
+    (dst / "adapter_config.json").write_text(json.dumps({**conf, **(config or {})}))
+    f = SafetensorsFile(Path(src) / "adapter_model.safetensors")
+    out = {}
+    for n, t in f.tensors.items():
+        a = np.frombuffer(bytes(t.data), np.float32).reshape(t.shape)
+        a = reshape(n, a) if reshape else a
+        out[rename(n) if rename else n] = ("f32", a.shape, np.ascontiguousarray(a).tobytes())
+    f.close()
+    write_safetensors(dst / "adapter_model.safetensors", out)
+    return str(dst)
+
+
+async def test_adapters_that_do_not_fit_are_refused_naming_the_tensor(engine, tmp_path):
+    from webgpu_engine.models.lora import LoraAdapterError
+    wide = _copy_adapter(ADAPTERS["b"], tmp_path / "wide", reshape=lambda n, a: np.concatenate([a, a], axis=1)
+                         if "layers.1.mlp.down_proj.lora_A" in n else a)
+    with pytest.raises(LoraAdapterError, match=r"tensor \S*layers\.1\.mlp\.down_proj\.lora_A\.weight .*another base"):
+        await engine.load_lora_adapter("wide", wide)
+    deep = _copy_adapter(ADAPTERS["b"], tmp_path / "deep", rename=lambda n: n.replace("layers.1.", "layers.7."))
+    with pytest.raises(LoraAdapterError, match=r"layers\.7\..*lora_A\.weight is past the base model's 2 layers"):
+        await engine.load_lora_adapter("deep", deep)
+    big = _copy_adapter(ADAPTERS["a"], tmp_path / "big", config={"r": 32},
+                        reshape=lambda n, a: np.tile(a, (4, 1)) if "lora_A" in n else np.tile(a, (1, 4)))
+    with pytest.raises(LoraAdapterError, match="rank 32, more than the pool's max_lora_rank 8"):
+        await engine.load_lora_adapter("big", big)
+    bad_rank = _copy_adapter(ADAPTERS["b"], tmp_path / "r", config={"r": 8})
+    with pytest.raises(LoraAdapterError, match="lora_A.weight.*rank r = 8"):
+        await engine.load_lora_adapter("r", bad_rank)
+    with pytest.raises(LoraAdapterError, match="not a PEFT LoRA folder"):
+        await engine.load_lora_adapter("none", str(tmp_path))
+    dora = _copy_adapter(ADAPTERS["b"], tmp_path / "dora", config={"use_dora": True})
+    with pytest.raises(LoraAdapterError, match="use_dora"):
+        await engine.load_lora_adapter("dora", dora)
+    with pytest.raises(InvalidRequestError, match="taken"):
+        await engine.load_lora_adapter(_base_id(engine), ADAPTERS["a"])
+    assert sorted(engine.lora_names()) == ["a", "b"]
+
+
+async def test_unknown_adapter_is_not_found_and_adapters_unload(engine):
+    with pytest.raises(SpecifiedModelNotFoundError) as e:
+        await _greedy(engine, "c", 0)
+    assert e.value.http_status == 404
+    with pytest.raises(SpecifiedModelNotFoundError):
+        await engine.unload_lora_adapter("c")
+    await engine.load_lora_adapter("c", ADAPTERS["b"])
+    assert await _greedy(engine, "c", 0) == _want("b", 0)
+    await engine.unload_lora_adapter("c")
+    with pytest.raises(SpecifiedModelNotFoundError):
+        await _greedy(engine, "c", 0)

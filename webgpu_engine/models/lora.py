@@ -51,6 +51,7 @@ class LoraAdapter:
     scale: float
     weights: dict = field(default_factory=dict)       # (layer, target) -> (A, B)
     source: str = ""
+    names: dict = field(default_factory=dict)         # (layer, target) -> A's name in the file
 
     @property
     def targets(self) -> set:
@@ -118,7 +119,7 @@ def load_peft(path, name: str | None = None) -> LoraAdapter:
         if a.ndim != 2 or b.ndim != 2 or a.shape[0] != r or b.shape[1] != r:
             raise LoraAdapterError(f"{st_path.name}: tensor {an!r} {a.shape} / {bn!r} {b.shape} do not have "
                                    f"the rank r = {r} of adapter_config.json.", param="lora_path")
-        ad.weights[key] = (a, b)
+        ad.weights[key], ad.names[key] = (a, b), an
     if not ad.weights:
         raise LoraAdapterError(f"{st_path}: no LoRA tensors.", param="lora_path")
     return ad
@@ -177,7 +178,7 @@ def check_adapter(m, ad: LoraAdapter, max_rank: int) -> None:
         raise LoraAdapterError(f"LoRA adapter {ad.name!r} has rank {ad.rank}, more than the pool's "
                                f"max_lora_rank {max_rank}. Load with a larger max_lora_rank.", param="lora_path")
     for (i, t), (a, b) in ad.weights.items():
-        tensor = f"layers.{i}.{t}_proj"
+        tensor = ad.names.get((i, t), f"layers.{i}.{t}_proj")
         if i >= c.n_layers:
             raise LoraAdapterError(f"LoRA adapter {ad.name!r}: tensor {tensor} is past the base model's "
                                    f"{c.n_layers} layers: it was trained for another base.", param="lora_path")
@@ -231,6 +232,8 @@ class LoraPool:
             self.groups.append(per)
         J = max(g.j for per in self.groups for g in per.values())
         self.u = new_tensor(dev, (m.chunk, J), owner=owner, label="lora.u")           # x · Aᵀ per row
+        # the norm of x where a fused matmul norms it itself (decoder.py _lora_delta)       (P, C)
+        self.h = new_tensor(dev, (m.chunk, c.hidden_size), m.dtype, owner=owner, label="lora.h")
         self.registered: dict[str, LoraAdapter] = {}
         self._resident: OrderedDict = OrderedDict()        # name -> slot, least recently used first
         self._users: dict[str, int] = {}                   # name -> sequences using it now
@@ -322,10 +325,11 @@ class LoraRows:
 
     @staticmethod
     def plan(plan):
-        """`plan` without the fusions that hide a projection's input or output from the deltas (the
-        norm inside the matmul, act(gate) * up inside a matmul, the RoPE + KV write and the next
-        norm after a residual matmul)."""
+        """`plan` without the fusions that hide a projection's output from its delta: the RoPE + KV
+        write of the qkv matmul, act(gate) * up stored by the gate_up matmul or read by the down
+        matmul. The others stay, so that a base row's values are those of the plan without
+        adapters: a fused norm's input is normed apart for the delta, and o's and down's deltas go
+        into x before their matmul adds to it (and stores the next norm)."""
         from dataclasses import replace
-        n = len(plan.rope_kv)
-        return replace(plan, norm_in_matmul=False, gate_in_down=False, res_norm=False,
-                       rope_kv=(False,) * n, gate_out=(False,) * len(plan.gate_out))
+        return replace(plan, gate_in_down=False, rope_kv=(False,) * len(plan.rope_kv),
+                       gate_out=(False,) * len(plan.gate_out))
