@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -221,3 +224,78 @@ async def test_unknown_adapter_is_not_found_and_adapters_unload(engine):
     await engine.unload_lora_adapter("c")
     with pytest.raises(SpecifiedModelNotFoundError):
         await _greedy(engine, "c", 0)
+
+
+# ---------------------------------------------------------------------- serve and the CLI
+def _post(server, path: str, body: dict) -> tuple[int, str]:
+    req = urllib.request.Request(server.base + path, data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+@pytest.fixture(scope="module")
+def server(device, base_path):
+    from webgpu_engine.engine import EngineConfig
+    from webgpu_engine.server.app import ServerOptions, ServerThread
+    s = ServerThread(ServerOptions(models=[str(base_path)], chat_opts=[OPTS], port=0, lora_adapters=ADAPTERS,
+                                   allow_model_management=True, engine_config=EngineConfig(device=device)))
+    yield s
+    s.stop()
+
+
+def test_serve_base_and_two_adapters_concurrently_with_the_openai_client(server):
+    import openai
+    c = openai.OpenAI(base_url=server.url, api_key="none", max_retries=0)
+    models = {m.id: m.to_dict() for m in c.models.list().data}
+    (base,) = [k for k, m in models.items() if "parent" not in m]
+    assert {k: (m["parent"], m["root"]) for k, m in models.items() if k != base} == \
+        {n: (base, p) for n, p in ADAPTERS.items()}
+    assert c.models.retrieve("a").to_dict()["parent"] == base
+
+    def ask(name, i):
+        r = c.completions.create(model=name or base, prompt=REF["prompts"][i], temperature=0.0,
+                                 max_tokens=len(REF["base"]["greedy"][i]), extra_body={"ignore_eos": True})
+        return r.choices[0].text
+    jobs = [(n, i) for n in (None, "a", "b") for i in range(2)]
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        got = list(pool.map(lambda j: ask(*j), jobs))
+    assert got == [_want(n, i) for n, i in jobs]
+    with pytest.raises(openai.NotFoundError):
+        ask("c", 0)
+
+
+def test_serve_loads_and_unloads_adapters_with_vllms_routes(server):
+    assert _post(server, "/v1/load_lora_adapter", {"lora_name": "c", "lora_path": ADAPTERS["b"]}) == \
+        (200, "Success: LoRA adapter 'c' added successfully.")
+    assert "c" in server.engine.lora_names()
+    status, body = _post(server, "/v1/load_lora_adapter", {"lora_name": "d", "lora_path": "/nonexistent"})
+    assert status == 400 and json.loads(body)["error"]["param"] == "lora_path"
+    status, body = _post(server, "/v1/load_lora_adapter", {"lora_name": "d"})
+    assert status == 400 and "lora_path" in body
+    assert _post(server, "/v1/unload_lora_adapter", {"lora_name": "c"})[0] == 200
+    status, body = _post(server, "/v1/unload_lora_adapter", {"lora_name": "c"})
+    assert status == 404 and json.loads(body)["error"]["param"] == "model"
+    assert "c" not in server.engine.lora_names()
+    server.opts.allow_model_management = False
+    try:
+        assert _post(server, "/v1/load_lora_adapter", {"lora_name": "c", "lora_path": ADAPTERS["b"]})[0] == 403
+    finally:
+        server.opts.allow_model_management = True
+
+
+def test_complete_with_lora_on_the_command_line(device, base_path, capsys):
+    from webgpu_engine.cli import main
+    assert main(["complete", "--quiet", "--model", str(base_path), "--lora", ADAPTERS["b"], "--dtype", "f32",
+                 "--max-tokens", str(len(REF["adapters"]["b"]["greedy"][0])), "--temperature", "0",
+                 REF["prompts"][0]]) == 0
+    assert capsys.readouterr().out == _want("b", 0) + "\n"
+    from webgpu_engine.cli.commands import _lora_adapters
+    from webgpu_engine.cli.parser import build_parser
+    args = build_parser().parse_args(["serve", "--model", "m", "--lora", "a=/x/a", "--lora", "b=/x/b"])
+    assert _lora_adapters(args.lora) == {"a": "/x/a", "b": "/x/b"}
+    with pytest.raises(InvalidRequestError, match="NAME=PATH"):
+        _lora_adapters(["nopath"])

@@ -127,9 +127,10 @@ def cmd_chat(args) -> int:
 
 # --------------------------------------------------------------------------- complete
 async def _complete(engine, args) -> int:
+    from .models import lora_request
     stream = await engine.completions.create(
         prompt=" ".join(args.prompt), stream=True, max_tokens=args.max_tokens,
-        temperature=args.temperature, seed=args.seed, echo=args.echo)
+        temperature=args.temperature, seed=args.seed, echo=args.echo, **lora_request(args))
     async for chunk in stream:
         if chunk.choices:
             print(chunk.choices[0].text, end="", flush=True)
@@ -200,11 +201,24 @@ def cmd_serve(args) -> int:
                          cors_origins=args.cors_origin or [], log_level=args.log_level.upper(),
                          auto_recover=args.auto_recover, shutdown_grace_s=args.shutdown_grace,
                          engine_config=cfg, chat_opts=chat_opts, exit_on_load_error=True,
-                         allow_model_management=args.allow_model_management)
+                         allow_model_management=args.allow_model_management,
+                         lora_adapters=_lora_adapters(args.lora))
     if getattr(args, "ray_replicas", None):
         from .ray_cmds import serve_on_ray       # the same server on Ray Serve replicas
         return serve_on_ray(args, opts)
     return run_server(opts)
+
+
+def _lora_adapters(specs: list[str] | None) -> dict | None:
+    """serve's --lora NAME=PATH flags as {name: path}."""
+    from ..errors import InvalidRequestError
+    out = {}
+    for spec in specs or ():
+        name, sep, path = spec.partition("=")
+        if not sep or not name.strip() or not path.strip():
+            raise InvalidRequestError(f"--lora {spec!r}: give NAME=PATH.", param="lora")
+        out[name.strip()] = path.strip()
+    return out or None
 
 
 # --------------------------------------------------------------------------- bench

@@ -80,6 +80,8 @@ def create_engine(args, refs: list[str]):
     cfg = engine_config(args)
     cfg.app_config = app
     opts = chat_opts_for(args, len(ids))
+    if getattr(args, "lora", None) and len(ids) == 1:      # adapters are served by the batch scheduler
+        opts = [{"max_num_sequences": 2, **((opts or [None])[0] or {})}]
     return create_mlc_engine(ids if len(ids) > 1 else ids[0], engine_config=cfg,
                              chat_opts=opts if opts is None or len(ids) > 1 else opts[0])
 
@@ -89,6 +91,16 @@ async def with_model(args, use):
     returned. The one-model commands (chat, complete, embed) run through it."""
     engine = await create_engine(args, [args.model])
     try:
+        if getattr(args, "lora", None):        # --lora PATH: requests name it (lora_request)
+            await engine.load_lora_adapter(LORA_NAME, args.lora)
         return await use(engine)
     finally:
         await engine.unload()
+
+
+LORA_NAME = "lora"       # the name chat / complete --lora serve the adapter under
+
+
+def lora_request(args) -> dict:
+    """The request fields that pick chat / complete's --lora adapter (none without one)."""
+    return {"model": LORA_NAME} if getattr(args, "lora", None) else {}

@@ -70,6 +70,11 @@ def _add_cache_commands(sub) -> None:
         p.set_defaults(func=_missing_cache_cli(name))
 
 
+def _lora_option(p) -> None:
+    p.add_argument("--lora", default=None, metavar="PATH",
+                   help="answer with this LoRA adapter (a PEFT folder) over the model")
+
+
 def _model_options(p, many: bool = False):
     p.add_argument("--model-id", action="append" if many else "store", default=None, metavar="ALIAS",
                    help="the id the model is known by (default: the file, folder or repo name)"
@@ -147,6 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "answers once and exits.")
     p.add_argument("--model", default=DEFAULT_CHAT_MODEL, help=f"{REF} (default {DEFAULT_CHAT_MODEL})")
     _model_options(p)
+    _lora_option(p)
     p.add_argument("--system", default=None, help="system message")
     sampling(p, 256)
     add_structured_options(p)
@@ -157,6 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Continue PROMPT with the model (no chat template) and print it.")
     p.add_argument("--model", default=DEFAULT_CHAT_MODEL, help=f"{REF} (default {DEFAULT_CHAT_MODEL})")
     _model_options(p)
+    _lora_option(p)
     p.add_argument("--echo", action="store_true", help="print the prompt before the completion")
     sampling(p, 64)
     p.add_argument("prompt", nargs="+", help="text to continue")
@@ -178,6 +185,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", action="append", default=None,
                    help=f"{REF} (repeatable; default {DEFAULT_CHAT_MODEL} and {DEFAULT_EMBED_MODEL})")
     _model_options(p, many=True)
+    p.add_argument("--lora", action="append", default=None, metavar="NAME=PATH",
+                   help="a LoRA adapter (a PEFT folder) over the chat model, served as model NAME "
+                        "(repeatable)")
     p.add_argument("--host", default="127.0.0.1", help="default 127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="default 8000")
     p.add_argument("--api-key", default=os.environ.get("WEBGPU_ENGINE_API_KEY"),

@@ -31,7 +31,8 @@ def _text_or_file(v: str) -> str:
 
 def request_fields(args) -> dict:
     """The chat request fields the options ask for (validated by the engine like any request)."""
-    out: dict = {}
+    from .models import lora_request
+    out: dict = lora_request(args)
     if args.json:
         out["response_format"] = {"type": "json_object"}
     if args.json_schema:

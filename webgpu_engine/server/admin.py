@@ -2,6 +2,8 @@
 
 POST /v1/models/load   {"model": REF, "model_id": ALIAS?, "chat_opts": {...}?}  -> the model, as /v1/models
 POST /v1/models/unload {"model": ID}                                           -> {"id", "object", "deleted"}
+POST /v1/load_lora_adapter   {"lora_name": NAME, "lora_path": PATH}   (vLLM's shapes) -> a line of text
+POST /v1/unload_lora_adapter {"lora_name": NAME, "lora_int_id": N?}                 -> a line of text
 REF is what `serve --model` takes (an app-config id or a model reference). Both sit under /v1/, so
 the API key guards them when one is set. A load passes the start-up memory check against what the
 loaded models hold; every failure is a typed 4xx/5xx JSON error and the loaded models keep serving.
@@ -29,6 +31,8 @@ class ModelManagementDisabledError(WebGPUEngineError):
 def add_routes(app: web.Application) -> None:
     app.router.add_post("/v1/models/load", load)
     app.router.add_post("/v1/models/unload", unload)
+    app.router.add_post("/v1/load_lora_adapter", load_lora)
+    app.router.add_post("/v1/unload_lora_adapter", unload_lora)
 
 
 def _fields(body: dict, allowed: dict[str, type], required: str) -> dict:
@@ -63,3 +67,22 @@ async def unload(request: web.Request) -> web.Response:
     body = _fields(await json_body(request), {"model": str}, "model")
     await unload_model(request.app[ENGINE], body["model"])
     return web.json_response({"id": body["model"], "object": "model", "deleted": True})
+
+
+async def load_lora(request: web.Request) -> web.Response:
+    """A LoRA adapter over the loaded chat model, served as `lora_name` (engine/lora.py)."""
+    if not request.app[OPTS].allow_model_management:
+        raise ModelManagementDisabledError()
+    body = _fields(await json_body(request), {"lora_name": str, "lora_path": str, "load_inplace": bool}, "lora_name")
+    if not body.get("lora_path"):
+        raise BadRequestError("`lora_path` must be a non-empty string.", param="lora_path")
+    await ready_engine(request).load_lora_adapter(body["lora_name"], body["lora_path"])
+    return web.Response(text=f"Success: LoRA adapter '{body['lora_name']}' added successfully.")
+
+
+async def unload_lora(request: web.Request) -> web.Response:
+    if not request.app[OPTS].allow_model_management:
+        raise ModelManagementDisabledError()
+    body = _fields(await json_body(request), {"lora_name": str, "lora_int_id": int}, "lora_name")
+    await ready_engine(request).unload_lora_adapter(body["lora_name"])
+    return web.Response(text=f"Success: LoRA adapter '{body['lora_name']}' removed successfully.")

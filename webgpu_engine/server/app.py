@@ -60,6 +60,7 @@ class ServerOptions:
     engine_config: EngineConfig | None = None     # limits, queue, timeout; tests inject stubs here
     exit_on_load_error: bool = False   # `serve`: a model that fails to load stops the server (exit 1)
     allow_model_management: bool = False   # POST /v1/models/load and /unload (admin.py)
+    lora_adapters: dict | None = None      # LoRA adapters {name: path} over the chat model (--lora)
     # builds the engine the app serves from (config, app) instead of AsyncMLCEngine(config): an
     # engine-like object (webgpu_engine.ray's proxy to Ray Serve replicas) that may add app signals
     engine_factory: Any = None
@@ -209,8 +210,15 @@ def _model_object(request: web.Request, model_id: str, lm) -> dict:
             **lm.describe(request.app[ENGINE].device)}
 
 
+def _adapter_object(request: web.Request, name: str, lm) -> dict:
+    """A LoRA adapter as vLLM lists it: its own id, `parent` its base, `root` where it came from."""
+    return {**_model_object(request, name, lm), "parent": lm.model_id, "root": lm.lora_adapters[name]}
+
+
 async def list_models(request: web.Request) -> web.Response:
-    data = [_model_object(request, m, lm) for m, lm in request.app[ENGINE].models.items()]
+    models = request.app[ENGINE].models
+    data = [_model_object(request, m, lm) for m, lm in models.items()]
+    data += [_adapter_object(request, n, lm) for lm in models.values() for n in getattr(lm, "lora_adapters", ())]
     return web.json_response({"object": "list", "data": data, "has_more": False,      # Anthropic's paging
                               "first_id": data[0]["id"] if data else None,
                               "last_id": data[-1]["id"] if data else None})
@@ -219,11 +227,15 @@ async def list_models(request: web.Request) -> web.Response:
 async def retrieve_model(request: web.Request) -> web.Response:
     """GET /v1/models/{id} (the client's models.retrieve): 404 for an id that is not loaded."""
     model_id = request.match_info["model"]
-    lm = request.app[ENGINE].models.get(model_id)
-    if lm is None:
+    engine = request.app[ENGINE]
+    lm = engine.models.get(model_id)
+    base = None if lm is not None else next(
+        (b for b in engine.models.values() if model_id in getattr(b, "lora_adapters", ())), None)
+    if lm is None and base is None:
         return error_response(404, f"The model '{model_id}' does not exist or is not loaded.",
                               "invalid_request_error", param="model", code="model_not_found")
-    return web.json_response(_model_object(request, model_id, lm))
+    return web.json_response(_model_object(request, model_id, lm) if lm is not None
+                             else _adapter_object(request, model_id, base))
 
 
 async def tokenize(request: web.Request) -> web.Response:
@@ -306,7 +318,8 @@ async def _start_loading(app: web.Application) -> None:
     async def load():
         opts, state = app[OPTS], app[STATE]
         try:
-            await app[ENGINE].reload(opts.models, opts.chat_opts)
+            lora = {"lora_adapters": opts.lora_adapters} if opts.lora_adapters else {}
+            await app[ENGINE].reload(opts.models, opts.chat_opts, **lora)
             state["loaded"] = True
             log.info("serving %s", ", ".join(opts.models))
         except asyncio.CancelledError:
