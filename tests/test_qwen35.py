@@ -5,11 +5,65 @@ logits at positions up to 319 within 1e-3 and 16 greedy tokens. Its kernels (ker
 against their numpy references (kernels/deltanet_ref.py)."""
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 import pytest
 
+from decoder_runner import DecoderRunner
+from tinyqwen35 import write_tiny_qwen35_safetensors
 from webgpu_engine.kernels import deltanet, deltanet_ref
+from webgpu_engine.loaders.tokenizer import load_tokenizer
+from webgpu_engine.models.registry import open_model
 from _nn_util import TOL, empty, get, put, rounded, run, step_buf
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+@pytest.fixture(scope="module")
+def ref() -> dict:
+    return json.loads((FIXTURES / "qwen35_transformers.json").read_text())
+
+
+def _run_golden(device, cfg, weights, ref: dict) -> tuple[dict, list]:
+    """({row: logits}, greedy): a chunked prefill up to prompt_len (chunks end at the rows kept), the
+    sequence's own tokens decoded on from there (rows past it: the states carried on), then the
+    prompt prefilled again from position 0 (the states start over: the same last row) and 16
+    greedy steps."""
+    ids, P = ref["text_ids"][:ref["seq_len"]], ref["prompt_len"]
+    run_ = DecoderRunner(device, cfg, weights, owner="test:qwen35", chunk=128)
+    try:
+        rows = run_.prefill(ids, {r + 1 for r in ref["rows"] if r < P} | {P})
+        for pos in range(P, len(ids)):
+            rows[pos] = run_.decode(ids[pos], pos)
+        again = run_.prefill(ids[:P], {P})[P - 1]
+        np.testing.assert_array_equal(again, rows[P - 1])
+        greedy = run_.greedy(again, P, len(ref["greedy"]))
+    finally:
+        run_.release()
+    return rows, greedy
+
+
+@pytest.mark.parametrize("released", [False, True], ids=["causal_lm", "released_folder"])
+def test_qwen35_matches_transformers(device, tmp_path, ref, released):
+    """A Qwen3_5ForCausalLM folder, and the same model laid out as Qwen releases it
+    (Qwen3_5ForConditionalGeneration: text_config, model.language_model. names, a vision tower and
+    an mtp layer not read): transformers' token ids (non-ASCII text), logits at positions up to 319
+    within 1e-3 of the largest, its 16 greedy tokens."""
+    folder = write_tiny_qwen35_safetensors(tmp_path / "qwen35", seed=ref["seed"], released=released)["folder"]
+    opened = open_model(folder)
+    try:
+        assert opened.arch.name == "qwen35"
+        assert load_tokenizer(folder).encode(ref["text"]) == ref["text_ids"]
+        rows, greedy = _run_golden(device, opened.config, opened.weights, ref)
+    finally:
+        opened.close()
+    for r, want in zip(ref["rows"], ref["logits"]):
+        want = np.asarray(want)
+        err = np.abs(rows[r] - want).max() / np.abs(want).max()
+        assert err <= 1e-3, f"position {r}: relative error {err:.2e}"
+    assert greedy == ref["greedy"]
 
 
 # --------------------------------------------------------------------------- kernels

@@ -51,6 +51,9 @@ class DecoderFamily:
     # projection; "logits" (rows, V) after the LM head (i = -1). The fusions across a point the
     # family uses are off (RoPE in the qkv matmul, act(gate) * up in the down matmul).
     ops: dict = field(default_factory=dict)
+    # a token mixer other than attention: fn(m, i, weights, mat) -> (layer i's input projection, its
+    # mixer: models/llama.py LlamaLayer.mixer), or None where layer i attends (Qwen3.5's Gated DeltaNet)
+    mixer: Callable | None = None
     # MLC-LLM artifacts (loaders/mlc.py): the mlc-chat-config.json model_type values of this family; its
     # parameter names ({MLC name less .weight / .bias / .q_weight / .q_scale, `{i}` the layer: ours};
     # None: MLC's Llama names, loaders.mlc.MLC_LLAMA_TO_OURS); a hook (model_config in config.json's

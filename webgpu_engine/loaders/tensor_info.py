@@ -84,11 +84,13 @@ def split_vector(t: TensorInfo, sizes: list[int], names: list[str]) -> list[Tens
 
 def split_heads(t: TensorInfo, n_heads: int, names: list[str]) -> list[TensorInfo]:
     """GPT-NeoX's fused q|k|v in its HF layout, each head's q, k and v rows in turn ((H, 3, D) rows, or
-    values of a bias), as q, k and v (H D rows each): gathered copies, not views."""
-    step, data = t.nbytes // (3 * n_heads), bytes(t.data)       # one head's rows of one of q, k, v
-    shape = (t.shape[0] // 3, *t.shape[1:])
+    values of a bias), as q, k and v (H D rows each); likewise Qwen3.5's q|gate ((H, 2, D) rows) with
+    two names: gathered copies, not views."""
+    n = len(names)
+    step, data = t.nbytes // (n * n_heads), bytes(t.data)       # one head's rows of one part
+    shape = (t.shape[0] // n, *t.shape[1:])
     return [TensorInfo(name, t.qtype, shape,
-                       memoryview(b"".join(data[(3 * h + j) * step:(3 * h + j + 1) * step] for h in range(n_heads))),
+                       memoryview(b"".join(data[(n * h + j) * step:(n * h + j + 1) * step] for h in range(n_heads))),
                        t.offset) for j, name in enumerate(names)]
 
 
@@ -96,14 +98,22 @@ def split_fused(weights: dict, q_rows: int, kv_rows: int, ffn: int, head_dim: in
     """Our names with fused matrices split (Phi-3 files store q|k|v as `layers.i.qkv` and gate|up as
     `layers.i.gate_up`, in GGUF as an `up` of 2*ffn rows without a `gate`; a q|k|v bias,
     `layers.i.qkv_bias`, in Qwen's MLC artifacts and older Phi-2 GGUFs; GPT-NeoX's per-head layout,
-    `layers.i.qkv_heads` and `qkv_heads_bias`, split with `head_dim`): the model sees the separate
-    q, k, v, gate and up every family has."""
+    `layers.i.qkv_heads` and `qkv_heads_bias`, split with `head_dim`; Qwen3.5's per-head q and output
+    gate, `layers.i.q_gate`, into q and `attn_gate`): the model sees the separate q, k, v, gate and up
+    every family has."""
     out = dict(weights)
     for name, t in weights.items():
         parts = name.split(".")
         if len(parts) != 3 or parts[0] != "layers":
             continue
         p = f"layers.{parts[1]}."
+        if parts[2] == "q_gate":            # Qwen3.5: each head's q rows, then its output gate's
+            if not head_dim or t.n != 2 * q_rows:
+                raise ValueError(f"{t.name}: {t.shape} is not per-head q|gate of {q_rows} rows (head_dim {head_dim})")
+            del out[name]
+            out.update(zip((p + "q", p + "attn_gate"),
+                           split_heads(t, q_rows // head_dim, [name + ".q", name + ".gate"])))
+            continue
         if parts[2] in ("qkv_heads", "qkv_heads_bias"):
             if not head_dim or q_rows != kv_rows or t.numel % (3 * q_rows):
                 raise ValueError(f"{t.name}: {t.shape} is not per-head q|k|v of {q_rows} rows (head_dim {head_dim})")

@@ -11,6 +11,9 @@
         a = attention(q, cache) · Woᵀ                          # kv.attention: causal GQA, sliding
                                                                # window where the layer has one,
                                                                # Gemma 2's capped scores, gpt-oss's sinks
+          (* sigmoid(h · Wgᵀ) before Wo: Qwen3.5's output gate)
+          or a = mixer(qkv, the sequence's states) · Woᵀ        # a layer's own token mixer (L.mixer:
+                                                               # Qwen3.5's Gated DeltaNet, family module)
         x += a, or x += rms_norm(a) (Gemma, OLMo-2)            # residual fused in the matmul
         h = rms_norm(x), LayerNorm(x), or h = x                # parallel layers (Phi, GPT-NeoX): the
                                                                # norm(s) of the layer's input, before x += a
@@ -47,7 +50,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from ..kernels import matmul as mm
-from ..kernels import moe, nn
+from ..kernels import deltanet, moe, nn
 from ..kernels.common import Op, Tensor
 from ..loaders.decoder_config import FAMILIES
 from ..loaders.model_config import LlamaConfig
@@ -90,7 +93,7 @@ class FusionPlan:
         dense = not cfg.n_experts            # a MoE layer's FFN runs its own kernels (_experts)
         return cls(
             norm_in_matmul=rms and dense and cfg.pre_norms and all(mm.fusable(dev, 1, w) for L in layers
-                                                         for w in (L.qkv, L.gate_up)),
+                                                         for w in (L.qkv, L.gate_up, L.attn_gate) if w),
             gate_in_down=dense and "ffn" not in points and cfg.ffn_gated and all(mm.fusable(dev, 1, L.down, silu=True) and not L.gate_pairs
                                                      for L in layers),
             res_norm=rms and dense and cfg.hidden_size % 32 == 0 and not cfg.post_norms and mm.default_config(dev).res_norm
@@ -101,7 +104,7 @@ class FusionPlan:
             # adjacent-pair rope only, and a head of whole vec4s; q/k norms come between the
             # matmul and RoPE, so those layers keep the separate rope_kv kernel
             rope_kv=tuple(fused_rope and not cfg.rope_neox and cfg.head_dim % 4 == 0 and L.qk_norm is None
-                          and cfg.rope_attn_factor == 1.0 and not cfg.rope_local_base
+                          and L.mixer is None and cfg.rope_attn_factor == 1.0 and not cfg.rope_local_base
                           and mm.epilogue_ok(dev, L.qkv.qtype, L.qkv.n, L.qkv.k) for L in layers),
             gate_out=tuple(L.gate_pairs for L in layers))
 
@@ -150,6 +153,9 @@ class KVAccess(Protocol):
     def rope_kv(self, i: int, qkv: Tensor, T: int, rope: dict) -> Op: ...
     def rope_q(self, i: int, qkv: Tensor, T: int, rope: dict) -> Op: ...   # q heads only (cfg.kv_sources)
     def attention(self, i: int, qkv: Tensor, attn: Tensor, T: int, mode: str, spec: Attention) -> Op: ...
+    # layer i's recurrent states (a token mixer's: LlamaLayer.mixer), the step buffer, and None (one
+    # sequence: slot 0, positions from the step) or the rows' (positions, state slots)
+    def states(self, i: int, T: int) -> tuple[list[Tensor], object, tuple | None]: ...
 
 
 class ForwardOps(list):
@@ -190,48 +196,37 @@ def forward(m, kv: KVAccess, T: int, mode: str, *, with_head: bool = True,
         D, F = c.head_dim_of(i), c.ffn_of(i)   # Gemma 4's layers differ in width
         qkv, qkv2 = m.qkv.view((T, H + 2 * Hkv, D)), m.qkv.view((T, (H + 2 * Hkv) * D))
         attn, gu, ffn = m.attn.view((T, H * D)), m.gate_up.view((T, 2 * F)), m.ffn.view((T, F))
+        if L.mixer is not None:              # a token mixer other than attention: its projection's width
+            qkv2, attn = m.qkv.view((T, L.qkv.n)), m.attn.view((T, L.o.k))
         # h = rms_norm(x); qkv = h · Wqkvᵀ (+ bias)                               (T, H+2Hkv, D)
         rope = kv.fused_rope(i) if plan.rope_kv[i] else None
         if not c.pre_norms:                  # OLMo-2: the projection reads x
-            ops.append(mm.matmul(dev, x, L.qkv, qkv2, bias=L.qkv_bias, rope_kv=rope, **flags))
+            src, how = x, {}
         elif plan.res_norm and i > 0:        # h = x * g from the last residual matmul
-            ops.append(mm.matmul(dev, h, L.qkv, qkv2, bias=L.qkv_bias, rms_from=rms, rope_kv=rope, **flags))
+            src, how = h, {"rms_from": rms}
         elif plan.norm_in_matmul:
-            ops.append(mm.matmul(dev, x, L.qkv, qkv2, bias=L.qkv_bias, norm=(L.attn_norm, eps), rope_kv=rope,
-                                 **flags))
+            src, how = x, {"norm": (L.attn_norm, eps)}
         else:
+            src, how = h, {}
             ops.append(_norm(m, x, L.attn_norm, L.attn_norm_bias, h))
-            ops.append(mm.matmul(dev, h, L.qkv, qkv2, bias=L.qkv_bias, rope_kv=rope, **flags))
-        if lora is not None:                 # the input as the matmul sees it (normed here where it norms x itself)
-            ops += _lora_delta(m, lora, i, "qkv", x, h, L.attn_norm, L.attn_norm_bias, qkv2, T,
-                               c.pre_norms and (plan.norm_in_matmul or plan.res_norm and i > 0))
-        if L.qk_norm is not None and c.qk_norm_whole:   # q, k = rms_norm of each projection (before RoPE)
-            ops.append(nn.proj_rms_norm(dev, qkv2, L.qk_norm, q_dim=c.q_dim, k_dim=c.kv_dim, eps=eps))
-        elif L.qk_norm is not None:          # q, k = rms_norm per head (before RoPE)
-            ops.append(nn.head_rms_norm(dev, qkv, L.qk_norm, n_q_heads=H, n_k_heads=Hkv, head_dim=D, eps=eps,
-                                        n_v_heads=Hkv if c.v_norm else 0))
-        if "qkv" in points:
-            ops += points["qkv"](m, i, qkv, T)
-        # rope(q, k); k, v -> caches; x += attention(q, caches) · Woᵀ
-        if rope is None:
-            base, factors = c.rope_of(i, m.rope_factors)
-            rot = dict(rot_dim=c.rot_dim_of(i), base=base, neox=c.rope_neox, factors=factors,
-                       mscale=c.rope_attn_factor)
-            # a layer attending an earlier layer's cache rotates its q heads only and stores nothing
-            ops.append(kv.rope_kv(i, qkv, T, rot) if c.kv_source(i) == i else kv.rope_q(i, qkv, T, rot))
-        spec = Attention(H, Hkv, D, c.attn_scale or D ** -0.5, c.window_of(i), c.attn_softcap, L.sinks)
-        ops.append(kv.attention(i, qkv, attn, T, mode, spec))
-        if "attn" in points:
-            ops += points["attn"](m, i, attn, T)
+        ops.append(mm.matmul(dev, src, L.qkv, qkv2, bias=L.qkv_bias, rope_kv=rope, **how, **flags))
+        if L.attn_gate is not None:          # the attention's output gate g = h · Wgᵀ (Qwen3.5)     (T, H D)
+            gate = m.attn_gate_out.view((T, H * D))
+            ops.append(mm.matmul(dev, src, L.attn_gate, gate, **how, **flags))
+        ops += delta(i, "qkv", h if c.pre_norms else x, qkv2, T)
+        if L.mixer is not None:              # a token mixer other than attention (Qwen3.5's Gated DeltaNet)
+            ops += L.mixer.ops(m, kv, i, qkv2, attn, T)
+        else:
+            ops += _attention(m, kv, i, T, mode, rope)
         if c.parallel_norms == 2:            # GPT-NeoX: h = the FFN's norm of the layer's input
             ops.append(_norm(m, x, L.ffn_norm, L.ffn_norm_bias, h))
         if L.post_attn_norm is not None:     # x += rms_norm(attn · Woᵀ)
             ops += [mm.matmul(dev, attn, L.o, h, bias=L.o_bias, **flags), *delta(i, "o", attn, h, T),
                     nn.rms_norm(dev, h, L.post_attn_norm, h, eps=eps), nn.add(dev, x, h, x)]
         else:
-            ops += delta(i, "o", attn, x, T)       # into x first: the matmul's norm_out sees the sum
             ops.append(mm.matmul(dev, attn, L.o, x, bias=L.o_bias, accumulate=True, **flags,
                                  norm_out=mm.NormOut(L.ffn_norm, h, part) if plan.res_norm else None))
+            ops += delta(i, "o", attn, x, T)
         if L.experts is not None:            # x += the chosen experts' FFNs of rms_norm(x)
             ops += _experts(m, L, x, h, T, mode, flags)
             continue
@@ -250,9 +245,7 @@ def forward(m, kv: KVAccess, T: int, mode: str, *, with_head: bool = True,
         else:
             ops.append(_norm(m, x, L.ffn_norm, L.ffn_norm_bias, h))
             ops.append(mm.matmul(dev, h, L.gate_up, out, bias=L.up_bias, **gate))
-        if lora is not None:
-            ops += _lora_delta(m, lora, i, "gate_up", x, h, L.ffn_norm, L.ffn_norm_bias, out, T,
-                               c.pre_norms and not c.parallel_norms and (plan.res_norm or plan.norm_in_matmul))
+        ops += delta(i, "gate_up", x if not c.pre_norms and not c.parallel_norms else h, out, T)
         # x += (act(gate) * up) · Wdownᵀ (the next layer's norm stored beside when res_norm),
         # act(gate) * up computed by the down matmul itself (gate_in_down), by the gate_up
         # matmul (gate_out) or by its own kernel
@@ -271,8 +264,8 @@ def forward(m, kv: KVAccess, T: int, mode: str, *, with_head: bool = True,
                     nn.rms_norm(dev, h, L.post_ffn_norm, h, eps=eps), nn.add(dev, x, h, x)]
         else:
             nxt = mm.NormOut(norms_after[i], h, part) if plan.res_norm else None
-            ops += delta(i, "down", ffn_in, x, T)
             ops.append(mm.matmul(dev, ffn_in, L.down, x, bias=L.down_bias, accumulate=True, norm_out=nxt, **fused))
+            ops += delta(i, "down", ffn_in, x, T)
         if L.ple_gate is not None:           # x += the layer's per-layer input, gated by x
             ops += _per_layer_input(m, L, i, x, h, T, flags)
         if L.scale != 1.0:
@@ -281,6 +274,39 @@ def forward(m, kv: KVAccess, T: int, mode: str, *, with_head: bool = True,
         n_body = len(ops)
         ops += _head(m, kv, T, mode, plan)
         ops.n_head = len(ops) - n_body
+    return ops
+
+
+def _attention(m, kv: KVAccess, i: int, T: int, mode: str, rope) -> list[Op]:
+    """Layer i's attention from its q|k|v rows in m.qkv into m.attn: q / k norms, RoPE and the K / V
+    write (unless the qkv matmul did them: `rope`), the attention, the output gate (Qwen3.5) and
+    the family's ops at its points."""
+    c, dev, eps, points = m.cfg, m.dev, m.cfg.rms_eps, family_ops(m.cfg)
+    H, Hkv, D = c.n_heads, c.n_kv_heads, c.head_dim_of(i)
+    L = m.layers[i]
+    qkv, qkv2 = m.qkv.view((T, H + 2 * Hkv, D)), m.qkv.view((T, (H + 2 * Hkv) * D))
+    attn = m.attn.view((T, H * D))
+    ops = []
+    if L.qk_norm is not None and c.qk_norm_whole:   # q, k = rms_norm of each projection (before RoPE)
+        ops.append(nn.proj_rms_norm(dev, qkv2, L.qk_norm, q_dim=c.q_dim, k_dim=c.kv_dim, eps=eps))
+    elif L.qk_norm is not None:          # q, k = rms_norm per head (before RoPE)
+        ops.append(nn.head_rms_norm(dev, qkv, L.qk_norm, n_q_heads=H, n_k_heads=Hkv, head_dim=D, eps=eps,
+                                    n_v_heads=Hkv if c.v_norm else 0))
+    if "qkv" in points:
+        ops += points["qkv"](m, i, qkv, T)
+    # rope(q, k); k, v -> caches; x += attention(q, caches) · Woᵀ
+    if rope is None:
+        base, factors = c.rope_of(i, m.rope_factors)
+        rot = dict(rot_dim=c.rot_dim_of(i), base=base, neox=c.rope_neox, factors=factors,
+                   mscale=c.rope_attn_factor)
+        # a layer attending an earlier layer's cache rotates its q heads only and stores nothing
+        ops.append(kv.rope_kv(i, qkv, T, rot) if c.kv_source(i) == i else kv.rope_q(i, qkv, T, rot))
+    spec = Attention(H, Hkv, D, c.attn_scale or D ** -0.5, c.window_of(i), c.attn_softcap, L.sinks)
+    ops.append(kv.attention(i, qkv, attn, T, mode, spec))
+    if "attn" in points:
+        ops += points["attn"](m, i, attn, T)
+    if L.attn_gate is not None:          # attn *= sigmoid(g)
+        ops.append(deltanet.sigmoid_gate(dev, attn, m.attn_gate_out.view((T, H * D))))
     return ops
 
 
@@ -327,17 +353,6 @@ def _per_layer_input(m, L, i: int, x: Tensor, h: Tensor, T: int, flags: dict) ->
             nn.gelu_tanh_gate(dev, g, m.ple.view((T, c.n_layers * P)), g, col=i * P),
             mm.matmul(dev, g, L.ple_proj, h, **flags), nn.rms_norm(dev, h, L.ple_norm, h, eps=c.rms_eps),
             nn.add(dev, x, h, x)]
-
-
-def _lora_delta(m, lora, i: int, group: str, x: Tensor, h: Tensor, w: Tensor, b: Tensor | None, y: Tensor,
-                T: int, normed_in_matmul: bool) -> list[Op]:
-    """y += each row's LoRA delta of layer i's projection `group` of the layer's norm: h (x without
-    pre norms), or where the matmul norms x itself (res_norm, norm_in_matmul) the norm of x computed
-    here into the pool's own rows (the matmul's fused norm stays as it is for every row)."""
-    if not normed_in_matmul:
-        return lora.delta(i, group, h if m.cfg.pre_norms or m.cfg.parallel_norms else x, y, T)
-    normed = lora.pool.h.view((T, m.cfg.hidden_size))
-    return [_norm(m, x, w, b, normed), *lora.delta(i, group, normed, y, T)]
 
 
 def _norm(m, x: Tensor, w: Tensor, b: Tensor | None, y: Tensor) -> Op:

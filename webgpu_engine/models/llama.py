@@ -21,6 +21,7 @@ from ..kernels import matmul as mm
 from ..kernels import nn
 from ..kernels.common import DTYPE_SIZE, Op, OpCache, Ring, Tensor, check, new_tensor, pipeline_keys
 from ..kernels.kv_quant import KV_QUANTS, rope_kv_quant
+from ..loaders.decoder_config import FAMILIES
 from ..loaders.model_config import LlamaConfig
 from ..loaders.tensor_info import split_fused
 from . import decoder
@@ -61,6 +62,11 @@ class LlamaLayer:
     ple_norm: Tensor | None = None     # (C,) f32: the projection's norm
     scale: float = 1.0                 # x *= scale at the layer's end (Gemma 4's layer_scalar)
     experts: Experts | None = None     # a MoE layer's router and stacked experts (cfg.n_experts)
+    attn_gate: mm.QWeight | None = None  # (Hq*D, C): the attention's output gate, attn *= sigmoid(h · Wgᵀ)
+    #                                    (Qwen3.5; `layers.i.attn_gate`)
+    mixer: object = None               # a token mixer other than attention (its family's: Qwen3.5's
+    #                                    Gated DeltaNet): ops(m, kv, i, proj, out, T), state_shapes(slots),
+    #                                    scratch; qkv is then its input projection, o its output's
     sinks: Tensor | None = None        # (Hq,) f32: each head's sink logit (cfg.attn_sinks: gpt-oss)
 
 
@@ -122,6 +128,9 @@ class ContiguousKV:
         m = self.m
         return nn.attention(m.dev, qkv, m.k_cache[i], m.v_cache[i], attn, m.step, **spec.heads(), ctx=m.ctx,
                             scale=spec.scale, max_t=T, causal=mode != decoder.DECODE, **self.masking(spec))
+
+    def states(self, i: int, T: int):
+        return self.m.mixer_states[i], self.m.step, None
 
 
 class VerifyRowsKV(ContiguousKV):
@@ -265,6 +274,8 @@ class LlamaModel:
                            ple_norm=norm([p + "ple_norm"], p + "ple_norm"))
             return out
         ffn_norm = c.pre_norms and c.parallel_norms != 1  # Phi's FFN shares the attention's norm
+        fam = FAMILIES.get(c.arch)
+        mixer_of = fam.mixer if fam is not None else None   # (in-projection, mixer) of a layer, or None
         self.layers: list[LlamaLayer] = []
         for i in range(c.n_layers):
             p = f"layers.{i}."
@@ -274,9 +285,12 @@ class LlamaModel:
             moe = upload_experts(dev, weights, i, c.n_experts, own, mat([p + "router"], p + "router")) \
                 if c.n_experts else None
             gu, pairs = gate_up(p) if moe is None else (None, False)
+            mix = mixer_of(self, i, weights, mat) if mixer_of is not None else None
             self.layers.append(LlamaLayer(
                 attn_norm=norm([p + "attn_norm"], p + "attn_norm") if c.pre_norms else None,
-                qkv=mat([p + "q", kvp + "k", kvp + "v"], p + "qkv"),
+                qkv=mix[0] if mix else mat([p + "q", kvp + "k", kvp + "v"], p + "qkv"),
+                mixer=mix[1] if mix else None,
+                attn_gate=mat([p + "attn_gate"], p + "attn_gate") if p + "attn_gate" in weights else None,
                 o=mat([p + "o"], p + "o"),
                 ffn_norm=norm([p + "ffn_norm"], p + "ffn_norm") if ffn_norm else None,
                 gate_up=gu, gate_pairs=pairs,
@@ -284,7 +298,7 @@ class LlamaModel:
                 qkv_bias=vec([p + "q_bias", p + "k_bias", p + "v_bias"], p + "qkv_bias")
                 if p + "q_bias" in weights else None,
                 o_bias=bias(p + "o_bias"), up_bias=bias(p + "up_bias"), down_bias=bias(p + "down_bias"),
-                qk_norm=qk_norm(p, kvp) if c.qk_norm else None,
+                qk_norm=qk_norm(p, kvp) if c.qk_norm and not mix else None,
                 post_attn_norm=norm([p + "post_attn_norm"], p + "post_attn_norm") if c.post_norms else None,
                 post_ffn_norm=norm([p + "post_ffn_norm"], p + "post_ffn_norm") if c.post_norms else None,
                 attn_norm_bias=vec([p + "attn_norm_bias"], p + "attn_norm_bias") if layer_norm else None,
@@ -304,8 +318,19 @@ class LlamaModel:
         self.x = new_tensor(dev, (P, c.hidden_size), dt, owner=own, label="x")            # residual
         self.h = new_tensor(dev, (P, c.hidden_size), dt, owner=own, label="h")            # normed
         H, Hkv, D = c.n_heads, c.n_kv_heads, c.max_head_dim        # the widest layer's heads
-        self.qkv = new_tensor(dev, (P, (H + 2 * Hkv) * D), dt, owner=own, label="qkv")
-        self.attn = new_tensor(dev, (P, H * D), dt, owner=own, label="attn")
+        mixers = [L.mixer for L in self.layers if L.mixer is not None]    # and token mixers' projections
+        self.qkv = new_tensor(dev, (P, max([(H + 2 * Hkv) * D] + [L.qkv.n for L in self.layers if L.mixer])), dt,
+                              owner=own, label="qkv")
+        self.attn = new_tensor(dev, (P, max([H * D] + [L.o.k for L in self.layers if L.mixer])), dt, owner=own,
+                               label="attn")
+        if any(L.attn_gate is not None for L in self.layers):
+            self.attn_gate_out = new_tensor(dev, (P, H * D), dt, owner=own, label="attn_gate")
+        if mixers:                              # the mixers' scratch and one sequence's states (slot 0)
+            self.mixer_scratch = new_tensor(dev, (P, max(x.scratch for x in mixers)), dt, owner=own,
+                                            label="mixer_scratch")
+        self.mixer_states = [[new_tensor(dev, shape, "f32", owner=own, label=f"mixer_state.{i}")
+                              for shape in L.mixer.state_shapes(1)] if L.mixer is not None else None
+                             for i, L in enumerate(self.layers)]
         slots = P * max(1, c.n_experts_used)         # a MoE layer's FFN rows: one per token and expert
         self.gate_up = new_tensor(dev, (slots, 2 * c.max_ffn), dt, owner=own, label="gate_up")
         self.ffn = new_tensor(dev, (slots, c.max_ffn), dt, owner=own, label="ffn")
