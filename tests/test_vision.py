@@ -3,6 +3,7 @@ tower and greedy tokens against transformers (tests/fixtures/make_gemma3_vision.
 parts of the APIs."""
 from __future__ import annotations
 
+import base64
 import json
 from pathlib import Path
 
@@ -14,7 +15,7 @@ from _nn_util import TOL, empty, get, put, rounded, run, step_buf
 from webgpu_engine.kernels import vision as kv
 from webgpu_engine.kernels.common import Tensor
 from webgpu_engine.vision.gemma3 import patches, preprocess, read_vision_config
-from webgpu_engine.vision.images import decode_bytes
+from webgpu_engine.vision.images import InvalidImageError, decode_bytes, image_data_url
 
 
 @pytest.fixture(autouse=True)
@@ -113,3 +114,134 @@ def test_vision_tower_matches_transformers(device, ref):
             np.testing.assert_allclose(got[i], want, atol=2e-4, rtol=1e-4)
     finally:
         tower.dispose()
+
+
+# ----------------------------------------------------------------------------- end to end
+OPTS = {"dtype": "f32", "context_window_size": 256, "prefill_chunk_size": 32}   # images cross chunk edges
+VLM = FOLDER.name
+
+
+def _messages(ref, key: str, url=image_data_url) -> list[dict]:
+    """The fixture's messages of prompt `key` with OpenAI image_url parts (data: URLs of its images)."""
+    images = iter(ref["prompts"][key]["images"])
+    return [{"role": m["role"], "content": m["content"] if isinstance(m["content"], str) else
+             [{"type": "image_url", "image_url": {"url": url(IMAGES / next(images))}} if p["type"] == "image" else p
+              for p in m["content"]]} for m in ref["prompts"][key]["messages"]]
+
+
+def _text(ids) -> str:
+    from tokenizers import Tokenizer
+    return Tokenizer.from_file(str(FOLDER / "tokenizer.json")).decode(ids)
+
+
+@pytest.fixture(scope="module")
+async def engine(device):
+    from webgpu_engine.engine.engine import AsyncMLCEngine
+    eng = AsyncMLCEngine()
+    await eng.reload(str(FOLDER), chat_opts=OPTS)
+    yield eng
+    await eng.unload()
+
+
+@pytest.mark.parametrize("key", ["text", "one", "two"])
+async def test_greedy_tokens_and_logits_equal_transformers(engine, ref, key):
+    """Prompt ids (each image expanded to 16 soft tokens), the last prompt row's logits (1e-4; the
+    image rows' attention both ways matters: causal rows move them by 0.06) and 12 greedy tokens."""
+    pipe = engine.models[VLM].pipeline
+    want = ref["prompts"][key]
+    await engine.chat.completions.create(model=VLM, messages=_messages(ref, key), max_tokens=1, temperature=0.0)
+    assert pipe.kv_ids[:len(want["input_ids"])] == want["input_ids"]
+    m = pipe.model
+    logits = get(pipe.dev, m.logits.view((m.cfg.vocab_size,)))
+    np.testing.assert_allclose(logits, want["logits"], atol=1e-4)
+    r = await engine.chat.completions.create(model=VLM, messages=_messages(ref, key), max_tokens=12, temperature=0.0)
+    assert pipe.output_ids == want["greedy"]
+    assert r.choices[0].message.content == _text(want["greedy"])
+    assert r.usage.prompt_tokens == len(want["input_ids"])          # image tokens count
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, device):
+    import openai
+
+    from tinymodels import write_tiny_llama_safetensors
+    from webgpu_engine.server.app import ServerOptions, ServerThread
+    text = write_tiny_llama_safetensors(tmp_path_factory.mktemp("vlm") / "tiny-text")["folder"]
+    s = ServerThread(ServerOptions(models=[str(FOLDER), str(text)], chat_opts=[OPTS, OPTS], port=0))
+    yield s, openai.OpenAI(base_url=s.url, api_key="none", max_retries=0)
+    s.stop()
+
+
+def test_openai_client_gets_the_answer_about_two_images(served, ref):
+    _, client = served
+    r = client.chat.completions.create(model=VLM, messages=_messages(ref, "two"), max_tokens=12, temperature=0.0)
+    assert r.choices[0].message.content == _text(ref["prompts"]["two"]["greedy"])
+
+
+def test_mlc_engine_gets_the_answer_about_an_image(device, ref):
+    from webgpu_engine import MLCEngine
+    eng = MLCEngine()
+    eng.reload(str(FOLDER), chat_opts=OPTS)
+    try:
+        parts = _messages(ref, "one")[0]["content"]
+        parts[0]["image_url"]["detail"] = "low"                         # accepted, one resolution
+        r = eng.chat.completions.create(messages=[{"role": "user", "content": parts}], max_tokens=12,
+                                        temperature=0.0)
+        assert r.choices[0].message.content == _text(ref["prompts"]["one"]["greedy"])
+    finally:
+        eng.unload()
+
+
+def _bad(client, model, content, *says):
+    import openai
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": content}], max_tokens=2)
+    assert e.value.status_code == 400 and all(s in e.value.message for s in says), e.value.message
+
+
+def test_bad_image_inputs_are_400(served):
+    _, client = served
+    png = image_data_url(IMAGES / "gradient.png")
+    image = {"type": "image_url", "image_url": {"url": png}}
+    ask = {"type": "text", "text": "What is it?"}
+    _bad(client, "tiny-text", [ask, image], "tiny-text", "messages[0].content[1]", "takes no images")
+    cut = base64.b64encode((IMAGES / "gradient.png").read_bytes()[:40]).decode()      # a truncated PNG
+    _bad(client, VLM, [image, {"type": "image_url", "image_url": {"url": "data:image/png;base64," + cut}}],
+         "messages[0].content[1]", "not a decodable image")
+    _bad(client, VLM, [{"type": "image_url", "image_url": {"url": "data:image/png;base64,@@@"}}], "base64")
+    _bad(client, VLM, [{"type": "image_url", "image_url": {"url": "ftp://x/y.png"}}], "data: URL or an http(s) URL")
+    _bad(client, VLM, [{"type": "image_url", "image_url": {"url": png, "detail": "ultra"}}], "detail")
+    _bad(client, VLM, [image] * 12 + [ask], "12 images", "at most 11", "messages[0].content[11]")
+
+
+def test_responses_and_ollama_clients_get_the_answer(served, ref):
+    """The Responses API's input_image and Ollama's base64 `images` (/api/chat, /api/generate)."""
+    import ollama
+    server, client = served
+    want = _text(ref["prompts"]["one"]["greedy"])
+    url = image_data_url(IMAGES / "gradient.png")
+    r = client.responses.create(model=VLM, max_output_tokens=12, temperature=0.0, input=[{"role": "user", "content": [
+        {"type": "input_image", "image_url": url, "detail": "auto"},
+        {"type": "input_text", "text": "What is in the picture?"}]}])
+    assert r.output_text == want
+    b64 = base64.b64encode((IMAGES / "gradient.png").read_bytes()).decode()
+    oc = ollama.Client(host=server.url.removesuffix("/v1"))
+    opts = {"temperature": 0.0, "num_predict": 12}
+    r = oc.chat(model=VLM, messages=[{"role": "user", "content": "What is in the picture?", "images": [b64]}],
+                options=opts)
+    assert r.message.content == want
+    assert oc.generate(model=VLM, prompt="What is in the picture?", images=[b64], options=opts).response == want
+    with pytest.raises(ollama.ResponseError) as e:
+        oc.chat(model="tiny-text", messages=[{"role": "user", "content": "x", "images": [b64]}], options=opts)
+    assert e.value.status_code == 400 and "images" in str(e.value)
+
+
+def test_cli_chat_image_option(tmp_path, capsys):
+    from webgpu_engine.cli.commands import _with_images
+    from webgpu_engine.cli.parser import build_parser
+    args = build_parser().parse_args(["chat", "--model", str(FOLDER), "--image", str(IMAGES / "tall.png"), "Hi"])
+    parts = _with_images("Hi", args)
+    assert parts[0]["image_url"]["url"] == image_data_url(IMAGES / "tall.png") and parts[1]["text"] == "Hi"
+    assert _with_images("again", args) == "again"                 # the images go with the first message
+    with pytest.raises(InvalidImageError):
+        image_data_url(tmp_path / "missing.png")

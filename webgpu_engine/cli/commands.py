@@ -114,11 +114,21 @@ async def _chat(engine, args) -> int:
                 continue
             if not text.strip():
                 continue
-        messages.append({"role": "user", "content": text})
+        messages.append({"role": "user", "content": _with_images(text, args)})
         await run_turn(engine, messages, args)      # streams; runs tool calls via stdin
         if one_shot:
             break
     return 0
+
+
+def _with_images(text: str, args) -> str | list:
+    """The first user message's content with the --image files (as data: URLs), then plain text."""
+    paths, args.image = getattr(args, "image", None) or [], None
+    if not paths:
+        return text
+    from ..vision.images import image_data_url
+    return [*({"type": "image_url", "image_url": {"url": image_data_url(p)}} for p in paths),
+            {"type": "text", "text": text}]
 
 
 def cmd_chat(args) -> int:

@@ -156,6 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--system", default=None, help="system message")
     sampling(p, 256)
     add_structured_options(p)
+    p.add_argument("--image", action="append", default=None, metavar="PATH",
+                   help="an image file sent with the first message (repeat for several; a vision-language "
+                        "model such as Gemma 3)")
     p.add_argument("prompt", nargs="*", default=None, help="one-shot prompt (optional)")
     p.set_defaults(func=cmd_chat)
 

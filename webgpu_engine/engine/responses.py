@@ -81,8 +81,11 @@ def _listed_item(it: dict) -> dict:
     kind = it["type"]
     if kind == "message":
         part = "output_text" if it["role"] == "assistant" else "input_text"
+        content = it["content"] if isinstance(it["content"], list) else [{"type": "text", "text": it["content"]}]
         return {"id": rp.new_id("msg"), "type": "message", "role": it["role"], "status": "completed",
-                "content": [{"type": part, "text": it["content"]}]}
+                "content": [{"type": part, "text": p["text"]} if p["type"] == "text" else
+                            {"type": "input_image", "image_url": p["image_url"]["url"],
+                             "detail": p["image_url"].get("detail", "auto")} for p in content]}
     prefix = {"function_call": "fc", "function_call_output": "fco"}.get(kind, "rs")
     return {"id": rp.new_id(prefix), **it, "status": "completed"}
 

@@ -210,7 +210,11 @@ class ToolContext:
 async def prepare_chat(lm, req: dict, gen):
     """Before the lock: (messages, gen, ToolContext | None) of a chat request — the tools offered
     to the template, and the grammar (response_format, or the forced tool call) compiled and
-    attached to the generation config."""
+    attached to the generation config. Image parts are decoded here (vision/requests.py: a model that
+    takes no images, or fewer, is a 400 naming it)."""
+    from ..vision.requests import resolve_images
+    req = {**req, "messages": await resolve_images(lm.model_id, getattr(lm.pipeline, "vision", None),
+                                                   req["messages"])}
     messages, gen, ctx, fmt = chat_prompt(lm, req, gen)
     return messages, await attach_grammar(lm.pipeline, gen, fmt, ctx), ctx
 

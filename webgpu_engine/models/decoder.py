@@ -190,6 +190,7 @@ def forward(m, kv: KVAccess, T: int, mode: str, *, with_head: bool = True,
     ops = ForwardOps([mm.embedding(dev, kv.ids.view((T,)), m.embed, x)])          # x (T, C)
     if c.embed_scale != 1.0:                                                     # Gemma: x *= sqrt(C)
         ops.append(nn.scale(dev, x, x, c.embed_scale))
+    ops += _image_splice(m, kv, x, T, mode)  # image tokens' rows take their image's features
     if c.ple_dim:                            # Gemma 4: every layer's per-layer input e (T, L P)
         ops += _per_layer_inputs(m, kv, x, T, flags)
     for i, L in enumerate(m.layers):
@@ -302,7 +303,7 @@ def _attention(m, kv: KVAccess, i: int, T: int, mode: str, rope) -> list[Op]:
         # a layer attending an earlier layer's cache rotates its q heads only and stores nothing
         ops.append(kv.rope_kv(i, qkv, T, rot) if c.kv_source(i) == i else kv.rope_q(i, qkv, T, rot))
     spec = Attention(H, Hkv, D, c.attn_scale or D ** -0.5, c.window_of(i), c.attn_softcap, L.sinks)
-    ops.append(kv.attention(i, qkv, attn, T, mode, spec))
+    ops += [kv.attention(i, qkv, attn, T, mode, spec), *_image_attention(m, kv, i, qkv, attn, T, mode, spec)]
     if "attn" in points:
         ops += points["attn"](m, i, attn, T)
     if L.attn_gate is not None:          # attn *= sigmoid(g)
@@ -360,6 +361,25 @@ def _norm(m, x: Tensor, w: Tensor, b: Tensor | None, y: Tensor) -> Op:
     if m.cfg.norm == "layer":
         return nn.layer_norm(m.dev, x, w, b, y, eps=m.cfg.rms_eps)
     return nn.rms_norm(m.dev, x, w, y, eps=m.cfg.rms_eps)
+
+
+def _images(kv: KVAccess, mode: str):
+    """The ImageRows (models/image_rows.py) of a vision-language model's PREFILL forward through a
+    contiguous cache, else None (decode rows, the paged batch and text-only models take no images)."""
+    return getattr(kv, "images", None) if mode == PREFILL else None
+
+
+def _image_splice(m, kv: KVAccess, x: Tensor, T: int, mode: str) -> list[Op]:
+    """x[t] = the image feature of row t where it holds an image token (Gemma 3: after the scale)."""
+    rows = _images(kv, mode)
+    return [rows.splice(m, x, T)] if rows is not None else []
+
+
+def _image_attention(m, kv: KVAccess, i: int, qkv: Tensor, attn: Tensor, T: int, mode: str,
+                     spec: Attention) -> list[Op]:
+    """An image's rows attend every key of their image (both ways), over what the causal attention wrote."""
+    rows = _images(kv, mode)
+    return [rows.attention(m, i, qkv, attn, T, spec)] if rows is not None else []
 
 
 def row_heads(m, kv: KVAccess, T: int, outs: list[Tensor]) -> list[Op]:

@@ -110,9 +110,16 @@ GEMMA2 = DecoderFamily("gemma2", hf_architectures=("Gemma2ForCausalLM",), hf_mod
                        hf_defaults=_DEFAULTS, gguf_neox=True, hf_names=HF_GEMMA_TO_OURS, gguf=_gguf, hf=_hf,
                        mlc_model_types=("gemma2",), mlc_names=MLC_GEMMA_TO_OURS)
 # transformers' Gemma 3 default for the local layers' RoPE base (MLC's config does not always carry it)
-GEMMA3 = DecoderFamily("gemma3", hf_architectures=("Gemma3ForCausalLM",), hf_model_types=("gemma3_text",),
+# Gemma3ForConditionalGeneration (the multimodal releases): the text model under language_model.model.
+# (the hub's files) or model.language_model. (transformers 4.5x+); its vision tower is models/siglip.py's
+HF_GEMMA3_TO_OURS = {**HF_GEMMA_TO_OURS,
+                     **{k.replace("model.", prefix, 1): v for k, v in HF_GEMMA_TO_OURS.items()
+                        for prefix in ("language_model.model.", "model.language_model.")},
+                     "language_model.lm_head.weight": "lm_head"}
+GEMMA3 = DecoderFamily("gemma3", hf_architectures=("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"),
+                       hf_model_types=("gemma3_text",),
                        hf_defaults={**_DEFAULTS, "rope_local_base_freq": 10000.0}, gguf_neox=True,
-                       hf_names=HF_GEMMA_TO_OURS, gguf=_gguf, hf=_hf,
+                       hf_names=HF_GEMMA3_TO_OURS, gguf=_gguf, hf=_hf,
                        mlc_model_types=("gemma3", "gemma3_text"), mlc_names=MLC_GEMMA_TO_OURS)
 
 FAMILIES = (GEMMA, GEMMA2, GEMMA3)

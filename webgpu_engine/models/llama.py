@@ -94,6 +94,11 @@ class ContiguousKV:
     def __init__(self, m: "LlamaModel"):
         self.m, self.ids = m, m.ids
 
+    @property
+    def images(self):
+        """The model's ImageRows (a vision-language model's image features and rows), else None."""
+        return self.m.images
+
     def logits_for(self, rows: int) -> Tensor:
         return self.m.logits
 
@@ -482,6 +487,16 @@ class LlamaModel:
                 self._verify_ops[T] = decoder.row_heads(self, self.kv, T, outs)
         return self._verify_ops[T] if self.exact_verify else self.ops_for(T, False) + self._verify_ops[T]
 
+    images = None                      # ImageRows of a vision-language model (enable_images)
+
+    def enable_images(self, features: int, width: int) -> None:
+        """Make the PREFILL forwards take image features: `features` rows of `width` (the text model's
+        hidden size) and per-row image rows (models/image_rows.py); rebuilds the prefill op lists."""
+        from .image_rows import ImageRows
+        self.images = ImageRows(self.dev, rows=int(self.ids.shape[0]), features=features, width=width,
+                                owner=self.owner)
+        self._ops.release()
+
     def set_step(self, pos0: int, n_new: int) -> None:
         self.dev.write(self.step, struct.pack("<4I", pos0, n_new, pos0 + n_new, 0))
 
@@ -499,6 +514,8 @@ class LlamaModel:
             raise ContextWindowTooLargeError(f"positions up to {pos0 + T} exceed the context window {self.ctx}")
         self.dev.write(self.ids.buf, struct.pack(f"<{T}I", *ids))
         self.set_step(pos0, T)
+        if self.images is not None:          # the rows holding image tokens (staged by the pipeline)
+            self.images.write(T)
         self._record(batch, ops, n_keys)
 
     def record_decode(self, batch, pos0: int) -> None:

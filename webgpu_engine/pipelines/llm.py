@@ -76,6 +76,7 @@ class LLMChatPipeline(DecodePaths):
     owner: str
     chat_config: ChatConfig
     queued_kernels: list | None = None   # pipelines its load queued on the background compiler
+    vision = None                        # a vision-language model's image side (vision/runner.py)
     tokenizer: object
     template: object
     vocab_size: int
@@ -216,6 +217,7 @@ class LLMChatPipeline(DecodePaths):
             if tunes:
                 await _tune(dev, model, dtype, tuning, _scaled(progress, 0.9, 1.0), model_id or path.name)
             pipe = cls(dev, model, tokenizer, template, chat_config, owner, plan)
+            pipe._load_vision(path)
             if pipe.speculation is not None and pipe.speculation.method == "draft":
                 pipe.draft = await pipe._load_draft(progress, model_id)
                 if pipe.scheduler is not None:     # it guesses for every sequence of a batch at once
@@ -228,6 +230,17 @@ class LLMChatPipeline(DecodePaths):
             dev.release_owner(owner)
             raise
         return pipe
+
+    def _load_vision(self, path) -> None:
+        """The image side of a vision-language model's folder (vision/runner.py); none for text models."""
+        from ..vision.runner import VisionInputs
+        self.vision = VisionInputs.load(self.dev, path, self.model, self.owner)
+        if self.vision is not None:
+            self.template = self.vision.template(self.template)
+            if self.scheduler is not None:
+                self.vision.unavailable = (f"images run on the one-request path; this model batches "
+                                           f"(max_num_sequences {self.plan.max_sequences}): load it with "
+                                           f"max_num_sequences 1 to send images")
 
     async def _compile(self, background: bool = False) -> None:
         """Create and run once every pipeline of the model and the sampler (see LlamaModel.compile);
@@ -335,6 +348,9 @@ class LLMChatPipeline(DecodePaths):
         self._new_request_state(gen, RequestStats(t_start=now(), breakdown=gen.latency_breakdown),
                                 raw=prompt is not None)
         ids = await self.prompt_tokens(messages, gen, prompt)
+        if self.vision is not None:       # each image through the tower, its rows mapped
+            from ..vision.requests import images_of
+            await self.vision.prepare(ids, images_of(messages))
         # KV reuse: keep the longest common prefix with what the cache holds (at least one new token
         # must be computed to get logits); a raw prompt reuses only if it extends the cache too.
         keep = self._reuse_prefix(ids)
@@ -344,6 +360,8 @@ class LLMChatPipeline(DecodePaths):
             self._req.spec = SpeculationStats()
         t0 = now()
         res = await self._forward(ids[keep:], keep)
+        if self.vision is not None:
+            self.vision.done()
         self._req.prefill_s = now() - t0
         if self._req.breakdown:
             self._req.step_s.append(self._req.prefill_s)
@@ -464,11 +482,15 @@ class LLMChatPipeline(DecodePaths):
             m.record_decode(batch, pos0)
         else:
             P = m.chunk
-            for i in range(0, len(ids), P):
-                part = ids[i:i + P]
+            spans = self.vision.spans(len(ids), pos0, P) if self.vision is not None else \
+                [(i, min(i + P, len(ids))) for i in range(0, len(ids), P)]
+            for i, end in spans:            # chunks of P rows (an image's rows in one)
+                part = ids[i:end]
                 batch = dev.batch()
-                m.record_prefill(batch, part, pos0 + i, with_head=i + P >= len(ids))
-                if i + P < len(ids):
+                if self.vision is not None:
+                    self.vision.stage(pos0 + i, len(part))
+                m.record_prefill(batch, part, pos0 + i, with_head=end >= len(ids))
+                if end < len(ids):
                     await dev.ready(batch)    # kernels still compiling in the background
                     dev.submit(batch)
                     # a submit while the GPU is busy can block until it drains (lavapipe): wait for

@@ -93,10 +93,9 @@ def response_format(fmt: Any) -> dict | None:
 def _message(i: int, m: Any) -> dict:
     if not isinstance(m, dict):
         raise FieldTypeError(f"messages[{i}]", "an object with role and content", m)
-    if m.get("images"):
-        raise UnsupportedFieldsError(f"messages[{i}].images", "images are not supported: the models "
-                                     "served here read text only.")
     out = {k: m[k] for k in ("role", "content") if k in m}
+    if m.get("images"):
+        out["content"] = _with_images(f"messages[{i}].images", m["images"], m.get("content"))
     if m.get("role") == "tool" and isinstance(m.get("tool_name"), str):
         out["name"] = m["tool_name"]
     if m.get("tool_calls") is not None:
@@ -153,8 +152,7 @@ def generate_request(body: dict, context: int) -> tuple[dict, bool]:
     """An /api/generate body → (request, chat): a chat request over one user message (the model's
     own template; `system` as the system message), or with `raw` a completion of the prompt as it is."""
     req = _common(body, "/api/generate", GENERATE_FIELDS, context)
-    for name, why in (("images", "the models served here read text only"),
-                      ("template", "prompts go through the model's own chat template (or `raw`)"),
+    for name, why in (("template", "prompts go through the model's own chat template (or `raw`)"),
                       ("context", "conversation state is not kept between requests; send the turns to "
                                   "/api/chat instead"),
                       ("suffix", "fill-in-the-middle is not supported")):
@@ -164,6 +162,9 @@ def generate_request(body: dict, context: int) -> tuple[dict, bool]:
     if not isinstance(prompt, str):
         raise FieldTypeError("prompt", "a string", prompt)
     if body.get("raw"):
+        if body.get("images"):
+            raise UnsupportedFieldsError("images", "a raw prompt takes no images (the chat template places "
+                                         "them): leave out `raw`.")
         if body.get("system"):
             raise UnsupportedFieldsError("system", "a raw prompt takes no system message; write it into "
                                          "the prompt.")
@@ -175,9 +176,19 @@ def generate_request(body: dict, context: int) -> tuple[dict, bool]:
     system = body.get("system")
     if system is not None and not isinstance(system, str):
         raise FieldTypeError("system", "a string", system)
+    content = _with_images("images", body["images"], prompt) if body.get("images") else prompt
     req["messages"] = ([{"role": "system", "content": system}] if system else []) + \
-        [{"role": "user", "content": prompt}]
+        [{"role": "user", "content": content}]
     return req, True
+
+
+def _with_images(where: str, images: Any, text: Any) -> list:
+    """Ollama's `images` (base64 strings) and the message's text as chat parts: the images first,
+    then the text, as Ollama's templates place them."""
+    if not isinstance(images, list) or not all(isinstance(b, str) and b for b in images):
+        raise FieldTypeError(where, "a list of base64-encoded images", images)
+    parts = [{"type": "image_url", "image_url": {"url": "data:;base64," + b}} for b in images]
+    return parts + ([{"type": "text", "text": text}] if isinstance(text, str) and text else [])
 
 
 def keep_alive_seconds(v: Any) -> float | None:

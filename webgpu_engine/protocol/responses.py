@@ -70,18 +70,26 @@ def _check_refused(req: dict) -> None:
 
 
 # --------------------------------------------------------------------------- input items
-def _text_parts(where: str, content: Any) -> str:
-    """A message's content (a string, or a list of text parts) as one text."""
+def _text_parts(where: str, content: Any, images: bool = False) -> str | list:
+    """A message's content (a string, or a list of text parts) as one text; with `images` (a user
+    message) its input_image parts make it a list of chat parts (text and image_url) in order."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise FieldTypeError(where, "a string or a list of input_text parts", content)
-    texts = []
+    texts, parts = [], []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "input_image" and images:
+            url = part.get("image_url")
+            if not isinstance(url, str) or not url:
+                raise _refuse("input", f"{where}[{j}]: an input_image needs an image_url (a data: or http(s) "
+                                       f"URL); file_id is not supported.")
+            parts.append({"type": "image_url", "image_url": {"url": url, "detail": part.get("detail", "auto")}})
+            continue
         if kind in ("input_image", "input_file", "input_audio"):
-            raise _refuse("input", f"{where}[{j}] is an {kind} part: this engine serves text-only models; "
-                                   f"send input_text parts.")
+            raise _refuse("input", f"{where}[{j}] is an {kind} part: this engine reads text and images "
+                                   f"(input_image in user messages); send input_text parts.")
         if kind == "refusal" and isinstance(part.get("refusal"), str):
             texts.append(part["refusal"])
             continue
@@ -89,7 +97,8 @@ def _text_parts(where: str, content: Any) -> str:
             raise FieldTypeError(where + f"[{j}]", "an input_text or output_text part "
                                  "{\"type\": \"input_text\", \"text\": ...}", part)
         texts.append(part["text"])
-    return "\n".join(texts)
+        parts.append({"type": "text", "text": part["text"]})
+    return parts if len(parts) > len(texts) else "\n".join(texts)
 
 
 def _string(where: str, item: dict, key: str) -> str:
@@ -110,7 +119,8 @@ def _check_item(i: int, item: Any) -> dict:
         role = item.get("role")
         if role not in _ROLES:
             raise FieldTypeError(f"{where}.role", f"one of {list(_ROLES)}", role)
-        return {"type": "message", "role": role, "content": _text_parts(f"{where}.content", item.get("content"))}
+        return {"type": "message", "role": role,
+                "content": _text_parts(f"{where}.content", item.get("content"), images=role == "user")}
     if kind == "function_call":
         return {"type": "function_call", "call_id": _string(where, item, "call_id"),
                 "name": _string(where, item, "name"), "arguments": _string(where, item, "arguments")}

@@ -263,7 +263,10 @@ def check_sampling(req: dict, limits: RequestLimits | None = None) -> dict:
 
 
 # --------------------------------------------------------------------------- chat
-def _content_text(i: int, role: str, content: Any) -> str | None:
+def _content_text(i: int, role: str, content: Any) -> str | list | None:
+    """A message's content as one text; a user message with image parts keeps its parts in order
+    (text parts {"type": "text", "text"} and image parts {"type": "image", "url", "detail"}: the
+    engine decodes the images and the model's chat template places them)."""
     if content is None:
         if role == "assistant":
             return None
@@ -271,16 +274,38 @@ def _content_text(i: int, role: str, content: Any) -> str | None:
     if isinstance(content, str):
         return _text("messages", f"messages[{i}].content", content)
     if isinstance(content, list):
-        texts = []
+        texts, parts = [], []
         for j, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            if kind == "image_url" and role == "user":
+                parts.append(_image_part(i, j, part))
+                continue
+            if not isinstance(part, dict) or kind != "text" or not isinstance(part.get("text"), str):
                 raise ContentTypeError(i, f"[{j}] must be a text part {{\"type\": \"text\", \"text\": "
-                                          f"\"...\"}}, got type {kind!r}: this engine serves text-only "
-                                          f"models (no images or audio).")
+                                          f"\"...\"}}{' or an image_url part' if role == 'user' else ''}, "
+                                          f"got type {kind!r}.")
             texts.append(_text("messages", f"messages[{i}].content[{j}].text", part["text"]))
+            parts.append({"type": "text", "text": texts[-1]})
+        if len(parts) > len(texts):
+            return parts
         return "\n".join(texts)
     raise ContentTypeError(i, f"must be a string or a list of text parts, got {type(content).__name__}.")
+
+
+IMAGE_DETAILS = ("auto", "low", "high")
+
+
+def _image_part(i: int, j: int, part: dict) -> dict:
+    """OpenAI's {"type": "image_url", "image_url": {"url", "detail"}} (or the url as a string) as
+    {"type": "image", "url", "detail", "where"}; `detail` is accepted (each model has one resolution)."""
+    where = f"messages[{i}].content[{j}]"
+    spec = part.get("image_url")
+    url, detail = (spec.get("url"), spec.get("detail", "auto")) if isinstance(spec, dict) else (spec, "auto")
+    if not isinstance(url, str) or not url:
+        raise FieldTypeError(f"{where}.image_url.url", "a data: or http(s) URL string", url)
+    if detail not in IMAGE_DETAILS:
+        raise FieldTypeError(f"{where}.image_url.detail", f"one of {list(IMAGE_DETAILS)}", detail)
+    return {"type": "image", "url": url, "detail": detail, "where": where}
 
 
 def _request_body(req: dict) -> dict:

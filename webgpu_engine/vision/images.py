@@ -138,6 +138,8 @@ def load_image(source: str, where: str, *, allow_files: bool = False, allow_fetc
 def image_data_url(path) -> str:
     """A data: URL of an image file (the command line's --image, tests)."""
     p = Path(path)
+    if not p.is_file():
+        raise InvalidImageError(str(path), "no image file there")
     mime = {".png": "image/png", ".jpg": "image/jpeg", ".jpeg": "image/jpeg", ".webp": "image/webp",
             ".gif": "image/gif"}.get(p.suffix.lower(), "application/octet-stream")
     return f"data:{mime};base64,{base64.b64encode(p.read_bytes()).decode('ascii')}"

@@ -1,0 +1,34 @@
+"""Where a decoder's forward finds its images (models/decoder.py, PREFILL rows only): the image
+features of the current request (f32, the text model's width) and, per forward row, the feature row
+it takes and the end of its image's keys (kernels/vision.py's `rows`). The pipeline stages a chunk's
+rows before recording it (`pending`); every PREFILL forward writes its rows, text rows as none."""
+from __future__ import annotations
+
+import struct
+
+from ..kernels import vision
+from ..kernels.common import Op, Tensor, new_tensor
+
+
+class ImageRows:
+    def __init__(self, dev, *, rows: int, features: int, width: int, owner: str):
+        self.dev, self.cap = dev, rows
+        self.rows = new_tensor(dev, (rows, 2), "u32", owner=owner, label="image_rows")          # (P, 2)
+        self.feats = new_tensor(dev, (features, width), "f32", owner=owner, label="image_feats")  # (N, C)
+        self.pending: list[tuple[int, int]] | None = None
+
+    def write(self, T: int) -> None:
+        """Write the rows of a forward of T rows: the staged ones, else none (text)."""
+        rows = self.pending or [(vision.NONE, 0)] * T
+        self.pending = None
+        rows = (rows + [(vision.NONE, 0)] * T)[:T]
+        self.dev.write(self.rows.buf, struct.pack(f"<{2 * T}I", *(v for r in rows for v in r)))
+
+    def splice(self, m, x: Tensor, T: int) -> Op:
+        """x[t] = the image feature of row t, where it holds an image token (after the embedding's scale)."""
+        return vision.splice_rows(m.dev, x, self.feats, self.rows.view((T, 2)))
+
+    def attention(self, m, i: int, qkv: Tensor, attn: Tensor, T: int, spec) -> Op:
+        """Layer i's attention of the image rows over their whole image (contiguous caches)."""
+        return vision.attn_image_rows(m.dev, qkv, m.k_cache[i], m.v_cache[i], attn, m.step, self.rows.view((T, 2)),
+                                      **spec.heads(), ctx=m.ctx, scale=spec.scale, window=spec.window)

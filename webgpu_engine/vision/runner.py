@@ -1,0 +1,141 @@
+"""A loaded vision-language model's image side, as its chat pipeline uses it (pipelines/llm.py):
+
+- `template(t)`: the chat template whose rendered `<start_of_image>` becomes the model's full image
+  sequence (as Gemma3Processor expands the text before tokenising it);
+- `prepare(ids, images)`: runs the tower over each image (features into the decoder's ImageRows) and
+  maps each image-token position to its feature row and the end of its image;
+- `spans(n, pos0, chunk)`: prefill chunks that never cut an image (its rows attend each other);
+- `stage(pos0, T)`: the rows of the chunk about to be recorded;
+- `reusable(kv_ids, keep)`: prefix reuse stops before the first image token (an image's KV rows are
+  not reused: image tokens are one id whatever the picture).
+"""
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from ..errors import InvalidRequestError, UnsupportedChatOptionError
+from ..gpu import IN_BROWSER
+from ..kernels.vision import NONE
+from ..loaders.chat_template import ChatTemplate
+from .gemma3 import BOI, VisionConfig, patches, preprocess, read_vision_config
+
+MAX_IMAGES = 16                          # per request, as the features buffer is sized
+
+
+class _ExpandingTemplate(ChatTemplate):
+    """A chat template whose rendered image markers become the model's full image sequence."""
+
+    def __init__(self, inner: ChatTemplate, marker: str, full: str):
+        self.__dict__.update(inner.__dict__)
+        self._marker, self._full = marker, full
+
+    def render(self, messages, **kwargs) -> str:
+        return super().render(messages, **kwargs).replace(self._marker, self._full)
+
+
+class VisionInputs:
+    def __init__(self, dev, cfg: VisionConfig, tower, model, max_images: int):
+        self.dev, self.cfg, self.tower, self.model = dev, cfg, tower, model
+        self.max_images = max_images
+        self.unavailable = ""            # why this load takes no images (set by the pipeline), else ""
+        self._rows: dict[int, tuple[int, int]] = {}     # position -> (feature row, image's key end)
+
+    @classmethod
+    def load(cls, dev, path, model, owner: str) -> "VisionInputs | None":
+        """The image side of the model at `path` (an HF folder with a vision tower), else None."""
+        path = Path(path)
+        if not path.is_dir() or not (path / "config.json").is_file():
+            return None
+        cfg = read_vision_config(path)
+        if cfg is None:
+            return None
+        if cfg.tokens_per_image > model.chunk:
+            raise UnsupportedChatOptionError(
+                "prefill_chunk_size", model.chunk, f"an image's {cfg.tokens_per_image} tokens run in one "
+                f"prefill chunk: load with prefill_chunk_size >= {cfg.tokens_per_image}")
+        from ..loaders.safetensors import SafetensorsFolder
+        from ..models.siglip import SiglipTower
+        files = SafetensorsFolder(path)
+        try:
+            tower = SiglipTower(dev, cfg, files.tensors, owner=owner)
+        finally:
+            files.close()
+        n = max(1, min(MAX_IMAGES, model.ctx // (cfg.tokens_per_image + 6)))
+        model.enable_images(n * cfg.tokens_per_image, cfg.text_hidden)
+        return cls(dev, cfg, tower, model, n)
+
+    def template(self, template):
+        if template is None or not isinstance(template, ChatTemplate):
+            return template
+        return _ExpandingTemplate(template, BOI, self.cfg.full_image_sequence())
+
+    # ------------------------------------------------------------------ a request
+    def blocks(self, ids: list[int]) -> list[tuple[int, int]]:
+        """(start, end) positions of each run of image tokens in ids."""
+        tok, out, start = self.cfg.image_token_id, [], None
+        for p, t in enumerate(ids):
+            if t == tok and start is None:
+                start = p
+            elif t != tok and start is not None:
+                out.append((start, p))
+                start = None
+        if start is not None:
+            out.append((start, len(ids)))
+        return out
+
+    async def prepare(self, ids: list[int], images: list) -> None:
+        """Compute each image's features (submitted before the prefill that reads them) and map the
+        image-token positions of `ids` to them; the prompt must hold one full image per image."""
+        self._rows = {}
+        blocks = self.blocks(ids)
+        n = self.cfg.tokens_per_image
+        if len(blocks) != len(images) or any(e - s != n for s, e in blocks):
+            raise InvalidRequestError(f"The prompt holds {len(blocks)} image(s) of {[e - s for s, e in blocks]} "
+                                      f"tokens for {len(images)} image(s) of {n} tokens: the chat template "
+                                      f"must place each image part once (and the text may not carry image "
+                                      f"tokens itself).", param="messages")
+        if not images:
+            return
+        if IN_BROWSER:
+            rows = [patches(self.cfg, preprocess(self.cfg, im.image)) for im in images]
+        else:                            # resizing a large picture is CPU work: off the event loop
+            rows = await asyncio.to_thread(lambda: [patches(self.cfg, preprocess(self.cfg, im.image))
+                                                    for im in images])
+        for k, r in enumerate(rows):
+            self.tower.write_patches(r)
+            self.dev.submit(self.tower.record(self.dev.batch(), self.model.images.feats, k))
+        for k, (s, e) in enumerate(blocks):
+            for j in range(n):
+                self._rows[s + j] = (k * n + j, e)
+
+    def spans(self, n: int, pos0: int, chunk: int) -> list[tuple[int, int]]:
+        """[a, b) row spans of a prefill of n rows at pos0.. of at most `chunk` rows, none cutting an image."""
+        out, a = [], 0
+        while a < n:
+            b = min(a + chunk, n)
+            if b < n and pos0 + b in self._rows and pos0 + b - 1 in self._rows:
+                start = pos0 + b
+                while start - 1 in self._rows and self._rows[start - 1][1] == self._rows[pos0 + b][1]:
+                    start -= 1
+                b = start - pos0 if start - pos0 > a else b
+            out.append((a, b))
+            a = b
+        return out
+
+    def stage(self, pos0: int, T: int) -> None:
+        """The image rows of the forward of T rows at pos0.. about to be recorded."""
+        if self._rows:
+            self.model.images.pending = [self._rows.get(pos0 + t, (NONE, 0)) for t in range(T)]
+
+    def done(self) -> None:
+        """The request's prefill is over: later forwards carry no images."""
+        self._rows = {}
+
+    def reusable(self, kv_ids: list[int], keep: int) -> int:
+        """The cached prefix a request may reuse: none of it past the first image token."""
+        tok = self.cfg.image_token_id
+        for p in range(keep):
+            if kv_ids[p] == tok:
+                return p
+        return keep
