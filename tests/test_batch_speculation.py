@@ -3,8 +3,9 @@ adapter: each sequence guesses its own tokens (prompt lookup) and one decode ste
 sequence's guesses; greedy answers of 4 sequences decoding together with speculation equal each
 request alone without it, token for token (logprobs too); guesses are taken; the pool gives back
 the rejected rows' slots; max_tokens, stop strings, sampled and penalised requests behave as without
-guesses; a draft model guesses for all the sequences of a step at once (pipelines/batch_draft.py),
-with the same answers. A tiny Llama keeps the steps cheap."""
+guesses; under a JSON schema each row is masked with the grammar's state after the guesses before it;
+a draft model guesses for all the sequences of a step at once (pipelines/batch_draft.py), with the
+same answers. A tiny Llama keeps the steps cheap."""
 from __future__ import annotations
 
 import asyncio
@@ -94,6 +95,43 @@ async def test_max_tokens_stops_sampled_and_penalised(spec_engine, reference):
     a = await _answer(spec_engine, PROMPTS[1], max_tokens=12, temperature=0.9, seed=7)
     b = await _answer(spec_engine, PROMPTS[1], max_tokens=12, temperature=0.9, seed=7)
     assert a[0] == b[0] and "speculation_steps" in a[1]
+    _sched(spec_engine).pool.check()
+
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                           "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]},
+                                                    "maxItems": 3},
+                                           "ok": {"type": "boolean"}},
+          "required": ["name", "tags", "ok"], "additionalProperties": False}
+
+
+async def _json_answer(eng, prompt: str):
+    r = await eng.chat.completions.create(
+        messages=[{"role": "user", "content": prompt}], max_tokens=80, temperature=0, logprobs=True,
+        response_format={"type": "json_schema", "json_schema": {"name": "item", "schema": SCHEMA}})
+    c = r.choices[0]
+    return (c.message.content, [t.logprob for t in c.logprobs.content], c.finish_reason), r.usage.extra.model_dump()
+
+
+async def test_grammar_rows_are_masked_in_the_batch(device, path, spec_engine, reference):
+    """JSON-schema requests speculate in the batch: the grammar's forced tokens are guessed first,
+    each row is masked with the grammar's state after the guesses before it; two of them decoding
+    beside two plain requests give each one's answer of a model without speculation, valid JSON,
+    with guesses kept (the forced keys at least)."""
+    import json
+    plain = await _engine(device, path, "tiny-plain-json")
+    try:
+        ref = [(await _json_answer(plain, p))[0] for p in PROMPTS[:2]]
+    finally:
+        await plain.unload()
+    got = await asyncio.gather(*[_json_answer(spec_engine, p) for p in PROMPTS[:2]],
+                               *[_answer(spec_engine, p) for p in PROMPTS[2:]])
+    assert [a for a, _ in got[:2]] == ref
+    assert [a for a, _ in got[2:]] == reference[2:]
+    for (text, _, finish), ex in got[:2]:
+        obj = json.loads(text)
+        assert finish == "stop" and set(obj) == {"name", "tags", "ok"}
+        assert 0 < ex["speculation_accepted_tokens"] <= ex["speculation_proposed_tokens"]
     _sched(spec_engine).pool.check()
 
 

@@ -14,9 +14,13 @@ without speculation. The rejected rows' KV slots go back to the pool (`trim`).
 
 The rows one step takes are bounded (`rows_cap`: max_num_sequences x (k + 1), at most a prefill
 chunk); when guesses would pass it, the older sequences guess first. Which sequences speculate: as
-on the one-request path, those without penalties (their counts would take in rejected rows); and
-here without a grammar or a logit processor in the step (their host work sits between a row's
-logits and its sampler). auto_off per sequence: after `probe` verify steps, a sequence whose tokens
+on the one-request path, those without penalties (their counts would take in rejected rows), and
+not while the model has a logit processor (its host work sits between a row's logits and its
+sampler). Under a grammar a sequence guesses the tokens the grammar forces first, its other guesses
+are cut where the grammar refuses one, and each of its rows is masked with the grammar's state after
+the guesses before it (the masks made on the host before the step, `grammar_row_masks`); a step
+whose other sequences still wait for a grammar mask made beside the forwards (a prompt's last chunk)
+takes no guesses. auto_off per sequence: after `probe` verify steps, a sequence whose tokens
 come slower than one per plain decode step (the model's, measured on steps without guesses) stops
 guessing. Standard library only (runs in the page).
 """
@@ -24,7 +28,7 @@ from __future__ import annotations
 
 from ..models.kv_pool import PoolExhaustedError
 from .batch_draft import DraftGuesser
-from .speculation import SpeculationStats, penalty_free, propose, slower_than_decode
+from .speculation import SpeculationStats, grammar_row_masks, penalty_free, propose, slower_than_decode
 
 _EMA = 0.2            # weight of a new plain step's time in the model's yardstick
 
@@ -49,46 +53,56 @@ class BatchSpeculation:
         n_blocks blocks (the target pool's size) of its own."""
         self.draft = DraftGuesser(draft, self.max_seqs, self.spec.k, n_blocks, block_size)
 
-    async def guesses(self, decode: list, pool, ctx: int) -> dict:
-        """rec -> its guesses this step, their KV slots reserved (oldest sequences first, within
-        rows_cap). A sequence without a guess gets a plain row."""
+    async def guesses(self, decode: list, pool, ctx: int) -> tuple[dict, dict]:
+        """(rec -> its guesses this step, their KV slots reserved (oldest sequences first, within
+        rows_cap); rec -> its rows' grammar masks, for each guessing sequence under a grammar: its
+        last token's row, then one per guess). A sequence without a guess gets a plain row."""
+        out, masks = {}, {}
         if self.spec.method == "draft" and self.draft is None:
-            return {}
-        out, budget, wanted = {}, self.rows_cap - len(decode), []
+            return out, masks
+        budget, wanted = self.rows_cap - len(decode), []
         for rec in decode:
             st = rec.seq.req.spec
-            if budget <= 0 or st is None or st.off or rec.replay is not None or rec.seq.matcher is not None:
+            if budget <= 0 or st is None or st.off or rec.replay is not None:
                 continue
             seq = rec.seq
             k = min(self.spec.k, budget, ctx - len(rec.toks) - 1)
             if seq.max_tokens is not None:
                 k = min(k, seq.max_tokens - len(seq.output_ids) - 1)
-            if k <= 0:
-                st.plain += 1
-            elif self.draft is not None:        # the draft guesses for all of them at once, below
+            # under a grammar, the tokens it forces are the first guesses (nearly always right)
+            forced = seq.matcher.forced()[:k] if seq.matcher is not None and k > 0 else []
+            if k <= 0 or forced or self.draft is None:
+                guess = forced or (propose(rec.toks + [seq.last_token], k, self.spec.n, self.spec.n_min)
+                                   if k > 0 else [])
+                budget -= self._take(rec, guess, pool, out, masks)
+            else:                               # the draft guesses for all of them at once, below
                 wanted.append((rec, k))
                 budget -= k
-            else:
-                budget -= self._take(rec, propose(rec.toks + [seq.last_token], k, self.spec.n, self.spec.n_min),
-                                     pool, out)
         if wanted:
             made = await self.draft.guesses([(r.id, r.toks + [r.seq.last_token], k) for r, k in wanted])
             for rec, _ in wanted:
-                self._take(rec, made.get(rec.id, []), pool, out)
-        return out
+                self._take(rec, made.get(rec.id, []), pool, out, masks)
+        return out, masks
 
     @staticmethod
-    def _take(rec, guess: list[int], pool, out: dict) -> int:
-        """rec's guesses into `out`, their KV slots reserved; how many rows they take."""
-        if not guess:
+    def _take(rec, guess: list[int], pool, out: dict, masks: dict) -> int:
+        """rec's guesses into `out` (cut where its grammar refuses one; its rows' masks into
+        `masks`), their KV slots reserved; how many rows they take."""
+        m = rec.seq.matcher
+        if m is not None:
+            guess, masks[rec] = grammar_row_masks(m, guess)
+        if guess:
+            try:
+                pool.reserve(rec.id, len(rec.toks) + 1 + len(guess))
+                out[rec] = guess
+                return len(guess)
+            except PoolExhaustedError:         # no room for guesses now: a plain row
+                pass
+        else:
             rec.seq.req.spec.plain += 1
-            return 0
-        try:
-            pool.reserve(rec.id, len(rec.toks) + 1 + len(guess))
-        except PoolExhaustedError:             # no room for guesses now: a plain row
-            return 0
-        out[rec] = guess
-        return len(guess)
+        if m is not None:
+            masks[rec] = masks[rec][:1]
+        return 0
 
     def leave(self, rec) -> None:
         """rec left the batch: its draft rows go."""

@@ -13,8 +13,8 @@ from ..config import GREEDY, ChatConfig
 from ..errors import UnsupportedChatOptionError
 from ..kernels.logit_mask import LogitMask
 from ..kernels.sampling import RESULT_BYTES
-from .speculation import (SpeculationStats, penalty_free, propose, same_vocabulary, shared_prefix,
-                          slower_than_decode)
+from .speculation import (SpeculationStats, grammar_row_masks, penalty_free, propose, same_vocabulary,
+                          shared_prefix, slower_than_decode)
 from .stats import now
 
 
@@ -168,9 +168,9 @@ class DecodePaths:
         if seq.max_tokens is not None:
             k = min(k, seq.max_tokens - len(seq.output_ids) - 1)
         guess = await self._guesses(self.kv_ids + [last], k) if k > 0 else []
-        masks = self._grammar_masks(guess) if seq.matcher is not None else None
-        if masks is not None:
-            guess = guess[:len(masks) - 1]
+        masks = None
+        if seq.matcher is not None:
+            guess, masks = grammar_row_masks(seq.matcher, guess)
         if not guess and (m.exact_verify or spec.auto_off):
             # nothing to check: a plain decode step (with exact_verify the same bits as a verify row;
             # elsewhere auto_off lets the fused path make tokens); verify steps are guessing steps

@@ -74,6 +74,19 @@ class _Slot:
         self.mask: LogitMask | None = None
         self.mask_op = None
         self._copy_ops: dict = {}
+        self._row_masks: list = []           # (LogitMask, op) of a verify step's guess rows, made on first use
+        self._owner = owner
+
+    def row_mask(self, j: int, bits: bytes):
+        """The op masking this slot's logits with `bits` for row j of a verify step (row 0: the
+        slot's own mask; a guess row: a mask buffer of its own, so that every row's bits are in
+        place before the step runs)."""
+        while len(self._row_masks) < j:
+            mk = LogitMask(self.dev, self.logits.numel, owner=self._owner)
+            self._row_masks.append((mk, mk.op(self.logits)))
+        mk, op = (self.mask, self.mask_op) if j == 0 else self._row_masks[j - 1]
+        mk.write(bits)
+        return op
 
     def copy_in(self, batch, logits, row: int, row_elems: int) -> None:
         """Row `row` of `logits` (rows of row_elems entries, the model's whole vocabulary) -> this
@@ -318,28 +331,36 @@ class Scheduler:
         t0 = now()
         sampled = [(r, i) for i, r in enumerate(decode) if r.replay is None]
         sampled += [(r, 0) for r, s, e in chunks if e == len(r.toks) and r.sample_at_end]
+        # each speculating sequence's guesses, checked by rows of this step, and the grammar masks
+        # of the rows of those under a grammar (made here, before the step)
+        guesses, row_masks = {}, {}
+        if self.spec is not None and decode and self.pipe.logit_processor is None:
+            guesses, row_masks = await self.spec.guesses(decode, pool, self.model.ctx)
+            if self.spec.draft is not None:
+                # the draft's forwards let callers run meanwhile: a sequence whose caller left is not fed
+                decode = [r for r in decode if not r.cancelled]
+                chunks = [c for c in chunks if not c[0].cancelled]
+                sampled = [(r, i) for r, i in sampled if not r.cancelled]
+                guesses = {r: g for r, g in guesses.items() if not r.cancelled}
         masks = {}
-        for rec, _ in sampled:               # grammar masks while the forwards run
+        for rec, _ in sampled:               # the other grammar masks while the forwards run
             m = rec.seq.matcher
-            if m is not None:
+            if m is not None and rec not in row_masks:
                 masks[rec] = m.mask() if IN_BROWSER else asyncio.ensure_future(asyncio.to_thread(m.mask))
-        # no mask to write and no logit processor: each row's sampler goes in its forward's own
-        # submission (one wait per iteration, at the readback, instead of one more between)
+        # no mask to make beside the forwards and no logit processor: each row's sampler (and mask)
+        # goes in its forward's own submission (one wait per iteration, at the readback, instead of
+        # one more between); guesses only so (a guess row's sampler follows its logits there)
         inline = not masks and self.pipe.logit_processor is None
-        # each speculating sequence's guesses, checked by rows of this step (only where every sampler
-        # goes in the forward's own submission: a guess row's sampler follows its logits there)
-        guesses = await self.spec.guesses(decode, pool, self.model.ctx) if self.spec and inline and decode else {}
-        if self.spec is not None and self.spec.draft is not None:
-            # the draft's forwards let callers run meanwhile: a sequence whose caller left is not fed
-            decode = [r for r in decode if not r.cancelled]
-            chunks = [c for c in chunks if not c[0].cancelled]
-            sampled = [(r, i) for r, i in sampled if not r.cancelled]
-            guesses = {r: g for r, g in guesses.items() if not r.cancelled}
+        if not inline and row_masks:
+            for rec in guesses:
+                pool.trim(rec.id, len(rec.toks) + 1)
+            masks.update({rec: ms[0] for rec, ms in row_masks.items() if not rec.cancelled})
+            guesses, row_masks = {}, {}
         rb = None
         if decode:
             # with no chunk after it, its results are read from this point (a step may follow)
             batch, rb = self._decode_batch(decode, [r.feed_token() for r in decode], 0, inline,
-                                           inline and not chunks, guesses)
+                                           inline and not chunks, guesses, row_masks)
             await dev.ready(batch)          # kernels still compiling in the background
             dev.submit(batch)
             if rb is not None and not guesses and self._can_go_ahead(decode):
@@ -373,7 +394,7 @@ class Scheduler:
                 if rec in masks:
                     slot = self.slots[rec.slot]
                     bits = masks[rec]
-                    slot.mask.write(bits if IN_BROWSER else await bits)
+                    slot.mask.write(await bits if asyncio.isfuture(bits) else bits)
                     slot.mask_op.record(batch)
                 self._record_sampler(batch, rec)
             dev.submit(batch)
@@ -447,13 +468,14 @@ class Scheduler:
         return True
 
     def _decode_batch(self, rows: list, tokens: list | None, ahead: int, sample: bool, read: bool,
-                      guesses: dict | None = None):
+                      guesses: dict | None = None, row_masks: dict | None = None):
         """(batch, readback or None): one decode step of `rows` feeding `tokens` (None: the ids the
         samplers of the step in flight wrote, `ahead` = 1 step past the pool's record), each row's
         logits to its slot, with `sample` its sampler (and its token into the next step's row i),
         with `read` a readback of the results at this point of the batch. `guesses` (rec -> guesses):
         a row after rec's for each guess, at the next positions, its logits sampled by rec's slot
-        right after the row before it (results after the slots' places, in row order)."""
+        right after the row before it (results after the slots' places, in row order); `row_masks`
+        (rec -> bytes per row): each of rec's rows masked before its sampler."""
         fwd, batch, pool = self.fwd, self.dev.batch(), self.pool
         # each row's LoRA slot, where a row has an adapter (else the base's op lists)
         lora = [NONE if r.lora_slot is None else r.lora_slot for r in rows
@@ -468,15 +490,20 @@ class Scheduler:
             fwd.record_decode(batch, feed, pool.decode_rows(at, len(at), fwd.max_blocks), lora)
         else:
             fwd.record_decode(batch, tokens, pool.decode_inputs([r.id for r in rows], len(rows), fwd.max_blocks,
-                                                                ahead=ahead), lora)
+                                                                ahead=ahead), lora, [r.slot for r in rows])
         i, extra = 0, self.max_seqs
         for r in rows:
+            ms = (row_masks or {}).get(r)
             self._copy_logits(batch, i, r.slot)
+            if ms:
+                self.slots[r.slot].row_mask(0, ms[0]).record(batch)
             if sample and r.replay is None:       # a replayed row samples nothing
                 self._record_sampler(batch, r, row=i)
             i += 1
-            for _ in (guesses or {}).get(r, ()):
+            for j, _ in enumerate((guesses or {}).get(r, ()), 1):
                 self._copy_logits(batch, i, r.slot)
+                if ms:
+                    self.slots[r.slot].row_mask(j, ms[j]).record(batch)
                 self._record_sampler(batch, r, at=extra * RESULT_BYTES)
                 i, extra = i + 1, extra + 1
         return batch, batch.readback(self.results, 0, self._results_bytes) if read else None

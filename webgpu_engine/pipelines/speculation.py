@@ -209,6 +209,19 @@ def penalty_free(gen) -> bool:
     return gen.repetition_penalty == 1.0 and gen.frequency_penalty == 0.0 and gen.presence_penalty == 0.0
 
 
+def grammar_row_masks(matcher, guess: list[int]) -> tuple[list[int], list[bytes]]:
+    """Under a grammar: the leading guesses it allows from here, and each verify row's allowed-token
+    mask (row r's after the guesses before it: the last token's row first); the matcher is left
+    where it was."""
+    guess = guess[:matcher.valid_prefix(guess)]
+    masks = [matcher.mask()]
+    for t in guess:
+        matcher.consume(t)
+        masks.append(matcher.mask())
+    matcher.rollback(len(guess))
+    return guess, masks
+
+
 def slower_than_decode(stats: SpeculationStats, probe: int, decode_step_s: float | None) -> bool:
     """auto_off's rule: after `probe` verify steps, speculation is slower than one token per fused
     decode step of `decode_step_s` seconds."""
