@@ -223,19 +223,6 @@ class DecodePaths:
             return await self._draft_guess(context, k)
         return propose(context, k, self.speculation.n, self.speculation.n_min)
 
-    def _grammar_masks(self, guess: list[int]) -> list[bytes]:
-        """Under a grammar: the allowed-token mask of each verify row (row r's after the guesses
-        before it), for the guesses the grammar allows (their count is len(result) - 1); the
-        matcher is left where it was."""
-        m = self.seq.matcher
-        guess = guess[:m.valid_prefix(guess)]
-        masks = [m.mask()]
-        for t in guess:
-            m.consume(t)
-            masks.append(m.mask())
-        m.rollback(len(guess))
-        return masks
-
     def _row_mask(self, r: int, logits, bits: bytes):
         """Verify row r's grammar mask (made on first use), loaded with `bits`; its op."""
         while len(self._row_masks) <= r:
