@@ -24,7 +24,12 @@ class LoraAdapters:
         """Register adapter `lora_name` from `lora_path` (a PEFT folder) over the loaded chat model
         `model` (default: the one loaded chat model) without reloading it; requests then pick it by
         `model` = lora_name. Refused (LoraAdapterError, naming the tensor) where it does not fit."""
-        from ..models.lora import load_adapter
+        lm = self._lora_base_for(lora_name, lora_path, model)
+        _add_to(lm.pipeline, await _read(lora_path, lora_name), max_rank)
+        lm.lora_adapters[lora_name] = lora_path
+
+    def _lora_base_for(self, lora_name, lora_path, model: str | None):
+        """The chat model an adapter named lora_name is loaded over (typed errors for bad names)."""
         if not isinstance(lora_name, str) or not lora_name or not isinstance(lora_path, str) or not lora_path:
             raise InvalidRequestError("lora_name and lora_path must be non-empty strings.", param="lora_name")
         llms = {k: lm for k, lm in self.models.items() if lm.model_type == LLM}
@@ -39,10 +44,7 @@ class LoraAdapters:
         if lora_name in self.models or (self.lora_base(lora_name) not in (None, lm)):
             raise InvalidRequestError(f"The name {lora_name!r} is taken by a loaded model or adapter.",
                                       param="lora_name")
-        ad = load_adapter(lora_path, lora_name) if IN_BROWSER else \
-            await asyncio.to_thread(load_adapter, lora_path, lora_name)
-        lm.pipeline.add_lora(ad, max_rank)
-        lm.lora_adapters[lora_name] = lora_path
+        return lm
 
     async def unload_lora_adapter(self, lora_name: str) -> None:
         """Forget adapter `lora_name` (refused while requests run with it)."""
@@ -62,7 +64,29 @@ class LoraAdapters:
             return
         if not isinstance(adapters, dict):
             raise InvalidRequestError("lora_adapters must map adapter names to paths.", param="lora_adapters")
-        from ..models.lora import load_adapter
-        ranks = [load_adapter(p, n).rank for n, p in adapters.items()]
-        for name, path in adapters.items():
-            await self.load_lora_adapter(name, path, max_rank=max(ranks))
+        bases = {name: self._lora_base_for(name, path, None) for name, path in adapters.items()}
+        read = {name: await _read(path, name) for name, path in adapters.items()}
+        rank = max(ad.rank for ad in read.values())
+        for name, ad in read.items():
+            _add_to(bases[name].pipeline, ad, rank)
+            bases[name].lora_adapters[name] = adapters[name]
+
+
+async def _read(path: str, name: str):
+    """models/lora.py's adapter at `path` (a worker thread reads it, except in the page)."""
+    from ..models.lora import load_adapter
+    return load_adapter(path, name) if IN_BROWSER else await asyncio.to_thread(load_adapter, path, name)
+
+
+def _add_to(pipe, adapter, max_rank: int | None) -> None:
+    """Register models/lora.py LoraAdapter `adapter` with chat pipeline `pipe` (checked against the
+    model now, uploaded into the pool on first use; the base is not reloaded). The pool is made for
+    the first adapter, of rank max(max_rank, its rank), and its scheduler's rows read it."""
+    from ..models.lora import DEFAULT_MAX_RANK, LoraAdapterError, LoraPool
+    if pipe.scheduler is None:
+        raise LoraAdapterError("LoRA adapters are served by continuous batching: load the base with "
+                               "max_num_sequences > 1.", param="max_num_sequences")
+    if pipe.lora is None:
+        pipe.lora = LoraPool(pipe.model, max_rank=max(max_rank or DEFAULT_MAX_RANK, adapter.rank), owner=pipe.owner)
+        pipe.scheduler.fwd.attach_lora(pipe.lora)
+    pipe.lora.register(adapter)

@@ -136,25 +136,10 @@ class LLMChatPipeline(DecodePaths):
         # may reach (context shifts go on past the cache's end)
         self.cache_end = sys.maxsize if model.ring else model.ctx
         self.positions = sys.maxsize if self.shifts else self.cache_end
-        self.lora = None                           # models/lora.py LoraPool, made for the first adapter
+        self.lora = None            # models/lora.py LoraPool, made for the first adapter (engine/lora.py)
         if self.plan.max_sequences > 1:            # continuous batching over a paged KV cache
             from .scheduler import Scheduler
             self.scheduler = Scheduler(self, self.plan)
-
-    # ------------------------------------------------------------------ LoRA adapters
-    def add_lora(self, adapter, max_rank: int | None = None) -> None:
-        """Register a models/lora.py LoraAdapter (checked against the model now, uploaded into the
-        pool on first use; the base is not reloaded). The pool is made for the first one, of rank
-        max(max_rank, its rank)."""
-        from ..models.lora import DEFAULT_MAX_RANK, LoraAdapterError, LoraPool
-        if self.scheduler is None:
-            raise LoraAdapterError("LoRA adapters are served by continuous batching: load the base with "
-                                   "max_num_sequences > 1.", param="max_num_sequences")
-        if self.lora is None:
-            self.lora = LoraPool(self.model, max_rank=max(max_rank or DEFAULT_MAX_RANK, adapter.rank),
-                                 owner=self.owner)
-            self.scheduler.fwd.attach_lora(self.lora)
-        self.lora.register(adapter)
 
     # ------------------------------------------------------------------ loading
     @classmethod
