@@ -160,6 +160,38 @@ async def test_greedy_tokens_and_logits_equal_transformers(engine, ref, key):
     assert r.usage.prompt_tokens == len(want["input_ids"])          # image tokens count
 
 
+async def test_prefix_reuse_keys_images_by_content(engine, ref):
+    """A follow-up turn reuses the cached rows of its image (only the new text is computed) and
+    answers as the same prompt computed from scratch; the same turns about another picture (the
+    same token ids) compute the image's rows again, and answer as from scratch too."""
+    pipe = engine.models[VLM].pipeline
+
+    async def ask(messages):
+        r = await engine.chat.completions.create(model=VLM, messages=messages, max_tokens=8, temperature=0.0)
+        return r.choices[0].message.content, pipe._req.prompt_tokens, pipe._req.prefill_tokens
+
+    async def fresh(messages):
+        await engine.reset_chat(model=VLM)
+        answer, n, computed = await ask(messages)
+        assert computed == n
+        return answer
+
+    first = _messages(ref, "one")
+    answer, _, _ = await ask(first)
+    follow = [*first, {"role": "assistant", "content": answer}, {"role": "user", "content": "And the colours?"}]
+    got, n, computed = await ask(follow)
+    start = pipe.kv_ids.index(read_vision_config(FOLDER).image_token_id)
+    assert computed < n - start - 16                  # the image's rows came from the cache
+    assert got == await fresh(follow)
+    await ask(follow)
+    other = [{"role": m["role"], "content": [{"type": "image_url", "image_url": {"url": image_data_url(IMAGES / "tall.png")}}
+                                              if p["type"] == "image_url" else p for p in m["content"]]
+              if isinstance(m["content"], list) else m["content"]} for m in follow]
+    got, n, computed = await ask(other)
+    assert computed == n - start                      # the text before the image only was reused
+    assert got == await fresh(other)
+
+
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, device):
     import openai

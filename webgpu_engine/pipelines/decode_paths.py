@@ -46,7 +46,7 @@ class DecodePaths:
         are needed) and, unless reuse_decoded_kv, the rows a decode step wrote (the decode kernels
         round otherwise than the prefill's: an answer would depend on the cache's history)."""
         keep = shared_prefix(self.kv_ids, ids)
-        if self.vision is not None:       # no image's KV rows are reused (one token id for any image)
+        if self.vision is not None:       # an image's rows only where the request has the same image
             keep = self.vision.reusable(self.kv_ids, keep)
         exact = len(self.kv_ids) if self.chat_config.reuse_decoded_kv else self.kv_exact
         keep = min(keep, len(ids) - 1, exact)                 # decoded rows are computed again

@@ -333,9 +333,9 @@ class LLMChatPipeline(DecodePaths):
         self._new_request_state(gen, RequestStats(t_start=now(), breakdown=gen.latency_breakdown),
                                 raw=prompt is not None)
         ids = await self.prompt_tokens(messages, gen, prompt)
-        if self.vision is not None:       # each image through the tower, its rows mapped
+        if self.vision is not None:       # each image paired with its tokens
             from ..vision.requests import images_of
-            await self.vision.prepare(ids, images_of(messages))
+            self.vision.prepare(ids, images_of(messages))
         # KV reuse: keep the longest common prefix with what the cache holds (at least one new token
         # must be computed to get logits); a raw prompt reuses only if it extends the cache too.
         keep = self._reuse_prefix(ids)
@@ -344,6 +344,8 @@ class LLMChatPipeline(DecodePaths):
         if self._speculates(gen):
             self._req.spec = SpeculationStats()
         t0 = now()
+        if self.vision is not None:       # the tower over the images not in the reused prefix
+            await self.vision.encode(keep)
         res = await self._forward(ids[keep:], keep)
         if self.vision is not None:
             self.vision.done()

@@ -2,12 +2,13 @@
 
 - `template(t)`: the chat template whose rendered `<start_of_image>` becomes the model's full image
   sequence (as Gemma3Processor expands the text before tokenising it);
-- `prepare(ids, images)`: runs the tower over each image (features into the decoder's ImageRows) and
-  maps each image-token position to its feature row and the end of its image;
+- `prepare(ids, images)`: pairs each image with its run of image tokens;
+- `reusable(kv_ids, keep)`: prefix reuse keys the cache's images by content (SHA-256 of the bytes:
+  image tokens are one id whatever the picture), so it stops at the first image that differs;
+- `encode(keep)`: runs the tower over the images whose rows are computed (features into the
+  decoder's ImageRows) and maps each of their positions to its feature row and its image's end;
 - `spans(n, pos0, chunk)`: prefill chunks that never cut an image (its rows attend each other);
-- `stage(pos0, T)`: the rows of the chunk about to be recorded;
-- `reusable(kv_ids, keep)`: prefix reuse stops before the first image token (an image's KV rows are
-  not reused: image tokens are one id whatever the picture).
+- `stage(pos0, T)`: the rows of the chunk about to be recorded.
 """
 from __future__ import annotations
 
@@ -40,6 +41,8 @@ class VisionInputs:
         self.max_images = max_images
         self.unavailable = ""            # why this load takes no images (set by the pipeline), else ""
         self._rows: dict[int, tuple[int, int]] = {}     # position -> (feature row, image's key end)
+        self._request: list | None = None    # this request's images: (start, end, sha256, ImageInput)
+        self._cached: list = []              # the KV cache's images: (start, end, sha256)
 
     @classmethod
     def load(cls, dev, path, model, owner: str) -> "VisionInputs | None":
@@ -84,10 +87,9 @@ class VisionInputs:
             out.append((start, len(ids)))
         return out
 
-    async def prepare(self, ids: list[int], images: list) -> None:
-        """Compute each image's features (submitted before the prefill that reads them) and map the
-        image-token positions of `ids` to them; the prompt must hold one full image per image."""
-        self._rows = {}
+    def prepare(self, ids: list[int], images: list) -> None:
+        """Pair each image of the request with its run of image tokens in `ids` (one full image per
+        image part, or a 400); `reusable` and `encode` read the pairs."""
         blocks = self.blocks(ids)
         n = self.cfg.tokens_per_image
         if len(blocks) != len(images) or any(e - s != n for s, e in blocks):
@@ -95,17 +97,35 @@ class VisionInputs:
                                       f"tokens for {len(images)} image(s) of {n} tokens: the chat template "
                                       f"must place each image part once (and the text may not carry image "
                                       f"tokens itself).", param="messages")
-        if not images:
+        self._request = [(s, e, im.sha256, im) for (s, e), im in zip(blocks, images)]
+        self._rows = {}
+
+    def reusable(self, kv_ids: list[int], keep: int) -> int:
+        """The cached prefix (`keep` ids shared with the request) that may be reused: up to the first
+        image of the cache that the request does not hold at the same place with the same content
+        (SHA-256 of its bytes: one token id stands for any image)."""
+        same = {(s, e, h) for s, e, h, _ in self._request or ()}
+        for s, e, h in self._cached:
+            if s >= keep:
+                break
+            if (s, e, h) not in same:
+                return s
+        return keep
+
+    async def encode(self, keep: int) -> None:
+        """Run the tower over the request's images whose rows are computed (from `keep` on), each image's
+        features submitted before the prefill that reads them, and map their rows."""
+        todo = [(s, e, im) for s, e, _, im in self._request or () if e > keep]
+        if not todo:
             return
-        if IN_BROWSER:
-            rows = [patches(self.cfg, preprocess(self.cfg, im.image)) for im in images]
-        else:                            # resizing a large picture is CPU work: off the event loop
-            rows = await asyncio.to_thread(lambda: [patches(self.cfg, preprocess(self.cfg, im.image))
-                                                    for im in images])
-        for k, r in enumerate(rows):
+        cfg, n = self.cfg, self.cfg.tokens_per_image
+
+        def rows():
+            return [patches(cfg, preprocess(cfg, im.image)) for _, _, im in todo]
+        pixels = rows() if IN_BROWSER else await asyncio.to_thread(rows)    # resizing is CPU work
+        for k, ((s, e, _), r) in enumerate(zip(todo, pixels)):
             self.tower.write_patches(r)
             self.dev.submit(self.tower.record(self.dev.batch(), self.model.images.feats, k))
-        for k, (s, e) in enumerate(blocks):
             for j in range(n):
                 self._rows[s + j] = (k * n + j, e)
 
@@ -129,13 +149,6 @@ class VisionInputs:
             self.model.images.pending = [self._rows.get(pos0 + t, (NONE, 0)) for t in range(T)]
 
     def done(self) -> None:
-        """The request's prefill is over: later forwards carry no images."""
-        self._rows = {}
-
-    def reusable(self, kv_ids: list[int], keep: int) -> int:
-        """The cached prefix a request may reuse: none of it past the first image token."""
-        tok = self.cfg.image_token_id
-        for p in range(keep):
-            if kv_ids[p] == tok:
-                return p
-        return keep
+        """The request's prefill is over: the cache holds its images; later forwards carry none."""
+        self._cached = [(s, e, h) for s, e, h, _ in self._request or ()]
+        self._request, self._rows = None, {}
