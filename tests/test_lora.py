@@ -299,3 +299,35 @@ def test_complete_with_lora_on_the_command_line(device, base_path, capsys):
     assert _lora_adapters(args.lora) == {"a": "/x/a", "b": "/x/b"}
     with pytest.raises(InvalidRequestError, match="NAME=PATH"):
         _lora_adapters(["nopath"])
+
+
+# ---------------------------------------------------------------------- llama.cpp's GGUF LoRA files
+async def test_gguf_lora_files_answer_as_their_peft_folders(engine, tmp_path):
+    """lora/{a,b}.gguf (convert_lora_to_gguf.py's form: B's q / k rows permuted, alpha / r) give the
+    PEFT adapters' tokens, with the PEFT ones and the base in one batch."""
+    from webgpu_engine.models.lora import LoraAdapterError, load_adapter
+    for name in ("a", "b"):
+        g, p = load_adapter(ADAPTERS[name] + ".gguf"), load_adapter(ADAPTERS[name])
+        assert g.rank == p.rank and g.qk_permuted and g.scale == pytest.approx(p.scale)
+        await engine.load_lora_adapter("g" + name, ADAPTERS[name] + ".gguf")
+    try:
+        jobs = [("ga", 0), ("gb", 1), ("a", 1), (None, 0), ("gb", 0), ("ga", 1)]
+        got = await asyncio.gather(*[_greedy(engine, n or _base_id(engine), i) for n, i in jobs])
+        assert got == [_want(n and n[-1], i) for n, i in jobs]
+    finally:
+        for name in ("ga", "gb"):
+            await engine.unload_lora_adapter(name)
+    import gguf
+    w = gguf.GGUFWriter(str(tmp_path / "qwen.gguf"), "qwen2")
+    w.add_type("adapter")
+    w.add_string("adapter.type", "lora")
+    w.add_tensor("blk.0.attn_q.weight.lora_a", np.zeros((4, 64), np.float32))
+    w.add_tensor("blk.0.attn_q.weight.lora_b", np.zeros((64, 4), np.float32))
+    for step in (w.write_header_to_file, w.write_kv_data_to_file, w.write_tensors_to_file, w.close):
+        step()
+    with pytest.raises(LoraAdapterError, match="for a qwen2 model; the base is llama"):
+        await engine.load_lora_adapter("q", str(tmp_path / "qwen.gguf"))
+    from tinymodels import write_tiny_llama_gguf
+    model = write_tiny_llama_gguf(tmp_path / "model.gguf", seed=1)["path"]
+    with pytest.raises(LoraAdapterError, match="not a GGUF LoRA adapter"):
+        await engine.load_lora_adapter("m", str(model))

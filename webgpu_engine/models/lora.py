@@ -2,7 +2,9 @@
 
 An adapter adds to a projection y = x · Wᵀ its scaled low-rank product: y += s · B · (A · x), with
 A (r, K), B (N, r) and s = lora_alpha / r (rsLoRA: lora_alpha / sqrt(r)). Adapters come from PEFT
-folders (adapter_config.json + adapter_model.safetensors), targets q/k/v/o/gate/up/down.
+folders (adapter_config.json + adapter_model.safetensors) and llama.cpp's GGUF LoRA files
+(convert_lora_to_gguf.py: general.type "adapter", adapter.type "lora", adapter.lora.alpha, tensors
+blk.N.attn_q.weight.lora_a / .lora_b; s = alpha / r, 1 without alpha), targets q/k/v/o/gate/up/down.
 
 On the GPU a LoraPool holds up to `slots` adapters of rank <= `max_rank`, per layer and per input
 the forward shares (q|k|v read one h, gate|up another), as kernels/lora.py's A (slots, J, K) and
@@ -52,6 +54,8 @@ class LoraAdapter:
     weights: dict = field(default_factory=dict)       # (layer, target) -> (A, B)
     source: str = ""
     names: dict = field(default_factory=dict)         # (layer, target) -> A's name in the file
+    arch: str = ""                                     # a GGUF adapter's architecture (its base's)
+    qk_permuted: bool = False                          # B's q / k rows in llama.cpp's permuted order
 
     @property
     def targets(self) -> set:
@@ -110,29 +114,75 @@ def load_peft(path, name: str | None = None) -> LoraAdapter:
             parts.setdefault((int(m.group(1)), m.group(2)), {})[m.group(3)] = (tname, _decode(t))
     finally:
         f.close()
-    for key, ab in sorted(parts.items()):
-        if set(ab) != {"A", "B"}:
-            tname = next(iter(ab.values()))[0]
-            raise LoraAdapterError(f"{st_path.name}: tensor {tname!r} has no lora_{'B' if 'A' in ab else 'A'} "
-                                   f"beside it.", param="lora_path")
-        (an, a), (bn, b) = ab["A"], ab["B"]
-        if a.ndim != 2 or b.ndim != 2 or a.shape[0] != r or b.shape[1] != r:
-            raise LoraAdapterError(f"{st_path.name}: tensor {an!r} {a.shape} / {bn!r} {b.shape} do not have "
-                                   f"the rank r = {r} of adapter_config.json.", param="lora_path")
-        ad.weights[key], ad.names[key] = (a, b), an
-    if not ad.weights:
-        raise LoraAdapterError(f"{st_path}: no LoRA tensors.", param="lora_path")
+    _pair(ad, parts, st_path.name)
     return ad
 
 
+_GGUF_NAME = re.compile(r"^blk\.(\d+)\.(\w+)\.weight\.lora_(a|b)$")
+
+
+def load_gguf(path, name: str | None = None) -> LoraAdapter:
+    """A llama.cpp GGUF LoRA file (convert_lora_to_gguf.py's) as a LoraAdapter."""
+    from ..loaders.decoder_config import FAMILIES
+    from ..loaders.gguf import GGUFFile, our_name
+    g = GGUFFile(path)
+    try:
+        meta = g.metadata
+        if meta.get("general.type") != "adapter" or meta.get("adapter.type") != "lora":
+            raise LoraAdapterError(f"{path}: not a GGUF LoRA adapter (general.type {meta.get('general.type')!r}, "
+                                   f"adapter.type {meta.get('adapter.type')!r}).", param="lora_path")
+        parts: dict = {}
+        for tname, t in g.tensors.items():
+            m = _GGUF_NAME.match(tname)
+            ours = our_name(f"blk.{m.group(1)}.{m.group(2)}.weight") if m else None
+            target = ours.rsplit(".", 1)[1] if ours else None
+            if target not in TARGETS:
+                raise LoraAdapterError(f"{Path(path).name}: tensor {tname!r} is not a LoRA a/b of a q/k/v/o/"
+                                       f"gate/up/down projection of a decoder layer.", param="lora_path")
+            parts.setdefault((int(m.group(1)), target), {})[m.group(3)] = (tname, _decode(t))
+        arch = g.architecture
+    finally:
+        g.close()
+    ranks = {ab["b"][1].shape[1] for ab in parts.values() if "b" in ab}
+    if len(ranks) != 1:
+        raise LoraAdapterError(f"{path}: its lora_b tensors have ranks {sorted(ranks)}; one rank is needed.",
+                               param="lora_path")
+    r = ranks.pop()
+    alpha = float(meta.get("adapter.lora.alpha") or 0.0)
+    fam = FAMILIES.get(arch)
+    ad = LoraAdapter(name or Path(path).stem, r, alpha / r if alpha else 1.0, source=str(path), arch=arch,
+                     qk_permuted=fam is not None and not fam.gguf_neox)
+    _pair(ad, {k: {ab.upper(): v for ab, v in d.items()} for k, d in parts.items()}, Path(path).name)
+    return ad
+
+
+def _pair(ad: LoraAdapter, parts: dict, where: str) -> None:
+    """ad.weights from {(layer, target): {"A": (name, array), "B": (name, array)}}, checked."""
+    for key, ab in sorted(parts.items()):
+        if set(ab) != {"A", "B"}:
+            tname = next(iter(ab.values()))[0]
+            raise LoraAdapterError(f"{where}: tensor {tname!r} has no lora_{'B' if 'A' in ab else 'A'} "
+                                   f"beside it.", param="lora_path")
+        (an, a), (bn, b) = ab["A"], ab["B"]
+        if a.ndim != 2 or b.ndim != 2 or a.shape[0] != ad.rank or b.shape[1] != ad.rank:
+            raise LoraAdapterError(f"{where}: tensor {an!r} {a.shape} / {bn!r} {b.shape} do not have "
+                                   f"the rank r = {ad.rank} of the adapter.", param="lora_path")
+        ad.weights[key], ad.names[key] = (a, b), an
+    if not ad.weights:
+        raise LoraAdapterError(f"{where}: no LoRA tensors.", param="lora_path")
+
+
 def load_adapter(path, name: str | None = None) -> LoraAdapter:
-    """An adapter from `path`: a PEFT folder (or a file inside one)."""
+    """An adapter from `path`: a PEFT folder (or a file inside one), or a GGUF LoRA file."""
     p = Path(path)
+    if p.is_file() and p.suffix == ".gguf":
+        return load_gguf(p, name)
     if p.is_file() and p.name in ("adapter_config.json", "adapter_model.safetensors"):
         p = p.parent
     if p.is_dir():
         return load_peft(p, name)
-    raise LoraAdapterError(f"LoRA adapter {path!r} not found: give a PEFT adapter folder.", param="lora_path")
+    raise LoraAdapterError(f"LoRA adapter {path!r} not found: give a PEFT adapter folder or a GGUF LoRA "
+                           f"file.", param="lora_path")
 
 
 # ---------------------------------------------------------------------- the model's layout
@@ -143,16 +193,18 @@ def _shapes(cfg, i: int) -> dict:
             "o": (cfg.n_heads * D, C), "gate": (C, F), "up": (C, F), "down": (F, C)}
 
 
-def _out_rows(m, i: int, target: str, n: int):
-    """Where target's n output rows sit in its group's fused output (numpy index array)."""
+def _out_rows(m, i: int, target: str, n: int, permuted: bool = False):
+    """Where target's n output rows (in llama.cpp's permuted q / k order where `permuted`) sit in its
+    group's fused output (numpy index array)."""
     import numpy as np
     c, rows = m.cfg, np.arange(n)
     D = c.head_dim_of(i)
-    if target in ("q", "k") and not c.rope_neox:
-        # the base's q / k rows are llama.cpp's permutation (adjacent-pair rope): permute B's the same
+    if target in ("q", "k") and permuted != (not c.rope_neox):
+        # llama.cpp's permutation (adjacent-pair rope) of the q / k rows: row j of the permuted order
+        # is row perm[j] of the unpermuted; B's rows go to the base's order
         heads = c.n_heads if target == "q" else c.n_kv_heads
-        rows = rows.reshape(heads, 2, D // 2).swapaxes(1, 2).reshape(-1)
-        rows = np.argsort(rows)
+        perm = rows.reshape(heads, 2, D // 2).swapaxes(1, 2).reshape(-1)
+        rows = perm if permuted else np.argsort(perm)
     if target == "k":
         return rows + c.n_heads * D
     if target == "v":
@@ -174,6 +226,9 @@ def _group_n(m, i: int, group: str) -> int:
 def check_adapter(m, ad: LoraAdapter, max_rank: int) -> None:
     """Refuse (LoraAdapterError naming the tensor) an adapter that does not fit model `m`."""
     c = m.cfg
+    if ad.arch and ad.arch != c.arch:
+        raise LoraAdapterError(f"LoRA adapter {ad.name!r} is for a {ad.arch} model; the base is {c.arch}: it was "
+                               f"trained for another base.", param="lora_path")
     if ad.rank > max_rank:
         raise LoraAdapterError(f"LoRA adapter {ad.name!r} has rank {ad.rank}, more than the pool's "
                                f"max_lora_rank {max_rank}. Load with a larger max_lora_rank.", param="lora_path")
@@ -298,7 +353,8 @@ class LoraPool:
                         continue
                     a, b = ab
                     A[t_i * R:t_i * R + ad.rank] = a
-                    B[_out_rows(self.m, i, t, b.shape[0]), t_i * R:t_i * R + ad.rank] = b * np.float32(ad.scale)
+                    rows = _out_rows(self.m, i, t, b.shape[0], ad.qk_permuted)
+                    B[rows, t_i * R:t_i * R + ad.rank] = b * np.float32(ad.scale)
                 self.dev.write(g.a.buf, A, slot * A.nbytes)
                 self.dev.write(g.b.buf, B, slot * B.nbytes)
 
