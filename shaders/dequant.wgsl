@@ -6,7 +6,7 @@
 // `dq_<qtype>(base, c) -> WChunk` decodes chunk c (32 weights, columns 32c..32c+31) of the row whose
 // first u32 word is `base` (GPU layout: kernels/qtypes.py), as quants q and affine scales s:
 // value[i] = q[i] * s.x + s.z for the first 16 weights (i < 4), q[i] * s.y + s.w for the next 16.
-// Types with 32-weight blocks (Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, IQ4_NL) also have
+// Types with 32-weight blocks (Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, IQ4_NL, MXFP4) also have
 // `dq_<qtype>_w(words...)`, the decode of one block's words already loaded (the vec4 decode kernel
 // loads 4 rows' words itself and passes them).
 // The including kernel provides the struct WChunk and the weight readers
@@ -24,8 +24,8 @@
 //                                      operation less per weight) for a kernel whose dot product
 //                                      undoes that scaling
 // Blocks of 18, 22, 34, 110 and 210 bytes arrive with 2 zero bytes inserted by the upload repack
-// (at byte 2 for Q4_0 / Q5_0 / IQ4_NL / Q8_0, at the end for Q3_K / Q6_K), so every field below sits
-// in whole words.
+// (at byte 2 for Q4_0 / Q5_0 / IQ4_NL / Q8_0, at the end for Q3_K / Q6_K), MXFP4's 17 with 3 at byte
+// 1, so every field below sits in whole words.
 
 // the 4 bytes of a word, low byte first
 fn dq_bytes(q: u32) -> vec4<u32> { return vec4<u32>(q, q >> 8u, q >> 16u, q >> 24u) & vec4<u32>(0xFFu); }
@@ -86,14 +86,17 @@ const DQ_KV1: u32 = 0xf6eaddcfu;
 const DQ_KV2: u32 = 0x26190d01u;
 const DQ_KV3: u32 = 0x71594535u;
 
-fn dq_kv4(q: u32, sh: u32) -> vec4<f32> {
+// the int8 entries of a 16-entry table t (4 per word) that the nibbles of q pick
+fn dq_lut4(q: u32, sh: u32, t: vec4<u32>) -> vec4<f32> {
     let n = dq_nib(q, sh);
     let hi = n >> vec4<u32>(2u);
-    let w = select(select(vec4<u32>(DQ_KV0), vec4<u32>(DQ_KV1), hi == vec4<u32>(1u)),
-                   select(vec4<u32>(DQ_KV2), vec4<u32>(DQ_KV3), hi == vec4<u32>(3u)), hi >= vec4<u32>(2u));
+    let w = select(select(vec4<u32>(t.x), vec4<u32>(t.y), hi == vec4<u32>(1u)),
+                   select(vec4<u32>(t.z), vec4<u32>(t.w), hi == vec4<u32>(3u)), hi >= vec4<u32>(2u));
     let byte_at_top = w << ((vec4<u32>(3u) - (n & vec4<u32>(3u))) * vec4<u32>(8u));
     return vec4<f32>(bitcast<vec4<i32>>(byte_at_top) >> vec4<u32>(24u));
 }
+
+fn dq_kv4(q: u32, sh: u32) -> vec4<f32> { return dq_lut4(q, sh, vec4<u32>(DQ_KV0, DQ_KV1, DQ_KV2, DQ_KV3)); }
 
 // Q4_0, 20 B = 5 words per 32 after the repack: (d f16, pad), qs[16] (low nibbles: elements
 // 0..15, high: 16..31). value = (q - 8) d.
@@ -192,6 +195,25 @@ fn dq_iq4_nl_w(h: u32, q: vec4<u32>) -> WChunk {
 fn dq_iq4_nl(base: u32, c: u32) -> WChunk {
     let o = woct(base + c * 5u);          // the block's 5 words, then 3 unused
     return dq_iq4_nl_w(o[0].x, vec4<u32>(o[0].yzw, o[1].x));
+}
+
+// MXFP4 (gpt-oss's experts), 20 B = 5 words per 32 after the repack: (e E8M0, pad 3), qs[16] (low
+// nibbles 0..15, high 16..31) of E2M1 codes. value = 2^(e - 127) e2m1[nibble], as ggml computes it:
+// the table's values doubled (0 1 2 3 4 6 8 12, negated from 8) times 2^(e - 128) (e < 2: subnormal).
+const DQ_MX: vec4<u32> = vec4<u32>(0x03020100u, 0x0c080604u, 0xfdfeff00u, 0xf4f8fafcu);
+
+fn dq_mxfp4_w(h: u32, q: vec4<u32>) -> WChunk {
+    let e = h & 0xFFu;
+    let d = bitcast<f32>(select((e - 1u) << 23u, 0x00200000u << e, e < 2u));
+    return WChunk(array<vec4<f32>, 8>(dq_lut4(q.x, 0u, DQ_MX), dq_lut4(q.y, 0u, DQ_MX), dq_lut4(q.z, 0u, DQ_MX),
+                                      dq_lut4(q.w, 0u, DQ_MX), dq_lut4(q.x, 4u, DQ_MX), dq_lut4(q.y, 4u, DQ_MX),
+                                      dq_lut4(q.z, 4u, DQ_MX), dq_lut4(q.w, 4u, DQ_MX)),
+                  vec4<f32>(d, d, 0.0, 0.0));
+}
+
+fn dq_mxfp4(base: u32, c: u32) -> WChunk {
+    let o = woct(base + c * 5u);          // the block's 5 words, then 3 unused
+    return dq_mxfp4_w(o[0].x, vec4<u32>(o[0].yzw, o[1].x));
 }
 
 // byte i (0..11) of the 12 scale bytes held in words 1..3 of a K-quant head h

@@ -3,7 +3,10 @@ transformers saves one; tests/fixtures/make_gptoss.py ran transformers on it onc
 transformers' token ids, its logits at positions up to 319 within 1e-3 of the largest and its 16
 greedy tokens (attention sinks, alternating sliding-window layers, q/k/v/o biases, YaRN, a router
 with a bias, experts with biases and a clamped SwiGLU); three requests through continuous batching
-give transformers' greedy tokens of each, as each gives alone."""
+give transformers' greedy tokens of each, as each gives alone. The GGUF llama.cpp's converter writes of
+it (general.architecture gpt-oss) gives the same; with its experts in MXFP4 (ggml's blocks: an E8M0
+scale byte and 16 bytes of E2M1 codes per 32) the logits and tokens of a GGUF holding those values
+in f32."""
 from __future__ import annotations
 
 import asyncio
@@ -12,8 +15,10 @@ from pathlib import Path
 
 import pytest
 
+import numpy as np
 import test_families as families
 import tinygptoss
+from webgpu_engine.models.registry import open_model
 
 REF = json.loads((Path(__file__).parent / "fixtures" / "gptoss_transformers.json").read_text())
 
@@ -48,3 +53,30 @@ async def test_gptoss_in_a_batch_answers_as_transformers(device, hf_folder):
         await eng.unload()
     assert together == alone
     assert alone == [tok.decode(b["greedy"]) for b in REF["batch"]]
+
+
+def test_gptoss_gguf_matches_transformers(device, tmp_path):
+    """The converter's layout: gate / up de-interleaved and transposed to ffn_{gate,up}_exps, biases
+    beside, attn_sinks, post_attention_norm as the FFN's norm, YaRN and the window in the metadata."""
+    path = tinygptoss.write_tiny_gptoss_gguf(tmp_path / "gptoss.gguf", seed=REF["seed"])["path"]
+    families.check_golden(device, path, REF)
+
+
+def test_mxfp4_experts_as_their_floats(device, tmp_path):
+    """MXFP4 experts (each expert a slice of the stacked blocks, read by the MoE kernels through
+    dequant.wgsl's dq_mxfp4) give the logits and greedy tokens of the same file with the experts'
+    dequantised values in f32."""
+    outs = []
+    for deq in (False, True):
+        path = tinygptoss.write_tiny_gptoss_gguf(tmp_path / f"mxfp4_{deq}.gguf", seed=REF["seed"], expert_qtype="MXFP4",
+                                                 dequantized=deq)["path"]
+        m = open_model(path)
+        try:
+            assert {m.weights[f"layers.0.{p}_exps"].qtype for p in ("gate", "up", "down")} == {"f32" if deq else "mxfp4"}
+            outs.append(families.run_golden(device, m.config, m.weights, {**REF, "rows": [0, 150, 299]}))
+        finally:
+            m.close()
+    (rows_q, greedy_q), (rows_f, greedy_f) = outs
+    for r in (0, 150, 299):
+        assert np.abs(rows_q[r] - rows_f[r]).max() <= 1e-4 * np.abs(rows_f[r]).max()
+    assert greedy_q == greedy_f

@@ -81,6 +81,8 @@ def test_float_k_not_multiple_of_32(device, qtype, k):
     ("q2_k", 1536, 768, 7, "f32"),    # the 4-row tile
     ("q5_0", 576, 1536, 1, "f32"),
     ("iq4_nl", 1536, 576, 7, "f16"),
+    ("mxfp4", 576, 1536, 7, "f32"),   # gpt-oss's experts
+    ("mxfp4", 1536, 576, 1, "f16"),
 ])
 def test_llm_shapes(device, qtype, n, k, T, act):
     check_matmul(device, qtype, n, k, T, act)
@@ -280,7 +282,7 @@ def test_decode_loop_and_unrolled_agree(device, qtype):
 
 
 @pytest.mark.parametrize("act", ["f32", "f16"])
-@pytest.mark.parametrize("qtype", ["q4_1", "q4_0", "q8_0", "q5_0", "q5_1", "iq4_nl"])
+@pytest.mark.parametrize("qtype", ["q4_1", "q4_0", "q8_0", "q5_0", "q5_1", "iq4_nl", "mxfp4"])
 def test_decode_vec4_weights(device, qtype, act):
     """T = 1 through matmul_decode_v4.wgsl (weights read as vec4<u32> spans of 4 rows): rows not a
     multiple of 4 (the last span runs past the weight), rows 4 bytes (K = 544: 85 words for the

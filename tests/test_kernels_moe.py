@@ -62,7 +62,7 @@ def _stacked(device, qtype, E, N, K, rng, per_buffer=0):
 
 
 @pytest.mark.parametrize("dtype", ["f32", "f16"])
-@pytest.mark.parametrize("qtype", ["f32", "f16", "bf16", "q8_0", "q4_0", "q4_k", "q6_k"])
+@pytest.mark.parametrize("qtype", ["f32", "f16", "bf16", "q8_0", "q4_0", "q4_k", "q6_k", "mxfp4"])
 @pytest.mark.parametrize("T,per_buffer", [(1, 0), (6, 0), (6, 4)])
 def test_moe_matmul_and_down(device, dtype, qtype, T, per_buffer):
     """gate|up of each token's experts from the shared row, then the weighted sum of the experts'

@@ -12,14 +12,14 @@ from webgpu_engine.kernels import quant_ref as qr
 
 GGUF_TYPE = {"f16": GT.F16, "bf16": GT.BF16, "q4_0": GT.Q4_0, "q4_1": GT.Q4_1, "q8_0": GT.Q8_0,
              "q4_k": GT.Q4_K, "q6_k": GT.Q6_K, "q5_0": GT.Q5_0, "q5_1": GT.Q5_1, "iq4_nl": GT.IQ4_NL,
-             "q5_k": GT.Q5_K, "q3_k": GT.Q3_K, "q2_k": GT.Q2_K, "iq4_xs": GT.IQ4_XS}
+             "q5_k": GT.Q5_K, "q3_k": GT.Q3_K, "q2_k": GT.Q2_K, "iq4_xs": GT.IQ4_XS, "mxfp4": GT.MXFP4}
 
 
 def _theirs(raw: bytes, qtype: str, n: int) -> np.ndarray:
     return gq.dequantize(np.frombuffer(raw, np.uint8).reshape(n, -1), GGUF_TYPE[qtype]).astype(np.float64)
 
 
-@pytest.mark.parametrize("qtype", ["q4_0", "q4_1", "q8_0", "q5_0", "q5_1", "bf16", "f16"])
+@pytest.mark.parametrize("qtype", ["q4_0", "q4_1", "q8_0", "q5_0", "q5_1", "mxfp4", "bf16", "f16"])
 def test_quantized_random_data(qtype):
     """gguf quantizes a random matrix; both dequantizations must agree exactly."""
     rng = np.random.default_rng(1)
@@ -37,7 +37,7 @@ def test_quantized_random_data(qtype):
 
 
 @pytest.mark.parametrize("qtype", ["q4_0", "q4_1", "q8_0", "q4_k", "q6_k", "q5_0", "q5_1", "iq4_nl",
-                                   "q5_k", "q3_k", "q2_k", "iq4_xs"])
+                                   "q5_k", "q3_k", "q2_k", "iq4_xs", "mxfp4"])
 def test_random_blocks(qtype):
     """gguf cannot quantize K-quants or IQ4 from Python: random block bytes (every bit pattern of
     the quants and packed scales) with finite f16 scales test the layouts instead."""

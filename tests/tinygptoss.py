@@ -2,8 +2,11 @@
 a sink logit per head, sliding-window layers alternating with full ones (`layer_types`), YaRN RoPE,
 a router with a bias, experts stacked for x · W (`mlp.experts.gate_up_proj` (E, C, 2F) with gate and
 up columns interleaved, `down_proj` (E, F, C)) with biases and a clamped SwiGLU; a byte-level BPE
-vocabulary with harmony's special tokens. Deterministic in `seed`. The GGUF form (llama.cpp's
-converter's layout) is in write_tiny_gptoss_gguf.
+vocabulary with harmony's special tokens. Deterministic in `seed`. write_tiny_gptoss_gguf writes the
+same model as llama.cpp's converter does (GptOssModel: gate and up de-interleaved and transposed to
+ffn_gate_exps / ffn_up_exps (E, F, C), ffn_down_exps (E, C, F), their biases beside, attn_sinks,
+post_attention_norm as the FFN's norm, the window and YaRN in the metadata), the experts in f32 or
+MXFP4 (gguf.quants, as the converter repacks OpenAI's MXFP4 blocks).
 """
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ HARMONY_TOKENS = ["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|const
                   "<|call|>"]
 DIMS = dict(vocab_size=300, hidden_size=64, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=16, n_experts=4,
             n_experts_used=2, expert_ffn=32, sliding_window=24, context_length=512, rope_base=150000.0,
-            yarn_factor=8.0, yarn_original=64, swiglu_limit=2.0, swiglu_alpha=1.702, rms_eps=1e-5)
+            yarn_factor=8.0, yarn_original=64, swiglu_limit=7.0, swiglu_alpha=1.702, rms_eps=1e-5)
 # the chat template: harmony as gpt-oss's tokenizer_config.json renders it, in short (tests/fixtures)
 TEMPLATE = Path(__file__).parent / "fixtures" / "gptoss_chat_template.jinja"
 
@@ -49,8 +52,8 @@ def tiny_gptoss(seed: int = 0, **dims) -> tuple[dict, list, list, dict]:
         w[p + "self_attn.o_proj.weight"], w[p + "self_attn.o_proj.bias"] = mat(C, Hq * D), vec(C)
         w[p + "self_attn.sinks"] = rng.uniform(-1.0, 2.0, Hq).astype(np.float32)
         w[p + "mlp.router.weight"], w[p + "mlp.router.bias"] = mat(E, C, scale=3.0), vec(E, spread=0.5)
-        # x · W (E, C, 2F): gate and up columns interleaved; values past the clamp of swiglu_limit
-        w[p + "mlp.experts.gate_up_proj"] = (3.0 * rng.standard_normal((E, C, 2 * F)) / np.sqrt(C)).astype(np.float32)
+        # x · W (E, C, 2F): gate and up columns interleaved; a sixth of them past the clamp at 7
+        w[p + "mlp.experts.gate_up_proj"] = (5.0 * rng.standard_normal((E, C, 2 * F)) / np.sqrt(C)).astype(np.float32)
         w[p + "mlp.experts.gate_up_proj_bias"] = vec(E * 2 * F, spread=0.5).reshape(E, 2 * F)
         w[p + "mlp.experts.down_proj"] = (rng.standard_normal((E, F, C)) / np.sqrt(F)).astype(np.float32)
         w[p + "mlp.experts.down_proj_bias"] = vec(E * C).reshape(E, C)
@@ -112,3 +115,59 @@ def write_tiny_gptoss_safetensors(folder, seed: int = 0, dtype: str = "f32", **d
 def _bf16(a: np.ndarray) -> bytes:
     bits = a.astype(np.float32).view(np.uint32).astype(np.uint64)
     return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16).tobytes()
+
+
+def write_tiny_gptoss_gguf(path, seed: int = 0, expert_qtype: str = "", dequantized: bool = False, **dims) -> dict:
+    """The GGUF (general.architecture gpt-oss) of tiny_gptoss(seed). `expert_qtype` "MXFP4": the
+    experts' matrices quantised; with `dequantized`, those quantised values stored as f32 instead."""
+    import gguf
+    d, tokens, merges, w = tiny_gptoss(seed, **dims)
+    g = gguf.GGUFWriter(str(path), "gpt-oss")
+    g.add_name("tiny-gpt-oss")
+    g.add_context_length(d["context_length"]); g.add_embedding_length(d["hidden_size"])
+    g.add_block_count(d["n_layers"]); g.add_feed_forward_length(d["expert_ffn"])
+    g.add_head_count(d["n_heads"]); g.add_head_count_kv(d["n_kv_heads"])
+    g.add_key_length(d["head_dim"]); g.add_value_length(d["head_dim"])
+    g.add_rope_freq_base(d["rope_base"]); g.add_layer_norm_rms_eps(d["rms_eps"])
+    g.add_expert_count(d["n_experts"]); g.add_expert_used_count(d["n_experts_used"])
+    g.add_expert_feed_forward_length(d["expert_ffn"]); g.add_sliding_window(d["sliding_window"])
+    g.add_rope_scaling_type(gguf.RopeScalingType.YARN); g.add_rope_scaling_factor(d["yarn_factor"])
+    g.add_rope_scaling_orig_ctx_len(d["yarn_original"])
+    g.add_rope_scaling_yarn_beta_fast(32.0); g.add_rope_scaling_yarn_beta_slow(1.0)
+    g.add_tokenizer_model("gpt2"); g.add_tokenizer_pre("smollm")
+    g.add_token_list(tokens)
+    g.add_token_types([3] * len(tm.SPECIAL_TOKENS) + [1] * (len(tokens) - len(tm.SPECIAL_TOKENS) - len(HARMONY_TOKENS))
+                      + [3] * len(HARMONY_TOKENS))
+    g.add_token_merges(merges)
+    g.add_bos_token_id(tm.BOS_ID); g.add_eos_token_id(tokens.index("<|return|>")); g.add_add_bos_token(False)
+    if TEMPLATE.is_file():
+        g.add_chat_template(TEMPLATE.read_text())
+    g.add_tensor("token_embd.weight", w["model.embed_tokens.weight"])
+    g.add_tensor("output_norm.weight", w["model.norm.weight"]); g.add_tensor("output.weight", w["lm_head.weight"])
+    names = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "post_attention_norm.weight",
+             "self_attn.sinks": "attn_sinks.weight", "mlp.router.weight": "ffn_gate_inp.weight",
+             "mlp.router.bias": "ffn_gate_inp.bias", "mlp.experts.down_proj_bias": "ffn_down_exps.bias",
+             **{f"self_attn.{x}_proj.{kind}": f"attn_{y}.{kind}" for x, y in
+                (("q", "q"), ("k", "k"), ("v", "v"), ("o", "output")) for kind in ("weight", "bias")}}
+    for i in range(d["n_layers"]):
+        p = f"model.layers.{i}."
+        for hf, ours in names.items():
+            g.add_tensor(f"blk.{i}.{ours}", w[p + hf])
+        gate_up, bias = w[p + "mlp.experts.gate_up_proj"], w[p + "mlp.experts.gate_up_proj_bias"]
+        g.add_tensor(f"blk.{i}.ffn_gate_exps.bias", np.ascontiguousarray(bias[:, ::2]))
+        g.add_tensor(f"blk.{i}.ffn_up_exps.bias", np.ascontiguousarray(bias[:, 1::2]))
+        mats = {"gate": gate_up[:, :, ::2].transpose(0, 2, 1), "up": gate_up[:, :, 1::2].transpose(0, 2, 1),
+                "down": w[p + "mlp.experts.down_proj"].transpose(0, 2, 1)}
+        for part, a in mats.items():
+            a = np.ascontiguousarray(a)
+            if expert_qtype:
+                qt = gguf.GGMLQuantizationType[expert_qtype]
+                q = gguf.quants.quantize(a, qt)
+                if dequantized:
+                    g.add_tensor(f"blk.{i}.ffn_{part}_exps.weight", gguf.quants.dequantize(q, qt).astype(np.float32))
+                else:
+                    g.add_tensor(f"blk.{i}.ffn_{part}_exps.weight", q, raw_dtype=qt)
+            else:
+                g.add_tensor(f"blk.{i}.ffn_{part}_exps.weight", a)
+    g.write_header_to_file(); g.write_kv_data_to_file(); g.write_tensors_to_file(); g.close()
+    return dict(path=Path(path), dims=d, tokens=tokens)

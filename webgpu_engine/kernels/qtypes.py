@@ -56,6 +56,7 @@ _TYPES = [
     QType("q2_k", 256, 84, 84),
     QType("iq4_xs", 256, 136, 136),
     QType("q4_0f32", 32, 20, 20, None, (1, 4)),  # d f32 | qs[16] as Q4_0's: MLC's q4f32_1, repacked (loaders/mlc.py)
+    QType("mxfp4", 32, 17, 20, 1, (1, 4)),  # e E8M0 | pad | qs[16] of E2M1 codes (gpt-oss's experts)
 ]
 QTYPE = {t.name: t for t in _TYPES}
 QTYPES = tuple(QTYPE)

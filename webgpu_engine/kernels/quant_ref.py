@@ -11,10 +11,12 @@ import numpy as np
 # bytes per block and elements per block
 BLOCK = {"q4_0": (18, 32), "q4_1": (20, 32), "q8_0": (34, 32), "q4_k": (144, 256), "q6_k": (210, 256),
          "q5_0": (22, 32), "q5_1": (24, 32), "iq4_nl": (18, 32), "q5_k": (176, 256), "q3_k": (110, 256),
-         "q2_k": (84, 256), "iq4_xs": (136, 256), "q4_0f32": (20, 32)}
+         "q2_k": (84, 256), "iq4_xs": (136, 256), "q4_0f32": (20, 32), "mxfp4": (17, 32)}
 # IQ4_NL / IQ4_XS: a 4-bit index into this non-linear table (ggml's kvalues_iq4nl)
 KVALUES_IQ4NL = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113],
                          np.float64)
+# MXFP4: a 4-bit E2M1 code (sign, 2 exponent bits, 1 mantissa bit) and its value
+E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float64)
 ELEM = {"f32": 4, "f16": 2, "bf16": 2}
 
 
@@ -51,7 +53,7 @@ def dequantize(raw, qtype: str, n: int, k: int) -> np.ndarray:
     b = _blocks(raw, qtype, n, k)
     out = {"q4_0": _q4_0, "q4_1": _q4_1, "q8_0": _q8_0, "q4_k": _q4_k, "q6_k": _q6_k, "q5_0": _q5_0,
            "q5_1": _q5_1, "iq4_nl": _iq4_nl, "q5_k": _q5_k, "q3_k": _q3_k, "q2_k": _q2_k,
-           "iq4_xs": _iq4_xs, "q4_0f32": _q4_0f32}[qtype](b)
+           "iq4_xs": _iq4_xs, "q4_0f32": _q4_0f32, "mxfp4": _mxfp4}[qtype](b)
     return out.reshape(n, k)
 
 
@@ -92,6 +94,10 @@ def _q5_1(b):   # d f16, m f16, qh u32, qs[16]; q * d + m
 
 def _iq4_nl(b):   # d f16, qs[16]; d * kvalues[nibble]
     return KVALUES_IQ4NL[_nibbles(b[:, 2:18]).astype(np.int64)] * _f16(b[:, 0:2])
+
+
+def _mxfp4(b):   # e E8M0 (2^(e - 127)), qs[16] of E2M1 codes
+    return E2M1[_nibbles(b[:, 1:17]).astype(np.int64)] * np.exp2(b[:, 0:1].astype(np.float64) - 127.0)
 
 
 def scale_min_k4(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -232,4 +238,6 @@ def random_weight(qtype: str, n: int, k: int, rng: np.random.Generator) -> bytes
         b[:, col:col + 2] = rng.uniform(lo, hi, (nb, 1)).astype(np.float16).view(np.uint8).reshape(nb, 2)
     if qtype == "q4_0f32":                       # its scale is an f32
         b[:, 0:4] = rng.uniform(0.001, 0.05, (nb, 1)).astype(np.float32).view(np.uint8).reshape(nb, 4)
+    if qtype == "mxfp4":                         # its scale a power of two, 2^-10 .. 2^-3
+        b[:, 0] = rng.integers(117, 125, nb, dtype=np.uint8)
     return b.tobytes()

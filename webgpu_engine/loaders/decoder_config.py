@@ -42,6 +42,9 @@ class DecoderFamily:
     hf_defaults: dict = field(default_factory=dict)
     gguf_neox: bool = False                  # llama.cpp's converter leaves q/k rows unpermuted: rope pairs halves
     hf_names: str | dict = "llama"           # safetensors names: a loaders.hf_config table kind, or its own table
+    # GGUF tensor names ({i}: the layer) this family reads as other names of ours than loaders.gguf's
+    # table gives them (gpt-oss: its post_attention_norm is the FFN's norm)
+    gguf_names: dict = field(default_factory=dict)
     gguf: Callable | None = None             # (GGUFFile, fields) -> fields
     hf: Callable | None = None               # (config.json dict, fields, where) -> fields
     # new math: {point: fn(m, i, t, T) -> [Op]}, ops models/decoder.py runs on tensor t (T rows) at
@@ -139,6 +142,8 @@ def gguf_fields(g) -> dict:
         ffn_size=int(g.meta("feed_forward_length", 0 if experts else None, required=not experts)),
         rope_base=float(g.meta("rope.freq_base", 10000.0)),
         rot_dim=rot_dim, rope_freq_factors=factors, rope_scaling=scaling, **long,
+        **({"rope_attn_factor": _yarn_attention_factor({"factor": g.meta("rope.scaling.factor")})}
+           if scaling == "yarn" else {}),
         # llama.cpp's converter permutes llama's q,k rows to adjacent-pair rope (families may differ)
         rope_neox=False,
         rms_eps=float(g.meta("attention.layer_norm_rms_epsilon", 1e-5)),
@@ -196,8 +201,13 @@ def _gguf_rope_factors(g, rot_dim: int) -> tuple:
         return None, ""
     if scaling == "linear":
         return (factor,) * (rot_dim // 2), "linear"
+    if scaling == "yarn":               # llama.cpp's ggml_rope_yarn_corr_dims: the range floored / ceiled
+        return yarn_rope_factors(rot_dim, float(g.meta("rope.freq_base", 10000.0)), factor,
+                                 int(g.meta("rope.scaling.original_context_length", required=True)),
+                                 float(g.meta("rope.scaling.yarn_beta_fast", 32.0)),
+                                 float(g.meta("rope.scaling.yarn_beta_slow", 1.0)), True), "yarn"
     raise UnsupportedModelError(f"{g.where}: rope scaling {scaling!r} (factor {factor}) is not "
-                                f"implemented; supported: linear, llama3 (rope_freqs)")
+                                f"implemented; supported: linear, llama3 (rope_freqs), yarn")
 
 
 # --------------------------------------------------------------------------- HF config.json

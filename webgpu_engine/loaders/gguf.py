@@ -23,7 +23,7 @@ DEFAULT_ALIGNMENT = 32
 GGML_TYPES = {
     0: "f32", 1: "f16", 2: "q4_0", 3: "q4_1", 6: "q5_0", 7: "q5_1", 8: "q8_0", 9: "q8_1",
     10: "q2_k", 11: "q3_k", 12: "q4_k", 13: "q5_k", 14: "q6_k", 15: "q8_k", 20: "iq4_nl", 23: "iq4_xs",
-    24: "i8", 25: "i16", 26: "i32", 27: "i64", 28: "f64", 30: "bf16",
+    24: "i8", 25: "i16", 26: "i32", 27: "i64", 28: "f64", 30: "bf16", 39: "mxfp4",
 }
 QTYPE_TO_GGML = {v: k for k, v in GGML_TYPES.items()}
 
@@ -62,6 +62,11 @@ GGUF_TO_OURS = {
     "blk.{i}.ffn_gate_exps.weight": "layers.{i}.gate_exps",  # (experts, ffn, hidden), experts stacked
     "blk.{i}.ffn_up_exps.weight": "layers.{i}.up_exps",      # (experts, ffn, hidden)
     "blk.{i}.ffn_down_exps.weight": "layers.{i}.down_exps",  # (experts, hidden, ffn)
+    "blk.{i}.ffn_gate_inp.bias": "layers.{i}.router_bias",   # gpt-oss: (experts,)
+    "blk.{i}.ffn_gate_exps.bias": "layers.{i}.gate_exps_bias",  # (experts, ffn)
+    "blk.{i}.ffn_up_exps.bias": "layers.{i}.up_exps_bias",
+    "blk.{i}.ffn_down_exps.bias": "layers.{i}.down_exps_bias",  # (experts, hidden)
+    "blk.{i}.attn_sinks.weight": "layers.{i}.sinks",         # (n_heads,)
     # BERT-style encoders (bert, nomic-bert; XLM-R converts as bert): post-norm layers
     "token_types.weight": "type_embed",              # (token types, hidden)
     "position_embd.weight": "pos_embed",             # (positions, hidden); XLM-R: from padding_idx + 1
@@ -81,12 +86,14 @@ _LAYER_NAME = re.compile(r"^blk\.(\d+)\.(.+)$")
 _EXPERT_NAME = re.compile(r"^ffn_(gate|up|down)\.(\d+)\.weight$")
 
 
-def our_name(gguf_name: str) -> str | None:
-    """Our name of a GGUF tensor, or None when the model does not use it."""
+def our_name(gguf_name: str, names: dict | None = None) -> str | None:
+    """Our name of a GGUF tensor, or None when the model does not use it (`names`: a family's own
+    entries, DecoderFamily.gguf_names, before the table's)."""
+    table = {**GGUF_TO_OURS, **names} if names else GGUF_TO_OURS
     m = _LAYER_NAME.match(gguf_name)
     if m is None:
-        return GGUF_TO_OURS.get(gguf_name)
-    ours = GGUF_TO_OURS.get("blk.{i}." + m.group(2))
+        return table.get(gguf_name)
+    ours = table.get("blk.{i}." + m.group(2))
     if ours is None and (e := _EXPERT_NAME.match(m.group(2))):
         return f"layers.{m.group(1)}.experts.{e.group(2)}.{e.group(1)}"
     return ours.replace("{i}", m.group(1)) if ours else None
@@ -226,11 +233,12 @@ class GGUFFile(MappedFile):
         t = self.metadata.get("tokenizer.chat_template")
         return str(t) if t else None
 
-    def weights(self) -> dict[str, TensorInfo]:
-        """{our name: TensorInfo} of the tensors the model uses (see GGUF_TO_OURS)."""
+    def weights(self, names: dict | None = None) -> dict[str, TensorInfo]:
+        """{our name: TensorInfo} of the tensors the model uses (see GGUF_TO_OURS; `names`: a
+        family's own entries)."""
         out = {}
         for name, t in self.tensors.items():
-            ours = our_name(name)
+            ours = our_name(name, names)
             if ours is not None:
                 out[ours] = t
         return out

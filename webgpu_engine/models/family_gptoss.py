@@ -44,8 +44,16 @@ def _gptoss_hf(c: dict, fields: dict, where: str) -> dict:
             "window_layers": tuple(t == "sliding_attention" for t in types)}
 
 
+def _gptoss_gguf(g, fields: dict) -> dict:
+    """llama.cpp's gpt-oss: the file carries the window, not the layers' pattern (even layers slide,
+    llama.cpp's swa pattern 2) nor the SwiGLU's constants (its graph's: alpha 1.702, limit 7)."""
+    return {**fields, "moe_norm_topk": True, "act": "swiglu_oai", "act_alpha": 1.702, "act_limit": 7.0,
+            "attn_sinks": True, "window_layers": tuple(i % 2 == 0 for i in range(fields["n_layers"]))}
+
+
 GPTOSS = DecoderFamily("gpt-oss", hf_architectures=("GptOssForCausalLM",), hf_model_types=("gpt_oss",),
                        hf_defaults={"use_sliding_window": True, "sliding_window": 128}, gguf_neox=True,
-                       hf_names=HF_GPTOSS_TO_OURS, hf=_gptoss_hf)
+                       hf_names=HF_GPTOSS_TO_OURS, hf=_gptoss_hf, gguf=_gptoss_gguf,
+                       gguf_names={"blk.{i}.post_attention_norm.weight": "layers.{i}.ffn_norm"})
 
 FAMILIES = (GPTOSS,)

@@ -200,7 +200,8 @@ def open_model(path, kind: str | None = None) -> OpenedModel:
             if arch.kind == EMBEDDING:                 # pooling and normalisation from the file
                 from ..loaders.gguf_encoder import embedder_settings
                 extra = embedder_settings(g, path)
-            m = OpenedModel(arch, arch.gguf_config(g), g.weights(), path, g.close,
+            m = OpenedModel(arch, arch.gguf_config(g), g.weights(arch.family.gguf_names if arch.family else None),
+                            path, g.close,
                             lambda **kw: load_tokenizer(g, **kw), g.template, extra)
         except BaseException:
             g.close()
