@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from decoder_runner import DecoderRunner
+from test_families import batch_answers
 from tinyqwen35 import write_tiny_qwen35_safetensors
 from webgpu_engine.kernels import deltanet, deltanet_ref
 from webgpu_engine.loaders.tokenizer import load_tokenizer
@@ -185,3 +186,30 @@ def test_sigmoid_gate(device, dtype):
     run(device, deltanet.sigmoid_gate(device, yt, gt))
     np.testing.assert_allclose(get(device, yt), deltanet_ref.sigmoid_gate(rounded(y, dtype), rounded(g, dtype)),
                                **TOL[dtype])
+
+
+# --------------------------------------------------------------------------- serving
+async def test_qwen35_in_a_batch_answers_as_alone(device, tmp_path, ref):
+    """Three requests at once through continuous batching (max_num_sequences 4: the paged pool, each
+    sequence's conv and delta states in its slot, ROWS and PREFILL modes, prompts prefilled in chunks
+    of 32) give the greedy tokens each gives alone on the one-request path, one after another (each
+    starting its states over: no cached prefix is reused)."""
+    folder = str(write_tiny_qwen35_safetensors(tmp_path / "qwen35", seed=ref["seed"])["folder"])
+    alone, batched = await batch_answers(folder, ["Grüße aus Köln", "東京で会いましょう 🌍", ref["text"][:160]],
+                                         context=192)
+    assert alone == batched and all(alone)
+
+
+@pytest.mark.parametrize("option,value", [("speculation", "ngram"), ("context_overflow", "shift")])
+def test_rollback_options_are_refused_by_name(tmp_path, ref, option, value):
+    """Speculation and context shifting would step a sequence's recurrent states back: refused at
+    load, naming the option."""
+    from webgpu_engine.config import ChatConfig
+    from webgpu_engine.errors import UnsupportedChatOptionError
+    from webgpu_engine.models.plan import plan_decoder
+    opened = open_model(write_tiny_qwen35_safetensors(tmp_path / "qwen35", seed=ref["seed"])["folder"])
+    try:
+        with pytest.raises(UnsupportedChatOptionError, match=option):
+            plan_decoder(opened.config, ChatConfig(**{option: value}), None)
+    finally:
+        opened.close()

@@ -448,6 +448,12 @@ class LlamaModel:
         return self._row_logits[:n]
 
     @property
+    def recurrent(self) -> bool:
+        """Whether a layer keeps a state per sequence (a token mixer's: Qwen3.5): a forward continues
+        the sequence from the last one, so no cached prefix shorter than what the states saw is reused."""
+        return any(L.mixer is not None for L in self.layers)
+
+    @property
     def exact_verify(self) -> bool:
         """Whether verify rows are computed as decode steps compute them (VerifyRowsKV: the fused
         one-row kernels over rows, fused_rows), else with the prefill's row-invariant kernels."""

@@ -1,7 +1,9 @@
 """The decoder's forward over a paged KV cache, for many sequences at once (continuous batching).
 
 A loaded LlamaModel's weights and activations, plus one K and one V pool per layer
-(kernels/attention_paged.py; models/kv_pool.py decides which blocks a sequence owns):
+(kernels/attention_paged.py; models/kv_pool.py decides which blocks a sequence owns) and, for layers
+with a token mixer of their own (Qwen3.5's Gated DeltaNet), its states per sequence slot (the
+scheduler's slot of the sequence; a row at position 0 starts its sequence's states over):
 
     decode step (rows = S running sequences, one token each):
         x = embed(ids)                                         # (S, C)
@@ -64,7 +66,7 @@ class PagedForward:
         self.step = dev.buffer(16, owner=owner, label="paged.step")              # (pos0, n_new, ., 0)
         # a step's inputs in one write, copied into place by the step's own batch (a write costs
         # 0.2-1 ms of host time each on lavapipe right after a step, a copy command next to nothing)
-        self.inputs = dev.buffer(4 * (4 * P + S + S * self.max_blocks + 4), owner=owner, label="paged.inputs")
+        self.inputs = dev.buffer(4 * (5 * P + S + S * self.max_blocks + 4), owner=owner, label="paged.inputs")
         self.logits = new_tensor(dev, (S, c.vocab_size), dt, owner=owner, label="paged.logits")
         self.pools = []
         for i in range(c.n_layers):          # a layer attending an earlier one's cache has no pool
@@ -79,6 +81,13 @@ class PagedForward:
         # LoRA adapters (models/lora.py): each row's adapter slot; op lists with the deltas are
         # built apart and run only for steps with an adapter row (a base-only step is unchanged)
         self.lora_idx = new_tensor(dev, (P,), "u32", owner=owner, label="paged.lora_idx")
+        # token mixers' recurrent states (Qwen3.5's Gated DeltaNet): one slot per sequence (the
+        # scheduler's slot), beside the KV pool; each row's slot
+        self.state_slots = new_tensor(dev, (P,), "u32", owner=owner, label="paged.state_slots")
+        self.mixer_states = [[new_tensor(dev, shape, "f32", owner=owner, label=f"paged.mixer_state.{i}")
+                              for shape in L.mixer.state_shapes(self.max_seqs)] if L.mixer is not None else None
+                             for i, L in enumerate(model.layers)]
+        self.recurrent = any(x is not None for x in self.mixer_states)
         self.lora = None                                   # a LoraRows once a pool is attached
         # up to MAX_DECODE_ROWS sequences (a CPU adapter's default is 4): each decode row through the
         # fused one-row kernels, as the one-request path decodes it; more: the row-invariant kernels
@@ -125,6 +134,19 @@ class PagedForward:
                                 **spec.heads(), max_blocks=self.max_blocks, scale=spec.scale, max_t=T,
                                 **spec.masking())
 
+    def states(self, i: int, T: int):
+        """Layer i's states of every sequence slot; each row's position and slot."""
+        return self.mixer_states[i], self.step, (self.positions.view((T,)), self.state_slots.view((T,)))
+
+    def _state_input(self, slots) -> list:
+        """(state_slots, the rows' sequence slots) for _put where the model has recurrent states."""
+        if not self.recurrent:
+            return []
+        if slots is None or any(not 0 <= s < self.max_seqs for s in slots):
+            raise ValueError(f"rows of a model with recurrent states need their sequences' slots "
+                             f"(0..{self.max_seqs - 1}), got {slots}")
+        return [(self.state_slots.buf, slots)]
+
     # ------------------------------------------------------------------ op lists
     def ops(self, kind: str, T: int, lora: bool = False) -> list[Op]:
         """The forward of T rows: "decode" (one row per sequence, logits of every row) or "prefill"
@@ -157,29 +179,33 @@ class PagedForward:
                 batch.copy(self.inputs, buf, 4 * len(v), src_offset=at)
             at += 4 * len(v)
 
-    def record_decode(self, batch, tokens: list[int] | None, inputs: dict, lora: list[int] | None = None) -> None:
+    def record_decode(self, batch, tokens: list[int] | None, inputs: dict, lora: list[int] | None = None,
+                      states: list[int] | None = None) -> None:
         """One token for each of S sequences; inputs: KVPool.decode_inputs(ids, S, max_blocks);
         tokens: their S input ids, or None where the work before wrote them into `ids` on the GPU
         (a step submitted ahead); lora: each row's adapter slot (kernels/lora.py NONE: the base), or
-        None where no row has one. Logits rows 0 .. S-1."""
+        None where no row has one; states: each row's sequence slot (a model with recurrent states).
+        Logits rows 0 .. S-1."""
         S = len(inputs["lens"]) if tokens is None else len(tokens)
         self._put(batch, ([] if tokens is None else [(self.ids.buf, tokens)])
                   + [(self.positions.buf, inputs["positions"]), (self.slots.buf, inputs["slots"]),
                      (self.lens.buf, inputs["lens"]), (self.tables.buf, inputs["tables"])]
-                  + self._lora_input(lora))
+                  + self._lora_input(lora) + self._state_input(states))
         n_keys = max(inputs["lens"])       # the attention's combine only where a sequence needs it
         for op in self.ops("decode", S, lora is not None):
             op.record(batch, n_keys=n_keys)
 
     def record_prefill(self, batch, tokens: list[int], pos0: int, slots: list[int], table: list[int],
-                       with_head: bool, lora: int | None = None) -> None:
+                       with_head: bool, lora: int | None = None, state_slot: int | None = None) -> None:
         """T = len(tokens) <= chunk tokens of one sequence at positions pos0 ..; their KV goes to
         `slots`; table: the sequence's block ids (those holding keys 0 .. pos0+T-1). With the head,
-        the last row's logits go to row 0. lora: the sequence's adapter slot (None: the base)."""
+        the last row's logits go to row 0. lora: the sequence's adapter slot (None: the base);
+        state_slot: its slot of the recurrent states (a model with them)."""
         T = len(tokens)
         self._put(batch, [(self.ids.buf, tokens), (self.positions.buf, range(pos0, pos0 + T)),
                           (self.slots.buf, slots), (self.tables.buf, table), (self.step, (pos0, T, pos0 + T, 0))]
-                  + self._lora_input(None if lora is None else [lora] * T))
+                  + self._lora_input(None if lora is None else [lora] * T)
+                  + self._state_input(None if state_slot is None else [state_slot] * T))
         ops = self.ops("prefill", T, lora is not None)
         for op in (ops if with_head else ops.body()):       # a chunk before the last: no logits
             op.record(batch)

@@ -51,6 +51,8 @@ class DecodePaths:
         exact = len(self.kv_ids) if self.chat_config.reuse_decoded_kv else self.kv_exact
         keep = min(keep, len(ids) - 1, exact)                 # decoded rows are computed again
         m = self.model
+        if m.recurrent and keep < len(self.kv_ids):
+            keep = 0                         # the recurrent states hold all of kv_ids, not a shorter prefix
         if m.ring is not None and len(self.kv_ids) > m.ctx and len(self.kv_ids) - 1 - keep >= m.chunk:
             # a ring that went round since position `keep` no longer holds the window before it
             # (it can go back fewer positions than the rows of one forward): compute all again

@@ -123,7 +123,8 @@ class Scheduler:
         rows = self.spec.rows_cap if self.spec else self.max_seqs
         self.fwd = PagedForward(m, max_seqs=self.max_seqs, n_blocks=n_blocks, block_size=bs, owner=owner,
                                 max_rows=rows)
-        self.pool = KVPool(n_blocks, bs)
+        # a model with recurrent states (Qwen3.5) shares no prefix: its states hold whole sequences
+        self.pool = KVPool(n_blocks, bs, share=not m.recurrent)
         vocab = pipe.vocab_size
         self.slots = [_Slot(dev, vocab, m.dtype, owner, i) for i in range(self.max_seqs)]
         # each slot's sampler copies its step's result here (RESULT_BYTES at slot * RESULT_BYTES;
@@ -375,7 +376,7 @@ class Scheduler:
             head = end == len(rec.toks) and rec.sample_at_end
             batch = dev.batch()
             fwd.record_prefill(batch, rec.toks[start:end], start, pool.slots(rec.id, start, end - start),
-                               pool.block_table(rec.id), with_head=head, lora=rec.lora_slot)
+                               pool.block_table(rec.id), with_head=head, lora=rec.lora_slot, state_slot=rec.slot)
             if head:
                 self._copy_logits(batch, 0, rec.slot)
                 if inline:
