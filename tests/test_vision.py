@@ -12,6 +12,7 @@ import pytest
 
 import ref_vision
 from _nn_util import TOL, empty, get, put, rounded, run, step_buf
+from webgpu_engine.errors import InvalidRequestError
 from webgpu_engine.kernels import vision as kv
 from webgpu_engine.kernels.common import Tensor
 from webgpu_engine.vision.gemma3 import patches, preprocess, read_vision_config
@@ -199,7 +200,9 @@ def served(tmp_path_factory, device):
     from tinymodels import write_tiny_llama_safetensors
     from webgpu_engine.server.app import ServerOptions, ServerThread
     text = write_tiny_llama_safetensors(tmp_path_factory.mktemp("vlm") / "tiny-text")["folder"]
-    s = ServerThread(ServerOptions(models=[str(FOLDER), str(text)], chat_opts=[OPTS, OPTS], port=0))
+    # max_num_sequences 0 (as suits the device: `serve`'s default) runs a vision model on the one-request path
+    s = ServerThread(ServerOptions(models=[str(FOLDER), str(text)], chat_opts=[{**OPTS, "max_num_sequences": 0}, OPTS],
+                                   port=0))
     yield s, openai.OpenAI(base_url=s.url, api_key="none", max_retries=0)
     s.stop()
 
@@ -244,6 +247,20 @@ def test_bad_image_inputs_are_400(served):
     _bad(client, VLM, [{"type": "image_url", "image_url": {"url": "ftp://x/y.png"}}], "data: URL or an http(s) URL")
     _bad(client, VLM, [{"type": "image_url", "image_url": {"url": png, "detail": "ultra"}}], "detail")
     _bad(client, VLM, [image] * 12 + [ask], "12 images", "at most 11", "messages[0].content[11]")
+
+
+async def test_a_batching_load_refuses_images_by_name(device, ref):
+    from webgpu_engine.engine.engine import AsyncMLCEngine
+    eng = AsyncMLCEngine()
+    await eng.reload(str(FOLDER), chat_opts={**OPTS, "max_num_sequences": 2})
+    try:
+        with pytest.raises(InvalidRequestError) as e:
+            await eng.chat.completions.create(messages=_messages(ref, "one"), max_tokens=2)
+        assert e.value.http_status == 400 and "max_num_sequences 1" in e.value.message
+        r = await eng.chat.completions.create(messages=_messages(ref, "text"), max_tokens=12, temperature=0.0)
+        assert r.choices[0].message.content == _text(ref["prompts"]["text"]["greedy"])    # text still runs
+    finally:
+        await eng.unload()
 
 
 def test_responses_and_ollama_clients_get_the_answer(served, ref):

@@ -157,6 +157,10 @@ class LLMChatPipeline(DecodePaths):
             close()
             raise
         try:
+            from ..vision.runner import takes_images
+            if chat_config.max_num_sequences == 0 and takes_images(path):
+                # "as suits the device" for a vision-language model: the one-request path, where images run
+                chat_config = replace(chat_config, max_num_sequences=1)
             plan = plan_decoder(cfg, chat_config, dev)   # dtype, context, chunk, sequences, pool
         except BaseException:
             close()

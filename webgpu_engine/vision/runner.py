@@ -24,6 +24,16 @@ from .gemma3 import BOI, VisionConfig, patches, preprocess, read_vision_config
 MAX_IMAGES = 16                          # per request, as the features buffer is sized
 
 
+def takes_images(path) -> bool:
+    """Whether the model at `path` is a folder with a vision tower (config.json's vision_config)."""
+    import json
+    f = Path(path) / "config.json"
+    try:
+        return f.is_file() and isinstance(json.loads(f.read_text(encoding="utf-8")).get("vision_config"), dict)
+    except (OSError, ValueError):
+        return False
+
+
 class _ExpandingTemplate(ChatTemplate):
     """A chat template whose rendered image markers become the model's full image sequence."""
 
