@@ -294,3 +294,15 @@ def test_cli_chat_image_option(tmp_path, capsys):
     assert _with_images("again", args) == "again"                 # the images go with the first message
     with pytest.raises(InvalidImageError):
         image_data_url(tmp_path / "missing.png")
+
+
+def test_bench_vision_smoke(tmp_path):
+    """bench/vision.py runs to the end (its figures are not checked)."""
+    import subprocess
+    import sys
+    out = tmp_path / "vision.json"
+    r = subprocess.run([sys.executable, str(Path(__file__).parent.parent / "bench" / "vision.py"), "--smoke",
+                        "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["tokens_per_image"] == 16 and data["tower_ms"] > 0 and data["preprocess_ms"] > 0
