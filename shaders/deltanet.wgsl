@@ -1,5 +1,6 @@
 // gated_delta_rule: Gated DeltaNet's recurrence, one token after another, for value head h (key head
-// h / (Hv / Hk)), and the gated RMSNorm of its output. Per row t of a sequence:
+// h / (Hv / Hk): HF's order, value heads grouped by key head; or h % Hk where `tiled`: llama.cpp's
+// GGUF order), and the gated RMSNorm of its output. Per row t of a sequence:
 //   q = l2norm(q_t) / sqrt(Dk), k = l2norm(k_t)        (Dk,)   from the convolved q|k|v row
 //   beta = sigmoid(b[t, h]),  g = -exp(A_log[h]) * softplus(a[t, h] + dt_bias[h])
 //   S = S * exp(g);  S += k ⊗ (beta * (v_t - Sᵀ k));  o = Sᵀ q          S: (Dk, Dv) f32
@@ -23,7 +24,7 @@ struct Params {
     a_col: u32,
     per_row: u32,
     eps: f32,
-    _p0: u32,
+    tiled: u32,         // value heads in llama.cpp's tiled order (key head h % Hk)
     _p1: u32,
     _p2: u32,
 }
@@ -59,7 +60,7 @@ fn softplus(x: f32) -> f32 {
 @compute @workgroup_size(DV)
 fn gated_delta_rule(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) j: u32) {
     let h = wid.x;
-    let hk = h / (p.n_v_heads / p.n_k_heads);
+    let hk = select(h / (p.n_v_heads / p.n_k_heads), h % p.n_k_heads, p.tiled == 1u);
     let key_dim = p.n_k_heads * DK;
     let a_log = hw[h];
     let dt_bias = hw[p.n_v_heads + h];

@@ -13,7 +13,7 @@ import pytest
 
 from decoder_runner import DecoderRunner
 from test_families import batch_answers
-from tinyqwen35 import write_tiny_qwen35_safetensors
+from tinyqwen35 import write_tiny_qwen35_gguf, write_tiny_qwen35_safetensors
 from webgpu_engine.kernels import deltanet, deltanet_ref
 from webgpu_engine.loaders.tokenizer import load_tokenizer
 from webgpu_engine.models.registry import open_model
@@ -46,17 +46,22 @@ def _run_golden(device, cfg, weights, ref: dict) -> tuple[dict, list]:
     return rows, greedy
 
 
-@pytest.mark.parametrize("released", [False, True], ids=["causal_lm", "released_folder"])
-def test_qwen35_matches_transformers(device, tmp_path, ref, released):
-    """A Qwen3_5ForCausalLM folder, and the same model laid out as Qwen releases it
+@pytest.mark.parametrize("form", ["causal_lm", "released_folder", "gguf"])
+def test_qwen35_matches_transformers(device, tmp_path, ref, form):
+    """A Qwen3_5ForCausalLM folder, the same model laid out as Qwen releases it
     (Qwen3_5ForConditionalGeneration: text_config, model.language_model. names, a vision tower and
-    an mtp layer not read): transformers' token ids (non-ASCII text), logits at positions up to 319
-    within 1e-3 of the largest, its 16 greedy tokens."""
-    folder = write_tiny_qwen35_safetensors(tmp_path / "qwen35", seed=ref["seed"], released=released)["folder"]
+    an mtp layer not read) and as llama.cpp's converter writes its GGUF (qwen35: value heads tiled, A
+    as -exp(A_log), 1 + w norms): transformers' token ids (non-ASCII text), logits at positions up to
+    319 within 1e-3 of the largest, its 16 greedy tokens."""
+    if form == "gguf":
+        folder = write_tiny_qwen35_gguf(tmp_path / "qwen35.gguf", seed=ref["seed"])["path"]
+    else:
+        folder = write_tiny_qwen35_safetensors(tmp_path / "qwen35", seed=ref["seed"],
+                                               released=form == "released_folder")["folder"]
     opened = open_model(folder)
     try:
         assert opened.arch.name == "qwen35"
-        assert load_tokenizer(folder).encode(ref["text"]) == ref["text_ids"]
+        assert load_tokenizer(str(folder) if form == "gguf" else folder).encode(ref["text"]) == ref["text_ids"]
         rows, greedy = _run_golden(device, opened.config, opened.weights, ref)
     finally:
         opened.close()
@@ -130,11 +135,11 @@ def _delta_inputs(rng, T, Hk, Hv, Dk, Dv, extra=3):
     return qkv, proj, hw
 
 
-def _delta_ref(qkv, proj, hw, state, Hk, Hv, Dk, Dv, extra=3):
+def _delta_ref(qkv, proj, hw, state, Hk, Hv, Dk, Dv, extra=3, tiled=False):
     z = proj[:, extra:extra + Hv * Dv]
     b, a = proj[:, extra + Hv * Dv:extra + Hv * Dv + Hv], proj[:, extra + Hv * Dv + Hv:extra + Hv * Dv + 2 * Hv]
     return deltanet_ref.gated_delta_rule(qkv, z, b, a, hw[:Hv], hw[Hv:2 * Hv], hw[2 * Hv:], state,
-                                         n_k_heads=Hk, k_dim=Dk, v_dim=Dv, eps=1e-6)
+                                         n_k_heads=Hk, k_dim=Dk, v_dim=Dv, eps=1e-6, tiled=tiled)
 
 
 @pytest.mark.parametrize("dtype", ["f32", "f16"])
@@ -176,6 +181,31 @@ def test_gated_delta_rule_rows_of_several_sequences(device):
         np.testing.assert_allclose(got[r], want[0], **TOL["f32"])
         np.testing.assert_allclose(st[slot], ws, **TOL["f32"])
     np.testing.assert_array_equal(st[2], rounded(s0[2], "f32"))
+
+
+def test_gated_delta_rule_with_value_heads_tiled(device):
+    """llama.cpp's GGUF order (value heads tiled over the key heads: head h reads key head h % Hk)
+    against the reference in that order, and the same outputs as HF's grouped order with every
+    per-value-head input and output permuted alike."""
+    rng = np.random.default_rng(21)
+    Hk, Hv, Dk, Dv, T = 2, 6, 8, 16, 5
+    qkv, proj, hw = _delta_inputs(rng, T, Hk, Hv, Dk, Dv)
+    state, hwt = put(device, np.zeros((1, Hv, Dk, Dv))), put(device, hw)
+    yt = empty(device, (T, Hv * Dv))
+    run(device, deltanet.gated_delta_rule(device, put(device, qkv), put(device, proj), hwt, state, yt,
+                                          step_buf(device, 0, T), n_k_heads=Hk, n_v_heads=Hv, k_dim=Dk, v_dim=Dv,
+                                          z_col=3, eps=1e-6, tiled=True))
+    want, _ = _delta_ref(qkv, proj, hw, None, Hk, Hv, Dk, Dv, tiled=True)
+    np.testing.assert_allclose(get(device, yt), want, **TOL["f32"])
+    tiled_of = np.arange(Hv).reshape(Hv // Hk, Hk).T.ravel()      # grouped head g*R + r is tiled head r*Hk + g
+    per_head = lambda a, d: a.reshape(T, Hv, d)[:, tiled_of].reshape(T, Hv * d)   # noqa: E731
+    qkv_g = np.concatenate([qkv[:, :2 * Hk * Dk], per_head(qkv[:, 2 * Hk * Dk:], Dv)], axis=1)
+    zba = proj[:, 3:3 + Hv * Dv + 2 * Hv]
+    proj_g = np.concatenate([proj[:, :3], per_head(zba[:, :Hv * Dv], Dv), per_head(zba[:, Hv * Dv:Hv * Dv + Hv], 1),
+                             per_head(zba[:, Hv * Dv + Hv:], 1), proj[:, 3 + Hv * Dv + 2 * Hv:]], axis=1)
+    hw_g = np.concatenate([hw[:Hv][tiled_of], hw[Hv:2 * Hv][tiled_of], hw[2 * Hv:]])
+    grouped, _ = _delta_ref(qkv_g, proj_g, hw_g, None, Hk, Hv, Dk, Dv)
+    np.testing.assert_allclose(per_head(get(device, yt), Dv), grouped, **TOL["f32"])
 
 
 @pytest.mark.parametrize("dtype", ["f32", "f16"])

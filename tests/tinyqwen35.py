@@ -97,3 +97,64 @@ def write_tiny_qwen35_safetensors(folder, seed: int = 0, released: bool = False,
             "text_config": {**text, "model_type": "qwen3_5_text"}, "vision_config": {"model_type": "qwen3_5"},
             "tie_word_embeddings": False, "eos_token_id": text["eos_token_id"]}, indent=2))
     return dict(folder=folder, weights=w, dims=d)
+
+
+def _reorder_v_heads(a: np.ndarray, axis: int, n_k: int, per_k: int, head: int) -> np.ndarray:
+    """Value heads from HF's order (grouped by key head) to llama.cpp's tiled order along `axis`, as
+    convert_hf_to_gguf.py's _LinearAttentionVReorderBase does."""
+    a = np.moveaxis(a, axis, 0)
+    shape = a.shape
+    a = a.reshape(n_k, per_k, head, *shape[1:]).swapaxes(0, 1).reshape(shape)
+    return np.ascontiguousarray(np.moveaxis(a, 0, axis))
+
+
+def write_tiny_qwen35_gguf(path, seed: int = 0, **dims) -> dict:
+    """The same model as llama.cpp's converter writes it (arch qwen35, Qwen3_5TextModel): norms as 1 + w
+    (not the gated norm), A as -exp(A_log), dt_bias as ssm_dt.bias, the conv squeezed to (C, K), the
+    value heads of every linear-attention tensor reordered from grouped to tiled, q_proj (q | gate per
+    head) as attn_q; the ssm.* sizes and full_attention_interval in the metadata."""
+    from tinyfamilies import _finish, _gguf_writer
+    d, tokens, merges, w = qwen35_weights(seed, **dims)
+    Hk, Hv = LINEAR["linear_num_key_heads"], LINEAR["linear_num_value_heads"]
+    Dk, Dv = LINEAR["linear_key_head_dim"], LINEAR["linear_value_head_dim"]
+    g = _gguf_writer(path, "qwen35", d, tokens, merges, int(d["head_dim"] * 0.25))
+    g.add_key_length(d["head_dim"]); g.add_value_length(d["head_dim"])
+    g.add_ssm_conv_kernel(LINEAR["linear_conv_kernel_dim"]); g.add_ssm_state_size(Dk)
+    g.add_ssm_group_count(Hk); g.add_ssm_time_step_rank(Hv); g.add_ssm_inner_size(Hv * Dv)
+    g.add_full_attention_interval(LAYER_TYPES.index("full_attention") + 1)
+    g.add_rope_dimension_sections([1, 1, 0, 0])
+
+    def v_order(a, axis, head):
+        return _reorder_v_heads(a, axis, Hk, Hv // Hk, head)
+
+    plus1 = lambda a: (a + 1).astype(np.float32)   # noqa: E731
+    g.add_tensor("token_embd.weight", w["model.embed_tokens.weight"])
+    g.add_tensor("output_norm.weight", plus1(w["model.norm.weight"]))
+    g.add_tensor("output.weight", w["lm_head.weight"])
+    table = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "post_attention_norm.weight",
+             "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+             "mlp.down_proj.weight": "ffn_down.weight", "self_attn.q_proj.weight": "attn_q.weight",
+             "self_attn.k_proj.weight": "attn_k.weight", "self_attn.v_proj.weight": "attn_v.weight",
+             "self_attn.o_proj.weight": "attn_output.weight", "self_attn.q_norm.weight": "attn_q_norm.weight",
+             "self_attn.k_norm.weight": "attn_k_norm.weight"}
+    for i in range(d["n_layers"]):
+        p, b = f"model.layers.{i}.", f"blk.{i}."
+        for hf, ours in table.items():
+            if p + hf in w:
+                g.add_tensor(b + ours, plus1(w[p + hf]) if hf.endswith("norm.weight") else w[p + hf])
+        a = p + "linear_attn."
+        if a + "A_log" not in w:
+            continue
+        qkv = w[a + "in_proj_qkv.weight"]
+        g.add_tensor(b + "attn_qkv.weight", np.concatenate([qkv[:2 * Hk * Dk], v_order(qkv[2 * Hk * Dk:], 0, Dv)]))
+        g.add_tensor(b + "attn_gate.weight", v_order(w[a + "in_proj_z.weight"], 0, Dv))
+        g.add_tensor(b + "ssm_beta.weight", v_order(w[a + "in_proj_b.weight"], 0, 1))
+        g.add_tensor(b + "ssm_alpha.weight", v_order(w[a + "in_proj_a.weight"], 0, 1))
+        g.add_tensor(b + "ssm_a", (-np.exp(v_order(w[a + "A_log"], 0, 1))).astype(np.float32))
+        g.add_tensor(b + "ssm_dt.bias", v_order(w[a + "dt_bias"], 0, 1))
+        conv = w[a + "conv1d.weight"][:, 0, :]
+        g.add_tensor(b + "ssm_conv1d.weight", np.concatenate([conv[:2 * Hk * Dk], v_order(conv[2 * Hk * Dk:], 0, Dv)]))
+        g.add_tensor(b + "ssm_norm.weight", w[a + "norm.weight"])
+        g.add_tensor(b + "ssm_out.weight", v_order(w[a + "out_proj.weight"], 1, Dv))
+    _finish(g)
+    return dict(path=Path(path), weights=w, dims=d)

@@ -51,11 +51,13 @@ def causal_conv1d(dev: Device, x: Tensor, w: Tensor, state: Tensor, y: Tensor, s
 
 def gated_delta_rule(dev: Device, qkv: Tensor, proj: Tensor, hw: Tensor, state: Tensor, y: Tensor, step=None, *,
                      n_k_heads: int, n_v_heads: int, k_dim: int, v_dim: int, z_col: int, eps: float,
-                     rows: tuple | None = None) -> Op:
+                     rows: tuple | None = None, tiled: bool = False) -> Op:
     """The gated delta rule over T rows (see shaders/deltanet.wgsl) and the gated RMSNorm of its
     output: qkv (T, 2 Hk Dk + Hv Dv) the convolved q | k | v; proj (T, M) holding z (Hv Dv values from
     column z_col), then b and a (Hv each); hw (2 Hv + Dv,) f32: A_log | dt_bias | the norm's w; state
-    (slots, Hv, Dk, Dv) f32; y (T, Hv Dv) act."""
+    (slots, Hv, Dk, Dv) f32; y (T, Hv Dv) act. Value head h reads key head h / (Hv / Hk) (HF's order),
+    or h % Hk with `tiled` (llama.cpp's GGUF files: value heads reordered so that ggml's broadcast
+    repeats the key heads)."""
     k = "gated_delta_rule"
     dt = _act(k, qkv, proj, y)
     T, width, m = int(qkv.shape[0]), int(qkv.shape[-1]), int(proj.shape[-1])
@@ -68,7 +70,7 @@ def gated_delta_rule(dev: Device, qkv: Tensor, proj: Tensor, hw: Tensor, state: 
           f"Dk {Dk}, Dv {Dv} (<= 256), z at column {z_col}")
     (qe, qo), (pe, po), (ye, yo) = (_window(dev, t, k) for t in (qkv, proj, y))
     ents, per_row = _row_entries(dev, step, rows, T, k)
-    par = params(dev, [T, Hk, Hv, width, qo, po, yo, m, z_col, b_col, b_col + Hv, per_row, float(eps), 0, 0, 0],
+    par = params(dev, [T, Hk, Hv, width, qo, po, yo, m, z_col, b_col, b_col + Hv, per_row, float(eps), int(tiled), 0, 0],
                  owner=y.buf.owner, label=k)
     header = act_header(dt) + f"const DK: u32 = {Dk}u;\nconst DV: u32 = {Dv}u;\n"
     pipe = dev.pipeline("deltanet.wgsl", k, None, header=header)

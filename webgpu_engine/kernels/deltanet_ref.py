@@ -23,14 +23,16 @@ def causal_conv1d(x: np.ndarray, w: np.ndarray, state: np.ndarray | None) -> tup
 
 def gated_delta_rule(qkv: np.ndarray, z: np.ndarray, b: np.ndarray, a: np.ndarray, a_log: np.ndarray,
                      dt_bias: np.ndarray, norm_w: np.ndarray, state: np.ndarray | None, *, n_k_heads: int,
-                     k_dim: int, v_dim: int, eps: float) -> tuple[np.ndarray, np.ndarray]:
+                     k_dim: int, v_dim: int, eps: float, tiled: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """(y (T, Hv Dv), new state (Hv, Dk, Dv)) of one sequence's rows: qkv (T, 2 Hk Dk + Hv Dv) the
-    convolved q | k | v, z (T, Hv Dv), b and a (T, Hv); state None: zeros."""
+    convolved q | k | v, z (T, Hv Dv), b and a (T, Hv); state None: zeros. `tiled`: value head h reads
+    key head h % Hk (llama.cpp's order), else h / (Hv / Hk)."""
     qkv, z, b, a = (np.asarray(t, np.float64) for t in (qkv, z, b, a))
     T, Hv = b.shape
     Hk, Dk, Dv = n_k_heads, k_dim, v_dim
-    q = qkv[:, :Hk * Dk].reshape(T, Hk, Dk).repeat(Hv // Hk, axis=1)
-    k = qkv[:, Hk * Dk:2 * Hk * Dk].reshape(T, Hk, Dk).repeat(Hv // Hk, axis=1)
+    heads = np.arange(Hv) % Hk if tiled else np.arange(Hv) // (Hv // Hk)      # each value head's key head
+    q = qkv[:, :Hk * Dk].reshape(T, Hk, Dk)[:, heads]
+    k = qkv[:, Hk * Dk:2 * Hk * Dk].reshape(T, Hk, Dk)[:, heads]
     v = qkv[:, 2 * Hk * Dk:].reshape(T, Hv, Dv)
     q = q / np.sqrt((q * q).sum(-1, keepdims=True) + 1e-6) / np.sqrt(Dk)
     k = k / np.sqrt((k * k).sum(-1, keepdims=True) + 1e-6)

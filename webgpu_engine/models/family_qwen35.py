@@ -27,6 +27,7 @@ prediction layer, `mtp.*`, not read); Qwen3_5ForCausalLM folders load too.
 """
 from __future__ import annotations
 
+import math
 import struct
 from dataclasses import dataclass
 
@@ -54,6 +55,21 @@ HF_QWEN35_TO_OURS = {
 # as released (Qwen3_5ForConditionalGeneration): the same under model.language_model.
 HF_QWEN35_TO_OURS.update({k.replace("model.", "model.language_model.", 1): v
                           for k, v in HF_QWEN35_TO_OURS.items() if k.startswith("model.")})
+# llama.cpp's qwen35 GGUF (convert_hf_to_gguf.py Qwen3_5TextModel): norms stored as 1 + w (not the
+# gated one), A as -exp(A_log), the conv squeezed to (C_conv, K), value heads in tiled order
+GGUF_QWEN35_TO_OURS = {
+    "blk.{i}.attn_q.weight": "layers.{i}.q_gate",
+    "blk.{i}.post_attention_norm.weight": "layers.{i}.ffn_norm",
+    "blk.{i}.attn_qkv.weight": "layers.{i}.lin_qkv",
+    "blk.{i}.attn_gate.weight": "layers.{i}.lin_z",
+    "blk.{i}.ssm_beta.weight": "layers.{i}.lin_b",
+    "blk.{i}.ssm_alpha.weight": "layers.{i}.lin_a",
+    "blk.{i}.ssm_conv1d.weight": "layers.{i}.lin_conv",
+    "blk.{i}.ssm_a": "layers.{i}.lin_A",                                # (Hv,): -exp(A_log)
+    "blk.{i}.ssm_dt.bias": "layers.{i}.lin_dt_bias",
+    "blk.{i}.ssm_norm.weight": "layers.{i}.lin_norm",
+    "blk.{i}.ssm_out.weight": "layers.{i}.o",
+}
 
 
 @dataclass
@@ -67,6 +83,7 @@ class GatedDeltaNet:
     k_dim: int
     v_dim: int
     eps: float
+    tiled: bool = False                # value heads in llama.cpp's tiled order (a GGUF's)
 
     @property
     def channels(self) -> int:         # the convolved q | k | v
@@ -89,7 +106,8 @@ class GatedDeltaNet:
                                        rows=rows),
                 deltanet.gated_delta_rule(m.dev, y, proj, self.heads, delta_state, out, step,
                                           n_k_heads=self.n_k_heads, n_v_heads=self.n_v_heads, k_dim=self.k_dim,
-                                          v_dim=self.v_dim, z_col=self.channels, eps=self.eps, rows=rows)]
+                                          v_dim=self.v_dim, z_col=self.channels, eps=self.eps, rows=rows,
+                                          tiled=self.tiled)]
 
 
 def _f32(t) -> bytes:
@@ -111,8 +129,9 @@ def _mixer(m, i: int, weights: dict, mat):
     if not lin["layers"][i]:
         return None
     p = f"layers.{i}."
-    names = [p + n for n in ("lin_qkv", "lin_z", "lin_b", "lin_a", "lin_conv", "lin_A_log", "lin_dt_bias",
-                             "lin_norm")]
+    a_log = p + ("lin_A" if p + "lin_A" in weights else "lin_A_log")       # a GGUF's A is -exp(A_log)
+    names = [p + n for n in ("lin_qkv", "lin_z", "lin_b", "lin_a", "lin_conv")] + [a_log] + \
+        [p + "lin_dt_bias", p + "lin_norm"]
     missing = [n for n in names if n not in weights]
     if missing:
         raise UnsupportedModelError(f"model weights lack tensor {missing[0]!r}")
@@ -120,46 +139,69 @@ def _mixer(m, i: int, weights: dict, mat):
     conv_t = weights[p + "lin_conv"]
     taps = conv_t.shape[-1]
     conv = mm.upload_vector(m.dev, conv_t.data, dtype=conv_t.qtype, owner=m.owner, label=p + "lin_conv")
-    heads = b"".join(_f32(weights[n]) for n in names[5:])
+    A = _f32(weights[a_log])
+    if a_log.endswith("lin_A"):
+        A = struct.pack(f"<{len(A) // 4}f", *(math.log(-x) for x in struct.unpack(f"<{len(A) // 4}f", A)))
+    heads = A + b"".join(_f32(weights[n]) for n in names[6:])
     hw = Tensor(m.dev.upload(heads, owner=m.owner, label=p + "lin_heads"), (len(heads) // 4,), "f32")
     net = GatedDeltaNet(conv.view((conv.numel // taps, taps)), hw, lin["n_k_heads"], lin["n_v_heads"],
-                        lin["k_dim"], lin["v_dim"], c.rms_eps)
+                        lin["k_dim"], lin["v_dim"], c.rms_eps, lin["tiled"])
     if conv.numel != net.channels * taps or hw.numel != 2 * net.n_v_heads + net.v_dim:
         raise UnsupportedModelError(f"layer {i}: conv1d {conv_t.shape} or its per-head vectors do not match "
                                     f"the config's linear-attention sizes")
     return proj, net
 
 
+def _linear(where: str, types: list, taps: int, n_k_heads: int, n_v_heads: int, k_dim: int, v_dim: int,
+            tiled: bool) -> dict:
+    """LlamaConfig.extra["linear"]: which layers are Gated DeltaNet layers and their sizes, checked."""
+    unknown = sorted(set(types) - {"linear_attention", "full_attention"})
+    if unknown:
+        raise UnsupportedModelError(f"{where}: layer_types {unknown} (linear_attention and full_attention "
+                                    f"expected)")
+    lin = {"layers": tuple(t == "linear_attention" for t in types), "n_k_heads": n_k_heads,
+           "n_v_heads": n_v_heads, "k_dim": k_dim, "v_dim": v_dim, "tiled": tiled}
+    if taps > deltanet.MAX_TAPS or n_v_heads % n_k_heads or max(k_dim, v_dim) > 256:
+        raise UnsupportedModelError(f"{where}: linear attention {lin}, conv of {taps} (value heads a multiple "
+                                    f"of the key heads, head dims up to 256, at most {deltanet.MAX_TAPS} taps)")
+    return lin
+
+
+def _types(n: int, interval: int) -> list:
+    return ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(n)]
+
+
 def _hf(c: dict, fields: dict, where: str) -> dict:
     n = fields["n_layers"]
-    interval = int(c.get("full_attention_interval") or 4)
-    types = list(c.get("layer_types") or ["linear_attention" if (i + 1) % interval else "full_attention"
-                                          for i in range(n)])
-    unknown = sorted(set(types) - {"linear_attention", "full_attention"})
-    if len(types) != n or unknown:
-        raise UnsupportedModelError(f"{where}: layer_types {unknown or types} (linear_attention and "
-                                    f"full_attention, one per layer, expected)")
+    types = list(c.get("layer_types") or _types(n, int(c.get("full_attention_interval") or 4)))
+    if len(types) != n:
+        raise UnsupportedModelError(f"{where}: {len(types)} layer_types for {n} layers")
     if c.get("num_experts") or c.get("num_local_experts"):
         raise UnsupportedModelError(f"{where}: Qwen3.5's mixture-of-experts models (qwen3_5_moe) are not "
                                     f"implemented; the dense ones run")
-    if int(c.get("linear_conv_kernel_dim", 4)) > deltanet.MAX_TAPS:
-        raise UnsupportedModelError(f"{where}: linear_conv_kernel_dim {c['linear_conv_kernel_dim']} (at most "
-                                    f"{deltanet.MAX_TAPS})")
-    lin = {"layers": tuple(t == "linear_attention" for t in types),
-           "n_k_heads": int(c.get("linear_num_key_heads", 16)), "n_v_heads": int(c.get("linear_num_value_heads", 32)),
-           "k_dim": int(c.get("linear_key_head_dim", 128)), "v_dim": int(c.get("linear_value_head_dim", 128))}
-    if lin["n_v_heads"] % lin["n_k_heads"] or max(lin["k_dim"], lin["v_dim"]) > 256:
-        raise UnsupportedModelError(f"{where}: linear-attention heads {lin} (value heads a multiple of the key "
-                                    f"heads, head dims up to 256)")
+    lin = _linear(where, types, int(c.get("linear_conv_kernel_dim", 4)), int(c.get("linear_num_key_heads", 16)),
+                  int(c.get("linear_num_value_heads", 32)), int(c.get("linear_key_head_dim", 128)),
+                  int(c.get("linear_value_head_dim", 128)), tiled=False)
     # transformers' Qwen3_5TextConfig rotates a quarter of each head unless config.json says otherwise
     partial = c.get("partial_rotary_factor", (c.get("rope_parameters") or {}).get("partial_rotary_factor", 0.25))
     return {**fields, "qk_norm": True, "norm_plus_one": True, "rot_dim": int(fields["head_dim"] * float(partial)),
             "extra": {**fields.get("extra", {}), "linear": lin}}
 
 
+def _gguf(g, fields: dict) -> dict:
+    # the multi-token-prediction layers the converter appends are not run
+    n = fields["n_layers"] - int(g.meta("nextn_predict_layers", 0) or 0)
+    n_v = int(g.meta("ssm.time_step_rank", required=True))
+    lin = _linear(g.where, _types(n, int(g.meta("full_attention_interval", 4))),
+                  int(g.meta("ssm.conv_kernel", required=True)), int(g.meta("ssm.group_count", required=True)), n_v,
+                  int(g.meta("ssm.state_size", required=True)), int(g.meta("ssm.inner_size", required=True)) // n_v,
+                  tiled=True)
+    return {**fields, "n_layers": n, "qk_norm": True, "extra": {**fields.get("extra", {}), "linear": lin}}
+
+
 QWEN35 = DecoderFamily("qwen35", hf_architectures=("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"),
                        hf_model_types=("qwen3_5_text", "qwen3_5"), gguf_neox=True, hf_names=HF_QWEN35_TO_OURS,
-                       hf=_hf, mixer=_mixer)
+                       gguf_names=GGUF_QWEN35_TO_OURS, hf=_hf, gguf=_gguf, mixer=_mixer)
 
 FAMILIES = (QWEN35,)
 
