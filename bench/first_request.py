@@ -2,7 +2,7 @@
 embedder, each in a fresh process (so nothing is cached in the process), in each compile mode.
 
     python bench/first_request.py [--no-shader-cache] [--tokens 8] [--modes background,at_load,lazy]
-                                  [--chat-model REF] [--embed-model REF]
+                                  [--models chat,embed] [--rounds 1] [--chat-model REF] [--embed-model REF]
     python bench/first_request.py --smoke [--chat-model REF] [--embed-model REF] [--out PATH]
 
 Compile modes (chat options): `background` (the default: compile_at_load with compile_in_background;
@@ -13,8 +13,12 @@ compiles what it uses). Each process times, from its own start (the parent's clo
 launched the child): the load, the first request's first token, a second request of another
 length right after it, the moment every queued kernel is compiled, and a third and fourth request
 (short and long prompts) after that; and how many pipelines each request had to compile or wait
-for (Device.compile_waits; in the lazy mode the pipelines each request created). Prints a table and
-writes bench/results/first_request.json. `--no-shader-cache` sets MESA_SHADER_CACHE_DISABLE=true in
+for (Device.compile_waits; in the lazy mode the pipelines each request created), how many of those
+it dispatched empty to have the driver compile them early (Device.warmed, lavapipe), and the
+process's CPU seconds up to the first request's end (all threads: the driver's compiles are ours,
+so this does not move with the host's load as wall time does). --rounds N repeats every mode N
+times, the modes interleaved (A/B in one window on a shared host). Prints a table and writes
+bench/results/first_request.json. `--no-shader-cache` sets MESA_SHADER_CACHE_DISABLE=true in
 the children (lavapipe), the state of a fresh clone. --smoke: 2 tokens per chat request, the
 background mode only: checks that the script runs to the end (with small models, quickly).
 """
@@ -40,12 +44,12 @@ from webgpu_engine.engine import DEFAULT_CHAT_MODEL as LLM, DEFAULT_EMBED_MODEL 
 ref = sys.argv[5] if len(sys.argv) > 5 else LLM if kind == "chat" else EMB
 since = lambda: time.time() - t_launch
 async def main():
-    out = {"python_ready_s": since()}
+    out = {"python_ready_s": since(), "python_ready_cpu_s": time.process_time()}
     eng = await create_mlc_engine(ref, EngineConfig(log_level="ERROR"), chat_opts=opts)
     dev = eng.device
     out["loaded_s"], out["queued_at_load"] = since(), dev.compiles_pending()
     async def request(name, prompt, chat=True):
-        waits, count, t = dev.compile_waits, dev.compile_count, time.perf_counter()
+        waits, count, warmed, t = dev.compile_waits, dev.compile_count, getattr(dev, "warmed", 0), time.perf_counter()
         if kind == "embed":
             await eng.embeddings.create(input=[prompt, prompt + " again"])
             out[name + "_first_s"] = since()
@@ -59,6 +63,8 @@ async def main():
         out[name + "_request_s"] = time.perf_counter() - t
         # pipelines this request compiled or waited for: queued ones it needed, or (lazy) new ones
         out[name + "_compiles"] = dev.compile_waits - waits + dev.compile_count - count
+        out[name + "_warmed"] = getattr(dev, "warmed", 0) - warmed
+        out[name + "_cpu_s"] = time.process_time()
     await request("first", "What is the capital of France?")
     await request("second", "Name three colours.", chat=False)
     await dev.compiled()
@@ -76,6 +82,8 @@ def main() -> None:
     ap.add_argument("--no-shader-cache", action="store_true")
     ap.add_argument("--tokens", type=int, default=8)
     ap.add_argument("--modes", default=",".join(MODES), help="comma-separated: " + ", ".join(MODES))
+    ap.add_argument("--models", default="chat,embed", help="which default models to start: chat, embed or both")
+    ap.add_argument("--rounds", type=int, default=1, help="repeat every mode this many times, interleaved")
     ap.add_argument("--chat-model", default=None, help="chat model reference (default: the engine's)")
     ap.add_argument("--embed-model", default=None, help="embedding model reference (default: the engine's)")
     ap.add_argument("--smoke", action="store_true", help="2 tokens per chat request, background mode only")
@@ -88,8 +96,10 @@ def main() -> None:
     if a.no_shader_cache:
         env["MESA_SHADER_CACHE_DISABLE"] = "true"
     rows = []
-    for mode in modes:
-        for kind, ref in (("chat", a.chat_model), ("embed", a.embed_model)):
+    kinds = [(k, ref) for k, ref in (("chat", a.chat_model), ("embed", a.embed_model))
+             if k in a.models.split(",")]
+    for mode in [m for _ in range(a.rounds) for m in modes]:
+        for kind, ref in kinds:
             t = time.time()
             res = subprocess.run([sys.executable, "-c", CHILD, repr(t), kind, str(a.tokens),
                                   json.dumps(MODES[mode])] + ([ref] if ref else []),
@@ -99,11 +109,12 @@ def main() -> None:
             rows.append({"model": kind, "mode": mode, **json.loads(res.stdout.strip().splitlines()[-1])})
     print("seconds from process start; comp: pipelines the request compiled or waited for; later comp: "
           "the third and fourth requests, after every queued kernel compiled")
-    print(f"{'model':6} {'mode':10} {'loaded':>7} {'1st token':>9} {'1st comp':>8} {'2nd req s':>9} "
-          f"{'2nd comp':>8} {'all compiled':>12} {'later comp':>10}")
+    print(f"{'model':6} {'mode':10} {'loaded':>7} {'1st token':>9} {'1st comp':>8} {'1st warm':>8} "
+          f"{'1st cpu s':>9} {'2nd req s':>9} {'2nd comp':>8} {'all compiled':>12} {'later comp':>10}")
     for r in rows:
         print(f"{r['model']:6} {r['mode']:10} {r['loaded_s']:7.2f} {r['first_first_s']:9.2f} "
-              f"{r['first_compiles']:8d} {r['second_request_s']:9.2f} {r['second_compiles']:8d} "
+              f"{r['first_compiles']:8d} {r['first_warmed']:8d} {r['first_cpu_s']:9.2f} "
+              f"{r['second_request_s']:9.2f} {r['second_compiles']:8d} "
               f"{r['all_compiled_s']:12.2f} {r['third_compiles'] + r['fourth_compiles']:10d}")
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps({"machine": platform.machine(), "python": platform.python_version(),

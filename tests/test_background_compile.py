@@ -136,6 +136,29 @@ async def test_ready_compiles_what_a_batch_needs_and_nothing_else(fresh_device, 
     dev.release_owner("t:bg")
 
 
+async def test_ready_dispatches_what_it_compiles_empty_where_the_driver_compiles_then(fresh_device, shader_dir):
+    """lavapipe compiles a pipeline's code at its first dispatch: ready() dispatches each pipeline it
+    creates with no workgroups (the driver compiles it while the next one is created), which
+    writes nothing; the batch then gives the same results."""
+    dev, bg = fresh_device, fresh_device.background
+    assert dev.warms_on_dispatch == dev.info.cpu
+    bg.hold(True)
+    try:
+        with dev.compiling_in_background():
+            pipes = [_variant(dev, v) for v in (11, 12)]
+        batch, outs = _scale_batch(dev, pipes)
+        warmed = dev.warmed
+        await dev.ready(batch)
+        assert dev.warmed == warmed + (2 if dev.warms_on_dispatch else 0)
+        for y in outs:                         # zero-filled at creation, still
+            assert not np.frombuffer(dev.read_sync(y), np.float32).any()
+        dev.submit(batch)
+        _check(dev, outs, [11, 12])
+    finally:
+        bg.hold(False)
+        dev.release_owner("t:bg")
+
+
 def test_a_broken_shader_queued_fails_typed_where_it_is_used(fresh_device, shader_dir):
     dev = fresh_device
     dev.background.hold(True)

@@ -216,6 +216,7 @@ class Device(CompilingDevice):
         self._queued: list[list] = []     # the lists compiling_in_background blocks collect into
         self.stand_ins = 0                # dispatches that ran a pipeline's stand-in (see ready)
         self.compile_waits = 0
+        self.warmed = 0
         # pipelines that models have run once on this device at load (drivers such as lavapipe
         # compile on first dispatch): a later load that uses only these records no warm-up run
         self.warmed_pipelines: set[PipelineKey] = set()

@@ -9,6 +9,13 @@ pipeline first compiles it: a submit whose batch dispatches one that no worker h
 compiles it in place, one a worker is compiling waits for that worker. So a request never waits
 behind kernels it does not use, and once the queue is done no request compiles at all.
 
+Some drivers finish a pipeline only at its first dispatch (lavapipe: creating one runs its NIR
+passes, and LLVM compiles it when a command buffer first dispatches it, on the queue's one thread;
+that is most of the time). A request compiling its own pipelines (`ready`) therefore dispatches
+each of them with no workgroups as soon as it is created (`warms_on_dispatch`): the queue's thread
+compiles one while the other cores still create the rest, instead of compiling them all in turn
+when the request's batch runs.
+
 Standard library only; the browser backend compiles in place (no threads in the page).
 """
 from __future__ import annotations
@@ -165,6 +172,15 @@ class CompilingDevice:
     _pipelines: dict
     compile_waits: int
     stand_ins: int
+    warmed: int                   # pipelines dispatched empty by ready() (warms_on_dispatch)
+
+    # whether the driver compiles a pipeline at its first dispatch, so that an empty dispatch
+    # compiles it (backends that can make one say so: NativeDevice on lavapipe)
+    warms_on_dispatch = False
+
+    def _raw_warm(self, raw_pipeline, raw_bind_group, label: str) -> None:
+        """Dispatch a pipeline with no workgroups (backends with warms_on_dispatch)."""
+        raise NotImplementedError
 
     @contextmanager
     def compiling_in_background(self):
@@ -206,24 +222,44 @@ class CompilingDevice:
     async def ready(self, work) -> None:
         """Compile, off the event loop and side by side, the pipelines that `work` (a Batch, or
         pipelines) dispatches and the background compiler has not made yet (its workers start
-        nothing new meanwhile); a submit would compile them one by one on the submitting thread."""
+        nothing new meanwhile); a submit would compile them one by one on the submitting thread.
+        Where the driver compiles on first dispatch, each is dispatched empty once created (with
+        a bind group of the batch's), so that its compile overlaps the others' creation."""
         bg = self.background
         if bg is None or not bg.pending():
             return
         if hasattr(work, "ops"):
             self._stand_in(work.ops)
-            pipes = [op[1] for op in work.ops if op[0] == "d"]
+            binds = [(op[1], op[2]) for op in work.ops if op[0] == "d"]
         else:
-            pipes = work
-        todo = {id(p): p.lazy for p in pipes if not p.ready}
+            binds = [(p, None) for p in work]
+        todo: dict = {}
+        for p, group in binds:
+            if not p.ready and id(p) not in todo:
+                todo[id(p)] = (p, group if self.warms_on_dispatch else None)
         if not todo:
             return
         self.compile_waits += len(todo)
         bg.hold(True)
         try:
-            await asyncio.gather(*(asyncio.to_thread(lazy.try_resolve) for lazy in todo.values()))
+            await asyncio.gather(*(asyncio.to_thread(self._make_and_warm, p, group)
+                                   for p, group in todo.values()))
         finally:
             bg.hold(False)
+
+    def _make_and_warm(self, p, group) -> None:
+        """Create pipeline `p` (a failure is left for the submit to raise) and, given one of its
+        bind groups, dispatch it with no workgroups: a driver that compiles on first dispatch
+        compiles it now, on its queue's thread, while this thread goes on to the next."""
+        p.lazy.try_resolve()
+        if group is None or p.lazy._error is not None:
+            return
+        try:
+            group.lazy.resolve()
+            self._raw_warm(p.raw, group.raw, p.name)
+            self.warmed += 1
+        except Exception as e:  # noqa: BLE001 - only a head start: the batch's submit reports errors
+            _log.debug("warm-up dispatch of %s failed: %s", p.name, e)
 
     def _stand_in(self, ops: list) -> None:
         """Dispatches of a pipeline not compiled yet whose stand-in is compiled run the stand-in

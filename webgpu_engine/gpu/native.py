@@ -63,6 +63,8 @@ class NativeDevice(Device):
         # reading submits an empty command buffer first (its sync, gfx-rs/wgpu-native#305), which
         # then held the event loop for a whole step: _mapped makes that submit from a worker thread
         self._submit_blocks = self.info.cpu
+        # llvmpipe compiles a pipeline's code at its first dispatch, even one of no workgroups
+        self.warms_on_dispatch = self.info.cpu
         # wgpu-py's private fast paths (per-dispatch calls, maps without its sync submit), or with
         # $WEBGPU_ENGINE_WGPU_PUBLIC=1 its public API (wgpu_private.py)
         self.wgpu_calls = wgpu_calls()
@@ -89,6 +91,15 @@ class NativeDevice(Device):
         if constants:
             stage["constants"] = constants
         return self.raw.create_compute_pipeline(layout="auto", compute=stage, label=label)
+
+    def _raw_warm(self, raw_pipeline, raw_bind_group, label: str) -> None:
+        def record(enc):
+            cpass = enc.begin_compute_pass(label=label)
+            cpass.set_pipeline(raw_pipeline)
+            cpass.set_bind_group(0, raw_bind_group)
+            cpass.dispatch_workgroups(0, 1, 1)
+            cpass.end()
+        self._locked_submit(f"warm-up of {label}", record)
 
     def _raw_bind(self, raw_pipeline, entries, label: str):
         layout = raw_pipeline.get_bind_group_layout(0)
