@@ -249,14 +249,19 @@ def test_bad_image_inputs_are_400(served):
     _bad(client, VLM, [image] * 12 + [ask], "12 images", "at most 11", "messages[0].content[11]")
 
 
-async def test_a_batching_load_refuses_images_by_name(device, ref):
+@pytest.mark.parametrize("opts,says", [({"max_num_sequences": 2}, "max_num_sequences 1"),
+                                       ({"context_overflow": "shift"}, "shift")])
+async def test_loads_without_image_attention_refuse_images_by_name(device, ref, opts, says):
+    """Where the image rows cannot run (the paged batch, context shift; a quantised KV cache too, which
+    this model's 16-wide heads cannot have),
+    the model loads and answers text; an image is a 400 saying what to change."""
     from webgpu_engine.engine.engine import AsyncMLCEngine
     eng = AsyncMLCEngine()
-    await eng.reload(str(FOLDER), chat_opts={**OPTS, "max_num_sequences": 2})
+    await eng.reload(str(FOLDER), chat_opts={**OPTS, **opts})
     try:
         with pytest.raises(InvalidRequestError) as e:
             await eng.chat.completions.create(messages=_messages(ref, "one"), max_tokens=2)
-        assert e.value.http_status == 400 and "max_num_sequences 1" in e.value.message
+        assert e.value.http_status == 400 and says in e.value.message
         r = await eng.chat.completions.create(messages=_messages(ref, "text"), max_tokens=12, temperature=0.0)
         assert r.choices[0].message.content == _text(ref["prompts"]["text"]["greedy"])    # text still runs
     finally:

@@ -230,6 +230,9 @@ class LLMChatPipeline(DecodePaths):
                 self.vision.unavailable = (f"images run on the one-request path; this model batches "
                                            f"(max_num_sequences {self.plan.max_sequences}): load it with "
                                            f"max_num_sequences 1 to send images")
+            elif self.shifts:
+                self.vision.unavailable = ("context_overflow 'shift' would compute an image's rows again "
+                                           "without the image: load with another context_overflow")
 
     async def _compile(self, background: bool = False) -> None:
         """Create and run once every pipeline of the model and the sampler (see LlamaModel.compile);
