@@ -21,6 +21,13 @@ bench/results/serve.json. Needs the `openai` package (bench extra). --model take
 (an app-config id, a .gguf file, a model folder); --port 0 serves on free ports. --smoke: clients 1,8, 4
 tokens each, batch 2, 2 rounds: checks that the script runs to the end (with a small model, quickly);
 its figures mean nothing.
+
+--lora PATH (a PEFT folder or a GGUF LoRA file; `random`: a random rank-16 adapter of all seven
+projections written for --model) measures instead what a decode row with an adapter costs beside a
+base row: one batched server serving the adapter as `bench`, one streaming client at a time on the
+base and on the adapter in turn (`--repeats` rounds each, A B, B A, ...), then one of each at once;
+the inter-token latency p50 of each (a decode step's time) and the adapter's over the base's. Writes
+bench/results/serve_lora.json.
 """
 from __future__ import annotations
 
@@ -247,6 +254,70 @@ async def run_servers(args) -> list[dict]:
             stop_server(proc)
 
 
+def random_adapter(model: str, folder: Path, rank: int = 16) -> str:
+    """A PEFT folder with a random rank-`rank` adapter of q/k/v/o/gate/up/down for --model's dims."""
+    import numpy as np
+    sys.path.insert(0, str(ROOT))
+    from webgpu_engine.cache import default_model_path
+    from webgpu_engine.loaders.safetensors import write_safetensors
+    from webgpu_engine.models.registry import open_model
+    path = Path(model) if Path(model).exists() else default_model_path(model)
+    m = open_model(path)
+    c = m.config
+    m.close()
+    rng = np.random.default_rng(0)
+    tensors = {}
+    for i in range(c.n_layers):
+        D, F, C = c.head_dim_of(i), c.ffn_of(i), c.hidden_size
+        shapes = {"self_attn.q_proj": (C, c.n_heads * D), "self_attn.k_proj": (C, c.n_kv_heads * D),
+                  "self_attn.v_proj": (C, c.n_kv_heads * D), "self_attn.o_proj": (c.n_heads * D, C),
+                  "mlp.gate_proj": (C, F), "mlp.up_proj": (C, F), "mlp.down_proj": (F, C)}
+        for proj, (k, n) in shapes.items():
+            for ab, shape in (("A", (rank, k)), ("B", (n, rank))):
+                t = (rng.standard_normal(shape) / np.sqrt(shape[1]) * 0.1).astype(np.float32)
+                tensors[f"base_model.model.model.layers.{i}.{proj}.lora_{ab}.weight"] = ("f32", shape, t.tobytes())
+    folder.mkdir(parents=True, exist_ok=True)
+    write_safetensors(folder / "adapter_model.safetensors", tensors)
+    (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank}))
+    return str(folder)
+
+
+async def lora_rows(args) -> dict:
+    """A decode row with an adapter beside a base row (see the module's note on --lora)."""
+    import tempfile
+    with tempfile.TemporaryDirectory() as tmp:
+        lora = random_adapter(args.model, Path(tmp) / "lora") if args.lora == "random" else args.lora
+        port = args.port if args.port else free_port()
+        base = f"http://127.0.0.1:{port}"
+        proc = spawn_server([sys.executable, "-m", "webgpu_engine", "serve", "--model", args.model, "--port",
+                             str(port), "--context-window", str(args.context), "--max-num-sequences",
+                             str(args.batch or 4), "--lora", f"bench={lora}"])
+        try:
+            await wait_ready(base, proc)
+            model = await served_id(base)
+            await compiled(base)
+            for name in (model, "bench"):                  # warm-up: both op lists compiled and run
+                await level(base, name, 1, 4)
+            itl = {model: [], "bench": []}
+            for k in range(args.repeats):
+                for name in ((model, "bench") if k % 2 == 0 else ("bench", model)):
+                    r = await level(base, name, 1, args.max_tokens, raw=True)
+                    itl[name] += r["_itl"]
+            from openai import AsyncOpenAI
+            client = AsyncOpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=3600)
+            both = await asyncio.gather(*[one_client(client, name, 0, args.max_tokens) for name in (model, "bench")])
+            await client.close()
+        finally:
+            stop_server(proc)
+    row = {"base_itl_p50": pct(itl[model], 50), "lora_itl_p50": pct(itl["bench"], 50),
+           "together_itl_p50": [pct(r["itl"], 50) for r in both]}
+    row["lora_over_base"] = row["lora_itl_p50"] / row["base_itl_p50"]
+    print(f"decode step, one stream: base {row['base_itl_p50'] * 1e3:.1f} ms, with the adapter "
+          f"{row['lora_itl_p50'] * 1e3:.1f} ms ({row['lora_over_base']:.2f}x); one of each at once: "
+          + ", ".join(f"{x * 1e3:.1f} ms" for x in row["together_itl_p50"]))
+    return row
+
+
 async def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="SmolLM2-135M-Instruct-Q4_1")
@@ -258,12 +329,22 @@ async def main() -> int:
     ap.add_argument("--repeats", type=int, default=3, help="rounds per level, the servers in turn (median)")
     ap.add_argument("--port", type=int, default=8391)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "serve.json"))
+    ap.add_argument("--lora", default=None, metavar="PATH|random",
+                    help="measure a decode row with this LoRA adapter against a base row instead")
     ap.add_argument("--smoke", action="store_true",
                     help="clients 1,8, 4 tokens, batch 2: checks the script, measures nothing")
     args = ap.parse_args()
     if args.smoke:
         args.clients, args.max_tokens, args.batch, args.repeats = "1,8", 4, 2, 2
     args.clients = [int(c) for c in args.clients.split(",")]
+    if args.lora:
+        out = {"model": args.model, "lora": args.lora, "max_tokens": args.max_tokens, "repeats": args.repeats,
+               "host": platform.node(), **await lora_rows(args), "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+        path = Path(args.out).with_name("serve_lora.json")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(out, indent=2))
+        print(f"wrote {path}")
+        return 0
     rows = await run_servers(args)
     one = {r["clients"]: r for r in rows if r["max_num_sequences"] == 1}
     bat = {r["clients"]: r for r in rows if r["max_num_sequences"] == args.batch}
