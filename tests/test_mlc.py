@@ -558,14 +558,15 @@ def test_webllm_catalogue_ids_resolve(tiny, tmp_path, monkeypatch, capsys):
     assert rows["Llama-3-70B-Instruct-q3f16_1-MLC"]["refused"] == "quantization 'q3f16_1'"
     assert rows["phi-2-q4f16_1-MLC"]["loads"] and rows["gemma-2-2b-it-q4f16_1-MLC"]["family"] == "gemma2"
     assert rows["gemma-2b-it-q4f16_1-MLC"]["loads"] and rows["gemma-2b-it-q4f32_1-MLC-1k"]["family"] == "gemma"
-    # Qwen3.5 is a hybrid of linear and full attention, not Qwen 3: refused by its own name until it runs
-    assert rows["Qwen3.5-0.8B-q4f16_1-MLC"]["refused"] == "model_type 'qwen3_5'"
+    # Qwen3.5 (a hybrid of linear and full attention, not Qwen 3) loads as its own family, qwen35
+    # (tests/test_qwen35.py test_qwen35_mlc_artifact)
+    assert rows["Qwen3.5-0.8B-q4f16_1-MLC"]["loads"] and rows["Qwen3.5-0.8B-q4f16_1-MLC"]["family"] == "qwen3_5"
     assert rows["gemma-4-E2B-it-q4f16_1-MLC"]["refused"] == "model_type 'gemma4'"
     # WebLLM's own embedders (MLC's bert, tests/test_mlc_bert.py); its vision model is not loaded yet
     assert all(rows[f"snowflake-arctic-embed-{s}-q0f32-MLC-{b}"]["loads"] for s in "ms" for b in ("b4", "b32"))
     assert rows["Phi-3.5-vision-instruct-q4f16_1-MLC"]["refused"] == "vlm models of MLC's are not loaded"
     out = main(["list", "--webllm"]) == 0 and capsys.readouterr().out
-    assert "web-llm 0.2.86" in out and "150 of 165" in out
+    assert "web-llm 0.2.86" in out and "159 of 165" in out
 
 
 @pytest.mark.parametrize("change", [

@@ -218,6 +218,59 @@ def test_sigmoid_gate(device, dtype):
                                **TOL[dtype])
 
 
+@pytest.mark.parametrize("quant", ["q0f32", "q0f16", "q4f16_1", "q4f32_1"])
+def test_qwen35_mlc_artifact(device, tmp_path, ref, quant):
+    """The tiny model as MLC-LLM's converter lays out WebLLM's Qwen3.5 artifacts (model_type qwen3_5:
+    fused c_attn and gate_up_proj, 1 + w norms, A_log / dt_bias / conv1d_weight without a suffix), in
+    each quantisation WebLLM ships it: q0f32 gives transformers' logits and greedy tokens; the others
+    the logits and greedy tokens of an HF folder holding the values their files encode (f16 values,
+    MLC's (q - 7) * scale)."""
+    from tinyfamilies import _write_hf
+    from tinyqwen35 import qwen35_config, write_tiny_qwen35_mlc
+    art = write_tiny_qwen35_mlc(tmp_path / "mlc", quant, seed=ref["seed"])
+    opened = open_model(art["folder"])
+    try:
+        assert opened.arch.name == "qwen35" and not opened.config.norm_plus_one
+        assert load_tokenizer(art["folder"]).encode(ref["text"]) == ref["text_ids"]
+        rows, greedy = _run_golden(device, opened.config, opened.weights, ref)
+    finally:
+        opened.close()
+    if quant == "q0f32":
+        want_rows, want_greedy = {r: np.asarray(v) for r, v in zip(ref["rows"], ref["logits"])}, ref["greedy"]
+    else:
+        import tinymodels as tm
+        d = art["dims"]
+        tokens, merges = tm.tiny_bpe_vocab(d["vocab_size"], "smollm")
+        _write_hf(tmp_path / "encoded", {n: a.astype(np.float32) for n, a in art["encoded"].items()},
+                  qwen35_config(d), tokens, merges, d)
+        enc = open_model(tmp_path / "encoded")
+        try:
+            want_rows, want_greedy = _run_golden(device, enc.config, enc.weights, ref)
+        finally:
+            enc.close()
+    for r in ref["rows"]:
+        err = np.abs(rows[r] - want_rows[r]).max() / np.abs(want_rows[r]).max()
+        assert err <= 1e-3, f"position {r}: relative error {err:.2e}"
+    assert greedy == want_greedy
+
+
+def test_webllm_qwen35_ids_are_claimed_by_what_loads():
+    """list --webllm claims WebLLM's nine Qwen3.5 ids because the family reads MLC's qwen3_5 artifacts
+    (its mlc_model_types, proved by test_qwen35_mlc_artifact), not because of the id: without them the
+    ids are refused by MLC's model_type."""
+    from webgpu_engine.cli.webllm import webllm_rows
+    from webgpu_engine.loaders.mlc import refusal
+    from webgpu_engine.models.family_qwen35 import QWEN35
+    rows = [r for r in webllm_rows() if r["model_id"].startswith("Qwen3.5-")]
+    assert len(rows) == 9 and all(r["loads"] and r["family"] == "qwen3_5" for r in rows)
+    mlc_types = QWEN35.mlc_model_types
+    try:
+        object.__setattr__(QWEN35, "mlc_model_types", ())
+        assert all(refusal(r["family"], r["quantization"], r["model_type"]) for r in rows)
+    finally:
+        object.__setattr__(QWEN35, "mlc_model_types", mlc_types)
+
+
 # --------------------------------------------------------------------------- serving
 async def test_qwen35_in_a_batch_answers_as_alone(device, tmp_path, ref):
     """Three requests at once through continuous batching (max_num_sequences 4: the paged pool, each

@@ -158,3 +158,63 @@ def write_tiny_qwen35_gguf(path, seed: int = 0, **dims) -> dict:
         g.add_tensor(b + "ssm_out.weight", v_order(w[a + "out_proj.weight"], 1, Dv))
     _finish(g)
     return dict(path=Path(path), weights=w, dims=d)
+
+
+def write_tiny_qwen35_mlc(folder, quant: str, seed: int = 0, **dims) -> dict:
+    """The same model as MLC-LLM's converter writes it (model_type qwen3_5, its qwen35 loader): HF's
+    names under model., q_proj | k_proj | v_proj fused as self_attn.c_attn, gate | up as
+    mlp.gate_up_proj, the (1 + w) norms stored with the 1 added (not the gated norm), linear_attn's
+    A_log, dt_bias and conv1d_weight as parameters of their own; q4f16_1 / q4f32_1 quantise every
+    matrix (MLC's group quantisation, tests/test_mlc.py). Returns {"folder", "encoded": {HF name: the
+    float values the files encode}} (the same model as an HF folder of those values runs the same)."""
+    import shutil
+    from test_mlc import _write_shards, mlc_dequantize, mlc_quantize
+    d, tokens, merges, w = qwen35_weights(seed, **dims)
+    dt = {"q0f32": np.float32, "q0f16": np.float16, "q4f16_1": np.float16, "q4f32_1": np.float32}[quant]
+    folder = Path(folder)
+    hf = write_tiny_qwen35_safetensors(folder / "hf", seed, **dims)["folder"]
+    params, encoded = {}, {}
+    fused = {"self_attn.c_attn": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+             "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+    groups = {n[:-len(".weight")] if n.endswith(".weight") else n: (n,) for n in w}
+    for i in range(d["n_layers"]):
+        for mlc, parts in fused.items():
+            names = tuple(f"model.layers.{i}.{p}.weight" for p in parts)
+            if names[0] in w:
+                groups[f"model.layers.{i}.{mlc}"] = names
+                for n in names:
+                    del groups[n[:-len(".weight")]]
+    groups = {(k + "_weight" if k.endswith(".conv1d") else k): v for k, v in groups.items()}
+    for mlc, names in groups.items():
+        full = np.concatenate([w[n] for n in names]) if len(names) > 1 else w[names[0]]
+        plus1 = mlc.endswith("norm") and not mlc.endswith("linear_attn.norm")
+        if plus1:
+            full = full + np.float32(1)
+        suffix = "" if mlc.endswith(("A_log", "dt_bias", "conv1d_weight")) else ".weight"
+        if quant.startswith("q4") and full.ndim == 2:
+            qw, qs = mlc_quantize(full, dt)
+            params[mlc + ".q_weight"], params[mlc + ".q_scale"] = qw, qs
+            full = mlc_dequantize(qw, qs)
+        else:
+            full = full.astype(dt)
+            params[mlc + suffix] = full
+        full = np.asarray(full, np.float64) - (1 if plus1 else 0)
+        rows = np.cumsum([0] + [w[n].shape[0] for n in names])
+        for n, a, b in zip(names, rows[:-1], rows[1:]):
+            encoded[n] = full[a:b].reshape(w[n].shape)
+    _write_shards(folder, params)
+    c = json.loads((hf / "config.json").read_text())
+    mc = {k: c[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads", "num_hidden_layers",
+                            "num_key_value_heads", "rms_norm_eps", "vocab_size", "head_dim", "hidden_act",
+                            "attention_bias", "tie_word_embeddings", *LINEAR)}
+    mc.update(rope_theta=d["rope_base"], partial_rotary_factor=0.25, context_window_size=d["context_length"],
+              prefill_chunk_size=128, full_attention_interval=LAYER_TYPES.index("full_attention") + 1,
+              dtype="float32" if dt is np.float32 else "float16")
+    (folder / "mlc-chat-config.json").write_text(json.dumps({
+        "model_type": "qwen3_5", "quantization": quant, "model_config": mc, "context_window_size": d["context_length"],
+        "prefill_chunk_size": 128, "sliding_window_size": -1, "bos_token_id": c["bos_token_id"],
+        "eos_token_id": c["eos_token_id"]}))
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(hf / f, folder / f)
+    shutil.rmtree(hf)
+    return dict(folder=folder, encoded=encoded, dims=d)

@@ -300,8 +300,8 @@ class MLCArtifact:
         groups: dict[str, dict[str, TensorInfo]] = {}
         for name, t in self.tensors.items():
             base, _, part = name.removeprefix(_PREFIX).rpartition(".")
-            if part not in _PARTS:
-                continue
+            if part not in _PARTS:                          # a parameter without a suffix (Qwen3.5's A_log)
+                base, part = name.removeprefix(_PREFIX), "weight"
             m = _LAYER.match(base)
             ours = table.get(f"{m.group(1)}.{{i}}.{m.group(3)}") if m else table.get(base)
             if ours is None:

@@ -99,14 +99,20 @@ def split_fused(weights: dict, q_rows: int, kv_rows: int, ffn: int, head_dim: in
     `layers.i.gate_up`, in GGUF as an `up` of 2*ffn rows without a `gate`; a q|k|v bias,
     `layers.i.qkv_bias`, in Qwen's MLC artifacts and older Phi-2 GGUFs; GPT-NeoX's per-head layout,
     `layers.i.qkv_heads` and `qkv_heads_bias`, split with `head_dim`; Qwen3.5's per-head q and output
-    gate, `layers.i.q_gate`, into q and `attn_gate`): the model sees the separate q, k, v, gate and up
-    every family has."""
+    gate, `layers.i.q_gate`, into q and `attn_gate`, and MLC's q|gate, k, v of it, `layers.i.qkv_gate`):
+    the model sees the separate q, k, v, gate and up every family has."""
     out = dict(weights)
     for name, t in weights.items():
         parts = name.split(".")
         if len(parts) != 3 or parts[0] != "layers":
             continue
         p = f"layers.{parts[1]}."
+        if parts[2] == "qkv_gate":          # Qwen3.5's MLC c_attn: q|gate per head (2 q_rows), k, v
+            del out[name]
+            qg, k, v = split_rows(t, [2 * q_rows, kv_rows, kv_rows], [name + ".q_gate", name + ".k", name + ".v"])
+            out.update({p + "k": k, p + "v": v})
+            name, parts[2], t = p + "q_gate", "q_gate", qg
+            out[name] = t
         if parts[2] == "q_gate":            # Qwen3.5: each head's q rows, then its output gate's
             if not head_dim or t.n != 2 * q_rows:
                 raise ValueError(f"{t.name}: {t.shape} is not per-head q|gate of {q_rows} rows (head_dim {head_dim})")

@@ -71,6 +71,26 @@ GGUF_QWEN35_TO_OURS = {
     "blk.{i}.ssm_out.weight": "layers.{i}.o",
 }
 
+# MLC-LLM's qwen3_5 artifacts (python/mlc_llm/model/qwen35: WebLLM's Qwen3.5 ids): HF's names under
+# model., q|gate, k, v fused as c_attn, gate|up fused, the (1 + w) norms stored with the 1 added,
+# A_log, dt_bias and conv1d_weight without a suffix; value heads in HF's order
+_MLC_LIN = "model.layers.{i}.linear_attn."
+MLC_QWEN35_TO_OURS = {
+    "model.embed_tokens": "embed", "model.norm": "norm", "lm_head": "lm_head",
+    "model.layers.{i}.input_layernorm": "layers.{i}.attn_norm",
+    "model.layers.{i}.post_attention_layernorm": "layers.{i}.ffn_norm",
+    "model.layers.{i}.self_attn.c_attn": "layers.{i}.qkv_gate",          # (2 Hq D + 2 Hkv D, C)
+    "model.layers.{i}.self_attn.o_proj": "layers.{i}.o",
+    "model.layers.{i}.self_attn.q_norm": "layers.{i}.q_norm",
+    "model.layers.{i}.self_attn.k_norm": "layers.{i}.k_norm",
+    "model.layers.{i}.mlp.gate_up_proj": "layers.{i}.gate_up",
+    "model.layers.{i}.mlp.down_proj": "layers.{i}.down",
+    **{_MLC_LIN + mlc: f"layers.{{i}}.{ours}" for mlc, ours in (
+        ("in_proj_qkv", "lin_qkv"), ("in_proj_z", "lin_z"), ("in_proj_b", "lin_b"), ("in_proj_a", "lin_a"),
+        ("conv1d_weight", "lin_conv"), ("A_log", "lin_A_log"), ("dt_bias", "lin_dt_bias"), ("norm", "lin_norm"),
+        ("out_proj", "o"))},
+}
+
 
 @dataclass
 class GatedDeltaNet:
@@ -201,8 +221,9 @@ def _gguf(g, fields: dict) -> dict:
 
 QWEN35 = DecoderFamily("qwen35", hf_architectures=("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"),
                        hf_model_types=("qwen3_5_text", "qwen3_5"), gguf_neox=True, hf_names=HF_QWEN35_TO_OURS,
-                       gguf_names=GGUF_QWEN35_TO_OURS, hf=_hf, gguf=_gguf, mixer=_mixer)
+                       gguf_names=GGUF_QWEN35_TO_OURS, hf=_hf, gguf=_gguf, mixer=_mixer,
+                       mlc_model_types=("qwen3_5", "qwen3_5_text"), mlc_names=MLC_QWEN35_TO_OURS)
 
 FAMILIES = (QWEN35,)
 
-__all__ = ["FAMILIES", "GatedDeltaNet", "HF_QWEN35_TO_OURS", "QWEN35"]
+__all__ = ["FAMILIES", "GGUF_QWEN35_TO_OURS", "GatedDeltaNet", "HF_QWEN35_TO_OURS", "MLC_QWEN35_TO_OURS", "QWEN35"]
