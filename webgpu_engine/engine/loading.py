@@ -166,6 +166,8 @@ class ModelLoading:
             opts = list(chat_opts) if isinstance(chat_opts, (list, tuple)) else [chat_opts]
             if len(opts) != len(ids):
                 raise ReloadArgumentSizeUnmatchedError(len(ids), len(opts))
+        if lora_adapters:           # adapters are served by the batch scheduler: batch as serve does
+            opts = [{"max_num_sequences": 0, **(o or {})} for o in opts]
         if len(set(ids)) != len(ids):
             raise ReloadModelIdNotUniqueError(ids)
         # Ids the app config lacks are model references (a .gguf, a folder, a URL, a Hugging Face
