@@ -6,7 +6,9 @@ with a bias, experts with biases and a clamped SwiGLU); three requests through c
 give transformers' greedy tokens of each, as each gives alone. The GGUF llama.cpp's converter writes of
 it (general.architecture gpt-oss) gives the same; with its experts in MXFP4 (ggml's blocks: an E8M0
 scale byte and 16 bytes of E2M1 codes per 32) the logits and tokens of a GGUF holding those values
-in f32."""
+in f32. Its answers are in harmony (its family's parser, engine/harmony.py): through the openai client,
+the analysis channel arrives as reasoning_content and the final channel as content, a call to
+functions.NAME as a tool call, streamed or not (the random model writes them under a grammar)."""
 from __future__ import annotations
 
 import asyncio
@@ -80,3 +82,76 @@ def test_mxfp4_experts_as_their_floats(device, tmp_path):
     for r in (0, 150, 299):
         assert np.abs(rows_q[r] - rows_f[r]).max() <= 1e-4 * np.abs(rows_f[r]).max()
     assert greedy_q == greedy_f
+
+
+# ---------------------------------------------------------------------- harmony through the server
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string",
+                                                          "maxLength": 12}}, "required": ["city"]}}}]
+# the answer a grammar makes the random model write: its reasoning, then the answer
+ANSWER = ('start: <|channel|> "analysis" <|message|> "The user wants the capital." <|end|> <|start|> "assistant" '
+          '<|channel|> "final" <|message|> "Paris is the capital."')
+
+
+@pytest.fixture(scope="module")
+def server(device, hf_folder):
+    from webgpu_engine.engine import EngineConfig
+    from webgpu_engine.server.app import ServerOptions, ServerThread
+    s = ServerThread(ServerOptions(models=[str(hf_folder)], chat_opts=[{"dtype": "f32", "context_window_size": 1024}],
+                                   port=0, engine_config=EngineConfig(device=device)))
+    yield s
+    s.stop()
+
+
+def _client(server):
+    import openai
+    return openai.OpenAI(base_url=server.url, api_key="none", max_retries=0)
+
+
+def test_harmony_prompt_and_channels_through_the_openai_client(server):
+    """The template renders the conversation in harmony (tools as a functions namespace, a call and
+    its result as commentary messages); the analysis channel comes back as reasoning_content and
+    the final one as content, whole and streamed."""
+    from webgpu_engine.loaders.chat_template import from_folder
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "tool_calls": [{"id": "call_1", "type": "function",
+                                                  "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    text = from_folder(server.opts.models[0]).render(msgs, add_generation_prompt=True, tools=TOOLS)
+    assert "<|start|>developer<|message|># Instructions\n\nBe brief." in text and "type get_weather = " in text
+    assert ('<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>'
+            '{"city": "Paris"}<|call|><|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>'
+            'sunny<|end|><|start|>assistant') in text
+    c = _client(server)
+    kw = dict(model=c.models.list().data[0].id, messages=[{"role": "user", "content": "The capital of France?"}],
+              temperature=0.0, max_tokens=120, response_format={"type": "grammar", "grammar": ANSWER})
+    r = c.chat.completions.create(**kw)
+    msg = r.choices[0].message
+    assert (msg.model_extra["reasoning_content"], msg.content) == ("The user wants the capital.", "Paris is the capital.")
+    assert r.choices[0].finish_reason == "stop" and not msg.tool_calls
+    reasoning, content = "", ""
+    for chunk in c.chat.completions.create(**kw, stream=True):
+        d = chunk.choices[0].delta if chunk.choices else None
+        reasoning += (d.model_extra or {}).get("reasoning_content") or "" if d else ""
+        content += (d.content or "") if d else ""
+    assert (reasoning, content) == ("The user wants the capital.", "Paris is the capital.")
+
+
+def test_harmony_tool_calls_through_the_openai_client(server):
+    """A call to functions.get_weather (forced by tool_choice: harmony's commentary message with
+    arguments that follow the schema) is an OpenAI tool call, whole and streamed."""
+    import json
+    c = _client(server)
+    kw = dict(model=c.models.list().data[0].id, messages=[{"role": "user", "content": "Weather in Paris?"}],
+              tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}}, temperature=0.0,
+              max_tokens=120)
+    r = c.chat.completions.create(**kw)
+    (call,) = r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
+    assert set(json.loads(call.function.arguments)) == {"city"} and call.id.startswith("call_")
+    name, args = None, ""
+    for chunk in c.chat.completions.create(**kw, stream=True):
+        for tc in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+            name = tc.function.name or name
+            args += tc.function.arguments or ""
+    assert (name, args) == ("get_weather", call.function.arguments)

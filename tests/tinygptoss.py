@@ -21,7 +21,7 @@ import tinymodels as tm
 HARMONY_TOKENS = ["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>",
                   "<|call|>"]
 DIMS = dict(vocab_size=300, hidden_size=64, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=16, n_experts=4,
-            n_experts_used=2, expert_ffn=32, sliding_window=24, context_length=512, rope_base=150000.0,
+            n_experts_used=2, expert_ffn=32, sliding_window=24, context_length=1024, rope_base=150000.0,
             yarn_factor=8.0, yarn_original=64, swiglu_limit=7.0, swiglu_alpha=1.702, rms_eps=1e-5)
 # the chat template: harmony as gpt-oss's tokenizer_config.json renders it, in short (tests/fixtures)
 TEMPLATE = Path(__file__).parent / "fixtures" / "gptoss_chat_template.jinja"

@@ -305,9 +305,13 @@ class OutputParser:
         return out, msg, finish_reason
 
 
-def output_parser(pipe, messages, gen, tools: ToolContext | None) -> OutputParser:
+def output_parser(pipe, messages, gen, tools: ToolContext | None):
     """The parser of one chat answer: thinking split off when the model's template thinks (starting
-    inside it when the rendered prompt leaves a <think> open), tool calls when tools were offered."""
+    inside it when the rendered prompt leaves a <think> open), tool calls when tools were offered;
+    the family's own when it has one (DecoderFamily.chat_format: gpt-oss's harmony)."""
+    if chat_format(pipe) == "harmony" or (tools is not None and tools.fmt == "harmony"):
+        from .harmony import HarmonyParser
+        return HarmonyParser(tools)
     tpl = getattr(pipe, "template", None)
     reasoning = None
     if messages is not None and tpl is not None and has_reasoning(tpl):
@@ -315,3 +319,10 @@ def output_parser(pipe, messages, gen, tools: ToolContext | None) -> OutputParse
                           **pipe.template_kwargs(gen))
         reasoning = starts_in_reasoning(text)
     return OutputParser(reasoning, tools)
+
+
+def chat_format(pipe) -> str:
+    """The answer format of a pipeline's model family ("": the template's <think> and tool markers)."""
+    from ..loaders.decoder_config import FAMILIES
+    fam = FAMILIES.get(getattr(getattr(pipe, "model_config", None), "arch", ""))
+    return fam.chat_format if fam is not None else ""

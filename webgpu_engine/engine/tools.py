@@ -7,7 +7,9 @@ Formats (picked from the chat template's text):
   `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, one block per call;
 - llama3 (Llama 3.1+ templates with `<|python_tag|>`/ipython): `{"name": ..., "parameters": {...}}`,
   calls separated by `;`;
-- mistral (`[TOOL_CALLS]`): `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`.
+- mistral (`[TOOL_CALLS]`): `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`;
+- harmony (gpt-oss, `<|channel|>`): a commentary message to functions.NAME whose text is the
+  arguments, ended by `<|call|>` (parsed by engine/harmony.py, which the family selects).
 A template that does not mention `tools` gets the tools in a system message (Hermes' wording) and
 earlier calls / results rewritten as text in the same format, so every model can take part.
 """
@@ -19,12 +21,14 @@ import uuid
 
 from ..errors import InvalidRequestError
 
-HERMES, LLAMA3, MISTRAL = "hermes", "llama3", "mistral"
+HERMES, LLAMA3, MISTRAL, HARMONY = "hermes", "llama3", "mistral", "harmony"
 _ARGS_KEY = {HERMES: "arguments", LLAMA3: "parameters", MISTRAL: "arguments"}
 
 
 def tool_format(template) -> str:
     src = getattr(template, "source", "") or ""
+    if "<|channel|>" in src:
+        return HARMONY
     if "[TOOL_CALLS]" in src:
         return MISTRAL
     if "<|python_tag|>" in src or "ipython" in src:
@@ -94,6 +98,8 @@ def tool_grammar(tools: list[dict], tool_choice, fmt: str, parallel: bool = True
     if isinstance(tool_choice, dict):
         name = tool_choice["function"]["name"]
         tools = [t for t in tools if t["function"]["name"] == name]
+    if fmt == HARMONY:          # one call (it ends the answer): a commentary message to the function
+        return {"type": "lark", "grammar": _harmony_call_grammar(tools)}
     key = _ARGS_KEY[fmt]
     variants = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]},
                                                   key: t["function"]["parameters"]},
@@ -111,6 +117,19 @@ def tool_grammar(tools: list[dict], tool_choice, fmt: str, parallel: bool = True
     else:
         start = 'start: "[TOOL_CALLS][" call' + (' (", " call)*' if many else "") + ' "]"'
     return {"type": "lark", "grammar": start + "\n" + call}
+
+
+def _harmony_call_grammar(tools: list[dict]) -> str:
+    """Lark: `<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>` and arguments that
+    follow NAME's parameter schema (compact JSON), for one of `tools`."""
+    starts, rules = [], []
+    for i, t in enumerate(tools):
+        schema = {**t["function"]["parameters"],
+                  "x-guidance": {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}}
+        head = json.dumps(f"commentary to=functions.{t['function']['name']} ")
+        starts.append(f'<|channel|> {head} <|constrain|> "json" <|message|> args{i}')
+        rules.append(f"args{i}: %json {json.dumps(schema)}")
+    return "start: " + " | ".join(starts) + "\n" + "\n".join(rules) + "\n"
 
 
 _USE_RESULTS = "\nAnswer the question with these results."

@@ -24,6 +24,14 @@ EOG_TEXTS = frozenset({
     "<|end_of_text|>", "<|eom_id|>", "<｜end▁of▁sentence｜>", "<|return|>", "<|call|>",
 })
 
+
+def _eog_texts(tokens) -> frozenset:
+    """EOG_TEXTS for a vocabulary: harmony's (gpt-oss: <|return|> and <|call|> end an answer) ends
+    only a message with <|end|>, the answer going on in the next one (llama.cpp's rule too)."""
+    if "<|return|>" in tokens and "<|call|>" in tokens:
+        return EOG_TEXTS - {"<|end|>"}
+    return EOG_TEXTS
+
 # Unicode White_Space (what \s means in Oniguruma / Rust regex); Python's isspace adds \x1c-\x1f.
 _WS = "\\t\\n\\x0b\\x0c\\r \\x85\\xa0\\u1680\\u2000-\\u200a\\u2028\\u2029\\u202f\\u205f\\u3000"
 
@@ -153,8 +161,9 @@ def eog_ids(metadata: dict) -> list[int]:
     out = [int(i) for i in ids if i is not None and int(i) >= 0]
     tokens = metadata.get("tokenizer.ggml.tokens") or []
     types = metadata.get("tokenizer.ggml.token_type") or []
+    eog = _eog_texts(tokens)
     for i, t in enumerate(types):
-        if t in (TOKEN_CONTROL, TOKEN_USER_DEFINED) and tokens[i] in EOG_TEXTS:
+        if t in (TOKEN_CONTROL, TOKEN_USER_DEFINED) and tokens[i] in eog:
             out.append(i)
     return list(dict.fromkeys(out))
 
@@ -186,8 +195,8 @@ def hf_vocab(spec: dict, tok_cfg: dict | None, type_of=lambda t: TOKEN_NORMAL):
     single = post.get("single") or []      # TemplateProcessing that starts with a special token
     first = single[0].get("SpecialToken", {}).get("id") if single else None
     add_bos = bool(tok_cfg.get("add_bos_token", False)) or (bos is not None and first == tokens[bos])
-    eos = [tid("eos_token")] + [i for i, (t, ty) in enumerate(zip(tokens, types))
-                                if ty == TOKEN_CONTROL and t in EOG_TEXTS]
+    eog = _eog_texts(tokens)
+    eos = [tid("eos_token")] + [i for i, (t, ty) in enumerate(zip(tokens, types)) if ty == TOKEN_CONTROL and t in eog]
     unk = model.get("unk_token")
     return tokens, types, dict(bos_id=bos, eos=eos, unk_id=vocab.get(unk) if unk else None,
                                pad_id=tid("pad_token"), add_bos_token=add_bos)

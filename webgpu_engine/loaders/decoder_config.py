@@ -45,6 +45,9 @@ class DecoderFamily:
     # GGUF tensor names ({i}: the layer) this family reads as other names of ours than loaders.gguf's
     # table gives them (gpt-oss: its post_attention_norm is the FFN's norm)
     gguf_names: dict = field(default_factory=dict)
+    # how its chat answers are written: "" (<think> and tool-call markers, engine/output.py) or
+    # "harmony" (gpt-oss's channels, engine/harmony.py)
+    chat_format: str = ""
     gguf: Callable | None = None             # (GGUFFile, fields) -> fields
     hf: Callable | None = None               # (config.json dict, fields, where) -> fields
     # new math: {point: fn(m, i, t, T) -> [Op]}, ops models/decoder.py runs on tensor t (T rows) at

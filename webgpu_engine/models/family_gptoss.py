@@ -10,7 +10,9 @@ what they add:
 (LlamaConfig.attn_sinks, act "swiglu_oai" with act_alpha / act_limit; kernels: attention sinks,
 expert biases, silu_mul's swiglu_oai.) Its HF folder stacks the experts for x · W with gate and up
 columns interleaved (models/experts.py transposes them at upload); llama.cpp's GGUF
-(general.architecture `gpt-oss`) stacks them as the other MoE families, biases beside.
+(general.architecture `gpt-oss`) stacks them as the other MoE families, biases beside. Its answers
+are in harmony (channels: analysis as reasoning_content, final as content, commentary to
+functions.NAME as tool calls), parsed by engine/harmony.py.
 """
 from __future__ import annotations
 
@@ -54,6 +56,7 @@ def _gptoss_gguf(g, fields: dict) -> dict:
 GPTOSS = DecoderFamily("gpt-oss", hf_architectures=("GptOssForCausalLM",), hf_model_types=("gpt_oss",),
                        hf_defaults={"use_sliding_window": True, "sliding_window": 128}, gguf_neox=True,
                        hf_names=HF_GPTOSS_TO_OURS, hf=_gptoss_hf, gguf=_gptoss_gguf,
-                       gguf_names={"blk.{i}.post_attention_norm.weight": "layers.{i}.ffn_norm"})
+                       gguf_names={"blk.{i}.post_attention_norm.weight": "layers.{i}.ffn_norm"},
+                       chat_format="harmony")
 
 FAMILIES = (GPTOSS,)
