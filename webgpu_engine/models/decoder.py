@@ -214,7 +214,9 @@ def forward(m, kv: KVAccess, T: int, mode: str, *, with_head: bool = True,
         if L.attn_gate is not None:          # the attention's output gate g = h · Wgᵀ (Qwen3.5)     (T, H D)
             gate = m.attn_gate_out.view((T, H * D))
             ops.append(mm.matmul(dev, src, L.attn_gate, gate, **how, **flags))
-        ops += delta(i, "qkv", h if c.pre_norms else x, qkv2, T)
+        if lora is not None:                 # the input as the matmul sees it (normed here where it norms x itself)
+            ops += _lora_delta(m, lora, i, "qkv", x, h, L.attn_norm, L.attn_norm_bias, qkv2, T,
+                               c.pre_norms and (plan.norm_in_matmul or plan.res_norm and i > 0))
         if L.mixer is not None:              # a token mixer other than attention (Qwen3.5's Gated DeltaNet)
             ops += L.mixer.ops(m, kv, i, qkv2, attn, T)
         else:
@@ -225,9 +227,9 @@ def forward(m, kv: KVAccess, T: int, mode: str, *, with_head: bool = True,
             ops += [mm.matmul(dev, attn, L.o, h, bias=L.o_bias, **flags), *delta(i, "o", attn, h, T),
                     nn.rms_norm(dev, h, L.post_attn_norm, h, eps=eps), nn.add(dev, x, h, x)]
         else:
+            ops += delta(i, "o", attn, x, T)       # into x first: the matmul's norm_out sees the sum
             ops.append(mm.matmul(dev, attn, L.o, x, bias=L.o_bias, accumulate=True, **flags,
                                  norm_out=mm.NormOut(L.ffn_norm, h, part) if plan.res_norm else None))
-            ops += delta(i, "o", attn, x, T)
         if L.experts is not None:            # x += the chosen experts' FFNs of rms_norm(x)
             ops += _experts(m, L, x, h, T, mode, flags)
             continue
@@ -246,7 +248,9 @@ def forward(m, kv: KVAccess, T: int, mode: str, *, with_head: bool = True,
         else:
             ops.append(_norm(m, x, L.ffn_norm, L.ffn_norm_bias, h))
             ops.append(mm.matmul(dev, h, L.gate_up, out, bias=L.up_bias, **gate))
-        ops += delta(i, "gate_up", x if not c.pre_norms and not c.parallel_norms else h, out, T)
+        if lora is not None:
+            ops += _lora_delta(m, lora, i, "gate_up", x, h, L.ffn_norm, L.ffn_norm_bias, out, T,
+                               c.pre_norms and not c.parallel_norms and (plan.res_norm or plan.norm_in_matmul))
         # x += (act(gate) * up) · Wdownᵀ (the next layer's norm stored beside when res_norm),
         # act(gate) * up computed by the down matmul itself (gate_in_down), by the gate_up
         # matmul (gate_out) or by its own kernel
@@ -265,8 +269,8 @@ def forward(m, kv: KVAccess, T: int, mode: str, *, with_head: bool = True,
                     nn.rms_norm(dev, h, L.post_ffn_norm, h, eps=eps), nn.add(dev, x, h, x)]
         else:
             nxt = mm.NormOut(norms_after[i], h, part) if plan.res_norm else None
-            ops.append(mm.matmul(dev, ffn_in, L.down, x, bias=L.down_bias, accumulate=True, norm_out=nxt, **fused))
             ops += delta(i, "down", ffn_in, x, T)
+            ops.append(mm.matmul(dev, ffn_in, L.down, x, bias=L.down_bias, accumulate=True, norm_out=nxt, **fused))
         if L.ple_gate is not None:           # x += the layer's per-layer input, gated by x
             ops += _per_layer_input(m, L, i, x, h, T, flags)
         if L.scale != 1.0:
@@ -354,6 +358,17 @@ def _per_layer_input(m, L, i: int, x: Tensor, h: Tensor, T: int, flags: dict) ->
             nn.gelu_tanh_gate(dev, g, m.ple.view((T, c.n_layers * P)), g, col=i * P),
             mm.matmul(dev, g, L.ple_proj, h, **flags), nn.rms_norm(dev, h, L.ple_norm, h, eps=c.rms_eps),
             nn.add(dev, x, h, x)]
+
+
+def _lora_delta(m, lora, i: int, group: str, x: Tensor, h: Tensor, w: Tensor, b: Tensor | None, y: Tensor,
+                T: int, normed_in_matmul: bool) -> list[Op]:
+    """y += each row's LoRA delta of layer i's projection `group` of the layer's norm: h (x without
+    pre norms), or where the matmul norms x itself (res_norm, norm_in_matmul) the norm of x computed
+    here into the pool's own rows (the matmul's fused norm stays as it is for every row)."""
+    if not normed_in_matmul:
+        return lora.delta(i, group, h if m.cfg.pre_norms or m.cfg.parallel_norms else x, y, T)
+    normed = lora.pool.h.view((T, m.cfg.hidden_size))
+    return [_norm(m, x, w, b, normed), *lora.delta(i, group, normed, y, T)]
 
 
 def _norm(m, x: Tensor, w: Tensor, b: Tensor | None, y: Tensor) -> Op:
