@@ -17,10 +17,9 @@ from pathlib import Path
 
 import pytest
 
-import numpy as np
 import test_families as families
 import tinygptoss
-from webgpu_engine.models.registry import open_model
+from test_moe import check_quantized_as_floats
 
 REF = json.loads((Path(__file__).parent / "fixtures" / "gptoss_transformers.json").read_text())
 
@@ -68,20 +67,8 @@ def test_mxfp4_experts_as_their_floats(device, tmp_path):
     """MXFP4 experts (each expert a slice of the stacked blocks, read by the MoE kernels through
     dequant.wgsl's dq_mxfp4) give the logits and greedy tokens of the same file with the experts'
     dequantised values in f32."""
-    outs = []
-    for deq in (False, True):
-        path = tinygptoss.write_tiny_gptoss_gguf(tmp_path / f"mxfp4_{deq}.gguf", seed=REF["seed"], expert_qtype="MXFP4",
-                                                 dequantized=deq)["path"]
-        m = open_model(path)
-        try:
-            assert {m.weights[f"layers.0.{p}_exps"].qtype for p in ("gate", "up", "down")} == {"f32" if deq else "mxfp4"}
-            outs.append(families.run_golden(device, m.config, m.weights, {**REF, "rows": [0, 150, 299]}))
-        finally:
-            m.close()
-    (rows_q, greedy_q), (rows_f, greedy_f) = outs
-    for r in (0, 150, 299):
-        assert np.abs(rows_q[r] - rows_f[r]).max() <= 1e-4 * np.abs(rows_f[r]).max()
-    assert greedy_q == greedy_f
+    check_quantized_as_floats(device, lambda deq: tinygptoss.write_tiny_gptoss_gguf(
+        tmp_path / f"mxfp4_{deq}.gguf", seed=REF["seed"], expert_qtype="MXFP4", dequantized=deq)["path"], "mxfp4", REF)
 
 
 # ---------------------------------------------------------------------- harmony through the server

@@ -84,15 +84,20 @@ def test_quantized_experts_as_their_floats(device, tmp_path):
     """Q8_0 experts from a GGUF (each expert a slice of the stacked blocks) give the logits and greedy
     tokens of the same file with the experts' dequantised values in f32."""
     dims = dict(context_length=512, seed=5, expert_ffn=64)
-    ref = families._ref("qwen3")                      # its text and positions; the tokens are ours
+    check_quantized_as_floats(device, lambda deq: tinymoe.write_tiny_moe_gguf(
+        "qwen3moe", tmp_path / f"q8_{deq}.gguf", expert_qtype="Q8_0", dequantized=deq, **dims)["path"],
+        "q8_0", families._ref("qwen3"))              # its text and positions; the tokens are ours
+
+
+def check_quantized_as_floats(device, write, qtype: str, ref: dict) -> None:
+    """write(dequantized) -> a GGUF path: the file with `qtype` experts gives, at 3 positions, the
+    logits (within 1e-4 of the largest) and the greedy tokens of the one holding their values in f32."""
     outs = []
     for deq in (False, True):
-        path = tinymoe.write_tiny_moe_gguf("qwen3moe", tmp_path / f"q8_{deq}.gguf", expert_qtype="Q8_0",
-                                           dequantized=deq, **dims)["path"]
-        m = open_model(path)
+        m = open_model(write(deq))
         try:
-            assert {m.weights["layers.0.gate_exps"].qtype, m.weights["layers.0.down_exps"].qtype} == \
-                {"f32" if deq else "q8_0"}
+            assert {m.weights[f"layers.0.{p}_exps"].qtype for p in ("gate", "up", "down")} == \
+                {"f32" if deq else qtype}
             outs.append(families.run_golden(device, m.config, m.weights, {**ref, "rows": [0, 150, 299]}))
         finally:
             m.close()
