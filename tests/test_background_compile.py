@@ -159,6 +159,32 @@ async def test_ready_dispatches_what_it_compiles_empty_where_the_driver_compiles
         dev.release_owner("t:bg")
 
 
+async def test_the_workers_dispatch_what_they_created_empty_once_the_device_pauses(fresh_device, shader_dir):
+    """Where the driver compiles at the first dispatch, the workers finish the job: each pipeline
+    they created is dispatched empty (with the bind group it was first bound with) once the device
+    has paused, so no later batch compiles it; nothing is written."""
+    dev, bg = fresh_device, fresh_device.background
+    bg.hold(True)
+    try:
+        with dev.compiling_in_background():
+            pipes = [_variant(dev, v) for v in (13, 14)]
+        batch, outs = _scale_batch(dev, pipes)          # bound before the workers reach them
+        warmed = dev.warmed
+    finally:
+        bg.hold(False)
+    await dev.compiled()
+    assert all(p.ready for p in pipes) and dev.compiles_pending() == 0
+    assert [p.hot for p in pipes] == [dev.warms_on_dispatch] * 2
+    assert dev.warmed == warmed + (2 if dev.warms_on_dispatch else 0)
+    for y in outs:
+        assert not np.frombuffer(dev.read_sync(y), np.float32).any()
+    waits = dev.compile_waits
+    dev.submit(batch)
+    assert dev.compile_waits == waits
+    _check(dev, outs, [13, 14])
+    dev.release_owner("t:bg")
+
+
 def test_a_broken_shader_queued_fails_typed_where_it_is_used(fresh_device, shader_dir):
     dev = fresh_device
     dev.background.hold(True)

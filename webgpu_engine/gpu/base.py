@@ -120,12 +120,16 @@ class Pipeline:
     compiler (gpu/compiler.py) is made on first need: `raw` compiles it, or waits for the worker
     compiling it."""
 
-    __slots__ = ("key", "header_lines", "lazy", "stand_in")
+    __slots__ = ("key", "header_lines", "lazy", "stand_in", "hot", "warm_group")
 
     def __init__(self, key: PipelineKey, raw: Any = None, header_lines: int = 0, make=None):
         self.key, self.header_lines, self.lazy = key, header_lines, LazyRaw(raw, make)
         # same results, dispatch and bindings (the tiled matmul's full tile): runs while this compiles
         self.stand_in: Pipeline | None = None
+        # dispatched at least once (drivers that compile at the first dispatch have compiled it),
+        # and, until then, a bind group of its to dispatch it empty with (gpu/compiler.py)
+        self.hot = False
+        self.warm_group: BindGroup | None = None
 
     raw = property(lambda self: self.lazy.resolve())
     ready = property(lambda self: self.lazy.ready)
@@ -217,6 +221,7 @@ class Device(CompilingDevice):
         self.stand_ins = 0                # dispatches that ran a pipeline's stand-in (see ready)
         self.compile_waits = 0
         self.warmed = 0
+        self.last_submit = 0.0
         # pipelines that models have run once on this device at load (drivers such as lavapipe
         # compile on first dispatch): a later load that uses only these records no warm-up run
         self.warmed_pipelines: set[PipelineKey] = set()
@@ -379,10 +384,14 @@ class Device(CompilingDevice):
         held = tuple(b for _, b in sorted(buffers.items())) if isinstance(buffers, Mapping) else tuple(buffers)
         entries = tuple(entries)
         if not pipeline.ready:        # compiling in the background: bound at the first submit
-            return BindGroup(None, pipeline, held, make=lambda: self._guard(
+            group = BindGroup(None, pipeline, held, make=lambda: self._guard(
                 lambda: self._raw_bind(pipeline.raw, entries, pipeline.name), pipeline.name), entries=entries)
-        raw = self._guard(lambda: self._raw_bind(pipeline.raw, entries, pipeline.name), pipeline.name)
-        return BindGroup(raw, pipeline, held, entries=entries)
+        else:
+            raw = self._guard(lambda: self._raw_bind(pipeline.raw, entries, pipeline.name), pipeline.name)
+            group = BindGroup(raw, pipeline, held, entries=entries)
+        if self.warms_on_dispatch and not pipeline.hot and pipeline.warm_group is None:
+            pipeline.warm_group = group
+        return group
 
     # ------------------------------------------------------------------ submission
     def batch(self) -> Batch:

@@ -14,7 +14,12 @@ passes, and LLVM compiles it when a command buffer first dispatches it, on the q
 that is most of the time). A request compiling its own pipelines (`ready`) therefore dispatches
 each of them with no workgroups as soon as it is created (`warms_on_dispatch`): the queue's thread
 compiles one while the other cores still create the rest, instead of compiling them all in turn
-when the request's batch runs.
+when the request's batch runs. The workers, once nothing is left to create, dispatch each pipeline
+they created empty (with the bind group it was first bound with) when the device has had no
+submit for IDLE_S, or has waited WARM_WAIT_S for such a pause: the rest compiles in the background
+after the first request instead of inside a later request's step. A pipeline's stand-in (same
+results, dispatch and bindings: the tiled matmul's full tile) runs until the pipeline itself has
+been dispatched once, so its compile never stalls a step either.
 
 Standard library only; the browser backend compiles in place (no threads in the page).
 """
@@ -24,6 +29,7 @@ import asyncio
 import atexit
 import logging
 import threading
+import time
 import weakref
 from collections import deque
 from contextlib import contextmanager
@@ -32,6 +38,8 @@ from typing import Any, Callable
 
 _log = logging.getLogger("webgpu_engine.gpu")
 GRACE_S = 0.5        # after a load, before the workers start (compiling_in_background)
+IDLE_S = 0.3         # no submit for this long: the workers may compile by an empty dispatch
+WARM_WAIT_S = 5.0    # ... or once they have waited this long for such a pause
 
 
 class LazyRaw:
@@ -86,6 +94,11 @@ class BackgroundCompiler:
         self._closed = False
         self._held = 0                # requests compiling what they need: workers start nothing new
         self.done = 0                 # pipelines the workers compiled
+        # created pipelines to compile by an empty dispatch when the device pauses (warms_on_dispatch):
+        # `idle()` -> seconds since the device's last submit, `warm(p)` dispatches p empty
+        self._to_warm: deque = deque()
+        self.idle: Callable[[], float] | None = None
+        self.warm: Callable[[Any], None] | None = None
         _compilers.add(self)
 
     def submit(self, p) -> None:
@@ -100,15 +113,22 @@ class BackgroundCompiler:
             self._cv.notify()
 
     def pending(self) -> int:
-        """Pipelines queued or compiling."""
+        """Pipelines queued or compiling (or waiting for their empty dispatch)."""
         with self._cv:
-            return len(self._queue) + self._busy
+            return len(self._queue) + self._warm_left() + self._busy
+
+    def _warm_left(self) -> int:
+        """Pipelines left to dispatch empty (under the lock): those dispatched meanwhile dropped."""
+        if any(p.hot for p in self._to_warm):
+            self._to_warm = deque(p for p in self._to_warm if not p.hot)
+        return len(self._to_warm)
 
     def cancel(self) -> int:
         """Drop what no worker has started (the pipelines compile in place if ever needed)."""
         with self._cv:
             n = len(self._queue)
             self._queue.clear()
+            self._to_warm.clear()
             self._cv.notify_all()
             return n
 
@@ -128,7 +148,8 @@ class BackgroundCompiler:
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the queue is done (True) or `timeout` seconds pass (False)."""
         with self._cv:
-            return self._cv.wait_for(lambda: not self._queue and not self._busy, timeout)
+            return self._cv.wait_for(lambda: not self._queue and not self._warm_left() and not self._busy,
+                                     timeout)
 
     def close(self, timeout: float = 30.0) -> None:
         """Cancel the queue and wait up to `timeout` s for the compiles under way (before the device
@@ -136,26 +157,54 @@ class BackgroundCompiler:
         with self._cv:
             self._closed = True
             self._queue.clear()
+            self._to_warm.clear()
             self._cv.notify_all()
         for t in self._threads:
             t.join(timeout)
 
+    def _next(self):
+        """The next job (under the lock): ("make", p), or ("warm", p) once nothing is left to make
+        and the device has paused (or waited WARM_WAIT_S for a pause); None: closed."""
+        waited = 0.0
+        while True:
+            if self._closed:
+                return None
+            if self._queue and not self._held:
+                return "make", self._queue.popleft()
+            if self._warm_left() and not self._held and not self._queue:
+                idle = self.idle() if self.idle is not None else IDLE_S
+                if idle >= IDLE_S or waited >= WARM_WAIT_S:
+                    return "warm", self._to_warm.popleft()
+                pause = IDLE_S - idle + 0.01
+                self._cv.wait(pause)
+                waited += pause
+                continue
+            if not self._queue and not self._to_warm:
+                self._cv.wait()
+            else:
+                self._cv.wait(IDLE_S)
+
     def _work(self) -> None:
         while True:
             with self._cv:
-                self._cv.wait_for(lambda: (self._queue and not self._held) or self._closed)
-                if not self._queue:
+                job = self._next()
+                if job is None:
                     return
-                p = self._queue.popleft()
                 self._busy += 1
+            kind, p = job
             try:
-                if not p.lazy.started():
+                if kind == "make" and not p.lazy.started():
                     p.lazy.try_resolve()
                     self.done += 1
+                if kind == "warm":
+                    self.warm(p)
+                elif self.warm is not None and p.warm_group is not None and not p.hot:
+                    with self._cv:
+                        self._to_warm.append(p)
             finally:
                 with self._cv:
                     self._busy -= 1
-                    drained = not self._queue and not self._busy
+                    drained = not self._queue and not self._warm_left() and not self._busy
                     self._cv.notify_all()
                 if drained:
                     _log.info("background compiler: queue done (%d kernels compiled by its workers so far)",
@@ -172,7 +221,8 @@ class CompilingDevice:
     _pipelines: dict
     compile_waits: int
     stand_ins: int
-    warmed: int                   # pipelines dispatched empty by ready() (warms_on_dispatch)
+    warmed: int                   # pipelines dispatched empty (warms_on_dispatch)
+    last_submit: float            # time.monotonic() of the last submit with dispatches
 
     # whether the driver compiles a pipeline at its first dispatch, so that an empty dispatch
     # compiles it (backends that can make one say so: NativeDevice on lavapipe)
@@ -219,64 +269,94 @@ class CompilingDevice:
         if self.background is not None and self.background.pending():
             await asyncio.to_thread(self.background.wait)
 
+    def usable(self, p) -> bool:
+        """Whether pipeline p runs as itself now: created, and where the driver compiles at the first
+        dispatch, dispatched once (else its stand-in, where it has one, runs in its place)."""
+        return p.lazy.ready and (p.hot or not self.warms_on_dispatch)
+
     async def ready(self, work) -> None:
         """Compile, off the event loop and side by side, the pipelines that `work` (a Batch, or
         pipelines) dispatches and the background compiler has not made yet (its workers start
         nothing new meanwhile); a submit would compile them one by one on the submitting thread.
-        Where the driver compiles on first dispatch, each is dispatched empty once created (with
-        a bind group of the batch's), so that its compile overlaps the others' creation."""
+        A pipeline with a stand-in that is not usable yet has its stand-in compiled instead, and
+        the batch runs the stand-in. Where the driver compiles on first dispatch, each is
+        dispatched empty once created (with a bind group of the batch's), so that its compile
+        overlaps the others' creation."""
         bg = self.background
         if bg is None or not bg.pending():
             return
+        todo: dict = {}
+        if hasattr(work, "ops"):
+            for op in work.ops:
+                if op[0] != "d":
+                    continue
+                p, group = op[1], op[2]
+                if p.stand_in is not None and not self.usable(p):
+                    p, group = p.stand_in, self._alt_group(group, p.stand_in)
+                if not p.ready and id(p) not in todo:
+                    todo[id(p)] = (p, group)
+        else:
+            todo = {id(p): (p, None) for p in work if not p.ready}
+        if todo:
+            self.compile_waits += len(todo)
+            bg.hold(True)
+            try:
+                await asyncio.gather(*(asyncio.to_thread(self._make_and_warm, p, group)
+                                       for p, group in todo.values()))
+            finally:
+                bg.hold(False)
         if hasattr(work, "ops"):
             self._stand_in(work.ops)
-            binds = [(op[1], op[2]) for op in work.ops if op[0] == "d"]
-        else:
-            binds = [(p, None) for p in work]
-        todo: dict = {}
-        for p, group in binds:
-            if not p.ready and id(p) not in todo:
-                todo[id(p)] = (p, group if self.warms_on_dispatch else None)
-        if not todo:
-            return
-        self.compile_waits += len(todo)
-        bg.hold(True)
-        try:
-            await asyncio.gather(*(asyncio.to_thread(self._make_and_warm, p, group)
-                                   for p, group in todo.values()))
-        finally:
-            bg.hold(False)
 
     def _make_and_warm(self, p, group) -> None:
         """Create pipeline `p` (a failure is left for the submit to raise) and, given one of its
         bind groups, dispatch it with no workgroups: a driver that compiles on first dispatch
         compiles it now, on its queue's thread, while this thread goes on to the next."""
         p.lazy.try_resolve()
-        if group is None or p.lazy._error is not None:
+        if group is not None and self.warms_on_dispatch:
+            self._warm(p, group)
+
+    def _warm(self, p, group) -> None:
+        """Dispatch created pipeline p empty with `group` (one of its bind groups), unless it is
+        hot already or a buffer of the group was released; p is hot after it."""
+        if p.hot or p.lazy._error is not None or any(
+                not (b[0] if isinstance(b, tuple) else b).alive for b in group.buffers):
             return
         try:
             group.lazy.resolve()
             self._raw_warm(p.raw, group.raw, p.name)
+            p.hot, p.warm_group = True, None
             self.warmed += 1
-        except Exception as e:  # noqa: BLE001 - only a head start: the batch's submit reports errors
+        except Exception as e:  # noqa: BLE001 - only a head start: a batch's submit reports errors
             _log.debug("warm-up dispatch of %s failed: %s", p.name, e)
 
+    def _warm_later(self, p) -> None:
+        """The background compiler's warm(p): with the bind group p was first bound with."""
+        group = p.warm_group
+        if group is not None and not self.lost:
+            self._warm(p, group)
+
+    def _alt_group(self, group, alt):
+        """The bind group of stand-in `alt` with `group`'s entries (kept with `group`)."""
+        if group.alt is None or group.alt.pipeline is not alt:
+            group.alt = type(group)(None, alt, group.buffers, entries=group.entries, make=lambda: self._guard(
+                lambda: self._raw_bind(alt.raw, group.entries, alt.name), alt.name))
+        return group.alt
+
     def _stand_in(self, ops: list) -> None:
-        """Dispatches of a pipeline not compiled yet whose stand-in is compiled run the stand-in
+        """Dispatches of a pipeline not usable yet whose stand-in is compiled run the stand-in
         (same results, dispatch and bindings) with a bind group of its own (kept with the op's)."""
         for i, op in enumerate(ops):
-            if op[0] != "d" or op[1].ready or op[1].stand_in is None or not op[1].stand_in.ready:
+            if op[0] != "d" or op[1].stand_in is None or not op[1].stand_in.ready or self.usable(op[1]):
                 continue
-            alt, bg = op[1].stand_in, op[2]
-            if bg.alt is None or bg.alt.pipeline is not alt:
-                raw = self._guard(lambda: self._raw_bind(alt.raw, bg.entries, alt.name), alt.name)
-                bg.alt = type(bg)(raw, alt, bg.buffers, entries=bg.entries)
-            ops[i] = ("d", alt, bg.alt) + tuple(op[3:])
+            alt = op[1].stand_in
+            ops[i] = ("d", alt, self._alt_group(op[2], alt)) + tuple(op[3:])
             self.stand_ins += 1
 
     def _prepare(self, ops: list) -> None:
         """Make the pipelines and bind groups a batch dispatches where they are not made yet (a
         pipeline still queued compiles here; one a worker is compiling is waited for)."""
+        self.last_submit = time.monotonic()
         for op in ops:
             if op[0] == "d":
                 p, bg = op[1], op[2]
@@ -285,6 +365,8 @@ class CompilingDevice:
                     p.lazy.resolve()
                 if not bg.lazy.ready:
                     bg.lazy.resolve()
+                if not p.hot:
+                    p.hot, p.warm_group = True, None
 
 
 _compilers: "weakref.WeakSet[BackgroundCompiler]" = weakref.WeakSet()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+import time
 
 import wgpu
 
@@ -73,6 +74,9 @@ class NativeDevice(Device):
         # start against 20.4-25.1 s with one worker, the first token no later (bench/first_request.py)
         self.background = BackgroundCompiler(int(os.environ.get("WEBGPU_ENGINE_COMPILE_THREADS", 0))
                                              or os.cpu_count() or 1)
+        if self.warms_on_dispatch:      # the workers compile by empty dispatches when the device pauses
+            self.background.idle = lambda: time.monotonic() - self.last_submit
+            self.background.warm = self._warm_later
 
     # ------------------------------------------------------------------ hooks
     def _raw_create_buffer(self, size: int, usage: str, label: str):
