@@ -6,7 +6,7 @@ with a bias, experts with biases and a clamped SwiGLU); three requests through c
 give transformers' greedy tokens of each, as each gives alone. The GGUF llama.cpp's converter writes of
 it (general.architecture gpt-oss) gives the same; with its experts in MXFP4 (ggml's blocks: an E8M0
 scale byte and 16 bytes of E2M1 codes per 32) the logits and tokens of a GGUF holding those values
-in f32. Its answers are in harmony (its family's parser, engine/harmony.py): through the openai client,
+in f32, and OpenAI's MXFP4 folder of the same blocks the same logits. Its answers are in harmony (its family's parser, engine/harmony.py): through the openai client,
 the analysis channel arrives as reasoning_content and the final channel as content, a call to
 functions.NAME as a tool call, streamed or not (the random model writes them under a grammar)."""
 from __future__ import annotations
@@ -17,9 +17,11 @@ from pathlib import Path
 
 import pytest
 
+import numpy as np
 import test_families as families
 import tinygptoss
 from test_moe import check_quantized_as_floats
+from webgpu_engine.models.registry import open_model
 
 REF = json.loads((Path(__file__).parent / "fixtures" / "gptoss_transformers.json").read_text())
 
@@ -69,6 +71,33 @@ def test_mxfp4_experts_as_their_floats(device, tmp_path):
     dequantised values in f32."""
     check_quantized_as_floats(device, lambda deq: tinygptoss.write_tiny_gptoss_gguf(
         tmp_path / f"mxfp4_{deq}.gguf", seed=REF["seed"], expert_qtype="MXFP4", dequantized=deq)["path"], "mxfp4", REF)
+
+
+def test_openai_mxfp4_folder_as_the_mxfp4_gguf(device, tmp_path):
+    """OpenAI's release layout (gate_up_proj_blocks / _scales in the row layout, gate and up rows
+    interleaved, quantization_config mxfp4), repacked into ggml's blocks on upload, gives the logits
+    of the MXFP4 GGUF holding the same blocks, bit for bit; its blocks decode, as transformers'
+    convert_moe_packed_tensors reads them, to gguf.quants' values."""
+    import gguf
+    rows = tinygptoss.tiny_gptoss(REF["seed"])[3]["model.layers.0.mlp.experts.down_proj"].transpose(0, 2, 1)
+    blocks, scales = tinygptoss.mxfp4_blocks(np.ascontiguousarray(rows))
+    lut = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6])
+    vals = np.stack([lut[blocks & 15], lut[blocks >> 4]], -1).reshape(*blocks.shape[:-1], 32)
+    theirs = np.ldexp(vals, scales.astype(np.int32)[..., None] - 127).reshape(rows.shape)
+    ours = gguf.quants.dequantize(gguf.quants.quantize(np.ascontiguousarray(rows), gguf.GGMLQuantizationType.MXFP4),
+                                  gguf.GGMLQuantizationType.MXFP4)
+    np.testing.assert_array_equal(theirs, ours)
+    folder = tinygptoss.write_tiny_gptoss_safetensors(tmp_path / "mxfp4", seed=REF["seed"], mxfp4=True)["folder"]
+    path = tinygptoss.write_tiny_gptoss_gguf(tmp_path / "mxfp4.gguf", seed=REF["seed"], expert_qtype="MXFP4")["path"]
+    got = []
+    for p in (folder, path):
+        m = open_model(p)
+        try:
+            assert {m.weights[f"layers.1.{x}_exps"].qtype for x in ("gate", "up", "down")} == {"mxfp4"}
+            got.append(families.run_golden(device, m.config, m.weights, {**REF, "rows": [0, 299]}))
+        finally:
+            m.close()
+    assert all(np.array_equal(got[0][0][r], got[1][0][r]) for r in (0, 299)) and got[0][1] == got[1][1]
 
 
 # ---------------------------------------------------------------------- harmony through the server

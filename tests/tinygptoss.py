@@ -89,18 +89,27 @@ def _tokenizer_json(tokens: list, merges: list) -> str:
     return tk.to_str()
 
 
-def write_tiny_gptoss_safetensors(folder, seed: int = 0, dtype: str = "f32", **dims) -> dict:
+def write_tiny_gptoss_safetensors(folder, seed: int = 0, dtype: str = "f32", mxfp4: bool = False, **dims) -> dict:
     """The HF folder (config.json, model.safetensors in f32 or bf16, tokenizer files with harmony's
-    template, generation_config.json stopping at <|return|> and <|call|>)."""
+    template, generation_config.json stopping at <|return|> and <|call|>). `mxfp4`: the experts'
+    matrices as OpenAI releases them (mxfp4_blocks: the blocks gguf.quants makes of their rows)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     d, tokens, merges, w = tiny_gptoss(seed, **dims)
+    if mxfp4:
+        for name in [n for n in w if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+            blocks, scales = mxfp4_blocks(np.ascontiguousarray(w.pop(name).transpose(0, 2, 1)))
+            w[name + "_blocks"], w[name + "_scales"] = blocks, scales
     if dtype == "bf16":     # round to nearest even, as torch's .to(bfloat16)
-        enc = {n: ("bf16", a.shape, _bf16(a)) for n, a in w.items()}
+        enc = {n: ("bf16", a.shape, _bf16(a)) if a.dtype == np.float32 else ("u8", a.shape, a.tobytes())
+               for n, a in w.items()}
     else:
-        enc = {n: ("f32", a.shape, a.tobytes()) for n, a in w.items()}
+        enc = {n: ("f32" if a.dtype == np.float32 else "u8", a.shape, a.tobytes()) for n, a in w.items()}
     tm.write_safetensors(folder / "model.safetensors", enc, {"format": "pt"})
     config = hf_config(d, tokens)
+    if mxfp4:
+        config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+            "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     (folder / "generation_config.json").write_text(json.dumps(
         {"eos_token_id": [tokens.index("<|return|>"), tokens.index("<|call|>")], "bos_token_id": tm.BOS_ID}))
@@ -110,6 +119,16 @@ def write_tiny_gptoss_safetensors(folder, seed: int = 0, dtype: str = "f32", **d
         "bos_token": tm.SPECIAL_TOKENS[tm.BOS_ID], "eos_token": "<|return|>", "pad_token": tm.SPECIAL_TOKENS[tm.EOS_ID],
         "add_bos_token": False, "model_max_length": d["context_length"], "tokenizer_class": "GPT2Tokenizer"}))
     return dict(folder=folder, weights=w, dims=d, tokens=tokens)
+
+
+def mxfp4_blocks(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(blocks (..., G, 16), scales (..., G)) in OpenAI's layout (value 2i of a block in byte i's low
+    nibble, 2i + 1 in its high one) of the MXFP4 blocks gguf.quants makes of `rows` (..., 32 G)."""
+    import gguf
+    q = gguf.quants.quantize(rows, gguf.GGMLQuantizationType.MXFP4)
+    q = q.reshape(*rows.shape[:-1], rows.shape[-1] // 32, 17)
+    codes = np.concatenate([q[..., 1:] & 0x0F, q[..., 1:] >> 4], axis=-1)      # ggml: value j, j + 16
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8), np.ascontiguousarray(q[..., 0])
 
 
 def _bf16(a: np.ndarray) -> bytes:

@@ -48,6 +48,9 @@ class DecoderFamily:
     # how its chat answers are written: "" (<think> and tool-call markers, engine/output.py) or
     # "harmony" (gpt-oss's channels, engine/harmony.py)
     chat_format: str = ""
+    # ({our name: TensorInfo} of an HF folder) -> the same, tensors the family stores its own way made
+    # the ones the model reads (gpt-oss: OpenAI's MXFP4 blocks and scales as ggml's MXFP4 stacks)
+    hf_weights: Callable | None = None
     gguf: Callable | None = None             # (GGUFFile, fields) -> fields
     hf: Callable | None = None               # (config.json dict, fields, where) -> fields
     # new math: {point: fn(m, i, t, T) -> [Op]}, ops models/decoder.py runs on tensor t (T rows) at

@@ -266,6 +266,8 @@ def _open_folder(path: Path) -> OpenedModel:
     files = SafetensorsFolder(folder)
     try:
         weights = files.weights(arch.hf_names) if arch.hf_names else dict(files.tensors)
+        if arch.family is not None and arch.family.hf_weights is not None:
+            weights = arch.family.hf_weights(weights)
     except BaseException:
         files.close()
         raise
