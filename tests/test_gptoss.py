@@ -171,3 +171,32 @@ def test_harmony_tool_calls_through_the_openai_client(server):
             name = tc.function.name or name
             args += tc.function.arguments or ""
     assert (name, args) == ("get_weather", call.function.arguments)
+
+
+@pytest.mark.parametrize("piece", [1, 3, 1000])
+def test_harmony_parser_streams_what_it_returns(piece):
+    """An answer with reasoning, a preamble, a call whose recipient comes before its channel and
+    whitespace in its arguments, fed in pieces of 1, 3 or all characters: the deltas add up to the
+    message, markers never leak into the text, and without tools a call is text."""
+    from webgpu_engine.engine.harmony import HarmonyParser
+    from webgpu_engine.engine.tools import HARMONY, ToolContext
+    text = ('<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>commentary'
+            '<|message|>Checking…<|end|><|start|>assistant to=functions.get_weather<|channel|>commentary json'
+            '<|message|>{"city": "Paris" }')
+    for tools, want in ((ToolContext(HARMONY, {"get_weather"}, False), {"reasoning_content": "Need the weather.",
+                                                                          "content": "Checking…"}),
+                        (None, {"reasoning_content": "Need the weather.", "content": 'Checking…{"city": "Paris" }'})):
+        parser = HarmonyParser(tools)
+        deltas = [d for i in range(0, len(text), piece) for d in parser.feed(text[i:i + piece])]
+        last, msg, finish = parser.finish("stop")
+        deltas += last
+        got = {k: "".join(d.get(k) or "" for d in deltas) for k in ("reasoning_content", "content")}
+        assert got == want and {k: msg.get(k) for k in want} == want
+        assert not any("<|" in (d.get("content") or "") + (d.get("reasoning_content") or "") for d in deltas)
+        if tools is None:
+            assert finish == "stop" and "tool_calls" not in msg
+            continue
+        args = "".join(tc["function"].get("arguments", "") for d in deltas for tc in d.get("tool_calls", []))
+        (call,) = msg["tool_calls"]
+        assert (finish, call["function"]["name"], call["function"]["arguments"], args) == \
+            ("tool_calls", "get_weather", '{"city": "Paris" }', '{"city": "Paris" }')
