@@ -296,3 +296,29 @@ def test_rollback_options_are_refused_by_name(tmp_path, ref, option, value):
             plan_decoder(opened.config, ChatConfig(**{option: value}), None)
     finally:
         opened.close()
+
+
+def test_memory_estimate_counts_the_recurrent_states(tmp_path, ref):
+    """The load's memory estimate counts every Gated DeltaNet layer's f32 conv and delta states once
+    for the one-request model and once per sequence slot of the paged batch, and the rows' wider
+    projection and scratch."""
+    from webgpu_engine.models.memory import estimate_llm
+    from webgpu_engine.models.plan import DecoderPlan
+    from tinyqwen35 import LINEAR
+    opened = open_model(write_tiny_qwen35_safetensors(tmp_path / "qwen35", seed=ref["seed"])["folder"])
+    try:
+        cfg = opened.config
+        mem = cfg.extra["mixer_memory"]
+        Hk, Hv, Dk, Dv = (LINEAR[k] for k in ("linear_num_key_heads", "linear_num_value_heads",
+                                              "linear_key_head_dim", "linear_value_head_dim"))
+        conv = 2 * Hk * Dk + Hv * Dv
+        assert mem["state_bytes"] == 4 * 4 * (Hv * Dk * Dv + conv * 3)          # 4 linear layers, 4 taps
+        one, four = (estimate_llm(cfg, opened.weights, DecoderPlan("f32", 512, 128, n, 16, 64 if n > 1 else 0),
+                                  max_binding=1 << 27) for n in (1, 4))
+        bare = {**cfg.extra, "mixer_memory": {}}
+        cfg.extra = bare
+        without = estimate_llm(cfg, opened.weights, DecoderPlan("f32", 512, 128, 1), max_binding=1 << 27)
+        assert one.activations - without.activations == mem["state_bytes"] + 4 * 128 * mem["row_elems"]
+        assert four.activations - one.activations > 4 * mem["state_bytes"]
+    finally:
+        opened.close()

@@ -187,6 +187,18 @@ def _linear(where: str, types: list, taps: int, n_k_heads: int, n_v_heads: int, 
     return lin
 
 
+def _memory(fields: dict, lin: dict, taps: int) -> dict:
+    """LlamaConfig.extra["mixer_memory"] (models/memory.py): per row, the in-projection's columns beyond
+    the attention's q|k|v, the convolved rows and the output gate; per sequence, the f32 conv and delta
+    states of every Gated DeltaNet layer."""
+    Hk, Hv, Dk, Dv = lin["n_k_heads"], lin["n_v_heads"], lin["k_dim"], lin["v_dim"]
+    conv = 2 * Hk * Dk + Hv * Dv
+    qkv = (fields["n_heads"] + 2 * fields["n_kv_heads"]) * fields["head_dim"]
+    q = fields["n_heads"] * fields["head_dim"]
+    row = max(0, conv + Hv * Dv + 2 * Hv - qkv) + conv + max(0, Hv * Dv - q) + q
+    return {"row_elems": row, "state_bytes": 4 * sum(lin["layers"]) * (Hv * Dk * Dv + conv * max(taps - 1, 1))}
+
+
 def _types(n: int, interval: int) -> list:
     return ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(n)]
 
@@ -205,7 +217,8 @@ def _hf(c: dict, fields: dict, where: str) -> dict:
     # transformers' Qwen3_5TextConfig rotates a quarter of each head unless config.json says otherwise
     partial = c.get("partial_rotary_factor", (c.get("rope_parameters") or {}).get("partial_rotary_factor", 0.25))
     return {**fields, "qk_norm": True, "norm_plus_one": True, "rot_dim": int(fields["head_dim"] * float(partial)),
-            "extra": {**fields.get("extra", {}), "linear": lin}}
+            "extra": {**fields.get("extra", {}), "linear": lin,
+                      "mixer_memory": _memory(fields, lin, int(c.get("linear_conv_kernel_dim", 4)))}}
 
 
 def _gguf(g, fields: dict) -> dict:
@@ -216,7 +229,9 @@ def _gguf(g, fields: dict) -> dict:
                   int(g.meta("ssm.conv_kernel", required=True)), int(g.meta("ssm.group_count", required=True)), n_v,
                   int(g.meta("ssm.state_size", required=True)), int(g.meta("ssm.inner_size", required=True)) // n_v,
                   tiled=True)
-    return {**fields, "n_layers": n, "qk_norm": True, "extra": {**fields.get("extra", {}), "linear": lin}}
+    return {**fields, "n_layers": n, "qk_norm": True,
+            "extra": {**fields.get("extra", {}), "linear": lin,
+                      "mixer_memory": _memory(fields, lin, int(g.meta("ssm.conv_kernel")))}}
 
 
 QWEN35 = DecoderFamily("qwen35", hf_architectures=("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"),
