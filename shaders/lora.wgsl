@@ -56,3 +56,69 @@ fn lora_expand(@builtin(global_invocation_id) gid: vec3<u32>) {
     let at = P.y_off + t * P.y_stride + n;
     y[at] = act(f32(y[at]) + acc);
 }
+
+// lora_delta: lora_shrink then lora_expand of one row in one workgroup (a decode step's few rows:
+// one dispatch per projection instead of two), and where NORM x normed on the way in:
+//   u[j] = sum_k (x[t, k] * w[k] / rms(x[t, :])) * A[idx[t], j, k];  y[t, n] += sum_j u[j] * B[idx[t], n, j]
+// (w (K) f32, rms = sqrt(mean(x^2) + eps)). dispatch (T, 1, 1), workgroup WG; the host adds the
+// consts JMAX (= J) and NORM. A row without an adapter returns at once (its slot read uniformly).
+@group(0) @binding(7) var<storage, read> w: array<f32>;               // (K) norm weight (NORM)
+
+struct DeltaParams {
+    T: u32,
+    K: u32,
+    N: u32,
+    J: u32,
+    x_off: u32,
+    y_off: u32,
+    slots: u32,
+    eps: f32,
+}
+
+@group(0) @binding(8) var<uniform> D: DeltaParams;
+
+var<workgroup> wslot: u32;
+var<workgroup> wsum: array<f32, WG>;
+var<workgroup> wu: array<f32, JMAX>;
+
+@compute @workgroup_size(WG)
+fn lora_delta(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    let t = wid.x;
+    if (lid == 0u) { wslot = idx[t]; }
+    let s = workgroupUniformLoad(&wslot);
+    if (s == NONE || s >= D.slots) { return; }
+    let x0 = D.x_off + t * D.K;
+    var inv = 1.0;
+    if (NORM) {
+        var ss = 0.0;
+        for (var k = lid; k < D.K; k += WG) { let v = f32(x[x0 + k]); ss += v * v; }
+        wsum[lid] = ss;
+        workgroupBarrier();
+        if (lid == 0u) {
+            var tot = 0.0;
+            for (var i = 0u; i < WG; i++) { tot += wsum[i]; }
+            wsum[0] = tot;
+        }
+        workgroupBarrier();
+        inv = inverseSqrt(wsum[0] / f32(D.K) + D.eps);
+    }
+    for (var j = lid; j < D.J; j += WG) {
+        let a0 = (s * D.J + j) * D.K;
+        var acc = 0.0;
+        if (NORM) {
+            for (var k = 0u; k < D.K; k++) { acc += f32(x[x0 + k]) * w[k] * a[a0 + k]; }
+            acc *= inv;
+        } else {
+            for (var k = 0u; k < D.K; k++) { acc += f32(x[x0 + k]) * a[a0 + k]; }
+        }
+        wu[j] = acc;
+    }
+    workgroupBarrier();
+    for (var n = lid; n < D.N; n += WG) {
+        let b0 = (s * D.N + n) * D.J;
+        var acc = 0.0;
+        for (var j = 0u; j < D.J; j++) { acc += wu[j] * b[b0 + j]; }
+        let at = D.y_off + t * D.N + n;
+        y[at] = act(f32(y[at]) + acc);
+    }
+}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -51,6 +52,28 @@ def test_lora_shrink_expand(device, _free, dtype, T, K, N, J, slots):
     assert np.abs(got - want).max() / np.abs(want).max() < tol
     base = idx == lk.NONE
     np.testing.assert_array_equal(got[base], rounded(y0, dtype)[base])     # untouched, bit for bit
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16"])
+@pytest.mark.parametrize("norm", [False, True])
+@pytest.mark.parametrize("T,K,N,J,slots", [(1, 64, 96, 8, 1), (5, 72, 200, 48, 3)])
+def test_lora_delta_is_shrink_then_expand_in_one(device, _free, dtype, norm, T, K, N, J, slots):
+    rng = np.random.default_rng(T * K + J + norm)
+    x = rng.standard_normal((T, K))
+    a = (rng.standard_normal((slots, J, K)) / np.sqrt(K)).astype(np.float32)
+    b = (rng.standard_normal((slots, N, J)) / np.sqrt(J)).astype(np.float32)
+    w = (1 + 0.1 * rng.standard_normal(K)).astype(np.float32)
+    idx = np.array([lk.NONE if t % 3 == 1 else t % slots for t in range(T)], np.uint32)
+    y0 = rng.standard_normal((T, N))
+    yt = put(device, y0, dtype, lead=5)
+    nt = (put(device, w), 1e-5) if norm else None
+    run(device, lk.lora_delta(device, put(device, x, dtype, lead=3), put(device, a), put(device, b),
+                              put(device, idx, "u32"), yt, slots=slots, norm=nt))
+    u = lk.shrink_ref(rounded(x, dtype), a, idx, (w, 1e-5) if norm else None)
+    want, got = lk.expand_ref(u, b, idx, rounded(y0, dtype)), get(device, yt)
+    assert np.abs(got - want).max() / np.abs(want).max() < (1e-4 if dtype == "f32" else 1e-2)
+    base = idx == lk.NONE
+    np.testing.assert_array_equal(got[base], rounded(y0, dtype)[base])
 
 
 def test_lora_kernels_refuse_bad_shapes(device, _free):
@@ -115,6 +138,21 @@ async def test_base_and_two_adapters_in_one_batch(engine):
     names = [None, "a", "b", "a", None, "b"]
     got = await asyncio.gather(*[_greedy(engine, n or _base_id(engine), k % 2) for k, n in enumerate(names)])
     assert got == [_want(n, k % 2) for k, n in enumerate(names)]
+
+
+async def test_shrink_and_expand_apart_answer_as_in_one(engine):
+    """The GPU form (lora_shrink + lora_expand, the norm apart) gives the same tokens as the CPU
+    adapter's one-dispatch lora_delta."""
+    pipe = engine.models[_base_id(engine)].pipeline
+    pipe.lora.fused = False
+    pipe.scheduler.fwd.release()                 # the op lists are built again
+    try:
+        names = [None, "a", "b", "a"]
+        got = await asyncio.gather(*[_greedy(engine, n or _base_id(engine), k % 2) for k, n in enumerate(names)])
+        assert got == [_want(n, k % 2) for k, n in enumerate(names)]
+    finally:
+        pipe.lora.fused = True
+        pipe.scheduler.fwd.release()
 
 
 async def _logprobs(engine, model: str, i: int) -> list:
@@ -331,3 +369,32 @@ async def test_gguf_lora_files_answer_as_their_peft_folders(engine, tmp_path):
     model = write_tiny_llama_gguf(tmp_path / "model.gguf", seed=1)["path"]
     with pytest.raises(LoraAdapterError, match="not a GGUF LoRA adapter"):
         await engine.load_lora_adapter("m", str(model))
+
+
+# ---------------------------------------------------------------------- speculation and grammars
+async def test_speculation_and_grammars_with_adapters(engine, base_path):
+    """Prompt-lookup speculation checks an adapter row's guesses with the adapter (answers equal those
+    without speculation, guesses accepted); a grammar constrains an adapter's answer as the base's."""
+    spec = AsyncMLCEngine()
+    await spec.reload(str(base_path), chat_opts={**OPTS, "speculation": {"method": "ngram", "k": 3, "n_min": 1,
+                                                                           "auto_off": False}},
+                      lora_adapters=ADAPTERS)
+    prompt = "one two three four " * 6
+    fmt = {"type": "regex", "regex": "[a-z]+( [a-z]+){3}"}
+    stats = []
+    try:
+        for name in ("a", "b"):
+            kw = dict(model=name, prompt=prompt, max_tokens=16, temperature=0.0, ignore_eos=True)
+            want = (await engine.completions.create(**kw)).choices[0].text
+            got = await asyncio.gather(*[spec.completions.create(**kw) for _ in range(2)])
+            assert [r.choices[0].text for r in got] == [want, want]
+            stats += [r.usage.extra.model_dump() for r in got]
+            constrained = await spec.completions.create(**{**kw, "max_tokens": 40}, response_format=fmt)
+            text = constrained.choices[0].text
+            assert re.fullmatch(fmt["regex"], text), text
+            assert text == (await engine.completions.create(**{**kw, "max_tokens": 40}, response_format=fmt)
+                            ).choices[0].text
+    finally:
+        await spec.unload()
+    assert all(x["speculation_proposed_tokens"] > 0 for x in stats)      # guess rows with the adapter
+    assert sum(x["speculation_accepted_tokens"] for x in stats) > 0

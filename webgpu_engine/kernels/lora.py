@@ -4,6 +4,8 @@ each row through its own adapter's slot of a pool (punica / S-LoRA's "bgmv"), a 
 
     u = lora_shrink(x, A, idx)       u[t] = A[idx[t]] · x[t]         (T, J) f32
     y += lora_expand(u, B, idx)      y[t] += B[idx[t]] · u[t]        (T, N) into y's columns
+    y += lora_delta(x, A, B, idx)    the two in one dispatch, a workgroup per row, x RMS-normed on
+                                     the way in where given a norm (a decode step's rows)
 
 A pool holds `slots` adapters: A (slots, J, K) and B (slots, N, J) f32, J = targets x rank, B scaled.
 The numpy references are shrink_ref / expand_ref below. Standard library only (runs in the page).
@@ -11,14 +13,15 @@ The numpy references are shrink_ref / expand_ref below. Standard library only (r
 from __future__ import annotations
 
 from ..gpu import Device
-from .common import DTYPE_SIZE, Op, Tensor, act_header, check, params, window
+from .common import DTYPE_SIZE, Op, Tensor, act_header, check, params, placeholder, window
 
 NONE = 0xFFFFFFFF        # the slot of a row without an adapter
 _WG = 64
 
 
-def _pipe(dev: Device, entry: str, dtype: str):
-    return dev.pipeline("lora.wgsl", entry, header=f"{act_header(dtype)}const WG: u32 = {_WG}u;\n")
+def _pipe(dev: Device, entry: str, dtype: str, j: int = 1, norm: bool = False):
+    return dev.pipeline("lora.wgsl", entry, header=f"{act_header(dtype)}const WG: u32 = {_WG}u;\n"
+                                                   f"const JMAX: u32 = {j}u;\nconst NORM: bool = {str(norm).lower()};\n")
 
 
 def lora_shrink(dev: Device, x: Tensor, a: Tensor, idx: Tensor, u: Tensor, *, slots: int) -> Op:
@@ -59,11 +62,39 @@ def lora_expand(dev: Device, u: Tensor, b: Tensor, idx: Tensor, y: Tensor, *, sl
     return op.add(pipe, dev.bind(pipe, {0: par, 1: ib, 2: ub, 5: yb, 6: b.binding()}), -(-N // _WG), T)
 
 
+def lora_delta(dev: Device, x: Tensor, a: Tensor, b: Tensor, idx: Tensor, y: Tensor, *, slots: int,
+               norm: tuple | None = None) -> Op:
+    """y[t] += B[idx[t]] · (A[idx[t]] · x'[t]) for each row with an adapter, x' = x, or with `norm`
+    (w (K,) f32, eps) x * w / rms(x).  x (T, K) act; a (slots, J, K), b (slots, N, J) f32; idx (T,)
+    u32; y (T, N) act."""
+    k = "lora_delta"
+    T, K = (int(s) for s in x.shape)
+    N = int(y.shape[1])
+    J = a.numel // (slots * K) if slots and K else 0
+    check(x.dtype == y.dtype and x.dtype in ("f32", "f16") and int(y.shape[0]) == T, k,
+          f"x{x.shape}/{x.dtype} and y{y.shape}/{y.dtype} must be (T, K) and (T, N) of one act dtype")
+    check(a.dtype == b.dtype == "f32" and J > 0 and a.numel == slots * J * K and b.numel == slots * N * J, k,
+          f"A{a.shape} and B{b.shape} must be ({slots}, J, {K}) and ({slots}, {N}, J) f32")
+    check(idx.dtype == "u32" and idx.numel >= T, k, f"idx{idx.shape} must hold {T} rows")
+    check(norm is None or (norm[0].dtype == "f32" and norm[0].numel == K), k, f"the norm weight must be ({K},) f32")
+    (xb, xo), (yb, yo), (ib, io) = (window(t, DTYPE_SIZE[t.dtype], k, n) for t, n in ((x, "x"), (y, "y"), (idx, "idx")))
+    check(io == 0 and a.offset == 0 and b.offset == 0, k, "idx, A and B must start at binding-aligned offsets")
+    pipe = _pipe(dev, k, x.dtype, J, norm is not None)
+    par = params(dev, [T, K, N, J, xo, yo, slots, float(norm[1]) if norm else 0.0], owner=y.buf.owner, label=k)
+    w = norm[0].binding() if norm else placeholder(dev)
+    op = Op(name=k)
+    op.buffers.append(par)
+    return op.add(pipe, dev.bind(pipe, {1: ib, 3: xb, 4: a.binding(), 5: yb, 6: b.binding(), 7: w, 8: par}), T)
+
+
 # ---------------------------------------------------------------------- numpy references
-def shrink_ref(x, a, idx):
-    """u (T, J): A[idx[t]] · x[t] in f64, zero for rows without an adapter."""
+def shrink_ref(x, a, idx, norm: tuple | None = None):
+    """u (T, J): A[idx[t]] · x[t] in f64 (x * w / rms(x) with `norm` (w, eps)), zero for rows without
+    an adapter."""
     import numpy as np
     x, a = np.asarray(x, np.float64), np.asarray(a, np.float64)
+    if norm is not None:
+        x = x * np.asarray(norm[0], np.float64) / np.sqrt((x * x).mean(axis=1, keepdims=True) + norm[1])
     u = np.zeros((x.shape[0], a.shape[1]))
     for t, s in enumerate(idx):
         if s != NONE:

@@ -363,10 +363,13 @@ def _per_layer_input(m, L, i: int, x: Tensor, h: Tensor, T: int, flags: dict) ->
 def _lora_delta(m, lora, i: int, group: str, x: Tensor, h: Tensor, w: Tensor, b: Tensor | None, y: Tensor,
                 T: int, normed_in_matmul: bool) -> list[Op]:
     """y += each row's LoRA delta of layer i's projection `group` of the layer's norm: h (x without
-    pre norms), or where the matmul norms x itself (res_norm, norm_in_matmul) the norm of x computed
-    here into the pool's own rows (the matmul's fused norm stays as it is for every row)."""
+    pre norms), or where the matmul norms x itself (res_norm, norm_in_matmul) the norm of x, computed
+    by the delta's kernels (a LayerNorm: here, into the pool's own rows); the matmul's fused norm
+    stays as it is for every row."""
     if not normed_in_matmul:
         return lora.delta(i, group, h if m.cfg.pre_norms or m.cfg.parallel_norms else x, y, T)
+    if m.cfg.norm != "layer":
+        return lora.delta(i, group, x, y, T, norm=(w, m.cfg.rms_eps))
     normed = lora.pool.h.view((T, m.cfg.hidden_size))
     return [_norm(m, x, w, b, normed), *lora.delta(i, group, normed, y, T)]
 

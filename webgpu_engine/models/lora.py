@@ -27,6 +27,7 @@ from pathlib import Path
 
 from ..errors import InvalidRequestError
 from ..kernels import lora as lk
+from ..kernels import nn
 from ..kernels.common import Tensor, new_tensor
 
 TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
@@ -271,6 +272,10 @@ class LoraPool:
     def __init__(self, m, *, slots: int = DEFAULT_SLOTS, max_rank: int = DEFAULT_MAX_RANK, owner: str):
         c, dev = m.cfg, m.dev
         self.m, self.dev, self.slots, self.max_rank, self.owner = m, dev, int(slots), int(max_rank), owner
+        # a CPU adapter pays per dispatch: a projection's delta in one (lora_delta, a workgroup per
+        # row); a GPU spreads the expand's columns over workgroups (lora_shrink + lora_expand)
+        from ..kernels.matmul import is_software_adapter
+        self.fused = is_software_adapter(dev)
         if self.slots < 1 or self.max_rank < 1:
             raise InvalidRequestError("max_loras and max_lora_rank must be at least 1.", param="max_loras")
         self.groups: list[dict] = []                       # per layer: group -> _Group
@@ -370,14 +375,23 @@ class LoraRows:
     pool: LoraPool
     idx: Tensor             # (P,) u32
 
-    def delta(self, i: int, group: str, x: Tensor, y: Tensor, T: int) -> list:
-        """y[t] += each row's adapter's B · A · x[t] for layer i's `group` (x (T, K), y (T, N))."""
-        g = self.pool.groups[i].get(group)
+    def delta(self, i: int, group: str, x: Tensor, y: Tensor, T: int, norm: tuple | None = None) -> list:
+        """y[t] += each row's adapter's B · A · x[t] for layer i's `group` (x (T, K), y (T, N)); with
+        `norm` (w, eps) of x * w / rms(x) instead."""
+        p = self.pool
+        g = p.groups[i].get(group)
         if g is None:
             return []
-        dev, idx, u = self.pool.dev, self.idx.view((T,)), self.pool.u.view((T, g.j))
-        return [lk.lora_shrink(dev, x.view((T, g.k)), g.a, idx, u, slots=self.pool.slots),
-                lk.lora_expand(dev, u, g.b, idx, y.view((T, g.n)), slots=self.pool.slots)]
+        dev, idx, x = p.dev, self.idx.view((T,)), x.view((T, g.k))
+        if p.fused:
+            return [lk.lora_delta(dev, x, g.a, g.b, idx, y.view((T, g.n)), slots=p.slots, norm=norm)]
+        ops = []
+        if norm is not None:
+            ops.append(nn.rms_norm(dev, x, norm[0], p.h.view((T, g.k)), eps=norm[1]))
+            x = p.h.view((T, g.k))
+        u = p.u.view((T, g.j))
+        return ops + [lk.lora_shrink(dev, x, g.a, idx, u, slots=p.slots),
+                      lk.lora_expand(dev, u, g.b, idx, y.view((T, g.n)), slots=p.slots)]
 
     @staticmethod
     def plan(plan):
