@@ -6,6 +6,7 @@
 // at position 0 starts from zeros. Positions and slots: pos0 + t and slot 0 from `step` (per_row 0,
 // one sequence), or positions[t] and slots[t] (per_row 1: the paged batch's rows).
 // dispatch (ceil(C / 64), 1, 1), workgroup 64: one invocation per channel, its rows in order.
+// row_pos(t), row_slot(t): each row's position and slot, in the header (kernels/deltanet.py).
 
 struct Params {
     rows: u32,          // T
@@ -26,16 +27,6 @@ struct Params {
 @group(0) @binding(5) var<storage, read> step: array<u32>;             // (4): pos0, n_new, kv_len, 0
 @group(0) @binding(6) var<storage, read> positions: array<u32>;        // (T,) per_row 1
 @group(0) @binding(7) var<storage, read> slots: array<u32>;            // (T,) per_row 1
-
-fn row_pos(t: u32) -> u32 {
-    if (p.per_row == 1u) { return positions[t]; }
-    return step[0] + t;
-}
-
-fn row_slot(t: u32) -> u32 {
-    if (p.per_row == 1u) { return slots[t]; }
-    return 0u;
-}
 
 @compute @workgroup_size(64)
 fn causal_conv1d(@builtin(global_invocation_id) gid: vec3<u32>) {

@@ -9,6 +9,7 @@
 // position 0 starts from zeros. Positions and slots as in conv1d.wgsl (per_row 0: pos0 + t from
 // `step`, slot 0; per_row 1: positions[t], slots[t]). Sums in f32.
 // dispatch (Hv, 1, 1), workgroup DV: invocation j owns column j of S (DK, DV: header constants).
+// row_pos(t), row_slot(t): each row's position and slot, in the header (kernels/deltanet.py).
 
 struct Params {
     rows: u32,          // T
@@ -42,16 +43,6 @@ struct Params {
 var<workgroup> qs: array<f32, DK>;
 var<workgroup> ks: array<f32, DK>;
 var<workgroup> red: array<f32, DV>;
-
-fn row_pos(t: u32) -> u32 {
-    if (p.per_row == 1u) { return positions[t]; }
-    return step[0] + t;
-}
-
-fn row_slot(t: u32) -> u32 {
-    if (p.per_row == 1u) { return slots[t]; }
-    return 0u;
-}
 
 fn softplus(x: f32) -> f32 {
     return select(log(1.0 + exp(x)), x, x > 20.0);      // torch's threshold

@@ -36,6 +36,22 @@ def _write_hf(folder: Path, tensors: dict, config: dict, tokens, merges, d: dict
     _tokenizer_files(folder, tokens, merges, d)
 
 
+def write_released_hf(folder: Path, tensors: dict, text_config: dict, tokens, merges, d: dict, *,
+                      architecture: str, model_type: str, towers: dict, config: dict) -> dict:
+    """An HF folder laid out as a multimodal release is (Gemma 4, Qwen3.5): the text model's weights
+    under model.language_model., its config.json as `text_config` of a *ForConditionalGeneration
+    config (`config`: its other keys), and `towers` ({name: array}: weights beside it, not read).
+    Returns the tensors written."""
+    w = {k.replace("model.", "model.language_model.", 1): a for k, a in tensors.items()}
+    w.update(towers)
+    _write_hf(folder, w, text_config, tokens, merges, d)
+    text = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({
+        "architectures": [architecture], "model_type": model_type, "text_config": text,
+        "eos_token_id": text["eos_token_id"], **config}, indent=2))
+    return w
+
+
 def _gguf_writer(path, arch: str, d: dict, tokens, merges, rot_dim: int, layer_norm: bool = False):
     """A GGUFWriter with the shared keys and the tokenizer written (`layer_norm`: the norms' epsilon as
     LayerNorm families write it, attention.layer_norm_epsilon)."""

@@ -17,13 +17,12 @@ tests/fixtures/make_gemma4.py.
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 
 import tinymodels as tm
-from tinyfamilies import _write_hf
+from tinyfamilies import _write_hf, write_released_hf
 from webgpu_engine.models.family_gemma4 import kv_sources
 
 DIMS = dict(vocab_size=300, hidden_size=64, n_layers=6, n_heads=4, n_kv_heads=2, ffn_size=96, head_dim=16,
@@ -92,13 +91,11 @@ def write_tiny_gemma4_safetensors(folder, seed: int = 0, released: bool = False,
     d, tokens, merges, w = gemma4_weights(seed, **dims)
     folder = Path(folder)
     if released:
-        w = {k.replace("model.", "model.language_model.", 1): a for k, a in w.items()}
-        w["model.vision_tower.patch_embedder.input_proj.weight"] = np.ones((4, 12), np.float32)
-    _write_hf(folder, w, gemma4_config(d), tokens, merges, d)
-    if released:
-        text = json.loads((folder / "config.json").read_text())
-        (folder / "config.json").write_text(json.dumps({
-            "architectures": ["Gemma4ForConditionalGeneration"], "model_type": "gemma4",
-            "text_config": {**text, "model_type": "gemma4_text"}, "vision_config": {"model_type": "gemma4_vision"},
-            "eos_token_id": text["eos_token_id"]}, indent=2))
+        w = write_released_hf(folder, w, gemma4_config(d), tokens, merges, d,
+                              architecture="Gemma4ForConditionalGeneration", model_type="gemma4",
+                              towers={"model.vision_tower.patch_embedder.input_proj.weight":
+                                      np.ones((4, 12), np.float32)},
+                              config={"vision_config": {"model_type": "gemma4_vision"}})
+    else:
+        _write_hf(folder, w, gemma4_config(d), tokens, merges, d)
     return dict(folder=folder, weights=w, dims=d)

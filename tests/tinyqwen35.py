@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 import tinymodels as tm
-from tinyfamilies import _write_hf
+from tinyfamilies import _write_hf, write_released_hf
 
 DIMS = dict(vocab_size=300, hidden_size=64, n_layers=6, n_heads=4, n_kv_heads=2, ffn_size=96, head_dim=16,
             context_length=512, rope_base=1e6, rms_eps=1e-6, tie_embeddings=False)
@@ -86,16 +86,13 @@ def write_tiny_qwen35_safetensors(folder, seed: int = 0, released: bool = False,
     d, tokens, merges, w = qwen35_weights(seed, **dims)
     folder = Path(folder)
     if released:
-        w = {k.replace("model.", "model.language_model.", 1): a for k, a in w.items()}
-        w["model.visual.patch_embed.proj.weight"] = np.ones((4, 12), np.float32)
-        w["mtp.fc.weight"] = np.ones((4, 8), np.float32)
-    _write_hf(folder, w, qwen35_config(d), tokens, merges, d)
-    if released:
-        text = json.loads((folder / "config.json").read_text())
-        (folder / "config.json").write_text(json.dumps({
-            "architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
-            "text_config": {**text, "model_type": "qwen3_5_text"}, "vision_config": {"model_type": "qwen3_5"},
-            "tie_word_embeddings": False, "eos_token_id": text["eos_token_id"]}, indent=2))
+        w = write_released_hf(folder, w, qwen35_config(d), tokens, merges, d,
+                              architecture="Qwen3_5ForConditionalGeneration", model_type="qwen3_5",
+                              towers={"model.visual.patch_embed.proj.weight": np.ones((4, 12), np.float32),
+                                      "mtp.fc.weight": np.ones((4, 8), np.float32)},
+                              config={"vision_config": {"model_type": "qwen3_5"}, "tie_word_embeddings": False})
+    else:
+        _write_hf(folder, w, qwen35_config(d), tokens, merges, d)
     return dict(folder=folder, weights=w, dims=d)
 
 

@@ -16,6 +16,19 @@ from .common import Op, Tensor, act_header, check, params, placeholder
 from .nn_base import _act, _op, _step_entry, _window
 
 MAX_TAPS = 8
+# each row's position and sequence slot (conv1d.wgsl and deltanet.wgsl declare p.per_row, step,
+# positions and slots)
+_ROWS_WGSL = """
+fn row_pos(t: u32) -> u32 {
+    if (p.per_row == 1u) { return positions[t]; }
+    return step[0] + t;
+}
+
+fn row_slot(t: u32) -> u32 {
+    if (p.per_row == 1u) { return slots[t]; }
+    return 0u;
+}
+"""
 
 
 def _row_entries(dev: Device, step, rows, T: int, kernel: str) -> tuple[list, int]:
@@ -45,7 +58,7 @@ def causal_conv1d(dev: Device, x: Tensor, w: Tensor, state: Tensor, y: Tensor, s
     (xe, xo), (ye, yo) = (_window(dev, t, k) for t in (x, y))
     ents, per_row = _row_entries(dev, step, rows, T, k)
     par = params(dev, [T, channels, taps, n, xo, yo, per_row, 0], owner=y.buf.owner, label=k)
-    return _op(dev, k, "conv1d.wgsl", k, act_header(dt), par,
+    return _op(dev, k, "conv1d.wgsl", k, act_header(dt) + _ROWS_WGSL, par,
                [xe, w.binding(), state.binding(), ye, *ents], channels)
 
 
@@ -72,7 +85,7 @@ def gated_delta_rule(dev: Device, qkv: Tensor, proj: Tensor, hw: Tensor, state: 
     ents, per_row = _row_entries(dev, step, rows, T, k)
     par = params(dev, [T, Hk, Hv, width, qo, po, yo, m, z_col, b_col, b_col + Hv, per_row, float(eps), int(tiled), 0, 0],
                  owner=y.buf.owner, label=k)
-    header = act_header(dt) + f"const DK: u32 = {Dk}u;\nconst DV: u32 = {Dv}u;\n"
+    header = act_header(dt) + f"const DK: u32 = {Dk}u;\nconst DV: u32 = {Dv}u;\n" + _ROWS_WGSL
     pipe = dev.pipeline("deltanet.wgsl", k, None, header=header)
     op = Op(name=k)
     op.buffers.append(par)
