@@ -58,10 +58,12 @@ async def test_gptoss_in_a_batch_answers_as_transformers(device, hf_folder):
     assert alone == [tok.decode(b["greedy"]) for b in REF["batch"]]
 
 
-def test_gptoss_gguf_matches_transformers(device, tmp_path):
-    """The converter's layout: gate / up de-interleaved and transposed to ffn_{gate,up}_exps, biases
-    beside, attn_sinks, post_attention_norm as the FFN's norm, YaRN and the window in the metadata."""
-    path = tinygptoss.write_tiny_gptoss_gguf(tmp_path / "gptoss.gguf", seed=REF["seed"])["path"]
+@pytest.mark.parametrize("fused", [False, True])
+def test_gptoss_gguf_matches_transformers(device, tmp_path, fused):
+    """The converter's layout: gate / up de-interleaved and transposed to ffn_{gate,up}_exps (or one
+    ffn_gate_up_exps, --fuse-gate-up-exps), biases beside, attn_sinks, post_attention_norm as the FFN's
+    norm, YaRN and the window in the metadata."""
+    path = tinygptoss.write_tiny_gptoss_gguf(tmp_path / "gptoss.gguf", seed=REF["seed"], fused=fused)["path"]
     families.check_golden(device, path, REF)
 
 

@@ -136,9 +136,12 @@ def _bf16(a: np.ndarray) -> bytes:
     return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16).tobytes()
 
 
-def write_tiny_gptoss_gguf(path, seed: int = 0, expert_qtype: str = "", dequantized: bool = False, **dims) -> dict:
+def write_tiny_gptoss_gguf(path, seed: int = 0, expert_qtype: str = "", dequantized: bool = False, fused: bool = False,
+                           **dims) -> dict:
     """The GGUF (general.architecture gpt-oss) of tiny_gptoss(seed). `expert_qtype` "MXFP4": the
-    experts' matrices quantised; with `dequantized`, those quantised values stored as f32 instead."""
+    experts' matrices quantised; with `dequantized`, those quantised values stored as f32 instead.
+    `fused`: gate and up as one ffn_gate_up_exps (E, 2F, C) and bias, as the converter's
+    --fuse-gate-up-exps writes them."""
     import gguf
     d, tokens, merges, w = tiny_gptoss(seed, **dims)
     g = gguf.GGUFWriter(str(path), "gpt-oss")
@@ -173,10 +176,14 @@ def write_tiny_gptoss_gguf(path, seed: int = 0, expert_qtype: str = "", dequanti
         for hf, ours in names.items():
             g.add_tensor(f"blk.{i}.{ours}", w[p + hf])
         gate_up, bias = w[p + "mlp.experts.gate_up_proj"], w[p + "mlp.experts.gate_up_proj_bias"]
-        g.add_tensor(f"blk.{i}.ffn_gate_exps.bias", np.ascontiguousarray(bias[:, ::2]))
-        g.add_tensor(f"blk.{i}.ffn_up_exps.bias", np.ascontiguousarray(bias[:, 1::2]))
         mats = {"gate": gate_up[:, :, ::2].transpose(0, 2, 1), "up": gate_up[:, :, 1::2].transpose(0, 2, 1),
                 "down": w[p + "mlp.experts.down_proj"].transpose(0, 2, 1)}
+        if fused:
+            g.add_tensor(f"blk.{i}.ffn_gate_up_exps.bias", np.concatenate([bias[:, ::2], bias[:, 1::2]], 1))
+            mats = {"gate_up": np.concatenate([mats.pop("gate"), mats.pop("up")], 1), **mats}
+        else:
+            g.add_tensor(f"blk.{i}.ffn_gate_exps.bias", np.ascontiguousarray(bias[:, ::2]))
+            g.add_tensor(f"blk.{i}.ffn_up_exps.bias", np.ascontiguousarray(bias[:, 1::2]))
         for part, a in mats.items():
             a = np.ascontiguousarray(a)
             if expert_qtype:

@@ -62,6 +62,8 @@ GGUF_TO_OURS = {
     "blk.{i}.ffn_gate_exps.weight": "layers.{i}.gate_exps",  # (experts, ffn, hidden), experts stacked
     "blk.{i}.ffn_up_exps.weight": "layers.{i}.up_exps",      # (experts, ffn, hidden)
     "blk.{i}.ffn_down_exps.weight": "layers.{i}.down_exps",  # (experts, hidden, ffn)
+    "blk.{i}.ffn_gate_up_exps.weight": "layers.{i}.gate_up_exps",  # (experts, 2 ffn, hidden): gate | up
+    "blk.{i}.ffn_gate_up_exps.bias": "layers.{i}.gate_up_exps_bias",  # (experts, 2 ffn) (--fuse-gate-up-exps)
     "blk.{i}.ffn_gate_inp.bias": "layers.{i}.router_bias",   # gpt-oss: (experts,)
     "blk.{i}.ffn_gate_exps.bias": "layers.{i}.gate_exps_bias",  # (experts, ffn)
     "blk.{i}.ffn_up_exps.bias": "layers.{i}.up_exps_bias",

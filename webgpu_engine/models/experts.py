@@ -7,8 +7,9 @@ Rows of any type are whole blocks, so an expert's slice of a stacked tensor is a
 folders stack them for x · W rather than x · Wᵀ (gate_up_exps_t (E, C, 2F), gate and up columns
 interleaved; down_exps_t (E, F, C)): those floats are transposed on the host when uploaded (numpy
 where installed). gpt-oss also has biases: the router's (E,), each expert's gate / up (E, F) (its HF
-folder's gate_up_exps_bias (E, 2F) interleaved) and down (E, C). Standard library only (runs in the
-page).
+folder's gate_up_exps_t_bias (E, 2F) interleaved; a fused GGUF's gate_up_exps_bias (E, 2F)) and down
+(E, C). A GGUF written with llama.cpp's --fuse-gate-up-exps holds gate_up_exps (E, 2F, C), each
+expert's gate rows then its up rows. Standard library only (runs in the page).
 """
 from __future__ import annotations
 
@@ -88,6 +89,12 @@ def _per_expert(weights: dict, p: str, part: str, E: int) -> list[TensorInfo]:
             raise UnsupportedModelError(f"{hf.name}: {hf.qtype} {hf.shape} is not {E} stacked float experts")
         col0, step = {"gate": (0, 2), "up": (1, 2)}.get(part, (0, 1))
         return [Transposed(hf, e, col0, step) for e in range(E)]
+    fused = weights.get(f"{p}gate_up_exps") if part in ("gate", "up") else None
+    if fused is not None:                   # llama.cpp's --fuse-gate-up-exps: (E, 2F, C), gate | up
+        F = fused.shape[1] // 2
+        flat = TensorInfo(fused.name, fused.qtype, (2 * E * F, fused.shape[2]), fused.data, fused.offset)
+        halves = split_rows(flat, [F] * 2 * E, [f"{fused.name}[{e // 2}].{('gate', 'up')[e % 2]}" for e in range(2 * E)])
+        return halves[part == "up"::2]
     stacked = weights.get(f"{p}{part}_exps")
     if stacked is not None:
         if len(stacked.shape) != 3 or stacked.shape[0] != E:
@@ -118,8 +125,10 @@ def _biases(dev, weights: dict, p: str, E: int, owner: str) -> dict:
 
     def up(name, data, dtype):
         return mm.upload_vector(dev, data, dtype=dtype, owner=owner, label=p + name)
-    hf = weights.get(p + "gate_up_exps_bias")
-    if hf is not None:                      # (E, 2F), gate and up interleaved: [gate | up] per expert
+    hf = weights.get(p + "gate_up_exps_t_bias")
+    if p + "gate_up_exps_bias" in weights:  # (E, 2F): [gate | up] per expert already
+        gu = up("gate_up_bias", weights[p + "gate_up_exps_bias"].data, weights[p + "gate_up_exps_bias"].qtype)
+    elif hf is not None:                    # (E, 2F), gate and up interleaved: [gate | up] per expert
         F = hf.shape[-1] // 2
         size = tensor_nbytes(hf.qtype, (1,))
         gate, ups = transpose(hf.data, E * F, 2, size, 0), transpose(hf.data, E * F, 2, size, 1)

@@ -29,7 +29,7 @@ HF_GPTOSS_TO_OURS = {**{k: v for k, v in HF_LLAMA_TO_OURS.items() if ".mlp." not
                      _L + "mlp.router.weight": "layers.{i}.router",                       # (E, C)
                      _L + "mlp.router.bias": "layers.{i}.router_bias",                    # (E,)
                      _L + "mlp.experts.gate_up_proj": "layers.{i}.gate_up_exps_t",        # (E, C, 2F)
-                     _L + "mlp.experts.gate_up_proj_bias": "layers.{i}.gate_up_exps_bias",  # (E, 2F)
+                     _L + "mlp.experts.gate_up_proj_bias": "layers.{i}.gate_up_exps_t_bias",  # (E, 2F)
                      _L + "mlp.experts.down_proj": "layers.{i}.down_exps_t",              # (E, F, C)
                      _L + "mlp.experts.down_proj_bias": "layers.{i}.down_exps_bias",      # (E, C)
                      # OpenAI's release: MXFP4 in the row layout, gate and up rows interleaved
