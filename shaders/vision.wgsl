@@ -3,6 +3,7 @@
 //   attn_image_rows: attention of the query rows inside an image, over keys up to their image's end
 //                    (the image's tokens see each other both ways)                 dispatch T*Hq / 64
 //   avg_pool:        y[t,c] = mean of a KxK patch square of x (the projector's pooling)  dispatch Nt*C / 64
+//   pixel_shuffle:   y[t,:] = an s x s patch square of x side by side (Idefics3's connector)  dispatch N*C / 64
 // `act` (f32 or f16) comes from the header; image features are f32; sums are f32.
 
 struct Params {
@@ -109,4 +110,24 @@ fn avg_pool(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg:
         }
     }
     py[i] = s / f32(K * K);
+}
+
+// pixel_shuffle: y (P*P/s^2, C s^2) from x (P*P, C): token (a, b) of the (P/s)^2 grid holds, for
+// column j = r*C*s + q*C + c, patch (a*s + r, b*s + q)'s channel c (transformers' view/permute chain)
+@compute @workgroup_size(64)
+fn pixel_shuffle(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                 @builtin(local_invocation_index) lid: u32) {
+    let i = flat(wid, nwg, lid);
+    if (i >= p.n) { return; }
+    let C = p.c;
+    let P = p.a;
+    let S = p.b;
+    let W = C * S * S;
+    let t = i / W;
+    let j = i % W;
+    let a = t / (P / S);
+    let b = t % (P / S);
+    let h = a * S + j / (C * S);
+    let w = b * S + (j % (C * S)) / C;
+    py[i] = px[(h * P + w) * C + j % C];
 }

@@ -37,3 +37,12 @@ def avg_pool(x: np.ndarray, side: int, kernel: int) -> np.ndarray:
     C = x.shape[-1]
     g = x.reshape(side // kernel, kernel, side // kernel, kernel, C).astype(np.float64)
     return g.mean(axis=(1, 3)).reshape(-1, C).astype(np.float32)
+
+
+def pixel_shuffle(x: np.ndarray, scale: int) -> np.ndarray:
+    """transformers' Idefics3Connector.pixel_shuffle of one image's (N, C) patches."""
+    n, C = x.shape
+    side = int(round(n ** 0.5))
+    y = x.reshape(side, side // scale, C * scale).transpose(1, 0, 2)
+    y = y.reshape(side // scale, side // scale, C * scale * scale).transpose(1, 0, 2)
+    return y.reshape(n // scale ** 2, C * scale * scale)

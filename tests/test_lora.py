@@ -398,3 +398,20 @@ async def test_speculation_and_grammars_with_adapters(engine, base_path):
         await spec.unload()
     assert all(x["speculation_proposed_tokens"] > 0 for x in stats)      # guess rows with the adapter
     assert sum(x["speculation_accepted_tokens"] for x in stats) > 0
+
+
+async def test_only_the_projections_some_adapter_targets_get_deltas(engine):
+    """With only b (q, v, gate, down) registered, a step adds no delta to o: 3 of the 4 a layer, and
+    the answers are b's."""
+    pipe = engine.models[_base_id(engine)].pipeline
+    await engine.unload_lora_adapter("a")
+    try:
+        assert pipe.lora.targeted() == ("qkv", "gate_up", "down")
+        assert await _greedy(engine, "b", 1) == _want("b", 1)
+        names = [op.name for op in pipe.scheduler.fwd.ops("decode", 1, True)]
+        n_layers = pipe.model.cfg.n_layers
+        assert sum(n in ("lora_delta", "lora_shrink") for n in names) == 3 * n_layers
+    finally:
+        await engine.load_lora_adapter("a", ADAPTERS["a"])
+    assert pipe.lora.targeted() == ("qkv", "o", "gate_up", "down")
+    assert await _greedy(engine, "a", 0) == _want("a", 0)

@@ -15,7 +15,8 @@ from _nn_util import TOL, empty, get, put, rounded, run, step_buf
 from webgpu_engine.errors import InvalidRequestError
 from webgpu_engine.kernels import vision as kv
 from webgpu_engine.kernels.common import Tensor
-from webgpu_engine.vision.gemma3 import patches, preprocess, read_vision_config
+from webgpu_engine.vision.config import patches, read_vision_config
+from webgpu_engine.vision.gemma3 import preprocess
 from webgpu_engine.vision.images import InvalidImageError, decode_bytes, image_data_url
 
 
@@ -66,6 +67,16 @@ def test_avg_pool(device):
     y = empty(device, (16, 12))
     run(device, kv.avg_pool(device, put(device, x), y, side=8, kernel=2))
     np.testing.assert_allclose(get(device, y), ref_vision.avg_pool(x, 8, 2), **TOL["f32"])
+
+
+def test_pixel_shuffle(device):
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((64, 12))
+    y = empty(device, (16, 48))
+    run(device, kv.pixel_shuffle(device, put(device, x), y, side=8, scale=2))
+    want = ref_vision.pixel_shuffle(x, 2)
+    assert want[0, 12:24].tolist() == x[1].tolist() and want[0, 24:36].tolist() == x[8].tolist()
+    np.testing.assert_array_equal(get(device, y), want.astype(np.float32))
 
 
 # ----------------------------------------------------------------------------- Gemma 3 against transformers
@@ -130,9 +141,9 @@ def _messages(ref, key: str, url=image_data_url) -> list[dict]:
               for p in m["content"]]} for m in ref["prompts"][key]["messages"]]
 
 
-def _text(ids) -> str:
+def _text(ids, folder=FOLDER) -> str:
     from tokenizers import Tokenizer
-    return Tokenizer.from_file(str(FOLDER / "tokenizer.json")).decode(ids)
+    return Tokenizer.from_file(str(folder / "tokenizer.json")).decode(ids, skip_special_tokens=False)
 
 
 @pytest.fixture(scope="module")
@@ -193,6 +204,81 @@ async def test_prefix_reuse_keys_images_by_content(engine, ref):
     assert got == await fresh(other)
 
 
+# ----------------------------------------------------------------------------- Idefics3 (SmolVLM)
+IDEFICS = FIXTURES / "tiny_idefics3"
+
+
+@pytest.fixture(scope="module")
+def idefics_ref():
+    return json.loads((FIXTURES / "idefics3_transformers.json").read_text())
+
+
+def test_idefics3_tiles_equal_the_processor(idefics_ref):
+    """Idefics3ImageProcessor's resize to a longest edge, to whole tiles, the rows x cols split and
+    the global tile (LANCZOS on uint8), and its prompt text for an image."""
+    from webgpu_engine.vision import idefics3
+    cfg = read_vision_config(IDEFICS)
+    assert (cfg.kind, cfg.tokens_per_image, cfg.longest_edge, cfg.resample) == ("idefics3", 16, 64, 1)
+    for name, r in idefics_ref["images"].items():
+        image = _image(name).image
+        rows, cols, _, _ = idefics3.layout(cfg, image)
+        assert (rows, cols) == (r["rows"], r["cols"]) and idefics3.n_tiles(cfg, image) == len(r["features"])
+        if r["pixel_values"] is not None:
+            np.testing.assert_allclose(np.stack(idefics3.tiles(cfg, image)), r["pixel_values"], atol=2e-6)
+    text = idefics3.full_image_sequence(cfg, _image("tall.png").image)
+    assert text.count("<image>") == 3 * 16 and "<row_2_col_1>" in text and text.endswith("<fake_token_around_image>")
+
+
+def test_idefics3_tower_matches_transformers(device, idefics_ref):
+    """SigLIP, pixel shuffle 2x2 and the connector's projection, per tile, within 2e-4."""
+    from webgpu_engine.loaders.safetensors import SafetensorsFolder
+    from webgpu_engine.models.siglip import SiglipTower
+    from webgpu_engine.vision import idefics3
+    cfg = read_vision_config(IDEFICS)
+    files = SafetensorsFolder(IDEFICS)
+    try:
+        tower = SiglipTower(device, cfg, files.tensors, owner="test:vision")
+    finally:
+        files.close()
+    try:
+        for name, r in idefics_ref["images"].items():
+            cut = idefics3.tiles(cfg, _image(name).image)
+            out = Tensor(device.buffer(len(cut) * 16 * 64 * 4, owner="test:vision"), (len(cut) * 16, 64), "f32")
+            for i, tile in enumerate(cut):
+                tower.write_patches(patches(cfg, tile))
+                device.submit(tower.record(device.batch(), out, i))
+            want = np.array(r["features"], np.float32).reshape(-1, 64)
+            assert np.abs(want).max() > 0.5
+            np.testing.assert_allclose(get(device, out), want, atol=2e-4, rtol=1e-4)
+    finally:
+        tower.dispose()
+
+
+@pytest.fixture(scope="module")
+async def idefics_engine(device):
+    from webgpu_engine.engine.engine import AsyncMLCEngine
+    eng = AsyncMLCEngine()
+    await eng.reload(str(IDEFICS), chat_opts=OPTS)
+    yield eng
+    await eng.unload()
+
+
+@pytest.mark.parametrize("key", ["one", "two"])
+async def test_idefics3_greedy_tokens_and_logits_equal_transformers(idefics_engine, idefics_ref, key):
+    """Prompt ids (an image's tiles: row/column markers and 16 <image> tokens each, then the global
+    tile), the last row's logits (1e-4) and 12 greedy tokens, images crossing prefill chunks."""
+    eng = idefics_engine
+    pipe = eng.models[IDEFICS.name].pipeline
+    want = idefics_ref["prompts"][key]
+    await eng.chat.completions.create(messages=_messages(idefics_ref, key), max_tokens=1, temperature=0.0)
+    assert pipe.kv_ids[:len(want["input_ids"])] == want["input_ids"]
+    m = pipe.model
+    np.testing.assert_allclose(get(pipe.dev, m.logits.view((m.cfg.vocab_size,))), want["logits"], atol=1e-4)
+    r = await eng.chat.completions.create(messages=_messages(idefics_ref, key), max_tokens=12, temperature=0.0)
+    assert pipe.output_ids == want["greedy"]
+    assert r.choices[0].message.content == _text(want["greedy"], IDEFICS)
+
+
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, device):
     import openai
@@ -201,8 +287,8 @@ def served(tmp_path_factory, device):
     from webgpu_engine.server.app import ServerOptions, ServerThread
     text = write_tiny_llama_safetensors(tmp_path_factory.mktemp("vlm") / "tiny-text")["folder"]
     # max_num_sequences 0 (as suits the device: `serve`'s default) runs a vision model on the one-request path
-    s = ServerThread(ServerOptions(models=[str(FOLDER), str(text)], chat_opts=[{**OPTS, "max_num_sequences": 0}, OPTS],
-                                   port=0))
+    s = ServerThread(ServerOptions(models=[str(FOLDER), str(text), str(IDEFICS)],
+                                   chat_opts=[{**OPTS, "max_num_sequences": 0}, OPTS, OPTS], port=0))
     yield s, openai.OpenAI(base_url=s.url, api_key="none", max_retries=0)
     s.stop()
 
@@ -211,6 +297,13 @@ def test_openai_client_gets_the_answer_about_two_images(served, ref):
     _, client = served
     r = client.chat.completions.create(model=VLM, messages=_messages(ref, "two"), max_tokens=12, temperature=0.0)
     assert r.choices[0].message.content == _text(ref["prompts"]["two"]["greedy"])
+
+
+def test_openai_client_gets_smolvlms_answer(served, idefics_ref):
+    _, client = served
+    r = client.chat.completions.create(model=IDEFICS.name, messages=_messages(idefics_ref, "two"), max_tokens=12,
+                                       temperature=0.0)
+    assert r.choices[0].message.content == _text(idefics_ref["prompts"]["two"]["greedy"], IDEFICS)
 
 
 def test_mlc_engine_gets_the_answer_about_an_image(device, ref):

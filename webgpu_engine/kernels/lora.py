@@ -27,39 +27,36 @@ def _pipe(dev: Device, entry: str, dtype: str, j: int = 1, norm: bool = False):
 def lora_shrink(dev: Device, x: Tensor, a: Tensor, idx: Tensor, u: Tensor, *, slots: int) -> Op:
     """u[t, :] = A[idx[t]] · x[t, :] for each row with an adapter.  x (T, K) act; a (slots, J, K)
     f32; idx (T,) u32; u (T, J) f32 (rows without an adapter are not written)."""
-    k = "lora_shrink"
-    T, K = (int(s) for s in x.shape)
-    J = a.numel // (slots * K) if slots and K else 0
-    check(x.dtype in ("f32", "f16") and a.dtype == "f32" and a.numel == slots * J * K and J > 0, k,
-          f"x{x.shape}/{x.dtype} and A{a.shape}/{a.dtype} must be (T, K) act and ({slots}, J, {K}) f32")
-    check(idx.dtype == "u32" and idx.numel >= T and u.dtype == "f32" and u.numel >= T * J, k,
-          f"idx{idx.shape} and u{u.shape} must hold {T} rows (u: {T} x {J} f32)")
-    (xb, xo), (ib, io), (ub, uo) = (window(t, DTYPE_SIZE[t.dtype], k, n) for t, n in ((x, "x"), (idx, "idx"), (u, "u")))
-    check(io == 0 and uo == 0 and a.offset == 0, k, "idx, u and A must start at binding-aligned offsets")
-    pipe = _pipe(dev, k, x.dtype)
-    par = params(dev, [T, K, 0, J, xo, 0, 0, slots], owner=u.buf.owner, label=k)
-    op = Op(name=k)
-    op.buffers.append(par)
-    return op.add(pipe, dev.bind(pipe, {0: par, 1: ib, 2: ub, 3: xb, 4: a.binding()}), -(-J // _WG), T)
+    return _pair_op(dev, "lora_shrink", x, a, idx, u, slots)
 
 
 def lora_expand(dev: Device, u: Tensor, b: Tensor, idx: Tensor, y: Tensor, *, slots: int) -> Op:
     """y[t, :N] += B[idx[t]] · u[t, :] for each row with an adapter.  u (T, J) f32; b (slots, N, J)
     f32; idx (T,) u32; y (T, N) act."""
-    k = "lora_expand"
-    T, N = (int(s) for s in y.shape)
-    J = b.numel // (slots * N) if slots and N else 0
-    check(y.dtype in ("f32", "f16") and b.dtype == "f32" and b.numel == slots * N * J and J > 0, k,
-          f"y{y.shape}/{y.dtype} and B{b.shape}/{b.dtype} must be (T, N) act and ({slots}, {N}, J) f32")
+    return _pair_op(dev, "lora_expand", y, b, idx, u, slots)
+
+
+def _pair_op(dev: Device, k: str, act: Tensor, w: Tensor, idx: Tensor, u: Tensor, slots: int) -> Op:
+    """lora_shrink's (act = x (T, K), w = A) or lora_expand's (act = y (T, N), w = B) checks and op."""
+    expand = k == "lora_expand"
+    T, width = (int(s) for s in act.shape)
+    J = w.numel // (slots * width) if slots and width else 0
+    names = ("y", "B", "N", f"({slots}, {width}, J)") if expand else ("x", "A", "K", f"({slots}, J, {width})")
+    check(act.dtype in ("f32", "f16") and w.dtype == "f32" and w.numel == slots * J * width and J > 0, k,
+          f"{names[0]}{act.shape}/{act.dtype} and {names[1]}{w.shape}/{w.dtype} must be (T, {names[2]}) act "
+          f"and {names[3]} f32")
     check(idx.dtype == "u32" and idx.numel >= T and u.dtype == "f32" and u.numel >= T * J, k,
           f"idx{idx.shape} and u{u.shape} must hold {T} rows (u: {T} x {J} f32)")
-    (yb, yo), (ib, io), (ub, uo) = (window(t, DTYPE_SIZE[t.dtype], k, n) for t, n in ((y, "y"), (idx, "idx"), (u, "u")))
-    check(io == 0 and uo == 0 and b.offset == 0, k, "idx, u and B must start at binding-aligned offsets")
-    pipe = _pipe(dev, k, y.dtype)
-    par = params(dev, [T, 0, N, J, 0, yo, N, slots], owner=u.buf.owner, label=k)
+    (ab, ao), (ib, io), (ub, uo) = (window(t, DTYPE_SIZE[t.dtype], k, n)
+                                    for t, n in ((act, names[0]), (idx, "idx"), (u, "u")))
+    check(io == 0 and uo == 0 and w.offset == 0, k, f"idx, u and {names[1]} must start at binding-aligned offsets")
+    pipe = _pipe(dev, k, act.dtype)
+    values = [T, 0, width, J, 0, ao, width, slots] if expand else [T, width, 0, J, ao, 0, 0, slots]
+    par = params(dev, values, owner=u.buf.owner, label=k)
+    binds = {5: ab, 6: w.binding()} if expand else {3: ab, 4: w.binding()}
     op = Op(name=k)
     op.buffers.append(par)
-    return op.add(pipe, dev.bind(pipe, {0: par, 1: ib, 2: ub, 5: yb, 6: b.binding()}), -(-N // _WG), T)
+    return op.add(pipe, dev.bind(pipe, {0: par, 1: ib, 2: ub, **binds}), -(-(width if expand else J) // _WG), T)
 
 
 def lora_delta(dev: Device, x: Tensor, a: Tensor, b: Tensor, idx: Tensor, y: Tensor, *, slots: int,

@@ -3,7 +3,8 @@
 - splice_rows: the rows of the input embeddings that hold image tokens take the image's features;
 - attn_image_rows: an image's token rows attend every key up to the image's last token (an image's
   tokens see each other both ways, Gemma 3), after the causal attention has written every row;
-- avg_pool: a vision tower's patch grid pooled KxK (Gemma 3's projector).
+- avg_pool: a vision tower's patch grid pooled KxK (Gemma 3's projector);
+- pixel_shuffle: each s x s square of the patch grid as one token s^2 times as wide (Idefics3's).
 
 `rows` (T, 2) u32 per forward row: the feature row it takes (0xffffffff: none) and the end of its
 image's keys (0: the row is text and keeps its causal attention). The numpy references are in
@@ -71,3 +72,17 @@ def avg_pool(dev: Device, x: Tensor, y: Tensor, *, side: int, kernel: int) -> Op
     check(xo == 0 and yo == 0, k, "x and y must start at bindable offsets")
     par = params(dev, [n_out * C, C, side, kernel, 0, 0, 0, 0, 0, 0, 0.0, 0], owner=y.buf.owner, label=k)
     return _op(dev, k, _FILE, k, _header("f32"), par, {1: xe, 2: ye}, n_out * C)
+
+
+def pixel_shuffle(dev: Device, x: Tensor, y: Tensor, *, side: int, scale: int) -> Op:
+    """y ((side/scale)^2, C scale^2) from x (side*side, C), both f32: each scale x scale square of the
+    row-major patch grid as one row, as transformers' Idefics3 pixel_shuffle lays it out."""
+    k = "pixel_shuffle"
+    C = int(x.shape[-1])
+    check(side % scale == 0, k, f"a grid of {side} does not split into squares of {scale}")
+    check(x.dtype == y.dtype == "f32" and x.numel == side * side * C == y.numel, k,
+          f"x {x.shape} must be ({side * side}, C) and y {y.shape} as many f32 values")
+    (xe, xo), (ye, yo) = _window(dev, x, k), _window(dev, y, k)
+    check(xo == 0 and yo == 0, k, "x and y must start at bindable offsets")
+    par = params(dev, [x.numel, C, side, scale, 0, 0, 0, 0, 0, 0, 0.0, 0], owner=y.buf.owner, label=k)
+    return _op(dev, k, _FILE, k, _header("f32"), par, {1: xe, 2: ye}, x.numel)

@@ -123,7 +123,7 @@ HF_MODERNBERT_TO_OURS = {
 }
 _TABLES = {"llama": HF_LLAMA_TO_OURS, "bert": HF_BERT_TO_OURS, "nomic": HF_NOMIC_TO_OURS,
            "modernbert": HF_MODERNBERT_TO_OURS}
-_LAYER = re.compile(r"^(model\.layers|model\.language_model\.layers|language_model\.model\.layers|gpt_neox\.layers|encoder\.layers?|layers)\.(\d+)\.(.+)$")
+_LAYER = re.compile(r"^(model\.layers|model\.language_model\.layers|language_model\.model\.layers|model\.text_model\.layers|gpt_neox\.layers|encoder\.layers?|layers)\.(\d+)\.(.+)$")
 
 
 _BERT_PREFIXES = ("bert.", "roberta.", "model.")   # BertForX / XLMRobertaForX nest the encoder

@@ -397,7 +397,7 @@ def _image_attention(m, kv: KVAccess, i: int, qkv: Tensor, attn: Tensor, T: int,
                      spec: Attention) -> list[Op]:
     """An image's rows attend every key of their image (both ways), over what the causal attention wrote."""
     rows = _images(kv, mode)
-    return [rows.attention(m, i, qkv, attn, T, spec)] if rows is not None else []
+    return rows.attention(m, i, qkv, attn, T, spec) if rows is not None else []
 
 
 def row_heads(m, kv: KVAccess, T: int, outs: list[Tensor]) -> list[Op]:

@@ -11,8 +11,8 @@ from ..kernels.common import Op, Tensor, new_tensor
 
 
 class ImageRows:
-    def __init__(self, dev, *, rows: int, features: int, width: int, owner: str):
-        self.dev, self.cap = dev, rows
+    def __init__(self, dev, *, rows: int, features: int, width: int, owner: str, bidirectional: bool = True):
+        self.dev, self.cap, self.bidirectional = dev, rows, bidirectional
         self.rows = new_tensor(dev, (rows, 2), "u32", owner=owner, label="image_rows")          # (P, 2)
         self.feats = new_tensor(dev, (features, width), "f32", owner=owner, label="image_feats")  # (N, C)
         self.pending: list[tuple[int, int]] | None = None
@@ -28,7 +28,10 @@ class ImageRows:
         """x[t] = the image feature of row t, where it holds an image token (after the embedding's scale)."""
         return vision.splice_rows(m.dev, x, self.feats, self.rows.view((T, 2)))
 
-    def attention(self, m, i: int, qkv: Tensor, attn: Tensor, T: int, spec) -> Op:
-        """Layer i's attention of the image rows over their whole image (contiguous caches)."""
-        return vision.attn_image_rows(m.dev, qkv, m.k_cache[i], m.v_cache[i], attn, m.step, self.rows.view((T, 2)),
-                                      **spec.heads(), ctx=m.ctx, scale=spec.scale, window=spec.window)
+    def attention(self, m, i: int, qkv: Tensor, attn: Tensor, T: int, spec) -> list[Op]:
+        """Layer i's attention of the image rows over their whole image (contiguous caches), where an
+        image's rows attend each other both ways (Gemma 3; Idefics3's stay causal: no op)."""
+        if not self.bidirectional:
+            return []
+        return [vision.attn_image_rows(m.dev, qkv, m.k_cache[i], m.v_cache[i], attn, m.step, self.rows.view((T, 2)),
+                                       **spec.heads(), ctx=m.ctx, scale=spec.scale, window=spec.window)]

@@ -495,12 +495,13 @@ class LlamaModel:
 
     images = None                      # ImageRows of a vision-language model (enable_images)
 
-    def enable_images(self, features: int, width: int) -> None:
+    def enable_images(self, features: int, width: int, bidirectional: bool = True) -> None:
         """Make the PREFILL forwards take image features: `features` rows of `width` (the text model's
-        hidden size) and per-row image rows (models/image_rows.py); rebuilds the prefill op lists."""
+        hidden size) and per-row image rows (models/image_rows.py), an image's rows attending each
+        other both ways where `bidirectional` (Gemma 3); rebuilds the prefill op lists."""
         from .image_rows import ImageRows
         self.images = ImageRows(self.dev, rows=int(self.ids.shape[0]), features=features, width=width,
-                                owner=self.owner)
+                                owner=self.owner, bidirectional=bidirectional)
         self._ops.release()
 
     def set_step(self, pos0: int, n_new: int) -> None:

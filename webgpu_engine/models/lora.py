@@ -346,6 +346,11 @@ class LoraPool:
     def resident(self) -> list[str]:
         return list(self._resident)
 
+    def targeted(self) -> tuple:
+        """The groups (GROUPS' names, in order) that some registered adapter targets."""
+        used = {_GROUP_OF[t] for ad in self.registered.values() for t in ad.targets}
+        return tuple(g for g, _ in GROUPS if g in used)
+
     def _upload(self, ad: LoraAdapter, slot: int) -> None:
         import numpy as np
         R = self.max_rank
@@ -367,20 +372,22 @@ class LoraPool:
         self.dev.release_owner(self.owner)
 
 
-@dataclass
+@dataclass(frozen=True)
 class LoraRows:
-    """What a forward with adapters reads: the pool and each row's slot (kernels/lora.py NONE: the
-    base)."""
+    """What a forward with adapters reads: the pool, each row's slot (kernels/lora.py NONE: the
+    base) and the projection groups whose deltas it adds (None: all; the others are left as the
+    base computes them, fusions included)."""
 
     pool: LoraPool
     idx: Tensor             # (P,) u32
+    groups: tuple | None = None
 
     def delta(self, i: int, group: str, x: Tensor, y: Tensor, T: int, norm: tuple | None = None) -> list:
         """y[t] += each row's adapter's B · A · x[t] for layer i's `group` (x (T, K), y (T, N)); with
         `norm` (w, eps) of x * w / rms(x) instead."""
         p = self.pool
         g = p.groups[i].get(group)
-        if g is None:
+        if g is None or (self.groups is not None and group not in self.groups):
             return []
         dev, idx, x = p.dev, self.idx.view((T,)), x.view((T, g.k))
         if p.fused:
@@ -393,13 +400,18 @@ class LoraRows:
         return ops + [lk.lora_shrink(dev, x, g.a, idx, u, slots=p.slots),
                       lk.lora_expand(dev, u, g.b, idx, y.view((T, g.n)), slots=p.slots)]
 
-    @staticmethod
-    def plan(plan):
+    def plan(self, plan):
         """`plan` without the fusions that hide a projection's output from its delta: the RoPE + KV
-        write of the qkv matmul, act(gate) * up stored by the gate_up matmul or read by the down
-        matmul. The others stay, so that a base row's values are those of the plan without
-        adapters: a fused norm's input is normed apart for the delta, and o's and down's deltas go
-        into x before their matmul adds to it (and stores the next norm)."""
+        write of the qkv matmul (q, k or v targeted), act(gate) * up stored by the gate_up matmul
+        (gate or up) or read by the down matmul (gate, up or down). The others stay, so that a base
+        row's values are those of the plan without adapters: a fused norm's input is normed apart
+        for the delta, and o's and down's deltas go into x before their matmul adds to it (and
+        stores the next norm)."""
         from dataclasses import replace
-        return replace(plan, gate_in_down=False, rope_kv=(False,) * len(plan.rope_kv),
-                       gate_out=(False,) * len(plan.gate_out))
+        on = set(self.groups if self.groups is not None else (g for g, _ in GROUPS))
+        out = replace(plan, gate_in_down=plan.gate_in_down and not on & {"gate_up", "down"})
+        if "qkv" in on:
+            out = replace(out, rope_kv=(False,) * len(plan.rope_kv))
+        if "gate_up" in on:
+            out = replace(out, gate_out=(False,) * len(plan.gate_out))
+        return out

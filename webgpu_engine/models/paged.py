@@ -31,6 +31,7 @@ only (runs in the page).
 from __future__ import annotations
 
 import struct
+from dataclasses import replace
 
 from ..kernels import attention_paged as ap
 from ..kernels import matmul as mm
@@ -77,7 +78,7 @@ class PagedForward:
         if c.kv_sources:                     # rope_q: every row rotated, none written (slot 0xffffffff)
             self.no_slots = new_tensor(dev, (P,), "u32", owner=owner, label="paged.no_slots")
             dev.write(self.no_slots.buf, b"\xff" * 4 * P)
-        self._ops = OpCache(_MAX_CACHED)                   # (kind, rows, lora) -> list[Op]
+        self._ops = OpCache(_MAX_CACHED)                   # (kind, rows, LoRA groups) -> list[Op]
         # LoRA adapters (models/lora.py): each row's adapter slot; op lists with the deltas are
         # built apart and run only for steps with an adapter row (a base-only step is unchanged)
         self.lora_idx = new_tensor(dev, (P,), "u32", owner=owner, label="paged.lora_idx")
@@ -153,8 +154,11 @@ class PagedForward:
         (T tokens of one sequence, the last row's logits into row 0); with `lora`, each row's
         adapter delta (lora_idx) added."""
         mode = decoder.ROWS if kind == "decode" else decoder.PREFILL
-        rows = self.lora if lora else None
-        return self._ops.get((kind, T, lora), lambda: decoder.forward(self.model, self, T, mode, lora=rows))
+        if not lora:
+            return self._ops.get((kind, T, None), lambda: decoder.forward(self.model, self, T, mode))
+        # the deltas of the projections the registered adapters target (a list per such set)
+        rows = replace(self.lora, groups=self.lora.pool.targeted())
+        return self._ops.get((kind, T, rows.groups), lambda: decoder.forward(self.model, self, T, mode, lora=rows))
 
     def attach_lora(self, pool) -> None:
         """Adapters of models/lora.py's LoraPool `pool` become available to the rows."""

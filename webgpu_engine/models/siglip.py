@@ -1,16 +1,19 @@
-"""Gemma 3's vision tower (SigLIP) and projector on the GPU: one image's patches in, its soft tokens'
-embeddings (in the text model's width) out. A pre-norm ViT, run with the BERT encoder's kernels:
+"""The SigLIP vision tower and its projector on the GPU (Gemma 3, Idefics3 / SmolVLM): one tile's
+patches in, its image tokens' embeddings (in the text model's width) out. A pre-norm ViT, run with
+the BERT encoder's kernels:
 
     x = patches · Wpatchᵀ + b + pos                                  (N, C)   N = (S/p)^2 patches
     for each layer:
         x += attn(LN1(x)) · Woᵀ + bo                                 bidirectional over the N patches
         x += gelu_tanh(LN2(x) · W1ᵀ + b1) · W2ᵀ + b2
     x = LN(x)
-    t = avg_pool_KxK(x)                                              (n, C)   n soft tokens
-    out = rms_norm(t) * (1 + w) · Wproj                              (n, C_text)
+    Gemma 3:  t = avg_pool_KxK(x)                                    (n, C)   n soft tokens
+              out = rms_norm(t) * (1 + w) · Wproj                    (n, C_text)
+    Idefics3: t = pixel_shuffle_s(x)                                 (N / s^2, C s^2)
+              out = t · Wprojᵀ                                       (N / s^2, C_text)
 
 The patch embedding (a p x p convolution with stride p) is a matmul over unfolded patches
-(vision/gemma3.py `patches`: the conv weight (C, 3, p, p) is already that matmul's (C, 3 p p)).
+(vision/config.py `patches`: the conv weight (C, 3, p, p) is already that matmul's (C, 3 p p)).
 Activations are f32 whatever the decoder's dtype; the output goes to the decoder's splice buffer.
 """
 from __future__ import annotations
@@ -24,12 +27,13 @@ from ..kernels import matmul as mm
 from ..kernels import nn, vision
 from ..kernels.common import Op, Tensor, new_tensor
 from ..loaders.tensor_info import TensorInfo
-from ..vision.gemma3 import VisionConfig
+from ..vision.config import VisionConfig
 from .llama import _floats
 
-# the tower's and projector's names, with or without transformers' prefixes
-# (hub releases: vision_tower.vision_model.*; transformers 5: model.vision_tower.*)
-_PREFIX = re.compile(r"^(model\.)?(vision_tower\.(vision_model\.)?|multi_modal_projector\.)")
+# the tower's and projector's names, with or without transformers' prefixes (Gemma 3's hub releases:
+# vision_tower.vision_model.*; transformers 5: model.vision_tower.*; Idefics3: model.vision_model.*,
+# model.connector.*)
+_PREFIX = re.compile(r"^(model\.)?(vision_tower\.(vision_model\.)?|multi_modal_projector\.|vision_model\.|connector\.)")
 
 
 def vision_tensors(tensors: dict[str, TensorInfo]) -> dict[str, TensorInfo]:
@@ -83,7 +87,7 @@ class SiglipTower:
         self.patch = mm.upload_weight(dev, [conv.data], conv.qtype, C, 3 * p * p, owner=owner, label="v.patch")
         self.patch_b = vector(["embeddings.patch_embedding.bias"], C, "v.patch_b")
         pos = get("embeddings.position_embedding.weight", (N, C))
-        self.pos = self._matrix(pos, "v.pos")
+        self.pos = self._matrix(pos, "v.pos", rows=position_ids(cfg.patches_per_side) if cfg.kind == "idefics3" else None)
         self.layers = []
         for i in range(cfg.n_layers):
             a, L = f"encoder.layers.{i}.self_attn.", f"encoder.layers.{i}."
@@ -97,10 +101,12 @@ class SiglipTower:
                 fc2=weight([L + "mlp.fc2.weight"], C, F, f"v{i}.fc2"), fc2_b=vector([L + "mlp.fc2.bias"], C, f"v{i}.fc2b")))
         self.post_w = vector(["post_layernorm.weight"], C, "v.post")
         self.post_b = vector(["post_layernorm.bias"], C, "v.postb")
-        self.mm_norm = vector(["mm_soft_emb_norm.weight"], C, "v.mmnorm", plus=1.0)    # x * (1 + w)
-        # out = t · Wproj with Wproj (C, C_text): the matmul's weight is its transpose (C_text, C)
-        proj = get("mm_input_projection_weight", (C, cfg.text_hidden))
-        self.proj = self._transposed(proj, "v.proj")
+        if cfg.kind == "gemma3":
+            self.mm_norm = vector(["mm_soft_emb_norm.weight"], C, "v.mmnorm", plus=1.0)    # x * (1 + w)
+            # out = t · Wproj with Wproj (C, C_text): the matmul's weight is its transpose (C_text, C)
+            self.proj = self._transposed(get("mm_input_projection_weight", (C, cfg.text_hidden)), "v.proj")
+        else:                            # Idefics3's nn.Linear (C_text, C s^2), no bias
+            self.proj = weight(["modality_projection.proj.weight"], cfg.text_hidden, C * cfg.scale ** 2, "v.proj")
         self._allocate(N)
         self.ops = self._build(N)
 
@@ -112,8 +118,8 @@ class SiglipTower:
             raw = (raw.astype(np.uint32) << 16).view(np.float32)
         return raw.astype(np.float32).reshape(t.shape)
 
-    def _matrix(self, t: TensorInfo, label: str) -> Tensor:
-        a = self._array(t)
+    def _matrix(self, t: TensorInfo, label: str, rows=None) -> Tensor:
+        a = self._array(t) if rows is None else self._array(t)[rows]
         return Tensor(self.dev.upload(a.tobytes(), owner=self.owner, label=label), a.shape, "f32")
 
     def _transposed(self, t: TensorInfo, label: str) -> mm.QWeight:
@@ -129,7 +135,10 @@ class SiglipTower:
         self.pix = act((N, 3 * cfg.patch_size ** 2), "v.pixels")
         self.x, self.h, self.ctx = act((N, C), "v.x"), act((N, C), "v.h"), act((N, C), "v.ctx")
         self.qkv, self.ff = act((N, 3 * C), "v.qkv"), act((N, F), "v.ff")
-        self.pooled, self.normed = act((n, C), "v.pooled"), act((n, C), "v.normed")
+        if cfg.kind == "gemma3":
+            self.pooled, self.normed = act((n, C), "v.pooled"), act((n, C), "v.normed")
+        else:
+            self.shuffled = act((n, C * cfg.scale ** 2), "v.shuffled")
         self.out = act((n, cfg.text_hidden), "v.out")
         self.lengths = Tensor(dev.upload(struct.pack("<I", N), owner=own, label="v.lengths"), (1,), "u32")
 
@@ -150,15 +159,19 @@ class SiglipTower:
             op += nn.gelu_tanh(dev, ff, ff)
             op += mm.matmul(dev, ff, L.fc2, x, bias=L.fc2_b, accumulate=True)      # x += mlp
         op += nn.layer_norm(dev, x, self.post_w, self.post_b, h, eps=eps)
-        op += vision.avg_pool(dev, h, self.pooled, side=cfg.patches_per_side, kernel=cfg.pool)
-        op += nn.rms_norm(dev, self.pooled, self.mm_norm, self.normed, eps=eps)
-        op += mm.matmul(dev, self.normed, self.proj, self.out)                    # (n, C_text)
+        if cfg.kind == "gemma3":
+            op += vision.avg_pool(dev, h, self.pooled, side=cfg.patches_per_side, kernel=cfg.pool)
+            op += nn.rms_norm(dev, self.pooled, self.mm_norm, self.normed, eps=eps)
+            op += mm.matmul(dev, self.normed, self.proj, self.out)                # (n, C_text)
+        else:
+            op += vision.pixel_shuffle(dev, h, self.shuffled, side=cfg.patches_per_side, scale=cfg.scale)
+            op += mm.matmul(dev, self.shuffled, self.proj, self.out)              # (n, C_text)
         op.name = "siglip"
         return op
 
     # ------------------------------------------------------------------ running
     def write_patches(self, rows) -> None:
-        """Write one image's unfolded patches (vision/gemma3.py `patches`, (N, 3 p p) f32)."""
+        """Write one image's unfolded patches (vision/config.py `patches`, (N, 3 p p) f32)."""
         self.dev.write(self.pix.buf, rows.astype("float32").tobytes())
 
     def record(self, batch, dst: Tensor, index: int):
@@ -173,3 +186,14 @@ class SiglipTower:
         self.ops.release()
         self.dev.release_owner(self.owner)
 
+
+
+def position_ids(side: int):
+    """Idefics3's position ids of a full tile's patches, as its embeddings compute them in f32
+    (fractional coordinates bucketed on boundaries 1/side ..): the identity where 1/side is exact."""
+    import numpy as np
+    step = np.float32(1.0) / np.float32(side)
+    frac = np.minimum(np.arange(side, dtype=np.float32) * step, np.float32(1.0 - 1e-6))
+    bounds = np.arange(1 / side, 1.0, 1 / side, dtype=np.float32)
+    b = np.searchsorted(bounds, frac, side="right")
+    return (b[:, None] * side + b[None, :]).reshape(-1)

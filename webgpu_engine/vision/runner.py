@@ -1,8 +1,9 @@
 """A loaded vision-language model's image side, as its chat pipeline uses it (pipelines/llm.py):
 
-- `template(t)`: the chat template whose rendered `<start_of_image>` becomes the model's full image
-  sequence (as Gemma3Processor expands the text before tokenising it);
-- `prepare(ids, images)`: pairs each image with its run of image tokens;
+- `template(t)`: the chat template whose rendered image markers become each image's full sequence (as
+  the family's processor expands the text before tokenising it: Gemma 3's `<start_of_image>`,
+  Idefics3's `<image>`, whose sequence depends on the picture's tiles);
+- `prepare(ids, images)`: pairs each tile of each image with its run of image tokens;
 - `reusable(kv_ids, keep)`: prefix reuse keys the cache's images by content (SHA-256 of the bytes:
   image tokens are one id whatever the picture), so it stops at the first image that differs;
 - `encode(keep)`: runs the tower over the images whose rows are computed (features into the
@@ -13,15 +14,23 @@
 from __future__ import annotations
 
 import asyncio
+import re
 from pathlib import Path
 
 from ..errors import InvalidRequestError, UnsupportedChatOptionError
 from ..gpu import IN_BROWSER
 from ..kernels.vision import NONE
 from ..loaders.chat_template import ChatTemplate
-from .gemma3 import BOI, VisionConfig, patches, preprocess, read_vision_config
+from . import gemma3, idefics3
+from .config import VisionConfig, patches, read_vision_config
+from .requests import images_of
 
-MAX_IMAGES = 16                          # per request, as the features buffer is sized
+MAX_TILES = 64                           # tiles (Gemma 3: images) of one request, at most
+FEATURE_BYTES = 64 << 20                 # and at most this many bytes of their features
+
+
+def _family(cfg: VisionConfig):
+    return gemma3 if cfg.kind == "gemma3" else idefics3
 
 
 def takes_images(path) -> bool:
@@ -35,23 +44,30 @@ def takes_images(path) -> bool:
 
 
 class _ExpandingTemplate(ChatTemplate):
-    """A chat template whose rendered image markers become the model's full image sequence."""
+    """A chat template whose rendered image markers become each image's full sequence, in order."""
 
-    def __init__(self, inner: ChatTemplate, marker: str, full: str):
+    def __init__(self, inner: ChatTemplate, cfg: VisionConfig):
         self.__dict__.update(inner.__dict__)
-        self._marker, self._full = marker, full
+        self._cfg = cfg
 
     def render(self, messages, **kwargs) -> str:
-        return super().render(messages, **kwargs).replace(self._marker, self._full)
+        images = iter(images_of(messages))
+        expand = _family(self._cfg).full_image_sequence
+
+        def sub(m):
+            im = next(images, None)
+            return expand(self._cfg, im.image) if im is not None else m.group()
+        return re.sub(re.escape(self._cfg.marker), sub, super().render(messages, **kwargs))
 
 
 class VisionInputs:
-    def __init__(self, dev, cfg: VisionConfig, tower, model, max_images: int):
+    def __init__(self, dev, cfg: VisionConfig, tower, model, max_tiles: int):
         self.dev, self.cfg, self.tower, self.model = dev, cfg, tower, model
-        self.max_images = max_images
+        self.max_tiles = max_tiles
+        self.max_images = max_tiles // _family(cfg).max_tiles(cfg)
         self.unavailable = ""            # why this load takes no images (set by the pipeline), else ""
         self._rows: dict[int, tuple[int, int]] = {}     # position -> (feature row, image's key end)
-        self._request: list | None = None    # this request's images: (start, end, sha256, ImageInput)
+        self._request: list | None = None    # this request's tiles: (start, end, sha256, image, tile)
         self._cached: list = []              # the KV cache's images: (start, end, sha256)
 
     @classmethod
@@ -67,9 +83,10 @@ class VisionInputs:
             raise UnsupportedChatOptionError(
                 "prefill_chunk_size", model.chunk, f"an image's {cfg.tokens_per_image} tokens run in one "
                 f"prefill chunk: load with prefill_chunk_size >= {cfg.tokens_per_image}")
-        why = ("a KV cache in another dtype than the activations (kv_cache_dtype) has no image "
-               "attention yet: load without kv_cache_dtype" if model.kv_cache_dtype else
-               "a sliding window's ring (sliding_window_size) has no image attention yet" if model.ring else "")
+        why = "" if not cfg.bidirectional else (
+            "a KV cache in another dtype than the activations (kv_cache_dtype) has no image "
+            "attention yet: load without kv_cache_dtype" if model.kv_cache_dtype else
+            "a sliding window's ring (sliding_window_size) has no image attention yet" if model.ring else "")
         if why:                          # the text model runs; image requests are refused by name
             vision = cls(dev, cfg, None, model, 0)
             vision.unavailable = why
@@ -81,14 +98,15 @@ class VisionInputs:
             tower = SiglipTower(dev, cfg, files.tensors, owner=owner)
         finally:
             files.close()
-        n = max(1, min(MAX_IMAGES, model.ctx // (cfg.tokens_per_image + 6)))
-        model.enable_images(n * cfg.tokens_per_image, cfg.text_hidden)
+        n = max(_family(cfg).max_tiles(cfg), min(MAX_TILES, model.ctx // (cfg.tokens_per_image + 6),
+                                                   FEATURE_BYTES // (cfg.tokens_per_image * cfg.text_hidden * 4)))
+        model.enable_images(n * cfg.tokens_per_image, cfg.text_hidden, bidirectional=cfg.bidirectional)
         return cls(dev, cfg, tower, model, n)
 
     def template(self, template):
         if template is None or not isinstance(template, ChatTemplate):
             return template
-        return _ExpandingTemplate(template, BOI, self.cfg.full_image_sequence())
+        return _ExpandingTemplate(template, self.cfg)
 
     # ------------------------------------------------------------------ a request
     def blocks(self, ids: list[int]) -> list[tuple[int, int]]:
@@ -105,23 +123,27 @@ class VisionInputs:
         return out
 
     def prepare(self, ids: list[int], images: list) -> None:
-        """Pair each image of the request with its run of image tokens in `ids` (one full image per
-        image part, or a 400); `reusable` and `encode` read the pairs."""
+        """Pair each tile of each image of the request with its run of image tokens in `ids` (each
+        image part placed once, whole, or a 400); `reusable` and `encode` read the pairs."""
         blocks = self.blocks(ids)
-        n = self.cfg.tokens_per_image
-        if len(blocks) != len(images) or any(e - s != n for s, e in blocks):
-            raise InvalidRequestError(f"The prompt holds {len(blocks)} image(s) of {[e - s for s, e in blocks]} "
-                                      f"tokens for {len(images)} image(s) of {n} tokens: the chat template "
-                                      f"must place each image part once (and the text may not carry image "
-                                      f"tokens itself).", param="messages")
-        self._request = [(s, e, im.sha256, im) for (s, e), im in zip(blocks, images)]
+        n, count = self.cfg.tokens_per_image, _family(self.cfg).n_tiles
+        owners = [(im, j) for im in images for j in range(count(self.cfg, im.image))]
+        if len(owners) > self.max_tiles:
+            raise InvalidRequestError(f"The images make {len(owners)} tiles of {n} tokens; this model takes "
+                                      f"{self.max_tiles} per request.", param="messages")
+        if len(blocks) != len(owners) or any(e - s != n for s, e in blocks):
+            raise InvalidRequestError(f"The prompt holds {len(blocks)} runs of image tokens "
+                                      f"{[e - s for s, e in blocks]} for {len(owners)} tiles of {n} tokens: "
+                                      f"the chat template must place each image part once (and the text may "
+                                      f"not carry image tokens itself).", param="messages")
+        self._request = [(s, e, im.sha256, im, j) for (s, e), (im, j) in zip(blocks, owners)]
         self._rows = {}
 
     def reusable(self, kv_ids: list[int], keep: int) -> int:
         """The cached prefix (`keep` ids shared with the request) that may be reused: up to the first
         image of the cache that the request does not hold at the same place with the same content
         (SHA-256 of its bytes: one token id stands for any image)."""
-        same = {(s, e, h) for s, e, h, _ in self._request or ()}
+        same = {(s, e, h) for s, e, h, _, _ in self._request or ()}
         for s, e, h in self._cached:
             if s >= keep:
                 break
@@ -130,17 +152,21 @@ class VisionInputs:
         return keep
 
     async def encode(self, keep: int) -> None:
-        """Run the tower over the request's images whose rows are computed (from `keep` on), each image's
+        """Run the tower over the request's tiles whose rows are computed (from `keep` on), each tile's
         features submitted before the prefill that reads them, and map their rows."""
-        todo = [(s, e, im) for s, e, _, im in self._request or () if e > keep]
+        todo = [(s, e, im, j) for s, e, _, im, j in self._request or () if e > keep]
         if not todo:
             return
-        cfg, n = self.cfg, self.cfg.tokens_per_image
+        cfg, n, fam = self.cfg, self.cfg.tokens_per_image, _family(self.cfg)
 
         def rows():
-            return [patches(cfg, preprocess(cfg, im.image)) for _, _, im in todo]
+            cut = {}                     # an image's tiles, cut once
+            for _, _, im, _ in todo:
+                if id(im) not in cut:
+                    cut[id(im)] = fam.tiles(cfg, im.image)
+            return [patches(cfg, cut[id(im)][j]) for _, _, im, j in todo]
         pixels = rows() if IN_BROWSER else await asyncio.to_thread(rows)    # resizing is CPU work
-        for k, ((s, e, _), r) in enumerate(zip(todo, pixels)):
+        for k, ((s, e, _, _), r) in enumerate(zip(todo, pixels)):
             self.tower.write_patches(r)
             self.dev.submit(self.tower.record(self.dev.batch(), self.model.images.feats, k))
             for j in range(n):
@@ -167,5 +193,5 @@ class VisionInputs:
 
     def done(self) -> None:
         """The request's prefill is over: the cache holds its images; later forwards carry none."""
-        self._cached = [(s, e, h) for s, e, h, _ in self._request or ()]
+        self._cached = [(s, e, h) for s, e, h, _, _ in self._request or ()]
         self._request, self._rows = None, {}
