@@ -155,6 +155,28 @@ def test_harmony_prompt_and_channels_through_the_openai_client(server):
     assert (reasoning, content) == ("The user wants the capital.", "Paris is the capital.")
 
 
+def test_reasoning_effort_reaches_the_harmony_template(server):
+    """OpenAI's reasoning_effort (low / medium / high) is harmony's `Reasoning:` line (the template's
+    reasoning_effort), in the prompt a request renders (POST /tokenize) and through the openai client."""
+    import json
+    import urllib.request
+
+    def prompt(**fields):
+        def post(path, body):
+            req = urllib.request.Request(f"http://127.0.0.1:{server.port}{path}", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"}, method="POST")
+            return json.loads(urllib.request.urlopen(req).read())
+        ids = post("/tokenize", {"messages": [{"role": "user", "content": "Hi"}], **fields})["tokens"]
+        return post("/detokenize", {"tokens": ids})["prompt"]
+    assert "Reasoning: high\n" in prompt(reasoning_effort="high")
+    assert "Reasoning: medium\n" in prompt() and "Reasoning: medium\n" in prompt(reasoning_effort="none")
+    c = _client(server)
+    r = c.chat.completions.create(model=c.models.list().data[0].id, messages=[{"role": "user", "content": "Hi"}],
+                                  reasoning_effort="low", temperature=0.0, max_tokens=120,
+                                  response_format={"type": "grammar", "grammar": ANSWER})
+    assert r.choices[0].message.content == "Paris is the capital."
+
+
 def test_harmony_tool_calls_through_the_openai_client(server):
     """A call to functions.get_weather (forced by tool_choice: harmony's commentary message with
     arguments that follow the schema) is an OpenAI tool call, whole and streamed."""

@@ -109,6 +109,7 @@ class GenerationConfig:
     ignore_eos: bool = False
     n: int = 1
     enable_thinking: bool | None = None    # passed to the chat template (None: the template's default)
+    reasoning_effort: str | None = None    # passed to the chat template (gpt-oss: low / medium / high)
     continue_final_message: bool = False   # the answer continues the final (assistant) message
     latency_breakdown: bool = False        # usage.extra.latency_breakdown: per-step times
     grammar: Any = None                    # a compiled grammar (pipelines.grammar.Grammar): constrained

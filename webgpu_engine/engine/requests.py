@@ -63,7 +63,7 @@ def gen_config(lm, req: dict) -> GenerationConfig:
         repetition_penalty=float(pick("repetition_penalty")),
         logit_bias=bias, logprobs=bool(req.get("logprobs")), top_logprobs=int(req.get("top_logprobs") or 0),
         seed=req.get("seed"), ignore_eos=bool(req.get("ignore_eos")), n=int(req.get("n") or 1),
-        enable_thinking=req.get("enable_thinking"),
+        enable_thinking=req.get("enable_thinking"), reasoning_effort=req.get("reasoning_effort"),
         continue_final_message=bool(req.get("continue_final_message")),
         latency_breakdown=bool(req.get("enable_latency_breakdown")))
 

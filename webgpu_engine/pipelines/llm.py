@@ -366,6 +366,8 @@ class LLMChatPipeline(DecodePaths):
     def template_kwargs(gen: GenerationConfig) -> dict:
         """What a request passes to the chat template's render besides the messages."""
         kw = {} if gen.enable_thinking is None else {"enable_thinking": gen.enable_thinking}
+        if gen.reasoning_effort:
+            kw["reasoning_effort"] = gen.reasoning_effort
         if gen.tools:
             kw["tools"] = gen.tools
         if gen.continue_final_message:

@@ -29,7 +29,7 @@ from .errors import (ContentTypeError, DependencyError, EmbeddingInputEmptyError
 ROLES = ("system", "user", "assistant", "tool")
 MAX_TOP_LOGPROBS = 20             # chat's top_logprobs (OpenAI's limit); also the GPU sampler's (TOPN
                                   # in kernels/sampling.py and sampling.wgsl)
-REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")   # thinking is on or off, not graded
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")   # on or off, graded where the template reads it
 # Unknown top-level fields are ignored (clients send fields of newer API versions and of other
 # servers), each name logged once per request kind at debug level; a known field with a value this
 # engine cannot honour is refused by name instead.
@@ -370,12 +370,16 @@ def check_chat_request(req: dict, limits: RequestLimits | None = None) -> dict:
     if last["role"] not in ("user", "tool") and not out["continue_final_message"]:
         raise MessageOrderError(last["role"])
     out["messages"] = norm
-    effort = out.pop("reasoning_effort", None)    # OpenAI's; "none" turns a template's thinking off
+    # OpenAI's; "none" turns a template's thinking off, a grade goes to templates that read one
+    # (gpt-oss's harmony: "Reasoning: low | medium | high")
+    effort = out.pop("reasoning_effort", None)
     if effort is not None:
         if effort not in REASONING_EFFORTS:
             raise FieldTypeError("reasoning_effort", f"one of {list(REASONING_EFFORTS)}", effort)
         if effort == "none" and out.get("enable_thinking") is None:
             out["enable_thinking"] = False
+        elif effort != "none":
+            out["reasoning_effort"] = effort
 
     rf = check_response_format(out.get("response_format"))
     if rf is None or rf["type"] == "text":
