@@ -404,3 +404,19 @@ def test_bench_vision_smoke(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     data = json.loads(out.read_text())
     assert data["tokens_per_image"] == 16 and data["tower_ms"] > 0 and data["preprocess_ms"] > 0
+
+
+def test_page_imports_the_image_path_without_numpy():
+    """The browser constraint: the image modules import (numpy and Pillow are needed only when an
+    image is decoded or preprocessed) and the protocol takes image parts with numpy unimportable."""
+    from page_imports import run_without_compiled
+    r = run_without_compiled("""
+import webgpu_engine.vision.runner, webgpu_engine.vision.requests, webgpu_engine.vision.idefics3
+import webgpu_engine.models.image_rows, webgpu_engine.models.siglip, webgpu_engine.kernels.vision
+from webgpu_engine.protocol.rules import check_chat_request
+req = check_chat_request({"messages": [{"role": "user", "content": [
+    {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}, {"type": "text", "text": "hi"}]}]})
+print(req["messages"][0]["content"][0]["type"], req["messages"][0]["content"][0]["where"])
+""")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.split() == ["image", "messages[0].content[0]"]
