@@ -58,6 +58,30 @@ class TensorInfo:
         return math.prod(self.shape)
 
 
+class LazyTensorInfo(TensorInfo):
+    """A TensorInfo whose bytes are made from other tensors' (`_make`) when first read, at the
+    model's upload, not when headers are read (memory estimates, info)."""
+
+    _data = None
+
+    def _make(self) -> memoryview:
+        raise NotImplementedError
+
+    @property
+    def data(self) -> memoryview:
+        if self._data is None:
+            self._data = self._make()
+        return self._data
+
+    @data.setter
+    def data(self, value) -> None:
+        self._data = value
+
+    @property
+    def nbytes(self) -> int:
+        return tensor_nbytes(self.qtype, self.shape)
+
+
 def split_rows(t: TensorInfo, sizes: list[int], names: list[str]) -> list[TensorInfo]:
     """Row slices of a matrix (n, k) as TensorInfos of sizes[i] rows each: zero-copy views, since a
     row of any qtype is a whole number of blocks."""

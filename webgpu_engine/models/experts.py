@@ -19,7 +19,7 @@ from ..errors import UnsupportedModelError
 from ..kernels import matmul as mm
 from ..kernels.common import Tensor
 from ..kernels.moe import ExpertStack, upload_experts as upload_stack
-from ..loaders.tensor_info import TensorInfo, split_rows, tensor_nbytes
+from ..loaders.tensor_info import LazyTensorInfo, TensorInfo, split_rows, tensor_nbytes
 
 
 @dataclass
@@ -34,35 +34,20 @@ class Experts:
     down_bias: Tensor | None = None    # (E * C,) f32
 
 
-class Transposed(TensorInfo):
+class Transposed(LazyTensorInfo):
     """Columns col0, col0 + step, ... of a stacked float matrix's expert e (E, k, cols) as rows
-    (n, k), copied when its bytes are first read (the upload), not when headers are read."""
+    (n, k), copied when its bytes are first read."""
 
     def __init__(self, t: TensorInfo, e: int, col0: int, step: int):
         E, k, cols = t.shape
-        self._src, self._data = (t, e, col0, step), None
+        self._src = (t, e, col0, step)
         super().__init__(f"{t.name}[{e}]ᵀ", t.qtype, (len(range(col0, cols, step)), k), None, t.offset)
 
-    @property
-    def data(self) -> memoryview:
-        if self._data is None:
-            t, e, col0, step = self._src
-            _, k, cols = t.shape
-            self._data = transpose(t.data[e * k * cols * self._size:(e + 1) * k * cols * self._size], k, cols,
-                                   self._size, col0, step)
-        return self._data
-
-    @data.setter
-    def data(self, value) -> None:
-        self._data = value
-
-    @property
-    def _size(self) -> int:
-        return tensor_nbytes(self.qtype, (1,))
-
-    @property
-    def nbytes(self) -> int:
-        return tensor_nbytes(self.qtype, self.shape)
+    def _make(self) -> memoryview:
+        t, e, col0, step = self._src
+        _, k, cols = t.shape
+        size = tensor_nbytes(self.qtype, (1,))
+        return transpose(t.data[e * k * cols * size:(e + 1) * k * cols * size], k, cols, size, col0, step)
 
 
 def transpose(src, rows: int, cols: int, size: int, col0: int = 0, step: int = 1) -> memoryview:

@@ -20,7 +20,7 @@ from __future__ import annotations
 from ..errors import ModelFormatError, UnsupportedModelError
 from ..loaders.decoder_config import DecoderFamily
 from ..loaders.hf_config import HF_LLAMA_TO_OURS
-from ..loaders.tensor_info import TensorInfo
+from ..loaders.tensor_info import LazyTensorInfo, TensorInfo
 
 _L = "model.layers.{i}."
 HF_GPTOSS_TO_OURS = {**{k: v for k, v in HF_LLAMA_TO_OURS.items() if ".mlp." not in k},
@@ -53,35 +53,24 @@ def _gptoss_hf(c: dict, fields: dict, where: str) -> dict:
             "window_layers": tuple(t == "sliding_attention" for t in types)}
 
 
-class MXFP4Stack(TensorInfo):
+class MXFP4Stack(LazyTensorInfo):
     """Rows row0, row0 + step, ... of OpenAI's MXFP4 expert stack (blocks (E, R, G, 16): value 2i of a
     block in byte i's low nibble, 2i + 1 in its high one; scales (E, R, G) E8M0) as ggml's MXFP4 stack
     (E, n, 32 G) (per block the scale byte, then byte j: value j low, j + 16 high), repacked when its
-    bytes are first read (the upload). The same values bit for bit (kernels/qtypes.py mxfp4)."""
+    bytes are first read. The same values bit for bit (kernels/qtypes.py mxfp4)."""
 
     def __init__(self, blocks: TensorInfo, scales: TensorInfo, row0: int, step: int):
         E, R, G, B = blocks.shape
         if B != 16 or tuple(scales.shape) != (E, R, G) or {blocks.qtype, scales.qtype} != {"u8"}:
             raise ModelFormatError(f"{blocks.name}: {blocks.qtype} {blocks.shape} / {scales.qtype} {scales.shape} "
                                    f"are not MXFP4 blocks (E, R, G, 16) and scales (E, R, G) in u8")
-        self._src, self._data = (blocks, scales, row0, step), None
+        self._src = (blocks, scales, row0, step)
         super().__init__(blocks.name, "mxfp4", (E, len(range(row0, R, step)), 32 * G), None, blocks.offset)
 
-    @property
-    def data(self) -> memoryview:
-        if self._data is None:
-            blocks, scales, row0, step = self._src
-            E, R, G, _ = blocks.shape
-            self._data = repack_mxfp4(blocks.data, scales.data, E, R, G, row0, step)
-        return self._data
-
-    @data.setter
-    def data(self, value) -> None:
-        self._data = value
-
-    @property
-    def nbytes(self) -> int:
-        return self.shape[0] * self.shape[1] * self.shape[2] // 32 * 17
+    def _make(self) -> memoryview:
+        blocks, scales, row0, step = self._src
+        E, R, G, _ = blocks.shape
+        return repack_mxfp4(blocks.data, scales.data, E, R, G, row0, step)
 
 
 def repack_mxfp4(blocks, scales, E: int, R: int, G: int, row0: int, step: int) -> memoryview:
