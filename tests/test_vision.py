@@ -420,3 +420,25 @@ print(req["messages"][0]["content"][0]["type"], req["messages"][0]["content"][0]
 """)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.split() == ["image", "messages[0].content[0]"]
+
+
+def test_memory_estimate_counts_the_vision_tower(device, monkeypatch):
+    """The pre-load estimate adds the tower's weights (as uploaded) and its activations and features."""
+    from webgpu_engine.config import ChatConfig
+    from webgpu_engine.engine.memory import estimate_for
+    from webgpu_engine.loaders.safetensors import SafetensorsFolder
+    from webgpu_engine.models.siglip import vision_tensors
+    from webgpu_engine.vision import runner
+    cc = ChatConfig(**OPTS)
+    full = estimate_for("llm", FOLDER, cc, device)
+    with monkeypatch.context() as mp:
+        mp.setattr(runner, "memory", lambda path, est, ctx: est)
+        text = estimate_for("llm", FOLDER, cc, device)
+    files = SafetensorsFolder(FOLDER)
+    try:
+        tower = sum(t.nbytes for t in vision_tensors(files.tensors).values())
+    finally:
+        files.close()
+    assert full.weights - text.weights >= tower > 0
+    assert full.activations - text.activations >= 11 * 16 * 64 * 4        # the features of 11 images
+    assert runner.memory(FIXTURES / "tiny_xlmr", text, 256) == text      # no vision_config: unchanged

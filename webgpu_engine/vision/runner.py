@@ -43,6 +43,38 @@ def takes_images(path) -> bool:
         return False
 
 
+def capacity(cfg: VisionConfig, ctx: int) -> int:
+    """Tiles one request may bring to a load of `ctx` positions: at least one picture's most, at
+    most MAX_TILES and FEATURE_BYTES of features."""
+    n = cfg.tokens_per_image
+    return max(_family(cfg).max_tiles(cfg), min(MAX_TILES, ctx // (n + 6), FEATURE_BYTES // (n * cfg.text_hidden * 4)))
+
+
+def memory(path, est, ctx: int):
+    """`est` (a decoder's MemoryEstimate) with the vision tower of the folder at `path` added: its
+    weights as uploaded (the position table and Gemma 3's projection in f32) and its activations for
+    one tile plus the features buffer a load of `ctx` positions allocates; `est` as it is for a
+    text-only model."""
+    from dataclasses import replace
+    if not takes_images(path):
+        return est
+    from ..loaders.safetensors import SafetensorsFolder
+    from ..loaders.tensor_info import tensor_nbytes
+    from ..models.siglip import vision_tensors
+    cfg = read_vision_config(path)
+    files = SafetensorsFolder(path)
+    try:
+        shapes = {n: (t.qtype, tuple(t.shape)) for n, t in vision_tensors(files.tensors).items()}
+    finally:
+        files.close()
+    f32 = {"embeddings.position_embedding.weight", "mm_input_projection_weight"}
+    weights = sum(tensor_nbytes("f32" if n in f32 else q, s) for n, (q, s) in shapes.items())
+    C, F, N, n = cfg.hidden_size, cfg.intermediate_size, cfg.patches_per_side ** 2, cfg.tokens_per_image
+    acts = 4 * (N * (3 * cfg.patch_size ** 2 + 3 * C + 3 * C + F) + n * (2 * C * cfg.scale ** 2 + cfg.text_hidden))
+    feats = 4 * capacity(cfg, ctx) * n * cfg.text_hidden
+    return replace(est, weights=est.weights + weights, activations=est.activations + acts + feats)
+
+
 class _ExpandingTemplate(ChatTemplate):
     """A chat template whose rendered image markers become each image's full sequence, in order."""
 
@@ -98,8 +130,7 @@ class VisionInputs:
             tower = SiglipTower(dev, cfg, files.tensors, owner=owner)
         finally:
             files.close()
-        n = max(_family(cfg).max_tiles(cfg), min(MAX_TILES, model.ctx // (cfg.tokens_per_image + 6),
-                                                   FEATURE_BYTES // (cfg.tokens_per_image * cfg.text_hidden * 4)))
+        n = capacity(cfg, model.ctx)
         model.enable_images(n * cfg.tokens_per_image, cfg.text_hidden, bidirectional=cfg.bidirectional)
         return cls(dev, cfg, tower, model, n)
 
