@@ -75,6 +75,24 @@ def test_mxfp4_experts_as_their_floats(device, tmp_path):
         tmp_path / f"mxfp4_{deq}.gguf", seed=REF["seed"], expert_qtype="MXFP4", dequantized=deq)["path"], "mxfp4", REF)
 
 
+def test_bf16_folder_as_its_values_in_f32(device, tmp_path):
+    """A bf16 folder (as transformers saves gpt-oss: the experts transposed on upload from 2-byte
+    floats, bf16 biases and sinks widened) gives the logits and greedy tokens of an f32 folder holding
+    the same values."""
+    got = []
+    for dtype in ("bf16", "bf16-values"):
+        folder = tinygptoss.write_tiny_gptoss_safetensors(tmp_path / dtype, seed=REF["seed"], dtype=dtype)["folder"]
+        m = open_model(folder)
+        try:
+            assert m.weights["layers.0.gate_up_exps_t"].qtype == ("bf16" if dtype == "bf16" else "f32")
+            got.append(families.run_golden(device, m.config, m.weights, {**REF, "rows": [0, 299]}))
+        finally:
+            m.close()
+    for r in (0, 299):
+        assert np.abs(got[0][0][r] - got[1][0][r]).max() <= 1e-5 * np.abs(got[1][0][r]).max()
+    assert got[0][1] == got[1][1]
+
+
 def test_openai_mxfp4_folder_as_the_mxfp4_gguf(device, tmp_path):
     """OpenAI's release layout (gate_up_proj_blocks / _scales in the row layout, gate and up rows
     interleaved, quantization_config mxfp4), repacked into ggml's blocks on upload, gives the logits

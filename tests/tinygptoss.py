@@ -90,7 +90,8 @@ def _tokenizer_json(tokens: list, merges: list) -> str:
 
 
 def write_tiny_gptoss_safetensors(folder, seed: int = 0, dtype: str = "f32", mxfp4: bool = False, **dims) -> dict:
-    """The HF folder (config.json, model.safetensors in f32 or bf16, tokenizer files with harmony's
+    """The HF folder (config.json, model.safetensors in f32, bf16 or "bf16-values" (bf16's values in
+    f32), tokenizer files with harmony's
     template, generation_config.json stopping at <|return|> and <|call|>). `mxfp4`: the experts'
     matrices as OpenAI releases them (mxfp4_blocks: the blocks gguf.quants makes of their rows)."""
     folder = Path(folder)
@@ -103,6 +104,9 @@ def write_tiny_gptoss_safetensors(folder, seed: int = 0, dtype: str = "f32", mxf
     if dtype == "bf16":     # round to nearest even, as torch's .to(bfloat16)
         enc = {n: ("bf16", a.shape, _bf16(a)) if a.dtype == np.float32 else ("u8", a.shape, a.tobytes())
                for n, a in w.items()}
+    elif dtype == "bf16-values":     # those values, stored as f32
+        enc = {n: ("f32", a.shape, (np.frombuffer(_bf16(a), np.uint16).astype(np.uint32) << 16).tobytes())
+               if a.dtype == np.float32 else ("u8", a.shape, a.tobytes()) for n, a in w.items()}
     else:
         enc = {n: ("f32" if a.dtype == np.float32 else "u8", a.shape, a.tobytes()) for n, a in w.items()}
     tm.write_safetensors(folder / "model.safetensors", enc, {"format": "pt"})
