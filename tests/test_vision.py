@@ -378,6 +378,7 @@ def test_responses_and_ollama_clients_get_the_answer(served, ref):
                 options=opts)
     assert r.message.content == want
     assert oc.generate(model=VLM, prompt="What is in the picture?", images=[b64], options=opts).response == want
+    assert "vision" in oc.show(VLM).capabilities and "vision" not in oc.show("tiny-text").capabilities
     with pytest.raises(ollama.ResponseError) as e:
         oc.chat(model="tiny-text", messages=[{"role": "user", "content": "x", "images": [b64]}], options=opts)
     assert e.value.status_code == 400 and "images" in str(e.value)
