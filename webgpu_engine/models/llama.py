@@ -13,7 +13,7 @@ writes only the step buffer. Standard library only (runs in the page).
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..errors import ContextWindowTooLargeError, GPUOutOfMemoryError, UnsupportedModelError
 from ..gpu import Device
@@ -161,13 +161,20 @@ class LlamaModel:
     def __init__(self, dev: Device, cfg: LlamaConfig, weights: dict, *, owner: str,
                  context_window: int = 4096, prefill_chunk: int = 256, dtype: str = "f32",
                  max_total_bytes: int = DEFAULT_MAX_TOTAL_BYTES, progress=None, kv_cache_dtype: str = "",
-                 ring: Ring | None = None):
-        self.dev, self.cfg, self.owner, self.dtype = dev, cfg, owner, dtype
-        self.kv_cache_dtype = "" if kv_cache_dtype == dtype else kv_cache_dtype   # "q8_0", "q4_0" or "" (= dtype)
+                 ring: Ring | None = None, plan: DecoderPlan | None = None):
+        """`plan`: the load's models/plan.py DecoderPlan (its context, prefill chunk, dtypes and ring);
+        without it (a model built by hand) one made of context_window, prefill_chunk, dtype,
+        kv_cache_dtype and ring, for one sequence."""
+        if plan is None:
+            plan = DecoderPlan(dtype, *cache_rows(cfg, context_window, prefill_chunk, ring), 1,
+                               kv_cache_dtype="" if kv_cache_dtype == dtype else kv_cache_dtype, ring=ring)
+        self.plan = plan
+        self.dev, self.cfg, self.owner, self.dtype = dev, cfg, owner, plan.dtype
+        self.kv_cache_dtype = plan.kv_cache_dtype          # "q8_0", "q4_0" or "" (= dtype)
         # a sliding window with sinks (kernels/common.py Ring): the cache holds the window and the rows
         # of one forward, past its end a ring; positions are not bounded by it
-        self.ring = ring
-        self.ctx, self.chunk = cache_rows(cfg, context_window, prefill_chunk, ring)
+        self.ring = plan.ring
+        self.ctx, self.chunk = plan.context, plan.prefill_chunk
         self.rope_factors = cfg.rope_factors_for(self.ctx)
         weights = split_fused(weights, cfg.q_dim, cfg.kv_dim, cfg.ffn_size, cfg.head_dim)
         self._check_memory(weights, max_total_bytes)
@@ -194,7 +201,7 @@ class LlamaModel:
         """Refuse, before any allocation, a cache buffer over the device's per-buffer limit or a model
         over `max_total` bytes (the estimate the engine's pre-load check uses: models/memory.py)."""
         lim = min(self.dev.max_buffer_size, self.dev.max_storage_binding)
-        plan = DecoderPlan(self.dtype, self.ctx, self.chunk, 1, kv_cache_dtype=self.kv_cache_dtype, ring=self.ring)
+        plan = replace(self.plan, max_sequences=1, kv_pool_blocks=0)     # this model's own buffers
         est, kv_layer = estimate_llm(self.cfg, weights, plan, max_binding=lim), plan.kv_layer_bytes(self.cfg)
         if kv_layer > lim:
             raise ContextWindowTooLargeError(

@@ -128,9 +128,8 @@ class LLMChatPipeline(DecodePaths):
         self.host_s = 0.0                               # decode steps' host time (record + submit), since load
         self.draft: LLMChatPipeline | None = None      # speculation "draft": the draft model's pipeline
         self._decode_step_s: float | None = None        # a fused decode step's time (auto_off), smoothed
-        # what was allocated: the load's plan, or (a model built by hand) the chat config's for it
-        self.plan = plan or plan_decoder(cfg, replace(chat_config, context_window_size=model.ctx,
-                                                      dtype=model.dtype), dev)
+        # what was allocated: the load's plan, or (a model built by hand) the model's own, for one sequence
+        self.plan = plan or model.plan
         self.shifts = chat_config.context_overflow == "shift"
         # the positions the cache holds at once (a sliding window's ring: any), and those a generation
         # may reach (context shifts go on past the cache's end)
@@ -199,9 +198,7 @@ class LLMChatPipeline(DecodePaths):
         dtype = plan.dtype
         try:
             # uploads fill the first 90% of this load's progress when kernel tuning may follow
-            model = m.arch.model_class()(dev, cfg, m.weights, owner=owner, context_window=plan.context,
-                                         prefill_chunk=plan.prefill_chunk, dtype=dtype,
-                                         kv_cache_dtype=plan.kv_cache_dtype, ring=plan.ring,
+            model = m.arch.model_class()(dev, cfg, m.weights, owner=owner, plan=plan,
                                          progress=_scaled(progress, 0.0, 0.9) if tunes else progress)
             if tunes:
                 await _tune(dev, model, dtype, tuning, _scaled(progress, 0.9, 1.0), model_id or path.name)
