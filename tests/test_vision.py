@@ -104,15 +104,20 @@ def test_preprocessing_equals_the_processor(ref):
     assert read_vision_config(FIXTURES / "tiny_xlmr") is None          # a text-only folder
 
 
-def test_vision_tower_matches_transformers(device, ref):
+def _tower(device, folder):
+    """(config, the folder's SigLIP tower on the device, owned by test:vision)."""
     from webgpu_engine.loaders.safetensors import SafetensorsFolder
     from webgpu_engine.models.siglip import SiglipTower
-    cfg = read_vision_config(FOLDER)
-    files = SafetensorsFolder(FOLDER)
+    cfg = read_vision_config(folder)
+    files = SafetensorsFolder(folder)
     try:
-        tower = SiglipTower(device, cfg, files.tensors, owner="test:vision")
+        return cfg, SiglipTower(device, cfg, files.tensors, owner="test:vision")
     finally:
         files.close()
+
+
+def test_vision_tower_matches_transformers(device, ref):
+    cfg, tower = _tower(device, FOLDER)
     try:
         names = sorted(ref["images"])
         out = Tensor(device.buffer(len(names) * 16 * 64 * 4, owner="test:vision"), (len(names) * 16, 64), "f32")
@@ -231,15 +236,8 @@ def test_idefics3_tiles_equal_the_processor(idefics_ref):
 
 def test_idefics3_tower_matches_transformers(device, idefics_ref):
     """SigLIP, pixel shuffle 2x2 and the connector's projection, per tile, within 2e-4."""
-    from webgpu_engine.loaders.safetensors import SafetensorsFolder
-    from webgpu_engine.models.siglip import SiglipTower
     from webgpu_engine.vision import idefics3
-    cfg = read_vision_config(IDEFICS)
-    files = SafetensorsFolder(IDEFICS)
-    try:
-        tower = SiglipTower(device, cfg, files.tensors, owner="test:vision")
-    finally:
-        files.close()
+    cfg, tower = _tower(device, IDEFICS)
     try:
         for name, r in idefics_ref["images"].items():
             cut = idefics3.tiles(cfg, _image(name).image)

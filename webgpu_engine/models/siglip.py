@@ -144,7 +144,7 @@ class SiglipTower:
 
     def _build(self, N: int) -> Op:
         cfg, dev = self.cfg, self.dev
-        C, H, D, eps = cfg.hidden_size, cfg.n_heads, cfg.head_dim, cfg.eps
+        H, D, eps = cfg.n_heads, cfg.head_dim, cfg.eps
         x, h, ctx, qkv, ff = self.x, self.h, self.ctx, self.qkv, self.ff
         op = mm.matmul(dev, self.pix, self.patch, x, bias=self.patch_b)           # (N, C)
         op += nn.add(dev, x, self.pos, x)

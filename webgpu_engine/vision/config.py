@@ -7,8 +7,12 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..errors import ModelFormatError, UnsupportedModelError
+
+if TYPE_CHECKING:
+    import numpy as np
 
 FAMILIES = {"Gemma3ForConditionalGeneration": "gemma3", "Idefics3ForConditionalGeneration": "idefics3"}
 

@@ -9,9 +9,13 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..errors import ModelFormatError, UnsupportedModelError
 from .config import VisionConfig, normalisation, pixels, processor_settings, tower_config
+
+if TYPE_CHECKING:
+    import numpy as np
 
 BOI, IMAGE, EOI = "<start_of_image>", "<image_soft_token>", "<end_of_image>"
 
