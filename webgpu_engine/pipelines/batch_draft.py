@@ -23,6 +23,7 @@ from ..config import GREEDY
 from ..kernels.sampling import RESULT_BYTES
 from ..models.kv_pool import KVPool, PoolExhaustedError
 from ..models.paged import PagedForward
+from .slots import Slot
 from .speculation import shared_prefix
 
 CATCH_UP_ROWS = 4      # new rows of a sequence that go into the joint catch-up forward; more: prefill
@@ -32,7 +33,6 @@ class DraftGuesser:
     """Greedy guesses of a draft pipeline (an LLMChatPipeline) for many sequences at once."""
 
     def __init__(self, draft, max_seqs: int, k: int, n_blocks: int, block_size: int):
-        from .scheduler import _Slot            # (scheduler imports batch_speculation, which imports this)
         m, dev = draft.model, draft.dev
         self.draft, self.model, self.dev, self.k = draft, m, dev, int(k)
         self.max_seqs = int(max_seqs)
@@ -41,7 +41,7 @@ class DraftGuesser:
                                 owner=draft.owner, max_rows=rows)
         self.pool = KVPool(n_blocks, block_size, share=False)
         # one greedy sampler per sequence of a step, on its own copy of its last row's logits
-        self.slots = [_Slot(dev, draft.vocab_size, m.dtype, draft.owner, i, label="draft")
+        self.slots = [Slot(dev, draft.vocab_size, m.dtype, draft.owner, i, label="draft")
                       for i in range(self.max_seqs)]
         for slot in self.slots:
             slot.sampler.configure(GREEDY)

@@ -42,16 +42,15 @@ import hashlib
 
 from ..config import GenerationConfig
 from ..gpu import IN_BROWSER
-from ..kernels import nn
-from ..kernels.common import DTYPE_SIZE, new_tensor
 from ..kernels.logit_mask import LogitMask
 from ..kernels.lora import NONE
-from ..kernels.sampling import RESULT_BYTES, Sampler
+from ..kernels.sampling import RESULT_BYTES
 from ..models.kv_pool import KVPool, PoolExhaustedError
 from ..models.paged import PagedForward
 from .batch_sequence import BatchSequence, SeqRecord
 from .batch_speculation import BatchSpeculation
 from .sequence import configure_sampler, process_logits
+from .slots import Slot
 from .stats import now
 
 CALLER_WAIT_S = 0.01      # the longest a step waits for callers on a CPU adapter (Scheduler.handed)
@@ -59,51 +58,6 @@ CALLER_WAIT_S = 0.01      # the longest a step waits for callers on a CPU adapte
 
 class SchedulerClosedError(RuntimeError):
     """The model was released while the request ran (the engine reports ModelUnloadedError)."""
-
-
-class _Slot:
-    """One place of the batch: a sampler (and grammar mask) with its own logits row."""
-
-    def __init__(self, dev, vocab: int, dtype: str, owner: str, i: int, label: str = "slot"):
-        self.dev = dev
-        self.logits = new_tensor(dev, (vocab + 2,), dtype, owner=owner, label=f"{label}{i}.logits").view((vocab,))
-        self.sampler = Sampler(dev, vocab, owner=owner, label=f"{label}{i}.sampler")
-        # the sampled token also goes here, for a step submitted before it is read (decode_ahead)
-        self.next_id = new_tensor(dev, (4,), "u32", owner=owner, label=f"{label}{i}.next_id")
-        self.op = self.sampler.op(self.logits, self.next_id)
-        self.mask: LogitMask | None = None
-        self.mask_op = None
-        self._copy_ops: dict = {}
-        self._row_masks: list = []           # (LogitMask, op) of a verify step's guess rows, made on first use
-        self._owner = owner
-
-    def row_mask(self, j: int, bits: bytes):
-        """The op masking this slot's logits with `bits` for row j of a verify step (row 0: the
-        slot's own mask; a guess row: a mask buffer of its own, so that every row's bits are in
-        place before the step runs)."""
-        while len(self._row_masks) < j:
-            mk = LogitMask(self.dev, self.logits.numel, owner=self._owner)
-            self._row_masks.append((mk, mk.op(self.logits)))
-        mk, op = (self.mask, self.mask_op) if j == 0 else self._row_masks[j - 1]
-        mk.write(bits)
-        return op
-
-    def copy_in(self, batch, logits, row: int, row_elems: int) -> None:
-        """Row `row` of `logits` (rows of row_elems entries, the model's whole vocabulary) -> this
-        slot's logits (its sampler and mask are bound to them)."""
-        n, size = self.logits.numel, DTYPE_SIZE[logits.dtype]
-        src = logits.offset + row * row_elems * size
-        if src % 4 == 0 and (n * size) % 4 == 0:
-            batch.copy(logits.buf, self.logits.buf, n * size, src, self.logits.offset)
-            return
-        op = self._copy_ops.get(row)       # an odd f16 vocabulary: a copy kernel (x * 1 is exact)
-        if op is None:
-            op = self._copy_ops[row] = nn.scale(self.dev, logits.view((n,), row * row_elems), self.logits, 1.0)
-        op.record(batch)
-
-    def release(self) -> None:
-        for op in self._copy_ops.values():
-            op.release()
 
 
 class Scheduler:
@@ -126,7 +80,7 @@ class Scheduler:
         # a model with recurrent states (Qwen3.5) shares no prefix: its states hold whole sequences
         self.pool = KVPool(n_blocks, bs, share=not m.recurrent)
         vocab = pipe.vocab_size
-        self.slots = [_Slot(dev, vocab, m.dtype, owner, i) for i in range(self.max_seqs)]
+        self.slots = [Slot(dev, vocab, m.dtype, owner, i) for i in range(self.max_seqs)]
         # each slot's sampler copies its step's result here (RESULT_BYTES at slot * RESULT_BYTES;
         # a verify step's guess rows after the slots' places, in row order)
         self._results_bytes = (self.max_seqs + (rows if self.spec else 0)) * RESULT_BYTES
