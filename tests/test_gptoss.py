@@ -15,9 +15,9 @@ import asyncio
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-import numpy as np
 import test_families as families
 import tinygptoss
 from test_moe import check_quantized_as_floats
@@ -65,6 +65,24 @@ def test_gptoss_gguf_matches_transformers(device, tmp_path, fused):
     norm, YaRN and the window in the metadata."""
     path = tinygptoss.write_tiny_gptoss_gguf(tmp_path / "gptoss.gguf", seed=REF["seed"], fused=fused)["path"]
     families.check_golden(device, path, REF)
+
+
+def test_llamacpp_converted_ggufs(device, tmp_path):
+    """GGUFs written by llama.cpp's convert_hf_to_gguf.py itself (tests/fixtures/gptoss_gguf): the
+    folder's gives transformers' ids, logits and greedy tokens; the one of its MXFP4 form (OpenAI's
+    layout, repacked by the converter) gives, bit for bit, the logits of tests/tinygptoss.py's MXFP4
+    GGUF, so that writer lays the model out as the converter does."""
+    converted = Path(__file__).parent / "fixtures" / "gptoss_gguf"
+    families.check_golden(device, converted / "f32.gguf", REF)
+    ours = tinygptoss.write_tiny_gptoss_gguf(tmp_path / "mxfp4.gguf", seed=REF["seed"], expert_qtype="MXFP4")["path"]
+    got = []
+    for p in (converted / "mxfp4.gguf", ours):
+        m = open_model(p)
+        try:
+            got.append(families.run_golden(device, m.config, m.weights, {**REF, "rows": [0, 299]}))
+        finally:
+            m.close()
+    assert all(np.array_equal(got[0][0][r], got[1][0][r]) for r in (0, 299)) and got[0][1] == got[1][1]
 
 
 def test_mxfp4_experts_as_their_floats(device, tmp_path):
