@@ -4,7 +4,8 @@ The engine holds no GPU math. Per loaded model id it keeps a pipeline, its chat 
 a lock; every request goes validate → select model → lock → generate → release (requests.py).
 One gpu Device is shared by all loaded models. This module serves requests (model selection,
 admission, the WebLLM methods); loading.py holds reload() / unload() and LoadedModel, device_loss.py
-what a device loss does (the engine class mixes both in).
+what a device loss does (the engine class mixes both in); tokenize / detokenize (tokens.py) and the
+LoRA adapters (lora.py) are parts of their own that the engine's methods delegate to.
 Standard library only at module level (this runs in the browser too).
 """
 from __future__ import annotations
@@ -23,7 +24,7 @@ from .records import LLM, AppConfig, EngineConfig
 from .tokens import Tokenizing
 
 
-class AsyncMLCEngine(ModelLoading, DeviceLossHandling, Tokenizing, LoraAdapters):
+class AsyncMLCEngine(ModelLoading, DeviceLossHandling):
     """Async engine. `await engine.reload(ids)`, then `engine.chat.completions.create(...)` etc."""
 
     def __init__(self, engine_config: EngineConfig | None = None):
@@ -51,6 +52,29 @@ class AsyncMLCEngine(ModelLoading, DeviceLossHandling, Tokenizing, LoraAdapters)
         self.messages = Messages(self)        # Anthropic's Messages API over the chat path
         from .rerank import Rerank
         self._rerank = Rerank(self)
+        self._tokens = Tokenizing(self.select, self.config)
+        self.lora = LoraAdapters(lambda: self.models)
+
+    # ------------------------------------------------------------------ tokens, adapters (their parts)
+    async def tokenize(self, request: Any = None, **fields) -> dict:
+        """Token ids of a prompt (or a chat request's rendered messages), their count and the
+        model's context window (vLLM's /tokenize)."""
+        return await self._tokens.tokenize(request, **fields)
+
+    async def detokenize(self, request: Any = None, **fields) -> dict:
+        """The text of token ids (vLLM's /detokenize)."""
+        return await self._tokens.detokenize(request, **fields)
+
+    async def load_lora_adapter(self, lora_name: str, lora_path: str, model: str | None = None,
+                                max_rank: int | None = None) -> None:
+        """Serve adapter `lora_name` (a PEFT folder at `lora_path`) over a loaded chat model (lora.py)."""
+        await self.lora.load_lora_adapter(lora_name, lora_path, model, max_rank)
+
+    async def unload_lora_adapter(self, lora_name: str) -> None:
+        await self.lora.unload_lora_adapter(lora_name)
+
+    def lora_names(self) -> list[str]:
+        return self.lora.lora_names()
 
     async def rerank(self, request: Any = None, **fields):
         """Rerank `documents` by relevance to `query` with a cross-encoder (the shape of Jina's,
@@ -103,9 +127,9 @@ class AsyncMLCEngine(ModelLoading, DeviceLossHandling, Tokenizing, LoraAdapters)
                 raise UnclearModelToUseError(loaded, request_name)
             lm = self.models[loaded[0]]
         else:
-            lm = self.models.get(model) or self.lora_base(model)     # a LoRA adapter: its base
+            lm = self.models.get(model) or self.lora.lora_base(model)     # a LoRA adapter: its base
             if lm is None:
-                raise SpecifiedModelNotFoundError(loaded + self.lora_names(), model)
+                raise SpecifiedModelNotFoundError(loaded + self.lora.lora_names(), model)
         if kind is not None and lm.model_type != kind:       # None: either pipeline type
             # WebLLM's getLLMStates / getEmbeddingStates: the other pipeline type loaded
             raise IncorrectPipelineLoadedError(lm.model_id, kind, request_name)

@@ -230,7 +230,7 @@ class ModelLoading:
         self.models = loaded
         self.state = "ready"
         self.device_lost_reason = None
-        await self._load_lora_adapters(lora_adapters)
+        await self.lora.load_adapters(lora_adapters)
         self._report(1.0, t0, f"Finish loading on WebGPU - {dev.info.name}")
 
     def _check_aborted(self, token: object) -> None:

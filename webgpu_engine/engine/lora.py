@@ -1,11 +1,13 @@
 """LoRA adapters served beside their base (vLLM's --lora-modules, /v1/load_lora_adapter): a loaded
 chat model keeps its adapters by name (LoadedModel.lora_adapters: name -> path); a request whose
 `model` is an adapter's name runs on the base with that adapter (models/lora.py), in the same
-batch as the base's and other adapters' requests. The AsyncMLCEngine mix-in; standard library only.
+batch as the base's and other adapters' requests. A part of AsyncMLCEngine (engine.py delegates its
+adapter methods here), reading only the engine's loaded models; standard library only.
 """
 from __future__ import annotations
 
 import asyncio
+from typing import Callable
 
 from ..errors import InvalidRequestError, ModelNotLoadedError, SpecifiedModelNotFoundError
 from ..gpu import IN_BROWSER
@@ -13,7 +15,15 @@ from .records import LLM
 
 
 class LoraAdapters:
-    """AsyncMLCEngine's adapter half (engine.py's __init__ sets `models`)."""
+    """The adapters of an engine's loaded chat models; `models()` gives the engine's loaded models
+    ({model id: LoadedModel}, each with its `lora_adapters` {name: path})."""
+
+    def __init__(self, models: Callable[[], dict]):
+        self._models = models
+
+    @property
+    def models(self) -> dict:
+        return self._models()
 
     def lora_base(self, name: str | None):
         """The LoadedModel that serves adapter `name`, or None."""
@@ -57,7 +67,7 @@ class LoraAdapters:
     def lora_names(self) -> list[str]:
         return [n for lm in self.models.values() for n in lm.lora_adapters]
 
-    async def _load_lora_adapters(self, adapters: dict | None) -> None:
+    async def load_adapters(self, adapters: dict | None) -> None:
         """reload()'s lora_adapters {name: path}: each over the one chat model loaded, the pool's rank
         the largest of theirs."""
         if not adapters:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from typing import Any
+from typing import Any, Callable
 
 from ..errors import InvalidRequestError
 from ..protocol.errors import FieldTypeError, RangeError
@@ -50,7 +50,11 @@ def _flag(req: dict, name: str, default: bool) -> bool:
 
 
 class Tokenizing:
-    """AsyncMLCEngine's tokenize / detokenize (mixed into the engine class)."""
+    """AsyncMLCEngine's tokenize / detokenize (engine.py delegates them here): `select` is the
+    engine's model selection (AsyncMLCEngine.select), `config` its EngineConfig (the request limits)."""
+
+    def __init__(self, select: Callable, config):
+        self.select, self.config = select, config
 
     async def tokenize(self, request: Any = None, **fields) -> dict:
         req = request_fields(request, fields)
