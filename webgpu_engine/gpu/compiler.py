@@ -280,8 +280,8 @@ class CompilingDevice:
         nothing new meanwhile); a submit would compile them one by one on the submitting thread.
         A pipeline with a stand-in that is not usable yet has its stand-in compiled instead, and
         the batch runs the stand-in. Where the driver compiles on first dispatch, each is
-        dispatched empty once created (with a bind group of the batch's), so that its compile
-        overlaps the others' creation."""
+        dispatched empty once created (with a bind group of the batch's, or the one it was first
+        bound with), so that its compile overlaps the others' creation."""
         bg = self.background
         if bg is None or not bg.pending():
             return
@@ -295,8 +295,8 @@ class CompilingDevice:
                     p, group = p.stand_in, self._alt_group(group, p.stand_in)
                 if not p.ready and id(p) not in todo:
                     todo[id(p)] = (p, group)
-        else:
-            todo = {id(p): (p, None) for p in work if not p.ready}
+        else:                               # pipelines: each with the bind group it was first bound with
+            todo = {id(p): (p, p.warm_group) for p in work if not p.ready}
         if todo:
             self.compile_waits += len(todo)
             bg.hold(True)
