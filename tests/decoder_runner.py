@@ -12,14 +12,16 @@ from webgpu_engine.models.llama import LlamaModel
 
 
 class DecoderRunner:
-    def __init__(self, device, cfg, weights, *, owner: str, context_window: int = 512, chunk: int = 128):
+    def __init__(self, device, cfg, weights, *, owner: str, context_window: int = 512, chunk: int = 128,
+                 dtype: str = "f32"):
         self.device, self.chunk = device, chunk
         self.model = LlamaModel(device, cfg, weights, owner=owner, context_window=context_window,
-                                prefill_chunk=chunk)
+                                prefill_chunk=chunk, dtype=dtype)
 
     def logits(self) -> np.ndarray:
         m = self.model
-        return np.frombuffer(self.device.read_sync(m.logits.buf, 0, m.logits.nbytes), np.float32).astype(np.float64)
+        np_type = np.float16 if m.logits.dtype == "f16" else np.float32
+        return np.frombuffer(self.device.read_sync(m.logits.buf, 0, m.logits.nbytes), np_type).astype(np.float64)
 
     def prefill(self, tokens: list[int], ends) -> dict:
         """tokens[0:max(ends)] from position 0 in chunks ending at each of `ends`: {end - 1: logits}."""

@@ -31,13 +31,13 @@ def _logits(device, m) -> np.ndarray:
     return np.frombuffer(device.read_sync(m.logits.buf, 0, m.logits.nbytes), np.float32).copy()
 
 
-def run_golden(device, cfg, weights, ref: dict, chunk: int = 128) -> tuple[dict, list]:
+def run_golden(device, cfg, weights, ref: dict, chunk: int = 128, dtype: str = "f32") -> tuple[dict, list]:
     """({row: logits}, greedy) of our model over ref's sequence: one chunked prefill up to
     prompt_len (chunks end at the rows kept, so each of those logits is a prefill's last row), 16
     greedy decode steps, then the sequence's own tokens decoded from prompt_len on (rows past it
     through the fused decode path; each step rewrites the cache row it reads last)."""
     ids, P = ref["text_ids"][:ref["seq_len"]], ref["prompt_len"]
-    run = DecoderRunner(device, cfg, weights, owner="test:families", chunk=chunk)
+    run = DecoderRunner(device, cfg, weights, owner="test:families", chunk=chunk, dtype=dtype)
     try:
         rows = run.prefill(ids, {r + 1 for r in ref["rows"] if r < P} | {P})
         greedy = run.greedy(rows[P - 1], P, len(ref["greedy"]))

@@ -266,33 +266,10 @@ def test_gptoss_f16_activations(device, hf_folder):
     """f16 activations and caches (what a GPU with shader-f16 runs), sinks and the clamped SwiGLU
     included: transformers' logits within 1e-2 of the largest (0.1-0.4 % measured) at the prompt's kept
     positions (each the last row of a prefill chunk) and at the decode steps after it."""
-    import struct
-
-    from webgpu_engine.models.llama import LlamaModel
     opened = open_model(hf_folder)
-    ids, P = REF["text_ids"][:REF["seq_len"]], REF["prompt_len"]
-    m = LlamaModel(device, opened.config, opened.weights, owner="test:gptoss", context_window=512, prefill_chunk=64,
-                   dtype="f16")
-
-    def logits() -> np.ndarray:
-        return np.frombuffer(device.read_sync(m.logits.buf, 0, m.logits.nbytes), np.float16).astype(np.float64)
     try:
-        got, p0 = {}, 0
-        for end in sorted({r + 1 for r in REF["rows"] if r < P} | {P}):
-            while p0 < end:
-                n = min(64, end - p0)
-                b = device.batch()
-                m.record_prefill(b, ids[p0:p0 + n], p0)
-                device.submit(b)
-                got[p0 + n - 1], p0 = logits(), p0 + n
-        for pos in range(P, len(ids)):
-            b = device.batch()
-            device.write(m.ids.buf, struct.pack("<I", ids[pos]))
-            m.record_decode(b, pos)
-            device.submit(b)
-            got[pos] = logits()
+        got, _ = families.run_golden(device, opened.config, opened.weights, REF, chunk=64, dtype="f16")
     finally:
-        m.release()
         opened.close()
     errs = {r: np.abs(got[r] - np.asarray(want)).max() / np.abs(want).max() for r, want in zip(REF["rows"], REF["logits"])}
     assert max(errs.values()) <= 1e-2, errs
