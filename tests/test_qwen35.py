@@ -51,7 +51,9 @@ def test_qwen35_matches_transformers(device, tmp_path, ref, form):
     """A Qwen3_5ForCausalLM folder, the same model laid out as Qwen releases it
     (Qwen3_5ForConditionalGeneration: text_config, model.language_model. names, a vision tower and
     an mtp layer not read) and as llama.cpp's converter writes its GGUF (qwen35: value heads tiled, A
-    as -exp(A_log), 1 + w norms): transformers' token ids (non-ASCII text), logits at positions up to
+    as -exp(A_log), 1 + w norms, each layer's kind in attention.recurrent_layers while
+    full_attention_interval keeps its default 4; tests/fixtures/make_qwen35.py --llama-cpp checks the
+    writer against the converter): transformers' token ids (non-ASCII text), logits at positions up to
     319 within 1e-3 of the largest, its 16 greedy tokens."""
     if form == "gguf":
         folder = write_tiny_qwen35_gguf(tmp_path / "qwen35.gguf", seed=ref["seed"])["path"]

@@ -109,7 +109,10 @@ def write_tiny_qwen35_gguf(path, seed: int = 0, **dims) -> dict:
     """The same model as llama.cpp's converter writes it (arch qwen35, Qwen3_5TextModel): norms as 1 + w
     (not the gated norm), A as -exp(A_log), dt_bias as ssm_dt.bias, the conv squeezed to (C, K), the
     value heads of every linear-attention tensor reordered from grouped to tiled, q_proj (q | gate per
-    head) as attn_q; the ssm.* sizes and full_attention_interval in the metadata."""
+    head) as attn_q; the ssm.* sizes, each layer's kind (attention.recurrent_layers) and
+    full_attention_interval in the metadata. Checked once against the converter itself (llama.cpp
+    vendored by llama-cpp-python 0.3.36, `--no-mtp`): the same tensors, names and shapes, equal values
+    (ssm_a within an f32 rounding of exp), the same qwen35.* keys."""
     from tinyfamilies import _finish, _gguf_writer
     d, tokens, merges, w = qwen35_weights(seed, **dims)
     Hk, Hv = LINEAR["linear_num_key_heads"], LINEAR["linear_num_value_heads"]
@@ -118,7 +121,9 @@ def write_tiny_qwen35_gguf(path, seed: int = 0, **dims) -> dict:
     g.add_key_length(d["head_dim"]); g.add_value_length(d["head_dim"])
     g.add_ssm_conv_kernel(LINEAR["linear_conv_kernel_dim"]); g.add_ssm_state_size(Dk)
     g.add_ssm_group_count(Hk); g.add_ssm_time_step_rank(Hv); g.add_ssm_inner_size(Hv * Dv)
-    g.add_full_attention_interval(LAYER_TYPES.index("full_attention") + 1)
+    # as the converter writes a config.json with layer_types: each layer's kind, the interval at its default
+    g.add_array("qwen35.attention.recurrent_layers", [t == "linear_attention" for t in LAYER_TYPES])
+    g.add_full_attention_interval(4)
     g.add_rope_dimension_sections([1, 1, 0, 0])
 
     def v_order(a, axis, head):

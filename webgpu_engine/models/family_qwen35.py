@@ -225,7 +225,12 @@ def _gguf(g, fields: dict) -> dict:
     # the multi-token-prediction layers the converter appends are not run
     n = fields["n_layers"] - int(g.meta("nextn_predict_layers", 0) or 0)
     n_v = int(g.meta("ssm.time_step_rank", required=True))
-    lin = _linear(g.where, _types(n, int(g.meta("full_attention_interval", 4))),
+    # the converter writes each layer's kind where config.json lists layer_types (then the interval is
+    # its default, 4, whatever the layers are)
+    recurrent = g.meta("attention.recurrent_layers")
+    types = ["linear_attention" if r else "full_attention" for r in recurrent[:n]] if recurrent else \
+        _types(n, int(g.meta("full_attention_interval", 4)))
+    lin = _linear(g.where, types,
                   int(g.meta("ssm.conv_kernel", required=True)), int(g.meta("ssm.group_count", required=True)), n_v,
                   int(g.meta("ssm.state_size", required=True)), int(g.meta("ssm.inner_size", required=True)) // n_v,
                   tiled=True)
