@@ -415,3 +415,25 @@ async def test_only_the_projections_some_adapter_targets_get_deltas(engine):
         await engine.load_lora_adapter("a", ADAPTERS["a"])
     assert pipe.lora.targeted() == ("qkv", "o", "gate_up", "down")
     assert await _greedy(engine, "a", 0) == _want("a", 0)
+
+
+async def test_adapters_come_back_after_a_device_loss(base_path):
+    """auto_recover reloads the base on a new device and serves its adapters again."""
+    from webgpu_engine import gpu
+    from webgpu_engine.engine import EngineConfig
+    from webgpu_engine.errors import DeviceLostError
+    eng = AsyncMLCEngine(EngineConfig(device=await gpu.request_device(), auto_recover=True))
+    await eng.reload(str(base_path), chat_opts=OPTS, lora_adapters=ADAPTERS)
+    try:
+        await eng.load_lora_adapter("c", ADAPTERS["b"] + ".gguf")
+        stream = await eng.completions.create(model="a", prompt=REF["prompts"][0], max_tokens=8, stream=True,
+                                              temperature=0.0, ignore_eos=True)
+        with pytest.raises(DeviceLostError):
+            async for _ in stream:
+                eng.device.destroy()
+        assert await _greedy(eng, "a", 0) == _want("a", 0)              # the next request recovers
+        assert sorted(eng.lora_names()) == ["a", "b", "c"]
+        assert await _greedy(eng, "c", 1) == _want("b", 1)
+    finally:
+        await eng.unload()
+        eng.device.close()

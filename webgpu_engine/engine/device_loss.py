@@ -74,7 +74,9 @@ class DeviceLossHandling:
         try:
             ids, opts = self._last_reload
             log.warning("recovering from device loss: new device, reloading %s", ids)
+            loras = dict(self.lora.kept)              # lora.py: the adapters served before
             await self.reload(ids, opts)
+            await self.lora.restore(loras)
         finally:
             self._recovering.set_result(None)
             self._recovering = None

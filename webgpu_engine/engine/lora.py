@@ -7,11 +7,14 @@ adapter methods here), reading only the engine's loaded models; standard library
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Callable
 
 from ..errors import InvalidRequestError, ModelNotLoadedError, SpecifiedModelNotFoundError
 from ..gpu import IN_BROWSER
 from .records import LLM
+
+log = logging.getLogger("webgpu_engine.engine")
 
 
 class LoraAdapters:
@@ -20,6 +23,8 @@ class LoraAdapters:
 
     def __init__(self, models: Callable[[], dict]):
         self._models = models
+        # what is served: name -> (base id, path, pool rank), for a reload after a device loss
+        self.kept: dict[str, tuple] = {}
 
     @property
     def models(self) -> dict:
@@ -37,6 +42,7 @@ class LoraAdapters:
         lm = self._lora_base_for(lora_name, lora_path, model)
         _add_to(lm.pipeline, await _read(lora_path, lora_name), max_rank)
         lm.lora_adapters[lora_name] = lora_path
+        self.kept[lora_name] = (lm.model_id, lora_path, max_rank)
 
     def _lora_base_for(self, lora_name, lora_path, model: str | None):
         """The chat model an adapter named lora_name is loaded over (typed errors for bad names)."""
@@ -63,6 +69,7 @@ class LoraAdapters:
             raise SpecifiedModelNotFoundError(list(self.models) + self.lora_names(), lora_name)
         lm.pipeline.lora.unregister(lora_name)
         del lm.lora_adapters[lora_name]
+        self.kept.pop(lora_name, None)
 
     def lora_names(self) -> list[str]:
         return [n for lm in self.models.values() for n in lm.lora_adapters]
@@ -70,6 +77,7 @@ class LoraAdapters:
     async def load_adapters(self, adapters: dict | None) -> None:
         """reload()'s lora_adapters {name: path}: each over the one chat model loaded, the pool's rank
         the largest of theirs."""
+        self.kept = {}
         if not adapters:
             return
         if not isinstance(adapters, dict):
@@ -80,6 +88,16 @@ class LoraAdapters:
         for name, ad in read.items():
             _add_to(bases[name].pipeline, ad, rank)
             bases[name].lora_adapters[name] = adapters[name]
+            self.kept[name] = (bases[name].model_id, adapters[name], rank)
+
+    async def restore(self, kept: dict) -> None:
+        """After the reload that follows a device loss (auto_recover): the adapters `kept` served
+        before, each over its base again (one that no longer loads is logged and left out)."""
+        for name, (base, path, rank) in kept.items():
+            try:
+                await self.load_lora_adapter(name, path, base, rank)
+            except Exception as e:  # noqa: BLE001 - the models serve on without it
+                log.warning("LoRA adapter %s not restored after the device loss: %s", name, e)
 
 
 async def _read(path: str, name: str):
