@@ -183,7 +183,8 @@ COPY_TASKS = ("quote", "rag_quote", "code_edit", "quote")      # --concurrent: c
 
 async def concurrent_async(a) -> dict:
     """--concurrent N: N requests at once (the copy tasks in turn) through continuous batching, with
-    prompt-lookup speculation per sequence and without it, in the same run: aggregate tok/s (every
+    speculation per sequence (prompt lookup, or with --draft the draft model's guesses for all of
+    them at once) and without it, in the same run: aggregate tok/s (every
     answer's tokens over the wall time of the N together), median of --repeats interleaved rounds
     after one untimed; every speculative answer must equal the same request's without guesses."""
     from webgpu_engine import cache, gpu
@@ -191,7 +192,8 @@ async def concurrent_async(a) -> dict:
     dev = await gpu.request_device()
     path = a.model or str(cache.default_model_path("SmolLM2-135M-Instruct-Q4_1"))
     tasks = [TASKS[COPY_TASKS[i % len(COPY_TASKS)]] for i in range(a.concurrent)]
-    spec = {"method": "ngram", "n": a.n, "auto_off": not a.no_auto_off, **({"k": a.k[0]} if a.k else {})}
+    spec = {"method": "draft", "model": str(a.draft)} if a.draft else {"method": "ngram", "n": a.n}
+    spec = {**spec, "auto_off": not a.no_auto_off, **({"k": a.k[0]} if a.k else {})}
     engines = {}
     for name, extra in (("plain", {}), ("speculation", {"speculation": spec})):
         mid = f"bench-{name}"
