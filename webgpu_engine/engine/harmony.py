@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import re
 
-from .output import _held_tail
-from .tools import HERMES, ToolContext, _call_id
+from .tools import HERMES, ToolContext, _call_id, held_tail
 
 START, END, MESSAGE, CHANNEL, RETURN, CALL = "<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|return|>", \
     "<|call|>"
@@ -53,7 +52,7 @@ class HarmonyParser:
                 self._text(self.buf[:j], out)
                 self.buf, self.in_body = self.buf[j + len(mark):], False
                 continue
-            keep = 0 if final else _held_tail(self.buf, _ENDS)
+            keep = 0 if final else held_tail(self.buf, _ENDS)
             self._text(self.buf[:len(self.buf) - keep], out)
             self.buf = self.buf[len(self.buf) - keep:]
             return out

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import re
 
-from .tools import HERMES, LLAMA3, MISTRAL, ToolContext, _call_id
+from .tools import HERMES, LLAMA3, MISTRAL, ToolContext, _call_id, held_tail
 
 THINK, END_THINK = "<think>", "</think>"
 
@@ -26,17 +26,6 @@ def has_reasoning(template) -> bool:
 def starts_in_reasoning(prompt_text: str) -> bool:
     """Whether the rendered prompt leaves a <think> open (the answer begins inside the thinking)."""
     return prompt_text.rfind(THINK) > prompt_text.rfind(END_THINK)
-
-
-def _held_tail(text: str, marks: tuple[str, ...]) -> int:
-    """Length of the longest tail of `text` that could grow into one of `marks`."""
-    best = 0
-    for mark in marks:
-        for k in range(min(len(mark) - 1, len(text)), best, -1):
-            if mark.startswith(text[-k:]):
-                best = k
-                break
-    return best
 
 
 class ReasoningSplitter:
@@ -68,7 +57,7 @@ class ReasoningSplitter:
         mark = self._mark()
         if mark == THINK and self.buf.strip() and not THINK.startswith(self.buf.lstrip()):
             self.seen_content, mark = True, None        # text came first: no thinking follows
-        keep = _held_tail(self.buf, (mark,)) if mark else 0
+        keep = held_tail(self.buf, (mark,)) if mark else 0
         body = self.buf[:len(self.buf) - keep]
         stripped = body.rstrip()
         if mark is None:

@@ -21,6 +21,19 @@ import uuid
 
 from ..errors import InvalidRequestError
 
+
+def held_tail(text: str, marks: tuple[str, ...]) -> int:
+    """Length of the longest tail of `text` that could grow into one of `marks` (what a stream holds
+    back: the output parsers', engine/output.py and engine/harmony.py)."""
+    best = 0
+    for mark in marks:
+        for k in range(min(len(mark) - 1, len(text)), best, -1):
+            if mark.startswith(text[-k:]):
+                best = k
+                break
+    return best
+
+
 HERMES, LLAMA3, MISTRAL, HARMONY = "hermes", "llama3", "mistral", "harmony"
 _ARGS_KEY = {HERMES: "arguments", LLAMA3: "parameters", MISTRAL: "arguments"}
 
