@@ -204,6 +204,8 @@ async def test_pool_evicts_the_least_recently_used_idle_adapter(engine):
         assert pool.acquire("a") == 1
         with pytest.raises(InvalidRequestError, match="in use"):
             pool.unregister("a")
+        with pytest.raises(InvalidRequestError, match="load the new version when they are done"):
+            pool.register(load_adapter(ADAPTERS["b"], "a"))                     # a new version of a
     finally:
         pool.release_all()
 

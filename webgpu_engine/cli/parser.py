@@ -72,7 +72,7 @@ def _add_cache_commands(sub) -> None:
 
 def _lora_option(p) -> None:
     p.add_argument("--lora", default=None, metavar="PATH",
-                   help="answer with this LoRA adapter (a PEFT folder) over the model")
+                   help="answer with this LoRA adapter (a PEFT folder or a GGUF LoRA file) over the model")
 
 
 def _model_options(p, many: bool = False):
@@ -189,8 +189,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"{REF} (repeatable; default {DEFAULT_CHAT_MODEL} and {DEFAULT_EMBED_MODEL})")
     _model_options(p, many=True)
     p.add_argument("--lora", action="append", default=None, metavar="NAME=PATH",
-                   help="a LoRA adapter (a PEFT folder) over the chat model, served as model NAME "
-                        "(repeatable)")
+                   help="a LoRA adapter (a PEFT folder or a GGUF LoRA file) over the chat model, served as "
+                        "model NAME (repeatable)")
     p.add_argument("--host", default="127.0.0.1", help="default 127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="default 8000")
     p.add_argument("--api-key", default=os.environ.get("WEBGPU_ENGINE_API_KEY"),

@@ -67,7 +67,8 @@ class AsyncMLCEngine(ModelLoading, DeviceLossHandling):
 
     async def load_lora_adapter(self, lora_name: str, lora_path: str, model: str | None = None,
                                 max_rank: int | None = None) -> None:
-        """Serve adapter `lora_name` (a PEFT folder at `lora_path`) over a loaded chat model (lora.py)."""
+        """Serve adapter `lora_name` (a PEFT folder or GGUF LoRA file at `lora_path`) over a loaded chat
+        model (lora.py)."""
         await self.lora.load_lora_adapter(lora_name, lora_path, model, max_rank)
 
     async def unload_lora_adapter(self, lora_name: str) -> None:

@@ -36,9 +36,10 @@ class LoraAdapters:
 
     async def load_lora_adapter(self, lora_name: str, lora_path: str, model: str | None = None,
                                 max_rank: int | None = None) -> None:
-        """Register adapter `lora_name` from `lora_path` (a PEFT folder) over the loaded chat model
-        `model` (default: the one loaded chat model) without reloading it; requests then pick it by
-        `model` = lora_name. Refused (LoraAdapterError, naming the tensor) where it does not fit."""
+        """Register adapter `lora_name` from `lora_path` (a PEFT folder or a GGUF LoRA file) over the
+        loaded chat model `model` (default: the one loaded chat model) without reloading it; requests
+        then pick it by `model` = lora_name. Refused (LoraAdapterError, naming the tensor) where it does
+        not fit."""
         lm = self._lora_base_for(lora_name, lora_path, model)
         _add_to(lm.pipeline, await _read(lora_path, lora_name), max_rank)
         lm.lora_adapters[lora_name] = lora_path

@@ -300,18 +300,23 @@ class LoraPool:
 
     # ------------------------------------------------------------------ registry
     def register(self, ad: LoraAdapter) -> None:
+        """Register `ad` (a new version replaces one of its name that no running request uses)."""
         check_adapter(self.m, ad, self.max_rank)
-        if ad.name in self._resident and ad.name in self.registered:
-            self._evict(ad.name)                           # a new version under the same name
+        self._refuse_in_use(ad.name, "load the new version")
+        if ad.name in self._resident:
+            self._evict(ad.name)                           # uploaded again on its next use
         self.registered[ad.name] = ad
 
     def unregister(self, name: str) -> None:
-        if self._users.get(name):
-            raise InvalidRequestError(f"LoRA adapter {name!r} is in use by {self._users[name]} running "
-                                      f"requests; unload it when they are done.", param="lora_name")
+        self._refuse_in_use(name, "unload it")
         self.registered.pop(name, None)
         if name in self._resident:
             self._evict(name)
+
+    def _refuse_in_use(self, name: str, then: str) -> None:
+        if self._users.get(name):
+            raise InvalidRequestError(f"LoRA adapter {name!r} is in use by {self._users[name]} running "
+                                      f"requests; {then} when they are done.", param="lora_name")
 
     # ------------------------------------------------------------------ slots
     def acquire(self, name: str) -> int:
