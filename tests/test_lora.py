@@ -439,3 +439,39 @@ async def test_adapters_come_back_after_a_device_loss(base_path):
     finally:
         await eng.unload()
         eng.device.close()
+
+
+def _ollama_store(root: Path, name: str, files: dict) -> None:
+    """An Ollama store at `root` with manifest `name`:latest of the layers {media type: file}."""
+    import hashlib
+    layers = []
+    for kind, path in files.items():
+        data = Path(path).read_bytes()
+        digest = "sha256:" + hashlib.sha256(data).hexdigest()
+        (root / "blobs").mkdir(parents=True, exist_ok=True)
+        (root / "blobs" / digest.replace(":", "-")).write_bytes(data)
+        layers.append({"mediaType": "application/vnd.ollama.image." + kind, "digest": digest, "size": len(data)})
+    folder = root / "manifests" / "registry.ollama.ai" / "library" / name
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "latest").write_text(json.dumps({"schemaVersion": 2, "layers": layers}))
+
+
+async def test_an_ollama_adapter_layer_applies_to_every_request_of_its_model(device, tmp_path, monkeypatch):
+    """Ollama's ADAPTER (a GGUF LoRA layer) over a GGUF base (q / k rows permuted as llama.cpp writes
+    them): the model's requests answer as transformers + peft with the adapter; a PEFT adapter loaded
+    beside it (rows permuted into the base's order) answers as its own."""
+    from tinymodels import write_tiny_llama_gguf
+    from webgpu_engine.engine import EngineConfig
+    base = write_tiny_llama_gguf(tmp_path / "base.gguf", seed=REF["seed"])["path"]
+    _ollama_store(tmp_path / "ollama", "tinylora", {"model": base, "adapter": ADAPTERS["a"] + ".gguf"})
+    monkeypatch.setenv("OLLAMA_MODELS", str(tmp_path / "ollama"))
+    eng = AsyncMLCEngine(EngineConfig(device=device))
+    await eng.reload("ollama:tinylora", chat_opts={"dtype": "f32", "prefill_chunk_size": 32})
+    try:
+        assert list(eng.models) == ["tinylora:latest"] and eng.lora_names() == []
+        await eng.load_lora_adapter("b", ADAPTERS["b"])
+        jobs = [(None, 0), ("b", 1), (None, 1), ("b", 0)]
+        got = await asyncio.gather(*[_greedy(eng, n or "tinylora:latest", i) for n, i in jobs])
+        assert got == [_want(n or "a", i) for n, i in jobs]
+    finally:
+        await eng.unload()

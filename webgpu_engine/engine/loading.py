@@ -49,6 +49,7 @@ class LoadedModel:
     dropped_by_loss: bool = False  # dropped because the device was lost (not unloaded)
     coalescer: Any = None          # an embedder's group of concurrent requests (coalesce.py)
     lora_adapters: dict = field(default_factory=dict)   # LoRA adapters served over it: name -> path (lora.py)
+    default_adapter: str | None = None   # the adapter its own requests run with (ModelRecord.lora)
 
     def describe(self, device=None) -> dict:
         """What /v1/models shows besides the id: the type, the context window in tokens (an
@@ -324,6 +325,9 @@ class ModelLoading:
             check_pipeline(pipe, _protocol(rec.model_type), f"The pipeline of model {model_id}")
             if proc is not None:
                 pipe.set_logit_processor(proc)
+            if rec.lora:              # an Ollama ADAPTER layer: its requests run with it (lora.py)
+                from .lora import record_adapter
+                default = await record_adapter(pipe, rec)
         except BaseException:
             # Cancelled or failed mid-load: free whatever this load allocated.
             for owner in set(dev.allocations()) - before - SHARED_OWNERS:
@@ -331,9 +335,11 @@ class ModelLoading:
             dev.release_owner(f"model:{model_id}")
             raise
         owners = (set(dev.allocations()) - before - SHARED_OWNERS) | {f"model:{model_id}", pipe.owner}
-        return LoadedModel(model_id, rec, pipe, pipe.chat_config,
-                           rec.model_type, FIFOLock(model_id, _places(pipe, rec.model_type)), 0, owners,
-                           plan.estimate)
+        lm = LoadedModel(model_id, rec, pipe, pipe.chat_config,
+                         rec.model_type, FIFOLock(model_id, _places(pipe, rec.model_type)), 0, owners,
+                         plan.estimate)
+        lm.default_adapter = default if rec.lora else None
+        return lm
 
     def _check_features(self, dev, rec: ModelRecord, opts: dict | None) -> ModelRecord:
         if (opts or {}).get("dtype") == "f16" and not dev.has_f16:

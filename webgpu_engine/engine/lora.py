@@ -101,6 +101,14 @@ class LoraAdapters:
                 log.warning("LoRA adapter %s not restored after the device loss: %s", name, e)
 
 
+async def record_adapter(pipe, rec) -> str:
+    """The adapter of model record `rec` (ModelRecord.lora: an Ollama ADAPTER layer) registered with
+    its just-loaded pipeline under a name no request can give: the adapter its requests run with."""
+    name = f"{rec.model_id}\0adapter"
+    _add_to(pipe, await _read(rec.lora, name), None)
+    return name
+
+
 async def _read(path: str, name: str):
     """models/lora.py's adapter at `path` (a worker thread reads it, except in the page)."""
     from ..models.lora import load_adapter

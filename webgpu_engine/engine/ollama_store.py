@@ -8,7 +8,8 @@ The store lives at $OLLAMA_MODELS (default ~/.ollama/models), laid out as Ollama
 The layer of mediaType `application/vnd.ollama.image.model` is the GGUF, used in place (never
 copied). The `params` layer (JSON: stop, temperature, top_p, repeat_penalty, num_ctx, ...) and the
 `system` layer become the record's ChatConfig overrides; the `template` layer (Ollama's Go template)
-is refused by name where the GGUF carries no Jinja chat template of its own; adapter, projector and
+is refused by name where the GGUF carries no Jinja chat template of its own; an `adapter` layer (a
+GGUF LoRA, Ollama's ADAPTER) is applied to every request of the model (engine/lora.py); projector and
 messages layers are refused by name. A blob's sha256 is checked once per process, at first resolve,
 and remembered by path, size and mtime (a changed file is hashed again). The model is served under
 Ollama's name (`NAME:TAG`, `NS/NAME:TAG` outside `library`, `HOST/NS/NAME:TAG` off the default
@@ -42,9 +43,9 @@ DEFAULT_NAMESPACE = "library"
 DEFAULT_TAG = "latest"
 MEDIA = "application/vnd.ollama.image."
 MODEL, PARAMS, SYSTEM, TEMPLATE = MEDIA + "model", MEDIA + "params", MEDIA + "system", MEDIA + "template"
+ADAPTER = MEDIA + "adapter"
 # layers this engine cannot apply: refused by name rather than silently dropped
-REFUSED = {MEDIA + "adapter": "a LoRA adapter", MEDIA + "projector": "a vision projector",
-           MEDIA + "messages": "a preset conversation (MESSAGE lines)"}
+REFUSED = {MEDIA + "projector": "a vision projector", MEDIA + "messages": "a preset conversation (MESSAGE lines)"}
 IGNORED = {MEDIA + "license"}
 # params layer key -> ChatConfig field (config.SAMPLING_FIELDS; the rest are listed in the log as not applied)
 PARAMS_TO_CHAT_CONFIG = {f.ollama: f.chat_config for f in SAMPLING_FIELDS if f.ollama and f.chat_config}
@@ -110,6 +111,7 @@ class OllamaModel:
     params: dict = field(default_factory=dict)
     system: str | None = None
     template: str | None = None
+    adapters: list = field(default_factory=list)   # the adapter layers' GGUF LoRA blobs
     checked: list = field(default_factory=list)    # (path, digest, size) of the blobs used
 
     def chat_overrides(self, trained_context: int | None) -> dict:
@@ -203,6 +205,9 @@ def open_store_model(reference: str, root: Path | None = None) -> OllamaModel:
                 out.system = text
             else:
                 out.template = text
+        elif kind == ADAPTER:
+            out.adapters.append(_blob(root, layer, reference, "adapter"))
+            out.checked.append((out.adapters[-1], layer["digest"], layer.get("size")))
         elif kind not in (MODEL, *IGNORED) and kind is not None:
             log.info("%s: layer %s not used", reference, kind)
     return out

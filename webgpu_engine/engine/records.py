@@ -33,6 +33,7 @@ class ModelRecord:
     integrity: sha256 per file name, checked by the cache.
     reference: the model reference this record was resolved from (engine/references.py), e.g.
         "ORG/REPO:Q4_K_M" or a URL; None for records written by hand.
+    lora: a LoRA adapter (a path) every request of the model runs with (an Ollama ADAPTER layer).
     """
 
     model_id: str
@@ -49,6 +50,7 @@ class ModelRecord:
     f32_variant: str | None = None
     integrity: dict[str, str] = field(default_factory=dict)
     reference: str | None = None
+    lora: str | None = None
 
     def __post_init__(self):
         if self.model_type not in MODEL_TYPES:

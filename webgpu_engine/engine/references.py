@@ -333,6 +333,12 @@ def _ollama(reference: str, model_id: str | None) -> ModelRecord:
                                     f"with tokenizer.chat_template.")
     if rec.model_type == LLM:
         rec.overrides.update(model.chat_overrides(rec.overrides.get("context_window_size")))
+    if model.adapters:              # Ollama's ADAPTER: served by the batch scheduler (engine/lora.py)
+        if rec.model_type != LLM or len(model.adapters) > 1:
+            raise UnsupportedModelError(f"{reference}: {len(model.adapters)} adapter layers on a "
+                                        f"{rec.model_type} model; this engine applies one, to a chat model.")
+        rec.lora = str(model.adapters[0])
+        rec.overrides.setdefault("max_num_sequences", 0)
     rec.reference = PREFIX + model.name.shown
     return rec
 

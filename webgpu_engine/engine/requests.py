@@ -120,6 +120,8 @@ def _sequence(lm, req: dict):
     seq = lm.pipeline.sequence()
     if req.get("model") in lm.lora_adapters:
         seq.adapter = req["model"]
+    elif lm.default_adapter is not None:
+        seq.adapter = lm.default_adapter
     return seq
 
 

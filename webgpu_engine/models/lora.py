@@ -173,10 +173,18 @@ def _pair(ad: LoraAdapter, parts: dict, where: str) -> None:
         raise LoraAdapterError(f"{where}: no LoRA tensors.", param="lora_path")
 
 
+def _is_gguf(p: Path) -> bool:
+    """Whether `p` is a GGUF file, by its magic (an Ollama blob has no .gguf suffix)."""
+    if not p.is_file():
+        return False
+    with open(p, "rb") as f:
+        return f.read(4) == b"GGUF"
+
+
 def load_adapter(path, name: str | None = None) -> LoraAdapter:
     """An adapter from `path`: a PEFT folder (or a file inside one), or a GGUF LoRA file."""
     p = Path(path)
-    if p.is_file() and p.suffix == ".gguf":
+    if _is_gguf(p):
         return load_gguf(p, name)
     if p.is_file() and p.name in ("adapter_config.json", "adapter_model.safetensors"):
         p = p.parent
