@@ -20,6 +20,12 @@
 //                   pos0 + t (step[0]) see keys [window_lo, pos0 + t] through the table at tab_off,
 //                   whose blocks already hold keys 0 .. pos0 + n_new - 1. Workgroup per (block of 64
 //                   queries, G heads of one kv head), lane per query, as attn_causal.
+//   RING (header constants RING, SINKS, RING_W; kernels/common.py Ring): a sequence's table of
+//   cap = max_blocks * BS rows is attention.wgsl's ring cache of ctx = cap rows (rows 0..SINKS-1 the
+//   sinks, past cap position pos in row SINKS + (pos - SINKS) % (cap - SINKS)): decode's lens[q] is
+//   the sequence's position + 1 (unbounded; rows min(lens, cap)), prefill's positions pos0 + t. A row
+//   attends exactly what attention.wgsl's ring attends (ring_sees, attend_ring): the sinks scored
+//   with its sink query (qsk, rope_paged.wgsl wrote it), then rows SINKS.. with its own.
 
 struct Params {
     n_seq: u32,      // S slots (decode), T rows (prefill, kv write)
@@ -61,6 +67,7 @@ struct Params {
 @group(0) @binding(5) var<storage, read_write> part: array<vec4<f32>>;   // (S, Hq, n_splits, D4+1)
 @group(0) @binding(6) var<storage, read> tables: array<u32>;       // (S, max_blocks) block ids
 @group(0) @binding(7) var<storage, read_write> out_s: array<act4>; // paged_split's short-form output
+@group(0) @binding(9) var<storage, read> qsk: array<act4>;         // RING: sink queries (S or T, Hq, D)
 @group(0) @binding(2) var<storage, read_write> part_in: array<vec4<f32>>;
 @group(0) @binding(3) var<storage, read_write> out_c: array<act4>;
 
@@ -70,6 +77,8 @@ const MASKED: f32 = -1.0e30;
 
 var<private> m_run: sv;
 var<private> l_run: sv;
+var<private> r_pos: u32;        // RING: the query's position
+var<private> r_last: u32;       // RING: the forward's last position (the newest row of the table)
 
 fn flat(wid: vec3<u32>, nwg: vec3<u32>, lid: u32) -> u32 {
     return (wid.y * nwg.x + wid.x) * WG + lid;
@@ -84,6 +93,17 @@ fn score(kr: u32) -> sv {
     let s = qk(kr);
     if (HAS_CAP) { return p.softcap * tanh(s / p.softcap); }
     return s;
+}
+
+// RING: whether the query at r_pos sees table row j (attention.wgsl's ring_sees over cap rows)
+fn ring_sees(j: u32) -> bool {
+    let cap = p.max_blocks * BS;
+    var kp = j;
+    if (r_last >= cap && j >= SINKS) {
+        let r = cap - SINKS;
+        kp = r_last - (SINKS + (r_last - SINKS) % r + r - j) % r;
+    }
+    return kp <= r_pos && (kp < SINKS || kp + RING_W >= r_pos + SINKS);
 }
 
 // pool row (act4 units, before kc_off / vc_off) of key j of kv head hk, table at tables[tb]
@@ -113,7 +133,9 @@ fn attend(tb: u32, hk: u32, base: u32, j_start: u32, n: u32, lo: u32, lim: u32) 
         var sc: array<sv, BLK>;
         var mb = m_run;
         for (var j = 0u; j < nb; j++) {
-            let s = select(sv(MASKED), score(p.kc_off + rows[j]), j0 + j < lim && (!HAS_WINDOW || j0 + j >= lo));
+            var seen = j0 + j < lim && (!HAS_WINDOW || j0 + j >= lo);
+            if (RING) { seen = ring_sees(first + j); }
+            let s = select(sv(MASKED), score(p.kc_off + rows[j]), seen);
             sc[j] = s;
             mb = max(mb, s);
         }
@@ -141,8 +163,26 @@ fn store_out(ob: u32, os: u32) {
     }
 }
 
+// RING: folds table rows [j0, n) (r_pos, r_last set) into a fresh state, as attention.wgsl's
+// attend_ring: rows below SINKS scored with the sink query (qsk at sb), the rest with the row's (qkv at qb).
+fn attend_ring(tb: u32, hk: u32, qb: u32, sb: u32, j0: u32, n: u32) {
+    load_q(qb, D4);
+    let ns = clamp(SINKS, j0, n);
+    if (ns > j0) {
+        set_q_sink(sb, D4);
+        attend(tb, hk, 0u, j0, ns, 0u, 0u);
+        set_q(qb, D4);
+    }
+    attend(tb, hk, 0u, ns, n, 0u, 0u);
+}
+
 // all keys of sequence q for heads h0 .. h0+G-1 (the short form)
 fn attend_all(q: u32, h0: u32, n_keys: u32) {
+    if (RING) {
+        attend_ring(p.tab_off + q * p.max_blocks, h0 / p.group, p.qkv_off + (q * p.heads + h0) * D4,
+                    (q * p.hq + h0) * D4, 0u, n_keys);
+        return;
+    }
     let lo = window_lo(n_keys - 1u);
     load_q(p.qkv_off + (q * p.heads + h0) * D4, D4);
     attend(p.tab_off + q * p.max_blocks, h0 / p.group, 0u, (lo / BLK) * BLK, n_keys, lo, n_keys);
@@ -191,6 +231,10 @@ fn paged_split(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
     sink_h0 = h0;
     let n_keys = seq_keys(q);
     if (n_keys == 0u) { return; }
+    if (RING) {
+        r_pos = lens[p.idx_off + q] - 1u;
+        r_last = r_pos;
+    }
     if (n_keys <= p.short_keys) {
         if (s != 0u) { return; }
         attend_all(q, h0, n_keys);
@@ -203,6 +247,12 @@ fn paged_split(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
     let lo = window_lo(n_keys - 1u);
     let k0 = s * p.chunk;
     if (k0 >= n_keys || k0 + p.chunk <= lo) { return; }
+    if (RING) {
+        attend_ring(p.tab_off + q * p.max_blocks, h0 / p.group, p.qkv_off + (q * p.heads + h0) * D4,
+                    (q * p.hq + h0) * D4, k0, min(k0 + p.chunk, n_keys));
+        store_partial(q, h0, s);
+        return;
+    }
     load_q(p.qkv_off + (q * p.heads + h0) * D4, D4);
     let n = min(p.chunk, n_keys - k0);
     attend(p.tab_off + q * p.max_blocks, h0 / p.group, k0, 0u, n, max(lo, k0) - k0, n);
@@ -252,6 +302,13 @@ fn paged_causal(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
     let pos0 = step[0];
     let cap = p.max_blocks * BS;
     let n_wg = min(pos0 + min(t0 + WG, rows), cap);
+    if (RING) {
+        r_pos = pos0 + t;
+        r_last = pos0 + rows - 1u;
+        attend_ring(p.tab_off, h0 / p.group, p.qkv_off + (t * p.heads + h0) * D4, (t * p.hq + h0) * D4, 0u, n_wg);
+        if (t0 + lid < rows) { store_out(p.out_off + (t * p.hq + h0) * D4, D4); }
+        return;
+    }
     load_q(p.qkv_off + (t * p.heads + h0) * D4, D4);
     let j_start = (window_lo(pos0 + t0) / BLK) * BLK;
     let lim = min(pos0 + t + 1u, cap);

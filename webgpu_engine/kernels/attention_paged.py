@@ -11,22 +11,39 @@ the caller rewrites each step, so ops are built once: `slots` (T,) pool rows for
 slot) with `tables` (S, max_blocks) block ids, and for prefill the usual `step` (pos0, n_new, ., .)
 with the sequence's table. The attention arithmetic is attention.wgsl's, key for key: for the same
 keys and the same split size a sequence's output equals the contiguous kernel's.
+
+A Ring (WebLLM's sliding window with sinks) makes each sequence's table of max_blocks * block_size
+rows a ring cache: ring_row(pos) is the table row of a position (sinks fixed, the rest modulo the
+ring), the KV write's slot that row's; decode's lens carry positions + 1, not key counts.
 """
 from __future__ import annotations
 
 from ..gpu import Device
 from ..gpu.shaders import load_shader_source
-from .common import Op, Tensor, act_header, check, new_tensor, params, ring_header
+from .common import Op, Ring, Tensor, act_header, check, new_tensor, params, ring_header, ring_query
 from .kv_quant import KV_QUANTS, QuantCache, check_quant_pools, kv_quant_slots, kv_row_bytes
 from .attention import check_attention, check_sinks, decode_geometry
 from .nn import (WG, _act, _attn_header, _grid, _heads_per_lane, _op, _qkv_heads, _step_entry, _vec_entry, _window,
                  rope_frequencies)
 
 __all__ = ["new_kv_pool", "max_pool_blocks", "paged_rope_kv", "paged_kv_write", "paged_decode", "paged_prefill",
-           "SKIP_SLOT"]
+           "ring_row", "SKIP_SLOT"]
 
 FILE = "attention_paged.wgsl"
 SKIP_SLOT = 0xFFFFFFFF
+
+
+def ring_row(ring: Ring, pos: int, rows: int) -> int:
+    """The table row of position pos in a sequence's ring of `rows` rows (rope.wgsl's cache_row): the
+    sinks and the first rows in place, past the end SINKS + (pos - SINKS) % (rows - SINKS)."""
+    return pos if pos < rows else ring.sinks + (pos - ring.sinks) % (rows - ring.sinks)
+
+
+def _ring_sink(k: str, ring: Ring | None, q_sink: Tensor | None, quant, rows: int, n_q_heads: int,
+               head_dim: int, cap: int) -> dict:
+    """{9: the sink queries' binding} of a paged attention with a ring ({} without)."""
+    check(ring is None or not quant, k, "a ring over a quantised pool is not supported; use an f32 or f16 pool")
+    return dict(zip([9], ring_query(k, ring, q_sink, rows, n_q_heads, head_dim, cap)))
 
 
 def new_kv_pool(dev: Device, n_blocks: int, block_size: int, n_kv_heads: int, head_dim: int,
@@ -73,10 +90,12 @@ def _u32(dev: Device, t: Tensor, k: str, name: str, n: int) -> tuple:
 
 
 def _header(dt: str, head_dim: int, g: int, swg: int, packed: bool, bs: int, window: int = 0,
-            softcap: float = 0.0, quant: QuantCache | None = None, sinks: bool = False) -> str:
+            softcap: float = 0.0, quant: QuantCache | None = None, sinks: bool = False,
+            ring: Ring | None = None) -> str:
     """nn's attention header plus the block size and whether the window / soft-cap code is compiled in.
-    quant: quantised pools' block type and rows (None: act pools); sinks: per-head sink logits."""
-    return _attn_header(dt, head_dim, g, swg, packed and not quant, quant=quant, sinks=sinks) + (
+    quant: quantised pools' block type and rows (None: act pools); sinks: per-head sink logits;
+    ring: a sliding window with sinks."""
+    return _attn_header(dt, head_dim, g, swg, packed and not quant, quant=quant, sinks=sinks, ring=ring) + (
         f"const BS: u32 = {bs}u;\nconst HAS_WINDOW: bool = {str(window > 0).lower()};\n"
         f"const HAS_CAP: bool = {str(softcap > 0).lower()};\n")
 
@@ -94,12 +113,14 @@ def _bindings(dev: Device, k: str, qkv: Tensor, out: Tensor, k_pool: Tensor, v_p
 
 def paged_rope_kv(dev: Device, qkv: Tensor, k_pool: Tensor, v_pool: Tensor, positions: Tensor, slots: Tensor,
                   step=None, *, n_q_heads: int, n_kv_heads: int, head_dim: int, rot_dim: int | None = None,
-                  base: float = 10000.0, neox: bool = False, factors=None, mscale: float = 1.0) -> Op:
+                  base: float = 10000.0, neox: bool = False, factors=None, mscale: float = 1.0,
+                  ring: Ring | None = None, q_sink: Tensor | None = None) -> Op:
     """nn.rope_kv for the paged pool, each row at a position of its own: rotates the q and k heads of
     each qkv row (T, Hq+2Hkv, D) in place at positions[t], then writes its k and v heads to pool row
     slots[t] (0xffffffff: rotate only). positions, slots: (T,) u32 starting at a binding-aligned
     offset. step (optional): rows t >= step.n_new are skipped. The decode step's one dispatch for
-    rope and the KV write, as nn.rope_kv is for the contiguous cache."""
+    rope and the KV write, as nn.rope_kv is for the contiguous cache. `ring`: each q head is also
+    stored rotated at min(positions[t], ring.window) in q_sink (T, Hq, D), the sinks' query."""
     k = "rope_kv_paged"
     quant = k_pool.dtype == "u32"
     dt = _act(k, qkv) if quant else _act(k, qkv, k_pool, v_pool)
@@ -121,7 +142,9 @@ def paged_rope_kv(dev: Device, qkv: Tensor, k_pool: Tensor, v_pool: Tensor, posi
     n_h = n_q_heads + 2 * n_kv_heads
     par = params(dev, [rows, heads, head_dim // 2, half, 0, n_h, n_q_heads + n_kv_heads, int(bool(neox)),
                        n_q_heads, n_kv_heads, 0, qo, ko, vo, units, float(mscale)], owner=owner, label=k)
-    header = (act_header(dt) + ring_header(None, rope=True) + load_shader_source("sincos.wgsl")
+    check(ring is None or not quant, k, "a ring over a quantised pool is not supported; use an f32 or f16 pool")
+    sink = ring_query(k, ring, q_sink, rows, n_q_heads, head_dim, ring.window if ring else 0)
+    header = (act_header(dt) + ring_header(ring, rope=True, binding=8) + load_shader_source("sincos.wgsl")
               + load_shader_source("rope.wgsl"))
     if step is None:                # all rows: a step of its own whose n_new is 0
         step = dev.upload(bytes(16), owner=owner, label="rope_kv_paged.step")
@@ -135,7 +158,7 @@ def paged_rope_kv(dev: Device, qkv: Tensor, k_pool: Tensor, v_pool: Tensor, posi
         return op + kv_quant_slots(dev, qkv, k_pool, v_pool, slots, step, n_q_heads=n_q_heads,
                                    n_kv_heads=n_kv_heads, head_dim=head_dim)
     entries = [_step_entry(step), qe, (freq, 0, freq.size), ke, ve,
-               _vec_entry(dev, positions, k), _vec_entry(dev, slots, k)]
+               _vec_entry(dev, positions, k), _vec_entry(dev, slots, k)] + sink
     op = _op(dev, k, "rope_paged.wgsl", k, header, par, entries, rows * n_h * units)
     op.buffers += [freq] + extra
     return op
@@ -165,7 +188,8 @@ def paged_decode(dev: Device, qkv: Tensor, k_pool: Tensor, v_pool: Tensor, out: 
                  tables: Tensor, *, n_q_heads: int, n_kv_heads: int, head_dim: int, max_seqs: int,
                  max_blocks: int, scale: float, window: int = 0, softcap: float = 0.0,
                  min_chunk: int | None = None, max_splits: int = 128, heads_per_lane: int | None = None,
-                 split_wg: int | None = None, short_keys: int | None = None, sinks: Tensor | None = None) -> Op:
+                 split_wg: int | None = None, short_keys: int | None = None, sinks: Tensor | None = None,
+                 ring: Ring | None = None, q_sink: Tensor | None = None) -> Op:
     """Decode attention of S = max_seqs sequences, one query row each: row q of qkv (S, Hq+2Hkv, D)
     at position lens[q] - 1 attends keys 0 .. lens[q]-1 of its table tables[q] (max_blocks block
     ids), which already hold this step's key; lens[q] == 0 leaves out row q alone. out (S, Hq*D).
@@ -175,7 +199,9 @@ def paged_decode(dev: Device, qkv: Tensor, k_pool: Tensor, v_pool: Tensor, out: 
     never) is attended by one lane per head group in the split dispatch instead, chosen by its own
     length alone: every sequence's output equals the contiguous cache's decode at its length.
     record(batch, n_keys=the longest sequence's keys) leaves out the combine when nothing needs it.
-    `sinks` (Hq,) f32: per-head logits in each softmax's denominator (nn.attention's)."""
+    `sinks` (Hq,) f32: per-head logits in each softmax's denominator (nn.attention's). `ring`: each
+    table a ring of max_blocks * block_size rows, lens[q] the position of row q + 1 (0: idle), q_sink
+    (S, Hq, D) the sink queries paged_rope_kv wrote: row q attends what nn.attention's ring attends."""
     k = "paged_decode"
     dt, heads = check_attention(k, qkv, k_pool, v_pool, out, n_q_heads, n_kv_heads, head_dim, max_seqs,
                             window, softcap)
@@ -192,7 +218,9 @@ def paged_decode(dev: Device, qkv: Tensor, k_pool: Tensor, v_pool: Tensor, out: 
                                                      split_wg)
     short = max_keys if short_keys is None else short_keys
     sinked = check_sinks(dev, k, sinks, n_q_heads)
-    header = _header(dt, head_dim, g, swg, packed, bs, window, softcap, quant, bool(sinked))
+    check(ring is None or window == 0, k, "a ring replaces the model's own sliding window")
+    rung = _ring_sink(k, ring, q_sink, quant, max_seqs, n_q_heads, head_dim, max_blocks * bs)
+    header = _header(dt, head_dim, g, swg, packed, bs, window, softcap, quant, bool(sinked), ring)
     par = params(dev, [max_seqs, n_q_heads, group, heads, n_kv_heads, chunk, n_splits, float(scale), qo, ko, vo,
                        oo, max_blocks, int(window), float(softcap), to, lo, 0, short, 0], owner=owner, label=k)
     part = dev.buffer(max_seqs * n_q_heads * n_splits * (head_dim // 4 + 1) * 16, owner=owner,
@@ -201,7 +229,7 @@ def paged_decode(dev: Device, qkv: Tensor, k_pool: Tensor, v_pool: Tensor, out: 
     split = dev.pipeline(FILE, "paged_split", header=header)
     x, y = _grid(-(-max_seqs * n_splits * n_q_heads // g // swg) * WG, k)
     op.add(split, dev.bind(split, {**dict(enumerate([par, le, qe, ke, ve, (part, 0, part.size), te, oe])),
-                                   **sinked}), x, y)
+                                   **sinked, **rung}), x, y)
     comb = dev.pipeline(FILE, "paged_combine", header=header)
     x, y = _grid(max_seqs * n_q_heads * head_dim // 4, k)
     op.add(comb, dev.bind(comb, {**dict(enumerate([par, le, (part, 0, part.size), oe])), **sinked}), x, y)
@@ -214,12 +242,15 @@ def paged_decode(dev: Device, qkv: Tensor, k_pool: Tensor, v_pool: Tensor, out: 
 def paged_prefill(dev: Device, qkv: Tensor, k_pool: Tensor, v_pool: Tensor, out: Tensor, step, table: Tensor, *,
                   n_q_heads: int, n_kv_heads: int, head_dim: int, max_blocks: int, scale: float,
                   max_t: int | None = None, window: int = 0, softcap: float = 0.0,
-                  heads_per_lane: int | None = None, sinks: Tensor | None = None) -> Op:
+                  heads_per_lane: int | None = None, sinks: Tensor | None = None, ring: Ring | None = None,
+                  q_sink: Tensor | None = None) -> Op:
     """Causal attention of one sequence's chunk: rows t < step.n_new (0: all max_t) of qkv
     (T, Hq+2Hkv, D) at positions step.pos0 + t see keys 0 .. pos0+t through `table` (max_blocks
     block ids), whose blocks already hold keys 0 .. pos0+n_new-1 (paged_kv_write first). out
     (T, Hq*D). A query folds its keys in the same 16-key blocks as nn.attention's causal kernel.
-    `sinks` (Hq,) f32: per-head logits in each softmax's denominator."""
+    `sinks` (Hq,) f32: per-head logits in each softmax's denominator. `ring`: the table a ring of
+    max_blocks * block_size rows (positions pos0 + t unbounded), q_sink (T, Hq, D) the chunk's sink
+    queries: each row attends what nn.attention's ring attends."""
     k = "paged_prefill"
     n_rows = _qkv_heads(k, qkv, head_dim)[0]
     t_max = n_rows if max_t is None else int(max_t)
@@ -237,7 +268,9 @@ def paged_prefill(dev: Device, qkv: Tensor, k_pool: Tensor, v_pool: Tensor, out:
     par = params(dev, [t_max, n_q_heads, group, heads, n_kv_heads, 0, 0, float(scale), qo, ko, vo, oo,
                        max_blocks, int(window), float(softcap), to, 0, n_blk, 0, 0], owner=out.buf.owner, label=k)
     sinked = check_sinks(dev, k, sinks, n_q_heads)
+    check(ring is None or window == 0, k, "a ring replaces the model's own sliding window")
+    rung = _ring_sink(k, ring, q_sink, quant, t_max, n_q_heads, head_dim, max_blocks * bs)
     return _op(dev, k, FILE, "paged_causal",
-               _header(dt, head_dim, g, WG, packed, bs, window, softcap, quant, bool(sinked)),
-               par, {**dict(enumerate([_step_entry(step), qe, ke, ve, oe, te], 1)), **sinked},
+               _header(dt, head_dim, g, WG, packed, bs, window, softcap, quant, bool(sinked), ring),
+               par, {**dict(enumerate([_step_entry(step), qe, ke, ve, oe, te], 1)), **sinked, **rung},
                n_blk * (n_q_heads // g) * WG)

@@ -156,15 +156,15 @@ class Ring:
     window: int
 
 
-def ring_header(ring: "Ring | None", rope: bool = False) -> str:
+def ring_header(ring: "Ring | None", rope: bool = False, binding: int = 6) -> str:
     """The WGSL constants of a Ring (RING false: none) for attention.wgsl, and with `rope` rope.wgsl's
-    store of the sink queries, `put_q_sink(i, v)` (binding 6, qsk (T, Hq, D); without a ring it stores
-    nothing and binds nothing)."""
+    store of the sink queries, `put_q_sink(i, v)` (qsk (T, Hq, D) at `binding`: 6, rope_paged.wgsl's 8;
+    without a ring it stores nothing and binds nothing)."""
     if ring is None:
         out = "const RING: bool = false;\nconst SINKS: u32 = 0u;\nconst RING_W: u32 = 0u;\n"
         return out + ("fn put_q_sink(i: u32, v: vec2<f32>) {}\n" if rope else "")
     out = f"const RING: bool = true;\nconst SINKS: u32 = {ring.sinks}u;\nconst RING_W: u32 = {ring.window}u;\n"
-    return out + ("@group(0) @binding(6) var<storage, read_write> qsk: array<vec2<act>>;\n"
+    return out + (f"@group(0) @binding({binding}) var<storage, read_write> qsk: array<vec2<act>>;\n"
                   "fn put_q_sink(i: u32, v: vec2<f32>) { qsk[i] = vec2<act>(v); }\n" if rope else "")
 
 

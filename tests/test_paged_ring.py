@@ -1,0 +1,162 @@
+"""WebLLM's sliding window with attention sinks (kernels/common.py Ring) over the paged pool: each
+sequence's block table is a ring of max_blocks * block_size rows (attention_paged.ring_row: sinks
+fixed, the rest modulo the ring); paged_rope_kv writes a position's rows at its ring slot and the
+sink queries; paged_prefill chunks and ragged paged_decode batches attend, per row, what the
+contiguous ring attends: nn_ref.ring_attention by positions, and the contiguous kernels' bits."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from webgpu_engine.kernels import attention_paged as ap
+from webgpu_engine.kernels.common import Ring
+
+from _nn_util import NP, TOL, empty, get, put, set_step, step_buf
+from test_kernels_attention_ring import BASE, RingRun, _reference
+
+
+@pytest.fixture(autouse=True)
+def _free(device):
+    yield
+    device.release_owner("test:nn")
+
+
+class PagedRing:
+    """Sequences of raw qkv rows (each (N, Hq+2Hkv, D)) fed through paged_rope_kv + paged attention
+    with a ring: prefill chunks of one sequence (at most `rows` rows) and decode steps of several."""
+
+    def __init__(self, device, xs, hq, hkv, d, ring, bs, max_blocks, rows, dtype="f32", **decode):
+        self.dev, self.xs, self.hq, self.d, self.dtype, self.ring = device, xs, hq, d, dtype, ring
+        self.bs, self.max_blocks, self.rows, self.cap = bs, max_blocks, rows, bs * max_blocks
+        n_seq = len(xs)
+        n_blocks = n_seq * max_blocks + 3
+        self.tables = np.random.default_rng(11).permutation(n_blocks)[:n_seq * max_blocks].reshape(
+            n_seq, max_blocks).astype(np.uint32)           # shuffled, never shared
+        shape = (n_blocks, bs, hkv, d)
+        self.kp, self.vp = empty(device, shape, dtype, fill=0), empty(device, shape, dtype, lead=8, fill=0)
+        n_h, heads = hq + 2 * hkv, dict(n_q_heads=hq, n_kv_heads=hkv, head_dim=d)
+        att = dict(scale=d ** -0.5, max_blocks=max_blocks, ring=ring, **heads)
+        # a prefill chunk of one sequence
+        self.qkv, self.sink = put(device, np.zeros((rows, n_h, d)), dtype), empty(device, (rows, hq, d), dtype)
+        self.pos, self.slots = (put(device, np.zeros(rows, np.uint32), "u32") for _ in range(2))
+        self.table, self.step = put(device, np.zeros(max_blocks, np.uint32), "u32"), step_buf(device, 0, rows)
+        self.out = empty(device, (rows, hq * d), dtype)
+        self.prefill = (ap.paged_rope_kv(device, self.qkv, self.kp, self.vp, self.pos, self.slots, self.step,
+                                         **heads, base=BASE, ring=ring, q_sink=self.sink),
+                        ap.paged_prefill(device, self.qkv, self.kp, self.vp, self.out, self.step, self.table,
+                                         max_t=rows, q_sink=self.sink, **att))
+        # a decode step of every sequence (lens 0: idle)
+        self.dqkv = put(device, np.zeros((n_seq, n_h, d)), dtype)
+        self.dsink = empty(device, (n_seq, hq, d), dtype)
+        self.dpos, self.dslots, self.lens = (put(device, np.zeros(n_seq, np.uint32), "u32") for _ in range(3))
+        self.dout = empty(device, (n_seq, hq * d), dtype)
+        self.decode = (ap.paged_rope_kv(device, self.dqkv, self.kp, self.vp, self.dpos, self.dslots, **heads,
+                                        base=BASE, ring=ring, q_sink=self.dsink),
+                       ap.paged_decode(device, self.dqkv, self.kp, self.vp, self.dout, self.lens,
+                                       put(device, self.tables, "u32"), max_seqs=n_seq, q_sink=self.dsink,
+                                       **att, **decode))
+
+    def slot(self, q: int, pos: int) -> int:
+        row = ap.ring_row(self.ring, pos, self.cap)
+        return int(self.tables[q, row // self.bs]) * self.bs + row % self.bs
+
+    def _write(self, t, a):
+        self.dev.write(t.buf, np.ascontiguousarray(a), t.offset)
+
+    def feed(self, plan, short: bool = True) -> list:
+        """Outputs (N_q, Hq*D) of every sequence, fed by `plan`: (q, n) a prefill chunk of n rows of
+        sequence q, or a tuple of sequences decoding one row each."""
+        np_dt = NP[self.dtype]
+        at, outs = [0] * len(self.xs), [[] for _ in self.xs]
+        for item in plan:
+            b = self.dev.batch()
+            if not isinstance(item[0], tuple):
+                q, n = item
+                p0 = at[q]
+                self._write(self.qkv, self.xs[q][p0:p0 + n].astype(np_dt))
+                self._write(self.pos, np.arange(p0, p0 + n, dtype=np.uint32))
+                self._write(self.slots, np.array([self.slot(q, p) for p in range(p0, p0 + n)], np.uint32))
+                self._write(self.table, self.tables[q])
+                set_step(self.dev, self.step, p0, n)
+                for op in self.prefill:
+                    op.record(b)
+                self.dev.submit(b)
+                outs[q].append(get(self.dev, self.out)[:n])
+                at[q] += n
+                continue
+            seqs = item[0]
+            x = np.zeros((len(self.xs),) + self.xs[0].shape[1:])
+            pos, slots, lens = (np.zeros(len(self.xs), np.uint32) for _ in range(3))
+            for q in seqs:
+                x[q], pos[q], slots[q], lens[q] = self.xs[q][at[q]], at[q], self.slot(q, at[q]), at[q] + 1
+            for t, a in ((self.dqkv, x.astype(np_dt)), (self.dpos, pos), (self.dslots, slots), (self.lens, lens)):
+                self._write(t, a)
+            self.decode[0].record(b)
+            longest = min(int(lens.max()), self.cap)
+            self.decode[1].record(b, n_keys=longest if short else None)
+            self.dev.submit(b)
+            got = get(self.dev, self.dout)
+            for q in seqs:
+                outs[q].append(got[q:q + 1])
+                at[q] += 1
+        return [np.concatenate(o) for o in outs]
+
+
+def _plan():
+    """Three sequences: prefill chunks (some crossing the ring's end), ragged decode batches, a
+    sequence idle while the others decode; 100, 90 and 70 positions."""
+    plan = [(0, 16), (1, 16), (1, 9), (2, 5)]
+    plan += [((0, 1, 2),)] * 20                              # 0: 36, 1: 45, 2: 25
+    plan += [(0, 16), (0, 16), (2, 16), ((0, 1),), ((0, 1),)]   # 0: 70, 1: 47, 2: 41
+    plan += [((0, 1, 2),)] * 29                              # 0: 99, 1: 76, 2: 70
+    plan += [(1, 13), ((0,),)]                               # 0: 100, 1: 89
+    plan += [((1,),)]
+    return plan
+
+
+@pytest.mark.parametrize("dtype,sinks,window,short", [("f32", 4, 40, True), ("f16", 4, 40, False),
+                                                      ("f32", 0, 33, False), ("f16", 20, 24, True)])
+def test_paged_ring_matches_the_reference(device, dtype, sinks, window, short):
+    """Every row of every sequence, prefill or decode (short or split form), equals the reference's
+    ring attention at its position; the window's end is crossed in both."""
+    hq, hkv, d, bs, rows = 6, 2, 32, 16, 16
+    ring = Ring(sinks, window)
+    max_blocks = -(-(window + rows) // bs)                   # the window plus one forward's rows
+    rng = np.random.default_rng(sinks + window)
+    xs = [rng.standard_normal((n, hq + 2 * hkv, d)) for n in (100, 90, 70)]
+    r = PagedRing(device, xs, hq, hkv, d, ring, bs, max_blocks, rows, dtype, min_chunk=16,
+                  **({} if short else dict(short_keys=0)))
+    got = r.feed(_plan(), short)
+    for q, x in enumerate(xs):
+        np.testing.assert_allclose(got[q], _reference(x, hq, hkv, d, ring, dtype), **TOL[dtype], err_msg=f"seq {q}")
+
+
+def test_paged_ring_equals_the_contiguous_ring(device):
+    """Bit for bit the contiguous kernels' output for a ring of as many rows (the same rows folded in
+    the same blocks and splits), whatever the sequence's neighbours in the batch."""
+    hq, hkv, d, bs, rows, ring = 9, 3, 64, 16, 16, Ring(4, 48)
+    max_blocks = (ring.window + rows) // bs
+    rng = np.random.default_rng(3)
+    xs = [rng.standard_normal((n, hq + 2 * hkv, d)) for n in (100, 90, 70)]
+    r = PagedRing(device, xs, hq, hkv, d, ring, bs, max_blocks, rows, "f16", min_chunk=16)
+    got = r.feed(_plan())
+    alone = RingRun(device, xs[0], hq, hkv, d, ring, bs * max_blocks, rows, "f16", min_chunk=16)
+    sizes = [16] + [1] * 20 + [16, 16, 1, 1] + [1] * 29 + [1]
+    assert (alone.feed(sizes) == got[0]).all()
+
+
+def test_ring_rows_and_errors(device):
+    """ring_row keeps sinks in place and wraps the rest; a quantised pool or a window beside the ring
+    is refused by name."""
+    ring = Ring(4, 40)
+    assert [ap.ring_row(ring, p, 64) for p in (0, 3, 63, 64, 65, 123, 124)] == [0, 3, 63, 4, 5, 63, 4]
+    hq, hkv, d = 4, 2, 16
+    qkv, out = put(device, np.zeros((2, hq + 2 * hkv, d))), empty(device, (2, hq * d))
+    kp, vp = (empty(device, (4, 16, hkv, d), fill=0) for _ in range(2))
+    sink, lens, tables = empty(device, (2, hq, d)), put(device, np.zeros(2, np.uint32), "u32"), \
+        put(device, np.zeros(8, np.uint32), "u32")
+    kw = dict(n_q_heads=hq, n_kv_heads=hkv, head_dim=d, max_seqs=2, max_blocks=4, scale=0.25, ring=ring)
+    with pytest.raises(ValueError, match="window"):
+        ap.paged_decode(device, qkv, kp, vp, out, lens, tables, q_sink=sink, window=8, **kw)
+    with pytest.raises(ValueError, match="q_sink"):
+        ap.paged_decode(device, qkv, kp, vp, out, lens, tables, **kw)
