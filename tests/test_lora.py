@@ -475,3 +475,18 @@ async def test_an_ollama_adapter_layer_applies_to_every_request_of_its_model(dev
         assert got == [_want(n or "a", i) for n, i in jobs]
     finally:
         await eng.unload()
+
+
+async def test_a_mixture_of_experts_ffn_takes_no_adapter(device, tmp_path):
+    from tinymoe import write_tiny_moe_safetensors
+    from webgpu_engine.engine import EngineConfig
+    from webgpu_engine.models.lora import LoraAdapterError
+    folder = write_tiny_moe_safetensors("qwen3moe", tmp_path / "moe")["folder"]
+    eng = AsyncMLCEngine(EngineConfig(device=device))
+    await eng.reload(str(folder), chat_opts={"dtype": "f32", "max_num_sequences": 2, "context_window_size": 64})
+    try:
+        with pytest.raises(LoraAdapterError, match=r"layers\.0\.mlp\.down_proj\.lora_A\.weight targets a "
+                                                   r"mixture-of-experts FFN"):
+            await eng.load_lora_adapter("b", ADAPTERS["b"])
+    finally:
+        await eng.unload()

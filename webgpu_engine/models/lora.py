@@ -11,10 +11,12 @@ the forward shares (q|k|v read one h, gate|up another), as kernels/lora.py's A (
 B (slots, N, J) with J = targets x max_rank: an adapter's A rows of each target stacked, its B (s
 folded in) laid out as the fused projection's output rows (q|k|v, gate / up in pairs where the
 model interleaves them, q / k rows permuted where the base's are), zeros where it has no target. A
-forward built with `rows` (LoraRows: the pool and a (P,) u32 slot per row, kernels/lora.py NONE for
-a base row) adds each row's delta after each projection (decoder.py); a row without an adapter is
-not touched. Adapters are registered host-side and uploaded into a slot on first use; a full pool
-evicts the least recently used adapter no sequence is using.
+forward built with `rows` (LoraRows: the pool, a (P,) u32 slot per row, kernels/lora.py NONE for a
+base row, and the groups some adapter targets) adds each row's delta to those projections' outputs
+(decoder.py; o's and down's into x before their matmul adds to it); a row without an adapter is not
+touched. Adapters are registered host-side and uploaded into a slot on first use; a full pool evicts
+the least recently used adapter no sequence is using. Layers whose FFN is a mixture of experts, or
+whose token mixer is not attention, take no delta there (such targets are refused at load).
 """
 from __future__ import annotations
 
@@ -232,6 +234,14 @@ def _group_n(m, i: int, group: str) -> int:
             "gate_up": 2 * F if c.ffn_gated else F, "down": c.hidden_size}[group]
 
 
+def _layer_groups(m, i: int) -> tuple:
+    """The groups layer i's projections can take deltas in: not a MoE FFN's, nor the projections of
+    a token mixer other than attention (Qwen3.5's Gated DeltaNet)."""
+    L = m.layers[i]
+    return tuple(g for g, _ in GROUPS if not (g in ("gate_up", "down") and L.experts is not None)
+                 and not (g in ("qkv", "o") and L.mixer is not None))
+
+
 def check_adapter(m, ad: LoraAdapter, max_rank: int) -> None:
     """Refuse (LoraAdapterError naming the tensor) an adapter that does not fit model `m`."""
     c = m.cfg
@@ -246,9 +256,10 @@ def check_adapter(m, ad: LoraAdapter, max_rank: int) -> None:
         if i >= c.n_layers:
             raise LoraAdapterError(f"LoRA adapter {ad.name!r}: tensor {tensor} is past the base model's "
                                    f"{c.n_layers} layers: it was trained for another base.", param="lora_path")
-        if m.layers[i].experts is not None and t in ("gate", "up", "down"):
+        if _GROUP_OF[t] not in _layer_groups(m, i):
             raise LoraAdapterError(f"LoRA adapter {ad.name!r}: tensor {tensor} targets a mixture-of-experts "
-                                   f"FFN, which adapters cannot change here.", param="lora_path")
+                                   f"FFN or a token mixer other than attention, which adapters cannot change "
+                                   f"here.", param="lora_path")
         if t == "gate" and not c.ffn_gated:
             raise LoraAdapterError(f"LoRA adapter {ad.name!r}: tensor {tensor}: the base has no gate "
                                    f"projection.", param="lora_path")
@@ -290,7 +301,7 @@ class LoraPool:
         for i in range(c.n_layers):
             shapes, per = _shapes(c, i), {}
             for g, targets in GROUPS:
-                if g == "gate_up" and m.layers[i].experts is not None:
+                if g not in _layer_groups(m, i):
                     continue
                 ts = targets if g != "gate_up" or c.ffn_gated else ("up",)
                 J, K, N = len(ts) * self.max_rank, shapes[ts[0]][0], _group_n(m, i, g)
