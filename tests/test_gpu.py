@@ -196,6 +196,24 @@ def test_a_bad_dispatch_is_a_typed_error_and_the_device_goes_on(device, shader_d
     device.release_owner("t")
 
 
+def test_a_warm_up_with_a_released_buffer_is_refused_under_the_lock(device, shader_dir):
+    """An empty warm-up dispatch (the background compiler's, from a worker thread) whose bind group
+    lost a buffer meanwhile is refused where the submit is made, under the release lock: a submit
+    with a destroyed buffer would abort wgpu-native. The device goes on."""
+    from webgpu_engine.errors import GPUValidationError
+    from webgpu_engine.kernels.common import params
+    x, y = device.upload(np.ones(64, np.float32), owner="t"), device.buffer(256, owner="t")
+    p = device.pipeline("scale.wgsl", "scale")
+    group = device.bind(p, [x, y, params(device, [2.0, 64], owner="t")])
+    x.release()
+    with pytest.raises(GPUValidationError, match="released before the submit"):
+        device._raw_warm(p.raw, group.raw, p.name, group.buffers)
+    device.release_owner("t")
+    z = device.upload(np.ones(4, np.float32), owner="t")
+    assert np.frombuffer(device.read_sync(z), np.float32).tolist() == [1.0] * 4
+    device.release_owner("t")
+
+
 def test_broken_shader_names_file_and_line(device, shader_dir):
     with pytest.raises(ShaderCompileError) as ei:
         device.pipeline("broken.wgsl", "broken")

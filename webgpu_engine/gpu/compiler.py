@@ -228,8 +228,9 @@ class CompilingDevice:
     # compiles it (backends that can make one say so: NativeDevice on lavapipe)
     warms_on_dispatch = False
 
-    def _raw_warm(self, raw_pipeline, raw_bind_group, label: str) -> None:
-        """Dispatch a pipeline with no workgroups (backends with warms_on_dispatch)."""
+    def _raw_warm(self, raw_pipeline, raw_bind_group, label: str, buffers: tuple = ()) -> None:
+        """Dispatch a pipeline with no workgroups (backends with warms_on_dispatch); `buffers`: the
+        bind group's, checked alive where the submit is made."""
         raise NotImplementedError
 
     @contextmanager
@@ -324,7 +325,7 @@ class CompilingDevice:
             return
         try:
             group.lazy.resolve()
-            self._raw_warm(p.raw, group.raw, p.name)
+            self._raw_warm(p.raw, group.raw, p.name, group.buffers)
             p.hot, p.warm_group = True, None
             self.warmed += 1
         except Exception as e:  # noqa: BLE001 - only a head start: a batch's submit reports errors

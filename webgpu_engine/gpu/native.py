@@ -96,14 +96,14 @@ class NativeDevice(Device):
             stage["constants"] = constants
         return self.raw.create_compute_pipeline(layout="auto", compute=stage, label=label)
 
-    def _raw_warm(self, raw_pipeline, raw_bind_group, label: str) -> None:
+    def _raw_warm(self, raw_pipeline, raw_bind_group, label: str, buffers: tuple = ()) -> None:
         def record(enc):
             cpass = enc.begin_compute_pass(label=label)
             cpass.set_pipeline(raw_pipeline)
             cpass.set_bind_group(0, raw_bind_group)
             cpass.dispatch_workgroups(0, 1, 1)
             cpass.end()
-        self._locked_submit(f"warm-up of {label}", record)
+        self._locked_submit(f"warm-up of {label}", record, buffers)
 
     def _raw_bind(self, raw_pipeline, entries, label: str):
         layout = raw_pipeline.get_bind_group_layout(0)
@@ -192,13 +192,18 @@ class NativeDevice(Device):
             self._give_staging(staging, n4, reuse=ok)
         return data
 
-    def _locked_submit(self, what: str, record=None) -> None:
+    def _locked_submit(self, what: str, record=None, buffers: tuple = ()) -> None:
         """A command buffer that `record(encoder)` fills (None: an empty one, what wgpu-py's map_async
         submits before mapping for reading), submitted under the release lock. From a worker thread
-        it waits there for the work before where submits block (lavapipe)."""
+        it waits there for the work before where submits block (lavapipe). `buffers` (base.Buffer,
+        or (Buffer, offset, size)): what the work binds, checked alive under the lock (a buffer
+        destroyed meanwhile would fail the submit, which aborts wgpu-native): GPUValidationError."""
         with self._release_lock:
             if self._destroyed:
                 raise DeviceLostError(f"{what}: the device was destroyed")
+            dead = next((b for b in (x[0] if isinstance(x, tuple) else x for x in buffers) if not b.alive), None)
+            if dead is not None:
+                raise GPUValidationError(f"{what}: buffer {dead.label!r} was released before the submit ran")
             enc = self.raw.create_command_encoder()
             if record is not None:
                 record(enc)
