@@ -153,12 +153,13 @@ def test_max_queue_values_match_engine_config():
         EngineConfig(max_queue_length=-1)
 
 
-def test_serve_batches_unless_a_model_needs_the_one_request_path():
-    """serve's chat models batch by default; context shifts and speculation (prompt lookup or a draft
-    model) run per sequence in the batch, so only a sliding window (a one-request feature) loads a
-    model with max_num_sequences 1."""
-    from webgpu_engine.cli.commands import _one_request
-    assert not _one_request({}) and not _one_request({"context_overflow": "shift", "n_keep": 4})
-    assert not _one_request({"speculation": "ngram"}) and not _one_request({"speculation": {"method": "ngram"}})
-    assert not _one_request({"speculation": {"method": "draft", "model": "d.gguf"}})
-    assert _one_request({"sliding_window_size": 64})
+def test_serve_batches_every_chat_model():
+    """serve's chat models batch by default: context shifts, speculation (prompt lookup or a draft
+    model) and a sliding window (the ring) all run per sequence in the batch; options that name
+    max_num_sequences keep it."""
+    from webgpu_engine.cli.commands import SERVE_MAX_NUM_SEQUENCES, serve_chat_opts
+    for opts in (None, {}, {"context_overflow": "shift", "n_keep": 4}, {"speculation": "ngram"},
+                 {"speculation": {"method": "draft", "model": "d.gguf"}},
+                 {"context_window_size": -1, "sliding_window_size": 64, "attention_sink_size": 4}):
+        assert serve_chat_opts(opts)["max_num_sequences"] == SERVE_MAX_NUM_SEQUENCES == 0, opts
+    assert serve_chat_opts({"sliding_window_size": 64, "max_num_sequences": 1})["max_num_sequences"] == 1

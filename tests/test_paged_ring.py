@@ -5,11 +5,16 @@ sink queries; paged_prefill chunks and ragged paged_decode batches attend, per r
 contiguous ring attends: nn_ref.ring_attention by positions, and the contiguous kernels' bits."""
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
 import pytest
 
+from tinymodels import write_tiny_llama_gguf
+from webgpu_engine.engine import AsyncMLCEngine, EngineConfig, ModelRecord, default_app_config
 from webgpu_engine.kernels import attention_paged as ap
 from webgpu_engine.kernels.common import Ring
+from webgpu_engine.models.kv_pool import KVPool
 
 from _nn_util import NP, TOL, empty, get, put, set_step, step_buf
 from test_kernels_attention_ring import BASE, RingRun, _reference
@@ -160,3 +165,90 @@ def test_ring_rows_and_errors(device):
         ap.paged_decode(device, qkv, kp, vp, out, lens, tables, q_sink=sink, window=8, **kw)
     with pytest.raises(ValueError, match="q_sink"):
         ap.paged_decode(device, qkv, kp, vp, out, lens, tables, **kw)
+
+
+# ---------------------------------------------------------------------------- through the engine
+@pytest.fixture(scope="module")
+def path(tmp_path_factory):
+    return str(write_tiny_llama_gguf(tmp_path_factory.mktemp("paged_ring") / "m.gguf", qtype="q8_0",
+                                     context_length=512, n_heads=2, n_kv_heads=1)["path"])
+
+
+RING = dict(context_window_size=-1, sliding_window_size=64, attention_sink_size=2, prefill_chunk_size=16)
+PROMPTS = ["Tell me about foxes.", "Count: one two three four five six seven eight nine ten eleven twelve "
+           "thirteen fourteen fifteen sixteen seventeen eighteen nineteen twenty, and on?",
+           "Hi", "Why is the sky blue? Answer in a few words, then more words."]
+
+
+async def _engine(device, path, **opts):
+    app = default_app_config().with_records(ModelRecord("tiny", path, "llm"))
+    eng = AsyncMLCEngine(EngineConfig(device=device, app_config=app))
+    await eng.reload("tiny", {"compile_at_load": False, **RING, **opts})
+    return eng
+
+
+async def _ask(eng, prompt, n):
+    r = await eng.chat.completions.create(messages=[{"role": "user", "content": prompt}], max_tokens=n,
+                                          temperature=0, ignore_eos=True, logprobs=True)
+    return r.choices[0].message.content, [t.logprob for t in r.choices[0].logprobs.content], r.usage
+
+
+async def test_four_ring_sequences_in_a_batch_answer_as_alone(device, path):
+    """4 requests at once through the scheduler with a ring (W = 64, S = 2, chunks of 16: a table of
+    80 rows), generations 100-160 tokens past the window: each answer (text and logprobs) equals the
+    same request alone, and the one-request path's."""
+    lengths = [160, 120, 100, 140]
+    eng = await _engine(device, path, max_num_sequences=4, kv_block_size=16)
+    try:
+        sched = eng.models["tiny"].pipeline.scheduler
+        assert sched is not None and sched.pool.ring_rows == 80 and not sched.pool.share
+        together = await asyncio.gather(*(_ask(eng, p, n) for p, n in zip(PROMPTS, lengths)))
+        # in one batch: far fewer iterations than tokens (each iteration decodes every running sequence)
+        assert sched.stats["decode_rows"] >= sum(lengths) - 4 and sched.stats["iterations"] < 0.5 * sum(lengths), \
+            sched.stats
+        alone = [await _ask(eng, p, n) for p, n in zip(PROMPTS, lengths)]
+    finally:
+        await eng.unload()
+    for (text, lps, usage), n in zip(together, lengths):
+        assert usage.completion_tokens == n
+    assert [a[:2] for a in together] == [a[:2] for a in alone]
+    one = await _engine(device, path)
+    try:
+        assert one.models["tiny"].pipeline.scheduler is None
+        single = [await _ask(one, p, n) for p, n in zip(PROMPTS, lengths)]
+    finally:
+        await one.unload()
+    assert [a[:2] for a in together] == [a[:2] for a in single]
+    # the ring changes the answers: a plain context of 512 answers otherwise
+    plain = await _engine(device, path, context_window_size=512, sliding_window_size=-1, attention_sink_size=0)
+    try:
+        full = [await _ask(plain, p, n) for p, n in zip(PROMPTS, lengths)]
+    finally:
+        await plain.unload()
+    assert [a[1] for a in full] != [a[1] for a in single]
+
+
+def test_a_ring_pool_holds_its_window_and_shares_nothing():
+    """KVPool with a ring of 48 rows (3 blocks of 16, 4 sinks): a sequence never holds more than its
+    ring's blocks however far its positions go; a position's slot is its ring row's (sinks in place);
+    full prompt blocks are not offered to the next sequence."""
+    pool = KVPool(8, 16, ring_rows=48, ring_sinks=4)
+    assert not pool.share
+    prompt = list(range(40))
+    assert pool.add_sequence("a", prompt) == 0
+    pool.reserve("a", 40)
+    pool.append_tokens("a", prompt)
+    for pos in range(40, 200):
+        pool.reserve("a", pos + 1)
+        assert pool.decode_inputs(["a"], 2, 3)["lens"] == [pos + 1, 0]
+        pool.append_tokens("a", [pos], decoded=True)
+    table = pool.block_table("a")
+    assert len(table) == 3 and pool.n_free == 5
+    want = {0: 0, 3: 3, 47: 47, 48: 4, 49: 5, 91: 47, 92: 4, 199: 4 + (199 - 4) % 44}
+    for pos, row in want.items():
+        assert pool.row(pos) == row
+        assert pool.slots("a", pos, 1) == [table[row // 16] * 16 + row % 16]
+    assert pool.add_sequence("b", prompt) == 0              # nothing cached for sharing
+    pool.check()
+    with pytest.raises(ValueError, match="ring"):
+        KVPool(8, 16, ring_rows=40, ring_sinks=4)            # not a whole number of blocks

@@ -149,7 +149,8 @@ async def test_bad_sliding_windows_are_typed_errors(device, path):
                 ({"context_window_size": -1, "sliding_window_size": 1024}, UnsupportedChatOptionError,
                  "sliding_window_size"),                                                         # > trained 512
                 ({**ring, "attention_sink_size": 128}, ChatOptionTypeError, "attention_sink_size"),
-                ({**ring, "max_num_sequences": 2}, UnsupportedChatOptionError, "sliding_window_size"),
+                ({**ring, "max_num_sequences": 2, "kv_cache_dtype": "q8_0"}, UnsupportedChatOptionError,
+                 "kv_cache_dtype"),                                          # a batch's ring: f16 / f32 pools
                 ({**ring, "speculation": "ngram"}, UnsupportedChatOptionError, "speculation"),
                 ({**ring, "context_overflow": "shift"}, UnsupportedChatOptionError, "context_overflow"),
                 ({"attention_sink_size": 4}, UnsupportedChatOptionError, "attention_sink_size")]:

@@ -180,8 +180,9 @@ def _cosine(a, b) -> float:
 SERVE_MAX_NUM_SEQUENCES = 0      # the server batches by default, as suits the device (ChatConfig)
 
 
-def _one_request(opts: dict) -> bool:
-    return (opts.get("sliding_window_size") or -1) > 0
+def serve_chat_opts(opts: dict | None) -> dict:
+    """A served chat model's options: it batches (SERVE_MAX_NUM_SEQUENCES) unless `opts` say otherwise."""
+    return {"max_num_sequences": SERVE_MAX_NUM_SEQUENCES, **(opts or {})}
 
 
 def cmd_serve(args) -> int:
@@ -195,10 +196,9 @@ def cmd_serve(args) -> int:
     chat_opts = chat_opts_for(args, len(models)) or [None] * len(models)
     # a server has several users: chat models batch up to SERVE_MAX_NUM_SEQUENCES requests unless
     # --max-num-sequences / --chat-opts say otherwise (embedders ignore it)
-    # (a sliding window runs on the one-request path: such a model serves one request at a time;
-    # speculation, by prompt lookup or a draft model, and context shifts run per sequence in the batch)
-    chat_opts = [{"max_num_sequences": 1 if _one_request(o or {}) else SERVE_MAX_NUM_SEQUENCES, **(o or {})}
-                 for o in chat_opts]
+    # (speculation, by prompt lookup or a draft model, context shifts and a sliding window run per
+    # sequence in the batch)
+    chat_opts = [serve_chat_opts(o) for o in chat_opts]
     given = {k: getattr(args, k) for k in ("max_n", "max_stop", "max_logit_bias",
                                            "max_embedding_inputs", "max_embedding_tokens")}
     limits = RequestLimits(**{k: v for k, v in given.items() if v is not None})

@@ -27,6 +27,12 @@ starts); per prefill chunk `reserve(id, end)`, write K/V at `slots(id, start, n)
 `decode_inputs(ids, ...)` for the kernels, then `append_tokens(id, [token fed], decoded=True)`; `free(id)` when done;
 `reserve_or_preempt` where the pool may run out. A verify step (speculation) reserves its guesses'
 rows too, feeds them through `decode_rows`, appends the accepted ones and `trim`s the rest.
+
+A ring (WebLLM's sliding window with sinks; `ring_rows` > 0): each sequence holds at most ring_rows
+rows (the window plus one forward's rows, a whole number of blocks), positions 0 .. ring_rows - 1 in
+place and later ones at row sinks + (pos - sinks) % (ring_rows - sinks), so the sink rows stay and
+the rest of its blocks is written over as positions grow (kernels/attention_paged.py's ring_row).
+Blocks that are written over are never shared: a ring pool shares no prefix.
 """
 from __future__ import annotations
 
@@ -66,12 +72,17 @@ class _Seq:
 class KVPool:
     """Blocks 0 .. n_blocks-1 of block_size tokens; sequences are any hashable id. `share` False: no
     block is registered for sharing, so every block is private to its sequence and `truncate` may
-    cut anywhere (a draft model's cache, whose guessed rows are taken back)."""
+    cut anywhere (a draft model's cache, whose guessed rows are taken back). `ring_rows` > 0 (a
+    multiple of block_size) with `ring_sinks`: each sequence's table is a ring (no sharing)."""
 
-    def __init__(self, n_blocks: int, block_size: int, share: bool = True):
+    def __init__(self, n_blocks: int, block_size: int, share: bool = True, ring_rows: int = 0, ring_sinks: int = 0):
         if n_blocks < 1 or block_size < 1:
             raise ValueError(f"need n_blocks >= 1 and block_size >= 1, got {n_blocks}, {block_size}")
-        self.n_blocks, self.block_size, self.share = int(n_blocks), int(block_size), bool(share)
+        if ring_rows and (ring_rows % block_size or not 0 <= ring_sinks < ring_rows):
+            raise ValueError(f"a ring of {ring_rows} rows with {ring_sinks} sinks over blocks of {block_size}")
+        self.n_blocks, self.block_size = int(n_blocks), int(block_size)
+        self.ring_rows, self.ring_sinks = int(ring_rows), int(ring_sinks)
+        self.share = bool(share) and not ring_rows
         self.ref = [0] * self.n_blocks
         self._free = list(range(self.n_blocks - 1, -1, -1))     # pop() hands out low ids first
         self._idle: OrderedDict[int, None] = OrderedDict()      # cached, ref 0; first = least recent
@@ -100,18 +111,29 @@ class KVPool:
         """The tokens whose KV seq_id holds (a copy)."""
         return list(self._seqs[seq_id].tokens)
 
+    def _blocks_for(self, n_tokens: int) -> int:
+        """Blocks a sequence of n_tokens positions holds (a ring: at most its rows')."""
+        n = int(n_tokens)
+        return -(-(min(n, self.ring_rows) if self.ring_rows else n) // self.block_size)
+
     def blocks_needed(self, seq_id, n_tokens: int) -> int:
         """New blocks `seq_id` needs to hold n_tokens in all."""
-        return max(0, -(-int(n_tokens) // self.block_size) - len(self._seqs[seq_id].blocks))
+        return max(0, self._blocks_for(n_tokens) - len(self._seqs[seq_id].blocks))
+
+    def row(self, pos: int) -> int:
+        """The table row of position pos: itself, or a ring's row for it past the ring's end."""
+        r, sinks = self.ring_rows, self.ring_sinks
+        return pos if not r or pos < r else sinks + (pos - sinks) % (r - sinks)
 
     def slots(self, seq_id, start: int, n: int) -> list:
         """Physical token rows (block * block_size + offset) of positions start .. start+n-1: where
         the KV write kernel scatters them."""
         s, bs = self._seqs[seq_id], self.block_size
-        if start < 0 or start + n > len(s.blocks) * bs:
+        if start < 0 or self._blocks_for(start + n) > len(s.blocks) or (self.ring_rows and n > self.ring_rows):
             raise ValueError(f"positions {start}..{start + n - 1} are outside the {len(s.blocks)} blocks "
                              f"of sequence {seq_id!r}")
-        return [s.blocks[p // bs] * bs + p % bs for p in range(start, start + n)]
+        rows = [self.row(p) for p in range(start, start + n)]
+        return [s.blocks[r // bs] * bs + r % bs for r in rows]
 
     def sequences_newest_first(self) -> list:
         return sorted(self._seqs, key=lambda k: -self._seqs[k].order)
@@ -188,13 +210,13 @@ class KVPool:
         a decode step); every block this fills with prefilled rows only is registered for sharing
         (unless an equal block is already cached)."""
         s, bs = self._seqs[seq_id], self.block_size
-        if len(s.tokens) + len(tokens) > len(s.blocks) * bs:
+        if self._blocks_for(len(s.tokens) + len(tokens)) > len(s.blocks):
             raise ValueError(f"sequence {seq_id!r}: {len(s.tokens) + len(tokens)} tokens exceed its "
                              f"{len(s.blocks)} blocks; reserve first")
         if decoded and s.exact is None:
             s.exact = len(s.tokens)
         s.tokens.extend(int(t) for t in tokens)
-        while (len(s.hashes) + 1) * bs <= len(s.tokens):
+        while not self.ring_rows and (len(s.hashes) + 1) * bs <= len(s.tokens):
             i = len(s.hashes)
             key = block_hash(s.hashes[-1] if s.hashes else s.root, s.tokens[i * bs:(i + 1) * bs])
             s.hashes.append(key)
@@ -208,8 +230,8 @@ class KVPool:
     def trim(self, seq_id, n_tokens: int) -> None:
         """Gives back the reserved blocks seq_id needs no more to hold n_tokens (at least its written
         tokens): a verify step's rejected rows. Those blocks were never written: they go back free."""
-        s, bs = self._seqs[seq_id], self.block_size
-        keep = -(-max(int(n_tokens), len(s.tokens)) // bs)
+        s = self._seqs[seq_id]
+        keep = self._blocks_for(max(int(n_tokens), len(s.tokens)))
         while len(s.blocks) > keep:
             self._release(s.blocks.pop())
 
@@ -225,7 +247,7 @@ class KVPool:
         del s.hashes[n // bs:]
         if s.exact is not None and s.exact >= n:     # every kept row was prefilled
             s.exact = None
-        while len(s.blocks) > -(-n // bs):
+        while len(s.blocks) > self._blocks_for(n):
             self._release(s.blocks.pop())
 
     def free(self, seq_id) -> None:
@@ -296,7 +318,7 @@ class KVPool:
         for s in self._seqs.values():
             for b in s.blocks:
                 counts[b] += 1
-            if len(s.tokens) > len(s.blocks) * self.block_size:
+            if self._blocks_for(len(s.tokens)) > len(s.blocks):
                 raise AssertionError("a sequence holds more tokens than its blocks")
         for b in range(self.n_blocks):
             if counts[b] != self.ref[b] or self.ref[b] < 0:

@@ -27,6 +27,10 @@ picks it by its length): a sequence's tokens are the same alone or in any batch.
 once per row count and replayed; per step the host writes the small u32 inputs (ids, positions,
 slots, lens, tables, step) in one write, which the step's batch copies into place. Standard library
 only (runs in the page).
+
+A model with a ring (WebLLM's sliding window with sinks, the plan's Ring) has each sequence's table of
+max_blocks * block_size rows as its ring (models/kv_pool.py gives the slots by position): positions
+grow past it, lens carry position + 1, and the RoPE kernel writes each row's sink query to q_sink.
 """
 from __future__ import annotations
 
@@ -57,8 +61,12 @@ class PagedForward:
         self.model, self.cfg, self.dev, self.owner = model, c, dev, owner
         self.max_seqs, self.block_size, self.n_blocks = int(max_seqs), int(block_size), int(n_blocks)
         self.max_rows = max_rows
-        self.max_blocks = -(-model.ctx // self.block_size)        # blocks of one full context
+        self.max_blocks = -(-model.ctx // self.block_size)        # blocks of one full context (or ring)
         P, S = model.chunk, self.max_rows
+        self.ring = model.ring
+        self.ring_rows = self.max_blocks * self.block_size if self.ring else 0
+        # a ring's sink queries, written by paged_rope_kv beside qkv (a buffer of its own)
+        self.q_sink = new_tensor(dev, (P, c.q_dim), dt, owner=owner, label="paged.q_sink") if self.ring else None
         self.ids = new_tensor(dev, (P,), "u32", owner=owner, label="paged.ids")
         self.positions = new_tensor(dev, (P,), "u32", owner=owner, label="paged.positions")
         self.slots = new_tensor(dev, (P,), "u32", owner=owner, label="paged.slots")
@@ -104,7 +112,7 @@ class PagedForward:
         """Fused rows (activation-dtype pools): the qkv matmul rotates each row at its position and
         writes its k, v to its slot, as the one-request decode's matmul does; else the paged kernel."""
         m, c = self.model, self.cfg
-        if not self.fused_rows or m.kv_cache_dtype:
+        if not self.fused_rows or m.kv_cache_dtype or self.ring:   # the epilogue writes no sink queries
             return None
         kp, vp = self.pools[i]
         P = m.chunk
@@ -115,7 +123,16 @@ class PagedForward:
         kp, vp = self.pools[i]
         c = self.cfg
         return ap.paged_rope_kv(self.dev, qkv, kp, vp, self.positions.view((T,)), self.slots.view((T,)),
-                                n_q_heads=c.n_heads, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim_of(i), **rope)
+                                n_q_heads=c.n_heads, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim_of(i), **rope,
+                                **self._ring())
+
+    def _ring(self) -> dict:
+        """The ring's arguments of the RoPE and attention kernels (none without one)."""
+        return dict(ring=self.ring, q_sink=self.q_sink) if self.ring else {}
+
+    def _masking(self, spec: decoder.Attention) -> dict:
+        """The model's own masks (window, soft-cap), or a ring's in place of its window."""
+        return {**spec.masking(), "window": 0, **self._ring()} if self.ring else spec.masking()
 
     def rope_q(self, i: int, qkv: Tensor, T: int, rope: dict) -> Op:
         """The rotation of rope_kv with no row written: the layer attends an earlier layer's pool (its
@@ -130,10 +147,10 @@ class PagedForward:
         if mode == decoder.ROWS:               # row s: sequence s's lens[s] keys of its block table
             return ap.paged_decode(self.dev, qkv, kp, vp, attn, self.lens.view((T,)),
                                    self.tables.view((T * self.max_blocks,)), **spec.heads(), max_seqs=T,
-                                   max_blocks=self.max_blocks, scale=spec.scale, **spec.masking())
+                                   max_blocks=self.max_blocks, scale=spec.scale, **self._masking(spec))
         return ap.paged_prefill(self.dev, qkv, kp, vp, attn, self.step, self.tables.view((self.max_blocks,)),
                                 **spec.heads(), max_blocks=self.max_blocks, scale=spec.scale, max_t=T,
-                                **spec.masking())
+                                **self._masking(spec))
 
     def states(self, i: int, T: int):
         """Layer i's states of every sequence slot; each row's position and slot."""
@@ -195,7 +212,8 @@ class PagedForward:
                   + [(self.positions.buf, inputs["positions"]), (self.slots.buf, inputs["slots"]),
                      (self.lens.buf, inputs["lens"]), (self.tables.buf, inputs["tables"])]
                   + self._lora_input(lora) + self._state_input(states))
-        n_keys = max(inputs["lens"])       # the attention's combine only where a sequence needs it
+        # the attention's combine only where a sequence needs it (a ring's rows: at most its table's)
+        n_keys = min(max(inputs["lens"]), self.max_blocks * self.block_size)
         for op in self.ops("decode", S, lora is not None):
             op.record(batch, n_keys=n_keys)
 

@@ -77,8 +77,10 @@ class Scheduler:
         rows = self.spec.rows_cap if self.spec else self.max_seqs
         self.fwd = PagedForward(m, max_seqs=self.max_seqs, n_blocks=n_blocks, block_size=bs, owner=owner,
                                 max_rows=rows)
-        # a model with recurrent states (Qwen3.5) shares no prefix: its states hold whole sequences
-        self.pool = KVPool(n_blocks, bs, share=not m.recurrent)
+        # a model with recurrent states (Qwen3.5) shares no prefix: its states hold whole sequences;
+        # a ring's (a sliding window with sinks) tables are rings over their blocks, shared by none
+        self.pool = KVPool(n_blocks, bs, share=not m.recurrent, ring_rows=self.fwd.ring_rows,
+                           ring_sinks=m.ring.sinks if m.ring else 0)
         vocab = pipe.vocab_size
         self.slots = [Slot(dev, vocab, m.dtype, owner, i) for i in range(self.max_seqs)]
         # each slot's sampler copies its step's result here (RESULT_BYTES at slot * RESULT_BYTES;
@@ -413,7 +415,7 @@ class Scheduler:
                     or rec.replay is not None
                     or seq.stopped or seq.interrupted or seq.matcher is not None
                     or (seq.max_tokens is not None and len(seq.output_ids) + 2 > seq.max_tokens)
-                    or len(rec.toks) + 2 > self.model.ctx):
+                    or len(rec.toks) + 2 > self.pipe.cache_end):
                 return False
         try:
             for rec in rows:
