@@ -196,12 +196,15 @@ async def _ask(eng, prompt, n):
 async def test_four_ring_sequences_in_a_batch_answer_as_alone(device, path):
     """4 requests at once through the scheduler with a ring (W = 64, S = 2, chunks of 16: a table of
     80 rows), generations 100-160 tokens past the window: each answer (text and logprobs) equals the
-    same request alone, and the one-request path's."""
+    same request alone, and the one-request path's; /v1/models shows the batch and the window."""
     lengths = [160, 120, 100, 140]
     eng = await _engine(device, path, max_num_sequences=4, kv_block_size=16)
     try:
         sched = eng.models["tiny"].pipeline.scheduler
         assert sched is not None and sched.pool.ring_rows == 80 and not sched.pool.share
+        info = eng.models["tiny"].describe(device)          # /v1/models: the batch and the window
+        assert info["batching"]["max_num_sequences"] == 4 and info["context_window"] == 80
+        assert info["sliding_window"] == {"sliding_window_size": 64, "attention_sink_size": 2}
         together = await asyncio.gather(*(_ask(eng, p, n) for p, n in zip(PROMPTS, lengths)))
         # in one batch: far fewer iterations than tokens (each iteration decodes every running sequence)
         assert sched.stats["decode_rows"] >= sum(lengths) - 4 and sched.stats["iterations"] < 0.5 * sum(lengths), \
