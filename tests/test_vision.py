@@ -382,6 +382,18 @@ def test_responses_and_ollama_clients_get_the_answer(served, ref):
     assert e.value.status_code == 400 and "images" in str(e.value)
 
 
+def test_anthropic_client_gets_the_answer(served, ref):
+    """The Messages API's base64 image block in a user message."""
+    import anthropic
+    server, _ = served
+    b64 = base64.b64encode((IMAGES / "gradient.png").read_bytes()).decode()
+    client = anthropic.Anthropic(base_url=server.url.removesuffix("/v1"), api_key="none", max_retries=0)
+    r = client.messages.create(model=VLM, max_tokens=12, extra_body={"temperature": 0}, messages=[{"role": "user", "content": [
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": b64}},
+        {"type": "text", "text": "What is in the picture?"}]}])
+    assert r.content[0].text == _text(ref["prompts"]["one"]["greedy"])
+
+
 def test_cli_chat_image_option(tmp_path, capsys):
     from webgpu_engine.cli.commands import _with_images
     from webgpu_engine.cli.parser import build_parser

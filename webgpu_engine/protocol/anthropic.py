@@ -82,9 +82,9 @@ def _blocks(where: str, content: Any) -> list[dict]:
 
 
 def _refuse_block(where: str, kind: str, model: str | None) -> InvalidRequestError:
-    if kind == "image":
-        who = f"the model {model!r}" if model else "the models served here"
-        return UnsupportedFieldsError(where, f"{where} is an image block: {who} reads text only.")
+    if kind == "image":              # a user message's image blocks go to the model (vision models)
+        return UnsupportedFieldsError(where, f"{where} is an image block: images go in user messages' "
+                                             f"content (not in tool results or assistant turns).")
     return UnsupportedFieldsError(where, f"{where} has type {_show(kind)}: content blocks of type text, "
                                          f"tool_use, tool_result and thinking are supported.")
 
@@ -134,11 +134,15 @@ def to_chat_messages(req: dict) -> list[dict]:
                                  'top-level `system`)', role)
         where = f"messages[{i}].content"
         texts: list[str] = []
+        parts: list[dict] = []                       # a user message's text and image parts, in order
         calls: list[dict] = []
         for j, b in enumerate(_blocks(where, m.get("content"))):
             kind, at = b["type"], f"{where}[{j}]"
             if kind == "text":
                 texts.append(_text(f"{at}.text", b.get("text")))
+                parts.append({"type": "text", "text": texts[-1]})
+            elif kind == "image" and role == "user":
+                parts.append({"type": "image_url", "image_url": {"url": _image_url(at, b.get("source"))}})
             elif kind in ("thinking", "redacted_thinking") and role == "assistant":
                 continue
             elif kind == "tool_use" and role == "assistant":
@@ -165,9 +169,23 @@ def to_chat_messages(req: dict) -> list[dict]:
             if calls:
                 am["tool_calls"] = calls
             out.append(am)
+        elif len(parts) > len(texts):            # images: the engine decodes them (a 400 for a text model)
+            out.append({"role": "user", "content": parts})
         elif texts:
             out.append({"role": "user", "content": "\n".join(texts)})
     return out
+
+
+def _image_url(where: str, source: Any) -> str:
+    """An image block's source ({"type": "base64", "media_type", "data"} or {"type": "url", "url"}) as
+    the URL of a chat image_url part."""
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "base64" and isinstance(source.get("data"), str) and isinstance(source.get("media_type"), str):
+        return f"data:{source['media_type']};base64,{source['data']}"
+    if kind == "url" and isinstance(source.get("url"), str):
+        return source["url"]
+    raise FieldTypeError(f"{where}.source", 'a {"type": "base64", "media_type", "data"} or {"type": "url", '
+                         '"url"} image source', source)
 
 
 # --------------------------------------------------------------------------- tools
