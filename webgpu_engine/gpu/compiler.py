@@ -320,8 +320,11 @@ class CompilingDevice:
     def _warm(self, p, group) -> None:
         """Dispatch created pipeline p empty with `group` (one of its bind groups), unless it is
         hot already or a buffer of the group was released; p is hot after it."""
-        if p.hot or p.lazy._error is not None or any(
-                not (b[0] if isinstance(b, tuple) else b).alive for b in group.buffers):
+        if p.hot or p.lazy._error is not None:
+            return
+        if any(not (b[0] if isinstance(b, tuple) else b).alive for b in group.buffers):
+            if p.warm_group is group:       # its model was unloaded: a later bind may offer another
+                p.warm_group = None
             return
         try:
             group.lazy.resolve()
