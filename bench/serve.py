@@ -3,7 +3,7 @@ serve`) driven by the official `openai` async client, with continuous batching
 (--max-num-sequences) and without it (max_num_sequences = 1: one request at a time), in the same run.
 
     python bench/serve.py [--model REF] [--clients 1,2,4,8,16] [--max-tokens 128] [--batch 0]
-                          [--context 1024] [--repeats 3] [--port 8391] [--smoke] [--out PATH]
+                          [--context 1024] [--window W] [--repeats 3] [--port 8391] [--smoke] [--out PATH]
 
 Before the levels each server's background compiler is waited for (/v1/models kernels.compiling
 == 0; the wait is printed), so that a level measures decoding, not kernels still compiling (a lone
@@ -20,7 +20,8 @@ time went: decode rows per iteration is the batch the matmuls saw. Prints a tabl
 bench/results/serve.json. Needs the `openai` package (bench extra). --model takes any model reference
 (an app-config id, a .gguf file, a model folder); --port 0 serves on free ports. --smoke: clients 1,8, 4
 tokens each, batch 2, 2 rounds: checks that the script runs to the end (with a small model, quickly);
-its figures mean nothing.
+its figures mean nothing. --window W: both servers load WebLLM's sliding window with sinks instead of a
+context (context_window_size -1, sliding_window_size W, attention_sink_size 4): the ring, batched or not.
 
 --lora PATH (a PEFT folder or a GGUF LoRA file; `random`: a random rank-16 adapter of all seven
 projections written for --model) measures instead what a decode row with an adapter costs beside a
@@ -167,8 +168,10 @@ async def start_server(args, max_seqs: int) -> tuple:
     port = args.port + max_seqs if args.port else free_port()
     base = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "webgpu_engine", "serve", "--model", args.model, "--port", str(port),
-           "--max-queue", "none", "--context-window", str(args.context),
+           "--max-queue", "none", "--context-window", str(-1 if args.window else args.context),
            "--max-num-sequences", str(max_seqs)]
+    if args.window:
+        cmd += ["--chat-opts", json.dumps({"sliding_window_size": args.window, "attention_sink_size": 4})]
     proc = spawn_server(cmd)
     try:
         await wait_ready(base, proc)
@@ -329,6 +332,8 @@ async def main() -> int:
     ap.add_argument("--batch", type=int, default=0, help="max_num_sequences of the batched server (0: as "
                     "serve picks for the adapter: 4 on a CPU one, 16 on a GPU)")
     ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--window", type=int, default=0, help="a sliding window of W positions with 4 sinks "
+                    "(the ring) instead of --context")
     ap.add_argument("--repeats", type=int, default=3, help="rounds per level, the servers in turn (median)")
     ap.add_argument("--port", type=int, default=8391)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "serve.json"))
@@ -365,6 +370,7 @@ async def main() -> int:
         print(f"\nbatched: aggregate tok/s at 8 clients = {summary['tok_s_8_over_1']:.2f} x 1 client; "
               f"TTFT p95 at 8 = {summary['ttft_p95_8_over_lone']:.2f} x a lone request's")
     out = {"model": args.model, "max_tokens": args.max_tokens, "batch": args.batch, "context": args.context,
+           "window": args.window,
            "host": platform.node(), "rows": rows, "summary": summary,
            "time": time.strftime("%Y-%m-%d %H:%M:%S")}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
