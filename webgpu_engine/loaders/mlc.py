@@ -38,7 +38,7 @@ from ..config import SAMPLING_FIELDS
 from ..errors import ModelFormatError, UnsupportedModelError
 from .gguf import _as_buffer
 from .model_config import LlamaConfig
-from .tensor_info import TensorInfo, split_fused, tensor_nbytes
+from .tensor_info import LazyTensorInfo, TensorInfo, split_fused
 
 CHAT_CONFIG = "mlc-chat-config.json"
 CACHE_FILES = ("tensor-cache.json", "ndarray-cache.json")
@@ -376,28 +376,17 @@ class _Bf16AsF32:
         return memoryview(out)
 
 
-class RepackedQ4(TensorInfo):
+class RepackedQ4(LazyTensorInfo):
     """An MLC q4 weight as Q4_0 blocks (q4_0 / q4_0f32), repacked when its bytes are first read (the
     model's upload), not when the headers are read (memory estimates, info)."""
 
     def __init__(self, q_weight: TensorInfo, q_scale: TensorInfo, n: int, k: int, scale: str):
-        self._src, self._data = (q_weight, q_scale, scale), None
+        self._src = (q_weight, q_scale, scale)
         super().__init__(q_weight.name, "q4_0" if scale == "f16" else "q4_0f32", (n, k), None, q_weight.offset)
 
-    @property
-    def data(self) -> memoryview:
-        if self._data is None:
-            qw, qs, scale = self._src
-            self._data = repack_q4(qw.data, qs.data, self.shape[0], self.shape[1], scale)
-        return self._data
-
-    @data.setter
-    def data(self, value) -> None:
-        self._data = value
-
-    @property
-    def nbytes(self) -> int:
-        return tensor_nbytes(self.qtype, self.shape)
+    def _make(self) -> memoryview:
+        qw, qs, scale = self._src
+        return repack_q4(qw.data, qs.data, self.shape[0], self.shape[1], scale)
 
 
 def _split_biases(w: dict, cfg: LlamaConfig) -> dict:
