@@ -193,3 +193,33 @@ async def test_moe_in_a_batch_answers_as_alone(device, tmp_path, kind):
     finally:
         await eng.unload()
     assert together == alone
+
+
+async def test_a_moe_model_over_the_budget_is_refused_with_the_figures(device, tmp_path):
+    """A mixture of experts whose dense part fits the memory budget but whose experts do not is
+    refused before anything is allocated (the estimate counts every expert, though a decode step
+    reads k of E), with the figures: weights, the budget and where it came from."""
+    import re
+
+    from webgpu_engine import errors as E
+    from webgpu_engine.config import ChatConfig
+    from webgpu_engine.engine import memory
+    from webgpu_engine.engine.engine import AsyncMLCEngine
+    from webgpu_engine.engine.records import EngineConfig
+    path = _files(tmp_path, "qwen3moe", "gguf", _ref("qwen3moe")["dims"])
+    opts = {"dtype": "f32", "context_window_size": 160, "prefill_chunk_size": 32, "max_num_sequences": 1}
+    est = memory.estimate_for("llm", path, ChatConfig(**opts), device)
+    m = open_model(path)
+    try:
+        c = m.config
+    finally:
+        m.close()
+    experts = c.n_layers * c.n_experts * 3 * c.ffn_size * c.hidden_size * 4
+    assert est.total - experts // 2 < est.total                      # the budget below cuts into the experts
+    before = device.allocated_bytes()
+    eng = AsyncMLCEngine(EngineConfig(device=device, max_memory_bytes=before + est.total - experts // 2))
+    with pytest.raises(E.GPUOutOfMemoryError) as ei:
+        await eng.reload(str(path), chat_opts=opts)
+    msg = str(ei.value)
+    assert "max_memory_bytes" in msg and re.search(r"weights \d", msg) and ei.value.http_status == 507
+    assert device.allocated_bytes() == before and eng.models == {}
