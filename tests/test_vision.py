@@ -3,6 +3,7 @@ tower and greedy tokens against transformers (tests/fixtures/make_gemma3_vision.
 parts of the APIs."""
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 from pathlib import Path
@@ -275,6 +276,28 @@ async def test_idefics3_greedy_tokens_and_logits_equal_transformers(idefics_engi
     r = await eng.chat.completions.create(messages=_messages(idefics_ref, key), max_tokens=12, temperature=0.0)
     assert pipe.output_ids == want["greedy"]
     assert r.choices[0].message.content == _text(want["greedy"], IDEFICS)
+
+
+async def test_smolvlm_in_a_batch_answers_as_alone(idefics_engine, idefics_ref):
+    """Continuous batching (paged KV, chunks of 32 rows cutting tiles): six requests with one or two
+    images at once give transformers' answers; then a picture whose prompt has the very token ids of
+    one cached in the pool's prefix blocks (another image of the same tiles) answers as the
+    one-request path does, not from the other picture's blocks."""
+    from webgpu_engine.engine.engine import AsyncMLCEngine
+    swapped = _messages(idefics_ref, "one", url=lambda p: image_data_url(IMAGES / "shapes.png"))
+    alone = await idefics_engine.chat.completions.create(messages=swapped, max_tokens=12, temperature=0.0)
+    eng = AsyncMLCEngine()
+    await eng.reload(str(IDEFICS), chat_opts={**OPTS, "max_num_sequences": 4, "kv_block_size": 16})
+    try:
+        async def ask(messages):
+            r = await eng.chat.completions.create(messages=messages, max_tokens=12, temperature=0.0)
+            return r.choices[0].message.content
+        keys = ["one", "two", "one", "two", "two", "one"]
+        got = await asyncio.gather(*[ask(_messages(idefics_ref, k)) for k in keys])
+        assert got == [_text(idefics_ref["prompts"][k]["greedy"], IDEFICS) for k in keys]
+        assert await ask(swapped) == alone.choices[0].message.content != got[0]
+    finally:
+        await eng.unload()
 
 
 @pytest.fixture(scope="module")

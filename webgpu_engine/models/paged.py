@@ -105,6 +105,13 @@ class PagedForward:
     # ------------------------------------------------------------------ decoder.KVAccess
     head_flags: dict = {}    # the prefill head's one-row matmul: the decode kernel, as the one-request path's
 
+    @property
+    def images(self):
+        """The model's ImageRows where an image's rows stay causal (Idefics3): PREFILL chunks splice
+        their image features; none where they attend both ways (Gemma 3: the one-request path)."""
+        rows = self.model.images
+        return rows if rows is not None and not rows.bidirectional else None
+
     def logits_for(self, rows: int) -> Tensor:
         return self.logits.view((rows, self.cfg.vocab_size))
 
@@ -228,6 +235,8 @@ class PagedForward:
                           (self.slots.buf, slots), (self.tables.buf, table), (self.step, (pos0, T, pos0 + T, 0))]
                   + self._lora_input(None if lora is None else [lora] * T)
                   + self._state_input(None if state_slot is None else [state_slot] * T))
+        if self.images is not None:          # the chunk's image rows (staged by the scheduler), else none
+            self.images.write(T)
         ops = self.ops("prefill", T, lora is not None)
         for op in (ops if with_head else ops.body()):       # a chunk before the last: no logits
             op.record(batch)

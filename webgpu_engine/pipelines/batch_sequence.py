@@ -59,6 +59,7 @@ class BatchSequence:
         self._event = asyncio.Event()
         self.error: BaseException | None = None
         self.adapter: str | None = None     # the LoRA adapter it generates with (None: the base)
+        self.tiles: list = []               # its images' tiles (start, end, sha256, patch rows)
 
     stopped = property(lambda self: self.seq is not None and self.seq.stopped)
     finish_reason = property(lambda self: self.seq.finish_reason if self.seq else None)
@@ -70,6 +71,9 @@ class BatchSequence:
         pipe = self._sched.pipe
         req = RequestStats(t_start=now(), breakdown=gen.latency_breakdown)
         ids = await pipe.prompt_tokens(messages, gen, prompt, req=req)
+        if pipe.vision is not None:          # its images' tiles, preprocessed (vision/runner.py)
+            from ..vision.requests import images_of
+            self.tiles = await pipe.vision.batch_tiles(ids, images_of(messages))
         self.seq = pipe.new_sequence(gen, req, raw=prompt is not None)
         req.prompt_tokens = len(ids)
         self._rec = self._sched.add(self, ids, gen)

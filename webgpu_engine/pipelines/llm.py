@@ -223,8 +223,9 @@ class LLMChatPipeline(DecodePaths):
         self.vision = VisionInputs.load(self.dev, path, self.model, self.owner)
         if self.vision is not None:
             self.template = self.vision.template(self.template)
-            if self.scheduler is not None:
-                self.vision.unavailable = (f"images run on the one-request path; this model batches "
+            if self.scheduler is not None and self.vision.cfg.bidirectional:
+                # an image's rows attending each other both ways read the contiguous cache
+                self.vision.unavailable = (f"this model's images run on the one-request path; it batches "
                                            f"(max_num_sequences {self.plan.max_sequences}): load it with "
                                            f"max_num_sequences 1 to send images")
             elif self.shifts:

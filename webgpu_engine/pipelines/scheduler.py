@@ -147,6 +147,9 @@ class Scheduler:
     def _enter_pool(self, rec: SeqRecord) -> None:
         # an adapter's rows are its own: prefixes are shared between sequences of the same adapter
         root = b"" if rec.lora is None else hashlib.sha256(b"lora:" + rec.lora.encode()).digest()
+        tiles = getattr(rec.handle, "tiles", None)
+        if tiles:                             # and an image's rows are its content's (vision/runner.py)
+            root = hashlib.sha256(root + self.pipe.vision.root(tiles)).digest()
         cached = self.pool.add_sequence(rec.id, rec.toks, root=root)
         rec.in_pool = True
         if rec.sample_at_end and not rec.decoding:
@@ -330,6 +333,9 @@ class Scheduler:
             if rec.t_prefill is None:
                 rec.t_prefill = now()
             head = end == len(rec.toks) and rec.sample_at_end
+            tiles = getattr(rec.handle, "tiles", None)
+            if tiles:                         # its images' tiles in this chunk through the tower
+                self.pipe.vision.stage_chunk(tiles, start, end)
             batch = dev.batch()
             fwd.record_prefill(batch, rec.toks[start:end], start, pool.slots(rec.id, start, end - start),
                                pool.block_table(rec.id), with_head=head, lora=rec.lora_slot, state_slot=rec.slot)

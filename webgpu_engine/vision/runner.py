@@ -153,9 +153,9 @@ class VisionInputs:
             out.append((start, len(ids)))
         return out
 
-    def prepare(self, ids: list[int], images: list) -> None:
-        """Pair each tile of each image of the request with its run of image tokens in `ids` (each
-        image part placed once, whole, or a 400); `reusable` and `encode` read the pairs."""
+    def pair(self, ids: list[int], images: list) -> list:
+        """(start, end, sha256, image, tile) of each tile of each image of a request, paired with its
+        run of image tokens in `ids` (each image part placed once, whole, or a 400)."""
         blocks = self.blocks(ids)
         n, count = self.cfg.tokens_per_image, _family(self.cfg).n_tiles
         owners = [(im, j) for im in images for j in range(count(self.cfg, im.image))]
@@ -167,8 +167,31 @@ class VisionInputs:
                                       f"{[e - s for s, e in blocks]} for {len(owners)} tiles of {n} tokens: "
                                       f"the chat template must place each image part once (and the text may "
                                       f"not carry image tokens itself).", param="messages")
-        self._request = [(s, e, im.sha256, im, j) for (s, e), (im, j) in zip(blocks, owners)]
+        return [(s, e, im.sha256, im, j) for (s, e), (im, j) in zip(blocks, owners)]
+
+    def prepare(self, ids: list[int], images: list) -> None:
+        """The one-request path: this request's tiles (`pair`), which `reusable` and `encode` read."""
+        self._request = self.pair(ids, images)
         self._rows = {}
+
+    def _patches(self, todo: list) -> list:
+        """The patch rows of each (.., image, tile) of `todo`, each image cut into tiles once."""
+        cfg, fam, cut = self.cfg, _family(self.cfg), {}
+        for *_, im, _ in todo:
+            if id(im) not in cut:
+                cut[id(im)] = fam.tiles(cfg, im.image)
+        return [patches(cfg, cut[id(im)][j]) for *_, im, j in todo]
+
+    def _run_tower(self, runs: list) -> dict:
+        """Run the tower over each (start, end, patch rows) of `runs`, its features submitted into the
+        k-th slot of the features buffer; {position: (feature row, the run's end)}."""
+        n, rows = self.cfg.tokens_per_image, {}
+        for k, (s, e, r) in enumerate(runs):
+            self.tower.write_patches(r)
+            self.dev.submit(self.tower.record(self.dev.batch(), self.model.images.feats, k))
+            for j in range(n):
+                rows[s + j] = (k * n + j, e)
+        return rows
 
     def reusable(self, kv_ids: list[int], keep: int) -> int:
         """The cached prefix (`keep` ids shared with the request) that may be reused: up to the first
@@ -185,23 +208,33 @@ class VisionInputs:
     async def encode(self, keep: int) -> None:
         """Run the tower over the request's tiles whose rows are computed (from `keep` on), each tile's
         features submitted before the prefill that reads them, and map their rows."""
-        todo = [(s, e, im, j) for s, e, _, im, j in self._request or () if e > keep]
-        if not todo:
-            return
-        cfg, n, fam = self.cfg, self.cfg.tokens_per_image, _family(self.cfg)
+        todo = [t for t in self._request or () if t[1] > keep]
+        if todo:
+            pixels = self._patches(todo) if IN_BROWSER else await asyncio.to_thread(self._patches, todo)
+            self._rows = self._run_tower([(s, e, r) for (s, e, *_), r in zip(todo, pixels)])
 
-        def rows():
-            cut = {}                     # an image's tiles, cut once
-            for _, _, im, _ in todo:
-                if id(im) not in cut:
-                    cut[id(im)] = fam.tiles(cfg, im.image)
-            return [patches(cfg, cut[id(im)][j]) for _, _, im, j in todo]
-        pixels = rows() if IN_BROWSER else await asyncio.to_thread(rows)    # resizing is CPU work
-        for k, ((s, e, _, _), r) in enumerate(zip(todo, pixels)):
-            self.tower.write_patches(r)
-            self.dev.submit(self.tower.record(self.dev.batch(), self.model.images.feats, k))
-            for j in range(n):
-                self._rows[s + j] = (k * n + j, e)
+    # ------------------------------------------------------------------ the paged batch (causal families)
+    async def batch_tiles(self, ids: list[int], images: list) -> list:
+        """A batched sequence's tiles: (start, end, sha256, patch rows) each, preprocessed now."""
+        pairs = self.pair(ids, images)
+        pixels = self._patches(pairs) if IN_BROWSER else await asyncio.to_thread(self._patches, pairs)
+        return [(s, e, h, r) for (s, e, h, _, _), r in zip(pairs, pixels)]
+
+    @staticmethod
+    def root(tiles: list) -> bytes:
+        """What a sequence's KV blocks are keyed under besides its tokens: its images' contents."""
+        import hashlib
+        return hashlib.sha256(b"images:" + "".join(h for _, _, h, _ in tiles).encode()).digest()
+
+    def stage_chunk(self, tiles: list, start: int, end: int) -> None:
+        """A batched prefill chunk of rows start .. end-1: the tower over the tiles it holds rows of
+        (before the chunk, in queue order) and its rows staged (the decoder stays causal, so a tile
+        cut by a chunk's edge is computed for each of its chunks)."""
+        runs = [(s, e, r) for s, e, _, r in tiles if s < end and e > start]
+        if len(runs) > self.max_tiles:
+            raise InvalidRequestError(f"A prefill chunk holds {len(runs)} tiles; at most {self.max_tiles}.")
+        rows = self._run_tower(runs)
+        self.model.images.pending = [rows.get(p, (NONE, 0)) for p in range(start, end)]
 
     def spans(self, n: int, pos0: int, chunk: int) -> list[tuple[int, int]]:
         """[a, b) row spans of a prefill of n rows at pos0.. of at most `chunk` rows, none cutting an image."""
