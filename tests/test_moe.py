@@ -223,3 +223,11 @@ async def test_a_moe_model_over_the_budget_is_refused_with_the_figures(device, t
     msg = str(ei.value)
     assert "max_memory_bytes" in msg and re.search(r"weights \d", msg) and ei.value.http_status == 507
     assert device.allocated_bytes() == before and eng.models == {}
+
+
+@pytest.mark.parametrize("kind", ["qwen3moe", "olmoe", "mixtral"])
+def test_llamacpp_converted_ggufs(device, kind):
+    """GGUFs written by llama.cpp's own convert_hf_to_gguf.py from the tiny folders
+    (tests/fixtures/moe_gguf, make_moe.py --llama-cpp) give transformers' token ids, logits and
+    greedy tokens, as tests/tinymoe.py's GGUFs do."""
+    check_golden(device, kind, FIXTURES / "moe_gguf" / f"{kind}.gguf", "gguf")
