@@ -24,7 +24,6 @@ from ..errors import (
     ChatOptionTypeError,
     ContextWindowTooLargeError,
     InvalidRequestError,
-    ModelFormatError,
 )
 from ..gpu import IN_BROWSER, Device
 from ..kernels import matmul as mm, tune
@@ -34,8 +33,8 @@ from ..kernels.sampling import Sampler
 from ..models.plan import DecoderPlan, plan_decoder
 from ..models.registry import LLM, open_model
 from .decode_paths import DecodePaths
-from .detokenizer import safe_token_bytes
 from .grammar import GrammarCompiler
+from .prompt import checked_ids, longest_token_bytes, prompt_ids, template_kwargs
 from .sequence import Sequence, configure_sampler, process_logits
 from .speculation import Speculation, SpeculationStats
 from .stats import CumulativeStats, RequestStats, now
@@ -44,7 +43,6 @@ OVERFLOW_POLICIES = ("error", "truncate", "shift")
 _log = logging.getLogger("webgpu_engine.pipelines")
 
 _ids = itertools.count()
-_INLINE_CHARS = 20_000                      # longer prompts are tokenised in a worker thread
 
 
 def _valid_vocab(rows: int, tokenizer) -> int:
@@ -304,11 +302,9 @@ class LLMChatPipeline(DecodePaths):
     _last_token = property(lambda self: self.seq.last_token)
 
     def _max_token_chars(self) -> int:
-        """Bytes of the longest token (>= its characters): a text of n characters has at least
-        n / this many tokens."""
+        """Bytes of the longest token (prompt.py's check of a prompt's length), worked out once."""
         if self._longest_token is None:
-            tb = safe_token_bytes(self.tokenizer.token_bytes)
-            self._longest_token = max((len(tb(i)) for i in range(self.vocab_size)), default=1) or 1
+            self._longest_token = longest_token_bytes(self.tokenizer, self.vocab_size)
         return self._longest_token
 
     def _configure_sampler(self, gen: GenerationConfig, seen_ids) -> None:
@@ -317,18 +313,10 @@ class LLMChatPipeline(DecodePaths):
             self.logit_processor.reset_state()
 
     def prompt_ids(self, messages, prompt, template_kwargs=None, add_generation_prompt: bool = True) -> list[int]:
-        """Prompt token ids: a raw completion prompt as it is (special-token texts parsed), or the
-        chat template over `messages`, where only the template inserts special tokens.
-        `template_kwargs` go to the template's render (e.g. enable_thinking)."""
-        if prompt is not None:
-            return list(self.tokenizer.encode(prompt, add_special_tokens=True))
-        if self.template is None:
-            raise ModelFormatError("This model has no chat template; use a completion prompt instead.")
-        msgs = list(messages or [])
-        if self.chat_config.system_message and not any(m.get("role") == "system" for m in msgs):
-            msgs = [{"role": "system", "content": self.chat_config.system_message}] + msgs
-        return self.template.encode(self.tokenizer, msgs, add_generation_prompt=add_generation_prompt,
-                                    **(template_kwargs or {}))
+        """Prompt token ids (prompt.py): a raw completion prompt as it is, or the chat template over
+        `messages`; `template_kwargs` go to the template's render (e.g. enable_thinking)."""
+        return prompt_ids(self.tokenizer, self.template, self.chat_config.system_message, messages, prompt,
+                          template_kwargs, add_generation_prompt)
 
     # ------------------------------------------------------------------ steps
     async def prefill_step(self, messages: list[dict] | None, gen: GenerationConfig,
@@ -360,70 +348,20 @@ class LLMChatPipeline(DecodePaths):
         self._req.t_first_token = now()
         self._accept(res)
 
-    @staticmethod
-    def template_kwargs(gen: GenerationConfig) -> dict:
-        """What a request passes to the chat template's render besides the messages."""
-        kw = {} if gen.enable_thinking is None else {"enable_thinking": gen.enable_thinking}
-        if gen.reasoning_effort:
-            kw["reasoning_effort"] = gen.reasoning_effort
-        if gen.tools:
-            kw["tools"] = gen.tools
-        if gen.continue_final_message:
-            kw["continue_final_message"] = True
-        return kw
+    template_kwargs = staticmethod(template_kwargs)       # what a request passes to the template (prompt.py)
 
     async def prompt_tokens(self, messages: list[dict] | None, gen: GenerationConfig,
                             prompt: str | None = None, req: RequestStats | None = None) -> list[int]:
         """The request's prompt ids, checked against the context window (typed errors); with
         context_overflow "truncate" the oldest turns are dropped to fit (counted in `req`, default
-        the current request's stats)."""
-        kw = self.template_kwargs(gen)
-        ctx = self.cache_end                                                  # a ring holds any prompt
-        if prompt is None and self.chat_config.context_overflow in ("truncate", "shift") and self.model.ring is None:
-            messages, dropped = await self._fit_messages(messages, kw)
+        the current request's stats). prompt.py says how."""
+        truncate = self.chat_config.context_overflow in ("truncate", "shift") and self.model.ring is None
+        ids, dropped = await checked_ids(self.prompt_ids, messages, prompt, self.template_kwargs(gen),
+                                         window=self.cache_end, ctx=self.model.ctx, truncate=truncate,
+                                         token_bytes=self._max_token_chars)   # a ring's window: any prompt
+        if dropped is not None:
             (req if req is not None else self._req).truncated_messages = dropped
-        chars = len(prompt) if prompt is not None else \
-            sum(len(str(m.get("content") or "")) for m in messages or [] if isinstance(m, dict))
-        if chars > ctx * self._max_token_chars():
-            # no token spans more characters than the longest one: too long without tokenising it
-            raise ContextWindowTooLargeError(
-                f"The prompt has {chars} characters, more than the {ctx} tokens the context window "
-                f"holds. Shorten the conversation or load with a larger context_window_size.",
-                param="prompt" if prompt is not None else "messages")
-        if chars > _INLINE_CHARS and not IN_BROWSER:    # Pyodide: no worker threads
-            # a long prompt is tokenised in a worker thread: the event loop serves others meanwhile
-            ids = await asyncio.to_thread(self.prompt_ids, messages, prompt, kw)
-        else:
-            ids = self.prompt_ids(messages, prompt, kw)
-        if len(ids) >= ctx:
-            raise ContextWindowTooLargeError(
-                f"The prompt has {len(ids)} tokens; the context window holds {ctx} (one more is needed "
-                f"to answer). Shorten the conversation or load with a larger context_window_size.",
-                param="messages")
-        if not ids:
-            raise InvalidRequestError("The prompt is empty.", param="prompt")
         return ids
-
-    async def _fit_messages(self, messages: list[dict], kw: dict) -> tuple[list[dict], int]:
-        """context_overflow "truncate": the conversation less its oldest turns (each from a user
-        message up to the next one) after the leading system messages, until its prompt fits the
-        context window with room for one token; the latest turn is always kept (if it alone does not
-        fit, the caller's error names the limit). Returns (messages, how many were dropped)."""
-        msgs = list(messages or [])
-        head = 0
-        while head < len(msgs) and msgs[head].get("role") == "system":
-            head += 1
-        dropped = 0
-        while True:
-            ids = self.prompt_ids(msgs, None, kw) if IN_BROWSER else \
-                await asyncio.to_thread(self.prompt_ids, msgs, None, kw)
-            later_user = [i for i in range(head + 1, len(msgs)) if msgs[i].get("role") == "user"]
-            if len(ids) < self.model.ctx or not later_user:
-                break
-            cut = later_user[0]                 # drop msgs[head:cut]: the oldest turn
-            dropped += cut - head
-            msgs = msgs[:head] + msgs[cut:]
-        return msgs, dropped
 
     async def decode_step(self) -> None:
         """Feed the last sampled token and sample the next one (as prefill_step's config asked)."""
