@@ -152,13 +152,19 @@ def _text(ids, folder=FOLDER) -> str:
     return Tokenizer.from_file(str(folder / "tokenizer.json")).decode(ids, skip_special_tokens=False)
 
 
-@pytest.fixture(scope="module")
-async def engine(device):
-    from webgpu_engine.engine.engine import AsyncMLCEngine
-    eng = AsyncMLCEngine()
-    await eng.reload(str(FOLDER), chat_opts=OPTS)
-    yield eng
-    await eng.unload()
+def _engine_of(folder):
+    """A module fixture: an AsyncMLCEngine holding the folder's model (OPTS)."""
+    @pytest.fixture(scope="module")
+    async def fixture(device):
+        from webgpu_engine.engine.engine import AsyncMLCEngine
+        eng = AsyncMLCEngine()
+        await eng.reload(str(folder), chat_opts=OPTS)
+        yield eng
+        await eng.unload()
+    return fixture
+
+
+engine = _engine_of(FOLDER)
 
 
 @pytest.mark.parametrize("key", ["text", "one", "two"])
@@ -253,13 +259,7 @@ def test_idefics3_tower_matches_transformers(device, idefics_ref):
         tower.dispose()
 
 
-@pytest.fixture(scope="module")
-async def idefics_engine(device):
-    from webgpu_engine.engine.engine import AsyncMLCEngine
-    eng = AsyncMLCEngine()
-    await eng.reload(str(IDEFICS), chat_opts=OPTS)
-    yield eng
-    await eng.unload()
+idefics_engine = _engine_of(IDEFICS)
 
 
 @pytest.mark.parametrize("key", ["one", "two"])
