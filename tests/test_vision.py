@@ -417,6 +417,46 @@ def test_anthropic_client_gets_the_answer(served, ref):
     assert r.content[0].text == _text(ref["prompts"]["one"]["greedy"])
 
 
+def test_http_image_urls_are_fetched_within_limits(served, ref, monkeypatch):
+    """An http(s) image_url is fetched by the server: the answer about it; a picture over the size
+    limit, a slow answer and a missing one are 400s naming the part."""
+    import openai
+    from aiohttp import web
+
+    from threaded_server import ThreadedServer
+    from webgpu_engine.vision import images as vi
+    png = (IMAGES / "gradient.png").read_bytes()
+
+    class Pictures(ThreadedServer):
+        def routes(self, app):
+            async def picture(request):
+                return web.Response(body=png, content_type="image/png")
+
+            async def slow(request):
+                r = web.StreamResponse()
+                await r.prepare(request)
+                for _ in range(40):
+                    await r.write(b"x")
+                    await asyncio.sleep(0.05)
+                return r
+            app.router.add_get("/x.png", picture)
+            app.router.add_get("/slow.png", slow)
+    _, client = served
+    with Pictures() as pics:
+        base = f"http://127.0.0.1:{pics.port}"
+        url = lambda p: f"{base}/x.png"                                              # noqa: E731
+        r = client.chat.completions.create(model=VLM, messages=_messages(ref, "one", url=url), max_tokens=12,
+                                           temperature=0.0)
+        assert r.choices[0].message.content == _text(ref["prompts"]["one"]["greedy"])
+        monkeypatch.setattr(vi, "FETCH_TIMEOUT_S", 0.5)
+        monkeypatch.setattr(vi, "MAX_IMAGE_BYTES", len(png) - 1)
+        for path, says in (("/x.png", "more than"), ("/slow.png", "took more than"), ("/none.png", "could not fetch")):
+            with pytest.raises(openai.BadRequestError) as e:
+                client.chat.completions.create(model=VLM, max_tokens=2, messages=[{"role": "user", "content": [
+                    {"type": "image_url", "image_url": {"url": base + path}}]}])
+            assert "messages[0].content[0]" in e.value.message and says in e.value.message, e.value.message
+
+
 def test_cli_chat_image_option(tmp_path, capsys):
     from webgpu_engine.cli.commands import _with_images
     from webgpu_engine.cli.parser import build_parser

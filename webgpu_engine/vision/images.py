@@ -93,18 +93,31 @@ def decode_data_url(url: str, where: str) -> ImageInput:
     return decode_base64(m.group("data"), where)
 
 
-def fetch(url: str, where: str, *, max_bytes: int = MAX_IMAGE_BYTES, timeout_s: float = FETCH_TIMEOUT_S) -> bytes:
+def fetch(url: str, where: str, *, max_bytes: int | None = None, timeout_s: float | None = None) -> bytes:
     """GET an http(s) URL, refusing bodies over `max_bytes` and answers slower than `timeout_s`.
     Blocking: call it off the event loop."""
+    max_bytes = MAX_IMAGE_BYTES if max_bytes is None else max_bytes
+    timeout_s = FETCH_TIMEOUT_S if timeout_s is None else timeout_s
+    import time
     import urllib.error
     import urllib.request
+    deadline = time.monotonic() + timeout_s
     try:
         with urllib.request.urlopen(urllib.request.Request(url, headers={"User-Agent": "webgpu_engine"}),
                                     timeout=timeout_s) as r:
             declared = r.headers.get("Content-Length")
             if declared and declared.isdigit() and int(declared) > max_bytes:
                 raise InvalidImageError(where, f"{url} has {declared} bytes, more than {max_bytes}")
-            raw = r.read(max_bytes + 1)
+            parts, size = [], 0
+            while size <= max_bytes:      # the whole answer within timeout_s, not each read
+                if time.monotonic() > deadline:
+                    raise InvalidImageError(where, f"{url} took more than {timeout_s:g} s")
+                chunk = r.read1(min(1 << 16, max_bytes + 1 - size))   # what has come, not 64 KB
+                if not chunk:
+                    break
+                parts.append(chunk)
+                size += len(chunk)
+            raw = b"".join(parts)
     except InvalidImageError:
         raise
     except (urllib.error.URLError, OSError, ValueError) as e:
