@@ -457,15 +457,20 @@ def test_http_image_urls_are_fetched_within_limits(served, ref, monkeypatch):
             assert "messages[0].content[0]" in e.value.message and says in e.value.message, e.value.message
 
 
-def test_cli_chat_image_option(tmp_path, capsys):
-    from webgpu_engine.cli.commands import _with_images
-    from webgpu_engine.cli.parser import build_parser
-    args = build_parser().parse_args(["chat", "--model", str(FOLDER), "--image", str(IMAGES / "tall.png"), "Hi"])
-    parts = _with_images("Hi", args)
-    assert parts[0]["image_url"]["url"] == image_data_url(IMAGES / "tall.png") and parts[1]["text"] == "Hi"
-    assert _with_images("again", args) == "again"                 # the images go with the first message
-    with pytest.raises(InvalidImageError):
-        image_data_url(tmp_path / "missing.png")
+def test_cli_chat_image_option(tmp_path, ref):
+    """`chat --image PATH PROMPT` answers about the picture (the first message's parts: the image,
+    then the text), and a missing file is one line of error."""
+    import subprocess
+    import sys
+    opts = json.dumps({**OPTS, "compile_at_load": False})
+    run = lambda *a: subprocess.run([sys.executable, "-m", "webgpu_engine", "chat", "--quiet", "--model", str(FOLDER),  # noqa: E731
+                                     "--chat-opts", opts, "--max-tokens", "12", "--temperature", "0", *a],
+                                    capture_output=True, text=True, timeout=300, cwd=Path(__file__).parent.parent)
+    p = run("--image", str(IMAGES / "gradient.png"), "What is in the picture?")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert _text(ref["prompts"]["one"]["greedy"]) in p.stdout
+    p = run("--image", str(tmp_path / "missing.png"), "Hi")
+    assert p.returncode != 0 and "no image file there" in p.stderr
 
 
 def test_bench_vision_smoke(tmp_path):
