@@ -221,7 +221,8 @@ class Device(CompilingDevice):
         self.stand_ins = 0                # dispatches that ran a pipeline's stand-in (see ready)
         self.compile_waits = 0
         self.warmed = 0
-        self.last_submit = 0.0
+        self.last_submit = 0.0            # time.monotonic() of the last submit or read (compiler.py)
+        self.reads_in_flight = 0
         # pipelines that models have run once on this device at load (drivers such as lavapipe
         # compile on first dispatch): a later load that uses only these records no warm-up run
         self.warmed_pipelines: set[PipelineKey] = set()

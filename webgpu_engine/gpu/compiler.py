@@ -16,7 +16,7 @@ each of them with no workgroups as soon as it is created (`warms_on_dispatch`): 
 compiles one while the other cores still create the rest, instead of compiling them all in turn
 when the request's batch runs. The workers, once nothing is left to create, dispatch each pipeline
 they created empty (with the bind group it was first bound with) when the device has had no
-submit for IDLE_S, or has waited WARM_WAIT_S for such a pause: the rest compiles in the background
+read awaited and no submit for IDLE_S, or has waited WARM_WAIT_S for such a pause: the rest compiles in the background
 after the first request instead of inside a later request's step. A pipeline's stand-in (same
 results, dispatch and bindings: the tiled matmul's full tile) runs until the pipeline itself has
 been dispatched once, so its compile never stalls a step either.
@@ -39,7 +39,7 @@ from typing import Any, Callable
 _log = logging.getLogger("webgpu_engine.gpu")
 GRACE_S = 0.5        # after a load, before the workers start (compiling_in_background)
 IDLE_S = 0.3         # no submit for this long: the workers may compile by an empty dispatch
-WARM_WAIT_S = 5.0    # ... or once they have waited this long for such a pause
+WARM_WAIT_S = 30.0   # ... or once they have waited this long for such a pause (a busy server)
 
 
 class LazyRaw:

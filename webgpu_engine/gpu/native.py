@@ -75,7 +75,9 @@ class NativeDevice(Device):
         self.background = BackgroundCompiler(int(os.environ.get("WEBGPU_ENGINE_COMPILE_THREADS", 0))
                                              or os.cpu_count() or 1)
         if self.warms_on_dispatch:      # the workers compile by empty dispatches when the device pauses
-            self.background.idle = lambda: time.monotonic() - self.last_submit
+            # idle: no read awaited (a step's token, a sync) and no submit for a while; a long
+            # batch's readback is in flight the whole time its batch runs
+            self.background.idle = lambda: 0.0 if self.reads_in_flight else time.monotonic() - self.last_submit
             self.background.warm = self._warm_later
 
     # ------------------------------------------------------------------ hooks
@@ -175,6 +177,7 @@ class NativeDevice(Device):
         n4 = round_up4(n)
         staging = self._guard(lambda: self._take_staging(n4), what)
         ok = False
+        self._read_started()
         try:
             def copy(enc):
                 if src is not None and not src.alive:
@@ -189,6 +192,7 @@ class NativeDevice(Device):
             data = await self._mapped(staging, n4, n, what, synced=True)
             ok = True
         finally:
+            self._read_ended()
             self._give_staging(staging, n4, reuse=ok)
         return data
 
@@ -246,13 +250,23 @@ class NativeDevice(Device):
     async def collect(self, rb) -> bytes:
         n4, ok = round_up4(rb.n), False
         what = f"readback of {rb.src.label!r}"
+        self._read_started()
         try:
             data = await self._mapped(rb.staging, n4, rb.n, what)
             ok = True
         finally:
+            self._read_ended()
             self._give_staging(rb.staging, n4, reuse=ok)
             rb.staging = None
         return data
+
+    def _read_started(self) -> None:
+        self.reads_in_flight += 1
+
+    def _read_ended(self) -> None:
+        """A read is done: the device counts as busy until IDLE_S after it (the background compiler)."""
+        self.reads_in_flight -= 1
+        self.last_submit = time.monotonic()
 
     def read_sync(self, buf: Buffer, offset: int = 0, size: int | None = None) -> bytes:
         """Blocking readback for scripts and tests (native backend only)."""
