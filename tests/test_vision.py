@@ -18,7 +18,7 @@ from webgpu_engine.kernels import vision as kv
 from webgpu_engine.kernels.common import Tensor
 from webgpu_engine.vision.config import patches, read_vision_config
 from webgpu_engine.vision.gemma3 import preprocess
-from webgpu_engine.vision.images import InvalidImageError, decode_bytes, image_data_url
+from webgpu_engine.vision.images import decode_bytes, image_data_url
 
 
 @pytest.fixture(autouse=True)
