@@ -96,7 +96,8 @@ def main() -> int:
     from webgpu_engine.kernels.common import new_tensor
     from webgpu_engine.loaders.safetensors import SafetensorsFolder
     from webgpu_engine.models.siglip import SiglipTower
-    from webgpu_engine.vision.config import patches, read_vision_config
+    from webgpu_engine.vision.config import patches
+    from webgpu_engine.vision.runner import read_vision_config
     from webgpu_engine.vision.gemma3 import preprocess
     from webgpu_engine.vision.images import decode_bytes
 

@@ -16,7 +16,8 @@ from _nn_util import TOL, empty, get, put, rounded, run, step_buf
 from webgpu_engine.errors import InvalidRequestError
 from webgpu_engine.kernels import vision as kv
 from webgpu_engine.kernels.common import Tensor
-from webgpu_engine.vision.config import patches, read_vision_config
+from webgpu_engine.vision.config import patches
+from webgpu_engine.vision.runner import read_vision_config
 from webgpu_engine.vision.gemma3 import preprocess
 from webgpu_engine.vision.images import decode_bytes, image_data_url
 

@@ -1,7 +1,7 @@
 """A vision-language folder's image side, as one config: the SigLIP-style tower (config.json's
 `vision_config`), the family's projector, its image tokens and its image processor's settings.
-`read_vision_config(folder)` reads any supported family (None for a text-only folder); each family's
-module (gemma3.py, idefics3.py) says how its images become tiles and prompt text."""
+runner.py's `read_vision_config(folder)` reads any supported family (None for a text-only folder);
+each family's module (gemma3.py, idefics3.py) says how its images become tiles and prompt text."""
 from __future__ import annotations
 
 import json
@@ -58,21 +58,6 @@ class VisionConfig:
     def bidirectional(self) -> bool:
         """Whether an image's token rows attend each other both ways in the decoder (Gemma 3)."""
         return self.kind == "gemma3"
-
-
-def read_vision_config(folder) -> VisionConfig | None:
-    """The image side of a vision-language folder; None for a text-only folder."""
-    folder = Path(folder)
-    c = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    v = c.get("vision_config")
-    if not isinstance(v, dict):
-        return None
-    archs = c.get("architectures") or []
-    kind = next((FAMILIES[a] for a in archs if a in FAMILIES), None)
-    if kind is None:
-        raise UnsupportedModelError(f"{folder}: images run for {sorted(FAMILIES)}, not {archs}")
-    from . import gemma3, idefics3
-    return (gemma3 if kind == "gemma3" else idefics3).read_config(folder, c, v)
 
 
 def tower_config(folder: Path, c: dict, v: dict, **fields) -> VisionConfig:

@@ -14,19 +14,34 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 from pathlib import Path
 
-from ..errors import InvalidRequestError, UnsupportedChatOptionError
+from ..errors import InvalidRequestError, UnsupportedChatOptionError, UnsupportedModelError
 from ..gpu import IN_BROWSER
 from ..kernels.vision import NONE
 from ..loaders.chat_template import ChatTemplate
 from . import gemma3, idefics3
-from .config import VisionConfig, patches, read_vision_config
+from .config import FAMILIES, VisionConfig, patches
 from .requests import images_of
 
 MAX_TILES = 64                           # tiles (Gemma 3: images) of one request, at most
 FEATURE_BYTES = 64 << 20                 # and at most this many bytes of their features
+
+
+def read_vision_config(folder) -> VisionConfig | None:
+    """The image side of a vision-language folder; None for a text-only folder."""
+    folder = Path(folder)
+    c = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    v = c.get("vision_config")
+    if not isinstance(v, dict):
+        return None
+    archs = c.get("architectures") or []
+    kind = next((FAMILIES[a] for a in archs if a in FAMILIES), None)
+    if kind is None:
+        raise UnsupportedModelError(f"{folder}: images run for {sorted(FAMILIES)}, not {archs}")
+    return (gemma3 if kind == "gemma3" else idefics3).read_config(folder, c, v)
 
 
 def _family(cfg: VisionConfig):
