@@ -132,3 +132,13 @@ def test_one_module_sequences_a_decoder_layer():
         if all(s in src for s in ("L.qkv", "L.o", "L.gate_up", "L.down")):
             writers.append(f.name)
     assert writers == ["decoder.py"]
+
+
+def test_every_package_is_in_the_distribution():
+    """pyproject.toml lists every package of the tree (a subpackage left out is missing from the wheel
+    the page installs, and from any non-editable install)."""
+    import tomllib
+    listed = set(tomllib.loads((PKG.parent / "pyproject.toml").read_text(encoding="utf-8"))
+                 ["tool"]["setuptools"]["packages"])
+    tree = {".".join(p.parent.relative_to(PKG.parent).parts) for p in PKG.rglob("__init__.py")}
+    assert tree <= listed, f"packages missing from pyproject.toml: {sorted(tree - listed)}"
