@@ -25,7 +25,7 @@ FAMILY_PREFIXES = (
     ("qwen2", "qwen2"), ("qwen1.5", "qwen2"), ("llama", "llama"), ("hermes-2-theta-llama", "llama"),
     ("hermes-2-pro-llama", "llama"), ("hermes-3-llama", "llama"), ("hermes-2-pro-mistral", "mistral"),
     ("openhermes", "mistral"), ("neuralhermes", "mistral"), ("wizardmath", "mistral"), ("mistral", "mistral"),
-    ("ministral", "mistral"), ("smollm", "llama"), ("tinyllama", "llama"), ("phi-3.5-vision", "phi3_v"),
+    ("ministral-3", "ministral3"), ("ministral", "mistral"), ("smollm", "llama"), ("tinyllama", "llama"), ("phi-3.5-vision", "phi3_v"),
     ("phi-3", "phi3"), ("phi-4", "phi3"), ("phi-2", "phi"), ("phi-1", "phi"), ("gemma-4", "gemma4"), ("gemma-3", "gemma3"), ("gemma3", "gemma3"),
     ("gemma-2-", "gemma2"), ("gemma", "gemma"), ("redpajama", "gpt_neox"), ("stablelm", "stablelm"),
     ("snowflake-arctic-embed", "bert"), ("olmo-2", "olmo2"),
