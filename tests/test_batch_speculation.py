@@ -105,6 +105,9 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength
           "required": ["name", "tags", "ok"], "additionalProperties": False}
 
 
+LONG_JSON_PROMPT = PROMPTS[2] * 4       # prefilled in several chunks while others decode
+
+
 async def _json_answer(eng, prompt: str):
     r = await eng.chat.completions.create(
         messages=[{"role": "user", "content": prompt}], max_tokens=80, temperature=0, logprobs=True,
@@ -122,6 +125,7 @@ async def test_grammar_rows_are_masked_in_the_batch(device, path, spec_engine, r
     plain = await _engine(device, path, "tiny-plain-json")
     try:
         ref = [(await _json_answer(plain, p))[0] for p in PROMPTS[:2]]
+        long_ref = (await _json_answer(plain, LONG_JSON_PROMPT))[0]
     finally:
         await plain.unload()
     got = await asyncio.gather(*[_json_answer(spec_engine, p) for p in PROMPTS[:2]],
@@ -132,7 +136,16 @@ async def test_grammar_rows_are_masked_in_the_batch(device, path, spec_engine, r
         obj = json.loads(text)
         assert finish == "stop" and set(obj) == {"name", "tags", "ok"}
         assert 0 < ex["speculation_accepted_tokens"] <= ex["speculation_proposed_tokens"]
-    _sched(spec_engine).pool.check()
+    # plain requests guessing while a long JSON prompt's last chunk waits for its mask made beside the
+    # forwards: that step takes no guesses (a guess row's logits would overwrite row 0's before its
+    # sampler: the plain answers changed before the scheduler gave such a step's guesses back)
+    sched = _sched(spec_engine)
+    early = [asyncio.ensure_future(_answer(spec_engine, p)) for p in PROMPTS[2:]]
+    while not any(r.decoding for r in sched.running):
+        await asyncio.sleep(0.002)
+    assert (await _json_answer(spec_engine, LONG_JSON_PROMPT))[0] == long_ref
+    assert [(await t)[0] for t in early] == reference[2:]
+    sched.pool.check()
 
 
 @pytest.mark.parametrize("draft", ["itself", "other"])

@@ -311,7 +311,7 @@ class Scheduler:
         # goes in its forward's own submission (one wait per iteration, at the readback, instead of
         # one more between); guesses only so (a guess row's sampler follows its logits there)
         inline = not masks and self.pipe.logit_processor is None
-        if not inline and row_masks:
+        if not inline and (guesses or row_masks):   # every sampler after the forwards: no guess rows
             for rec in guesses:
                 pool.trim(rec.id, len(rec.toks) + 1)
             masks.update({rec: ms[0] for rec, ms in row_masks.items() if not rec.cancelled})
