@@ -294,7 +294,10 @@ class Scheduler:
         # each speculating sequence's guesses, checked by rows of this step, and the grammar masks
         # of the rows of those under a grammar (made here, before the step)
         guesses, row_masks = {}, {}
-        if self.spec is not None and decode and self.pipe.logit_processor is None:
+        # a prompt's last chunk under a grammar has its mask made beside the forwards: then the step
+        # is not inline and takes no guesses, so none are made (a draft's forwards included)
+        chunk_mask = any(r.seq.matcher is not None for r, _ in sampled if not r.decoding)
+        if self.spec is not None and decode and self.pipe.logit_processor is None and not chunk_mask:
             guesses, row_masks = await self.spec.guesses(decode, pool, self.model.ctx)
             if self.spec.draft is not None:
                 # the draft's forwards let callers run meanwhile: a sequence whose caller left is not fed
