@@ -34,7 +34,7 @@ class DraftGuesser:
 
     def __init__(self, draft, max_seqs: int, k: int, n_blocks: int, block_size: int):
         m, dev = draft.model, draft.dev
-        self.draft, self.model, self.dev, self.k = draft, m, dev, int(k)
+        self.model, self.dev, self.k = m, dev, int(k)
         self.max_seqs = int(max_seqs)
         rows = min(m.chunk, self.max_seqs * CATCH_UP_ROWS)
         self.fwd = PagedForward(m, max_seqs=self.max_seqs, n_blocks=n_blocks, block_size=block_size,
