@@ -20,6 +20,10 @@
 //                   pos0 + t (step[0]) see keys [window_lo, pos0 + t] through the table at tab_off,
 //                   whose blocks already hold keys 0 .. pos0 + n_new - 1. Workgroup per (block of 64
 //                   queries, G heads of one kv head), lane per query, as attn_causal.
+//                   IMAGE SPANS (header: key_end, binding 10 `spans` (T, 2) u32, the end at [t, 1]): a
+//                   row inside an image whose tokens attend each other both ways (Gemma 3) sees keys
+//                   up to its image's end (in the chunk: chunks never cut such an image); a row
+//                   with end 0 (text) keeps its causal keys and its bits.
 //   RING (header constants RING, SINKS, RING_W; kernels/common.py Ring): a sequence's table of
 //   cap = max_blocks * BS rows is attention.wgsl's ring cache of ctx = cap rows (rows 0..SINKS-1 the
 //   sinks, past cap position pos in row SINKS + (pos - SINKS) % (cap - SINKS)): decode's lens[q] is
@@ -44,7 +48,7 @@ struct Params {
     window: u32,     // query at position p sees keys > p - window (0: all)
     softcap: f32,    // scores s -> softcap * tanh(s / softcap) (0: none)
     tab_off: u32,    // offsets in u32 units
-    idx_off: u32,    // lens (decode) / slots (kv write)
+    idx_off: u32,    // lens (decode) / slots (kv write) / spans (prefill)
     n_blk: u32,      // query blocks of 64 (prefill)
     short_keys: u32, // decode: sequences of at most this many keys take the short form in paged_split
     _p1: u32,
@@ -311,7 +315,7 @@ fn paged_causal(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
     }
     load_q(p.qkv_off + (t * p.heads + h0) * D4, D4);
     let j_start = (window_lo(pos0 + t0) / BLK) * BLK;
-    let lim = min(pos0 + t + 1u, cap);
-    attend(p.tab_off, h0 / p.group, 0u, j_start, n_wg, window_lo(pos0 + t), lim);
+    let lim = key_end(t, min(pos0 + t + 1u, cap), cap);
+    attend(p.tab_off, h0 / p.group, 0u, j_start, max(n_wg, lim), window_lo(pos0 + t), lim);
     if (t0 + lid < rows) { store_out(p.out_off + (t * p.hq + h0) * D4, D4); }
 }

@@ -91,13 +91,16 @@ def _u32(dev: Device, t: Tensor, k: str, name: str, n: int) -> tuple:
 
 def _header(dt: str, head_dim: int, g: int, swg: int, packed: bool, bs: int, window: int = 0,
             softcap: float = 0.0, quant: QuantCache | None = None, sinks: bool = False,
-            ring: Ring | None = None) -> str:
+            ring: Ring | None = None, spans: bool = False) -> str:
     """nn's attention header plus the block size and whether the window / soft-cap code is compiled in.
     quant: quantised pools' block type and rows (None: act pools); sinks: per-head sink logits;
-    ring: a sliding window with sinks."""
+    ring: a sliding window with sinks; spans: prefill rows' image spans (binding 10), else none bound."""
     return _attn_header(dt, head_dim, g, swg, packed and not quant, quant=quant, sinks=sinks, ring=ring) + (
         f"const BS: u32 = {bs}u;\nconst HAS_WINDOW: bool = {str(window > 0).lower()};\n"
-        f"const HAS_CAP: bool = {str(softcap > 0).lower()};\n")
+        f"const HAS_CAP: bool = {str(softcap > 0).lower()};\n") + (
+        "@group(0) @binding(10) var<storage, read> spans: array<u32>;   // (T, 2): feature row | image end\n"
+        "fn key_end(t: u32, lim: u32, cap: u32) -> u32 { return max(lim, min(spans[p.idx_off + 2u * t + 1u], cap)); }\n"
+        if spans else "fn key_end(t: u32, lim: u32, cap: u32) -> u32 { return lim; }\n")
 
 
 def _bindings(dev: Device, k: str, qkv: Tensor, out: Tensor, k_pool: Tensor, v_pool: Tensor, n_kv_heads: int,
@@ -243,14 +246,17 @@ def paged_prefill(dev: Device, qkv: Tensor, k_pool: Tensor, v_pool: Tensor, out:
                   n_q_heads: int, n_kv_heads: int, head_dim: int, max_blocks: int, scale: float,
                   max_t: int | None = None, window: int = 0, softcap: float = 0.0,
                   heads_per_lane: int | None = None, sinks: Tensor | None = None, ring: Ring | None = None,
-                  q_sink: Tensor | None = None) -> Op:
+                  q_sink: Tensor | None = None, spans: Tensor | None = None) -> Op:
     """Causal attention of one sequence's chunk: rows t < step.n_new (0: all max_t) of qkv
     (T, Hq+2Hkv, D) at positions step.pos0 + t see keys 0 .. pos0+t through `table` (max_blocks
     block ids), whose blocks already hold keys 0 .. pos0+n_new-1 (paged_kv_write first). out
     (T, Hq*D). A query folds its keys in the same 16-key blocks as nn.attention's causal kernel.
     `sinks` (Hq,) f32: per-head logits in each softmax's denominator. `ring`: the table a ring of
     max_blocks * block_size rows (positions pos0 + t unbounded), q_sink (T, Hq, D) the chunk's sink
-    queries: each row attends what nn.attention's ring attends."""
+    queries: each row attends what nn.attention's ring attends. `spans` (>= T, 2) u32 (models/image_rows.py's
+    rows): a row t with spans[t, 1] = end > pos0 + t + 1 (inside an image whose tokens attend each other
+    both ways, Gemma 3) sees keys up to end - 1 too, which this chunk's blocks must hold; the window
+    still bounds its keys from below; a row with end 0 keeps its causal keys, bit for bit."""
     k = "paged_prefill"
     n_rows = _qkv_heads(k, qkv, head_dim)[0]
     t_max = n_rows if max_t is None else int(max_t)
@@ -265,12 +271,14 @@ def paged_prefill(dev: Device, qkv: Tensor, k_pool: Tensor, v_pool: Tensor, out:
     te, to = _u32(dev, table, k, "table", max_blocks)
     packed = dt == "f16" and head_dim % 8 == 0 and ko % 2 == 0 and vo % 2 == 0
     n_blk = -(-t_max // WG)
+    check(spans is None or ring is None, k, "image spans with a ring are not supported")
+    (se, so) = _u32(dev, spans, k, "spans", 2 * t_max) if spans is not None else (None, 0)
     par = params(dev, [t_max, n_q_heads, group, heads, n_kv_heads, 0, 0, float(scale), qo, ko, vo, oo,
-                       max_blocks, int(window), float(softcap), to, 0, n_blk, 0, 0], owner=out.buf.owner, label=k)
+                       max_blocks, int(window), float(softcap), to, so, n_blk, 0, 0], owner=out.buf.owner, label=k)
     sinked = check_sinks(dev, k, sinks, n_q_heads)
     check(ring is None or window == 0, k, "a ring replaces the model's own sliding window")
     rung = _ring_sink(k, ring, q_sink, quant, t_max, n_q_heads, head_dim, max_blocks * bs)
     return _op(dev, k, FILE, "paged_causal",
-               _header(dt, head_dim, g, WG, packed, bs, window, softcap, quant, bool(sinked), ring),
-               par, {**dict(enumerate([_step_entry(step), qe, ke, ve, oe, te], 1)), **sinked, **rung},
-               n_blk * (n_q_heads // g) * WG)
+               _header(dt, head_dim, g, WG, packed, bs, window, softcap, quant, bool(sinked), ring, se is not None),
+               par, {**dict(enumerate([_step_entry(step), qe, ke, ve, oe, te], 1)), **sinked, **rung,
+                     **({10: se} if se is not None else {})}, n_blk * (n_q_heads // g) * WG)
