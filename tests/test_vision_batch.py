@@ -3,6 +3,8 @@ attend each other both ways, inside the sliding window) against numpy, and the b
 images against the same requests alone and transformers' (tests/fixtures/make_gemma3_vision.py)."""
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
 import pytest
 
@@ -49,3 +51,65 @@ def test_paged_prefill_image_spans(device, dtype, window):
     assert np.abs(want[50:70] - causal[50:70]).max() > 0.05
     np.testing.assert_allclose(got, want, **TOL[dtype])
     assert np.array_equal(got[text], get(device, plain)[text])
+
+
+# ----------------------------------------------------------------------------- Gemma 3 in the batch
+from test_vision import FOLDER, OPTS, _messages, _text  # noqa: E402  (the fixture's model and prompts)
+
+
+BATCH = {**OPTS, "prefill_chunk_size": 24, "max_num_sequences": 4, "kv_block_size": 16}
+
+
+@pytest.fixture(scope="module")
+def ref():
+    import json
+    return json.loads((FOLDER.parent / "gemma3_vision_transformers.json").read_text())
+
+
+@pytest.fixture(scope="module")
+async def batched(device):
+    """Gemma 3 with images under continuous batching: chunks of 24 rows (prompt "two"'s first image,
+    rows 15..30, would cross the first edge), blocks of 16, a sliding window of 12 inside the 16-token
+    images."""
+    from webgpu_engine.engine.engine import AsyncMLCEngine
+    eng = AsyncMLCEngine()
+    await eng.reload(str(FOLDER), chat_opts=BATCH)
+    yield eng
+    await eng.unload()
+
+
+async def _ask(eng, messages, n=12):
+    r = await eng.chat.completions.create(messages=messages, max_tokens=n, temperature=0.0)
+    return r.choices[0].message.content
+
+
+async def test_images_in_a_batch_answer_as_alone_and_as_transformers(batched, ref):
+    """Two requests with images and one text request at once: each answers as it does alone and
+    gives transformers' 12 greedy tokens."""
+    sched = next(iter(batched.models.values())).pipeline.scheduler
+    assert sched is not None
+    keys = ["one", "two", "text"]
+    alone = [await _ask(batched, _messages(ref, k)) for k in keys]
+    assert alone == [_text(ref["prompts"][k]["greedy"]) for k in keys]
+    assert await asyncio.gather(*[_ask(batched, _messages(ref, k)) for k in keys]) == alone
+
+
+async def test_a_follow_up_turn_in_the_batch_reuses_its_images_rows(batched, ref, device):
+    """A follow-up turn about the same picture, beside another request, takes its image's rows from
+    the pool's prefix blocks (keyed by the image's content) and answers as the one-request path does."""
+    from webgpu_engine.engine.engine import AsyncMLCEngine
+    pool = next(iter(batched.models.values())).pipeline.scheduler.pool
+    first = _messages(ref, "one")
+    follow = [*first, {"role": "assistant", "content": await _ask(batched, first, 8)},
+              {"role": "user", "content": "And the colours?"}]
+    before = pool.stats["hit_tokens"]
+    got, other = await asyncio.gather(_ask(batched, follow, 8), _ask(batched, _messages(ref, "text")))
+    assert pool.stats["hit_tokens"] - before >= 32          # the blocks holding the image's 16 rows
+    assert other == _text(ref["prompts"]["text"]["greedy"])
+    pool.check()
+    one = AsyncMLCEngine()
+    await one.reload(str(FOLDER), chat_opts={**BATCH, "max_num_sequences": 1})
+    try:
+        assert got == await _ask(one, follow, 8)
+    finally:
+        await one.unload()

@@ -107,10 +107,10 @@ class PagedForward:
 
     @property
     def images(self):
-        """The model's ImageRows where an image's rows stay causal (Idefics3): PREFILL chunks splice
-        their image features; none where they attend both ways (Gemma 3: the one-request path)."""
+        """The model's ImageRows: PREFILL chunks splice their image features; where an image's rows
+        attend each other both ways (Gemma 3) the paged prefill attention takes them as spans itself."""
         rows = self.model.images
-        return rows if rows is not None and not rows.bidirectional else None
+        return rows if rows is None or not rows.bidirectional else _SpannedImages(rows)
 
     def logits_for(self, rows: int) -> Tensor:
         return self.logits.view((rows, self.cfg.vocab_size))
@@ -155,9 +155,11 @@ class PagedForward:
             return ap.paged_decode(self.dev, qkv, kp, vp, attn, self.lens.view((T,)),
                                    self.tables.view((T * self.max_blocks,)), **spec.heads(), max_seqs=T,
                                    max_blocks=self.max_blocks, scale=spec.scale, **self._masking(spec))
+        rows = self.model.images
+        spans = rows.rows.view((T, 2)) if rows is not None and rows.bidirectional else None
         return ap.paged_prefill(self.dev, qkv, kp, vp, attn, self.step, self.tables.view((self.max_blocks,)),
                                 **spec.heads(), max_blocks=self.max_blocks, scale=spec.scale, max_t=T,
-                                **self._masking(spec))
+                                spans=spans, **self._masking(spec))
 
     def states(self, i: int, T: int):
         """Layer i's states of every sequence slot; each row's position and slot."""
@@ -246,3 +248,17 @@ class PagedForward:
 
     def release(self) -> None:
         self._ops.release()
+
+
+class _SpannedImages:
+    """ImageRows whose both-ways attention is paged_prefill's spans (PagedForward.attention): no pass
+    over a contiguous cache follows the layer's attention."""
+
+    def __init__(self, rows):
+        self._rows = rows
+
+    def __getattr__(self, name):
+        return getattr(self._rows, name)
+
+    def attention(self, *_) -> list:
+        return []

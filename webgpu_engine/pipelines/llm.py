@@ -221,12 +221,7 @@ class LLMChatPipeline(DecodePaths):
         self.vision = VisionInputs.load(self.dev, path, self.model, self.owner)
         if self.vision is not None:
             self.template = self.vision.template(self.template)
-            if self.scheduler is not None and self.vision.cfg.bidirectional:
-                # an image's rows attending each other both ways read the contiguous cache
-                self.vision.unavailable = (f"this model's images run on the one-request path; it batches "
-                                           f"(max_num_sequences {self.plan.max_sequences}): load it with "
-                                           f"max_num_sequences 1 to send images")
-            elif self.shifts:
+            if self.shifts:
                 self.vision.unavailable = ("context_overflow 'shift' would compute an image's rows again "
                                            "without the image: load with another context_overflow")
 

@@ -263,6 +263,9 @@ class Scheduler:
                 rec.start_decoding(start)
                 continue
             end = min(rec.prefill_end(), start + budget)
+            tiles = getattr(rec.handle, "tiles", None)
+            if tiles and (end := self.pipe.vision.chunk_end(tiles, start, end)) == start:
+                continue                      # its next image's rows wait for a chunk that holds them
             try:
                 pool.reserve(rec.id, end)
             except PoolExhaustedError:

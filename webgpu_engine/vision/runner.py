@@ -241,6 +241,16 @@ class VisionInputs:
         import hashlib
         return hashlib.sha256(b"images:" + "".join(h for _, _, h, _ in tiles).encode()).digest()
 
+    def chunk_end(self, tiles: list, start: int, end: int) -> int:
+        """The end of a batched prefill chunk of rows start .. end-1 that cuts no image whose rows
+        attend each other both ways (Gemma 3): `end`, or the start of the image it would cut (`start`
+        where the rest of that image does not fit in the chunk)."""
+        if self.cfg.bidirectional:
+            for s, e, *_ in tiles:
+                if s < end < e:
+                    return max(s, start)
+        return end
+
     def stage_chunk(self, tiles: list, start: int, end: int) -> None:
         """A batched prefill chunk of rows start .. end-1: the tower over the tiles it holds rows of
         (before the chunk, in queue order) and its rows staged (the decoder stays causal, so a tile
