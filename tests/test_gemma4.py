@@ -14,8 +14,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from test_families import batch_answers, check_golden
-from tinygemma4 import write_tiny_gemma4_safetensors
+import tinymodels as tm
+from test_families import batch_answers, check_golden, run_golden
+from tinyfamilies import _write_hf
+from tinygemma4 import gemma4_config, write_tiny_gemma4_mlc, write_tiny_gemma4_safetensors
 from webgpu_engine.kernels import nn, nn_ref
 from _nn_util import TOL, get, put, rounded, run
 
@@ -33,6 +35,43 @@ def test_gemma4_matches_transformers(device, tmp_path, ref, released):
     (Gemma4ForConditionalGeneration: text_config, model.language_model. names, a vision tower not read)."""
     folder = write_tiny_gemma4_safetensors(tmp_path / "gemma4", seed=ref["seed"], released=released)["folder"]
     check_golden(device, folder, ref)
+
+
+@pytest.mark.parametrize("quant", ["q0f32", "q4f16_1", "q4f32_1"])
+def test_gemma4_mlc_artifact(device, tmp_path, ref, quant):
+    """The tiny model as mlc-llm's gemma4 loader lays out WebLLM's gemma-4-E2B-it artifacts (language_model.
+    names, gate|up fused, the per-layer table as one embedding per layer, audio tensors beside them): q0f32
+    gives transformers' logits and greedy tokens; q4f16_1 / q4f32_1 (every matrix and embedding in MLC's
+    4-bit groups) those of an HF folder holding the values their files encode."""
+    from webgpu_engine.kernels.quant_ref import dequantize
+    from webgpu_engine.loaders.tokenizer import load_tokenizer
+    from webgpu_engine.models.registry import open_model
+    art = write_tiny_gemma4_mlc(tmp_path / "mlc", quant, seed=ref["seed"])
+    opened = open_model(art["folder"])
+    try:
+        assert opened.arch.name == "gemma4" and opened.config.kv_sources == (0, 1, 2, 3, 3, 2)
+        t = opened.weights["ple_embed"]               # the per-layer tables side by side, exactly
+        np.testing.assert_array_equal(dequantize(t.data, t.qtype, t.n, t.k),
+                                      art["encoded"]["model.embed_tokens_per_layer.weight"])
+        assert load_tokenizer(art["folder"]).encode(ref["text"]) == ref["text_ids"]
+        rows, greedy = run_golden(device, opened.config, opened.weights, ref)
+    finally:
+        opened.close()
+    if quant == "q0f32":
+        want_rows, want_greedy = {r: np.asarray(v) for r, v in zip(ref["rows"], ref["logits"])}, ref["greedy"]
+    else:
+        d = art["dims"]
+        tokens, merges = tm.tiny_bpe_vocab(d["vocab_size"], "smollm")
+        _write_hf(tmp_path / "encoded", art["encoded"], gemma4_config(d), tokens, merges, d)
+        enc = open_model(tmp_path / "encoded")
+        try:
+            want_rows, want_greedy = run_golden(device, enc.config, enc.weights, ref)
+        finally:
+            enc.close()
+    for r in ref["rows"]:
+        err = np.abs(rows[r] - want_rows[r]).max() / np.abs(want_rows[r]).max()
+        assert err <= 1e-3, f"position {r}: relative error {err:.2e}"
+    assert greedy == want_greedy
 
 
 # --------------------------------------------------------------------------- kernels

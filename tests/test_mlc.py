@@ -561,14 +561,24 @@ def test_webllm_catalogue_ids_resolve(tiny, tmp_path, monkeypatch, capsys):
     # Qwen3.5 (a hybrid of linear and full attention, not Qwen 3) loads as its own family, qwen35
     # (tests/test_qwen35.py test_qwen35_mlc_artifact)
     assert rows["Qwen3.5-0.8B-q4f16_1-MLC"]["loads"] and rows["Qwen3.5-0.8B-q4f16_1-MLC"]["family"] == "qwen3_5"
-    assert rows["gemma-4-E2B-it-q4f16_1-MLC"]["refused"] == "model_type 'gemma4'"
+    # Gemma 4 (gemma-4-E2B-it) loads from MLC's gemma4 artifacts (tests/test_gemma4.py
+    # test_gemma4_mlc_artifact: logits and tokens); here its id resolves to one and opens as Gemma 4
+    assert all(rows[f"gemma-4-E2B-it-{q}-MLC"]["loads"] for q in ("q4f16_1", "q4f32_1"))
+    from tinygemma4 import write_tiny_gemma4_mlc
+    g4 = write_tiny_gemma4_mlc(tmp_path / "g4", "q4f16_1")["folder"]
+    fake_hf_repo(tmp_path / "hub", "mlc-ai/gemma-4-E2B-it-q4f16_1-MLC", _folder_files(g4))
+    opened = open_model(resolve_model_reference("gemma-4-E2B-it-q4f16_1-MLC").model)
+    try:
+        assert opened.arch.name == "gemma4" and opened.config.ple_dim and opened.config.kv_sources
+    finally:
+        opened.close()
     # WebLLM's own embedders (MLC's bert, tests/test_mlc_bert.py); its vision model is not loaded yet
     assert all(rows[f"snowflake-arctic-embed-{s}-q0f32-MLC-{b}"]["loads"] for s in "ms" for b in ("b4", "b32"))
     assert rows["Phi-3.5-vision-instruct-q4f16_1-MLC"]["refused"] == "vlm models of MLC's are not loaded"
     out = main(["list", "--webllm"]) == 0 and capsys.readouterr().out
     # Ministral 3's artifacts are MLC's ministral3 (YaRN, its own softmax scale), not mistral
     assert rows["Ministral-3-3B-Instruct-2512-BF16-q4f16_1-MLC"]["refused"] == "model_type 'ministral3'"
-    assert "web-llm 0.2.86" in out and "153 of 165" in out
+    assert "web-llm 0.2.86" in out and "155 of 165" in out
 
 
 @pytest.mark.parametrize("change", [

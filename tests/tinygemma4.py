@@ -27,7 +27,7 @@ from webgpu_engine.models.family_gemma4 import kv_sources
 
 DIMS = dict(vocab_size=300, hidden_size=64, n_layers=6, n_heads=4, n_kv_heads=2, ffn_size=96, head_dim=16,
             context_length=512, rope_base=1e6, rms_eps=1e-6, tie_embeddings=True)
-GLOBAL_HEAD_DIM, PLE_DIM, KV_SHARED, WINDOW = 32, 8, 2, 48
+GLOBAL_HEAD_DIM, PLE_DIM, KV_SHARED, WINDOW = 32, 32, 2, 48
 # layers 4 (sliding) and 5 (full) share the caches of layers 3 and 2
 LAYER_TYPES = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention",
                "sliding_attention", "full_attention"]
@@ -99,3 +99,80 @@ def write_tiny_gemma4_safetensors(folder, seed: int = 0, released: bool = False,
     else:
         _write_hf(folder, w, gemma4_config(d), tokens, merges, d)
     return dict(folder=folder, weights=w, dims=d)
+
+
+# mlc-llm's Gemma4TextConfig fields (what its mlc-chat-config.json's model_config.text_config holds)
+MLC_TEXT_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                   "num_key_value_heads", "head_dim", "global_head_dim", "hidden_activation", "max_position_embeddings",
+                   "rms_norm_eps", "pad_token_id", "tie_word_embeddings", "attention_bias", "sliding_window",
+                   "layer_types", "final_logit_softcapping", "vocab_size_per_layer_input",
+                   "hidden_size_per_layer_input", "attention_k_eq_v", "num_kv_shared_layers", "enable_moe_block",
+                   "use_double_wide_mlp", "rope_parameters")
+
+
+def write_tiny_gemma4_mlc(folder, quant: str, seed: int = 0, **dims) -> dict:
+    """The tiny model as mlc-llm's gemma4 loader writes WebLLM's gemma-4-E2B-it artifacts: the text
+    model under language_model. (HF's names less model.), q / k / v apart, gate | up fused as
+    mlp.gate_up_proj, the per-layer table split into one (V, P) embedding per layer
+    (embed_tokens_per_layer.{i}), layer_scalar without a suffix, plain norm weights, and audio tower
+    tensors beside them (not read); q4f16_1 / q4f32_1 quantise every matrix, the embeddings too (MLC's
+    group quantisation, tests/test_mlc.py). model_config nests the text config as MLC's Gemma4Config
+    does (text_config, audio_config, sliding_window_size -1). Returns {"folder", "encoded": {HF name:
+    the float values the files encode}, "dims"}."""
+    import json
+    import shutil
+    from test_mlc import _write_shards, mlc_dequantize, mlc_quantize
+    d, _, _, w = gemma4_weights(seed, **dims)
+    dt = {"q0f32": np.float32, "q0f16": np.float16, "q4f16_1": np.float16, "q4f32_1": np.float32}[quant]
+    folder = Path(folder)
+    hf = write_tiny_gemma4_safetensors(folder / "hf", seed, **dims)["folder"]
+    groups: dict[str, tuple] = {}          # MLC name less its suffix -> (HF name, column slice or rows fused)
+    for n in w:
+        base = "language_model." + n.removeprefix("model.").removesuffix(".weight")
+        if n == "model.embed_tokens_per_layer.weight":
+            for i in range(d["n_layers"]):
+                groups[f"language_model.embed_tokens_per_layer.{i}"] = (n, slice(i * PLE_DIM, (i + 1) * PLE_DIM))
+        elif ".mlp.gate_proj." in n:
+            groups[base.replace("gate_proj", "gate_up_proj")] = (n, n.replace("gate_proj", "up_proj"))
+        elif ".mlp.up_proj." not in n:
+            groups[base] = (n,)
+    rng = np.random.default_rng(seed + 1)
+    towers = {"audio_tower.output_proj": rng.standard_normal((64, 32)).astype(np.float32),
+              "embed_audio.embedding_projection": rng.standard_normal((d["hidden_size"], 64)).astype(np.float32)}
+    params, encoded = {}, {}
+    for mlc, how in [*groups.items(), *((k, None) for k in towers)]:
+        if how is None:
+            full = towers[mlc]
+        elif len(how) == 2 and isinstance(how[1], slice):
+            full = w[how[0]][:, how[1]]
+        else:
+            full = np.concatenate([w[n] for n in how]) if len(how) > 1 else w[how[0]]
+        if quant.startswith("q4") and full.ndim == 2:
+            qw, qs = mlc_quantize(full, dt)
+            params[mlc + ".q_weight"], params[mlc + ".q_scale"] = qw, qs
+            full = mlc_dequantize(qw, qs)
+        else:
+            full = full.astype(dt)
+            params[mlc + ("" if mlc.endswith("layer_scalar") else ".weight")] = full
+        full = np.asarray(full, np.float64)
+        if how is None:
+            continue
+        if isinstance(how[-1], slice):
+            encoded.setdefault(how[0], np.zeros(w[how[0]].shape))[:, how[1]] = full
+        else:
+            rows = np.cumsum([0] + [w[n].shape[0] for n in how])
+            encoded.update({n: full[a:b].reshape(w[n].shape) for n, a, b in zip(how, rows[:-1], rows[1:])})
+    _write_shards(folder, params)
+    c = json.loads((hf / "config.json").read_text())
+    text = {k: c[k] for k in MLC_TEXT_FIELDS if k in c} | {"attention_dropout": 0.0, "kwargs": {}}
+    chat = {"model_type": "gemma4", "quantization": quant, "model_config": {
+        "text_config": text, "audio_config": {"hidden_size": 64}, "vision_config": None,
+        "context_window_size": d["context_length"], "sliding_window_size": -1, "prefill_chunk_size": WINDOW,
+        "tensor_parallel_shards": 1, "max_batch_size": 1},
+        "context_window_size": d["context_length"], "sliding_window_size": -1, "prefill_chunk_size": WINDOW,
+        "bos_token_id": c["bos_token_id"], "eos_token_id": c["eos_token_id"], "pad_token_id": c["pad_token_id"]}
+    (folder / "mlc-chat-config.json").write_text(json.dumps(chat))
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(hf / f, folder / f)
+    shutil.rmtree(hf)
+    return dict(folder=folder, encoded=encoded, dims=d)

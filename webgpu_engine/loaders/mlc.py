@@ -22,8 +22,10 @@ byte operations). Other quantisations (q3f16_1, q4f16_0's KN layout, AWQ, fp8) a
 
 Families: each decoder family declares the MLC model_type values it reads, its parameter names (MLC
 stores q|k|v as `qkv_proj` and gate|up as `gate_up_proj`: split into our q, k, v, gate, up on load by
-the model, as Phi-3's) and what MLC's config class says differently (DecoderFamily.mlc_*, in
-models/family_*.py); `model_types()` lists them. A text model's names may start `language_model.`.
+the model, as Phi-3's; a table MLC keeps as a list of column blocks, `name.{i}`, mapped to ours
+`name[:, {i}]`, is joined side by side: ColumnBlocks) and what MLC's config class says differently
+(DecoderFamily.mlc_*, in models/family_*.py); `model_types()` lists them. A text model's names may
+start `language_model.`.
 Embedders: bert (WebLLM's snowflake-arctic-embed), in the float quantisations, read by loaders/mlc_bert.py.
 """
 from __future__ import annotations
@@ -65,6 +67,8 @@ MLC_LLAMA_TO_OURS = {
 ENCODERS = {"bert": "bert"}          # MLC model_type -> our embedder architecture (loaders/mlc_bert.py)
 _PREFIX = "language_model."          # MLC's Gemma 3 names its text model so
 _LAYER = re.compile(r"^(.*?)\.(\d+)\.(.+)$")
+_INDEXED = re.compile(r"^(.*?)\.(\d+)$")           # a list's entry with no sub-name (Gemma 4's per-layer tables)
+_COLUMNS = re.compile(r"^(.*)\[:, (\d+)\]$")        # ours "name[:, {i}]": column block i of `name`
 _PARTS = ("q_weight", "q_scale", "weight", "bias")
 
 
@@ -302,11 +306,15 @@ class MLCArtifact:
             base, _, part = name.removeprefix(_PREFIX).rpartition(".")
             if part not in _PARTS:                          # a parameter without a suffix (Qwen3.5's A_log)
                 base, part = name.removeprefix(_PREFIX), "weight"
-            m = _LAYER.match(base)
-            ours = table.get(f"{m.group(1)}.{{i}}.{m.group(3)}") if m else table.get(base)
+            key, index = base, None
+            if m := _LAYER.match(base):
+                key, index = f"{m.group(1)}.{{i}}.{m.group(3)}", m.group(2)
+            elif m := _INDEXED.match(base):
+                key, index = f"{m.group(1)}.{{i}}", m.group(2)
+            ours = table.get(key)
             if ours is None:
                 continue
-            ours = ours.replace("{i}", m.group(2)) if m else ours
+            ours = ours.replace("{i}", index) if index is not None else ours
             groups.setdefault(ours, {})[part] = t
         out: dict[str, TensorInfo] = {}
         for ours, parts in groups.items():
@@ -316,7 +324,7 @@ class MLCArtifact:
                 out[ours] = parts["weight"]
             if "bias" in parts:
                 out[ours + "_bias"] = parts["bias"]
-        return _split_biases(out, self.config())
+        return _split_biases(_join_columns(out), self.config())
 
     def _q4_pair(self, ours: str, parts: dict) -> TensorInfo:
         qw, qs = parts.get("q_weight"), parts.get("q_scale")
@@ -387,6 +395,48 @@ class RepackedQ4(LazyTensorInfo):
     def _make(self) -> memoryview:
         qw, qs, scale = self._src
         return repack_q4(qw.data, qs.data, self.shape[0], self.shape[1], scale)
+
+
+class ColumnBlocks(LazyTensorInfo):
+    """Matrices of the same rows and type side by side, (n, k0 + k1 + ...), made when first read: MLC
+    keeps a table HF stores as one (Gemma 4's per-layer embeddings, (V, L P)) as L tables (V, P). A
+    row of any type is whole blocks, so a row of the result is the parts' rows' bytes one after another."""
+
+    def __init__(self, name: str, parts: list[TensorInfo]):
+        self._parts = parts
+        super().__init__(name, parts[0].qtype, (parts[0].n, sum(p.k for p in parts)), None, parts[0].offset)
+
+    def _make(self) -> memoryview:
+        n = self.shape[0]
+        rows = [len(memoryview(p.data).cast("B")) // n for p in self._parts]
+        out, at, width = bytearray(n * sum(rows)), 0, sum(rows)
+        for p, r in zip(self._parts, rows):
+            src = memoryview(p.data).cast("B")
+            for b in range(r):                        # byte b of every row at once (strided slices)
+                out[at + b::width] = src[b::r]
+            at += r
+        return memoryview(out)
+
+
+def _join_columns(w: dict) -> dict:
+    """`name[:, i]` tensors (the family's table says so) as one ColumnBlocks `name`, blocks in order of i."""
+    blocks: dict[str, dict[int, TensorInfo]] = {}
+    out = {}
+    for name, t in w.items():
+        m = _COLUMNS.match(name)
+        if m:
+            blocks.setdefault(m.group(1), {})[int(m.group(2))] = t
+        else:
+            out[name] = t
+    for name, parts in blocks.items():
+        ordered = [parts[i] for i in sorted(parts)]
+        if sorted(parts) != list(range(len(parts))) or len({(p.qtype, p.n) for p in ordered}) != 1 \
+                or any(len(p.shape) != 2 for p in ordered):
+            raise ModelFormatError(f"{name}: its column blocks {sorted(parts)} are not 0..{len(parts) - 1} "
+                                   f"matrices of the same rows and type: "
+                                   f"{[(p.name, p.qtype, list(p.shape)) for p in ordered]}"[:400])
+        out[name] = ColumnBlocks(name, ordered)
+    return out
 
 
 def _split_biases(w: dict, cfg: LlamaConfig) -> dict:

@@ -160,6 +160,6 @@ def split_fused(weights: dict, q_rows: int, kv_rows: int, ffn: int, head_dim: in
             out.update(zip((p + "q", p + "k", p + "v"),
                            split_rows(t, [q_rows, kv_rows, kv_rows], [name + ".q", name + ".k", name + ".v"])))
         elif parts[2] == "gate_up" or (parts[2] == "up" and p + "gate" not in weights and t.n == 2 * ffn):
-            del out[name]
-            out.update(zip((p + "gate", p + "up"), split_rows(t, [ffn, ffn], [name + ".gate", name + ".up"])))
+            del out[name]                   # halves (Gemma 4's layers differ in width)
+            out.update(zip((p + "gate", p + "up"), split_rows(t, [t.n // 2, t.n // 2], [name + ".gate", name + ".up"])))
     return out

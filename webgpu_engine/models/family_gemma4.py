@@ -39,6 +39,24 @@ HF_GEMMA4_TO_OURS = {
 HF_GEMMA4_TO_OURS.update({k.replace("model.", "model.language_model.", 1): v
                           for k, v in HF_GEMMA4_TO_OURS.items() if k.startswith("model.")})
 
+# MLC-LLM's gemma4 artifacts (WebLLM's gemma-4-E2B-it-q4f16_1 / q4f32_1): the text model under
+# language_model. (loaders/mlc.py drops the prefix) without HF's model.; q, k, v apart and gate|up
+# fused; plain norm weights; the per-layer table as one (V, P) embedding per layer, joined into ours;
+# layer_scalar without a suffix; v_norm has no weight (nor in HF); the audio tower is not read
+MLC_GEMMA4_TO_OURS = {
+    "embed_tokens": "embed", "norm": "norm",
+    "embed_tokens_per_layer.{i}": "ple_embed[:, {i}]",                            # (V, P) each
+    "per_layer_model_projection": "ple_model_proj", "per_layer_projection_norm": "ple_norm",
+    **{f"layers.{{i}}.{mlc}": f"layers.{{i}}.{ours}" for mlc, ours in (
+        ("input_layernorm", "attn_norm"), ("self_attn.q_proj", "q"), ("self_attn.k_proj", "k"),
+        ("self_attn.v_proj", "v"), ("self_attn.q_norm", "q_norm"), ("self_attn.k_norm", "k_norm"),
+        ("self_attn.o_proj", "o"), ("post_attention_layernorm", "post_attn_norm"),
+        ("pre_feedforward_layernorm", "ffn_norm"), ("mlp.gate_up_proj", "gate_up"), ("mlp.down_proj", "down"),
+        ("post_feedforward_layernorm", "post_ffn_norm"), ("per_layer_input_gate", "ple_gate"),
+        ("per_layer_projection", "ple_proj"), ("post_per_layer_input_norm", "ple_norm"),
+        ("layer_scalar", "scalar"))},
+}
+
 
 def kv_sources(types: list[str], n_shared: int) -> tuple:
     """Each layer's cache source: itself, or for the last n_shared layers the last earlier layer of
@@ -96,6 +114,6 @@ def _hf(c: dict, fields: dict, where: str) -> dict:
 GEMMA4 = DecoderFamily("gemma4", hf_architectures=("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"),
                        hf_model_types=("gemma4_text", "gemma4"),
                        hf_defaults={"tie_word_embeddings": True}, gguf_neox=True, hf_names=HF_GEMMA4_TO_OURS,
-                       hf=_hf)
+                       hf=_hf, mlc_model_types=("gemma4",), mlc_names=MLC_GEMMA4_TO_OURS)
 
 FAMILIES = (GEMMA4,)
