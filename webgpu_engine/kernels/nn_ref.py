@@ -140,6 +140,15 @@ def rope(x: np.ndarray, positions: np.ndarray, *, n_heads: int, rot_dim: int, ba
     return y.astype(np.float32)
 
 
+def q_temperature(x: np.ndarray, positions: np.ndarray, *, n_q_heads: int, beta: float, length: int) -> np.ndarray:
+    """x (T, H_all, D): heads [0, n_q_heads) of row t times 1 + beta ln(1 + floor(pos_t / length)) in f32,
+    as shaders/q_temperature.wgsl (Llama 4's attention temperature)."""
+    y = x.astype(np.float32).copy()
+    s = (1.0 + np.float32(beta) * np.log1p((positions.astype(np.int64) // int(length)).astype(np.float32))).astype(np.float32)
+    y[:, :n_q_heads] *= s[:, None, None]
+    return y
+
+
 def softmax_attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, softcap: float = 0.0,
                    sink: float | None = None) -> np.ndarray:
     """q (D,), k/v (n, D) → (D,) in float64; `sink`: a logit in the softmax's denominator with no value

@@ -1,7 +1,7 @@
 """Host functions of RoPE and the KV-cache write (shaders/rope.wgsl): the frequency table,
 rope in place on q and k heads, kv_write into the contiguous caches, and rope_kv (both fused, the
 decode path). Positions come from the `step` buffer, so an op built once stays right while the
-context grows.
+context grows. q_temperature (shaders/q_temperature.wgsl): Llama 4's position-dependent query scale.
 """
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import struct
 
 from ..gpu import Buffer, Device
 from ..gpu.shaders import load_shader_source
-from .common import Op, Ring, Tensor, act_header, check, params, ring_header, ring_query
+from .common import Op, Ring, Tensor, act_header, check, params, placeholder, ring_header, ring_query
 from .nn_base import _act, _op, _qkv_heads, _step_entry, _window
 
 
@@ -91,3 +91,26 @@ def rope_kv(dev: Device, qkv: Tensor, k_cache: Tensor, v_cache: Tensor, step, *,
                     n_rot=n_rot, head_dim=head_dim, rot_dim=rot, base=base, neox=neox,
                     k_lo=n_q_heads, n_kv=n_kv_heads, ctx=ctx, caches=(k_cache, v_cache), factors=factors,
                     mscale=mscale, ring=ring, q_sink=q_sink)
+
+
+def q_temperature(dev: Device, qkv: Tensor, step=None, *, n_q_heads: int, head_dim: int, beta: float,
+                  length: int, positions: Tensor | None = None) -> Op:
+    """q *= 1 + beta * ln(1 + floor(pos / length)), in place, on the first n_q_heads heads of each row of
+    qkv (T, H_all, D): Llama 4's attention temperature (Ministral 3). Row t's position is step.pos0 + t
+    (as rope's), or positions[t] (u32, the paged batch's rows) when given."""
+    k = "q_temperature"
+    dt = _act(k, qkv)
+    rows, heads = _qkv_heads(k, qkv, head_dim)
+    check(0 < n_q_heads <= heads and int(length) > 0, k,
+          f"{n_q_heads} q heads of {heads}, length {length} (> 0)")
+    qe, qo = _window(dev, qkv, k)
+    ph = (placeholder(dev), 0, 16)
+    if positions is None:
+        ents, per_row = [_step_entry(step), ph], 0
+    else:
+        check(positions.dtype == "u32" and positions.numel >= rows, k,
+              f"positions {positions.shape} must be u32 with a value per row ({rows})")
+        ents, per_row = [ph, (positions.buf, positions.offset, 4 * rows)], 1
+    par = params(dev, [rows, n_q_heads * head_dim, heads * head_dim, qo, per_row, int(length), float(beta), 0],
+                 owner=qkv.buf.owner, label=k)
+    return _op(dev, k, "q_temperature.wgsl", k, act_header(dt), par, [qe, *ents], rows * n_q_heads * head_dim)

@@ -57,7 +57,9 @@ class DecoderFamily:
     # that point of layer i of model m (a LlamaModel: m.dev, m.cfg with its `extra` values):
     # "qkv" (T, Hq + 2 Hkv, D) after the projection (and q/k norms), before RoPE; "attn" (T, Hq * D)
     # the attention's output, before the o projection; "ffn" (T, F) act(gate) * up, before the down
-    # projection; "logits" (rows, V) after the LM head (i = -1). The fusions across a point the
+    # projection; "logits" (rows, V) after the LM head (i = -1); "qkv_rows": "qkv"'s point, the fn
+    # taking (m, i, t, T, (step, positions or None)) where each row's position is (Ministral 3's query
+    # temperature: kernels/rope.py q_temperature). The fusions across a point the
     # family uses are off (RoPE in the qkv matmul, act(gate) * up in the down matmul).
     ops: dict = field(default_factory=dict)
     # a token mixer other than attention: fn(m, i, weights, mat) -> (layer i's input projection, its

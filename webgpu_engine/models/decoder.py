@@ -41,7 +41,7 @@ Two things vary, and each is a parameter, never a copy of the recipe:
   was chunked or cached; logits of the last row).
 
 A family's new math is its module's: values in LlamaConfig.extra and ops at the points a family
-may use (DecoderFamily.ops: "qkv", "attn", "ffn", "logits"), each an op in kernels/ (host function,
+may use (DecoderFamily.ops: "qkv", "qkv_rows", "attn", "ffn", "logits"), each an op in kernels/ (host function,
 WGSL, numpy reference). Standard library only (runs in the page).
 """
 from __future__ import annotations
@@ -86,7 +86,7 @@ class FusionPlan:
         family_ops)."""
         n = len(layers)
         points = family_ops(cfg)
-        fused_rope = fused_rope and "qkv" not in points
+        fused_rope = fused_rope and not {"qkv", "qkv_rows"} & set(points)
         if not decode:
             return cls(rope_kv=(False,) * n, gate_out=(False,) * n)
         rms = cfg.norm == "rms"              # the fused paths fold RMSNorms only
@@ -299,6 +299,9 @@ def _attention(m, kv: KVAccess, i: int, T: int, mode: str, rope) -> list[Op]:
                                     n_v_heads=Hkv if c.v_norm else 0))
     if "qkv" in points:
         ops += points["qkv"](m, i, qkv, T)
+    if "qkv_rows" in points:             # the same point, with where the rows' positions are: (step, None)
+        _, step, rows = kv.states(i, T)  # for one sequence (pos0 + t), else (step, positions (T,) u32)
+        ops += points["qkv_rows"](m, i, qkv, T, (step, rows[0] if rows is not None else None))
     # rope(q, k); k, v -> caches; x += attention(q, caches) · Woᵀ
     if rope is None:
         base, factors = c.rope_of(i, m.rope_factors)
