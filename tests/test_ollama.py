@@ -131,7 +131,7 @@ def test_bad_store_layouts_are_typed_errors(store, smollm2_gguf, tmp_path):
     with pytest.raises(OllamaBlobError, match="sha256-0000.*missing"):
         resolve_model_reference("ollama:noblob")
     store.manifest("vision", "latest", [model, store.layer("projector", b"\0" * 32)])
-    with pytest.raises(UnsupportedModelError, match="vision projector.*projector"):
+    with pytest.raises(ModelFormatError, match="projector layer .* is not a multimodal projector GGUF"):
         resolve_model_reference("ollama:vision")
     store.manifest("badparams", "latest", [model, store.layer("params", b"[1, 2")])
     with pytest.raises(ModelFormatError, match="params layer"):

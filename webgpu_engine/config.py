@@ -182,6 +182,8 @@ class ChatConfig:
     speculation: dict | str | None = None  # chat: speculative decoding, {"method": "ngram", "k": 3,
     #                                    "n": 8} or "ngram" (k: automatic; pipelines/speculation.py);
     #                                    one-request path
+    mmproj: str | None = None          # chat, a GGUF model: its multimodal projector GGUF (llama.cpp's
+    #                                    --mmproj: the vision tower and projector; vision/mmproj.py)
     tune_budget_s: float | None = None  # ... for about this many seconds (None: $WEBGPU_ENGINE_TUNE_BUDGET,
     #                                     else 20); shapes left untimed are timed by a later load
     decode_ahead: bool | None = None   # chat, one request or the batch scheduler: submit decode step

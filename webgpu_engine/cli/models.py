@@ -47,7 +47,7 @@ def chat_opts_for(args, n: int) -> list[dict | None] | None:
              "prefill_chunk": "prefill_chunk_size", "dtype": "dtype",
              "max_num_sequences": "max_num_sequences", "speculation": "speculation",
              "context_overflow": "context_overflow", "draft_model": "speculation",
-             "kv_cache_dtype": "kv_cache_dtype"}
+             "kv_cache_dtype": "kv_cache_dtype", "mmproj": "mmproj"}
     opts: list[dict] = [{} for _ in range(n)]
     for flag, key in flags.items():
         values = getattr(args, flag, None) or []

@@ -110,6 +110,9 @@ def _model_options(p, many: bool = False):
                    help="chat models: speculative decoding with this smaller model of the same vocabulary "
                         "guessing (an id, path, URL or Hugging Face repo; one request at a time: serve "
                         "then defaults to --max-num-sequences 1)" + each)
+    g.add_argument("--mmproj", action="append", default=None, metavar="GGUF",
+                   help="chat models from a GGUF: its multimodal projector GGUF (as llama.cpp's --mmproj; "
+                        "a folder or Ollama model holding both finds it itself)" + each)
     g.add_argument("--chat-opts", action="append", default=None, metavar="JSON",
                    help="WebLLM ChatOptions as JSON, e.g. '{\"temperature\": 0.2}'" + each)
 

@@ -9,10 +9,11 @@ The layer of mediaType `application/vnd.ollama.image.model` is the GGUF, used in
 copied). The `params` layer (JSON: stop, temperature, top_p, repeat_penalty, num_ctx, ...) and the
 `system` layer become the record's ChatConfig overrides; the `template` layer (Ollama's Go template)
 is refused by name where the GGUF carries no Jinja chat template of its own; an `adapter` layer (a
-GGUF LoRA, Ollama's ADAPTER) is applied to every request of the model (engine/lora.py); projector and
-messages layers are refused by name. A blob's sha256 is checked once per process, at first resolve,
-and remembered by path, size and mtime (a changed file is hashed again). The model is served under
-Ollama's name (`NAME:TAG`, `NS/NAME:TAG` outside `library`, `HOST/NS/NAME:TAG` off the default
+GGUF LoRA, Ollama's ADAPTER) is applied to every request of the model (engine/lora.py); a `projector`
+layer (a vision model's multimodal projector GGUF) is loaded beside the model (its ChatConfig mmproj,
+vision/mmproj.py); messages layers are refused by name. A blob's sha256 is checked once per process,
+at first resolve, and remembered by path, size and mtime (a changed file is hashed again). The model
+is served under Ollama's name (`NAME:TAG`, `NS/NAME:TAG` outside `library`, `HOST/NS/NAME:TAG` off the default
 registry). engine/references.py makes the ModelRecord from what this module reads (it imports
 this module, never the other way). Standard library only.
 """
@@ -43,9 +44,9 @@ DEFAULT_NAMESPACE = "library"
 DEFAULT_TAG = "latest"
 MEDIA = "application/vnd.ollama.image."
 MODEL, PARAMS, SYSTEM, TEMPLATE = MEDIA + "model", MEDIA + "params", MEDIA + "system", MEDIA + "template"
-ADAPTER = MEDIA + "adapter"
+ADAPTER, PROJECTOR = MEDIA + "adapter", MEDIA + "projector"
 # layers this engine cannot apply: refused by name rather than silently dropped
-REFUSED = {MEDIA + "projector": "a vision projector", MEDIA + "messages": "a preset conversation (MESSAGE lines)"}
+REFUSED = {MEDIA + "messages": "a preset conversation (MESSAGE lines)"}
 IGNORED = {MEDIA + "license"}
 # params layer key -> ChatConfig field (config.SAMPLING_FIELDS; the rest are listed in the log as not applied)
 PARAMS_TO_CHAT_CONFIG = {f.ollama: f.chat_config for f in SAMPLING_FIELDS if f.ollama and f.chat_config}
@@ -112,6 +113,7 @@ class OllamaModel:
     system: str | None = None
     template: str | None = None
     adapters: list = field(default_factory=list)   # the adapter layers' GGUF LoRA blobs
+    projector: Path | None = None                  # the projector layer's mmproj GGUF blob
     checked: list = field(default_factory=list)    # (path, digest, size) of the blobs used
 
     def chat_overrides(self, trained_context: int | None) -> dict:
@@ -156,8 +158,8 @@ def _read_manifest(path: Path, reference: str) -> tuple[dict, bytes]:
 
 def open_store_model(reference: str, root: Path | None = None) -> OllamaModel:
     """The manifest `reference` names and its layers' blobs; raises OllamaManifestNotFoundError,
-    OllamaBlobError (missing), ModelFormatError (bad JSON), UnsupportedModelError (adapter, projector,
-    messages layers; no model layer). Digests are not checked here (verify())."""
+    OllamaBlobError (missing), ModelFormatError (bad JSON), UnsupportedModelError (messages layers,
+    two projectors; no model layer). Digests are not checked here (verify())."""
     root = root or store_root()
     name = parse_name(reference)
     path = name.manifest(root)
@@ -205,6 +207,12 @@ def open_store_model(reference: str, root: Path | None = None) -> OllamaModel:
                 out.system = text
             else:
                 out.template = text
+        elif kind == PROJECTOR:
+            if out.projector is not None:
+                raise UnsupportedModelError(f"{reference}: its manifest has two projector layers; this "
+                                            f"engine loads one.")
+            out.projector = _blob(root, layer, reference, "projector")
+            out.checked.append((out.projector, layer["digest"], layer.get("size")))
         elif kind == ADAPTER:
             out.adapters.append(_blob(root, layer, reference, "adapter"))
             out.checked.append((out.adapters[-1], layer["digest"], layer.get("size")))

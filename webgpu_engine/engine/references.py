@@ -141,8 +141,10 @@ def _record(path: Path, reference: str, model_id: str, origin: str | None = None
 
 def _local(path: Path, reference: str, model_id: str | None) -> ModelRecord:
     path = path.expanduser().resolve()
+    projector = None
     if path.is_dir() and not (path / "config.json").is_file():
-        ggufs = sorted(path.glob("*.gguf"))
+        from ..vision.mmproj import split_projector
+        ggufs, projector = split_projector(sorted(path.glob("*.gguf")))
         if len(ggufs) == 1:
             path = ggufs[0]
         elif ggufs:
@@ -151,7 +153,10 @@ def _local(path: Path, reference: str, model_id: str | None) -> ModelRecord:
         raise ModelReferenceError(reference, [f"{path} is a file but not a .gguf"],
                                   hint="Give a .gguf file, or the folder holding config.json and the weights.")
     name = path.stem if path.is_file() else path.name
-    return _record(path, reference, model_id or name)
+    rec = _record(path, reference, model_id or name)
+    if projector is not None and rec.model_type == LLM:     # a GGUF and its projector (llama.cpp's --mmproj)
+        rec.overrides["mmproj"] = str(projector)
+    return rec
 
 
 # --------------------------------------------------------------------------- Hugging Face repos
@@ -333,6 +338,12 @@ def _ollama(reference: str, model_id: str | None) -> ModelRecord:
                                     f"with tokenizer.chat_template.")
     if rec.model_type == LLM:
         rec.overrides.update(model.chat_overrides(rec.overrides.get("context_window_size")))
+    if model.projector is not None:       # a vision model's projector layer: its mmproj
+        from ..vision.mmproj import is_mmproj
+        if rec.model_type != LLM or not is_mmproj(model.projector):
+            raise ModelFormatError(f"{reference}: its projector layer {model.projector} is not a multimodal "
+                                   f"projector GGUF (general.architecture 'clip') of a chat model")
+        rec.overrides["mmproj"] = str(model.projector)
     if model.adapters:              # Ollama's ADAPTER: served by the batch scheduler (engine/lora.py)
         if rec.model_type != LLM or len(model.adapters) > 1:
             raise UnsupportedModelError(f"{reference}: {len(model.adapters)} adapter layers on a "

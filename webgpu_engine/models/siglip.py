@@ -102,7 +102,10 @@ class SiglipTower:
         self.post_w = vector(["post_layernorm.weight"], C, "v.post")
         self.post_b = vector(["post_layernorm.bias"], C, "v.postb")
         if cfg.kind == "gemma3":
-            self.mm_norm = vector(["mm_soft_emb_norm.weight"], C, "v.mmnorm", plus=1.0)    # x * (1 + w)
+            # x * (1 + w): w as transformers stores it, or 1 + w as llama.cpp's mmproj does
+            plus_one = "mm_soft_emb_norm.one_plus_weight" in named
+            self.mm_norm = vector(["mm_soft_emb_norm.one_plus_weight" if plus_one else "mm_soft_emb_norm.weight"],
+                                  C, "v.mmnorm", plus=0.0 if plus_one else 1.0)
             # out = t · Wproj with Wproj (C, C_text): the matmul's weight is its transpose (C_text, C)
             self.proj = self._transposed(get("mm_input_projection_weight", (C, cfg.text_hidden)), "v.proj")
         else:                            # Idefics3's nn.Linear (C_text, C s^2), no bias

@@ -154,9 +154,8 @@ class LLMChatPipeline(DecodePaths):
             close()
             raise
         try:
-            from ..vision.runner import takes_images
-            if chat_config.max_num_sequences == 0 and takes_images(path):
-                # "as suits the device" for a vision-language model: the one-request path, where images run
+            if chat_config.max_num_sequences == 0 and chat_config.mmproj:
+                # "as suits the device" for a GGUF + mmproj model: the one-request path, where its images run
                 chat_config = replace(chat_config, max_num_sequences=1)
             plan = plan_decoder(cfg, chat_config, dev)   # dtype, context, chunk, sequences, pool
         except BaseException:
@@ -216,9 +215,11 @@ class LLMChatPipeline(DecodePaths):
         return pipe
 
     def _load_vision(self, path) -> None:
-        """The image side of a vision-language model's folder (vision/runner.py); none for text models."""
+        """The image side of a vision-language model's folder, or of a GGUF with its projector GGUF
+        (chat_config.mmproj) (vision/runner.py); none for text models."""
         from ..vision.runner import VisionInputs
-        self.vision = VisionInputs.load(self.dev, path, self.model, self.owner)
+        self.vision = VisionInputs.load(self.dev, path, self.model, self.owner, mmproj=self.chat_config.mmproj,
+                                        tokenizer=self.tokenizer)
         if self.vision is not None:
             self.template = self.vision.template(self.template)
             if self.shifts:

@@ -118,14 +118,28 @@ class VisionInputs:
         self._cached: list = []              # the KV cache's images: (start, end, sha256)
 
     @classmethod
-    def load(cls, dev, path, model, owner: str) -> "VisionInputs | None":
-        """The image side of the model at `path` (an HF folder with a vision tower), else None."""
+    def load(cls, dev, path, model, owner: str, mmproj=None, tokenizer=None) -> "VisionInputs | None":
+        """The image side of the model at `path` (an HF folder with a vision tower, or a GGUF with the
+        projector GGUF `mmproj` beside it: vision/mmproj.py, its image token from `tokenizer`), else None."""
         path = Path(path)
-        if not path.is_dir() or not (path / "config.json").is_file():
+        if mmproj is not None:
+            from .mmproj import MmprojFile
+            files = MmprojFile(mmproj, tokenizer)
+            cfg = files.cfg
+        elif not path.is_dir() or not (path / "config.json").is_file():
             return None
-        cfg = read_vision_config(path)
-        if cfg is None:
-            return None
+        else:
+            cfg, files = read_vision_config(path), None
+            if cfg is None:
+                return None
+        try:
+            return cls._load(dev, path, model, owner, cfg, files)
+        finally:
+            if files is not None:
+                files.close()
+
+    @classmethod
+    def _load(cls, dev, path, model, owner: str, cfg: VisionConfig, files) -> "VisionInputs":
         if cfg.tokens_per_image > model.chunk:
             raise UnsupportedChatOptionError(
                 "prefill_chunk_size", model.chunk, f"an image's {cfg.tokens_per_image} tokens run in one "
@@ -140,11 +154,13 @@ class VisionInputs:
             return vision
         from ..loaders.safetensors import SafetensorsFolder
         from ..models.siglip import SiglipTower
-        files = SafetensorsFolder(path)
+        opened = files is None               # a folder's safetensors, opened only for the tower
+        files = SafetensorsFolder(path) if opened else files
         try:
             tower = SiglipTower(dev, cfg, files.tensors, owner=owner)
         finally:
-            files.close()
+            if opened:
+                files.close()
         n = capacity(cfg, model.ctx)
         model.enable_images(n * cfg.tokens_per_image, cfg.text_hidden, bidirectional=cfg.bidirectional)
         return cls(dev, cfg, tower, model, n)

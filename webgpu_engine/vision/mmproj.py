@@ -1,0 +1,150 @@
+"""A multimodal projector GGUF (llama.cpp's `--mmproj`, Ollama's projector layer): a second GGUF,
+`general.architecture` "clip", holding the vision tower and its projector beside a text model's GGUF.
+
+Its `clip.*` metadata becomes a VisionConfig (the tower's sizes, the preprocessing's image size and
+mean / std, the projector's kind from clip.projector_type) and its tensors get the Hugging Face names
+models/siglip.py reads (one table, MMPROJ_TO_HF), so a GGUF pair runs the same tower as a folder:
+
+    projector type   family    tower                    projector
+    gemma3           gemma3    SigLIP (v.blk.N.*)       avg-pool (clip.vision.projector.scale_factor,
+                                                        default 4), RMSNorm mm.soft_emb_norm (1 + w
+                                                        stored), mm.input_projection (C, C_text)
+
+What the pair does not carry comes from the text model: the image token's id (its tokenizer) and the
+chat template's image marker (the family's module).
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from ..errors import ModelFormatError, UnsupportedModelError
+from ..loaders.gguf import GGUFFile
+from ..loaders.tensor_info import TensorInfo
+from .config import VisionConfig
+
+# clip.projector_type -> the family whose host side (prompt expansion, tiles) the images take
+PROJECTORS = {"gemma3": "gemma3"}
+
+# mmproj tensor names ({i}: a tower layer) -> the Hugging Face names models/siglip.py reads
+MMPROJ_TO_HF = {
+    "v.patch_embd.weight": "vision_tower.embeddings.patch_embedding.weight",    # (C, 3, p, p)
+    "v.patch_embd.bias": "vision_tower.embeddings.patch_embedding.bias",
+    "v.position_embd.weight": "vision_tower.embeddings.position_embedding.weight",  # (N, C)
+    "v.blk.{i}.ln1.weight": "vision_tower.encoder.layers.{i}.layer_norm1.weight",
+    "v.blk.{i}.ln1.bias": "vision_tower.encoder.layers.{i}.layer_norm1.bias",
+    "v.blk.{i}.ln2.weight": "vision_tower.encoder.layers.{i}.layer_norm2.weight",
+    "v.blk.{i}.ln2.bias": "vision_tower.encoder.layers.{i}.layer_norm2.bias",
+    "v.blk.{i}.attn_q.weight": "vision_tower.encoder.layers.{i}.self_attn.q_proj.weight",
+    "v.blk.{i}.attn_q.bias": "vision_tower.encoder.layers.{i}.self_attn.q_proj.bias",
+    "v.blk.{i}.attn_k.weight": "vision_tower.encoder.layers.{i}.self_attn.k_proj.weight",
+    "v.blk.{i}.attn_k.bias": "vision_tower.encoder.layers.{i}.self_attn.k_proj.bias",
+    "v.blk.{i}.attn_v.weight": "vision_tower.encoder.layers.{i}.self_attn.v_proj.weight",
+    "v.blk.{i}.attn_v.bias": "vision_tower.encoder.layers.{i}.self_attn.v_proj.bias",
+    "v.blk.{i}.attn_out.weight": "vision_tower.encoder.layers.{i}.self_attn.out_proj.weight",
+    "v.blk.{i}.attn_out.bias": "vision_tower.encoder.layers.{i}.self_attn.out_proj.bias",
+    "v.blk.{i}.ffn_up.weight": "vision_tower.encoder.layers.{i}.mlp.fc1.weight",   # (F, C)
+    "v.blk.{i}.ffn_up.bias": "vision_tower.encoder.layers.{i}.mlp.fc1.bias",
+    "v.blk.{i}.ffn_down.weight": "vision_tower.encoder.layers.{i}.mlp.fc2.weight",  # (C, F)
+    "v.blk.{i}.ffn_down.bias": "vision_tower.encoder.layers.{i}.mlp.fc2.bias",
+    "v.post_ln.weight": "vision_tower.post_layernorm.weight",
+    "v.post_ln.bias": "vision_tower.post_layernorm.bias",
+    # Gemma 3's projector: the converter stores the RMSNorm's 1 + w (siglip.py reads either form)
+    "mm.soft_emb_norm.weight": "multi_modal_projector.mm_soft_emb_norm.one_plus_weight",
+    "mm.input_projection.weight": "multi_modal_projector.mm_input_projection_weight",  # (C, C_text)
+}
+_BLOCK = re.compile(r"^v\.blk\.(\d+)\.(.+)$")
+
+
+def hf_name(name: str) -> str | None:
+    """The Hugging Face name of an mmproj tensor, or None when the tower does not read it."""
+    m = _BLOCK.match(name)
+    if m is None:
+        return MMPROJ_TO_HF.get(name)
+    hf = MMPROJ_TO_HF.get("v.blk.{i}." + m.group(2))
+    return hf.replace("{i}", m.group(1)) if hf else None
+
+
+class MmprojFile:
+    """An open mmproj GGUF: `cfg` (VisionConfig) and `tensors` {Hugging Face name: TensorInfo}."""
+
+    def __init__(self, path, tokenizer):
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise ModelFormatError(f"no multimodal projector GGUF at {path} (mmproj)")
+        self._gguf = GGUFFile(self.path)
+        try:
+            self.cfg = read_config(self._gguf, tokenizer)
+            self.tensors: dict[str, TensorInfo] = {}
+            for name, t in self._gguf.tensors.items():
+                hf = hf_name(name)
+                if hf is not None:
+                    self.tensors[hf] = t
+        except BaseException:
+            self._gguf.close()
+            raise
+
+    def close(self) -> None:
+        self.tensors = {}
+        self._gguf.close()
+
+
+def read_config(g: GGUFFile, tokenizer) -> VisionConfig:
+    """The VisionConfig of an mmproj GGUF `g`, the image token's id from the text model's `tokenizer`."""
+    where = g.where
+    if g.architecture != "clip":
+        raise ModelFormatError(f"{where} is not a multimodal projector GGUF (general.architecture "
+                               f"{g.architecture!r}, not 'clip'); give the mmproj file llama.cpp's "
+                               f"--mmproj converter writes")
+    if not g.metadata.get("clip.has_vision_encoder", False):
+        raise UnsupportedModelError(f"{where}: the projector has no vision encoder (audio projectors are not read)")
+    kind = str(g.metadata.get("clip.projector_type", ""))
+    family = PROJECTORS.get(kind)
+    if family is None:
+        raise UnsupportedModelError(f"{where}: projector type {kind!r} is not implemented "
+                                    f"(this engine reads {sorted(PROJECTORS)})")
+
+    def meta(key: str, default=None):
+        v = g.metadata.get("clip.vision." + key, default)
+        if v is None:
+            raise ModelFormatError(f"{where}: mmproj metadata lacks clip.vision.{key}")
+        return v
+    size, patch = int(meta("image_size")), int(meta("patch_size"))
+    side = size // patch
+    if family == "gemma3":
+        from . import gemma3 as fam
+        per_side = side // int(meta("projector.scale_factor", 4))
+        tokens, marker, image_token = per_side * per_side, fam.BOI, fam.IMAGE
+    token_id = tokenizer.token_to_id(image_token) if tokenizer is not None else None
+    if token_id is None:
+        raise ModelFormatError(f"{where}: the text model's vocabulary has no {image_token} token, which "
+                               f"{kind} images take: the text GGUF and the projector do not belong together")
+    cfg = VisionConfig(
+        kind=family, hidden_size=int(meta("embedding_length")), intermediate_size=int(meta("feed_forward_length")),
+        n_layers=int(meta("block_count")), n_heads=int(meta("attention.head_count")),
+        image_size=size, patch_size=patch, eps=float(meta("attention.layer_norm_epsilon", 1e-6)),
+        text_hidden=int(meta("projection_dim")), tokens_per_image=tokens, image_token_id=int(token_id),
+        marker=marker, size=(size, size),
+        mean=tuple(float(x) for x in meta("image_mean", [0.5] * 3)),
+        std=tuple(float(x) for x in meta("image_std", [0.5] * 3)))
+    if tokens < 1 or side % max(1, round(tokens ** 0.5)):
+        raise ModelFormatError(f"{where}: {tokens} image tokens do not pool a {side}x{side} patch grid")
+    return cfg
+
+
+def is_mmproj(path) -> bool:
+    """Whether `path` is a projector GGUF (general.architecture 'clip'), read from its header."""
+    try:
+        with GGUFFile(path) as g:
+            return g.architecture == "clip"
+    except (ModelFormatError, UnsupportedModelError, OSError):
+        return False
+
+
+def split_projector(ggufs: list) -> tuple[list, Path | None]:
+    """(the model GGUFs, the projector GGUF or None) of a folder's GGUF files: a folder may hold a
+    text model and its mmproj, as llama.cpp's and the hub's GGUF repos do."""
+    projectors = [g for g in ggufs if is_mmproj(g)]
+    if len(projectors) != 1 or len(ggufs) == 1:
+        return ggufs, None
+    return [g for g in ggufs if g != projectors[0]], projectors[0]
