@@ -576,9 +576,20 @@ def test_webllm_catalogue_ids_resolve(tiny, tmp_path, monkeypatch, capsys):
     assert all(rows[f"snowflake-arctic-embed-{s}-q0f32-MLC-{b}"]["loads"] for s in "ms" for b in ("b4", "b32"))
     assert rows["Phi-3.5-vision-instruct-q4f16_1-MLC"]["refused"] == "vlm models of MLC's are not loaded"
     out = main(["list", "--webllm"]) == 0 and capsys.readouterr().out
-    # Ministral 3's artifacts are MLC's ministral3 (YaRN, its own softmax scale), not mistral
-    assert rows["Ministral-3-3B-Instruct-2512-BF16-q4f16_1-MLC"]["refused"] == "model_type 'ministral3'"
-    assert "web-llm 0.2.86" in out and "155 of 165" in out
+    # Ministral 3's six ids load from MLC's ministral3 artifacts (YaRN, MLC's softmax scale;
+    # tests/test_ministral3.py test_ministral3_mlc_artifact: logits and tokens); here one resolves to
+    # such an artifact and opens as the family, with MLC's scale
+    ministral = [m for m in rows if m.startswith("Ministral-3-")]
+    assert len(ministral) == 6 and all(rows[m]["loads"] and rows[m]["family"] == "ministral3" for m in ministral)
+    from tinyministral3 import write_tiny_ministral3_mlc
+    m3 = write_tiny_ministral3_mlc(tmp_path / "m3", "q4f16_1")["folder"]
+    fake_hf_repo(tmp_path / "hub", "mlc-ai/Ministral-3-3B-Instruct-2512-BF16-q4f16_1-MLC", _folder_files(m3))
+    opened = open_model(resolve_model_reference("Ministral-3-3B-Instruct-2512-BF16-q4f16_1-MLC").model)
+    try:
+        assert opened.arch.name == "mistral3" and opened.config.rope_scaling == "yarn" and opened.config.attn_scale
+    finally:
+        opened.close()
+    assert "web-llm 0.2.86" in out and "161 of 165" in out
 
 
 @pytest.mark.parametrize("change", [
