@@ -60,9 +60,17 @@ fn lora_expand(@builtin(global_invocation_id) gid: vec3<u32>) {
 // lora_delta: lora_shrink then lora_expand of one row in one workgroup (a decode step's few rows:
 // one dispatch per projection instead of two), and where NORM x normed on the way in:
 //   u[j] = sum_k (x[t, k] * w[k] / rms(x[t, :])) * A[idx[t], j, k];  y[t, n] += sum_j u[j] * B[idx[t], n, j]
-// (w (K) f32, rms = sqrt(mean(x^2) + eps)). dispatch (T, 1, 1), workgroup WG; the host adds the
-// consts JMAX (= J) and NORM. A row without an adapter returns at once (its slot read uniformly).
-@group(0) @binding(7) var<storage, read> w: array<f32>;               // (K) norm weight (NORM)
+// (w (K) f32, rms = sqrt(mean(x^2) + eps)). Its own layouts, so that a SIMD batch of invocations
+// reads consecutive words (a CPU adapter's workgroup runs on one thread): A transposed, at (K, J)
+// per slot, and B compact, (R, N) per slot: row n holds only the R columns of its target's block
+// (the others are zeros in B's (N, J) form), which start at u's column cols[n] (a target's index
+// x R). Each sum in the order lora_shrink / lora_expand make it (the zero columns left out add
+// nothing). dispatch (T, 1, 1), workgroup WG; the host adds the consts JMAX (= J) and NORM. A row
+// without an adapter returns at once (its slot read uniformly).
+@group(0) @binding(9) var<storage, read> cols: array<u32>;            // (N) first u column of row n
+@group(0) @binding(10) var<storage, read> a4: array<vec4<f32>>;       // (slots, J, K / 4) A
+@group(0) @binding(11) var<storage, read> b4: array<vec4<f32>>;       // (slots, N, R / 4) B compact
+@group(0) @binding(12) var<storage, read> w4: array<vec4<f32>>;       // (K / 4) norm weight (NORM)
 
 struct DeltaParams {
     T: u32,
@@ -73,13 +81,15 @@ struct DeltaParams {
     y_off: u32,
     slots: u32,
     eps: f32,
+    R: u32,          // B's columns per row (the pool's rank)
 }
 
 @group(0) @binding(8) var<uniform> D: DeltaParams;
 
 var<workgroup> wslot: u32;
 var<workgroup> wsum: array<f32, WG>;
-var<workgroup> wu: array<f32, JMAX>;
+var<workgroup> wu: array<vec4<f32>, (JMAX + 3u) / 4u>;
+var<workgroup> wx: array<vec4<f32>, KC / 4u>;
 
 @compute @workgroup_size(WG)
 fn lora_delta(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
@@ -102,22 +112,53 @@ fn lora_delta(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_i
         workgroupBarrier();
         inv = inverseSqrt(wsum[0] / f32(D.K) + D.eps);
     }
-    for (var j = lid; j < D.J; j += WG) {
-        let a0 = (s * D.J + j) * D.K;
+    // u = A · x: invocation j sums row j of A (a vec4 a load) against x (times w), staged KC
+    // values at a time in workgroup memory (a storage load costs per invocation on a CPU adapter)
+    let a0 = (s * D.J) * (D.K / 4u);
+    for (var j0 = 0u; j0 < D.J; j0 += WG) {
+        let j = j0 + lid;
+        let aj = a0 + j * (D.K / 4u);
         var acc = 0.0;
-        if (NORM) {
-            for (var k = 0u; k < D.K; k++) { acc += f32(x[x0 + k]) * w[k] * a[a0 + k]; }
-            acc *= inv;
-        } else {
-            for (var k = 0u; k < D.K; k++) { acc += f32(x[x0 + k]) * a[a0 + k]; }
+        for (var kc = 0u; kc < D.K; kc += KC) {
+            let kn = min(KC, D.K - kc);
+            workgroupBarrier();
+            for (var k = lid; k < kn; k += WG) {
+                var v = f32(x[x0 + kc + k]);
+                if (NORM) { v *= w4[(kc + k) / 4u][k % 4u]; }
+                wx[k / 4u][k % 4u] = v;
+            }
+            workgroupBarrier();
+            if (j < D.J) {
+                let ak = aj + kc / 4u;
+                for (var k4 = 0u; k4 < kn / 4u; k4++) {
+                    let xv = wx[k4];
+                    let av = a4[ak + k4];
+                    acc += xv.x * av.x;
+                    acc += xv.y * av.y;
+                    acc += xv.z * av.z;
+                    acc += xv.w * av.w;
+                }
+            }
         }
-        wu[j] = acc;
+        if (j < D.J) {
+            if (NORM) { acc *= inv; }
+            wu[j / 4u][j % 4u] = acc;
+        }
     }
     workgroupBarrier();
+    let b0 = s * D.N * (D.R / 4u);
     for (var n = lid; n < D.N; n += WG) {
-        let b0 = (s * D.N + n) * D.J;
+        let c = cols[n] / 4u;
+        let bn = b0 + n * (D.R / 4u);
         var acc = 0.0;
-        for (var j = 0u; j < D.J; j++) { acc += wu[j] * b[b0 + j]; }
+        for (var r4 = 0u; r4 < D.R / 4u; r4++) {
+            let uv = wu[c + r4];
+            let bv = b4[bn + r4];
+            acc += uv.x * bv.x;
+            acc += uv.y * bv.y;
+            acc += uv.z * bv.z;
+            acc += uv.w * bv.w;
+        }
         let at = D.y_off + t * D.N + n;
         y[at] = act(f32(y[at]) + acc);
     }

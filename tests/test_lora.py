@@ -56,24 +56,38 @@ def test_lora_shrink_expand(device, _free, dtype, T, K, N, J, slots):
 
 @pytest.mark.parametrize("dtype", ["f32", "f16"])
 @pytest.mark.parametrize("norm", [False, True])
-@pytest.mark.parametrize("T,K,N,J,slots", [(1, 64, 96, 8, 1), (5, 72, 200, 48, 3)])
-def test_lora_delta_is_shrink_then_expand_in_one(device, _free, dtype, norm, T, K, N, J, slots):
-    rng = np.random.default_rng(T * K + J + norm)
+@pytest.mark.parametrize("T,K,N,R,targets,slots", [(1, 64, 96, 8, 1, 1), (5, 72, 200, 16, 3, 3)])
+def test_lora_delta_is_shrink_then_expand_in_one(device, _free, dtype, norm, T, K, N, R, targets, slots):
+    """lora_delta (B compact: each row only its target's R columns) equals the pair's
+    references over the same A and the block-sparse B (N, J); a base row keeps its bits."""
+    rng = np.random.default_rng(T * K + R + norm)
+    J = targets * R
     x = rng.standard_normal((T, K))
     a = (rng.standard_normal((slots, J, K)) / np.sqrt(K)).astype(np.float32)
-    b = (rng.standard_normal((slots, N, J)) / np.sqrt(J)).astype(np.float32)
+    cols = (R * ((np.arange(N) // 2) % targets)).astype(np.uint32)      # targets' rows interleaved in pairs
+    bc = (rng.standard_normal((slots, N, R)) / np.sqrt(R)).astype(np.float32)
+    b = np.zeros((slots, N, J), np.float32)                               # the same B, (N, J) with zeros
+    for r in range(R):
+        b[:, np.arange(N), cols + r] = bc[:, :, r]
+    np.testing.assert_array_equal(lk.compact_b(b, cols, R), bc)
     w = (1 + 0.1 * rng.standard_normal(K)).astype(np.float32)
     idx = np.array([lk.NONE if t % 3 == 1 else t % slots for t in range(T)], np.uint32)
     y0 = rng.standard_normal((T, N))
     yt = put(device, y0, dtype, lead=5)
     nt = (put(device, w), 1e-5) if norm else None
-    run(device, lk.lora_delta(device, put(device, x, dtype, lead=3), put(device, a), put(device, b),
-                              put(device, idx, "u32"), yt, slots=slots, norm=nt))
+    run(device, lk.lora_delta(device, put(device, x, dtype, lead=3), put(device, a),
+                              put(device, bc), put(device, cols, "u32"), put(device, idx, "u32"), yt, slots=slots, norm=nt))
     u = lk.shrink_ref(rounded(x, dtype), a, idx, (w, 1e-5) if norm else None)
     want, got = lk.expand_ref(u, b, idx, rounded(y0, dtype)), get(device, yt)
     assert np.abs(got - want).max() / np.abs(want).max() < (1e-4 if dtype == "f32" else 1e-2)
     base = idx == lk.NONE
     np.testing.assert_array_equal(got[base], rounded(y0, dtype)[base])
+    if not norm:                              # the pair's sums in the pair's order: the same bits
+        yp, it = put(device, y0, dtype), put(device, idx, "u32")
+        ut = empty(device, (T, J), fill=0)
+        run(device, lk.lora_shrink(device, put(device, x, dtype), put(device, a), it, ut, slots=slots),
+            lk.lora_expand(device, ut, put(device, b), it, yp, slots=slots))
+        np.testing.assert_array_equal(got, get(device, yp))
 
 
 def test_lora_kernels_refuse_bad_shapes(device, _free):
@@ -144,14 +158,14 @@ async def test_shrink_and_expand_apart_answer_as_in_one(engine):
     """The GPU form (lora_shrink + lora_expand, the norm apart) gives the same tokens as the CPU
     adapter's one-dispatch lora_delta."""
     pipe = engine.models[_base_id(engine)].pipeline
-    pipe.lora.fused = False
+    pipe.lora.use_fused(False)
     pipe.scheduler.fwd.release()                 # the op lists are built again
     try:
         names = [None, "a", "b", "a"]
         got = await asyncio.gather(*[_greedy(engine, n or _base_id(engine), k % 2) for k, n in enumerate(names)])
         assert got == [_want(n, k % 2) for k, n in enumerate(names)]
     finally:
-        pipe.lora.fused = True
+        pipe.lora.use_fused(True)
         pipe.scheduler.fwd.release()
 
 

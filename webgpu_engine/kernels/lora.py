@@ -5,7 +5,8 @@ each row through its own adapter's slot of a pool (punica / S-LoRA's "bgmv"), a 
     u = lora_shrink(x, A, idx)       u[t] = A[idx[t]] · x[t]         (T, J) f32
     y += lora_expand(u, B, idx)      y[t] += B[idx[t]] · u[t]        (T, N) into y's columns
     y += lora_delta(x, A, B, idx)    the two in one dispatch, a workgroup per row, x RMS-normed on
-                                     the way in where given a norm (a decode step's rows)
+                                     the way in where given a norm (a decode step's rows); A and B
+                                     in a layout of its own (B compact: compact_b)
 
 A pool holds `slots` adapters: A (slots, J, K) and B (slots, N, J) f32, J = targets x rank, B scaled.
 The numpy references are shrink_ref / expand_ref below. Standard library only (runs in the page).
@@ -17,11 +18,13 @@ from .common import DTYPE_SIZE, Op, Tensor, act_header, check, params, placehold
 
 NONE = 0xFFFFFFFF        # the slot of a row without an adapter
 _WG = 64
+_KC = 1024             # lora_delta's x values staged at a time (4 KB of workgroup memory)
 
 
 def _pipe(dev: Device, entry: str, dtype: str, j: int = 1, norm: bool = False):
     return dev.pipeline("lora.wgsl", entry, header=f"{act_header(dtype)}const WG: u32 = {_WG}u;\n"
-                                                   f"const JMAX: u32 = {j}u;\nconst NORM: bool = {str(norm).lower()};\n")
+                                                   f"const JMAX: u32 = {j}u;\nconst NORM: bool = {str(norm).lower()};\n"
+                                                   f"const KC: u32 = {_KC}u;\n")
 
 
 def lora_shrink(dev: Device, x: Tensor, a: Tensor, idx: Tensor, u: Tensor, *, slots: int) -> Op:
@@ -59,29 +62,43 @@ def _pair_op(dev: Device, k: str, act: Tensor, w: Tensor, idx: Tensor, u: Tensor
     return op.add(pipe, dev.bind(pipe, {0: par, 1: ib, 2: ub, **binds}), -(-(width if expand else J) // _WG), T)
 
 
-def lora_delta(dev: Device, x: Tensor, a: Tensor, b: Tensor, idx: Tensor, y: Tensor, *, slots: int,
-               norm: tuple | None = None) -> Op:
+def lora_delta(dev: Device, x: Tensor, a: Tensor, b: Tensor, cols: Tensor, idx: Tensor, y: Tensor, *,
+               slots: int, norm: tuple | None = None) -> Op:
     """y[t] += B[idx[t]] · (A[idx[t]] · x'[t]) for each row with an adapter, x' = x, or with `norm`
-    (w (K,) f32, eps) x * w / rms(x).  x (T, K) act; a (slots, J, K), b (slots, N, J) f32; idx (T,)
-    u32; y (T, N) act."""
+    (w (K,) f32, eps) x * w / rms(x).  x (T, K) act; a (slots, J, K) f32; b (slots, N, R) f32 and
+    cols (N,) u32: B compact (compact_b); idx (T,) u32; y (T, N) act. K and R multiples of 4."""
     k = "lora_delta"
     T, K = (int(s) for s in x.shape)
     N = int(y.shape[1])
     J = a.numel // (slots * K) if slots and K else 0
+    R = b.numel // (slots * N) if slots and N else 0
     check(x.dtype == y.dtype and x.dtype in ("f32", "f16") and int(y.shape[0]) == T, k,
           f"x{x.shape}/{x.dtype} and y{y.shape}/{y.dtype} must be (T, K) and (T, N) of one act dtype")
-    check(a.dtype == b.dtype == "f32" and J > 0 and a.numel == slots * J * K and b.numel == slots * N * J, k,
-          f"A{a.shape} and B{b.shape} must be ({slots}, J, {K}) and ({slots}, {N}, J) f32")
+    check(a.dtype == b.dtype == "f32" and J > 0 and R > 0 and J % R == 0 and K % 4 == 0 and R % 4 == 0
+          and a.numel == slots * K * J and b.numel == slots * R * N, k, f"A{a.shape} and B{b.shape} must be "
+          f"({slots}, J, {K}) and ({slots}, {N}, R) f32, J a multiple of R, K and R of 4")
+    check(cols.dtype == "u32" and cols.numel == N, k, f"cols{cols.shape} must be ({N},) u32")
     check(idx.dtype == "u32" and idx.numel >= T, k, f"idx{idx.shape} must hold {T} rows")
     check(norm is None or (norm[0].dtype == "f32" and norm[0].numel == K), k, f"the norm weight must be ({K},) f32")
     (xb, xo), (yb, yo), (ib, io) = (window(t, DTYPE_SIZE[t.dtype], k, n) for t, n in ((x, "x"), (y, "y"), (idx, "idx")))
-    check(io == 0 and a.offset == 0 and b.offset == 0, k, "idx, A and B must start at binding-aligned offsets")
+    check(io == 0 and a.offset == 0 and b.offset == 0 and cols.offset == 0, k,
+          "idx, A, B and cols must start at binding-aligned offsets")
     pipe = _pipe(dev, k, x.dtype, J, norm is not None)
-    par = params(dev, [T, K, N, J, xo, yo, slots, float(norm[1]) if norm else 0.0], owner=y.buf.owner, label=k)
+    par = params(dev, [T, K, N, J, xo, yo, slots, float(norm[1]) if norm else 0.0, R], owner=y.buf.owner, label=k)
     w = norm[0].binding() if norm else placeholder(dev)
     op = Op(name=k)
     op.buffers.append(par)
-    return op.add(pipe, dev.bind(pipe, {1: ib, 3: xb, 4: a.binding(), 5: yb, 6: b.binding(), 7: w, 8: par}), T)
+    return op.add(pipe, dev.bind(pipe, {1: ib, 3: xb, 5: yb, 8: par, 9: cols.binding(), 10: a.binding(),
+                                        11: b.binding(), 12: w}), T)
+
+
+def compact_b(b, cols, rank: int):
+    """lora_delta's B (slots, N, R) from B (slots, N, J) whose row n is zero outside its target's
+    columns cols[n] .. cols[n] + R (numpy)."""
+    import numpy as np
+    b = np.asarray(b, np.float32)
+    at = np.asarray(cols, np.int64)[:, None] + np.arange(rank)
+    return np.ascontiguousarray(np.take_along_axis(b, np.broadcast_to(at, (b.shape[0],) + at.shape), axis=2))
 
 
 # ---------------------------------------------------------------------- numpy references

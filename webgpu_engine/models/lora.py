@@ -10,7 +10,8 @@ On the GPU a LoraPool holds up to `slots` adapters of rank <= `max_rank`, per la
 the forward shares (q|k|v read one h, gate|up another), as kernels/lora.py's A (slots, J, K) and
 B (slots, N, J) with J = targets x max_rank: an adapter's A rows of each target stacked, its B (s
 folded in) laid out as the fused projection's output rows (q|k|v, gate / up in pairs where the
-model interleaves them, q / k rows permuted where the base's are), zeros where it has no target. A
+model interleaves them, q / k rows permuted where the base's are), zeros where it has no target
+(on a CPU adapter lora_delta's B: compact). A
 forward built with `rows` (LoraRows: the pool, a (P,) u32 slot per row, kernels/lora.py NONE for a
 base row, and the groups some adapter targets) adds each row's delta to those projections' outputs
 (decoder.py; o's and down's into x before their matmul adds to it); a row without an adapter is not
@@ -275,14 +276,13 @@ def check_adapter(m, ad: LoraAdapter, max_rank: int) -> None:
 @dataclass
 class _Group:
     a: Tensor          # (slots, J, K)
-    b: Tensor          # (slots, N, J)
+    b: Tensor          # (slots, N, J); lora_delta's: compact (slots, N, R)
     targets: tuple
     k: int
     n: int
-
-    @property
-    def j(self) -> int:
-        return self.a.shape[1]
+    j: int
+    cols: Tensor | None = None     # lora_delta's (N,) u32: the first column of row n's target
+    cols_host: object = None       # the same, numpy
 
 
 class LoraPool:
@@ -298,17 +298,7 @@ class LoraPool:
         if self.slots < 1 or self.max_rank < 1:
             raise InvalidRequestError("max_loras and max_lora_rank must be at least 1.", param="max_loras")
         self.groups: list[dict] = []                       # per layer: group -> _Group
-        for i in range(c.n_layers):
-            shapes, per = _shapes(c, i), {}
-            for g, targets in GROUPS:
-                if g not in _layer_groups(m, i):
-                    continue
-                ts = targets if g != "gate_up" or c.ffn_gated else ("up",)
-                J, K, N = len(ts) * self.max_rank, shapes[ts[0]][0], _group_n(m, i, g)
-                per[g] = _Group(new_tensor(dev, (self.slots, J, K), owner=owner, label=f"lora.{i}.{g}.a"),
-                                new_tensor(dev, (self.slots, N, J), owner=owner, label=f"lora.{i}.{g}.b"),
-                                ts, K, N)
-            self.groups.append(per)
+        self._alloc()
         J = max(g.j for per in self.groups for g in per.values())
         self.u = new_tensor(dev, (m.chunk, J), owner=owner, label="lora.u")           # x · Aᵀ per row
         # the norm of x where a fused matmul norms it itself (decoder.py _lora_delta)       (P, C)
@@ -316,6 +306,48 @@ class LoraPool:
         self.registered: dict[str, LoraAdapter] = {}
         self._resident: OrderedDict = OrderedDict()        # name -> slot, least recently used first
         self._users: dict[str, int] = {}                   # name -> sequences using it now
+
+    def _alloc(self) -> None:
+        """Each layer's group tensors in the kernels' layout (`fused`: lora_delta's A transposed and
+        compact B with its cols; else lora_shrink / lora_expand's)."""
+        import numpy as np
+        m, c, dev, owner, S = self.m, self.m.cfg, self.dev, self.owner, self.slots
+        # each target's columns of u: the rank, a multiple of 4 for lora_delta (vec4 reads)
+        R = self.width = -(-self.max_rank // 4) * 4 if self.fused else self.max_rank
+        for g in (g for per in self.groups for g in per.values()):
+            for t in (g.a, g.b, g.cols):
+                if t is not None:
+                    t.buf.release()
+        self.groups = []
+        for i in range(c.n_layers):
+            shapes, per = _shapes(c, i), {}
+            for g, targets in GROUPS:
+                if g not in _layer_groups(m, i):
+                    continue
+                ts = targets if g != "gate_up" or c.ffn_gated else ("up",)
+                J, K, N = len(ts) * R, shapes[ts[0]][0], _group_n(m, i, g)
+                name = f"lora.{i}.{g}"
+                if not self.fused:
+                    per[g] = _Group(new_tensor(dev, (S, J, K), owner=owner, label=name + ".a"),
+                                    new_tensor(dev, (S, N, J), owner=owner, label=name + ".b"), ts, K, N, J)
+                    continue
+                cols = np.zeros(N, np.uint32)
+                for t_i, t in enumerate(ts):
+                    cols[_out_rows(m, i, t, shapes[t][1])] = t_i * R
+                ct = new_tensor(dev, (N,), "u32", owner=owner, label=name + ".cols")
+                dev.write(ct.buf, cols)
+                per[g] = _Group(new_tensor(dev, (S, J, K), owner=owner, label=name + ".a"),
+                                new_tensor(dev, (S, N, R), owner=owner, label=name + ".b"), ts, K, N, J, ct, cols)
+            self.groups.append(per)
+
+    def use_fused(self, fused: bool) -> None:
+        """The CPU adapter's one-dispatch form (lora_delta) or the GPU's pair: the pool's tensors
+        laid out again and the resident adapters uploaded again (op lists must be built again)."""
+        if fused != self.fused:
+            self.fused = fused
+            self._alloc()
+            for name, slot in self._resident.items():
+                self._upload(self.registered[name], slot)
 
     # ------------------------------------------------------------------ registry
     def register(self, ad: LoraAdapter) -> None:
@@ -377,7 +409,7 @@ class LoraPool:
 
     def _upload(self, ad: LoraAdapter, slot: int) -> None:
         import numpy as np
-        R = self.max_rank
+        R = self.width
         for i, per in enumerate(self.groups):
             for g in per.values():
                 A, B = np.zeros((g.j, g.k), np.float32), np.zeros((g.n, g.j), np.float32)
@@ -389,6 +421,8 @@ class LoraPool:
                     A[t_i * R:t_i * R + ad.rank] = a
                     rows = _out_rows(self.m, i, t, b.shape[0], ad.qk_permuted)
                     B[rows, t_i * R:t_i * R + ad.rank] = b * np.float32(ad.scale)
+                if g.cols is not None:                     # lora_delta's B
+                    B = lk.compact_b(B[None], g.cols_host, R)[0]
                 self.dev.write(g.a.buf, A, slot * A.nbytes)
                 self.dev.write(g.b.buf, B, slot * B.nbytes)
 
@@ -415,7 +449,7 @@ class LoraRows:
             return []
         dev, idx, x = p.dev, self.idx.view((T,)), x.view((T, g.k))
         if p.fused:
-            return [lk.lora_delta(dev, x, g.a, g.b, idx, y.view((T, g.n)), slots=p.slots, norm=norm)]
+            return [lk.lora_delta(dev, x, g.a, g.b, g.cols, idx, y.view((T, g.n)), slots=p.slots, norm=norm)]
         ops = []
         if norm is not None:
             ops.append(nn.rms_norm(dev, x, norm[0], p.h.view((T, g.k)), eps=norm[1]))
