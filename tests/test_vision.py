@@ -308,7 +308,7 @@ def served(tmp_path_factory, device):
     from tinymodels import write_tiny_llama_safetensors
     from webgpu_engine.server.app import ServerOptions, ServerThread
     text = write_tiny_llama_safetensors(tmp_path_factory.mktemp("vlm") / "tiny-text")["folder"]
-    # max_num_sequences 0 (as suits the device: `serve`'s default) runs a vision model on the one-request path
+    # max_num_sequences 0 (as suits the device: `serve`'s default) batches a vision model too
     s = ServerThread(ServerOptions(models=[str(FOLDER), str(text), str(IDEFICS)],
                                    chat_opts=[{**OPTS, "max_num_sequences": 0}, OPTS, OPTS], port=0))
     yield s, openai.OpenAI(base_url=s.url, api_key="none", max_retries=0)

@@ -113,3 +113,17 @@ async def test_a_follow_up_turn_in_the_batch_reuses_its_images_rows(batched, ref
         assert got == await _ask(one, follow, 8)
     finally:
         await one.unload()
+
+
+async def test_as_suits_the_device_a_vision_model_batches(device, ref):
+    """max_num_sequences 0 (`serve`'s default) loads Gemma 3 with its images on the batching path; a
+    lone request about two images gives transformers' tokens there (as the one-request path did)."""
+    from webgpu_engine.engine.engine import AsyncMLCEngine
+    eng = AsyncMLCEngine()
+    await eng.reload(str(FOLDER), chat_opts={**OPTS, "max_num_sequences": 0})
+    try:
+        sched = next(iter(eng.models.values())).pipeline.scheduler
+        assert sched is not None and sched.max_seqs > 1
+        assert await _ask(eng, _messages(ref, "two")) == _text(ref["prompts"]["two"]["greedy"])
+    finally:
+        await eng.unload()
