@@ -115,12 +115,19 @@ async def test_a_follow_up_turn_in_the_batch_reuses_its_images_rows(batched, ref
         await one.unload()
 
 
-async def test_as_suits_the_device_a_vision_model_batches(device, ref):
-    """max_num_sequences 0 (`serve`'s default) loads Gemma 3 with its images on the batching path; a
-    lone request about two images gives transformers' tokens there (as the one-request path did)."""
+PAIR = FOLDER.parent / "mmproj_gguf"       # the same model as llama.cpp's converter writes it (test_mmproj.py)
+
+
+@pytest.mark.parametrize("path,opts", [(FOLDER, {}), (PAIR / "tiny-gemma3.gguf",
+                                                     {"mmproj": str(PAIR / "mmproj-tiny-gemma3.gguf")})],
+                         ids=["folder", "gguf_mmproj"])
+async def test_as_suits_the_device_a_vision_model_batches(device, ref, path, opts):
+    """max_num_sequences 0 (`serve`'s default) loads Gemma 3 with its images on the batching path, from
+    its folder and from a GGUF with its projector GGUF; a lone request about two images gives
+    transformers' tokens there (as the one-request path did)."""
     from webgpu_engine.engine.engine import AsyncMLCEngine
     eng = AsyncMLCEngine()
-    await eng.reload(str(FOLDER), chat_opts={**OPTS, "max_num_sequences": 0})
+    await eng.reload(str(path), chat_opts={**OPTS, **opts, "max_num_sequences": 0})
     try:
         sched = next(iter(eng.models.values())).pipeline.scheduler
         assert sched is not None and sched.max_seqs > 1

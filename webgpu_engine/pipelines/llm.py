@@ -154,9 +154,6 @@ class LLMChatPipeline(DecodePaths):
             close()
             raise
         try:
-            if chat_config.max_num_sequences == 0 and chat_config.mmproj:
-                # "as suits the device" for a GGUF + mmproj model: the one-request path, where its images run
-                chat_config = replace(chat_config, max_num_sequences=1)
             plan = plan_decoder(cfg, chat_config, dev)   # dtype, context, chunk, sequences, pool
         except BaseException:
             close()
