@@ -18,7 +18,8 @@ f16 / f32, value = (q - 7) * scale) are repacked at load, exactly, onto Q4_0 blo
 d = -scale and q' = 15 - q, (q' - 8) d = (7 - q)(-scale) = (q - 7) scale for every 4-bit q, and
 negating a float is exact. q4f16_1 becomes GGUF's q4_0 (f16 d); q4f32_1 becomes q4_0f32, Q4_0 with an
 f32 d (kernels/qtypes.py). The repack moves nibbles (numpy where installed, else the standard library's
-byte operations). Other quantisations (q3f16_1, q4f16_0's KN layout, AWQ, fp8) are refused by name.
+byte operations). q3f16_1 is dequantised to f16 on load (loaders/mlc_q3.py). Other quantisations
+(q4f16_0's KN layout, AWQ, fp8) are refused by name.
 
 Families: each decoder family declares the MLC model_type values it reads, its parameter names (MLC
 stores q|k|v as `qkv_proj` and gate|up as `gate_up_proj`: split into our q, k, v, gate, up on load by
@@ -39,6 +40,7 @@ from pathlib import Path
 from ..config import SAMPLING_FIELDS
 from ..errors import ModelFormatError, UnsupportedModelError
 from .gguf import _as_buffer
+from .mlc_q3 import DequantizedQ3, model_widths
 from .model_config import LlamaConfig
 from .tensor_info import LazyTensorInfo, TensorInfo, split_fused
 
@@ -98,7 +100,7 @@ def model_types() -> tuple[str, ...]:
 
 def quantizations(model_type: str) -> tuple[str, ...]:
     """The quantisations an artifact of this model_type loads in (embedders: the float ones)."""
-    return FLOAT_QUANTS if model_type in ENCODERS else (*FLOAT_QUANTS, *GROUP_QUANTS)
+    return FLOAT_QUANTS if model_type in ENCODERS else (*FLOAT_QUANTS, *GROUP_QUANTS, "q3f16_1")
 
 
 def _read_json(p: Path) -> dict:
@@ -317,8 +319,11 @@ class MLCArtifact:
             ours = ours.replace("{i}", index) if index is not None else ours
             groups.setdefault(ours, {})[part] = t
         out: dict[str, TensorInfo] = {}
+        widths = model_widths(self.config()) if self.quantization == "q3f16_1" else ()
         for ours, parts in groups.items():
-            if "q_weight" in parts or "q_scale" in parts:
+            if widths and {"q_weight", "q_scale"} <= set(parts):
+                out[ours] = DequantizedQ3(parts["q_weight"], parts["q_scale"], widths, str(self.cache_path))
+            elif "q_weight" in parts or "q_scale" in parts:
                 out[ours] = self._q4_pair(ours, parts)
             elif "weight" in parts:
                 out[ours] = parts["weight"]
