@@ -142,3 +142,73 @@ def test_every_package_is_in_the_distribution():
                  ["tool"]["setuptools"]["packages"])
     tree = {".".join(p.parent.relative_to(PKG.parent).parts) for p in PKG.rglob("__init__.py")}
     assert tree <= listed, f"packages missing from pyproject.toml: {sorted(tree - listed)}"
+
+
+# Classes that still read state their subclass defines. DecodePaths is the one-request path's decode
+# features, mixed into LLMChatPipeline; it goes with that path (the batch scheduler is the other loop).
+_KNOWN_MIXINS = {"DecodePaths"}
+
+
+def _class_table() -> dict:
+    """name -> [(module file, ClassDef)] of every class in the package."""
+    out: dict = {}
+    for f, _, _ in _modules():
+        for node in ast.walk(ast.parse(f.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ClassDef):
+                out.setdefault(node.name, []).append((f, node))
+    return out
+
+
+def _own_names(node: ast.ClassDef) -> tuple[set, set]:
+    """(names the class defines or declares: methods, class attributes, annotations and self.X
+    assignments; names its methods read as self.X / cls.X)."""
+    defined, read = set(), set()
+    for st in node.body:
+        if isinstance(st, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            defined.add(st.name)
+        elif isinstance(st, ast.Assign):
+            defined |= {t.id for t in st.targets if isinstance(t, ast.Name)}
+        elif isinstance(st, ast.AnnAssign) and isinstance(st.target, ast.Name):
+            defined.add(st.target.id)
+    for fn in (st for st in node.body if isinstance(st, (ast.FunctionDef, ast.AsyncFunctionDef))):
+        if any(isinstance(d, ast.Name) and d.id == "staticmethod" for d in fn.decorator_list):
+            continue
+        me = fn.args.args[0].arg if fn.args.args else None
+        for sub in ast.walk(fn):
+            if isinstance(sub, ast.Attribute) and isinstance(sub.value, ast.Name) and sub.value.id == me:
+                (defined if isinstance(sub.ctx, ast.Store) else read).add(sub.attr)
+    return defined, read
+
+
+def test_no_class_reads_what_another_defines():
+    """Parts, not mixins: every attribute a class's methods read on self is defined or declared (an
+    annotation, a method) by the class or its bases. A base that reads what its subclass sets up is a
+    mixin standing in for a part with its own state (abstract hooks are declared in the base)."""
+    table = _class_table()
+
+    def defined(name: str, seen: tuple = ()) -> set | None:    # None: a base outside the package
+        if len(table.get(name, ())) != 1 or name in seen:
+            return None
+        node = table[name][0][1]
+        names = _own_names(node)[0]
+        for b in node.bases:
+            b = b.id if isinstance(b, ast.Name) else getattr(b, "attr", None)
+            if b in ("object", "Generic"):
+                continue
+            more = defined(b, seen + (name,))
+            if more is None:
+                return None
+            names |= more
+        return names
+
+    bad = []
+    for name, found in sorted(table.items()):
+        names = defined(name)
+        if names is None or name in _KNOWN_MIXINS:
+            continue
+        f, node = found[0]
+        missing = _own_names(node)[1] - names - {"__class__", "__dict__"}
+        if missing:
+            bad.append(f"{f.relative_to(PKG.parent)}:{node.lineno} {name} reads {sorted(missing)}")
+    assert not bad, "classes reading attributes they neither define nor declare:\n" + "\n".join(bad)
+    assert all(len(table.get(n, ())) == 1 for n in _KNOWN_MIXINS), "a known mixin is gone: drop it from the list"

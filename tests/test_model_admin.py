@@ -56,7 +56,7 @@ def test_load_and_unload_a_model_while_serving(server):
     status, body = _post(server, "/v1/models/unload", {"model": "stub-llm"})
     assert (status, body) == (200, {"id": "stub-llm", "object": "model", "deleted": True})
     assert _ids(server) == ["stub-emb"]
-    assert server.engine._last_reload[0] == ["stub-emb"]      # what auto_recover would reload
+    assert server.engine.held.last_reload[0] == ["stub-emb"]      # what auto_recover would reload
     with pytest.raises(openai.NotFoundError):
         c.chat.completions.create(model="stub-llm", messages=[{"role": "user", "content": "hi"}])
     assert len(c.embeddings.create(model="stub-emb", input="a").data) == 1

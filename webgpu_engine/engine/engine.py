@@ -3,9 +3,9 @@
 The engine holds no GPU math. Per loaded model id it keeps a pipeline, its chat config, its type and
 a lock; every request goes validate → select model → lock → generate → release (requests.py).
 One gpu Device is shared by all loaded models. This module serves requests (model selection,
-admission, the WebLLM methods); loading.py holds reload() / unload() and LoadedModel, device_loss.py
-what a device loss does (the engine class mixes both in); tokenize / detokenize (tokens.py) and the
-LoRA adapters (lora.py) are parts of their own that the engine's methods delegate to.
+admission, the WebLLM methods). Everything else is a part the engine holds and delegates to, each
+with its own state: what is loaded on which device (residency.py), loading and unloading (loading.py),
+what a device loss does (device_loss.py), tokenize / detokenize (tokens.py), the LoRA adapters (lora.py).
 Standard library only at module level (this runs in the browser too).
 """
 from __future__ import annotations
@@ -17,31 +17,25 @@ from .. import gpu
 from ..config import GenerationConfig
 from ..errors import (IncorrectPipelineLoadedError, InvalidRequestError, ModelBusyError, ModelNotLoadedError,
                       RequestTimeoutError, SpecifiedModelNotFoundError, UnclearModelToUseError)
-from .device_loss import DeviceLossHandling
-from .loading import SHARED_OWNERS, LoadedModel, ModelLoading  # noqa: F401 - SHARED_OWNERS re-exported
+from .device_loss import DeviceLoss
+from .loading import SHARED_OWNERS, LoadedModel, ModelLoader  # noqa: F401 - SHARED_OWNERS re-exported
 from .lora import LoraAdapters
 from .records import LLM, AppConfig, EngineConfig
+from .residency import Residency
 from .tokens import Tokenizing
 
 
-class AsyncMLCEngine(ModelLoading, DeviceLossHandling):
+class AsyncMLCEngine:
     """Async engine. `await engine.reload(ids)`, then `engine.chat.completions.create(...)` etc."""
 
     def __init__(self, engine_config: EngineConfig | None = None):
         from .requests import Chat, Completions, Embeddings
         self.config = engine_config or EngineConfig()
-        self.app_config: AppConfig = self.config.app_config
-        self.init_progress_callback = self.config.init_progress_callback
-        self.logit_processor_registry = dict(self.config.logit_processor_registry or {})
-        self.device = self.config.device
-        self.models: dict[str, LoadedModel] = {}
-        self.state = "idle"             # idle | loading | ready | device_lost
-        self.device_lost_reason: str | None = None
-        self._epoch = 0
-        self._last_reload: tuple[list[str], list[dict | None]] | None = None
-        self._progress_floor = 0.0              # a reload's progress reports never go back
-        self._recovering: asyncio.Future | None = None
-        self._load_token: object | None = None    # the reload in progress; unload() clears it
+        self.held = Residency(self.config.device)
+        self.lora = LoraAdapters(lambda: self.held.models)
+        self.loss = DeviceLoss(self.config, self.held, self.lora)
+        self.loader = ModelLoader(self.config, self.held, self.get_device, self.lora, self.loss)
+        self.loss.reload = self.loader.reload
         self.interrupts = 0             # interrupt_generate() calls: a request stops all its choices
         self.chat = Chat(self)
         self.completions = Completions(self)
@@ -53,7 +47,48 @@ class AsyncMLCEngine(ModelLoading, DeviceLossHandling):
         from .rerank import Rerank
         self._rerank = Rerank(self)
         self._tokens = Tokenizing(self.select, self.config)
-        self.lora = LoraAdapters(lambda: self.models)
+
+    # ------------------------------------------------------------------ what is loaded (residency.py)
+    @property
+    def models(self) -> dict[str, LoadedModel]:
+        return self.held.models
+
+    @property
+    def state(self) -> str:
+        """idle | loading | ready | device_lost"""
+        return self.held.state
+
+    @property
+    def device(self):
+        return self.held.device
+
+    @property
+    def device_lost_reason(self) -> str | None:
+        return self.held.lost_reason
+
+    # ------------------------------------------------------------------ loading (loading.py)
+    async def reload(self, model_id: str | list[str], chat_opts: dict | list[dict | None] | None = None,
+                     *, aliases: str | list[str | None] | None = None, lora_adapters: dict | None = None) -> None:
+        """Unload everything, then load each model in order (ModelLoader.reload: aborting, aliases,
+        progress, adapters)."""
+        await self.loader.reload(model_id, chat_opts, aliases=aliases, lora_adapters=lora_adapters)
+
+    async def unload(self) -> None:
+        """Free every loaded model and abort a reload() in progress (ModelLoader.unload)."""
+        await self.loader.unload()
+
+    def memory_budget(self, dev=None) -> tuple[int, str]:
+        """(bytes this engine may hold on the device, where the number comes from)."""
+        return self.loader.memory_budget(dev)
+
+    # ------------------------------------------------------------------ device loss (device_loss.py)
+    async def guard(self, awaitable, lm: LoadedModel | None = None, what: str = "a GPU step"):
+        """Await one pipeline step; a device loss drops every model (DeviceLoss.guard)."""
+        return await self.loss.guard(awaitable, lm, what)
+
+    def check_loaded(self, lm: LoadedModel, request_name: str) -> None:
+        """Raise when `lm` was dropped (unload, reload, device loss) since the request picked it."""
+        self.held.check_loaded(lm, request_name)
 
     # ------------------------------------------------------------------ tokens, adapters (their parts)
     async def tokenize(self, request: Any = None, **fields) -> dict:
@@ -83,14 +118,18 @@ class AsyncMLCEngine(ModelLoading, DeviceLossHandling):
         return await self._rerank.create(request, **fields)
 
     # ------------------------------------------------------------------ settings (WebLLM setters)
+    @property
+    def app_config(self) -> AppConfig:
+        return self.loader.app_config
+
     def set_app_config(self, app_config: AppConfig) -> None:
-        self.app_config = app_config
+        self.loader.app_config = app_config
 
     def set_init_progress_callback(self, cb) -> None:
-        self.init_progress_callback = cb
+        self.loader.init_progress_callback = cb
 
     def get_init_progress_callback(self):
-        return self.init_progress_callback
+        return self.loader.init_progress_callback
 
     def set_log_level(self, level: str) -> None:
         """WebLLM's levels: TRACE, DEBUG, INFO, WARN, ERROR, SILENT (and Python's WARNING, CRITICAL)."""
@@ -101,14 +140,15 @@ class AsyncMLCEngine(ModelLoading, DeviceLossHandling):
             raise InvalidRequestError(str(e), param="log_level") from None
 
     def set_logit_processor_registry(self, registry: dict[str, Any] | None) -> None:
-        self.logit_processor_registry = dict(registry or {})
+        self.loader.logit_processor_registry = dict(registry or {})
 
     # ------------------------------------------------------------------ device
     async def get_device(self):
         """The engine's device, requested on first use (or again after a loss)."""
-        if self.device is None or self.device.lost:
-            self.device = await gpu.request_device(adapter_name=self.config.adapter_name)
-        return self.device
+        held = self.held
+        if held.device is None or held.device.lost:
+            held.device = await gpu.request_device(adapter_name=self.config.adapter_name)
+        return held.device
 
     async def get_max_storage_buffer_binding_size(self) -> int:
         return (await self.get_device()).max_storage_binding
@@ -119,7 +159,7 @@ class AsyncMLCEngine(ModelLoading, DeviceLossHandling):
     # ------------------------------------------------------------------ model selection
     async def select(self, model: str | None, kind: str | None, request_name: str) -> LoadedModel:
         """WebLLM's getModelIdToUse + pipeline-type check."""
-        await self._maybe_recover()
+        await self.loss.maybe_recover()
         loaded = list(self.models)
         if not loaded:
             raise ModelNotLoadedError(request_name)
@@ -169,12 +209,12 @@ class AsyncMLCEngine(ModelLoading, DeviceLossHandling):
             return lm
         lm.lock.release()
         if not (self.config.auto_recover and lm.dropped_by_loss):
-            raise self._dropped_error(lm, request_name)
+            raise self.held.dropped_error(lm, request_name)
         new = await self.select(lm.model_id, lm.model_type, request_name)   # recovers first
         await self._enter(new, deadline)
         if self.models.get(new.model_id) is not new:
             new.lock.release()
-            raise self._dropped_error(new, request_name)
+            raise self.held.dropped_error(new, request_name)
         return new
 
     # ------------------------------------------------------------------ misc WebLLM methods

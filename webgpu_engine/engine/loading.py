@@ -1,5 +1,6 @@
-"""Loading and unloading models (AsyncMLCEngine's reload() and unload(), engine.py) and what a loaded
-model is (LoadedModel).
+"""Loading and unloading models: ModelLoader, the engine part behind AsyncMLCEngine's reload() and
+unload() (engine.py), and manage.py's one model beside the others. What a loaded model is, and what the
+engine holds, live in residency.py.
 
 reload() unloads everything, then loads each model in order. Before anything is allocated it fetches
 every model and checks its memory estimate against the device (memory.py), so a model or context
@@ -14,18 +15,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from ..config import ChatConfig
 from ..errors import (ChatOptionTypeError, DeviceLostError, FeatureSupportError, InvalidRequestError,
-                      ReloadAbortedError, ReloadArgumentSizeUnmatchedError, ReloadModelIdNotUniqueError,
-                      ShaderF16SupportError, UnsupportedChatOptionError)
+                      ModelManagementConflictError, ReloadAbortedError, ReloadArgumentSizeUnmatchedError,
+                      ReloadModelIdNotUniqueError, ShaderF16SupportError, UnsupportedChatOptionError)
 from ..pipelines.protocol import ChatPipelineProtocol, EmbeddingPipelineProtocol, check_pipeline
 from . import memory
 from .lock import FIFOLock
-from .records import EMBEDDING, LLM, ModelRecord
+from .records import LLM, AppConfig, EngineConfig, ModelRecord
+from .residency import LoadedModel, Residency  # noqa: F401 - LoadedModel re-exported
 
 log = logging.getLogger("webgpu_engine.engine")
 
@@ -33,48 +35,6 @@ log = logging.getLogger("webgpu_engine.engine")
 # absent): shared by every model, other engines and direct pipeline users on the same device, so a
 # load never claims them and an unload never frees them (they live as long as the device).
 SHARED_OWNERS = frozenset({"kernels"})
-
-
-@dataclass
-class LoadedModel:
-    model_id: str
-    record: ModelRecord
-    pipeline: ChatPipelineProtocol | EmbeddingPipelineProtocol    # as model_type says
-    chat_config: ChatConfig
-    model_type: str
-    lock: FIFOLock
-    epoch: int                     # which load generation; requests queued on a dropped one fail
-    owners: set = field(default_factory=set)   # gpu buffer owners created by this model's load
-    estimate: memory.MemoryEstimate | None = None   # what the pre-load memory check assumed
-    dropped_by_loss: bool = False  # dropped because the device was lost (not unloaded)
-    coalescer: Any = None          # an embedder's group of concurrent requests (coalesce.py)
-    lora_adapters: dict = field(default_factory=dict)   # LoRA adapters served over it: name -> path (lora.py)
-    default_adapter: str | None = None   # the adapter its own requests run with (ModelRecord.lora)
-
-    def describe(self, device=None) -> dict:
-        """What /v1/models shows besides the id: the type, the context window in tokens (an
-        embedder's longest input) and the memory in bytes (the pre-load estimate, and what the
-        model's buffers hold on `device` now)."""
-        plan = getattr(self.pipeline, "plan", None)       # a decoder's load plan: what was allocated
-        ctx = (self.pipeline.max_seq_length if self.model_type == EMBEDDING
-               else plan.context if plan is not None else self.chat_config.context_window_size)
-        est = self.estimate
-        mem = {"estimated_bytes": est.total if est else None, "weights_bytes": est.weights if est else None,
-               "kv_cache_bytes": est.kv_cache if est else None, "allocated_bytes": None}
-        if device is not None and not device.lost:
-            held = device.allocations()
-            mem["allocated_bytes"] = sum(held.get(o, 0) for o in self.owners)
-        out = {"model_type": self.model_type, "context_window": ctx, "memory": mem}
-        ring = getattr(plan, "ring", None)         # WebLLM's sliding window: the cache is a ring
-        if ring is not None:
-            out["sliding_window"] = {"sliding_window_size": ring.window, "attention_sink_size": ring.sinks}
-        queued = getattr(self.pipeline, "queued_kernels", None)   # compiled in the background
-        if queued:
-            out["kernels"] = {"queued_at_load": len(queued), "compiling": sum(not p.ready for p in queued)}
-        sched = getattr(self.pipeline, "scheduler", None)    # stub pipelines have none
-        if sched is not None:
-            out["batching"] = sched.describe()
-        return out
 
 
 @dataclass
@@ -148,8 +108,24 @@ def _check_chat_options(cc: ChatConfig) -> None:
                                   cc.max_num_sequences)
 
 
-class ModelLoading:
-    """AsyncMLCEngine's reload / unload half (a mixin: engine.py's __init__ sets the state used here)."""
+class ModelLoader:
+    """reload() / unload(), and one model loaded or unloaded beside the others (manage.py), over the
+    engine's Residency. It owns the settings a load reads (WebLLM's setters write them): the app
+    config, the progress callback and the logit processors."""
+
+    def __init__(self, config: EngineConfig, held: Residency, get_device, lora, lost):
+        self.config = config
+        self.held = held
+        self.get_device = get_device              # async: the engine's device (a new one after a loss)
+        self.lora = lora                          # the engine's LoRA adapters (lora.py)
+        self.lost = lost                          # the engine's DeviceLoss (a loss during a load)
+        self.app_config: AppConfig = config.app_config
+        self.init_progress_callback = config.init_progress_callback
+        self.logit_processor_registry = dict(config.logit_processor_registry or {})
+        self._progress_floor = 0.0                # a reload's progress reports never go back
+        self._load_token: object | None = None    # the reload in progress; unload() clears it
+        # one model-management call at a time (manage.py: two loads must not both pass the memory check)
+        self.manage_lock = asyncio.Lock()
 
     async def reload(self, model_id: str | list[str], chat_opts: dict | list[dict | None] | None = None,
                      *, aliases: str | list[str | None] | None = None, lora_adapters: dict | None = None) -> None:
@@ -189,8 +165,9 @@ class ModelLoading:
             raise ReloadModelIdNotUniqueError(ids)
         await self.unload()                 # also aborts a reload still in progress
         token = self._load_token = object()
-        self._last_reload = (ids, opts)
-        self.state = "loading"
+        held = self.held
+        held.last_reload = (ids, opts)
+        held.state = "loading"
         dev, current, stage = None, None, "preparing the load"
         try:
             dev = await self.get_device()
@@ -212,26 +189,19 @@ class ModelLoading:
                     self._check_aborted(token)
             except BaseException:
                 for lm in loaded.values():
-                    self._dispose(lm)
+                    held.dispose(lm)
                 raise
         except BaseException as e:
             if self._load_token is token:
                 self._load_token = None
-            self.state = "idle" if self.state == "loading" else self.state
+            held.state = "idle" if held.state == "loading" else held.state
             if isinstance(e, Exception) and (isinstance(e, DeviceLostError) or (dev is not None and dev.lost)):
                 # The same policy as a loss during a request: drop everything; auto_recover retries
                 # this reload on the next request.
-                err = self._lost_error(e, dev, f"{stage} of model {current}")
-                self.on_device_lost(err)
-                raise err from e
+                raise self.lost.lose(e, dev, f"{stage} of model {current}") from e
             raise
         self._load_token = None
-        self._epoch += 1
-        for lm in loaded.values():
-            lm.epoch = self._epoch
-        self.models = loaded
-        self.state = "ready"
-        self.device_lost_reason = None
+        held.install(loaded)
         await self.lora.load_adapters(lora_adapters)
         self._report(1.0, t0, f"Finish loading on WebGPU - {dev.info.name}")
 
@@ -284,7 +254,7 @@ class ModelLoading:
 
     def memory_budget(self, dev=None) -> tuple[int, str]:
         """(bytes this engine may hold on the device, where the number comes from)."""
-        return memory.memory_budget(dev or self.device, self.config.max_memory_bytes)
+        return memory.memory_budget(dev or self.held.device, self.config.max_memory_bytes)
 
     def _check_memory(self, dev, plans: list[_Plan]) -> None:
         """Fail before any allocation when a model (after the ones before it in this reload) does not fit."""
@@ -401,18 +371,24 @@ class ModelLoading:
         abort a reload() in progress: it stops at its next step, frees what it allocated and raises
         ReloadAbortedError (WebLLM's reload controller)."""
         self._load_token = None
-        models, self.models = self.models, {}
-        for lm in models.values():
-            self._dispose(lm)
-        if self.state != "device_lost":
-            self.state = "idle"
+        self.held.clear()
 
-    def _dispose(self, lm: LoadedModel) -> None:
-        try:
-            lm.pipeline.dispose()
-        except Exception as e:  # noqa: BLE001 - a lost device has nothing left to free
-            log.debug("dispose of %s: %s", lm.model_id, e)
-        dev = self.device
-        if dev is not None:
-            for owner in lm.owners:
-                dev.release_owner(owner)
+    async def load_beside(self, model: str, chat_opts: dict | None, alias: str | None) -> LoadedModel:
+        """Load `model` next to the loaded models through reload()'s steps (manage.py checks first)."""
+        from .references import records_for
+        app_config, records = await records_for(self.app_config, [model], [alias] if alias else [])
+        rec = records[0]
+        mid = rec.model_id
+        if mid in self.held.models:
+            raise ModelManagementConflictError(f"Model {mid} is loaded already; unload it first to load "
+                                               f"it with other options, or give another `model_id`.")
+        self.app_config = app_config
+        dev = await self.get_device()
+        t0 = time.perf_counter()
+        self._progress_floor = 0.0
+        plan = await self._prepare(dev, mid, rec, chat_opts, 0, 1, t0)
+        self._check_memory(dev, [plan])            # beside what the loaded models hold now
+        lm = await self._load_one(dev, plan, 0, 1, t0)
+        self.held.add(lm, chat_opts)
+        self._report(1.0, t0, f"Finish loading {mid} on WebGPU - {dev.info.name}")
+        return lm

@@ -332,6 +332,10 @@ class Device(CompilingDevice):
     async def read(self, buf: Buffer, offset: int = 0, size: int | None = None) -> bytes:
         raise NotImplementedError
 
+    def _take_staging(self, n: int):
+        """A mappable staging buffer of at least n bytes from the backend's pool (see _staging)."""
+        raise NotImplementedError
+
     async def sync(self) -> None:
         """Wait (without blocking the event loop) until the GPU has finished all submitted work."""
         raise NotImplementedError

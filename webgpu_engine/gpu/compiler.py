@@ -223,6 +223,9 @@ class CompilingDevice:
     stand_ins: int
     warmed: int                   # pipelines dispatched empty (warms_on_dispatch)
     last_submit: float            # time.monotonic() of the last submit with dispatches
+    lost: bool                    # Device's: the device was lost (nothing compiles any more)
+    _guard: Callable[..., Any]    # Device's: a call that turns backend errors into the engine's
+    _raw_bind: Callable[..., Any]  # the backend's bind group maker
 
     # whether the driver compiles a pipeline at its first dispatch, so that an empty dispatch
     # compiles it (backends that can make one say so: NativeDevice on lavapipe)

@@ -209,6 +209,19 @@ class VocabTokenizer:
     bos_id, eos_ids, add_bos_token, calls `_init_specials()`, and supplies `_encode_run(text, ids,
     at_start)` and `_piece_bytes(token, type)`."""
 
+    tokens: list[str]
+    token_types: list[int]
+    vocab: dict[str, int]
+    bos_id: int | None
+    eos_ids: list[int]
+    add_bos_token: bool
+
+    def _encode_run(self, text: str, ids: list[int], at_start: bool) -> None:
+        raise NotImplementedError
+
+    def _piece_bytes(self, token: str, token_type: int) -> bytes:
+        raise NotImplementedError
+
     def _init_specials(self) -> None:
         specials = [t for t, ty in zip(self.tokens, self.token_types)
                     if ty in (TOKEN_CONTROL, TOKEN_USER_DEFINED) and t]

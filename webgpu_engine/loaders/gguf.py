@@ -123,6 +123,8 @@ class MappedFile:
     """A model file read through `_buf` (from _as_buffer: a view of `_mmap`, or of a buffer given);
     its `tensors` are TensorInfo views into it."""
 
+    _buf: memoryview
+
     def close(self) -> None:
         """Drop the buffer; the mmap closes once no tensor view is alive any more."""
         self.tensors = {}
