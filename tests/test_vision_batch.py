@@ -57,7 +57,7 @@ def test_paged_prefill_image_spans(device, dtype, window):
 from test_vision import FOLDER, OPTS, _messages, _text  # noqa: E402  (the fixture's model and prompts)
 
 
-BATCH = {**OPTS, "prefill_chunk_size": 24, "max_num_sequences": 4, "kv_block_size": 16}
+BATCH = {**OPTS, "prefill_chunk_size": 24, "max_num_sequences": 4, "kv_block_size": 16, "kv_pool_tokens": 160}
 
 
 @pytest.fixture(scope="module")
@@ -69,8 +69,8 @@ def ref():
 @pytest.fixture(scope="module")
 async def batched(device):
     """Gemma 3 with images under continuous batching: chunks of 24 rows (prompt "two"'s first image,
-    rows 15..30, would cross the first edge), blocks of 16, a sliding window of 12 inside the 16-token
-    images."""
+    rows 15..30, would cross the first edge), blocks of 16 (10 in the pool), a sliding window of 12
+    inside the 16-token images."""
     from webgpu_engine.engine.engine import AsyncMLCEngine
     eng = AsyncMLCEngine()
     await eng.reload(str(FOLDER), chat_opts=BATCH)
@@ -92,6 +92,18 @@ async def test_images_in_a_batch_answer_as_alone_and_as_transformers(batched, re
     alone = [await _ask(batched, _messages(ref, k)) for k in keys]
     assert alone == [_text(ref["prompts"][k]["greedy"]) for k in keys]
     assert await asyncio.gather(*[_ask(batched, _messages(ref, k)) for k in keys]) == alone
+
+
+async def test_preempted_sequences_with_images_answer_as_alone(batched, ref):
+    """Four longer answers need more blocks than the pool holds: the newest sequences are preempted and
+    computed again later (their prompts' chunks again never cutting an image), each answer as alone."""
+    pool = next(iter(batched.models.values())).pipeline.scheduler.pool
+    keys = ["two", "one", "two", "text"]
+    alone = [await _ask(batched, _messages(ref, k), 40) for k in keys]
+    before = pool.stats["preemptions"]
+    assert await asyncio.gather(*[_ask(batched, _messages(ref, k), 40) for k in keys]) == alone
+    assert pool.stats["preemptions"] > before
+    pool.check()
 
 
 async def test_a_follow_up_turn_in_the_batch_reuses_its_images_rows(batched, ref, device):
