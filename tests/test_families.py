@@ -48,6 +48,15 @@ def run_golden(device, cfg, weights, ref: dict, chunk: int = 128, dtype: str = "
     return rows, greedy
 
 
+def assert_runs_agree(got: tuple, want: tuple, rows, tol: float = 1e-3) -> None:
+    """Two ({row: logits}, greedy) results (run_golden's) agree: the logits at `rows` within tol of the
+    largest, the greedy tokens equal."""
+    for r in rows:
+        err = np.abs(got[0][r] - want[0][r]).max() / np.abs(want[0][r]).max()
+        assert err <= tol, f"position {r}: relative error {err:.2e}"
+    assert got[1] == want[1]
+
+
 def check_golden(device, path, ref: dict) -> None:
     """Open `path` (HF folder or GGUF) as a user would, compare tokens, logits and greedy with ref."""
     opened = open_model(path)

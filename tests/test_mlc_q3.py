@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 import tinymodels
-from test_families import _ref, run_golden
+from test_families import _ref, assert_runs_agree, run_golden
 from test_mlc import _LAYER, _write_shards, write_mlc
-from tinyministral3 import _save
+from tinyministral3 import save_weights
 from webgpu_engine.errors import ModelFormatError
 from webgpu_engine.loaders.mlc_q3 import dequantize_q3
 from webgpu_engine.models.registry import open_model
@@ -91,7 +91,7 @@ def test_q3f16_1_llama_artifact(device, tmp_path):
     dims = dict(context_length=512, seed=13)
     info = tinymodels.write_tiny_llama_safetensors(tmp_path / "hf", arch="llama", **dims)
     encoded = _write_q3(tmp_path / "q3", info)
-    _save(info["folder"], info, encoded)
+    save_weights(info["folder"], info, encoded)
     runs = []
     for path in (tmp_path / "q3", info["folder"]):
         opened = open_model(path)
@@ -104,11 +104,7 @@ def test_q3f16_1_llama_artifact(device, tmp_path):
             runs.append(run_golden(device, opened.config, opened.weights, ref))
         finally:
             opened.close()
-    (rows, greedy), (want_rows, want_greedy) = runs
-    for r in ref["rows"]:
-        err = np.abs(rows[r] - want_rows[r]).max() / np.abs(want_rows[r]).max()
-        assert err <= 1e-4, f"position {r}: relative error {err:.2e}"
-    assert greedy == want_greedy
+    assert_runs_agree(*runs, ref["rows"], tol=1e-4)
 
 
 def test_q3f16_1_of_an_unknown_width_is_a_typed_error(tmp_path):

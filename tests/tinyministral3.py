@@ -30,6 +30,16 @@ def ministral3_config(base: dict) -> dict:
             "rope_parameters": dict(ROPE), "sliding_window": None}
 
 
+def save_weights(folder: Path, info: dict, weights: dict, prefix: str = "model.", more: dict | None = None) -> None:
+    """model.safetensors of `weights` ({our name: values}) in f32 under info's HF names, model.
+    becoming `prefix`, and `more` ({HF name: values}) beside them."""
+    tensors = {info["hf_names"][o].replace("model.", prefix, 1): w for o, w in weights.items()}
+    tensors.update(more or {})
+    write_safetensors(folder / "model.safetensors",
+                      {k: ("f32", w.shape, np.ascontiguousarray(w, np.float32).tobytes()) for k, w in tensors.items()},
+                      {"format": "pt"})
+
+
 def write_tiny_ministral3_safetensors(folder, seed: int = DIMS["seed"], released: bool = False, **dims) -> dict:
     """tinymodels' Llama folder as Ministral3ForCausalLM, or (`released`) as the multimodal release lays
     it out. Returns tinymodels' info (its `config` is not Ministral 3's)."""
@@ -41,14 +51,9 @@ def write_tiny_ministral3_safetensors(folder, seed: int = DIMS["seed"], released
         (folder / "config.json").write_text(json.dumps(config, indent=2))
         return info
     rng = np.random.default_rng(seed)
-    towers = {"model.vision_tower.transformer.layers.0.attention.q_proj.weight": rng.standard_normal((8, 8)),
-              "model.multi_modal_projector.linear_1.weight": rng.standard_normal((8, 8))}
-    tensors = {info["hf_names"][ours].replace("model.", "model.language_model.", 1): w
-               for ours, w in info["weights"].items()}
-    tensors.update({k: v.astype(np.float32) for k, v in towers.items()})
-    write_safetensors(folder / "model.safetensors",
-                      {k: ("f32", v.shape, np.ascontiguousarray(v, np.float32).tobytes()) for k, v in tensors.items()},
-                      {"format": "pt"})
+    save_weights(folder, info, info["weights"], "model.language_model.",
+          {"model.vision_tower.transformer.layers.0.attention.q_proj.weight": rng.standard_normal((8, 8)),
+           "model.multi_modal_projector.linear_1.weight": rng.standard_normal((8, 8))})
     (folder / "config.json").write_text(json.dumps({
         "architectures": ["Mistral3ForConditionalGeneration"], "model_type": "mistral3",
         "text_config": config, "vision_config": {"model_type": "pixtral", "hidden_size": 8},
@@ -60,12 +65,6 @@ def write_tiny_ministral3_safetensors(folder, seed: int = DIMS["seed"], released
 MLC_SOFTMAX = (0.1 * math.log(ROPE["factor"]) * ROPE["mscale_all_dim"] + 1) ** 2
 
 
-def _save(folder: Path, info: dict, weights: dict) -> None:
-    write_safetensors(folder / "model.safetensors",
-                      {info["hf_names"][o]: ("f32", w.shape, np.ascontiguousarray(w, np.float32).tobytes())
-                       for o, w in weights.items()}, {"format": "pt"})
-
-
 def write_mlc_equivalent(folder, weights: dict | None = None, seed: int = DIMS["seed"]) -> Path:
     """An HF Ministral3ForCausalLM folder that computes what MLC computes for the tiny model's artifact:
     no query temperature (llama_4_scaling_beta 0) and q_proj times MLC_SOFTMAX (a score is linear in
@@ -74,7 +73,7 @@ def write_mlc_equivalent(folder, weights: dict | None = None, seed: int = DIMS["
     info = write_tiny_ministral3_safetensors(folder, seed=seed)
     w = {o: np.asarray(a, np.float64) for o, a in (weights or info["weights"]).items()}
     w.update({o: a * MLC_SOFTMAX for o, a in w.items() if o.endswith(".q")})
-    _save(folder, info, w)
+    save_weights(folder, info, w)
     c = json.loads((folder / "config.json").read_text())
     c["rope_parameters"]["llama_4_scaling_beta"] = 0.0
     (folder / "config.json").write_text(json.dumps(c, indent=2))
