@@ -63,14 +63,15 @@ def test_ministral3_config_reads_yarn_and_the_temperature(tmp_path):
     assert cfgs[0].rope_freq_factors[0] == 1.0 and cfgs[0].rope_freq_factors[-1] == 4.0
 
 
-@pytest.mark.parametrize("form", ["causal_lm", "released_folder", "gguf"])
+@pytest.mark.parametrize("form", ["causal_lm", "released", "released_v4", "gguf"])
 def test_ministral3_matches_transformers(device, tmp_path, form):
     """Ministral3ForCausalLM's folder, the released Mistral3ForConditionalGeneration folder (text
-    model under model.language_model., a vision tower beside it) and llama.cpp's GGUF (mistral3)."""
+    model under model.language_model., or language_model.model. as transformers 4 saved it; a vision
+    tower beside it) and llama.cpp's GGUF (mistral3)."""
     if form == "gguf":
         path = FIXTURES / "ministral3.gguf"
     else:
-        path = write_tiny_ministral3_safetensors(tmp_path / form, released=form == "released_folder")["folder"]
+        path = write_tiny_ministral3_safetensors(tmp_path / form, layout=form)["folder"]
     check_golden(device, path, _ref())
 
 

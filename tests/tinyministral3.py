@@ -30,28 +30,35 @@ def ministral3_config(base: dict) -> dict:
             "rope_parameters": dict(ROPE), "sliding_window": None}
 
 
-def save_weights(folder: Path, info: dict, weights: dict, prefix: str = "model.", more: dict | None = None) -> None:
-    """model.safetensors of `weights` ({our name: values}) in f32 under info's HF names, model.
-    becoming `prefix`, and `more` ({HF name: values}) beside them."""
-    tensors = {info["hf_names"][o].replace("model.", prefix, 1): w for o, w in weights.items()}
+# the released folder's text-model names: transformers 5's, and transformers 4's as older folders hold them
+RELEASED = {"released": ("model.language_model.", "lm_head.weight"),
+            "released_v4": ("language_model.model.", "language_model.lm_head.weight")}
+
+
+def save_weights(folder: Path, info: dict, weights: dict, layout: str = "causal_lm", more: dict | None = None) -> None:
+    """model.safetensors of `weights` ({our name: values}) in f32 under info's HF names (as `layout`
+    names them: causal_lm, or one of RELEASED), and `more` ({HF name: values}) beside them."""
+    prefix, head = RELEASED.get(layout, ("model.", "lm_head.weight"))
+    tensors = {info["hf_names"][o].replace("model.", prefix, 1).replace("lm_head.weight", head): w
+               for o, w in weights.items()}
     tensors.update(more or {})
     write_safetensors(folder / "model.safetensors",
                       {k: ("f32", w.shape, np.ascontiguousarray(w, np.float32).tobytes()) for k, w in tensors.items()},
                       {"format": "pt"})
 
 
-def write_tiny_ministral3_safetensors(folder, seed: int = DIMS["seed"], released: bool = False, **dims) -> dict:
-    """tinymodels' Llama folder as Ministral3ForCausalLM, or (`released`) as the multimodal release lays
-    it out. Returns tinymodels' info (its `config` is not Ministral 3's)."""
+def write_tiny_ministral3_safetensors(folder, seed: int = DIMS["seed"], layout: str = "causal_lm", **dims) -> dict:
+    """tinymodels' Llama folder as Ministral3ForCausalLM (`layout` causal_lm), or as the multimodal
+    release lays it out (RELEASED). Returns tinymodels' info (its `config` is not Ministral 3's)."""
     folder = Path(folder)
     dims = {**{k: v for k, v in DIMS.items() if k != "seed"}, **dims}
     info = tm.write_tiny_llama_safetensors(folder, arch="mistral", seed=seed, **dims)
     config = ministral3_config(json.loads((folder / "config.json").read_text()))
-    if not released:
+    if layout not in RELEASED:
         (folder / "config.json").write_text(json.dumps(config, indent=2))
         return info
     rng = np.random.default_rng(seed)
-    save_weights(folder, info, info["weights"], "model.language_model.",
+    save_weights(folder, info, info["weights"], layout,
           {"model.vision_tower.transformer.layers.0.attention.q_proj.weight": rng.standard_normal((8, 8)),
            "model.multi_modal_projector.linear_1.weight": rng.standard_normal((8, 8))})
     (folder / "config.json").write_text(json.dumps({

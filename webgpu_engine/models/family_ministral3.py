@@ -31,13 +31,17 @@ from ..kernels.rope import q_temperature
 from ..loaders.decoder_config import DecoderFamily
 from ..loaders.hf_config import HF_LLAMA_TO_OURS
 
-# Ministral3ForCausalLM's names are Llama's; the released multimodal folder nests them
-HF_MINISTRAL3_TO_OURS = dict(HF_LLAMA_TO_OURS)
-for _prefix, _head in (("model.language_model.", "lm_head.weight"),
-                       ("language_model.model.", "language_model.lm_head.weight")):
-    HF_MINISTRAL3_TO_OURS.update({k.replace("model.", _prefix, 1): v for k, v in HF_LLAMA_TO_OURS.items()
-                                  if k.startswith("model.")})
-    HF_MINISTRAL3_TO_OURS[_head] = "lm_head"
+
+def _nested(prefix: str, head: str) -> dict:
+    """Llama's names with model. as `prefix` and the LM head's as `head`."""
+    return {**{k.replace("model.", prefix, 1): v for k, v in HF_LLAMA_TO_OURS.items() if k.startswith("model.")},
+            head: "lm_head"}
+
+
+# Ministral3ForCausalLM's names are Llama's; the released multimodal folder nests them (transformers 5,
+# and transformers 4 as older folders were saved)
+HF_MINISTRAL3_TO_OURS = {**HF_LLAMA_TO_OURS, **_nested("model.language_model.", "lm_head.weight"),
+                         **_nested("language_model.model.", "language_model.lm_head.weight")}
 
 
 def _mscale(factor: float, m: float) -> float:
