@@ -74,6 +74,17 @@ def test_gemma4_mlc_artifact(device, tmp_path, ref, quant):
     assert greedy == want_greedy
 
 
+@pytest.mark.parametrize("qtype", ["f16", "q8_0"])
+def test_gemma4_gguf_from_llamacpp(device, qtype):
+    """The tiny model (with Gemma's kind of vocabulary) as llama.cpp's convert_hf_to_gguf.py writes it
+    (arch gemma4: per-layer sliding flags, head sizes and FFN widths, shared KV layers, per-layer
+    embeddings, proportional RoPE as rope_freqs, its `gemma4` vocabulary of merges without a space
+    prefix), f16 and Q8_0: the tokenizer's ids, and transformers' logits within 1e-3 and 16 greedy
+    tokens on the weights the file holds (tests/fixtures/make_gemma4.py)."""
+    ref = json.loads((FIXTURES / f"gemma4_gguf_{qtype}_transformers.json").read_text())
+    check_golden(device, FIXTURES / "gemma4_gguf" / ref["gguf"], ref)
+
+
 # --------------------------------------------------------------------------- kernels
 @pytest.mark.parametrize("dtype", ["f32", "f16"])
 @pytest.mark.parametrize("rows,hq,hkv,d", [(1, 4, 1, 64), (5, 8, 2, 32), (3, 2, 1, 6)])

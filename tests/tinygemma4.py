@@ -33,10 +33,28 @@ LAYER_TYPES = ["sliding_attention", "sliding_attention", "full_attention", "slid
                "sliding_attention", "full_attention"]
 
 
-def gemma4_weights(seed: int = 0, **dims) -> tuple[dict, list, list, dict]:
-    """(dims, tokens, merges, {HF name: array}) of the tiny model."""
+def gemma_spm_tokenizer_json() -> dict:
+    """A tiny tokenizer.json of Gemma's kind (SentencePiece-style BPE: spaces become ▁ by a Replace
+    normalizer, no space prefix, no pre-tokenizer, byte fallback), with the vocabulary and merges of
+    tests/fixtures/spm_hf (420 tokens; <s> 1, </s> 2): what llama.cpp's Gemma 4 converter reads."""
+    import json
+    spec = json.loads((Path(__file__).parent / "fixtures" / "spm_hf" / "tokenizer.json").read_text())
+    spec["normalizer"] = {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"}
+    spec["pre_tokenizer"] = None
+    spec["decoder"]["decoders"] = [x for x in spec["decoder"]["decoders"] if x["type"] != "Strip"]
+    return spec
+
+
+def gemma4_weights(seed: int = 0, vocab: str = "bpe", **dims) -> tuple[dict, list, list, dict]:
+    """(dims, tokens, merges, {HF name: array}) of the tiny model; `vocab` "spm": Gemma's kind of
+    vocabulary (gemma_spm_tokenizer_json) in place of the byte-level BPE one."""
     d = tm._dims(**{**DIMS, **dims})
-    tokens, merges = tm.tiny_bpe_vocab(d["vocab_size"], "smollm")
+    if vocab == "spm":
+        spec = gemma_spm_tokenizer_json()
+        tokens = sorted(spec["model"]["vocab"], key=spec["model"]["vocab"].get)
+        merges = [" ".join(m) for m in spec["model"]["merges"]]              # (overwritten by the spec)
+    else:
+        tokens, merges = tm.tiny_bpe_vocab(d["vocab_size"], "smollm")
     d["vocab_size"] = V = len(tokens)
     rng = np.random.default_rng(seed)
     C, F, L, P, H, Hkv = d["hidden_size"], d["ffn_size"], d["n_layers"], PLE_DIM, d["n_heads"], d["n_kv_heads"]
@@ -84,11 +102,12 @@ def gemma4_config(d: dict) -> dict:
                                                    "rope_theta": 1e6}}}
 
 
-def write_tiny_gemma4_safetensors(folder, seed: int = 0, released: bool = False, **dims) -> dict:
+def write_tiny_gemma4_safetensors(folder, seed: int = 0, released: bool = False, vocab: str = "bpe", **dims) -> dict:
     """The HF folder (config.json, model.safetensors, tokenizer) of the tiny model; `released`: laid
     out as gemma-4-E2B-it is, a Gemma4ForConditionalGeneration whose text model's config is
-    `text_config` and whose weights lie under model.language_model., beside a vision tower."""
-    d, tokens, merges, w = gemma4_weights(seed, **dims)
+    `text_config` and whose weights lie under model.language_model., beside a vision tower; `vocab`
+    "spm": Gemma's kind of vocabulary (what llama.cpp's converter takes)."""
+    d, tokens, merges, w = gemma4_weights(seed, vocab, **dims)
     folder = Path(folder)
     if released:
         w = write_released_hf(folder, w, gemma4_config(d), tokens, merges, d,
@@ -98,6 +117,15 @@ def write_tiny_gemma4_safetensors(folder, seed: int = 0, released: bool = False,
                               config={"vision_config": {"model_type": "gemma4_vision"}})
     else:
         _write_hf(folder, w, gemma4_config(d), tokens, merges, d)
+    if vocab == "spm":
+        import json
+        (folder / "tokenizer.json").write_text(json.dumps(gemma_spm_tokenizer_json(), ensure_ascii=False))
+        (folder / "tokenizer_config.json").write_text(json.dumps({
+            "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<unk>", "add_bos_token": True,
+            "model_max_length": d["context_length"], "tokenizer_class": "PreTrainedTokenizerFast"}))
+        c = json.loads((folder / "config.json").read_text())
+        (c.get("text_config") or c).update(bos_token_id=1, eos_token_id=2, pad_token_id=0)
+        (folder / "config.json").write_text(json.dumps(c, indent=2))
     return dict(folder=folder, weights=w, dims=d)
 
 

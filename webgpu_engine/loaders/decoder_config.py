@@ -147,7 +147,7 @@ def gguf_fields(g) -> dict:
         n_heads=n_heads,
         n_kv_heads=int(n_kv),
         head_dim=head_dim,
-        ffn_size=int(g.meta("feed_forward_length", 0 if experts else None, required=not experts)),
+        ffn_size=_first(g.meta("feed_forward_length", 0 if experts else None, required=not experts)),
         rope_base=float(g.meta("rope.freq_base", 10000.0)),
         rot_dim=rot_dim, rope_freq_factors=factors, rope_scaling=scaling, **long,
         **({"rope_attn_factor": _yarn_attention_factor({"factor": g.meta("rope.scaling.factor")})}
@@ -164,6 +164,11 @@ def gguf_fields(g) -> dict:
         sliding_window=int(sliding) if sliding else None,
         name=str(g.metadata.get("general.name", "")),
     ) | moe
+
+
+def _first(v) -> int:
+    """A per-layer array's first value (Gemma 4's FFN widths: its family reads them all), else the value."""
+    return int(v[0] if isinstance(v, list) else v)
 
 
 def gguf_config(g, family: DecoderFamily | None = None) -> LlamaConfig:

@@ -14,6 +14,7 @@ as `tokenizers` does. Standard library only.
 from __future__ import annotations
 
 import heapq
+import re
 
 from ..errors import ModelFormatError, UnsupportedModelError
 from .bpe import TOKEN_BYTE, TOKEN_CONTROL, TOKEN_NORMAL, VocabTokenizer, eog_ids, hf_vocab
@@ -27,10 +28,13 @@ class SPMTokenizer(VocabTokenizer):
     def __init__(self, tokens: list[str], scores: list[float], token_types: list[int] | None = None, *,
                  bos_id: int | None = 1, eos_ids: list[int] | None = None, unk_id: int | None = 0,
                  pad_id: int | None = None, add_bos_token: bool = True, add_space_prefix: bool = True,
-                 ranks: dict | None = None, prefix_first_only: bool = False, metaspace: bool = False):
+                 ranks: dict | None = None, prefix_first_only: bool = False, metaspace: bool = False,
+                 newline_runs: bool = False):
         """`ranks`: {(left, right): rank} merges (tokenizer.json) in place of the scores;
         `prefix_first_only`: the space prefix only at the start of the text (Metaspace "first");
-        `metaspace`: no prefix for a run that starts with a space already (Metaspace's rule)."""
+        `metaspace`: no prefix for a run that starts with a space already (Metaspace's rule);
+        `newline_runs`: merge within runs of newlines and runs of other characters apart, a run of
+        newlines that is a token taken whole (llama.cpp's Gemma 4 vocabulary)."""
         if len(scores) != len(tokens):
             raise ModelFormatError(f"SentencePiece vocabulary: {len(tokens)} tokens but {len(scores)} scores")
         self.tokens = list(tokens)
@@ -47,16 +51,28 @@ class SPMTokenizer(VocabTokenizer):
         self.eos_ids = list(eos_ids or [])
         self.add_bos_token, self.add_space_prefix = add_bos_token, add_space_prefix
         self.ranks, self.prefix_first_only, self.metaspace = ranks, prefix_first_only, metaspace
+        self.newline_runs = newline_runs
         self.pre = "spm"
         self._init_specials()
 
     @classmethod
     def from_gguf_metadata(cls, md: dict) -> "SPMTokenizer":
-        if md.get("tokenizer.ggml.model") != "llama":
-            raise UnsupportedModelError(f"not a SentencePiece vocabulary: {md.get('tokenizer.ggml.model')!r}")
+        """`llama` (scores) or `gemma4` (llama.cpp's Gemma 4 vocabulary: the merge list's ranks, no
+        space prefix, text split into runs of newlines and runs of other characters first)."""
+        model = md.get("tokenizer.ggml.model")
+        if model not in ("llama", "gemma4"):
+            raise UnsupportedModelError(f"not a SentencePiece vocabulary: {model!r}")
         tokens, scores = md.get("tokenizer.ggml.tokens"), md.get("tokenizer.ggml.scores")
-        if not tokens or scores is None:
-            raise ModelFormatError("GGUF metadata lacks tokenizer.ggml.tokens / tokenizer.ggml.scores")
+        merges = md.get("tokenizer.ggml.merges") if model == "gemma4" else None
+        if not tokens or scores is None or (model == "gemma4" and merges is None):
+            raise ModelFormatError(f"GGUF metadata lacks tokenizer.ggml.tokens / scores"
+                                   f"{' / merges' if model == 'gemma4' else ''}")
+        ranks = None
+        if merges is not None:
+            ranks = {}
+            for r, m in enumerate(merges):          # "left right" (llama.cpp splits at the first space after 0)
+                cut = m.find(" ", 1)
+                ranks.setdefault((m[:cut], m[cut + 1:]) if cut > 0 else ("", ""), r)
 
         def opt(key, default):
             v = md.get(f"tokenizer.ggml.{key}")
@@ -66,7 +82,8 @@ class SPMTokenizer(VocabTokenizer):
         return cls(tokens, scores, md.get("tokenizer.ggml.token_type"), bos_id=opt("bos_token_id", 1),
                    eos_ids=eos, unk_id=opt("unknown_token_id", 0), pad_id=opt("padding_token_id", None),
                    add_bos_token=bool(md.get("tokenizer.ggml.add_bos_token", True)),
-                   add_space_prefix=bool(md.get("tokenizer.ggml.add_space_prefix", True)))
+                   add_space_prefix=bool(md.get("tokenizer.ggml.add_space_prefix", model == "llama")),
+                   ranks=ranks, newline_runs=model == "gemma4")
 
     @classmethod
     def from_tokenizer_json(cls, spec: dict, tok_cfg: dict | None = None) -> "SPMTokenizer":
@@ -91,6 +108,17 @@ class SPMTokenizer(VocabTokenizer):
         if self.add_space_prefix and (at_start or not self.prefix_first_only) \
                 and not (self.metaspace and text.startswith(" ")):
             text = " " + text
+        if not self.newline_runs:
+            return self._merge(text, ids)
+        for run in re.findall(r"[^\n]+|\n+", text):
+            t = self.vocab.get(run) if run[0] == "\n" else None
+            if t is not None:
+                ids.append(t)
+            else:
+                self._merge(run, ids)
+
+    def _merge(self, text: str, ids: list[int]) -> None:
+        """The pieces of one run: merged pairwise, then byte fallback."""
         sym = list(text.replace(" ", SPACE))     # symbols: one per character, merged in place
         n = len(sym)
         nxt, prv = list(range(1, n + 1)), list(range(-1, n - 1))

@@ -159,9 +159,11 @@ def load_tokenizer(source, *, native: bool | None = None, max_length: int | None
         where = getattr(source, "where", "GGUF")
         spec, tok_cfg = tokenizer_json(metadata, where)
         return _from_spec(json.dumps(spec), tok_cfg, native, max_length, True, f"{where} (its vocabulary)")
-    if metadata.get("tokenizer.ggml.model") == "llama":        # SentencePiece (Llama-2, Mistral, Gemma)
+    if metadata.get("tokenizer.ggml.model") in ("llama", "gemma4"):   # SentencePiece-style (Llama-2, Mistral, Gemma)
         from .spm import SPMTokenizer, native_spm
         spm = SPMTokenizer.from_gguf_metadata(metadata)
-        return NativeTokenizer(native_spm(spm), spm, native_spm(spm, specials=False)) if native else spm
+        # Gemma 4's newline runs have no `tokenizers` twin: the pure-Python encoder, as llama.cpp
+        return NativeTokenizer(native_spm(spm), spm, native_spm(spm, specials=False)) \
+            if native and not spm.newline_runs else spm
     base = BPETokenizer.from_gguf_metadata(metadata)
     return NativeTokenizer(native_bpe(base), base, native_bpe(base, specials=False)) if native else base

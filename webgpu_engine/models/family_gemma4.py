@@ -20,7 +20,9 @@ The KV-sharing layers' files hold no k / v projections; the model gives them the
 """
 from __future__ import annotations
 
-from ..errors import UnsupportedModelError
+import struct
+
+from ..errors import ModelFormatError, UnsupportedModelError
 from ..loaders.decoder_config import DecoderFamily
 from .family_gemma import HF_GEMMA_TO_OURS, _activation
 
@@ -96,24 +98,71 @@ def _hf(c: dict, fields: dict, where: str) -> dict:
     src = kv_sources(types, shared)
     ffn = fields["ffn_size"]
     double = bool(c.get("use_double_wide_mlp"))
-    return {**fields, "act": _activation(c.get("hidden_activation") or c.get("hidden_act"), where),
-            "embed_scale": float(fields["hidden_size"]) ** 0.5, "post_norms": True, "qk_norm": True,
-            "v_norm": True, "attn_scale": 1.0, "final_softcap": float(c.get("final_logit_softcapping") or 0.0),
-            "window_layers": local if c.get("sliding_window") else None,
-            "sliding_window": int(c["sliding_window"]) if c.get("sliding_window") else None,
-            "rope_base": float(full.get("rope_theta", 1e6)),
-            "rope_local_base": float(slide.get("rope_theta", 10000.0)),
-            "rot_dim": 0, "rope_freq_factors": None, "rope_scaling": "proportional",
-            "rope_pairs": int(proportion * wide // 2),
-            "layer_head_dims": tuple(head if x else wide for x in local),
-            "layer_ffn_sizes": tuple(2 * ffn if double and src[i] != i else ffn for i in range(n)),
-            "kv_sources": src if shared else None,
-            "ple_dim": int(c.get("hidden_size_per_layer_input") or 0)}
+    return _gemma4(fields, act=_activation(c.get("hidden_activation") or c.get("hidden_act"), where), local=local,
+                   window=int(c.get("sliding_window") or 0), softcap=float(c.get("final_logit_softcapping") or 0.0),
+                   rope_base=float(full.get("rope_theta", 1e6)), local_base=float(slide.get("rope_theta", 10000.0)),
+                   pairs=int(proportion * wide // 2), head_dims=tuple(head if x else wide for x in local),
+                   ffn_sizes=tuple(2 * ffn if double and src[i] != i else ffn for i in range(n)),
+                   sources=src if shared else None, ple=int(c.get("hidden_size_per_layer_input") or 0))
+
+
+def _gemma4(fields: dict, *, act: str, local: tuple, window: int, softcap: float, rope_base: float,
+            local_base: float, pairs: int, head_dims: tuple, ffn_sizes: tuple, sources, ple: int) -> dict:
+    """The LlamaConfig fields of a Gemma 4, however its file spells them."""
+    return {**fields, "act": act, "embed_scale": float(fields["hidden_size"]) ** 0.5, "post_norms": True,
+            "qk_norm": True, "v_norm": True, "attn_scale": 1.0, "final_softcap": softcap,
+            "window_layers": local if window else None, "sliding_window": window or None,
+            "rope_base": rope_base, "rope_local_base": local_base,
+            "rot_dim": 0, "rope_freq_factors": None, "rope_scaling": "proportional", "rope_pairs": pairs,
+            "layer_head_dims": head_dims, "layer_ffn_sizes": ffn_sizes, "kv_sources": sources, "ple_dim": ple}
+
+
+# llama.cpp's gemma4 tensors beyond Gemma 3's (loaders/gguf.py's table has those)
+GGUF_GEMMA4_TO_OURS = {
+    "per_layer_token_embd.weight": "ple_embed",                       # (V, L P)
+    "per_layer_model_proj.weight": "ple_model_proj",                  # (L P, C)
+    "per_layer_proj_norm.weight": "ple_norm",                         # (P,)
+    "blk.{i}.inp_gate.weight": "layers.{i}.ple_gate",                 # (P, C)
+    "blk.{i}.proj.weight": "layers.{i}.ple_proj",                     # (C, P)
+    "blk.{i}.post_norm.weight": "layers.{i}.ple_norm",                # (C,)
+    "blk.{i}.layer_output_scale.weight": "layers.{i}.scalar",         # (1,)
+}
+
+
+def _gguf(g, fields: dict) -> dict:
+    """Gemma 4 as llama.cpp's converter writes it (arch gemma4): per-layer sliding flags
+    (attention.sliding_window_pattern), head sizes (key_length for full-attention layers, key_length_swa
+    for sliding ones), FFN widths (a per-layer feed_forward_length), attention.shared_kv_layers,
+    embedding_length_per_layer_input, the sliding layers' RoPE base (rope.freq_base_swa); the norms
+    hold w (its norm_shift is 0). Proportional RoPE is `rope_freqs.weight`: a factor of 1 for each
+    pair that rotates, 1e30 (frozen) for the others, the full layers' only."""
+    n = fields["n_layers"]
+    pattern = g.meta("attention.sliding_window_pattern", required=True)
+    if not isinstance(pattern, list) or len(pattern) != n:
+        raise ModelFormatError(f"{g.where}: attention.sliding_window_pattern must list {n} flags, got {pattern!r}"[:300])
+    local = tuple(bool(x) for x in pattern)
+    wide = int(g.meta("attention.key_length", required=True))
+    head = int(g.meta("attention.key_length_swa", wide))
+    ffn = g.meta("feed_forward_length", required=True)
+    ffn = tuple(int(x) for x in ffn) if isinstance(ffn, list) else (int(ffn),) * n
+    factors = g.tensors.get("rope_freqs.weight")
+    pairs = sum(1 for f in struct.unpack(f"<{factors.numel}f", bytes(factors.data)) if f < 1e29) \
+        if factors is not None and factors.qtype == "f32" else wide // 2
+    shared = int(g.meta("attention.shared_kv_layers", 0) or 0)
+    types = ["sliding_attention" if x else "full_attention" for x in local]
+    fields = {**fields, "head_dim": head, "ffn_size": ffn[0], "norm_plus_one": False}
+    return _gemma4(fields, act="gelu_tanh", local=local, window=int(g.meta("attention.sliding_window", 0) or 0),
+                   softcap=float(g.meta("final_logit_softcapping", 0.0) or 0.0),
+                   rope_base=float(g.meta("rope.freq_base", 1e6)), local_base=float(g.meta("rope.freq_base_swa", 1e4)),
+                   pairs=pairs, head_dims=tuple(head if x else wide for x in local), ffn_sizes=ffn,
+                   sources=kv_sources(types, shared) if shared else None,
+                   ple=int(g.meta("embedding_length_per_layer_input", 0) or 0))
 
 
 GEMMA4 = DecoderFamily("gemma4", hf_architectures=("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"),
                        hf_model_types=("gemma4_text", "gemma4"),
                        hf_defaults={"tie_word_embeddings": True}, gguf_neox=True, hf_names=HF_GEMMA4_TO_OURS,
-                       hf=_hf, mlc_model_types=("gemma4",), mlc_names=MLC_GEMMA4_TO_OURS)
+                       hf=_hf, gguf=_gguf, gguf_names=GGUF_GEMMA4_TO_OURS,
+                       mlc_model_types=("gemma4",), mlc_names=MLC_GEMMA4_TO_OURS)
 
 FAMILIES = (GEMMA4,)
