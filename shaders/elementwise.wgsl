@@ -15,6 +15,7 @@
 //   gelu_tanh: y[i] = gelu_tanh(a[i])   (Phi's dense FFN: gelu_new)
 //   gelu_mul: y[t,f] = gelu(a[t,f]) * a[t,F+f]   (a is (T, 2F) [input | gate], cols = F: GeGLU)
 //   tanh_act: y[i] = tanh(a[i])   (the pooler / classification head of BERT cross-encoders)
+//   quick_gelu: y[i] = a[i] * sigmoid(1.702 a[i])   (CLIP's vision tower: LLaVA)
 //   gelu_tanh_gate: y[t,f] = gelu_tanh(a[t,f]) * b[t, u_off + f] with b's rows g_step wide (a, y
 //             (T, F); b (T, g_step)): Gemma 4's per-layer input gate, layer i's F columns of the inputs
 // dispatch (ceil(n/64) split over x,y), workgroup 64. Outputs are written with put / put_bias (y) and put_u (yu),
@@ -182,6 +183,16 @@ fn gelu_tanh(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg
     let i = elem_index(wid, nwg, lid);
     if (i >= p.n) { return; }
     put_u(p.y_off + i, av(gelu_tanh_f(fv(a[p.a_off + i]))));
+}
+
+@compute @workgroup_size(64)
+fn quick_gelu(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+              @builtin(local_invocation_index) lid: u32) {
+    let i = elem_index(wid, nwg, lid);
+    if (i >= p.n) { return; }
+    let v = fv(a[p.a_off + i]);
+    // exp's argument capped: far in the negative tail v / (1 + e^80) is 0 without an inf
+    put_u(p.y_off + i, av(v / (1.0 + exp(min(-1.702 * v, fv(80.0))))));
 }
 
 @compute @workgroup_size(64)

@@ -2,24 +2,25 @@
 Gemma 3 vision checkpoint as llama.cpp's own converter writes it (tests/fixtures/make_mmproj.py) gives
 transformers' image features and greedy tokens (tests/fixtures/make_gemma3_vision.py), given as a
 pair of options, as a folder holding both, as an Ollama manifest with a projector layer, through the
-engine, the OpenAI client and the command line."""
+engine, the OpenAI client and the command line's flags; a tiny LLaVA 1.5 (CLIP tower, MLP projector, Llama;
+tests/fixtures/make_llava.py) gives transformers' preprocessing, features and greedy tokens."""
 from __future__ import annotations
 
 import hashlib
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from _nn_util import get
+from _nn_util import TOL, get, put, rounded, run
 from webgpu_engine.errors import ModelFormatError
+from webgpu_engine.kernels import nn_ref
+from webgpu_engine.kernels.elementwise import quick_gelu
 from webgpu_engine.kernels.common import Tensor
 from webgpu_engine.loaders.gguf import GGUFFile
 from webgpu_engine.vision.config import patches
-from webgpu_engine.vision.gemma3 import preprocess
+from webgpu_engine.vision import gemma3, llava
 from webgpu_engine.vision.images import decode_bytes, image_data_url
 from webgpu_engine.vision.mmproj import MmprojFile
 from webgpu_engine.vision.runner import read_vision_config
@@ -27,6 +28,7 @@ from webgpu_engine.vision.runner import read_vision_config
 FIXTURES = Path(__file__).parent / "fixtures"
 PAIR, IMAGES, FOLDER = FIXTURES / "mmproj_gguf", FIXTURES / "vision_images", FIXTURES / "tiny_gemma3_vision"
 TEXT, PROJ = PAIR / "tiny-gemma3.gguf", PAIR / "mmproj-tiny-gemma3.gguf"
+LLAVA = FIXTURES / "llava_gguf"
 OPTS = {"dtype": "f32", "context_window_size": 256, "prefill_chunk_size": 32}
 
 
@@ -36,9 +38,35 @@ def ref():
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    with GGUFFile(TEXT) as g:
+def llava_ref():
+    return json.loads((FIXTURES / "llava_transformers.json").read_text())
+
+
+def _tokenizer(path):
+    with GGUFFile(path) as g:
         return g.tokenizer()
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return _tokenizer(TEXT)
+
+
+def _image(name):
+    return decode_bytes((IMAGES / name).read_bytes(), name).image
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16"])
+def test_quick_gelu(device, dtype):
+    """CLIP's activation, in place, finite far out in both tails."""
+    rng = np.random.default_rng(9)
+    x = np.concatenate([rng.standard_normal(3000) * 4, [-100.0, 100.0, 0.0, -30.0]])
+    xt = put(device, x, dtype, lead=4)
+    run(device, quick_gelu(device, xt, xt))
+    out = get(device, xt)
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out, nn_ref.quick_gelu(rounded(x, dtype)), **TOL[dtype])
+    device.release_owner("test:nn")
 
 
 def _messages(ref, key: str) -> list[dict]:
@@ -48,9 +76,9 @@ def _messages(ref, key: str) -> list[dict]:
               if p["type"] == "image" else p for p in m["content"]]} for m in ref["prompts"][key]["messages"]]
 
 
-def _text(ids) -> str:
+def _text(ids, folder=FOLDER) -> str:
     from tokenizers import Tokenizer
-    return Tokenizer.from_file(str(FOLDER / "tokenizer.json")).decode(ids, skip_special_tokens=False)
+    return Tokenizer.from_file(str(folder / "tokenizer.json")).decode(ids, skip_special_tokens=False)
 
 
 # ----------------------------------------------------------------------------- the projector file
@@ -75,25 +103,44 @@ def test_mmproj_reads_as_the_folders_vision_config(tokenizer):
         MmprojFile(PAIR / "missing.gguf", tokenizer)
 
 
-def test_mmproj_tower_gives_transformers_features(device, ref, tokenizer):
-    """The converter's tensors (the projector's norm stored as 1 + w, its projection in f16) give
+def test_llava_preprocessing_equals_the_processor(llava_ref):
+    """CLIPImageProcessor: shortest side to 32 (bicubic), centre crop, CLIP's mean and std, for a wide,
+    a square and a tall picture."""
+    f = MmprojFile(LLAVA / "mmproj-tiny-llava.gguf", _tokenizer(LLAVA / "tiny-llava.gguf"))
+    f.close()
+    assert (f.cfg.kind, f.cfg.tokens_per_image, f.cfg.n_layers, f.cfg.act) == ("llava", 64, 2, "quick_gelu")
+    assert f.cfg.class_token and f.cfg.pre_norm and not f.cfg.post_norm
+    for name, r in llava_ref["images"].items():
+        want = np.array(r["pixel_values"], np.float32)
+        got = llava.preprocess(f.cfg, _image(name))
+        assert got.shape == want.shape == (3, 32, 32)
+        np.testing.assert_allclose(got, want, atol=2e-6)
+
+
+@pytest.mark.parametrize("pair", ["gemma3", "llava"])
+def test_mmproj_tower_gives_transformers_features(device, ref, llava_ref, pair):
+    """The converters' tensors (Gemma 3's projector norm stored as 1 + w; the projections and the
+    legacy LLaVA converter's patch convolution in f16, its fc1 / fc2 named the other way round) give
     get_image_features' output for each fixture image."""
     from webgpu_engine.models.siglip import SiglipTower
-    f = MmprojFile(PROJ, tokenizer)
+    text, proj, want, family = (TEXT, PROJ, ref, gemma3) if pair == "gemma3" else \
+        (LLAVA / "tiny-llava.gguf", LLAVA / "mmproj-tiny-llava.gguf", llava_ref, llava)
+    f = MmprojFile(proj, _tokenizer(text))
     try:
         cfg, tower = f.cfg, SiglipTower(device, f.cfg, f.tensors, owner="test:mmproj")
     finally:
         f.close()
     try:
-        names = sorted(ref["images"])
-        out = Tensor(device.buffer(len(names) * 16 * 64 * 4, owner="test:mmproj"), (len(names) * 16, 64), "f32")
+        names, n, width = sorted(want["images"]), cfg.tokens_per_image, cfg.text_hidden
+        out = Tensor(device.buffer(len(names) * n * width * 4, owner="test:mmproj"), (len(names) * n, width), "f32")
         for i, name in enumerate(names):
-            image = decode_bytes((IMAGES / name).read_bytes(), name).image
-            tower.write_patches(patches(cfg, preprocess(cfg, image)))
+            tower.write_patches(patches(cfg, family.preprocess(cfg, _image(name))))
             device.submit(tower.record(device.batch(), out, i))
-        got = get(device, out).reshape(len(names), 16, 64)
-        for i, name in enumerate(names):     # the projection's f16 weights: a few 1e-3 off
-            np.testing.assert_allclose(got[i], np.array(ref["images"][name]["features"]), atol=5e-3, rtol=1e-3)
+        got = get(device, out).reshape(len(names), n, width)
+        for i, name in enumerate(names):     # the f16 weights: a few 1e-3 off
+            expect = np.array(want["images"][name]["features"])
+            assert np.abs(expect).max() > 0.5
+            np.testing.assert_allclose(got[i], expect, atol=5e-3, rtol=1e-3)
     finally:
         tower.dispose()
         device.release_owner("test:mmproj")
@@ -170,12 +217,34 @@ def test_ollama_projector_layer_and_openai_client(tmp_path, monkeypatch, ref, de
         s.stop()
 
 
-def test_cli_model_and_mmproj_flags(ref):
-    """`chat --model text.gguf --mmproj proj.gguf --image PATH PROMPT`, as llama.cpp's flags."""
-    opts = json.dumps({**OPTS, "compile_at_load": False})
-    p = subprocess.run([sys.executable, "-m", "webgpu_engine", "chat", "--quiet", "--model", str(TEXT),
-                        "--mmproj", str(PROJ), "--chat-opts", opts, "--max-tokens", "12", "--temperature", "0",
-                        "--image", str(IMAGES / "gradient.png"), "What is in the picture?"],
-                       capture_output=True, text=True, timeout=300, cwd=Path(__file__).parent.parent)
-    assert p.returncode == 0, p.stderr[-3000:]
-    assert _text(ref["prompts"]["one"]["greedy"]) in p.stdout
+def test_cli_mmproj_flag():
+    """`--model text.gguf --mmproj proj.gguf` (llama.cpp's flags) load the pair: chat_opts mmproj, once
+    for every model or once per model (the CLI's image path itself: test_vision)."""
+    from webgpu_engine.cli.models import chat_opts_for
+    from webgpu_engine.cli.parser import build_parser
+    args = build_parser().parse_args(["chat", "--model", str(TEXT), "--mmproj", str(PROJ), "Hi"])
+    assert chat_opts_for(args, 1) == [{"mmproj": str(PROJ)}]
+    args = build_parser().parse_args(["serve", "--model", "a", "--model", "b", "--mmproj", "p1", "--mmproj", "p2"])
+    assert chat_opts_for(args, 2) == [{"mmproj": "p1"}, {"mmproj": "p2"}]
+
+
+async def test_llava_greedy_tokens_and_logits_equal_transformers(device, llava_ref):
+    """LLaVA 1.5 from its folder of GGUFs: 64 `<image>` tokens for the picture (causal rows), the last
+    prompt row's logits and 12 greedy tokens."""
+    from webgpu_engine.engine.engine import AsyncMLCEngine
+    eng = AsyncMLCEngine()
+    await eng.reload(str(LLAVA), chat_opts={**OPTS, "prefill_chunk_size": 64})
+    try:
+        model = next(iter(eng.models))
+        pipe, want = eng.models[model].pipeline, llava_ref["prompts"]["one"]
+        await eng.chat.completions.create(model=model, messages=_messages(llava_ref, "one"), max_tokens=1,
+                                          temperature=0.0)
+        assert pipe.kv_ids[:len(want["input_ids"])] == want["input_ids"]
+        logits = get(pipe.dev, pipe.model.logits.view((pipe.model.cfg.vocab_size,)))
+        np.testing.assert_allclose(logits, want["logits"], atol=5e-3)     # f16 projector weights
+        r = await eng.chat.completions.create(model=model, messages=_messages(llava_ref, "one"), max_tokens=12,
+                                              temperature=0.0)
+        assert pipe.output_ids == want["greedy"]
+        assert r.choices[0].message.content == _text(want["greedy"], FIXTURES / "tiny_llava")
+    finally:
+        await eng.unload()

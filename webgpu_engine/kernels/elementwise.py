@@ -127,6 +127,11 @@ def gelu_tanh(dev: Device, x: Tensor, y: Tensor) -> Op:
     return _unary_f(dev, "gelu_tanh", x, y, 0.0)
 
 
+def quick_gelu(dev: Device, x: Tensor, y: Tensor) -> Op:
+    """y = x sigmoid(1.702 x) (CLIP's quick_gelu: LLaVA's vision tower)."""
+    return _unary_f(dev, "quick_gelu", x, y, 0.0)
+
+
 def tanh(dev: Device, x: Tensor, y: Tensor) -> Op:
     """y = tanh(x) (BERT's pooler, RoBERTa's classification head)."""
     return _unary_f(dev, "tanh_act", x, y, 0.0)

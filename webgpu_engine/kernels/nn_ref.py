@@ -118,6 +118,12 @@ def gelu(x: np.ndarray) -> np.ndarray:
     return (0.5 * x * erfc(-x / math.sqrt(2))).astype(np.float32)
 
 
+def quick_gelu(x: np.ndarray) -> np.ndarray:
+    """x sigmoid(1.702 x) (CLIP's quick_gelu)."""
+    x = x.astype(np.float64)
+    return (x / (1.0 + np.exp(np.minimum(-1.702 * x, 80.0)))).astype(np.float32)
+
+
 def inv_freq(rot_dim: int, base: float) -> np.ndarray:
     """f32 frequencies base^(-2i/rot_dim), rounded once from float64 (what the kernel binds)."""
     return np.array([base ** (-(2.0 * i) / rot_dim) for i in range(rot_dim // 2)], np.float32)

@@ -1,16 +1,18 @@
-"""The SigLIP vision tower and its projector on the GPU (Gemma 3, Idefics3 / SmolVLM): one tile's
-patches in, its image tokens' embeddings (in the text model's width) out. A pre-norm ViT, run with
-the BERT encoder's kernels:
+"""The SigLIP vision tower and its projector on the GPU (Gemma 3, Idefics3 / SmolVLM), and CLIP's
+(LLaVA 1.5): one tile's patches in, its image tokens' embeddings (in the text model's width) out. A
+pre-norm ViT, run with the BERT encoder's kernels:
 
     x = patches · Wpatchᵀ + b + pos                                  (N, C)   N = (S/p)^2 patches
+    CLIP:     x = LN_pre([x; class + pos_0])                         (N + 1, C), the class row last
     for each layer:
         x += attn(LN1(x)) · Woᵀ + bo                                 bidirectional over the N patches
-        x += gelu_tanh(LN2(x) · W1ᵀ + b1) · W2ᵀ + b2
-    x = LN(x)
+        x += act(LN2(x) · W1ᵀ + b1) · W2ᵀ + b2                       gelu_tanh (CLIP: quick_gelu)
+    x = LN(x)                                                        (not after LLaVA's selected layer)
     Gemma 3:  t = avg_pool_KxK(x)                                    (n, C)   n soft tokens
               out = rms_norm(t) * (1 + w) · Wproj                    (n, C_text)
     Idefics3: t = pixel_shuffle_s(x)                                 (N / s^2, C s^2)
               out = t · Wprojᵀ                                       (N / s^2, C_text)
+    LLaVA:    out = gelu(x[:N] · W1ᵀ + b1) · W2ᵀ + b2                (N, C_text)  the class row dropped
 
 The patch embedding (a p x p convolution with stride p) is a matmul over unfolded patches
 (vision/config.py `patches`: the conv weight (C, 3, p, p) is already that matmul's (C, 3 p p)).
@@ -26,6 +28,7 @@ from ..errors import ModelFormatError
 from ..kernels import matmul as mm
 from ..kernels import nn, vision
 from ..kernels.common import Op, Tensor, new_tensor
+from ..kernels.elementwise import quick_gelu
 from ..loaders.tensor_info import TensorInfo
 from ..vision.config import VisionConfig
 from .llama import _floats
@@ -85,9 +88,19 @@ class SiglipTower:
 
         conv = get("embeddings.patch_embedding.weight", (C, 3, p, p))
         self.patch = mm.upload_weight(dev, [conv.data], conv.qtype, C, 3 * p * p, owner=owner, label="v.patch")
-        self.patch_b = vector(["embeddings.patch_embedding.bias"], C, "v.patch_b")
-        pos = get("embeddings.position_embedding.weight", (N, C))
-        self.pos = self._matrix(pos, "v.pos", rows=position_ids(cfg.patches_per_side) if cfg.kind == "idefics3" else None)
+        has_bias = "embeddings.patch_embedding.bias" in named          # CLIP's convolution has none
+        self.patch_b = vector(["embeddings.patch_embedding.bias"], C, "v.patch_b") if has_bias else None
+        if cfg.class_token:              # CLIP: the class row last, after the patches (attention ignores order)
+            if has_bias:
+                raise ModelFormatError("a vision tower with a class embedding and a patch bias is not read")
+            pos = get("embeddings.position_embedding.weight", (N + 1, C))
+            self.pos = self._class_last(pos, get("embeddings.class_embedding", (C,)))
+        else:
+            pos = get("embeddings.position_embedding.weight", (N, C))
+            self.pos = self._matrix(pos, "v.pos", rows=position_ids(cfg.patches_per_side) if cfg.kind == "idefics3" else None)
+        if cfg.pre_norm:
+            self.pre_w = vector(["pre_layrnorm.weight"], C, "v.pre")
+            self.pre_b = vector(["pre_layrnorm.bias"], C, "v.preb")
         self.layers = []
         for i in range(cfg.n_layers):
             a, L = f"encoder.layers.{i}.self_attn.", f"encoder.layers.{i}."
@@ -99,9 +112,14 @@ class SiglipTower:
                 ln2_w=vector([L + "layer_norm2.weight"], C, f"v{i}.ln2"), ln2_b=vector([L + "layer_norm2.bias"], C, f"v{i}.ln2b"),
                 fc1=weight([L + "mlp.fc1.weight"], F, C, f"v{i}.fc1"), fc1_b=vector([L + "mlp.fc1.bias"], F, f"v{i}.fc1b"),
                 fc2=weight([L + "mlp.fc2.weight"], C, F, f"v{i}.fc2"), fc2_b=vector([L + "mlp.fc2.bias"], C, f"v{i}.fc2b")))
-        self.post_w = vector(["post_layernorm.weight"], C, "v.post")
-        self.post_b = vector(["post_layernorm.bias"], C, "v.postb")
-        if cfg.kind == "gemma3":
+        if cfg.post_norm:
+            self.post_w = vector(["post_layernorm.weight"], C, "v.post")
+            self.post_b = vector(["post_layernorm.bias"], C, "v.postb")
+        T = cfg.text_hidden
+        if cfg.kind == "llava":          # LLaVA's projector: linear_2(gelu(linear_1(x)))
+            self.mm1, self.mm1_b = weight(["linear_1.weight"], T, C, "v.mm1"), vector(["linear_1.bias"], T, "v.mm1b")
+            self.mm2, self.mm2_b = weight(["linear_2.weight"], T, T, "v.mm2"), vector(["linear_2.bias"], T, "v.mm2b")
+        elif cfg.kind == "gemma3":
             # x * (1 + w): w as transformers stores it, or 1 + w as llama.cpp's mmproj does
             plus_one = "mm_soft_emb_norm.one_plus_weight" in named
             self.mm_norm = vector(["mm_soft_emb_norm.one_plus_weight" if plus_one else "mm_soft_emb_norm.weight"],
@@ -110,8 +128,8 @@ class SiglipTower:
             self.proj = self._transposed(get("mm_input_projection_weight", (C, cfg.text_hidden)), "v.proj")
         else:                            # Idefics3's nn.Linear (C_text, C s^2), no bias
             self.proj = weight(["modality_projection.proj.weight"], cfg.text_hidden, C * cfg.scale ** 2, "v.proj")
-        self._allocate(N)
-        self.ops = self._build(N)
+        self._allocate(N + cfg.class_token)
+        self.ops = self._build(N + cfg.class_token)
 
     # ------------------------------------------------------------------ weights and activations
     def _array(self, t: TensorInfo):
@@ -124,6 +142,14 @@ class SiglipTower:
     def _matrix(self, t: TensorInfo, label: str, rows=None) -> Tensor:
         a = self._array(t) if rows is None else self._array(t)[rows]
         return Tensor(self.dev.upload(a.tobytes(), owner=self.owner, label=label), a.shape, "f32")
+
+    def _class_last(self, pos: TensorInfo, cls: TensorInfo) -> Tensor:
+        """CLIP's positions (N + 1, C) reordered for the class row last: its input row stays zero, so
+        its embedding is the class embedding plus position 0's."""
+        import numpy as np
+        a = self._array(pos)
+        rows = np.concatenate([a[1:], a[:1] + self._array(cls)[None, :]])
+        return Tensor(self.dev.upload(rows.tobytes(), owner=self.owner, label="v.pos"), rows.shape, "f32")
 
     def _transposed(self, t: TensorInfo, label: str) -> mm.QWeight:
         a = self._array(t).T.copy()                        # (C_text, C), small
@@ -138,7 +164,9 @@ class SiglipTower:
         self.pix = act((N, 3 * cfg.patch_size ** 2), "v.pixels")
         self.x, self.h, self.ctx = act((N, C), "v.x"), act((N, C), "v.h"), act((N, C), "v.ctx")
         self.qkv, self.ff = act((N, 3 * C), "v.qkv"), act((N, F), "v.ff")
-        if cfg.kind == "gemma3":
+        if cfg.kind == "llava":
+            self.mid = act((n, cfg.text_hidden), "v.mid")
+        elif cfg.kind == "gemma3":
             self.pooled, self.normed = act((n, C), "v.pooled"), act((n, C), "v.normed")
         else:
             self.shuffled = act((n, C * cfg.scale ** 2), "v.shuffled")
@@ -149,8 +177,11 @@ class SiglipTower:
         cfg, dev = self.cfg, self.dev
         H, D, eps = cfg.n_heads, cfg.head_dim, cfg.eps
         x, h, ctx, qkv, ff = self.x, self.h, self.ctx, self.qkv, self.ff
-        op = mm.matmul(dev, self.pix, self.patch, x, bias=self.patch_b)           # (N, C)
-        op += nn.add(dev, x, self.pos, x)
+        e = h if cfg.pre_norm else x                                             # the embeddings
+        op = mm.matmul(dev, self.pix, self.patch, e, bias=self.patch_b)           # (N, C)
+        op += nn.add(dev, e, self.pos, e)
+        if cfg.pre_norm:
+            op += nn.layer_norm(dev, h, self.pre_w, self.pre_b, x, eps=eps)
         for L in self.layers:
             op += nn.layer_norm(dev, x, L.ln1_w, L.ln1_b, h, eps=eps)
             op += mm.matmul(dev, h, L.qkv, qkv, bias=L.qkv_b)                     # (N, 3C)
@@ -159,10 +190,16 @@ class SiglipTower:
             op += mm.matmul(dev, ctx, L.o, x, bias=L.o_b, accumulate=True)         # x += attn
             op += nn.layer_norm(dev, x, L.ln2_w, L.ln2_b, h, eps=eps)
             op += mm.matmul(dev, h, L.fc1, ff, bias=L.fc1_b)                      # (N, F)
-            op += nn.gelu_tanh(dev, ff, ff)
+            op += quick_gelu(dev, ff, ff) if cfg.act == "quick_gelu" else nn.gelu_tanh(dev, ff, ff)
             op += mm.matmul(dev, ff, L.fc2, x, bias=L.fc2_b, accumulate=True)      # x += mlp
-        op += nn.layer_norm(dev, x, self.post_w, self.post_b, h, eps=eps)
-        if cfg.kind == "gemma3":
+        if cfg.post_norm:
+            op += nn.layer_norm(dev, x, self.post_w, self.post_b, h, eps=eps)
+        if cfg.kind == "llava":          # the patches' rows (the class row, last, dropped)
+            feats = (h if cfg.post_norm else x).view((cfg.tokens_per_image, cfg.hidden_size))
+            op += mm.matmul(dev, feats, self.mm1, self.mid, bias=self.mm1_b)       # (n, C_text)
+            op += nn.gelu(dev, self.mid, self.mid)
+            op += mm.matmul(dev, self.mid, self.mm2, self.out, bias=self.mm2_b)    # (n, C_text)
+        elif cfg.kind == "gemma3":
             op += vision.avg_pool(dev, h, self.pooled, side=cfg.patches_per_side, kernel=cfg.pool)
             op += nn.rms_norm(dev, self.pooled, self.mm_norm, self.normed, eps=eps)
             op += mm.matmul(dev, self.normed, self.proj, self.out)                # (n, C_text)

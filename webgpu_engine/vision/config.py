@@ -19,8 +19,9 @@ FAMILIES = {"Gemma3ForConditionalGeneration": "gemma3", "Idefics3ForConditionalG
 
 @dataclass(frozen=True)
 class VisionConfig:
-    kind: str                        # "gemma3" (pooled projector, an image's rows attend both ways) or
-    #                                  "idefics3" (pixel shuffle + linear, causal rows, tiles)
+    kind: str                        # "gemma3" (pooled projector, an image's rows attend both ways),
+    #                                  "idefics3" (pixel shuffle + linear, causal rows, tiles) or
+    #                                  "llava" (CLIP tower, linear-GELU-linear projector, causal rows)
     hidden_size: int
     intermediate_size: int
     n_layers: int
@@ -40,6 +41,10 @@ class VisionConfig:
     rescale: float = 1 / 255
     mean: tuple = (0.5, 0.5, 0.5)
     std: tuple = (0.5, 0.5, 0.5)
+    act: str = "gelu_tanh"           # the tower's MLP activation (CLIP's: "quick_gelu")
+    class_token: bool = False        # CLIP: a class embedding's row beside the patches (dropped at the end)
+    pre_norm: bool = False           # CLIP: a LayerNorm after the embeddings (pre_layrnorm)
+    post_norm: bool = True           # the LayerNorm after the last layer (LLaVA's selected layer: none)
 
     @property
     def patches_per_side(self) -> int:

@@ -9,6 +9,9 @@ models/siglip.py reads (one table, MMPROJ_TO_HF), so a GGUF pair runs the same t
     gemma3           gemma3    SigLIP (v.blk.N.*)       avg-pool (clip.vision.projector.scale_factor,
                                                         default 4), RMSNorm mm.soft_emb_norm (1 + w
                                                         stored), mm.input_projection (C, C_text)
+    mlp              llava     CLIP: v.class_embd,      mm.0 (linear), GELU, mm.2 (linear); the
+                               v.pre_ln, quick_gelu     converter keeps the layers up to the selected
+                               (clip.use_gelu false)    one (LLaVA: the second to last), no v.post_ln
 
 What the pair does not carry comes from the text model: the image token's id (its tokenizer) and the
 chat template's image marker (the family's module).
@@ -24,12 +27,15 @@ from ..loaders.tensor_info import TensorInfo
 from .config import VisionConfig
 
 # clip.projector_type -> the family whose host side (prompt expansion, tiles) the images take
-PROJECTORS = {"gemma3": "gemma3"}
+PROJECTORS = {"gemma3": "gemma3", "mlp": "llava"}
 
 # mmproj tensor names ({i}: a tower layer) -> the Hugging Face names models/siglip.py reads
 MMPROJ_TO_HF = {
     "v.patch_embd.weight": "vision_tower.embeddings.patch_embedding.weight",    # (C, 3, p, p)
     "v.patch_embd.bias": "vision_tower.embeddings.patch_embedding.bias",
+    "v.class_embd": "vision_tower.embeddings.class_embedding",                # (C,)
+    "v.pre_ln.weight": "vision_tower.pre_layrnorm.weight",
+    "v.pre_ln.bias": "vision_tower.pre_layrnorm.bias",
     "v.position_embd.weight": "vision_tower.embeddings.position_embedding.weight",  # (N, C)
     "v.blk.{i}.ln1.weight": "vision_tower.encoder.layers.{i}.layer_norm1.weight",
     "v.blk.{i}.ln1.bias": "vision_tower.encoder.layers.{i}.layer_norm1.bias",
@@ -52,6 +58,11 @@ MMPROJ_TO_HF = {
     # Gemma 3's projector: the converter stores the RMSNorm's 1 + w (siglip.py reads either form)
     "mm.soft_emb_norm.weight": "multi_modal_projector.mm_soft_emb_norm.one_plus_weight",
     "mm.input_projection.weight": "multi_modal_projector.mm_input_projection_weight",  # (C, C_text)
+    # LLaVA's projector (llava_surgery's mm.0 / mm.2: linear_1, linear_2)
+    "mm.0.weight": "multi_modal_projector.linear_1.weight",                  # (C_text, C)
+    "mm.0.bias": "multi_modal_projector.linear_1.bias",
+    "mm.2.weight": "multi_modal_projector.linear_2.weight",                  # (C_text, C_text)
+    "mm.2.bias": "multi_modal_projector.linear_2.bias",
 }
 _BLOCK = re.compile(r"^v\.blk\.(\d+)\.(.+)$")
 
@@ -80,6 +91,7 @@ class MmprojFile:
                 hf = hf_name(name)
                 if hf is not None:
                     self.tensors[hf] = t
+            _legacy_ffn(self.tensors, self.cfg)
         except BaseException:
             self._gguf.close()
             raise
@@ -115,6 +127,14 @@ def read_config(g: GGUFFile, tokenizer) -> VisionConfig:
         from . import gemma3 as fam
         per_side = side // int(meta("projector.scale_factor", 4))
         tokens, marker, image_token = per_side * per_side, fam.BOI, fam.IMAGE
+        text_hidden, extra = int(meta("projection_dim")), {}
+    else:                                # LLaVA: a token per patch; the text width is mm.2's
+        from . import llava as fam
+        tokens, marker, image_token = side * side, fam.IMAGE, fam.IMAGE
+        last = g.tensors.get("mm.2.weight")
+        if last is None:
+            raise ModelFormatError(f"{where}: the mlp projector lacks mm.2.weight")
+        text_hidden, extra = int(last.shape[0]), {"resample": fam.BICUBIC}
     token_id = tokenizer.token_to_id(image_token) if tokenizer is not None else None
     if token_id is None:
         raise ModelFormatError(f"{where}: the text model's vocabulary has no {image_token} token, which "
@@ -123,13 +143,30 @@ def read_config(g: GGUFFile, tokenizer) -> VisionConfig:
         kind=family, hidden_size=int(meta("embedding_length")), intermediate_size=int(meta("feed_forward_length")),
         n_layers=int(meta("block_count")), n_heads=int(meta("attention.head_count")),
         image_size=size, patch_size=patch, eps=float(meta("attention.layer_norm_epsilon", 1e-6)),
-        text_hidden=int(meta("projection_dim")), tokens_per_image=tokens, image_token_id=int(token_id),
+        text_hidden=text_hidden, tokens_per_image=tokens, image_token_id=int(token_id),
         marker=marker, size=(size, size),
         mean=tuple(float(x) for x in meta("image_mean", [0.5] * 3)),
-        std=tuple(float(x) for x in meta("image_std", [0.5] * 3)))
+        std=tuple(float(x) for x in meta("image_std", [0.5] * 3)),
+        # llama.cpp's tower: GELU (its tanh form) where clip.use_gelu, else CLIP's quick_gelu
+        act="gelu_tanh" if g.metadata.get("clip.use_gelu", False) else "quick_gelu",
+        class_token="v.class_embd" in g.tensors, pre_norm="v.pre_ln.weight" in g.tensors,
+        post_norm="v.post_ln.weight" in g.tensors, **extra)
     if tokens < 1 or side % max(1, round(tokens ** 0.5)):
         raise ModelFormatError(f"{where}: {tokens} image tokens do not pool a {side}x{side} patch grid")
     return cfg
+
+
+def _legacy_ffn(tensors: dict, cfg: VisionConfig) -> None:
+    """llama.cpp's legacy LLaVA converter names fc1 ffn_down and fc2 ffn_up (clip.cpp swaps them back
+    by shape): fc1 is (F, C)."""
+    C, F = cfg.hidden_size, cfg.intermediate_size
+    for i in range(cfg.n_layers):
+        mlp = f"vision_tower.encoder.layers.{i}.mlp."
+        fc1 = tensors.get(mlp + "fc1.weight")
+        if fc1 is not None and C != F and tuple(fc1.shape) == (C, F):
+            for part in ("weight", "bias"):
+                tensors[mlp + "fc1." + part], tensors[mlp + "fc2." + part] = \
+                    tensors[mlp + "fc2." + part], tensors[mlp + "fc1." + part]
 
 
 def is_mmproj(path) -> bool:

@@ -18,11 +18,11 @@ import json
 import re
 from pathlib import Path
 
-from ..errors import InvalidRequestError, UnsupportedChatOptionError, UnsupportedModelError
+from ..errors import InvalidRequestError, ModelFormatError, UnsupportedChatOptionError, UnsupportedModelError
 from ..gpu import IN_BROWSER
 from ..kernels.vision import NONE
 from ..loaders.chat_template import ChatTemplate
-from . import gemma3, idefics3
+from . import gemma3, idefics3, llava
 from .config import FAMILIES, VisionConfig, patches
 from .requests import images_of
 
@@ -45,7 +45,7 @@ def read_vision_config(folder) -> VisionConfig | None:
 
 
 def _family(cfg: VisionConfig):
-    return gemma3 if cfg.kind == "gemma3" else idefics3
+    return {"gemma3": gemma3, "idefics3": idefics3, "llava": llava}[cfg.kind]
 
 
 def takes_images(path) -> bool:
@@ -126,6 +126,10 @@ class VisionInputs:
             from .mmproj import MmprojFile
             files = MmprojFile(mmproj, tokenizer)
             cfg = files.cfg
+            if cfg.text_hidden != model.cfg.hidden_size:
+                files.close()
+                raise ModelFormatError(f"{mmproj}: the projector gives rows of {cfg.text_hidden}, the text "
+                                       f"model's width is {model.cfg.hidden_size}: they do not belong together")
         elif not path.is_dir() or not (path / "config.json").is_file():
             return None
         else:
