@@ -65,8 +65,10 @@ fn lora_expand(@builtin(global_invocation_id) gid: vec3<u32>) {
 // per slot, and B compact, (R, N) per slot: row n holds only the R columns of its target's block
 // (the others are zeros in B's (N, J) form), which start at u's column cols[n] (a target's index
 // x R). Each sum in the order lora_shrink / lora_expand make it (the zero columns left out add
-// nothing). dispatch (T, 1, 1), workgroup WG; the host adds the consts JMAX (= J) and NORM. A row
-// without an adapter returns at once (its slot read uniformly).
+// nothing). With STORE, y = the delta instead (a row without an adapter: -0.0, so that a matmul
+// adding y to its sums keeps a base row's bits: models/lora.py). dispatch (T, 1, 1), workgroup WG;
+// the host adds the consts JMAX (= J), NORM, STORE and KC. A row without an adapter returns at once
+// (its slot read uniformly).
 @group(0) @binding(9) var<storage, read> cols: array<u32>;            // (N) first u column of row n
 @group(0) @binding(10) var<storage, read> a4: array<vec4<f32>>;       // (slots, J, K / 4) A
 @group(0) @binding(11) var<storage, read> b4: array<vec4<f32>>;       // (slots, N, R / 4) B compact
@@ -96,7 +98,11 @@ fn lora_delta(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_i
     let t = wid.x;
     if (lid == 0u) { wslot = idx[t]; }
     let s = workgroupUniformLoad(&wslot);
-    if (s == NONE || s >= D.slots) { return; }
+    if (s == NONE || s >= D.slots) {
+        // STORE: the row's delta is -0.0, which leaves any value it is added to as it is
+        for (var n = lid; STORE && n < D.N; n += WG) { y[D.y_off + t * D.N + n] = act(bitcast<f32>(0x80000000u)); }
+        return;
+    }
     let x0 = D.x_off + t * D.K;
     var inv = 1.0;
     if (NORM) {
@@ -160,6 +166,6 @@ fn lora_delta(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_i
             acc += uv.w * bv.w;
         }
         let at = D.y_off + t * D.N + n;
-        y[at] = act(f32(y[at]) + acc);
+        if (STORE) { y[at] = act(acc); } else { y[at] = act(f32(y[at]) + acc); }
     }
 }

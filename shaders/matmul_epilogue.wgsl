@@ -19,6 +19,8 @@
 //               next matmul reads ep_yg and scales its sums by 1 / rms from the partials
 //               (matmul_decode.wgsl dec_pss), so the norm needs no dispatch and no barrier.
 //               matmul_res_norm is the loop kernel (matmul.wgsl row_sums) ending with it.
+// ep_silu and ep_rope_kv first add to the sums what ep_added adds (the host's: nothing, or values
+// stored before the matmul, e.g. the rows' LoRA deltas of the projection; kernels/matmul/epilogues.py).
 // Built after matmul.wgsl, matmul_decode.wgsl and sincos.wgsl; the host adds the consts EP_D (head
 // dim), EP_ROT (rotated dims of a head), EP_KLO / EP_VLO (first k / v row), EP_CTX (cache rows),
 // EP_KC / EP_VC (cache offsets in elements) for ep_rope_kv; EP_G, EP_YG, EP_PART (offsets in
@@ -32,8 +34,9 @@
 @group(0) @binding(11) var<storage, read_write> ep_yg: array<act>;  // (N) y * g
 @group(0) @binding(12) var<storage, read_write> ep_part: array<f32>;   // (N / 4) sums of y^2
 
-fn ep_silu(t: u32, i4: u32, r: vec4<f32>) {
+fn ep_silu(t: u32, i4: u32, sums: vec4<f32>) {
     if (4u * i4 >= P.rows || t >= P.T) { return; }
+    let r = ep_added(t, P.n0 + 4u * i4, sums);
     let s = gate2(r.xy) * r.zw;         // act(gate) * up: gate2 from gate_act.wgsl
     let o = P.y_off + t * (P.y_stride / 2u) + P.n0 / 2u + 2u * i4;
     y[o] = act(s.x);
@@ -54,7 +57,7 @@ fn ep_rot(a: f32, b: f32, pos: u32, i: u32) -> vec2<f32> {
 fn ep_rope_kv(t: u32, i4: u32, sums: vec4<f32>) {
     if (4u * i4 >= P.rows || t >= P.T) { return; }
     let n = P.n0 + 4u * i4;
-    var r = ep_bias(n, sums);
+    var r = ep_added(t, n, ep_bias(n, sums));
     let pos = ep_pos(t);
     let d = n % EP_D;
     if (n < EP_VLO && d < EP_ROT) {          // a q or k row in the rotated part

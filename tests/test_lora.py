@@ -82,12 +82,74 @@ def test_lora_delta_is_shrink_then_expand_in_one(device, _free, dtype, norm, T, 
     assert np.abs(got - want).max() / np.abs(want).max() < (1e-4 if dtype == "f32" else 1e-2)
     base = idx == lk.NONE
     np.testing.assert_array_equal(got[base], rounded(y0, dtype)[base])
+    ys = put(device, y0, dtype)                  # store: y = the delta, a base row -0.0
+    run(device, lk.lora_delta(device, put(device, x, dtype), put(device, a), put(device, bc), put(device, cols, "u32"),
+                              put(device, idx, "u32"), ys, slots=slots, norm=nt, store=True))
+    stored = get(device, ys)
+    assert np.abs(stored - (want - rounded(y0, dtype)))[~base].max() / np.abs(want).max() < (1e-4 if dtype == "f32" else 1e-2)
+    assert (stored[base] == 0).all() and np.signbit(stored[base]).all()
     if not norm:                              # the pair's sums in the pair's order: the same bits
         yp, it = put(device, y0, dtype), put(device, idx, "u32")
         ut = empty(device, (T, J), fill=0)
         run(device, lk.lora_shrink(device, put(device, x, dtype), put(device, a), it, ut, slots=slots),
             lk.lora_expand(device, ut, put(device, b), it, yp, slots=slots))
         np.testing.assert_array_equal(got, get(device, yp))
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16"])
+def test_matmul_adds_stored_deltas_before_its_epilogue(device, _free, dtype):
+    """matmul(..., add=d) with silu_out and rope_kv (a CPU adapter's LoRA deltas stored first:
+    lora_delta store=True): the sums plus d go through the epilogue, as the unfused matmul, + d and
+    the epilogue's own kernel make them; d = -0.0 (a base row) gives the bits of no add at all."""
+    from webgpu_engine.kernels import nn, nn_ref
+    from webgpu_engine.kernels import quant_ref as qr
+    from webgpu_engine.kernels.matmul import RopeKV, interleave_pairs, matmul, upload_weight
+    rng = np.random.default_rng(7)
+    tol = 1e-4 if dtype == "f32" else 1e-2
+    f, k = 64, 128
+    rg, ru = qr.random_weight("q4_1", f, k, rng), qr.random_weight("q4_1", f, k, rng)
+    G, U = qr.dequantize(rg, "q4_1", f, k), qr.dequantize(ru, "q4_1", f, k)
+    w = upload_weight(device, interleave_pairs(rg, ru, "q4_1", k), "q4_1", 2 * f, k, owner=OWNER, label="gu")
+    x = rng.standard_normal((1, k))
+    d = rng.standard_normal((1, 2 * f))                      # in the weight's row order (pairs)
+    gate_rows = 4 * (np.arange(f) // 2) + np.arange(f) % 2    # g0 g1 u0 u1 g2 g3 u2 u3 ...
+    dg, du = d[:, gate_rows], d[:, gate_rows + 2]
+    xd = rounded(x, dtype).astype(np.float64)
+    ref = nn_ref.silu_mul(np.concatenate([xd @ G.T + rounded(dg, dtype), xd @ U.T + rounded(du, dtype)], axis=1))
+    outs = {}
+    for name, add in (("d", d), ("-0", np.full((1, 2 * f), -0.0)), (None, None)):
+        y = empty(device, (1, f), dtype)
+        run(device, matmul(device, put(device, x, dtype), w, y, silu_out=True,
+                           add=None if add is None else put(device, add, dtype, lead=2)))
+        outs[name] = get(device, y)
+    assert np.abs(outs["d"] - ref).max() / np.abs(ref).max() < tol
+    np.testing.assert_array_equal(outs["-0"], outs[None])
+    # rope_kv: q|k|v rows of one position, rotated after the add; k and v written to the caches
+    Hq, Hkv, D, ctx, pos = 4, 2, 32, 12, 9
+    n = (Hq + 2 * Hkv) * D
+    raw = qr.random_weight("q4_1", n, k, rng)
+    wq = upload_weight(device, raw, "q4_1", n, k, owner=OWNER, label="qkv")
+    step = device.upload(np.array([pos, 1, pos + 1, 0], np.uint32), owner=OWNER)
+    freq = nn.rope_frequencies(device, 32, 10000.0, owner=OWNER)
+    d = rng.standard_normal((1, n))
+    got = {}
+    for name, add in (("d", d), ("-0", np.full((1, n), -0.0)), (None, None), ("apart", d)):
+        kc, vc = put(device, np.zeros((Hkv, ctx, D)), dtype), put(device, np.zeros((Hkv, ctx, D)), dtype)
+        qkv, xt = empty(device, (1, n), dtype), put(device, x, dtype)
+        if name == "apart":                  # the unfused form: matmul, + d, rope_kv
+            qkv = put(device, d, dtype)
+            run(device, matmul(device, xt, wq, qkv, accumulate=True),
+                nn.rope_kv(device, qkv.view((1, Hq + 2 * Hkv, D)), kc, vc, step, n_q_heads=Hq, n_kv_heads=Hkv,
+                           head_dim=D, ctx=ctx, rot_dim=32))
+        else:
+            run(device, matmul(device, xt, wq, qkv, rope_kv=RopeKV(step, freq, kc, vc, Hq, Hkv, D, 32, ctx),
+                               add=None if add is None else put(device, add, dtype, lead=1)))
+        got[name] = [get(device, t) for t in (qkv, kc, vc)]
+    for a, b in zip(got["d"], got["apart"]):
+        assert np.abs(a - b).max() <= tol * max(1.0, np.abs(b).max())
+    for a, b in zip(got["-0"], got[None]):
+        np.testing.assert_array_equal(a, b)
+    assert np.abs(got["d"][0] - got[None][0]).max() > 0.1
 
 
 def test_lora_kernels_refuse_bad_shapes(device, _free):
@@ -427,6 +489,9 @@ async def test_only_the_projections_some_adapter_targets_get_deltas(engine):
         names = [op.name for op in pipe.scheduler.fwd.ops("decode", 1, True)]
         n_layers = pipe.model.cfg.n_layers
         assert sum(n in ("lora_delta", "lora_shrink") for n in names) == 3 * n_layers
+        # the fused RoPE + KV write and act(gate) * up stay: the deltas are the only ops added
+        base = [op.name for op in pipe.scheduler.fwd.ops("decode", 1, False)]
+        assert [n for n in names if n != "lora_delta"] == base
     finally:
         await engine.load_lora_adapter("a", ADAPTERS["a"])
     assert pipe.lora.targeted() == ("qkv", "o", "gate_up", "down")

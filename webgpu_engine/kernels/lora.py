@@ -21,10 +21,10 @@ _WG = 64
 _KC = 1024             # lora_delta's x values staged at a time (4 KB of workgroup memory)
 
 
-def _pipe(dev: Device, entry: str, dtype: str, j: int = 1, norm: bool = False):
+def _pipe(dev: Device, entry: str, dtype: str, j: int = 1, norm: bool = False, store: bool = False):
     return dev.pipeline("lora.wgsl", entry, header=f"{act_header(dtype)}const WG: u32 = {_WG}u;\n"
                                                    f"const JMAX: u32 = {j}u;\nconst NORM: bool = {str(norm).lower()};\n"
-                                                   f"const KC: u32 = {_KC}u;\n")
+                                                   f"const STORE: bool = {str(store).lower()};\nconst KC: u32 = {_KC}u;\n")
 
 
 def lora_shrink(dev: Device, x: Tensor, a: Tensor, idx: Tensor, u: Tensor, *, slots: int) -> Op:
@@ -63,10 +63,12 @@ def _pair_op(dev: Device, k: str, act: Tensor, w: Tensor, idx: Tensor, u: Tensor
 
 
 def lora_delta(dev: Device, x: Tensor, a: Tensor, b: Tensor, cols: Tensor, idx: Tensor, y: Tensor, *,
-               slots: int, norm: tuple | None = None) -> Op:
+               slots: int, norm: tuple | None = None, store: bool = False) -> Op:
     """y[t] += B[idx[t]] · (A[idx[t]] · x'[t]) for each row with an adapter, x' = x, or with `norm`
     (w (K,) f32, eps) x * w / rms(x).  x (T, K) act; a (slots, J, K) f32; b (slots, N, R) f32 and
-    cols (N,) u32: B compact (compact_b); idx (T,) u32; y (T, N) act. K and R multiples of 4."""
+    cols (N,) u32: B compact (compact_b); idx (T,) u32; y (T, N) act. K and R multiples of 4.
+    `store`: y[t] = the delta instead, -0.0 for a row without an adapter (x + -0.0 is x, bit for
+    bit: a matmul adding y to its sums keeps a base row's values)."""
     k = "lora_delta"
     T, K = (int(s) for s in x.shape)
     N = int(y.shape[1])
@@ -83,7 +85,7 @@ def lora_delta(dev: Device, x: Tensor, a: Tensor, b: Tensor, cols: Tensor, idx: 
     (xb, xo), (yb, yo), (ib, io) = (window(t, DTYPE_SIZE[t.dtype], k, n) for t, n in ((x, "x"), (y, "y"), (idx, "idx")))
     check(io == 0 and a.offset == 0 and b.offset == 0 and cols.offset == 0, k,
           "idx, A, B and cols must start at binding-aligned offsets")
-    pipe = _pipe(dev, k, x.dtype, J, norm is not None)
+    pipe = _pipe(dev, k, x.dtype, J, norm is not None, store)
     par = params(dev, [T, K, N, J, xo, yo, slots, float(norm[1]) if norm else 0.0, R], owner=y.buf.owner, label=k)
     w = norm[0].binding() if norm else placeholder(dev)
     op = Op(name=k)

@@ -210,13 +210,16 @@ def forward(m, kv: KVAccess, T: int, mode: str, *, with_head: bool = True,
         else:
             src, how = h, {}
             ops.append(_norm(m, x, L.attn_norm, L.attn_norm_bias, h))
-        ops.append(mm.matmul(dev, src, L.qkv, qkv2, bias=L.qkv_bias, rope_kv=rope, **how, **flags))
+        normed = c.pre_norms and (plan.norm_in_matmul or plan.res_norm and i > 0)
+        add = lora.pre(i, "qkv", T) if lora is not None and rope is not None else None
+        if add is not None:                  # the deltas first: the matmul adds them before its RoPE + KV write
+            ops += _lora_delta(m, lora, i, "qkv", x, h, L.attn_norm, L.attn_norm_bias, add, T, normed, True)
+        ops.append(mm.matmul(dev, src, L.qkv, qkv2, bias=L.qkv_bias, rope_kv=rope, add=add, **how, **flags))
         if L.attn_gate is not None:          # the attention's output gate g = h · Wgᵀ (Qwen3.5)     (T, H D)
             gate = m.attn_gate_out.view((T, H * D))
             ops.append(mm.matmul(dev, src, L.attn_gate, gate, **how, **flags))
-        if lora is not None:                 # the input as the matmul sees it (normed here where it norms x itself)
-            ops += _lora_delta(m, lora, i, "qkv", x, h, L.attn_norm, L.attn_norm_bias, qkv2, T,
-                               c.pre_norms and (plan.norm_in_matmul or plan.res_norm and i > 0))
+        if lora is not None and add is None:  # the input as the matmul sees it (normed here where it norms x itself)
+            ops += _lora_delta(m, lora, i, "qkv", x, h, L.attn_norm, L.attn_norm_bias, qkv2, T, normed)
         if L.mixer is not None:              # a token mixer other than attention (Qwen3.5's Gated DeltaNet)
             ops += L.mixer.ops(m, kv, i, qkv2, attn, T)
         else:
@@ -237,6 +240,12 @@ def forward(m, kv: KVAccess, T: int, mode: str, *, with_head: bool = True,
         # FFN's h · Wupᵀ + b
         out = ffn if plan.gate_out[i] or not c.ffn_gated else gu
         gate = {"silu_out": plan.gate_out[i], "gate_act": c.act, **flags} if c.ffn_gated else flags
+        normed = c.pre_norms and not c.parallel_norms and (plan.res_norm or plan.norm_in_matmul)
+        add = lora.pre(i, "gate_up", T) if lora is not None and plan.gate_out[i] and (
+            normed or not c.pre_norms or c.parallel_norms) else None    # its input made before the matmul's
+        if add is not None:                  # the deltas first: the matmul adds them before act(gate) * up
+            ops += _lora_delta(m, lora, i, "gate_up", x, h, L.ffn_norm, L.ffn_norm_bias, add, T, normed, True)
+            gate = {**gate, "add": add}
         if c.parallel_norms:                 # h holds the norm of the layer's input (above)
             ops.append(mm.matmul(dev, h, L.gate_up, out, bias=L.up_bias, **gate))
         elif not c.pre_norms:
@@ -248,9 +257,8 @@ def forward(m, kv: KVAccess, T: int, mode: str, *, with_head: bool = True,
         else:
             ops.append(_norm(m, x, L.ffn_norm, L.ffn_norm_bias, h))
             ops.append(mm.matmul(dev, h, L.gate_up, out, bias=L.up_bias, **gate))
-        if lora is not None:
-            ops += _lora_delta(m, lora, i, "gate_up", x, h, L.ffn_norm, L.ffn_norm_bias, out, T,
-                               c.pre_norms and not c.parallel_norms and (plan.res_norm or plan.norm_in_matmul))
+        if lora is not None and add is None:
+            ops += _lora_delta(m, lora, i, "gate_up", x, h, L.ffn_norm, L.ffn_norm_bias, out, T, normed)
         # x += (act(gate) * up) · Wdownᵀ (the next layer's norm stored beside when res_norm),
         # act(gate) * up computed by the down matmul itself (gate_in_down), by the gate_up
         # matmul (gate_out) or by its own kernel
@@ -364,17 +372,17 @@ def _per_layer_input(m, L, i: int, x: Tensor, h: Tensor, T: int, flags: dict) ->
 
 
 def _lora_delta(m, lora, i: int, group: str, x: Tensor, h: Tensor, w: Tensor, b: Tensor | None, y: Tensor,
-                T: int, normed_in_matmul: bool) -> list[Op]:
+                T: int, normed_in_matmul: bool, store: bool = False) -> list[Op]:
     """y += each row's LoRA delta of layer i's projection `group` of the layer's norm: h (x without
     pre norms), or where the matmul norms x itself (res_norm, norm_in_matmul) the norm of x, computed
     by the delta's kernels (a LayerNorm: here, into the pool's own rows); the matmul's fused norm
-    stays as it is for every row."""
+    stays as it is for every row. `store`: y = the deltas (LoraRows.pre)."""
     if not normed_in_matmul:
-        return lora.delta(i, group, h if m.cfg.pre_norms or m.cfg.parallel_norms else x, y, T)
+        return lora.delta(i, group, h if m.cfg.pre_norms or m.cfg.parallel_norms else x, y, T, store=store)
     if m.cfg.norm != "layer":
-        return lora.delta(i, group, x, y, T, norm=(w, m.cfg.rms_eps))
+        return lora.delta(i, group, x, y, T, norm=(w, m.cfg.rms_eps), store=store)
     normed = lora.pool.h.view((T, m.cfg.hidden_size))
-    return [_norm(m, x, w, b, normed), *lora.delta(i, group, normed, y, T)]
+    return [_norm(m, x, w, b, normed), *lora.delta(i, group, normed, y, T, store=store)]
 
 
 def _norm(m, x: Tensor, w: Tensor, b: Tensor | None, y: Tensor) -> Op:

@@ -303,6 +303,9 @@ class LoraPool:
         self.u = new_tensor(dev, (m.chunk, J), owner=owner, label="lora.u")           # x · Aᵀ per row
         # the norm of x where a fused matmul norms it itself (decoder.py _lora_delta)       (P, C)
         self.h = new_tensor(dev, (m.chunk, c.hidden_size), m.dtype, owner=owner, label="lora.h")
+        # the deltas of a projection whose matmul adds them to its sums itself (LoraRows.pre)
+        n = max([g.n for per in self.groups for name, g in per.items() if name in ("qkv", "gate_up")] or [4])
+        self.d = new_tensor(dev, (m.chunk, n), m.dtype, owner=owner, label="lora.d")
         self.registered: dict[str, LoraAdapter] = {}
         self._resident: OrderedDict = OrderedDict()        # name -> slot, least recently used first
         self._users: dict[str, int] = {}                   # name -> sequences using it now
@@ -440,16 +443,18 @@ class LoraRows:
     idx: Tensor             # (P,) u32
     groups: tuple | None = None
 
-    def delta(self, i: int, group: str, x: Tensor, y: Tensor, T: int, norm: tuple | None = None) -> list:
+    def delta(self, i: int, group: str, x: Tensor, y: Tensor, T: int, norm: tuple | None = None,
+              store: bool = False) -> list:
         """y[t] += each row's adapter's B · A · x[t] for layer i's `group` (x (T, K), y (T, N)); with
-        `norm` (w, eps) of x * w / rms(x) instead."""
+        `norm` (w, eps) of x * w / rms(x) instead; `store` (y from pre()): y[t] = the delta."""
         p = self.pool
         g = p.groups[i].get(group)
         if g is None or (self.groups is not None and group not in self.groups):
             return []
         dev, idx, x = p.dev, self.idx.view((T,)), x.view((T, g.k))
         if p.fused:
-            return [lk.lora_delta(dev, x, g.a, g.b, g.cols, idx, y.view((T, g.n)), slots=p.slots, norm=norm)]
+            return [lk.lora_delta(dev, x, g.a, g.b, g.cols, idx, y.view((T, g.n)), slots=p.slots, norm=norm,
+                                  store=store)]
         ops = []
         if norm is not None:
             ops.append(nn.rms_norm(dev, x, norm[0], p.h.view((T, g.k)), eps=norm[1]))
@@ -458,16 +463,29 @@ class LoraRows:
         return ops + [lk.lora_shrink(dev, x, g.a, idx, u, slots=p.slots),
                       lk.lora_expand(dev, u, g.b, idx, y.view((T, g.n)), slots=p.slots)]
 
+    def pre(self, i: int, group: str, T: int) -> Tensor | None:
+        """Where layer i's `group` deltas go when its matmul adds them to its sums before a fused
+        epilogue (the RoPE + KV write, act(gate) * up): stored first by lora_delta (a CPU adapter's
+        form), a base row's as -0.0; None where the group takes no delta."""
+        p = self.pool
+        g = p.groups[i].get(group)
+        if not p.fused or g is None or (self.groups is not None and group not in self.groups):
+            return None
+        return p.d.view((T, g.n))
+
     def plan(self, plan):
-        """`plan` without the fusions that hide a projection's output from its delta: the RoPE + KV
-        write of the qkv matmul (q, k or v targeted), act(gate) * up stored by the gate_up matmul
-        (gate or up) or read by the down matmul (gate, up or down). The others stay, so that a base
-        row's values are those of the plan without adapters: a fused norm's input is normed apart
-        for the delta, and o's and down's deltas go into x before their matmul adds to it (and
-        stores the next norm)."""
+        """`plan` without the fusions that hide a projection's output from its delta: act(gate) * up
+        read by the down matmul (gate, up or down) and, unless its matmul adds the stored deltas
+        itself (pre(): a CPU adapter), the RoPE + KV write of the qkv matmul (q, k or v targeted)
+        and act(gate) * up stored by the gate_up matmul (gate or up). The others stay, so that a
+        base row's values are those of the plan without adapters: a fused norm's input is normed
+        apart for the delta, and o's and down's deltas go into x before their matmul adds to it
+        (and stores the next norm)."""
         from dataclasses import replace
         on = set(self.groups if self.groups is not None else (g for g, _ in GROUPS))
         out = replace(plan, gate_in_down=plan.gate_in_down and not on & {"gate_up", "down"})
+        if self.pool.fused:
+            return out
         if "qkv" in on:
             out = replace(out, rope_kv=(False,) * len(plan.rope_kv))
         if "gate_up" in on:

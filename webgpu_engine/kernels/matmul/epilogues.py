@@ -56,9 +56,18 @@ class RopeKV:
                        slots=self.slots.view((self.slots.numel - r,), r))
 
 
-def epilogue_binds(y: Tensor, rope: RopeKV | None, norm_out: "NormOut | None", extra: dict) -> str:
-    """The epilogue's bindings (added to `extra`) and source."""
+def epilogue_binds(y: Tensor, rope: RopeKV | None, norm_out: "NormOut | None", extra: dict,
+                   add: Tensor | None = None, n: int = 0) -> str:
+    """The epilogue's bindings (added to `extra`) and source; `add` (T, n) values added to the
+    sums of the n weight rows before the epilogue (ep_added)."""
     esz = DTYPE_SIZE[y.dtype]
+    added = _ADDED_NONE
+    if add is not None:
+        check(add.dtype == y.dtype and add.numel >= y.shape[0] * n, "matmul",
+              f"add must be ({y.shape[0]}, {n}) {y.dtype}, got {add.shape} {add.dtype}")
+        ab, ao = _window(add, esz, "matmul", "add")
+        extra[14] = ab
+        added = _ADDED.format(off=ao, n=n)
     caches = offs = None
     if rope is not None:
         caches = [_window(rope.k_cache, esz, "matmul", "k cache"),
@@ -80,7 +89,18 @@ def epilogue_binds(y: Tensor, rope: RopeKV | None, norm_out: "NormOut | None", e
                 _window(part, 4, "matmul", "partial sums")]
         extra.update({10: wins[0][0], 11: wins[1][0], 12: wins[2][0]})
         offs = [o for _, o in wins]
-    return epilogue_source(y.dtype, rope, caches, offs)
+    return added + epilogue_source(y.dtype, rope, caches, offs)
+
+
+# ep_added(t, n, r): the sums r of weight rows n .. n + 3 of row t, plus what the op adds to them
+# before its epilogue (the rows' LoRA deltas, stored beforehand: models/lora.py)
+_ADDED_NONE = "fn ep_added(t: u32, n: u32, r: vec4<f32>) -> vec4<f32> { return r; }\n"
+_ADDED = """@group(0) @binding(14) var<storage, read> ep_add: array<act>;
+fn ep_added(t: u32, n: u32, r: vec4<f32>) -> vec4<f32> {{
+    let o = {off}u + t * {n}u + n;
+    return r + vec4<f32>(f32(ep_add[o]), f32(ep_add[o + 1u]), f32(ep_add[o + 2u]), f32(ep_add[o + 3u]));
+}}
+"""
 
 
 def epilogue_source(dtype: str, rope: RopeKV | None, caches: list | None, norm_offs: list | None = None) -> str:

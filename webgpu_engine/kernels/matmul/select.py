@@ -90,7 +90,7 @@ def matmul(dev: Device, x: Tensor, w: QWeight, y: Tensor, *, bias: Tensor | None
            norm: tuple | None = None, silu: bool = False, silu_out: bool = False,
            rope_kv: RopeKV | None = None, norm_out: "NormOut | None" = None,
            rms_from: tuple | None = None, row_invariant: bool = False, decode_rows: bool = False,
-           fused_rows: bool = False, gate_act: str = "silu") -> Op:
+           fused_rows: bool = False, gate_act: str = "silu", add: Tensor | None = None) -> Op:
     """y = x·Wᵀ (+ bias); with `accumulate`, y += x·Wᵀ (+ bias). x (T, K), W (N, K), y (T, N).
 
     Fused inputs (T = 1 only, see `fusable`): `norm=(g (K,) f32, eps)` multiplies by RMSNorm(x)
@@ -102,6 +102,8 @@ def matmul(dev: Device, x: Tensor, w: QWeight, y: Tensor, *, bias: Tensor | None
     `norm_out` (y (1, N) the whole row, usually accumulate=True on a residual) also stores y * g
     and the partial sums of y^2 that a following matmul(..., rms_from=(partials, eps)) turns into
     1 / rms: that matmul takes x = y * g and gives RMSNorm(y) · Wᵀ with no norm dispatch between.
+    `add` (T, N) (with silu_out or rope_kv) is added to the sums (+ bias) before the epilogue (a
+    row's LoRA deltas, stored beforehand).
 
     `row_invariant`: each row of y comes out bit for bit the same whatever T is (prefill: a
     position's logits must not depend on how the prompt was chunked or cached): the kernel is
@@ -136,6 +138,7 @@ def matmul(dev: Device, x: Tensor, w: QWeight, y: Tensor, *, bias: Tensor | None
               "K % 32 == 0 and 4 rows per invocation")
         check(bias is None or not silu_out, "matmul", "silu_out takes no bias")
         check(not accumulate or ep == "res_norm", "matmul", "this fused epilogue cannot accumulate")
+        check(add is None or ep in ("silu", "rope_kv"), "matmul", "add needs silu_out or rope_kv")
         n_out = w.n // 2 if silu_out else w.n
         check(tuple(y.shape) == (x.shape[0], n_out), "matmul", f"y is {y.shape}, expected ({x.shape[0]}, {n_out})")
     check(len(x.shape) == 2 and len(y.shape) == 2, "matmul", f"x {x.shape} and y {y.shape} must be 2-D")
@@ -168,7 +171,7 @@ def matmul(dev: Device, x: Tensor, w: QWeight, y: Tensor, *, bias: Tensor | None
         if T > MAX_DECODE_ROWS:  # groups of rows, each at offsets of its own (pipelines of its own)
             return _row_groups(dev, x_in, w, y, bias=bias, accumulate=accumulate, norm=norm, silu=silu,
                                silu_out=silu_out, rope_kv=rope_kv, norm_out=norm_out, rms_from=rms_from,
-                               gate_act=gate_act)
+                               gate_act=gate_act, add=add)
     if decode_rows:
         check(plain and not row_invariant and config is None, "matmul",
               "decode_rows takes no fused input, epilogue, config or row_invariant")
@@ -206,7 +209,7 @@ def matmul(dev: Device, x: Tensor, w: QWeight, y: Tensor, *, bias: Tensor | None
     if (T == 1 or rows) and K % 32 == 0 and (norm is not None or silu or rms_from is not None or unrolled
                                              or ep in ("silu", "rope_kv")):
         return _matmul_decode(dev, x, w, y, io, accumulate, cfg, norm, silu, ep, rope_kv, norm_out, rms_from,
-                              gate_act=gate_act, x_row4=x_in.shape[1] // 4)
+                              gate_act=gate_act, x_row4=x_in.shape[1] // 4, add=add)
     if ep == "res_norm":          # K too long to unroll: the loop kernel with the epilogue
         return _matmul_decode(dev, x, w, y, io, accumulate, cfg, None, False, ep, None, norm_out, loop=True)
     if T > 1 and (rows or cfg.tm == 4):  # each row's sums as the row kernel's (fused_rows: RR as at T = 1)
@@ -242,7 +245,7 @@ def fusable(dev: Device, T: int, w: QWeight, config: MatmulConfig | None = None,
     return force or cfg.unroll and (cfg.fuse_silu if silu else cfg.fuse)
 
 
-def _row_groups(dev, x_in: Tensor, w: QWeight, y: Tensor, *, norm_out, rms_from, rope_kv, **kw) -> Op:
+def _row_groups(dev, x_in: Tensor, w: QWeight, y: Tensor, *, norm_out, rms_from, rope_kv, add, **kw) -> Op:
     """fused_rows over more than MAX_DECODE_ROWS rows: a matmul per group of rows, with views of
     x, y and the row-wise fused operands (pnorm partials, norm_out's outputs, rope_kv's rows)."""
     T, K, N = x_in.shape[0], w.k, y.shape[1]
@@ -256,14 +259,15 @@ def _row_groups(dev, x_in: Tensor, w: QWeight, y: Tensor, *, norm_out, rms_from,
             no = NormOut(norm_out.g, norm_out.out.view((g * N,), r * N),
                          norm_out.partials.view((g * N // 4,), r * N // 4))
         op = op + matmul(dev, x_in.view((g, x_in.shape[1]), r * x_in.shape[1]), w, y.view((g, N), r * N),
-                         norm_out=no, rms_from=rf, rope_kv=rope_kv and rope_kv.rows_from(r), fused_rows=True, **kw)
+                         norm_out=no, rms_from=rf, rope_kv=rope_kv and rope_kv.rows_from(r), fused_rows=True,
+                         add=None if add is None else add.view((g, w.n), r * w.n), **kw)
     return op
 
 
 def _matmul_decode(dev, x, w, y, io: Operands, accumulate, cfg, norm, silu, ep="store",
                    rope: RopeKV | None = None, norm_out: "NormOut | None" = None,
                    rms_from: tuple | None = None, loop: bool = False, gate_act: str = "silu",
-                   x_row4: int = 0) -> Op:
+                   x_row4: int = 0, add: Tensor | None = None) -> Op:
     """T = 1: the host-unrolled decode kernel, or with `loop` (an epilogue, K too long to unroll)
     matmul.wgsl's loop over K ending with the epilogue (matmul_epilogue.wgsl matmul_<ep>).
     T rows (fused_rows, T <= MAX_DECODE_ROWS): the unrolled kernel for the bucket of T rows (1, 2
@@ -295,7 +299,7 @@ def _matmul_decode(dev, x, w, y, io: Operands, accumulate, cfg, norm, silu, ep="
     else:
         src = decode_source(K // 32, K, io.x_off, mode, K // 4, g_off4, eps, ep, rows)
     if ep != "store":
-        src += epilogue_binds(y, rope, norm_out, extra)
+        src += epilogue_binds(y, rope, norm_out, extra, add, w.n)
     src += gate_act_source(gate_act)
     pipe = weight_pipeline(dev, entry, w, x.dtype, cfg.wg, cfg.rr, src, inplace=v4)
     # T = 1: matmul.wgsl's MatmulParams; ep_silu reads no bias, so the pipeline's layout has no binding 4
