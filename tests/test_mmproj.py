@@ -3,7 +3,8 @@ Gemma 3 vision checkpoint as llama.cpp's own converter writes it (tests/fixtures
 transformers' image features and greedy tokens (tests/fixtures/make_gemma3_vision.py), given as a
 pair of options, as a folder holding both, as an Ollama manifest with a projector layer, through the
 engine, the OpenAI client and the command line's flags; a tiny LLaVA 1.5 (CLIP tower, MLP projector, Llama;
-tests/fixtures/make_llava.py) gives transformers' preprocessing, features and greedy tokens."""
+tests/fixtures/make_llava.py) gives transformers' preprocessing, features and greedy tokens, from its
+GGUF pair and from its HF folder."""
 from __future__ import annotations
 
 import hashlib
@@ -228,12 +229,14 @@ def test_cli_mmproj_flag():
     assert chat_opts_for(args, 2) == [{"mmproj": "p1"}, {"mmproj": "p2"}]
 
 
-async def test_llava_greedy_tokens_and_logits_equal_transformers(device, llava_ref):
-    """LLaVA 1.5 from its folder of GGUFs: 64 `<image>` tokens for the picture (causal rows), the last
-    prompt row's logits and 12 greedy tokens."""
+@pytest.mark.parametrize("source, atol", [("llava_gguf", 5e-3), ("tiny_llava", 1e-4)])
+async def test_llava_greedy_tokens_and_logits_equal_transformers(device, llava_ref, source, atol):
+    """LLaVA 1.5 from its folder of GGUFs (the f16 projector: logits within 5e-3) and from its HF
+    folder: 64 `<image>` tokens for the picture (causal rows), the last prompt row's logits and 12
+    greedy tokens."""
     from webgpu_engine.engine.engine import AsyncMLCEngine
     eng = AsyncMLCEngine()
-    await eng.reload(str(LLAVA), chat_opts={**OPTS, "prefill_chunk_size": 64})
+    await eng.reload(str(FIXTURES / source), chat_opts={**OPTS, "prefill_chunk_size": 64})
     try:
         model = next(iter(eng.models))
         pipe, want = eng.models[model].pipeline, llava_ref["prompts"]["one"]
@@ -241,10 +244,27 @@ async def test_llava_greedy_tokens_and_logits_equal_transformers(device, llava_r
                                           temperature=0.0)
         assert pipe.kv_ids[:len(want["input_ids"])] == want["input_ids"]
         logits = get(pipe.dev, pipe.model.logits.view((pipe.model.cfg.vocab_size,)))
-        np.testing.assert_allclose(logits, want["logits"], atol=5e-3)     # f16 projector weights
+        np.testing.assert_allclose(logits, want["logits"], atol=atol)
         r = await eng.chat.completions.create(model=model, messages=_messages(llava_ref, "one"), max_tokens=12,
                                               temperature=0.0)
         assert pipe.output_ids == want["greedy"]
         assert r.choices[0].message.content == _text(want["greedy"], FIXTURES / "tiny_llava")
     finally:
         await eng.unload()
+
+
+def test_llava_settings_not_implemented_are_refused_by_name(tmp_path):
+    """A LLaVA folder whose tower or processor differs from LLaVA 1.5's is refused, naming the setting."""
+    import shutil
+
+    from webgpu_engine.errors import UnsupportedModelError
+    folder = tmp_path / "llava"
+    shutil.copytree(FIXTURES / "tiny_llava", folder)
+    base = json.loads((folder / "config.json").read_text())
+    for change, says in [({"vision_feature_select_strategy": "full"}, "vision_feature_select_strategy 'full'"),
+                         ({"vision_feature_layer": [-2, -1]}, "several layers"),
+                         ({"projector_hidden_act": "relu"}, "a projector other than"),
+                         ({"vision_feature_layer": -5}, "vision_feature_layer -5 of 3 layers")]:
+        (folder / "config.json").write_text(json.dumps({**base, **change}))
+        with pytest.raises(UnsupportedModelError, match=says):
+            read_vision_config(folder)

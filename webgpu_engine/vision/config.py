@@ -14,7 +14,10 @@ from ..errors import ModelFormatError, UnsupportedModelError
 if TYPE_CHECKING:
     import numpy as np
 
-FAMILIES = {"Gemma3ForConditionalGeneration": "gemma3", "Idefics3ForConditionalGeneration": "idefics3"}
+FAMILIES = {"Gemma3ForConditionalGeneration": "gemma3", "Idefics3ForConditionalGeneration": "idefics3",
+            "LlavaForConditionalGeneration": "llava"}
+# the towers' activations (vision_config's hidden_act) -> VisionConfig.act
+ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "quick_gelu": "quick_gelu"}
 
 
 @dataclass(frozen=True)
@@ -68,8 +71,8 @@ class VisionConfig:
 def tower_config(folder: Path, c: dict, v: dict, **fields) -> VisionConfig:
     """The tower's part of the config (vision_config) and the family's `fields`."""
     act = v.get("hidden_act", "gelu_pytorch_tanh")
-    if act not in ("gelu_pytorch_tanh", "gelu_new"):
-        raise UnsupportedModelError(f"{folder}: vision hidden_act {act!r} is not implemented (GELU-tanh only)")
+    if act not in ACTIVATIONS:
+        raise UnsupportedModelError(f"{folder}: vision hidden_act {act!r} is not implemented ({sorted(ACTIVATIONS)})")
     text = c.get("text_config") or {}
     kind = next(FAMILIES[a] for a in c.get("architectures") or [] if a in FAMILIES)
     try:
@@ -77,7 +80,8 @@ def tower_config(folder: Path, c: dict, v: dict, **fields) -> VisionConfig:
             kind=kind, hidden_size=int(v["hidden_size"]), intermediate_size=int(v["intermediate_size"]),
             n_layers=int(v["num_hidden_layers"]), n_heads=int(v["num_attention_heads"]),
             image_size=int(v["image_size"]), patch_size=int(v["patch_size"]),
-            eps=float(v.get("layer_norm_eps", 1e-6)), text_hidden=int(text["hidden_size"]), **fields)
+            eps=float(v.get("layer_norm_eps", 1e-6)), text_hidden=int(text["hidden_size"]),
+            act=ACTIVATIONS[act], **fields)
     except KeyError as e:
         raise ModelFormatError(f"{folder}/config.json's vision_config lacks {e.args[0]}") from e
 

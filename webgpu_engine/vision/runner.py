@@ -30,6 +30,9 @@ MAX_TILES = 64                           # tiles (Gemma 3: images) of one reques
 FEATURE_BYTES = 64 << 20                 # and at most this many bytes of their features
 
 
+FAMILY_MODULES = {"gemma3": gemma3, "idefics3": idefics3, "llava": llava}    # VisionConfig.kind -> its host side
+
+
 def read_vision_config(folder) -> VisionConfig | None:
     """The image side of a vision-language folder; None for a text-only folder."""
     folder = Path(folder)
@@ -41,11 +44,11 @@ def read_vision_config(folder) -> VisionConfig | None:
     kind = next((FAMILIES[a] for a in archs if a in FAMILIES), None)
     if kind is None:
         raise UnsupportedModelError(f"{folder}: images run for {sorted(FAMILIES)}, not {archs}")
-    return (gemma3 if kind == "gemma3" else idefics3).read_config(folder, c, v)
+    return FAMILY_MODULES[kind].read_config(folder, c, v)
 
 
 def _family(cfg: VisionConfig):
-    return {"gemma3": gemma3, "idefics3": idefics3, "llava": llava}[cfg.kind]
+    return FAMILY_MODULES[cfg.kind]
 
 
 def takes_images(path) -> bool:
