@@ -60,15 +60,14 @@ fn lora_expand(@builtin(global_invocation_id) gid: vec3<u32>) {
 // lora_delta: lora_shrink then lora_expand of one row in one workgroup (a decode step's few rows:
 // one dispatch per projection instead of two), and where NORM x normed on the way in:
 //   u[j] = sum_k (x[t, k] * w[k] / rms(x[t, :])) * A[idx[t], j, k];  y[t, n] += sum_j u[j] * B[idx[t], n, j]
-// (w (K) f32, rms = sqrt(mean(x^2) + eps)). Its own layouts, so that a SIMD batch of invocations
-// reads consecutive words (a CPU adapter's workgroup runs on one thread): A transposed, at (K, J)
-// per slot, and B compact, (R, N) per slot: row n holds only the R columns of its target's block
-// (the others are zeros in B's (N, J) form), which start at u's column cols[n] (a target's index
-// x R). Each sum in the order lora_shrink / lora_expand make it (the zero columns left out add
-// nothing). With STORE, y = the delta instead (a row without an adapter: -0.0, so that a matmul
-// adding y to its sums keeps a base row's bits: models/lora.py). dispatch (T, 1, 1), workgroup WG;
-// the host adds the consts JMAX (= J), NORM, STORE and KC. A row without an adapter returns at once
-// (its slot read uniformly).
+// (w (K) f32, rms = sqrt(mean(x^2) + eps)). A is lora_shrink's (slots, J, K), read as vec4; B is
+// compact, (slots, N, R): row n holds only the R columns of its target's block (the others are
+// zeros in B's (N, J) form), which start at u's column cols[n] (a target's index x R; rows 2p and
+// 2p + 1 are one target's, N even). Each sum in the order lora_shrink / lora_expand make it (the
+// zero columns left out add nothing). With STORE, y = the delta instead (a row without an adapter:
+// -0.0, so that a matmul adding y to its sums keeps a base row's bits: models/lora.py).
+// dispatch (T, 1, 1), workgroup WG; the host adds the consts JMAX (= J), NORM, STORE and KC. A row
+// without an adapter returns at once (its slot read uniformly).
 @group(0) @binding(9) var<storage, read> cols: array<u32>;            // (N) first u column of row n
 @group(0) @binding(10) var<storage, read> a4: array<vec4<f32>>;       // (slots, J, K / 4) A
 @group(0) @binding(11) var<storage, read> b4: array<vec4<f32>>;       // (slots, N, R / 4) B compact
@@ -118,13 +117,16 @@ fn lora_delta(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_i
         workgroupBarrier();
         inv = inverseSqrt(wsum[0] / f32(D.K) + D.eps);
     }
-    // u = A · x: invocation j sums row j of A (a vec4 a load) against x (times w), staged KC
-    // values at a time in workgroup memory (a storage load costs per invocation on a CPU adapter)
+    // u = A · x: invocation l sums rows j = l + q J/4 (q = 0..3) of A (vec4 a loads) against x
+    // (times w), staged KC values at a time in workgroup memory: each x value read once for 4
+    // rows (a storage or workgroup load costs per invocation on a CPU adapter)
     let a0 = (s * D.J) * (D.K / 4u);
-    for (var j0 = 0u; j0 < D.J; j0 += WG) {
-        let j = j0 + lid;
-        let aj = a0 + j * (D.K / 4u);
-        var acc = 0.0;
+    let JL = D.J / 4u;
+    let K4 = D.K / 4u;
+    for (var l0 = 0u; l0 < JL; l0 += WG) {
+        let l = l0 + lid;
+        let aj = a0 + l * K4;
+        var acc = vec4<f32>(0.0);        // rows l, l + JL, l + 2 JL, l + 3 JL
         for (var kc = 0u; kc < D.K; kc += KC) {
             let kn = min(KC, D.K - kc);
             workgroupBarrier();
@@ -134,38 +136,57 @@ fn lora_delta(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_i
                 wx[k / 4u][k % 4u] = v;
             }
             workgroupBarrier();
-            if (j < D.J) {
+            if (l < JL) {
                 let ak = aj + kc / 4u;
                 for (var k4 = 0u; k4 < kn / 4u; k4++) {
                     let xv = wx[k4];
-                    let av = a4[ak + k4];
-                    acc += xv.x * av.x;
-                    acc += xv.y * av.y;
-                    acc += xv.z * av.z;
-                    acc += xv.w * av.w;
+                    acc.x = dot_seq(acc.x, xv, a4[ak + k4]);
+                    acc.y = dot_seq(acc.y, xv, a4[ak + JL * K4 + k4]);
+                    acc.z = dot_seq(acc.z, xv, a4[ak + 2u * JL * K4 + k4]);
+                    acc.w = dot_seq(acc.w, xv, a4[ak + 3u * JL * K4 + k4]);
                 }
             }
         }
-        if (j < D.J) {
+        if (l < JL) {
             if (NORM) { acc *= inv; }
-            wu[j / 4u][j % 4u] = acc;
+            wu[l / 4u][l % 4u] = acc.x;
+            wu[(l + JL) / 4u][(l + JL) % 4u] = acc.y;
+            wu[(l + 2u * JL) / 4u][(l + 2u * JL) % 4u] = acc.z;
+            wu[(l + 3u * JL) / 4u][(l + 3u * JL) % 4u] = acc.w;
         }
     }
     workgroupBarrier();
-    let b0 = s * D.N * (D.R / 4u);
-    for (var n = lid; n < D.N; n += WG) {
+    // y += B · u: invocation p makes rows n = 2p and 2p + 1 (one target's: cols[2p] = cols[2p + 1]),
+    // each u value read once for both
+    let R4 = D.R / 4u;
+    let b0 = s * D.N * R4;
+    for (var p = lid; p < D.N / 2u; p += WG) {
+        let n = 2u * p;
         let c = cols[n] / 4u;
-        let bn = b0 + n * (D.R / 4u);
-        var acc = 0.0;
-        for (var r4 = 0u; r4 < D.R / 4u; r4++) {
+        let bn = b0 + n * R4;
+        var acc = vec2<f32>(0.0);
+        for (var r4 = 0u; r4 < R4; r4++) {
             let uv = wu[c + r4];
-            let bv = b4[bn + r4];
-            acc += uv.x * bv.x;
-            acc += uv.y * bv.y;
-            acc += uv.z * bv.z;
-            acc += uv.w * bv.w;
+            acc.x = dot_seq(acc.x, uv, b4[bn + r4]);
+            acc.y = dot_seq(acc.y, uv, b4[bn + R4 + r4]);
         }
         let at = D.y_off + t * D.N + n;
-        if (STORE) { y[at] = act(acc); } else { y[at] = act(f32(y[at]) + acc); }
+        if (STORE) {
+            y[at] = act(acc.x);
+            y[at + 1u] = act(acc.y);
+        } else {
+            y[at] = act(f32(y[at]) + acc.x);
+            y[at + 1u] = act(f32(y[at + 1u]) + acc.y);
+        }
     }
+}
+
+// acc + a.x b.x + a.y b.y + a.z b.z + a.w b.w, added in that order (lora_shrink / lora_expand's)
+fn dot_seq(acc: f32, a: vec4<f32>, b: vec4<f32>) -> f32 {
+    var r = acc;
+    r += a.x * b.x;
+    r += a.y * b.y;
+    r += a.z * b.z;
+    r += a.w * b.w;
+    return r;
 }

@@ -79,7 +79,8 @@ def lora_delta(dev: Device, x: Tensor, a: Tensor, b: Tensor, cols: Tensor, idx: 
     check(a.dtype == b.dtype == "f32" and J > 0 and R > 0 and J % R == 0 and K % 4 == 0 and R % 4 == 0
           and a.numel == slots * K * J and b.numel == slots * R * N, k, f"A{a.shape} and B{b.shape} must be "
           f"({slots}, J, {K}) and ({slots}, {N}, R) f32, J a multiple of R, K and R of 4")
-    check(cols.dtype == "u32" and cols.numel == N, k, f"cols{cols.shape} must be ({N},) u32")
+    check(cols.dtype == "u32" and cols.numel == N and N % 2 == 0, k, f"cols{cols.shape} must be ({N},) u32, "
+          f"N even (rows 2p and 2p + 1 of one target)")
     check(idx.dtype == "u32" and idx.numel >= T, k, f"idx{idx.shape} must hold {T} rows")
     check(norm is None or (norm[0].dtype == "f32" and norm[0].numel == K), k, f"the norm weight must be ({K},) f32")
     (xb, xo), (yb, yo), (ib, io) = (window(t, DTYPE_SIZE[t.dtype], k, n) for t, n in ((x, "x"), (y, "y"), (idx, "idx")))
