@@ -57,6 +57,20 @@ def assert_runs_agree(got: tuple, want: tuple, rows, tol: float = 1e-3) -> None:
     assert got[1] == want[1]
 
 
+def values_golden(device, folder, weights: dict, config: dict, dims: dict, ref: dict, run=run_golden) -> tuple:
+    """run(...)'s ({row: logits}, greedy) of an HF folder written at `folder` holding `weights` ({HF
+    name: values}, e.g. what a quantised file encodes) under config.json's `config` (the tiny
+    byte-level BPE vocabulary of `dims`)."""
+    from tinyfamilies import _write_hf
+    tokens, merges = tinymodels.tiny_bpe_vocab(dims["vocab_size"], "smollm")
+    _write_hf(folder, {n: np.asarray(a, np.float32) for n, a in weights.items()}, config, tokens, merges, dims)
+    opened = open_model(folder)
+    try:
+        return run(device, opened.config, opened.weights, ref)
+    finally:
+        opened.close()
+
+
 def check_golden(device, path, ref: dict) -> None:
     """Open `path` (HF folder or GGUF) as a user would, compare tokens, logits and greedy with ref."""
     opened = open_model(path)

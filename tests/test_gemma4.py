@@ -14,9 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import tinymodels as tm
-from test_families import batch_answers, check_golden, run_golden
-from tinyfamilies import _write_hf
+from test_families import batch_answers, check_golden, run_golden, values_golden
 from tinygemma4 import gemma4_config, write_tiny_gemma4_mlc, write_tiny_gemma4_safetensors
 from webgpu_engine.kernels import nn, nn_ref
 from _nn_util import TOL, get, put, rounded, run
@@ -60,14 +58,8 @@ def test_gemma4_mlc_artifact(device, tmp_path, ref, quant):
     if quant == "q0f32":
         want_rows, want_greedy = {r: np.asarray(v) for r, v in zip(ref["rows"], ref["logits"])}, ref["greedy"]
     else:
-        d = art["dims"]
-        tokens, merges = tm.tiny_bpe_vocab(d["vocab_size"], "smollm")
-        _write_hf(tmp_path / "encoded", art["encoded"], gemma4_config(d), tokens, merges, d)
-        enc = open_model(tmp_path / "encoded")
-        try:
-            want_rows, want_greedy = run_golden(device, enc.config, enc.weights, ref)
-        finally:
-            enc.close()
+        want_rows, want_greedy = values_golden(device, tmp_path / "encoded", art["encoded"],
+                                               gemma4_config(art["dims"]), art["dims"], ref)
     for r in ref["rows"]:
         err = np.abs(rows[r] - want_rows[r]).max() / np.abs(want_rows[r]).max()
         assert err <= 1e-3, f"position {r}: relative error {err:.2e}"

@@ -64,6 +64,17 @@ def mlc_dequantize(qw: np.ndarray, qs: np.ndarray) -> np.ndarray:
     return ((q.reshape(n, -1, 32).astype(np.float64) - 7) * qs[..., None].astype(np.float64)).reshape(n, -1)
 
 
+def mlc_param(params: dict, name: str, full: np.ndarray, quant: str, dtype, suffix: str = ".weight") -> np.ndarray:
+    """Store one parameter as MLC's converter does: in a q4 quantisation a matrix as `name.q_weight` /
+    `name.q_scale`, else `name + suffix` in the model's dtype; returns the float64 values the files encode."""
+    if quant.startswith("q4") and full.ndim == 2:
+        qw, qs = mlc_quantize(full, dtype)
+        params[name + ".q_weight"], params[name + ".q_scale"] = qw, qs
+        return mlc_dequantize(qw, qs)
+    params[name + suffix] = full.astype(dtype)
+    return np.asarray(params[name + suffix], np.float64)
+
+
 def write_mlc(folder, info: dict, quant: str, *, bf16_records: bool = False, cache_name: str = "tensor-cache.json"):
     """An MLC folder of the tiny model `info` (write_tiny_llama_safetensors): returns {our name: float64
     values the files encode} (f32-to-bf16 records aside)."""

@@ -149,7 +149,7 @@ def write_tiny_gemma4_mlc(folder, quant: str, seed: int = 0, **dims) -> dict:
     the float values the files encode}, "dims"}."""
     import json
     import shutil
-    from test_mlc import _write_shards, mlc_dequantize, mlc_quantize
+    from test_mlc import _write_shards, mlc_param
     d, _, _, w = gemma4_weights(seed, **dims)
     dt = {"q0f32": np.float32, "q0f16": np.float16, "q4f16_1": np.float16, "q4f32_1": np.float32}[quant]
     folder = Path(folder)
@@ -175,14 +175,7 @@ def write_tiny_gemma4_mlc(folder, quant: str, seed: int = 0, **dims) -> dict:
             full = w[how[0]][:, how[1]]
         else:
             full = np.concatenate([w[n] for n in how]) if len(how) > 1 else w[how[0]]
-        if quant.startswith("q4") and full.ndim == 2:
-            qw, qs = mlc_quantize(full, dt)
-            params[mlc + ".q_weight"], params[mlc + ".q_scale"] = qw, qs
-            full = mlc_dequantize(qw, qs)
-        else:
-            full = full.astype(dt)
-            params[mlc + ("" if mlc.endswith("layer_scalar") else ".weight")] = full
-        full = np.asarray(full, np.float64)
+        full = mlc_param(params, mlc, full, quant, dt, "" if mlc.endswith("layer_scalar") else ".weight")
         if how is None:
             continue
         if isinstance(how[-1], slice):
