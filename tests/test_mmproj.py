@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from _nn_util import TOL, get, put, rounded, run
-from webgpu_engine.errors import ModelFormatError
+from webgpu_engine.errors import ModelFormatError, UnsupportedChatOptionError
 from webgpu_engine.kernels import nn_ref
 from webgpu_engine.kernels.elementwise import quick_gelu
 from webgpu_engine.kernels.common import Tensor
@@ -172,7 +172,7 @@ async def test_greedy_tokens_equal_transformers(engine, ref, key):
 
 def test_mlc_engine_takes_the_mmproj_option(device, ref):
     """MLCEngine.reload(text.gguf, chat_opts={"mmproj": ...}) as llama.cpp's --mmproj; a text GGUF
-    given as the projector fails the load by name."""
+    given as the projector, a missing file and a projector of another model fail the load by name."""
     from webgpu_engine import MLCEngine
     eng = MLCEngine()
     try:
@@ -181,6 +181,10 @@ def test_mlc_engine_takes_the_mmproj_option(device, ref):
         assert r.choices[0].message.content == _text(ref["prompts"]["one"]["greedy"])
         with pytest.raises(ModelFormatError, match="general.architecture 'gemma3', not 'clip'"):
             eng.reload(str(TEXT), chat_opts={**OPTS, "mmproj": str(TEXT)})
+        with pytest.raises(UnsupportedChatOptionError, match="mmproj.*no file there"):
+            eng.reload(str(TEXT), chat_opts={**OPTS, "mmproj": str(PAIR / "missing.gguf")})
+        with pytest.raises(ModelFormatError, match="vocabulary has no <image_soft_token> token"):
+            eng.reload(str(FIXTURES / "llava_gguf" / "tiny-llava.gguf"), chat_opts={**OPTS, "mmproj": str(PROJ)})
     finally:
         eng.unload()
 
@@ -268,3 +272,18 @@ def test_llava_settings_not_implemented_are_refused_by_name(tmp_path):
         (folder / "config.json").write_text(json.dumps({**base, **change}))
         with pytest.raises(UnsupportedModelError, match=says):
             read_vision_config(folder)
+
+
+def test_memory_estimate_counts_the_projector(device):
+    """The load's memory check counts the projector's tower (its weights, at least their bytes in the
+    file, and the features buffer) when chat_opts name an mmproj."""
+    from dataclasses import replace
+
+    from webgpu_engine.config import ChatConfig
+    from webgpu_engine.engine.memory import estimate_for
+    cc = ChatConfig().updated(OPTS)
+    text, pair = estimate_for("llm", TEXT, cc, device), estimate_for("llm", TEXT, replace(cc, mmproj=str(PROJ)), device)
+    with GGUFFile(PROJ) as g:
+        stored = sum(t.nbytes for t in g.tensors.values())
+    assert stored <= pair.weights - text.weights < 2 * stored
+    assert pair.activations - text.activations >= 16 * 64 * 4          # at least one image's features

@@ -97,6 +97,9 @@ def _check_chat_options(cc: ChatConfig) -> None:
     from ..pipelines.llm import OVERFLOW_POLICIES
     from ..pipelines.speculation import Speculation
     Speculation.parse(cc.speculation)           # a bad speculation option fails before anything loads
+    if cc.mmproj is not None and not Path(cc.mmproj).is_file():
+        raise UnsupportedChatOptionError("mmproj", cc.mmproj, "there is no file there: give the path of the "
+                                         "model's multimodal projector GGUF (llama.cpp's --mmproj)")
     if cc.context_overflow not in OVERFLOW_POLICIES:
         raise ChatOptionTypeError("context_overflow", f"one of {list(OVERFLOW_POLICIES)}", cc.context_overflow)
     if cc.kv_cache_dtype not in KV_CACHE_DTYPES:

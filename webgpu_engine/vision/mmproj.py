@@ -77,7 +77,8 @@ def hf_name(name: str) -> str | None:
 
 
 class MmprojFile:
-    """An open mmproj GGUF: `cfg` (VisionConfig) and `tensors` {Hugging Face name: TensorInfo}."""
+    """An open mmproj GGUF: `cfg` (VisionConfig; its image token from the text model's `tokenizer`)
+    and `tensors` {Hugging Face name: TensorInfo}."""
 
     def __init__(self, path, tokenizer):
         self.path = Path(path)
@@ -102,7 +103,8 @@ class MmprojFile:
 
 
 def read_config(g: GGUFFile, tokenizer) -> VisionConfig:
-    """The VisionConfig of an mmproj GGUF `g`, the image token's id from the text model's `tokenizer`."""
+    """The VisionConfig of an mmproj GGUF `g`, the image token's id from the text model's `tokenizer`
+    (None: -1)."""
     where = g.where
     if g.architecture != "clip":
         raise ModelFormatError(f"{where} is not a multimodal projector GGUF (general.architecture "
@@ -135,7 +137,8 @@ def read_config(g: GGUFFile, tokenizer) -> VisionConfig:
         if last is None:
             raise ModelFormatError(f"{where}: the mlp projector lacks mm.2.weight")
         text_hidden, extra = int(last.shape[0]), {"resample": fam.BICUBIC}
-    token_id = tokenizer.token_to_id(image_token) if tokenizer is not None else None
+    # no tokenizer: the header alone, as the memory estimate reads it (the image token unknown, -1)
+    token_id = tokenizer.token_to_id(image_token) if tokenizer is not None else -1
     if token_id is None:
         raise ModelFormatError(f"{where}: the text model's vocabulary has no {image_token} token, which "
                                f"{kind} images take: the text GGUF and the projector do not belong together")

@@ -68,19 +68,23 @@ def capacity(cfg: VisionConfig, ctx: int) -> int:
     return max(_family(cfg).max_tiles(cfg), min(MAX_TILES, ctx // (n + 6), FEATURE_BYTES // (n * cfg.text_hidden * 4)))
 
 
-def memory(path, est, ctx: int):
-    """`est` (a decoder's MemoryEstimate) with the vision tower of the folder at `path` added: its
-    weights as uploaded (the position table and Gemma 3's projection in f32) and its activations for
-    one tile plus the features buffer a load of `ctx` positions allocates; `est` as it is for a
-    text-only model."""
+def memory(path, est, ctx: int, mmproj=None):
+    """`est` (a decoder's MemoryEstimate) with the vision tower of the folder at `path` (or of the
+    projector GGUF `mmproj`) added: its weights as uploaded (the position table and Gemma 3's
+    projection in f32) and its activations for one tile plus the features buffer a load of `ctx`
+    positions allocates; `est` as it is for a text-only model."""
     from dataclasses import replace
-    if not takes_images(path):
+    if mmproj is None and not takes_images(path):
         return est
     from ..loaders.safetensors import SafetensorsFolder
     from ..loaders.tensor_info import tensor_nbytes
     from ..models.siglip import vision_tensors
-    cfg = read_vision_config(path)
-    files = SafetensorsFolder(path)
+    if mmproj is not None:
+        from .mmproj import MmprojFile
+        files = MmprojFile(mmproj, None)
+        cfg = files.cfg
+    else:
+        cfg, files = read_vision_config(path), SafetensorsFolder(path)
     try:
         shapes = {n: (t.qtype, tuple(t.shape)) for n, t in vision_tensors(files.tensors).items()}
     finally:
