@@ -77,6 +77,24 @@ def test_gemma4_gguf_from_llamacpp(device, qtype):
     check_golden(device, FIXTURES / "gemma4_gguf" / ref["gguf"], ref)
 
 
+def test_gguf_gemma4_vocabulary_merges_within_newline_runs():
+    """llama.cpp's `gemma4` vocabulary (llm_tokenizer_bpe with its Gemma 4 pre-tokenizer): text splits
+    into runs of newlines and runs of other characters, merges by rank within each run (no space
+    prefix; spaces as ▁), a newline run that is a token taken whole, byte fallback for the rest."""
+    from webgpu_engine.loaders.tokenizer import load_tokenizer
+    tokens = ["<unk>", "<s>", "</s>", "a", "b", "\n", "\n\n", "b\n", "\u2581", "\u2581a", "<0x21>"]
+    types = [2, 3, 3, 1, 1, 1, 1, 1, 1, 1, 6]
+    md = {"tokenizer.ggml.model": "gemma4", "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": types,
+          "tokenizer.ggml.scores": [0.0] * len(tokens), "tokenizer.ggml.merges": ["b \n", "\n \n", "\u2581 a"],
+          "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2, "tokenizer.ggml.add_space_prefix": False}
+    tok = load_tokenizer(md, native=True)
+    v = {t: i for i, t in enumerate(tokens)}
+    # "b" and "\n" never merge across the run's edge; "\n\n\n" is no token: merged within its run
+    assert tok.encode("ab\n\n\nb a!") == [v["a"], v["b"], v["\n\n"], v["\n"], v["b"], v["\u2581a"], v["<0x21>"]]
+    assert tok.encode("\n\n") == [v["\n\n"]] and tok.encode(" a") == [v["\u2581a"]]
+    assert tok.decode(tok.encode("ab\n\n\nb a!")) == "ab\n\n\nb a!"
+
+
 # --------------------------------------------------------------------------- kernels
 @pytest.mark.parametrize("dtype", ["f32", "f16"])
 @pytest.mark.parametrize("rows,hq,hkv,d", [(1, 4, 1, 64), (5, 8, 2, 32), (3, 2, 1, 6)])
