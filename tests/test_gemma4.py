@@ -150,6 +150,21 @@ def test_gemma4_options_not_implemented_are_refused_by_name(key):
         hf_config_from_dict({**c, key: "all" if key == "use_bidirectional_attention" else True})
 
 
+def test_gemma4_gguf_with_experts_is_refused_by_name():
+    """A gemma4 GGUF of the MoE model (llama.cpp writes expert_count) is refused naming it."""
+    from webgpu_engine.errors import UnsupportedModelError
+    from webgpu_engine.loaders.gguf import GGUFFile
+    from webgpu_engine.models.family_gemma4 import GEMMA4
+    g = GGUFFile(FIXTURES / "gemma4_gguf" / "gemma4-q8_0.gguf")
+    try:
+        assert GEMMA4.gguf(g, {"n_layers": 6, "hidden_size": 64})["kv_sources"] == (0, 1, 2, 3, 3, 2)
+        g.metadata["gemma4.expert_count"] = 8
+        with pytest.raises(UnsupportedModelError, match="expert_count"):
+            GEMMA4.gguf(g, {"n_layers": 6, "hidden_size": 64})
+    finally:
+        g.close()
+
+
 def test_gemma4_f16_activations(device, tmp_path, ref):
     """f16 activations and caches (what a GPU with shader-f16 runs): transformers' logits within 8e-2
     of the largest, through prefill chunks of 64 and decode steps past the window. Gemma 4 does not

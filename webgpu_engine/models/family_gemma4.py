@@ -136,6 +136,9 @@ def _gguf(g, fields: dict) -> dict:
     embedding_length_per_layer_input, the sliding layers' RoPE base (rope.freq_base_swa); the norms
     hold w (its norm_shift is 0). Proportional RoPE is `rope_freqs.weight`: a factor of 1 for each
     pair that rotates, 1e30 (frozen) for the others, the full layers' only."""
+    if g.meta("expert_count", 0):
+        raise UnsupportedModelError(f"{g.where}: Gemma 4 with expert_count (mixture-of-experts layers) is not "
+                                    f"implemented; gemma-4-E2B's text model runs")
     n = fields["n_layers"]
     pattern = g.meta("attention.sliding_window_pattern", required=True)
     if not isinstance(pattern, list) or len(pattern) != n:
