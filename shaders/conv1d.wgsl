@@ -6,7 +6,10 @@
 // at position 0 starts from zeros. Positions and slots: pos0 + t and slot 0 from `step` (per_row 0,
 // one sequence), or positions[t] and slots[t] (per_row 1: the paged batch's rows).
 // dispatch (ceil(C / 64), 1, 1), workgroup 64: one invocation per channel, its rows in order.
-// row_pos(t), row_slot(t): each row's position and slot, in the header (kernels/deltanet.py).
+// A row whose slots entry also names a save slot (row_save(t) = that slot + 1; per_row 1 only) copies
+// the state after it there: a snapshot of the sequence at that position (models/recurrent_snapshots.py).
+// row_pos(t), row_slot(t), row_save(t): each row's position, slot and save slot, in the header
+// (kernels/deltanet.py).
 
 struct Params {
     rows: u32,          // T
@@ -26,7 +29,7 @@ struct Params {
 @group(0) @binding(4) var<storage, read_write> y: array<act>;          // (T, C)
 @group(0) @binding(5) var<storage, read> step: array<u32>;             // (4): pos0, n_new, kv_len, 0
 @group(0) @binding(6) var<storage, read> positions: array<u32>;        // (T,) per_row 1
-@group(0) @binding(7) var<storage, read> slots: array<u32>;            // (T,) per_row 1
+@group(0) @binding(7) var<storage, read> slots: array<u32>;            // (T,) per_row 1: slot | (save + 1) << 16
 
 @compute @workgroup_size(64)
 fn causal_conv1d(@builtin(global_invocation_id) gid: vec3<u32>) {
@@ -48,6 +51,10 @@ fn causal_conv1d(@builtin(global_invocation_id) gid: vec3<u32>) {
         y[p.y_off + t * p.channels + c] = act(acc / (1.0 + exp(-acc)));
         for (var j = 0u; j + 1u < k1; j++) { win[j] = win[j + 1u]; }
         if (k1 > 0u) { win[k1 - 1u] = xv; }
+        let save = row_save(t);
+        if (save != 0u) {
+            for (var j = 0u; j < k1; j++) { state[((save - 1u) * p.channels + c) * k1 + j] = win[j]; }
+        }
         if (t + 1u == p.rows || row_slot(t + 1u) != slot) {  // its last row here: keep the state
             for (var j = 0u; j < k1; j++) { state[base + j] = win[j]; }
         }

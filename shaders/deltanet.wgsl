@@ -9,7 +9,10 @@
 // position 0 starts from zeros. Positions and slots as in conv1d.wgsl (per_row 0: pos0 + t from
 // `step`, slot 0; per_row 1: positions[t], slots[t]). Sums in f32.
 // dispatch (Hv, 1, 1), workgroup DV: invocation j owns column j of S (DK, DV: header constants).
-// row_pos(t), row_slot(t): each row's position and slot, in the header (kernels/deltanet.py).
+// A row whose slots entry also names a save slot (row_save(t) = that slot + 1) copies S after it
+// there, as conv1d.wgsl does.
+// row_pos(t), row_slot(t), row_save(t): each row's position, slot and save slot, in the header
+// (kernels/deltanet.py).
 
 struct Params {
     rows: u32,          // T
@@ -38,7 +41,7 @@ struct Params {
 @group(0) @binding(5) var<storage, read_write> y: array<act>;          // (T, Hv DV)
 @group(0) @binding(6) var<storage, read> step: array<u32>;             // (4): pos0, n_new, kv_len, 0
 @group(0) @binding(7) var<storage, read> positions: array<u32>;        // (T,) per_row 1
-@group(0) @binding(8) var<storage, read> slots: array<u32>;            // (T,) per_row 1
+@group(0) @binding(8) var<storage, read> slots: array<u32>;            // (T,) per_row 1: slot | (save + 1) << 16
 
 var<workgroup> qs: array<f32, DK>;
 var<workgroup> ks: array<f32, DK>;
@@ -92,6 +95,11 @@ fn gated_delta_rule(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invoca
         let z = f32(proj[prow + p.z_col + h * DV + j]);
         y[p.y_off + t * p.n_v_heads * DV + h * DV + j] =
             act(o * inverseSqrt(ss / f32(DV) + p.eps) * wj * (z / (1.0 + exp(-z))));
+        let save = row_save(t);
+        if (save != 0u) {
+            let at = ((save - 1u) * p.n_v_heads + h) * DK * DV + j;
+            for (var i = 0u; i < DK; i++) { state[at + i * DV] = s[i]; }
+        }
         if (t + 1u == p.rows || row_slot(t + 1u) != slot) {  // its last row here: keep the state
             for (var i = 0u; i < DK; i++) { state[base + i * DV] = s[i]; }
         }

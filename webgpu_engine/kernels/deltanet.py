@@ -7,7 +7,10 @@ The conv and delta kernels keep a state per sequence (`slot`) across calls: the 
 a call's rows in order, so a prefill chunk continues where the last one stopped, and a row at position
 0 starts from zeros. `rows` says where each row's position and slot come from: None for one sequence
 (positions pos0 + t from the step buffer, slot 0), or (positions, slots) u32 tensors of one entry per
-row (the paged batch: a decode row per sequence, or a prefill chunk of one sequence).
+row (the paged batch: a decode row per sequence, or a prefill chunk of one sequence). A row's slots
+entry (`row_slot`) may also name a save slot: the state after that row is copied there too (a
+snapshot of the sequence at that position); state_copy (shaders/deltanet_copy.wgsl) copies a slot
+back into a sequence's.
 """
 from __future__ import annotations
 
@@ -25,10 +28,22 @@ fn row_pos(t: u32) -> u32 {
 }
 
 fn row_slot(t: u32) -> u32 {
-    if (p.per_row == 1u) { return slots[t]; }
+    if (p.per_row == 1u) { return slots[t] & 0xffffu; }
+    return 0u;
+}
+
+fn row_save(t: u32) -> u32 {
+    if (p.per_row == 1u) { return slots[t] >> 16u; }
     return 0u;
 }
 """
+SAVE_SHIFT = 16     # a row's slots entry: its sequence's slot | (the slot its state is saved to + 1) << 16
+
+
+def row_slot(slot: int, save: int | None = None) -> int:
+    """A row's slots entry: the state of sequence slot `slot`, and after the row a copy of it into
+    slot `save` (a snapshot; None: none)."""
+    return slot | (0 if save is None else (save + 1) << SAVE_SHIFT)
 
 
 def _row_entries(dev: Device, step, rows, T: int, kernel: str) -> tuple[list, int]:
@@ -93,6 +108,25 @@ def gated_delta_rule(dev: Device, qkv: Tensor, proj: Tensor, hw: Tensor, state: 
     return op
 
 
+def state_copy(dev: Device, state: Tensor, pairs: Tensor, max_pairs: int) -> Op:
+    """state[dst] = state[src] for the first pairs[0] (src, dst) slot pairs of pairs[1:] (see
+    shaders/deltanet_copy.wgsl); state (slots, ...) f32, pairs (1 + 2 max_pairs,) u32, written by the
+    host before the op runs."""
+    k = "state_copy"
+    slots = int(state.shape[0])
+    elems = state.numel // slots
+    groups = -(-elems // 256)
+    check(state.dtype == "f32" and pairs.dtype == "u32" and pairs.numel >= 1 + 2 * max_pairs and max_pairs >= 1
+          and groups <= 65535, k, f"state{state.shape} {state.dtype}, pairs{pairs.shape} {pairs.dtype} for "
+          f"{max_pairs} pairs (a slot of at most {65535 * 256} elements)")
+    par = params(dev, [elems, 0, 0, 0], owner=state.buf.owner, label=k)
+    pipe = dev.pipeline("deltanet_copy.wgsl", k, None)
+    op = Op(name=k)
+    op.buffers.append(par)
+    op.add(pipe, dev.bind(pipe, [par, state.binding(), pairs.binding()]), groups, int(max_pairs))
+    return op
+
+
 def sigmoid_gate(dev: Device, y: Tensor, g: Tensor) -> Op:
     """y *= sigmoid(g), in place; y, g (T, N) act."""
     k = "sigmoid_gate"
@@ -103,4 +137,4 @@ def sigmoid_gate(dev: Device, y: Tensor, g: Tensor) -> Op:
     return _op(dev, k, "deltanet_gate.wgsl", k, act_header(dt), par, [ye, ge], y.numel)
 
 
-__all__ = ["MAX_TAPS", "causal_conv1d", "gated_delta_rule", "sigmoid_gate"]
+__all__ = ["MAX_TAPS", "SAVE_SHIFT", "causal_conv1d", "gated_delta_rule", "row_slot", "sigmoid_gate", "state_copy"]

@@ -51,5 +51,13 @@ def gated_delta_rule(qkv: np.ndarray, z: np.ndarray, b: np.ndarray, a: np.ndarra
     return y.reshape(T, Hv * Dv), S
 
 
+def state_copy(state: np.ndarray, pairs) -> np.ndarray:
+    """state (slots, ...) with each (src, dst) of pairs copied: out[dst] = state[src]."""
+    out = np.array(state, copy=True)
+    for src, dst in pairs:
+        out[dst] = state[src]
+    return out
+
+
 def sigmoid_gate(y: np.ndarray, g: np.ndarray) -> np.ndarray:
     return np.asarray(y, np.float64) / (1.0 + np.exp(-np.asarray(g, np.float64)))
