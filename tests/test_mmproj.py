@@ -287,3 +287,22 @@ def test_memory_estimate_counts_the_projector(device):
         stored = sum(t.nbytes for t in g.tensors.values())
     assert stored <= pair.weights - text.weights < 2 * stored
     assert pair.activations - text.activations >= 16 * 64 * 4          # at least one image's features
+
+
+def test_hugging_face_gguf_repo_brings_its_mmproj(tmp_path, monkeypatch):
+    """A GGUF repo with mmproj files (ggml-org's layout): the model's GGUF and its f16 projector are
+    downloaded, the projector as the record's mmproj."""
+    from hf_hub_server import HubServer
+
+    from webgpu_engine.engine.references import resolve_model_reference
+    with HubServer() as hub:
+        hub.add_repo("hub-org/tiny-gemma3-GGUF", {"tiny-gemma3-F32.gguf": TEXT.read_bytes(),
+                                                  "mmproj-tiny-gemma3-f16.gguf": PROJ.read_bytes(),
+                                                  "mmproj-tiny-gemma3-Q8_0.gguf": b"not this one"})
+        monkeypatch.setenv("HF_ENDPOINT", hub.endpoint)
+        monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub-cache"))
+        monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+        rec = resolve_model_reference("hub-org/tiny-gemma3-GGUF")
+        assert Path(rec.model).read_bytes() == TEXT.read_bytes()
+        assert Path(rec.overrides["mmproj"]).read_bytes() == PROJ.read_bytes()
+        assert hub.downloads("hub-org/tiny-gemma3-GGUF", "mmproj-tiny-gemma3-Q8_0.gguf") == 0

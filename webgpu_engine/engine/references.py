@@ -196,6 +196,15 @@ def _pick_gguf(reference: str, repo: str, files: list[str], selector: str | None
                               hint=f"Choose one of its files, or drop the selector{why}.")
 
 
+def _pick_projector(files: list[str], gguf: str) -> str | None:
+    """The multimodal projector GGUF (mmproj*.gguf) of a GGUF repo for its model file `gguf`: the one
+    beside it, an f16 one where there are several (llama.cpp's releases), else the first by name."""
+    folder = PurePosixPath(gguf).parent
+    found = sorted(f for f in files if f.lower().endswith(".gguf") and PurePosixPath(f).name.startswith("mmproj"))
+    found = [f for f in found if PurePosixPath(f).parent == folder] or found
+    return next((f for f in found if _matches(f, "f16")), found[0]) if found else None
+
+
 def _hugging_face(reference: str, repo: str, revision: str | None, selector: str | None,
                   model_id: str | None, offline: bool | None) -> ModelRecord:
     from ..cache import hf
@@ -211,7 +220,12 @@ def _hugging_face(reference: str, repo: str, revision: str | None, selector: str
     if gguf is not None:
         path = hf.download_file(repo, gguf, revision, offline=offline, reference=reference,
                                 progress=_PROGRESS.get())
-        return _record(path, reference, shown, f"hf://{repo}/{gguf}")
+        rec = _record(path, reference, shown, f"hf://{repo}/{gguf}")
+        projector = _pick_projector(files, gguf)
+        if projector is not None and rec.model_type == LLM:     # the repo's mmproj too, as llama.cpp's -hf
+            rec.overrides["mmproj"] = str(hf.download_file(repo, projector, revision, offline=offline,
+                                                           reference=reference, progress=_PROGRESS.get()))
+        return rec
     st = "modules.json" in files
     # a sentence-transformers repo may keep its Transformer in a subfolder (0_Transformer/)
     sub = _transformer_subfolder(hf.download_file(repo, "modules.json", revision, offline=offline,
