@@ -7,6 +7,7 @@ tests/fixtures/make_llava.py) gives transformers' preprocessing, features and gr
 GGUF pair and from its HF folder."""
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 from pathlib import Path
@@ -306,3 +307,22 @@ def test_hugging_face_gguf_repo_brings_its_mmproj(tmp_path, monkeypatch):
         assert Path(rec.model).read_bytes() == TEXT.read_bytes()
         assert Path(rec.overrides["mmproj"]).read_bytes() == PROJ.read_bytes()
         assert hub.downloads("hub-org/tiny-gemma3-GGUF", "mmproj-tiny-gemma3-Q8_0.gguf") == 0
+
+
+async def test_gguf_pair_in_a_batch_answers_as_transformers(device, ref):
+    """Under continuous batching (chunks of 24 rows: images cross chunk edges), Gemma 3's pair (an
+    image's rows attend each other both ways) with one and two images beside a text request, all sent
+    at once: each gives transformers' greedy tokens. (LLaVA's causal rows batch as SmolVLM's do.)"""
+    from webgpu_engine.engine.engine import AsyncMLCEngine
+    eng = AsyncMLCEngine()
+    await eng.reload(str(PAIR), chat_opts={**OPTS, "prefill_chunk_size": 24, "max_num_sequences": 4})
+    try:
+        assert next(iter(eng.models.values())).pipeline.scheduler is not None
+
+        async def ask(key):
+            r = await eng.chat.completions.create(messages=_messages(ref, key), max_tokens=12, temperature=0.0)
+            return r.choices[0].message.content
+        keys = ["one", "two", "text"]
+        assert await asyncio.gather(*[ask(k) for k in keys]) == [_text(ref["prompts"][k]["greedy"]) for k in keys]
+    finally:
+        await eng.unload()
