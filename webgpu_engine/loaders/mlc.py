@@ -77,7 +77,7 @@ _PARTS = ("q_weight", "q_scale", "weight", "bias")
 def refusal(model_type: str, quantization: str, kind: str = "llm") -> str:
     """Why an MLC artifact of this model_type / quantization is not loaded ("" when it is); kind is
     WebLLM's model type (llm, embedding, vlm)."""
-    if kind not in ("llm", "embedding"):
+    if kind not in ("llm", "embedding") and (kind, model_type) != ("vlm", "phi3_v"):
         return f"{kind} models of MLC's are not loaded"
     if (model_type not in ENCODERS) if kind == "embedding" else (_family(model_type) is None):
         return f"{'embedding ' if kind == 'embedding' else ''}model_type {model_type or '?'!r}"

@@ -20,10 +20,19 @@ MLC_PHI3_TO_OURS = {
     "transformer.h.{i}.mixer.out_proj": "layers.{i}.o",
     "transformer.h.{i}.mlp.gate_up_proj": "layers.{i}.gate_up",
     "transformer.h.{i}.mlp.down_proj": "layers.{i}.down",
+    # Phi-3.5-vision (phi3_v): MLC's Phi3VForCausalLM names its Phi3Model `model` (the image side's
+    # vision_embed_tokens.* is read by vision/phi3v_gpu.py)
+    "model.embd": "embed", "model.norm": "norm",
+    "model.h.{i}.ln": "layers.{i}.attn_norm",
+    "model.h.{i}.post_attention_layernorm": "layers.{i}.ffn_norm",
+    "model.h.{i}.mixer.qkv_proj": "layers.{i}.qkv",
+    "model.h.{i}.mixer.out_proj": "layers.{i}.o",
+    "model.h.{i}.mlp.gate_up_proj": "layers.{i}.gate_up",
+    "model.h.{i}.mlp.down_proj": "layers.{i}.down",
 }
 
 PHI3 = DecoderFamily("phi3", hf_architectures=("Phi3ForCausalLM",), hf_model_types=("phi3",),
                      hf_defaults={"use_sliding_window": True}, gguf_neox=True,
-                     mlc_model_types=("phi3",), mlc_names=MLC_PHI3_TO_OURS)
+                     mlc_model_types=("phi3", "phi3_v"), mlc_names=MLC_PHI3_TO_OURS)
 
 FAMILIES = (PHI3,)

@@ -126,7 +126,8 @@ class SiglipTower:
                                   C, "v.mmnorm", plus=0.0 if plus_one else 1.0)
             # out = t · Wproj with Wproj (C, C_text): the matmul's weight is its transpose (C_text, C)
             self.proj = self._transposed(get("mm_input_projection_weight", (C, cfg.text_hidden)), "v.proj")
-        else:                            # Idefics3's nn.Linear (C_text, C s^2), no bias
+        elif cfg.kind != "phi3v":        # (Phi-3.5-vision: the tower alone, vision/phi3v_gpu.py)
+            # Idefics3's nn.Linear (C_text, C s^2), no bias
             self.proj = weight(["modality_projection.proj.weight"], cfg.text_hidden, C * cfg.scale ** 2, "v.proj")
         self._allocate(N + cfg.class_token)
         self.ops = self._build(N + cfg.class_token)
@@ -168,9 +169,10 @@ class SiglipTower:
             self.mid = act((n, cfg.text_hidden), "v.mid")
         elif cfg.kind == "gemma3":
             self.pooled, self.normed = act((n, C), "v.pooled"), act((n, C), "v.normed")
-        else:
+        elif cfg.kind != "phi3v":
             self.shuffled = act((n, C * cfg.scale ** 2), "v.shuffled")
-        self.out = act((n, cfg.text_hidden), "v.out")
+        if cfg.kind != "phi3v":
+            self.out = act((n, cfg.text_hidden), "v.out")
         self.lengths = Tensor(dev.upload(struct.pack("<I", N), owner=own, label="v.lengths"), (1,), "u32")
 
     def _build(self, N: int) -> Op:
@@ -203,7 +205,7 @@ class SiglipTower:
             op += vision.avg_pool(dev, h, self.pooled, side=cfg.patches_per_side, kernel=cfg.pool)
             op += nn.rms_norm(dev, self.pooled, self.mm_norm, self.normed, eps=eps)
             op += mm.matmul(dev, self.normed, self.proj, self.out)                # (n, C_text)
-        else:
+        elif cfg.kind != "phi3v":
             op += vision.pixel_shuffle(dev, h, self.shuffled, side=cfg.patches_per_side, scale=cfg.scale)
             op += mm.matmul(dev, self.shuffled, self.proj, self.out)              # (n, C_text)
         op.name = "siglip"

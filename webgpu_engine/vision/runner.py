@@ -22,15 +22,16 @@ from ..errors import InvalidRequestError, ModelFormatError, UnsupportedChatOptio
 from ..gpu import IN_BROWSER
 from ..kernels.vision import NONE
 from ..loaders.chat_template import ChatTemplate
-from . import gemma3, idefics3, llava
-from .config import FAMILIES, VisionConfig, patches
+from . import gemma3, idefics3, llava, phi3v
+from .config import FAMILIES, VisionConfig
+from .config import patches as square_patches
 from .requests import images_of
 
 MAX_TILES = 64                           # tiles (Gemma 3: images) of one request, at most
 FEATURE_BYTES = 64 << 20                 # and at most this many bytes of their features
 
 
-FAMILY_MODULES = {"gemma3": gemma3, "idefics3": idefics3, "llava": llava}    # VisionConfig.kind -> its host side
+FAMILY_MODULES = {"gemma3": gemma3, "idefics3": idefics3, "llava": llava, "phi3v": phi3v}    # VisionConfig.kind -> its host side
 
 
 def read_vision_config(folder) -> VisionConfig | None:
@@ -123,12 +124,15 @@ class VisionInputs:
         self._rows: dict[int, tuple[int, int]] = {}     # position -> (feature row, image's key end)
         self._request: list | None = None    # this request's tiles: (start, end, sha256, image, tile)
         self._cached: list = []              # the KV cache's images: (start, end, sha256)
+        self.conv: dict | None = None        # an MLC artifact's conv_template (Phi-3.5-vision's prompt)
 
     @classmethod
     def load(cls, dev, path, model, owner: str, mmproj=None, tokenizer=None) -> "VisionInputs | None":
         """The image side of the model at `path` (an HF folder with a vision tower, or a GGUF with the
         projector GGUF `mmproj` beside it: vision/mmproj.py, its image token from `tokenizer`), else None."""
         path = Path(path)
+        if (path / "mlc-chat-config.json").is_file():
+            return cls._load_mlc(dev, path, model, owner, tokenizer)
         if mmproj is not None:
             from .mmproj import MmprojFile
             files = MmprojFile(mmproj, tokenizer)
@@ -150,6 +154,21 @@ class VisionInputs:
                 files.close()
 
     @classmethod
+    def _load_mlc(cls, dev, path: Path, model, owner: str, tokenizer) -> "VisionInputs | None":
+        """An MLC artifact's image side: Phi-3.5-vision's (model_type phi3_v, vision/phi3v.py)."""
+        from ..loaders.mlc import MLCArtifact
+        art = MLCArtifact(path)
+        try:
+            if art.model_type != phi3v.MODEL_TYPE:
+                return None
+            cfg = phi3v.read_config(str(path), art.chat_config.get("model_config") or {}, tokenizer)
+            vision = cls._load(dev, path, model, owner, cfg, art)
+            vision.conv = art.chat_config.get("conv_template")
+            return vision
+        finally:
+            art.close()
+
+    @classmethod
     def _load(cls, dev, path, model, owner: str, cfg: VisionConfig, files) -> "VisionInputs":
         if cfg.tokens_per_image > model.chunk:
             raise UnsupportedChatOptionError(
@@ -168,7 +187,11 @@ class VisionInputs:
         opened = files is None               # a folder's safetensors, opened only for the tower
         files = SafetensorsFolder(path) if opened else files
         try:
-            tower = SiglipTower(dev, cfg, files.tensors, owner=owner)
+            if cfg.kind == "phi3v":
+                from .phi3v_gpu import Phi3vTower
+                tower = Phi3vTower(dev, cfg, files, owner=owner)
+            else:
+                tower = SiglipTower(dev, cfg, files.tensors, owner=owner)
         finally:
             if opened:
                 files.close()
@@ -177,6 +200,8 @@ class VisionInputs:
         return cls(dev, cfg, tower, model, n)
 
     def template(self, template):
+        if self.cfg.kind == "phi3v":
+            return phi3v.template(template, self.cfg, self.conv)
         if template is None or not isinstance(template, ChatTemplate):
             return template
         return _ExpandingTemplate(template, self.cfg)
@@ -200,13 +225,15 @@ class VisionInputs:
         run of image tokens in `ids` (each image part placed once, whole, or a 400)."""
         blocks = self.blocks(ids)
         n, count = self.cfg.tokens_per_image, _family(self.cfg).n_tiles
+        size = getattr(_family(self.cfg), "n_tokens", lambda cfg, image: n)     # a tile's tokens
         owners = [(im, j) for im in images for j in range(count(self.cfg, im.image))]
+        sizes = [size(self.cfg, im.image) for im, _ in owners]
         if len(owners) > self.max_tiles:
             raise InvalidRequestError(f"The images make {len(owners)} tiles of {n} tokens; this model takes "
                                       f"{self.max_tiles} per request.", param="messages")
-        if len(blocks) != len(owners) or any(e - s != n for s, e in blocks):
+        if len(blocks) != len(owners) or [e - s for s, e in blocks] != sizes:
             raise InvalidRequestError(f"The prompt holds {len(blocks)} runs of image tokens "
-                                      f"{[e - s for s, e in blocks]} for {len(owners)} tiles of {n} tokens: "
+                                      f"{[e - s for s, e in blocks]} for {len(owners)} tiles of {sizes} tokens: "
                                       f"the chat template must place each image part once (and the text may "
                                       f"not carry image tokens itself).", param="messages")
         return [(s, e, im.sha256, im, j) for (s, e), (im, j) in zip(blocks, owners)]
@@ -222,7 +249,8 @@ class VisionInputs:
         for *_, im, _ in todo:
             if id(im) not in cut:
                 cut[id(im)] = fam.tiles(cfg, im.image)
-        return [patches(cfg, cut[id(im)][j]) for *_, im, j in todo]
+        unfold = getattr(fam, "patches", square_patches)
+        return [unfold(cfg, cut[id(im)][j]) for *_, im, j in todo]
 
     def _run_tower(self, runs: list) -> dict:
         """Run the tower over each (start, end, patch rows) of `runs`, its features submitted into the
@@ -231,7 +259,7 @@ class VisionInputs:
         for k, (s, e, r) in enumerate(runs):
             self.tower.write_patches(r)
             self.dev.submit(self.tower.record(self.dev.batch(), self.model.images.feats, k))
-            for j in range(n):
+            for j in range(e - s):
                 rows[s + j] = (k * n + j, e)
         return rows
 

@@ -1,0 +1,163 @@
+"""Phi-3.5-vision from WebLLM's MLC artifacts (model_type phi3_v, vision/phi3v.py + phi3v_gpu.py):
+WebLLM's sizes, MLC's preprocessing and HD layout against a numpy reference written from mlc-llm's
+code (tests/ref_phi3v.py), the CLIP tower against transformers' CLIPVisionModel
+(tests/fixtures/make_phi3v.py), and greedy tokens for a prompt with one image from tiny artifacts
+(tests/tinyphi3v.py) in q0f32, q4f16_1 and q4f32_1 equal to the reference's."""
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+import ref_phi3v as ref
+from PIL import Image
+from ref_llama import RefLlama
+from test_mlc import _values
+from tinyphi3v import tower_fixture, write_tiny_phi3v_mlc
+
+from webgpu_engine.errors import InvalidRequestError
+from webgpu_engine.loaders.mlc import refusal
+from webgpu_engine.models.registry import open_model
+from webgpu_engine.vision import phi3v
+from webgpu_engine.vision.images import decode_bytes
+
+OPTS = {"dtype": "f32", "context_window_size": 1024, "prefill_chunk_size": 768}
+N_NEW = 8
+
+
+def _picture(w: int, h: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    yy, xx = np.mgrid[0:h, 0:w]
+    a = np.stack([xx * 255 // max(1, w - 1), yy * 255 // max(1, h - 1), (xx + yy) % 256], -1)
+    a = np.clip(a + rng.integers(-40, 40, a.shape), 0, 255).astype(np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(a).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _cfg():
+    tcfg, _, _ = tower_fixture()
+
+    class Tok:
+        def token_to_id(self, t):
+            return 300 if t == "<|image|>" else None
+    return phi3v.read_config("tiny", {"hidden_size": 64, "vision_config": tcfg,
+                                      "img_processor": {"image_dim_out": 32}}, Tok())
+
+
+@pytest.mark.parametrize("size", [(400, 300), (300, 400), (500, 300), (1000, 90), (64, 64)])
+def test_sizes_and_preprocessing_are_mlcs(size):
+    """WebLLM's resize / crop shapes and token count; MLC's resize (u32 truncation), pad (255),
+    normalisation, global image and crops equal the reference's (padding included: 500 x 300
+    resizes to 1007 rows)."""
+    w, h = size
+    cfg, image = _cfg(), decode_bytes(_picture(w, h), "p.png").image
+    assert phi3v.resize_shape(h, w) == ref.resize_shape(h, w)
+    crops = phi3v.preprocess(cfg, image)
+    want, hc, wc = ref.image_preprocess(np.asarray(image))
+    assert (crops.rows, crops.cols) == (hc, wc) == phi3v.crop_shape(h, w) and crops.pixels.shape == want.shape
+    np.testing.assert_allclose(crops.pixels, want, atol=1e-5)
+    assert phi3v.n_tokens(cfg, image) == ref.n_rows(h, w, 6) == len(phi3v.layout(cfg, hc, wc, 17 * 144 + 8)) // 4
+
+
+def test_webllm_sizes_of_the_real_tower():
+    """ViT-L/14-336 (12 x 12 merged rows per crop): WebLLM's computeImageEmbedSize; at most 2653 rows."""
+    assert ref.n_rows(300, 400, 12) == 3 * 12 * 49 + 1 + 156
+    assert phi3v.HD_NUM == 16 and (phi3v.HD_NUM + 1) * 12 * 13 + 1 == 2653
+
+
+def test_too_wide_a_picture_is_refused():
+    image = Image.new("RGB", (8000, 1))
+    with pytest.raises(InvalidRequestError, match="too wide"):
+        phi3v.preprocess(_cfg(), image)
+
+
+def test_reference_tower_equals_transformers():
+    """ref_phi3v's CLIP tower (MLC's: class row first, pre-layernorm, quick_gelu, the second to last
+    layer, the class row dropped) equals transformers' CLIPVisionModel on the fixture."""
+    tcfg, tw, feats = tower_fixture()
+    px = np.random.default_rng(7).standard_normal((2, 3, 336, 336)).astype(np.float32)
+    np.testing.assert_allclose(ref.clip_tower(px, tw, tcfg), feats, atol=2e-4)
+
+
+def test_the_layout_is_mlcs_reshapes():
+    """The engine's gather rows of the HD layout equal MLC's reshape / permute / concat steps."""
+    cfg = _cfg()
+    rng = np.random.default_rng(1)
+    h, w, N, C = 2, 3, 144, 32
+    feats = rng.standard_normal((1 + h * w, N, C))
+    sub_gn, glb_gn = rng.standard_normal(4 * C), rng.standard_normal(4 * C)
+    table = np.concatenate([feats.reshape(-1, C), np.zeros((17 * N - len(feats) * N, C)),
+                            sub_gn.reshape(4, C), glb_gn.reshape(4, C)])
+    got = table[phi3v.layout(cfg, h, w, len(table))].reshape(-1, 4 * C)
+    want = np.concatenate([ref._newline(ref._merge(feats[1:], h, w), sub_gn), glb_gn.reshape(1, 1, -1),
+                           ref._newline(ref._merge(feats[:1], 1, 1), sub_gn)], axis=1)[0]
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.fixture(scope="module")
+def artifacts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("phi3v")
+    return {q: write_tiny_phi3v_mlc(root / q, q) for q in ("q0f32", "q4f16_1", "q4f32_1")}
+
+
+def _reference(art: dict, ids: list[int], image) -> list[int]:
+    """Greedy tokens of MLC's definition: the image rows from ref_phi3v in place of the image tokens."""
+    tcfg, tw = art["tower"]
+    rows = ref.image_embed(np.asarray(image), tw, tcfg, art["proj"])
+    m = open_model(art["folder"])
+    try:
+        cfg, w = m.config, _values(m, m.config)
+    finally:
+        m.close()
+    V = w["embed"].shape[0]
+    w = {**w, "embed": np.concatenate([w["embed"], rows])}
+    pos = [p for p, t in enumerate(ids) if t == art["image_id"]]
+    assert len(pos) == len(rows) and pos == list(range(pos[0], pos[0] + len(rows)))
+    feed = [V + pos.index(p) if p in pos else t for p, t in enumerate(ids)]
+    r = RefLlama(cfg, w)
+    out = [int(np.argmax(r.forward(feed)[-1]))]
+    for _ in range(N_NEW - 1):
+        out.append(int(np.argmax(r.forward([out[-1]])[-1])))
+    return out
+
+
+def _messages(url: str) -> list[dict]:
+    return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                         {"type": "text", "text": "What is in the picture?"}]}]
+
+
+@pytest.mark.parametrize("quant", ["q0f32", "q4f16_1", "q4f32_1"])
+async def test_greedy_tokens_equal_the_reference(device, artifacts, quant):
+    """A 400 x 300 picture (3 x 4 crops + the global image: 493 rows) in a user turn: WebLLM's prompt
+    (the rows after "<|user|>\\n", then "\\n" and the text) and 8 greedy tokens equal the reference's."""
+    from webgpu_engine.engine.engine import AsyncMLCEngine
+    from webgpu_engine.vision.images import image_data_url
+    art = artifacts[quant]
+    png = art["folder"].parent / f"{quant}.png"
+    png.write_bytes(_picture(400, 300))
+    eng = AsyncMLCEngine()
+    await eng.reload(str(art["folder"]), chat_opts=OPTS)
+    try:
+        model = next(iter(eng.models))
+        pipe = eng.models[model].pipeline
+        r = await eng.chat.completions.create(model=model, messages=_messages(image_data_url(png)),
+                                              max_tokens=N_NEW, temperature=0.0)
+        image = decode_bytes(png.read_bytes(), "p.png")
+        user = [{"role": "user", "content": [{"type": "image", "image": image},
+                                             {"type": "text", "text": "What is in the picture?"}]}]
+        prompt = pipe.template.encode(pipe.tokenizer, user)
+        first = prompt.index(art["image_id"])
+        assert prompt[:first] == [1, *pipe.tokenizer.encode("<|user|>\n")] and prompt.count(art["image_id"]) == 493
+        assert pipe.tokenizer.decode(prompt[first + 493:first + 494]) == "\n"
+        assert r.usage.prompt_tokens == len(prompt)
+        want = _reference(art, prompt, image.image)
+        want = want[:next((i for i, t in enumerate(want) if t == 2), len(want))]
+        assert r.choices[0].message.content == pipe.tokenizer.decode(want)
+    finally:
+        await eng.unload()
+
+
+def test_the_catalogue_loads_both_ids():
+    assert refusal("phi3_v", "q4f16_1", "vlm") == "" and refusal("phi3_v", "q4f32_1", "vlm") == ""
+    assert refusal("llava", "q4f16_1", "vlm") == "vlm models of MLC's are not loaded"
