@@ -146,6 +146,22 @@ def rope(x: np.ndarray, positions: np.ndarray, *, n_heads: int, rot_dim: int, ba
     return y.astype(np.float32)
 
 
+def rope_sections(x: np.ndarray, positions: np.ndarray, freq: np.ndarray, *, n_rot: int,
+                  sections: tuple[int, int]) -> np.ndarray:
+    """x (T, H_all, D): heads [0, n_rot) rotated in half-split pairs, pair i by positions[t, axis(i)] *
+    freq[i] (f32 product), axis 0 below sections[0], 1 below sections[1], else 2, as
+    shaders/rope_sections.wgsl."""
+    y = x.astype(np.float64).copy()
+    half = x.shape[-1] // 2
+    axis = np.where(np.arange(half) < sections[0], 0, np.where(np.arange(half) < sections[1], 1, 2))
+    ang = (positions[:, axis].astype(np.float32) * freq.astype(np.float32)[None, :]).astype(np.float64)
+    c, s = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]   # (T, 1, half)
+    a, b = y[:, :n_rot, :half].copy(), y[:, :n_rot, half:].copy()
+    y[:, :n_rot, :half] = a * c - b * s
+    y[:, :n_rot, half:] = a * s + b * c
+    return y.astype(np.float32)
+
+
 def q_temperature(x: np.ndarray, positions: np.ndarray, *, n_q_heads: int, beta: float, length: int) -> np.ndarray:
     """x (T, H_all, D): heads [0, n_q_heads) of row t times 1 + beta ln(1 + floor(pos_t / length)) in f32,
     as shaders/q_temperature.wgsl (Llama 4's attention temperature)."""

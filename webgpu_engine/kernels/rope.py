@@ -114,3 +114,25 @@ def q_temperature(dev: Device, qkv: Tensor, step=None, *, n_q_heads: int, head_d
     par = params(dev, [rows, n_q_heads * head_dim, heads * head_dim, qo, per_row, int(length), float(beta), 0],
                  owner=qkv.buf.owner, label=k)
     return _op(dev, k, "q_temperature.wgsl", k, act_header(dt), par, [qe, *ents], rows * n_q_heads * head_dim)
+
+
+def rope_sections(dev: Device, qkv: Tensor, positions: Tensor, freq: Tensor, *, n_rot: int, head_dim: int,
+                  sections: tuple[int, int]) -> Op:
+    """Rotates, in place, the first n_rot heads of each row of qkv (T, H_all, D), half-split pairs, pair i
+    by positions[t, axis(i)] * freq[i]: axis 0 below sections[0], 1 below sections[1], else 2 (M-RoPE's
+    temporal / height / width pairs; a ViT's 2D RoPE with sections (0, D/4)). positions (T, 3) i32;
+    freq (D/2,) f32. numpy reference: nn_ref.rope_sections."""
+    k = "rope_sections"
+    dt = _act(k, qkv)
+    rows, heads = _qkv_heads(k, qkv, head_dim)
+    half = head_dim // 2
+    s1, s2 = (int(s) for s in sections)
+    check(head_dim % 2 == 0 and 0 < n_rot <= heads and 0 <= s1 <= s2 <= half, k,
+          f"head_dim {head_dim} even, {n_rot} rotated heads of {heads}, sections {sections} within {half} pairs")
+    check(positions.dtype == "i32" and positions.numel >= 3 * rows, k,
+          f"positions {positions.shape} must be i32 (>= {rows}, 3)")
+    check(freq.dtype == "f32" and freq.numel == half, k, f"freq {freq.shape} must be f32 ({half},)")
+    (qe, qo), (pe, po), (fe, _) = (_window(dev, t, k) for t in (qkv, positions, freq))
+    par = params(dev, [rows, heads, half, n_rot, s1, s2, qo, po], owner=qkv.buf.owner, label=k)
+    header = act_header(dt) + load_shader_source("sincos.wgsl")
+    return _op(dev, k, "rope_sections.wgsl", k, header, par, {1: pe, 2: qe, 3: fe}, rows * n_rot * half)

@@ -48,6 +48,7 @@ class VisionConfig:
     class_token: bool = False        # CLIP: a class embedding's row beside the patches (dropped at the end)
     pre_norm: bool = False           # CLIP: a LayerNorm after the embeddings (pre_layrnorm)
     post_norm: bool = True           # the LayerNorm after the last layer (LLaVA's selected layer: none)
+    qwen25vl: object = None          # Qwen2.5-VL's tower settings (vision/qwen25vl.py Qwen25VLVision)
 
     @property
     def patches_per_side(self) -> int:

@@ -1,0 +1,121 @@
+"""Qwen2.5-VL (issue 50): a tiny random Qwen2_5_VLForConditionalGeneration and what transformers
+computes from the fixture images (tests/fixtures/make_qwen25vl.py): the processor's patch rows and
+grids, the prompt's image tokens, rope_sections (M-RoPE's and the tower's 2D RoPE kernel) against its
+numpy reference, and the tower's features."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from _nn_util import TOL, get, put, rounded, run
+from webgpu_engine.kernels import nn_ref
+from webgpu_engine.kernels.common import Tensor
+from webgpu_engine.kernels.rope import rope_sections
+from webgpu_engine.vision import qwen25vl
+from webgpu_engine.vision.images import decode_bytes
+
+FIXTURES = Path(__file__).parent / "fixtures"
+FOLDER, IMAGES = FIXTURES / "tiny_qwen25vl", FIXTURES / "vision_images"
+
+
+@pytest.fixture(scope="module")
+def ref():
+    return json.loads((FIXTURES / "qwen25vl_transformers.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def cfg():
+    c = json.loads((FOLDER / "config.json").read_text())
+    return qwen25vl.read_config(FOLDER, c, c["vision_config"])
+
+
+def _image(name):
+    return decode_bytes((IMAGES / name).read_bytes(), name).image
+
+
+# ----------------------------------------------------------------------------- the host side
+def test_preprocessing_equals_the_processor(ref, cfg):
+    """smart_resize (wide.png scaled down past max_pixels), bicubic, CLIP's mean / std, the patch rows in
+    merge blocks repeated over the temporal patch: Qwen2VLImageProcessor's (PIL backend) within 2e-6."""
+    assert cfg.tokens_per_image == 1536 // 64 and cfg.qwen25vl.full_layers == (1,)
+    for name, r in ref["images"].items():
+        grid = qwen25vl.preprocess(cfg, _image(name))
+        want = np.array(r["pixel_values"], np.float32)
+        assert [1, grid.gh, grid.gw] == r["grid_thw"] and grid.rows.shape == want.shape
+        np.testing.assert_allclose(grid.rows, want, atol=2e-6)
+        assert qwen25vl.n_tokens(cfg, _image(name)) == len(r["features"])
+
+
+def test_prompt_holds_a_token_per_merged_patch(ref, cfg):
+    """Each image marker becomes <|vision_start|> + grid_h * grid_w / 4 <|image_pad|> + <|vision_end|>:
+    the processor's input ids."""
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(str(FOLDER / "tokenizer.json"))
+    for key, r in ref["prompts"].items():
+        images = iter(r["images"])
+        parts = r["text"].split(qwen25vl.MARKER)
+        text = parts[0] + "".join(qwen25vl.full_image_sequence(cfg, _image(next(images))) + p for p in parts[1:])
+        assert tok.encode(text, add_special_tokens=False).ids == r["input_ids"]
+
+
+def test_window_order_is_transformers(cfg):
+    """Windows of 2x2 merged patches, row-major, cut at the grid's edges (a 3x5 grid: 6 windows)."""
+    order, sizes = qwen25vl.window_order(cfg, 6, 10)
+    assert order.tolist() == [0, 1, 5, 6, 2, 3, 7, 8, 4, 9, 10, 11, 12, 13, 14]
+    assert sizes == [16, 16, 8, 8, 8, 4]
+
+
+# ----------------------------------------------------------------------------- rope_sections
+@pytest.mark.parametrize("dtype", ["f32", "f16"])
+def test_rope_sections(device, dtype):
+    """M-RoPE's sections (pairs 0-1 by axis 0, 2-4 by axis 1, 5-7 by axis 2) on the q and k heads, v
+    untouched, positions negative too (a rotation by a difference), at an offset; and the tower's 2D
+    form (sections (0, D/4))."""
+    rng = np.random.default_rng(1)
+    T, H, D = 7, 3 + 2 * 2, 16
+    x = rng.standard_normal((T, H, D)).astype(np.float32)
+    pos = rng.integers(-40, 300, (T, 3)).astype(np.int32)
+    freq = (1.0 / 10000.0 ** (np.arange(0, D, 2) / D)).astype(np.float32)
+    for sections, n_rot in (((2, 5), 5), ((0, D // 4), 7)):
+        xt = put(device, x, dtype, lead=6)
+        pt = Tensor(device.upload(np.concatenate([np.zeros(3, np.int32), pos.ravel()]).tobytes(), owner="test:nn"),
+                    (T, 3), "i32", 12)
+        ft = put(device, freq)
+        run(device, rope_sections(device, xt, pt, ft, n_rot=n_rot, head_dim=D, sections=sections))
+        want = nn_ref.rope_sections(rounded(x, dtype), pos, freq, n_rot=n_rot, sections=sections)
+        got = get(device, xt)
+        np.testing.assert_allclose(got, want, **TOL[dtype])
+        assert np.array_equal(got[:, n_rot:], rounded(x, dtype)[:, n_rot:])
+        assert np.abs(want - x).max() > 0.1
+    device.release_owner("test:nn")
+
+
+# ----------------------------------------------------------------------------- the tower
+def test_tower_matches_transformers(device, ref, cfg):
+    """Patch embedding, 2D RoPE, window (layers 0, 2) and full (layer 1) attention, SwiGLU, the merger:
+    get_image_features' rows within 2e-4 for grids of 6x10 (windows cut at the edges), 4x4, 12x4 and 8x10,
+    each image written into its slot of one features buffer."""
+    from webgpu_engine.loaders.safetensors import SafetensorsFolder
+    from webgpu_engine.vision.qwen25vl_gpu import Qwen25VLTower
+    files = SafetensorsFolder(FOLDER)
+    try:
+        tower = Qwen25VLTower(device, cfg, files.tensors, owner="test:qwen25vl")
+    finally:
+        files.close()
+    n, T = cfg.tokens_per_image, cfg.text_hidden
+    try:
+        names = sorted(ref["images"])
+        out = Tensor(device.buffer(len(names) * n * T * 4, owner="test:qwen25vl"), (len(names) * n, T), "f32")
+        for i, name in enumerate(names):
+            tower.write_patches(qwen25vl.preprocess(cfg, _image(name)))
+            device.submit(tower.record(device.batch(), out, i))
+        got = get(device, out).reshape(len(names), n, T)
+        for i, name in enumerate(names):
+            want = np.array(ref["images"][name]["features"], np.float32)
+            assert np.abs(want).max() > 0.5
+            np.testing.assert_allclose(got[i, :len(want)], want, atol=2e-4, rtol=1e-4)
+    finally:
+        tower.dispose()

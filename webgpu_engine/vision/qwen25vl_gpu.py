@@ -1,0 +1,191 @@
+"""Qwen2.5-VL's vision tower on the GPU, one image of any grid at a time (f32 activations), with the
+BERT encoder's kernels and rope_sections:
+
+    x = patches · Wpatchᵀ                                   (N, C)  N = gh * gw, rows in window order
+    for each layer:
+        h = rms_norm(x) · Wqkvᵀ + b                         (N, 3C)
+        q, k = rope_2d(q, k)                                 pairs < D/4 by the patch's row, the rest by its column
+        full layers:   ctx = attention over all N rows
+        window layers: ctx = attention inside each window (the rows gathered into windows padded to
+                       the largest, attention_bidir with each window's length, gathered back)
+        x += ctx · Woᵀ + bo
+        x += (silu(rms_norm(x) · Wgᵀ + bg) * (rms_norm(x) · Wuᵀ + bu)) · Wdᵀ + bd
+    t = rms_norm(x) viewed (N / 4, 4C)                       the merger: a 2x2 block per row
+    out = gelu(t · W0ᵀ + b0) · W2ᵀ + b2                      (N / 4, C_text), gathered back to the processor's order
+
+The window order (vision/qwen25vl.py window_order) permutes whole merge blocks, so the host writes
+the patch rows and their positions already permuted, and the merger's rows come back by one gather.
+The patch embedding (Conv3d over (frames, p, p) with stride the kernel) is a matmul over the patch
+rows: its weight (C, 3, frames, p, p) is that matmul's (C, 3 frames p p). Op lists are built per grid.
+"""
+from __future__ import annotations
+
+import re
+
+from ..errors import ModelFormatError
+from ..kernels import matmul as mm
+from ..kernels import nn
+from ..kernels.common import Op, OpCache, Tensor, new_tensor
+from ..kernels.rope import rope_sections
+from ..kernels.vision import NONE, splice_rows
+from . import qwen25vl
+from .config import VisionConfig
+
+# the tower's names with or without transformers' prefixes (transformers 5: model.visual.; the hub's
+# releases: visual.)
+_PREFIX = re.compile(r"^(model\.)?visual\.")
+
+
+class Qwen25VLTower:
+    """The interface VisionInputs runs (vision/runner.py): write_patches(grid), then record(batch,
+    dst, index) writes the image's rows at row index * tokens_per_image of `dst`."""
+
+    def __init__(self, dev, cfg: VisionConfig, tensors: dict, *, owner: str):
+        import numpy as np
+        self.dev, self.cfg, self.owner = dev, cfg, owner
+        q = cfg.qwen25vl
+        named = {_PREFIX.sub("", n): t for n, t in tensors.items() if _PREFIX.match(n)}
+        C, F, p, T = cfg.hidden_size, cfg.intermediate_size, cfg.patch_size, cfg.text_hidden
+        K, m2 = 3 * q.temporal_patch * p * p, q.merge ** 2
+
+        def array(name: str, shape: tuple):
+            t = named.get(name)
+            if t is None:
+                raise ModelFormatError(f"the vision tower lacks {name}")
+            if tuple(t.shape) != shape:
+                raise ModelFormatError(f"vision tensor {name} has shape {tuple(t.shape)}, expected {shape}")
+            raw = np.frombuffer(bytes(t.data), {"f32": np.float32, "f16": np.float16, "bf16": np.uint16}[t.qtype])
+            if t.qtype == "bf16":
+                raw = (raw.astype(np.uint32) << 16).view(np.float32)
+            return raw.astype(np.float32).reshape(-1)
+
+        def weight(names: list[str], n: int, k: int, label: str) -> mm.QWeight:
+            a = np.concatenate([array(nm, (n // len(names), k)) for nm in names])
+            return mm.upload_weight(dev, [a.tobytes()], "f32", n, k, owner=owner, label=label)
+
+        def vector(names: list[str], n: int, label: str) -> Tensor:
+            a = np.concatenate([array(nm, (n // len(names),)) for nm in names])
+            return mm.upload_vector(dev, a.tobytes(), owner=owner, label=label)
+
+        conv = array("patch_embed.proj.weight", (C, 3, q.temporal_patch, p, p))
+        self.patch = mm.upload_weight(dev, [conv.tobytes()], "f32", C, K, owner=owner, label="v.patch")
+        self.layers = []
+        for i in range(cfg.n_layers):
+            b = f"blocks.{i}."
+            self.layers.append(dict(
+                norm1=vector([b + "norm1.weight"], C, f"v{i}.n1"), norm2=vector([b + "norm2.weight"], C, f"v{i}.n2"),
+                qkv=weight([b + "attn.qkv.weight"], 3 * C, C, f"v{i}.qkv"), qkv_b=vector([b + "attn.qkv.bias"], 3 * C, f"v{i}.qkvb"),
+                o=weight([b + "attn.proj.weight"], C, C, f"v{i}.o"), o_b=vector([b + "attn.proj.bias"], C, f"v{i}.ob"),
+                gu=weight([b + "mlp.gate_proj.weight", b + "mlp.up_proj.weight"], 2 * F, C, f"v{i}.gu"),
+                gu_b=vector([b + "mlp.gate_proj.bias", b + "mlp.up_proj.bias"], 2 * F, f"v{i}.gub"),
+                down=weight([b + "mlp.down_proj.weight"], C, F, f"v{i}.down"),
+                down_b=vector([b + "mlp.down_proj.bias"], C, f"v{i}.downb")))
+        self.ln_q = vector(["merger.ln_q.weight"], C, "v.lnq")
+        self.mm0, self.mm0_b = weight(["merger.mlp.0.weight"], m2 * C, m2 * C, "v.mm0"), vector(["merger.mlp.0.bias"], m2 * C, "v.mm0b")
+        self.mm2, self.mm2_b = weight(["merger.mlp.2.weight"], T, m2 * C, "v.mm2"), vector(["merger.mlp.2.bias"], T, "v.mm2b")
+        # the 2D RoPE's frequencies: D/4 of them, once for the row's pairs and once for the column's
+        D = cfg.head_dim
+        inv = 1.0 / (np.float32(q.rope_theta) ** (np.arange(0, D // 2, 2, dtype=np.float32) / np.float32(D // 2)))
+        self.freq = Tensor(dev.upload(np.concatenate([inv, inv]).astype(np.float32).tobytes(), owner=owner, label="v.freq"),
+                           (D // 2,), "f32")
+        n = cfg.tokens_per_image
+        N = n * m2
+
+        def act(shape, label, dtype="f32"):
+            return new_tensor(dev, shape, dtype, owner=owner, label=label)
+        self.pix, self.pos = act((N, K), "v.pixels"), act((N, 3), "v.pos", "i32")
+        self.x, self.h, self.ctx = act((N, C), "v.x"), act((N, C), "v.h"), act((N, C), "v.ctx")
+        self.qkv, self.gu, self.ff = act((N, 3 * C), "v.qkv"), act((N, 2 * F), "v.gu"), act((N, F), "v.ff")
+        self.mid, self.merged, self.out = act((n, m2 * C), "v.mid"), act((n, T), "v.merged"), act((n, T), "v.out")
+        self.ops = OpCache(8)            # per grid (gh, gw)
+        self._grid = None
+
+    # ------------------------------------------------------------------ one grid's op list
+    def _u32(self, values, label: str) -> Tensor:
+        import numpy as np
+        a = np.asarray(values, np.uint32)
+        return Tensor(self.dev.upload(a.tobytes() or bytes(4), owner=self.owner, label=label), a.shape, "u32")
+
+    def _build(self, gh: int, gw: int) -> list:
+        import numpy as np
+        cfg, dev = self.cfg, self.dev
+        C, H, D, eps, m2 = cfg.hidden_size, cfg.n_heads, cfg.head_dim, cfg.eps, cfg.qwen25vl.merge ** 2
+        N, n = gh * gw, gh * gw // m2
+        _, sizes = qwen25vl.window_order(cfg, gh, gw)
+        S = max(sizes)
+        # window b's rows sit at b * S ..: gather maps for the padded windows and back
+        starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+        into = np.full((len(sizes) * S, 2), NONE, np.uint32)
+        back = np.zeros((N, 2), np.uint32)
+        for b, (s0, size) in enumerate(zip(starts, sizes)):
+            into[b * S:b * S + size, 0] = np.arange(s0, s0 + size)
+            back[s0:s0 + size, 0] = np.arange(b * S, b * S + size)
+        order, _ = qwen25vl.window_order(cfg, gh, gw)
+        keep = []                        # this grid's own buffers, released with its ops
+        into_t, back_t = self._u32(into, "v.into"), self._u32(back, "v.back")
+        reverse = self._u32(np.stack([np.argsort(order), np.zeros(n, np.int64)], 1), "v.reverse")
+        lengths, all_rows = self._u32(sizes, "v.lengths"), self._u32([N], "v.length")
+        qkv_w = new_tensor(dev, (len(sizes) * S, 3 * C), "f32", owner=self.owner, label="v.qkv_w")
+        ctx_w = new_tensor(dev, (len(sizes) * S, C), "f32", owner=self.owner, label="v.ctx_w")
+        keep += [into_t, back_t, reverse, lengths, all_rows, qkv_w, ctx_w]
+        x, h, ctx, qkv = (t.view((N, t.shape[1])) for t in (self.x, self.h, self.ctx, self.qkv))
+        gu, ff = self.gu.view((N, self.gu.shape[1])), self.ff.view((N, self.ff.shape[1]))
+        pos = self.pos.view((N, 3))
+        op = mm.matmul(dev, self.pix.view((N, self.pix.shape[1])), self.patch, x)          # (N, C)
+        for i, L in enumerate(self.layers):
+            op += nn.rms_norm(dev, x, L["norm1"], h, eps=eps)
+            op += mm.matmul(dev, h, L["qkv"], qkv, bias=L["qkv_b"])                       # (N, 3C)
+            op += rope_sections(dev, qkv.view((N, 3 * H, D)), pos, self.freq, n_rot=2 * H, head_dim=D,
+                                sections=(0, D // 4))
+            if i in cfg.qwen25vl.full_layers:
+                op += nn.attention_bidir(dev, qkv, all_rows, ctx, batch=1, seq=N, n_heads=H, head_dim=D,
+                                         scale=D ** -0.5)
+            else:
+                op += splice_rows(dev, qkv_w, qkv, into_t)                                 # rows into windows
+                op += nn.attention_bidir(dev, qkv_w, lengths, ctx_w, batch=len(sizes), seq=S, n_heads=H,
+                                         head_dim=D, scale=D ** -0.5)
+                op += splice_rows(dev, ctx, ctx_w, back_t)                                 # and back
+            op += mm.matmul(dev, ctx, L["o"], x, bias=L["o_b"], accumulate=True)           # x += attn
+            op += nn.rms_norm(dev, x, L["norm2"], h, eps=eps)
+            op += mm.matmul(dev, h, L["gu"], gu, bias=L["gu_b"])                          # (N, 2F)
+            op += nn.silu_mul(dev, gu, ff)
+            op += mm.matmul(dev, ff, L["down"], x, bias=L["down_b"], accumulate=True)      # x += mlp
+        op += nn.rms_norm(dev, x, self.ln_q, h, eps=eps)
+        mid, merged, out = (t.view((n, t.shape[1])) for t in (self.mid, self.merged, self.out))
+        op += mm.matmul(dev, h.view((n, m2 * C)), self.mm0, mid, bias=self.mm0_b)           # (n, 4C)
+        op += nn.gelu(dev, mid, mid)
+        op += mm.matmul(dev, mid, self.mm2, merged, bias=self.mm2_b)                       # (n, C_text)
+        op += splice_rows(dev, out, merged, reverse)                                       # processor order
+        op.buffers += [t.buf for t in keep]
+        op.name = "qwen25vl_tower"
+        return [op]
+
+    # ------------------------------------------------------------------ running
+    def write_patches(self, grid: "qwen25vl.Grid") -> None:
+        """Write one image's patch rows and their 2D positions, permuted into window order."""
+        import numpy as np
+        cfg, m2 = self.cfg, self.cfg.qwen25vl.merge ** 2
+        order, _ = qwen25vl.window_order(cfg, grid.gh, grid.gw)
+        rows = (order[:, None] * m2 + np.arange(m2)[None, :]).reshape(-1)
+        pos = qwen25vl.rope_positions(cfg, grid.gh, grid.gw)[rows]
+        self.dev.write(self.pix.buf, np.ascontiguousarray(grid.rows[rows], np.float32).tobytes(), self.pix.offset)
+        self.dev.write(self.pos.buf, np.ascontiguousarray(pos, np.int32).tobytes(), self.pos.offset)
+        self._grid = (grid.gh, grid.gw)
+
+    def tokens(self) -> int:
+        """The written image's tokens."""
+        return self._grid[0] * self._grid[1] // self.cfg.qwen25vl.merge ** 2
+
+    def record(self, batch, dst: Tensor, index: int):
+        """Record the tower over the written image and copy its rows into `dst` at row index *
+        tokens_per_image."""
+        for op in self.ops.get(self._grid, lambda: self._build(*self._grid)):
+            op.record(batch)
+        row = 4 * self.cfg.text_hidden
+        batch.copy(self.out.buf, dst.buf, self.tokens() * row, self.out.offset,
+                   dst.offset + index * self.cfg.tokens_per_image * row)
+        return batch
+
+    def dispose(self) -> None:
+        self.ops.release()
+        self.dev.release_owner(self.owner)
