@@ -584,9 +584,19 @@ def test_webllm_catalogue_ids_resolve(tiny, tmp_path, monkeypatch, capsys):
         assert opened.arch.name == "gemma4" and opened.config.ple_dim and opened.config.kv_sources
     finally:
         opened.close()
-    # WebLLM's own embedders (MLC's bert, tests/test_mlc_bert.py); its vision model is not loaded yet
+    # WebLLM's own embedders (MLC's bert, tests/test_mlc_bert.py) and its vision model (phi3_v,
+    # tests/test_phi3v.py: images and greedy tokens), whose id resolves to such an artifact and opens
+    # as Phi-3 with its image side
     assert all(rows[f"snowflake-arctic-embed-{s}-q0f32-MLC-{b}"]["loads"] for s in "ms" for b in ("b4", "b32"))
-    assert rows["Phi-3.5-vision-instruct-q4f16_1-MLC"]["refused"] == "vlm models of MLC's are not loaded"
+    assert all(rows[f"Phi-3.5-vision-instruct-{q}-MLC"]["loads"] for q in ("q4f16_1", "q4f32_1"))
+    from tinyphi3v import write_tiny_phi3v_mlc
+    p3v = write_tiny_phi3v_mlc(tmp_path / "p3v", "q4f32_1")["folder"]
+    fake_hf_repo(tmp_path / "hub", "mlc-ai/Phi-3.5-vision-instruct-q4f32_1-MLC", _folder_files(p3v))
+    opened = open_model(resolve_model_reference("Phi-3.5-vision-instruct-q4f32_1-MLC").model)
+    try:
+        assert opened.arch.name == "phi3" and "embed" in opened.weights
+    finally:
+        opened.close()
     out = main(["list", "--webllm"]) == 0 and capsys.readouterr().out
     # Ministral 3's six ids load from MLC's ministral3 artifacts (YaRN, MLC's softmax scale;
     # tests/test_ministral3.py test_ministral3_mlc_artifact: logits and tokens); here one resolves to
@@ -601,7 +611,7 @@ def test_webllm_catalogue_ids_resolve(tiny, tmp_path, monkeypatch, capsys):
         assert opened.arch.name == "mistral3" and opened.config.rope_scaling == "yarn" and opened.config.attn_scale
     finally:
         opened.close()
-    assert "web-llm 0.2.86" in out and "163 of 165" in out
+    assert "web-llm 0.2.86" in out and "165 of 165" in out
 
 
 @pytest.mark.parametrize("change", [
