@@ -2,7 +2,7 @@
 Gemma 3 vision checkpoint as llama.cpp's own converter writes it (tests/fixtures/make_mmproj.py) gives
 transformers' image features and greedy tokens (tests/fixtures/make_gemma3_vision.py), given as a
 pair of options, as a folder holding both, as an Ollama manifest with a projector layer, through the
-engine, the OpenAI client and the command line's flags; a tiny LLaVA 1.5 (CLIP tower, MLP projector, Llama;
+engine, the OpenAI client and the command line's flags (and SmolVLM's pair likewise); a tiny LLaVA 1.5 (CLIP tower, MLP projector, Llama;
 tests/fixtures/make_llava.py) gives transformers' preprocessing, features and greedy tokens, from its
 GGUF pair and from its HF folder."""
 from __future__ import annotations
@@ -169,6 +169,28 @@ async def test_greedy_tokens_equal_transformers(engine, ref, key):
     assert pipe.kv_ids[:len(want["input_ids"])] == want["input_ids"]         # 16 image tokens each
     assert pipe.output_ids == want["greedy"]
     assert r.choices[0].message.content == _text(want["greedy"])
+
+
+async def test_smolvlm_pair_gives_transformers_tokens(device):
+    """SmolVLM's text GGUF and mmproj (projector type idefics3: pixel shuffle, tiles of a picture
+    resized to clip.vision.preproc_image_size) from their folder: the prompt ids (each tile's tokens
+    and markers) and 12 greedy tokens for one and two images equal transformers'."""
+    from webgpu_engine.engine.engine import AsyncMLCEngine
+    want = json.loads((FIXTURES / "idefics3_transformers.json").read_text())
+    eng = AsyncMLCEngine()
+    await eng.reload(str(FIXTURES / "smolvlm_gguf"), chat_opts=OPTS)
+    try:
+        model = next(iter(eng.models))
+        pipe = eng.models[model].pipeline
+        assert (pipe.vision.cfg.kind, pipe.vision.cfg.longest_edge, pipe.vision.cfg.scale) == ("idefics3", 64, 2)
+        for key in ("one", "two"):
+            r = await eng.chat.completions.create(model=model, messages=_messages(want, key), max_tokens=12,
+                                                  temperature=0.0)
+            assert pipe.kv_ids[:len(want["prompts"][key]["input_ids"])] == want["prompts"][key]["input_ids"]
+            assert pipe.output_ids == want["prompts"][key]["greedy"]
+            assert r.choices[0].message.content == _text(want["prompts"][key]["greedy"], FIXTURES / "tiny_idefics3")
+    finally:
+        await eng.unload()
 
 
 def test_mlc_engine_takes_the_mmproj_option(device, ref):

@@ -9,6 +9,9 @@ models/siglip.py reads (one table, MMPROJ_TO_HF), so a GGUF pair runs the same t
     gemma3           gemma3    SigLIP (v.blk.N.*)       avg-pool (clip.vision.projector.scale_factor,
                                                         default 4), RMSNorm mm.soft_emb_norm (1 + w
                                                         stored), mm.input_projection (C, C_text)
+    idefics3         idefics3  SigLIP                   pixel shuffle (projector.scale_factor),
+                                                        mm.model.fc; tiles from a picture resized to
+                                                        clip.vision.preproc_image_size (SmolVLM)
     mlp              llava     CLIP: v.class_embd,      mm.0 (linear), GELU, mm.2 (linear); the
                                v.pre_ln, quick_gelu     converter keeps the layers up to the selected
                                (clip.use_gelu false)    one (LLaVA: the second to last), no v.post_ln
@@ -27,7 +30,7 @@ from ..loaders.tensor_info import TensorInfo
 from .config import VisionConfig
 
 # clip.projector_type -> the family whose host side (prompt expansion, tiles) the images take
-PROJECTORS = {"gemma3": "gemma3", "mlp": "llava"}
+PROJECTORS = {"gemma3": "gemma3", "idefics3": "idefics3", "mlp": "llava"}
 
 # mmproj tensor names ({i}: a tower layer) -> the Hugging Face names models/siglip.py reads
 MMPROJ_TO_HF = {
@@ -58,6 +61,7 @@ MMPROJ_TO_HF = {
     # Gemma 3's projector: the converter stores the RMSNorm's 1 + w (siglip.py reads either form)
     "mm.soft_emb_norm.weight": "multi_modal_projector.mm_soft_emb_norm.one_plus_weight",
     "mm.input_projection.weight": "multi_modal_projector.mm_input_projection_weight",  # (C, C_text)
+    "mm.model.fc.weight": "connector.modality_projection.proj.weight",        # SmolVLM: (C_text, C s^2)
     # LLaVA's projector (llava_surgery's mm.0 / mm.2: linear_1, linear_2)
     "mm.0.weight": "multi_modal_projector.linear_1.weight",                  # (C_text, C)
     "mm.0.bias": "multi_modal_projector.linear_1.bias",
@@ -130,6 +134,13 @@ def read_config(g: GGUFFile, tokenizer) -> VisionConfig:
         per_side = side // int(meta("projector.scale_factor", 4))
         tokens, marker, image_token = per_side * per_side, fam.BOI, fam.IMAGE
         text_hidden, extra = int(meta("projection_dim")), {}
+    elif family == "idefics3":           # SmolVLM: s x s patches per token, tiles of the tower's square
+        from . import idefics3 as fam
+        scale = int(meta("projector.scale_factor", 2))
+        tokens, marker, image_token = (side // scale) ** 2, fam.IMAGE, fam.IMAGE
+        text_hidden = int(meta("projection_dim"))
+        extra = {"scale": scale, "longest_edge": int(meta("preproc_image_size", 4 * size)), "splitting": True,
+                 "resample": 1}          # Idefics3ImageProcessor: LANCZOS
     else:                                # LLaVA: a token per patch; the text width is mm.2's
         from . import llava as fam
         tokens, marker, image_token = side * side, fam.IMAGE, fam.IMAGE
