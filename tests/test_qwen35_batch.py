@@ -5,10 +5,15 @@ speculation whose rejected guesses roll the states back, each answer equal to th
 to transformers' greedy tokens (tests/fixtures/qwen35_transformers.json)."""
 from __future__ import annotations
 
+import asyncio
+import json
+
 import numpy as np
 import pytest
 
-from test_qwen35 import _delta_inputs, _delta_ref, _rows
+from test_qwen35 import FIXTURES, _delta_inputs, _delta_ref, _rows
+from tinyqwen35 import write_tiny_qwen35_safetensors
+from webgpu_engine.engine import AsyncMLCEngine, EngineConfig, ModelRecord, default_app_config
 from webgpu_engine.kernels import deltanet, deltanet_ref
 from _nn_util import TOL, empty, get, put, rounded, run
 
@@ -80,3 +85,129 @@ def test_state_copy_copies_whole_slots(device):
     pairs = put(device, np.array([2, 4, 0, 5, 2, 1, 3]), "u32")
     run(device, deltanet.state_copy(device, state, pairs, max_pairs=3))
     np.testing.assert_array_equal(get(device, state), deltanet_ref.state_copy(s, [(4, 0), (5, 2)]))
+
+
+# --------------------------------------------------------------------------- the batch
+PROMPT_CHARS = 270              # the fixture's text[:270] is its 300 prompt ids
+SUFFIXES = ["", " And then?", " Köln, 東京 🌍 again and again", " The lazy dog sleeps."]
+OPTS = {"dtype": "f32", "compile_at_load": False, "context_window_size": 512, "prefill_chunk_size": 64,
+        "max_num_sequences": 4, "kv_block_size": 16}
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory, ref):
+    return str(write_tiny_qwen35_safetensors(tmp_path_factory.mktemp("qwen35b") / "qwen35", seed=ref["seed"])["folder"])
+
+
+@pytest.fixture(scope="module")
+def ref() -> dict:
+    return json.loads((FIXTURES / "qwen35_transformers.json").read_text())
+
+
+async def _engine(device, folder: str, model_id: str, **opts):
+    app = default_app_config().with_records(ModelRecord(model_id, folder, "llm"))
+    eng = AsyncMLCEngine(EngineConfig(device=device, app_config=app))
+    await eng.reload(model_id, {**OPTS, **opts})
+    return eng
+
+
+def _sched(eng):
+    return next(iter(eng.models.values())).pipeline.scheduler
+
+
+async def _answer(eng, prompt: str, max_tokens: int = 16):
+    r = await eng.completions.create(prompt=prompt, max_tokens=max_tokens, ignore_eos=True, temperature=0,
+                                     logprobs=1)
+    c = r.choices[0]
+    return c.text, list(zip(c.logprobs.tokens, c.logprobs.token_logprobs)), r.usage.prompt_tokens
+
+
+@pytest.fixture(scope="module")
+async def alone(device, folder, ref):
+    """Each prompt's answer alone, from a zero state (no snapshot is ever reusable, so no prefix is):
+    the prompts sharing the fixture's, and for speculation prompts x + (x's answer) + x, whose
+    answers prompt lookup sometimes guesses (the tiny random model repeats little), with theirs."""
+    eng = await _engine(device, folder, "qwen35-alone")
+    try:
+        snaps = _sched(eng).snapshots
+        snaps.reusable = lambda key: False
+        prompts = [ref["text"][:PROMPT_CHARS] + s for s in SUFFIXES]
+        out = [await _answer(eng, p) for p in prompts]
+        t = ref["text"]
+        spec = [x + (await _answer(eng, x, 24))[0] + x for x in (t[:60], t[100:150], "Hello there", t[:150])]
+        spec_out = [await _answer(eng, p, 40) for p in spec]
+        assert snaps.stats["restored"] == 0 and _sched(eng).pool.stats["hit_tokens"] == 0
+        return prompts, out, spec, spec_out
+    finally:
+        await eng.unload()
+
+
+async def test_four_sequences_sharing_a_prefix_start_from_its_snapshot(device, folder, ref, alone):
+    """The fixture's prompt alone (its block ends' states saved), then four prompts sharing it at once:
+    each takes the cached blocks up to a block whose state is kept and starts from that snapshot, and
+    answers as alone without reuse (text and logprobs: bit for bit, the prefill rows being row
+    invariant); the fixture's prompt gives transformers' 16 greedy tokens. A follow-up turn (prompt,
+    answer, more) reuses its prefix too."""
+    from webgpu_engine.loaders.tokenizer import load_tokenizer
+    prompts, want = alone[:2]
+    eng = await _engine(device, folder, "qwen35-reuse")
+    try:
+        sched = _sched(eng)
+        snaps, pool = sched.snapshots, sched.pool
+        first = await _answer(eng, prompts[0])
+        assert first == want[0] and first[2] == ref["prompt_len"]
+        assert first[0] == load_tokenizer(folder).decode(ref["greedy"])        # transformers' 16 tokens
+        saved, hits = snaps.stats["saved"], pool.stats["hit_tokens"]
+        assert saved >= ref["prompt_len"] // 16
+        together = await asyncio.gather(*(_answer(eng, p) for p in prompts))
+        assert list(together) == want
+        assert snaps.stats["restored"] == 4 and pool.stats["hit_tokens"] - hits >= 4 * 16 * (ref["prompt_len"] // 16 - 1)
+        follow = prompts[1] + want[1][0] + " Tell me more."
+        again = await _answer(eng, follow)
+        assert snaps.stats["restored"] == 5
+        snaps.reusable = lambda key: False
+        assert again == await _answer(eng, follow) and snaps.stats["restored"] == 5
+        pool.check()
+        assert not sched.running
+    finally:
+        await eng.unload()
+
+
+async def test_speculation_rolls_the_states_back_past_rejected_guesses(device, folder, alone):
+    """Prompt lookup guesses for four sequences at once (and two alone): a verify step's rows advance
+    the states token by token, each row but a sequence's last saving its state; a rejected guess rolls
+    them back to the state after the kept rows, and every answer equals the request without
+    speculation (text and logprobs)."""
+    prompts, want = alone[2:]
+    eng = await _engine(device, folder, "qwen35-spec",
+                        speculation={"method": "ngram", "k": 3, "n_min": 1, "auto_off": False})
+    try:
+        sched = _sched(eng)
+        assert sched.spec is not None and len(sched.snapshots.verify) == sched.spec.rows_cap - 1
+        assert [await _answer(eng, p, 40) for p in prompts[:2]] == want[:2]
+        assert list(await asyncio.gather(*(_answer(eng, p, 40) for p in prompts))) == want
+        stats = sched.pipe.spec_stats
+        assert 0 < stats.accepted < stats.proposed and sched.snapshots.stats["rolled_back"] > 0
+        sched.pool.check()
+    finally:
+        await eng.unload()
+
+
+def test_memory_estimate_counts_the_snapshots(folder):
+    """The paged batch's estimate counts every state slot it allocates: one per sequence and the
+    prefix snapshots beside them."""
+    from webgpu_engine.models.memory import estimate_llm
+    from webgpu_engine.models.plan import DecoderPlan
+    from webgpu_engine.models.recurrent_snapshots import snapshot_slots
+    from webgpu_engine.models.registry import open_model
+    opened = open_model(folder)
+    try:
+        cfg, plan = opened.config, DecoderPlan("f32", 512, 128, 4, 16, 64)
+        state = cfg.extra["mixer_memory"]["state_bytes"]
+        with_states = estimate_llm(cfg, opened.weights, plan, max_binding=1 << 27).activations
+        cfg.extra = {**cfg.extra, "mixer_memory": {**cfg.extra["mixer_memory"], "state_bytes": 0}}
+        without = estimate_llm(cfg, opened.weights, plan, max_binding=1 << 27).activations
+        assert state * (4 + snapshot_slots(4)) <= with_states - without <= state * (5 + snapshot_slots(4))
+        assert snapshot_slots(4) >= 16
+    finally:
+        opened.close()

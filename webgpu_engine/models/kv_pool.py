@@ -135,6 +135,10 @@ class KVPool:
         rows = [self.row(p) for p in range(start, start + n)]
         return [s.blocks[r // bs] * bs + r % bs for r in rows]
 
+    def block_keys(self, seq_id) -> list:
+        """The keys of seq_id's full blocks, in order (a copy)."""
+        return list(self._seqs[seq_id].hashes)
+
     def sequences_newest_first(self) -> list:
         return sorted(self._seqs, key=lambda k: -self._seqs[k].order)
 
@@ -169,28 +173,35 @@ class KVPool:
         return out
 
     # ------------------------------------------------------------------ lifecycle
-    def add_sequence(self, seq_id, prompt, root: bytes = ROOT) -> int:
+    def add_sequence(self, seq_id, prompt, root: bytes = ROOT, reusable=None) -> int:
         """Admits seq_id with its prompt token ids; returns how many leading prompt tokens are
         already cached (a multiple of block_size, at most len(prompt) - 1 so that the last token
         is still computed and gives logits). Those blocks now belong to seq_id's table too. `root`: the
         parent key of the first block, so that only sequences of the same root share blocks (the rows
-        of a LoRA adapter differ from the base's)."""
+        of a LoRA adapter differ from the base's). `reusable` (key -> bool): a cached prefix may end
+        only at a block whose key it accepts (a model with recurrent states: where a state snapshot
+        is kept, models/recurrent_snapshots.py)."""
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id!r} is already in the pool")
         self._counter += 1
         s = self._seqs[seq_id] = _Seq(order=self._counter, root=root)
-        bs, parent = self.block_size, root
+        bs, parent, chain = self.block_size, root, []
         for i in range((len(prompt) - 1) // bs if prompt else 0):
-            toks = prompt[i * bs:(i + 1) * bs]
-            key = block_hash(parent, toks)
+            key = block_hash(parent, prompt[i * bs:(i + 1) * bs])
             b = self._cache.get(key)
             if b is None:
                 break
+            chain.append((key, b))
+            parent = key
+        if reusable is not None:
+            while chain and not reusable(chain[-1][0]):
+                chain.pop()
+        for i, (key, b) in enumerate(chain):
+            toks = prompt[i * bs:(i + 1) * bs]
             self._take(b)
             s.blocks.append(b)
             s.tokens.extend(toks)
             s.hashes.append(key)
-            parent = key
         self.stats["hit_tokens"] += len(s.tokens)
         self.stats["miss_tokens"] += len(prompt) - len(s.tokens)
         return len(s.tokens)

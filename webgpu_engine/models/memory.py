@@ -8,6 +8,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from .recurrent_snapshots import snapshot_slots
+
 
 @dataclass
 class MemoryEstimate:
@@ -83,10 +85,11 @@ def estimate_llm(cfg, tensors: dict, plan, *, max_binding: int) -> MemoryEstimat
             largest, label = size, what
     # a family's token mixers (Qwen3.5's Gated DeltaNet, LlamaConfig.extra): their wider projections and
     # scratch per row, and their recurrent states per sequence (the one-request model's, and each slot
-    # of the paged batch's)
+    # of the paged batch's and its prefix snapshots')
     mix = cfg.extra.get("mixer_memory", {}) if isinstance(getattr(cfg, "extra", None), dict) else {}
     act += esz * P * mix.get("row_elems", 0)
-    act += mix.get("state_bytes", 0) * (1 + (plan.max_sequences if plan.max_sequences > 1 else 0))
+    act += mix.get("state_bytes", 0) * (1 + (plan.max_sequences + snapshot_slots(plan.max_sequences)
+                                             if plan.max_sequences > 1 else 0))
     if plan.max_sequences > 1:
         act += plan.max_sequences * (esz * 2 * V + 4 * V * 3 + 4 * (V + 31) // 32 + 4096)
     return MemoryEstimate(weights, plan.kv_cache_bytes(cfg), act, ctx, plan.kv_bytes_per_token(cfg), partials,

@@ -49,10 +49,11 @@ class PagedForward:
     """Batched forward passes of `model` over a pool of n_blocks blocks of block_size tokens."""
 
     def __init__(self, model, *, max_seqs: int, n_blocks: int, block_size: int, owner: str,
-                 max_rows: int | None = None):
+                 max_rows: int | None = None, snapshots: int = 0):
         """`max_rows`: the decode rows one step takes (default max_seqs; more where verify steps
         check several guesses of a sequence at once). The kernels the rows go through are chosen
-        by max_seqs alone, so a row's bits do not depend on it."""
+        by max_seqs alone, so a row's bits do not depend on it. `snapshots`: recurrent state slots
+        kept beside the sequences' (models/recurrent_snapshots.py)."""
         c, dev, dt = model.cfg, model.dev, model.dtype
         max_rows = max(int(max_rows or max_seqs), int(max_seqs))
         if max_rows > model.chunk:
@@ -94,7 +95,8 @@ class PagedForward:
         # scheduler's slot), beside the KV pool; each row's slot
         self.state_slots = new_tensor(dev, (P,), "u32", owner=owner, label="paged.state_slots")
         self.mixer_states = [[new_tensor(dev, shape, "f32", owner=owner, label=f"paged.mixer_state.{i}")
-                              for shape in L.mixer.state_shapes(self.max_seqs)] if L.mixer is not None else None
+                              for shape in L.mixer.state_shapes(self.max_seqs + int(snapshots))]
+                             if L.mixer is not None else None
                              for i, L in enumerate(model.layers)]
         self.recurrent = any(x is not None for x in self.mixer_states)
         self.lora = None                                   # a LoraRows once a pool is attached
@@ -169,7 +171,7 @@ class PagedForward:
         """(state_slots, the rows' sequence slots) for _put where the model has recurrent states."""
         if not self.recurrent:
             return []
-        if slots is None or any(not 0 <= s < self.max_seqs for s in slots):
+        if slots is None or any(not 0 <= s & 0xFFFF < self.max_seqs for s in slots):   # beside a save slot
             raise ValueError(f"rows of a model with recurrent states need their sequences' slots "
                              f"(0..{self.max_seqs - 1}), got {slots}")
         return [(self.state_slots.buf, slots)]
@@ -227,16 +229,17 @@ class PagedForward:
             op.record(batch, n_keys=n_keys)
 
     def record_prefill(self, batch, tokens: list[int], pos0: int, slots: list[int], table: list[int],
-                       with_head: bool, lora: int | None = None, state_slot: int | None = None) -> None:
+                       with_head: bool, lora: int | None = None, state_slot: int | list | None = None) -> None:
         """T = len(tokens) <= chunk tokens of one sequence at positions pos0 ..; their KV goes to
         `slots`; table: the sequence's block ids (those holding keys 0 .. pos0+T-1). With the head,
         the last row's logits go to row 0. lora: the sequence's adapter slot (None: the base);
-        state_slot: its slot of the recurrent states (a model with them)."""
+        state_slot: its slot of the recurrent states (a model with them), or each row's slots entry
+        (kernels/deltanet.py row_slot: a row may save its state into a snapshot slot)."""
         T = len(tokens)
         self._put(batch, [(self.ids.buf, tokens), (self.positions.buf, range(pos0, pos0 + T)),
                           (self.slots.buf, slots), (self.tables.buf, table), (self.step, (pos0, T, pos0 + T, 0))]
                   + self._lora_input(None if lora is None else [lora] * T)
-                  + self._state_input(None if state_slot is None else [state_slot] * T))
+                  + self._state_input([state_slot] * T if isinstance(state_slot, int) else state_slot))
         if self.images is not None:          # the chunk's image rows (staged by the scheduler), else none
             self.images.write(T)
         ops = self.ops("prefill", T, lora is not None)

@@ -128,15 +128,14 @@ def kv_cache_dtype(cfg, chat_config, dtype: str) -> str:
 
 def _refuse_rollback(cfg, chat_config) -> None:
     """A model whose layers keep a recurrent state per sequence (a family's token mixer: Qwen3.5's
-    Gated DeltaNet) cannot step a sequence back: speculation (rejected guesses) and context shifting
-    (a tail computed again at new positions) would need its states as they were, which are not kept."""
+    Gated DeltaNet) cannot shift its context: the kept tail computed again at new positions would need
+    the states as they were there (speculation rolls them back from snapshots instead:
+    models/recurrent_snapshots.py)."""
     fam = FAMILIES.get(getattr(cfg, "arch", ""))
     if fam is None or fam.mixer is None:
         return
     why = ("this model's layers keep a recurrent state per sequence (Gated DeltaNet), which cannot be "
            "stepped back to an earlier position yet")
-    if getattr(chat_config, "speculation", None):
-        raise UnsupportedChatOptionError("speculation", chat_config.speculation, why + "; leave speculation unset")
     if getattr(chat_config, "context_overflow", "error") == "shift":
         raise UnsupportedChatOptionError("context_overflow", "shift", why + "; use \"error\" or \"truncate\"")
 

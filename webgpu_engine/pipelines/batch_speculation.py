@@ -131,6 +131,8 @@ class BatchSpeculation:
             n += 1
         if rec.in_pool:
             pool.trim(rec.id, len(rec.toks) + 1)
+        if sched.snapshots is not None:       # recurrent states: back to those after the kept rows
+            sched.snapshots.rolled_back(rec.slot, n)
         step = SpeculationStats(1, len(guess), n - 1, n, dt)
         seq.req.spec.add(step)
         self.pipe.spec_stats.add(step)
