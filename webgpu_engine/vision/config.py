@@ -69,6 +69,11 @@ class VisionConfig:
         return self.kind == "gemma3"
 
 
+def single_tile(cfg: VisionConfig, image=None) -> int:
+    """n_tiles and max_tiles of the families that take a picture as one tile (Gemma 3, LLaVA 1.5)."""
+    return 1
+
+
 def tower_config(folder: Path, c: dict, v: dict, **fields) -> VisionConfig:
     """The tower's part of the config (vision_config) and the family's `fields`."""
     act = v.get("hidden_act", "gelu_pytorch_tanh")

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import ModelFormatError, UnsupportedModelError
-from .config import VisionConfig, normalisation, pixels, processor_settings, tower_config
+from .config import VisionConfig, normalisation, pixels, processor_settings, single_tile, tower_config
 
 if TYPE_CHECKING:
     import numpy as np
@@ -39,12 +39,7 @@ def full_image_sequence(cfg: VisionConfig, image=None) -> str:
     return f"\n\n{BOI}{IMAGE * cfg.tokens_per_image}{EOI}\n\n"
 
 
-def n_tiles(cfg: VisionConfig, image) -> int:
-    return 1
-
-
-def max_tiles(cfg: VisionConfig) -> int:
-    return 1
+n_tiles = max_tiles = single_tile            # a picture is one tile
 
 
 def tiles(cfg: VisionConfig, image) -> list:
