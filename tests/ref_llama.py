@@ -68,8 +68,9 @@ class RefLlama:
     def __init__(self, cfg, weights: dict, dtype=np.float64, context: int | None = None, ops: dict | None = None,
                  ring: tuple[int, int] | None = None):
         """`context`: the context window, which picks longrope's long or short factors; `ops`: a
-        family's new math, {point: fn(i, array) -> array} at the points of DecoderFamily.ops ("qkv"
-        (T, Hq + 2 Hkv, D), "attn", "ffn", "logits" with i = -1); `ring` (sinks S, window W): WebLLM's
+        family's new math, {point: fn(i, array) -> array} at the points of DecoderFamily.ops ("embed"
+        and "inputs" (T, C) with i = -1, "qkv" (T, Hq + 2 Hkv, D), "attn", "ffn", "layer_end" (T, C),
+        "logits" with i = -1); `ring` (sinks S, window W): WebLLM's
         sliding window with attention sinks, as MLC runs it: the query at pos sees positions < S,
         scored with q rotated at min(pos, W), and pos - (W - S) .. pos."""
         self.cfg, self.dtype, self.ops, self.ring = cfg, dtype, ops or {}, ring
@@ -102,6 +103,8 @@ class RefLlama:
         pos = np.arange(self.pos, self.pos + T)
         H, Hkv, D = c.n_heads, c.n_kv_heads, c.head_dim
         x = w["embed"][ids] * np.float32(c.embed_scale)                            # (T, C)
+        for point in ("embed", "inputs"):
+            x = self.ops[point](-1, x) if point in self.ops else x
         act = silu if c.act == "silu" else gelu_tanh
         for i in range(c.n_layers):
             p = f"layers.{i}."
@@ -154,6 +157,7 @@ class RefLlama:
             f = act(h @ w[p + "gate"].T) * (h @ w[p + "up"].T)
             f = (self.ops["ffn"](i, f) if "ffn" in self.ops else f) @ w[p + "down"].T
             x = x + (rms_norm(f, w[p + "post_ffn_norm"], c.rms_eps) if c.post_norms else f)
+            x = self.ops["layer_end"](i, x) if "layer_end" in self.ops else x
         self.pos += T
         x = rms_norm(x if all_logits else x[-1:], w["norm"], c.rms_eps)
         head = w.get("lm_head", w["embed"])

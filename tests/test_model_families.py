@@ -140,16 +140,16 @@ def _scaled(point: str):
     """A toy family's new math at `point`: the tensor times its `extra` value (an existing op)."""
     from webgpu_engine.kernels import nn
 
-    def ops(m, i, t, T):
+    def ops(m, i, t, T, *where):             # "embed", "inputs", "layer_end": where = (Rows,)
         return [nn.scale(m.dev, t, t, m.cfg.extra[point] * (1.0 + 0.1 * max(i, 0)))]
     return ops
 
 
 async def test_a_familys_new_math_is_its_own_module(tmp_path, device):
     """A family's new math lives in its module: values in LlamaConfig.extra and ops at the decoder's
-    points (DecoderFamily.ops: "qkv", "attn", "ffn", "logits"), which every row mode runs; the
-    fusions across those points are off (RoPE in the qkv matmul, act(gate)·up in the down matmul),
-    and prefill and fused decode logits equal the numpy reference with the same math."""
+    points (DecoderFamily.ops: "embed", "inputs", "qkv", "attn", "ffn", "layer_end", "logits"), which
+    every row mode runs; the fusions across those points are off (RoPE in the qkv matmul, act(gate)·up
+    in the down matmul), and prefill and fused decode logits equal the numpy reference with the same math."""
     import dataclasses
 
     import numpy as np
@@ -157,7 +157,7 @@ async def test_a_familys_new_math_is_its_own_module(tmp_path, device):
     from ref_llama import RefLlama, weights_from_infos
 
     from webgpu_engine.models.decoder import FusionPlan
-    extra = {"qkv": 0.75, "attn": 1.5, "ffn": 0.5, "logits": 2.0}
+    extra = {"embed": 1.25, "inputs": 0.8, "qkv": 0.75, "attn": 1.5, "ffn": 0.5, "layer_end": 0.9, "logits": 2.0}
     fam = DecoderFamily("toymath", ops={p: _scaled(p) for p in extra})
     info = tinymodels.write_tiny_llama_gguf(tmp_path / "t.gguf", qtype="q8_0", seed=4)
     opened = registry.open_model(info["path"])

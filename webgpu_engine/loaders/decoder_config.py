@@ -59,8 +59,12 @@ class DecoderFamily:
     # the attention's output, before the o projection; "ffn" (T, F) act(gate) * up, before the down
     # projection; "logits" (rows, V) after the LM head (i = -1); "qkv_rows": "qkv"'s point, the fn
     # taking (m, i, t, T, (step, positions or None)) where each row's position is (Ministral 3's query
-    # temperature: kernels/rope.py q_temperature). The fusions across a point the
-    # family uses are off (RoPE in the qkv matmul, act(gate) * up in the down matmul).
+    # temperature: kernels/rope.py q_temperature); "embed" x (T, C) after the embedding lookup, before
+    # image rows take their features, and "inputs" x after them (i = -1); "layer_end" x after layer i's
+    # FFN residual: these three take a fifth argument, the forward's models.decoder.Rows (its KV
+    # access with the input ids, row mode and matmul flags; Gemma's sqrt(C), Gemma 4's per-layer
+    # inputs and layer scalar). The fusions across a point the family uses are off (RoPE in the qkv
+    # matmul, act(gate) * up in the down matmul, the next norm in the down matmul after "layer_end").
     ops: dict = field(default_factory=dict)
     # a token mixer other than attention: fn(m, i, weights, mat) -> (layer i's input projection, its
     # mixer: models/llama.py LlamaLayer.mixer), or None where layer i attends (Qwen3.5's Gated DeltaNet)

@@ -1,6 +1,9 @@
 """The decoder layer, sequenced once for every Llama-family model and every way of running it.
 
-    x = embed(ids) (* sqrt(C): Gemma)                          # (T, C)
+    x = embed(ids)                                             # (T, C)
+    x = family's "embed" ops (x)                               # Gemma: x *= sqrt(C)
+    x[t] = image features where row t holds an image token     # vision-language models, PREFILL
+    family's "inputs" ops (x)                                  # Gemma 4: per-layer inputs e (T, L, P)
     for each layer:
         h = rms_norm(x), or LayerNorm(x) (StableLM),
             or h = x (OLMo-2: no pre norms)                    # (T, C)
@@ -20,13 +23,13 @@
         f = (act(h · Wgateᵀ) * (h · Wupᵀ)) · Wdownᵀ            # gate|up fused: (T, 2F); act SiLU or GELU-tanh
           or act(h · Wupᵀ + b) · Wdownᵀ + b                    # dense (Phi, GPT-NeoX): GELU, tanh or erf
         x += f, or x += rms_norm(f) (Gemma, OLMo-2)
-        x += rms_norm((gelu_tanh(x · Wgᵀ) * e[:, i]) · Wpᵀ)     # per-layer inputs e (T, L, P): Gemma 4
-        x *= the layer's scalar                                # Gemma 4
         or, a MoE layer: e, w = top-k(softmax(h · Wrouterᵀ (+ b)))  # (T, k) on the GPU
            x += sum_j w_j * FFN_{e_j}(h)                       # only the chosen experts' rows read
                                                                # (gpt-oss: biases, clamped SwiGLU)
+        x = family's "layer_end" ops (x)                       # Gemma 4: x += its per-layer input;
+                                                               # x *= the layer's scalar
     logits = rms_norm(x) (or LayerNorm(x)) · Wheadᵀ (+ b)      # the last row, or every row
-    logits = cap * tanh(logits / cap)                          # Gemma 2
+    logits = family's "logits" ops (logits)                    # Gemma 2, 4: cap * tanh(logits / cap)
 
 Two things vary, and each is a parameter, never a copy of the recipe:
 
@@ -41,8 +44,11 @@ Two things vary, and each is a parameter, never a copy of the recipe:
   was chunked or cached; logits of the last row).
 
 A family's new math is its module's: values in LlamaConfig.extra and ops at the points a family
-may use (DecoderFamily.ops: "qkv", "qkv_rows", "attn", "ffn", "logits"), each an op in kernels/ (host function,
-WGSL, numpy reference). Standard library only (runs in the page).
+may use (DecoderFamily.ops: "embed", "inputs", "qkv", "qkv_rows", "attn", "ffn", "layer_end", "logits"),
+each an op in kernels/ (host function, WGSL, numpy reference). What several families share stays here
+as parts of the recipe that their config or weights turn on: LayerNorm or RMSNorm, no pre norms, post
+norms, q/k norms, parallel layers, dense or MoE FFNs, capped or windowed attention, image rows.
+Standard library only (runs in the page).
 """
 from __future__ import annotations
 
@@ -68,7 +74,8 @@ class FusionPlan:
     DECODE mode fuses, and ROWS where kv.fused_rows; the other modes run every row through plain
     kernels.
     The gate activation (cfg.act: SiLU or GELU-tanh) is a parameter of the fused paths
-    (matmul gate_act); layers with post norms keep the residual add apart (no res_norm)."""
+    (matmul gate_act); layers with post norms or a family's ops at their end keep the residual add
+    apart (no res_norm: the next norm must see x as those leave it)."""
 
     norm_in_matmul: bool = False       # RMSNorm folded into the qkv / gate_up matmuls' input
     gate_in_down: bool = False         # act(gate) * up folded into the down matmul's input
@@ -96,7 +103,8 @@ class FusionPlan:
                                                          for w in (L.qkv, L.gate_up, L.attn_gate) if w),
             gate_in_down=dense and "ffn" not in points and cfg.ffn_gated and all(mm.fusable(dev, 1, L.down, silu=True) and not L.gate_pairs
                                                      for L in layers),
-            res_norm=rms and dense and cfg.hidden_size % 32 == 0 and not cfg.post_norms and mm.default_config(dev).res_norm
+            res_norm=rms and dense and cfg.hidden_size % 32 == 0 and not cfg.post_norms and "layer_end" not in points
+            and mm.default_config(dev).res_norm
             and all(
                 mm.epilogue_ok(dev, w.qtype, w.n, w.k) and len(w.bufs) == 1
                 for L in layers for w in (L.o, L.down)),
@@ -128,8 +136,20 @@ class Attention:
         return {"window": self.window, "softcap": self.softcap, **({"sinks": self.sinks} if self.sinks is not None else {})}
 
 
+@dataclass(frozen=True)
+class Rows:
+    """What the ops at a family's "embed", "inputs" and "layer_end" points get of the forward: its KV
+    access (kv.ids: the input ids), its row mode and that mode's matmul flags (row_flags), which a
+    matmul there takes so that its rows keep the mode's invariance."""
+
+    kv: "KVAccess"
+    mode: str
+    flags: dict
+
+
 def family_ops(cfg: LlamaConfig) -> dict:
-    """{point: fn(m, i, t, T) -> [Op]}: the new math of cfg's family (DecoderFamily.ops)."""
+    """{point: fn(m, i, t, T) -> [Op]}: the new math of cfg's family (DecoderFamily.ops; "embed",
+    "inputs" and "layer_end" take a fifth argument, the forward's Rows)."""
     fam = FAMILIES.get(cfg.arch)
     return fam.ops if fam is not None else {}
 
@@ -187,12 +207,11 @@ def forward(m, kv: KVAccess, T: int, mode: str, *, with_head: bool = True,
     part = m.part.view((T * C // 4,))        # sums of x^2 per 4 columns, per row (res_norm)
     rms = (part, eps)
     norms_after = [L.attn_norm for L in m.layers[1:]] + [m.final_norm]
+    rows = Rows(kv, mode, flags)
     ops = ForwardOps([mm.embedding(dev, kv.ids.view((T,)), m.embed, x)])          # x (T, C)
-    if c.embed_scale != 1.0:                                                     # Gemma: x *= sqrt(C)
-        ops.append(nn.scale(dev, x, x, c.embed_scale))
+    ops += _at(points, "embed", m, -1, x, T, rows)
     ops += _image_splice(m, kv, x, T, mode)  # image tokens' rows take their image's features
-    if c.ple_dim:                            # Gemma 4: every layer's per-layer input e (T, L P)
-        ops += _per_layer_inputs(m, kv, x, T, flags)
+    ops += _at(points, "inputs", m, -1, x, T, rows)
     for i, L in enumerate(m.layers):
         D, F = c.head_dim_of(i), c.ffn_of(i)   # Gemma 4's layers differ in width
         qkv, qkv2 = m.qkv.view((T, H + 2 * Hkv, D)), m.qkv.view((T, (H + 2 * Hkv) * D))
@@ -234,7 +253,7 @@ def forward(m, kv: KVAccess, T: int, mode: str, *, with_head: bool = True,
             ops.append(mm.matmul(dev, attn, L.o, x, bias=L.o_bias, accumulate=True, **flags,
                                  norm_out=mm.NormOut(L.ffn_norm, h, part) if plan.res_norm else None))
         if L.experts is not None:            # x += the chosen experts' FFNs of rms_norm(x)
-            ops += _experts(m, L, x, h, T, mode, flags)
+            ops += _experts(m, L, x, h, T, mode, flags) + _at(points, "layer_end", m, i, x, T, rows)
             continue
         # h = rms_norm(x); gu = h · [Wgate | Wup]ᵀ, or act(gate) * up stored by the matmul; a dense
         # FFN's h · Wupᵀ + b
@@ -279,15 +298,17 @@ def forward(m, kv: KVAccess, T: int, mode: str, *, with_head: bool = True,
             nxt = mm.NormOut(norms_after[i], h, part) if plan.res_norm else None
             ops += delta(i, "down", ffn_in, x, T)
             ops.append(mm.matmul(dev, ffn_in, L.down, x, bias=L.down_bias, accumulate=True, norm_out=nxt, **fused))
-        if L.ple_gate is not None:           # x += the layer's per-layer input, gated by x
-            ops += _per_layer_input(m, L, i, x, h, T, flags)
-        if L.scale != 1.0:
-            ops.append(nn.scale(dev, x, x, L.scale))
+        ops += _at(points, "layer_end", m, i, x, T, rows)
     if with_head:
         n_body = len(ops)
         ops += _head(m, kv, T, mode, plan)
         ops.n_head = len(ops) - n_body
     return ops
+
+
+def _at(points: dict, point: str, *args) -> list[Op]:
+    """The family's ops at `point`, none where it has none there."""
+    return points[point](*args) if point in points else []
 
 
 def _attention(m, kv: KVAccess, i: int, T: int, mode: str, rope) -> list[Op]:
@@ -346,29 +367,6 @@ def _experts(m, L, x: Tensor, h: Tensor, T: int, mode: str, flags: dict) -> list
                   nn.silu_mul(dev, gu, ffn, act=c.act, alpha=c.act_alpha, limit=c.act_limit),
                   moe.moe_down(dev, ffn, L.experts.down, ids, wts, x, n_sel=k, groups=groups, prods=prods,
                                bias=L.experts.down_bias)]
-
-
-def _per_layer_inputs(m, kv: KVAccess, x: Tensor, T: int, flags: dict) -> list[Op]:
-    """e = (rms_norm(x · Wpᵀ / sqrt(C)) + E[ids] * sqrt(P)) / sqrt(2), (T, L P): every layer's P
-    per-layer input values (Gemma 4), from the scaled embeddings x, their projection Wp (L P, C) normed
-    per layer and token, and the per-layer table E (V, L P)."""
-    c, dev, P = m.cfg, m.dev, m.cfg.ple_dim
-    e, proj = m.ple.view((T, c.n_layers * P)), m.ple_tmp.view((T, c.n_layers * P))
-    per_layer = proj.view((T * c.n_layers, P))
-    return [mm.embedding(dev, kv.ids.view((T,)), m.ple_embed, e), nn.scale(dev, e, e, P ** 0.5),
-            mm.matmul(dev, x, m.ple_model_proj, proj, **flags), nn.scale(dev, proj, proj, c.hidden_size ** -0.5),
-            nn.rms_norm(dev, per_layer, m.ple_norm, per_layer, eps=c.rms_eps),
-            nn.add(dev, proj, e, e), nn.scale(dev, e, e, 0.5 ** 0.5)]
-
-
-def _per_layer_input(m, L, i: int, x: Tensor, h: Tensor, T: int, flags: dict) -> list[Op]:
-    """x += rms_norm((gelu_tanh(x · Wgᵀ) * e[:, i]) · Wpᵀ): layer i's per-layer input (Gemma 4)."""
-    c, dev, P = m.cfg, m.dev, m.cfg.ple_dim
-    g = m.ple_act.view((T, P))
-    return [mm.matmul(dev, x, L.ple_gate, g, **flags),
-            nn.gelu_tanh_gate(dev, g, m.ple.view((T, c.n_layers * P)), g, col=i * P),
-            mm.matmul(dev, g, L.ple_proj, h, **flags), nn.rms_norm(dev, h, L.ple_norm, h, eps=c.rms_eps),
-            nn.add(dev, x, h, x)]
 
 
 def _lora_delta(m, lora, i: int, group: str, x: Tensor, h: Tensor, w: Tensor, b: Tensor | None, y: Tensor,
@@ -438,9 +436,4 @@ def _head(m, kv: KVAccess, T: int, mode: str, plan: FusionPlan, row: int | None 
     else:                                    # the last row only: one row whatever T
         ops = [_norm(m, m.x.view((1, C), r * C), m.final_norm, m.final_norm_bias, m.last),
                mm.matmul(dev, m.last, m.lm_head, logits, bias=b, **kv.head_flags)]
-    if c.final_softcap:                      # Gemma 2
-        ops.append(nn.softcap(dev, logits, logits, c.final_softcap))
-    points = family_ops(c)
-    if "logits" in points:
-        ops += points["logits"](m, -1, logits, logits.shape[0])
-    return ops
+    return ops + _at(family_ops(c), "logits", m, -1, logits, logits.shape[0])

@@ -9,10 +9,16 @@ HF Gemma 1 checkpoints name their tensors as Llama's; Gemma 2 / 3 name the norms
 (post_attention_layernorm is the norm of the attention *output*), hence their own name table.
 llama.cpp's converter stores q/k rows unpermuted and adds the 1 to the norm weights itself
 (norm_plus_one stays False for GGUF).
+
+Their math beyond the shared layer, as ops at models/decoder.py's points:
+
+    x = embed(ids) * sqrt(C)                         # "embed": before image rows take their features
+    logits = cap * tanh(logits / cap)                # "logits": Gemma 2 (final_logit_softcapping)
 """
 from __future__ import annotations
 
 from ..errors import UnsupportedModelError
+from ..kernels import nn
 from ..loaders.decoder_config import HF_ACTIVATIONS, DecoderFamily
 from ..loaders.hf_config import HF_LLAMA_TO_OURS
 from ..loaders.mlc import MLC_LLAMA_TO_OURS
@@ -102,13 +108,26 @@ def _hf(c: dict, fields: dict, where: str) -> dict:
             "rope_local_base": float(c.get("rope_local_base_freq") or 0.0) if arch == "gemma3" else 0.0}
 
 
+def scale_embeddings(m, i: int, x, T: int, rows) -> list:
+    """x *= sqrt(C) (cfg.embed_scale): the embeddings' scale, before image rows take their
+    features (the projector's, unscaled)."""
+    return [nn.scale(m.dev, x, x, m.cfg.embed_scale)] if m.cfg.embed_scale != 1.0 else []
+
+
+def cap_logits(m, i: int, logits, rows: int) -> list:
+    """logits = cap * tanh(logits / cap) (cfg.final_softcap; none where it is 0)."""
+    cap = m.cfg.final_softcap
+    return [nn.softcap(m.dev, logits, logits, cap)] if cap else []
+
+
+OPS = {"embed": scale_embeddings, "logits": cap_logits}
 GEMMA = DecoderFamily("gemma", hf_architectures=("GemmaForCausalLM",), hf_model_types=("gemma",),
                       hf_defaults={"tie_word_embeddings": True}, gguf_neox=True, gguf=_gguf_gemma, hf=_hf_gemma,
-                      mlc_model_types=("gemma",))
+                      mlc_model_types=("gemma",), ops=OPS)
 _DEFAULTS = {"use_sliding_window": True, "tie_word_embeddings": True}
 GEMMA2 = DecoderFamily("gemma2", hf_architectures=("Gemma2ForCausalLM",), hf_model_types=("gemma2",),
                        hf_defaults=_DEFAULTS, gguf_neox=True, hf_names=HF_GEMMA_TO_OURS, gguf=_gguf, hf=_hf,
-                       mlc_model_types=("gemma2",), mlc_names=MLC_GEMMA_TO_OURS)
+                       mlc_model_types=("gemma2",), mlc_names=MLC_GEMMA_TO_OURS, ops=OPS)
 # transformers' Gemma 3 default for the local layers' RoPE base (MLC's config does not always carry it)
 # Gemma3ForConditionalGeneration (the multimodal releases): the text model under language_model.model.
 # (the hub's files) or model.language_model. (transformers 4.5x+); its vision tower is models/siglip.py's
@@ -120,6 +139,6 @@ GEMMA3 = DecoderFamily("gemma3", hf_architectures=("Gemma3ForCausalLM", "Gemma3F
                        hf_model_types=("gemma3_text",),
                        hf_defaults={**_DEFAULTS, "rope_local_base_freq": 10000.0}, gguf_neox=True,
                        hf_names=HF_GEMMA3_TO_OURS, gguf=_gguf, hf=_hf,
-                       mlc_model_types=("gemma3", "gemma3_text"), mlc_names=MLC_GEMMA_TO_OURS)
+                       mlc_model_types=("gemma3", "gemma3_text"), mlc_names=MLC_GEMMA_TO_OURS, ops=OPS)
 
 FAMILIES = (GEMMA, GEMMA2, GEMMA3)

@@ -12,6 +12,10 @@ soft-capped logits, plus:
   sqrt(2), (T, L, P), from the embeddings x0 and a second table E (V, L P); at the end of layer i,
   x += rms_norm(((gelu_tanh(x · Wgᵀ) * e[:, i]) · Wprojᵀ)), then x *= the layer's scalar.
 
+That math beyond Gemma 3's layer runs as ops at models/decoder.py's points: "embed" (x *= sqrt(C)),
+"inputs" (e, from x as the first layer reads it: after image rows, as transformers projects them),
+"layer_end" (x += the layer's per-layer input; x *= its scalar) and "logits" (the soft-cap).
+
 The KV-sharing layers' files hold no k / v projections; the model gives them their source layer's
 (computed, never stored: the fused q|k|v layout stays one). MoE (`enable_moe_block`), `attention_k_eq_v`
 (the larger Gemma 4 models) and bidirectional attention are refused by name. A released folder
@@ -23,8 +27,10 @@ from __future__ import annotations
 import struct
 
 from ..errors import ModelFormatError, UnsupportedModelError
+from ..kernels import matmul as mm
+from ..kernels import nn
 from ..loaders.decoder_config import DecoderFamily
-from .family_gemma import HF_GEMMA_TO_OURS, _activation
+from .family_gemma import HF_GEMMA_TO_OURS, _activation, cap_logits, scale_embeddings
 
 HF_GEMMA4_TO_OURS = {
     **HF_GEMMA_TO_OURS,
@@ -162,10 +168,43 @@ def _gguf(g, fields: dict) -> dict:
                    ple=int(g.meta("embedding_length_per_layer_input", 0) or 0))
 
 
+def _per_layer_inputs(m, i: int, x, T: int, rows) -> list:
+    """e = (rms_norm(x · Wpᵀ / sqrt(C)) + E[ids] * sqrt(P)) / sqrt(2), (T, L P): every layer's P
+    per-layer input values, from the scaled embeddings x, their projection Wp (L P, C) normed per layer
+    and token, and the per-layer table E (V, L P)."""
+    c, dev, P = m.cfg, m.dev, m.cfg.ple_dim
+    if not P:
+        return []
+    e, proj = m.ple.view((T, c.n_layers * P)), m.ple_tmp.view((T, c.n_layers * P))
+    per_layer = proj.view((T * c.n_layers, P))
+    return [mm.embedding(dev, rows.kv.ids.view((T,)), m.ple_embed, e), nn.scale(dev, e, e, P ** 0.5),
+            mm.matmul(dev, x, m.ple_model_proj, proj, **rows.flags), nn.scale(dev, proj, proj, c.hidden_size ** -0.5),
+            nn.rms_norm(dev, per_layer, m.ple_norm, per_layer, eps=c.rms_eps),
+            nn.add(dev, proj, e, e), nn.scale(dev, e, e, 0.5 ** 0.5)]
+
+
+def _layer_end(m, i: int, x, T: int, rows) -> list:
+    """x += rms_norm((gelu_tanh(x · Wgᵀ) * e[:, i]) · Wpᵀ), layer i's per-layer input (h: the
+    layer's scratch row), then x *= the layer's scalar."""
+    c, dev, P, L = m.cfg, m.dev, m.cfg.ple_dim, m.layers[i]
+    ops = []
+    if L.ple_gate is not None:
+        g, h = m.ple_act.view((T, P)), m.h.view((T, c.hidden_size))
+        ops += [mm.matmul(dev, x, L.ple_gate, g, **rows.flags),
+                nn.gelu_tanh_gate(dev, g, m.ple.view((T, c.n_layers * P)), g, col=i * P),
+                mm.matmul(dev, g, L.ple_proj, h, **rows.flags), nn.rms_norm(dev, h, L.ple_norm, h, eps=c.rms_eps),
+                nn.add(dev, x, h, x)]
+    if L.scale != 1.0:
+        ops.append(nn.scale(dev, x, x, L.scale))
+    return ops
+
+
 GEMMA4 = DecoderFamily("gemma4", hf_architectures=("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"),
                        hf_model_types=("gemma4_text", "gemma4"),
                        hf_defaults={"tie_word_embeddings": True}, gguf_neox=True, hf_names=HF_GEMMA4_TO_OURS,
                        hf=_hf, gguf=_gguf, gguf_names=GGUF_GEMMA4_TO_OURS,
-                       mlc_model_types=("gemma4",), mlc_names=MLC_GEMMA4_TO_OURS)
+                       mlc_model_types=("gemma4",), mlc_names=MLC_GEMMA4_TO_OURS,
+                       ops={"embed": scale_embeddings, "inputs": _per_layer_inputs, "layer_end": _layer_end,
+                            "logits": cap_logits})
 
 FAMILIES = (GEMMA4,)
