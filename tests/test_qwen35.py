@@ -285,21 +285,6 @@ async def test_qwen35_in_a_batch_answers_as_alone(device, tmp_path, ref):
     assert alone == batched and all(alone)
 
 
-@pytest.mark.parametrize("option,value", [("context_overflow", "shift")])
-def test_rollback_options_are_refused_by_name(tmp_path, ref, option, value):
-    """Context shifting would step a sequence's recurrent states back: refused at load, naming the
-    option (speculation rolls them back from snapshots: tests/test_qwen35_batch.py)."""
-    from webgpu_engine.config import ChatConfig
-    from webgpu_engine.errors import UnsupportedChatOptionError
-    from webgpu_engine.models.plan import plan_decoder
-    opened = open_model(write_tiny_qwen35_safetensors(tmp_path / "qwen35", seed=ref["seed"])["folder"])
-    try:
-        with pytest.raises(UnsupportedChatOptionError, match=option):
-            plan_decoder(opened.config, ChatConfig(**{option: value}), None)
-    finally:
-        opened.close()
-
-
 def test_memory_estimate_counts_the_recurrent_states(tmp_path, ref):
     """The load's memory estimate counts every Gated DeltaNet layer's f32 conv and delta states once
     for the one-request model and once per sequence slot of the paged batch, and the rows' wider

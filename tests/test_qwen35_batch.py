@@ -211,3 +211,42 @@ def test_memory_estimate_counts_the_snapshots(folder):
         assert snapshot_slots(4) >= 16
     finally:
         opened.close()
+
+
+async def _long(eng, prompt: str):
+    r = await eng.completions.create(prompt=prompt, max_tokens=120, ignore_eos=True, temperature=0, logprobs=1)
+    c = r.choices[0]
+    return c.logprobs.tokens, c.finish_reason, r.usage.extra.model_dump().get("context_shifts", 0)
+
+
+async def test_context_shift_computes_the_kept_tokens_from_a_snapshot_or_zeros(device, folder, ref):
+    """context_overflow "shift" (a 64-token window, n_keep 20): generations of 120 tokens, two at once
+    and each alone, shift several times; each shift's kept tokens start from the snapshot at the kept
+    prefix's full block (or from zero states) and are computed again, so every answer equals the one
+    whose shifts compute all the kept tokens from zero states (no snapshot reusable: a cold prefill
+    of exactly those tokens)."""
+    prompts = [ref["text"][:20], ref["text"][40:90]]
+    opts = dict(context_overflow="shift", n_keep=20, context_window_size=64, prefill_chunk_size=32)
+    cold = await _engine(device, folder, "qwen35-shift-cold", **opts)
+    try:
+        _sched(cold).snapshots.reusable = lambda key: False
+        want = [await _long(cold, p) for p in prompts]
+    finally:
+        await cold.unload()
+    assert all(len(toks) == 120 and shifts >= 3 for toks, _, shifts in want)
+    eng = await _engine(device, folder, "qwen35-shift", **opts)
+    try:
+        snaps = _sched(eng).snapshots
+        assert [await _long(eng, p) for p in prompts] == want
+        assert list(await asyncio.gather(*(_long(eng, p) for p in prompts))) == want
+        assert snaps.stats["restored"] >= 2 * 3
+    finally:
+        await eng.unload()
+
+
+async def test_a_draft_model_with_recurrent_states_is_refused(device, folder):
+    """A draft model's cache is cut back to each step's context, which a recurrent state cannot
+    follow: such a draft is refused at load, naming the option (the target may be one)."""
+    from webgpu_engine.errors import UnsupportedChatOptionError
+    with pytest.raises(UnsupportedChatOptionError, match="speculation.*draft model's layers keep a recurrent"):
+        await _engine(device, folder, "qwen35-draft", speculation={"method": "draft", "model": folder, "k": 2})

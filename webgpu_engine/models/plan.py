@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from ..errors import ContextWindowTooLargeError, ShaderF16SupportError, UnsupportedChatOptionError
 from ..kernels.common import DTYPE_SIZE, Ring
 from ..kernels.kv_quant import KV_QUANTS, KV_BLOCK, kv_row_bytes, quant_supported
-from ..loaders.decoder_config import FAMILIES
 
 # KV-pool blocks when no size is asked for: max_num_sequences full contexts, at most this many tokens
 # beyond two contexts (preemption and prefix sharing cover the rest)
@@ -126,20 +125,6 @@ def kv_cache_dtype(cfg, chat_config, dtype: str) -> str:
     return want
 
 
-def _refuse_rollback(cfg, chat_config) -> None:
-    """A model whose layers keep a recurrent state per sequence (a family's token mixer: Qwen3.5's
-    Gated DeltaNet) cannot shift its context: the kept tail computed again at new positions would need
-    the states as they were there (speculation rolls them back from snapshots instead:
-    models/recurrent_snapshots.py)."""
-    fam = FAMILIES.get(getattr(cfg, "arch", ""))
-    if fam is None or fam.mixer is None:
-        return
-    why = ("this model's layers keep a recurrent state per sequence (Gated DeltaNet), which cannot be "
-           "stepped back to an earlier position yet")
-    if getattr(chat_config, "context_overflow", "error") == "shift":
-        raise UnsupportedChatOptionError("context_overflow", "shift", why + "; use \"error\" or \"truncate\"")
-
-
 def plan_decoder(cfg, chat_config, dev) -> DecoderPlan:
     """The DecoderPlan of a Llama-family decoder with header config `cfg` loaded with `chat_config`
     (context_window_size, prefill_chunk_size, dtype, max_num_sequences, kv_block_size,
@@ -153,7 +138,6 @@ def plan_decoder(cfg, chat_config, dev) -> DecoderPlan:
         raise UnsupportedChatOptionError("sliding_window_size", window, (
             "this model's last layers attend earlier layers' caches (Gemma 4), which a ring of sinks and a "
             "window does not keep yet; leave sliding_window_size unset (the model's own windows still apply)"))
-    _refuse_rollback(cfg, chat_config)
     dtype = chat_config.dtype
     if dtype == "auto" and getattr(chat_config, "kv_cache_dtype", "auto") in ("f16", "f32"):
         dtype = chat_config.kv_cache_dtype          # the cache follows the activations: both as asked

@@ -26,6 +26,7 @@ guessing. Standard library only (runs in the page).
 """
 from __future__ import annotations
 
+from ..errors import UnsupportedChatOptionError
 from ..models.kv_pool import PoolExhaustedError
 from .batch_draft import DraftGuesser
 from .speculation import SpeculationStats, grammar_row_masks, penalty_free, propose, slower_than_decode
@@ -51,6 +52,10 @@ class BatchSpeculation:
     def use_draft(self, draft, n_blocks: int, block_size: int) -> None:
         """speculation "draft": `draft` (its loaded LLMChatPipeline) guesses, with a paged cache of
         n_blocks blocks (the target pool's size) of its own."""
+        if draft.model.recurrent:           # that cache is cut back to each step's context
+            raise UnsupportedChatOptionError("speculation", self.spec.describe(), (
+                "the draft model's layers keep a recurrent state per sequence (Gated DeltaNet), which its "
+                "cache, cut back to each step's context, cannot step back: choose a draft model without them"))
         self.draft = DraftGuesser(draft, self.max_seqs, self.spec.k, n_blocks, block_size)
 
     async def guesses(self, decode: list, pool, ctx: int) -> tuple[dict, dict]:
