@@ -221,8 +221,8 @@ def _blob(root: Path, kind: str, src: Path) -> dict:
 
 
 def test_ollama_projector_layer_and_openai_client(tmp_path, monkeypatch, ref, device):
-    """An Ollama manifest with model and projector layers resolves into the GGUF and its mmproj, and
-    a server of it answers the OpenAI client about two images."""
+    """An Ollama manifest with model and projector layers resolves into the GGUF and its mmproj; a
+    server of it answers the OpenAI client about two images and shows Ollama's "vision" capability."""
     import openai
 
     from webgpu_engine.engine.references import resolve_model_reference
@@ -241,6 +241,8 @@ def test_ollama_projector_layer_and_openai_client(tmp_path, monkeypatch, ref, de
         r = client.chat.completions.create(model="tiny-vision:latest", messages=_messages(ref, "two"),
                                            max_tokens=12, temperature=0.0)
         assert r.choices[0].message.content == _text(ref["prompts"]["two"]["greedy"])
+        import ollama
+        assert "vision" in ollama.Client(host=s.url.removesuffix("/v1")).show("tiny-vision:latest").capabilities
     finally:
         s.stop()
 
