@@ -10,7 +10,7 @@ restored by a copy (`state_copy`):
 - prefix reuse: a prefill row that ends a KV block saves the state there, keyed by that block's
   hash-chain key (models/kv_pool.py: the whole token prefix up to the block's end, and the root:
   adapter, images). A new sequence takes the pool's cached blocks only up to the deepest one whose
-  key has a snapshot (`reusable`), and that snapshot is copied into its slot (`enter`); prefill goes
+  key has a snapshot (`reusable`), and that snapshot is copied into its slot (`admit`); prefill goes
   on from there. PREFIX_SNAPSHOTS per sequence slot are kept, the least recently used evicted.
 - speculation: a verify step's rows of a sequence advance its states token by token (the kernels
   run a slot's rows in order); each row but the last saves the state after it into a verify slot
@@ -63,14 +63,16 @@ class StateSnapshots:
         """Whether a cached prefix may end at the block of `key` (its state is kept)."""
         return key in self._by_key
 
-    def enter(self, seq_slot: int, keys: list, cached: int) -> None:
-        """A sequence admitted with `cached` prompt tokens from the pool (keys: its blocks' keys) starts
-        from the snapshot at their end: copied into its slot (nothing where none is cached)."""
+    def admit(self, pool, seq_id, seq_slot: int, prompt: list, root: bytes) -> int:
+        """pool.add_sequence for a new sequence (its cached tokens: up to a block whose state is kept),
+        whose states start from the snapshot at the cached prefix's end: copied into its slot."""
+        cached = pool.add_sequence(seq_id, prompt, root=root, reusable=self.reusable)
         if cached:
-            key = keys[cached // self.block_size - 1]
+            key = pool.block_keys(seq_id)[cached // self.block_size - 1]
             self._by_key.move_to_end(key)
             self.restore([(self._by_key[key], seq_slot)])
             self.stats["restored"] += 1
+        return cached
 
     def prefill_slots(self, seq_id, seq_slot: int, start: int, end: int) -> list[int]:
         """The slots entries of a prefill chunk's rows (positions start .. end-1): each row that ends a
@@ -155,8 +157,3 @@ class StateSnapshots:
             self._copies = [deltanet.state_copy(self.dev, t, self.pairs, self._max_pairs)
                             for states in self.fwd.mixer_states if states is not None for t in states]
         return self._copies
-
-    def release(self) -> None:
-        for op in self._copies or ():
-            op.release()
-        self._copies = None

@@ -76,11 +76,10 @@ class Scheduler:
         spec = pipe.speculation
         self.spec = BatchSpeculation(pipe, spec, self.max_seqs) if spec else None
         rows = self.spec.rows_cap if self.spec else self.max_seqs
-        # a model with recurrent states (Qwen3.5) keeps snapshots of them: a prefix is reused up to a
-        # block whose state is kept, a rejected guess rolls them back (models/recurrent_snapshots.py)
+        # a model with recurrent states (Qwen3.5) keeps snapshots of them (models/recurrent_snapshots.py)
         verify = rows if self.spec else 0
         self.fwd = PagedForward(m, max_seqs=self.max_seqs, n_blocks=n_blocks, block_size=bs, owner=owner,
-                                max_rows=rows, snapshots=snapshot_slots(self.max_seqs, verify) if m.recurrent else 0)
+                                max_rows=rows, snapshots=snapshot_slots(self.max_seqs, verify) * m.recurrent)
         self.snapshots = StateSnapshots(self.fwd, bs, verify) if m.recurrent else None
         # a ring's (a sliding window with sinks) tables are rings over their blocks, shared by none
         self.pool = KVPool(n_blocks, bs, ring_rows=self.fwd.ring_rows, ring_sinks=m.ring.sinks if m.ring else 0)
@@ -153,10 +152,8 @@ class Scheduler:
         tiles = getattr(rec.handle, "tiles", None)
         if tiles:                             # and an image's rows are its content's (vision/runner.py)
             root = hashlib.sha256(root + self.pipe.vision.root(tiles)).digest()
-        snaps = self.snapshots
-        cached = self.pool.add_sequence(rec.id, rec.toks, root=root, reusable=snaps and snaps.reusable)
-        if snaps is not None:                 # its states from the snapshot at the cached prefix's end
-            snaps.enter(rec.slot, self.pool.block_keys(rec.id), cached)
+        cached = self.pool.add_sequence(rec.id, rec.toks, root=root) if self.snapshots is None else \
+            self.snapshots.admit(self.pool, rec.id, rec.slot, rec.toks, root)
         rec.in_pool = True
         if rec.sample_at_end and not rec.decoding:
             rec.seq.req.prefill_tokens = len(rec.toks) - cached
@@ -350,9 +347,8 @@ class Scheduler:
                 self.pipe.vision.stage_chunk(tiles, start, end)
             batch = dev.batch()
             fwd.record_prefill(batch, rec.toks[start:end], start, pool.slots(rec.id, start, end - start),
-                               pool.block_table(rec.id), with_head=head, lora=rec.lora_slot,
-                               state_slot=rec.slot if self.snapshots is None else
-                               self.snapshots.prefill_slots(rec.id, rec.slot, start, end))
+                               pool.block_table(rec.id), with_head=head, lora=rec.lora_slot, state_slot=rec.slot
+                               if self.snapshots is None else self.snapshots.prefill_slots(rec.id, rec.slot, start, end))
             if head:
                 self._copy_logits(batch, 0, rec.slot)
                 if inline:
@@ -404,11 +400,10 @@ class Scheduler:
         for rec, start, end in chunks:
             if rec.in_pool:
                 pool.append_tokens(rec.id, rec.toks[start:end])
-            if self.snapshots is not None:        # the states its rows saved, under their blocks' keys
-                self.snapshots.prefilled(rec.id, pool.block_keys(rec.id) if rec.in_pool else None)
-            if rec.in_pool:
                 if end == rec.prefill_end():
                     rec.start_decoding(end)
+            if self.snapshots is not None:        # the states its rows saved, under their blocks' keys
+                self.snapshots.prefilled(rec.id, pool.block_keys(rec.id) if rec.in_pool else None)
         for rec, _ in sampled:
             if rec.cancelled or not rec.in_pool:
                 continue
@@ -467,8 +462,8 @@ class Scheduler:
                 g = guesses.get(r, [])
                 feed += [tok] + g
                 at += [(r.id, len(r.toks) + j) for j in range(1 + len(g))]
-            states = None if self.snapshots is None else \
-                self.snapshots.verify_step([(r.slot, 1 + len(guesses.get(r, []))) for r in rows])
+            states = self.snapshots and self.snapshots.verify_step([(r.slot, 1 + len(guesses.get(r, [])))
+                                                                    for r in rows])
             fwd.record_decode(batch, feed, pool.decode_rows(at, len(at), fwd.max_blocks), lora, states)
         else:
             fwd.record_decode(batch, tokens, pool.decode_inputs([r.id for r in rows], len(rows), fwd.max_blocks,
@@ -591,7 +586,5 @@ class Scheduler:
         if self.spec is not None:
             self.spec.close()
         self.fwd.release()
-        if self.snapshots is not None:
-            self.snapshots.release()
         for slot in self.slots:
             slot.release()
