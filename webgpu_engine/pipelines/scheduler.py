@@ -346,9 +346,9 @@ class Scheduler:
             if tiles:                         # its images' tiles in this chunk through the tower
                 self.pipe.vision.stage_chunk(tiles, start, end)
             batch = dev.batch()
+            state = rec.slot if self.snapshots is None else self.snapshots.prefill_slots(rec.id, rec.slot, start, end)
             fwd.record_prefill(batch, rec.toks[start:end], start, pool.slots(rec.id, start, end - start),
-                               pool.block_table(rec.id), with_head=head, lora=rec.lora_slot, state_slot=rec.slot
-                               if self.snapshots is None else self.snapshots.prefill_slots(rec.id, rec.slot, start, end))
+                               pool.block_table(rec.id), with_head=head, lora=rec.lora_slot, state_slot=state)
             if head:
                 self._copy_logits(batch, 0, rec.slot)
                 if inline:
