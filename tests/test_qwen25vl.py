@@ -119,3 +119,78 @@ def test_tower_matches_transformers(device, ref, cfg):
             np.testing.assert_allclose(got[i, :len(want)], want, atol=2e-4, rtol=1e-4)
     finally:
         tower.dispose()
+
+
+def test_positions_are_get_rope_index(ref, cfg):
+    """Text rows count on, an image's tokens take (p, p + row, p + column), the text after it goes on
+    from the largest + 1; the offsets make every row from the last image on sit at its cache row."""
+    from webgpu_engine.vision.runner import VisionInputs
+    for key, r in ref["prompts"].items():
+        ids = r["input_ids"]
+        spans = VisionInputs.blocks(type("V", (), {"cfg": cfg})(), ids)
+        grids = [qwen25vl.preprocess(cfg, _image(n)) for n in r["images"]]
+        images = [(s, e, g) for (s, e), g in zip(spans, grids)]
+        assert np.array_equal(qwen25vl.positions(cfg, images, len(ids)).T, np.array(r["positions"]))
+        offs = np.array(qwen25vl.offsets(cfg, images, 0, len(ids) + 5))
+        assert not offs[spans[-1][1]:].any() and offs[:spans[0][0]].min() > 0
+
+
+# ----------------------------------------------------------------------------- end to end
+OPTS = {"dtype": "f32", "context_window_size": 256, "prefill_chunk_size": 32}     # chunks cut the prompts
+
+
+def _messages(r) -> list[dict]:
+    from webgpu_engine.vision.images import image_data_url
+    images = iter(r["images"])
+    return [{"role": m["role"], "content": m["content"] if isinstance(m["content"], str) else
+             [{"type": "image_url", "image_url": {"url": image_data_url(IMAGES / next(images))}}
+              if p["type"] == "image" else p for p in m["content"]]} for m in r["messages"]]
+
+
+async def test_greedy_tokens_and_logits_equal_transformers(device, ref):
+    """The HF folder through the engine, a prompt with one image and one with two (chunks of 32 rows
+    cutting them): the prompt's ids, the last prompt row's logits within 1e-4 and 12 greedy tokens."""
+    from tokenizers import Tokenizer
+
+    from webgpu_engine.engine.engine import AsyncMLCEngine
+    eng = AsyncMLCEngine()
+    await eng.reload(str(FOLDER), chat_opts=OPTS)
+    try:
+        model = next(iter(eng.models))
+        for key, want in ref["prompts"].items():
+            r = await eng.chat.completions.create(model=model, messages=_messages(want), max_tokens=1,
+                                                  temperature=0.0, logprobs=True, top_logprobs=5)
+            assert r.usage.prompt_tokens == len(want["input_ids"])
+            # the 5 best log-probabilities (two byte tokens print alike, so by value)
+            got = sorted((t.logprob for t in r.choices[0].logprobs.content[0].top_logprobs), reverse=True)
+            logits = np.array(want["logits"], np.float64)
+            lp = logits - logits.max() - np.log(np.exp(logits - logits.max()).sum())
+            np.testing.assert_allclose(got, np.sort(lp)[::-1][:5], atol=1e-4)
+            r = await eng.chat.completions.create(model=model, messages=_messages(want), max_tokens=12,
+                                                  temperature=0.0)
+            text = Tokenizer.from_file(str(FOLDER / "tokenizer.json"))
+            assert r.choices[0].message.content == text.decode(want["greedy"], skip_special_tokens=True), key
+    finally:
+        await eng.unload()
+
+
+async def test_two_image_prompts_in_a_batch_answer_as_alone(device, ref):
+    """Continuous batching: both prompts at once (their prefill chunks and decode rows side by side;
+    only prompt rows take M-RoPE's offsets) give transformers' greedy text."""
+    import asyncio
+
+    from tokenizers import Tokenizer
+
+    from webgpu_engine.engine.engine import AsyncMLCEngine
+    text = Tokenizer.from_file(str(FOLDER / "tokenizer.json"))
+    eng = AsyncMLCEngine()
+    await eng.reload(str(FOLDER), chat_opts={**OPTS, "max_num_sequences": 2})
+    try:
+        model = next(iter(eng.models))
+        prompts = list(ref["prompts"].values())
+        rs = await asyncio.gather(*(eng.chat.completions.create(model=model, messages=_messages(w), max_tokens=12,
+                                                                temperature=0.0) for w in prompts))
+        for r, w in zip(rs, prompts):
+            assert r.choices[0].message.content == text.decode(w["greedy"], skip_special_tokens=True)
+    finally:
+        await eng.unload()

@@ -331,6 +331,9 @@ def _attention(m, kv: KVAccess, i: int, T: int, mode: str, rope) -> list[Op]:
     if "qkv_rows" in points:             # the same point, with where the rows' positions are: (step, None)
         _, step, rows = kv.states(i, T)  # for one sequence (pos0 + t), else (step, positions (T,) u32)
         ops += points["qkv_rows"](m, i, qkv, T, (step, rows[0] if rows is not None else None))
+    rows = _images(kv, mode)
+    if rows is not None:                 # M-RoPE: prompt rows rotated by their offsets first (image_rows.py)
+        ops += rows.rotate(m, i, qkv, T)
     # rope(q, k); k, v -> caches; x += attention(q, caches) · Woᵀ
     if rope is None:
         base, factors = c.rope_of(i, m.rope_factors)

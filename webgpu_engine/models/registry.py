@@ -54,7 +54,7 @@ class Architecture:
 DECODER_FAMILY_MODULES = ("family_llama", "family_qwen", "family_mistral", "family_phi3", "family_gemma",
                           "family_olmo", "family_stablelm", "family_phi", "family_gptneox", "family_moe",
                           "family_gemma4", "family_qwen35", "family_gptoss", "family_idefics3",
-                          "family_ministral3", "family_llava")
+                          "family_ministral3", "family_llava", "family_qwen25vl")
 
 
 def _decoder(family: DecoderFamily, model: str = "llama:LlamaModel", estimate: Callable = memory.estimate_llm

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     import numpy as np
 
 FAMILIES = {"Gemma3ForConditionalGeneration": "gemma3", "Idefics3ForConditionalGeneration": "idefics3",
-            "LlavaForConditionalGeneration": "llava"}
+            "LlavaForConditionalGeneration": "llava", "Qwen2_5_VLForConditionalGeneration": "qwen25vl"}
 # the towers' activations (vision_config's hidden_act) -> VisionConfig.act
 ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "quick_gelu": "quick_gelu"}
 

@@ -114,11 +114,16 @@ def preprocess(cfg: VisionConfig, image) -> Grid:
     return Grid(np.ascontiguousarray(x.reshape(gh * gw, 3 * tp * p * p), dtype=np.float32), gh, gw)
 
 
+def grid(cfg: VisionConfig, image) -> Grid:
+    """An image's grid of patches (no rows: M-RoPE's positions need only the grid)."""
+    h, w = smart_resize(cfg, image.size[1], image.size[0])
+    return Grid(None, h // cfg.patch_size, w // cfg.patch_size)
+
+
 def n_tokens(cfg: VisionConfig, image) -> int:
     """An image's tokens: its merged patches."""
-    h, w = smart_resize(cfg, image.size[1], image.size[0])
-    f = cfg.patch_size * cfg.qwen25vl.merge
-    return (h // f) * (w // f)
+    g = grid(cfg, image)
+    return g.gh * g.gw // cfg.qwen25vl.merge ** 2
 
 
 def full_image_sequence(cfg: VisionConfig, image=None) -> str:
@@ -169,3 +174,34 @@ def rope_positions(cfg: VisionConfig, gh: int, gw: int) -> "np.ndarray":
     blocks = (gh // m, m, gw // m, m)
     hh, ww = (a.reshape(blocks).transpose(0, 2, 1, 3).reshape(-1) for a in (hh, ww))
     return np.stack([np.zeros_like(hh), hh, ww], axis=1).astype(np.int32)
+
+
+# ---------------------------------------------------------------------------- M-RoPE's positions
+def positions(cfg: VisionConfig, images: list, n: int) -> "np.ndarray":
+    """(n, 3) positions (t, h, w) of a sequence's first n rows whose image token runs are `images`
+    ((start, end, Grid) each, in order): text rows count on from the previous row's largest position
+    + 1, an image's merged patch (row r, column c) takes (p, p + r, p + c) from its first row's p
+    (transformers' get_rope_index)."""
+    import numpy as np
+    m, out = cfg.qwen25vl.merge, np.zeros((n, 3), np.int64)
+    behind, row = 0, 0                   # how far positions fall behind rows; the next row to fill
+    for s, e, g in list(images) + [(n, n, None)]:
+        hi = min(s, n)
+        out[row:hi] = (np.arange(row, hi) - behind)[:, None]
+        if g is None or s >= n:
+            break
+        p, w = s - behind, g.gw // m
+        k = np.arange(e - s)
+        out[s:min(e, n)] = np.stack([np.full(e - s, p), p + k // w, p + k % w], 1)[:min(e, n) - s]
+        behind += (e - s) - max(g.gh, g.gw) // m
+        row = e
+    return out
+
+
+def offsets(cfg: VisionConfig, images: list, start: int, end: int) -> list:
+    """Each of rows start .. end-1's rotation before RoPE at its cache row: its position, shifted by
+    how far the sequence's text falls behind past its last image (so that from there on, decode rows
+    included, a row's position is its cache row), minus its row."""
+    pos = positions(cfg, images, end)
+    behind = sum((e - s) - max(g.gh, g.gw) // cfg.qwen25vl.merge for s, e, g in images)
+    return [tuple(int(v) for v in p + behind - r) for r, p in enumerate(pos[start:end], start)]

@@ -22,7 +22,7 @@ from ..errors import InvalidRequestError, ModelFormatError, UnsupportedChatOptio
 from ..gpu import IN_BROWSER
 from ..kernels.vision import NONE
 from ..loaders.chat_template import ChatTemplate
-from . import gemma3, idefics3, llava, phi3v
+from . import gemma3, idefics3, llava, phi3v, qwen25vl
 from .config import FAMILIES, VisionConfig
 from .config import patches as square_patches
 from .requests import images_of
@@ -31,7 +31,7 @@ MAX_TILES = 64                           # tiles (Gemma 3: images) of one reques
 FEATURE_BYTES = 64 << 20                 # and at most this many bytes of their features
 
 
-FAMILY_MODULES = {"gemma3": gemma3, "idefics3": idefics3, "llava": llava, "phi3v": phi3v}    # VisionConfig.kind -> its host side
+FAMILY_MODULES = {"gemma3": gemma3, "idefics3": idefics3, "llava": llava, "phi3v": phi3v, "qwen25vl": qwen25vl}    # VisionConfig.kind -> its host side
 
 
 def read_vision_config(folder) -> VisionConfig | None:
@@ -190,6 +190,9 @@ class VisionInputs:
             if cfg.kind == "phi3v":
                 from .phi3v_gpu import Phi3vTower
                 tower = Phi3vTower(dev, cfg, files, owner=owner)
+            elif cfg.kind == "qwen25vl":
+                from .qwen25vl_gpu import Qwen25VLTower
+                tower = Qwen25VLTower(dev, cfg, files.tensors, owner=owner)
             else:
                 tower = SiglipTower(dev, cfg, files.tensors, owner=owner)
         finally:
@@ -197,6 +200,8 @@ class VisionInputs:
                 files.close()
         n = capacity(cfg, model.ctx)
         model.enable_images(n * cfg.tokens_per_image, cfg.text_hidden, bidirectional=cfg.bidirectional)
+        if cfg.kind == "qwen25vl":          # M-RoPE's rotations of the prompt rows (models/image_rows.py)
+            model.images.enable_offsets(model, owner)
         return cls(dev, cfg, tower, model, n)
 
     def template(self, template):
@@ -267,6 +272,8 @@ class VisionInputs:
         """The cached prefix (`keep` ids shared with the request) that may be reused: up to the first
         image of the cache that the request does not hold at the same place with the same content
         (SHA-256 of its bytes: one token id stands for any image)."""
+        if self.cfg.kind == "qwen25vl" and [t[:3] for t in self._request or ()] != self._cached:
+            return 0                     # M-RoPE: the rows' rotations depend on all the sequence's images
         same = {(s, e, h) for s, e, h, _, _ in self._request or ()}
         for s, e, h in self._cached:
             if s >= keep:
@@ -315,6 +322,8 @@ class VisionInputs:
             raise InvalidRequestError(f"A prefill chunk holds {len(runs)} tiles; at most {self.max_tiles}.")
         rows = self._run_tower(runs)
         self.model.images.pending = [rows.get(p, (NONE, 0)) for p in range(start, end)]
+        if self.cfg.kind == "qwen25vl":
+            self.model.images.pending_offsets = qwen25vl.offsets(self.cfg, [(s, e, r) for s, e, _, r in tiles], start, end)
 
     def spans(self, n: int, pos0: int, chunk: int) -> list[tuple[int, int]]:
         """[a, b) row spans of a prefill of n rows at pos0.. of at most `chunk` rows, none cutting an image."""
@@ -334,6 +343,9 @@ class VisionInputs:
         """The image rows of the forward of T rows at pos0.. about to be recorded."""
         if self._rows:
             self.model.images.pending = [self._rows.get(pos0 + t, (NONE, 0)) for t in range(T)]
+        if self.cfg.kind == "qwen25vl" and self._request:     # M-RoPE's rotations of the rows
+            grids = [(s, e, qwen25vl.grid(self.cfg, im.image)) for s, e, _, im, _ in self._request]
+            self.model.images.pending_offsets = qwen25vl.offsets(self.cfg, grids, pos0, pos0 + T)
 
     def done(self) -> None:
         """The request's prefill is over: the cache holds its images; later forwards carry none."""
