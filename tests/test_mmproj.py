@@ -31,7 +31,8 @@ FIXTURES = Path(__file__).parent / "fixtures"
 PAIR, IMAGES, FOLDER = FIXTURES / "mmproj_gguf", FIXTURES / "vision_images", FIXTURES / "tiny_gemma3_vision"
 TEXT, PROJ = PAIR / "tiny-gemma3.gguf", PAIR / "mmproj-tiny-gemma3.gguf"
 LLAVA = FIXTURES / "llava_gguf"
-OPTS = {"dtype": "f32", "context_window_size": 256, "prefill_chunk_size": 32}
+# compile_at_load off: each load compiles only the kernels its requests use (a lean test file)
+OPTS = {"dtype": "f32", "context_window_size": 256, "prefill_chunk_size": 32, "compile_at_load": False}
 
 
 @pytest.fixture(scope="module")
