@@ -1,6 +1,6 @@
 """context_overflow: a conversation longer than the context window is a 400 naming the limit
 ("error", the default) or loses its oldest turns after the system prompt until it fits ("truncate",
-reported in usage.extra), on the one-request path and in the batch scheduler; the system prompt and
+reported in usage.extra), with one sequence at a time and with several; the system prompt and
 the latest turn are always kept; "shift" also lets a generation go past the window (llama.cpp's
 context shift). A tiny chat model with a 96-token window on the real adapter."""
 from __future__ import annotations
@@ -73,10 +73,9 @@ async def test_error_is_the_default_and_bad_policies_are_refused(device, path):
 
 async def _shift_run(device, path, ahead: bool, check: bool):
     """A greedy generation of 300 tokens (3x the 96-token window) with context_overflow "shift",
-    n_keep 5. `check`: after each shift, the token the step after it sampled equals a cold forward of
-    exactly the tokens the cache then holds (a second pipeline on the same weights and cache)."""
-    import struct
-
+    n_keep 5, a lone sequence of the scheduler. `check`: after each shift, the token the step after it
+    sampled equals a cold forward of exactly the tokens the cache then holds (a second pipeline on the
+    same weights, with a pool of its own)."""
     from webgpu_engine.config import ChatConfig, GenerationConfig
     from webgpu_engine.pipelines.llm import LLMChatPipeline
     pipe = await LLMChatPipeline.load(device, path, ChatConfig(compile_at_load=False, context_overflow="shift",
@@ -99,7 +98,7 @@ async def _shift_run(device, path, ahead: bool, check: bool):
                 got = pipe.output_ids[-1]
                 assert await ref.forward_tokens_and_sample(list(pipe.kv_ids), True,
                                                            GenerationConfig(temperature=0.0)) == got
-                pipe.dev.write(pipe.model.ids.buf, struct.pack("<I", got))     # the next step's input
+                ref.scheduler.close()
         assert pipe.finish_reason == "length" and len(pipe.output_ids) == 300
         assert shifts >= 3 and pipe.usage()["extra"]["context_shifts"] == shifts
         return list(pipe.output_ids)
@@ -130,7 +129,7 @@ async def test_shift_per_sequence_in_a_batch(device, path):
     """context_overflow "shift" with continuous batching (llama.cpp's per-slot shift): 4 generations of
     300 tokens (3x the 96-token window) from prompts of different lengths run together, each shifting
     on its own when its cache is full (the others decode on meanwhile); each gives the tokens it gives
-    alone in the batch and on the one-request path, whose shifts the cold-forward check above proves."""
+    alone in the batch and with one slot, whose shifts the cold-forward check above proves."""
     import asyncio
     batched = await _engine(device, path, context_overflow="shift", n_keep=5, max_num_sequences=4)
     try:
@@ -146,7 +145,7 @@ async def test_shift_per_sequence_in_a_batch(device, path):
     assert together == alone
     single = await _engine(device, path, context_overflow="shift", n_keep=5)
     try:
-        assert next(iter(single.models.values())).pipeline.scheduler is None
+        assert next(iter(single.models.values())).pipeline.scheduler.max_seqs == 1
         assert [await _long(single, p) for p in PROMPTS[:2]] == alone[:2]
     finally:
         await single.unload()

@@ -67,10 +67,10 @@ async def test_a_quantised_cache_answers_with_its_row_bytes(device, quant, defau
     ratio = quant.plan.kv_cache_bytes(c) / default_plan.kv_cache_bytes(c)
     assert ratio == kv_row_bytes(kind, c.head_dim) / kv_row_bytes(default_plan.dtype, c.head_dim), ratio
     assert ratio <= {"q8_0": 0.56, "q4_0": 0.29}[kind], ratio
-    # what is allocated is what the plan says
-    caches = quant.model.k_cache + quant.model.v_cache
-    assert sum(t.nbytes for t in caches) == quant.plan.kv_layer_bytes(c) * 2 * c.n_layers
-    assert quant.model.k_cache[0].dtype == "u32"
+    # what is allocated is what the plan says: the scheduler's pool (the model has no cache of its own)
+    pools = quant.scheduler.fwd.pools
+    assert sum(t.nbytes for kv in pools for t in kv) == quant.plan.kv_cache_bytes(c)
+    assert pools[0][0].dtype == "u32" and not hasattr(quant.model, "k_cache")
 
 
 async def test_quantised_answers_do_not_depend_on_the_cache_chunking_or_decode_ahead(device, smollm2_gguf, quant):

@@ -28,7 +28,7 @@ def test_plan_sizes_the_pool():
     plan = DecoderPlan("f16", 2048, 256, 4, 16, pool_blocks(4, 2048, 16))
     assert plan.kv_bytes_per_token(smol) == 2 * 30 * 3 * 64 * 2
     assert plan.kv_pool_blocks == 8192 // 16                 # 4 contexts, capped at max(2 contexts, 8192)
-    assert plan.kv_cache_bytes(smol) == plan.kv_bytes_per_token(smol) * (2048 + 16 * 512)
+    assert plan.kv_cache_bytes(smol) == plan.kv_bytes_per_token(smol) * 16 * 512     # the pool: no contiguous cache
     assert pool_blocks(4, 512, 16, pool_tokens=100 * 16 + 5) == 101       # an asked size, whole blocks
     assert pool_blocks(4, 2048, 16, pool_tokens=64) == 2048 // 16 + 1     # never below one context + 1
     pool = KVPool(plan.kv_pool_blocks, plan.kv_block_size)

@@ -144,11 +144,6 @@ def test_every_package_is_in_the_distribution():
     assert tree <= listed, f"packages missing from pyproject.toml: {sorted(tree - listed)}"
 
 
-# Classes that still read state their subclass defines. DecodePaths is the one-request path's decode
-# features, mixed into LLMChatPipeline; it goes with that path (the batch scheduler is the other loop).
-_KNOWN_MIXINS = {"DecodePaths"}
-
-
 def _class_table() -> dict:
     """name -> [(module file, ClassDef)] of every class in the package."""
     out: dict = {}
@@ -204,11 +199,10 @@ def test_no_class_reads_what_another_defines():
     bad = []
     for name, found in sorted(table.items()):
         names = defined(name)
-        if names is None or name in _KNOWN_MIXINS:
+        if names is None:
             continue
         f, node = found[0]
         missing = _own_names(node)[1] - names - {"__class__", "__dict__"}
         if missing:
             bad.append(f"{f.relative_to(PKG.parent)}:{node.lineno} {name} reads {sorted(missing)}")
     assert not bad, "classes reading attributes they neither define nor declare:\n" + "\n".join(bad)
-    assert all(len(table.get(n, ())) == 1 for n in _KNOWN_MIXINS), "a known mixin is gone: drop it from the list"

@@ -64,7 +64,8 @@ async def test_estimates_bound_the_real_allocations(device, smollm2_gguf, minilm
     for ctx in (512, 2048):
         cc = ChatConfig(context_window_size=ctx)
         est = memory.estimate_for("llm", smollm2_gguf, cc, device)
-        assert est.context_window == ctx and est.kv_cache == ctx * est.kv_per_token
+        # the paged pool: a lone sequence's full context and a block (models/plan.py pool_blocks)
+        assert est.context_window == ctx and est.kv_cache == (ctx + 16) * est.kv_per_token
         pipe = await LLMChatPipeline.load(device, smollm2_gguf, cc, model_id="memtest")
         real = device.allocated_bytes("model:memtest")
         pipe.dispose()
@@ -131,8 +132,8 @@ async def test_tiny_budget_fails_fast_for_both_models(device, smollm2_gguf, mini
 
 
 async def test_context_over_the_per_buffer_limit_fails_before_allocating(device, tmp_path, monkeypatch):
-    """A model trained for 4M tokens: one layer's KV cache at 10M requested (clamped to 4M) would be a
-    buffer larger than the device allows, whatever the budget."""
+    """A model trained for 4M tokens: one layer's KV pool at 10M requested (clamped to 4M: the context
+    and a block) would be a buffer larger than the device allows, whatever the budget."""
     from tinymodels import write_tiny_llama_gguf
     info = write_tiny_llama_gguf(tmp_path / "long.gguf", context_length=1 << 22)
     rec = ModelRecord("tiny-long", str(info["path"]), "llm")
@@ -146,10 +147,12 @@ async def test_context_over_the_per_buffer_limit_fails_before_allocating(device,
     msg = str(ei.value)
     limit = min(device.max_buffer_size, device.max_storage_binding)
     cfg = info["config"]
-    per_buf = cfg.n_kv_heads * (1 << 22) * cfg.head_dim * (2 if device.has_f16 else 4)
-    assert per_buf in numbers(msg) and limit in numbers(msg) and "context_window_size" in msg
+    per_tok = cfg.n_kv_heads * cfg.head_dim * (2 if device.has_f16 else 4)
+    per_buf = per_tok * ((1 << 22) + 16)
+    binds = limit // (16 * per_tok) * 16 * per_tok               # the whole blocks a binding holds
+    assert per_buf in numbers(msg) and binds in numbers(msg) and "context_window_size" in msg
     fit = int(re.search(r"context_window_size \(at most (\d+)\)", msg).group(1))
-    assert fit * per_buf // (1 << 22) <= limit
+    assert (fit + 16) * per_tok <= limit
     monkeypatch.undo()
     await eng.reload("tiny-long", {"context_window_size": 512})      # a small window loads
     assert eng.models["tiny-long"].pipeline.model.ctx == 512
@@ -173,7 +176,7 @@ async def test_one_plan_is_estimated_allocated_and_reported(device, tmp_path):
         assert plan.context == 256 == lm.pipeline.model.ctx == lm.estimate.context_window
         assert plan.max_sequences == 2 and lm.pipeline.scheduler.fwd.n_blocks == plan.kv_pool_blocks > 256 // 16
         assert lm.estimate.kv_cache == plan.kv_cache_bytes(cfg) == plan.kv_bytes_per_token(cfg) * (
-            256 + 16 * plan.kv_pool_blocks)
+            16 * plan.kv_pool_blocks)                    # the pool only: the model has no cache of its own
         described = lm.describe(device)
         assert described["context_window"] == 256                   # what was allocated, not the 4096 asked
         assert described["memory"]["kv_cache_bytes"] == lm.estimate.kv_cache

@@ -90,13 +90,12 @@ def _same(a, b) -> None:
     assert [t.logprob for t in a.choices[0].logprobs.content] == [t.logprob for t in b.choices[0].logprobs.content]
 
 
-@pytest.mark.parametrize("kv", ["auto", "q8_0"])
-async def test_a_ring_runs_conversations_and_generations_past_the_window(device, path, kv):
+async def test_a_ring_runs_conversations_and_generations_past_the_window(device, path, kv="auto"):
     """W = 256, S = 4: a conversation of over 3x the window answers whole (nothing truncated), a
     generation runs 400 tokens past the window, the cache is the window plus one prefill chunk; after
     the ring went round, a prompt is computed again from its start (the ring no longer holds the
-    window before the rows it shares) and a follow-up turn reuses its prompt's rows (fewer than a
-    chunk back): both answer, bit for bit, as a cold engine does."""
+    window before the rows it shares) and so is a follow-up turn (the pool shares no ring's rows):
+    both answer, bit for bit, as a cold engine does."""
     opts = dict(context_window_size=-1, sliding_window_size=256, attention_sink_size=4, prefill_chunk_size=64,
                 kv_cache_dtype=kv)
     conv = _conversation(24)
@@ -109,19 +108,25 @@ async def test_a_ring_runs_conversations_and_generations_past_the_window(device,
         c = pipe.model.cfg
         assert info["context_window"] == 320 and info["sliding_window"] == {"sliding_window_size": 256,
                                                                             "attention_sink_size": 4}
-        assert info["memory"]["kv_cache_bytes"] == sum(t.nbytes for t in pipe.model.k_cache + pipe.model.v_cache) \
-            == 320 * pipe.plan.kv_bytes_per_token(c)
-        keeps, reuse = [], pipe._reuse_prefix        # the prompt rows each request takes from the cache
-        pipe._reuse_prefix = lambda ids: keeps.append(reuse(ids)) or keeps[-1]
+        pool = pipe.scheduler.fwd.pools            # a lone sequence's ring of 320 rows and a block
+        assert info["memory"]["kv_cache_bytes"] == sum(t.nbytes for kv in pool for t in kv) \
+            == (320 + 16) * pipe.plan.kv_bytes_per_token(c)
+        keeps = []                                 # the prompt rows each request takes from the cache
+
+        def kept():
+            keeps.append(pipe._req.prompt_tokens - pipe._req.prefill_tokens)
         r = await eng.chat.completions.create(messages=conv, max_tokens=8, temperature=0)
         assert r.usage.prompt_tokens > 3 * 256 and "truncated_messages" not in r.usage.extra.model_dump()
+        kept()
         r = await eng.chat.completions.create(messages=[LAST], max_tokens=656, temperature=0, ignore_eos=True)
         assert r.usage.completion_tokens == 656 and r.choices[0].finish_reason == "length"
+        kept()
         first = await eng.chat.completions.create(messages=conv, max_tokens=6, temperature=0, logprobs=True)
+        kept()
         follow = conv + [{"role": "assistant", "content": first.choices[0].message.content}, LAST]
         warm = await eng.chat.completions.create(messages=follow, max_tokens=12, temperature=0, logprobs=True)
-        # first: the ring went round in the 656 tokens, so none; warm: its prompt's rows but the answer's
-        assert keeps[2] == 0 and keeps[3] == first.usage.prompt_tokens, keeps
+        kept()
+        assert keeps == [0, 0, 0, 0], keeps       # a ring's rows are computed again for every request
     finally:
         await eng.unload()
     _same(first, await _cold(device, path, opts, conv, max_tokens=6))
@@ -150,7 +155,8 @@ async def test_bad_sliding_windows_are_typed_errors(device, path):
                  "sliding_window_size"),                                                         # > trained 512
                 ({**ring, "attention_sink_size": 128}, ChatOptionTypeError, "attention_sink_size"),
                 ({**ring, "max_num_sequences": 2, "kv_cache_dtype": "q8_0"}, UnsupportedChatOptionError,
-                 "kv_cache_dtype"),                                          # a batch's ring: f16 / f32 pools
+                 "kv_cache_dtype"),                                          # a ring: f16 / f32 pools
+                ({**ring, "kv_cache_dtype": "q4_0"}, UnsupportedChatOptionError, "kv_cache_dtype"),   # one slot too
                 ({**ring, "speculation": "ngram"}, UnsupportedChatOptionError, "speculation"),
                 ({**ring, "context_overflow": "shift"}, UnsupportedChatOptionError, "context_overflow"),
                 ({"attention_sink_size": 4}, UnsupportedChatOptionError, "attention_sink_size")]:

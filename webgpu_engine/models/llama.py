@@ -1,25 +1,25 @@
-"""The Llama-family decoder (Llama, Qwen2/3, Mistral, Phi-3, Gemma 2/3) on WebGPU, one sequence at a
-time: weights, a contiguous KV cache, activations, prefill and decode.
+"""The Llama-family decoder (Llama, Qwen2/3, Mistral, Phi-3, Gemma 2/3, ...) on WebGPU: weights and
+activations. A loaded chat model's forwards run over the batch scheduler's paged KV pool
+(models/paged.py PagedForward, pipelines/scheduler.py): the model allocates no cache of its own.
 
-The layer recipe is models/decoder.py's; this module holds what one sequence's forward owns and how
-it reaches its cache (ContiguousKV): per layer a K and a V tensor (Hkv, ctx, D) whose row p is
-position p, positions pos0 .. pos0+T-1 from the 16-byte step uniform (pos0, n_new, kv_len, 0).
+A model built by hand (no plan with a pool: the golden tests' drivers) keeps a contiguous cache of one
+sequence instead and runs prefill and decode over it (ContiguousKV): per layer a K and a V tensor
+(Hkv, ctx, D) whose row p is position p, positions pos0 .. pos0+T-1 from the 16-byte step uniform
+(pos0, n_new, kv_len, 0).
 
-Weights go to the GPU as stored (GGUF blocks, HF float rows). Activations are allocated once for
-`prefill_chunk` rows. The ops of a forward of T rows are built once per T and replayed; the decode
-ops (T = 1) read their input id from `ids`, which the sampler fills on the GPU, so a decode step
-writes only the step buffer. Standard library only (runs in the page).
+The layer recipe is models/decoder.py's. Weights go to the GPU as stored (GGUF blocks, HF float rows).
+Activations are allocated once for `prefill_chunk` rows. Standard library only (runs in the page).
 """
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from ..errors import ContextWindowTooLargeError, GPUOutOfMemoryError, UnsupportedModelError
 from ..gpu import Device
 from ..kernels import matmul as mm
 from ..kernels import nn
-from ..kernels.common import DTYPE_SIZE, Op, OpCache, Ring, Tensor, check, new_tensor, pipeline_keys
+from ..kernels.common import Op, OpCache, Ring, Tensor, check, new_tensor
 from ..kernels.kv_quant import KV_QUANTS, rope_kv_quant
 from ..loaders.decoder_config import FAMILIES
 from ..loaders.model_config import LlamaConfig
@@ -138,23 +138,6 @@ class ContiguousKV:
         return self.m.mixer_states[i], self.m.step, None
 
 
-class VerifyRowsKV(ContiguousKV):
-    """ContiguousKV for speculative decoding's verify rows (ROWS mode) where the device runs
-    fused_rows (the CPU family): row t, at position pos0 + t, goes through the DECODE plan's fused
-    kernels and the decode attention at its own position (nn.attention decode_rows), so its logits
-    are, bit for bit, those of the decode step at that position."""
-
-    fused_rows = True
-
-    def logits_for(self, rows: int) -> Tensor:
-        return self.m.verify_logits.view((rows, self.m.cfg.vocab_size))
-
-    def attention(self, i: int, qkv: Tensor, attn: Tensor, T: int, mode: str, spec: decoder.Attention):
-        m = self.m
-        return nn.attention(m.dev, qkv, m.k_cache[i], m.v_cache[i], attn, m.step, **spec.heads(), ctx=m.ctx,
-                            scale=spec.scale, max_t=T, decode_rows=True, **self.masking(spec))
-
-
 class LlamaModel:
     """One loaded decoder: weights, KV cache and activations, all owned by `owner`."""
 
@@ -162,9 +145,9 @@ class LlamaModel:
                  context_window: int = 4096, prefill_chunk: int = 256, dtype: str = "f32",
                  max_total_bytes: int = DEFAULT_MAX_TOTAL_BYTES, progress=None, kv_cache_dtype: str = "",
                  ring: Ring | None = None, plan: DecoderPlan | None = None):
-        """`plan`: the load's models/plan.py DecoderPlan (its context, prefill chunk, dtypes and ring);
-        without it (a model built by hand) one made of context_window, prefill_chunk, dtype,
-        kv_cache_dtype and ring, for one sequence."""
+        """`plan`: the load's models/plan.py DecoderPlan (its context, prefill chunk, dtypes, ring and
+        paged pool); without it (a model built by hand) one made of context_window, prefill_chunk,
+        dtype, kv_cache_dtype and ring, for one sequence in a contiguous cache."""
         if plan is None:
             plan = DecoderPlan(dtype, *cache_rows(cfg, context_window, prefill_chunk, ring), 1,
                                kv_cache_dtype="" if kv_cache_dtype == dtype else kv_cache_dtype, ring=ring)
@@ -184,24 +167,24 @@ class LlamaModel:
         except BaseException:
             dev.release_owner(owner)
             raise
-        self._ops = OpCache(_MAX_CACHED_SHAPES)      # (T, with_head) -> list[Op]
+        self._ops = OpCache(_MAX_CACHED_SHAPES)      # (T, with_head) -> list[Op] (contiguous cache)
         # decode steps record an op's short form when the live keys allow (nn.attention's
         # one-dispatch attention); a switch for A/B benchmarks
         self.short_attention = True
-        if dev.deferring:
-            # pipelines queue on the background compiler in the order built: a first prompt's
-            # prefill (tiled as a full chunk is, most prompts being over 8 rows) before decode
-            self.ops_for(self.chunk, True)
-        self.decode_ops = self._build(1, True, decode=True)   # built once, replayed every step
-        self._row_logits: list[Tensor] = []                    # speculative decoding, on first use
-        self._verify_ops: dict[int, list[Op]] = {}             # T -> the T rows' LM heads
+        self.decode_ops: list[Op] = []
+        if plan.contiguous:
+            if dev.deferring:
+                # pipelines queue on the background compiler in the order built: a first prompt's
+                # prefill (tiled as a full chunk is, most prompts being over 8 rows) before decode
+                self.ops_for(self.chunk, True)
+            self.decode_ops = self._build(1, True, decode=True)   # built once, replayed every step
 
     # ------------------------------------------------------------------ memory
     def _check_memory(self, weights: dict, max_total: int) -> None:
         """Refuse, before any allocation, a cache buffer over the device's per-buffer limit or a model
         over `max_total` bytes (the estimate the engine's pre-load check uses: models/memory.py)."""
         lim = min(self.dev.max_buffer_size, self.dev.max_storage_binding)
-        plan = replace(self.plan, max_sequences=1, kv_pool_blocks=0)     # this model's own buffers
+        plan = self.plan          # with a pool: the scheduler's too (made right after the model)
         est, kv_layer = estimate_llm(self.cfg, weights, plan, max_binding=lim), plan.kv_layer_bytes(self.cfg)
         if kv_layer > lim:
             raise ContextWindowTooLargeError(
@@ -323,10 +306,8 @@ class LlamaModel:
     # ------------------------------------------------------------------ activations and cache
     def _allocate(self) -> None:
         c, dev, own, dt, P = self.cfg, self.dev, self.owner, self.dtype, self.chunk
-        self.step = dev.buffer(16, owner=own, label="step")                 # u32 (pos0, n_new, kv_len, 0)
         self.rope_freq = nn.rope_frequencies(dev, c.rot_dim, c.rope_base, owner=own,
                                              factors=self.rope_factors)
-        self.ids = new_tensor(dev, (P,), "u32", owner=own, label="ids")      # (P,)
         self.x = new_tensor(dev, (P, c.hidden_size), dt, owner=own, label="x")            # residual
         self.h = new_tensor(dev, (P, c.hidden_size), dt, owner=own, label="h")            # normed
         H, Hkv, D = c.n_heads, c.n_kv_heads, c.max_head_dim        # the widest layer's heads
@@ -337,12 +318,9 @@ class LlamaModel:
                                label="attn")
         if any(L.attn_gate is not None for L in self.layers):
             self.attn_gate_out = new_tensor(dev, (P, H * D), dt, owner=own, label="attn_gate")
-        if mixers:                              # the mixers' scratch and one sequence's states (slot 0)
+        if mixers:                              # the mixers' scratch
             self.mixer_scratch = new_tensor(dev, (P, max(x.scratch for x in mixers)), dt, owner=own,
                                             label="mixer_scratch")
-        self.mixer_states = [[new_tensor(dev, shape, "f32", owner=own, label=f"mixer_state.{i}")
-                              for shape in L.mixer.state_shapes(1)] if L.mixer is not None else None
-                             for i, L in enumerate(self.layers)]
         slots = P * max(1, c.n_experts_used)         # a MoE layer's FFN rows: one per token and expert
         self.gate_up = new_tensor(dev, (slots, 2 * c.max_ffn), dt, owner=own, label="gate_up")
         self.ffn = new_tensor(dev, (slots, c.max_ffn), dt, owner=own, label="ffn")
@@ -358,11 +336,23 @@ class LlamaModel:
         # decode: sums of x^2 per 4 columns of each row, from the residual matmuls' epilogue (see
         # _build; one row per sequence of a batched decode step)
         self.part = new_tensor(dev, (P * c.hidden_size // 4,), "f32", owner=own, label="norm_partials")
-        self.logits = new_tensor(dev, (1, c.vocab_size), dt, owner=own, label="logits")
         if c.ple_dim:                           # every layer's inputs (T, L P), a scratch of that, one gate (T, P)
             self.ple = new_tensor(dev, (P, c.n_layers * c.ple_dim), dt, owner=own, label="ple")
             self.ple_tmp = new_tensor(dev, (P, c.n_layers * c.ple_dim), dt, owner=own, label="ple_tmp")
             self.ple_act = new_tensor(dev, (P, c.ple_dim), dt, owner=own, label="ple_act")
+        if self.plan.contiguous:
+            self._allocate_contiguous()
+
+    def _allocate_contiguous(self) -> None:
+        """A hand-built model's own cache of one sequence, its input ids, step uniform, logits row and
+        recurrent states (ContiguousKV)."""
+        c, dev, own, dt, P = self.cfg, self.dev, self.owner, self.dtype, self.chunk
+        self.step = dev.buffer(16, owner=own, label="step")                 # u32 (pos0, n_new, kv_len, 0)
+        self.ids = new_tensor(dev, (P,), "u32", owner=own, label="ids")      # (P,)
+        self.logits = new_tensor(dev, (1, c.vocab_size), dt, owner=own, label="logits")
+        self.mixer_states = [[new_tensor(dev, shape, "f32", owner=own, label=f"mixer_state.{i}")
+                              for shape in L.mixer.state_shapes(1)] if L.mixer is not None else None
+                             for i, L in enumerate(self.layers)]
         self.k_cache, self.v_cache = [], []
         for i in range(c.n_layers):             # a layer attending an earlier one's cache stores none
             src, D = c.kv_source(i), c.head_dim_of(i)
@@ -378,10 +368,10 @@ class LlamaModel:
 
     # ------------------------------------------------------------------ the forward pass as ops
     def _build(self, T: int, with_head: bool, decode: bool = False) -> list[Op]:
-        """The forward of T rows (models/decoder.py). Prefill (`decode` False) computes every row
-        with kernels whose per-row sums do not depend on T (row-invariant matmuls, the causal
-        attention kernel even for one row), so a position's logits are the same however the prompt
-        was chunked or how much of it was cached. Decode (T = 1) takes the fused, split-key kernels."""
+        """The forward of T rows over the contiguous cache (models/decoder.py). Prefill (`decode`
+        False) computes every row with kernels whose per-row sums do not depend on T (row-invariant
+        matmuls, the causal attention kernel even for one row), so a position's logits are the same
+        however the prompt was chunked. Decode (T = 1) takes the fused, split-key kernels."""
         if not decode:
             return decoder.forward(self, self.kv, T, decoder.PREFILL, with_head=with_head)
         self.decode_plan = decoder.FusionPlan.choose(self.dev, self.cfg, self.layers, self.lm_head, True)
@@ -396,63 +386,7 @@ class LlamaModel:
         height the few-row matmuls use (any other T uses the same kernels as one of these)."""
         return sorted({1, self.chunk} | {t for t in (2, 4, 8, 16) if t <= self.chunk})
 
-    def build_ops(self) -> set:
-        """Build the op lists `compile` runs (the largest prefill height first: most first prompts
-        tile as a full chunk does; then the verify forwards of 1 .. verify_rows rows) and return
-        their pipeline keys."""
-        for T in sorted(self.warm_heights(), reverse=True):
-            self.ops_for(T, True)
-        verify = [op for T in self._verify_heights() for op in self._verify_forward(T)]
-        return pipeline_keys([op for ops in self._ops.values() for op in ops] + self.decode_ops + verify)
-
-    def _verify_heights(self) -> range:
-        return range(1, min(self.verify_rows, self.VERIFY_ROWS) + 1)
-
-    def compile(self, batch, warmed=frozenset()) -> set:
-        """Build every op list a request uses and record one run of each pipeline into `batch`, so
-        that nothing compiles on the first prompt: pipelines are created here, and drivers that
-        compile on first dispatch (lavapipe's llvmpipe) do so when the batch runs. The prefill ops
-        of a full chunk, of one row and of each tile height the few-row matmuls use (2, 4, 8, 16:
-        kernels/matmul/batch.py; any other T uses the same kernels as one of these) and the decode
-        ops in both forms of the attention. The runs write KV rows from 0, which the first prompt
-        overwrites. Nothing is recorded when every pipeline is in `warmed` (already run on this
-        device). Returns the pipeline keys."""
-        heights = self.warm_heights()
-        keys = self.build_ops()
-        if keys <= warmed:
-            return keys
-        seen: set = set()
-        for T in heights:               # a run per height whose ops bring pipelines not yet run
-            ks = pipeline_keys(self.ops_for(T, True))
-            if not ks <= seen:
-                self.record_prefill(batch, [0] * T, 0)
-                seen |= ks
-        self.set_step(0, 1)
-        self._record(batch, self.decode_ops, 1)             # the short attention form
-        self._record(batch, self.decode_ops, None)          # the split-key form
-        for T in self._verify_heights():
-            self.record_verify(batch, [0] * T, 0)
-        return keys
-
-    # ------------------------------------------------------------------ speculative decoding
-    VERIFY_ROWS = 17                   # the most rows one verify forward checks (16 guesses + 1)
-    verify_rows = 0                    # verify forwards of 1 .. verify_rows rows built at load (speculation's k + 1)
-
-    def row_logits(self, n: int) -> list[Tensor]:
-        """Logits rows (1, V) for the heads of n <= VERIFY_ROWS verify rows, each at a storage-
-        binding-aligned offset (allocated on first use: speculative decoding only)."""
-        if not 0 < n <= self.VERIFY_ROWS:
-            raise ValueError(f"{n} verify rows: 1..{self.VERIFY_ROWS}")
-        if not self._row_logits:
-            c, esz = self.cfg, DTYPE_SIZE[self.dtype]
-            stride = -(-c.vocab_size * esz // 256) * 256 // esz
-            rows = new_tensor(self.dev, (self.VERIFY_ROWS * stride,), self.dtype, owner=self.owner,
-                              label="row_logits")
-            self._row_logits = [rows.view((1, c.vocab_size), r * stride) for r in range(self.VERIFY_ROWS)]
-            if self.exact_verify:            # the verify forward's (T, V) logits
-                self.verify_logits = new_tensor(self.dev, (self.VERIFY_ROWS, c.vocab_size), self.dtype,
-                                                owner=self.owner, label="verify_logits")
-        return self._row_logits[:n]
+    VERIFY_ROWS = 17                   # the most rows one verify step checks per sequence (16 guesses + 1)
 
     @property
     def recurrent(self) -> bool:
@@ -461,44 +395,11 @@ class LlamaModel:
         return any(L.mixer is not None for L in self.layers)
 
     @property
-    def exact_verify(self) -> bool:
-        """Whether verify rows are computed as decode steps compute them (VerifyRowsKV: the fused
-        one-row kernels over rows, fused_rows), else with the prefill's row-invariant kernels."""
-        return mm.fused_rows_ok(self.dev)
-
-    @property
     def verify_rows_per_pass(self) -> int | None:
-        """The rows a verify forward's fused kernels take in one pass over the weights (exact_verify),
-        else None: Speculation.with_k picks k from it."""
-        return mm.MAX_DECODE_ROWS if self.exact_verify else None
-
-    def record_verify(self, batch, ids: list[int], pos0: int) -> list[Tensor]:
-        """Record the forward of ids at pos0.. with every row's logits into `batch`; returns the
-        logits rows. exact_verify: row t's logits are those of the decode step at pos0 + t (the
-        DECODE plan's fused kernels over rows, each row's attention in the decode form of its own
-        length); else the PREFILL forward with every row's LM head as a one-row prefill's
-        (decoder.row_heads)."""
-        T = len(ids)
-        outs = self.row_logits(T)
-        if not self.exact_verify:
-            self._record_rows(batch, ids, pos0, self._verify_forward(T))
-            return outs
-        self._record_rows(batch, ids, pos0, self._verify_forward(T), n_keys=pos0 + T)
-        row = self.cfg.vocab_size * DTYPE_SIZE[self.dtype]
-        for r, out in enumerate(outs):       # rows at binding-aligned offsets, for the samplers
-            batch.copy(self.verify_logits.buf, out.buf, row, self.verify_logits.offset + r * row, out.offset)
-        return outs
-
-    def _verify_forward(self, T: int) -> list[Op]:
-        """The ops of a verify forward of T rows (built once per T): see record_verify."""
-        outs = self.row_logits(T)
-        if T not in self._verify_ops:
-            if self.exact_verify:
-                self._verify_ops[T] = decoder.forward(self, VerifyRowsKV(self), T, decoder.ROWS,
-                                                      plan=self.decode_plan)
-            else:
-                self._verify_ops[T] = decoder.row_heads(self, self.kv, T, outs)
-        return self._verify_ops[T] if self.exact_verify else self.ops_for(T, False) + self._verify_ops[T]
+        """The rows the fused decode kernels take in one pass over the weights where verify rows go
+        through them (the CPU family: each row as a decode step computes it), else None:
+        Speculation.with_k picks k from it."""
+        return mm.MAX_DECODE_ROWS if mm.fused_rows_ok(self.dev) else None
 
     images = None                      # ImageRows of a vision-language model (enable_images)
 
@@ -507,10 +408,11 @@ class LlamaModel:
         hidden size) and per-row image rows (models/image_rows.py), an image's rows attending each
         other both ways where `bidirectional` (Gemma 3); rebuilds the prefill op lists."""
         from .image_rows import ImageRows
-        self.images = ImageRows(self.dev, rows=int(self.ids.shape[0]), features=features, width=width,
+        self.images = ImageRows(self.dev, rows=self.chunk, features=features, width=width,
                                 owner=self.owner, bidirectional=bidirectional)
         self._ops.release()
 
+    # ------------------------------------------------------------------ a hand-built model's steps
     def set_step(self, pos0: int, n_new: int) -> None:
         self.dev.write(self.step, struct.pack("<4I", pos0, n_new, pos0 + n_new, 0))
 
@@ -518,19 +420,14 @@ class LlamaModel:
         """Write ids (T <= chunk) and the step, record the forward of those rows into `batch`."""
         if not 0 < len(ids) <= self.chunk:
             raise ValueError(f"prefill of {len(ids)} tokens: chunks must have 1..{self.chunk} tokens")
-        self._record_rows(batch, ids, pos0, self.ops_for(len(ids), with_head))
-
-    def _record_rows(self, batch, ids: list[int], pos0: int, ops: list[Op], n_keys: int | None = None) -> None:
-        """Write the rows' ids and the step (positions pos0..), record `ops` into `batch` (n_keys:
-        the longest row's live keys, for ops with a short form)."""
         T = len(ids)
         if pos0 + T > self.ctx and self.ring is None:
             raise ContextWindowTooLargeError(f"positions up to {pos0 + T} exceed the context window {self.ctx}")
         self.dev.write(self.ids.buf, struct.pack(f"<{T}I", *ids))
         self.set_step(pos0, T)
-        if self.images is not None:          # the rows holding image tokens (staged by the pipeline)
+        if self.images is not None:          # the rows holding image tokens (staged by the caller)
             self.images.write(T)
-        self._record(batch, ops, n_keys)
+        self._record(batch, self.ops_for(T, with_head), None)
 
     def record_decode(self, batch, pos0: int) -> None:
         """Record one decode step at position pos0; its input id is already in `ids[0]`."""
@@ -544,19 +441,7 @@ class LlamaModel:
         for op in ops:
             op.record(batch, n_keys=n_keys if self.short_attention else None)
 
-    def rebuild_decode_ops(self) -> None:
-        """Build the decode step's ops again (the kernel choices changed after the constructor built
-        them: a profile stored by tuning at load)."""
-        for op in self.decode_ops + [op for ops in self._verify_ops.values() for op in ops]:
-            op.release()
-        self._verify_ops = {}
-        self.decode_ops = self._build(1, True, decode=True)
-
     def release(self) -> None:
         self.dev.release_owner(self.owner)
         self._ops.release()
-        for ops in self._verify_ops.values():
-            for op in ops:
-                op.release()
-        self._verify_ops, self._row_logits = {}, []
         self.decode_ops = []

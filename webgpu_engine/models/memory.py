@@ -49,11 +49,11 @@ def _weight_bytes(t, max_binding: int) -> tuple[int, int]:
 
 
 def estimate_llm(cfg, tensors: dict, plan, *, max_binding: int) -> MemoryEstimate:
-    """A Llama-family decoder as models/llama.py + the sampler allocate it under `plan` (a
-    models/plan.py DecoderPlan: dtype, context, prefill rows, sequences, paged pool). `tensors`: our
-    weight names → TensorInfo (only names, qtypes and shapes are used). With max_sequences > 1 the
-    paged KV pool of the batch scheduler (pipelines/scheduler.py), its logits rows and per-slot
-    samplers come on top."""
+    """A Llama-family decoder as models/llama.py and the batch scheduler (pipelines/scheduler.py)
+    allocate it under `plan` (a models/plan.py DecoderPlan: dtype, context, prefill rows, sequences,
+    paged pool): weights, activations, the paged KV pool, its logits rows and per-slot samplers; a
+    model built by hand (no pool) has its contiguous cache of one sequence, its logits and a sampler
+    instead. `tensors`: our weight names → TensorInfo (only names, qtypes and shapes are used)."""
     esz, ctx, P = plan.act_bytes, plan.context, plan.prefill_chunk
     weights, largest, label = 0, 0, ""
     for name, t in tensors.items():
@@ -64,13 +64,14 @@ def estimate_llm(cfg, tensors: dict, plan, *, max_binding: int) -> MemoryEstimat
     kv_buf = plan.kv_layer_bytes(cfg)                                      # one (Hkv, ctx, D) cache
     C, V = cfg.hidden_size, cfg.vocab_size
     F = cfg.ffn_size * max(1, cfg.n_experts_used)          # a MoE layer's FFN rows: one per token and expert
-    act = esz * P * (2 * C + cfg.qkv_dim + cfg.q_dim + 3 * F) + 4 * P + esz * (C + V) + P * C   # P * C: norm partials
+    solo = plan.contiguous                                 # a hand-built model: its own cache, logits, sampler
+    act = esz * P * (2 * C + cfg.qkv_dim + cfg.q_dim + 3 * F) + 4 * P + esz * (C + V * solo) + P * C   # P * C: norm partials
     act += P * (esz * cfg.n_experts + 4 * (3 + C) * cfg.n_experts_used) + 4 * (cfg.n_experts + 1)   # router
     #    logits; chosen experts, their weights, order and f32 down products; each expert's first slot
     # Gemma 4: the widest layer's heads and FFN beyond the config's, its per-layer inputs (T, L P) x 2, (T, P)
     act += esz * P * ((2 * cfg.n_heads + 2 * cfg.n_kv_heads) * (cfg.max_head_dim - cfg.head_dim)
                       + 3 * (cfg.max_ffn - cfg.ffn_size) + (2 * cfg.n_layers + 1) * cfg.ple_dim)
-    act += 4 * V * 3 + 4 * (V + 31) // 32 + 1024          # sampler: bias, history, scratch, io, params
+    act += (4 * V * 3 + 4 * (V + 31) // 32 + 1024) * solo  # sampler: bias, history, scratch, io, params
     act += 64 * 1024                                         # per-op params uniforms (~16 B x ops)
     if getattr(plan, "ring", None) is not None:             # a sliding window's sink queries
         act += esz * P * cfg.q_dim
@@ -84,13 +85,12 @@ def estimate_llm(cfg, tensors: dict, plan, *, max_binding: int) -> MemoryEstimat
         if size > largest:
             largest, label = size, what
     # a family's token mixers (Qwen3.5's Gated DeltaNet, LlamaConfig.extra): their wider projections and
-    # scratch per row, and their recurrent states per sequence (the one-request model's, and each slot
-    # of the paged batch's and its prefix snapshots')
+    # scratch per row, and their recurrent states per sequence (each slot of the paged batch's and its
+    # prefix snapshots', or the hand-built model's one)
     mix = cfg.extra.get("mixer_memory", {}) if isinstance(getattr(cfg, "extra", None), dict) else {}
     act += esz * P * mix.get("row_elems", 0)
-    act += mix.get("state_bytes", 0) * (1 + (plan.max_sequences + snapshot_slots(plan.max_sequences)
-                                             if plan.max_sequences > 1 else 0))
-    if plan.max_sequences > 1:
+    act += mix.get("state_bytes", 0) * (1 if solo else plan.max_sequences + snapshot_slots(plan.max_sequences))
+    if not solo:
         act += plan.max_sequences * (esz * 2 * V + 4 * V * 3 + 4 * (V + 31) // 32 + 4096)
     return MemoryEstimate(weights, plan.kv_cache_bytes(cfg), act, ctx, plan.kv_bytes_per_token(cfg), partials,
                           largest, label)

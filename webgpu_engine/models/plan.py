@@ -15,6 +15,7 @@ from ..kernels.kv_quant import KV_QUANTS, KV_BLOCK, kv_row_bytes, quant_supporte
 # KV-pool blocks when no size is asked for: max_num_sequences full contexts, at most this many tokens
 # beyond two contexts (preemption and prefix sharing cover the rest)
 POOL_TOKENS_CAP = 8192
+CTX_STEP = 256           # suggested context windows are multiples of this
 KV_CACHE_DTYPES = ("auto", "f16", "f32") + tuple(KV_QUANTS)     # chat_config.kv_cache_dtype
 
 
@@ -75,11 +76,12 @@ class DecoderPlan:
     """What one decoder load allocates (see the module's note)."""
 
     dtype: str                 # activations and KV cache: "f32" | "f16"
-    context: int               # KV rows of the one-sequence cache (the model's trained length at most)
+    context: int               # KV rows of one sequence (the model's trained length at most)
     prefill_chunk: int         # rows of one prefill forward
-    max_sequences: int         # decoded together; 1: one request at a time, no paged pool
+    max_sequences: int         # decoded together by the batch scheduler (1: one request at a time)
     kv_block_size: int = 16    # tokens per paged KV block
-    kv_pool_blocks: int = 0    # blocks of the paged pool (0 when max_sequences is 1)
+    kv_pool_blocks: int = 0    # blocks of the paged pool (0: a model built by hand, with a contiguous
+    #                            cache of one sequence instead: models/llama.py ContiguousKV)
     kv_cache_dtype: str = ""   # the KV cache and pool: "q8_0" / "q4_0" (kernels/kv_quant.py), or "" (= dtype)
     ring: Ring | None = None   # a sliding window with sinks: context = its window + one prefill chunk of rows
 
@@ -95,13 +97,19 @@ class DecoderPlan:
         """K and V of one position, every layer."""
         return 2 * cfg.n_kv_heads * sum(kv_row_bytes(self.kv_dtype, D) for D in cfg.cache_head_dims())
 
+    @property
+    def contiguous(self) -> bool:
+        """Whether the model keeps a contiguous cache of one sequence (built by hand, no pool)."""
+        return self.kv_pool_blocks == 0
+
     def kv_layer_bytes(self, cfg) -> int:
-        """One layer's K (or V) cache of the one-sequence path: (Hkv, context, D) (the widest layer's)."""
-        return cfg.n_kv_heads * self.context * kv_row_bytes(self.kv_dtype, cfg.max_head_dim)
+        """One layer's K (or V) contiguous cache, (Hkv, context, D) (the widest layer's); 0 with a pool."""
+        return cfg.n_kv_heads * self.context * kv_row_bytes(self.kv_dtype, cfg.max_head_dim) if self.contiguous else 0
 
     def kv_cache_bytes(self, cfg) -> int:
-        """The contiguous cache plus the paged pool."""
-        return self.kv_bytes_per_token(cfg) * (self.context + self.kv_block_size * self.kv_pool_blocks)
+        """The paged pool (or a hand-built model's contiguous cache)."""
+        rows = self.context if self.contiguous else self.kv_block_size * self.kv_pool_blocks
+        return self.kv_bytes_per_token(cfg) * rows
 
 
 def resolve_max_sequences(dev, chat_config) -> int:
@@ -146,16 +154,20 @@ def plan_decoder(cfg, chat_config, dev) -> DecoderPlan:
     ctx, chunk = cache_rows(cfg, chat_config.context_window_size, chat_config.prefill_chunk_size, ring)
     seqs = resolve_max_sequences(dev, chat_config)
     bs = int(chat_config.kv_block_size)
-    blocks = 0
     kv = kv_cache_dtype(cfg, chat_config, dtype)
-    if seqs > 1:
-        from ..kernels.attention_paged import max_pool_blocks
-        cap = max_pool_blocks(dev, bs, cfg.n_kv_heads, cfg.max_head_dim, kv or dtype)
-        one = -(-ctx // bs) + 1                    # a lone sequence of a full context always fits
-        blocks = min(pool_blocks(seqs, ctx, bs, chat_config.kv_pool_tokens), cap)
-        if blocks < one:
-            raise ContextWindowTooLargeError(
-                f"A paged KV cache for a context of {ctx} tokens needs {one} blocks of {bs} tokens per "
-                f"layer, more than this device binds ({cap}). Use a smaller context_window_size.",
-                param="context_window_size")
+    if kv and ring is not None:
+        raise UnsupportedChatOptionError("kv_cache_dtype", kv, (
+            "a sliding window's ring (sliding_window_size) keeps its KV pool in the activations' dtype: "
+            "leave kv_cache_dtype \"auto\" with a sliding window, or leave sliding_window_size unset"))
+    from ..kernels.attention_paged import max_pool_blocks
+    cap = max_pool_blocks(dev, bs, cfg.n_kv_heads, cfg.max_head_dim, kv or dtype)
+    one = -(-ctx // bs) + 1                        # a lone sequence of a full context always fits
+    blocks = min(pool_blocks(seqs, ctx, bs, chat_config.kv_pool_tokens), cap)
+    if blocks < one:
+        block = bs * cfg.n_kv_heads * kv_row_bytes(kv or dtype, cfg.max_head_dim)
+        fit = (cap - 1) * bs // CTX_STEP * CTX_STEP
+        raise ContextWindowTooLargeError(
+            f"A paged KV cache for a context of {ctx} tokens needs {one * block} bytes per layer ({one} "
+            f"blocks of {bs} tokens), but this device binds at most {cap * block} bytes of it "
+            f"({cap} blocks). Use a smaller context_window_size (at most {fit}).", param="context_window_size")
     return DecoderPlan(dtype, ctx, chunk, seqs, bs, blocks, kv, ring)

@@ -74,10 +74,22 @@ class BatchSequence:
         if pipe.vision is not None:          # its images' tiles, preprocessed (vision/runner.py)
             from ..vision.requests import images_of
             self.tiles = await pipe.vision.batch_tiles(ids, images_of(messages))
-        self.seq = pipe.new_sequence(gen, req, raw=prompt is not None)
+        await self.prefill_ids(ids, gen, raw=prompt is not None, req=req)
+
+    async def prefill_ids(self, ids: list[int], gen: GenerationConfig, raw: bool = True,
+                          req: RequestStats | None = None, stats=None) -> None:
+        """Generate after prompt token ids `ids` (checked by the caller); raw: they continue a
+        completion (not a chat reply); stats: where the sequence's figures go (default the model's)."""
+        req = req if req is not None else RequestStats(t_start=now(), breakdown=gen.latency_breakdown)
+        self.seq = self._sched.pipe.new_sequence(gen, req, raw=raw, stats=stats)
         req.prompt_tokens = len(ids)
         self._rec = self._sched.add(self, ids, gen)
         await self._wait()
+
+    def tokens(self) -> list[int]:
+        """The tokens whose K/V the pool holds (or will) for this sequence: its prompt and the
+        answer's tokens fed back so far."""
+        return list(self._rec.toks) if self._rec is not None else []
 
     async def decode_step(self) -> None:
         self._sched.taken(self)

@@ -130,7 +130,7 @@ class BatchSpeculation:
         for g, raw in zip(guess, results):
             if seq.stopped or not rec.in_pool or seq.last_token != g:
                 break
-            pool.append_tokens(rec.id, [g], decoded=not sched.reuse_decoded)
+            pool.append_tokens(rec.id, [g], decoded=not sched.pipe.chat_config.reuse_decoded_kv)
             rec.toks.append(g)
             sched._accept(rec, raw, 0.0, True)
             n += 1

@@ -1,18 +1,21 @@
-"""LLMChatPipeline: a loaded Llama-family chat model — conversation, KV reuse, prefill/decode steps,
-GPU sampling, stop rules, logprobs and stats (modelled on WebLLM's llm_chat.ts).
+"""LLMChatPipeline: a loaded Llama-family chat model — its load (plan, weights, tuning, warm-up),
+prompts, the conversation and stats (modelled on WebLLM's llm_chat.ts). Every generation decodes
+through the batch scheduler (scheduler.py) over the paged KV pool, the one decode loop: each choice of
+a request is a `sequence()`, and the pipeline's own request-level methods (prefill_step, decode_step,
+take_delta, get_message, usage, forward_tokens_and_sample: WebLLM's stateful chat) drive one such
+sequence, a follow-up turn reusing the conversation's prefix from the pool's cached blocks.
 
-One request: `prefill_step(messages | prompt)` computes the prompt (only the tokens after the
-longest prefix already in the KV cache) and samples the first token; `decode_step` feeds the last
-token and samples the next, until EOS (unless ignore_eos), a stop string, max_tokens ("length"),
-a full context window ("length") or `interrupt()` ("abort"). A request with a grammar
-(`gen.grammar`, see grammar.py) masks the logits each step with the matcher's allowed tokens and
-stops ("stop") when the grammar is complete. Page code: standard library only.
+A generation: `prefill_step(messages | prompt)` computes the prompt (only the tokens after the
+longest cached prefix) and samples the first token; `decode_step` feeds the last token and samples
+the next, until EOS (unless ignore_eos), a stop string, max_tokens ("length"), a full context window
+("length") or `interrupt()` ("abort"); with a grammar (`gen.grammar`, see grammar.py) the logits
+are masked each step and it stops ("stop") when the grammar is complete. Page code: standard
+library only.
 """
 from __future__ import annotations
 
 import asyncio
 import itertools
-import struct
 import logging
 import sys
 from contextlib import nullcontext
@@ -24,19 +27,18 @@ from ..errors import (
     ChatOptionTypeError,
     ContextWindowTooLargeError,
     InvalidRequestError,
+    UnsupportedChatOptionError,
 )
-from ..gpu import IN_BROWSER, Device
+from ..gpu import Device
 from ..kernels import matmul as mm, tune
 from ..kernels.common import pipeline_keys, warm_up
 from ..kernels.logit_mask import LogitMask
-from ..kernels.sampling import Sampler
 from ..models.plan import DecoderPlan, plan_decoder
 from ..models.registry import LLM, open_model
-from .decode_paths import DecodePaths
 from .grammar import GrammarCompiler
 from .prompt import checked_ids, longest_token_bytes, prompt_ids, template_kwargs
-from .sequence import Sequence, configure_sampler, process_logits
-from .speculation import Speculation, SpeculationStats
+from .sequence import Sequence
+from .speculation import Speculation, SpeculationStats, same_vocabulary
 from .stats import CumulativeStats, RequestStats, now
 
 OVERFLOW_POLICIES = ("error", "truncate", "shift")
@@ -68,7 +70,7 @@ async def _tune(dev: Device, model, dtype: str, tuning: tuple, progress, name: s
         model.rebuild_decode_ops()
 
 
-class LLMChatPipeline(DecodePaths):
+class LLMChatPipeline:
     # What the engine reads (pipelines/protocol.py ChatPipelineProtocol); set in __init__.
     dev: Device
     owner: str
@@ -84,64 +86,55 @@ class LLMChatPipeline(DecodePaths):
     token_logprobs: list[dict]
 
     def __init__(self, dev: Device, model, tokenizer, template, chat_config: ChatConfig,
-                 owner: str, plan: DecoderPlan | None = None):
+                 owner: str, plan: DecoderPlan | None = None, batch: bool = True):
+        """`batch` False: no scheduler (a draft model, whose guesses batch_draft.py makes over a
+        paged cache of its own)."""
         self.dev, self.model, self.tokenizer, self.template = dev, model, tokenizer, template
         self.model_config, self.chat_config, self.owner = model.cfg, chat_config, owner
         cfg = model.cfg
         # Checkpoints often pad the embedding / LM-head rows past the tokenizer (Qwen2.5: 151936
-        # rows for 151665 tokens): the sampler reads only the ids the tokenizer can decode, so a
+        # rows for 151665 tokens): the samplers read only the ids the tokenizer can decode, so a
         # padding id is never sampled (as if its logit were -inf) and logprobs are over real tokens.
         self.vocab_size = _valid_vocab(cfg.vocab_size, tokenizer)
-        self.sampler = Sampler(dev, self.vocab_size, owner=owner)
-        # The sampler writes its token into the model's ids[0]: the next decode step's input.
-        self._sample_op = self.sampler.op(model.logits.view((self.vocab_size,)), model.ids)
         eos = set(cfg.eos_ids) | set(getattr(tokenizer, "eos_ids", None) or [])
         self.eos_ids = eos | set(chat_config.stop_token_ids)
         self.logit_processor = None
-        # constrained decoding: grammars compiled per model (cached); the GPU mask made on first use
+        # constrained decoding: grammars compiled per model (cached); the masks are the slots'
         self.grammars = GrammarCompiler(tokenizer, self.vocab_size, self.eos_ids)
-        self._mask: LogitMask | None = None
-        self._mask_op = None
-        self.kv_ids: list[int] = []          # tokens whose K/V sit in the cache, positions 0..n-1
-        self.kv_exact = 0                     # its leading rows a prefill wrote: a cold prefill's, bit for bit
         self._longest_token: int | None = None
         self.stats = CumulativeStats()
-        self._new_request_state()
-        self.scheduler = None
+        self.seq = self.new_sequence()            # the last finished answer (get_message)
+        self.seq.stopped = True
+        self._turn = None                         # the pipeline-level request (prefill_step ...): a BatchSequence
         self._solo = asyncio.Lock()
         self.speculation = Speculation.parse(chat_config.speculation)
         if self.speculation is not None:
             self.speculation = self.speculation.with_k(model.verify_rows_per_pass)
-        model.verify_rows = self.speculation.k + 1 if self.speculation else 0     # built at load
         if chat_config.context_overflow not in OVERFLOW_POLICIES:
             raise ChatOptionTypeError("context_overflow", f"one of {list(OVERFLOW_POLICIES)}",
                                       chat_config.context_overflow)
         self.spec_stats = SpeculationStats()            # since load
-        self._row_sample_ops: list = []                 # the sampler's op per verify row
-        self._row_results = None                        # their results, one readback per verify
-        self._row_masks: list = []                      # (LogitMask, op) per verify row under a grammar
-        self._ahead = None                              # decode_ahead: the Readback of a step in flight
         self._software = mm.is_software_adapter(dev)    # a CPU "GPU": decode_ahead off by default, and
         #                                                 its submits may block while it is busy
-        self.host_s = 0.0                               # decode steps' host time (record + submit), since load
         self.draft: LLMChatPipeline | None = None      # speculation "draft": the draft model's pipeline
-        self._decode_step_s: float | None = None        # a fused decode step's time (auto_off), smoothed
-        # what was allocated: the load's plan, or (a model built by hand) the model's own, for one sequence
         self.plan = plan or model.plan
         self.shifts = chat_config.context_overflow == "shift"
-        # the positions the cache holds at once (a sliding window's ring: any), and those a generation
-        # may reach (context shifts go on past the cache's end)
+        # the positions a sequence's cache holds at once (a sliding window's ring: any), and those a
+        # generation may reach (context shifts go on past the cache's end)
         self.cache_end = sys.maxsize if model.ring else model.ctx
         self.positions = sys.maxsize if self.shifts else self.cache_end
         self.lora = None            # models/lora.py LoraPool, made for the first adapter (engine/lora.py)
-        if self.plan.max_sequences > 1:            # continuous batching over a paged KV cache
+        self.scheduler = None
+        if batch:                   # the decode loop: continuous batching over the paged KV pool
+            if self.plan.contiguous:
+                raise ValueError("a chat pipeline needs a plan with a paged KV pool (models/plan.py plan_decoder)")
             from .scheduler import Scheduler
             self.scheduler = Scheduler(self, self.plan)
 
     # ------------------------------------------------------------------ loading
     @classmethod
     async def load(cls, dev: Device, path, chat_config: ChatConfig | None = None, progress=None,
-                   model_id: str | None = None) -> "LLMChatPipeline":
+                   model_id: str | None = None, batch: bool = True) -> "LLMChatPipeline":
         chat_config = chat_config or ChatConfig()
         path = Path(path)
         owner = f"model:{model_id}" if model_id else f"model:llm{next(_ids)}"
@@ -166,7 +159,7 @@ class LLMChatPipeline(DecodePaths):
         with dev.compiling_in_background() if chat_config.compile_at_load else nullcontext() as queued:
             try:
                 pipe = await cls._load(dev, m, path, cfg, tokenizer, template, chat_config, plan, owner,
-                                       tuning, tunes, progress, model_id)
+                                       tuning, tunes, progress, model_id, batch)
             finally:
                 close()
         if queued and not chat_config.compile_in_background:
@@ -188,7 +181,7 @@ class LLMChatPipeline(DecodePaths):
 
     @classmethod
     async def _load(cls, dev, m, path, cfg, tokenizer, template, chat_config, plan, owner, tuning, tunes,
-                    progress, model_id) -> "LLMChatPipeline":
+                    progress, model_id, batch) -> "LLMChatPipeline":
         dtype = plan.dtype
         try:
             # uploads fill the first 90% of this load's progress when kernel tuning may follow
@@ -196,12 +189,12 @@ class LLMChatPipeline(DecodePaths):
                                          progress=_scaled(progress, 0.0, 0.9) if tunes else progress)
             if tunes:
                 await _tune(dev, model, dtype, tuning, _scaled(progress, 0.9, 1.0), model_id or path.name)
-            pipe = cls(dev, model, tokenizer, template, chat_config, owner, plan)
+            pipe = cls(dev, model, tokenizer, template, chat_config, owner, plan, batch=batch)
             pipe._load_vision(path)
             if pipe.speculation is not None and pipe.speculation.method == "draft":
                 pipe.draft = await pipe._load_draft(progress, model_id)
-                if pipe.scheduler is not None:     # it guesses for every sequence of a batch at once
-                    pipe.scheduler.spec.use_draft(pipe.draft, plan.kv_pool_blocks, plan.kv_block_size)
+                # it guesses for every sequence of a batch at once
+                pipe.scheduler.spec.use_draft(pipe.draft, plan.kv_pool_blocks, plan.kv_block_size)
             if chat_config.compile_at_load:
                 if progress:
                     progress(1.0, "Loading GPU shader modules")
@@ -223,26 +216,45 @@ class LLMChatPipeline(DecodePaths):
                 self.vision.unavailable = ("context_overflow 'shift' would compute an image's rows again "
                                            "without the image: load with another context_overflow")
 
-    async def _compile(self, background: bool = False) -> None:
-        """Create and run once every pipeline of the model and the sampler (see LlamaModel.compile);
-        `background`: build every op list, whose pipelines queue on the background compiler, and
-        run nothing."""
-        self._make_mask()                 # the grammar mask's kernel too (its buffer is 4 B per 32 ids)
-        samplers = [self._mask_op, self._sample_op.greedy, self._sample_op.full]
+    async def _load_draft(self, progress, model_id: str | None) -> "LLMChatPipeline":
+        """speculation "draft": load the draft model (a local path: the engine resolves references)
+        beside this one, with this model's context window, and check that it shares the vocabulary.
+        It has no scheduler: batch_draft.py guesses with it over a paged cache of its own."""
+        spec, cc = self.speculation, self.chat_config
+        if progress:
+            progress(1.0, f"loading the draft model {spec.model}")
+        dcc = ChatConfig(context_window_size=self.model.ctx, max_num_sequences=1, dtype=cc.dtype,
+                         compile_at_load=False, prefill_chunk_size=cc.prefill_chunk_size)
+        draft = await type(self).load(self.dev, spec.model, dcc, model_id=f"{model_id}.draft" if model_id else None,
+                                      batch=False)
+        if not same_vocabulary(self.tokenizer, draft.tokenizer):
+            draft.dispose()
+            raise UnsupportedChatOptionError("speculation", spec.describe(), (
+                f"the draft model's vocabulary ({draft.tokenizer.vocab_size} tokens) differs from this "
+                f"model's ({self.tokenizer.vocab_size}): a draft model must share the tokenizer"))
+        return draft
 
+    async def _compile(self, background: bool = False) -> None:
+        """Create and run once every pipeline a request uses: the scheduler's op lists (decode of
+        1 .. max rows, prefill of the model's warm-up heights; inputs all zero: idle rows, KV rows of
+        block 0) and a slot's sampler and grammar mask; `background`: build every op list, whose
+        pipelines queue on the background compiler, and run nothing."""
         sched = self.scheduler
+        if sched is None:
+            return
         if background:
-            self.model.build_ops()
-            for kind, T in (sched.compile_ops() if sched else ()):
+            for kind, T in sched.compile_ops():
                 sched.fwd.ops(kind, T)
             return
-        paged = [sched.fwd.ops(kind, T) for kind, T in sched.compile_ops()] if sched else []
+        paged = [sched.fwd.ops(kind, T) for kind, T in sched.compile_ops()]
+        slot = sched.slots[0]
+        if slot.mask is None:           # the grammar mask's kernel too (its buffer is 4 B per 32 ids)
+            slot.mask = LogitMask(self.dev, self.vocab_size, owner=self.owner)
+            slot.mask_op = slot.mask.op(slot.logits)
+        samplers = [slot.mask_op, slot.op.greedy, slot.op.full]
 
         def record(batch, warmed):
-            keys = self.model.compile(batch, warmed)
-            # the batch scheduler's ops: each op whose pipelines nothing above runs (inputs all
-            # zero: idle rows, KV rows of block 0); the matmuls are mostly the prefill's
-            seen = keys | warmed
+            keys, seen = set(), set(warmed)
             for op in (op for ops in paged for op in ops):
                 k = pipeline_keys([op])
                 if not k <= seen:
@@ -251,19 +263,14 @@ class LLMChatPipeline(DecodePaths):
                 keys |= k
             skeys = pipeline_keys(samplers)
             if not skeys <= warmed:
-                self.sampler.configure(GREEDY)
+                slot.sampler.configure(GREEDY)
                 for op in samplers:
                     op.record(batch)
             return keys | skeys
         await warm_up(self.dev, record)
 
-    def _make_mask(self) -> None:
-        if self._mask is None:
-            self._mask = LogitMask(self.dev, self.vocab_size, owner=self.owner)
-            self._mask_op = self._mask.op(self.model.logits.view((self.vocab_size,)))
-
     def finished(self, seq: Sequence) -> None:
-        """A batched sequence has finished: get_message() gives its answer (the last finished)."""
+        """A sequence has finished: get_message() gives its answer (the last finished)."""
         self.seq = seq
 
     def set_logit_processor(self, proc) -> None:
@@ -272,27 +279,32 @@ class LLMChatPipeline(DecodePaths):
         self.logit_processor = proc
 
     # ------------------------------------------------------------------ request state
-    def _new_request_state(self, gen: GenerationConfig | None = None, req: RequestStats | None = None,
-                           raw: bool = False) -> None:
-        self.seq = self.new_sequence(gen, req, raw)
-        if self.seq.matcher is not None:
-            self._make_mask()
-
     def new_sequence(self, gen: GenerationConfig | None = None, req: RequestStats | None = None,
-                     raw: bool = False) -> Sequence:
+                     raw: bool = False, stats: CumulativeStats | None = None) -> Sequence:
         """A generation's state (stop rules, streamed text, stats) for this model; raw: it continues
-        a completion prompt (not a chat reply)."""
-        return Sequence(self.tokenizer, self.eos_ids, self.chat_config.stop_str, self.stats, gen, req, raw)
+        a completion prompt (not a chat reply); stats: where its figures go (default the model's)."""
+        return Sequence(self.tokenizer, self.eos_ids, self.chat_config.stop_str,
+                        self.stats if stats is None else stats, gen, req, raw)
 
-    # the current request's state, as the engine and tests read it
-    output_ids = property(lambda self: self.seq.output_ids)
-    token_logprobs = property(lambda self: self.seq.token_logprobs)
-    stopped = property(lambda self: self.seq.stopped)
-    finish_reason = property(lambda self: self.seq.finish_reason)
-    stop_str = property(lambda self: self.seq.stop_str)
-    detok = property(lambda self: self.seq.detok)
-    _req = property(lambda self: self.seq.req)
-    _last_token = property(lambda self: self.seq.last_token)
+    def _current(self) -> Sequence:
+        """The pipeline-level request's sequence while it runs, else the last finished one."""
+        t = self._turn
+        return t.seq if t is not None and t.seq is not None and not t.seq.stopped else self.seq
+
+    # the pipeline-level request's state (else the last finished answer's), as the engine and tests read it
+    output_ids = property(lambda self: self._current().output_ids)
+    token_logprobs = property(lambda self: self._current().token_logprobs)
+    stopped = property(lambda self: self._current().stopped)
+    finish_reason = property(lambda self: self._current().finish_reason)
+    stop_str = property(lambda self: self._current().stop_str)
+    _req = property(lambda self: self._current().req)         # its statistics (RequestStats)
+
+    @property
+    def kv_ids(self) -> list[int]:
+        """The tokens of the pipeline-level conversation whose K/V the pool holds for it (the prompt
+        and the answer's tokens fed back): what forward_tokens_and_sample appends to."""
+        t = self._turn
+        return t.tokens() if t is not None else []
 
     def _max_token_chars(self) -> int:
         """Bytes of the longest token (prompt.py's check of a prompt's length), worked out once."""
@@ -300,255 +312,120 @@ class LLMChatPipeline(DecodePaths):
             self._longest_token = longest_token_bytes(self.tokenizer, self.vocab_size)
         return self._longest_token
 
-    def _configure_sampler(self, gen: GenerationConfig, seen_ids) -> None:
-        configure_sampler(self.sampler, gen, seen_ids)
-        if self.logit_processor is not None and hasattr(self.logit_processor, "reset_state"):
-            self.logit_processor.reset_state()
-
     def prompt_ids(self, messages, prompt, template_kwargs=None, add_generation_prompt: bool = True) -> list[int]:
         """Prompt token ids (prompt.py): a raw completion prompt as it is, or the chat template over
         `messages`; `template_kwargs` go to the template's render (e.g. enable_thinking)."""
         return prompt_ids(self.tokenizer, self.template, self.chat_config.system_message, messages, prompt,
                           template_kwargs, add_generation_prompt)
 
-    # ------------------------------------------------------------------ steps
-    async def prefill_step(self, messages: list[dict] | None, gen: GenerationConfig,
-                           prompt: str | None = None) -> None:
-        """Compute the prompt (reusing the cached prefix of the conversation) and sample the first token."""
-        self._drop_ahead()                 # a step the last request left in flight (it stopped early)
-        self._new_request_state(gen, RequestStats(t_start=now(), breakdown=gen.latency_breakdown),
-                                raw=prompt is not None)
-        ids = await self.prompt_tokens(messages, gen, prompt)
-        if self.vision is not None:       # each image paired with its tokens
-            from ..vision.requests import images_of
-            self.vision.prepare(ids, images_of(messages))
-        # KV reuse: keep the longest common prefix with what the cache holds (at least one new token
-        # must be computed to get logits); a raw prompt reuses only if it extends the cache too.
-        keep = self._reuse_prefix(ids)
-        self._req.prompt_tokens, self._req.prefill_tokens = len(ids), len(ids) - keep
-        self._configure_sampler(gen, ids)
-        if self._speculates(gen):
-            self._req.spec = SpeculationStats()
-        t0 = now()
-        if self.vision is not None:       # the tower over the images not in the reused prefix
-            await self.vision.encode(keep)
-        res = await self._forward(ids[keep:], keep)
-        if self.vision is not None:
-            self.vision.done()
-        self._req.prefill_s = now() - t0
-        if self._req.breakdown:
-            self._req.step_s.append(self._req.prefill_s)
-        self._req.t_first_token = now()
-        self._accept(res)
-
     template_kwargs = staticmethod(template_kwargs)       # what a request passes to the template (prompt.py)
 
     async def prompt_tokens(self, messages: list[dict] | None, gen: GenerationConfig,
                             prompt: str | None = None, req: RequestStats | None = None) -> list[int]:
         """The request's prompt ids, checked against the context window (typed errors); with
-        context_overflow "truncate" the oldest turns are dropped to fit (counted in `req`, default
-        the current request's stats). prompt.py says how."""
+        context_overflow "truncate" the oldest turns are dropped to fit (counted in `req`). prompt.py says how."""
         truncate = self.chat_config.context_overflow in ("truncate", "shift") and self.model.ring is None
         ids, dropped = await checked_ids(self.prompt_ids, messages, prompt, self.template_kwargs(gen),
                                          window=self.cache_end, ctx=self.model.ctx, truncate=truncate,
                                          token_bytes=self._max_token_chars)   # a ring's window: any prompt
-        if dropped is not None:
-            (req if req is not None else self._req).truncated_messages = dropped
+        if dropped is not None and req is not None:
+            req.truncated_messages = dropped
         return ids
+
+    # ------------------------------------------------------------------ the pipeline-level request
+    # WebLLM's stateful chat: one request at a time through one sequence of the scheduler; a follow-up
+    # turn reuses the conversation's prefix from the pool's cached blocks.
+    def _new_turn(self):
+        if self._turn is not None:
+            self._turn.close()
+        self._turn = self.scheduler.sequence()
+        return self._turn
+
+    async def prefill_step(self, messages: list[dict] | None, gen: GenerationConfig,
+                           prompt: str | None = None) -> None:
+        """Compute the prompt (reusing the cached prefix of the conversation) and sample the first token."""
+        await self._new_turn().prefill_step(messages, gen, prompt)
 
     async def decode_step(self) -> None:
         """Feed the last sampled token and sample the next one (as prefill_step's config asked)."""
-        if self.seq.stopped:
-            return
-        if self.seq.interrupted:
-            self._drop_ahead()
-            return self.seq.finish("abort")
-        if self.shifts and len(self.kv_ids) + 1 > self.model.ctx:
-            await self._shift_context()
-        spec = self._req.spec
-        if spec is not None and not spec.off:
-            verdict = self._auto_off(spec)
-            if verdict == "speculate":
-                return await self._speculative_step()
-            if verdict == "off":         # the rest of the request decodes through the fused path
-                spec.off = 1
-                self.spec_stats.off += 1
-            # "time": this one step decodes fused, timed; the next step judges
-        elif self._ahead is not None or self._decodes_ahead():
-            return await self._step_ahead()
-        await self._fused_step()
+        if self._turn is not None:
+            await self._turn.decode_step()
 
-    async def _fused_step(self) -> None:
-        """One decode step through the fused one-row kernels, timed (auto_off's yardstick)."""
-        if self._req.spec is not None:
-            # the verify steps sample into their rows' results, not into the model's input id
-            self.dev.write(self.model.ids.buf, struct.pack("<I", self._last_token))
-        t0 = now()
-        res = await self._forward([self._last_token], len(self.kv_ids), decode=True)
-        dt = now() - t0
-        self._count_decode(dt, 1)
-        # auto_off's yardstick, smoothed (a first step may still compile its pipelines)
-        self._decode_step_s = dt if self._decode_step_s is None else 0.8 * self._decode_step_s + 0.2 * dt
-        self._accept(res)
-
-    def _count_decode(self, dt: float, tokens: int) -> None:
-        """A decode step's time and the tokens it gave, in the request's statistics."""
-        self._req.decode_s += dt
-        self._req.decode_tokens += tokens
-        if self._req.breakdown:
-            self._req.step_s.append(dt)
-
-    async def _forward(self, ids: list[int], pos0: int, decode: bool = False):
-        """Run ids at positions pos0.. through the model (in prefill chunks) and sample from the logits
-        of the last one. In decode the input id is already on the GPU (written by the sampler)."""
-        m, dev = self.model, self.dev
-        if decode:
-            batch = dev.batch()
-            m.record_decode(batch, pos0)
-        else:
-            P = m.chunk
-            spans = self.vision.spans(len(ids), pos0, P) if self.vision is not None else \
-                [(i, min(i + P, len(ids))) for i in range(0, len(ids), P)]
-            for i, end in spans:            # chunks of P rows (an image's rows in one)
-                part = ids[i:end]
-                batch = dev.batch()
-                if self.vision is not None:
-                    self.vision.stage(pos0 + i, len(part))
-                m.record_prefill(batch, part, pos0 + i, with_head=end >= len(ids))
-                if end < len(ids):
-                    await dev.ready(batch)    # kernels still compiling in the background
-                    dev.submit(batch)
-                    # a submit while the GPU is busy can block until it drains (lavapipe): wait for
-                    # the chunk off the event loop, so other requests and /health go on meanwhile
-                    await dev.sync()
-        if not decode and pos0 == self.kv_exact:
-            self.kv_exact += len(ids)
-        self.kv_ids.extend(ids)
-        t_lp = 0.0
-        if self.logit_processor is not None:
-            dev.submit(batch)
-            t0 = now()
-            await self._process_logits()
-            t_lp = now() - t0
-            batch = dev.batch()
-        if self._req.breakdown:          # kept only when the request asked for the breakdown
-            self._req.logit_processor_s.append(t_lp)
-        if self.seq.matcher is not None:
-            batch = await self._apply_mask(batch)
-        self._sample_op.record(batch)
-        await dev.ready(batch)
-        dev.submit(batch)
-        res = await self.sampler.read()   # waits for the step off the event loop
-        if self.logit_processor is not None and hasattr(self.logit_processor, "process_sampled_token"):
-            self.logit_processor.process_sampled_token(res.token)
-        return res
-
-    async def _apply_mask(self, batch):
-        """Submit the model's step and compute the grammar's allowed tokens meanwhile (a worker
-        thread: llguidance releases the GIL), upload them and start a batch that masks the logits
-        (the sampler's op follows in it)."""
-        m = self.seq.matcher
-        if not IN_BROWSER:
-            job = asyncio.ensure_future(asyncio.to_thread(m.mask))
-            self.dev.submit(batch)
-            bits = await job
-        else:
-            self.dev.submit(batch)
-            bits = m.mask()
-        self._mask.write(bits)
-        batch = self.dev.batch()
-        self._mask_op.record(batch)
-        return batch
-
-    async def _process_logits(self) -> None:
-        await process_logits(self.dev, self.logit_processor, self.model.logits)
-
-    def _accept(self, res) -> None:
-        # with context shifts or a ring the window's end does not end the answer
-        self.seq.accept(res.token, res.logprob, res.top, len(self.kv_ids), self.positions)
-
-    # ------------------------------------------------------------------ results
     def take_delta(self) -> str:
-        return self.seq.take_delta()
+        return self._current().take_delta()
 
     def get_message(self) -> str:
-        return self.seq.get_message()
+        return self._current().get_message()
 
     def usage(self) -> dict:
-        return self.seq.usage()
+        return self._current().usage()
 
     def interrupt(self) -> None:
-        self.seq.interrupted = True
+        """Stop every generation of the model."""
         if self.scheduler is not None:
             self.scheduler.interrupt()
 
     def sequence(self):
-        """The object a request generates through: this pipeline (one request at a time), or with
-        continuous batching a new sequence of the scheduler (same request-level methods)."""
-        return self if self.scheduler is None else self.scheduler.sequence()
+        """A new sequence of the scheduler: what one choice of a request generates through."""
+        return self.scheduler.sequence()
 
     def close(self) -> None:
-        """The request is done with its sequence (one-request mode: nothing to do)."""
+        """The pipeline-level request is done: its sequence leaves the batch."""
+        if self._turn is not None:
+            self._turn.close()
 
     def reset_chat(self, keep_stats: bool = False) -> None:
-        self._drop_ahead()
-        self.kv_ids, self.kv_exact = [], 0
+        """Forget the conversation (its blocks stay cached for prefix sharing) and, unless
+        keep_stats, the statistics."""
+        if self._turn is not None:
+            self._turn.close()
+            self._turn = None
         if not keep_stats:
             self.stats = CumulativeStats()
-        self._new_request_state()
+        self.seq = self.new_sequence()
         self.seq.stopped = True
 
     def runtime_stats_text(self) -> str:
         return self.stats.text()
 
     async def forward_tokens_and_sample(self, ids, is_prefill: bool, gen: GenerationConfig) -> int:
-        async with self._solo:      # with batching the engine admits several requests at once
-            return await self._forward_tokens_and_sample(ids, is_prefill, gen)
-
-    async def _forward_tokens_and_sample(self, ids, is_prefill: bool, gen: GenerationConfig) -> int:
-        """Low-level (WebLLM's forwardTokensAndSample): append `ids` to the KV cache, run them and
-        sample one token (nothing is detokenized). As in WebLLM `is_prefill` only says which
-        statistics the time counts towards (prefill: every id; decode: one token); it never clears
-        the cache (`reset_chat` does)."""
-        self._drop_ahead()
+        """Low-level (WebLLM's forwardTokensAndSample): append `ids` to the conversation's KV, run
+        them and sample one token (nothing is detokenized, no grammar): a sequence of the scheduler
+        whose prompt is the conversation so far plus `ids`, one token long (its cached blocks make it
+        an append). As in WebLLM `is_prefill` only says which statistics the time counts towards
+        (prefill: every id; decode: one token); it never clears the conversation (`reset_chat` does)."""
         ids = [int(i) for i in ids]
         if not ids:
             raise InvalidRequestError("input_ids is empty.", param="input_ids")
-        if len(self.kv_ids) + len(ids) > self.cache_end:
-            raise ContextWindowTooLargeError(
-                f"{len(self.kv_ids) + len(ids)} tokens exceed the context window of {self.model.ctx}.")
         rows = self.model.cfg.vocab_size
         bad = next((i for i in ids if not 0 <= i < rows), None)
         if bad is not None:
             raise InvalidRequestError(f"input id {bad} is outside the model's vocabulary (0..{rows - 1}).",
                                       param="input_ids")
-        self._configure_sampler(gen, self.kv_ids + ids)
-        self.seq.matcher = None                  # the low-level path samples unconstrained
-        t0 = now()
-        res = await self._forward(ids, len(self.kv_ids))
-        r = RequestStats()
-        if is_prefill:
-            r.prefill_tokens, r.prefill_s = len(ids), now() - t0
-        else:
-            r.decode_tokens, r.decode_s = 1, now() - t0
-        self.stats.add(r)
-        self.seq.last_token = res.token
-        return res.token
+        async with self._solo:      # with batching the engine admits several requests at once
+            context = self.kv_ids + ids
+            if len(context) > self.cache_end:
+                raise ContextWindowTooLargeError(
+                    f"{len(context)} tokens exceed the context window of {self.model.ctx}.")
+            t0, turn = now(), self._new_turn()
+            # the sequence's own figures go nowhere: the call counts as WebLLM counts it, below
+            await turn.prefill_ids(context, replace(gen, max_tokens=1, grammar=None, stop=[]), raw=True,
+                                   stats=CumulativeStats())
+            r = RequestStats()
+            if is_prefill:
+                r.prefill_tokens, r.prefill_s = len(ids), now() - t0
+            else:
+                r.decode_tokens, r.decode_s = 1, now() - t0
+            self.stats.add(r)
+            return turn.seq.last_token
 
     def dispose(self) -> None:
-        """Free every GPU buffer of the model (weights, KV cache, activations, sampler)."""
-        self._drop_ahead()
+        """Free every GPU buffer of the model (weights, KV pool, activations, samplers)."""
         if self.scheduler is not None:
             self.scheduler.close()
         if self.draft is not None:
             self.draft.dispose()
             self.draft = None
         self.model.release()
-        self.sampler.release()
-        if self._mask is not None:
-            self._mask.release()
-        for mk, _ in self._row_masks:
-            mk.release()
-        self._row_masks = []
         self.dev.release_owner(self.owner)
-        self.kv_ids = []
+        self._turn = None

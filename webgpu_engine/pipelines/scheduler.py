@@ -96,8 +96,8 @@ class Scheduler:
         self._closed = False
         ahead = pipe.chat_config.decode_ahead
         self.decode_ahead = (not pipe._software) if ahead is None else bool(ahead)
-        self.reuse_decoded = pipe.chat_config.reuse_decoded_kv     # decoded blocks shared too
         self._ahead = None                          # a decode step in flight: (rows, readback, t0)
+        self._lp_s = 0.0
         # A CPU adapter shares the cores with the host: callers' work on their tokens (a stream's
         # chunk and its write) beside a step slows the step by more than it costs alone, so there the
         # next step waits (at most CALLER_WAIT_S) until the callers given a token ask for the next
@@ -220,6 +220,7 @@ class Scheduler:
         for rec in list(self.running):
             if rec.seq.interrupted and not rec.seq.stopped:
                 rec.seq.finish("abort")
+                self.pipe.finished(rec.seq)
                 self._leave(rec)
                 rec.handle._notify()
 
@@ -287,6 +288,7 @@ class Scheduler:
         return decode, chunks
 
     async def _iteration(self) -> None:
+        self._lp_s = 0.0                      # the logit processor's time this iteration (latency breakdown)
         self._drop_finished()
         if self._ahead is not None:
             return await self._finish_ahead()
@@ -359,7 +361,9 @@ class Scheduler:
         if sampled and not inline:
             await dev.sync()
             if self.pipe.logit_processor is not None:
+                t_lp = now()
                 await self._process_logits([r for r, _ in sampled])
+                self._lp_s = now() - t_lp
             batch = dev.batch()
             for rec, _ in sampled:
                 if rec.cancelled:                 # its slot may hold a new sequence already
@@ -392,7 +396,8 @@ class Scheduler:
         for rec in decode:
             if rec.in_pool:                       # not cancelled (or preempted) meanwhile
                 tok = rec.feed_token()
-                pool.append_tokens(rec.id, [tok], decoded=not self.reuse_decoded)
+                # decoded blocks are shared only with reuse_decoded_kv (read live: a chat's config may change)
+                pool.append_tokens(rec.id, [tok], decoded=not self.pipe.chat_config.reuse_decoded_kv)
                 if rec.replay is not None:        # a decoded row computed again: on to the next
                     rec.start_decoding(rec.replay + 1)
                 else:
@@ -518,13 +523,12 @@ class Scheduler:
         if decoded:
             req.decode_s += dt
             req.decode_tokens += 1
-            if req.breakdown:
-                req.step_s.append(dt)
         else:
             req.prefill_s = now() - (rec.t_prefill or req.t_start)
             req.t_first_token = now()
-            if req.breakdown:
-                req.step_s.append(req.prefill_s)
+        if req.breakdown:
+            req.step_s.append(dt if decoded else req.prefill_s)
+            req.logit_processor_s.append(self._lp_s)
         try:
             seq.accept(tok, lp, top, len(rec.toks), self.positions)
         except Exception as e:  # noqa: BLE001 - a grammar that refuses the token fails this sequence
