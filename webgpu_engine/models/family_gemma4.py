@@ -32,16 +32,17 @@ from ..kernels import nn
 from ..loaders.decoder_config import DecoderFamily
 from .family_gemma import HF_GEMMA_TO_OURS, _activation, cap_logits, scale_embeddings
 
-HF_GEMMA4_TO_OURS = {
-    **HF_GEMMA_TO_OURS,
-    "model.embed_tokens_per_layer.weight": "ple_embed",                         # (V, L P)
-    "model.per_layer_model_projection.weight": "ple_model_proj",                # (L P, C)
-    "model.per_layer_projection_norm.weight": "ple_norm",                       # (P,)
-    "model.layers.{i}.per_layer_input_gate.weight": "layers.{i}.ple_gate",      # (P, C)
-    "model.layers.{i}.per_layer_projection.weight": "layers.{i}.ple_proj",      # (C, P)
-    "model.layers.{i}.post_per_layer_input_norm.weight": "layers.{i}.ple_norm",  # (C,)
-    "model.layers.{i}.layer_scalar": "layers.{i}.scalar",                       # (1,)
+# Gemma 4's tensors beyond Gemma 3's: ours -> (HF name less `model.`, llama.cpp's GGUF name)
+GEMMA4_NAMES = {
+    "ple_embed": ("embed_tokens_per_layer.weight", "per_layer_token_embd.weight"),                  # (V, L P)
+    "ple_model_proj": ("per_layer_model_projection.weight", "per_layer_model_proj.weight"),         # (L P, C)
+    "ple_norm": ("per_layer_projection_norm.weight", "per_layer_proj_norm.weight"),                 # (P,)
+    "layers.{i}.ple_gate": ("layers.{i}.per_layer_input_gate.weight", "blk.{i}.inp_gate.weight"),    # (P, C)
+    "layers.{i}.ple_proj": ("layers.{i}.per_layer_projection.weight", "blk.{i}.proj.weight"),        # (C, P)
+    "layers.{i}.ple_norm": ("layers.{i}.post_per_layer_input_norm.weight", "blk.{i}.post_norm.weight"),  # (C,)
+    "layers.{i}.scalar": ("layers.{i}.layer_scalar", "blk.{i}.layer_output_scale.weight"),          # (1,)
 }
+HF_GEMMA4_TO_OURS = {**HF_GEMMA_TO_OURS, **{"model." + hf: ours for ours, (hf, _) in GEMMA4_NAMES.items()}}
 # gemma-4-E2B-it as released (Gemma4ForConditionalGeneration): the same under model.language_model.,
 # beside the vision and audio towers (not read)
 HF_GEMMA4_TO_OURS.update({k.replace("model.", "model.language_model.", 1): v
@@ -124,15 +125,7 @@ def _gemma4(fields: dict, *, act: str, local: tuple, window: int, softcap: float
 
 
 # llama.cpp's gemma4 tensors beyond Gemma 3's (loaders/gguf.py's table has those)
-GGUF_GEMMA4_TO_OURS = {
-    "per_layer_token_embd.weight": "ple_embed",                       # (V, L P)
-    "per_layer_model_proj.weight": "ple_model_proj",                  # (L P, C)
-    "per_layer_proj_norm.weight": "ple_norm",                         # (P,)
-    "blk.{i}.inp_gate.weight": "layers.{i}.ple_gate",                 # (P, C)
-    "blk.{i}.proj.weight": "layers.{i}.ple_proj",                     # (C, P)
-    "blk.{i}.post_norm.weight": "layers.{i}.ple_norm",                # (C,)
-    "blk.{i}.layer_output_scale.weight": "layers.{i}.scalar",         # (1,)
-}
+GGUF_GEMMA4_TO_OURS = {gguf: ours for ours, (_, gguf) in GEMMA4_NAMES.items()}
 
 
 def _gguf(g, fields: dict) -> dict:

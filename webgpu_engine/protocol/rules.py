@@ -326,12 +326,18 @@ def _model_field(out: dict) -> None:
         _text("model", "model", model)
 
 
-def check_chat_request(req: dict, limits: RequestLimits | None = None) -> dict:
-    """Validate a chat completion request; returns a normalised copy (messages with string content)."""
+def _sampled_request(req: dict, kind: str, limits: RequestLimits | None) -> dict:
+    """A `kind` ("chat" or "completion") request body, which must be a JSON object, its unknown
+    fields noted and its sampling fields checked: a normalised copy."""
     if not isinstance(req, dict):
         raise FieldTypeError("body", "a JSON object", req)
-    note_unknown_fields(req, "chat")
-    out = check_sampling(req, limits)
+    note_unknown_fields(req, kind)
+    return check_sampling(req, limits)
+
+
+def check_chat_request(req: dict, limits: RequestLimits | None = None) -> dict:
+    """Validate a chat completion request; returns a normalised copy (messages with string content)."""
+    out = _sampled_request(req, "chat", limits)
     msgs = out.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise EmptyMessagesError()
@@ -399,10 +405,7 @@ def check_chat_request(req: dict, limits: RequestLimits | None = None) -> dict:
 # --------------------------------------------------------------------------- completions
 def check_completion_request(req: dict, limits: RequestLimits | None = None) -> dict:
     """Validate a text completion request (prompt, echo, suffix + sampling fields)."""
-    if not isinstance(req, dict):
-        raise FieldTypeError("body", "a JSON object", req)
-    note_unknown_fields(req, "completion")
-    out = check_sampling(req, limits)
+    out = _sampled_request(req, "completion", limits)
     prompt = out.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
