@@ -19,6 +19,7 @@ from webgpu_engine.vision.images import decode_bytes
 
 FIXTURES = Path(__file__).parent / "fixtures"
 FOLDER, IMAGES = FIXTURES / "tiny_qwen25vl", FIXTURES / "vision_images"
+PAIR, PROJ = FIXTURES / "qwen25vl_gguf", "mmproj-tiny-qwen25vl.gguf"
 
 
 @pytest.fixture(scope="module")
@@ -94,13 +95,20 @@ def test_rope_sections(device, dtype):
 
 
 # ----------------------------------------------------------------------------- the tower
-def test_tower_matches_transformers(device, ref, cfg):
+@pytest.mark.parametrize("source", ["folder", "mmproj"])
+def test_tower_matches_transformers(device, ref, cfg, source):
     """Patch embedding, 2D RoPE, window (layers 0, 2) and full (layer 1) attention, SwiGLU, the merger:
     get_image_features' rows within 2e-4 for grids of 6x10 (windows cut at the edges), 4x4, 12x4 and 8x10,
-    each image written into its slot of one features buffer."""
+    each image written into its slot of one features buffer; from the folder's safetensors and from
+    llama.cpp's mmproj (q / k / v and the Conv3d's frames split, the merger's norm v.post_ln)."""
     from webgpu_engine.loaders.safetensors import SafetensorsFolder
+    from webgpu_engine.vision.mmproj import MmprojFile
     from webgpu_engine.vision.qwen25vl_gpu import Qwen25VLTower
-    files = SafetensorsFolder(FOLDER)
+    files = SafetensorsFolder(FOLDER) if source == "folder" else MmprojFile(PAIR / PROJ, None)
+    if source == "mmproj":               # the pair's config is the folder's
+        assert files.cfg.image_token_id == -1 and files.cfg.qwen25vl == cfg.qwen25vl
+        assert (files.cfg.hidden_size, files.cfg.n_layers, files.cfg.text_hidden) == (cfg.hidden_size, cfg.n_layers, cfg.text_hidden)
+        assert np.allclose(files.cfg.mean, cfg.mean) and np.allclose(files.cfg.std, cfg.std)
     try:
         tower = Qwen25VLTower(device, cfg, files.tensors, owner="test:qwen25vl")
     finally:
@@ -147,14 +155,20 @@ def _messages(r) -> list[dict]:
               if p["type"] == "image" else p for p in m["content"]]} for m in r["messages"]]
 
 
-async def test_greedy_tokens_and_logits_equal_transformers(device, ref):
-    """The HF folder through the engine, a prompt with one image and one with two (chunks of 32 rows
-    cutting them): the prompt's ids, the last prompt row's logits within 1e-4 and 12 greedy tokens."""
+@pytest.mark.parametrize("source", ["folder", "gguf_pair", "mmproj_option"])
+async def test_greedy_tokens_and_logits_equal_transformers(device, ref, source):
+    """The HF folder, and the text GGUF with its mmproj (llama.cpp's converter: a folder holding both,
+    or the mmproj chat option), through the engine; a prompt with one image and one with two (chunks of
+    32 rows cutting them): the prompt's token count, the last prompt row's top-5 log-probabilities
+    within 1e-4 and 12 greedy tokens."""
     from tokenizers import Tokenizer
 
     from webgpu_engine.engine.engine import AsyncMLCEngine
     eng = AsyncMLCEngine()
-    await eng.reload(str(FOLDER), chat_opts=OPTS)
+    if source == "mmproj_option":
+        await eng.reload(str(PAIR / "tiny-qwen25vl.gguf"), chat_opts={**OPTS, "mmproj": str(PAIR / PROJ)})
+    else:
+        await eng.reload(str(FOLDER if source == "folder" else PAIR), chat_opts=OPTS)
     try:
         model = next(iter(eng.models))
         for key, want in ref["prompts"].items():

@@ -1,7 +1,8 @@
 """Qwen2.5-VL's text model (Qwen2_5_VLForConditionalGeneration): Qwen2 (q/k/v biases) with M-RoPE,
 config.json's `text_config` (transformers 5) or its top level (the hub's releases), the weights under
 model.language_model. (transformers 5) or model. (the hub's), the LM head lm_head. Its tower and image
-processor are vision/qwen25vl.py's and vision/qwen25vl_gpu.py's.
+processor are vision/qwen25vl.py's and vision/qwen25vl_gpu.py's. llama.cpp's converter writes the text
+model as general.architecture qwen2vl with rope.dimension_sections, its vision side as an mmproj.
 
 M-RoPE rotates the frequency pairs of `mrope_section` (t | h | w) by three positions per row: a text
 row's are all its position, an image token's are (start, start + row, start + column) of its merged
@@ -33,8 +34,14 @@ def _sections(c: dict, fields: dict, where: str) -> dict:
     return {**fields, "extra": {**(fields.get("extra") or {}), "mrope_section": tuple(int(s) for s in sec)}}
 
 
+def _gguf_sections(g, fields: dict) -> dict:
+    """llama.cpp's qwen2vl: rope.dimension_sections (t, h, w, 0)."""
+    sec = list(g.meta("rope.dimension_sections", []) or [])
+    return _sections({"rope_parameters": {"mrope_section": sec[:3]}}, fields, g.where)
+
+
 QWEN25VL = DecoderFamily("qwen2vl", hf_architectures=("Qwen2_5_VLForConditionalGeneration",),
                          hf_model_types=("qwen2_5_vl",), hf_defaults={"attention_bias": True}, gguf_neox=True,
-                         hf_names=HF_QWEN25VL_TO_OURS, hf=_sections)
+                         hf_names=HF_QWEN25VL_TO_OURS, hf=_sections, gguf=_gguf_sections)
 
 FAMILIES = (QWEN25VL,)

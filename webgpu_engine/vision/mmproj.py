@@ -15,6 +15,8 @@ models/siglip.py reads (one table, MMPROJ_TO_HF), so a GGUF pair runs the same t
     mlp              llava     CLIP: v.class_embd,      mm.0 (linear), GELU, mm.2 (linear); the
                                v.pre_ln, quick_gelu     converter keeps the layers up to the selected
                                (clip.use_gelu false)    one (LLaVA: the second to last), no v.post_ln
+    qwen2.5vl_merger qwen25vl  Qwen2.5-VL's ViT         the 2x2 merger (v.post_ln, mm.0, GELU, mm.2);
+                                                        read by vision/qwen25vl.py, run by qwen25vl_gpu.py
 
 What the pair does not carry comes from the text model: the image token's id (its tokenizer) and the
 chat template's image marker (the family's module).
@@ -30,7 +32,7 @@ from ..loaders.tensor_info import TensorInfo
 from .config import VisionConfig
 
 # clip.projector_type -> the family whose host side (prompt expansion, tiles) the images take
-PROJECTORS = {"gemma3": "gemma3", "idefics3": "idefics3", "mlp": "llava"}
+PROJECTORS = {"gemma3": "gemma3", "idefics3": "idefics3", "mlp": "llava", "qwen2.5vl_merger": "qwen25vl"}
 
 # mmproj tensor names ({i}: a tower layer) -> the Hugging Face names models/siglip.py reads
 MMPROJ_TO_HF = {
@@ -97,6 +99,8 @@ class MmprojFile:
                 if hf is not None:
                     self.tensors[hf] = t
             _legacy_ffn(self.tensors, self.cfg)
+            if self.cfg.kind == "qwen25vl":      # its tower reads llama.cpp's names (vision/qwen25vl_gpu.py)
+                self.tensors = dict(self._gguf.tensors)
         except BaseException:
             self._gguf.close()
             raise
@@ -121,6 +125,10 @@ def read_config(g: GGUFFile, tokenizer) -> VisionConfig:
     if family is None:
         raise UnsupportedModelError(f"{where}: projector type {kind!r} is not implemented "
                                     f"(this engine reads {sorted(PROJECTORS)})")
+
+    if family == "qwen25vl":             # images of any size: vision/qwen25vl.py
+        from .qwen25vl import mmproj_config
+        return mmproj_config(g, tokenizer)
 
     def meta(key: str, default=None):
         v = g.metadata.get("clip.vision." + key, default)

@@ -205,3 +205,36 @@ def offsets(cfg: VisionConfig, images: list, start: int, end: int) -> list:
     pos = positions(cfg, images, end)
     behind = sum((e - s) - max(g.gh, g.gw) // cfg.qwen25vl.merge for s, e, g in images)
     return [tuple(int(v) for v in p + behind - r) for r, p in enumerate(pos[start:end], start)]
+
+
+# ---------------------------------------------------------------------------- from a GGUF pair
+def mmproj_config(g, tokenizer) -> VisionConfig:
+    """The vision config of llama.cpp's mmproj (clip.projector_type qwen2.5vl_merger): the tower's sizes
+    from clip.vision.*, full attention every n_wa_pattern-th layer (clip.cpp's (i + 1) % n == 0),
+    windows of clip.vision.window_size pixels (llama.cpp: 112), images of image_min_pixels ..
+    image_max_pixels (llama.cpp: 8 .. 4096 tokens), the image token from the text model's `tokenizer`
+    (None: -1, the header alone)."""
+    def meta(key: str, default=None):
+        v = g.metadata.get("clip.vision." + key, default)
+        if v is None:
+            raise ModelFormatError(f"{g.where}: mmproj metadata lacks clip.vision.{key}")
+        return v
+    patch, merge, layers = int(meta("patch_size")), int(meta("spatial_merge_size", 2)), int(meta("block_count"))
+    n_wa = int(meta("n_wa_pattern", 0))
+    area = (patch * merge) ** 2
+    extra = Qwen25VLVision(
+        temporal_patch=2, merge=merge, window=int(meta("window_size", 112)),
+        full_layers=tuple(i for i in range(layers) if not n_wa or (i + 1) % n_wa == 0),
+        min_pixels=int(meta("image_min_pixels", 8 * area)), max_pixels=int(meta("image_max_pixels", 4096 * area)),
+        rope_theta=10000.0)
+    token_id = tokenizer.token_to_id(IMAGE) if tokenizer is not None else -1
+    if token_id is None:
+        raise ModelFormatError(f"{g.where}: the text model's vocabulary has no {IMAGE} token, which Qwen2.5-VL's "
+                               f"images take: the text GGUF and the projector do not belong together")
+    return VisionConfig(
+        kind="qwen25vl", hidden_size=int(meta("embedding_length")), intermediate_size=int(meta("feed_forward_length")),
+        n_layers=layers, n_heads=int(meta("attention.head_count")), image_size=0, patch_size=patch,
+        eps=float(meta("attention.layer_norm_epsilon", 1e-6)), text_hidden=int(meta("projection_dim")),
+        tokens_per_image=extra.max_pixels // area, image_token_id=int(token_id), marker=MARKER, resample=BICUBIC,
+        mean=tuple(float(x) for x in meta("image_mean", list(CLIP_MEAN))),
+        std=tuple(float(x) for x in meta("image_std", list(CLIP_STD))), act="silu", post_norm=False, qwen25vl=extra)

@@ -45,19 +45,25 @@ class Qwen25VLTower:
         self.dev, self.cfg, self.owner = dev, cfg, owner
         q = cfg.qwen25vl
         named = {_PREFIX.sub("", n): t for n, t in tensors.items() if _PREFIX.match(n)}
+        mmproj = "v.patch_embd.weight" in tensors        # llama.cpp's names (its parts joined here)
         C, F, p, T = cfg.hidden_size, cfg.intermediate_size, cfg.patch_size, cfg.text_hidden
         K, m2 = 3 * q.temporal_patch * p * p, q.merge ** 2
 
-        def array(name: str, shape: tuple):
-            t = named.get(name)
-            if t is None:
-                raise ModelFormatError(f"the vision tower lacks {name}")
-            if tuple(t.shape) != shape:
-                raise ModelFormatError(f"vision tensor {name} has shape {tuple(t.shape)}, expected {shape}")
+        def floats(t):
             raw = np.frombuffer(bytes(t.data), {"f32": np.float32, "f16": np.float16, "bf16": np.uint16}[t.qtype])
             if t.qtype == "bf16":
                 raw = (raw.astype(np.uint32) << 16).view(np.float32)
-            return raw.astype(np.float32).reshape(-1)
+            return raw.astype(np.float32).reshape(tuple(t.shape))
+
+        def array(name: str, shape: tuple):
+            parts = [tensors.get(n) for n in mmproj_names(name)] if mmproj else [named.get(name)]
+            if any(t is None for t in parts):
+                raise ModelFormatError(f"the vision tower lacks {name}")
+            a = np.stack([floats(t) for t in parts], 2) if name == "patch_embed.proj.weight" and mmproj \
+                else np.concatenate([floats(t) for t in parts])
+            if a.shape != shape:
+                raise ModelFormatError(f"vision tensor {name} has shape {a.shape}, expected {shape}")
+            return a.reshape(-1)
 
         def weight(names: list[str], n: int, k: int, label: str) -> mm.QWeight:
             a = np.concatenate([array(nm, (n // len(names), k)) for nm in names])
@@ -189,3 +195,29 @@ class Qwen25VLTower:
     def dispose(self) -> None:
         self.ops.release()
         self.dev.release_owner(self.owner)
+
+
+# the tower's names -> llama.cpp's mmproj names (its converter splits the qkv projection and the
+# Conv3d's two frames; mmproj_names joins them back: qkv rows, frames stacked)
+MMPROJ_NAMES = {
+    "patch_embed.proj.weight": ["v.patch_embd.weight", "v.patch_embd.weight.1"],
+    "blocks.{i}.norm1.weight": ["v.blk.{i}.ln1.weight"], "blocks.{i}.norm2.weight": ["v.blk.{i}.ln2.weight"],
+    "blocks.{i}.attn.qkv.weight": ["v.blk.{i}.attn_q.weight", "v.blk.{i}.attn_k.weight", "v.blk.{i}.attn_v.weight"],
+    "blocks.{i}.attn.qkv.bias": ["v.blk.{i}.attn_q.bias", "v.blk.{i}.attn_k.bias", "v.blk.{i}.attn_v.bias"],
+    "blocks.{i}.attn.proj.weight": ["v.blk.{i}.attn_out.weight"], "blocks.{i}.attn.proj.bias": ["v.blk.{i}.attn_out.bias"],
+    "blocks.{i}.mlp.gate_proj.weight": ["v.blk.{i}.ffn_gate.weight"], "blocks.{i}.mlp.gate_proj.bias": ["v.blk.{i}.ffn_gate.bias"],
+    "blocks.{i}.mlp.up_proj.weight": ["v.blk.{i}.ffn_up.weight"], "blocks.{i}.mlp.up_proj.bias": ["v.blk.{i}.ffn_up.bias"],
+    "blocks.{i}.mlp.down_proj.weight": ["v.blk.{i}.ffn_down.weight"], "blocks.{i}.mlp.down_proj.bias": ["v.blk.{i}.ffn_down.bias"],
+    "merger.ln_q.weight": ["v.post_ln.weight"],
+    "merger.mlp.0.weight": ["mm.0.weight"], "merger.mlp.0.bias": ["mm.0.bias"],
+    "merger.mlp.2.weight": ["mm.2.weight"], "merger.mlp.2.bias": ["mm.2.bias"],
+}
+_BLOCK = re.compile(r"^blocks\.(\d+)\.(.+)$")
+
+
+def mmproj_names(name: str) -> list[str]:
+    """The mmproj tensors that hold the tower's tensor `name`."""
+    m = _BLOCK.match(name)
+    if m is None:
+        return MMPROJ_NAMES.get(name, [name])
+    return [n.replace("{i}", m.group(1)) for n in MMPROJ_NAMES.get("blocks.{i}." + m.group(2), [name])]
