@@ -4,7 +4,7 @@ outside the CLIP tower, which MLC marks no_quantization and keeps in the model's
 
 The text model: tinyfamilies' Phi-3 (2 layers, width 64, no longrope, full rotary) with one more
 token, `<|image|>` (an added special token of tokenizer.json), whose id stands for image rows; the
-tower: tests/fixtures/phi3v_tower.npz (transformers' CLIPVisionModel, 12 x 12 patches of 28); the
+tower: tests/fixtures/phi3v_tower.npz (transformers' CLIPVisionModel, 6 x 6 patches of 56); the
 separators and the projector (4 * 32 -> 64, GELU, 64 -> 64): seeded random."""
 from __future__ import annotations
 
@@ -26,9 +26,9 @@ CONV = {"name": "phi-3-vision", "system_template": "{system_message}", "system_m
 
 
 def tower_fixture() -> tuple[dict, dict, np.ndarray]:
-    """(config, {name: f32 weights}, transformers' features (2, 144, 32)) of the fixture tower."""
+    """(config, {name: f32 weights}, transformers' features (2, 36, 32)) of the fixture tower."""
     z = np.load(TOWER)
-    return json.loads(str(z["config"])), {n[2:]: z[n] for n in z.files if n.startswith("w:")}, z["features"]
+    return json.loads(str(z["config"])), {n[2:]: z[n].astype(np.float32) for n in z.files if n.startswith("w:")}, z["features"]
 
 
 def write_tiny_phi3v_mlc(folder, quant: str, seed: int = 5) -> dict:
@@ -37,7 +37,7 @@ def write_tiny_phi3v_mlc(folder, quant: str, seed: int = 5) -> dict:
     folder = Path(folder)
     folder.mkdir(parents=True)
     dt = DTYPES[quant]
-    d, tokens, merges, w, _, _, _ = _phi3(seed, 1.0, False, {"context_length": 1024})
+    d, tokens, merges, w, _, _, _ = _phi3(seed, 1.0, False, {"context_length": 512})
     rng = np.random.default_rng(seed + 1)
     V = d["vocab_size"]
     w["embed"] = np.concatenate([w["embed"], rng.normal(0, 0.1, (1, d["hidden_size"])).astype(np.float32)])
@@ -85,16 +85,16 @@ def write_tiny_phi3v_mlc(folder, quant: str, seed: int = 5) -> dict:
     model_config = {
         "model_type": "phi3_v", "hidden_size": T, "vocab_size": V + 1, "num_hidden_layers": d["n_layers"],
         "num_attention_heads": d["n_heads"], "intermediate_size": d["ffn_size"], "rms_norm_eps": d["rms_eps"],
-        "num_key_value_heads": d["n_kv_heads"], "max_position_embeddings": 1024,
+        "num_key_value_heads": d["n_kv_heads"], "max_position_embeddings": 512,
         "vision_config": {**tcfg, "projection_dim": 32, "vocab_size": None, "num_channels": 3, "kwargs": {}},
         "img_processor": {"image_dim_out": tcfg["hidden_size"], "model_name": "tiny-clip", "name": "clip_vision_model",
-                          "num_img_tokens": 36},
-        "position_embedding_base": d["rope_base"], "rope_scaling": None, "original_max_position_embeddings": 1024,
-        "context_window_size": 1024, "prefill_chunk_size": 1024, "head_dim": d["head_dim"],
+                          "num_img_tokens": 9},
+        "position_embedding_base": d["rope_base"], "rope_scaling": None, "original_max_position_embeddings": 512,
+        "context_window_size": 512, "prefill_chunk_size": 256, "head_dim": d["head_dim"],
         "tensor_parallel_shards": 1, "max_batch_size": 1}
     (folder / "mlc-chat-config.json").write_text(json.dumps({
         "model_type": "phi3_v", "quantization": quant, "model_config": model_config,
-        "context_window_size": 1024, "prefill_chunk_size": 1024, "sliding_window_size": -1,
+        "context_window_size": 512, "prefill_chunk_size": 256, "sliding_window_size": -1,
         "tokenizer_files": ["tokenizer.json"], "conv_template": CONV, "bos_token_id": tm.BOS_ID,
         "eos_token_id": tm.EOS_ID, "temperature": 0.0}))
     tok = json.loads(tm._hf_bpe_tokenizer_json(tokens, merges, "llama"))
