@@ -449,6 +449,47 @@ async def test_gguf_lora_files_answer_as_their_peft_folders(engine, tmp_path):
         await engine.load_lora_adapter("m", str(model))
 
 
+async def test_a_q8_0_gguf_lora_answers_as_its_values_in_f32(engine, tmp_path):
+    """A GGUF LoRA with q8_0 tensors (convert_lora_to_gguf.py --outtype q8_0: lora_a, whose rows are
+    whole 32-value blocks) reads as gguf-py dequantizes it, and answers bit for bit as the same
+    values written as f32."""
+    import gguf
+    from webgpu_engine.models.lora import load_adapter
+    src = gguf.GGUFReader(ADAPTERS["a"] + ".gguf")
+    alpha = float(src.fields["adapter.lora.alpha"].parts[-1][0])
+    paths = {}
+    for kind in ("q8_0", "f32"):
+        paths[kind] = str(tmp_path / f"a_{kind}.gguf")
+        w = gguf.GGUFWriter(paths[kind], "llama")
+        w.add_type("adapter")
+        w.add_string("adapter.type", "lora")
+        w.add_float32("adapter.lora.alpha", alpha)
+        for t in src.tensors:
+            data = np.asarray(t.data, np.float32)
+            if t.name.endswith("lora_a"):
+                q = gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q8_0)
+                if kind == "q8_0":
+                    w.add_tensor(t.name, q, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+                    continue
+                data = gguf.quants.dequantize(q, gguf.GGMLQuantizationType.Q8_0)
+            w.add_tensor(t.name, data)
+        for step in (w.write_header_to_file, w.write_kv_data_to_file, w.write_tensors_to_file, w.close):
+            step()
+    q8, f32 = load_adapter(paths["q8_0"]), load_adapter(paths["f32"])
+    assert q8.weights.keys() == f32.weights.keys() and q8.scale == f32.scale
+    for key, (a, b) in q8.weights.items():
+        np.testing.assert_array_equal(a, f32.weights[key][0])
+        np.testing.assert_array_equal(b, f32.weights[key][1])
+    for kind in paths:
+        await engine.load_lora_adapter(kind, paths[kind])
+    try:
+        got = await asyncio.gather(*[_logprobs(engine, kind, i) for kind in paths for i in range(2)])
+        assert got[:2] == got[2:] and got[0] != await _logprobs(engine, _base_id(engine), 0)
+    finally:
+        for kind in paths:
+            await engine.unload_lora_adapter(kind)
+
+
 # ---------------------------------------------------------------------- speculation and grammars
 async def test_speculation_and_grammars_with_adapters(engine, base_path):
     """Prompt-lookup speculation checks an adapter row's guesses with the adapter (answers equal those

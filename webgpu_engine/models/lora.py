@@ -76,8 +76,11 @@ def _decode(t):
         v = np.frombuffer(raw, np.float16).astype(np.float32)
     elif t.qtype == "bf16":
         v = (np.frombuffer(raw, np.uint16).astype(np.uint32) << 16).view(np.float32)
+    elif t.qtype == "q8_0":                # convert_lora_to_gguf.py --outtype q8_0: blocks of f16 d, 32 int8
+        blocks = np.frombuffer(raw, np.dtype([("d", "<f2"), ("q", "i1", (32,))]))
+        v = blocks["q"].astype(np.float32) * blocks["d"].astype(np.float32)[:, None]
     else:
-        raise LoraAdapterError(f"LoRA tensor {t.name!r} is {t.qtype}; adapters must be f32, f16 or bf16.")
+        raise LoraAdapterError(f"LoRA tensor {t.name!r} is {t.qtype}; adapters must be f32, f16, bf16 or q8_0.")
     return v.reshape(t.shape).astype(np.float32)
 
 
