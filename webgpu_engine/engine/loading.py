@@ -69,10 +69,10 @@ def _check_chat_options(cc: ChatConfig) -> None:
                 "may be positive (as in WebLLM): set context_window_size to -1 for a sliding window.")
         if not 0 <= sinks < window:
             raise ChatOptionTypeError("attention_sink_size", f"0 <= sinks < sliding_window_size ({window})", sinks)
-        if cc.max_num_sequences != 1 and cc.kv_cache_dtype in ("q8_0", "q4_0"):
-            raise UnsupportedChatOptionError("kv_cache_dtype", cc.kv_cache_dtype, "a sliding window in a batch "
-                                             "(max_num_sequences other than 1) keeps its ring in an f16 or f32 "
-                                             "pool: leave kv_cache_dtype auto, or load with max_num_sequences 1")
+        if cc.kv_cache_dtype in ("q8_0", "q4_0"):
+            raise UnsupportedChatOptionError("kv_cache_dtype", cc.kv_cache_dtype, "a sliding window keeps its "
+                                             "ring in an f16 or f32 KV pool: leave kv_cache_dtype auto with a "
+                                             "sliding window, or leave sliding_window_size unset")
         if cc.speculation:
             raise UnsupportedChatOptionError("speculation", cc.speculation, "speculative decoding does not "
                                              "run with a sliding window; load without one of them")
