@@ -155,56 +155,52 @@ def _messages(r) -> list[dict]:
               if p["type"] == "image" else p for p in m["content"]]} for m in r["messages"]]
 
 
-@pytest.mark.parametrize("source", ["folder", "gguf_pair", "mmproj_option"])
-async def test_greedy_tokens_and_logits_equal_transformers(device, ref, source):
-    """The HF folder, and the text GGUF with its mmproj (llama.cpp's converter: a folder holding both,
-    or the mmproj chat option), through the engine; a prompt with one image and one with two (chunks of
-    32 rows cutting them): the prompt's token count, the last prompt row's top-5 log-probabilities
-    within 1e-4 and 12 greedy tokens."""
+async def _answers_as_transformers(eng, ref, keys):
+    """Each prompt of `keys` alone: its token count, the first step's top-5 log-probabilities within 1e-4
+    of transformers' (by value: two byte tokens print alike) and its 12 greedy tokens' text."""
     from tokenizers import Tokenizer
-
-    from webgpu_engine.engine.engine import AsyncMLCEngine
-    eng = AsyncMLCEngine()
-    if source == "mmproj_option":
-        await eng.reload(str(PAIR / "tiny-qwen25vl.gguf"), chat_opts={**OPTS, "mmproj": str(PAIR / PROJ)})
-    else:
-        await eng.reload(str(FOLDER if source == "folder" else PAIR), chat_opts=OPTS)
-    try:
-        model = next(iter(eng.models))
-        for key, want in ref["prompts"].items():
-            r = await eng.chat.completions.create(model=model, messages=_messages(want), max_tokens=1,
-                                                  temperature=0.0, logprobs=True, top_logprobs=5)
-            assert r.usage.prompt_tokens == len(want["input_ids"])
-            # the 5 best log-probabilities (two byte tokens print alike, so by value)
-            got = sorted((t.logprob for t in r.choices[0].logprobs.content[0].top_logprobs), reverse=True)
-            logits = np.array(want["logits"], np.float64)
-            lp = logits - logits.max() - np.log(np.exp(logits - logits.max()).sum())
-            np.testing.assert_allclose(got, np.sort(lp)[::-1][:5], atol=1e-4)
-            r = await eng.chat.completions.create(model=model, messages=_messages(want), max_tokens=12,
-                                                  temperature=0.0)
-            text = Tokenizer.from_file(str(FOLDER / "tokenizer.json"))
-            assert r.choices[0].message.content == text.decode(want["greedy"], skip_special_tokens=True), key
-    finally:
-        await eng.unload()
+    text = Tokenizer.from_file(str(FOLDER / "tokenizer.json"))
+    model = next(iter(eng.models))
+    for key in keys:
+        want = ref["prompts"][key]
+        r = await eng.chat.completions.create(model=model, messages=_messages(want), max_tokens=12,
+                                              temperature=0.0, logprobs=True, top_logprobs=5)
+        assert r.usage.prompt_tokens == len(want["input_ids"]), key
+        got = sorted((t.logprob for t in r.choices[0].logprobs.content[0].top_logprobs), reverse=True)
+        logits = np.array(want["logits"], np.float64)
+        lp = logits - logits.max() - np.log(np.exp(logits - logits.max()).sum())
+        np.testing.assert_allclose(got, np.sort(lp)[::-1][:5], atol=1e-4)
+        assert r.choices[0].message.content == text.decode(want["greedy"], skip_special_tokens=True), key
+    return text
 
 
-async def test_two_image_prompts_in_a_batch_answer_as_alone(device, ref):
-    """Continuous batching: both prompts at once (their prefill chunks and decode rows side by side;
-    only prompt rows take M-RoPE's offsets) give transformers' greedy text."""
+async def test_folder_answers_as_transformers_alone_and_in_a_batch(device, ref):
+    """The HF folder through the engine: a prompt with one image and one with two (chunks of 32 rows
+    cutting them) answer as transformers; then both at once in the continuous batch (their prefill
+    chunks and decode rows side by side; only prompt rows take M-RoPE's offsets) answer alike."""
     import asyncio
 
-    from tokenizers import Tokenizer
-
     from webgpu_engine.engine.engine import AsyncMLCEngine
-    text = Tokenizer.from_file(str(FOLDER / "tokenizer.json"))
     eng = AsyncMLCEngine()
     await eng.reload(str(FOLDER), chat_opts={**OPTS, "max_num_sequences": 2})
     try:
-        model = next(iter(eng.models))
-        prompts = list(ref["prompts"].values())
+        text = await _answers_as_transformers(eng, ref, ["one", "two"])
+        model, prompts = next(iter(eng.models)), list(ref["prompts"].values())
         rs = await asyncio.gather(*(eng.chat.completions.create(model=model, messages=_messages(w), max_tokens=12,
                                                                 temperature=0.0) for w in prompts))
         for r, w in zip(rs, prompts):
             assert r.choices[0].message.content == text.decode(w["greedy"], skip_special_tokens=True)
+    finally:
+        await eng.unload()
+
+
+async def test_gguf_and_mmproj_answer_as_transformers(device, ref):
+    """The text GGUF and its mmproj from llama.cpp's converter, loaded as --model text.gguf --mmproj
+    proj.gguf (the mmproj chat option)."""
+    from webgpu_engine.engine.engine import AsyncMLCEngine
+    eng = AsyncMLCEngine()
+    await eng.reload(str(PAIR / "tiny-qwen25vl.gguf"), chat_opts={**OPTS, "mmproj": str(PAIR / PROJ)})
+    try:
+        await _answers_as_transformers(eng, ref, ["one", "two"])
     finally:
         await eng.unload()
