@@ -511,7 +511,7 @@ def test_memory_estimate_counts_the_vision_tower(device, monkeypatch):
     cc = ChatConfig(**OPTS)
     full = estimate_for("llm", FOLDER, cc, device)
     with monkeypatch.context() as mp:
-        mp.setattr(runner, "memory", lambda path, est, ctx: est)
+        mp.setattr(runner, "memory", lambda path, est, ctx, **_: est)
         text = estimate_for("llm", FOLDER, cc, device)
     files = SafetensorsFolder(FOLDER)
     try:
