@@ -93,9 +93,9 @@ def gated_delta_rule(dev: Device, qkv: Tensor, proj: Tensor, hw: Tensor, state: 
     b_col = z_col + Hv * Dv
     check(width == 2 * Hk * Dk + Hv * Dv and Hv % Hk == 0 and b_col + 2 * Hv <= m and int(proj.shape[0]) == T
           and y.numel == T * Hv * Dv and hw.dtype == state.dtype == "f32" and hw.numel == 2 * Hv + Dv
-          and state.numel % (Hv * Dk * Dv) == 0 and Dv <= 256 and Dk <= 256, k,
+          and state.numel % (Hv * Dk * Dv) == 0 and Dv <= 256 and Dk <= 256 and Dk % 4 == 0, k,
           f"qkv{qkv.shape} proj{proj.shape} hw{hw.shape} state{state.shape} y{y.shape} for Hk {Hk}, Hv {Hv}, "
-          f"Dk {Dk}, Dv {Dv} (<= 256), z at column {z_col}")
+          f"Dk {Dk} (a multiple of 4), Dv {Dv} (<= 256), z at column {z_col}")
     (qe, qo), (pe, po), (ye, yo) = (_window(dev, t, k) for t in (qkv, proj, y))
     ents, per_row = _row_entries(dev, step, rows, T, k)
     par = params(dev, [T, Hk, Hv, width, qo, po, yo, m, z_col, b_col, b_col + Hv, per_row, float(eps), int(tiled), 0, 0],

@@ -181,9 +181,10 @@ def _linear(where: str, types: list, taps: int, n_k_heads: int, n_v_heads: int, 
                                     f"expected)")
     lin = {"layers": tuple(t == "linear_attention" for t in types), "n_k_heads": n_k_heads,
            "n_v_heads": n_v_heads, "k_dim": k_dim, "v_dim": v_dim, "tiled": tiled}
-    if taps > deltanet.MAX_TAPS or n_v_heads % n_k_heads or max(k_dim, v_dim) > 256:
+    if taps > deltanet.MAX_TAPS or n_v_heads % n_k_heads or max(k_dim, v_dim) > 256 or k_dim % 4:
         raise UnsupportedModelError(f"{where}: linear attention {lin}, conv of {taps} (value heads a multiple "
-                                    f"of the key heads, head dims up to 256, at most {deltanet.MAX_TAPS} taps)")
+                                    f"of the key heads, head dims up to 256, the key's a multiple of 4, at most "
+                                    f"{deltanet.MAX_TAPS} taps)")
     return lin
 
 
