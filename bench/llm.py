@@ -66,7 +66,7 @@ async def bench_engine(path: Path, dtype: str, prompts: list[int], n_decode: int
                                                             prefill_chunk_size=256))
     out = {"adapter": dev.info.name, "dtype": pipe.model.dtype, "load_s": time.perf_counter() - t0,
            # the forms a step at this context records (attention's short form up to its max_keys)
-           "dispatches_per_decode_step": _n_dispatches(pipe.model.decode_ops, 33) + 1}
+           "dispatches_per_decode_step": _n_dispatches(pipe.scheduler.fwd.ops("decode", 1), 33) + 1}
     # weight bytes a decode step's kernels read (a MoE: its k experts' rows, not all E)
     read, experts = decode_weight_bytes(pipe.model)
     out.update({"weight_MB_per_decode_token": read / 1e6, **({"expert_MB_all": experts / 1e6} if experts else {})})
@@ -92,25 +92,20 @@ async def bench_engine(path: Path, dtype: str, prompts: list[int], n_decode: int
         out[f"time_to_first_token_{n}_s"] = best
     # the hand-written step loop (a diagnostic): host encoding vs submit vs GPU wait + readback,
     # per step, after a 32-token prompt
-    ids = _prompt_ids(pipe.tokenizer, 32)
-    pipe.reset_chat()
-    await pipe.forward_tokens_and_sample(ids, True, gen)
-    m, s = pipe.model, pipe.sampler
+    loop = await _HandLoop.start(pipe, _prompt_ids(pipe.tokenizer, 32))
     enc = sub = wait = 0.0
-    pos = len(pipe.kv_ids)
     t_all, c_all = time.perf_counter(), time.process_time()
     for i in range(n_decode):
         t = time.perf_counter()
-        b = dev.batch()
-        m.record_decode(b, pos + i)
-        pipe._sample_op.record(b)
+        b = loop.step()
         t1 = time.perf_counter()
         dev.submit(b)
         t2 = time.perf_counter()
-        await s.read(False)
+        await loop.read()
         t3 = time.perf_counter()
         enc, sub, wait = enc + t1 - t, sub + t2 - t1, wait + t3 - t2
     total, cpu = time.perf_counter() - t_all, time.process_time() - c_all
+    pos = loop.close()
     # process CPU time: on a CPU adapter the driver's threads are ours, so this does not depend on
     # what else the machine runs (wall time does)
     out.update({"step_loop_tokens_per_s": n_decode / total, "step_loop_step_ms": 1e3 * total / n_decode,
@@ -121,15 +116,83 @@ async def bench_engine(path: Path, dtype: str, prompts: list[int], n_decode: int
     # readback alone (a 4-byte read after an empty submit)
     t = time.perf_counter()
     for _ in range(20):
-        await dev.read(s.io, 0, 4)
+        await dev.read(loop.slot.sampler.io, 0, 4)
     out["readback_only_ms"] = 1e3 * (time.perf_counter() - t) / 20
+    fwd = pipe.scheduler.fwd
     out["gpu_ms_by_kernel_decode"], out["cpu_ms_by_kernel_decode"] = \
-        _by_kind(dev, m.decode_ops + [pipe._sample_op], m.step, n_keys=pos + n_decode)
+        _by_kind(dev, fwd.ops("decode", 1) + [loop.slot.op], fwd.step, n_keys=pos)
     if not skip_prefill:
         out["gpu_ms_by_kernel_prefill_128"], out["cpu_ms_by_kernel_prefill_128"] = \
-            _by_kind(dev, m.ops_for(min(128, m.chunk), True), m.step)
+            _by_kind(dev, fwd.ops("prefill", min(128, pipe.model.chunk)), fwd.step)
     pipe.dispose()
     return out
+
+
+class _HandLoop:
+    """The engine's hand-written step loop over the scheduler's paged forward (a diagnostic: record,
+    submit, read; no sampler state, no stop rules): one sequence of the pool, slot 0's greedy sampler."""
+
+    @classmethod
+    async def start(cls, pipe, ids: list[int]) -> "_HandLoop":
+        from webgpu_engine.config import GREEDY
+        self = cls()
+        sched = pipe.scheduler
+        self.dev, self.fwd, self.pool, self.slot = pipe.dev, sched.fwd, sched.pool, sched.slots[0]
+        self.V, self.sid = pipe.model.cfg.vocab_size, "bench.hand_loop"
+        self.slot.sampler.configure(GREEDY)
+        self.pool.add_sequence(self.sid, [])
+        P = pipe.model.chunk
+        for s in range(0, len(ids), P):           # the prompt by prefill chunks, its last row sampled
+            e = min(s + P, len(ids))
+            self.pool.reserve(self.sid, e)
+            b = self.dev.batch()
+            self.fwd.record_prefill(b, ids[s:e], s, self.pool.slots(self.sid, s, e - s),
+                                    self.pool.block_table(self.sid), with_head=e == len(ids))
+            if e == len(ids):
+                self._sample(b, 0)
+            self.dev.submit(b)
+            self.pool.append_tokens(self.sid, ids[s:e])
+        await self.read()
+        return self
+
+    @classmethod
+    def at(cls, pipe, pos: int, token: int) -> "_HandLoop":
+        """A sequence whose cache counts `pos` positions, none computed (a decode step's time depends
+        on how many keys it reads, not on their values), its next input `token`."""
+        from webgpu_engine.config import GREEDY
+        self = cls()
+        sched = pipe.scheduler
+        self.dev, self.fwd, self.pool, self.slot = pipe.dev, sched.fwd, sched.pool, sched.slots[0]
+        self.V, self.sid, self.tok = pipe.model.cfg.vocab_size, "bench.hand_loop", token
+        self.slot.sampler.configure(GREEDY)
+        self.pool.add_sequence(self.sid, [])
+        self.pool.reserve(self.sid, pos)
+        self.pool.append_tokens(self.sid, [token] * pos, decoded=True)
+        return self
+
+    def _sample(self, b, row: int) -> None:
+        self.slot.copy_in(b, self.fwd.logits, row, self.V)
+        self.slot.op.record(b)
+
+    def step(self, token: int | None = None):
+        """A recorded decode step feeding `token` (default the last one read), its sampler after it."""
+        tok = self.tok if token is None else token
+        self.pool.reserve(self.sid, self.pool.num_tokens(self.sid) + 1)
+        b = self.dev.batch()
+        self.fwd.record_decode(b, [tok], self.pool.decode_inputs([self.sid], 1, self.fwd.max_blocks))
+        self._sample(b, 0)
+        self.pool.append_tokens(self.sid, [tok], decoded=True)
+        return b
+
+    async def read(self) -> int:
+        self.tok = (await self.slot.sampler.read(False)).token
+        return self.tok
+
+    def close(self) -> int:
+        """The sequence leaves the pool; returns its length."""
+        n = self.pool.num_tokens(self.sid)
+        self.pool.free(self.sid)
+        return n
 
 
 async def _decode_loop_ab(pipe, n_decode: int, sampling: dict | None, rounds: int) -> dict:
@@ -137,25 +200,24 @@ async def _decode_loop_ab(pipe, n_decode: int, sampling: dict | None, rounds: in
     one ahead of the host (ChatConfig.decode_ahead) and without, in alternating rounds (best of
     each), and the GPU's step time alone: steps recorded and submitted back to back, one wait at the
     end (no readback, no host work between steps but the next step's recording). Host ms per step:
-    recording and submitting a step (pipelines/llm.py _submit_decode), all of it overlapped with the
-    GPU's previous step when decode_ahead is on."""
-    from dataclasses import replace
-
+    recording a one-row step of the scheduler's paged forward, which decode_ahead overlaps with the
+    GPU's previous step (the scheduler's `ahead_steps` count such steps)."""
     from webgpu_engine.config import GenerationConfig
-    dev, m = pipe.dev, pipe.model
+    dev = pipe.dev
     text = DECODE_PROMPT
     gen = GenerationConfig(**{"temperature": 0.0, **(sampling or {})}, max_tokens=n_decode + 1, ignore_eos=True)
     best = {True: 0.0, False: 0.0}
     cpu_ms = {True: 1e9, False: 1e9}       # process CPU per token (lavapipe's threads are ours)
-    tokens, host_ms = {}, 0.0
-    base = pipe.chat_config
+    tokens = {}
+    sched = pipe.scheduler
+    base = sched.decode_ahead
     try:
         for _ in range(rounds):
             for ahead in (True, False):
-                pipe.chat_config = replace(base, decode_ahead=ahead)
+                sched.decode_ahead = ahead
                 pipe.reset_chat()
                 await pipe.prefill_step(None, gen, prompt=text)
-                h0, t, c = pipe.host_s, time.perf_counter(), time.process_time()
+                t, c = time.perf_counter(), time.process_time()
                 while not pipe.stopped:
                     await pipe.decode_step()
                 dt, dc = time.perf_counter() - t, time.process_time() - c
@@ -163,21 +225,20 @@ async def _decode_loop_ab(pipe, n_decode: int, sampling: dict | None, rounds: in
                 best[ahead] = max(best[ahead], steps / dt)
                 cpu_ms[ahead] = min(cpu_ms[ahead], 1e3 * dc / steps)
                 tokens[ahead] = list(pipe.output_ids)
-                if ahead:
-                    host_ms = 1e3 * (pipe.host_s - h0) / steps
     finally:
-        pipe.chat_config = base
+        sched.decode_ahead = base
     pipe.reset_chat()
-    await pipe.prefill_step(None, gen, prompt=text)
-    pos = len(pipe.kv_ids)
-    t = time.perf_counter()
-    for i in range(n_decode):
-        b = dev.batch()
-        m.record_decode(b, pos + i)
-        pipe._sample_op.record(b)
+    loop = await _HandLoop.start(pipe, pipe.prompt_ids(None, text))
+    t, rec = time.perf_counter(), 0.0
+    for i in range(n_decode):           # steps back to back: the input id does not change the work
+        t0 = time.perf_counter()
+        b = loop.step(loop.tok)
+        rec += time.perf_counter() - t0
         await dev.submit_async(b)
     await dev.sync()
     gpu_ms = 1e3 * (time.perf_counter() - t) / n_decode
+    host_ms = 1e3 * rec / n_decode      # recording a step: what decode_ahead overlaps with the GPU's step
+    loop.close()
     pipe.reset_chat()
     ahead_ms = 1e3 / best[True]
     return {"decode_loop_ahead_tokens_per_s": best[True], "decode_loop_serial_tokens_per_s": best[False],
@@ -269,13 +330,12 @@ async def bench_ab(path: Path, dtype: str, variants: list[str], n_steps: int, ro
     built under that variant's overrides), then rounds of `n_steps` steps per variant in turn; reports
     the best round's wall and process-CPU ms per step (the machine may be shared: interleaving and
     taking the best keep the comparison fair)."""
-    from webgpu_engine.config import ChatConfig, GenerationConfig
+    from webgpu_engine.config import ChatConfig
     from webgpu_engine.gpu import request_device
     from webgpu_engine.kernels import matmul as mm
     from webgpu_engine.pipelines.llm import LLMChatPipeline
 
     dev = await request_device()
-    gen = GenerationConfig(temperature=0.0, ignore_eos=True)
     pipes = []
     for v in variants:
         mm.CONFIG_OVERRIDES.clear()
@@ -286,22 +346,23 @@ async def bench_ab(path: Path, dtype: str, variants: list[str], n_steps: int, ro
         pipe = await LLMChatPipeline.load(dev, path, ChatConfig(dtype=dt, context_window_size=
                                                                 64 + rounds * n_steps + 8))
         pipe.model.short_attention = short
-        await pipe.forward_tokens_and_sample(_prompt_ids(pipe.tokenizer, 32), True, gen)
-        pipes.append(pipe)
+        pipes.append((pipe, await _HandLoop.start(pipe, _prompt_ids(pipe.tokenizer, 32))))
     mm.CONFIG_OVERRIDES.clear()
     best = {v: [1e9, 1e9] for v in variants}
     for _ in range(rounds):
-        for v, pipe in zip(variants, pipes):
+        for v, (pipe, loop) in zip(variants, pipes):
             t, c = time.perf_counter(), time.process_time()
-            for _ in range(n_steps):     # T = 1 forwards: the decode ops, plus a 4-byte id write
-                await pipe.forward_tokens_and_sample([pipe._last_token], False, gen)
+            for _ in range(n_steps):     # one-row decode steps of the paged forward and their sampler
+                pipe.dev.submit(loop.step())
+                await loop.read()
             dt, dc = (time.perf_counter() - t) / n_steps, (time.process_time() - c) / n_steps
             best[v] = [min(best[v][0], 1e3 * dt), min(best[v][1], 1e3 * dc)]
     out = {"adapter": dev.info.name}
-    for v, pipe in zip(variants, pipes):
+    for v, (pipe, loop) in zip(variants, pipes):
         out[v or "default"] = {"dtype": pipe.model.dtype, "step_ms": round(best[v][0], 2),
                                "step_cpu_ms": round(best[v][1], 2),
-                               "dispatches": _n_dispatches(pipe.model.decode_ops, 33) + 1}
+                               "dispatches": _n_dispatches(pipe.scheduler.fwd.ops("decode", 1), 33) + 1}
+        loop.close()
         pipe.dispose()
     return out
 

@@ -177,16 +177,16 @@ class ChatConfig:
     #                                    system prompt dropped until it fits; usage.extra says how many);
     #                                    "shift": as truncate, and a generation reaching the window goes
     #                                    on: the tokens after the first n_keep lose their older half
-    #                                    (llama.cpp's context shift; one-request path)
+    #                                    (llama.cpp's context shift, per sequence)
     n_keep: int = 0                    # ... tokens a context shift always keeps (the prompt's start)
     speculation: dict | str | None = None  # chat: speculative decoding, {"method": "ngram", "k": 3,
     #                                    "n": 8} or "ngram" (k: automatic; pipelines/speculation.py);
-    #                                    one-request path
+    #                                    per sequence of the batch
     mmproj: str | None = None          # chat, a GGUF model: its multimodal projector GGUF (llama.cpp's
     #                                    --mmproj: the vision tower and projector; vision/mmproj.py)
     tune_budget_s: float | None = None  # ... for about this many seconds (None: $WEBGPU_ENGINE_TUNE_BUDGET,
     #                                     else 20); shapes left untimed are timed by a later load
-    decode_ahead: bool | None = None   # chat, one request or the batch scheduler: submit decode step
+    decode_ahead: bool | None = None   # chat (the batch scheduler, one slot or many): submit decode step
     #                                    n + 1 before reading step n's token (already on the GPU), so the host's
     #                                    recording overlaps the GPU's work; the same tokens either way.
     #                                    None: on, except on software adapters (lavapipe: host and

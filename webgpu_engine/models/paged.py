@@ -17,13 +17,12 @@ scheduler's slot of the sequence; a row at position 0 starts its sequence's stat
 
 A decode row's matmul sums do not depend on how many rows run: with up to 4 sequences on a CPU
 adapter each row goes through the fused one-row decode kernels (`fused_rows`: norms, gates, residual
-norms and the RoPE + KV write fused, each row summed as the one-request path sums it, a weight
-chunk decoded once for the rows: 183 dispatches a step for SmolLM2, as many as the one-request
-path), else `decode_rows` (the GPU family's decode kernel in groups of 8 rows, the CPU family's
+norms and the RoPE + KV write fused, each row summed as the one-row DECODE forward sums it, a
+weight chunk decoded once for the rows: 183 dispatches a step for SmolLM2, as many as one row's
+DECODE forward), else `decode_rows` (the GPU family's decode kernel in groups of 8 rows, the CPU family's
 row-invariant tiled kernels, which share weights across many rows); prefill rows' neither on the
 chunking (`row_invariant`), and a sequence's attention depends only on its own keys (the paged decode
-kernel picks the short or the split-key form by each sequence's own length, as the one-request path
-picks it by its length): a sequence's tokens are the same alone or in any batch. Op lists are built
+kernel picks the short or the split-key form by each sequence's own length): a sequence's tokens are the same alone or in any batch. Op lists are built
 once per row count and replayed; per step the host writes the small u32 inputs (ids, positions,
 slots, lens, tables, step) in one write, which the step's batch copies into place. Standard library
 only (runs in the page).
@@ -101,11 +100,11 @@ class PagedForward:
         self.recurrent = any(x is not None for x in self.mixer_states)
         self.lora = None                                   # a LoraRows once a pool is attached
         # up to MAX_DECODE_ROWS sequences (a CPU adapter's default is 4): each decode row through the
-        # fused one-row kernels, as the one-request path decodes it; more: the row-invariant kernels
+        # fused one-row kernels, as a one-row DECODE forward computes it; more: the row-invariant kernels
         self.fused_rows = self.max_seqs <= mm.MAX_DECODE_ROWS and mm.fused_rows_ok(dev)
 
     # ------------------------------------------------------------------ decoder.KVAccess
-    head_flags: dict = {}    # the prefill head's one-row matmul: the decode kernel, as the one-request path's
+    head_flags: dict = {}    # the prefill head's one-row matmul: the decode kernel (ContiguousKV's too)
 
     @property
     def images(self):
@@ -119,7 +118,7 @@ class PagedForward:
 
     def fused_rope(self, i: int):
         """Fused rows (activation-dtype pools): the qkv matmul rotates each row at its position and
-        writes its k, v to its slot, as the one-request decode's matmul does; else the paged kernel."""
+        writes its k, v to its slot, as the contiguous decode's matmul does; else the paged kernel."""
         m, c = self.model, self.cfg
         if not self.fused_rows or m.kv_cache_dtype or self.ring:   # the epilogue writes no sink queries
             return None

@@ -13,8 +13,8 @@ differs from its row's token, plus that token, are kept: a greedy answer equals 
 without speculation. The rejected rows' KV slots go back to the pool (`trim`).
 
 The rows one step takes are bounded (`rows_cap`: max_num_sequences x (k + 1), at most a prefill
-chunk); when guesses would pass it, the older sequences guess first. Which sequences speculate: as
-on the one-request path, those without penalties (their counts would take in rejected rows), and
+chunk); when guesses would pass it, the older sequences guess first. Which sequences speculate:
+those without penalties (their counts would take in rejected rows), and
 not while the model has a logit processor (its host work sits between a row's logits and its
 sampler). Under a grammar a sequence guesses the tokens the grammar forces first, its other guesses
 are cut where the grammar refuses one, and each of its rows is masked with the grammar's state after

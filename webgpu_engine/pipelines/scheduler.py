@@ -1,8 +1,9 @@
 """Continuous batching for one chat model: many generations share each forward pass.
 
 The engine admits up to `max_num_sequences` requests at once (the model's FIFO lock has that many
-places, so admission stays in arrival order). Each admitted choice is a `BatchSequence`, the
-request-level interface of the one-request pipeline (prefill_step, decode_step, take_delta, ...).
+places, so admission stays in arrival order; one place: one request at a time, WebLLM's default).
+This is the only decode loop. Each admitted choice is a `BatchSequence` with the pipeline's
+request-level interface (prefill_step, decode_step, take_delta, ...).
 One task per model runs iterations while sequences are active:
 
     1. drop sequences that were interrupted or whose caller left;
@@ -220,7 +221,7 @@ class Scheduler:
         for rec in list(self.running):
             if rec.seq.interrupted and not rec.seq.stopped:
                 rec.seq.finish("abort")
-                self.pipe.finished(rec.seq)
+                self.pipe.finished(rec.seq, rec.toks)
                 self._leave(rec)
                 rec.handle._notify()
 
@@ -233,8 +234,8 @@ class Scheduler:
     def _shift(self, rec: SeqRecord) -> None:
         """context_overflow "shift" for one sequence (llama.cpp's per-slot context shift): its cache
         is full; keep its first n_keep tokens, drop the older half of the rest, and compute the kept
-        tail again at its new positions by prefill, sampling nothing (as the one-request path does,
-        pipelines/decode_paths.py), then decode on from its last token. Its blocks go back to the
+        tail again at its new positions by prefill, sampling nothing (what a prompt of those tokens
+        would give the cache), then decode on from its last token. Its blocks go back to the
         pool; the kept prefix's full blocks come back as prefix hits."""
         keep = min(max(self.pipe.chat_config.n_keep, 0), len(rec.toks) - 1)
         drop = max((len(rec.toks) - keep) // 2, 1)
@@ -540,7 +541,7 @@ class Scheduler:
         if proc is not None and hasattr(proc, "process_sampled_token"):
             proc.process_sampled_token(tok)
         if seq.stopped:
-            self.pipe.finished(seq)               # get_message() gives the last finished answer
+            self.pipe.finished(seq, rec.toks)     # get_message() gives the last finished answer
             self._leave(rec)
         rec.handle._notify()
 

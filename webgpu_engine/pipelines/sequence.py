@@ -1,5 +1,5 @@
-"""One generation's state, shared by the one-request pipeline (llm.py) and the batch scheduler
-(scheduler.py): the streamed text and its stop strings, the output ids, logprob entries, the stop
+"""One generation's state in the batch scheduler (scheduler.py; the pipeline's own request-level
+methods, llm.py, drive one such sequence): the streamed text and its stop strings, the output ids, logprob entries, the stop
 rules (EOS unless ignore_eos, stop strings, a finished grammar, max_tokens, a full context window,
 an interrupt) and the request's statistics. Page code: standard library only.
 """

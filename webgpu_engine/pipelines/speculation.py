@@ -9,19 +9,15 @@ Two ways to guess:
   bench/speculative.py's tasks it kept 0.79-0.96 of the guesses against 0.37-0.88 for the latest
   match of at most 3 tokens (replayed on the answers, lavapipe's row costs).
 - a draft model ("draft"): a second, smaller model with the same vocabulary decodes k tokens
-  greedily (its own fused decode kernels; its KV cache keeps the longest prefix it shares with the
-  target's context, so rejected guesses are rolled back by position). Works for any pair of
-  families the registry loads.
+  greedily for every sequence of a step at once (batch_draft.py: a paged cache of its own keeps the
+  longest prefix it shares with each sequence's context, so rejected guesses are cut back). Works
+  for any pair of families the registry loads.
 
-Exactness: the guesses are checked by a forward over rows [last token, guess 1 .. guess k], row r's
-logits those the row would have alone. Where the device runs the fused one-row kernels over rows
-(LlamaModel.exact_verify: the CPU family, lavapipe) each row is computed as the default decode step
-at its position computes it, bit for bit (the decode plan's fused kernels, the decode attention in
-the form its own length takes): a greedy answer with speculation equals the answer without it,
-whatever was guessed. Elsewhere the rows go through the prefill's row-invariant kernels, each row's
-LM head as a one-row prefill computes it: a greedy answer equals one-token-per-forward decoding
-through those kernels, and may differ from the default path's in the last bits of a logit, as two
-GPUs' answers may (tests/test_speculation.py checks both).
+Exactness: the guesses are checked as extra decode rows of the scheduler's step (batch_speculation.py):
+rows [last token, guess 1 .. guess k] at consecutive positions through the decode kernels the batch's
+plain rows go through, whose sums do not depend on the rows beside them, so row r's logits are, bit
+for bit, those of a plain decode step at its position: a greedy answer with speculation equals the
+answer without it, whatever was guessed (tests/test_speculation.py, tests/test_batch_speculation.py).
 
 Sampled requests (speculative sampling): each verify row samples its token as a decode step would
 (the request's temperature, top-k, top-p, min-p, logit_bias, with the next draws of its seed), and a
@@ -38,20 +34,16 @@ guesses the grammar refuses are dropped before the forward, and every verify row
 grammar's state after the guesses before it (the matcher steps through them and rolls back).
 
 Which requests speculate: those without penalties (frequency, presence, repetition: their counts
-would take in rejected rows) or logit processor (a host round trip per row), on the one-request
-path; the others decode as without speculation (named in `usage.extra`).
+would take in rejected rows) or logit processor (a host round trip per row); the others decode as
+without speculation (named in `usage.extra`).
 
-Turning itself off (`auto_off`, on by default): a verify forward of k + 1 rows costs more than a
-fused decode step (on lavapipe about 2.1x for 4 rows through the fused kernels, 2-5x per row through
-the row-invariant ones; on GPUs about one step), so speculation only pays when enough guesses are
-right. A step with nothing to guess is a plain fused decode step (where exact_verify, or with
-auto_off), which also times the yardstick; verify steps are guessing steps. After `probe` of them,
-the request's tokens per second over its verify steps are compared with the model's fused decode
-steps; when speculation is slower, the rest of the request decodes through the fused path. (Judging
-every step, no-guess steps included, turned speculation off on answers it made 1.4x faster: a
-slow early step decided it.) With exact_verify the answer is the same either way; elsewhere which
-path made a token depends on guesses and measured speed, and the two paths can differ in the last
-bits of a logit: `auto_off: false` keeps every token on the verify path.
+Turning itself off (`auto_off`, on by default, per sequence): a verify step of k + 1 rows costs more
+than a plain decode step (on lavapipe about 2.1x for 4 rows through the fused kernels; on GPUs about
+one step), so speculation only pays when enough guesses are right. Steps without guesses time the
+yardstick; after `probe` verify steps, a sequence's tokens per second over its verify steps are
+compared with the model's plain decode steps; when speculation is slower, the rest of the sequence
+decodes in plain rows. (Judging every step, no-guess steps included, turned speculation off on
+answers it made 1.4x faster: a slow early step decided it.) The answer is the same either way.
 Standard library only (runs in the page).
 """
 from __future__ import annotations
@@ -120,9 +112,10 @@ class Speculation:
 
     def with_k(self, rows_per_pass: int | None) -> "Speculation":
         """This speculation with k set: as given, else auto: where verify rows go through the fused
-        one-row kernels (LlamaModel.exact_verify), which read each weight once per `rows_per_pass`
-        rows, a verify forward of that many rows (on lavapipe 4 rows cost 2.1x a decode step, 5
-        rows 2.8x, 8 rows 4.1x: bench/speculative.py); elsewhere (None) 4 guesses."""
+        one-row kernels (LlamaModel.verify_rows_per_pass: the CPU family), which read each weight
+        once per `rows_per_pass` rows, a verify forward of that many rows (on lavapipe 4 rows cost
+        2.1x a decode step, 5 rows 2.8x, 8 rows 4.1x: bench/speculative.py); elsewhere (None) 4
+        guesses."""
         if self.k is not None:
             return self
         return replace(self, k=max(1, rows_per_pass - 1) if rows_per_pass else 4)
