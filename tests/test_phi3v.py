@@ -14,7 +14,7 @@ from _nn_util import get
 from PIL import Image
 from ref_llama import RefLlama
 from test_mlc import _values
-from tinyphi3v import tower_fixture, write_tiny_phi3v_mlc
+from tinyphi3v import CONV, tower_fixture, write_tiny_phi3v_mlc
 
 from webgpu_engine.errors import InvalidRequestError
 from webgpu_engine.loaders.mlc import refusal
@@ -157,10 +157,27 @@ def _messages(url: str) -> list[dict]:
                                          {"type": "text", "text": "What is in the picture?"}]}]
 
 
-@pytest.mark.parametrize("quant", ["q0f32", "q4f16_1", "q4f32_1"])
+def _expected(art: dict, png) -> tuple[list[int], str]:
+    """(prompt ids, the reference's greedy answer) for the picture `png` and _messages' text:
+    WebLLM's prompt (the rows after "<|user|>\\n", then "\\n" and the text)."""
+    from webgpu_engine.loaders.tokenizer import load_tokenizer
+    tok = load_tokenizer(art["folder"])
+    image = decode_bytes(png.read_bytes(), "p.png")
+    user = [{"role": "user", "content": [{"type": "image", "image": image},
+                                         {"type": "text", "text": "What is in the picture?"}]}]
+    cfg = phi3v.read_config("tiny", {"hidden_size": 64, "vision_config": art["tower"][0]}, tok)
+    prompt = phi3v.template(None, cfg, CONV).encode(tok, user)
+    first = prompt.index(art["image_id"])
+    assert prompt[:first] == [1, *tok.encode("<|user|>\n")] and prompt.count(art["image_id"]) == 130
+    assert tok.decode(prompt[first + 130:first + 131]) == "\n"
+    want = _reference(art, prompt, image.image)
+    return prompt, tok.decode(want[:next((i for i, t in enumerate(want) if t == 2), len(want))])
+
+
+@pytest.mark.parametrize("quant", ["q0f32", "q4f16_1"])
 async def test_greedy_tokens_equal_the_reference(device, artifacts, quant):
-    """A 400 x 300 picture (3 x 4 crops + the global image: 130 rows) in a user turn: WebLLM's prompt
-    (the rows after "<|user|>\\n", then "\\n" and the text) and 8 greedy tokens equal the reference's."""
+    """A 400 x 300 picture (3 x 4 crops + the global image: 130 rows) in a user turn through
+    AsyncMLCEngine: the prompt's length and 8 greedy tokens equal the reference's."""
     from webgpu_engine.engine.engine import AsyncMLCEngine
     from webgpu_engine.vision.images import image_data_url
     art = artifacts[quant]
@@ -170,22 +187,33 @@ async def test_greedy_tokens_equal_the_reference(device, artifacts, quant):
     await eng.reload(str(art["folder"]), chat_opts=OPTS)
     try:
         model = next(iter(eng.models))
-        pipe = eng.models[model].pipeline
         r = await eng.chat.completions.create(model=model, messages=_messages(image_data_url(png)),
                                               max_tokens=N_NEW, temperature=0.0)
-        image = decode_bytes(png.read_bytes(), "p.png")
-        user = [{"role": "user", "content": [{"type": "image", "image": image},
-                                             {"type": "text", "text": "What is in the picture?"}]}]
-        prompt = pipe.template.encode(pipe.tokenizer, user)
-        first = prompt.index(art["image_id"])
-        assert prompt[:first] == [1, *pipe.tokenizer.encode("<|user|>\n")] and prompt.count(art["image_id"]) == 130
-        assert pipe.tokenizer.decode(prompt[first + 130:first + 131]) == "\n"
-        assert r.usage.prompt_tokens == len(prompt)
-        want = _reference(art, prompt, image.image)
-        want = want[:next((i for i, t in enumerate(want) if t == 2), len(want))]
-        assert r.choices[0].message.content == pipe.tokenizer.decode(want)
+        prompt, answer = _expected(art, png)
+        assert r.usage.prompt_tokens == len(prompt) and r.choices[0].message.content == answer
     finally:
         await eng.unload()
+
+
+def test_openai_client_gets_the_reference_answer(device, artifacts):
+    """The q4f32_1 artifact served: the OpenAI client's chat completion about the picture is the
+    reference's greedy answer."""
+    import openai
+
+    from webgpu_engine.server.app import ServerOptions, ServerThread
+    from webgpu_engine.vision.images import image_data_url
+    art = artifacts["q4f32_1"]
+    png = art["folder"].parent / "served.png"
+    png.write_bytes(_picture(400, 300))
+    s = ServerThread(ServerOptions(models=[str(art["folder"])], chat_opts=[OPTS], port=0))
+    try:
+        client = openai.OpenAI(base_url=s.url, api_key="none", max_retries=0)
+        r = client.chat.completions.create(model=art["folder"].name, messages=_messages(image_data_url(png)),
+                                           max_tokens=N_NEW, temperature=0.0)
+        prompt, answer = _expected(art, png)
+        assert r.usage.prompt_tokens == len(prompt) and r.choices[0].message.content == answer
+    finally:
+        s.stop()
 
 
 def test_the_catalogue_loads_both_ids():
