@@ -61,13 +61,10 @@ def _scaled(progress, lo: float, hi: float):
 
 
 async def _tune(dev: Device, model, dtype: str, tuning: tuple, progress, name: str) -> None:
-    """Time the model's matmul shapes the adapter's profile lacks (kernels/tune.py); when the
-    family reads the profile, rebuild the decode ops the model built before the choices existed.
-    Prefill ops are built later, on first use or by _compile."""
+    """Time the model's matmul shapes the adapter's profile lacks (kernels/tune.py). The scheduler's
+    op lists are built after it (on first use or by _compile), so they take the choices made."""
     mode, budget_s = tuning
-    if await tune.tune_at_load(dev, model, LLM, dtype, mode=mode, budget_s=budget_s, progress=progress,
-                               name=name) and mm.kernel_family(dev) == "tuned":
-        model.rebuild_decode_ops()
+    await tune.tune_at_load(dev, model, LLM, dtype, mode=mode, budget_s=budget_s, progress=progress, name=name)
 
 
 class LLMChatPipeline:
@@ -106,6 +103,7 @@ class LLMChatPipeline:
         self.seq = self.new_sequence()            # the last finished answer (get_message)
         self.seq.stopped = True
         self._turn = None                         # the pipeline-level request (prefill_step ...): a BatchSequence
+        self._last_kv: list[int] = []             # the last finished sequence's cached tokens
         self._solo = asyncio.Lock()
         self.speculation = Speculation.parse(chat_config.speculation)
         if self.speculation is not None:
@@ -269,9 +267,10 @@ class LLMChatPipeline:
             return keys | skeys
         await warm_up(self.dev, record)
 
-    def finished(self, seq: Sequence) -> None:
-        """A sequence has finished: get_message() gives its answer (the last finished)."""
-        self.seq = seq
+    def finished(self, seq: Sequence, tokens: list[int]) -> None:
+        """A sequence has finished: get_message() gives its answer (the last finished), kv_ids its
+        cached tokens."""
+        self.seq, self._last_kv = seq, list(tokens)
 
     def set_logit_processor(self, proc) -> None:
         """A WebLLM-style processor: process_logits(list[float]) -> list[float] (host round trip
@@ -301,10 +300,11 @@ class LLMChatPipeline:
 
     @property
     def kv_ids(self) -> list[int]:
-        """The tokens of the pipeline-level conversation whose K/V the pool holds for it (the prompt
-        and the answer's tokens fed back): what forward_tokens_and_sample appends to."""
+        """The conversation's tokens whose K/V the pool holds (the prompt and the answer's tokens fed
+        back) of the pipeline-level request while it runs, else of the last finished sequence: what
+        forward_tokens_and_sample appends to (WebLLM's one conversation per model)."""
         t = self._turn
-        return t.tokens() if t is not None else []
+        return t.tokens() if t is not None and t.seq is not None and not t.seq.stopped else list(self._last_kv)
 
     def _max_token_chars(self) -> int:
         """Bytes of the longest token (prompt.py's check of a prompt's length), worked out once."""
@@ -382,6 +382,7 @@ class LLMChatPipeline:
             self._turn = None
         if not keep_stats:
             self.stats = CumulativeStats()
+        self._last_kv = []
         self.seq = self.new_sequence()
         self.seq.stopped = True
 
