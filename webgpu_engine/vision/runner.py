@@ -121,9 +121,6 @@ class VisionInputs:
         self.max_tiles = max_tiles
         self.max_images = max_tiles // _family(cfg).max_tiles(cfg)
         self.unavailable = ""            # why this load takes no images (set by the pipeline), else ""
-        self._rows: dict[int, tuple[int, int]] = {}     # position -> (feature row, image's key end)
-        self._request: list | None = None    # this request's tiles: (start, end, sha256, image, tile)
-        self._cached: list = []              # the KV cache's images: (start, end, sha256)
         self.conv: dict | None = None        # an MLC artifact's conv_template (Phi-3.5-vision's prompt)
 
     @classmethod
@@ -243,11 +240,6 @@ class VisionInputs:
                                       f"not carry image tokens itself).", param="messages")
         return [(s, e, im.sha256, im, j) for (s, e), (im, j) in zip(blocks, owners)]
 
-    def prepare(self, ids: list[int], images: list) -> None:
-        """The one-request path: this request's tiles (`pair`), which `reusable` and `encode` read."""
-        self._request = self.pair(ids, images)
-        self._rows = {}
-
     def _patches(self, todo: list) -> list:
         """The patch rows of each (.., image, tile) of `todo`, each image cut into tiles once."""
         cfg, fam, cut = self.cfg, _family(self.cfg), {}
@@ -267,28 +259,6 @@ class VisionInputs:
             for j in range(e - s):
                 rows[s + j] = (k * n + j, e)
         return rows
-
-    def reusable(self, kv_ids: list[int], keep: int) -> int:
-        """The cached prefix (`keep` ids shared with the request) that may be reused: up to the first
-        image of the cache that the request does not hold at the same place with the same content
-        (SHA-256 of its bytes: one token id stands for any image)."""
-        if self.cfg.kind == "qwen25vl" and [t[:3] for t in self._request or ()] != self._cached:
-            return 0                     # M-RoPE: the rows' rotations depend on all the sequence's images
-        same = {(s, e, h) for s, e, h, _, _ in self._request or ()}
-        for s, e, h in self._cached:
-            if s >= keep:
-                break
-            if (s, e, h) not in same:
-                return s
-        return keep
-
-    async def encode(self, keep: int) -> None:
-        """Run the tower over the request's tiles whose rows are computed (from `keep` on), each tile's
-        features submitted before the prefill that reads them, and map their rows."""
-        todo = [t for t in self._request or () if t[1] > keep]
-        if todo:
-            pixels = self._patches(todo) if IN_BROWSER else await asyncio.to_thread(self._patches, todo)
-            self._rows = self._run_tower([(s, e, r) for (s, e, *_), r in zip(todo, pixels)])
 
     # ------------------------------------------------------------------ the paged batch (causal families)
     async def batch_tiles(self, ids: list[int], images: list) -> list:
@@ -324,30 +294,3 @@ class VisionInputs:
         self.model.images.pending = [rows.get(p, (NONE, 0)) for p in range(start, end)]
         if self.cfg.kind == "qwen25vl":
             self.model.images.pending_offsets = qwen25vl.offsets(self.cfg, [(s, e, r) for s, e, _, r in tiles], start, end)
-
-    def spans(self, n: int, pos0: int, chunk: int) -> list[tuple[int, int]]:
-        """[a, b) row spans of a prefill of n rows at pos0.. of at most `chunk` rows, none cutting an image."""
-        out, a = [], 0
-        while a < n:
-            b = min(a + chunk, n)
-            if b < n and pos0 + b in self._rows and pos0 + b - 1 in self._rows:
-                start = pos0 + b
-                while start - 1 in self._rows and self._rows[start - 1][1] == self._rows[pos0 + b][1]:
-                    start -= 1
-                b = start - pos0 if start - pos0 > a else b
-            out.append((a, b))
-            a = b
-        return out
-
-    def stage(self, pos0: int, T: int) -> None:
-        """The image rows of the forward of T rows at pos0.. about to be recorded."""
-        if self._rows:
-            self.model.images.pending = [self._rows.get(pos0 + t, (NONE, 0)) for t in range(T)]
-        if self.cfg.kind == "qwen25vl" and self._request:     # M-RoPE's rotations of the rows
-            grids = [(s, e, qwen25vl.grid(self.cfg, im.image)) for s, e, _, im, _ in self._request]
-            self.model.images.pending_offsets = qwen25vl.offsets(self.cfg, grids, pos0, pos0 + T)
-
-    def done(self) -> None:
-        """The request's prefill is over: the cache holds its images; later forwards carry none."""
-        self._cached = [(s, e, h) for s, e, h, _, _ in self._request or ()]
-        self._request, self._rows = None, {}
