@@ -1,15 +1,14 @@
-"""A loaded vision-language model's image side, as its chat pipeline uses it (pipelines/llm.py):
+"""A loaded vision-language model's image side, as its chat pipeline's scheduler uses it
+(pipelines/llm.py, pipelines/scheduler.py):
 
 - `template(t)`: the chat template whose rendered image markers become each image's full sequence (as
   the family's processor expands the text before tokenising it: Gemma 3's `<start_of_image>`,
   Idefics3's `<image>`, whose sequence depends on the picture's tiles);
-- `prepare(ids, images)`: pairs each tile of each image with its run of image tokens;
-- `reusable(kv_ids, keep)`: prefix reuse keys the cache's images by content (SHA-256 of the bytes:
-  image tokens are one id whatever the picture), so it stops at the first image that differs;
-- `encode(keep)`: runs the tower over the images whose rows are computed (features into the
-  decoder's ImageRows) and maps each of their positions to its feature row and its image's end;
-- `spans(n, pos0, chunk)`: prefill chunks that never cut an image (its rows attend each other);
-- `stage(pos0, T)`: the rows of the chunk about to be recorded.
+- `batch_tiles(ids, images)`: pairs each tile of each image with its run of image tokens and
+  preprocesses it; `root(tiles)`: what a sequence's KV blocks are keyed under besides its tokens (the
+  images' SHA-256: image tokens are one id whatever the picture), so prefix reuse needs the same images;
+- `chunk_end(tiles, start, end)`: prefill chunks that never cut an image whose rows attend each other;
+- `stage_chunk(tiles, start, end)`: the tower over the chunk's tiles and its rows staged.
 """
 from __future__ import annotations
 
