@@ -14,16 +14,24 @@ from .engine import AsyncMLCEngine
 from .records import EngineConfig
 
 
-class _Loop:
-    def __init__(self):
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="webgpu-engine", daemon=True)
+class EngineLoop:
+    """An asyncio loop on a thread of its own, where an engine runs (this module's MLCEngine, a Ray
+    worker's: ray/host.py engine_loop); `loop`: the loop to run (default: a new event loop)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop | None = None, name: str = "webgpu-engine"):
+        self.loop = loop or asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
         self.thread.start()
 
     def run(self, coro):
+        """Run `coro` on the engine's loop and wait for it (from a thread that is not a loop's)."""
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
 
-    def stop(self):
+    async def call(self, coro):
+        """Await `coro` running on the engine's loop, from another loop."""
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self.loop))
+
+    def stop(self) -> None:
         if self.loop.is_running():
             self.loop.call_soon_threadsafe(self.loop.stop)
             self.thread.join(timeout=5)
@@ -34,7 +42,7 @@ class _Loop:
 class SyncStream:
     """A blocking iterator over an AsyncStream living on the engine's loop."""
 
-    def __init__(self, loop: _Loop, astream):
+    def __init__(self, loop: EngineLoop, astream):
         self._loop, self._astream = loop, astream
 
     def __iter__(self) -> Iterator[Any]:
@@ -112,7 +120,7 @@ class MLCEngine:
     """Blocking engine: same methods as AsyncMLCEngine, without `await`."""
 
     def __init__(self, engine_config: EngineConfig | None = None):
-        self._loop = _Loop()
+        self._loop = EngineLoop()
         self.async_engine: AsyncMLCEngine = self._loop.run(_make(engine_config))
         self.chat = _Chat(self)
         self.completions = _Create(self, self.async_engine.completions)

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from ..protocol.objects import to_dict
-from .host import RESOURCE, EngineLoop, EngineSpec, open_engine
+from .host import RESOURCE, EngineSpec, engine_loop, open_engine
 
 
 def _spec(model: str | list[str] | EngineSpec, chat_opts: dict | None) -> EngineSpec:
@@ -41,7 +41,7 @@ class _EngineActor:
     """One engine on a loop of its own (map_batches calls __call__ from the actor's thread)."""
 
     def __init__(self, spec: EngineSpec):
-        self._loop = EngineLoop()
+        self._loop = engine_loop()
         self.engine = self._loop.run(open_engine(spec))
         self.model_id = next(iter(self.engine.models))
 

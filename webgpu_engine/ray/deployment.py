@@ -14,7 +14,7 @@ from typing import Any
 
 from ..errors import WebGPUEngineError
 from ..protocol.objects import to_dict
-from .host import EngineLoop, EngineSpec, open_engine
+from .host import EngineSpec, engine_loop, open_engine
 
 METHODS = ("chat", "completions", "embeddings", "rerank", "tokenize", "detokenize")
 
@@ -36,7 +36,7 @@ class EngineReplica:
     def __init__(self, spec: EngineSpec):
         from ray import serve
         self.name = serve.get_replica_context().replica_id.unique_id
-        self.loop = EngineLoop()
+        self.loop = engine_loop()
         self.engine = self.loop.run(open_engine(spec))
 
     def _target(self, method: str):

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,28 +47,12 @@ class EngineSpec:
         return self.resolve()[1]
 
 
-class EngineLoop:
-    """A plain asyncio loop on a thread of its own, where our engine runs. Ray runs actors and
-    Serve replicas on uvloop, which wgpu's awaitables do not recognise: the engine stays on this
-    loop, and callers on Ray's loop await its work through `call`."""
-
-    def __init__(self):
-        self.loop = asyncio.SelectorEventLoop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="webgpu-engine-ray", daemon=True)
-        self.thread.start()
-
-    def run(self, coro):
-        """Run `coro` on the engine's loop and wait for it (from a thread that is not a loop's)."""
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
-
-    async def call(self, coro):
-        """Await `coro` running on the engine's loop, from another loop."""
-        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self.loop))
-
-    def stop(self) -> None:
-        if self.loop.is_running():
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self.thread.join(timeout=5)
+def engine_loop():
+    """A plain asyncio loop on a thread of its own, where our engine runs (engine/sync.py
+    EngineLoop). Ray runs actors and Serve replicas on uvloop, which wgpu's awaitables do not
+    recognise: the engine stays on this loop, and callers on Ray's loop await its work through `call`."""
+    from ..engine.sync import EngineLoop
+    return EngineLoop(asyncio.SelectorEventLoop(), name="webgpu-engine-ray")
 
 
 async def open_engine(spec: EngineSpec):
