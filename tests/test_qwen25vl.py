@@ -155,23 +155,24 @@ def _messages(r) -> list[dict]:
               if p["type"] == "image" else p for p in m["content"]]} for m in r["messages"]]
 
 
-async def _answers_as_transformers(eng, ref, keys):
-    """Each prompt of `keys` alone: its token count, the first step's top-5 log-probabilities within 1e-4
-    of transformers' (by value: two byte tokens print alike) and its 12 greedy tokens' text."""
+def _answers_as_transformers(r, want: dict, key: str) -> None:
+    """A response to prompt `key` alone (12 tokens, top-5 log-probabilities): its token count, the first
+    step's top-5 log-probabilities within 1e-4 of transformers' (by value: two byte tokens print
+    alike) and its 12 greedy tokens' text."""
+    assert r.usage.prompt_tokens == len(want["input_ids"]), key
+    got = sorted((t.logprob for t in r.choices[0].logprobs.content[0].top_logprobs), reverse=True)
+    logits = np.array(want["logits"], np.float64)
+    lp = logits - logits.max() - np.log(np.exp(logits - logits.max()).sum())
+    np.testing.assert_allclose(got, np.sort(lp)[::-1][:5], atol=1e-4)
+    assert r.choices[0].message.content == _text(want["greedy"]), key
+
+
+def _text(ids) -> str:
     from tokenizers import Tokenizer
-    text = Tokenizer.from_file(str(FOLDER / "tokenizer.json"))
-    model = next(iter(eng.models))
-    for key in keys:
-        want = ref["prompts"][key]
-        r = await eng.chat.completions.create(model=model, messages=_messages(want), max_tokens=12,
-                                              temperature=0.0, logprobs=True, top_logprobs=5)
-        assert r.usage.prompt_tokens == len(want["input_ids"]), key
-        got = sorted((t.logprob for t in r.choices[0].logprobs.content[0].top_logprobs), reverse=True)
-        logits = np.array(want["logits"], np.float64)
-        lp = logits - logits.max() - np.log(np.exp(logits - logits.max()).sum())
-        np.testing.assert_allclose(got, np.sort(lp)[::-1][:5], atol=1e-4)
-        assert r.choices[0].message.content == text.decode(want["greedy"], skip_special_tokens=True), key
-    return text
+    return Tokenizer.from_file(str(FOLDER / "tokenizer.json")).decode(ids, skip_special_tokens=True)
+
+
+ASK = dict(max_tokens=12, temperature=0.0, logprobs=True, top_logprobs=5)
 
 
 async def test_folder_answers_as_transformers_alone_and_in_a_batch(device, ref):
@@ -184,23 +185,30 @@ async def test_folder_answers_as_transformers_alone_and_in_a_batch(device, ref):
     eng = AsyncMLCEngine()
     await eng.reload(str(FOLDER), chat_opts={**OPTS, "max_num_sequences": 2})
     try:
-        text = await _answers_as_transformers(eng, ref, ["one", "two"])
-        model, prompts = next(iter(eng.models)), list(ref["prompts"].values())
+        model, prompts = next(iter(eng.models)), ref["prompts"]
+        for key, want in prompts.items():
+            _answers_as_transformers(await eng.chat.completions.create(model=model, messages=_messages(want), **ASK),
+                                     want, key)
         rs = await asyncio.gather(*(eng.chat.completions.create(model=model, messages=_messages(w), max_tokens=12,
-                                                                temperature=0.0) for w in prompts))
-        for r, w in zip(rs, prompts):
-            assert r.choices[0].message.content == text.decode(w["greedy"], skip_special_tokens=True)
+                                                                temperature=0.0) for w in prompts.values()))
+        assert [r.choices[0].message.content for r in rs] == [_text(w["greedy"]) for w in prompts.values()]
     finally:
         await eng.unload()
 
 
-async def test_gguf_and_mmproj_answer_as_transformers(device, ref):
-    """The text GGUF and its mmproj from llama.cpp's converter, loaded as --model text.gguf --mmproj
-    proj.gguf (the mmproj chat option)."""
-    from webgpu_engine.engine.engine import AsyncMLCEngine
-    eng = AsyncMLCEngine()
-    await eng.reload(str(PAIR / "tiny-qwen25vl.gguf"), chat_opts={**OPTS, "mmproj": str(PAIR / PROJ)})
+def test_gguf_and_mmproj_serve_the_openai_client(device, ref):
+    """The text GGUF and its mmproj from llama.cpp's converter, served as --model text.gguf --mmproj
+    proj.gguf (the mmproj chat option): the OpenAI client gets transformers' answers to both prompts."""
+    import openai
+
+    from webgpu_engine.server.app import ServerOptions, ServerThread
+    s = ServerThread(ServerOptions(models=[str(PAIR / "tiny-qwen25vl.gguf")],
+                                   chat_opts=[{**OPTS, "mmproj": str(PAIR / PROJ)}], port=0))
     try:
-        await _answers_as_transformers(eng, ref, ["one", "two"])
+        client = openai.OpenAI(base_url=s.url, api_key="none", max_retries=0)
+        model = client.models.list().data[0].id
+        for key, want in ref["prompts"].items():
+            _answers_as_transformers(client.chat.completions.create(model=model, messages=_messages(want), **ASK),
+                                     want, key)
     finally:
-        await eng.unload()
+        s.stop()
