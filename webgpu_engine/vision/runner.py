@@ -166,7 +166,9 @@ class VisionInputs:
 
     @classmethod
     def _load(cls, dev, path, model, owner: str, cfg: VisionConfig, files) -> "VisionInputs":
-        if cfg.tokens_per_image > model.chunk:
+        # Phi-3.5-vision's causal rows may span prefill chunks (its largest picture's 2653 rows, WebLLM's
+        # chunks of 2048): the spans cut them; the others' images run in one chunk
+        if cfg.tokens_per_image > model.chunk and cfg.kind != "phi3v":
             raise UnsupportedChatOptionError(
                 "prefill_chunk_size", model.chunk, f"an image's {cfg.tokens_per_image} tokens run in one "
                 f"prefill chunk: load with prefill_chunk_size >= {cfg.tokens_per_image}")
