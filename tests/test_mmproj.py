@@ -104,6 +104,8 @@ def test_mmproj_reads_as_the_folders_vision_config(tokenizer):
         MmprojFile(TEXT, tokenizer)
     with pytest.raises(ModelFormatError, match="no multimodal projector GGUF at"):
         MmprojFile(PAIR / "missing.gguf", tokenizer)
+    with pytest.raises(ModelFormatError, match="has no <image> token.*converted from llava-hf's"):
+        MmprojFile(LLAVA / "mmproj-tiny-llava.gguf", tokenizer)     # Gemma's vocabulary, LLaVA's projector
 
 
 def test_llava_preprocessing_equals_the_processor(llava_ref):

@@ -159,8 +159,10 @@ def read_config(g: GGUFFile, tokenizer) -> VisionConfig:
     # no tokenizer: the header alone, as the memory estimate reads it (the image token unknown, -1)
     token_id = tokenizer.token_to_id(image_token) if tokenizer is not None else -1
     if token_id is None:
+        hint = (" (a LLaVA text GGUF converted from the original checkpoints has none: use one converted from "
+                "llava-hf's, whose vocabulary holds <image>)" if family == "llava" else "")
         raise ModelFormatError(f"{where}: the text model's vocabulary has no {image_token} token, which "
-                               f"{kind} images take: the text GGUF and the projector do not belong together")
+                               f"{kind} images take: the text GGUF and the projector do not belong together{hint}")
     cfg = VisionConfig(
         kind=family, hidden_size=int(meta("embedding_length")), intermediate_size=int(meta("feed_forward_length")),
         n_layers=int(meta("block_count")), n_heads=int(meta("attention.head_count")),
