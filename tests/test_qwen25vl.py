@@ -212,3 +212,34 @@ def test_gguf_and_mmproj_serve_the_openai_client(device, ref):
                                      want, key)
     finally:
         s.stop()
+
+
+async def test_other_layouts_answer_alike(device, ref, tmp_path):
+    """config.json as the hub's releases have it (transformers 4: the text model's keys at the top level,
+    rope_scaling {"type": "mrope", "mrope_section"}) and the weights under the names transformers 5's
+    model holds (model.language_model., model.visual.; the fixture's are model. and visual., as the hub's
+    and transformers 5's save_pretrained write them): the same answer to the one-image prompt."""
+    from safetensors.numpy import load_file, save_file
+
+    from webgpu_engine.engine.engine import AsyncMLCEngine
+    folder = tmp_path / "hub"
+    folder.mkdir()
+    for f in FOLDER.iterdir():
+        if f.name not in ("config.json", "model.safetensors"):
+            (folder / f.name).write_bytes(f.read_bytes())
+    c = json.loads((FOLDER / "config.json").read_text())
+    text = c.pop("text_config")
+    rope = text.pop("rope_parameters")
+    c.update({k: v for k, v in text.items() if k != "model_type"}, rope_theta=rope["rope_theta"],
+             rope_scaling={"type": "mrope", "mrope_section": rope["mrope_section"]})
+    (folder / "config.json").write_text(json.dumps(c))
+    save_file({k.replace("model.", "model.language_model.", 1).replace("visual.", "model.visual.", 1): v
+               for k, v in load_file(FOLDER / "model.safetensors").items()}, folder / "model.safetensors")
+    eng = AsyncMLCEngine()
+    await eng.reload(str(folder), chat_opts=OPTS)
+    try:
+        want = ref["prompts"]["one"]
+        r = await eng.chat.completions.create(model=next(iter(eng.models)), messages=_messages(want), **ASK)
+        _answers_as_transformers(r, want, "one")
+    finally:
+        await eng.unload()

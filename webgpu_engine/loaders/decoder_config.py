@@ -332,7 +332,7 @@ def _hf_rope_scaling(c: dict, rot_dim: int, where: str) -> tuple:
     others are refused by name."""
     rs = c.get("rope_scaling") or {}
     kind = rs.get("rope_type", rs.get("type")) if rs else None
-    if kind in (None, "default"):
+    if kind in (None, "default", "mrope"):   # mrope: Qwen2.5-VL's sections, read by its family
         return None, ""
     if kind == "proportional":          # Gemma 4's full-attention layers: its family reads the pairs
         return None, "proportional"
