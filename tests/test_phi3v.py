@@ -217,6 +217,27 @@ def test_openai_client_gets_the_reference_answer(device, artifacts):
         s.stop()
 
 
+def test_memory_estimate_counts_the_image_side(device, artifacts):
+    """The pre-load estimate of a phi3_v artifact adds its vision_embed_tokens.* bytes, the tower's and
+    projector's activations and the features a load's images take."""
+    from webgpu_engine.config import ChatConfig
+    from webgpu_engine.engine.memory import estimate_for
+    from webgpu_engine.loaders.mlc import MLCArtifact
+    from webgpu_engine.vision import runner
+    folder = artifacts["q4f16_1"]["folder"]
+    full = estimate_for("llm", folder, ChatConfig(**OPTS), device)
+    text = runner.memory(folder.parent / "none", full, 512)         # no artifact there: unchanged
+    assert text == full
+    art = MLCArtifact(folder)
+    try:
+        vision = sum(t.data.nbytes for n, t in art.tensors.items() if n.startswith("vision_embed_tokens."))
+    finally:
+        art.close()
+    base = type(full)(weights=0)
+    more = runner.memory(folder, base, 512)
+    assert more.weights >= vision > 0 and more.activations >= 2 * 205 * 64 * 4       # 2 pictures' rows
+
+
 def test_the_catalogue_loads_both_ids():
     assert refusal("phi3_v", "q4f16_1", "vlm") == "" and refusal("phi3_v", "q4f32_1", "vlm") == ""
     assert refusal("llava", "q4f16_1", "vlm") == "vlm models of MLC's are not loaded"

@@ -50,7 +50,7 @@ TOWER_PREFIX = VISION_PREFIX + "img_processor.vision_model."
 
 def read_config(where: str, model_config: dict, tokenizer) -> VisionConfig:
     """The image side of a phi3_v artifact's model_config (mlc-chat-config.json), the image token
-    from the artifact's `tokenizer`."""
+    from the artifact's `tokenizer` (None: sizes only, image_token_id -1)."""
     v = {**CLIP_DEFAULT, **(model_config.get("vision_config") or {})}
     v = {**v, **(v.pop("kwargs", None) or {})}
     if int(v["image_size"]) != CROP:
@@ -64,7 +64,9 @@ def read_config(where: str, model_config: dict, tokenizer) -> VisionConfig:
         raise ModelFormatError(f"{where}: img_processor.image_dim_out {dim_out} is not the tower's width "
                                f"{v['hidden_size']}")
     token = next((t for t in IMAGE_TOKENS if tokenizer is not None and tokenizer.token_to_id(t) is not None), None)
-    if token is None:
+    if tokenizer is None:                # sizes only (the memory estimate): no image token
+        token = IMAGE_TOKENS[0]
+    elif token is None:
         raise ModelFormatError(f"{where}: the vocabulary has none of {IMAGE_TOKENS}, whose id stands for "
                                f"an image's rows")
     n_layers = int(v["num_hidden_layers"])
@@ -75,7 +77,8 @@ def read_config(where: str, model_config: dict, tokenizer) -> VisionConfig:
         kind="phi3v", hidden_size=int(v["hidden_size"]), intermediate_size=int(v["intermediate_size"]),
         n_layers=n_layers - 1, n_heads=int(v["num_attention_heads"]), image_size=CROP,
         patch_size=int(v["patch_size"]), eps=float(v["layer_norm_eps"]), text_hidden=int(model_config["hidden_size"]),
-        tokens_per_image=(HD_NUM + 1) * half * (half + 1) + 1, image_token_id=int(tokenizer.token_to_id(token)),
+        tokens_per_image=(HD_NUM + 1) * half * (half + 1) + 1,
+        image_token_id=int(tokenizer.token_to_id(token)) if tokenizer is not None else -1,
         marker=token, size=(CROP, CROP), resample=2, mean=MEAN, std=STD, act="quick_gelu",
         class_token=True, pre_norm=True, post_norm=False)
 

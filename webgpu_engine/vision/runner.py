@@ -74,6 +74,8 @@ def memory(path, est, ctx: int, mmproj=None):
     projection in f32) and its activations for one tile plus the features buffer a load of `ctx`
     positions allocates; `est` as it is for a text-only model."""
     from dataclasses import replace
+    if mmproj is None and (Path(path) / "mlc-chat-config.json").is_file():
+        return _mlc_memory(Path(path), est, ctx)
     if mmproj is None and not takes_images(path):
         return est
     from ..loaders.safetensors import SafetensorsFolder
@@ -95,6 +97,28 @@ def memory(path, est, ctx: int, mmproj=None):
     acts = 4 * (N * (3 * cfg.patch_size ** 2 + 3 * C + 3 * C + F) + n * (2 * C * cfg.scale ** 2 + cfg.text_hidden))
     feats = 4 * capacity(cfg, ctx) * n * cfg.text_hidden
     return replace(est, weights=est.weights + weights, activations=est.activations + acts + feats)
+
+
+def _mlc_memory(path: Path, est, ctx: int):
+    """`est` with Phi-3.5-vision's image side (an MLC phi3_v artifact's vision_embed_tokens.*, its
+    activations and features: vision/phi3v_gpu.py's buffers) added; `est` for a text artifact."""
+    from dataclasses import replace
+
+    from ..loaders.mlc import MLCArtifact
+    art = MLCArtifact(path)
+    try:
+        if art.model_type != phi3v.MODEL_TYPE:
+            return est
+        cfg = phi3v.read_config(str(path), art.chat_config.get("model_config") or {}, None)
+        weights = sum(t.data.nbytes for n, t in art.tensors.items() if n.startswith(phi3v.VISION_PREFIX))
+    finally:
+        art.close()
+    C, F, T, M = cfg.hidden_size, cfg.intermediate_size, cfg.text_hidden, cfg.tokens_per_image
+    N, K = cfg.patches_per_side ** 2 + 1, phi3v.HD_NUM + 1
+    acts = 4 * (N * (3 * cfg.patch_size ** 2 + 7 * C + F) + K * N * (3 * cfg.patch_size ** 2 + C)
+                + M * (4 * C + 2 + 2 * T) + 4 * M * C)
+    feats = 4 * capacity(cfg, ctx) * M * T
+    return replace(est, weights=est.weights + weights + 4 * N * C, activations=est.activations + acts + feats)
 
 
 class _ExpandingTemplate(ChatTemplate):
@@ -167,7 +191,8 @@ class VisionInputs:
     @classmethod
     def _load(cls, dev, path, model, owner: str, cfg: VisionConfig, files) -> "VisionInputs":
         # Phi-3.5-vision's causal rows may span prefill chunks (its largest picture's 2653 rows, WebLLM's
-        # chunks of 2048): the spans cut them; the others' images run in one chunk
+        # chunks of 2048): stage_chunk runs its tower for each chunk holding its rows; the others'
+        # images run in one chunk
         if cfg.tokens_per_image > model.chunk and cfg.kind != "phi3v":
             raise UnsupportedChatOptionError(
                 "prefill_chunk_size", model.chunk, f"an image's {cfg.tokens_per_image} tokens run in one "
