@@ -24,7 +24,7 @@ import re
 import struct
 from dataclasses import dataclass
 
-from ..errors import ModelFormatError
+from ..errors import ModelFormatError, UnsupportedModelError
 from ..kernels import matmul as mm
 from ..kernels import nn, vision
 from ..kernels.common import Op, Tensor, new_tensor
@@ -135,7 +135,11 @@ class SiglipTower:
     # ------------------------------------------------------------------ weights and activations
     def _array(self, t: TensorInfo):
         import numpy as np
-        raw = np.frombuffer(bytes(t.data), {"f32": np.float32, "f16": np.float16, "bf16": np.uint16}[t.qtype])
+        kinds = {"f32": np.float32, "f16": np.float16, "bf16": np.uint16}
+        if t.qtype not in kinds:         # tables read on the host: a quantised projector file's
+            raise UnsupportedModelError(f"vision tensor {t.name} is {t.qtype}; this engine reads it in f32, f16 "
+                                        f"or bf16 (use an f16 or f32 mmproj)")
+        raw = np.frombuffer(bytes(t.data), kinds[t.qtype])
         if t.qtype == "bf16":
             raw = (raw.astype(np.uint32) << 16).view(np.float32)
         return raw.astype(np.float32).reshape(t.shape)
