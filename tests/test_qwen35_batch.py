@@ -251,3 +251,16 @@ async def test_a_draft_model_with_recurrent_states_is_refused(device, folder):
     from webgpu_engine.errors import UnsupportedChatOptionError
     with pytest.raises(UnsupportedChatOptionError, match="speculation.*draft model's layers keep a recurrent"):
         await _engine(device, folder, "qwen35-draft", speculation={"method": "draft", "model": folder, "k": 2})
+
+
+def test_snapshot_slots_fit_a_binding():
+    """Prefix snapshots per sequence and a slot per verify row but one; where a layer's state buffer
+    would pass the device's binding limit, fewer prefix snapshots; where the verify rows alone would,
+    speculation is refused by name."""
+    from webgpu_engine.errors import UnsupportedChatOptionError
+    from webgpu_engine.models.recurrent_snapshots import PREFIX_SNAPSHOTS, snapshot_slots
+    assert snapshot_slots(4) == 4 * PREFIX_SNAPSHOTS and snapshot_slots(4, 16) == 4 * PREFIX_SNAPSHOTS + 15
+    assert snapshot_slots(4, 16, 1 << 20, 64 << 20) == 4 * PREFIX_SNAPSHOTS + 15
+    assert snapshot_slots(4, 16, 1 << 20, 30 << 20) == (30 - 4 - 15) + 15
+    with pytest.raises(UnsupportedChatOptionError, match="speculation"):
+        snapshot_slots(4, 16, 1 << 20, 16 << 20)

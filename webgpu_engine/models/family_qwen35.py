@@ -191,13 +191,14 @@ def _linear(where: str, types: list, taps: int, n_k_heads: int, n_v_heads: int, 
 def _memory(fields: dict, lin: dict, taps: int) -> dict:
     """LlamaConfig.extra["mixer_memory"] (models/memory.py): per row, the in-projection's columns beyond
     the attention's q|k|v, the convolved rows and the output gate; per sequence, the f32 conv and delta
-    states of every Gated DeltaNet layer."""
+    states of every Gated DeltaNet layer, and a layer's larger one (a slot of its state buffer)."""
     Hk, Hv, Dk, Dv = lin["n_k_heads"], lin["n_v_heads"], lin["k_dim"], lin["v_dim"]
     conv = 2 * Hk * Dk + Hv * Dv
     qkv = (fields["n_heads"] + 2 * fields["n_kv_heads"]) * fields["head_dim"]
     q = fields["n_heads"] * fields["head_dim"]
     row = max(0, conv + Hv * Dv + 2 * Hv - qkv) + conv + max(0, Hv * Dv - q) + q
-    return {"row_elems": row, "state_bytes": 4 * sum(lin["layers"]) * (Hv * Dk * Dv + conv * max(taps - 1, 1))}
+    return {"row_elems": row, "state_bytes": 4 * sum(lin["layers"]) * (Hv * Dk * Dv + conv * max(taps - 1, 1)),
+            "slot_bytes": 4 * max(Hv * Dk * Dv, conv * max(taps - 1, 1))}
 
 
 def _types(n: int, interval: int) -> list:

@@ -89,7 +89,8 @@ def estimate_llm(cfg, tensors: dict, plan, *, max_binding: int) -> MemoryEstimat
     # prefix snapshots', or the hand-built model's one)
     mix = cfg.extra.get("mixer_memory", {}) if isinstance(getattr(cfg, "extra", None), dict) else {}
     act += esz * P * mix.get("row_elems", 0)
-    act += mix.get("state_bytes", 0) * (1 if solo else plan.max_sequences + snapshot_slots(plan.max_sequences))
+    snaps = snapshot_slots(plan.max_sequences, 0, mix.get("slot_bytes", 0), max_binding) if mix else 0
+    act += mix.get("state_bytes", 0) * (1 if solo else plan.max_sequences + snaps)
     if not solo:
         act += plan.max_sequences * (esz * 2 * V + 4 * V * 3 + 4 * (V + 31) // 32 + 4096)
     return MemoryEstimate(weights, plan.kv_cache_bytes(cfg), act, ctx, plan.kv_bytes_per_token(cfg), partials,

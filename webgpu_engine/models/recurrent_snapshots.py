@@ -11,7 +11,8 @@ restored by a copy (`state_copy`):
   hash-chain key (models/kv_pool.py: the whole token prefix up to the block's end, and the root:
   adapter, images). A new sequence takes the pool's cached blocks only up to the deepest one whose
   key has a snapshot (`reusable`), and that snapshot is copied into its slot (`admit`); prefill goes
-  on from there. PREFIX_SNAPSHOTS per sequence slot are kept, the least recently used evicted.
+  on from there. PREFIX_SNAPSHOTS per sequence slot are kept (fewer where a layer's state buffer
+  would pass the device's binding limit), the least recently used evicted.
 - speculation: a verify step's rows of a sequence advance its states token by token (the kernels
   run a slot's rows in order); each row but the last saves the state after it into a verify slot
   (`verify_rows`), so when guesses are rejected the state after the last accepted row is copied back
@@ -21,22 +22,44 @@ Standard library only (runs in the page).
 """
 from __future__ import annotations
 
+import math
 import struct
 from collections import OrderedDict
 
+from ..errors import UnsupportedChatOptionError
 from ..kernels import deltanet
 from ..kernels.common import new_tensor
 
-__all__ = ["PREFIX_SNAPSHOTS", "StateSnapshots", "snapshot_slots"]
+__all__ = ["PREFIX_SNAPSHOTS", "StateSnapshots", "model_snapshot_slots", "snapshot_slots"]
 
 PREFIX_SNAPSHOTS = 4            # prefix snapshots kept per sequence slot
 
 
-def snapshot_slots(max_seqs: int, verify_rows: int = 0) -> int:
+def snapshot_slots(max_seqs: int, verify_rows: int = 0, slot_bytes: int = 0, max_binding: int = 0) -> int:
     """The snapshot slots a batch of max_seqs sequences keeps beside their own: PREFIX_SNAPSHOTS per
     sequence, and one per row a verify step may save (verify_rows: its rows, 0 without speculation;
-    a sequence's last row saves nothing and a step has at least one sequence)."""
-    return PREFIX_SNAPSHOTS * int(max_seqs) + max(0, int(verify_rows) - 1)
+    a sequence's last row saves nothing and a step has at least one sequence). With slot_bytes (a
+    layer's largest state of one sequence) and max_binding (the device's binding limit), the prefix
+    snapshots are as many as every layer's state buffer can bind beside the others."""
+    prefix, verify = PREFIX_SNAPSHOTS * int(max_seqs), max(0, int(verify_rows) - 1)
+    if slot_bytes and max_binding:
+        room = max_binding // slot_bytes - int(max_seqs) - verify
+        if room < 0:
+            raise UnsupportedChatOptionError("speculation", f"{verify_rows} verify rows", (
+                f"a verify step's rows save this model's recurrent states into {verify} slots of {slot_bytes} bytes "
+                f"beside the {max_seqs} sequences', more than one binding of this device holds ({max_binding} "
+                f"bytes): lower the speculation's k or max_num_sequences"))
+        prefix = min(prefix, room)
+    return prefix + verify
+
+
+def model_snapshot_slots(model, max_seqs: int, verify_rows: int = 0) -> int:
+    """snapshot_slots for `model` (a LlamaModel) on its device: 0 without recurrent states."""
+    if not model.recurrent:
+        return 0
+    slot = max(4 * math.prod(shape[1:]) for L in model.layers if L.mixer is not None
+               for shape in L.mixer.state_shapes(1))
+    return snapshot_slots(max_seqs, verify_rows, slot, model.dev.max_storage_binding)
 
 
 class StateSnapshots:

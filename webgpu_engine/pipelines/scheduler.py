@@ -48,7 +48,7 @@ from ..kernels.lora import NONE
 from ..kernels.sampling import RESULT_BYTES
 from ..models.kv_pool import KVPool, PoolExhaustedError
 from ..models.paged import PagedForward
-from ..models.recurrent_snapshots import StateSnapshots, snapshot_slots
+from ..models.recurrent_snapshots import StateSnapshots, model_snapshot_slots
 from .batch_sequence import BatchSequence, SeqRecord
 from .batch_speculation import BatchSpeculation
 from .sequence import configure_sampler, process_logits
@@ -80,7 +80,7 @@ class Scheduler:
         # a model with recurrent states (Qwen3.5) keeps snapshots of them (models/recurrent_snapshots.py)
         verify = rows if self.spec else 0
         self.fwd = PagedForward(m, max_seqs=self.max_seqs, n_blocks=n_blocks, block_size=bs, owner=owner,
-                                max_rows=rows, snapshots=snapshot_slots(self.max_seqs, verify) * m.recurrent)
+                                max_rows=rows, snapshots=model_snapshot_slots(m, self.max_seqs, verify))
         self.snapshots = StateSnapshots(self.fwd, bs, verify) if m.recurrent else None
         # a ring's (a sliding window with sinks) tables are rings over their blocks, shared by none
         self.pool = KVPool(n_blocks, bs, ring_rows=self.fwd.ring_rows, ring_sinks=m.ring.sinks if m.ring else 0)
