@@ -243,3 +243,23 @@ async def test_other_layouts_answer_alike(device, ref, tmp_path):
         _answers_as_transformers(r, want, "one")
     finally:
         await eng.unload()
+
+
+def test_images_fit_a_prefill_chunk_and_the_estimate_counts_the_tower(device, cfg):
+    """A load whose prefill chunk holds fewer tokens than max_pixels allows scales larger pictures down
+    to it (wide.png: 20 tokens, 16 in chunks of 16); the pre-load estimate adds the tower's weights (f32,
+    from the folder or the mmproj), its activations for the largest image and the features."""
+    from webgpu_engine.config import ChatConfig
+    from webgpu_engine.engine.memory import estimate_for
+    from webgpu_engine.vision import runner
+    small = qwen25vl.fit_chunk(cfg, 16)
+    assert small.tokens_per_image == 16 and qwen25vl.fit_chunk(cfg, 32) == cfg
+    assert qwen25vl.n_tokens(cfg, _image("wide.png")) == 20 and qwen25vl.n_tokens(small, _image("wide.png")) <= 16
+    assert qwen25vl.n_tokens(small, _image("gradient.png")) == 15
+    cc = ChatConfig(**OPTS)
+    text = estimate_for("llm", PAIR / "tiny-qwen25vl.gguf", cc, device)
+    tower = (FOLDER / "model.safetensors").stat().st_size - text.weights          # the visual.* tensors, about
+    for path, opts in ((FOLDER, OPTS), (PAIR / "tiny-qwen25vl.gguf", {**OPTS, "mmproj": str(PAIR / PROJ)})):
+        full = estimate_for("llm", path, ChatConfig(**opts), device)
+        assert full.weights - text.weights >= 0.9 * tower > 0
+        assert full.activations - text.activations >= 24 * 4 * 3 * 32 * 4 + 24 * 64 * 4 * 9   # qkv rows, features

@@ -128,7 +128,7 @@ def estimate_for(model_type: str, path, chat_config, dev) -> MemoryEstimate:
         from ..vision.runner import memory
         plan = plan_decoder(cfg, chat_config, dev)
         return memory(path, arch.estimate(cfg, shapes, plan, max_binding=limit), plan.context,
-                      mmproj=chat_config.mmproj)
+                      mmproj=chat_config.mmproj, chunk=plan.prefill_chunk)
     max_len = min(chat_config.max_seq_length or st.max_seq_length or cfg.max_position, cfg.max_position)
     dtype = "f32" if chat_config.dtype == "auto" else chat_config.dtype    # encoders: f32 unless asked
     return arch.estimate(cfg, shapes, max_batch_size=chat_config.max_batch_size, max_seq_length=max_len,

@@ -82,6 +82,19 @@ def read_config(folder: Path, c: dict, v: dict) -> VisionConfig:
         raise ModelFormatError(f"{folder}/config.json's vision_config lacks {e.args[0]}") from e
 
 
+def fit_chunk(cfg: VisionConfig, chunk: int) -> VisionConfig:
+    """`cfg` with images of at most `chunk` tokens (an image's rows run in one prefill chunk): max_pixels
+    lowered to chunk merged patches where it allows more (the hub's 12845056 px: 16384 tokens; llama.cpp
+    caps at 4096), min_pixels no more than that."""
+    from dataclasses import replace
+    q, area = cfg.qwen25vl, (cfg.patch_size * cfg.qwen25vl.merge) ** 2
+    if cfg.tokens_per_image <= chunk:
+        return cfg
+    most = chunk * area
+    return replace(cfg, tokens_per_image=chunk,
+                   qwen25vl=replace(q, max_pixels=most, min_pixels=min(q.min_pixels, most)))
+
+
 def smart_resize(cfg: VisionConfig, height: int, width: int) -> tuple[int, int]:
     """(height, width) of the resized picture: multiples of patch x merge pixels, close to the
     picture's aspect, within min / max pixels (Qwen2VLImageProcessor's smart_resize)."""

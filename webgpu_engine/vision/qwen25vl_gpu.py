@@ -221,3 +221,16 @@ def mmproj_names(name: str) -> list[str]:
     if m is None:
         return MMPROJ_NAMES.get(name, [name])
     return [n.replace("{i}", m.group(1)) for n in MMPROJ_NAMES.get("blocks.{i}." + m.group(2), [name])]
+
+
+def tower_bytes(cfg: VisionConfig, tensors: dict) -> tuple[int, int]:
+    """(weights, activations) the tower allocates: its tensors in f32 (a folder's visual.*, an mmproj's
+    all), the buffers for the largest image and the padded windows of one grid (at most twice its rows)."""
+    import math
+    mmproj = "v.patch_embd.weight" in tensors
+    weights = sum(4 * math.prod(t.shape) for n, t in tensors.items() if mmproj or _PREFIX.match(n))
+    q, C, F, T = cfg.qwen25vl, cfg.hidden_size, cfg.intermediate_size, cfg.text_hidden
+    n = cfg.tokens_per_image
+    N, K = n * q.merge ** 2, 3 * q.temporal_patch * cfg.patch_size ** 2
+    acts = 4 * (N * (K + 3 + 3 * C + 3 * C + 3 * F) + n * (q.merge ** 2 * C + 2 * T) + 2 * N * 4 * C)
+    return weights, acts

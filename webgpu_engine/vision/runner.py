@@ -68,11 +68,12 @@ def capacity(cfg: VisionConfig, ctx: int) -> int:
     return max(_family(cfg).max_tiles(cfg), min(MAX_TILES, ctx // (n + 6), FEATURE_BYTES // (n * cfg.text_hidden * 4)))
 
 
-def memory(path, est, ctx: int, mmproj=None):
+def memory(path, est, ctx: int, mmproj=None, chunk: int = 0):
     """`est` (a decoder's MemoryEstimate) with the vision tower of the folder at `path` (or of the
     projector GGUF `mmproj`) added: its weights as uploaded (the position table and Gemma 3's
     projection in f32) and its activations for one tile plus the features buffer a load of `ctx`
-    positions allocates; `est` as it is for a text-only model."""
+    positions (and prefill chunks of `chunk` rows: Qwen2.5-VL's largest image) allocates; `est` as it
+    is for a text-only model."""
     from dataclasses import replace
     if mmproj is None and (Path(path) / "mlc-chat-config.json").is_file():
         return _mlc_memory(Path(path), est, ctx)
@@ -88,6 +89,12 @@ def memory(path, est, ctx: int, mmproj=None):
     else:
         cfg, files = read_vision_config(path), SafetensorsFolder(path)
     try:
+        if cfg.kind == "qwen25vl":
+            from .qwen25vl_gpu import tower_bytes
+            cfg = qwen25vl.fit_chunk(cfg, chunk) if chunk else cfg
+            weights, acts = tower_bytes(cfg, files.tensors)
+            feats = 4 * capacity(cfg, ctx) * cfg.tokens_per_image * cfg.text_hidden
+            return replace(est, weights=est.weights + weights, activations=est.activations + acts + feats)
         shapes = {n: (t.qtype, tuple(t.shape)) for n, t in vision_tensors(files.tensors).items()}
     finally:
         files.close()
@@ -190,6 +197,8 @@ class VisionInputs:
 
     @classmethod
     def _load(cls, dev, path, model, owner: str, cfg: VisionConfig, files) -> "VisionInputs":
+        if cfg.kind == "qwen25vl":           # images scaled down to what a prefill chunk holds
+            cfg = qwen25vl.fit_chunk(cfg, model.chunk)
         # Phi-3.5-vision's causal rows may span prefill chunks (its largest picture's 2653 rows, WebLLM's
         # chunks of 2048): stage_chunk runs its tower for each chunk holding its rows; the others'
         # images run in one chunk
