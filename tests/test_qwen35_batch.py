@@ -1,8 +1,9 @@
 """Qwen3.5's recurrent states as sequences share and step them back: the kernels' state snapshots
 (a row's state saved into another slot, a slot copied back: kernels/deltanet.py) against their numpy
-references, and the paged batch (models/recurrent_snapshots.py): prefix reuse from a snapshot and
-speculation whose rejected guesses roll the states back, each answer equal to the request alone and
-to transformers' greedy tokens (tests/fixtures/qwen35_transformers.json)."""
+references, and the paged batch (models/recurrent_snapshots.py): prefix reuse from a snapshot,
+speculation (prompt lookup, a draft model) whose rejected guesses roll the states back and context
+shifts, each answer equal to the request alone without them, and transformers' greedy tokens
+(tests/fixtures/qwen35_transformers.json)."""
 from __future__ import annotations
 
 import asyncio
@@ -264,3 +265,22 @@ def test_snapshot_slots_fit_a_binding():
     assert snapshot_slots(4, 16, 1 << 20, 30 << 20) == (30 - 4 - 15) + 15
     with pytest.raises(UnsupportedChatOptionError, match="speculation"):
         snapshot_slots(4, 16, 1 << 20, 16 << 20)
+
+
+async def test_a_draft_model_guesses_for_qwen35(device, folder, alone, tmp_path):
+    """speculation "draft" with a Qwen3.5 target: a tiny Llama with the same vocabulary guesses for two
+    sequences at once; the verify rows and the rollback are prompt lookup's, and every answer equals
+    the request without speculation."""
+    from tinymodels import write_tiny_llama_gguf
+    draft = str(write_tiny_llama_gguf(tmp_path / "draft.gguf", vocab_size=300, context_length=512)["path"])
+    prompts, want = alone[2:]
+    eng = await _engine(device, folder, "qwen35-draft-llama",
+                        speculation={"method": "draft", "model": draft, "k": 3, "auto_off": False})
+    try:
+        sched = _sched(eng)
+        assert sched.spec.draft is not None
+        assert list(await asyncio.gather(*(_answer(eng, p, 40) for p in prompts[::2]))) == want[::2]
+        assert sched.pipe.spec_stats.proposed > 0 and sched.snapshots.stats["rolled_back"] > 0
+        sched.pool.check()
+    finally:
+        await eng.unload()
