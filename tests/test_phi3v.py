@@ -131,19 +131,20 @@ def test_gpu_image_rows_equal_the_reference(device, artifacts, quant):
         device.release_owner("phi3v-test")
 
 
-def _reference(art: dict, ids: list[int], image) -> list[int]:
-    """Greedy tokens of MLC's definition: the image rows from ref_phi3v in place of the image tokens."""
+def _reference(art: dict, ids: list[int], images: list) -> list[int]:
+    """Greedy tokens of MLC's definition: each picture's rows from ref_phi3v in place of its run of
+    image tokens, in order."""
     tcfg, tw = art["tower"]
-    rows = ref.image_embed(np.asarray(image), tw, tcfg, art["proj"])
+    rows = [ref.image_embed(np.asarray(im), tw, tcfg, art["proj"]) for im in images]
     m = open_model(art["folder"])
     try:
         cfg, w = m.config, _values(m, m.config)
     finally:
         m.close()
     V = w["embed"].shape[0]
-    w = {**w, "embed": np.concatenate([w["embed"], rows])}
+    w = {**w, "embed": np.concatenate([w["embed"], *rows])}
     pos = [p for p, t in enumerate(ids) if t == art["image_id"]]
-    assert len(pos) == len(rows) and pos == list(range(pos[0], pos[0] + len(rows)))
+    assert len(pos) == sum(map(len, rows))
     feed = [V + pos.index(p) if p in pos else t for p, t in enumerate(ids)]
     r = RefLlama(cfg, w)
     out = [int(np.argmax(r.forward(feed)[-1]))]
@@ -152,25 +153,25 @@ def _reference(art: dict, ids: list[int], image) -> list[int]:
     return out
 
 
-def _messages(url: str) -> list[dict]:
-    return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+def _messages(*urls: str) -> list[dict]:
+    return [{"role": "user", "content": [*({"type": "image_url", "image_url": {"url": u}} for u in urls),
                                          {"type": "text", "text": "What is in the picture?"}]}]
 
 
-def _expected(art: dict, png) -> tuple[list[int], str]:
-    """(prompt ids, the reference's greedy answer) for the picture `png` and _messages' text:
-    WebLLM's prompt (the rows after "<|user|>\\n", then "\\n" and the text)."""
+def _expected(art: dict, *pngs) -> tuple[list[int], str]:
+    """(prompt ids, the reference's greedy answer) for the pictures `pngs` and _messages' text:
+    WebLLM's prompt (each picture's rows after "<|user|>\\n", then "\\n"; then the text)."""
     from webgpu_engine.loaders.tokenizer import load_tokenizer
     tok = load_tokenizer(art["folder"])
-    image = decode_bytes(png.read_bytes(), "p.png")
-    user = [{"role": "user", "content": [{"type": "image", "image": image},
+    images = [decode_bytes(png.read_bytes(), "p.png") for png in pngs]
+    user = [{"role": "user", "content": [*({"type": "image", "image": im} for im in images),
                                          {"type": "text", "text": "What is in the picture?"}]}]
     cfg = phi3v.read_config("tiny", {"hidden_size": 64, "vision_config": art["tower"][0]}, tok)
     prompt = phi3v.template(None, cfg, CONV).encode(tok, user)
-    first = prompt.index(art["image_id"])
-    assert prompt[:first] == [1, *tok.encode("<|user|>\n")] and prompt.count(art["image_id"]) == 130
-    assert tok.decode(prompt[first + 130:first + 131]) == "\n"
-    want = _reference(art, prompt, image.image)
+    first, n = prompt.index(art["image_id"]), [phi3v.n_tokens(cfg, im.image) for im in images]
+    assert prompt[:first] == [1, *tok.encode("<|user|>\n")] and prompt.count(art["image_id"]) == sum(n)
+    assert tok.decode(prompt[first + n[0]:first + n[0] + 1]) == "\n"
+    want = _reference(art, prompt, [im.image for im in images])
     return prompt, tok.decode(want[:next((i for i, t in enumerate(want) if t == 2), len(want))])
 
 
@@ -178,7 +179,8 @@ def _expected(art: dict, png) -> tuple[list[int], str]:
 async def test_greedy_tokens_equal_the_reference(device, artifacts, quant, chunk):
     """A 400 x 300 picture (3 x 4 crops + the global image: 130 rows) in a user turn through
     AsyncMLCEngine: the prompt's length and 8 greedy tokens equal the reference's; in prefill chunks
-    of 64 the picture's rows span three (as the real model's up to 2653 rows span WebLLM's 2048)."""
+    of 64 the picture's rows span three (as the real model's up to 2653 rows span WebLLM's 2048);
+    q4f16_1 also with a second, taller picture (4 x 3 crops, 133 rows) in the same turn."""
     from webgpu_engine.engine.engine import AsyncMLCEngine
     from webgpu_engine.vision.images import image_data_url
     art = artifacts[quant]
@@ -192,6 +194,14 @@ async def test_greedy_tokens_equal_the_reference(device, artifacts, quant, chunk
                                               max_tokens=N_NEW, temperature=0.0)
         prompt, answer = _expected(art, png)
         assert r.usage.prompt_tokens == len(prompt) and r.choices[0].message.content == answer
+        if quant == "q4f16_1":           # two pictures (130 + 133 rows) in one turn
+            tall = art["folder"].parent / "tall.png"
+            tall.write_bytes(_picture(300, 400, seed=4))
+            r = await eng.chat.completions.create(model=model, messages=_messages(image_data_url(png),
+                                                                                  image_data_url(tall)),
+                                                  max_tokens=N_NEW, temperature=0.0)
+            prompt, answer = _expected(art, png, tall)
+            assert r.usage.prompt_tokens == len(prompt) and r.choices[0].message.content == answer
     finally:
         await eng.unload()
 
