@@ -2,6 +2,8 @@
 rope in place on q and k heads, kv_write into the contiguous caches, and rope_kv (both fused, the
 decode path). Positions come from the `step` buffer, so an op built once stays right while the
 context grows. q_temperature (shaders/q_temperature.wgsl): Llama 4's position-dependent query scale.
+rope_sections (shaders/rope_sections.wgsl): each frequency pair rotated by one of three per-row
+positions (M-RoPE's t / h / w sections, a ViT's 2D RoPE).
 """
 from __future__ import annotations
 

@@ -10,6 +10,7 @@
         qkv = h · Wqkvᵀ (+ bias)                               # (T, Hq + 2 Hkv, D), Q|K|V fused
         q, k = rms_norm(q head), rms_norm(k head)              # Qwen3, Gemma 3
         q, k = rms_norm(q), rms_norm(k) over Hq D, Hkv D       # OLMo-2
+        q, k = rotate by each row's M-RoPE offsets             # Qwen2.5-VL's prompt rows, PREFILL (image rows)
         rope(q, k); k, v -> the KV cache                       # kv.rope_kv (or fused into the matmul)
         a = attention(q, cache) · Woᵀ                          # kv.attention: causal GQA, sliding
                                                                # window where the layer has one,
