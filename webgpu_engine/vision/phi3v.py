@@ -40,7 +40,9 @@ HD_NUM = 16                              # WebLLM's hdNum (MLC's num_crops)
 MEAN = (0.48145466, 0.4578275, 0.40821073)          # CLIP's, as MLC's normalize kernel holds them
 STD = (0.26862954, 0.26130258, 0.27577711)
 MARKER = "<|image|>"                     # what the template writes for an image part
-IMAGE_TOKENS = ("<|image|>", "<|placeholder1|>")    # the first in the vocabulary stands for image rows
+# the first of these in the vocabulary stands for image rows (their embeddings are replaced): Phi-3's
+# tokenizer has added tokens <|placeholder1|> .. and <unk> (MLC's prompt has no image token at all)
+IMAGE_TOKENS = ("<|image|>", "<|placeholder1|>", "<unk>")
 # MLC's CLIPVISION_DEFAULT_CONFIG: what a phi3_v model_config without vision_config means (ViT-L/14-336)
 CLIP_DEFAULT = {"hidden_size": 1024, "image_size": 336, "intermediate_size": 4096, "num_attention_heads": 16,
                 "num_hidden_layers": 24, "patch_size": 14, "layer_norm_eps": 1e-5}
