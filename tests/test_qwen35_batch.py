@@ -284,3 +284,29 @@ async def test_a_draft_model_guesses_for_qwen35(device, folder, alone, tmp_path)
         sched.pool.check()
     finally:
         await eng.unload()
+
+
+def test_the_snapshot_pool_saves_block_ends_and_evicts_the_least_recently_used(device):
+    """StateSnapshots over state buffers of 9 slots for 2 sequences and 4 verify rows: slots 2..4 for
+    the verify rows, 5..8 for prefix snapshots. A prefill of 96 rows saves at its first 4 block ends
+    (then none is free), kept under their blocks' keys; another sequence's saves evict the least
+    recently used; a sequence that left keeps none of its saves."""
+    from types import SimpleNamespace
+    from webgpu_engine.models.recurrent_snapshots import StateSnapshots
+    fwd = SimpleNamespace(dev=device, owner="test:snapshots", max_seqs=2,
+                          mixer_states=[None, [SimpleNamespace(shape=(9, 4, 4, 4)), SimpleNamespace(shape=(9, 8, 3))]])
+    snaps = StateSnapshots(fwd, 16, verify_rows=4)
+    assert snaps.verify == [2, 3, 4]
+    rows = snaps.prefill_slots("a", 0, 0, 96)
+    saves = {p: r >> deltanet.SAVE_SHIFT for p, r in enumerate(rows) if r >> deltanet.SAVE_SHIFT}
+    assert saves == {15: 6, 31: 7, 47: 8, 63: 9} and all(r & 0xFFFF == 0 for r in rows)
+    keys = [bytes([i]) * 32 for i in range(6)]
+    snaps.prefilled("a", keys)
+    assert [snaps.reusable(k) for k in keys] == [True] * 4 + [False] * 2
+    rows = snaps.prefill_slots("b", 1, 16, 48)
+    assert [r >> deltanet.SAVE_SHIFT for r in rows if r >> deltanet.SAVE_SHIFT] == [6, 7]   # keys 0, 1's slots
+    snaps.prefilled("b", [b"x" * 32, b"y" * 32, b"z" * 32])
+    assert [snaps.reusable(k) for k in keys[:4] + [b"y" * 32, b"z" * 32]] == [False, False, True, True, True, True]
+    assert snaps.prefill_slots("c", 0, 0, 16)[15] >> deltanet.SAVE_SHIFT == 7 + 1       # key 2's, evicted
+    snaps.prefilled("c", None)                            # left the pool: the slot it took is free again
+    assert not snaps.reusable(keys[2]) and snaps.prefill_slots("d", 0, 0, 16)[15] >> deltanet.SAVE_SHIFT == 7 + 1

@@ -15,7 +15,7 @@ restored by a copy (`state_copy`):
   would pass the device's binding limit), the least recently used evicted.
 - speculation: a verify step's rows of a sequence advance its states token by token (the kernels
   run a slot's rows in order); each row but the last saves the state after it into a verify slot
-  (`verify_rows`), so when guesses are rejected the state after the last accepted row is copied back
+  (`verify_step`), so when guesses are rejected the state after the last accepted row is copied back
   (`rolled_back`): the same state a plain decode of the accepted tokens leaves, bit for bit.
 
 Standard library only (runs in the page).
@@ -63,15 +63,16 @@ def model_snapshot_slots(model, max_seqs: int, verify_rows: int = 0) -> int:
 
 
 class StateSnapshots:
-    """The snapshot slots of `fwd` (a PagedForward built with snapshot_slots(max_seqs, verify_rows)
-    extra state slots) over a KV pool of blocks of block_size tokens."""
+    """The snapshot slots of `fwd` (a PagedForward built with model_snapshot_slots(max_seqs,
+    verify_rows) extra state slots) over a KV pool of blocks of block_size tokens: the verify rows'
+    first, then the prefix snapshots'."""
 
     def __init__(self, fwd, block_size: int, verify_rows: int = 0):
         self.fwd, self.dev, self.block_size = fwd, fwd.dev, int(block_size)
         base, n_verify = fwd.max_seqs, max(0, int(verify_rows) - 1)
         self.verify = list(range(base, base + n_verify))
-        first = base + n_verify
-        self._free = list(range(first + PREFIX_SNAPSHOTS * fwd.max_seqs - 1, first - 1, -1))
+        total = next(states for states in fwd.mixer_states if states is not None)[0].shape[0]
+        self._free = list(range(total - 1, base + n_verify - 1, -1))
         self._by_key: OrderedDict[bytes, int] = OrderedDict()      # key -> slot; first: least recently used
         self._pending: dict = {}                                    # seq id -> [(block index, slot)]
         self._verify_of: dict = {}                                  # seq slot -> its verify rows' save slots
