@@ -251,3 +251,11 @@ def test_memory_estimate_counts_the_image_side(device, artifacts):
 def test_the_catalogue_loads_both_ids():
     assert refusal("phi3_v", "q4f16_1", "vlm") == "" and refusal("phi3_v", "q4f32_1", "vlm") == ""
     assert refusal("llava", "q4f16_1", "vlm") == "vlm models of MLC's are not loaded"
+
+
+def test_the_page_imports_phi3v_without_numpy():
+    """The browser constraint: the phi3_v modules import with numpy and Pillow unimportable."""
+    from page_imports import run_without_compiled
+    r = run_without_compiled("import webgpu_engine.vision.phi3v, webgpu_engine.vision.phi3v_gpu\nprint('ok')\n")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.split() == ["ok"]
