@@ -15,7 +15,8 @@ if TYPE_CHECKING:
     import numpy as np
 
 FAMILIES = {"Gemma3ForConditionalGeneration": "gemma3", "Idefics3ForConditionalGeneration": "idefics3",
-            "LlavaForConditionalGeneration": "llava", "Qwen2_5_VLForConditionalGeneration": "qwen25vl"}
+            "LlavaForConditionalGeneration": "llava", "LlavaNextForConditionalGeneration": "llava",
+            "Qwen2_5_VLForConditionalGeneration": "qwen25vl"}
 # the towers' activations (vision_config's hidden_act) -> VisionConfig.act
 ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "quick_gelu": "quick_gelu"}
 
@@ -48,6 +49,7 @@ class VisionConfig:
     class_token: bool = False        # CLIP: a class embedding's row beside the patches (dropped at the end)
     pre_norm: bool = False           # CLIP: a LayerNorm after the embeddings (pre_layrnorm)
     post_norm: bool = True           # the LayerNorm after the last layer (LLaVA's selected layer: none)
+    pinpoints: tuple = ()            # LLaVA-NeXT: image_grid_pinpoints ((height, width), ...) of its tiles
     qwen25vl: object = None          # Qwen2.5-VL's tower settings (vision/qwen25vl.py Qwen25VLVision)
 
     @property

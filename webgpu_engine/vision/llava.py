@@ -1,27 +1,38 @@
-"""LLaVA 1.5's image path on the host (an HF LlavaForConditionalGeneration folder, or a GGUF with its
-projector of type "mlp": vision/mmproj.py): its config (config.json's CLIP `vision_config`, the
+"""LLaVA 1.5's and 1.6's (LLaVA-NeXT's) image path on the host (an HF LlavaForConditionalGeneration or
+LlavaNextForConditionalGeneration folder, or a GGUF with its projector of type "mlp": vision/mmproj.py,
+LLaVA-NeXT's with clip.vision.image_grid_pinpoints): its config (config.json's CLIP `vision_config`, the
 selected layer and strategy), its image processor (CLIPImageProcessor: the shortest side resized to the tower's size, bicubic, then a
 centre crop to the tower's square, rescale, CLIP's mean and std) and the prompt expansion its
 processor does (each `<image>` the chat template writes becomes N `<image>` tokens, one per patch:
 576 for a 336 px tower in 14 px patches; the class row is dropped).
+
+LLaVA-NeXT (any resolution, LlavaNextImageProcessor and LlavaNextProcessor): the grid pinpoint that
+best fits the picture (select_best_resolution), the picture resized into it keeping its aspect and
+padded with black to it, cut into tiles of the tower's square; the picture itself resized to the square
+goes first. Each tile runs through the tower and the projector; the image's rows are the global tile's
+patches, then the tiles' patch grid (the tiles side by side) with its padding cut off (unpad_image),
+each grid row ended by the learned image_newline (vision/llava_gpu.py gathers them).
 
 The tower itself runs on the GPU (models/siglip.py with VisionConfig's CLIP settings). Pillow and
 numpy only (both in Pyodide).
 """
 from __future__ import annotations
 
-from dataclasses import replace
+import math
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..errors import UnsupportedModelError
+from ..errors import ModelFormatError, UnsupportedModelError
 from .config import VisionConfig, normalisation, pixels, processor_settings, single_tile, tower_config
+from .config import patches as square_patches
 
 if TYPE_CHECKING:
     import numpy as np
 
 IMAGE = "<image>"
 BICUBIC = 3
+NEWLINE = 0xFFFFFFFF                     # a layout's image_newline row (vision/llava_gpu.py's table's last)
 
 
 def read_config(folder: Path, c: dict, v: dict) -> VisionConfig:
@@ -52,20 +63,122 @@ def read_config(folder: Path, c: dict, v: dict) -> VisionConfig:
     n = cfg.n_layers + 1 + layer if layer < 0 else layer            # hidden_states[k]: after k layers
     if not 0 < n <= cfg.n_layers:
         refuse(f"vision_feature_layer {layer} of {cfg.n_layers} layers")
-    return replace(cfg, n_layers=n)
+    cfg = replace(cfg, n_layers=n)
+    if "LlavaNextForConditionalGeneration" in (c.get("architectures") or []):
+        pins = c.get("image_grid_pinpoints") or p.get("image_grid_pinpoints")
+        if not pins:
+            raise ModelFormatError(f"{folder}: a LlavaNextForConditionalGeneration config without image_grid_pinpoints")
+        return any_resolution(cfg, pins, str(folder))
+    return cfg
+
+
+def any_resolution(cfg: VisionConfig, pinpoints, where: str) -> VisionConfig:
+    """LLaVA-NeXT's config: `cfg` (one tile's) with its grid pinpoints ([[height, width], ..] or
+    llama.cpp's flat list), tokens_per_image the most rows an image may take (no padding cut off)."""
+    flat = [int(x) for pin in pinpoints for x in (pin if isinstance(pin, (list, tuple)) else [pin])]
+    pins = tuple(zip(flat[0::2], flat[1::2]))
+    S = cfg.image_size
+    if not pins or len(flat) % 2 or any(h % S or w % S or h < S or w < S for h, w in pins):
+        raise ModelFormatError(f"{where}: image_grid_pinpoints {pinpoints} are not multiples of the tile {S}")
+    P = cfg.patches_per_side
+    most = max(P * P + (h // S * P) * (w // S * P + 1) for h, w in pins)
+    return replace(cfg, pinpoints=pins, tokens_per_image=most)
+
+
+def best_resolution(cfg: VisionConfig, height: int, width: int) -> tuple[int, int]:
+    """select_best_resolution: the pinpoint (height, width) keeping most of the picture, then wasting least."""
+    best, most, least = None, 0, float("inf")
+    for h, w in cfg.pinpoints:
+        scale = min(w / width, h / height)
+        effective = min(int(width * scale) * int(height * scale), width * height)
+        wasted = w * h - effective
+        if effective > most or (effective == most and wasted < least):
+            best, most, least = (h, w), effective, wasted
+    return best
+
+
+def grid(cfg: VisionConfig, height: int, width: int) -> tuple[int, int, int, int]:
+    """(tile rows, tile columns, first kept patch row, first kept patch column) of a picture: its
+    tiles' patch grid with the padding cut off as unpad_image (and the processor's count) do."""
+    H, W = best_resolution(cfg, height, width)
+    S, P = cfg.image_size, cfg.patches_per_side
+    rows, cols = H // S * P, W // S * P
+    top = left = 0
+    if width / height > cols / rows:
+        top = (rows - int(round(height * (cols / width), 7))) // 2
+    else:
+        left = (cols - int(round(width * (rows / height), 7))) // 2
+    return H // S, W // S, top, left
+
+
+def n_tokens(cfg: VisionConfig, image) -> int:
+    """The rows one image takes: LLaVA 1.5's tokens_per_image; LLaVA-NeXT's global tile's patches and
+    the kept patch grid's rows, each ended by a newline row."""
+    if not cfg.pinpoints:
+        return cfg.tokens_per_image
+    w, h = image.size
+    gh, gw, top, left = grid(cfg, h, w)
+    P = cfg.patches_per_side
+    return P * P + (gh * P - 2 * top) * (gw * P - 2 * left + 1)
 
 
 def full_image_sequence(cfg: VisionConfig, image=None) -> str:
-    """What one image's `<image>` becomes in the prompt text (LlavaProcessor's)."""
-    return IMAGE * cfg.tokens_per_image
+    """What one image's `<image>` becomes in the prompt text (LlavaProcessor's, LlavaNextProcessor's)."""
+    return IMAGE * n_tokens(cfg, image)
 
 
-n_tiles = max_tiles = single_tile            # a picture is one tile
+n_tiles = max_tiles = single_tile            # a picture is one run of rows (LLaVA-NeXT's tiles inside)
+
+
+@dataclass
+class Tiles:
+    """LLaVA-NeXT's tiles of one picture: pixels (1 + rows * cols, 3, S, S) (its patch rows, once
+    unfolded: (.. * P * P, 3 p p)), the global tile first, and `layout`: each of the image's rows as a
+    row of the tiles' features (vision/llava_gpu.py's table; `newline`: the image_newline)."""
+    pixels: "np.ndarray"
+    layout: "np.ndarray"
+
+
+def layout(cfg: VisionConfig, height: int, width: int, newline: int) -> "np.ndarray":
+    """The image's rows as feature rows: tile k's patch (r, c) at k P*P + r P + c (the global tile is
+    k = 0), each kept grid row followed by `newline`: (n_tokens,) u32."""
+    import numpy as np
+    gh, gw, top, left = grid(cfg, height, width)
+    P = cfg.patches_per_side
+    R, C = np.arange(top, gh * P - top), np.arange(left, gw * P - left)
+    k = 1 + (R[:, None] // P) * gw + C[None, :] // P
+    rows = k * P * P + (R[:, None] % P) * P + C[None, :] % P
+    rows = np.concatenate([rows, np.full((len(R), 1), newline)], axis=1)
+    return np.concatenate([np.arange(P * P), rows.reshape(-1)]).astype(np.uint32)
 
 
 def tiles(cfg: VisionConfig, image) -> list:
-    """One image's tiles: the picture's centre square, resized to the tower's."""
-    return [preprocess(cfg, image)]
+    """One image's tiles: LLaVA 1.5's centre square resized to the tower's; LLaVA-NeXT's `Tiles`."""
+    if not cfg.pinpoints:
+        return [preprocess(cfg, image)]
+    import numpy as np
+    from PIL import Image
+    w, h = image.size
+    H, W = best_resolution(cfg, h, w)
+    if W / w < H / h:                    # get_patch_output_size
+        size = (W, min(math.ceil(h * W / w), H))
+    else:
+        size = (min(math.ceil(w * H / h), W), H)
+    canvas = Image.new("RGB", (W, H))
+    canvas.paste(image.resize(size, resample=cfg.resample, reducing_gap=None), ((W - size[0]) // 2, (H - size[1]) // 2))
+    S = cfg.image_size
+    grid_px = pixels(cfg, canvas).reshape(3, H // S, S, W // S, S).transpose(1, 3, 0, 2, 4).reshape(-1, 3, S, S)
+    whole = pixels(cfg, image.resize((S, S), resample=cfg.resample, reducing_gap=None))
+    return [Tiles(np.concatenate([whole[None], grid_px]), layout(cfg, h, w, NEWLINE))]
+
+
+def patches(cfg: VisionConfig, tile):
+    """The patch rows the tower reads: LLaVA 1.5's tile's; each of LLaVA-NeXT's tiles', one after another."""
+    if not isinstance(tile, Tiles):
+        return square_patches(cfg, tile)
+    p, P = cfg.patch_size, cfg.patches_per_side
+    a = tile.pixels.reshape(-1, 3, P, p, P, p).transpose(0, 2, 4, 1, 3, 5).reshape(-1, 3 * p * p)
+    return Tiles(a, tile.layout)
 
 
 def preprocess(cfg: VisionConfig, image) -> "np.ndarray":
