@@ -1,9 +1,10 @@
-"""Speculative decoding by prompt lookup (pipelines/speculation.py) on the real adapter: greedy answers
-equal one-token-per-forward decoding through the same row-invariant kernels, for several prompts and
-k (a tiny Llama, a tiny Qwen 3 with q/k norms, SmolLM2 on a RAG-style prompt); guesses are accepted
-(the path is exercised) and rejected ones leave no trace in the KV cache (the next request reuses the
-cache as its prefix); stop strings, max_tokens and logprobs behave as without guesses; the engine
-reports the figures in usage.extra and decodes other requests as before."""
+"""Speculative decoding of a lone request (pipelines/speculation.py's guessers, the scheduler's verify
+rows: batch_speculation.py) on the real adapter: greedy answers equal decoding without guesses, for
+several prompts and k (a tiny Llama, a tiny Qwen 3 with q/k norms, SmolLM2 on a RAG-style prompt);
+guesses are accepted (the path is exercised) and rejected ones leave no trace in the cached tokens
+(the next request reuses them as its prefix); stop strings, max_tokens and logprobs behave as without
+guesses; the engine reports the figures in usage.extra and decodes other requests as before. The
+batch's own checks (several sequences guessing at once) are tests/test_batch_speculation.py's."""
 from __future__ import annotations
 
 import pytest
@@ -62,24 +63,26 @@ def test_speculation_option_forms():
         "method": "draft", "k": 3, "model": "d.gguf", "auto_off": False, "probe": 4}
 
 
-async def _reference(pipe, messages, n: int) -> list[int]:
-    """n greedy tokens without guesses: where verify rows are decode steps (exact_verify: the CPU
-    family) the default decode path's, else one forward each through the prefill's kernels."""
-    if pipe.model.exact_verify:
-        spec, pipe.speculation = pipe.speculation, None
-        try:
-            out = await _generate(pipe, messages, max_tokens=n, ignore_eos=True)
-        finally:
-            pipe.speculation = spec
-        pipe.reset_chat(keep_stats=True)
-        return out
-    gen = GenerationConfig(temperature=0.0)
-    pipe.reset_chat(keep_stats=True)
-    out = [await pipe.forward_tokens_and_sample(pipe.prompt_ids(messages, None), True, gen)]
-    while len(out) < n:
-        out.append(await pipe.forward_tokens_and_sample([out[-1]], False, gen))
-    pipe.reset_chat(keep_stats=True)
-    return out
+def _sibling(pipe, speculation):
+    """A pipeline over `pipe`'s loaded model (the same weights) speculating as `speculation` says
+    (None: not at all), with a scheduler and pool of its own; a draft is `pipe`'s. Close it with
+    `.scheduler.close()` (its buffers go with `pipe`'s)."""
+    from dataclasses import replace
+    sib = LLMChatPipeline(pipe.dev, pipe.model, pipe.tokenizer, pipe.template,
+                          replace(pipe.chat_config, speculation=speculation), pipe.owner, pipe.plan)
+    if sib.speculation is not None and sib.speculation.method == "draft":
+        sib.draft = pipe.draft
+        sib.scheduler.spec.use_draft(pipe.draft, pipe.plan.kv_pool_blocks, pipe.plan.kv_block_size)
+    return sib
+
+
+async def _reference(pipe, messages, n: int, **gen) -> list[int]:
+    """n tokens of the same model without guesses (its decode rows: those the verify rows go through)."""
+    ref = _sibling(pipe, None)
+    try:
+        return await _generate(ref, messages, max_tokens=n, ignore_eos=True, **gen)
+    finally:
+        ref.scheduler.close()
 
 
 async def _generate(pipe, messages, **gen):
@@ -105,67 +108,27 @@ async def test_greedy_answers_equal_one_token_per_forward(device, tiny):
             msgs = [{"role": "user", "content": p}]
             ref = await _reference(pipe, msgs, 32)
             for k in (1, 3, 6):
-                pipe.speculation = Speculation(k=k, n=3, n_min=1, auto_off=False)
-                got = await _generate(pipe, msgs, max_tokens=32, ignore_eos=True)
-                assert got == ref, (p[:20], k)
-                st = pipe._req.spec      # a token per verify step and per plain step, and each accepted guess
-                assert st.steps + st.accepted + st.plain == 31 and st.accepted <= st.proposed
-                accepted += st.accepted
-                # the KV cache holds exactly prompt + answer less the last token: a follow-up request
-                # reuses it as its prefix and answers as from a cold cache
-                assert len(pipe.kv_ids) == len(pipe.prompt_ids(msgs, None)) + 31
-            pipe.speculation = None
+                spec = _sibling(pipe, {"k": k, "n": 3, "n_min": 1, "auto_off": False})
+                try:
+                    got = await _generate(spec, msgs, max_tokens=32, ignore_eos=True)
+                    assert got == ref, (p[:20], k)
+                    st = spec._req.spec      # a token per verify step and per plain step, and each accepted guess
+                    assert st.steps + st.accepted + st.plain == 31 and st.accepted <= st.proposed
+                    accepted += st.accepted
+                    # the cache holds exactly prompt + answer less the last token: a follow-up request
+                    # reuses it as its prefix and answers as from a cold cache
+                    assert len(spec.kv_ids) == len(spec.prompt_ids(msgs, None)) + 31
+                finally:
+                    spec.scheduler.close()
     finally:
         pipe.dispose()
     assert accepted > 0                      # guesses were taken, not only rejected
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-async def test_verify_rows_are_decode_steps_bit_for_bit(device, tmp_path, arch):
-    """On the CPU family (exact_verify: lavapipe) the logits of T verify rows at pos0 .. pos0+T-1
-    equal, bit for bit, those of T decode steps (the default path's fused kernels, its attention
-    in the form each position takes): rows in one group of 4 and in two, positions where every row
-    takes the short attention form and where the last rows take the split-key one."""
-    import struct
-    import numpy as np
-    path = write_tiny_llama_gguf(tmp_path / "m.gguf", arch=arch, qtype="q8_0", context_length=2048)["path"]
-    pipe = await LLMChatPipeline.load(device, path, ChatConfig(context_window_size=2048, compile_at_load=False))
-    m = pipe.model
-    try:
-        assert m.exact_verify                # lavapipe runs the CPU family: fused_rows
-        max_keys = max(op.max_keys for op in m.decode_ops)
-        V, np_dt = m.cfg.vocab_size, {"f32": np.float32, "f16": np.float16}[m.dtype]
-        rng = np.random.default_rng(3)
-
-        async def logits(t):
-            return np.frombuffer(await device.read(t.buf, t.offset, t.nbytes), np_dt).copy()
-        assert max_keys + 3 < m.ctx
-        for pos0, T in ((20, 4), (max_keys - 3, 6)):
-            ids = [int(i) for i in rng.integers(3, V, pos0 + T)]
-            for chunk in range(0, pos0, m.chunk):          # the prompt's rows, then the steps
-                b = device.batch()
-                m.record_prefill(b, ids[chunk:min(pos0, chunk + m.chunk)], chunk, with_head=False)
-                device.submit(b)
-            steps = []
-            for t in range(T):
-                device.write(m.ids.buf, struct.pack("<I", ids[pos0 + t]), m.ids.offset)
-                b = device.batch()
-                m.record_decode(b, pos0 + t)
-                device.submit(b)
-                steps.append(await logits(m.logits))
-            b = device.batch()
-            rows = m.record_verify(b, ids[pos0:], pos0)
-            device.submit(b)
-            for t in range(T):
-                got = await logits(rows[t])
-                assert np.array_equal(got, steps[t]), (pos0, T, t, np.abs(got - steps[t]).max())
-    finally:
-        pipe.dispose()
-
-
 async def test_a_speculating_model_compiles_its_verify_kernels_at_load(fresh_device, tiny):
-    """speculation k: the verify forwards of 1 .. k + 1 rows are built and run at load, so a
-    speculating request creates no pipeline (on a device of its own: nothing cached before)."""
+    """speculation k: the scheduler's decode forwards of 1 .. k + 1 rows (a lone sequence's verify
+    rows) are built and run at load, so a speculating request creates no pipeline (on a device of its
+    own: nothing cached before)."""
     dev = fresh_device
     pipe = await LLMChatPipeline.load(dev, tiny, ChatConfig(context_window_size=512, compile_in_background=False,
                                                             speculation={"k": 3, "n_min": 1, "auto_off": False}))
@@ -174,7 +137,7 @@ async def test_a_speculating_model_compiles_its_verify_kernels_at_load(fresh_dev
         got = await _generate(pipe, [{"role": "user", "content": PROMPTS[0]}], max_tokens=24, ignore_eos=True)
         st = pipe._req.spec
         assert len(got) == 24 and st.proposed > 0 and dev.compile_count == count
-        assert sorted(pipe.model._verify_ops) == [1, 2, 3, 4]
+        assert pipe.scheduler.fwd.max_rows == 4 and ("decode", 4) in pipe.scheduler.compile_ops()
     finally:
         pipe.dispose()
 
@@ -195,9 +158,12 @@ async def test_stop_strings_max_tokens_and_logprobs(device, tiny):
         # logprobs: the same entries as one-guess speculation gives (both check every token alike)
         await _generate(pipe, msgs, max_tokens=12, ignore_eos=True, logprobs=True, top_logprobs=3)
         many = list(pipe.token_logprobs)
-        pipe.speculation = Speculation(k=1, auto_off=False)
-        await _generate(pipe, msgs, max_tokens=12, ignore_eos=True, logprobs=True, top_logprobs=3)
-        assert pipe.token_logprobs == many and len(many) == 12
+        one = _sibling(pipe, {"k": 1, "auto_off": False})
+        try:
+            await _generate(one, msgs, max_tokens=12, ignore_eos=True, logprobs=True, top_logprobs=3)
+            assert one.token_logprobs == many and len(many) == 12
+        finally:
+            one.scheduler.close()
     finally:
         pipe.dispose()
 
@@ -272,14 +238,12 @@ async def test_grammar_masks_every_verified_row(device, tiny_llama, drafts):
             g = pipe.grammars.compile({"type": "json_schema", "schema": SCHEMA})
             msgs = [{"role": "user", "content": PROMPTS[0]}]
             for sampling in ({}, {"temperature": 0.8, "top_k": 8, "seed": 3}):
-                guesses = pipe._guesses
-
-                async def none(context, k):
-                    return []
-                pipe._guesses = none                     # the reference: every verify is one row
-                ref = await _generate(pipe, msgs, max_tokens=80, grammar=g, **sampling)
-                ref_text = pipe.get_message()
-                pipe._guesses = guesses
+                plain = _sibling(pipe, None)             # the reference: every step is one row
+                try:
+                    ref = await _generate(plain, msgs, max_tokens=80, grammar=g, **sampling)
+                    ref_text = plain.get_message()
+                finally:
+                    plain.scheduler.close()
                 got = await _generate(pipe, msgs, max_tokens=80, grammar=g, **sampling)
                 st = pipe._req.spec
                 # sampled: the same distribution, not the same draws (refused rows use some up)
@@ -334,16 +298,15 @@ async def test_speculative_sampling_keeps_the_distribution(device, tiny_llama):
     msgs = [{"role": "user", "content": PROMPTS[0]}]
     n, runs = 4, 240
     sampling = dict(max_tokens=n, ignore_eos=True, temperature=0.7, top_k=4)
-    spec = pipe.speculation
+    plain = _sibling(pipe, None)
     try:
         samples = {}
         accepted = proposed = 0
-        for name, sp in (("plain", None), ("spec", spec)):
-            pipe.speculation = sp
+        for name, p in (("plain", plain), ("spec", pipe)):
             outs = []
             for seed in range(runs):
-                outs.append(tuple(await _generate(pipe, msgs, seed=seed, **sampling)))
-                if sp is not None:
+                outs.append(tuple(await _generate(p, msgs, seed=seed, **sampling)))
+                if p is pipe:
                     accepted += pipe._req.spec.accepted
                     proposed += pipe._req.spec.proposed
             samples[name] = outs
@@ -352,12 +315,12 @@ async def test_speculative_sampling_keeps_the_distribution(device, tiny_llama):
             chi, dof = _chi2_two_samples([o[i] for o in samples["plain"]], [o[i] for o in samples["spec"]])
             assert dof >= 1 and chi < _chi2_999(dof), (i, chi, dof)
         # the test tells distributions apart: the greedy token at every position is another one
-        greedy = await _generate(pipe, msgs, max_tokens=n, ignore_eos=True)
+        greedy = await _generate(plain, msgs, max_tokens=n, ignore_eos=True)
         chi, dof = _chi2_two_samples([o[1] for o in samples["plain"]], [greedy[1]] * runs)
         assert chi > _chi2_999(dof)
-        pipe.speculation = spec
         assert tuple(await _generate(pipe, msgs, seed=7, **sampling)) == samples["spec"][7]
     finally:
+        plain.scheduler.close()
         pipe.dispose()
 
 
@@ -379,8 +342,8 @@ def drafts(tmp_path_factory):
 
 
 async def test_draft_model_greedy_answers_equal_one_token_per_forward(device, tiny_llama, drafts):
-    """Guesses of another model (mostly wrong) and of the same model (mostly right: it decodes with
-    the fused kernels, the target verifies with the row-invariant ones): the same answers."""
+    """Guesses of another model (mostly wrong) and of the same model (mostly right: the draft's rows
+    go through whatever kernels its batch picks, the target verifies as it decodes): the same answers."""
     for draft, k in ((drafts["other"], 3), (tiny_llama, 4)):
         pipe = await LLMChatPipeline.load(device, tiny_llama, ChatConfig(
             context_window_size=512, compile_at_load=False,
@@ -389,10 +352,7 @@ async def test_draft_model_greedy_answers_equal_one_token_per_forward(device, ti
             assert pipe.draft is not None and pipe.draft.owner != pipe.owner
             for p in PROMPTS:
                 msgs = [{"role": "user", "content": p}]
-                spec = pipe.speculation
-                pipe.speculation = None
                 ref = await _reference(pipe, msgs, 24)
-                pipe.speculation = spec
                 got = await _generate(pipe, msgs, max_tokens=24, ignore_eos=True)
                 assert got == ref, (draft, p[:20])
                 st = pipe._req.spec
@@ -416,30 +376,30 @@ async def test_draft_model_with_another_vocabulary_is_refused(device, tiny_llama
 
 
 async def test_auto_off_switches_to_the_fused_path(device, tiny_llama):
-    """auto_off's rule, with the fused step's time set: faster than the verify steps -> off after
-    `probe` steps (the rest decodes fused, the answer completes); slower -> speculation stays on;
-    not timed yet -> one fused step is timed, then it judges."""
+    """auto_off's rule per sequence, with the plain decode step's time set (the scheduler's yardstick,
+    timed on steps without guesses): faster than the verify steps -> off after `probe` steps (the rest
+    decodes in plain rows, the answer completes); slower -> speculation stays on; not timed yet ->
+    speculation goes on until a step without guesses times it."""
     pipe = await LLMChatPipeline.load(device, tiny_llama, ChatConfig(context_window_size=512, compile_at_load=False,
                                                                speculation={"k": 3, "n_min": 1, "probe": 2}))
     try:
         msgs = [{"role": "user", "content": PROMPTS[0]}]
         ref = await _reference(pipe, msgs, 20)
-        pipe._decode_step_s = 1e-9                          # fused steps "instant": turn off
+        spec = pipe.scheduler.spec
+        spec.plain_step_s = 1e-9                            # plain steps "instant": turn off
         got = await _generate(pipe, msgs, max_tokens=20, ignore_eos=True)
         st = pipe._req.spec
         assert st.off == 1 and st.steps == 2 and len(got) == 20 and pipe.finish_reason == "length"
         assert pipe.usage()["extra"]["speculation_turned_off"] is True
-        # the fused path's tokens may differ from the row-invariant ones in the last bits only: on
-        # this model they agree
-        assert got == ref
-        pipe._decode_step_s = 1e9                           # fused steps "slow": speculation stays
+        assert got == ref                                   # verify rows are decode rows: the same tokens
+        spec.plain_step_s = 1e9                             # plain steps "slow": speculation stays
         await _generate(pipe, msgs, max_tokens=20, ignore_eos=True)
         st = pipe._req.spec
         assert st.off == 0 and st.steps + st.accepted + st.plain == 19
-        pipe._decode_step_s = None                          # never timed: one fused step times it
+        spec.plain_step_s = None                            # never timed: no judgement until a plain step
         got = await _generate(pipe, msgs, max_tokens=20, ignore_eos=True)
         st = pipe._req.spec
-        assert pipe._decode_step_s is not None and st.steps >= 2 and st.tokens <= 18 and len(got) == 20
+        assert got == ref and st.steps >= 2 and (spec.plain_step_s is not None or st.off == 0)
     finally:
         pipe.dispose()
 
