@@ -28,7 +28,9 @@ projections written for --model) measures instead what a decode row with an adap
 base row: one batched server serving the adapter as `bench`, one streaming client at a time on the
 base and on the adapter in turn (`--repeats` rounds each, A B, B A, ...), then one of each at once;
 each round's inter-token latency p50 (a decode step's time), the best round of each and the
-adapter's over the base's. Writes bench/results/serve_lora.json.
+adapter's over the base's; the same for the server process's CPU seconds per token (Linux: what a
+round cost whatever else the host runs; a CPU adapter's threads are the server's). The adapter's
+kernels are compiled (and waited for) before the rounds. Writes bench/results/serve_lora.json.
 """
 from __future__ import annotations
 
@@ -301,11 +303,14 @@ async def lora_rows(args) -> dict:
             await compiled(base)
             for name in (model, "bench"):                  # warm-up: both op lists compiled and run
                 await level(base, name, 1, 4)
-            itl = {model: [], "bench": []}
+            await compiled(base)                           # the adapter's kernels too
+            itl, cpu = {model: [], "bench": []}, {model: [], "bench": []}
             for k in range(args.repeats):
                 for name in ((model, "bench") if k % 2 == 0 else ("bench", model)):
+                    c0 = process_cpu_s(proc.pid)
                     r = await level(base, name, 1, args.max_tokens, raw=True)
                     itl[name].append(pct(r["_itl"], 50))
+                    cpu[name].append((process_cpu_s(proc.pid) - c0) / args.max_tokens)
             from openai import AsyncOpenAI
             client = AsyncOpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=3600)
             both = await asyncio.gather(*[one_client(client, name, 0, args.max_tokens) for name in (model, "bench")])
@@ -315,13 +320,29 @@ async def lora_rows(args) -> dict:
     # each round's ITL p50; the best round of each is the least disturbed by the host's other work
     row = {"base_itl_p50_rounds": itl[model], "lora_itl_p50_rounds": itl["bench"],
            "base_itl_p50": min(itl[model]), "lora_itl_p50": min(itl["bench"]),
+           "base_cpu_per_token_rounds": cpu[model], "lora_cpu_per_token_rounds": cpu["bench"],
+           "base_cpu_per_token": min(cpu[model]), "lora_cpu_per_token": min(cpu["bench"]),
            "together_itl_p50": [pct(r["itl"], 50) for r in both]}
     row["lora_over_base"] = row["lora_itl_p50"] / row["base_itl_p50"]
+    row["lora_over_base_cpu"] = row["lora_cpu_per_token"] / row["base_cpu_per_token"]
     print(f"decode step, one stream (best round's ITL p50): base {row['base_itl_p50'] * 1e3:.1f} ms, with the "
           f"adapter {row['lora_itl_p50'] * 1e3:.1f} ms ({row['lora_over_base']:.2f}x); rounds "
           + " ".join(f"{b * 1e3:.0f}/{a * 1e3:.0f}" for b, a in zip(itl[model], itl["bench"]))
           + "; one of each at once: " + ", ".join(f"{x * 1e3:.1f} ms" for x in row["together_itl_p50"]))
+    print(f"server CPU per token (best round): base {row['base_cpu_per_token'] * 1e3:.1f} ms, with the adapter "
+          f"{row['lora_cpu_per_token'] * 1e3:.1f} ms ({row['lora_over_base_cpu']:.2f}x); rounds "
+          + " ".join(f"{b * 1e3:.0f}/{a * 1e3:.0f}" for b, a in zip(cpu[model], cpu["bench"])))
     return row
+
+
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system, all threads: a CPU adapter's included) of process `pid` so far
+    (Linux /proc; 0.0 elsewhere)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def main() -> int:
