@@ -1,6 +1,8 @@
 """LLaVA 1.6 (LLaVA-NeXT: any-resolution tiles): a tiny LlavaNextForConditionalGeneration
 (tests/fixtures/make_llava_next.py: a CLIP tower of 32 px tiles, grid pinpoints 32x64, 64x32 and
-64x64) gives transformers' tiles, image token counts, packed image features and greedy tokens."""
+64x64) gives transformers' tiles, image token counts, packed image features (global tile first, the
+tiles unpadded, a newline row after each grid row) and greedy tokens, from its HF folder and from its
+GGUF + mmproj (llama.cpp's converters)."""
 from __future__ import annotations
 
 import json
@@ -9,13 +11,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from _nn_util import get
 from webgpu_engine.errors import ModelFormatError
+from webgpu_engine.kernels.common import Tensor
+from webgpu_engine.loaders.gguf import GGUFFile
 from webgpu_engine.vision import llava
-from webgpu_engine.vision.images import decode_bytes
+from webgpu_engine.vision.images import decode_bytes, image_data_url
+from webgpu_engine.vision.mmproj import MmprojFile
 from webgpu_engine.vision.runner import read_vision_config
 
 FIXTURES = Path(__file__).parent / "fixtures"
-FOLDER, IMAGES = FIXTURES / "tiny_llava_next", FIXTURES / "vision_images"
+FOLDER, IMAGES, PAIR = FIXTURES / "tiny_llava_next", FIXTURES / "vision_images", FIXTURES / "llava_next_gguf"
+TEXT, PROJ = PAIR / "tiny-llava-next.gguf", PAIR / "mmproj-tiny-llava-next.gguf"
+OPTS = {"dtype": "f32", "context_window_size": 256, "prefill_chunk_size": 128, "compile_at_load": False}
 
 
 @pytest.fixture(scope="module")
@@ -54,3 +62,83 @@ def test_tiles_and_token_counts_equal_the_processors(ref, cfg):
 def test_pinpoints_not_of_the_tile_are_refused(cfg):
     with pytest.raises(ModelFormatError, match="not multiples of the tile 32"):
         llava.any_resolution(cfg, [[48, 64]], "here")
+
+
+def _mmproj():
+    with GGUFFile(TEXT) as g:
+        return MmprojFile(PROJ, g.tokenizer())
+
+
+def test_mmproj_reads_as_the_folders_config(cfg):
+    """llama.cpp's legacy LLaVA-NeXT converter's clip.vision.image_grid_pinpoints (flat) and
+    model.image_newline give the folder's config and tensors."""
+    f = _mmproj()
+    assert set(f.tensors) >= {"image_newline", "multi_modal_projector.linear_2.weight"}
+    f.close()
+    for field in ("pinpoints", "tokens_per_image", "image_token_id", "image_size", "patch_size", "n_layers",
+                  "class_token", "pre_norm", "post_norm", "act", "text_hidden"):
+        assert getattr(f.cfg, field) == getattr(cfg, field), field
+
+
+@pytest.mark.parametrize("source", ["folder", "mmproj"])
+def test_tower_gives_the_packed_features(device, ref, cfg, source):
+    """Each tile through the CLIP tower and the projector, the rows gathered (global tile first, the
+    tiles' grid unpadded, image_newline after each row): get_image_features' output per image (the
+    legacy converter's patch convolution in f16: a few 1e-3 off)."""
+    from webgpu_engine.loaders.safetensors import SafetensorsFolder
+    from webgpu_engine.vision.llava_gpu import LlavaNextTower
+    files = SafetensorsFolder(FOLDER) if source == "folder" else _mmproj()
+    try:
+        tower = LlavaNextTower(device, cfg if source == "folder" else files.cfg, files.tensors, owner="test:llava_next")
+    finally:
+        files.close()
+    try:
+        names, n, width = sorted(ref["images"]), cfg.tokens_per_image, cfg.text_hidden
+        out = Tensor(device.buffer(len(names) * n * width * 4, owner="test:llava_next"), (len(names) * n, width), "f32")
+        for i, name in enumerate(names):
+            tower.write_patches(llava.patches(cfg, llava.tiles(cfg, _image(name))[0]))
+            device.submit(tower.record(device.batch(), out, i))
+        got = get(device, out).reshape(len(names), n, width)
+        for i, name in enumerate(names):
+            expect = np.array(ref["images"][name]["features"])
+            assert np.abs(expect).max() > 0.5
+            tol = {"atol": 1e-4} if source == "folder" else {"atol": 5e-3, "rtol": 1e-3}   # the mmproj's f16 convolution
+            np.testing.assert_allclose(got[i, :len(expect)], expect, **tol)
+    finally:
+        tower.dispose()
+        device.release_owner("test:llava_next")
+
+
+def _messages(ref, key: str) -> list[dict]:
+    images = iter(ref["prompts"][key]["images"])
+    return [{"role": m["role"], "content": [{"type": "image_url", "image_url": {"url": image_data_url(IMAGES / next(images))}}
+                                            if p["type"] == "image" else p for p in m["content"]]}
+            for m in ref["prompts"][key]["messages"]]
+
+
+@pytest.mark.parametrize("source, atol", [("tiny_llava_next", 1e-4), ("llava_next_gguf", 5e-3)])
+async def test_greedy_tokens_and_logits_equal_transformers(device, ref, source, atol):
+    """From the HF folder and from the folder of GGUFs: one wide picture (four tiles, 70 rows) and two
+    pictures (tall and small) in one prompt: transformers' input ids, last prompt row's logits and 12
+    greedy tokens."""
+    from tokenizers import Tokenizer
+
+    from webgpu_engine.engine.engine import AsyncMLCEngine
+    eng = AsyncMLCEngine()
+    await eng.reload(str(FIXTURES / source), chat_opts=OPTS)
+    try:
+        model = next(iter(eng.models))
+        pipe = eng.models[model].pipeline
+        for key in ("one", "two"):
+            want = ref["prompts"][key]
+            await eng.chat.completions.create(model=model, messages=_messages(ref, key), max_tokens=1, temperature=0.0)
+            assert pipe.kv_ids[:len(want["input_ids"])] == want["input_ids"], key
+            logits = get(pipe.dev, pipe.scheduler.fwd.logits_row(0))        # the prompt's last row
+            np.testing.assert_allclose(logits, want["logits"], atol=atol)
+            r = await eng.chat.completions.create(model=model, messages=_messages(ref, key), max_tokens=12,
+                                                  temperature=0.0)
+            assert pipe.output_ids == want["greedy"], key
+            text = Tokenizer.from_file(str(FOLDER / "tokenizer.json")).decode(want["greedy"], skip_special_tokens=False)
+            assert r.choices[0].message.content == text
+    finally:
+        await eng.unload()

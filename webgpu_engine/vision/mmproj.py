@@ -39,6 +39,7 @@ MMPROJ_TO_HF = {
     "v.patch_embd.weight": "vision_tower.embeddings.patch_embedding.weight",    # (C, 3, p, p)
     "v.patch_embd.bias": "vision_tower.embeddings.patch_embedding.bias",
     "v.class_embd": "vision_tower.embeddings.class_embedding",                # (C,)
+    "model.image_newline": "image_newline", "v.image_newline": "image_newline",  # LLaVA-NeXT's (C_text,)
     "v.pre_ln.weight": "vision_tower.pre_layrnorm.weight",
     "v.pre_ln.bias": "vision_tower.pre_layrnorm.bias",
     "v.position_embd.weight": "vision_tower.embeddings.position_embedding.weight",  # (N, C)
@@ -177,6 +178,9 @@ def read_config(g: GGUFFile, tokenizer) -> VisionConfig:
         post_norm="v.post_ln.weight" in g.tensors, **extra)
     if tokens < 1 or side % max(1, round(tokens ** 0.5)):
         raise ModelFormatError(f"{where}: {tokens} image tokens do not pool a {side}x{side} patch grid")
+    pins = g.metadata.get("clip.vision.image_grid_pinpoints")
+    if family == "llava" and pins:       # LLaVA-NeXT: any-resolution tiles
+        return fam.any_resolution(cfg, pins, str(where))
     return cfg
 
 

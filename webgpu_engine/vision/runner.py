@@ -222,6 +222,9 @@ class VisionInputs:
             if cfg.kind == "phi3v":
                 from .phi3v_gpu import Phi3vTower
                 tower = Phi3vTower(dev, cfg, files, owner=owner)
+            elif cfg.pinpoints:          # LLaVA-NeXT: its tiles' rows gathered with image_newline rows
+                from .llava_gpu import LlavaNextTower
+                tower = LlavaNextTower(dev, cfg, files.tensors, owner=owner)
             elif cfg.kind == "qwen25vl":
                 from .qwen25vl_gpu import Qwen25VLTower
                 tower = Qwen25VLTower(dev, cfg, files.tensors, owner=owner)

@@ -1,0 +1,90 @@
+"""LLaVA-NeXT's image embedding on the GPU (vision/llava.py says what it computes): models/siglip.py's
+CLIP tower and LLaVA projector over each tile (its patches copied in from one buffer holding every
+tile's, its projected rows copied out into a table whose last row is the learned image_newline), then
+the image's rows as a gather of the table's rows (splice_rows with every row given: out[t] =
+table[idx[t]]: the global tile's patches, the kept patch grid's rows each ended by the newline),
+copied into the decoder's features buffer.
+
+Op lists of the gather are built per count of image rows and kept.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from ..errors import ModelFormatError
+from .config import VisionConfig
+from .llava import NEWLINE, Tiles
+
+NEWLINE_NAMES = ("image_newline", "model.image_newline", "v.image_newline")
+
+
+class LlavaNextTower:
+    """The interface VisionInputs runs (vision/runner.py): write_patches(tiles), then
+    record(batch, dst, index) writes the image's rows at row index * tokens_per_image of `dst`."""
+
+    def __init__(self, dev, cfg: VisionConfig, tensors: dict, *, owner: str):
+        import numpy as np
+        from ..kernels.common import new_tensor
+        from ..models.siglip import SiglipTower
+        self.dev, self.cfg, self.owner = dev, cfg, owner
+        P, T = cfg.patches_per_side, cfg.text_hidden
+        self.n = P * P                   # a tile's rows
+        self.siglip = SiglipTower(dev, replace(cfg, tokens_per_image=self.n, pinpoints=()), tensors, owner=owner)
+        S = cfg.image_size
+        self.max_tiles = 1 + max(h // S * (w // S) for h, w in cfg.pinpoints)
+        t = next((tensors[n] for n in NEWLINE_NAMES if n in tensors), None)
+        if t is None or int(np.prod(t.shape)) != T:
+            raise ModelFormatError(f"LLaVA-NeXT's image_newline of {T} values is missing or of shape "
+                                   f"{None if t is None else tuple(t.shape)}")
+        self.newline = self.max_tiles * self.n
+        self.table = new_tensor(dev, (self.newline + 1, T), "f32", owner=owner, label="v.table")
+        dev.write(self.table.buf, self.siglip._array(t).astype(np.float32).tobytes(), self.table.offset + self.newline * T * 4)
+        M = cfg.tokens_per_image
+        self.pix = new_tensor(dev, (self.max_tiles * self.n, 3 * cfg.patch_size ** 2), "f32", owner=owner, label="v.tiles")
+        self.idx = new_tensor(dev, (M, 2), "u32", owner=owner, label="v.layout")
+        self.out = new_tensor(dev, (M, T), "f32", owner=owner, label="v.rows")
+        self._ops: dict[int, object] = {}
+        self._tiles: Tiles | None = None
+
+    def _gather(self, M: int):
+        """The gather of M image rows from the table (built once per M)."""
+        op = self._ops.get(M)
+        if op is None:
+            from ..kernels import vision
+            op = vision.splice_rows(self.dev, self.out.view((M, self.cfg.text_hidden)), self.table,
+                                    self.idx.view((M, 2)))
+            op.name = "llava_next_rows"
+            self._ops[M] = op
+        return op
+
+    def write_patches(self, tiles: Tiles) -> None:
+        """One picture's tiles' patch rows (vision/llava.py `patches`) and its layout."""
+        import numpy as np
+        K = tiles.pixels.shape[0] // self.n
+        if K > self.max_tiles or len(tiles.layout) > self.cfg.tokens_per_image:
+            raise ModelFormatError(f"{K} tiles of {len(tiles.layout)} rows; at most {self.max_tiles} of "
+                                   f"{self.cfg.tokens_per_image}")
+        self.dev.write(self.pix.buf, tiles.pixels.astype(np.float32).tobytes(), self.pix.offset)
+        idx = np.where(tiles.layout == NEWLINE, self.newline, tiles.layout).astype(np.uint32)
+        rows = np.stack([idx, np.zeros_like(idx)], axis=1)
+        self.dev.write(self.idx.buf, rows.tobytes(), self.idx.offset)
+        self._tiles = tiles
+
+    def record(self, batch, dst, index: int):
+        """The tower and projector over each tile (its rows into the table), the gather; the picture's
+        rows into `dst` from row index * tokens_per_image."""
+        tiles, s, T = self._tiles, self.siglip, self.cfg.text_hidden
+        K, row = tiles.pixels.shape[0] // self.n, 3 * self.cfg.patch_size ** 2 * 4
+        for k in range(K):
+            batch.copy(self.pix.buf, s.pix.buf, self.n * row, self.pix.offset + k * self.n * row, s.pix.offset)
+            s.ops.record(batch)
+            batch.copy(s.out.buf, self.table.buf, self.n * T * 4, s.out.offset, self.table.offset + k * self.n * T * 4)
+        M = len(tiles.layout)
+        self._gather(M).record(batch)
+        batch.copy(self.out.buf, dst.buf, M * T * 4, self.out.offset, dst.offset + index * self.cfg.tokens_per_image * T * 4)
+        return batch
+
+    def dispose(self) -> None:
+        for op in self._ops.values():
+            op.release()
+        self.siglip.dispose()
