@@ -59,9 +59,16 @@ def test_tiles_and_token_counts_equal_the_processors(ref, cfg):
     assert tiles == {"gradient.png": 3, "shapes.png": 3, "tall.png": 3, "wide.png": 5}
 
 
-def test_pinpoints_not_of_the_tile_are_refused(cfg):
+def test_pinpoints_not_of_the_tile_are_refused_and_thin_pictures_tile(cfg):
+    """Pinpoints that are not whole tiles: a typed error. A picture a pixel wide or high: its tiles
+    (the grid's padding cut down to a row or none) and as many rows as the prompt gets."""
+    from PIL import Image
     with pytest.raises(ModelFormatError, match="not multiples of the tile 32"):
         llava.any_resolution(cfg, [[48, 64]], "here")
+    for size in ((1, 200), (200, 1), (3, 1000), (1, 1)):
+        im = Image.new("RGB", size)
+        (t,) = llava.tiles(cfg, im)
+        assert llava.n_tokens(cfg, im) == len(t.layout) >= 16 and t.pixels.shape[1:] == (3, 32, 32)
 
 
 def _mmproj():
@@ -116,16 +123,17 @@ def _messages(ref, key: str) -> list[dict]:
             for m in ref["prompts"][key]["messages"]]
 
 
-@pytest.mark.parametrize("source, atol", [("tiny_llava_next", 1e-4), ("llava_next_gguf", 5e-3)])
-async def test_greedy_tokens_and_logits_equal_transformers(device, ref, source, atol):
+@pytest.mark.parametrize("source, atol, chunk", [("tiny_llava_next", 1e-4, 32), ("llava_next_gguf", 5e-3, 128)])
+async def test_greedy_tokens_and_logits_equal_transformers(device, ref, source, atol, chunk):
     """From the HF folder and from the folder of GGUFs: one wide picture (four tiles, 70 rows) and two
     pictures (tall and small) in one prompt: transformers' input ids, last prompt row's logits and 12
-    greedy tokens."""
+    greedy tokens; in prefill chunks of 32 rows (an image's rows span chunks: its tower runs for each)
+    and of 128."""
     from tokenizers import Tokenizer
 
     from webgpu_engine.engine.engine import AsyncMLCEngine
     eng = AsyncMLCEngine()
-    await eng.reload(str(FIXTURES / source), chat_opts=OPTS)
+    await eng.reload(str(FIXTURES / source), chat_opts={**OPTS, "prefill_chunk_size": chunk})
     try:
         model = next(iter(eng.models))
         pipe = eng.models[model].pipeline

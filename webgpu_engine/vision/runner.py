@@ -199,10 +199,10 @@ class VisionInputs:
     def _load(cls, dev, path, model, owner: str, cfg: VisionConfig, files) -> "VisionInputs":
         if cfg.kind == "qwen25vl":           # images scaled down to what a prefill chunk holds
             cfg = qwen25vl.fit_chunk(cfg, model.chunk)
-        # Phi-3.5-vision's causal rows may span prefill chunks (its largest picture's 2653 rows, WebLLM's
-        # chunks of 2048): stage_chunk runs its tower for each chunk holding its rows; the others'
-        # images run in one chunk
-        if cfg.tokens_per_image > model.chunk and cfg.kind != "phi3v":
+        # Phi-3.5-vision's and LLaVA-NeXT's causal rows may span prefill chunks (their largest pictures'
+        # 2653 and 2928 rows, WebLLM's chunks of 2048): stage_chunk runs the tower for each chunk holding
+        # an image's rows; the others' images run in one chunk
+        if cfg.tokens_per_image > model.chunk and cfg.kind != "phi3v" and not cfg.pinpoints:
             raise UnsupportedChatOptionError(
                 "prefill_chunk_size", model.chunk, f"an image's {cfg.tokens_per_image} tokens run in one "
                 f"prefill chunk: load with prefill_chunk_size >= {cfg.tokens_per_image}")
