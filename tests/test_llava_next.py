@@ -99,7 +99,14 @@ def test_tower_gives_the_packed_features(device, ref, cfg, source):
         tower = LlavaNextTower(device, cfg if source == "folder" else files.cfg, files.tensors, owner="test:llava_next")
     finally:
         files.close()
-    try:
+    from webgpu_engine.config import ChatConfig
+    from webgpu_engine.engine.memory import estimate_for
+    opts = OPTS if source == "folder" else {**OPTS, "mmproj": str(PROJ)}
+    text, full = (estimate_for("llm", p, ChatConfig(**o), device) for p, o in ((TEXT, OPTS), (FOLDER if source == "folder" else TEXT, opts)))
+    features = 2 * cfg.tokens_per_image * cfg.text_hidden * 4          # a load's two pictures' rows
+    try:                                 # the pre-load estimate counts the tower, its tiles' table and the features
+        assert full.weights + full.activations - text.weights - text.activations >= \
+            device.allocated_bytes("test:llava_next") + features
         names, n, width = sorted(ref["images"]), cfg.tokens_per_image, cfg.text_hidden
         out = Tensor(device.buffer(len(names) * n * width * 4, owner="test:llava_next"), (len(names) * n, width), "f32")
         for i, name in enumerate(names):

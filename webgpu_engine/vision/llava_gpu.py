@@ -18,6 +18,14 @@ from .llava import NEWLINE, Tiles
 NEWLINE_NAMES = ("image_newline", "model.image_newline", "v.image_newline")
 
 
+def buffer_bytes(cfg: VisionConfig) -> int:
+    """The bytes of LlavaNextTower's own buffers (besides its SigLIP tower's): the largest pinpoint's
+    tiles' patch rows, the table of their projected rows and image_newline, the layout."""
+    S, N, T = cfg.image_size, cfg.patches_per_side ** 2, cfg.text_hidden
+    K = 1 + max(h // S * (w // S) for h, w in cfg.pinpoints)
+    return 4 * (K * N * (3 * cfg.patch_size ** 2 + T) + T + 2 * cfg.tokens_per_image)
+
+
 class LlavaNextTower:
     """The interface VisionInputs runs (vision/runner.py): write_patches(tiles), then
     record(batch, dst, index) writes the image's rows at row index * tokens_per_image of `dst`."""
@@ -31,7 +39,7 @@ class LlavaNextTower:
         self.n = P * P                   # a tile's rows
         self.siglip = SiglipTower(dev, replace(cfg, tokens_per_image=self.n, pinpoints=()), tensors, owner=owner)
         S = cfg.image_size
-        self.max_tiles = 1 + max(h // S * (w // S) for h, w in cfg.pinpoints)
+        self.max_tiles = 1 + max(h // S * (w // S) for h, w in cfg.pinpoints)          # buffer_bytes' K
         t = next((tensors[n] for n in NEWLINE_NAMES if n in tensors), None)
         if t is None or int(np.prod(t.shape)) != T:
             raise ModelFormatError(f"LLaVA-NeXT's image_newline of {T} values is missing or of shape "

@@ -102,6 +102,9 @@ def memory(path, est, ctx: int, mmproj=None, chunk: int = 0):
     weights = sum(tensor_nbytes("f32" if n in f32 else q, s) for n, (q, s) in shapes.items())
     C, F, N, n = cfg.hidden_size, cfg.intermediate_size, cfg.patches_per_side ** 2, cfg.tokens_per_image
     acts = 4 * (N * (3 * cfg.patch_size ** 2 + 3 * C + 3 * C + F) + n * (2 * C * cfg.scale ** 2 + cfg.text_hidden))
+    if cfg.pinpoints:                    # LLaVA-NeXT's tiles and their rows' table (vision/llava_gpu.py)
+        from .llava_gpu import buffer_bytes
+        acts += buffer_bytes(cfg)
     feats = 4 * capacity(cfg, ctx) * n * cfg.text_hidden
     return replace(est, weights=est.weights + weights, activations=est.activations + acts + feats)
 
