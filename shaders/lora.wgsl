@@ -66,11 +66,14 @@ fn lora_expand(@builtin(global_invocation_id) gid: vec3<u32>) {
 // 2p + 1 are one target's, N even). Each sum in the order lora_shrink / lora_expand make it (the
 // zero columns left out add nothing). With STORE, y = the delta instead (a row without an adapter:
 // -0.0, so that a matmul adding y to its sums keeps a base row's bits: models/lora.py).
-// dispatch (T, 1, 1), workgroup WG; the host adds the consts JMAX (= J), NORM, STORE and KC. A row
-// without an adapter returns at once (its slot read uniformly).
+// dispatch (T, 1, 1), workgroup WG; the host adds the consts JMAX (= J), NORM, STORE and KC, and
+// A and B's element type: `wvec` f32 (vec4<f32>, VW = 4 values a load) or f16 pairs (vec4<u32>,
+// VW = 8: on a CPU adapter a load costs per invocation whatever its width, so 16-bit weights halve
+// the loads) with `wdot`, which adds a load's VW products in index order (the same sums, the same
+// bits for the same values). A row without an adapter returns at once (its slot read uniformly).
 @group(0) @binding(9) var<storage, read> cols: array<u32>;            // (N) first u column of row n
-@group(0) @binding(10) var<storage, read> a4: array<vec4<f32>>;       // (slots, J, K / 4) A
-@group(0) @binding(11) var<storage, read> b4: array<vec4<f32>>;       // (slots, N, R / 4) B compact
+@group(0) @binding(10) var<storage, read> a4: array<wvec>;            // (slots, J, K / VW) A
+@group(0) @binding(11) var<storage, read> b4: array<wvec>;            // (slots, N, R / VW) B compact
 @group(0) @binding(12) var<storage, read> w4: array<vec4<f32>>;       // (K / 4) norm weight (NORM)
 
 struct DeltaParams {
@@ -117,12 +120,12 @@ fn lora_delta(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_i
         workgroupBarrier();
         inv = inverseSqrt(wsum[0] / f32(D.K) + D.eps);
     }
-    // u = A · x: invocation l sums rows j = l + q J/4 (q = 0..3) of A (vec4 a loads) against x
+    // u = A · x: invocation l sums rows j = l + q J/4 (q = 0..3) of A (VW values a load) against x
     // (times w), staged KC values at a time in workgroup memory: each x value read once for 4
     // rows (a storage or workgroup load costs per invocation on a CPU adapter)
-    let a0 = (s * D.J) * (D.K / 4u);
+    let K4 = D.K / VW;
+    let a0 = (s * D.J) * K4;
     let JL = D.J / 4u;
-    let K4 = D.K / 4u;
     for (var l0 = 0u; l0 < JL; l0 += WG) {
         let l = l0 + lid;
         let aj = a0 + l * K4;
@@ -137,13 +140,14 @@ fn lora_delta(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_i
             }
             workgroupBarrier();
             if (l < JL) {
-                let ak = aj + kc / 4u;
-                for (var k4 = 0u; k4 < kn / 4u; k4++) {
-                    let xv = wx[k4];
-                    acc.x = dot_seq(acc.x, xv, a4[ak + k4]);
-                    acc.y = dot_seq(acc.y, xv, a4[ak + JL * K4 + k4]);
-                    acc.z = dot_seq(acc.z, xv, a4[ak + 2u * JL * K4 + k4]);
-                    acc.w = dot_seq(acc.w, xv, a4[ak + 3u * JL * K4 + k4]);
+                let ak = aj + kc / VW;
+                for (var k4 = 0u; k4 < kn / VW; k4++) {
+                    let x0 = wx[k4 * (VW / 4u)];
+                    let x1 = wx[k4 * (VW / 4u) + (VW / 4u - 1u)];      // VW = 4: x0 again
+                    acc.x = wdot(acc.x, x0, x1, a4[ak + k4]);
+                    acc.y = wdot(acc.y, x0, x1, a4[ak + JL * K4 + k4]);
+                    acc.z = wdot(acc.z, x0, x1, a4[ak + 2u * JL * K4 + k4]);
+                    acc.w = wdot(acc.w, x0, x1, a4[ak + 3u * JL * K4 + k4]);
                 }
             }
         }
@@ -158,7 +162,7 @@ fn lora_delta(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_i
     workgroupBarrier();
     // y += B · u: invocation p makes rows n = 2p and 2p + 1 (one target's: cols[2p] = cols[2p + 1]),
     // each u value read once for both
-    let R4 = D.R / 4u;
+    let R4 = D.R / VW;
     let b0 = s * D.N * R4;
     for (var p = lid; p < D.N / 2u; p += WG) {
         let n = 2u * p;
@@ -166,9 +170,10 @@ fn lora_delta(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_i
         let bn = b0 + n * R4;
         var acc = vec2<f32>(0.0);
         for (var r4 = 0u; r4 < R4; r4++) {
-            let uv = wu[c + r4];
-            acc.x = dot_seq(acc.x, uv, b4[bn + r4]);
-            acc.y = dot_seq(acc.y, uv, b4[bn + R4 + r4]);
+            let u0 = wu[c + r4 * (VW / 4u)];
+            let u1 = wu[c + r4 * (VW / 4u) + (VW / 4u - 1u)];
+            acc.x = wdot(acc.x, u0, u1, b4[bn + r4]);
+            acc.y = wdot(acc.y, u0, u1, b4[bn + R4 + r4]);
         }
         let at = D.y_off + t * D.N + n;
         if (STORE) {

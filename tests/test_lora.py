@@ -18,7 +18,7 @@ from webgpu_engine.engine.engine import AsyncMLCEngine
 from webgpu_engine.errors import InvalidRequestError, SpecifiedModelNotFoundError
 from webgpu_engine.kernels import lora as lk
 
-from _nn_util import empty, get, put, rounded, run
+from _nn_util import NP, empty, get, put, rounded, run
 
 OWNER = "test:nn"
 
@@ -54,18 +54,19 @@ def test_lora_shrink_expand(device, _free, dtype, T, K, N, J, slots):
     np.testing.assert_array_equal(got[base], rounded(y0, dtype)[base])     # untouched, bit for bit
 
 
-@pytest.mark.parametrize("dtype", ["f32", "f16"])
+@pytest.mark.parametrize("dtype,wdtype", [("f32", "f32"), ("f16", "f32"), ("f32", "f16")])
 @pytest.mark.parametrize("norm", [False, True])
 @pytest.mark.parametrize("T,K,N,R,targets,slots", [(1, 64, 96, 8, 1, 1), (5, 72, 200, 16, 3, 3)])
-def test_lora_delta_is_shrink_then_expand_in_one(device, _free, dtype, norm, T, K, N, R, targets, slots):
+def test_lora_delta_is_shrink_then_expand_in_one(device, _free, dtype, wdtype, norm, T, K, N, R, targets, slots):
     """lora_delta (B compact: each row only its target's R columns) equals the pair's
-    references over the same A and the block-sparse B (N, J); a base row keeps its bits."""
+    references over the same A and the block-sparse B (N, J); a base row keeps its bits. A and B
+    held as f16 (wdtype) answer as the same values held as f32, bit for bit."""
     rng = np.random.default_rng(T * K + R + norm)
     J = targets * R
     x = rng.standard_normal((T, K))
-    a = (rng.standard_normal((slots, J, K)) / np.sqrt(K)).astype(np.float32)
+    a = (rng.standard_normal((slots, J, K)) / np.sqrt(K)).astype(NP[wdtype]).astype(np.float32)
     cols = (R * ((np.arange(N) // 2) % targets)).astype(np.uint32)      # targets' rows interleaved in pairs
-    bc = (rng.standard_normal((slots, N, R)) / np.sqrt(R)).astype(np.float32)
+    bc = (rng.standard_normal((slots, N, R)) / np.sqrt(R)).astype(NP[wdtype]).astype(np.float32)
     b = np.zeros((slots, N, J), np.float32)                               # the same B, (N, J) with zeros
     for r in range(R):
         b[:, np.arange(N), cols + r] = bc[:, :, r]
@@ -75,17 +76,26 @@ def test_lora_delta_is_shrink_then_expand_in_one(device, _free, dtype, norm, T, 
     y0 = rng.standard_normal((T, N))
     yt = put(device, y0, dtype, lead=5)
     nt = (put(device, w), 1e-5) if norm else None
-    run(device, lk.lora_delta(device, put(device, x, dtype, lead=3), put(device, a),
-                              put(device, bc), put(device, cols, "u32"), put(device, idx, "u32"), yt, slots=slots, norm=nt))
+    run(device, lk.lora_delta(device, put(device, x, dtype, lead=3), put(device, a, wdtype),
+                              put(device, bc, wdtype), put(device, cols, "u32"), put(device, idx, "u32"), yt, slots=slots,
+                              norm=nt))
     u = lk.shrink_ref(rounded(x, dtype), a, idx, (w, 1e-5) if norm else None)
     want, got = lk.expand_ref(u, b, idx, rounded(y0, dtype)), get(device, yt)
     assert np.abs(got - want).max() / np.abs(want).max() < (1e-4 if dtype == "f32" else 1e-2)
     base = idx == lk.NONE
     np.testing.assert_array_equal(got[base], rounded(y0, dtype)[base])
     ys = put(device, y0, dtype)                  # store: y = the delta, a base row -0.0
-    run(device, lk.lora_delta(device, put(device, x, dtype), put(device, a), put(device, bc), put(device, cols, "u32"),
-                              put(device, idx, "u32"), ys, slots=slots, norm=nt, store=True))
+    run(device, lk.lora_delta(device, put(device, x, dtype), put(device, a, wdtype), put(device, bc, wdtype),
+                              put(device, cols, "u32"), put(device, idx, "u32"), ys, slots=slots, norm=nt, store=True))
     stored = get(device, ys)
+    if wdtype == "f16":                       # the same values held as f32: the same bits
+        y32, s32 = put(device, y0, dtype), put(device, y0, dtype)
+        for y, store in ((y32, False), (s32, True)):
+            run(device, lk.lora_delta(device, put(device, x, dtype), put(device, a), put(device, bc),
+                                      put(device, cols, "u32"), put(device, idx, "u32"), y, slots=slots, norm=nt,
+                                      store=store))
+        np.testing.assert_array_equal(get(device, y32), got)
+        np.testing.assert_array_equal(get(device, s32), stored)
     assert np.abs(stored - (want - rounded(y0, dtype)))[~base].max() / np.abs(want).max() < (1e-4 if dtype == "f32" else 1e-2)
     assert (stored[base] == 0).all() and np.signbit(stored[base]).all()
     if not norm:                              # the pair's sums in the pair's order: the same bits

@@ -6,7 +6,7 @@ each row through its own adapter's slot of a pool (punica / S-LoRA's "bgmv"), a 
     y += lora_expand(u, B, idx)      y[t] += B[idx[t]] · u[t]        (T, N) into y's columns
     y += lora_delta(x, A, B, idx)    the two in one dispatch, a workgroup per row, x RMS-normed on
                                      the way in where given a norm (a decode step's rows); A and B
-                                     in a layout of its own (B compact: compact_b)
+                                     in a layout of its own (B compact: compact_b), f32 or f16
 
 A pool holds `slots` adapters: A (slots, J, K) and B (slots, N, J) f32, J = targets x rank, B scaled.
 The numpy references are shrink_ref / expand_ref below. Standard library only (runs in the page).
@@ -21,10 +21,24 @@ _WG = 64
 _KC = 1024             # lora_delta's x values staged at a time (4 KB of workgroup memory)
 
 
-def _pipe(dev: Device, entry: str, dtype: str, j: int = 1, norm: bool = False, store: bool = False):
+# lora_delta's A / B element type: how a load (`wvec`, VW values) is dotted with VW x or u values in
+# index order (x1: the second four, f16 only)
+_WEIGHTS = {
+    "f32": "alias wvec = vec4<f32>;\nconst VW: u32 = 4u;\n"
+           "fn wdot(acc: f32, x0: vec4<f32>, x1: vec4<f32>, w: vec4<f32>) -> f32 { return dot_seq(acc, x0, w); }\n",
+    "f16": "alias wvec = vec4<u32>;\nconst VW: u32 = 8u;\n"
+           "fn wdot(acc: f32, x0: vec4<f32>, x1: vec4<f32>, w: vec4<u32>) -> f32 {\n"
+           "    let r = dot_seq(acc, x0, vec4<f32>(unpack2x16float(w.x), unpack2x16float(w.y)));\n"
+           "    return dot_seq(r, x1, vec4<f32>(unpack2x16float(w.z), unpack2x16float(w.w)));\n}\n",
+}
+
+
+def _pipe(dev: Device, entry: str, dtype: str, j: int = 1, norm: bool = False, store: bool = False,
+          wdtype: str = "f32"):
     return dev.pipeline("lora.wgsl", entry, header=f"{act_header(dtype)}const WG: u32 = {_WG}u;\n"
                                                    f"const JMAX: u32 = {j}u;\nconst NORM: bool = {str(norm).lower()};\n"
-                                                   f"const STORE: bool = {str(store).lower()};\nconst KC: u32 = {_KC}u;\n")
+                                                   f"const STORE: bool = {str(store).lower()};\nconst KC: u32 = {_KC}u;\n"
+                                                   f"{_WEIGHTS[wdtype]}")
 
 
 def lora_shrink(dev: Device, x: Tensor, a: Tensor, idx: Tensor, u: Tensor, *, slots: int) -> Op:
@@ -66,7 +80,8 @@ def lora_delta(dev: Device, x: Tensor, a: Tensor, b: Tensor, cols: Tensor, idx: 
                slots: int, norm: tuple | None = None, store: bool = False) -> Op:
     """y[t] += B[idx[t]] · (A[idx[t]] · x'[t]) for each row with an adapter, x' = x, or with `norm`
     (w (K,) f32, eps) x * w / rms(x).  x (T, K) act; a (slots, J, K) f32; b (slots, N, R) f32 and
-    cols (N,) u32: B compact (compact_b); idx (T,) u32; y (T, N) act. K and R multiples of 4.
+    cols (N,) u32: B compact (compact_b); idx (T,) u32; y (T, N) act. K and R multiples of 4; A and
+    B may both be f16 instead (K and R multiples of 8): the same sums of the same values, half the loads.
     `store`: y[t] = the delta instead, -0.0 for a row without an adapter (x + -0.0 is x, bit for
     bit: a matmul adding y to its sums keeps a base row's values)."""
     k = "lora_delta"
@@ -76,9 +91,11 @@ def lora_delta(dev: Device, x: Tensor, a: Tensor, b: Tensor, cols: Tensor, idx: 
     R = b.numel // (slots * N) if slots and N else 0
     check(x.dtype == y.dtype and x.dtype in ("f32", "f16") and int(y.shape[0]) == T, k,
           f"x{x.shape}/{x.dtype} and y{y.shape}/{y.dtype} must be (T, K) and (T, N) of one act dtype")
-    check(a.dtype == b.dtype == "f32" and J > 0 and R > 0 and J % R == 0 and K % 4 == 0 and R % 4 == 0
-          and a.numel == slots * K * J and b.numel == slots * R * N, k, f"A{a.shape} and B{b.shape} must be "
-          f"({slots}, J, {K}) and ({slots}, {N}, R) f32, J a multiple of R, K and R of 4")
+    vw = 8 if a.dtype == "f16" else 4
+    check(a.dtype == b.dtype and a.dtype in ("f32", "f16") and J > 0 and R > 0 and J % R == 0 and K % vw == 0
+          and R % vw == 0 and a.numel == slots * K * J and b.numel == slots * R * N, k, f"A{a.shape}/{a.dtype} and "
+          f"B{b.shape}/{b.dtype} must be ({slots}, J, {K}) and ({slots}, {N}, R), both f32 (K and R multiples "
+          f"of 4) or both f16 (of 8), J a multiple of R")
     check(cols.dtype == "u32" and cols.numel == N and N % 2 == 0, k, f"cols{cols.shape} must be ({N},) u32, "
           f"N even (rows 2p and 2p + 1 of one target)")
     check(idx.dtype == "u32" and idx.numel >= T, k, f"idx{idx.shape} must hold {T} rows")
@@ -86,7 +103,7 @@ def lora_delta(dev: Device, x: Tensor, a: Tensor, b: Tensor, cols: Tensor, idx: 
     (xb, xo), (yb, yo), (ib, io) = (window(t, DTYPE_SIZE[t.dtype], k, n) for t, n in ((x, "x"), (y, "y"), (idx, "idx")))
     check(io == 0 and a.offset == 0 and b.offset == 0 and cols.offset == 0, k,
           "idx, A, B and cols must start at binding-aligned offsets")
-    pipe = _pipe(dev, k, x.dtype, J, norm is not None, store)
+    pipe = _pipe(dev, k, x.dtype, J, norm is not None, store, a.dtype)
     par = params(dev, [T, K, N, J, xo, yo, slots, float(norm[1]) if norm else 0.0, R], owner=y.buf.owner, label=k)
     w = norm[0].binding() if norm else placeholder(dev)
     op = Op(name=k)
