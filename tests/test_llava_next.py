@@ -78,13 +78,20 @@ def _mmproj():
 
 def test_mmproj_reads_as_the_folders_config(cfg):
     """llama.cpp's legacy LLaVA-NeXT converter's clip.vision.image_grid_pinpoints (flat) and
-    model.image_newline give the folder's config and tensors."""
+    model.image_newline give the folder's config and tensors; patches merged other than spatial_unpad
+    (the padding cut off) are refused by name."""
     f = _mmproj()
     assert set(f.tensors) >= {"image_newline", "multi_modal_projector.linear_2.weight"}
     f.close()
     for field in ("pinpoints", "tokens_per_image", "image_token_id", "image_size", "patch_size", "n_layers",
                   "class_token", "pre_norm", "post_norm", "act", "text_hidden"):
         assert getattr(f.cfg, field) == getattr(cfg, field), field
+    from webgpu_engine.errors import UnsupportedModelError
+    from webgpu_engine.vision.mmproj import read_config
+    with GGUFFile(PROJ) as g:
+        g.metadata["clip.vision.mm_patch_merge_type"] = "flat"
+        with pytest.raises(UnsupportedModelError, match="mm_patch_merge_type 'flat' is not implemented"):
+            read_config(g, None)
 
 
 @pytest.mark.parametrize("source", ["folder", "mmproj"])

@@ -15,6 +15,8 @@ models/siglip.py reads (one table, MMPROJ_TO_HF), so a GGUF pair runs the same t
     mlp              llava     CLIP: v.class_embd,      mm.0 (linear), GELU, mm.2 (linear); the
                                v.pre_ln, quick_gelu     converter keeps the layers up to the selected
                                (clip.use_gelu false)    one (LLaVA: the second to last), no v.post_ln
+                                                        LLaVA 1.6: clip.vision.image_grid_pinpoints,
+                                                        model.image_newline (vision/llava_gpu.py)
     qwen2.5vl_merger qwen25vl  Qwen2.5-VL's ViT         the 2x2 merger (v.post_ln, mm.0, GELU, mm.2);
                                                         read by vision/qwen25vl.py, run by qwen25vl_gpu.py
 
@@ -179,7 +181,11 @@ def read_config(g: GGUFFile, tokenizer) -> VisionConfig:
     if tokens < 1 or side % max(1, round(tokens ** 0.5)):
         raise ModelFormatError(f"{where}: {tokens} image tokens do not pool a {side}x{side} patch grid")
     pins = g.metadata.get("clip.vision.image_grid_pinpoints")
-    if family == "llava" and pins:       # LLaVA-NeXT: any-resolution tiles
+    if family == "llava" and pins:       # LLaVA-NeXT: any-resolution tiles, their padding cut off
+        merge = g.metadata.get("clip.vision.mm_patch_merge_type", "spatial_unpad")
+        if merge != "spatial_unpad":
+            raise UnsupportedModelError(f"{where}: LLaVA-NeXT's mm_patch_merge_type {merge!r} is not implemented "
+                                        f"(spatial_unpad is, as transformers runs it)")
         return fam.any_resolution(cfg, pins, str(where))
     return cfg
 
