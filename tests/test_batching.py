@@ -148,8 +148,8 @@ async def test_up_to_four_sequences_take_the_fused_one_row_kernels(device, tiny_
     """max_num_sequences <= 4 on a CPU adapter: each decode row goes through the fused one-row
     kernels (norms, gates and residual norms inside the matmuls: fewer dispatches than the
     row-invariant kernels of a wider batch), and a request's greedy and seeded tokens are the same
-    alone, with 1..3 others, and with others joining and leaving midway; its logprobs are the
-    one-request path's, bit for bit."""
+    alone, with 1..3 others, and with others joining and leaving midway; its logprobs are those of
+    a model loaded with one slot, bit for bit."""
     eng = AsyncMLCEngine()
     await eng.reload(str(tiny_path), chat_opts={**OPTS, "max_num_sequences": 4})
     try:
@@ -171,7 +171,7 @@ async def test_up_to_four_sequences_take_the_fused_one_row_kernels(device, tiny_
         alone = [await sampled(i) for i in range(4)]
         assert await asyncio.gather(*[sampled(i) for i in range(4)]) == alone
 
-        # and as the one-request path decodes: the same logprobs, bit for bit, alone or 4 at once
+        # and as with one slot: the same logprobs, bit for bit, alone or 4 at once
         # (the fused kernels per row; each sequence's attention in the form its own length takes)
         async def logprobs(engine, i):
             r = await engine.completions.create(prompt=_prompt(i), max_tokens=12, ignore_eos=True, temperature=0,

@@ -127,8 +127,8 @@ def _sequence(lm, req: dict):
 
 async def _steps(engine, lm, seq, gen: GenerationConfig, messages=None, prompt=None,
                  deadline: float | None = None) -> AsyncIterator[tuple[str, list]]:
-    """One choice, generated through `seq` (lm.pipeline.sequence(): the pipeline itself, or a
-    sequence of its batch scheduler): prefill then decode until it stops. Yields (text delta, new
+    """One choice, generated through `seq` (lm.pipeline.sequence(): a sequence of the model's batch
+    scheduler): prefill then decode until it stops. Yields (text delta, new
     logprob entries) after each step. Each step yields to the event loop (other requests,
     disconnects). Past `deadline` (loop time) the next step raises RequestTimeoutError instead."""
     try:

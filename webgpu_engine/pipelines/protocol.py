@@ -73,8 +73,8 @@ class GenerationProtocol(Protocol):
     """One choice being generated: prefill_step, then decode_step until `stopped` (each step samples
     as prefill_step's GenerationConfig asked); the engine reads the text, logprobs and usage between
     steps and calls close() when it is done with it (finished, failed or its caller gone).
-    LLMChatPipeline is one (one request at a time); with continuous batching `sequence()` gives a
-    scheduler's sequence (pipelines/batch_sequence.py: BatchSequence)."""
+    `sequence()` gives one: a sequence of the model's scheduler (pipelines/batch_sequence.py:
+    BatchSequence); LLMChatPipeline's own request-level methods drive one such sequence."""
 
     stopped: bool                   # the answer is finished
     finish_reason: str | None       # "stop" | "length" | "abort" | None
@@ -110,7 +110,7 @@ class ChatPipelineProtocol(GenerationProtocol, Protocol):
     grammars: GrammarCompilerProtocol
 
     def sequence(self) -> GenerationProtocol:
-        """What one choice generates through: this pipeline, or a new sequence of its scheduler."""
+        """What one choice generates through: a new sequence of the model's scheduler."""
 
     @classmethod
     async def load(cls, dev: Any, path: Path, chat_config: ChatConfig, /, *,
