@@ -5,6 +5,7 @@ tiles unpadded, a newline row after each grid row) and greedy tokens, from its H
 GGUF + mmproj (llama.cpp's converters)."""
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
@@ -130,6 +131,11 @@ def test_tower_gives_the_packed_features(device, ref, cfg, source):
         device.release_owner("test:llava_next")
 
 
+def _text(ids) -> str:
+    from tokenizers import Tokenizer
+    return Tokenizer.from_file(str(FOLDER / "tokenizer.json")).decode(ids, skip_special_tokens=False)
+
+
 def _messages(ref, key: str) -> list[dict]:
     images = iter(ref["prompts"][key]["images"])
     return [{"role": m["role"], "content": [{"type": "image_url", "image_url": {"url": image_data_url(IMAGES / next(images))}}
@@ -142,12 +148,10 @@ async def test_greedy_tokens_and_logits_equal_transformers(device, ref, source, 
     """From the HF folder and from the folder of GGUFs: one wide picture (four tiles, 70 rows) and two
     pictures (tall and small) in one prompt: transformers' input ids, last prompt row's logits and 12
     greedy tokens; in prefill chunks of 32 rows (an image's rows span chunks: its tower runs for each)
-    and of 128."""
-    from tokenizers import Tokenizer
-
+    and of 128; both prompts at once in the batch answer as alone."""
     from webgpu_engine.engine.engine import AsyncMLCEngine
     eng = AsyncMLCEngine()
-    await eng.reload(str(FIXTURES / source), chat_opts={**OPTS, "prefill_chunk_size": chunk})
+    await eng.reload(str(FIXTURES / source), chat_opts={**OPTS, "prefill_chunk_size": chunk, "max_num_sequences": 2})
     try:
         model = next(iter(eng.models))
         pipe = eng.models[model].pipeline
@@ -160,7 +164,9 @@ async def test_greedy_tokens_and_logits_equal_transformers(device, ref, source, 
             r = await eng.chat.completions.create(model=model, messages=_messages(ref, key), max_tokens=12,
                                                   temperature=0.0)
             assert pipe.output_ids == want["greedy"], key
-            text = Tokenizer.from_file(str(FOLDER / "tokenizer.json")).decode(want["greedy"], skip_special_tokens=False)
-            assert r.choices[0].message.content == text
+            assert r.choices[0].message.content == _text(want["greedy"])
+        both = await asyncio.gather(*[eng.chat.completions.create(model=model, messages=_messages(ref, key), max_tokens=12,
+                                                                  temperature=0.0) for key in ("one", "two")])
+        assert [r.choices[0].message.content for r in both] == [_text(ref["prompts"][k]["greedy"]) for k in ("one", "two")]
     finally:
         await eng.unload()
