@@ -60,6 +60,21 @@ def test_tiles_and_token_counts_equal_the_processors(ref, cfg):
     assert tiles == {"gradient.png": 3, "shapes.png": 3, "tall.png": 3, "wide.png": 5}
 
 
+def test_token_counts_at_the_hubs_sizes_equal_the_processors(ref, cfg):
+    """llava-v1.6's 336 px tiles of 14 px patches and its five pinpoints: LlavaNextProcessor's counts
+    for photos, a tall, a very wide and a one-pixel picture (and the most, 2928, the load's slot)."""
+    from dataclasses import replace
+
+    from PIL import Image
+    hub = llava.any_resolution(replace(cfg, image_size=336, patch_size=14),
+                               [[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]], "hub")
+    assert hub.tokens_per_image == max(ref["hub_counts"].values()) == 2928
+    for size, want in ref["hub_counts"].items():
+        h, w = map(int, size.split("x"))
+        im = Image.new("RGB", (w, h))
+        assert llava.n_tokens(hub, im) == len(llava.layout(hub, h, w, llava.NEWLINE)) == want, size
+
+
 def test_pinpoints_not_of_the_tile_are_refused_and_thin_pictures_tile(cfg):
     """Pinpoints that are not whole tiles: a typed error. A picture a pixel wide or high: its tiles
     (the grid's padding cut down to a row or none) and as many rows as the prompt gets."""
