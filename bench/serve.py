@@ -24,7 +24,7 @@ its figures mean nothing. --window W: both servers load WebLLM's sliding window 
 context (context_window_size -1, sliding_window_size W, attention_sink_size 4): the ring, batched or not.
 
 --lora PATH (a PEFT folder or a GGUF LoRA file; `random`: a random rank-16 adapter of all seven
-projections written for --model) measures instead what a decode row with an adapter costs beside a
+projections written for --model, its tensors in --lora-dtype) measures instead what a decode row with an adapter costs beside a
 base row: one batched server serving the adapter as `bench`, one streaming client at a time on the
 base and on the adapter in turn (`--repeats` rounds each, A B, B A, ...), then one of each at once;
 each round's inter-token latency p50 (a decode step's time), the best round of each and the
@@ -259,8 +259,9 @@ async def run_servers(args) -> list[dict]:
             stop_server(proc)
 
 
-def random_adapter(model: str, folder: Path, rank: int = 16) -> str:
-    """A PEFT folder with a random rank-`rank` adapter of q/k/v/o/gate/up/down for --model's dims."""
+def random_adapter(model: str, folder: Path, rank: int = 16, dtype: str = "f32") -> str:
+    """A PEFT folder with a random rank-`rank` adapter of q/k/v/o/gate/up/down for --model's dims,
+    its tensors saved as `dtype` (f32, or f16 as PEFT saves a 16-bit adapter)."""
     import numpy as np
     sys.path.insert(0, str(ROOT))
     from webgpu_engine.cache import default_model_path
@@ -279,8 +280,8 @@ def random_adapter(model: str, folder: Path, rank: int = 16) -> str:
                   "mlp.gate_proj": (C, F), "mlp.up_proj": (C, F), "mlp.down_proj": (F, C)}
         for proj, (k, n) in shapes.items():
             for ab, shape in (("A", (rank, k)), ("B", (n, rank))):
-                t = (rng.standard_normal(shape) / np.sqrt(shape[1]) * 0.1).astype(np.float32)
-                tensors[f"base_model.model.model.layers.{i}.{proj}.lora_{ab}.weight"] = ("f32", shape, t.tobytes())
+                t = (rng.standard_normal(shape) / np.sqrt(shape[1]) * 0.1).astype(dtype)
+                tensors[f"base_model.model.model.layers.{i}.{proj}.lora_{ab}.weight"] = (dtype, shape, t.tobytes())
     folder.mkdir(parents=True, exist_ok=True)
     write_safetensors(folder / "adapter_model.safetensors", tensors)
     (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank}))
@@ -291,7 +292,8 @@ async def lora_rows(args) -> dict:
     """A decode row with an adapter beside a base row (see the module's note on --lora)."""
     import tempfile
     with tempfile.TemporaryDirectory() as tmp:
-        lora = random_adapter(args.model, Path(tmp) / "lora") if args.lora == "random" else args.lora
+        lora = (random_adapter(args.model, Path(tmp) / "lora", dtype=args.lora_dtype) if args.lora == "random"
+                else args.lora)
         port = args.port if args.port else free_port()
         base = f"http://127.0.0.1:{port}"
         proc = spawn_server([sys.executable, "-m", "webgpu_engine", "serve", "--model", args.model, "--port",
@@ -360,6 +362,8 @@ async def main() -> int:
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "serve.json"))
     ap.add_argument("--lora", default=None, metavar="PATH|random",
                     help="measure a decode row with this LoRA adapter against a base row instead")
+    ap.add_argument("--lora-dtype", default="f32", choices=("f32", "f16"),
+                    help="the tensors' dtype of --lora random (f16: as PEFT saves a 16-bit adapter)")
     ap.add_argument("--smoke", action="store_true",
                     help="clients 1,8, 4 tokens, batch 2: checks the script, measures nothing")
     args = ap.parse_args()
@@ -367,7 +371,8 @@ async def main() -> int:
         args.clients, args.max_tokens, args.batch, args.repeats = "1,8", 4, 2, 2
     args.clients = [int(c) for c in args.clients.split(",")]
     if args.lora:
-        out = {"model": args.model, "lora": args.lora, "max_tokens": args.max_tokens, "repeats": args.repeats,
+        out = {"model": args.model, "lora": args.lora, "lora_dtype": args.lora_dtype, "max_tokens": args.max_tokens,
+               "repeats": args.repeats,
                "host": platform.node(), **await lora_rows(args), "time": time.strftime("%Y-%m-%d %H:%M:%S")}
         path = Path(args.out).with_name("serve_lora.json")
         path.parent.mkdir(parents=True, exist_ok=True)

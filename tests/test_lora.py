@@ -500,6 +500,43 @@ async def test_a_q8_0_gguf_lora_answers_as_its_values_in_f32(engine, tmp_path):
             await engine.unload_lora_adapter(kind)
 
 
+def _f16_copy(folder: str, to: Path) -> str:
+    """PEFT folder `folder` saved again with its tensors in f16 (as PEFT saves a 16-bit adapter)."""
+    from webgpu_engine.loaders.safetensors import SafetensorsFile, write_safetensors
+    f = SafetensorsFile(Path(folder) / "adapter_model.safetensors")
+    try:
+        tensors = {name: ("f16", t.shape, np.frombuffer(bytes(t.data), np.float32).astype(np.float16).tobytes())
+                   for name, t in f.tensors.items()}
+    finally:
+        f.close()
+    to.mkdir()
+    write_safetensors(to / "adapter_model.safetensors", tensors)
+    (to / "adapter_config.json").write_text((Path(folder) / "adapter_config.json").read_text())
+    return str(to)
+
+
+async def test_an_adapter_saved_in_16_bits_is_held_in_16_bits(base_path, tmp_path):
+    """A CPU adapter's pool holds A and B in f16 while every adapter's values are f16 values (half
+    lora_delta's loads), and answers bit for bit as the same values held in f32 (the pool's layout
+    while an adapter of f32 values is beside them); a base row stays the base's."""
+    eng = AsyncMLCEngine()
+    await eng.reload(str(base_path), chat_opts=OPTS, lora_adapters={"h": _f16_copy(ADAPTERS["a"], tmp_path / "h")})
+    try:
+        mid, pool = _base_id(eng), eng.models[_base_id(eng)].pipeline.lora
+        got = {}
+        for layout in ("f16", "f32", "f16"):
+            if layout == "f32":
+                await eng.load_lora_adapter("a", ADAPTERS["a"])
+            elif got:
+                await eng.unload_lora_adapter("a")
+            assert pool.layout[:2] == (True, layout)
+            got[len(got)] = await asyncio.gather(_logprobs(eng, mid, 0), _logprobs(eng, "h", 0), _logprobs(eng, "h", 1))
+        assert got[0] == got[1] == got[2] and got[0][1] != got[0][0]
+        assert got[0][0] == await _logprobs(eng, mid, 0)
+    finally:
+        await eng.unload()
+
+
 # ---------------------------------------------------------------------- speculation and grammars
 async def test_speculation_and_grammars_with_adapters(engine, base_path):
     """Prompt-lookup speculation checks an adapter row's guesses with the adapter (answers equal those

@@ -298,9 +298,15 @@ class LoraPool:
         # row); a GPU spreads the expand's columns over workgroups (lora_shrink + lora_expand)
         from ..kernels.matmul import is_software_adapter
         self.fused = is_software_adapter(dev)
+        # lora_delta's A and B in 16 bits while every registered adapter's values (B scaled) are f16
+        # values (PEFT files saved in f16): half the loads (_fit_layout)
+        self._half = all(k % 8 == 0 for i in range(c.n_layers) for k, _ in _shapes(c, i).values())
+        self.wdtype = "f16" if self._half else "f32"
+        self._exact: dict[str, bool] = {}                  # name -> its values are f16 values
         if self.slots < 1 or self.max_rank < 1:
             raise InvalidRequestError("max_loras and max_lora_rank must be at least 1.", param="max_loras")
         self.groups: list[dict] = []                       # per layer: group -> _Group
+        self._allocs = 0
         self._alloc()
         J = max(g.j for per in self.groups for g in per.values())
         self.u = new_tensor(dev, (m.chunk, J), owner=owner, label="lora.u")           # x · Aᵀ per row
@@ -314,12 +320,14 @@ class LoraPool:
         self._users: dict[str, int] = {}                   # name -> sequences using it now
 
     def _alloc(self) -> None:
-        """Each layer's group tensors in the kernels' layout (`fused`: lora_delta's A transposed and
-        compact B with its cols; else lora_shrink / lora_expand's)."""
+        """Each layer's group tensors in the kernels' layout (`fused`: lora_delta's A and compact B
+        with its cols, `wdtype`; else lora_shrink / lora_expand's, f32)."""
         import numpy as np
         m, c, dev, owner, S = self.m, self.m.cfg, self.dev, self.owner, self.slots
-        # each target's columns of u: the rank, a multiple of 4 for lora_delta (vec4 reads)
-        R = self.width = -(-self.max_rank // 4) * 4 if self.fused else self.max_rank
+        # each target's columns of u: the rank, a multiple of lora_delta's values per load
+        self._allocs += 1
+        vw = 8 if self.layout[:2] == (True, "f16") else 4
+        R = self.width = -(-self.max_rank // vw) * vw if self.fused else self.max_rank
         for g in (g for per in self.groups for g in per.values()):
             for t in (g.a, g.b, g.cols):
                 if t is not None:
@@ -342,18 +350,29 @@ class LoraPool:
                     cols[_out_rows(m, i, t, shapes[t][1])] = t_i * R
                 ct = new_tensor(dev, (N,), "u32", owner=owner, label=name + ".cols")
                 dev.write(ct.buf, cols)
-                per[g] = _Group(new_tensor(dev, (S, J, K), owner=owner, label=name + ".a"),
-                                new_tensor(dev, (S, N, R), owner=owner, label=name + ".b"), ts, K, N, J, ct, cols)
+                wd = self.layout[1]
+                per[g] = _Group(new_tensor(dev, (S, J, K), wd, owner=owner, label=name + ".a"),
+                                new_tensor(dev, (S, N, R), wd, owner=owner, label=name + ".b"), ts, K, N, J, ct, cols)
             self.groups.append(per)
 
+    @property
+    def layout(self) -> tuple:
+        """(fused, the weights' dtype, which allocation): what the op lists reading the pool were
+        built for (those of an earlier one read released tensors)."""
+        return (self.fused, self.wdtype if self.fused else "f32", self._allocs)
+
     def use_fused(self, fused: bool) -> None:
-        """The CPU adapter's one-dispatch form (lora_delta) or the GPU's pair: the pool's tensors
-        laid out again and the resident adapters uploaded again (op lists must be built again)."""
+        """The CPU adapter's one-dispatch form (lora_delta) or the GPU's pair (op lists are built
+        again for the new `layout`)."""
         if fused != self.fused:
             self.fused = fused
-            self._alloc()
-            for name, slot in self._resident.items():
-                self._upload(self.registered[name], slot)
+            self._relayout()
+
+    def _relayout(self) -> None:
+        """The pool's tensors laid out again and the resident adapters uploaded again."""
+        self._alloc()
+        for name, slot in self._resident.items():
+            self._upload(self.registered[name], slot)
 
     # ------------------------------------------------------------------ registry
     def register(self, ad: LoraAdapter) -> None:
@@ -363,12 +382,25 @@ class LoraPool:
         if ad.name in self._resident:
             self._evict(ad.name)                           # uploaded again on its next use
         self.registered[ad.name] = ad
+        self._exact[ad.name] = _f16_exact(ad)
+        self._fit_layout()
 
     def unregister(self, name: str) -> None:
         self._refuse_in_use(name, "unload it")
         self.registered.pop(name, None)
+        self._exact.pop(name, None)
         if name in self._resident:
             self._evict(name)
+        self._fit_layout()
+
+    def _fit_layout(self) -> None:
+        """A and B in f16 where every registered adapter's values are f16 values, else f32 (the
+        tensors laid out again on a change; the op lists are built again for the new `layout`)."""
+        wdtype = "f16" if self._half and all(self._exact.values()) else "f32"
+        if wdtype != self.wdtype:
+            self.wdtype = wdtype
+            if self.fused:
+                self._relayout()
 
     def _refuse_in_use(self, name: str, then: str) -> None:
         if self._users.get(name):
@@ -429,11 +461,20 @@ class LoraPool:
                     B[rows, t_i * R:t_i * R + ad.rank] = b * np.float32(ad.scale)
                 if g.cols is not None:                     # lora_delta's B
                     B = lk.compact_b(B[None], g.cols_host, R)[0]
+                A, B = (A.astype(np.float16), B.astype(np.float16)) if g.a.dtype == "f16" else (A, B)
                 self.dev.write(g.a.buf, A, slot * A.nbytes)
                 self.dev.write(g.b.buf, B, slot * B.nbytes)
 
     def release_all(self) -> None:
         self.dev.release_owner(self.owner)
+
+
+def _f16_exact(ad: LoraAdapter) -> bool:
+    """Whether every value of `ad`'s A and scaled B (as the pool holds them) is an f16 value."""
+    import numpy as np
+    s = np.float32(ad.scale)
+    return all(np.array_equal(v.astype(np.float16).astype(np.float32), v)
+               for a, b in ad.weights.values() for v in (a, b * s))
 
 
 @dataclass(frozen=True)

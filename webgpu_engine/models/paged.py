@@ -185,7 +185,8 @@ class PagedForward:
             return self._ops.get((kind, T, None), lambda: decoder.forward(self.model, self, T, mode))
         # the deltas of the projections the registered adapters target (a list per such set)
         rows = replace(self.lora, groups=self.lora.pool.targeted())
-        return self._ops.get((kind, T, rows.groups), lambda: decoder.forward(self.model, self, T, mode, lora=rows))
+        key = (kind, T, rows.groups, self.lora.pool.layout)      # and per layout of the pool's tensors
+        return self._ops.get(key, lambda: decoder.forward(self.model, self, T, mode, lora=rows))
 
     def attach_lora(self, pool) -> None:
         """Adapters of models/lora.py's LoraPool `pool` become available to the rows."""
