@@ -119,10 +119,7 @@ def _add_to(pipe, adapter, max_rank: int | None) -> None:
     """Register models/lora.py LoraAdapter `adapter` with chat pipeline `pipe` (checked against the
     model now, uploaded into the pool on first use; the base is not reloaded). The pool is made for
     the first adapter, of rank max(max_rank, its rank), and its scheduler's rows read it."""
-    from ..models.lora import DEFAULT_MAX_RANK, LoraAdapterError, LoraPool
-    if pipe.scheduler is None:
-        raise LoraAdapterError("LoRA adapters are served by continuous batching: load the base with "
-                               "max_num_sequences > 1.", param="max_num_sequences")
+    from ..models.lora import DEFAULT_MAX_RANK, LoraPool
     if pipe.lora is None:
         pipe.lora = LoraPool(pipe.model, max_rank=max(max_rank or DEFAULT_MAX_RANK, adapter.rank), owner=pipe.owner)
         pipe.scheduler.fwd.attach_lora(pipe.lora)
