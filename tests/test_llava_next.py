@@ -162,8 +162,9 @@ def _messages(ref, key: str) -> list[dict]:
 async def test_greedy_tokens_and_logits_equal_transformers(device, ref, source, atol, chunk):
     """From the HF folder and from the folder of GGUFs: one wide picture (four tiles, 70 rows) and two
     pictures (tall and small) in one prompt: transformers' input ids, last prompt row's logits and 12
-    greedy tokens; in prefill chunks of 32 rows (an image's rows span chunks: its tower runs for each)
-    and of 128; both prompts at once in the batch answer as alone."""
+    greedy tokens; in prefill chunks of 32 rows (an image's rows span up to three chunks: its tower
+    runs once, its features kept for the next chunks) and of 128; both prompts at once in the batch
+    answer as alone."""
     from webgpu_engine.engine.engine import AsyncMLCEngine
     eng = AsyncMLCEngine()
     await eng.reload(str(FIXTURES / source), chat_opts={**OPTS, "prefill_chunk_size": chunk, "max_num_sequences": 2})
@@ -172,7 +173,10 @@ async def test_greedy_tokens_and_logits_equal_transformers(device, ref, source, 
         pipe = eng.models[model].pipeline
         for key in ("one", "two"):
             want = ref["prompts"][key]
+            runs = pipe.vision.tower_runs
             await eng.chat.completions.create(model=model, messages=_messages(ref, key), max_tokens=1, temperature=0.0)
+            assert pipe.vision.tower_runs - runs == len(want["images"]), key       # once per picture
+            assert not pipe.vision.kept                                           # none left kept
             assert pipe.kv_ids[:len(want["input_ids"])] == want["input_ids"], key
             logits = get(pipe.dev, pipe.scheduler.fwd.logits_row(0))        # the prompt's last row
             np.testing.assert_allclose(logits, want["logits"], atol=atol)

@@ -179,7 +179,8 @@ def _expected(art: dict, *pngs) -> tuple[list[int], str]:
 async def test_greedy_tokens_equal_the_reference(device, artifacts, quant, chunk):
     """A 400 x 300 picture (3 x 4 crops + the global image: 130 rows) in a user turn through
     AsyncMLCEngine: the prompt's length and 8 greedy tokens equal the reference's; in prefill chunks
-    of 64 the picture's rows span three (as the real model's up to 2653 rows span WebLLM's 2048);
+    of 64 the picture's rows span three (as the real model's up to 2653 rows span WebLLM's 2048) and
+    its tower runs once;
     q4f16_1 also with a second, taller picture (4 x 3 crops, 133 rows) in the same turn."""
     from webgpu_engine.engine.engine import AsyncMLCEngine
     from webgpu_engine.vision.images import image_data_url
@@ -190,10 +191,12 @@ async def test_greedy_tokens_equal_the_reference(device, artifacts, quant, chunk
     await eng.reload(str(art["folder"]), chat_opts={**OPTS, "prefill_chunk_size": chunk})
     try:
         model = next(iter(eng.models))
+        vision = eng.models[model].pipeline.vision
         r = await eng.chat.completions.create(model=model, messages=_messages(image_data_url(png)),
                                               max_tokens=N_NEW, temperature=0.0)
         prompt, answer = _expected(art, png)
         assert r.usage.prompt_tokens == len(prompt) and r.choices[0].message.content == answer
+        assert vision.tower_runs == 1 and not vision.kept
         if quant == "q4f16_1":           # two pictures (130 + 133 rows) in one turn
             tall = art["folder"].parent / "tall.png"
             tall.write_bytes(_picture(300, 400, seed=4))

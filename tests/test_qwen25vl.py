@@ -196,6 +196,26 @@ async def test_folder_answers_as_transformers_alone_and_in_a_batch(device, ref):
         await eng.unload()
 
 
+async def test_an_image_spanning_chunks_runs_the_tower_once(device, ref):
+    """In prefill chunks of 8 rows each image spans two or three (wide.png's 20 tokens, not scaled down
+    to a chunk): the answers are transformers' and each image ran through the tower once, its features
+    kept for its next chunks and none left kept after."""
+    from webgpu_engine.engine.engine import AsyncMLCEngine
+    eng = AsyncMLCEngine()
+    await eng.reload(str(FOLDER), chat_opts={**OPTS, "prefill_chunk_size": 8})
+    try:
+        model = next(iter(eng.models))
+        vision = eng.models[model].pipeline.vision
+        assert vision.cfg.tokens_per_image > 8
+        for key, want in ref["prompts"].items():
+            runs = vision.tower_runs
+            _answers_as_transformers(await eng.chat.completions.create(model=model, messages=_messages(want), **ASK),
+                                     want, key)
+            assert vision.tower_runs - runs == len(want["images"]) and not vision.kept, key
+    finally:
+        await eng.unload()
+
+
 def test_gguf_and_mmproj_serve_the_openai_client(device, ref):
     """The text GGUF and its mmproj from llama.cpp's converter, served as --model text.gguf --mmproj
     proj.gguf (the mmproj chat option): the OpenAI client gets transformers' answers to both prompts."""
@@ -255,8 +275,8 @@ def test_other_layouts_read_alike(tmp_path):
 
 
 def test_images_fit_a_prefill_chunk_and_the_estimate_counts_the_tower(device, cfg):
-    """A load whose prefill chunk holds fewer tokens than max_pixels allows scales larger pictures down
-    to it (wide.png: 20 tokens, 16 in chunks of 16); the pre-load estimate adds the tower's weights (f32,
+    """Pictures scaled down to a token ceiling (wide.png: 20 tokens, 16 under a ceiling of 16; a load
+    caps at qwen25vl.MAX_TOKENS, not at its prefill chunk); the pre-load estimate adds the tower's weights (f32,
     from the folder or the mmproj), its activations for the largest image and the features."""
     from webgpu_engine.config import ChatConfig
     from webgpu_engine.engine.memory import estimate_for

@@ -176,8 +176,7 @@ async def test_greedy_tokens_and_logits_equal_transformers(engine, ref, key):
     want = ref["prompts"][key]
     await engine.chat.completions.create(model=VLM, messages=_messages(ref, key), max_tokens=1, temperature=0.0)
     assert pipe.kv_ids[:len(want["input_ids"])] == want["input_ids"]
-    m = pipe.model
-    logits = get(pipe.dev, m.logits.view((m.cfg.vocab_size,)))
+    logits = get(pipe.dev, pipe.scheduler.fwd.logits_row(0))        # the prompt's last row
     np.testing.assert_allclose(logits, want["logits"], atol=1e-4)
     r = await engine.chat.completions.create(model=VLM, messages=_messages(ref, key), max_tokens=12, temperature=0.0)
     assert pipe.output_ids == want["greedy"]
@@ -266,14 +265,17 @@ idefics_engine = _engine_of(IDEFICS)
 @pytest.mark.parametrize("key", ["one", "two"])
 async def test_idefics3_greedy_tokens_and_logits_equal_transformers(idefics_engine, idefics_ref, key):
     """Prompt ids (an image's tiles: row/column markers and 16 <image> tokens each, then the global
-    tile), the last row's logits (1e-4) and 12 greedy tokens, images crossing prefill chunks."""
+    tile), the last row's logits (1e-4) and 12 greedy tokens, images crossing prefill chunks (each tile
+    through the tower once)."""
     eng = idefics_engine
     pipe = eng.models[IDEFICS.name].pipeline
     want = idefics_ref["prompts"][key]
+    runs = pipe.vision.tower_runs
     await eng.chat.completions.create(messages=_messages(idefics_ref, key), max_tokens=1, temperature=0.0)
     assert pipe.kv_ids[:len(want["input_ids"])] == want["input_ids"]
-    m = pipe.model
-    np.testing.assert_allclose(get(pipe.dev, m.logits.view((m.cfg.vocab_size,))), want["logits"], atol=1e-4)
+    # each tile through the tower once, a tile cut by a chunk's edge kept for the next chunk
+    assert pipe.vision.tower_runs - runs == len(pipe.vision.blocks(want["input_ids"])) and not pipe.vision.kept
+    np.testing.assert_allclose(get(pipe.dev, pipe.scheduler.fwd.logits_row(0)), want["logits"], atol=1e-4)
     r = await eng.chat.completions.create(messages=_messages(idefics_ref, key), max_tokens=12, temperature=0.0)
     assert pipe.output_ids == want["greedy"]
     assert r.choices[0].message.content == _text(want["greedy"], IDEFICS)

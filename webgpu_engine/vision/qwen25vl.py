@@ -82,10 +82,14 @@ def read_config(folder: Path, c: dict, v: dict) -> VisionConfig:
         raise ModelFormatError(f"{folder}/config.json's vision_config lacks {e.args[0]}") from e
 
 
+MAX_TOKENS = 4096                        # an image's tokens at most, whatever max_pixels allows
+
+
 def fit_chunk(cfg: VisionConfig, chunk: int) -> VisionConfig:
-    """`cfg` with images of at most `chunk` tokens (an image's rows run in one prefill chunk): max_pixels
-    lowered to chunk merged patches where it allows more (the hub's 12845056 px: 16384 tokens; llama.cpp
-    caps at 4096), min_pixels no more than that."""
+    """`cfg` with images of at most `chunk` tokens: max_pixels lowered to chunk merged patches where it
+    allows more, min_pixels no more than that. A load caps at MAX_TOKENS (the tower's buffers are sized
+    for the largest image; the hub's 12845056 px would be 16384 tokens, llama.cpp's default is 4096);
+    an image's rows may span prefill chunks (vision/runner.py keeps its features between them)."""
     from dataclasses import replace
     q, area = cfg.qwen25vl, (cfg.patch_size * cfg.qwen25vl.merge) ** 2
     if cfg.tokens_per_image <= chunk:

@@ -8,7 +8,9 @@
   preprocesses it; `root(tiles)`: what a sequence's KV blocks are keyed under besides its tokens (the
   images' SHA-256: image tokens are one id whatever the picture), so prefix reuse needs the same images;
 - `chunk_end(tiles, start, end)`: prefill chunks that never cut an image whose rows attend each other;
-- `stage_chunk(tiles, start, end)`: the tower over the chunk's tiles and its rows staged.
+- `stage_chunk(tiles, start, end)`: the tower over the chunk's tiles and its rows staged; a tile whose
+  rows go on past the chunk has its features kept (`KEPT` tiles, least recently used first out) and
+  copied into the features buffer for its later chunks, so its tower runs once per request.
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ from .requests import images_of
 
 MAX_TILES = 64                           # tiles (Gemma 3: images) of one request, at most
 FEATURE_BYTES = 64 << 20                 # and at most this many bytes of their features
+KEPT = 2                                 # tiles whose features wait for their next prefill chunk
 
 
 FAMILY_MODULES = {"gemma3": gemma3, "idefics3": idefics3, "llava": llava, "phi3v": phi3v, "qwen25vl": qwen25vl}    # VisionConfig.kind -> its host side
@@ -71,9 +74,9 @@ def capacity(cfg: VisionConfig, ctx: int) -> int:
 def memory(path, est, ctx: int, mmproj=None, chunk: int = 0):
     """`est` (a decoder's MemoryEstimate) with the vision tower of the folder at `path` (or of the
     projector GGUF `mmproj`) added: its weights as uploaded (the position table and Gemma 3's
-    projection in f32) and its activations for one tile plus the features buffer a load of `ctx`
-    positions (and prefill chunks of `chunk` rows: Qwen2.5-VL's largest image) allocates; `est` as it
-    is for a text-only model."""
+    projection in f32) and its activations for one tile plus the features buffers a load of `ctx`
+    positions allocates (those of KEPT tiles cut by a chunk's edge included; Qwen2.5-VL's largest
+    image is MAX_TOKENS' whatever the prefill `chunk`); `est` as it is for a text-only model."""
     from dataclasses import replace
     if mmproj is None and (Path(path) / "mlc-chat-config.json").is_file():
         return _mlc_memory(Path(path), est, ctx)
@@ -91,9 +94,9 @@ def memory(path, est, ctx: int, mmproj=None, chunk: int = 0):
     try:
         if cfg.kind == "qwen25vl":
             from .qwen25vl_gpu import tower_bytes
-            cfg = qwen25vl.fit_chunk(cfg, chunk) if chunk else cfg
+            cfg = qwen25vl.fit_chunk(cfg, qwen25vl.MAX_TOKENS)
             weights, acts = tower_bytes(cfg, files.tensors)
-            feats = 4 * capacity(cfg, ctx) * cfg.tokens_per_image * cfg.text_hidden
+            feats = 4 * (capacity(cfg, ctx) + KEPT) * cfg.tokens_per_image * cfg.text_hidden
             return replace(est, weights=est.weights + weights, activations=est.activations + acts + feats)
         shapes = {n: (t.qtype, tuple(t.shape)) for n, t in vision_tensors(files.tensors).items()}
     finally:
@@ -105,7 +108,7 @@ def memory(path, est, ctx: int, mmproj=None, chunk: int = 0):
     if cfg.pinpoints:                    # LLaVA-NeXT's tiles and their rows' table (vision/llava_gpu.py)
         from .llava_gpu import buffer_bytes
         acts += buffer_bytes(cfg)
-    feats = 4 * capacity(cfg, ctx) * n * cfg.text_hidden
+    feats = 4 * (capacity(cfg, ctx) + KEPT) * n * cfg.text_hidden
     return replace(est, weights=est.weights + weights, activations=est.activations + acts + feats)
 
 
@@ -127,7 +130,7 @@ def _mlc_memory(path: Path, est, ctx: int):
     N, K = cfg.patches_per_side ** 2 + 1, phi3v.HD_NUM + 1
     acts = 4 * (N * (3 * cfg.patch_size ** 2 + 7 * C + F) + K * N * (3 * cfg.patch_size ** 2 + C)
                 + M * (4 * C + 2 + 2 * T) + 4 * M * C)
-    feats = 4 * capacity(cfg, ctx) * M * T
+    feats = 4 * (capacity(cfg, ctx) + KEPT) * M * T
     return replace(est, weights=est.weights + weights + 4 * N * C, activations=est.activations + acts + feats)
 
 
@@ -155,6 +158,9 @@ class VisionInputs:
         self.max_images = max_tiles // _family(cfg).max_tiles(cfg)
         self.unavailable = ""            # why this load takes no images (set by the pipeline), else ""
         self.conv: dict | None = None        # an MLC artifact's conv_template (Phi-3.5-vision's prompt)
+        self.kept: dict = {}                 # (sha256, tile) -> slot of `kept_feats`, oldest use first
+        self.kept_feats = None               # (KEPT * tokens_per_image, text width) f32: tiles cut by a chunk
+        self.tower_runs = 0                  # tiles through the tower so far
 
     @classmethod
     def load(cls, dev, path, model, owner: str, mmproj=None, tokenizer=None) -> "VisionInputs | None":
@@ -200,12 +206,12 @@ class VisionInputs:
 
     @classmethod
     def _load(cls, dev, path, model, owner: str, cfg: VisionConfig, files) -> "VisionInputs":
-        if cfg.kind == "qwen25vl":           # images scaled down to what a prefill chunk holds
-            cfg = qwen25vl.fit_chunk(cfg, model.chunk)
-        # Phi-3.5-vision's and LLaVA-NeXT's causal rows may span prefill chunks (their largest pictures'
-        # 2653 and 2928 rows, WebLLM's chunks of 2048): stage_chunk runs the tower for each chunk holding
-        # an image's rows; the others' images run in one chunk
-        if cfg.tokens_per_image > model.chunk and cfg.kind != "phi3v" and not cfg.pinpoints:
+        if cfg.kind == "qwen25vl":           # images scaled down to at most MAX_TOKENS
+            cfg = qwen25vl.fit_chunk(cfg, qwen25vl.MAX_TOKENS)
+        # causal image rows may span prefill chunks (Phi-3.5-vision's and LLaVA-NeXT's largest pictures'
+        # 2653 and 2928 rows, WebLLM's chunks of 2048): stage_chunk runs the tower once and keeps the
+        # features for the next chunks; Gemma 3's rows attend each other both ways, in one chunk
+        if cfg.tokens_per_image > model.chunk and cfg.bidirectional:
             raise UnsupportedChatOptionError(
                 "prefill_chunk_size", model.chunk, f"an image's {cfg.tokens_per_image} tokens run in one "
                 f"prefill chunk: load with prefill_chunk_size >= {cfg.tokens_per_image}")
@@ -240,7 +246,12 @@ class VisionInputs:
         model.enable_images(n * cfg.tokens_per_image, cfg.text_hidden, bidirectional=cfg.bidirectional)
         if cfg.kind == "qwen25vl":          # M-RoPE's rotations of the prompt rows (models/image_rows.py)
             model.images.enable_offsets(model, owner)
-        return cls(dev, cfg, tower, model, n)
+        vision = cls(dev, cfg, tower, model, n)
+        if not cfg.bidirectional:            # a causal image's rows may span chunks (chunk_end)
+            from ..kernels.common import new_tensor
+            vision.kept_feats = new_tensor(dev, (KEPT * cfg.tokens_per_image, cfg.text_hidden), "f32",
+                                           owner=owner, label="image_feats_kept")
+        return vision
 
     def template(self, template):
         if self.cfg.kind == "phi3v":
@@ -290,29 +301,52 @@ class VisionInputs:
         unfold = getattr(fam, "patches", square_patches)
         return [unfold(cfg, cut[id(im)][j]) for *_, im, j in todo]
 
-    def _run_tower(self, runs: list) -> dict:
-        """Run the tower over each (start, end, patch rows) of `runs`, its features submitted into the
-        k-th slot of the features buffer; {position: (feature row, the run's end)}."""
-        n, rows = self.cfg.tokens_per_image, {}
-        for k, (s, e, r) in enumerate(runs):
-            self.tower.write_patches(r)
-            self.dev.submit(self.tower.record(self.dev.batch(), self.model.images.feats, k))
+    def _run_tower(self, runs: list, end: int | None = None) -> dict:
+        """The features of each (start, end, sha256, patch rows, tile) of `runs` submitted into the k-th
+        slot of the features buffer: the tower's, or those kept from an earlier chunk of the tile; a tile
+        whose rows go on past `end` keeps them. {position: (feature row, the run's end)}."""
+        n, rows, feats = self.cfg.tokens_per_image, {}, self.model.images.feats
+        width = 4 * self.cfg.text_hidden
+        for k, (s, e, h, r, t) in enumerate(runs):
+            at, size, key = feats.offset + k * n * width, (e - s) * width, (h, t)
+            slot = self.kept.pop(key, None)
+            if slot is not None:             # cut by an earlier chunk: its kept features
+                batch = self.dev.batch().copy(self.kept_feats.buf, feats.buf, size,
+                                              self.kept_feats.offset + slot * n * width, at)
+            else:
+                self.tower.write_patches(r)
+                batch = self.tower.record(self.dev.batch(), feats, k)
+                self.tower_runs += 1
+            if end is not None and e > end and self.kept_feats is not None:   # its rows go on: kept
+                if slot is None:
+                    slot = self._slot()
+                    batch.copy(feats.buf, self.kept_feats.buf, size, at, self.kept_feats.offset + slot * n * width)
+                self.kept[key] = slot        # most recently used last
+            self.dev.submit(batch)
             for j in range(e - s):
                 rows[s + j] = (k * n + j, e)
         return rows
 
+    def _slot(self) -> int:
+        """A free slot of `kept_feats`, the least recently used tile's where all are taken."""
+        free = set(range(KEPT)) - set(self.kept.values())
+        if free:
+            return min(free)
+        return self.kept.pop(next(iter(self.kept)))
+
     # ------------------------------------------------------------------ the paged batch (causal families)
     async def batch_tiles(self, ids: list[int], images: list) -> list:
-        """A batched sequence's tiles: (start, end, sha256, patch rows) each, preprocessed now."""
+        """A batched sequence's tiles: (start, end, sha256, patch rows, tile of its image) each,
+        preprocessed now."""
         pairs = self.pair(ids, images)
         pixels = self._patches(pairs) if IN_BROWSER else await asyncio.to_thread(self._patches, pairs)
-        return [(s, e, h, r) for (s, e, h, _, _), r in zip(pairs, pixels)]
+        return [(s, e, h, r, j) for (s, e, h, _, j), r in zip(pairs, pixels)]
 
     @staticmethod
     def root(tiles: list) -> bytes:
         """What a sequence's KV blocks are keyed under besides its tokens: its images' contents."""
         import hashlib
-        return hashlib.sha256(b"images:" + "".join(h for _, _, h, _ in tiles).encode()).digest()
+        return hashlib.sha256(b"images:" + "".join(h for _, _, h, *_ in tiles).encode()).digest()
 
     def chunk_end(self, tiles: list, start: int, end: int) -> int:
         """The end of a batched prefill chunk of rows start .. end-1 that cuts no image whose rows
@@ -325,13 +359,13 @@ class VisionInputs:
         return end
 
     def stage_chunk(self, tiles: list, start: int, end: int) -> None:
-        """A batched prefill chunk of rows start .. end-1: the tower over the tiles it holds rows of
+        """A batched prefill chunk of rows start .. end-1: the features of the tiles it holds rows of
         (before the chunk, in queue order) and its rows staged (the decoder stays causal, so a tile
-        cut by a chunk's edge is computed for each of its chunks)."""
-        runs = [(s, e, r) for s, e, _, r in tiles if s < end and e > start]
+        cut by a chunk's edge runs through the tower in its first chunk and is kept for the next)."""
+        runs = [t for t in tiles if t[0] < end and t[1] > start]
         if len(runs) > self.max_tiles:
             raise InvalidRequestError(f"A prefill chunk holds {len(runs)} tiles; at most {self.max_tiles}.")
-        rows = self._run_tower(runs)
+        rows = self._run_tower(runs, end)
         self.model.images.pending = [rows.get(p, (NONE, 0)) for p in range(start, end)]
         if self.cfg.kind == "qwen25vl":
-            self.model.images.pending_offsets = qwen25vl.offsets(self.cfg, [(s, e, r) for s, e, _, r in tiles], start, end)
+            self.model.images.pending_offsets = qwen25vl.offsets(self.cfg, [(s, e, r) for s, e, _, r, _ in tiles], start, end)
