@@ -209,6 +209,30 @@ async def test_greedy_tokens_equal_the_reference(device, artifacts, quant, chunk
         await eng.unload()
 
 
+async def test_a_first_image_request_compiles_nothing(fresh_device, artifacts):
+    """compile_at_load builds the tower's op lists at load (the projector over the most rows) beside the
+    decoder's: on a device with no pipelines before the load, the first request with a picture (130
+    rows) creates no pipeline and answers as the reference."""
+    from webgpu_engine.engine import EngineConfig
+    from webgpu_engine.engine.engine import AsyncMLCEngine
+    from webgpu_engine.vision.images import image_data_url
+    art = artifacts["q4f16_1"]
+    png = art["folder"].parent / "first.png"
+    png.write_bytes(_picture(400, 300))
+    eng = AsyncMLCEngine(EngineConfig(device=fresh_device))
+    await eng.reload(str(art["folder"]), chat_opts={**OPTS, "compile_at_load": True})
+    try:
+        model = next(iter(eng.models))
+        await fresh_device.compiled()
+        loaded = fresh_device.compile_count
+        r = await eng.chat.completions.create(model=model, messages=_messages(image_data_url(png)),
+                                              max_tokens=N_NEW, temperature=0.0)
+        assert r.choices[0].message.content == _expected(art, png)[1]
+        assert fresh_device.compile_count == loaded
+    finally:
+        await eng.unload()
+
+
 def test_openai_client_gets_the_reference_answer(device, artifacts):
     """The q4f32_1 artifact served: the OpenAI client's chat completion about the picture is the
     reference's greedy answer."""

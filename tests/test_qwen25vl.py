@@ -216,6 +216,27 @@ async def test_an_image_spanning_chunks_runs_the_tower_once(device, ref):
         await eng.unload()
 
 
+async def test_a_first_image_request_compiles_nothing(fresh_device, ref):
+    """compile_at_load builds the tower's op lists at load (a 448 x 448 picture's grid) beside the
+    decoder's: on a device with no pipelines before the load, the first requests with pictures (grids
+    of other sizes) create no pipeline."""
+    from webgpu_engine.engine import EngineConfig
+    from webgpu_engine.engine.engine import AsyncMLCEngine
+    eng = AsyncMLCEngine(EngineConfig(device=fresh_device))
+    await eng.reload(str(FOLDER), chat_opts={**OPTS, "compile_at_load": True})
+    try:
+        model = next(iter(eng.models))
+        assert eng.models[model].pipeline.vision.tower_runs == 0
+        await fresh_device.compiled()
+        loaded = fresh_device.compile_count
+        for want in ref["prompts"].values():
+            r = await eng.chat.completions.create(model=model, messages=_messages(want), max_tokens=2, temperature=0.0)
+            assert r.choices[0].message.content == _text(want["greedy"][:2])
+        assert fresh_device.compile_count == loaded
+    finally:
+        await eng.unload()
+
+
 def test_gguf_and_mmproj_serve_the_openai_client(device, ref):
     """The text GGUF and its mmproj from llama.cpp's converter, served as --model text.gguf --mmproj
     proj.gguf (the mmproj chat option): the OpenAI client gets transformers' answers to both prompts."""

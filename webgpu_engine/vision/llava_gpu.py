@@ -65,6 +65,11 @@ class LlavaNextTower:
             self._ops[M] = op
         return op
 
+    def prepare(self) -> None:
+        """The op lists a picture runs, built now (a load's: their pipelines compile with the decoder's):
+        the gather of the most rows (the tiles' tower is built with SiglipTower)."""
+        self._gather(self.cfg.tokens_per_image)
+
     def write_patches(self, tiles: Tiles) -> None:
         """One picture's tiles' patch rows (vision/llava.py `patches`) and its layout."""
         import numpy as np

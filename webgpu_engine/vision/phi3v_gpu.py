@@ -82,6 +82,11 @@ class Phi3vTower:
             self._ops[M] = op
         return op
 
+    def prepare(self) -> None:
+        """The op lists a picture runs, built now (a load's: their pipelines compile with the decoder's):
+        the projector's over the most rows (the crops' tower is built with SiglipTower)."""
+        self._projector(self.cfg.tokens_per_image)
+
     def write_patches(self, crops: Crops) -> None:
         """One picture's crops' patches (vision/phi3v.py `patches`) and its layout's rows."""
         import numpy as np

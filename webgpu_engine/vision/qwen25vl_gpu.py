@@ -166,6 +166,13 @@ class Qwen25VLTower:
         op.name = "qwen25vl_tower"
         return [op]
 
+    def prepare(self) -> None:
+        """The op list of a 448 x 448 picture's grid, built now (a load's: the pipelines every grid
+        runs compile with the decoder's; a grid's own are its buffers and params)."""
+        h, w = qwen25vl.smart_resize(self.cfg, 448, 448)
+        grid = (h // self.cfg.patch_size, w // self.cfg.patch_size)
+        self.ops.get(grid, lambda: self._build(*grid))
+
     # ------------------------------------------------------------------ running
     def write_patches(self, grid: "qwen25vl.Grid") -> None:
         """Write one image's patch rows and their 2D positions, permuted into window order."""

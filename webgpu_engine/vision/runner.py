@@ -134,6 +134,26 @@ def _mlc_memory(path: Path, est, ctx: int):
     return replace(est, weights=est.weights + weights + 4 * N * C, activations=est.activations + acts + feats)
 
 
+def build_tower(dev, cfg: VisionConfig, files, owner: str):
+    """The family's GPU tower from `files` (a folder's safetensors, an mmproj, an MLC artifact), its
+    op lists built now (prepare: within a load that compiles at load, their pipelines compile with
+    the decoder's, so a first picture compiles nothing)."""
+    from ..models.siglip import SiglipTower
+    if cfg.kind == "phi3v":
+        from .phi3v_gpu import Phi3vTower
+        tower = Phi3vTower(dev, cfg, files, owner=owner)
+    elif cfg.pinpoints:                  # LLaVA-NeXT: its tiles' rows gathered with image_newline rows
+        from .llava_gpu import LlavaNextTower
+        tower = LlavaNextTower(dev, cfg, files.tensors, owner=owner)
+    elif cfg.kind == "qwen25vl":
+        from .qwen25vl_gpu import Qwen25VLTower
+        tower = Qwen25VLTower(dev, cfg, files.tensors, owner=owner)
+    else:                                # built whole at construction
+        return SiglipTower(dev, cfg, files.tensors, owner=owner)
+    tower.prepare()
+    return tower
+
+
 class _ExpandingTemplate(ChatTemplate):
     """A chat template whose rendered image markers become each image's full sequence, in order."""
 
@@ -224,21 +244,10 @@ class VisionInputs:
             vision.unavailable = why
             return vision
         from ..loaders.safetensors import SafetensorsFolder
-        from ..models.siglip import SiglipTower
         opened = files is None               # a folder's safetensors, opened only for the tower
         files = SafetensorsFolder(path) if opened else files
         try:
-            if cfg.kind == "phi3v":
-                from .phi3v_gpu import Phi3vTower
-                tower = Phi3vTower(dev, cfg, files, owner=owner)
-            elif cfg.pinpoints:          # LLaVA-NeXT: its tiles' rows gathered with image_newline rows
-                from .llava_gpu import LlavaNextTower
-                tower = LlavaNextTower(dev, cfg, files.tensors, owner=owner)
-            elif cfg.kind == "qwen25vl":
-                from .qwen25vl_gpu import Qwen25VLTower
-                tower = Qwen25VLTower(dev, cfg, files.tensors, owner=owner)
-            else:
-                tower = SiglipTower(dev, cfg, files.tensors, owner=owner)
+            tower = build_tower(dev, cfg, files, owner)
         finally:
             if opened:
                 files.close()
