@@ -24,12 +24,13 @@ its figures mean nothing. --window W: both servers load WebLLM's sliding window 
 context (context_window_size -1, sliding_window_size W, attention_sink_size 4): the ring, batched or not.
 
 --lora PATH (a PEFT folder or a GGUF LoRA file; `random`: a random rank-16 adapter of all seven
-projections written for --model, its tensors in --lora-dtype) measures instead what a decode row with an adapter costs beside a
-base row: one batched server serving the adapter as `bench`, one streaming client at a time on the
-base and on the adapter in turn (`--repeats` rounds each, A B, B A, ...), then one of each at once;
-each round's inter-token latency p50 (a decode step's time), the best round of each and the
-adapter's over the base's; the same for the server process's CPU seconds per token (Linux: what a
-round cost whatever else the host runs; a CPU adapter's threads are the server's). The adapter's
+projections written for --model, its tensors in --lora-dtype) measures instead what a decode row with
+an adapter costs beside a base row: one batched server serving the adapter as `bench`, one streaming
+client at a time on the base and on the adapter in turn (`--repeats` rounds each, A B, B A, ...), then
+two at once, base + base and base + adapter in turn (`--repeats` rounds each); each round's
+inter-token latency p50 (a decode step's time), the best round of each and the adapter's over the
+base's; the same for the server process's CPU seconds per token (Linux: what a round cost whatever
+else the host runs; a CPU adapter's threads are the server's). The adapter's
 kernels are compiled (and waited for) before the rounds. Writes bench/results/serve_lora.json.
 """
 from __future__ import annotations
@@ -280,7 +281,8 @@ def random_adapter(model: str, folder: Path, rank: int = 16, dtype: str = "f32")
                   "mlp.gate_proj": (C, F), "mlp.up_proj": (C, F), "mlp.down_proj": (F, C)}
         for proj, (k, n) in shapes.items():
             for ab, shape in (("A", (rank, k)), ("B", (n, rank))):
-                t = (rng.standard_normal(shape) / np.sqrt(shape[1]) * 0.1).astype(dtype)
+                t = rng.standard_normal(shape) / np.sqrt(shape[1]) * 0.1
+                t = t.astype({"f32": np.float32, "f16": np.float16}[dtype])
                 tensors[f"base_model.model.model.layers.{i}.{proj}.lora_{ab}.weight"] = (dtype, shape, t.tobytes())
     folder.mkdir(parents=True, exist_ok=True)
     write_safetensors(folder / "adapter_model.safetensors", tensors)
@@ -313,10 +315,15 @@ async def lora_rows(args) -> dict:
                     r = await level(base, name, 1, args.max_tokens, raw=True)
                     itl[name].append(pct(r["_itl"], 50))
                     cpu[name].append((process_cpu_s(proc.pid) - c0) / args.max_tokens)
-            from openai import AsyncOpenAI
-            client = AsyncOpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=3600)
-            both = await asyncio.gather(*[one_client(client, name, 0, args.max_tokens) for name in (model, "bench")])
-            await client.close()
+            # two streams at once, the base beside the base and beside the adapter in turn
+            pairs = {"base+base": (model, model), "base+adapter": (model, "bench")}
+            both = {p: {"itl": [], "cpu": []} for p in pairs}
+            for k in range(args.repeats):
+                for p in (tuple(pairs) if k % 2 == 0 else tuple(pairs)[::-1]):
+                    c0 = process_cpu_s(proc.pid)
+                    r = await together(base, pairs[p], args.max_tokens)
+                    both[p]["itl"].append(pct(r, 50))
+                    both[p]["cpu"].append((process_cpu_s(proc.pid) - c0) / (2 * args.max_tokens))
         finally:
             stop_server(proc)
     # each round's ITL p50; the best round of each is the least disturbed by the host's other work
@@ -324,17 +331,28 @@ async def lora_rows(args) -> dict:
            "base_itl_p50": min(itl[model]), "lora_itl_p50": min(itl["bench"]),
            "base_cpu_per_token_rounds": cpu[model], "lora_cpu_per_token_rounds": cpu["bench"],
            "base_cpu_per_token": min(cpu[model]), "lora_cpu_per_token": min(cpu["bench"]),
-           "together_itl_p50": [pct(r["itl"], 50) for r in both]}
+           **{f"together_{p.replace('+', '_')}_{k}_rounds": v[k] for p, v in both.items() for k in ("itl", "cpu")}}
     row["lora_over_base"] = row["lora_itl_p50"] / row["base_itl_p50"]
     row["lora_over_base_cpu"] = row["lora_cpu_per_token"] / row["base_cpu_per_token"]
     print(f"decode step, one stream (best round's ITL p50): base {row['base_itl_p50'] * 1e3:.1f} ms, with the "
           f"adapter {row['lora_itl_p50'] * 1e3:.1f} ms ({row['lora_over_base']:.2f}x); rounds "
-          + " ".join(f"{b * 1e3:.0f}/{a * 1e3:.0f}" for b, a in zip(itl[model], itl["bench"]))
-          + "; one of each at once: " + ", ".join(f"{x * 1e3:.1f} ms" for x in row["together_itl_p50"]))
+          + " ".join(f"{b * 1e3:.0f}/{a * 1e3:.0f}" for b, a in zip(itl[model], itl["bench"])))
     print(f"server CPU per token (best round): base {row['base_cpu_per_token'] * 1e3:.1f} ms, with the adapter "
           f"{row['lora_cpu_per_token'] * 1e3:.1f} ms ({row['lora_over_base_cpu']:.2f}x); rounds "
           + " ".join(f"{b * 1e3:.0f}/{a * 1e3:.0f}" for b, a in zip(cpu[model], cpu["bench"])))
+    for p, v in both.items():
+        print(f"two streams at once, {p}: ITL p50 rounds " + " ".join(f"{x * 1e3:.0f}" for x in v["itl"])
+              + " ms; server CPU per token rounds " + " ".join(f"{x * 1e3:.0f}" for x in v["cpu"]) + " ms")
     return row
+
+
+async def together(base: str, models: tuple, max_tokens: int) -> list:
+    """The inter-token latencies of one stream on each of `models` at once (different prompts)."""
+    from openai import AsyncOpenAI
+    client = AsyncOpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=3600)
+    res = await asyncio.gather(*[one_client(client, name, k, max_tokens) for k, name in enumerate(models)])
+    await client.close()
+    return [x for r in res for x in r["itl"]]
 
 
 def process_cpu_s(pid: int) -> float:
