@@ -77,8 +77,8 @@ def test_lora_delta_is_shrink_then_expand_in_one(device, _free, dtype, wdtype, n
     yt = put(device, y0, dtype, lead=5)
     nt = (put(device, w), 1e-5) if norm else None
     run(device, lk.lora_delta(device, put(device, x, dtype, lead=3), put(device, a, wdtype),
-                              put(device, bc, wdtype), put(device, cols, "u32"), put(device, idx, "u32"), yt, slots=slots,
-                              norm=nt))
+                              put(device, bc, wdtype), put(device, cols, "u32"), put(device, idx, "u32"), yt,
+                              slots=slots, norm=nt))
     u = lk.shrink_ref(rounded(x, dtype), a, idx, (w, 1e-5) if norm else None)
     want, got = lk.expand_ref(u, b, idx, rounded(y0, dtype)), get(device, yt)
     assert np.abs(got - want).max() / np.abs(want).max() < (1e-4 if dtype == "f32" else 1e-2)
