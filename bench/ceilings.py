@@ -11,8 +11,10 @@ Kernels: every kernel kind of a SmolLM2-135M-Instruct-Q4_1 decode step (after a 
 its prefill of 128 and of 512 tokens (the engine's chunks of prefill_chunk_size 256: the last chunk,
 rows 256-511, is timed; the head is left out, the decode step has it) and the four GEMMs of an
 all-MiniLM-L6-v2 batch (32 sentences of ~16 words, B x S as the engine pads them), built by the
-engine itself (the loaded model's ops, the embedder's matmul calls on its own weights), so each kernel
-is the one a user's run executes. A kind's dispatches for every layer are recorded together (each
+engine itself (the model's ops, the embedder's matmul calls on its own weights). The decoder is built
+by hand (models/llama.py LlamaModel with its contiguous cache of one sequence, whose decode op list
+takes the position from one step uniform): its matmuls, norms and RoPE are the kernels the scheduler's
+one-row decode runs; its attention is the contiguous cache's (the scheduler's reads a paged pool). A kind's dispatches for every layer are recorded together (each
 layer's own weights, as a forward streams them), many times into one submit, then a blocking
 readback; best of --runs (bench/kernels.py time_op).
 Bound: the larger of a kernel's two least times: the bytes it must move at least once (weights,
@@ -36,7 +38,6 @@ from webgpu_engine.config import ChatConfig
 from webgpu_engine.kernels import matmul as mm
 from webgpu_engine.kernels.common import DTYPE_SIZE, Op, act_header, params
 from webgpu_engine.pipelines.embedding import EmbeddingPipeline
-from webgpu_engine.pipelines.llm import LLMChatPipeline
 from embeddings import sentences
 from kernels import OWNER, bench_copy, time_op
 
@@ -257,12 +258,19 @@ def run(dev, a, copies: list[dict] | None = None) -> dict:
     print(HEAD)
 
     async def models() -> list[dict]:
-        llm = await LLMChatPipeline.load(dev, a.chat_model or cache.default_model_path(CHAT),
-                                         ChatConfig(compile_at_load=False))
+        from webgpu_engine.models.llama import LlamaModel
+        from webgpu_engine.models.plan import activation_dtype
+        from webgpu_engine.models.registry import LLM, open_model
+        m = open_model(a.chat_model or cache.default_model_path(CHAT), LLM)
         try:
-            rows = llm_rows(dev, llm.model, a, ceil)
+            llm = LlamaModel(dev, m.config, m.weights, owner=OWNER + ".llm", context_window=4096,
+                             prefill_chunk=256, dtype=activation_dtype("auto", dev))
         finally:
-            llm.dispose()
+            m.close()
+        try:
+            rows = llm_rows(dev, llm, a, ceil)
+        finally:
+            llm.release()
         emb = await EmbeddingPipeline.load(dev, a.embed_model or cache.default_model_path(EMBEDDER),
                                            ChatConfig(compile_at_load=False, max_batch_size=a.embed_batch))
         try:

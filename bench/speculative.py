@@ -9,13 +9,13 @@ a file or folder); each answer runs to its end of sequence (at most --tokens), a
     python bench/speculative.py --smoke [--model PATH] [--out PATH]
     python bench/speculative.py --concurrent 4 [--tokens 192] [--repeats 3] [--k K] [--no-auto-off]
 
-For each task: decode tok/s of the default path (fused one-row kernels, no speculation), of one token
-per forward through the row-invariant kernels speculation checks with (`k 0`: what speculation
-must reproduce; one run), and of speculation with each k (default: the automatic k the pipeline
-picks, and 2k + 1); the acceptance rate (accepted / proposed guesses), tokens per forward, and whether
-each speculative answer equals the fused path's token for token (it must where verify rows are decode
-steps: LlamaModel.exact_verify, the CPU kernel family) and the row-invariant one's (it must elsewhere;
-see pipelines/speculation.py). Every configuration runs once untimed, then --repeats rounds in turn
+For each task: decode tok/s of the default path (the scheduler's decode rows, no speculation), of one
+token per forward through the prefill's row-invariant kernels (`k 0`; one run), and of speculation
+with each k (default: the automatic k the pipeline picks, and 2k + 1); the acceptance rate (accepted
+/ proposed guesses), tokens per forward, and whether each speculative answer equals the default
+path's token for token (it must: verify rows are decode rows, pipelines/speculation.py) and the
+row-invariant one's. Each speculation setting runs on a pipeline of its own over the one loaded model
+(the speculation is its scheduler's). Every configuration runs once untimed, then --repeats rounds in turn
 (the host's speed drifts: a lone run of a few seconds is not a figure); the median round is reported.
 Exact runs have auto_off off; one more run per task (prompt lookup, the first k) has it on, as a
 user gets it by default: how close to the fused path it stays where guessing does not pay. With
@@ -78,12 +78,35 @@ TASKS = {
 }
 
 
+_SIBLINGS: dict = {}
+
+
+def _speculating(pipe, spec):
+    """A pipeline over `pipe`'s loaded model speculating as `spec` says (None: not at all): the
+    speculation is the scheduler's, fixed when it is made, so each setting has a scheduler (and a
+    pool) of its own, made once; a draft is `pipe`'s."""
+    from dataclasses import replace
+
+    from webgpu_engine.pipelines.llm import LLMChatPipeline
+    key = (id(pipe), None if spec is None else tuple(sorted(spec.describe().items())))
+    if key not in _SIBLINGS:
+        sib = LLMChatPipeline(pipe.dev, pipe.model, pipe.tokenizer, pipe.template,
+                              replace(pipe.chat_config, speculation=None if spec is None else spec.describe()),
+                              pipe.owner, pipe.plan)
+        if spec is not None and spec.method == "draft":
+            sib.draft = pipe.draft
+            sib.scheduler.spec.use_draft(pipe.draft, pipe.plan.kv_pool_blocks, pipe.plan.kv_block_size)
+        _SIBLINGS[key] = sib
+    return _SIBLINGS[key]
+
+
 async def run_task(pipe, messages, tokens: int, spec, row_invariant: bool = False, ignore_eos: bool = False):
     """(output ids, decode tok/s, forwards, SpeculationStats or None) of one greedy generation from
-    an empty KV cache, to its end of sequence (or `tokens`). spec: a Speculation or None.
-    row_invariant: one token per PREFILL forward."""
+    an empty conversation, to its end of sequence (or `tokens`). spec: a Speculation or None.
+    row_invariant: one token per PREFILL forward (forward_tokens_and_sample: the conversation's cached
+    blocks and the rows after them)."""
     from webgpu_engine.config import GenerationConfig
-    pipe.speculation = spec
+    pipe = _speculating(pipe, spec)
     pipe.reset_chat(keep_stats=True)
     gen = GenerationConfig(temperature=0.0, max_tokens=tokens, ignore_eos=ignore_eos)
     if row_invariant:
@@ -171,6 +194,9 @@ async def main_async(a) -> dict:
                 row["speculative"].append(spec_row(m, k, off, *r, *base))
             rows.append(row)
     finally:
+        for sib in _SIBLINGS.values():
+            sib.scheduler.close()
+        _SIBLINGS.clear()
         pipe.dispose()
         if dpipe is not None:
             dpipe.dispose()
