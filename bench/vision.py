@@ -1,15 +1,18 @@
-"""Image input benchmark: per image, the host's decode (PNG bytes -> RGB) and preprocessing (resize,
-normalise, unfold into patches: vision/gemma3.py) and the GPU tower (models/siglip.py: SigLIP, pool,
-projection), and the tokens an image costs, for a Gemma 3 vision folder or a synthetic tower.
+"""Image input benchmark, per family: the host's decode (PNG bytes -> RGB) and preprocessing (resize,
+normalise, tiles / crops / grid, unfold into patches: vision/<family>.py), the GPU tower's time per
+image (vision/runner.py build_tower: every tile's tower, projector and layout), and the tokens the
+image costs, for each family's tiny test checkpoint and a synthetic real-sized SigLIP tower.
 
-    python bench/vision.py [--model DIR] [--runs 5] [--size 640x480]
-    python bench/vision.py --synthetic 384,6,224,14,64 [--runs 3]     # width, layers, pixels, patch, tokens
+    python bench/vision.py [--runs 5] [--size 640x480] [--synthetic 384,6,224,14,64]
+    python bench/vision.py --model DIR                  # one HF vision folder (or MLC phi3_v artifact)
     python bench/vision.py --smoke [--out PATH]
 
-Default model: the tiny test model (tests/fixtures/tiny_gemma3_vision: figures of a toy). A
-synthetic tower has random weights of the given shape (Gemma 3's own: 1152,27,896,14,256; its MLP
-4.3x the width). Prints a table and writes bench/results/vision.json. Timing: best of --runs after
-one warm-up (the machine may be shared); the tower's time runs from writing the patches to a
+The families' tiny checkpoints: tests/fixtures/tiny_gemma3_vision (Gemma 3), tiny_idefics3
+(SmolVLM), tiny_llava (LLaVA 1.5), tiny_llava_next (LLaVA 1.6), tiny_qwen25vl (Qwen2.5-VL), and a
+Phi-3.5-vision MLC artifact written by tests/tinyphi3v.py (q4f16_1). A synthetic tower has random
+weights of the given shape (width, layers, pixels, patch, tokens; Gemma 3's own: 1152,27,896,14,256;
+its MLP 4.3x the width). Prints a table and writes bench/results/vision.json. Timing: best of --runs
+after one warm-up (the machine may be shared); the tower's time runs from writing the patches to a
 blocking readback of its output.
 """
 from __future__ import annotations
@@ -79,13 +82,79 @@ def best(fn, runs: int) -> float:
     return min(times)
 
 
+FAMILIES = {"gemma3": "tiny_gemma3_vision", "idefics3": "tiny_idefics3", "llava": "tiny_llava",
+            "llava_next": "tiny_llava_next", "qwen25vl": "tiny_qwen25vl", "phi3v": None}
+
+
+def open_tower(dev, path: Path, owner: str):
+    """(cfg, tower) of an HF vision folder or an MLC phi3_v artifact, as a load builds them."""
+    from webgpu_engine.vision import phi3v, qwen25vl
+    from webgpu_engine.vision.runner import build_tower, read_vision_config
+    if (path / "mlc-chat-config.json").is_file():
+        from tokenizers import Tokenizer
+
+        from webgpu_engine.loaders.mlc import MLCArtifact
+        files = MLCArtifact(path)
+        cfg = phi3v.read_config(str(path), files.chat_config.get("model_config") or {},
+                                Tokenizer.from_file(str(path / "tokenizer.json")))
+    else:
+        from webgpu_engine.loaders.safetensors import SafetensorsFolder
+        cfg, files = read_vision_config(path), SafetensorsFolder(path)
+        if cfg.kind == "qwen25vl":
+            cfg = qwen25vl.fit_chunk(cfg, qwen25vl.MAX_TOKENS)
+    try:
+        return cfg, build_tower(dev, cfg, files, owner)
+    finally:
+        files.close()
+
+
+def measure(dev, name: str, path: Path, png: bytes, runs: int) -> dict:
+    """One family's row: decode, preprocessing and tower times of the picture `png`, its tokens."""
+    from webgpu_engine.kernels.common import new_tensor
+    from webgpu_engine.vision.config import patches as square_patches
+    from webgpu_engine.vision.images import decode_bytes
+    from webgpu_engine.vision.runner import FAMILY_MODULES
+    owner = f"bench:vision:{name}"
+    cfg, tower = open_tower(dev, path, owner)
+    fam = FAMILY_MODULES[cfg.kind]
+    img = decode_bytes(png, "bench")
+    unfold = getattr(fam, "patches", square_patches)
+
+    def preprocess():
+        return [unfold(cfg, t) for t in fam.tiles(cfg, img.image)]
+    rows = preprocess()
+    tokens = len(rows) * getattr(fam, "n_tokens", lambda c, im: c.tokens_per_image)(cfg, img.image)
+    out = new_tensor(dev, (cfg.tokens_per_image, cfg.text_hidden), "f32", owner=owner, label="out")
+
+    def run_tower():
+        for r in rows:
+            tower.write_patches(r)
+            dev.submit(tower.record(dev.batch(), out, 0))
+        dev.read_sync(out.buf, 0, 4)
+    res = {"family": name, "model": path.name, "tiles": len(rows), "tokens": tokens,
+           "width": cfg.hidden_size, "layers": cfg.n_layers, "patch": cfg.patch_size,
+           "decode_ms": round(best(lambda: decode_bytes(png, "bench"), runs) * 1e3, 3),
+           "preprocess_ms": round(best(preprocess, runs) * 1e3, 3),
+           "tower_ms": round(best(run_tower, runs) * 1e3, 3)}
+    tower.dispose()
+    dev.release_owner(owner)
+    return res
+
+
+def tiny_phi3v(folder: Path) -> Path:
+    """The tests' tiny Phi-3.5-vision MLC artifact (tests/tinyphi3v.py), written into `folder`."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from tinyphi3v import write_tiny_phi3v_mlc
+    return write_tiny_phi3v_mlc(folder / "phi3v", "q4f16_1")["folder"]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=str(TINY))
+    ap.add_argument("--model", default=None, help="one vision folder or phi3_v artifact instead of the families")
     ap.add_argument("--synthetic", default=None, metavar="C,L,S,P,N")
     ap.add_argument("--size", default="640x480", help="the test picture's width x height")
     ap.add_argument("--runs", type=int, default=5)
-    ap.add_argument("--smoke", action="store_true", help="the tiny model, two runs: checks the script runs")
+    ap.add_argument("--smoke", action="store_true", help="the tiny models, two runs: checks the script runs")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "vision.json"))
     args = ap.parse_args()
     os.environ.setdefault("XDG_RUNTIME_DIR", tempfile.gettempdir())
@@ -93,52 +162,31 @@ def main() -> int:
     from PIL import Image
 
     from webgpu_engine.gpu import request_device_sync
-    from webgpu_engine.kernels.common import new_tensor
-    from webgpu_engine.loaders.safetensors import SafetensorsFolder
-    from webgpu_engine.models.siglip import SiglipTower
-    from webgpu_engine.vision.config import patches
-    from webgpu_engine.vision.runner import read_vision_config
-    from webgpu_engine.vision.gemma3 import preprocess
-    from webgpu_engine.vision.images import decode_bytes
 
     runs = 2 if args.smoke else args.runs
-    with tempfile.TemporaryDirectory() as tmp:
-        folder = synthetic_folder(args.synthetic, Path(tmp) / "tower") if args.synthetic and not args.smoke \
-            else Path(args.model)
-        cfg = read_vision_config(folder)
-        dev = request_device_sync()
-        files = SafetensorsFolder(folder)
-        try:
-            tower = SiglipTower(dev, cfg, files.tensors, owner="bench:vision")
-        finally:
-            files.close()
     w, h = (int(x) for x in args.size.split("x"))
     rng = np.random.default_rng(1)
     buf = io.BytesIO()
     Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8), "RGB").save(buf, "PNG")
     png = buf.getvalue()
-    img = decode_bytes(png, "bench")
-    rows = patches(cfg, preprocess(cfg, img.image))
-    out = new_tensor(dev, (cfg.tokens_per_image, cfg.text_hidden), "f32", owner="bench:vision", label="out")
-
-    def run_tower():
-        tower.write_patches(rows)
-        dev.submit(tower.record(dev.batch(), out, 0))
-        dev.read_sync(out.buf, 0, 4)
-    decode_s = best(lambda: decode_bytes(png, "bench"), runs)
-    pre_s = best(lambda: patches(cfg, preprocess(cfg, img.image)), runs)
-    tower_s = best(run_tower, runs)
-    tower.dispose()
-    dev.release_owner("bench:vision")
-    res = {"device": dev.info.name, "model": str(args.synthetic or folder.name),
-           "picture": f"{w}x{h} PNG", "pixels": cfg.image_size, "patch": cfg.patch_size, "width": cfg.hidden_size,
-           "layers": cfg.n_layers, "patches": cfg.patches_per_side ** 2, "tokens_per_image": cfg.tokens_per_image,
-           "decode_ms": round(decode_s * 1e3, 3), "preprocess_ms": round(pre_s * 1e3, 3),
-           "tower_ms": round(tower_s * 1e3, 3), "runs": runs}
-    print(f"{'model':28s} {'picture':>12s} {'patches':>8s} {'tokens':>7s} {'decode ms':>10s} "
-          f"{'preproc ms':>11s} {'tower ms':>9s}")
-    print(f"{res['model'][:28]:28s} {res['picture']:>12s} {res['patches']:8d} {res['tokens_per_image']:7d} "
-          f"{res['decode_ms']:10.2f} {res['preprocess_ms']:11.2f} {res['tower_ms']:9.2f}")
+    dev = request_device_sync()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.model:
+            rows.append(measure(dev, "model", Path(args.model), png, runs))
+        else:
+            for name, fixture in FAMILIES.items():
+                path = tiny_phi3v(Path(tmp)) if fixture is None else ROOT / "tests" / "fixtures" / fixture
+                rows.append(measure(dev, name, path, png, runs))
+        if args.synthetic and not args.smoke:
+            row = measure(dev, "siglip", synthetic_folder(args.synthetic, Path(tmp) / "tower"), png, runs)
+            rows.append({**row, "model": f"synthetic {args.synthetic}"})
+    print(f"{'family':11s} {'model':30s} {'tiles':>5s} {'tokens':>7s} {'decode ms':>10s} {'preproc ms':>11s} "
+          f"{'tower ms':>9s}")
+    for r in rows:
+        print(f"{r['family']:11s} {r['model'][:30]:30s} {r['tiles']:5d} {r['tokens']:7d} {r['decode_ms']:10.2f} "
+              f"{r['preprocess_ms']:11.2f} {r['tower_ms']:9.2f}")
+    res = {"device": dev.info.name, "picture": f"{w}x{h} PNG", "runs": runs, "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=2))
     print(f"wrote {args.out}")

@@ -476,15 +476,18 @@ def test_cli_chat_image_option(tmp_path, ref):
 
 
 def test_bench_vision_smoke(tmp_path):
-    """bench/vision.py runs to the end (its figures are not checked)."""
+    """bench/vision.py runs to the end with a row for each family's tiny checkpoint (its times are not
+    checked; its tokens are the families' for the 640 x 480 picture)."""
     import subprocess
     import sys
     out = tmp_path / "vision.json"
     r = subprocess.run([sys.executable, str(Path(__file__).parent.parent / "bench" / "vision.py"), "--smoke",
                         "--out", str(out)], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    data = json.loads(out.read_text())
-    assert data["tokens_per_image"] == 16 and data["tower_ms"] > 0 and data["preprocess_ms"] > 0
+    rows = {r["family"]: r for r in json.loads(out.read_text())["rows"]}
+    assert sorted(rows) == ["gemma3", "idefics3", "llava", "llava_next", "phi3v", "qwen25vl"]
+    assert all(r["tower_ms"] > 0 and r["preprocess_ms"] > 0 for r in rows.values())
+    assert rows["gemma3"]["tokens"] == 16 and rows["phi3v"]["tokens"] == 130    # 3 x 4 crops' rows
 
 
 def test_page_imports_the_image_path_without_numpy():
