@@ -67,11 +67,8 @@ struct Params {
 @group(0) @binding(2) var<storage, read_write> part_in: array<vec4<f32>>;
 @group(0) @binding(3) var<storage, read_write> out_c: array<act4>;
 
-const WG: u32 = 64u;
-const BLK: u32 = 16u;   // keys scored per rescale of the accumulator
-const MASKED: f32 = -1.0e30;
-
-// The host header supplies the state of G queries that read the same keys (heads sharing one kv
+// The host header supplies attention_common.wgsl (WG, BLK, the running max and sum m_run / l_run,
+// window_lo, score, ring_sees, fold_block, out_at, store_partial, combine_splits) and the state of G queries that read the same keys (heads sharing one kv
 // head, or consecutive BERT queries) as separate vec4 registers plus unrolled helpers over them (loops over private
 // arrays spill to per-lane scratch on lavapipe); scores are `sv` (f32 or vecG<f32>, one per head):
 //   load_q(qb, qs)  q_g = qkv[qb + g*qs ..] * scale; acc = 0; m_run = -inf; l_run = 0
@@ -80,61 +77,17 @@ const MASKED: f32 = -1.0e30;
 //   acc_scale(c)    acc_g *= c_g
 //   acc_add(w, vr)  acc_g += w_g * vc[vr..vr+D4)
 //   acc_get(g, d)   acc_g[d];  sv_get(v, g): component g of v
-var<private> m_run: sv;
-var<private> l_run: sv;
-var<private> r_pos: u32;        // RING: the query's position
-var<private> r_last: u32;       // RING: the forward's last position (the newest key in the cache)
-
-fn flat(wid: vec3<u32>, nwg: vec3<u32>, lid: u32) -> u32 {
-    return (wid.y * nwg.x + wid.x) * WG + lid;
+// RING: the cache's rows (ring_sees)
+fn ring_cap() -> u32 {
+    return p.ctx;
 }
 
-// The first key a query at position `pos` sees. WINDOWED and CAPPED are header constants, so
-// kernels without a window or a cap compile without their checks.
-fn window_lo(pos: u32) -> u32 {
-    if (!WINDOWED) { return 0u; }
-    return select(0u, pos + 1u - p.window, p.window > 0u && pos + 1u > p.window);
-}
+// A block of keys for attention_common.wgsl's fold_block: key j read by qk at kr + j*ks, its value
+// by acc_add at vr + j*vs.
+struct KeyBlock { kr: u32, ks: u32, vr: u32, vs: u32 }
 
-// RING: whether the query at r_pos sees cache row j (the position the row holds: j itself until the
-// cache is full, then the newest position written there).
-fn ring_sees(j: u32) -> bool {
-    var kp = j;
-    if (r_last >= p.ctx && j >= SINKS) {
-        let r = p.ctx - SINKS;
-        kp = r_last - (SINKS + (r_last - SINKS) % r + r - j) % r;
-    }
-    return kp <= r_pos && (kp < SINKS || kp + RING_W >= r_pos + SINKS);
-}
-
-fn score(kr: u32) -> sv {
-    let s = qk(kr);
-    if (CAPPED) { return p.softcap * tanh(s / p.softcap); }
-    return s;
-}
-
-// One block step of the online softmax: folds keys j0 + j, j < nb (read by qk at kr + j*ks, their
-// values by acc_add at vr + j*vs) into (m_run, l_run, acc); keys j0 + j < lo or >= lim are masked.
-fn fold_block(j0: u32, nb: u32, lo: u32, lim: u32, kr: u32, ks: u32, vr: u32, vs: u32) {
-    var sc: array<sv, BLK>;
-    var mb = m_run;
-    for (var j = 0u; j < nb; j++) {
-        var seen = j0 + j < lim && (!WINDOWED || j0 + j >= lo);
-        if (RING) { seen = ring_sees(j0 + j); }
-        let s = select(sv(MASKED), score(kr + j * ks), seen);
-        sc[j] = s;
-        mb = max(mb, s);
-    }
-    let corr = exp(m_run - mb);
-    l_run *= corr;
-    acc_scale(corr);
-    for (var j = 0u; j < nb; j++) {
-        let pj = exp(sc[j] - mb);
-        l_run += pj;
-        acc_add(pj, vr + j * vs);
-    }
-    m_run = mb;
-}
+fn key_row(b: KeyBlock, j: u32) -> u32 { return b.kr + j * b.ks; }
+fn value_row(b: KeyBlock, j: u32) -> u32 { return b.vr + j * b.vs; }
 
 // Folds keys [j_start, n) (key j at kc[kb + j*ks], value at vc[vb + j*vs]) into (m_run, l_run, acc)
 // in blocks of BLK; keys j < lo or j >= lim are masked out. j_start and n are the same for all lanes
@@ -146,7 +99,7 @@ fn attend(kb: u32, ks: u32, vb: u32, vs: u32, j_start: u32, n: u32, lo: u32, lim
     loop {
         if (j0 >= n) { break; }
         let nb = min(BLK, n - j0);
-        fold_block(j0, nb, lo, lim, kb + j0 * ks, ks, vb + j0 * vs, vs);
+        fold_block(j0, nb, lo, lim, j0, KeyBlock(kb + j0 * ks, ks, vb + j0 * vs, vs));
         j0 += nb;
     }
 }
@@ -165,71 +118,41 @@ fn attend_ring(kb: u32, vb: u32, qb: u32, sb: u32, j0: u32, n: u32) {
 }
 
 // outputs g in [g_lo, G) are stored at ob + g*os
-fn out_at(g: u32, d: u32) -> act4 {
-    // an empty key range (a length-0 sequence) gives zeros rather than 0/0; sinks join the sum
-    let l = sv_get(l_run, g) + sink_l(sink_h0 + g, sv_get(m_run, g));
-    return act4(acc_get(g, d) * select(0.0, 1.0 / l, l > 0.0));
-}
-
 fn store_out(ob: u32, os: u32, g_lo: u32) {
     for (var g = g_lo; g < G; g++) {
         for (var d = 0u; d < D4; d++) { out[ob + g * os + d] = out_at(g, d); }
     }
 }
 
-// partials of heads h0 .. h0+G-1 of row t for split s
-fn store_partial(t: u32, h0: u32, s: u32) {
-    for (var g = 0u; g < G; g++) {
-        let pb = ((t * p.hq + h0 + g) * p.n_splits + s) * (D4 + 1u);
-        for (var d = 0u; d < D4; d++) { part[pb + d] = acc_get(g, d); }
-        part[pb + D4] = vec4<f32>(sv_get(m_run, g), sv_get(l_run, g), 0.0, 0.0);
-    }
-}
-
-fn live_rows() -> u32 {
-    let n_new = step[1];
-    return select(p.rows, min(p.rows, n_new), n_new != 0u);
-}
-
 @compute @workgroup_size(64)
 fn attn_causal(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                @builtin(local_invocation_index) lid: u32) {
-    let wg = wid.y * nwg.x + wid.x;
-    let n_hg = p.hq / G;                         // head groups of G
-    let h0 = (wg % n_hg) * G;
-    sink_h0 = h0;
-    let t0 = (wg / n_hg) * WG;
-    let rows = live_rows();
-    if (t0 >= rows) { return; }
-    let t = min(t0 + lid, rows - 1u);            // spare lanes redo the last row, never store
-    let pos0 = step[0];
-    let n_wg = min(pos0 + min(t0 + WG, rows), p.ctx);   // keys of the block's last query
-    let qb = p.qkv_off + (t * p.heads + h0) * D4;
-    let cb = (h0 / p.group) * p.ctx * D4;
+    let c = causal_block(wid, nwg, p.rows, p.ctx);
+    if (c.t0 >= c.rows) { return; }
+    let t = min(c.t0 + lid, c.rows - 1u);        // spare lanes redo the last row, never store
+    let qb = p.qkv_off + (t * p.heads + c.h0) * D4;
+    let cb = (c.h0 / p.group) * p.ctx * D4;
     if (RING) {
-        r_pos = pos0 + t;
-        r_last = pos0 + rows - 1u;
-        attend_ring(p.kc_off + cb, p.vc_off + cb, qb, (t * p.hq + h0) * D4, 0u, n_wg);
+        r_pos = c.pos0 + t;
+        r_last = c.pos0 + c.rows - 1u;
+        attend_ring(p.kc_off + cb, p.vc_off + cb, qb, (t * p.hq + c.h0) * D4, 0u, c.n_wg);
     } else {
         load_q(qb, D4);
-        let j_start = (window_lo(pos0 + t0) / BLK) * BLK;      // the block's first query sees the most
-        let lim = min(pos0 + t + 1u, p.ctx);
-        attend(p.kc_off + cb, D4, p.vc_off + cb, D4, j_start, n_wg, window_lo(pos0 + t), lim);
+        let j_start = (window_lo(c.pos0 + c.t0) / BLK) * BLK;  // the block's first query sees the most
+        let lim = min(c.pos0 + t + 1u, p.ctx);
+        attend(p.kc_off + cb, D4, p.vc_off + cb, D4, j_start, c.n_wg, window_lo(c.pos0 + t), lim);
     }
-    if (t0 + lid < rows) { store_out(p.out_off + (t * p.hq + h0) * D4, D4, 0u); }
+    if (c.t0 + lid < c.rows) { store_out(p.out_off + (t * p.hq + c.h0) * D4, D4, 0u); }
 }
 
 @compute @workgroup_size(SWG)
 fn attn_split(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
               @builtin(local_invocation_index) lid: u32) {
-    let i = (wid.y * nwg.x + wid.x) * SWG + lid;
-    let n_hg = p.hq / G;                     // head groups of G
-    let per_row = p.n_splits * n_hg;
-    let t = i / per_row;
-    if (t >= p.rows) { return; }
-    let s = (i % per_row) / n_hg;
-    let h0 = (i % n_hg) * G;
-    sink_h0 = h0;
+    let lane = split_lane(wid, nwg, lid);
+    if (lane.q >= p.rows) { return; }
+    let t = lane.q;
+    let s = lane.s;
+    let h0 = lane.h0;
     let pos = step[0] + t;
     let n_keys = min(pos + 1u, p.ctx);
     let lo = window_lo(pos);
@@ -237,7 +160,7 @@ fn attn_split(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nw
     let hb = (h0 / p.group) * p.ctx * D4;    // the kv head's rows
     if (RING) {
         r_pos = pos;
-        r_last = step[0] + live_rows() - 1u;
+        r_last = step[0] + live_rows(p.rows) - 1u;
     }
     if (n_keys <= p.short_keys) {            // this row's short form (attn_decode1's lane)
         if (s != 0u) { return; }
@@ -247,10 +170,7 @@ fn attn_split(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nw
             load_q(qb, D4);
             attend(p.kc_off + hb, D4, p.vc_off + hb, D4, (lo / BLK) * BLK, n_keys, lo, n_keys);
         }
-        let ob = p.out_off + (t * p.hq + h0) * D4;
-        for (var g = 0u; g < G; g++) {
-            for (var d = 0u; d < D4; d++) { out_s[ob + g * D4 + d] = out_at(g, d); }
-        }
+        store_short(p.out_off + (t * p.hq + h0) * D4);
         return;
     }
     let k0 = s * p.chunk;
@@ -304,20 +224,7 @@ fn attn_combine(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
     if (n_keys <= p.short_keys) { return; }
     let n_act = (n_keys + p.chunk - 1u) / p.chunk;
     let s_lo = window_lo(pos) / p.chunk;         // splits before the window wrote nothing
-    let stride = D4 + 1u;
-    let hb = (t * p.hq + h) * p.n_splits * stride;
-    var mx = -3.0e38;
-    for (var s = s_lo; s < n_act; s++) { mx = max(mx, part_in[hb + s * stride + D4].x); }
-    var l = 0.0;
-    var o = vec4<f32>(0.0);
-    for (var s = s_lo; s < n_act; s++) {
-        let ml = part_in[hb + s * stride + D4];
-        let w = exp(ml.x - mx);
-        l += w * ml.y;
-        o += w * part_in[hb + s * stride + d];
-    }
-    l += sink_l(h, mx);
-    out_c[p.out_off + (t * p.hq + h) * D4 + d] = act4(o / l);
+    out_c[p.out_off + (t * p.hq + h) * D4 + d] = combine_splits(t, h, d, s_lo, n_act);
 }
 
 @compute @workgroup_size(SWG)

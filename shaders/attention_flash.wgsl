@@ -6,8 +6,8 @@
 // dispatch nblk*Hq/G workgroups of 64 (as attn_causal).
 //
 // The host prepends nn._attn_header with its key / value reads pointed at `ksh` / `vsh` (f32, row
-// j of a block at j * D4) and attention.wgsl (Params, bindings, window_lo, fold_block, store_out,
-// live_rows, BLK, WG).
+// j of a block at j * D4) and attention.wgsl (Params, bindings, store_out; attention_common.wgsl's
+// causal_block, window_lo, fold_block, BLK, WG).
 
 var<workgroup> ksh: array<vec4<f32>, BLK * D4>;   // (BLK, D4): keys j0 .. j0 + BLK - 1 of one kv head
 var<workgroup> vsh: array<vec4<f32>, BLK * D4>;   // (BLK, D4): their values
@@ -15,21 +15,15 @@ var<workgroup> vsh: array<vec4<f32>, BLK * D4>;   // (BLK, D4): their values
 @compute @workgroup_size(64)
 fn attn_flash(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
               @builtin(local_invocation_index) lid: u32) {
-    let wg = wid.y * nwg.x + wid.x;
-    let n_hg = p.hq / G;                         // head groups of G
-    let h0 = (wg % n_hg) * G;
-    sink_h0 = h0;
-    let t0 = (wg / n_hg) * WG;
-    let rows = live_rows();
-    if (t0 >= rows) { return; }                  // the whole workgroup: barriers stay uniform
-    let t = min(t0 + lid, rows - 1u);            // spare lanes redo the last row, never store
-    let pos0 = step[0];
-    let n_wg = min(pos0 + min(t0 + WG, rows), p.ctx);   // keys of the block's last query
-    load_q(p.qkv_off + (t * p.heads + h0) * D4, D4);
-    let cb = (h0 / p.group) * p.ctx * D4;
-    let lo = window_lo(pos0 + t);
-    let lim = min(pos0 + t + 1u, p.ctx);
-    for (var j0 = (window_lo(pos0 + t0) / BLK) * BLK; j0 < n_wg; j0 += BLK) {
+    let c = causal_block(wid, nwg, p.rows, p.ctx);
+    if (c.t0 >= c.rows) { return; }              // the whole workgroup: barriers stay uniform
+    let t = min(c.t0 + lid, c.rows - 1u);        // spare lanes redo the last row, never store
+    let n_wg = c.n_wg;
+    load_q(p.qkv_off + (t * p.heads + c.h0) * D4, D4);
+    let cb = (c.h0 / p.group) * p.ctx * D4;
+    let lo = window_lo(c.pos0 + t);
+    let lim = min(c.pos0 + t + 1u, p.ctx);
+    for (var j0 = (window_lo(c.pos0 + c.t0) / BLK) * BLK; j0 < n_wg; j0 += BLK) {
         let nb = min(BLK, n_wg - j0);
         for (var e = lid; e < BLK * D4; e += WG) {
             let r = cb + min(j0 + e / D4, n_wg - 1u) * D4 + e % D4;
@@ -37,8 +31,8 @@ fn attn_flash(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nw
             vsh[e] = vc_at(p.vc_off + r);
         }
         workgroupBarrier();
-        fold_block(j0, nb, lo, lim, 0u, D4, 0u, D4);    // the staged keys j0 + j at row j
+        fold_block(j0, nb, lo, lim, j0, KeyBlock(0u, D4, 0u, D4));   // the staged keys j0 + j at row j
         workgroupBarrier();
     }
-    if (t0 + lid < rows) { store_out(p.out_off + (t * p.hq + h0) * D4, D4, 0u); }
+    if (c.t0 + lid < c.rows) { store_out(p.out_off + (t * p.hq + c.h0) * D4, D4, 0u); }
 }

@@ -2,9 +2,10 @@
 // each (n_blocks, BS, Hkv, D); sequence q's key j sits in block tables[q][j / BS] at row j % BS.
 // Same arithmetic as attention.wgsl (f32 online softmax, keys folded in 16-key blocks, G heads of one
 // kv head per lane, sliding window and soft-cap), so a sequence's result does not depend on where
-// its blocks are. The host header (kernels/nn.py _attn_header) supplies D4, G, SWG, sv, load_q, qk,
-// acc_scale, acc_add, acc_get; BS (block size), HAS_WINDOW and HAS_CAP are header constants (kernels
-// without a window or a cap compile without their checks).
+// its blocks are. The host header (kernels/attention.py _attn_header) supplies D4, G, SWG, sv, load_q,
+// qk, acc_scale, acc_add, acc_get and attention_common.wgsl (WG, BLK, m_run / l_run, window_lo, score,
+// ring_sees, fold_block, out_at, store_partial, combine_splits); BS (block size), WINDOWED and CAPPED are header
+// constants (kernels without a window or a cap compile without their checks).
 //   paged_kv_write: kw/vw[slots[t]] = the k/v heads of qkv row t (after RoPE); slot = block*BS + offset,
 //                   0xffffffff skips the row. Lane per (t, kv head of k or v, d4); dispatch T*2Hkv*D4.
 //   paged_split:    ragged decode, flash-decoding: sequence q (one query row, qkv row q) at position
@@ -75,51 +76,32 @@ struct Params {
 @group(0) @binding(2) var<storage, read_write> part_in: array<vec4<f32>>;
 @group(0) @binding(3) var<storage, read_write> out_c: array<act4>;
 
-const WG: u32 = 64u;
-const BLK: u32 = 16u;
-const MASKED: f32 = -1.0e30;
-
-var<private> m_run: sv;
-var<private> l_run: sv;
-var<private> r_pos: u32;        // RING: the query's position
-var<private> r_last: u32;       // RING: the forward's last position (the newest row of the table)
-
-fn flat(wid: vec3<u32>, nwg: vec3<u32>, lid: u32) -> u32 {
-    return (wid.y * nwg.x + wid.x) * WG + lid;
-}
-
-fn window_lo(pos: u32) -> u32 {
-    if (!HAS_WINDOW) { return 0u; }
-    return select(0u, pos + 1u - p.window, p.window > 0u && pos + 1u > p.window);
-}
-
-fn score(kr: u32) -> sv {
-    let s = qk(kr);
-    if (HAS_CAP) { return p.softcap * tanh(s / p.softcap); }
-    return s;
-}
-
-// RING: whether the query at r_pos sees table row j (attention.wgsl's ring_sees over cap rows)
-fn ring_sees(j: u32) -> bool {
-    let cap = p.max_blocks * BS;
-    var kp = j;
-    if (r_last >= cap && j >= SINKS) {
-        let r = cap - SINKS;
-        kp = r_last - (SINKS + (r_last - SINKS) % r + r - j) % r;
-    }
-    return kp <= r_pos && (kp < SINKS || kp + RING_W >= r_pos + SINKS);
+// RING: a sequence's table rows (ring_sees)
+fn ring_cap() -> u32 {
+    return p.max_blocks * BS;
 }
 
 // pool row (act4 units, before kc_off / vc_off) of key j of kv head hk, table at tables[tb]
-fn key_row(tb: u32, hk: u32, j: u32) -> u32 {
+fn table_row(tb: u32, hk: u32, j: u32) -> u32 {
     let blk = tables[tb + j / BS];
     return ((blk * BS + j % BS) * p.hkv + hk) * D4;
 }
 
+// A block of keys from key `first` of kv head hk (table at tables[tb]) for attention_common.wgsl's
+// fold_block: where it lies in one pool block (`one`: always, for block-aligned starts when BS is a
+// multiple of BLK) key j is pool row r0 + j*rs after one table lookup, else each key is looked up;
+// the rows are the same either way, so is the arithmetic.
+struct KeyBlock { one: bool, r0: u32, rs: u32, tb: u32, hk: u32, first: u32 }
+
+fn pool_row(b: KeyBlock, j: u32) -> u32 {
+    if (b.one) { return b.r0 + j * b.rs; }
+    return table_row(b.tb, b.hk, b.first + j);
+}
+fn key_row(b: KeyBlock, j: u32) -> u32 { return p.kc_off + pool_row(b, j); }
+fn value_row(b: KeyBlock, j: u32) -> u32 { return p.vc_off + pool_row(b, j); }
+
 // attention.wgsl's attend with keys base + j looked up through the table: folds keys j in
-// [j_start, n) into (m_run, l_run, acc), masking j < lo and j >= lim. A block of BLK keys that lies
-// in one pool block (always, for block-aligned starts when BS is a multiple of BLK) takes one table
-// lookup; the rows are the same either way, so is the arithmetic.
+// [j_start, n) into (m_run, l_run, acc), masking j < lo and j >= lim.
 fn attend(tb: u32, hk: u32, base: u32, j_start: u32, n: u32, lo: u32, lim: u32) {
     var j0 = j_start;
     let rs = p.hkv * D4;                          // pool rows between consecutive keys of a block
@@ -127,38 +109,12 @@ fn attend(tb: u32, hk: u32, base: u32, j_start: u32, n: u32, lo: u32, lim: u32) 
         if (j0 >= n) { break; }
         let nb = min(BLK, n - j0);
         let first = base + j0;
-        var rows: array<u32, BLK>;
-        if (first % BS + nb <= BS) {
-            let r0 = key_row(tb, hk, first);
-            for (var j = 0u; j < nb; j++) { rows[j] = r0 + j * rs; }
-        } else {
-            for (var j = 0u; j < nb; j++) { rows[j] = key_row(tb, hk, first + j); }
-        }
-        var sc: array<sv, BLK>;
-        var mb = m_run;
-        for (var j = 0u; j < nb; j++) {
-            var seen = j0 + j < lim && (!HAS_WINDOW || j0 + j >= lo);
-            if (RING) { seen = ring_sees(first + j); }
-            let s = select(sv(MASKED), score(p.kc_off + rows[j]), seen);
-            sc[j] = s;
-            mb = max(mb, s);
-        }
-        let corr = exp(m_run - mb);
-        l_run *= corr;
-        acc_scale(corr);
-        for (var j = 0u; j < nb; j++) {
-            let pj = exp(sc[j] - mb);
-            l_run += pj;
-            acc_add(pj, p.vc_off + rows[j]);
-        }
-        m_run = mb;
+        let one = first % BS + nb <= BS;
+        var r0 = 0u;
+        if (one) { r0 = table_row(tb, hk, first); }
+        fold_block(j0, nb, lo, lim, first, KeyBlock(one, r0, rs, tb, hk, first));
         j0 += nb;
     }
-}
-
-fn out_at(g: u32, d: u32) -> act4 {
-    let l = sv_get(l_run, g) + sink_l(sink_h0 + g, sv_get(m_run, g));   // sinks: attention.wgsl
-    return act4(acc_get(g, d) * select(0.0, 1.0 / l, l > 0.0));
 }
 
 fn store_out(ob: u32, os: u32) {
@@ -192,14 +148,6 @@ fn attend_all(q: u32, h0: u32, n_keys: u32) {
     attend(p.tab_off + q * p.max_blocks, h0 / p.group, 0u, (lo / BLK) * BLK, n_keys, lo, n_keys);
 }
 
-fn store_partial(q: u32, h0: u32, s: u32) {
-    for (var g = 0u; g < G; g++) {
-        let pb = ((q * p.hq + h0 + g) * p.n_splits + s) * (D4 + 1u);
-        for (var d = 0u; d < D4; d++) { part[pb + d] = acc_get(g, d); }
-        part[pb + D4] = vec4<f32>(sv_get(m_run, g), sv_get(l_run, g), 0.0, 0.0);
-    }
-}
-
 fn seq_keys(q: u32) -> u32 {
     return min(lens[p.idx_off + q], p.max_blocks * BS);
 }
@@ -225,14 +173,9 @@ fn paged_kv_write(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups
 @compute @workgroup_size(SWG)
 fn paged_split(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                @builtin(local_invocation_index) lid: u32) {
-    let i = (wid.y * nwg.x + wid.x) * SWG + lid;
-    let n_hg = p.hq / G;
-    let per_seq = p.n_splits * n_hg;
-    let q = i / per_seq;
+    let lane = split_lane(wid, nwg, lid);
+    let q = lane.q;
     if (q >= p.n_seq) { return; }
-    let s = (i % per_seq) / n_hg;
-    let h0 = (i % n_hg) * G;
-    sink_h0 = h0;
     let n_keys = seq_keys(q);
     if (n_keys == 0u) { return; }
     if (RING) {
@@ -240,27 +183,24 @@ fn paged_split(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
         r_last = r_pos;
     }
     if (n_keys <= p.short_keys) {
-        if (s != 0u) { return; }
-        attend_all(q, h0, n_keys);
-        let ob = p.out_off + (q * p.hq + h0) * D4;
-        for (var g = 0u; g < G; g++) {
-            for (var d = 0u; d < D4; d++) { out_s[ob + g * D4 + d] = out_at(g, d); }
-        }
+        if (lane.s != 0u) { return; }
+        attend_all(q, lane.h0, n_keys);
+        store_short(p.out_off + (q * p.hq + lane.h0) * D4);
         return;
     }
     let lo = window_lo(n_keys - 1u);
-    let k0 = s * p.chunk;
+    let k0 = lane.s * p.chunk;
     if (k0 >= n_keys || k0 + p.chunk <= lo) { return; }
     if (RING) {
-        attend_ring(p.tab_off + q * p.max_blocks, h0 / p.group, p.qkv_off + (q * p.heads + h0) * D4,
-                    (q * p.hq + h0) * D4, k0, min(k0 + p.chunk, n_keys));
-        store_partial(q, h0, s);
+        attend_ring(p.tab_off + q * p.max_blocks, lane.h0 / p.group, p.qkv_off + (q * p.heads + lane.h0) * D4,
+                    (q * p.hq + lane.h0) * D4, k0, min(k0 + p.chunk, n_keys));
+        store_partial(q, lane.h0, lane.s);
         return;
     }
-    load_q(p.qkv_off + (q * p.heads + h0) * D4, D4);
+    load_q(p.qkv_off + (q * p.heads + lane.h0) * D4, D4);
     let n = min(p.chunk, n_keys - k0);
-    attend(p.tab_off + q * p.max_blocks, h0 / p.group, k0, 0u, n, max(lo, k0) - k0, n);
-    store_partial(q, h0, s);
+    attend(p.tab_off + q * p.max_blocks, lane.h0 / p.group, k0, 0u, n, max(lo, k0) - k0, n);
+    store_partial(q, lane.h0, lane.s);
 }
 
 @compute @workgroup_size(64)
@@ -275,47 +215,26 @@ fn paged_combine(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups)
     if (n_keys == 0u || n_keys <= p.short_keys) { return; }
     let n_act = (n_keys + p.chunk - 1u) / p.chunk;
     let s_lo = window_lo(n_keys - 1u) / p.chunk;   // splits before the window wrote nothing
-    let stride = D4 + 1u;
-    let hb = (q * p.hq + h) * p.n_splits * stride;
-    var mx = -3.0e38;
-    for (var s = s_lo; s < n_act; s++) { mx = max(mx, part_in[hb + s * stride + D4].x); }
-    var l = 0.0;
-    var o = vec4<f32>(0.0);
-    for (var s = s_lo; s < n_act; s++) {
-        let ml = part_in[hb + s * stride + D4];
-        let w = exp(ml.x - mx);
-        l += w * ml.y;
-        o += w * part_in[hb + s * stride + d];
-    }
-    l += sink_l(h, mx);
-    out_c[p.out_off + (q * p.hq + h) * D4 + d] = act4(o / l);
+    out_c[p.out_off + (q * p.hq + h) * D4 + d] = combine_splits(q, h, d, s_lo, n_act);
 }
 
 @compute @workgroup_size(64)
 fn paged_causal(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                 @builtin(local_invocation_index) lid: u32) {
-    let wg = wid.y * nwg.x + wid.x;
-    let n_hg = p.hq / G;
-    let h0 = (wg % n_hg) * G;
-    sink_h0 = h0;
-    let t0 = (wg / n_hg) * WG;
-    let n_new = step[1];
-    let rows = select(p.n_seq, min(p.n_seq, n_new), n_new != 0u);
-    if (t0 >= rows) { return; }
-    let t = min(t0 + lid, rows - 1u);            // spare lanes redo the last row, never store
-    let pos0 = step[0];
     let cap = p.max_blocks * BS;
-    let n_wg = min(pos0 + min(t0 + WG, rows), cap);
+    let c = causal_block(wid, nwg, p.n_seq, cap);
+    if (c.t0 >= c.rows) { return; }
+    let t = min(c.t0 + lid, c.rows - 1u);        // spare lanes redo the last row, never store
+    let h0 = c.h0;
     if (RING) {
-        r_pos = pos0 + t;
-        r_last = pos0 + rows - 1u;
-        attend_ring(p.tab_off, h0 / p.group, p.qkv_off + (t * p.heads + h0) * D4, (t * p.hq + h0) * D4, 0u, n_wg);
-        if (t0 + lid < rows) { store_out(p.out_off + (t * p.hq + h0) * D4, D4); }
-        return;
+        r_pos = c.pos0 + t;
+        r_last = c.pos0 + c.rows - 1u;
+        attend_ring(p.tab_off, h0 / p.group, p.qkv_off + (t * p.heads + h0) * D4, (t * p.hq + h0) * D4, 0u, c.n_wg);
+    } else {
+        load_q(p.qkv_off + (t * p.heads + h0) * D4, D4);
+        let j_start = (window_lo(c.pos0 + c.t0) / BLK) * BLK;
+        let lim = key_end(t, min(c.pos0 + t + 1u, cap), cap);
+        attend(p.tab_off, h0 / p.group, 0u, j_start, max(c.n_wg, lim), window_lo(c.pos0 + t), lim);
     }
-    load_q(p.qkv_off + (t * p.heads + h0) * D4, D4);
-    let j_start = (window_lo(pos0 + t0) / BLK) * BLK;
-    let lim = key_end(t, min(pos0 + t + 1u, cap), cap);
-    attend(p.tab_off, h0 / p.group, 0u, j_start, max(n_wg, lim), window_lo(pos0 + t), lim);
-    if (t0 + lid < rows) { store_out(p.out_off + (t * p.hq + h0) * D4, D4); }
+    if (c.t0 + lid < c.rows) { store_out(p.out_off + (t * p.hq + h0) * D4, D4); }
 }

@@ -32,9 +32,7 @@ struct MatmulParams {
 }
 
 @group(0) @binding(0) var<uniform> P: MatmulParams;
-@group(0) @binding(1) var<storage, read> x: array<xword>;       // (T, K/4) as xword (see xget)
-@group(0) @binding(3) var<storage, read_write> y: array<act>;   // (T, N)
-@group(0) @binding(4) var<storage, read> bias: array<f32>;      // (N)
+// x (binding 1), y (3), bias (4) and `store`: matmul_io.wgsl, which the host appends to this text
 
 fn xchunk(xb: u32) -> XChunk {
     var v: array<vec4<f32>, 8>;
@@ -75,16 +73,6 @@ fn tail(base: u32, xr: u32) -> f32 {
     return dot(acc, vec4<f32>(1.0));
 }
 
-fn store(t: u32, r: u32, sum: f32) {
-    if (t >= P.T || r >= P.rows) { return; }
-    let n = P.n0 + r;
-    var v = sum;
-    if ((P.flags & 1u) != 0u) { v += bias[P.b_off + n]; }
-    let o = P.y_off + t * P.y_stride + n;
-    if ((P.flags & 2u) != 0u) { v += f32(y[o]); }
-    y[o] = act(v);
-}
-
 // The sums of RR weight rows r0.. (r0 < rows) with activation row t.
 fn row_sums(r0: u32, t: u32) -> vec4<f32> {
     let last = P.rows - 1u;         // rows past the end re-read the last row and are not written
@@ -123,12 +111,38 @@ fn matmul(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index
     store4(wid.y, r0, row_sums(r0, wid.y));
 }
 
+// The RR weight rows an invocation owns (from r0) and their first words b (matmul_batch.wgsl,
+// matmul_decode.wgsl). No early return (it would put every load below inside control flow): rows
+// past the end re-read the last row and are not stored.
+struct RowGroup { b: vec4<u32>, r0: u32 }
+
+fn row_group(wid: vec3<u32>, lid: u32) -> RowGroup {
+    let r0 = (wid.x * WG + lid) * RR;
+    let last = P.rows - 1u;
+    return RowGroup(vec4<u32>(min(r0, last), min(r0 + 1u, last), min(r0 + 2u, last),
+                              min(r0 + 3u, last)) * P.row_words, r0);
+}
+
+// chunk c of the RR weight rows whose first words are b, decoded once for every activation row
+struct WChunks { w0: WChunk, w1: WChunk, w2: WChunk, w3: WChunk }
+
+fn wchunks(b: vec4<u32>, c: u32) -> WChunks {
+    var d: WChunks;
+    d.w0 = wchunk(b.x, c);
+    if (RR > 1u) { d.w1 = wchunk(b.y, c); }
+    if (RR > 2u) {
+        d.w2 = wchunk(b.z, c);
+        d.w3 = wchunk(b.w, c);
+    }
+    return d;
+}
+
 // one activation row's contribution to RR weight rows: a[i] += w_i . x
-fn rows4(w0: WChunk, w1: WChunk, w2: WChunk, w3: WChunk, xc: XChunk, a: vec4<f32>) -> vec4<f32> {
+fn rows4(w: WChunks, xc: XChunk, a: vec4<f32>) -> vec4<f32> {
     var r = a;
-    r.x += cdot(w0, xc);
-    if (RR > 1u) { r.y += cdot(w1, xc); }
-    if (RR > 2u) { r.z += cdot(w2, xc); r.w += cdot(w3, xc); }
+    r.x += cdot(w.w0, xc);
+    if (RR > 1u) { r.y += cdot(w.w1, xc); }
+    if (RR > 2u) { r.z += cdot(w.w2, xc); r.w += cdot(w.w3, xc); }
     return r;
 }
 
@@ -159,16 +173,11 @@ fn tile_sums(r0: u32, t0: u32) -> array<vec4<f32>, 4> {
     var a3 = vec4<f32>(0.0);
     for (var c = 0u; c < P.nchunks; c++) {
         let o = c * 8u;
-        let w0 = wchunk(b0, c);
-        var w1 = w0;
-        var w2 = w0;
-        var w3 = w0;
-        if (RR > 1u) { w1 = wchunk(b1, c); }
-        if (RR > 2u) { w2 = wchunk(b2, c); w3 = wchunk(b3, c); }
-        a0 = rows4(w0, w1, w2, w3, xchunk(x0 + o), a0);
-        a1 = rows4(w0, w1, w2, w3, xchunk(x1 + o), a1);
-        a2 = rows4(w0, w1, w2, w3, xchunk(x2 + o), a2);
-        a3 = rows4(w0, w1, w2, w3, xchunk(x3 + o), a3);
+        let w = wchunks(vec4<u32>(b0, b1, b2, b3), c);
+        a0 = rows4(w, xchunk(x0 + o), a0);
+        a1 = rows4(w, xchunk(x1 + o), a1);
+        a2 = rows4(w, xchunk(x2 + o), a2);
+        a3 = rows4(w, xchunk(x3 + o), a3);
     }
     if (P.k4 > P.nchunks * 8u) {
         a0 += vec4<f32>(tail(b0, x0), tail(b1, x0), tail(b2, x0), tail(b3, x0));

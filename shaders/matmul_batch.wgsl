@@ -16,33 +16,16 @@
 // tail, so a row's result does not depend on what else is in the batch, and is the one it gets
 // alone wherever the compiler contracts both kernels' arithmetic alike.
 //
-// Built after matmul.wgsl (WChunk, XChunk, xchunk, cdot, tail, store, P and the x / y / bias
-// bindings) and before one weight file. The host adds consts XR0.. (x row offsets in xword units)
-// and generates the entry point `matmul_batch`: bat_rows, then a loop over the chunks c with the RR
-// decodes and T x RR `cdot`s, then bat_tail (K % 32 != 0) and bat_store per activation row.
-
-// the RR weight rows' first words; rows past the end re-read the last row and are not stored
-// (no early return: every load would sit inside control flow)
-struct BatRows { b: vec4<u32>, r0: u32 }
-
-fn bat_rows(wid: vec3<u32>, lid: u32) -> BatRows {
-    let r0 = (wid.x * WG + lid) * RR;
-    let last = P.rows - 1u;
-    return BatRows(vec4<u32>(min(r0, last), min(r0 + 1u, last), min(r0 + 2u, last),
-                             min(r0 + 3u, last)) * P.row_words, r0);
-}
+// Built after matmul.wgsl (WChunk, XChunk, xchunk, cdot, tail, row_group, store4, P; matmul_io.wgsl's
+// x / y / bias bindings and store) and before one weight file. The host adds consts XR0.. (x row offsets in xword units)
+// and generates the entry point `matmul_batch`: matmul.wgsl's row_group, then a loop over the chunks
+// c with the RR decodes and T x RR `cdot`s, then bat_tail (K % 32 != 0) and store4 per activation row.
 
 // the K % 32 tail of float weights for the RR rows and the x row starting at xr
-fn bat_tail(rows: BatRows, xr: u32, a: vec4<f32>) -> vec4<f32> {
+fn bat_tail(rows: RowGroup, xr: u32, a: vec4<f32>) -> vec4<f32> {
     var s = a;
     s.x += tail(rows.b.x, xr);
     if (RR > 1u) { s.y += tail(rows.b.y, xr); }
     if (RR > 2u) { s.z += tail(rows.b.z, xr); s.w += tail(rows.b.w, xr); }
     return s;
-}
-
-fn bat_store(t: u32, rows: BatRows, a: vec4<f32>) {
-    store(t, rows.r0, a.x);
-    if (RR > 1u) { store(t, rows.r0 + 1u, a.y); }
-    if (RR > 2u) { store(t, rows.r0 + 2u, a.z); store(t, rows.r0 + 3u, a.w); }
 }

@@ -12,29 +12,21 @@
 // word is one scalar load broadcast to all lanes, so only the weight words cost per-lane loads.
 // Several activation rows (continuous batching: one row per sequence's decode step): the host
 // unrolls the rows too, row t's x (and pnorm partials) at its own constant offset; each weight chunk
-// is decoded once (dec_w) for every row, and each row's sums are made exactly as the one-row kernel
-// makes them (same calls, same order), so a row's result does not depend on how many rows run.
-// Built after matmul.wgsl (WChunk, XChunk, xget, cdot, store, P, x/y/bias bindings) and before the
+// is decoded once (matmul.wgsl wchunks) for every row, and each row's sums are made exactly as the
+// one-row kernel makes them (same calls, same order), so a row's result does not depend on how many
+// rows run.
+// Built after matmul.wgsl (WChunk, XChunk, xget, cdot, row_group, wchunks, rows4, store4, P; the
+// x / y / bias bindings and store of matmul_io.wgsl) and before the
 // weight's reader (codegen.weight_source). The host header adds the consts XOFF (x offset in xword units), NF (F / 4
 // for silu), GOFF (g offset in vec4 units), EPS, and the generated entry point `matmul_decode`,
-// which calls dec_rows, then per chunk c = 0 .. K/32 - 1 dec_w and per row dec_step(..., dec_x*(xo_t, c)),
+// which calls row_group, then per chunk c = 0 .. K/32 - 1 wchunks and per row dec_step(..., dec_x*(xo_t, c)),
 // then dec_end per row.
 // dispatch (ceil(rows / (WG * RR)), 1, 1), workgroup WG
 
 @group(0) @binding(5) var<storage, read> g: array<vec4<f32>>;   // (K/4) RMSNorm weight (norm mode);
                                                                 // (K/16) partial sums (pnorm mode)
 
-struct DecRows { b: vec4<u32>, r0: u32 }
 struct DecAcc { a: vec4<f32>, ss: f32 }
-
-fn dec_rows(wid: vec3<u32>, lid: u32) -> DecRows {
-    // No early return (it would put every load below inside control flow): rows past the end
-    // re-read the last row and are not stored.
-    let r0 = (wid.x * WG + lid) * RR;
-    let last = P.rows - 1u;
-    return DecRows(vec4<u32>(min(r0, last), min(r0 + 1u, last), min(r0 + 2u, last),
-                             min(r0 + 3u, last)) * P.row_words, r0);
-}
 
 fn xc_of(v: array<vec4<f32>, 8>) -> XChunk {
     let lo = (v[0] + v[1]) + (v[2] + v[3]);
@@ -97,34 +89,10 @@ fn dec_xs(xo: u32, c: u32) -> XChunk {   // act(gate) * up
     return xc_of(v);
 }
 
-// chunk c of the invocation's RR weight rows, decoded once for every activation row
-struct DecW { w0: WChunk, w1: WChunk, w2: WChunk, w3: WChunk }
-
-fn dec_w(rows: DecRows, c: u32) -> DecW {
-    var d: DecW;
-    d.w0 = wchunk(rows.b.x, c);
-    if (RR > 1u) { d.w1 = wchunk(rows.b.y, c); }
-    if (RR > 2u) {
-        d.w2 = wchunk(rows.b.z, c);
-        d.w3 = wchunk(rows.b.w, c);
-    }
-    return d;
+fn dec_step(acc: DecAcc, d: WChunks, xc: XChunk) -> DecAcc {
+    return DecAcc(rows4(d, xc, acc.a), acc.ss);
 }
 
-fn dec_step(acc: DecAcc, d: DecW, xc: XChunk) -> DecAcc {
-    var a = acc.a;
-    a.x += cdot(d.w0, xc);
-    if (RR > 1u) { a.y += cdot(d.w1, xc); }
-    if (RR > 2u) {
-        a.z += cdot(d.w2, xc);
-        a.w += cdot(d.w3, xc);
-    }
-    return DecAcc(a, acc.ss);
-}
-
-fn dec_end(t: u32, rows: DecRows, acc: DecAcc, scale: f32) {
-    let a = acc.a * scale;
-    store(t, rows.r0, a.x);
-    if (RR > 1u) { store(t, rows.r0 + 1u, a.y); }
-    if (RR > 2u) { store(t, rows.r0 + 2u, a.z); store(t, rows.r0 + 3u, a.w); }
+fn dec_end(t: u32, rows: RowGroup, acc: DecAcc, scale: f32) {
+    store4(t, rows.r0, acc.a * scale);
 }

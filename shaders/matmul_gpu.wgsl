@@ -6,7 +6,8 @@
 // The host prepends the activation header, consts WG (invocations per workgroup), RR (weight rows
 // per row group: 1, 2 or 4), LN (lanes per row group, a power of two dividing WG), TT (activation
 // rows held: 1, 2, 4 or 8; rows past T re-read row T - 1 and are not stored), `xword` / `xget`,
-// `wmap4`, and matmul.wgsl (MatmulParams, bindings 0, 1, 3, 4, WChunk, xchunk, cdot, store, rows4);
+// `wmap4`, and matmul.wgsl (MatmulParams, WChunk, xchunk, cdot, wchunks, rows4; matmul_io.wgsl's
+// bindings 1, 3, 4 and store);
 // then this file and the reduction (`gpu_reduce_store`: matmul_gpu_wg.wgsl through workgroup memory
 // or matmul_gpu_sg.wgsl through subgroup shuffles); the weight type's file follows (binding 2,
 // `wchunk` / `wvec4`, the same decode every kernel uses).
@@ -36,14 +37,9 @@ fn matmul_gpu(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nw
     var acc: array<vec4<f32>, TT>;          // acc[t]: activation row t with weight rows r0..r0+3
     for (var t = 0u; t < TT; t++) { acc[t] = vec4<f32>(0.0); }
     for (var c = lane; c < P.nchunks; c += LN) {
-        let w0 = wchunk(b0, c);
-        var w1 = w0;
-        var w2 = w0;
-        var w3 = w0;
-        if (RR > 1u) { w1 = wchunk(b1, c); }
-        if (RR > 2u) { w2 = wchunk(b2, c); w3 = wchunk(b3, c); }
+        let w = wchunks(vec4<u32>(b0, b1, b2, b3), c);
         for (var t = 0u; t < TT; t++) {
-            acc[t] = rows4(w0, w1, w2, w3, xchunk(P.x_off4 + min(t, lt) * k4 + c * 8u), acc[t]);
+            acc[t] = rows4(w, xchunk(P.x_off4 + min(t, lt) * k4 + c * 8u), acc[t]);
         }
     }
     // float weights with K % 32 != 0: the last K % 32 columns, 4 at a time

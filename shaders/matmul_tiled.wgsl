@@ -38,13 +38,11 @@ struct TiledParams {
 }
 
 @group(0) @binding(0) var<uniform> P: TiledParams;
-@group(0) @binding(1) var<storage, read> x: array<xword>;       // (T, K/4) as xword (see xget)
+// x (binding 1), y (3), bias (4) and `store`: matmul_io.wgsl, from the host header
 @group(0) @binding(2) var<storage, read> W: array<vec4<u32>>;   // (rows, row_words u32) GPU layout
 // vec4 word i of the row layout wherever the weight is stored (wmap4 from the host header: the
 // interleaved-span layout of copy.wgsl span_map, or identity)
 fn wv(i: u32) -> vec4<u32> { return W[wmap4(i)]; }
-@group(0) @binding(3) var<storage, read_write> y: array<act>;   // (T, N)
-@group(0) @binding(4) var<storage, read> bias: array<f32>;      // (N)
 
 var<workgroup> xs: array<vec4<f32>, 2u * TM * XR>;  // 2 x (TM, 32 KB): x tiles of two chunk groups
 var<private> a: array<f32, 32>;                 // accumulators: a[t] for activation row t0 + t
@@ -196,16 +194,6 @@ fn kstep(w: vec4<f32>, o: u32) {
     if (TM > 29u) { a[29] = mac(w, xs[o + 29u * XR], a[29]); }
     if (TM > 30u) { a[30] = mac(w, xs[o + 30u * XR], a[30]); }
     if (TM > 31u) { a[31] = mac(w, xs[o + 31u * XR], a[31]); }
-}
-
-fn store(t: u32, r: u32, sum: f32) {
-    if (t >= P.T || r >= P.rows) { return; }
-    let n = P.n0 + r;
-    var v = sum;
-    if ((P.flags & 1u) != 0u) { v += bias[P.b_off + n]; }
-    let o = P.y_off + t * P.y_stride + n;
-    if ((P.flags & 2u) != 0u) { v += f32(y[o]); }
-    y[o] = act(v);
 }
 
 // Stage the (TM, 32 KB) x tile of chunk group g into half `buf` of xs (f32; zero past K; rows past

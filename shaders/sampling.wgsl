@@ -76,6 +76,28 @@ const CAND: u32 = STAT + 16u;
 const SORT: u32 = CAND + 2u * CAP;
 const WORK: u32 = SORT + 2u * CAP;     // 16144 words: WORK_WORDS in kernels/sampling.py
 
+// The running top-n (value, id) pairs of a scan or a merge, best first (top_clear, top_insert).
+var<private> top_v: array<f32, TOPN>;
+var<private> top_i: array<u32, TOPN>;
+
+fn top_clear() {
+  for (var r = 0u; r < TOPN; r++) { top_v[r] = NEG_INF; top_i[r] = 0xffffffffu; }
+}
+
+// (x, id) is kept before kept pair j where x > top_v[j], or with `ties`, x == top_v[j] and a lower id
+// (a scan visits ids in increasing order, so strict > keeps the lower id on its own ties).
+fn top_before(x: f32, id: u32, j: u32, ties: bool) -> bool {
+  return x > top_v[j] || (ties && x == top_v[j] && id < top_i[j]);
+}
+
+// Inserts (x, id) into the first n kept pairs where it ranks among them (n <= TOPN).
+fn top_insert(x: f32, id: u32, n: u32, ties: bool) {
+  if (n == 0u || !top_before(x, id, n - 1u, ties)) { return; }
+  var j = n - 1u;
+  while (j > 0u && top_before(x, id, j - 1u, ties)) { top_v[j] = top_v[j - 1u]; top_i[j] = top_i[j - 1u]; j -= 1u; }
+  top_v[j] = x; top_i[j] = id;
+}
+
 fn pcg(v: u32) -> u32 {
   let s = v * 747796405u + 2891336453u;
   let w = ((s >> ((s >> 28u) + 4u)) ^ s) * 277803737u;
@@ -121,9 +143,7 @@ fn sample_scan(@builtin(global_invocation_id) gid: vec3<u32>) {
   var mi = 0xffffffffu;
   var rm = NEG_INF;
   let nt = p.n_top;
-  var tv: array<f32, TOPN>;
-  var ti: array<u32, TOPN>;
-  for (var r = 0u; r < TOPN; r++) { tv[r] = NEG_INF; ti[r] = 0xffffffffu; }
+  top_clear();
   for (var i = t; i < p.vocab; i += NS) {
     var z = penalized(i);
     if (sampling) { z *= p.inv_temperature; scratch[i] = z; }   // greedy needs only the argmax
@@ -131,16 +151,12 @@ fn sample_scan(@builtin(global_invocation_id) gid: vec3<u32>) {
     if (want_lp) {
       let r = f32(logits[i]);
       rm = max(rm, r);
-      if (nt > 0u && r > tv[nt - 1u]) {   // i increases along the slice: strict > keeps the lower index on ties
-        var j = nt - 1u;
-        while (j > 0u && r > tv[j - 1u]) { tv[j] = tv[j - 1u]; ti[j] = ti[j - 1u]; j -= 1u; }
-        tv[j] = r; ti[j] = i;
-      }
+      top_insert(r, i, nt, false);   // i increases along the slice
     }
   }
   let o = t * PW;
   put(o, m); work[o + 1u] = mi; put(o + 2u, rm);
-  for (var r = 0u; r < nt; r++) { put(o + 3u + r, tv[r]); work[o + 3u + TOPN + r] = ti[r]; }
+  for (var r = 0u; r < nt; r++) { put(o + 3u + r, top_v[r]); work[o + 3u + TOPN + r] = top_i[r]; }
   atomicStore(&cnt[t], 0u);
   atomicStore(&cnt[t + NS], 0u);   // NB = 2 NS
   if (t == 0u) { atomicStore(&cnt[NB], 0u); }
@@ -154,9 +170,7 @@ fn sample_merge() {
   var token = 0xffffffffu;
   var rm = NEG_INF;
   let nt = p.n_top;
-  var bv: array<f32, TOPN>;
-  var bi: array<u32, TOPN>;
-  for (var r = 0u; r < TOPN; r++) { bv[r] = NEG_INF; bi[r] = 0xffffffffu; }
+  top_clear();
   let want_lp = p.want_logprobs != 0u;
   for (var t = 0u; t < NS; t++) {
     let o = t * PW;
@@ -165,21 +179,12 @@ fn sample_merge() {
     if (v > m || (v == m && i < token)) { m = v; token = i; }
     rm = max(rm, f(o + 2u));
     if (want_lp) {
-      for (var r = 0u; r < nt; r++) {
-        let x = f(o + 3u + r); let id = work[o + 3u + TOPN + r];
-        if (x > bv[nt - 1u] || (x == bv[nt - 1u] && id < bi[nt - 1u])) {
-          var j = nt - 1u;
-          while (j > 0u && (x > bv[j - 1u] || (x == bv[j - 1u] && id < bi[j - 1u]))) {
-            bv[j] = bv[j - 1u]; bi[j] = bi[j - 1u]; j -= 1u;
-          }
-          bv[j] = x; bi[j] = id;
-        }
-      }
+      for (var r = 0u; r < nt; r++) { top_insert(f(o + 3u + r), work[o + 3u + TOPN + r], nt, true); }
     }
   }
   put(STAT, m); work[STAT + 1u] = token; put(STAT + 2u, rm);
   if (want_lp) {
-    for (var r = 0u; r < nt; r++) { io[4u + r] = bi[r]; io[TOPV + r] = bitcast<u32>(bv[r]); }
+    for (var r = 0u; r < nt; r++) { io[4u + r] = top_i[r]; io[TOPV + r] = bitcast<u32>(top_v[r]); }
   }
 }
 

@@ -39,7 +39,8 @@ def decode_geometry(dev: Device, ctx: int, n_hg: int, min_chunk: int | None, max
 def _attn_header(dt: str, head_dim: int, g: int = 1, split_wg: int = WG, packed: bool = False,
                  windowed: bool = False, capped: bool = False, kv: tuple = ("kc", "vc"),
                  quant: QuantCache | None = None, ring: Ring | None = None, sinks: bool = False) -> str:
-    """Constants plus the state of g heads unrolled into vec4 registers (see attention.wgsl).
+    """Constants plus the state of g heads unrolled into vec4 registers (see attention.wgsl), and
+    attention_common.wgsl: the online softmax's part that attention.wgsl and attention_paged.wgsl share.
     packed: f16 keys and values are read as vec4<u32> (8 halves per load; kr, vr even).
     kv: the arrays keys and values are read from (attention_flash.wgsl: its workgroup tiles).
     quant: the caches are quantised (kernels/kv_quant.py: q8_0 or q4_0, of quant.rows head rows),
@@ -118,6 +119,7 @@ def _attn_header(dt: str, head_dim: int, g: int = 1, split_wg: int = WG, packed:
     out.append("fn acc_get(g: u32, d: u32) -> vec4<f32> {\n  switch g * D4 + d {\n" + "".join(
         f"    case {c}u: {{ return {v}; }}\n" for c, v in cases[:-1])
         + f"    default: {{ return {cases[-1][1]}; }}\n  }}\n}}")
+    out.append(load_shader_source("attention_common.wgsl"))    # the online softmax's shared part
     return "\n".join(out) + "\n"
 
 

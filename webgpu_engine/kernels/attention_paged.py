@@ -95,9 +95,8 @@ def _header(dt: str, head_dim: int, g: int, swg: int, packed: bool, bs: int, win
     """nn's attention header plus the block size and whether the window / soft-cap code is compiled in.
     quant: quantised pools' block type and rows (None: act pools); sinks: per-head sink logits;
     ring: a sliding window with sinks; spans: prefill rows' image spans (binding 10), else none bound."""
-    return _attn_header(dt, head_dim, g, swg, packed and not quant, quant=quant, sinks=sinks, ring=ring) + (
-        f"const BS: u32 = {bs}u;\nconst HAS_WINDOW: bool = {str(window > 0).lower()};\n"
-        f"const HAS_CAP: bool = {str(softcap > 0).lower()};\n") + (
+    return _attn_header(dt, head_dim, g, swg, packed and not quant, windowed=window > 0, capped=softcap > 0,
+                        quant=quant, sinks=sinks, ring=ring) + f"const BS: u32 = {bs}u;\n" + (
         "@group(0) @binding(10) var<storage, read> spans: array<u32>;   // (T, 2): feature row | image end\n"
         "fn key_end(t: u32, lim: u32, cap: u32) -> u32 { return max(lim, min(spans[p.idx_off + 2u * t + 1u], cap)); }\n"
         if spans else "fn key_end(t: u32, lim: u32, cap: u32) -> u32 { return lim; }\n")

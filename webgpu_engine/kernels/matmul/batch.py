@@ -30,7 +30,7 @@ from ...gpu.shaders import load_shader_source
 from ..common import XREAD, Op, Tensor, act_header, check, wmap_header
 from ..qtypes import QTYPE
 from . import tiled
-from .codegen import weight_source
+from .codegen import row_source, weight_source
 from .dispatch import dispatch_parts, operands, row_groups
 from .layout import QWeight
 
@@ -132,7 +132,7 @@ def _source(w: QWeight, dtype: str, v: BatchVariant, T: int, x_off4: int) -> tup
              "@compute @workgroup_size(WG)",
              "fn matmul_batch(@builtin(workgroup_id) wid: vec3<u32>, "
              "@builtin(local_invocation_index) lid: u32) {",
-             "    let rows = bat_rows(wid, lid);"]
+             "    let rows = row_group(wid, lid);"]
     lines += [f"    var a{t} = vec4<f32>(0.0);" for t in range(T)]
     if nch:
         lines.append(f"    for (var c = 0u; c < {nch}u; c++) {{")
@@ -143,10 +143,10 @@ def _source(w: QWeight, dtype: str, v: BatchVariant, T: int, x_off4: int) -> tup
         lines.append("    }")
     if k4 > nch * 8:                 # float weights with K % 32 != 0
         lines += [f"    a{t} = bat_tail(rows, XR{t}, a{t});" for t in range(T)]
-    lines += [f"    bat_store({t}u, rows, a{t});" for t in range(T)]
+    lines += [f"    store4({t}u, rows.r0, a{t});" for t in range(T)]
     lines += ["}", ""]
     header = (f"{act_header(dtype)}const WG: u32 = {v.wg}u;\nconst RR: u32 = {rr}u;\n{wmap_header(w)}"
-              f"{XREAD[dtype]}{load_shader_source('matmul.wgsl')}" + "\n".join(lines))
+              f"{XREAD[dtype]}{row_source()}" + "\n".join(lines))
     file, decode = weight_source(w.qtype)
     return file, header + decode
 

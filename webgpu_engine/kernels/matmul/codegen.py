@@ -43,10 +43,15 @@ def weight_source(qtype: str, inplace: bool = False) -> tuple[str, str]:
     return f"matmul_{qtype}.wgsl", ""
 
 
+def row_source() -> str:
+    """matmul.wgsl and the activations' part it shares with matmul_tiled.wgsl (matmul_io.wgsl)."""
+    return load_shader_source("matmul.wgsl") + load_shader_source("matmul_io.wgsl")
+
+
 def weight_pipeline(dev: Device, entry: str, w: QWeight, dtype: str, wg: int, rr: int = 1, extra: str = "",
                     inplace: bool = False, y_dtype: str = ""):
     """`dtype`: the activations' (x and y), or x's where `y_dtype` gives y's (kernels/moe.py's f32 sums)."""
-    generic = load_shader_source("embedding.wgsl" if entry == "embedding" else "matmul.wgsl")
+    generic = load_shader_source("embedding.wgsl") if entry == "embedding" else row_source()
     xread = XREAD[dtype] if entry != "embedding" else ""
     file, decode = weight_source(w.qtype, inplace)
     header = (f"{act_header(y_dtype or dtype)}const WG: u32 = {wg}u;\nconst RR: u32 = {rr}u;\n{wmap_header(w)}"
@@ -191,10 +196,10 @@ def decode_source(nchunks: int, k: int, x_off4: int, mode: str, nf4: int, g_off4
              "@compute @workgroup_size(WG)",
              "fn matmul_decode(@builtin(workgroup_id) wid: vec3<u32>, "
              "@builtin(local_invocation_index) lid: u32) {",
-             "    let rows = dec_rows(wid, lid);"]
+             "    let rows = row_group(wid, lid);"]
     lines += [f"    var acc{t} = DecAcc(vec4<f32>(0.0), 0.0);" for t in range(rows.n)]
     for c in range(nchunks):
-        lines.append(f"    let d{c} = dec_w(rows, {c}u);")
+        lines.append(f"    let d{c} = wchunks(rows.b, {c}u);")
         for t in range(rows.n):
             lines.append(f"    acc{t} = dec_step(acc{t}, d{c}, {xfn}({rows.x(t)}, {c}u));")
             if mode == "norm":

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ...gpu import Device
+from ...gpu.shaders import load_shader_source
 from ..common import XREAD, Op, Tensor, act_header, check, wmap_header
 from ..qtypes import QTYPE, QTYPES
 from .codegen import dequant_source
@@ -92,7 +93,7 @@ def _pipeline(dev: Device, w: QWeight, dtype: str, kblk: int, cfg: TiledConfig):
     header = (f"{act_header(dtype)}const TM: u32 = {cfg.tm}u;\nconst WG: u32 = {cfg.wg}u;\n"
               f"const KB: u32 = {kb}u;\nconst XR: u32 = {8 * kb}u;\nconst NG: u32 = {ng}u;\n"
               f"const WA: bool = {'true' if row_words % 4 == 0 else 'false'};\n{XREAD[dtype]}{wmap_header(w, 'P.wi_full')}"
-              f"{decode}fn chunks(base: u32, t0: u32, lid: u32) {{\n{steps}}}\n")
+              f"{decode}fn chunks(base: u32, t0: u32, lid: u32) {{\n{steps}}}\n{load_shader_source('matmul_io.wgsl')}")
     return dev.pipeline("matmul_tiled.wgsl", "matmul_tiled", header=header)
 
 
