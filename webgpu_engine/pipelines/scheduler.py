@@ -347,7 +347,7 @@ class Scheduler:
             head = end == len(rec.toks) and rec.sample_at_end
             tiles = getattr(rec.handle, "tiles", None)
             if tiles:                         # its images' tiles in this chunk through the tower
-                self.pipe.vision.stage_chunk(tiles, start, end)
+                await self.pipe.vision.stage_chunk(tiles, start, end)
             batch = dev.batch()
             state = rec.slot if self.snapshots is None else self.snapshots.prefill_slots(rec.id, rec.slot, start, end)
             fwd.record_prefill(batch, rec.toks[start:end], start, pool.slots(rec.id, start, end - start),

@@ -310,10 +310,11 @@ class VisionInputs:
         unfold = getattr(fam, "patches", square_patches)
         return [unfold(cfg, cut[id(im)][j]) for *_, im, j in todo]
 
-    def _run_tower(self, runs: list, end: int | None = None) -> dict:
+    async def _run_tower(self, runs: list, end: int | None = None) -> dict:
         """The features of each (start, end, sha256, patch rows, tile) of `runs` submitted into the k-th
         slot of the features buffer: the tower's, or those kept from an earlier chunk of the tile; a tile
-        whose rows go on past `end` keeps them. {position: (feature row, the run's end)}."""
+        whose rows go on past `end` keeps them (each batch's pipelines that are not compiled yet compile
+        off the event loop first: Device.ready). {position: (feature row, the run's end)}."""
         n, rows, feats = self.cfg.tokens_per_image, {}, self.model.images.feats
         width = 4 * self.cfg.text_hidden
         for k, (s, e, h, r, t) in enumerate(runs):
@@ -331,6 +332,7 @@ class VisionInputs:
                     slot = self._slot()
                     batch.copy(feats.buf, self.kept_feats.buf, size, at, self.kept_feats.offset + slot * n * width)
                 self.kept[key] = slot        # most recently used last
+            await self.dev.ready(batch)
             self.dev.submit(batch)
             for j in range(e - s):
                 rows[s + j] = (k * n + j, e)
@@ -367,14 +369,14 @@ class VisionInputs:
                     return max(s, start)
         return end
 
-    def stage_chunk(self, tiles: list, start: int, end: int) -> None:
+    async def stage_chunk(self, tiles: list, start: int, end: int) -> None:
         """A batched prefill chunk of rows start .. end-1: the features of the tiles it holds rows of
         (before the chunk, in queue order) and its rows staged (the decoder stays causal, so a tile
         cut by a chunk's edge runs through the tower in its first chunk and is kept for the next)."""
         runs = [t for t in tiles if t[0] < end and t[1] > start]
         if len(runs) > self.max_tiles:
             raise InvalidRequestError(f"A prefill chunk holds {len(runs)} tiles; at most {self.max_tiles}.")
-        rows = self._run_tower(runs, end)
+        rows = await self._run_tower(runs, end)
         self.model.images.pending = [rows.get(p, (NONE, 0)) for p in range(start, end)]
         if self.cfg.kind == "qwen25vl":
             self.model.images.pending_offsets = qwen25vl.offsets(self.cfg, [(s, e, r) for s, e, _, r, _ in tiles], start, end)
