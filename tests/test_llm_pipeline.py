@@ -149,16 +149,21 @@ async def test_kv_reuse_when_conversation_extends(pipe):
     pipe.reset_chat()                           # same conversation from scratch: same tokens
     await _generate(pipe, gen, messages=conv)
     assert pipe.get_message() == reused_answer
-    # reuse_decoded_kv: the answer's decoded rows are reused too (faster, not bit for bit a cold cache)
-    own = pipe.chat_config
-    pipe.chat_config = own.updated({"reuse_decoded_kv": True})
-    try:
-        pipe.reset_chat()
-        await _generate(pipe, gen)
-        await pipe.prefill_step(conv, gen)
-        assert pipe.usage()["prompt_tokens"] - _prefilled(pipe) >= reused + bs
-    finally:
-        pipe.chat_config = own
+    # reuse_decoded_kv: the answer's decoded rows are reused too (faster, not bit for bit a cold cache):
+    # a block of them, once full, serves the next request that extends the conversation
+    own, hits, n = pipe.chat_config, [], len(pipe.prompt_ids(Q, None))
+    for reuse in (False, True):
+        pipe.chat_config = own.updated({"reuse_decoded_kv": reuse})
+        try:
+            pipe.reset_chat()                   # a cold cache
+            await _generate(pipe, GenerationConfig(temperature=0.0, max_tokens=20, ignore_eos=True))
+            assert len(pipe.kv_ids) == n + 19
+            before = pipe.scheduler.pool.stats["hit_tokens"]
+            await pipe.forward_tokens_and_sample([pipe.output_ids[-1]], False, GenerationConfig(temperature=0.0))
+            hits.append(pipe.scheduler.pool.stats["hit_tokens"] - before)
+        finally:
+            pipe.chat_config = own
+    assert hits == [n // bs * bs, (n + 19) // bs * bs] and hits[1] > hits[0], hits
 
 
 async def test_logprobs_shape(pipe):

@@ -297,6 +297,14 @@ class KVPool:
                     return out
 
     # ------------------------------------------------------------------ blocks
+    def drop_cached(self) -> None:
+        """Forget every cached block no sequence holds (they become free): a prompt after this
+        reuses nothing but the blocks of sequences still running."""
+        for b in self._idle:
+            del self._cache[self._key_of.pop(b)]
+            self._free.append(b)
+        self._idle.clear()
+
     def _take(self, b: int) -> None:
         if self.ref[b] == 0:
             self._idle.pop(b, None)

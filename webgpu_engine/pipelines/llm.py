@@ -375,11 +375,14 @@ class LLMChatPipeline:
             self._turn.close()
 
     def reset_chat(self, keep_stats: bool = False) -> None:
-        """Forget the conversation (its blocks stay cached for prefix sharing) and, unless
-        keep_stats, the statistics."""
+        """Forget the conversation (the pool's cached blocks no running sequence holds go too: the
+        next prompt is computed from a cold cache, as WebLLM's resetChat clears its KV cache) and,
+        unless keep_stats, the statistics."""
         if self._turn is not None:
             self._turn.close()
             self._turn = None
+        if self.scheduler is not None:
+            self.scheduler.pool.drop_cached()
         if not keep_stats:
             self.stats = CumulativeStats()
         self._last_kv = []
