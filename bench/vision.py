@@ -3,7 +3,7 @@ normalise, tiles / crops / grid, unfold into patches: vision/<family>.py), the G
 image (vision/runner.py build_tower: every tile's tower, projector and layout), and the tokens the
 image costs, for each family's tiny test checkpoint and a synthetic real-sized SigLIP tower.
 
-    python bench/vision.py [--runs 5] [--size 640x480] [--synthetic 384,6,224,14,64]
+    python bench/vision.py [--runs 5] [--size 640x480] [--synthetic 384,6,224,14,64] [--synthetic-qwen25vl 1280,2,1024]
     python bench/vision.py --model DIR                  # one HF vision folder (or MLC phi3_v artifact)
     python bench/vision.py --smoke [--out PATH]
 
@@ -11,7 +11,8 @@ The families' tiny checkpoints: tests/fixtures/tiny_gemma3_vision (Gemma 3), tin
 (SmolVLM), tiny_llava (LLaVA 1.5), tiny_llava_next (LLaVA 1.6), tiny_qwen25vl (Qwen2.5-VL), and a
 Phi-3.5-vision MLC artifact written by tests/tinyphi3v.py (q4f16_1). A synthetic tower has random
 weights of the given shape (width, layers, pixels, patch, tokens; Gemma 3's own: 1152,27,896,14,256;
-its MLP 4.3x the width). Prints a table and writes bench/results/vision.json. Timing: best of --runs
+its MLP 4.3x the width); a synthetic Qwen2.5-VL tower: width, layers and the most tokens of a picture
+(the 3B's: 1280,32,16384 with the hub's max_pixels; a load caps pictures at 4096 tokens). Prints a table and writes bench/results/vision.json. Timing: best of --runs
 after one warm-up (the machine may be shared); the tower's time runs from writing the patches to a
 blocking readback of its output.
 """
@@ -69,6 +70,49 @@ def synthetic_folder(spec: str, folder: Path) -> Path:
         "text_config": {"hidden_size": Ct},
         "vision_config": {"hidden_size": C, "intermediate_size": F, "num_hidden_layers": L, "num_attention_heads":
                           max(1, C // 64), "image_size": S, "patch_size": p, "layer_norm_eps": 1e-6}}))
+    return folder
+
+
+def synthetic_qwen25vl(spec: str, folder: Path) -> Path:
+    """A folder holding a random Qwen2.5-VL tower of width,layers,tokens (the 3B / 7B's: 1280,32,..;
+    its heads of 80, MLP 3420 / 1280 of the width, 14 px patches, windows of 112 px, a full-attention
+    layer every 8th, the merger into 2048) whose pictures take up to `tokens` tokens."""
+    import numpy as np
+
+    from webgpu_engine.loaders.safetensors import write_safetensors
+    C, L, n = (int(x) for x in spec.split(","))
+    F, T, p, rng, t = C * 342 // 128 // 4 * 4, 2048, 14, np.random.default_rng(0), {}
+
+    def put(name, *shape, scale=0.02, base=0.0):
+        t[name] = ("f32", shape, (base + scale * rng.standard_normal(shape)).astype(np.float32).tobytes())
+    put("visual.patch_embed.proj.weight", C, 3, 2, p, p)
+    for i in range(L):
+        a = f"visual.blocks.{i}."
+        put(a + "norm1.weight", C, base=1.0)
+        put(a + "norm2.weight", C, base=1.0)
+        put(a + "attn.qkv.weight", 3 * C, C)
+        put(a + "attn.qkv.bias", 3 * C)
+        put(a + "attn.proj.weight", C, C)
+        put(a + "attn.proj.bias", C)
+        for proj, shape in (("gate_proj", (F, C)), ("up_proj", (F, C)), ("down_proj", (C, F))):
+            put(a + f"mlp.{proj}.weight", *shape)
+            put(a + f"mlp.{proj}.bias", shape[0])
+    put("visual.merger.ln_q.weight", C, base=1.0)
+    put("visual.merger.mlp.0.weight", 4 * C, 4 * C)
+    put("visual.merger.mlp.0.bias", 4 * C)
+    put("visual.merger.mlp.2.weight", T, 4 * C)
+    put("visual.merger.mlp.2.bias", T)
+    folder.mkdir(parents=True, exist_ok=True)
+    write_safetensors(folder / "model.safetensors", t)
+    (folder / "config.json").write_text(json.dumps({
+        "architectures": ["Qwen2_5_VLForConditionalGeneration"], "image_token_id": 151655,
+        "text_config": {"hidden_size": T},
+        "vision_config": {"depth": L, "hidden_size": C, "intermediate_size": F, "num_heads": max(1, C // 80),
+                          "out_hidden_size": T, "patch_size": p, "spatial_merge_size": 2, "temporal_patch_size": 2,
+                          "window_size": 112, "fullatt_block_indexes": [i for i in range(L) if i % 8 == 7] or [L - 1]}}))
+    (folder / "preprocessor_config.json").write_text(json.dumps({
+        "image_processor_type": "Qwen2VLImageProcessor", "patch_size": p, "merge_size": 2, "temporal_patch_size": 2,
+        "min_pixels": 4 * 28 * 28, "max_pixels": n * 28 * 28}))
     return folder
 
 
@@ -151,7 +195,8 @@ def tiny_phi3v(folder: Path) -> Path:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="one vision folder or phi3_v artifact instead of the families")
-    ap.add_argument("--synthetic", default=None, metavar="C,L,S,P,N")
+    ap.add_argument("--synthetic", default=None, metavar="C,L,S,P,N", help="a random SigLIP tower (Gemma 3's)")
+    ap.add_argument("--synthetic-qwen25vl", default=None, metavar="C,L,N", help="a random Qwen2.5-VL tower")
     ap.add_argument("--size", default="640x480", help="the test picture's width x height")
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--smoke", action="store_true", help="the tiny models, two runs: checks the script runs")
@@ -181,6 +226,9 @@ def main() -> int:
         if args.synthetic and not args.smoke:
             row = measure(dev, "siglip", synthetic_folder(args.synthetic, Path(tmp) / "tower"), png, runs)
             rows.append({**row, "model": f"synthetic {args.synthetic}"})
+        if args.synthetic_qwen25vl and not args.smoke:
+            path = synthetic_qwen25vl(args.synthetic_qwen25vl, Path(tmp) / "qwen")
+            rows.append({**measure(dev, "qwen25vl", path, png, runs), "model": f"synthetic {args.synthetic_qwen25vl}"})
     print(f"{'family':11s} {'model':30s} {'tiles':>5s} {'tokens':>7s} {'decode ms':>10s} {'preproc ms':>11s} "
           f"{'tower ms':>9s}")
     for r in rows:
