@@ -70,16 +70,28 @@ def destroy_on_next(dev, method: str, fired: list):
     setattr(dev, method, wrapper)
 
 
-def wrap_step(eng, model_id: str, step: str, dev_method: str, fired: list) -> None:
-    """Wrap the pipeline's `step` (prefill_step, embed_jobs) to arm a destroy on the device's next
-    `dev_method` call inside that step."""
-    pipe = eng.models[model_id].pipeline
-    orig = getattr(pipe, step)
+def before_step(pipe, step: str, hook) -> None:
+    """Call `hook()` at the start of every `step` (prefill_step, decode_step, embed_jobs) of `pipe`: a
+    chat model's steps are those of each request's sequence of its scheduler (pipe.sequence())."""
+    def wrap(obj):
+        orig = getattr(obj, step)
 
-    async def wrapped(*a, **kw):
-        destroy_on_next(eng.device, dev_method, fired)
-        return await orig(*a, **kw)
-    setattr(pipe, step, wrapped)
+        async def wrapped(*a, **kw):
+            hook()
+            return await orig(*a, **kw)
+        setattr(obj, step, wrapped)
+        return obj
+    if hasattr(pipe, "sequence"):
+        make = pipe.sequence
+        pipe.sequence = lambda: wrap(make())
+    else:
+        wrap(pipe)
+
+
+def wrap_step(eng, model_id: str, step: str, dev_method: str, fired: list) -> None:
+    """Arm a destroy on the device's next `dev_method` call inside the model's `step` (prefill_step,
+    embed_jobs)."""
+    before_step(eng.models[model_id].pipeline, step, lambda: destroy_on_next(eng.device, dev_method, fired))
 
 
 async def until_queued(lock, n: int = 1) -> None:
@@ -270,13 +282,7 @@ async def test_unload_is_never_a_device_loss(device, reference):
         # a non-streaming request running when reload() replaces the models
         await eng.reload(BOTH, FAST)
         started = asyncio.Event()
-        pipe = eng.models[LLM_ID].pipeline
-        orig = pipe.decode_step
-
-        async def decode_step(*a, **kw):
-            started.set()
-            return await orig(*a, **kw)
-        pipe.decode_step = decode_step
+        before_step(eng.models[LLM_ID].pipeline, "decode_step", started.set)
         task = asyncio.create_task(eng.chat.completions.create(model=LLM_ID, messages=Q, temperature=0,
                                                                max_tokens=MAX_TOKENS))
         await started.wait()
