@@ -15,11 +15,10 @@ A full-attention layer is Qwen 3's (per-head q / k norms, here (1 + w)) with par
 one RoPE) and an output gate: q_proj gives each head's q and gate rows side by side (split on load,
 `layers.i.q_gate` -> q and attn_gate), attn *= sigmoid(h · Wgᵀ) before o_proj.
 
-The conv and delta states are a sequence's (slot 0 of the one-request model; one slot per sequence
-in the paged batch), carried from one forward to the next: a forward continues the sequence where the
-last one stopped, and a forward at position 0 starts from zeros. A state holds one position's
-history, so the pipelines reuse no cached prefix shorter than what the state saw, and speculation
-and context shifting (which would step the state back) are refused for this family.
+The conv and delta states are a sequence's (one slot per sequence beside the paged pool), carried
+from one forward to the next: a forward continues the sequence where the last one stopped, and a
+forward at position 0 starts from zeros. A state holds one position's history, so prefix reuse,
+speculation and context shifts go through snapshots of it (models/recurrent_snapshots.py).
 
 Qwen's checkpoints are Qwen3_5ForConditionalGeneration folders: the text model's config in
 `text_config`, its weights under `model.language_model.` (the vision tower and the multi-token
