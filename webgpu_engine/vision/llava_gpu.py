@@ -14,6 +14,7 @@ from dataclasses import replace
 from ..errors import ModelFormatError
 from .config import VisionConfig
 from .llava import NEWLINE, Tiles
+from .tile_tower import TileTower
 
 NEWLINE_NAMES = ("image_newline", "model.image_newline", "v.image_newline")
 
@@ -26,7 +27,7 @@ def buffer_bytes(cfg: VisionConfig) -> int:
     return 4 * (K * N * (3 * cfg.patch_size ** 2 + T) + T + 2 * cfg.tokens_per_image)
 
 
-class LlavaNextTower:
+class LlavaNextTower(TileTower):
     """The interface VisionInputs runs (vision/runner.py): write_patches(tiles), then
     record(batch, dst, index) writes the image's rows at row index * tokens_per_image of `dst`."""
 
@@ -56,14 +57,13 @@ class LlavaNextTower:
 
     def _gather(self, M: int):
         """The gather of M image rows from the table (built once per M)."""
-        op = self._ops.get(M)
-        if op is None:
+        def build(M: int):
             from ..kernels import vision
             op = vision.splice_rows(self.dev, self.out.view((M, self.cfg.text_hidden)), self.table,
                                     self.idx.view((M, 2)))
             op.name = "llava_next_rows"
-            self._ops[M] = op
-        return op
+            return op
+        return self._op(M, build)
 
     def prepare(self) -> None:
         """The op lists a picture runs, built now (a load's: their pipelines compile with the decoder's):
@@ -86,18 +86,8 @@ class LlavaNextTower:
     def record(self, batch, dst, index: int):
         """The tower and projector over each tile (its rows into the table), the gather; the picture's
         rows into `dst` from row index * tokens_per_image."""
-        tiles, s, T = self._tiles, self.siglip, self.cfg.text_hidden
-        K, row = tiles.pixels.shape[0] // self.n, 3 * self.cfg.patch_size ** 2 * 4
-        for k in range(K):
-            batch.copy(self.pix.buf, s.pix.buf, self.n * row, self.pix.offset + k * self.n * row, s.pix.offset)
-            s.ops.record(batch)
-            batch.copy(s.out.buf, self.table.buf, self.n * T * 4, s.out.offset, self.table.offset + k * self.n * T * 4)
+        tiles = self._tiles
+        self._tiles_into_table(batch, tiles.pixels.shape[0] // self.n, self.n, self.siglip.out, self.cfg.text_hidden)
         M = len(tiles.layout)
         self._gather(M).record(batch)
-        batch.copy(self.out.buf, dst.buf, M * T * 4, self.out.offset, dst.offset + index * self.cfg.tokens_per_image * T * 4)
-        return batch
-
-    def dispose(self) -> None:
-        for op in self._ops.values():
-            op.release()
-        self.siglip.dispose()
+        return self._rows_out(batch, dst, index, M)

@@ -12,11 +12,12 @@ from __future__ import annotations
 from ..errors import ModelFormatError
 from .config import VisionConfig
 from .phi3v import TOWER_PREFIX, VISION_PREFIX, Crops, layout, token_count
+from .tile_tower import TileTower
 
 PROJ = VISION_PREFIX + "img_projection."
 
 
-class Phi3vTower:
+class Phi3vTower(TileTower):
     """The interface VisionInputs runs (vision/runner.py): write_patches(crops), then
     record(batch, dst, index) writes the image's rows at row index * tokens_per_image of `dst`."""
 
@@ -67,8 +68,7 @@ class Phi3vTower:
 
     def _projector(self, M: int):
         """The gather and the projector over M rows (built once per M)."""
-        op = self._ops.get(M)
-        if op is None:
+        def build(M: int):
             from ..kernels import matmul as mm
             from ..kernels import vision
             from ..kernels.elementwise import gelu
@@ -79,8 +79,8 @@ class Phi3vTower:
             op += gelu(self.dev, self.mid.view((M, T)), self.mid.view((M, T)))
             op += mm.matmul(self.dev, self.mid.view((M, T)), self.mm2, self.out.view((M, T)), bias=self.mm2_b)
             op.name = "phi3v_projector"
-            self._ops[M] = op
-        return op
+            return op
+        return self._op(M, build)
 
     def prepare(self) -> None:
         """The op lists a picture runs, built now (a load's: their pipelines compile with the decoder's):
@@ -102,21 +102,9 @@ class Phi3vTower:
     def record(self, batch, dst, index: int):
         """The tower over each crop (its features into the table), the layout and the projector;
         the picture's rows into `dst` from row index * tokens_per_image."""
-        crops, s = self._crops, self.siglip
-        K, N, C = crops.pixels.shape[0] // self.N, self.N, self.cfg.hidden_size
-        row = 3 * self.cfg.patch_size ** 2 * 4
-        for k in range(K):
-            batch.copy(self.pix.buf, s.pix.buf, N * row, self.pix.offset + k * N * row, s.pix.offset)
-            s.ops.record(batch)
-            batch.copy(s.x.buf, self.table.buf, N * C * 4, s.x.offset, self.table.offset + k * N * C * 4)
+        crops = self._crops
+        self._tiles_into_table(batch, crops.pixels.shape[0] // self.N, self.N, self.siglip.x, self.cfg.hidden_size)
         M = token_count(self.cfg, crops.rows, crops.cols)
         self._projector(M).record(batch)
-        T = self.cfg.text_hidden
-        batch.copy(self.out.buf, dst.buf, M * T * 4, self.out.offset, dst.offset + index * self.cfg.tokens_per_image * T * 4)
-        return batch
-
-    def dispose(self) -> None:
-        for op in self._ops.values():
-            op.release()
-        self.siglip.dispose()
+        return self._rows_out(batch, dst, index, M)
 
