@@ -98,7 +98,7 @@ async def test_first_load_tunes_and_the_next_uses_the_profile(device, tiny, cach
     monkeypatch.setattr(profiles, "choice", choice)
     pipe = await _load(device, tiny, reports, tune_kernels="on", tune_budget_s=60)
     try:
-        pipe.model.ops_for(8)                     # prefill: plain matmuls, chosen per profile
+        pipe.scheduler.fwd.ops("prefill", 8)      # prefill: plain matmuls, chosen per profile
     finally:
         pipe.dispose()
     assert len(cache) == len(keys) and not _tuning(reports)
@@ -143,7 +143,7 @@ async def test_a_failing_tuner_still_loads(device, tiny, cache, monkeypatch, cap
     reports: list = []
     pipe = await _load(device, tiny, reports, tune_kernels="on")
     try:
-        assert pipe.model.decode_ops
+        assert pipe.scheduler.fwd.ops("decode", 1)
     finally:
         pipe.dispose()
     assert "kernel tuning failed (RuntimeError: no timer today)" in caplog.text
