@@ -215,7 +215,7 @@ def forward(m, kv: KVAccess, T: int, mode: str, *, with_head: bool = True,
     ops += _at(points, "inputs", m, -1, x, T, rows)
     for i, L in enumerate(m.layers):
         D, F = c.head_dim_of(i), c.ffn_of(i)   # Gemma 4's layers differ in width
-        qkv, qkv2 = m.qkv.view((T, H + 2 * Hkv, D)), m.qkv.view((T, (H + 2 * Hkv) * D))
+        qkv2 = m.qkv.view((T, (H + 2 * Hkv) * D))
         attn, gu, ffn = m.attn.view((T, H * D)), m.gate_up.view((T, 2 * F)), m.ffn.view((T, F))
         if L.mixer is not None:              # a token mixer other than attention: its projection's width
             qkv2, attn = m.qkv.view((T, L.qkv.n)), m.attn.view((T, L.o.k))

@@ -25,7 +25,7 @@ import re
 from ..errors import ModelFormatError
 from ..kernels import matmul as mm
 from ..kernels import nn
-from ..kernels.common import Op, OpCache, Tensor, new_tensor
+from ..kernels.common import OpCache, Tensor, new_tensor
 from ..kernels.rope import rope_sections
 from ..kernels.vision import NONE, splice_rows
 from . import qwen25vl
