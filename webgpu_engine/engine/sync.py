@@ -23,6 +23,13 @@ class EngineLoop:
         self.thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
         self.thread.start()
 
+    @classmethod
+    def running(cls, loop: asyncio.AbstractEventLoop) -> "EngineLoop":
+        """A loop another thread already runs (a ServerThread's): calls go there; stop() leaves it."""
+        self = cls.__new__(cls)
+        self.loop, self.thread = loop, None
+        return self
+
     def run(self, coro):
         """Run `coro` on the engine's loop and wait for it (from a thread that is not a loop's)."""
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
@@ -32,6 +39,8 @@ class EngineLoop:
         return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self.loop))
 
     def stop(self) -> None:
+        if self.thread is None:
+            return
         if self.loop.is_running():
             self.loop.call_soon_threadsafe(self.loop.stop)
             self.thread.join(timeout=5)
@@ -122,6 +131,18 @@ class MLCEngine:
     def __init__(self, engine_config: EngineConfig | None = None):
         self._loop = EngineLoop()
         self.async_engine: AsyncMLCEngine = self._loop.run(_make(engine_config))
+        self._attach()
+
+    @classmethod
+    def over(cls, engine: AsyncMLCEngine, loop: asyncio.AbstractEventLoop) -> "MLCEngine":
+        """The blocking facade over `engine`, which another thread's `loop` runs (a ServerThread's
+        engine: the server and the script share its models); close() leaves the engine to its owner."""
+        self = cls.__new__(cls)
+        self._loop, self.async_engine = EngineLoop.running(loop), engine
+        self._attach()
+        return self
+
+    def _attach(self) -> None:
         self.chat = _Chat(self)
         self.completions = _Create(self, self.async_engine.completions)
         self.embeddings = _Create(self, self.async_engine.embeddings)
@@ -184,8 +205,8 @@ class MLCEngine:
         return self.async_engine.models
 
     def close(self) -> None:
-        """Unload every model and stop the background loop."""
-        if self._loop.loop.is_running():
+        """Unload every model and stop the background loop (not an engine of another's: over())."""
+        if self._loop.thread is not None and self._loop.loop.is_running():
             self._loop.run(self.async_engine.unload())
             self._loop.stop()
 
