@@ -101,6 +101,56 @@ class LoraAdapters:
                 log.warning("LoRA adapter %s not restored after the device loss: %s", name, e)
 
 
+class UnknownLoraAdapterError(InvalidRequestError):
+    """A request's `lora` entry names no adapter served over the model (llama.cpp: invalid adapter id)."""
+
+    def __init__(self, param: str, got: object, names: list[str]):
+        served = ", ".join(f"{i}: {n!r}" for i, n in enumerate(names)) or "none"
+        super().__init__(f"`{param}` names no LoRA adapter of this model, got {got!r}; its adapters "
+                         f"(id: name, in load order) are {served}.", param=param)
+
+
+def request_adapter(lm, req: dict) -> str | None:
+    """The adapter entry (models/lora.py adapter_key) a request's rows run with, or None (the base).
+    Its `lora` (llama.cpp's per-request scales: [{"id": N, "scale": S}], N the adapter's place in
+    load order, or {"name": NAME, ...}; scale 1 where left out) decides where given: an adapter not
+    in it runs at scale 0, i.e. not at all. Else the adapter its `model` names, at scale 1, else the
+    model's own (an Ollama ADAPTER layer). One adapter with a scale above 0 per request."""
+    lora = req.get("lora")
+    if lora is None:
+        return req.get("model") if req.get("model") in lm.lora_adapters else lm.default_adapter
+    from ..models.lora import adapter_key
+    from ..protocol.errors import FieldTypeError, RangeError, UnsupportedFieldsError
+    if not isinstance(lora, list):
+        raise FieldTypeError("lora", 'a list of {"id" or "name", "scale"} objects', lora)
+    names, scales = list(lm.lora_adapters), {}
+    for i, e in enumerate(lora):
+        at = f"lora[{i}]"
+        if not isinstance(e, dict) or set(e) - {"id", "name", "scale"} or ("id" in e) == ("name" in e):
+            raise FieldTypeError(at, 'an object with "id" (an adapter\'s place in load order) or "name", '
+                                     'and "scale"', e)
+        key, scale = ("id", int) if "id" in e else ("name", str), e.get("scale", 1.0)
+        ref = e[key[0]]
+        if type(ref) is not key[1]:
+            raise FieldTypeError(f"{at}.{key[0]}", "an integer" if key[0] == "id" else "a string", ref)
+        if not (0 <= ref < len(names) if key[0] == "id" else ref in names):
+            raise UnknownLoraAdapterError(f"{at}.{key[0]}", ref, names)
+        name = names[ref] if key[0] == "id" else ref
+        if type(scale) not in (int, float):
+            raise FieldTypeError(f"{at}.scale", "a number", scale)
+        if not 0.0 <= scale < float("inf"):
+            raise RangeError(f"{at}.scale", 0, float("inf"), scale,
+                             extra="0 leaves the adapter out, 1 is the adapter as trained")
+        if name in scales:
+            raise UnsupportedFieldsError("lora", f"adapter {name!r} is listed twice; give each once.")
+        scales[name] = float(scale)
+    on = {n: s for n, s in scales.items() if s != 0.0}
+    if len(on) > 1:
+        raise UnsupportedFieldsError("lora", f"one adapter per request, got {sorted(on)} with scales above 0; "
+                                     f"give the others scale 0 or leave them out.")
+    return next((adapter_key(n, s) for n, s in on.items()), None)
+
+
 async def record_adapter(pipe, rec) -> str:
     """The adapter of model record `rec` (ModelRecord.lora: an Ollama ADAPTER layer) registered with
     its just-loaded pipeline under a name no request can give: the adapter its requests run with."""

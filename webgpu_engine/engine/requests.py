@@ -18,6 +18,7 @@ from ..config import SAMPLING_BY_NAME, GenerationConfig, SamplingParams
 from ..protocol.errors import RangeError
 from ..protocol.objects import to_object
 from ..protocol.rules import check_chat_request, check_completion_request, check_embedding_request
+from .lora import request_adapter
 from .output import output_parser
 from .records import EMBEDDING, LLM
 from .tools import attach_grammar, prepare_chat
@@ -75,7 +76,7 @@ EXTRA_FIELDS = {"enable_thinking": "chat", "enable_latency_breakdown": "any"}
 # the sampler's (config.SamplingParams) and the others
 _SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)} | {
     "max_tokens", "max_completion_tokens", "stop", "n", "ignore_eos", "stream", "stream_options",
-    "response_format", "tools", "tool_choice", "user", "echo", "suffix", "model"}
+    "response_format", "tools", "tool_choice", "user", "echo", "suffix", "model", "lora"}
 
 
 def _extra_body(req: dict, chat: bool) -> dict:
@@ -116,12 +117,12 @@ def _choice_gen(gen: GenerationConfig, i: int) -> GenerationConfig:
 
 
 def _sequence(lm, req: dict):
-    """The sequence a choice generates through, with the LoRA adapter the request's `model` names."""
+    """The sequence a choice generates through, with the LoRA adapter the request's `lora` or
+    `model` names (engine/lora.py)."""
     seq = lm.pipeline.sequence()
-    if req.get("model") in lm.lora_adapters:
-        seq.adapter = req["model"]
-    elif lm.default_adapter is not None:
-        seq.adapter = lm.default_adapter
+    adapter = request_adapter(lm, req)
+    if adapter is not None:
+        seq.adapter = adapter
     return seq
 
 
@@ -287,6 +288,7 @@ async def _create_text(engine, req: dict, chat: bool):
     req = _extra_body(req, chat)
     req = check_chat_request(req, limits) if chat else check_completion_request(req, limits)
     lm = await engine.select(req.get("model"), LLM, name)
+    request_adapter(lm, req)             # a bad `lora` is refused before the lock
     gen = gen_config(lm, req)
     kind = "chat.completion" if chat else "text_completion"
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]

@@ -16,7 +16,9 @@ forward built with `rows` (LoraRows: the pool, a (P,) u32 slot per row, kernels/
 base row, and the groups some adapter targets) adds each row's delta to those projections' outputs
 (decoder.py; o's and down's into x before their matmul adds to it); a row without an adapter is not
 touched. Adapters are registered host-side and uploaded into a slot on first use; a full pool evicts
-the least recently used adapter no sequence is using. Layers whose FFN is a mixture of experts, or
+the least recently used adapter no sequence is using. A request's scale of an adapter (llama.cpp's
+per-request `lora` scales) is an entry of its own (adapter_key: the adapter with B x scale), so rows
+of different scales share a batch and the kernels stay as they are. Layers whose FFN is a mixture of experts, or
 whose token mixer is not attention, take no delta there (such targets are refused at load).
 """
 from __future__ import annotations
@@ -40,6 +42,18 @@ _GROUP_OF = {t: g for g, ts in GROUPS for t in ts}
 _PEFT_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(q|k|v|o|gate|up|down)_proj\.lora_(A|B)\.weight$")
 DEFAULT_MAX_RANK = 16
 DEFAULT_SLOTS = 4
+
+
+def adapter_key(name: str, scale: float = 1.0) -> str:
+    """The pool entry (and a sequence's `adapter`) of adapter `name` at a request's `scale`: the
+    name itself at 1, so that `model` = name and a scale of 1 share a slot and their prefix blocks."""
+    return name if scale == 1.0 else f"{name}\0x{float(scale)!r}"
+
+
+def split_key(key: str) -> tuple[str, float]:
+    """adapter_key's (name, scale)."""
+    name, _, scale = key.partition("\0x")
+    return name, float(scale) if scale else 1.0
 
 
 class LoraAdapterError(InvalidRequestError):
@@ -316,8 +330,8 @@ class LoraPool:
         n = max([g.n for per in self.groups for name, g in per.items() if name in ("qkv", "gate_up")] or [4])
         self.d = new_tensor(dev, (m.chunk, n), m.dtype, owner=owner, label="lora.d")
         self.registered: dict[str, LoraAdapter] = {}
-        self._resident: OrderedDict = OrderedDict()        # name -> slot, least recently used first
-        self._users: dict[str, int] = {}                   # name -> sequences using it now
+        self._resident: OrderedDict = OrderedDict()        # adapter_key -> slot, least recently used first
+        self._users: dict[str, int] = {}                   # adapter_key -> sequences using it now
 
     def _alloc(self) -> None:
         """Each layer's group tensors in the kernels' layout (`fused`: lora_delta's A and compact B
@@ -371,16 +385,16 @@ class LoraPool:
     def _relayout(self) -> None:
         """The pool's tensors laid out again and the resident adapters uploaded again."""
         self._alloc()
-        for name, slot in self._resident.items():
-            self._upload(self.registered[name], slot)
+        for key, slot in self._resident.items():
+            name, scale = split_key(key)
+            self._upload(self.registered[name], slot, scale)
 
     # ------------------------------------------------------------------ registry
     def register(self, ad: LoraAdapter) -> None:
         """Register `ad` (a new version replaces one of its name that no running request uses)."""
         check_adapter(self.m, ad, self.max_rank)
         self._refuse_in_use(ad.name, "load the new version")
-        if ad.name in self._resident:
-            self._evict(ad.name)                           # uploaded again on its next use
+        self._evict_all(ad.name)                           # uploaded again on its next use
         self.registered[ad.name] = ad
         self._exact[ad.name] = _f16_exact(ad)
         self._fit_layout()
@@ -389,8 +403,7 @@ class LoraPool:
         self._refuse_in_use(name, "unload it")
         self.registered.pop(name, None)
         self._exact.pop(name, None)
-        if name in self._resident:
-            self._evict(name)
+        self._evict_all(name)
         self._fit_layout()
 
     def _fit_layout(self) -> None:
@@ -403,25 +416,27 @@ class LoraPool:
                 self._relayout()
 
     def _refuse_in_use(self, name: str, then: str) -> None:
-        if self._users.get(name):
-            raise InvalidRequestError(f"LoRA adapter {name!r} is in use by {self._users[name]} running "
+        users = sum(n for key, n in self._users.items() if split_key(key)[0] == name)
+        if users:
+            raise InvalidRequestError(f"LoRA adapter {name!r} is in use by {users} running "
                                       f"requests; {then} when they are done.", param="lora_name")
 
     # ------------------------------------------------------------------ slots
-    def acquire(self, name: str) -> int:
-        """The slot of registered adapter `name` for a sequence (uploaded first where it is not on
-        the GPU, evicting the least recently used idle adapter); pair with release()."""
-        slot = self._resident.get(name)
+    def acquire(self, key: str) -> int:
+        """The slot of a registered adapter at a scale (adapter_key) for a sequence (uploaded first
+        where it is not on the GPU, evicting the least recently used idle entry); pair with release()."""
+        slot = self._resident.get(key)
         if slot is None:
-            slot = self._free_slot(name)
-            self._upload(self.registered[name], slot)
-            self._resident[name] = slot
-        self._resident.move_to_end(name)
-        self._users[name] = self._users.get(name, 0) + 1
+            name, scale = split_key(key)
+            slot = self._free_slot(key)
+            self._upload(self.registered[name], slot, scale)
+            self._resident[key] = slot
+        self._resident.move_to_end(key)
+        self._users[key] = self._users.get(key, 0) + 1
         return slot
 
-    def release(self, name: str) -> None:
-        self._users[name] -= 1
+    def release(self, key: str) -> None:
+        self._users[key] -= 1
 
     def _free_slot(self, name: str) -> int:
         used = set(self._resident.values())
@@ -432,10 +447,15 @@ class LoraPool:
             if not self._users.get(victim):
                 return self._evict(victim)
         raise InvalidRequestError(f"All {self.slots} LoRA slots are in use by running requests; "
-                                  f"{name!r} waits for one (raise max_loras).", param="model")
+                                  f"{split_key(name)[0]!r} waits for one (raise max_loras).", param="model")
 
-    def _evict(self, name: str) -> int:
-        return self._resident.pop(name)
+    def _evict(self, key: str) -> int:
+        return self._resident.pop(key)
+
+    def _evict_all(self, name: str) -> None:
+        """Adapter `name`'s entries, at every scale."""
+        for key in [k for k in self._resident if split_key(k)[0] == name]:
+            self._evict(key)
 
     def resident(self) -> list[str]:
         return list(self._resident)
@@ -445,7 +465,9 @@ class LoraPool:
         used = {_GROUP_OF[t] for ad in self.registered.values() for t in ad.targets}
         return tuple(g for g, _ in GROUPS if g in used)
 
-    def _upload(self, ad: LoraAdapter, slot: int) -> None:
+    def _upload(self, ad: LoraAdapter, slot: int, scale: float = 1.0) -> None:
+        """`ad` into `slot`, its B times its own scale and a request's `scale` (B x scale: in a pool
+        held in 16 bits rounded to f16 where the scale makes values f16 does not hold)."""
         import numpy as np
         R = self.width
         for i, per in enumerate(self.groups):
@@ -458,7 +480,8 @@ class LoraPool:
                     a, b = ab
                     A[t_i * R:t_i * R + ad.rank] = a
                     rows = _out_rows(self.m, i, t, b.shape[0], ad.qk_permuted)
-                    B[rows, t_i * R:t_i * R + ad.rank] = b * np.float32(ad.scale)
+                    bs = b * np.float32(ad.scale)
+                    B[rows, t_i * R:t_i * R + ad.rank] = bs if scale == 1.0 else bs * np.float32(scale)
                 if g.cols is not None:                     # lora_delta's B
                     B = lk.compact_b(B[None], g.cols_host, R)[0]
                 A, B = (A.astype(np.float16), B.astype(np.float16)) if g.a.dtype == "f16" else (A, B)

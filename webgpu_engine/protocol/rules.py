@@ -34,7 +34,8 @@ REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")   # on or off, 
 # servers), each name logged once per request kind at debug level; a known field with a value this
 # engine cannot honour is refused by name instead.
 _SAMPLING_FIELDS = frozenset({f.openai for f in SAMPLING_FIELDS if f.openai}) | {
-    "model", "stream", "stream_options", "max_completion_tokens", "user", "extra_body", "enable_latency_breakdown"}
+    "model", "stream", "stream_options", "max_completion_tokens", "user", "extra_body", "enable_latency_breakdown",
+    "lora"}                  # llama.cpp's per-request LoRA adapter scales (engine/lora.py request_adapter)
 KNOWN_FIELDS = {
     "chat": _SAMPLING_FIELDS | {"messages", "tools", "tool_choice", "parallel_tool_calls", "response_format",
                                 "enable_thinking", "reasoning_effort"},

@@ -4,6 +4,8 @@ POST /v1/models/load   {"model": REF, "model_id": ALIAS?, "chat_opts": {...}?}  
 POST /v1/models/unload {"model": ID}                                           -> {"id", "object", "deleted"}
 POST /v1/load_lora_adapter   {"lora_name": NAME, "lora_path": PATH}   (vLLM's shapes) -> a line of text
 POST /v1/unload_lora_adapter {"lora_name": NAME, "lora_int_id": N?}                 -> a line of text
+GET  /lora-adapters     (llama.cpp's) -> [{"id", "name", "path", "model"}]: each chat model's adapters, id
+                       its place in load order over its model, as a request's `lora` entries name it
 REF is what `serve --model` takes (an app-config id or a model reference). Both sit under /v1/, so
 the API key guards them when one is set. A load passes the start-up memory check against what the
 loaded models hold; every failure is a typed 4xx/5xx JSON error and the loaded models keep serving.
@@ -33,6 +35,7 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/v1/models/unload", unload)
     app.router.add_post("/v1/load_lora_adapter", load_lora)
     app.router.add_post("/v1/unload_lora_adapter", unload_lora)
+    app.router.add_get("/lora-adapters", list_lora)
 
 
 def _fields(body: dict, allowed: dict[str, type], required: str) -> dict:
@@ -86,3 +89,11 @@ async def unload_lora(request: web.Request) -> web.Response:
     body = _fields(await json_body(request), {"lora_name": str, "lora_int_id": int}, "lora_name")
     await ready_engine(request).unload_lora_adapter(body["lora_name"])
     return web.Response(text=f"Success: LoRA adapter '{body['lora_name']}' removed successfully.")
+
+
+async def list_lora(request: web.Request) -> web.Response:
+    """The served adapters (llama.cpp's list has a global `scale` too; here a request's adapter is at
+    1 when its `model` names it, else at the scale its `lora` gives, so there is none)."""
+    models = ready_engine(request).models.values()
+    return web.json_response([{"id": i, "name": n, "path": p, "model": lm.model_id}
+                              for lm in models for i, (n, p) in enumerate(getattr(lm, "lora_adapters", {}).items())])

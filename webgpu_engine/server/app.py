@@ -99,7 +99,8 @@ async def errors_middleware(request: web.Request, handler):
 @web.middleware
 async def auth_and_limits_middleware(request: web.Request, handler):
     opts: ServerOptions = request.app[OPTS]
-    guarded = request.path.startswith(("/v1/", "/api/")) or request.path in ("/metrics", "/tokenize", "/detokenize")
+    guarded = request.path.startswith(("/v1/", "/api/")) or request.path in ("/metrics", "/tokenize", "/detokenize",
+                                                                                "/lora-adapters")
     if opts.api_key and guarded and request.method != "OPTIONS":
         # OpenAI's clients send `Authorization: Bearer KEY`, Anthropic's `x-api-key: KEY`
         key = opts.api_key.encode("utf-8", "surrogateescape")

@@ -1,0 +1,129 @@
+"""Per-request LoRA adapter scales (llama.cpp's `lora`: [{"id": N, "scale": S}], issue 52) against
+transformers + peft with the adapter's scaling multiplied (tests/fixtures/make_lora.py --scaled):
+alone, rows of different scales in one batch, scale 0 as the base, bad input refused by field."""
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from webgpu_engine.engine.engine import AsyncMLCEngine
+from webgpu_engine.engine.lora import UnknownLoraAdapterError
+from webgpu_engine.protocol.errors import FieldTypeError, RangeError, UnsupportedFieldsError
+
+FIXTURES = Path(__file__).parent / "fixtures"
+REF = json.loads((FIXTURES / "lora_transformers.json").read_text())
+SCALED = json.loads((FIXTURES / "lora_scaled_transformers.json").read_text())["scaled"]
+ADAPTERS = {name: str(FIXTURES / "lora" / name) for name in REF["adapters"]}     # ids: a 0, b 1
+OPTS = {"dtype": "f32", "context_window_size": 128, "prefill_chunk_size": 32, "max_num_sequences": 4,
+        "kv_block_size": 16}
+
+
+@pytest.fixture(scope="module")
+def base_path(tmp_path_factory):
+    from tinymodels import write_tiny_llama_safetensors
+    return write_tiny_llama_safetensors(tmp_path_factory.mktemp("lora") / "base", seed=REF["seed"])["folder"]
+
+
+@pytest.fixture(scope="module")
+async def engine(device, base_path):
+    eng = AsyncMLCEngine()
+    await eng.reload(str(base_path), chat_opts=OPTS, lora_adapters=ADAPTERS)
+    yield eng
+    await eng.unload()
+
+
+def _base(engine) -> str:
+    (mid,) = engine.models
+    return mid
+
+
+async def _greedy(engine, i: int, model: str | None = None, **kw):
+    r = await engine.completions.create(model=model or _base(engine), prompt=REF["prompts"][i], temperature=0.0,
+                                        max_tokens=len(REF["base"]["greedy"][i]), ignore_eos=True, logprobs=1, **kw)
+    return r.choices[0].text, r.choices[0].logprobs.token_logprobs
+
+
+@pytest.mark.parametrize("k", range(len(SCALED)))
+async def test_a_scale_equals_transformers_with_peft_scaled(engine, k):
+    ref = SCALED[k]
+    for i in range(len(REF["prompts"])):
+        text, _ = await _greedy(engine, i, lora=[{"name": ref["adapter"], "scale": ref["scale"]}])
+        assert text == ref["text"][i]
+    if ref["scale"] == 1.0:        # a scale of 1 is the adapter `model` names: one slot, the same bits
+        by_id = await _greedy(engine, 0, lora=[{"id": list(ADAPTERS).index(ref["adapter"]), "scale": 1}])
+        assert by_id == await _greedy(engine, 0, model=ref["adapter"])
+
+
+async def test_scale_zero_and_an_empty_list_are_the_base(engine):
+    base = [await _greedy(engine, i) for i in range(2)]
+    assert [t for t, _ in base] == REF["base"]["text"]
+    assert await _greedy(engine, 0, lora=[{"id": 0, "scale": 0}, {"name": "b", "scale": 0.0}]) == base[0]
+    assert await _greedy(engine, 1, model="a", lora=[]) == base[1]      # `lora` decides over `model`
+
+
+async def test_rows_of_different_scales_in_one_batch_each_equal_alone(engine):
+    jobs = [(k, i) for k in range(len(SCALED)) for i in range(2)][::-1] + [(None, 0), (None, 1)]
+    alone = [await _greedy(engine, i, **_lora(k)) for k, i in jobs]
+    together = await asyncio.gather(*[_greedy(engine, i, **_lora(k)) for k, i in jobs])
+    assert together == alone
+    assert [t for t, _ in alone] == [(REF["base"] if k is None else SCALED[k])["text"][i] for k, i in jobs]
+    assert len(engine.models[_base(engine)].pipeline.lora.resident()) == len(SCALED)    # an entry a scale
+
+
+def _lora(k) -> dict:
+    return {} if k is None else {"lora": [{"name": SCALED[k]["adapter"], "scale": SCALED[k]["scale"]}]}
+
+
+@pytest.mark.parametrize("lora,error,param", [
+    ([{"id": 2, "scale": 1}], UnknownLoraAdapterError, "lora[0].id"),
+    ([{"id": True}], FieldTypeError, "lora[0].id"),
+    ([{"name": 0}], FieldTypeError, "lora[0].name"),
+    ([{"scale": 1}, ], FieldTypeError, "lora[0]"),
+    ([{"name": "c", "scale": 1}], UnknownLoraAdapterError, "lora[0].name"),
+    ([{"id": 0, "scale": -0.5}], RangeError, "lora[0].scale"),
+    ([{"id": 0, "scale": math.nan}], RangeError, "lora[0].scale"),
+    ([{"id": 0, "scale": math.inf}], RangeError, "lora[0].scale"),
+    ([{"id": 0, "scale": "1"}], FieldTypeError, "lora[0].scale"),
+    ([{"id": 0, "name": "a"}], FieldTypeError, "lora[0]"),
+    ([{"id": 0, "weight": 1}], FieldTypeError, "lora[0]"),
+    (["a"], FieldTypeError, "lora[0]"),
+    ({"id": 0}, FieldTypeError, "lora"),
+    ([{"id": 0}, {"name": "a", "scale": 0}], UnsupportedFieldsError, "lora"),
+    ([{"id": 0}, {"id": 1, "scale": 0.5}], UnsupportedFieldsError, "lora"),
+])
+async def test_bad_lora_is_refused_by_field(engine, lora, error, param):
+    with pytest.raises(error) as e:
+        await _greedy(engine, 0, lora=lora)
+    assert e.value.param == param
+
+
+# ---------------------------------------------------------------------- over HTTP
+@pytest.fixture(scope="module")
+def server(device, base_path):
+    from webgpu_engine.engine import EngineConfig
+    from webgpu_engine.server.app import ServerOptions, ServerThread
+    s = ServerThread(ServerOptions(models=[str(base_path)], chat_opts=[OPTS], port=0, lora_adapters=ADAPTERS,
+                                   engine_config=EngineConfig(device=device)))
+    yield s
+    s.stop()
+
+
+def test_serve_takes_lora_scales_from_the_openai_client_and_lists_adapters(server):
+    import openai
+    c = openai.OpenAI(base_url=server.url, api_key="none", max_retries=0)
+    base = next(m.id for m in c.models.list().data if "parent" not in m.to_dict())
+    ref = next(s for s in SCALED if s["scale"] == 2.0)
+    r = c.completions.create(model=base, prompt=REF["prompts"][1], temperature=0.0, max_tokens=12,
+                             extra_body={"ignore_eos": True, "lora": [{"name": ref["adapter"], "scale": 2.0}]})
+    assert r.choices[0].text == ref["text"][1]
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model=base, prompt="hi", max_tokens=1, extra_body={"lora": [{"id": 7, "scale": 1}]})
+    assert e.value.body["param"] == "lora[0].id" and "0: 'a', 1: 'b'" in e.value.body["message"]
+    with urllib.request.urlopen(server.base + "/lora-adapters", timeout=60) as resp:
+        assert json.loads(resp.read()) == [{"id": i, "name": n, "path": p, "model": base}
+                                           for i, (n, p) in enumerate(ADAPTERS.items())]
