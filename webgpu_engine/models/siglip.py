@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import re
 import struct
+from array import array
 from dataclasses import dataclass
 
 from ..errors import ModelFormatError, UnsupportedModelError
@@ -30,6 +31,7 @@ from ..kernels import nn, vision
 from ..kernels.common import Op, Tensor, new_tensor
 from ..kernels.elementwise import quick_gelu
 from ..loaders.tensor_info import TensorInfo
+from ..vision import pure
 from ..vision.config import VisionConfig
 from .llama import _floats
 
@@ -133,32 +135,35 @@ class SiglipTower:
         self.ops = self._build(N + cfg.class_token)
 
     # ------------------------------------------------------------------ weights and activations
-    def _array(self, t: TensorInfo):
-        import numpy as np
-        kinds = {"f32": np.float32, "f16": np.float16, "bf16": np.uint16}
-        if t.qtype not in kinds:         # tables read on the host: a quantised projector file's
+    def _array(self, t: TensorInfo) -> array:
+        """A table read on the host (positions, Gemma 3's projection) as f32 values, row-major, without
+        numpy (the page has none)."""
+        if t.qtype not in ("f32", "f16", "bf16"):          # a quantised projector file's
             raise UnsupportedModelError(f"vision tensor {t.name} is {t.qtype}; this engine reads it in f32, f16 "
                                         f"or bf16 (use an f16 or f32 mmproj)")
-        raw = np.frombuffer(bytes(t.data), kinds[t.qtype])
-        if t.qtype == "bf16":
-            raw = (raw.astype(np.uint32) << 16).view(np.float32)
-        return raw.astype(np.float32).reshape(t.shape)
+        return pure.f32_values(bytes(t.data), t.qtype)
+
+    def _upload(self, values: array, shape: tuple, label: str) -> Tensor:
+        return Tensor(self.dev.upload(values.tobytes(), owner=self.owner, label=label), shape, "f32")
 
     def _matrix(self, t: TensorInfo, label: str, rows=None) -> Tensor:
-        a = self._array(t) if rows is None else self._array(t)[rows]
-        return Tensor(self.dev.upload(a.tobytes(), owner=self.owner, label=label), a.shape, "f32")
+        a, width = self._array(t), t.shape[-1]
+        if rows is not None:             # the rows in this order
+            a = array("f", b"".join(a[int(r) * width:(int(r) + 1) * width].tobytes() for r in rows))
+        return self._upload(a, (len(a) // width, width), label)
 
     def _class_last(self, pos: TensorInfo, cls: TensorInfo) -> Tensor:
         """CLIP's positions (N + 1, C) reordered for the class row last: its input row stays zero, so
         its embedding is the class embedding plus position 0's."""
-        import numpy as np
-        a = self._array(pos)
-        rows = np.concatenate([a[1:], a[:1] + self._array(cls)[None, :]])
-        return Tensor(self.dev.upload(rows.tobytes(), owner=self.owner, label="v.pos"), rows.shape, "f32")
+        a, c = self._array(pos), self._array(cls)
+        C = len(c)
+        rows = a[C:] + array("f", [x + y for x, y in zip(a[:C], c)])       # f32 sums, as numpy's
+        return self._upload(rows, (len(rows) // C, C), "v.pos")
 
     def _transposed(self, t: TensorInfo, label: str) -> mm.QWeight:
-        a = self._array(t).T.copy()                        # (C_text, C), small
-        return mm.upload_weight(self.dev, [a.tobytes()], "f32", a.shape[0], a.shape[1], owner=self.owner, label=label)
+        rows, cols = t.shape                               # (C, C_text) -> (C_text, C), small
+        a = pure.transposed(self._array(t), rows, cols)
+        return mm.upload_weight(self.dev, [a.tobytes()], "f32", cols, rows, owner=self.owner, label=label)
 
     def _allocate(self, N: int) -> None:
         cfg, dev, own = self.cfg, self.dev, self.owner
@@ -217,8 +222,9 @@ class SiglipTower:
 
     # ------------------------------------------------------------------ running
     def write_patches(self, rows) -> None:
-        """Write one image's unfolded patches (vision/config.py `patches`, (N, 3 p p) f32)."""
-        self.dev.write(self.pix.buf, rows.astype("float32").tobytes())
+        """Write one image's unfolded patches (vision/config.py `patches`, (N, 3 p p) f32: numpy's, or
+        an `array` of them from vision/pure.py)."""
+        self.dev.write(self.pix.buf, rows.tobytes() if isinstance(rows, array) else rows.astype("float32").tobytes())
 
     def record(self, batch, dst: Tensor, index: int):
         """Record the tower over the written patches and copy its n x C_text features into `dst` at

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import ModelFormatError, UnsupportedModelError
+from . import pure
 
 if TYPE_CHECKING:
     import numpy as np
@@ -121,7 +122,10 @@ def normalisation(p: dict) -> dict:
 
 def pixels(cfg: VisionConfig, image) -> "np.ndarray":
     """pixel_values (3, H, W) f32 of an RGB PIL image already resized: times rescale, minus mean,
-    over std, as transformers' processors compute them (rescale in f64, normalise in f32)."""
+    over std, as transformers' processors compute them (rescale in f64, normalise in f32). A picture
+    decoded without Pillow (the page's, vision/pure.py) gives pure.PixelValues, the same values."""
+    if isinstance(image, pure.RGBImage):
+        return pure.pixels(cfg, image)
     import numpy as np
     a = np.asarray(image, dtype=np.uint8).astype(np.float64) * cfg.rescale
     a = (a.astype(np.float32) - np.asarray(cfg.mean, np.float32)) / np.asarray(cfg.std, np.float32)
@@ -130,6 +134,9 @@ def pixels(cfg: VisionConfig, image) -> "np.ndarray":
 
 def patches(cfg: VisionConfig, pixel_values) -> "np.ndarray":
     """The (P*P, 3 p p) rows of pixel_values (3, H, W) that the patch embedding's matmul reads: patch
-    (r, c) row-major, each in the conv weight's (channel, y, x) order."""
+    (r, c) row-major, each in the conv weight's (channel, y, x) order (an `array` of them for
+    pure.PixelValues)."""
+    if isinstance(pixel_values, pure.PixelValues):
+        return pure.patches(cfg, pixel_values)
     p, P = cfg.patch_size, cfg.patches_per_side
     return pixel_values.reshape(3, P, p, P, p).transpose(1, 3, 0, 2, 4).reshape(P * P, 3 * p * p)

@@ -47,7 +47,7 @@ class LlavaNextTower(TileTower):
                                    f"{None if t is None else tuple(t.shape)}")
         self.newline = self.max_tiles * self.n
         self.table = new_tensor(dev, (self.newline + 1, T), "f32", owner=owner, label="v.table")
-        dev.write(self.table.buf, self.siglip._array(t).astype(np.float32).tobytes(), self.table.offset + self.newline * T * 4)
+        dev.write(self.table.buf, self.siglip._array(t).tobytes(), self.table.offset + self.newline * T * 4)
         M = cfg.tokens_per_image
         self.pix = new_tensor(dev, (self.max_tiles * self.n, 3 * cfg.patch_size ** 2), "f32", owner=owner, label="v.tiles")
         self.idx = new_tensor(dev, (M, 2), "u32", owner=owner, label="v.layout")

@@ -48,7 +48,7 @@ class Phi3vTower(TileTower):
             if x is None or int(np.prod(x.shape)) != n:
                 raise ModelFormatError(f"{art.cache_path}: {name} of {n} values is missing or of shape "
                                        f"{None if x is None else tuple(x.shape)}")
-            return self.siglip._array(x).reshape(-1)
+            return np.asarray(self.siglip._array(x), np.float32)
 
         self.mm1, self.mm2 = weight("linear_1", T, 4 * C), weight("linear_2", T, T)
         self.mm1_b = mm.upload_vector(dev, array(PROJ + "linear_1.bias", T).tobytes(), owner=owner, label="v.mm1b")

@@ -1,0 +1,115 @@
+"""The page's image path (vision/pure.py: no numpy, no Pillow) against the native one: Pillow's resize
+of uint8 pictures (every filter, odd sizes, non-square, up and down, both pass orders), its alpha
+composite on white, the numpy pixel_values and patch rows, the tower's f32 tables, Gemma 3's and
+SmolVLM's preprocessing of the fixture pictures, and all of it running with numpy and Pillow
+unimportable."""
+from __future__ import annotations
+
+from array import array
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from webgpu_engine.vision import pure
+from webgpu_engine.vision.config import patches, pixels
+from webgpu_engine.vision.images import decode_bytes
+from webgpu_engine.vision.runner import FAMILY_MODULES, read_vision_config
+
+from test_vision import FIXTURES, FOLDER, IMAGES
+
+SIZES = [(1, 1, 5, 3), (7, 5, 32, 32), (40, 24, 32, 32), (33, 17, 9, 41), (9, 35, 35, 18), (50, 13, 11, 12),
+         (18, 48, 18, 20), (31, 29, 64, 3)]
+
+
+def _rgb(img: Image.Image) -> pure.RGBImage:
+    return pure.RGBImage(img.width, img.height, img.tobytes())
+
+
+def _array(img: pure.RGBImage) -> np.ndarray:
+    return np.frombuffer(img.data, np.uint8).reshape(img.height, img.width, 3)
+
+
+@pytest.mark.parametrize("resample", [1, 2, 3, 4, 5])
+def test_resize_equals_pillows(resample):
+    rng = np.random.default_rng(resample)
+    for w, h, W, H in SIZES:
+        a = rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
+        want = np.asarray(Image.fromarray(a, "RGB").resize((W, H), resample=resample, reducing_gap=None))
+        got = _array(pure.RGBImage(w, h, a.tobytes()).resize((W, H), resample=resample))
+        np.testing.assert_array_equal(got, want, err_msg=f"{w}x{h} -> {W}x{H}, filter {resample}")
+    with pytest.raises(ValueError, match="resample 0"):
+        pure.RGBImage(2, 2, bytes(12)).resize((3, 3), resample=0)
+
+
+def test_crop_and_alpha_composite_equal_pillows():
+    rng = np.random.default_rng(7)
+    a = rng.integers(0, 256, (13, 21, 3), dtype=np.uint8)
+    got = pure.RGBImage(21, 13, a.tobytes()).crop((3, 2, 17, 11))
+    np.testing.assert_array_equal(_array(got), np.asarray(Image.fromarray(a, "RGB").crop((3, 2, 17, 11))))
+    # every (value, alpha) pair over white, as transformers' convert_rgb composites through Pillow
+    v, al = np.meshgrid(np.arange(256), np.arange(256))
+    rgba = np.stack([v, 255 - v, v // 2, al], -1).astype(np.uint8)
+    white = Image.new("RGBA", (256, 256), (255, 255, 255))
+    want = np.asarray(Image.alpha_composite(white, Image.fromarray(rgba, "RGBA")).convert("RGB"))
+    np.testing.assert_array_equal(_array(pure.from_rgba(rgba.tobytes(), 256, 256)), want)
+    with pytest.raises(ValueError, match="RGBA"):
+        pure.from_rgba(bytes(7), 1, 2)
+
+
+def test_pixels_patches_and_tables_equal_numpys():
+    cfg = read_vision_config(FOLDER)
+    rng = np.random.default_rng(3)
+    img = Image.fromarray(rng.integers(0, 256, (32, 32, 3), dtype=np.uint8), "RGB")
+    want = pixels(cfg, img)
+    got = pixels(cfg, _rgb(img))
+    assert isinstance(got, pure.PixelValues) and got.shape == want.shape
+    np.testing.assert_array_equal(np.asarray(got.values, np.float32).reshape(want.shape), want)
+    rows = patches(cfg, got)
+    assert isinstance(rows, array)
+    np.testing.assert_array_equal(np.asarray(rows, np.float32).reshape(-1, 48), patches(cfg, want))
+    x = rng.standard_normal((6, 5)).astype(np.float32)
+    for qtype, raw in (("f32", x.tobytes()), ("f16", x.astype(np.float16).tobytes()),
+                       ("bf16", (x.view(np.uint32) >> 16).astype(np.uint16).tobytes())):
+        ref = {"f32": x, "f16": x.astype(np.float16).astype(np.float32),
+               "bf16": ((x.view(np.uint32) >> 16) << 16).view(np.float32)}[qtype]
+        np.testing.assert_array_equal(np.asarray(pure.f32_values(raw, qtype)), ref.reshape(-1))
+    np.testing.assert_array_equal(np.asarray(pure.transposed(array("f", x.tobytes()), 6, 5)), x.T.reshape(-1))
+
+
+@pytest.mark.parametrize("folder", [FOLDER, FIXTURES / "tiny_idefics3"], ids=["gemma3", "idefics3"])
+def test_family_tiles_equal_the_native_path(folder):
+    """Each fixture picture (an RGBA one among them) through the family's own tiles(): the page's
+    decoded RGBA bytes give the pixel values the Pillow-decoded file gives."""
+    cfg = read_vision_config(folder)
+    fam = FAMILY_MODULES[cfg.kind]
+    for name in sorted(p.name for p in IMAGES.glob("*.png")):
+        native = decode_bytes((IMAGES / name).read_bytes(), name).image
+        rgba = Image.open(IMAGES / name).convert("RGBA")
+        page = pure.from_rgba(rgba.tobytes(), rgba.width, rgba.height)
+        want, got = fam.tiles(cfg, native), fam.tiles(cfg, page)
+        assert len(got) == len(want) >= 1
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(np.asarray(g.values, np.float32).reshape(w.shape), w, err_msg=name)
+
+
+def test_the_page_path_runs_without_numpy_and_pillow():
+    from page_imports import run_without_compiled
+    r = run_without_compiled("""
+class NoPIL:
+    def find_spec(self, name, path=None, target=None):
+        if name.split('.')[0] == 'PIL':
+            raise ImportError('blocked ' + name)
+sys.meta_path.insert(0, NoPIL())
+from pathlib import Path
+from webgpu_engine.vision import pure, gemma3
+from webgpu_engine.vision.config import patches
+from webgpu_engine.vision.runner import read_vision_config
+import webgpu_engine.models.siglip
+cfg = read_vision_config(Path("tests/fixtures/tiny_gemma3_vision"))
+img = pure.from_rgba(bytes(range(256)) * 15, 40, 24)
+rows = patches(cfg, gemma3.tiles(cfg, img)[0])
+print(type(rows).__name__, len(rows))
+""")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.split() == ["array", str(64 * 48)]
