@@ -56,7 +56,7 @@ def served(tmp_path_factory, device):
     try:
         ids = list(s.engine.models)                     # in the order loaded
         assert len(ids) == len(cases), ids
-        yield s, {f: (i, *c[1:]) for f, i, c in zip(cases, ids, cases.values())}, MLCEngine.over(s.engine, s.loop)
+        yield s, {f: (i, *c[1:]) for f, i, c in zip(cases, ids, cases.values())}, MLCEngine(engine=s.engine, loop=s.loop)
     finally:
         s.stop()
 

@@ -18,17 +18,15 @@ class EngineLoop:
     """An asyncio loop on a thread of its own, where an engine runs (this module's MLCEngine, a Ray
     worker's: ray/host.py engine_loop); `loop`: the loop to run (default: a new event loop)."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop | None = None, name: str = "webgpu-engine"):
+    def __init__(self, loop: asyncio.AbstractEventLoop | None = None, name: str = "webgpu-engine", *,
+                 running: bool = False):
+        """`running`: `loop` already runs on another thread (a ServerThread's): calls go there and
+        stop() leaves it."""
         self.loop = loop or asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
-        self.thread.start()
-
-    @classmethod
-    def running(cls, loop: asyncio.AbstractEventLoop) -> "EngineLoop":
-        """A loop another thread already runs (a ServerThread's): calls go there; stop() leaves it."""
-        self = cls.__new__(cls)
-        self.loop, self.thread = loop, None
-        return self
+        self.thread = None
+        if not running:
+            self.thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+            self.thread.start()
 
     def run(self, coro):
         """Run `coro` on the engine's loop and wait for it (from a thread that is not a loop's)."""
@@ -128,21 +126,16 @@ class _Messages(_Create):
 class MLCEngine:
     """Blocking engine: same methods as AsyncMLCEngine, without `await`."""
 
-    def __init__(self, engine_config: EngineConfig | None = None):
-        self._loop = EngineLoop()
-        self.async_engine: AsyncMLCEngine = self._loop.run(_make(engine_config))
-        self._attach()
-
-    @classmethod
-    def over(cls, engine: AsyncMLCEngine, loop: asyncio.AbstractEventLoop) -> "MLCEngine":
-        """The blocking facade over `engine`, which another thread's `loop` runs (a ServerThread's
-        engine: the server and the script share its models); close() leaves the engine to its owner."""
-        self = cls.__new__(cls)
-        self._loop, self.async_engine = EngineLoop.running(loop), engine
-        self._attach()
-        return self
-
-    def _attach(self) -> None:
+    def __init__(self, engine_config: EngineConfig | None = None, *, engine: AsyncMLCEngine | None = None,
+                 loop: asyncio.AbstractEventLoop | None = None):
+        """`engine` and `loop`: the facade over an engine that another thread's loop runs (a
+        ServerThread's engine and loop: the script and the server share its models); close() then
+        leaves the engine to its owner."""
+        if engine is not None:
+            self._loop, self.async_engine = EngineLoop(loop, running=True), engine
+        else:
+            self._loop = EngineLoop()
+            self.async_engine = self._loop.run(_make(engine_config))
         self.chat = _Chat(self)
         self.completions = _Create(self, self.async_engine.completions)
         self.embeddings = _Create(self, self.async_engine.embeddings)
@@ -205,7 +198,7 @@ class MLCEngine:
         return self.async_engine.models
 
     def close(self) -> None:
-        """Unload every model and stop the background loop (not an engine of another's: over())."""
+        """Unload every model and stop the background loop (not another's engine: see __init__)."""
         if self._loop.thread is not None and self._loop.loop.is_running():
             self._loop.run(self.async_engine.unload())
             self._loop.stop()
