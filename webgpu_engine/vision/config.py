@@ -40,6 +40,7 @@ class VisionConfig:
     marker: str                      # what the chat template writes for an image part
     scale: int = 1                   # Idefics3's pixel-shuffle factor
     size: tuple = (0, 0)             # Gemma 3: the processor's (height, width), default the tile
+    pan_and_scan: tuple = ()         # Gemma 3: (min crop size, max crops, min ratio to activate) when on
     longest_edge: int = 0            # Idefics3: the picture's longest edge after its first resize
     splitting: bool = False          # Idefics3: tiles of image_size plus the global image
     resample: int = 2                # PIL's filter (2 BILINEAR, 1 LANCZOS)
