@@ -14,7 +14,7 @@ from _nn_util import get
 from test_vision import FOLDER, OPTS, _image, _messages, _text
 
 from webgpu_engine.errors import ModelFormatError
-from webgpu_engine.vision import gemma3
+from webgpu_engine.vision import gemma3, pure
 from webgpu_engine.vision.runner import read_vision_config
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -43,7 +43,8 @@ def folder(tmp_path_factory, ref):
 
 def test_crops_and_pixels_equal_the_processor(ref, folder, tmp_path):
     """Two crops of the wide picture, three of the tall one, two of the 40 x 24 gradient, none of the
-    square: the picture and its crops resized as the processor does (pixel_values within 2e-6); with
+    square: the picture and its crops resized as the processor does (pixel_values within 2e-6, from a
+    Pillow image and from the page's pure-Python one); with
     do_pan_and_scan off (the fixture folder) one tile; nonsense settings are a typed error."""
     cfg = read_vision_config(folder)
     assert cfg.pan_and_scan == (16, 3, 1.2) and gemma3.max_tiles(cfg) == 4
@@ -54,6 +55,10 @@ def test_crops_and_pixels_equal_the_processor(ref, folder, tmp_path):
             want = np.array(r["pixel_values"], np.float32)
             assert want.shape == (1 + r["num_crops"], 3, 32, 32)
             np.testing.assert_allclose(np.stack(gemma3.tiles(cfg, image)), want, atol=2e-6)
+            w, h = image.size                            # the page's picture (no Pillow): the same
+            page = pure.from_rgba(image.convert("RGBA").tobytes(), w, h)
+            got = np.array([t.tolist() for t in gemma3.tiles(cfg, page)], np.float32).reshape(want.shape)
+            np.testing.assert_allclose(got, want, atol=2e-6)
     assert [r["num_crops"] for r in ref["images"].values()] == [2, 0, 3, 2]
     plain = read_vision_config(FOLDER)
     assert plain.pan_and_scan == () and gemma3.n_tiles(plain, _image("wide.png").image) == 1

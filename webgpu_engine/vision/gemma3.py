@@ -83,7 +83,9 @@ def tiles(cfg: VisionConfig, image) -> list:
 def _processor(folder: Path) -> dict:
     """Gemma3ImageProcessor's settings: processor_config.json's `image_processor` (transformers 5) or
     preprocessor_config.json (the hub's releases); pan-and-scan's where do_pan_and_scan is true (its
-    settings null or missing: Gemma3Processor's defaults)."""
+    settings null or missing: Gemma3Processor's defaults), as the image processor reads them (the
+    hub's configs leave it null: off; Gemma3Processor's own call passes its defaults over the config
+    unless its caller asks for pan-and-scan, as vLLM's do_pan_and_scan processor option does)."""
     p = processor_settings(folder)
     for flag in ("do_resize", "do_rescale", "do_normalize"):
         if p.get(flag) is False:
