@@ -94,3 +94,12 @@ def test_every_api_gets_the_reference_answer(served, family, api):
     model, picture, answer, n = cases[family]
     assert answer.strip()
     assert _ask(api, server, engine, model, picture, n) == answer
+
+
+def test_the_answers_are_about_the_picture(served):
+    """Another picture gets another answer from each family (the matrix above could not pass with
+    the image dropped on the way)."""
+    server, cases, engine = served
+    for family, (model, picture, answer, n) in cases.items():
+        other = IMAGES / ("shapes.png" if picture.name != "shapes.png" else "wide.png")
+        assert _ask("chat", server, engine, model, other, n) != answer, family
