@@ -13,7 +13,7 @@ from PIL import Image
 
 from webgpu_engine.vision import pure
 from webgpu_engine.vision.config import patches, pixels
-from webgpu_engine.vision.images import decode_bytes
+from webgpu_engine.vision.images import InvalidImageError, decode_bytes, load_image
 from webgpu_engine.vision.runner import FAMILY_MODULES, read_vision_config
 
 from test_vision import FIXTURES, FOLDER, IMAGES
@@ -93,6 +93,27 @@ def test_family_tiles_equal_the_native_path(folder):
             np.testing.assert_array_equal(np.asarray(g.values, np.float32).reshape(w.shape), w, err_msg=name)
 
 
+def _rgba_url(path, width=None) -> str:
+    import base64
+    img = Image.open(path).convert("RGBA")
+    return (f"data:image/x-rgba;width={width or img.width};height={img.height};base64,"
+            + base64.b64encode(img.tobytes()).decode())
+
+
+def test_rgba_data_urls_decode_as_the_encoded_file():
+    """The page's form of a picture (its RGBA pixels) decodes natively to what the PNG decodes to; a
+    malformed one is a 400 naming the part."""
+    for name in ("gradient.png", "shapes.png"):
+        got = load_image(_rgba_url(IMAGES / name), "messages[0].content[0]")
+        want = decode_bytes((IMAGES / name).read_bytes(), name)
+        assert (got.width, got.height) == (want.width, want.height)
+        np.testing.assert_array_equal(np.asarray(got.image), np.asarray(want.image))
+    with pytest.raises(InvalidImageError, match=r"messages\[0\].content\[1\]: .*bytes for an RGBA picture"):
+        load_image(_rgba_url(IMAGES / "shapes.png", width=21), "messages[0].content[1]")
+    with pytest.raises(InvalidImageError, match="width=W;height=H"):
+        load_image("data:image/x-rgba;width=2;base64,AAAA", "x")
+
+
 def test_the_page_path_runs_without_numpy_and_pillow():
     from page_imports import run_without_compiled
     r = run_without_compiled("""
@@ -101,15 +122,36 @@ class NoPIL:
         if name.split('.')[0] == 'PIL':
             raise ImportError('blocked ' + name)
 sys.meta_path.insert(0, NoPIL())
+import base64
 from pathlib import Path
 from webgpu_engine.vision import pure, gemma3
 from webgpu_engine.vision.config import patches
 from webgpu_engine.vision.runner import read_vision_config
-import webgpu_engine.models.siglip
+from webgpu_engine.models.siglip import position_ids
+assert len(position_ids(27)) == 27 * 27
 cfg = read_vision_config(Path("tests/fixtures/tiny_gemma3_vision"))
-img = pure.from_rgba(bytes(range(256)) * 15, 40, 24)
-rows = patches(cfg, gemma3.tiles(cfg, img)[0])
-print(type(rows).__name__, len(rows))
+from webgpu_engine.vision.images import InvalidImageError, load_image
+im = load_image("data:image/x-rgba;width=40;height=24;base64," + base64.b64encode(bytes(range(256)) * 15).decode(), "p")
+rows = patches(cfg, gemma3.tiles(cfg, im.image)[0])
+print(type(im.image).__name__, type(rows).__name__, len(rows))
+try:
+    load_image("data:image/png;base64,AAAA", "messages[0].content[0]")
+except InvalidImageError as e:
+    print("x-rgba" in str(e))
 """)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.split() == ["array", str(64 * 48)]
+    assert r.stdout.split() == ["RGBImage", "array", str(64 * 48), "True"]
+
+
+def test_idefics3_position_ids_equal_numpys_f32_bucketing():
+    """models/siglip.py's position_ids (pure Python, for the page) against the f32 numpy computation of
+    Idefics3's embeddings, for every tile side up to 129 patches (the identity where 1/side is exact)."""
+    from webgpu_engine.models.siglip import position_ids
+
+    def reference(side):
+        step = np.float32(1.0) / np.float32(side)
+        frac = np.minimum(np.arange(side, dtype=np.float32) * step, np.float32(1.0 - 1e-6))
+        b = np.searchsorted(np.arange(1 / side, 1.0, 1 / side, dtype=np.float32), frac, side="right")
+        return (b[:, None] * side + b[None, :]).reshape(-1).tolist()
+    assert [s for s in range(1, 130) if position_ids(s) != reference(s)] == []
+    assert position_ids(27) != list(range(27 * 27)) and position_ids(32) == list(range(32 * 32))

@@ -20,6 +20,8 @@ Activations are f32 whatever the decoder's dtype; the output goes to the decoder
 """
 from __future__ import annotations
 
+import bisect
+import math
 import re
 import struct
 from array import array
@@ -240,12 +242,14 @@ class SiglipTower:
 
 
 
-def position_ids(side: int):
+def position_ids(side: int) -> list[int]:
     """Idefics3's position ids of a full tile's patches, as its embeddings compute them in f32
-    (fractional coordinates bucketed on boundaries 1/side ..): the identity where 1/side is exact."""
-    import numpy as np
-    step = np.float32(1.0) / np.float32(side)
-    frac = np.minimum(np.arange(side, dtype=np.float32) * step, np.float32(1.0 - 1e-6))
-    bounds = np.arange(1 / side, 1.0, 1 / side, dtype=np.float32)
-    b = np.searchsorted(bounds, frac, side="right")
-    return (b[:, None] * side + b[None, :]).reshape(-1)
+    (fractional coordinates i * f32(1 / side), capped below 1, bucketed on numpy's f32 arange of the
+    boundaries 1/side ..): the identity where 1/side is exact."""
+    f32 = pure.f32
+    step, top, d = f32(1.0 / side), f32(1.0 - 1e-6), 1.0 / side
+    n = max(math.ceil((1.0 - d) / d), 0)
+    b0, b1 = f32(d), f32(d + d)              # numpy fills an f32 arange from its first two values
+    bounds = [b0, b1][:n] + [f32(b0 + f32(i * f32(b1 - b0))) for i in range(2, n)]
+    b = [bisect.bisect_right(bounds, min(f32(i * step), top)) for i in range(side)]
+    return [r * side + c for r in b for c in b]

@@ -4,6 +4,10 @@ the decoded RGB picture (Pillow) and the SHA-256 of its bytes (what identifies i
 
 Decoding errors are typed (`InvalidImageError`, 400) and name the request part that carried the
 image. Pillow is imported on first use: text-only requests never load it.
+
+A picture already decoded travels as its RGBA pixels, `data:image/x-rgba;width=W;height=H;base64,...`
+(what the browser page sends: the page has no Pillow, so its JavaScript decodes the picture):
+natively it becomes a Pillow image as any other, without Pillow a vision/pure.py RGBImage.
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ from ..errors import InvalidRequestError
 MAX_IMAGE_BYTES = 20 * 1024 * 1024      # an image's encoded bytes, as the server's body limit allows
 MAX_IMAGE_PIXELS = 40_000_000           # decoded size: a decompression bomb is refused before decoding
 FETCH_TIMEOUT_S = 15.0
+RAW_RGBA = "image/x-rgba"                # a data: URL of decoded pixels (width and height as parameters)
 _DATA_URL = re.compile(r"^data:(?P<mime>[\w/+.-]*)(?P<params>(;[\w=.+-]+)*?)(?P<b64>;base64)?,(?P<data>.*)$", re.S)
 
 
@@ -48,7 +53,12 @@ def decode_bytes(raw: bytes, where: str) -> ImageInput:
     transparency is composited on white first, as transformers' convert_rgb does."""
     if len(raw) > MAX_IMAGE_BYTES:
         raise InvalidImageError(where, f"the image has {len(raw)} bytes, more than {MAX_IMAGE_BYTES}")
-    from PIL import Image, UnidentifiedImageError
+    try:
+        from PIL import Image, UnidentifiedImageError
+    except ImportError:
+        raise InvalidImageError(where, f"encoded images are not decoded here (no Pillow, as in the browser "
+                                       f"page): send the picture's pixels as a data:{RAW_RGBA};width=W;height=H;"
+                                       f"base64 URL") from None
     try:
         img = Image.open(io.BytesIO(raw))
         if img.width * img.height > MAX_IMAGE_PIXELS:
@@ -72,6 +82,37 @@ def to_rgb(img):
     return Image.alpha_composite(background, rgba).convert("RGB")
 
 
+def decode_rgba(raw: bytes, width: int, height: int, where: str) -> ImageInput:
+    """A picture's RGBA pixels (rows of width x (r, g, b, a) bytes), alpha composited on white."""
+    if width < 1 or height < 1 or width * height > MAX_IMAGE_PIXELS:
+        raise InvalidImageError(where, f"an RGBA picture of {width}x{height} pixels (1 to {MAX_IMAGE_PIXELS})")
+    if len(raw) != 4 * width * height:
+        raise InvalidImageError(where, f"{len(raw)} bytes for an RGBA picture of {width}x{height} "
+                                       f"({4 * width * height} expected)")
+    digest = hashlib.sha256(b"%d,%d," % (width, height) + raw).hexdigest()
+    try:
+        from PIL import Image
+    except ImportError:                  # the page: the pure-Python picture
+        from .pure import from_rgba
+        return ImageInput(from_rgba(raw, width, height), digest, width, height)
+    return ImageInput(to_rgb(Image.frombytes("RGBA", (width, height), raw)), digest, width, height)
+
+
+def _raw_rgba(m: re.Match, where: str) -> ImageInput:
+    params = dict(p.split("=", 1) for p in m.group("params").split(";") if "=" in p)
+    try:
+        width, height = int(params["width"]), int(params["height"])
+    except (KeyError, ValueError):
+        raise InvalidImageError(where, f"a data:{RAW_RGBA} URL needs ;width=W;height=H parameters") from None
+    if not m.group("b64"):
+        raise InvalidImageError(where, f"a data:{RAW_RGBA} URL must be base64")
+    try:
+        raw = base64.b64decode("".join(m.group("data").split()), validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise InvalidImageError(where, f"not valid base64 ({e})") from e
+    return decode_rgba(raw, width, height, where)
+
+
 def decode_base64(text: str, where: str) -> ImageInput:
     """Bare base64 (Ollama's `images` entries), whitespace allowed."""
     try:
@@ -85,6 +126,8 @@ def decode_data_url(url: str, where: str) -> ImageInput:
     m = _DATA_URL.match(url)
     if m is None:
         raise InvalidImageError(where, "a malformed data: URL (expected data:image/<type>;base64,<data>)")
+    if m.group("mime") == RAW_RGBA:
+        return _raw_rgba(m, where)
     if m.group("mime") and not m.group("mime").startswith("image/"):
         raise InvalidImageError(where, f"a data: URL of {m.group('mime')!r}, not an image")
     if not m.group("b64"):
