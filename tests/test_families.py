@@ -401,9 +401,9 @@ def test_gptneox_matches_transformers(device, tmp_path, fmt, name):
 # --------------------------------------------------------------------------- batched
 @pytest.mark.parametrize("family,ref", [("olmo2", "olmo2"), ("stablelm", "stablelm"), ("phi", "phi"),
                                         ("gptneox", "gptneox")])
-async def test_new_families_in_a_batch_answer_as_on_the_one_request_path(device, tmp_path, family, ref):
+async def test_new_families_in_a_batch_answer_as_each_alone(device, tmp_path, family, ref):
     """Four requests at once through continuous batching (paged KV, every row mode) give the greedy
-    tokens the one-request path (contiguous KV) gives each alone: post norms, whole-projection q/k
+    tokens each gives alone through a scheduler of one slot: post norms, whole-projection q/k
     norms, LayerNorms, parallel layers, dense FFNs and head biases in the batched forward too."""
     path = str(_tiny_files(tmp_path, family, "gguf", _ref(ref)["dims"]))
     prompts = ["Grüße aus Köln", "The quick brown fox jumps over the lazy dog; naïve café owners",
@@ -413,8 +413,8 @@ async def test_new_families_in_a_batch_answer_as_on_the_one_request_path(device,
 
 
 async def batch_answers(path: str, prompts: list[str], context: int = 160) -> tuple[list, list]:
-    """The 12 greedy tokens' texts of each prompt, all sent at once, with max_num_sequences 1 (the
-    one-request path, one after another) and 4 (continuous batching)."""
+    """The 12 greedy tokens' texts of each prompt, all sent at once, with max_num_sequences 1 (a
+    scheduler of one slot: one after another) and 4 (continuous batching)."""
     from webgpu_engine.engine.engine import AsyncMLCEngine
     answers = []
     for n in (1, 4):

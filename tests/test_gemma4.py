@@ -128,7 +128,7 @@ def test_gelu_tanh_gate(device, dtype, rows, p, layers, layer):
 async def test_gemma4_in_a_batch_answers_as_alone(device, tmp_path, ref):
     """Three requests at once through continuous batching (max_num_sequences 4: the paged pool, the
     ROWS and PREFILL modes, the shared layers reading their source layers' pools) give the greedy
-    tokens each gives alone on the one-request path; one prompt runs past the 48-key window."""
+    tokens each gives alone (max_num_sequences 1); one prompt runs past the 48-key window."""
     folder = str(write_tiny_gemma4_safetensors(tmp_path / "gemma4", seed=ref["seed"])["folder"])
     alone, batched = await batch_answers(folder, ["Grüße aus Köln", "東京で会いましょう 🌍", ref["text"][:160]],
                                          context=192)

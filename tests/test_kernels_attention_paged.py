@@ -156,7 +156,7 @@ def test_paged_decode_ragged_batch(device, case, dtype):
 def test_paged_decode_equals_contiguous_decode(device, dtype):
     """The same keys in a contiguous cache (Hkv, ctx, D) and scattered over pool blocks give the same
     decode output, bit for bit: the paged op's form chosen by the sequence's length (short up to
-    max_keys, split beyond) is the one the one-request path chooses (record(n_keys=length)), and
+    max_keys, split beyond) is the one the contiguous op chooses (record(n_keys=length)), and
     split-key everywhere (short_keys=0) is its split-key form."""
     rng = np.random.default_rng(5)
     hq, hkv, d, max_blocks, n_blocks = 9, 3, 64, 16, 40
@@ -179,7 +179,7 @@ def test_paged_decode_equals_contiguous_decode(device, dtype):
                                     max_seqs=1, max_blocks=max_blocks, scale=0.125, min_chunk=32, split_wg=8,
                                     short_keys=short_keys)
             assert paged.max_keys == (cont.max_keys if short_keys is None else 0)
-            n_keys = n if short_keys is None else None      # the one-request path's choice of form
+            n_keys = n if short_keys is None else None      # the contiguous op's choice of form
             for op in (paged, cont):
                 b = device.batch()
                 op.record(b, n_keys=n_keys if op is cont else n)

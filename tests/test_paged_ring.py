@@ -196,7 +196,7 @@ async def _ask(eng, prompt, n):
 async def test_four_ring_sequences_in_a_batch_answer_as_alone(device, path):
     """4 requests at once through the scheduler with a ring (W = 64, S = 2, chunks of 16: a table of
     80 rows), generations 100-160 tokens past the window: each answer (text and logprobs) equals the
-    same request alone, and the one-request path's; /v1/models shows the batch and the window."""
+    same request alone, and alone through a scheduler of one slot; /v1/models shows the batch and the window."""
     lengths = [160, 120, 100, 140]
     eng = await _engine(device, path, max_num_sequences=4, kv_block_size=16)
     try:
@@ -258,10 +258,10 @@ def test_a_ring_pool_holds_its_window_and_shares_nothing():
 
 
 async def test_preempted_ring_sequences_and_long_prompts_answer_as_alone(device, path):
-    """A window of 60 (ctx 76, a table of 80 rows: the ring's rows are not the one-request cache's), a
+    """A window of 60 (ctx 76, a table of 80 rows), a
     pool of 10 blocks for 4 sequences of 5 each (the newest are preempted and recomputed: prompt rows by
     prefill, decoded rows replayed) and a prompt of over twice the table prefilled in chunks round
-    the ring: each answer equals the same request alone, and the one-request path's tokens (its
+    the ring: each answer equals the same request alone, and the tokens of a scheduler of one slot (its
     logprobs within rounding)."""
     long = " ".join(f"word{i}" for i in range(90))
     prompts, lengths = [long] + PROMPTS[1:], [90, 110, 70, 100]

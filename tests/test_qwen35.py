@@ -277,7 +277,7 @@ def test_webllm_qwen35_ids_are_claimed_by_what_loads():
 async def test_qwen35_in_a_batch_answers_as_alone(device, tmp_path, ref):
     """Three requests at once through continuous batching (max_num_sequences 4: the paged pool, each
     sequence's conv and delta states in its slot, ROWS and PREFILL modes, prompts prefilled in chunks
-    of 32) give the greedy tokens each gives alone on the one-request path, one after another (each
+    of 32) give the greedy tokens each gives alone (max_num_sequences 1), one after another (each
     starting its states over: no cached prefix is reused)."""
     folder = str(write_tiny_qwen35_safetensors(tmp_path / "qwen35", seed=ref["seed"])["folder"])
     alone, batched = await batch_answers(folder, ["Grüße aus Köln", "東京で会いましょう 🌍", ref["text"][:160]],
@@ -287,7 +287,7 @@ async def test_qwen35_in_a_batch_answers_as_alone(device, tmp_path, ref):
 
 def test_memory_estimate_counts_the_recurrent_states(tmp_path, ref):
     """The load's memory estimate counts every Gated DeltaNet layer's f32 conv and delta states once
-    for the one-request model and once per sequence slot of the paged batch, and the rows' wider
+    for a scheduler of one slot and once per sequence slot of a batch of four, and the rows' wider
     projection and scratch."""
     from webgpu_engine.models.memory import estimate_llm
     from webgpu_engine.models.plan import DecoderPlan

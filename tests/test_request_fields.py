@@ -1,5 +1,5 @@
 """Request fields clients send, on the real server through the official openai client: top_k and
-min_p (one-request path and batch scheduler), 20 top logprobs, the end-of-turn token never listed in
+min_p (a scheduler of one slot and of several), 20 top logprobs, the end-of-turn token never listed in
 logprobs, the developer role, a final assistant message continued, reasoning output split from the
 answer (a tiny model with a thinking template; Ollama's `think` and Anthropic's `thinking` too),
 tool-call arguments streamed in fragments. The
@@ -58,7 +58,7 @@ def ask(client, model=LLM_ID, messages=Q, **kw):
 @pytest.mark.parametrize("model", [LLM_ID, THINK])
 def test_top_k_1_and_min_p_1_are_greedy(client, model):
     """top_k=1 and min_p=1 leave only the best token: at temperature 1.5 they answer as greedy
-    decoding does, for several seeds (the one-request path and the batch scheduler); without them
+    decoding does, for several seeds (a scheduler of one slot and of several); without them
     the same seeds sample something else."""
     def answer(**kw):
         m = ask(client, model, max_tokens=4, **kw).choices[0].message

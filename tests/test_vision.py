@@ -288,7 +288,7 @@ async def test_smolvlm_in_a_batch_answers_as_alone(idefics_engine, idefics_ref):
     """Continuous batching (paged KV, chunks of 32 rows cutting tiles): six requests with one or two
     images at once give transformers' answers; then a picture whose prompt has the very token ids of
     one cached in the pool's prefix blocks (another image of the same tiles) answers as the
-    one-request path does, not from the other picture's blocks."""
+    picture alone from a cold cache does, not from the other picture's blocks."""
     from webgpu_engine.engine.engine import AsyncMLCEngine
     swapped = _messages(idefics_ref, "one", url=lambda p: image_data_url(IMAGES / "shapes.png"))
     alone = await idefics_engine.chat.completions.create(messages=swapped, max_tokens=12, temperature=0.0)

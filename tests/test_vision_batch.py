@@ -26,7 +26,7 @@ def _free(device):
 def test_paged_prefill_image_spans(device, dtype, window):
     """A chunk of 80 rows at positions 30.. through a shuffled block table: rows 50..69 form one image
     (across the kernel's 64-row workgroups), rows 5..8 another; their rows see their image's later
-    keys too (from the window's start), as the one-request path's attn_image_rows computes them; every
+    keys too (from the window's start), as the contiguous cache's attn_image_rows computes them; every
     other row equals the kernel without spans bit for bit."""
     rng = np.random.default_rng(5 + window)
     hq, hkv, d, bs, max_blocks, T, pos0 = 4, 2, 16, 16, 8, 80, 30
@@ -108,7 +108,7 @@ async def test_preempted_sequences_with_images_answer_as_alone(batched, ref):
 
 async def test_a_follow_up_turn_in_the_batch_reuses_its_images_rows(batched, ref, device):
     """A follow-up turn about the same picture, beside another request, takes its image's rows from
-    the pool's prefix blocks (keyed by the image's content) and answers as the one-request path does."""
+    the pool's prefix blocks (keyed by the image's content) and answers as a scheduler of one slot does."""
     from webgpu_engine.engine.engine import AsyncMLCEngine
     pool = next(iter(batched.models.values())).pipeline.scheduler.pool
     first = _messages(ref, "one")
@@ -136,7 +136,7 @@ PAIR = FOLDER.parent / "mmproj_gguf"       # the same model as llama.cpp's conve
 async def test_as_suits_the_device_a_vision_model_batches(device, ref, path, opts):
     """max_num_sequences 0 (`serve`'s default) loads Gemma 3 with its images on the batching path, from
     its folder and from a GGUF with its projector GGUF; a lone request about two images gives
-    transformers' tokens there (as the one-request path did)."""
+    transformers' tokens there."""
     from webgpu_engine.engine.engine import AsyncMLCEngine
     eng = AsyncMLCEngine()
     await eng.reload(str(path), chat_opts={**OPTS, **opts, "max_num_sequences": 0})
