@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from _nn_util import TOL, get, put, rounded, run
+from test_vision import _engine_of
 from webgpu_engine.errors import ModelFormatError, UnsupportedChatOptionError
 from webgpu_engine.kernels import nn_ref
 from webgpu_engine.kernels.elementwise import quick_gelu
@@ -170,14 +171,8 @@ def test_mmproj_tower_gives_transformers_features(device, ref, llava_ref, pair):
 
 
 # ----------------------------------------------------------------------------- end to end
-@pytest.fixture(scope="module")
-async def engine(device):
-    """The folder holding both GGUFs, as a model reference (its projector found by its architecture)."""
-    from webgpu_engine.engine.engine import AsyncMLCEngine
-    eng = AsyncMLCEngine()
-    await eng.reload(str(PAIR), chat_opts=OPTS)
-    yield eng
-    await eng.unload()
+# the folder holding both GGUFs, as a model reference (its projector found by its architecture)
+engine = _engine_of(PAIR, OPTS)
 
 
 @pytest.mark.parametrize("key", ["one", "two"])

@@ -153,13 +153,14 @@ def _text(ids, folder=FOLDER) -> str:
     return Tokenizer.from_file(str(folder / "tokenizer.json")).decode(ids, skip_special_tokens=False)
 
 
-def _engine_of(folder):
-    """A module fixture: an AsyncMLCEngine holding the folder's model (OPTS)."""
+def _engine_of(folder, opts: dict | None = None):
+    """A module fixture: an AsyncMLCEngine holding the model at `folder` (a model reference) with
+    chat options `opts` (default OPTS)."""
     @pytest.fixture(scope="module")
     async def fixture(device):
         from webgpu_engine.engine.engine import AsyncMLCEngine
         eng = AsyncMLCEngine()
-        await eng.reload(str(folder), chat_opts=OPTS)
+        await eng.reload(str(folder), chat_opts=OPTS if opts is None else opts)
         yield eng
         await eng.unload()
     return fixture
