@@ -68,7 +68,7 @@ def server(browser_env, tmp_path_factory):
         sys.path.remove(str(DEMO))
     log = tmp_path_factory.mktemp("server") / "requests.log"
     log.write_text("")
-    httpd = serve.serve(0, str(log), routes={"mlc": MLC_FIXTURES})
+    httpd = serve.serve(0, str(log), routes={"mlc": MLC_FIXTURES, "fixtures": ROOT / "tests" / "fixtures"})
     t = threading.Thread(target=httpd.serve_forever, daemon=True)
     t.start()
     yield f"http://127.0.0.1:{httpd.server_address[1]}/", log

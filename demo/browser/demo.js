@@ -1,6 +1,7 @@
 // The demo page: boots Pyodide, loads the default chat model and embedder through the Python engine
 // (weights from this origin, kept in Cache Storage), streams a chat answer and runs an embedding search.
-// `window.demo` exposes the same calls to the browser test.
+// Pictures attached (the button) or pasted into the prompt go with the next chat message, for a
+// vision-language model (demo.loadFolder). `window.demo` exposes the same calls to the browser test.
 import { bootPython } from "./boot.js";
 
 // The default chat model and embedder: webgpu_engine/catalogue.py's, read once Python is up.
@@ -14,6 +15,36 @@ const DOCS = [
 ];
 const $ = (id) => document.getElementById(id);
 const params = new URLSearchParams(location.search);
+
+// A picture (Blob, File or URL) as an OpenAI image_url part holding its RGBA pixels: the browser decodes
+// it (Python in the page has no Pillow), untouched by colour management or premultiplied alpha.
+async function imagePart(src) {
+  const blob = typeof src === "string" ? await (await fetch(src)).blob() : src;
+  const bmp = await createImageBitmap(blob, { premultiplyAlpha: "none", colorSpaceConversion: "none" });
+  const canvas = new OffscreenCanvas(bmp.width, bmp.height);
+  const g = canvas.getContext("2d", { colorSpace: "srgb" });
+  g.drawImage(bmp, 0, 0);
+  const rgba = g.getImageData(0, 0, bmp.width, bmp.height).data;
+  let bin = "";
+  for (let i = 0; i < rgba.length; i += 0x8000) bin += String.fromCharCode.apply(null, rgba.subarray(i, i + 0x8000));
+  const url = `data:image/x-rgba;width=${bmp.width};height=${bmp.height};base64,${btoa(bin)}`;
+  bmp.close();
+  return { type: "image_url", image_url: { url } };
+}
+
+// pictures waiting for the next message: attached with the button or pasted into the prompt
+const attached = [];
+function thumbs(el, blobs) {
+  $(el).replaceChildren(...blobs.map((b, i) => Object.assign(document.createElement("img"), {
+    src: typeof b === "string" ? b : URL.createObjectURL(b), alt: "picture",
+    // an attached picture not sent yet is taken off by a click
+    onclick: el === "attached" ? () => { attached.splice(i, 1); thumbs(el, attached); } : null,
+  })));
+}
+function attach(files) {
+  for (const f of files) if (f.type.startsWith("image/")) attached.push(f);
+  thumbs("attached", attached);
+}
 
 function setProgress(frac, text) {
   $("progress-fill").style.width = `${Math.round(100 * Math.max(0, Math.min(1, frac)))}%`;
@@ -44,9 +75,15 @@ async function main() {
   const demo = {
     loaded,
     device: dev,
-    async chat(prompt, request = {}) {
+    // `images` (Blobs or URLs) go before the text; by default the pictures attached or pasted
+    async chat(prompt, request = {}, images = null) {
+      images = images ?? attached.splice(0);
+      thumbs("attached", attached);
+      thumbs("message", images);
       $("answer").textContent = "";
-      const r = JSON.parse(await app.chat(JSON.stringify([{ role: "user", content: prompt }]),
+      const parts = await Promise.all(images.map(imagePart));
+      const content = parts.length ? [...parts, { type: "text", text: prompt }] : prompt;
+      const r = JSON.parse(await app.chat(JSON.stringify([{ role: "user", content }]),
         (piece) => { $("answer").textContent += piece; }, JSON.stringify(request)));
       const tps = r.decode_tokens_per_s;
       $("chat-stats").textContent = `decode: ${tps ? tps.toFixed(2) : "?"} tokens/s · ` +
@@ -64,6 +101,12 @@ async function main() {
     // an MLC model folder by URL (WebLLM's layout), replacing the loaded models
     async loadUrl(url, modelId = "", chatOpts = null) {
       return JSON.parse(await app.load_url(url, modelId, JSON.stringify(chatOpts)));
+    },
+    // a Hugging Face folder (`files` named), e.g. a vision-language model, replacing the loaded models
+    async loadFolder(url, files, modelId = "", chatOpts = null) {
+      const r = JSON.parse(await app.load_folder(url, JSON.stringify(files), modelId, JSON.stringify(chatOpts)));
+      $("chat-model").textContent = CHAT_MODEL = r.model_id;
+      return r;
     },
     async embed(texts) { return JSON.parse(await app.embed(JSON.stringify(texts))); },
     async search(query) {
@@ -84,6 +127,11 @@ async function main() {
   $("send").disabled = $("find").disabled = false;
   // Errors of a click (typed engine errors arrive as PythonError) are shown where the result would be.
   const shown = (el, p) => p.catch((e) => { $(el).textContent = "error: " + (e.message || e).split("\n").at(-2); });
+  $("attach").onchange = (e) => { attach(e.target.files); e.target.value = ""; };
+  $("prompt").onpaste = (e) => {
+    const files = [...(e.clipboardData?.files || [])].filter((f) => f.type.startsWith("image/"));
+    if (files.length) { e.preventDefault(); attach(files); }
+  };
   $("chat-form").onsubmit = (e) => { e.preventDefault(); shown("chat-stats", demo.chat($("prompt").value)); };
   $("search-form").onsubmit = (e) => { e.preventDefault(); shown("search-stats", demo.search($("query").value)); };
   if (params.get("auto") !== "0") {          // the page shows both features without a click

@@ -12,6 +12,11 @@ Values cross to JavaScript as JSON strings, so the page holds no Python proxies.
     await app.load(JSON.stringify([d.chat, d.embed]))
     await app.chat(JSON.stringify(messages), onDelta)    // onDelta(text) per streamed piece
     await app.load_url("https://huggingface.co/mlc-ai/<id>/resolve/main/")   // an MLC folder (WebLLM's)
+    await app.load_folder(url, JSON.stringify(["config.json", ...]), id)     // a Hugging Face folder
+
+Images go in chat messages as OpenAI image_url parts whose URL holds the picture's pixels,
+`data:image/x-rgba;width=W;height=H;base64,...` (the page decodes pictures in JavaScript: Python here
+has no Pillow; vision/pure.py preprocesses them as Pillow and numpy do natively).
 """
 from __future__ import annotations
 
@@ -117,9 +122,29 @@ async def load_url(url: str, model_id: str = "", chat_opts_json: str = "null") -
     arrays, st3 = await cache.fetch_all([base + n for n in names],
                                         lambda frac, text: _progress(0.5 * frac, text))
     files = {"mlc-chat-config.json": cfg_raw, index_name: raw, **dict(zip(names, arrays))}
-    stage_files(f"{STAGE_ROOT}/{mid}", files)
     stats = {k: getattr(st, k) + getattr(st2, k) + getattr(st3, k)
              for k in ("cached_files", "cached_bytes", "fetched_files", "fetched_bytes")}
+    return await _load_files(mid, files, stats, chat_opts_json)
+
+
+async def load_folder(url: str, files_json: str, model_id: str = "", chat_opts_json: str = "null") -> str:
+    """Load a Hugging Face model folder (config.json, *.safetensors, the tokenizer files; a vision-
+    language model's processor config too) from `url`: the files named in `files_json` are fetched
+    (or found in Cache Storage) and loaded as a local folder. Replaces the loaded models."""
+    base = url.rstrip("/") + "/"
+    names = json.loads(files_json)
+    if "config.json" not in names:
+        raise ArtifactFetchError(f"{base}: a model folder's files must include config.json, not {names}")
+    arrays, st = await BrowserArtifactCache("model").fetch_all([base + n for n in names],
+                                                               lambda frac, text: _progress(0.5 * frac, text))
+    mid = model_id or base.rstrip("/").rsplit("/", 1)[-1]
+    return await _load_files(mid, dict(zip(names, arrays)), dict(st.__dict__), chat_opts_json)
+
+
+async def _load_files(mid: str, files: dict, stats: dict, chat_opts_json: str) -> str:
+    """Stage a folder's fetched files and load it as the one model."""
+    stats = {k: stats[k] for k in ("cached_files", "cached_bytes", "fetched_files", "fetched_bytes")}
+    stage_files(f"{STAGE_ROOT}/{mid}", files)
     engine = _state["engine"]
     engine.set_app_config(AppConfig([ModelRecord(model_id=mid, model=f"{STAGE_ROOT}/{mid}", model_type=LLM)]))
     t0 = time.perf_counter()
