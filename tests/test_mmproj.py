@@ -109,24 +109,6 @@ def test_mmproj_reads_as_the_folders_vision_config(tokenizer):
         MmprojFile(LLAVA / "mmproj-tiny-llava.gguf", tokenizer)     # Gemma's vocabulary, LLaVA's projector
 
 
-def test_quantised_host_tables_are_refused_by_name(device, tokenizer):
-    """The tables the tower reads on the host (positions, Gemma 3's projection) in a quantised type:
-    a typed error naming the tensor."""
-    from dataclasses import replace
-
-    from webgpu_engine.errors import UnsupportedModelError
-    from webgpu_engine.models.siglip import SiglipTower
-    f = MmprojFile(PROJ, tokenizer)
-    try:
-        name = "vision_tower.embeddings.position_embedding.weight"
-        f.tensors[name] = replace(f.tensors[name], qtype="q8_0")
-        with pytest.raises(UnsupportedModelError, match="v.position_embd.weight is q8_0"):
-            SiglipTower(device, f.cfg, f.tensors, owner="test:mmproj")
-    finally:
-        f.close()
-        device.release_owner("test:mmproj")
-
-
 def test_llava_preprocessing_equals_the_processor(llava_ref):
     """CLIPImageProcessor: shortest side to 32 (bicubic), centre crop, CLIP's mean and std, for a wide,
     a square and a tall picture."""

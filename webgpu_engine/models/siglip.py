@@ -139,11 +139,11 @@ class SiglipTower:
     # ------------------------------------------------------------------ weights and activations
     def _array(self, t: TensorInfo) -> array:
         """A table read on the host (positions, Gemma 3's projection) as f32 values, row-major, without
-        numpy (the page has none)."""
-        if t.qtype not in ("f32", "f16", "bf16"):          # a quantised projector file's
-            raise UnsupportedModelError(f"vision tensor {t.name} is {t.qtype}; this engine reads it in f32, f16 "
-                                        f"or bf16 (use an f16 or f32 mmproj)")
-        return pure.f32_values(bytes(t.data), t.qtype)
+        numpy (the page has none) where it is stored as floats; a quantised one (a projector file
+        quantised whole) dequantised as ggml does, with numpy."""
+        if t.qtype in ("f32", "f16", "bf16"):
+            return pure.f32_values(bytes(t.data), t.qtype)
+        return dequantised(t)
 
     def _upload(self, values: array, shape: tuple, label: str) -> Tensor:
         return Tensor(self.dev.upload(values.tobytes(), owner=self.owner, label=label), shape, "f32")
@@ -240,6 +240,26 @@ class SiglipTower:
         self.ops.release()
         self.dev.release_owner(self.owner)
 
+
+
+def dequantised(t: TensorInfo) -> array:
+    """A quantised tensor's values as f32, row-major (kernels/quant_ref.py, numpy's: natively only)."""
+    try:
+        import numpy as np
+
+        from ..kernels import quant_ref
+    except ImportError:                  # the page: no numpy
+        raise UnsupportedModelError(f"vision tensor {t.name} is {t.qtype}; the page reads it in f32, f16 or "
+                                    f"bf16 only (use an f16 or f32 mmproj)") from None
+    width = int(t.shape[-1])
+    try:
+        values = quant_ref.dequantize(bytes(t.data), t.qtype, t.numel // width, width)
+    except (KeyError, ValueError) as e:
+        raise UnsupportedModelError(f"vision tensor {t.name} is {t.qtype}, which this engine does not "
+                                    f"dequantise ({e})") from None
+    out = array("f")
+    out.frombytes(values.astype(np.float32).tobytes())
+    return out
 
 
 def position_ids(side: int) -> list[int]:

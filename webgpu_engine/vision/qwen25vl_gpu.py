@@ -42,6 +42,8 @@ class Qwen25VLTower:
 
     def __init__(self, dev, cfg: VisionConfig, tensors: dict, *, owner: str):
         import numpy as np
+
+        from ..kernels import quant_ref
         self.dev, self.cfg, self.owner = dev, cfg, owner
         q = cfg.qwen25vl
         named = {_PREFIX.sub("", n): t for n, t in tensors.items() if _PREFIX.match(n)}
@@ -49,11 +51,9 @@ class Qwen25VLTower:
         C, F, p, T = cfg.hidden_size, cfg.intermediate_size, cfg.patch_size, cfg.text_hidden
         K, m2 = 3 * q.temporal_patch * p * p, q.merge ** 2
 
-        def floats(t):
-            raw = np.frombuffer(bytes(t.data), {"f32": np.float32, "f16": np.float16, "bf16": np.uint16}[t.qtype])
-            if t.qtype == "bf16":
-                raw = (raw.astype(np.uint32) << 16).view(np.float32)
-            return raw.astype(np.float32).reshape(tuple(t.shape))
+        def floats(t):                   # any stored type (a projector file quantised whole too)
+            w = int(t.shape[-1])
+            return quant_ref.dequantize(bytes(t.data), t.qtype, t.numel // w, w).astype(np.float32).reshape(tuple(t.shape))
 
         def array(name: str, shape: tuple):
             parts = [tensors.get(n) for n in mmproj_names(name)] if mmproj else [named.get(name)]
