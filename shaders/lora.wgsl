@@ -66,7 +66,8 @@ fn lora_expand(@builtin(global_invocation_id) gid: vec3<u32>) {
 // 2p + 1 are one target's, N even). Each sum in the order lora_shrink / lora_expand make it (the
 // zero columns left out add nothing). With STORE, y = the delta instead (a row without an adapter:
 // -0.0, so that a matmul adding y to its sums keeps a base row's bits: models/lora.py).
-// dispatch (T, 1, 1), workgroup WG; the host adds the consts JMAX (= J), NORM, STORE and KC, and
+// dispatch (T, 1, 1), workgroup WG (J / 4 lanes or fewer do the shrink); the host adds the consts
+// JMAX (= J), NORM, STORE, KC and SHAPE_K/N/J/R (the widths, or 0: the uniforms'), and
 // A and B's element type: `wvec` f32 (vec4<f32>, VW = 4 values a load) or f16 pairs (vec4<u32>,
 // VW = 8: on a CPU adapter a load costs per invocation whatever its width, so 16-bit weights halve
 // the loads) with `wdot`, which adds a load's VW products in index order (the same sums, the same
@@ -91,47 +92,57 @@ struct DeltaParams {
 @group(0) @binding(8) var<uniform> D: DeltaParams;
 
 var<workgroup> wslot: u32;
-var<workgroup> wsum: array<f32, WG>;
+const NV: u32 = 64u;     // the norm's partial sums
+var<workgroup> wsum: array<f32, NV>;
 var<workgroup> wu: array<vec4<f32>, (JMAX + 3u) / 4u>;
 var<workgroup> wx: array<vec4<f32>, KC / 4u>;
 
 @compute @workgroup_size(WG)
 fn lora_delta(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
     let t = wid.x;
+    // the widths: the host's compile-time ones where it gives them (SHAPE_K > 0: loops of known
+    // trip counts, which a CPU adapter unrolls), else the uniforms
+    let K = select(D.K, SHAPE_K, SHAPE_K > 0u);
+    let N = select(D.N, SHAPE_N, SHAPE_K > 0u);
+    let J = select(D.J, SHAPE_J, SHAPE_K > 0u);
+    let R = select(D.R, SHAPE_R, SHAPE_K > 0u);
     if (lid == 0u) { wslot = idx[t]; }
     let s = workgroupUniformLoad(&wslot);
     if (s == NONE || s >= D.slots) {
         // STORE: the row's delta is -0.0, which leaves any value it is added to as it is
-        for (var n = lid; STORE && n < D.N; n += WG) { y[D.y_off + t * D.N + n] = act(bitcast<f32>(0x80000000u)); }
+        for (var n = lid; STORE && n < N; n += WG) { y[D.y_off + t * N + n] = act(bitcast<f32>(0x80000000u)); }
         return;
     }
-    let x0 = D.x_off + t * D.K;
+    let x0 = D.x_off + t * K;
     var inv = 1.0;
     if (NORM) {
-        var ss = 0.0;
-        for (var k = lid; k < D.K; k += WG) { let v = f32(x[x0 + k]); ss += v * v; }
-        wsum[lid] = ss;
+        // sum(x^2) as NV strided partial sums added in order, whatever WG (the same bits)
+        for (var v = lid; v < NV; v += WG) {
+            var ss = 0.0;
+            for (var k = v; k < K; k += NV) { let xv = f32(x[x0 + k]); ss += xv * xv; }
+            wsum[v] = ss;
+        }
         workgroupBarrier();
         if (lid == 0u) {
             var tot = 0.0;
-            for (var i = 0u; i < WG; i++) { tot += wsum[i]; }
+            for (var i = 0u; i < NV; i++) { tot += wsum[i]; }
             wsum[0] = tot;
         }
         workgroupBarrier();
-        inv = inverseSqrt(wsum[0] / f32(D.K) + D.eps);
+        inv = inverseSqrt(wsum[0] / f32(K) + D.eps);
     }
     // u = A · x: invocation l sums rows j = l + q J/4 (q = 0..3) of A (VW values a load) against x
     // (times w), staged KC values at a time in workgroup memory: each x value read once for 4
     // rows (a storage or workgroup load costs per invocation on a CPU adapter)
-    let K4 = D.K / VW;
-    let a0 = (s * D.J) * K4;
-    let JL = D.J / 4u;
+    let K4 = K / VW;
+    let a0 = (s * J) * K4;
+    let JL = J / 4u;
     for (var l0 = 0u; l0 < JL; l0 += WG) {
         let l = l0 + lid;
         let aj = a0 + l * K4;
         var acc = vec4<f32>(0.0);        // rows l, l + JL, l + 2 JL, l + 3 JL
-        for (var kc = 0u; kc < D.K; kc += KC) {
-            let kn = min(KC, D.K - kc);
+        for (var kc = 0u; kc < K; kc += KC) {
+            let kn = min(KC, K - kc);
             workgroupBarrier();
             for (var k = lid; k < kn; k += WG) {
                 var v = f32(x[x0 + kc + k]);
@@ -162,9 +173,9 @@ fn lora_delta(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_i
     workgroupBarrier();
     // y += B · u: invocation p makes rows n = 2p and 2p + 1 (one target's: cols[2p] = cols[2p + 1]),
     // each u value read once for both
-    let R4 = D.R / VW;
-    let b0 = s * D.N * R4;
-    for (var p = lid; p < D.N / 2u; p += WG) {
+    let R4 = R / VW;
+    let b0 = s * N * R4;
+    for (var p = lid; p < N / 2u; p += WG) {
         let n = 2u * p;
         let c = cols[n] / 4u;
         let bn = b0 + n * R4;
@@ -175,7 +186,7 @@ fn lora_delta(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_i
             acc.x = wdot(acc.x, u0, u1, b4[bn + r4]);
             acc.y = wdot(acc.y, u0, u1, b4[bn + R4 + r4]);
         }
-        let at = D.y_off + t * D.N + n;
+        let at = D.y_off + t * N + n;
         if (STORE) {
             y[at] = act(acc.x);
             y[at + 1u] = act(acc.y);

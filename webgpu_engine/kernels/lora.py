@@ -33,12 +33,21 @@ _WEIGHTS = {
 }
 
 
+# lora_delta on a CPU adapter (lavapipe runs a workgroup 8 lanes at a time, masked-off lanes
+# included): its widths (K, N, J, R) compiled in, so loops have known trip counts (the same
+# operations in the same order), and a workgroup only as wide as the shrink's J / 4 lanes (at least
+# 8). False: the uniforms' widths and 64 lanes (bench/lora_delta.py compares the two; the same bits)
+BAKE_SHAPES = True
+NARROW_WG = True
+
+
 def _pipe(dev: Device, entry: str, dtype: str, j: int = 1, norm: bool = False, store: bool = False,
-          wdtype: str = "f32"):
-    return dev.pipeline("lora.wgsl", entry, header=f"{act_header(dtype)}const WG: u32 = {_WG}u;\n"
+          wdtype: str = "f32", shape: tuple = (0, 0, 0, 0), wg: int = _WG):
+    dims = "".join(f"const SHAPE_{n}: u32 = {v}u;\n" for n, v in zip("KNJR", shape))
+    return dev.pipeline("lora.wgsl", entry, header=f"{act_header(dtype)}const WG: u32 = {wg}u;\n"
                                                    f"const JMAX: u32 = {j}u;\nconst NORM: bool = {str(norm).lower()};\n"
                                                    f"const STORE: bool = {str(store).lower()};\nconst KC: u32 = {_KC}u;\n"
-                                                   f"{_WEIGHTS[wdtype]}")
+                                                   f"{dims}{_WEIGHTS[wdtype]}")
 
 
 def lora_shrink(dev: Device, x: Tensor, a: Tensor, idx: Tensor, u: Tensor, *, slots: int) -> Op:
@@ -103,7 +112,8 @@ def lora_delta(dev: Device, x: Tensor, a: Tensor, b: Tensor, cols: Tensor, idx: 
     (xb, xo), (yb, yo), (ib, io) = (window(t, DTYPE_SIZE[t.dtype], k, n) for t, n in ((x, "x"), (y, "y"), (idx, "idx")))
     check(io == 0 and a.offset == 0 and b.offset == 0 and cols.offset == 0, k,
           "idx, A, B and cols must start at binding-aligned offsets")
-    pipe = _pipe(dev, k, x.dtype, J, norm is not None, store, a.dtype)
+    wg = min(_WG, max(8, -(-J // 32) * 8)) if NARROW_WG else _WG
+    pipe = _pipe(dev, k, x.dtype, J, norm is not None, store, a.dtype, (K, N, J, R) if BAKE_SHAPES else (0,) * 4, wg)
     par = params(dev, [T, K, N, J, xo, yo, slots, float(norm[1]) if norm else 0.0, R], owner=y.buf.owner, label=k)
     w = norm[0].binding() if norm else placeholder(dev)
     op = Op(name=k)
