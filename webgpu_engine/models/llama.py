@@ -171,13 +171,12 @@ class LlamaModel:
         # decode steps record an op's short form when the live keys allow (nn.attention's
         # one-dispatch attention); a switch for A/B benchmarks
         self.short_attention = True
-        self.decode_ops: list[Op] = []
-        if plan.contiguous:
-            if dev.deferring:
-                # pipelines queue on the background compiler in the order built: a first prompt's
-                # prefill (tiled as a full chunk is, most prompts being over 8 rows) before decode
-                self.ops_for(self.chunk, True)
-            self.decode_ops = self._build(1, True, decode=True)   # built once, replayed every step
+        self._decode_ops: list[Op] | None = None      # the contiguous decode step's, built on first use
+        self._decode_plan = None
+        if plan.contiguous and dev.deferring:
+            # pipelines queue on the background compiler in the order built: a first prompt's
+            # prefill (tiled as a full chunk is, most prompts being over 8 rows)
+            self.ops_for(self.chunk, True)
 
     # ------------------------------------------------------------------ memory
     def _check_memory(self, weights: dict, max_total: int) -> None:
@@ -374,8 +373,25 @@ class LlamaModel:
         however the prompt was chunked. Decode (T = 1) takes the fused, split-key kernels."""
         if not decode:
             return decoder.forward(self, self.kv, T, decoder.PREFILL, with_head=with_head)
-        self.decode_plan = decoder.FusionPlan.choose(self.dev, self.cfg, self.layers, self.lm_head, True)
         return decoder.forward(self, self.kv, T, decoder.DECODE, with_head=with_head, plan=self.decode_plan)
+
+    @property
+    def decode_plan(self) -> "decoder.FusionPlan":
+        """The fusions the contiguous decode step takes (chosen on first use)."""
+        if self._decode_plan is None:
+            self._decode_plan = decoder.FusionPlan.choose(self.dev, self.cfg, self.layers, self.lm_head, True)
+        return self._decode_plan
+
+    @property
+    def decode_ops(self) -> list[Op]:
+        """A hand-built model's decode step over its contiguous cache, built on first use (a model that
+        never decodes, the decoder embedder, creates none of its pipelines) and replayed every step."""
+        if self._decode_ops is None:
+            if not self.plan.contiguous:
+                raise RuntimeError("a model loaded with a paged pool decodes through the scheduler's "
+                                   "PagedForward; it has no contiguous decode ops")
+            self._decode_ops = self._build(1, True, decode=True)
+        return self._decode_ops
 
     def ops_for(self, T: int, with_head: bool = True) -> list[Op]:
         """The prefill ops for T rows (1 <= T <= prefill chunk), built once per (T, with_head)."""
@@ -444,4 +460,4 @@ class LlamaModel:
     def release(self) -> None:
         self.dev.release_owner(self.owner)
         self._ops.release()
-        self.decode_ops = []
+        self._decode_ops = []
