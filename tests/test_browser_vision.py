@@ -7,12 +7,15 @@ SigLIP tower runs on the browser's WebGPU (SwiftShader, f32 kernels). Served by 
 server fixture."""
 from __future__ import annotations
 
+import base64
 import json
 
 import pytest
+from PIL import Image
 
 from test_browser import ARTIFACTS, ROOT, _console, _open_demo, browser_env, chromium, server  # noqa: F401
 from test_vision import _text
+from webgpu_engine.vision.images import decode_bytes, load_image
 
 pytestmark = pytest.mark.browser
 
@@ -37,6 +40,17 @@ async def test_page_answers_about_an_attached_picture(server, tmp_path):
             r = await page.evaluate(f"window.demo.loadFolder({json.dumps(base + 'fixtures/' + FOLDER.name + '/')}, "
                                     f"{json.dumps(files)}, 'tiny-gemma3-vision', {json.dumps(OPTS)})")
             assert r["model_id"] == "tiny-gemma3-vision" and r["fetch"][r["model_id"]]["fetched_files"] == len(files)
+
+            # the page's decoding of each fixture picture: the RGB it composites to is Pillow's (the RGBA
+            # bytes themselves where the picture is opaque; the canvas keeps colours premultiplied by alpha)
+            for png in sorted(IMAGES.glob("*.png")):
+                part = await page.evaluate(f"window.demo.imagePart({json.dumps(base + 'fixtures/vision_images/' + png.name)})")
+                page_im, file_im = load_image(part["image_url"]["url"], png.name), decode_bytes(png.read_bytes(), png.name)
+                assert page_im.image.size == file_im.image.size, png.name
+                assert page_im.image.tobytes() == file_im.image.tobytes(), png.name
+                rgba = Image.open(png).convert("RGBA")
+                if rgba.getextrema()[3][0] == 255:
+                    assert base64.b64decode(part["image_url"]["url"].split(",", 1)[1]) == rgba.tobytes(), png.name
 
             # a pasted picture waits as a thumbnail for the next message; a click takes it off
             await page.evaluate("""async (src) => {

@@ -102,6 +102,7 @@ async function main() {
     async loadUrl(url, modelId = "", chatOpts = null) {
       return JSON.parse(await app.load_url(url, modelId, JSON.stringify(chatOpts)));
     },
+    imagePart,
     // a Hugging Face folder (`files` named), e.g. a vision-language model, replacing the loaded models
     async loadFolder(url, files, modelId = "", chatOpts = null) {
       const r = JSON.parse(await app.load_folder(url, JSON.stringify(files), modelId, JSON.stringify(chatOpts)));
