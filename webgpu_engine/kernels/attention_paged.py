@@ -30,6 +30,8 @@ __all__ = ["new_kv_pool", "max_pool_blocks", "paged_rope_kv", "paged_kv_write", 
            "ring_row", "SKIP_SLOT"]
 
 FILE = "attention_paged.wgsl"
+_BLK = 16                 # attention_common.wgsl's BLK: keys per fold of the online softmax
+_NWB = 2                  # blocks per window of paged_causal_window (CPU adapters: 4 ran 10% faster, twice the compile)
 SKIP_SLOT = 0xFFFFFFFF
 
 
@@ -91,15 +93,103 @@ def _u32(dev: Device, t: Tensor, k: str, name: str, n: int) -> tuple:
 
 def _header(dt: str, head_dim: int, g: int, swg: int, packed: bool, bs: int, window: int = 0,
             softcap: float = 0.0, quant: QuantCache | None = None, sinks: bool = False,
-            ring: Ring | None = None, spans: bool = False) -> str:
+            ring: Ring | None = None, spans: bool = False, kv: tuple = ("kc", "vc")) -> str:
     """nn's attention header plus the block size and whether the window / soft-cap code is compiled in.
     quant: quantised pools' block type and rows (None: act pools); sinks: per-head sink logits;
     ring: a sliding window with sinks; spans: prefill rows' image spans (binding 10), else none bound."""
     return _attn_header(dt, head_dim, g, swg, packed and not quant, windowed=window > 0, capped=softcap > 0,
-                        quant=quant, sinks=sinks, ring=ring) + f"const BS: u32 = {bs}u;\n" + (
+                        quant=quant, sinks=sinks, ring=ring, kv=kv) + f"const BS: u32 = {bs}u;\n" + (
         "@group(0) @binding(10) var<storage, read> spans: array<u32>;   // (T, 2): feature row | image end\n"
         "fn key_end(t: u32, lim: u32, cap: u32) -> u32 { return max(lim, min(spans[p.idx_off + 2u * t + 1u], cap)); }\n"
         if spans else "fn key_end(t: u32, lim: u32, cap: u32) -> u32 { return lim; }\n")
+
+
+def _windows_header(dt: str, head_dim: int, g: int, bs: int, window: int, softcap: float, sinks: bool) -> str:
+    """paged_causal_window's header: nn's attention header reading keys and values from the
+    workgroup tiles ksh / vsh (row j of a block at j * D4); fold_staged, attention_common's fold_block
+    over one whole block, and fold_window, a window's NWB blocks, both written out (see the shader);
+    the state's loads and stores (st: (T, Hq, D4 + 1) vec4<f32>, acc then (max, sum, 0, 0))."""
+    n, gs = head_dim // 4, range(g)
+    seen = "j0 + {j}u < lim && (!WINDOWED || j0 + {j}u >= lo)"
+    fold = "".join(f"    let s{j} = select(sv(MASKED), score({j * n}u), {seen.format(j=j)});\n"
+                   f"    mb = max(mb, s{j});\n" for j in range(_BLK))
+    fold += "    let corr = exp(m_run - mb);\n    l_run *= corr;\n    acc_scale(corr);\n"
+    fold += "".join(f"    let e{j} = exp(s{j} - mb);\n    l_run += e{j};\n    acc_add(e{j}, {j * n}u);\n"
+                    for j in range(_BLK))
+    blocks = "".join(f"    stage_block(j0 + {b * _BLK}u, hk, n_wg, lid);\n    workgroupBarrier();\n"
+                     f"    fold_staged(j0 + {b * _BLK}u, lo, lim);\n    workgroupBarrier();\n" for b in range(_NWB))
+    comp = (lambda v: v) if g == 1 else (lambda v: f"sv({', '.join(f'ml{j}.{v}' for j in gs)})")
+    load = "".join(f"    a{j}_{i} = st[sb + {j * (n + 1) + i}u];\n" for j in gs for i in range(n))
+    load += "".join(f"    let ml{j} = st[sb + {j * (n + 1) + n}u];\n" for j in gs)
+    load += f"    m_run = {comp('x') if g > 1 else 'ml0.x'};\n    l_run = {comp('y') if g > 1 else 'ml0.y'};\n"
+    save = "".join(f"    st[sb + {j * (n + 1) + i}u] = a{j}_{i};\n" for j in gs for i in range(n))
+    save += "".join(f"    st[sb + {j * (n + 1) + n}u] = vec4<f32>(sv_get(m_run, {j}u), sv_get(l_run, {j}u), 0.0, 0.0);\n"
+                    for j in gs)
+    return (_header(dt, head_dim, g, WG, False, bs, window, softcap, None, sinks, kv=("ksh", "vsh"))
+            + f"const NWB: u32 = {_NWB}u;\n"
+            + f"var<workgroup> ksh: array<vec4<f32>, {_BLK * n}>;\nvar<workgroup> vsh: array<vec4<f32>, {_BLK * n}>;\n"
+            + "@group(0) @binding(11) var<storage, read_write> st: array<vec4<f32>>;\n"
+            + "@group(0) @binding(12) var<storage, read> wread: array<u32>;         // [0]: the window\n"
+            + "@group(0) @binding(13) var<storage, read_write> wwrite: array<u32>;  // [0]: the next one\n"
+            + "fn fold_staged(j0: u32, lo: u32, lim: u32) {\n    var mb = m_run;\n" + fold + "    m_run = mb;\n}\n"
+            + "fn fold_window(j0: u32, hk: u32, n_wg: u32, lo: u32, lim: u32, lid: u32) {\n" + blocks + "}\n"
+            + "fn load_state(sb: u32) {\n" + load + "}\nfn save_state(sb: u32) {\n" + save + "}\n"
+            + load_shader_source("attention_paged_windows.wgsl"))
+
+
+def _cpu_family(dev: Device) -> bool:
+    """The CPU kernel family on a CPU adapter (lavapipe): where the kernels below were measured."""
+    from .matmul import is_cpu_adapter, kernel_family     # the matmul package does not import this module
+    return kernel_family(dev) == "cpu" and is_cpu_adapter(dev)
+
+
+def _windowed(dev: Device, head_dim: int, quant, ring, spans) -> bool:
+    """Whether a prefill takes paged_causal_window: the CPU family on a CPU adapter, a pool in the
+    activations' dtype, no ring and no image spans, tiles of at most 16 KiB."""
+    return (_cpu_family(dev) and quant is None and ring is None and spans is None
+            and 2 * _BLK * head_dim * 4 <= 16384)
+
+
+class _KeyWindows(Op):
+    """paged_prefill's op on CPU adapters: dispatches (paged_causal, then paged_causal_window with its
+    three bind groups). record(n_keys=at least the chunk's keys, pos0 + rows) records
+    paged_causal_window once per window of `kw` keys, each over the query blocks that reach it
+    (see the shader); without n_keys, for every key a table holds (`keys`). Its bind groups: the
+    first window reads zeros as its index, the later ones two counts in turn. While the window
+    kernel compiles in the background, paged_causal runs in its place: the same outputs, bit for bit."""
+
+    kw: int = 0
+    keys: int = 0
+    rows: int = 0
+    n_hg: int = 0
+
+    def record(self, batch, n_keys: int | None = None):
+        loop, *windows = self.dispatches
+        if not windows[0][0].ready:
+            batch.dispatch(*loop)
+            return batch
+        n, n_blk = min(self.keys if n_keys is None else n_keys, self.keys), -(-self.rows // WG)
+        for w in range(max(1, -(-n // self.kw))):
+            x, y = _grid(min(n_blk, -(-(n - w * self.kw) // WG)) * self.n_hg * WG, "paged_prefill")
+            pipe, group = windows[0 if w == 0 else 1 + (w - 1) % 2][:2]
+            batch.dispatch(pipe, group, x, y, 1)
+        return batch
+
+
+def _prefill_windows(dev: Device, loop: Op, header: str, entries: dict, t_max: int, n_q_heads: int, g: int,
+                     head_dim: int, keys: int) -> Op:
+    """paged_prefill's _KeyWindows: the loop kernel's op `loop` (paged_causal) and paged_causal_window
+    with `header` (heads_per_lane g), its state and window counts."""
+    par = loop.buffers[0]
+    st = dev.buffer(t_max * n_q_heads * (head_dim // 4 + 1) * 16, owner=par.owner, label="paged_prefill.state")
+    counts = [dev.upload(bytes(16), owner=par.owner, label="paged_prefill.window") for _ in range(3)]
+    op = _KeyWindows(list(loop.dispatches), [par, st, *counts], "paged_prefill")
+    op.kw, op.keys, op.rows, op.n_hg = _NWB * _BLK, keys, t_max, n_q_heads // g
+    pipe = dev.pipeline(FILE, "paged_causal_window", header=header)
+    for r, w in ((0, 1), (1, 2), (2, 1)):      # zeros -> a, a -> b, b -> a
+        binds = {0: par, **entries, 11: (st, 0, st.size), 12: (counts[r], 0, 16), 13: (counts[w], 0, 16)}
+        op.add(pipe, dev.bind(pipe, binds), 0)
+    return op
 
 
 def _bindings(dev: Device, k: str, qkv: Tensor, out: Tensor, k_pool: Tensor, v_pool: Tensor, n_kv_heads: int,
@@ -161,7 +251,10 @@ def paged_rope_kv(dev: Device, qkv: Tensor, k_pool: Tensor, v_pool: Tensor, posi
                                    n_kv_heads=n_kv_heads, head_dim=head_dim)
     entries = [_step_entry(step), qe, (freq, 0, freq.size), ke, ve,
                _vec_entry(dev, positions, k), _vec_entry(dev, slots, k)] + sink
-    op = _op(dev, k, "rope_paged.wgsl", k, header, par, entries, rows * n_h * units)
+    if ring is None and not neox and _cpu_family(dev):    # a lane per (row, pair): sin and cos once a row
+        op = _op(dev, k, "rope_paged.wgsl", "rope_kv_rows", header, par, entries, rows * head_dim // 2)
+    else:
+        op = _op(dev, k, "rope_paged.wgsl", k, header, par, entries, rows * n_h * units)
     op.buffers += [freq] + extra
     return op
 
@@ -277,7 +370,13 @@ def paged_prefill(dev: Device, qkv: Tensor, k_pool: Tensor, v_pool: Tensor, out:
     sinked = check_sinks(dev, k, sinks, n_q_heads)
     check(ring is None or window == 0, k, "a ring replaces the model's own sliding window")
     rung = _ring_sink(k, ring, q_sink, quant, t_max, n_q_heads, head_dim, max_blocks * bs)
-    return _op(dev, k, FILE, "paged_causal",
+    entries = {**dict(enumerate([_step_entry(step), qe, ke, ve, oe, te], 1)), **sinked, **rung,
+               **({10: se} if se is not None else {})}
+    loop = _op(dev, k, FILE, "paged_causal",
                _header(dt, head_dim, g, WG, packed, bs, window, softcap, quant, bool(sinked), ring, se is not None),
-               par, {**dict(enumerate([_step_entry(step), qe, ke, ve, oe, te], 1)), **sinked, **rung,
-                     **({10: se} if se is not None else {})}, n_blk * (n_q_heads // g) * WG)
+               par, entries, n_blk * (n_q_heads // g) * WG)
+    if not _windowed(dev, head_dim, quant, ring, spans):
+        return loop
+    g = g if heads_per_lane else 1           # one head a lane: the fewest registers (measured the fastest)
+    return _prefill_windows(dev, loop, _windows_header(dt, head_dim, g, bs, window, softcap, bool(sinked)),
+                            entries, t_max, n_q_heads, g, head_dim, max_blocks * bs)

@@ -244,7 +244,7 @@ class PagedForward:
             self.images.write(T)
         ops = self.ops("prefill", T, lora is not None)
         for op in (ops if with_head else ops.body()):       # a chunk before the last: no logits
-            op.record(batch)
+            op.record(batch, n_keys=pos0 + T)               # the attention's windows of these keys
 
     def logits_row(self, r: int):
         return self.logits.view((self.cfg.vocab_size,), r * self.cfg.vocab_size)
