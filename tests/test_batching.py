@@ -345,8 +345,11 @@ async def test_batch_size_options(device, tiny_path):
     from webgpu_engine.config import ChatConfig
     from webgpu_engine.errors import ChatOptionTypeError
     from webgpu_engine.models.plan import resolve_max_sequences
+    from webgpu_engine.kernels import profiles
+    from webgpu_engine.models.plan import CPU_WIDTH
     cpu = device.info.adapter_type.upper() == "CPU"
-    assert resolve_max_sequences(device, ChatConfig(max_num_sequences=0)) == (4 if cpu else 16)
+    want = (profiles.load_width(device) or CPU_WIDTH) if cpu else 16
+    assert resolve_max_sequences(device, ChatConfig(max_num_sequences=0)) == want
     assert resolve_max_sequences(device, ChatConfig(max_num_sequences=0, prefill_chunk_size=2)) == 2
     assert resolve_max_sequences(device, ChatConfig(max_num_sequences=1)) == 1
     eng = AsyncMLCEngine()
@@ -355,6 +358,34 @@ async def test_batch_size_options(device, tiny_path):
         with pytest.raises(ChatOptionTypeError) as e:
             await eng.reload(str(tiny_path), chat_opts={**OPTS, **bad})
         assert e.value.param == next(iter(bad)) and not eng.models
+
+
+def test_measured_width(device, tmp_path, monkeypatch):
+    """max_num_sequences 0 on a CPU adapter: the width bench/batch_width.py --store keeps in the
+    adapter's profile, else CPU_WIDTH; a stored file that is not a width is ignored."""
+    from webgpu_engine.cache.artifact import ROOT_ENV
+    from webgpu_engine.config import ChatConfig
+    from webgpu_engine.kernels import profiles
+    from webgpu_engine.models.plan import CPU_WIDTH, resolve_max_sequences
+    if device.info.adapter_type.upper() != "CPU":
+        pytest.fail("the width is measured on a CPU adapter: this test runs on lavapipe")
+    monkeypatch.setenv(ROOT_ENV, str(tmp_path))
+    profiles.forget()
+    try:
+        assert profiles.load_width(device) is None
+        assert resolve_max_sequences(device, ChatConfig(max_num_sequences=0)) == CPU_WIDTH
+        path = profiles.save_width(device, 12, {"steps": []})
+        assert path.parent == profiles.path(device).parent and path.is_file()
+        profiles.forget()                          # read back from the file, as a new process would
+        assert resolve_max_sequences(device, ChatConfig(max_num_sequences=0)) == 12
+        assert resolve_max_sequences(device, ChatConfig(max_num_sequences=0, prefill_chunk_size=8)) == 8
+        assert resolve_max_sequences(device, ChatConfig(max_num_sequences=3)) == 3
+        path.write_text('{"width": "many"}')
+        profiles.forget()
+        assert resolve_max_sequences(device, ChatConfig(max_num_sequences=0)) == CPU_WIDTH
+        assert not profiles.has_profile(device)   # the matmul choices are another file
+    finally:
+        profiles.forget()
 
 
 async def test_no_shader_compiles_after_load(fresh_device, tiny_path):

@@ -167,6 +167,20 @@ def test_serve(tmp_path, tiny):
     assert set(data["summary"]) == {"tok_s_8_over_1", "ttft_p95_8_over_lone"}
 
 
+def test_batch_width(tmp_path, tiny):
+    """Decode steps per width and row count, and the rule's width (never stored by the smoke run)."""
+    sys.path.insert(0, str(BENCH))
+    from batch_width import choose_width
+    out = tmp_path / "batch_width.json"
+    run_script("batch_width", "--smoke", "--model", tiny["chat"], "--out", str(out))
+    data = load(out, {"steps", "width", "rule", "fused_rows"})
+    assert {(s["width"], s["rows"]) for s in data["steps"]} == {(1, 1), (2, 1), (2, 2)}
+    assert all(s["cpu_ms"] > 0 and s["ms"] > 0 for s in data["steps"]) and data["width"] in (1, 2)
+    steps = {(4, 1): (0, 58.0), (4, 4): (0, 131.0), (8, 1): (0, 82.0), (8, 8): (0, 135.0),
+             (16, 1): (0, 81.0), (16, 16): (0, 236.0)}
+    assert choose_width(steps, 3) == 8 and choose_width(steps, 5) == 16 and choose_width(steps, 2) == 4
+
+
 def test_ray_serve(tmp_path, tiny):
     out = tmp_path / "ray_serve.json"
     run_script("ray_serve", "--smoke", "--model", tiny["chat"], "--out", str(out))

@@ -10,7 +10,8 @@ adapter, one JSON file `<cache root>/profiles/<adapter id>/matmul.json`:
 A choice is a matmul/gpu.py variant key or "base" (the kernels the adapter's built-in strategy runs
 there). The matmul package (select.py) reads the choices through `choice` when the kernel family is "tuned". The adapter
 id is derived from vendor, architecture, driver (the adapter's description), device name and
-backend, so a driver update starts a new profile. Page code: standard library only.
+backend, so a driver update starts a new profile. Beside it, `batch.json` keeps the decode batch
+width measured for the adapter (`load_width` / `save_width`: bench/batch_width.py). Page code: standard library only.
 """
 from __future__ import annotations
 
@@ -102,10 +103,43 @@ def save(dev, choices: dict, timings: dict | None = None, root=None) -> Path:
     return p
 
 
+WIDTH_FILE = "batch.json"    # beside matmul.json: the decode width measured for this adapter
+
+
+def width_path(dev, root=None) -> Path:
+    return model_dir(SCOPE, adapter_id(dev), root) / WIDTH_FILE
+
+
+def load_width(dev, root=None) -> int | None:
+    """The batch width (`max_num_sequences` 0) measured for this adapter (bench/batch_width.py
+    --store), None when none is stored; read once per process and adapter."""
+    key = ("width", str(cache_root(root)), adapter_id(dev))
+    if key not in _loaded:
+        try:
+            w = json.loads(width_path(dev, root).read_text()).get("width")
+        except (OSError, ValueError, AttributeError):
+            w = None
+        _loaded[key] = w if isinstance(w, int) and not isinstance(w, bool) and 1 <= w <= 256 else None
+    return _loaded[key]
+
+
+def save_width(dev, width: int, timings: dict | None = None, root=None) -> Path:
+    """Store this adapter's measured batch width (and the step timings it was chosen from)."""
+    p = width_path(dev, root)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".batch-", suffix=".json", dir=p.parent)
+    with os.fdopen(fd, "w") as f:
+        json.dump({"adapter": adapter_fields(dev), "width": int(width), "timings": timings or {}}, f,
+                  indent=1, sort_keys=True)
+    os.replace(tmp, p)
+    _loaded[("width", str(cache_root(root)), adapter_id(dev))] = int(width)
+    return p
+
+
 def forget() -> None:
     """Drop what this process has read (tests that switch cache roots)."""
     _loaded.clear()
 
 
 __all__ = ["SCOPE", "FILE", "BASE", "adapter_fields", "adapter_id", "shape_key", "path", "load", "has_profile",
-           "choice", "save", "forget"]
+           "choice", "save", "WIDTH_FILE", "width_path", "load_width", "save_width", "forget"]

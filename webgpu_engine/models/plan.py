@@ -52,14 +52,30 @@ def cache_rows(cfg, context_window: int, prefill_chunk: int, ring: Ring | None =
     return ring.window + chunk, chunk
 
 
+# `max_num_sequences` 0 on lavapipe (a CPU adapter) when bench/batch_width.py has stored no width of its
+# own: the widest width whose full decode step costs under 3 one-row steps (its WIDTH_RULE), measured
+# on SmolLM2-135M Q4_1 (2-core host, CPU ms a step): 8 rows at width 8 135 ms against one row's 58
+# (2.3x; 4 rows at width 4: 131, 2.3x for half the rows), 16 rows at width 16 236 (4.1x)
+CPU_WIDTH = 8
+
+
+def auto_width(dev) -> int:
+    """Sequences decoded together when `max_num_sequences` is 0: on a CPU adapter the width measured
+    for it (kernels/profiles.py load_width) or CPU_WIDTH; 4 on another software adapter (a browser's
+    SwiftShader: not measured); 16 on a GPU (a decode step streams the weights once for all rows)."""
+    from ..kernels import profiles
+    from ..kernels.matmul import is_cpu_adapter, is_software_adapter
+    if is_cpu_adapter(dev):
+        return profiles.load_width(dev) or CPU_WIDTH
+    return 4 if is_software_adapter(dev) else 16
+
+
 def max_sequences(dev, max_num_sequences: int, prefill_chunk: int) -> int:
-    """Sequences decoded together; 0 means "as suits the device": 4 on a CPU adapter (lavapipe's
-    matmuls cost nearly in proportion to their rows, so more sequences mostly lengthen each step), 16
-    on a GPU (a decode step streams the weights once for all rows); never more than the prefill chunk."""
+    """Sequences decoded together; 0 means "as suits the device" (auto_width); never more than the
+    prefill chunk."""
     n = int(max_num_sequences)
     if n == 0:
-        from ..kernels.matmul import is_software_adapter
-        n = 4 if is_software_adapter(dev) else 16
+        n = auto_width(dev)
     return max(1, min(n, int(prefill_chunk)))
 
 
