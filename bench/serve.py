@@ -14,7 +14,8 @@ by 30% between runs of one server after the other); a row gives the median round
 round's. Each level starts C streaming clients at once; client k sends prompt k mod 8 (fixed prompts of
 mixed length, 5 .. ~230 tokens), temperature 0, ignore_eos, `max_tokens` output tokens. Per level:
 aggregate output tok/s (all tokens / wall time), time to first token p50/p95 and inter-token latency
-p50/p95 over all clients of all rounds. After each level the batched server's scheduler figures from
+p50/p95 over all clients of all rounds, and the server process's CPU seconds per output token (best
+round; Linux: a CPU adapter's threads are the server's, so it does not move with the host's load). After each level the batched server's scheduler figures from
 /v1/models (`batching`: iterations, decode rows, prefill tokens, preemptions, prefix hits) say where the
 time went: decode rows per iteration is the batch the matmuls saw. Prints a table and writes
 bench/results/serve.json. Needs the `openai` package (bench extra). --model takes any model reference
@@ -197,10 +198,13 @@ def stop_server(proc) -> None:
         proc.kill()
 
 
-async def measured_level(base: str, model: str, c: int, max_tokens: int, max_seqs: int) -> dict:
-    """One level on one server, with its scheduler's figures over the level."""
+async def measured_level(base: str, model: str, c: int, max_tokens: int, max_seqs: int, pid: int) -> dict:
+    """One level on one server, with its scheduler's figures and the server process's CPU seconds
+    per output token over the level."""
     before = await batching(base)
+    c0 = process_cpu_s(pid)
     r = await level(base, model, c, max_tokens, raw=True)
+    r["cpu_s_per_token"] = (process_cpu_s(pid) - c0) / (c * max_tokens)
     r["max_num_sequences"] = max_seqs
     after = await batching(base)
     if before and after:
@@ -218,9 +222,11 @@ def per_iteration(counts: dict) -> dict:
 
 def merged(runs: list[dict]) -> dict:
     """A level's rounds on one server as one row: the median round's tok/s (every round's kept),
-    TTFT and ITL percentiles over all rounds' requests."""
+    TTFT and ITL percentiles over all rounds' requests, the best round's server CPU per token."""
     row = {**runs[0], "tok_s": statistics.median(r["tok_s"] for r in runs),
            "tok_s_rounds": [r["tok_s"] for r in runs], "wall_s": sum(r["wall_s"] for r in runs),
+           "cpu_s_per_token": min(r["cpu_s_per_token"] for r in runs),
+           "cpu_s_per_token_rounds": [r["cpu_s_per_token"] for r in runs],
            "chunks": sum(r["chunks"] for r in runs)}
     for k in ("ttft", "itl"):
         xs = [x for r in runs for x in r["_" + k]]
@@ -244,14 +250,16 @@ async def run_servers(args) -> list[dict]:
             runs = {m: [] for m in servers}
             for k in range(args.repeats):
                 for m in (list(servers) if k % 2 == 0 else list(servers)[::-1]):
-                    runs[m].append(await measured_level(servers[m][1], args.model_id, c, args.max_tokens, m))
+                    runs[m].append(await measured_level(servers[m][1], args.model_id, c, args.max_tokens, m,
+                                                        servers[m][0].pid))
             for m, rs in runs.items():
                 r = merged(rs)
                 rows.append(r)
                 print(f"  max_num_sequences={m:2d} clients={c:2d}: {r['tok_s']:7.1f} tok/s (rounds "
                       + " ".join(f"{x:.1f}" for x in r["tok_s_rounds"])
                       + f")  ttft p50 {r['ttft_p50']:.2f} s p95 {r['ttft_p95']:.2f} s  itl p50 "
-                      f"{r['itl_p50'] * 1e3:.0f} ms p95 {r['itl_p95'] * 1e3:.0f} ms"
+                      f"{r['itl_p50'] * 1e3:.0f} ms p95 {r['itl_p95'] * 1e3:.0f} ms  CPU "
+                      f"{r['cpu_s_per_token'] * 1e3:.0f} ms/token"
                       + (f"  rows/iteration {r['scheduler']['decode_rows_per_iteration']:.1f}"
                          if "scheduler" in r else ""), flush=True)
         return rows
@@ -371,7 +379,7 @@ async def main() -> int:
     ap.add_argument("--clients", default="1,2,4,8,16")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--batch", type=int, default=0, help="max_num_sequences of the batched server (0: as "
-                    "serve picks for the adapter: 4 on a CPU one, 16 on a GPU)")
+                    "serve picks for the adapter: 8 on a CPU one (or its measured width), 16 on a GPU)")
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--window", type=int, default=0, help="a sliding window of W positions with 4 sinks "
                     "(the ring) instead of --context")
@@ -401,16 +409,19 @@ async def main() -> int:
     one = {r["clients"]: r for r in rows if r["max_num_sequences"] == 1}
     bat = {r["clients"]: r for r in rows if r["max_num_sequences"] == args.batch}
     print(f"\n{'clients':>7} | {'tok/s x1':>9} {'tok/s batched':>13} {'gain':>5} | {'ttft p95 x1':>11} "
-          f"{'batched':>8} | {'itl p50 batched':>15}")
+          f"{'batched':>8} | {'itl p50 batched':>15} | {'CPU ms/token x1':>15} {'batched':>8} {'gain':>5}")
     for c in args.clients:
         a, b = one[c], bat[c]
         print(f"{c:>7} | {a['tok_s']:9.1f} {b['tok_s']:13.1f} {b['tok_s'] / a['tok_s']:5.2f} | "
-              f"{a['ttft_p95']:10.2f}s {b['ttft_p95']:7.2f}s | {b['itl_p50'] * 1e3:13.0f}ms")
+              f"{a['ttft_p95']:10.2f}s {b['ttft_p95']:7.2f}s | {b['itl_p50'] * 1e3:13.0f}ms | "
+              f"{a['cpu_s_per_token'] * 1e3:15.1f} {b['cpu_s_per_token'] * 1e3:8.1f} "
+              f"{a['cpu_s_per_token'] / max(b['cpu_s_per_token'], 1e-9):5.2f}")
     lone = bat[args.clients[0]]
     summary = {}
     if 8 in bat and 1 in bat:
         summary = {"tok_s_8_over_1": bat[8]["tok_s"] / bat[1]["tok_s"],
-                   "ttft_p95_8_over_lone": bat[8]["ttft_p95"] / max(lone["ttft_p95"], 1e-9)}
+                   "ttft_p95_8_over_lone": bat[8]["ttft_p95"] / max(lone["ttft_p95"], 1e-9),
+                   "cpu_per_token_8_x1_over_batched": one[8]["cpu_s_per_token"] / max(bat[8]["cpu_s_per_token"], 1e-9)}
         print(f"\nbatched: aggregate tok/s at 8 clients = {summary['tok_s_8_over_1']:.2f} x 1 client; "
               f"TTFT p95 at 8 = {summary['ttft_p95_8_over_lone']:.2f} x a lone request's")
     out = {"model": args.model, "max_tokens": args.max_tokens, "batch": args.batch, "context": args.context,
