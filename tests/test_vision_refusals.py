@@ -123,3 +123,80 @@ def test_a_host_table_in_a_type_not_dequantised_is_refused_by_name(device):
     finally:
         f.close()
         device.release_owner("test:refusals")
+
+
+# ----------------------------------------------------------------------------- context shift with images
+def test_a_shift_drops_the_images_it_would_cut_whole():
+    """VisionInputs.shift: an image (all its tiles, the rows between them too) cut by either edge of
+    the dropped rows goes whole; the images after them move with their rows."""
+    from webgpu_engine.vision.runner import VisionInputs
+    a = [(10, 20, "a", None, 0), (22, 32, "a", None, 1), (34, 44, "a", None, 2)]     # three tiles of one image
+    b = [(50, 60, "b", None, 0)]
+    assert VisionInputs.shift(a + b, 25, 10) == (10, 34, [(16, 26, "b", None, 0)])   # both edges in a
+    assert VisionInputs.shift(a + b, 5, 50) == (5, 55, [])                          # a whole, b cut at its end
+    assert VisionInputs.shift(a + b, 44, 6) == (44, 6, a + [(44, 54, "b", None, 0)])  # between them: a stays, b moves
+    assert VisionInputs.shift(a + b, 2, 8) == (2, 8, [(t[0] - 8, t[1] - 8, *t[2:]) for t in a + b])
+
+
+# the tiny Gemma 3's "two" prompt (73 tokens) holds its pictures' 16 soft tokens at rows 15 .. 30 and 39 .. 54
+SHIFTS = {  # case: (context window, n_keep, the rows the shift keeps, the kept picture's rows after it)
+    "first_dropped_second_moved": (74, 4, (4, 39), (4, 20)),        # 35 rows dropped: the first picture's
+    "second_dropped_first_kept": (96, 34, (34, 65), (15, 31)),      # the second inside the dropped rows
+    "first_cut_by_n_keep": (96, 20, (15, 58), None),                # n_keep 20 cuts the first: kept from 15
+    "second_cut_by_the_drop": (80, 4, (4, 55), None),               # rows 4 .. 41 would cut the second
+}
+
+
+@pytest.fixture(scope="module")
+def gemma3_ref():
+    import json
+    return json.loads((FIXTURES / "gemma3_vision_transformers.json").read_text())
+
+
+@pytest.fixture(scope="module")
+async def cold(device):
+    """The same model without a shift and a wider window: what a prompt of the kept tokens gives."""
+    from webgpu_engine.config import ChatConfig
+    from webgpu_engine.pipelines.llm import LLMChatPipeline
+    pipe = await LLMChatPipeline.load(device, FIXTURES / "tiny_gemma3_vision", ChatConfig(
+        dtype="f32", context_window_size=256, prefill_chunk_size=32, compile_at_load=False))
+    yield pipe
+    pipe.dispose()
+
+
+@pytest.mark.parametrize("case", sorted(SHIFTS))
+async def test_a_context_shift_keeps_its_images(device, gemma3_ref, cold, case):
+    """context_overflow "shift" on a prompt with two pictures (Gemma 3: image rows attend each other
+    both ways): the shift keeps n_keep tokens and the newer half of the rest, widened so that it cuts
+    no picture (one it would cut goes whole); a kept picture's rows are computed again with the
+    picture (the tower runs again) at their new place, so the token sampled after the shift is the
+    one a cold cache of the kept tokens and their pictures gives."""
+    from test_vision import _messages
+    from webgpu_engine.config import ChatConfig, GenerationConfig
+    from webgpu_engine.pipelines.llm import LLMChatPipeline
+    from webgpu_engine.vision.requests import images_of, resolve_images
+    ctx, n_keep, (lo, hi), moved = SHIFTS[case]
+    pipe = await LLMChatPipeline.load(device, FIXTURES / "tiny_gemma3_vision", ChatConfig(
+        dtype="f32", context_window_size=ctx, prefill_chunk_size=32, compile_at_load=False,
+        context_overflow="shift", n_keep=n_keep))
+    try:
+        messages = await resolve_images("m", pipe.vision, [{**m, "content": [   # as protocol/rules.py passes them
+            {"type": "image", "url": p["image_url"]["url"], "where": "m"} if p["type"] == "image_url" else p
+            for p in m["content"]]} for m in _messages(gemma3_ref, "two")])
+        await pipe.prefill_step(messages, GenerationConfig(temperature=0.0, max_tokens=2 * ctx, ignore_eos=True))
+        assert pipe.kv_ids[:73] == gemma3_ref["prompts"]["two"]["input_ids"]
+        runs = pipe.vision.tower_runs
+        while pipe._req.context_shifts == 0:
+            before = list(pipe.kv_ids)
+            await pipe.decode_step()
+        assert len(before) == ctx and pipe.kv_ids[:-1] == before[:lo] + before[hi:]
+        tiles, got, ids = pipe._turn.tiles, pipe.output_ids[-1], list(pipe.kv_ids)
+        assert [t[:2] for t in tiles] == ([moved] if moved else [])
+        assert pipe.vision.tower_runs - runs == len(tiles)          # the kept picture through the tower again
+    finally:
+        pipe.dispose()
+    kept = {t[2] for t in tiles}
+    turn = cold._new_turn()
+    turn.tiles = await cold.vision.batch_tiles(ids, [im for im in images_of(messages) if im.sha256 in kept])
+    await turn.prefill_ids(ids, GenerationConfig(temperature=0.0, max_tokens=1), raw=True)
+    assert turn.output_ids == [got]

@@ -210,9 +210,6 @@ class LLMChatPipeline:
                                         tokenizer=self.tokenizer)
         if self.vision is not None:
             self.template = self.vision.template(self.template)
-            if self.shifts:
-                self.vision.unavailable = ("context_overflow 'shift' would compute an image's rows again "
-                                           "without the image: load with another context_overflow")
 
     async def _load_draft(self, progress, model_id: str | None) -> "LLMChatPipeline":
         """speculation "draft": load the draft model (a local path: the engine resolves references)

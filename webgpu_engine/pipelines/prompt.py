@@ -51,6 +51,13 @@ def longest_token_bytes(tokenizer, vocab_size: int) -> int:
     return max((len(tb(i)) for i in range(vocab_size)), default=1) or 1
 
 
+def _text_chars(content) -> int:
+    """The characters of a message's text (a list's text parts: an image's URL is no text)."""
+    if isinstance(content, list):
+        return sum(len(str(p.get("text") or "")) for p in content if isinstance(p, dict))
+    return len(str(content or ""))
+
+
 async def checked_ids(ids_of: Callable, messages, prompt, kw: dict, *, window: int, ctx: int, truncate: bool,
                       token_bytes: Callable[[], int]) -> tuple[list[int], int | None]:
     """(prompt ids, messages dropped or None): `ids_of(messages, prompt, kw)` checked against the
@@ -61,7 +68,7 @@ async def checked_ids(ids_of: Callable, messages, prompt, kw: dict, *, window: i
     if prompt is None and truncate:
         messages, dropped = await _fit_messages(ids_of, messages, kw, ctx)
     chars = len(prompt) if prompt is not None else \
-        sum(len(str(m.get("content") or "")) for m in messages or [] if isinstance(m, dict))
+        sum(_text_chars(m.get("content")) for m in messages or [] if isinstance(m, dict))
     if chars > window * token_bytes():
         # no token spans more characters than the longest one: too long without tokenising it
         raise ContextWindowTooLargeError(

@@ -239,6 +239,8 @@ class Scheduler:
         pool; the kept prefix's full blocks come back as prefix hits."""
         keep = min(max(self.pipe.chat_config.n_keep, 0), len(rec.toks) - 1)
         drop = max((len(rec.toks) - keep) // 2, 1)
+        if getattr(rec.handle, "tiles", None):   # an image the shift would cut goes whole, the kept move
+            keep, drop, rec.handle.tiles = self.pipe.vision.shift(rec.handle.tiles, keep, drop)
         self.pool.free(rec.id)
         rec.toks = rec.toks[:keep] + rec.toks[keep + drop:]
         rec.in_pool, rec.decoding, rec.sample_at_end = False, False, False

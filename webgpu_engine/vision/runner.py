@@ -359,6 +359,27 @@ class VisionInputs:
         import hashlib
         return hashlib.sha256(b"images:" + "".join(h for _, _, h, *_ in tiles).encode()).digest()
 
+    @staticmethod
+    def shift(tiles: list, keep: int, drop: int) -> tuple[int, int, list]:
+        """A context shift of a batched sequence that drops its rows keep .. keep+drop-1 (scheduler
+        `_shift`): an image (its tiles from its first to its last, the rows between them too) that
+        the shift would cut goes whole, the rows before it and after it staying; the kept images'
+        tiles move with their rows (their features are computed again from their pixels, as for a
+        prompt of the kept tokens). (keep, drop, tiles) of the shift that cuts no image."""
+        images: list[list] = []
+        for t in tiles:                  # (start, end, sha256, patch rows, tile of its image)
+            if t[4] == 0 or not images:
+                images.append([])
+            images[-1].append(t)
+        lo, hi = keep, keep + drop
+        for image in images:
+            s, e = image[0][0], image[-1][1]
+            lo = s if s < lo < e else lo
+            hi = e if s < hi < e else hi
+        n = hi - lo
+        kept = [t for t in tiles if t[1] <= lo] + [(t[0] - n, t[1] - n, *t[2:]) for t in tiles if t[0] >= hi]
+        return lo, n, kept
+
     def chunk_end(self, tiles: list, start: int, end: int) -> int:
         """The end of a batched prefill chunk of rows start .. end-1 that cuts no image whose rows
         attend each other both ways (Gemma 3): `end`, or the start of the image it would cut (`start`
