@@ -115,7 +115,8 @@ def request_adapter(lm, req: dict) -> str | None:
     Its `lora` (llama.cpp's per-request scales: [{"id": N, "scale": S}], N the adapter's place in
     load order, or {"name": NAME, ...}; scale 1 where left out) decides where given: an adapter not
     in it runs at scale 0, i.e. not at all. Else the adapter its `model` names, at scale 1, else the
-    model's own (an Ollama ADAPTER layer). One adapter with a scale above 0 per request."""
+    model's own (an Ollama ADAPTER layer). Several adapters apply together where their ranks add up
+    to at most the pool's."""
     lora = req.get("lora")
     if lora is None:
         return req.get("model") if req.get("model") in lm.lora_adapters else lm.default_adapter
@@ -146,9 +147,8 @@ def request_adapter(lm, req: dict) -> str | None:
         scales[name] = float(scale)
     on = {n: s for n, s in scales.items() if s != 0.0}
     if len(on) > 1:
-        raise UnsupportedFieldsError("lora", f"one adapter per request, got {sorted(on)} with scales above 0; "
-                                     f"give the others scale 0 or leave them out.")
-    return next((adapter_key(n, s) for n, s in on.items()), None)
+        lm.pipeline.lora.check_together(on)
+    return adapter_key(on) if on else None
 
 
 async def record_adapter(pipe, rec) -> str:

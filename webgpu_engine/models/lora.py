@@ -17,8 +17,9 @@ base row, and the groups some adapter targets) adds each row's delta to those pr
 (decoder.py; o's and down's into x before their matmul adds to it); a row without an adapter is not
 touched. Adapters are registered host-side and uploaded into a slot on first use; a full pool evicts
 the least recently used adapter no sequence is using. A request's scale of an adapter (llama.cpp's
-per-request `lora` scales) is an entry of its own (adapter_key: the adapter with B x scale), so rows
-of different scales share a batch and the kernels stay as they are. Layers whose FFN is a mixture of experts, or
+per-request `lora` scales, one adapter or several at once) is an entry of its own (adapter_key: the
+adapters' A rows and B x scale columns side by side, their ranks adding up to at most the pool's),
+so rows of different scales share a batch and the kernels stay as they are. Layers whose FFN is a mixture of experts, or
 whose token mixer is not attention, take no delta there (such targets are refused at load).
 """
 from __future__ import annotations
@@ -44,16 +45,17 @@ DEFAULT_MAX_RANK = 16
 DEFAULT_SLOTS = 4
 
 
-def adapter_key(name: str, scale: float = 1.0) -> str:
-    """The pool entry (and a sequence's `adapter`) of adapter `name` at a request's `scale`: the
-    name itself at 1, so that `model` = name and a scale of 1 share a slot and their prefix blocks."""
-    return name if scale == 1.0 else f"{name}\0x{float(scale)!r}"
+def adapter_key(scales: dict) -> str:
+    """The pool entry (and a sequence's `adapter`) of adapters {name: a request's scale} applied
+    together: the name itself for one adapter at 1, so that `model` = name and a scale of 1 share a
+    slot and their prefix blocks."""
+    return "\0+".join(n if s == 1.0 else f"{n}\0x{float(s)!r}" for n, s in sorted(scales.items()))
 
 
-def split_key(key: str) -> tuple[str, float]:
-    """adapter_key's (name, scale)."""
-    name, _, scale = key.partition("\0x")
-    return name, float(scale) if scale else 1.0
+def key_parts(key: str) -> dict:
+    """adapter_key's {name: scale}."""
+    parts = (p.partition("\0x") for p in key.split("\0+"))
+    return {name: float(scale) if scale else 1.0 for name, _, scale in parts}
 
 
 class LoraAdapterError(InvalidRequestError):
@@ -386,8 +388,7 @@ class LoraPool:
         """The pool's tensors laid out again and the resident adapters uploaded again."""
         self._alloc()
         for key, slot in self._resident.items():
-            name, scale = split_key(key)
-            self._upload(self.registered[name], slot, scale)
+            self._upload(key_parts(key), slot)
 
     # ------------------------------------------------------------------ registry
     def register(self, ad: LoraAdapter) -> None:
@@ -416,20 +417,20 @@ class LoraPool:
                 self._relayout()
 
     def _refuse_in_use(self, name: str, then: str) -> None:
-        users = sum(n for key, n in self._users.items() if split_key(key)[0] == name)
+        users = sum(n for key, n in self._users.items() if name in key_parts(key))
         if users:
             raise InvalidRequestError(f"LoRA adapter {name!r} is in use by {users} running "
                                       f"requests; {then} when they are done.", param="lora_name")
 
     # ------------------------------------------------------------------ slots
     def acquire(self, key: str) -> int:
-        """The slot of a registered adapter at a scale (adapter_key) for a sequence (uploaded first
-        where it is not on the GPU, evicting the least recently used idle entry); pair with release()."""
+        """The slot of registered adapters at their scales (adapter_key) for a sequence (uploaded
+        first where it is not on the GPU, evicting the least recently used idle entry); pair with
+        release()."""
         slot = self._resident.get(key)
         if slot is None:
-            name, scale = split_key(key)
             slot = self._free_slot(key)
-            self._upload(self.registered[name], slot, scale)
+            self._upload(key_parts(key), slot)
             self._resident[key] = slot
         self._resident.move_to_end(key)
         self._users[key] = self._users.get(key, 0) + 1
@@ -447,14 +448,14 @@ class LoraPool:
             if not self._users.get(victim):
                 return self._evict(victim)
         raise InvalidRequestError(f"All {self.slots} LoRA slots are in use by running requests; "
-                                  f"{split_key(name)[0]!r} waits for one (raise max_loras).", param="model")
+                                  f"{', '.join(key_parts(name))} waits for one (raise max_loras).", param="model")
 
     def _evict(self, key: str) -> int:
         return self._resident.pop(key)
 
     def _evict_all(self, name: str) -> None:
-        """Adapter `name`'s entries, at every scale."""
-        for key in [k for k in self._resident if split_key(k)[0] == name]:
+        """The entries holding adapter `name`, at every scale."""
+        for key in [k for k in self._resident if name in key_parts(k)]:
             self._evict(key)
 
     def resident(self) -> list[str]:
@@ -465,23 +466,37 @@ class LoraPool:
         used = {_GROUP_OF[t] for ad in self.registered.values() for t in ad.targets}
         return tuple(g for g, _ in GROUPS if g in used)
 
-    def _upload(self, ad: LoraAdapter, slot: int, scale: float = 1.0) -> None:
-        """`ad` into `slot`, its B times its own scale and a request's `scale` (B x scale: in a pool
-        held in 16 bits rounded to f16 where the scale makes values f16 does not hold)."""
+    def check_together(self, names) -> None:
+        """Refuse adapters whose ranks add up to more than an entry holds (a request's `lora`)."""
+        ranks = {n: self.registered[n].rank for n in names}
+        if sum(ranks.values()) > self.width:
+            raise InvalidRequestError(f"LoRA adapters {ranks} (name: rank) applied together need rank "
+                                      f"{sum(ranks.values())}, more than the pool's {self.width}; load with "
+                                      f"a larger max_lora_rank or apply fewer at once.", param="lora")
+
+    def _upload(self, scales: dict, slot: int) -> None:
+        """Adapters {name: a request's scale} into `slot`: each one's A rows and B x its scale x the
+        request's columns side by side in its targets' blocks (in a pool held in 16 bits rounded to
+        f16 where a scale makes values f16 does not hold)."""
         import numpy as np
         R = self.width
         for i, per in enumerate(self.groups):
             for g in per.values():
                 A, B = np.zeros((g.j, g.k), np.float32), np.zeros((g.n, g.j), np.float32)
-                for t_i, t in enumerate(g.targets):
-                    ab = ad.weights.get((i, t))
-                    if ab is None:
-                        continue
-                    a, b = ab
-                    A[t_i * R:t_i * R + ad.rank] = a
-                    rows = _out_rows(self.m, i, t, b.shape[0], ad.qk_permuted)
-                    bs = b * np.float32(ad.scale)
-                    B[rows, t_i * R:t_i * R + ad.rank] = bs if scale == 1.0 else bs * np.float32(scale)
+                at = 0
+                for name, scale in scales.items():
+                    ad = self.registered[name]
+                    for t_i, t in enumerate(g.targets):
+                        ab = ad.weights.get((i, t))
+                        if ab is None:
+                            continue
+                        a, b = ab
+                        cols = slice(t_i * R + at, t_i * R + at + ad.rank)
+                        A[cols] = a
+                        rows = _out_rows(self.m, i, t, b.shape[0], ad.qk_permuted)
+                        bs = b * np.float32(ad.scale)
+                        B[rows, cols] = bs if scale == 1.0 else bs * np.float32(scale)
+                    at += ad.rank
                 if g.cols is not None:                     # lora_delta's B
                     B = lk.compact_b(B[None], g.cols_host, R)[0]
                 A, B = (A.astype(np.float16), B.astype(np.float16)) if g.a.dtype == "f16" else (A, B)
