@@ -38,6 +38,12 @@ def test_resize_equals_pillows(resample):
         want = np.asarray(Image.fromarray(a, "RGB").resize((W, H), resample=resample, reducing_gap=None))
         got = _array(pure.RGBImage(w, h, a.tobytes()).resize((W, H), resample=resample))
         np.testing.assert_array_equal(got, want, err_msg=f"{w}x{h} -> {W}x{H}, filter {resample}")
+    for _ in range(30):                  # and random sizes, up to 4x up or down either way
+        w, h, W, H = (int(v) for v in rng.integers(1, 80, 4))
+        a = rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
+        want = np.asarray(Image.fromarray(a, "RGB").resize((W, H), resample=resample, reducing_gap=None))
+        got = _array(pure.RGBImage(w, h, a.tobytes()).resize((W, H), resample=resample))
+        np.testing.assert_array_equal(got, want, err_msg=f"{w}x{h} -> {W}x{H}, filter {resample}")
     with pytest.raises(ValueError, match="resample 0"):
         pure.RGBImage(2, 2, bytes(12)).resize((3, 3), resample=0)
 

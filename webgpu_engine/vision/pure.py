@@ -1,9 +1,9 @@
 """Images without numpy or Pillow, for the page (Pyodide has neither): a decoded RGB picture with the
 part of PIL.Image the families' processors use (`width`, `height`, `size`, `resize`, `crop`), resized
-as Pillow resizes a uint8 picture (its separable antialiased convolution in 22-bit fixed point, the
-horizontal pass first), alpha composited on white as transformers' convert_rgb does through Pillow,
-and pixel_values / patch rows as vision/config.py computes them with numpy: the same values, from
-`array` and slicing.
+as Pillow resizes a uint8 picture (its separable antialiased convolution in 22-bit fixed point, in
+Pillow 13's pass order; each pass a few big-integer sums per line), alpha composited on white as
+transformers' convert_rgb does through Pillow, and pixel_values / patch rows as vision/config.py
+computes them with numpy: the same values, from `array` and slicing.
 
 The page decodes a picture in JavaScript (createImageBitmap, getImageData) and passes its RGBA bytes;
 `from_rgba` makes it an `RGBImage`. tests/test_vision_pure.py holds these equal to Pillow and numpy.
@@ -13,11 +13,9 @@ from __future__ import annotations
 import math
 import struct
 from array import array
-from operator import mul
 
 PRECISION_BITS = 32 - 8 - 2              # Pillow's Resample.c: coefficients in 22-bit fixed point
 _HALF = 1 << (PRECISION_BITS - 1)
-_TOP = 255 << PRECISION_BITS
 
 
 class RGBImage:
@@ -160,15 +158,38 @@ def sum_f(values: list[float]) -> float:
     return s
 
 
-def _clip8(s: int) -> int:
-    return 255 if s >= _TOP else 0 if s <= 0 else s >> PRECISION_BITS
+# Each output line is a weighted sum of input lines, all its samples at once: a line's bytes packed
+# into one integer, 40 bits a sample (a sum with Pillow's rounding half and a bias of 2^32 stays within
+# 0 .. 2^34 in each), so a line of sums is a few big-integer multiply-adds; shifted left by 2, a
+# sample's byte 3 holds its sum >> 22 and byte 4 says whether that needs clipping (4: no; less: 0;
+# more: 255), as Pillow's clip8.
+_LANE, _BIAS = 5, 1 << 32
+_OK = bytes(255 if b == 4 else 0 for b in range(256))
+_OVER = bytes(255 if b > 4 else 0 for b in range(256))
 
 
-def _resample_rows(rows: list, coeffs) -> list:
-    """One pass along the rows' length: each row of samples (one channel) to len(coeffs) samples."""
+def _pack(line: bytes) -> int:
+    buf = bytearray(_LANE * len(line))
+    buf[0::_LANE] = line
+    return int.from_bytes(buf, "little")
+
+
+def _combine(lines: list[bytes], coeffs) -> list[bytes]:
+    """For each (first, weights) of `coeffs`, the clipped fixed-point sum of lines first .. with those
+    weights (Resample.c's inner loop over the lines' every sample)."""
+    n = len(lines[0])
+    packed = [_pack(ln) for ln in lines]
+    start = _pack(b"\x01" * n) * (_BIAS + _HALF)
     out = []
-    for row in rows:
-        out.append(bytes(_clip8(_HALF + sum(map(mul, k, row[x0:x0 + len(k)]))) for x0, k in coeffs))
+    for x0, k in coeffs:
+        acc = start
+        for j, kj in enumerate(k):
+            if kj:
+                acc += kj * packed[x0 + j]
+        raw = (acc << 2).to_bytes(_LANE * n + 1, "little")
+        hi = raw[4::_LANE][:n]
+        ok, over = int.from_bytes(hi.translate(_OK), "little"), int.from_bytes(hi.translate(_OVER), "little")
+        out.append(((int.from_bytes(raw[3::_LANE][:n], "little") & ok) | over).to_bytes(n, "little"))
     return out
 
 
@@ -178,31 +199,23 @@ def resize(img: RGBImage, width: int, height: int, resample: int = 2) -> RGBImag
     than twice what the width does (Pillow 13's order: the passes do not commute in 8 bits)."""
     if width < 1 or height < 1:
         raise ValueError(f"cannot resize to {width}x{height}")
-    w, h = img.width, img.height
-    planes = [img.data[c::3] for c in range(3)]              # each channel, h rows of w
+    w, h, data = img.width, img.height, img.data
     horizontal_first = not (h - height > 0 and h - height > (w - width) * 2)
     for axis in ("x", "y") if horizontal_first else ("y", "x"):
-        if axis == "x" and width != w:
-            cx = coefficients(w, width, resample)
-            planes = [b"".join(_resample_rows([p[y * w:(y + 1) * w] for y in range(h)], cx)) for p in planes]
-            w = width
+        if axis == "x" and width != w:   # columns (each channel's, one after another) as the lines
+            planes = [data[c::3] for c in range(3)]
+            cols = _combine([b"".join(p[x::w] for p in planes) for x in range(w)], coefficients(w, width, resample))
+            out = bytearray(3 * width * h)
+            for c in range(3):
+                plane = bytearray(width * h)
+                for x, col in enumerate(cols):
+                    plane[x::width] = col[c * h:(c + 1) * h]
+                out[c::3] = plane
+            data, w = bytes(out), width
         elif axis == "y" and height != h:
-            cy = coefficients(h, height, resample)
-            # the vertical pass as the horizontal one over the plane's columns, transposed back
-            planes = [_transpose(_resample_rows([p[x::w] for x in range(w)], cy), height, w) for p in planes]
-            h = height
-    out = bytearray(3 * width * height)
-    for c in range(3):
-        out[c::3] = planes[c]
-    return RGBImage(width, height, bytes(out))
-
-
-def _transpose(rows: list, n_rows: int, n_cols: int) -> bytes:
-    """`rows` (n_cols rows of n_rows bytes) as n_rows rows of n_cols bytes."""
-    out = bytearray(n_rows * n_cols)
-    for j, r in enumerate(rows):
-        out[j::n_cols] = r
-    return bytes(out)
+            rows = [data[y * 3 * w:(y + 1) * 3 * w] for y in range(h)]
+            data, h = b"".join(_combine(rows, coefficients(h, height, resample))), height
+    return RGBImage(width, height, data)
 
 
 # ----------------------------------------------------------------------------- pixel values and patches
