@@ -41,9 +41,10 @@ def rewrite_gguf(src: Path, dst: Path, tensor=None, *, meta: dict | None = None,
                 w.add_key_value(name, value, vtype, sub_type=f.types[-1])
             else:
                 w.add_key_value(name, value, vtype)
-    for key, value in (meta or {}).items():
+    for key, value in (meta or {}).items():       # new keys: ints as u32, floats as f32
         if key not in seen:
-            w.add_key_value(key, value, gguf.GGUFValueType.get_type(value))
+            w.add_key_value(key, value, gguf.GGUFValueType.UINT32 if isinstance(value, int) else
+                            gguf.GGUFValueType.FLOAT32 if isinstance(value, float) else gguf.GGUFValueType.STRING)
     for r in readers:
         for t in r.tensors:
             got = tensor(t.name, t.data, t.tensor_type) if tensor else (t.data, t.tensor_type)

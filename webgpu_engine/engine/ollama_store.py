@@ -11,7 +11,9 @@ copied). The `params` layer (JSON: stop, temperature, top_p, repeat_penalty, num
 is refused by name where the GGUF carries no Jinja chat template of its own; an `adapter` layer (a
 GGUF LoRA, Ollama's ADAPTER) is applied to every request of the model (engine/lora.py); a `projector`
 layer (a vision model's multimodal projector GGUF) is loaded beside the model (its ChatConfig mmproj,
-vision/mmproj.py); messages layers are refused by name. A blob's sha256 is checked once per process,
+vision/mmproj.py); without one, a model GGUF holding its own vision tower (Ollama's gemma3 blobs:
+`v.*` / `mm.*` tensors, `gemma3.vision.*` keys) takes images from it (vision/mmproj.py OLLAMA_TO_HF,
+found at load by vision/runner.py); messages layers are refused by name. A blob's sha256 is checked once per process,
 at first resolve, and remembered by path, size and mtime (a changed file is hashed again). The model
 is served under Ollama's name (`NAME:TAG`, `NS/NAME:TAG` outside `library`, `HOST/NS/NAME:TAG` off the default
 registry). engine/references.py makes the ModelRecord from what this module reads (it imports

@@ -22,6 +22,9 @@ models/siglip.py reads (one table, MMPROJ_TO_HF), so a GGUF pair runs the same t
 
 What the pair does not carry comes from the text model: the image token's id (its tokenizer) and the
 chat template's image marker (the family's module).
+
+Ollama's gemma3 blobs carry no projector file: the model's own GGUF holds the tower and projector
+(its converter's names, OLLAMA_TO_HF, and `gemma3.vision.*` keys); MmprojFile reads them the same way.
 """
 from __future__ import annotations
 
@@ -73,16 +76,43 @@ MMPROJ_TO_HF = {
     "mm.2.weight": "multi_modal_projector.linear_2.weight",                  # (C_text, C_text)
     "mm.2.bias": "multi_modal_projector.linear_2.bias",
 }
+# Ollama's one-GGUF layout (its convert/convert_gemma3.go: the vision tower and projector in the model's
+# own GGUF, Hugging Face's names through its Replacements, `{arch}.vision.*` keys): its names -> ours
+OLLAMA_TO_HF = {
+    "v.patch_embedding.weight": "vision_tower.embeddings.patch_embedding.weight",
+    "v.patch_embedding.bias": "vision_tower.embeddings.patch_embedding.bias",
+    "v.position_embedding.weight": "vision_tower.embeddings.position_embedding.weight",
+    "v.post_layernorm.weight": "vision_tower.post_layernorm.weight",
+    "v.post_layernorm.bias": "vision_tower.post_layernorm.bias",
+    **{f"v.blk.{{i}}.{n}.{p}": f"vision_tower.encoder.layers.{{i}}.{hf}.{p}" for p in ("weight", "bias")
+       for n, hf in (("layer_norm1", "layer_norm1"), ("layer_norm2", "layer_norm2"), ("mlp.fc1", "mlp.fc1"),
+                     ("mlp.fc2", "mlp.fc2"), ("attn_q", "self_attn.q_proj"), ("attn_k", "self_attn.k_proj"),
+                     ("attn_v", "self_attn.v_proj"), ("attn_output", "self_attn.out_proj"))},
+    # its converter adds 1 to every *_norm.weight outside v.* (as llama.cpp's mmproj stores 1 + w)
+    "mm.mm_soft_emb_norm.weight": "multi_modal_projector.mm_soft_emb_norm.one_plus_weight",
+    "mm.mm_input_projection.weight": "multi_modal_projector.mm_input_projection_weight",    # (C, C_text)
+}
+EMBEDDED = {"gemma3"}                    # the architectures whose one-GGUF tower is read
 _BLOCK = re.compile(r"^v\.blk\.(\d+)\.(.+)$")
 
 
-def hf_name(name: str) -> str | None:
-    """The Hugging Face name of an mmproj tensor, or None when the tower does not read it."""
+def hf_name(name: str, table: dict = MMPROJ_TO_HF) -> str | None:
+    """The Hugging Face name of an mmproj tensor (`table`: Ollama's names), or None when the tower
+    does not read it."""
     m = _BLOCK.match(name)
     if m is None:
-        return MMPROJ_TO_HF.get(name)
-    hf = MMPROJ_TO_HF.get("v.blk.{i}." + m.group(2))
+        return table.get(name)
+    hf = table.get("v.blk.{i}." + m.group(2))
     return hf.replace("{i}", m.group(1)) if hf else None
+
+
+def embedded_tower(g: GGUFFile) -> str | None:
+    """The architecture of a model GGUF that holds its vision tower in Ollama's one-GGUF layout
+    (`{arch}.vision.block_count`, `v.*` tensors), or None."""
+    arch = g.architecture
+    if arch == "clip" or f"{arch}.vision.block_count" not in g.metadata or not any(n.startswith("v.") for n in g.tensors):
+        return None
+    return arch
 
 
 class MmprojFile:
@@ -95,10 +125,13 @@ class MmprojFile:
             raise ModelFormatError(f"no multimodal projector GGUF at {path} (mmproj)")
         self._gguf = GGUFFile(self.path)
         try:
-            self.cfg = read_config(self._gguf, tokenizer)
+            embedded = embedded_tower(self._gguf)
+            self.cfg = read_config(self._gguf, tokenizer) if embedded is None else \
+                embedded_config(self._gguf, embedded, tokenizer)
+            table = MMPROJ_TO_HF if embedded is None else OLLAMA_TO_HF
             self.tensors: dict[str, TensorInfo] = {}
             for name, t in self._gguf.tensors.items():
-                hf = hf_name(name)
+                hf = hf_name(name, table)
                 if hf is not None:
                     self.tensors[hf] = t
             _legacy_ffn(self.tensors, self.cfg)
@@ -190,6 +223,38 @@ def read_config(g: GGUFFile, tokenizer) -> VisionConfig:
     return cfg
 
 
+def embedded_config(g: GGUFFile, arch: str, tokenizer) -> VisionConfig:
+    """The VisionConfig of a model GGUF holding its tower (Ollama's `{arch}.vision.*` keys: widths,
+    layers, heads, image and patch size, the LayerNorms' epsilon; `{arch}.mm.tokens_per_image`, else
+    256; the text width for the projection; SigLIP's mean / std 0.5, as Ollama's image processor)."""
+    where = g.where
+    if arch not in EMBEDDED:
+        raise UnsupportedModelError(f"{where}: a {arch} GGUF with its vision tower inside (Ollama's layout) is "
+                                    f"not read (this engine reads it for {sorted(EMBEDDED)}; give a "
+                                    f"projector GGUF instead)")
+
+    def meta(key: str, default=None):
+        v = g.metadata.get(f"{arch}.{key}", default)
+        if v is None:
+            raise ModelFormatError(f"{where}: the model GGUF's vision tower lacks {arch}.{key}")
+        return v
+    from . import gemma3 as fam
+    size, patch = int(meta("vision.image_size")), int(meta("vision.patch_size"))
+    tokens, side = int(meta("mm.tokens_per_image", 256)), size // patch
+    per_side = round(tokens ** 0.5)
+    if tokens < 1 or per_side * per_side != tokens or side % per_side:
+        raise ModelFormatError(f"{where}: {tokens} image tokens do not pool a {side}x{side} patch grid")
+    token_id = tokenizer.token_to_id(fam.IMAGE) if tokenizer is not None else -1
+    if token_id is None:
+        raise ModelFormatError(f"{where}: the vocabulary has no {fam.IMAGE} token, which its images take")
+    return VisionConfig(
+        kind="gemma3", hidden_size=int(meta("vision.embedding_length")),
+        intermediate_size=int(meta("vision.feed_forward_length")), n_layers=int(meta("vision.block_count")),
+        n_heads=int(meta("vision.attention.head_count")), image_size=size, patch_size=patch,
+        eps=float(meta("vision.attention.layer_norm_epsilon", 1e-6)), text_hidden=int(meta("embedding_length")),
+        tokens_per_image=tokens, image_token_id=int(token_id), marker=fam.BOI, size=(size, size))
+
+
 def _legacy_ffn(tensors: dict, cfg: VisionConfig) -> None:
     """llama.cpp's legacy LLaVA converter names fc1 ffn_down and fc2 ffn_up (clip.cpp swaps them back
     by shape): fc1 is (F, C)."""
@@ -201,6 +266,16 @@ def _legacy_ffn(tensors: dict, cfg: VisionConfig) -> None:
             for part in ("weight", "bias"):
                 tensors[mlp + "fc1." + part], tensors[mlp + "fc2." + part] = \
                     tensors[mlp + "fc2." + part], tensors[mlp + "fc1." + part]
+
+
+def holds_tower(path) -> bool:
+    """Whether `path` is a model GGUF holding its vision tower (Ollama's one-GGUF layout), read from
+    its header."""
+    try:
+        with GGUFFile(path) as g:
+            return embedded_tower(g) in EMBEDDED      # others' towers are not read: their text model runs
+    except (ModelFormatError, UnsupportedModelError, OSError):
+        return False
 
 
 def is_mmproj(path) -> bool:

@@ -64,6 +64,15 @@ def takes_images(path) -> bool:
         return False
 
 
+def _own_tower(path: Path, mmproj):
+    """`mmproj`, or a model GGUF itself where it holds its vision tower (Ollama's one-GGUF layout,
+    vision/mmproj.py) and no projector GGUF is given."""
+    if mmproj is None and path.is_file():
+        from .mmproj import holds_tower
+        return path if holds_tower(path) else None
+    return mmproj
+
+
 def capacity(cfg: VisionConfig, ctx: int) -> int:
     """Tiles one request may bring to a load of `ctx` positions: at least one picture's most, at
     most MAX_TILES and FEATURE_BYTES of features."""
@@ -80,6 +89,7 @@ def memory(path, est, ctx: int, mmproj=None, chunk: int = 0):
     from dataclasses import replace
     if mmproj is None and (Path(path) / "mlc-chat-config.json").is_file():
         return _mlc_memory(Path(path), est, ctx)
+    mmproj = _own_tower(Path(path), mmproj)
     if mmproj is None and not takes_images(path):
         return est
     from ..loaders.safetensors import SafetensorsFolder
@@ -189,6 +199,7 @@ class VisionInputs:
         path = Path(path)
         if (path / "mlc-chat-config.json").is_file():
             return cls._load_mlc(dev, path, model, owner, tokenizer)
+        mmproj = _own_tower(path, mmproj)
         if mmproj is not None:
             from .mmproj import MmprojFile
             files = MmprojFile(mmproj, tokenizer)
