@@ -53,7 +53,7 @@ def ollama_name(name: str) -> str:
 def write_one_gguf(dst: Path) -> Path:
     """The text GGUF with the folder's tower and projector added as Ollama's converter writes them:
     the hub release's names (vision_tower.vision_model.*) replaced, 1 added to *_norm.weight outside
-    v.* (its gemmaModel repacker), the vision_config as gemma3.vision.* keys."""
+    v.* (its gemmaModel repacker), the vision_config as gemma3.vision.* keys, no epsilon or rope bases."""
     from safetensors.numpy import load_file
     cfg = json.loads((FOLDER / "config.json").read_text())
     v = cfg["vision_config"]
@@ -71,7 +71,9 @@ def write_one_gguf(dst: Path) -> Path:
             "gemma3.vision.attention.layer_norm_epsilon": v["layer_norm_eps"],
             "gemma3.mm.tokens_per_image": cfg["mm_tokens_per_image"]}
     import gguf
-    path = rewrite_gguf(TEXT, dst, meta=meta)
+    # its multimodal branch writes no norm epsilon or rope bases (Gemma 3's own are its runtime's defaults)
+    dropped = {"gemma3.attention.layer_norm_rms_epsilon", "gemma3.rope.freq_base", "gemma3.rope.freq_base_swa"}
+    path = rewrite_gguf(TEXT, dst, meta=meta, drop_keys=dropped)
     extra = dst.with_suffix(".tower.gguf")
     w = gguf.GGUFWriter(str(extra), "gemma3")
     for name, a in tensors.items():

@@ -23,14 +23,15 @@ TEXT, PROJ = PAIR / "tiny-gemma3.gguf", PAIR / "mmproj-tiny-gemma3.gguf"
 HOST_TABLES = ("v.position_embd.weight", "mm.input_projection.weight")
 
 
-def rewrite_gguf(src: Path, dst: Path, tensor=None, *, meta: dict | None = None, extra=()) -> Path:
+def rewrite_gguf(src: Path, dst: Path, tensor=None, *, meta: dict | None = None, extra=(),
+                 drop_keys=frozenset()) -> Path:
     """A copy of GGUF `src` at `dst`: each tensor as `tensor(name, data, type)` returns it ((data, type)
-    for gguf-py's writer, None: dropped), metadata values replaced by `meta`, then the GGUFs `extra`'s
-    metadata and tensors added (the gguf package)."""
+    for gguf-py's writer, None: dropped), metadata values replaced by `meta`, keys `drop_keys` left
+    out, then the GGUFs `extra`'s metadata and tensors added (the gguf package)."""
     import gguf
     readers = [gguf.GGUFReader(str(src))] + [gguf.GGUFReader(str(e)) for e in extra]
     arch = str(bytes(readers[0].fields["general.architecture"].parts[-1]), "utf-8")
-    w, seen = gguf.GGUFWriter(str(dst), arch), set()
+    w, seen = gguf.GGUFWriter(str(dst), arch), set(drop_keys)
     for r in readers:
         for name, f in r.fields.items():
             if name.startswith("GGUF.") or name in seen or name in ("general.architecture", "general.alignment"):

@@ -82,7 +82,15 @@ def _gguf(g, fields: dict) -> dict:
             "attn_softcap": float(g.meta("attn_logit_softcapping", 0.0) or 0.0),
             "final_softcap": float(g.meta("final_logit_softcapping", 0.0) or 0.0),
             "window_layers": local if g.meta("attention.sliding_window") else None,
-            "rope_local_base": float(g.meta("rope.freq_base_swa", 10000.0)) if arch == "gemma3" else 0.0}
+            "rope_local_base": float(g.meta("rope.freq_base_swa", g.meta("rope.local.freq_base", 10000.0)))
+            if arch == "gemma3" else 0.0, **(_ollama_gemma3(g) if arch == "gemma3" else {})}
+
+
+def _ollama_gemma3(g) -> dict:
+    """Ollama's converter writes no norm epsilon or rope base for a multimodal Gemma 3 (its gemma3
+    blobs): Gemma 3's own, as Ollama's runtime defaults them (1e-6, 1e6), where the file has none."""
+    return {**({"rms_eps": 1e-6} if g.meta("attention.layer_norm_rms_epsilon") is None else {}),
+            **({"rope_base": 1e6} if g.meta("rope.freq_base") is None else {})}
 
 
 def _hf(c: dict, fields: dict, where: str) -> dict:
