@@ -11,8 +11,9 @@ sequence at position 100 (a step's cost depends on how many keys it reads, not o
 steps submitted back to back and one readback, `--rounds` rounds with the widths in turn (the host is
 shared: interleaved, best round); wall and process CPU ms a step (a CPU adapter's threads are ours, so
 CPU time does not depend on what else the host runs). No sampling (a slot's sampler runs per row either
-way). The rule (WIDTH_RULE): the widest width whose full step costs under `--k` times the cheapest
-one-row step of any width, by CPU time; --store keeps it in the adapter's profile
+way). The rule (WIDTH_RULE), by CPU time: the widest width whose full step costs under `--k` (3) times
+the cheapest one-row step of any width and whose own one-row step (what a lone request pays: a width
+fixes the kernels every row runs) at most `--lone` (1.25) times it; --store keeps it in the adapter's profile
 (kernels/profiles.py save_width), which models/plan.py auto_width reads. --kinds: CPU ms per kernel
 kind of each width's full step and of its one-row step (each kind's dispatches alone, best of 3).
 Prints a table and writes bench/results/batch_width.json. --smoke: widths 1,2, rounds 1, steps 2: checks
@@ -35,15 +36,19 @@ os.environ.setdefault("XDG_RUNTIME_DIR", "/tmp")
 
 POS = 100               # the keys each row's sequence holds before the timed steps
 ROWS = (1, 4, 8, 16)    # and each width's own
-WIDTH_RULE = "widest width whose full step < k x the cheapest one-row step (CPU ms)"
+WIDTH_RULE = ("widest width whose full step < k x the cheapest one-row step and whose own one-row step "
+              "<= lone x it (CPU ms)")
 
 
-def choose_width(steps: dict, k: float) -> int:
+def choose_width(steps: dict, k: float, lone: float = 1.25) -> int:
     """WIDTH_RULE over steps {(width, rows): (wall ms, cpu ms)}: the widest width w whose w-row step
-    costs under k times the cheapest one-row step; the narrowest width when none does."""
+    costs under k times the cheapest one-row step of any width, and whose one-row step (a lone
+    request: a width fixes the kernels of every row) at most `lone` times it; the narrowest width
+    when none qualifies."""
     widths = sorted({w for w, _ in steps})
     one = min(c for (w, r), (_, c) in steps.items() if r == 1)
-    fit = [w for w in widths if (w, w) in steps and steps[(w, w)][1] < k * one]
+    fit = [w for w in widths if (w, w) in steps and steps[(w, w)][1] < k * one
+           and steps.get((w, 1), (0, 0.0))[1] <= lone * one]
     return max(fit) if fit else widths[0]
 
 
@@ -121,7 +126,8 @@ def main(argv=None) -> int:
     ap.add_argument("--widths", default="4,8,16")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=8, help="steps per timed run")
-    ap.add_argument("--k", type=float, default=3.0, help="WIDTH_RULE's factor")
+    ap.add_argument("--k", type=float, default=3.0, help="WIDTH_RULE's factor for a full step")
+    ap.add_argument("--lone", type=float, default=1.25, help="WIDTH_RULE's factor for a width's one-row step")
     ap.add_argument("--kinds", action="store_true", help="CPU ms per kernel kind of each width's steps")
     ap.add_argument("--store", action="store_true", help="keep the chosen width in this adapter's profile")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "batch_width.json"))
@@ -134,7 +140,7 @@ def main(argv=None) -> int:
     widths = sorted({int(v) for v in a.widths.split(",")})
     res = asyncio.run(measure(path, widths, a.rounds, a.steps, a.kinds))
     best = res.pop("_best")
-    width = choose_width(best, a.k)
+    width = choose_width(best, a.k, a.lone)
     one = min(c for (w, r), (_, c) in best.items() if r == 1)
     print(f"adapter {res['adapter']} ({res['dtype']}); {res['model']}; ms a decode step, best of {a.rounds} rounds "
           f"of {a.steps} steps; host load {os.getloadavg()[0]:.1f}")
@@ -144,8 +150,8 @@ def main(argv=None) -> int:
               f"{s['cpu_ms'] / s['rows']:10.1f}")
     for key, kinds in res.get("kinds", {}).items():
         print(f"  width x rows {key}: " + ", ".join(f"{k} {v}" for k, v in kinds.items()))
-    print(f"chosen width ({WIDTH_RULE}, k = {a.k:g}): {width}")
-    res.update({"k": a.k, "rule": WIDTH_RULE, "width": width, "load": os.getloadavg()[0]})
+    print(f"chosen width ({WIDTH_RULE}, k = {a.k:g}, lone = {a.lone:g}): {width}")
+    res.update({"k": a.k, "lone": a.lone, "rule": WIDTH_RULE, "width": width, "load": os.getloadavg()[0]})
     if a.store:
         from webgpu_engine.gpu import request_device_sync
         from webgpu_engine.kernels import profiles

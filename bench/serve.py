@@ -379,7 +379,7 @@ async def main() -> int:
     ap.add_argument("--clients", default="1,2,4,8,16")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--batch", type=int, default=0, help="max_num_sequences of the batched server (0: as "
-                    "serve picks for the adapter: 8 on a CPU one (or its measured width), 16 on a GPU)")
+                    "serve picks for the adapter: 4 on a CPU one (or its measured width), 16 on a GPU)")
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--window", type=int, default=0, help="a sliding window of W positions with 4 sinks "
                     "(the ring) instead of --context")

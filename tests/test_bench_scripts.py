@@ -178,7 +178,9 @@ def test_batch_width(tmp_path, tiny):
     assert all(s["cpu_ms"] > 0 and s["ms"] > 0 for s in data["steps"]) and data["width"] in (1, 2)
     steps = {(4, 1): (0, 58.0), (4, 4): (0, 131.0), (8, 1): (0, 82.0), (8, 8): (0, 135.0),
              (16, 1): (0, 81.0), (16, 16): (0, 236.0)}
-    assert choose_width(steps, 3) == 8 and choose_width(steps, 5) == 16 and choose_width(steps, 2) == 4
+    assert choose_width(steps, 3) == 4          # width 8's lone row: 82 > 1.25 x 58
+    assert choose_width(steps, 3, lone=1.5) == 8 and choose_width(steps, 5, lone=1.5) == 16
+    assert choose_width(steps, 2, lone=2) == 4
 
 
 def test_ray_serve(tmp_path, tiny):

@@ -158,7 +158,7 @@ class ChatConfig:
     max_num_sequences: int = 1         # chat: sequences decoded together (continuous batching,
     #                                    pipelines/scheduler.py); 1: one request at a time, as WebLLM;
     #                                    0: as suits the device (on a CPU adapter the width measured
-    #                                    there, models/plan.py auto_width: 8; 16 on a GPU)
+    #                                    there, models/plan.py auto_width: 4; 16 on a GPU)
     kv_block_size: int = 16            # chat with max_num_sequences > 1: tokens per KV-cache block
     kv_pool_tokens: int = 0            # ... and tokens the KV pool holds (0: max_num_sequences contexts,
     #                                    at most max(2 contexts, 8192); at least one full context)

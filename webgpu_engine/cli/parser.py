@@ -96,7 +96,7 @@ def _model_options(p, many: bool = False):
                    "0.28x)" + each)
     g.add_argument("--max-num-sequences", type=int, action="append", default=None, metavar="N",
                    help="chat models: requests decoded together (continuous batching over a paged KV "
-                        "cache; 0: as suits the device, 8 on a CPU adapter (or its measured width) and 16 on a GPU; default: "
+                        "cache; 0: as suits the device, 4 on a CPU adapter (or its measured width) and 16 on a GPU; default: "
                         "serve 0, chat and complete 1)" + each)
     g.add_argument("--context-overflow", choices=("error", "truncate", "shift"), action="append", default=None,
                    help="chat models: a prompt longer than the context window is a 400 (error, the "

@@ -53,10 +53,13 @@ def cache_rows(cfg, context_window: int, prefill_chunk: int, ring: Ring | None =
 
 
 # `max_num_sequences` 0 on lavapipe (a CPU adapter) when bench/batch_width.py has stored no width of its
-# own: the widest width whose full decode step costs under 3 one-row steps (its WIDTH_RULE), measured
-# on SmolLM2-135M Q4_1 (2-core host, CPU ms a step): 8 rows at width 8 135 ms against one row's 58
-# (2.3x; 4 rows at width 4: 131, 2.3x for half the rows), 16 rows at width 16 236 (4.1x)
-CPU_WIDTH = 8
+# own: its WIDTH_RULE (the widest width whose full decode step costs under 3 one-row steps and whose
+# lone row at most 1.25 of one) on SmolLM2-135M Q4_1, 2-core host at load 19, CPU ms a step: width 4
+# one row 59.7, four 135.6 (fused one-row kernels); width 8 eight rows 148.3 (2.5x one row: 18.5 ms
+# a row against 33.9) but one row 91.9 (1.54x: the row-invariant tiled kernels, norms and gates
+# apart); width 16 sixteen 216.3, one 94.3. Width 8 waits for a wide path whose lone row costs
+# about the fused one's.
+CPU_WIDTH = 4
 
 
 def auto_width(dev) -> int:
