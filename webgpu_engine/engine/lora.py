@@ -130,13 +130,13 @@ def request_adapter(lm, req: dict) -> str | None:
         if not isinstance(e, dict) or set(e) - {"id", "name", "scale"} or ("id" in e) == ("name" in e):
             raise FieldTypeError(at, 'an object with "id" (an adapter\'s place in load order) or "name", '
                                      'and "scale"', e)
-        key, scale = ("id", int) if "id" in e else ("name", str), e.get("scale", 1.0)
-        ref = e[key[0]]
-        if type(ref) is not key[1]:
-            raise FieldTypeError(f"{at}.{key[0]}", "an integer" if key[0] == "id" else "a string", ref)
-        if not (0 <= ref < len(names) if key[0] == "id" else ref in names):
-            raise UnknownLoraAdapterError(f"{at}.{key[0]}", ref, names)
-        name = names[ref] if key[0] == "id" else ref
+        field, kind = ("id", int) if "id" in e else ("name", str)
+        ref, scale = e[field], e.get("scale", 1.0)
+        if type(ref) is not kind:
+            raise FieldTypeError(f"{at}.{field}", "an integer" if kind is int else "a string", ref)
+        if not (0 <= ref < len(names) if kind is int else ref in names):
+            raise UnknownLoraAdapterError(f"{at}.{field}", ref, names)
+        name = names[ref] if kind is int else ref
         if type(scale) not in (int, float):
             raise FieldTypeError(f"{at}.scale", "a number", scale)
         if not 0.0 <= scale < float("inf"):
