@@ -372,9 +372,8 @@ def test_bad_image_inputs_are_400(served):
 
 @pytest.mark.parametrize("opts,says", [({"context_window_size": -1, "sliding_window_size": 64}, "ring")])
 async def test_loads_without_image_attention_refuse_images_by_name(device, ref, opts, says):
-    """Where the image rows cannot run (a sliding window's ring; a quantised KV cache too, which this
-    model's 16-wide heads cannot have), the model loads and answers text; an image is a 400 saying
-    what to change."""
+    """Where the image rows cannot run (a sliding window's ring), the model loads and answers text; an
+    image is a 400 saying what to change."""
     from webgpu_engine.engine.engine import AsyncMLCEngine
     eng = AsyncMLCEngine()
     await eng.reload(str(FOLDER), chat_opts={**OPTS, **opts})

@@ -1,7 +1,10 @@
 """What images were once refused with and now run: a projector GGUF quantised whole (its position
-table and Gemma 3's projection, read on the host, dequantised as ggml does)."""
+table and Gemma 3's projection, read on the host, dequantised as ggml does); context_overflow "shift"
+(an image the shift would cut dropped whole, the kept ones through the tower again); Gemma 3's
+pictures over a q8_0 / q4_0 KV cache (the paged prefill's image spans over the quantised pool)."""
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from pathlib import Path
 
@@ -202,3 +205,78 @@ async def test_a_context_shift_keeps_its_images(device, gemma3_ref, cold, case):
     turn.tiles = await cold.vision.batch_tiles(ids, [im for im in images_of(messages) if im.sha256 in kept])
     await turn.prefill_ids(ids, GenerationConfig(temperature=0.0, max_tokens=1), raw=True)
     assert turn.output_ids == [got]
+
+
+# ----------------------------------------------------------------------------- Gemma 3's images over a quantised KV cache
+def _wide_heads(dst: Path) -> Path:
+    """The tiny Gemma 3 vision folder with 32-wide attention heads (q8_0 / q4_0 KV blocks are 32
+    values of a head): its text attention weights drawn again (seeded), the rest as it is."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+    shutil.copytree(FIXTURES / "tiny_gemma3_vision", dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    t, D = cfg["text_config"], 32
+    t["head_dim"] = t["query_pre_attn_scalar"] = D
+    (dst / "config.json").write_text(json.dumps(cfg))
+    w, rng = load_file(str(dst / "model.safetensors")), np.random.default_rng(5)
+    C, H, Hkv = t["hidden_size"], t["num_attention_heads"], t["num_key_value_heads"]
+    shapes = {"q_proj": (H * D, C), "k_proj": (Hkv * D, C), "v_proj": (Hkv * D, C), "o_proj": (C, H * D),
+              "q_norm": (D,), "k_norm": (D,)}
+    for name in list(w):
+        part = name.rsplit(".", 2)[-2]
+        if ".self_attn." in name and "language_model" in name and part in shapes:
+            shape = shapes[part]
+            w[name] = (rng.standard_normal(shape) * (0.2 if len(shape) == 1 else shape[-1] ** -0.5)).astype(np.float32)
+    save_file(w, str(dst / "model.safetensors"))
+    return dst
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory):
+    return _wide_heads(tmp_path_factory.mktemp("wide") / "gemma3")
+
+
+async def _wide_answer(ref, wide, kv: str) -> tuple:
+    """(the last prompt row's logits, 12 greedy tokens, the prompt ids) of the wide-headed Gemma 3 asked
+    about two pictures with kv_cache_dtype `kv`."""
+    from test_vision import _messages
+    from webgpu_engine.engine.engine import AsyncMLCEngine
+    eng = AsyncMLCEngine()
+    await eng.reload(str(wide), chat_opts={"dtype": "f32", "context_window_size": 256, "prefill_chunk_size": 32,
+                                           "compile_at_load": False, "kv_cache_dtype": kv})
+    try:
+        model = next(iter(eng.models))
+        pipe = eng.models[model].pipeline
+        await eng.chat.completions.create(model=model, messages=_messages(ref, "two"), max_tokens=1, temperature=0.0)
+        logits = get(pipe.dev, pipe.scheduler.fwd.logits_row(0))
+        await eng.chat.completions.create(model=model, messages=_messages(ref, "two"), max_tokens=12,
+                                          temperature=0.0, ignore_eos=True)
+        return logits, list(pipe.output_ids), pipe.kv_ids[:73]
+    finally:
+        await eng.unload()
+
+
+@pytest.fixture(scope="module")
+async def wide_f32(device, gemma3_ref, wide):
+    """The f32 cache's answer, and the last row's logits with the image rows causal (what an image
+    attention without the spans would give)."""
+    from webgpu_engine.vision.config import VisionConfig
+    exact = await _wide_answer(gemma3_ref, wide, "auto")
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(VisionConfig, "bidirectional", property(lambda self: False))
+        causal = await _wide_answer(gemma3_ref, wide, "auto")
+    return exact, causal[0]
+
+
+@pytest.mark.parametrize("kv", ["q8_0", "q4_0"])
+async def test_gemma3_images_over_a_quantised_kv_cache(gemma3_ref, wide, wide_f32, kv):
+    """kv_cache_dtype q8_0 / q4_0 with Gemma 3's pictures (their rows attend each other both ways: the
+    paged prefill's image spans over the quantised pool), asked about two pictures: the last prompt
+    row's logits nearer the f32 cache's than to causal image rows' (q8_0: within a tenth of the
+    distance between those two, and the f32 cache's 12 greedy tokens)."""
+    (exact, ids, prompt), causal = wide_f32
+    logits, q_ids, q_prompt = await _wide_answer(gemma3_ref, wide, kv)
+    assert prompt == q_prompt == gemma3_ref["prompts"]["two"]["input_ids"]
+    err, off, gap = (np.abs(a - b).max() for a, b in ((logits, exact), (logits, causal), (causal, exact)))
+    assert 0 < err < off and (kv == "q4_0" or (err < 0.1 * gap and q_ids == ids)), (err, off, gap)

@@ -246,10 +246,8 @@ class VisionInputs:
             raise UnsupportedChatOptionError(
                 "prefill_chunk_size", model.chunk, f"an image's {cfg.tokens_per_image} tokens run in one "
                 f"prefill chunk: load with prefill_chunk_size >= {cfg.tokens_per_image}")
-        why = "" if not cfg.bidirectional else (
-            "a KV cache in another dtype than the activations (kv_cache_dtype) has no image "
-            "attention yet: load without kv_cache_dtype" if model.kv_cache_dtype else
-            "a sliding window's ring (sliding_window_size) has no image attention yet" if model.ring else "")
+        why = "a sliding window's ring (sliding_window_size) has no image attention yet" \
+            if cfg.bidirectional and model.ring else ""
         if why:                          # the text model runs; image requests are refused by name
             vision = cls(dev, cfg, None, model, 0)
             vision.unavailable = why
