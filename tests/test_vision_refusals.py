@@ -280,3 +280,45 @@ async def test_gemma3_images_over_a_quantised_kv_cache(gemma3_ref, wide, wide_f3
     assert prompt == q_prompt == gemma3_ref["prompts"]["two"]["input_ids"]
     err, off, gap = (np.abs(a - b).max() for a, b in ((logits, exact), (logits, causal), (causal, exact)))
     assert 0 < err < off and (kv == "q4_0" or (err < 0.1 * gap and q_ids == ids)), (err, off, gap)
+
+
+async def test_a_context_shift_moves_a_qwen25vl_picture(device):
+    """Qwen2.5-VL (M-RoPE: a prompt row's rotation depends on the pictures before it) shifted so that a
+    picture moves to earlier rows: its tiles move with them and the token sampled after the shift is
+    the one a cold cache of the kept tokens and picture gives."""
+    from webgpu_engine.config import ChatConfig, GenerationConfig
+    from webgpu_engine.pipelines.llm import LLMChatPipeline
+    from webgpu_engine.vision.images import image_data_url
+    from webgpu_engine.vision.requests import images_of, resolve_images
+    folder = FIXTURES / "tiny_qwen25vl"
+    messages = [{"role": "user", "content": "Tell me about the sea and the wind and the rain, " * 3},
+                {"role": "assistant", "content": "The sea is wide."},
+                {"role": "user", "content": [{"type": "image", "url": image_data_url(IMAGES / "gradient.png"), "where": "m"},
+                                             {"type": "text", "text": "What is in the picture?"}]}]
+    gen = GenerationConfig(temperature=0.0, max_tokens=1)
+    cold = await LLMChatPipeline.load(device, folder, ChatConfig(dtype="f32", context_window_size=256,
+                                                                  prefill_chunk_size=32, compile_at_load=False))
+    try:
+        resolved = await resolve_images("m", cold.vision, messages)
+        n = len(await cold.prompt_tokens(resolved, gen))
+        pipe = await LLMChatPipeline.load(device, folder, ChatConfig(
+            dtype="f32", context_window_size=n + 2, prefill_chunk_size=32, compile_at_load=False,
+            context_overflow="shift", n_keep=4))
+        try:
+            await pipe.prefill_step(await resolve_images("m", pipe.vision, messages),
+                                    GenerationConfig(temperature=0.0, max_tokens=8, ignore_eos=True))
+            (s, e, *_), = pipe._turn.tiles
+            while pipe._req.context_shifts == 0:
+                await pipe.decode_step()
+            drop = (n + 2 - 4) // 2
+            assert s >= 4 + drop and [t[:2] for t in pipe._turn.tiles] == [(s - drop, e - drop)]
+            ids, got, logits = list(pipe.kv_ids), pipe.output_ids[-1], get(pipe.dev, pipe.scheduler.fwd.logits_row(0))
+        finally:
+            pipe.dispose()
+        turn = cold._new_turn()
+        turn.tiles = await cold.vision.batch_tiles(ids, images_of(resolved))
+        await turn.prefill_ids(ids, GenerationConfig(temperature=0.0, max_tokens=1), raw=True)
+        assert turn.output_ids == [got]
+        np.testing.assert_allclose(logits, get(cold.dev, cold.scheduler.fwd.logits_row(0)), atol=1e-4)
+    finally:
+        cold.dispose()
