@@ -69,6 +69,38 @@ def test_prefix_sharing_reuses_full_blocks_only():
     pool.check()
 
 
+def test_a_prompt_takes_the_matching_rows_of_a_cached_block_by_a_copy():
+    """`partial`: past the shared full blocks, a cached block (same parent key) whose first tokens match
+    the prompt's next ones gives those rows by a copy into a block of the sequence's own (the source
+    held until take_copy); the prompt's last token is still computed; without `partial`, whole blocks."""
+    sys_prompt = list(range(100, 110))                   # 2 full blocks + 2 tokens
+    for partial in (False, True):
+        pool = KVPool(16, 4, partial=partial)
+        _run(pool, "a", sys_prompt + [1, 2, 3])
+        ta = pool.block_table("a")
+        pool.free("a")
+        hit = pool.add_sequence("b", sys_prompt + [1, 7, 8])
+        assert hit == (11 if partial else 8) and pool.stats["copied_tokens"] == (3 if partial else 0)
+        cp = pool.take_copy("b")
+        assert cp == ((ta[2], pool.block_table("b")[2], 3) if partial else None)
+        assert pool.block_table("b")[:2] == ta[:2]
+        pool.check()
+        pool.reserve("b", 13)
+        pool.append_tokens("b", (sys_prompt + [1, 7, 8])[hit:])
+        pool.check()
+    # the whole prompt in a cached block: its last token computed; a sequence freed before its copy
+    # gives the source back
+    assert pool.add_sequence("c", sys_prompt + [1, 2]) == 11
+    src = pool._seqs["c"].copy[0]
+    assert pool.ref[src] == 1
+    pool.check()
+    pool.free("c")
+    assert pool.ref[src] == 0
+    pool.check()
+    # a ring or an unshared pool copies nothing
+    assert not KVPool(16, 4, share=False, partial=True).partial
+
+
 def test_blocks_with_decoded_rows_are_never_shared():
     """Only blocks a prefill filled are shared (a decode step's rows are not a cold prefill's, bit
     for bit): the block a sequence's first decoded token lands in, and every block after it, stay

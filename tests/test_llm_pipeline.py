@@ -166,6 +166,29 @@ async def test_kv_reuse_when_conversation_extends(pipe):
     assert hits == [n // bs * bs, (n + 19) // bs * bs] and hits[1] > hits[0], hits
 
 
+async def test_a_prompt_reuses_its_rows_of_another_prompts_block(pipe):
+    """Two questions sharing the chat template's text and their first words: the second computes only
+    what follows the shared rows, to the token (a cached block's first rows copied, not a whole block
+    recomputed), and answers as from a cold cache, logprobs bit for bit."""
+    gen = GenerationConfig(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=True, top_logprobs=2)
+    other = [{"role": "user", "content": "What is the capital of Spain?"}]
+    pipe.reset_chat()
+    await _generate(pipe, gen, messages=other)
+    cold = (pipe.output_ids, pipe.token_logprobs)
+    pipe.reset_chat()
+    await _generate(pipe, gen)
+    pool = pipe.scheduler.pool
+    copied = pool.stats["copied_tokens"]
+    await _generate(pipe, gen, messages=other)
+    ids, shared = pipe.prompt_ids(other, None), pipe.prompt_ids(Q, None)
+    same = next(i for i, (a, b) in enumerate(zip(ids, shared)) if a != b)
+    bs = pipe.plan.kv_block_size
+    assert same % bs and _prefilled(pipe) == len(ids) - same
+    assert pool.stats["copied_tokens"] - copied == same % bs
+    assert (pipe.output_ids, pipe.token_logprobs) == cold
+    pool.check()
+
+
 async def test_logprobs_shape(pipe):
     pipe.reset_chat()
     await _generate(pipe, GenerationConfig(temperature=0.0, max_tokens=4, logprobs=True, top_logprobs=3))

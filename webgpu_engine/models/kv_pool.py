@@ -15,6 +15,13 @@ never written again (a sequence appends only into its own last, partial block), 
 is needed: `n > 1` choices or a forked conversation share the full blocks and each recomputes at
 most block_size - 1 tokens of its partial tail.
 
+Rows past the shared blocks (`partial`): a prompt whose next tokens begin a cached block's (the same
+parent key: the same prefix before it) but leave it before its end, as prompts after one chat
+template's system text do, takes that block's first matching rows by a copy into a block of its own
+(`take_copy`: the scheduler records it before the sequence's first forward; the source block is held
+until then), so a prompt recomputes only what no cached block holds, to the token, as a conversation's
+own cache did. A copied row is the row a prefill of those tokens writes (prefill is row-invariant).
+
 A block is in exactly one state: free (never held or evicted), referenced (ref > 0, in one or, when
 cached and shared, several block tables) or cached-idle (ref 0, hash kept, in the LRU list). Allocation
 takes free blocks first, then evicts the least recently used cached-idle block. When even that is
@@ -67,15 +74,18 @@ class _Seq:
     order: int = 0                                   # admission counter (preemption picks the max)
     exact: int | None = None                         # tokens before the first decoded one (None: all prefilled)
     root: bytes = b""                                # parent key of its first block (ROOT; a LoRA adapter's own)
+    copy: tuple | None = None                        # (source block, its block, rows) not yet copied
 
 
 class KVPool:
     """Blocks 0 .. n_blocks-1 of block_size tokens; sequences are any hashable id. `share` False: no
     block is registered for sharing, so every block is private to its sequence and `truncate` may
     cut anywhere (a draft model's cache, whose guessed rows are taken back). `ring_rows` > 0 (a
-    multiple of block_size) with `ring_sinks`: each sequence's table is a ring (no sharing)."""
+    multiple of block_size) with `ring_sinks`: each sequence's table is a ring (no sharing). `partial`:
+    a prompt also takes the matching first rows of a cached block past its shared ones (by a copy)."""
 
-    def __init__(self, n_blocks: int, block_size: int, share: bool = True, ring_rows: int = 0, ring_sinks: int = 0):
+    def __init__(self, n_blocks: int, block_size: int, share: bool = True, ring_rows: int = 0, ring_sinks: int = 0,
+                 partial: bool = False):
         if n_blocks < 1 or block_size < 1:
             raise ValueError(f"need n_blocks >= 1 and block_size >= 1, got {n_blocks}, {block_size}")
         if ring_rows and (ring_rows % block_size or not 0 <= ring_sinks < ring_rows):
@@ -83,14 +93,17 @@ class KVPool:
         self.n_blocks, self.block_size = int(n_blocks), int(block_size)
         self.ring_rows, self.ring_sinks = int(ring_rows), int(ring_sinks)
         self.share = bool(share) and not ring_rows
+        self.partial = bool(partial) and self.share
         self.ref = [0] * self.n_blocks
         self._free = list(range(self.n_blocks - 1, -1, -1))     # pop() hands out low ids first
         self._idle: OrderedDict[int, None] = OrderedDict()      # cached, ref 0; first = least recent
         self._cache: dict[bytes, int] = {}                       # key -> block
         self._key_of: dict[int, bytes] = {}                      # block -> key (cached blocks)
+        self._children: dict[bytes, dict[int, tuple]] = {}     # parent key -> {cached block: its tokens}
+        self._parent_of: dict[int, bytes] = {}
         self._seqs: dict = {}
         self._counter = 0
-        self.stats = {"hit_tokens": 0, "miss_tokens": 0, "evictions": 0, "preemptions": 0}
+        self.stats = {"hit_tokens": 0, "miss_tokens": 0, "evictions": 0, "preemptions": 0, "copied_tokens": 0}
 
     # ------------------------------------------------------------------ queries
     @property
@@ -173,14 +186,14 @@ class KVPool:
         return out
 
     # ------------------------------------------------------------------ lifecycle
-    def add_sequence(self, seq_id, prompt, root: bytes = ROOT, reusable=None) -> int:
+    def add_sequence(self, seq_id, prompt, root: bytes = ROOT, reusable=None, rows: bool = True) -> int:
         """Admits seq_id with its prompt token ids; returns how many leading prompt tokens are
         already cached (a multiple of block_size, at most len(prompt) - 1 so that the last token
         is still computed and gives logits). Those blocks now belong to seq_id's table too. `root`: the
         parent key of the first block, so that only sequences of the same root share blocks (the rows
         of a LoRA adapter differ from the base's). `reusable` (key -> bool): a cached prefix may end
         only at a block whose key it accepts (a model with recurrent states: where a state snapshot
-        is kept, models/recurrent_snapshots.py)."""
+        is kept, models/recurrent_snapshots.py). `rows` False: no rows past the shared blocks (`partial`)."""
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id!r} is already in the pool")
         self._counter += 1
@@ -203,8 +216,42 @@ class KVPool:
             s.tokens.extend(toks)
             s.hashes.append(key)
         self.stats["hit_tokens"] += len(s.tokens)
+        if self.partial and rows and reusable is None:
+            self._take_rows(s, prompt, chain[-1][0] if chain else root)
         self.stats["miss_tokens"] += len(prompt) - len(s.tokens)
         return len(s.tokens)
+
+    def _take_rows(self, s: _Seq, prompt, parent: bytes) -> None:
+        """`partial`: the cached block after `parent` whose first tokens match most of the prompt's
+        next ones (leaving its last token to compute) gives them: a block of s's own for its rows
+        copied from that one (held until `take_copy`)."""
+        at = len(s.tokens)
+        want = prompt[at:min(at + self.block_size, len(prompt) - 1)]
+        best, src = 0, None
+        for b, toks in self._children.get(parent, {}).items():
+            m = 0
+            while m < len(want) and toks[m] == want[m]:
+                m += 1
+            if m > best:
+                best, src = m, b
+        if src is None or self.n_free < 1 + (self.ref[src] == 0):
+            return
+        self._take(src)                     # held (not evicted) until its rows are copied
+        dst = self._allocate()
+        s.blocks.append(dst)
+        s.tokens.extend(int(t) for t in want[:best])
+        s.copy = (src, dst, best)
+        self.stats["copied_tokens"] += best
+
+    def take_copy(self, seq_id) -> tuple | None:
+        """(source block, destination block, rows) that seq_id's first rows need copied before its
+        first forward (the caller records the copy into that forward's batch, ahead of it), or None.
+        The source is released: work recorded after the copy may write it."""
+        s = self._seqs[seq_id]
+        cp, s.copy = s.copy, None
+        if cp is not None:
+            self._release(cp[0])
+        return cp
 
     def reserve(self, seq_id, n_tokens: int) -> list:
         """Makes seq_id's table long enough for n_tokens tokens in all; returns the new blocks.
@@ -237,6 +284,9 @@ class KVPool:
             if key not in self._cache:      # a duplicate of a cached block stays private
                 self._cache[key] = b
                 self._key_of[b] = key
+                parent = s.hashes[-2] if len(s.hashes) > 1 else s.root
+                self._parent_of[b] = parent
+                self._children.setdefault(parent, {})[b] = tuple(s.tokens[i * bs:(i + 1) * bs])
 
     def trim(self, seq_id, n_tokens: int) -> None:
         """Gives back the reserved blocks seq_id needs no more to hold n_tokens (at least its written
@@ -267,6 +317,8 @@ class KVPool:
         s = self._seqs.pop(seq_id)
         for b in reversed(s.blocks):
             self._release(b)
+        if s.copy is not None:              # admitted, never run: the source's hold goes too
+            self._release(s.copy[0])
 
     def preempt_newest(self, keep=()) -> object:
         """Frees the most recently admitted sequence not in `keep` and returns its id (the scheduler
@@ -301,7 +353,7 @@ class KVPool:
         """Forget every cached block no sequence holds (they become free): a prompt after this
         reuses nothing but the blocks of sequences still running."""
         for b in self._idle:
-            del self._cache[self._key_of.pop(b)]
+            self._uncache(b)
             self._free.append(b)
         self._idle.clear()
 
@@ -315,10 +367,18 @@ class KVPool:
             b = self._free.pop()
         else:
             b, _ = self._idle.popitem(last=False)        # least recently used cached block
-            del self._cache[self._key_of.pop(b)]
+            self._uncache(b)
             self.stats["evictions"] += 1
         self.ref[b] = 1
         return b
+
+    def _uncache(self, b: int) -> None:
+        del self._cache[self._key_of.pop(b)]
+        parent = self._parent_of.pop(b)
+        kids = self._children[parent]
+        del kids[b]
+        if not kids:
+            del self._children[parent]
 
     def _release(self, b: int) -> None:
         if self.ref[b] <= 0:
@@ -335,7 +395,7 @@ class KVPool:
         """Asserts the pool's invariants (tests): counts match the tables, every block in one state."""
         counts = [0] * self.n_blocks
         for s in self._seqs.values():
-            for b in s.blocks:
+            for b in s.blocks + ([s.copy[0]] if s.copy else []):
                 counts[b] += 1
             if self._blocks_for(len(s.tokens)) > len(s.blocks):
                 raise AssertionError("a sequence holds more tokens than its blocks")
@@ -352,3 +412,5 @@ class KVPool:
         for key, b in self._cache.items():
             if self._key_of.get(b) != key:
                 raise AssertionError(f"cache entry of block {b} is inconsistent")
+        if sorted(b for kids in self._children.values() for b in kids) != sorted(self._key_of):
+            raise AssertionError("the cached blocks by parent key differ from the cache")

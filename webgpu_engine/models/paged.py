@@ -87,6 +87,7 @@ class PagedForward:
             self.no_slots = new_tensor(dev, (P,), "u32", owner=owner, label="paged.no_slots")
             dev.write(self.no_slots.buf, b"\xff" * 4 * P)
         self._ops = OpCache(_MAX_CACHED)                   # (kind, rows, LoRA groups) -> list[Op]
+        self._rows_scratch = None                          # copy_rows' block of one pool
         # LoRA adapters (models/lora.py): each row's adapter slot; op lists with the deltas are
         # built apart and run only for steps with an adapter row (a base-only step is unchanged)
         self.lora_idx = new_tensor(dev, (P,), "u32", owner=owner, label="paged.lora_idx")
@@ -245,6 +246,26 @@ class PagedForward:
         ops = self.ops("prefill", T, lora is not None)
         for op in (ops if with_head else ops.body()):       # a chunk before the last: no logits
             op.record(batch, n_keys=pos0 + T)               # the attention's windows of these keys
+
+    @property
+    def rows_copyable(self) -> bool:
+        """Whether copy_rows can move a block's rows: pools of plain f32 / f16 rows (a quantised pool's
+        codes and scales are laid out per block), no ring."""
+        return not self.ring and all(p[0].dtype in ("f32", "f16") and p[0].nbytes % (4 * self.n_blocks * self.block_size) == 0
+                                     for p in self.pools)
+
+    def copy_rows(self, batch, src: int, dst: int, rows: int) -> None:
+        """Record into `batch` a copy of the first `rows` rows of pool block `src` into block `dst`,
+        in every layer's K and V pools (models/kv_pool.py take_copy), through a block-sized scratch
+        buffer (WebGPU copies nothing within one buffer)."""
+        pools = [t for pool in {id(p): p for p in self.pools}.values() for t in pool]
+        block = max(t.nbytes // self.n_blocks for t in pools)
+        if self._rows_scratch is None or self._rows_scratch.size < block:
+            self._rows_scratch = self.dev.buffer(block, owner=self.owner, label="paged.rows_scratch")
+        for t in pools:
+            row = t.nbytes // (self.n_blocks * self.block_size)
+            batch.copy(t.buf, self._rows_scratch, rows * row, src_offset=t.offset + src * self.block_size * row)
+            batch.copy(self._rows_scratch, t.buf, rows * row, dst_offset=t.offset + dst * self.block_size * row)
 
     def logits_row(self, r: int):
         return self.logits.view((self.cfg.vocab_size,), r * self.cfg.vocab_size)

@@ -83,7 +83,8 @@ class Scheduler:
                                 max_rows=rows, snapshots=model_snapshot_slots(m, self.max_seqs, verify))
         self.snapshots = StateSnapshots(self.fwd, bs, verify) if m.recurrent else None
         # a ring's (a sliding window with sinks) tables are rings over their blocks, shared by none
-        self.pool = KVPool(n_blocks, bs, ring_rows=self.fwd.ring_rows, ring_sinks=m.ring.sinks if m.ring else 0)
+        self.pool = KVPool(n_blocks, bs, ring_rows=self.fwd.ring_rows, ring_sinks=m.ring.sinks if m.ring else 0,
+                           partial=self.snapshots is None and self.fwd.rows_copyable)
         vocab = pipe.vocab_size
         self.slots = [Slot(dev, vocab, m.dtype, owner, i) for i in range(self.max_seqs)]
         # each slot's sampler copies its step's result here (RESULT_BYTES at slot * RESULT_BYTES;
@@ -151,9 +152,9 @@ class Scheduler:
         # an adapter's rows are its own: prefixes are shared between sequences of the same adapter
         root = b"" if rec.lora is None else hashlib.sha256(b"lora:" + rec.lora.encode()).digest()
         tiles = getattr(rec.handle, "tiles", None)
-        if tiles:                             # and an image's rows are its content's (vision/runner.py)
+        if tiles:        # and an image's rows are its content's (vision/runner.py), never copied in part
             root = hashlib.sha256(root + self.pipe.vision.root(tiles)).digest()
-        cached = self.pool.add_sequence(rec.id, rec.toks, root=root) if self.snapshots is None else \
+        cached = self.pool.add_sequence(rec.id, rec.toks, root=root, rows=not tiles) if self.snapshots is None else \
             self.snapshots.admit(self.pool, rec.id, rec.slot, rec.toks, root)
         rec.in_pool = True
         if rec.sample_at_end and not rec.decoding:
@@ -351,6 +352,8 @@ class Scheduler:
             if tiles:                         # its images' tiles in this chunk through the tower
                 await self.pipe.vision.stage_chunk(tiles, start, end)
             batch = dev.batch()
+            if (cp := pool.take_copy(rec.id)) is not None:     # its first rows, from a cached block
+                fwd.copy_rows(batch, *cp)
             state = rec.slot if self.snapshots is None else self.snapshots.prefill_slots(rec.id, rec.slot, start, end)
             fwd.record_prefill(batch, rec.toks[start:end], start, pool.slots(rec.id, start, end - start),
                                pool.block_table(rec.id), with_head=head, lora=rec.lora_slot, state_slot=state)
