@@ -14,6 +14,7 @@ var<private> m_run: sv;
 var<private> l_run: sv;
 var<private> r_pos: u32;        // RING: the query's position
 var<private> r_last: u32;       // RING: the forward's last position (the newest key in the cache)
+var<private> r_img: u32;        // RING: an image row's last key (its image's end - 1; else 0: r_pos's)
 
 fn flat(wid: vec3<u32>, nwg: vec3<u32>, lid: u32) -> u32 {
     return (wid.y * nwg.x + wid.x) * WG + lid;
@@ -32,7 +33,8 @@ fn score(kr: u32) -> sv {
 }
 
 // RING: whether the query at r_pos sees cache row j (the position the row holds: j itself until the
-// cache of cap = ring_cap() rows is full, then the newest position written there).
+// cache of cap = ring_cap() rows is full, then the newest position written there); a row inside an
+// image (r_img) also sees its image's later keys.
 fn ring_sees(j: u32) -> bool {
     let cap = ring_cap();
     var kp = j;
@@ -40,7 +42,7 @@ fn ring_sees(j: u32) -> bool {
         let r = cap - SINKS;
         kp = r_last - (SINKS + (r_last - SINKS) % r + r - j) % r;
     }
-    return kp <= r_pos && (kp < SINKS || kp + RING_W >= r_pos + SINKS);
+    return kp <= max(r_pos, r_img) && (kp < SINKS || kp + RING_W >= r_pos + SINKS);
 }
 
 // One block step of the online softmax: folds keys j0 + j, j < nb, into (m_run, l_run, acc): key j

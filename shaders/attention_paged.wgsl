@@ -24,7 +24,8 @@
 //                   IMAGE SPANS (header: key_end, binding 10 `spans` (T, 2) u32, the end at [t, 1]): a
 //                   row inside an image whose tokens attend each other both ways (Gemma 3) sees keys
 //                   up to its image's end (in the chunk: chunks never cut such an image); a row
-//                   with end 0 (text) keeps its causal keys and its bits.
+//                   with end 0 (text) keeps its causal keys and its bits. With RING the same: an image
+//                   row also sees its image's later keys (r_img), from its window's start.
 //   RING (header constants RING, SINKS, RING_W; kernels/common.py Ring): a sequence's table of
 //   cap = max_blocks * BS rows is attention.wgsl's ring cache of ctx = cap rows (rows 0..SINKS-1 the
 //   sinks, past cap position pos in row SINKS + (pos - SINKS) % (cap - SINKS)): decode's lens[q] is
@@ -229,7 +230,10 @@ fn paged_causal(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
     if (RING) {
         r_pos = c.pos0 + t;
         r_last = c.pos0 + c.rows - 1u;
-        attend_ring(p.tab_off, h0 / p.group, p.qkv_off + (t * p.heads + h0) * D4, (t * p.hq + h0) * D4, 0u, c.n_wg);
+        let img = key_end(t, 0u, 0xffffffffu);    // an image row: its image's end (in the chunk), else 0
+        r_img = max(img, 1u) - 1u;
+        attend_ring(p.tab_off, h0 / p.group, p.qkv_off + (t * p.heads + h0) * D4, (t * p.hq + h0) * D4, 0u,
+                    max(c.n_wg, min(img, cap)));
     } else {
         load_q(p.qkv_off + (t * p.heads + h0) * D4, D4);
         let j_start = (window_lo(c.pos0 + c.t0) / BLK) * BLK;

@@ -370,24 +370,6 @@ def test_bad_image_inputs_are_400(served):
     _bad(client, VLM, [image] * 12 + [ask], "12 images", "at most 11", "messages[0].content[11]")
 
 
-@pytest.mark.parametrize("opts,says", [({"context_window_size": -1, "sliding_window_size": 64}, "ring")])
-async def test_loads_without_image_attention_refuse_images_by_name(device, ref, opts, says):
-    """Where the image rows cannot run (a sliding window's ring), the model loads and answers text; an
-    image is a 400 saying what to change."""
-    from webgpu_engine.engine.engine import AsyncMLCEngine
-    eng = AsyncMLCEngine()
-    await eng.reload(str(FOLDER), chat_opts={**OPTS, **opts})
-    try:
-        with pytest.raises(InvalidRequestError) as e:
-            await eng.chat.completions.create(messages=_messages(ref, "one"), max_tokens=2)
-        assert e.value.http_status == 400 and says in e.value.message
-        r = await eng.chat.completions.create(messages=_messages(ref, "text"), max_tokens=12, temperature=0.0,
-                                              ignore_eos=True)
-        assert r.usage.completion_tokens == 12        # text still runs (every layer windowed by the ring)
-    finally:
-        await eng.unload()
-
-
 def test_responses_and_ollama_clients_get_the_answer(served, ref):
     """The Responses API's input_image and Ollama's base64 `images` (/api/chat, /api/generate)."""
     import ollama

@@ -363,7 +363,6 @@ def paged_prefill(dev: Device, qkv: Tensor, k_pool: Tensor, v_pool: Tensor, out:
     te, to = _u32(dev, table, k, "table", max_blocks)
     packed = dt == "f16" and head_dim % 8 == 0 and ko % 2 == 0 and vo % 2 == 0
     n_blk = -(-t_max // WG)
-    check(spans is None or ring is None, k, "image spans with a ring are not supported")
     (se, so) = _u32(dev, spans, k, "spans", 2 * t_max) if spans is not None else (None, 0)
     par = params(dev, [t_max, n_q_heads, group, heads, n_kv_heads, 0, 0, float(scale), qo, ko, vo, oo,
                        max_blocks, int(window), float(softcap), to, so, n_blk, 0, 0], owner=out.buf.owner, label=k)

@@ -416,7 +416,7 @@ async def show(request: web.Request) -> web.Response:
     caps = ["embedding"] if lm.model_type == EMBEDDING else ["completion"] + (["tools"] if f["template"] and
                                                                               "tools" in f["template"] else [])
     vision = getattr(lm.pipeline, "vision", None)
-    if vision is not None and not vision.unavailable:      # images are taken (Ollama's "vision")
+    if vision is not None:                                 # images are taken (Ollama's "vision")
         caps.append("vision")
     out = {"modelfile": modelfile, "parameters": "\n".join(params), "template": f["template"],
            "details": f["details"], "model_info": info, "capabilities": caps, "modified_at": f["modified_at"]}

@@ -41,8 +41,6 @@ async def resolve_images(model_id: str, vision, messages: list[dict], *, allow_f
         raise ImageInputError(f"{first} is an image, but model {model_id} takes no images (it reads text "
                               f"only): load a vision-language model (e.g. Gemma 3 with its vision tower) "
                               f"or send text.")
-    if vision.unavailable:
-        raise ImageInputError(f"{first} is an image: {vision.unavailable}.")
     if len(parts) > vision.max_images:
         raise ImageInputError(f"The request has {len(parts)} images; model {model_id} takes at most "
                               f"{vision.max_images} per request ({parts[vision.max_images].get('where')} is "

@@ -186,7 +186,6 @@ class VisionInputs:
         self.dev, self.cfg, self.tower, self.model = dev, cfg, tower, model
         self.max_tiles = max_tiles
         self.max_images = max_tiles // _family(cfg).max_tiles(cfg)
-        self.unavailable = ""            # why this load takes no images (set by the pipeline), else ""
         self.conv: dict | None = None        # an MLC artifact's conv_template (Phi-3.5-vision's prompt)
         self.kept: dict = {}                 # (sha256, tile) -> slot of `kept_feats`, oldest use first
         self.kept_feats = None               # (KEPT * tokens_per_image, text width) f32: tiles cut by a chunk
@@ -246,12 +245,6 @@ class VisionInputs:
             raise UnsupportedChatOptionError(
                 "prefill_chunk_size", model.chunk, f"an image's {cfg.tokens_per_image} tokens run in one "
                 f"prefill chunk: load with prefill_chunk_size >= {cfg.tokens_per_image}")
-        why = "a sliding window's ring (sliding_window_size) has no image attention yet" \
-            if cfg.bidirectional and model.ring else ""
-        if why:                          # the text model runs; image requests are refused by name
-            vision = cls(dev, cfg, None, model, 0)
-            vision.unavailable = why
-            return vision
         from ..loaders.safetensors import SafetensorsFolder
         opened = files is None               # a folder's safetensors, opened only for the tower
         files = SafetensorsFolder(path) if opened else files
