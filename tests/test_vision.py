@@ -13,7 +13,6 @@ import pytest
 
 import ref_vision
 from _nn_util import TOL, empty, get, put, rounded, run, step_buf
-from webgpu_engine.errors import InvalidRequestError
 from webgpu_engine.kernels import vision as kv
 from webgpu_engine.kernels.common import Tensor
 from webgpu_engine.vision.config import patches
