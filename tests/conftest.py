@@ -29,25 +29,49 @@ def device():
     yield dev
 
 
+# Cached pipelines a run of tests may leave on the session device before they are dropped: on
+# lavapipe each keeps ~10 MB of JIT code, and one kernel module compiles hundreds (a module-end
+# release alone let test_kernels_matmul reach several GiB).
+PIPELINE_CAP = 60
+_CACHED_SINCE = [0]      # the session device's compile_count at its last release
+
+
+def _release_pipelines(dev) -> None:
+    """Forget the device's pipelines and let the driver free them: pipelines that live ops hold
+    (a module's loaded engine) stay alive through them; the rest compile again when next asked."""
+    import ctypes
+    import gc
+    dev.forget_pipelines()
+    gc.collect()
+    probe = dev.buffer(16, owner="test:trim")
+    dev.read_sync(probe, 0, 4)          # a round trip: the driver frees what was dropped
+    dev.release_owner("test:trim")
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:
+        pass
+    _CACHED_SINCE[0] = dev.compile_count
+
+
+def _live_session_device():
+    return _SESSION_DEVICE[0] if _SESSION_DEVICE and not _SESSION_DEVICE[0].lost else None
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _pipelines_per_module():
-    """After each module (its own fixtures torn down first): forget the session device's pipelines
-    and let the driver free them. On lavapipe each pipeline keeps ~10 MB of JIT code, and the suite
-    builds thousands; kept for the whole session they were most of its peak RSS."""
+    """After each module (its own fixtures torn down first): release the session device's pipelines."""
     yield
-    if _SESSION_DEVICE and not _SESSION_DEVICE[0].lost:
-        import ctypes
-        import gc
-        dev = _SESSION_DEVICE[0]
-        dev.forget_pipelines()
-        gc.collect()
-        probe = dev.buffer(16, owner="test:trim")
-        dev.read_sync(probe, 0, 4)          # a round trip: the driver frees what was dropped
-        dev.release_owner("test:trim")
-        try:
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
-        except OSError:
-            pass
+    if (dev := _live_session_device()) is not None:
+        _release_pipelines(dev)
+
+
+@pytest.fixture(autouse=True)
+def _pipeline_cap():
+    """After a test that leaves more than PIPELINE_CAP pipelines cached since the last release:
+    release them (a kernel module's tests mostly compile pipelines of their own)."""
+    yield
+    if (dev := _live_session_device()) is not None and dev.compile_count - _CACHED_SINCE[0] > PIPELINE_CAP:
+        _release_pipelines(dev)
 
 
 @pytest.fixture
