@@ -50,11 +50,26 @@ def check_matmul(dev, qtype, n, k, T, act, *, parts=1, bias=False, accumulate=Fa
 
 # --------------------------------------------------------------------------- every type, small odd shapes
 @pytest.mark.parametrize("act", ["f32", "f16"])
-@pytest.mark.parametrize("T", [1, 7, 67])
+@pytest.mark.parametrize("T", [1, 7])
 @pytest.mark.parametrize("qtype", QTYPES)
 def test_types_odd_rows(device, qtype, act, T):
-    """N = 100 rows: not a multiple of the workgroup size; T = 67 is not a multiple of the tile."""
+    """N = 100 rows: not a multiple of the workgroup size. T = 1: the decode kernels; T = 7: the
+    batch kernel's 8-row tile (the 16-row prefill tile of every type and activation:
+    test_kernels_matmul_tiled.py's test_types_odd_shapes)."""
     check_matmul(device, qtype, 100, 256, T, act)
+
+
+@pytest.mark.parametrize("qtype,act", [("f32", "f32"), ("bf16", "f16"), ("q4_1", "f16"), ("q6_k", "f32")])
+def test_prefill_rows_take_the_tiled_kernel(device, qtype, act):
+    """T = 67 (past the batch kernel's 16 rows, not a multiple of the tile) goes to the prefill
+    tile: the pipeline test_kernels_matmul_tiled.py runs for every type and activation at N = 100,
+    K = 256 (the same WGSL), here reached through the selector."""
+    check_matmul(device, qtype, 100, 256, 67, act)
+    rng = np.random.default_rng(67)
+    w = upload_weight(device, qr.random_weight(qtype, 100, 256, rng), qtype, 100, 256, owner=OWNER)
+    op = matmul(device, new_tensor(device, (67, 256), act, owner=OWNER), w,
+                new_tensor(device, (67, 100), act, owner=OWNER))
+    assert op.name.startswith("matmul_tiled"), op.name
 
 
 @pytest.mark.parametrize("qtype", ["f32", "f16", "bf16"])
@@ -240,12 +255,15 @@ def test_embedding_many_ids_folds_grid(device):
 
 
 # --------------------------------------------------------------------------- decode path, fused inputs
-@pytest.mark.parametrize("act", ["f32", "f16"])
-@pytest.mark.parametrize("qtype,n,k", [("q4_1", 130, 576), ("q8_0", 70, 256), ("f16", 33, 64),
-                                       ("q6_k", 20, 512), ("q3_k", 20, 512), ("iq4_nl", 36, 96)])
+@pytest.mark.parametrize("qtype,n,k,act", [("q4_1", 130, 576, "f32"), ("q4_1", 130, 576, "f16"),
+                                           ("q8_0", 70, 256, "f32"), ("q8_0", 70, 256, "f16"),
+                                           ("f16", 33, 64, "f16"), ("q6_k", 20, 512, "f32"),
+                                           ("q3_k", 20, 512, "f16"), ("iq4_nl", 36, 96, "f32")])
 def test_decode_fused_norm_and_silu(device, qtype, n, k, act):
     """T = 1 with RMSNorm fused in (norm=(g, eps)) and with SiLU·up fused in (silu=True), against
-    numpy; bias and accumulate on top, x at an unaligned offset."""
+    numpy; bias and accumulate on top, x at an unaligned offset. The fused input's code depends on
+    the activation type and the kernel (v4 for Q4_1 / Q8_0: both activations), not on how a weight
+    decodes: the other types each take one activation."""
     rng = np.random.default_rng(n + k)
     raw = qr.random_weight(qtype, n, k, rng)
     W = qr.dequantize(raw, qtype, n, k)
@@ -306,19 +324,23 @@ def test_decode_vec4_weights(device, qtype, act):
 
 
 # --------------------------------------------------------------------------- decode path, fused epilogues
+_PAIRS = [("q4_1", 66, 576, MatmulConfig()),           # v4 kernel
+          ("q8_0", 34, 256, MatmulConfig(v4=False)),    # unrolled
+          ("f16", 18, 64, MatmulConfig()),
+          ("q4_k", 10, 256, MatmulConfig()),
+          ("q5_k", 10, 256, MatmulConfig()),
+          ("q5_1", 18, 64, MatmulConfig())]
+
+
 @pytest.mark.parametrize("act", ["f32", "f16"])
-@pytest.mark.parametrize("qtype,f,k,cfg", [("q4_1", 66, 576, MatmulConfig()),       # v4 kernel
-                                           ("q8_0", 34, 256, MatmulConfig(v4=False)),  # unrolled
-                                           ("f16", 18, 64, MatmulConfig()),
-                                           ("q4_k", 10, 256, MatmulConfig()),
-                                           ("q5_k", 10, 256, MatmulConfig()),
-                                           ("q5_1", 18, 64, MatmulConfig())])
-@pytest.mark.parametrize("gate", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("qtype,f,k,cfg,gate", [(*p, "silu") for p in _PAIRS] +
+                         [(*p, "gelu_tanh") for p in _PAIRS[:2]])
 def test_silu_epilogue_and_pairs(device, qtype, f, k, cfg, act, gate):
     """A gate + up weight uploaded with interleave_pairs: T = 1 with silu_out stores
     act(x·Gᵀ) * (x·Uᵀ) (F outputs, F not a multiple of 4 rows per invocation x 2; act SiLU or
     GELU-tanh); T = 5 through the prefill path + silu_mul(pairs=True) gives the same; both against
-    numpy."""
+    numpy. GELU-tanh's code (gate_act_source) is the same text whatever the weight: with the v4 and
+    the unrolled kernel."""
     rng = np.random.default_rng(f + k)
     rg, ru = qr.random_weight(qtype, f, k, rng), qr.random_weight(qtype, f, k, rng)
     G, U = qr.dequantize(rg, qtype, f, k), qr.dequantize(ru, qtype, f, k)
@@ -490,7 +512,7 @@ def test_mixed_type_parts(device, act):
     (decode; also with the RMSNorm fused in), 7, 37 and row-invariant, with bias and accumulate;
     fused epilogues are refused."""
     rng = np.random.default_rng(11)
-    k = 512
+    k = 256      # one super-block: the kernels' K loops are tested elsewhere, this is about the parts
     spec = [("q4_k", 64), ("q4_k", 32), ("q6_k", 32), ("q5_0", 8)]
     raws = [qr.random_weight(qt, rows, k, rng) for qt, rows in spec]
     W = np.concatenate([qr.dequantize(r, qt, rows, k) for r, (qt, rows) in zip(raws, spec)])
