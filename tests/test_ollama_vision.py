@@ -6,7 +6,6 @@ from the folder's safetensors renamed as Ollama's converter renames them) reads 
 pair does and, from a store with a model layer alone, answers transformers' greedy tokens."""
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
@@ -122,18 +121,10 @@ def test_one_gguf_reads_as_the_projector_pair(one_gguf):
         pair.close()
 
 
-def _blob(root: Path, kind: str, src: Path) -> dict:
-    data = src.read_bytes()
-    digest = hashlib.sha256(data).hexdigest()
-    (root / "blobs").mkdir(parents=True, exist_ok=True)
-    (root / "blobs" / f"sha256-{digest}").write_bytes(data)
-    return {"mediaType": f"application/vnd.ollama.image.{kind}", "digest": f"sha256:{digest}", "size": len(data)}
-
-
 async def test_a_store_of_one_gguf_answers_about_images(device, one_gguf, ref, tmp_path, monkeypatch):
     """An Ollama store whose manifest has the model layer alone (no projector): the model takes
     images, and for one and two pictures gives transformers' prompt ids and greedy tokens."""
-    from test_mmproj import _messages
+    from test_mmproj import _blob, _messages
     from webgpu_engine.engine.engine import AsyncMLCEngine
     from webgpu_engine.engine.references import resolve_model_reference
     root = tmp_path / "ollama"

@@ -1,5 +1,5 @@
 """Gemma 3's images under continuous batching: the paged prefill kernel's image spans (an image's rows
-attend each other both ways, inside the sliding window) against numpy, and the batch's answers with
+attend each other both ways, inside the sliding window or a ring) against numpy, and the batch's answers with
 images against the same requests alone and transformers' (tests/fixtures/make_gemma3_vision.py)."""
 from __future__ import annotations
 
@@ -22,13 +22,15 @@ def _free(device):
 
 # ----------------------------------------------------------------------------- the kernel
 @pytest.mark.parametrize("dtype", ["f32", "f16"])
-@pytest.mark.parametrize("window", [0, 12])
-def test_paged_prefill_image_spans(device, dtype, window):
+@pytest.mark.parametrize("window, ring", [(0, 0), (12, 0), (0, 40)], ids=["full", "window", "ring"])
+def test_paged_prefill_image_spans(device, dtype, window, ring):
     """A chunk of 80 rows at positions 30.. through a shuffled block table: rows 50..69 form one image
     (across the kernel's 64-row workgroups), rows 5..8 another; their rows see their image's later
     keys too (from the window's start), as the contiguous cache's attn_image_rows computes them; every
-    other row equals the kernel without spans bit for bit."""
-    rng = np.random.default_rng(5 + window)
+    other row equals the kernel without spans bit for bit. `ring`: over a ring of W = 40 without
+    sinks (WebLLM's sliding window: a row sees positions pos - 40 .. pos, numpy's window of 41)."""
+    from webgpu_engine.kernels.common import Ring
+    rng = np.random.default_rng(5 + window + ring)
     hq, hkv, d, bs, max_blocks, T, pos0 = 4, 2, 16, 16, 8, 80, 30
     n = pos0 + T
     kp, vp = (rng.standard_normal((12, bs, hkv, d)) for _ in range(2))
@@ -40,15 +42,19 @@ def test_paged_prefill_image_spans(device, dtype, window):
     kt, vt = put(device, kp, dtype), put(device, vp, dtype, lead=8)
     qt, tt, step = put(device, qkv, dtype, lead=4), put(device, table, "u32"), step_buf(device, pos0, T)
     kw = dict(n_q_heads=hq, n_kv_heads=hkv, head_dim=d, max_blocks=max_blocks, scale=d ** -0.5, window=window)
+    if ring:
+        kw.update(ring=Ring(0, ring), q_sink=empty(device, (T, hq, d), dtype))
     plain, imaged = empty(device, (T, hq * d), dtype), empty(device, (T, hq * d), dtype, lead=4)
     run(device, ap.paged_prefill(device, qt, kt, vt, plain, step, tt, **kw),
         ap.paged_prefill(device, qt, kt, vt, imaged, step, tt, **kw, spans=put(device, spans, "u32", lead=6)))
     kr, vr, q = rounded(kp, dtype), rounded(vp, dtype), rounded(qkv, dtype)
     keys = [np.stack([x[table[j // bs], j % bs] for j in range(n)], 1) for x in (kr, vr)]   # (Hkv, n, D)
-    causal = nn_ref.causal_attention(q[:, :hq], *keys, pos0, d ** -0.5, window=window)
-    want = ref_vision.attn_image_rows(causal, q, *keys, spans, pos0, hq, hkv, d ** -0.5, window)
+    seen = ring + 1 if ring else window
+    causal = nn_ref.causal_attention(q[:, :hq], *keys, pos0, d ** -0.5, window=seen)
+    want = ref_vision.attn_image_rows(causal, q, *keys, spans, pos0, hq, hkv, d ** -0.5, seen)
     got, text = get(device, imaged), spans[:, 1] == 0
     assert np.abs(want[50:70] - causal[50:70]).max() > 0.05
+    np.testing.assert_allclose(get(device, plain), causal, **TOL[dtype])      # (the ring as that window)
     np.testing.assert_allclose(got, want, **TOL[dtype])
     assert np.array_equal(got[text], get(device, plain)[text])
 

@@ -326,47 +326,6 @@ async def test_a_context_shift_moves_a_qwen25vl_picture(device):
 
 
 # ----------------------------------------------------------------------------- Gemma 3's images in a ring
-@pytest.mark.parametrize("dtype", ["f32", "f16"])
-def test_paged_prefill_image_spans_in_a_ring(device, dtype):
-    """paged_prefill over a ring (WebLLM's sliding window, here W = 40 without sinks: a row sees
-    positions pos - 40 .. pos) with image spans: a chunk of 80 rows at positions 30.. through a
-    shuffled table, rows 50..69 one image (across the 64-row workgroups), rows 5..8 another; their
-    rows see their image's later keys too, from their window's start, as attn_image_rows computes
-    them over the window; every other row is the ring kernel's without spans, bit for bit."""
-    import ref_vision
-    from _nn_util import TOL, empty, put, rounded, run, step_buf
-    from webgpu_engine.kernels import attention_paged as ap
-    from webgpu_engine.kernels import nn_ref
-    from webgpu_engine.kernels.common import Ring
-    rng = np.random.default_rng(11)
-    hq, hkv, d, bs, max_blocks, T, pos0, W = 4, 2, 16, 16, 8, 80, 30, 40
-    n = pos0 + T
-    kp, vp = (rng.standard_normal((12, bs, hkv, d)) for _ in range(2))
-    table = np.zeros(max_blocks, np.uint32)
-    table[:-(-n // bs)] = rng.permutation(12)[:-(-n // bs)]
-    qkv = rng.standard_normal((T, hq + 2 * hkv, d))
-    spans = np.zeros((T, 2), np.uint32)
-    spans[50:70, 1], spans[5:9, 1] = pos0 + 70, pos0 + 9
-    kt, vt = put(device, kp, dtype), put(device, vp, dtype, lead=8)
-    qt, tt, step = put(device, qkv, dtype, lead=4), put(device, table, "u32"), step_buf(device, pos0, T)
-    sink = empty(device, (T, hq, d), dtype)
-    kw = dict(n_q_heads=hq, n_kv_heads=hkv, head_dim=d, max_blocks=max_blocks, scale=d ** -0.5, ring=Ring(0, W),
-              q_sink=sink)
-    plain, imaged = empty(device, (T, hq * d), dtype), empty(device, (T, hq * d), dtype, lead=4)
-    run(device, ap.paged_prefill(device, qt, kt, vt, plain, step, tt, **kw),
-        ap.paged_prefill(device, qt, kt, vt, imaged, step, tt, **kw, spans=put(device, spans, "u32", lead=6)))
-    kr, vr, q = rounded(kp, dtype), rounded(vp, dtype), rounded(qkv, dtype)
-    keys = [np.stack([x[table[j // bs], j % bs] for j in range(n)], 1) for x in (kr, vr)]   # (Hkv, n, D)
-    ringed = nn_ref.causal_attention(q[:, :hq], *keys, pos0, d ** -0.5, window=W + 1)
-    want = ref_vision.attn_image_rows(ringed, q, *keys, spans, pos0, hq, hkv, d ** -0.5, W + 1)
-    got, text = get(device, imaged), spans[:, 1] == 0
-    assert np.abs(want[50:70] - ringed[50:70]).max() > 0.05
-    np.testing.assert_allclose(get(device, plain), ringed, **TOL[dtype])       # the ring as that window
-    np.testing.assert_allclose(got, want, **TOL[dtype])
-    assert np.array_equal(got[text], get(device, plain)[text])
-    device.release_owner("test:nn")
-
-
 async def test_gemma3_images_in_a_ring(device, gemma3_ref, tmp_path):
     """Gemma 3 with a ring (context_window_size -1, sliding_window_size 128: every layer windowed by
     the ring) asked about two pictures answers as the same model whose own sliding window holds the
