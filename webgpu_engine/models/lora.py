@@ -4,7 +4,8 @@ An adapter adds to a projection y = x · Wᵀ its scaled low-rank product: y += 
 A (r, K), B (N, r) and s = lora_alpha / r (rsLoRA: lora_alpha / sqrt(r)). Adapters come from PEFT
 folders (adapter_config.json + adapter_model.safetensors) and llama.cpp's GGUF LoRA files
 (convert_lora_to_gguf.py: general.type "adapter", adapter.type "lora", adapter.lora.alpha, tensors
-blk.N.attn_q.weight.lora_a / .lora_b; s = alpha / r, 1 without alpha), targets q/k/v/o/gate/up/down.
+blk.N.attn_q.weight.lora_a / .lora_b; s = alpha / r, 1 without alpha), targets q/k/v/o/gate/up/down
+and the fused qkv / gate_up of Phi-3 (split into their parts on registering: split_fused).
 
 On the GPU a LoraPool holds up to `slots` adapters of rank <= `max_rank`, per layer and per input
 the forward shares (q|k|v read one h, gate|up another), as kernels/lora.py's A (slots, J, K) and
@@ -40,7 +41,13 @@ TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 # the projections that read one input, in the order their A rows stack: (group, targets)
 GROUPS = (("qkv", ("q", "k", "v")), ("o", ("o",)), ("gate_up", ("gate", "up")), ("down", ("down",)))
 _GROUP_OF = {t: g for g, ts in GROUPS for t in ts}
-_PEFT_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(q|k|v|o|gate|up|down)_proj\.lora_(A|B)\.weight$")
+# fused projections (Phi-3's qkv_proj, gate_up_proj; GGUF attn_qkv, an ffn_up of 2 x ffn rows): one
+# A over the input, B over the whole fused output; split on registering into its parts' targets,
+# each with the same A and its own rows of B (split_fused)
+FUSED = {"qkv": ("q", "k", "v"), "gate_up": ("gate", "up")}
+_PEFT_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(q|k|v|o|gate|up|down|qkv|gate_up)_proj"
+                        r"\.lora_(A|B)\.weight$")
+_MODULES = "q/k/v/o/gate/up/down (or fused qkv / gate_up)"
 DEFAULT_MAX_RANK = 16
 DEFAULT_SLOTS = 4
 
@@ -132,8 +139,9 @@ def load_peft(path, name: str | None = None) -> LoraAdapter:
         for tname, t in f.tensors.items():
             m = _PEFT_NAME.search(tname)
             if m is None:
-                raise LoraAdapterError(f"{st_path.name}: tensor {tname!r} is not a LoRA A/B of a q/k/v/o/"
-                                       f"gate/up/down projection of a decoder layer.", param="lora_path")
+                raise LoraAdapterError(f"{st_path.name}: tensor {tname!r} is not a LoRA A/B of a {_MODULES}"
+                                       f"_proj of a decoder layer (*.self_attn.* / *.mlp.*): adapters "
+                                       f"of other modules are not supported.", param="lora_path")
             parts.setdefault((int(m.group(1)), m.group(2)), {})[m.group(3)] = (tname, _decode(t))
     finally:
         f.close()
@@ -159,9 +167,10 @@ def load_gguf(path, name: str | None = None) -> LoraAdapter:
             m = _GGUF_NAME.match(tname)
             ours = our_name(f"blk.{m.group(1)}.{m.group(2)}.weight") if m else None
             target = ours.rsplit(".", 1)[1] if ours else None
-            if target not in TARGETS:
-                raise LoraAdapterError(f"{Path(path).name}: tensor {tname!r} is not a LoRA a/b of a q/k/v/o/"
-                                       f"gate/up/down projection of a decoder layer.", param="lora_path")
+            if target not in TARGETS and target not in FUSED:
+                raise LoraAdapterError(f"{Path(path).name}: tensor {tname!r} is not a LoRA a/b of a {_MODULES} "
+                                       f"projection of a decoder layer: adapters of other tensors are not "
+                                       f"supported.", param="lora_path")
             parts.setdefault((int(m.group(1)), target), {})[m.group(3)] = (tname, _decode(t))
         arch = g.architecture
     finally:
@@ -260,6 +269,37 @@ def _layer_groups(m, i: int) -> tuple:
     L = m.layers[i]
     return tuple(g for g, _ in GROUPS if not (g in ("gate_up", "down") and L.experts is not None)
                  and not (g in ("qkv", "o") and L.mixer is not None))
+
+
+def split_fused(m, ad: LoraAdapter) -> LoraAdapter:
+    """`ad` with its fused targets (FUSED; a GGUF `up` of 2 x ffn rows without a `gate` beside it,
+    as llama.cpp writes Phi-3's gate_up) split into their parts: each part the same A and its rows
+    of B (B · A · x over the fused output is the parts' deltas side by side). Sizes that do not add
+    up are refused naming the tensor."""
+    c, weights, names = m.cfg, {}, {}
+    for (i, t0), (a, b) in ad.weights.items():
+        t, tensor = t0, ad.names.get((i, t0), f"layers.{i}.{t0}_proj")
+        if t == "up" and (i, "gate") not in ad.weights and c.ffn_gated and i < c.n_layers \
+                and b.shape[0] == 2 * c.ffn_of(i):
+            t = "gate_up"
+        if t not in FUSED or i >= c.n_layers:
+            weights[(i, t)], names[(i, t)] = (a, b), tensor
+            continue
+        parts = FUSED[t] if t != "gate_up" or c.ffn_gated else ("up",)
+        sizes = [_shapes(c, i)[p][1] for p in parts]
+        if b.shape[0] != sum(sizes):
+            raise LoraAdapterError(f"LoRA adapter {ad.name!r}: tensor {tensor} has B {b.shape}; the base's fused "
+                                   f"{'|'.join(parts)} output has {sum(sizes)} rows: it was trained for another "
+                                   f"base.", param="lora_path")
+        at = 0
+        for p, n in zip(parts, sizes):
+            if p != t0 and (i, p) in ad.weights:
+                raise LoraAdapterError(f"LoRA adapter {ad.name!r}: tensor {tensor} and {ad.names.get((i, p))} "
+                                       f"both change layer {i}'s {p} projection.", param="lora_path")
+            weights[(i, p)], names[(i, p)] = (a, b[at:at + n]), tensor
+            at += n
+    from dataclasses import replace
+    return replace(ad, weights=weights, names=names)
 
 
 def check_adapter(m, ad: LoraAdapter, max_rank: int) -> None:
@@ -393,6 +433,7 @@ class LoraPool:
     # ------------------------------------------------------------------ registry
     def register(self, ad: LoraAdapter) -> None:
         """Register `ad` (a new version replaces one of its name that no running request uses)."""
+        ad = split_fused(self.m, ad)
         check_adapter(self.m, ad, self.max_rank)
         self._refuse_in_use(ad.name, "load the new version")
         self._evict_all(ad.name)                           # uploaded again on its next use

@@ -1,0 +1,67 @@
+"""LoRA adapters over other decoder families (issue 52): Phi-3's fused qkv_proj / gate_up_proj (and
+llama.cpp's attn_qkv / 2 x ffn ffn_up), Qwen3's and Gemma's Llama names, as PEFT folders and as
+convert_lora_to_gguf.py's files, against transformers + peft (tests/fixtures/make_lora.py
+--families): the base's, the folder's and the file's rows in one batch."""
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+
+from webgpu_engine.engine.engine import AsyncMLCEngine
+from webgpu_engine.models.lora import LoraAdapterError
+
+FIXTURES = Path(__file__).parent / "fixtures"
+REF = json.loads((FIXTURES / "lora_families_transformers.json").read_text())
+OPTS = {"dtype": "f32", "context_window_size": 128, "prefill_chunk_size": 32, "max_num_sequences": 6,
+        "kv_block_size": 16}
+
+
+@pytest.fixture(scope="module", params=list(REF["families"]))
+async def family(request, device, tmp_path_factory):
+    import sys
+    sys.path.insert(0, str(FIXTURES))
+    from make_lora import family_base
+    arch = request.param
+    base = family_base(arch, tmp_path_factory.mktemp("lora_" + arch) / "base")
+    eng = AsyncMLCEngine()
+    await eng.reload(str(base), chat_opts=OPTS, lora_adapters={
+        "peft": str(FIXTURES / "lora_families" / arch), "gguf": str(FIXTURES / "lora_families" / f"{arch}.gguf")})
+    yield arch, eng
+    await eng.unload()
+
+
+async def test_base_peft_folder_and_gguf_file_in_one_batch_equal_transformers_with_peft(family):
+    arch, eng = family
+    ref = REF["families"][arch]
+    (base_id,) = eng.models
+    pipe = eng.models[base_id].pipeline
+
+    async def greedy(model: str, i: int) -> str:
+        r = await eng.completions.create(model=model, prompt=REF["prompts"][i], max_tokens=len(ref["base"][i]),
+                                         temperature=0.0, ignore_eos=True)
+        return r.choices[0].text
+
+    runs = [(base_id, "base", 0), ("peft", "adapter", 0), ("gguf", "adapter", 1), (base_id, "base", 1),
+            ("peft", "adapter", 1), ("gguf", "adapter", 0)]
+    got = await asyncio.gather(*[greedy(m, i) for m, _, i in runs])
+    assert got == [pipe.tokenizer.decode(ref[which][i]) for _, which, i in runs]
+    assert ref["adapter"] != ref["base"]
+
+
+async def test_fused_rows_that_do_not_add_up_and_other_modules_are_refused_by_name(family, tmp_path):
+    from test_lora import _copy_adapter
+    _, eng = family
+    phi3 = str(FIXTURES / "lora_families" / "phi3")
+    short = _copy_adapter(phi3, tmp_path / "short", reshape=lambda n, a: a[:-8]
+                          if "layers.1.self_attn.qkv_proj.lora_B" in n else a)
+    with pytest.raises(LoraAdapterError, match=r"tensor \S*layers\.1\.self_attn\.qkv_proj\.lora_A\.weight has B "
+                                               r"\(\d+, 8\); the base's fused q\|k\|v output has \d+ rows"):
+        await eng.load_lora_adapter("short", short)
+    dense = _copy_adapter(phi3, tmp_path / "dense", rename=lambda n: n.replace("o_proj", "dense"))
+    with pytest.raises(LoraAdapterError, match=r"layers\.0\.self_attn\.dense\.lora_A\.weight' is not a LoRA A/B of "
+                                               r"a q/k/v/o/gate/up/down \(or fused qkv / gate_up\)_proj"):
+        await eng.load_lora_adapter("dense", dense)
+    assert sorted(eng.lora_names()) == ["gguf", "peft"]
