@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -153,3 +154,40 @@ def test_serve_takes_lora_scales_from_the_openai_client_and_lists_adapters(serve
     with urllib.request.urlopen(server.base + "/lora-adapters", timeout=60) as resp:
         assert json.loads(resp.read()) == [{"id": i, "name": n, "path": p, "model": base}
                                            for i, (n, p) in enumerate(ADAPTERS.items())]
+
+
+def _post(server, path: str, body: dict) -> dict:
+    req = urllib.request.Request(server.base + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        return json.loads(resp.read())
+
+
+def test_every_route_takes_lora_scales(server):
+    """Responses, Anthropic Messages and Ollama's /api/chat and /api/generate take `lora` as the
+    chat route does: the same answer as chat completions with it, another without it; /api/generate's
+    raw prompt equals transformers + peft scaled."""
+    with urllib.request.urlopen(server.url + "/models", timeout=60) as resp:
+        base = next(m["id"] for m in json.loads(resp.read())["data"] if "parent" not in m)
+    ref = next(s for s in SCALED if s["scale"] == 2.0)
+    lora = [{"name": ref["adapter"], "scale": 2.0}]
+    msgs = [{"role": "user", "content": REF["prompts"][1]}]
+
+    def chat(**kw) -> str:
+        r = _post(server, "/v1/chat/completions", {"model": base, "messages": msgs, "temperature": 0, "max_tokens": 8, **kw})
+        return r["choices"][0]["message"]["content"]
+    want = chat(lora=lora)
+    assert want != chat()
+    r = _post(server, "/v1/responses", {"model": base, "input": REF["prompts"][1], "temperature": 0,
+                                         "max_output_tokens": 8, "lora": lora})
+    assert r["output"][-1]["content"][0]["text"] == want
+    r = _post(server, "/v1/messages", {"model": base, "messages": msgs, "temperature": 0, "max_tokens": 8, "lora": lora})
+    assert r["content"][0]["text"] == want
+    opts = {"temperature": 0, "num_predict": 8}
+    r = _post(server, "/api/chat", {"model": base, "messages": msgs, "stream": False, "options": opts, "lora": lora})
+    assert r["message"]["content"] == want
+    r = _post(server, "/api/generate", {"model": base, "prompt": REF["prompts"][1], "raw": True, "stream": False,
+                                         "options": {"temperature": 0, "num_predict": 12}, "lora": lora})
+    assert r["response"] == ref["text"][1]
+    with pytest.raises(urllib.error.HTTPError) as e:
+        _post(server, "/api/chat", {"model": base, "messages": msgs, "stream": False, "lora": [{"id": 9}]})
+    assert e.value.code == 400 and "lora[0].id" in e.value.read().decode()

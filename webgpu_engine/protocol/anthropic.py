@@ -37,7 +37,7 @@ HINTS = frozenset({"metadata", "service_tier", "cache_control", "diagnostics", "
 KNOWN_FIELDS["messages"] = frozenset({
     "model", "messages", "system", "max_tokens", "stop_sequences", "stream", "temperature", "top_p", "top_k",
     "tools", "tool_choice", "thinking", "output_config", "container", "mcp_servers",
-    "context_management"}) | HINTS
+    "context_management", "lora"}) | HINTS        # lora: the per-request LoRA scales of the chat route
 COUNT_FIELDS = frozenset({"model", "messages", "system", "tools", "tool_choice", "thinking", "output_config",
                           "cache_control", "context_management", "mcp_servers", "diagnostics"})
 STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use", "stop": "end_turn", "abort": "end_turn"}
@@ -265,7 +265,7 @@ def chat_request(req: Any, count_only: bool = False) -> dict:
         if mt < 1:       # Anthropic's 0 warms its prompt cache; prefix reuse here is automatic
             raise MinValueError("max_tokens", 1, mt)
         chat["max_tokens"] = mt
-        for k in ("temperature", "top_p", "top_k", "stream"):
+        for k in ("temperature", "top_p", "top_k", "stream", "lora"):
             if req.get(k) is not None:
                 chat[k] = req[k]
         stops = req.get("stop_sequences")

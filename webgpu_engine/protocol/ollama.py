@@ -24,9 +24,9 @@ HARDWARE_OPTIONS = {"num_gpu", "main_gpu", "num_thread", "num_batch", "use_mmap"
 # samplers this engine's request path lacks: accepted only at the value that turns them off
 OFF_VALUES = {"typical_p": 1, "tfs_z": 1, "mirostat": 0}
 CHAT_FIELDS = {"model", "messages", "stream", "options", "format", "tools", "keep_alive", "think",
-               "tool_choice", "logprobs", "top_logprobs"}
+               "tool_choice", "logprobs", "top_logprobs", "lora"}
 GENERATE_FIELDS = {"model", "prompt", "stream", "options", "format", "keep_alive", "think", "raw",
-                   "system", "suffix", "template", "context", "images", "logprobs", "top_logprobs"}
+                   "system", "suffix", "template", "context", "images", "logprobs", "top_logprobs", "lora"}
 DONE_REASONS = {"stop": "stop", "length": "length", "tool_calls": "stop", "abort": "stop"}
 THINK_LEVELS = ("low", "medium", "high")
 _UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
@@ -113,6 +113,10 @@ def _message(i: int, m: Any) -> dict:
 def _common(body: dict, route: str, allowed: set, context: int) -> dict:
     check_fields(body, allowed, route)
     req: dict = {"model": body.get("model")}
+    if body.get("lora") is not None:
+        # this server's extension (Ollama has no per-request adapter; `options` are the model's
+        # parameters): the OpenAI routes' per-request LoRA scales, engine/lora.py
+        req["lora"] = body["lora"]
     req.update(options_fields(body.get("options"), context))
     rf = response_format(body.get("format"))
     if rf is not None:

@@ -20,7 +20,8 @@ TEXT_PARTS = ("input_text", "output_text", "text")
 _ROLES = ("user", "system", "developer", "assistant")
 # request fields kept as they are by the rules (the others below are refused or translated)
 _PLAIN = ("model", "instructions", "temperature", "top_p", "seed", "user", "stream", "store",
-          "parallel_tool_calls", "previous_response_id", "metadata", "max_output_tokens")
+          "parallel_tool_calls", "previous_response_id", "metadata", "max_output_tokens",
+          "lora")         # llama.cpp's per-request LoRA scales, as on the chat route (engine/lora.py)
 
 
 # the Responses request's fields: served, translated, accepted as hints, or refused by name; others
@@ -283,7 +284,7 @@ def chat_request(req: dict, messages: list[dict]) -> dict:
     chat = {"messages": messages}
     for ours, theirs in (("model", "model"), ("temperature", "temperature"), ("top_p", "top_p"),
                          ("seed", "seed"), ("user", "user"), ("max_output_tokens", "max_tokens"),
-                         ("parallel_tool_calls", "parallel_tool_calls")):
+                         ("parallel_tool_calls", "parallel_tool_calls"), ("lora", "lora")):
         if req.get(ours) is not None:
             chat[theirs] = req[ours]
     if req["tools"]:
