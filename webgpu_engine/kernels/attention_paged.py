@@ -152,18 +152,24 @@ def _windowed(dev: Device, head_dim: int, quant, ring, spans) -> bool:
 
 class _KeyWindows(Op):
     """paged_prefill's op on CPU adapters: dispatches (paged_causal, then paged_causal_window with its
-    three bind groups). record(n_keys=at least the chunk's keys, pos0 + rows) records
-    paged_causal_window once per window of `kw` keys, each over the query blocks that reach it
-    (see the shader); without n_keys, for every key a table holds (`keys`). Its bind groups: the
-    first window reads zeros as its index, the later ones two counts in turn. While the window
-    kernel compiles in the background, paged_causal runs in its place: the same outputs, bit for bit."""
+    three bind groups, made at the first record: a pipeline made while the device compiles in the
+    background is queued behind the ones made before it, so the load's queue keeps the kernels a first
+    request needs ahead of this one's longer compile). record(n_keys=at least the chunk's keys,
+    pos0 + rows) records paged_causal_window once per window of `kw` keys, each over the query blocks
+    that reach it (see the shader); without n_keys, for every key a table holds (`keys`). Its bind
+    groups: the first window reads zeros as its index, the later ones two counts in turn. Until the
+    window kernel is compiled, paged_causal runs in its place: the same outputs, bit for bit."""
 
     kw: int = 0
     keys: int = 0
     rows: int = 0
     n_hg: int = 0
+    make: object = None
 
     def record(self, batch, n_keys: int | None = None):
+        if self.make is not None:
+            self.make, make = None, self.make
+            make(self)
         loop, *windows = self.dispatches
         if not windows[0][0].ready:
             batch.dispatch(*loop)
@@ -185,10 +191,13 @@ def _prefill_windows(dev: Device, loop: Op, header: str, entries: dict, t_max: i
     counts = [dev.upload(bytes(16), owner=par.owner, label="paged_prefill.window") for _ in range(3)]
     op = _KeyWindows(list(loop.dispatches), [par, st, *counts], "paged_prefill")
     op.kw, op.keys, op.rows, op.n_hg = _NWB * _BLK, keys, t_max, n_q_heads // g
-    pipe = dev.pipeline(FILE, "paged_causal_window", header=header)
-    for r, w in ((0, 1), (1, 2), (2, 1)):      # zeros -> a, a -> b, b -> a
-        binds = {0: par, **entries, 11: (st, 0, st.size), 12: (counts[r], 0, 16), 13: (counts[w], 0, 16)}
-        op.add(pipe, dev.bind(pipe, binds), 0)
+
+    def make(op: Op) -> None:
+        pipe = dev.pipeline(FILE, "paged_causal_window", header=header)
+        for r, w in ((0, 1), (1, 2), (2, 1)):      # zeros -> a, a -> b, b -> a
+            binds = {0: par, **entries, 11: (st, 0, st.size), 12: (counts[r], 0, 16), 13: (counts[w], 0, 16)}
+            op.add(pipe, dev.bind(pipe, binds), 0)
+    op.make = make
     return op
 
 
