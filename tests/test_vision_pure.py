@@ -1,8 +1,8 @@
 """The page's image path (vision/pure.py: no numpy, no Pillow) against the native one: Pillow's resize
 of uint8 pictures (every filter, odd sizes, non-square, up and down, both pass orders), its alpha
 composite on white, the numpy pixel_values and patch rows, the tower's f32 tables, Gemma 3's and
-SmolVLM's preprocessing of the fixture pictures, and all of it running with numpy and Pillow
-unimportable."""
+SmolVLM's and LLaVA 1.5 / 1.6's preprocessing of the fixture pictures (LLaVA-NeXT's tiles, layout and
+tower rows too), and all of it running with numpy and Pillow unimportable."""
 from __future__ import annotations
 
 from array import array
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from webgpu_engine.vision import pure
+from webgpu_engine.vision import llava, pure
 from webgpu_engine.vision.config import patches, pixels
 from webgpu_engine.vision.images import InvalidImageError, decode_bytes, load_image
 from webgpu_engine.vision.runner import FAMILY_MODULES, read_vision_config
@@ -83,11 +83,16 @@ def test_pixels_patches_and_tables_equal_numpys():
     np.testing.assert_array_equal(np.asarray(pure.transposed(array("f", x.tobytes()), 6, 5)), x.T.reshape(-1))
 
 
-@pytest.mark.parametrize("folder", [FOLDER, FIXTURES / "tiny_idefics3"], ids=["gemma3", "idefics3"])
-def test_family_tiles_equal_the_native_path(folder):
+FAMILY_FOLDERS = {"gemma3": FOLDER, "idefics3": FIXTURES / "tiny_idefics3", "llava": FIXTURES / "tiny_llava",
+                  "llava_next": FIXTURES / "tiny_llava_next"}
+
+
+@pytest.mark.parametrize("family", list(FAMILY_FOLDERS))
+def test_family_tiles_equal_the_native_path(family):
     """Each fixture picture (an RGBA one among them) through the family's own tiles(): the page's
-    decoded RGBA bytes give the pixel values the Pillow-decoded file gives."""
-    cfg = read_vision_config(folder)
+    decoded RGBA bytes give the pixel values the Pillow-decoded file gives (LLaVA-NeXT's: each tile's,
+    its patch rows and its layout)."""
+    cfg = read_vision_config(FAMILY_FOLDERS[family])
     fam = FAMILY_MODULES[cfg.kind]
     for name in sorted(p.name for p in IMAGES.glob("*.png")):
         native = decode_bytes((IMAGES / name).read_bytes(), name).image
@@ -95,8 +100,71 @@ def test_family_tiles_equal_the_native_path(folder):
         page = pure.from_rgba(rgba.tobytes(), rgba.width, rgba.height)
         want, got = fam.tiles(cfg, native), fam.tiles(cfg, page)
         assert len(got) == len(want) >= 1
+        if family == "llava_next":
+            (want,), (got,) = want, got
+            assert list(got.layout) == list(want.layout) and len(got.layout) == llava.n_tokens(cfg, page), name
+            want_rows, got_rows = llava.patches(cfg, want), llava.patches(cfg, got)
+            assert isinstance(got_rows.pixels, array)
+            np.testing.assert_array_equal(np.asarray(got_rows.pixels, np.float32).reshape(want_rows.pixels.shape),
+                                          want_rows.pixels, err_msg=name)
+            got, want = got.pixels, want.pixels
         for g, w in zip(got, want):
             np.testing.assert_array_equal(np.asarray(g.values, np.float32).reshape(w.shape), w, err_msg=name)
+
+
+def test_llava_next_layout_and_padding_equal_numpys():
+    """The pure layout (each kept grid row of tile patches, then the newline) against its numpy
+    statement, for every picture shape up to 5 tiles wide or high; the pure pad against Pillow's paste."""
+    cfg = read_vision_config(FAMILY_FOLDERS["llava_next"])
+    cfg = llava.any_resolution(cfg, [[32, 64], [64, 32], [64, 64], [96, 32], [32, 160]], "test")
+    P = cfg.patches_per_side
+    for h, w in ((1, 1), (1, 200), (200, 1), (20, 70), (33, 31), (50, 70), (90, 20), (13, 160), (64, 64)):
+        gh, gw, top, left = llava.grid(cfg, h, w)
+        R, C = np.arange(top, gh * P - top), np.arange(left, gw * P - left)
+        k = 1 + (R[:, None] // P) * gw + C[None, :] // P
+        rows = k * P * P + (R[:, None] % P) * P + C[None, :] % P
+        rows = np.concatenate([rows, np.full((len(R), 1), llava.NEWLINE)], axis=1)
+        want = np.concatenate([np.arange(P * P), rows.reshape(-1)]).astype(np.uint32)
+        np.testing.assert_array_equal(np.asarray(llava.layout(cfg, h, w, llava.NEWLINE), np.uint32), want)
+    rng = np.random.default_rng(5)
+    a = rng.integers(0, 256, (7, 11, 3), dtype=np.uint8)
+    canvas = Image.new("RGB", (16, 9))
+    canvas.paste(Image.fromarray(a, "RGB"), (2, 1))
+    np.testing.assert_array_equal(_array(pure.padded(pure.RGBImage(11, 7, a.tobytes()), 16, 9, 2, 1)),
+                                  np.asarray(canvas))
+    with pytest.raises(ValueError, match="outside 16x9"):
+        pure.padded(pure.RGBImage(11, 7, a.tobytes()), 16, 9, 6, 1)
+
+
+def test_llava_next_tower_takes_the_pages_rows(device):
+    """LlavaNextTower given the page's patch rows (an `array`) and layout writes the features it writes
+    for numpy's rows of the same picture."""
+    from _nn_util import get
+    from webgpu_engine.kernels.common import Tensor
+    from webgpu_engine.loaders.safetensors import SafetensorsFolder
+    from webgpu_engine.vision.llava_gpu import LlavaNextTower
+    folder = FAMILY_FOLDERS["llava_next"]
+    cfg = read_vision_config(folder)
+    files = SafetensorsFolder(folder)
+    try:
+        tower = LlavaNextTower(device, cfg, files.tensors, owner="test:pure_llava_next")
+    finally:
+        files.close()
+    try:
+        n, width = cfg.tokens_per_image, cfg.text_hidden
+        out = Tensor(device.buffer(2 * n * width * 4, owner="test:pure_llava_next"), (2 * n, width), "f32")
+        rgba = Image.open(IMAGES / "wide.png").convert("RGBA")
+        native = decode_bytes((IMAGES / "wide.png").read_bytes(), "wide.png").image
+        for i, image in enumerate((native, pure.from_rgba(rgba.tobytes(), rgba.width, rgba.height))):
+            tower.write_patches(llava.patches(cfg, llava.tiles(cfg, image)[0]))
+            device.submit(tower.record(device.batch(), out, i))
+        got = get(device, out).reshape(2, n, width)
+        m = llava.n_tokens(cfg, native)
+        assert m > 16 + 4 * 9 and np.abs(got[0, :m]).max() > 0
+        np.testing.assert_array_equal(got[1, :m], got[0, :m])
+    finally:
+        tower.dispose()
+        device.release_owner("test:pure_llava_next")
 
 
 def _rgba_url(path, width=None) -> str:
@@ -140,13 +208,19 @@ from webgpu_engine.vision.images import InvalidImageError, load_image
 im = load_image("data:image/x-rgba;width=40;height=24;base64," + base64.b64encode(bytes(range(256)) * 15).decode(), "p")
 rows = patches(cfg, gemma3.tiles(cfg, im.image)[0])
 print(type(im.image).__name__, type(rows).__name__, len(rows))
+from webgpu_engine.vision import llava
+one = read_vision_config(Path("tests/fixtures/tiny_llava"))
+print(len(llava.patches(one, llava.tiles(one, im.image)[0])) // 192)
+nxt = read_vision_config(Path("tests/fixtures/tiny_llava_next"))
+t = llava.patches(nxt, llava.tiles(nxt, im.image)[0])
+print(type(t.pixels).__name__, len(t.pixels) // 192, len(t.layout) == llava.n_tokens(nxt, im.image) == 16 + 4 * 7)
 try:
     load_image("data:image/png;base64,AAAA", "messages[0].content[0]")
 except InvalidImageError as e:
     print("x-rgba" in str(e))
 """)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.split() == ["RGBImage", "array", str(64 * 48), "True"]
+    assert r.stdout.split() == ["RGBImage", "array", str(64 * 48), "16", "array", str(3 * 16), "True", "True"]
 
 
 def test_idefics3_position_ids_equal_numpys_f32_bucketing():

@@ -14,16 +14,18 @@ patches, then the tiles' patch grid (the tiles side by side) with its padding cu
 each grid row ended by the learned image_newline (vision/llava_gpu.py gathers them).
 
 The tower itself runs on the GPU (models/siglip.py with VisionConfig's CLIP settings). Pillow and
-numpy only (both in Pyodide).
+numpy natively; in the page (neither) vision/pure.py's picture, the same values.
 """
 from __future__ import annotations
 
 import math
+from array import array
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import ModelFormatError, UnsupportedModelError
+from . import pure
 from .config import VisionConfig, normalisation, pixels, processor_settings, single_tile, tower_config
 from .config import patches as square_patches
 
@@ -132,50 +134,70 @@ n_tiles = max_tiles = single_tile            # a picture is one run of rows (LLa
 
 @dataclass
 class Tiles:
-    """LLaVA-NeXT's tiles of one picture: pixels (1 + rows * cols, 3, S, S) (its patch rows, once
-    unfolded: (.. * P * P, 3 p p)), the global tile first, and `layout`: each of the image's rows as a
-    row of the tiles' features (vision/llava_gpu.py's table; `newline`: the image_newline)."""
-    pixels: "np.ndarray"
-    layout: "np.ndarray"
+    """LLaVA-NeXT's tiles of one picture: pixels, one (3, S, S) pixel_values per tile (numpy's stacked
+    into (1 + rows * cols, 3, S, S); the page's a list of pure.PixelValues), the global tile first; once
+    unfolded (`patches`), their patch rows (.. * P * P, 3 p p) one tile after another. `layout`: each of
+    the image's rows as a row of the tiles' features (vision/llava_gpu.py's table; NEWLINE: the
+    image_newline), an array of u32."""
+    pixels: object
+    layout: array
 
 
-def layout(cfg: VisionConfig, height: int, width: int, newline: int) -> "np.ndarray":
+def layout(cfg: VisionConfig, height: int, width: int, newline: int) -> array:
     """The image's rows as feature rows: tile k's patch (r, c) at k P*P + r P + c (the global tile is
     k = 0), each kept grid row followed by `newline`: (n_tokens,) u32."""
-    import numpy as np
     gh, gw, top, left = grid(cfg, height, width)
     P = cfg.patches_per_side
-    R, C = np.arange(top, gh * P - top), np.arange(left, gw * P - left)
-    k = 1 + (R[:, None] // P) * gw + C[None, :] // P
-    rows = k * P * P + (R[:, None] % P) * P + C[None, :] % P
-    rows = np.concatenate([rows, np.full((len(R), 1), newline)], axis=1)
-    return np.concatenate([np.arange(P * P), rows.reshape(-1)]).astype(np.uint32)
+    out = array("I", range(P * P))
+    for R in range(top, gh * P - top):
+        base = (1 + R // P * gw) * P * P + R % P * P
+        out.extend(base + C // P * (P * P - P) + C for C in range(left, gw * P - left))
+        out.append(newline)
+    return out
 
 
 def tiles(cfg: VisionConfig, image) -> list:
-    """One image's tiles: LLaVA 1.5's centre square resized to the tower's; LLaVA-NeXT's `Tiles`."""
+    """One image's tiles: LLaVA 1.5's centre square resized to the tower's; LLaVA-NeXT's `Tiles`: the
+    picture resized to the square, then the padded picture's tiles (each cropped, then normalised:
+    pixels are per pixel, so a tile's values are the padded picture's values there)."""
     if not cfg.pinpoints:
         return [preprocess(cfg, image)]
-    import numpy as np
-    from PIL import Image
     w, h = image.size
     H, W = best_resolution(cfg, h, w)
     if W / w < H / h:                    # get_patch_output_size
         size = (W, min(math.ceil(h * W / w), H))
     else:
         size = (min(math.ceil(w * H / h), W), H)
-    canvas = Image.new("RGB", (W, H))
-    canvas.paste(image.resize(size, resample=cfg.resample, reducing_gap=None), ((W - size[0]) // 2, (H - size[1]) // 2))
+    canvas = _padded(image.resize(size, resample=cfg.resample, reducing_gap=None), W, H)
     S = cfg.image_size
-    grid_px = pixels(cfg, canvas).reshape(3, H // S, S, W // S, S).transpose(1, 3, 0, 2, 4).reshape(-1, 3, S, S)
-    whole = pixels(cfg, image.resize((S, S), resample=cfg.resample, reducing_gap=None))
-    return [Tiles(np.concatenate([whole[None], grid_px]), layout(cfg, h, w, NEWLINE))]
+    out = [pixels(cfg, image.resize((S, S), resample=cfg.resample, reducing_gap=None))]
+    out += [pixels(cfg, canvas.crop((x, y, x + S, y + S))) for y in range(0, H, S) for x in range(0, W, S)]
+    if not isinstance(image, pure.RGBImage):
+        import numpy as np
+        out = np.stack(out)
+    return [Tiles(out, layout(cfg, h, w, NEWLINE))]
+
+
+def _padded(image, W: int, H: int):
+    """`image` centred on a black W x H picture (the processor's pad)."""
+    x, y = (W - image.width) // 2, (H - image.height) // 2
+    if isinstance(image, pure.RGBImage):
+        return pure.padded(image, W, H, x, y)
+    from PIL import Image
+    canvas = Image.new("RGB", (W, H))
+    canvas.paste(image, (x, y))
+    return canvas
 
 
 def patches(cfg: VisionConfig, tile):
     """The patch rows the tower reads: LLaVA 1.5's tile's; each of LLaVA-NeXT's tiles', one after another."""
     if not isinstance(tile, Tiles):
         return square_patches(cfg, tile)
+    if isinstance(tile.pixels, list):    # the page's
+        rows = array("f")
+        for t in tile.pixels:
+            rows.extend(square_patches(cfg, t))
+        return Tiles(rows, tile.layout)
     p, P = cfg.patch_size, cfg.patches_per_side
     a = tile.pixels.reshape(-1, 3, P, p, P, p).transpose(0, 2, 4, 1, 3, 5).reshape(-1, 3 * p * p)
     return Tiles(a, tile.layout)

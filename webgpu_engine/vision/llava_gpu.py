@@ -9,6 +9,8 @@ Op lists of the gather are built per count of image rows and kept.
 """
 from __future__ import annotations
 
+import math
+from array import array
 from dataclasses import replace
 
 from ..errors import ModelFormatError
@@ -32,7 +34,6 @@ class LlavaNextTower(TileTower):
     record(batch, dst, index) writes the image's rows at row index * tokens_per_image of `dst`."""
 
     def __init__(self, dev, cfg: VisionConfig, tensors: dict, *, owner: str):
-        import numpy as np
         from ..kernels.common import new_tensor
         from ..models.siglip import SiglipTower
         self.dev, self.cfg, self.owner = dev, cfg, owner
@@ -42,7 +43,7 @@ class LlavaNextTower(TileTower):
         S = cfg.image_size
         self.max_tiles = 1 + max(h // S * (w // S) for h, w in cfg.pinpoints)          # buffer_bytes' K
         t = next((tensors[n] for n in NEWLINE_NAMES if n in tensors), None)
-        if t is None or int(np.prod(t.shape)) != T:
+        if t is None or math.prod(t.shape) != T:
             raise ModelFormatError(f"LLaVA-NeXT's image_newline of {T} values is missing or of shape "
                                    f"{None if t is None else tuple(t.shape)}")
         self.newline = self.max_tiles * self.n
@@ -71,23 +72,25 @@ class LlavaNextTower(TileTower):
         self._gather(self.cfg.tokens_per_image)
 
     def write_patches(self, tiles: Tiles) -> None:
-        """One picture's tiles' patch rows (vision/llava.py `patches`) and its layout."""
-        import numpy as np
-        K = tiles.pixels.shape[0] // self.n
+        """One picture's tiles' patch rows (vision/llava.py `patches`: numpy's, or the page's `array`)
+        and its layout (the newline rows at the table's last)."""
+        rows = tiles.pixels
+        K = len(rows) // (self.n * (1 if hasattr(rows, "shape") else 3 * self.cfg.patch_size ** 2))
         if K > self.max_tiles or len(tiles.layout) > self.cfg.tokens_per_image:
             raise ModelFormatError(f"{K} tiles of {len(tiles.layout)} rows; at most {self.max_tiles} of "
                                    f"{self.cfg.tokens_per_image}")
-        self.dev.write(self.pix.buf, tiles.pixels.astype(np.float32).tobytes(), self.pix.offset)
-        idx = np.where(tiles.layout == NEWLINE, self.newline, tiles.layout).astype(np.uint32)
-        rows = np.stack([idx, np.zeros_like(idx)], axis=1)
-        self.dev.write(self.idx.buf, rows.tobytes(), self.idx.offset)
-        self._tiles = tiles
+        self.dev.write(self.pix.buf, rows.tobytes() if isinstance(rows, array) else rows.astype("float32").tobytes(),
+                       self.pix.offset)
+        idx = array("I", bytes(8 * len(tiles.layout)))               # (M, 2): each row's table row, 0
+        idx[0::2] = array("I", (self.newline if r == NEWLINE else r for r in tiles.layout))
+        self.dev.write(self.idx.buf, idx.tobytes(), self.idx.offset)
+        self._tiles, self._k = tiles, K
 
     def record(self, batch, dst, index: int):
         """The tower and projector over each tile (its rows into the table), the gather; the picture's
         rows into `dst` from row index * tokens_per_image."""
         tiles = self._tiles
-        self._tiles_into_table(batch, tiles.pixels.shape[0] // self.n, self.n, self.siglip.out, self.cfg.text_hidden)
+        self._tiles_into_table(batch, self._k, self.n, self.siglip.out, self.cfg.text_hidden)
         M = len(tiles.layout)
         self._gather(M).record(batch)
         return self._rows_out(batch, dst, index, M)

@@ -49,6 +49,17 @@ class RGBImage:
         return RGBImage(x1 - x0, y1 - y0, b"".join(rows))
 
 
+def padded(img: RGBImage, width: int, height: int, left: int, top: int) -> RGBImage:
+    """`img` pasted at (left, top) on a black width x height picture (PIL.Image.new + paste, inside)."""
+    if not (0 <= left and left + img.width <= width and 0 <= top and top + img.height <= height):
+        raise ValueError(f"a {img.width}x{img.height} picture at ({left}, {top}) outside {width}x{height}")
+    out, row = bytearray(3 * width * height), 3 * img.width
+    for y in range(img.height):
+        at = 3 * ((top + y) * width + left)
+        out[at:at + row] = img.data[y * row:(y + 1) * row]
+    return RGBImage(width, height, bytes(out))
+
+
 def from_rgba(rgba, width: int, height: int) -> RGBImage:
     """An RGBA picture's RGB: opaque pixels as they are, the others composited on white as
     PIL.Image.alpha_composite does (convert_rgb)."""
