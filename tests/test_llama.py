@@ -29,7 +29,8 @@ async def _greedy_run(pipe, messages, n):
 @pytest.mark.parametrize("dtype,n_tokens,lp_tol", [("f32", 32, 0.01), ("f16", 16, 0.05)])
 async def test_smollm2_golden_greedy(device, smollm2_gguf, smollm2_reference, dtype, n_tokens, lp_tol):
     pipe = await LLMChatPipeline.load(device, smollm2_gguf,
-                                      ChatConfig(dtype=dtype, context_window_size=256, prefill_chunk_size=64))
+                                      ChatConfig(dtype=dtype, context_window_size=256, prefill_chunk_size=64,
+                                                 compile_at_load=False))   # no warm-up run: test_correctness checks it
     try:
         assert pipe.model.dtype == dtype
         for case in smollm2_reference["greedy"]:
@@ -136,7 +137,8 @@ async def test_pipeline_loads_hf_folder_and_matches_numpy_greedy(device, tmp_pat
     from ref_llama import greedy
     tm = _tiny_cases()
     info = tm.write_tiny_llama_safetensors(tmp_path / "tiny-qwen2", arch="qwen2")
-    pipe = await LLMChatPipeline.load(device, info["folder"], ChatConfig(dtype="f32", context_window_size=64))
+    pipe = await LLMChatPipeline.load(device, info["folder"], ChatConfig(dtype="f32", context_window_size=64,
+                                                                         compile_at_load=False))
     try:
         gen = GenerationConfig(temperature=0.0, max_tokens=6, ignore_eos=True)
         await pipe.prefill_step([{"role": "user", "content": "Hello world!"}], gen)
