@@ -135,7 +135,7 @@ def server(device, base_path):
     from webgpu_engine.engine import EngineConfig
     from webgpu_engine.server.app import ServerOptions, ServerThread
     s = ServerThread(ServerOptions(models=[str(base_path)], chat_opts=[OPTS], port=0, lora_adapters=ADAPTERS,
-                                   engine_config=EngineConfig(device=device)))
+                                   lora_max_rank=16, max_loras=3, engine_config=EngineConfig(device=device)))
     yield s
     s.stop()
 
@@ -188,6 +188,39 @@ def test_every_route_takes_lora_scales(server):
     r = _post(server, "/api/generate", {"model": base, "prompt": REF["prompts"][1], "raw": True, "stream": False,
                                          "options": {"temperature": 0, "num_predict": 12}, "lora": lora})
     assert r["response"] == ref["text"][1]
+    both = COMBINED[0]                   # a (8) and b (4) at once: the pool's rank 16 (--max-lora-rank)
+    r = _post(server, "/v1/completions", {"model": base, "prompt": REF["prompts"][0], "temperature": 0, "max_tokens": 12,
+                                           "ignore_eos": True, "lora": [{"name": n, "scale": v} for n, v in both["scales"].items()]})
+    assert r["choices"][0]["text"] == both["text"][0]
     with pytest.raises(urllib.error.HTTPError) as e:
         _post(server, "/api/chat", {"model": base, "messages": msgs, "stream": False, "lora": [{"id": 9}]})
     assert e.value.code == 400 and "lora[0].id" in e.value.read().decode()
+
+
+async def test_the_pools_rank_and_bound_from_reload_and_serves_flags(device, base_path):
+    """reload(lora_max_rank=, max_loras=) (serve --max-lora-rank / --max-loras): a pool of rank 16
+    takes a (8) and b (4) in one request, which the adapters' own largest rank (8) refuses; an
+    adapter above the rank is refused at load; bad values are typed errors."""
+    from webgpu_engine.cli.parser import build_parser
+    from webgpu_engine.errors import InvalidRequestError
+    from webgpu_engine.models.lora import LoraAdapterError
+    ref = COMBINED[0]
+    lora = [{"name": n, "scale": s} for n, s in ref["scales"].items()]
+    eng = AsyncMLCEngine()
+    try:
+        await eng.reload(str(base_path), chat_opts=OPTS, lora_adapters=ADAPTERS)
+        with pytest.raises(InvalidRequestError, match="need rank 12, more than the pool's 8"):
+            await _greedy(eng, 0, lora=lora)
+        await eng.reload(str(base_path), chat_opts=OPTS, lora_adapters=ADAPTERS, lora_max_rank=16, max_loras=2)
+        pool = eng.models[_base(eng)].pipeline.lora
+        assert (pool.max_rank, pool.slots) == (16, 2)
+        got = await asyncio.gather(*[_greedy(eng, i, lora=lora) for i in range(2)])
+        assert [t for t, _ in got] == ref["text"]
+        with pytest.raises(LoraAdapterError, match="rank 8, more than the pool's max_lora_rank 4"):
+            await eng.reload(str(base_path), chat_opts=OPTS, lora_adapters=ADAPTERS, lora_max_rank=4)
+        with pytest.raises(FieldTypeError, match="max_loras"):
+            await eng.reload(str(base_path), chat_opts=OPTS, lora_adapters=ADAPTERS, max_loras=0)
+    finally:
+        await eng.unload()
+    args = build_parser().parse_args(["serve", "--lora", "a=x", "--lora-max-rank", "32", "--max-loras", "6"])
+    assert (args.max_lora_rank, args.max_loras) == (32, 6)

@@ -212,7 +212,8 @@ def cmd_serve(args) -> int:
                          auto_recover=args.auto_recover, shutdown_grace_s=args.shutdown_grace,
                          engine_config=cfg, chat_opts=chat_opts, exit_on_load_error=True,
                          allow_model_management=args.allow_model_management,
-                         lora_adapters=_lora_adapters(args.lora))
+                         lora_adapters=_lora_adapters(args.lora), lora_max_rank=args.max_lora_rank,
+                         max_loras=args.max_loras)
     if getattr(args, "ray_replicas", None):
         from .ray_cmds import serve_on_ray       # the same server on Ray Serve replicas
         return serve_on_ray(args, opts)

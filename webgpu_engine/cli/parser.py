@@ -194,6 +194,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lora", action="append", default=None, metavar="NAME=PATH",
                    help="a LoRA adapter (a PEFT folder or a GGUF LoRA file) over the chat model, served as "
                         "model NAME (repeatable)")
+    p.add_argument("--max-lora-rank", "--lora-max-rank", type=int, default=None, metavar="R",
+                   help="the adapters' pool rank (vLLM's --max-lora-rank): a larger adapter is refused; "
+                        "several adapters in one request (`lora`) need ranks adding up to at most R "
+                        "(default: the largest --lora's, else 16)")
+    p.add_argument("--max-loras", type=int, default=None, metavar="N",
+                   help="adapters (or adapter + scale entries) held on the GPU at once, the least recently "
+                        "used idle one evicted (vLLM's --max-loras; default 4)")
     p.add_argument("--host", default="127.0.0.1", help="default 127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="default 8000")
     p.add_argument("--api-key", default=os.environ.get("WEBGPU_ENGINE_API_KEY"),

@@ -68,10 +68,12 @@ class AsyncMLCEngine:
 
     # ------------------------------------------------------------------ loading (loading.py)
     async def reload(self, model_id: str | list[str], chat_opts: dict | list[dict | None] | None = None,
-                     *, aliases: str | list[str | None] | None = None, lora_adapters: dict | None = None) -> None:
+                     *, aliases: str | list[str | None] | None = None, lora_adapters: dict | None = None,
+                     lora_max_rank: int | None = None, max_loras: int | None = None) -> None:
         """Unload everything, then load each model in order (ModelLoader.reload: aborting, aliases,
-        progress, adapters)."""
-        await self.loader.reload(model_id, chat_opts, aliases=aliases, lora_adapters=lora_adapters)
+        progress, adapters and their pool's rank and bound)."""
+        await self.loader.reload(model_id, chat_opts, aliases=aliases, lora_adapters=lora_adapters,
+                                 lora_max_rank=lora_max_rank, max_loras=max_loras)
 
     async def unload(self) -> None:
         """Free every loaded model and abort a reload() in progress (ModelLoader.unload)."""

@@ -131,12 +131,15 @@ class ModelLoader:
         self.manage_lock = asyncio.Lock()
 
     async def reload(self, model_id: str | list[str], chat_opts: dict | list[dict | None] | None = None,
-                     *, aliases: str | list[str | None] | None = None, lora_adapters: dict | None = None) -> None:
+                     *, aliases: str | list[str | None] | None = None, lora_adapters: dict | None = None,
+                     lora_max_rank: int | None = None, max_loras: int | None = None) -> None:
         """Unload everything, then load each model in order. Cancelling the task leaves nothing loaded
         and every GPU buffer of the partial load freed. `aliases` (one per model, None to keep the
         default) names the models in engine.models, /v1/models and responses (references only: an
         app-config record keeps its id). Downloads a reference needs report to the progress callback.
-        `lora_adapters` {name: path}: LoRA adapters over the chat model, requested by name (lora.py)."""
+        `lora_adapters` {name: path}: LoRA adapters over the chat model, requested by name (lora.py),
+        in a pool of rank `lora_max_rank` holding `max_loras` adapters (vLLM's --max-lora-rank,
+        --max-loras: several adapters in one request need ranks adding up to at most the pool's)."""
         ids = [model_id] if isinstance(model_id, str) else list(model_id)
         names = [aliases] if isinstance(aliases, str) else list(aliases or [])
         if len(names) > len(ids):
@@ -205,7 +208,7 @@ class ModelLoader:
             raise
         self._load_token = None
         held.install(loaded)
-        await self.lora.load_adapters(lora_adapters)
+        await self.lora.load_adapters(lora_adapters, lora_max_rank, max_loras)
         self._report(1.0, t0, f"Finish loading on WebGPU - {dev.info.name}")
 
     def _check_aborted(self, token: object) -> None:

@@ -23,8 +23,12 @@ class LoraAdapters:
 
     def __init__(self, models: Callable[[], dict]):
         self._models = models
-        # what is served: name -> (base id, path, pool rank), for a reload after a device loss
+        # what is served: name -> (base id, path, pool rank, pool slots), for a reload after a device loss
         self.kept: dict[str, tuple] = {}
+        # reload()'s lora_max_rank and max_loras (vLLM's --max-lora-rank, --max-loras): the rank and
+        # the adapter bound of a pool made afterwards (None: the adapters' largest rank / 16, 4)
+        self.max_rank: int | None = None
+        self.max_loras: int | None = None
 
     @property
     def models(self) -> dict:
@@ -41,9 +45,10 @@ class LoraAdapters:
         then pick it by `model` = lora_name. Refused (LoraAdapterError, naming the tensor) where it does
         not fit."""
         lm = self._lora_base_for(lora_name, lora_path, model)
-        _add_to(lm.pipeline, await _read(lora_path, lora_name), max_rank)
+        _add_to(lm.pipeline, await _read(lora_path, lora_name), max_rank or self.max_rank, self.max_loras,
+                exact=max_rank is None and self.max_rank is not None)
         lm.lora_adapters[lora_name] = lora_path
-        self.kept[lora_name] = (lm.model_id, lora_path, max_rank)
+        self.kept[lora_name] = (lm.model_id, lora_path, lm.pipeline.lora.max_rank, lm.pipeline.lora.slots)
 
     def _lora_base_for(self, lora_name, lora_path, model: str | None):
         """The chat model an adapter named lora_name is loaded over (typed errors for bad names)."""
@@ -75,26 +80,34 @@ class LoraAdapters:
     def lora_names(self) -> list[str]:
         return [n for lm in self.models.values() for n in lm.lora_adapters]
 
-    async def load_adapters(self, adapters: dict | None) -> None:
+    async def load_adapters(self, adapters: dict | None, max_rank: int | None = None,
+                            max_loras: int | None = None) -> None:
         """reload()'s lora_adapters {name: path}: each over the one chat model loaded, the pool's rank
-        the largest of theirs."""
-        self.kept = {}
+        `max_rank` (an adapter of a larger rank is refused) or else the largest of theirs, its bound
+        `max_loras` adapters on the GPU at once (else models/lora.py's DEFAULT_SLOTS)."""
+        from ..protocol.errors import FieldTypeError
+        for field, v in (("lora_max_rank", max_rank), ("max_loras", max_loras)):
+            if v is not None and (type(v) is not int or v < 1):
+                raise FieldTypeError(field, "an integer >= 1", v)
+        self.kept, self.max_rank, self.max_loras = {}, max_rank, max_loras
         if not adapters:
             return
         if not isinstance(adapters, dict):
             raise InvalidRequestError("lora_adapters must map adapter names to paths.", param="lora_adapters")
         bases = {name: self._lora_base_for(name, path, None) for name, path in adapters.items()}
         read = {name: await _read(path, name) for name, path in adapters.items()}
-        rank = max(ad.rank for ad in read.values())
+        rank = max_rank or max(ad.rank for ad in read.values())
         for name, ad in read.items():
-            _add_to(bases[name].pipeline, ad, rank)
+            pipe = bases[name].pipeline
+            _add_to(pipe, ad, rank, max_loras, exact=max_rank is not None)
             bases[name].lora_adapters[name] = adapters[name]
-            self.kept[name] = (bases[name].model_id, adapters[name], rank)
+            self.kept[name] = (bases[name].model_id, adapters[name], pipe.lora.max_rank, pipe.lora.slots)
 
     async def restore(self, kept: dict) -> None:
         """After the reload that follows a device loss (auto_recover): the adapters `kept` served
         before, each over its base again (one that no longer loads is logged and left out)."""
-        for name, (base, path, rank) in kept.items():
+        for name, (base, path, rank, slots) in kept.items():
+            self.max_loras = slots
             try:
                 await self.load_lora_adapter(name, path, base, rank)
             except Exception as e:  # noqa: BLE001 - the models serve on without it
@@ -155,7 +168,7 @@ async def record_adapter(pipe, rec) -> str:
     """The adapter of model record `rec` (ModelRecord.lora: an Ollama ADAPTER layer) registered with
     its just-loaded pipeline under a name no request can give: the adapter its requests run with."""
     name = f"{rec.model_id}\0adapter"
-    _add_to(pipe, await _read(rec.lora, name), None)
+    _add_to(pipe, await _read(rec.lora, name), None, None)
     return name
 
 
@@ -165,12 +178,14 @@ async def _read(path: str, name: str):
     return load_adapter(path, name) if IN_BROWSER else await asyncio.to_thread(load_adapter, path, name)
 
 
-def _add_to(pipe, adapter, max_rank: int | None) -> None:
+def _add_to(pipe, adapter, max_rank: int | None, slots: int | None, exact: bool = False) -> None:
     """Register models/lora.py LoraAdapter `adapter` with chat pipeline `pipe` (checked against the
     model now, uploaded into the pool on first use; the base is not reloaded). The pool is made for
-    the first adapter, of rank max(max_rank, its rank), and its scheduler's rows read it."""
-    from ..models.lora import DEFAULT_MAX_RANK, LoraPool
+    the first adapter, of rank max(max_rank, its rank) (`exact`: max_rank, a larger one refused) and
+    `slots` adapters, and its scheduler's rows read it."""
+    from ..models.lora import DEFAULT_MAX_RANK, DEFAULT_SLOTS, LoraPool
     if pipe.lora is None:
-        pipe.lora = LoraPool(pipe.model, max_rank=max(max_rank or DEFAULT_MAX_RANK, adapter.rank), owner=pipe.owner)
+        rank = max_rank if exact else max(max_rank or DEFAULT_MAX_RANK, adapter.rank)
+        pipe.lora = LoraPool(pipe.model, max_rank=rank, slots=slots or DEFAULT_SLOTS, owner=pipe.owner)
         pipe.scheduler.fwd.attach_lora(pipe.lora)
     pipe.lora.register(adapter)

@@ -142,8 +142,10 @@ class MLCEngine:
         self.responses = _Responses(self, self.async_engine.responses)
         self.messages = _Messages(self, self.async_engine.messages)
 
-    def reload(self, model_id, chat_opts=None, *, lora_adapters: dict | None = None) -> None:
-        self._loop.run(self.async_engine.reload(model_id, chat_opts, lora_adapters=lora_adapters))
+    def reload(self, model_id, chat_opts=None, *, lora_adapters: dict | None = None, lora_max_rank: int | None = None,
+               max_loras: int | None = None) -> None:
+        self._loop.run(self.async_engine.reload(model_id, chat_opts, lora_adapters=lora_adapters,
+                                                lora_max_rank=lora_max_rank, max_loras=max_loras))
 
     def load_lora_adapter(self, lora_name: str, lora_path: str, model: str | None = None) -> None:
         self._loop.run(self.async_engine.load_lora_adapter(lora_name, lora_path, model))

@@ -61,6 +61,8 @@ class ServerOptions:
     exit_on_load_error: bool = False   # `serve`: a model that fails to load stops the server (exit 1)
     allow_model_management: bool = False   # POST /v1/models/load and /unload (admin.py)
     lora_adapters: dict | None = None      # LoRA adapters {name: path} over the chat model (--lora)
+    lora_max_rank: int | None = None       # their pool's rank and bound (--max-lora-rank, --max-loras)
+    max_loras: int | None = None
     # builds the engine the app serves from (config, app) instead of AsyncMLCEngine(config): an
     # engine-like object (webgpu_engine.ray's proxy to Ray Serve replicas) that may add app signals
     engine_factory: Any = None
@@ -319,7 +321,8 @@ async def _start_loading(app: web.Application) -> None:
     async def load():
         opts, state = app[OPTS], app[STATE]
         try:
-            lora = {"lora_adapters": opts.lora_adapters} if opts.lora_adapters else {}
+            lora = {k: v for k, v in (("lora_adapters", opts.lora_adapters), ("lora_max_rank", opts.lora_max_rank),
+                                      ("max_loras", opts.max_loras)) if v}
             await app[ENGINE].reload(opts.models, opts.chat_opts, **lora)
             state["loaded"] = True
             log.info("serving %s", ", ".join(opts.models))
