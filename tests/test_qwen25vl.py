@@ -138,7 +138,7 @@ def test_positions_are_get_rope_index(ref, cfg):
         spans = VisionInputs.blocks(type("V", (), {"cfg": cfg})(), ids)
         grids = [qwen25vl.preprocess(cfg, _image(n)) for n in r["images"]]
         images = [(s, e, g) for (s, e), g in zip(spans, grids)]
-        assert np.array_equal(qwen25vl.positions(cfg, images, len(ids)).T, np.array(r["positions"]))
+        assert np.array_equal(np.array(qwen25vl.positions(cfg, images, len(ids))).T, np.array(r["positions"]))
         offs = np.array(qwen25vl.offsets(cfg, images, 0, len(ids) + 5))
         assert not offs[spans[-1][1]:].any() and offs[:spans[0][0]].min() > 0
 

@@ -84,14 +84,14 @@ def test_pixels_patches_and_tables_equal_numpys():
 
 
 FAMILY_FOLDERS = {"gemma3": FOLDER, "idefics3": FIXTURES / "tiny_idefics3", "llava": FIXTURES / "tiny_llava",
-                  "llava_next": FIXTURES / "tiny_llava_next"}
+                  "llava_next": FIXTURES / "tiny_llava_next", "qwen25vl": FIXTURES / "tiny_qwen25vl"}
 
 
 @pytest.mark.parametrize("family", list(FAMILY_FOLDERS))
 def test_family_tiles_equal_the_native_path(family):
     """Each fixture picture (an RGBA one among them) through the family's own tiles(): the page's
     decoded RGBA bytes give the pixel values the Pillow-decoded file gives (LLaVA-NeXT's: each tile's,
-    its patch rows and its layout)."""
+    its patch rows and its layout; Qwen2.5-VL's: its grid and its patch rows in merge order)."""
     cfg = read_vision_config(FAMILY_FOLDERS[family])
     fam = FAMILY_MODULES[cfg.kind]
     for name in sorted(p.name for p in IMAGES.glob("*.png")):
@@ -108,6 +108,12 @@ def test_family_tiles_equal_the_native_path(family):
             np.testing.assert_array_equal(np.asarray(got_rows.pixels, np.float32).reshape(want_rows.pixels.shape),
                                           want_rows.pixels, err_msg=name)
             got, want = got.pixels, want.pixels
+        elif family == "qwen25vl":
+            (want,), (got,) = want, got
+            assert (got.gh, got.gw) == (want.gh, want.gw) and isinstance(got.rows, array)
+            np.testing.assert_array_equal(np.asarray(got.rows, np.float32).reshape(want.rows.shape), want.rows,
+                                          err_msg=name)
+            continue
         for g, w in zip(got, want):
             np.testing.assert_array_equal(np.asarray(g.values, np.float32).reshape(w.shape), w, err_msg=name)
 
@@ -167,6 +173,73 @@ def test_llava_next_tower_takes_the_pages_rows(device):
         device.release_owner("test:pure_llava_next")
 
 
+def test_qwen25vl_layout_and_positions_equal_numpys():
+    """Qwen2.5-VL's window order, its tower's 2D positions and M-RoPE's positions (pure Python, for the
+    page) against their numpy statements, over grids cut at the windows' edges or not."""
+    from webgpu_engine.vision import qwen25vl
+    cfg = read_vision_config(FAMILY_FOLDERS["qwen25vl"])
+    m = cfg.qwen25vl.merge
+    side = cfg.qwen25vl.window // m // cfg.patch_size
+    for gh, gw in ((2, 2), (6, 10), (10, 6), (4, 16), (14, 8), (2, 30)):
+        bh, bw = gh // m, gw // m
+        idx = np.arange(bh * bw).reshape(bh, bw)
+        wins = [idx[r:r + side, c:c + side].reshape(-1) for r in range(0, bh, side) for c in range(0, bw, side)]
+        order, sizes = qwen25vl.window_order(cfg, gh, gw)
+        assert order.tolist() == np.concatenate(wins).tolist() and sizes == [w.size * m * m for w in wins]
+        hh, ww = np.meshgrid(np.arange(gh), np.arange(gw), indexing="ij")
+        hh, ww = (a.reshape(gh // m, m, gw // m, m).transpose(0, 2, 1, 3).reshape(-1) for a in (hh, ww))
+        want = np.stack([np.zeros_like(hh), hh, ww], axis=1)
+        np.testing.assert_array_equal(np.array(qwen25vl.rope_positions(cfg, gh, gw)), want)
+
+    def reference(images, n):            # the numpy statement of get_rope_index
+        out, behind, row = np.zeros((n, 3), np.int64), 0, 0
+        for s, e, g in list(images) + [(n, n, None)]:
+            out[row:min(s, n)] = (np.arange(row, min(s, n)) - behind)[:, None]
+            if g is None or s >= n:
+                break
+            p, w, k = s - behind, g.gw // m, np.arange(e - s)
+            out[s:min(e, n)] = np.stack([np.full(e - s, p), p + k // w, p + k % w], 1)[:min(e, n) - s]
+            behind += (e - s) - max(g.gh, g.gw) // m
+            row = e
+        return out
+    a, b = qwen25vl.Grid(None, 4, 6), qwen25vl.Grid(None, 8, 2)
+    for images, n in (([], 5), ([(3, 9, a)], 14), ([(3, 9, a)], 6), ([(2, 8, a), (10, 14, b)], 20),
+                      ([(0, 4, b), (4, 10, a)], 12), ([(1, 7, a)], 1)):
+        np.testing.assert_array_equal(np.array(qwen25vl.positions(cfg, images, n)).reshape(-1, 3),
+                                      reference(images, n), err_msg=str((images, n)))
+
+
+def test_qwen25vl_tower_takes_the_pages_rows(device):
+    """Qwen25VLTower given the page's patch rows (an `array`) writes the features it writes for numpy's."""
+    from _nn_util import get
+    from webgpu_engine.kernels.common import Tensor
+    from webgpu_engine.loaders.safetensors import SafetensorsFolder
+    from webgpu_engine.vision import qwen25vl
+    from webgpu_engine.vision.qwen25vl_gpu import Qwen25VLTower
+    folder = FAMILY_FOLDERS["qwen25vl"]
+    cfg = read_vision_config(folder)
+    files = SafetensorsFolder(folder)
+    try:
+        tower = Qwen25VLTower(device, cfg, files.tensors, owner="test:pure_qwen25vl")
+    finally:
+        files.close()
+    try:
+        n, width = cfg.tokens_per_image, cfg.text_hidden
+        out = Tensor(device.buffer(2 * n * width * 4, owner="test:pure_qwen25vl"), (2 * n, width), "f32")
+        rgba = Image.open(IMAGES / "wide.png").convert("RGBA")
+        native = decode_bytes((IMAGES / "wide.png").read_bytes(), "wide.png").image
+        for i, image in enumerate((native, pure.from_rgba(rgba.tobytes(), rgba.width, rgba.height))):
+            tower.write_patches(qwen25vl.preprocess(cfg, image))
+            device.submit(tower.record(device.batch(), out, i))
+        got = get(device, out).reshape(2, n, width)
+        m = qwen25vl.n_tokens(cfg, native)
+        assert m > 4 and np.abs(got[0, :m]).max() > 0
+        np.testing.assert_array_equal(got[1, :m], got[0, :m])
+    finally:
+        tower.dispose()
+        device.release_owner("test:pure_qwen25vl")
+
+
 def _rgba_url(path, width=None) -> str:
     import base64
     img = Image.open(path).convert("RGBA")
@@ -214,13 +287,21 @@ print(len(llava.patches(one, llava.tiles(one, im.image)[0])) // 192)
 nxt = read_vision_config(Path("tests/fixtures/tiny_llava_next"))
 t = llava.patches(nxt, llava.tiles(nxt, im.image)[0])
 print(type(t.pixels).__name__, len(t.pixels) // 192, len(t.layout) == llava.n_tokens(nxt, im.image) == 16 + 4 * 7)
+from webgpu_engine.vision import qwen25vl
+qc = read_vision_config(Path("tests/fixtures/tiny_qwen25vl"))
+g = qwen25vl.preprocess(qc, im.image)
+order, sizes = qwen25vl.window_order(qc, g.gh, g.gw)
+offs = qwen25vl.offsets(qc, [(2, 2 + qwen25vl.n_tokens(qc, im.image), g)], 0, 40)
+print(type(g.rows).__name__, len(g.rows) == g.gh * g.gw * 3 * 2 * qc.patch_size ** 2, sum(sizes) == g.gh * g.gw,
+      len(offs), len(qwen25vl.rope_positions(qc, g.gh, g.gw)) == g.gh * g.gw)
 try:
     load_image("data:image/png;base64,AAAA", "messages[0].content[0]")
 except InvalidImageError as e:
     print("x-rgba" in str(e))
 """)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.split() == ["RGBImage", "array", str(64 * 48), "16", "array", str(3 * 16), "True", "True"]
+    assert r.stdout.split() == ["RGBImage", "array", str(64 * 48), "16", "array", str(3 * 16), "True",
+                                 "array", "True", "True", "40", "True", "True"]
 
 
 def test_idefics3_position_ids_equal_numpys_f32_bucketing():

@@ -260,15 +260,27 @@ def pixels(cfg, img: RGBImage) -> PixelValues:
 def patches(cfg, pv: PixelValues) -> array:
     """config.patches without numpy: (P*P, 3 p p) rows, patch (r, c) row-major, each in the conv
     weight's (channel, y, x) order."""
-    p, P = cfg.patch_size, cfg.patches_per_side
+    P = cfg.patches_per_side
+    return grid_patches(pv, cfg.patch_size, P, P)
+
+
+def grid_patches(pv: PixelValues, p: int, rows: int, cols: int, merge: int = 1, frames: int = 1) -> array:
+    """The top-left rows x cols p x p patches of `pv` as (rows * cols, 3 frames p p) rows: in merge x
+    merge blocks (blocks row-major, then the patches inside a block row-major), each patch in
+    (channel, frame, y, x) order, the picture repeated over `frames` (Qwen2.5-VL's temporal patch)."""
     _, H, W = pv.shape
     v, out = pv.values, array("f")
-    for r in range(P):
-        for c in range(P):
-            for ch in range(3):
-                for y in range(p):
-                    at = (ch * H + r * p + y) * W + c * p
-                    out.extend(v[at:at + p])
+    for br in range(rows // merge):
+        for bc in range(cols // merge):
+            for r in range(br * merge, (br + 1) * merge):
+                for c in range(bc * merge, (bc + 1) * merge):
+                    for ch in range(3):
+                        plane = array("f")
+                        for y in range(p):
+                            at = (ch * H + r * p + y) * W + c * p
+                            plane.extend(v[at:at + p])
+                        for _ in range(frames):
+                            out.extend(plane)
     return out
 
 

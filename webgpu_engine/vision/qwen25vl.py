@@ -6,16 +6,19 @@ to multiples of patch x merge pixels within min / max pixels, bicubic, CLIP's me
 grid_h * grid_w / 4) and the window layout and 2D positions of the tower (vision/qwen25vl_gpu.py).
 
 An image's tokens are as many as its size makes, so `n_tokens` gives each image's and the config's
-`tokens_per_image` is the most one image may bring (max_pixels'). Pillow and numpy only.
+`tokens_per_image` is the most one image may bring (max_pixels'). Pillow and numpy natively; in the
+page (neither) vision/pure.py's picture gives the same rows, and the layout and positions are pure Python.
 """
 from __future__ import annotations
 
 import math
+from array import array
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import InvalidRequestError, ModelFormatError, UnsupportedModelError
+from . import pure
 from .config import VisionConfig, normalisation, pixels, processor_settings
 
 if TYPE_CHECKING:
@@ -43,7 +46,7 @@ class Qwen25VLVision:
 @dataclass(frozen=True)
 class Grid:
     """One image's patch rows (processor order) and its grid of patches."""
-    rows: "np.ndarray"                   # (gh * gw, 3 * temporal * p * p) f32
+    rows: "np.ndarray | array"           # (gh * gw, 3 * temporal * p * p) f32 (the page's: an array)
     gh: int
     gw: int
 
@@ -121,11 +124,13 @@ def preprocess(cfg: VisionConfig, image) -> Grid:
     (smart_resize, the processor's resample), rescaled and normalised, cut into p x p patches in
     merge x merge blocks (block row-major, then the patches inside a block), each patch's row
     (channel, frame, y, x) with the picture repeated over the temporal patch's frames."""
-    import numpy as np
     h, w = smart_resize(cfg, image.size[1], image.size[0])
     px = pixels(cfg, image.resize((w, h), resample=cfg.resample, reducing_gap=None))     # (3, h, w)
     p, m, tp = cfg.patch_size, cfg.qwen25vl.merge, cfg.qwen25vl.temporal_patch
     gh, gw = h // p, w // p
+    if isinstance(px, pure.PixelValues):
+        return Grid(pure.grid_patches(px, p, gh, gw, merge=m, frames=tp), gh, gw)
+    import numpy as np
     x = px.reshape(3, gh // m, m, p, gw // m, m, p).transpose(1, 4, 2, 5, 0, 3, 6)   # (bh, bw, mh, mw, 3, p, p)
     x = np.broadcast_to(x[:, :, :, :, :, None], (*x.shape[:5], tp, p, p))
     return Grid(np.ascontiguousarray(x.reshape(gh * gw, 3 * tp * p * p), dtype=np.float32), gh, gw)
@@ -165,51 +170,44 @@ def patches(cfg: VisionConfig, tile: Grid) -> Grid:
 
 
 # ---------------------------------------------------------------------------- the tower's layout
-def window_order(cfg: VisionConfig, gh: int, gw: int) -> tuple["np.ndarray", list[int]]:
+def window_order(cfg: VisionConfig, gh: int, gw: int) -> tuple[array, list[int]]:
     """The merged patches in window order (windows of window / patch / merge merged patches a side,
     row-major, cut at the grid's edges; row-major inside each) and each window's patch count:
     transformers' get_vision_window_index for one image."""
-    import numpy as np
     m = cfg.qwen25vl.merge
     side = cfg.qwen25vl.window // m // cfg.patch_size
     bh, bw = gh // m, gw // m
-    idx = np.arange(bh * bw).reshape(bh, bw)
-    order, sizes = [], []
+    order, sizes = array("I"), []
     for r in range(0, bh, side):
         for c in range(0, bw, side):
-            win = idx[r:r + side, c:c + side].reshape(-1)
-            order.append(win)
-            sizes.append(win.size * m * m)
-    return np.concatenate(order), sizes
+            rows, cols = range(r, min(r + side, bh)), range(c, min(c + side, bw))
+            order.extend(y * bw + x for y in rows for x in cols)
+            sizes.append(len(rows) * len(cols) * m * m)
+    return order, sizes
 
 
-def rope_positions(cfg: VisionConfig, gh: int, gw: int) -> "np.ndarray":
-    """(gh * gw, 3) i32 positions of the patches in processor order: (0, row, column)."""
-    import numpy as np
+def rope_positions(cfg: VisionConfig, gh: int, gw: int) -> list[tuple[int, int, int]]:
+    """The (0, row, column) positions of the patches in processor order (merge blocks row-major, the
+    patches inside a block row-major)."""
     m = cfg.qwen25vl.merge
-    hh, ww = np.meshgrid(np.arange(gh), np.arange(gw), indexing="ij")
-    blocks = (gh // m, m, gw // m, m)
-    hh, ww = (a.reshape(blocks).transpose(0, 2, 1, 3).reshape(-1) for a in (hh, ww))
-    return np.stack([np.zeros_like(hh), hh, ww], axis=1).astype(np.int32)
+    return [(0, r, c) for br in range(0, gh, m) for bc in range(0, gw, m)
+            for r in range(br, br + m) for c in range(bc, bc + m)]
 
 
 # ---------------------------------------------------------------------------- M-RoPE's positions
-def positions(cfg: VisionConfig, images: list, n: int) -> "np.ndarray":
-    """(n, 3) positions (t, h, w) of a sequence's first n rows whose image token runs are `images`
+def positions(cfg: VisionConfig, images: list, n: int) -> list[tuple[int, int, int]]:
+    """The positions (t, h, w) of a sequence's first n rows whose image token runs are `images`
     ((start, end, Grid) each, in order): text rows count on from the previous row's largest position
     + 1, an image's merged patch (row r, column c) takes (p, p + r, p + c) from its first row's p
     (transformers' get_rope_index)."""
-    import numpy as np
-    m, out = cfg.qwen25vl.merge, np.zeros((n, 3), np.int64)
+    m, out = cfg.qwen25vl.merge, []
     behind, row = 0, 0                   # how far positions fall behind rows; the next row to fill
     for s, e, g in list(images) + [(n, n, None)]:
-        hi = min(s, n)
-        out[row:hi] = (np.arange(row, hi) - behind)[:, None]
+        out.extend((r - behind,) * 3 for r in range(row, min(s, n)))
         if g is None or s >= n:
             break
         p, w = s - behind, g.gw // m
-        k = np.arange(e - s)
-        out[s:min(e, n)] = np.stack([np.full(e - s, p), p + k // w, p + k % w], 1)[:min(e, n) - s]
+        out.extend((p, p + k // w, p + k % w) for k in range(min(e, n) - s))
         behind += (e - s) - max(g.gh, g.gw) // m
         row = e
     return out
@@ -221,7 +219,7 @@ def offsets(cfg: VisionConfig, images: list, start: int, end: int) -> list:
     included, a row's position is its cache row), minus its row."""
     pos = positions(cfg, images, end)
     behind = sum((e - s) - max(g.gh, g.gw) // cfg.qwen25vl.merge for s, e, g in images)
-    return [tuple(int(v) for v in p + behind - r) for r, p in enumerate(pos[start:end], start)]
+    return [tuple(v + behind - r for v in p) for r, p in enumerate(pos[start:end], start)]
 
 
 # ---------------------------------------------------------------------------- from a GGUF pair

@@ -15,12 +15,15 @@ BERT encoder's kernels and rope_sections:
 
 The window order (vision/qwen25vl.py window_order) permutes whole merge blocks, so the host writes
 the patch rows and their positions already permuted, and the merger's rows come back by one gather.
+Host tables and maps without numpy (the page has none): a quantised tensor alone needs it.
 The patch embedding (Conv3d over (frames, p, p) with stride the kernel) is a matmul over the patch
 rows: its weight (C, 3, frames, p, p) is that matmul's (C, 3 frames p p). Op lists are built per grid.
 """
 from __future__ import annotations
 
+import math
 import re
+from array import array
 
 from ..errors import ModelFormatError
 from ..kernels import matmul as mm
@@ -28,7 +31,7 @@ from ..kernels import nn
 from ..kernels.common import OpCache, Tensor, new_tensor
 from ..kernels.rope import rope_sections
 from ..kernels.vision import NONE, splice_rows
-from . import qwen25vl
+from . import pure, qwen25vl
 from .config import VisionConfig
 
 # the tower's names with or without transformers' prefixes (transformers 5: model.visual.; the hub's
@@ -41,9 +44,7 @@ class Qwen25VLTower:
     dst, index) writes the image's rows at row index * tokens_per_image of `dst`."""
 
     def __init__(self, dev, cfg: VisionConfig, tensors: dict, *, owner: str):
-        import numpy as np
-
-        from ..kernels import quant_ref
+        from ..models.siglip import dequantised
         self.dev, self.cfg, self.owner = dev, cfg, owner
         q = cfg.qwen25vl
         named = {_PREFIX.sub("", n): t for n, t in tensors.items() if _PREFIX.match(n)}
@@ -51,29 +52,42 @@ class Qwen25VLTower:
         C, F, p, T = cfg.hidden_size, cfg.intermediate_size, cfg.patch_size, cfg.text_hidden
         K, m2 = 3 * q.temporal_patch * p * p, q.merge ** 2
 
-        def floats(t):                   # any stored type (a projector file quantised whole too)
-            w = int(t.shape[-1])
-            return quant_ref.dequantize(bytes(t.data), t.qtype, t.numel // w, w).astype(np.float32).reshape(tuple(t.shape))
+        def floats(t) -> array:          # any stored type (a projector file quantised whole too)
+            return pure.f32_values(bytes(t.data), t.qtype) if t.qtype in ("f32", "f16", "bf16") else dequantised(t)
 
-        def array(name: str, shape: tuple):
+        def values(name: str, shape: tuple) -> array:
             parts = [tensors.get(n) for n in mmproj_names(name)] if mmproj else [named.get(name)]
             if any(t is None for t in parts):
                 raise ModelFormatError(f"the vision tower lacks {name}")
-            a = np.stack([floats(t) for t in parts], 2) if name == "patch_embed.proj.weight" and mmproj \
-                else np.concatenate([floats(t) for t in parts])
-            if a.shape != shape:
-                raise ModelFormatError(f"vision tensor {name} has shape {a.shape}, expected {shape}")
-            return a.reshape(-1)
+            first = tuple(int(d) for d in parts[0].shape)
+            if name == "patch_embed.proj.weight" and mmproj:       # the frames stacked at axis 2
+                got = first[:2] + (len(parts),) + first[2:]
+                a, inner, arrays = array("f"), math.prod(first[2:]), [floats(t) for t in parts]
+                for i in range(math.prod(first[:2])):
+                    for f in arrays:
+                        a.extend(f[i * inner:(i + 1) * inner])
+            else:                        # the parts concatenated at axis 0
+                got = (sum(int(t.shape[0]) for t in parts),) + first[1:]
+                a = array("f")
+                for t in parts:
+                    a.extend(floats(t))
+            if got != shape or len(a) != math.prod(shape):
+                raise ModelFormatError(f"vision tensor {name} has shape {got}, expected {shape}")
+            return a
 
         def weight(names: list[str], n: int, k: int, label: str) -> mm.QWeight:
-            a = np.concatenate([array(nm, (n // len(names), k)) for nm in names])
+            a = array("f")
+            for nm in names:
+                a.extend(values(nm, (n // len(names), k)))
             return mm.upload_weight(dev, [a.tobytes()], "f32", n, k, owner=owner, label=label)
 
         def vector(names: list[str], n: int, label: str) -> Tensor:
-            a = np.concatenate([array(nm, (n // len(names),)) for nm in names])
+            a = array("f")
+            for nm in names:
+                a.extend(values(nm, (n // len(names),)))
             return mm.upload_vector(dev, a.tobytes(), owner=owner, label=label)
 
-        conv = array("patch_embed.proj.weight", (C, 3, q.temporal_patch, p, p))
+        conv = values("patch_embed.proj.weight", (C, 3, q.temporal_patch, p, p))
         self.patch = mm.upload_weight(dev, [conv.tobytes()], "f32", C, K, owner=owner, label="v.patch")
         self.layers = []
         for i in range(cfg.n_layers):
@@ -90,10 +104,10 @@ class Qwen25VLTower:
         self.mm0, self.mm0_b = weight(["merger.mlp.0.weight"], m2 * C, m2 * C, "v.mm0"), vector(["merger.mlp.0.bias"], m2 * C, "v.mm0b")
         self.mm2, self.mm2_b = weight(["merger.mlp.2.weight"], T, m2 * C, "v.mm2"), vector(["merger.mlp.2.bias"], T, "v.mm2b")
         # the 2D RoPE's frequencies: D/4 of them, once for the row's pairs and once for the column's
-        D = cfg.head_dim
-        inv = 1.0 / (np.float32(q.rope_theta) ** (np.arange(0, D // 2, 2, dtype=np.float32) / np.float32(D // 2)))
-        self.freq = Tensor(dev.upload(np.concatenate([inv, inv]).astype(np.float32).tobytes(), owner=owner, label="v.freq"),
-                           (D // 2,), "f32")
+        # (1 / theta^(i / (D/2)) in f32 for i = 0, 2, ..: the power in doubles, rounded once)
+        D, f32 = cfg.head_dim, pure.f32
+        inv = array("f", [f32(1.0 / f32(f32(q.rope_theta) ** f32(i / (D // 2)))) for i in range(0, D // 2, 2)])
+        self.freq = Tensor(dev.upload((inv + inv).tobytes(), owner=owner, label="v.freq"), (D // 2,), "f32")
         n = cfg.tokens_per_image
         N = n * m2
 
@@ -107,32 +121,30 @@ class Qwen25VLTower:
         self._grid = None
 
     # ------------------------------------------------------------------ one grid's op list
-    def _u32(self, values, label: str) -> Tensor:
-        import numpy as np
-        a = np.asarray(values, np.uint32)
-        return Tensor(self.dev.upload(a.tobytes() or bytes(4), owner=self.owner, label=label), a.shape, "u32")
+    def _u32(self, values: array, label: str, shape: tuple) -> Tensor:
+        return Tensor(self.dev.upload(values.tobytes() or bytes(4), owner=self.owner, label=label), shape, "u32")
 
     def _build(self, gh: int, gw: int) -> list:
-        import numpy as np
         cfg, dev = self.cfg, self.dev
         C, H, D, eps, m2 = cfg.hidden_size, cfg.n_heads, cfg.head_dim, cfg.eps, cfg.qwen25vl.merge ** 2
         N, n = gh * gw, gh * gw // m2
-        _, sizes = qwen25vl.window_order(cfg, gh, gw)
-        S = max(sizes)
-        # window b's rows sit at b * S ..: gather maps for the padded windows and back
-        starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-        into = np.full((len(sizes) * S, 2), NONE, np.uint32)
-        back = np.zeros((N, 2), np.uint32)
-        for b, (s0, size) in enumerate(zip(starts, sizes)):
-            into[b * S:b * S + size, 0] = np.arange(s0, s0 + size)
-            back[s0:s0 + size, 0] = np.arange(b * S, b * S + size)
-        order, _ = qwen25vl.window_order(cfg, gh, gw)
+        order, sizes = qwen25vl.window_order(cfg, gh, gw)
+        S, W = max(sizes), len(sizes)
+        # window b's rows sit at b * S ..: gather maps (row, 0) for the padded windows and back
+        into, back, reverse = array("I", [NONE]) * (2 * W * S), array("I", bytes(8 * N)), array("I", bytes(8 * n))
+        s0 = 0
+        for b, size in enumerate(sizes):
+            into[2 * b * S:2 * (b * S + size):2] = array("I", range(s0, s0 + size))
+            back[2 * s0:2 * (s0 + size):2] = array("I", range(b * S, b * S + size))
+            s0 += size
+        for i, k in enumerate(order):    # the merged rows back in processor order
+            reverse[2 * k] = i
         keep = []                        # this grid's own buffers, released with its ops
-        into_t, back_t = self._u32(into, "v.into"), self._u32(back, "v.back")
-        reverse = self._u32(np.stack([np.argsort(order), np.zeros(n, np.int64)], 1), "v.reverse")
-        lengths, all_rows = self._u32(sizes, "v.lengths"), self._u32([N], "v.length")
-        qkv_w = new_tensor(dev, (len(sizes) * S, 3 * C), "f32", owner=self.owner, label="v.qkv_w")
-        ctx_w = new_tensor(dev, (len(sizes) * S, C), "f32", owner=self.owner, label="v.ctx_w")
+        into_t, back_t = self._u32(into, "v.into", (W * S, 2)), self._u32(back, "v.back", (N, 2))
+        reverse = self._u32(reverse, "v.reverse", (n, 2))
+        lengths, all_rows = self._u32(array("I", sizes), "v.lengths", (W,)), self._u32(array("I", [N]), "v.length", (1,))
+        qkv_w = new_tensor(dev, (W * S, 3 * C), "f32", owner=self.owner, label="v.qkv_w")
+        ctx_w = new_tensor(dev, (W * S, C), "f32", owner=self.owner, label="v.ctx_w")
         keep += [into_t, back_t, reverse, lengths, all_rows, qkv_w, ctx_w]
         x, h, ctx, qkv = (t.view((N, t.shape[1])) for t in (self.x, self.h, self.ctx, self.qkv))
         gu, ff = self.gu.view((N, self.gu.shape[1])), self.ff.view((N, self.ff.shape[1]))
@@ -148,7 +160,7 @@ class Qwen25VLTower:
                                          scale=D ** -0.5)
             else:
                 op += splice_rows(dev, qkv_w, qkv, into_t)                                 # rows into windows
-                op += nn.attention_bidir(dev, qkv_w, lengths, ctx_w, batch=len(sizes), seq=S, n_heads=H,
+                op += nn.attention_bidir(dev, qkv_w, lengths, ctx_w, batch=W, seq=S, n_heads=H,
                                          head_dim=D, scale=D ** -0.5)
                 op += splice_rows(dev, ctx, ctx_w, back_t)                                 # and back
             op += mm.matmul(dev, ctx, L["o"], x, bias=L["o_b"], accumulate=True)           # x += attn
@@ -175,14 +187,19 @@ class Qwen25VLTower:
 
     # ------------------------------------------------------------------ running
     def write_patches(self, grid: "qwen25vl.Grid") -> None:
-        """Write one image's patch rows and their 2D positions, permuted into window order."""
-        import numpy as np
+        """Write one image's patch rows (numpy's, or the page's `array`) and their 2D positions,
+        permuted into window order."""
         cfg, m2 = self.cfg, self.cfg.qwen25vl.merge ** 2
         order, _ = qwen25vl.window_order(cfg, grid.gh, grid.gw)
-        rows = (order[:, None] * m2 + np.arange(m2)[None, :]).reshape(-1)
-        pos = qwen25vl.rope_positions(cfg, grid.gh, grid.gw)[rows]
-        self.dev.write(self.pix.buf, np.ascontiguousarray(grid.rows[rows], np.float32).tobytes(), self.pix.offset)
-        self.dev.write(self.pos.buf, np.ascontiguousarray(pos, np.int32).tobytes(), self.pos.offset)
+        rows = [k * m2 + j for k in order for j in range(m2)]
+        pos = qwen25vl.rope_positions(cfg, grid.gh, grid.gw)
+        if isinstance(grid.rows, array):
+            K = len(grid.rows) // (grid.gh * grid.gw)
+            pix = b"".join(grid.rows[r * K:(r + 1) * K].tobytes() for r in rows)
+        else:
+            pix = grid.rows[rows].astype("float32").tobytes()
+        self.dev.write(self.pix.buf, pix, self.pix.offset)
+        self.dev.write(self.pos.buf, array("i", [v for r in rows for v in pos[r]]).tobytes(), self.pos.offset)
         self._grid = (grid.gh, grid.gw)
 
     def tokens(self) -> int:
