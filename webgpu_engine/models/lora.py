@@ -41,6 +41,9 @@ __all__ = ["FUSED", "TARGETS", "LoraAdapter", "LoraAdapterError", "load_adapter"
 # the projections that read one input, in the order their A rows stack: (group, targets)
 GROUPS = (("qkv", ("q", "k", "v")), ("o", ("o",)), ("gate_up", ("gate", "up")), ("down", ("down",)))
 _GROUP_OF = {t: g for g, ts in GROUPS for t in ts}
+# the architecture llama.cpp's converters write for a base of ours where it is not our name
+# (MistralForCausalLM converts as "llama": q / k permuted as Llama's)
+_GGUF_ARCH = {"mistral": "llama"}
 DEFAULT_MAX_RANK = 16
 DEFAULT_SLOTS = 4
 
@@ -140,7 +143,7 @@ def split_fused(m, ad: LoraAdapter) -> LoraAdapter:
 def check_adapter(m, ad: LoraAdapter, max_rank: int) -> None:
     """Refuse (LoraAdapterError naming the tensor) an adapter that does not fit model `m`."""
     c = m.cfg
-    if ad.arch and ad.arch != c.arch:
+    if ad.arch and ad.arch not in (c.arch, _GGUF_ARCH.get(c.arch)):
         raise LoraAdapterError(f"LoRA adapter {ad.name!r} is for a {ad.arch} model; the base is {c.arch}: it was "
                                f"trained for another base.", param="lora_path")
     if ad.rank > max_rank:
