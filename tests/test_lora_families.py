@@ -33,22 +33,39 @@ async def family(request, device, tmp_path_factory):
     await eng.unload()
 
 
-async def test_base_peft_folder_and_gguf_file_in_one_batch_equal_transformers_with_peft(family):
-    arch, eng = family
+async def _batch(eng, arch: str, runs: list) -> None:
+    """`runs` (model: the base's id, "peft" or "gguf"; prompt index) in one batch, each equal to
+    transformers (+ peft)'s greedy tokens."""
     ref = REF["families"][arch]
     (base_id,) = eng.models
-    pipe = eng.models[base_id].pipeline
 
     async def greedy(model: str, i: int) -> str:
-        r = await eng.completions.create(model=model, prompt=REF["prompts"][i], max_tokens=len(ref["base"][i]),
-                                         temperature=0.0, ignore_eos=True)
+        r = await eng.completions.create(model=model or base_id, prompt=REF["prompts"][i],
+                                         max_tokens=len(ref["base"][i]), temperature=0.0, ignore_eos=True)
         return r.choices[0].text
-
-    runs = [(base_id, "base", 0), ("peft", "adapter", 0), ("gguf", "adapter", 1), (base_id, "base", 1),
-            ("peft", "adapter", 1), ("gguf", "adapter", 0)]
-    got = await asyncio.gather(*[greedy(m, i) for m, _, i in runs])
-    assert got == [pipe.tokenizer.decode(ref[which][i]) for _, which, i in runs]
+    got = await asyncio.gather(*[greedy(m, i) for m, i in runs])
+    decode = eng.models[base_id].pipeline.tokenizer.decode
+    assert got == [decode(ref["adapter" if m else "base"][i]) for m, i in runs]
     assert ref["adapter"] != ref["base"]
+
+
+async def test_base_peft_folder_and_gguf_file_in_one_batch_equal_transformers_with_peft(family):
+    arch, eng = family
+    await _batch(eng, arch, [(None, 0), ("peft", 0), ("gguf", 1), (None, 1), ("peft", 1), ("gguf", 0)])
+
+
+async def test_the_gpu_form_answers_the_same(family):
+    """lora_shrink + lora_expand (a GPU's form; a CPU adapter's is lora_delta) over the same adapters."""
+    arch, eng = family
+    (base_id,) = eng.models
+    pipe = eng.models[base_id].pipeline
+    pipe.lora.use_fused(False)
+    pipe.scheduler.fwd.release()                 # the op lists are built again
+    try:
+        await _batch(eng, arch, [("peft", 1), (None, 0), ("gguf", 0)])
+    finally:
+        pipe.lora.use_fused(True)
+        pipe.scheduler.fwd.release()
 
 
 async def test_fused_rows_that_do_not_add_up_and_other_modules_are_refused_by_name(family, tmp_path):
