@@ -182,6 +182,8 @@ def test_every_route_takes_lora_scales(server):
     assert r["output"][-1]["content"][0]["text"] == want
     r = _post(server, "/v1/messages", {"model": base, "messages": msgs, "temperature": 0, "max_tokens": 8, "lora": lora})
     assert r["content"][0]["text"] == want
+    n = _post(server, "/v1/messages/count_tokens", {"model": base, "messages": msgs, "lora": lora})
+    assert n["input_tokens"] == r["usage"]["input_tokens"]        # the body as sent for the message
     opts = {"temperature": 0, "num_predict": 8}
     r = _post(server, "/api/chat", {"model": base, "messages": msgs, "stream": False, "options": opts, "lora": lora})
     assert r["message"]["content"] == want

@@ -39,7 +39,7 @@ KNOWN_FIELDS["messages"] = frozenset({
     "tools", "tool_choice", "thinking", "output_config", "container", "mcp_servers",
     "context_management", "lora"}) | HINTS        # lora: the per-request LoRA scales of the chat route
 COUNT_FIELDS = frozenset({"model", "messages", "system", "tools", "tool_choice", "thinking", "output_config",
-                          "cache_control", "context_management", "mcp_servers", "diagnostics"})
+                          "cache_control", "context_management", "mcp_servers", "diagnostics", "lora"})
 STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use", "stop": "end_turn", "abort": "end_turn"}
 # HTTP status -> Anthropic's error type (its documented set; 503 is its "overloaded")
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
