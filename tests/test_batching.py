@@ -11,6 +11,7 @@ import asyncio
 
 import pytest
 
+from webgpu_engine.engine import EngineConfig
 from webgpu_engine.engine.engine import AsyncMLCEngine
 from webgpu_engine.errors import ModelUnloadedError
 
@@ -35,10 +36,21 @@ def tiny_path(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 async def engine(device, tiny_path):
-    eng = AsyncMLCEngine()
+    eng = AsyncMLCEngine(EngineConfig(device=device))
     await eng.reload(str(tiny_path), chat_opts=OPTS)
     yield eng
     await eng.unload()
+
+
+async def _load(device, tiny_path, name: str, **opts) -> AsyncMLCEngine:
+    """The tiny model loaded under model id `name` by an engine of its own on the session device,
+    where the module's pipelines are cached. A model's GPU buffers are owned by "model:<id>" on its
+    device: engines sharing a device need ids of their own (unloading one would free the other's)."""
+    from webgpu_engine.engine import ModelRecord, default_app_config
+    app = default_app_config().with_records(ModelRecord(name, str(tiny_path), "llm"))
+    eng = AsyncMLCEngine(EngineConfig(device=device, app_config=app))
+    await eng.reload(name, chat_opts={**OPTS, **opts})
+    return eng
 
 
 def _sched(engine):
@@ -150,8 +162,7 @@ async def test_up_to_four_sequences_take_the_fused_one_row_kernels(device, tiny_
     row-invariant kernels of a wider batch), and a request's greedy and seeded tokens are the same
     alone, with 1..3 others, and with others joining and leaving midway; its logprobs are those of
     a model loaded with one slot, bit for bit."""
-    eng = AsyncMLCEngine()
-    await eng.reload(str(tiny_path), chat_opts={**OPTS, "max_num_sequences": 4})
+    eng = await _load(device, tiny_path, "tiny-four", max_num_sequences=4)
     try:
         fwd = _sched(eng).fwd
         assert fwd.fused_rows and not _sched(engine).fwd.fused_rows
@@ -178,8 +189,7 @@ async def test_up_to_four_sequences_take_the_fused_one_row_kernels(device, tiny_
                                                 logprobs=2)
             lp = r.choices[0].logprobs
             return lp.tokens, lp.token_logprobs, lp.top_logprobs
-        one = AsyncMLCEngine()
-        await one.reload(str(tiny_path), chat_opts={**OPTS, "max_num_sequences": 1})
+        one = await _load(device, tiny_path, "tiny-one", max_num_sequences=1)
         try:
             ref = [await logprobs(one, i) for i in range(4)]
         finally:
@@ -192,8 +202,7 @@ async def test_up_to_four_sequences_take_the_fused_one_row_kernels(device, tiny_
 
 async def test_queue_beyond_the_batch_is_served_in_order(device, tiny_path, alone):
     """max_num_sequences = 2 and six requests: all served, each with its solo tokens."""
-    eng = AsyncMLCEngine()
-    await eng.reload(str(tiny_path), chat_opts={**OPTS, "max_num_sequences": 2})
+    eng = await _load(device, tiny_path, "tiny-two", max_num_sequences=2)
     try:
         (lm,) = eng.models.values()
         order = []
@@ -212,8 +221,7 @@ async def test_queue_beyond_the_batch_is_served_in_order(device, tiny_path, alon
 async def test_tiny_pool_preempts_and_still_gives_the_same_tokens(device, tiny_path, alone):
     """A pool of one context + one block for eight sequences: the newest are preempted and
     recomputed; every answer equals its solo run."""
-    eng = AsyncMLCEngine()
-    await eng.reload(str(tiny_path), chat_opts={**OPTS, "kv_pool_tokens": 192 + 16})
+    eng = await _load(device, tiny_path, "tiny-pool", kv_pool_tokens=192 + 16)
     try:
         got = await asyncio.gather(*[_complete(eng, i) for i in range(8)])
         sched = _sched(eng)
@@ -229,15 +237,17 @@ async def test_a_preempted_sequence_gives_the_logprobs_of_a_run_never_preempted(
     compute their prompt's rows again by prefill and their decoded rows by decode steps that feed
     their own tokens (replay), as the rows were computed: every logprob equals, bit for bit, the same
     request's with nothing else running (recomputed by prefill, later tokens' logprobs moved, and
-    answers left the solo ones)."""
-    eng = AsyncMLCEngine()
+    answers left the solo ones). The prompts (20, 23, 26 and 29 tokens) fill 8 of the pool's 9
+    blocks: within 32 tokens the newest is preempted 5 tokens in, the next one 22 tokens in (its
+    replay crosses a block boundary)."""
+    eng = AsyncMLCEngine(EngineConfig(device=device))
     await eng.reload(str(smollm2_gguf), chat_opts={
         "context_window_size": 128, "prefill_chunk_size": 32, "max_num_sequences": 4, "kv_block_size": 16,
         "kv_pool_tokens": 128 + 16, "compile_at_load": False})
 
     async def logprobs(i):
         prompt = " ".join(WORDS[(i + k) % len(WORDS)] for k in range(20 + 3 * i))
-        r = await eng.completions.create(prompt=prompt, max_tokens=40, ignore_eos=True, temperature=0, logprobs=True)
+        r = await eng.completions.create(prompt=prompt, max_tokens=32, ignore_eos=True, temperature=0, logprobs=True)
         return r.choices[0].logprobs.token_logprobs
     try:
         solo = [await logprobs(i) for i in range(4)]
@@ -265,8 +275,7 @@ async def test_multi_round_chat_reuses_the_conversation(engine):
 
 
 async def test_unload_fails_the_running_requests_with_model_unloaded(device, tiny_path):
-    eng = AsyncMLCEngine()
-    await eng.reload(str(tiny_path), chat_opts=OPTS)
+    eng = await _load(device, tiny_path, "tiny-unload")
     streams = [await eng.completions.create(prompt=_prompt(i), max_tokens=150, ignore_eos=True, temperature=0,
                                             stream=True) for i in range(3)]
     for st in streams:
@@ -276,7 +285,7 @@ async def test_unload_fails_the_running_requests_with_model_unloaded(device, tin
         with pytest.raises(ModelUnloadedError):
             async for _ in st:
                 pass
-    await eng.reload(str(tiny_path), chat_opts=OPTS)       # usable again
+    await eng.reload("tiny-unload", chat_opts=OPTS)       # usable again
     try:
         assert (await _complete(eng, 0, 4))[1] == 4
     finally:
@@ -323,7 +332,6 @@ async def test_device_loss_fails_every_sequence_of_the_model(tiny_path):
     """A loss mid-batch: every running sequence of the model fails with DeviceLostError and no place
     of its lock stays held."""
     from webgpu_engine import gpu
-    from webgpu_engine.engine import EngineConfig
     from webgpu_engine.errors import DeviceLostError
     dev = await gpu.request_device()
     eng = AsyncMLCEngine(EngineConfig(device=dev))
@@ -352,7 +360,7 @@ async def test_batch_size_options(device, tiny_path):
     assert resolve_max_sequences(device, ChatConfig(max_num_sequences=0)) == want
     assert resolve_max_sequences(device, ChatConfig(max_num_sequences=0, prefill_chunk_size=2)) == 2
     assert resolve_max_sequences(device, ChatConfig(max_num_sequences=1)) == 1
-    eng = AsyncMLCEngine()
+    eng = AsyncMLCEngine()          # a device of its own: a failed load frees its model id's buffers
     for bad in ({"kv_block_size": 12}, {"max_num_sequences": 300}, {"max_num_sequences": 64, "prefill_chunk_size": 32},
                 {"kv_pool_tokens": -1}):
         with pytest.raises(ChatOptionTypeError) as e:
@@ -391,7 +399,6 @@ def test_measured_width(device, tmp_path, monkeypatch):
 async def test_no_shader_compiles_after_load(fresh_device, tiny_path):
     """With batching, reload() compiles the scheduler's pipelines too: concurrent requests of any
     length, sampled or greedy, compile none."""
-    from webgpu_engine.engine import EngineConfig
     eng = AsyncMLCEngine(EngineConfig(device=fresh_device))
     await eng.reload(str(tiny_path), chat_opts={**OPTS, "max_num_sequences": 3})
     try:
@@ -406,8 +413,7 @@ async def test_no_shader_compiles_after_load(fresh_device, tiny_path):
 async def test_a_place_freed_by_a_leaving_client_is_usable_at_once(device, tiny_path, alone):
     """Every place taken; one client leaves mid-stream, another never iterates its stream: the
     requests waiting for those places start at once and get their solo tokens."""
-    eng = AsyncMLCEngine()
-    await eng.reload(str(tiny_path), chat_opts={**OPTS, "max_num_sequences": 2})
+    eng = await _load(device, tiny_path, "tiny-two", max_num_sequences=2)
     try:
         s1 = await eng.completions.create(prompt=_prompt(1), max_tokens=150, ignore_eos=True, temperature=0,
                                           stream=True)
@@ -453,8 +459,7 @@ async def test_decode_ahead_gives_the_same_tokens(device, tiny_path, engine, alo
     seeded draws equal the serial engine's, alone, together, with requests joining and stopping
     midway, a client leaving and max_tokens ending a step early; rows past a sequence's end are
     never accepted and the pool keeps no block of them."""
-    eng = AsyncMLCEngine()
-    await eng.reload(str(tiny_path), chat_opts={**OPTS, "decode_ahead": True})
+    eng = await _load(device, tiny_path, "tiny-ahead", decode_ahead=True)
     try:
         sched = _sched(eng)
         assert sched.decode_ahead and not _sched(engine).decode_ahead      # off by default on lavapipe
