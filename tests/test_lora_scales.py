@@ -173,7 +173,8 @@ def test_every_route_takes_lora_scales(server):
     msgs = [{"role": "user", "content": REF["prompts"][1]}]
 
     def chat(**kw) -> str:
-        r = _post(server, "/v1/chat/completions", {"model": base, "messages": msgs, "temperature": 0, "max_tokens": 8, **kw})
+        r = _post(server, "/v1/chat/completions", {"model": base, "messages": msgs, "temperature": 0, "max_tokens": 8,
+                                                   **kw})
         return r["choices"][0]["message"]["content"]
     want = chat(lora=lora)
     assert want != chat()
@@ -190,6 +191,15 @@ def test_every_route_takes_lora_scales(server):
     r = _post(server, "/api/generate", {"model": base, "prompt": REF["prompts"][1], "raw": True, "stream": False,
                                          "options": {"temperature": 0, "num_predict": 12}, "lora": lora})
     assert r["response"] == ref["text"][1]
+    # an adapter picked by `model` (its name) on each route
+    by_name = chat(model="b")
+    assert by_name not in (want, chat())
+    r = _post(server, "/v1/responses", {"model": "b", "input": REF["prompts"][1], "temperature": 0, "max_output_tokens": 8})
+    assert r["output"][-1]["content"][0]["text"] == by_name
+    r = _post(server, "/v1/messages", {"model": "b", "messages": msgs, "temperature": 0, "max_tokens": 8})
+    assert r["content"][0]["text"] == by_name
+    r = _post(server, "/api/chat", {"model": "b", "messages": msgs, "stream": False, "options": opts})
+    assert r["message"]["content"] == by_name
     both = COMBINED[0]                   # a (8) and b (4) at once: the pool's rank 16 (--max-lora-rank)
     r = _post(server, "/v1/completions", {"model": base, "prompt": REF["prompts"][0], "temperature": 0, "max_tokens": 12,
                                            "ignore_eos": True, "lora": [{"name": n, "scale": v} for n, v in both["scales"].items()]})

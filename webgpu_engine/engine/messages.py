@@ -35,7 +35,8 @@ class Messages:
         req = request_fields(request, fields)
         chat = ap.chat_request(req)
         lm = await self.engine.select(chat.get("model"), LLM, "MessageCreateParams")
-        chat["model"] = lm.model_id
+        if chat.get("model") not in lm.lora_adapters:     # a LoRA adapter's name stays: its rows use it
+            chat["model"] = lm.model_id
         stream = bool(chat.pop("stream", False))
         try:
             res = await self.engine.chat.completions.create(chat, stream=stream)

@@ -82,7 +82,8 @@ def _model(request: web.Request, body: dict, kind: str | None):
     name = body.get("model", body.get("name"))
     if not isinstance(name, str) or not name:
         raise FieldTypeError("model", "a model name", name)
-    lm = engine.models.get(name) or (engine.models.get(name + ":latest") if ":" not in name else None)
+    lm = engine.models.get(name) or (engine.models.get(name + ":latest") if ":" not in name else None) \
+        or engine.lora.lora_base(name)           # a LoRA adapter's name: its base, with the adapter
     if lm is None:
         raise OllamaModelNotFoundError(name, list(engine.models))
     if kind is not None and lm.model_type != kind:
@@ -92,6 +93,11 @@ def _model(request: web.Request, body: dict, kind: str | None):
     if timer is not None:
         timer[1].cancel()
     return engine, lm
+
+
+def _served(req: dict, lm) -> str:
+    """The `model` a chat request over `lm` runs as: a LoRA adapter's name as given, else the base's id."""
+    return req["model"] if req["model"] in lm.lora_adapters else lm.model_id
 
 
 def _context(lm) -> int:
@@ -181,7 +187,7 @@ async def chat(request: web.Request) -> web.StreamResponse:
     body = await json_body(request)
     engine, lm = _model(request, body, LLM)
     req = proto.chat_request(body, _context(lm))
-    req["model"] = lm.model_id
+    req["model"] = _served(req, lm)
     if not req["messages"]:                   # Ollama's idiom: load (or unload) the model, answer nothing
         return await _load_answer(request, body, lm, {"message": {"role": "assistant", "content": ""}})
     return await _run(request, body, lm, engine.chat.completions, req, chat=True)
@@ -194,7 +200,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
         proto.generate_request({**body, "prompt": ""}, _context(lm))      # the other fields still checked
         return await _load_answer(request, body, lm, {"response": ""})
     req, is_chat = proto.generate_request(body, _context(lm))
-    req["model"] = lm.model_id
+    req["model"] = _served(req, lm)
     return await _run(request, body, lm, engine.chat.completions if is_chat else engine.completions, req,
                       chat=False)
 
