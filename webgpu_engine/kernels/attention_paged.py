@@ -182,14 +182,31 @@ class _KeyWindows(Op):
         return batch
 
 
-def _prefill_windows(dev: Device, loop: Op, header: str, entries: dict, t_max: int, n_q_heads: int, g: int,
-                     head_dim: int, keys: int) -> Op:
+# the window kernel's state per attention output buffer: id -> (that buffer, the state's); the ops
+# writing one output buffer (a forward's layers, its op lists of other row counts) run one after
+# another, so they share one state, freed with its owner (a model's buffers)
+_STATES: dict[int, tuple] = {}
+
+
+def _shared_state(dev: Device, out: Tensor, size: int):
+    """The state buffer (at least `size` bytes) of the window kernels writing `out`'s buffer."""
+    for k in [k for k, (o, st) in _STATES.items() if not (o.alive and st.alive)]:
+        del _STATES[k]
+    o, st = _STATES.get(id(out.buf), (None, None))
+    if o is not out.buf or st.size < size:
+        st = dev.buffer(size, owner=out.buf.owner, label="paged_prefill.state")
+        _STATES[id(out.buf)] = (out.buf, st)
+    return st
+
+
+def _prefill_windows(dev: Device, loop: Op, out: Tensor, header: str, entries: dict, t_max: int, n_q_heads: int,
+                     g: int, head_dim: int, keys: int) -> Op:
     """paged_prefill's _KeyWindows: the loop kernel's op `loop` (paged_causal) and paged_causal_window
-    with `header` (heads_per_lane g), its state and window counts."""
+    with `header` (heads_per_lane g) writing `out`, its state and window counts."""
     par = loop.buffers[0]
-    st = dev.buffer(t_max * n_q_heads * (head_dim // 4 + 1) * 16, owner=par.owner, label="paged_prefill.state")
+    st = _shared_state(dev, out, t_max * n_q_heads * (head_dim // 4 + 1) * 16)
     counts = [dev.upload(bytes(16), owner=par.owner, label="paged_prefill.window") for _ in range(3)]
-    op = _KeyWindows(list(loop.dispatches), [par, st, *counts], "paged_prefill")
+    op = _KeyWindows(list(loop.dispatches), [par, *counts], "paged_prefill")
     op.kw, op.keys, op.rows, op.n_hg = _NWB * _BLK, keys, t_max, n_q_heads // g
 
     def make(op: Op) -> None:
@@ -386,5 +403,5 @@ def paged_prefill(dev: Device, qkv: Tensor, k_pool: Tensor, v_pool: Tensor, out:
     if not _windowed(dev, head_dim, quant, ring, spans):
         return loop
     g = g if heads_per_lane else 1           # one head a lane: the fewest registers (measured the fastest)
-    return _prefill_windows(dev, loop, _windows_header(dt, head_dim, g, bs, window, softcap, bool(sinked)),
+    return _prefill_windows(dev, loop, out, _windows_header(dt, head_dim, g, bs, window, softcap, bool(sinked)),
                             entries, t_max, n_q_heads, g, head_dim, max_blocks * bs)
