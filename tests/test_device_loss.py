@@ -26,8 +26,8 @@ Q = [{"role": "user", "content": "What is the capital of France?"}]
 TEXTS = ["The cat sits on the mat.", "Stock markets fell sharply today."]
 MAX_TOKENS = 6
 BOTH = [LLM_ID, EMB_ID]
-# these tests lose devices on purpose: a model on a fresh device skips the load-time warm-up run
-# (tests/test_correctness.py checks it), which would otherwise dominate their time
+# no test here asserts on compiling: every load skips the load-time warm-up run of every pipeline
+# (tests/test_correctness.py checks it), which would otherwise dominate the time of these loads
 FAST = [{"compile_at_load": False}] * 2
 
 
@@ -44,7 +44,7 @@ async def embed(eng) -> list[list[float]]:
 @pytest.fixture(scope="module")
 async def reference(device, smollm2_gguf, minilm_dir):
     """Greedy answer and embeddings of the default models before any loss (session device)."""
-    eng = await create_mlc_engine(BOTH, EngineConfig(device=device))
+    eng = await create_mlc_engine(BOTH, EngineConfig(device=device), FAST)
     ref = (await greedy(eng), await embed(eng))
     await eng.unload()
     assert ref[0].strip() and len(ref[1]) == 2
@@ -252,7 +252,7 @@ async def test_loss_seen_by_one_request_fails_the_queued_ones(reference):
 # --------------------------------------------------------------------------- intentional unload
 async def test_unload_is_never_a_device_loss(device, reference):
     before = device.allocated_bytes()
-    eng = await create_mlc_engine(BOTH, EngineConfig(device=device, auto_recover=True))
+    eng = await create_mlc_engine(BOTH, EngineConfig(device=device, auto_recover=True), FAST)
     try:
         lm = eng.models[LLM_ID]
         # a stream in flight when the model is unloaded
