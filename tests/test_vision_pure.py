@@ -240,6 +240,31 @@ def test_qwen25vl_tower_takes_the_pages_rows(device):
         device.release_owner("test:pure_qwen25vl")
 
 
+def _phi3v_cfg():
+    from webgpu_engine.vision import phi3v
+    return phi3v.read_config("tiny", {"hidden_size": 64, "vision_config": {
+        "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2, "num_hidden_layers": 2}}, None)
+
+
+def test_phi3v_crops_equal_the_native_path():
+    """Phi-3.5-vision's MLC preprocessing (TVM's f32 bilinear resize truncated, the 255 pad, the
+    normalisation, the global image's f32 resize, the crops) of the page's picture: numpy's values
+    exactly, for a tall picture (one crop wide, six high, padded: the fewest crops a picture resizes
+    to, as each takes seconds in pure Python)."""
+    from webgpu_engine.vision import phi3v
+    cfg = _phi3v_cfg()
+    a = np.random.default_rng(11).integers(0, 256, (500, 90, 3), dtype=np.uint8)
+    for native, page in ((Image.fromarray(a, "RGB"), pure.RGBImage(90, 500, a.tobytes())),):
+        want, got = phi3v.preprocess(cfg, native), phi3v.preprocess(cfg, page)
+        assert (got.rows, got.cols) == (want.rows, want.cols) and len(got.pixels) == len(want.pixels) >= 2
+        for g, w in zip(got.pixels, want.pixels):
+            np.testing.assert_array_equal(np.asarray(g.values, np.float32).reshape(w.shape), w)
+        rows = phi3v.patches(cfg, got).pixels
+        assert isinstance(rows, array)
+        np.testing.assert_array_equal(np.asarray(rows, np.float32).reshape(-1, 3 * 14 * 14),
+                                      phi3v.patches(cfg, want).pixels)
+
+
 def _rgba_url(path, width=None) -> str:
     import base64
     img = Image.open(path).convert("RGBA")
@@ -294,6 +319,11 @@ order, sizes = qwen25vl.window_order(qc, g.gh, g.gw)
 offs = qwen25vl.offsets(qc, [(2, 2 + qwen25vl.n_tokens(qc, im.image), g)], 0, 40)
 print(type(g.rows).__name__, len(g.rows) == g.gh * g.gw * 3 * 2 * qc.patch_size ** 2, sum(sizes) == g.gh * g.gw,
       len(offs), len(qwen25vl.rope_positions(qc, g.gh, g.gw)) == g.gh * g.gw)
+from webgpu_engine.vision import phi3v
+pc = phi3v.read_config("t", {"hidden_size": 64, "vision_config": {"num_hidden_layers": 2}}, None)
+tall = pure.RGBImage(30, 170, bytes(range(256)) * 59 + bytes(196))
+crops = phi3v.patches(pc, phi3v.preprocess(pc, tall))
+print(type(crops.pixels).__name__, len(crops.pixels) // (3 * 14 * 14 * 24 * 24), len(phi3v.layout(pc, crops.rows, crops.cols, 99)) // 4 == phi3v.n_tokens(pc, tall))
 try:
     load_image("data:image/png;base64,AAAA", "messages[0].content[0]")
 except InvalidImageError as e:
@@ -301,7 +331,8 @@ except InvalidImageError as e:
 """)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.split() == ["RGBImage", "array", str(64 * 48), "16", "array", str(3 * 16), "True",
-                                 "array", "True", "True", "40", "True", "True"]
+                                 "array", "True", "True", "40", "True",
+                                 "array", "7", "True", "True"]
 
 
 def test_idefics3_position_ids_equal_numpys_f32_bucketing():

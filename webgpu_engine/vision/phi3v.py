@@ -20,15 +20,19 @@ calculateCropShape / getImageEmbeddings, conversation.ts getPromptArray).
 An image's rows replace its run of image tokens in the prompt: WebLLM places each image of a user
 message after the role prefix, followed by "\\n", before the message's text; here the template
 writes an image token run there (its length: h (P/2) (w P/2 + 1) + 1 + (P/2) (P/2 + 1)). The rows
-stay causal (MLC's prefill is the text model's). Pillow and numpy only (both in Pyodide).
+stay causal (MLC's prefill is the text model's). Pillow and numpy natively; in the page (neither)
+vision/pure.py's picture through the same f32 arithmetic in pure Python (`_preprocess_pure`).
 """
 from __future__ import annotations
 
 import math
+from array import array
 from dataclasses import dataclass
+from operator import add, itemgetter, mul
 from typing import TYPE_CHECKING
 
 from ..errors import InvalidRequestError, ModelFormatError, UnsupportedModelError
+from . import pure
 from .config import VisionConfig
 
 if TYPE_CHECKING:
@@ -155,19 +159,22 @@ def resize_linear(a: "np.ndarray", height: int, width: int) -> "np.ndarray":
 
 @dataclass
 class Crops:
-    """One picture's crops (1 + rows * cols, 3, 336, 336) f32, the global image first."""
-    pixels: "np.ndarray"
+    """One picture's crops (1 + rows * cols, 3, 336, 336) f32, the global image first (the page's: a
+    list of pure.PixelValues; once unfolded, an array of patch rows)."""
+    pixels: object
     rows: int
     cols: int
 
 
 def preprocess(cfg: VisionConfig, image) -> Crops:
     """MLC's image_preprocess of one RGB PIL image at WebLLM's sizes."""
-    import numpy as np
     w, h = image.size
     new_h, new_w = resize_shape(h, w)
     if new_h < 1:
         raise InvalidRequestError(f"An image of {w} x {h} is too wide for Phi-3.5-vision's crops", param="messages")
+    if isinstance(image, pure.RGBImage):
+        return _preprocess_pure(cfg, image, new_h, new_w)
+    import numpy as np
     u = np.asarray(image.convert("RGB"), dtype=np.uint8).transpose(2, 0, 1)
     x = np.trunc(resize_linear(u, new_h, new_w))           # cast back to the u32 input's dtype
     pad = -(-new_h // CROP) * CROP
@@ -182,39 +189,100 @@ def preprocess(cfg: VisionConfig, image) -> Crops:
     return Crops(np.concatenate([glb[None], sub]).astype(np.float32), rows, cols)
 
 
+# the page's: the same f32 arithmetic on planes of rows (array("f") rounds each value to f32; a product
+# or sum of two f32 values rounded once in doubles, then to f32, is the f32 operation's result)
+def _axis_pure(n_in: int, n_out: int) -> tuple[list, list, array, array]:
+    """_axis's (lower, upper, t) and 1 - t, in f32."""
+    f = pure.f32
+    scale, lo, hi, t = f(n_in / n_out), [], [], array("f")
+    for i in range(n_out):
+        x = f(f(f(i + 0.5) * scale) - 0.5)
+        k = math.floor(x)
+        lo.append(min(max(k, 0), n_in - 1))
+        hi.append(min(max(k + 1, 0), n_in - 1))
+        t.append(f(x - k))
+    return lo, hi, t, array("f", [1.0 - v for v in t])
+
+
+def _take(row, idx: list) -> tuple:
+    return tuple(row[i] for i in idx) if len(idx) == 1 else itemgetter(*idx)(row)
+
+
+def _lerp(p, q, one_minus_t, t) -> array:
+    return array("f", map(add, array("f", map(mul, p, one_minus_t)), array("f", map(mul, q, t))))
+
+
+def _resize_pure(plane: list, height: int, width: int) -> list:
+    """resize_linear of one channel (a list of rows) in f32: each source row's horizontal lerp once."""
+    y0, y1, ty, sy = _axis_pure(len(plane), height)
+    x0, x1, tx, sx = _axis_pure(len(plane[0]), width)
+    rows = {}
+    for y in sorted(set(y0) | set(y1)):
+        rows[y] = _lerp(_take(plane[y], x0), _take(plane[y], x1), sx, tx)
+    return [_lerp(rows[a], rows[b], [s] * width, [t] * width) for a, b, s, t in zip(y0, y1, sy, ty)]
+
+
+def _preprocess_pure(cfg: VisionConfig, image, new_h: int, new_w: int) -> Crops:
+    """preprocess of a pure.RGBImage: the same values without numpy."""
+    f, w = pure.f32, image.width
+    pad = -(-new_h // CROP) * CROP
+    top = (pad - new_h) // 2
+    planes = []
+    for c in range(3):
+        src = image.data[c::3]
+        plane = _resize_pure([array("f", list(src[y * w:(y + 1) * w])) for y in range(image.height)], new_h, new_w)
+        m, s = f(cfg.mean[c]), f(cfg.std[c])
+        table = [f(f(f(v * f(1 / 255.0)) - m) / s) for v in range(256)]
+        blank = array("f", [table[255]]) * new_w                       # the pad's 255
+        rows = [blank] * top + [array("f", [table[int(v)] for v in r]) for r in plane]
+        planes.append(rows + [blank] * (pad - top - new_h))
+
+    def crop(rows_of, y: int, x: int) -> pure.PixelValues:
+        v = array("f")
+        for c in range(3):
+            for r in rows_of[c][y:y + CROP]:
+                v.extend(r[x:x + CROP])
+        return pure.PixelValues(v, CROP, CROP)
+    glb = [_resize_pure(p, CROP, CROP) for p in planes]
+    rows, cols = pad // CROP, new_w // CROP
+    return Crops([crop(glb, 0, 0)] + [crop(planes, r * CROP, c * CROP) for r in range(rows) for c in range(cols)],
+                 rows, cols)
+
+
 def tiles(cfg: VisionConfig, image) -> list:
     return [preprocess(cfg, image)]
 
 
 def patches(cfg: VisionConfig, crops: Crops) -> Crops:
     """The crops' unfolded patches ((1 + rows * cols) * P * P, 3 p p), the layout's shape kept."""
+    if isinstance(crops.pixels, list):   # the page's
+        rows = array("f")
+        for c in crops.pixels:
+            rows.extend(pure.patches(cfg, c))
+        return Crops(rows, crops.rows, crops.cols)
     p, P = cfg.patch_size, cfg.patches_per_side
     a = crops.pixels.reshape(-1, 3, P, p, P, p).transpose(0, 2, 4, 1, 3, 5).reshape(-1, 3 * p * p)
     return Crops(a, crops.rows, crops.cols)
 
 
-def layout(cfg: VisionConfig, rows: int, cols: int, table_rows: int) -> "np.ndarray":
+def layout(cfg: VisionConfig, rows: int, cols: int, table_rows: int) -> array:
     """The HD layout as rows of a table of C-wide rows: crop k's patch (r, c) at k P*P + r P + c (the
     global image is crop 0), sub_GN at table_rows - 8 .. - 5, glb_GN at table_rows - 4 ..; one entry
     per C-wide quarter of each merged 4C row: (n_tokens * 4,) u32."""
-    import numpy as np
     P = cfg.patches_per_side
     half, N = P // 2, P * P
-    sub = np.arange(table_rows - 8, table_rows - 4, dtype=np.uint32)
-    glb = np.arange(table_rows - 4, table_rows, dtype=np.uint32)
-    quad = np.array([0, 1, P, P + 1], np.int64)              # (0,0), (0,1), (1,0), (1,1)
+    out = array("I")
 
-    def grid(first_crop: int, nr: int, nc: int) -> list:
-        out = []
+    def grid(first_crop: int, nr: int, nc: int) -> None:
         for R in range(nr * half):
             for Cc in range(nc * half):
-                k = first_crop + (R // half) * nc + Cc // half
-                r, c = R % half, Cc % half
-                out.append(k * N + 2 * r * P + 2 * c + quad)
-            out.append(sub)
-        return out
-    parts = grid(1, rows, cols) + [glb] + grid(0, 1, 1)
-    return np.concatenate(parts).astype(np.uint32)
+                at = (first_crop + (R // half) * nc + Cc // half) * N + 2 * (R % half) * P + 2 * (Cc % half)
+                out.extend((at, at + 1, at + P, at + P + 1))      # (0,0), (0,1), (1,0), (1,1)
+            out.extend(range(table_rows - 8, table_rows - 4))     # sub_GN
+    grid(1, rows, cols)
+    out.extend(range(table_rows - 4, table_rows))                 # glb_GN
+    grid(0, 1, 1)
+    return out
 
 
 # ---------------------------------------------------------------------- the template (WebLLM's)

@@ -9,6 +9,9 @@ Op lists are built per count of image rows (a picture's crop grid) and kept.
 """
 from __future__ import annotations
 
+import math
+from array import array
+
 from ..errors import ModelFormatError
 from .config import VisionConfig
 from .phi3v import TOWER_PREFIX, VISION_PREFIX, Crops, layout, token_count
@@ -22,7 +25,6 @@ class Phi3vTower(TileTower):
     record(batch, dst, index) writes the image's rows at row index * tokens_per_image of `dst`."""
 
     def __init__(self, dev, cfg: VisionConfig, art, *, owner: str):
-        import numpy as np
         from ..kernels import matmul as mm
         from ..kernels.common import new_tensor
         from ..models.siglip import SiglipTower
@@ -43,20 +45,20 @@ class Phi3vTower(TileTower):
                 raise ModelFormatError(f"{PROJ}{name} has shape {tuple(w.shape)}, expected {(n, k)}")
             return mm.upload_weight(dev, [w.data], w.qtype, n, k, owner=owner, label="v." + name)
 
-        def array(name: str, n: int):
+        def values(name: str, n: int) -> array:
             x = t.get(name)
-            if x is None or int(np.prod(x.shape)) != n:
+            if x is None or math.prod(x.shape) != n:
                 raise ModelFormatError(f"{art.cache_path}: {name} of {n} values is missing or of shape "
                                        f"{None if x is None else tuple(x.shape)}")
-            return np.asarray(self.siglip._array(x), np.float32)
+            return self.siglip._array(x)
 
         self.mm1, self.mm2 = weight("linear_1", T, 4 * C), weight("linear_2", T, T)
-        self.mm1_b = mm.upload_vector(dev, array(PROJ + "linear_1.bias", T).tobytes(), owner=owner, label="v.mm1b")
-        self.mm2_b = mm.upload_vector(dev, array(PROJ + "linear_2.bias", T).tobytes(), owner=owner, label="v.mm2b")
-        seps = np.concatenate([array(VISION_PREFIX + "sub_GN", 4 * C), array(VISION_PREFIX + "glb_GN", 4 * C)])
+        self.mm1_b = mm.upload_vector(dev, values(PROJ + "linear_1.bias", T).tobytes(), owner=owner, label="v.mm1b")
+        self.mm2_b = mm.upload_vector(dev, values(PROJ + "linear_2.bias", T).tobytes(), owner=owner, label="v.mm2b")
+        seps = values(VISION_PREFIX + "sub_GN", 4 * C) + values(VISION_PREFIX + "glb_GN", 4 * C)
         self.table_rows = self.max_crops * self.N + 8
         self.table = new_tensor(dev, (self.table_rows, C), "f32", owner=owner, label="v.table")
-        dev.write(self.table.buf, seps.astype(np.float32).tobytes(), self.table.offset + self.max_crops * self.N * C * 4)
+        dev.write(self.table.buf, seps.tobytes(), self.table.offset + self.max_crops * self.N * C * 4)
         M = cfg.tokens_per_image
         self.pix = new_tensor(dev, (self.max_crops * self.N, 3 * cfg.patch_size ** 2), "f32", owner=owner, label="v.crops")
         self.idx = new_tensor(dev, (4 * M, 2), "u32", owner=owner, label="v.layout")
@@ -88,22 +90,25 @@ class Phi3vTower(TileTower):
         self._projector(self.cfg.tokens_per_image)
 
     def write_patches(self, crops: Crops) -> None:
-        """One picture's crops' patches (vision/phi3v.py `patches`) and its layout's rows."""
-        import numpy as np
-        K = crops.pixels.shape[0] // self.N
+        """One picture's crops' patches (vision/phi3v.py `patches`: numpy's, or the page's `array`) and
+        its layout's rows."""
+        rows = crops.pixels
+        K = len(rows) // (self.N * (1 if hasattr(rows, "shape") else 3 * self.cfg.patch_size ** 2))
         if K > self.max_crops:
             raise ModelFormatError(f"{K} crops; at most {self.max_crops}")
-        self.dev.write(self.pix.buf, crops.pixels.astype(np.float32).tobytes(), self.pix.offset)
+        self.dev.write(self.pix.buf, rows.tobytes() if isinstance(rows, array) else rows.astype("float32").tobytes(),
+                       self.pix.offset)
         idx = layout(self.cfg, crops.rows, crops.cols, self.table_rows)
-        rows = np.stack([idx, np.zeros_like(idx)], axis=1)
-        self.dev.write(self.idx.buf, rows.astype(np.uint32).tobytes(), self.idx.offset)
-        self._crops = crops
+        pairs = array("I", bytes(8 * len(idx)))                         # (4M, 2): each quarter's table row, 0
+        pairs[0::2] = idx
+        self.dev.write(self.idx.buf, pairs.tobytes(), self.idx.offset)
+        self._crops, self._k = crops, K
 
     def record(self, batch, dst, index: int):
         """The tower over each crop (its features into the table), the layout and the projector;
         the picture's rows into `dst` from row index * tokens_per_image."""
         crops = self._crops
-        self._tiles_into_table(batch, crops.pixels.shape[0] // self.N, self.N, self.siglip.x, self.cfg.hidden_size)
+        self._tiles_into_table(batch, self._k, self.N, self.siglip.x, self.cfg.hidden_size)
         M = token_count(self.cfg, crops.rows, crops.cols)
         self._projector(M).record(batch)
         return self._rows_out(batch, dst, index, M)
