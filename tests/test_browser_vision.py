@@ -1,7 +1,8 @@
 """Images in the browser page: the tiny Gemma 3 vision-language fixture (tests/fixtures/
 make_gemma3_vision.py) loads in headless Chromium as a Hugging Face folder, takes a picture attached
 with the page's button (one pasted into the prompt shows as a thumbnail) and answers with
-transformers' greedy tokens for that picture; so does the tiny SmolVLM (make_idefics3.py). The page
+transformers' greedy tokens for that picture; so do the tiny SmolVLM (make_idefics3.py) and LLaVA 1.6
+(make_llava_next.py: any-resolution tiles, image_newline rows). The page
 decodes the picture in JavaScript, vision/pure.py preprocesses it without numpy or Pillow, the
 SigLIP tower runs on the browser's WebGPU (SwiftShader, f32 kernels). Served by tests/test_browser.py's
 server fixture."""
@@ -24,6 +25,8 @@ IMAGES = ROOT / "tests" / "fixtures" / "vision_images"
 REFERENCE = ROOT / "tests" / "fixtures" / "gemma3_vision_transformers.json"
 SMOL = ROOT / "tests" / "fixtures" / "tiny_idefics3"
 SMOL_REFERENCE = ROOT / "tests" / "fixtures" / "idefics3_transformers.json"
+NEXT = ROOT / "tests" / "fixtures" / "tiny_llava_next"
+NEXT_REFERENCE = ROOT / "tests" / "fixtures" / "llava_next_transformers.json"
 OPTS = {"temperature": 0.0, "top_p": 1.0, "context_window_size": 256, "prefill_chunk_size": 32}
 
 
@@ -89,6 +92,18 @@ async def test_page_answers_about_an_attached_picture(server, tmp_path):
             print(f"browser SmolVLM: loaded in {r['load_seconds']:.2f} s, answered in {got['seconds']:.2f} s")
             assert got["text"] == _text(smol["greedy"], SMOL), got
             assert got["usage"]["prompt_tokens"] == len(smol["input_ids"])
+
+            # LLaVA 1.6 (bicubic resize into a pinpoint, black pad, tiles, the layout's gather)
+            nxt = json.loads(NEXT_REFERENCE.read_text())["prompts"]["one"]
+            assert nxt["messages"] == want["messages"]
+            files = sorted(f.name for f in NEXT.iterdir())
+            r = await page.evaluate(f"window.demo.loadFolder({json.dumps(base + 'fixtures/' + NEXT.name + '/')}, "
+                                    f"{json.dumps(files)}, 'tiny-llava-next', {json.dumps(OPTS)})")
+            got = await page.evaluate(f"window.demo.chat({json.dumps(prompt)}, {{max_tokens: 12}}, "
+                                      f"[{json.dumps(base + 'fixtures/vision_images/' + nxt['images'][0])}])")
+            print(f"browser LLaVA 1.6: loaded in {r['load_seconds']:.2f} s, answered in {got['seconds']:.2f} s")
+            assert got["text"] == _text(nxt["greedy"], NEXT), got
+            assert got["usage"]["prompt_tokens"] == len(nxt["input_ids"])
         except BaseException:
             print("\n".join(logs[-40:]))
             raise
