@@ -81,29 +81,19 @@ async def test_page_answers_about_an_attached_picture(server, tmp_path):
                                         f"[{json.dumps(base + 'fixtures/vision_images/tall.png')}])")
             assert other["text"] != got["text"] and other["usage"]["prompt_tokens"] == len(want["input_ids"])
 
-            # SmolVLM (Idefics3: LANCZOS resizes into tiles, pixel shuffle) in the same page
-            smol = json.loads(SMOL_REFERENCE.read_text())["prompts"]["one"]
-            assert smol["images"] == [image] and smol["messages"] == want["messages"]
-            files = sorted(f.name for f in SMOL.iterdir())
-            r = await page.evaluate(f"window.demo.loadFolder({json.dumps(base + 'fixtures/' + SMOL.name + '/')}, "
-                                    f"{json.dumps(files)}, 'tiny-smolvlm', {json.dumps(OPTS)})")
-            got = await page.evaluate(f"window.demo.chat({json.dumps(prompt)}, {{max_tokens: 12}}, "
-                                      f"[{json.dumps(base + 'fixtures/vision_images/' + image)}])")
-            print(f"browser SmolVLM: loaded in {r['load_seconds']:.2f} s, answered in {got['seconds']:.2f} s")
-            assert got["text"] == _text(smol["greedy"], SMOL), got
-            assert got["usage"]["prompt_tokens"] == len(smol["input_ids"])
-
-            # LLaVA 1.6 (bicubic resize into a pinpoint, black pad, tiles, the layout's gather)
-            nxt = json.loads(NEXT_REFERENCE.read_text())["prompts"]["one"]
-            assert nxt["messages"] == want["messages"]
-            files = sorted(f.name for f in NEXT.iterdir())
-            r = await page.evaluate(f"window.demo.loadFolder({json.dumps(base + 'fixtures/' + NEXT.name + '/')}, "
-                                    f"{json.dumps(files)}, 'tiny-llava-next', {json.dumps(OPTS)})")
-            got = await page.evaluate(f"window.demo.chat({json.dumps(prompt)}, {{max_tokens: 12}}, "
-                                      f"[{json.dumps(base + 'fixtures/vision_images/' + nxt['images'][0])}])")
-            print(f"browser LLaVA 1.6: loaded in {r['load_seconds']:.2f} s, answered in {got['seconds']:.2f} s")
-            assert got["text"] == _text(nxt["greedy"], NEXT), got
-            assert got["usage"]["prompt_tokens"] == len(nxt["input_ids"])
+            # SmolVLM (Idefics3: LANCZOS resizes into tiles, pixel shuffle) and LLaVA 1.6 (bicubic resize
+            # into a pinpoint, black pad, tiles, the layout's gather) in the same page
+            for label, folder, reference in (("SmolVLM", SMOL, SMOL_REFERENCE), ("LLaVA 1.6", NEXT, NEXT_REFERENCE)):
+                other = json.loads(reference.read_text())["prompts"]["one"]
+                assert other["messages"] == want["messages"]
+                files = sorted(f.name for f in folder.iterdir())
+                r = await page.evaluate(f"window.demo.loadFolder({json.dumps(base + 'fixtures/' + folder.name + '/')}, "
+                                        f"{json.dumps(files)}, {json.dumps(folder.name)}, {json.dumps(OPTS)})")
+                got = await page.evaluate(f"window.demo.chat({json.dumps(prompt)}, {{max_tokens: 12}}, "
+                                          f"[{json.dumps(base + 'fixtures/vision_images/' + other['images'][0])}])")
+                print(f"browser {label}: loaded in {r['load_seconds']:.2f} s, answered in {got['seconds']:.2f} s")
+                assert got["text"] == _text(other["greedy"], folder), (label, got)
+                assert got["usage"]["prompt_tokens"] == len(other["input_ids"]), label
         except BaseException:
             print("\n".join(logs[-40:]))
             raise

@@ -142,37 +142,6 @@ def test_llava_next_layout_and_padding_equal_numpys():
         pure.padded(pure.RGBImage(11, 7, a.tobytes()), 16, 9, 6, 1)
 
 
-def test_llava_next_tower_takes_the_pages_rows(device):
-    """LlavaNextTower given the page's patch rows (an `array`) and layout writes the features it writes
-    for numpy's rows of the same picture."""
-    from _nn_util import get
-    from webgpu_engine.kernels.common import Tensor
-    from webgpu_engine.loaders.safetensors import SafetensorsFolder
-    from webgpu_engine.vision.llava_gpu import LlavaNextTower
-    folder = FAMILY_FOLDERS["llava_next"]
-    cfg = read_vision_config(folder)
-    files = SafetensorsFolder(folder)
-    try:
-        tower = LlavaNextTower(device, cfg, files.tensors, owner="test:pure_llava_next")
-    finally:
-        files.close()
-    try:
-        n, width = cfg.tokens_per_image, cfg.text_hidden
-        out = Tensor(device.buffer(2 * n * width * 4, owner="test:pure_llava_next"), (2 * n, width), "f32")
-        rgba = Image.open(IMAGES / "wide.png").convert("RGBA")
-        native = decode_bytes((IMAGES / "wide.png").read_bytes(), "wide.png").image
-        for i, image in enumerate((native, pure.from_rgba(rgba.tobytes(), rgba.width, rgba.height))):
-            tower.write_patches(llava.patches(cfg, llava.tiles(cfg, image)[0]))
-            device.submit(tower.record(device.batch(), out, i))
-        got = get(device, out).reshape(2, n, width)
-        m = llava.n_tokens(cfg, native)
-        assert m > 16 + 4 * 9 and np.abs(got[0, :m]).max() > 0
-        np.testing.assert_array_equal(got[1, :m], got[0, :m])
-    finally:
-        tower.dispose()
-        device.release_owner("test:pure_llava_next")
-
-
 def test_qwen25vl_layout_and_positions_equal_numpys():
     """Qwen2.5-VL's window order, its tower's 2D positions and M-RoPE's positions (pure Python, for the
     page) against their numpy statements, over grids cut at the windows' edges or not."""
@@ -209,35 +178,39 @@ def test_qwen25vl_layout_and_positions_equal_numpys():
                                       reference(images, n), err_msg=str((images, n)))
 
 
-def test_qwen25vl_tower_takes_the_pages_rows(device):
-    """Qwen25VLTower given the page's patch rows (an `array`) writes the features it writes for numpy's."""
+@pytest.mark.parametrize("family", ["llava_next", "qwen25vl"])
+def test_tower_takes_the_pages_rows(device, family):
+    """LlavaNextTower and Qwen25VLTower given the page's patch rows (an `array`; LLaVA-NeXT's layout
+    too) write the features they write for numpy's rows of the same picture."""
     from _nn_util import get
     from webgpu_engine.kernels.common import Tensor
     from webgpu_engine.loaders.safetensors import SafetensorsFolder
     from webgpu_engine.vision import qwen25vl
+    from webgpu_engine.vision.llava_gpu import LlavaNextTower
     from webgpu_engine.vision.qwen25vl_gpu import Qwen25VLTower
-    folder = FAMILY_FOLDERS["qwen25vl"]
+    folder, owner = FAMILY_FOLDERS[family], "test:pure_" + family
     cfg = read_vision_config(folder)
+    fam, Tower = (llava, LlavaNextTower) if family == "llava_next" else (qwen25vl, Qwen25VLTower)
     files = SafetensorsFolder(folder)
     try:
-        tower = Qwen25VLTower(device, cfg, files.tensors, owner="test:pure_qwen25vl")
+        tower = Tower(device, cfg, files.tensors, owner=owner)
     finally:
         files.close()
     try:
         n, width = cfg.tokens_per_image, cfg.text_hidden
-        out = Tensor(device.buffer(2 * n * width * 4, owner="test:pure_qwen25vl"), (2 * n, width), "f32")
+        out = Tensor(device.buffer(2 * n * width * 4, owner=owner), (2 * n, width), "f32")
         rgba = Image.open(IMAGES / "wide.png").convert("RGBA")
         native = decode_bytes((IMAGES / "wide.png").read_bytes(), "wide.png").image
         for i, image in enumerate((native, pure.from_rgba(rgba.tobytes(), rgba.width, rgba.height))):
-            tower.write_patches(qwen25vl.preprocess(cfg, image))
+            tower.write_patches(fam.patches(cfg, fam.tiles(cfg, image)[0]))
             device.submit(tower.record(device.batch(), out, i))
         got = get(device, out).reshape(2, n, width)
-        m = qwen25vl.n_tokens(cfg, native)
+        m = fam.n_tokens(cfg, native)
         assert m > 4 and np.abs(got[0, :m]).max() > 0
         np.testing.assert_array_equal(got[1, :m], got[0, :m])
     finally:
         tower.dispose()
-        device.release_owner("test:pure_qwen25vl")
+        device.release_owner(owner)
 
 
 def _phi3v_cfg():
