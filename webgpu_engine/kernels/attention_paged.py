@@ -166,10 +166,15 @@ class _KeyWindows(Op):
     n_hg: int = 0
     make: object = None
 
-    def record(self, batch, n_keys: int | None = None):
+    def finish(self) -> None:
+        """Make the window kernel and its bind groups (at the first record, or at the end of a load
+        that queues its kernels: then behind every other kernel of the load)."""
         if self.make is not None:
             self.make, make = None, self.make
             make(self)
+
+    def record(self, batch, n_keys: int | None = None):
+        self.finish()
         loop, *windows = self.dispatches
         if not windows[0][0].ready:
             batch.dispatch(*loop)

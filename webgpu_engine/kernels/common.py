@@ -85,6 +85,9 @@ class Op:
             batch.dispatch(p, bg, x, y, z)
         return batch
 
+    def finish(self) -> None:
+        """Make what the op makes at its first record rather than with the op (nothing here)."""
+
     def __add__(self, other: "Op") -> "Op":
         return Op(self.dispatches + other.dispatches, self.buffers + other.buffers, self.name)
 

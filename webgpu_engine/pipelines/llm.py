@@ -240,6 +240,9 @@ class LLMChatPipeline:
         if background:
             for kind, T in sched.compile_ops():
                 sched.fwd.ops(kind, T)
+            for kind, T in sched.compile_ops():     # kernels made at a first record: queued last
+                for op in sched.fwd.ops(kind, T):
+                    op.finish()
             return
         paged = [sched.fwd.ops(kind, T) for kind, T in sched.compile_ops()]
         slot = sched.slots[0]
