@@ -44,8 +44,7 @@ async def engine(device, tiny_path):
 
 async def _load(device, tiny_path, name: str, **opts) -> AsyncMLCEngine:
     """The tiny model loaded under model id `name` by an engine of its own on the session device,
-    where the module's pipelines are cached. A model's GPU buffers are owned by "model:<id>" on its
-    device: engines sharing a device need ids of their own (unloading one would free the other's)."""
+    where the module's pipelines are cached."""
     from webgpu_engine.engine import ModelRecord, default_app_config
     app = default_app_config().with_records(ModelRecord(name, str(tiny_path), "llm"))
     eng = AsyncMLCEngine(EngineConfig(device=device, app_config=app))
@@ -506,3 +505,20 @@ async def _aenumerate(it):
     async for x in it:
         k += 1
         yield k, x
+
+
+async def test_two_engines_loading_one_id_on_one_device_keep_their_own_buffers(device, tiny_path, alone):
+    """Two engines on one device load the same model id: each load owns its buffers (the second is
+    not "model:<id>", which the first holds), so unloading one leaves the other answering as alone."""
+    a = await _load(device, tiny_path, "tiny-twin")
+    b = await _load(device, tiny_path, "tiny-twin")
+    try:
+        owner_a, owner_b = (next(iter(e.models.values())).pipeline.owner for e in (a, b))
+        assert owner_a == "model:tiny-twin" and owner_b != owner_a and device.allocated_bytes(owner_b) > 0
+        await a.unload()
+        assert device.allocated_bytes(owner_a) == 0 and device.allocated_bytes(owner_b) > 0
+        assert await _complete(b, 3) == alone[3]
+    finally:
+        await a.unload()
+        await b.unload()
+    assert device.allocated_bytes(owner_b) == 0

@@ -307,11 +307,11 @@ class ModelLoader:
                 default = await record_adapter(pipe, rec)
         except BaseException:
             # Cancelled or failed mid-load: free whatever this load allocated.
+            # (only owners this load made: another engine on the device may hold "model:<id>" too)
             for owner in set(dev.allocations()) - before - SHARED_OWNERS:
                 dev.release_owner(owner)
-            dev.release_owner(f"model:{model_id}")
             raise
-        owners = (set(dev.allocations()) - before - SHARED_OWNERS) | {f"model:{model_id}", pipe.owner}
+        owners = (set(dev.allocations()) - before - SHARED_OWNERS) | {pipe.owner}
         lm = LoadedModel(model_id, rec, pipe, pipe.chat_config,
                          rec.model_type, FIFOLock(model_id, _places(pipe, rec.model_type)), 0, owners,
                          plan.estimate)

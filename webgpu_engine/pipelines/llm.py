@@ -136,6 +136,8 @@ class LLMChatPipeline:
         chat_config = chat_config or ChatConfig()
         path = Path(path)
         owner = f"model:{model_id}" if model_id else f"model:llm{next(_ids)}"
+        if dev.allocated_bytes(owner):   # the id loaded on this device by another engine: not its buffers
+            owner = f"{owner}#{next(_ids)}"
         tuning = tune.load_settings(chat_config.tune_kernels, chat_config.tune_budget_s)
         m = open_model(path, LLM)
         cfg, close = m.config, m.close
