@@ -9,7 +9,6 @@ import json
 import math
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 import pytest
 
@@ -17,19 +16,10 @@ from webgpu_engine.engine.engine import AsyncMLCEngine
 from webgpu_engine.engine.lora import UnknownLoraAdapterError
 from webgpu_engine.protocol.errors import FieldTypeError, RangeError, UnsupportedFieldsError
 
-FIXTURES = Path(__file__).parent / "fixtures"
-REF = json.loads((FIXTURES / "lora_transformers.json").read_text())
+from test_lora import ADAPTERS, FIXTURES, OPTS, REF, base_path  # noqa: F401  (ids: a 0, b 1; a fixture)
+
 SCALED_REF = json.loads((FIXTURES / "lora_scaled_transformers.json").read_text())
 SCALED, COMBINED = SCALED_REF["scaled"], SCALED_REF["combined"]
-ADAPTERS = {name: str(FIXTURES / "lora" / name) for name in REF["adapters"]}     # ids: a 0, b 1
-OPTS = {"dtype": "f32", "context_window_size": 128, "prefill_chunk_size": 32, "max_num_sequences": 4,
-        "kv_block_size": 16}
-
-
-@pytest.fixture(scope="module")
-def base_path(tmp_path_factory):
-    from tinymodels import write_tiny_llama_safetensors
-    return write_tiny_llama_safetensors(tmp_path_factory.mktemp("lora") / "base", seed=REF["seed"])["folder"]
 
 
 @pytest.fixture(scope="module")
