@@ -163,7 +163,10 @@ def test_serve(tmp_path, tiny):
     run_script("serve", "--smoke", "--model", tiny["chat"], "--port", "0", "--out", str(out))
     data = load(out, {"model", "max_tokens", "batch", "rows", "summary"})
     assert {(r["max_num_sequences"], r["clients"]) for r in data["rows"]} == {(1, 1), (1, 8), (2, 1), (2, 8)}
-    assert all(r["chunks"] > 0 and len(r["tok_s_rounds"]) == 2 and r["cpu_s_per_token"] > 0 for r in data["rows"])
+    assert all(r["chunks"] > 0 and len(r["tok_s_rounds"]) == 2 and r["cpu_s_per_token"] >= 0 for r in data["rows"])
+    # the server's CPU time is read in clock ticks (10 ms): a lone client's few smoke tokens may take
+    # less than one; eight clients' take several
+    assert all(r["cpu_s_per_token"] > 0 for r in data["rows"] if r["clients"] == 8)
     assert set(data["summary"]) == {"tok_s_8_over_1", "ttft_p95_8_over_lone", "cpu_per_token_8_x1_over_batched"}
 
 
