@@ -88,17 +88,13 @@ def choice(dev, qtype: str, n: int, k: int, T: int, row_invariant: bool) -> str 
 def save(dev, choices: dict, timings: dict | None = None, root=None) -> Path:
     """Store (merge into) this adapter's profile, atomically; later loads in this process see it."""
     p = path(dev, root)
-    p.parent.mkdir(parents=True, exist_ok=True)
     try:
         old = json.loads(p.read_text())
     except (OSError, ValueError):
         old = {}
     doc = {"adapter": adapter_fields(dev), "choices": {**old.get("choices", {}), **choices},
            "timings": {**old.get("timings", {}), **(timings or {})}}
-    fd, tmp = tempfile.mkstemp(prefix=".matmul-", suffix=".json", dir=p.parent)
-    with os.fdopen(fd, "w") as f:
-        json.dump(doc, f, indent=1, sort_keys=True)
-    os.replace(tmp, p)
+    _write(p, doc)
     _loaded[(str(cache_root(root)), adapter_id(dev))] = dict(doc["choices"])
     return p
 
@@ -126,14 +122,18 @@ def load_width(dev, root=None) -> int | None:
 def save_width(dev, width: int, timings: dict | None = None, root=None) -> Path:
     """Store this adapter's measured batch width (and the step timings it was chosen from)."""
     p = width_path(dev, root)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".batch-", suffix=".json", dir=p.parent)
-    with os.fdopen(fd, "w") as f:
-        json.dump({"adapter": adapter_fields(dev), "width": int(width), "timings": timings or {}}, f,
-                  indent=1, sort_keys=True)
-    os.replace(tmp, p)
+    _write(p, {"adapter": adapter_fields(dev), "width": int(width), "timings": timings or {}})
     _loaded[("width", str(cache_root(root)), adapter_id(dev))] = int(width)
     return p
+
+
+def _write(p: Path, doc: dict) -> None:
+    """Write `doc` as JSON to `p` atomically (a reader sees the old file or the whole new one)."""
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{p.stem}-", suffix=".json", dir=p.parent)
+    with os.fdopen(fd, "w") as f:
+        json.dump(doc, f, indent=1, sort_keys=True)
+    os.replace(tmp, p)
 
 
 def forget() -> None:
