@@ -268,12 +268,20 @@ def _legacy_ffn(tensors: dict, cfg: VisionConfig) -> None:
                     tensors[mlp + "fc2." + part], tensors[mlp + "fc1." + part]
 
 
+_HOLDS: dict[tuple, bool] = {}     # (path, size, mtime) -> holds_tower's answer
+
+
 def holds_tower(path) -> bool:
     """Whether `path` is a model GGUF holding its vision tower (Ollama's one-GGUF layout), read from
-    its header."""
+    its header once per file version (a load asks for its memory estimate and again for its inputs;
+    parsing a header with its vocabulary takes ~80 ms)."""
     try:
-        with GGUFFile(path) as g:
-            return embedded_tower(g) in EMBEDDED      # others' towers are not read: their text model runs
+        st = Path(path).stat()
+        key = (str(path), st.st_size, st.st_mtime_ns)
+        if key not in _HOLDS:
+            with GGUFFile(path) as g:
+                _HOLDS[key] = embedded_tower(g) in EMBEDDED  # others' towers are not read: their text runs
+        return _HOLDS[key]
     except (ModelFormatError, UnsupportedModelError, OSError):
         return False
 
