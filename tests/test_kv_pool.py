@@ -101,6 +101,43 @@ def test_a_prompt_takes_the_matching_rows_of_a_cached_block_by_a_copy():
     assert not KVPool(16, 4, share=False, partial=True).partial
 
 
+def test_a_freed_sequences_last_prefilled_rows_are_copied_not_recomputed():
+    """`partial`: a finished sequence's block holding its prompt's last rows, short of a full block,
+    stays cached for those rows: the same prompt again copies them (only its last token computed),
+    and a conversation's next turn (prompt + answer + more) copies the prompt's rows, never the
+    decoded ones after them."""
+    prompt = list(range(1, 11))                          # 2 full blocks + 2 rows
+    pool = KVPool(16, 4, partial=True)
+    _run(pool, "a", prompt)
+    pool.free("a")
+    assert pool.add_sequence("b", prompt) == 9 and pool.stats["copied_tokens"] == 1
+    assert pool.take_copy("b")[2] == 1
+    pool.free("b")
+    assert pool.add_sequence("c", prompt + [5]) == 10 and pool.take_copy("c")[2] == 2
+    pool.reserve("c", 11)
+    pool.append_tokens("c", [5])
+    pool.reserve("c", 14)
+    pool.append_tokens("c", [11, 12, 13], decoded=True)  # an answer: rows 11 .. 13
+    pool.free("c")
+    pool.check()
+    turn = prompt + [5, 11, 12, 13, 14]
+    assert pool.add_sequence("d", turn) == 11            # 8 shared + the prompt's 3 prefilled rows
+    src, dst, n = pool.take_copy("d")
+    assert n == 3 and src != dst and pool.tokens("d") == turn[:11]
+    pool.check()
+    # the tail is evictable like any cached block; without `partial` nothing is kept
+    pool.free("d")
+    for i in range(16):
+        pool.add_sequence(i + 100, [])
+        pool.reserve(i + 100, 4)
+    pool.check()
+    assert pool.stats["evictions"] > 0
+    plain = KVPool(16, 4)
+    _run(plain, "a", prompt)
+    plain.free("a")
+    assert plain.add_sequence("b", prompt) == 8
+
+
 def test_blocks_with_decoded_rows_are_never_shared():
     """Only blocks a prefill filled are shared (a decode step's rows are not a cold prefill's, bit
     for bit): the block a sequence's first decoded token lands in, and every block after it, stay
@@ -303,9 +340,78 @@ def test_random_schedules_keep_the_invariants(ops, n_blocks, block_size):
     assert pool.n_free == n_blocks and not any(pool.ref)
 
 
+COPY_OPS = st.lists(st.tuples(st.sampled_from(["add", "run", "grow", "decode", "free", "preempt"]),
+                              st.integers(0, 3),
+                              st.lists(st.integers(0, 1), min_size=1, max_size=9)), min_size=5, max_size=40)
+COPIED: list = []
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(ops=COPY_OPS, n_blocks=st.integers(2, 10), block_size=st.integers(2, 4))
+def test_random_schedules_with_copied_rows_read_only_prefilled_rows(ops, n_blocks, block_size):
+    """`partial` pools (rows copied from cached blocks and freed sequences' tails) under random
+    schedules, with the GPU's rows modelled: every row a sequence holds is the row it wrote itself
+    or a prefill row of the same token at the same position, never another sequence's decoded row,
+    whether it came from a shared block or a copy; the invariants hold after every step."""
+    pool = KVPool(n_blocks, block_size, partial=True)
+    rows: dict = {}                        # physical row -> (kind, position, token) last written there
+    mine: dict = {}                        # seq -> {position: kind} of the rows it wrote itself
+
+    def write(seq, start, toks, kind):
+        for j, (slot, t) in enumerate(zip(pool.slots(seq, start, len(toks)), toks)):
+            rows[slot] = (kind, start + j, t)
+            mine[seq][start + j] = kind
+
+    for op, slot, toks in ops:
+        seq = f"s{slot}"
+        if op in ("add", "run") and seq not in pool:
+            hit = pool.add_sequence(seq, toks)
+            assert hit <= max(0, len(toks) - 1) and pool.tokens(seq) == toks[:hit]
+            mine[seq] = {}
+            cp = pool.take_copy(seq)        # the scheduler records the copy before the first forward
+            if cp is not None:
+                src, dst, n = cp
+                for r in range(n):
+                    if src * block_size + r in rows:
+                        rows[dst * block_size + r] = rows[src * block_size + r]
+                COPIED.append(n)
+            if op == "run" and pool.blocks_needed(seq, len(toks)) <= pool.n_free:
+                pool.reserve(seq, len(toks))
+                write(seq, hit, toks[hit:], "p")
+                pool.append_tokens(seq, toks[hit:])
+        elif op in ("grow", "decode") and seq in pool:
+            n = pool.num_tokens(seq)
+            try:
+                pool.reserve(seq, n + len(toks))
+            except PoolExhaustedError:
+                continue
+            write(seq, n, toks, op[0])
+            pool.append_tokens(seq, toks, decoded=op == "decode")
+        elif op == "free" and seq in pool:
+            pool.free(seq)
+        elif op == "preempt":
+            pool.preempt_newest()
+        pool.check()
+        for s in list(mine):
+            if s not in pool:
+                del mine[s]
+                continue
+            for p, t in enumerate(pool.tokens(s)):
+                kind = mine[s].get(p, "p")
+                if kind == "g":
+                    kind = "p"
+                got = rows.get(pool.slots(s, p, 1)[0])
+                assert got is not None and got[1:] == (p, t) and (got[0] in ("p", "g")) == (kind == "p"), (s, p)
+    for s in list(mine):
+        pool.free(s)
+    pool.check()
+    assert pool.n_free == n_blocks
+
+
 def test_random_schedules_exercised_sharing():
-    """The property test above did reach prefix hits (it runs first, in file order)."""
+    """The property tests above did reach prefix hits and copies (they run first, in file order)."""
     assert len(HITS) > 100 and sum(h > 0 for h in HITS) > 20, (len(HITS), sum(h > 0 for h in HITS))
+    assert sum(n > 0 for n in COPIED) > 20, COPIED
 
 
 def test_imports_without_compiled_dependencies():

@@ -139,10 +139,10 @@ async def test_kv_reuse_when_conversation_extends(pipe):
     await pipe.prefill_step(conv, gen)
     u = pipe.usage()
     reused = u["prompt_tokens"] - _prefilled(pipe)
-    # the first prompt's rows were reused (the pool's full blocks of them); the answer's, written by
-    # decode steps (which round otherwise than a prefill), were computed again
+    # the first prompt's rows were reused (its full blocks shared, the rows of its last block copied);
+    # the answer's, written by decode steps (which round otherwise than a prefill), were computed again
     bs = pipe.plan.kv_block_size
-    assert reused == len(pipe.prompt_ids(Q, None)) // bs * bs >= 32
+    assert reused == len(pipe.prompt_ids(Q, None)) >= 32 and reused % bs
     while not pipe.stopped:
         await pipe.decode_step()
     reused_answer = pipe.get_message()
@@ -187,6 +187,21 @@ async def test_a_prompt_reuses_its_rows_of_another_prompts_block(pipe):
     assert pool.stats["copied_tokens"] - copied == same % bs
     assert (pipe.output_ids, pipe.token_logprobs) == cold
     pool.check()
+
+
+async def test_the_same_prompt_again_computes_only_its_last_token(pipe):
+    """A finished request's last prompt rows, short of a full block, stay cached: the same prompt
+    again copies them and computes only its last token, answering as from a cold cache, logprobs bit
+    for bit (a conversation's next turn: test_kv_reuse_when_conversation_extends)."""
+    gen = GenerationConfig(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=True, top_logprobs=2)
+    pipe.reset_chat()
+    await _generate(pipe, gen)
+    cold = (pipe.output_ids, pipe.token_logprobs)
+    ids, bs = pipe.prompt_ids(Q, None), pipe.plan.kv_block_size
+    assert len(ids) % bs > 1 and _prefilled(pipe) == len(ids)
+    await _generate(pipe, gen)
+    assert _prefilled(pipe) == 1 and (pipe.output_ids, pipe.token_logprobs) == cold
+    pipe.scheduler.pool.check()
 
 
 async def test_logprobs_shape(pipe):

@@ -21,6 +21,8 @@ template's system text do, takes that block's first matching rows by a copy into
 (`take_copy`: the scheduler records it before the sequence's first forward; the source block is held
 until then), so a prompt recomputes only what no cached block holds, to the token, as a conversation's
 own cache did. A copied row is the row a prefill of those tokens writes (prefill is row-invariant).
+A freed sequence's last, partly filled block is cached too for its prefilled rows (`_keep_tail`),
+so the same prompt again, or a conversation's next turn, copies its tail rather than computing it.
 
 A block is in exactly one state: free (never held or evicted), referenced (ref > 0, in one or, when
 cached and shared, several block tables) or cached-idle (ref 0, hash kept, in the LRU list). Allocation
@@ -64,6 +66,7 @@ def block_hash(parent: bytes, tokens) -> bytes:
 
 
 ROOT = b""          # the parent key of a sequence's first block
+PART = b"p"         # prefix of a cached tail's key (its first rows only): never equal to a full block's
 
 
 @dataclass
@@ -230,7 +233,7 @@ class KVPool:
         best, src = 0, None
         for b, toks in self._children.get(parent, {}).items():
             m = 0
-            while m < len(want) and toks[m] == want[m]:
+            while m < len(want) and m < len(toks) and toks[m] == want[m]:
                 m += 1
             if m > best:
                 best, src = m, b
@@ -282,11 +285,7 @@ class KVPool:
             if not self.share or (s.exact is not None and (i + 1) * bs > s.exact):
                 continue                    # holds decoded rows (or nothing is shared): private
             if key not in self._cache:      # a duplicate of a cached block stays private
-                self._cache[key] = b
-                self._key_of[b] = key
-                parent = s.hashes[-2] if len(s.hashes) > 1 else s.root
-                self._parent_of[b] = parent
-                self._children.setdefault(parent, {})[b] = tuple(s.tokens[i * bs:(i + 1) * bs])
+                self._register(b, key, s.hashes[-2] if len(s.hashes) > 1 else s.root, s.tokens[i * bs:(i + 1) * bs])
 
     def trim(self, seq_id, n_tokens: int) -> None:
         """Gives back the reserved blocks seq_id needs no more to hold n_tokens (at least its written
@@ -315,10 +314,34 @@ class KVPool:
         """Releases seq_id's blocks. Cached blocks whose count drops to 0 become evictable, the
         table's tail first so that a chain's head (the likeliest to be shared) is evicted last."""
         s = self._seqs.pop(seq_id)
+        if self.partial and s.copy is None:
+            self._keep_tail(s)
         for b in reversed(s.blocks):
             self._release(b)
         if s.copy is not None:              # admitted, never run: the source's hold goes too
             self._release(s.copy[0])
+
+    def _keep_tail(self, s: _Seq) -> None:
+        """`partial`: a freed sequence's block holding its last prefilled rows (a prompt's tail, perhaps
+        followed by decoded rows), when they do not fill it, is cached for those rows (under a key of its own, never a full block's), so that the same prompt
+        again, or a conversation's next turn, copies them rather than computing them (`_take_rows`)."""
+        bs, prefilled = self.block_size, len(s.tokens) if s.exact is None else min(s.exact, len(s.tokens))
+        i = prefilled // bs                 # the first block not prefilled to its end
+        rows = prefilled - i * bs
+        if rows < 1 or i >= len(s.blocks) or self.ref[s.blocks[i]] != 1 or s.blocks[i] in self._key_of:
+            return
+        parent = s.hashes[i - 1] if i else s.root
+        toks = s.tokens[i * bs:i * bs + rows]
+        key = PART + block_hash(parent, toks)
+        if key not in self._cache:
+            self._register(s.blocks[i], key, parent, toks)
+
+    def _register(self, b: int, key: bytes, parent: bytes, tokens) -> None:
+        """Caches block b under key, a child of `parent` holding `tokens` (a full block's, or a tail's rows)."""
+        self._cache[key] = b
+        self._key_of[b] = key
+        self._parent_of[b] = parent
+        self._children.setdefault(parent, {})[b] = tuple(tokens)
 
     def preempt_newest(self, keep=()) -> object:
         """Frees the most recently admitted sequence not in `keep` and returns its id (the scheduler
