@@ -226,3 +226,27 @@ async def test_the_pools_rank_and_bound_from_reload_and_serves_flags(device, bas
         await eng.unload()
     args = build_parser().parse_args(["serve", "--lora", "a=x", "--lora-max-rank", "32", "--max-loras", "6"])
     assert (args.max_lora_rank, args.max_loras) == (32, 6)
+
+
+async def test_the_pools_rank_and_bound_outlive_a_device_loss_with_no_adapter_loaded(base_path):
+    """reload(lora_max_rank=, max_loras=) with no adapter yet, then a device loss: the recovered
+    engine's first adapter makes the pool reload() asked for (rank 12, 3 entries), not the default
+    rank and bound (16, 4)."""
+    from webgpu_engine import gpu
+    from webgpu_engine.engine import EngineConfig
+    from webgpu_engine.errors import DeviceLostError
+    eng = AsyncMLCEngine(EngineConfig(device=await gpu.request_device(), auto_recover=True))
+    await eng.reload(str(base_path), chat_opts=OPTS, lora_max_rank=12, max_loras=3)
+    try:
+        stream = await eng.completions.create(prompt=REF["prompts"][0], max_tokens=8, stream=True,
+                                              temperature=0.0, ignore_eos=True)
+        with pytest.raises(DeviceLostError):
+            async for _ in stream:
+                eng.device.destroy()
+        await eng.completions.create(prompt=REF["prompts"][0], max_tokens=1)        # recovers
+        await eng.load_lora_adapter("a", ADAPTERS["a"])
+        pool = eng.models[_base(eng)].pipeline.lora
+        assert (pool.max_rank, pool.slots) == (12, 3)
+    finally:
+        await eng.unload()
+        eng.device.close()

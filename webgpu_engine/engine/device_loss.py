@@ -50,7 +50,8 @@ class DeviceLoss:
             ids, opts = held.last_reload
             log.warning("recovering from device loss: new device, reloading %s", ids)
             loras = dict(self.lora.kept)              # lora.py: the adapters served before
-            await self.reload(ids, opts)
+            # and the pool's rank and bound reload() was given, kept where no adapter is loaded yet
+            await self.reload(ids, opts, lora_max_rank=self.lora.max_rank, max_loras=self.lora.max_loras)
             await self.lora.restore(loras)
         finally:
             self._recovering.set_result(None)
