@@ -8,11 +8,12 @@ import struct
 import numpy as np
 import pytest
 
+from decoder_runner import DecoderRunner
 from ref_llama import RefLlama, weights_from_infos
 from webgpu_engine.config import ChatConfig, GenerationConfig, SamplingParams
 from webgpu_engine.errors import ContextWindowTooLargeError, GPUOutOfMemoryError
 from webgpu_engine.kernels.sampling import Sampler
-from webgpu_engine.models.llama import LlamaModel
+from webgpu_engine.models.paged_sequence import PagedSequence
 from webgpu_engine.pipelines.llm import LLMChatPipeline
 
 
@@ -54,32 +55,14 @@ def _tiny_cases():
 
 
 def _gpu_logits(device, cfg, infos, ids, dtype="f32", chunk=8):
-    """Logits (len(ids), V) from the GPU model: prefill in chunks of `chunk` tokens, each row via
-    its own forward of length 1 after a prefix, plus the all-at-once last row."""
-    m = LlamaModel(device, cfg, infos, owner="test:llama", context_window=64, prefill_chunk=chunk,
-                   dtype=dtype)
+    """Logits (len(ids) - chunk + 1, V) from the GPU model: the first chunk's last row by prefill,
+    then one decode step per token (both paths checked)."""
+    r = DecoderRunner(device, cfg, infos, owner="test:llama", context_window=64, chunk=chunk, dtype=dtype)
     try:
-        V = cfg.vocab_size
-        fmt = "<%de" % V if dtype == "f16" else "<%df" % V
-        out = []
-        pos = 0
-        # prefill the first chunk, then decode the rest one token at a time (both paths checked)
-        first = ids[:chunk]
-        b = device.batch()
-        m.record_prefill(b, first, 0)
-        device.submit(b)
-        out.append(struct.unpack(fmt, device.read_sync(m.logits.buf, 0, m.logits.nbytes)))
-        pos = len(first)
-        for t in ids[chunk:]:
-            device.write(m.ids.buf, struct.pack("<I", t))
-            b = device.batch()
-            m.record_decode(b, pos)
-            device.submit(b)
-            out.append(struct.unpack(fmt, device.read_sync(m.logits.buf, 0, m.logits.nbytes)))
-            pos += 1
-        return np.array(out)
+        return np.array([r.prefill(ids, [chunk])[chunk - 1]]
+                        + [r.decode(t, pos) for pos, t in enumerate(ids[chunk:], chunk)])
     finally:
-        m.release()
+        r.release()
 
 
 @pytest.mark.parametrize("arch,fmt,wtype,act,tol", [
@@ -155,35 +138,36 @@ def test_memory_errors_name_bytes(device, smollm2_gguf):
     g = GGUFFile(smollm2_gguf)
     cfg = g.model_config()
     with pytest.raises(GPUOutOfMemoryError, match=r"\d+ bytes"):
-        LlamaModel(device, cfg, g.weights(), owner="test:llama-oom", context_window=8192,
-                   max_total_bytes=50 << 20)
+        PagedSequence.build(device, cfg, g.weights(), owner="test:llama-oom", context_window=8192,
+                            max_total_bytes=50 << 20)
     assert device.allocated_bytes("test:llama-oom") == 0
     cfg.context_length = 1 << 22
     with pytest.raises(ContextWindowTooLargeError, match="bytes per layer"):
-        LlamaModel(device, cfg, g.weights(), owner="test:llama-oom", context_window=1 << 22)
+        PagedSequence.build(device, cfg, g.weights(), owner="test:llama-oom", context_window=1 << 22)
     assert device.allocated_bytes("test:llama-oom") == 0
     g.close()
 
 
 def test_sampler_on_model_logits_keeps_next_id(device, smollm2_gguf):
-    """The decode step's input id comes from the sampler on the GPU (no host write of ids)."""
+    """A sampler on the paged forward's logits row writes the id it samples into the forward's input
+    ids on the GPU (no host write of ids)."""
     from webgpu_engine.loaders.gguf import GGUFFile
     g = GGUFFile(smollm2_gguf)
     cfg = g.model_config()
-    m = LlamaModel(device, cfg, g.weights(), owner="test:llama-ids", context_window=64, prefill_chunk=16)
+    seq = PagedSequence.build(device, cfg, g.weights(), owner="test:llama-ids", context_window=64, prefill_chunk=16)
     try:
         s = Sampler(device, cfg.vocab_size, owner="test:llama-ids")
-        op = s.op(m.logits.view((cfg.vocab_size,)), m.ids)
+        op = s.op(seq.logits, seq.fwd.ids)
         s.configure(SamplingParams(temperature=0.0))
         s.reset_history()
         b = device.batch()
-        m.record_prefill(b, [1, 4093, 198, 6004], 0)
+        seq.record_prefill(b, [1, 4093, 198, 6004], 0)
         op.record(b)
         device.submit(b)
         tok = s.read_sync().token
-        assert struct.unpack("<I", device.read_sync(m.ids.buf, 0, 4))[0] == tok
+        assert struct.unpack("<I", device.read_sync(seq.fwd.ids.buf, 0, 4))[0] == tok
     finally:
-        m.release()
+        seq.release()
         g.close()
 
 
@@ -217,22 +201,11 @@ def test_rope_scaling_over_300_positions(device, tmp_path, fmt, scaling):
         assert cfg.rope_freq_factors == pytest.approx(info["config"].rope_freq_factors, rel=1e-6)
         assert cfg.rope_scaling == scaling["rope_type"] and max(cfg.rope_freq_factors) == scaling["factor"]
         ids = [int(i) for i in np.random.default_rng(5).integers(3, cfg.vocab_size, 303)]
-        m = LlamaModel(device, cfg, infos, owner="test:llama", context_window=512, prefill_chunk=128)
+        r = DecoderRunner(device, cfg, infos, owner="test:llama", context_window=512, chunk=128)
         try:
-            got = []
-            for p0 in range(0, 300, 128):
-                b = device.batch()
-                m.record_prefill(b, ids[p0:min(p0 + 128, 300)], p0)
-                device.submit(b)
-            got.append(np.frombuffer(device.read_sync(m.logits.buf, 0, m.logits.nbytes), np.float32))
-            for pos in range(300, 303):
-                device.write(m.ids.buf, struct.pack("<I", ids[pos]))
-                b = device.batch()
-                m.record_decode(b, pos)
-                device.submit(b)
-                got.append(np.frombuffer(device.read_sync(m.logits.buf, 0, m.logits.nbytes), np.float32))
+            got = [r.prefill(ids, [300])[299]] + [r.decode(ids[pos], pos) for pos in range(300, 303)]
         finally:
-            m.release()
+            r.release()
         weights = weights_from_infos(infos)
         want = RefLlama(cfg, weights, np.float64).forward(ids)[299:]
         np.testing.assert_allclose(np.array(got), want, atol=2e-3, rtol=0)
@@ -249,6 +222,7 @@ def test_llama3_rope_scaling_matches_transformers(device, tmp_path):
     import json
     from pathlib import Path
 
+    from test_families import run_golden
     from webgpu_engine.loaders.hf_config import load_llama_config
     from webgpu_engine.loaders.safetensors import SafetensorsFolder
     ref = json.loads((Path(__file__).parent / "fixtures" / "llama3_rope_transformers.json").read_text())
@@ -257,31 +231,14 @@ def test_llama3_rope_scaling_matches_transformers(device, tmp_path):
     cfg = load_llama_config(info["folder"])
     ids = [int(i) for i in np.random.default_rng(ref["seq_seed"]).integers(3, cfg.vocab_size, ref["seq_len"])]
     f = SafetensorsFolder(info["folder"])
-    m = LlamaModel(device, cfg, f.weights("llama"), owner="test:llama", context_window=512, prefill_chunk=128)
-
-    def prefill(n):
-        for p0 in range(0, n, 128):
-            b = device.batch()
-            m.record_prefill(b, ids[p0:min(p0 + 128, n)], p0)
-            device.submit(b)
-        return np.frombuffer(device.read_sync(m.logits.buf, 0, m.logits.nbytes), np.float32)
     try:
-        for r, want in zip(ref["rows"], ref["logits"]):
-            got, want = prefill(r + 1), np.asarray(want)
-            assert np.abs(got - want).max() <= 1e-3 * np.abs(want).max(), f"position {r}"
-        logits, pos, greedy = prefill(ref["prompt_len"]), ref["prompt_len"], []
-        for _ in range(len(ref["greedy"])):
-            greedy.append(int(np.argmax(logits)))
-            device.write(m.ids.buf, struct.pack("<I", greedy[-1]))
-            b = device.batch()
-            m.record_decode(b, pos)
-            device.submit(b)
-            logits = np.frombuffer(device.read_sync(m.logits.buf, 0, m.logits.nbytes), np.float32)
-            pos += 1
-        assert greedy == ref["greedy"]
+        rows, greedy = run_golden(device, cfg, f.weights("llama"), {**ref, "text_ids": ids})
     finally:
-        m.release()
         f.close()
+    for r, want in zip(ref["rows"], ref["logits"]):
+        want = np.asarray(want)
+        assert np.abs(rows[r] - want).max() <= 1e-3 * np.abs(want).max(), f"position {r}"
+    assert greedy == ref["greedy"]
 
 
 @pytest.mark.parametrize("mix", [{"v": "q6_k", "down": "q6_k"},            # as in Q4_K_M files
