@@ -16,30 +16,23 @@ from webgpu_engine.engine import AsyncMLCEngine, EngineConfig, ModelRecord, defa
 from webgpu_engine.errors import ChatOptionTypeError, UnsupportedChatOptionError
 from webgpu_engine.kernels.common import Ring
 from webgpu_engine.loaders.gguf import GGUFFile
-from webgpu_engine.models.llama import LlamaModel
 
 SYSTEM = {"role": "system", "content": "You are terse."}
 LAST = {"role": "user", "content": "And the last one?"}
 
 
-class RingRunner(DecoderRunner):
-    def __init__(self, device, cfg, weights, *, owner, ring, chunk, kv_cache_dtype=""):
-        self.device, self.chunk = device, chunk
-        self.model = LlamaModel(device, cfg, weights, owner=owner, prefill_chunk=chunk, ring=ring,
-                                kv_cache_dtype=kv_cache_dtype)
-
-
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_ring_model_matches_the_reference(device, tmp_path, arch):
-    """300 positions through a ring of W = 64 (S = 4) and 32 rows: prefill forwards ending at 100, 200
-    and 290, then decode steps; every kept row's logits against RefLlama with the ring, which differs
-    from plain causal attention there."""
+    """300 positions through a ring of W = 64 (S = 4) and 32 rows (the paged pool of one sequence, as
+    a load with those options plans it): prefill forwards ending at 100, 200 and 290, then decode
+    steps; every kept row's logits against RefLlama with the ring, which differs from plain causal
+    attention there."""
     info = write_tiny_llama_gguf(tmp_path / "m.gguf", arch=arch, seed=3, context_length=512)
     f = GGUFFile(info["path"])
     try:
         cfg, infos = f.model_config(), f.weights()
         ids = [int(i) for i in np.random.default_rng(8).integers(3, cfg.vocab_size, 300)]
-        r = RingRunner(device, cfg, infos, owner="test:ring", ring=Ring(4, 64), chunk=32)
+        r = DecoderRunner(device, cfg, infos, owner="test:ring", ring=Ring(4, 64), chunk=32)
         try:
             assert r.model.ctx == 96
             got = r.prefill(ids, [100, 200, 290])
