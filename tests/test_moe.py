@@ -111,22 +111,18 @@ def check_quantized_as_floats(device, write, qtype: str, ref: dict) -> None:
 def test_prefill_rows_do_not_depend_on_the_chunking(device, tmp_path, dtype):
     """A position's logits are the same bits whether the prompt ran as one chunk of 64 rows or as
     chunks of 16, 5 or 1 (the rows grouped by expert differently each time)."""
-    from webgpu_engine.models.llama import LlamaModel
+    from decoder_runner import DecoderRunner
     m = open_model(_files(tmp_path, "qwen3moe", "gguf", _ref("qwen3moe")["dims"]))
     ids = _ref("qwen3moe")["text_ids"][:64]
     try:
         got = []
         for chunk in (64, 16, 5, 1):
-            model = LlamaModel(device, m.config, m.weights, owner="test:moe", context_window=128,
-                               prefill_chunk=chunk, dtype=dtype)
+            run = DecoderRunner(device, m.config, m.weights, owner="test:moe", context_window=128, chunk=chunk,
+                                dtype=dtype)
             try:
-                for p0 in range(0, 64, chunk):
-                    b = device.batch()
-                    model.record_prefill(b, ids[p0:p0 + chunk], p0)
-                    device.submit(b)
-                got.append(device.read_sync(model.logits.buf, 0, model.logits.nbytes))
+                got.append(run.prefill(ids, [64])[63].tobytes())
             finally:
-                model.release()
+                run.release()
     finally:
         m.close()
     assert got[1:] == got[:1] * 3
@@ -136,10 +132,11 @@ def test_decode_reads_the_chosen_experts_bytes(device, tmp_path):
     """decode_weight_bytes (bench/llm.py's weight MB per decode token): the dense matrices, one
     embedding row and k / E of every layer's experts, which the estimate counts whole."""
     from webgpu_engine.models.experts import decode_weight_bytes
-    from webgpu_engine.models.llama import LlamaModel
+    from webgpu_engine.models.paged_sequence import PagedSequence
     m = open_model(_files(tmp_path, "qwen3moe", "gguf", _ref("qwen3moe")["dims"]))
     try:
-        model = LlamaModel(device, m.config, m.weights, owner="test:moe", context_window=64, prefill_chunk=16)
+        seq = PagedSequence.build(device, m.config, m.weights, owner="test:moe", context_window=64, prefill_chunk=16)
+        model = seq.model
         try:
             read, experts = decode_weight_bytes(model)
             c = model.cfg
@@ -147,7 +144,7 @@ def test_decode_reads_the_chosen_experts_bytes(device, tmp_path):
             dense = sum(L.qkv.nbytes + L.o.nbytes + L.experts.router.nbytes for L in model.layers)
             assert read == dense + model.lm_head.nbytes + c.hidden_size * 4 + experts * c.n_experts_used // c.n_experts
         finally:
-            model.release()
+            seq.release()
     finally:
         m.close()
 
