@@ -12,6 +12,9 @@ from webgpu_engine.engine.engine import AsyncMLCEngine
 from webgpu_engine.errors import ShaderCompileError
 from webgpu_engine.gpu import shaders as shader_lookup
 from webgpu_engine.kernels.common import params
+from webgpu_engine.kernels.matmul import tiled
+
+from _matmul_util import matmul_case
 
 SCALE_WGSL = """
 struct P { k: f32, n: u32 }
@@ -240,6 +243,43 @@ SHORT = ["the", "a lazy dog", "birds sing"]                # 1 .. 8 rows: the fe
 PROMPTS = [LONG, *SHORT]
 
 
+async def test_the_8_row_tile_stands_in_for_a_taller_one_with_the_same_bits(fresh_device):
+    """A 16-row tile not compiled yet: `ready` compiles the cheaper 8-row tile, and the batch runs
+    two of its workgroups per 16-row tile (rows past T unwritten), each row's sums those of the
+    16-row tile."""
+    dev = fresh_device
+    dev.background.hold(True)       # deterministic: nothing compiles in the background
+    try:
+        w, x, y, bias, _ = matmul_case(dev, "q4_1", 200, 256, 37, "f32", np.random.default_rng(4),
+                                       owner="t:bg", bias=True)
+        with dev.compiling_in_background():
+            op = tiled.matmul(dev, x, w, y, bias=bias)          # 3 tiles of 16 rows
+        full = next(o[1] for o in _recorded(dev, op).ops if o[0] == "d")
+        alt = full.stand_in
+        assert tiled.default_config(dev, "q4_1").tm == 16 and full.stand_in_y == 2
+        assert "const TM: u32 = 8u;" in alt.key.header and not full.ready
+        outs = []
+        for stand_in in (True, False):
+            dev.write(y.buf, np.zeros(37 * 200, np.float32))
+            batch, n = _recorded(dev, op), dev.stand_ins
+            if stand_in:
+                await dev.ready(batch)
+                assert [o[1] for o in batch.ops if o[0] == "d"] == [alt] and not full.ready
+                assert [o[4] for o in batch.ops if o[0] == "d"] == [6]
+                assert dev.stand_ins == n + 1
+            dev.submit(batch)             # without ready: the 16-row tile compiles here
+            outs.append(np.frombuffer(dev.read_sync(y.buf), np.float32).copy())
+        assert full.ready and np.array_equal(outs[0], outs[1]) and np.abs(outs[0]).max() > 0
+    finally:
+        dev.background.hold(False)
+
+
+def _recorded(dev, op):
+    batch = dev.batch()
+    op.record(batch)
+    return batch
+
+
 async def _answer(eng, prompt: str) -> str:
     r = await eng.completions.create(prompt=prompt, max_tokens=6, ignore_eos=True, temperature=0)
     await eng.reset_chat()            # no prefix reuse: every prompt is prefilled whole
@@ -266,10 +306,11 @@ async def test_load_returns_before_its_kernels_and_answers_do_not_change(fresh_d
         kernels = lm.describe(dev)["kernels"]                # /v1/models
         assert kernels["queued_at_load"] == pending and kernels["compiling"] == dev.uncompiled()
         waits, left = dev.compile_waits, dev.uncompiled()
+        stand_ins = dev.stand_ins
         answers[LONG] = await _answer(eng, LONG)         # compiles what it needs, side by side
-        assert dev.compile_waits > waits
+        assert dev.compile_waits > waits and dev.stand_ins > stand_ins   # the 8-row tile for the full one
         assert 0 < dev.uncompiled() < left               # ... and not the rest
-        # prompts of fewer rows: their few-row tiles are not compiled, the full tile stands in
+        # prompts of fewer rows: their few-row tiles are not compiled, the 8-row tile stands in
         waits, stand_ins = dev.compile_waits, dev.stand_ins
         for p in SHORT:
             answers[p] = await _answer(eng, p)

@@ -120,12 +120,14 @@ class Pipeline:
     compiler (gpu/compiler.py) is made on first need: `raw` compiles it, or waits for the worker
     compiling it."""
 
-    __slots__ = ("key", "header_lines", "lazy", "stand_in", "hot", "warm_group")
+    __slots__ = ("key", "header_lines", "lazy", "stand_in", "stand_in_y", "hot", "warm_group")
 
     def __init__(self, key: PipelineKey, raw: Any = None, header_lines: int = 0, make=None):
         self.key, self.header_lines, self.lazy = key, header_lines, LazyRaw(raw, make)
-        # same results, dispatch and bindings (the tiled matmul's full tile): runs while this compiles
+        # same results and bindings (another height of the tiled matmul's tile): runs while this
+        # compiles, with stand_in_y times this one's workgroups along y
         self.stand_in: Pipeline | None = None
+        self.stand_in_y = 1
         # dispatched at least once (drivers that compile at the first dispatch have compiled it),
         # and, until then, a bind group of its to dispatch it empty with (gpu/compiler.py)
         self.hot = False

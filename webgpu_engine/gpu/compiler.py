@@ -18,8 +18,10 @@ when the request's batch runs. The workers, once nothing is left to create, disp
 they created empty (with the bind group it was first bound with) when the device has had no
 read awaited and no submit for IDLE_S, or has waited WARM_WAIT_S for such a pause: the rest compiles in the background
 after the first request instead of inside a later request's step. A pipeline's stand-in (same
-results, dispatch and bindings: the tiled matmul's full tile) runs until the pipeline itself has
-been dispatched once, so its compile never stalls a step either.
+results and bindings: the tiled matmul's 8-row tile, cheaper to compile than the full one, several
+of its workgroups per workgroup of a taller tile) runs until the pipeline itself has been
+dispatched once, so its compile never stalls a step either, and a cold first request compiles
+the cheaper kernel.
 
 Standard library only; the browser backend compiles in place (no threads in the page).
 """
@@ -352,12 +354,14 @@ class CompilingDevice:
 
     def _stand_in(self, ops: list) -> None:
         """Dispatches of a pipeline not usable yet whose stand-in is compiled run the stand-in
-        (same results, dispatch and bindings) with a bind group of its own (kept with the op's)."""
+        (same results and bindings; stand_in_y times the workgroups along y) with a bind group of
+        its own (kept with the op's)."""
         for i, op in enumerate(ops):
             if op[0] != "d" or op[1].stand_in is None or not op[1].stand_in.ready or self.usable(op[1]):
                 continue
             alt = op[1].stand_in
-            ops[i] = ("d", alt, self._alt_group(op[2], alt)) + tuple(op[3:])
+            x, y, z = op[3:]
+            ops[i] = ("d", alt, self._alt_group(op[2], alt), x, y * op[1].stand_in_y, z)
             self.stand_ins += 1
 
     def _prepare(self, ops: list) -> None:

@@ -11,7 +11,7 @@ Page code: standard library only.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ...gpu import Device
 from ...gpu.shaders import load_shader_source
@@ -24,6 +24,7 @@ from .layout import MAX_GROUPS, QWeight
 _QK = {t.name: t.block for t in QTYPE.values() if t.quantized}   # weights per block
 _MAX_TM = 32               # accumulators written out in the shader
 _WG_BYTES = 32768          # workgroup memory WebGPU guarantees (and lavapipe's maximum)
+COLD_TM = 8                # the stand-in tile while a pipeline compiles (_cold_stand_in)
 
 
 @dataclass
@@ -97,6 +98,21 @@ def _pipeline(dev: Device, w: QWeight, dtype: str, kblk: int, cfg: TiledConfig):
     return dev.pipeline("matmul_tiled.wgsl", "matmul_tiled", header=header)
 
 
+def _cold_stand_in(dev: Device, pipe, w: QWeight, dtype: str, kblk: int, cfg: TiledConfig, T: int) -> None:
+    """Compiling in the background: until `pipe` has compiled, the cold tile (COLD_TM rows, the
+    cheapest to compile of the tiles that run a full chunk at a fair speed) runs in its place: for
+    a few-row tile one tile of it, for a taller one `tm / COLD_TM` of them per tile (a row's sums do
+    not depend on the tile's height; rows past T are not written). The tile a request meets cold
+    then costs lavapipe ~1.4 s of LLVM rather than the full tile's ~2.2 (compiler.py)."""
+    cold = replace(cfg, tm=COLD_TM, kb=min(cfg.kb, _WG_BYTES // (COLD_TM * 256)))
+    if cfg.tm == COLD_TM or min(cold.kb, kblk) != min(cfg.kb, kblk):
+        return
+    if cfg.tm < COLD_TM and T <= cfg.tm:
+        pipe.stand_in, pipe.stand_in_y = _pipeline(dev, w, dtype, kblk, cold), 1
+    elif cfg.tm > COLD_TM and cfg.tm % COLD_TM == 0:
+        pipe.stand_in, pipe.stand_in_y = _pipeline(dev, w, dtype, kblk, cold), cfg.tm // COLD_TM
+
+
 def supports(w: QWeight, T: int, config: TiledConfig | None = None, any_t: bool = False) -> bool:
     """Whether `matmul` below handles this weight at T activation rows (else it returns None):
     T >= the config's min_t (default: 8), and weight buffers of whole 16-byte words, as the kernel
@@ -129,12 +145,8 @@ def matmul(dev: Device, x: Tensor, w: QWeight, y: Tensor, *, bias: Tensor | None
     nch = -(-K // 32)
     kblk = _k_blocks(w.qtype, nch, cfg.kmax)
     pipe = _pipeline(dev, w, x.dtype, kblk, cfg)
-    base = default_config(dev, w.qtype)
-    if dev.deferring and pipe.stand_in is None and cfg.tm < base.tm and T <= cfg.tm and (
-            (cfg.wg, min(cfg.kb, kblk)) == (base.wg, min(base.kb, kblk))):
-        # compiling in the background: while this few-row tile compiles, the default tile runs
-        # in its place (one tile either way; a row's sums do not depend on the tile's height)
-        pipe.stand_in = _pipeline(dev, w, x.dtype, kblk, base)
+    if dev.deferring and pipe.stand_in is None:
+        _cold_stand_in(dev, pipe, w, x.dtype, kblk, cfg, T)
 
     def blocks(r0: int, rows: int):
         for c0 in range(0, nch, kblk):
