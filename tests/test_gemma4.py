@@ -170,38 +170,20 @@ def test_gemma4_f16_activations(device, tmp_path, ref):
     of the largest, through prefill chunks of 64 and decode steps past the window. Gemma 4 does not
     scale its scores (q and k heads of unit RMS), so f16's rounding of q and k moves the softmax more
     than in Gemma 3: 1-6 % here against f32's 1e-6 (Gemma 3's tiny model: 0.1 %)."""
-    import struct
-
-    from webgpu_engine.models.llama import LlamaModel
+    from decoder_runner import DecoderRunner
     from webgpu_engine.models.registry import open_model
     opened = open_model(write_tiny_gemma4_safetensors(tmp_path / "gemma4", seed=ref["seed"])["folder"])
     ids, P = ref["text_ids"][:ref["seq_len"]], ref["prompt_len"]
-    m = LlamaModel(device, opened.config, opened.weights, owner="test:gemma4", context_window=512,
-                   prefill_chunk=64, dtype="f16")
-
-    def run(ops_of, pos0: int, tokens: list[int]) -> np.ndarray:
-        b = device.batch()
-        ops_of(b, tokens, pos0)
-        device.submit(b)
-        return np.frombuffer(device.read_sync(m.logits.buf, 0, m.logits.nbytes), np.float16).astype(np.float64)
-
-    def decode(b, tokens, pos0):
-        device.write(m.ids.buf, struct.pack("<I", tokens[0]))
-        m.record_decode(b, pos0)
+    run = DecoderRunner(device, opened.config, opened.weights, owner="test:gemma4", chunk=64, dtype="f16")
     try:
-        got, p0 = {}, 0
-        for end in sorted({r + 1 for r in ref["rows"] if r < P} | {P}):
-            while p0 < end:
-                n = min(64, end - p0)
-                got[p0 + n - 1] = run(m.record_prefill, p0, ids[p0:p0 + n])
-                p0 += n
+        got = run.prefill(ids, {r + 1 for r in ref["rows"] if r < P} | {P})
         for pos in range(P, len(ids)):
-            got[pos] = run(decode, pos, [ids[pos]])
+            got[pos] = run.decode(ids[pos], pos)
         for r, want in zip(ref["rows"], ref["logits"]):
             want = np.asarray(want)
             assert np.abs(got[r] - want).max() / np.abs(want).max() <= 8e-2, f"position {r}"
     finally:
-        m.release()
+        run.release()
         opened.close()
 
 

@@ -27,13 +27,13 @@ def ref() -> dict:
     return json.loads((FIXTURES / "qwen35_transformers.json").read_text())
 
 
-def _run_golden(device, cfg, weights, ref: dict) -> tuple[dict, list]:
+def _run_golden(device, cfg, weights, ref: dict, chunk: int = 128, dtype: str = "f32") -> tuple[dict, list]:
     """({row: logits}, greedy): a chunked prefill up to prompt_len (chunks end at the rows kept), the
     sequence's own tokens decoded on from there (rows past it: the states carried on), then the
     prompt prefilled again from position 0 (the states start over: the same last row) and 16
-    greedy steps."""
+    greedy steps; through the paged forward of one sequence (tests/decoder_runner.py)."""
     ids, P = ref["text_ids"][:ref["seq_len"]], ref["prompt_len"]
-    run_ = DecoderRunner(device, cfg, weights, owner="test:qwen35", chunk=128)
+    run_ = DecoderRunner(device, cfg, weights, owner="test:qwen35", chunk=chunk, dtype=dtype)
     try:
         rows = run_.prefill(ids, {r + 1 for r in ref["rows"] if r < P} | {P})
         for pos in range(P, len(ids)):
@@ -316,50 +316,12 @@ def test_qwen35_f16_activations(device, tmp_path, ref):
     through prefill chunks of 64 and decode steps, transformers' logits within 1.5e-1 of the largest
     (measured 0.2-12 % at the 7 rows, the worst at 300, where a prefill's row is as far: f16's
     rounding, not the decode path; f32: 1e-6 to 5e-5), then its 16 greedy tokens after a fresh prefill."""
-    import struct
-
-    from webgpu_engine.models.llama import LlamaModel
     opened = open_model(write_tiny_qwen35_safetensors(tmp_path / "qwen35", seed=ref["seed"])["folder"])
-    ids, P = ref["text_ids"][:ref["seq_len"]], ref["prompt_len"]
-    m = LlamaModel(device, opened.config, opened.weights, owner="test:qwen35", context_window=512,
-                   prefill_chunk=64, dtype="f16")
-
-    def logits() -> np.ndarray:
-        return np.frombuffer(device.read_sync(m.logits.buf, 0, m.logits.nbytes), np.float16).astype(np.float64)
-
     try:
-        got, p0 = {}, 0
-        for end in sorted({r + 1 for r in ref["rows"] if r < P} | {P}):
-            while p0 < end:
-                n = min(64, end - p0)
-                b = device.batch()
-                m.record_prefill(b, ids[p0:p0 + n], p0)
-                device.submit(b)
-                got[p0 + n - 1], p0 = logits(), p0 + n
-        for pos in range(P, len(ids)):
-            device.write(m.ids.buf, struct.pack("<I", ids[pos]))
-            b = device.batch()
-            m.record_decode(b, pos)
-            device.submit(b)
-            got[pos] = logits()
-        errs = [np.abs(got[r] - np.asarray(w)).max() / np.abs(np.asarray(w)).max()
-                for r, w in zip(ref["rows"], ref["logits"])]
-        assert max(errs) <= 1.5e-1, errs
-        p0, greedy = 0, []
-        while p0 < P:                        # position 0 again: the states start over
-            b = device.batch()
-            m.record_prefill(b, ids[p0:min(p0 + 64, P)], p0)
-            device.submit(b)
-            p0 = min(p0 + 64, P)
-        row = logits()
-        for pos in range(P, P + len(ref["greedy"])):
-            greedy.append(int(np.argmax(row)))
-            device.write(m.ids.buf, struct.pack("<I", greedy[-1]))
-            b = device.batch()
-            m.record_decode(b, pos)
-            device.submit(b)
-            row = logits()
-        assert greedy == ref["greedy"]
+        got, greedy = _run_golden(device, opened.config, opened.weights, ref, chunk=64, dtype="f16")
     finally:
-        m.release()
         opened.close()
+    errs = [np.abs(got[r] - np.asarray(w)).max() / np.abs(np.asarray(w)).max()
+            for r, w in zip(ref["rows"], ref["logits"])]
+    assert max(errs) <= 1.5e-1, errs
+    assert greedy == ref["greedy"]
