@@ -7,16 +7,18 @@ decode's matmuls do; 64 and 16 MiB), and an FMA probe's GFLOP/s (bench/fma_probe
 independent chains of fma on act4 in registers, 2, 4 or 8 chains per invocation, the best; f32, and
 f16 where the device has shader-f16). Each ceiling is the fastest probe, by wall time and by CPU time
 separately, so that a kernel's fraction is of the most this adapter was seen to do.
-Kernels: every kernel kind of a SmolLM2-135M-Instruct-Q4_1 decode step (after a 128-token prompt), of
-its prefill of 128 and of 512 tokens (the engine's chunks of prefill_chunk_size 256: the last chunk,
-rows 256-511, is timed; the head is left out, the decode step has it) and the four GEMMs of an
-all-MiniLM-L6-v2 batch (32 sentences of ~16 words, B x S as the engine pads them), built by the
-engine itself (the model's ops, the embedder's matmul calls on its own weights). The decoder is built
-by hand (models/llama.py LlamaModel with its contiguous cache of one sequence, whose decode op list
-takes the position from one step uniform): its matmuls, norms and RoPE are the kernels the scheduler's
-one-row decode runs; its attention is the contiguous cache's (the scheduler's reads a paged pool). A kind's dispatches for every layer are recorded together (each
-layer's own weights, as a forward streams them), many times into one submit, then a blocking
-readback; best of --runs (bench/kernels.py time_op).
+Kernels: every kernel kind of a SmolLM2-135M-Instruct-Q4_1 decode step (one sequence after a
+128-token prompt, its greedy sampler included), of its prefill of 128 and of 512 tokens (the engine's chunks of
+prefill_chunk_size 256: the last chunk, rows 256-511, is timed; the head is left out, the decode step
+has it) and the four GEMMs of an all-MiniLM-L6-v2 batch (32 sentences of ~16 words, B x S as the
+engine pads them), built by the engine itself: the chat model is loaded as `serve` loads it (its
+chat options, max_num_sequences 0: the width this adapter takes), and its ops are the scheduler's
+paged forward (models/paged.py: the paged KV pool and its attention, kernels/attention_paged.py), one
+row a step, the inputs written by a step of the forward itself; the embedder's its matmul calls on its
+own weights. (The contiguous cache's forward, models/llama.py, runs only for decoder embedders now.)
+A kind's dispatches for every layer are recorded together (each layer's own weights, as a forward
+streams them), many times into one submit, then a blocking readback; best of --runs
+(bench/kernels.py time_op).
 Bound: the larger of a kernel's two least times: the bytes it must move at least once (weights,
 activations, the KV rows it reads) at the bytes ceiling, and its FLOPs at the f32 FMA peak (matmul and
 attention accumulate in f32, f16 activations too). %bound is that time over the measured wall time;
@@ -158,7 +160,7 @@ def time_groups(dev, section: str, groups: dict, costs: dict, rows: int, sync_bu
 
 # --------------------------------------------------------------------------- the chat model
 def llm_cost(m, weights: dict, name: str, T: int, pos0: int) -> tuple[int, int]:
-    """(bytes moved at least once, FLOPs) of one op of the decoder's forward of T rows at pos0;
+    """(bytes moved at least once, FLOPs) of one op of the decoder's paged forward of T rows at pos0;
     `weights` by label."""
     c, act = m.cfg, DTYPE_SIZE[m.dtype]
     kind, _, label = name.rstrip("]").partition("[")
@@ -166,35 +168,73 @@ def llm_cost(m, weights: dict, name: str, T: int, pos0: int) -> tuple[int, int]:
         w = weights[label]
         rows = 1 if w is m.lm_head else T          # the head: the last row
         return w.nbytes + rows * (w.k + w.n) * act, 2 * rows * w.n * w.k
-    if kind == "attention":                        # causal: row t sees pos0 + t + 1 keys
+    if kind in ("paged_decode", "paged_prefill"):  # causal: row t sees pos0 + t + 1 keys
         pairs = T * pos0 + T * (T + 1) // 2
         kv = 0 if m.kv_cache_dtype else 2 * (pos0 + T) * c.kv_dim * act      # quantised caches: not counted
         return kv + 2 * T * c.q_dim * act, 4 * pairs * c.q_dim
-    rw = {"rms_norm": 2 * c.hidden_size * act, "silu_mul": 3 * c.ffn_size * act, "rope_kv": 2 * c.qkv_dim * act,
-          "embedding": m.embed.nbytes // c.vocab_size + c.hidden_size * act}
+    rw = {"rms_norm": 2 * c.hidden_size * act, "silu_mul": 3 * c.ffn_size * act,
+          "rope_kv_paged": 2 * c.qkv_dim * act, "embedding": m.embed.nbytes // c.vocab_size + c.hidden_size * act,
+          "sample": c.vocab_size * act}
     return T * rw.get(kind, 0), 0
 
 
-def llm_rows(dev, m, a, ceil: dict) -> list[dict]:
+class PagedSteps:
+    """The scheduler's paged forward of a pipeline loaded as `serve` loads it, and a sequence of its
+    pool whose step inputs (ids, positions, slots, lens, tables) a step of the forward writes."""
+
+    def __init__(self, pipe):
+        from webgpu_engine.config import GREEDY
+        sched = pipe.scheduler
+        self.pipe, self.dev, self.fwd, self.pool, self.slot = pipe, pipe.dev, sched.fwd, sched.pool, sched.slots[0]
+        self.m, self.sid = pipe.model, "bench.ceilings"
+        self.slot.sampler.configure(GREEDY)              # the greedy pair, as a greedy request runs
+
+    def decode(self, pos: int) -> list[Op]:
+        """The ops of one row's decode step at position `pos` (`pos` keys before it), the slot's
+        sampler last; its inputs written."""
+        pool, fwd = self.pool, self.fwd
+        pool.add_sequence(self.sid, [])
+        pool.reserve(self.sid, pos + 1)
+        pool.append_tokens(self.sid, [1] * pos, decoded=True)
+        b = self.dev.batch()
+        fwd.record_decode(b, [1], pool.decode_inputs([self.sid], 1, fwd.max_blocks))
+        self.dev.submit(b)
+        pool.free(self.sid)
+        return list(fwd.ops("decode", 1)) + [self.slot.op]
+
+    def prefill(self, T: int, pos0: int) -> list[Op]:
+        """The body ops (no head) of a prefill chunk of T rows at pos0; its inputs written."""
+        pool, fwd = self.pool, self.fwd
+        pool.add_sequence(self.sid, [])
+        pool.reserve(self.sid, pos0 + T)
+        b = self.dev.batch()
+        fwd.record_prefill(b, [1] * T, pos0, pool.slots(self.sid, pos0, T), pool.block_table(self.sid),
+                           with_head=False)
+        self.dev.submit(b)
+        pool.free(self.sid)
+        return fwd.ops("prefill", T).body()
+
+
+def llm_rows(dev, steps: PagedSteps, a, ceil: dict) -> list[dict]:
     """The decode step's and each prefill's kinds (a.prefill tokens: the last chunk of each)."""
+    m = steps.m
     weights = {w.label: w for L in m.layers for w in (L.qkv, L.o, L.gate_up, L.down)} | {m.lm_head.label: m.lm_head}
     head = f"matmul[{m.lm_head.label}]"           # 'matmul[embed]' where the head is the tied embedding
 
-    def section(name: str, ops: list[Op], T: int, pos0: int, n_keys: int | None = None) -> list[dict]:
+    def section(name: str, ops: list[Op], T: int, pos0: int) -> list[dict]:
         groups, costs = {}, {}
         for op in ops:
             kind = kind_of(op.name).replace(head, "matmul[lm_head]")
             groups.setdefault(kind, []).append(op)
             b, f = llm_cost(m, weights, op.name, T, pos0)
             costs[kind] = tuple(x + y for x, y in zip(costs.get(kind, (0, 0)), (b, f)))
-        m.set_step(pos0, T)
-        return time_groups(dev, name, groups, costs, T, m.step, a, ceil, n_keys=n_keys)
+        return time_groups(dev, name, groups, costs, T, steps.fwd.logits.buf, a, ceil, n_keys=pos0 + T)
 
-    rows = section(f"decode @{DECODE_POS}", m.decode_ops, 1, DECODE_POS, n_keys=DECODE_POS + 1)
+    rows = section(f"decode @{DECODE_POS}", steps.decode(DECODE_POS), 1, DECODE_POS)
     for n in a.prefill:
         T = min(n, m.chunk)
         pos0 = n - T                              # the last chunk: its attention sees all n keys
-        rows += section(f"prefill {n}" + (f" @{pos0}" if pos0 else ""), m.ops_for(T, False), T, pos0)
+        rows += section(f"prefill {n}" + (f" @{pos0}" if pos0 else ""), steps.prefill(T, pos0), T, pos0)
     return rows
 
 
@@ -258,19 +298,16 @@ def run(dev, a, copies: list[dict] | None = None) -> dict:
     print(HEAD)
 
     async def models() -> list[dict]:
-        from webgpu_engine.models.llama import LlamaModel
-        from webgpu_engine.models.plan import activation_dtype
-        from webgpu_engine.models.registry import LLM, open_model
-        m = open_model(a.chat_model or cache.default_model_path(CHAT), LLM)
+        from webgpu_engine.cli.commands import serve_chat_opts
+        from webgpu_engine.pipelines.llm import LLMChatPipeline
+        chat = await LLMChatPipeline.load(dev, a.chat_model or cache.default_model_path(CHAT),
+                                          ChatConfig(**serve_chat_opts(None)))
         try:
-            llm = LlamaModel(dev, m.config, m.weights, owner=OWNER + ".llm", context_window=4096,
-                             prefill_chunk=256, dtype=activation_dtype("auto", dev))
+            print(f"chat: {chat.model.dtype}, width {chat.scheduler.max_seqs} (fused rows: "
+                  f"{chat.scheduler.fwd.fused_rows}), the scheduler's paged forward, one row")
+            rows = llm_rows(dev, PagedSteps(chat), a, ceil)
         finally:
-            m.close()
-        try:
-            rows = llm_rows(dev, llm, a, ceil)
-        finally:
-            llm.release()
+            chat.dispose()
         emb = await EmbeddingPipeline.load(dev, a.embed_model or cache.default_model_path(EMBEDDER),
                                            ChatConfig(compile_at_load=False, max_batch_size=a.embed_batch))
         try:
