@@ -23,7 +23,7 @@ const NONE: u32 = 0xFFFFFFFFu;
 @group(0) @binding(0) var<uniform> P: LoraParams;
 @group(0) @binding(1) var<storage, read> idx: array<u32>;             // (T) adapter slot of each row
 @group(0) @binding(2) var<storage, read_write> u: array<f32>;          // (T, J) x · Aᵀ
-@group(0) @binding(3) var<storage, read> x: array<act>;               // (T, K) (shrink)
+@group(0) @binding(3) var<storage, read_write> x: array<act>;         // (T, K) (shrink; lora_post adds into it)
 @group(0) @binding(4) var<storage, read> a: array<f32>;               // (slots, J, K) (shrink)
 @group(0) @binding(5) var<storage, read_write> y: array<act>;         // (T, y_stride) (expand)
 @group(0) @binding(6) var<storage, read> b: array<f32>;               // (slots, N, J) (expand)
@@ -87,6 +87,10 @@ struct DeltaParams {
     slots: u32,
     eps: f32,
     R: u32,          // B's columns per row (the pool's rank)
+    K1: u32,         // lora_post: its input's width
+    p_off: u32,      // lora_post: its input's offset in its binding, in elements
+    h_off: u32,      // lora_post: x * g's offset, in elements
+    part_off: u32,   // lora_post: the partial sums' offset, in elements
 }
 
 @group(0) @binding(8) var<uniform> D: DeltaParams;
@@ -100,19 +104,29 @@ var<workgroup> wx: array<vec4<f32>, KC / 4u>;
 @compute @workgroup_size(WG)
 fn lora_delta(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
     let t = wid.x;
+    if (lid == 0u) { wslot = idx[t]; }
+    let s = workgroupUniformLoad(&wslot);
+    if (s == NONE || s >= D.slots) {
+        store_none(t, lid);
+        return;
+    }
+    delta_row(t, s, lid);
+}
+
+// STORE: a row's delta is -0.0, which leaves any value it is added to as it is
+fn store_none(t: u32, lid: u32) {
+    let N = select(D.N, SHAPE_N, SHAPE_K > 0u);
+    for (var n = lid; STORE && n < N; n += WG) { y[D.y_off + t * N + n] = act(bitcast<f32>(0x80000000u)); }
+}
+
+// lora_delta's work for row t of adapter slot s
+fn delta_row(t: u32, s: u32, lid: u32) {
     // the widths: the host's compile-time ones where it gives them (SHAPE_K > 0: loops of known
     // trip counts, which a CPU adapter unrolls), else the uniforms
     let K = select(D.K, SHAPE_K, SHAPE_K > 0u);
     let N = select(D.N, SHAPE_N, SHAPE_K > 0u);
     let J = select(D.J, SHAPE_J, SHAPE_K > 0u);
     let R = select(D.R, SHAPE_R, SHAPE_K > 0u);
-    if (lid == 0u) { wslot = idx[t]; }
-    let s = workgroupUniformLoad(&wslot);
-    if (s == NONE || s >= D.slots) {
-        // STORE: the row's delta is -0.0, which leaves any value it is added to as it is
-        for (var n = lid; STORE && n < N; n += WG) { y[D.y_off + t * N + n] = act(bitcast<f32>(0x80000000u)); }
-        return;
-    }
     let x0 = D.x_off + t * K;
     var inv = 1.0;
     if (NORM) {
@@ -205,4 +219,105 @@ fn dot_seq(acc: f32, a: vec4<f32>, b: vec4<f32>) -> f32 {
     r += a.z * b.z;
     r += a.w * b.w;
     return r;
+}
+
+// lora_post: the delta of a one-target group (o, down) whose matmul has already added its sums into
+// the residual x and stored the next norm's x * g and partial sums (matmul_epilogue.wgsl
+// ep_res_norm), then (PRE) lora_delta of the next group from the new x (its norm's weight w4, STORE:
+// the deltas its matmul adds before its epilogue). Row t of adapter slot s:
+//   u1 = A1[s] · inp[t];  x[t, n] = act(x[t, n] + B1[s, n] · u1);  ph = act(x * w);  ppart[n / 4] =
+//   the sum of the 4 squares of x as stored (ep_res_norm's)
+// A row without an adapter leaves x, ph and ppart as the matmul stored them (bit for bit) and stores
+// -0.0 deltas (PRE). One dispatch where lora_delta before the matmul and lora_delta of the next
+// group took two (on a CPU adapter each costs a thread-pool round trip). A1 (slots, R, K1), B1
+// (slots, K, R): the pool's rank R, one target (its columns start at 0). dispatch (T, 1, 1)
+@group(0) @binding(13) var<storage, read> pin: array<act>;             // (T, K1) the group's input
+@group(0) @binding(14) var<storage, read> pa4: array<wvec>;            // (slots, R, K1 / VW) A1
+@group(0) @binding(15) var<storage, read> pb4: array<wvec>;            // (slots, K, R / VW) B1
+@group(0) @binding(16) var<storage, read_write> ph: array<act>;        // (T, K) x * w
+@group(0) @binding(17) var<storage, read_write> ppart: array<f32>;     // (T, K / 4) sums of x^2
+
+@compute @workgroup_size(WG)
+fn lora_post(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    let t = wid.x;
+    if (lid == 0u) { wslot = idx[t]; }
+    let s = workgroupUniformLoad(&wslot);
+    if (s == NONE || s >= D.slots) {
+        if (PRE) { store_none(t, lid); }
+        return;
+    }
+    let K = select(D.K, SHAPE_K, SHAPE_K > 0u);
+    let R = select(D.R, SHAPE_R, SHAPE_K > 0u);
+    let K1 = select(D.K1, SHAPE_K1, SHAPE_K > 0u);
+    // u1 = A1 · inp: invocation l sums rows l, l + R/4, l + 2R/4, l + 3R/4 of A1 against inp staged
+    // KC values at a time in workgroup memory
+    let K14 = K1 / VW;
+    let p0 = D.p_off + t * K1;
+    let a0 = s * R * K14;
+    let JL = R / 4u;
+    for (var l0 = 0u; l0 < JL; l0 += WG) {
+        let l = l0 + lid;
+        let aj = a0 + l * K14;
+        var acc = vec4<f32>(0.0);
+        for (var kc = 0u; kc < K1; kc += KC) {
+            let kn = min(KC, K1 - kc);
+            workgroupBarrier();
+            for (var k = lid; k < kn; k += WG) { wx[k / 4u][k % 4u] = f32(pin[p0 + kc + k]); }
+            workgroupBarrier();
+            if (l < JL) {
+                let ak = aj + kc / VW;
+                for (var k4 = 0u; k4 < kn / VW; k4++) {
+                    let x0 = wx[k4 * (VW / 4u)];
+                    let x1 = wx[k4 * (VW / 4u) + (VW / 4u - 1u)];
+                    acc.x = wdot(acc.x, x0, x1, pa4[ak + k4]);
+                    acc.y = wdot(acc.y, x0, x1, pa4[ak + JL * K14 + k4]);
+                    acc.z = wdot(acc.z, x0, x1, pa4[ak + 2u * JL * K14 + k4]);
+                    acc.w = wdot(acc.w, x0, x1, pa4[ak + 3u * JL * K14 + k4]);
+                }
+            }
+        }
+        if (l < JL) {
+            wu[l / 4u][l % 4u] = acc.x;
+            wu[(l + JL) / 4u][(l + JL) % 4u] = acc.y;
+            wu[(l + 2u * JL) / 4u][(l + 2u * JL) % 4u] = acc.z;
+            wu[(l + 3u * JL) / 4u][(l + 3u * JL) % 4u] = acc.w;
+        }
+    }
+    workgroupBarrier();
+    // x += B1 · u1, 4 rows an invocation; x * w and the sum of the 4 squares as ep_res_norm stores them
+    let R4 = R / VW;
+    let b0 = s * K * R4;
+    let x0 = D.x_off + t * K;
+    let h0 = D.h_off + t * K;
+    for (var q = lid; q < K / 4u; q += WG) {
+        let bn = b0 + 4u * q * R4;
+        var d = vec4<f32>(0.0);
+        for (var r4 = 0u; r4 < R4; r4++) {
+            let u0 = wu[r4 * (VW / 4u)];
+            let u1 = wu[r4 * (VW / 4u) + (VW / 4u - 1u)];
+            d.x = wdot(d.x, u0, u1, pb4[bn + r4]);
+            d.y = wdot(d.y, u0, u1, pb4[bn + R4 + r4]);
+            d.z = wdot(d.z, u0, u1, pb4[bn + 2u * R4 + r4]);
+            d.w = wdot(d.w, u0, u1, pb4[bn + 3u * R4 + r4]);
+        }
+        let o = x0 + 4u * q;
+        let v = vec4<f32>(f32(act(f32(x[o]) + d.x)), f32(act(f32(x[o + 1u]) + d.y)),
+                          f32(act(f32(x[o + 2u]) + d.z)), f32(act(f32(x[o + 3u]) + d.w)));
+        x[o] = act(v.x);
+        x[o + 1u] = act(v.y);
+        x[o + 2u] = act(v.z);
+        x[o + 3u] = act(v.w);
+        let yg = v * w4[q];
+        let hq = h0 + 4u * q;
+        ph[hq] = act(yg.x);
+        ph[hq + 1u] = act(yg.y);
+        ph[hq + 2u] = act(yg.z);
+        ph[hq + 3u] = act(yg.w);
+        ppart[D.part_off + (t * K) / 4u + q] = dot(v, v);
+    }
+    if (PRE) {
+        storageBarrier();              // x as stored above, for the next group's norm
+        workgroupBarrier();
+        delta_row(t, s, lid);
+    }
 }

@@ -7,6 +7,9 @@ each row through its own adapter's slot of a pool (punica / S-LoRA's "bgmv"), a 
     y += lora_delta(x, A, B, idx)    the two in one dispatch, a workgroup per row, x RMS-normed on
                                      the way in where given a norm (a decode step's rows); A and B
                                      in a layout of its own (B compact: compact_b), f32 or f16
+    lora_post(x, inp, A, B, ...)     a residual matmul's delta after it (x, its next norm's x * w and
+                                     partial sums stored again), then lora_delta of the next group,
+                                     in one dispatch (a CPU adapter's decode step: models/decoder.py)
 
 A pool holds `slots` adapters: A (slots, J, K) and B (slots, N, J) f32, J = targets x rank, B scaled.
 The numpy references are shrink_ref / expand_ref below. Standard library only (runs in the page).
@@ -42,12 +45,13 @@ NARROW_WG = True
 
 
 def _pipe(dev: Device, entry: str, dtype: str, j: int = 1, norm: bool = False, store: bool = False,
-          wdtype: str = "f32", shape: tuple = (0, 0, 0, 0), wg: int = _WG):
-    dims = "".join(f"const SHAPE_{n}: u32 = {v}u;\n" for n, v in zip("KNJR", shape))
+          wdtype: str = "f32", shape: tuple = (0, 0, 0, 0, 0), wg: int = _WG, pre: bool = True):
+    dims = "".join(f"const SHAPE_{n}: u32 = {v}u;\n" for n, v in zip(("K", "N", "J", "R", "K1"), shape))
     return dev.pipeline("lora.wgsl", entry, header=f"{act_header(dtype)}const WG: u32 = {wg}u;\n"
                                                    f"const JMAX: u32 = {j}u;\nconst NORM: bool = {str(norm).lower()};\n"
                                                    f"const STORE: bool = {str(store).lower()};\nconst KC: u32 = {_KC}u;\n"
-                                                   f"{dims}{_WEIGHTS[wdtype]}")
+                                                   f"const PRE: bool = {str(pre).lower()};\n{dims}{_WEIGHTS[wdtype]}"
+                                                   "")
 
 
 def lora_shrink(dev: Device, x: Tensor, a: Tensor, idx: Tensor, u: Tensor, *, slots: int) -> Op:
@@ -113,13 +117,66 @@ def lora_delta(dev: Device, x: Tensor, a: Tensor, b: Tensor, cols: Tensor, idx: 
     check(io == 0 and a.offset == 0 and b.offset == 0 and cols.offset == 0, k,
           "idx, A, B and cols must start at binding-aligned offsets")
     wg = min(_WG, max(8, -(-J // 32) * 8)) if NARROW_WG else _WG
-    pipe = _pipe(dev, k, x.dtype, J, norm is not None, store, a.dtype, (K, N, J, R) if BAKE_SHAPES else (0,) * 4, wg)
-    par = params(dev, [T, K, N, J, xo, yo, slots, float(norm[1]) if norm else 0.0, R], owner=y.buf.owner, label=k)
+    pipe = _pipe(dev, k, x.dtype, J, norm is not None, store, a.dtype, (K, N, J, R, 0) if BAKE_SHAPES else (0,) * 5, wg)
+    par = params(dev, [T, K, N, J, xo, yo, slots, float(norm[1]) if norm else 0.0, R, 0, 0, 0, 0], owner=y.buf.owner,
+                 label=k)
     w = norm[0].binding() if norm else placeholder(dev)
     op = Op(name=k)
     op.buffers.append(par)
     return op.add(pipe, dev.bind(pipe, {1: ib, 3: xb, 5: yb, 8: par, 9: cols.binding(), 10: a.binding(),
                                         11: b.binding(), 12: w}), T)
+
+
+def lora_post(dev: Device, x: Tensor, inp: Tensor, a: Tensor, b: Tensor, idx: Tensor, norm: Tensor, h: Tensor,
+              part: Tensor, *, slots: int, nxt: tuple | None = None) -> Op:
+    """The delta of a one-target group whose matmul has stored the residual x (T, K) act, the next
+    norm's x * w into h (T, K) and the sums of 4 squares into part (T * K / 4,) f32
+    (matmul(..., norm_out=)): for each row with an adapter x[t] += B[idx[t]] · (A[idx[t]] · inp[t]),
+    then h and part of the new x (norm: w (K,) f32); a base row keeps the matmul's bits. inp (T, K1)
+    act; a (slots, R, K1) and b (slots, K, R) in the pool's dtype (lora_delta's A and compact B of one
+    target). `nxt` (a, b, cols, y, eps): then lora_delta(x, a, b, cols, idx, y, norm=(norm, eps),
+    store=True) of the next group, in the same dispatch."""
+    k = "lora_post"                        # its op: "lora_post+delta" with `nxt`
+    T, K = (int(s) for s in x.shape)
+    K1 = int(inp.shape[1])
+    R = b.numel // (slots * K) if slots and K else 0
+    vw = 8 if a.dtype == "f16" else 4
+    check(x.dtype == inp.dtype == h.dtype and x.dtype in ("f32", "f16") and int(inp.shape[0]) == T
+          and h.numel >= T * K, k, f"x{x.shape}, inp{inp.shape} and h{h.shape} must be (T, K), (T, K1) and "
+          f"(T, K) of one act dtype")
+    check(a.dtype == b.dtype and a.dtype in ("f32", "f16") and R > 0 and R % vw == 0 and K1 % vw == 0
+          and K % 4 == 0 and a.numel == slots * R * K1, k, f"A{a.shape}/{a.dtype} and B{b.shape}/{b.dtype} "
+          f"must be ({slots}, R, {K1}) and ({slots}, {K}, R), both f32 or both f16, R and K1 multiples of {vw}")
+    check(norm.dtype == "f32" and norm.numel == K and part.dtype == "f32" and part.numel >= T * K // 4, k,
+          f"the norm weight must be ({K},) f32 and part ({T * K // 4},) f32")
+    check(idx.dtype == "u32" and idx.numel >= T and idx.offset == 0 and a.offset == 0 and b.offset == 0, k,
+          f"idx{idx.shape} must hold {T} rows; idx, A and B start at binding-aligned offsets")
+    op = Op(name=k)
+    wins = [window(t, DTYPE_SIZE[t.dtype], k, n) for t, n in ((x, "x"), (inp, "inp"), (h, "h"), (part, "part"))]
+    (xb, xo), (pb, po), (hb, ho), (qb, qo) = wins
+    if nxt is not None:
+        na, nb, cols, y, eps = nxt
+        N, J = int(y.shape[1]), na.numel // (slots * K)
+        check(na.dtype == nb.dtype == a.dtype and na.numel == slots * J * K and nb.numel == slots * N * R
+              and cols.dtype == "u32" and cols.numel == N and y.dtype == x.dtype and int(y.shape[0]) == T
+              and cols.offset == 0 and na.offset == 0 and nb.offset == 0, k,
+              f"the next group's A{na.shape}, B{nb.shape}, cols{cols.shape} and y{y.shape} must be "
+              f"({slots}, J, {K}), ({slots}, N, {R}), (N,) u32 and (T, N) {x.dtype}")
+        yb, yo = window(y, DTYPE_SIZE[y.dtype], k, "y")
+        binds = {5: yb, 9: cols.binding(), 10: na.binding(), 11: nb.binding()}
+    else:                                  # lora_delta's bindings unread: the group's own, a scratch y
+        N, J, eps, yo = 2, R, 0.0, 0
+        scratch = dev.buffer(16, owner=x.buf.owner, label=k + ".unused")
+        op.buffers.append(scratch)
+        binds = {5: scratch, 9: idx.binding(), 10: a.binding(), 11: b.binding()}
+    wg = min(_WG, max(8, -(-max(J, R) // 32) * 8)) if NARROW_WG else _WG
+    pipe = _pipe(dev, k, x.dtype, max(J, R), True, True, a.dtype,
+                 (K, N, J, R, K1) if BAKE_SHAPES else (0,) * 5, wg, pre=nxt is not None)
+    par = params(dev, [T, K, N, J, xo, yo, slots, float(eps), R, K1, po, ho, qo], owner=x.buf.owner, label=k)
+    op.buffers.append(par)
+    op.name = k if nxt is None else k + "+delta"
+    return op.add(pipe, dev.bind(pipe, {1: idx.binding(), 3: xb, 8: par, 12: norm.binding(), 13: pb,
+                                        14: a.binding(), 15: b.binding(), 16: hb, 17: qb, **binds}), T)
 
 
 def compact_b(b, cols, rank: int):

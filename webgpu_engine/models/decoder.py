@@ -213,6 +213,7 @@ def forward(m, kv: KVAccess, T: int, mode: str, *, with_head: bool = True,
     ops += _at(points, "embed", m, -1, x, T, rows)
     ops += _image_splice(m, kv, x, T, mode)  # image tokens' rows take their image's features
     ops += _at(points, "inputs", m, -1, x, T, rows)
+    folded = False                           # this layer's qkv deltas stored by the last lora_post
     for i, L in enumerate(m.layers):
         D, F = c.head_dim_of(i), c.ffn_of(i)   # Gemma 4's layers differ in width
         qkv2 = m.qkv.view((T, (H + 2 * Hkv) * D))
@@ -232,8 +233,9 @@ def forward(m, kv: KVAccess, T: int, mode: str, *, with_head: bool = True,
             ops.append(_norm(m, x, L.attn_norm, L.attn_norm_bias, h))
         normed = c.pre_norms and (plan.norm_in_matmul or plan.res_norm and i > 0)
         add = lora.pre(i, "qkv", T) if lora is not None and rope is not None else None
-        if add is not None:                  # the deltas first: the matmul adds them before its RoPE + KV write
+        if add is not None and not folded:   # the deltas first: the matmul adds them before its RoPE + KV write
             ops += _lora_delta(m, lora, i, "qkv", x, h, L.attn_norm, L.attn_norm_bias, add, T, normed, True)
+        folded = False
         ops.append(mm.matmul(dev, src, L.qkv, qkv2, bias=L.qkv_bias, rope_kv=rope, add=add, **how, **flags))
         if L.attn_gate is not None:          # the attention's output gate g = h · Wgᵀ (Qwen3.5)     (T, H D)
             gate = m.attn_gate_out.view((T, H * D))
@@ -250,9 +252,15 @@ def forward(m, kv: KVAccess, T: int, mode: str, *, with_head: bool = True,
             ops += [mm.matmul(dev, attn, L.o, h, bias=L.o_bias, **flags), *delta(i, "o", attn, h, T),
                     nn.rms_norm(dev, h, L.post_attn_norm, h, eps=eps), nn.add(dev, x, h, x)]
         else:
-            ops += delta(i, "o", attn, x, T)       # into x first: the matmul's norm_out sees the sum
+            post = _posts(m, lora, plan, L, i, "o")
+            if not post:
+                ops += delta(i, "o", attn, x, T)   # into x first: the matmul's norm_out sees the sum
             ops.append(mm.matmul(dev, attn, L.o, x, bias=L.o_bias, accumulate=True, **flags,
                                  norm_out=mm.NormOut(L.ffn_norm, h, part) if plan.res_norm else None))
+            if post:                         # after it, with the gate_up deltas in the same dispatch
+                add = lora.pre(i, "gate_up", T) if plan.gate_out[i] and L.experts is None else None
+                folded = add is not None
+                ops += lora.post(i, "o", x, attn, L.ffn_norm, h, part, T, (i, "gate_up", add, eps) if folded else None)
         if L.experts is not None:            # x += the chosen experts' FFNs of rms_norm(x)
             ops += _experts(m, L, x, h, T, mode, flags) + _at(points, "layer_end", m, i, x, T, rows)
             continue
@@ -264,8 +272,10 @@ def forward(m, kv: KVAccess, T: int, mode: str, *, with_head: bool = True,
         add = lora.pre(i, "gate_up", T) if lora is not None and plan.gate_out[i] and (
             normed or not c.pre_norms or c.parallel_norms) else None    # its input made before the matmul's
         if add is not None:                  # the deltas first: the matmul adds them before act(gate) * up
-            ops += _lora_delta(m, lora, i, "gate_up", x, h, L.ffn_norm, L.ffn_norm_bias, add, T, normed, True)
+            if not folded:
+                ops += _lora_delta(m, lora, i, "gate_up", x, h, L.ffn_norm, L.ffn_norm_bias, add, T, normed, True)
             gate = {**gate, "add": add}
+        folded = False
         if c.parallel_norms:                 # h holds the norm of the layer's input (above)
             ops.append(mm.matmul(dev, h, L.gate_up, out, bias=L.up_bias, **gate))
         elif not c.pre_norms:
@@ -297,8 +307,16 @@ def forward(m, kv: KVAccess, T: int, mode: str, *, with_head: bool = True,
                     nn.rms_norm(dev, h, L.post_ffn_norm, h, eps=eps), nn.add(dev, x, h, x)]
         else:
             nxt = mm.NormOut(norms_after[i], h, part) if plan.res_norm else None
-            ops += delta(i, "down", ffn_in, x, T)
+            post = _posts(m, lora, plan, L, i, "down")
+            if not post:
+                ops += delta(i, "down", ffn_in, x, T)
             ops.append(mm.matmul(dev, ffn_in, L.down, x, bias=L.down_bias, accumulate=True, norm_out=nxt, **fused))
+            if post:                         # after it, with the next layer's qkv deltas in the same dispatch
+                j = i + 1
+                add = (lora.pre(j, "qkv", T) if j < len(m.layers) and plan.rope_kv[j] and m.layers[j].mixer is None
+                       and kv.fused_rope(j) is not None else None)
+                folded = add is not None
+                ops += lora.post(i, "down", x, ffn_in, norms_after[i], h, part, T, (j, "qkv", add, eps) if folded else None)
         ops += _at(points, "layer_end", m, i, x, T, rows)
     if with_head:
         n_body = len(ops)
@@ -371,6 +389,15 @@ def _experts(m, L, x: Tensor, h: Tensor, T: int, mode: str, flags: dict) -> list
                   nn.silu_mul(dev, gu, ffn, act=c.act, alpha=c.act_alpha, limit=c.act_limit),
                   moe.moe_down(dev, ffn, L.experts.down, ids, wts, x, n_sel=k, groups=groups, prods=prods,
                                bias=L.experts.down_bias)]
+
+
+def _posts(m, lora, plan: FusionPlan, L, i: int, group: str) -> bool:
+    """Whether layer i's o or down delta goes after its matmul (models/lora.py LoraRows.post): the
+    matmul stores the residual with the next RMSNorm's x * g and partial sums (res_norm), a plain
+    pre-norm layer of attention and a dense FFN."""
+    c = m.cfg
+    return (lora is not None and plan.res_norm and c.pre_norms and not c.parallel_norms and c.norm != "layer"
+            and L.mixer is None and L.experts is None and lora.posts(i, group))
 
 
 def _lora_delta(m, lora, i: int, group: str, x: Tensor, h: Tensor, w: Tensor, b: Tensor | None, y: Tensor,

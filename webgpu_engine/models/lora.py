@@ -424,6 +424,30 @@ class LoraRows:
         return ops + [lk.lora_shrink(dev, x, g.a, idx, u, slots=p.slots),
                       lk.lora_expand(dev, u, g.b, idx, y.view((T, g.n)), slots=p.slots)]
 
+    def posts(self, i: int, group: str) -> bool:
+        """Whether layer i's one-target `group` (o, down) takes its delta after its residual matmul
+        (post()): a CPU adapter's pool, the group targeted, a device that binds lora_post's 15
+        storage buffers."""
+        p = self.pool
+        return (p.fused and group in p.groups[i] and (self.groups is None or group in self.groups)
+                and int(p.dev.limits.get("max-storage-buffers-per-shader-stage", 8)) >= 16)
+
+    def post(self, i: int, group: str, x: Tensor, inp: Tensor, norm: Tensor, h: Tensor, part: Tensor, T: int,
+             nxt: tuple | None = None) -> list:
+        """After layer i's `group` matmul stored x (T, C) with the next norm's x * norm into h and the
+        partial sums into part (norm_out): x[t] += each row's delta of inp[t], h and part again;
+        `nxt` (layer j, group, y from pre(), eps): then group's deltas of layer j from the new x's
+        norm stored into y, in the same dispatch (kernels/lora.py lora_post)."""
+        p = self.pool
+        g = p.groups[i][group]
+        more = None
+        if nxt is not None:
+            j, name, y, eps = nxt
+            g2 = p.groups[j][name]
+            more = (g2.a, g2.b, g2.cols, y, eps)
+        return [lk.lora_post(p.dev, x.view((T, g.n)), inp.view((T, g.k)), g.a, g.b, self.idx.view((T,)), norm,
+                             h.view((T, g.n)), part.view((T * g.n // 4,)), slots=p.slots, nxt=more)]
+
     def pre(self, i: int, group: str, T: int) -> Tensor | None:
         """Where layer i's `group` deltas go when its matmul adds them to its sums before a fused
         epilogue (the RoPE + KV write, act(gate) * up): stored first by lora_delta (a CPU adapter's
