@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import struct
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +16,6 @@ import pytest
 import tinymodels
 from decoder_runner import DecoderRunner
 from webgpu_engine.loaders.tokenizer import load_tokenizer
-from webgpu_engine.models.llama import LlamaModel
 from webgpu_engine.models.registry import open_model
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -27,15 +25,12 @@ def _ref(name: str) -> dict:
     return json.loads((FIXTURES / f"{name}_transformers.json").read_text())
 
 
-def _logits(device, m) -> np.ndarray:
-    return np.frombuffer(device.read_sync(m.logits.buf, 0, m.logits.nbytes), np.float32).copy()
-
-
 def run_golden(device, cfg, weights, ref: dict, chunk: int = 128, dtype: str = "f32") -> tuple[dict, list]:
     """({row: logits}, greedy) of our model over ref's sequence: one chunked prefill up to
     prompt_len (chunks end at the rows kept, so each of those logits is a prefill's last row), 16
     greedy decode steps, then the sequence's own tokens decoded from prompt_len on (rows past it
-    through the fused decode path; each step rewrites the cache row it reads last)."""
+    through the decode path; the greedy steps' rows are written again). The forward every request
+    runs: one sequence over the paged pool (tests/decoder_runner.py)."""
     ids, P = ref["text_ids"][:ref["seq_len"]], ref["prompt_len"]
     run = DecoderRunner(device, cfg, weights, owner="test:families", chunk=chunk, dtype=dtype)
     try:
@@ -132,21 +127,12 @@ def test_phi3_short_factors_below_the_original_context(device, tmp_path):
     opened = open_model(info["path"])
     try:
         cfg, ids = opened.config, [int(i) for i in np.random.default_rng(3).integers(3, 300, 40)]
-        m = LlamaModel(device, cfg, opened.weights, owner="test:families", context_window=64, prefill_chunk=32)
+        r = DecoderRunner(device, cfg, opened.weights, owner="test:families", context_window=64, chunk=32)
         try:
-            assert m.rope_factors == cfg.rope_freq_factors != cfg.rope_long_factors
-            b = device.batch()
-            m.record_prefill(b, ids[:32], 0)
-            device.submit(b)
-            got = [_logits(device, m)]
-            for pos in range(32, 40):
-                device.write(m.ids.buf, struct.pack("<I", ids[pos]))
-                b = device.batch()
-                m.record_decode(b, pos)
-                device.submit(b)
-                got.append(_logits(device, m))
+            assert r.model.rope_factors == cfg.rope_freq_factors != cfg.rope_long_factors
+            got = [r.prefill(ids, [32])[31]] + [r.decode(ids[pos], pos) for pos in range(32, 40)]
         finally:
-            m.release()
+            r.release()
         want = RefLlama(cfg, weights_from_infos(opened.weights), context=64).forward(ids)[31:]
         np.testing.assert_allclose(np.array(got), want, atol=1e-3, rtol=0)
     finally:
@@ -215,18 +201,20 @@ def test_gemma_decode_fuses_its_geglu(device, tmp_path):
     import webgpu_engine.kernels.matmul as mm
     ref = _ref("gemma2")
     opened = open_model(_gemma_files(tmp_path, "gemma2", "gguf", ref["dims"]))
-    m = LlamaModel(device, opened.config, opened.weights, owner="test:families", context_window=512)
+    run = DecoderRunner(device, opened.config, opened.weights, owner="test:families")
+    m = run.model
     try:
         cfg = mm.default_config(device)
         assert opened.config.act == "gelu_tanh"
-        fused = [d[0].key.header for op in m.decode_ops for d in op.dispatches if "ep_silu(" in d[0].key.header]
+        ops = run.seq.fwd.ops("decode", 1)       # a decode step's row, as the scheduler runs it
+        fused = [d[0].key.header for op in ops for d in op.dispatches if "ep_silu(" in d[0].key.header]
         if cfg.unroll and cfg.epilogue:       # the CPU family's strategy
             assert all(m.decode_plan.gate_out) and len(fused) == opened.config.n_layers
             assert all("return gelu_tanh_v2(g)" in h for h in fused)
         else:
             assert not any(m.decode_plan.gate_out) and not fused
     finally:
-        m.release()
+        run.release()
         opened.close()
 
 
@@ -241,11 +229,11 @@ def test_gemma2_with_geglu_fused_into_down_matches_transformers(device, tmp_path
     ref = _ref("gemma2")
     path = _gemma_files(tmp_path, "gemma2", "gguf", ref["dims"])
     opened = open_model(path)
-    m = LlamaModel(device, opened.config, opened.weights, owner="test:families", context_window=512)
+    run = DecoderRunner(device, opened.config, opened.weights, owner="test:families")
     try:
-        assert m.decode_plan.gate_in_down and not any(m.decode_plan.gate_out)
+        assert run.model.decode_plan.gate_in_down and not any(run.model.decode_plan.gate_out)
     finally:
-        m.release()
+        run.release()
         opened.close()
     check_golden(device, path, ref)
 
@@ -313,27 +301,12 @@ def test_gemma_head_dim_256_matches_numpy(device, tmp_path, arch, dtype, tol):
     opened = open_model(_gemma_files(tmp_path, arch, "gguf", dict(seed=9, sliding_window=16, **dims)))
     try:
         cfg, ids = opened.config, [int(i) for i in np.random.default_rng(4).integers(3, 300, 40)]
-        m = LlamaModel(device, cfg, opened.weights, owner="test:families", context_window=64, prefill_chunk=16,
-                       dtype=dtype)
-        V, got = cfg.vocab_size, []
-        fmt = np.float16 if dtype == "f16" else np.float32
-
-        def read():
-            return np.frombuffer(device.read_sync(m.logits.buf, 0, m.logits.nbytes), fmt).astype(np.float32)
+        r = DecoderRunner(device, cfg, opened.weights, owner="test:families", context_window=64, chunk=16,
+                          dtype=dtype)
         try:
-            for p0 in range(0, 32, 16):
-                b = device.batch()
-                m.record_prefill(b, ids[p0:p0 + 16], p0)
-                device.submit(b)
-            got.append(read())
-            for pos in range(32, 40):
-                device.write(m.ids.buf, struct.pack("<I", ids[pos]))
-                b = device.batch()
-                m.record_decode(b, pos)
-                device.submit(b)
-                got.append(read())
+            got = [r.prefill(ids, [32])[31]] + [r.decode(ids[pos], pos) for pos in range(32, 40)]
         finally:
-            m.release()
+            r.release()
         want = RefLlama(cfg, weights_from_infos(opened.weights)).forward(ids)[31:]
         assert np.abs(np.array(got) - want).max() <= tol * np.abs(want).max()
     finally:
