@@ -13,6 +13,9 @@ Values cross to JavaScript as JSON strings, so the page holds no Python proxies.
     await app.chat(JSON.stringify(messages), onDelta)    // onDelta(text) per streamed piece
     await app.load_url("https://huggingface.co/mlc-ai/<id>/resolve/main/")   // an MLC folder (WebLLM's)
     await app.load_folder(url, JSON.stringify(["config.json", ...]), id)     // a Hugging Face folder
+    await app.load(JSON.stringify([d.chat]), "null", JSON.stringify({pirate: "<url>/pirate.gguf",
+                   sql: {url: "<url>/sql-lora/"}}))     // LoRA adapters over the chat model (load_url,
+                                                        // load_folder: the same last argument)
 
 Images go in chat messages as OpenAI image_url parts whose URL holds the picture's pixels,
 `data:image/x-rgba;width=W;height=H;base64,...` (the page decodes pictures in JavaScript: Python here
@@ -29,7 +32,7 @@ from ..cache.defaults import model_artifacts
 from ..catalogue import BUILTIN_MODELS, DEFAULT_CHAT_MODEL, DEFAULT_EMBED_MODEL
 from ..engine.engine import AsyncMLCEngine
 from ..engine.records import EMBEDDING, LLM, AppConfig, EngineConfig, ModelRecord
-from ..errors import ArtifactFetchError
+from ..errors import ArtifactFetchError, InvalidRequestError
 from .artifact_cache import BrowserArtifactCache, stage_files
 
 STAGE_ROOT = "/models"
@@ -61,8 +64,9 @@ async def start(base_url: str, progress=None) -> str:
     return json.dumps(dev.describe())
 
 
-async def load(model_ids_json: str, chat_opts_json: str = "null") -> str:
-    """Fetch (or find in Cache Storage) the files of each model, stage them, and load them all."""
+async def load(model_ids_json: str, chat_opts_json: str = "null", lora_json: str = "null") -> str:
+    """Fetch (or find in Cache Storage) the files of each model, stage them, and load them all, with
+    the LoRA adapters of `lora_json` over the chat model (_adapters)."""
     engine = _state["engine"]
     ids = json.loads(model_ids_json)
     opts = json.loads(chat_opts_json)
@@ -84,9 +88,10 @@ async def load(model_ids_json: str, chat_opts_json: str = "null") -> str:
         where = f"{STAGE_ROOT}/{mid}" + (f"/{arts[0].filename}" if single else "")
         records.append(ModelRecord(model_id=mid, model=where, model_type=_TYPES.get(mid, LLM),
                                    overrides={"context_window_size": 2048} if single else {}))
+    adapters = await _adapters(lora_json)
     engine.set_app_config(AppConfig(records))
     t0 = time.perf_counter()
-    await engine.reload(ids, opts)
+    await engine.reload(ids, opts, lora_adapters=adapters)
     _state["loaded"] = {mid: _TYPES.get(mid, LLM) for mid in ids}
     _state["fetch_stats"] = stats
     return json.dumps({"fetch": stats, "load_seconds": time.perf_counter() - t0})
@@ -95,7 +100,7 @@ async def load(model_ids_json: str, chat_opts_json: str = "null") -> str:
 WEBLLM_MODEL_CACHE = "webllm/model"      # WebLLM's Cache Storage bucket of model files, keyed by URL
 
 
-async def load_url(url: str, model_id: str = "", chat_opts_json: str = "null") -> str:
+async def load_url(url: str, model_id: str = "", chat_opts_json: str = "null", lora_json: str = "null") -> str:
     """Load an MLC model folder as WebLLM publishes them (mlc-chat-config.json, tensor-cache.json or
     ndarray-cache.json with its shards, the tokenizer files) from `url` (any URL the page may fetch,
     e.g. a Hugging Face `resolve/main/` folder). Files already in WebLLM's own Cache Storage for the
@@ -124,10 +129,11 @@ async def load_url(url: str, model_id: str = "", chat_opts_json: str = "null") -
     files = {"mlc-chat-config.json": cfg_raw, index_name: raw, **dict(zip(names, arrays))}
     stats = {k: getattr(st, k) + getattr(st2, k) + getattr(st3, k)
              for k in ("cached_files", "cached_bytes", "fetched_files", "fetched_bytes")}
-    return await _load_files(mid, files, stats, chat_opts_json)
+    return await _load_files(mid, files, stats, chat_opts_json, lora_json)
 
 
-async def load_folder(url: str, files_json: str, model_id: str = "", chat_opts_json: str = "null") -> str:
+async def load_folder(url: str, files_json: str, model_id: str = "", chat_opts_json: str = "null",
+                      lora_json: str = "null") -> str:
     """Load a Hugging Face model folder (config.json, *.safetensors, the tokenizer files; a vision-
     language model's processor config too) from `url`: the files named in `files_json` are fetched
     (or found in Cache Storage) and loaded as a local folder. Replaces the loaded models."""
@@ -138,21 +144,55 @@ async def load_folder(url: str, files_json: str, model_id: str = "", chat_opts_j
     arrays, st = await BrowserArtifactCache("model").fetch_all([base + n for n in names],
                                                                lambda frac, text: _progress(0.5 * frac, text))
     mid = model_id or base.rstrip("/").rsplit("/", 1)[-1]
-    return await _load_files(mid, dict(zip(names, arrays)), dict(st.__dict__), chat_opts_json)
+    return await _load_files(mid, dict(zip(names, arrays)), dict(st.__dict__), chat_opts_json, lora_json)
 
 
-async def _load_files(mid: str, files: dict, stats: dict, chat_opts_json: str) -> str:
-    """Stage a folder's fetched files and load it as the one model."""
+async def _load_files(mid: str, files: dict, stats: dict, chat_opts_json: str, lora_json: str = "null") -> str:
+    """Stage a folder's fetched files and load it as the one model (with `lora_json`'s adapters)."""
     stats = {k: stats[k] for k in ("cached_files", "cached_bytes", "fetched_files", "fetched_bytes")}
     stage_files(f"{STAGE_ROOT}/{mid}", files)
     engine = _state["engine"]
+    adapters = await _adapters(lora_json)
     engine.set_app_config(AppConfig([ModelRecord(model_id=mid, model=f"{STAGE_ROOT}/{mid}", model_type=LLM)]))
     t0 = time.perf_counter()
-    await engine.reload(mid, json.loads(chat_opts_json))
+    await engine.reload(mid, json.loads(chat_opts_json), lora_adapters=adapters)
     _state["loaded"] = {mid: LLM}
     _state["fetch_stats"] = {mid: stats}
     return json.dumps({"model_id": mid, "files": sorted(files), "fetch": {mid: stats},
                        "load_seconds": time.perf_counter() - t0})
+
+
+PEFT_FILES = ["adapter_config.json", "adapter_model.safetensors"]
+
+
+async def _adapters(lora_json: str) -> dict | None:
+    """The LoRA adapters a page loads over its chat model (MLCEngine.reload's lora_adapters), as JSON
+    {name: a GGUF LoRA file's URL, or {"url": a PEFT folder's URL, "files": its files (default
+    PEFT_FILES)}}: fetched (or found in Cache Storage), staged, {name: staged path}; None for none."""
+    spec = json.loads(lora_json) if lora_json else None
+    if not spec:
+        return None
+    if not isinstance(spec, dict):
+        raise InvalidRequestError("The adapters must map names to a GGUF LoRA file's URL or to "
+                                  '{"url": a PEFT folder\'s URL, "files": [...]}.', param="lora_adapters")
+    staged = {}
+    for name, where in spec.items():
+        if not name or "/" in name or name in (".", ".."):
+            raise InvalidRequestError(f"An adapter's name must be a non-empty name without '/', got {name!r}.",
+                                      param="lora_adapters")
+        one = isinstance(where, str)
+        url = where if one else where.get("url") if isinstance(where, dict) else None
+        files = [url.rsplit("/", 1)[1]] if one else (where.get("files") or PEFT_FILES) if url else None
+        if not isinstance(url, str) or not url or not all(isinstance(f, str) and f and "/" not in f for f in files):
+            raise InvalidRequestError(f"Adapter {name!r}: give a GGUF LoRA file's URL or {{\"url\": a PEFT "
+                                      f"folder's URL, \"files\": [...]}}, got {where!r}.", param="lora_adapters")
+        base = url.rsplit("/", 1)[0] + "/" if one else url.rstrip("/") + "/"
+        arrays, _ = await BrowserArtifactCache("model").fetch_all([base + f for f in files],
+                                                                  lambda frac, text: _progress(0.5 * frac, text))
+        root = f"{STAGE_ROOT}/lora/{name}"
+        stage_files(root, dict(zip(files, arrays)))
+        staged[name] = f"{root}/{files[0]}" if one else root
+    return staged
 
 
 def _model(kind: str) -> str:
