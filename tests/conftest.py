@@ -36,20 +36,28 @@ PIPELINE_CAP = 60
 _CACHED_SINCE = [0]      # the session device's compile_count at its last release
 
 
+def _return_host_memory() -> None:
+    """Collect reference cycles (an engine, its models and device stay in them after a test) and
+    hand the freed heap back to the system (glibc keeps it otherwise: the RSS would not fall)."""
+    import ctypes
+    import gc
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:
+        pass
+
+
 def _release_pipelines(dev) -> None:
     """Forget the device's pipelines and let the driver free them: pipelines that live ops hold
     (a module's loaded engine) stay alive through them; the rest compile again when next asked."""
-    import ctypes
     import gc
     dev.forget_pipelines()
     gc.collect()
     probe = dev.buffer(16, owner="test:trim")
     dev.read_sync(probe, 0, 4)          # a round trip: the driver frees what was dropped
     dev.release_owner("test:trim")
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except OSError:
-        pass
+    _return_host_memory()
     _CACHED_SINCE[0] = dev.compile_count
 
 
@@ -72,6 +80,15 @@ def _pipeline_cap():
     yield
     if (dev := _live_session_device()) is not None and dev.compile_count - _CACHED_SINCE[0] > PIPELINE_CAP:
         _release_pipelines(dev)
+
+
+@pytest.fixture
+def return_host_memory():
+    """After the test: its garbage collected and the heap trimmed at once, not at the module's end
+    (for tests that each leave devices of their own with their compiled pipelines, ~0.3 GiB each
+    on lavapipe, behind)."""
+    yield
+    _return_host_memory()
 
 
 @pytest.fixture
@@ -115,16 +132,26 @@ def minilm_reference() -> dict:
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
-    """A skipped test is a failure here: a skip would hide a missing adapter, browser or model."""
+    """A skipped test is a failure here: a skip would hide a missing adapter, browser or model.
+    A teardown's report carries the RSS of the process that ran the test (an xdist worker sends it
+    with the report), for the module table."""
     outcome = yield
     rep = outcome.get_result()
     if rep.skipped and not hasattr(rep, "wasxfail"):
         rep.outcome = "failed"
         rep.longrepr = f"test skipped, which this suite treats as a failure: {rep.longrepr}"
+    if call.when == "teardown":
+        rep.user_properties.append(("process_rss_gib", _own_rss_gib()))
+
+
+def _own_rss_gib() -> float:
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1024 ** 3
 
 
 _SUITE_T0 = time.perf_counter()      # reset when the session starts (below)
-_MODULES: dict[str, list[float]] = {}  # test module -> [seconds, RSS GiB before its first test, peak RSS GiB after a test]
+# test module -> [seconds, RSS GiB before its first test, peak RSS GiB after a test, the largest RSS GiB
+# of the process running it after one of its tests]
+_MODULES: dict[str, list[float]] = {}
 _TREE_RSS = [0.0, 0.0]                 # RSS GiB of this process and its descendants: now, peak (sampled)
 
 
@@ -161,7 +188,7 @@ def _sample_tree_rss() -> None:
 def pytest_runtest_logstart(nodeid, location):
     mod = nodeid.split("::")[0]
     if mod not in _MODULES:
-        _MODULES[mod] = [0.0, _TREE_RSS[0], 0.0]
+        _MODULES[mod] = [0.0, _TREE_RSS[0], 0.0, 0.0]
 
 
 def pytest_runtest_logreport(report):
@@ -170,6 +197,7 @@ def pytest_runtest_logreport(report):
         m[0] += report.duration
         if report.when == "teardown":
             m[2] = max(m[2], _TREE_RSS[0])
+            m[3] = max(m[3], dict(report.user_properties).get("process_rss_gib", 0.0))
 
 
 def pytest_sessionstart(session):
@@ -189,9 +217,13 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     workers, the module table's seconds are each module's own; its RSS is all processes'."""
     if len(_MODULES) > 1:
         terminalreporter.write_line("slowest test modules (s; RSS GiB of all the suite's processes before -> "
-                                    "peak after a test):")
-        for mod, (sec, before, peak) in sorted(_MODULES.items(), key=lambda kv: -kv[1][0])[:20]:
-            terminalreporter.write_line(f"  {sec:7.1f}  {before:5.2f} -> {peak:5.2f}  {mod}")
+                                    "peak after a test; the largest RSS GiB of the process running it "
+                                    "after one of its tests):")
+        for mod, (sec, before, peak, own) in sorted(_MODULES.items(), key=lambda kv: -kv[1][0])[:20]:
+            terminalreporter.write_line(f"  {sec:7.1f}  {before:5.2f} -> {peak:5.2f}  {own:5.2f}  {mod}")
+        largest = sorted(_MODULES.items(), key=lambda kv: -kv[1][3])[:8]
+        terminalreporter.write_line("the largest process after a test of: " + ", ".join(
+            f"{mod.rsplit('/', 1)[-1]} {m[3]:.2f}" for mod, m in largest))
     gib = 1024 ** 2
     one = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
               resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss) / gib

@@ -12,6 +12,7 @@ method is wrapped to destroy the device and then call through; the GPU work itse
 from __future__ import annotations
 
 import asyncio
+import gc
 
 import pytest
 
@@ -20,7 +21,8 @@ from webgpu_engine.engine import DEFAULT_CHAT_MODEL as LLM_ID
 from webgpu_engine.engine import DEFAULT_EMBED_MODEL as EMB_ID
 from webgpu_engine.engine import AsyncMLCEngine, EngineConfig, create_mlc_engine
 
-pytestmark = pytest.mark.slow
+# each test leaves up to three devices with their compiled pipelines behind: freed after it
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("return_host_memory")]
 
 Q = [{"role": "user", "content": "What is the capital of France?"}]
 TEXTS = ["The cat sits on the mat.", "Stock markets fell sharply today."]
@@ -160,6 +162,8 @@ async def run_point(ref, lose, phase: str, which: str) -> None:
                 assert eng.state == "device_lost"
                 await eng.reload(BOTH, FAST)
                 await check_served(eng, ref, dev, which)
+            dev.close()             # the lost device's pipelines (its driver code) go now, not
+            gc.collect()            # with the test's garbage: at most two devices live at once
     finally:
         await eng.unload()
         if eng.device is not None and not eng.device.lost:
