@@ -155,25 +155,3 @@ async def test_default_prompt_name_is_prepended(device, tmp_path):
     cfg_file.write_text(json.dumps({**conf, "default_prompt_name": "passage"}), encoding="utf-8")
     with pytest.raises(UnsupportedModelError, match="default_prompt_name"):
         load_sentence_transformer_config(folder)
-
-
-async def test_a_load_builds_no_decode_step():
-    """The embedder runs prefill forwards only: its load (a device of its own, the kernels compiled at
-    load) creates none of the pipelines of the decoder's decode step, which are built on first use
-    (LlamaModel.decode_ops) for a caller that decodes over the contiguous cache."""
-    from webgpu_engine import gpu
-    from webgpu_engine.engine import EngineConfig
-    from webgpu_engine.engine.engine import AsyncMLCEngine
-    from webgpu_engine.kernels.common import pipeline_keys
-    dev = await gpu.request_device()
-    eng = AsyncMLCEngine(EngineConfig(device=dev))
-    await eng.reload(str(MODEL), chat_opts={"max_batch_size": 4, "compile_in_background": False})
-    try:
-        llm = next(iter(eng.models.values())).pipeline.model.llm
-        created = set(dev._pipelines)
-        assert created and llm._decode_ops is None
-        decode = pipeline_keys(llm.decode_ops)          # built now
-        assert decode - created and set(dev._pipelines) >= decode
-    finally:
-        await eng.unload()
-        dev.destroy()

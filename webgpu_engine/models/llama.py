@@ -2,8 +2,10 @@
 activations. A loaded chat model's forwards run over the batch scheduler's paged KV pool
 (models/paged.py PagedForward, pipelines/scheduler.py): the model allocates no cache of its own.
 
-A model built by hand (no plan with a pool: the golden tests' drivers) keeps a contiguous cache of one
-sequence instead and runs prefill and decode over it (ContiguousKV): per layer a K and a V tensor
+A model built by hand runs through the same paged forward with a pool of one sequence
+(models/paged_sequence.py: the golden tests' drivers). Only the decoder embedder
+(models/decoder_embedder.py) builds one without a pool: it keeps a contiguous cache of one sequence
+and runs prefill forwards over it (ContiguousKV; no decode step): per layer a K and a V tensor
 (Hkv, ctx, D) whose row p is position p, positions pos0 .. pos0+T-1 from the 16-byte step uniform
 (pos0, n_new, kv_len, 0).
 
@@ -19,8 +21,7 @@ from ..errors import ContextWindowTooLargeError, GPUOutOfMemoryError, Unsupporte
 from ..gpu import Device
 from ..kernels import matmul as mm
 from ..kernels import nn
-from ..kernels.common import Op, OpCache, Ring, Tensor, check, new_tensor
-from ..kernels.kv_quant import KV_QUANTS, rope_kv_quant
+from ..kernels.common import Op, OpCache, Tensor, new_tensor
 from ..loaders.decoder_config import FAMILIES
 from ..loaders.model_config import LlamaConfig
 from ..loaders.tensor_info import split_fused
@@ -84,9 +85,9 @@ def _floats(t) -> list:
 
 
 class ContiguousKV:
-    """decoder.KVAccess of one sequence's contiguous cache: rows 0 .. ctx-1 of each layer's K and V
-    tensors, positions from the model's step uniform; the qkv matmul can rotate and write the caches
-    itself (mm.RopeKV)."""
+    """decoder.KVAccess of one sequence's contiguous cache for PREFILL forwards (the decoder
+    embedder's): rows 0 .. ctx-1 of each layer's K and V tensors, positions from the model's step
+    uniform."""
 
     head_flags: dict = {}              # the prefill head's one-row matmul: the decode kernel
     fused_rows = False                 # one sequence: no ROWS mode
@@ -103,36 +104,21 @@ class ContiguousKV:
         return self.m.logits
 
     def fused_rope(self, i: int):
-        m, c = self.m, self.m.cfg
-        if m.kv_cache_dtype or m.ring:   # the matmul's epilogue writes act caches only, without a ring
-            return None
-        return mm.RopeKV(m.step, m.rope_freq, m.k_cache[i], m.v_cache[i], c.n_heads, c.n_kv_heads, c.head_dim_of(i),
-                         c.rot_dim_of(i), m.ctx)
+        return None                    # prefill: RoPE and the KV write by rope_kv
 
     def rope_kv(self, i: int, qkv: Tensor, T: int, rope: dict):
         m, c = self.m, self.m.cfg
-        ring = dict(ring=m.ring, q_sink=m.q_sink) if m.ring else {}
-        D = c.head_dim_of(i)
-        if m.kv_cache_dtype in KV_QUANTS:     # rope and the quantising write in one dispatch
-            return rope_kv_quant(m.dev, qkv, m.k_cache[i], m.v_cache[i], m.step, n_q_heads=c.n_heads,
-                                 n_kv_heads=c.n_kv_heads, head_dim=D, ctx=m.ctx, **rope, **ring)
         return nn.rope_kv(m.dev, qkv, m.k_cache[i], m.v_cache[i], m.step, n_q_heads=c.n_heads,
-                          n_kv_heads=c.n_kv_heads, head_dim=D, ctx=m.ctx, **rope, **ring)
+                          n_kv_heads=c.n_kv_heads, head_dim=c.head_dim_of(i), ctx=m.ctx, **rope)
 
     def rope_q(self, i: int, qkv: Tensor, T: int, rope: dict):
         m, c = self.m, self.m.cfg
-        check(not m.ring, "rope_q", "a layer attending another's cache does not run with a ring")
         return nn.rope(m.dev, qkv, m.step, n_heads=c.n_heads, head_dim=c.head_dim_of(i), **rope)
-
-    def masking(self, spec: decoder.Attention) -> dict:
-        """nn.attention's masks: the model's own (window, soft-cap), or a ring's in place of its window."""
-        m = self.m
-        return {**spec.masking(), "window": 0, "ring": m.ring, "q_sink": m.q_sink} if m.ring else spec.masking()
 
     def attention(self, i: int, qkv: Tensor, attn: Tensor, T: int, mode: str, spec: decoder.Attention):
         m = self.m
         return nn.attention(m.dev, qkv, m.k_cache[i], m.v_cache[i], attn, m.step, **spec.heads(), ctx=m.ctx,
-                            scale=spec.scale, max_t=T, causal=mode != decoder.DECODE, **self.masking(spec))
+                            scale=spec.scale, max_t=T, causal=True, **spec.masking())
 
     def states(self, i: int, T: int):
         return self.m.mixer_states[i], self.m.step, None
@@ -143,14 +129,12 @@ class LlamaModel:
 
     def __init__(self, dev: Device, cfg: LlamaConfig, weights: dict, *, owner: str,
                  context_window: int = 4096, prefill_chunk: int = 256, dtype: str = "f32",
-                 max_total_bytes: int = DEFAULT_MAX_TOTAL_BYTES, progress=None, kv_cache_dtype: str = "",
-                 ring: Ring | None = None, plan: DecoderPlan | None = None):
+                 max_total_bytes: int = DEFAULT_MAX_TOTAL_BYTES, progress=None, plan: DecoderPlan | None = None):
         """`plan`: the load's models/plan.py DecoderPlan (its context, prefill chunk, dtypes, ring and
-        paged pool); without it (a model built by hand) one made of context_window, prefill_chunk,
-        dtype, kv_cache_dtype and ring, for one sequence in a contiguous cache."""
+        paged pool); without it (the decoder embedder) one made of context_window, prefill_chunk and
+        dtype, for the prefill forwards of one sequence in a contiguous cache."""
         if plan is None:
-            plan = DecoderPlan(dtype, *cache_rows(cfg, context_window, prefill_chunk, ring), 1,
-                               kv_cache_dtype="" if kv_cache_dtype == dtype else kv_cache_dtype, ring=ring)
+            plan = DecoderPlan(dtype, *cache_rows(cfg, context_window, prefill_chunk), 1)
         self.plan = plan
         self.dev, self.cfg, self.owner, self.dtype = dev, cfg, owner, plan.dtype
         self.kv_cache_dtype = plan.kv_cache_dtype          # "q8_0", "q4_0" or "" (= dtype)
@@ -168,10 +152,6 @@ class LlamaModel:
             dev.release_owner(owner)
             raise
         self._ops = OpCache(_MAX_CACHED_SHAPES)      # (T, with_head) -> list[Op] (contiguous cache)
-        # decode steps record an op's short form when the live keys allow (nn.attention's
-        # one-dispatch attention); a switch for A/B benchmarks
-        self.short_attention = True
-        self._decode_ops: list[Op] | None = None      # the contiguous decode step's, built on first use
         self._decode_plan = None
         if plan.contiguous and dev.deferring:
             # pipelines queue on the background compiler in the order built: a first prompt's
@@ -343,7 +323,7 @@ class LlamaModel:
             self._allocate_contiguous()
 
     def _allocate_contiguous(self) -> None:
-        """A hand-built model's own cache of one sequence, its input ids, step uniform, logits row and
+        """The decoder embedder's cache of one sequence, its input ids, step uniform, logits row and
         recurrent states (ContiguousKV)."""
         c, dev, own, dt, P = self.cfg, self.dev, self.owner, self.dtype, self.chunk
         self.step = dev.buffer(16, owner=own, label="step")                 # u32 (pos0, n_new, kv_len, 0)
@@ -355,47 +335,25 @@ class LlamaModel:
         self.k_cache, self.v_cache = [], []
         for i in range(c.n_layers):             # a layer attending an earlier one's cache stores none
             src, D = c.kv_source(i), c.head_dim_of(i)
-            shape, kdt = (c.n_kv_heads, self.ctx, D), dt
-            if self.kv_cache_dtype in KV_QUANTS:    # codes and scales in u32 words (kernels/kv_quant.py)
-                shape, kdt = (KV_QUANTS[self.kv_cache_dtype].cache_words(c.n_kv_heads, self.ctx, D),), "u32"
             for caches, kind in ((self.k_cache, "k"), (self.v_cache, "v")):
                 caches.append(caches[src] if src != i else
-                              new_tensor(dev, shape, kdt, owner=own, label=f"{kind}_cache.{i}"))
-        # a ring's sink queries, written by rope_kv beside qkv (a buffer of its own)
-        self.q_sink = new_tensor(dev, (P, c.q_dim), dt, owner=own, label="q_sink") if self.ring else None
+                              new_tensor(dev, (c.n_kv_heads, self.ctx, D), dt, owner=own, label=f"{kind}_cache.{i}"))
         self.kv = ContiguousKV(self)
 
     # ------------------------------------------------------------------ the forward pass as ops
-    def _build(self, T: int, with_head: bool, decode: bool = False) -> list[Op]:
-        """The forward of T rows over the contiguous cache (models/decoder.py). Prefill (`decode`
-        False) computes every row with kernels whose per-row sums do not depend on T (row-invariant
-        matmuls, the causal attention kernel even for one row), so a position's logits are the same
-        however the prompt was chunked. Decode (T = 1) takes the fused, split-key kernels."""
-        if not decode:
-            return decoder.forward(self, self.kv, T, decoder.PREFILL, with_head=with_head)
-        return decoder.forward(self, self.kv, T, decoder.DECODE, with_head=with_head, plan=self.decode_plan)
-
     @property
     def decode_plan(self) -> "decoder.FusionPlan":
-        """The fusions the contiguous decode step takes (chosen on first use)."""
+        """The fusions a decode row takes where it goes through the fused one-row kernels (the paged
+        forward's fused_rows: models/paged.py), chosen on first use."""
         if self._decode_plan is None:
             self._decode_plan = decoder.FusionPlan.choose(self.dev, self.cfg, self.layers, self.lm_head, True)
         return self._decode_plan
 
-    @property
-    def decode_ops(self) -> list[Op]:
-        """A hand-built model's decode step over its contiguous cache, built on first use (a model that
-        never decodes, the decoder embedder, creates none of its pipelines) and replayed every step."""
-        if self._decode_ops is None:
-            if not self.plan.contiguous:
-                raise RuntimeError("a model loaded with a paged pool decodes through the scheduler's "
-                                   "PagedForward; it has no contiguous decode ops")
-            self._decode_ops = self._build(1, True, decode=True)
-        return self._decode_ops
-
     def ops_for(self, T: int, with_head: bool = True) -> list[Op]:
-        """The prefill ops for T rows (1 <= T <= prefill chunk), built once per (T, with_head)."""
-        return self._ops.get((T, with_head), lambda: self._build(T, with_head))
+        """The contiguous cache's prefill ops for T rows (1 <= T <= prefill chunk), built once per
+        (T, with_head): row-invariant kernels, so a position's values do not depend on the chunking."""
+        return self._ops.get((T, with_head), lambda: decoder.forward(self, self.kv, T, decoder.PREFILL,
+                                                                     with_head=with_head))
 
     def warm_heights(self) -> list[int]:
         """Row counts whose prefill ops load-time warm-up runs: one row, a full chunk and each tile
@@ -428,36 +386,21 @@ class LlamaModel:
                                 owner=self.owner, bidirectional=bidirectional)
         self._ops.release()
 
-    # ------------------------------------------------------------------ a hand-built model's steps
-    def set_step(self, pos0: int, n_new: int) -> None:
-        self.dev.write(self.step, struct.pack("<4I", pos0, n_new, pos0 + n_new, 0))
-
+    # ------------------------------------------------------------------ the decoder embedder's steps
     def record_prefill(self, batch, ids: list[int], pos0: int, with_head: bool = True) -> None:
         """Write ids (T <= chunk) and the step, record the forward of those rows into `batch`."""
         if not 0 < len(ids) <= self.chunk:
             raise ValueError(f"prefill of {len(ids)} tokens: chunks must have 1..{self.chunk} tokens")
         T = len(ids)
-        if pos0 + T > self.ctx and self.ring is None:
+        if pos0 + T > self.ctx:
             raise ContextWindowTooLargeError(f"positions up to {pos0 + T} exceed the context window {self.ctx}")
         self.dev.write(self.ids.buf, struct.pack(f"<{T}I", *ids))
-        self.set_step(pos0, T)
+        self.dev.write(self.step, struct.pack("<4I", pos0, T, pos0 + T, 0))
         if self.images is not None:          # the rows holding image tokens (staged by the caller)
             self.images.write(T)
-        self._record(batch, self.ops_for(T, with_head), None)
-
-    def record_decode(self, batch, pos0: int) -> None:
-        """Record one decode step at position pos0; its input id is already in `ids[0]`."""
-        if pos0 + 1 > self.ctx and self.ring is None:
-            raise ContextWindowTooLargeError(f"position {pos0} is outside the context window {self.ctx}")
-        self.set_step(pos0, 1)
-        self._record(batch, self.decode_ops, min(pos0 + 1, self.ctx))
-
-    def _record(self, batch, ops: list[Op], n_keys: int | None) -> None:
-        """Record ops into batch; a T = 1 step (n_keys: its live KV length) may take ops' short forms."""
-        for op in ops:
-            op.record(batch, n_keys=n_keys if self.short_attention else None)
+        for op in self.ops_for(T, with_head):
+            op.record(batch)
 
     def release(self) -> None:
         self.dev.release_owner(self.owner)
         self._ops.release()
-        self._decode_ops = []
