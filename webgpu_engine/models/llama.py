@@ -125,7 +125,9 @@ class ContiguousKV:
 
 
 class LlamaModel:
-    """One loaded decoder: weights, KV cache and activations, all owned by `owner`."""
+    """One loaded decoder: weights and activations, all owned by `owner` (its KV cache is the paged
+    forward's pool; only a model without a pool, the decoder embedder's, has a contiguous cache of its
+    own, for prefill forwards: record_prefill)."""
 
     def __init__(self, dev: Device, cfg: LlamaConfig, weights: dict, *, owner: str,
                  context_window: int = 4096, prefill_chunk: int = 256, dtype: str = "f32",
