@@ -156,9 +156,9 @@ class LlamaModel:
         self._ops = OpCache(_MAX_CACHED_SHAPES)      # (T, with_head) -> list[Op] (contiguous cache)
         self._decode_plan = None
         if plan.contiguous and dev.deferring:
-            # pipelines queue on the background compiler in the order built: a first prompt's
-            # prefill (tiled as a full chunk is, most prompts being over 8 rows)
-            self.ops_for(self.chunk, True)
+            # pipelines queue on the background compiler in the order built: the decoder embedder's
+            # forward of a full chunk (tiled as most inputs are, being over 8 rows; no LM head)
+            self.ops_for(self.chunk, False)
 
     # ------------------------------------------------------------------ memory
     def _check_memory(self, weights: dict, max_total: int) -> None:
