@@ -15,6 +15,9 @@ SYSTEM = {"role": "system", "content": "You are terse."}
 TURNS = [m for i in range(6) for m in ({"role": "user", "content": f"Question {i}: the quick brown fox?"},
                                        {"role": "assistant", "content": f"Answer {i}: the lazy dog."})]
 LAST = {"role": "user", "content": "And the last one?"}
+# tokens a shifting generation makes: past the 96-token window twice over, so at least three shifts
+# (at 96 tokens, then every 45 with n_keep 5)
+LONG = 200
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +75,7 @@ async def test_error_is_the_default_and_bad_policies_are_refused(device, path):
 
 
 async def _shift_run(device, path, ahead: bool, check: bool):
-    """A greedy generation of 300 tokens (3x the 96-token window) with context_overflow "shift",
+    """A greedy generation of LONG tokens (over 2x the 96-token window) with context_overflow "shift",
     n_keep 5, a lone sequence of the scheduler. `check`: after each shift, the token the step after it
     sampled equals a cold forward of exactly the tokens the cache then holds (a second pipeline on the
     same weights, with a pool of its own)."""
@@ -82,7 +85,7 @@ async def _shift_run(device, path, ahead: bool, check: bool):
                                                                n_keep=5, decode_ahead=ahead))
     try:
         await pipe.prefill_step([{"role": "user", "content": "Tell me a long story."}],
-                                GenerationConfig(temperature=0.0, max_tokens=300, ignore_eos=True))
+                                GenerationConfig(temperature=0.0, max_tokens=LONG, ignore_eos=True))
         shifts = 0
         while not pipe.stopped:
             before = list(pipe.kv_ids)
@@ -99,7 +102,7 @@ async def _shift_run(device, path, ahead: bool, check: bool):
                 assert await ref.forward_tokens_and_sample(list(pipe.kv_ids), True,
                                                            GenerationConfig(temperature=0.0)) == got
                 ref.scheduler.close()
-        assert pipe.finish_reason == "length" and len(pipe.output_ids) == 300
+        assert pipe.finish_reason == "length" and len(pipe.output_ids) == LONG
         assert shifts >= 3 and pipe.usage()["extra"]["context_shifts"] == shifts
         return list(pipe.output_ids)
     finally:
@@ -107,7 +110,7 @@ async def _shift_run(device, path, ahead: bool, check: bool):
 
 
 async def test_shift_generates_past_the_window(device, path):
-    """context_overflow "shift": a generation of 3x the window goes on to max_tokens; after each
+    """context_overflow "shift": a generation of over 2x the window goes on to max_tokens; after each
     shift the cache holds the first n_keep tokens and the newer half of the rest, computed again at
     their new positions, so the next token is the one a cold cache of those tokens gives; steps run
     one ahead of the host give the same answer."""
@@ -120,14 +123,14 @@ PROMPTS = ["Tell me a long story.", "Once upon a time", "The quick brown fox jum
 
 
 async def _long(eng, prompt: str, **kw):
-    r = await eng.completions.create(prompt=prompt, max_tokens=300, ignore_eos=True, temperature=0, logprobs=1, **kw)
+    r = await eng.completions.create(prompt=prompt, max_tokens=LONG, ignore_eos=True, temperature=0, logprobs=1, **kw)
     c = r.choices[0]
     return c.logprobs.tokens, c.finish_reason, r.usage.extra.model_dump().get("context_shifts", 0)
 
 
 async def test_shift_per_sequence_in_a_batch(device, path):
     """context_overflow "shift" with continuous batching (llama.cpp's per-slot shift): 4 generations of
-    300 tokens (3x the 96-token window) from prompts of different lengths run together, each shifting
+    LONG tokens (over 2x the 96-token window) from prompts of different lengths run together, each shifting
     on its own when its cache is full (the others decode on meanwhile); each gives the tokens it gives
     alone in the batch and with one slot, whose shifts the cold-forward check above proves."""
     import asyncio
@@ -141,7 +144,7 @@ async def test_shift_per_sequence_in_a_batch(device, path):
     finally:
         await batched.unload()
     for toks, finish, shifts in alone:
-        assert len(toks) == 300 and finish == "length" and shifts >= 3
+        assert len(toks) == LONG and finish == "length" and shifts >= 3
     assert together == alone
     single = await _engine(device, path, context_overflow="shift", n_keep=5)
     try:
