@@ -11,10 +11,16 @@
 //   paged_split:    ragged decode, flash-decoding: sequence q (one query row, qkv row q) at position
 //                   lens[q] - 1 sees keys [0, lens[q]); lane per (q, split s, G heads) attends keys
 //                   [s*chunk, (s+1)*chunk) and writes (acc, max, sum) partials; lens[q] == 0: idle
-//                   slot, nothing written. dispatch ceil(S*n_splits*Hq/G / SWG) workgroups.
+//                   slot, nothing written. Lanes split-major (paged_lane), so that a step dispatches
+//                   ceil(S*n_live*Hq/G / SWG) workgroups for the n_live splits its longest sequence
+//                   reaches (at most n_splits).
 //                   A sequence of at most short_keys keys takes the short form instead, chosen by its
 //                   own length alone: split 0's lane attends all its keys (as the contiguous
 //                   attn_decode1 does) and stores the output; its other splits exit.
+//   paged_short:    the short form alone, for a step whose every sequence takes it (record(n_keys) at most
+//                   short_keys): lane per (q, G heads), the same lane work as paged_split's split 0;
+//                   dispatch ceil(S*Hq/G / SWG) workgroups (paged_split's grid also holds the lanes of
+//                   every other split, whose workgroups a CPU adapter starts one by one only to exit).
 //   paged_combine:  out[q, h] from the partials of its live splits; lane per (q, h, d4) (sequences
 //                   of the short form: nothing to do).
 //   paged_causal:   chunked prefill of one sequence: rows t < n_new (step[1]) at positions
@@ -171,10 +177,21 @@ fn paged_kv_write(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups
     }
 }
 
+// paged_split's lane: (q, s, G heads from h0), split-major (every sequence's lanes of split s before
+// split s + 1's: the splits past a step's longest sequence are the grid's end, left out); sets sink_h0.
+fn paged_lane(wid: vec3<u32>, nwg: vec3<u32>, lid: u32) -> SplitLane {
+    let i = (wid.y * nwg.x + wid.x) * SWG + lid;
+    let n_hg = p.hq / G;                         // head groups of G
+    let per_split = p.n_seq * n_hg;
+    let h0 = (i % n_hg) * G;
+    sink_h0 = h0;
+    return SplitLane((i % per_split) / n_hg, i / per_split, h0);
+}
+
 @compute @workgroup_size(SWG)
 fn paged_split(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                @builtin(local_invocation_index) lid: u32) {
-    let lane = split_lane(wid, nwg, lid);
+    let lane = paged_lane(wid, nwg, lid);
     let q = lane.q;
     if (q >= p.n_seq) { return; }
     let n_keys = seq_keys(q);
@@ -190,7 +207,7 @@ fn paged_split(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
         return;
     }
     let lo = window_lo(n_keys - 1u);
-    let k0 = lane.s * p.chunk;
+    let k0 = lane.s * p.chunk;                   // spare lanes of the last workgroup: s >= n_splits, past every key
     if (k0 >= n_keys || k0 + p.chunk <= lo) { return; }
     if (RING) {
         attend_ring(p.tab_off + q * p.max_blocks, lane.h0 / p.group, p.qkv_off + (q * p.heads + lane.h0) * D4,
@@ -202,6 +219,25 @@ fn paged_split(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
     let n = min(p.chunk, n_keys - k0);
     attend(p.tab_off + q * p.max_blocks, lane.h0 / p.group, k0, 0u, n, max(lo, k0) - k0, n);
     store_partial(q, lane.h0, lane.s);
+}
+
+@compute @workgroup_size(SWG)
+fn paged_short(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+               @builtin(local_invocation_index) lid: u32) {
+    let i = (wid.y * nwg.x + wid.x) * SWG + lid;
+    let n_hg = p.hq / G;                         // head groups of G
+    let q = i / n_hg;
+    let h0 = (i % n_hg) * G;
+    sink_h0 = h0;
+    if (q >= p.n_seq) { return; }
+    let n_keys = seq_keys(q);
+    if (n_keys == 0u || n_keys > p.short_keys) { return; }
+    if (RING) {
+        r_pos = lens[p.idx_off + q] - 1u;
+        r_last = r_pos;
+    }
+    attend_all(q, h0, n_keys);
+    store_short(p.out_off + (q * p.hq + h0) * D4);
 }
 
 @compute @workgroup_size(64)

@@ -110,7 +110,9 @@ def test_paged_decode_ragged_batch(device, case, dtype):
     """S sequences of their own lengths and tables in one op, each sequence by the short form (one
     lane over all its keys) where its own keys fit op.max_keys and split-key + combine beyond, bit
     for bit as the op that takes that form for every sequence; an idle slot (length 0) leaves its
-    output row alone."""
+    output row alone. Recorded with the longest sequence's keys, the op dispatches the lanes those
+    keys need (the short form's lanes alone; the splits they reach), with the same outputs as every
+    lane of every split."""
     lens, sh, window, softcap, share = CASES[case]
     hq, hkv, d = sh["hq"], sh["hkv"], sh["d"]
     rng = np.random.default_rng(len(lens) * d)
@@ -128,14 +130,15 @@ def test_paged_decode_ragged_batch(device, case, dtype):
         plain = _decode_ref(rounded(qkv, dtype), kp, vp, tables, lens, hq, d ** -0.5)
         assert np.nanmax(np.abs(plain - ref)) > 0.05                   # the window / cap matter
     live = np.array(lens) > 0
-    got = {}
+    got, groups = {}, []
     for short_keys in (None, 0, 10 ** 6):     # each sequence by its length; all split-key; all short
         op = ap.paged_decode(device, qt, kt, vt, out, lens_t, tt, **kw, short_keys=short_keys)
         assert len(op.dispatches) == 2 and len(op.short) == 1
-        for n_keys in (None, max(lens)):      # the split dispatch alone where every sequence is short
+        for n_keys in (None, max(lens)):      # the short dispatch alone where every sequence is short
             device.write(out.buf, np.full(out.numel, 7.0, NP[dtype]), out.offset)
             b = device.batch()
             op.record(b, n_keys=n_keys)
+            groups.append([d[3] * d[4] for d in b.ops if d[0] == "d"])
             device.submit(b)
             if n_keys is None:
                 got[short_keys] = get(device, out)
@@ -145,6 +148,10 @@ def test_paged_decode_ragged_batch(device, case, dtype):
             limit = op.max_keys                # the device's bound (nn.attention's one-dispatch form)
         np.testing.assert_allclose(got[short_keys][live], ref[live], **TOL[dtype], err_msg=f"{short_keys=}")
         assert (got[short_keys][~live] == 7.0).all()
+    # workgroups dispatched: every split, then the splits max(lens) reaches; short: a lane per head group
+    (full, _), (some, _) = groups[2], groups[3]
+    assert (some < full) == (-(-max(lens) // 32) < max_blocks * BS // 32)      # 32-key splits (min_chunk)
+    assert len(groups[5]) == 1 and groups[5][0] < full
     fits = np.array(lens) <= limit             # the short form where a sequence's own keys fit
     if case in ("boundaries", "window_softcap"):                     # both forms in one step
         assert fits[live].any() and (~fits).any()

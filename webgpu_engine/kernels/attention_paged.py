@@ -310,6 +310,28 @@ def paged_kv_write(dev: Device, qkv: Tensor, k_pool: Tensor, v_pool: Tensor, slo
                t * 2 * n_kv_heads * (head_dim // 4))
 
 
+class _KeySplits(Op):
+    """paged_decode's op: record(n_keys=the longest sequence's keys) dispatches the split dispatch's
+    lanes of the splits those keys reach (its lanes split-major: `lanes` per split, sequences and head
+    groups), then the combine; up to max_keys keys the short form; without n_keys, every split. A
+    lane's work does not depend on which lanes run beside it: the same outputs either way."""
+
+    lanes: int = 0
+    chunk: int = 0
+    swg: int = 0
+
+    def record(self, batch, n_keys: int | None = None):
+        if n_keys is None or (self.short and n_keys <= self.max_keys):
+            return super().record(batch, n_keys)
+        (pipe, group, x, y, z), comb = self.dispatches
+        live = -(-self.lanes * -(-n_keys // self.chunk) // self.swg)       # workgroups of the live splits
+        if live < x * y:
+            x, y = _grid(live * WG, "paged_decode")
+        batch.dispatch(pipe, group, x, y, z)
+        batch.dispatch(*comb)
+        return batch
+
+
 def paged_decode(dev: Device, qkv: Tensor, k_pool: Tensor, v_pool: Tensor, out: Tensor, lens: Tensor,
                  tables: Tensor, *, n_q_heads: int, n_kv_heads: int, head_dim: int, max_seqs: int,
                  max_blocks: int, scale: float, window: int = 0, softcap: float = 0.0,
@@ -351,7 +373,8 @@ def paged_decode(dev: Device, qkv: Tensor, k_pool: Tensor, v_pool: Tensor, out: 
                        oo, max_blocks, int(window), float(softcap), to, lo, 0, short, 0], owner=owner, label=k)
     part = dev.buffer(max_seqs * n_q_heads * n_splits * (head_dim // 4 + 1) * 16, owner=owner,
                       label="paged_decode.partials")
-    op = Op(name=k, buffers=[par, part])
+    op = _KeySplits(name=k, buffers=[par, part])
+    op.lanes, op.chunk, op.swg = max_seqs * n_q_heads // g, chunk, swg
     split = dev.pipeline(FILE, "paged_split", header=header)
     x, y = _grid(-(-max_seqs * n_splits * n_q_heads // g // swg) * WG, k)
     op.add(split, dev.bind(split, {**dict(enumerate([par, le, qe, ke, ve, (part, 0, part.size), te, oe])),
@@ -360,8 +383,14 @@ def paged_decode(dev: Device, qkv: Tensor, k_pool: Tensor, v_pool: Tensor, out: 
     x, y = _grid(max_seqs * n_q_heads * head_dim // 4, k)
     op.add(comb, dev.bind(comb, {**dict(enumerate([par, le, (part, 0, part.size), oe])), **sinked}), x, y)
     # a step whose every sequence takes the short form (record(n_keys=longest) <= max_keys) has
-    # nothing to combine: the split dispatch alone (the same outputs, a dispatch fewer)
-    op.short, op.max_keys = op.dispatches[:1], short
+    # nothing to combine: paged_short, the split dispatch's short-form lanes alone (the same outputs,
+    # a dispatch fewer, and a workgroup per SWG lanes of them rather than per SWG lanes of every split:
+    # lavapipe starts each of those in turn, 2.8 us apiece, a third of the attention at 4 sequences)
+    brief = dev.pipeline(FILE, "paged_short", header=header)
+    x, y = _grid(-(-max_seqs * n_q_heads // g // swg) * WG, k)
+    op.short = [(brief, dev.bind(brief, {**dict(enumerate([par, le, qe, ke, ve])), 6: te, 7: oe, **sinked, **rung}),
+                 x, y, 1)]
+    op.max_keys = short
     return op
 
 
