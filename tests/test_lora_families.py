@@ -1,5 +1,6 @@
 """LoRA adapters over other decoder families (issue 52): Phi-3's fused qkv_proj / gate_up_proj (and
-llama.cpp's attn_qkv / 2 x ffn ffn_up), Qwen3's and Gemma's Llama names, as PEFT folders and as
+llama.cpp's attn_qkv / 2 x ffn ffn_up), the Llama names of Qwen2 / Qwen3, Mistral, Gemma 1-3 (norms
+after the attention and the FFN), OLMo-2 (no norms before) and StableLM (LayerNorms), as PEFT folders and as
 convert_lora_to_gguf.py's files, against transformers + peft (tests/fixtures/make_lora.py
 --families): the base's, the folder's and the file's rows in one batch."""
 from __future__ import annotations
