@@ -169,19 +169,14 @@ fn delta_row(t: u32, s: u32, lid: u32) {
                 for (var k4 = 0u; k4 < kn / VW; k4++) {
                     let x0 = wx[k4 * (VW / 4u)];
                     let x1 = wx[k4 * (VW / 4u) + (VW / 4u - 1u)];      // VW = 4: x0 again
-                    acc.x = wdot(acc.x, x0, x1, a4[ak + k4]);
-                    acc.y = wdot(acc.y, x0, x1, a4[ak + JL * K4 + k4]);
-                    acc.z = wdot(acc.z, x0, x1, a4[ak + 2u * JL * K4 + k4]);
-                    acc.w = wdot(acc.w, x0, x1, a4[ak + 3u * JL * K4 + k4]);
+                    acc = wdot4(acc, x0, x1, a4[ak + k4], a4[ak + JL * K4 + k4], a4[ak + 2u * JL * K4 + k4],
+                                a4[ak + 3u * JL * K4 + k4]);
                 }
             }
         }
         if (l < JL) {
             if (NORM) { acc *= inv; }
-            wu[l / 4u][l % 4u] = acc.x;
-            wu[(l + JL) / 4u][(l + JL) % 4u] = acc.y;
-            wu[(l + 2u * JL) / 4u][(l + 2u * JL) % 4u] = acc.z;
-            wu[(l + 3u * JL) / 4u][(l + 3u * JL) % 4u] = acc.w;
+            put_u4(l, JL, acc);
         }
     }
     workgroupBarrier();
@@ -269,18 +264,13 @@ fn lora_post(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_in
                 for (var k4 = 0u; k4 < kn / VW; k4++) {
                     let x0 = wx[k4 * (VW / 4u)];
                     let x1 = wx[k4 * (VW / 4u) + (VW / 4u - 1u)];
-                    acc.x = wdot(acc.x, x0, x1, pa4[ak + k4]);
-                    acc.y = wdot(acc.y, x0, x1, pa4[ak + JL * K14 + k4]);
-                    acc.z = wdot(acc.z, x0, x1, pa4[ak + 2u * JL * K14 + k4]);
-                    acc.w = wdot(acc.w, x0, x1, pa4[ak + 3u * JL * K14 + k4]);
+                    acc = wdot4(acc, x0, x1, pa4[ak + k4], pa4[ak + JL * K14 + k4], pa4[ak + 2u * JL * K14 + k4],
+                                pa4[ak + 3u * JL * K14 + k4]);
                 }
             }
         }
         if (l < JL) {
-            wu[l / 4u][l % 4u] = acc.x;
-            wu[(l + JL) / 4u][(l + JL) % 4u] = acc.y;
-            wu[(l + 2u * JL) / 4u][(l + 2u * JL) % 4u] = acc.z;
-            wu[(l + 3u * JL) / 4u][(l + 3u * JL) % 4u] = acc.w;
+            put_u4(l, JL, acc);
         }
     }
     workgroupBarrier();
@@ -295,10 +285,7 @@ fn lora_post(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_in
         for (var r4 = 0u; r4 < R4; r4++) {
             let u0 = wu[r4 * (VW / 4u)];
             let u1 = wu[r4 * (VW / 4u) + (VW / 4u - 1u)];
-            d.x = wdot(d.x, u0, u1, pb4[bn + r4]);
-            d.y = wdot(d.y, u0, u1, pb4[bn + R4 + r4]);
-            d.z = wdot(d.z, u0, u1, pb4[bn + 2u * R4 + r4]);
-            d.w = wdot(d.w, u0, u1, pb4[bn + 3u * R4 + r4]);
+            d = wdot4(d, u0, u1, pb4[bn + r4], pb4[bn + R4 + r4], pb4[bn + 2u * R4 + r4], pb4[bn + 3u * R4 + r4]);
         }
         let o = x0 + 4u * q;
         let v = vec4<f32>(f32(act(f32(x[o]) + d.x)), f32(act(f32(x[o + 1u]) + d.y)),
@@ -320,4 +307,17 @@ fn lora_post(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_in
         workgroupBarrier();
         delta_row(t, s, lid);
     }
+}
+
+// four rows' wdot against the same x values (rows of one invocation)
+fn wdot4(acc: vec4<f32>, x0: vec4<f32>, x1: vec4<f32>, w0: wvec, w1: wvec, w2: wvec, w3: wvec) -> vec4<f32> {
+    return vec4<f32>(wdot(acc.x, x0, x1, w0), wdot(acc.y, x0, x1, w1), wdot(acc.z, x0, x1, w2), wdot(acc.w, x0, x1, w3));
+}
+
+// u rows l, l + JL, l + 2 JL, l + 3 JL (an invocation's four sums) into workgroup memory
+fn put_u4(l: u32, JL: u32, acc: vec4<f32>) {
+    wu[l / 4u][l % 4u] = acc.x;
+    wu[(l + JL) / 4u][(l + JL) % 4u] = acc.y;
+    wu[(l + 2u * JL) / 4u][(l + 2u * JL) % 4u] = acc.z;
+    wu[(l + 3u * JL) / 4u][(l + 3u * JL) % 4u] = acc.w;
 }

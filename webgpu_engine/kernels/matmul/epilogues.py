@@ -67,7 +67,7 @@ def epilogue_binds(y: Tensor, rope: RopeKV | None, norm_out: "NormOut | None", e
               f"add must be ({y.shape[0]}, {n}) {y.dtype}, got {add.shape} {add.dtype}")
         ab, ao = _window(add, esz, "matmul", "add")
         extra[14] = ab
-        added = _ADDED.format(off=ao, n=n)
+        added = (_ADDED4 if ao % 4 == 0 and n % 4 == 0 else _ADDED).format(off=ao, n=n)
     caches = offs = None
     if rope is not None:
         caches = [_window(rope.k_cache, esz, "matmul", "k cache"),
@@ -95,6 +95,12 @@ def epilogue_binds(y: Tensor, rope: RopeKV | None, norm_out: "NormOut | None", e
 # ep_added(t, n, r): the sums r of weight rows n .. n + 3 of row t, plus what the op adds to them
 # before its epilogue (the rows' LoRA deltas, stored beforehand: models/lora.py)
 _ADDED_NONE = "fn ep_added(t: u32, n: u32, r: vec4<f32>) -> vec4<f32> { return r; }\n"
+# (the 4 values in one load where they are 4-aligned: on a CPU adapter a load costs per invocation)
+_ADDED4 = """@group(0) @binding(14) var<storage, read> ep_add: array<act4>;
+fn ep_added(t: u32, n: u32, r: vec4<f32>) -> vec4<f32> {{
+    return r + vec4<f32>(ep_add[({off}u + t * {n}u + n) / 4u]);
+}}
+"""
 _ADDED = """@group(0) @binding(14) var<storage, read> ep_add: array<act>;
 fn ep_added(t: u32, n: u32, r: vec4<f32>) -> vec4<f32> {{
     let o = {off}u + t * {n}u + n;
