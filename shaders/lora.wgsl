@@ -104,8 +104,7 @@ var<workgroup> wx: array<vec4<f32>, KC / 4u>;
 @compute @workgroup_size(WG)
 fn lora_delta(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
     let t = wid.x;
-    if (lid == 0u) { wslot = idx[t]; }
-    let s = workgroupUniformLoad(&wslot);
+    let s = row_slot(t, lid);
     if (s == NONE || s >= D.slots) {
         store_none(t, lid);
         return;
@@ -235,8 +234,7 @@ fn dot_seq(acc: f32, a: vec4<f32>, b: vec4<f32>) -> f32 {
 @compute @workgroup_size(WG)
 fn lora_post(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
     let t = wid.x;
-    if (lid == 0u) { wslot = idx[t]; }
-    let s = workgroupUniformLoad(&wslot);
+    let s = row_slot(t, lid);
     if (s == NONE || s >= D.slots) {
         if (PRE) { store_none(t, lid); }
         return;
@@ -320,4 +318,10 @@ fn put_u4(l: u32, JL: u32, acc: vec4<f32>) {
     wu[(l + JL) / 4u][(l + JL) % 4u] = acc.y;
     wu[(l + 2u * JL) / 4u][(l + 2u * JL) % 4u] = acc.z;
     wu[(l + 3u * JL) / 4u][(l + 3u * JL) % 4u] = acc.w;
+}
+
+// row t's adapter slot, read once and shared (uniform: a row without an adapter returns at once)
+fn row_slot(t: u32, lid: u32) -> u32 {
+    if (lid == 0u) { wslot = idx[t]; }
+    return workgroupUniformLoad(&wslot);
 }
