@@ -23,8 +23,8 @@ from ..gpu.shaders import load_shader_source
 from .common import Op, Ring, Tensor, act_header, check, new_tensor, params, ring_header, ring_query
 from .kv_quant import KV_QUANTS, QuantCache, check_quant_pools, kv_quant_slots, kv_row_bytes
 from .attention import check_attention, check_sinks, decode_geometry
-from .nn import (WG, _act, _attn_header, _grid, _heads_per_lane, _op, _qkv_heads, _step_entry, _vec_entry, _window,
-                 rope_frequencies)
+from .nn import (MAX_WG, WG, _act, _attn_header, _grid, _heads_per_lane, _op, _qkv_heads, _step_entry, _vec_entry,
+                 _window, rope_frequencies)
 
 __all__ = ["new_kv_pool", "max_pool_blocks", "paged_rope_kv", "paged_kv_write", "paged_decode", "paged_prefill",
            "ring_row", "SKIP_SLOT"]
@@ -311,22 +311,27 @@ def paged_kv_write(dev: Device, qkv: Tensor, k_pool: Tensor, v_pool: Tensor, slo
 
 
 class _KeySplits(Op):
-    """paged_decode's op: record(n_keys=the longest sequence's keys) dispatches the split dispatch's
-    lanes of the splits those keys reach (its lanes split-major: `lanes` per split, sequences and head
-    groups), then the combine; up to max_keys keys the short form; without n_keys, every split. A
-    lane's work does not depend on which lanes run beside it: the same outputs either way."""
+    """paged_decode's op: record(n_keys=the longest sequence's keys) dispatches, of the split
+    dispatch, each sequence's run of workgroups for the splits those keys reach (`lanes`: head groups
+    of one split, `seqs` runs), then the combine; up to max_keys keys the short form; without n_keys,
+    every split. A lane's work does not depend on which lanes run beside it: the same outputs."""
 
     lanes: int = 0
+    seqs: int = 0
     chunk: int = 0
     swg: int = 0
+
+    def groups(self, splits: int) -> int:
+        """Workgroups of the split dispatch for `splits` splits: S runs of equal length."""
+        return self.seqs * -(-splits * self.lanes // self.swg)
 
     def record(self, batch, n_keys: int | None = None):
         if n_keys is None or (self.short and n_keys <= self.max_keys):
             return super().record(batch, n_keys)
         (pipe, group, x, y, z), comb = self.dispatches
-        live = -(-self.lanes * -(-n_keys // self.chunk) // self.swg)       # workgroups of the live splits
+        live = self.groups(-(-n_keys // self.chunk))
         if live < x * y:
-            x, y = _grid(live * WG, "paged_decode")
+            x, y = live, 1
         batch.dispatch(pipe, group, x, y, z)
         batch.dispatch(*comb)
         return batch
@@ -374,9 +379,11 @@ def paged_decode(dev: Device, qkv: Tensor, k_pool: Tensor, v_pool: Tensor, out: 
     part = dev.buffer(max_seqs * n_q_heads * n_splits * (head_dim // 4 + 1) * 16, owner=owner,
                       label="paged_decode.partials")
     op = _KeySplits(name=k, buffers=[par, part])
-    op.lanes, op.chunk, op.swg = max_seqs * n_q_heads // g, chunk, swg
+    op.lanes, op.seqs, op.chunk, op.swg = n_q_heads // g, max_seqs, chunk, swg
     split = dev.pipeline(FILE, "paged_split", header=header)
-    x, y = _grid(-(-max_seqs * n_splits * n_q_heads // g // swg) * WG, k)
+    groups = op.groups(n_splits)
+    check(groups <= MAX_WG, k, f"{max_seqs} sequences x {n_splits} splits exceed one dispatch's workgroups")
+    x, y = groups, 1
     op.add(split, dev.bind(split, {**dict(enumerate([par, le, qe, ke, ve, (part, 0, part.size), te, oe])),
                                    **sinked, **rung}), x, y)
     comb = dev.pipeline(FILE, "paged_combine", header=header)
