@@ -18,8 +18,11 @@ it dispatched empty to have the driver compile them early (Device.warmed, lavapi
 process's CPU seconds up to the first request's end (all threads: the driver's compiles are ours,
 so this does not move with the host's load as wall time does). --rounds N repeats every mode N
 times, the modes interleaved (A/B in one window on a shared host). Prints a table and writes
-bench/results/first_request.json. `--no-shader-cache` sets MESA_SHADER_CACHE_DISABLE=true in
-the children (lavapipe), the state of a fresh clone. --smoke: 2 tokens per chat request, the
+bench/results/first_request.json. `--no-shader-cache` gives each child an empty Mesa shader cache
+(MESA_SHADER_CACHE_DIR, a new temporary folder: a fresh machine's state, the cache on and empty);
+`--shader-cache-off` sets MESA_SHADER_CACHE_DISABLE=true instead (nothing cached at all, so no
+twin device: gpu/twin.py). "twin": of the pipelines the first request dispatched empty ("warm"), those it had compiled on the
+twin device. --smoke: 2 tokens per chat request, the
 background mode only: checks that the script runs to the end (with small models, quickly).
 """
 from __future__ import annotations
@@ -28,8 +31,10 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -50,6 +55,7 @@ async def main():
     out["loaded_s"], out["queued_at_load"] = since(), dev.compiles_pending()
     async def request(name, prompt, chat=True):
         waits, count, warmed, t = dev.compile_waits, dev.compile_count, getattr(dev, "warmed", 0), time.perf_counter()
+        twin = dev.twin_compiled
         if kind == "embed":
             await eng.embeddings.create(input=[prompt, prompt + " again"])
             out[name + "_first_s"] = since()
@@ -64,6 +70,7 @@ async def main():
         # pipelines this request compiled or waited for: queued ones it needed, or (lazy) new ones
         out[name + "_compiles"] = dev.compile_waits - waits + dev.compile_count - count
         out[name + "_warmed"] = getattr(dev, "warmed", 0) - warmed
+        out[name + "_twin"] = dev.twin_compiled - twin
         out[name + "_cpu_s"] = time.process_time()
     await request("first", "What is the capital of France?")
     await request("second", "Name three colours.", chat=False)
@@ -79,7 +86,8 @@ asyncio.run(main())
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--no-shader-cache", action="store_true")
+    ap.add_argument("--no-shader-cache", action="store_true", help="an empty Mesa shader cache per child")
+    ap.add_argument("--shader-cache-off", action="store_true", help="Mesa's shader cache disabled")
     ap.add_argument("--tokens", type=int, default=8)
     ap.add_argument("--modes", default=",".join(MODES), help="comma-separated: " + ", ".join(MODES))
     ap.add_argument("--models", default="chat,embed", help="which default models to start: chat, embed or both")
@@ -93,32 +101,39 @@ def main() -> None:
     if a.smoke:
         a.tokens = 2
     env = dict(os.environ, XDG_RUNTIME_DIR=os.environ.get("XDG_RUNTIME_DIR", "/tmp"))
-    if a.no_shader_cache:
+    if a.shader_cache_off:
         env["MESA_SHADER_CACHE_DISABLE"] = "true"
     rows = []
     kinds = [(k, ref) for k, ref in (("chat", a.chat_model), ("embed", a.embed_model))
              if k in a.models.split(",")]
     for mode in [m for _ in range(a.rounds) for m in modes]:
         for kind, ref in kinds:
+            cache = tempfile.mkdtemp(prefix="mesa-cache-") if a.no_shader_cache else None
             t = time.time()
-            res = subprocess.run([sys.executable, "-c", CHILD, repr(t), kind, str(a.tokens),
-                                  json.dumps(MODES[mode])] + ([ref] if ref else []),
-                                 env=env, cwd=ROOT, capture_output=True, text=True, timeout=1800)
+            try:
+                res = subprocess.run([sys.executable, "-c", CHILD, repr(t), kind, str(a.tokens),
+                                      json.dumps(MODES[mode])] + ([ref] if ref else []),
+                                     env=dict(env, MESA_SHADER_CACHE_DIR=cache) if cache else env,
+                                     cwd=ROOT, capture_output=True, text=True, timeout=1800)
+            finally:
+                if cache:
+                    shutil.rmtree(cache, ignore_errors=True)
             if res.returncode:
                 raise SystemExit(f"{kind} ({mode}): {res.stderr[-2000:]}")
             rows.append({"model": kind, "mode": mode, **json.loads(res.stdout.strip().splitlines()[-1])})
     print("seconds from process start; comp: pipelines the request compiled or waited for; later comp: "
           "the third and fourth requests, after every queued kernel compiled")
-    print(f"{'model':6} {'mode':10} {'loaded':>7} {'1st token':>9} {'1st comp':>8} {'1st warm':>8} "
+    print(f"{'model':6} {'mode':10} {'loaded':>7} {'1st token':>9} {'1st comp':>8} {'1st warm':>8} {'1st twin':>8} "
           f"{'1st cpu s':>9} {'2nd req s':>9} {'2nd comp':>8} {'all compiled':>12} {'later comp':>10}")
     for r in rows:
         print(f"{r['model']:6} {r['mode']:10} {r['loaded_s']:7.2f} {r['first_first_s']:9.2f} "
-              f"{r['first_compiles']:8d} {r['first_warmed']:8d} {r['first_cpu_s']:9.2f} "
+              f"{r['first_compiles']:8d} {r['first_warmed']:8d} {r['first_twin']:8d} {r['first_cpu_s']:9.2f} "
               f"{r['second_request_s']:9.2f} {r['second_compiles']:8d} "
               f"{r['all_compiled_s']:12.2f} {r['third_compiles'] + r['fourth_compiles']:10d}")
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps({"machine": platform.machine(), "python": platform.python_version(),
-                                 "adapter": rows[0]["adapter"], "shader_cache": not a.no_shader_cache,
+                                 "adapter": rows[0]["adapter"],
+                                 "shader_cache": "off" if a.shader_cache_off else "empty" if a.no_shader_cache else "as left",
                                  "tokens": a.tokens, "results": rows}, indent=2))
     print("wrote", a.out)
 

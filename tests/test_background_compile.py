@@ -10,6 +10,7 @@ import pytest
 from webgpu_engine.engine import EngineConfig
 from webgpu_engine.engine.engine import AsyncMLCEngine
 from webgpu_engine.errors import ShaderCompileError
+from webgpu_engine.gpu import request_device, twin
 from webgpu_engine.gpu import shaders as shader_lookup
 from webgpu_engine.kernels.common import params
 from webgpu_engine.kernels.matmul import tiled
@@ -150,7 +151,7 @@ async def test_ready_dispatches_what_it_compiles_empty_where_the_driver_compiles
         with dev.compiling_in_background():
             pipes = [_variant(dev, v) for v in (11, 12)]
         batch, outs = _scale_batch(dev, pipes)
-        warmed = dev.warmed
+        warmed = dev.warmed                 # some may compile on the twin device instead (counted)
         await dev.ready(batch)
         assert dev.warmed == warmed + (2 if dev.warms_on_dispatch else 0)
         for y in outs:                         # zero-filled at creation, still
@@ -160,6 +161,34 @@ async def test_ready_dispatches_what_it_compiles_empty_where_the_driver_compiles
     finally:
         bg.hold(False)
         dev.release_owner("t:bg")
+
+
+async def test_a_twin_device_compiles_part_of_what_ready_needs_where_mesa_caches(fresh_device, shader_dir,
+                                                                                 monkeypatch):
+    """lavapipe with Mesa's on-disk shader cache on (its default): `ready` compiles some of a batch's
+    pipelines on a second device, whose queue thread runs beside this device's (the code comes back
+    through the cache); the results do not change. With the cache off there is no twin."""
+    dev, bg = fresh_device, fresh_device.background
+    assert (dev._twin() is not None) == (dev.warms_on_dispatch and twin.cache_enabled())
+    bg.hold(True)
+    try:
+        with dev.compiling_in_background():
+            pipes = [_variant(dev, v) for v in (21, 22, 23, 24)]
+        batch, outs = _scale_batch(dev, pipes)
+        n = dev.twin_compiled
+        await dev.ready(batch)
+        assert dev.twin_compiled - n == (2 if dev._twin() is not None else 0)   # the lighter queue each
+        dev.submit(batch)
+        _check(dev, outs, [21, 22, 23, 24])
+    finally:
+        bg.hold(False)
+        dev.release_owner("t:bg")
+    monkeypatch.setenv("MESA_SHADER_CACHE_DISABLE", "true")
+    off = await request_device()
+    try:
+        assert off._twin() is None
+    finally:
+        off.close()
 
 
 async def test_the_workers_dispatch_what_they_created_empty_once_the_device_pauses(fresh_device, shader_dir):

@@ -120,7 +120,7 @@ class Pipeline:
     compiler (gpu/compiler.py) is made on first need: `raw` compiles it, or waits for the worker
     compiling it."""
 
-    __slots__ = ("key", "header_lines", "lazy", "stand_in", "stand_in_y", "hot", "warm_group")
+    __slots__ = ("key", "header_lines", "lazy", "stand_in", "stand_in_y", "hot", "warm_group", "source")
 
     def __init__(self, key: PipelineKey, raw: Any = None, header_lines: int = 0, make=None):
         self.key, self.header_lines, self.lazy = key, header_lines, LazyRaw(raw, make)
@@ -132,6 +132,7 @@ class Pipeline:
         # and, until then, a bind group of its to dispatch it empty with (gpu/compiler.py)
         self.hot = False
         self.warm_group: BindGroup | None = None
+        self.source: tuple | None = None    # queued: (code, entry, constants) for a twin (twin.py)
 
     raw = property(lambda self: self.lazy.resolve())
     ready = property(lambda self: self.lazy.ready)
@@ -223,6 +224,7 @@ class Device(CompilingDevice):
         self.stand_ins = 0                # dispatches that ran a pipeline's stand-in (see ready)
         self.compile_waits = 0
         self.warmed = 0
+        self.twin_compiled = 0            # of the warmed, those compiled on the twin device (twin.py)
         self.last_submit = 0.0            # time.monotonic() of the last submit or read (compiler.py)
         self.reads_in_flight = 0
         # pipelines that models have run once on this device at load (drivers such as lavapipe
@@ -365,6 +367,7 @@ class Device(CompilingDevice):
                     raise self._translate(e, name, shader=(file, hl)) from None
             if self._defer:
                 p = Pipeline(key, header_lines=hl, make=make)
+                p.source = (code, entry, dict(key.constants))
                 self.background.submit(p)
                 for queued in self._queued:
                     queued.append(p)

@@ -14,7 +14,9 @@ passes, and LLVM compiles it when a command buffer first dispatches it, on the q
 that is most of the time). A request compiling its own pipelines (`ready`) therefore dispatches
 each of them with no workgroups as soon as it is created (`warms_on_dispatch`): the queue's thread
 compiles one while the other cores still create the rest, instead of compiling them all in turn
-when the request's batch runs. The workers, once nothing is left to create, dispatch each pipeline
+when the request's batch runs; where Mesa's on-disk shader cache is on, part of them compiles on
+a second device's queue thread instead (twin.py), its code reaching this device through the cache,
+so two queue threads compile side by side. The workers, once nothing is left to create, dispatch each pipeline
 they created empty (with the bind group it was first bound with) when the device has had no
 read awaited and no submit for IDLE_S, or has waited WARM_WAIT_S for such a pause: the rest compiles in the background
 after the first request instead of inside a later request's step. A pipeline's stand-in (same
@@ -37,11 +39,14 @@ from collections import deque
 from contextlib import contextmanager
 from typing import Any, Callable
 
+from .twin import Split
+
 
 _log = logging.getLogger("webgpu_engine.gpu")
 GRACE_S = 0.5        # after a load, before the workers start (compiling_in_background)
 IDLE_S = 0.3         # no submit for this long: the workers may compile by an empty dispatch
 WARM_WAIT_S = 30.0   # ... or once they have waited this long for such a pause (a busy server)
+TWIN_CREATE_S = 0.4  # CPU s: a pipeline created faster may compile on the twin device (twin.py)
 
 
 class LazyRaw:
@@ -223,7 +228,8 @@ class CompilingDevice:
     _pipelines: dict
     compile_waits: int
     stand_ins: int
-    warmed: int                   # pipelines dispatched empty (warms_on_dispatch)
+    warmed: int                   # pipelines dispatched empty (warms_on_dispatch), here or on the twin
+    twin_compiled: int            # of those, the ones compiled on the twin device (twin.py)
     last_submit: float            # time.monotonic() of the last submit with dispatches
     lost: bool                    # Device's: the device was lost (nothing compiles any more)
     _guard: Callable[..., Any]    # Device's: a call that turns backend errors into the engine's
@@ -251,6 +257,7 @@ class CompilingDevice:
         self._queued.append(queued)
         if bg is not None:
             bg.hold(True)
+            self._twin_soon()       # the twin device made during the load, ready for the first request
         try:
             yield queued if self._defer else None
         finally:
@@ -306,21 +313,45 @@ class CompilingDevice:
         if todo:
             self.compile_waits += len(todo)
             bg.hold(True)
+            split = Split()
             try:
-                await asyncio.gather(*(asyncio.to_thread(self._make_and_warm, p, group)
+                await asyncio.gather(*(asyncio.to_thread(self._make_and_warm, p, group, split)
                                        for p, group in todo.values()))
             finally:
                 bg.hold(False)
         if hasattr(work, "ops"):
             self._stand_in(work.ops)
 
-    def _make_and_warm(self, p, group) -> None:
+    def _make_and_warm(self, p, group, split: Split | None = None) -> None:
         """Create pipeline `p` (a failure is left for the submit to raise) and, given one of its
         bind groups, dispatch it with no workgroups: a driver that compiles on first dispatch
-        compiles it now, on its queue's thread, while this thread goes on to the next."""
+        compiles it now, on its queue's thread, while this thread goes on to the next. Where the
+        backend has a twin device (twin.py), a pipeline quick to create (its create is not worth
+        doing twice) may compile there instead, on the twin's queue thread, when less is queued
+        there (`split`); the batch's own dispatch then finds it in the shader cache."""
+        t = time.thread_time()
         p.lazy.try_resolve()
-        if group is not None and self.warms_on_dispatch:
-            self._warm(p, group)
+        if group is None or not self.warms_on_dispatch:
+            return
+        cost = len(p.source[0]) if p.source is not None else 0
+        if split is not None and cost and p.lazy._error is None and not p.hot:
+            quick = time.thread_time() - t < TWIN_CREATE_S
+            if split.to_twin(cost, quick):
+                twin = self._twin()
+                if twin is not None and twin.compile(*p.source, group.entries):
+                    # hot: its code is in the cache, so its first dispatch here costs a lookup
+                    p.hot, p.warm_group = True, None
+                    self.twin_compiled += 1
+                    self.warmed += 1
+                    return
+        self._warm(p, group)
+
+    def _twin(self):
+        """The backend's twin device (twin.py), or None."""
+        return None
+
+    def _twin_soon(self) -> None:
+        """Start making the backend's twin device, if it has one, in the background."""
 
     def _warm(self, p, group) -> None:
         """Dispatch created pipeline p empty with `group` (one of its bind groups), unless it is

@@ -12,6 +12,7 @@ import wgpu
 from ..errors import DeviceLostError, GPUValidationError, WebGPUNotAvailableError
 from .base import STORAGE, AdapterInfo, Buffer, Device, _batch_names, device_features, round_up4, staging_class
 from .compiler import BackgroundCompiler
+from .twin import Twin, cache_enabled
 from .encoding import encode_ops, released_buffer
 from .wgpu_private import wgpu_calls
 
@@ -79,6 +80,9 @@ class NativeDevice(Device):
             # batch's readback is in flight the whole time its batch runs
             self.background.idle = lambda: 0.0 if self.reads_in_flight else time.monotonic() - self.last_submit
             self.background.warm = self._warm_later
+        # a second device that compiles half of what a request needs, for Mesa's shader cache (twin.py)
+        self._twin_state: Twin | bool | None = None if self.warms_on_dispatch and cache_enabled() else False
+        self._twin_lock = threading.Lock()
 
     # ------------------------------------------------------------------ hooks
     def _raw_create_buffer(self, size: int, usage: str, label: str):
@@ -106,6 +110,23 @@ class NativeDevice(Device):
             cpass.dispatch_workgroups(0, 1, 1)
             cpass.end()
         self._locked_submit(f"warm-up of {label}", record, buffers)
+
+    def _twin_soon(self) -> None:
+        if self._twin_state is None:
+            threading.Thread(target=self._twin, name="webgpu-engine-twin", daemon=True).start()
+
+    def _twin(self) -> Twin | None:
+        """The twin device, made at the first need (None: none here, or it could not be made)."""
+        with self._twin_lock:
+            if self._twin_state is None and not self._destroyed:
+                try:
+                    limits = {k: self.raw.limits[k] for k in _MAX_LIMITS if k in self.raw.limits}
+                    raw = self.adapter.request_device_sync(required_features=list(self.raw.features),
+                                                           required_limits=limits, label="webgpu_engine twin")
+                    self._twin_state = Twin(raw, _U, wgpu.MapMode.READ)
+                except Exception:  # noqa: BLE001 - only a head start
+                    self._twin_state = False
+            return self._twin_state or None
 
     def _raw_bind(self, raw_pipeline, entries, label: str):
         layout = raw_pipeline.get_bind_group_layout(0)
@@ -149,6 +170,10 @@ class NativeDevice(Device):
         with self._release_lock:
             self._destroyed = True
             self.raw.destroy()
+        with self._twin_lock:
+            if self._twin_state:
+                self._twin_state.destroy()
+            self._twin_state = False
 
     # ------------------------------------------------------------------ readback
     async def read(self, buf: Buffer, offset: int = 0, size: int | None = None) -> bytes:

@@ -103,14 +103,16 @@ def _cold_stand_in(dev: Device, pipe, w: QWeight, dtype: str, kblk: int, cfg: Ti
     cheapest to compile of the tiles that run a full chunk at a fair speed) runs in its place: for
     a few-row tile one tile of it, for a taller one `tm / COLD_TM` of them per tile (a row's sums do
     not depend on the tile's height; rows past T are not written). The tile a request meets cold
-    then costs lavapipe ~1.4 s of LLVM rather than the full tile's ~2.2 (compiler.py)."""
-    cold = replace(cfg, tm=COLD_TM, kb=min(cfg.kb, _WG_BYTES // (COLD_TM * 256)))
-    if cfg.tm == COLD_TM or min(cold.kb, kblk) != min(cfg.kb, kblk):
+    then costs lavapipe ~1.4 s of LLVM rather than the full tile's ~2.2 (compiler.py). Float weights
+    (embedders, whose first batch compiles its whole list, not a batch's) keep the default tile."""
+    tm = COLD_TM if QTYPE[w.qtype].quantized else default_config(dev, w.qtype).tm
+    cold = replace(cfg, tm=tm, kb=min(cfg.kb, _WG_BYTES // (tm * 256)))
+    if cfg.tm == tm or min(cold.kb, kblk) != min(cfg.kb, kblk):
         return
-    if cfg.tm < COLD_TM and T <= cfg.tm:
+    if cfg.tm < tm and T <= cfg.tm:
         pipe.stand_in, pipe.stand_in_y = _pipeline(dev, w, dtype, kblk, cold), 1
-    elif cfg.tm > COLD_TM and cfg.tm % COLD_TM == 0:
-        pipe.stand_in, pipe.stand_in_y = _pipeline(dev, w, dtype, kblk, cold), cfg.tm // COLD_TM
+    elif cfg.tm > tm and cfg.tm % tm == 0:
+        pipe.stand_in, pipe.stand_in_y = _pipeline(dev, w, dtype, kblk, cold), cfg.tm // tm
 
 
 def supports(w: QWeight, T: int, config: TiledConfig | None = None, any_t: bool = False) -> bool:
