@@ -26,6 +26,13 @@ def device():
     dev = request_device_sync()
     assert dev is not None
     _SESSION_DEVICE.append(dev)
+    ask = dev.pipeline
+
+    def pipeline(*args, **kw):           # what each module asks for, for _pipelines_per_module
+        p = ask(*args, **kw)
+        _ASKED_HERE.add(p.key)
+        return p
+    dev.pipeline = pipeline
     yield dev
 
 
@@ -34,6 +41,13 @@ def device():
 # release alone let test_kernels_matmul reach several GiB).
 PIPELINE_CAP = 60
 _CACHED_SINCE = [0]      # the session device's compile_count at its last release
+# Pipelines kept through releases: those that two modules of this process or more asked for (the
+# default models' kernels, which most model modules compile again otherwise), at most SHARED_CAP,
+# those the latest module asked for first. A kernel module's own variants go at its end as before.
+SHARED_CAP = 64
+_MODULES_ASKING: dict = {}      # pipeline key -> how many modules of this process asked for it
+_ASKED_HERE: set = set()        # keys the running module asked the session device for
+_SHARED: list = []              # the keys kept, the most recently asked first
 
 
 def _return_host_memory() -> None:
@@ -52,12 +66,18 @@ def _release_pipelines(dev) -> None:
     """Forget the device's pipelines and let the driver free them: pipelines that live ops hold
     (a module's loaded engine) stay alive through them; the rest compile again when next asked."""
     import gc
+    # the device drops its whole cache; the shared pipelines (compiled, and warmed where they were)
+    # are put back into it (a test-only reach into the cache: pipeline() would compile them again)
+    kept = {k: p for k, p in dev._pipelines.items() if k in _SHARED and p.ready}
+    warmed = dev.warmed_pipelines & kept.keys()
     dev.forget_pipelines()
     gc.collect()
     probe = dev.buffer(16, owner="test:trim")
     dev.read_sync(probe, 0, 4)          # a round trip: the driver frees what was dropped
     dev.release_owner("test:trim")
     _return_host_memory()
+    dev._pipelines.update(kept)
+    dev.warmed_pipelines |= warmed
     _CACHED_SINCE[0] = dev.compile_count
 
 
@@ -67,8 +87,14 @@ def _live_session_device():
 
 @pytest.fixture(scope="module", autouse=True)
 def _pipelines_per_module():
-    """After each module (its own fixtures torn down first): release the session device's pipelines."""
+    """After each module (its own fixtures torn down first): release the session device's pipelines
+    but the shared ones."""
     yield
+    for key in _ASKED_HERE:
+        _MODULES_ASKING[key] = _MODULES_ASKING.get(key, 0) + 1
+    shared = [k for k in _ASKED_HERE if _MODULES_ASKING[k] >= 2]
+    _SHARED[:] = (shared + [k for k in _SHARED if k not in _ASKED_HERE])[:SHARED_CAP]
+    _ASKED_HERE.clear()
     if (dev := _live_session_device()) is not None:
         _release_pipelines(dev)
 
