@@ -11,9 +11,9 @@
 //   paged_split:    ragged decode, flash-decoding: sequence q (one query row, qkv row q) at position
 //                   lens[q] - 1 sees keys [0, lens[q]); lane per (q, split s, G heads) attends keys
 //                   [s*chunk, (s+1)*chunk) and writes (acc, max, sum) partials; lens[q] == 0: idle
-//                   slot, nothing written. S*ceil(n_live*Hq/G / SWG) workgroups, a run of them per
-//                   sequence (paged_lane), for the n_live splits the step's longest sequence reaches
-//                   (at most n_splits: the grid's size says which).
+//                   slot, nothing written. dispatch (ceil(n_live*Hq/G / SWG), S) workgroups: a row of
+//                   them per sequence (paged_lane), for the n_live splits the step's longest sequence
+//                   reaches (at most n_splits).
 //                   A sequence of at most short_keys keys takes the short form instead, chosen by its
 //                   own length alone: split 0's lane attends all its keys (as the contiguous
 //                   attn_decode1 does) and stores the output; its other splits exit.
@@ -177,23 +177,21 @@ fn paged_kv_write(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups
     }
 }
 
-// paged_split's lane: (q, s, G heads from h0); sets sink_h0. The grid holds S equal runs of
-// workgroups, sequence q's the q-th (its lanes by split, then head group: a lone live sequence's
-// splits share workgroups), each as long as the splits the step dispatches need.
-fn paged_lane(wid: vec3<u32>, nwg: vec3<u32>, lid: u32) -> SplitLane {
-    let wg = wid.y * nwg.x + wid.x;
-    let per_seq = (nwg.x * nwg.y) / p.n_seq;     // workgroups of one sequence
-    let j = (wg % per_seq) * SWG + lid;
+// paged_split's lane: (q, s, G heads from h0); sets sink_h0. Row q of the grid is sequence q's, its
+// lanes by split, then head group (a lone live sequence's splits share workgroups), as many as the
+// splits the step dispatches need.
+fn paged_lane(wid: vec3<u32>, lid: u32) -> SplitLane {
+    let j = wid.x * SWG + lid;
     let n_hg = p.hq / G;                         // head groups of G
     let h0 = (j % n_hg) * G;
     sink_h0 = h0;
-    return SplitLane(wg / per_seq, j / n_hg, h0);
+    return SplitLane(wid.y, j / n_hg, h0);
 }
 
 @compute @workgroup_size(SWG)
 fn paged_split(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                @builtin(local_invocation_index) lid: u32) {
-    let lane = paged_lane(wid, nwg, lid);
+    let lane = paged_lane(wid, lid);
     let q = lane.q;
     if (q >= p.n_seq) { return; }
     let n_keys = seq_keys(q);

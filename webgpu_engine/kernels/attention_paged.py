@@ -312,27 +312,23 @@ def paged_kv_write(dev: Device, qkv: Tensor, k_pool: Tensor, v_pool: Tensor, slo
 
 class _KeySplits(Op):
     """paged_decode's op: record(n_keys=the longest sequence's keys) dispatches, of the split
-    dispatch, each sequence's run of workgroups for the splits those keys reach (`lanes`: head groups
-    of one split, `seqs` runs), then the combine; up to max_keys keys the short form; without n_keys,
+    dispatch, each sequence's row of workgroups as long as the splits those keys reach need (`lanes`:
+    head groups of one split), then the combine; up to max_keys keys the short form; without n_keys,
     every split. A lane's work does not depend on which lanes run beside it: the same outputs."""
 
     lanes: int = 0
-    seqs: int = 0
     chunk: int = 0
     swg: int = 0
 
-    def groups(self, splits: int) -> int:
-        """Workgroups of the split dispatch for `splits` splits: S runs of equal length."""
-        return self.seqs * -(-splits * self.lanes // self.swg)
+    def row(self, splits: int) -> int:
+        """Workgroups of one sequence's row of the split dispatch for `splits` splits."""
+        return -(-splits * self.lanes // self.swg)
 
     def record(self, batch, n_keys: int | None = None):
         if n_keys is None or (self.short and n_keys <= self.max_keys):
             return super().record(batch, n_keys)
         (pipe, group, x, y, z), comb = self.dispatches
-        live = self.groups(-(-n_keys // self.chunk))
-        if live < x * y:
-            x, y = live, 1
-        batch.dispatch(pipe, group, x, y, z)
+        batch.dispatch(pipe, group, min(x, self.row(-(-n_keys // self.chunk))), y, z)
         batch.dispatch(*comb)
         return batch
 
@@ -379,11 +375,10 @@ def paged_decode(dev: Device, qkv: Tensor, k_pool: Tensor, v_pool: Tensor, out: 
     part = dev.buffer(max_seqs * n_q_heads * n_splits * (head_dim // 4 + 1) * 16, owner=owner,
                       label="paged_decode.partials")
     op = _KeySplits(name=k, buffers=[par, part])
-    op.lanes, op.seqs, op.chunk, op.swg = n_q_heads // g, max_seqs, chunk, swg
+    op.lanes, op.chunk, op.swg = n_q_heads // g, chunk, swg
     split = dev.pipeline(FILE, "paged_split", header=header)
-    groups = op.groups(n_splits)
-    check(groups <= MAX_WG, k, f"{max_seqs} sequences x {n_splits} splits exceed one dispatch's workgroups")
-    x, y = groups, 1
+    x, y = op.row(n_splits), max_seqs                  # a row of workgroups per sequence
+    check(x <= MAX_WG and y <= MAX_WG, k, f"{max_seqs} sequences x {n_splits} splits exceed a dispatch's grid")
     op.add(split, dev.bind(split, {**dict(enumerate([par, le, qe, ke, ve, (part, 0, part.size), te, oe])),
                                    **sinked, **rung}), x, y)
     comb = dev.pipeline(FILE, "paged_combine", header=header)
