@@ -341,11 +341,9 @@ async def bench_ab(path: Path, dtype: str, variants: list[str], n_steps: int, ro
         mm.CONFIG_OVERRIDES.clear()
         ov = _overrides(v)
         dt = ov.pop("dtype", dtype)
-        short = ov.pop("attn_short", True)
         mm.CONFIG_OVERRIDES.update(ov)
         pipe = await LLMChatPipeline.load(dev, path, ChatConfig(dtype=dt, context_window_size=
                                                                 64 + rounds * n_steps + 8))
-        pipe.model.short_attention = short
         pipes.append((pipe, await _HandLoop.start(pipe, _prompt_ids(pipe.tokenizer, 32))))
     mm.CONFIG_OVERRIDES.clear()
     best = {v: [1e9, 1e9] for v in variants}
@@ -369,14 +367,12 @@ async def bench_ab(path: Path, dtype: str, variants: list[str], n_steps: int, ro
 
 def _overrides(spec: str) -> dict:
     """"fuse=0,unroll=1" -> {"fuse": False, "unroll": True} (fields of MatmulConfig); "dtype=f32"
-    sets the activation dtype of that variant, "attn_short=0" turns off the model's one-dispatch
-    decode attention."""
+    sets the activation dtype of that variant."""
     from webgpu_engine.kernels import matmul as mm
     res = {}
     for item in filter(None, spec.split(",")):
         k, v = item.split("=")
-        res[k] = v if k == "dtype" else bool(int(v)) if k == "attn_short" else \
-            type(getattr(mm.MatmulConfig(), k))(int(v))
+        res[k] = v if k == "dtype" else type(getattr(mm.MatmulConfig(), k))(int(v))
     return res
 
 
