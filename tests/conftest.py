@@ -31,15 +31,17 @@ def device():
     def pipeline(*args, **kw):           # what each module asks for, for _pipelines_per_module
         p = ask(*args, **kw)
         _ASKED_HERE.add(p.key)
+        _ASKED_BY_TEST.add(p.key)
         return p
     dev.pipeline = pipeline
     yield dev
 
 
 # Cached pipelines a run of tests may leave on the session device before they are dropped: on
-# lavapipe each keeps ~10 MB of JIT code, and one kernel module compiles hundreds (a module-end
-# release alone let test_kernels_matmul reach several GiB).
-PIPELINE_CAP = 60
+# lavapipe each keeps ~10 MB of JIT code (a tiled matmul's more), and one kernel module compiles
+# hundreds (a module-end release alone let test_kernels_matmul reach several GiB). A release after a
+# test keeps the pipelines that test asked for (its next parametrisation likely asks again).
+PIPELINE_CAP = 40
 _CACHED_SINCE = [0]      # the session device's compile_count at its last release
 # Pipelines kept through releases: those that two modules of this process or more asked for (the
 # default models' kernels, which most model modules compile again otherwise), at most SHARED_CAP,
@@ -47,6 +49,7 @@ _CACHED_SINCE = [0]      # the session device's compile_count at its last releas
 SHARED_CAP = 64
 _MODULES_ASKING: dict = {}      # pipeline key -> how many modules of this process asked for it
 _ASKED_HERE: set = set()        # keys the running module asked the session device for
+_ASKED_BY_TEST: set = set()     # ... and the running test
 _SHARED: list = []              # the keys kept, the most recently asked first
 
 
@@ -62,13 +65,14 @@ def _return_host_memory() -> None:
         pass
 
 
-def _release_pipelines(dev) -> None:
+def _release_pipelines(dev, keep: set = frozenset()) -> None:
     """Forget the device's pipelines and let the driver free them: pipelines that live ops hold
     (a module's loaded engine) stay alive through them; the rest compile again when next asked."""
     import gc
-    # the device drops its whole cache; the shared pipelines (compiled, and warmed where they were)
-    # are put back into it (a test-only reach into the cache: pipeline() would compile them again)
-    kept = {k: p for k, p in dev._pipelines.items() if k in _SHARED and p.ready}
+    # the device drops its whole cache; the shared pipelines and those of `keep` (compiled, and
+    # warmed where they were) are put back into it (a test-only reach into the cache: pipeline()
+    # would compile them again)
+    kept = {k: p for k, p in dev._pipelines.items() if (k in keep or k in _SHARED) and p.ready}
     warmed = dev.warmed_pipelines & kept.keys()
     dev.forget_pipelines()
     gc.collect()
@@ -102,10 +106,11 @@ def _pipelines_per_module():
 @pytest.fixture(autouse=True)
 def _pipeline_cap():
     """After a test that leaves more than PIPELINE_CAP pipelines cached since the last release:
-    release them (a kernel module's tests mostly compile pipelines of their own)."""
+    release them but the test's own (a kernel module's tests mostly compile pipelines of their own)."""
+    _ASKED_BY_TEST.clear()
     yield
     if (dev := _live_session_device()) is not None and dev.compile_count - _CACHED_SINCE[0] > PIPELINE_CAP:
-        _release_pipelines(dev)
+        _release_pipelines(dev, keep=_ASKED_BY_TEST)
 
 
 @pytest.fixture
