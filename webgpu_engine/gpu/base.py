@@ -132,10 +132,15 @@ class Pipeline:
         # and, until then, a bind group of its to dispatch it empty with (gpu/compiler.py)
         self.hot = False
         self.warm_group: BindGroup | None = None
-        self.source: tuple | None = None    # queued: (code, entry, constants) for a twin (twin.py)
+        self.source: tuple | None = None    # queued, until dispatched: (code, entry, constants) for a twin (twin.py)
 
     raw = property(lambda self: self.lazy.resolve())
     ready = property(lambda self: self.lazy.ready)
+
+    def dispatched(self) -> None:
+        """It has been dispatched (here, or compiled on a twin device whose code the cache gives
+        this one): no warm-up bind group or source is needed for it any more."""
+        self.hot, self.warm_group, self.source = True, None, None
 
     @property
     def name(self) -> str:
@@ -367,7 +372,8 @@ class Device(CompilingDevice):
                     raise self._translate(e, name, shader=(file, hl)) from None
             if self._defer:
                 p = Pipeline(key, header_lines=hl, make=make)
-                p.source = (code, entry, dict(key.constants))
+                if self.warms_on_dispatch:      # a twin may compile it (twin.py) until it is dispatched
+                    p.source = (code, entry, dict(key.constants))
                 self.background.submit(p)
                 for queued in self._queued:
                     queued.append(p)

@@ -340,7 +340,7 @@ class CompilingDevice:
                 twin = self._twin()
                 if twin is not None and twin.compile(*p.source, group.entries):
                     # hot: its code is in the cache, so its first dispatch here costs a lookup
-                    p.hot, p.warm_group = True, None
+                    p.dispatched()
                     self.twin_compiled += 1
                     self.warmed += 1
                     return
@@ -365,7 +365,7 @@ class CompilingDevice:
         try:
             group.lazy.resolve()
             self._raw_warm(p.raw, group.raw, p.name, group.buffers)
-            p.hot, p.warm_group = True, None
+            p.dispatched()
             self.warmed += 1
         except Exception as e:  # noqa: BLE001 - only a head start: a batch's submit reports errors
             _log.debug("warm-up dispatch of %s failed: %s", p.name, e)
@@ -408,7 +408,7 @@ class CompilingDevice:
                 if not bg.lazy.ready:
                     bg.lazy.resolve()
                 if not p.hot:
-                    p.hot, p.warm_group = True, None
+                    p.dispatched()
 
 
 _compilers: "weakref.WeakSet[BackgroundCompiler]" = weakref.WeakSet()
