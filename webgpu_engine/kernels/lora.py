@@ -50,8 +50,7 @@ def _pipe(dev: Device, entry: str, dtype: str, j: int = 1, norm: bool = False, s
     return dev.pipeline("lora.wgsl", entry, header=f"{act_header(dtype)}const WG: u32 = {wg}u;\n"
                                                    f"const JMAX: u32 = {j}u;\nconst NORM: bool = {str(norm).lower()};\n"
                                                    f"const STORE: bool = {str(store).lower()};\nconst KC: u32 = {_KC}u;\n"
-                                                   f"const PRE: bool = {str(pre).lower()};\n{dims}{_WEIGHTS[wdtype]}"
-                                                   "")
+                                                   f"const PRE: bool = {str(pre).lower()};\n{dims}{_WEIGHTS[wdtype]}")
 
 
 def lora_shrink(dev: Device, x: Tensor, a: Tensor, idx: Tensor, u: Tensor, *, slots: int) -> Op:

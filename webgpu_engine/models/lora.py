@@ -27,7 +27,7 @@ whose token mixer is not attention, take no delta there (such targets are refuse
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..errors import InvalidRequestError
 from ..kernels import lora as lk
@@ -136,7 +136,6 @@ def split_fused(m, ad: LoraAdapter) -> LoraAdapter:
                                        f"both change layer {i}'s {p} projection.", param="lora_path")
             weights[(i, p)], names[(i, p)] = (a, b[at:at + n]), tensor
             at += n
-    from dataclasses import replace
     return replace(ad, weights=weights, names=names)
 
 
@@ -466,7 +465,6 @@ class LoraRows:
         base row's values are those of the plan without adapters: a fused norm's input is normed
         apart for the delta, and o's and down's deltas go into x before their matmul adds to it
         (and stores the next norm)."""
-        from dataclasses import replace
         on = set(self.groups if self.groups is not None else (g for g, _ in GROUPS))
         out = replace(plan, gate_in_down=plan.gate_in_down and not on & {"gate_up", "down"})
         if self.pool.fused:
