@@ -36,8 +36,8 @@ demo: setup
 	$(PY) demo/chat_and_rag.py
 
 # two pytest phases: the latency-bound tests alone on a quiet machine (marker serial), then the rest
-# on TEST_WORKERS processes (a module stays on one worker, with its shared engines); each prints its
-# wall time and the peak RSS of its processes together
+# on TEST_WORKERS processes (a module stays on one worker, with its shared engines; the longest modules
+# start first: tests/conftest.py); each prints its wall time and the peak RSS of its processes together
 TEST_WORKERS ?= 2
 test: setup browser-setup
 	@start=$$(date +%s); rc=0; \

@@ -132,6 +132,35 @@ def fresh_device():
         dev.close()
 
 
+# The parallel phase's longest modules, longest first (seconds in a full `make test`, module table).
+# xdist hands a worker its next module in collection order; its own order (most tests first) left
+# the long modules of few tests (a browser, a Ray instance, lost devices, load cycles) for the end,
+# where one worker ran them alone while the other had finished, each beside a worker grown by a
+# hundred modules. Longest first, the short modules fill the end and the two finish together.
+LONGEST_MODULES = ("test_kernels_matmul", "test_bench_scripts", "test_browser", "test_kernels_matmul_tiled",
+                   "test_correctness", "test_device_loss", "test_kv_cache_dtype", "test_ray", "test_llama",
+                   "test_batching", "test_memory", "test_server", "test_gemma4", "test_speculation",
+                   "test_llm_pipeline", "test_phi3v", "test_anthropic", "test_cli", "test_families",
+                   "test_engine")
+
+
+def pytest_configure(config):
+    if getattr(config.option, "dist", "no") == "loadfile":
+        config.option.loadscopereorder = False      # the collection's order below, not xdist's
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Modules in LONGEST_MODULES' order, then the others by their number of tests (xdist's own
+    order); a module's tests keep theirs."""
+    if not hasattr(config, "workerinput"):
+        return
+    rank = {m: i for i, m in enumerate(LONGEST_MODULES)}
+    count: dict[str, int] = {}
+    for item in items:
+        count[item.path.stem] = count.get(item.path.stem, 0) + 1
+    items.sort(key=lambda it: (rank.get(it.path.stem, len(rank)), -count[it.path.stem], it.path.stem))
+
+
 def _default_model(model_id: str) -> Path:
     from webgpu_engine import cache
     return Path(cache.default_model_path(model_id))
