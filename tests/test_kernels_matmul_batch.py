@@ -146,3 +146,48 @@ def test_batch_invariance(device, qtype, k):
     np.testing.assert_array_equal(got["tiled", 2], tiled[:2])
     np.testing.assert_array_equal(alone_ri, tiled[:1])
     assert np.abs(tiled - alone).max() / np.abs(ref).max() < 2e-6
+
+
+# --------------------------------------------------------------------------- wide fused rows
+@pytest.mark.parametrize("qtype,k,act,modes", [("q4_1", 256, "f32", ("plain", "norm", "silu")),  # vec4 spans
+                                               ("q8_0", 288, "f16", ("plain",))])  # 9-word blocks, a remainder
+def test_wide_rows_equal_one_row(device, qtype, k, act, modes):
+    """fused_rows past 4 rows on this adapter: one wide kernel (matmul/wide.py) of 16 rows for 11
+    (rows past 11 not stored), each row bit for bit the fused one-row kernel's for it alone, plain
+    (bias, accumulate), RMSNorm in and act(gate)·up in, and against float64 numpy (5 rows and the
+    other fused inputs and epilogues: tests/test_kernels_matmul_rows.py)."""
+    from webgpu_engine.kernels import nn_ref
+    from webgpu_engine.kernels import quant_ref as qr
+    from webgpu_engine.kernels.matmul import upload_weight, wide
+    assert wide.ok(device) and wide.subgroup_floor(device) >= 8        # lavapipe: 256-bit lanes
+    n, T, eps = 40, 11, 1e-5
+    rng = np.random.default_rng(k)
+    raw = qr.random_weight(qtype, n, k, rng)
+    W = qr.dequantize(raw, qtype, n, k)
+    w = upload_weight(device, raw, qtype, n, k, owner=OWNER, label="w")
+    np_act = np.float16 if act == "f16" else np.float32
+    x = rng.standard_normal((T, k)).astype(np_act)
+    gu = (rng.standard_normal((T, 2 * k)) * 3).astype(np_act)
+    y0 = rng.standard_normal((T, n)).astype(np_act)
+    g = rng.standard_normal(k).astype(np.float32)
+    b = rng.standard_normal(n).astype(np.float32)
+    gt, bt = upload_tensor(device, g, "f32", 4, owner=OWNER), upload_tensor(device, b, "f32", 1, owner=OWNER)
+    xd = x.astype(np.float64)
+    cases = {"plain": (dict(bias=bt, accumulate=True), x, xd @ W.T + b + y0),
+             "norm": (dict(norm=(gt, eps)), x, (xd / np.sqrt((xd ** 2).mean(1, keepdims=True) + eps) * g) @ W.T),
+             "silu": (dict(silu=True), gu, nn_ref.silu_mul(gu.astype(np.float64)) @ W.T)}
+    for name in modes:
+        kw, xin, ref = cases[name]
+
+        def run(rows, kw=kw, xin=xin):
+            y = upload_tensor(device, y0[rows], act, 3, owner=OWNER)
+            op = matmul(device, upload_tensor(device, xin[rows], act, 8, owner=OWNER), w, y,
+                        fused_rows=rows.stop - rows.start > 1, **kw)
+            run_ops(device, op)
+            return op, read_tensor(device, y)
+        op, ys = run(slice(0, T))
+        (pipe, *_), = op.dispatches
+        assert "subgroupBroadcast" in pipe.key.header and "acc15 " in pipe.key.header, name
+        for t in (0, 4, 10):
+            np.testing.assert_array_equal(ys[t:t + 1], run(slice(t, t + 1))[1], err_msg=f"{name}: row {t}")
+        assert rel_err(ys, ref) < TOL[act], name

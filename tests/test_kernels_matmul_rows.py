@@ -3,7 +3,8 @@ batching with up to 4 sequences). Each row of a T-row matmul must come out bit f
 one-row (T = 1) decode kernel makes it from that row alone — with the same fused input (RMSNorm,
 act(gate)·up, the norm's partial sums) and epilogue (act(gate)·up of paired rows, the residual's
 norm, the RoPE + KV write of a qkv projection at each row's position, into one sequence's cache or
-a paged pool) — for every T (1..4 in one kernel of 1, 2 or 4 rows, more in groups), and match
+a paged pool) — for every T (1..4 in one kernel of 1, 2 or 4 rows, 5..16 in one wide kernel of 8
+or 16 rows: matmul/wide.py, more in groups), and match
 float64 numpy.
 """
 from __future__ import annotations
@@ -108,10 +109,11 @@ def test_res_norm_then_rms_from(device, qtype, k, act):
             op = matmul(device, _t(device, a[rows], act, 4), w, xt, bias=bt, accumulate=True,
                         norm_out=NormOut(gt, hv, pv), fused_rows=fused_rows)
             op2 = matmul(device, hv, w2, fv, rms_from=(pv, eps), silu_out=True, fused_rows=fused_rows)
-            # a dispatch per 4 rows; K past the unroll limit: the loop kernel, 4 rows a tile
+            # a dispatch per 4 rows; K past the unroll limit: the loop kernel, 4 rows a tile; past
+            # 4 rows one wide kernel (matmul/wide.py)
             entries = [p.key.entry for p, *_ in op.dispatches]
-            assert len(entries) == -(-m // 4)
-            assert entries[0] == ("matmul_decode" if k <= 1024 else "matmul_res_norm" if m == 1
+            assert len(entries) == (1 if m > 4 else -(-m // 4))
+            assert entries[0] == ("matmul_decode" if k <= 1024 or m > 4 else "matmul_res_norm" if m == 1
                                   else "matmul_tile_res_norm"), entries
             run_ops(device, op, op2)
             return [read_tensor(device, t) for t in (xt, hv, fv)] + [read_tensor(device, pv).reshape(m, n // 4)]
@@ -139,7 +141,9 @@ def test_kernels_and_errors(device):
     for T, want in ((1, 1), (2, 2), (3, 4), (4, 4)):
         (pipe, *_), = mm(T, norm=(g, 1e-5), fused_rows=True).dispatches
         assert f"acc{want - 1} " in pipe.key.header and f"acc{want} " not in pipe.key.header, T
-    assert len(mm(6, norm=(g, 1e-5), fused_rows=True).dispatches) == 2
+    (pipe, *_), = mm(6, norm=(g, 1e-5), fused_rows=True).dispatches     # 5..16 rows: one wide kernel
+    assert "subgroupBroadcast" in pipe.key.header and "acc7 " in pipe.key.header and "acc8 " not in pipe.key.header
+    assert len(mm(17, norm=(g, 1e-5), fused_rows=True).dispatches) == 5   # more: groups of 4
     with pytest.raises(ValueError, match="T = 1"):
         mm(2, norm=(g, 1e-5))
     with pytest.raises(ValueError, match="fused_rows takes no"):

@@ -11,6 +11,7 @@ from ..common import window as _window
 from . import batch as matmul_batch
 from . import gpu as matmul_gpu
 from . import tiled as matmul_tiled
+from . import wide as matmul_wide
 from .codegen import (GATE_ACTS, DecRows, decode_source, decode_v4_source, gate_act_source,
                       weight_pipeline)
 from .config import MatmulConfig, default_config, is_cpu_adapter
@@ -25,6 +26,11 @@ MAX_DECODE_ROWS = 4          # fused_rows: activation rows one unrolled kernel t
 def bucket_rows(T: int) -> int:
     """The rows of the unrolled kernel that runs T fused rows: 1, 2 or 4 (a few pipelines)."""
     return 1 << (T - 1).bit_length()
+
+
+def wide_fits(dev: Device, T: int, K: int) -> bool:
+    """Whether fused_rows over T > MAX_DECODE_ROWS rows runs one wide kernel (matmul/wide.py)."""
+    return T <= matmul_wide.MAX_ROWS and K % 32 == 0 and matmul_wide.ok(dev)
 
 
 def fused_rows_ok(dev: Device) -> bool:
@@ -168,10 +174,13 @@ def matmul(dev: Device, x: Tensor, w: QWeight, y: Tensor, *, bias: Tensor | None
         check(not row_invariant and not decode_rows and config is None and cfg.unroll, "matmul",
               "fused_rows takes no config, row_invariant or decode_rows, and needs the CPU family's "
               "unrolled kernels (fused_rows_ok)")
-        if T > MAX_DECODE_ROWS:  # groups of rows, each at offsets of its own (pipelines of its own)
+        if T > MAX_DECODE_ROWS and not wide_fits(dev, T, K):  # groups of rows at offsets of their own
             return _row_groups(dev, x_in, w, y, bias=bias, accumulate=accumulate, norm=norm, silu=silu,
                                silu_out=silu_out, rope_kv=rope_kv, norm_out=norm_out, rms_from=rms_from,
                                gate_act=gate_act, add=add)
+    if rows and T > MAX_DECODE_ROWS:  # the wide kernel: each weight chunk once, every row as at T = 1
+        return _matmul_decode(dev, x, w, y, io, accumulate, cfg, norm, silu, ep, rope_kv, norm_out, rms_from,
+                              gate_act=gate_act, x_row4=x_in.shape[1] // 4, add=add)
     if decode_rows:
         check(plain and not row_invariant and config is None, "matmul",
               "decode_rows takes no fused input, epilogue, config or row_invariant")
@@ -274,7 +283,8 @@ def _matmul_decode(dev, x, w, y, io: Operands, accumulate, cfg, norm, silu, ep="
     or 4; rows past T are computed and not stored) with row t's x at x_row4 xwords from row t - 1,
     or the loop kernel over 4 rows at a time (matmul_tile_<ep>): every row's sums as at T = 1."""
     K, T = w.k, io.T
-    rows = DecRows(bucket_rows(T), x_row4, K // 16)
+    wide = T > MAX_DECODE_ROWS
+    rows = DecRows(matmul_wide.bucket(T) if wide else bucket_rows(T), x_row4, K // 16)
     mode, g_off4, eps, extra = "plain", 0, 0.0, {}
     if rms_from is not None:
         part, eps = rms_from
@@ -291,7 +301,10 @@ def _matmul_decode(dev, x, w, y, io: Operands, accumulate, cfg, norm, silu, ep="
         mode = "silu"
     entry = "matmul_decode"
     v4 = not loop and cfg.reads_v4(w.qtype, w.n, w.k)
-    if loop:                      # several rows: 4 at a time (matmul_tile_<ep>), each as one alone
+    if wide:
+        src = matmul_wide.source(w.qtype, K // 32, K, io.x_off, mode, K // 4, g_off4, eps, ep, rows,
+                                 v4=v4, inter_full=w.inter_full, xs_fold=cfg.xs_fold)
+    elif loop:                    # several rows: 4 at a time (matmul_tile_<ep>), each as one alone
         src, entry = "", f"matmul_tile_{ep}" if T > 1 else f"matmul_{ep}"
     elif v4:
         src = decode_v4_source(w.qtype, K // 32, K, io.x_off, mode, K // 4, g_off4, eps, ep, w.inter_full,
