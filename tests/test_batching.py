@@ -360,11 +360,14 @@ async def test_batch_size_options(device, tiny_path):
     assert resolve_max_sequences(device, ChatConfig(max_num_sequences=0, prefill_chunk_size=2)) == 2
     assert resolve_max_sequences(device, ChatConfig(max_num_sequences=1)) == 1
     eng = AsyncMLCEngine()          # a device of its own: a failed load frees its model id's buffers
-    for bad in ({"kv_block_size": 12}, {"max_num_sequences": 300}, {"max_num_sequences": 64, "prefill_chunk_size": 32},
-                {"kv_pool_tokens": -1}):
-        with pytest.raises(ChatOptionTypeError) as e:
-            await eng.reload(str(tiny_path), chat_opts={**OPTS, **bad})
-        assert e.value.param == next(iter(bad)) and not eng.models
+    try:
+        for bad in ({"kv_block_size": 12}, {"max_num_sequences": 300},
+                    {"max_num_sequences": 64, "prefill_chunk_size": 32}, {"kv_pool_tokens": -1}):
+            with pytest.raises(ChatOptionTypeError) as e:
+                await eng.reload(str(tiny_path), chat_opts={**OPTS, **bad})
+            assert e.value.param == next(iter(bad)) and not eng.models
+    finally:
+        await eng.close()
 
 
 def test_measured_width(device, tmp_path, monkeypatch):

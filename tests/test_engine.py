@@ -228,3 +228,26 @@ async def test_device_loss_on_the_real_adapter(fresh_device, minilm_dir):
             assert len(r.data[0].embedding) == 384 and eng.device is not first and not eng.device.lost
             await eng.unload()
             eng.device.close()
+
+
+async def test_close_closes_only_the_device_the_engine_requested(device, minilm_dir):
+    """close() unloads, then closes the device the engine requested itself (its compiled pipelines
+    and buffers go; a later reload requests a new one); a device given in EngineConfig stays open."""
+    fast = {"compile_at_load": False}
+    eng = await create_mlc_engine(EMB_ID, EngineConfig(), fast)
+    own = eng.device
+    assert len((await eng.embeddings.create(input="hello")).data) == 1 and own.compile_count > 0
+    await eng.close()
+    assert eng.models == {} and eng.device is None
+    assert own.allocations() == {} and own.forget_pipelines() == 0 and not own.lost
+    await eng.reload(EMB_ID, fast)
+    assert eng.device is not own and len((await eng.embeddings.create(input="hello")).data) == 1
+    await eng.close()
+    eng = await create_mlc_engine(EMB_ID, EngineConfig(device=device), fast)
+    await eng.close()
+    assert eng.device is device and not device.lost
+    await eng.reload(EMB_ID, fast)                  # the given device still serves
+    try:
+        assert eng.device is device and len((await eng.embeddings.create(input="hello")).data) == 1
+    finally:
+        await eng.close()

@@ -79,6 +79,15 @@ class AsyncMLCEngine:
         """Free every loaded model and abort a reload() in progress (ModelLoader.unload)."""
         await self.loader.unload()
 
+    async def close(self) -> None:
+        """unload(), then close the device this engine requested itself (one given in EngineConfig
+        stays its owner's): its compiled pipelines and worker threads go now, not at exit. A later
+        reload() requests a new device."""
+        await self.unload()
+        dev, self.held.device = self.held.device, self.config.device
+        if dev is not None and dev is not self.config.device and not dev.lost:
+            dev.close()
+
     def memory_budget(self, dev=None) -> tuple[int, str]:
         """(bytes this engine may hold on the device, where the number comes from)."""
         return self.loader.memory_budget(dev)

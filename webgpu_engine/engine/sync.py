@@ -200,9 +200,10 @@ class MLCEngine:
         return self.async_engine.models
 
     def close(self) -> None:
-        """Unload every model and stop the background loop (not another's engine: see __init__)."""
+        """Unload every model, close the device the engine requested itself (AsyncMLCEngine.close)
+        and stop the background loop (not another's engine: see __init__)."""
         if self._loop.thread is not None and self._loop.loop.is_running():
-            self._loop.run(self.async_engine.unload())
+            self._loop.run(self.async_engine.close())
             self._loop.stop()
 
     def __enter__(self):

@@ -355,7 +355,7 @@ async def _shutdown(app: web.Application) -> None:
     t = app[STATE].get("load_task")
     if t is not None and not t.done():
         t.cancel()
-    await app[ENGINE].unload()
+    await app[ENGINE].close()
 
 
 def run_server(opts: ServerOptions) -> int:
