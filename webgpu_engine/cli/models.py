@@ -87,7 +87,7 @@ def create_engine(args, refs: list[str]):
 
 
 async def with_model(args, use):
-    """Load --model, await `use(engine)` and unload the engine whatever happens; returns what `use`
+    """Load --model, await `use(engine)` and close the engine whatever happens; returns what `use`
     returned. The one-model commands (chat, complete, embed) run through it."""
     engine = await create_engine(args, [args.model])
     try:
@@ -95,7 +95,7 @@ async def with_model(args, use):
             await engine.load_lora_adapter(LORA_NAME, args.lora)
         return await use(engine)
     finally:
-        await engine.unload()
+        await engine.close()
 
 
 LORA_NAME = "lora"       # the name chat / complete --lora serve the adapter under

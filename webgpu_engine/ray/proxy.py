@@ -187,6 +187,10 @@ class RayEngineProxy:
             self.handle = None
             await asyncio.to_thread(self._undeploy)
 
+    async def close(self) -> None:
+        """The server's shutdown (AsyncMLCEngine.close): the replicas hold the devices."""
+        await self.unload()
+
     def queue_lengths(self) -> dict[str, int]:
         return {}       # the replicas' queues are theirs (Ray Serve's metrics report them)
 
