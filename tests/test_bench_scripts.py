@@ -68,6 +68,17 @@ def test_dispatch_leak(tmp_path):
     assert all("kib_per_dispatch" in v for v in data["variants"].values())
 
 
+def test_load_probe(tmp_path):
+    out = tmp_path / "load_probe.json"
+    stdout = run_script("load_probe", "--smoke", "--out", str(out))
+    data = load(out, {"adapter", "rows", "k", "probes"})
+    kinds = {p["probe"] for p in data["probes"]}
+    assert {"copy", "u32", "vec4", "vec4_load", "texture"} <= kinds
+    assert all(math.isfinite(p["cpu_us"]) and p["cpu_us"] > 0 for p in data["probes"])
+    assert data["agree"] and all(data["agree"].values()), data["agree"]   # every probe sums as numpy does
+    assert f"wrote {out}" in stdout
+
+
 @pytest.mark.parametrize("mode", ["default", "batch", "ceilings"])
 def test_kernels(tmp_path, tiny, mode):
     out = tmp_path / "kernels.json"
