@@ -6,6 +6,7 @@ import json
 import os
 import resource
 import time
+import weakref
 from pathlib import Path
 
 import pytest
@@ -89,11 +90,31 @@ def _live_session_device():
     return _SESSION_DEVICE[0] if _SESSION_DEVICE and not _SESSION_DEVICE[0].lost else None
 
 
+# Every device made in this process (weakly): one a test leaves open (an engine made without a device
+# and only unloaded, a server's engine) holds its compiled pipelines and threads to the process's end,
+# as each of its own threads keeps it alive.
+_DEVICES_MADE: weakref.WeakSet = weakref.WeakSet()
+
+
+def _record_devices() -> None:
+    from webgpu_engine.gpu.base import Device
+    init = Device.__init__
+
+    def recorded(self, *args, **kw):
+        init(self, *args, **kw)
+        _DEVICES_MADE.add(self)
+    Device.__init__ = recorded
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _pipelines_per_module():
-    """After each module (its own fixtures torn down first): release the session device's pipelines
-    but the shared ones."""
+    """After each module (its own fixtures torn down first): close the devices its tests left open,
+    release the session device's pipelines but the shared ones."""
     yield
+    for dev in list(_DEVICES_MADE):
+        if dev not in _SESSION_DEVICE and not dev.lost:
+            dev.close()
+    _DEVICES_MADE.clear()
     for key in _ASKED_HERE:
         _MODULES_ASKING[key] = _MODULES_ASKING.get(key, 0) + 1
     shared = [k for k in _ASKED_HERE if _MODULES_ASKING[k] >= 2]
@@ -263,6 +284,7 @@ def pytest_runtest_logreport(report):
 def pytest_sessionstart(session):
     global _SUITE_T0
     _SUITE_T0 = time.perf_counter()
+    _record_devices()
     if not hasattr(session.config, "workerinput"):      # the main process (an xdist worker: not)
         import threading
         _TREE_RSS[0] = _TREE_RSS[1] = _tree_rss_gib()
