@@ -14,7 +14,11 @@ weight row, unrolled over K by the host as the engine's decode kernels are, x at
 - u32_load / vec4_load: the same loads alone (the words xor-ed together): the cost of the loads;
 - select8: each word built from 8 loads at the workgroup's (not the lane's) addresses and a select on
   the lane index (would pay off if an address that depends only on the workgroup were broadcast);
-- texture / texture_load: the rows as an rgba32uint texture, read with textureLoad.
+- texture / texture_load: the rows as an rgba32uint texture, read with textureLoad;
+- vec4_ahead: vec4 with each block's words loaded before the previous block's arithmetic;
+- loop_x_storage / loop_x_uniform: the K loop kept (matmul.wgsl's loop kernel), u32 words, x read
+  inside the loop from a storage buffer (lane by lane) or from a uniform buffer; loop4_*: with 4
+  rows a lane sharing each x chunk, as the loop kernel runs (workgroups of 8 lanes: 32 rows).
 copy: each lane copies vec4<u32> words (shaders/copy.wgsl's copy_vec4), counted as read + written
 bytes, as bench/kernels.py counts it. Rounds are interleaved; the best round of each is printed.
 --dump-jit DIR: after the run, write this process's anonymous executable mappings (lavapipe's JIT
@@ -58,8 +62,35 @@ fn probe(@builtin(global_invocation_id) g: vec3<u32>) { D[g.x] = S[g.x]; }
 """
 
 
+def loop_source(kind: str, k: int, rw4: int) -> str:
+    """A probe with the K loop kept (matmul.wgsl's loop kernel): u32 weight words, x read inside the
+    loop from a storage buffer (lane by lane, as the loop kernel reads it) or a uniform buffer;
+    loop4_*: 4 rows a lane sharing each x chunk (the loop kernel's RR = 4)."""
+    rr = 4 if kind.startswith("loop4") else 1
+    xdecl = f"var<uniform> X: array<vec4<f32>, {k // 4}>;" if kind.endswith("uniform") else \
+        "var<storage, read> X: array<vec4<f32>>;"
+    xs = ", ".join(f"X[c * 8u + {i}u]" for i in range(8))
+    rows = "".join(f"        let b{r} = (row + {r}u) * {4 * rw4}u + c * 5u;\n"
+                   f"        let s{r} = unpack2x16float(W[b{r}]);\n"
+                   f"        var lo{r} = vec4<f32>(0.0);\n        var hi{r} = vec4<f32>(0.0);\n"
+                   + "".join(f"        let n{r}_{j} = nib(W[b{r} + {j + 1}u]);\n"
+                             f"        lo{r} = fma(n{r}_{j}[0], x[{j}], lo{r});\n"
+                             f"        hi{r} = fma(n{r}_{j}[1], x[{4 + j}], hi{r});\n" for j in range(4))
+                   + f"        acc[{r}] += s{r}.x * dot(lo{r} + hi{r}, vec4<f32>(1.0)) + s{r}.y;\n" for r in range(rr))
+    return (f"@group(0) @binding(0) var<storage, read> W: array<u32>;\n@group(0) @binding(1) {xdecl}\n"
+            "@group(0) @binding(2) var<storage, read_write> Y: array<f32>;\n" + NIB +
+            f"@compute @workgroup_size({WG})\n"
+            "fn probe(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {\n"
+            f"    let row = (wid.x * {WG}u + lid) * {rr}u;\n    var acc = vec4<f32>(0.0);\n"
+            f"    for (var c = 0u; c < {k // 32}u; c++) {{\n"
+            f"        let x = array<vec4<f32>, 8>({xs});\n" + rows + "    }\n"
+            + "".join(f"    Y[row + {r}u] = X[0].x + acc[{r}];\n" for r in range(rr)) + "}\n")
+
+
 def probe_source(kind: str, k: int, rw4: int) -> str:
     """The WGSL of one probe over rows of rw4 vec4 words (K / 32 blocks of 5 words, padded)."""
+    if kind.startswith("loop"):
+        return loop_source(kind, k, rw4)
     vec4 = kind not in ("u32", "u32_load", "select8")
     if kind.startswith("texture"):
         decl = "@group(0) @binding(0) var W: texture_2d<u32>;"
@@ -107,7 +138,8 @@ def probe_source(kind: str, k: int, rw4: int) -> str:
             + "\n".join(body) + "\n}\n")
 
 
-KINDS = ("u32", "vec4", "vec4_ahead", "u32_load", "vec4_load", "select8", "texture", "texture_load")
+KINDS = ("u32", "vec4", "vec4_ahead", "u32_load", "vec4_load", "select8", "texture", "texture_load",
+         "loop_x_storage", "loop_x_uniform", "loop4_x_storage", "loop4_x_uniform")
 
 
 def reference(words: np.ndarray, x: np.ndarray, k: int) -> np.ndarray:
@@ -194,7 +226,7 @@ def main() -> int:
     storage = wgpu.BufferUsage.STORAGE
     wbuf = raw.create_buffer_with_data(data=words.tobytes(), usage=storage)
     xs = rng.standard_normal(a.k).astype(np.float32)
-    xbuf = raw.create_buffer_with_data(data=xs.tobytes(), usage=storage)
+    xbuf = raw.create_buffer_with_data(data=xs.tobytes(), usage=storage | wgpu.BufferUsage.UNIFORM)
     ybuf = raw.create_buffer(size=a.rows * 4, usage=storage | wgpu.BufferUsage.COPY_SRC)
     dst = raw.create_buffer(size=words.nbytes, usage=storage)
     tex = raw.create_texture(size=(rw4, a.rows, 1), format="rgba32uint",
@@ -205,7 +237,7 @@ def main() -> int:
     for kind in a.kinds.split(","):
         w = tex.create_view() if kind.startswith("texture") else {"buffer": wbuf}
         probes.append(Probe(raw, kind, probe_source(kind, a.k, rw4), [w, {"buffer": xbuf}, {"buffer": ybuf}],
-                            a.rows // WG, ybuf))
+                            a.rows // WG // (4 if kind.startswith("loop4") else 1), ybuf))
     ref = reference(words.reshape(a.rows, rw4 * 4), xs, a.k)
     agree = {}
     for p in probes[1:]:                        # every probe that does the arithmetic gives numpy's sums
