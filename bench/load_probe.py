@@ -229,12 +229,14 @@ def main() -> int:
     xbuf = raw.create_buffer_with_data(data=xs.tobytes(), usage=storage | wgpu.BufferUsage.UNIFORM)
     ybuf = raw.create_buffer(size=a.rows * 4, usage=storage | wgpu.BufferUsage.COPY_SRC)
     dst = raw.create_buffer(size=words.nbytes, usage=storage)
-    tex = raw.create_texture(size=(rw4, a.rows, 1), format="rgba32uint",
-                             usage=wgpu.TextureUsage.TEXTURE_BINDING | wgpu.TextureUsage.COPY_DST)
-    raw.queue.write_texture({"texture": tex}, words.tobytes(), {"bytes_per_row": rw4 * 16, "rows_per_image": a.rows},
-                            (rw4, a.rows, 1))
+    kinds = a.kinds.split(",")
+    if any(k.startswith("texture") for k in kinds):      # a row of texels per weight row (rows <= 16384)
+        tex = raw.create_texture(size=(rw4, a.rows, 1), format="rgba32uint",
+                                 usage=wgpu.TextureUsage.TEXTURE_BINDING | wgpu.TextureUsage.COPY_DST)
+        raw.queue.write_texture({"texture": tex}, words.tobytes(),
+                                {"bytes_per_row": rw4 * 16, "rows_per_image": a.rows}, (rw4, a.rows, 1))
     probes = [Probe(raw, "copy", COPY, [{"buffer": wbuf}, {"buffer": dst}], -(-words.nbytes // 1024), ybuf)]
-    for kind in a.kinds.split(","):
+    for kind in kinds:
         w = tex.create_view() if kind.startswith("texture") else {"buffer": wbuf}
         probes.append(Probe(raw, kind, probe_source(kind, a.k, rw4), [w, {"buffer": xbuf}, {"buffer": ybuf}],
                             a.rows // WG // (4 if kind.startswith("loop4") else 1), ybuf))
