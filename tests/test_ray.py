@@ -160,62 +160,6 @@ def test_serve_ray_replicas_stops_its_ray_instance_on_sigterm(models, tmp_path):
             p.wait()
 
 
-# --------------------------------------------------------------------------- online
-async def test_two_replicas_answer_as_the_engine_and_conversations_spread(served, local):
-    replicas = set()
-    for i in range(6):
-        conv = [{"role": "user", "content": f"conversation {i}: what is {i} plus {i}?"}]
-        text, replica = _chat(served, conv)
-        assert text == await _local_answer(local, conv)
-        replicas.add(replica)
-    assert len(replicas) == 2           # six different conversations on an idle pair: both serve
-
-
-def test_a_shared_long_system_prompt_stays_on_one_replica(served):
-    replicas = [_chat(served, [{"role": "system", "content": LONG_SYSTEM},
-                               {"role": "user", "content": q}])[1]
-                for q in ("Do you sell rye bread?", "When do you open?", "Is there a cafe?", "Thanks!")]
-    assert len(set(replicas)) == 1, replicas
-
-
-async def test_streaming_through_ray_equals_the_plain_answer(served, local):
-    conv = [{"role": "user", "content": "stream this please"}]
-    c = openai.OpenAI(base_url=served.url, api_key=KEY, max_retries=0)
-    with c.chat.completions.with_streaming_response.create(model="tiny", messages=conv, max_tokens=6,
-                                                           temperature=0, stream=True) as resp:
-        assert resp.headers.get(REPLICA_HEADER)
-        chunks = list(resp.parse())
-    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
-    assert len(chunks) >= 2
-    assert text == await _local_answer(local, conv)
-
-
-def test_errors_and_the_api_key_are_the_servers(served):
-    status, _, text = _post(served, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]},
-                            key="wrong")
-    assert status == 401 and json.loads(text)["error"]["code"] == "invalid_api_key"
-    status, headers, text = _post(served, "/v1/chat/completions",
-                                  {"messages": [{"role": "user", "content": "x"}], "max_tokens": -4})
-    err = json.loads(text)["error"]
-    assert status == 400 and err["param"] == "max_tokens" and err["type"] == "invalid_request_error"
-    assert headers.get(REPLICA_HEADER)          # the replica that refused it
-    status, _, text = _post(served, "/v1/chat/completions",
-                            {"messages": [{"role": "user", "content": "x"}], "max_tokens": -4, "stream": True})
-    assert status == 400 and json.loads(text)["error"]["param"] == "max_tokens"   # before any SSE
-    status, _, text = _post(served, "/v1/responses", {"model": "tiny", "input": "hi"})
-    assert status == 400 and json.loads(text)["error"]["type"] == "feature_unsupported"
-    # the front still serves
-    assert _chat(served, [{"role": "user", "content": "still there?"}])[0] is not None
-
-
-def test_a_replica_killed_with_sigkill_loses_no_later_request(served):
-    info = served.engine.handle.describe.remote().result(timeout_s=60)
-    os.kill(info["pid"], signal.SIGKILL)
-    answers = [_chat(served, [{"role": "user", "content": f"after the kill {i}"}]) for i in range(6)]
-    assert len(answers) == 6
-    assert info["replica"] not in {r for _, r in answers}
-
-
 # --------------------------------------------------------------------------- batch
 async def test_embed_dataset_equals_the_engines_embeddings(cluster, models, local):
     texts = [f"passage {i}: the {['cat', 'dog', 'bird'][i % 3]} sat on mat {i}" for i in range(300)]
@@ -310,3 +254,61 @@ async def test_a_replica_whose_device_is_lost_and_not_recovered_fails_its_health
             with pytest.raises(RuntimeError, match="device was lost"):
                 replica.check_health()
         await eng.unload()
+
+
+# --------------------------------------------------------------------------- online
+# Last in the module: the two replicas live to its end; Ray Data's actors (a model each) and the
+# health check's engines are gone before they start.
+async def test_two_replicas_answer_as_the_engine_and_conversations_spread(served, local):
+    replicas = set()
+    for i in range(6):
+        conv = [{"role": "user", "content": f"conversation {i}: what is {i} plus {i}?"}]
+        text, replica = _chat(served, conv)
+        assert text == await _local_answer(local, conv)
+        replicas.add(replica)
+    assert len(replicas) == 2           # six different conversations on an idle pair: both serve
+
+
+def test_a_shared_long_system_prompt_stays_on_one_replica(served):
+    replicas = [_chat(served, [{"role": "system", "content": LONG_SYSTEM},
+                               {"role": "user", "content": q}])[1]
+                for q in ("Do you sell rye bread?", "When do you open?", "Is there a cafe?", "Thanks!")]
+    assert len(set(replicas)) == 1, replicas
+
+
+async def test_streaming_through_ray_equals_the_plain_answer(served, local):
+    conv = [{"role": "user", "content": "stream this please"}]
+    c = openai.OpenAI(base_url=served.url, api_key=KEY, max_retries=0)
+    with c.chat.completions.with_streaming_response.create(model="tiny", messages=conv, max_tokens=6,
+                                                           temperature=0, stream=True) as resp:
+        assert resp.headers.get(REPLICA_HEADER)
+        chunks = list(resp.parse())
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert len(chunks) >= 2
+    assert text == await _local_answer(local, conv)
+
+
+def test_errors_and_the_api_key_are_the_servers(served):
+    status, _, text = _post(served, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]},
+                            key="wrong")
+    assert status == 401 and json.loads(text)["error"]["code"] == "invalid_api_key"
+    status, headers, text = _post(served, "/v1/chat/completions",
+                                  {"messages": [{"role": "user", "content": "x"}], "max_tokens": -4})
+    err = json.loads(text)["error"]
+    assert status == 400 and err["param"] == "max_tokens" and err["type"] == "invalid_request_error"
+    assert headers.get(REPLICA_HEADER)          # the replica that refused it
+    status, _, text = _post(served, "/v1/chat/completions",
+                            {"messages": [{"role": "user", "content": "x"}], "max_tokens": -4, "stream": True})
+    assert status == 400 and json.loads(text)["error"]["param"] == "max_tokens"   # before any SSE
+    status, _, text = _post(served, "/v1/responses", {"model": "tiny", "input": "hi"})
+    assert status == 400 and json.loads(text)["error"]["type"] == "feature_unsupported"
+    # the front still serves
+    assert _chat(served, [{"role": "user", "content": "still there?"}])[0] is not None
+
+
+def test_a_replica_killed_with_sigkill_loses_no_later_request(served):
+    info = served.engine.handle.describe.remote().result(timeout_s=60)
+    os.kill(info["pid"], signal.SIGKILL)
+    answers = [_chat(served, [{"role": "user", "content": f"after the kill {i}"}]) for i in range(6)]
+    assert len(answers) == 6
+    assert info["replica"] not in {r for _, r in answers}
