@@ -18,7 +18,9 @@ weight row, unrolled over K by the host as the engine's decode kernels are, x at
 - vec4_ahead: vec4 with each block's words loaded before the previous block's arithmetic;
 - loop_x_storage / loop_x_uniform: the K loop kept (matmul.wgsl's loop kernel), u32 words, x read
   inside the loop from a storage buffer (lane by lane) or from a uniform buffer; loop4_*: with 4
-  rows a lane sharing each x chunk, as the loop kernel runs (workgroups of 8 lanes: 32 rows).
+  rows a lane sharing each x chunk, as the loop kernel runs (workgroups of 8 lanes: 32 rows);
+  loop4v_*: 4 rows a lane, each row's words of 4 blocks read as 5 vec4<u32> a loop step (where
+  K % 128 == 0: e.g. --rows 576 --k 1536, SmolLM2's down projection).
 copy: each lane copies vec4<u32> words (shaders/copy.wgsl's copy_vec4), counted as read + written
 bytes, as bench/kernels.py counts it. Rounds are interleaved; the best round of each is printed.
 --dump-jit DIR: after the run, write this process's anonymous executable mappings (lavapipe's JIT
@@ -87,8 +89,43 @@ def loop_source(kind: str, k: int, rw4: int) -> str:
             + "".join(f"    Y[row + {r}u] = X[0].x + acc[{r}];\n" for r in range(rr)) + "}\n")
 
 
+def block_sum(r: str, words: list, x: str) -> str:
+    """WGSL adding a block's term to acc[r]: its 5 words (expressions), x chunk `x` (8 vec4)."""
+    out = [f"        {{ let s = unpack2x16float({words[0]});",
+           "        var lo = vec4<f32>(0.0);", "        var hi = vec4<f32>(0.0);"]
+    for j in range(4):
+        out += [f"        let n{j} = nib({words[j + 1]});", f"        lo = fma(n{j}[0], {x}[{j}], lo);",
+                f"        hi = fma(n{j}[1], {x}[{4 + j}], hi);"]
+    return "\n".join(out + [f"        acc[{r}] += s.x * dot(lo + hi, vec4<f32>(1.0)) + s.y; }}"]) + "\n"
+
+
+def loop4v_source(kind: str, k: int, rw4: int) -> str:
+    """The K loop over 4 blocks at a time with 4 rows a lane, each row's 20 words of them read as 5
+    vec4<u32>, x from a storage or a uniform buffer (the down projection's options; K % 128 == 0)."""
+    xdecl = f"var<uniform> X: array<vec4<f32>, {k // 4}>;" if kind.endswith("uniform") else \
+        "var<storage, read> X: array<vec4<f32>>;"
+    body = ""
+    for r in range(4):
+        body += "".join(f"        let w{r}_{i} = W[(row + {r}u) * {rw4}u + g * 5u + {i}u];\n" for i in range(5))
+    for cc in range(4):
+        body += f"        let x{cc} = array<vec4<f32>, 8>(" + \
+            ", ".join(f"X[g * 32u + {cc * 8 + i}u]" for i in range(8)) + ");\n"
+        for r in range(4):
+            words = [f"w{r}_{(cc * 5 + i) // 4}.{'xyzw'[(cc * 5 + i) % 4]}" for i in range(5)]
+            body += block_sum(str(r), words, f"x{cc}")
+    return (f"@group(0) @binding(0) var<storage, read> W: array<vec4<u32>>;\n@group(0) @binding(1) {xdecl}\n"
+            "@group(0) @binding(2) var<storage, read_write> Y: array<f32>;\n" + NIB +
+            f"@compute @workgroup_size({WG})\n"
+            "fn probe(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {\n"
+            f"    let row = (wid.x * {WG}u + lid) * 4u;\n    var acc = vec4<f32>(0.0);\n"
+            f"    for (var g = 0u; g < {k // 128}u; g++) {{\n" + body + "    }\n"
+            + "".join(f"    Y[row + {r}u] = X[0].x + acc[{r}];\n" for r in range(4)) + "}\n")
+
+
 def probe_source(kind: str, k: int, rw4: int) -> str:
     """The WGSL of one probe over rows of rw4 vec4 words (K / 32 blocks of 5 words, padded)."""
+    if kind.startswith("loop4v"):
+        return loop4v_source(kind, k, rw4)
     if kind.startswith("loop"):
         return loop_source(kind, k, rw4)
     vec4 = kind not in ("u32", "u32_load", "select8")
@@ -139,7 +176,8 @@ def probe_source(kind: str, k: int, rw4: int) -> str:
 
 
 KINDS = ("u32", "vec4", "vec4_ahead", "u32_load", "vec4_load", "select8", "texture", "texture_load",
-         "loop_x_storage", "loop_x_uniform", "loop4_x_storage", "loop4_x_uniform")
+         "loop_x_storage", "loop_x_uniform", "loop4_x_storage", "loop4_x_uniform", "loop4v_x_storage",
+         "loop4v_x_uniform")
 
 
 def reference(words: np.ndarray, x: np.ndarray, k: int) -> np.ndarray:
@@ -217,7 +255,7 @@ def main() -> int:
     ap.add_argument("--smoke", action="store_true")
     a = ap.parse_args()
     if a.smoke:
-        a.rows, a.k, a.rounds, a.dispatches = 64, 64, 1, 2
+        a.rows, a.k, a.rounds, a.dispatches = 64, 128, 1, 2
     dev = request_device_sync()
     raw = dev.raw
     rw4 = -(-(a.k // 32 * 5) // 4)
@@ -236,6 +274,8 @@ def main() -> int:
         raw.queue.write_texture({"texture": tex}, words.tobytes(),
                                 {"bytes_per_row": rw4 * 16, "rows_per_image": a.rows}, (rw4, a.rows, 1))
     probes = [Probe(raw, "copy", COPY, [{"buffer": wbuf}, {"buffer": dst}], -(-words.nbytes // 1024), ybuf)]
+    if a.k % 128:                               # the loop4v probes take 4 blocks a step
+        kinds = [k for k in kinds if not k.startswith("loop4v")]
     for kind in kinds:
         w = tex.create_view() if kind.startswith("texture") else {"buffer": wbuf}
         probes.append(Probe(raw, kind, probe_source(kind, a.k, rw4), [w, {"buffer": xbuf}, {"buffer": ybuf}],
