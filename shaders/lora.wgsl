@@ -66,7 +66,7 @@ fn lora_expand(@builtin(global_invocation_id) gid: vec3<u32>) {
 // 2p + 1 are one target's, N even). Each sum in the order lora_shrink / lora_expand make it (the
 // zero columns left out add nothing). With STORE, y = the delta instead (a row without an adapter:
 // -0.0, so that a matmul adding y to its sums keeps a base row's bits: models/lora.py).
-// dispatch (T, 1, 1), workgroup WG (J / 4 lanes or fewer do the shrink); the host adds the consts
+// dispatch (T, 1, 1), workgroup WG (J / 2 lanes or fewer do the shrink); the host adds the consts
 // JMAX (= J), NORM, STORE, KC and SHAPE_K/N/J/R (the widths, or 0: the uniforms'), and
 // A and B's element type: `wvec` f32 (vec4<f32>, VW = 4 values a load) or f16 pairs (vec4<u32>,
 // VW = 8: on a CPU adapter a load costs per invocation whatever its width, so 16-bit weights halve
@@ -144,16 +144,17 @@ fn delta_row(t: u32, s: u32, lid: u32) {
         workgroupBarrier();
         inv = inverseSqrt(wsum[0] / f32(K) + D.eps);
     }
-    // u = A · x: invocation l sums rows j = l + q J/4 (q = 0..3) of A (VW values a load) against x
-    // (times w), staged KC values at a time in workgroup memory: each x value read once for 4
-    // rows (a storage or workgroup load costs per invocation on a CPU adapter)
+    // u = A · x: invocation l sums rows j = l and l + J/2 of A (VW values a load) against x (times
+    // w), staged KC values at a time in workgroup memory: each x value read once for 2 rows (a
+    // storage or workgroup load costs per invocation on a CPU adapter; J / 2 lanes, so that a
+    // narrow workgroup's lanes are all busy)
     let K4 = K / VW;
     let a0 = (s * J) * K4;
-    let JL = J / 4u;
+    let JL = J / 2u;
     for (var l0 = 0u; l0 < JL; l0 += WG) {
         let l = l0 + lid;
         let aj = a0 + l * K4;
-        var acc = vec4<f32>(0.0);        // rows l, l + JL, l + 2 JL, l + 3 JL
+        var acc = vec2<f32>(0.0);        // rows l, l + JL
         for (var kc = 0u; kc < K; kc += KC) {
             let kn = min(KC, K - kc);
             workgroupBarrier();
@@ -168,14 +169,13 @@ fn delta_row(t: u32, s: u32, lid: u32) {
                 for (var k4 = 0u; k4 < kn / VW; k4++) {
                     let x0 = wx[k4 * (VW / 4u)];
                     let x1 = wx[k4 * (VW / 4u) + (VW / 4u - 1u)];      // VW = 4: x0 again
-                    acc = wdot4(acc, x0, x1, a4[ak + k4], a4[ak + JL * K4 + k4], a4[ak + 2u * JL * K4 + k4],
-                                a4[ak + 3u * JL * K4 + k4]);
+                    acc = wdot2(acc, x0, x1, a4[ak + k4], a4[ak + JL * K4 + k4]);
                 }
             }
         }
         if (l < JL) {
             if (NORM) { acc *= inv; }
-            put_u4(l, JL, acc);
+            put_u2(l, JL, acc);
         }
     }
     workgroupBarrier();
@@ -242,16 +242,16 @@ fn lora_post(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_in
     let K = select(D.K, SHAPE_K, SHAPE_K > 0u);
     let R = select(D.R, SHAPE_R, SHAPE_K > 0u);
     let K1 = select(D.K1, SHAPE_K1, SHAPE_K > 0u);
-    // u1 = A1 · inp: invocation l sums rows l, l + R/4, l + 2R/4, l + 3R/4 of A1 against inp staged
-    // KC values at a time in workgroup memory
+    // u1 = A1 · inp: invocation l sums rows l and l + R/2 of A1 against inp staged KC values at a
+    // time in workgroup memory
     let K14 = K1 / VW;
     let p0 = D.p_off + t * K1;
     let a0 = s * R * K14;
-    let JL = R / 4u;
+    let JL = R / 2u;
     for (var l0 = 0u; l0 < JL; l0 += WG) {
         let l = l0 + lid;
         let aj = a0 + l * K14;
-        var acc = vec4<f32>(0.0);
+        var acc = vec2<f32>(0.0);
         for (var kc = 0u; kc < K1; kc += KC) {
             let kn = min(KC, K1 - kc);
             workgroupBarrier();
@@ -262,13 +262,12 @@ fn lora_post(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_in
                 for (var k4 = 0u; k4 < kn / VW; k4++) {
                     let x0 = wx[k4 * (VW / 4u)];
                     let x1 = wx[k4 * (VW / 4u) + (VW / 4u - 1u)];
-                    acc = wdot4(acc, x0, x1, pa4[ak + k4], pa4[ak + JL * K14 + k4], pa4[ak + 2u * JL * K14 + k4],
-                                pa4[ak + 3u * JL * K14 + k4]);
+                    acc = wdot2(acc, x0, x1, pa4[ak + k4], pa4[ak + JL * K14 + k4]);
                 }
             }
         }
         if (l < JL) {
-            put_u4(l, JL, acc);
+            put_u2(l, JL, acc);
         }
     }
     workgroupBarrier();
@@ -312,12 +311,15 @@ fn wdot4(acc: vec4<f32>, x0: vec4<f32>, x1: vec4<f32>, w0: wvec, w1: wvec, w2: w
     return vec4<f32>(wdot(acc.x, x0, x1, w0), wdot(acc.y, x0, x1, w1), wdot(acc.z, x0, x1, w2), wdot(acc.w, x0, x1, w3));
 }
 
-// u rows l, l + JL, l + 2 JL, l + 3 JL (an invocation's four sums) into workgroup memory
-fn put_u4(l: u32, JL: u32, acc: vec4<f32>) {
+// two rows' wdot against the same x values (an invocation's rows of a shrink)
+fn wdot2(acc: vec2<f32>, x0: vec4<f32>, x1: vec4<f32>, w0: wvec, w1: wvec) -> vec2<f32> {
+    return vec2<f32>(wdot(acc.x, x0, x1, w0), wdot(acc.y, x0, x1, w1));
+}
+
+// u rows l, l + JL (an invocation's two sums) into workgroup memory
+fn put_u2(l: u32, JL: u32, acc: vec2<f32>) {
     wu[l / 4u][l % 4u] = acc.x;
     wu[(l + JL) / 4u][(l + JL) % 4u] = acc.y;
-    wu[(l + 2u * JL) / 4u][(l + 2u * JL) % 4u] = acc.z;
-    wu[(l + 3u * JL) / 4u][(l + 3u * JL) % 4u] = acc.w;
 }
 
 // row t's adapter slot, read once and shared (uniform: a row without an adapter returns at once)

@@ -38,7 +38,7 @@ _WEIGHTS = {
 
 # lora_delta on a CPU adapter (lavapipe runs a workgroup 8 lanes at a time, masked-off lanes
 # included): its widths (K, N, J, R) compiled in, so loops have known trip counts (the same
-# operations in the same order), and a workgroup only as wide as the shrink's J / 4 lanes (at least
+# operations in the same order), and a workgroup only as wide as the shrink's J / 2 lanes (at least
 # 8). False: the uniforms' widths and 64 lanes (bench/lora_delta.py compares the two; the same bits)
 BAKE_SHAPES = True
 NARROW_WG = True
@@ -115,7 +115,7 @@ def lora_delta(dev: Device, x: Tensor, a: Tensor, b: Tensor, cols: Tensor, idx: 
     (xb, xo), (yb, yo), (ib, io) = (window(t, DTYPE_SIZE[t.dtype], k, n) for t, n in ((x, "x"), (y, "y"), (idx, "idx")))
     check(io == 0 and a.offset == 0 and b.offset == 0 and cols.offset == 0, k,
           "idx, A, B and cols must start at binding-aligned offsets")
-    wg = min(_WG, max(8, -(-J // 32) * 8)) if NARROW_WG else _WG
+    wg = min(_WG, max(8, -(-J // 16) * 8)) if NARROW_WG else _WG
     pipe = _pipe(dev, k, x.dtype, J, norm is not None, store, a.dtype, (K, N, J, R, 0) if BAKE_SHAPES else (0,) * 5, wg)
     par = params(dev, [T, K, N, J, xo, yo, slots, float(norm[1]) if norm else 0.0, R, 0, 0, 0, 0], owner=y.buf.owner,
                  label=k)
@@ -168,7 +168,7 @@ def lora_post(dev: Device, x: Tensor, inp: Tensor, a: Tensor, b: Tensor, idx: Te
         scratch = dev.buffer(16, owner=x.buf.owner, label=k + ".unused")
         op.buffers.append(scratch)
         binds = {5: scratch, 9: idx.binding(), 10: a.binding(), 11: b.binding()}
-    wg = min(_WG, max(8, -(-max(J, R) // 32) * 8)) if NARROW_WG else _WG
+    wg = min(_WG, max(8, -(-max(J, R) // 16) * 8)) if NARROW_WG else _WG
     pipe = _pipe(dev, k, x.dtype, max(J, R), True, True, a.dtype,
                  (K, N, J, R, K1) if BAKE_SHAPES else (0,) * 5, wg, pre=nxt is not None)
     par = params(dev, [T, K, N, J, xo, yo, slots, float(eps), R, K1, po, ho, qo], owner=x.buf.owner, label=k)
