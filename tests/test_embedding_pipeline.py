@@ -48,6 +48,8 @@ async def test_minilm_f16_activations(device, minilm_dir, minilm_reference):
     pipe = await EmbeddingPipeline.load(device, minilm_dir, ChatConfig(dtype="f16"))
     try:
         assert pipe.model.act_dtype == "f16"
+        L = pipe.model.layers[0]          # an f32 file's matrices as f16 beside f16 activations
+        assert [w.qtype for w in (L.qkv, L.o, L.ff1, L.ff2)] == ["f16"] * 4 and pipe.model.word.qtype == "f32"
         items = minilm_reference["items"]
         res = await pipe.embed_step([it["text"] for it in items])
         for v, it in zip(res.embeddings, items):
