@@ -59,9 +59,13 @@ def page(monkeypatch, tmp_path):
         sys.modules.pop(name, None)
 
 
+MSGS = [{"role": "user", "content": "Hello there"}]
+
+
 async def test_a_page_loads_adapters_with_its_model(page, device, base_path):
     """load_folder(..., lora_json): a PEFT folder and a GGUF LoRA file fetched beside the base and
-    served by name, each answering as transformers + peft, the base as itself; bad specs refused."""
+    served by name, each answering as transformers + peft, the base as itself, the page's chat with
+    an adapter by its request's `model`; bad specs refused."""
     from webgpu_engine.engine import EngineConfig
     page._state["engine"] = eng = AsyncMLCEngine(EngineConfig(device=device))
     files = sorted(p.name for p in Path(base_path).iterdir())
@@ -74,6 +78,13 @@ async def test_a_page_loads_adapters_with_its_model(page, device, base_path):
                 ADAPTERS["b"] + ".gguf"} <= set(page.fetched)
         got = await asyncio.gather(_greedy(eng, "a", 0), _greedy(eng, "b", 1), _greedy(eng, "tiny", 0))
         assert got == [_want("a", 0), _want("b", 1), _want(None, 0)]
+        said = {}                            # the page's chat: the request's `model` picks an adapter
+        for model in ("a", None):
+            req = {"max_tokens": 6, **({"model": model} if model else {})}
+            said[model] = json.loads(await page.chat(json.dumps(MSGS), None, json.dumps(req)))["text"]
+            r = await eng.chat.completions.create(messages=MSGS, model=model or "tiny", max_tokens=6, temperature=0.0)
+            assert said[model] == r.choices[0].message.content
+        assert said["a"] != said[None]
         for bad in ('["a"]', '{"../x": "f.gguf"}', '{"a": {"files": ["x"]}}', '{"a": {"url": "u", "files": ["../x"]}}'):
             with pytest.raises(InvalidRequestError):
                 await page.load_folder(str(base_path), json.dumps(files), "tiny", json.dumps(OPTS), bad)

@@ -63,7 +63,10 @@ async function main() {
   // folder); chat runs greedy, as the tests compare ids.
   const models = params.has("models") ? params.get("models").split(",").filter(Boolean) : [CHAT_MODEL, EMBED_MODEL];
   const opts = models.map((m) => (m === CHAT_MODEL ? { temperature: 0.0, top_p: 1.0 } : null));
-  const loaded = models.length ? JSON.parse(await app.load(JSON.stringify(models), JSON.stringify(opts)))
+  // ?lora={"name": "<url>.gguf", ...} loads LoRA adapters over the chat model (app.load's lora_json);
+  // demo.chat(prompt, {model: "name"}) answers with one
+  const lora = params.get("lora") || "null";
+  const loaded = models.length ? JSON.parse(await app.load(JSON.stringify(models), JSON.stringify(opts), lora))
     : { fetch: {} };
   const fetched = Object.values(loaded.fetch).reduce((a, s) => a + s.fetched_bytes, 0);
   const cached = Object.values(loaded.fetch).reduce((a, s) => a + s.cached_bytes, 0);
@@ -99,13 +102,15 @@ async function main() {
       return { message: msg, events: seen };
     },
     // an MLC model folder by URL (WebLLM's layout), replacing the loaded models
-    async loadUrl(url, modelId = "", chatOpts = null) {
-      return JSON.parse(await app.load_url(url, modelId, JSON.stringify(chatOpts)));
+    // `lora`: LoRA adapters over it, {name: a GGUF LoRA file's URL, or {url: a PEFT folder's URL}}
+    async loadUrl(url, modelId = "", chatOpts = null, lora = null) {
+      return JSON.parse(await app.load_url(url, modelId, JSON.stringify(chatOpts), JSON.stringify(lora)));
     },
     imagePart,
     // a Hugging Face folder (`files` named), e.g. a vision-language model, replacing the loaded models
-    async loadFolder(url, files, modelId = "", chatOpts = null) {
-      const r = JSON.parse(await app.load_folder(url, JSON.stringify(files), modelId, JSON.stringify(chatOpts)));
+    async loadFolder(url, files, modelId = "", chatOpts = null, lora = null) {
+      const r = JSON.parse(await app.load_folder(url, JSON.stringify(files), modelId, JSON.stringify(chatOpts),
+        JSON.stringify(lora)));
       $("chat-model").textContent = CHAT_MODEL = r.model_id;
       return r;
     },

@@ -203,13 +203,15 @@ def _model(kind: str) -> str:
 
 
 async def chat(messages_json: str, on_delta=None, request_json: str = "{}") -> str:
-    """Stream a chat answer; `on_delta(text)` gets each piece. Returns text, usage and speeds (JSON)."""
+    """Stream a chat answer; `on_delta(text)` gets each piece; `request_json`'s `model` may name a LoRA
+    adapter loaded with the chat model (lora_json). Returns text, usage and speeds (JSON)."""
     engine = _state["engine"]
     req = {"temperature": 0.0, "max_tokens": 64, **json.loads(request_json)}
     t0 = time.perf_counter()
     first = None
     parts, usage, finish = [], None, None
-    stream = await engine.chat.completions.create(messages=json.loads(messages_json), model=_model(LLM),
+    model = req.pop("model", None) or _model(LLM)            # a LoRA adapter's name picks it
+    stream = await engine.chat.completions.create(messages=json.loads(messages_json), model=model,
                                                   stream=True, stream_options={"include_usage": True}, **req)
     n_pieces = 0
     async for chunk in stream:
