@@ -92,7 +92,7 @@ def supports(w: QWeight, T: int) -> bool:
 def tiled_config(dev: Device, qtype: str, T: int) -> tiled.TiledConfig:
     """tiled.py's tile for T rows: its default, with TM the bucket of T when T ≤ 8 (same bits
     per row: only padding rows go). From 9 rows on the default tile stays (16 rows for quantised
-    weights, the bucket anyway; 24 for f32, 32 for f16 and bf16), so that the embedders' 16-row
+    weights, the bucket anyway; 24 for float weights), so that the embedders' 16-row
     buckets keep sharing their pipelines with the larger ones (no compile on a first larger batch)."""
     cfg = tiled.default_config(dev, qtype)
     if T <= _MAX_BUCKET:
