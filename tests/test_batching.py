@@ -14,6 +14,8 @@ import pytest
 from webgpu_engine.engine import EngineConfig
 from webgpu_engine.engine.engine import AsyncMLCEngine
 from webgpu_engine.errors import ModelUnloadedError
+from webgpu_engine.kernels import matmul as mm
+from webgpu_engine.models.paged import PagedForward
 
 N = 24                           # tokens per answer
 OPTS = {"dtype": "f32", "context_window_size": 192, "prefill_chunk_size": 32, "max_num_sequences": 8,
@@ -156,16 +158,23 @@ async def test_interrupt_stops_every_running_sequence(engine):
 
 
 async def test_up_to_four_sequences_take_the_fused_one_row_kernels(device, tiny_path, engine):
-    """max_num_sequences <= 4 on a CPU adapter: each decode row goes through the fused one-row
-    kernels (norms, gates and residual norms inside the matmuls: fewer dispatches than the
+    """max_num_sequences <= 4 on a CPU adapter (up to 16 where the wide kernel runs: lavapipe's
+    8-lane subgroups, so the module's 8-wide engine too): each decode row goes through the fused
+    one-row kernels (norms, gates and residual norms inside the matmuls: fewer dispatches than the
     row-invariant kernels of a wider batch), and a request's greedy and seeded tokens are the same
     alone, with 1..3 others, and with others joining and leaving midway; its logprobs are those of
     a model loaded with one slot, bit for bit."""
     eng = await _load(device, tiny_path, "tiny-four", max_num_sequences=4)
     try:
         fwd = _sched(eng).fwd
-        assert fwd.fused_rows and not _sched(engine).fwd.fused_rows
-        assert len(fwd.ops("decode", 4)) < len(_sched(engine).fwd.ops("decode", 4))
+        wide = _sched(engine).fwd
+        assert fwd.fused_rows and wide.fused_rows == (mm.fused_rows_max(device) >= wide.max_seqs)
+        tiled = PagedForward(fwd.model, max_seqs=17, n_blocks=4, block_size=16, owner="test:batching.tiled")
+        try:
+            assert not tiled.fused_rows and len(fwd.ops("decode", 4)) < len(tiled.ops("decode", 4))
+        finally:
+            tiled.release()
+            device.release_owner("test:batching.tiled")
         solo = {i: await _complete(eng, i) for i in range(4)}
         for n in (2, 3, 4):
             assert await asyncio.gather(*[_complete(eng, i) for i in range(n)]) == [solo[i] for i in range(n)]

@@ -141,6 +141,9 @@ def test_kernels_and_errors(device):
     for T, want in ((1, 1), (2, 2), (3, 4), (4, 4)):
         (pipe, *_), = mm(T, norm=(g, 1e-5), fused_rows=True).dispatches
         assert f"acc{want - 1} " in pipe.key.header and f"acc{want} " not in pipe.key.header, T
+    assert len(mm(6, norm=(g, 1e-5), fused_rows=True).dispatches) == 2   # Q8_0 (not wide.EXACT): groups of 4
+    w = upload_weight(device, qr.random_weight("q4_1", n, k, np.random.default_rng(1)), "q4_1", n, k,
+                      owner=OWNER, label="w4")
     (pipe, *_), = mm(6, norm=(g, 1e-5), fused_rows=True).dispatches     # 5..16 rows: one wide kernel
     assert "subgroupBroadcast" in pipe.key.header and "acc7 " in pipe.key.header and "acc8 " not in pipe.key.header
     assert len(mm(17, norm=(g, 1e-5), fused_rows=True).dispatches) == 5   # more: groups of 4

@@ -38,10 +38,10 @@ from .config import (CONFIG_OVERRIDES, FAMILIES, FAMILY_ENV, MatmulConfig, defau
 from .epilogues import NormOut, RopeKV, epilogue_ok
 from .layout import (MIXED, QWeight, file_row_bytes, gpu_row_bytes, interleave_pairs, upload_vector,
                      upload_weight)
-from .select import MAX_DECODE_ROWS, _family_variant, embedding, fusable, fused_rows_ok, matmul
+from .select import MAX_DECODE_ROWS, _family_variant, embedding, fusable, fused_rows_max, fused_rows_ok, matmul
 
 __all__ = ["QTYPES", "MIXED", "QWeight", "MatmulConfig", "RopeKV", "NormOut", "FAMILY_ENV", "FAMILIES",
            "CONFIG_OVERRIDES", "DEQUANT_WGSL", "kernel_family", "is_cpu_adapter", "is_software_adapter",
            "default_config", "upload_weight", "matmul", "fusable", "epilogue_ok", "interleave_pairs",
            "embedding", "upload_vector", "file_row_bytes", "gpu_row_bytes", "_family_variant",
-           "fused_rows_ok", "MAX_DECODE_ROWS"]
+           "fused_rows_ok", "fused_rows_max", "MAX_DECODE_ROWS"]

@@ -28,9 +28,15 @@ def bucket_rows(T: int) -> int:
     return 1 << (T - 1).bit_length()
 
 
-def wide_fits(dev: Device, T: int, K: int) -> bool:
+def wide_fits(dev: Device, T: int, w: QWeight) -> bool:
     """Whether fused_rows over T > MAX_DECODE_ROWS rows runs one wide kernel (matmul/wide.py)."""
-    return T <= matmul_wide.MAX_ROWS and K % 32 == 0 and matmul_wide.ok(dev)
+    return T <= matmul_wide.MAX_ROWS and w.k % 32 == 0 and w.qtype in matmul_wide.EXACT and matmul_wide.ok(dev)
+
+
+def fused_rows_max(dev: Device) -> int:
+    """The most rows (sequences of a decode step) that fused_rows takes in one kernel: 16 where the
+    wide kernel runs, else MAX_DECODE_ROWS."""
+    return matmul_wide.MAX_ROWS if matmul_wide.ok(dev) else MAX_DECODE_ROWS
 
 
 def fused_rows_ok(dev: Device) -> bool:
@@ -174,7 +180,7 @@ def matmul(dev: Device, x: Tensor, w: QWeight, y: Tensor, *, bias: Tensor | None
         check(not row_invariant and not decode_rows and config is None and cfg.unroll, "matmul",
               "fused_rows takes no config, row_invariant or decode_rows, and needs the CPU family's "
               "unrolled kernels (fused_rows_ok)")
-        if T > MAX_DECODE_ROWS and not wide_fits(dev, T, K):  # groups of rows at offsets of their own
+        if T > MAX_DECODE_ROWS and not wide_fits(dev, T, w):  # groups of rows at offsets of their own
             return _row_groups(dev, x_in, w, y, bias=bias, accumulate=accumulate, norm=norm, silu=silu,
                                silu_out=silu_out, rope_kv=rope_kv, norm_out=norm_out, rms_from=rms_from,
                                gate_act=gate_act, add=add)

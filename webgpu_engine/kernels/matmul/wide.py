@@ -10,6 +10,7 @@ standard library only.
 """
 from __future__ import annotations
 
+import os
 import re
 from math import gcd
 
@@ -19,6 +20,11 @@ from ..qtypes import QTYPE
 from .codegen import V4_XS, X_FN, DecRows, _row_ends, _v4_args
 
 MAX_ROWS = 16            # the most rows one wide kernel takes
+# weight types whose rows the wide kernel sums as the one-row kernel does, bit for bit, on lavapipe
+# (LLVM 15; tests/test_kernels_matmul_batch.py): Q8_0, IQ4_NL, IQ4_XS and MXFP4 (a scale, no offset:
+# the decode's zero terms fold differently inside a loop than in straight-line code) differed in the
+# last bit of some sums, so they keep the unrolled kernel in groups of 4 rows
+EXACT = frozenset({"f32", "f16", "bf16", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k"})
 LANES = 8                # lanes that load a row's 32-activation chunk (a vec4 each)
 
 
@@ -34,9 +40,13 @@ def subgroup_floor(dev: Device) -> int:
     return max(dev.subgroup_min_size, int(m.group(1)) // 32 if m else 0)
 
 
+ENV = "WEBGPU_ENGINE_WIDE_ROWS"     # "0": no wide kernel (fused rows in groups of 4; wider batches tiled)
+
+
 def ok(dev: Device) -> bool:
-    """Whether the wide kernel runs here: subgroups of at least LANES lanes."""
-    return dev.has_subgroups and subgroup_floor(dev) >= LANES
+    """Whether the wide kernel runs here: subgroups of at least LANES lanes (and $WEBGPU_ENGINE_WIDE_ROWS
+    is not 0: the A/B switch of the benches)."""
+    return os.environ.get(ENV, "1") != "0" and dev.has_subgroups and subgroup_floor(dev) >= LANES
 
 
 def _lane_x(mode: str, xo: str, c: str) -> tuple[str, str]:
@@ -103,7 +113,8 @@ def source(qtype: str, nchunks: int, k: int, x_off4: int, mode: str, nf4: int, g
                     v, e = divmod(i, 4)
                     if v not in loaded:
                         idx = f"{v}u + {m} * {U * bw // 4}u"
-                        out.append(f"let q{v} = W4[wb + ({idx}) * ws];" if inter_full else f"let q{v} = W4[wb + {idx}];")
+                        out.append(f"let q{v} = W4[wb + ({idx}) * ws];" if inter_full else
+                                   f"let q{v} = W4[wb + {idx}];")
                         loaded.add(v)
                     words.append(f"q{v}.{comp[e]}")
                 out.append(f"let d{u}_{j} = dq_{qtype}_w({_v4_args(qtype, words)});")
@@ -134,4 +145,4 @@ def source(qtype: str, nchunks: int, k: int, x_off4: int, mode: str, nf4: int, g
     return "\n".join(lines)
 
 
-__all__ = ["MAX_ROWS", "LANES", "bucket", "subgroup_floor", "ok", "source"]
+__all__ = ["MAX_ROWS", "EXACT", "LANES", "ENV", "bucket", "subgroup_floor", "ok", "source"]
