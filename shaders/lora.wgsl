@@ -158,10 +158,10 @@ fn delta_row(t: u32, s: u32, lid: u32) {
         for (var kc = 0u; kc < K; kc += KC) {
             let kn = min(KC, K - kc);
             workgroupBarrier();
-            for (var k = lid; k < kn; k += WG) {
-                var v = f32(x[x0 + kc + k]);
-                if (NORM) { v *= w4[(kc + k) / 4u][k % 4u]; }
-                wx[k / 4u][k % 4u] = v;
+            for (var k4 = lid; k4 < kn / 4u; k4 += WG) {       // 4 values a lane: one load of w, one store
+                var v = x4_at(x0 + kc + 4u * k4);
+                if (NORM) { v *= w4[kc / 4u + k4]; }
+                wx[k4] = v;
             }
             workgroupBarrier();
             if (l < JL) {
@@ -255,7 +255,10 @@ fn lora_post(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_in
         for (var kc = 0u; kc < K1; kc += KC) {
             let kn = min(KC, K1 - kc);
             workgroupBarrier();
-            for (var k = lid; k < kn; k += WG) { wx[k / 4u][k % 4u] = f32(pin[p0 + kc + k]); }
+            for (var k4 = lid; k4 < kn / 4u; k4 += WG) {
+                let o = p0 + kc + 4u * k4;
+                wx[k4] = vec4<f32>(f32(pin[o]), f32(pin[o + 1u]), f32(pin[o + 2u]), f32(pin[o + 3u]));
+            }
             workgroupBarrier();
             if (l < JL) {
                 let ak = aj + kc / VW;
@@ -309,6 +312,11 @@ fn lora_post(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_in
 // four rows' wdot against the same x values (rows of one invocation)
 fn wdot4(acc: vec4<f32>, x0: vec4<f32>, x1: vec4<f32>, w0: wvec, w1: wvec, w2: wvec, w3: wvec) -> vec4<f32> {
     return vec4<f32>(wdot(acc.x, x0, x1, w0), wdot(acc.y, x0, x1, w1), wdot(acc.z, x0, x1, w2), wdot(acc.w, x0, x1, w3));
+}
+
+// x[o .. o + 3] as f32
+fn x4_at(o: u32) -> vec4<f32> {
+    return vec4<f32>(f32(x[o]), f32(x[o + 1u]), f32(x[o + 2u]), f32(x[o + 3u]));
 }
 
 // two rows' wdot against the same x values (an invocation's rows of a shrink)
