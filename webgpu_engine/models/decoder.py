@@ -269,8 +269,10 @@ def forward(m, kv: KVAccess, T: int, mode: str, *, with_head: bool = True,
         out = ffn if plan.gate_out[i] or not c.ffn_gated else gu
         gate = {"silu_out": plan.gate_out[i], "gate_act": c.act, **flags} if c.ffn_gated else flags
         normed = c.pre_norms and not c.parallel_norms and (plan.res_norm or plan.norm_in_matmul)
-        add = lora.pre(i, "gate_up", T) if lora is not None and plan.gate_out[i] and (
-            normed or not c.pre_norms or c.parallel_norms) else None    # its input made before the matmul's
+        own_norm = c.pre_norms and not c.parallel_norms and not normed
+        if own_norm:                         # h = norm(x) first: the deltas the matmul adds read it too
+            ops.append(_norm(m, x, L.ffn_norm, L.ffn_norm_bias, h))
+        add = lora.pre(i, "gate_up", T) if lora is not None and plan.gate_out[i] else None
         if add is not None:                  # the deltas first: the matmul adds them before act(gate) * up
             if not folded:
                 ops += _lora_delta(m, lora, i, "gate_up", x, h, L.ffn_norm, L.ffn_norm_bias, add, T, normed, True)
@@ -284,8 +286,7 @@ def forward(m, kv: KVAccess, T: int, mode: str, *, with_head: bool = True,
             ops.append(mm.matmul(dev, h, L.gate_up, out, rms_from=rms, **gate))
         elif plan.norm_in_matmul:
             ops.append(mm.matmul(dev, x, L.gate_up, out, norm=(L.ffn_norm, eps), **gate))
-        else:
-            ops.append(_norm(m, x, L.ffn_norm, L.ffn_norm_bias, h))
+        else:                                # own_norm: h made above
             ops.append(mm.matmul(dev, h, L.gate_up, out, bias=L.up_bias, **gate))
         if lora is not None and add is None:
             ops += _lora_delta(m, lora, i, "gate_up", x, h, L.ffn_norm, L.ffn_norm_bias, out, T, normed)
