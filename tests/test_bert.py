@@ -166,3 +166,17 @@ async def test_pooling_modes_equal_sentence_transformers(device, tmp_path, pooli
         pipe.dispose()
     for got, want in zip(res.embeddings, mode["embeddings"]):
         assert R.cosine(got, want) > 0.9999 and np.abs(np.asarray(got) - want).max() < 1e-4
+
+
+def test_f32_to_f16_without_numpy_gives_numpys_bits():
+    """The browser page has no numpy: an f32 file's matrices under f16 activations go through struct
+    there, with the bits numpy gives natively (ties to even, subnormals, signed zero, large values)."""
+    from webgpu_engine.models.bert import f32_to_f16
+    rng = np.random.default_rng(3)
+    vals = np.concatenate([rng.standard_normal(300_000).astype(np.float32) * 0.05,
+                           np.array([0.0, -0.0, 1e-7, -3e-6, 65504.0, 1.0 + 2.0 ** -11, 1.0 + 3 * 2.0 ** -11,
+                                     6.1e-5, 2.0 ** -24, 2.0 ** -25], np.float32)])
+    want = np.asarray(f32_to_f16(vals.tobytes())).view(np.uint16)
+    got = np.frombuffer(f32_to_f16(vals.tobytes(), pure=True), np.uint16)
+    assert want.dtype == np.uint16 and got.shape == want.shape
+    np.testing.assert_array_equal(got, want)

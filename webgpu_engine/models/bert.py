@@ -26,9 +26,8 @@ bucket are built once (bind groups, params) and replayed, so a forward creates n
 from __future__ import annotations
 
 from collections import OrderedDict
+import struct
 from dataclasses import dataclass
-
-import numpy as np
 
 from ..errors import UnsupportedModelError
 from ..kernels import matmul as mm
@@ -84,6 +83,23 @@ class _Arena:
                 self.ff, self.ffg, self.pooled, self.head, self.out]
 
 
+def f32_to_f16(data, *, pure: bool = False):
+    """Little-endian f32 values as f16 ones, rounded to nearest even: numpy natively, the standard
+    library's struct in the browser page, which has no numpy (the same bits: both round to nearest
+    even; `pure` forces the struct path)."""
+    if not pure:
+        try:
+            import numpy as np
+            return np.frombuffer(data, np.float32).astype(np.float16)
+        except ImportError:
+            pass
+    mv, out, step = memoryview(data).cast("B"), bytearray(), 1 << 20
+    for i in range(0, len(mv), step):
+        n = len(mv[i:i + step]) // 4
+        out += struct.pack(f"<{n}e", *struct.unpack(f"<{n}f", mv[i:i + step]))
+    return bytes(out)
+
+
 class BertModel:
     """A BERT encoder's weights on the GPU plus its pooling head; `run` embeds one padded batch."""
 
@@ -133,7 +149,7 @@ class BertModel:
                 # f16 activations: an f32 file's layer matrices as f16 too, half the words a lane
                 # loads (lavapipe: 13-25% less CPU time per GEMM than f32 weights; cosine to the f32
                 # vectors ~1 - 1e-6, within f16 activations' own error)
-                qtype, data = "f16", [np.frombuffer(d, np.float32).astype(np.float16) for d in data]
+                qtype, data = "f16", [f32_to_f16(d) for d in data]
             return mm.upload_weight(dev, data, qtype, n, parts[0].shape[1], owner=own, label=label)
 
         def vector(parts: list[TensorInfo], label: str) -> Tensor:
