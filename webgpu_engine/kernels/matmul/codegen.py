@@ -108,6 +108,17 @@ def _row_ends(mode: str, k: int, rows: DecRows, acc: str, ep: str, i4: str) -> l
     return out
 
 
+def span_base(rw: int, inter_full: int) -> list[str]:
+    """WGSL lines giving the v4 kernels' invocation i4 its span's first vec4 `wb` (rows 4 * i4 ..
+    4 * i4 + 3, rw vec4 a span) and, for interleaved spans (copy.wgsl span_map: vec4 v of span i4 at
+    wb + 8 v in whole groups), `inter` and the stride `ws`."""
+    if inter_full:
+        return [f"    let inter = i4 < {inter_full // rw}u;",
+                f"    let wb = select(i4 * {rw}u, (i4 / 8u) * {8 * rw}u + i4 % 8u, inter);",
+                "    let ws = select(1u, 8u, inter);"]
+    return [f"    let wb = i4 * {rw}u;         // their first vec4 (4 rows = {rw} vec4)"]
+
+
 def decode_v4_source(qtype: str, nchunks: int, k: int, x_off4: int, mode: str, nf4: int, g_off4: int,
                       eps: float, ep: str = "store", inter_full: int = 0, xs_fold: bool = True,
                       rows: DecRows = ONE_ROW) -> str:
@@ -125,13 +136,7 @@ def decode_v4_source(qtype: str, nchunks: int, k: int, x_off4: int, mode: str, n
              "fn matmul_decode(@builtin(workgroup_id) wid: vec3<u32>, "
              "@builtin(local_invocation_index) lid: u32) {",
              "    let i4 = wid.x * WG + lid;   // rows 4 * i4 .. 4 * i4 + 3"]
-    if inter_full:
-        # interleaved spans (copy.wgsl span_map): vec4 v of span i4 is at wb + 8 v in whole groups
-        lines += [f"    let inter = i4 < {inter_full // rw}u;",
-                  f"    let wb = select(i4 * {rw}u, (i4 / 8u) * {8 * rw}u + i4 % 8u, inter);",
-                  "    let ws = select(1u, 8u, inter);"]
-    else:
-        lines.append(f"    let wb = i4 * {rw}u;         // their first vec4 (4 rows = {rw} vec4)")
+    lines += span_base(rw, inter_full)
     lines += [f"    var acc{t} = DecAcc(vec4<f32>(0.0), 0.0);" for t in range(rows.n)]
     loaded = set()
     comp = "xyzw"

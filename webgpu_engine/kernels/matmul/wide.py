@@ -17,7 +17,7 @@ from math import gcd
 from ...gpu import Device
 from ...gpu.shaders import load_shader_source
 from ..qtypes import QTYPE
-from .codegen import V4_XS, X_FN, DecRows, _row_ends, _v4_args
+from .codegen import V4_XS, X_FN, DecRows, _row_ends, _v4_args, span_base
 
 MAX_ROWS = 16            # the most rows one wide kernel takes
 # weight types whose rows the wide kernel sums as the one-row kernel does, bit for bit, on lavapipe
@@ -93,12 +93,7 @@ def source(qtype: str, nchunks: int, k: int, x_off4: int, mode: str, nf4: int, g
               f"    let ln = sid % {LANES}u;"]
     if v4:
         lines.append("    let i4 = wid.x * WG + lid;   // rows 4 * i4 .. 4 * i4 + 3")
-        if inter_full:
-            lines += [f"    let inter = i4 < {inter_full // rw}u;",
-                      f"    let wb = select(i4 * {rw}u, (i4 / 8u) * {8 * rw}u + i4 % 8u, inter);",
-                      "    let ws = select(1u, 8u, inter);"]
-        else:
-            lines.append(f"    let wb = i4 * {rw}u;")
+        lines += span_base(rw, inter_full)
     else:
         lines.append("    let rows = row_group(wid, lid);")
     lines += [f"    var acc{t} = DecAcc(vec4<f32>(0.0), 0.0);" for t in range(rows.n)]
