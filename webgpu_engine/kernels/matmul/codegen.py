@@ -108,6 +108,19 @@ def _row_ends(mode: str, k: int, rows: DecRows, acc: str, ep: str, i4: str) -> l
     return out
 
 
+def store_ends(mode: str, k: int, rows: DecRows) -> list[str]:
+    """WGSL lines ending the "store" epilogue of the scalar decode kernels: dec_end stores each row's
+    sums (acc0..), scaled by its RMS norm in the norm / pnorm modes."""
+    out = []
+    for t in range(rows.n):
+        a = f"acc{t}"
+        if mode == "pnorm":
+            out += [f"    {a}.ss += dec_pss({rows.g(t)}, {i}u);" for i in range(k // 16)]
+        scale = f"inverseSqrt({a}.ss / {float(k)!r} + EPS)" if mode in ("norm", "pnorm") else "1.0"
+        out.append(f"    dec_end({t}u, rows, {a}, {scale});")
+    return out
+
+
 def span_base(rw: int, inter_full: int) -> list[str]:
     """WGSL lines giving the v4 kernels' invocation i4 its span's first vec4 `wb` (rows 4 * i4 ..
     4 * i4 + 3, rw vec4 a span) and, for interleaved spans (copy.wgsl span_map: vec4 v of span i4 at
@@ -210,12 +223,7 @@ def decode_source(nchunks: int, k: int, x_off4: int, mode: str, nf4: int, g_off4
             if mode == "norm":
                 lines.append(f"    acc{t}.ss += dec_sq({rows.x(t)}, {c}u);")
     if ep == "store":                       # any RR: dec_end stores the invocation's rows
-        for t in range(rows.n):
-            a = f"acc{t}"
-            if mode == "pnorm":
-                lines += [f"    {a}.ss += dec_pss({rows.g(t)}, {i}u);" for i in range(k // 16)]
-            scale = f"inverseSqrt({a}.ss / {float(k)!r} + EPS)" if mode in ("norm", "pnorm") else "1.0"
-            lines.append(f"    dec_end({t}u, rows, {a}, {scale});")
+        lines += store_ends(mode, k, rows)
     else:                                   # RR = 4: rows.r0 = 4 * i4
         lines += _row_ends(mode, k, rows, "acc{t}", ep, "(rows.r0 / 4u)")
     lines += ["}", ""]

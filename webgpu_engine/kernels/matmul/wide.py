@@ -17,7 +17,7 @@ from math import gcd
 from ...gpu import Device
 from ...gpu.shaders import load_shader_source
 from ..qtypes import QTYPE
-from .codegen import V4_XS, X_FN, DecRows, _row_ends, _v4_args, span_base
+from .codegen import V4_XS, X_FN, DecRows, _row_ends, _v4_args, span_base, store_ends
 
 MAX_ROWS = 16            # the most rows one wide kernel takes
 # weight types whose rows the wide kernel sums as the one-row kernel does, bit for bit, on lavapipe
@@ -138,12 +138,7 @@ def source(qtype: str, nchunks: int, k: int, x_off4: int, mode: str, nf4: int, g
         lines += step("m", rem, "        ")
         lines.append("    }")
     if not v4 and ep == "store":             # any RR: dec_end stores the invocation's rows
-        for t in range(rows.n):
-            a = f"acc{t}"
-            if mode == "pnorm":
-                lines += [f"    {a}.ss += dec_pss({rows.g(t)}, {i}u);" for i in range(k // 16)]
-            scale = f"inverseSqrt({a}.ss / {float(k)!r} + EPS)" if mode in ("norm", "pnorm") else "1.0"
-            lines.append(f"    dec_end({t}u, rows, {a}, {scale});")
+        lines += store_ends(mode, k, rows)
     else:
         lines += _row_ends(mode, k, rows, "acc{t}", ep, "i4" if v4 else "(rows.r0 / 4u)")
     lines += ["}", ""]
