@@ -5,8 +5,8 @@ each width (`max_num_sequences`) and row count, and the width that `max_num_sequ
                                 [--kinds] [--store] [--smoke] [--out PATH]
 
 One pipeline per width over the one model (a width picks the kernels every row runs, so that a row's
-bits never depend on the batch: up to matmul.fused_rows_max rows (4; 16 with WEBGPU_ENGINE_WIDE_ROWS=1
-where the wide kernel runs) the fused one-row kernels' sums, wider the row-invariant tiled ones); per
+bits never depend on the batch: up to matmul.fused_rows_max rows (16 where the wide kernel runs, else 4;
+WEBGPU_ENGINE_WIDE_ROWS=0 turns it off) the fused one-row kernels' sums, wider the row-invariant tiled ones); per
 width, steps of 1, 4, 8 and 16 rows and the width's own (up to the width), each row one sequence at
 position 100 (a step's cost depends on how many keys it reads, not on their values), `--steps`
 steps submitted back to back and one readback, `--rounds` rounds with the widths in turn (the host is

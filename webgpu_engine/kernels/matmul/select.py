@@ -35,9 +35,8 @@ def wide_fits(dev: Device, T: int, w: QWeight) -> bool:
 
 def fused_rows_max(dev: Device) -> int:
     """The most sequences whose decode rows the paged forward runs through fused_rows: 16 where the
-    wide kernel runs and $WEBGPU_ENGINE_WIDE_ROWS is 1 (opt-in: see matmul/wide.py `widths`), else
-    MAX_DECODE_ROWS."""
-    return matmul_wide.MAX_ROWS if matmul_wide.widths(dev) else MAX_DECODE_ROWS
+    wide kernel runs (matmul/wide.py `ok`), else MAX_DECODE_ROWS."""
+    return matmul_wide.MAX_ROWS if matmul_wide.ok(dev) else MAX_DECODE_ROWS
 
 
 def fused_rows_ok(dev: Device) -> bool:

@@ -40,11 +40,9 @@ def subgroup_floor(dev: Device) -> int:
     return max(dev.subgroup_min_size, int(m.group(1)) // 32 if m else 0)
 
 
-# "0": no wide kernel (fused rows past 4 in groups of 4); "1": also batch widths 5..16 take fused rows
-# (models/paged.py, through select.fused_rows_max); unset: the wide kernel serves fused rows past 4
-# (a verify step's rows) while widths past 4 keep the tiled kernels. Widths past 4 are opt-in: Gemma 2
-# with LoRA adapters at width 6 answered otherwise than transformers through fused rows in groups of
-# 4 (tests/test_lora_families.py, the same with the wide kernel off), and the measured rule keeps 4
+# "0": no wide kernel (fused rows past 4 in groups of 4, batch widths past 4 the tiled kernels); any
+# other value or unset: the wide kernel serves fused rows past 4, a verify step's rows and batch widths
+# 5..16 (models/paged.py, through select.fused_rows_max)
 ENV = "WEBGPU_ENGINE_WIDE_ROWS"
 
 
@@ -52,11 +50,6 @@ def ok(dev: Device) -> bool:
     """Whether the wide kernel runs here: subgroups of at least LANES lanes, and $WEBGPU_ENGINE_WIDE_ROWS
     is not 0."""
     return os.environ.get(ENV, "") != "0" and dev.has_subgroups and subgroup_floor(dev) >= LANES
-
-
-def widths(dev: Device) -> bool:
-    """Whether batch widths 5..16 take fused rows (the wide kernel): $WEBGPU_ENGINE_WIDE_ROWS=1 and `ok`."""
-    return os.environ.get(ENV, "") == "1" and ok(dev)
 
 
 def _lane_x(mode: str, xo: str, c: str) -> tuple[str, str]:
