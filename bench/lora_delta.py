@@ -39,7 +39,7 @@ def ops_for(dev, group: str, n: int) -> list:
     J = targets * RANK
     a = _put(dev, rng.standard_normal((SLOTS, J, K)) / np.sqrt(K), "f16")
     b = _put(dev, rng.standard_normal((SLOTS, N, RANK)) / np.sqrt(RANK), "f16")
-    cols = _put(dev, RANK * ((np.arange(N) // 2) % targets), "u32")
+    cols = _put(dev, RANK * ((np.arange(N // 2)) % targets), "u32")     # row pairs' targets in turn
     idx = _put(dev, np.array([lk.NONE, 1]), "u32")
     x, y = _put(dev, rng.standard_normal((2, K))), _put(dev, np.zeros((2, N)))
     norm = (_put(dev, 1 + 0.1 * rng.standard_normal(K)), 1e-5) if normed else None

@@ -62,17 +62,22 @@ fn lora_expand(@builtin(global_invocation_id) gid: vec3<u32>) {
 //   u[j] = sum_k (x[t, k] * w[k] / rms(x[t, :])) * A[idx[t], j, k];  y[t, n] += sum_j u[j] * B[idx[t], n, j]
 // (w (K) f32, rms = sqrt(mean(x^2) + eps)). A is lora_shrink's (slots, J, K), read as vec4; B is
 // compact, (slots, N, R): row n holds only the R columns of its target's block (the others are
-// zeros in B's (N, J) form), which start at u's column cols[n] (a target's index x R; rows 2p and
-// 2p + 1 are one target's, N even). Each sum in the order lora_shrink / lora_expand make it (the
-// zero columns left out add nothing). With STORE, y = the delta instead (a row without an adapter:
-// -0.0, so that a matmul adding y to its sums keeps a base row's bits: models/lora.py).
+// zeros in B's (N, J) form), which start at u's column cols[p] for rows 2p and 2p + 1 (one
+// target's: its index x R). Each sum in the order lora_shrink / lora_expand make it (the zero
+// columns left out add nothing); with NORM, 1 / rms from each lane's sum of squares (added in lane
+// order). With STORE, y = the delta instead (a row without an adapter: -0.0, so that a matmul
+// adding y to its sums keeps a base row's bits: models/lora.py). x and y are read and written 4
+// values a load (xv, yv: x_off, y_off, K and N multiples of 4; on a CPU adapter a load or store
+// costs per invocation whatever its width), a lane making 4 rows of y.
 // dispatch (T, 1, 1), workgroup WG (J / 2 lanes or fewer do the shrink); the host adds the consts
 // JMAX (= J), NORM, STORE, KC and SHAPE_K/N/J/R (the widths, or 0: the uniforms'), and
 // A and B's element type: `wvec` f32 (vec4<f32>, VW = 4 values a load) or f16 pairs (vec4<u32>,
 // VW = 8: on a CPU adapter a load costs per invocation whatever its width, so 16-bit weights halve
 // the loads) with `wdot`, which adds a load's VW products in index order (the same sums, the same
 // bits for the same values). A row without an adapter returns at once (its slot read uniformly).
-@group(0) @binding(9) var<storage, read> cols: array<u32>;            // (N) first u column of row n
+@group(0) @binding(3) var<storage, read_write> xv: array<act4>;       // (T, K / 4) x (lora_delta, lora_post)
+@group(0) @binding(5) var<storage, read_write> yv: array<act4>;       // (T, N / 4) y (lora_delta, lora_post)
+@group(0) @binding(9) var<storage, read> cols: array<vec2<u32>>;      // (N / 4) first u column of each row pair
 @group(0) @binding(10) var<storage, read> a4: array<wvec>;            // (slots, J, K / VW) A
 @group(0) @binding(11) var<storage, read> b4: array<wvec>;            // (slots, N, R / VW) B compact
 @group(0) @binding(12) var<storage, read> w4: array<vec4<f32>>;       // (K / 4) norm weight (NORM)
@@ -96,8 +101,8 @@ struct DeltaParams {
 @group(0) @binding(8) var<uniform> D: DeltaParams;
 
 var<workgroup> wslot: u32;
-const NV: u32 = 64u;     // the norm's partial sums
-var<workgroup> wsum: array<f32, NV>;
+var<workgroup> wsum: array<f32, WG>;     // the norm's sums of squares, a lane each
+var<workgroup> wtot: f32;
 var<workgroup> wu: array<vec4<f32>, (JMAX + 3u) / 4u>;
 var<workgroup> wx: array<vec4<f32>, KC / 4u>;
 
@@ -115,7 +120,8 @@ fn lora_delta(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_i
 // STORE: a row's delta is -0.0, which leaves any value it is added to as it is
 fn store_none(t: u32, lid: u32) {
     let N = select(D.N, SHAPE_N, SHAPE_K > 0u);
-    for (var n = lid; STORE && n < N; n += WG) { y[D.y_off + t * N + n] = act(bitcast<f32>(0x80000000u)); }
+    let y0 = (D.y_off + t * N) / 4u;
+    for (var q = lid; STORE && q < N / 4u; q += WG) { yv[y0 + q] = act4(vec4<f32>(bitcast<f32>(0x80000000u))); }
 }
 
 // lora_delta's work for row t of adapter slot s
@@ -126,41 +132,30 @@ fn delta_row(t: u32, s: u32, lid: u32) {
     let N = select(D.N, SHAPE_N, SHAPE_K > 0u);
     let J = select(D.J, SHAPE_J, SHAPE_K > 0u);
     let R = select(D.R, SHAPE_R, SHAPE_K > 0u);
-    let x0 = D.x_off + t * K;
-    var inv = 1.0;
-    if (NORM) {
-        // sum(x^2) as NV strided partial sums added in order, whatever WG (the same bits)
-        for (var v = lid; v < NV; v += WG) {
-            var ss = 0.0;
-            for (var k = v; k < K; k += NV) { let xv = f32(x[x0 + k]); ss += xv * xv; }
-            wsum[v] = ss;
-        }
-        workgroupBarrier();
-        if (lid == 0u) {
-            var tot = 0.0;
-            for (var i = 0u; i < NV; i++) { tot += wsum[i]; }
-            wsum[0] = tot;
-        }
-        workgroupBarrier();
-        inv = inverseSqrt(wsum[0] / f32(K) + D.eps);
-    }
+    let x0 = (D.x_off + t * K) / 4u;
     // u = A · x: invocation l sums rows j = l and l + J/2 of A (VW values a load) against x (times
     // w), staged KC values at a time in workgroup memory: each x value read once for 2 rows (a
     // storage or workgroup load costs per invocation on a CPU adapter; J / 2 lanes, so that a
-    // narrow workgroup's lanes are all busy)
+    // narrow workgroup's lanes are all busy). NORM: the lanes' sums of x^2 made on the way (the
+    // first pass over x), 1 / rms(x) applied to u
     let K4 = K / VW;
     let a0 = (s * J) * K4;
     let JL = J / 2u;
+    var inv = 1.0;
     for (var l0 = 0u; l0 < JL; l0 += WG) {
         let l = l0 + lid;
         let aj = a0 + l * K4;
         var acc = vec2<f32>(0.0);        // rows l, l + JL
+        var ss = 0.0;
         for (var kc = 0u; kc < K; kc += KC) {
             let kn = min(KC, K - kc);
             workgroupBarrier();
-            for (var k4 = lid; k4 < kn / 4u; k4 += WG) {       // 4 values a lane: one load of w, one store
-                var v = x4_at(x0 + kc + 4u * k4);
-                if (NORM) { v *= w4[kc / 4u + k4]; }
+            for (var k4 = lid; k4 < kn / 4u; k4 += WG) {       // 4 values a lane: one load of x, of w, one store
+                var v = vec4<f32>(xv[x0 + kc / 4u + k4]);
+                if (NORM) {
+                    ss = dot_seq(ss, v, v);
+                    v *= w4[kc / 4u + k4];
+                }
                 wx[k4] = v;
             }
             workgroupBarrier();
@@ -173,36 +168,51 @@ fn delta_row(t: u32, s: u32, lid: u32) {
                 }
             }
         }
+        if (NORM && l0 == 0u) { inv = row_inv(lid, ss, K); }
         if (l < JL) {
             if (NORM) { acc *= inv; }
             put_u2(l, JL, acc);
         }
     }
     workgroupBarrier();
-    // y += B · u: invocation p makes rows n = 2p and 2p + 1 (one target's: cols[2p] = cols[2p + 1]),
-    // each u value read once for both
+    // y += B · u: invocation q makes rows n = 4q .. 4q + 3 (rows 4q, 4q + 1 one target's, 4q + 2,
+    // 4q + 3 one target's: cols[q]), each u value read once for two rows, y 4 values a store
     let R4 = R / VW;
     let b0 = s * N * R4;
-    for (var p = lid; p < N / 2u; p += WG) {
-        let n = 2u * p;
-        let c = cols[n] / 4u;
-        let bn = b0 + n * R4;
-        var acc = vec2<f32>(0.0);
+    let y0 = (D.y_off + t * N) / 4u;
+    for (var q = lid; q < N / 4u; q += WG) {
+        let c = cols[q] / 4u;
+        let bn = b0 + 4u * q * R4;
+        var acc = vec4<f32>(0.0);
         for (var r4 = 0u; r4 < R4; r4++) {
-            let u0 = wu[c + r4 * (VW / 4u)];
-            let u1 = wu[c + r4 * (VW / 4u) + (VW / 4u - 1u)];
+            let u0 = wu[c.x + r4 * (VW / 4u)];
+            let u1 = wu[c.x + r4 * (VW / 4u) + (VW / 4u - 1u)];
             acc.x = wdot(acc.x, u0, u1, b4[bn + r4]);
             acc.y = wdot(acc.y, u0, u1, b4[bn + R4 + r4]);
+            let u2 = wu[c.y + r4 * (VW / 4u)];
+            let u3 = wu[c.y + r4 * (VW / 4u) + (VW / 4u - 1u)];
+            acc.z = wdot(acc.z, u2, u3, b4[bn + 2u * R4 + r4]);
+            acc.w = wdot(acc.w, u2, u3, b4[bn + 3u * R4 + r4]);
         }
-        let at = D.y_off + t * N + n;
         if (STORE) {
-            y[at] = act(acc.x);
-            y[at + 1u] = act(acc.y);
+            yv[y0 + q] = act4(acc);
         } else {
-            y[at] = act(f32(y[at]) + acc.x);
-            y[at + 1u] = act(f32(y[at + 1u]) + acc.y);
+            yv[y0 + q] = act4(vec4<f32>(yv[y0 + q]) + acc);
         }
     }
+}
+
+// 1 / rms of a row from each lane's sum of squares ss (added in lane order: the same bits whatever
+// the rows beside it)
+fn row_inv(lid: u32, ss: f32, K: u32) -> f32 {
+    wsum[lid] = ss;
+    workgroupBarrier();
+    if (lid == 0u) {
+        var tot = 0.0;
+        for (var i = 0u; i < WG; i++) { tot += wsum[i]; }
+        wtot = tot;
+    }
+    return inverseSqrt(workgroupUniformLoad(&wtot) / f32(K) + D.eps);
 }
 
 // acc + a.x b.x + a.y b.y + a.z b.z + a.w b.w, added in that order (lora_shrink / lora_expand's)
@@ -225,10 +235,10 @@ fn dot_seq(acc: f32, a: vec4<f32>, b: vec4<f32>) -> f32 {
 // -0.0 deltas (PRE). One dispatch where lora_delta before the matmul and lora_delta of the next
 // group took two (on a CPU adapter each costs a thread-pool round trip). A1 (slots, R, K1), B1
 // (slots, K, R): the pool's rank R, one target (its columns start at 0). dispatch (T, 1, 1)
-@group(0) @binding(13) var<storage, read> pin: array<act>;             // (T, K1) the group's input
+@group(0) @binding(13) var<storage, read> pin: array<act4>;            // (T, K1 / 4) the group's input
 @group(0) @binding(14) var<storage, read> pa4: array<wvec>;            // (slots, R, K1 / VW) A1
 @group(0) @binding(15) var<storage, read> pb4: array<wvec>;            // (slots, K, R / VW) B1
-@group(0) @binding(16) var<storage, read_write> ph: array<act>;        // (T, K) x * w
+@group(0) @binding(16) var<storage, read_write> ph: array<act4>;       // (T, K / 4) x * w
 @group(0) @binding(17) var<storage, read_write> ppart: array<f32>;     // (T, K / 4) sums of x^2
 
 @compute @workgroup_size(WG)
@@ -245,7 +255,7 @@ fn lora_post(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_in
     // u1 = A1 · inp: invocation l sums rows l and l + R/2 of A1 against inp staged KC values at a
     // time in workgroup memory
     let K14 = K1 / VW;
-    let p0 = D.p_off + t * K1;
+    let p0 = (D.p_off + t * K1) / 4u;
     let a0 = s * R * K14;
     let JL = R / 2u;
     for (var l0 = 0u; l0 < JL; l0 += WG) {
@@ -255,10 +265,7 @@ fn lora_post(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_in
         for (var kc = 0u; kc < K1; kc += KC) {
             let kn = min(KC, K1 - kc);
             workgroupBarrier();
-            for (var k4 = lid; k4 < kn / 4u; k4 += WG) {
-                let o = p0 + kc + 4u * k4;
-                wx[k4] = vec4<f32>(f32(pin[o]), f32(pin[o + 1u]), f32(pin[o + 2u]), f32(pin[o + 3u]));
-            }
+            for (var k4 = lid; k4 < kn / 4u; k4 += WG) { wx[k4] = vec4<f32>(pin[p0 + kc / 4u + k4]); }
             workgroupBarrier();
             if (l < JL) {
                 let ak = aj + kc / VW;
@@ -277,8 +284,8 @@ fn lora_post(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_in
     // x += B1 · u1, 4 rows an invocation; x * w and the sum of the 4 squares as ep_res_norm stores them
     let R4 = R / VW;
     let b0 = s * K * R4;
-    let x0 = D.x_off + t * K;
-    let h0 = D.h_off + t * K;
+    let x0 = (D.x_off + t * K) / 4u;
+    let h0 = (D.h_off + t * K) / 4u;
     for (var q = lid; q < K / 4u; q += WG) {
         let bn = b0 + 4u * q * R4;
         var d = vec4<f32>(0.0);
@@ -287,19 +294,9 @@ fn lora_post(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_in
             let u1 = wu[r4 * (VW / 4u) + (VW / 4u - 1u)];
             d = wdot4(d, u0, u1, pb4[bn + r4], pb4[bn + R4 + r4], pb4[bn + 2u * R4 + r4], pb4[bn + 3u * R4 + r4]);
         }
-        let o = x0 + 4u * q;
-        let v = vec4<f32>(f32(act(f32(x[o]) + d.x)), f32(act(f32(x[o + 1u]) + d.y)),
-                          f32(act(f32(x[o + 2u]) + d.z)), f32(act(f32(x[o + 3u]) + d.w)));
-        x[o] = act(v.x);
-        x[o + 1u] = act(v.y);
-        x[o + 2u] = act(v.z);
-        x[o + 3u] = act(v.w);
-        let yg = v * w4[q];
-        let hq = h0 + 4u * q;
-        ph[hq] = act(yg.x);
-        ph[hq + 1u] = act(yg.y);
-        ph[hq + 2u] = act(yg.z);
-        ph[hq + 3u] = act(yg.w);
+        let v = vec4<f32>(act4(vec4<f32>(xv[x0 + q]) + d));
+        xv[x0 + q] = act4(v);
+        ph[h0 + q] = act4(v * w4[q]);
         ppart[D.part_off + (t * K) / 4u + q] = dot(v, v);
     }
     if (PRE) {
@@ -312,11 +309,6 @@ fn lora_post(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_in
 // four rows' wdot against the same x values (rows of one invocation)
 fn wdot4(acc: vec4<f32>, x0: vec4<f32>, x1: vec4<f32>, w0: wvec, w1: wvec, w2: wvec, w3: wvec) -> vec4<f32> {
     return vec4<f32>(wdot(acc.x, x0, x1, w0), wdot(acc.y, x0, x1, w1), wdot(acc.z, x0, x1, w2), wdot(acc.w, x0, x1, w3));
-}
-
-// x[o .. o + 3] as f32
-fn x4_at(o: u32) -> vec4<f32> {
-    return vec4<f32>(f32(x[o]), f32(x[o + 1u]), f32(x[o + 2u]), f32(x[o + 3u]));
 }
 
 // two rows' wdot against the same x values (an invocation's rows of a shrink)

@@ -36,11 +36,11 @@ def test_lora_post_adds_the_delta_after_the_matmul_and_norms_again(device, _free
     a2 = (rng.standard_normal((slots, J, K)) / np.sqrt(K)).astype(NP[wdtype]).astype(np.float32)
     cols = (R * ((np.arange(N2) // 2) % targets)).astype(np.uint32)
     b2 = (rng.standard_normal((slots, N2, R)) / np.sqrt(R)).astype(NP[wdtype]).astype(np.float32)
-    xt, ht, pt = put(device, x0, dtype, lead=3), put(device, h0, dtype, lead=1), put(device, part0, lead=2)
+    xt, ht, pt = put(device, x0, dtype, lead=4), put(device, h0, dtype, lead=4), put(device, part0, lead=2)
     yt = put(device, np.full((T, N2), 7.0), dtype)
     it = put(device, idx, "u32")
-    more = (put(device, a2, wdtype), put(device, b2, wdtype), put(device, cols, "u32"), yt, eps) if nxt else None
-    run(device, lk.lora_post(device, xt, put(device, inp, dtype, lead=5), put(device, a1, wdtype),
+    more = (put(device, a2, wdtype), put(device, b2, wdtype), put(device, cols[::2], "u32"), yt, eps) if nxt else None
+    run(device, lk.lora_post(device, xt, put(device, inp, dtype, lead=8), put(device, a1, wdtype),
                              put(device, b1, wdtype), it, put(device, w), ht, pt, slots=slots, nxt=more))
     x, h, part = get(device, xt), get(device, ht), get(device, pt)
     base = idx == lk.NONE

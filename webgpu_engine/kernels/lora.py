@@ -92,8 +92,9 @@ def lora_delta(dev: Device, x: Tensor, a: Tensor, b: Tensor, cols: Tensor, idx: 
                slots: int, norm: tuple | None = None, store: bool = False) -> Op:
     """y[t] += B[idx[t]] · (A[idx[t]] · x'[t]) for each row with an adapter, x' = x, or with `norm`
     (w (K,) f32, eps) x * w / rms(x).  x (T, K) act; a (slots, J, K) f32; b (slots, N, R) f32 and
-    cols (N,) u32: B compact (compact_b); idx (T,) u32; y (T, N) act. K and R multiples of 4; A and
-    B may both be f16 instead (K and R multiples of 8): the same sums of the same values, half the loads.
+    cols (N / 2,) u32: B compact (compact_b), cols[p] the first column of rows 2p and 2p + 1's
+    target; idx (T,) u32; y (T, N) act. K, N, R and x's and y's offsets multiples of 4; A and B may
+    both be f16 instead (K and R multiples of 8): the same sums of the same values, half the loads.
     `store`: y[t] = the delta instead, -0.0 for a row without an adapter (x + -0.0 is x, bit for
     bit: a matmul adding y to its sums keeps a base row's values)."""
     k = "lora_delta"
@@ -108,13 +109,15 @@ def lora_delta(dev: Device, x: Tensor, a: Tensor, b: Tensor, cols: Tensor, idx: 
           and R % vw == 0 and a.numel == slots * K * J and b.numel == slots * R * N, k, f"A{a.shape}/{a.dtype} and "
           f"B{b.shape}/{b.dtype} must be ({slots}, J, {K}) and ({slots}, {N}, R), both f32 (K and R multiples "
           f"of 4) or both f16 (of 8), J a multiple of R")
-    check(cols.dtype == "u32" and cols.numel == N and N % 2 == 0, k, f"cols{cols.shape} must be ({N},) u32, "
-          f"N even (rows 2p and 2p + 1 of one target)")
+    check(cols.dtype == "u32" and 2 * cols.numel == N and N % 4 == 0, k, f"cols{cols.shape} must be ({N // 2},) "
+          f"u32 (a row pair's first column), N a multiple of 4")
     check(idx.dtype == "u32" and idx.numel >= T, k, f"idx{idx.shape} must hold {T} rows")
     check(norm is None or (norm[0].dtype == "f32" and norm[0].numel == K), k, f"the norm weight must be ({K},) f32")
     (xb, xo), (yb, yo), (ib, io) = (window(t, DTYPE_SIZE[t.dtype], k, n) for t, n in ((x, "x"), (y, "y"), (idx, "idx")))
     check(io == 0 and a.offset == 0 and b.offset == 0 and cols.offset == 0, k,
           "idx, A, B and cols must start at binding-aligned offsets")
+    check(xo % 4 == 0 and yo % 4 == 0, k, f"x and y must start at multiples of 4 elements in their bindings "
+          f"(x at {xo}, y at {yo}): they are read 4 values a load")
     wg = min(_WG, max(8, -(-J // 16) * 8)) if NARROW_WG else _WG
     pipe = _pipe(dev, k, x.dtype, J, norm is not None, store, a.dtype, (K, N, J, R, 0) if BAKE_SHAPES else (0,) * 5, wg)
     par = params(dev, [T, K, N, J, xo, yo, slots, float(norm[1]) if norm else 0.0, R, 0, 0, 0, 0], owner=y.buf.owner,
@@ -132,7 +135,7 @@ def lora_post(dev: Device, x: Tensor, inp: Tensor, a: Tensor, b: Tensor, idx: Te
     norm's x * w into h (T, K) and the sums of 4 squares into part (T * K / 4,) f32
     (matmul(..., norm_out=)): for each row with an adapter x[t] += B[idx[t]] · (A[idx[t]] · inp[t]),
     then h and part of the new x (norm: w (K,) f32); a base row keeps the matmul's bits. inp (T, K1)
-    act; a (slots, R, K1) and b (slots, K, R) in the pool's dtype (lora_delta's A and compact B of one
+    act (x, inp and h at offsets that are multiples of 4 elements); a (slots, R, K1) and b (slots, K, R) in the pool's dtype (lora_delta's A and compact B of one
     target). `nxt` (a, b, cols, y, eps): then lora_delta(x, a, b, cols, idx, y, norm=(norm, eps),
     store=True) of the next group, in the same dispatch."""
     k = "lora_post"                        # its op: "lora_post+delta" with `nxt`
@@ -153,21 +156,24 @@ def lora_post(dev: Device, x: Tensor, inp: Tensor, a: Tensor, b: Tensor, idx: Te
     op = Op(name=k)
     wins = [window(t, DTYPE_SIZE[t.dtype], k, n) for t, n in ((x, "x"), (inp, "inp"), (h, "h"), (part, "part"))]
     (xb, xo), (pb, po), (hb, ho), (qb, qo) = wins
+    check(xo % 4 == 0 and po % 4 == 0 and ho % 4 == 0, k, f"x, inp and h must start at multiples of 4 elements "
+          f"(at {xo}, {po}, {ho}): they are read 4 values a load")
     if nxt is not None:
         na, nb, cols, y, eps = nxt
         N, J = int(y.shape[1]), na.numel // (slots * K)
         check(na.dtype == nb.dtype == a.dtype and na.numel == slots * J * K and nb.numel == slots * N * R
-              and cols.dtype == "u32" and cols.numel == N and y.dtype == x.dtype and int(y.shape[0]) == T
-              and cols.offset == 0 and na.offset == 0 and nb.offset == 0, k,
+              and cols.dtype == "u32" and 2 * cols.numel == N and N % 4 == 0 and y.dtype == x.dtype
+              and int(y.shape[0]) == T and cols.offset == 0 and na.offset == 0 and nb.offset == 0, k,
               f"the next group's A{na.shape}, B{nb.shape}, cols{cols.shape} and y{y.shape} must be "
-              f"({slots}, J, {K}), ({slots}, N, {R}), (N,) u32 and (T, N) {x.dtype}")
+              f"({slots}, J, {K}), ({slots}, N, {R}), (N / 2,) u32 and (T, N) {x.dtype}, N a multiple of 4")
         yb, yo = window(y, DTYPE_SIZE[y.dtype], k, "y")
+        check(yo % 4 == 0, k, f"y must start at a multiple of 4 elements (at {yo})")
         binds = {5: yb, 9: cols.binding(), 10: na.binding(), 11: nb.binding()}
     else:                                  # lora_delta's bindings unread: the group's own, a scratch y
         N, J, eps, yo = 2, R, 0.0, 0
         scratch = dev.buffer(16, owner=x.buf.owner, label=k + ".unused")
         op.buffers.append(scratch)
-        binds = {5: scratch, 9: idx.binding(), 10: a.binding(), 11: b.binding()}
+        binds = {5: scratch, 9: a.binding(), 10: a.binding(), 11: b.binding()}
     wg = min(_WG, max(8, -(-max(J, R) // 16) * 8)) if NARROW_WG else _WG
     pipe = _pipe(dev, k, x.dtype, max(J, R), True, True, a.dtype,
                  (K, N, J, R, K1) if BAKE_SHAPES else (0,) * 5, wg, pre=nxt is not None)
@@ -180,7 +186,7 @@ def lora_post(dev: Device, x: Tensor, inp: Tensor, a: Tensor, b: Tensor, idx: Te
 
 def compact_b(b, cols, rank: int):
     """lora_delta's B (slots, N, R) from B (slots, N, J) whose row n is zero outside its target's
-    columns cols[n] .. cols[n] + R (numpy)."""
+    columns cols[n] .. cols[n] + R (numpy; cols (N,): lora_delta's cols are cols[::2])."""
     import numpy as np
     b = np.asarray(b, np.float32)
     at = np.asarray(cols, np.int64)[:, None] + np.arange(rank)

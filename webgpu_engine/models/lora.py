@@ -177,8 +177,8 @@ class _Group:
     k: int
     n: int
     j: int
-    cols: Tensor | None = None     # lora_delta's (N,) u32: the first column of row n's target
-    cols_host: object = None       # the same, numpy
+    cols: Tensor | None = None     # lora_delta's (N / 2,) u32: the first column of row pair p's target
+    cols_host: object = None       # (N,) numpy: the first column of row n's target
 
 
 class LoraPool:
@@ -241,8 +241,8 @@ class LoraPool:
                 cols = np.zeros(N, np.uint32)
                 for t_i, t in enumerate(ts):
                     cols[_out_rows(m, i, t, shapes[t][1])] = t_i * R
-                ct = new_tensor(dev, (N,), "u32", owner=owner, label=name + ".cols")
-                dev.write(ct.buf, cols)
+                ct = new_tensor(dev, (N // 2,), "u32", owner=owner, label=name + ".cols")
+                dev.write(ct.buf, np.ascontiguousarray(cols[::2]))     # rows 2p and 2p + 1: one target's
                 wd = self.layout[1]
                 per[g] = _Group(new_tensor(dev, (S, J, K), wd, owner=owner, label=name + ".a"),
                                 new_tensor(dev, (S, N, R), wd, owner=owner, label=name + ".b"), ts, K, N, J, ct, cols)
