@@ -69,7 +69,7 @@ fn lora_expand(@builtin(global_invocation_id) gid: vec3<u32>) {
 // adding y to its sums keeps a base row's bits: models/lora.py). x and y are read and written 4
 // values a load (xv, yv: x_off, y_off, K and N multiples of 4; on a CPU adapter a load or store
 // costs per invocation whatever its width), a lane making 4 rows of y.
-// dispatch (T, 1, 1), workgroup WG (J / 2 lanes or fewer do the shrink); the host adds the consts
+// dispatch (T, 1, 1), workgroup WG (R lanes or fewer do the shrink); the host adds the consts
 // JMAX (= J), NORM, STORE, KC and SHAPE_K/N/J/R (the widths, or 0: the uniforms'), and
 // A and B's element type: `wvec` f32 (vec4<f32>, VW = 4 values a load) or f16 pairs (vec4<u32>,
 // VW = 8: on a CPU adapter a load costs per invocation whatever its width, so 16-bit weights halve
@@ -133,19 +133,19 @@ fn delta_row(t: u32, s: u32, lid: u32) {
     let J = select(D.J, SHAPE_J, SHAPE_K > 0u);
     let R = select(D.R, SHAPE_R, SHAPE_K > 0u);
     let x0 = (D.x_off + t * K) / 4u;
-    // u = A · x: invocation l sums rows j = l and l + J/2 of A (VW values a load) against x (times
-    // w), staged KC values at a time in workgroup memory: each x value read once for 2 rows (a
-    // storage or workgroup load costs per invocation on a CPU adapter; J / 2 lanes, so that a
-    // narrow workgroup's lanes are all busy). NORM: the lanes' sums of x^2 made on the way (the
-    // first pass over x), 1 / rms(x) applied to u
+    // u = A · x: invocation l sums row l of each target's block of A (rows l, R + l, 2R + l: the
+    // group's J / R targets, at most 3) against x (times w), VW values a load, x staged KC values
+    // at a time in workgroup memory (each x value read once for the lane's rows; R lanes, so that
+    // a shrink of one target (lora_post's) keeps the workgroup's lanes as busy as one of three).
+    // NORM: the lanes' sums of x^2 made on the way (the first pass over x), 1 / rms(x) applied to u
     let K4 = K / VW;
     let a0 = (s * J) * K4;
-    let JL = J / 2u;
+    let NT = J / R;
     var inv = 1.0;
-    for (var l0 = 0u; l0 < JL; l0 += WG) {
+    for (var l0 = 0u; l0 < R; l0 += WG) {
         let l = l0 + lid;
         let aj = a0 + l * K4;
-        var acc = vec2<f32>(0.0);        // rows l, l + JL
+        var acc = vec3<f32>(0.0);        // rows l, R + l, 2R + l
         var ss = 0.0;
         for (var kc = 0u; kc < K; kc += KC) {
             let kn = min(KC, K - kc);
@@ -159,19 +159,22 @@ fn delta_row(t: u32, s: u32, lid: u32) {
                 wx[k4] = v;
             }
             workgroupBarrier();
-            if (l < JL) {
+            if (l < R) {
                 let ak = aj + kc / VW;
+                let RK = R * K4;
                 for (var k4 = 0u; k4 < kn / VW; k4++) {
                     let x0 = wx[k4 * (VW / 4u)];
                     let x1 = wx[k4 * (VW / 4u) + (VW / 4u - 1u)];      // VW = 4: x0 again
-                    acc = wdot2(acc, x0, x1, a4[ak + k4], a4[ak + JL * K4 + k4]);
+                    acc.x = wdot(acc.x, x0, x1, a4[ak + k4]);
+                    if (NT > 1u) { acc.y = wdot(acc.y, x0, x1, a4[ak + RK + k4]); }
+                    if (NT > 2u) { acc.z = wdot(acc.z, x0, x1, a4[ak + 2u * RK + k4]); }
                 }
             }
         }
         if (NORM && l0 == 0u) { inv = row_inv(lid, ss, K); }
-        if (l < JL) {
+        if (l < R) {
             if (NORM) { acc *= inv; }
-            put_u2(l, JL, acc);
+            put_u(l, R, NT, acc);
         }
     }
     workgroupBarrier();
@@ -252,32 +255,31 @@ fn lora_post(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_in
     let K = select(D.K, SHAPE_K, SHAPE_K > 0u);
     let R = select(D.R, SHAPE_R, SHAPE_K > 0u);
     let K1 = select(D.K1, SHAPE_K1, SHAPE_K > 0u);
-    // u1 = A1 · inp: invocation l sums rows l and l + R/2 of A1 against inp staged KC values at a
-    // time in workgroup memory
+    // u1 = A1 · inp: invocation l sums row l of A1 against inp staged KC values at a time in
+    // workgroup memory
     let K14 = K1 / VW;
     let p0 = (D.p_off + t * K1) / 4u;
     let a0 = s * R * K14;
-    let JL = R / 2u;
-    for (var l0 = 0u; l0 < JL; l0 += WG) {
+    for (var l0 = 0u; l0 < R; l0 += WG) {
         let l = l0 + lid;
         let aj = a0 + l * K14;
-        var acc = vec2<f32>(0.0);
+        var acc = vec3<f32>(0.0);
         for (var kc = 0u; kc < K1; kc += KC) {
             let kn = min(KC, K1 - kc);
             workgroupBarrier();
             for (var k4 = lid; k4 < kn / 4u; k4 += WG) { wx[k4] = vec4<f32>(pin[p0 + kc / 4u + k4]); }
             workgroupBarrier();
-            if (l < JL) {
+            if (l < R) {
                 let ak = aj + kc / VW;
                 for (var k4 = 0u; k4 < kn / VW; k4++) {
                     let x0 = wx[k4 * (VW / 4u)];
                     let x1 = wx[k4 * (VW / 4u) + (VW / 4u - 1u)];
-                    acc = wdot2(acc, x0, x1, pa4[ak + k4], pa4[ak + JL * K14 + k4]);
+                    acc.x = wdot(acc.x, x0, x1, pa4[ak + k4]);
                 }
             }
         }
-        if (l < JL) {
-            put_u2(l, JL, acc);
+        if (l < R) {
+            put_u(l, R, 1u, acc);
         }
     }
     workgroupBarrier();
@@ -311,15 +313,11 @@ fn wdot4(acc: vec4<f32>, x0: vec4<f32>, x1: vec4<f32>, w0: wvec, w1: wvec, w2: w
     return vec4<f32>(wdot(acc.x, x0, x1, w0), wdot(acc.y, x0, x1, w1), wdot(acc.z, x0, x1, w2), wdot(acc.w, x0, x1, w3));
 }
 
-// two rows' wdot against the same x values (an invocation's rows of a shrink)
-fn wdot2(acc: vec2<f32>, x0: vec4<f32>, x1: vec4<f32>, w0: wvec, w1: wvec) -> vec2<f32> {
-    return vec2<f32>(wdot(acc.x, x0, x1, w0), wdot(acc.y, x0, x1, w1));
-}
-
-// u rows l, l + JL (an invocation's two sums) into workgroup memory
-fn put_u2(l: u32, JL: u32, acc: vec2<f32>) {
+// u rows l, R + l, 2R + l (an invocation's sums, the first nt) into workgroup memory
+fn put_u(l: u32, R: u32, nt: u32, acc: vec3<f32>) {
     wu[l / 4u][l % 4u] = acc.x;
-    wu[(l + JL) / 4u][(l + JL) % 4u] = acc.y;
+    if (nt > 1u) { wu[(R + l) / 4u][(R + l) % 4u] = acc.y; }
+    if (nt > 2u) { wu[(2u * R + l) / 4u][(2u * R + l) % 4u] = acc.z; }
 }
 
 // row t's adapter slot, read once and shared (uniform: a row without an adapter returns at once)

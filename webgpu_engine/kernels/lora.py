@@ -38,7 +38,7 @@ _WEIGHTS = {
 
 # lora_delta on a CPU adapter (lavapipe runs a workgroup 8 lanes at a time, masked-off lanes
 # included): its widths (K, N, J, R) compiled in, so loops have known trip counts (the same
-# operations in the same order), and a workgroup only as wide as the shrink's J / 2 lanes (at least
+# operations in the same order), and a workgroup only as wide as the shrink's R lanes (rounded up to
 # 8). False: the uniforms' widths and 64 lanes (bench/lora_delta.py compares the two; the same bits)
 BAKE_SHAPES = True
 NARROW_WG = True
@@ -105,10 +105,10 @@ def lora_delta(dev: Device, x: Tensor, a: Tensor, b: Tensor, cols: Tensor, idx: 
     check(x.dtype == y.dtype and x.dtype in ("f32", "f16") and int(y.shape[0]) == T, k,
           f"x{x.shape}/{x.dtype} and y{y.shape}/{y.dtype} must be (T, K) and (T, N) of one act dtype")
     vw = 8 if a.dtype == "f16" else 4
-    check(a.dtype == b.dtype and a.dtype in ("f32", "f16") and J > 0 and R > 0 and J % R == 0 and K % vw == 0
-          and R % vw == 0 and a.numel == slots * K * J and b.numel == slots * R * N, k, f"A{a.shape}/{a.dtype} and "
-          f"B{b.shape}/{b.dtype} must be ({slots}, J, {K}) and ({slots}, {N}, R), both f32 (K and R multiples "
-          f"of 4) or both f16 (of 8), J a multiple of R")
+    check(a.dtype == b.dtype and a.dtype in ("f32", "f16") and J > 0 and R > 0 and J % R == 0 and J <= 3 * R
+          and K % vw == 0 and R % vw == 0 and a.numel == slots * K * J and b.numel == slots * R * N, k,
+          f"A{a.shape}/{a.dtype} and B{b.shape}/{b.dtype} must be ({slots}, J, {K}) and ({slots}, {N}, R), both "
+          f"f32 (K and R multiples of 4) or both f16 (of 8), J 1, 2 or 3 times R (the targets)")
     check(cols.dtype == "u32" and 2 * cols.numel == N and N % 4 == 0, k, f"cols{cols.shape} must be ({N // 2},) "
           f"u32 (a row pair's first column), N a multiple of 4")
     check(idx.dtype == "u32" and idx.numel >= T, k, f"idx{idx.shape} must hold {T} rows")
@@ -118,7 +118,7 @@ def lora_delta(dev: Device, x: Tensor, a: Tensor, b: Tensor, cols: Tensor, idx: 
           "idx, A, B and cols must start at binding-aligned offsets")
     check(xo % 4 == 0 and yo % 4 == 0, k, f"x and y must start at multiples of 4 elements in their bindings "
           f"(x at {xo}, y at {yo}): they are read 4 values a load")
-    wg = min(_WG, max(8, -(-J // 16) * 8)) if NARROW_WG else _WG
+    wg = _narrow(R)
     pipe = _pipe(dev, k, x.dtype, J, norm is not None, store, a.dtype, (K, N, J, R, 0) if BAKE_SHAPES else (0,) * 5, wg)
     par = params(dev, [T, K, N, J, xo, yo, slots, float(norm[1]) if norm else 0.0, R, 0, 0, 0, 0], owner=y.buf.owner,
                  label=k)
@@ -127,6 +127,11 @@ def lora_delta(dev: Device, x: Tensor, a: Tensor, b: Tensor, cols: Tensor, idx: 
     op.buffers.append(par)
     return op.add(pipe, dev.bind(pipe, {1: ib, 3: xb, 5: yb, 8: par, 9: cols.binding(), 10: a.binding(),
                                         11: b.binding(), 12: w}), T)
+
+
+def _narrow(R: int) -> int:
+    """lora_delta's and lora_post's workgroup: the shrink's R lanes, whole groups of 8 (NARROW_WG)."""
+    return min(_WG, -(-R // 8) * 8) if NARROW_WG else _WG
 
 
 def lora_post(dev: Device, x: Tensor, inp: Tensor, a: Tensor, b: Tensor, idx: Tensor, norm: Tensor, h: Tensor,
@@ -162,10 +167,12 @@ def lora_post(dev: Device, x: Tensor, inp: Tensor, a: Tensor, b: Tensor, idx: Te
         na, nb, cols, y, eps = nxt
         N, J = int(y.shape[1]), na.numel // (slots * K)
         check(na.dtype == nb.dtype == a.dtype and na.numel == slots * J * K and nb.numel == slots * N * R
-              and cols.dtype == "u32" and 2 * cols.numel == N and N % 4 == 0 and y.dtype == x.dtype
+              and J % R == 0 and J <= 3 * R and cols.dtype == "u32" and 2 * cols.numel == N and N % 4 == 0
+              and y.dtype == x.dtype
               and int(y.shape[0]) == T and cols.offset == 0 and na.offset == 0 and nb.offset == 0, k,
               f"the next group's A{na.shape}, B{nb.shape}, cols{cols.shape} and y{y.shape} must be "
-              f"({slots}, J, {K}), ({slots}, N, {R}), (N / 2,) u32 and (T, N) {x.dtype}, N a multiple of 4")
+              f"({slots}, J, {K}), ({slots}, N, {R}), (N / 2,) u32 and (T, N) {x.dtype}, J 1-3 times R, N a "
+              f"multiple of 4")
         yb, yo = window(y, DTYPE_SIZE[y.dtype], k, "y")
         check(yo % 4 == 0, k, f"y must start at a multiple of 4 elements (at {yo})")
         binds = {5: yb, 9: cols.binding(), 10: na.binding(), 11: nb.binding()}
@@ -174,7 +181,7 @@ def lora_post(dev: Device, x: Tensor, inp: Tensor, a: Tensor, b: Tensor, idx: Te
         scratch = dev.buffer(16, owner=x.buf.owner, label=k + ".unused")
         op.buffers.append(scratch)
         binds = {5: scratch, 9: a.binding(), 10: a.binding(), 11: b.binding()}
-    wg = min(_WG, max(8, -(-max(J, R) // 16) * 8)) if NARROW_WG else _WG
+    wg = _narrow(R)
     pipe = _pipe(dev, k, x.dtype, max(J, R), True, True, a.dtype,
                  (K, N, J, R, K1) if BAKE_SHAPES else (0,) * 5, wg, pre=nxt is not None)
     par = params(dev, [T, K, N, J, xo, yo, slots, float(eps), R, K1, po, ho, qo], owner=x.buf.owner, label=k)
