@@ -201,7 +201,6 @@ async def test_demo_page_chat_embeddings_and_cache(server, tmp_path, smollm2_ref
             ranked = await page.evaluate("window.demo.search('Where do cats like to sleep?')")
             assert "cat" in ranked[0]["doc"].lower(), ranked
             assert len(await page.query_selector_all("#results li")) == len(ranked)
-            await page.evaluate(f"window.demo.chat({json.dumps(content)}, {{max_tokens: 32}})")   # for the picture
         finally:
             if pages and not pages[-1].is_closed():   # the page as it was, also when a check failed
                 await pages[-1].screenshot(path=str(ARTIFACTS / "browser_demo.png"), full_page=True)
