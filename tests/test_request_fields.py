@@ -38,8 +38,9 @@ def server(device, smollm2_gguf, tmp_path_factory):
     think = write_tiny_llama_gguf(d / "think.gguf", arch="qwen3", qtype="q8_0", context_length=256,
                                   chat_template=THINK_TEMPLATE)["path"]
     app = default_app_config().with_records(ModelRecord(THINK, str(think), "llm"))
-    s = ServerThread(ServerOptions(models=[LLM_ID, THINK], port=0,
-                                   chat_opts=[None, {"compile_at_load": False, "max_num_sequences": 2}],
+    # no load-time compile of every pipeline (test_correctness checks it): requests compile what they use
+    fast = {"compile_at_load": False}
+    s = ServerThread(ServerOptions(models=[LLM_ID, THINK], port=0, chat_opts=[fast, {**fast, "max_num_sequences": 2}],
                                    engine_config=EngineConfig(device=device, app_config=app)))
     yield s
     s.stop()
