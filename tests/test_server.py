@@ -349,9 +349,16 @@ Q = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.fixture(scope="module")
-def real_server(device, smollm2_gguf, minilm_dir):
+def real_server(request, device, smollm2_gguf, minilm_dir):
     from webgpu_engine.engine import EngineConfig
-    s = ServerThread(ServerOptions(models=[LLM_ID, EMB_ID], port=0, engine_config=EngineConfig(device=device)))
+    # every pipeline compiled at load (test_correctness checks it) only where the test that times
+    # /health during a generation runs in this session (make test's serial phase); elsewhere the
+    # requests compile what they use
+    timed = any(item.name == "test_real_health_answers_during_generation_and_disconnect_frees"
+                for item in request.session.items)
+    load = {"compile_at_load": timed}
+    s = ServerThread(ServerOptions(models=[LLM_ID, EMB_ID], port=0, engine_config=EngineConfig(device=device),
+                                   chat_opts=[load, load]))
     yield s
     s.stop()
 
@@ -437,7 +444,8 @@ async def test_real_batched_streams_over_http(device, smollm2_gguf, minilm_dir):
     they get alone, and /v1/models shows the batch."""
     from webgpu_engine.engine import EngineConfig
     s = ServerThread(ServerOptions(models=[LLM_ID], port=0, engine_config=EngineConfig(device=device),
-                                   chat_opts=[{"max_num_sequences": 4, "context_window_size": 512}]))
+                                   chat_opts=[{"max_num_sequences": 4, "context_window_size": 512,
+                                               "compile_at_load": False}]))
     try:
         c = openai.AsyncOpenAI(base_url=s.url, api_key="none", max_retries=0, timeout=300)
         prompts = ["Name a fruit.", "Name a color.", "What is 2+2?", "Say hi."]
