@@ -18,8 +18,10 @@ from webgpu_engine.kernels import matmul as mm
 from webgpu_engine.models.paged import PagedForward
 
 N = 24                           # tokens per answer
+# no load-time compile of every pipeline: requests compile what they use (test_no_shader_compiles_after_load
+# below loads with it)
 OPTS = {"dtype": "f32", "context_window_size": 192, "prefill_chunk_size": 32, "max_num_sequences": 8,
-        "kv_block_size": 16}
+        "kv_block_size": 16, "compile_at_load": False}
 WORDS = "the quick brown fox jumps over a lazy dog while seven small birds sing near the old river bank".split()
 
 
@@ -343,7 +345,7 @@ async def test_device_loss_fails_every_sequence_of_the_model(tiny_path):
     from webgpu_engine.errors import DeviceLostError
     dev = await gpu.request_device()
     eng = AsyncMLCEngine(EngineConfig(device=dev))
-    await eng.reload(str(tiny_path), chat_opts={**OPTS, "compile_at_load": False})
+    await eng.reload(str(tiny_path), chat_opts=OPTS)
     (lm,) = eng.models.values()
     streams = [await eng.completions.create(prompt=_prompt(i), max_tokens=150, ignore_eos=True, temperature=0,
                                             stream=True) for i in range(3)]
@@ -411,7 +413,7 @@ async def test_no_shader_compiles_after_load(fresh_device, tiny_path):
     """With batching, reload() compiles the scheduler's pipelines too: concurrent requests of any
     length, sampled or greedy, compile none."""
     eng = AsyncMLCEngine(EngineConfig(device=fresh_device))
-    await eng.reload(str(tiny_path), chat_opts={**OPTS, "max_num_sequences": 3})
+    await eng.reload(str(tiny_path), chat_opts={**OPTS, "max_num_sequences": 3, "compile_at_load": True})
     try:
         loaded = fresh_device.compile_count
         await asyncio.gather(*[_complete(eng, i, 3, **({"temperature": 0.8, "seed": 1, "logprobs": True,
