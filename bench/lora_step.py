@@ -1,0 +1,98 @@
+"""What an adapter row adds to a decode step (issue 52), in one process: SmolLM2-135M Q4_1 loaded as
+`serve` loads it with a random rank-16 f16 adapter of all seven targets (bench/serve.py's), one row
+at position 40, each step recorded, submitted and waited for. Per step, CPU ms (the process's, a CPU
+adapter's threads included) in interleaved rounds (A B C D, D C B A, ...):
+
+    base        the base's op list (183 dispatches)
+    adapter     the op list with the deltas (244), the row with the adapter
+    lora only   the adapter's 61 LoRA dispatches alone (their share of the step)
+    lora, base  the same 61 with a base row (each returns at once: what the dispatches cost)
+
+    python bench/lora_step.py [--rounds 8] [--steps 20] [--only NAME]
+
+Prints a table; writes bench/results/lora_step.json. For where a step's CPU goes, run one list
+(`--only "lora only" --steps 400`) under `perf record -e cpu-clock -p PID` once its rounds have
+begun: lavapipe's compiled kernels show as [JIT], the rest per library (`perf report --sort dso`).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("XDG_RUNTIME_DIR", "/tmp")
+MODEL = "SmolLM2-135M-Instruct-Q4_1"
+POS = 40
+
+
+async def main() -> None:
+    from serve import random_adapter
+
+    from webgpu_engine.engine.engine import AsyncMLCEngine
+    from webgpu_engine.kernels.lora import NONE
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--only", default=None, help="time this list alone (base, adapter, 'lora only', 'lora, base')")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "lora_step.json"))
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        eng = AsyncMLCEngine()
+        await eng.reload(MODEL, {"context_window_size": 1024, "max_num_sequences": 4},
+                         lora_adapters={"bench": random_adapter(MODEL, Path(tmp) / "lora", dtype="f16")})
+    pipe = eng.held.models[MODEL].pipeline
+    fwd, dev = pipe.scheduler.fwd, pipe.scheduler.dev
+    slot = pipe.lora.acquire("bench")
+    inputs = [(fwd.ids.buf, [1]), (fwd.positions.buf, [POS]), (fwd.slots.buf, [POS]), (fwd.lens.buf, [POS + 1]),
+              (fwd.tables.buf, list(range(fwd.max_blocks)))]
+    lists = {"base": (fwd.ops("decode", 1, False), None), "adapter": (fwd.ops("decode", 1, True), slot)}
+    lora_ops = [op for op in lists["adapter"][0] if op.name.startswith("lora")]
+    lists["lora only"], lists["lora, base"] = (lora_ops, slot), (lora_ops, NONE)
+    if args.only:
+        lists = {args.only: lists[args.only]}
+
+    def step(name: str) -> None:
+        ops, s = lists[name]
+        batch = dev.batch()
+        fwd._put(batch, inputs + ([(fwd.lora_idx.buf, [s])] if s is not None else []))
+        for op in ops:
+            op.record(batch, n_keys=POS + 1)
+        dev.submit(batch)
+        dev.read_sync(fwd.logits.buf, 0, 4)
+
+    for name in lists:                       # compiled and warm
+        step(name)
+    await dev.compiled()
+    for name in lists:
+        step(name)
+    cpu = {name: [] for name in lists}
+    for r in range(args.rounds):
+        for name in (list(lists) if r % 2 == 0 else list(lists)[::-1]):
+            c0 = time.process_time()
+            for _ in range(args.steps):
+                step(name)
+            cpu[name].append((time.process_time() - c0) / args.steps * 1e3)
+    load = os.getloadavg()
+    print(f"{MODEL}, a rank-16 f16 adapter of 7 targets, one row; CPU ms a step, {args.rounds} rounds of "
+          f"{args.steps}, load {load[0]:.1f} / {load[1]:.1f}")
+    base = statistics.median(cpu.get("base", cpu[next(iter(cpu))]))
+    for name, xs in cpu.items():
+        d = sum(len(op.dispatches) for op in lists[name][0])
+        print(f"  {name:11s} {d:4d} dispatches  median {statistics.median(xs):6.2f}  min {min(xs):6.2f}  "
+              f"({statistics.median(xs) / base:.3f}x the base)")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"model": MODEL, "load": load, "rounds": args.rounds, "steps": args.steps,
+                                         "cpu_ms": cpu, "time": time.strftime("%Y-%m-%d %H:%M:%S")}, indent=1))
+    await eng.unload()
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
