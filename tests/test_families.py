@@ -387,19 +387,27 @@ async def test_new_families_in_a_batch_answer_as_each_alone(device, tmp_path, fa
 
 async def batch_answers(path: str, prompts: list[str], context: int = 160) -> tuple[list, list]:
     """The 12 greedy tokens' texts of each prompt, all sent at once, with max_num_sequences 1 (a
-    scheduler of one slot: one after another) and 4 (continuous batching)."""
+    scheduler of one slot: one after another) and 4 (continuous batching). Both engines on one device
+    of this call's own, closed at its end (the second engine finds the kernels both use compiled), and
+    no load-time compile of every pipeline (test_correctness checks it): requests compile what they use."""
+    from webgpu_engine import gpu
+    from webgpu_engine.engine import EngineConfig
     from webgpu_engine.engine.engine import AsyncMLCEngine
     answers = []
-    for n in (1, 4):
-        eng = AsyncMLCEngine()
-        await eng.reload(path, chat_opts={"dtype": "f32", "context_window_size": context, "prefill_chunk_size": 32,
-                                          "max_num_sequences": n, "kv_block_size": 16})
-        try:
-            rs = await asyncio.gather(*(eng.completions.create(prompt=p, max_tokens=12, ignore_eos=True,
-                                                               temperature=0.0) for p in prompts))
-            answers.append([r.choices[0].text for r in rs])
-        finally:
-            await eng.unload()
+    dev = await gpu.request_device()
+    try:
+        for n in (1, 4):
+            eng = AsyncMLCEngine(EngineConfig(device=dev))
+            await eng.reload(path, chat_opts={"dtype": "f32", "context_window_size": context, "prefill_chunk_size": 32,
+                                              "max_num_sequences": n, "kv_block_size": 16, "compile_at_load": False})
+            try:
+                rs = await asyncio.gather(*(eng.completions.create(prompt=p, max_tokens=12, ignore_eos=True,
+                                                                   temperature=0.0) for p in prompts))
+                answers.append([r.choices[0].text for r in rs])
+            finally:
+                await eng.unload()
+    finally:
+        dev.close()
     return answers[0], answers[1]
 
 
