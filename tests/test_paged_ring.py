@@ -222,13 +222,14 @@ async def test_four_ring_sequences_in_a_batch_answer_as_alone(device, path):
     finally:
         await one.unload()
     assert [a[:2] for a in together] == [a[:2] for a in single]
-    # the ring changes the answers: a plain context of 512 answers otherwise
+    # the ring changes the answers: a plain context of 512 answers otherwise (one request is enough:
+    # each generation runs past the ring's 80 rows, so its later logprobs read other keys)
     plain = await _engine(device, path, context_window_size=512, sliding_window_size=-1, attention_sink_size=0)
     try:
-        full = [await _ask(plain, p, n) for p, n in zip(PROMPTS, lengths)]
+        full = await _ask(plain, PROMPTS[0], lengths[0])
     finally:
         await plain.unload()
-    assert [a[1] for a in full] != [a[1] for a in single]
+    assert full[1] != single[0][1]
 
 
 def test_a_ring_pool_holds_its_window_and_shares_nothing():
