@@ -79,7 +79,7 @@ async def test_quantised_answers_do_not_depend_on_the_cache_chunking_or_decode_a
     otherwise), 7-row chunks and decode_ahead give the cold cache's tokens."""
     conv = [{"role": "user", "content": "Name a colour."}]
     quant.reset_chat()
-    first = await _answer(quant, conv)
+    await _answer(quant, conv)
     n_prompt = quant._req.prompt_tokens
     text = quant.get_message()
     longer = conv + [{"role": "assistant", "content": text}, {"role": "user", "content": "And another one?"}]
@@ -91,9 +91,7 @@ async def test_quantised_answers_do_not_depend_on_the_cache_chunking_or_decode_a
     small = await LLMChatPipeline.load(device, smollm2_gguf, ChatConfig(
         context_window_size=512, compile_at_load=False, kv_cache_dtype=quant.plan.kv_cache_dtype,
         prefill_chunk_size=7, decode_ahead=True))
-    try:
-        assert await _answer(small, conv) == first
-        small.reset_chat()
+    try:   # the longer conversation only: more 7-row chunks than the first turn's, every step one ahead
         assert await _answer(small, longer) == cold      # 7-row chunks, steps one ahead of the host
     finally:
         small.dispose()
