@@ -188,9 +188,11 @@ class LoraPool:
         c, dev = m.cfg, m.dev
         self.m, self.dev, self.slots, self.max_rank, self.owner = m, dev, int(slots), int(max_rank), owner
         # a CPU adapter pays per dispatch: a projection's delta in one (lora_delta, a workgroup per
-        # row); a GPU spreads the expand's columns over workgroups (lora_shrink + lora_expand)
+        # row, its widths multiples of 4); a GPU spreads the expand's columns over workgroups
+        # (lora_shrink + lora_expand)
         from ..kernels.matmul import is_software_adapter
-        self.fused = is_software_adapter(dev)
+        self.fused = is_software_adapter(dev) and all(k % 4 == 0 and n % 4 == 0 for i in range(c.n_layers)
+                                                      for k, n in _shapes(c, i).values())
         # lora_delta's A and B in 16 bits while every registered adapter's values (B scaled) are f16
         # values (PEFT files saved in f16): half the loads (_fit_layout)
         self._half = all(k % 8 == 0 for i in range(c.n_layers) for k, _ in _shapes(c, i).values())
