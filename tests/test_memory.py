@@ -211,7 +211,7 @@ async def test_allocation_failure_mid_load_leaves_nothing(device, smollm2_gguf, 
 
 
 # --------------------------------------------------------------------------- unload returns memory
-CYCLES = 5
+CYCLES = 3
 @pytest.mark.slow
 async def test_memory_returns_to_baseline_over_load_unload_cycles(device, smollm2_gguf, minilm_dir):
     """After one warm-up cycle (which may leave the device's shared kernel state: a few placeholder
