@@ -4,7 +4,8 @@ Two pages from demo/browser, served on 127.0.0.1 by demo/browser/serve.py:
 - selftest.html runs the gpu backend's self-test (kernels, JS/Python writes, readback, typed errors,
   device loss) on the browser's adapter (SwiftShader here: no shader-f16, so f32 kernels);
 - index.html loads the default chat model and embedder from the same origin and is checked against the
-  golden data: greedy ids, streamed text, embeddings, and a reload served from the Cache API.
+  golden data: greedy ids, streamed text, embeddings, and a reload served from the Cache API; then the
+  same page loads MLC folders by URL and from WebLLM's Cache Storage (_check_mlc_folders).
 A missing Chromium, Playwright or Pyodide is a failure with the command that installs it, never a skip.
 """
 from __future__ import annotations
@@ -201,50 +202,49 @@ async def test_demo_page_chat_embeddings_and_cache(server, tmp_path, smollm2_ref
             ranked = await page.evaluate("window.demo.search('Where do cats like to sleep?')")
             assert "cat" in ranked[0]["doc"].lower(), ranked
             assert len(await page.query_selector_all("#results li")) == len(ranked)
-        finally:
-            if pages and not pages[-1].is_closed():   # the page as it was, also when a check failed
+            await page.screenshot(path=str(ARTIFACTS / "browser_demo.png"), full_page=True)
+
+            # The same page loads MLC folders by URL, replacing its models (a page of its own cost a
+            # Chromium and a Pyodide start)
+            await _check_mlc_folders(page, base, log)
+        except BaseException:
+            if pages and not pages[-1].is_closed():   # the page as it was when a check failed
                 await pages[-1].screenshot(path=str(ARTIFACTS / "browser_demo.png"), full_page=True)
+            print("\n".join(logs[-40:]))
+            raise
 
 
-async def test_mlc_folder_by_url_and_from_webllms_cache(server, tmp_path):
+async def _check_mlc_folders(page, base: str, log: Path) -> None:
     """An MLC folder as WebLLM publishes it (TVM-written, q4f16_1) loads by URL in the page and decodes
     transformers' greedy ids; a second folder already in WebLLM's Cache Storage ("webllm/model", keyed
     by URL) loads from there without a request."""
-    base, log = server
-    logs: list[str] = []
     ref = json.loads(MLC_REFERENCE.read_text())["models"]
-    async with chromium(tmp_path / "profile") as ctx:
-        page = await _open_demo(ctx, base, logs, "&models=")
-        try:
-            mark = len(log.read_text().splitlines())
-            r = await page.evaluate(f"window.demo.loadUrl({json.dumps(base + 'mlc/llama-q4f16_1/')}, 'tiny-mlc', "
-                                    f"{json.dumps(GREEDY_OPTS)})")
-            served = log.read_text().splitlines()[mark:]
-            assert r["model_id"] == "tiny-mlc" and "params_shard_0.bin" in r["files"], r
-            assert any("/mlc/llama-q4f16_1/params_shard_0.bin" in ln for ln in served), served
-            assert r["fetch"]["tiny-mlc"]["fetched_files"] == len(r["files"])
-            want = ref["llama-q4f16_1"]
-            got = await page.evaluate(f"window.demo.greedyIds({json.dumps(want['prompt_ids'])}, "
-                                      f"{len(want['greedy'])})")
-            assert got["ids"] == want["greedy"], got
+    mark = len(log.read_text().splitlines())
+    r = await page.evaluate(f"window.demo.loadUrl({json.dumps(base + 'mlc/llama-q4f16_1/')}, 'tiny-mlc', "
+                            f"{json.dumps(GREEDY_OPTS)})")
+    served = log.read_text().splitlines()[mark:]
+    assert r["model_id"] == "tiny-mlc" and "params_shard_0.bin" in r["files"], r
+    assert any("/mlc/llama-q4f16_1/params_shard_0.bin" in ln for ln in served), served
+    assert r["fetch"]["tiny-mlc"]["fetched_files"] == len(r["files"])
+    want = ref["llama-q4f16_1"]
+    got = await page.evaluate(f"window.demo.greedyIds({json.dumps(want['prompt_ids'])}, "
+                              f"{len(want['greedy'])})")
+    assert got["ids"] == want["greedy"], got
 
-            # WebLLM downloaded qwen2-q4f32_1 from a hub URL earlier: its files sit in its cache
-            hub = "https://huggingface.co/mlc-ai/tiny-qwen2-q4f32_1-MLC/resolve/main/"
-            names = sorted(f.name for f in (MLC_FIXTURES / "qwen2-q4f32_1").iterdir())
-            await page.evaluate("""async ([src, hub, names]) => {
-                const c = await caches.open("webllm/model");
-                for (const n of names) await c.put(hub + n, await fetch(src + n));
-            }""", [base + "mlc/qwen2-q4f32_1/", hub, names])
-            mark = len(log.read_text().splitlines())
-            r = await page.evaluate(f"window.demo.loadUrl({json.dumps(hub)}, '', {json.dumps(GREEDY_OPTS)})")
-            assert not [ln for ln in log.read_text().splitlines()[mark:] if "/mlc/" in ln]
-            st = r["fetch"][r["model_id"]]
-            assert r["model_id"] == "tiny-qwen2-q4f32_1-MLC", r            # the repo's name, as WebLLM's id
-            assert st["fetched_files"] == 0 and st["cached_files"] == len(r["files"]), st
-            want = ref["qwen2-q4f32_1"]
-            got = await page.evaluate(f"window.demo.greedyIds({json.dumps(want['prompt_ids'])}, "
-                                      f"{len(want['greedy'])})")
-            assert got["ids"] == want["greedy"], got
-        except BaseException:
-            print("\n".join(logs[-40:]))
-            raise
+    # WebLLM downloaded qwen2-q4f32_1 from a hub URL earlier: its files sit in its cache
+    hub = "https://huggingface.co/mlc-ai/tiny-qwen2-q4f32_1-MLC/resolve/main/"
+    names = sorted(f.name for f in (MLC_FIXTURES / "qwen2-q4f32_1").iterdir())
+    await page.evaluate("""async ([src, hub, names]) => {
+        const c = await caches.open("webllm/model");
+        for (const n of names) await c.put(hub + n, await fetch(src + n));
+    }""", [base + "mlc/qwen2-q4f32_1/", hub, names])
+    mark = len(log.read_text().splitlines())
+    r = await page.evaluate(f"window.demo.loadUrl({json.dumps(hub)}, '', {json.dumps(GREEDY_OPTS)})")
+    assert not [ln for ln in log.read_text().splitlines()[mark:] if "/mlc/" in ln]
+    st = r["fetch"][r["model_id"]]
+    assert r["model_id"] == "tiny-qwen2-q4f32_1-MLC", r            # the repo's name, as WebLLM's id
+    assert st["fetched_files"] == 0 and st["cached_files"] == len(r["files"]), st
+    want = ref["qwen2-q4f32_1"]
+    got = await page.evaluate(f"window.demo.greedyIds({json.dumps(want['prompt_ids'])}, "
+                              f"{len(want['greedy'])})")
+    assert got["ids"] == want["greedy"], got
