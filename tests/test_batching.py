@@ -248,8 +248,11 @@ async def test_a_preempted_sequence_gives_the_logprobs_of_a_run_never_preempted(
     their own tokens (replay), as the rows were computed: every logprob equals, bit for bit, the same
     request's with nothing else running (recomputed by prefill, later tokens' logprobs moved, and
     answers left the solo ones). The prompts (20, 23, 26 and 29 tokens) fill 8 of the pool's 9
-    blocks: within 32 tokens the newest is preempted 5 tokens in, the next one 22 tokens in (its
-    replay crosses a block boundary)."""
+    blocks: within 24 tokens the newest is preempted 5 tokens in, the next one 22 tokens in (its
+    replay crosses a block boundary). That one comes back with its prompt's rows all from the pool,
+    the last 10 copied from the solo run's cached tail, so its first forward is a replayed decode
+    row, which must record the copy too (before, only a prefill chunk did: the replay read the
+    block's stale rows and the last token's logprob moved)."""
     eng = AsyncMLCEngine(EngineConfig(device=device))
     await eng.reload(str(smollm2_gguf), chat_opts={
         "context_window_size": 128, "prefill_chunk_size": 32, "max_num_sequences": 4, "kv_block_size": 16,
@@ -257,14 +260,14 @@ async def test_a_preempted_sequence_gives_the_logprobs_of_a_run_never_preempted(
 
     async def logprobs(i):
         prompt = " ".join(WORDS[(i + k) % len(WORDS)] for k in range(20 + 3 * i))
-        r = await eng.completions.create(prompt=prompt, max_tokens=32, ignore_eos=True, temperature=0, logprobs=True)
+        r = await eng.completions.create(prompt=prompt, max_tokens=24, ignore_eos=True, temperature=0, logprobs=True)
         return r.choices[0].logprobs.token_logprobs
     try:
         solo = [await logprobs(i) for i in range(4)]
         pool = _sched(eng).pool
-        before = pool.stats["preemptions"]
+        before, copied = pool.stats["preemptions"], pool.stats["copied_tokens"]
         assert await asyncio.gather(*[logprobs(i) for i in range(4)]) == solo
-        assert pool.stats["preemptions"] > before
+        assert pool.stats["preemptions"] > before and pool.stats["copied_tokens"] > copied
         pool.check()
     finally:
         await eng.unload()

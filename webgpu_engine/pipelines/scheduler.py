@@ -463,6 +463,9 @@ class Scheduler:
         right after the row before it (results after the slots' places, in row order); `row_masks`
         (rec -> bytes per row): each of rec's rows masked before its sampler."""
         fwd, batch, pool = self.fwd, self.dev.batch(), self.pool
+        for r in rows:       # a replay whose prompt rows came whole from the pool, a part copied: its
+            if (cp := pool.take_copy(r.id)) is not None:   # first forward is this decode row
+                fwd.copy_rows(batch, *cp)
         # each row's LoRA slot, where a row has an adapter (else the base's op lists)
         lora = [NONE if r.lora_slot is None else r.lora_slot for r in rows
                 for _ in range(1 + len((guesses or {}).get(r, ())))]
