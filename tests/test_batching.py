@@ -267,7 +267,9 @@ async def test_a_preempted_sequence_gives_the_logprobs_of_a_run_never_preempted(
         pool = _sched(eng).pool
         before, copied = pool.stats["preemptions"], pool.stats["copied_tokens"]
         assert await asyncio.gather(*[logprobs(i) for i in range(4)]) == solo
-        assert pool.stats["preemptions"] > before and pool.stats["copied_tokens"] > copied
+        # those two only: a preempted sequence comes back when the pool holds it and a block for each
+        # sequence decoding (before, the newest came back at once and was preempted 4 times more)
+        assert 0 < pool.stats["preemptions"] - before <= 2 and pool.stats["copied_tokens"] > copied
         pool.check()
     finally:
         await eng.unload()

@@ -28,6 +28,7 @@ class SeqRecord:
         self.t_prefill = None
         self.prompt_len = len(prompt)     # rows a prefill computes; the rest, decode steps
         self.replay: int | None = None    # after a preemption: the next decoded row computed again
+        self.preempted = False            # preempted at least once: comes back only with room to stay
         self.lora: str | None = None      # its LoRA adapter's name (None: the base) ...
         self.lora_slot: int | None = None  # ... and its slot in the model's LoraPool
 
