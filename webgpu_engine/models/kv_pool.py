@@ -132,6 +132,11 @@ class KVPool:
         n = int(n_tokens)
         return -(-(min(n, self.ring_rows) if self.ring_rows else n) // self.block_size)
 
+    def fits(self, n_tokens: int, spare: int = 0) -> bool:
+        """Whether the free blocks hold a sequence of n_tokens (as if none were cached) and `spare`
+        blocks more."""
+        return self.n_free >= self._blocks_for(n_tokens) + spare
+
     def blocks_needed(self, seq_id, n_tokens: int) -> int:
         """New blocks `seq_id` needs to hold n_tokens in all."""
         return max(0, self._blocks_for(n_tokens) - len(self._seqs[seq_id].blocks))

@@ -44,6 +44,16 @@ class SeqRecord:
     def feed_token(self) -> int:
         return self.toks[self.replay] if self.replay is not None else self.seq.last_token
 
+    def preempt(self) -> None:
+        """Its blocks went back to the pool: its prompt's rows come again by prefill, its decoded
+        ones by replay; it comes back once the pool holds it with room to spare (scheduler `_plan`:
+        with less, an older answer crossing into a new block would preempt it again at once)."""
+        self.in_pool, self.preempted = False, True
+        if self.decoding:                 # its last sampled token is fed after the recomputation
+            self.decoding, self.sample_at_end = False, False
+        if len(self.toks) > self.prompt_len:
+            self.replay = self.prompt_len
+
     def start_decoding(self, pos: int) -> None:
         self.decoding = True
         if self.replay is not None:

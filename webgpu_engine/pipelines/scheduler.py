@@ -189,12 +189,7 @@ class Scheduler:
         self._just_preempted.add(seq_id)
         for rec in self.running:
             if rec.id == seq_id:
-                rec.in_pool, rec.preempted = False, True
-                if rec.decoding:          # its last sampled token is fed after the recomputation
-                    rec.decoding, rec.sample_at_end = False, False
-                if len(rec.toks) > rec.prompt_len:
-                    rec.replay = rec.prompt_len
-                return
+                return rec.preempt()
 
     # ------------------------------------------------------------------ the loop
     async def _loop(self) -> None:
@@ -232,14 +227,6 @@ class Scheduler:
         for victim in self.pool.reserve_or_preempt(rec.id, rec.next_pos() + 1):
             self._preempted(victim)
 
-    def _room_to_return(self, rec: SeqRecord, decoding: int) -> bool:
-        """Whether a preempted sequence comes back now: the pool's free blocks hold all its tokens
-        and its next one (as if none were cached) and one more block for each sequence decoding.
-        Coming back with less, it was preempted again as soon as an older one's answer crossed into
-        a new block, its rows computed again each time for nothing (vLLM's watermark, per sequence)."""
-        need = -(-(len(rec.toks) + 1) // self.pool.block_size)
-        return self.pool.n_free >= need + decoding
-
     def _shift(self, rec: SeqRecord) -> None:
         """context_overflow "shift" for one sequence (llama.cpp's per-slot context shift): its cache
         is full; keep its first n_keep tokens, drop the older half of the rest, and compute the kept
@@ -273,7 +260,7 @@ class Scheduler:
             if rec.decoding or budget <= 0 or rec.id in self._just_preempted:
                 continue
             if not rec.in_pool:
-                if rec.preempted and decode and not self._room_to_return(rec, len(decode)):
+                if rec.preempted and decode and not pool.fits(len(rec.toks) + 1, spare=len(decode)):
                     break                     # waits for blocks, and the sequences after it behind it
                 self._enter_pool(rec)
             start = pool.num_tokens(rec.id)
