@@ -160,8 +160,8 @@ async def test_interrupt_stops_every_running_sequence(engine):
 
 
 async def test_up_to_four_sequences_take_the_fused_one_row_kernels(device, tiny_path, engine):
-    """max_num_sequences <= 4 on a CPU adapter (up to 16 where the wide kernel is opted in:
-    WEBGPU_ENGINE_WIDE_ROWS=1, lavapipe's 8-lane subgroups): each decode row goes through the fused
+    """max_num_sequences <= 4 on a CPU adapter (up to 16 where the wide kernel runs: lavapipe's
+    8-lane subgroups, unless WEBGPU_ENGINE_WIDE_ROWS=0): each decode row goes through the fused
     one-row kernels (norms, gates and residual norms inside the matmuls: fewer dispatches than the
     row-invariant kernels of a wider batch), and a request's greedy and seeded tokens are the same
     alone, with 1..3 others, and with others joining and leaving midway; its logprobs are those of

@@ -16,7 +16,7 @@ scheduler's slot of the sequence; a row at position 0 starts its sequence's stat
         last row only
 
 A decode row's matmul sums do not depend on how many rows run: with up to 4 sequences on a CPU
-adapter (16 where matmul/wide.py's kernel is opted in) each row goes through the fused one-row decode
+adapter (16 where matmul/wide.py's kernel runs) each row goes through the fused one-row decode
 kernels' sums (`fused_rows`: norms, gates, residual norms and the RoPE + KV write fused, each row summed as the one-row DECODE forward sums it, a
 weight chunk decoded once for the rows: 183 dispatches a step for SmolLM2, as many as one row's
 DECODE forward), else `decode_rows` (the GPU family's decode kernel in groups of 8 rows, the CPU family's
@@ -100,7 +100,7 @@ class PagedForward:
                              for i, L in enumerate(model.layers)]
         self.recurrent = any(x is not None for x in self.mixer_states)
         self.lora = None                                   # a LoraRows once a pool is attached
-        # up to fused_rows_max sequences (4; 16 where the wide kernel is opted in): each decode row
+        # up to fused_rows_max sequences (16 where the wide kernel runs, else 4): each decode row
         # through the fused one-row kernels' sums, as a one-row DECODE forward computes it; more:
         # the row-invariant kernels
         self.fused_rows = self.max_seqs <= mm.fused_rows_max(dev) and mm.fused_rows_ok(dev)

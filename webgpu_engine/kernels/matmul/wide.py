@@ -138,4 +138,4 @@ def source(qtype: str, nchunks: int, k: int, x_off4: int, mode: str, nf4: int, g
     return "\n".join(lines)
 
 
-__all__ = ["MAX_ROWS", "EXACT", "LANES", "ENV", "bucket", "subgroup_floor", "ok", "widths", "source"]
+__all__ = ["MAX_ROWS", "EXACT", "LANES", "ENV", "bucket", "subgroup_floor", "ok", "source"]
