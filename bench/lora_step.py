@@ -8,7 +8,10 @@ adapter's threads included) in interleaved rounds (A B C D, D C B A, ...):
     lora only   the adapter's 61 LoRA dispatches alone (their share of the step)
     lora, base  the same 61 with a base row (each returns at once: what the dispatches cost)
 
-    python bench/lora_step.py [--rounds 8] [--steps 20] [--only NAME]
+    python bench/lora_step.py [--rounds 8] [--steps 20] [--only NAME] [--prefill T]
+
+--prefill T: the same four lists for a prefill chunk of T rows of one sequence (positions 40 ..;
+a CPU adapter's LoRA ops there: lora_rows, 4 rows a workgroup) instead of a decode step.
 
 Prints a table; writes bench/results/lora_step.json. For where a step's CPU goes, run one list
 (`--only "lora only" --steps 400`) under `perf record -e cpu-clock -p PID` once its rounds have
@@ -42,6 +45,7 @@ async def main() -> None:
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--only", default=None, help="time this list alone (base, adapter, 'lora only', 'lora, base')")
+    ap.add_argument("--prefill", type=int, default=0, metavar="T", help="time a prefill chunk of T rows instead")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "lora_step.json"))
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -51,9 +55,12 @@ async def main() -> None:
     pipe = eng.held.models[MODEL].pipeline
     fwd, dev = pipe.scheduler.fwd, pipe.scheduler.dev
     slot = pipe.lora.acquire("bench")
-    inputs = [(fwd.ids.buf, [1]), (fwd.positions.buf, [POS]), (fwd.slots.buf, [POS]), (fwd.lens.buf, [POS + 1]),
+    T, kind = (args.prefill, "prefill") if args.prefill else (1, "decode")
+    rows = list(range(POS, POS + T))
+    inputs = [(fwd.ids.buf, [1] * T), (fwd.positions.buf, rows), (fwd.slots.buf, rows),
               (fwd.tables.buf, list(range(fwd.max_blocks)))]
-    lists = {"base": (fwd.ops("decode", 1, False), None), "adapter": (fwd.ops("decode", 1, True), slot)}
+    inputs += [(fwd.step, (POS, T, POS + T, 0))] if args.prefill else [(fwd.lens.buf, [POS + 1])]
+    lists = {"base": (fwd.ops(kind, T, False), None), "adapter": (fwd.ops(kind, T, True), slot)}
     lora_ops = [op for op in lists["adapter"][0] if op.name.startswith("lora")]
     lists["lora only"], lists["lora, base"] = (lora_ops, slot), (lora_ops, NONE)
     if args.only:
@@ -62,9 +69,9 @@ async def main() -> None:
     def step(name: str) -> None:
         ops, s = lists[name]
         batch = dev.batch()
-        fwd._put(batch, inputs + ([(fwd.lora_idx.buf, [s])] if s is not None else []))
+        fwd._put(batch, inputs + ([(fwd.lora_idx.buf, [s] * T)] if s is not None else []))
         for op in ops:
-            op.record(batch, n_keys=POS + 1)
+            op.record(batch, n_keys=POS + T)
         dev.submit(batch)
         dev.read_sync(fwd.logits.buf, 0, 4)
 
@@ -81,7 +88,8 @@ async def main() -> None:
                 step(name)
             cpu[name].append((time.process_time() - c0) / args.steps * 1e3)
     load = os.getloadavg()
-    print(f"{MODEL}, a rank-16 f16 adapter of 7 targets, one row; CPU ms a step, {args.rounds} rounds of "
+    what = f"a prefill chunk of {T} rows" if args.prefill else "one decode row"
+    print(f"{MODEL}, a rank-16 f16 adapter of 7 targets, {what}; CPU ms a step, {args.rounds} rounds of "
           f"{args.steps}, load {load[0]:.1f} / {load[1]:.1f}")
     base = statistics.median(cpu.get("base", cpu[next(iter(cpu))]))
     for name, xs in cpu.items():
@@ -89,7 +97,7 @@ async def main() -> None:
         print(f"  {name:11s} {d:4d} dispatches  median {statistics.median(xs):6.2f}  min {min(xs):6.2f}  "
               f"({statistics.median(xs) / base:.3f}x the base)")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"model": MODEL, "load": load, "rounds": args.rounds, "steps": args.steps,
+    Path(args.out).write_text(json.dumps({"model": MODEL, "kind": kind, "rows": T, "load": load, "rounds": args.rounds, "steps": args.steps,
                                          "cpu_ms": cpu, "time": time.strftime("%Y-%m-%d %H:%M:%S")}, indent=1))
     await eng.unload()
 

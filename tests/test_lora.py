@@ -106,6 +106,45 @@ def test_lora_delta_is_shrink_then_expand_in_one(device, _free, dtype, wdtype, n
         np.testing.assert_array_equal(got, get(device, yp))
 
 
+@pytest.mark.parametrize("dtype,wdtype", [("f32", "f32"), ("f16", "f16")])
+@pytest.mark.parametrize("rows", [4])
+@pytest.mark.parametrize("T,slots,pattern", [(16, 2, "one"), (7, 3, "mixed"), (5, 1, "tail")])
+def test_lora_rows_give_each_row_lora_deltas_bits(device, _free, dtype, wdtype, rows, T, slots, pattern):
+    """lora_delta with `rows` a workgroup (lora_rows: A and B read once for them) gives every row
+    the one-row kernel's bits, normed or not, added or stored: rows of one adapter (a prefill
+    chunk's), groups whose rows' slots differ or lack one (a row at a time), a last group past T.
+    K spans three of its staged chunks, the last not whole blocks of 32; against numpy too."""
+    rng = np.random.default_rng(T + rows)
+    K, N, R, targets = 1096, 120, 16, 3
+    J = targets * R
+    x = rng.standard_normal((T, K))
+    a = (rng.standard_normal((slots, J, K)) / np.sqrt(K)).astype(NP[wdtype]).astype(np.float32)
+    cols = (R * ((np.arange(N) // 2) % targets)).astype(np.uint32)
+    bc = (rng.standard_normal((slots, N, R)) / np.sqrt(R)).astype(NP[wdtype]).astype(np.float32)
+    b = np.zeros((slots, N, J), np.float32)
+    for r in range(R):
+        b[:, np.arange(N), cols + r] = bc[:, :, r]
+    w = (1 + 0.1 * rng.standard_normal(K)).astype(np.float32)
+    idx = {"one": np.full(T, slots - 1), "mixed": np.array([lk.NONE if t % 3 == 1 else t % slots for t in range(T)]),
+           "tail": np.zeros(T)}[pattern].astype(np.uint32)
+    y0 = rng.standard_normal((T, N))
+    xt, at, bt, ct, it = (put(device, x, dtype), put(device, a, wdtype), put(device, bc, wdtype),
+                          put(device, cols[::2], "u32"), put(device, idx, "u32"))
+    for norm in (None, (put(device, w), 1e-5)):
+        for store in (False, True):
+            got = []
+            for r in (1, rows):
+                yt = put(device, y0, dtype, lead=4)
+                run(device, lk.lora_delta(device, xt, at, bt, ct, it, yt, slots=slots, norm=norm, store=store, rows=r))
+                got.append(get(device, yt))
+            np.testing.assert_array_equal(got[1], got[0])
+            u = lk.shrink_ref(rounded(x, dtype), a, idx, (w, 1e-5) if norm else None)
+            want = lk.expand_ref(u, b, idx, np.zeros_like(y0) if store else rounded(y0, dtype))
+            assert np.abs(got[1] - want).max() / np.abs(want).max() < (1e-4 if dtype == "f32" else 1e-2)
+    with pytest.raises(ValueError, match="rows must be 1, or 4"):
+        lk.lora_delta(device, xt, at, bt, ct, it, put(device, y0, dtype), slots=slots, rows=3)
+
+
 @pytest.mark.parametrize("dtype", ["f32", "f16"])
 def test_matmul_adds_stored_deltas_before_its_epilogue(device, _free, dtype):
     """matmul(..., add=d) with silu_out and rope_kv (a CPU adapter's LoRA deltas stored first:

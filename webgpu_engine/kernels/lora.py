@@ -17,6 +17,7 @@ The numpy references are shrink_ref / expand_ref below. Standard library only (r
 from __future__ import annotations
 
 from ..gpu import Device
+from ..gpu.shaders import load_shader_source
 from .common import DTYPE_SIZE, Op, Tensor, act_header, check, params, placeholder, window
 
 NONE = 0xFFFFFFFF        # the slot of a row without an adapter
@@ -25,14 +26,21 @@ _KC = 1024             # lora_delta's x values staged at a time (4 KB of workgro
 
 
 # lora_delta's A / B element type: how a load (`wvec`, VW values) is dotted with VW x or u values in
-# index order (x1: the second four, f16 only)
+# index order (x1: the second four, f16 only); wunpack / wdotf: the same with the load's values
+# unpacked once for several rows (lora_rows)
 _WEIGHTS = {
     "f32": "alias wvec = vec4<f32>;\nconst VW: u32 = 4u;\n"
-           "fn wdot(acc: f32, x0: vec4<f32>, x1: vec4<f32>, w: vec4<f32>) -> f32 { return dot_seq(acc, x0, w); }\n",
+           "fn wdot(acc: f32, x0: vec4<f32>, x1: vec4<f32>, w: vec4<f32>) -> f32 { return dot_seq(acc, x0, w); }\n"
+           "struct wf { lo: vec4<f32>, hi: vec4<f32> }\nfn wunpack(w: wvec) -> wf { return wf(w, w); }\n"
+           "fn wdotf(acc: f32, x0: vec4<f32>, x1: vec4<f32>, w: wf) -> f32 { return dot_seq(acc, x0, w.lo); }\n",
     "f16": "alias wvec = vec4<u32>;\nconst VW: u32 = 8u;\n"
            "fn wdot(acc: f32, x0: vec4<f32>, x1: vec4<f32>, w: vec4<u32>) -> f32 {\n"
            "    let r = dot_seq(acc, x0, vec4<f32>(unpack2x16float(w.x), unpack2x16float(w.y)));\n"
-           "    return dot_seq(r, x1, vec4<f32>(unpack2x16float(w.z), unpack2x16float(w.w)));\n}\n",
+           "    return dot_seq(r, x1, vec4<f32>(unpack2x16float(w.z), unpack2x16float(w.w)));\n}\n"
+           "struct wf { lo: vec4<f32>, hi: vec4<f32> }\n"
+           "fn wunpack(w: wvec) -> wf {\n"
+           "    return wf(vec4<f32>(unpack2x16float(w.x), unpack2x16float(w.y)), vec4<f32>(unpack2x16float(w.z), unpack2x16float(w.w)));\n}\n"
+           "fn wdotf(acc: f32, x0: vec4<f32>, x1: vec4<f32>, w: wf) -> f32 { return dot_seq(dot_seq(acc, x0, w.lo), x1, w.hi); }\n",
 }
 
 
@@ -45,9 +53,10 @@ NARROW_WG = True
 
 
 def _pipe(dev: Device, entry: str, dtype: str, j: int = 1, norm: bool = False, store: bool = False,
-          wdtype: str = "f32", shape: tuple = (0, 0, 0, 0, 0), wg: int = _WG, pre: bool = True):
+          wdtype: str = "f32", shape: tuple = (0, 0, 0, 0, 0), wg: int = _WG, pre: bool = True, rows: int = 1):
     dims = "".join(f"const SHAPE_{n}: u32 = {v}u;\n" for n, v in zip(("K", "N", "J", "R", "K1"), shape))
-    return dev.pipeline("lora.wgsl", entry, header=f"{act_header(dtype)}const WG: u32 = {wg}u;\n"
+    rows_src = f"enable subgroups;\n{load_shader_source('lora_rows.wgsl')}\n" if rows > 1 else ""
+    return dev.pipeline("lora.wgsl", entry, header=f"{rows_src}{act_header(dtype)}const WG: u32 = {wg}u;\n"
                                                    f"const JMAX: u32 = {j}u;\nconst NORM: bool = {str(norm).lower()};\n"
                                                    f"const STORE: bool = {str(store).lower()};\nconst KC: u32 = {_KC}u;\n"
                                                    f"const PRE: bool = {str(pre).lower()};\n{dims}{_WEIGHTS[wdtype]}")
@@ -88,15 +97,23 @@ def _pair_op(dev: Device, k: str, act: Tensor, w: Tensor, idx: Tensor, u: Tensor
     return op.add(pipe, dev.bind(pipe, {0: par, 1: ib, 2: ub, **binds}), -(-(width if expand else J) // _WG), T)
 
 
+def rows_ok(dev: Device) -> bool:
+    """Whether lora_delta can take 4 rows a workgroup here (lora_rows: subgroups of 8 lanes or more)."""
+    from .matmul import wide
+    return dev.has_subgroups and wide.subgroup_floor(dev) >= 8
+
+
 def lora_delta(dev: Device, x: Tensor, a: Tensor, b: Tensor, cols: Tensor, idx: Tensor, y: Tensor, *,
-               slots: int, norm: tuple | None = None, store: bool = False) -> Op:
+               slots: int, norm: tuple | None = None, store: bool = False, rows: int = 1) -> Op:
     """y[t] += B[idx[t]] · (A[idx[t]] · x'[t]) for each row with an adapter, x' = x, or with `norm`
     (w (K,) f32, eps) x * w / rms(x).  x (T, K) act; a (slots, J, K) f32; b (slots, N, R) f32 and
     cols (N / 2,) u32: B compact (compact_b), cols[p] the first column of rows 2p and 2p + 1's
     target; idx (T,) u32; y (T, N) act. K, N, R and x's and y's offsets multiples of 4; A and B may
     both be f16 instead (K and R multiples of 8): the same sums of the same values, half the loads.
     `store`: y[t] = the delta instead, -0.0 for a row without an adapter (x + -0.0 is x, bit for
-    bit: a matmul adding y to its sums keeps a base row's values)."""
+    bit: a matmul adding y to its sums keeps a base row's values). `rows` 4 (where rows_ok): 4 rows
+    a workgroup (lora_rows: a prefill chunk's rows, which share an adapter, read A and B once for
+    them), each row's values as with 1, bit for bit."""
     k = "lora_delta"
     T, K = (int(s) for s in x.shape)
     N = int(y.shape[1])
@@ -119,14 +136,16 @@ def lora_delta(dev: Device, x: Tensor, a: Tensor, b: Tensor, cols: Tensor, idx: 
     check(xo % 4 == 0 and yo % 4 == 0, k, f"x and y must start at multiples of 4 elements in their bindings "
           f"(x at {xo}, y at {yo}): they are read 4 values a load")
     wg = _narrow(R)
-    pipe = _pipe(dev, k, x.dtype, J, norm is not None, store, a.dtype, (K, N, J, R, 0) if BAKE_SHAPES else (0,) * 5, wg)
+    check(rows == 1 or rows == 4 and rows_ok(dev), k, f"rows must be 1, or 4 with subgroups of 8 lanes, got {rows}")
+    pipe = _pipe(dev, "lora_rows" if rows > 1 else k, x.dtype, J, norm is not None, store, a.dtype,
+                 (K, N, J, R, 0) if BAKE_SHAPES else (0,) * 5, wg, rows=rows)
     par = params(dev, [T, K, N, J, xo, yo, slots, float(norm[1]) if norm else 0.0, R, 0, 0, 0, 0], owner=y.buf.owner,
                  label=k)
     w = norm[0].binding() if norm else placeholder(dev)
-    op = Op(name=k)
+    op = Op(name=k if rows == 1 else "lora_rows")
     op.buffers.append(par)
     return op.add(pipe, dev.bind(pipe, {1: ib, 3: xb, 5: yb, 8: par, 9: cols.binding(), 10: a.binding(),
-                                        11: b.binding(), 12: w}), T)
+                                        11: b.binding(), 12: w}), -(-T // rows))
 
 
 def _narrow(R: int) -> int:

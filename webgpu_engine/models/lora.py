@@ -399,11 +399,13 @@ def _f16_exact(ad: LoraAdapter) -> bool:
 class LoraRows:
     """What a forward with adapters reads: the pool, each row's slot (kernels/lora.py NONE: the
     base) and the projection groups whose deltas it adds (None: all; the others are left as the
-    base computes them, fusions included)."""
+    base computes them, fusions included); `rows`: the rows of one sequence (a prefill chunk's, one
+    adapter) a CPU adapter's lora_delta workgroup takes at once (kernels/lora.py lora_rows)."""
 
     pool: LoraPool
     idx: Tensor             # (P,) u32
     groups: tuple | None = None
+    rows: int = 1
 
     def delta(self, i: int, group: str, x: Tensor, y: Tensor, T: int, norm: tuple | None = None,
               store: bool = False) -> list:
@@ -416,7 +418,7 @@ class LoraRows:
         dev, idx, x = p.dev, self.idx.view((T,)), x.view((T, g.k))
         if p.fused:
             return [lk.lora_delta(dev, x, g.a, g.b, g.cols, idx, y.view((T, g.n)), slots=p.slots, norm=norm,
-                                  store=store)]
+                                  store=store, rows=self.rows if T > 1 else 1)]
         ops = []
         if norm is not None:
             ops.append(nn.rms_norm(dev, x, norm[0], p.h.view((T, g.k)), eps=norm[1]))

@@ -37,6 +37,7 @@ import struct
 from dataclasses import replace
 
 from ..kernels import attention_paged as ap
+from ..kernels import lora as lk
 from ..kernels import matmul as mm
 from ..kernels.common import Op, OpCache, Tensor, new_tensor
 from . import decoder
@@ -186,7 +187,7 @@ class PagedForward:
         if not lora:
             return self._ops.get((kind, T, None), lambda: decoder.forward(self.model, self, T, mode))
         # the deltas of the projections the registered adapters target (a list per such set)
-        rows = replace(self.lora, groups=self.lora.pool.targeted())
+        rows = replace(self.lora, groups=self.lora.pool.targeted(), rows=4 if kind == "prefill" and lk.rows_ok(self.lora.pool.dev) else 1)
         key = (kind, T, rows.groups, self.lora.pool.layout)      # and per layout of the pool's tensors
         return self._ops.get(key, lambda: decoder.forward(self.model, self, T, mode, lora=rows))
 
