@@ -8,10 +8,12 @@ adapter's threads included) in interleaved rounds (A B C D, D C B A, ...):
     lora only   the adapter's 61 LoRA dispatches alone (their share of the step)
     lora, base  the same 61 with a base row (each returns at once: what the dispatches cost)
 
-    python bench/lora_step.py [--rounds 8] [--steps 20] [--only NAME] [--prefill T]
+    python bench/lora_step.py [--rounds 8] [--steps 20] [--only NAME] [--prefill T] [--model REF] [--smoke]
 
 --prefill T: the same four lists for a prefill chunk of T rows of one sequence (positions 40 ..;
-a CPU adapter's LoRA ops there: lora_rows, 4 rows a workgroup) instead of a decode step.
+a CPU adapter's LoRA ops there: lora_rows, 4 rows a workgroup) instead of a decode step. --model:
+another model reference (SmolLM2-135M's Q4_1 by default). --smoke: one round of one step (checks
+that the script runs to the end; its figures mean nothing).
 
 Prints a table; writes bench/results/lora_step.json. For where a step's CPU goes, run one list
 (`--only "lora only" --steps 400`) under `perf record -e cpu-clock -p PID` once its rounds have
@@ -46,13 +48,17 @@ async def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--only", default=None, help="time this list alone (base, adapter, 'lora only', 'lora, base')")
     ap.add_argument("--prefill", type=int, default=0, metavar="T", help="time a prefill chunk of T rows instead")
+    ap.add_argument("--model", default=MODEL)
+    ap.add_argument("--smoke", action="store_true", help="one round of one step")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "lora_step.json"))
     args = ap.parse_args()
+    if args.smoke:
+        args.rounds, args.steps = 1, 1
     with tempfile.TemporaryDirectory() as tmp:
         eng = AsyncMLCEngine()
-        await eng.reload(MODEL, {"context_window_size": 1024, "max_num_sequences": 4},
-                         lora_adapters={"bench": random_adapter(MODEL, Path(tmp) / "lora", dtype="f16")})
-    pipe = eng.held.models[MODEL].pipeline
+        await eng.reload(args.model, {"context_window_size": 1024, "max_num_sequences": 4},
+                         lora_adapters={"bench": random_adapter(args.model, Path(tmp) / "lora", dtype="f16")})
+    pipe = next(iter(eng.held.models.values())).pipeline      # the one model loaded
     fwd, dev = pipe.scheduler.fwd, pipe.scheduler.dev
     slot = pipe.lora.acquire("bench")
     T, kind = (args.prefill, "prefill") if args.prefill else (1, "decode")
@@ -89,7 +95,7 @@ async def main() -> None:
             cpu[name].append((time.process_time() - c0) / args.steps * 1e3)
     load = os.getloadavg()
     what = f"a prefill chunk of {T} rows" if args.prefill else "one decode row"
-    print(f"{MODEL}, a rank-16 f16 adapter of 7 targets, {what}; CPU ms a step, {args.rounds} rounds of "
+    print(f"{args.model}, a rank-16 f16 adapter of 7 targets, {what}; CPU ms a step, {args.rounds} rounds of "
           f"{args.steps}, load {load[0]:.1f} / {load[1]:.1f}")
     base = statistics.median(cpu.get("base", cpu[next(iter(cpu))]))
     for name, xs in cpu.items():
@@ -97,7 +103,7 @@ async def main() -> None:
         print(f"  {name:11s} {d:4d} dispatches  median {statistics.median(xs):6.2f}  min {min(xs):6.2f}  "
               f"({statistics.median(xs) / base:.3f}x the base)")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"model": MODEL, "kind": kind, "rows": T, "load": load, "rounds": args.rounds, "steps": args.steps,
+    Path(args.out).write_text(json.dumps({"model": args.model, "kind": kind, "rows": T, "load": load, "rounds": args.rounds, "steps": args.steps,
                                          "cpu_ms": cpu, "time": time.strftime("%Y-%m-%d %H:%M:%S")}, indent=1))
     await eng.unload()
 

@@ -248,3 +248,20 @@ def test_long_context(tmp_path):
     assert set(q8["decode_tok_s"]) == set(q4["decode_tok_s"]) == {"64", "128"}
     assert auto["accuracy_vs_auto"]["identical_answers"] == auto["accuracy_vs_auto"]["answers"]
     assert f"wrote {out}" in stdout
+
+
+def test_lora_step(tmp_path, tiny):
+    """bench/lora_step.py's prefill form on the tiny model with a random adapter (lora_rows' lists)."""
+    out = tmp_path / "lora_step.json"
+    stdout = run_script("lora_step", "--smoke", "--prefill", "6", "--model", tiny["chat"], "--out", str(out))
+    data = load(out, {"model", "kind", "rows", "cpu_ms"})
+    assert data["kind"] == "prefill" and data["rows"] == 6
+    assert set(data["cpu_ms"]) == {"base", "adapter", "lora only", "lora, base"} and "lora only" in stdout
+
+
+def test_lora_delta(tmp_path):
+    """bench/lora_delta.py: its kernel variants, one round of one dispatch each."""
+    out = tmp_path / "lora_delta.json"
+    run_script("lora_delta", "--rounds", "1", "--dispatches", "1", "--out", str(out))
+    data = load(out, {"rounds", "dispatches", "groups"})
+    assert set(data["groups"]) == {"qkv", "o", "gate_up", "down"}
