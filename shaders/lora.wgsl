@@ -142,9 +142,10 @@ fn delta_row(t: u32, s: u32, lid: u32) {
     let a0 = (s * J) * K4;
     let NT = J / R;
     var inv = 1.0;
+    let ln = sg_lane();
     for (var l0 = 0u; l0 < R; l0 += WG) {
         let l = l0 + lid;
-        let aj = a0 + l * K4;
+        let aj = a0 + min(l, R - 1u) * K4;   // SG: lanes past R make row R - 1's sums again, not stored
         var acc = vec3<f32>(0.0);        // rows l, R + l, 2R + l
         var ss = 0.0;
         for (var kc = 0u; kc < K; kc += KC) {
@@ -159,15 +160,35 @@ fn delta_row(t: u32, s: u32, lid: u32) {
                 wx[k4] = v;
             }
             workgroupBarrier();
-            if (l < R) {
-                let ak = aj + kc / VW;
-                let RK = R * K4;
-                for (var k4 = 0u; k4 < kn / VW; k4++) {
-                    let x0 = wx[k4 * (VW / 4u)];
-                    let x1 = wx[k4 * (VW / 4u) + (VW / 4u - 1u)];      // VW = 4: x0 again
-                    acc.x = wdot(acc.x, x0, x1, a4[ak + k4]);
-                    if (NT > 1u) { acc.y = wdot(acc.y, x0, x1, a4[ak + RK + k4]); }
-                    if (NT > 2u) { acc.z = wdot(acc.z, x0, x1, a4[ak + 2u * RK + k4]); }
+            let ak = aj + kc / VW;
+            let RK = R * K4;
+            if (SG) {                    // 32 x values a block through the subgroup, then the rest
+                let nb = kn / 32u;
+                for (var kb = 0u; kb < nb; kb++) {
+                    let m = bc8(wx[kb * 8u + ln]);
+                    let a = ak + kb * (32u / VW);
+                    if (VW == 8u) {
+                        acc = mac3(acc, m[0], m[1], a, RK, NT);
+                        acc = mac3(acc, m[2], m[3], a + 1u, RK, NT);
+                        acc = mac3(acc, m[4], m[5], a + 2u, RK, NT);
+                        acc = mac3(acc, m[6], m[7], a + 3u, RK, NT);
+                    } else {
+                        acc = mac3(acc, m[0], m[0], a, RK, NT);
+                        acc = mac3(acc, m[1], m[1], a + 1u, RK, NT);
+                        acc = mac3(acc, m[2], m[2], a + 2u, RK, NT);
+                        acc = mac3(acc, m[3], m[3], a + 3u, RK, NT);
+                        acc = mac3(acc, m[4], m[4], a + 4u, RK, NT);
+                        acc = mac3(acc, m[5], m[5], a + 5u, RK, NT);
+                        acc = mac3(acc, m[6], m[6], a + 6u, RK, NT);
+                        acc = mac3(acc, m[7], m[7], a + 7u, RK, NT);
+                    }
+                }
+                for (var k4 = nb * (32u / VW); k4 < kn / VW; k4++) {
+                    acc = mac3(acc, wx[k4 * (VW / 4u)], wx[k4 * (VW / 4u) + (VW / 4u - 1u)], ak + k4, RK, NT);
+                }
+            } else if (l < R) {
+                for (var k4 = 0u; k4 < kn / VW; k4++) {     // VW = 4: x1 is x0 again
+                    acc = mac3(acc, wx[k4 * (VW / 4u)], wx[k4 * (VW / 4u) + (VW / 4u - 1u)], ak + k4, RK, NT);
                 }
             }
         }
@@ -260,21 +281,44 @@ fn lora_post(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_in
     let K14 = K1 / VW;
     let p0 = (D.p_off + t * K1) / 4u;
     let a0 = s * R * K14;
+    let ln = sg_lane();
     for (var l0 = 0u; l0 < R; l0 += WG) {
         let l = l0 + lid;
-        let aj = a0 + l * K14;
+        let aj = a0 + min(l, R - 1u) * K14;
         var acc = vec3<f32>(0.0);
         for (var kc = 0u; kc < K1; kc += KC) {
             let kn = min(KC, K1 - kc);
             workgroupBarrier();
             for (var k4 = lid; k4 < kn / 4u; k4 += WG) { wx[k4] = vec4<f32>(pin[p0 + kc / 4u + k4]); }
             workgroupBarrier();
-            if (l < R) {
-                let ak = aj + kc / VW;
+            let ak = aj + kc / VW;
+            if (SG) {                    // as delta_row's shrink
+                let nb = kn / 32u;
+                for (var kb = 0u; kb < nb; kb++) {
+                    let m = bc8(wx[kb * 8u + ln]);
+                    let a = ak + kb * (32u / VW);
+                    if (VW == 8u) {
+                        acc.x = wdot(acc.x, m[0], m[1], pa4[a]);
+                        acc.x = wdot(acc.x, m[2], m[3], pa4[a + 1u]);
+                        acc.x = wdot(acc.x, m[4], m[5], pa4[a + 2u]);
+                        acc.x = wdot(acc.x, m[6], m[7], pa4[a + 3u]);
+                    } else {
+                        acc.x = wdot(acc.x, m[0], m[0], pa4[a]);
+                        acc.x = wdot(acc.x, m[1], m[1], pa4[a + 1u]);
+                        acc.x = wdot(acc.x, m[2], m[2], pa4[a + 2u]);
+                        acc.x = wdot(acc.x, m[3], m[3], pa4[a + 3u]);
+                        acc.x = wdot(acc.x, m[4], m[4], pa4[a + 4u]);
+                        acc.x = wdot(acc.x, m[5], m[5], pa4[a + 5u]);
+                        acc.x = wdot(acc.x, m[6], m[6], pa4[a + 6u]);
+                        acc.x = wdot(acc.x, m[7], m[7], pa4[a + 7u]);
+                    }
+                }
+                for (var k4 = nb * (32u / VW); k4 < kn / VW; k4++) {
+                    acc.x = wdot(acc.x, wx[k4 * (VW / 4u)], wx[k4 * (VW / 4u) + (VW / 4u - 1u)], pa4[ak + k4]);
+                }
+            } else if (l < R) {
                 for (var k4 = 0u; k4 < kn / VW; k4++) {
-                    let x0 = wx[k4 * (VW / 4u)];
-                    let x1 = wx[k4 * (VW / 4u) + (VW / 4u - 1u)];
-                    acc.x = wdot(acc.x, x0, x1, pa4[ak + k4]);
+                    acc.x = wdot(acc.x, wx[k4 * (VW / 4u)], wx[k4 * (VW / 4u) + (VW / 4u - 1u)], pa4[ak + k4]);
                 }
             }
         }
@@ -306,6 +350,16 @@ fn lora_post(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_in
         workgroupBarrier();
         delta_row(t, s, lid);
     }
+}
+
+// the shrink's sums of one A load of each of the group's NT targets (row l's VW values at a, a + RK,
+// a + 2 RK) against x values x0 (x1: the second 4 where VW = 8)
+fn mac3(acc: vec3<f32>, x0: vec4<f32>, x1: vec4<f32>, a: u32, RK: u32, NT: u32) -> vec3<f32> {
+    var r = acc;
+    r.x = wdot(r.x, x0, x1, a4[a]);
+    if (NT > 1u) { r.y = wdot(r.y, x0, x1, a4[a + RK]); }
+    if (NT > 2u) { r.z = wdot(r.z, x0, x1, a4[a + 2u * RK]); }
+    return r;
 }
 
 // four rows' wdot against the same x values (rows of one invocation)

@@ -100,10 +100,10 @@ fn rows_delta(t0: u32, nr: u32, s: u32, lid: u32, ln: u32) {
             let nb = kn / 32u;
             for (var kb = 0u; kb < nb; kb++) {
                 let o = kb * 8u + ln;
-                let m0 = bcast8(wxr[o]);
-                let m1 = bcast8(wxr[KQ + o]);
-                let m2 = bcast8(wxr[2u * KQ + o]);
-                let m3 = bcast8(wxr[3u * KQ + o]);
+                let m0 = bc8(wxr[o]);
+                let m1 = bc8(wxr[KQ + o]);
+                let m2 = bc8(wxr[2u * KQ + o]);
+                let m3 = bc8(wxr[3u * KQ + o]);
                 let a = ak + kb * (32u / VW);
                 if (VW == 8u) {
                     acc = rows_mac(acc, m0[0], m0[1], m1[0], m1[1], m2[0], m2[1], m3[0], m3[1], a, RK, NT);
@@ -218,11 +218,4 @@ fn rows_mac(c: Acc3, xa0: vec4<f32>, xb0: vec4<f32>, xa1: vec4<f32>, xb1: vec4<f
                         wdotf(r.z.w, xa3, xb3, w2));
     }
     return r;
-}
-
-// the 8 lanes' vec4s as every lane's array (lane i: x values 4i .. 4i + 3 of a block)
-fn bcast8(v: vec4<f32>) -> array<vec4<f32>, 8> {
-    return array<vec4<f32>, 8>(subgroupBroadcast(v, 0u), subgroupBroadcast(v, 1u), subgroupBroadcast(v, 2u),
-                               subgroupBroadcast(v, 3u), subgroupBroadcast(v, 4u), subgroupBroadcast(v, 5u),
-                               subgroupBroadcast(v, 6u), subgroupBroadcast(v, 7u));
 }

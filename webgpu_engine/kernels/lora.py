@@ -44,19 +44,40 @@ _WEIGHTS = {
 }
 
 
+# the shrinks' x through the subgroup (SG: where rows_ok; lavapipe loads workgroup memory lane by lane,
+# so lane i of each 8 loads only vec4 i of 32 staged values and bc8 hands the 8 to every lane; the
+# same values into the same sums); sg_lane: the lane's place in its 8 (all lanes active where called)
+_SUBGROUPS = """enable subgroups;
+const SG: bool = true;
+fn bc8(v: vec4<f32>) -> array<vec4<f32>, 8> {
+    return array<vec4<f32>, 8>(subgroupBroadcast(v, 0u), subgroupBroadcast(v, 1u), subgroupBroadcast(v, 2u),
+                               subgroupBroadcast(v, 3u), subgroupBroadcast(v, 4u), subgroupBroadcast(v, 5u),
+                               subgroupBroadcast(v, 6u), subgroupBroadcast(v, 7u));
+}
+fn sg_lane() -> u32 { return subgroupExclusiveAdd(1u) % 8u; }
+"""
+_NO_SUBGROUPS = """const SG: bool = false;
+fn bc8(v: vec4<f32>) -> array<vec4<f32>, 8> { return array<vec4<f32>, 8>(); }
+fn sg_lane() -> u32 { return 0u; }
+"""
+
+
 # lora_delta on a CPU adapter (lavapipe runs a workgroup 8 lanes at a time, masked-off lanes
 # included): its widths (K, N, J, R) compiled in, so loops have known trip counts (the same
 # operations in the same order), and a workgroup only as wide as the shrink's R lanes (rounded up to
 # 8). False: the uniforms' widths and 64 lanes (bench/lora_delta.py compares the two; the same bits)
 BAKE_SHAPES = True
 NARROW_WG = True
+SUBGROUP_X = True        # the shrinks' x through the subgroup where rows_ok (False: read by each lane)
 
 
 def _pipe(dev: Device, entry: str, dtype: str, j: int = 1, norm: bool = False, store: bool = False,
-          wdtype: str = "f32", shape: tuple = (0, 0, 0, 0, 0), wg: int = _WG, pre: bool = True, rows: int = 1):
+          wdtype: str = "f32", shape: tuple = (0, 0, 0, 0, 0), wg: int = _WG, pre: bool = True, rows: int = 1,
+          sg: bool = False):
     dims = "".join(f"const SHAPE_{n}: u32 = {v}u;\n" for n, v in zip(("K", "N", "J", "R", "K1"), shape))
-    rows_src = f"enable subgroups;\n{load_shader_source('lora_rows.wgsl')}\n" if rows > 1 else ""
-    return dev.pipeline("lora.wgsl", entry, header=f"{rows_src}{act_header(dtype)}const WG: u32 = {wg}u;\n"
+    sg = _SUBGROUPS if sg or rows > 1 else _NO_SUBGROUPS
+    rows_src = f"{load_shader_source('lora_rows.wgsl')}\n" if rows > 1 else ""
+    return dev.pipeline("lora.wgsl", entry, header=f"{sg}{rows_src}{act_header(dtype)}const WG: u32 = {wg}u;\n"
                                                    f"const JMAX: u32 = {j}u;\nconst NORM: bool = {str(norm).lower()};\n"
                                                    f"const STORE: bool = {str(store).lower()};\nconst KC: u32 = {_KC}u;\n"
                                                    f"const PRE: bool = {str(pre).lower()};\n{dims}{_WEIGHTS[wdtype]}")
@@ -138,7 +159,7 @@ def lora_delta(dev: Device, x: Tensor, a: Tensor, b: Tensor, cols: Tensor, idx: 
     wg = _narrow(R)
     check(rows == 1 or rows == 4 and rows_ok(dev), k, f"rows must be 1, or 4 with subgroups of 8 lanes, got {rows}")
     pipe = _pipe(dev, "lora_rows" if rows > 1 else k, x.dtype, J, norm is not None, store, a.dtype,
-                 (K, N, J, R, 0) if BAKE_SHAPES else (0,) * 5, wg, rows=rows)
+                 (K, N, J, R, 0) if BAKE_SHAPES else (0,) * 5, wg, rows=rows, sg=SUBGROUP_X and rows_ok(dev))
     par = params(dev, [T, K, N, J, xo, yo, slots, float(norm[1]) if norm else 0.0, R, 0, 0, 0, 0], owner=y.buf.owner,
                  label=k)
     w = norm[0].binding() if norm else placeholder(dev)
@@ -202,7 +223,7 @@ def lora_post(dev: Device, x: Tensor, inp: Tensor, a: Tensor, b: Tensor, idx: Te
         binds = {5: scratch, 9: a.binding(), 10: a.binding(), 11: b.binding()}
     wg = _narrow(R)
     pipe = _pipe(dev, k, x.dtype, max(J, R), True, True, a.dtype,
-                 (K, N, J, R, K1) if BAKE_SHAPES else (0,) * 5, wg, pre=nxt is not None)
+                 (K, N, J, R, K1) if BAKE_SHAPES else (0,) * 5, wg, pre=nxt is not None, sg=SUBGROUP_X and rows_ok(dev))
     par = params(dev, [T, K, N, J, xo, yo, slots, float(eps), R, K1, po, ho, qo], owner=x.buf.owner, label=k)
     op.buffers.append(par)
     op.name = k if nxt is None else k + "+delta"
