@@ -335,6 +335,22 @@ async def test_pool_evicts_the_least_recently_used_idle_adapter(engine):
         pool.release_all()
 
 
+async def test_a_request_past_max_loras_waits_for_a_slot(device, base_path):
+    """max_loras 1 and two adapters' requests at once: the second waits for the first's slot (vLLM
+    queues it; it was a 400 before) and both answer as transformers + peft."""
+    eng = AsyncMLCEngine()
+    await eng.reload(str(base_path), chat_opts=OPTS, lora_adapters=ADAPTERS, max_loras=1)
+    try:
+        pool = eng.models[_base_id(eng)].pipeline.lora
+        names = list(ADAPTERS)[:2]
+        assert pool.slots == 1 and len(names) == 2
+        got = await asyncio.gather(*(_greedy(eng, name, i) for i, name in enumerate(names)))
+        assert got == [_want(name, i) for i, name in enumerate(names)]
+        assert pool.resident() == [names[1]] and not any(pool._users.values())
+    finally:
+        await eng.unload()
+
+
 def _copy_adapter(src: str, dst: Path, config: dict | None = None, rename=None, reshape=None) -> str:
     """A copy of adapter folder `src` with config keys changed, tensors renamed or cut."""
     from webgpu_engine.loaders.safetensors import SafetensorsFile, write_safetensors

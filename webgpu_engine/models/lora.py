@@ -26,6 +26,7 @@ whose token mixer is not attention, take no delta there (such targets are refuse
 """
 from __future__ import annotations
 
+import asyncio
 from collections import OrderedDict
 from dataclasses import dataclass, replace
 
@@ -213,6 +214,7 @@ class LoraPool:
         self.registered: dict[str, LoraAdapter] = {}
         self._resident: OrderedDict = OrderedDict()        # adapter_key -> slot, least recently used first
         self._users: dict[str, int] = {}                   # adapter_key -> sequences using it now
+        self._freed: asyncio.Event | None = None           # set when an entry's last user leaves (slot_free)
 
     def _alloc(self) -> None:
         """Each layer's group tensors in the kernels' layout (`fused`: lora_delta's A and compact B
@@ -318,6 +320,28 @@ class LoraPool:
 
     def release(self, key: str) -> None:
         self._users[key] -= 1
+        if not self._users[key] and self._freed is not None:
+            self._freed.set()                              # its slot may go to a request waiting for one
+            self._freed = None
+
+    def can_acquire(self, key: str) -> bool:
+        """Whether acquire(key) finds a slot now: the entry resident, a slot free, or an entry no
+        running sequence uses (evicted)."""
+        return (key in self._resident or len(self._resident) < self.slots
+                or any(not self._users.get(k) for k in self._resident))
+
+    async def slot_free(self, key: str) -> None:
+        """Wait until acquire(key) finds a slot (vLLM queues a request whose adapter would be one past
+        max_loras): every slot is held by adapters of running sequences, so one of them ends first.
+        Waiters wake in the order they came; an adapter unloaded meanwhile is refused."""
+        while not self.can_acquire(key):
+            if self._freed is None:
+                self._freed = asyncio.Event()
+            await self._freed.wait()
+        gone = [n for n in key_parts(key) if n not in self.registered]
+        if gone:
+            raise InvalidRequestError(f"LoRA adapter {gone[0]!r} was unloaded while the request waited for a "
+                                      f"slot.", param="model")
 
     def _free_slot(self, name: str) -> int:
         used = set(self._resident.values())

@@ -94,6 +94,8 @@ class BatchSequence:
         req = req if req is not None else RequestStats(t_start=now(), breakdown=gen.latency_breakdown)
         self.seq = self._sched.pipe.new_sequence(gen, req, raw=raw, stats=stats)
         req.prompt_tokens = len(ids)
+        if self.adapter is not None:         # every LoRA slot held by running sequences' adapters: wait
+            await self._sched.pipe.lora.slot_free(self.adapter)
         self._rec = self._sched.add(self, ids, gen)
         await self._wait()
 
