@@ -337,7 +337,8 @@ async def test_pool_evicts_the_least_recently_used_idle_adapter(engine):
 
 async def test_a_request_past_max_loras_waits_for_a_slot(device, base_path):
     """max_loras 1 and two adapters' requests at once: the second waits for the first's slot (vLLM
-    queues it; it was a 400 before) and both answer as transformers + peft."""
+    queues it; it was a 400 before) and both answer as transformers + peft; one whose adapter is
+    unloaded while it waits is refused."""
     eng = AsyncMLCEngine()
     await eng.reload(str(base_path), chat_opts=OPTS, lora_adapters=ADAPTERS, max_loras=1)
     try:
@@ -347,6 +348,17 @@ async def test_a_request_past_max_loras_waits_for_a_slot(device, base_path):
         got = await asyncio.gather(*(_greedy(eng, name, i) for i, name in enumerate(names)))
         assert got == [_want(name, i) for i, name in enumerate(names)]
         assert pool.resident() == [names[1]] and not any(pool._users.values())
+        # an adapter unloaded while its request waits: that request is refused, the other answers
+        first = asyncio.ensure_future(_greedy(eng, names[0], 0))
+        while not pool._users.get(names[0]):
+            await asyncio.sleep(0.01)
+        second = asyncio.ensure_future(_greedy(eng, names[1], 1))
+        while pool._freed is None:
+            await asyncio.sleep(0.01)
+        await eng.unload_lora_adapter(names[1])
+        assert await first == _want(names[0], 0)
+        with pytest.raises(InvalidRequestError, match="was unloaded while the request waited"):
+            await second
     finally:
         await eng.unload()
 
