@@ -6,7 +6,9 @@ each row through its own adapter's slot of a pool (punica / S-LoRA's "bgmv"), a 
     y += lora_expand(u, B, idx)      y[t] += B[idx[t]] · u[t]        (T, N) into y's columns
     y += lora_delta(x, A, B, idx)    the two in one dispatch, a workgroup per row, x RMS-normed on
                                      the way in where given a norm (a decode step's rows); A and B
-                                     in a layout of its own (B compact: compact_b), f32 or f16
+                                     in a layout of its own (B compact: compact_b), f32 or f16;
+                                     rows=4: 4 rows a workgroup (lora_rows, shaders/lora_rows.wgsl:
+                                     a prefill chunk's rows, one adapter's), the same bits
     lora_post(x, inp, A, B, ...)     a residual matmul's delta after it (x, its next norm's x * w and
                                      partial sums stored again), then lora_delta of the next group,
                                      in one dispatch (a CPU adapter's decode step: models/decoder.py)
