@@ -77,9 +77,9 @@ def _pipe(dev: Device, entry: str, dtype: str, j: int = 1, norm: bool = False, s
           wdtype: str = "f32", shape: tuple = (0, 0, 0, 0, 0), wg: int = _WG, pre: bool = True, rows: int = 1,
           sg: bool = False):
     dims = "".join(f"const SHAPE_{n}: u32 = {v}u;\n" for n, v in zip(("K", "N", "J", "R", "K1"), shape))
-    sg = _SUBGROUPS if sg or rows > 1 else _NO_SUBGROUPS
+    subgroups = _SUBGROUPS if sg or rows > 1 else _NO_SUBGROUPS          # lora_rows: always
     rows_src = f"{load_shader_source('lora_rows.wgsl')}\n" if rows > 1 else ""
-    return dev.pipeline("lora.wgsl", entry, header=f"{sg}{rows_src}{act_header(dtype)}const WG: u32 = {wg}u;\n"
+    return dev.pipeline("lora.wgsl", entry, header=f"{subgroups}{rows_src}{act_header(dtype)}const WG: u32 = {wg}u;\n"
                                                    f"const JMAX: u32 = {j}u;\nconst NORM: bool = {str(norm).lower()};\n"
                                                    f"const STORE: bool = {str(store).lower()};\nconst KC: u32 = {_KC}u;\n"
                                                    f"const PRE: bool = {str(pre).lower()};\n{dims}{_WEIGHTS[wdtype]}")

@@ -187,7 +187,9 @@ class PagedForward:
         if not lora:
             return self._ops.get((kind, T, None), lambda: decoder.forward(self.model, self, T, mode))
         # the deltas of the projections the registered adapters target (a list per such set)
-        rows = replace(self.lora, groups=self.lora.pool.targeted(), rows=4 if kind == "prefill" and lk.rows_ok(self.lora.pool.dev) else 1)
+        # (a prefill chunk's rows, one sequence's, 4 a LoRA workgroup where the adapter can: lora_rows)
+        four = kind == "prefill" and lk.rows_ok(self.lora.pool.dev)
+        rows = replace(self.lora, groups=self.lora.pool.targeted(), rows=4 if four else 1)
         key = (kind, T, rows.groups, self.lora.pool.layout)      # and per layout of the pool's tensors
         return self._ops.get(key, lambda: decoder.forward(self.model, self, T, mode, lora=rows))
 
