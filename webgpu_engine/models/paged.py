@@ -271,6 +271,12 @@ class PagedForward:
             batch.copy(t.buf, self._rows_scratch, rows * row, src_offset=t.offset + src * self.block_size * row)
             batch.copy(self._rows_scratch, t.buf, rows * row, dst_offset=t.offset + dst * self.block_size * row)
 
+    def copy_pending(self, batch, pool, seq_id) -> None:
+        """Record the row copy `pool` holds for `seq_id` (KVPool.take_copy: rows of a cached partial
+        block, due before the sequence's first forward), where it holds one."""
+        if (cp := pool.take_copy(seq_id)) is not None:
+            self.copy_rows(batch, *cp)
+
     def logits_row(self, r: int):
         return self.logits.view((self.cfg.vocab_size,), r * self.cfg.vocab_size)
 

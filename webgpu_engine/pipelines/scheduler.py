@@ -349,8 +349,7 @@ class Scheduler:
             if tiles:                         # its images' tiles in this chunk through the tower
                 await self.pipe.vision.stage_chunk(tiles, start, end)
             batch = dev.batch()
-            if (cp := pool.take_copy(rec.id)) is not None:     # its first rows, from a cached block
-                fwd.copy_rows(batch, *cp)
+            fwd.copy_pending(batch, pool, rec.id)          # its first rows, from a cached block
             state = rec.slot if self.snapshots is None else self.snapshots.prefill_slots(rec.id, rec.slot, start, end)
             fwd.record_prefill(batch, rec.toks[start:end], start, pool.slots(rec.id, start, end - start),
                                pool.block_table(rec.id), with_head=head, lora=rec.lora_slot, state_slot=state)
@@ -461,8 +460,7 @@ class Scheduler:
         (rec -> bytes per row): each of rec's rows masked before its sampler."""
         fwd, batch, pool = self.fwd, self.dev.batch(), self.pool
         for r in rows:       # a replay whose prompt rows came whole from the pool, a part copied: its
-            if (cp := pool.take_copy(r.id)) is not None:   # first forward is this decode row
-                fwd.copy_rows(batch, *cp)
+            fwd.copy_pending(batch, pool, r.id)     # first forward is this decode row
         # each row's LoRA slot, where a row has an adapter (else the base's op lists)
         lora = [NONE if r.lora_slot is None else r.lora_slot for r in rows
                 for _ in range(1 + len((guesses or {}).get(r, ())))]
