@@ -165,7 +165,7 @@ fn delta_row(t: u32, s: u32, lid: u32) {
             if (SG) {                    // 32 x values a block through the subgroup, then the rest
                 let nb = kn / 32u;
                 for (var kb = 0u; kb < nb; kb++) {
-                    let m = bc8(wx[kb * 8u + ln]);
+                    let m = lanes8(wx[kb * 8u + ln]);
                     let a = ak + kb * (32u / VW);
                     if (VW == 8u) {
                         acc = mac3(acc, m[0], m[1], a, RK, NT);
@@ -295,7 +295,7 @@ fn lora_post(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_in
             if (SG) {                    // as delta_row's shrink
                 let nb = kn / 32u;
                 for (var kb = 0u; kb < nb; kb++) {
-                    let m = bc8(wx[kb * 8u + ln]);
+                    let m = lanes8(wx[kb * 8u + ln]);
                     let a = ak + kb * (32u / VW);
                     if (VW == 8u) {
                         acc.x = wdot(acc.x, m[0], m[1], pa4[a]);

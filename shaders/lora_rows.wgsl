@@ -101,10 +101,10 @@ fn rows_delta(t0: u32, nr: u32, s: u32, lid: u32, ln: u32) {
             let nb = kn / 32u;
             for (var kb = 0u; kb < nb; kb++) {
                 let o = kb * 8u + ln;
-                let m0 = bc8(wxr[o]);
-                let m1 = bc8(wxr[KQ + o]);
-                let m2 = bc8(wxr[2u * KQ + o]);
-                let m3 = bc8(wxr[3u * KQ + o]);
+                let m0 = lanes8(wxr[o]);
+                let m1 = lanes8(wxr[KQ + o]);
+                let m2 = lanes8(wxr[2u * KQ + o]);
+                let m3 = lanes8(wxr[3u * KQ + o]);
                 let a = ak + kb * (32u / VW);
                 if (VW == 8u) {
                     acc = rows_mac(acc, m0[0], m0[1], m1[0], m1[1], m2[0], m2[1], m3[0], m3[1], a, RK, NT);

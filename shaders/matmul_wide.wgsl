@@ -20,21 +20,16 @@
 
 enable subgroups;
 
-// the 8 lanes' vec4s as every lane's array (lane i: activations 4i .. 4i + 3 of a chunk)
-fn wide_all(v: vec4<f32>) -> array<vec4<f32>, 8> {
-    return array<vec4<f32>, 8>(subgroupBroadcast(v, 0u), subgroupBroadcast(v, 1u), subgroupBroadcast(v, 2u),
-                               subgroupBroadcast(v, 3u), subgroupBroadcast(v, 4u), subgroupBroadcast(v, 5u),
-                               subgroupBroadcast(v, 6u), subgroupBroadcast(v, 7u));
-}
+// the lanes' vec4s reach every lane by lanes8 (subgroup_lanes.wgsl, built after this file)
 
 // dec_x's chunk (plain, pnorm) from the lanes' vec4s
 fn wide_chunk(v: vec4<f32>) -> XChunk {
-    return xc_of(wide_all(v));
+    return xc_of(lanes8(v));
 }
 
 // dec_sq of the chunk (norm mode: the sum of x^2 as dec_sq makes it)
 fn wide_sq(xv: vec4<f32>) -> f32 {
-    let a = wide_all(xv);
+    let a = lanes8(xv);
     let s = (a[0] * a[0] + a[1] * a[1]) + (a[2] * a[2] + a[3] * a[3]) + (a[4] * a[4] + a[5] * a[5]) +
             (a[6] * a[6] + a[7] * a[7]);
     return dot(s, vec4<f32>(1.0));
@@ -42,8 +37,8 @@ fn wide_sq(xv: vec4<f32>) -> f32 {
 
 // dec_xn's chunk from the lanes' x and g vec4s: the products made after the broadcast, as dec_xn makes them
 fn wide_chunk_n(xv: vec4<f32>, gv: vec4<f32>) -> XChunk {
-    let a = wide_all(xv);
-    let b = wide_all(gv);
+    let a = lanes8(xv);
+    let b = lanes8(gv);
     var v: array<vec4<f32>, 8>;
     v[0] = a[0] * b[0];
     v[1] = a[1] * b[1];
@@ -58,8 +53,8 @@ fn wide_chunk_n(xv: vec4<f32>, gv: vec4<f32>) -> XChunk {
 
 // dec_xs's chunk from the lanes' gate and up vec4s
 fn wide_chunk_s(gv: vec4<f32>, uv: vec4<f32>) -> XChunk {
-    let a = wide_all(gv);
-    let b = wide_all(uv);
+    let a = lanes8(gv);
+    let b = lanes8(uv);
     var v: array<vec4<f32>, 8>;
     v[0] = silu4(a[0], b[0]);
     v[1] = silu4(a[1], b[1]);

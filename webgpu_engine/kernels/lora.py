@@ -27,39 +27,32 @@ _WG = 64
 _KC = 1024             # lora_delta's x values staged at a time (4 KB of workgroup memory)
 
 
-# lora_delta's A / B element type: how a load (`wvec`, VW values) is dotted with VW x or u values in
-# index order (x1: the second four, f16 only); wunpack / wdotf: the same with the load's values
-# unpacked once for several rows (lora_rows)
+# lora_delta's A / B element type: a load (`wvec`, VW values) as f32 values (wunpack: `wf`, lo the
+# first four, hi the second, f16 only) and those dotted with VW x or u values in index order (wdotf;
+# x1: the second four); _WDOT's wdot does both (lora_rows unpacks a load once for its 4 rows)
 _WEIGHTS = {
     "f32": "alias wvec = vec4<f32>;\nconst VW: u32 = 4u;\n"
-           "fn wdot(acc: f32, x0: vec4<f32>, x1: vec4<f32>, w: vec4<f32>) -> f32 { return dot_seq(acc, x0, w); }\n"
-           "struct wf { lo: vec4<f32>, hi: vec4<f32> }\nfn wunpack(w: wvec) -> wf { return wf(w, w); }\n"
+           "fn wunpack(w: wvec) -> wf { return wf(w, w); }\n"
            "fn wdotf(acc: f32, x0: vec4<f32>, x1: vec4<f32>, w: wf) -> f32 { return dot_seq(acc, x0, w.lo); }\n",
     "f16": "alias wvec = vec4<u32>;\nconst VW: u32 = 8u;\n"
-           "fn wdot(acc: f32, x0: vec4<f32>, x1: vec4<f32>, w: vec4<u32>) -> f32 {\n"
-           "    let r = dot_seq(acc, x0, vec4<f32>(unpack2x16float(w.x), unpack2x16float(w.y)));\n"
-           "    return dot_seq(r, x1, vec4<f32>(unpack2x16float(w.z), unpack2x16float(w.w)));\n}\n"
-           "struct wf { lo: vec4<f32>, hi: vec4<f32> }\n"
            "fn wunpack(w: wvec) -> wf {\n"
-           "    return wf(vec4<f32>(unpack2x16float(w.x), unpack2x16float(w.y)), vec4<f32>(unpack2x16float(w.z), unpack2x16float(w.w)));\n}\n"
+           "    return wf(vec4<f32>(unpack2x16float(w.x), unpack2x16float(w.y)),\n"
+           "              vec4<f32>(unpack2x16float(w.z), unpack2x16float(w.w)));\n}\n"
            "fn wdotf(acc: f32, x0: vec4<f32>, x1: vec4<f32>, w: wf) -> f32 { return dot_seq(dot_seq(acc, x0, w.lo), x1, w.hi); }\n",
 }
+_WDOT = ("struct wf { lo: vec4<f32>, hi: vec4<f32> }\n"
+         "fn wdot(acc: f32, x0: vec4<f32>, x1: vec4<f32>, w: wvec) -> f32 { return wdotf(acc, x0, x1, wunpack(w)); }\n")
 
 
-# the shrinks' x through the subgroup (SG: where rows_ok; lavapipe loads workgroup memory lane by lane,
-# so lane i of each 8 loads only vec4 i of 32 staged values and bc8 hands the 8 to every lane; the
-# same values into the same sums); sg_lane: the lane's place in its 8 (all lanes active where called)
+# the shrinks' x through the subgroup (SG: where rows_ok; lane i of each 8 loads only vec4 i of 32
+# staged values and subgroup_lanes.wgsl's lanes8 hands the 8 to every lane; the same values into the
+# same sums); sg_lane: the lane's place in its 8 (all lanes active where called). Without: stubs
 _SUBGROUPS = """enable subgroups;
 const SG: bool = true;
-fn bc8(v: vec4<f32>) -> array<vec4<f32>, 8> {
-    return array<vec4<f32>, 8>(subgroupBroadcast(v, 0u), subgroupBroadcast(v, 1u), subgroupBroadcast(v, 2u),
-                               subgroupBroadcast(v, 3u), subgroupBroadcast(v, 4u), subgroupBroadcast(v, 5u),
-                               subgroupBroadcast(v, 6u), subgroupBroadcast(v, 7u));
-}
 fn sg_lane() -> u32 { return subgroupExclusiveAdd(1u) % 8u; }
 """
 _NO_SUBGROUPS = """const SG: bool = false;
-fn bc8(v: vec4<f32>) -> array<vec4<f32>, 8> { return array<vec4<f32>, 8>(); }
+fn lanes8(v: vec4<f32>) -> array<vec4<f32>, 8> { return array<vec4<f32>, 8>(); }
 fn sg_lane() -> u32 { return 0u; }
 """
 
@@ -77,12 +70,12 @@ def _pipe(dev: Device, entry: str, dtype: str, j: int = 1, norm: bool = False, s
           wdtype: str = "f32", shape: tuple = (0, 0, 0, 0, 0), wg: int = _WG, pre: bool = True, rows: int = 1,
           sg: bool = False):
     dims = "".join(f"const SHAPE_{n}: u32 = {v}u;\n" for n, v in zip(("K", "N", "J", "R", "K1"), shape))
-    subgroups = _SUBGROUPS if sg or rows > 1 else _NO_SUBGROUPS          # lora_rows: always
+    subgroups = _SUBGROUPS + load_shader_source("subgroup_lanes.wgsl") if sg or rows > 1 else _NO_SUBGROUPS
     rows_src = f"{load_shader_source('lora_rows.wgsl')}\n" if rows > 1 else ""
     return dev.pipeline("lora.wgsl", entry, header=f"{subgroups}{rows_src}{act_header(dtype)}const WG: u32 = {wg}u;\n"
                                                    f"const JMAX: u32 = {j}u;\nconst NORM: bool = {str(norm).lower()};\n"
                                                    f"const STORE: bool = {str(store).lower()};\nconst KC: u32 = {_KC}u;\n"
-                                                   f"const PRE: bool = {str(pre).lower()};\n{dims}{_WEIGHTS[wdtype]}")
+                                                   f"const PRE: bool = {str(pre).lower()};\n{dims}{_WEIGHTS[wdtype]}{_WDOT}")
 
 
 def lora_shrink(dev: Device, x: Tensor, a: Tensor, idx: Tensor, u: Tensor, *, slots: int) -> Op:
@@ -121,9 +114,10 @@ def _pair_op(dev: Device, k: str, act: Tensor, w: Tensor, idx: Tensor, u: Tensor
 
 
 def rows_ok(dev: Device) -> bool:
-    """Whether lora_delta can take 4 rows a workgroup here (lora_rows: subgroups of 8 lanes or more)."""
+    """Whether lora_delta can take 4 rows a workgroup here, and the shrinks x through the subgroup
+    (lora_rows, SUBGROUP_X: subgroups of 8 lanes or more)."""
     from .matmul import wide
-    return dev.has_subgroups and wide.subgroup_floor(dev) >= 8
+    return wide.lanes_ok(dev)
 
 
 def lora_delta(dev: Device, x: Tensor, a: Tensor, b: Tensor, cols: Tensor, idx: Tensor, y: Tensor, *,

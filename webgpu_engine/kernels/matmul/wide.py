@@ -49,7 +49,12 @@ ENV = "WEBGPU_ENGINE_WIDE_ROWS"
 def ok(dev: Device) -> bool:
     """Whether the wide kernel runs here: subgroups of at least LANES lanes, and $WEBGPU_ENGINE_WIDE_ROWS
     is not 0."""
-    return os.environ.get(ENV, "") != "0" and dev.has_subgroups and subgroup_floor(dev) >= LANES
+    return os.environ.get(ENV, "") != "0" and lanes_ok(dev)
+
+
+def lanes_ok(dev: Device) -> bool:
+    """Subgroups of at least LANES lanes (subgroup_lanes.wgsl's lanes8: this kernel's, LoRA's)."""
+    return dev.has_subgroups and subgroup_floor(dev) >= LANES
 
 
 def _lane_x(mode: str, xo: str, c: str) -> tuple[str, str]:
@@ -76,7 +81,8 @@ def source(qtype: str, nchunks: int, k: int, x_off4: int, mode: str, nf4: int, g
     U = 4 // gcd(bw, 4) if v4 else 1
     fold = v4 and qtype in V4_XS and xs_fold
     comp = "xyzw"
-    files = ["matmul_decode.wgsl"] + (["matmul_decode_v4.wgsl"] if v4 else []) + ["matmul_wide.wgsl"]
+    files = ["matmul_decode.wgsl"] + (["matmul_decode_v4.wgsl"] if v4 else []) + ["matmul_wide.wgsl",
+                                                                                  "subgroup_lanes.wgsl"]
     lines = [load_shader_source(f) for f in files]
     lines += [f"const XOFF: u32 = {x_off4}u;\nconst NF: u32 = {nf4}u;\nconst GOFF: u32 = {g_off4}u;",
               f"const EPS: f32 = {float(eps)!r};",
@@ -138,4 +144,4 @@ def source(qtype: str, nchunks: int, k: int, x_off4: int, mode: str, nf4: int, g
     return "\n".join(lines)
 
 
-__all__ = ["MAX_ROWS", "EXACT", "LANES", "ENV", "bucket", "subgroup_floor", "ok", "source"]
+__all__ = ["MAX_ROWS", "EXACT", "LANES", "ENV", "bucket", "subgroup_floor", "ok", "lanes_ok", "source"]
