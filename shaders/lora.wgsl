@@ -69,8 +69,8 @@ fn lora_expand(@builtin(global_invocation_id) gid: vec3<u32>) {
 // adding y to its sums keeps a base row's bits: models/lora.py). x and y are read and written 4
 // values a load (xv, yv: x_off, y_off, K and N multiples of 4; on a CPU adapter a load or store
 // costs per invocation whatever its width), a lane making 4 rows of y.
-// dispatch (T, 1, 1), workgroup WG (R lanes or fewer do the shrink); the host adds the consts
-// JMAX (= J), NORM, STORE, KC and SHAPE_K/N/J/R (the widths, or 0: the uniforms'), and
+// dispatch (T, 1, 1), workgroup WG (the shrink's R lanes in passes of WG); the host adds the
+// consts VL (the norm's virtual lanes), JMAX (= J), NORM, STORE, KC and SHAPE_K/N/J/R (the widths, or 0: the uniforms'), and
 // A and B's element type: `wvec` f32 (vec4<f32>, VW = 4 values a load) or f16 pairs (vec4<u32>,
 // VW = 8: on a CPU adapter a load costs per invocation whatever its width, so 16-bit weights halve
 // the loads) with `wdot`, which adds a load's VW products in index order (the same sums, the same
@@ -101,7 +101,7 @@ struct DeltaParams {
 @group(0) @binding(8) var<uniform> D: DeltaParams;
 
 var<workgroup> wslot: u32;
-var<workgroup> wsum: array<f32, WG>;     // the norm's sums of squares, a lane each
+var<workgroup> wsum: array<f32, VL>;     // the norm's sums of squares, a virtual lane each
 var<workgroup> wtot: f32;
 var<workgroup> wu: array<vec4<f32>, (JMAX + 3u) / 4u>;
 var<workgroup> wx: array<vec4<f32>, KC / 4u>;
@@ -135,9 +135,10 @@ fn delta_row(t: u32, s: u32, lid: u32) {
     let x0 = (D.x_off + t * K) / 4u;
     // u = A · x: invocation l sums row l of each target's block of A (rows l, R + l, 2R + l: the
     // group's J / R targets, at most 3) against x (times w), VW values a load, x staged KC values
-    // at a time in workgroup memory (each x value read once for the lane's rows; R lanes, so that
-    // a shrink of one target (lora_post's) keeps the workgroup's lanes as busy as one of three).
-    // NORM: the lanes' sums of x^2 made on the way (the first pass over x), 1 / rms(x) applied to u
+    // at a time in workgroup memory (each x value read once for the lane's rows; R lanes, WG at a
+    // time: the rows past the first WG in further passes, x staged again only where K > KC).
+    // NORM: the VL virtual lanes' sums of x^2 made on the way (the first pass over x; lane i makes
+    // virtual lanes i, i + WG, ..., so any WG gives the same sums), 1 / rms(x) applied to u
     let K4 = K / VW;
     let a0 = (s * J) * K4;
     let NT = J / R;
@@ -147,17 +148,20 @@ fn delta_row(t: u32, s: u32, lid: u32) {
         let l = l0 + lid;
         let aj = a0 + min(l, R - 1u) * K4;   // SG: lanes past R make row R - 1's sums again, not stored
         var acc = vec3<f32>(0.0);        // rows l, R + l, 2R + l
-        var ss = 0.0;
         for (var kc = 0u; kc < K; kc += KC) {
             let kn = min(KC, K - kc);
             workgroupBarrier();
-            for (var k4 = lid; k4 < kn / 4u; k4 += WG) {       // 4 values a lane: one load of x, of w, one store
-                var v = vec4<f32>(xv[x0 + kc / 4u + k4]);
-                if (NORM) {
-                    ss = dot_seq(ss, v, v);
-                    v *= w4[kc / 4u + k4];
+            for (var v = lid; v < VL && (l0 == 0u || K > KC); v += WG) {    // the lane's virtual lanes
+                var ss = select(0.0, wsum[v], kc > 0u);
+                for (var k4 = v; k4 < kn / 4u; k4 += VL) {      // 4 values: one load of x, of w, one store
+                    var x4 = vec4<f32>(xv[x0 + kc / 4u + k4]);
+                    if (NORM) {
+                        ss = dot_seq(ss, x4, x4);
+                        x4 *= w4[kc / 4u + k4];
+                    }
+                    wx[k4] = x4;
                 }
-                wx[k4] = v;
+                if (NORM && l0 == 0u) { wsum[v] = ss; }
             }
             workgroupBarrier();
             let ak = aj + kc / VW;
@@ -192,7 +196,7 @@ fn delta_row(t: u32, s: u32, lid: u32) {
                 }
             }
         }
-        if (NORM && l0 == 0u) { inv = row_inv(lid, ss, K); }
+        if (NORM && l0 == 0u) { inv = wsum_inv(lid, K); }
         if (l < R) {
             if (NORM) { acc *= inv; }
             put_u(l, R, NT, acc);
@@ -226,14 +230,19 @@ fn delta_row(t: u32, s: u32, lid: u32) {
     }
 }
 
-// 1 / rms of a row from each lane's sum of squares ss (added in lane order: the same bits whatever
-// the rows beside it)
+// 1 / rms of a row from each lane's sum of squares ss (a workgroup of VL lanes: lora_rows)
 fn row_inv(lid: u32, ss: f32, K: u32) -> f32 {
     wsum[lid] = ss;
+    return wsum_inv(lid, K);
+}
+
+// 1 / rms of a row from the VL virtual lanes' sums of squares in wsum, added in lane order (the same
+// bits whatever the rows beside it, and whatever the workgroup's width)
+fn wsum_inv(lid: u32, K: u32) -> f32 {
     workgroupBarrier();
     if (lid == 0u) {
         var tot = 0.0;
-        for (var i = 0u; i < WG; i++) { tot += wsum[i]; }
+        for (var i = 0u; i < VL; i++) { tot += wsum[i]; }
         wtot = tot;
     }
     return inverseSqrt(workgroupUniformLoad(&wtot) / f32(K) + D.eps);
@@ -289,7 +298,9 @@ fn lora_post(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_in
         for (var kc = 0u; kc < K1; kc += KC) {
             let kn = min(KC, K1 - kc);
             workgroupBarrier();
-            for (var k4 = lid; k4 < kn / 4u; k4 += WG) { wx[k4] = vec4<f32>(pin[p0 + kc / 4u + k4]); }
+            for (var k4 = lid; k4 < kn / 4u && (l0 == 0u || K1 > KC); k4 += WG) {
+                wx[k4] = vec4<f32>(pin[p0 + kc / 4u + k4]);
+            }
             workgroupBarrier();
             let ak = aj + kc / VW;
             if (SG) {                    // as delta_row's shrink

@@ -59,21 +59,27 @@ fn sg_lane() -> u32 { return 0u; }
 
 # lora_delta on a CPU adapter (lavapipe runs a workgroup 8 lanes at a time, masked-off lanes
 # included): its widths (K, N, J, R) compiled in, so loops have known trip counts (the same
-# operations in the same order), and a workgroup only as wide as the shrink's R lanes (rounded up to
-# 8). False: the uniforms' widths and 64 lanes (bench/lora_delta.py compares the two; the same bits)
+# operations in the same order), and a workgroup no wider than the shrink's R lanes (rounded up to
+# 8; _widths). False: the uniforms' widths and 64 lanes (bench/lora_delta.py compares the two; the
+# same bits)
 BAKE_SHAPES = True
 NARROW_WG = True
+# a decode row's lora_delta / lora_post: one workgroup of 8 lanes, lavapipe's SIMD group (two of 16
+# lanes took ~0.5-1 ms more a SmolLM2 step: a barrier switches between them; bench/lora_step.py)
+DECODE_LANES = 8
 SUBGROUP_X = True        # the shrinks' x through the subgroup where rows_ok (False: read by each lane)
 
 
 def _pipe(dev: Device, entry: str, dtype: str, j: int = 1, norm: bool = False, store: bool = False,
-          wdtype: str = "f32", shape: tuple = (0, 0, 0, 0, 0), wg: int = _WG, pre: bool = True, rows: int = 1,
-          sg: bool = False):
+          wdtype: str = "f32", shape: tuple = (0, 0, 0, 0, 0), wg: tuple = (_WG, _WG), pre: bool = True,
+          rows: int = 1, sg: bool = False):
+    """The pipeline of `entry`; `wg`: (its workgroup, the norm's virtual lanes: _widths)."""
     dims = "".join(f"const SHAPE_{n}: u32 = {v}u;\n" for n, v in zip(("K", "N", "J", "R", "K1"), shape))
     subgroups = _SUBGROUPS + load_shader_source("subgroup_lanes.wgsl") if sg or rows > 1 else _NO_SUBGROUPS
     rows_src = f"{load_shader_source('lora_rows.wgsl')}\n" if rows > 1 else ""
-    return dev.pipeline("lora.wgsl", entry, header=f"{subgroups}{rows_src}{act_header(dtype)}const WG: u32 = {wg}u;\n"
-                                                   f"const JMAX: u32 = {j}u;\nconst NORM: bool = {str(norm).lower()};\n"
+    return dev.pipeline("lora.wgsl", entry, header=f"{subgroups}{rows_src}{act_header(dtype)}const WG: u32 = {wg[0]}u;\n"
+                                                   f"const VL: u32 = {wg[1]}u;\nconst JMAX: u32 = {j}u;\n"
+                                                   f"const NORM: bool = {str(norm).lower()};\n"
                                                    f"const STORE: bool = {str(store).lower()};\nconst KC: u32 = {_KC}u;\n"
                                                    f"const PRE: bool = {str(pre).lower()};\n{dims}{_WEIGHTS[wdtype]}{_WDOT}")
 
@@ -152,7 +158,7 @@ def lora_delta(dev: Device, x: Tensor, a: Tensor, b: Tensor, cols: Tensor, idx: 
           "idx, A, B and cols must start at binding-aligned offsets")
     check(xo % 4 == 0 and yo % 4 == 0, k, f"x and y must start at multiples of 4 elements in their bindings "
           f"(x at {xo}, y at {yo}): they are read 4 values a load")
-    wg = _narrow(R)
+    wg = _widths(R, rows)
     check(rows == 1 or rows == 4 and rows_ok(dev), k, f"rows must be 1, or 4 with subgroups of 8 lanes, got {rows}")
     pipe = _pipe(dev, "lora_rows" if rows > 1 else k, x.dtype, J, norm is not None, store, a.dtype,
                  (K, N, J, R, 0) if BAKE_SHAPES else (0,) * 5, wg, rows=rows, sg=SUBGROUP_X and rows_ok(dev))
@@ -165,9 +171,12 @@ def lora_delta(dev: Device, x: Tensor, a: Tensor, b: Tensor, cols: Tensor, idx: 
                                         11: b.binding(), 12: w}), -(-T // rows))
 
 
-def _narrow(R: int) -> int:
-    """lora_delta's and lora_post's workgroup: the shrink's R lanes, whole groups of 8 (NARROW_WG)."""
-    return min(_WG, -(-R // 8) * 8) if NARROW_WG else _WG
+def _widths(R: int, rows: int = 1) -> tuple[int, int]:
+    """(workgroup, virtual lanes) of lora_delta / lora_post: VL lanes, the shrink's R in whole
+    groups of 8 (NARROW_WG), make the norm's partial sums; lora_rows runs VL lanes, a decode row's
+    kernels DECODE_LANES of them (each lane the sums of VL / WG virtual lanes: the same bits)."""
+    vl = min(_WG, -(-R // 8) * 8) if NARROW_WG else _WG
+    return (min(vl, DECODE_LANES) if rows == 1 and NARROW_WG else vl), vl
 
 
 def lora_post(dev: Device, x: Tensor, inp: Tensor, a: Tensor, b: Tensor, idx: Tensor, norm: Tensor, h: Tensor,
@@ -217,7 +226,7 @@ def lora_post(dev: Device, x: Tensor, inp: Tensor, a: Tensor, b: Tensor, idx: Te
         scratch = dev.buffer(16, owner=x.buf.owner, label=k + ".unused")
         op.buffers.append(scratch)
         binds = {5: scratch, 9: a.binding(), 10: a.binding(), 11: b.binding()}
-    wg = _narrow(R)
+    wg = _widths(R)
     pipe = _pipe(dev, k, x.dtype, max(J, R), True, True, a.dtype,
                  (K, N, J, R, K1) if BAKE_SHAPES else (0,) * 5, wg, pre=nxt is not None, sg=SUBGROUP_X and rows_ok(dev))
     par = params(dev, [T, K, N, J, xo, yo, slots, float(eps), R, K1, po, ho, qo], owner=x.buf.owner, label=k)
