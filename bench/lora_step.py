@@ -1,14 +1,18 @@
 """What an adapter row adds to a decode step (issue 52), in one process: SmolLM2-135M Q4_1 loaded as
-`serve` loads it with a random rank-16 f16 adapter of all seven targets (bench/serve.py's), one row
+`serve` loads it with a random rank-16 adapter of all seven targets (bench/serve.py's; its tensors
+in --lora-dtype, f16 by default, and the pool holds them in the narrowest dtype that holds them), one row
 at position 40, each step recorded, submitted and waited for. Per step, CPU ms (the process's, a CPU
 adapter's threads included) in interleaved rounds (A B C D, D C B A, ...):
 
     base        the base's op list (183 dispatches)
     adapter     the op list with the deltas (244), the row with the adapter
+    adapter, base  that list with a base row (the LoRA dispatches return at once: what they cost
+                the step as dispatches, the rest of adapter's excess being their work)
     lora only   the adapter's 61 LoRA dispatches alone (their share of the step)
-    lora, base  the same 61 with a base row (each returns at once: what the dispatches cost)
+    lora, base  the same 61 with a base row (each returns at once)
 
-    python bench/lora_step.py [--rounds 8] [--steps 20] [--only NAME] [--prefill T] [--model REF] [--smoke]
+    python bench/lora_step.py [--rounds 8] [--steps 20] [--only NAME] [--prefill T] [--model REF]
+                              [--lora-dtype f32|f16|bf16] [--smoke]
 
 --prefill T: the same four lists for a prefill chunk of T rows of one sequence (positions 40 ..;
 a CPU adapter's LoRA ops there: lora_rows, 4 rows a workgroup) instead of a decode step. --model:
@@ -46,9 +50,11 @@ async def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--only", default=None, help="time this list alone (base, adapter, 'lora only', 'lora, base')")
+    ap.add_argument("--only", default=None, help="time this list alone (base, adapter, 'adapter, base', 'lora only', "
+                                                  "'lora, base')")
     ap.add_argument("--prefill", type=int, default=0, metavar="T", help="time a prefill chunk of T rows instead")
     ap.add_argument("--model", default=MODEL)
+    ap.add_argument("--lora-dtype", default="f16", choices=("f32", "f16", "bf16"), help="the adapter's tensors")
     ap.add_argument("--smoke", action="store_true", help="one round of one step")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "lora_step.json"))
     args = ap.parse_args()
@@ -57,7 +63,7 @@ async def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         eng = AsyncMLCEngine()
         await eng.reload(args.model, {"context_window_size": 1024, "max_num_sequences": 4},
-                         lora_adapters={"bench": random_adapter(args.model, Path(tmp) / "lora", dtype="f16")})
+                         lora_adapters={"bench": random_adapter(args.model, Path(tmp) / "lora", dtype=args.lora_dtype)})
     pipe = next(iter(eng.held.models.values())).pipeline      # the one model loaded
     fwd, dev = pipe.scheduler.fwd, pipe.scheduler.dev
     slot = pipe.lora.acquire("bench")
@@ -67,6 +73,7 @@ async def main() -> None:
               (fwd.tables.buf, list(range(fwd.max_blocks)))]
     inputs += [(fwd.step, (POS, T, POS + T, 0))] if args.prefill else [(fwd.lens.buf, [POS + 1])]
     lists = {"base": (fwd.ops(kind, T, False), None), "adapter": (fwd.ops(kind, T, True), slot)}
+    lists["adapter, base"] = (lists["adapter"][0], NONE)
     lora_ops = [op for op in lists["adapter"][0] if op.name.startswith("lora")]
     lists["lora only"], lists["lora, base"] = (lora_ops, slot), (lora_ops, NONE)
     if args.only:
@@ -95,15 +102,17 @@ async def main() -> None:
             cpu[name].append((time.process_time() - c0) / args.steps * 1e3)
     load = os.getloadavg()
     what = f"a prefill chunk of {T} rows" if args.prefill else "one decode row"
-    print(f"{args.model}, a rank-16 f16 adapter of 7 targets, {what}; CPU ms a step, {args.rounds} rounds of "
+    print(f"{args.model}, a rank-16 {args.lora_dtype} adapter of 7 targets (held in {pipe.lora.wdtype}), {what}; "
+          f"CPU ms a step, {args.rounds} rounds of "
           f"{args.steps}, load {load[0]:.1f} / {load[1]:.1f}")
     base = statistics.median(cpu.get("base", cpu[next(iter(cpu))]))
     for name, xs in cpu.items():
         d = sum(len(op.dispatches) for op in lists[name][0])
-        print(f"  {name:11s} {d:4d} dispatches  median {statistics.median(xs):6.2f}  min {min(xs):6.2f}  "
+        print(f"  {name:14s} {d:4d} dispatches  median {statistics.median(xs):6.2f}  min {min(xs):6.2f}  "
               f"({statistics.median(xs) / base:.3f}x the base)")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"model": args.model, "kind": kind, "rows": T, "load": load, "rounds": args.rounds, "steps": args.steps,
+    Path(args.out).write_text(json.dumps({"model": args.model, "lora_dtype": args.lora_dtype, "held": pipe.lora.wdtype,
+                                          "kind": kind, "rows": T, "load": load, "rounds": args.rounds, "steps": args.steps,
                                          "cpu_ms": cpu, "time": time.strftime("%Y-%m-%d %H:%M:%S")}, indent=1))
     await eng.unload()
 

@@ -270,11 +270,12 @@ async def run_servers(args) -> list[dict]:
 
 def random_adapter(model: str, folder: Path, rank: int = 16, dtype: str = "f32") -> str:
     """A PEFT folder with a random rank-`rank` adapter of q/k/v/o/gate/up/down for --model's dims,
-    its tensors saved as `dtype` (f32, or f16 as PEFT saves a 16-bit adapter)."""
+    its tensors saved as `dtype` (f32, or f16 / bf16 as PEFT saves a 16-bit adapter)."""
     import numpy as np
     sys.path.insert(0, str(ROOT))
     from webgpu_engine.cache import default_model_path
     from webgpu_engine.loaders.safetensors import write_safetensors
+    from webgpu_engine.models.lora import HALVES
     from webgpu_engine.models.registry import open_model
     path = Path(model) if Path(model).exists() else default_model_path(model)
     m = open_model(path)
@@ -290,7 +291,7 @@ def random_adapter(model: str, folder: Path, rank: int = 16, dtype: str = "f32")
         for proj, (k, n) in shapes.items():
             for ab, shape in (("A", (rank, k)), ("B", (n, rank))):
                 t = rng.standard_normal(shape) / np.sqrt(shape[1]) * 0.1
-                t = t.astype({"f32": np.float32, "f16": np.float16}[dtype])
+                t = t.astype(np.float32) if dtype == "f32" else HALVES[dtype][0](t)
                 tensors[f"base_model.model.model.layers.{i}.{proj}.lora_{ab}.weight"] = (dtype, shape, t.tobytes())
     folder.mkdir(parents=True, exist_ok=True)
     write_safetensors(folder / "adapter_model.safetensors", tensors)
@@ -388,8 +389,8 @@ async def main() -> int:
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "serve.json"))
     ap.add_argument("--lora", default=None, metavar="PATH|random",
                     help="measure a decode row with this LoRA adapter against a base row instead")
-    ap.add_argument("--lora-dtype", default="f32", choices=("f32", "f16"),
-                    help="the tensors' dtype of --lora random (f16: as PEFT saves a 16-bit adapter)")
+    ap.add_argument("--lora-dtype", default="f32", choices=("f32", "f16", "bf16"),
+                    help="the tensors' dtype of --lora random (f16, bf16: as PEFT saves a 16-bit adapter)")
     ap.add_argument("--smoke", action="store_true",
                     help="clients 1,8, 4 tokens, batch 2: checks the script, measures nothing")
     args = ap.parse_args()

@@ -11,10 +11,15 @@ TOL = {"f32": dict(rtol=1e-4, atol=1e-5), "f16": dict(rtol=1e-2, atol=1e-2)}
 
 
 def put(dev, arr, dtype="f32", lead=0, owner="test:nn"):
-    """A Tensor holding arr as dtype, `lead` elements into its buffer (tests offset handling)."""
-    a = np.ascontiguousarray(np.asarray(arr).astype(NP[dtype]))
-    pad = np.zeros(lead, NP[dtype])
-    tail = np.zeros(4, NP[dtype])   # keeps the buffer larger than the tensor's window
+    """A Tensor holding arr as dtype, `lead` elements into its buffer (tests offset handling); bf16:
+    arr's values rounded to bf16 (see rounded)."""
+    if dtype == "bf16":
+        a = np.ascontiguousarray(rounded(arr, "bf16")).view(np.uint32) >> 16
+        a = a.astype(np.uint16)
+    else:
+        a = np.ascontiguousarray(np.asarray(arr).astype(NP[dtype]))
+    pad = np.zeros(lead, a.dtype)
+    tail = np.zeros(4, a.dtype)     # keeps the buffer larger than the tensor's window
     buf = dev.upload(np.concatenate([pad, a.ravel(), tail]).view(np.uint8), owner=owner, label="t")
     return Tensor(buf, a.shape, dtype, lead * a.itemsize)
 
@@ -30,7 +35,10 @@ def get(dev, t: Tensor) -> np.ndarray:
 
 
 def rounded(a, dtype):
-    """What the GPU sees after upload as dtype (the reference input)."""
+    """What the GPU sees after upload as dtype (the reference input); bf16: rounded to nearest even."""
+    if dtype == "bf16":
+        bits = np.ascontiguousarray(a, np.float32).view(np.uint32).astype(np.uint64)
+        return (((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16).astype(np.uint32).view(np.float32)
     return np.asarray(a).astype(NP[dtype]).astype(np.float32)
 
 

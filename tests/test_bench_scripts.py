@@ -253,10 +253,12 @@ def test_long_context(tmp_path):
 def test_lora_step(tmp_path, tiny):
     """bench/lora_step.py's prefill form on the tiny model with a random adapter (lora_rows' lists)."""
     out = tmp_path / "lora_step.json"
-    stdout = run_script("lora_step", "--smoke", "--prefill", "6", "--model", tiny["chat"], "--out", str(out))
-    data = load(out, {"model", "kind", "rows", "cpu_ms"})
-    assert data["kind"] == "prefill" and data["rows"] == 6
-    assert set(data["cpu_ms"]) == {"base", "adapter", "lora only", "lora, base"} and "lora only" in stdout
+    stdout = run_script("lora_step", "--smoke", "--prefill", "6", "--model", tiny["chat"], "--lora-dtype", "bf16",
+                        "--out", str(out))
+    data = load(out, {"model", "kind", "rows", "cpu_ms", "held"})
+    assert data["kind"] == "prefill" and data["rows"] == 6 and data["lora_dtype"] == "bf16"
+    assert set(data["cpu_ms"]) == {"base", "adapter", "adapter, base", "lora only", "lora, base"}
+    assert "lora only" in stdout and f"held in {data['held']}" in stdout
 
 
 def test_lora_delta(tmp_path):

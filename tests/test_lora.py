@@ -18,7 +18,7 @@ from webgpu_engine.engine.engine import AsyncMLCEngine
 from webgpu_engine.errors import InvalidRequestError, SpecifiedModelNotFoundError
 from webgpu_engine.kernels import lora as lk
 
-from _nn_util import NP, empty, get, put, rounded, run
+from _nn_util import empty, get, put, rounded, run
 
 OWNER = "test:nn"
 
@@ -54,19 +54,19 @@ def test_lora_shrink_expand(device, _free, dtype, T, K, N, J, slots):
     np.testing.assert_array_equal(got[base], rounded(y0, dtype)[base])     # untouched, bit for bit
 
 
-@pytest.mark.parametrize("dtype,wdtype", [("f32", "f32"), ("f16", "f32"), ("f32", "f16")])
+@pytest.mark.parametrize("dtype,wdtype", [("f32", "f32"), ("f16", "f32"), ("f32", "f16"), ("f16", "bf16")])
 @pytest.mark.parametrize("norm", [False, True])
 @pytest.mark.parametrize("T,K,N,R,targets,slots", [(1, 64, 96, 8, 1, 1), (5, 72, 200, 16, 3, 3)])
 def test_lora_delta_is_shrink_then_expand_in_one(device, _free, dtype, wdtype, norm, T, K, N, R, targets, slots):
     """lora_delta (B compact: each row only its target's R columns) equals the pair's
     references over the same A and the block-sparse B (N, J); a base row keeps its bits. A and B
-    held as f16 (wdtype) answer as the same values held as f32, bit for bit."""
+    held as f16 or bf16 (wdtype) answer as the same values held as f32, bit for bit."""
     rng = np.random.default_rng(T * K + R + norm)
     J = targets * R
     x = rng.standard_normal((T, K))
-    a = (rng.standard_normal((slots, J, K)) / np.sqrt(K)).astype(NP[wdtype]).astype(np.float32)
+    a = rounded(rng.standard_normal((slots, J, K)) / np.sqrt(K), wdtype)
     cols = (R * ((np.arange(N) // 2) % targets)).astype(np.uint32)      # targets' rows interleaved in pairs
-    bc = (rng.standard_normal((slots, N, R)) / np.sqrt(R)).astype(NP[wdtype]).astype(np.float32)
+    bc = rounded(rng.standard_normal((slots, N, R)) / np.sqrt(R), wdtype)
     b = np.zeros((slots, N, J), np.float32)                               # the same B, (N, J) with zeros
     for r in range(R):
         b[:, np.arange(N), cols + r] = bc[:, :, r]
@@ -88,7 +88,7 @@ def test_lora_delta_is_shrink_then_expand_in_one(device, _free, dtype, wdtype, n
     run(device, lk.lora_delta(device, put(device, x, dtype), put(device, a, wdtype), put(device, bc, wdtype),
                               put(device, cols[::2], "u32"), put(device, idx, "u32"), ys, slots=slots, norm=nt, store=True))
     stored = get(device, ys)
-    if wdtype == "f16":                       # the same values held as f32: the same bits
+    if wdtype != "f32":                       # the same values held as f32: the same bits
         y32, s32 = put(device, y0, dtype), put(device, y0, dtype)
         for y, store in ((y32, False), (s32, True)):
             run(device, lk.lora_delta(device, put(device, x, dtype), put(device, a), put(device, bc),
@@ -106,7 +106,7 @@ def test_lora_delta_is_shrink_then_expand_in_one(device, _free, dtype, wdtype, n
         np.testing.assert_array_equal(got, get(device, yp))
 
 
-@pytest.mark.parametrize("dtype,wdtype", [("f32", "f32"), ("f16", "f16")])
+@pytest.mark.parametrize("dtype,wdtype", [("f32", "f32"), ("f16", "f16"), ("f32", "bf16")])
 @pytest.mark.parametrize("rows", [4])
 @pytest.mark.parametrize("T,slots,pattern", [(16, 2, "one"), (7, 3, "mixed"), (5, 1, "tail")])
 def test_lora_rows_give_each_row_lora_deltas_bits(device, _free, dtype, wdtype, rows, T, slots, pattern):
@@ -118,9 +118,9 @@ def test_lora_rows_give_each_row_lora_deltas_bits(device, _free, dtype, wdtype, 
     K, N, R, targets = 1096, 120, 16, 3
     J = targets * R
     x = rng.standard_normal((T, K))
-    a = (rng.standard_normal((slots, J, K)) / np.sqrt(K)).astype(NP[wdtype]).astype(np.float32)
+    a = rounded(rng.standard_normal((slots, J, K)) / np.sqrt(K), wdtype)
     cols = (R * ((np.arange(N) // 2) % targets)).astype(np.uint32)
-    bc = (rng.standard_normal((slots, N, R)) / np.sqrt(R)).astype(NP[wdtype]).astype(np.float32)
+    bc = rounded(rng.standard_normal((slots, N, R)) / np.sqrt(R), wdtype)
     b = np.zeros((slots, N, J), np.float32)
     for r in range(R):
         b[:, np.arange(N), cols + r] = bc[:, :, r]
@@ -567,13 +567,19 @@ async def test_a_q8_0_gguf_lora_answers_as_its_values_in_f32(engine, tmp_path):
             await engine.unload_lora_adapter(kind)
 
 
-def _f16_copy(folder: str, to: Path) -> str:
-    """PEFT folder `folder` saved again with its tensors in f16 (as PEFT saves a 16-bit adapter)."""
+def _half_copy(folder: str, to: Path, dtype: str) -> str:
+    """PEFT folder `folder` saved again with its tensors in `dtype`, f16 or bf16 (as PEFT saves a
+    16-bit adapter); bf16: each tensor's first value 1.5 * 2^-30, which f16 does not hold (as a
+    trained bf16 adapter's smallest values), so that only bf16 holds it all."""
     from webgpu_engine.loaders.safetensors import SafetensorsFile, write_safetensors
     f = SafetensorsFile(Path(folder) / "adapter_model.safetensors")
+    tensors = {}
     try:
-        tensors = {name: ("f16", t.shape, np.frombuffer(bytes(t.data), np.float32).astype(np.float16).tobytes())
-                   for name, t in f.tensors.items()}
+        for name, t in f.tensors.items():
+            v = np.frombuffer(bytes(t.data), np.float32).copy()
+            if dtype == "bf16":
+                v[0] = 1.5 * 2.0 ** -30
+            tensors[name] = (dtype, t.shape, put_bytes(v, dtype))
     finally:
         f.close()
     to.mkdir()
@@ -582,16 +588,25 @@ def _f16_copy(folder: str, to: Path) -> str:
     return str(to)
 
 
-async def test_an_adapter_saved_in_16_bits_is_held_in_16_bits(base_path, tmp_path):
-    """A CPU adapter's pool holds A and B in f16 while every adapter's values are f16 values (half
-    lora_delta's loads), and answers bit for bit as the same values held in f32 (the pool's layout
-    while an adapter of f32 values is beside them); a base row stays the base's."""
+def put_bytes(v, dtype: str) -> bytes:
+    """f32 values as f16 or bf16 (rounded as the tests' uploads round them) bytes."""
+    if dtype == "bf16":
+        return (rounded(v, "bf16").view(np.uint32) >> 16).astype(np.uint16).tobytes()
+    return v.astype(np.float16).tobytes()
+
+
+@pytest.mark.parametrize("half", ["f16", "bf16"])
+async def test_an_adapter_saved_in_16_bits_is_held_in_16_bits(base_path, tmp_path, half):
+    """A CPU adapter's pool holds A and B in f16 while every adapter's values are f16 values, in
+    bf16 while they are all bf16 values (half lora_delta's loads), and answers bit for bit as the
+    same values held in f32 (the pool's layout while an adapter of f32 values is beside them); a
+    base row stays the base's."""
     eng = AsyncMLCEngine()
-    await eng.reload(str(base_path), chat_opts=OPTS, lora_adapters={"h": _f16_copy(ADAPTERS["a"], tmp_path / "h")})
+    await eng.reload(str(base_path), chat_opts=OPTS, lora_adapters={"h": _half_copy(ADAPTERS["a"], tmp_path / "h", half)})
     try:
         mid, pool = _base_id(eng), eng.models[_base_id(eng)].pipeline.lora
         got = {}
-        for layout in ("f16", "f32", "f16"):
+        for layout in (half, "f32", half):
             if layout == "f32":
                 await eng.load_lora_adapter("a", ADAPTERS["a"])
             elif got:

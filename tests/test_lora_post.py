@@ -19,7 +19,7 @@ def _free(device):
     device.release_owner(OWNER)
 
 
-@pytest.mark.parametrize("dtype,wdtype", [("f32", "f32"), ("f16", "f16")])
+@pytest.mark.parametrize("dtype,wdtype", [("f32", "f32"), ("f16", "f16"), ("f16", "bf16")])
 @pytest.mark.parametrize("nxt", [True, False])
 def test_lora_post_adds_the_delta_after_the_matmul_and_norms_again(device, _free, dtype, wdtype, nxt):
     rng = np.random.default_rng(7 + nxt)
@@ -27,15 +27,15 @@ def test_lora_post_adds_the_delta_after_the_matmul_and_norms_again(device, _free
     idx = np.array([1, lk.NONE, 0], np.uint32)
     x0 = rounded(rng.standard_normal((T, K)), dtype)
     inp = rounded(rng.standard_normal((T, K1)), dtype)
-    a1 = (rng.standard_normal((slots, R, K1)) / np.sqrt(K1)).astype(NP[wdtype]).astype(np.float32)
-    b1 = (rng.standard_normal((slots, K, R)) / np.sqrt(R)).astype(NP[wdtype]).astype(np.float32)
+    a1 = rounded(rng.standard_normal((slots, R, K1)) / np.sqrt(K1), wdtype)
+    b1 = rounded(rng.standard_normal((slots, K, R)) / np.sqrt(R), wdtype)
     w = (1 + 0.1 * rng.standard_normal(K)).astype(np.float32)
     h0 = rounded(x0 * w, dtype)
     part0 = (x0 * x0).reshape(T, K // 4, 4).sum(axis=2).astype(np.float32)
     J = targets * R
-    a2 = (rng.standard_normal((slots, J, K)) / np.sqrt(K)).astype(NP[wdtype]).astype(np.float32)
+    a2 = rounded(rng.standard_normal((slots, J, K)) / np.sqrt(K), wdtype)
     cols = (R * ((np.arange(N2) // 2) % targets)).astype(np.uint32)
-    b2 = (rng.standard_normal((slots, N2, R)) / np.sqrt(R)).astype(NP[wdtype]).astype(np.float32)
+    b2 = rounded(rng.standard_normal((slots, N2, R)) / np.sqrt(R), wdtype)
     xt, ht, pt = put(device, x0, dtype, lead=4), put(device, h0, dtype, lead=4), put(device, part0, lead=2)
     yt = put(device, np.full((T, N2), 7.0), dtype)
     it = put(device, idx, "u32")

@@ -15,7 +15,7 @@ from typing import Sequence
 from ..gpu import UNIFORM, Batch, Buffer, Device, Pipeline
 
 ACT_DTYPES = ("f32", "f16")
-DTYPE_SIZE = {"f32": 4, "f16": 2, "u32": 4, "i32": 4}
+DTYPE_SIZE = {"f32": 4, "f16": 2, "bf16": 2, "u32": 4, "i32": 4}
 BIND_ALIGN = 256          # WebGPU's default minStorageBufferOffsetAlignment
 
 # how the matmul kernels read 4 activations (`xword` / `xget`): f16 as a pair of u32 words (CPU

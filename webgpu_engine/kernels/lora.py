@@ -6,7 +6,7 @@ each row through its own adapter's slot of a pool (punica / S-LoRA's "bgmv"), a 
     y += lora_expand(u, B, idx)      y[t] += B[idx[t]] · u[t]        (T, N) into y's columns
     y += lora_delta(x, A, B, idx)    the two in one dispatch, a workgroup per row, x RMS-normed on
                                      the way in where given a norm (a decode step's rows); A and B
-                                     in a layout of its own (B compact: compact_b), f32 or f16;
+                                     in a layout of its own (B compact: compact_b), f32, f16 or bf16;
                                      rows=4: 4 rows a workgroup (lora_rows, shaders/lora_rows.wgsl:
                                      a prefill chunk's rows, one adapter's), the same bits
     lora_post(x, inp, A, B, ...)     a residual matmul's delta after it (x, its next norm's x * w and
@@ -28,18 +28,21 @@ _KC = 1024             # lora_delta's x values staged at a time (4 KB of workgro
 
 
 # lora_delta's A / B element type: a load (`wvec`, VW values) as f32 values (wunpack: `wf`, lo the
-# first four, hi the second, f16 only) and those dotted with VW x or u values in index order (wdotf;
-# x1: the second four); _WDOT's wdot does both (lora_rows unpacks a load once for its 4 rows)
+# first four, hi the second; 16 bits: a word's low half first) and those dotted with VW x or u values
+# in index order (wdotf; x1: the second four); _WDOT's wdot does both (lora_rows unpacks a load once
+# for its 4 rows). bf16: a value's f32 bits are its 16 bits shifted up (exact, like f16's)
+_HALVES = ("alias wvec = vec4<u32>;\nconst VW: u32 = 8u;\n"
+           "fn wunpack(w: wvec) -> wf { return wf(vec4<f32>(half2(w.x), half2(w.y)), vec4<f32>(half2(w.z), half2(w.w))); }\n"
+           "fn wdotf(acc: f32, x0: vec4<f32>, x1: vec4<f32>, w: wf) -> f32 { return dot_seq(dot_seq(acc, x0, w.lo), x1, w.hi); }\n")
 _WEIGHTS = {
     "f32": "alias wvec = vec4<f32>;\nconst VW: u32 = 4u;\n"
            "fn wunpack(w: wvec) -> wf { return wf(w, w); }\n"
            "fn wdotf(acc: f32, x0: vec4<f32>, x1: vec4<f32>, w: wf) -> f32 { return dot_seq(acc, x0, w.lo); }\n",
-    "f16": "alias wvec = vec4<u32>;\nconst VW: u32 = 8u;\n"
-           "fn wunpack(w: wvec) -> wf {\n"
-           "    return wf(vec4<f32>(unpack2x16float(w.x), unpack2x16float(w.y)),\n"
-           "              vec4<f32>(unpack2x16float(w.z), unpack2x16float(w.w)));\n}\n"
-           "fn wdotf(acc: f32, x0: vec4<f32>, x1: vec4<f32>, w: wf) -> f32 { return dot_seq(dot_seq(acc, x0, w.lo), x1, w.hi); }\n",
+    "f16": "fn half2(w: u32) -> vec2<f32> { return unpack2x16float(w); }\n" + _HALVES,
+    "bf16": "fn half2(w: u32) -> vec2<f32> { return vec2<f32>(bitcast<f32>(w << 16u), bitcast<f32>(w & 0xFFFF0000u)); }\n"
+            + _HALVES,
 }
+WEIGHT_DTYPES = tuple(_WEIGHTS)          # A and B held as f32, f16 or bf16 (models/lora.py picks)
 _WDOT = ("struct wf { lo: vec4<f32>, hi: vec4<f32> }\n"
          "fn wdot(acc: f32, x0: vec4<f32>, x1: vec4<f32>, w: wvec) -> f32 { return wdotf(acc, x0, x1, wunpack(w)); }\n")
 
@@ -132,7 +135,7 @@ def lora_delta(dev: Device, x: Tensor, a: Tensor, b: Tensor, cols: Tensor, idx: 
     (w (K,) f32, eps) x * w / rms(x).  x (T, K) act; a (slots, J, K) f32; b (slots, N, R) f32 and
     cols (N / 2,) u32: B compact (compact_b), cols[p] the first column of rows 2p and 2p + 1's
     target; idx (T,) u32; y (T, N) act. K, N, R and x's and y's offsets multiples of 4; A and B may
-    both be f16 instead (K and R multiples of 8): the same sums of the same values, half the loads.
+    both be f16 or bf16 instead (K and R multiples of 8): the same sums of the same values, half the loads.
     `store`: y[t] = the delta instead, -0.0 for a row without an adapter (x + -0.0 is x, bit for
     bit: a matmul adding y to its sums keeps a base row's values). `rows` 4 (where rows_ok): 4 rows
     a workgroup (lora_rows: a prefill chunk's rows, which share an adapter, read A and B once for
@@ -144,11 +147,11 @@ def lora_delta(dev: Device, x: Tensor, a: Tensor, b: Tensor, cols: Tensor, idx: 
     R = b.numel // (slots * N) if slots and N else 0
     check(x.dtype == y.dtype and x.dtype in ("f32", "f16") and int(y.shape[0]) == T, k,
           f"x{x.shape}/{x.dtype} and y{y.shape}/{y.dtype} must be (T, K) and (T, N) of one act dtype")
-    vw = 8 if a.dtype == "f16" else 4
-    check(a.dtype == b.dtype and a.dtype in ("f32", "f16") and J > 0 and R > 0 and J % R == 0 and J <= 3 * R
+    vw = 4 if a.dtype == "f32" else 8
+    check(a.dtype == b.dtype and a.dtype in WEIGHT_DTYPES and J > 0 and R > 0 and J % R == 0 and J <= 3 * R
           and K % vw == 0 and R % vw == 0 and a.numel == slots * K * J and b.numel == slots * R * N, k,
           f"A{a.shape}/{a.dtype} and B{b.shape}/{b.dtype} must be ({slots}, J, {K}) and ({slots}, {N}, R), both "
-          f"f32 (K and R multiples of 4) or both f16 (of 8), J 1, 2 or 3 times R (the targets)")
+          f"f32 (K and R multiples of 4) or both f16 or bf16 (of 8), J 1, 2 or 3 times R (the targets)")
     check(cols.dtype == "u32" and 2 * cols.numel == N and N % 4 == 0, k, f"cols{cols.shape} must be ({N // 2},) "
           f"u32 (a row pair's first column), N a multiple of 4")
     check(idx.dtype == "u32" and idx.numel >= T, k, f"idx{idx.shape} must hold {T} rows")
@@ -192,13 +195,13 @@ def lora_post(dev: Device, x: Tensor, inp: Tensor, a: Tensor, b: Tensor, idx: Te
     T, K = (int(s) for s in x.shape)
     K1 = int(inp.shape[1])
     R = b.numel // (slots * K) if slots and K else 0
-    vw = 8 if a.dtype == "f16" else 4
+    vw = 4 if a.dtype == "f32" else 8
     check(x.dtype == inp.dtype == h.dtype and x.dtype in ("f32", "f16") and int(inp.shape[0]) == T
           and h.numel >= T * K, k, f"x{x.shape}, inp{inp.shape} and h{h.shape} must be (T, K), (T, K1) and "
           f"(T, K) of one act dtype")
-    check(a.dtype == b.dtype and a.dtype in ("f32", "f16") and R > 0 and R % vw == 0 and K1 % vw == 0
+    check(a.dtype == b.dtype and a.dtype in WEIGHT_DTYPES and R > 0 and R % vw == 0 and K1 % vw == 0
           and K % 4 == 0 and a.numel == slots * R * K1, k, f"A{a.shape}/{a.dtype} and B{b.shape}/{b.dtype} "
-          f"must be ({slots}, R, {K1}) and ({slots}, {K}, R), both f32 or both f16, R and K1 multiples of {vw}")
+          f"must be ({slots}, R, {K1}) and ({slots}, {K}, R), both f32, f16 or bf16, R and K1 multiples of {vw}")
     check(norm.dtype == "f32" and norm.numel == K and part.dtype == "f32" and part.numel >= T * K // 4, k,
           f"the norm weight must be ({K},) f32 and part ({T * K // 4},) f32")
     check(idx.dtype == "u32" and idx.numel >= T and idx.offset == 0 and a.offset == 0 and b.offset == 0, k,

@@ -195,10 +195,10 @@ class LoraPool:
         self.fused = is_software_adapter(dev) and all(k % 4 == 0 and n % 4 == 0 for i in range(c.n_layers)
                                                       for k, n in _shapes(c, i).values())
         # lora_delta's A and B in 16 bits while every registered adapter's values (B scaled) are f16
-        # values (PEFT files saved in f16): half the loads (_fit_layout)
+        # values, or all bf16 values (PEFT files saved in 16 bits): half the loads (_fit_layout)
         self._half = all(k % 8 == 0 for i in range(c.n_layers) for k, _ in _shapes(c, i).values())
         self.wdtype = "f16" if self._half else "f32"
-        self._exact: dict[str, bool] = {}                  # name -> its values are f16 values
+        self._exact: dict[str, frozenset] = {}             # name -> the 16-bit dtypes holding its values
         if self.slots < 1 or self.max_rank < 1:
             raise InvalidRequestError("max_loras and max_lora_rank must be at least 1.", param="max_loras")
         self.groups: list[dict] = []                       # per layer: group -> _Group
@@ -223,7 +223,7 @@ class LoraPool:
         m, c, dev, owner, S = self.m, self.m.cfg, self.dev, self.owner, self.slots
         # each target's columns of u: the rank, a multiple of lora_delta's values per load
         self._allocs += 1
-        vw = 8 if self.layout[:2] == (True, "f16") else 4
+        vw = 4 if self.layout[1] == "f32" else 8
         R = self.width = -(-self.max_rank // vw) * vw if self.fused else self.max_rank
         for g in (g for per in self.groups for g in per.values()):
             for t in (g.a, g.b, g.cols):
@@ -279,7 +279,7 @@ class LoraPool:
         self._refuse_in_use(ad.name, "load the new version")
         self._evict_all(ad.name)                           # uploaded again on its next use
         self.registered[ad.name] = ad
-        self._exact[ad.name] = _f16_exact(ad)
+        self._exact[ad.name] = _exact_halves(ad)
         self._fit_layout()
 
     def unregister(self, name: str) -> None:
@@ -290,9 +290,11 @@ class LoraPool:
         self._fit_layout()
 
     def _fit_layout(self) -> None:
-        """A and B in f16 where every registered adapter's values are f16 values, else f32 (the
-        tensors laid out again on a change; the op lists are built again for the new `layout`)."""
-        wdtype = "f16" if self._half and all(self._exact.values()) else "f32"
+        """A and B in f16 where every registered adapter's values are f16 values, else in bf16 where
+        they all are bf16 values, else f32 (the tensors laid out again on a change; the op lists are
+        built again for the new `layout`)."""
+        held = frozenset(HALVES).intersection(*self._exact.values()) if self._half else frozenset()
+        wdtype = next((d for d in HALVES if d in held), "f32")
         if wdtype != self.wdtype:
             self.wdtype = wdtype
             if self.fused:
@@ -381,7 +383,7 @@ class LoraPool:
     def _upload(self, scales: dict, slot: int) -> None:
         """Adapters {name: a request's scale} into `slot`: each one's A rows and B x its scale x the
         request's columns side by side in its targets' blocks (in a pool held in 16 bits rounded to
-        f16 where a scale makes values f16 does not hold)."""
+        its dtype where a request's scale makes values that dtype does not hold)."""
         import numpy as np
         R = self.width
         for i, per in enumerate(self.groups):
@@ -403,7 +405,8 @@ class LoraPool:
                     at += ad.rank
                 if g.cols is not None:                     # lora_delta's B
                     B = lk.compact_b(B[None], g.cols_host, R)[0]
-                A, B = (A.astype(np.float16), B.astype(np.float16)) if g.a.dtype == "f16" else (A, B)
+                if g.a.dtype in HALVES:
+                    A, B = HALVES[g.a.dtype][0](A), HALVES[g.a.dtype][0](B)
                 self.dev.write(g.a.buf, A, slot * A.nbytes)
                 self.dev.write(g.b.buf, B, slot * B.nbytes)
 
@@ -411,12 +414,39 @@ class LoraPool:
         self.dev.release_owner(self.owner)
 
 
-def _f16_exact(ad: LoraAdapter) -> bool:
-    """Whether every value of `ad`'s A and scaled B (as the pool holds them) is an f16 value."""
+def _bf16(v):
+    """f32 values as bf16 (uint16, rounded to nearest even: exact for bf16 values)."""
+    import numpy as np
+    bits = np.ascontiguousarray(v, np.float32).view(np.uint32).astype(np.uint64)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def _from_bf16(h):
+    import numpy as np
+    return (h.astype(np.uint32) << 16).view(np.float32)
+
+
+def _f16(v):
+    import numpy as np
+    return np.asarray(v, np.float32).astype(np.float16)
+
+
+def _from_f16(h):
+    import numpy as np
+    return h.astype(np.float32)
+
+
+# the 16-bit dtypes a pool may hold A and B in, preferred first: (f32 values as it, and back)
+HALVES = {"f16": (_f16, _from_f16), "bf16": (_bf16, _from_bf16)}
+
+
+def _exact_halves(ad: LoraAdapter) -> frozenset:
+    """The 16-bit dtypes (HALVES) that hold every value of `ad`'s A and scaled B (as the pool holds
+    them) exactly."""
     import numpy as np
     s = np.float32(ad.scale)
-    return all(np.array_equal(v.astype(np.float16).astype(np.float32), v)
-               for a, b in ad.weights.values() for v in (a, b * s))
+    vals = [np.ascontiguousarray(v, np.float32) for a, b in ad.weights.values() for v in (a, b * s)]
+    return frozenset(d for d, (to, back) in HALVES.items() if all(np.array_equal(back(to(v)), v) for v in vals))
 
 
 @dataclass(frozen=True)
