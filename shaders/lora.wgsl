@@ -70,8 +70,9 @@ fn lora_expand(@builtin(global_invocation_id) gid: vec3<u32>) {
 // values a load (xv, yv: x_off, y_off, K and N multiples of 4; on a CPU adapter a load or store
 // costs per invocation whatever its width), a lane making 4 rows of y.
 // dispatch (T, 1, 1), workgroup WG (the shrink's R lanes in passes of WG); the host adds the
-// consts VL (the norm's virtual lanes), JMAX (= J), NORM, STORE, KC and SHAPE_K/N/J/R (the widths, or 0: the uniforms'), and
-// A and B's element type: `wvec` f32 (vec4<f32>, VW = 4 values a load) or f16 pairs (vec4<u32>,
+// consts VL (the norm's virtual lanes), JMAX (= J), NORM, STORE, KC and SHAPE_K/N/J/R (the widths,
+// or 0: the uniforms'), and A and B's element type: `wvec` f32 (vec4<f32>, VW = 4 values a load) or
+// f16 or bf16 pairs (vec4<u32>,
 // VW = 8: on a CPU adapter a load costs per invocation whatever its width, so 16-bit weights halve
 // the loads) with `wdot`, which adds a load's VW products in index order (the same sums, the same
 // bits for the same values). A row without an adapter returns at once (its slot read uniformly).

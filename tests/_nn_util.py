@@ -4,6 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from webgpu_engine.kernels.common import Tensor, run_ops
+from webgpu_engine.models.lora import HALVES
 
 NP = {"f32": np.float32, "f16": np.float16, "u32": np.uint32}
 # f32 within 1e-4 relative (1e-5 absolute); f16 within 1e-2
@@ -14,8 +15,7 @@ def put(dev, arr, dtype="f32", lead=0, owner="test:nn"):
     """A Tensor holding arr as dtype, `lead` elements into its buffer (tests offset handling); bf16:
     arr's values rounded to bf16 (see rounded)."""
     if dtype == "bf16":
-        a = np.ascontiguousarray(rounded(arr, "bf16")).view(np.uint32) >> 16
-        a = a.astype(np.uint16)
+        a = HALVES["bf16"][0](arr)
     else:
         a = np.ascontiguousarray(np.asarray(arr).astype(NP[dtype]))
     pad = np.zeros(lead, a.dtype)
@@ -35,10 +35,11 @@ def get(dev, t: Tensor) -> np.ndarray:
 
 
 def rounded(a, dtype):
-    """What the GPU sees after upload as dtype (the reference input); bf16: rounded to nearest even."""
+    """What the GPU sees after upload as dtype (the reference input); bf16: rounded to nearest even,
+    as the LoRA pool rounds."""
     if dtype == "bf16":
-        bits = np.ascontiguousarray(a, np.float32).view(np.uint32).astype(np.uint64)
-        return (((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16).astype(np.uint32).view(np.float32)
+        to, back = HALVES["bf16"]
+        return back(to(a))
     return np.asarray(a).astype(NP[dtype]).astype(np.float32)
 
 

@@ -589,10 +589,9 @@ def _half_copy(folder: str, to: Path, dtype: str) -> str:
 
 
 def put_bytes(v, dtype: str) -> bytes:
-    """f32 values as f16 or bf16 (rounded as the tests' uploads round them) bytes."""
-    if dtype == "bf16":
-        return (rounded(v, "bf16").view(np.uint32) >> 16).astype(np.uint16).tobytes()
-    return v.astype(np.float16).tobytes()
+    """f32 values as f16 or bf16 bytes (rounded to nearest)."""
+    from webgpu_engine.models.lora import HALVES
+    return HALVES[dtype][0](v).tobytes()
 
 
 @pytest.mark.parametrize("half", ["f16", "bf16"])

@@ -31,16 +31,17 @@ _KC = 1024             # lora_delta's x values staged at a time (4 KB of workgro
 # first four, hi the second; 16 bits: a word's low half first) and those dotted with VW x or u values
 # in index order (wdotf; x1: the second four); _WDOT's wdot does both (lora_rows unpacks a load once
 # for its 4 rows). bf16: a value's f32 bits are its 16 bits shifted up (exact, like f16's)
-_HALVES = ("alias wvec = vec4<u32>;\nconst VW: u32 = 8u;\n"
-           "fn wunpack(w: wvec) -> wf { return wf(vec4<f32>(half2(w.x), half2(w.y)), vec4<f32>(half2(w.z), half2(w.w))); }\n"
-           "fn wdotf(acc: f32, x0: vec4<f32>, x1: vec4<f32>, w: wf) -> f32 { return dot_seq(dot_seq(acc, x0, w.lo), x1, w.hi); }\n")
+_WORDS16 = ("alias wvec = vec4<u32>;\nconst VW: u32 = 8u;\n"
+            "fn wunpack(w: wvec) -> wf {\n"
+            "    return wf(vec4<f32>(half2(w.x), half2(w.y)), vec4<f32>(half2(w.z), half2(w.w)));\n}\n"
+            "fn wdotf(acc: f32, x0: vec4<f32>, x1: vec4<f32>, w: wf) -> f32 { return dot_seq(dot_seq(acc, x0, w.lo), x1, w.hi); }\n")
 _WEIGHTS = {
     "f32": "alias wvec = vec4<f32>;\nconst VW: u32 = 4u;\n"
            "fn wunpack(w: wvec) -> wf { return wf(w, w); }\n"
            "fn wdotf(acc: f32, x0: vec4<f32>, x1: vec4<f32>, w: wf) -> f32 { return dot_seq(acc, x0, w.lo); }\n",
-    "f16": "fn half2(w: u32) -> vec2<f32> { return unpack2x16float(w); }\n" + _HALVES,
+    "f16": "fn half2(w: u32) -> vec2<f32> { return unpack2x16float(w); }\n" + _WORDS16,
     "bf16": "fn half2(w: u32) -> vec2<f32> { return vec2<f32>(bitcast<f32>(w << 16u), bitcast<f32>(w & 0xFFFF0000u)); }\n"
-            + _HALVES,
+            + _WORDS16,
 }
 WEIGHT_DTYPES = tuple(_WEIGHTS)          # A and B held as f32, f16 or bf16 (models/lora.py picks)
 _WDOT = ("struct wf { lo: vec4<f32>, hi: vec4<f32> }\n"
@@ -135,7 +136,8 @@ def lora_delta(dev: Device, x: Tensor, a: Tensor, b: Tensor, cols: Tensor, idx: 
     (w (K,) f32, eps) x * w / rms(x).  x (T, K) act; a (slots, J, K) f32; b (slots, N, R) f32 and
     cols (N / 2,) u32: B compact (compact_b), cols[p] the first column of rows 2p and 2p + 1's
     target; idx (T,) u32; y (T, N) act. K, N, R and x's and y's offsets multiples of 4; A and B may
-    both be f16 or bf16 instead (K and R multiples of 8): the same sums of the same values, half the loads.
+    both be f16 or bf16 instead (K and R multiples of 8): the same sums of the same values, half the
+    loads.
     `store`: y[t] = the delta instead, -0.0 for a row without an adapter (x + -0.0 is x, bit for
     bit: a matmul adding y to its sums keeps a base row's values). `rows` 4 (where rows_ok): 4 rows
     a workgroup (lora_rows: a prefill chunk's rows, which share an adapter, read A and B once for
