@@ -108,14 +108,16 @@ def test_lora_delta_is_shrink_then_expand_in_one(device, _free, dtype, wdtype, n
 
 @pytest.mark.parametrize("dtype,wdtype", [("f32", "f32"), ("f16", "f16"), ("f32", "bf16")])
 @pytest.mark.parametrize("rows", [4])
-@pytest.mark.parametrize("T,slots,pattern", [(16, 2, "one"), (7, 3, "mixed"), (5, 1, "tail")])
-def test_lora_rows_give_each_row_lora_deltas_bits(device, _free, dtype, wdtype, rows, T, slots, pattern):
-    """lora_delta with `rows` a workgroup (lora_rows: A and B read once for them) gives every row
-    the one-row kernel's bits, normed or not, added or stored: rows of one adapter (a prefill
-    chunk's), groups whose rows' slots differ or lack one (a row at a time), a last group past T.
-    K spans three of its staged chunks, the last not whole blocks of 32; against numpy too."""
+@pytest.mark.parametrize("T,slots,pattern,R", [(16, 2, "one", 16), (7, 3, "mixed", 16), (5, 1, "tail", 16),
+                                                (6, 2, "one", 32)])
+def test_lora_rows_give_each_row_lora_deltas_bits(device, _free, dtype, wdtype, rows, T, slots, pattern, R):
+    """lora_delta with `rows` a workgroup (lora_rows: A and B read once for them, R lanes) gives
+    every row the one-row kernel's bits (8 lanes, each making R / 8 lanes' sums of squares), normed
+    or not, added or stored: rows of one adapter (a prefill chunk's), groups whose rows' slots differ
+    or lack one (a row at a time), a last group past T. K spans three of its staged chunks, the last
+    not whole blocks of 32; against numpy too."""
     rng = np.random.default_rng(T + rows)
-    K, N, R, targets = 1096, 120, 16, 3
+    K, N, targets = 1096, 120, 3
     J = targets * R
     x = rng.standard_normal((T, K))
     a = rounded(rng.standard_normal((slots, J, K)) / np.sqrt(K), wdtype)
