@@ -68,8 +68,8 @@ fn sg_lane() -> u32 { return 0u; }
 # same bits)
 BAKE_SHAPES = True
 NARROW_WG = True
-# a decode row's lora_delta / lora_post: one workgroup of 8 lanes, lavapipe's SIMD group (two of 16
-# lanes took ~0.5-1 ms more a SmolLM2 step: a barrier switches between them; bench/lora_step.py)
+# a decode row's lora_delta / lora_post: one workgroup of 8 lanes, lavapipe's SIMD group (two groups,
+# 16 lanes, which lavapipe runs in turn switching at each barrier, took ~0.7 ms more a SmolLM2 step)
 DECODE_LANES = 8
 SUBGROUP_X = True        # the shrinks' x through the subgroup where rows_ok (False: read by each lane)
 
