@@ -69,13 +69,13 @@ fn lora_expand(@builtin(global_invocation_id) gid: vec3<u32>) {
 // adding y to its sums keeps a base row's bits: models/lora.py). x and y are read and written 4
 // values a load (xv, yv: x_off, y_off, K and N multiples of 4; on a CPU adapter a load or store
 // costs per invocation whatever its width), a lane making 4 rows of y.
-// dispatch (T, 1, 1), workgroup WG (the shrink's R lanes in passes of WG); the host adds the
-// consts VL (the norm's virtual lanes), JMAX (= J), NORM, STORE, KC and SHAPE_K/N/J/R (the widths,
-// or 0: the uniforms'), and A and B's element type: `wvec` f32 (vec4<f32>, VW = 4 values a load) or
-// f16 or bf16 pairs (vec4<u32>,
-// VW = 8: on a CPU adapter a load costs per invocation whatever its width, so 16-bit weights halve
-// the loads) with `wdot`, which adds a load's VW products in index order (the same sums, the same
-// bits for the same values). A row without an adapter returns at once (its slot read uniformly).
+// dispatch (T, 1, 1), workgroup WG (the shrink's R lanes in passes of WG); the host adds the consts
+// VL (the norm's virtual lanes), JMAX (= J), NORM, STORE, KC and SHAPE_K/N/J/R (the widths, or 0:
+// the uniforms'), and A and B's element type: `wvec` f32 (vec4<f32>, VW = 4 values a load) or f16
+// or bf16 pairs (vec4<u32>, VW = 8: on a CPU adapter a load costs per invocation whatever its
+// width, so 16-bit weights halve the loads) with `wdot`, which adds a load's VW products in index
+// order (the same sums, the same bits for the same values). A row without an adapter returns at
+// once (its slot read uniformly).
 @group(0) @binding(3) var<storage, read_write> xv: array<act4>;       // (T, K / 4) x (lora_delta, lora_post)
 @group(0) @binding(5) var<storage, read_write> yv: array<act4>;       // (T, N / 4) y (lora_delta, lora_post)
 @group(0) @binding(9) var<storage, read> cols: array<vec2<u32>>;      // (N / 4) first u column of each row pair

@@ -17,6 +17,7 @@ from webgpu_engine.config import GenerationConfig
 from webgpu_engine.engine.engine import AsyncMLCEngine
 from webgpu_engine.errors import InvalidRequestError, SpecifiedModelNotFoundError
 from webgpu_engine.kernels import lora as lk
+from webgpu_engine.models.lora import HALVES
 
 from _nn_util import empty, get, put, rounded, run
 
@@ -581,19 +582,13 @@ def _half_copy(folder: str, to: Path, dtype: str) -> str:
             v = np.frombuffer(bytes(t.data), np.float32).copy()
             if dtype == "bf16":
                 v[0] = 1.5 * 2.0 ** -30
-            tensors[name] = (dtype, t.shape, put_bytes(v, dtype))
+            tensors[name] = (dtype, t.shape, HALVES[dtype][0](v).tobytes())    # rounded to nearest
     finally:
         f.close()
     to.mkdir()
     write_safetensors(to / "adapter_model.safetensors", tensors)
     (to / "adapter_config.json").write_text((Path(folder) / "adapter_config.json").read_text())
     return str(to)
-
-
-def put_bytes(v, dtype: str) -> bytes:
-    """f32 values as f16 or bf16 bytes (rounded to nearest)."""
-    from webgpu_engine.models.lora import HALVES
-    return HALVES[dtype][0](v).tobytes()
 
 
 @pytest.mark.parametrize("half", ["f16", "bf16"])

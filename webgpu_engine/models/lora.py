@@ -34,7 +34,8 @@ from ..errors import InvalidRequestError
 from ..kernels import lora as lk
 from ..kernels import nn
 from ..kernels.common import Tensor, new_tensor
-from .lora_files import FUSED, TARGETS, LoraAdapter, LoraAdapterError, load_adapter, load_gguf, load_peft
+from .lora_files import (FUSED, TARGETS, LoraAdapter, LoraAdapterError, bf16_values, load_adapter, load_gguf,
+                         load_peft)
 
 __all__ = ["FUSED", "TARGETS", "LoraAdapter", "LoraAdapterError", "load_adapter", "load_gguf", "load_peft",
            "LoraPool", "LoraRows", "adapter_key", "key_parts", "split_fused", "check_adapter"]
@@ -327,10 +328,8 @@ class LoraPool:
             self._freed = None
 
     def can_acquire(self, key: str) -> bool:
-        """Whether acquire(key) finds a slot now: the entry resident, a slot free, or an entry no
-        running sequence uses (evicted)."""
-        return (key in self._resident or len(self._resident) < self.slots
-                or any(not self._users.get(k) for k in self._resident))
+        """Whether acquire(key) finds a slot now: the entry resident, or room for it (_room)."""
+        return key in self._resident or self._room() is not None
 
     async def slot_free(self, key: str) -> None:
         """Wait until acquire(key) finds a slot (vLLM queues a request whose adapter would be one past
@@ -345,14 +344,22 @@ class LoraPool:
             raise InvalidRequestError(f"LoRA adapter {gone[0]!r} was unloaded while the request waited for a "
                                       f"slot.", param="model")
 
-    def _free_slot(self, name: str) -> int:
+    def _room(self) -> tuple[int, str | None] | None:
+        """Where a new entry goes: (a free slot, None), or (the slot of the least recently used entry
+        no running sequence uses, that entry, to evict); None while running sequences hold every slot."""
         used = set(self._resident.values())
         free = [s for s in range(self.slots) if s not in used]
         if free:
-            return free[0]
-        for victim in self._resident:                      # least recently used first
-            if not self._users.get(victim):
-                return self._evict(victim)
+            return free[0], None
+        victim = next((k for k in self._resident if not self._users.get(k)), None)    # least recently used first
+        return None if victim is None else (self._resident[victim], victim)
+
+    def _free_slot(self, name: str) -> int:
+        room = self._room()
+        if room is not None:
+            if room[1] is not None:
+                self._evict(room[1])
+            return room[0]
         raise InvalidRequestError(f"All {self.slots} LoRA slots are in use by running requests; "
                                   f"{', '.join(key_parts(name))} waits for one (raise max_loras).", param="model")
 
@@ -421,11 +428,6 @@ def _bf16(v):
     return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
 
 
-def _from_bf16(h):
-    import numpy as np
-    return (h.astype(np.uint32) << 16).view(np.float32)
-
-
 def _f16(v):
     import numpy as np
     return np.asarray(v, np.float32).astype(np.float16)
@@ -437,7 +439,7 @@ def _from_f16(h):
 
 
 # the 16-bit dtypes a pool may hold A and B in, preferred first: (f32 values as it, and back)
-HALVES = {"f16": (_f16, _from_f16), "bf16": (_bf16, _from_bf16)}
+HALVES = {"f16": (_f16, _from_f16), "bf16": (_bf16, bf16_values)}
 
 
 def _exact_halves(ad: LoraAdapter) -> frozenset:

@@ -46,6 +46,12 @@ class LoraAdapter:
         return {t for _, t in self.weights}
 
 
+def bf16_values(h):
+    """bf16 bits (uint16) as the f32 values they are (exact)."""
+    import numpy as np
+    return (np.asarray(h, np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
 def _decode(t):
     """A TensorInfo's values as an f32 numpy array of its shape."""
     import numpy as np
@@ -55,7 +61,7 @@ def _decode(t):
     elif t.qtype == "f16":
         v = np.frombuffer(raw, np.float16).astype(np.float32)
     elif t.qtype == "bf16":
-        v = (np.frombuffer(raw, np.uint16).astype(np.uint32) << 16).view(np.float32)
+        v = bf16_values(np.frombuffer(raw, np.uint16))
     elif t.qtype == "q8_0":                # convert_lora_to_gguf.py --outtype q8_0: blocks of f16 d, 32 int8
         blocks = np.frombuffer(raw, np.dtype([("d", "<f2"), ("q", "i1", (32,))]))
         v = blocks["q"].astype(np.float32) * blocks["d"].astype(np.float32)[:, None]
