@@ -2,7 +2,8 @@
 `serve` loads it with a random rank-16 adapter of all seven targets (bench/serve.py's; its tensors
 in --lora-dtype, f16 by default, and the pool holds them in the narrowest dtype that holds them), one row
 at position 40, each step recorded, submitted and waited for. Per step, CPU ms (the process's, a CPU
-adapter's threads included) in interleaved rounds (A B C D, D C B A, ...):
+adapter's threads included) and wall ms (a step's time, as a stream's inter-token latency sees it) in
+interleaved rounds (A B C D, D C B A, ...):
 
     base        the base's op list (183 dispatches)
     adapter     the op list with the deltas (244), the row with the adapter
@@ -93,27 +94,30 @@ async def main() -> None:
     await dev.compiled()
     for name in lists:
         step(name)
-    cpu = {name: [] for name in lists}
+    cpu, wall = {name: [] for name in lists}, {name: [] for name in lists}
     for r in range(args.rounds):
         for name in (list(lists) if r % 2 == 0 else list(lists)[::-1]):
-            c0 = time.process_time()
+            c0, w0 = time.process_time(), time.perf_counter()
             for _ in range(args.steps):
                 step(name)
             cpu[name].append((time.process_time() - c0) / args.steps * 1e3)
+            wall[name].append((time.perf_counter() - w0) / args.steps * 1e3)
     load = os.getloadavg()
     what = f"a prefill chunk of {T} rows" if args.prefill else "one decode row"
     print(f"{args.model}, a rank-16 {args.lora_dtype} adapter of 7 targets (held in {pipe.lora.wdtype}), {what}; "
           f"CPU ms a step, {args.rounds} rounds of "
           f"{args.steps}, load {load[0]:.1f} / {load[1]:.1f}")
     base = statistics.median(cpu.get("base", cpu[next(iter(cpu))]))
+    wbase = statistics.median(wall.get("base", wall[next(iter(wall))]))
     for name, xs in cpu.items():
         d = sum(len(op.dispatches) for op in lists[name][0])
+        ws = statistics.median(wall[name])
         print(f"  {name:14s} {d:4d} dispatches  median {statistics.median(xs):6.2f}  min {min(xs):6.2f}  "
-              f"({statistics.median(xs) / base:.3f}x the base)")
+              f"({statistics.median(xs) / base:.3f}x the base); wall median {ws:6.2f} ({ws / wbase:.3f}x)")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"model": args.model, "lora_dtype": args.lora_dtype, "held": pipe.lora.wdtype,
                                           "kind": kind, "rows": T, "load": load, "rounds": args.rounds, "steps": args.steps,
-                                         "cpu_ms": cpu, "time": time.strftime("%Y-%m-%d %H:%M:%S")}, indent=1))
+                                         "cpu_ms": cpu, "wall_ms": wall, "time": time.strftime("%Y-%m-%d %H:%M:%S")}, indent=1))
     await eng.unload()
 
 

@@ -249,16 +249,6 @@ fn wsum_inv(lid: u32, K: u32) -> f32 {
     return inverseSqrt(workgroupUniformLoad(&wtot) / f32(K) + D.eps);
 }
 
-// acc + a.x b.x + a.y b.y + a.z b.z + a.w b.w, added in that order (lora_shrink / lora_expand's)
-fn dot_seq(acc: f32, a: vec4<f32>, b: vec4<f32>) -> f32 {
-    var r = acc;
-    r += a.x * b.x;
-    r += a.y * b.y;
-    r += a.z * b.z;
-    r += a.w * b.w;
-    return r;
-}
-
 // lora_post: the delta of a one-target group (o, down) whose matmul has already added its sums into
 // the residual x and stored the next norm's x * g and partial sums (matmul_epilogue.wgsl
 // ep_res_norm), then (PRE) lora_delta of the next group from the new x (its norm's weight w4, STORE:

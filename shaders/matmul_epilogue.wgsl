@@ -20,7 +20,9 @@
 //               (matmul_decode.wgsl dec_pss), so the norm needs no dispatch and no barrier.
 //               matmul_res_norm is the loop kernel (matmul.wgsl row_sums) ending with it.
 // ep_silu and ep_rope_kv first add to the sums what ep_added adds (the host's: nothing, or values
-// stored before the matmul, e.g. the rows' LoRA deltas of the projection; kernels/matmul/epilogues.py).
+// stored before the matmul, e.g. the rows' LoRA deltas of the projection; kernels/matmul/epilogues.py);
+// ep_res_norm adds to x what ep_resid adds. Every entry point calls ep_pro(lid, first row, rows)
+// first, in uniform control flow (nothing, or lora_matmul.wgsl's: the workgroup's LoRA shrinks).
 // Built after matmul.wgsl, matmul_decode.wgsl and sincos.wgsl; the host adds the consts EP_D (head
 // dim), EP_ROT (rotated dims of a head), EP_KLO / EP_VLO (first k / v row), EP_CTX (cache rows),
 // EP_KC / EP_VC (cache offsets in elements) for ep_rope_kv; EP_G, EP_YG, EP_PART (offsets in
@@ -97,8 +99,9 @@ fn ep_res_norm(t: u32, i4: u32, sums: vec4<f32>) {
     let row = t * P.y_stride;           // row t of y, of y * g and (a quarter) of the partials
     let o = P.y_off + row + n;
     if ((P.flags & 2u) != 0u) { r += vec4<f32>(f32(y[o]), f32(y[o + 1u]), f32(y[o + 2u]), f32(y[o + 3u])); }
-    // the norm sees y as stored (rounded to act), as a separate rms_norm would read it
-    let v = vec4<f32>(f32(act(r.x)), f32(act(r.y)), f32(act(r.z)), f32(act(r.w)));
+    // the norm sees y as stored (rounded to act), as a separate rms_norm would read it (with what
+    // ep_resid adds to it: a row's LoRA delta, lora_matmul.wgsl)
+    let v = ep_resid(t, n, vec4<f32>(f32(act(r.x)), f32(act(r.y)), f32(act(r.z)), f32(act(r.w))));
     y[o] = act(v.x);
     y[o + 1u] = act(v.y);
     y[o + 2u] = act(v.z);
@@ -118,6 +121,7 @@ fn ep_res_norm(t: u32, i4: u32, sums: vec4<f32>) {
 @compute @workgroup_size(WG)
 fn matmul_res_norm(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
     let i4 = wid.x * WG + lid;
+    ep_pro(lid, wid.y, 1u);
     if (4u * i4 >= P.rows) { return; }
     ep_res_norm(wid.y, i4, row_sums(4u * i4, wid.y));
 }
@@ -128,8 +132,9 @@ fn matmul_res_norm(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocat
 @compute @workgroup_size(WG)
 fn matmul_tile_res_norm(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
     let i4 = wid.x * WG + lid;
-    if (4u * i4 >= P.rows) { return; }
     let t0 = wid.y * 4u;
+    ep_pro(lid, t0, 4u);
+    if (4u * i4 >= P.rows) { return; }
     let a = tile_sums(4u * i4, t0);
     ep_res_norm(t0, i4, a[0]);
     ep_res_norm(t0 + 1u, i4, a[1]);

@@ -654,13 +654,14 @@ async def test_only_the_projections_some_adapter_targets_get_deltas(engine):
         assert await _greedy(engine, "b", 1) == _want("b", 1)
         names = [op.name for op in pipe.scheduler.fwd.ops("decode", 1, True)]
         n_layers = pipe.model.cfg.n_layers
-        # a group's delta an op each, lora_post's with the next group's two (kernels/lora.py)
-        deltas = {"lora_delta": 1, "lora_shrink": 1, "lora_post": 1, "lora_post+delta": 2}
-        assert sum(deltas.get(n, 0) for n in names) == 3 * n_layers
-        assert names.count("lora_post") + names.count("lora_post+delta") == n_layers        # down's
-        # the fused RoPE + KV write and act(gate) * up stay: the deltas are the only ops added
+        # a group's delta an op each, or made by its matmul (kernels/lora.py Delta: "+lora")
+        deltas = {"lora_delta": 1, "lora_shrink": 1}
+        inside = [n for n in names if n.endswith("+lora")]
+        assert sum(deltas.get(n, 0) for n in names) + len(inside) == 3 * n_layers
+        assert inside == [f"matmul[layers.{i}.{g}]+lora" for i in range(n_layers) for g in ("gate_up", "down")]
+        # the fused act(gate) * up stays: the deltas are the only ops added
         base = [op.name for op in pipe.scheduler.fwd.ops("decode", 1, False)]
-        assert [n for n in names if n not in deltas] == base
+        assert [n.removesuffix("+lora") for n in names if n not in deltas] == base
     finally:
         await engine.load_lora_adapter("a", ADAPTERS["a"])
     assert pipe.lora.targeted() == ("qkv", "o", "gate_up", "down")
@@ -721,12 +722,13 @@ async def test_an_ollama_adapter_layer_applies_to_every_request_of_its_model(dev
         jobs = [(None, 0), ("b", 1), (None, 1), ("b", 0)]
         got = await asyncio.gather(*[_greedy(eng, n or "tinylora:latest", i) for n, i in jobs])
         assert got == [_want(n or "a", i) for n, i in jobs]
-        # a GGUF base's decode step (fused RoPE + KV write): o's deltas after its matmul with gate_up's,
-        # down's with the next layer's qkv's, the last down's alone (kernels/lora.py lora_post)
+        # a GGUF base's decode step (fused RoPE + KV write): every group's deltas made by its matmul
+        # (kernels/lora.py Delta), no dispatch of their own
         names = [op.name for op in eng.models["tinylora:latest"].pipeline.scheduler.fwd.ops("decode", 1, True)]
         n_layers = eng.models["tinylora:latest"].pipeline.model.cfg.n_layers
-        assert (names.count("lora_post+delta"), names.count("lora_post"), names.count("lora_delta")) == (
-            2 * n_layers - 1, 1, 1)
+        assert [n for n in names if n.startswith("lora")] == []
+        assert [n for n in names if n.endswith("+lora")] == [
+            f"matmul[layers.{i}.{g}]+lora" for i in range(n_layers) for g in ("qkv", "o", "gate_up", "down")]
     finally:
         await eng.unload()
 

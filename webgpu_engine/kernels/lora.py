@@ -12,11 +12,18 @@ each row through its own adapter's slot of a pool (punica / S-LoRA's "bgmv"), a 
     lora_post(x, inp, A, B, ...)     a residual matmul's delta after it (x, its next norm's x * w and
                                      partial sums stored again), then lora_delta of the next group,
                                      in one dispatch (a CPU adapter's decode step: models/decoder.py)
+    matmul(..., add=Delta(...))      inside a decode matmul (a CPU adapter's decode and verify
+                                     steps): the workgroup makes its rows' u = A · x first
+                                     (matmul_source's ep_pro), each invocation adds B · u to its
+                                     sums (qkv, gate_up) or to the residual (o, down); no dispatch
 
 A pool holds `slots` adapters: A (slots, J, K) and B (slots, N, J) f32, J = targets x rank, B scaled.
 The numpy references are shrink_ref / expand_ref below. Standard library only (runs in the page).
 """
 from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
 
 from ..gpu import Device
 from ..gpu.shaders import load_shader_source
@@ -44,7 +51,12 @@ _WEIGHTS = {
             + _WORDS16,
 }
 WEIGHT_DTYPES = tuple(_WEIGHTS)          # A and B held as f32, f16 or bf16 (models/lora.py picks)
+# dot_seq(acc, a, b): acc + a.x b.x + a.y b.y + a.z b.z + a.w b.w, added in that order (lora_shrink /
+# lora_expand's)
 _WDOT = ("struct wf { lo: vec4<f32>, hi: vec4<f32> }\n"
+         "fn dot_seq(acc: f32, a: vec4<f32>, b: vec4<f32>) -> f32 {\n"
+         "    var r = acc;\n    r += a.x * b.x;\n    r += a.y * b.y;\n    r += a.z * b.z;\n    r += a.w * b.w;\n"
+         "    return r;\n}\n"
          "fn wdot(acc: f32, x0: vec4<f32>, x1: vec4<f32>, w: wvec) -> f32 { return wdotf(acc, x0, x1, wunpack(w)); }\n")
 
 
@@ -72,6 +84,80 @@ NARROW_WG = True
 # 16 lanes, which lavapipe runs in turn switching at each barrier, took ~0.7 ms more a SmolLM2 step)
 DECODE_LANES = 8
 SUBGROUP_X = True        # the shrinks' x through the subgroup where rows_ok (False: read by each lane)
+
+
+@dataclass(frozen=True)
+class Delta:
+    """A group's LoRA deltas made inside the decode matmul of its projection (matmul(..., add=)):
+    a (slots, J, k) and b (slots, n, R) with cols, lora_delta's layout (the pool's); idx (T,) u32
+    each row's slot; n the weight's rows, k its columns; `res`: o's or down's, whose delta goes into
+    the residual before the next norm's values are stored (matmul_epilogue.wgsl ep_res_norm), else
+    into the sums before the RoPE + KV write or act(gate) * up. See matmul_source."""
+    a: Tensor
+    b: Tensor
+    cols: Tensor
+    idx: Tensor
+    slots: int
+    n: int
+    k: int
+    res: bool = False
+
+    def rows(self, r: int, g: int) -> "Delta":
+        """The same for rows r .. r + g - 1 (a matmul over a group of rows)."""
+        return replace(self, idx=self.idx.view((g,), r))
+
+
+def delta_wg(dev: Device, invocations: int, wg: int) -> int:
+    """The workgroup of a decode matmul with a Delta: a workgroup makes its rows' u itself before
+    the matmul (a barrier between), so as few workgroups as the driver runs at once (lavapipe: a
+    thread a CPU, LP_NUM_THREADS where set), each u made once a thread; `wg` the matmul's own, the
+    least, in whole groups of 8 lanes."""
+    threads = int(os.environ.get("LP_NUM_THREADS") or os.cpu_count() or 1) or 1
+    cap = int(dev.limits.get("max-compute-invocations-per-workgroup", 256))
+    want = -(-invocations // threads)
+    return max(wg, min(cap // 8 * 8, -(-want // 8) * 8))
+
+
+def matmul_source(d: Delta, extra: dict, T: int, rows: int, *, x_off4: int, x4: int,
+                  pnorm: tuple | None = None) -> str:
+    """The WGSL a decode matmul of weight (d.n, d.k) takes with `d` (its bindings 15-18 into
+    `extra`): ep_pro(lid, t0, nt), which the entry point calls first (uniformly: a barrier ends
+    it), makes u = A[s] · x' of each of the workgroup's rows t0 .. t0 + nt - 1 (at most `rows`)
+    that has an adapter (slot s; x' = the matmul's x, row t at xword x_off4 + t * x4, times
+    1 / rms with `pnorm` (g_off4, g4, eps): the norm's partial sums in binding 5, 1 / rms made as
+    the matmul makes it) into workgroup memory, a lane per row of A, its sum in index order; and
+    ep_added / ep_resid, which add each row's B · u to weight rows n .. n + 3 as lora_delta's
+    expand makes it (rounded to act as its stored y: ep_added; as lora_post adds it into x:
+    ep_resid). A row without an adapter keeps every value."""
+    J = d.a.numel // (d.slots * d.k) if d.slots and d.k else 0
+    R = d.b.numel // (d.slots * d.n) if d.slots and d.n else 0
+    vw = 4 if d.a.dtype == "f32" else 8
+    check(d.a.dtype == d.b.dtype and d.a.dtype in WEIGHT_DTYPES and R > 0 and R % vw == 0 and J % R == 0
+          and J <= 3 * R and d.k % vw == 0 and d.a.numel == d.slots * J * d.k and d.cols.dtype == "u32"
+          and 2 * d.cols.numel == d.n and d.n % 4 == 0 and d.idx.dtype == "u32" and d.idx.numel >= T
+          and d.a.offset == 0 and d.b.offset == 0 and d.cols.offset == 0, "matmul",
+          f"add's Delta: A{d.a.shape} and B{d.b.shape} must be ({d.slots}, J, {d.k}) and ({d.slots}, {d.n}, R) "
+          f"f32, f16 or bf16 (R a multiple of {vw}, J 1-3 times R), cols ({d.n // 2},) u32, idx {T} u32")
+    ib, io = window(d.idx, 4, "matmul", "idx")
+    extra.update({15: ib, 16: d.b.binding(), 17: d.cols.binding(), 18: d.a.binding()})
+    go, g4, eps = pnorm or (0, 0, 0.0)
+    consts = dict(LR_IO=io, LR_S=d.slots, LR_J4=J // 4, LR_R=R, LR_NT=J // R, LR_K=d.k, LR_N=d.n,
+                  LR_XO=x_off4, LR_X4=x4, LR_GO=go, LR_G4=g4, LR_ROWS=rows)
+    head = "".join(f"const {k}: u32 = {v}u;\n" for k, v in consts.items())
+    head += f"const LR_PNORM: bool = {str(pnorm is not None).lower()};\nconst LR_EPS: f32 = {float(eps)!r};\n"
+    head += f"const LR_RES: bool = {str(d.res).lower()};\n"
+    head += _LR_INV if pnorm is not None else "fn lr_inv(t: u32) -> f32 { return 1.0; }\n"
+    return head + _WEIGHTS[d.a.dtype] + _WDOT + load_shader_source("lora_matmul.wgsl")
+
+
+# 1 / rms of row t from the norm's partial sums in binding 5 (matmul_decode.wgsl's g), as the decode
+# matmul makes its scale (codegen._row_ends: dec_pss added in order, then inverseSqrt)
+_LR_INV = """fn lr_inv(t: u32) -> f32 {
+    var ss = 0.0;
+    for (var q = 0u; q < LR_K / 16u; q++) { ss += dot(g[LR_GO + t * LR_G4 + q], vec4<f32>(1.0)); }
+    return inverseSqrt(ss / f32(LR_K) + LR_EPS);
+}
+"""
 
 
 def _pipe(dev: Device, entry: str, dtype: str, j: int = 1, norm: bool = False, store: bool = False,

@@ -232,8 +232,8 @@ def forward(m, kv: KVAccess, T: int, mode: str, *, with_head: bool = True,
             src, how = h, {}
             ops.append(_norm(m, x, L.attn_norm, L.attn_norm_bias, h))
         normed = c.pre_norms and (plan.norm_in_matmul or plan.res_norm and i > 0)
-        add = lora.pre(i, "qkv", T) if lora is not None and rope is not None else None
-        if add is not None and not folded:   # the deltas first: the matmul adds them before its RoPE + KV write
+        add = lora.pre(i, "qkv", T, "norm" not in how) if lora is not None and rope is not None else None
+        if isinstance(add, Tensor) and not folded:  # the deltas first: the matmul adds them before its RoPE + KV write
             ops += _lora_delta(m, lora, i, "qkv", x, h, L.attn_norm, L.attn_norm_bias, add, T, normed, True)
         folded = False
         ops.append(mm.matmul(dev, src, L.qkv, qkv2, bias=L.qkv_bias, rope_kv=rope, add=add, **how, **flags))
@@ -253,11 +253,12 @@ def forward(m, kv: KVAccess, T: int, mode: str, *, with_head: bool = True,
                     nn.rms_norm(dev, h, L.post_attn_norm, h, eps=eps), nn.add(dev, x, h, x)]
         else:
             post = _posts(m, lora, plan, L, i, "o")
+            res = lora.residual(i, "o", T) if post and lora.inside_ok(T) else None   # made by the matmul
             if not post:
                 ops += delta(i, "o", attn, x, T)   # into x first: the matmul's norm_out sees the sum
-            ops.append(mm.matmul(dev, attn, L.o, x, bias=L.o_bias, accumulate=True, **flags,
+            ops.append(mm.matmul(dev, attn, L.o, x, bias=L.o_bias, accumulate=True, **flags, add=res,
                                  norm_out=mm.NormOut(L.ffn_norm, h, part) if plan.res_norm else None))
-            if post:                         # after it, with the gate_up deltas in the same dispatch
+            if post and res is None:         # after it, with the gate_up deltas in the same dispatch
                 add = lora.pre(i, "gate_up", T) if plan.gate_out[i] and L.experts is None else None
                 folded = add is not None
                 ops += lora.post(i, "o", x, attn, L.ffn_norm, h, part, T, (i, "gate_up", add, eps) if folded else None)
@@ -272,9 +273,10 @@ def forward(m, kv: KVAccess, T: int, mode: str, *, with_head: bool = True,
         own_norm = c.pre_norms and not c.parallel_norms and not normed
         if own_norm:                         # h = norm(x) first: the deltas the matmul adds read it too
             ops.append(_norm(m, x, L.ffn_norm, L.ffn_norm_bias, h))
-        add = lora.pre(i, "gate_up", T) if lora is not None and plan.gate_out[i] else None
+        norm_in = c.pre_norms and not c.parallel_norms and not plan.res_norm and plan.norm_in_matmul
+        add = lora.pre(i, "gate_up", T, not norm_in) if lora is not None and plan.gate_out[i] else None
         if add is not None:                  # the deltas first: the matmul adds them before act(gate) * up
-            if not folded:
+            if isinstance(add, Tensor) and not folded:
                 ops += _lora_delta(m, lora, i, "gate_up", x, h, L.ffn_norm, L.ffn_norm_bias, add, T, normed, True)
             gate = {**gate, "add": add}
         folded = False
@@ -309,10 +311,12 @@ def forward(m, kv: KVAccess, T: int, mode: str, *, with_head: bool = True,
         else:
             nxt = mm.NormOut(norms_after[i], h, part) if plan.res_norm else None
             post = _posts(m, lora, plan, L, i, "down")
+            res = lora.residual(i, "down", T) if post and lora.inside_ok(T) else None
             if not post:
                 ops += delta(i, "down", ffn_in, x, T)
-            ops.append(mm.matmul(dev, ffn_in, L.down, x, bias=L.down_bias, accumulate=True, norm_out=nxt, **fused))
-            if post:                         # after it, with the next layer's qkv deltas in the same dispatch
+            ops.append(mm.matmul(dev, ffn_in, L.down, x, bias=L.down_bias, accumulate=True, norm_out=nxt, add=res,
+                                 **fused))
+            if post and res is None:         # after it, with the next layer's qkv deltas in the same dispatch
                 j = i + 1
                 add = (lora.pre(j, "qkv", T) if j < len(m.layers) and plan.rope_kv[j] and m.layers[j].mixer is None
                        and kv.fused_rope(j) is not None else None)

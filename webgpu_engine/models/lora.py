@@ -507,15 +507,34 @@ class LoraRows:
         return [lk.lora_post(p.dev, x.view((T, g.n)), inp.view((T, g.k)), g.a, g.b, self.idx.view((T,)), norm,
                              h.view((T, g.n)), part.view((T * g.n // 4,)), slots=p.slots, nxt=more)]
 
-    def pre(self, i: int, group: str, T: int) -> Tensor | None:
+    def pre(self, i: int, group: str, T: int, inside: bool = False) -> "Tensor | lk.Delta | None":
         """Where layer i's `group` deltas go when its matmul adds them to its sums before a fused
-        epilogue (the RoPE + KV write, act(gate) * up): stored first by lora_delta (a CPU adapter's
-        form), a base row's as -0.0; None where the group takes no delta."""
+        epilogue (the RoPE + KV write, act(gate) * up), on a CPU adapter: with `inside` (the matmul
+        reads x as is or with a norm's partial sums) where the matmul can make them itself
+        (inside_ok: a Delta, no dispatch of their own), else stored first by lora_delta, a base
+        row's as -0.0. None where the group takes no delta."""
         p = self.pool
         g = p.groups[i].get(group)
         if not p.fused or g is None or (self.groups is not None and group not in self.groups):
             return None
+        if inside and self.inside_ok(T):
+            return lk.Delta(g.a, g.b, g.cols, self.idx.view((T,)), p.slots, g.n, g.k)
         return p.d.view((T, g.n))
+
+    def inside_ok(self, T: int) -> bool:
+        """Whether a decode matmul of T rows can make the rows' deltas itself (kernels/lora.py
+        Delta): a CPU adapter's pool, one row a LoRA workgroup (a decode or verify step's rows), a
+        device that binds the matmul's 4 more storage buffers."""
+        p = self.pool
+        return (p.fused and (T == 1 or self.rows == 1)
+                and int(p.dev.limits.get("max-storage-buffers-per-shader-stage", 8)) >= 18)
+
+    def residual(self, i: int, group: str, T: int) -> "lk.Delta":
+        """Layer i's one-target `group` (o, down; posts()) deltas made by its residual matmul itself,
+        into x before the next norm's values (a Delta with res; inside_ok)."""
+        p = self.pool
+        g = p.groups[i][group]
+        return lk.Delta(g.a, g.b, g.cols, self.idx.view((T,)), p.slots, g.n, g.k, res=True)
 
     def plan(self, plan):
         """`plan` without the fusions that hide a projection's output from its delta: act(gate) * up

@@ -108,6 +108,12 @@ def _row_ends(mode: str, k: int, rows: DecRows, acc: str, ep: str, i4: str) -> l
     return out
 
 
+def pro_call(ep: str, rows: DecRows) -> list[str]:
+    """The entry point's first call where it has an epilogue: ep_pro (matmul_epilogue.wgsl; a row's
+    LoRA shrinks where the matmul makes its deltas) of the rows 0 .. rows.n - 1."""
+    return [] if ep == "store" else [f"    ep_pro(lid, 0u, {rows.n}u);"]
+
+
 def store_ends(mode: str, k: int, rows: DecRows) -> list[str]:
     """WGSL lines ending the "store" epilogue of the scalar decode kernels: dec_end stores each row's
     sums (acc0..), scaled by its RMS norm in the norm / pnorm modes."""
@@ -149,6 +155,7 @@ def decode_v4_source(qtype: str, nchunks: int, k: int, x_off4: int, mode: str, n
              "fn matmul_decode(@builtin(workgroup_id) wid: vec3<u32>, "
              "@builtin(local_invocation_index) lid: u32) {",
              "    let i4 = wid.x * WG + lid;   // rows 4 * i4 .. 4 * i4 + 3"]
+    lines += pro_call(ep, rows)
     lines += span_base(rw, inter_full)
     lines += [f"    var acc{t} = DecAcc(vec4<f32>(0.0), 0.0);" for t in range(rows.n)]
     loaded = set()
@@ -215,6 +222,7 @@ def decode_source(nchunks: int, k: int, x_off4: int, mode: str, nf4: int, g_off4
              "fn matmul_decode(@builtin(workgroup_id) wid: vec3<u32>, "
              "@builtin(local_invocation_index) lid: u32) {",
              "    let rows = row_group(wid, lid);"]
+    lines += pro_call(ep, rows)
     lines += [f"    var acc{t} = DecAcc(vec4<f32>(0.0), 0.0);" for t in range(rows.n)]
     for c in range(nchunks):
         lines.append(f"    let d{c} = wchunks(rows.b, {c}u);")

@@ -57,17 +57,21 @@ class RopeKV:
 
 
 def epilogue_binds(y: Tensor, rope: RopeKV | None, norm_out: "NormOut | None", extra: dict,
-                   add: Tensor | None = None, n: int = 0) -> str:
+                   add: Tensor | None = None, n: int = 0, lora: str = "") -> str:
     """The epilogue's bindings (added to `extra`) and source; `add` (T, n) values added to the
-    sums of the n weight rows before the epilogue (ep_added)."""
+    sums of the n weight rows before the epilogue (ep_added); `lora`: instead, kernels/lora.py
+    matmul_source's text (ep_pro, ep_added, ep_resid: a row's LoRA deltas made here)."""
     esz = DTYPE_SIZE[y.dtype]
-    added = _ADDED_NONE
-    if add is not None:
+    added = _ADDED_NONE + _NO_PRO
+    if lora:
+        check(add is None, "matmul", "add and a LoRA delta cannot both be given")
+        added = ""
+    elif add is not None:
         check(add.dtype == y.dtype and add.numel >= y.shape[0] * n, "matmul",
               f"add must be ({y.shape[0]}, {n}) {y.dtype}, got {add.shape} {add.dtype}")
         ab, ao = _window(add, esz, "matmul", "add")
         extra[14] = ab
-        added = (_ADDED4 if ao % 4 == 0 and n % 4 == 0 else _ADDED).format(off=ao, n=n)
+        added = (_ADDED4 if ao % 4 == 0 and n % 4 == 0 else _ADDED).format(off=ao, n=n) + _NO_PRO
     caches = offs = None
     if rope is not None:
         caches = [_window(rope.k_cache, esz, "matmul", "k cache"),
@@ -89,12 +93,16 @@ def epilogue_binds(y: Tensor, rope: RopeKV | None, norm_out: "NormOut | None", e
                 _window(part, 4, "matmul", "partial sums")]
         extra.update({10: wins[0][0], 11: wins[1][0], 12: wins[2][0]})
         offs = [o for _, o in wins]
-    return added + epilogue_source(y.dtype, rope, caches, offs)
+    return epilogue_source(y.dtype, rope, caches, offs) + added + lora
 
 
 # ep_added(t, n, r): the sums r of weight rows n .. n + 3 of row t, plus what the op adds to them
 # before its epilogue (the rows' LoRA deltas, stored beforehand: models/lora.py)
 _ADDED_NONE = "fn ep_added(t: u32, n: u32, r: vec4<f32>) -> vec4<f32> { return r; }\n"
+# the entry points' first call and ep_res_norm's addition to x: nothing (kernels/lora.py matmul_source's
+# where a matmul makes LoRA deltas)
+_NO_PRO = ("fn ep_pro(lid: u32, t0: u32, nt: u32) {}\n"
+           "fn ep_resid(t: u32, n: u32, v: vec4<f32>) -> vec4<f32> { return v; }\n")
 # (the 4 values in one load where they are 4-aligned: on a CPU adapter a load costs per invocation)
 _ADDED4 = """@group(0) @binding(14) var<storage, read> ep_add: array<act4>;
 fn ep_added(t: u32, n: u32, r: vec4<f32>) -> vec4<f32> {{

@@ -4,7 +4,10 @@ the host-unrolled decode kernel with fused inputs and epilogues, or the generic 
 `embedding` gathers rows. Page code: standard library only."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 from ...gpu import Device
+from .. import lora as lora_kernels
 from .. import profiles
 from ..common import DTYPE_SIZE, Op, Tensor, check, params
 from ..common import window as _window
@@ -102,7 +105,7 @@ def matmul(dev: Device, x: Tensor, w: QWeight, y: Tensor, *, bias: Tensor | None
            norm: tuple | None = None, silu: bool = False, silu_out: bool = False,
            rope_kv: RopeKV | None = None, norm_out: "NormOut | None" = None,
            rms_from: tuple | None = None, row_invariant: bool = False, decode_rows: bool = False,
-           fused_rows: bool = False, gate_act: str = "silu", add: Tensor | None = None) -> Op:
+           fused_rows: bool = False, gate_act: str = "silu", add: "Tensor | lora_kernels.Delta | None" = None) -> Op:
     """y = x·Wᵀ (+ bias); with `accumulate`, y += x·Wᵀ (+ bias). x (T, K), W (N, K), y (T, N).
 
     Fused inputs (T = 1 only, see `fusable`): `norm=(g (K,) f32, eps)` multiplies by RMSNorm(x)
@@ -115,7 +118,9 @@ def matmul(dev: Device, x: Tensor, w: QWeight, y: Tensor, *, bias: Tensor | None
     and the partial sums of y^2 that a following matmul(..., rms_from=(partials, eps)) turns into
     1 / rms: that matmul takes x = y * g and gives RMSNorm(y) · Wᵀ with no norm dispatch between.
     `add` (T, N) (with silu_out or rope_kv) is added to the sums (+ bias) before the epilogue (a
-    row's LoRA deltas, stored beforehand).
+    row's LoRA deltas, stored beforehand), or a kernels/lora.py Delta (with silu_out, rope_kv or
+    norm_out, x plain or rms_from): each row's LoRA deltas made in this matmul (lora_matmul.wgsl),
+    added to the sums, or to y before norm_out's values with Delta.res.
 
     `row_invariant`: each row of y comes out bit for bit the same whatever T is (prefill: a
     position's logits must not depend on how the prompt was chunked or cached): the kernel is
@@ -150,7 +155,11 @@ def matmul(dev: Device, x: Tensor, w: QWeight, y: Tensor, *, bias: Tensor | None
               "K % 32 == 0 and 4 rows per invocation")
         check(bias is None or not silu_out, "matmul", "silu_out takes no bias")
         check(not accumulate or ep == "res_norm", "matmul", "this fused epilogue cannot accumulate")
-        check(add is None or ep in ("silu", "rope_kv"), "matmul", "add needs silu_out or rope_kv")
+        check(add is None or ep in ("silu", "rope_kv") or ep == "res_norm" and _is_delta(add) and add.res,
+              "matmul", "add needs silu_out or rope_kv (a residual Delta: norm_out)")
+        check(not _is_delta(add) or (add.res == (ep == "res_norm") and add.n == w.n and add.k == w.k
+                                     and norm is None and not silu), "matmul",
+              "a Delta is for this weight, with norm_out where res, and takes x plain or rms_from")
         n_out = w.n // 2 if silu_out else w.n
         check(tuple(y.shape) == (x.shape[0], n_out), "matmul", f"y is {y.shape}, expected ({x.shape[0]}, {n_out})")
     check(len(x.shape) == 2 and len(y.shape) == 2, "matmul", f"x {x.shape} and y {y.shape} must be 2-D")
@@ -226,7 +235,7 @@ def matmul(dev: Device, x: Tensor, w: QWeight, y: Tensor, *, bias: Tensor | None
         return _matmul_decode(dev, x, w, y, io, accumulate, cfg, norm, silu, ep, rope_kv, norm_out, rms_from,
                               gate_act=gate_act, x_row4=x_in.shape[1] // 4, add=add)
     if ep == "res_norm":          # K too long to unroll: the loop kernel with the epilogue
-        return _matmul_decode(dev, x, w, y, io, accumulate, cfg, None, False, ep, None, norm_out, loop=True)
+        return _matmul_decode(dev, x, w, y, io, accumulate, cfg, None, False, ep, None, norm_out, loop=True, add=add)
     if T > 1 and (rows or cfg.tm == 4):  # each row's sums as the row kernel's (fused_rows: RR as at T = 1)
         entry, rr, tiles = "matmul_tile", cfg.rr if rows else cfg.prr, -(-T // 4)
     else:
@@ -275,14 +284,25 @@ def _row_groups(dev, x_in: Tensor, w: QWeight, y: Tensor, *, norm_out, rms_from,
                          norm_out.partials.view((g * N // 4,), r * N // 4))
         op = op + matmul(dev, x_in.view((g, x_in.shape[1]), r * x_in.shape[1]), w, y.view((g, N), r * N),
                          norm_out=no, rms_from=rf, rope_kv=rope_kv and rope_kv.rows_from(r), fused_rows=True,
-                         add=None if add is None else add.view((g, w.n), r * w.n), **kw)
+                         add=_add_rows(add, r, g, w.n), **kw)
     return op
+
+
+def _add_rows(add, r: int, g: int, n: int):
+    """matmul's `add` for rows r .. r + g - 1: a view of the stored (T, n) values, or a Delta's rows."""
+    if add is None:
+        return None
+    return add.view((g, n), r * n) if isinstance(add, Tensor) else add.rows(r, g)
+
+
+def _is_delta(add) -> bool:
+    return isinstance(add, lora_kernels.Delta)
 
 
 def _matmul_decode(dev, x, w, y, io: Operands, accumulate, cfg, norm, silu, ep="store",
                    rope: RopeKV | None = None, norm_out: "NormOut | None" = None,
                    rms_from: tuple | None = None, loop: bool = False, gate_act: str = "silu",
-                   x_row4: int = 0, add: Tensor | None = None) -> Op:
+                   x_row4: int = 0, add: "Tensor | lora_kernels.Delta | None" = None) -> Op:
     """T = 1: the host-unrolled decode kernel, or with `loop` (an epilogue, K too long to unroll)
     matmul.wgsl's loop over K ending with the epilogue (matmul_epilogue.wgsl matmul_<ep>).
     T rows (fused_rows, T <= MAX_DECODE_ROWS): the unrolled kernel for the bucket of T rows (1, 2
@@ -291,6 +311,10 @@ def _matmul_decode(dev, x, w, y, io: Operands, accumulate, cfg, norm, silu, ep="
     K, T = w.k, io.T
     wide = T > MAX_DECODE_ROWS
     rows = DecRows(matmul_wide.bucket(T) if wide else bucket_rows(T), x_row4, K // 16)
+    delta = add if _is_delta(add) else None
+    if delta is not None:         # a workgroup makes its rows' LoRA shrinks first: few workgroups
+        add = None
+        cfg = replace(cfg, wg=lora_kernels.delta_wg(dev, -(-w.n // cfg.rr), cfg.wg))
     mode, g_off4, eps, extra = "plain", 0, 0.0, {}
     if rms_from is not None:
         part, eps = rms_from
@@ -318,11 +342,18 @@ def _matmul_decode(dev, x, w, y, io: Operands, accumulate, cfg, norm, silu, ep="
     else:
         src = decode_source(K // 32, K, io.x_off, mode, K // 4, g_off4, eps, ep, rows)
     if ep != "store":
-        src += epilogue_binds(y, rope, norm_out, extra, add, w.n)
+        lora = ""
+        if delta is not None:
+            check(mode in ("plain", "pnorm") and cfg.rr == 4, "matmul", "a Delta takes x plain or rms_from")
+            lora = lora_kernels.matmul_source(delta, extra, T, 4 if loop and T > 1 else 1 if loop else rows.n,
+                                              x_off4=io.x_off, x4=K // 4,
+                                              pnorm=(g_off4, K // 16, eps) if mode == "pnorm" else None)
+        src += epilogue_binds(y, rope, norm_out, extra, add, w.n, lora)
     src += gate_act_source(gate_act)
     pipe = weight_pipeline(dev, entry, w, x.dtype, cfg.wg, cfg.rr, src, inplace=v4)
     # T = 1: matmul.wgsl's MatmulParams; ep_silu reads no bias, so the pipeline's layout has no binding 4
-    return dispatch_parts(dev, Op(name=f"matmul[{w.label}]"), pipe, w, y, io, "matmul",
+    name = f"matmul[{w.label}]" + ("+lora" if delta is not None else "")       # (with the rows' LoRA deltas)
+    return dispatch_parts(dev, Op(name=name), pipe, w, y, io, "matmul",
                           row_groups(cfg.wg * cfg.rr, "matmul", -(-T // 4) if loop else 1), accumulate=accumulate,
                           extra=extra, bind_bias=ep != "silu")
 

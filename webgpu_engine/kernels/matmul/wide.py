@@ -17,7 +17,7 @@ from math import gcd
 from ...gpu import Device
 from ...gpu.shaders import load_shader_source
 from ..qtypes import QTYPE
-from .codegen import V4_XS, X_FN, DecRows, _row_ends, _v4_args, span_base, store_ends
+from .codegen import V4_XS, X_FN, DecRows, _row_ends, _v4_args, pro_call, span_base, store_ends
 
 MAX_ROWS = 16            # the most rows one wide kernel takes
 # weight types whose rows the wide kernel sums as the one-row kernel does, bit for bit, on lavapipe
@@ -89,7 +89,7 @@ def source(qtype: str, nchunks: int, k: int, x_off4: int, mode: str, nf4: int, g
               "@compute @workgroup_size(WG)",
               "fn matmul_decode(@builtin(workgroup_id) wid: vec3<u32>, "
               "@builtin(local_invocation_index) lid: u32, @builtin(subgroup_invocation_id) sid: u32) {",
-              f"    let ln = sid % {LANES}u;"]
+              f"    let ln = sid % {LANES}u;"] + pro_call(ep, rows)
     if v4:
         lines.append("    let i4 = wid.x * WG + lid;   // rows 4 * i4 .. 4 * i4 + 3")
         lines += span_base(rw, inter_full)
