@@ -147,6 +147,7 @@ def matmul(dev: Device, x: Tensor, w: QWeight, y: Tensor, *, bias: Tensor | None
     eps_set = [silu_out, rope_kv is not None, norm_out is not None]
     ep = "silu" if silu_out else "rope_kv" if rope_kv is not None else \
         "res_norm" if norm_out is not None else "store"
+    check(add is None or ep != "store", "matmul", "add needs silu_out or rope_kv (a residual Delta: norm_out)")
     if ep != "store":
         check(sum(eps_set) == 1, "matmul", "only one of silu_out, rope_kv and norm_out can be set")
         check(epilogue_ok(dev, w.qtype, w.n, w.k, cfg, force=True) and len(w.bufs) == 1
