@@ -23,7 +23,7 @@ const NONE: u32 = 0xFFFFFFFFu;
 @group(0) @binding(0) var<uniform> P: LoraParams;
 @group(0) @binding(1) var<storage, read> idx: array<u32>;             // (T) adapter slot of each row
 @group(0) @binding(2) var<storage, read_write> u: array<f32>;          // (T, J) x · Aᵀ
-@group(0) @binding(3) var<storage, read_write> x: array<act>;         // (T, K) (shrink; lora_post adds into it)
+@group(0) @binding(3) var<storage, read_write> x: array<act>;         // (T, K) (shrink)
 @group(0) @binding(4) var<storage, read> a: array<f32>;               // (slots, J, K) (shrink)
 @group(0) @binding(5) var<storage, read_write> y: array<act>;         // (T, y_stride) (expand)
 @group(0) @binding(6) var<storage, read> b: array<f32>;               // (slots, N, J) (expand)
@@ -76,8 +76,8 @@ fn lora_expand(@builtin(global_invocation_id) gid: vec3<u32>) {
 // width, so 16-bit weights halve the loads) with `wdot`, which adds a load's VW products in index
 // order (the same sums, the same bits for the same values). A row without an adapter returns at
 // once (its slot read uniformly).
-@group(0) @binding(3) var<storage, read_write> xv: array<act4>;       // (T, K / 4) x (lora_delta, lora_post)
-@group(0) @binding(5) var<storage, read_write> yv: array<act4>;       // (T, N / 4) y (lora_delta, lora_post)
+@group(0) @binding(3) var<storage, read_write> xv: array<act4>;       // (T, K / 4) x (lora_delta)
+@group(0) @binding(5) var<storage, read_write> yv: array<act4>;       // (T, N / 4) y (lora_delta)
 @group(0) @binding(9) var<storage, read> cols: array<vec2<u32>>;      // (N / 4) first u column of each row pair
 @group(0) @binding(10) var<storage, read> a4: array<wvec>;            // (slots, J, K / VW) A
 @group(0) @binding(11) var<storage, read> b4: array<wvec>;            // (slots, N, R / VW) B compact
@@ -93,10 +93,6 @@ struct DeltaParams {
     slots: u32,
     eps: f32,
     R: u32,          // B's columns per row (the pool's rank)
-    K1: u32,         // lora_post: its input's width
-    p_off: u32,      // lora_post: its input's offset in its binding, in elements
-    h_off: u32,      // lora_post: x * g's offset, in elements
-    part_off: u32,   // lora_post: the partial sums' offset, in elements
 }
 
 @group(0) @binding(8) var<uniform> D: DeltaParams;
@@ -249,111 +245,6 @@ fn wsum_inv(lid: u32, K: u32) -> f32 {
     return inverseSqrt(workgroupUniformLoad(&wtot) / f32(K) + D.eps);
 }
 
-// lora_post: the delta of a one-target group (o, down) whose matmul has already added its sums into
-// the residual x and stored the next norm's x * g and partial sums (matmul_epilogue.wgsl
-// ep_res_norm), then (PRE) lora_delta of the next group from the new x (its norm's weight w4, STORE:
-// the deltas its matmul adds before its epilogue). Row t of adapter slot s:
-//   u1 = A1[s] · inp[t];  x[t, n] = act(x[t, n] + B1[s, n] · u1);  ph = act(x * w);  ppart[n / 4] =
-//   the sum of the 4 squares of x as stored (ep_res_norm's)
-// A row without an adapter leaves x, ph and ppart as the matmul stored them (bit for bit) and stores
-// -0.0 deltas (PRE). One dispatch where lora_delta before the matmul and lora_delta of the next
-// group took two (on a CPU adapter each costs a thread-pool round trip). A1 (slots, R, K1), B1
-// (slots, K, R): the pool's rank R, one target (its columns start at 0). dispatch (T, 1, 1)
-@group(0) @binding(13) var<storage, read> pin: array<act4>;            // (T, K1 / 4) the group's input
-@group(0) @binding(14) var<storage, read> pa4: array<wvec>;            // (slots, R, K1 / VW) A1
-@group(0) @binding(15) var<storage, read> pb4: array<wvec>;            // (slots, K, R / VW) B1
-@group(0) @binding(16) var<storage, read_write> ph: array<act4>;       // (T, K / 4) x * w
-@group(0) @binding(17) var<storage, read_write> ppart: array<f32>;     // (T, K / 4) sums of x^2
-
-@compute @workgroup_size(WG)
-fn lora_post(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
-    let t = wid.x;
-    let s = row_slot(t, lid);
-    if (s == NONE || s >= D.slots) {
-        if (PRE) { store_none(t, lid); }
-        return;
-    }
-    let K = select(D.K, SHAPE_K, SHAPE_K > 0u);
-    let R = select(D.R, SHAPE_R, SHAPE_K > 0u);
-    let K1 = select(D.K1, SHAPE_K1, SHAPE_K > 0u);
-    // u1 = A1 · inp: invocation l sums row l of A1 against inp staged KC values at a time in
-    // workgroup memory
-    let K14 = K1 / VW;
-    let p0 = (D.p_off + t * K1) / 4u;
-    let a0 = s * R * K14;
-    let ln = sg_lane();
-    for (var l0 = 0u; l0 < R; l0 += WG) {
-        let l = l0 + lid;
-        let aj = a0 + min(l, R - 1u) * K14;
-        var acc = vec3<f32>(0.0);
-        for (var kc = 0u; kc < K1; kc += KC) {
-            let kn = min(KC, K1 - kc);
-            workgroupBarrier();
-            for (var k4 = lid; k4 < kn / 4u && (l0 == 0u || K1 > KC); k4 += WG) {
-                wx[k4] = vec4<f32>(pin[p0 + kc / 4u + k4]);
-            }
-            workgroupBarrier();
-            let ak = aj + kc / VW;
-            if (SG) {                    // as delta_row's shrink
-                let nb = kn / 32u;
-                for (var kb = 0u; kb < nb; kb++) {
-                    let m = lanes8(wx[kb * 8u + ln]);
-                    let a = ak + kb * (32u / VW);
-                    if (VW == 8u) {
-                        acc.x = wdot(acc.x, m[0], m[1], pa4[a]);
-                        acc.x = wdot(acc.x, m[2], m[3], pa4[a + 1u]);
-                        acc.x = wdot(acc.x, m[4], m[5], pa4[a + 2u]);
-                        acc.x = wdot(acc.x, m[6], m[7], pa4[a + 3u]);
-                    } else {
-                        acc.x = wdot(acc.x, m[0], m[0], pa4[a]);
-                        acc.x = wdot(acc.x, m[1], m[1], pa4[a + 1u]);
-                        acc.x = wdot(acc.x, m[2], m[2], pa4[a + 2u]);
-                        acc.x = wdot(acc.x, m[3], m[3], pa4[a + 3u]);
-                        acc.x = wdot(acc.x, m[4], m[4], pa4[a + 4u]);
-                        acc.x = wdot(acc.x, m[5], m[5], pa4[a + 5u]);
-                        acc.x = wdot(acc.x, m[6], m[6], pa4[a + 6u]);
-                        acc.x = wdot(acc.x, m[7], m[7], pa4[a + 7u]);
-                    }
-                }
-                for (var k4 = nb * (32u / VW); k4 < kn / VW; k4++) {
-                    acc.x = wdot(acc.x, wx[k4 * (VW / 4u)], wx[k4 * (VW / 4u) + (VW / 4u - 1u)], pa4[ak + k4]);
-                }
-            } else if (l < R) {
-                for (var k4 = 0u; k4 < kn / VW; k4++) {
-                    acc.x = wdot(acc.x, wx[k4 * (VW / 4u)], wx[k4 * (VW / 4u) + (VW / 4u - 1u)], pa4[ak + k4]);
-                }
-            }
-        }
-        if (l < R) {
-            put_u(l, R, 1u, acc);
-        }
-    }
-    workgroupBarrier();
-    // x += B1 · u1, 4 rows an invocation; x * w and the sum of the 4 squares as ep_res_norm stores them
-    let R4 = R / VW;
-    let b0 = s * K * R4;
-    let x0 = (D.x_off + t * K) / 4u;
-    let h0 = (D.h_off + t * K) / 4u;
-    for (var q = lid; q < K / 4u; q += WG) {
-        let bn = b0 + 4u * q * R4;
-        var d = vec4<f32>(0.0);
-        for (var r4 = 0u; r4 < R4; r4++) {
-            let u0 = wu[r4 * (VW / 4u)];
-            let u1 = wu[r4 * (VW / 4u) + (VW / 4u - 1u)];
-            d = wdot4(d, u0, u1, pb4[bn + r4], pb4[bn + R4 + r4], pb4[bn + 2u * R4 + r4], pb4[bn + 3u * R4 + r4]);
-        }
-        let v = vec4<f32>(act4(vec4<f32>(xv[x0 + q]) + d));
-        xv[x0 + q] = act4(v);
-        ph[h0 + q] = act4(v * w4[q]);
-        ppart[D.part_off + (t * K) / 4u + q] = dot(v, v);
-    }
-    if (PRE) {
-        storageBarrier();              // x as stored above, for the next group's norm
-        workgroupBarrier();
-        delta_row(t, s, lid);
-    }
-}
-
 // the shrink's sums of one A load of each of the group's NT targets (row l's VW values at a, a + RK,
 // a + 2 RK) against x values x0 (x1: the second 4 where VW = 8)
 fn mac3(acc: vec3<f32>, x0: vec4<f32>, x1: vec4<f32>, a: u32, RK: u32, NT: u32) -> vec3<f32> {
@@ -362,11 +253,6 @@ fn mac3(acc: vec3<f32>, x0: vec4<f32>, x1: vec4<f32>, a: u32, RK: u32, NT: u32) 
     if (NT > 1u) { r.y = wdot(r.y, x0, x1, a4[a + RK]); }
     if (NT > 2u) { r.z = wdot(r.z, x0, x1, a4[a + 2u * RK]); }
     return r;
-}
-
-// four rows' wdot against the same x values (rows of one invocation)
-fn wdot4(acc: vec4<f32>, x0: vec4<f32>, x1: vec4<f32>, w0: wvec, w1: wvec, w2: wvec, w3: wvec) -> vec4<f32> {
-    return vec4<f32>(wdot(acc.x, x0, x1, w0), wdot(acc.y, x0, x1, w1), wdot(acc.z, x0, x1, w2), wdot(acc.w, x0, x1, w3));
 }
 
 // u rows l, R + l, 2R + l (an invocation's sums, the first nt) into workgroup memory

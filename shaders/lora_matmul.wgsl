@@ -11,7 +11,7 @@
 //   ep_added(t, n, r) (qkv, gate_up: before the RoPE + KV write or act(gate) * up): r + row t's
 //     delta of weight rows n .. n + 3, rounded to act as lora_delta's stored y;
 //   ep_resid(t, n, v) (o, down, LR_RES: matmul_epilogue.wgsl ep_res_norm's x as stored): act(v +
-//     the delta), as lora_post adds it into x, before the next norm's values are made from it.
+//     the delta), rounded into x as stored, before the next norm's values are made from it.
 // The expand is lora_delta's (rows n, n + 1 one target's, n + 2, n + 3 one target's: cols[n / 4];
 // B compact, its sums in index order). A row without an adapter keeps every value, bit for bit.
 // Built after the matmul's text (P, x and xget, act4) and its epilogue (matmul_epilogue.wgsl); the

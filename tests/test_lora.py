@@ -22,6 +22,7 @@ from webgpu_engine.models.lora import HALVES
 from _nn_util import empty, get, put, rounded, run
 
 OWNER = "test:nn"
+NP_W = {"f32": np.float32, "f16": np.float16}
 
 
 @pytest.fixture
@@ -146,6 +147,33 @@ def test_lora_rows_give_each_row_lora_deltas_bits(device, _free, dtype, wdtype, 
             assert np.abs(got[1] - want).max() / np.abs(want).max() < (1e-4 if dtype == "f32" else 1e-2)
     with pytest.raises(ValueError, match="rows must be 1, or 4"):
         lk.lora_delta(device, xt, at, bt, ct, it, put(device, y0, dtype), slots=slots, rows=3)
+
+
+@pytest.mark.parametrize("dtype,wdtype", [("f32", "f32"), ("f16", "f16")])
+def test_the_shrinks_x_through_the_subgroup_gives_the_same_bits(device, _free, monkeypatch, dtype, wdtype):
+    """kernels/lora.py SUBGROUP_X (x handed to the shrink's lanes by subgroup broadcasts, 32 values a
+    block, the rest read by each lane) against each lane reading x itself: lora_delta, normed and
+    added, bit for bit; K = 1096 (two staged chunks, the last not whole blocks of 32)."""
+    if not lk.rows_ok(device):
+        pytest.skip("this adapter has no subgroups of 8 lanes: the per-lane form is the only one")
+    rng = np.random.default_rng(11)
+    T, K, R, N, slots = 2, 1096, 16, 96, 2
+    idx = np.array([1, 0], np.uint32)
+    x = rng.standard_normal((T, K))
+    a = (rng.standard_normal((slots, 3 * R, K)) / np.sqrt(K)).astype(NP_W[wdtype])
+    b = (rng.standard_normal((slots, N, R)) / np.sqrt(R)).astype(NP_W[wdtype])
+    cols = (R * ((np.arange(N) // 2) % 3)).astype(np.uint32)[::2]
+    w = (1 + 0.1 * rng.standard_normal(K)).astype(np.float32)
+    got = []
+    for sg in (False, True):
+        monkeypatch.setattr(lk, "SUBGROUP_X", sg)
+        yt = put(device, np.ones((T, N)), dtype)
+        run(device, lk.lora_delta(device, put(device, x, dtype), put(device, a, wdtype), put(device, b, wdtype),
+                                  put(device, cols, "u32"), put(device, idx, "u32"), yt, slots=slots,
+                                  norm=(put(device, w), 1e-5)))
+        got.append(get(device, yt))
+    np.testing.assert_array_equal(got[0], got[1])
+    assert np.abs(got[1] - 1).max() > 0.01          # the deltas were added
 
 
 @pytest.mark.parametrize("dtype", ["f32", "f16"])

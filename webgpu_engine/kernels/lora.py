@@ -9,9 +9,6 @@ each row through its own adapter's slot of a pool (punica / S-LoRA's "bgmv"), a 
                                      in a layout of its own (B compact: compact_b), f32, f16 or bf16;
                                      rows=4: 4 rows a workgroup (lora_rows, shaders/lora_rows.wgsl:
                                      a prefill chunk's rows, one adapter's), the same bits
-    lora_post(x, inp, A, B, ...)     a residual matmul's delta after it (x, its next norm's x * w and
-                                     partial sums stored again), then lora_delta of the next group,
-                                     in one dispatch (a CPU adapter's decode step: models/decoder.py)
     matmul(..., add=Delta(...))      inside a decode matmul (a CPU adapter's decode and verify
                                      steps): the workgroup makes its rows' u = A · x first
                                      (matmul_source's ep_pro), each invocation adds B · u to its
@@ -80,7 +77,7 @@ fn sg_lane() -> u32 { return 0u; }
 # same bits)
 BAKE_SHAPES = True
 NARROW_WG = True
-# a decode row's lora_delta / lora_post: one workgroup of 8 lanes, lavapipe's SIMD group (two groups,
+# a decode row's lora_delta: one workgroup of 8 lanes, lavapipe's SIMD group (two groups,
 # 16 lanes, which lavapipe runs in turn switching at each barrier, took ~0.7 ms more a SmolLM2 step)
 DECODE_LANES = 8
 SUBGROUP_X = True        # the shrinks' x through the subgroup where rows_ok (False: read by each lane)
@@ -127,8 +124,7 @@ def matmul_source(d: Delta, extra: dict, T: int, rows: int, *, x_off4: int, x4: 
     1 / rms with `pnorm` (g_off4, g4, eps): the norm's partial sums in binding 5, 1 / rms made as
     the matmul makes it) into workgroup memory, a lane per row of A, its sum in index order; and
     ep_added / ep_resid, which add each row's B · u to weight rows n .. n + 3 as lora_delta's
-    expand makes it (rounded to act as its stored y: ep_added; as lora_post adds it into x:
-    ep_resid). A row without an adapter keeps every value."""
+    expand makes it (rounded to act as its stored y: ep_added; rounded into x as stored: ep_resid). A row without an adapter keeps every value."""
     J = d.a.numel // (d.slots * d.k) if d.slots and d.k else 0
     R = d.b.numel // (d.slots * d.n) if d.slots and d.n else 0
     vw = 4 if d.a.dtype == "f32" else 8
@@ -161,17 +157,16 @@ _LR_INV = """fn lr_inv(t: u32) -> f32 {
 
 
 def _pipe(dev: Device, entry: str, dtype: str, j: int = 1, norm: bool = False, store: bool = False,
-          wdtype: str = "f32", shape: tuple = (0, 0, 0, 0, 0), wg: tuple = (_WG, _WG), pre: bool = True,
-          rows: int = 1, sg: bool = False):
+          wdtype: str = "f32", shape: tuple = (0, 0, 0, 0), wg: tuple = (_WG, _WG), rows: int = 1, sg: bool = False):
     """The pipeline of `entry`; `wg`: (its workgroup, the norm's virtual lanes: _widths)."""
-    dims = "".join(f"const SHAPE_{n}: u32 = {v}u;\n" for n, v in zip(("K", "N", "J", "R", "K1"), shape))
+    dims = "".join(f"const SHAPE_{n}: u32 = {v}u;\n" for n, v in zip(("K", "N", "J", "R"), shape))
     subgroups = _SUBGROUPS + load_shader_source("subgroup_lanes.wgsl") if sg or rows > 1 else _NO_SUBGROUPS
     rows_src = f"{load_shader_source('lora_rows.wgsl')}\n" if rows > 1 else ""
     return dev.pipeline("lora.wgsl", entry, header=f"{subgroups}{rows_src}{act_header(dtype)}const WG: u32 = {wg[0]}u;\n"
                                                    f"const VL: u32 = {wg[1]}u;\nconst JMAX: u32 = {j}u;\n"
                                                    f"const NORM: bool = {str(norm).lower()};\n"
                                                    f"const STORE: bool = {str(store).lower()};\nconst KC: u32 = {_KC}u;\n"
-                                                   f"const PRE: bool = {str(pre).lower()};\n{dims}{_WEIGHTS[wdtype]}{_WDOT}")
+                                                   f"{dims}{_WEIGHTS[wdtype]}{_WDOT}")
 
 
 def lora_shrink(dev: Device, x: Tensor, a: Tensor, idx: Tensor, u: Tensor, *, slots: int) -> Op:
@@ -252,9 +247,8 @@ def lora_delta(dev: Device, x: Tensor, a: Tensor, b: Tensor, cols: Tensor, idx: 
     wg = _widths(R, rows)
     check(rows == 1 or rows == 4 and rows_ok(dev), k, f"rows must be 1, or 4 with subgroups of 8 lanes, got {rows}")
     pipe = _pipe(dev, "lora_rows" if rows > 1 else k, x.dtype, J, norm is not None, store, a.dtype,
-                 (K, N, J, R, 0) if BAKE_SHAPES else (0,) * 5, wg, rows=rows, sg=SUBGROUP_X and rows_ok(dev))
-    par = params(dev, [T, K, N, J, xo, yo, slots, float(norm[1]) if norm else 0.0, R, 0, 0, 0, 0], owner=y.buf.owner,
-                 label=k)
+                 (K, N, J, R) if BAKE_SHAPES else (0,) * 4, wg, rows=rows, sg=SUBGROUP_X and rows_ok(dev))
+    par = params(dev, [T, K, N, J, xo, yo, slots, float(norm[1]) if norm else 0.0, R], owner=y.buf.owner, label=k)
     w = norm[0].binding() if norm else placeholder(dev)
     op = Op(name=k if rows == 1 else "lora_rows")
     op.buffers.append(par)
@@ -263,68 +257,11 @@ def lora_delta(dev: Device, x: Tensor, a: Tensor, b: Tensor, cols: Tensor, idx: 
 
 
 def _widths(R: int, rows: int = 1) -> tuple[int, int]:
-    """(workgroup, virtual lanes) of lora_delta / lora_post: VL lanes, the shrink's R in whole
+    """(workgroup, virtual lanes) of lora_delta: VL lanes, the shrink's R in whole
     groups of 8 (NARROW_WG), make the norm's partial sums; lora_rows runs VL lanes, a decode row's
     kernels DECODE_LANES of them (each lane the sums of VL / WG virtual lanes: the same bits)."""
     vl = min(_WG, -(-R // 8) * 8) if NARROW_WG else _WG
     return (min(vl, DECODE_LANES) if rows == 1 and NARROW_WG else vl), vl
-
-
-def lora_post(dev: Device, x: Tensor, inp: Tensor, a: Tensor, b: Tensor, idx: Tensor, norm: Tensor, h: Tensor,
-              part: Tensor, *, slots: int, nxt: tuple | None = None) -> Op:
-    """The delta of a one-target group whose matmul has stored the residual x (T, K) act, the next
-    norm's x * w into h (T, K) and the sums of 4 squares into part (T * K / 4,) f32
-    (matmul(..., norm_out=)): for each row with an adapter x[t] += B[idx[t]] · (A[idx[t]] · inp[t]),
-    then h and part of the new x (norm: w (K,) f32); a base row keeps the matmul's bits. inp (T, K1)
-    act (x, inp and h at offsets that are multiples of 4 elements); a (slots, R, K1) and b (slots, K, R) in the pool's dtype (lora_delta's A and compact B of one
-    target). `nxt` (a, b, cols, y, eps): then lora_delta(x, a, b, cols, idx, y, norm=(norm, eps),
-    store=True) of the next group, in the same dispatch."""
-    k = "lora_post"                        # its op: "lora_post+delta" with `nxt`
-    T, K = (int(s) for s in x.shape)
-    K1 = int(inp.shape[1])
-    R = b.numel // (slots * K) if slots and K else 0
-    vw = 4 if a.dtype == "f32" else 8
-    check(x.dtype == inp.dtype == h.dtype and x.dtype in ("f32", "f16") and int(inp.shape[0]) == T
-          and h.numel >= T * K, k, f"x{x.shape}, inp{inp.shape} and h{h.shape} must be (T, K), (T, K1) and "
-          f"(T, K) of one act dtype")
-    check(a.dtype == b.dtype and a.dtype in WEIGHT_DTYPES and R > 0 and R % vw == 0 and K1 % vw == 0
-          and K % 4 == 0 and a.numel == slots * R * K1, k, f"A{a.shape}/{a.dtype} and B{b.shape}/{b.dtype} "
-          f"must be ({slots}, R, {K1}) and ({slots}, {K}, R), both f32, f16 or bf16, R and K1 multiples of {vw}")
-    check(norm.dtype == "f32" and norm.numel == K and part.dtype == "f32" and part.numel >= T * K // 4, k,
-          f"the norm weight must be ({K},) f32 and part ({T * K // 4},) f32")
-    check(idx.dtype == "u32" and idx.numel >= T and idx.offset == 0 and a.offset == 0 and b.offset == 0, k,
-          f"idx{idx.shape} must hold {T} rows; idx, A and B start at binding-aligned offsets")
-    op = Op(name=k)
-    wins = [window(t, DTYPE_SIZE[t.dtype], k, n) for t, n in ((x, "x"), (inp, "inp"), (h, "h"), (part, "part"))]
-    (xb, xo), (pb, po), (hb, ho), (qb, qo) = wins
-    check(xo % 4 == 0 and po % 4 == 0 and ho % 4 == 0, k, f"x, inp and h must start at multiples of 4 elements "
-          f"(at {xo}, {po}, {ho}): they are read 4 values a load")
-    if nxt is not None:
-        na, nb, cols, y, eps = nxt
-        N, J = int(y.shape[1]), na.numel // (slots * K)
-        check(na.dtype == nb.dtype == a.dtype and na.numel == slots * J * K and nb.numel == slots * N * R
-              and J % R == 0 and J <= 3 * R and cols.dtype == "u32" and 2 * cols.numel == N and N % 4 == 0
-              and y.dtype == x.dtype
-              and int(y.shape[0]) == T and cols.offset == 0 and na.offset == 0 and nb.offset == 0, k,
-              f"the next group's A{na.shape}, B{nb.shape}, cols{cols.shape} and y{y.shape} must be "
-              f"({slots}, J, {K}), ({slots}, N, {R}), (N / 2,) u32 and (T, N) {x.dtype}, J 1-3 times R, N a "
-              f"multiple of 4")
-        yb, yo = window(y, DTYPE_SIZE[y.dtype], k, "y")
-        check(yo % 4 == 0, k, f"y must start at a multiple of 4 elements (at {yo})")
-        binds = {5: yb, 9: cols.binding(), 10: na.binding(), 11: nb.binding()}
-    else:                                  # lora_delta's bindings unread: the group's own, a scratch y
-        N, J, eps, yo = 2, R, 0.0, 0
-        scratch = dev.buffer(16, owner=x.buf.owner, label=k + ".unused")
-        op.buffers.append(scratch)
-        binds = {5: scratch, 9: a.binding(), 10: a.binding(), 11: b.binding()}
-    wg = _widths(R)
-    pipe = _pipe(dev, k, x.dtype, max(J, R), True, True, a.dtype,
-                 (K, N, J, R, K1) if BAKE_SHAPES else (0,) * 5, wg, pre=nxt is not None, sg=SUBGROUP_X and rows_ok(dev))
-    par = params(dev, [T, K, N, J, xo, yo, slots, float(eps), R, K1, po, ho, qo], owner=x.buf.owner, label=k)
-    op.buffers.append(par)
-    op.name = k if nxt is None else k + "+delta"
-    return op.add(pipe, dev.bind(pipe, {1: idx.binding(), 3: xb, 8: par, 12: norm.binding(), 13: pb,
-                                        14: a.binding(), 15: b.binding(), 16: hb, 17: qb, **binds}), T)
 
 
 def compact_b(b, cols, rank: int):

@@ -213,7 +213,6 @@ def forward(m, kv: KVAccess, T: int, mode: str, *, with_head: bool = True,
     ops += _at(points, "embed", m, -1, x, T, rows)
     ops += _image_splice(m, kv, x, T, mode)  # image tokens' rows take their image's features
     ops += _at(points, "inputs", m, -1, x, T, rows)
-    folded = False                           # this layer's qkv deltas stored by the last lora_post
     for i, L in enumerate(m.layers):
         D, F = c.head_dim_of(i), c.ffn_of(i)   # Gemma 4's layers differ in width
         qkv2 = m.qkv.view((T, (H + 2 * Hkv) * D))
@@ -233,9 +232,8 @@ def forward(m, kv: KVAccess, T: int, mode: str, *, with_head: bool = True,
             ops.append(_norm(m, x, L.attn_norm, L.attn_norm_bias, h))
         normed = c.pre_norms and (plan.norm_in_matmul or plan.res_norm and i > 0)
         add = lora.pre(i, "qkv", T, "norm" not in how) if lora is not None and rope is not None else None
-        if isinstance(add, Tensor) and not folded:  # the deltas first: the matmul adds them before its RoPE + KV write
+        if isinstance(add, Tensor):          # the deltas first: the matmul adds them before its RoPE + KV write
             ops += _lora_delta(m, lora, i, "qkv", x, h, L.attn_norm, L.attn_norm_bias, add, T, normed, True)
-        folded = False
         ops.append(mm.matmul(dev, src, L.qkv, qkv2, bias=L.qkv_bias, rope_kv=rope, add=add, **how, **flags))
         if L.attn_gate is not None:          # the attention's output gate g = h · Wgᵀ (Qwen3.5)     (T, H D)
             gate = m.attn_gate_out.view((T, H * D))
@@ -252,16 +250,11 @@ def forward(m, kv: KVAccess, T: int, mode: str, *, with_head: bool = True,
             ops += [mm.matmul(dev, attn, L.o, h, bias=L.o_bias, **flags), *delta(i, "o", attn, h, T),
                     nn.rms_norm(dev, h, L.post_attn_norm, h, eps=eps), nn.add(dev, x, h, x)]
         else:
-            post = _posts(m, lora, plan, L, i, "o")
-            res = lora.residual(i, "o", T) if post and lora.inside_ok(T) else None   # made by the matmul
-            if not post:
+            res = _residual(m, lora, plan, L, i, "o", T)    # made by the matmul, or
+            if res is None:
                 ops += delta(i, "o", attn, x, T)   # into x first: the matmul's norm_out sees the sum
             ops.append(mm.matmul(dev, attn, L.o, x, bias=L.o_bias, accumulate=True, **flags, add=res,
                                  norm_out=mm.NormOut(L.ffn_norm, h, part) if plan.res_norm else None))
-            if post and res is None:         # after it, with the gate_up deltas in the same dispatch
-                add = lora.pre(i, "gate_up", T) if plan.gate_out[i] and L.experts is None else None
-                folded = add is not None
-                ops += lora.post(i, "o", x, attn, L.ffn_norm, h, part, T, (i, "gate_up", add, eps) if folded else None)
         if L.experts is not None:            # x += the chosen experts' FFNs of rms_norm(x)
             ops += _experts(m, L, x, h, T, mode, flags) + _at(points, "layer_end", m, i, x, T, rows)
             continue
@@ -276,10 +269,9 @@ def forward(m, kv: KVAccess, T: int, mode: str, *, with_head: bool = True,
         norm_in = c.pre_norms and not c.parallel_norms and not plan.res_norm and plan.norm_in_matmul
         add = lora.pre(i, "gate_up", T, not norm_in) if lora is not None and plan.gate_out[i] else None
         if add is not None:                  # the deltas first: the matmul adds them before act(gate) * up
-            if isinstance(add, Tensor) and not folded:
+            if isinstance(add, Tensor):
                 ops += _lora_delta(m, lora, i, "gate_up", x, h, L.ffn_norm, L.ffn_norm_bias, add, T, normed, True)
             gate = {**gate, "add": add}
-        folded = False
         if c.parallel_norms:                 # h holds the norm of the layer's input (above)
             ops.append(mm.matmul(dev, h, L.gate_up, out, bias=L.up_bias, **gate))
         elif not c.pre_norms:
@@ -310,18 +302,11 @@ def forward(m, kv: KVAccess, T: int, mode: str, *, with_head: bool = True,
                     nn.rms_norm(dev, h, L.post_ffn_norm, h, eps=eps), nn.add(dev, x, h, x)]
         else:
             nxt = mm.NormOut(norms_after[i], h, part) if plan.res_norm else None
-            post = _posts(m, lora, plan, L, i, "down")
-            res = lora.residual(i, "down", T) if post and lora.inside_ok(T) else None
-            if not post:
+            res = _residual(m, lora, plan, L, i, "down", T)
+            if res is None:
                 ops += delta(i, "down", ffn_in, x, T)
             ops.append(mm.matmul(dev, ffn_in, L.down, x, bias=L.down_bias, accumulate=True, norm_out=nxt, add=res,
                                  **fused))
-            if post and res is None:         # after it, with the next layer's qkv deltas in the same dispatch
-                j = i + 1
-                add = (lora.pre(j, "qkv", T) if j < len(m.layers) and plan.rope_kv[j] and m.layers[j].mixer is None
-                       and kv.fused_rope(j) is not None else None)
-                folded = add is not None
-                ops += lora.post(i, "down", x, ffn_in, norms_after[i], h, part, T, (j, "qkv", add, eps) if folded else None)
         ops += _at(points, "layer_end", m, i, x, T, rows)
     if with_head:
         n_body = len(ops)
@@ -396,13 +381,16 @@ def _experts(m, L, x: Tensor, h: Tensor, T: int, mode: str, flags: dict) -> list
                                bias=L.experts.down_bias)]
 
 
-def _posts(m, lora, plan: FusionPlan, L, i: int, group: str) -> bool:
-    """Whether layer i's o or down delta goes after its matmul (models/lora.py LoraRows.post): the
-    matmul stores the residual with the next RMSNorm's x * g and partial sums (res_norm), a plain
-    pre-norm layer of attention and a dense FFN."""
+def _residual(m, lora, plan: FusionPlan, L, i: int, group: str, T: int):
+    """Layer i's o or down deltas made by its matmul (models/lora.py LoraRows.residual: a Delta, into
+    x before the next norm's values) where that matmul stores the residual with the next RMSNorm's
+    x * g and partial sums (res_norm), in a plain pre-norm layer of attention and a dense FFN; else
+    None."""
     c = m.cfg
-    return (lora is not None and plan.res_norm and c.pre_norms and not c.parallel_norms and c.norm != "layer"
-            and L.mixer is None and L.experts is None and lora.posts(i, group))
+    if (lora is None or not plan.res_norm or not c.pre_norms or c.parallel_norms or c.norm == "layer"
+            or L.mixer is not None or L.experts is not None):
+        return None
+    return lora.residual(i, group, T)
 
 
 def _lora_delta(m, lora, i: int, group: str, x: Tensor, h: Tensor, w: Tensor, b: Tensor | None, y: Tensor,

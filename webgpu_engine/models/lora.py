@@ -16,8 +16,9 @@ model interleaves them, q / k rows permuted where the base's are), zeros where i
 (on a CPU adapter lora_delta's B: compact). A
 forward built with `rows` (LoraRows: the pool, a (P,) u32 slot per row, kernels/lora.py NONE for a
 base row, and the groups some adapter targets) adds each row's delta to those projections' outputs
-(decoder.py; o's and down's into x before their matmul adds to it); a row without an adapter is not
-touched. Adapters are registered host-side and uploaded into a slot on first use; a full pool evicts
+(decoder.py; o's and down's into x before their matmul adds to it); on a CPU adapter a decode or
+verify step's matmuls make the deltas themselves (kernels/lora.py Delta: no dispatch of their own;
+pre(), residual()); a row without an adapter is not touched. Adapters are registered host-side and uploaded into a slot on first use; a full pool evicts
 the least recently used adapter no sequence is using. A request's scale of an adapter (llama.cpp's
 per-request `lora` scales, one adapter or several at once) is an entry of its own (adapter_key: the
 adapters' A rows and B x scale columns side by side, their ranks adding up to at most the pool's),
@@ -483,30 +484,6 @@ class LoraRows:
         return ops + [lk.lora_shrink(dev, x, g.a, idx, u, slots=p.slots),
                       lk.lora_expand(dev, u, g.b, idx, y.view((T, g.n)), slots=p.slots)]
 
-    def posts(self, i: int, group: str) -> bool:
-        """Whether layer i's one-target `group` (o, down) takes its delta after its residual matmul
-        (post()): a CPU adapter's pool, the group targeted, a device that binds lora_post's 15
-        storage buffers."""
-        p = self.pool
-        return (p.fused and group in p.groups[i] and (self.groups is None or group in self.groups)
-                and int(p.dev.limits.get("max-storage-buffers-per-shader-stage", 8)) >= 16)
-
-    def post(self, i: int, group: str, x: Tensor, inp: Tensor, norm: Tensor, h: Tensor, part: Tensor, T: int,
-             nxt: tuple | None = None) -> list:
-        """After layer i's `group` matmul stored x (T, C) with the next norm's x * norm into h and the
-        partial sums into part (norm_out): x[t] += each row's delta of inp[t], h and part again;
-        `nxt` (layer j, group, y from pre(), eps): then group's deltas of layer j from the new x's
-        norm stored into y, in the same dispatch (kernels/lora.py lora_post)."""
-        p = self.pool
-        g = p.groups[i][group]
-        more = None
-        if nxt is not None:
-            j, name, y, eps = nxt
-            g2 = p.groups[j][name]
-            more = (g2.a, g2.b, g2.cols, y, eps)
-        return [lk.lora_post(p.dev, x.view((T, g.n)), inp.view((T, g.k)), g.a, g.b, self.idx.view((T,)), norm,
-                             h.view((T, g.n)), part.view((T * g.n // 4,)), slots=p.slots, nxt=more)]
-
     def pre(self, i: int, group: str, T: int, inside: bool = False) -> "Tensor | lk.Delta | None":
         """Where layer i's `group` deltas go when its matmul adds them to its sums before a fused
         epilogue (the RoPE + KV write, act(gate) * up), on a CPU adapter: with `inside` (the matmul
@@ -529,11 +506,14 @@ class LoraRows:
         return (p.fused and (T == 1 or self.rows == 1)
                 and int(p.dev.limits.get("max-storage-buffers-per-shader-stage", 8)) >= 18)
 
-    def residual(self, i: int, group: str, T: int) -> "lk.Delta":
-        """Layer i's one-target `group` (o, down; posts()) deltas made by its residual matmul itself,
-        into x before the next norm's values (a Delta with res; inside_ok)."""
+    def residual(self, i: int, group: str, T: int) -> "lk.Delta | None":
+        """Layer i's one-target `group` (o, down) deltas made by its residual matmul itself, into x
+        before the next norm's values (a Delta with res), where the group is targeted and inside_ok;
+        else None (the deltas go into x before the matmul: delta())."""
         p = self.pool
-        g = p.groups[i][group]
+        g = p.groups[i].get(group)
+        if g is None or (self.groups is not None and group not in self.groups) or not self.inside_ok(T):
+            return None
         return lk.Delta(g.a, g.b, g.cols, self.idx.view((T,)), p.slots, g.n, g.k, res=True)
 
     def plan(self, plan):
