@@ -44,9 +44,9 @@ fn ep_pro(lid: u32, t0: u32, nt: u32) {
 
 fn ep_shrink(t: u32, i: u32, s: u32, lid: u32) {
     let xb = LR_XO + t * LR_X4;
-    let inv = lr_inv(t);
     let RK = LR_R * LR_K8;
     for (var l = lid; l < LR_R; l += WG) {
+        let inv = lr_inv(t);             // (the shrink's lanes only: made by all, ~2.7 ms a SmolLM2 step)
         let a0 = (s * LR_NT * LR_R + l) * LR_K8;
         var acc = vec3<f32>(0.0);        // rows l, R + l, 2R + l
         for (var k8 = 0u; k8 < LR_K8; k8++) {
