@@ -6,11 +6,12 @@ adapter's threads included) and wall ms (a step's time, as a stream's inter-toke
 interleaved rounds (A B C D, D C B A, ...):
 
     base        the base's op list (183 dispatches)
-    adapter     the op list with the deltas (244), the row with the adapter
-    adapter, base  that list with a base row (the LoRA dispatches return at once: what they cost
-                the step as dispatches, the rest of adapter's excess being their work)
-    lora only   the adapter's 61 LoRA dispatches alone (their share of the step)
-    lora, base  the same 61 with a base row (each returns at once)
+    adapter     the op list with the deltas, the row with the adapter (on a CPU adapter the same
+                183: the matmuls make the deltas, kernels/lora.py Delta)
+    adapter, base  that list with a base row (the deltas' work skipped: what their kernels' form
+                costs the step by itself)
+    lora only   the list's LoRA dispatches alone (none on a CPU adapter with a decode row)
+    lora, base  the same with a base row (each returns at once)
 
     python bench/lora_step.py [--rounds 8] [--steps 20] [--only NAME] [--prefill T] [--model REF]
                               [--lora-dtype f32|f16|bf16] [--smoke]
