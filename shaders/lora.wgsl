@@ -206,19 +206,7 @@ fn delta_row(t: u32, s: u32, lid: u32) {
     let b0 = s * N * R4;
     let y0 = (D.y_off + t * N) / 4u;
     for (var q = lid; q < N / 4u; q += WG) {
-        let c = cols[q] / 4u;
-        let bn = b0 + 4u * q * R4;
-        var acc = vec4<f32>(0.0);
-        for (var r4 = 0u; r4 < R4; r4++) {
-            let u0 = wu[c.x + r4 * (VW / 4u)];
-            let u1 = wu[c.x + r4 * (VW / 4u) + (VW / 4u - 1u)];
-            acc.x = wdot(acc.x, u0, u1, b4[bn + r4]);
-            acc.y = wdot(acc.y, u0, u1, b4[bn + R4 + r4]);
-            let u2 = wu[c.y + r4 * (VW / 4u)];
-            let u3 = wu[c.y + r4 * (VW / 4u) + (VW / 4u - 1u)];
-            acc.z = wdot(acc.z, u2, u3, b4[bn + 2u * R4 + r4]);
-            acc.w = wdot(acc.w, u2, u3, b4[bn + 3u * R4 + r4]);
-        }
+        let acc = expand4(cols[q] / 4u, b0 + 4u * q * R4, R4);     // (the host's text: kernels/lora.py)
         if (STORE) {
             yv[y0 + q] = act4(acc);
         } else {

@@ -17,7 +17,7 @@
 // Built after the matmul's text (P, x and xget, act4) and its epilogue (matmul_epilogue.wgsl); the
 // host prepends the consts LR_* (idx offset, slots, J / 4, R, targets, K, N, x offset and row
 // stride in xwords, the partial sums' offset and row stride in vec4, rows a workgroup, LR_PNORM,
-// LR_EPS, LR_RES), `wvec` / `wdot` and lr_inv(t) (1 / rms of row t, or 1).
+// LR_EPS, LR_RES), `wvec` / `wdot`, ep_expand4 and lr_inv(t) (1 / rms of row t, or 1).
 
 @group(0) @binding(15) var<storage, read> ep_lidx: array<u32>;          // (T) adapter slots
 @group(0) @binding(16) var<storage, read> ep_lb: array<wvec>;           // (slots, N, R / VW) B compact
@@ -64,22 +64,10 @@ fn ep_shrink(t: u32, i: u32, s: u32, lid: u32) {
     }
 }
 
-// row t's delta of weight rows n .. n + 3 (slot s): lora_delta's expand
+// row t's delta of weight rows n .. n + 3 (slot s): lora_delta's expand (ep_expand4: the host's text,
+// kernels/lora.py _EXPAND4)
 fn ep_ldelta(t: u32, n: u32, s: u32) -> vec4<f32> {
-    let c = ep_lcols[n / 4u] / 4u + vec2<u32>((t - ep_lt0) * LR_J4);
-    let bn = (s * LR_N + n) * LR_R4;
-    var acc = vec4<f32>(0.0);
-    for (var r4 = 0u; r4 < LR_R4; r4++) {
-        let u0 = ep_lu[c.x + r4 * (VW / 4u)];
-        let u1 = ep_lu[c.x + r4 * (VW / 4u) + (VW / 4u - 1u)];
-        acc.x = wdot(acc.x, u0, u1, ep_lb[bn + r4]);
-        acc.y = wdot(acc.y, u0, u1, ep_lb[bn + LR_R4 + r4]);
-        let u2 = ep_lu[c.y + r4 * (VW / 4u)];
-        let u3 = ep_lu[c.y + r4 * (VW / 4u) + (VW / 4u - 1u)];
-        acc.z = wdot(acc.z, u2, u3, ep_lb[bn + 2u * LR_R4 + r4]);
-        acc.w = wdot(acc.w, u2, u3, ep_lb[bn + 3u * LR_R4 + r4]);
-    }
-    return acc;
+    return ep_expand4(ep_lcols[n / 4u] / 4u + vec2<u32>((t - ep_lt0) * LR_J4), (s * LR_N + n) * LR_R4, LR_R4);
 }
 
 fn ep_added(t: u32, n: u32, r: vec4<f32>) -> vec4<f32> {

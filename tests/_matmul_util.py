@@ -56,3 +56,16 @@ def matmul_case(dev, qtype, n, k, T, act, rng, *, owner, parts=1, bias=False, ac
         bt = upload_tensor(dev, b, "f32", 5, owner=owner)
         ref = ref + b
     return w, xt, yt, bt, ref
+
+
+def rows_equal_one_row(run, T: int) -> list:
+    """run(rows, fused_rows) -> the output arrays of a matmul over `rows` (a slice of the T input
+    rows, uploaded afresh at the same offsets, so that a row alone runs the one-row path's very
+    pipeline); asserts that the T-row fused_rows outputs equal, row by row and bit for bit, those of
+    the one-row decode kernel on each row alone. Returns the T-row outputs."""
+    outs = run(slice(0, T), True)
+    for t in range(T):
+        alone = run(slice(t, t + 1), False)
+        for a, b in zip(outs, alone):
+            np.testing.assert_array_equal(a[t:t + 1], b, err_msg=f"row {t} of {T}")
+    return outs

@@ -17,7 +17,7 @@ from webgpu_engine.kernels import quant_ref as qr
 from webgpu_engine.kernels.common import Tensor, new_tensor, run_ops
 from webgpu_engine.kernels.matmul import NormOut, RopeKV, default_config, interleave_pairs, matmul, upload_weight
 
-from _matmul_util import NP, TOL, read_tensor, rel_err, upload_tensor
+from _matmul_util import NP, TOL, read_tensor, rel_err, rows_equal_one_row, upload_tensor
 
 OWNER = "test:matmul_rows"
 ROWS = (2, 3, 5)      # the 2- and 4-row kernels (row 4 unused at T = 3), a group of 4 + 1
@@ -33,19 +33,6 @@ def _free(device):
 
 def _t(dev, a, dtype, pad=0):
     return upload_tensor(dev, np.asarray(a), dtype, pad, owner=OWNER)
-
-
-def _rows_equal_one_row(run, T: int) -> list:
-    """run(rows, fused_rows) -> the output arrays of a matmul over `rows` (a slice of the T input
-    rows, uploaded afresh at the same offsets, so that a row alone runs the one-row path's very
-    pipeline); asserts that the T-row fused_rows outputs equal, row by row and bit for bit, those of
-    the one-row decode kernel on each row alone. Returns the T-row outputs."""
-    outs = run(slice(0, T), True)
-    for t in range(T):
-        alone = run(slice(t, t + 1), False)
-        for a, b in zip(outs, alone):
-            np.testing.assert_array_equal(a[t:t + 1], b, err_msg=f"row {t} of {T}")
-    return outs
 
 
 @pytest.mark.parametrize("qtype,n,k,act", [("q4_1", 36, 256, "f16"),    # v4 kernel (vec4 weight spans)
@@ -77,7 +64,7 @@ def test_plain_and_fused_inputs(device, qtype, n, k, act):
                 op = matmul(device, _t(device, xin[rows], act, 8), w, y, fused_rows=fused_rows, **kw)
                 run_ops(device, op)
                 return [read_tensor(device, y)]
-            (y,) = _rows_equal_one_row(run, T)
+            (y,) = rows_equal_one_row(run, T)
             assert rel_err(y, ref[:T]) < TOL[act], (name, T)
 
 
@@ -117,7 +104,7 @@ def test_res_norm_then_rms_from(device, qtype, k, act):
                                   else "matmul_tile_res_norm"), entries
             run_ops(device, op, op2)
             return [read_tensor(device, t) for t in (xt, hv, fv)] + [read_tensor(device, pv).reshape(m, n // 4)]
-        xs, hs, fs, ps = _rows_equal_one_row(run, T)
+        xs, hs, fs, ps = rows_equal_one_row(run, T)
         xr = x0[:T].astype(np.float64) + a[:T].astype(np.float64) @ W.T + b
         xq = xr.astype(NP[act]).astype(np.float64)                                   # as stored
         normed = xq / np.sqrt((xq ** 2).mean(1, keepdims=True) + eps) * g

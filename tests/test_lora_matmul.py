@@ -17,7 +17,7 @@ from webgpu_engine.kernels import quant_ref as qr
 from webgpu_engine.kernels.common import new_tensor, run_ops
 from webgpu_engine.kernels.matmul import NormOut, default_config, interleave_pairs, matmul, upload_weight
 
-from _matmul_util import NP, TOL, read_tensor, rel_err, upload_tensor
+from _matmul_util import NP, TOL, read_tensor, rel_err, rows_equal_one_row, upload_tensor
 from _nn_util import put, rounded
 
 OWNER = "test:lora_matmul"
@@ -60,14 +60,10 @@ def _delta_ref(x, a, full, idx):
 def _rows_equal_alone(run, T: int, base_run) -> list:
     """The T-row outputs of run(rows, fused_rows), each row bit for bit as the one-row kernel makes it
     alone and a base row as base_run (the matmuls without the Delta) makes it."""
-    outs = run(slice(0, T), True)
-    plain = base_run(slice(0, T))
-    for t in range(T):
-        alone = run(slice(t, t + 1), False)
-        for a, b, p in zip(outs, alone, plain):
-            np.testing.assert_array_equal(a[t:t + 1], b, err_msg=f"row {t} of {T}")
-            if IDX[t] == lk.NONE:
-                np.testing.assert_array_equal(a[t], p[t], err_msg=f"base row {t} of {T}")
+    outs = rows_equal_one_row(run, T)
+    base = IDX[:T] == lk.NONE
+    for a, p in zip(outs, base_run(slice(0, T))):
+        np.testing.assert_array_equal(a[base], p[base], err_msg=f"the base row of {T}")
     return outs
 
 

@@ -48,6 +48,24 @@ _WEIGHTS = {
             + _WORDS16,
 }
 WEIGHT_DTYPES = tuple(_WEIGHTS)          # A and B held as f32, f16 or bf16 (models/lora.py picks)
+# B · u of 4 weight rows (the first's B words at bn; rows 1, 2 the target whose u starts at vec4 c.x,
+# rows 3, 4 at c.y), R4 B words a row, each sum in index order: lora_delta's expand (lora.wgsl, u in
+# workgroup memory wu, B in b4) and the matmul's (lora_matmul.wgsl: ep_lu, ep_lb), one text
+_EXPAND4 = """fn {name}(c: vec2<u32>, bn: u32, R4: u32) -> vec4<f32> {{
+    var acc = vec4<f32>(0.0);
+    for (var r4 = 0u; r4 < R4; r4++) {{
+        let u0 = {u}[c.x + r4 * (VW / 4u)];
+        let u1 = {u}[c.x + r4 * (VW / 4u) + (VW / 4u - 1u)];
+        acc.x = wdot(acc.x, u0, u1, {b}[bn + r4]);
+        acc.y = wdot(acc.y, u0, u1, {b}[bn + R4 + r4]);
+        let u2 = {u}[c.y + r4 * (VW / 4u)];
+        let u3 = {u}[c.y + r4 * (VW / 4u) + (VW / 4u - 1u)];
+        acc.z = wdot(acc.z, u2, u3, {b}[bn + 2u * R4 + r4]);
+        acc.w = wdot(acc.w, u2, u3, {b}[bn + 3u * R4 + r4]);
+    }}
+    return acc;
+}}
+"""
 # dot_seq(acc, a, b): acc + a.x b.x + a.y b.y + a.z b.z + a.w b.w, added in that order (lora_shrink /
 # lora_expand's)
 _WDOT = ("struct wf { lo: vec4<f32>, hi: vec4<f32> }\n"
@@ -143,7 +161,8 @@ def matmul_source(d: Delta, extra: dict, T: int, rows: int, *, x_off4: int, x4: 
     head += f"const LR_PNORM: bool = {str(pnorm is not None).lower()};\nconst LR_EPS: f32 = {float(eps)!r};\n"
     head += f"const LR_RES: bool = {str(d.res).lower()};\n"
     head += _LR_INV if pnorm is not None else "fn lr_inv(t: u32) -> f32 { return 1.0; }\n"
-    return head + _WEIGHTS[d.a.dtype] + _WDOT + load_shader_source("lora_matmul.wgsl")
+    return (head + _WEIGHTS[d.a.dtype] + _WDOT + _EXPAND4.format(name="ep_expand4", u="ep_lu", b="ep_lb")
+            + load_shader_source("lora_matmul.wgsl"))
 
 
 # 1 / rms of row t from the norm's partial sums in binding 5 (matmul_decode.wgsl's g), as the decode
@@ -166,7 +185,8 @@ def _pipe(dev: Device, entry: str, dtype: str, j: int = 1, norm: bool = False, s
                                                    f"const VL: u32 = {wg[1]}u;\nconst JMAX: u32 = {j}u;\n"
                                                    f"const NORM: bool = {str(norm).lower()};\n"
                                                    f"const STORE: bool = {str(store).lower()};\nconst KC: u32 = {_KC}u;\n"
-                                                   f"{dims}{_WEIGHTS[wdtype]}{_WDOT}")
+                                                   f"{dims}{_WEIGHTS[wdtype]}{_WDOT}"
+                                                   + _EXPAND4.format(name="expand4", u="wu", b="b4"))
 
 
 def lora_shrink(dev: Device, x: Tensor, a: Tensor, idx: Tensor, u: Tensor, *, slots: int) -> Op:
