@@ -206,7 +206,7 @@ fn delta_row(t: u32, s: u32, lid: u32) {
     let b0 = s * N * R4;
     let y0 = (D.y_off + t * N) / 4u;
     for (var q = lid; q < N / 4u; q += WG) {
-        let acc = expand4(cols[q] / 4u, b0 + 4u * q * R4, R4);     // (the host's text: kernels/lora.py)
+        let acc = expand4(cols[q] / 4u, b0 + 4u * q * R4, R4);     // (expand4, mac3: kernels/lora.py's text)
         if (STORE) {
             yv[y0 + q] = act4(acc);
         } else {
@@ -231,16 +231,6 @@ fn wsum_inv(lid: u32, K: u32) -> f32 {
         wtot = tot;
     }
     return inverseSqrt(workgroupUniformLoad(&wtot) / f32(K) + D.eps);
-}
-
-// the shrink's sums of one A load of each of the group's NT targets (row l's VW values at a, a + RK,
-// a + 2 RK) against x values x0 (x1: the second 4 where VW = 8)
-fn mac3(acc: vec3<f32>, x0: vec4<f32>, x1: vec4<f32>, a: u32, RK: u32, NT: u32) -> vec3<f32> {
-    var r = acc;
-    r.x = wdot(r.x, x0, x1, a4[a]);
-    if (NT > 1u) { r.y = wdot(r.y, x0, x1, a4[a + RK]); }
-    if (NT > 2u) { r.z = wdot(r.z, x0, x1, a4[a + 2u * RK]); }
-    return r;
 }
 
 // u rows l, R + l, 2R + l (an invocation's sums, the first nt) into workgroup memory

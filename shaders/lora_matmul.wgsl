@@ -17,7 +17,8 @@
 // Built after the matmul's text (P, x and xget, act4) and its epilogue (matmul_epilogue.wgsl); the
 // host prepends the consts LR_* (idx offset, slots, J / 4, R, targets, K, N, x offset and row
 // stride in xwords, the partial sums' offset and row stride in vec4, rows a workgroup, LR_PNORM,
-// LR_EPS, LR_RES), `wvec` / `wdot`, ep_expand4 and lr_inv(t) (1 / rms of row t, or 1).
+// LR_EPS, LR_RES), `wvec` / `wdot`, ep_mac3 / ep_expand4 (lora_delta's text) and lr_inv(t) (1 / rms
+// of row t, or 1).
 
 @group(0) @binding(15) var<storage, read> ep_lidx: array<u32>;          // (T) adapter slots
 @group(0) @binding(16) var<storage, read> ep_lb: array<wvec>;           // (slots, N, R / VW) B compact
@@ -52,9 +53,7 @@ fn ep_shrink(t: u32, i: u32, s: u32, lid: u32) {
         for (var k8 = 0u; k8 < LR_K8; k8++) {
             let x0 = xget(xb + k8 * (VW / 4u));
             let x1 = xget(xb + k8 * (VW / 4u) + (VW / 4u - 1u));
-            acc.x = wdot(acc.x, x0, x1, ep_la[a0 + k8]);
-            if (LR_NT > 1u) { acc.y = wdot(acc.y, x0, x1, ep_la[a0 + RK + k8]); }
-            if (LR_NT > 2u) { acc.z = wdot(acc.z, x0, x1, ep_la[a0 + 2u * RK + k8]); }
+            acc = ep_mac3(acc, x0, x1, a0 + k8, RK, LR_NT);
         }
         if (LR_PNORM) { acc *= inv; }
         let u0 = i * LR_J4;

@@ -48,9 +48,20 @@ _WEIGHTS = {
             + _WORDS16,
 }
 WEIGHT_DTYPES = tuple(_WEIGHTS)          # A and B held as f32, f16 or bf16 (models/lora.py picks)
-# B · u of 4 weight rows (the first's B words at bn; rows 1, 2 the target whose u starts at vec4 c.x,
-# rows 3, 4 at c.y), R4 B words a row, each sum in index order: lora_delta's expand (lora.wgsl, u in
-# workgroup memory wu, B in b4) and the matmul's (lora_matmul.wgsl: ep_lu, ep_lb), one text
+# lora_delta's (lora.wgsl: A in a4, u in workgroup memory wu, B in b4) and the matmul's
+# (lora_matmul.wgsl: ep_la, ep_lu, ep_lb) shrink step and expand, one text (_shared_fns):
+# mac3: the shrink's sums of one A load of each of the group's NT targets (row l's VW values at a,
+# a + RK, a + 2 RK) against x values x0 (x1: the second 4 where VW = 8);
+# expand4: B · u of 4 weight rows (the first's B words at bn; rows 1, 2 the target whose u starts at
+# vec4 c.x, rows 3, 4 at c.y), R4 B words a row, each sum in index order
+_MAC3 = """fn {name}(acc: vec3<f32>, x0: vec4<f32>, x1: vec4<f32>, a: u32, RK: u32, NT: u32) -> vec3<f32> {{
+    var r = acc;
+    r.x = wdot(r.x, x0, x1, {a}[a]);
+    if (NT > 1u) {{ r.y = wdot(r.y, x0, x1, {a}[a + RK]); }}
+    if (NT > 2u) {{ r.z = wdot(r.z, x0, x1, {a}[a + 2u * RK]); }}
+    return r;
+}}
+"""
 _EXPAND4 = """fn {name}(c: vec2<u32>, bn: u32, R4: u32) -> vec4<f32> {{
     var acc = vec4<f32>(0.0);
     for (var r4 = 0u; r4 < R4; r4++) {{
@@ -66,6 +77,13 @@ _EXPAND4 = """fn {name}(c: vec2<u32>, bn: u32, R4: u32) -> vec4<f32> {{
     return acc;
 }}
 """
+
+
+def _shared_fns(prefix: str, a: str, u: str, b: str) -> str:
+    """`prefix`mac3 and `prefix`expand4 on the module's A, u and B arrays (see _MAC3, _EXPAND4)."""
+    return _MAC3.format(name=prefix + "mac3", a=a) + _EXPAND4.format(name=prefix + "expand4", u=u, b=b)
+
+
 # dot_seq(acc, a, b): acc + a.x b.x + a.y b.y + a.z b.z + a.w b.w, added in that order (lora_shrink /
 # lora_expand's)
 _WDOT = ("struct wf { lo: vec4<f32>, hi: vec4<f32> }\n"
@@ -142,7 +160,8 @@ def matmul_source(d: Delta, extra: dict, T: int, rows: int, *, x_off4: int, x4: 
     1 / rms with `pnorm` (g_off4, g4, eps): the norm's partial sums in binding 5, 1 / rms made as
     the matmul makes it) into workgroup memory, a lane per row of A, its sum in index order; and
     ep_added / ep_resid, which add each row's B · u to weight rows n .. n + 3 as lora_delta's
-    expand makes it (rounded to act as its stored y: ep_added; rounded into x as stored: ep_resid). A row without an adapter keeps every value."""
+    expand makes it (rounded to act as its stored y: ep_added; rounded into x as stored:
+    ep_resid). A row without an adapter keeps every value."""
     J = d.a.numel // (d.slots * d.k) if d.slots and d.k else 0
     R = d.b.numel // (d.slots * d.n) if d.slots and d.n else 0
     vw = 4 if d.a.dtype == "f32" else 8
@@ -161,7 +180,7 @@ def matmul_source(d: Delta, extra: dict, T: int, rows: int, *, x_off4: int, x4: 
     head += f"const LR_PNORM: bool = {str(pnorm is not None).lower()};\nconst LR_EPS: f32 = {float(eps)!r};\n"
     head += f"const LR_RES: bool = {str(d.res).lower()};\n"
     head += _LR_INV if pnorm is not None else "fn lr_inv(t: u32) -> f32 { return 1.0; }\n"
-    return (head + _WEIGHTS[d.a.dtype] + _WDOT + _EXPAND4.format(name="ep_expand4", u="ep_lu", b="ep_lb")
+    return (head + _WEIGHTS[d.a.dtype] + _WDOT + _shared_fns("ep_", "ep_la", "ep_lu", "ep_lb")
             + load_shader_source("lora_matmul.wgsl"))
 
 
@@ -186,7 +205,7 @@ def _pipe(dev: Device, entry: str, dtype: str, j: int = 1, norm: bool = False, s
                                                    f"const NORM: bool = {str(norm).lower()};\n"
                                                    f"const STORE: bool = {str(store).lower()};\nconst KC: u32 = {_KC}u;\n"
                                                    f"{dims}{_WEIGHTS[wdtype]}{_WDOT}"
-                                                   + _EXPAND4.format(name="expand4", u="wu", b="b4"))
+                                                   + _shared_fns("", "a4", "wu", "b4"))
 
 
 def lora_shrink(dev: Device, x: Tensor, a: Tensor, idx: Tensor, u: Tensor, *, slots: int) -> Op:

@@ -468,9 +468,8 @@ class LoraRows:
               store: bool = False) -> list:
         """y[t] += each row's adapter's B · A · x[t] for layer i's `group` (x (T, K), y (T, N)); with
         `norm` (w, eps) of x * w / rms(x) instead; `store` (y from pre()): y[t] = the delta."""
-        p = self.pool
-        g = p.groups[i].get(group)
-        if g is None or (self.groups is not None and group not in self.groups):
+        p, g = self.pool, self._group(i, group)
+        if g is None:
             return []
         dev, idx, x = p.dev, self.idx.view((T,)), x.view((T, g.k))
         if p.fused:
@@ -490,13 +489,22 @@ class LoraRows:
         reads x as is or with a norm's partial sums) where the matmul can make them itself
         (inside_ok: a Delta, no dispatch of their own), else stored first by lora_delta, a base
         row's as -0.0. None where the group takes no delta."""
-        p = self.pool
-        g = p.groups[i].get(group)
-        if not p.fused or g is None or (self.groups is not None and group not in self.groups):
+        g = self._group(i, group)
+        if not self.pool.fused or g is None:
             return None
         if inside and self.inside_ok(T):
-            return lk.Delta(g.a, g.b, g.cols, self.idx.view((T,)), p.slots, g.n, g.k)
-        return p.d.view((T, g.n))
+            return self._delta(g, T)
+        return self.pool.d.view((T, g.n))
+
+    def _group(self, i: int, group: str):
+        """Layer i's `group` of the pool where this forward adds its deltas (an adapter targets it),
+        else None."""
+        g = self.pool.groups[i].get(group)
+        return None if g is None or (self.groups is not None and group not in self.groups) else g
+
+    def _delta(self, g, T: int, res: bool = False) -> "lk.Delta":
+        """Group g's deltas for the matmul of its projection to make over T rows (kernels/lora.py)."""
+        return lk.Delta(g.a, g.b, g.cols, self.idx.view((T,)), self.pool.slots, g.n, g.k, res=res)
 
     def inside_ok(self, T: int) -> bool:
         """Whether a decode matmul of T rows can make the rows' deltas itself (kernels/lora.py
@@ -510,11 +518,8 @@ class LoraRows:
         """Layer i's one-target `group` (o, down) deltas made by its residual matmul itself, into x
         before the next norm's values (a Delta with res), where the group is targeted and inside_ok;
         else None (the deltas go into x before the matmul: delta())."""
-        p = self.pool
-        g = p.groups[i].get(group)
-        if g is None or (self.groups is not None and group not in self.groups) or not self.inside_ok(T):
-            return None
-        return lk.Delta(g.a, g.b, g.cols, self.idx.view((T,)), p.slots, g.n, g.k, res=True)
+        g = self._group(i, group)
+        return None if g is None or not self.inside_ok(T) else self._delta(g, T, res=True)
 
     def plan(self, plan):
         """`plan` without the fusions that hide a projection's output from its delta: act(gate) * up

@@ -62,7 +62,7 @@ def epilogue_binds(y: Tensor, rope: RopeKV | None, norm_out: "NormOut | None", e
     sums of the n weight rows before the epilogue (ep_added); `lora`: instead, kernels/lora.py
     matmul_source's text (ep_pro, ep_added, ep_resid: a row's LoRA deltas made here)."""
     esz = DTYPE_SIZE[y.dtype]
-    added = _ADDED_NONE + _NO_PRO
+    added = _ADDED_NONE
     if lora:
         check(add is None, "matmul", "add and a LoRA delta cannot both be given")
         added = ""
@@ -71,7 +71,7 @@ def epilogue_binds(y: Tensor, rope: RopeKV | None, norm_out: "NormOut | None", e
               f"add must be ({y.shape[0]}, {n}) {y.dtype}, got {add.shape} {add.dtype}")
         ab, ao = _window(add, esz, "matmul", "add")
         extra[14] = ab
-        added = (_ADDED4 if ao % 4 == 0 and n % 4 == 0 else _ADDED).format(off=ao, n=n) + _NO_PRO
+        added = (_ADDED4 if ao % 4 == 0 and n % 4 == 0 else _ADDED).format(off=ao, n=n)
     caches = offs = None
     if rope is not None:
         caches = [_window(rope.k_cache, esz, "matmul", "k cache"),
@@ -93,7 +93,7 @@ def epilogue_binds(y: Tensor, rope: RopeKV | None, norm_out: "NormOut | None", e
                 _window(part, 4, "matmul", "partial sums")]
         extra.update({10: wins[0][0], 11: wins[1][0], 12: wins[2][0]})
         offs = [o for _, o in wins]
-    return epilogue_source(y.dtype, rope, caches, offs) + added + lora
+    return epilogue_source(y.dtype, rope, caches, offs) + added + (lora or _NO_PRO)
 
 
 # ep_added(t, n, r): the sums r of weight rows n .. n + 3 of row t, plus what the op adds to them
